@@ -1,0 +1,87 @@
+"""What the broker needs of a site, as one small protocol per capability.
+
+- ``CapacityReporter``: a snapshot of capacity and telemetry.
+- ``JobRunner``: submit an attempt (admitted, or rejected with a reason) and cancel one.
+- ``EventSource``: a stream of job events (running, succeeded, failed, preempted, lost).
+- ``AttemptLookup`` (optional): which attempts the site still knows, for reconciliation after a broker
+  restart. A site without it is assumed to have lost every attempt the broker cannot see running.
+
+Submissions are keyed by (job id, attempt): submitting the same attempt twice must not run it twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from broker.models import Job, SiteState
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    admitted: bool
+    reason: str | None = None
+
+    @classmethod
+    def ok(cls) -> Admission:
+        return cls(True)
+
+    @classmethod
+    def rejected(cls, reason: str) -> Admission:
+        return cls(False, reason)
+
+
+class EventKind(enum.StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    LOST = "lost"
+
+
+@dataclass(frozen=True, slots=True)
+class JobEvent:
+    job_id: str
+    attempt: int
+    kind: EventKind
+    at: datetime
+    reason: str | None = None
+    run_s: float = 0.0  # seconds the attempt ran (for checkpointed progress)
+
+
+@runtime_checkable
+class CapacityReporter(Protocol):
+    async def snapshot(self) -> SiteState: ...
+
+
+@runtime_checkable
+class JobRunner(Protocol):
+    async def submit(self, job: Job) -> Admission: ...
+
+    async def cancel(self, job_id: str, attempt: int) -> None: ...
+
+
+@runtime_checkable
+class EventSource(Protocol):
+    def events(self) -> AsyncIterator[JobEvent]: ...
+
+
+@runtime_checkable
+class AttemptLookup(Protocol):
+    async def known_attempts(self) -> set[tuple[str, int]]: ...
+
+
+@runtime_checkable
+class SiteAdapter(CapacityReporter, JobRunner, EventSource, Protocol):
+    """Everything a member site must offer. ``start`` and ``close`` bracket its life."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class AdapterError(RuntimeError):
+    """A site could not be reached or answered nonsense; the broker treats the call as failed."""

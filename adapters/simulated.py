@@ -1,0 +1,225 @@
+"""A simulated site: it owns GPUs as the site spec describes them and runs each admitted job for its
+duration on the injected clock, so the live broker (system clock) and tests or the simulator (manual
+clock) drive it the same way.
+
+- Admission: after ``dispatch_delay_s`` the site admits the attempt if its GPUs fit now, else it rejects
+  it with a reason. A repeated submission of the same (job id, attempt) is admitted once.
+- Allocation: whole-GPU jobs take GPUs with nothing on them; a fractional job (``milli`` < 1000) goes on
+  the fullest shared GPU it fits on (best fit), else on an empty GPU.
+- Failures: each attempt fails with probability ``failure_rate`` at a uniformly random point of its run,
+  from a generator seeded by ``seed``, so runs repeat exactly.
+- Telemetry is modelled from allocation: utilisation follows the share of GPU in use, power goes from
+  10% of board power idle to 100% busy, temperature from 35 °C idle to 80 °C busy.
+- ``set_reachable(False)`` makes the site unreachable (snapshot and submit raise ``AdapterError``),
+  for fault tests; its running jobs keep running, as a real partitioned site's would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from adapters.base import AdapterError, Admission, EventKind, JobEvent
+from broker import ids
+from broker.clock import Clock
+from broker.models import Health, Job, ModelCapacity, SimulatedAdapterConfig, SiteSpec, SiteState, Telemetry
+
+
+@dataclass(slots=True)
+class _Run:
+    job: Job
+    model: str
+    gpus: list[int]  # indices into the model's GPU list
+    milli: int
+    task: asyncio.Task[None] | None = None
+
+
+class SimulatedSite:
+    def __init__(self, spec: SiteSpec, clock: Clock, config: SimulatedAdapterConfig | None = None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.config = config or spec.adapter
+        self._clock = clock
+        self._rng = random.Random(self.config.seed)
+        self._used: dict[str, list[int]] = {m: [0] * n for m, n in spec.total_gpus().items()}
+        self._memory: dict[str, float] = {}
+        for g in spec.gpus:
+            self._memory[g.model] = max(self._memory.get(g.model, 0.0), g.gpu_memory_gib)
+        self._runs: dict[tuple[str, int], _Run] = {}
+        self._pending: set[tuple[str, int]] = set()
+        self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self._reachable = True
+        self._closed = False
+
+    # --- life cycle ---
+
+    async def start(self) -> None:
+        self._closed = False
+
+    async def close(self) -> None:
+        self._closed = True
+        for run in list(self._runs.values()):
+            if run.task is not None:
+                run.task.cancel()
+        await asyncio.gather(*(r.task for r in self._runs.values() if r.task), return_exceptions=True)
+        self._runs.clear()
+
+    def set_reachable(self, reachable: bool) -> None:
+        self._reachable = reachable
+
+    # --- CapacityReporter ---
+
+    async def snapshot(self) -> SiteState:
+        self._check_reachable()
+        capacity = []
+        busy_milli = 0
+        total = 0
+        power = 0.0
+        mem_used = 0.0
+        mem_total = 0.0
+        for model, used in self._used.items():
+            shared = [1000 - u for u in used if 0 < u < 1000]
+            capacity.append(
+                ModelCapacity(
+                    model=model,
+                    total_gpus=len(used),
+                    free_gpus=sum(1 for u in used if u == 0),
+                    used_gpus=sum(1 for u in used if u > 0),
+                    shared_free_milli=max(shared, default=0),
+                    memory_gib_per_gpu=self._memory[model],
+                )
+            )
+            tdp = ids.GPU_MODEL_BY_ID[model].tdp_w
+            for u in used:
+                share = u / 1000
+                power += tdp * (0.1 + 0.9 * share)
+                mem_used += self._memory[model] * share * 0.8
+            busy_milli += sum(used)
+            total += len(used)
+            mem_total += self._memory[model] * len(used)
+        util = busy_milli / (10 * total) if total else 0.0
+        return SiteState(
+            site=self.name,
+            health=Health.HEALTHY,
+            last_heard_at=self._clock.now(),
+            capacity=capacity,
+            telemetry=Telemetry(
+                gpu_utilisation_pct=round(util, 2),
+                memory_used_gib=round(mem_used, 2),
+                memory_total_gib=mem_total,
+                temperature_c_max=round(35 + 45 * util / 100, 1),
+                power_w=round(power, 1),
+                queue_depth=len(self._pending),
+            ),
+            running_jobs=len(self._runs),
+        )
+
+    # --- JobRunner ---
+
+    async def submit(self, job: Job) -> Admission:
+        self._check_reachable()
+        key = (job.id, job.attempt)
+        if key in self._runs or key in self._pending:
+            return Admission.ok()
+        self._pending.add(key)
+        try:
+            await self._clock.sleep(self.config.dispatch_delay_s)
+            self._check_reachable()
+            placed = self._allocate(job)
+            if isinstance(placed, str):
+                return Admission.rejected(placed)
+            model, gpus, milli = placed
+            run = _Run(job, model, gpus, milli)
+            self._runs[key] = run
+            run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"sim-{self.name}-{job.id}")
+            return Admission.ok()
+        finally:
+            self._pending.discard(key)
+
+    async def cancel(self, job_id: str, attempt: int) -> None:
+        run = self._runs.pop((job_id, attempt), None)
+        if run is None:
+            return
+        self._release(run)
+        if run.task is not None and run.task is not asyncio.current_task():
+            run.task.cancel()
+
+    # --- EventSource / AttemptLookup ---
+
+    async def events(self) -> AsyncIterator[JobEvent]:
+        while not self._closed:
+            yield await self._events.get()
+
+    async def known_attempts(self) -> set[tuple[str, int]]:
+        return set(self._runs) | set(self._pending)
+
+    # --- internals ---
+
+    def _check_reachable(self) -> None:
+        if not self._reachable:
+            raise AdapterError(f"site {self.name} is unreachable")
+
+    def _allocate(self, job: Job) -> tuple[str, list[int], int] | str:
+        g = job.spec.gpus
+        models = [g.model] if g.model else sorted(self._used, key=lambda m: self._memory[m])
+        reasons = []
+        for model in models:
+            used = self._used.get(model)
+            if used is None:
+                reasons.append(f"no {model} at this site")
+                continue
+            if g.memory_gib and self._memory[model] < g.memory_gib:
+                reasons.append(f"{model} has {self._memory[model]:g} GiB per GPU, job needs {g.memory_gib:g}")
+                continue
+            if g.milli < 1000:
+                fitting = [i for i, u in enumerate(used) if 0 < u and u + g.milli <= 1000]
+                if fitting:
+                    best = max(fitting, key=lambda i: used[i])
+                else:
+                    empty = [i for i, u in enumerate(used) if u == 0]
+                    if not empty:
+                        reasons.append(f"no {model} has {g.milli}/1000 free")
+                        continue
+                    best = empty[0]
+                used[best] += g.milli
+                return model, [best], g.milli
+            empty = [i for i, u in enumerate(used) if u == 0]
+            if len(empty) < g.count:
+                reasons.append(f"{g.count} {model} needed, {len(empty)} free")
+                continue
+            chosen = empty[: g.count]
+            for i in chosen:
+                used[i] = 1000
+            return model, chosen, 1000
+        return "no room: " + "; ".join(reasons)
+
+    def _release(self, run: _Run) -> None:
+        used = self._used[run.model]
+        for i in run.gpus:
+            used[i] -= run.milli
+
+    async def _run(self, run: _Run) -> None:
+        job = run.job
+        key = (job.id, job.attempt)
+        remaining = job.spec.duration_s - (job.run_s if job.spec.checkpointable else 0.0)
+        remaining = max(remaining, 0.0)
+        fails = self._rng.random() < self.config.failure_rate
+        run_for = remaining * self._rng.random() if fails else remaining
+        self._emit(JobEvent(job.id, job.attempt, EventKind.RUNNING, self._clock.now()))
+        try:
+            await self._clock.sleep(run_for)
+        except asyncio.CancelledError:
+            return
+        if self._runs.pop(key, None) is None:
+            return  # cancelled while finishing
+        self._release(run)
+        if fails:
+            self._emit(JobEvent(job.id, job.attempt, EventKind.FAILED, self._clock.now(),
+                                reason="simulated failure (failure_rate)", run_s=run_for))
+        else:
+            self._emit(JobEvent(job.id, job.attempt, EventKind.SUCCEEDED, self._clock.now(), run_s=run_for))
+
+    def _emit(self, event: JobEvent) -> None:
+        self._events.put_nowait(event)

@@ -1,0 +1,292 @@
+"""HTTP API (aiohttp, JSON, under ``/v1``).
+
+Sites:  ``POST /v1/sites``, ``GET /v1/sites``, ``GET|PUT|DELETE /v1/sites/{name}``
+Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured), ``GET /v1/jobs?state=&tenant=&site=&limit=&cursor=``,
+        ``GET /v1/jobs/{id}``, ``POST /v1/jobs/{id}/cancel`` (and ``DELETE /v1/jobs/{id}``),
+        ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``
+Other:  ``GET /healthz``, ``GET /openapi.json``
+
+Lists answer ``{"items": [...], "next": CURSOR}``; pass ``cursor=CURSOR`` for the next page (``next`` is
+null on the last). Every error is JSON::
+
+    {"error": {"status": 422, "message": "...", "fields": [{"field": "gpus.count", "problem": "..."}]}}
+
+422 for an invalid spec, 400 for malformed JSON or query parameters, 404, 409, 413 for a body over the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from broker.errors import is_malformed_json, problems
+from broker.federation import Member
+from broker.jobs import IdempotencyConflict, JobNotFound
+from broker.models import IllegalTransition, Job, JobSpec, JobState, SiteSpec
+from broker.openapi import openapi_document
+from broker.service import Broker, SiteConflict
+from broker.store import JobFilter, StoreError
+from policies import explain
+from policies.snapshot import JobRequest
+
+log = logging.getLogger(__name__)
+
+BROKER = web.AppKey("broker", Broker)
+MAX_PAGE = 1000
+
+
+class ApiError(web.HTTPException):
+    """An error answered as JSON: ``status``, ``message`` and optionally the offending ``fields``."""
+
+    def __init__(self, status: int, message: str, fields: list[dict[str, str]] | None = None) -> None:
+        self.status_code = status
+        body: dict[str, Any] = {"status": status, "message": message}
+        if fields:
+            body["fields"] = fields
+        super().__init__(text=json.dumps({"error": body}), content_type="application/json")
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    if isinstance(data, BaseModel):
+        text = data.model_dump_json()
+    else:
+        text = json.dumps(data, default=str)
+    return web.Response(text=text, status=status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError:
+        raise
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ApiError(413, f"request body is larger than the limit of {e.max_size} bytes",
+                       [{"field": "(body)", "problem": "too large"}]) from None
+    except web.HTTPNotFound:
+        raise ApiError(404, f"no such endpoint: {request.method} {request.path}") from None
+    except web.HTTPMethodNotAllowed as e:
+        raise ApiError(405, f"{request.method} is not allowed on {request.path}; "
+                            f"allowed: {', '.join(sorted(e.allowed_methods))}") from None
+    except web.HTTPException as e:
+        if e.status >= 400:
+            raise ApiError(e.status, e.reason or "error") from None
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        raise ApiError(500, "internal error; the broker's log has the details") from None
+
+
+async def _body(request: web.Request, model: type[BaseModel], what: str) -> tuple[Any, bytes]:
+    raw = await request.read()
+    if not raw.strip():
+        raise ApiError(400, f"the request body must be a JSON {what}", [{"field": "(body)", "problem": "empty"}])
+    try:
+        return model.model_validate_json(raw), raw
+    except ValidationError as e:
+        if is_malformed_json(e):
+            detail = e.errors(include_url=False)[0]["msg"]
+            raise ApiError(400, f"malformed JSON: {detail}", [{"field": "(body)", "problem": detail}]) from None
+        fields = problems(e)
+        raise ApiError(422, f"invalid {what}: " + "; ".join(f"{f['field']}: {f['problem']}" for f in fields),
+                       fields) from None
+
+
+def _query_int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise ApiError(400, f"query parameter {name} must be an integer from {lo} to {hi}",
+                       [{"field": name, "problem": f"must be an integer from {lo} to {hi}, got {raw!r}"}])
+    return value
+
+
+# --- sites ---
+
+
+def _site_json(member: Member) -> dict[str, Any]:
+    return {**member.spec.model_dump(mode="json"), "status": member.public_state().model_dump(mode="json")}
+
+
+async def create_site(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    spec, _ = await _body(request, SiteSpec, "site spec")
+    try:
+        member = await broker.register_site(spec)
+    except SiteConflict as e:
+        raise ApiError(409, str(e), [{"field": "name", "problem": "already registered"}]) from None
+    return _json(_site_json(member), 201, headers={"Location": f"/v1/sites/{spec.name}"})
+
+
+async def list_sites(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    members = sorted(broker.federation.members.values(), key=lambda m: m.spec.name)
+    return _json({"items": [_site_json(m) for m in members], "next": None})
+
+
+def _member(request: web.Request) -> Member:
+    name = request.match_info["name"]
+    member = request.app[BROKER].federation.get(name)
+    if member is None:
+        raise ApiError(404, f"no site named {name}")
+    return member
+
+
+async def get_site(request: web.Request) -> web.Response:
+    return _json(_site_json(_member(request)))
+
+
+async def update_site(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    spec, _ = await _body(request, SiteSpec, "site spec")
+    if spec.name != name:
+        raise ApiError(422, f"the body names site {spec.name!r} but the path names {name!r}",
+                       [{"field": "name", "problem": f"must be {name!r}"}])
+    try:
+        member = await request.app[BROKER].update_site(spec)
+    except KeyError:
+        raise ApiError(404, f"no site named {name}") from None
+    except SiteConflict as e:
+        raise ApiError(409, str(e)) from None
+    return _json(_site_json(member))
+
+
+async def delete_site(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    try:
+        await request.app[BROKER].remove_site(name)
+    except KeyError:
+        raise ApiError(404, f"no site named {name}") from None
+    except SiteConflict as e:
+        raise ApiError(409, str(e)) from None
+    return web.Response(status=204)
+
+
+# --- jobs ---
+
+
+async def submit_job(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    spec, raw = await _body(request, JobSpec, "job spec")
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not 1 <= len(key) <= 255:
+        raise ApiError(400, "Idempotency-Key must be 1 to 255 characters",
+                       [{"field": "Idempotency-Key", "problem": "must be 1 to 255 characters"}])
+    try:
+        job, created = await broker.book.submit(spec, key, raw)
+    except IdempotencyConflict as e:
+        raise ApiError(409, str(e), [{"field": "Idempotency-Key", "problem": "reused with a different body"}]) from None
+    except StoreError as e:
+        log.error("could not store a job: %s", e)
+        raise ApiError(503, "the job could not be stored; it was not accepted, try again") from None
+    headers = {"Location": f"/v1/jobs/{job.id}"}
+    if not created:
+        headers["Idempotent-Replayed"] = "true"
+    return _json(job, 201, headers=headers)
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    state = request.query.get("state")
+    if state is not None and state not in JobState.__members__.values():
+        raise ApiError(400, f"unknown state {state!r}",
+                       [{"field": "state", "problem": f"must be one of {', '.join(s.value for s in JobState)}"}])
+    flt = JobFilter(
+        state=JobState(state) if state else None,
+        tenant=request.query.get("tenant"),
+        site=request.query.get("site"),
+    )
+    limit = _query_int(request, "limit", 100, 1, MAX_PAGE)
+    try:
+        page = await broker.store.list_jobs(flt, limit, request.query.get("cursor"))
+    except ValueError as e:
+        raise ApiError(400, str(e), [{"field": "cursor", "problem": "not a cursor from a previous page"}]) from None
+    items = [broker.book.active.get(j.id, j).model_dump(mode="json") for j in page.items]
+    return _json({"items": items, "next": page.next})
+
+
+async def _job(request: web.Request) -> Job:
+    job_id = request.match_info["id"]
+    try:
+        return await request.app[BROKER].book.get(job_id)
+    except JobNotFound:
+        raise ApiError(404, f"no job with id {job_id}") from None
+
+
+async def get_job(request: web.Request) -> web.Response:
+    return _json(await _job(request))
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    job = await _job(request)
+    try:
+        cancelled = await request.app[BROKER].lifecycle.cancel(job.id)
+    except IllegalTransition as e:
+        raise ApiError(409, f"job {job.id} is already {e.src}; it cannot be cancelled") from None
+    return _json(cancelled)
+
+
+async def job_decision(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    job = await _job(request)
+    stored = await broker.store.get_decision(job.id)
+    if stored is None:
+        raise ApiError(404, f"job {job.id} has not been decided yet; the next scheduling cycle decides it")
+    req = JobRequest.from_spec(job.id, job.spec, frozenset(stored.record.get("excluded", ())))
+    decision = explain.render(stored.record, req, broker.cycle.filters, stored.attempt)
+    return _json(decision)
+
+
+async def job_events(request: web.Request) -> web.Response:
+    job = await _job(request)
+    return _json({"items": await request.app[BROKER].store.job_events(job.id), "next": None})
+
+
+# --- misc ---
+
+
+async def healthz(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    return _json({
+        "status": "ok",
+        "sites": len(broker.federation.members),
+        "active_jobs": len(broker.book.active),
+        "cycles": broker.cycles,
+    })
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return _json(openapi_document())
+
+
+def create_app(broker: Broker) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=broker.settings.max_body_bytes)
+    app[BROKER] = broker
+    r = app.router
+    r.add_post("/v1/sites", create_site)
+    r.add_get("/v1/sites", list_sites)
+    r.add_get("/v1/sites/{name}", get_site)
+    r.add_put("/v1/sites/{name}", update_site)
+    r.add_delete("/v1/sites/{name}", delete_site)
+    r.add_post("/v1/jobs", submit_job)
+    r.add_get("/v1/jobs", list_jobs)
+    r.add_get("/v1/jobs/{id}", get_job)
+    r.add_post("/v1/jobs/{id}/cancel", cancel_job)
+    r.add_delete("/v1/jobs/{id}", cancel_job)
+    r.add_get("/v1/jobs/{id}/decision", job_decision)
+    r.add_get("/v1/jobs/{id}/events", job_events)
+    r.add_get("/healthz", healthz)
+    r.add_get("/openapi.json", openapi)
+    return app

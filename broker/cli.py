@@ -1,0 +1,263 @@
+"""The ``heliotrope`` command.
+
+    heliotrope serve --config FILE --host H --port P --db PATH
+    heliotrope demo                    serve config/demo.yaml and feed it sample jobs
+    heliotrope submit FILE             a job spec in YAML or JSON ('-' reads standard input)
+    heliotrope jobs [--state S] [--tenant T] [--site S] [--limit N]
+    heliotrope job ID | explain ID | cancel ID
+    heliotrope sites list | get NAME | add FILE | remove NAME
+
+Client commands talk to ``--server`` (default ``$HELIOTROPE_URL`` or http://127.0.0.1:8080), print
+tables, or JSON with ``--json``. Errors are one-line messages on standard error and exit status 1 (2 for
+wrong usage); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from broker.client import ApiClientError, Client
+
+DEFAULT_SERVER = "http://127.0.0.1:8080"
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.yaml"
+
+
+class CliError(RuntimeError):
+    pass
+
+
+# --- output ---
+
+
+def table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    if not rows:
+        return "(none)"
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def _job_row(job: dict[str, Any]) -> dict[str, Any]:
+    g = job["spec"]["gpus"]
+    gpus = f"{g['milli']}m" if g["milli"] < 1000 else str(g["count"])
+    if g.get("model"):
+        gpus += f" x {g['model']}"
+    return {
+        "id": job["id"],
+        "tenant": job["spec"]["tenant"],
+        "name": job["spec"]["name"],
+        "gpus": gpus,
+        "state": job["state"],
+        "site": job["site"],
+        "attempt": job["attempt"],
+        "updated": job["updated_at"][:19].replace("T", " "),
+    }
+
+
+def _site_row(site: dict[str, Any]) -> dict[str, Any]:
+    status = site.get("status") or {}
+    free = {c["model"]: c["free_gpus"] for c in status.get("capacity", [])}
+    total = {c["model"]: c["total_gpus"] for c in status.get("capacity", [])}
+    return {
+        "name": site["name"],
+        "region": site["region"],
+        "zone": site["grid_zone"],
+        "timezone": site["timezone"],
+        "gpus (free/total)": ", ".join(f"{m} {free[m]}/{total[m]}" for m in sorted(free)) or "-",
+        "health": status.get("health"),
+    }
+
+
+def show_job(job: dict[str, Any]) -> str:
+    spec = job["spec"]
+    lines = [
+        f"job {job['id']}  {spec['tenant']}/{spec['name']}",
+        f"  state     {job['state']}" + (f" on {job['site']}" if job["site"] else ""),
+        f"  reason    {job.get('reason') or '-'}",
+        f"  gpus      {_job_row(job)['gpus']}" + (f", >= {spec['gpus']['memory_gib']} GiB" if spec["gpus"].get("memory_gib") else ""),
+        f"  duration  {spec['duration_s']:g} s expected, {job['run_s']:g} s run",
+        f"  attempt   {job['attempt']} ({job['failed_attempts']} failed, at most {spec['max_attempts']})",
+        f"  priority  {spec['priority']}",
+        f"  created   {job['created_at']}",
+        f"  updated   {job['updated_at']}",
+    ]
+    return "\n".join(lines)
+
+
+def show_decision(d: dict[str, Any]) -> str:
+    lines = [f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}", f"  {d['summary']}", ""]
+    feasible = sorted((s for s in d["sites"] if s["feasible"]), key=lambda s: -(s["score"] or 0))
+    if feasible:
+        lines.append("  feasible sites (best first):")
+        for s in feasible:
+            mark = "*" if s["site"] == d["site"] else " "
+            terms = ", ".join(
+                f"{t['scorer']} raw {t['raw']:g} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
+                for t in s["terms"]
+            )
+            lines.append(f"  {mark} {s['site']:<20} score {s['score']:.3f}  [{terms}]")
+    rejected = [s for s in d["sites"] if not s["feasible"]]
+    if rejected:
+        lines.append("  rejected sites:")
+        for s in rejected:
+            lines.append(f"    {s['site']:<20} " + "; ".join(s["reasons"]))
+    return "\n".join(lines)
+
+
+def _load_document(path: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as e:
+        raise CliError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        return yaml.safe_load(text)  # YAML is a superset of JSON
+    except yaml.YAMLError as e:
+        raise CliError(f"{path}: neither valid YAML nor JSON: {e}") from None
+
+
+def _api_message(e: ApiClientError) -> str:
+    if e.fields and len(e.fields) > 1:
+        return e.args[0].split(":")[0] + ":\n" + "\n".join(f"  {f['field']}: {f['problem']}" for f in e.fields)
+    return str(e)
+
+
+# --- client commands ---
+
+
+async def _client_command(args: argparse.Namespace) -> str:
+    async with Client(args.server) as c:
+        out: Any
+        match args.command:
+            case "submit":
+                doc = _load_document(args.file)
+                specs = doc if isinstance(doc, list) else [doc]
+                jobs = []
+                for i, spec in enumerate(specs):
+                    headers = {"Idempotency-Key": f"{args.idempotency_key}-{i}" if len(specs) > 1 else args.idempotency_key} if args.idempotency_key else None
+                    jobs.append(await c.request("POST", "/v1/jobs", spec, headers=headers))
+                out = jobs if isinstance(doc, list) else jobs[0]
+                text = table([_job_row(j) for j in jobs], ["id", "tenant", "name", "gpus", "state"])
+            case "jobs":
+                params = {k: v for k, v in (("state", args.state), ("tenant", args.tenant), ("site", args.site)) if v}
+                params["limit"] = str(min(args.limit, 1000))
+                out = await c.list_all("/v1/jobs", params, limit=args.limit)
+                text = table([_job_row(j) for j in out], ["id", "tenant", "name", "gpus", "state", "site", "attempt", "updated"])
+            case "job":
+                out = await c.request("GET", f"/v1/jobs/{args.id}")
+                text = show_job(out)
+            case "explain":
+                out = await c.request("GET", f"/v1/jobs/{args.id}/decision")
+                text = show_decision(out)
+            case "cancel":
+                out = await c.request("POST", f"/v1/jobs/{args.id}/cancel")
+                text = f"job {out['id']} {out['state']}"
+            case "sites":
+                match args.action:
+                    case "list":
+                        out = await c.list_all("/v1/sites")
+                        text = table([_site_row(s) for s in out], ["name", "region", "zone", "timezone", "gpus (free/total)", "health"])
+                    case "get":
+                        out = await c.request("GET", f"/v1/sites/{args.name}")
+                        text = yaml.safe_dump(out, sort_keys=False).rstrip()
+                    case "add":
+                        doc = _load_document(args.file)
+                        specs = doc if isinstance(doc, list) else [doc]
+                        added = [await c.request("POST", "/v1/sites", s) for s in specs]
+                        out = added if isinstance(doc, list) else added[0]
+                        text = table([_site_row(s) for s in added], ["name", "region", "zone", "timezone", "gpus (free/total)", "health"])
+                    case "remove":
+                        await c.request("DELETE", f"/v1/sites/{args.name}")
+                        out = {"removed": args.name}
+                        text = f"site {args.name} removed"
+                    case _:
+                        raise CliError(f"unknown sites action {args.action}")
+            case _:
+                raise CliError(f"unknown command {args.command}")
+    return json.dumps(out, indent=2) if args.json else text
+
+
+# --- server commands ---
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from broker.config import FederationConfig, load_config
+    from broker.server import run
+
+    config = load_config(args.config) if args.config else FederationConfig()
+    settings = config.broker.model_copy(update={
+        k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db)) if v is not None
+    })
+    feeder = None
+    if args.command == "demo":
+        from broker.demo import feed
+
+        feeder = lambda url: feed(url, config.sites, rate_per_s=args.rate, seed=args.seed)  # noqa: E731
+    asyncio.run(run(settings, config.sites, feeder=feeder))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="heliotrope", description="Federated multi-cluster GPU job broker")
+    p.add_argument("--server", default=os.environ.get("HELIOTROPE_URL", DEFAULT_SERVER),
+                   help="broker URL for client commands (default $HELIOTROPE_URL or %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    for name, help_text in (("serve", "run the broker"), ("demo", "run the broker on config/demo.yaml and feed it sample jobs")):
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument("--config", default=str(DEMO_CONFIG) if name == "demo" else None, help="federation YAML")
+        s.add_argument("--host", default=None, help="address to listen on (default from config: 127.0.0.1)")
+        s.add_argument("--port", type=int, default=None, help="port (default from config: 8080)")
+        s.add_argument("--db", default="var/demo.db" if name == "demo" else None, help="SQLite database file")
+        if name == "demo":
+            s.add_argument("--rate", type=float, default=0.5, help="sample jobs per second (default %(default)s)")
+            s.add_argument("--seed", type=int, default=1, help="seed of the sample job stream")
+
+    s = sub.add_parser("submit", help="submit a job spec (YAML or JSON; a list submits several)")
+    s.add_argument("file", help="path, or - for standard input")
+    s.add_argument("--idempotency-key", help="resubmitting with the same key returns the first job")
+    s = sub.add_parser("jobs", help="list jobs, newest first")
+    s.add_argument("--state")
+    s.add_argument("--tenant")
+    s.add_argument("--site")
+    s.add_argument("--limit", type=int, default=50)
+    for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
+        sub.add_parser(name, help=help_text).add_argument("id")
+    s = sub.add_parser("sites", help="list, show, add or remove sites")
+    acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
+    acts.add_parser("list", help="list sites")
+    acts.add_parser("get", help="show a site").add_argument("name")
+    acts.add_parser("add", help="register sites from a YAML or JSON file").add_argument("file")
+    acts.add_parser("remove", help="remove a site").add_argument("name")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command in ("serve", "demo"):
+            _serve(args)
+            return 0
+        print(asyncio.run(_client_command(args)))
+        return 0
+    except ApiClientError as e:
+        print(f"heliotrope: {_api_message(e)}", file=sys.stderr)
+    except (CliError, ValueError, OSError) as e:
+        print(f"heliotrope: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

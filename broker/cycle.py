@@ -1,0 +1,161 @@
+"""The scheduling cycle, in numbered steps:
+
+1. collect  — ask every site for capacity and telemetry (concurrently, each with a timeout);
+2. snapshot — freeze the federation into arrays, carrying ``now`` from the injected clock;
+3. decide   — for each queued job, highest priority then oldest first, run the placement pipeline and
+              debit each placement from the snapshot so later jobs see it;
+4. assume   — write every placement to the store (state ``dispatching``, a new attempt), in one group
+              commit, before any site hears of it;
+5. dispatch — hand each job to its site's adapter in the background, so a slow site never stalls the
+              cycle;
+6. confirm or undo — an admitted job becomes ``admitted``; a refusal (or a site that did not answer in
+              time) sends the job back to ``queued`` with that site skipped for a while, and the next cycle
+              routes it elsewhere.
+
+The clock is injected, so the same cycle runs live (system clock) and in the simulator (manual clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from adapters.base import Admission
+from broker.clock import Clock
+from broker.federation import Federation
+from broker.jobs import JobBook
+from broker.models import Job, JobState
+from broker.store import Store
+from policies import explain
+from policies.pipeline import Pipeline, Placement, default_pipeline
+from policies.snapshot import JobRequest, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CycleReport:
+    decided: int
+    placed: int
+    unplaceable: int
+
+
+class SchedulingCycle:
+    def __init__(
+        self,
+        clock: Clock,
+        federation: Federation,
+        book: JobBook,
+        store: Store,
+        pipeline: Pipeline | None = None,
+        dispatch_timeout_s: float = 30.0,
+    ) -> None:
+        self.clock = clock
+        self.federation = federation
+        self.book = book
+        self.store = store
+        self.pipeline = pipeline or default_pipeline()
+        self.filters = {f.code: f for f in self.pipeline.filters}
+        self.dispatch_timeout_s = dispatch_timeout_s
+        self._dispatches: set[asyncio.Task[None]] = set()
+        self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
+
+    async def run_once(self) -> CycleReport:
+        # 1. collect
+        await self.federation.collect()
+        # 2. snapshot
+        snap = self.federation.freeze(self.clock.now())
+        # 3. decide
+        placements: list[tuple[Job, Placement, dict[str, Any]]] = []
+        records: list[tuple[Job, dict[str, Any]]] = []
+        queued = self.book.queued()
+        for job in queued:
+            req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id))
+            placement = self.pipeline.decide(req, snap)
+            if placement.placed:
+                placements.append((job, placement, explain.record(self.pipeline, placement, snap)))
+                snap.assume(placement.site, req, placement.model)
+                self._last_seen.pop(job.id, None)
+                continue
+            seen = placement.failures.tobytes() + repr(sorted(req.excluded_sites)).encode()
+            if self._last_seen.get(job.id) != seen:  # record only decisions that changed
+                self._last_seen[job.id] = seen
+                records.append((job, explain.record(self.pipeline, placement, snap)))
+        # 4. assume
+        writes = [self.store.save_decision(job.id, job.attempt, rec) for job, rec in records]
+        assumed = [self._assume(job, placement, rec, snap) for job, placement, rec in placements]
+        results = await asyncio.gather(*assumed, *writes, return_exceptions=True)
+        # 5. dispatch
+        for result in results[: len(assumed)]:
+            if isinstance(result, Job):
+                task = asyncio.get_running_loop().create_task(self._dispatch(result), name=f"dispatch-{result.id}")
+                self._dispatches.add(task)
+                task.add_done_callback(self._dispatches.discard)
+            elif isinstance(result, BaseException):
+                log.error("could not assume a placement: %s", result)
+        for result in results[len(assumed):]:
+            if isinstance(result, BaseException):
+                log.error("could not record a decision: %s", result)
+        return CycleReport(decided=len(queued), placed=len(placements), unplaceable=len(queued) - len(placements))
+
+    async def _assume(self, job: Job, placement: Placement, rec: dict[str, Any], snap: Snapshot) -> Job:
+        site = snap.sites[placement.site]
+        attempt = job.attempt + 1
+        new, version = self.book.apply(
+            job.id, JobState.DISPATCHING, site=site, attempt=attempt, reason=f"placed on {site}; dispatching"
+        )
+        await asyncio.gather(
+            self.store.update_job(new, version, event_reason=f"placed on {site} ({rec['model']})"),
+            self.store.save_decision(job.id, attempt, rec),
+        )
+        return new
+
+    async def _dispatch(self, job: Job) -> None:
+        site = job.site
+        assert site is not None
+        member = self.federation.get(site)
+        if member is None:
+            admission = Admission.rejected("site was removed")
+        else:
+            try:
+                admission = await asyncio.wait_for(member.adapter.submit(job), self.dispatch_timeout_s)
+            except Exception as e:
+                reason = "no answer in time" if isinstance(e, TimeoutError) else str(e)
+                admission = Admission.rejected(f"dispatch failed: {reason}")
+                # The site may have admitted the attempt before failing to answer: withdraw it so the
+                # job can never run twice.
+                await self._withdraw(job)
+        # 6. confirm or undo
+        if admission.admitted:
+            confirmed = await self.book.transition_if(
+                job.id, (JobState.DISPATCHING,), job.attempt, JobState.ADMITTED, reason=f"admitted by {site}"
+            )
+            current = self.book.active.get(job.id)
+            if confirmed is None and (current is None or current.attempt != job.attempt or current.state.terminal):
+                await self._withdraw(job)  # cancelled while it was being dispatched
+            return
+        reason = admission.reason or "refused"
+        self.book.refuse(job.id, site, reason)
+        await self.book.transition_if(
+            job.id, (JobState.DISPATCHING,), job.attempt, JobState.QUEUED,
+            site=None, reason=f"{site} refused it: {reason}; routing again",
+        )
+
+    async def _withdraw(self, job: Job) -> None:
+        member = self.federation.get(job.site or "")
+        if member is None:
+            return
+        try:
+            await asyncio.wait_for(member.adapter.cancel(job.id, job.attempt), self.dispatch_timeout_s)
+        except Exception as e:
+            log.error("could not withdraw job %s attempt %d from %s: %s", job.id, job.attempt, job.site, e)
+
+    async def drain(self) -> None:
+        """Wait for dispatches in flight (graceful shutdown, tests)."""
+        while self._dispatches:
+            await asyncio.gather(*list(self._dispatches), return_exceptions=True)
+
+    def forget(self, job_id: str) -> None:
+        self._last_seen.pop(job_id, None)

@@ -1,0 +1,48 @@
+"""Turning validation errors into messages that name the field and the problem.
+
+Used by the config loader (``file: field: problem``) and the HTTP API (JSON ``fields`` list), so a user
+meets the same wording in both places.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """``('sites', 2, 'gpus', 0, 'model')`` → ``sites[2].gpus[0].model``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "json-or-python") or str(part).startswith(("function-", "tagged-union")):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(body)"
+
+
+def _problem(err: Any) -> str:
+    msg: str = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field (check the spelling)"
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    return msg
+
+
+def problems(error: ValidationError) -> list[dict[str, str]]:
+    """One ``{"field", "problem"}`` entry per error pydantic found."""
+    out = []
+    for err in error.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        out.append({"field": field_path(loc), "problem": _problem(err)})
+    return out
+
+
+def is_malformed_json(error: ValidationError) -> bool:
+    return any(e["type"] == "json_invalid" for e in error.errors(include_url=False))

@@ -1,0 +1,127 @@
+"""The federation view: every member site's spec, its adapter, and the latest state it reported.
+
+``collect`` asks every site for a snapshot concurrently, each bounded by a timeout; a site that fails or
+stays silent past ``stale_after_s`` is marked unhealthy with the reason. ``freeze`` turns the view into the
+arrays the policies decide on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from adapters.base import SiteAdapter
+from broker.clock import Clock
+from broker.models import Health, SiteSpec, SiteState
+from policies.snapshot import Snapshot, build_snapshot
+
+log = logging.getLogger(__name__)
+
+AdapterFactory = Callable[[SiteSpec], SiteAdapter]
+
+
+@dataclass(slots=True)
+class Member:
+    spec: SiteSpec
+    adapter: SiteAdapter
+    state: SiteState | None = None
+    last_heard_at: datetime | None = None
+    error: str | None = None
+
+    def public_state(self) -> SiteState:
+        """The state the API shows: the last report, with the broker's verdict on health."""
+        if self.state is None:
+            return SiteState(site=self.spec.name, health=Health.UNKNOWN, reason=self.error or "not heard from yet")
+        return self.state
+
+
+class Federation:
+    def __init__(
+        self,
+        clock: Clock,
+        adapter_factory: AdapterFactory,
+        stale_after_s: float = 15.0,
+        collect_timeout_s: float = 2.0,
+    ) -> None:
+        self._clock = clock
+        self._factory = adapter_factory
+        self.stale_after_s = stale_after_s
+        self.collect_timeout_s = collect_timeout_s
+        self.members: dict[str, Member] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.members
+
+    def get(self, name: str) -> Member | None:
+        return self.members.get(name)
+
+    async def add(self, spec: SiteSpec) -> Member:
+        if spec.name in self.members:
+            raise KeyError(spec.name)
+        adapter = self._factory(spec)
+        await adapter.start()
+        member = Member(spec, adapter)
+        self.members[spec.name] = member
+        await self._collect_one(member)
+        return member
+
+    async def replace(self, spec: SiteSpec) -> Member:
+        """Swap a site's spec; the adapter is rebuilt when its inventory or adapter settings change."""
+        member = self.members[spec.name]
+        if spec.gpus != member.spec.gpus or spec.adapter != member.spec.adapter:
+            await member.adapter.close()
+            member.adapter = self._factory(spec)
+            await member.adapter.start()
+            member.state = None
+        member.spec = spec
+        await self._collect_one(member)
+        return member
+
+    async def remove(self, name: str) -> None:
+        member = self.members.pop(name)
+        await member.adapter.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(m.adapter.close() for m in self.members.values()), return_exceptions=True)
+
+    async def collect(self) -> None:
+        """Step 1 of the cycle: refresh every site's state, concurrently and with a timeout each."""
+        await asyncio.gather(*(self._collect_one(m) for m in list(self.members.values())))
+
+    async def _collect_one(self, member: Member) -> None:
+        now = self._clock.now()
+        try:
+            state = await asyncio.wait_for(member.adapter.snapshot(), self.collect_timeout_s)
+        except TimeoutError:
+            member.error = f"no report within {self.collect_timeout_s:g} s"
+        except Exception as e:  # an adapter's failure is the site's health, not the broker's crash
+            member.error = f"report failed: {e}"
+        else:
+            member.state, member.last_heard_at, member.error = state, now, None
+            return
+        log.warning("site %s: %s", member.spec.name, member.error)
+        # A site that does not answer takes no new work at once; what runs there stays accounted to it.
+        if member.state is not None:
+            member.state = member.state.model_copy(update={"health": Health.UNHEALTHY, "reason": member.error})
+
+    def freeze(self, now: datetime) -> Snapshot:
+        """Step 2 of the cycle: the frozen arrays the policies decide on."""
+        specs = [m.spec for m in self.members.values()]
+        states = {name: self._fresh_state(m, now) for name, m in self.members.items()}
+        return build_snapshot(now, specs, states)
+
+    def _fresh_state(self, member: Member, now: datetime) -> SiteState | None:
+        """The member's state, marked unhealthy when its last report is older than ``stale_after_s``."""
+        state = member.state
+        if state is None or member.last_heard_at is None:
+            return state
+        silent_s = (now - member.last_heard_at).total_seconds()
+        if silent_s > self.stale_after_s and state.health == Health.HEALTHY:
+            state = state.model_copy(
+                update={"health": Health.UNHEALTHY, "reason": f"silent for {silent_s:.0f} s"}
+            )
+            member.state = state
+        return state

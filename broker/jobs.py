@@ -1,0 +1,187 @@
+"""The job book: active jobs in memory, every change written through the store before it counts.
+
+One asyncio loop owns the book. A transition is checked against the state machine and applied to memory
+in one synchronous step (no await between reading and writing the job), then written through the store,
+whose single writer applies changes in the order they were made. Terminal jobs leave memory; reads fall
+back to the store.
+
+Idempotency: a submission with an ``Idempotency-Key`` returns the job first created with that key by the
+same tenant (the body must match: a different body with the same key is a conflict). Concurrent duplicates
+wait for the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from broker.clock import Clock
+from broker.models import IllegalTransition, Job, JobSpec, JobState
+from broker.store import Store
+
+_CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+def new_job_id() -> str:
+    """A sortable id: 48 bits of milliseconds then 40 random bits, in Crockford base32 (18 characters)."""
+    value = (int(time.time() * 1000) << 40) | int.from_bytes(os.urandom(5), "big")
+    out = []
+    for _ in range(18):
+        out.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "".join(reversed(out))
+
+
+class IdempotencyConflict(ValueError):
+    """The idempotency key was used before with a different request body."""
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+@dataclass(slots=True)
+class Refusal:
+    reason: str
+    until: datetime
+
+
+class JobBook:
+    def __init__(self, store: Store, clock: Clock, refusal_ttl_s: float = 30.0) -> None:
+        self._store = store
+        self._clock = clock
+        self.refusal_ttl_s = refusal_ttl_s
+        self.active: dict[str, Job] = {}
+        self._refusals: dict[str, dict[str, Refusal]] = {}
+        self._inflight_keys: dict[tuple[str, str], asyncio.Future[Job]] = {}
+        self.changed = asyncio.Event()  # set whenever work may have become schedulable
+
+    async def load(self) -> list[Job]:
+        """Load every non-terminal job from the store (at start-up)."""
+        jobs = await self._store.active_jobs()
+        self.active = {j.id: j for j in jobs}
+        return jobs
+
+    # --- submit ---
+
+    async def submit(self, spec: JobSpec, idempotency_key: str | None = None, body: bytes | None = None) -> tuple[Job, bool]:
+        """Store a new job durably; return (job, created). With a repeated key, return the first job."""
+        if idempotency_key is None:
+            return await self._create(spec, None, None), True
+        digest = hashlib.sha256(body if body is not None else spec.model_dump_json().encode()).hexdigest()
+        slot = (spec.tenant, idempotency_key)
+        pending = self._inflight_keys.get(slot)
+        if pending is not None:
+            job = await asyncio.shield(pending)
+            return self._replay(job, digest, await self._digest_of(slot)), False
+        found = await self._store.find_idempotent(*slot)
+        if found is not None:
+            job, first_digest = found
+            return self._replay(self.active.get(job.id, job), digest, first_digest), False
+        fut: asyncio.Future[Job] = asyncio.get_running_loop().create_future()
+        self._inflight_keys[slot] = fut
+        try:
+            job = await self._create(spec, idempotency_key, digest)
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # mark retrieved: the waiters, if any, re-raise it
+            raise
+        else:
+            fut.set_result(job)
+        finally:
+            del self._inflight_keys[slot]
+        return job, True
+
+    async def _digest_of(self, slot: tuple[str, str]) -> str | None:
+        found = await self._store.find_idempotent(*slot)
+        return found[1] if found else None
+
+    @staticmethod
+    def _replay(job: Job, digest: str, first_digest: str | None) -> Job:
+        if first_digest is not None and first_digest != digest:
+            raise IdempotencyConflict(
+                f"Idempotency-Key was first used for job {job.id} with a different body; use a new key"
+            )
+        return job
+
+    async def _create(self, spec: JobSpec, key: str | None, digest: str | None) -> Job:
+        now = self._clock.now()
+        job = Job(id=new_job_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
+        await self._store.insert_job(job, key, digest)
+        self.active[job.id] = job
+        self.changed.set()
+        return job
+
+    # --- reads ---
+
+    async def get(self, job_id: str) -> Job:
+        job = self.active.get(job_id)
+        if job is None:
+            job = await self._store.get_job(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    def queued(self) -> list[Job]:
+        """Queued jobs in scheduling order: highest priority first, then oldest first."""
+        jobs = [j for j in self.active.values() if j.state == JobState.QUEUED]
+        jobs.sort(key=lambda j: (-j.spec.priority, j.created_at, j.id))
+        return jobs
+
+    def on_site(self, site: str) -> list[Job]:
+        return [j for j in self.active.values() if j.site == site and j.state.on_site]
+
+    # --- changes ---
+
+    def apply(self, job_id: str, dst: JobState, **changes: Any) -> tuple[Job, int]:
+        """Check and apply a transition in memory; return (new job, version it replaced). No await."""
+        job = self.active.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        new = job.transition(dst, self._clock.now(), **changes)
+        if new.state.terminal:
+            del self.active[job_id]
+            self._refusals.pop(job_id, None)
+        else:
+            self.active[job_id] = new
+        if dst in (JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED):
+            self.changed.set()
+        return new, job.version
+
+    async def transition(self, job_id: str, dst: JobState, **changes: Any) -> Job:
+        """Apply a transition and wait until it is on disk."""
+        new, version = self.apply(job_id, dst, **changes)
+        await self._store.update_job(new, version)
+        return new
+
+    async def transition_if(self, job_id: str, states: Iterable[JobState], attempt: int | None, dst: JobState,
+                            **changes: Any) -> Job | None:
+        """Transition only if the job is still in one of ``states`` (and at ``attempt``); else None."""
+        job = self.active.get(job_id)
+        if job is None or job.state not in states or (attempt is not None and job.attempt != attempt):
+            return None
+        try:
+            return await self.transition(job_id, dst, **changes)
+        except IllegalTransition:
+            return None
+
+    # --- refusals ---
+
+    def refuse(self, job_id: str, site: str, reason: str) -> None:
+        until = self._clock.now() + timedelta(seconds=self.refusal_ttl_s)
+        self._refusals.setdefault(job_id, {})[site] = Refusal(reason, until)
+
+    def refused_sites(self, job_id: str) -> frozenset[str]:
+        refusals = self._refusals.get(job_id)
+        if not refusals:
+            return frozenset()
+        now = self._clock.now()
+        for site in [s for s, r in refusals.items() if r.until <= now]:
+            del refusals[site]
+        return frozenset(refusals)

@@ -1,0 +1,363 @@
+"""Domain models (pydantic 2): sites, their state, jobs, their state machine, and decisions.
+
+Units live in field names (``duration_s``, ``usd_per_gpu_hour``, ``rtt_ms``, ``memory_gib``); times are
+timezone-aware and normalised to UTC; identifiers are canonicalised on the way in (see ``broker.ids``).
+Every model forbids unknown fields, so a typo such as ``gpu:`` for ``gpus:`` is an error, not a silent
+default.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from broker import ids
+
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def _slug(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(
+            "must be 1-63 lower-case letters, digits or '-', starting and ending with a letter or digit"
+        )
+    return value
+
+
+def _timezone(value: str) -> str:
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"{value!r} is not an IANA time zone such as Europe/Berlin") from None
+    return value
+
+
+def _utc(value: datetime) -> datetime:
+    return value.astimezone(UTC)
+
+
+Slug = Annotated[str, AfterValidator(_slug)]
+GpuModelId = Annotated[str, AfterValidator(ids.gpu_model)]
+RegionId = Annotated[str, AfterValidator(ids.region)]
+GridZoneId = Annotated[str, AfterValidator(ids.grid_zone)]
+TimeZoneName = Annotated[str, AfterValidator(_timezone)]
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- sites --------------------------------------------------------------------------------------------
+
+
+class NodeGroup(Strict):
+    """A group of identical nodes: ``nodes`` machines with ``gpus_per_node`` GPUs of one model each."""
+
+    model: GpuModelId
+    gpus_per_node: int = Field(ge=1, le=64)
+    nodes: int = Field(ge=1, le=100_000)
+    memory_gib_per_gpu: float | None = Field(
+        default=None, gt=0, description="defaults to the model's memory (a100-40gb: 40)"
+    )
+    nvlink_domain: str | None = Field(default=None, description="nodes sharing this id share one NVLink domain")
+    mig_profiles: list[str] = Field(default_factory=list, description="MIG profiles offered, e.g. 1g.10gb")
+
+    @field_validator("mig_profiles")
+    @classmethod
+    def _mig(cls, profiles: list[str]) -> list[str]:
+        for p in profiles:
+            if not re.match(r"^\d+g\.\d+gb$", p):
+                raise ValueError(f"{p!r} is not a MIG profile such as 1g.10gb or 3g.40gb")
+        return profiles
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def gpu_memory_gib(self) -> float:
+        return self.memory_gib_per_gpu or float(ids.GPU_MODEL_BY_ID[self.model].memory_gib)
+
+
+class TenantQuota(Strict):
+    """A tenant's local quota at one site; enforced by the site (see the site-local policies)."""
+
+    tenant: Slug
+    guaranteed_gpus: int = Field(default=0, ge=0)
+    burst_gpus: int = Field(default=0, ge=0, description="allowed above the guarantee")
+    fair_share_weight: float = Field(default=1.0, gt=0)
+    priority_ceiling: int | None = None
+    model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
+
+
+class SimulatedAdapterConfig(Strict):
+    """A simulated site: runs jobs for their duration on the broker's clock."""
+
+    kind: Literal["simulated"] = "simulated"
+    dispatch_delay_s: float = Field(default=0.2, ge=0, le=3600)
+    failure_rate: float = Field(default=0.0, ge=0, le=1, description="chance that an attempt fails")
+    seed: int = 0
+
+
+AdapterConfig = Annotated[SimulatedAdapterConfig, Field(discriminator="kind")]
+
+
+class SiteSpec(Strict):
+    """What a platform team registers: where a site is, what GPUs it has, what they cost, who may use them."""
+
+    name: Slug
+    region: RegionId
+    grid_zone: GridZoneId
+    timezone: TimeZoneName
+    latitude: float = Field(ge=-90, le=90)
+    longitude: float = Field(ge=-180, le=180)
+    gpus: list[NodeGroup] = Field(min_length=1)
+    usd_per_gpu_hour: dict[GpuModelId, float] = Field(default_factory=dict)
+    rtt_ms: dict[RegionId, float] = Field(default_factory=dict, description="round-trip time from origin regions")
+    quotas: list[TenantQuota] = Field(default_factory=list)
+    adapter: AdapterConfig = Field(default_factory=SimulatedAdapterConfig)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("usd_per_gpu_hour", "rtt_ms")
+    @classmethod
+    def _non_negative(cls, values: dict[str, float]) -> dict[str, float]:
+        for key, v in values.items():
+            if v < 0:
+                raise ValueError(f"{key}: must be zero or more, got {v}")
+        return values
+
+    @model_validator(mode="after")
+    def _prices_for_owned_models(self) -> SiteSpec:
+        owned = {g.model for g in self.gpus}
+        stray = sorted(set(self.usd_per_gpu_hour) - owned)
+        if stray:
+            raise ValueError(
+                f"usd_per_gpu_hour prices {', '.join(stray)}, which no node group of this site has"
+            )
+        tenants = [q.tenant for q in self.quotas]
+        if len(tenants) != len(set(tenants)):
+            raise ValueError("quotas: each tenant may appear once")
+        return self
+
+    def total_gpus(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for g in self.gpus:
+            out[g.model] = out.get(g.model, 0) + g.gpus
+        return out
+
+
+class Health(enum.StrEnum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    UNKNOWN = "unknown"
+
+
+class ModelCapacity(Strict):
+    """Capacity of one GPU model at one site."""
+
+    model: str
+    total_gpus: int = Field(ge=0)
+    free_gpus: int = Field(ge=0, description="whole GPUs with nothing on them")
+    used_gpus: int = Field(ge=0, description="GPUs with at least part in use")
+    shared_free_milli: int = Field(
+        default=0, ge=0, le=1000, description="largest free share of a GPU already shared by fractional jobs"
+    )
+    memory_gib_per_gpu: float = Field(ge=0)
+
+
+class Telemetry(Strict):
+    """Site-wide telemetry: means over GPUs for utilisation, sums for memory and power, maximum temperature."""
+
+    gpu_utilisation_pct: float = Field(default=0.0, ge=0, le=100)
+    memory_used_gib: float = Field(default=0.0, ge=0)
+    memory_total_gib: float = Field(default=0.0, ge=0)
+    temperature_c_max: float = 0.0
+    power_w: float = Field(default=0.0, ge=0)
+    queue_depth: int = Field(default=0, ge=0)
+
+
+class SiteState(Strict):
+    """What the broker last heard from a site."""
+
+    site: str
+    health: Health = Health.UNKNOWN
+    last_heard_at: UtcDatetime | None = None
+    capacity: list[ModelCapacity] = Field(default_factory=list)
+    telemetry: Telemetry = Field(default_factory=Telemetry)
+    running_jobs: int = 0
+    reason: str | None = Field(default=None, description="why the site is not healthy")
+
+
+# --- jobs ---------------------------------------------------------------------------------------------
+
+
+class GpuRequest(Strict):
+    """GPUs a job needs: ``count`` whole GPUs, or with ``milli`` below 1000 a share of one GPU."""
+
+    count: int = Field(default=1, ge=1, le=4096)
+    model: GpuModelId | None = Field(default=None, description="None: any model")
+    memory_gib: float | None = Field(default=None, gt=0, le=4096, description="minimum memory per GPU")
+    milli: int = Field(default=1000, ge=1, le=1000, description="thousandths of one GPU; 1000 = whole GPUs")
+
+    @model_validator(mode="after")
+    def _fraction_of_one(self) -> GpuRequest:
+        if self.milli < 1000 and self.count != 1:
+            raise ValueError("a fractional job (milli below 1000) asks for part of one GPU: count must be 1")
+        return self
+
+
+class JobSpec(Strict):
+    """What a submitter sends. Only ``tenant``, ``name``, ``gpus`` and ``duration_s`` are required."""
+
+    tenant: Slug
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    gpus: GpuRequest
+    duration_s: float = Field(gt=0, le=366 * 86400, description="expected run time")
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    deadline: UtcDatetime | None = None
+    latency_slo_ms: float | None = Field(default=None, gt=0, description="maximum RTT from origin_region")
+    origin_region: RegionId | None = None
+    allowed_regions: list[RegionId] = Field(default_factory=list, description="empty: any region")
+    denied_regions: list[RegionId] = Field(default_factory=list)
+    preemptible: bool = False
+    checkpointable: bool = False
+    max_attempts: int = Field(
+        default=3, ge=1, le=100, description="failed attempts allowed; preemption and site loss do not count"
+    )
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.latency_slo_ms is not None and self.origin_region is None:
+            raise ValueError("latency_slo_ms needs origin_region: the RTT is measured from there")
+        both = set(self.allowed_regions) & set(self.denied_regions)
+        if both:
+            raise ValueError(f"regions both allowed and denied: {', '.join(sorted(both))}")
+        return self
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    DISPATCHING = "dispatching"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    PREEMPTED = "preempted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+    @property
+    def on_site(self) -> bool:
+        """True while an attempt holds (or is about to hold) GPUs at a site."""
+        return self in (JobState.DISPATCHING, JobState.ADMITTED, JobState.RUNNING)
+
+
+_TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+Q, D, A, R = JobState.QUEUED, JobState.DISPATCHING, JobState.ADMITTED, JobState.RUNNING
+S, F, C, P = JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED
+
+# The state machine. "Requeue" is any edge back to QUEUED: a site's rejection (undo of an assumed
+# placement), a failed attempt with attempts left, a lost site, or a preempted job going back in line.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    Q: frozenset({D, C, F}),
+    D: frozenset({A, R, Q, F, C, S}),
+    A: frozenset({R, S, F, C, P, Q}),
+    R: frozenset({S, F, C, P, Q}),
+    P: frozenset({Q, C, F}),
+    S: frozenset(),
+    F: frozenset(),
+    C: frozenset(),
+}
+
+
+class IllegalTransition(ValueError):
+    def __init__(self, job_id: str, src: JobState, dst: JobState) -> None:
+        allowed = ", ".join(sorted(TRANSITIONS[src])) or "none (final state)"
+        super().__init__(f"job {job_id} is {src}; it cannot become {dst} (allowed from {src}: {allowed})")
+        self.src, self.dst = src, dst
+
+
+class Job(BaseModel):
+    """A submitted job and where it stands. ``attempt`` counts dispatches (0 before the first)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    spec: JobSpec
+    state: JobState = JobState.QUEUED
+    site: str | None = None
+    attempt: int = Field(default=0, description="dispatches so far; each dispatch is a new attempt")
+    failed_attempts: int = Field(default=0, description="attempts that failed; max_attempts bounds these")
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
+    started_at: UtcDatetime | None = None
+    finished_at: UtcDatetime | None = None
+    reason: str | None = Field(default=None, description="why the job is in its state")
+    run_s: float = Field(default=0.0, ge=0, description="seconds run so far, kept across checkpointed attempts")
+    version: int = Field(default=0, description="bumped by every stored change (optimistic concurrency)")
+
+    def transition(self, dst: JobState, now: datetime, **changes: Any) -> Job:
+        """Return a copy of this job in state ``dst``; raise IllegalTransition if the machine forbids it."""
+        if dst not in TRANSITIONS[self.state]:
+            raise IllegalTransition(self.id, self.state, dst)
+        update: dict[str, Any] = {"state": dst, "updated_at": now, "version": self.version + 1, **changes}
+        if dst == JobState.RUNNING and self.started_at is None:
+            update.setdefault("started_at", now)
+        if dst.terminal:
+            update.setdefault("finished_at", now)
+        return self.model_copy(update=update)
+
+
+# --- decisions ----------------------------------------------------------------------------------------
+
+
+class ScoreTerm(Strict):
+    scorer: str
+    raw: float
+    normalised: float = Field(description="0..1 over the sites that passed the filters; 1 is best")
+    weight: float
+    weighted: float
+
+
+class SiteVerdict(Strict):
+    site: str
+    feasible: bool
+    reasons: list[str] = Field(default_factory=list, description="every filter that rejected the site")
+    terms: list[ScoreTerm] = Field(default_factory=list)
+    score: float | None = None
+
+
+class Decision(Strict):
+    """Why a job went where it went: the pick (or deferral), every site's rejections and score terms."""
+
+    job_id: str
+    attempt: int
+    decided_at: UtcDatetime
+    outcome: Literal["placed", "deferred", "unplaceable"]
+    site: str | None = None
+    deferred_until: UtcDatetime | None = None
+    summary: str
+    sites: list[SiteVerdict]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

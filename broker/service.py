@@ -1,0 +1,169 @@
+"""The broker service: store, federation, job book, scheduling cycle and lifecycle, wired together.
+
+Start-up: open the store; register the sites of the configuration (the configuration is the starting
+point: a site in it is written to the store) and those registered earlier over the API; load active jobs;
+requeue attempts that the sites no longer know; then run the cycle whenever work may have changed, and
+at least every ``cycle_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from adapters.base import SiteAdapter
+from adapters.simulated import SimulatedSite
+from broker.clock import Clock, SystemClock
+from broker.config import BrokerSettings
+from broker.cycle import SchedulingCycle
+from broker.federation import Federation, Member
+from broker.jobs import JobBook
+from broker.lifecycle import Lifecycle
+from broker.models import SiteSpec
+from broker.store import Store
+from broker.store.sqlite import SQLiteStore
+
+log = logging.getLogger(__name__)
+
+
+class SiteConflict(ValueError):
+    """A site change that would strand jobs, or a name already taken."""
+
+
+def adapter_factory(clock: Clock) -> Callable[[SiteSpec], SiteAdapter]:
+    def make(spec: SiteSpec) -> SiteAdapter:
+        match spec.adapter.kind:
+            case "simulated":
+                return SimulatedSite(spec, clock)
+        raise ValueError(f"site {spec.name}: unknown adapter kind {spec.adapter.kind!r}")
+
+    return make
+
+
+class Broker:
+    def __init__(
+        self,
+        settings: BrokerSettings | None = None,
+        store: Store | None = None,
+        clock: Clock | None = None,
+        factory: Callable[[SiteSpec], SiteAdapter] | None = None,
+    ) -> None:
+        self.settings = settings or BrokerSettings()
+        self.clock = clock or SystemClock()
+        self.store: Store = store or SQLiteStore(self.settings.db)
+        self.federation = Federation(
+            self.clock,
+            factory or adapter_factory(self.clock),
+            stale_after_s=self.settings.site_stale_after_s,
+            collect_timeout_s=self.settings.collect_timeout_s,
+        )
+        self.book = JobBook(self.store, self.clock, refusal_ttl_s=self.settings.refusal_ttl_s)
+        self.cycle = SchedulingCycle(
+            self.clock, self.federation, self.book, self.store, dispatch_timeout_s=self.settings.dispatch_timeout_s
+        )
+        self.lifecycle = Lifecycle(self.book, self.federation)
+        self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self.cycles = 0
+
+    # --- life cycle ---
+
+    async def start(self, sites: list[SiteSpec] | None = None, run_loop: bool = True) -> None:
+        await self.store.open()
+        for spec in sites or []:
+            await self.store.put_site(spec)
+        for spec in await self.store.list_sites():
+            await self._join(spec)
+        await self.book.load()
+        requeued = await self.lifecycle.recover()
+        if requeued:
+            log.warning("requeued %d jobs whose attempts were lost while the broker was down", len(requeued))
+        if run_loop:
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="scheduling-loop")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        await self.cycle.drain()
+        for task in self._pumps.values():
+            task.cancel()
+        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+        self._pumps.clear()
+        await self.federation.close()
+        await self.store.close()
+
+    async def _loop(self) -> None:
+        interval = self.settings.cycle_interval_s
+        while True:
+            self.book.changed.clear()
+            try:
+                await self.cycle.run_once()
+                self.cycles += 1
+            except Exception:
+                log.exception("scheduling cycle failed; trying again")
+            try:
+                await asyncio.wait_for(self.book.changed.wait(), interval)
+            except TimeoutError:
+                pass
+
+    def wake(self) -> None:
+        self.book.changed.set()
+
+    # --- sites ---
+
+    async def _join(self, spec: SiteSpec) -> Member:
+        member = await self.federation.add(spec)
+        self._pumps[spec.name] = asyncio.get_running_loop().create_task(
+            self.lifecycle.pump(member), name=f"events-{spec.name}"
+        )
+        return member
+
+    async def register_site(self, spec: SiteSpec) -> Member:
+        if spec.name in self.federation:
+            raise SiteConflict(f"site {spec.name} is already registered; update it with PUT")
+        await self.store.put_site(spec)
+        member = await self._join(spec)
+        self.wake()
+        return member
+
+    async def update_site(self, spec: SiteSpec) -> Member:
+        member = self.federation.get(spec.name)
+        if member is None:
+            raise KeyError(spec.name)
+        rebuild = spec.gpus != member.spec.gpus or spec.adapter != member.spec.adapter
+        busy = self.book.on_site(spec.name)
+        if rebuild and busy:
+            raise SiteConflict(
+                f"site {spec.name} has {len(busy)} active jobs; its GPU inventory and adapter can change only "
+                "when none run there (cancel them or wait)"
+            )
+        await self.store.put_site(spec)
+        if rebuild:
+            await self._stop_pump(spec.name)
+            member = await self.federation.replace(spec)
+            self._pumps[spec.name] = asyncio.get_running_loop().create_task(
+                self.lifecycle.pump(member), name=f"events-{spec.name}"
+            )
+        else:
+            member = await self.federation.replace(spec)
+        self.wake()
+        return member
+
+    async def remove_site(self, name: str) -> None:
+        if name not in self.federation:
+            raise KeyError(name)
+        busy = self.book.on_site(name)
+        if busy:
+            raise SiteConflict(f"site {name} has {len(busy)} active jobs; cancel them or wait before removing it")
+        await self.store.delete_site(name)
+        await self._stop_pump(name)
+        await self.federation.remove(name)
+
+    async def _stop_pump(self, name: str) -> None:
+        task = self._pumps.pop(name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,31 @@
+"""Placement filters, one rule per module. A filter answers, for every site at once, whether the site can
+take the job (a boolean array over the snapshot's sites), and describes in words why a site could not.
+
+The pipeline records every failing filter of every site as a bit, so "why not there?" always has an
+answer. A filter is turned off by leaving it out of the pipeline's filter list.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from policies.snapshot import JobRequest, Snapshot
+
+
+class FitView(Protocol):
+    """The per-site figures a filter's description may quote, as the decision saw them."""
+
+    free: list[int]
+    shared: list[int]
+    memory_gib: list[float]
+    regions: list[str]
+
+
+class Filter(Protocol):
+    code: str  # a constant reason id, stable across releases
+
+    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray: ...
+
+    def describe(self, req: JobRequest, view: FitView, site: int) -> str: ...

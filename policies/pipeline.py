@@ -1,0 +1,134 @@
+"""Placement = filter, then score, then pick; every rejection and every score term is kept.
+
+1. Filters: each returns a boolean array over sites; a site that fails one gets that filter's bit in its
+   ``failures`` mask (all failing filters are kept, not only the first).
+2. Scorers: each returns a raw value per site. Over the sites that passed, raw values are normalised to
+   0..1 (min-max; inverted when lower is better; all 0 when every site is equal), multiplied by the weight
+   and summed.
+3. Pick: the highest total; totals within ``TIE_EPSILON`` of the best tie, and a tie goes to the first site
+   by name. No float ``==``.
+
+Everything is arrays over sites: the cost of a decision grows with the number of sites in numpy, not in
+Python loops. The pipeline is immutable and can be shared; ``decide`` has no side effects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from broker import ids
+from policies.filters import Filter
+from policies.filters.gpu_fit import GpuFitFilter, fit_matrix
+from policies.filters.health import HealthyFilter
+from policies.filters.region import RefusedFilter, RegionFilter
+from policies.scorers import Scorer
+from policies.scorers.free_gpus import FreeGpusScorer
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+
+TIE_EPSILON = 1e-9
+_MEMORY_ORDER = np.array([ids.GPU_MODEL_BY_ID[m].memory_gib for m in ids.GPU_MODEL_IDS], dtype=np.float64)
+
+
+class PipelineError(ValueError):
+    """A pipeline that cannot work: duplicate filters or scorers, negative or non-finite weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class Weighted:
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class TermArrays:
+    scorer: str
+    weight: float
+    raw: np.ndarray
+    normalised: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The outcome of one decision: ``site``/``model`` are indices (-1 when the job fits nowhere)."""
+
+    request: JobRequest
+    site: int
+    model: int
+    failures: np.ndarray  # uint16[n_sites]: bit k set when filter k rejected the site
+    terms: tuple[TermArrays, ...]
+    totals: np.ndarray  # float64[n_sites], -inf where infeasible
+
+    @property
+    def placed(self) -> bool:
+        return self.site >= 0
+
+
+class Pipeline:
+    def __init__(self, filters: Sequence[Filter], scorers: Sequence[Weighted]) -> None:
+        codes = [f.code for f in filters]
+        if len(set(codes)) != len(codes):
+            raise PipelineError(f"a filter is listed twice: {codes}")
+        if len(filters) > 16:
+            raise PipelineError("at most 16 filters fit the failure mask")
+        names = [w.scorer.name for w in scorers]
+        if len(set(names)) != len(names):
+            raise PipelineError(f"a scorer is listed twice: {names}")
+        for w in scorers:
+            if not np.isfinite(w.weight) or w.weight < 0:
+                raise PipelineError(f"scorer {w.scorer.name}: weight must be a finite number >= 0, got {w.weight}")
+        self.filters: tuple[Filter, ...] = tuple(filters)
+        self.scorers: tuple[Weighted, ...] = tuple(w for w in scorers if w.weight > 0)
+
+    def decide(self, req: JobRequest, snap: Snapshot) -> Placement:
+        n = snap.n_sites
+        failures = np.zeros(n, dtype=np.uint16)
+        for bit, f in enumerate(self.filters):
+            failures |= (~f.passes(req, snap)).astype(np.uint16) << np.uint16(bit)
+        feasible = failures == 0
+
+        totals = np.zeros(n, dtype=np.float64)
+        terms: list[TermArrays] = []
+        any_feasible = bool(feasible.any())
+        for w in self.scorers:
+            raw = w.scorer.raw(req, snap)
+            if any_feasible:
+                lo = raw.min(where=feasible, initial=np.inf)
+                hi = raw.max(where=feasible, initial=-np.inf)
+                span = hi - lo
+                if span > TIE_EPSILON:
+                    norm = (raw - lo) / span if w.scorer.higher_is_better else (hi - raw) / span
+                else:
+                    norm = np.zeros(n, dtype=np.float64)
+                totals += w.weight * norm
+            else:
+                norm = np.zeros(n, dtype=np.float64)
+            terms.append(TermArrays(w.scorer.name, w.weight, raw, norm))
+        totals[~feasible] = -np.inf
+
+        if not any_feasible:
+            return Placement(req, -1, -1, failures, tuple(terms), totals)
+        best = totals.max()
+        site = int(np.argmax(totals >= best - TIE_EPSILON))
+        return Placement(req, site, choose_model(req, snap, site), failures, tuple(terms), totals)
+
+
+def choose_model(req: JobRequest, snap: Snapshot, site: int) -> int:
+    """The model column a placement uses: the named model, or the smallest GPUs that fit (best fit)."""
+    if req.model is not None:
+        return MODEL_INDEX[req.model]
+    fits = fit_matrix(req, snap)[site]
+    candidates = np.flatnonzero(fits)
+    # Smallest memory first, then most free GPUs.
+    order = np.lexsort((-snap.free_gpus[site, candidates], _MEMORY_ORDER[candidates]))
+    return int(candidates[order[0]])
+
+
+def default_pipeline() -> Pipeline:
+    """The filters of this release and the one scorer, most free GPUs, at weight 1."""
+    return Pipeline(
+        filters=(HealthyFilter(), RegionFilter(), RefusedFilter(), GpuFitFilter()),
+        scorers=(Weighted(FreeGpusScorer(), 1.0),),
+    )

@@ -1,0 +1,19 @@
+"""Scorers, one rule per module. A scorer returns a raw value per site, in its own stated units; the
+pipeline normalises the raw values to 0..1 over the sites that passed the filters (inverting them when
+lower is better), multiplies by the scorer's weight and sums. A weight of 0 turns a scorer off.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from policies.snapshot import JobRequest, Snapshot
+
+
+class Scorer(Protocol):
+    name: str
+    higher_is_better: bool
+
+    def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray: ...

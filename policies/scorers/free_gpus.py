@@ -1,0 +1,24 @@
+"""Most free GPUs: prefer the site with the most free GPUs the job could use, spreading load.
+
+Raw value: free whole GPUs of the requested model (every model with enough memory per GPU when the job
+names none), in GPUs. Higher is better. Weight from the profile (default 1.0); 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+
+
+class FreeGpusScorer:
+    name = "free_gpus"
+    higher_is_better = True
+
+    def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
+        if req.model is not None:
+            return snap.free_gpus[:, MODEL_INDEX[req.model]].astype(np.float64)
+        usable = snap.total_gpus > 0
+        if req.memory_gib:
+            usable = snap.memory_gib >= req.memory_gib
+        return np.where(usable, snap.free_gpus, 0).sum(axis=1).astype(np.float64)

@@ -1,0 +1,133 @@
+"""The frozen view of the federation that one scheduling cycle decides on, as arrays over sites.
+
+Sites are rows (sorted by name, so ties break alphabetically and deterministically); GPU models are
+columns in the order of ``broker.ids.GPU_MODEL_IDS``. The site facts are fixed for the cycle; the free
+capacity arrays are the cycle's own working copy, which ``assume`` debits after each placement so that
+later decisions in the same cycle see it (Kueue's "assume" step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import numpy as np
+
+from broker import ids
+from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState
+
+MODEL_INDEX: dict[str, int] = {m: i for i, m in enumerate(ids.GPU_MODEL_IDS)}
+N_MODELS = len(ids.GPU_MODEL_IDS)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """What the placement policies need of a job, resolved to snapshot indices once per job."""
+
+    job_id: str
+    count: int
+    milli: int  # thousandths of one GPU; 1000 for whole GPUs
+    model: str | None
+    memory_gib: float
+    allowed_regions: frozenset[str]
+    denied_regions: frozenset[str]
+    priority: int = 0
+    excluded_sites: frozenset[str] = frozenset()  # sites that already refused this attempt
+
+    @classmethod
+    def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset()) -> JobRequest:
+        g: GpuRequest = spec.gpus
+        return cls(
+            job_id=job_id,
+            count=g.count,
+            milli=g.milli,
+            model=g.model,
+            memory_gib=g.memory_gib or 0.0,
+            allowed_regions=frozenset(spec.allowed_regions),
+            denied_regions=frozenset(spec.denied_regions),
+            priority=spec.priority,
+            excluded_sites=excluded_sites,
+        )
+
+    @property
+    def fractional(self) -> bool:
+        return self.milli < 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    now: datetime
+    sites: tuple[str, ...]
+    regions: tuple[str, ...]  # per site
+    region_code: np.ndarray  # int32[n_sites]: index into region_names
+    region_names: tuple[str, ...]
+    healthy: np.ndarray  # bool[n_sites]
+    total_gpus: np.ndarray  # int32[n_sites, n_models]
+    free_gpus: np.ndarray  # int32[n_sites, n_models], debited by assume()
+    shared_free_milli: np.ndarray  # int32[n_sites, n_models], debited by assume()
+    memory_gib: np.ndarray  # float32[n_sites, n_models]: memory per GPU, 0 where the model is absent
+    usd_per_gpu_hour: np.ndarray  # float64[n_sites, n_models], NaN where unpriced
+    index: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def n_sites(self) -> int:
+        return len(self.sites)
+
+    def assume(self, site: int, req: JobRequest, model: int) -> None:
+        """Debit a placement from the working free capacity.
+
+        A fractional job goes onto a shared GPU with room if there is one, else it opens a whole GPU.
+        """
+        if req.fractional:
+            if self.shared_free_milli[site, model] >= req.milli:
+                self.shared_free_milli[site, model] -= req.milli
+            else:
+                self.free_gpus[site, model] -= 1
+                self.shared_free_milli[site, model] = max(self.shared_free_milli[site, model], 1000 - req.milli)
+        else:
+            self.free_gpus[site, model] -= req.count
+
+def build_snapshot(
+    now: datetime, specs: list[SiteSpec], states: dict[str, SiteState | None]
+) -> Snapshot:
+    """Freeze site specs and their last reported states into arrays. A site with no state is unhealthy."""
+    specs = sorted(specs, key=lambda s: s.name)
+    n = len(specs)
+    total = np.zeros((n, N_MODELS), dtype=np.int32)
+    free = np.zeros((n, N_MODELS), dtype=np.int32)
+    milli = np.zeros((n, N_MODELS), dtype=np.int32)
+    mem = np.zeros((n, N_MODELS), dtype=np.float32)
+    price = np.full((n, N_MODELS), np.nan, dtype=np.float64)
+    healthy = np.zeros(n, dtype=bool)
+    region_names: dict[str, int] = {}
+    region_code = np.zeros(n, dtype=np.int32)
+    for i, spec in enumerate(specs):
+        region_code[i] = region_names.setdefault(spec.region, len(region_names))
+        for group in spec.gpus:
+            j = MODEL_INDEX[group.model]
+            mem[i, j] = max(mem[i, j], group.gpu_memory_gib)
+        for model, usd in spec.usd_per_gpu_hour.items():
+            price[i, MODEL_INDEX[model]] = usd
+        state = states.get(spec.name)
+        if state is None:
+            continue
+        healthy[i] = state.health == Health.HEALTHY
+        for cap in state.capacity:
+            j = MODEL_INDEX[cap.model]
+            total[i, j] = cap.total_gpus
+            free[i, j] = cap.free_gpus
+            milli[i, j] = cap.shared_free_milli
+    return Snapshot(
+        now=now,
+        sites=tuple(s.name for s in specs),
+        regions=tuple(s.region for s in specs),
+        region_code=region_code,
+        region_names=tuple(region_names),
+        healthy=healthy,
+        total_gpus=total,
+        free_gpus=free,
+        shared_free_milli=milli,
+        memory_gib=mem,
+        usd_per_gpu_hour=price,
+        index={s.name: i for i, s in enumerate(specs)},
+    )
