@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from broker.client import ApiClientError, Client
+from broker.store import StoreError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.yaml"
@@ -252,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except ApiClientError as e:
         print(f"heliotrope: {_api_message(e)}", file=sys.stderr)
-    except (CliError, ValueError, OSError) as e:
+    except (CliError, ValueError, OSError, StoreError) as e:
         print(f"heliotrope: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         return 130

@@ -38,6 +38,7 @@ class BrokerSettings(BaseModel):
     site_stale_after_s: float = Field(default=15.0, gt=0, description="a site silent this long is unhealthy")
     dispatch_timeout_s: float = Field(default=30.0, gt=0, description="how long a site may take to admit")
     refusal_ttl_s: float = Field(default=30.0, ge=0, description="a site that refused a job is skipped this long")
+    shutdown_grace_s: float = Field(default=5.0, ge=0, description="how long shutdown waits for dispatches")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
 
 

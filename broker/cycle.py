@@ -152,10 +152,24 @@ class SchedulingCycle:
         except Exception as e:
             log.error("could not withdraw job %s attempt %d from %s: %s", job.id, job.attempt, job.site, e)
 
-    async def drain(self) -> None:
-        """Wait for dispatches in flight (graceful shutdown, tests)."""
+    async def drain(self, timeout_s: float | None = None) -> int:
+        """Wait for dispatches in flight; after ``timeout_s`` cancel the rest and return how many.
+
+        A cancelled dispatch leaves its job ``dispatching`` in the store; at the next start the broker asks
+        the site which attempts it knows and requeues the others, so nothing runs twice or is lost.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         while self._dispatches:
-            await asyncio.gather(*list(self._dispatches), return_exceptions=True)
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                pending = list(self._dispatches)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                return len(pending)
+            await asyncio.wait(list(self._dispatches), timeout=remaining)
+        return 0
 
     def forget(self, job_id: str) -> None:
         self._last_seen.pop(job_id, None)

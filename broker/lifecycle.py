@@ -42,6 +42,9 @@ class Lifecycle:
         job = self.book.active.get(ev.job_id)
         if job is None or job.site != site or job.attempt != ev.attempt or job.state not in ON_SITE:
             return None  # stale, repeated or for an attempt we withdrew
+        if job.state == D and ev.kind != EventKind.LOST:
+            # The site's event overtook its answer to the dispatch: the event itself shows admission.
+            job = await self.book.transition(job.id, A, reason=f"admitted by {site}")
         match ev.kind:
             case EventKind.RUNNING:
                 if job.state == R:

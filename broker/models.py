@@ -279,7 +279,7 @@ S, F, C, P = JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.P
 # placement), a failed attempt with attempts left, a lost site, or a preempted job going back in line.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     Q: frozenset({D, C, F}),
-    D: frozenset({A, R, Q, F, C, S}),
+    D: frozenset({A, Q, C}),
     A: frozenset({R, S, F, C, P, Q}),
     R: frozenset({S, F, C, P, Q}),
     P: frozenset({Q, C, F}),

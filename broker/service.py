@@ -87,7 +87,9 @@ class Broker:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
-        await self.cycle.drain()
+        cut = await self.cycle.drain(self.settings.shutdown_grace_s)
+        if cut:
+            log.warning("%d dispatches were still in flight at shutdown; they are reconciled at the next start", cut)
         for task in self._pumps.values():
             task.cancel()
         await asyncio.gather(*self._pumps.values(), return_exceptions=True)

@@ -114,10 +114,17 @@ class SQLiteStore:
             conn = await aiosqlite.connect(self.path, isolation_level=None)
         except sqlite3.Error as e:
             raise StoreError(f"cannot open database {self.path}: {e}") from e
-        await conn.execute("PRAGMA journal_mode=WAL")
-        await conn.execute("PRAGMA synchronous=FULL")
-        await conn.execute("PRAGMA foreign_keys=ON")
-        await self._migrate(conn)
+        try:
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute("PRAGMA synchronous=FULL")
+            await conn.execute("PRAGMA foreign_keys=ON")
+            await self._migrate(conn)
+        except sqlite3.Error as e:
+            await conn.close()
+            raise StoreError(f"cannot use database {self.path}: {e}") from None
+        except BaseException:
+            await conn.close()
+            raise
         self._writer_conn = conn
         self._reader = await aiosqlite.connect(self.path, isolation_level=None)
         await self._reader.execute("PRAGMA query_only=ON")

@@ -1,0 +1,178 @@
+"""Loading the federation config: the shipped demo works, and every mistake a platform team can make in a
+file is reported with the file name, the field path and what is wrong."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from broker.config import ConfigError, FederationConfig, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "config" / "demo.yaml"
+
+
+def site_yaml(name: str, model: str = "l4") -> str:
+    """One entry of a ``sites:`` list."""
+    return (
+        f"  - name: {name}\n"
+        "    region: gcp:us-east1\n"
+        "    grid_zone: US-MIDA-PJM\n"
+        "    timezone: America/New_York\n"
+        "    latitude: 33.2\n"
+        "    longitude: -80.0\n"
+        f"    gpus: [{{model: {model}, gpus_per_node: 8, nodes: 1}}]\n"
+    )
+
+
+def write(tmp_path: Path, text: str, name: str = "federation.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --- the demo -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo() -> FederationConfig:
+    return load_config(DEMO)
+
+
+def test_the_demo_config_has_at_least_six_sites_in_distinct_grid_zones_and_time_zones(demo: FederationConfig) -> None:
+    assert len(demo.sites) >= 6
+    assert len({s.grid_zone for s in demo.sites}) == len(demo.sites)
+    assert len({s.timezone for s in demo.sites}) == len(demo.sites)
+
+
+def test_the_demo_config_offers_several_gpu_models_with_prices(demo: FederationConfig) -> None:
+    models = {g.model for s in demo.sites for g in s.gpus}
+    assert len(models) >= 3
+    assert all(s.usd_per_gpu_hour for s in demo.sites), "every demo site prices its GPUs"
+    prices = {usd for s in demo.sites for usd in s.usd_per_gpu_hour.values()}
+    assert len(prices) >= 3 and all(usd > 0 for usd in prices)
+
+
+def test_the_demo_config_identifiers_are_canonical(demo: FederationConfig) -> None:
+    for s in demo.sites:
+        assert s.region.startswith("gcp:")
+        assert s.grid_zone == s.grid_zone.upper()
+    assert demo.broker.port == 8080
+
+
+def test_an_empty_file_is_a_broker_with_default_settings_and_no_sites(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, ""))
+    assert config.sites == []
+    assert config.broker.port == 8080
+
+
+def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
+    path = write(tmp_path, "sites:\n" + site_yaml("ashburn"))
+    assert [s.name for s in load_config(str(path)).sites] == ["ashburn"]
+
+
+# --- errors -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            "sites:\n" + site_yaml("ashburn") + site_yaml("berlin", model="a1000"),
+            ["sites[1].gpus[0].model", "unknown GPU model 'a1000'", "a100-80gb"],
+            id="an unknown GPU model names the site's index, the node group and the known models",
+        ),
+        pytest.param(
+            "sites:\n" + site_yaml("ashburn") + site_yaml("ashburn"),
+            ["site names must be unique; repeated: ashburn"],
+            id="two sites with the same name are refused, naming the name",
+        ),
+        pytest.param(
+            "brokers: {port: 9000}\n",
+            ["brokers: unknown field (check the spelling)"],
+            id="a misspelt top-level key is an unknown field",
+        ),
+        pytest.param(
+            "broker: {port: 70000}\n",
+            ["broker.port: Input should be less than or equal to 65535"],
+            id="a port out of range names broker.port",
+        ),
+        pytest.param(
+            "sites:\n" + site_yaml("ashburn").replace("latitude: 33.2", "latitude: 133.2"),
+            ["sites[0].latitude: Input should be less than or equal to 90"],
+            id="a latitude out of range names the site's latitude",
+        ),
+        pytest.param(
+            "sites:\n" + site_yaml("ashburn").replace("    longitude: -80.0\n", ""),
+            ["sites[0].longitude: required field is missing"],
+            id="a missing field is named",
+        ),
+        pytest.param(
+            "- just\n- a list\n",
+            ["the top level must be a mapping with 'broker' and 'sites'"],
+            id="a list at the top level is refused with what is expected instead",
+        ),
+    ],
+)
+def test_a_bad_config_is_a_config_error_naming_the_file_and_the_field(
+    tmp_path: Path, text: str, expected: list[str]
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ")
+    for part in expected:
+        assert part in message
+
+
+def test_every_problem_in_a_file_is_reported_on_its_own_line(tmp_path: Path) -> None:
+    text = "brokers: {}\nsites:\n" + site_yaml("ashburn", model="a1000").replace("latitude: 33.2", "latitude: 133.2")
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 3
+    assert all(line.startswith(f"{path}: ") for line in lines)
+    assert {line.split(": ")[1] for line in lines} == {"brokers", "sites[0].latitude", "sites[0].gpus[0].model"}
+
+
+def test_invalid_yaml_reports_the_line_and_column(tmp_path: Path) -> None:
+    path = write(tmp_path, "broker:\n  port: 8080\nsites: [\n  {name: a,\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: not valid YAML (line 5, column 1)")
+
+
+def test_a_tab_in_the_indentation_reports_its_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "broker:\n  port: 8080\nsites:\n\t- name: a\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line 4, column 1\)"):
+        load_config(path)
+
+
+def test_a_missing_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: cannot read: No such file or directory"
+
+
+def test_a_directory_given_as_the_config_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path))}: cannot read: "):
+        load_config(tmp_path)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=UnicodeDecodeError,
+    reason="BUG: broker/config.py load_config catches only OSError around p.read_text(); a file that is not "
+    "UTF-8 raises UnicodeDecodeError, whose message does not name the file",
+)
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("sites:\n  - name: z\u00fcrich\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: "):
+        load_config(path)

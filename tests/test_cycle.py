@@ -1,0 +1,243 @@
+"""The scheduling cycle against simulated sites on a manual clock: placement, dispatch, confirm or undo,
+site events, retries, cancellation and unhealthy sites."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from adapters.simulated import SimulatedSite
+from broker.clock import ManualClock
+from broker.config import BrokerSettings
+from broker.models import Job, JobState, SimulatedAdapterConfig, SiteSpec, SiteState
+from broker.service import Broker
+from policies import explain
+from policies.snapshot import JobRequest
+from tests.builders import job, site
+
+T0 = datetime(2022, 6, 1, 12, tzinfo=UTC)
+FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+
+
+async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait (in real time) for store writes and event pumps to catch up."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+class Harness:
+    def __init__(self, broker: Broker, clock: ManualClock) -> None:
+        self.broker, self.clock = broker, clock
+
+    async def submit(self, **kw) -> Job:
+        j, _ = await self.broker.book.submit(job(**kw))
+        return j
+
+    async def job(self, job_id: str) -> Job:
+        return await self.broker.book.get(job_id)
+
+    async def cycle(self) -> None:
+        await self.broker.cycle.run_once()
+
+    async def step(self, seconds: float) -> None:
+        """Let dispatches start, move the clock, and wait for the resulting writes."""
+        await self.clock.advance(seconds)
+        await self.quiet()
+
+    async def quiet(self) -> None:
+        await asyncio.sleep(0.05)
+        await self.broker.cycle.drain()
+        await asyncio.sleep(0.02)
+
+    async def states(self, job_id: str) -> list[str]:
+        return [e["state"] for e in await self.broker.store.job_events(job_id)]
+
+    def free(self, site_name: str, model: str) -> int:
+        state = self.broker.federation.get(site_name).state
+        return next(c.free_gpus for c in state.capacity if c.model == model)
+
+    async def decision(self, job_id: str):
+        j = await self.job(job_id)
+        stored = await self.broker.store.get_decision(job_id)
+        req = JobRequest.from_spec(j.id, j.spec, frozenset(stored.record["excluded"]))
+        return explain.render(stored.record, req, self.broker.cycle.filters, stored.attempt)
+
+
+@pytest.fixture
+async def make(tmp_path: Path):
+    brokers: list[Broker] = []
+
+    async def _make(*sites: SiteSpec, factory=None) -> Harness:
+        """``factory(spec, clock)`` builds adapters; default: simulated sites on the harness clock."""
+        clock = ManualClock(T0)
+        b = Broker(
+            BrokerSettings(db=str(tmp_path / "h.db"), shutdown_grace_s=0.1),
+            clock=clock,
+            factory=(lambda spec: factory(spec, clock)) if factory else None,
+        )
+        await b.start(list(sites), run_loop=False)
+        brokers.append(b)
+        return Harness(b, clock)
+
+    yield _make
+    for b in brokers:
+        await b.stop()
+
+
+async def test_a_job_goes_from_queued_to_succeeded_through_every_state(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    j = await h.submit(count=2, duration_s=600)
+    await h.cycle()
+    assert (await h.job(j.id)).state == JobState.DISPATCHING
+    await h.step(1.0)
+    assert (await h.job(j.id)).state == JobState.RUNNING
+    await h.cycle()
+    assert h.free("alpha", "a100-80gb") == 6
+    await h.step(600)
+    done = await h.job(j.id)
+    assert done.state == JobState.SUCCEEDED and done.site == "alpha" and done.attempt == 1
+    assert await h.states(j.id) == ["queued", "dispatching", "admitted", "running", "succeeded"]
+    await h.cycle()
+    assert h.free("alpha", "a100-80gb") == 8
+
+
+async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_sites_reason(make):
+    h = await make(
+        site("alpha", gpus={"a100-80gb": 8}, adapter=FAST),
+        site("beta", gpus={"l4": 8}, region="gcp:europe-west3", adapter=FAST),
+    )
+    j = await h.submit(count=16, model="a100-80gb")
+    await h.cycle()
+    await h.step(10)
+    await h.cycle()
+    assert (await h.job(j.id)).state == JobState.QUEUED
+    d = await h.decision(j.id)
+    assert d.outcome == "unplaceable"
+    reasons = {v.site: v.reasons for v in d.sites}
+    assert reasons["alpha"] == ["gpus-do-not-fit: job needs 16 a100-80gb; 8 free"]
+    assert reasons["beta"] == ["gpus-do-not-fit: site has no a100-80gb"]
+
+
+async def test_the_higher_priority_job_gets_scarce_gpus_first(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    low = await h.submit(name="low", count=8, priority=0)
+    high = await h.submit(name="high", count=8, priority=100)
+    await h.cycle()
+    assert (await h.job(high.id)).state == JobState.DISPATCHING
+    assert (await h.job(low.id)).state == JobState.QUEUED
+
+
+class StaleSite(SimulatedSite):
+    """Keeps reporting its first snapshot: the broker's view lags what really runs there."""
+
+    first: SiteState | None = None
+
+    async def snapshot(self) -> SiteState:
+        if self.first is None:
+            self.first = await super().snapshot()
+        return self.first
+
+
+async def test_a_site_that_refuses_a_job_is_skipped_and_the_job_is_routed_elsewhere(make):
+    h = await make(
+        site("alpha", gpus={"a100-80gb": 16}, adapter=FAST),
+        site("beta", gpus={"a100-80gb": 8}, adapter=FAST),
+        factory=lambda spec, clock: (StaleSite if spec.name == "alpha" else SimulatedSite)(spec, clock),
+    )
+    # Local users fill alpha behind the broker's back; alpha still reports 16 free.
+    foreign = Job(id="local", spec=job(count=16), created_at=T0, updated_at=T0)
+    admit = asyncio.create_task(h.broker.federation.get("alpha").adapter.submit(foreign))
+    await h.clock.advance(1.0)
+    assert (await admit).admitted
+
+    j = await h.submit(count=8)
+    await h.cycle()
+    assert (await h.job(j.id)).site == "alpha"  # most free GPUs, as far as the broker knows
+    await h.step(1.0)
+    refused = await h.job(j.id)
+    assert refused.state == JobState.QUEUED and "alpha refused it: no room" in refused.reason
+    await h.cycle()
+    rerouted = await h.job(j.id)
+    assert rerouted.state == JobState.DISPATCHING and rerouted.site == "beta" and rerouted.attempt == 2
+    d = await h.decision(j.id)
+    assert d.site == "beta"
+    assert any(r.startswith("site-refused") for r in next(v for v in d.sites if v.site == "alpha").reasons)
+
+
+async def test_a_failing_job_is_retried_until_max_attempts_then_fails(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=SimulatedAdapterConfig(dispatch_delay_s=1, failure_rate=1.0)))
+    j = await h.submit(duration_s=100, max_attempts=2)
+    for _ in range(2):
+        await h.cycle()
+        await h.step(1.0)
+        await h.step(100)
+    final = await h.job(j.id)
+    assert final.state == JobState.FAILED
+    assert final.failed_attempts == 2 and final.attempt == 2
+    assert await h.states(j.id) == [
+        "queued", "dispatching", "admitted", "running", "queued",
+        "dispatching", "admitted", "running", "failed",
+    ]
+    assert "2 of 2 attempts failed" in final.reason
+
+
+async def test_cancelling_a_running_job_stops_it_and_frees_its_gpus(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    j = await h.submit(count=4, duration_s=600)
+    await h.cycle()
+    await h.step(1.0)
+    await h.cycle()
+    assert h.free("alpha", "a100-80gb") == 4
+    cancelled = await h.broker.lifecycle.cancel(j.id)
+    assert cancelled.state == JobState.CANCELLED
+    await h.cycle()
+    assert h.free("alpha", "a100-80gb") == 8
+    await h.step(700)
+    assert (await h.job(j.id)).state == JobState.CANCELLED  # no late "succeeded"
+
+
+async def test_a_job_cancelled_while_dispatching_is_withdrawn_from_the_site_that_admits_it(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    j = await h.submit(count=8, duration_s=600)
+    await h.cycle()
+    await h.broker.lifecycle.cancel(j.id)
+    await h.step(1.0)
+    await h.cycle()
+    assert (await h.job(j.id)).state == JobState.CANCELLED
+    assert h.free("alpha", "a100-80gb") == 8
+
+
+async def test_an_unreachable_site_is_marked_unhealthy_and_new_jobs_go_elsewhere(make):
+    h = await make(
+        site("alpha", gpus={"a100-80gb": 16}, adapter=FAST),
+        site("beta", gpus={"a100-80gb": 8}, adapter=FAST),
+    )
+    h.broker.federation.get("alpha").adapter.set_reachable(False)
+    j = await h.submit(count=1)
+    await h.cycle()
+    placed = await h.job(j.id)
+    assert placed.site == "beta"
+    d = await h.decision(j.id)
+    alpha = next(v for v in d.sites if v.site == "alpha")
+    assert alpha.reasons and alpha.reasons[0].startswith("site-unhealthy")
+    status = h.broker.federation.get("alpha").public_state()
+    assert status.health == "unhealthy" and "unreachable" in status.reason
+
+
+async def test_fractional_jobs_share_one_gpu(make):
+    h = await make(site("alpha", gpus={"t4": 1}, adapter=FAST))
+    jobs = [await h.submit(name=f"infer-{i}", milli=250, duration_s=600) for i in range(5)]
+    await h.cycle()
+    await h.step(1.0)
+    await h.cycle()
+    states = [(await h.job(j.id)).state for j in jobs]
+    assert states.count(JobState.RUNNING) == 4
+    assert states.count(JobState.QUEUED) == 1

@@ -1,0 +1,572 @@
+"""The placement pipeline: which site a job goes to, and the explanation a user reads for every site that
+it did not go to (filters, then most free GPUs, then the first site by name)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import ids
+from broker.models import Decision, JobSpec, SiteSpec, SiteState
+from policies import explain
+from policies.filters.gpu_fit import GpuFitFilter
+from policies.filters.health import HealthyFilter
+from policies.filters.region import RefusedFilter, RegionFilter
+from policies.pipeline import Pipeline, PipelineError, Placement, Weighted, default_pipeline
+from policies.scorers.free_gpus import FreeGpusScorer
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, build_snapshot
+from builders import NOW, job, site, site_state
+
+Site = tuple[SiteSpec, SiteState | None]
+
+
+@dataclass
+class Outcome:
+    """One decision, as the pipeline returned it and as the user reads it."""
+
+    placement: Placement
+    decision: Decision
+    record: dict[str, Any]
+
+    @property
+    def site(self) -> str | None:
+        return self.decision.site
+
+    @property
+    def model(self) -> str | None:
+        return ids.GPU_MODEL_IDS[self.placement.model] if self.placement.placed else None
+
+    def reasons(self) -> dict[str, list[str]]:
+        return {v.site: v.reasons for v in self.decision.sites if not v.feasible}
+
+
+def snapshot(*sites: Site) -> Snapshot:
+    return build_snapshot(NOW, [spec for spec, _ in sites], {spec.name: state for spec, state in sites})
+
+
+def decide(
+    sites: tuple[Site, ...] | list[Site],
+    spec: JobSpec,
+    excluded: frozenset[str] = frozenset(),
+    pipeline: Pipeline | None = None,
+    snap: Snapshot | None = None,
+) -> Outcome:
+    pipeline = pipeline or default_pipeline()
+    snap = snap or snapshot(*sites)
+    req = JobRequest.from_spec("job-1", spec, excluded)
+    placement = pipeline.decide(req, snap)
+    rec = explain.record(pipeline, placement, snap)
+    decision = explain.render(rec, req, {f.code: f for f in pipeline.filters}, attempt=1)
+    return Outcome(placement, decision, rec)
+
+
+def up(name: str, free: dict[str, int] | None = None, shared: dict[str, int] | None = None, **spec: Any) -> Site:
+    """A healthy site built from ``spec`` with ``free`` GPUs (all free by default)."""
+    s = site(name, **spec)
+    return s, site_state(s, free=free, shared=shared)
+
+
+def down(name: str, **spec: Any) -> Site:
+    s = site(name, **spec)
+    return s, site_state(s, healthy=False)
+
+
+# --- which site wins and why --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    sites: tuple[Site, ...]
+    job: JobSpec
+    winner: str | None
+    reasons: dict[str, list[str]]  # site -> the reasons it was rejected with, in filter order
+    excluded: frozenset[str] = frozenset()
+    model: str | None = None
+
+
+CASES = [
+    pytest.param(
+        Case(
+            sites=(up("berlin", gpus={"a100-80gb": 16}), up("tokyo", gpus={"h100-80gb": 8})),
+            job=job(count=2, model="h100-80gb"),
+            winner="tokyo",
+            reasons={"berlin": ["gpus-do-not-fit: site has no h100-80gb"]},
+        ),
+        id="a job naming a model goes to the only site that has it",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin", gpus={"t4": 16}), up("tokyo", gpus={"a100-40gb": 8})),
+            job=job(count=2, memory_gib=24),
+            winner="tokyo",
+            reasons={
+                "berlin": ["gpus-do-not-fit: GPUs of any model here have 16 GiB per GPU; the job needs 24 GiB"]
+            },
+            model="a100-40gb",
+        ),
+        id="a memory requirement filters out a site whose GPUs are too small, however many are free",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin", gpus={"a100-40gb": 8}), up("tokyo", gpus={"a100-40gb": 8})),
+            job=job(model="a100-40gb", memory_gib=48),
+            winner=None,
+            reasons={
+                "berlin": ["gpus-do-not-fit: a100-40gb here have 40 GiB per GPU; the job needs 48 GiB"],
+                "tokyo": ["gpus-do-not-fit: a100-40gb here have 40 GiB per GPU; the job needs 48 GiB"],
+            },
+        ),
+        id="a named model with less memory than the job needs fits nowhere",
+    ),
+    pytest.param(
+        Case(
+            sites=(
+                up("berlin", free={"a100-80gb": 3}, gpus={"a100-80gb": 16}),
+                up("tokyo", free={"a100-80gb": 8}, gpus={"a100-80gb": 8}),
+            ),
+            job=job(count=12),
+            winner=None,
+            reasons={
+                "berlin": ["gpus-do-not-fit: job needs 12 GPUs of any model; 3 free"],
+                "tokyo": ["gpus-do-not-fit: job needs 12 GPUs of any model; 8 free"],
+            },
+        ),
+        id="a job larger than the free GPUs of every site is unplaceable with the numbers for each site",
+    ),
+    pytest.param(
+        Case(
+            sites=(down("berlin", gpus={"a100-80gb": 16}), up("tokyo", free={"a100-80gb": 2})),
+            job=job(count=2),
+            winner="tokyo",
+            reasons={"berlin": ["site-unhealthy: site is not healthy (unreachable, or its last report is too old)"]},
+        ),
+        id="an unhealthy site is skipped even with more free GPUs",
+    ),
+    pytest.param(
+        Case(
+            sites=((site("berlin", gpus={"a100-80gb": 16}), None), up("tokyo", free={"a100-80gb": 2})),
+            job=job(),
+            winner="tokyo",
+            reasons={
+                "berlin": [
+                    "site-unhealthy: site is not healthy (unreachable, or its last report is too old)",
+                    "gpus-do-not-fit: job needs 1 GPUs of any model; 0 free",
+                ]
+            },
+        ),
+        id="a site the broker has not heard from is treated as unhealthy with no free GPUs",
+    ),
+    pytest.param(
+        Case(
+            sites=(
+                up("berlin", free={"a100-80gb": 1}, region="gcp:europe-west3"),
+                up("tokyo", region="gcp:asia-northeast1"),
+            ),
+            job=job(allowed_regions=["gcp:europe-west3-a"]),
+            winner="berlin",
+            reasons={
+                "tokyo": [
+                    "region-not-allowed: region gcp:asia-northeast1 is not among the job's allowed regions "
+                    "(gcp:europe-west3)"
+                ]
+            },
+        ),
+        id="allowed regions keep a job in them even when another region has more free GPUs",
+    ),
+    pytest.param(
+        Case(
+            sites=(
+                up("berlin", region="gcp:europe-west3"),
+                up("tokyo", free={"a100-80gb": 1}, region="gcp:asia-northeast1"),
+            ),
+            job=job(denied_regions=["gcp:europe-west3"]),
+            winner="tokyo",
+            reasons={"berlin": ["region-not-allowed: region gcp:europe-west3 is denied by the job"]},
+        ),
+        id="a denied region is avoided even when it has more free GPUs",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin"), up("tokyo", free={"a100-80gb": 1})),
+            job=job(),
+            excluded=frozenset({"berlin", "gone-site"}),
+            winner="tokyo",
+            reasons={"berlin": ["site-refused: site refused this job earlier; it is skipped until conditions change"]},
+        ),
+        id="a site that refused the job is skipped and a refused site that no longer exists is ignored",
+    ),
+    pytest.param(
+        Case(
+            sites=(
+                up("amsterdam", free={"a100-80gb": 3}),
+                up("berlin", free={"a100-80gb": 7}),
+                up("tokyo", free={"a100-80gb": 5}),
+            ),
+            job=job(count=2),
+            winner="berlin",
+            reasons={},
+        ),
+        id="the site with the most free GPUs wins",
+    ),
+    pytest.param(
+        Case(
+            sites=(
+                up("zurich", free={"a100-80gb": 6}),
+                up("tokyo", free={"a100-80gb": 6}),
+                up("amsterdam", free={"a100-80gb": 2}),
+            ),
+            job=job(count=2),
+            winner="tokyo",
+            reasons={},
+        ),
+        id="a tie in free GPUs goes to the first site by name whatever order the sites are given in",
+    ),
+    pytest.param(
+        Case(
+            sites=(
+                up("berlin", free={"a100-80gb": 0}, shared={"a100-80gb": 600}),
+                up("tokyo", free={"a100-80gb": 0}, shared={"a100-80gb": 300}),
+            ),
+            job=job(milli=500),
+            winner="berlin",
+            reasons={
+                "tokyo": [
+                    "gpus-do-not-fit: job needs 500/1000 of one GPUs of any model; 0 whole GPUs free and the "
+                    "largest shared GPU has 300/1000 free"
+                ]
+            },
+            model="a100-80gb",
+        ),
+        id="a fractional job fits on a shared GPU with enough room when no whole GPU is free",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin", free={"a100-80gb": 0}, shared={"a100-80gb": 400}),),
+            job=job(milli=500, model="a100-80gb"),
+            winner=None,
+            reasons={
+                "berlin": [
+                    "gpus-do-not-fit: job needs 500/1000 of one a100-80gb; 0 whole GPUs free and the largest "
+                    "shared GPU has 400/1000 free"
+                ]
+            },
+        ),
+        id="a fractional job does not fit when the share is too small and no whole GPU is free",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin", free={"a100-80gb": 1}, shared={"a100-80gb": 100}),),
+            job=job(milli=500),
+            winner="berlin",
+            reasons={},
+        ),
+        id="a fractional job takes a whole free GPU when no shared GPU has room",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin", gpus={"h100-80gb": 8, "t4": 8, "a100-40gb": 8}),),
+            job=job(count=4, memory_gib=12),
+            winner="berlin",
+            reasons={},
+            model="t4",
+        ),
+        id="a job naming no model gets the smallest GPUs that fit",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin", gpus={"h100-80gb": 8, "l4": 8, "a100-40gb": 8}),),
+            job=job(count=4, memory_gib=30),
+            winner="berlin",
+            reasons={},
+            model="a100-40gb",
+        ),
+        id="a job naming no model gets the smallest GPUs with enough memory",
+    ),
+    pytest.param(
+        Case(
+            sites=(up("berlin", free={"t4": 2}, gpus={"h100-80gb": 8, "t4": 8}),),
+            job=job(count=4),
+            winner="berlin",
+            reasons={},
+            model="h100-80gb",
+        ),
+        id="a job naming no model skips the smallest GPUs when too few of them are free",
+    ),
+    pytest.param(
+        Case(
+            sites=(
+                down("berlin", region="gcp:europe-west3", gpus={"t4": 8}),
+                up("tokyo", region="gcp:asia-northeast1", free={"a100-80gb": 0}),
+            ),
+            job=job(count=2, denied_regions=["gcp:europe-west3"], memory_gib=40),
+            winner=None,
+            reasons={
+                "berlin": [
+                    "site-unhealthy: site is not healthy (unreachable, or its last report is too old)",
+                    "region-not-allowed: region gcp:europe-west3 is denied by the job",
+                    "gpus-do-not-fit: GPUs of any model here have 16 GiB per GPU; the job needs 40 GiB",
+                ],
+                "tokyo": ["gpus-do-not-fit: job needs 2 GPUs of any model; 0 free"],
+            },
+        ),
+        id="a site that fails several filters lists every reason, not only the first",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_which_site_wins_and_why(case: Case) -> None:
+    out = decide(case.sites, case.job, case.excluded)
+    assert out.site == case.winner
+    assert out.reasons() == case.reasons
+    if case.model is not None:
+        assert out.model == case.model
+    if case.winner is None:
+        assert out.decision.outcome == "unplaceable"
+        assert out.decision.summary.startswith("no site can take the job now")
+    else:
+        assert out.decision.outcome == "placed"
+        assert out.decision.summary.startswith(f"placed on {case.winner} ({out.model}, ")
+
+
+def test_an_unplaceable_summary_counts_the_sites_each_filter_rejected() -> None:
+    sites = (down("amsterdam"), up("berlin", free={"a100-80gb": 1}), up("tokyo", free={"a100-80gb": 0}))
+    out = decide(sites, job(count=2))
+    assert out.decision.summary == (
+        "no site can take the job now (2 gpus-do-not-fit, 1 site-unhealthy); it stays queued and is decided again"
+    )
+
+
+def test_with_no_sites_the_summary_says_none_is_registered() -> None:
+    out = decide((), job())
+    assert (out.decision.outcome, out.decision.summary, out.decision.sites) == (
+        "unplaceable", "no site is registered", []
+    )
+
+
+# --- assume: decisions within one cycle see each other ------------------------------------------------
+
+
+def test_assume_makes_the_second_of_two_full_site_jobs_go_elsewhere() -> None:
+    snap = snapshot(up("berlin"), up("tokyo"))
+    pipeline, spec = default_pipeline(), job(count=8)
+    placed = []
+    for n in range(3):
+        req = JobRequest.from_spec(f"job-{n}", spec)
+        p = pipeline.decide(req, snap)
+        placed.append(snap.sites[p.site] if p.placed else None)
+        if p.placed:
+            snap.assume(p.site, req, p.model)
+    assert placed == ["berlin", "tokyo", None]
+    assert snap.free_gpus[:, MODEL_INDEX["a100-80gb"]].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("milli", "free_after", "shared_after"),
+    [
+        pytest.param([300], 1, 700, id="one share opens a whole GPU and leaves the rest of it shared"),
+        pytest.param([400, 400], 1, 200, id="a second small share goes onto the GPU the first one opened"),
+        pytest.param([600, 600], 0, 400, id="a second share too big for the opened GPU opens another"),
+        pytest.param([1000], 1, 0, id="a whole-GPU job takes a free GPU and leaves the shares alone"),
+    ],
+)
+def test_assume_debits_fractional_jobs_from_shared_gpus_first(
+    milli: list[int], free_after: int, shared_after: int
+) -> None:
+    snap = snapshot(up("berlin", free={"a100-80gb": 2}))
+    col = MODEL_INDEX["a100-80gb"]
+    for m in milli:
+        snap.assume(0, JobRequest.from_spec("j", job(milli=m)), col)
+    assert (int(snap.free_gpus[0, col]), int(snap.shared_free_milli[0, col])) == (free_after, shared_after)
+
+
+def test_after_assume_a_fractional_job_that_fits_no_share_is_unplaceable() -> None:
+    snap = snapshot(up("berlin", free={"a100-80gb": 1}))
+    pipeline = default_pipeline()
+    first = JobRequest.from_spec("j1", job(milli=600))
+    p = pipeline.decide(first, snap)
+    snap.assume(p.site, first, p.model)
+    assert decide((), job(milli=600), snap=snap).decision.outcome == "unplaceable"
+    assert decide((), job(milli=400), snap=snap).site == "berlin"
+
+
+# --- building a pipeline ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("filters", "scorers", "message"),
+    [
+        pytest.param(
+            (HealthyFilter(), GpuFitFilter(), HealthyFilter()), (), "a filter is listed twice",
+            id="a filter listed twice is refused",
+        ),
+        pytest.param(
+            (HealthyFilter(),), (Weighted(FreeGpusScorer(), 1.0), Weighted(FreeGpusScorer(), 2.0)),
+            "a scorer is listed twice", id="a scorer listed twice is refused",
+        ),
+        pytest.param(
+            (HealthyFilter(),), (Weighted(FreeGpusScorer(), -0.5),),
+            "scorer free_gpus: weight must be a finite number >= 0, got -0.5", id="a negative weight is refused",
+        ),
+        pytest.param(
+            (HealthyFilter(),), (Weighted(FreeGpusScorer(), float("nan")),),
+            "weight must be a finite number", id="a NaN weight is refused",
+        ),
+        pytest.param(
+            (HealthyFilter(),), (Weighted(FreeGpusScorer(), float("inf")),),
+            "weight must be a finite number", id="an infinite weight is refused",
+        ),
+    ],
+)
+def test_a_pipeline_that_cannot_work_is_refused(filters: tuple, scorers: tuple, message: str) -> None:
+    with pytest.raises(PipelineError, match=message):
+        Pipeline(filters=filters, scorers=scorers)
+
+
+def test_a_scorer_with_weight_zero_is_turned_off_and_ties_go_to_the_first_site_by_name() -> None:
+    pipeline = Pipeline(filters=default_pipeline().filters, scorers=(Weighted(FreeGpusScorer(), 0.0),))
+    out = decide((up("berlin", free={"a100-80gb": 1}), up("tokyo")), job(), pipeline=pipeline)
+    assert out.site == "berlin"
+    assert all(v.terms == [] for v in out.decision.sites)
+
+
+# --- explanations -------------------------------------------------------------------------------------
+
+
+def three_sites() -> tuple[Site, ...]:
+    return (
+        up("amsterdam", free={"a100-80gb": 2}),
+        down("berlin"),
+        up("tokyo", free={"a100-80gb": 8}),
+        up("zurich", free={"a100-80gb": 5}),
+    )
+
+
+def test_a_decision_explains_every_site_with_score_terms_or_reasons() -> None:
+    pipeline = Pipeline(
+        filters=(HealthyFilter(), RegionFilter(), RefusedFilter(), GpuFitFilter()),
+        scorers=(Weighted(FreeGpusScorer(), 2.0),),
+    )
+    out = decide(three_sites(), job(), pipeline=pipeline)
+    d = out.decision
+    assert [v.site for v in d.sites] == ["amsterdam", "berlin", "tokyo", "zurich"]
+    assert (d.outcome, d.site, d.job_id, d.attempt, d.decided_at) == ("placed", "tokyo", "job-1", 1, NOW)
+    assert d.summary == "placed on tokyo (a100-80gb, score 2.000): best of 3 feasible of 4 sites"
+
+    by_site = {v.site: v for v in d.sites}
+    assert not by_site["berlin"].feasible and by_site["berlin"].terms == []
+    assert by_site["berlin"].score is None
+    terms = {name: [(t.scorer, t.raw, t.normalised, t.weight, t.weighted) for t in by_site[name].terms]
+             for name in ("amsterdam", "tokyo", "zurich")}
+    assert terms == {
+        "amsterdam": [("free_gpus", 2.0, 0.0, 2.0, 0.0)],
+        "tokyo": [("free_gpus", 8.0, 1.0, 2.0, 2.0)],
+        "zurich": [("free_gpus", 5.0, 0.5, 2.0, 1.0)],
+    }
+    assert [by_site[n].score for n in ("amsterdam", "tokyo", "zurich")] == [0.0, 2.0, 1.0]
+    assert all(v.reasons == [] for v in d.sites if v.feasible)
+
+
+def test_a_record_survives_json_and_explains_the_same_decision_later() -> None:
+    out = decide(three_sites(), job(count=6))
+    text = json.dumps(out.record)
+    req = JobRequest.from_spec("job-1", job(count=6))
+    filters = {f.code: f for f in default_pipeline().filters}
+    later = explain.render(json.loads(text), req, filters, attempt=1)
+    assert later == out.decision
+    assert later.site == "tokyo"
+    assert {v.site: v.reasons for v in later.sites if not v.feasible} == {
+        "amsterdam": ["gpus-do-not-fit: job needs 6 GPUs of any model; 2 free"],
+        "berlin": ["site-unhealthy: site is not healthy (unreachable, or its last report is too old)"],
+        "zurich": ["gpus-do-not-fit: job needs 6 GPUs of any model; 5 free"],
+    }
+
+
+def test_an_unplaceable_record_is_json_and_names_no_site() -> None:
+    out = decide(three_sites(), job(count=9))
+    rec = json.loads(json.dumps(out.record))
+    assert (rec["site"], rec["model"]) == (None, None)
+    assert rec["totals"] == [None, None, None, None]
+    assert all(v.reasons for v in out.decision.sites)
+
+
+def test_a_deferred_decision_says_until_when() -> None:
+    out = decide(three_sites(), job(count=9))
+    until = NOW + timedelta(hours=3)
+    req = JobRequest.from_spec("job-1", job(count=9))
+    d = explain.render(out.record, req, {f.code: f for f in default_pipeline().filters}, 2, deferred_until=until)
+    assert (d.outcome, d.deferred_until, d.attempt) == ("deferred", until, 2)
+    assert d.summary == f"deferred until {until.isoformat()}"
+
+
+# --- property: a placement always honours every filter ------------------------------------------------
+
+MODELS = ("t4", "l4", "a100-40gb", "a100-80gb", "h100-80gb")
+REGIONS = ("gcp:us-east1", "gcp:europe-west3", "aws:eu-west-1")
+NAMES = ("amsterdam", "berlin", "lima", "osaka", "tokyo")
+
+
+@st.composite
+def federations(draw: st.DrawFn) -> list[Site]:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=len(NAMES), unique=True))
+    sites = []
+    for name in names:
+        models = draw(st.lists(st.sampled_from(MODELS), min_size=1, max_size=3, unique=True))
+        totals = {m: draw(st.sampled_from([4, 8, 16])) for m in models}
+        spec = site(name, region=draw(st.sampled_from(REGIONS)), gpus=totals)
+        if draw(st.integers(0, 5)) == 0:  # not heard from
+            sites.append((spec, None))
+            continue
+        free = {m: draw(st.integers(0, t)) for m, t in totals.items()}
+        shared = {m: draw(st.integers(0, 1000)) for m in models}
+        sites.append((spec, site_state(spec, free=free, shared=shared, healthy=draw(st.integers(0, 3)) > 0)))
+    return sites
+
+
+@st.composite
+def jobs(draw: st.DrawFn) -> JobSpec:
+    milli = draw(st.one_of(st.just(1000), st.integers(1, 999)))
+    regions = draw(st.lists(st.sampled_from(REGIONS), max_size=2, unique=True))
+    split = draw(st.integers(0, len(regions)))
+    return job(
+        count=1 if milli < 1000 else draw(st.integers(1, 12)),
+        milli=milli,
+        model=draw(st.one_of(st.none(), st.sampled_from(MODELS))),
+        memory_gib=draw(st.one_of(st.none(), st.sampled_from([8, 16, 24, 40, 48, 80]))),
+        allowed_regions=regions[:split],
+        denied_regions=regions[split:],
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(federations(), jobs(), st.sets(st.sampled_from(NAMES), max_size=2))
+def test_a_placed_job_passes_every_filter_and_an_unplaceable_one_fails_one_everywhere(
+    sites: list[Site], spec: JobSpec, refused: set[str]
+) -> None:
+    snap = snapshot(*sites)
+    req = JobRequest.from_spec("job-1", spec, frozenset(refused))
+    p = default_pipeline().decide(req, snap)
+    if not p.placed:
+        assert np.all(p.failures != 0)
+        return
+    i, m = p.site, p.model
+    name, site_region = snap.sites[i], snap.regions[i]
+    assert p.failures[i] == 0
+    assert snap.healthy[i]
+    assert name not in refused
+    assert not spec.allowed_regions or site_region in spec.allowed_regions
+    assert site_region not in spec.denied_regions
+    assert spec.gpus.model is None or ids.GPU_MODEL_IDS[m] == spec.gpus.model
+    assert snap.memory_gib[i, m] >= (spec.gpus.memory_gib or 0) and snap.total_gpus[i, m] > 0
+    if spec.gpus.milli < 1000:
+        assert snap.free_gpus[i, m] >= 1 or snap.shared_free_milli[i, m] >= spec.gpus.milli
+    else:
+        assert snap.free_gpus[i, m] >= spec.gpus.count
+    assert p.totals[i] == p.totals[np.isfinite(p.totals)].max()
