@@ -60,9 +60,11 @@ class FederationConfig(BaseModel):
 def load_config(path: str | Path) -> FederationConfig:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -50,7 +50,7 @@ GPU_MODELS: tuple[GpuModel, ...] = (
     GpuModel("h100-80gb", 80, 700, (
         "h100", "nvidia-h100", "nvidia-h100-80gb", "nvidia-h100-80gb-hbm3", "h100-sxm5-80gb",
         "nvidia-h100-sxm5-80gb", "h100-80gb-hbm3", "h100-80gb-mega", "nvidia-h100-mega-80gb",
-        "a3-highgpu", "a3-megagpu", "p5",
+        "nvidia-h100-pcie", "h100-pcie", "h100-pcie-80gb", "a3-highgpu", "a3-megagpu", "p5",
     )),
     GpuModel("h100-94gb", 94, 400, ("h100-nvl", "nvidia-h100-nvl", "nvidia-h100-94gb")),
     GpuModel("h200-141gb", 141, 700, ("h200", "nvidia-h200", "nvidia-h200-141gb", "a3-ultragpu", "p5e", "p5en")),

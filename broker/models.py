@@ -26,11 +26,11 @@ from pydantic import (
 
 from broker import ids
 
-_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
 def _slug(value: str) -> str:
-    if not _NAME.match(value):
+    if not _NAME.fullmatch(value):
         raise ValueError(
             "must be 1-63 lower-case letters, digits or '-', starting and ending with a letter or digit"
         )
@@ -40,7 +40,7 @@ def _slug(value: str) -> str:
 def _timezone(value: str) -> str:
     try:
         ZoneInfo(value)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # an area such as 'Europe' is a directory
         raise ValueError(f"{value!r} is not an IANA time zone such as Europe/Berlin") from None
     return value
 
@@ -80,7 +80,7 @@ class NodeGroup(Strict):
     @classmethod
     def _mig(cls, profiles: list[str]) -> list[str]:
         for p in profiles:
-            if not re.match(r"^\d+g\.\d+gb$", p):
+            if not re.fullmatch(r"\d+g\.\d+gb", p):
                 raise ValueError(f"{p!r} is not a MIG profile such as 1g.10gb or 3g.40gb")
         return profiles
 

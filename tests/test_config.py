@@ -165,12 +165,6 @@ def test_a_directory_given_as_the_config_is_a_config_error(tmp_path: Path) -> No
         load_config(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeDecodeError,
-    reason="BUG: broker/config.py load_config catches only OSError around p.read_text(); a file that is not "
-    "UTF-8 raises UnicodeDecodeError, whose message does not name the file",
-)
 def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "latin1.yaml"
     path.write_bytes("sites:\n  - name: z\u00fcrich\n".encode("latin-1"))

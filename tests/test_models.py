@@ -20,7 +20,7 @@ from broker.models import (
     JobState,
     SiteSpec,
 )
-from builders import NOW, job, site
+from tests.builders import NOW, job, site
 
 MINIMAL_JOB: dict[str, Any] = {"tenant": "t1", "name": "train-1", "gpus": {"count": 1}, "duration_s": 60}
 
@@ -128,11 +128,6 @@ def test_a_fractional_job_of_one_gpu_is_accepted() -> None:
     assert job(milli=250).gpus.milli == 250
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: broker/models.py _slug uses _NAME.match with '$', which also matches before a trailing "
-    "newline, so 't1\\n' is accepted as a tenant distinct from 't1'",
-)
 def test_a_tenant_with_a_trailing_newline_is_refused() -> None:
     errors = field_errors(JobSpec, {**MINIMAL_JOB, "tenant": "t1\n"})
     assert "tenant" in errors
@@ -175,11 +170,6 @@ def test_a_valid_site_spec_is_accepted_and_canonicalised() -> None:
         pytest.param(
             site_body(timezone="Europe"), "timezone", "not an IANA time zone",
             id="a time zone area without a city is refused as a field error",
-            marks=pytest.mark.xfail(
-                strict=True, raises=IsADirectoryError,
-                reason="BUG: broker/models.py _timezone catches ZoneInfoNotFoundError and ValueError but "
-                "ZoneInfo('Europe') raises IsADirectoryError (an OSError), which escapes validation",
-            ),
         ),
         pytest.param(
             site_body(latitude=91), "latitude", "less than or equal to 90",
@@ -218,11 +208,6 @@ def test_a_valid_site_spec_is_accepted_and_canonicalised() -> None:
             site_body(gpus=[{"model": "a100-80gb", "gpus_per_node": 8, "nodes": 1, "mig_profiles": ["1g.10gb\n"]}]),
             "gpus[0].mig_profiles", "is not a MIG profile",
             id="a MIG profile with a trailing newline is refused",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: broker/models.py NodeGroup._mig uses re.match with '$', which also matches "
-                "before a trailing newline",
-            ),
         ),
         pytest.param(site_body(gpus=[]), "gpus", "at least 1 item", id="a site without GPUs is refused"),
         pytest.param(
@@ -241,11 +226,6 @@ def test_a_valid_site_spec_is_accepted_and_canonicalised() -> None:
         pytest.param(
             site_body(name="berlin\n"), "name", "lower-case letters",
             id="a site name with a trailing newline is refused",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: broker/models.py _slug uses _NAME.match with '$', which also matches before a "
-                "trailing newline",
-            ),
         ),
     ],
 )

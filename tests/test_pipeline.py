@@ -22,7 +22,7 @@ from policies.filters.region import RefusedFilter, RegionFilter
 from policies.pipeline import Pipeline, PipelineError, Placement, Weighted, default_pipeline
 from policies.scorers.free_gpus import FreeGpusScorer
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, build_snapshot
-from builders import NOW, job, site, site_state
+from tests.builders import NOW, job, site, site_state
 
 Site = tuple[SiteSpec, SiteState | None]
 
