@@ -163,7 +163,8 @@ class SimulatedSite:
 
     def _allocate(self, job: Job) -> tuple[str, list[int], int] | str:
         g = job.spec.gpus
-        models = [g.model] if g.model else sorted(self._used, key=lambda m: self._memory[m])
+        chosen = job.gpu_model or g.model  # the broker names the model it placed the job on
+        models = [chosen] if chosen else sorted(self._used, key=lambda m: self._memory[m])
         reasons = []
         for model in models:
             used = self._used.get(model)

@@ -67,8 +67,9 @@ async def error_middleware(
         return await handler(request)
     except ApiError:
         raise
-    except web.HTTPRequestEntityTooLarge as e:
-        raise ApiError(413, f"request body is larger than the limit of {e.max_size} bytes",
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[BROKER].settings.max_body_bytes
+        raise ApiError(413, f"request body is larger than the limit of {limit} bytes",
                        [{"field": "(body)", "problem": "too large"}]) from None
     except web.HTTPNotFound:
         raise ApiError(404, f"no such endpoint: {request.method} {request.path}") from None

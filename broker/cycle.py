@@ -1,7 +1,9 @@
 """The scheduling cycle, in numbered steps:
 
 1. collect  — ask every site for capacity and telemetry (concurrently, each with a timeout);
-2. snapshot — freeze the federation into arrays, carrying ``now`` from the injected clock;
+2. snapshot — freeze the federation into arrays, carrying ``now`` from the injected clock, and debit the
+              placements still in flight: dispatched but not yet admitted, or admitted after the site's
+              report was asked for (Kueue's assumed workloads), so no GPU is promised twice;
 3. decide   — for each queued job, highest priority then oldest first, run the placement pipeline and
               debit each placement from the snapshot so later jobs see it;
 4. assume   — write every placement to the store (state ``dispatching``, a new attempt), in one group
@@ -36,6 +38,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class InFlight:
+    """A placement the sites' reports may not show yet."""
+
+    site: str
+    attempt: int
+    request: JobRequest
+    model: int
+
+
+@dataclass(frozen=True, slots=True)
 class CycleReport:
     decided: int
     placed: int
@@ -61,12 +73,15 @@ class SchedulingCycle:
         self.dispatch_timeout_s = dispatch_timeout_s
         self._dispatches: set[asyncio.Task[None]] = set()
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
+        self._in_flight: dict[str, InFlight] = {}
 
     async def run_once(self) -> CycleReport:
         # 1. collect
+        asked_at = self.book.seq
         await self.federation.collect()
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
+        self._debit_in_flight(snap, asked_at)
         # 3. decide
         placements: list[tuple[Job, Placement, dict[str, Any]]] = []
         records: list[tuple[Job, dict[str, Any]]] = []
@@ -77,6 +92,7 @@ class SchedulingCycle:
             if placement.placed:
                 placements.append((job, placement, explain.record(self.pipeline, placement, snap)))
                 snap.assume(placement.site, req, placement.model)
+                self._in_flight[job.id] = InFlight(snap.sites[placement.site], job.attempt + 1, req, placement.model)
                 self._last_seen.pop(job.id, None)
                 continue
             seen = placement.failures.tobytes() + repr(sorted(req.excluded_sites)).encode()
@@ -100,11 +116,26 @@ class SchedulingCycle:
                 log.error("could not record a decision: %s", result)
         return CycleReport(decided=len(queued), placed=len(placements), unplaceable=len(queued) - len(placements))
 
+    def _debit_in_flight(self, snap: Snapshot, asked_at: int) -> None:
+        """Debit placements the reports cannot show yet; forget those a report has caught up with."""
+        for job_id, f in list(self._in_flight.items()):
+            job = self.book.active.get(job_id)
+            if job is None or job.site != f.site or job.attempt != f.attempt or not job.state.on_site:
+                del self._in_flight[job_id]  # refused, requeued, cancelled or finished
+                continue
+            if job.state == JobState.DISPATCHING or self.book.admitted_seq.get(job_id, asked_at) >= asked_at:
+                site = snap.index.get(f.site)
+                if site is not None:
+                    snap.assume(site, f.request, f.model)
+            else:
+                del self._in_flight[job_id]  # admitted before the report was asked for: the report has it
+
     async def _assume(self, job: Job, placement: Placement, rec: dict[str, Any], snap: Snapshot) -> Job:
         site = snap.sites[placement.site]
         attempt = job.attempt + 1
         new, version = self.book.apply(
-            job.id, JobState.DISPATCHING, site=site, attempt=attempt, reason=f"placed on {site}; dispatching"
+            job.id, JobState.DISPATCHING, site=site, attempt=attempt, gpu_model=rec["model"],
+            reason=f"placed on {site}; dispatching",
         )
         await asyncio.gather(
             self.store.update_job(new, version, event_reason=f"placed on {site} ({rec['model']})"),
@@ -140,7 +171,7 @@ class SchedulingCycle:
         self.book.refuse(job.id, site, reason)
         await self.book.transition_if(
             job.id, (JobState.DISPATCHING,), job.attempt, JobState.QUEUED,
-            site=None, reason=f"{site} refused it: {reason}; routing again",
+            reason=f"{site} refused it: {reason}; routing again",
         )
 
     async def _withdraw(self, job: Job) -> None:

@@ -59,8 +59,10 @@ class JobBook:
         self.refusal_ttl_s = refusal_ttl_s
         self.active: dict[str, Job] = {}
         self._refusals: dict[str, dict[str, Refusal]] = {}
-        self._inflight_keys: dict[tuple[str, str], asyncio.Future[Job]] = {}
+        self._inflight_keys: dict[tuple[str, str], asyncio.Future[tuple[Job, str | None]]] = {}
         self.changed = asyncio.Event()  # set whenever work may have become schedulable
+        self.seq = 0  # counts transitions; orders admissions against site reports
+        self.admitted_seq: dict[str, int] = {}  # job id -> seq of its current attempt's admission
 
     async def load(self) -> list[Job]:
         """Load every non-terminal job from the store (at start-up)."""
@@ -77,30 +79,28 @@ class JobBook:
         digest = hashlib.sha256(body if body is not None else spec.model_dump_json().encode()).hexdigest()
         slot = (spec.tenant, idempotency_key)
         pending = self._inflight_keys.get(slot)
-        if pending is not None:
-            job = await asyncio.shield(pending)
-            return self._replay(job, digest, await self._digest_of(slot)), False
-        found = await self._store.find_idempotent(*slot)
-        if found is not None:
-            job, first_digest = found
-            return self._replay(self.active.get(job.id, job), digest, first_digest), False
-        fut: asyncio.Future[Job] = asyncio.get_running_loop().create_future()
+        if pending is not None:  # the same key is being submitted right now: share its outcome
+            job, first_digest = await asyncio.shield(pending)
+            return self._replay(job, digest, first_digest), False
+        # Claim the key before the first await, so a concurrent duplicate waits instead of racing.
+        fut: asyncio.Future[tuple[Job, str | None]] = asyncio.get_running_loop().create_future()
         self._inflight_keys[slot] = fut
         try:
-            job = await self._create(spec, idempotency_key, digest)
+            found = await self._store.find_idempotent(*slot)
+            if found is not None:
+                job, first_digest = self.active.get(found[0].id, found[0]), found[1]
+                created = False
+            else:
+                job, first_digest = await self._create(spec, idempotency_key, digest), digest
+                created = True
+            fut.set_result((job, first_digest))
         except BaseException as e:
             fut.set_exception(e)
-            fut.exception()  # mark retrieved: the waiters, if any, re-raise it
+            fut.exception()  # mark retrieved: waiters, if any, re-raise it themselves
             raise
-        else:
-            fut.set_result(job)
         finally:
             del self._inflight_keys[slot]
-        return job, True
-
-    async def _digest_of(self, slot: tuple[str, str]) -> str | None:
-        found = await self._store.find_idempotent(*slot)
-        return found[1] if found else None
+        return self._replay(job, digest, first_digest), created
 
     @staticmethod
     def _replay(job: Job, digest: str, first_digest: str | None) -> Job:
@@ -145,9 +145,13 @@ class JobBook:
         if job is None:
             raise JobNotFound(job_id)
         new = job.transition(dst, self._clock.now(), **changes)
+        self.seq += 1
+        if job.state == JobState.DISPATCHING and dst == JobState.ADMITTED:
+            self.admitted_seq[job_id] = self.seq
         if new.state.terminal:
             del self.active[job_id]
             self._refusals.pop(job_id, None)
+            self.admitted_seq.pop(job_id, None)
         else:
             self.active[job_id] = new
         if dst in (JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED):

@@ -65,7 +65,7 @@ class Lifecycle:
                                f"{job.spec.max_attempts} attempts failed, giving up",
                     )
                 return await self.book.transition(
-                    job.id, JobState.QUEUED, site=None, failed_attempts=failed,
+                    job.id, JobState.QUEUED, failed_attempts=failed,
                     reason=f"attempt {job.attempt} on {site} failed ({why}); requeued "
                            f"({failed} of {job.spec.max_attempts} attempts failed)",
                 )
@@ -75,12 +75,12 @@ class Lifecycle:
                     job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {ev.reason or ''}".strip()
                 )
                 return await self.book.transition(
-                    job.id, JobState.QUEUED, site=None,
+                    job.id, JobState.QUEUED,
                     reason="requeued after preemption" + (" from its checkpoint" if kept else ""),
                 )
             case EventKind.LOST:
                 return await self.book.transition(
-                    job.id, JobState.QUEUED, site=None, reason=f"{site} lost attempt {job.attempt}: {ev.reason}"
+                    job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {ev.reason}"
                 )
         return None
 
@@ -111,7 +111,7 @@ class Lifecycle:
         requeued = []
         for job in list(self.book.active.values()):
             if job.state == JobState.PREEMPTED:
-                requeued.append(await self.book.transition(job.id, JobState.QUEUED, site=None,
+                requeued.append(await self.book.transition(job.id, JobState.QUEUED,
                                                            reason="requeued after preemption"))
                 continue
             if job.state not in ON_SITE or job.site not in known:
@@ -120,7 +120,7 @@ class Lifecycle:
                 continue
             try:
                 requeued.append(await self.book.transition(
-                    job.id, JobState.QUEUED, site=None,
+                    job.id, JobState.QUEUED,
                     reason=f"{job.site} no longer knows attempt {job.attempt} after a broker restart; requeued",
                 ))
             except (IllegalTransition, JobNotFound) as e:
@@ -129,6 +129,6 @@ class Lifecycle:
         for job in list(self.book.active.values()):
             if job.state in ON_SITE and job.site not in self.federation:
                 requeued.append(await self.book.transition(
-                    job.id, JobState.QUEUED, site=None, reason=f"site {job.site} is no longer registered; requeued"
+                    job.id, JobState.QUEUED, reason=f"site {job.site} is no longer registered; requeued"
                 ))
         return requeued

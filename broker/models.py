@@ -305,6 +305,7 @@ class Job(BaseModel):
     spec: JobSpec
     state: JobState = JobState.QUEUED
     site: str | None = None
+    gpu_model: str | None = Field(default=None, description="GPU model the current attempt was placed on")
     attempt: int = Field(default=0, description="dispatches so far; each dispatch is a new attempt")
     failed_attempts: int = Field(default=0, description="attempts that failed; max_attempts bounds these")
     created_at: UtcDatetime
@@ -320,6 +321,8 @@ class Job(BaseModel):
         if dst not in TRANSITIONS[self.state]:
             raise IllegalTransition(self.id, self.state, dst)
         update: dict[str, Any] = {"state": dst, "updated_at": now, "version": self.version + 1, **changes}
+        if dst == JobState.QUEUED:  # back in line: no site holds the job any more
+            update.update(site=None, gpu_model=None)
         if dst == JobState.RUNNING and self.started_at is None:
             update.setdefault("started_at", now)
         if dst.terminal:

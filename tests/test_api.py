@@ -1,0 +1,294 @@
+"""The HTTP API against a live broker with simulated sites (system clock, fast dispatch)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from broker.api import create_app
+from broker.config import BrokerSettings
+from broker.service import Broker
+
+MINIMAL = {"tenant": "t1", "name": "train-1", "gpus": {"count": 1}, "duration_s": 60}
+
+
+def site_body(name: str, region: str, gpus: dict[str, int], **more: Any) -> dict[str, Any]:
+    return {
+        "name": name, "region": region, "grid_zone": "DE-LU", "timezone": "Europe/Berlin",
+        "latitude": 50.1, "longitude": 8.7,
+        "gpus": [{"model": m, "gpus_per_node": min(n, 8), "nodes": max(1, n // 8)} for m, n in gpus.items()],
+        "adapter": {"kind": "simulated", "dispatch_delay_s": 0.005},
+        **more,
+    }
+
+
+@pytest.fixture
+async def client(tmp_path: Path):
+    settings = BrokerSettings(db=str(tmp_path / "api.db"), cycle_interval_s=0.05, max_body_bytes=64 * 1024,
+                              shutdown_grace_s=1)
+    broker = Broker(settings)
+    await broker.start([])
+    async with TestClient(TestServer(create_app(broker))) as c:
+        c.broker = broker  # type: ignore[attr-defined]
+        yield c
+    await broker.stop()
+
+
+async def wait_for(client: TestClient, job_id: str, states: set[str], timeout_s: float = 10) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        job = await (await client.get(f"/v1/jobs/{job_id}")).json()
+        if job["state"] in states:
+            return job
+        if loop.time() > deadline:
+            raise AssertionError(f"job {job_id} stayed {job['state']}, expected one of {states}")
+        await asyncio.sleep(0.02)
+
+
+async def register(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
+    r = await client.post("/v1/sites", json=body)
+    assert r.status == 201, await r.text()
+    return await r.json()
+
+
+# --- sites ---
+
+
+async def test_a_site_is_registered_listed_updated_and_removed(client: TestClient):
+    created = await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}))
+    assert created["status"]["health"] == "healthy"
+    assert created["status"]["capacity"][0]["free_gpus"] == 16
+
+    again = await client.post("/v1/sites", json=site_body("berlin", "gcp:europe-west3", {"l4": 8}))
+    assert again.status == 409
+    assert (await again.json())["error"]["fields"][0]["field"] == "name"
+
+    listed = await (await client.get("/v1/sites")).json()
+    assert [s["name"] for s in listed["items"]] == ["berlin"] and listed["next"] is None
+
+    priced = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, usd_per_gpu_hour={"a100-80gb": 6.5})
+    r = await client.put("/v1/sites/berlin", json=priced)
+    assert r.status == 200 and (await r.json())["usd_per_gpu_hour"] == {"a100-80gb": 6.5}
+
+    wrong = await client.put("/v1/sites/berlin", json=site_body("paris", "gcp:europe-west9", {"l4": 8}))
+    assert wrong.status == 422
+
+    assert (await client.delete("/v1/sites/berlin")).status == 204
+    gone = await client.get("/v1/sites/berlin")
+    assert gone.status == 404 and "no site named berlin" in (await gone.json())["error"]["message"]
+
+
+async def test_a_site_with_active_jobs_cannot_be_removed(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 600})).json()
+    await wait_for(client, job["id"], {"running"})
+    r = await client.delete("/v1/sites/berlin")
+    assert r.status == 409 and "1 active jobs" in (await r.json())["error"]["message"]
+
+
+async def test_a_hundred_jobs_land_on_sites_that_have_the_model_they_asked_for(client: TestClient):
+    inventories = {
+        "ashburn": ("gcp:us-east4", {"h100-80gb": 16, "a100-80gb": 8}),
+        "tokyo": ("gcp:asia-northeast1", {"a100-40gb": 16}),
+        "sydney": ("gcp:australia-southeast1", {"l4": 16}),
+    }
+    for name, (region, gpus) in inventories.items():
+        await register(client, site_body(name, region, gpus))
+    models = [None, "h100-80gb", "a100-80gb", "a100-40gb", "l4"]
+    ids = []
+    for i in range(100):
+        model = models[i % len(models)]
+        gpus = {"count": 1 + i % 2} | ({"model": model} if model else {})
+        r = await client.post("/v1/jobs", json={"tenant": "t1", "name": f"job-{i}", "gpus": gpus, "duration_s": 0.2})
+        assert r.status == 201
+        ids.append((await r.json())["id"])
+
+    jobs = [await wait_for(client, job_id, {"succeeded"}, timeout_s=30) for job_id in ids]
+    for job in jobs:
+        model = job["spec"]["gpus"]["model"]
+        owned = inventories[job["site"]][1]
+        assert model is None or model in owned, f"{job['id']} asked for {model} and ran on {job['site']}"
+    # And no site ever ran more GPUs of a model than it has: every decision saw the GPUs free.
+    per_site = defaultdict(int)
+    for job in jobs:
+        decision = await (await client.get(f"/v1/jobs/{job['id']}/decision")).json()
+        assert decision["outcome"] == "placed" and decision["site"] == job["site"]
+        per_site[job["site"]] += 1
+    assert set(per_site) == set(inventories)
+
+
+async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_sites_reason(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    await register(client, site_body("oregon", "gcp:us-west1", {"l4": 8}))
+    r = await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 4, "model": "h100-80gb"}})
+    job = await r.json()
+    decision = None
+    for _ in range(200):
+        d = await client.get(f"/v1/jobs/{job['id']}/decision")
+        if d.status == 200:
+            decision = await d.json()
+            break
+        await asyncio.sleep(0.02)
+    assert decision is not None
+    assert (await (await client.get(f"/v1/jobs/{job['id']}")).json())["state"] == "queued"
+    assert decision["outcome"] == "unplaceable"
+    assert {s["site"]: s["reasons"] for s in decision["sites"]} == {
+        "berlin": ["gpus-do-not-fit: site has no h100-80gb"],
+        "oregon": ["gpus-do-not-fit: site has no h100-80gb"],
+    }
+
+
+async def test_a_cancelled_running_job_stops_and_gives_its_gpus_back(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 8}, "duration_s": 600})).json()
+    await wait_for(client, job["id"], {"running"})
+    r = await client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status == 200 and (await r.json())["state"] == "cancelled"
+    again = await client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert again.status == 409 and "already cancelled" in (await again.json())["error"]["message"]
+    # The GPUs are free again: the next 8-GPU job runs.
+    nxt = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "next", "gpus": {"count": 8}})).json()
+    assert (await wait_for(client, nxt["id"], {"running", "succeeded"}))["site"] == "berlin"
+    events = await (await client.get(f"/v1/jobs/{job['id']}/events")).json()
+    assert [e["state"] for e in events["items"]][-1] == "cancelled"
+
+
+# --- bad input ---
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field", "problem"),
+    [
+        pytest.param({**MINIMAL, "gpus": {"count": "two"}}, 422, "gpus.count", "valid integer",
+                     id="a GPU count that is not a number is refused"),
+        pytest.param({**MINIMAL, "gpus": {"count": -1}}, 422, "gpus.count", "greater than or equal to 1",
+                     id="a negative GPU count is refused"),
+        pytest.param({**MINIMAL, "gpus": {"count": 1, "model": "a1000"}}, 422, "gpus.model", "unknown GPU model",
+                     id="an unknown GPU model is refused"),
+        pytest.param({**MINIMAL, "gpus": {"count": 1, "milli": 1500}}, 422, "gpus.milli", "less than or equal to 1000",
+                     id="more than a whole GPU as a fraction is refused"),
+        pytest.param({k: v for k, v in MINIMAL.items() if k != "tenant"}, 422, "tenant", "required",
+                     id="a missing tenant is refused"),
+        pytest.param({**MINIMAL, "gpu": {"count": 1}}, 422, "gpu", "unknown field",
+                     id="a misspelt field is refused"),
+        pytest.param({**MINIMAL, "duration_s": 0}, 422, "duration_s", "greater than 0",
+                     id="a zero duration is refused"),
+        pytest.param({**MINIMAL, "deadline": "2030-01-01T00:00:00"}, 422, "deadline", "timezone",
+                     id="a deadline without a time zone is refused"),
+        pytest.param([MINIMAL], 422, "(body)", "should be an object",
+                     id="a list instead of one job is refused"),
+    ],
+)
+async def test_an_invalid_job_spec_gets_a_4xx_naming_the_field(client, body, status, field, problem):
+    r = await client.post("/v1/jobs", json=body)
+    assert r.status == status
+    err = (await r.json())["error"]
+    assert err["status"] == status
+    assert any(f["field"] == field and problem in f["problem"] for f in err["fields"]), err
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "message"),
+    [
+        pytest.param(b'{"tenant": "t1", "name": ', 400, "malformed JSON", id="truncated JSON is a 400"),
+        pytest.param(b"", 400, "must be a JSON job spec", id="an empty body is a 400"),
+        pytest.param(b"\xff\xfe", 400, "malformed JSON", id="bytes that are not JSON are a 400"),
+        pytest.param(b'{"pad": "' + b"x" * 70_000 + b'"}', 413, "larger than the limit", id="an oversized body is a 413"),
+    ],
+)
+async def test_a_body_that_is_not_a_job_gets_a_clear_error_and_the_server_keeps_serving(client, raw, status, message):
+    r = await client.post("/v1/jobs", data=raw, headers={"Content-Type": "application/json"})
+    assert r.status == status
+    assert message in (await r.json())["error"]["message"]
+    assert (await client.get("/healthz")).status == 200
+    ok = await client.post("/v1/jobs", json=MINIMAL)
+    assert ok.status == 201
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        pytest.param("state=sleeping", "state", id="an unknown state filter is a 400 naming state"),
+        pytest.param("limit=0", "limit", id="a zero page size is a 400 naming limit"),
+        pytest.param("limit=many", "limit", id="a page size that is not a number is a 400 naming limit"),
+        pytest.param("cursor=bogus", "cursor", id="a made-up cursor is a 400 naming cursor"),
+    ],
+)
+async def test_a_bad_list_query_gets_a_400_naming_the_parameter(client, query, field):
+    r = await client.get(f"/v1/jobs?{query}")
+    assert r.status == 400
+    assert (await r.json())["error"]["fields"][0]["field"] == field
+
+
+async def test_unknown_jobs_endpoints_and_methods_answer_json_errors(client: TestClient):
+    r = await client.get("/v1/jobs/nope")
+    assert r.status == 404 and "no job with id nope" in (await r.json())["error"]["message"]
+    r = await client.get("/v1/nothing-here")
+    assert r.status == 404 and (await r.json())["error"]["status"] == 404
+    r = await client.patch("/v1/jobs")
+    assert r.status == 405 and "allowed" in (await r.json())["error"]["message"]
+
+
+# --- idempotency, pagination, documents ---
+
+
+async def test_a_repeated_idempotency_key_returns_the_first_job(client: TestClient):
+    first = await client.post("/v1/jobs", json=MINIMAL, headers={"Idempotency-Key": "abc"})
+    again = await client.post("/v1/jobs", json=MINIMAL, headers={"Idempotency-Key": "abc"})
+    assert first.status == again.status == 201
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert (await first.json())["id"] == (await again.json())["id"]
+    listed = await (await client.get("/v1/jobs?tenant=t1")).json()
+    assert len(listed["items"]) == 1
+
+
+async def test_concurrent_submissions_with_one_key_create_one_job(client: TestClient):
+    rs = await asyncio.gather(*(client.post("/v1/jobs", json=MINIMAL, headers={"Idempotency-Key": "k"}) for _ in range(20)))
+    ids = {(await r.json())["id"] for r in rs}
+    assert len(ids) == 1
+    assert len((await (await client.get("/v1/jobs")).json())["items"]) == 1
+
+
+async def test_an_idempotency_key_reused_with_another_body_is_a_conflict(client: TestClient):
+    await client.post("/v1/jobs", json=MINIMAL, headers={"Idempotency-Key": "abc"})
+    r = await client.post("/v1/jobs", json={**MINIMAL, "name": "other"}, headers={"Idempotency-Key": "abc"})
+    assert r.status == 409
+    assert (await r.json())["error"]["fields"][0]["field"] == "Idempotency-Key"
+
+
+async def test_job_lists_page_with_cursors_and_filter_by_tenant_and_state(client: TestClient):
+    for i in range(25):
+        await client.post("/v1/jobs", json={**MINIMAL, "tenant": "a" if i % 2 else "b", "name": f"j{i}",
+                                            "gpus": {"count": 1, "model": "h100-80gb"}})
+    seen, url = [], "/v1/jobs?limit=10"
+    while url:
+        page = await (await client.get(url)).json()
+        seen += [j["spec"]["name"] for j in page["items"]]
+        url = f"/v1/jobs?limit=10&cursor={page['next']}" if page["next"] else None
+    assert seen == [f"j{i}" for i in reversed(range(25))]
+    only_a = await (await client.get("/v1/jobs?tenant=a&state=queued&limit=100")).json()
+    assert len(only_a["items"]) == 12 and {j["spec"]["tenant"] for j in only_a["items"]} == {"a"}
+
+
+async def test_the_minimal_job_body_is_accepted_and_the_job_json_has_id_state_and_site(client: TestClient):
+    r = await client.post("/v1/jobs", json=MINIMAL)
+    assert r.status == 201
+    job = await r.json()
+    assert {"id", "state", "site"} <= set(job)
+    assert job["state"] == "queued" and job["site"] is None
+    assert r.headers["Location"] == f"/v1/jobs/{job['id']}"
+
+
+async def test_the_openapi_document_describes_the_jobs_api_from_the_models(client: TestClient):
+    doc = await (await client.get("/openapi.json")).json()
+    assert doc["openapi"].startswith("3.1")
+    assert {"/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/decision", "/v1/sites", "/v1/sites/{name}"} <= set(doc["paths"])
+    spec = doc["components"]["schemas"]["JobSpec"]
+    assert set(spec["required"]) == {"tenant", "name", "gpus", "duration_s"}
+    assert "milli" in doc["components"]["schemas"]["GpuRequest"]["properties"]
