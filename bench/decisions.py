@@ -1,0 +1,254 @@
+"""Placement decisions per second of the default pipeline over a large federation (1,000 sites by default).
+
+What runs:
+
+1. ``--sites`` site specs with varied GPU inventories (a100-40gb, a100-80gb, h100-80gb, l4, t4; one to three
+   node groups each), in eight ``gcp:``/``aws:`` regions, and a reported state for each: healthy (about 2%
+   unhealthy, about 1% never heard from), with free whole GPUs and free shares of shared GPUs drawn at
+   random. Seeded, so every run sees the same federation.
+2. ``--jobs`` distinct job specs (whole GPUs 1..8, some naming a model, some a minimum memory, some a
+   fraction of one GPU, some with allowed or denied regions), turned into ``JobRequest`` objects before the
+   timed loop (that conversion is timed on its own and reported).
+3. The timed loop, as step 3 of the scheduling cycle does it: ``pipeline.decide(req, snap)`` and, when the
+   job is placed, ``snap.assume(site, req, model)``, so later decisions see the debited capacity. When the
+   federation runs low on free GPUs (checked every 500 decisions, outside the timed section), the snapshot
+   is rebuilt from the original states with ``build_snapshot``; rebuilds are timed and reported on their
+   own, not counted in the decision rate.
+4. The cost of ``policies.explain.record`` (what the live cycle adds to keep a decision's explanation) and
+   of serialising that record to JSON (what the store adds), on a sample of decisions.
+
+This prints figures; it asserts nothing about timing. Usage::
+
+    .venv/bin/python bench/decisions.py [--sites 1000] [--jobs 50000] [--seed 1] [--explain-sample 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from broker import ids  # noqa: E402
+from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
+from policies import explain  # noqa: E402
+from policies.pipeline import default_pipeline  # noqa: E402
+from policies.snapshot import JobRequest, build_snapshot  # noqa: E402
+
+MODELS = ("a100-40gb", "a100-80gb", "h100-80gb", "l4", "t4")
+MODEL_WEIGHTS = (0.2, 0.2, 0.15, 0.25, 0.2)
+REGIONS = (
+    ("gcp:us-east1", "US-MIDA-PJM", "America/New_York"),
+    ("gcp:us-central1", "US-MIDW-MISO", "America/Chicago"),
+    ("gcp:europe-west4", "NL", "Europe/Amsterdam"),
+    ("gcp:asia-east1", "TW", "Asia/Taipei"),
+    ("aws:us-east-1", "US-MIDA-PJM", "America/New_York"),
+    ("aws:us-west-2", "US-NW-BPAT", "America/Los_Angeles"),
+    ("aws:eu-west-1", "IE", "Europe/Dublin"),
+    ("aws:ap-northeast-1", "JP-TK", "Asia/Tokyo"),
+)
+REGION_IDS = tuple(r[0] for r in REGIONS)
+
+
+def make_federation(n_sites: int, rng: random.Random) -> tuple[list[SiteSpec], dict[str, SiteState | None]]:
+    specs: list[SiteSpec] = []
+    states: dict[str, SiteState | None] = {}
+    for i in range(n_sites):
+        region, zone, tz = rng.choice(REGIONS)
+        models = rng.sample(MODELS, k=rng.choice((1, 1, 2, 2, 3)))
+        groups = []
+        for m in models:
+            per_node = rng.choice((1, 2, 4, 8, 8))
+            groups.append({"model": m, "gpus_per_node": per_node, "nodes": rng.randint(1, 16)})
+        name = f"site-{i:05d}"
+        spec = SiteSpec(
+            name=name, region=region, grid_zone=zone, timezone=tz,
+            latitude=rng.uniform(-60, 60), longitude=rng.uniform(-180, 180), gpus=groups,
+            usd_per_gpu_hour={m: round(rng.uniform(0.3, 12.0), 3) for m in models},
+        )
+        specs.append(spec)
+        roll = rng.random()
+        if roll < 0.01:
+            states[name] = None  # never heard from: unhealthy in the snapshot
+            continue
+        health = Health.UNHEALTHY if roll < 0.03 else Health.HEALTHY
+        capacity = []
+        for g in spec.gpus:
+            total = g.gpus
+            free = rng.randint(0, total) if rng.random() < 0.8 else 0
+            shared = rng.choice((0, 0, 0, 250, 500, 750)) if free < total else 0
+            capacity.append(ModelCapacity(
+                model=g.model, total_gpus=total, free_gpus=free, used_gpus=total - free,
+                shared_free_milli=shared, memory_gib_per_gpu=g.gpu_memory_gib,
+            ))
+        states[name] = SiteState(site=name, health=health, capacity=capacity,
+                                 reason=None if health == Health.HEALTHY else "bench: marked unhealthy")
+    return specs, states
+
+
+def make_jobs(n_jobs: int, rng: random.Random) -> list[JobSpec]:
+    jobs = []
+    for i in range(n_jobs):
+        gpus: dict = {}
+        kind = rng.random()
+        if kind < 0.15:
+            gpus = {"count": 1, "milli": rng.choice((250, 500))}
+        else:
+            gpus = {"count": rng.choice((1, 1, 1, 2, 2, 4, 4, 8))}
+        shape = rng.random()
+        if shape < 0.3:
+            gpus["model"] = rng.choices(MODELS, MODEL_WEIGHTS)[0]
+        elif shape < 0.5:
+            gpus["memory_gib"] = rng.choice((20, 32, 40, 80))
+        allowed: list[str] = []
+        denied: list[str] = []
+        where = rng.random()
+        if where < 0.2:
+            allowed = rng.sample(REGION_IDS, k=rng.randint(1, 3))
+        elif where < 0.3:
+            denied = rng.sample(REGION_IDS, k=rng.randint(1, 2))
+        jobs.append(JobSpec(
+            tenant=rng.choice(("vision", "nlp", "speech", "research")), name=f"bench-{i}", gpus=gpus,
+            duration_s=rng.choice((600, 3600, 4 * 3600)), priority=rng.choice((0, 0, 0, 10)),
+            allowed_regions=allowed, denied_regions=denied,
+        ))
+    return jobs
+
+
+def pct(values_ns: np.ndarray, q: float) -> float:
+    return float(np.percentile(values_ns, q)) / 1000.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sites", type=int, default=1000, help="sites in the federation (default %(default)s)")
+    p.add_argument("--jobs", type=int, default=50_000, help="distinct jobs to decide (default %(default)s)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the federation and the jobs")
+    p.add_argument("--explain-sample", type=int, default=2000,
+                   help="decisions whose explain.record cost is measured (default %(default)s)")
+    p.add_argument("--refresh-below", type=float, default=0.2,
+                   help="rebuild the snapshot when free whole GPUs fall below this share of the start")
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+
+    t = time.perf_counter()
+    specs, states = make_federation(args.sites, rng)
+    t_fed = time.perf_counter() - t
+    t = time.perf_counter()
+    jobs = make_jobs(args.jobs, rng)
+    t_jobs = time.perf_counter() - t
+
+    # JobRequest conversion: done before the timed loop, timed on its own.
+    t = time.perf_counter_ns()
+    reqs = [JobRequest.from_spec(f"job-{i:06d}", spec) for i, spec in enumerate(jobs)]
+    conv_ns = time.perf_counter_ns() - t
+
+    now = datetime.now(UTC)
+    pipeline = default_pipeline()
+    t = time.perf_counter_ns()
+    snap = build_snapshot(now, specs, states)
+    build_ns = time.perf_counter_ns() - t
+    start_free = int(snap.free_gpus[snap.healthy].sum())
+    refresh_at = max(1, int(start_free * args.refresh_below))
+
+    # Warm-up on a throwaway snapshot (first calls into numpy paths), then the measured run.
+    for req in reqs[:300]:
+        pl = pipeline.decide(req, snap)
+        if pl.placed:
+            snap.assume(pl.site, req, pl.model)
+    snap = build_snapshot(now, specs, states)
+
+    decide_ns = np.empty(len(reqs), dtype=np.int64)
+    assume_ns = 0
+    placed = 0
+    refreshes = 0
+    refresh_ns = 0
+    perf = time.perf_counter_ns
+    loop_start = perf()
+    untimed_ns = 0
+    for i, req in enumerate(reqs):
+        t0 = perf()
+        placement = pipeline.decide(req, snap)
+        t1 = perf()
+        decide_ns[i] = t1 - t0
+        if placement.site >= 0:
+            snap.assume(placement.site, req, placement.model)
+            assume_ns += perf() - t1
+            placed += 1
+        if i % 500 == 499:  # outside the timed section: is the federation running out of GPUs?
+            u0 = perf()
+            if int(snap.free_gpus[snap.healthy].sum()) < refresh_at:
+                snap = build_snapshot(now, specs, states)
+                refreshes += 1
+                refresh_ns += perf() - u0
+            untimed_ns += perf() - u0
+    loop_ns = perf() - loop_start - untimed_ns
+
+    # explain.record (and the JSON the store writes) on a sample, on a fresh snapshot.
+    snap = build_snapshot(now, specs, states)
+    sample = reqs[: min(args.explain_sample, len(reqs))]
+    record_ns = np.empty(len(sample), dtype=np.int64)
+    dumps_ns = np.empty(len(sample), dtype=np.int64)
+    record_bytes = 0
+    for i, req in enumerate(sample):
+        placement = pipeline.decide(req, snap)
+        t0 = perf()
+        rec = explain.record(pipeline, placement, snap)
+        t1 = perf()
+        text = json.dumps(rec, separators=(",", ":"))
+        t2 = perf()
+        record_ns[i] = t1 - t0
+        dumps_ns[i] = t2 - t1
+        record_bytes += len(text)
+        if placement.placed:
+            snap.assume(placement.site, req, placement.model)
+
+    n = len(reqs)
+    decide_total_s = decide_ns.sum() / 1e9
+    rate_loop = n / (loop_ns / 1e9)
+    rate_decide = n / decide_total_s
+    mean_record_us = record_ns.mean() / 1000
+    mean_decide_us = decide_ns.mean() / 1000
+    n_models = sum(1 for m in ids.GPU_MODEL_IDS if snap.total_gpus[:, ids.GPU_MODEL_IDS.index(m)].any())
+
+    print()
+    print(f"heliotrope placement benchmark: {args.sites} sites, {n} jobs, seed {args.seed}; "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}")
+    print(f"  federation: {len(specs)} sites in {len(REGIONS)} regions, {n_models} GPU models, "
+          f"{int(snap.total_gpus.sum())} GPUs, {start_free} free whole GPUs at healthy sites; "
+          f"{int((~snap.healthy).sum())} sites unhealthy or never heard from")
+    print(f"  setup (not timed below): site specs+states {t_fed:.2f} s, {n} JobSpecs {t_jobs:.2f} s")
+    print(f"  JobRequest.from_spec: done BEFORE the timed loop; {n} conversions in {conv_ns / 1e6:.1f} ms "
+          f"= {conv_ns / n / 1000:.2f} us each")
+    print(f"  build_snapshot({args.sites} sites): {build_ns / 1e6:.2f} ms; rebuilt {refreshes} times when free "
+          f"GPUs fell below {args.refresh_below:.0%} of the start "
+          f"({refresh_ns / max(refreshes, 1) / 1e6:.2f} ms each, not counted in the rates)")
+    print(f"  decide: mean {mean_decide_us:.1f} us, p50 {pct(decide_ns, 50):.1f} us, "
+          f"p99 {pct(decide_ns, 99):.1f} us, max {decide_ns.max() / 1000:.1f} us")
+    print(f"  assume: {assume_ns / max(placed, 1) / 1000:.2f} us per placement")
+    print(f"  explain.record on {len(sample)} decisions: mean {mean_record_us:.1f} us, "
+          f"p99 {pct(record_ns, 99):.1f} us; json.dumps of the record: mean {dumps_ns.mean() / 1000:.1f} us, "
+          f"p99 {pct(dumps_ns, 99):.1f} us, {record_bytes / len(sample) / 1024:.1f} KiB per record")
+    print()
+    print("=" * 78)
+    print(f"decisions/s at {args.sites} sites (decide + assume, JobRequest built beforehand): {rate_loop:,.0f}")
+    print(f"  decide alone: {rate_decide:,.0f}/s; mean {mean_decide_us:.1f} us, p99 {pct(decide_ns, 99):.1f} us "
+          f"per decision; placed {placed}/{n} = {placed / n:.1%}")
+    per_live_us = mean_decide_us + mean_record_us + conv_ns / n / 1000
+    print(f"  with explain.record per decision (+{mean_record_us:.1f} us) and from_spec "
+          f"(+{conv_ns / n / 1000:.2f} us), as the live cycle does: {1e6 / per_live_us:,.0f}/s")
+    print("=" * 78)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

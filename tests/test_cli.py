@@ -1,0 +1,117 @@
+"""The ``heliotrope`` command against a real server process: tables, --json, and errors as messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from broker.cli import main
+from tests.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def run(capsys, server, *args: str) -> tuple[int, str, str]:
+    code = main(["--server", server.url, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def submit_file(tmp_path: Path, **spec) -> Path:
+    body = {"tenant": "t1", "name": "cli-job", "gpus": {"count": 1}, "duration_s": 60} | spec
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_submit_then_list_show_explain_and_cancel_a_job(capsys, server, tmp_path):
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=600)))
+    assert code == 0
+    job_id = json.loads(out)["id"]
+
+    for _ in range(100):
+        code, out, _ = run(capsys, server, "--json", "job", job_id)
+        if json.loads(out)["state"] == "running":
+            break
+        time.sleep(0.05)
+    assert json.loads(out)["state"] == "running"
+
+    code, out, _ = run(capsys, server, "jobs")
+    assert code == 0
+    header, row = out.splitlines()[:2]
+    assert header.split()[:5] == ["ID", "TENANT", "NAME", "GPUS", "STATE"]
+    assert row.split()[:5] == [job_id, "t1", "cli-job", "1", "running"]
+
+    code, out, _ = run(capsys, server, "explain", job_id)
+    assert code == 0
+    assert "placed on alpha" in out
+    assert "free_gpus raw 8" in out  # alpha had 8 free a100-80gb when it was chosen
+    assert "beta" in out
+
+    code, out, _ = run(capsys, server, "job", job_id)
+    assert f"job {job_id}  t1/cli-job" in out and "running on alpha" in out
+
+    code, out, _ = run(capsys, server, "cancel", job_id)
+    assert code == 0 and out.strip() == f"job {job_id} cancelled"
+
+
+def test_sites_are_added_listed_shown_and_removed(capsys, server, tmp_path):
+    code, out, _ = run(capsys, server, "sites", "add", str(ROOT / "config" / "site-example.yaml"))
+    assert code == 0 and "singapore" in out
+    code, out, _ = run(capsys, server, "sites", "list")
+    names = [line.split()[0] for line in out.splitlines()[1:]]
+    assert names == ["alpha", "beta", "singapore"]
+    assert "l4 8/8" in out  # "NVIDIA L4" in the file was canonicalised
+    code, out, _ = run(capsys, server, "sites", "get", "singapore")
+    assert yaml.safe_load(out)["grid_zone"] == "SG"
+    code, out, _ = run(capsys, server, "sites", "remove", "singapore")
+    assert code == 0 and out.strip() == "site singapore removed"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(("job", "nope"), "no job with id nope", id="an unknown job id is a message"),
+        pytest.param(("cancel", "nope"), "no job with id nope", id="cancelling an unknown job is a message"),
+        pytest.param(("sites", "get", "nowhere"), "no site named nowhere", id="an unknown site is a message"),
+        pytest.param(("submit", "/does/not/exist.yaml"), "cannot read", id="a missing file is a message"),
+    ],
+)
+def test_errors_are_one_line_messages_not_tracebacks(capsys, server, args, message):
+    code, out, err = run(capsys, server, *args)
+    assert code == 1
+    assert message in err and "Traceback" not in err
+    assert out == ""
+
+
+def test_an_invalid_job_file_names_every_bad_field(capsys, server, tmp_path):
+    path = submit_file(tmp_path, gpus={"count": -2, "model": "a1000"})
+    code, _, err = run(capsys, server, "submit", str(path))
+    assert code == 1
+    assert "gpus.count: Input should be greater than or equal to 1" in err
+    assert "gpus.model: unknown GPU model 'a1000'" in err
+
+
+def test_a_broker_that_is_not_running_is_a_clear_message(capsys):
+    code = main(["--server", f"http://127.0.0.1:{free_port()}", "jobs"])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert "cannot reach the broker" in err and "heliotrope serve" in err
+
+
+def test_serve_with_a_broken_config_prints_the_field_and_exits_1(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sites:\n  - name: x\n    region: gcp:us-east1\n    grid_zone: DE\n    timezone: Mars/Olympus\n"
+                   "    latitude: 0\n    longitude: 0\n    gpus: [{model: a100, gpus_per_node: 8, nodes: 1}]\n")
+    proc = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(bad), "--db",
+                           str(tmp_path / "x.db"), "--port", str(free_port())],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert f"{bad}: sites[0].timezone: 'Mars/Olympus' is not an IANA time zone" in proc.stderr
+    assert "Traceback" not in proc.stderr
