@@ -204,7 +204,7 @@ def _serve(args: argparse.Namespace) -> None:
         from broker.demo import feed
 
         feeder = lambda url: feed(url, config.sites, rate_per_s=args.rate, seed=args.seed)  # noqa: E731
-    asyncio.run(run(settings, config.sites, feeder=feeder))
+    asyncio.run(run(settings, config.sites, feeder=feeder, log_jobs=args.command == "demo" or args.log_jobs))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -220,6 +220,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--host", default=None, help="address to listen on (default from config: 127.0.0.1)")
         s.add_argument("--port", type=int, default=None, help="port (default from config: 8080)")
         s.add_argument("--db", default="var/demo.db" if name == "demo" else None, help="SQLite database file")
+        s.add_argument("--log-jobs", action="store_true", help="log every job transition (on in the demo)")
         if name == "demo":
             s.add_argument("--rate", type=float, default=0.5, help="sample jobs per second (default %(default)s)")
             s.add_argument("--seed", type=int, default=1, help="seed of the sample job stream")

@@ -43,8 +43,7 @@ async def feed(url: str, sites: list[SiteSpec], rate_per_s: float = 0.5, seed: i
             if interval is not None:
                 n += 1
                 try:
-                    job = await client.request("POST", "/v1/jobs", sample_job(rng, models, n))
-                    log.info("submitted %s %s", job["id"], job["spec"]["name"])
+                    await client.request("POST", "/v1/jobs", sample_job(rng, models, n))
                 except ApiClientError as e:
                     log.warning("sample job refused: %s", e)
             if n % 10 == 0 or interval is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -24,6 +25,8 @@ from typing import Any
 from broker.clock import Clock
 from broker.models import IllegalTransition, Job, JobSpec, JobState
 from broker.store import Store
+
+transitions_log = logging.getLogger("heliotrope.jobs")  # one line per transition; `heliotrope demo` shows it
 
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 
@@ -145,6 +148,7 @@ class JobBook:
         if job is None:
             raise JobNotFound(job_id)
         new = job.transition(dst, self._clock.now(), **changes)
+        transitions_log.info("%s %s/%s: %s -> %s (%s)", job_id, job.spec.tenant, job.spec.name, job.state, dst, new.reason)
         self.seq += 1
         if job.state == JobState.DISPATCHING and dst == JobState.ADMITTED:
             self.admitted_seq[job_id] = self.seq

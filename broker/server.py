@@ -35,8 +35,10 @@ async def run(
     sites: list[SiteSpec],
     feeder: Callable[[str], Awaitable[None]] | None = None,
     ready: Callable[[int], None] | None = None,
+    log_jobs: bool = False,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("heliotrope.jobs").setLevel(logging.INFO if log_jobs else logging.WARNING)
     broker = Broker(settings)
     await broker.start(sites)
     runner = web.AppRunner(create_app(broker), access_log=None, handle_signals=False)

@@ -16,7 +16,7 @@ import numpy as np
 from broker import ids
 from broker.models import Decision, ScoreTerm, SiteVerdict
 from policies.filters import Filter
-from policies.pipeline import Pipeline, Placement
+from policies.pipeline import TIE_EPSILON, Pipeline, Placement
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 
 RECORD_VERSION = 1
@@ -105,10 +105,13 @@ def render(
     if rec["site"] is not None:
         outcome = "placed"
         score = rec["totals"][rec["sites"].index(rec["site"])]
+        tied = [v.site for v in verdicts if v.feasible and v.site != rec["site"] and v.score >= score - TIE_EPSILON]
         summary = (
             f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): "
             f"best of {n_feasible} feasible of {len(verdicts)} sites"
         )
+        if tied:
+            summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
     elif deferred_until is not None:
         outcome = "deferred"
         summary = f"deferred until {deferred_until.isoformat()}"
