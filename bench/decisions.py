@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from broker import ids  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
 from policies import explain  # noqa: E402
-from policies.pipeline import default_pipeline  # noqa: E402
+from policies.pipeline import choose_model, default_pipeline  # noqa: E402
 from policies.snapshot import JobRequest, build_snapshot  # noqa: E402
 
 MODELS = ("a100-40gb", "a100-80gb", "h100-80gb", "l4", "t4")
@@ -215,6 +215,27 @@ def main() -> int:
         if placement.placed:
             snap.assume(placement.site, req, placement.model)
 
+    # Where a decision's time goes: each filter, each scorer and the model choice, called on their own.
+    snap = build_snapshot(now, specs, states)
+    parts: dict[str, int] = {f"filter {f.code}": 0 for f in pipeline.filters}
+    parts.update({f"scorer {w.scorer.name}": 0 for w in pipeline.scorers})
+    parts["choose_model (placed jobs)"] = 0
+    for req in sample:
+        for f in pipeline.filters:
+            t0 = perf()
+            f.passes(req, snap)
+            parts[f"filter {f.code}"] += perf() - t0
+        for w in pipeline.scorers:
+            t0 = perf()
+            w.scorer.raw(req, snap)
+            parts[f"scorer {w.scorer.name}"] += perf() - t0
+        placement = pipeline.decide(req, snap)
+        if placement.placed:
+            t0 = perf()
+            choose_model(req, snap, placement.site)
+            parts["choose_model (placed jobs)"] += perf() - t0
+            snap.assume(placement.site, req, placement.model)
+
     n = len(reqs)
     decide_total_s = decide_ns.sum() / 1e9
     rate_loop = n / (loop_ns / 1e9)
@@ -237,6 +258,8 @@ def main() -> int:
           f"({refresh_ns / max(refreshes, 1) / 1e6:.2f} ms each, not counted in the rates)")
     print(f"  decide: mean {mean_decide_us:.1f} us, p50 {pct(decide_ns, 50):.1f} us, "
           f"p99 {pct(decide_ns, 99):.1f} us, max {decide_ns.max() / 1000:.1f} us")
+    print("  inside decide, called on their own (mean per decision): "
+          + ", ".join(f"{k} {v / len(sample) / 1000:.1f} us" for k, v in parts.items()))
     print(f"  assume: {assume_ns / max(placed, 1) / 1000:.2f} us per placement")
     print(f"  explain.record on {len(sample)} decisions: mean {mean_record_us:.1f} us, "
           f"p99 {pct(record_ns, 99):.1f} us; json.dumps of the record: mean {dumps_ns.mean() / 1000:.1f} us, "

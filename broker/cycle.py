@@ -31,7 +31,7 @@ from broker.jobs import JobBook
 from broker.models import Job, JobState
 from broker.store import Store
 from policies import explain
-from policies.pipeline import Pipeline, Placement, default_pipeline
+from policies.pipeline import Pipeline, default_pipeline
 from policies.snapshot import JobRequest, Snapshot
 
 log = logging.getLogger(__name__)
@@ -82,39 +82,58 @@ class SchedulingCycle:
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, asked_at)
-        # 3. decide
-        placements: list[tuple[Job, Placement, dict[str, Any]]] = []
+        # 3. decide, and assume each placement in memory at once (no await until step 4)
+        assumed: list[tuple[Job, Job, int, dict[str, Any]]] = []  # (before, after, version replaced, record)
         records: list[tuple[Job, dict[str, Any]]] = []
         queued = self.book.queued()
         for job in queued:
             req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id))
             placement = self.pipeline.decide(req, snap)
             if placement.placed:
-                placements.append((job, placement, explain.record(self.pipeline, placement, snap)))
+                rec = explain.record(self.pipeline, placement, snap)
+                site = snap.sites[placement.site]
                 snap.assume(placement.site, req, placement.model)
-                self._in_flight[job.id] = InFlight(snap.sites[placement.site], job.attempt + 1, req, placement.model)
+                new, version = self.book.apply(
+                    job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
+                    reason=f"placed on {site}; dispatching",
+                )
+                self._in_flight[job.id] = InFlight(site, new.attempt, req, placement.model)
                 self._last_seen.pop(job.id, None)
+                assumed.append((job, new, version, rec))
                 continue
             seen = placement.failures.tobytes() + repr(sorted(req.excluded_sites)).encode()
             if self._last_seen.get(job.id) != seen:  # record only decisions that changed
                 self._last_seen[job.id] = seen
                 records.append((job, explain.record(self.pipeline, placement, snap)))
-        # 4. assume
-        writes = [self.store.save_decision(job.id, job.attempt, rec) for job, rec in records]
-        assumed = [self._assume(job, placement, rec, snap) for job, placement, rec in placements]
-        results = await asyncio.gather(*assumed, *writes, return_exceptions=True)
-        # 5. dispatch
-        for result in results[: len(assumed)]:
-            if isinstance(result, Job):
-                task = asyncio.get_running_loop().create_task(self._dispatch(result), name=f"dispatch-{result.id}")
+        # 4. assume in the store: every placement and changed decision, in one group commit
+        results = await asyncio.gather(
+            *(self._persist(*a) for a in assumed),
+            *(self.store.save_decision(job.id, job.attempt, rec) for job, rec in records),
+            return_exceptions=True,
+        )
+        # 5. dispatch what is safely on disk
+        for (_, new, _, _), ok in zip(assumed, results):
+            if ok is True:
+                task = asyncio.get_running_loop().create_task(self._dispatch(new), name=f"dispatch-{new.id}")
                 self._dispatches.add(task)
                 task.add_done_callback(self._dispatches.discard)
-            elif isinstance(result, BaseException):
-                log.error("could not assume a placement: %s", result)
         for result in results[len(assumed):]:
             if isinstance(result, BaseException):
                 log.error("could not record a decision: %s", result)
-        return CycleReport(decided=len(queued), placed=len(placements), unplaceable=len(queued) - len(placements))
+        return CycleReport(decided=len(queued), placed=len(assumed), unplaceable=len(queued) - len(assumed))
+
+    async def _persist(self, before: Job, new: Job, version: int, rec: dict[str, Any]) -> bool:
+        """Write an assumed placement; if the write fails, undo it in memory so the job is decided again."""
+        try:
+            await asyncio.gather(
+                self.store.update_job(new, version, event_reason=f"placed on {new.site} ({rec['model']})"),
+                self.store.save_decision(new.id, new.attempt, rec),
+            )
+            return True
+        except Exception as e:
+            log.error("job %s: could not store its placement on %s (%s); it stays queued", new.id, new.site, e)
+            self.book.restore(before, replacing=new)
+            return False
 
     def _debit_in_flight(self, snap: Snapshot, asked_at: int) -> None:
         """Debit placements the reports cannot show yet; forget those a report has caught up with."""
@@ -129,19 +148,6 @@ class SchedulingCycle:
                     snap.assume(site, f.request, f.model)
             else:
                 del self._in_flight[job_id]  # admitted before the report was asked for: the report has it
-
-    async def _assume(self, job: Job, placement: Placement, rec: dict[str, Any], snap: Snapshot) -> Job:
-        site = snap.sites[placement.site]
-        attempt = job.attempt + 1
-        new, version = self.book.apply(
-            job.id, JobState.DISPATCHING, site=site, attempt=attempt, gpu_model=rec["model"],
-            reason=f"placed on {site}; dispatching",
-        )
-        await asyncio.gather(
-            self.store.update_job(new, version, event_reason=f"placed on {site} ({rec['model']})"),
-            self.store.save_decision(job.id, attempt, rec),
-        )
-        return new
 
     async def _dispatch(self, job: Job) -> None:
         site = job.site

@@ -162,6 +162,16 @@ class JobBook:
             self.changed.set()
         return new, job.version
 
+    def restore(self, job: Job, replacing: Job) -> bool:
+        """Put ``job`` back in memory if ``replacing`` is still current (undo of a change that was not stored)."""
+        current = self.active.get(job.id)
+        if current is None or current.version != replacing.version:
+            return False
+        self.active[job.id] = job
+        self.admitted_seq.pop(job.id, None)
+        self.changed.set()
+        return True
+
     async def transition(self, job_id: str, dst: JobState, **changes: Any) -> Job:
         """Apply a transition and wait until it is on disk."""
         new, version = self.apply(job_id, dst, **changes)

@@ -15,6 +15,7 @@ from broker.clock import ManualClock
 from broker.config import BrokerSettings
 from broker.models import Job, JobState, SimulatedAdapterConfig, SiteSpec, SiteState
 from broker.service import Broker
+from broker.store import StoreError
 from policies import explain
 from policies.snapshot import JobRequest
 from tests.builders import job, site
@@ -241,3 +242,28 @@ async def test_fractional_jobs_share_one_gpu(make):
     states = [(await h.job(j.id)).state for j in jobs]
     assert states.count(JobState.RUNNING) == 4
     assert states.count(JobState.QUEUED) == 1
+
+
+async def test_a_placement_the_store_cannot_write_is_not_dispatched_and_the_job_stays_queued(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    j = await h.submit(count=8, duration_s=600)
+    store = h.broker.store
+    real_update = store.update_job
+    failures = []
+
+    async def failing_update(job, expected_version, event_reason=None):
+        if job.state == JobState.DISPATCHING and not failures:
+            failures.append(job.id)
+            raise StoreError("disk full")
+        return await real_update(job, expected_version, event_reason)
+
+    store.update_job = failing_update  # type: ignore[method-assign]
+    await h.cycle()
+    await h.step(1.0)
+    assert failures == [j.id]
+    assert (await h.job(j.id)).state == JobState.QUEUED
+    assert h.broker.federation.get("alpha").adapter._runs == {}  # the site never heard of it
+    # The next cycle places it for real.
+    await h.cycle()
+    await h.step(1.0)
+    assert (await h.job(j.id)).state == JobState.RUNNING
