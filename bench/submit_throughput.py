@@ -31,7 +31,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -295,14 +295,31 @@ def main() -> int:
         spy: subprocess.Popen | None = None
         if args.py_spy:
             spy_bin = Path(sys.executable).parent / "py-spy"
+            if not spy_bin.exists():
+                raise RuntimeError(f"--py-spy needs py-spy: {Path(sys.executable).parent}/pip install py-spy")
             spy = subprocess.Popen([str(spy_bin), "record", "-p", str(broker.pid), "-d", str(args.duration),
                                     "-r", "200", "-f", "speedscope", "-o", str(Path(args.py_spy).resolve())],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(spy)
-        t0 = time.monotonic()
-        result = run_wrk(f"{base}/v1/jobs", lua, args, run_id)
+        # Once a second during the load: active jobs and cycles, from GET /healthz (one light request).
+        series: list[tuple[float, int, int]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            start = time.monotonic()
+            while not done.wait(1.0):
+                h = http_get(f"{base}/healthz", timeout=5.0)
+                if h is not None:
+                    series.append((time.monotonic() - start, h["active_jobs"], h["cycles"]))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            result = run_wrk(f"{base}/v1/jobs", lua, args, run_id)
+        finally:
+            done.set()
+            sampler.join()
         after = http_get(f"{base}/healthz", timeout=30.0) or {}
-        health_s = time.monotonic() - t0 - args.duration
         if spy is not None:
             spy.wait(60)
 
@@ -310,13 +327,16 @@ def main() -> int:
         t_stop = time.monotonic()
         status = stop(broker, timeout=args.shutdown_timeout)
         stop_s = time.monotonic() - t_stop
-        with sqlite3.connect(db) as conn:
+        conn = sqlite3.connect(db)
+        try:
             on_disk = conn.execute("SELECT COUNT(*) FROM jobs WHERE tenant = 'bench'").fetchone()[0]
             names = conn.execute(
                 "SELECT COUNT(DISTINCT json_extract(doc, '$.spec.name')) FROM jobs WHERE tenant = 'bench'"
             ).fetchone()[0]
             states = dict(conn.execute(
                 "SELECT state, COUNT(*) FROM jobs WHERE tenant = 'bench' GROUP BY state").fetchall())
+        finally:
+            conn.close()
         err_lines = [ln for ln in errlog.read_text(errors="replace").splitlines()
                      if " ERROR " in ln or "Traceback" in ln]
 
@@ -329,8 +349,12 @@ def main() -> int:
             print_run("bare aiohttp POST (reference)", bare)
         print_run("heliotrope POST /v1/jobs", result)
         print(f"    broker after the load: {after.get('active_jobs', '?')} active jobs, "
-              f"{after.get('cycles', '?')} scheduling cycles since start "
-              f"(GET /healthz answered {max(health_s, 0):.2f} s after the load ended)")
+              f"{after.get('cycles', '?')} scheduling cycles since start")
+        if len(series) > 1:
+            rates = [f"{b[1] - a[1]:.0f}" for a, b in zip(series, series[1:])]
+            cycles = [f"{b[2] - a[2]}" for a, b in zip(series, series[1:])]
+            print(f"    per second during the load (GET /healthz once a second): new jobs {', '.join(rates)}")
+            print(f"      scheduling cycles {', '.join(cycles)}; queue at the end {series[-1][1]} active jobs")
         if status is None:
             print(f"    broker did NOT exit within {args.shutdown_timeout:g} s of SIGTERM: killed with SIGKILL "
                   f"(the count below is then also a crash-durability check)")
@@ -351,7 +375,10 @@ def main() -> int:
                   f"heliotrope reaches {100 * result['ok_per_s'] / bare['rps']:.0f}% of it")
         print(f"201s counted by wrk: {result['ok201']}, jobs on disk after shutdown: {on_disk} "
               f"({names} distinct names; states {states})")
-        if in_flight > 0:
+        if in_flight > args.connections:
+            print(f"  WARNING: {in_flight} more jobs on disk than 201s counted, more than the {args.connections} "
+                  f"requests that can be in flight")
+        elif in_flight > 0:
             print(f"  {in_flight} more on disk than 201s counted: requests still in flight when wrk stopped "
                   f"(at most {args.connections}, one per connection) were committed, but wrk did not wait "
                   f"for their answers")

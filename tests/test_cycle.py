@@ -262,7 +262,7 @@ async def test_a_placement_the_store_cannot_write_is_not_dispatched_and_the_job_
     await h.step(1.0)
     assert failures == [j.id]
     assert (await h.job(j.id)).state == JobState.QUEUED
-    assert h.broker.federation.get("alpha").adapter._runs == {}  # the site never heard of it
+    assert await h.broker.federation.get("alpha").adapter.known_attempts() == set()  # never dispatched
     # The next cycle places it for real.
     await h.cycle()
     await h.step(1.0)
