@@ -33,7 +33,10 @@ class BrokerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     db: str = "var/heliotrope.db"
-    cycle_interval_s: float = Field(default=1.0, gt=0, description="longest wait between scheduling cycles")
+    cycle_interval_s: float = Field(
+        default=1.0, gt=0, description="longest wait between scheduling cycles, and between full passes"
+    )
+    min_cycle_gap_s: float = Field(default=0.05, ge=0, description="shortest wait between scheduling cycles")
     collect_timeout_s: float = Field(default=2.0, gt=0, description="how long a site may take to report")
     site_stale_after_s: float = Field(default=15.0, gt=0, description="a site silent this long is unhealthy")
     dispatch_timeout_s: float = Field(default=30.0, gt=0, description="how long a site may take to admit")

@@ -1,6 +1,8 @@
 """The scheduling cycle, in numbered steps:
 
-1. collect  — ask every site for capacity and telemetry (concurrently, each with a timeout);
+1. collect  — ask every site for capacity and telemetry (concurrently, each with a timeout). This is a
+              full pass, which then decides the whole queue; it runs when capacity may have grown or
+              every ``full_pass_interval_s``. Between full passes, a pass decides only new jobs;
 2. snapshot — freeze the federation into arrays, carrying ``now`` from the injected clock, and debit the
               placements still in flight: dispatched but not yet admitted, or admitted after the site's
               report was asked for (Kueue's assumed workloads), so no GPU is promised twice;
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from adapters.base import Admission
@@ -31,7 +34,7 @@ from broker.jobs import JobBook
 from broker.models import Job, JobState
 from broker.store import Store
 from policies import explain
-from policies.pipeline import Pipeline, default_pipeline
+from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import JobRequest, Snapshot
 
 log = logging.getLogger(__name__)
@@ -49,9 +52,27 @@ class InFlight:
 
 @dataclass(frozen=True, slots=True)
 class CycleReport:
+    full: bool
     decided: int
     placed: int
     unplaceable: int
+
+
+class _Failure:
+    """An unplaceable decision shared by every job of the same request shape in one pass."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.signature = placement.failures.tobytes()
+        self._record: dict[str, Any] | None = None
+
+    def record(self, pipeline: Pipeline, snap: Snapshot) -> dict[str, Any]:
+        if self._record is None:
+            self._record = explain.record(pipeline, self.placement, snap)
+        return self._record
+
+
+YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 
 
 class SchedulingCycle:
@@ -63,6 +84,7 @@ class SchedulingCycle:
         store: Store,
         pipeline: Pipeline | None = None,
         dispatch_timeout_s: float = 30.0,
+        full_pass_interval_s: float = 1.0,
     ) -> None:
         self.clock = clock
         self.federation = federation
@@ -74,37 +96,76 @@ class SchedulingCycle:
         self._dispatches: set[asyncio.Task[None]] = set()
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
         self._in_flight: dict[str, InFlight] = {}
+        self._requests: dict[str, JobRequest] = {}
+        self.full_pass_interval_s = full_pass_interval_s
+        self._last_full: datetime | None = None
+        self._asked_at = 0  # book.seq when the sites were last asked for reports
 
-    async def run_once(self) -> CycleReport:
-        # 1. collect
-        asked_at = self.book.seq
-        await self.federation.collect()
+    def full_pass_due(self, now: datetime) -> bool:
+        """A full pass asks the sites again and re-decides the whole queue. It is due when capacity may
+        have grown (a job left a site, sites changed, a refusal expired) or ``full_pass_interval_s`` has
+        passed; otherwise only new jobs are decided, since jobs that did not fit before still cannot."""
+        return (
+            self._last_full is None
+            or self.book.capacity_freed
+            or self.federation.membership_changed
+            or self.book.refusal_expired(now)
+            or (now - self._last_full).total_seconds() >= self.full_pass_interval_s
+        )
+
+    async def run_once(self, full: bool | None = None) -> CycleReport:
+        now = self.clock.now()
+        if full is None:
+            full = self.full_pass_due(now)
+        # 1. collect (full passes; between them the last reports stand and step 2 debits what was placed since)
+        if full:
+            self._last_full = now
+            self.book.capacity_freed = False
+            self.federation.membership_changed = False
+            self._asked_at = self.book.seq
+            await self.federation.collect()
+            self.book.fresh.clear()
+            jobs = self.book.queued()
+            self._forget_gone()
+        else:
+            jobs = self.book.take_fresh()
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
-        self._debit_in_flight(snap, asked_at)
-        # 3. decide, and assume each placement in memory at once (no await until step 4)
+        self._debit_in_flight(snap, self._asked_at)
+        # 3. decide, and assume each placement in memory at once
         assumed: list[tuple[Job, Job, int, dict[str, Any]]] = []  # (before, after, version replaced, record)
         records: list[tuple[Job, dict[str, Any]]] = []
-        queued = self.book.queued()
-        for job in queued:
-            req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id))
-            placement = self.pipeline.decide(req, snap)
-            if placement.placed:
-                rec = explain.record(self.pipeline, placement, snap)
-                site = snap.sites[placement.site]
-                snap.assume(placement.site, req, placement.model)
-                new, version = self.book.apply(
-                    job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
-                    reason=f"placed on {site}; dispatching",
-                )
-                self._in_flight[job.id] = InFlight(site, new.attempt, req, placement.model)
-                self._last_seen.pop(job.id, None)
-                assumed.append((job, new, version, rec))
+        failed: dict[tuple[Any, ...], _Failure] = {}  # request shape -> its failure in this pass
+        decided = 0
+        for n, queued_job in enumerate(jobs):
+            if n and n % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # let the API breathe during a long pass
+            job = self.book.active.get(queued_job.id)
+            if job is None or job.state != JobState.QUEUED:
+                continue  # cancelled or changed while the pass yielded
+            decided += 1
+            req = self._request(job)
+            failure = failed.get(req.shape)
+            if failure is None:  # capacity only shrinks within a pass: a shape that failed fails again
+                placement = self.pipeline.decide(req, snap)
+                if not placement.placed:
+                    failure = failed[req.shape] = _Failure(placement)
+            if failure is not None:
+                if self._last_seen.get(job.id) != failure.signature:  # record only decisions that changed
+                    self._last_seen[job.id] = failure.signature
+                    records.append((job, failure.record(self.pipeline, snap)))
                 continue
-            seen = placement.failures.tobytes() + repr(sorted(req.excluded_sites)).encode()
-            if self._last_seen.get(job.id) != seen:  # record only decisions that changed
-                self._last_seen[job.id] = seen
-                records.append((job, explain.record(self.pipeline, placement, snap)))
+            rec = explain.record(self.pipeline, placement, snap)
+            site = snap.sites[placement.site]
+            snap.assume(placement.site, req, placement.model)
+            new, version = self.book.apply(
+                job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
+                reason=f"placed on {site}; dispatching",
+            )
+            self._in_flight[job.id] = InFlight(site, new.attempt, req, placement.model)
+            self._last_seen.pop(job.id, None)
+            self._requests.pop(job.id, None)
+            assumed.append((job, new, version, rec))
         # 4. assume in the store: every placement and changed decision, in one group commit
         results = await asyncio.gather(
             *(self._persist(*a) for a in assumed),
@@ -120,7 +181,22 @@ class SchedulingCycle:
         for result in results[len(assumed):]:
             if isinstance(result, BaseException):
                 log.error("could not record a decision: %s", result)
-        return CycleReport(decided=len(queued), placed=len(assumed), unplaceable=len(queued) - len(assumed))
+        return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
+
+    def _request(self, job: Job) -> JobRequest:
+        """The job's placement request, cached until the sites it must skip change."""
+        excluded = self.book.refused_sites(job.id)
+        req = self._requests.get(job.id)
+        if req is None or req.excluded_sites != excluded:
+            req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, excluded)
+        return req
+
+    def _forget_gone(self) -> None:
+        """Drop cached requests and decision signatures of jobs no longer queued."""
+        active = self.book.active
+        for cache in (self._requests, self._last_seen):
+            for job_id in [j for j in cache if j not in active]:
+                del cache[job_id]
 
     async def _persist(self, before: Job, new: Job, version: int, rec: dict[str, Any]) -> bool:
         """Write an assumed placement; if the write fails, undo it in memory so the job is decided again."""
@@ -152,12 +228,16 @@ class SchedulingCycle:
     async def _dispatch(self, job: Job) -> None:
         site = job.site
         assert site is not None
+        current = self.book.active.get(job.id)
+        if current is None or current.attempt != job.attempt or current.state != JobState.DISPATCHING:
+            return  # cancelled before the site heard of it
         member = self.federation.get(site)
         if member is None:
             admission = Admission.rejected("site was removed")
         else:
             try:
-                admission = await asyncio.wait_for(member.adapter.submit(job), self.dispatch_timeout_s)
+                async with asyncio.timeout(self.dispatch_timeout_s):
+                    admission = await member.adapter.submit(job)
             except Exception as e:
                 reason = "no answer in time" if isinstance(e, TimeoutError) else str(e)
                 admission = Admission.rejected(f"dispatch failed: {reason}")
@@ -185,7 +265,8 @@ class SchedulingCycle:
         if member is None:
             return
         try:
-            await asyncio.wait_for(member.adapter.cancel(job.id, job.attempt), self.dispatch_timeout_s)
+            async with asyncio.timeout(self.dispatch_timeout_s):
+                await member.adapter.cancel(job.id, job.attempt)
         except Exception as e:
             log.error("could not withdraw job %s attempt %d from %s: %s", job.id, job.attempt, job.site, e)
 
@@ -208,5 +289,3 @@ class SchedulingCycle:
             await asyncio.wait(list(self._dispatches), timeout=remaining)
         return 0
 
-    def forget(self, job_id: str) -> None:
-        self._last_seen.pop(job_id, None)

@@ -51,6 +51,8 @@ class Federation:
         self.stale_after_s = stale_after_s
         self.collect_timeout_s = collect_timeout_s
         self.members: dict[str, Member] = {}
+        self._base: Snapshot | None = None  # arrays of the last reports; rebuilt when they change
+        self.membership_changed = False  # a site joined, changed or left since the last full pass
 
     def __contains__(self, name: str) -> bool:
         return name in self.members
@@ -65,6 +67,8 @@ class Federation:
         await adapter.start()
         member = Member(spec, adapter)
         self.members[spec.name] = member
+        self._base = None
+        self.membership_changed = True
         await self._collect_one(member)
         return member
 
@@ -77,11 +81,15 @@ class Federation:
             await member.adapter.start()
             member.state = None
         member.spec = spec
+        self._base = None
+        self.membership_changed = True
         await self._collect_one(member)
         return member
 
     async def remove(self, name: str) -> None:
         member = self.members.pop(name)
+        self._base = None
+        self.membership_changed = True
         await member.adapter.close()
 
     async def close(self) -> None:
@@ -93,8 +101,10 @@ class Federation:
 
     async def _collect_one(self, member: Member) -> None:
         now = self._clock.now()
+        self._base = None
         try:
-            state = await asyncio.wait_for(member.adapter.snapshot(), self.collect_timeout_s)
+            async with asyncio.timeout(self.collect_timeout_s):
+                state = await member.adapter.snapshot()
         except TimeoutError:
             member.error = f"no report within {self.collect_timeout_s:g} s"
         except Exception as e:  # an adapter's failure is the site's health, not the broker's crash
@@ -108,10 +118,16 @@ class Federation:
             member.state = member.state.model_copy(update={"health": Health.UNHEALTHY, "reason": member.error})
 
     def freeze(self, now: datetime) -> Snapshot:
-        """Step 2 of the cycle: the frozen arrays the policies decide on."""
-        specs = [m.spec for m in self.members.values()]
-        states = {name: self._fresh_state(m, now) for name, m in self.members.items()}
-        return build_snapshot(now, specs, states)
+        """Step 2 of the cycle: the frozen arrays the policies decide on, with free capacity of their own.
+
+        The arrays are built once per set of reports and copied for each cycle; staleness is judged when
+        they are built (every collect), so a silent site turns unhealthy at the next collect.
+        """
+        if self._base is None:
+            specs = [m.spec for m in self.members.values()]
+            states = {name: self._fresh_state(m, now) for name, m in self.members.items()}
+            self._base = build_snapshot(now, specs, states)
+        return self._base.working_copy(now)
 
     def _fresh_state(self, member: Member, now: datetime) -> SiteState | None:
         """The member's state, marked unhealthy when its last report is older than ``stale_after_s``."""

@@ -41,6 +41,11 @@ def new_job_id() -> str:
     return "".join(reversed(out))
 
 
+def _in_order(jobs: Iterable[Job]) -> list[Job]:
+    """Scheduling order: highest priority first, then oldest first."""
+    return sorted(jobs, key=lambda j: (-j.spec.priority, j.created_at, j.id))
+
+
 class IdempotencyConflict(ValueError):
     """The idempotency key was used before with a different request body."""
 
@@ -62,8 +67,11 @@ class JobBook:
         self.refusal_ttl_s = refusal_ttl_s
         self.active: dict[str, Job] = {}
         self._refusals: dict[str, dict[str, Refusal]] = {}
+        self._next_expiry: datetime | None = None
         self._inflight_keys: dict[tuple[str, str], asyncio.Future[tuple[Job, str | None]]] = {}
         self.changed = asyncio.Event()  # set whenever work may have become schedulable
+        self.fresh: list[str] = []  # jobs submitted since the scheduling cycle last took them
+        self.capacity_freed = False  # a job left a site since the last full scheduling pass
         self.seq = 0  # counts transitions; orders admissions against site reports
         self.admitted_seq: dict[str, int] = {}  # job id -> seq of its current attempt's admission
 
@@ -118,6 +126,7 @@ class JobBook:
         job = Job(id=new_job_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
         await self._store.insert_job(job, key, digest)
         self.active[job.id] = job
+        self.fresh.append(job.id)
         self.changed.set()
         return job
 
@@ -133,9 +142,12 @@ class JobBook:
 
     def queued(self) -> list[Job]:
         """Queued jobs in scheduling order: highest priority first, then oldest first."""
-        jobs = [j for j in self.active.values() if j.state == JobState.QUEUED]
-        jobs.sort(key=lambda j: (-j.spec.priority, j.created_at, j.id))
-        return jobs
+        return _in_order(j for j in self.active.values() if j.state == JobState.QUEUED)
+
+    def take_fresh(self) -> list[Job]:
+        """The jobs submitted since the last call that are still queued, in scheduling order."""
+        fresh, self.fresh = self.fresh, []
+        return _in_order(j for j in map(self.active.get, fresh) if j is not None and j.state == JobState.QUEUED)
 
     def on_site(self, site: str) -> list[Job]:
         return [j for j in self.active.values() if j.site == site and j.state.on_site]
@@ -150,6 +162,8 @@ class JobBook:
         new = job.transition(dst, self._clock.now(), **changes)
         transitions_log.info("%s %s/%s: %s -> %s (%s)", job_id, job.spec.tenant, job.spec.name, job.state, dst, new.reason)
         self.seq += 1
+        if job.state.on_site and not new.state.on_site:
+            self.capacity_freed = True
         if job.state == JobState.DISPATCHING and dst == JobState.ADMITTED:
             self.admitted_seq[job_id] = self.seq
         if new.state.terminal:
@@ -169,6 +183,7 @@ class JobBook:
             return False
         self.active[job.id] = job
         self.admitted_seq.pop(job.id, None)
+        self.capacity_freed = True
         self.changed.set()
         return True
 
@@ -194,12 +209,23 @@ class JobBook:
     def refuse(self, job_id: str, site: str, reason: str) -> None:
         until = self._clock.now() + timedelta(seconds=self.refusal_ttl_s)
         self._refusals.setdefault(job_id, {})[site] = Refusal(reason, until)
+        if self._next_expiry is None or until < self._next_expiry:
+            self._next_expiry = until
+
+    def refusal_expired(self, now: datetime) -> bool:
+        """True when some refusal has run out, so its site may take the job again."""
+        return self._next_expiry is not None and self._next_expiry <= now
 
     def refused_sites(self, job_id: str) -> frozenset[str]:
         refusals = self._refusals.get(job_id)
         if not refusals:
             return frozenset()
         now = self._clock.now()
-        for site in [s for s, r in refusals.items() if r.until <= now]:
-            del refusals[site]
+        expired = [s for s, r in refusals.items() if r.until <= now]
+        if expired:
+            for site in expired:
+                del refusals[site]
+            self._next_expiry = min(
+                (r.until for rs in self._refusals.values() for r in rs.values()), default=None
+            )
         return frozenset(refusals)

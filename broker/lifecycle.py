@@ -94,7 +94,8 @@ class Lifecycle:
             member = self.federation.get(job.site)
             if member is not None:
                 try:
-                    await asyncio.wait_for(member.adapter.cancel(job.id, job.attempt), self.cancel_timeout_s)
+                    async with asyncio.timeout(self.cancel_timeout_s):
+                        await member.adapter.cancel(job.id, job.attempt)
                 except Exception as e:
                     log.error("job %s: site %s did not confirm the cancel: %s", job.id, job.site, e)
         return cancelled

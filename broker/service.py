@@ -60,7 +60,8 @@ class Broker:
         )
         self.book = JobBook(self.store, self.clock, refusal_ttl_s=self.settings.refusal_ttl_s)
         self.cycle = SchedulingCycle(
-            self.clock, self.federation, self.book, self.store, dispatch_timeout_s=self.settings.dispatch_timeout_s
+            self.clock, self.federation, self.book, self.store, dispatch_timeout_s=self.settings.dispatch_timeout_s,
+            full_pass_interval_s=self.settings.cycle_interval_s,
         )
         self.lifecycle = Lifecycle(self.book, self.federation)
         self._pumps: dict[str, asyncio.Task[None]] = {}
@@ -98,7 +99,9 @@ class Broker:
         await self.store.close()
 
     async def _loop(self) -> None:
-        interval = self.settings.cycle_interval_s
+        """Run a pass when work may have changed, at least every ``cycle_interval_s``, and at most one
+        every ``min_cycle_gap_s``, so a burst of submissions shares passes instead of starting one each."""
+        settings = self.settings
         while True:
             self.book.changed.clear()
             try:
@@ -106,8 +109,10 @@ class Broker:
                 self.cycles += 1
             except Exception:
                 log.exception("scheduling cycle failed; trying again")
+            await asyncio.sleep(settings.min_cycle_gap_s)
             try:
-                await asyncio.wait_for(self.book.changed.wait(), interval)
+                async with asyncio.timeout(settings.cycle_interval_s):
+                    await self.book.changed.wait()
             except TimeoutError:
                 pass
 

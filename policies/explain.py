@@ -7,6 +7,7 @@ conversions; rendering builds one verdict per site and runs only when someone as
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -19,11 +20,24 @@ from policies.filters import Filter
 from policies.pipeline import TIE_EPSILON, Pipeline, Placement
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+
+
+def pack(values: np.ndarray, dtype: str) -> str:
+    """An array as base64 of its little-endian bytes: compact, and cheap to encode and decode."""
+    return base64.b64encode(np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
+
+
+def unpack(text: str, dtype: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=np.dtype(dtype).newbyteorder("<"))
 
 
 def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str, Any]:
-    """A compact record of ``placement``; call it before the placement is assumed into ``snap``."""
+    """A compact record of ``placement``; call it before the placement is assumed into ``snap``.
+
+    Per-site arrays are packed (``pack``); score terms and totals cover the feasible sites only, which are
+    the sites whose failure mask is 0, in site order.
+    """
     req = placement.request
     if req.model is not None:
         col = MODEL_INDEX[req.model]
@@ -31,27 +45,26 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         shared = snap.shared_free_milli[:, col]
         memory = snap.memory_gib[:, col]
     else:
-        usable = snap.memory_gib >= req.memory_gib if req.memory_gib else snap.total_gpus > 0
-        free = np.where(usable, snap.free_gpus, 0).max(axis=1)
-        shared = np.where(usable, snap.shared_free_milli, 0).max(axis=1)
+        usable = snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
+        free = (snap.free_gpus * usable).max(axis=1)
+        shared = (snap.shared_free_milli * usable).max(axis=1)
         memory = snap.memory_gib.max(axis=1)
-    feasible = placement.failures == 0
     return {
         "v": RECORD_VERSION,
         "decided_at": snap.now.isoformat(),
-        "sites": list(snap.sites),
-        "regions": list(snap.regions),
+        "sites": "\n".join(snap.sites),
+        "regions": "\n".join(snap.regions),
         "filters": [f.code for f in pipeline.filters],
-        "failures": placement.failures.tolist(),
-        "free": free.tolist(),
-        "shared": shared.tolist(),
-        "memory_gib": memory.astype(float).tolist(),
+        "failures": pack(placement.failures, "u2"),
+        "free": pack(free, "i4"),
+        "shared": pack(shared, "i2"),
+        "memory_gib": pack(memory, "f4"),
         "excluded": sorted(req.excluded_sites),
         "terms": [
-            {"scorer": t.scorer, "weight": t.weight, "raw": t.raw.tolist(), "normalised": t.normalised.tolist()}
+            {"scorer": t.scorer, "weight": t.weight, "raw": pack(t.raw, "f8"), "normalised": pack(t.normalised, "f8")}
             for t in placement.terms
         ],
-        "totals": [float(x) if ok else None for x, ok in zip(placement.totals.tolist(), feasible.tolist())],
+        "totals": pack(placement.totals, "f8"),
         "site": snap.sites[placement.site] if placement.placed else None,
         "model": ids.GPU_MODEL_IDS[placement.model] if placement.placed else None,
     }
@@ -73,12 +86,27 @@ def render(
     deferred_until: datetime | None = None,
 ) -> Decision:
     """Explain a record: every site with its rejection reasons, or its score terms and total."""
-    view = _View(rec["free"], rec["shared"], rec["memory_gib"], rec["regions"])
+    if rec.get("v") != RECORD_VERSION:
+        raise ValueError(f"decision record version {rec.get('v')} is not {RECORD_VERSION}")
+    sites = rec["sites"].split("\n") if rec["sites"] else []
+    failures = unpack(rec["failures"], "u2").tolist()
+    view = _View(
+        unpack(rec["free"], "i4").tolist(),
+        unpack(rec["shared"], "i2").tolist(),
+        unpack(rec["memory_gib"], "f4").tolist(),
+        rec["regions"].split("\n") if rec["regions"] else [],
+    )
+    terms = [
+        (t["scorer"], t["weight"], unpack(t["raw"], "f8").tolist(), unpack(t["normalised"], "f8").tolist())
+        for t in rec["terms"]
+    ]
+    totals = unpack(rec["totals"], "f8").tolist()
     codes: list[str] = rec["filters"]
     verdicts: list[SiteVerdict] = []
     rejected_by: dict[str, int] = {}
-    for i, site in enumerate(rec["sites"]):
-        mask = rec["failures"][i]
+    k = 0  # position among the feasible sites
+    for i, site in enumerate(sites):
+        mask = failures[i]
         if mask:
             reasons = []
             for bit, code in enumerate(codes):
@@ -89,22 +117,17 @@ def render(
                     rejected_by[code] = rejected_by.get(code, 0) + 1
             verdicts.append(SiteVerdict(site=site, feasible=False, reasons=reasons))
             continue
-        terms = [
-            ScoreTerm(
-                scorer=t["scorer"],
-                raw=t["raw"][i],
-                normalised=t["normalised"][i],
-                weight=t["weight"],
-                weighted=t["weight"] * t["normalised"][i],
-            )
-            for t in rec["terms"]
+        site_terms = [
+            ScoreTerm(scorer=name, raw=raw[i], normalised=norm[k], weight=weight, weighted=weight * norm[k])
+            for name, weight, raw, norm in terms
         ]
-        verdicts.append(SiteVerdict(site=site, feasible=True, terms=terms, score=rec["totals"][i]))
+        verdicts.append(SiteVerdict(site=site, feasible=True, terms=site_terms, score=totals[k]))
+        k += 1
 
-    n_feasible = sum(v.feasible for v in verdicts)
+    n_feasible = k
     if rec["site"] is not None:
         outcome = "placed"
-        score = rec["totals"][rec["sites"].index(rec["site"])]
+        score = next(v.score for v in verdicts if v.site == rec["site"])
         tied = [v.site for v in verdicts if v.feasible and v.site != rec["site"] and v.score >= score - TIE_EPSILON]
         summary = (
             f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): "

@@ -1,8 +1,9 @@
 """Placement = filter, then score, then pick; every rejection and every score term is kept.
 
-1. Filters: each returns a boolean array over sites; a site that fails one gets that filter's bit in its
-   ``failures`` mask (all failing filters are kept, not only the first).
-2. Scorers: each returns a raw value per site. Over the sites that passed, raw values are normalised to
+1. Filters: each returns a boolean array over sites (or None: all pass); the sites passing every filter
+   are the feasible ones. Every filter's answer is kept, so ``failures`` can name all the filters that
+   rejected each site, not only the first.
+2. Scorers: each returns a raw value per site. Over the feasible sites only, raw values are normalised to
    0..1 (min-max; inverted when lower is better; all 0 when every site is equal), multiplied by the weight
    and summed.
 3. Pick: the highest total; totals within ``TIE_EPSILON`` of the best tie, and a tie goes to the first site
@@ -21,7 +22,7 @@ import numpy as np
 
 from broker import ids
 from policies.filters import Filter
-from policies.filters.gpu_fit import GpuFitFilter, fit_matrix
+from policies.filters.gpu_fit import GpuFitFilter, fit_row
 from policies.filters.health import HealthyFilter
 from policies.filters.region import RefusedFilter, RegionFilter
 from policies.scorers import Scorer
@@ -46,8 +47,8 @@ class Weighted:
 class TermArrays:
     scorer: str
     weight: float
-    raw: np.ndarray
-    normalised: np.ndarray
+    raw: np.ndarray  # over all sites
+    normalised: np.ndarray  # over the feasible sites, in ``Placement.feasible`` order
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +58,24 @@ class Placement:
     request: JobRequest
     site: int
     model: int
-    failures: np.ndarray  # uint16[n_sites]: bit k set when filter k rejected the site
+    n_sites: int
+    passes: tuple[np.ndarray | None, ...]  # per filter: which sites passed (None: all did)
+    feasible: np.ndarray  # int[k]: indices of the sites that passed every filter
     terms: tuple[TermArrays, ...]
-    totals: np.ndarray  # float64[n_sites], -inf where infeasible
+    totals: np.ndarray  # float64[k]: weighted sum per feasible site
 
     @property
     def placed(self) -> bool:
         return self.site >= 0
+
+    @property
+    def failures(self) -> np.ndarray:
+        """uint16[n_sites]: bit k set where filter k rejected the site (built on demand)."""
+        mask = np.zeros(self.n_sites, dtype=np.uint16)
+        for bit, passed in enumerate(self.passes):
+            if passed is not None:
+                mask |= (~passed).astype(np.uint16) << np.uint16(bit)
+        return mask
 
 
 class Pipeline:
@@ -83,44 +95,41 @@ class Pipeline:
         self.scorers: tuple[Weighted, ...] = tuple(w for w in scorers if w.weight > 0)
 
     def decide(self, req: JobRequest, snap: Snapshot) -> Placement:
-        n = snap.n_sites
-        failures = np.zeros(n, dtype=np.uint16)
-        for bit, f in enumerate(self.filters):
-            failures |= (~f.passes(req, snap)).astype(np.uint16) << np.uint16(bit)
-        feasible = failures == 0
-
-        totals = np.zeros(n, dtype=np.float64)
+        passes = tuple(f.passes(req, snap) for f in self.filters)
+        feasible_mask: np.ndarray | None = None
+        for passed in passes:
+            if passed is not None:
+                feasible_mask = passed if feasible_mask is None else feasible_mask & passed
+        if feasible_mask is None:
+            feasible = np.arange(snap.n_sites)
+        else:
+            feasible = np.flatnonzero(feasible_mask)
+        k = feasible.size
+        totals = np.zeros(k, dtype=np.float64)
         terms: list[TermArrays] = []
-        any_feasible = bool(feasible.any())
         for w in self.scorers:
             raw = w.scorer.raw(req, snap)
-            if any_feasible:
-                lo = raw.min(where=feasible, initial=np.inf)
-                hi = raw.max(where=feasible, initial=-np.inf)
-                span = hi - lo
+            norm = np.zeros(k, dtype=np.float64)
+            if k:
+                r = raw[feasible]
+                lo, hi = r.min(), r.max()
+                span = float(hi - lo)
                 if span > TIE_EPSILON:
-                    norm = (raw - lo) / span if w.scorer.higher_is_better else (hi - raw) / span
-                else:
-                    norm = np.zeros(n, dtype=np.float64)
-                totals += w.weight * norm
-            else:
-                norm = np.zeros(n, dtype=np.float64)
+                    norm = (r - lo) / span if w.scorer.higher_is_better else (hi - r) / span
+                    totals += w.weight * norm
             terms.append(TermArrays(w.scorer.name, w.weight, raw, norm))
-        totals[~feasible] = -np.inf
-
-        if not any_feasible:
-            return Placement(req, -1, -1, failures, tuple(terms), totals)
-        best = totals.max()
-        site = int(np.argmax(totals >= best - TIE_EPSILON))
-        return Placement(req, site, choose_model(req, snap, site), failures, tuple(terms), totals)
+        if not k:
+            return Placement(req, -1, -1, snap.n_sites, passes, feasible, tuple(terms), totals)
+        best = int(np.argmax(totals >= totals.max() - TIE_EPSILON))
+        site = int(feasible[best])
+        return Placement(req, site, choose_model(req, snap, site), snap.n_sites, passes, feasible, tuple(terms), totals)
 
 
 def choose_model(req: JobRequest, snap: Snapshot, site: int) -> int:
     """The model column a placement uses: the named model, or the smallest GPUs that fit (best fit)."""
     if req.model is not None:
         return MODEL_INDEX[req.model]
-    fits = fit_matrix(req, snap)[site]
-    candidates = np.flatnonzero(fits)
+    candidates = np.flatnonzero(fit_row(req, snap, site))
     # Smallest memory first, then most free GPUs.
     order = np.lexsort((-snap.free_gpus[site, candidates], _MEMORY_ORDER[candidates]))
     return int(candidates[order[0]])

@@ -1,14 +1,15 @@
 """The frozen view of the federation that one scheduling cycle decides on, as arrays over sites.
 
 Sites are rows (sorted by name, so ties break alphabetically and deterministically); GPU models are
-columns in the order of ``broker.ids.GPU_MODEL_IDS``. The site facts are fixed for the cycle; the free
+columns in the order of ``broker.ids.GPU_MODEL_IDS``. Matrices are column-major, so one model's column is
+contiguous and per-site reductions over models stay cheap. The site facts are fixed for the cycle; the free
 capacity arrays are the cycle's own working copy, which ``assume`` debits after each placement so that
 later decisions in the same cycle see it (Kueue's "assume" step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 import numpy as np
@@ -53,6 +54,12 @@ class JobRequest:
     def fractional(self) -> bool:
         return self.milli < 1000
 
+    @property
+    def shape(self) -> tuple[object, ...]:
+        """Everything placement looks at: two requests of one shape get the same answer."""
+        return (self.count, self.milli, self.model, self.memory_gib, self.allowed_regions,
+                self.denied_regions, self.excluded_sites)
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -72,6 +79,20 @@ class Snapshot:
     @property
     def n_sites(self) -> int:
         return len(self.sites)
+
+    @property
+    def has_model(self) -> np.ndarray:
+        """bool[n_sites, n_models]: the site owns GPUs of the model."""
+        return self.memory_gib > 0
+
+    def working_copy(self, now: datetime) -> Snapshot:
+        """The same facts at ``now``, with free capacity of its own for ``assume`` to debit."""
+        return replace(
+            self,
+            now=now,
+            free_gpus=self.free_gpus.copy(order="F"),
+            shared_free_milli=self.shared_free_milli.copy(order="F"),
+        )
 
     def assume(self, site: int, req: JobRequest, model: int) -> None:
         """Debit a placement from the working free capacity.
@@ -93,11 +114,11 @@ def build_snapshot(
     """Freeze site specs and their last reported states into arrays. A site with no state is unhealthy."""
     specs = sorted(specs, key=lambda s: s.name)
     n = len(specs)
-    total = np.zeros((n, N_MODELS), dtype=np.int32)
-    free = np.zeros((n, N_MODELS), dtype=np.int32)
-    milli = np.zeros((n, N_MODELS), dtype=np.int32)
-    mem = np.zeros((n, N_MODELS), dtype=np.float32)
-    price = np.full((n, N_MODELS), np.nan, dtype=np.float64)
+    total = np.zeros((n, N_MODELS), dtype=np.int32, order="F")
+    free = np.zeros((n, N_MODELS), dtype=np.int32, order="F")
+    milli = np.zeros((n, N_MODELS), dtype=np.int32, order="F")
+    mem = np.zeros((n, N_MODELS), dtype=np.float32, order="F")
+    price = np.full((n, N_MODELS), np.nan, dtype=np.float64, order="F")
     healthy = np.zeros(n, dtype=bool)
     region_names: dict[str, int] = {}
     region_code = np.zeros(n, dtype=np.int32)

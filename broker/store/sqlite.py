@@ -1,7 +1,8 @@
 """SQLite store: the embedded default. WAL journal, ``synchronous=FULL``, and group commit.
 
-Writes from all callers go into one queue; a single writer takes everything waiting, runs it in one
-transaction and commits (one fsync of the write-ahead log), then resolves every caller's future. Under load
+Writes from all callers go into one queue; a single writer takes everything waiting and hands it, in one
+call, to the thread that owns the write connection, which runs it in one transaction and commits (one
+fsync of the write-ahead log); then every caller's future is resolved. Under load
 a commit carries hundreds of jobs, so durability costs one fsync per batch, not per job, and no caller is
 answered before its write is on disk. Reads use a second connection and never wait for the writer.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,10 +98,11 @@ def _translate(error: BaseException) -> StoreError:
 
 
 class SQLiteStore:
-    def __init__(self, path: str | Path, max_batch: int = 1024) -> None:
+    def __init__(self, path: str | Path, max_batch: int = 2048) -> None:
         self.path = Path(path)
         self.max_batch = max_batch
-        self._writer_conn: aiosqlite.Connection | None = None
+        self._writer: ThreadPoolExecutor | None = None  # one thread owns the write connection
+        self._wconn: sqlite3.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
         self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
         self._writer_task: asyncio.Task[None] | None = None
@@ -110,40 +113,53 @@ class SQLiteStore:
     async def open(self) -> None:
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         try:
-            conn = await aiosqlite.connect(self.path, isolation_level=None)
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot open database {self.path}: {e}") from e
+            self._wconn = await loop.run_in_executor(self._writer, self._open_writer)
+            self._reader = await aiosqlite.connect(self.path, isolation_level=None)
+            await self._reader.execute("PRAGMA query_only=ON")
+        except BaseException:
+            await self.close()
+            raise
+        self._writer_task = loop.create_task(self._write_loop(), name="sqlite-writer")
+
+    def _open_writer(self) -> sqlite3.Connection:
+        """On the writer thread: connect, set durability, apply migrations."""
         try:
-            await conn.execute("PRAGMA journal_mode=WAL")
-            await conn.execute("PRAGMA synchronous=FULL")
-            await conn.execute("PRAGMA foreign_keys=ON")
-            await self._migrate(conn)
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as e:
-            await conn.close()
+            raise StoreError(f"cannot open database {self.path}: {e}") from None
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            self._migrate(conn)
+        except sqlite3.Error as e:
+            conn.close()
             raise StoreError(f"cannot use database {self.path}: {e}") from None
         except BaseException:
-            await conn.close()
+            conn.close()
             raise
-        self._writer_conn = conn
-        self._reader = await aiosqlite.connect(self.path, isolation_level=None)
-        await self._reader.execute("PRAGMA query_only=ON")
-        self._writer_task = asyncio.get_running_loop().create_task(self._write_loop(), name="sqlite-writer")
+        return conn
 
     async def close(self) -> None:
         if self._writer_task is not None:
             await self._queue.put(None)
             await self._writer_task
             self._writer_task = None
-        for conn in (self._writer_conn, self._reader):
-            if conn is not None:
-                await conn.close()
-        self._writer_conn = self._reader = None
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None
+        if self._writer is not None:
+            if self._wconn is not None:
+                await asyncio.get_running_loop().run_in_executor(self._writer, self._wconn.close)
+                self._wconn = None
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
-    async def _migrate(self, conn: aiosqlite.Connection) -> None:
-        await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        async with conn.execute("SELECT MAX(version) FROM schema_version") as cur:
-            row = await cur.fetchone()
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
         current = (row[0] if row else None) or 0
         if current > len(MIGRATIONS):
             raise StoreError(
@@ -151,7 +167,7 @@ class SQLiteStore:
                 f"({len(MIGRATIONS)}); upgrade heliotrope"
             )
         for version, script in enumerate(MIGRATIONS[current:], start=current + 1):
-            await conn.executescript(f"BEGIN; {script}; INSERT INTO schema_version VALUES ({version}); COMMIT;")
+            conn.executescript(f"BEGIN; {script}; INSERT INTO schema_version VALUES ({version}); COMMIT;")
 
     # --- group commit ---
 
@@ -165,6 +181,7 @@ class SQLiteStore:
         return _Write(statements, asyncio.get_running_loop().create_future(), checks or [])
 
     async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         stop = False
         while not stop:
             first = await self._queue.get()
@@ -177,62 +194,42 @@ class SQLiteStore:
                     stop = True
                     break
                 batch.append(item)
-            await self._commit(batch)
-
-    async def _commit(self, batch: list[_Write]) -> None:
-        conn = self._writer_conn
-        assert conn is not None
-        try:
-            await conn.execute("BEGIN IMMEDIATE")
-            if any(w.checks for w in batch):
+            try:
+                errors = await loop.run_in_executor(self._writer, self._commit, batch)
+            except BaseException as e:  # never leave a caller waiting forever
                 for w in batch:
-                    await self._apply(conn, w)
-            else:
-                await self._apply_grouped(conn, batch)
-            await conn.commit()
-            self.commits += 1
-        except (sqlite3.Error, Conflict) as e:
-            await conn.rollback()
-            if len(batch) > 1:
-                # Isolate the failing write: commit each on its own, so one bad write fails alone.
-                for w in batch:
-                    await self._commit([w])
-                return
-            self._settle(batch, _translate(e))
-            return
-        except BaseException as e:  # never leave a caller waiting forever
-            self._settle(batch, StoreError(f"write failed: {e}"))
-            raise
-        self._settle(batch, None)
-
-    async def _apply(self, conn: aiosqlite.Connection, w: _Write) -> None:
-        for i, (sql, params) in enumerate(w.statements):
-            cur = await conn.execute(sql, params)
-            if i in w.checks and cur.rowcount != 1:
-                raise Conflict(f"job {params[-2]} changed since it was read (or does not exist)")
-
-    async def _apply_grouped(self, conn: aiosqlite.Connection, batch: list[_Write]) -> None:
-        """Run consecutive statements of the same SQL as one executemany (one thread hop each)."""
-        run_sql: str | None = None
-        run: list[tuple[Any, ...]] = []
-        for w in batch:
-            for sql, params in w.statements:
-                if sql != run_sql and run:
-                    await conn.executemany(run_sql, run)  # type: ignore[arg-type]
-                    run = []
-                run_sql = sql
-                run.append(params)
-        if run:
-            await conn.executemany(run_sql, run)  # type: ignore[arg-type]
-
-    @staticmethod
-    def _settle(batch: list[_Write], error: BaseException | None) -> None:
-        for w in batch:
-            if not w.future.done():
+                    if not w.future.done():
+                        w.future.set_exception(StoreError(f"write failed: {e}"))
+                raise
+            for w, error in zip(batch, errors):
+                if w.future.done():
+                    continue
                 if error is None:
                     w.future.set_result(None)
                 else:
                     w.future.set_exception(error)
+
+    def _commit(self, batch: list[_Write]) -> list[StoreError | None]:
+        """On the writer thread: the whole batch in one transaction, one fsync. If it fails, each write is
+        retried in a transaction of its own, so one bad write fails alone."""
+        conn = self._wconn
+        assert conn is not None
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for w in batch:
+                for i, (sql, params) in enumerate(w.statements):
+                    cur = conn.execute(sql, params)
+                    if i in w.checks and cur.rowcount != 1:
+                        raise Conflict(f"job {params[-2]} changed since it was read (or does not exist)")
+            conn.execute("COMMIT")
+        except (sqlite3.Error, Conflict) as e:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            if len(batch) > 1:
+                return [self._commit([w])[0] for w in batch]
+            return [_translate(e)]
+        self.commits += 1
+        return [None] * len(batch)
 
     # --- jobs ---
 

@@ -1,5 +1,6 @@
 """Placement filters, one rule per module. A filter answers, for every site at once, whether the site can
-take the job (a boolean array over the snapshot's sites), and describes in words why a site could not.
+take the job (a boolean array over the snapshot's sites, or ``None`` when every site passes, which saves
+the work), and describes in words why a site could not.
 
 The pipeline records every failing filter of every site as a bit, so "why not there?" always has an
 answer. A filter is turned off by leaving it out of the pipeline's filter list.
@@ -26,6 +27,6 @@ class FitView(Protocol):
 class Filter(Protocol):
     code: str  # a constant reason id, stable across releases
 
-    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray: ...
+    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray | None: ...
 
     def describe(self, req: JobRequest, view: FitView, site: int) -> str: ...

@@ -22,8 +22,18 @@ def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
     if req.memory_gib:
         fits &= snap.memory_gib >= req.memory_gib
     else:
-        fits &= snap.total_gpus > 0
+        fits &= snap.has_model
     return fits
+
+
+def fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
+    """bool[n_models]: which models the job would fit at one site."""
+    free = snap.free_gpus[site]
+    if req.fractional:
+        fits = (free > 0) | (snap.shared_free_milli[site] >= req.milli)
+    else:
+        fits = free >= req.count
+    return fits & (snap.memory_gib[site] >= req.memory_gib if req.memory_gib else snap.memory_gib[site] > 0)
 
 
 def fit_column(req: JobRequest, snap: Snapshot, column: int) -> np.ndarray:

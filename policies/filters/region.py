@@ -11,9 +11,9 @@ from policies.snapshot import JobRequest, Snapshot
 class RegionFilter:
     code = "region-not-allowed"
 
-    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
+    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray | None:
         if not req.allowed_regions and not req.denied_regions:
-            return np.ones(snap.n_sites, dtype=bool)
+            return None
         table = np.fromiter(
             (
                 (not req.allowed_regions or name in req.allowed_regions) and name not in req.denied_regions
@@ -36,7 +36,9 @@ class RefusedFilter:
 
     code = "site-refused"
 
-    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
+    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray | None:
+        if not req.excluded_sites:
+            return None
         ok = np.ones(snap.n_sites, dtype=bool)
         for name in req.excluded_sites:
             i = snap.index.get(name)

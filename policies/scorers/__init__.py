@@ -1,4 +1,5 @@
-"""Scorers, one rule per module. A scorer returns a raw value per site, in its own stated units; the
+"""Scorers, one rule per module. A scorer returns a raw value per site (any numeric dtype), in its own
+stated units; the
 pipeline normalises the raw values to 0..1 over the sites that passed the filters (inverting them when
 lower is better), multiplies by the scorer's weight and sums. A weight of 0 turns a scorer off.
 """

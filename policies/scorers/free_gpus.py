@@ -17,8 +17,6 @@ class FreeGpusScorer:
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
         if req.model is not None:
-            return snap.free_gpus[:, MODEL_INDEX[req.model]].astype(np.float64)
-        usable = snap.total_gpus > 0
-        if req.memory_gib:
-            usable = snap.memory_gib >= req.memory_gib
-        return np.where(usable, snap.free_gpus, 0).sum(axis=1).astype(np.float64)
+            return snap.free_gpus[:, MODEL_INDEX[req.model]]
+        usable = snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
+        return (snap.free_gpus * usable).sum(axis=1)
