@@ -267,3 +267,29 @@ async def test_a_placement_the_store_cannot_write_is_not_dispatched_and_the_job_
     await h.cycle()
     await h.step(1.0)
     assert (await h.job(j.id)).state == JobState.RUNNING
+
+
+async def test_a_waiting_job_is_placed_in_the_pass_right_after_capacity_frees(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    h.broker.cycle.full_pass_interval_s = 3600  # no periodic full pass during the test
+    first = await h.submit(name="first", count=8, duration_s=100)
+    await h.cycle()
+    await h.step(1.0)
+    second = await h.submit(name="second", count=8, duration_s=100)
+    report = await h.broker.cycle.run_once()
+    assert not report.full and report.decided == 1 and report.placed == 0  # only the new job was looked at
+    await h.step(100)  # the first job finishes: its GPUs are free
+    assert (await h.job(first.id)).state == JobState.SUCCEEDED
+    report = await h.broker.cycle.run_once()
+    assert report.full and report.placed == 1
+    assert (await h.job(second.id)).state == JobState.DISPATCHING
+
+
+async def test_jobs_of_one_shape_that_cannot_fit_all_get_the_reasons(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    jobs = [await h.submit(name=f"big-{i}", count=16) for i in range(3)]
+    await h.cycle()
+    for j in jobs:
+        d = await h.decision(j.id)
+        assert d.outcome == "unplaceable"
+        assert d.sites[0].reasons == ["gpus-do-not-fit: job needs 16 GPUs of any model; 8 free"]
