@@ -203,8 +203,20 @@ def _serve(args: argparse.Namespace) -> None:
     if args.command == "demo":
         from broker.demo import feed
 
-        feeder = lambda url: feed(url, config.sites, rate_per_s=args.rate, seed=args.seed)  # noqa: E731
+        seconds = _seconds_range(args.job_seconds)
+        feeder = lambda url: feed(url, config.sites, rate_per_s=args.rate, seed=args.seed, seconds=seconds)  # noqa: E731
     asyncio.run(run(settings, config.sites, feeder=feeder, log_jobs=args.command == "demo" or args.log_jobs))
+
+
+def _seconds_range(text: str) -> tuple[float, float]:
+    lo, sep, hi = text.partition("-")
+    try:
+        low, high = float(lo), float(hi if sep else lo)
+    except ValueError:
+        raise CliError(f"--job-seconds {text!r}: write MIN-MAX in seconds, for example 10-90") from None
+    if not 0 < low <= high:
+        raise CliError(f"--job-seconds {text!r}: need 0 < MIN <= MAX")
+    return low, high
 
 
 def parser() -> argparse.ArgumentParser:
@@ -224,6 +236,8 @@ def parser() -> argparse.ArgumentParser:
         if name == "demo":
             s.add_argument("--rate", type=float, default=0.5, help="sample jobs per second (default %(default)s)")
             s.add_argument("--seed", type=int, default=1, help="seed of the sample job stream")
+            s.add_argument("--job-seconds", default="10-90", metavar="MIN-MAX",
+                           help="run time of the sample jobs, in seconds (default %(default)s)")
 
     s = sub.add_parser("submit", help="submit a job spec (YAML or JSON; a list submits several)")
     s.add_argument("file", help="path, or - for standard input")

@@ -17,10 +17,11 @@ log = logging.getLogger("heliotrope.demo")
 TENANTS = ("vision", "nlp", "speech", "research")
 
 
-def sample_job(rng: random.Random, models: list[str], n: int) -> dict[str, Any]:
+def sample_job(rng: random.Random, models: list[str], n: int, seconds: tuple[float, float] = (10, 90)) -> dict[str, Any]:
     tenant = rng.choice(TENANTS)
     kind = rng.random()
-    spec: dict[str, Any] = {"tenant": tenant, "name": f"{tenant}-{n:05d}", "duration_s": rng.randint(10, 90)}
+    spec: dict[str, Any] = {"tenant": tenant, "name": f"{tenant}-{n:05d}",
+                            "duration_s": round(rng.uniform(*seconds), 1)}
     if kind < 0.2:
         spec["gpus"] = {"count": 1, "milli": rng.choice((250, 500))}
         spec["name"] = f"{tenant}-infer-{n:05d}"
@@ -33,7 +34,9 @@ def sample_job(rng: random.Random, models: list[str], n: int) -> dict[str, Any]:
     return spec
 
 
-async def feed(url: str, sites: list[SiteSpec], rate_per_s: float = 0.5, seed: int = 1) -> None:
+async def feed(
+    url: str, sites: list[SiteSpec], rate_per_s: float = 0.5, seed: int = 1, seconds: tuple[float, float] = (10, 90)
+) -> None:
     rng = random.Random(seed)
     models = sorted({g.model for s in sites for g in s.gpus}) or ["a100-80gb"]
     interval = 1.0 / rate_per_s if rate_per_s > 0 else None
@@ -43,7 +46,7 @@ async def feed(url: str, sites: list[SiteSpec], rate_per_s: float = 0.5, seed: i
             if interval is not None:
                 n += 1
                 try:
-                    await client.request("POST", "/v1/jobs", sample_job(rng, models, n))
+                    await client.request("POST", "/v1/jobs", sample_job(rng, models, n, seconds))
                 except ApiClientError as e:
                     log.warning("sample job refused: %s", e)
             if n % 10 == 0 or interval is None:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,31 @@ def test_serve_with_a_broken_config_prints_the_field_and_exits_1(tmp_path):
     assert proc.returncode == 1
     assert f"{bad}: sites[0].timezone: 'Mars/Olympus' is not an IANA time zone" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_demo_serves_on_loopback_and_its_sample_jobs_run_to_success(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker.cli", "demo", "--port", str(port), "--db", str(tmp_path / "demo.db"),
+         "--rate", "8", "--job-seconds", "0.5-1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith(f"heliotrope serving on {url}")
+        done: list[dict] = []
+        for _ in range(150):
+            time.sleep(0.1)
+            with urllib.request.urlopen(f"{url}/v1/jobs?state=succeeded&limit=5") as r:
+                done = json.load(r)["items"]
+            if len(done) >= 3:
+                break
+        assert len(done) >= 3, "the demo's sample jobs did not run to success"
+        with urllib.request.urlopen(f"{url}/v1/jobs/{done[0]['id']}/events") as r:
+            path = [e["state"] for e in json.load(r)["items"]]
+        assert path[0] == "queued" and path[-3:] == ["admitted", "running", "succeeded"]
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(20)
