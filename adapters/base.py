@@ -4,7 +4,9 @@
 - ``JobRunner``: submit an attempt (admitted, or rejected with a reason) and cancel one.
 - ``EventSource``: a stream of job events (running, succeeded, failed, preempted, lost).
 - ``AttemptLookup`` (optional): which attempts the site still knows, for reconciliation after a broker
-  restart. A site without it is assumed to have lost every attempt the broker cannot see running.
+  restart: the broker requeues the attempts the site no longer has. Without it, the broker withdraws the
+  attempts that were still being dispatched and requeues them; admitted and running attempts are settled
+  by the site's events.
 
 Submissions are keyed by (job id, attempt): submitting the same attempt twice must not run it twice.
 """

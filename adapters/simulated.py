@@ -10,8 +10,9 @@ clock) drive it the same way.
   from a generator seeded by ``seed``, so runs repeat exactly.
 - Telemetry is modelled from allocation: utilisation follows the share of GPU in use, power goes from
   10% of board power idle to 100% busy, temperature from 35 °C idle to 80 °C busy.
-- ``set_reachable(False)`` makes the site unreachable (snapshot and submit raise ``AdapterError``),
-  for fault tests; its running jobs keep running, as a real partitioned site's would.
+- ``set_reachable(False)`` makes the site unreachable (every call raises ``AdapterError`` and events are
+  held back until it is reachable again), for fault tests; its running jobs keep running, as a real
+  partitioned site's would.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ class SimulatedSite:
         for g in spec.gpus:
             self._memory[g.model] = max(self._memory.get(g.model, 0.0), g.gpu_memory_gib)
         self._runs: dict[tuple[str, int], _Run] = {}
-        self._pending: set[tuple[str, int]] = set()
+        self._pending: dict[tuple[str, int], asyncio.Future[Admission]] = {}
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._reachable = True
+        self._link_up = asyncio.Event()  # events wait while the site is unreachable, as over a real link
+        self._link_up.set()
         self._closed = False
 
     # --- life cycle ---
@@ -68,6 +71,10 @@ class SimulatedSite:
 
     def set_reachable(self, reachable: bool) -> None:
         self._reachable = reachable
+        if reachable:
+            self._link_up.set()
+        else:
+            self._link_up.clear()
 
     # --- CapacityReporter ---
 
@@ -121,24 +128,36 @@ class SimulatedSite:
     async def submit(self, job: Job) -> Admission:
         self._check_reachable()
         key = (job.id, job.attempt)
-        if key in self._runs or key in self._pending:
+        if key in self._runs:
             return Admission.ok()
-        self._pending.add(key)
+        pending = self._pending.get(key)
+        if pending is not None:  # the same attempt is being admitted: share its answer
+            return await asyncio.shield(pending)
+        answer: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        self._pending[key] = answer
         try:
             await self._clock.sleep(self.config.dispatch_delay_s)
             self._check_reachable()
             placed = self._allocate(job)
             if isinstance(placed, str):
-                return Admission.rejected(placed)
-            model, gpus, milli = placed
-            run = _Run(job, model, gpus, milli)
-            self._runs[key] = run
-            run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"sim-{self.name}-{job.id}")
-            return Admission.ok()
+                admission = Admission.rejected(placed)
+            else:
+                model, gpus, milli = placed
+                run = _Run(job, model, gpus, milli)
+                self._runs[key] = run
+                run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"sim-{self.name}-{job.id}")
+                admission = Admission.ok()
+            answer.set_result(admission)
+            return admission
+        except BaseException as e:
+            answer.set_exception(e)
+            answer.exception()  # retrieved: duplicates re-raise it themselves
+            raise
         finally:
-            self._pending.discard(key)
+            del self._pending[key]
 
     async def cancel(self, job_id: str, attempt: int) -> None:
+        self._check_reachable()
         run = self._runs.pop((job_id, attempt), None)
         if run is None:
             return
@@ -150,9 +169,12 @@ class SimulatedSite:
 
     async def events(self) -> AsyncIterator[JobEvent]:
         while not self._closed:
-            yield await self._events.get()
+            event = await self._events.get()
+            await self._link_up.wait()
+            yield event
 
     async def known_attempts(self) -> set[tuple[str, int]]:
+        self._check_reachable()
         return set(self._runs) | set(self._pending)
 
     # --- internals ---

@@ -27,7 +27,8 @@ from pydantic import BaseModel, ValidationError
 from broker.errors import is_malformed_json, problems
 from broker.federation import Member
 from broker.jobs import IdempotencyConflict, JobNotFound
-from broker.models import IllegalTransition, Job, JobSpec, JobState, SiteSpec
+from broker.lifecycle import AlreadyEnded
+from broker.models import Job, JobSpec, JobState, SiteSpec
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict
 from broker.store import JobFilter, StoreError
@@ -80,13 +81,22 @@ async def error_middleware(
         if e.status >= 400:
             raise ApiError(e.status, e.reason or "error") from None
         raise
+    except StoreError as e:
+        log.error("%s %s: store error: %s", request.method, request.path, e)
+        raise ApiError(503, "the broker could not write to its store; nothing was changed, try again") from None
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         raise ApiError(500, "internal error; the broker's log has the details") from None
 
 
 async def _body(request: web.Request, model: type[BaseModel], what: str) -> tuple[Any, bytes]:
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.HTTPException:
+        raise
+    except Exception as e:  # a body that cannot be read: bad encoding, cut-off chunks
+        raise ApiError(400, f"the request body could not be read: {e}",
+                       [{"field": "(body)", "problem": "unreadable"}]) from None
     if not raw.strip():
         raise ApiError(400, f"the request body must be a JSON {what}", [{"field": "(body)", "problem": "empty"}])
     try:
@@ -182,9 +192,9 @@ async def submit_job(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     spec, raw = await _body(request, JobSpec, "job spec")
     key = request.headers.get("Idempotency-Key")
-    if key is not None and not 1 <= len(key) <= 255:
-        raise ApiError(400, "Idempotency-Key must be 1 to 255 characters",
-                       [{"field": "Idempotency-Key", "problem": "must be 1 to 255 characters"}])
+    if key is not None and not (1 <= len(key) <= 255 and key.isascii() and key.isprintable()):
+        raise ApiError(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",
+                       [{"field": "Idempotency-Key", "problem": "must be 1 to 255 printable ASCII characters"}])
     try:
         job, created = await broker.book.submit(spec, key, raw)
     except IdempotencyConflict as e:
@@ -231,11 +241,13 @@ async def get_job(request: web.Request) -> web.Response:
 
 
 async def cancel_job(request: web.Request) -> web.Response:
-    job = await _job(request)
+    job_id = request.match_info["id"]
     try:
-        cancelled = await request.app[BROKER].lifecycle.cancel(job.id)
-    except IllegalTransition as e:
-        raise ApiError(409, f"job {job.id} is already {e.src}; it cannot be cancelled") from None
+        cancelled = await request.app[BROKER].lifecycle.cancel(job_id)
+    except JobNotFound:
+        raise ApiError(404, f"no job with id {job_id}") from None
+    except AlreadyEnded as e:
+        raise ApiError(409, str(e)) from None
     return _json(cancelled)
 
 

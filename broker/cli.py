@@ -25,7 +25,11 @@ from typing import Any
 
 import yaml
 
+from pydantic import BaseModel, ValidationError
+
 from broker.client import ApiClientError, Client
+from broker.errors import problems
+from broker.models import JobSpec, SiteSpec
 from broker.store import StoreError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
@@ -127,6 +131,19 @@ def _load_document(path: str) -> Any:
         raise CliError(f"{path}: neither valid YAML nor JSON: {e}") from None
 
 
+def _check_all(docs: list[Any], model: type[BaseModel], what: str) -> None:
+    """Validate every document before any is sent, naming each bad one by its position."""
+    lines = []
+    for i, doc in enumerate(docs):
+        try:
+            model.model_validate(doc)
+        except ValidationError as e:
+            where = f"{what} {i + 1} of {len(docs)}" if len(docs) > 1 else what
+            lines += [f"{where}: {p['field']}: {p['problem']}" for p in problems(e)]
+    if lines:
+        raise CliError("nothing was sent; fix these first:\n  " + "\n  ".join(lines))
+
+
 def _api_message(e: ApiClientError) -> str:
     if e.fields and len(e.fields) > 1:
         return e.args[0].split(":")[0] + ":\n" + "\n".join(f"  {f['field']}: {f['problem']}" for f in e.fields)
@@ -143,6 +160,7 @@ async def _client_command(args: argparse.Namespace) -> str:
             case "submit":
                 doc = _load_document(args.file)
                 specs = doc if isinstance(doc, list) else [doc]
+                _check_all(specs, JobSpec, "job")  # all or nothing: no job is sent if one is invalid
                 jobs = []
                 for i, spec in enumerate(specs):
                     headers = {"Idempotency-Key": f"{args.idempotency_key}-{i}" if len(specs) > 1 else args.idempotency_key} if args.idempotency_key else None
@@ -174,6 +192,7 @@ async def _client_command(args: argparse.Namespace) -> str:
                     case "add":
                         doc = _load_document(args.file)
                         specs = doc if isinstance(doc, list) else [doc]
+                        _check_all(specs, SiteSpec, "site")
                         added = [await c.request("POST", "/v1/sites", s) for s in specs]
                         out = added if isinstance(doc, list) else added[0]
                         text = table([_site_row(s) for s in added], ["name", "region", "zone", "timezone", "gpus (free/total)", "health"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 
 class ApiClientError(RuntimeError):
@@ -18,6 +19,11 @@ class ApiClientError(RuntimeError):
 
 class Client:
     def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
+        url = URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ApiClientError(
+                f"the broker URL must look like http://HOST:PORT, got {base_url!r} (set it with --server or HELIOTROPE_URL)"
+            )
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -60,6 +66,8 @@ class Client:
             ) from None
         except TimeoutError:
             raise ApiClientError(f"the broker at {self.base_url} did not answer within {self._timeout.total:g} s") from None
+        except (aiohttp.ClientError, ValueError) as e:
+            raise ApiClientError(f"request to {url} failed: {e.__class__.__name__}: {e}") from None
 
     async def list_all(self, path: str, params: dict[str, str] | None = None, limit: int | None = None) -> list[Any]:
         """Follow ``next`` cursors; stop after ``limit`` items if given."""

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from adapters.base import Admission
 from broker.clock import Clock
 from broker.federation import Federation
 from broker.jobs import JobBook
 from broker.models import Job, JobState
-from broker.store import Store
+from broker.store import Store, StoreError
 from policies import explain
 from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import JobRequest, Snapshot
@@ -97,6 +96,7 @@ class SchedulingCycle:
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
         self._in_flight: dict[str, InFlight] = {}
         self._requests: dict[str, JobRequest] = {}
+        self._unsettled: dict[str, Job] = {}  # dispatches whose withdrawal a site has not confirmed
         self.full_pass_interval_s = full_pass_interval_s
         self._last_full: datetime | None = None
         self._asked_at = 0  # book.seq when the sites were last asked for reports
@@ -199,16 +199,16 @@ class SchedulingCycle:
                 del cache[job_id]
 
     async def _persist(self, before: Job, new: Job, version: int, rec: dict[str, Any]) -> bool:
-        """Write an assumed placement; if the write fails, undo it in memory so the job is decided again."""
+        """Write an assumed placement and its decision in one transaction; if that fails, memory goes
+        back to what the store holds and the job is decided again."""
         try:
-            await asyncio.gather(
-                self.store.update_job(new, version, event_reason=f"placed on {new.site} ({rec['model']})"),
-                self.store.save_decision(new.id, new.attempt, rec),
-            )
+            await self.store.update_job(new, version, event_reason=f"placed on {new.site} ({rec['model']})",
+                                        decision=rec)
             return True
         except Exception as e:
             log.error("job %s: could not store its placement on %s (%s); it stays queued", new.id, new.site, e)
-            self.book.restore(before, replacing=new)
+            self._in_flight.pop(new.id, None)
+            await self.book.resync(new.id)
             return False
 
     def _debit_in_flight(self, snap: Snapshot, asked_at: int) -> None:
@@ -228,47 +228,77 @@ class SchedulingCycle:
     async def _dispatch(self, job: Job) -> None:
         site = job.site
         assert site is not None
-        current = self.book.active.get(job.id)
-        if current is None or current.attempt != job.attempt or current.state != JobState.DISPATCHING:
+        if not self._current(job):
             return  # cancelled before the site heard of it
         member = self.federation.get(site)
         if member is None:
-            admission = Admission.rejected("site was removed")
-        else:
-            try:
-                async with asyncio.timeout(self.dispatch_timeout_s):
-                    admission = await member.adapter.submit(job)
-            except Exception as e:
-                reason = "no answer in time" if isinstance(e, TimeoutError) else str(e)
-                admission = Admission.rejected(f"dispatch failed: {reason}")
-                # The site may have admitted the attempt before failing to answer: withdraw it so the
-                # job can never run twice.
-                await self._withdraw(job)
-        # 6. confirm or undo
-        if admission.admitted:
-            confirmed = await self.book.transition_if(
-                job.id, (JobState.DISPATCHING,), job.attempt, JobState.ADMITTED, reason=f"admitted by {site}"
-            )
-            current = self.book.active.get(job.id)
-            if confirmed is None and (current is None or current.attempt != job.attempt or current.state.terminal):
-                await self._withdraw(job)  # cancelled while it was being dispatched
+            return await self._requeue(job, "site was removed")
+        try:
+            async with asyncio.timeout(self.dispatch_timeout_s):
+                admission = await member.adapter.submit(job)
+        except Exception as e:
+            # The site may have admitted the attempt and lost the answer: the job moves on only once
+            # the site confirms the attempt is withdrawn, so it never runs twice at once.
+            why = "no answer in time" if isinstance(e, TimeoutError) else str(e) or e.__class__.__name__
+            if await self._withdraw(job):
+                return await self._requeue(job, f"dispatch failed ({why}); withdrawn", withdrawn=True)
+            self._unsettled[job.id] = job
+            log.warning("job %s: dispatch to %s failed (%s) and the withdrawal is not confirmed; it stays "
+                        "dispatching until the site confirms", job.id, site, why)
             return
-        reason = admission.reason or "refused"
-        self.book.refuse(job.id, site, reason)
-        await self.book.transition_if(
-            job.id, (JobState.DISPATCHING,), job.attempt, JobState.QUEUED,
-            reason=f"{site} refused it: {reason}; routing again",
+        # 6. confirm or undo
+        if not admission.admitted:
+            return await self._requeue(job, admission.reason or "refused")
+        confirmed = await self.book.transition_if(
+            job.id, (JobState.DISPATCHING,), job.attempt, JobState.ADMITTED, reason=f"admitted by {site}"
         )
+        current = self.book.active.get(job.id)
+        if confirmed is None and (current is None or current.attempt != job.attempt or current.state.terminal):
+            await self._withdraw(job)  # cancelled while it was being dispatched
 
-    async def _withdraw(self, job: Job) -> None:
+    def _current(self, job: Job) -> bool:
+        """Whether ``job``'s attempt is still the one being dispatched."""
+        current = self.book.active.get(job.id)
+        return current is not None and current.attempt == job.attempt and current.state == JobState.DISPATCHING
+
+    async def _requeue(self, job: Job, reason: str, withdrawn: bool = False) -> None:
+        """Undo: the site did not take the attempt; skip the site for a while and route the job again.
+
+        After a confirmed withdrawal the attempt is gone even if a late event said it was running, so it
+        is requeued from any state of that attempt at the site.
+        """
+        current = self.book.active.get(job.id)
+        states = (JobState.DISPATCHING, JobState.ADMITTED, JobState.RUNNING) if withdrawn else (JobState.DISPATCHING,)
+        if current is None or current.attempt != job.attempt or current.state not in states:
+            return
+        assert job.site is not None
+        self.book.refuse(job.id, job.site, reason)  # before the job is queued again, so no pass re-picks the site
+        try:
+            await self.book.transition(job.id, JobState.QUEUED, reason=f"{job.site} refused it: {reason}; routing again")
+        except StoreError as e:
+            log.error("job %s: could not requeue it (%s); the store's state stands", job.id, e)
+
+    async def _withdraw(self, job: Job) -> bool:
+        """Ask the site to drop the attempt; True once it confirms (or the site is gone)."""
         member = self.federation.get(job.site or "")
         if member is None:
-            return
+            return True
         try:
             async with asyncio.timeout(self.dispatch_timeout_s):
                 await member.adapter.cancel(job.id, job.attempt)
+            return True
         except Exception as e:
             log.error("could not withdraw job %s attempt %d from %s: %s", job.id, job.attempt, job.site, e)
+            return False
+
+    async def settle(self) -> None:
+        """Retry the withdrawals that sites have not confirmed; requeue each job once its site does."""
+        for job_id, job in list(self._unsettled.items()):
+            if not self._current(job):
+                del self._unsettled[job_id]
+            elif await self._withdraw(job):
+                del self._unsettled[job_id]
+                await self._requeue(job, "dispatch failed; withdrawn after retrying", withdrawn=True)
 
     async def drain(self, timeout_s: float | None = None) -> int:
         """Wait for dispatches in flight; after ``timeout_s`` cancel the rest and return how many.

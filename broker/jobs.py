@@ -24,8 +24,9 @@ from typing import Any
 
 from broker.clock import Clock
 from broker.models import IllegalTransition, Job, JobSpec, JobState
-from broker.store import Store
+from broker.store import Store, StoreError
 
+log = logging.getLogger(__name__)
 transitions_log = logging.getLogger("heliotrope.jobs")  # one line per transition; `heliotrope demo` shows it
 
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
@@ -166,6 +167,7 @@ class JobBook:
             self.capacity_freed = True
         if job.state == JobState.DISPATCHING and dst == JobState.ADMITTED:
             self.admitted_seq[job_id] = self.seq
+            self._refusals.pop(job_id, None)  # a site took it: earlier refusals no longer matter
         if new.state.terminal:
             del self.active[job_id]
             self._refusals.pop(job_id, None)
@@ -176,21 +178,35 @@ class JobBook:
             self.changed.set()
         return new, job.version
 
-    def restore(self, job: Job, replacing: Job) -> bool:
-        """Put ``job`` back in memory if ``replacing`` is still current (undo of a change that was not stored)."""
-        current = self.active.get(job.id)
-        if current is None or current.version != replacing.version:
-            return False
-        self.active[job.id] = job
-        self.admitted_seq.pop(job.id, None)
+    async def resync(self, job_id: str) -> Job | None:
+        """After a failed write, take the job as the store has it: memory must never run ahead of disk.
+
+        Writes queued behind the failed one carry versions the store no longer expects; they fail too,
+        and resync again, so memory settles on what is durable.
+        """
+        stored = await self._store.get_job(job_id)
+        if stored is None:
+            self.active.pop(job_id, None)
+            return None
+        if stored.state.terminal:
+            self.active.pop(job_id, None)
+        else:
+            self.active[job_id] = stored
+        self.admitted_seq.pop(job_id, None)
         self.capacity_freed = True
         self.changed.set()
-        return True
+        log.warning("job %s: a write failed; memory now holds the stored state %s", job_id, stored.state)
+        return stored
 
     async def transition(self, job_id: str, dst: JobState, **changes: Any) -> Job:
-        """Apply a transition and wait until it is on disk."""
+        """Apply a transition and wait until it is on disk. If the write fails, memory goes back to what
+        the store holds and the error is raised."""
         new, version = self.apply(job_id, dst, **changes)
-        await self._store.update_job(new, version)
+        try:
+            await self._store.update_job(new, version)
+        except StoreError:
+            await self.resync(job_id)
+            raise
         return new
 
     async def transition_if(self, job_id: str, states: Iterable[JobState], attempt: int | None, dst: JobState,
@@ -213,19 +229,21 @@ class JobBook:
             self._next_expiry = until
 
     def refusal_expired(self, now: datetime) -> bool:
-        """True when some refusal has run out, so its site may take the job again."""
-        return self._next_expiry is not None and self._next_expiry <= now
+        """True (once) when some refusal has run out, so its site may take a job again."""
+        if self._next_expiry is None or self._next_expiry > now:
+            return False
+        for job_id in list(self._refusals):
+            refusals = self._refusals[job_id]
+            for site in [s for s, r in refusals.items() if r.until <= now]:
+                del refusals[site]
+            if not refusals:
+                del self._refusals[job_id]
+        self._next_expiry = min((r.until for rs in self._refusals.values() for r in rs.values()), default=None)
+        return True
 
     def refused_sites(self, job_id: str) -> frozenset[str]:
         refusals = self._refusals.get(job_id)
         if not refusals:
             return frozenset()
         now = self._clock.now()
-        expired = [s for s, r in refusals.items() if r.until <= now]
-        if expired:
-            for site in expired:
-                del refusals[site]
-            self._next_expiry = min(
-                (r.until for rs in self._refusals.values() for r in rs.values()), default=None
-            )
-        return frozenset(refusals)
+        return frozenset(site for site, r in refusals.items() if r.until > now)

@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+
 from adapters.base import AttemptLookup, EventKind, JobEvent
 from broker.federation import Federation, Member
 from broker.jobs import JobBook, JobNotFound
 from broker.models import IllegalTransition, Job, JobState
+from broker.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +32,24 @@ class Lifecycle:
         self.book = book
         self.federation = federation
         self.cancel_timeout_s = cancel_timeout_s
+        self.pending_sites: set[str] = set()  # sites to reconcile once they answer
 
     async def pump(self, member: Member) -> None:
-        """Follow one site's event stream until the site is removed."""
+        """Follow one site's event stream until the site is removed. An event whose write fails is retried
+        with backoff until the store takes it: a site's report is never dropped."""
+        site = member.spec.name
         async for event in member.adapter.events():
             try:
-                await self.on_event(member.spec.name, event)
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(StoreError),
+                    wait=wait_exponential(multiplier=0.1, max=5.0),
+                    before_sleep=lambda rs: log.warning("site %s: storing event %s failed (%s); retrying",
+                                                        site, event, rs.outcome.exception()),
+                ):
+                    with attempt:
+                        await self.on_event(site, event)
             except Exception:
-                log.exception("site %s: could not apply event %s", member.spec.name, event)
+                log.exception("site %s: could not apply event %s", site, event)
 
     async def on_event(self, site: str, ev: JobEvent) -> Job | None:
         job = self.book.active.get(ev.job_id)
@@ -85,10 +98,13 @@ class Lifecycle:
         return None
 
     async def cancel(self, job_id: str) -> Job:
-        """Cancel a job; if it holds GPUs at a site, withdraw it there too. Raises IllegalTransition if final."""
-        job = await self.book.get(job_id)
-        if job.state.terminal:
-            raise IllegalTransition(job.id, job.state, JobState.CANCELLED)
+        """Cancel a job; if it holds GPUs at a site, withdraw it there too.
+
+        Raises JobNotFound for an unknown id and AlreadyEnded for a job that has ended (or is ending).
+        """
+        job = self.book.active.get(job_id)
+        if job is None:
+            raise AlreadyEnded(await self.book.get(job_id))
         cancelled = await self.book.transition(job.id, JobState.CANCELLED, reason="cancelled by request")
         if job.state in ON_SITE and job.site:
             member = self.federation.get(job.site)
@@ -101,35 +117,78 @@ class Lifecycle:
         return cancelled
 
     async def recover(self) -> list[Job]:
-        """After a restart: requeue every attempt its site no longer knows. Returns the requeued jobs."""
-        known: dict[str, set[tuple[str, int]]] = {}
-        for name, member in self.federation.members.items():
-            if isinstance(member.adapter, AttemptLookup):
-                try:
-                    known[name] = await member.adapter.known_attempts()
-                except Exception as e:
-                    log.warning("site %s: cannot list its attempts (%s); its jobs stay until it answers", name, e)
+        """After a restart: requeue what was preempted or sits on a site no longer registered, then
+        reconcile every site. Sites that cannot answer now are retried by ``reconcile_pending``."""
         requeued = []
         for job in list(self.book.active.values()):
             if job.state == JobState.PREEMPTED:
-                requeued.append(await self.book.transition(job.id, JobState.QUEUED,
-                                                           reason="requeued after preemption"))
-                continue
-            if job.state not in ON_SITE or job.site not in known:
-                continue
-            if (job.id, job.attempt) in known[job.site]:
+                requeued.append(await self._requeue(job, "requeued after preemption"))
+            elif job.state in ON_SITE and job.site not in self.federation:
+                requeued.append(await self._requeue(job, f"site {job.site} is no longer registered; requeued"))
+        for name in list(self.federation.members):
+            outcome = await self.reconcile(name)
+            if outcome is None:
+                self.pending_sites.add(name)
+            else:
+                requeued += outcome
+        return [j for j in requeued if j is not None]
+
+    async def reconcile_pending(self) -> None:
+        for name in list(self.pending_sites):
+            if await self.reconcile(name) is not None:
+                self.pending_sites.discard(name)
+
+    async def reconcile(self, site: str) -> list[Job | None] | None:
+        """Requeue the attempts ``site`` no longer has. None when the site cannot tell now.
+
+        A site that can list its attempts (AttemptLookup) is asked; any attempt it does not know is
+        requeued. A site that cannot list them is asked to withdraw the attempts still being dispatched;
+        admitted and running ones are settled by its events.
+        """
+        member = self.federation.get(site)
+        if member is None:
+            return []
+        jobs = [j for j in self.book.active.values() if j.site == site and j.state in ON_SITE]
+        adapter = member.adapter
+        requeued: list[Job | None] = []
+        if isinstance(adapter, AttemptLookup):
+            try:
+                known = await adapter.known_attempts()
+            except Exception as e:
+                log.warning("site %s: cannot list its attempts (%s); will ask again", site, e)
+                return None
+            for job in jobs:
+                if (job.id, job.attempt) not in known:
+                    requeued.append(await self._requeue(
+                        job, f"{site} no longer knows attempt {job.attempt} after a broker restart; requeued"))
+            return requeued
+        for job in jobs:
+            if job.state != D:
                 continue
             try:
-                requeued.append(await self.book.transition(
-                    job.id, JobState.QUEUED,
-                    reason=f"{job.site} no longer knows attempt {job.attempt} after a broker restart; requeued",
-                ))
-            except (IllegalTransition, JobNotFound) as e:
-                log.error("job %s: cannot requeue: %s", job.id, e)
-        # Jobs on sites that are gone from the federation altogether are requeued too.
-        for job in list(self.book.active.values()):
-            if job.state in ON_SITE and job.site not in self.federation:
-                requeued.append(await self.book.transition(
-                    job.id, JobState.QUEUED, reason=f"site {job.site} is no longer registered; requeued"
-                ))
+                async with asyncio.timeout(self.cancel_timeout_s):
+                    await adapter.cancel(job.id, job.attempt)
+            except Exception as e:
+                log.warning("site %s: cannot withdraw attempt %d of %s (%s); will ask again", site, job.attempt, job.id, e)
+                return None
+            requeued.append(await self._requeue(job, f"dispatch to {site} was cut off by a restart; requeued"))
         return requeued
+
+    async def _requeue(self, job: Job, reason: str) -> Job | None:
+        current = self.book.active.get(job.id)
+        if current is None or current.version != job.version:
+            return None  # moved on meanwhile
+        try:
+            return await self.book.transition(job.id, JobState.QUEUED, reason=reason)
+        except (IllegalTransition, JobNotFound, StoreError) as e:
+            log.error("job %s: cannot requeue: %s", job.id, e)
+            return None
+
+
+class AlreadyEnded(Exception):
+    """The job has ended, or is ending: nothing to cancel."""
+
+    def __init__(self, job: Job) -> None:
+        state = job.state if job.state.terminal else "ending"
+        super().__init__(f"job {job.id} is already {state}; it cannot be cancelled")
+        self.job = job

@@ -46,7 +46,10 @@ def _timezone(value: str) -> str:
 
 
 def _utc(value: datetime) -> datetime:
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("is out of range once converted to UTC") from None
 
 
 Slug = Annotated[str, AfterValidator(_slug)]
@@ -55,6 +58,9 @@ RegionId = Annotated[str, AfterValidator(ids.region)]
 GridZoneId = Annotated[str, AfterValidator(ids.grid_zone)]
 TimeZoneName = Annotated[str, AfterValidator(_timezone)]
 UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
+
+
+MAX_GPUS_PER_SITE = 200_000  # larger than any single cluster today; bounds what one request can ask of us
 
 
 class Strict(BaseModel):
@@ -125,7 +131,7 @@ class SiteSpec(Strict):
     timezone: TimeZoneName
     latitude: float = Field(ge=-90, le=90)
     longitude: float = Field(ge=-180, le=180)
-    gpus: list[NodeGroup] = Field(min_length=1)
+    gpus: list[NodeGroup] = Field(min_length=1, max_length=256)
     usd_per_gpu_hour: dict[GpuModelId, float] = Field(default_factory=dict)
     rtt_ms: dict[RegionId, float] = Field(default_factory=dict, description="round-trip time from origin regions")
     quotas: list[TenantQuota] = Field(default_factory=list)
@@ -148,6 +154,9 @@ class SiteSpec(Strict):
             raise ValueError(
                 f"usd_per_gpu_hour prices {', '.join(stray)}, which no node group of this site has"
             )
+        total = sum(g.gpus for g in self.gpus)
+        if total > MAX_GPUS_PER_SITE:
+            raise ValueError(f"gpus: {total} GPUs in all is more than {MAX_GPUS_PER_SITE:,} a site may have")
         tenants = [q.tenant for q in self.quotas]
         if len(tenants) != len(set(tenants)):
             raise ValueError("quotas: each tenant may appear once")
@@ -169,7 +178,7 @@ class Health(enum.StrEnum):
 class ModelCapacity(Strict):
     """Capacity of one GPU model at one site."""
 
-    model: str
+    model: GpuModelId
     total_gpus: int = Field(ge=0)
     free_gpus: int = Field(ge=0, description="whole GPUs with nothing on them")
     used_gpus: int = Field(ge=0, description="GPUs with at least part in use")

@@ -65,6 +65,7 @@ class Broker:
         )
         self.lifecycle = Lifecycle(self.book, self.federation)
         self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together
         self._loop_task: asyncio.Task[None] | None = None
         self.cycles = 0
 
@@ -107,6 +108,8 @@ class Broker:
             try:
                 await self.cycle.run_once()
                 self.cycles += 1
+                await self.cycle.settle()
+                await self.lifecycle.reconcile_pending()
             except Exception:
                 log.exception("scheduling cycle failed; trying again")
             await asyncio.sleep(settings.min_cycle_gap_s)
@@ -129,6 +132,10 @@ class Broker:
         return member
 
     async def register_site(self, spec: SiteSpec) -> Member:
+        async with self._sites_lock:
+            return await self._register_site(spec)
+
+    async def _register_site(self, spec: SiteSpec) -> Member:
         if spec.name in self.federation:
             raise SiteConflict(f"site {spec.name} is already registered; update it with PUT")
         await self.store.put_site(spec)
@@ -137,6 +144,10 @@ class Broker:
         return member
 
     async def update_site(self, spec: SiteSpec) -> Member:
+        async with self._sites_lock:
+            return await self._update_site(spec)
+
+    async def _update_site(self, spec: SiteSpec) -> Member:
         member = self.federation.get(spec.name)
         if member is None:
             raise KeyError(spec.name)
@@ -160,6 +171,10 @@ class Broker:
         return member
 
     async def remove_site(self, name: str) -> None:
+        async with self._sites_lock:
+            await self._remove_site(name)
+
+    async def _remove_site(self, name: str) -> None:
         if name not in self.federation:
             raise KeyError(name)
         busy = self.book.on_site(name)

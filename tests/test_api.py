@@ -292,3 +292,66 @@ async def test_the_openapi_document_describes_the_jobs_api_from_the_models(clien
     spec = doc["components"]["schemas"]["JobSpec"]
     assert set(spec["required"]) == {"tenant", "name", "gpus", "duration_s"}
     assert "milli" in doc["components"]["schemas"]["GpuRequest"]["properties"]
+
+
+# --- regressions from review: races and hostile input never give a 500 ---
+
+
+async def test_concurrent_cancels_of_one_job_answer_200_once_and_409_otherwise(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 600})).json()
+    await wait_for(client, job["id"], {"running"})
+    rs = await asyncio.gather(*(client.post(f"/v1/jobs/{job['id']}/cancel") for _ in range(4)))
+    assert sorted(r.status for r in rs) == [200, 409, 409, 409]
+    for r in rs:
+        if r.status == 409:
+            assert "cannot be cancelled" in (await r.json())["error"]["message"]
+
+
+async def test_concurrent_registrations_of_one_site_name_give_one_201_and_one_409(client: TestClient):
+    a = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8})
+    b = site_body("berlin", "gcp:europe-west3", {"h100-80gb": 8})
+    rs = await asyncio.gather(client.post("/v1/sites", json=a), client.post("/v1/sites", json=b))
+    assert sorted(r.status for r in rs) == [201, 409]
+    served = (await (await client.get("/v1/sites/berlin")).json())["gpus"][0]["model"]
+    stored = [s.gpus[0].model for s in await client.broker.store.list_sites()]  # type: ignore[attr-defined]
+    assert stored == [served]
+
+
+@pytest.mark.parametrize(
+    ("deadline",),
+    [
+        pytest.param("0001-01-01T00:00:00+01:00", id="a deadline before year 1 in UTC is refused"),
+        pytest.param("9999-12-31T23:59:59-01:00", id="a deadline after year 9999 in UTC is refused"),
+    ],
+)
+async def test_a_deadline_out_of_range_is_a_422_naming_deadline(client: TestClient, deadline: str):
+    r = await client.post("/v1/jobs", json={**MINIMAL, "deadline": deadline})
+    assert r.status == 422
+    assert (await r.json())["error"]["fields"][0]["field"] == "deadline"
+
+
+async def test_a_cursor_beyond_any_row_is_a_400(client: TestClient):
+    import base64
+
+    cursor = base64.urlsafe_b64encode(b"s" + str(10**20).encode()).decode().rstrip("=")
+    r = await client.get(f"/v1/jobs?cursor={cursor}")
+    assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == "cursor"
+
+
+async def test_an_idempotency_key_that_is_not_printable_ascii_is_a_400(client: TestClient):
+    r = await client.post("/v1/jobs", json=MINIMAL, headers={"Idempotency-Key": "clé-1"})
+    assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == "Idempotency-Key"
+
+
+async def test_a_body_that_claims_gzip_but_is_not_is_a_400(client: TestClient):
+    r = await client.post("/v1/jobs", data=b"not gzip at all",
+                          headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status == 400 and "could not be read" in (await r.json())["error"]["message"]
+
+
+async def test_a_site_with_more_gpus_than_any_cluster_is_refused(client: TestClient):
+    body = site_body("huge", "gcp:us-east1", {"a100-80gb": 8})
+    body["gpus"] = [{"model": "a100-80gb", "gpus_per_node": 64, "nodes": 100_000}]
+    r = await client.post("/v1/sites", json=body)
+    assert r.status == 422 and "more than 200,000" in (await r.json())["error"]["message"]

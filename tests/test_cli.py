@@ -144,3 +144,21 @@ def test_the_demo_serves_on_loopback_and_its_sample_jobs_run_to_success(tmp_path
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+@pytest.mark.parametrize("url", ["localhost:8080", "ftp://127.0.0.1:8080", "http://"])
+def test_a_broker_url_without_http_is_a_message(capsys, url):
+    code = main(["--server", url, "jobs"])
+    _, err = capsys.readouterr()
+    assert code == 1 and "must look like http://HOST:PORT" in err and "Traceback" not in err
+
+
+def test_a_job_list_with_one_bad_item_sends_nothing(capsys, server, tmp_path):
+    path = tmp_path / "jobs.yaml"
+    good = {"tenant": "t1", "name": "ok", "gpus": {"count": 1}, "duration_s": 60}
+    path.write_text(yaml.safe_dump([good, {**good, "name": "ok2"}, {**good, "gpus": {"count": 0}}]))
+    code, _, err = run(capsys, server, "submit", str(path))
+    assert code == 1
+    assert "nothing was sent" in err and "job 3 of 3: gpus.count" in err
+    code, out, _ = run(capsys, server, "--json", "jobs")
+    assert json.loads(out) == []

@@ -251,11 +251,11 @@ async def test_a_placement_the_store_cannot_write_is_not_dispatched_and_the_job_
     real_update = store.update_job
     failures = []
 
-    async def failing_update(job, expected_version, event_reason=None):
+    async def failing_update(job, expected_version, event_reason=None, decision=None):
         if job.state == JobState.DISPATCHING and not failures:
             failures.append(job.id)
             raise StoreError("disk full")
-        return await real_update(job, expected_version, event_reason)
+        return await real_update(job, expected_version, event_reason, decision)
 
     store.update_job = failing_update  # type: ignore[method-assign]
     await h.cycle()

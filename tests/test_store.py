@@ -180,3 +180,12 @@ def test_a_write_that_returned_is_on_disk_when_the_process_is_killed(tmp_path: P
         on_disk = {r[0] for r in conn.execute("SELECT id FROM jobs")}
     assert len(acked) >= 2000
     assert set(acked) <= on_disk
+
+
+async def test_a_write_that_breaks_the_writer_fails_alone_and_later_writes_still_land(store: SQLiteStore):
+    bad = make_job(1).model_copy(update={"version": 2**63})  # too large for an SQLite integer
+    with pytest.raises(StoreError):
+        await store.insert_job(bad)
+    good = make_job(2)
+    await asyncio.wait_for(store.insert_job(good), 5)
+    assert await store.get_job(good.id) == good

@@ -56,7 +56,10 @@ def decode_cursor(cursor: str) -> int:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         if not raw.startswith("s"):
             raise ValueError
-        return int(raw[1:])
+        seq = int(raw[1:])
+        if not 0 <= seq < 2**63:
+            raise ValueError
+        return seq
     except (ValueError, UnicodeDecodeError):
         raise ValueError(f"{cursor!r} is not a cursor from a previous page") from None
 
@@ -69,7 +72,11 @@ class Store(Protocol):
     # jobs
     async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None: ...
 
-    async def update_job(self, job: Job, expected_version: int, event_reason: str | None = None) -> None: ...
+    async def update_job(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> None:
+        """Write the job's new state (and, if given, the decision behind it, in the same transaction)."""
 
     async def get_job(self, job_id: str) -> Job | None: ...
 

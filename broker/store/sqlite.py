@@ -89,12 +89,22 @@ def _event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
     return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason)
 
 
+def _decision_row(job_id: str, attempt: int, record: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    return (
+        "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
+        " ON CONFLICT(job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc",
+        (job_id, attempt, json.dumps(record, separators=(",", ":"))),
+    )
+
+
 def _translate(error: BaseException) -> StoreError:
     if isinstance(error, StoreError):
         return error
     if isinstance(error, sqlite3.IntegrityError):
         return DuplicateKey(str(error))
-    return StoreError(f"database error: {error}")
+    if isinstance(error, sqlite3.Error):
+        return StoreError(f"database error: {error}")
+    return StoreError(f"write failed: {error.__class__.__name__}: {error}")
 
 
 class SQLiteStore:
@@ -172,7 +182,7 @@ class SQLiteStore:
     # --- group commit ---
 
     async def _submit(self, write: _Write) -> None:
-        if self._writer_task is None:
+        if self._writer_task is None or self._writer_task.done():
             raise StoreError("store is not open")
         await self._queue.put(write)
         await write.future
@@ -200,7 +210,9 @@ class SQLiteStore:
                 for w in batch:
                     if not w.future.done():
                         w.future.set_exception(StoreError(f"write failed: {e}"))
-                raise
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                continue
             for w, error in zip(batch, errors):
                 if w.future.done():
                     continue
@@ -222,7 +234,7 @@ class SQLiteStore:
                     if i in w.checks and cur.rowcount != 1:
                         raise Conflict(f"job {params[-2]} changed since it was read (or does not exist)")
             conn.execute("COMMIT")
-        except (sqlite3.Error, Conflict) as e:
+        except Exception as e:  # any failure: roll back, then find the write that caused it
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             if len(batch) > 1:
@@ -241,15 +253,17 @@ class SQLiteStore:
             (_INSERT_EVENT, _event_row(job, "submitted")),
         ]))
 
-    async def update_job(self, job: Job, expected_version: int, event_reason: str | None = None) -> None:
-        await self._submit(self._new_write(
-            [
-                (_UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id,
-                               expected_version)),
-                (_INSERT_EVENT, _event_row(job, event_reason)),
-            ],
-            checks=[0],
-        ))
+    async def update_job(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> None:
+        statements = [
+            (_UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id, expected_version)),
+            (_INSERT_EVENT, _event_row(job, event_reason)),
+        ]
+        if decision is not None:
+            statements.append(_decision_row(job.id, job.attempt, decision))
+        await self._submit(self._new_write(statements, checks=[0]))
 
     async def get_job(self, job_id: str) -> Job | None:
         row = await self._one("SELECT doc FROM jobs WHERE id = ?", (job_id,))
@@ -299,11 +313,7 @@ class SQLiteStore:
     # --- decisions ---
 
     async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
-        await self._submit(self._new_write([(
-            "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
-            " ON CONFLICT(job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc",
-            (job_id, attempt, json.dumps(record, separators=(",", ":"))),
-        )]))
+        await self._submit(self._new_write([_decision_row(job_id, attempt, record)]))
 
     async def get_decision(self, job_id: str) -> StoredDecision | None:
         row = await self._one("SELECT attempt, doc FROM decisions WHERE job_id = ?", (job_id,))
