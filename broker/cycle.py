@@ -292,13 +292,17 @@ class SchedulingCycle:
             return False
 
     async def settle(self) -> None:
-        """Retry the withdrawals that sites have not confirmed; requeue each job once its site does."""
+        """Retry, in parallel, the withdrawals that sites have not confirmed; requeue each job once its
+        site does."""
         for job_id, job in list(self._unsettled.items()):
             if not self._current(job):
-                del self._unsettled[job_id]
-            elif await self._withdraw(job):
-                del self._unsettled[job_id]
-                await self._requeue(job, "dispatch failed; withdrawn after retrying", withdrawn=True)
+                del self._unsettled[job_id]  # an event showed the site has it: nothing to settle
+        await asyncio.gather(*(self._settle_one(job) for job in list(self._unsettled.values())))
+
+    async def _settle_one(self, job: Job) -> None:
+        if await self._withdraw(job):
+            self._unsettled.pop(job.id, None)
+            await self._requeue(job, "dispatch failed; withdrawn after retrying", withdrawn=True)
 
     async def drain(self, timeout_s: float | None = None) -> int:
         """Wait for dispatches in flight; after ``timeout_s`` cancel the rest and return how many.

@@ -134,8 +134,11 @@ class Lifecycle:
         return [j for j in requeued if j is not None]
 
     async def reconcile_pending(self) -> None:
-        for name in list(self.pending_sites):
-            if await self.reconcile(name) is not None:
+        """Ask again, in parallel, every site that could not be reconciled yet."""
+        names = list(self.pending_sites)
+        outcomes = await asyncio.gather(*(self.reconcile(name) for name in names))
+        for name, outcome in zip(names, outcomes):
+            if outcome is not None:
                 self.pending_sites.discard(name)
 
     async def reconcile(self, site: str) -> list[Job | None] | None:

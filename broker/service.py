@@ -67,6 +67,7 @@ class Broker:
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together
         self._loop_task: asyncio.Task[None] | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
         self.cycles = 0
 
     # --- life cycle ---
@@ -89,6 +90,10 @@ class Broker:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            await asyncio.gather(self._housekeeping, return_exceptions=True)
+            self._housekeeping = None
         cut = await self.cycle.drain(self.settings.shutdown_grace_s)
         if cut:
             log.warning("%d dispatches were still in flight at shutdown; they are reconciled at the next start", cut)
@@ -108,16 +113,25 @@ class Broker:
             try:
                 await self.cycle.run_once()
                 self.cycles += 1
-                await self.cycle.settle()
-                await self.lifecycle.reconcile_pending()
             except Exception:
                 log.exception("scheduling cycle failed; trying again")
+            if self._housekeeping is None or self._housekeeping.done():
+                # Slow sites must not hold up scheduling: retries of unconfirmed withdrawals and of
+                # reconciliations run beside the loop, one round at a time.
+                self._housekeeping = asyncio.get_running_loop().create_task(self._settle(), name="housekeeping")
             await asyncio.sleep(settings.min_cycle_gap_s)
             try:
                 async with asyncio.timeout(settings.cycle_interval_s):
                     await self.book.changed.wait()
             except TimeoutError:
                 pass
+
+    async def _settle(self) -> None:
+        try:
+            await self.cycle.settle()
+            await self.lifecycle.reconcile_pending()
+        except Exception:
+            log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
 
     def wake(self) -> None:
         self.book.changed.set()
