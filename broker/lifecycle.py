@@ -43,8 +43,9 @@ class Lifecycle:
                 async for attempt in AsyncRetrying(
                     retry=retry_if_exception_type(StoreError),
                     wait=wait_exponential(multiplier=0.1, max=5.0),
-                    before_sleep=lambda rs: log.warning("site %s: storing event %s failed (%s); retrying",
-                                                        site, event, rs.outcome.exception()),
+                    before_sleep=lambda rs, ev=event: log.warning(
+                        "site %s: storing event %s failed (%s); retrying", site, ev, rs.outcome.exception()
+                    ),
                 ):
                     with attempt:
                         await self.on_event(site, event)

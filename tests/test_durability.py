@@ -28,7 +28,7 @@ async def _burst(url: str, n: int, concurrency: int, acked: dict[str, str], kill
                 async with session.post(f"{url}/v1/jobs", json=body, headers={"Idempotency-Key": f"k-{i}"}) as r:
                     if r.status == 201:
                         acked[f"k-{i}"] = (await r.json())["id"]
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 return  # the server died under this request: it was never acknowledged
             if len(acked) >= kill_after and not killed.is_set():
                 killed.set()
