@@ -9,6 +9,8 @@
   by the site's events.
 
 Submissions are keyed by (job id, attempt): submitting the same attempt twice must not run it twice.
+A cancel is final for its attempt: the site drops it if it has it, and refuses it if its submission
+arrives later (it may still be on its way), so a withdrawn attempt can never start.
 """
 
 from __future__ import annotations

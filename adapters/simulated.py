@@ -50,6 +50,7 @@ class SimulatedSite:
             self._memory[g.model] = max(self._memory.get(g.model, 0.0), g.gpu_memory_gib)
         self._runs: dict[tuple[str, int], _Run] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Admission]] = {}
+        self._withdrawn: set[tuple[str, int]] = set()
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._reachable = True
         self._link_up = asyncio.Event()  # events wait while the site is unreachable, as over a real link
@@ -130,6 +131,8 @@ class SimulatedSite:
         key = (job.id, job.attempt)
         if key in self._runs:
             return Admission.ok()
+        if key in self._withdrawn:
+            return Admission.rejected(f"attempt {job.attempt} was withdrawn")
         pending = self._pending.get(key)
         if pending is not None:  # the same attempt is being admitted: share its answer
             return await asyncio.shield(pending)
@@ -138,7 +141,7 @@ class SimulatedSite:
         try:
             await self._clock.sleep(self.config.dispatch_delay_s)
             self._check_reachable()
-            placed = self._allocate(job)
+            placed = f"attempt {job.attempt} was withdrawn" if key in self._withdrawn else self._allocate(job)
             if isinstance(placed, str):
                 admission = Admission.rejected(placed)
             else:
@@ -158,6 +161,7 @@ class SimulatedSite:
 
     async def cancel(self, job_id: str, attempt: int) -> None:
         self._check_reachable()
+        self._withdrawn.add((job_id, attempt))  # final: a submit of this attempt, now or later, is refused
         run = self._runs.pop((job_id, attempt), None)
         if run is None:
             return

@@ -30,6 +30,7 @@ from typing import Any
 from broker.clock import Clock
 from broker.federation import Federation
 from broker.jobs import JobBook
+from broker.lifecycle import Lifecycle
 from broker.models import Job, JobState
 from broker.store import Store, StoreError
 from policies import explain
@@ -81,10 +82,12 @@ class SchedulingCycle:
         federation: Federation,
         book: JobBook,
         store: Store,
+        lifecycle: Lifecycle,
         pipeline: Pipeline | None = None,
         dispatch_timeout_s: float = 30.0,
         full_pass_interval_s: float = 1.0,
     ) -> None:
+        self.lifecycle = lifecycle
         self.clock = clock
         self.federation = federation
         self.book = book
@@ -96,7 +99,6 @@ class SchedulingCycle:
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
         self._in_flight: dict[str, InFlight] = {}
         self._requests: dict[str, JobRequest] = {}
-        self._unsettled: dict[str, Job] = {}  # dispatches whose withdrawal a site has not confirmed
         self.full_pass_interval_s = full_pass_interval_s
         self._last_full: datetime | None = None
         self._asked_at = 0  # book.seq when the sites were last asked for reports
@@ -155,8 +157,10 @@ class SchedulingCycle:
                     self._last_seen[job.id] = failure.signature
                     records.append((job, failure.record(self.pipeline, snap)))
                 continue
-            rec = explain.record(self.pipeline, placement, snap)
             site = snap.sites[placement.site]
+            if site in self.federation.leaving:
+                continue  # being removed or rebuilt: the next pass decides without it
+            rec = explain.record(self.pipeline, placement, snap)
             snap.assume(placement.site, req, placement.model)
             new, version = self.book.apply(
                 job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
@@ -202,13 +206,12 @@ class SchedulingCycle:
         """Write an assumed placement and its decision in one transaction; if that fails, memory goes
         back to what the store holds and the job is decided again."""
         try:
-            await self.store.update_job(new, version, event_reason=f"placed on {new.site} ({rec['model']})",
-                                        decision=rec)
+            await self.book.write(before, new, version, event_reason=f"placed on {new.site} ({rec['model']})",
+                                  decision=rec)
             return True
-        except Exception as e:
+        except StoreError as e:
             log.error("job %s: could not store its placement on %s (%s); it stays queued", new.id, new.site, e)
             self._in_flight.pop(new.id, None)
-            await self.book.resync(new.id)
             return False
 
     def _debit_in_flight(self, snap: Snapshot, asked_at: int) -> None:
@@ -240,36 +243,40 @@ class SchedulingCycle:
             # The site may have admitted the attempt and lost the answer: the job moves on only once
             # the site confirms the attempt is withdrawn, so it never runs twice at once.
             why = "no answer in time" if isinstance(e, TimeoutError) else str(e) or e.__class__.__name__
-            if await self._withdraw(job):
-                return await self._requeue(job, f"dispatch failed ({why}); withdrawn", withdrawn=True)
-            self._unsettled[job.id] = job
-            log.warning("job %s: dispatch to %s failed (%s) and the withdrawal is not confirmed; it stays "
-                        "dispatching until the site confirms", job.id, site, why)
+            if await self.lifecycle.withdraw(job, site):
+                await self.lifecycle.requeue_withdrawn(job.id, job.attempt, site, f"dispatch failed: {why}")
+            else:
+                log.warning("job %s: dispatch to %s failed (%s) and the site has not confirmed it dropped the "
+                            "attempt; the job stays dispatching until it does", job.id, site, why)
             return
         # 6. confirm or undo
         if not admission.admitted:
             return await self._requeue(job, admission.reason or "refused")
+        if member is not self.federation.get(site) or site in self.federation.leaving:
+            # The site was removed or rebuilt while it admitted the attempt: take it back.
+            if await self.lifecycle.withdraw(job, site):
+                await self.lifecycle.requeue_withdrawn(job.id, job.attempt, site, "site changed during dispatch")
+            return
         confirmed = await self.book.transition_if(
             job.id, (JobState.DISPATCHING,), job.attempt, JobState.ADMITTED, reason=f"admitted by {site}"
         )
-        current = self.book.active.get(job.id)
-        if confirmed is None and (current is None or current.attempt != job.attempt or current.state.terminal):
-            await self._withdraw(job)  # cancelled while it was being dispatched
+        if confirmed is None and not self._holds(job):
+            await self.lifecycle.withdraw(job, site)  # cancelled or requeued while it was being dispatched
 
     def _current(self, job: Job) -> bool:
         """Whether ``job``'s attempt is still the one being dispatched."""
         current = self.book.active.get(job.id)
         return current is not None and current.attempt == job.attempt and current.state == JobState.DISPATCHING
 
-    async def _requeue(self, job: Job, reason: str, withdrawn: bool = False) -> None:
-        """Undo: the site did not take the attempt; skip the site for a while and route the job again.
-
-        After a confirmed withdrawal the attempt is gone even if a late event said it was running, so it
-        is requeued from any state of that attempt at the site.
-        """
+    def _holds(self, job: Job) -> bool:
+        """Whether the broker still counts ``job``'s attempt as at its site."""
         current = self.book.active.get(job.id)
-        states = (JobState.DISPATCHING, JobState.ADMITTED, JobState.RUNNING) if withdrawn else (JobState.DISPATCHING,)
-        if current is None or current.attempt != job.attempt or current.state not in states:
+        return (current is not None and current.attempt == job.attempt and current.site == job.site
+                and current.state.on_site)
+
+    async def _requeue(self, job: Job, reason: str) -> None:
+        """Undo: the site did not take the attempt; skip the site for a while and route the job again."""
+        if not self._current(job):
             return
         assert job.site is not None
         self.book.refuse(job.id, job.site, reason)  # before the job is queued again, so no pass re-picks the site
@@ -277,32 +284,6 @@ class SchedulingCycle:
             await self.book.transition(job.id, JobState.QUEUED, reason=f"{job.site} refused it: {reason}; routing again")
         except StoreError as e:
             log.error("job %s: could not requeue it (%s); the store's state stands", job.id, e)
-
-    async def _withdraw(self, job: Job) -> bool:
-        """Ask the site to drop the attempt; True once it confirms (or the site is gone)."""
-        member = self.federation.get(job.site or "")
-        if member is None:
-            return True
-        try:
-            async with asyncio.timeout(self.dispatch_timeout_s):
-                await member.adapter.cancel(job.id, job.attempt)
-            return True
-        except Exception as e:
-            log.error("could not withdraw job %s attempt %d from %s: %s", job.id, job.attempt, job.site, e)
-            return False
-
-    async def settle(self) -> None:
-        """Retry, in parallel, the withdrawals that sites have not confirmed; requeue each job once its
-        site does."""
-        for job_id, job in list(self._unsettled.items()):
-            if not self._current(job):
-                del self._unsettled[job_id]  # an event showed the site has it: nothing to settle
-        await asyncio.gather(*(self._settle_one(job) for job in list(self._unsettled.values())))
-
-    async def _settle_one(self, job: Job) -> None:
-        if await self._withdraw(job):
-            self._unsettled.pop(job.id, None)
-            await self._requeue(job, "dispatch failed; withdrawn after retrying", withdrawn=True)
 
     async def drain(self, timeout_s: float | None = None) -> int:
         """Wait for dispatches in flight; after ``timeout_s`` cancel the rest and return how many.

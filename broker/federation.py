@@ -53,6 +53,7 @@ class Federation:
         self.members: dict[str, Member] = {}
         self._base: Snapshot | None = None  # arrays of the last reports; rebuilt when they change
         self.membership_changed = False  # a site joined, changed or left since the last full pass
+        self.leaving: set[str] = set()  # sites being removed or rebuilt: offered to no job
 
     def __contains__(self, name: str) -> bool:
         return name in self.members
@@ -86,8 +87,17 @@ class Federation:
         await self._collect_one(member)
         return member
 
+    def set_leaving(self, name: str, leaving: bool) -> None:
+        """Stop (or resume) offering a site to jobs while it is being removed or rebuilt."""
+        if leaving:
+            self.leaving.add(name)
+        else:
+            self.leaving.discard(name)
+        self._base = None
+
     async def remove(self, name: str) -> None:
         member = self.members.pop(name)
+        self.leaving.discard(name)
         self._base = None
         self.membership_changed = True
         await member.adapter.close()
@@ -125,7 +135,8 @@ class Federation:
         """
         if self._base is None:
             specs = [m.spec for m in self.members.values()]
-            states = {name: self._fresh_state(m, now) for name, m in self.members.items()}
+            states = {name: None if name in self.leaving else self._fresh_state(m, now)
+                      for name, m in self.members.items()}
             self._base = build_snapshot(now, specs, states)
         return self._base.working_copy(now)
 

@@ -75,6 +75,7 @@ class JobBook:
         self.capacity_freed = False  # a job left a site since the last full scheduling pass
         self.seq = 0  # counts transitions; orders admissions against site reports
         self.admitted_seq: dict[str, int] = {}  # job id -> seq of its current attempt's admission
+        self._changes: dict[str, int] = {}  # job id -> changes made in memory (see mark, undo, resync)
 
     async def load(self) -> list[Job]:
         """Load every non-terminal job from the store (at start-up)."""
@@ -156,13 +157,17 @@ class JobBook:
     # --- changes ---
 
     def apply(self, job_id: str, dst: JobState, **changes: Any) -> tuple[Job, int]:
-        """Check and apply a transition in memory; return (new job, version it replaced). No await."""
+        """Check and apply a transition in memory; return (new job, version it replaced). No await.
+
+        The caller writes it through the store and, if that fails, calls ``undo``.
+        """
         job = self.active.get(job_id)
         if job is None:
             raise JobNotFound(job_id)
         new = job.transition(dst, self._clock.now(), **changes)
         transitions_log.info("%s %s/%s: %s -> %s (%s)", job_id, job.spec.tenant, job.spec.name, job.state, dst, new.reason)
         self.seq += 1
+        self._touch(job_id)
         if job.state.on_site and not new.state.on_site:
             self.capacity_freed = True
         if job.state == JobState.DISPATCHING and dst == JobState.ADMITTED:
@@ -178,36 +183,75 @@ class JobBook:
             self.changed.set()
         return new, job.version
 
+    def _touch(self, job_id: str) -> int:
+        self._changes[job_id] = self._changes.get(job_id, 0) + 1
+        return self._changes[job_id]
+
+    def mark(self, job_id: str) -> int:
+        """How many times the job changed in memory: a stale ``undo`` or ``resync`` checks it."""
+        return self._changes.get(job_id, 0)
+
+    def undo(self, before: Job, mark: int) -> bool:
+        """Put ``before`` back after its successor failed to reach the store, unless the job changed again
+        in memory since (``mark``), in which case the later change settles it."""
+        if self._changes.get(before.id, 0) != mark:
+            return False
+        self.active[before.id] = before
+        self.admitted_seq.pop(before.id, None)
+        self._touch(before.id)
+        self.capacity_freed = True
+        self.changed.set()
+        return True
+
     async def resync(self, job_id: str) -> Job | None:
-        """After a failed write, take the job as the store has it: memory must never run ahead of disk.
+        """After a failed write, take the job as the store has it, if memory did not move meanwhile.
 
         Writes queued behind the failed one carry versions the store no longer expects; they fail too,
-        and resync again, so memory settles on what is durable.
+        and resync again, so memory settles on what is durable. If the store cannot be read either, the
+        ``undo`` already made stands.
         """
-        stored = await self._store.get_job(job_id)
-        if stored is None:
-            self.active.pop(job_id, None)
+        mark = self.mark(job_id)
+        try:
+            stored = await self._store.get_job(job_id)
+        except Exception as e:
+            log.error("job %s: cannot read it back after a failed write (%s); keeping the last good state", job_id, e)
             return None
-        if stored.state.terminal:
+        if self.mark(job_id) != mark:
+            return None  # changed while we read: that change's own write settles the job
+        if stored is None or stored.state.terminal:
             self.active.pop(job_id, None)
         else:
             self.active[job_id] = stored
+        self._touch(job_id)
         self.admitted_seq.pop(job_id, None)
         self.capacity_freed = True
         self.changed.set()
-        log.warning("job %s: a write failed; memory now holds the stored state %s", job_id, stored.state)
+        log.warning("job %s: a write failed; memory now holds the stored state %s", job_id,
+                    stored.state if stored else "(none)")
         return stored
 
     async def transition(self, job_id: str, dst: JobState, **changes: Any) -> Job:
-        """Apply a transition and wait until it is on disk. If the write fails, memory goes back to what
-        the store holds and the error is raised."""
+        """Apply a transition and wait until it is on disk. If the write fails, memory goes back to the
+        state before (then to what the store holds) and a StoreError is raised."""
+        before = self.active.get(job_id)
         new, version = self.apply(job_id, dst, **changes)
-        try:
-            await self._store.update_job(new, version)
-        except StoreError:
-            await self.resync(job_id)
-            raise
+        await self.write(before, new, version)
         return new
+
+    async def write(self, before: Job | None, new: Job, version: int, **extra: Any) -> None:
+        """Write ``new`` (applied in memory over ``before``); on any failure undo it and raise StoreError."""
+        mark = self.mark(new.id)
+        try:
+            await self._store.update_job(new, version, **extra)
+        except Exception as e:
+            if before is not None:
+                self.undo(before, mark)
+            await self.resync(new.id)
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"write failed: {e.__class__.__name__}: {e}") from e
+        if new.state.terminal:
+            self._changes.pop(new.id, None)
 
     async def transition_if(self, job_id: str, states: Iterable[JobState], attempt: int | None, dst: JobState,
                             **changes: Any) -> Job | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
@@ -28,11 +29,16 @@ ON_SITE = (D, A, R)
 
 
 class Lifecycle:
-    def __init__(self, book: JobBook, federation: Federation, cancel_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, book: JobBook, federation: Federation, cancel_timeout_s: float = 10.0, max_backoff_s: float = 60.0
+    ) -> None:
         self.book = book
         self.federation = federation
         self.cancel_timeout_s = cancel_timeout_s
-        self.pending_sites: set[str] = set()  # sites to reconcile once they answer
+        self.pending_sites: dict[str, dict[str, int]] = {}  # site -> its jobs at start-up, to reconcile
+        self._withdrawals: dict[tuple[str, int], str] = {}  # (job id, attempt) -> site yet to confirm
+        self._backoff: dict[str, tuple[float, float]] = {}  # site -> (next try, monotonic s; last delay s)
+        self.max_backoff_s = max_backoff_s
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -54,8 +60,13 @@ class Lifecycle:
 
     async def on_event(self, site: str, ev: JobEvent) -> Job | None:
         job = self.book.active.get(ev.job_id)
-        if job is None or job.site != site or job.attempt != ev.attempt or job.state not in ON_SITE:
+        if job is None or job.site != site or job.attempt != ev.attempt:
             return None  # stale, repeated or for an attempt we withdrew
+        if job.state == JobState.PREEMPTED and ev.kind == EventKind.PREEMPTED:
+            # A retry of a preemption whose requeue did not reach the store the first time.
+            return await self.book.transition(job.id, JobState.QUEUED, reason="requeued after preemption")
+        if job.state not in ON_SITE:
+            return None
         if job.state == D and ev.kind != EventKind.LOST:
             # The site's event overtook its answer to the dispatch: the event itself shows admission.
             job = await self.book.transition(job.id, A, reason=f"admitted by {site}")
@@ -71,7 +82,7 @@ class Lifecycle:
                 )
             case EventKind.FAILED:
                 failed = job.failed_attempts + 1
-                why = ev.reason or "failed"
+                why = _text(ev.reason) or "failed"
                 if failed >= job.spec.max_attempts:
                     return await self.book.transition(
                         job.id, JobState.FAILED, failed_attempts=failed, finished_at=ev.at,
@@ -86,7 +97,7 @@ class Lifecycle:
             case EventKind.PREEMPTED:
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
                 await self.book.transition(
-                    job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {ev.reason or ''}".strip()
+                    job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {_text(ev.reason)}".strip()
                 )
                 return await self.book.transition(
                     job.id, JobState.QUEUED,
@@ -94,12 +105,12 @@ class Lifecycle:
                 )
             case EventKind.LOST:
                 return await self.book.transition(
-                    job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {ev.reason}"
+                    job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {_text(ev.reason)}"
                 )
         return None
 
     async def cancel(self, job_id: str) -> Job:
-        """Cancel a job; if it holds GPUs at a site, withdraw it there too.
+        """Cancel a job; if it holds GPUs at a site, withdraw it there (retried until the site confirms).
 
         Raises JobNotFound for an unknown id and AlreadyEnded for a job that has ended (or is ending).
         """
@@ -108,42 +119,106 @@ class Lifecycle:
             raise AlreadyEnded(await self.book.get(job_id))
         cancelled = await self.book.transition(job.id, JobState.CANCELLED, reason="cancelled by request")
         if job.state in ON_SITE and job.site:
-            member = self.federation.get(job.site)
-            if member is not None:
-                try:
-                    async with asyncio.timeout(self.cancel_timeout_s):
-                        await member.adapter.cancel(job.id, job.attempt)
-                except Exception as e:
-                    log.error("job %s: site %s did not confirm the cancel: %s", job.id, job.site, e)
+            await self.withdraw(job, job.site)
         return cancelled
+
+    # --- withdrawals: an attempt a site must drop, retried until it confirms ---
+
+    async def withdraw(self, job: Job, site: str) -> bool:
+        """Ask ``site`` to drop ``job``'s attempt. True once it confirms (or the site is gone); otherwise
+        the withdrawal is remembered and ``settle`` retries it."""
+        if await self._cancel_at(site, job.id, job.attempt):
+            self._withdrawals.pop((job.id, job.attempt), None)
+            return True
+        self._withdrawals[(job.id, job.attempt)] = site
+        return False
+
+    async def requeue_withdrawn(self, job_id: str, attempt: int, site: str, reason: str) -> Job | None:
+        """After ``site`` confirmed it dropped the attempt, requeue the job if it still counts it there,
+        whatever a late event said: the attempt is gone."""
+        current = self.book.active.get(job_id)
+        if current is None or current.attempt != attempt or current.site != site or current.state not in ON_SITE:
+            return None
+        self.book.refuse(job_id, site, reason)  # before the job is queued, so no pass re-picks the site
+        return await self._requeue(current, f"{site} dropped attempt {attempt} ({reason}); routing again")
+
+    async def settle(self, force: bool = False) -> None:
+        """Retry what sites have not confirmed: withdrawals, and reconciliations after a restart. Sites are
+        asked in parallel, each call bounded by ``cancel_timeout_s``; a site that fails is left alone for
+        a while (doubling, up to ``max_backoff_s``) unless ``force``."""
+        sites = set(self._withdrawals.values()) | set(self.pending_sites)
+        now = time.monotonic()
+        due = [s for s in sites if force or self._backoff.get(s, (0.0, 0.0))[0] <= now]
+        await asyncio.gather(*(self._settle_site(site) for site in due))
+
+    async def _settle_site(self, site: str) -> None:
+        ok = True
+        for (job_id, attempt), where in list(self._withdrawals.items()):
+            if where != site:
+                continue
+            if not await self._cancel_at(site, job_id, attempt):
+                ok = False
+                break  # the site is not answering: the rest wait for its next turn
+            del self._withdrawals[(job_id, attempt)]
+            await self.requeue_withdrawn(job_id, attempt, site, "withdrawn after its dispatch failed")
+        if ok and site in self.pending_sites:
+            if await self.reconcile(site, self.pending_sites[site]) is None:
+                ok = False
+            else:
+                del self.pending_sites[site]
+        if ok:
+            self._backoff.pop(site, None)
+        else:
+            delay = min(self.max_backoff_s, max(1.0, 2 * self._backoff.get(site, (0.0, 0.0))[1]))
+            if site not in self._backoff:
+                log.warning("site %s does not answer; asking again in %.0f s, then less and less often", site, delay)
+            self._backoff[site] = (time.monotonic() + delay, delay)
+
+    async def _cancel_at(self, site: str, job_id: str, attempt: int) -> bool:
+        member = self.federation.get(site)
+        if member is None:
+            return True  # the site is gone, and its attempts with it
+        try:
+            async with asyncio.timeout(self.cancel_timeout_s):
+                await member.adapter.cancel(job_id, attempt)
+            return True
+        except Exception as e:
+            log.debug("site %s: withdrawing attempt %d of %s failed: %s", site, attempt, job_id, e)
+            return False
+
+    @property
+    def withdrawals(self) -> dict[tuple[str, int], str]:
+        """(job id, attempt) -> site, for attempts a site has yet to confirm it dropped."""
+        return dict(self._withdrawals)
+
+    # --- after a restart ---
 
     async def recover(self) -> list[Job]:
         """After a restart: requeue what was preempted or sits on a site no longer registered, then
-        reconcile every site. Sites that cannot answer now are retried by ``reconcile_pending``."""
+        reconcile every site. A site that cannot answer now is retried by ``settle``, for the jobs it had
+        at start-up only: jobs placed there later are settled by the usual dispatch and events."""
         requeued = []
         for job in list(self.book.active.values()):
             if job.state == JobState.PREEMPTED:
                 requeued.append(await self._requeue(job, "requeued after preemption"))
             elif job.state in ON_SITE and job.site not in self.federation:
                 requeued.append(await self._requeue(job, f"site {job.site} is no longer registered; requeued"))
-        for name in list(self.federation.members):
-            outcome = await self.reconcile(name)
+        names = list(self.federation.members)
+        snapshots = {
+            name: {j.id: j.version for j in self.book.active.values() if j.site == name and j.state in ON_SITE}
+            for name in names
+        }
+        outcomes = await asyncio.gather(*(self.reconcile(name, snapshots[name]) for name in names))
+        for name, outcome in zip(names, outcomes):
             if outcome is None:
-                self.pending_sites.add(name)
+                self.pending_sites[name] = snapshots[name]
             else:
                 requeued += outcome
         return [j for j in requeued if j is not None]
 
-    async def reconcile_pending(self) -> None:
-        """Ask again, in parallel, every site that could not be reconciled yet."""
-        names = list(self.pending_sites)
-        outcomes = await asyncio.gather(*(self.reconcile(name) for name in names))
-        for name, outcome in zip(names, outcomes):
-            if outcome is not None:
-                self.pending_sites.discard(name)
-
-    async def reconcile(self, site: str) -> list[Job | None] | None:
-        """Requeue the attempts ``site`` no longer has. None when the site cannot tell now.
+    async def reconcile(self, site: str, jobs: dict[str, int]) -> list[Job | None] | None:
+        """Requeue those of ``jobs`` (id -> version at start-up) that ``site`` no longer has, if they have
+        not moved since. None when the site cannot tell now.
 
         A site that can list its attempts (AttemptLookup) is asked; any attempt it does not know is
         requeued. A site that cannot list them is asked to withdraw the attempts still being dispatched;
@@ -152,31 +227,33 @@ class Lifecycle:
         member = self.federation.get(site)
         if member is None:
             return []
-        jobs = [j for j in self.book.active.values() if j.site == site and j.state in ON_SITE]
+        todo = [j for j in map(self.book.active.get, jobs) if j is not None and j.version == jobs[j.id]]
         adapter = member.adapter
         requeued: list[Job | None] = []
         if isinstance(adapter, AttemptLookup):
             try:
-                known = await adapter.known_attempts()
+                async with asyncio.timeout(self.cancel_timeout_s):
+                    known = await adapter.known_attempts()
             except Exception as e:
-                log.warning("site %s: cannot list its attempts (%s); will ask again", site, e)
+                log.debug("site %s: cannot list its attempts (%s)", site, e)
                 return None
-            for job in jobs:
-                if (job.id, job.attempt) not in known:
+            for job in todo:
+                if (job.id, job.attempt) not in known and self._unmoved(job):
                     requeued.append(await self._requeue(
                         job, f"{site} no longer knows attempt {job.attempt} after a broker restart; requeued"))
             return requeued
-        for job in jobs:
+        for job in todo:
             if job.state != D:
                 continue
-            try:
-                async with asyncio.timeout(self.cancel_timeout_s):
-                    await adapter.cancel(job.id, job.attempt)
-            except Exception as e:
-                log.warning("site %s: cannot withdraw attempt %d of %s (%s); will ask again", site, job.attempt, job.id, e)
+            if not await self._cancel_at(site, job.id, job.attempt):
                 return None
-            requeued.append(await self._requeue(job, f"dispatch to {site} was cut off by a restart; requeued"))
+            if self._unmoved(job):
+                requeued.append(await self._requeue(job, f"dispatch to {site} was cut off by a restart; requeued"))
         return requeued
+
+    def _unmoved(self, job: Job) -> bool:
+        current = self.book.active.get(job.id)
+        return current is not None and current.version == job.version
 
     async def _requeue(self, job: Job, reason: str) -> Job | None:
         current = self.book.active.get(job.id)
@@ -187,6 +264,13 @@ class Lifecycle:
         except (IllegalTransition, JobNotFound, StoreError) as e:
             log.error("job %s: cannot requeue: %s", job.id, e)
             return None
+
+
+def _text(value: str | None) -> str:
+    """A site's free text, made safe to store (no unpaired surrogates, bounded length)."""
+    if not value:
+        return ""
+    return value.encode("utf-8", "replace").decode("utf-8")[:1000]
 
 
 class AlreadyEnded(Exception):

@@ -9,8 +9,9 @@ at least every ``cycle_interval_s``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from adapters.base import SiteAdapter
 from adapters.simulated import SimulatedSite
@@ -59,11 +60,11 @@ class Broker:
             collect_timeout_s=self.settings.collect_timeout_s,
         )
         self.book = JobBook(self.store, self.clock, refusal_ttl_s=self.settings.refusal_ttl_s)
+        self.lifecycle = Lifecycle(self.book, self.federation, cancel_timeout_s=self.settings.dispatch_timeout_s)
         self.cycle = SchedulingCycle(
-            self.clock, self.federation, self.book, self.store, dispatch_timeout_s=self.settings.dispatch_timeout_s,
-            full_pass_interval_s=self.settings.cycle_interval_s,
+            self.clock, self.federation, self.book, self.store, self.lifecycle,
+            dispatch_timeout_s=self.settings.dispatch_timeout_s, full_pass_interval_s=self.settings.cycle_interval_s,
         )
-        self.lifecycle = Lifecycle(self.book, self.federation)
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together
         self._loop_task: asyncio.Task[None] | None = None
@@ -128,8 +129,7 @@ class Broker:
 
     async def _settle(self) -> None:
         try:
-            await self.cycle.settle()
-            await self.lifecycle.reconcile_pending()
+            await self.lifecycle.settle()
         except Exception:
             log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
 
@@ -166,23 +166,33 @@ class Broker:
         if member is None:
             raise KeyError(spec.name)
         rebuild = spec.gpus != member.spec.gpus or spec.adapter != member.spec.adapter
-        busy = self.book.on_site(spec.name)
-        if rebuild and busy:
-            raise SiteConflict(
-                f"site {spec.name} has {len(busy)} active jobs; its GPU inventory and adapter can change only "
-                "when none run there (cancel them or wait)"
-            )
-        await self.store.put_site(spec)
-        if rebuild:
+        if not rebuild:
+            await self.store.put_site(spec)
+            member = await self.federation.replace(spec)
+            self.wake()
+            return member
+        async with self._site_leaving(spec.name, "its GPU inventory and adapter can change only when none run there"):
+            await self.store.put_site(spec)
             await self._stop_pump(spec.name)
             member = await self.federation.replace(spec)
             self._pumps[spec.name] = asyncio.get_running_loop().create_task(
                 self.lifecycle.pump(member), name=f"events-{spec.name}"
             )
-        else:
-            member = await self.federation.replace(spec)
         self.wake()
         return member
+
+    @contextlib.asynccontextmanager
+    async def _site_leaving(self, name: str, what: str) -> AsyncIterator[None]:
+        """Take a site out of placement first, then check it is idle, so no pass slips a job onto it while
+        it is removed or rebuilt. Raises SiteConflict (and puts it back) if jobs are active there."""
+        self.federation.set_leaving(name, True)
+        try:
+            busy = self.book.on_site(name)
+            if busy:
+                raise SiteConflict(f"site {name} has {len(busy)} active jobs; {what} (cancel them or wait)")
+            yield
+        finally:
+            self.federation.set_leaving(name, False)
 
     async def remove_site(self, name: str) -> None:
         async with self._sites_lock:
@@ -191,12 +201,10 @@ class Broker:
     async def _remove_site(self, name: str) -> None:
         if name not in self.federation:
             raise KeyError(name)
-        busy = self.book.on_site(name)
-        if busy:
-            raise SiteConflict(f"site {name} has {len(busy)} active jobs; cancel them or wait before removing it")
-        await self.store.delete_site(name)
-        await self._stop_pump(name)
-        await self.federation.remove(name)
+        async with self._site_leaving(name, "a site can be removed only when none run there"):
+            await self.store.delete_site(name)
+            await self._stop_pump(name)
+            await self.federation.remove(name)
 
     async def _stop_pump(self, name: str) -> None:
         task = self._pumps.pop(name, None)

@@ -64,7 +64,7 @@ async def test_a_dispatch_whose_answer_was_lost_is_not_placed_elsewhere_until_th
     # alpha runs the attempt, but the broker never heard "admitted" and cannot reach alpha to withdraw it.
     assert (await h.job(j.id)).state == JobState.DISPATCHING
     for _ in range(3):
-        await b.cycle.settle()
+        await b.lifecycle.settle(force=True)
         await h.cycle()
         await h.step(1.0)
     still = await h.job(j.id)
@@ -72,7 +72,7 @@ async def test_a_dispatch_whose_answer_was_lost_is_not_placed_elsewhere_until_th
     # The partition heals: the withdrawal is confirmed, and only then does the job move on.
     alpha.lose_answers = False
     alpha.set_reachable(True)
-    await b.cycle.settle()
+    await b.lifecycle.settle(force=True)
     await h.quiet()
     assert (await h.job(j.id)).state == JobState.QUEUED
     assert await alpha.known_attempts() == set()
@@ -151,12 +151,12 @@ async def test_jobs_on_a_site_that_cannot_answer_after_a_restart_are_requeued_on
     brokers.append(second)
     h2 = Harness(second, clock)
     assert (await h2.job(j.id)).state == JobState.RUNNING  # unknown yet: the site cannot say
-    assert second.lifecycle.pending_sites == {"alpha"}
+    assert set(second.lifecycle.pending_sites) == {"alpha"}
     second.federation.get("alpha").adapter.set_reachable(True)
-    await second.lifecycle.reconcile_pending()
+    await second.lifecycle.settle(force=True)
     requeued = await h2.job(j.id)
     assert requeued.state == JobState.QUEUED and "no longer knows attempt 1" in requeued.reason
-    assert second.lifecycle.pending_sites == set()
+    assert not second.lifecycle.pending_sites
 
 
 async def test_an_expired_refusal_causes_one_full_pass_not_a_full_pass_every_time(tmp_path, brokers):
@@ -207,3 +207,177 @@ async def test_a_site_reporting_a_vendor_gpu_name_is_understood_and_a_garbled_on
     assert (await h.job(j.id)).site == "good"
     bad = b.federation.get("bad").public_state()
     assert bad.health != "healthy" and "unknown GPU model 'GPU-X 9000'" in (bad.reason or "")
+
+
+# --- second review: reconciliation, withdrawals, backoff ---
+
+
+class SlowLinkSite(SimulatedSite):
+    """Unreachable at first; its attempts can be listed only once it is back."""
+
+    def __init__(self, spec, clock):
+        super().__init__(spec, clock)
+        self.set_reachable(False)
+
+
+async def test_a_job_placed_on_a_site_after_it_comes_back_is_not_requeued_by_the_old_reconciliation(tmp_path, brokers):
+    clock = ManualClock(T0)
+    first = broker_at(tmp_path, clock)
+    await first.start([site("alpha", gpus={"a100-80gb": 16}, adapter=FAST), site("beta", gpus={"a100-80gb": 8}, adapter=FAST)],
+                      run_loop=False)
+    h = Harness(first, clock)
+    old = await h.submit(name="old", duration_s=600, allowed_regions=["gcp:us-east1"])
+    await h.cycle()
+    await h.step(1.0)
+    await first.stop()
+
+    second = broker_at(tmp_path, clock, lambda spec, c: SlowLinkSite(spec, c))
+    await second.start(run_loop=False)
+    brokers.append(second)
+    h2 = Harness(second, clock)
+    for name in ("alpha", "beta"):
+        second.federation.get(name).adapter.set_reachable(True)
+    new = await h2.submit(name="new", count=8, duration_s=600)
+    await h2.cycle()  # the new job is dispatched to a site that is back
+    placed_on = (await h2.job(new.id)).site
+    await second.lifecycle.settle(force=True)  # reconciles only what the sites had at start-up
+    await h2.step(1.0)
+    await h2.cycle()
+    await h2.step(1.0)
+    now_new = await h2.job(new.id)
+    assert now_new.state == JobState.RUNNING and now_new.site == placed_on and now_new.attempt == 1
+    runs = {name: await second.federation.get(name).adapter.known_attempts() for name in ("alpha", "beta")}
+    assert sum((new.id, a) in runs[s] for s in runs for a in (1, 2)) == 1, f"the new job runs once: {runs}"
+    assert (await h2.job(old.id)).attempt == 2  # the old one was requeued and placed again
+
+
+async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(tmp_path, brokers):
+    from adapters.base import EventKind, JobEvent
+
+    clock = ManualClock(T0)
+    b = broker_at(tmp_path, clock)
+    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
+    brokers.append(b)
+    h = Harness(b, clock)
+    j = await h.submit(duration_s=600, preemptible=True)
+    await h.cycle()
+    await h.step(1.0)
+    real_update = b.store.update_job
+
+    async def fail_requeue(job, expected_version, event_reason=None, decision=None):
+        if job.state == JobState.QUEUED:
+            raise StoreError("database is locked")
+        return await real_update(job, expected_version, event_reason, decision)
+
+    b.store.update_job = fail_requeue  # type: ignore[method-assign]
+    ev = JobEvent(j.id, 1, EventKind.PREEMPTED, T0, reason="higher priority job")
+    with pytest.raises(StoreError):
+        await b.lifecycle.on_event("alpha", ev)
+    assert (await h.job(j.id)).state == JobState.PREEMPTED
+    b.store.update_job = real_update  # type: ignore[method-assign]
+    await b.lifecycle.on_event("alpha", ev)  # what the pump's retry does
+    assert (await h.job(j.id)).state == JobState.QUEUED
+
+
+async def test_when_the_store_can_neither_write_nor_read_memory_keeps_the_last_good_state(tmp_path, brokers):
+    clock = ManualClock(T0)
+    b = broker_at(tmp_path, clock)
+    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
+    brokers.append(b)
+    h = Harness(b, clock)
+    j = await h.submit(duration_s=600)
+
+    async def broken(*args, **kwargs):
+        raise StoreError("I/O error")
+
+    real_get = b.store.get_job
+    b.store.update_job = broken  # type: ignore[method-assign]
+    b.store.get_job = broken  # type: ignore[method-assign]
+    with pytest.raises(StoreError):
+        await b.lifecycle.cancel(j.id)
+    assert b.book.active[j.id].state == JobState.QUEUED
+    b.store.get_job = real_get  # type: ignore[method-assign]
+
+
+async def test_a_cancel_the_site_cannot_hear_is_retried_until_the_site_drops_the_job(tmp_path, brokers):
+    clock = ManualClock(T0)
+    b = broker_at(tmp_path, clock)
+    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
+    brokers.append(b)
+    h = Harness(b, clock)
+    j = await h.submit(count=8, duration_s=86400)
+    await h.cycle()
+    await h.step(1.0)
+    alpha = b.federation.get("alpha").adapter
+    alpha.set_reachable(False)
+    assert (await b.lifecycle.cancel(j.id)).state == JobState.CANCELLED
+    assert b.lifecycle.withdrawals == {(j.id, 1): "alpha"}
+    alpha.set_reachable(True)
+    await b.lifecycle.settle(force=True)
+    assert b.lifecycle.withdrawals == {}
+    assert await alpha.known_attempts() == set()  # its 8 GPUs are free again
+
+
+async def test_a_site_that_never_answers_does_not_hold_up_start_up(tmp_path, brokers):
+    class HangingSite(SimulatedSite):
+        async def known_attempts(self):
+            await asyncio.Event().wait()
+
+    clock = ManualClock(T0)
+    first = broker_at(tmp_path, clock)
+    await first.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
+    await Harness(first, clock).submit(duration_s=600)
+    await first.cycle.run_once()
+    await first.stop()
+    second = Broker(BrokerSettings(db=str(tmp_path / "h.db"), shutdown_grace_s=0.1, dispatch_timeout_s=0.2),
+                    clock=clock, factory=lambda spec: HangingSite(spec, clock))
+    await asyncio.wait_for(second.start(run_loop=False), 5)
+    brokers.append(second)
+    assert set(second.lifecycle.pending_sites) == {"alpha"}
+
+
+async def test_retries_to_a_dead_site_back_off(tmp_path, brokers):
+    calls = []
+
+    class DeadSite(SimulatedSite):
+        async def cancel(self, job_id, attempt):
+            calls.append(job_id)
+            raise AdapterError("connection refused")
+
+    clock = ManualClock(T0)
+    b = broker_at(tmp_path, clock, lambda spec, c: DeadSite(spec, c))
+    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
+    brokers.append(b)
+    for i in range(50):
+        fake = Job(id=f"j{i}", spec=job(), created_at=T0, updated_at=T0, attempt=1, site="alpha")
+        assert not await b.lifecycle.withdraw(fake, "alpha")
+    calls.clear()
+    for _ in range(20):
+        await b.lifecycle.settle()
+    assert len(calls) <= 1, f"{len(calls)} calls to a site that is down"
+
+
+async def test_a_site_being_removed_is_offered_to_no_job(tmp_path, brokers):
+    clock = ManualClock(T0)
+    b = broker_at(tmp_path, clock)
+    await b.start([site("alpha", gpus={"a100-80gb": 16}, adapter=FAST), site("beta", gpus={"a100-80gb": 8}, adapter=FAST)],
+                  run_loop=False)
+    brokers.append(b)
+    h = Harness(b, clock)
+    b.federation.set_leaving("alpha", True)
+    j = await h.submit(count=1)
+    await h.cycle()
+    assert (await h.job(j.id)).site == "beta"
+
+
+def test_an_undo_made_stale_by_a_later_change_is_not_applied():
+    from broker.jobs import JobBook
+
+    book = JobBook(store=None, clock=ManualClock(T0))  # type: ignore[arg-type]
+    j = Job(id="j", spec=job(), created_at=T0, updated_at=T0)
+    book.active["j"] = j
+    first, _ = book.apply("j", JobState.DISPATCHING, site="a", attempt=1)
+    mark = book.mark("j")
+    book.apply("j", JobState.CANCELLED)  # a later change, written separately
+    assert not book.undo(j, mark)
+    assert "j" not in book.active
