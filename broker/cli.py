@@ -244,6 +244,10 @@ def parser() -> argparse.ArgumentParser:
                    help="broker URL for client commands (default $HELIOTROPE_URL or %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The same options after the command too (`heliotrope jobs --json`); SUPPRESS keeps the global value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--server", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
 
     for name, help_text in (("serve", "run the broker"), ("demo", "run the broker on config/demo.yaml and feed it sample jobs")):
         s = sub.add_parser(name, help=help_text)
@@ -258,22 +262,22 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--job-seconds", default="10-90", metavar="MIN-MAX",
                            help="run time of the sample jobs, in seconds (default %(default)s)")
 
-    s = sub.add_parser("submit", help="submit a job spec (YAML or JSON; a list submits several)")
+    s = sub.add_parser("submit", parents=[common], help="submit a job spec (YAML or JSON; a list submits several)")
     s.add_argument("file", help="path, or - for standard input")
     s.add_argument("--idempotency-key", help="resubmitting with the same key returns the first job")
-    s = sub.add_parser("jobs", help="list jobs, newest first")
+    s = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
     s.add_argument("--state")
     s.add_argument("--tenant")
     s.add_argument("--site")
     s.add_argument("--limit", type=int, default=50)
     for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
-        sub.add_parser(name, help=help_text).add_argument("id")
-    s = sub.add_parser("sites", help="list, show, add or remove sites")
+        sub.add_parser(name, parents=[common], help=help_text).add_argument("id")
+    s = sub.add_parser("sites", parents=[common], help="list, show, add or remove sites")
     acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
-    acts.add_parser("list", help="list sites")
-    acts.add_parser("get", help="show a site").add_argument("name")
-    acts.add_parser("add", help="register sites from a YAML or JSON file").add_argument("file")
-    acts.add_parser("remove", help="remove a site").add_argument("name")
+    acts.add_parser("list", parents=[common], help="list sites")
+    acts.add_parser("get", parents=[common], help="show a site").add_argument("name")
+    acts.add_parser("add", parents=[common], help="register sites from a YAML or JSON file").add_argument("file")
+    acts.add_parser("remove", parents=[common], help="remove a site").add_argument("name")
     return p
 
 

@@ -162,3 +162,12 @@ def test_a_job_list_with_one_bad_item_sends_nothing(capsys, server, tmp_path):
     assert "nothing was sent" in err and "job 3 of 3: gpus.count" in err
     code, out, _ = run(capsys, server, "--json", "jobs")
     assert json.loads(out) == []
+
+
+def test_json_and_server_may_follow_the_command(capsys, server, tmp_path):
+    code = main(["jobs", "--json", "--server", server.url])
+    out, _ = capsys.readouterr()
+    assert code == 0 and json.loads(out) == []
+    code = main(["sites", "list", "--json", "--server", server.url])
+    out, _ = capsys.readouterr()
+    assert code == 0 and [s["name"] for s in json.loads(out)] == ["alpha", "beta"]
