@@ -1,0 +1,545 @@
+"""Job traces for the simulator: a CSV of past GPU jobs read into compact numpy arrays.
+
+What it reads. Any CSV with a header row, through a :class:`ColumnMapping` that says which column plays
+which role (the CLI's ``--columns submit=COL,duration=COL,gpus=COL,...`` or ``--preset philly``):
+
+- ``submit``: when the job was submitted (required);
+- ``duration`` (seconds), or ``start`` and ``end`` (times; duration = end - start) — exactly one of the two;
+- ``gpus``: GPUs the job asked for, a whole number >= 1 (required);
+- ``milli``: thousandths of a GPU used per GPU, 1..1000 (optional; 1000, a whole GPU, when not mapped);
+- ``model``: GPU model the job asked for (optional; ``None`` = any model, also for an empty cell);
+- ``tenant``: who submitted it, e.g. Philly's virtual cluster (optional; one tenant ``default`` if not mapped).
+
+Units. Times are UTC. With ``time_format="iso"`` a time without an offset is taken as UTC and one with an
+offset is converted to UTC; with ``time_format="seconds"`` a time is a number of seconds after ``origin``
+(a timezone-aware datetime, required then). In the returned :class:`Trace`, ``submit_s`` is float64 seconds
+after the first submit (``Trace.start``), ``duration_s`` float64 seconds, ``gpus`` and ``milli`` int32.
+
+Errors. Nothing is guessed: a file that cannot be read, a header without a mapped column, or a row whose
+value cannot be used (not a number, negative duration, gpus < 1, end before start, a time that is not a
+time, a row with the wrong number of fields) raises :class:`TraceError` naming the file, the line (the
+header is line 1, so it is the line an editor shows) and the column. Empty lines are skipped.
+
+What is kept and reported (``Trace.report``, one sentence per note):
+
+- Rows that repeat an earlier row exactly are *kept* by default (``duplicates="drop"`` drops the later
+  copies): the trace has no job ids, and two jobs of one tenant submitted in the same second with the same
+  size and length are plausible (scripted sweeps), so dropping them would understate the load. Their count
+  and first lines are reported either way.
+- Jobs of 0 s are kept and counted as 1 s (``MIN_DURATION_S``), the resolution of the traces: the job did
+  arrive and ask for GPUs, and a zero-length job makes an event-driven simulator finish a job in the same
+  instant it starts. Their count is reported.
+- Rows are sorted by submit time (stable: equal times keep file order); ``Trace.line`` keeps each job's
+  line in the file.
+- ``trace_from`` / ``days`` keep the jobs submitted in ``[trace_from, trace_from + days)``; a window with no
+  job is an error that gives the trace's span.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import warnings
+from collections.abc import Iterator, Sequence
+from datetime import date, datetime, timedelta, UTC
+from operator import itemgetter
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+MIN_DURATION_S = 1.0
+"""Jobs whose duration is 0 s are counted as this long (seconds)."""
+
+WHOLE_GPU_MILLI = 1000
+"""``milli`` of a job that uses whole GPUs."""
+
+DEFAULT_TENANT = "default"
+"""The one tenant of a trace whose mapping has no ``tenant`` column."""
+
+ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "model", "tenant")
+"""Roles a ``--columns`` mapping may name, in the order they are printed."""
+
+_FIRST_LINES_SHOWN = 5
+
+TimeFormat = Literal["iso", "seconds"]
+
+
+class TraceError(ValueError):
+    """A trace or a column mapping that cannot be used; the message says what and where."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Column mappings
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ColumnMapping:
+    """Which CSV column plays which role. Give ``duration`` or both ``start`` and ``end``, not both."""
+
+    submit: str
+    gpus: str
+    duration: str | None = None
+    start: str | None = None
+    end: str | None = None
+    milli: str | None = None
+    model: str | None = None
+    tenant: str | None = None
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            column = getattr(self, role)
+            if column is not None and (not isinstance(column, str) or not column.strip()):
+                raise TraceError(f"role '{role}' needs a column name, got {column!r}")
+        has_span = self.start is not None or self.end is not None
+        if self.duration is not None and has_span:
+            raise TraceError("give either duration=COLUMN or start=COLUMN,end=COLUMN, not both")
+        if self.duration is None and not has_span:
+            raise TraceError("role 'duration' is missing: give duration=COLUMN, or start=COLUMN,end=COLUMN")
+        if has_span and (self.start is None or self.end is None):
+            given, missing = ("start", "end") if self.end is None else ("end", "start")
+            raise TraceError(f"role '{given}' needs role '{missing}' too: give start=COLUMN,end=COLUMN")
+
+    def roles(self) -> dict[str, str]:
+        """The mapped roles, ``{role: column}``, in :data:`ROLES` order."""
+        return {role: col for role in ROLES if (col := getattr(self, role)) is not None}
+
+    def __str__(self) -> str:
+        """The ``--columns`` text that gives this mapping back through :func:`parse_columns`."""
+        return ",".join(f"{role}={col}" for role, col in self.roles().items())
+
+
+PRESETS: dict[str, ColumnMapping] = {
+    # Microsoft Philly, as published with Pollux (petuum/adaptdl, simulator/traces/philly.csv):
+    # timestamp,duration,num_gpus,gpu_time,cluster; the virtual cluster is the tenant.
+    "philly": ColumnMapping(submit="timestamp", duration="duration", gpus="num_gpus", tenant="cluster"),
+}
+
+
+def resolve_preset(name: str) -> ColumnMapping:
+    """The mapping of ``--preset NAME``; an unknown name raises :class:`TraceError` listing the presets."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(sorted(PRESETS))
+        raise TraceError(f"--preset: unknown preset {name!r}; presets are: {known}") from None
+
+
+def parse_columns(text: str) -> ColumnMapping:
+    """Parse ``--columns``, e.g. ``"submit=timestamp,duration=duration,gpus=num_gpus,tenant=cluster"``.
+
+    Raises :class:`TraceError` naming the role for an unknown role, a role given twice, a missing
+    ``submit`` or ``gpus``, both or neither of ``duration`` and ``start``/``end``.
+    """
+    found: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        role, sep, column = (part.strip() for part in item.partition("="))
+        if not sep:
+            raise TraceError(f"--columns: {item!r} is not ROLE=COLUMN (e.g. submit=timestamp)")
+        if role not in ROLES:
+            raise TraceError(f"--columns: unknown role {role!r} in {item!r}; roles are: {', '.join(ROLES)}")
+        if not column:
+            raise TraceError(f"--columns: role '{role}' has no column name in {item!r}")
+        if role in found:
+            raise TraceError(f"--columns: role '{role}' is given twice ({role}={found[role]} and {item})")
+        found[role] = column
+    for required, what in (("submit", "the submit-time column"), ("gpus", "the GPU-count column")):
+        if required not in found:
+            raise TraceError(f"--columns: role '{required}' is missing; give {required}=COLUMN ({what})")
+    try:
+        return ColumnMapping(**found)
+    except TraceError as exc:
+        raise TraceError(f"--columns: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trace
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TraceJob(NamedTuple):
+    """One job of a :class:`Trace`, as :meth:`Trace.jobs` yields it."""
+
+    index: int
+    submit: datetime
+    submit_s: float
+    duration_s: float
+    gpus: int
+    milli: int
+    model: str | None
+    tenant: str
+    line: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trace:
+    """Jobs sorted by submit time, one array element per job.
+
+    ``submit_s`` (float64) is seconds after ``start``, the first submit (timezone-aware UTC);
+    ``duration_s`` float64 seconds; ``gpus`` int32; ``milli`` int32 thousandths of a GPU per GPU;
+    ``model`` object array of ``str | None``; ``tenant`` int32 codes into ``tenant_names``; ``line`` int32,
+    each job's line in ``path``. ``span`` is the window the jobs were picked from (``trace_from`` and
+    ``days``), or the first to the last submit when none was given. ``report`` holds one note per thing
+    the loader noticed (duplicates, zero durations, sorting, windowing).
+    """
+
+    path: Path
+    start: datetime
+    submit_s: np.ndarray
+    duration_s: np.ndarray
+    gpus: np.ndarray
+    milli: np.ndarray
+    model: np.ndarray
+    tenant: np.ndarray
+    tenant_names: list[str]
+    line: np.ndarray
+    span: tuple[datetime, datetime]
+    report: list[str]
+
+    def __len__(self) -> int:
+        return int(self.submit_s.shape[0])
+
+    def jobs(self) -> Iterator[TraceJob]:
+        """The jobs in submit order, as small records."""
+        names = self.tenant_names
+        for i, (sub, dur, gpus, milli, model, tenant, line) in enumerate(
+            zip(
+                self.submit_s.tolist(), self.duration_s.tolist(), self.gpus.tolist(), self.milli.tolist(),
+                self.model.tolist(), self.tenant.tolist(), self.line.tolist(), strict=True,
+            )
+        ):
+            yield TraceJob(i, self.start + timedelta(seconds=sub), sub, dur, gpus, milli, model, names[tenant],
+                           line)
+
+    @property
+    def gpu_hours(self) -> float:
+        """Sum of GPUs × duration over all jobs, in GPU-hours (``milli`` not applied)."""
+        return float(np.dot(self.gpus.astype(np.float64), self.duration_s)) / 3600.0
+
+    def mean_gpus_busy(self, window: tuple[datetime, datetime] | None = None) -> float:
+        """Mean number of GPUs in use over ``window`` (default ``span``) if every job ran at its submit time.
+
+        Each job counts GPUs × the part of ``[submit, submit + duration)`` inside the window, so jobs that
+        run past the window's end add only their time inside it; the sum is divided by the window's length
+        in seconds. Jobs submitted outside the window but running into it are only counted if they are in
+        the trace.
+        """
+        lo_at, hi_at = window if window is not None else self.span
+        lo_at, hi_at = _as_utc(lo_at, "window start"), _as_utc(hi_at, "window end")
+        length_s = (hi_at - lo_at).total_seconds()
+        if length_s <= 0:
+            raise TraceError(f"mean_gpus_busy: the window {lo_at.isoformat()} .. {hi_at.isoformat()} is empty; "
+                             "give a window whose end is after its start")
+        lo = (lo_at - self.start).total_seconds()
+        hi = lo + length_s
+        inside = np.clip(self.submit_s + self.duration_s, lo, hi) - np.clip(self.submit_s, lo, hi)
+        return float(np.dot(self.gpus.astype(np.float64), inside)) / length_s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_trace(
+    path: str | Path,
+    mapping: ColumnMapping,
+    *,
+    time_format: TimeFormat = "iso",
+    origin: datetime | None = None,
+    trace_from: datetime | date | str | None = None,
+    days: float | None = None,
+    duplicates: Literal["keep", "drop"] = "keep",
+) -> Trace:
+    """Read the CSV at ``path`` through ``mapping``; see the module docstring for units and rules.
+
+    ``trace_from`` (a datetime, a date or an ISO text; naive = UTC) and ``days`` keep the jobs submitted in
+    ``[trace_from, trace_from + days)``; ``days`` alone counts from the first submit, ``trace_from`` alone
+    runs to the end. Raises :class:`TraceError` with the file, line and column of the first problem.
+    """
+    path = Path(path)
+    if time_format not in ("iso", "seconds"):
+        raise TraceError(f"time format {time_format!r} is unknown; use 'iso' or 'seconds'")
+    if time_format == "seconds":
+        if origin is None:
+            raise TraceError(f"{path}: time format 'seconds' needs an origin, the UTC time that 0 s stands "
+                             "for (e.g. 2017-10-01T00:00:00+00:00); or use time format 'iso'")
+        origin = _as_utc(origin, "origin", naive_ok=False)
+    elif origin is not None:
+        raise TraceError("an origin applies only to time format 'seconds'; this trace's times are ISO times")
+    if duplicates not in ("keep", "drop"):
+        raise TraceError(f"duplicates={duplicates!r} is unknown; use 'keep' or 'drop'")
+    window_from = None if trace_from is None else _as_utc(trace_from, "trace_from")
+    if days is not None and not days > 0:
+        raise TraceError(f"days must be more than 0, got {days!r}")
+
+    header, rows, lines = _read_rows(path)
+    index = _column_index(path, header, mapping)
+    report: list[str] = []
+
+    if duplicates == "drop":
+        rows, lines = _find_duplicates(rows, lines, report, drop=True)
+    else:
+        _find_duplicates(rows, lines, report, drop=False)
+    line_arr = np.asarray(lines, dtype=np.int32)
+    column = _Columns(path, header, rows, line_arr, index)
+
+    def times(role: str) -> np.ndarray:
+        if time_format == "iso":
+            return column.iso_times(role)
+        assert origin is not None
+        return column.numbers(role, "a number of seconds") + origin.timestamp()
+
+    submit_abs = times("submit")
+    if mapping.duration is not None:
+        duration = column.numbers("duration", "a number of seconds")
+        column.reject(duration < 0, "duration", "is negative; a duration is seconds >= 0")
+    else:
+        started, ended = times("start"), times("end")
+        column.reject(ended < started, "end", f"is before the start (column '{mapping.start}')")
+        duration = ended - started
+        early = int(np.count_nonzero(started < submit_abs))
+        if early:
+            report.append(f"{_n(early, 'job')} start before submission; duration is end - start.")
+    gpus = column.whole_numbers("gpus", "a whole number of GPUs")
+    column.reject(gpus < 1, "gpus", "is less than 1; a job asks for at least one GPU")
+    if mapping.milli is not None:
+        milli = column.whole_numbers("milli", "a whole number of thousandths of a GPU")
+        column.reject((milli < 1) | (milli > WHOLE_GPU_MILLI), "milli", "is not within 1..1000 (thousandths of a GPU)")
+    else:
+        milli = np.full(len(rows), WHOLE_GPU_MILLI, dtype=np.int32)
+    model = column.texts("model")
+    tenant_text = column.texts("tenant")
+
+    zero = duration == 0
+    if zero.any():
+        report.append(f"{_n(int(zero.sum()), 'job')} of 0 s counted as {MIN_DURATION_S:g} s "
+                      f"(lines {_first_lines(line_arr[zero])}).")
+        duration = np.where(zero, MIN_DURATION_S, duration)
+
+    order = np.argsort(submit_abs, kind="stable")
+    if not np.array_equal(order, np.arange(len(order))):
+        report.append("Rows were not in submit order; sorted by submit time (equal times keep file order).")
+    submit_abs, duration, gpus, milli, line_arr = (a[order] for a in (submit_abs, duration, gpus, milli, line_arr))
+    model, tenant_text = model[order], tenant_text[order]
+
+    first_at = _from_epoch(float(submit_abs[0]))
+    last_at = _from_epoch(float(submit_abs[-1]))
+    if window_from is not None or days is not None:
+        lo_at = window_from if window_from is not None else first_at
+        hi_at = lo_at + timedelta(days=days) if days is not None else None
+        keep = submit_abs >= lo_at.timestamp()
+        if hi_at is not None:
+            keep &= submit_abs < hi_at.timestamp()
+        shown_hi = hi_at.isoformat() if hi_at is not None else "the end"
+        if not keep.any():
+            raise TraceError(f"{path}: no job was submitted in [{lo_at.isoformat()}, {shown_hi}); "
+                             f"the trace's submits span {first_at.isoformat()} .. {last_at.isoformat()}")
+        report.append(f"Window [{lo_at.isoformat()}, {shown_hi}) keeps {int(keep.sum())} of {len(keep)} jobs.")
+        submit_abs, duration, gpus, milli, line_arr = (a[keep] for a in (submit_abs, duration, gpus, milli, line_arr))
+        model, tenant_text = model[keep], tenant_text[keep]
+        first_at = _from_epoch(float(submit_abs[0]))
+        span = (lo_at, hi_at if hi_at is not None else _from_epoch(float(submit_abs[-1])))
+    else:
+        span = (first_at, last_at)
+
+    if mapping.tenant is None:
+        tenant_names, tenant = [DEFAULT_TENANT], np.zeros(len(submit_abs), dtype=np.int32)
+    else:
+        blank = int(np.count_nonzero(tenant_text == ""))
+        if blank:
+            report.append(f"{_n(blank, 'job')} with an empty '{mapping.tenant}' (tenant) share the tenant ''.")
+        names, codes = np.unique(tenant_text.astype(str), return_inverse=True)
+        tenant_names, tenant = [str(n) for n in names], codes.astype(np.int32)
+    model = np.where(model == "", None, model) if mapping.model is not None else np.full(len(model), None, object)
+
+    return Trace(
+        path=path, start=first_at, submit_s=submit_abs - submit_abs[0], duration_s=duration, gpus=gpus,
+        milli=milli, model=model, tenant=tenant, tenant_names=tenant_names, line=line_arr, span=span,
+        report=report,
+    )
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
+    """Header (names stripped), data rows and their line numbers; empty lines skipped."""
+    rows: list[list[str]] = []
+    lines: list[int] = []
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise TraceError(f"{path}: the file is empty; expected a header row naming the columns")
+            width = len(header)
+            for row in reader:
+                if row:
+                    rows.append(row)
+                    lines.append(reader.line_num)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8 CSV") from exc
+    except csv.Error as exc:
+        raise TraceError(f"{path}: not a readable CSV ({exc})") from exc
+    if not rows:
+        raise TraceError(f"{path}: has a header but no job rows")
+    if set(map(len, rows)) != {width}:
+        i = next(i for i, row in enumerate(rows) if len(row) != width)
+        raise TraceError(f"{path}: line {lines[i]} has {len(rows[i])} fields but the header has {width}; "
+                         "check for a missing or extra comma")
+    return [name.strip() for name in header], rows, lines
+
+
+def _column_index(path: Path, header: list[str], mapping: ColumnMapping) -> dict[str, int]:
+    """Role → field position; every mapped column must be in the header, once."""
+    roles = mapping.roles()
+    missing = list(dict.fromkeys(col for col in roles.values() if col not in header))
+    if missing:
+        which = ", ".join(f"'{m}'" for m in missing)
+        raise TraceError(f"{path}: the header has no column{'s' if len(missing) > 1 else ''} {which} (mapped as "
+                         f"{', '.join(r for r, c in roles.items() if c in missing)}); "
+                         f"its columns are: {', '.join(header)}")
+    twice = sorted({col for col in roles.values() if header.count(col) > 1})
+    if twice:
+        raise TraceError(f"{path}: the header names column '{twice[0]}' more than once; rename one of them")
+    return {role: header.index(col) for role, col in roles.items()}
+
+
+def _find_duplicates(rows: list[list[str]], lines: list[int], report: list[str], *, drop: bool
+                     ) -> tuple[list[list[str]], list[int]]:
+    """Note rows that repeat an earlier row exactly; return the rows without them when ``drop``."""
+    keys = list(map(tuple, rows))
+    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))  # row -> index of its first copy
+    if len(first) == len(keys):
+        return rows, lines
+    repeats = sorted(set(range(len(keys))).difference(first.values()))
+    repeated = {keys[i] for i in repeats}
+    what = "dropped (the first copy is kept)" if drop else "kept as separate jobs"
+    report.append(f"{_n(len(repeats), 'row')} repeat an earlier row exactly ({_n(len(repeated), 'distinct row')}); "
+                  f"{what} (lines {_first_lines([lines[i] for i in repeats])}).")
+    if not drop:
+        return rows, lines
+    gone = set(repeats)
+    return [r for i, r in enumerate(rows) if i not in gone], [n for i, n in enumerate(lines) if i not in gone]
+
+
+class _Columns:
+    """Converts one mapped column at a time, naming file, line and column on the first bad value."""
+
+    def __init__(self, path: Path, header: list[str], rows: list[list[str]], lines: np.ndarray,
+                 index: dict[str, int]) -> None:
+        self.path, self.header, self.rows, self.lines, self.index = path, header, rows, lines, index
+
+    def _raw(self, role: str, *, strip: bool = True) -> list[str]:
+        values = list(map(itemgetter(self.index[role]), self.rows))
+        return list(map(str.strip, values)) if strip else values
+
+    def _fail(self, row: int, role: str, value: str, problem: str) -> TraceError:
+        column = self.header[self.index[role]]
+        return TraceError(f"{self.path}: line {int(self.lines[row])}, column '{column}' ({role}): "
+                          f"{value!r} {problem}")
+
+    def reject(self, bad: np.ndarray, role: str, problem: str) -> None:
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise self._fail(row, role, self.rows[row][self.index[role]].strip(), problem)
+
+    def numbers(self, role: str, what: str) -> np.ndarray:
+        raw = self._raw(role, strip=False)  # numpy and float() both allow blanks around a number
+        try:
+            out = np.array(raw, dtype=np.float64)
+        except ValueError:
+            out = None
+        if out is None or not np.isfinite(out).all():
+            for row, value in enumerate(raw):
+                try:
+                    number = float(value)
+                except ValueError:
+                    number = float("nan")
+                if not np.isfinite(number):
+                    problem = f"is not {what}" if value.strip() else f"is empty; expected {what}"
+                    raise self._fail(row, role, value, problem) from None
+        assert out is not None
+        return out
+
+    def whole_numbers(self, role: str, what: str) -> np.ndarray:
+        out = self.numbers(role, what)
+        self.reject(out != np.round(out), role, f"is not {what}")
+        self.reject(np.abs(out) > 2**31 - 1, role, "is too large")
+        return out.astype(np.int32)
+
+    def iso_times(self, role: str) -> np.ndarray:
+        """Seconds since 1970-01-01 UTC; naive times are UTC, others converted."""
+        fast = _numpy_naive_times(self._raw(role, strip=False))
+        if fast is not None:
+            return fast
+        raw = self._raw(role)
+        out = np.empty(len(raw), dtype=np.float64)
+        parse, utc = datetime.fromisoformat, UTC
+        for row, value in enumerate(raw):
+            try:
+                at = parse(value)
+            except ValueError:
+                raise self._fail(row, role, value, "is not an ISO 8601 time (like 2017-10-09 07:01:55 or "
+                                 "2017-10-09T07:01:55+02:00)") from None
+            out[row] = (at.replace(tzinfo=utc) if at.tzinfo is None else at).timestamp()
+        return out
+
+    def texts(self, role: str) -> np.ndarray:
+        if role not in self.index:
+            return np.full(len(self.rows), None, dtype=object)
+        interned: dict[str, str] = {}
+        return np.array([interned.setdefault(v, v) for v in self._raw(role)], dtype=object)
+
+
+def _numpy_naive_times(raw: list[str]) -> np.ndarray | None:
+    """Fast path for times without an offset (numpy reads them as UTC); ``None`` sends the caller to the
+    row-by-row parser, which also names the bad row."""
+    if min(map(len, raw)) < 10:  # numpy would read "2017" or "" (NaT) as a time
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy only warns about an offset ("Z", "+02:00")
+        try:
+            parsed = np.array(raw, dtype="datetime64[us]")
+        except (ValueError, UserWarning, DeprecationWarning):
+            return None
+    if np.isnat(parsed).any():
+        return None
+    return parsed.astype(np.int64) / 1e6
+
+
+def _as_utc(value: datetime | date | str, what: str, *, naive_ok: bool = True) -> datetime:
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise TraceError(f"{what}: {value!r} is not an ISO 8601 date or time (like 2017-10-01)") from None
+    if not isinstance(value, datetime):
+        if isinstance(value, date):
+            value = datetime(value.year, value.month, value.day)
+        else:
+            raise TraceError(f"{what}: expected a date or time, got {value!r}")
+    if value.tzinfo is None:
+        if not naive_ok:
+            raise TraceError(f"{what}: {value.isoformat()} has no time zone; give an aware time, e.g. "
+                             f"{value.isoformat()}+00:00")
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def _from_epoch(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _first_lines(lines: Sequence[int] | np.ndarray) -> str:
+    shown = [str(int(n)) for n in list(lines)[:_FIRST_LINES_SHOWN]]
+    more = len(lines) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
