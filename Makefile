@@ -1,5 +1,5 @@
 # heliotrope: `make demo` runs the broker on its embedded default; `make test` runs the whole suite.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test bench install clean
 
 $(STAMP): pyproject.toml
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "heliotrope needs Python 3.11 ($(PYTHON) not found; set PYTHON=...)"; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "heliotrope needs Python 3.11 or newer; set PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
