@@ -1,0 +1,167 @@
+"""In-memory store: the ``Store`` protocol kept in dicts, for the simulator and for fast tests.
+
+It keeps nothing across restarts and never fsyncs: a write is "durable" the moment it returns. It has the
+SQLite store's semantics (``broker/store/sqlite.py``): a job id and a tenant's idempotency key are unique
+(``DuplicateKey``); an update names the version it read and fails with ``Conflict`` if the stored version
+differs or the job does not exist; a decision given with an update is written with it or not at all;
+every insert and update appends a job event; listings are newest first and page with the same cursors.
+
+It is cheap: jobs and site specs are kept as the pydantic objects handed in (no JSON round-trips), since
+they are replaced, never mutated (``Job.transition`` returns a copy). Decision records are kept as given;
+callers must not mutate a record after saving it. The methods are ``async`` to satisfy the protocol but
+never wait, so a write cannot interleave with another. To use SQLite instead, pass ``SQLiteStore``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Any
+
+from broker.models import Job, SiteSpec
+from broker.store import (
+    Conflict,
+    DuplicateKey,
+    JobFilter,
+    Page,
+    StoredDecision,
+    StoreError,
+    decode_cursor,
+    encode_cursor,
+)
+
+
+@dataclass(slots=True)
+class _Row:
+    """One job as stored: the sequence number orders listings; tenant and digest are fixed at insert."""
+
+    seq: int
+    job: Job
+    tenant: str
+    idempotency_key: str | None
+    digest: str | None
+
+
+def _event(job: Job, reason: str | None) -> dict[str, Any]:
+    return {"at": job.updated_at.isoformat(), "state": job.state.value, "site": job.site,
+            "attempt": job.attempt, "reason": reason or job.reason}
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._open = False
+        self._seq = 0
+        self._rows: dict[str, _Row] = {}  # job id -> row; insertion order is seq order
+        self._keys: dict[tuple[str, str], str] = {}  # (tenant, idempotency key) -> job id
+        self._events: dict[str, list[dict[str, Any]]] = {}
+        self._decisions: dict[str, StoredDecision] = {}
+        self._sites: dict[str, SiteSpec] = {}
+
+    # --- life cycle ---
+
+    async def open(self) -> None:
+        self._open = True
+
+    async def close(self) -> None:
+        self._open = False
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise StoreError("store is not open")
+
+    # --- jobs ---
+
+    async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
+        self._check_open()
+        if job.id in self._rows:
+            raise DuplicateKey(f"job id {job.id} is already taken")
+        tenant = job.spec.tenant
+        if idempotency_key is not None:
+            if (tenant, idempotency_key) in self._keys:
+                raise DuplicateKey(f"tenant {tenant} already used idempotency key {idempotency_key!r}")
+            self._keys[(tenant, idempotency_key)] = job.id
+        self._seq += 1
+        self._rows[job.id] = _Row(self._seq, job, tenant, idempotency_key, digest)
+        self._events[job.id] = [_event(job, "submitted")]
+
+    async def update_job(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> None:
+        self._check_open()
+        row = self._rows.get(job.id)
+        if row is None or row.job.version != expected_version:
+            raise Conflict(f"job {job.id} changed since it was read (or does not exist)")
+        row.job = job
+        self._events[job.id].append(_event(job, event_reason))
+        if decision is not None:
+            self._decisions[job.id] = StoredDecision(job.attempt, decision)
+
+    async def get_job(self, job_id: str) -> Job | None:
+        self._check_open()
+        row = self._rows.get(job_id)
+        return row.job if row is not None else None
+
+    async def find_idempotent(self, tenant: str, key: str) -> tuple[Job, str | None] | None:
+        self._check_open()
+        job_id = self._keys.get((tenant, key))
+        if job_id is None:
+            return None
+        row = self._rows[job_id]
+        return row.job, row.digest
+
+    async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None = None) -> Page:
+        self._check_open()
+        before = decode_cursor(cursor) if cursor is not None else None
+        rows = list(self._rows.values())  # ascending seq
+        end = len(rows) if before is None else bisect_left(rows, before, key=lambda r: r.seq)
+        items: list[Job] = []
+        last_seq = 0
+        more = False
+        for i in range(end - 1, -1, -1):
+            row = rows[i]
+            job = row.job
+            if flt.state is not None and job.state != flt.state:
+                continue
+            if flt.tenant is not None and row.tenant != flt.tenant:
+                continue
+            if flt.site is not None and job.site != flt.site:
+                continue
+            if len(items) == limit:
+                more = True
+                break
+            items.append(job)
+            last_seq = row.seq
+        return Page(items, encode_cursor(last_seq) if more and items else None)
+
+    async def active_jobs(self) -> list[Job]:
+        self._check_open()
+        return [r.job for r in self._rows.values() if not r.job.state.terminal]
+
+    async def job_events(self, job_id: str) -> list[dict[str, Any]]:
+        self._check_open()
+        return [dict(e) for e in self._events.get(job_id, ())]
+
+    # --- decisions ---
+
+    async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
+        self._check_open()
+        self._decisions[job_id] = StoredDecision(attempt, record)
+
+    async def get_decision(self, job_id: str) -> StoredDecision | None:
+        self._check_open()
+        return self._decisions.get(job_id)
+
+    # --- sites ---
+
+    async def put_site(self, spec: SiteSpec) -> None:
+        self._check_open()
+        self._sites[spec.name] = spec
+
+    async def delete_site(self, name: str) -> None:
+        self._check_open()
+        self._sites.pop(name, None)
+
+    async def list_sites(self) -> list[SiteSpec]:
+        self._check_open()
+        return [self._sites[name] for name in sorted(self._sites)]
