@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
@@ -38,8 +38,17 @@ class _Run:
 
 
 class SimulatedSite:
-    def __init__(self, spec: SiteSpec, clock: Clock, config: SimulatedAdapterConfig | None = None) -> None:
+    def __init__(
+        self,
+        spec: SiteSpec,
+        clock: Clock,
+        config: SimulatedAdapterConfig | None = None,
+        run_seconds: Callable[[Job], float] | None = None,
+    ) -> None:
+        """``run_seconds(job)`` is how long a job really runs; by default its ``duration_s``. The simulator
+        passes the trace's true duration, while the policies see only the estimate in the spec."""
         self.spec = spec
+        self._run_seconds = run_seconds or (lambda job: job.spec.duration_s)
         self.name = spec.name
         self.config = config or spec.adapter
         self._clock = clock
@@ -230,7 +239,7 @@ class SimulatedSite:
     async def _run(self, run: _Run) -> None:
         job = run.job
         key = (job.id, job.attempt)
-        remaining = job.spec.duration_s - (job.run_s if job.spec.checkpointable else 0.0)
+        remaining = self._run_seconds(job) - (job.run_s if job.spec.checkpointable else 0.0)
         remaining = max(remaining, 0.0)
         fails = self._rng.random() < self.config.failure_rate
         run_for = remaining * self._rng.random() if fails else remaining

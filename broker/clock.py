@@ -51,6 +51,12 @@ class ManualClock:
         heapq.heappush(self._sleepers, (self._now + timedelta(seconds=seconds), next(self._seq), fut))
         await fut
 
+    def next_wakeup(self) -> datetime | None:
+        """When the earliest sleeper is due (None when nobody sleeps): where a simulation jumps next."""
+        while self._sleepers and self._sleepers[0][2].done():
+            heapq.heappop(self._sleepers)  # cancelled sleepers
+        return self._sleepers[0][0] if self._sleepers else None
+
     async def advance(self, seconds: float) -> None:
         """Move time forward by ``seconds``, waking sleepers in order and yielding to them."""
         target = self._now + timedelta(seconds=seconds)

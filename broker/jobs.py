@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -62,8 +62,13 @@ class Refusal:
 
 
 class JobBook:
-    def __init__(self, store: Store, clock: Clock, refusal_ttl_s: float = 30.0) -> None:
+    def __init__(
+        self, store: Store, clock: Clock, refusal_ttl_s: float = 30.0, new_id: Callable[[], str] = new_job_id
+    ) -> None:
+        """``new_id`` makes job ids; the simulator passes a deterministic one so replays repeat exactly
+        (ties in scheduling order are broken by id)."""
         self._store = store
+        self._new_id = new_id
         self._clock = clock
         self.refusal_ttl_s = refusal_ttl_s
         self.active: dict[str, Job] = {}
@@ -125,7 +130,7 @@ class JobBook:
 
     async def _create(self, spec: JobSpec, key: str | None, digest: str | None) -> Job:
         now = self._clock.now()
-        job = Job(id=new_job_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
+        job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
         await self._store.insert_job(job, key, digest)
         self.active[job.id] = job
         self.fresh.append(job.id)

@@ -49,6 +49,7 @@ class Broker:
         store: Store | None = None,
         clock: Clock | None = None,
         factory: Callable[[SiteSpec], SiteAdapter] | None = None,
+        new_id: Callable[[], str] | None = None,
     ) -> None:
         self.settings = settings or BrokerSettings()
         self.clock = clock or SystemClock()
@@ -59,7 +60,8 @@ class Broker:
             stale_after_s=self.settings.site_stale_after_s,
             collect_timeout_s=self.settings.collect_timeout_s,
         )
-        self.book = JobBook(self.store, self.clock, refusal_ttl_s=self.settings.refusal_ttl_s)
+        self.book = JobBook(self.store, self.clock, refusal_ttl_s=self.settings.refusal_ttl_s,
+                            **({"new_id": new_id} if new_id else {}))
         self.lifecycle = Lifecycle(self.book, self.federation, cancel_timeout_s=self.settings.dispatch_timeout_s)
         self.cycle = SchedulingCycle(
             self.clock, self.federation, self.book, self.store, self.lifecycle,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -293,3 +293,28 @@ async def test_jobs_of_one_shape_that_cannot_fit_all_get_the_reasons(make):
         d = await h.decision(j.id)
         assert d.outcome == "unplaceable"
         assert d.sites[0].reasons == ["gpus-do-not-fit: job needs 16 GPUs of any model; 8 free"]
+
+
+async def test_a_simulated_site_runs_a_job_for_its_true_duration_not_the_estimate(tmp_path):
+    clock = ManualClock(T0)
+    sim = SimulatedSite(site("alpha"), clock, FAST, run_seconds=lambda job: 50.0)
+    j = Job(id="j", spec=job(duration_s=500), created_at=T0, updated_at=T0, attempt=1)
+    admit = asyncio.create_task(sim.submit(j))
+    await clock.advance(1.0)
+    assert (await admit).admitted
+    assert clock.next_wakeup() == T0 + timedelta(seconds=51)  # when the job will end: a simulation jumps there
+    await clock.advance(50.0)
+    assert await sim.known_attempts() == set()
+    assert clock.next_wakeup() is None
+
+
+async def test_job_ids_come_from_the_injected_generator_so_replays_repeat(tmp_path):
+    ids = iter(f"sim-{i:06d}" for i in range(100))
+    b = Broker(BrokerSettings(db=str(tmp_path / "h.db")), clock=ManualClock(T0), new_id=lambda: next(ids))
+    await b.start([], run_loop=False)
+    try:
+        first, _ = await b.book.submit(job(name="a"))
+        second, _ = await b.book.submit(job(name="b"))
+        assert (first.id, second.id) == ("sim-000000", "sim-000001")
+    finally:
+        await b.stop()
