@@ -69,12 +69,13 @@ import re
 from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from broker import ids
+from broker.data.traces import Trace
 from broker.models import GpuRequest, JobSpec, SiteSpec
 
 MAX_ESTIMATE_S = 366 * 86400.0
@@ -182,21 +183,6 @@ class WorkloadAssumptions(BaseModel):
 # ---------------------------------------------------------------------------------------------------------
 
 
-class TraceLike(Protocol):
-    """What :func:`build_workload` reads of a :class:`broker.data.traces.Trace`."""
-
-    start: datetime
-    submit_s: np.ndarray
-    duration_s: np.ndarray
-    gpus: np.ndarray
-    milli: np.ndarray
-    model: np.ndarray
-    tenant: np.ndarray
-    tenant_names: list[str]
-    line: np.ndarray
-    path: Path
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Workload:
     """Jobs in submit order, one array element per job, aligned with the trace they came from.
@@ -292,7 +278,7 @@ def tenant_slug(name: str) -> str:
     return f"{base}-{hashlib.blake2b(name.encode(), digest_size=4).hexdigest()}"
 
 
-def build_workload(trace: TraceLike, assumptions: WorkloadAssumptions, *,
+def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
                    start: datetime | date | None = None) -> Workload:
     """Lay ``assumptions`` over ``trace``. ``start`` (``--start``; a date or time, naive = UTC) moves the
     trace's first instant there, keeping every offset; by default the trace's own start is kept.
@@ -400,7 +386,7 @@ def _tenant_home(seed: int, name: str, regions: int) -> int:
     return int(_rng(seed, _TENANT_HOME, name_key).integers(regions))
 
 
-def _canonical_models(trace: TraceLike) -> np.ndarray:
+def _canonical_models(trace: Trace) -> np.ndarray:
     raw = np.asarray(trace.model, dtype=object)
     named = {m for m in raw.tolist() if m is not None}
     if not named:
