@@ -40,6 +40,20 @@ def broker_at(tmp_path: Path, clock: ManualClock, factory=None) -> Broker:
     )
 
 
+def two_sites() -> list:
+    """alpha with 16 A100-80GB, beta with 8, both simulated with a 1 s dispatch delay."""
+    return [site("alpha", gpus={"a100-80gb": 16}, adapter=FAST), site("beta", gpus={"a100-80gb": 8}, adapter=FAST)]
+
+
+async def started(tmp_path: Path, brokers: list[Broker], sites: list, factory=None) -> Harness:
+    """A broker on a manual clock with ``sites``, started without its loop, stopped after the test."""
+    clock = ManualClock(T0)
+    b = broker_at(tmp_path, clock, factory)
+    await b.start(sites, run_loop=False)
+    brokers.append(b)
+    return Harness(b, clock)
+
+
 @pytest.fixture
 async def brokers():
     started: list[Broker] = []
@@ -51,12 +65,11 @@ async def brokers():
 async def test_a_dispatch_whose_answer_was_lost_is_not_placed_elsewhere_until_the_site_confirms_it_dropped_it(
     tmp_path, brokers
 ):
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock, lambda spec, c: (LostAnswerSite if spec.name == "alpha" else SimulatedSite)(spec, c))
-    await b.start([site("alpha", gpus={"a100-80gb": 16}, adapter=FAST), site("beta", gpus={"a100-80gb": 8}, adapter=FAST)],
-                  run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(
+        tmp_path, brokers, two_sites(),
+        factory=lambda spec, c: (LostAnswerSite if spec.name == "alpha" else SimulatedSite)(spec, c),
+    )
+    b = h.broker
     alpha = b.federation.get("alpha").adapter
     j = await h.submit(count=8, duration_s=600)
     await h.cycle()
@@ -83,11 +96,8 @@ async def test_a_dispatch_whose_answer_was_lost_is_not_placed_elsewhere_until_th
 
 
 async def test_a_sites_event_is_kept_when_the_store_fails_to_write_it_once(tmp_path, brokers):
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock)
-    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
     real_update = b.store.update_job
     failed = []
 
@@ -110,11 +120,8 @@ async def test_a_sites_event_is_kept_when_the_store_fails_to_write_it_once(tmp_p
 
 
 async def test_a_failed_cancel_write_leaves_the_job_as_stored_and_a_retry_succeeds(tmp_path, brokers):
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock)
-    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
     j = await h.submit(duration_s=600)
     real_update = b.store.update_job
 
@@ -196,12 +203,12 @@ async def test_a_site_reporting_a_vendor_gpu_name_is_understood_and_a_garbled_on
             return state.model_validate({**state.model_dump(), "capacity": [
                 {**c.model_dump(), "model": "GPU-X 9000"} for c in state.capacity]})
 
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock, lambda spec, c: (GarbledSite if spec.name == "bad" else SimulatedSite)(spec, c))
-    await b.start([site("bad", gpus={"a100-80gb": 8}, adapter=FAST), site("good", gpus={"a100-80gb": 8}, adapter=FAST)],
-                  run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(
+        tmp_path, brokers,
+        [site("bad", gpus={"a100-80gb": 8}, adapter=FAST), site("good", gpus={"a100-80gb": 8}, adapter=FAST)],
+        factory=lambda spec, c: (GarbledSite if spec.name == "bad" else SimulatedSite)(spec, c),
+    )
+    b = h.broker
     j = await h.submit()
     await h.cycle()
     assert (await h.job(j.id)).site == "good"
@@ -223,8 +230,7 @@ class SlowLinkSite(SimulatedSite):
 async def test_a_job_placed_on_a_site_after_it_comes_back_is_not_requeued_by_the_old_reconciliation(tmp_path, brokers):
     clock = ManualClock(T0)
     first = broker_at(tmp_path, clock)
-    await first.start([site("alpha", gpus={"a100-80gb": 16}, adapter=FAST), site("beta", gpus={"a100-80gb": 8}, adapter=FAST)],
-                      run_loop=False)
+    await first.start(two_sites(), run_loop=False)
     h = Harness(first, clock)
     old = await h.submit(name="old", duration_s=600, allowed_regions=["gcp:us-east1"])
     await h.cycle()
@@ -254,11 +260,8 @@ async def test_a_job_placed_on_a_site_after_it_comes_back_is_not_requeued_by_the
 async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(tmp_path, brokers):
     from adapters.base import EventKind, JobEvent
 
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock)
-    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
     j = await h.submit(duration_s=600, preemptible=True)
     await h.cycle()
     await h.step(1.0)
@@ -280,11 +283,8 @@ async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(t
 
 
 async def test_when_the_store_can_neither_write_nor_read_memory_keeps_the_last_good_state(tmp_path, brokers):
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock)
-    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
     j = await h.submit(duration_s=600)
 
     async def broken(*args, **kwargs):
@@ -300,11 +300,8 @@ async def test_when_the_store_can_neither_write_nor_read_memory_keeps_the_last_g
 
 
 async def test_a_cancel_the_site_cannot_hear_is_retried_until_the_site_drops_the_job(tmp_path, brokers):
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock)
-    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
     j = await h.submit(count=8, duration_s=86400)
     await h.cycle()
     await h.step(1.0)
@@ -358,12 +355,8 @@ async def test_retries_to_a_dead_site_back_off(tmp_path, brokers):
 
 
 async def test_a_site_being_removed_is_offered_to_no_job(tmp_path, brokers):
-    clock = ManualClock(T0)
-    b = broker_at(tmp_path, clock)
-    await b.start([site("alpha", gpus={"a100-80gb": 16}, adapter=FAST), site("beta", gpus={"a100-80gb": 8}, adapter=FAST)],
-                  run_loop=False)
-    brokers.append(b)
-    h = Harness(b, clock)
+    h = await started(tmp_path, brokers, two_sites())
+    b = h.broker
     b.federation.set_leaving("alpha", True)
     j = await h.submit(count=1)
     await h.cycle()
