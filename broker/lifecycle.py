@@ -159,13 +159,13 @@ class Lifecycle:
             if not await self._cancel_at(site, job_id, attempt):
                 ok = False
                 break  # the site is not answering: the rest wait for its next turn
-            del self._withdrawals[(job_id, attempt)]
+            self._withdrawals.pop((job_id, attempt), None)  # another path may have settled it meanwhile
             await self.requeue_withdrawn(job_id, attempt, site, "withdrawn after its dispatch failed")
         if ok and site in self.pending_sites:
             if await self.reconcile(site, self.pending_sites[site]) is None:
                 ok = False
             else:
-                del self.pending_sites[site]
+                self.pending_sites.pop(site, None)
         if ok:
             self._backoff.pop(site, None)
         else:
