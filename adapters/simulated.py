@@ -21,11 +21,15 @@ import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from broker import ids
 from broker.clock import Clock
 from broker.models import Health, Job, ModelCapacity, SimulatedAdapterConfig, SiteSpec, SiteState, Telemetry
+
+
+TOMBSTONE_TTL_S = 3600.0  # far longer than any dispatch timeout
 
 
 @dataclass(slots=True)
@@ -59,7 +63,7 @@ class SimulatedSite:
             self._memory[g.model] = max(self._memory.get(g.model, 0.0), g.gpu_memory_gib)
         self._runs: dict[tuple[str, int], _Run] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Admission]] = {}
-        self._withdrawn: set[tuple[str, int]] = set()
+        self._withdrawn: dict[tuple[str, int], datetime] = {}  # tombstones of cancelled attempts -> when
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._reachable = True
         self._link_up = asyncio.Event()  # events wait while the site is unreachable, as over a real link
@@ -170,7 +174,8 @@ class SimulatedSite:
 
     async def cancel(self, job_id: str, attempt: int) -> None:
         self._check_reachable()
-        self._withdrawn.add((job_id, attempt))  # final: a submit of this attempt, now or later, is refused
+        self._withdrawn[(job_id, attempt)] = self._clock.now()  # final: a submit of it, now or later, is refused
+        self._forget_old_tombstones()
         run = self._runs.pop((job_id, attempt), None)
         if run is None:
             return
@@ -191,6 +196,15 @@ class SimulatedSite:
         return set(self._runs) | set(self._pending)
 
     # --- internals ---
+
+    def _forget_old_tombstones(self) -> None:
+        """A submission still on its way arrives within seconds; a tombstone older than TOMBSTONE_TTL_S
+        can no longer stop anything, so it is dropped (bounded memory in a long-running broker)."""
+        if len(self._withdrawn) < 1024:
+            return
+        cutoff = self._clock.now() - timedelta(seconds=TOMBSTONE_TTL_S)
+        for key in [k for k, at in self._withdrawn.items() if at < cutoff]:
+            del self._withdrawn[key]
 
     def _check_reachable(self) -> None:
         if not self._reachable:

@@ -25,6 +25,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime
+from collections.abc import Awaitable
 from typing import Any
 
 from broker.clock import Clock
@@ -135,7 +136,7 @@ class SchedulingCycle:
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
         # 3. decide, and assume each placement in memory at once
-        assumed: list[tuple[Job, Job, int, dict[str, Any]]] = []  # (before, after, version replaced, record)
+        assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write, queued at once)
         records: list[tuple[Job, dict[str, Any]]] = []
         failed: dict[tuple[Any, ...], _Failure] = {}  # request shape -> its failure in this pass
         decided = 0
@@ -166,18 +167,20 @@ class SchedulingCycle:
                 job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
                 reason=f"placed on {site}; dispatching",
             )
+            landing = self.book.write_soon(job, new, version, event_reason=f"placed on {site} ({rec['model']})",
+                                           decision=rec)
             self._in_flight[job.id] = InFlight(site, new.attempt, req, placement.model)
             self._last_seen.pop(job.id, None)
             self._requests.pop(job.id, None)
-            assumed.append((job, new, version, rec))
+            assumed.append((new, landing))
         # 4. assume in the store: every placement and changed decision, in one group commit
         results = await asyncio.gather(
-            *(self._persist(*a) for a in assumed),
+            *(self._persist(new, landing) for new, landing in assumed),
             *(self.store.save_decision(job.id, job.attempt, rec) for job, rec in records),
             return_exceptions=True,
         )
         # 5. dispatch what is safely on disk
-        for (_, new, _, _), ok in zip(assumed, results):
+        for (new, _), ok in zip(assumed, results):
             if ok is True:
                 task = asyncio.get_running_loop().create_task(self._dispatch(new), name=f"dispatch-{new.id}")
                 self._dispatches.add(task)
@@ -202,12 +205,11 @@ class SchedulingCycle:
             for job_id in [j for j in cache if j not in active]:
                 del cache[job_id]
 
-    async def _persist(self, before: Job, new: Job, version: int, rec: dict[str, Any]) -> bool:
-        """Write an assumed placement and its decision in one transaction; if that fails, memory goes
-        back to what the store holds and the job is decided again."""
+    async def _persist(self, new: Job, landing: Awaitable[None]) -> bool:
+        """Wait for an assumed placement's write (queued when it was decided, with its decision); if it
+        failed, memory has gone back to what the store holds and the job is decided again."""
         try:
-            await self.book.write(before, new, version, event_reason=f"placed on {new.site} ({rec['model']})",
-                                  decision=rec)
+            await landing
             return True
         except StoreError as e:
             log.error("job %s: could not store its placement on %s (%s); it stays queued", new.id, new.site, e)
@@ -244,7 +246,7 @@ class SchedulingCycle:
             # the site confirms the attempt is withdrawn, so it never runs twice at once.
             why = "no answer in time" if isinstance(e, TimeoutError) else str(e) or e.__class__.__name__
             if await self.lifecycle.withdraw(job, site):
-                await self.lifecycle.requeue_withdrawn(job.id, job.attempt, site, f"dispatch failed: {why}")
+                await self.lifecycle.requeue_from(site, job.id, job.attempt, f"dispatch failed ({why}); withdrawn")
             else:
                 log.warning("job %s: dispatch to %s failed (%s) and the site has not confirmed it dropped the "
                             "attempt; the job stays dispatching until it does", job.id, site, why)
@@ -255,7 +257,7 @@ class SchedulingCycle:
         if member is not self.federation.get(site) or site in self.federation.leaving:
             # The site was removed or rebuilt while it admitted the attempt: take it back.
             if await self.lifecycle.withdraw(job, site):
-                await self.lifecycle.requeue_withdrawn(job.id, job.attempt, site, "site changed during dispatch")
+                await self.lifecycle.requeue_from(site, job.id, job.attempt, "the site changed during dispatch")
             return
         confirmed = await self.book.transition_if(
             job.id, (JobState.DISPATCHING,), job.attempt, JobState.ADMITTED, reason=f"admitted by {site}"
@@ -276,14 +278,9 @@ class SchedulingCycle:
 
     async def _requeue(self, job: Job, reason: str) -> None:
         """Undo: the site did not take the attempt; skip the site for a while and route the job again."""
-        if not self._current(job):
-            return
-        assert job.site is not None
-        self.book.refuse(job.id, job.site, reason)  # before the job is queued again, so no pass re-picks the site
-        try:
-            await self.book.transition(job.id, JobState.QUEUED, reason=f"{job.site} refused it: {reason}; routing again")
-        except StoreError as e:
-            log.error("job %s: could not requeue it (%s); the store's state stands", job.id, e)
+        if self._current(job):
+            assert job.site is not None
+            await self.lifecycle.requeue_from(job.site, job.id, job.attempt, f"refused it: {reason}")
 
     async def drain(self, timeout_s: float | None = None) -> int:
         """Wait for dispatches in flight; after ``timeout_s`` cancel the rest and return how many.

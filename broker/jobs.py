@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -201,12 +201,27 @@ class JobBook:
         in memory since (``mark``), in which case the later change settles it."""
         if self._changes.get(before.id, 0) != mark:
             return False
-        self.active[before.id] = before
-        self.admitted_seq.pop(before.id, None)
-        self._touch(before.id)
+        self._settle_memory(before)
+        return True
+
+    def _settle_memory(self, job: Job | None, job_id: str | None = None) -> None:
+        """Make ``job`` (what is durable) the job in memory, with the bookkeeping that follows from it."""
+        job_id = job.id if job is not None else job_id
+        assert job_id is not None
+        if job is None or job.state.terminal:
+            self.active.pop(job_id, None)
+            self._changes.pop(job_id, None)
+            self.admitted_seq.pop(job_id, None)
+        else:
+            self.active[job_id] = job
+            self._touch(job_id)
+            if job.state in (JobState.ADMITTED, JobState.RUNNING):
+                # Count it as admitted now: placements are debited until a site report newer than this.
+                self.admitted_seq[job_id] = self.seq
+            else:
+                self.admitted_seq.pop(job_id, None)
         self.capacity_freed = True
         self.changed.set()
-        return True
 
     async def resync(self, job_id: str) -> Job | None:
         """After a failed write, take the job as the store has it, if memory did not move meanwhile.
@@ -223,14 +238,7 @@ class JobBook:
             return None
         if self.mark(job_id) != mark:
             return None  # changed while we read: that change's own write settles the job
-        if stored is None or stored.state.terminal:
-            self.active.pop(job_id, None)
-        else:
-            self.active[job_id] = stored
-        self._touch(job_id)
-        self.admitted_seq.pop(job_id, None)
-        self.capacity_freed = True
-        self.changed.set()
+        self._settle_memory(stored, job_id)
         log.warning("job %s: a write failed; memory now holds the stored state %s", job_id,
                     stored.state if stored else "(none)")
         return stored
@@ -240,14 +248,24 @@ class JobBook:
         state before (then to what the store holds) and a StoreError is raised."""
         before = self.active.get(job_id)
         new, version = self.apply(job_id, dst, **changes)
-        await self.write(before, new, version)
+        await self.write_soon(before, new, version)
         return new
 
-    async def write(self, before: Job | None, new: Job, version: int, **extra: Any) -> None:
-        """Write ``new`` (applied in memory over ``before``); on any failure undo it and raise StoreError."""
+    def write_soon(self, before: Job | None, new: Job, version: int, **extra: Any) -> Awaitable[None]:
+        """Queue the store write of ``new`` (applied in memory over ``before``) right now, so the store
+        applies changes in the order memory made them; await the result to learn whether it landed. On
+        failure the change is undone in memory and StoreError is raised."""
         mark = self.mark(new.id)
         try:
-            await self._store.update_job(new, version, **extra)
+            landed = self._store.enqueue_update(new, version, **extra)
+        except Exception as e:
+            landed = asyncio.get_running_loop().create_future()
+            landed.set_exception(e)
+        return self._landed(landed, before, new, mark)
+
+    async def _landed(self, landed: Awaitable[None], before: Job | None, new: Job, mark: int) -> None:
+        try:
+            await landed
         except Exception as e:
             if before is not None:
                 self.undo(before, mark)

@@ -37,6 +37,7 @@ class Lifecycle:
         self.cancel_timeout_s = cancel_timeout_s
         self.pending_sites: dict[str, dict[str, int]] = {}  # site -> its jobs at start-up, to reconcile
         self._withdrawals: dict[tuple[str, int], str] = {}  # (job id, attempt) -> site yet to confirm
+        self._requeues: dict[tuple[str, int], tuple[str, str]] = {}  # requeues to retry: -> (site, why)
         self._backoff: dict[str, tuple[float, float]] = {}  # site -> (next try, monotonic s; last delay s)
         self.max_backoff_s = max_backoff_s
 
@@ -82,7 +83,7 @@ class Lifecycle:
                 )
             case EventKind.FAILED:
                 failed = job.failed_attempts + 1
-                why = _text(ev.reason) or "failed"
+                why = ev.reason or "failed"
                 if failed >= job.spec.max_attempts:
                     return await self.book.transition(
                         job.id, JobState.FAILED, failed_attempts=failed, finished_at=ev.at,
@@ -97,7 +98,7 @@ class Lifecycle:
             case EventKind.PREEMPTED:
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
                 await self.book.transition(
-                    job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {_text(ev.reason)}".strip()
+                    job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {ev.reason or ''}".strip()
                 )
                 return await self.book.transition(
                     job.id, JobState.QUEUED,
@@ -105,7 +106,7 @@ class Lifecycle:
                 )
             case EventKind.LOST:
                 return await self.book.transition(
-                    job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {_text(ev.reason)}"
+                    job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {ev.reason or ''}"
                 )
         return None
 
@@ -133,19 +134,31 @@ class Lifecycle:
         self._withdrawals[(job.id, job.attempt)] = site
         return False
 
-    async def requeue_withdrawn(self, job_id: str, attempt: int, site: str, reason: str) -> Job | None:
-        """After ``site`` confirmed it dropped the attempt, requeue the job if it still counts it there,
-        whatever a late event said: the attempt is gone."""
+    async def requeue_from(self, site: str, job_id: str, attempt: int, why: str) -> Job | None:
+        """``site`` does not have (or no longer has) the attempt: skip the site for a while and route the
+        job again, from any state of that attempt there, whatever a late event said. If the write fails,
+        ``settle`` tries again, so the job cannot be left at a site that does not run it."""
         current = self.book.active.get(job_id)
         if current is None or current.attempt != attempt or current.site != site or current.state not in ON_SITE:
+            self._requeues.pop((job_id, attempt), None)
             return None
-        self.book.refuse(job_id, site, reason)  # before the job is queued, so no pass re-picks the site
-        return await self._requeue(current, f"{site} dropped attempt {attempt} ({reason}); routing again")
+        self.book.refuse(job_id, site, why)  # before the job is queued, so no pass re-picks the site
+        try:
+            job = await self.book.transition(job_id, JobState.QUEUED, reason=f"{site} {why}; routing again")
+        except StoreError as e:
+            log.error("job %s: could not requeue it from %s (%s); will try again", job_id, site, e)
+            self._requeues[(job_id, attempt)] = (site, why)
+            return None
+        self._requeues.pop((job_id, attempt), None)
+        return job
 
     async def settle(self, force: bool = False) -> None:
-        """Retry what sites have not confirmed: withdrawals, and reconciliations after a restart. Sites are
-        asked in parallel, each call bounded by ``cancel_timeout_s``; a site that fails is left alone for
-        a while (doubling, up to ``max_backoff_s``) unless ``force``."""
+        """Retry what is not settled: requeues whose write failed, withdrawals sites have not confirmed,
+        and reconciliations after a restart. Sites are asked in parallel, each call bounded by
+        ``cancel_timeout_s``; a site that fails is left alone for a while (doubling, up to
+        ``max_backoff_s``) unless ``force``."""
+        for (job_id, attempt), (site, why) in list(self._requeues.items()):
+            await self.requeue_from(site, job_id, attempt, why)
         sites = set(self._withdrawals.values()) | set(self.pending_sites)
         now = time.monotonic()
         due = [s for s in sites if force or self._backoff.get(s, (0.0, 0.0))[0] <= now]
@@ -160,7 +173,7 @@ class Lifecycle:
                 ok = False
                 break  # the site is not answering: the rest wait for its next turn
             self._withdrawals.pop((job_id, attempt), None)  # another path may have settled it meanwhile
-            await self.requeue_withdrawn(job_id, attempt, site, "withdrawn after its dispatch failed")
+            await self.requeue_from(site, job_id, attempt, "dropped the attempt when asked again")
         if ok and site in self.pending_sites:
             if await self.reconcile(site, self.pending_sites[site]) is None:
                 ok = False
@@ -264,13 +277,6 @@ class Lifecycle:
         except (IllegalTransition, JobNotFound, StoreError) as e:
             log.error("job %s: cannot requeue: %s", job.id, e)
             return None
-
-
-def _text(value: str | None) -> str:
-    """A site's free text, made safe to store (no unpaired surrogates, bounded length)."""
-    if not value:
-        return ""
-    return value.encode("utf-8", "replace").decode("utf-8")[:1000]
 
 
 class AlreadyEnded(Exception):

@@ -330,6 +330,8 @@ class Job(BaseModel):
         if dst not in TRANSITIONS[self.state]:
             raise IllegalTransition(self.id, self.state, dst)
         update: dict[str, Any] = {"state": dst, "updated_at": now, "version": self.version + 1, **changes}
+        if update.get("reason") is not None:
+            update["reason"] = clean_text(update["reason"])
         if dst == JobState.QUEUED:  # back in line: no site holds the job any more
             update.update(site=None, gpu_model=None)
         if dst == JobState.RUNNING and self.started_at is None:
@@ -369,6 +371,12 @@ class Decision(Strict):
     deferred_until: UtcDatetime | None = None
     summary: str
     sites: list[SiteVerdict]
+
+
+def clean_text(value: str, limit: int = 1000) -> str:
+    """Free text from elsewhere (a site's reason, an adapter's error) made safe to store: no unpaired
+    surrogates, bounded length."""
+    return value.encode("utf-8", "replace").decode("utf-8")[:limit]
 
 
 def utcnow() -> datetime:

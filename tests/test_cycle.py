@@ -34,6 +34,22 @@ async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def failing_writes(store, fail: Callable[[Job], BaseException | None]) -> Callable[[], None]:
+    """Make the store's job updates fail wherever ``fail(job)`` returns an error; returns an undo."""
+    real = store.enqueue_update
+
+    def enqueue(job, expected_version, event_reason=None, decision=None):
+        error = fail(job)
+        if error is None:
+            return real(job, expected_version, event_reason, decision)
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(error)
+        return failed
+
+    store.enqueue_update = enqueue
+    return lambda: setattr(store, "enqueue_update", real)
+
+
 class Harness:
     def __init__(self, broker: Broker, clock: ManualClock) -> None:
         self.broker, self.clock = broker, clock
@@ -247,17 +263,15 @@ async def test_fractional_jobs_share_one_gpu(make):
 async def test_a_placement_the_store_cannot_write_is_not_dispatched_and_the_job_stays_queued(make):
     h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
     j = await h.submit(count=8, duration_s=600)
-    store = h.broker.store
-    real_update = store.update_job
     failures = []
 
-    async def failing_update(job, expected_version, event_reason=None, decision=None):
+    def fail_first_placement(job):
         if job.state == JobState.DISPATCHING and not failures:
             failures.append(job.id)
-            raise StoreError("disk full")
-        return await real_update(job, expected_version, event_reason, decision)
+            return StoreError("disk full")
+        return None
 
-    store.update_job = failing_update  # type: ignore[method-assign]
+    failing_writes(h.broker.store, fail_first_placement)
     await h.cycle()
     await h.step(1.0)
     assert failures == [j.id]

@@ -16,7 +16,7 @@ from broker.models import Job, JobState, ModelCapacity, SimulatedAdapterConfig
 from broker.service import Broker
 from broker.store import StoreError
 from tests.builders import job, site
-from tests.test_cycle import FAST, T0, Harness
+from tests.test_cycle import FAST, T0, Harness, failing_writes
 
 
 class LostAnswerSite(SimulatedSite):
@@ -98,16 +98,15 @@ async def test_a_dispatch_whose_answer_was_lost_is_not_placed_elsewhere_until_th
 async def test_a_sites_event_is_kept_when_the_store_fails_to_write_it_once(tmp_path, brokers):
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
     b = h.broker
-    real_update = b.store.update_job
     failed = []
 
-    async def flaky_update(job, expected_version, event_reason=None, decision=None):
+    def fail_first_success(job):
         if job.state == JobState.SUCCEEDED and not failed:
             failed.append(job.id)
-            raise StoreError("database is locked")
-        return await real_update(job, expected_version, event_reason, decision)
+            return StoreError("database is locked")
+        return None
 
-    b.store.update_job = flaky_update  # type: ignore[method-assign]
+    failing_writes(b.store, fail_first_success)
     j = await h.submit(duration_s=60)
     await h.cycle()
     await h.step(1.0)
@@ -123,16 +122,11 @@ async def test_a_failed_cancel_write_leaves_the_job_as_stored_and_a_retry_succee
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
     b = h.broker
     j = await h.submit(duration_s=600)
-    real_update = b.store.update_job
-
-    async def broken_update(job, expected_version, event_reason=None, decision=None):
-        raise StoreError("disk full")
-
-    b.store.update_job = broken_update  # type: ignore[method-assign]
+    restore = failing_writes(b.store, lambda job: StoreError("disk full"))
     with pytest.raises(StoreError):
         await b.lifecycle.cancel(j.id)
     assert (await h.job(j.id)).state == JobState.QUEUED  # memory did not run ahead of the disk
-    b.store.update_job = real_update  # type: ignore[method-assign]
+    restore()
     assert (await b.lifecycle.cancel(j.id)).state == JobState.CANCELLED
     assert (await b.store.get_job(j.id)).state == JobState.CANCELLED
 
@@ -265,19 +259,14 @@ async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(t
     j = await h.submit(duration_s=600, preemptible=True)
     await h.cycle()
     await h.step(1.0)
-    real_update = b.store.update_job
-
-    async def fail_requeue(job, expected_version, event_reason=None, decision=None):
-        if job.state == JobState.QUEUED:
-            raise StoreError("database is locked")
-        return await real_update(job, expected_version, event_reason, decision)
-
-    b.store.update_job = fail_requeue  # type: ignore[method-assign]
+    restore = failing_writes(
+        b.store, lambda job: StoreError("database is locked") if job.state == JobState.QUEUED else None
+    )
     ev = JobEvent(j.id, 1, EventKind.PREEMPTED, T0, reason="higher priority job")
     with pytest.raises(StoreError):
         await b.lifecycle.on_event("alpha", ev)
     assert (await h.job(j.id)).state == JobState.PREEMPTED
-    b.store.update_job = real_update  # type: ignore[method-assign]
+    restore()
     await b.lifecycle.on_event("alpha", ev)  # what the pump's retry does
     assert (await h.job(j.id)).state == JobState.QUEUED
 
@@ -291,7 +280,7 @@ async def test_when_the_store_can_neither_write_nor_read_memory_keeps_the_last_g
         raise StoreError("I/O error")
 
     real_get = b.store.get_job
-    b.store.update_job = broken  # type: ignore[method-assign]
+    failing_writes(b.store, lambda job: StoreError("I/O error"))
     b.store.get_job = broken  # type: ignore[method-assign]
     with pytest.raises(StoreError):
         await b.lifecycle.cancel(j.id)
@@ -374,3 +363,106 @@ def test_an_undo_made_stale_by_a_later_change_is_not_applied():
     book.apply("j", JobState.CANCELLED)  # a later change, written separately
     assert not book.undo(j, mark)
     assert "j" not in book.active
+
+
+# --- third review: requeue retries, site text, write order, in-flight accounting ---
+
+
+class RefusingSite(SimulatedSite):
+    reason = "no room"
+
+    async def submit(self, job):
+        return Admission.rejected(self.reason)
+
+
+async def test_a_requeue_whose_write_fails_is_retried_until_it_lands(tmp_path, brokers):
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)],
+                      factory=lambda spec, c: RefusingSite(spec, c))
+    b = h.broker
+    j = await h.submit()
+    restore = failing_writes(b.store, lambda job: StoreError("locked") if job.state == JobState.QUEUED else None)
+    await h.cycle()
+    await h.step(1.0)
+    assert (await b.store.get_job(j.id)).state == JobState.DISPATCHING  # the requeue did not land
+    restore()
+    await b.lifecycle.settle(force=True)
+    assert (await b.store.get_job(j.id)).state == JobState.QUEUED
+    assert b.book.active[j.id].state == JobState.QUEUED
+
+
+async def test_a_refusal_reason_with_broken_unicode_is_stored_cleaned(tmp_path, brokers):
+    class Garbled(RefusingSite):
+        reason = "quota \udc80 exceeded"
+
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)],
+                      factory=lambda spec, c: Garbled(spec, c))
+    j = await h.submit()
+    await h.cycle()
+    await h.step(1.0)
+    stored = await h.broker.store.get_job(j.id)
+    assert stored.state == JobState.QUEUED and "quota ? exceeded" in stored.reason
+
+
+async def test_a_cancel_arriving_while_a_pass_is_deciding_lands_after_the_placement(tmp_path, brokers):
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
+    jobs = [await h.submit(name=f"j{i}", count=1) for i in range(300)]  # more than one yield's worth
+    first = jobs[0]
+    outcome = {}
+
+    async def cancel_at_first_yield():
+        # Wait until the pass has placed the job in memory and yields mid-loop, before its write lands.
+        for _ in range(100_000):
+            await asyncio.sleep(0)
+            if b.book.active[first.id].state == JobState.DISPATCHING:
+                break
+        outcome["seen"] = b.book.active[first.id].state
+        try:
+            outcome["cancel"] = (await b.lifecycle.cancel(first.id)).state
+        except Exception as e:  # what the user would see as an error
+            outcome["cancel"] = e
+
+    task = asyncio.create_task(cancel_at_first_yield())
+    await h.cycle()
+    await task
+    assert outcome["seen"] == JobState.DISPATCHING  # the race this test is about did happen
+    assert outcome["cancel"] == JobState.CANCELLED
+    assert (await b.store.get_job(first.id)).state == JobState.CANCELLED
+    assert first.id not in b.book.active
+
+
+async def test_a_running_job_whose_running_write_failed_once_is_not_counted_twice(tmp_path, brokers):
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
+    failed = []
+
+    def fail_first_running(job):
+        if job.state == JobState.RUNNING and not failed:
+            failed.append(job.id)
+            return StoreError("locked")
+        return None
+
+    failing_writes(b.store, fail_first_running)
+    j1 = await h.submit(name="first", count=4, duration_s=3600)
+    await h.cycle()
+    await h.step(1.0)
+    await asyncio.sleep(0.5)  # the pump retries the event
+    assert failed == [j1.id] and (await h.job(j1.id)).state == JobState.RUNNING
+    await h.step(2.0)
+    j2 = await h.submit(name="second", count=4, duration_s=60)
+    await h.cycle()  # alpha has 4 free: the second job must fit there
+    assert (await h.job(j2.id)).state == JobState.DISPATCHING
+
+
+async def test_tombstones_of_long_gone_attempts_are_dropped(tmp_path):
+    from adapters.simulated import TOMBSTONE_TTL_S
+
+    clock = ManualClock(T0)
+    sim = SimulatedSite(site("alpha"), clock, FAST)
+    for i in range(1100):
+        await sim.cancel(f"old-{i}", 1)
+    await clock.advance(TOMBSTONE_TTL_S + 1)
+    await sim.cancel("new", 1)
+    assert len(sim._withdrawn) < 1024  # noqa: SLF001 - the bound is what this test is about
+    late = Job(id="new", spec=job(), created_at=T0, updated_at=T0, attempt=1)
+    assert not (await sim.submit(late)).admitted  # a recent tombstone still stops a late submission

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from broker.models import Job, JobState, SiteSpec
@@ -77,6 +78,13 @@ class Store(Protocol):
         decision: dict[str, Any] | None = None,
     ) -> None:
         """Write the job's new state (and, if given, the decision behind it, in the same transaction)."""
+
+    def enqueue_update(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> Awaitable[None]:
+        """``update_job``, queued at the moment of the call: writes are applied in the order callers made
+        them, so a change made in memory and queued at once can never be overtaken by a later one."""
 
     async def get_job(self, job_id: str) -> Job | None: ...
 

@@ -14,6 +14,7 @@ never wait, so a write cannot interleave with another. To use SQLite instead, pa
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,25 @@ class MemoryStore:
     async def update_job(
         self, job: Job, expected_version: int, event_reason: str | None = None,
         decision: dict[str, Any] | None = None,
+    ) -> None:
+        await self.enqueue_update(job, expected_version, event_reason, decision)
+
+    def enqueue_update(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> asyncio.Future[None]:
+        """Apply the update now; the returned future is already resolved (or failed)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            self._update(job, expected_version, event_reason, decision)
+        except StoreError as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+        return fut
+
+    def _update(
+        self, job: Job, expected_version: int, event_reason: str | None, decision: dict[str, Any] | None
     ) -> None:
         self._check_open()
         row = self._rows.get(job.id)

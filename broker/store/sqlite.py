@@ -257,13 +257,24 @@ class SQLiteStore:
         self, job: Job, expected_version: int, event_reason: str | None = None,
         decision: dict[str, Any] | None = None,
     ) -> None:
+        await self.enqueue_update(job, expected_version, event_reason, decision)
+
+    def enqueue_update(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> asyncio.Future[None]:
+        """Queue the update now, in the caller's order; the future resolves once it is on disk."""
+        if self._writer_task is None or self._writer_task.done():
+            raise StoreError("store is not open")
         statements = [
             (_UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id, expected_version)),
             (_INSERT_EVENT, _event_row(job, event_reason)),
         ]
         if decision is not None:
             statements.append(_decision_row(job.id, job.attempt, decision))
-        await self._submit(self._new_write(statements, checks=[0]))
+        write = self._new_write(statements, checks=[0])
+        self._queue.put_nowait(write)
+        return write.future
 
     async def get_job(self, job_id: str) -> Job | None:
         row = await self._one("SELECT doc FROM jobs WHERE id = ?", (job_id,))
