@@ -135,9 +135,26 @@ class SchedulingCycle:
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
-        # 3. decide, and assume each placement in memory at once
-        assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write, queued at once)
+        # 3. decide, and assume each placement in memory at once (its store write is queued at once too)
+        assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write)
         records: list[tuple[Job, dict[str, Any]]] = []
+        decided = 0
+        try:
+            decided = await self._decide(jobs, snap, assumed, records)
+        finally:
+            # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
+            await self._finish(assumed, records)
+        return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
+
+    async def _decide(
+        self,
+        jobs: list[Job],
+        snap: Snapshot,
+        assumed: list[tuple[Job, Awaitable[None]]],
+        records: list[tuple[Job, dict[str, Any]]],
+    ) -> int:
+        """Step 3: decide each job in order; append placements (assumed in memory, writes queued) and the
+        decisions worth recording. Returns how many jobs were decided."""
         failed: dict[tuple[Any, ...], _Failure] = {}  # request shape -> its failure in this pass
         decided = 0
         for n, queued_job in enumerate(jobs):
@@ -173,6 +190,12 @@ class SchedulingCycle:
             self._last_seen.pop(job.id, None)
             self._requests.pop(job.id, None)
             assumed.append((new, landing))
+        return decided
+
+    async def _finish(
+        self, assumed: list[tuple[Job, Awaitable[None]]], records: list[tuple[Job, dict[str, Any]]]
+    ) -> None:
+        """Steps 4 and 5: wait for the placements' writes and the decisions' writes; dispatch what landed."""
         # 4. assume in the store: every placement and changed decision, in one group commit
         results = await asyncio.gather(
             *(self._persist(new, landing) for new, landing in assumed),
@@ -188,7 +211,6 @@ class SchedulingCycle:
         for result in results[len(assumed):]:
             if isinstance(result, BaseException):
                 log.error("could not record a decision: %s", result)
-        return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
 
     def _request(self, job: Job) -> JobRequest:
         """The job's placement request, cached until the sites it must skip change."""

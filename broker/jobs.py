@@ -81,6 +81,7 @@ class JobBook:
         self.seq = 0  # counts transitions; orders admissions against site reports
         self.admitted_seq: dict[str, int] = {}  # job id -> seq of its current attempt's admission
         self._changes: dict[str, int] = {}  # job id -> changes made in memory (see mark, undo, resync)
+        self.suspect: set[str] = set()  # jobs whose stored state could not be read back after a failed write
 
     async def load(self) -> list[Job]:
         """Load every non-terminal job from the store (at start-up)."""
@@ -234,14 +235,24 @@ class JobBook:
         try:
             stored = await self._store.get_job(job_id)
         except Exception as e:
-            log.error("job %s: cannot read it back after a failed write (%s); keeping the last good state", job_id, e)
+            log.error("job %s: cannot read it back after a failed write (%s); will read it again", job_id, e)
+            self.suspect.add(job_id)
             return None
+        self.suspect.discard(job_id)
         if self.mark(job_id) != mark:
             return None  # changed while we read: that change's own write settles the job
         self._settle_memory(stored, job_id)
         log.warning("job %s: a write failed; memory now holds the stored state %s", job_id,
                     stored.state if stored else "(none)")
         return stored
+
+    async def resync_suspects(self) -> None:
+        """Read again the jobs whose read-back failed: memory may hold a state that never reached the store."""
+        for job_id in list(self.suspect):
+            if self.mark(job_id) == 0 and job_id not in self.active:
+                self.suspect.discard(job_id)
+            else:
+                await self.resync(job_id)
 
     async def transition(self, job_id: str, dst: JobState, **changes: Any) -> Job:
         """Apply a transition and wait until it is on disk. If the write fails, memory goes back to the

@@ -157,6 +157,7 @@ class Lifecycle:
         and reconciliations after a restart. Sites are asked in parallel, each call bounded by
         ``cancel_timeout_s``; a site that fails is left alone for a while (doubling, up to
         ``max_backoff_s``) unless ``force``."""
+        await self.book.resync_suspects()
         for (job_id, attempt), (site, why) in list(self._requeues.items()):
             await self.requeue_from(site, job_id, attempt, why)
         sites = set(self._withdrawals.values()) | set(self.pending_sites)

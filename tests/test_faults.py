@@ -466,3 +466,65 @@ async def test_tombstones_of_long_gone_attempts_are_dropped(tmp_path):
     assert len(sim._withdrawn) < 1024  # noqa: SLF001 - the bound is what this test is about
     late = Job(id="new", spec=job(), created_at=T0, updated_at=T0, attempt=1)
     assert not (await sim.submit(late)).admitted  # a recent tombstone still stops a late submission
+
+
+# --- fourth review: closing store, chained failures, a pass that fails part-way ---
+
+
+async def test_a_write_queued_while_the_store_closes_fails_instead_of_hanging(tmp_path):
+    from broker.store.sqlite import SQLiteStore
+    from tests.test_store import make_job
+
+    store = SQLiteStore(tmp_path / "c.db")
+    await store.open()
+    await store.insert_job(make_job(1))
+    closing = asyncio.create_task(store.close())
+    await asyncio.sleep(0)  # close() has begun
+    with pytest.raises(StoreError):
+        await asyncio.wait_for(store.update_job(make_job(1).transition(JobState.CANCELLED, T0), 0), 5)
+    await closing
+
+
+async def test_memory_heals_once_the_store_can_be_read_again_after_chained_write_failures(tmp_path, brokers):
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
+    j = await h.submit(duration_s=600)
+
+    async def unreadable(*args, **kwargs):
+        raise StoreError("I/O error")
+
+    real_get = b.store.get_job
+    restore = failing_writes(b.store, lambda job: StoreError("I/O error"))
+    b.store.get_job = unreadable  # type: ignore[method-assign]
+    await h.cycle()  # the placement's write fails and cannot be read back
+    assert j.id in b.book.suspect
+    restore()
+    b.store.get_job = real_get  # type: ignore[method-assign]
+    await b.lifecycle.settle(force=True)
+    assert b.book.active[j.id].state == (await b.store.get_job(j.id)).state == JobState.QUEUED
+    assert not b.book.suspect
+
+
+async def test_placements_made_before_a_pass_fails_part_way_are_still_stored_and_dispatched(tmp_path, brokers):
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
+    first = await h.submit(name="first", count=1, duration_s=60)
+    second = await h.submit(name="second", count=2, duration_s=60)
+    real_decide = b.cycle.pipeline.decide
+    calls = []
+
+    def decide_then_break(req, snap):
+        calls.append(req.job_id)
+        if len(calls) == 2:
+            raise RuntimeError("a bug in a policy")
+        return real_decide(req, snap)
+
+    b.cycle.pipeline.decide = decide_then_break  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        await h.cycle()
+    b.cycle.pipeline.decide = real_decide  # type: ignore[method-assign]
+    await h.step(1.0)
+    assert (await h.job(first.id)).state == JobState.RUNNING  # placed before the failure: stored and dispatched
+    await h.cycle()
+    await h.step(1.0)
+    assert (await h.job(second.id)).state == JobState.RUNNING

@@ -116,6 +116,7 @@ class SQLiteStore:
         self._reader: aiosqlite.Connection | None = None
         self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
         self._writer_task: asyncio.Task[None] | None = None
+        self._closing = False
         self.commits = 0  # batches committed (for benchmarks)
 
     # --- life cycle ---
@@ -132,6 +133,7 @@ class SQLiteStore:
         except BaseException:
             await self.close()
             raise
+        self._closing = False
         self._writer_task = loop.create_task(self._write_loop(), name="sqlite-writer")
 
     def _open_writer(self) -> sqlite3.Connection:
@@ -153,10 +155,15 @@ class SQLiteStore:
         return conn
 
     async def close(self) -> None:
+        self._closing = True  # from now on a new write fails at once instead of waiting behind the stop
         if self._writer_task is not None:
             await self._queue.put(None)
             await self._writer_task
             self._writer_task = None
+        while not self._queue.empty():  # anything queued behind the stop marker: fail it, never strand it
+            leftover = self._queue.get_nowait()
+            if leftover is not None and not leftover.future.done():
+                leftover.future.set_exception(StoreError("store closed before this write"))
         if self._reader is not None:
             await self._reader.close()
             self._reader = None
@@ -181,9 +188,12 @@ class SQLiteStore:
 
     # --- group commit ---
 
-    async def _submit(self, write: _Write) -> None:
-        if self._writer_task is None or self._writer_task.done():
+    def _check_writable(self) -> None:
+        if self._closing or self._writer_task is None or self._writer_task.done():
             raise StoreError("store is not open")
+
+    async def _submit(self, write: _Write) -> None:
+        self._check_writable()
         await self._queue.put(write)
         await write.future
 
@@ -264,8 +274,7 @@ class SQLiteStore:
         decision: dict[str, Any] | None = None,
     ) -> asyncio.Future[None]:
         """Queue the update now, in the caller's order; the future resolves once it is on disk."""
-        if self._writer_task is None or self._writer_task.done():
-            raise StoreError("store is not open")
+        self._check_writable()
         statements = [
             (_UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id, expected_version)),
             (_INSERT_EVENT, _event_row(job, event_reason)),
