@@ -50,6 +50,20 @@ def failing_writes(store, fail: Callable[[Job], BaseException | None]) -> Callab
     return lambda: setattr(store, "enqueue_update", real)
 
 
+def fail_first_write(store, state: JobState, error: str = "database is locked") -> list[str]:
+    """Fail the first write that moves a job into ``state``; returns the ids it failed (at most one)."""
+    failed: list[str] = []
+
+    def fail(job):
+        if job.state == state and not failed:
+            failed.append(job.id)
+            return StoreError(error)
+        return None
+
+    failing_writes(store, fail)
+    return failed
+
+
 class Harness:
     def __init__(self, broker: Broker, clock: ManualClock) -> None:
         self.broker, self.clock = broker, clock
@@ -263,15 +277,7 @@ async def test_fractional_jobs_share_one_gpu(make):
 async def test_a_placement_the_store_cannot_write_is_not_dispatched_and_the_job_stays_queued(make):
     h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
     j = await h.submit(count=8, duration_s=600)
-    failures = []
-
-    def fail_first_placement(job):
-        if job.state == JobState.DISPATCHING and not failures:
-            failures.append(job.id)
-            return StoreError("disk full")
-        return None
-
-    failing_writes(h.broker.store, fail_first_placement)
+    failures = fail_first_write(h.broker.store, JobState.DISPATCHING, "disk full")
     await h.cycle()
     await h.step(1.0)
     assert failures == [j.id]

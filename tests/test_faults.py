@@ -16,7 +16,7 @@ from broker.models import Job, JobState, ModelCapacity, SimulatedAdapterConfig
 from broker.service import Broker
 from broker.store import StoreError
 from tests.builders import job, site
-from tests.test_cycle import FAST, T0, Harness, failing_writes
+from tests.test_cycle import FAST, T0, Harness, fail_first_write, failing_writes
 
 
 class LostAnswerSite(SimulatedSite):
@@ -98,15 +98,7 @@ async def test_a_dispatch_whose_answer_was_lost_is_not_placed_elsewhere_until_th
 async def test_a_sites_event_is_kept_when_the_store_fails_to_write_it_once(tmp_path, brokers):
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
     b = h.broker
-    failed = []
-
-    def fail_first_success(job):
-        if job.state == JobState.SUCCEEDED and not failed:
-            failed.append(job.id)
-            return StoreError("database is locked")
-        return None
-
-    failing_writes(b.store, fail_first_success)
+    failed = fail_first_write(b.store, JobState.SUCCEEDED)
     j = await h.submit(duration_s=60)
     await h.cycle()
     await h.step(1.0)
@@ -434,15 +426,7 @@ async def test_a_cancel_arriving_while_a_pass_is_deciding_lands_after_the_placem
 async def test_a_running_job_whose_running_write_failed_once_is_not_counted_twice(tmp_path, brokers):
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
     b = h.broker
-    failed = []
-
-    def fail_first_running(job):
-        if job.state == JobState.RUNNING and not failed:
-            failed.append(job.id)
-            return StoreError("locked")
-        return None
-
-    failing_writes(b.store, fail_first_running)
+    failed = fail_first_write(b.store, JobState.RUNNING)
     j1 = await h.submit(name="first", count=4, duration_s=3600)
     await h.cycle()
     await h.step(1.0)

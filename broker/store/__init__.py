@@ -9,6 +9,7 @@ the job first.
 from __future__ import annotations
 
 import base64
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from collections.abc import Awaitable
 from typing import Any, Protocol
@@ -63,6 +64,23 @@ def decode_cursor(cursor: str) -> int:
         return seq
     except (ValueError, UnicodeDecodeError):
         raise ValueError(f"{cursor!r} is not a cursor from a previous page") from None
+
+
+class QueuedUpdates(ABC):
+    """``update_job`` for a store that implements ``enqueue_update``: queue now, then wait."""
+
+    @abstractmethod
+    def enqueue_update(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> Awaitable[None]:
+        """Queue the update at the moment of the call (see ``Store.enqueue_update``)."""
+
+    async def update_job(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> None:
+        await self.enqueue_update(job, expected_version, event_reason, decision)
 
 
 class Store(Protocol):

@@ -21,6 +21,7 @@ from typing import Any
 
 from broker.models import Job, SiteSpec
 from broker.store import (
+    QueuedUpdates,
     Conflict,
     DuplicateKey,
     JobFilter,
@@ -48,7 +49,7 @@ def _event(job: Job, reason: str | None) -> dict[str, Any]:
             "attempt": job.attempt, "reason": reason or job.reason}
 
 
-class MemoryStore:
+class MemoryStore(QueuedUpdates):
     def __init__(self) -> None:
         self._open = False
         self._seq = 0
@@ -84,12 +85,6 @@ class MemoryStore:
         self._seq += 1
         self._rows[job.id] = _Row(self._seq, job, tenant, idempotency_key, digest)
         self._events[job.id] = [_event(job, "submitted")]
-
-    async def update_job(
-        self, job: Job, expected_version: int, event_reason: str | None = None,
-        decision: dict[str, Any] | None = None,
-    ) -> None:
-        await self.enqueue_update(job, expected_version, event_reason, decision)
 
     def enqueue_update(
         self, job: Job, expected_version: int, event_reason: str | None = None,

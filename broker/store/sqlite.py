@@ -23,6 +23,7 @@ import aiosqlite
 
 from broker.models import Job, JobState, SiteSpec
 from broker.store import (
+    QueuedUpdates,
     Conflict,
     DuplicateKey,
     JobFilter,
@@ -107,7 +108,7 @@ def _translate(error: BaseException) -> StoreError:
     return StoreError(f"write failed: {error.__class__.__name__}: {error}")
 
 
-class SQLiteStore:
+class SQLiteStore(QueuedUpdates):
     def __init__(self, path: str | Path, max_batch: int = 2048) -> None:
         self.path = Path(path)
         self.max_batch = max_batch
@@ -262,12 +263,6 @@ class SQLiteStore:
                            idempotency_key, digest, job.version, doc)),
             (_INSERT_EVENT, _event_row(job, "submitted")),
         ]))
-
-    async def update_job(
-        self, job: Job, expected_version: int, event_reason: str | None = None,
-        decision: dict[str, Any] | None = None,
-    ) -> None:
-        await self.enqueue_update(job, expected_version, event_reason, decision)
 
     def enqueue_update(
         self, job: Job, expected_version: int, event_reason: str | None = None,
