@@ -398,8 +398,11 @@ async def test_a_refusal_reason_with_broken_unicode_is_stored_cleaned(tmp_path, 
 async def test_a_cancel_arriving_while_a_pass_is_deciding_lands_after_the_placement(tmp_path, brokers):
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
     b = h.broker
-    jobs = [await h.submit(name=f"j{i}", count=1) for i in range(300)]  # more than one yield's worth
-    first = jobs[0]
+    # More than one yield's worth of jobs, all created at one manual-clock instant; the highest priority
+    # makes the victim the first one decided, whatever the ids' order.
+    first = await h.submit(name="victim", count=1, priority=10)
+    for i in range(299):
+        await h.submit(name=f"j{i}", count=1)
     outcome = {}
 
     async def cancel_at_first_yield():
@@ -492,7 +495,8 @@ async def test_memory_heals_once_the_store_can_be_read_again_after_chained_write
 async def test_placements_made_before_a_pass_fails_part_way_are_still_stored_and_dispatched(tmp_path, brokers):
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
     b = h.broker
-    first = await h.submit(name="first", count=1, duration_s=60)
+    # Both are created at the same manual-clock instant; priority fixes which one is decided first.
+    first = await h.submit(name="first", count=1, duration_s=60, priority=10)
     second = await h.submit(name="second", count=2, duration_s=60)
     real_decide = b.cycle.pipeline.decide
     calls = []
@@ -507,6 +511,7 @@ async def test_placements_made_before_a_pass_fails_part_way_are_still_stored_and
     with pytest.raises(RuntimeError):
         await h.cycle()
     b.cycle.pipeline.decide = real_decide  # type: ignore[method-assign]
+    assert calls == [first.id, second.id]
     await h.step(1.0)
     assert (await h.job(first.id)).state == JobState.RUNNING  # placed before the failure: stored and dispatched
     await h.cycle()
