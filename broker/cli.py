@@ -6,6 +6,7 @@
     heliotrope jobs [--state S] [--tenant T] [--site S] [--limit N]
     heliotrope job ID | explain ID | cancel ID
     heliotrope sites list | get NAME | add FILE | remove NAME
+    heliotrope simulate --trace FILE --preset philly --carbon DIR --compare all   (see broker.simulation.cli)
 
 Client commands talk to ``--server`` (default ``$HELIOTROPE_URL`` or http://127.0.0.1:8080), print
 tables, or JSON with ``--json``. Errors are one-line messages on standard error and exit status 1 (2 for
@@ -28,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from broker.client import ApiClientError, Client
+from broker.simulation import cli as simulation_cli
 from broker.errors import problems
 from broker.models import JobSpec, SiteSpec
 from broker.store import StoreError
@@ -278,6 +280,7 @@ def parser() -> argparse.ArgumentParser:
     acts.add_parser("get", parents=[common], help="show a site").add_argument("name")
     acts.add_parser("add", parents=[common], help="register sites from a YAML or JSON file").add_argument("file")
     acts.add_parser("remove", parents=[common], help="remove a site").add_argument("name")
+    simulation_cli.add_parser(sub)
     return p
 
 
@@ -286,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("serve", "demo"):
             _serve(args)
+            return 0
+        if args.command == "simulate":
+            print(simulation_cli.run(args))
             return 0
         print(asyncio.run(_client_command(args)))
         return 0

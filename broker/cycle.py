@@ -62,6 +62,8 @@ class CycleReport:
 class _Failure:
     """An unplaceable decision shared by every job of the same request shape in one pass."""
 
+    placed = False
+
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
         self.signature = placement.failures.tobytes()
@@ -71,6 +73,36 @@ class _Failure:
         if self._record is None:
             self._record = explain.record(pipeline, self.placement, snap)
         return self._record
+
+
+class PassDecider:
+    """Step 3's rule, shared by the live cycle and the simulator (``broker.simulation.engine``): decide
+    queued jobs in order against one snapshot. A request shape that found no site fails again for the rest
+    of the pass, since capacity only shrinks within a pass; each placement is debited from the snapshot at
+    once (``assume``), so later jobs in the pass see it."""
+
+    __slots__ = ("pipeline", "snap", "failed")
+
+    def __init__(self, pipeline: Pipeline, snap: Snapshot) -> None:
+        self.pipeline = pipeline
+        self.snap = snap
+        self.failed: dict[tuple[Any, ...], _Failure] = {}
+
+    def decide(self, req: JobRequest, shape: tuple[Any, ...] | None = None) -> Placement | _Failure:
+        """The placement of ``req`` (not yet assumed), or the failure its shape met in this pass.
+        ``shape`` is ``req.shape`` when the caller has it cached."""
+        key = req.shape if shape is None else shape
+        failure = self.failed.get(key)
+        if failure is not None:
+            return failure
+        placement = self.pipeline.decide(req, self.snap)
+        if not placement.placed:
+            failure = self.failed[key] = _Failure(placement)
+            return failure
+        return placement
+
+    def assume(self, placement: Placement) -> None:
+        self.snap.assume(placement.site, placement.request, placement.model)
 
 
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
@@ -142,6 +174,7 @@ class SchedulingCycle:
         try:
             decided = await self._decide(jobs, snap, assumed, records)
         finally:
+            self.federation.remember_pass(snap)
             # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
             await self._finish(assumed, records)
         return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
@@ -155,7 +188,7 @@ class SchedulingCycle:
     ) -> int:
         """Step 3: decide each job in order; append placements (assumed in memory, writes queued) and the
         decisions worth recording. Returns how many jobs were decided."""
-        failed: dict[tuple[Any, ...], _Failure] = {}  # request shape -> its failure in this pass
+        decider = PassDecider(self.pipeline, snap)
         decided = 0
         for n, queued_job in enumerate(jobs):
             if n and n % YIELD_EVERY == 0:
@@ -165,21 +198,17 @@ class SchedulingCycle:
                 continue  # cancelled or changed while the pass yielded
             decided += 1
             req = self._request(job)
-            failure = failed.get(req.shape)
-            if failure is None:  # capacity only shrinks within a pass: a shape that failed fails again
-                placement = self.pipeline.decide(req, snap)
-                if not placement.placed:
-                    failure = failed[req.shape] = _Failure(placement)
-            if failure is not None:
-                if self._last_seen.get(job.id) != failure.signature:  # record only decisions that changed
-                    self._last_seen[job.id] = failure.signature
-                    records.append((job, failure.record(self.pipeline, snap)))
+            placement = decider.decide(req)
+            if isinstance(placement, _Failure):
+                if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
+                    self._last_seen[job.id] = placement.signature
+                    records.append((job, placement.record(self.pipeline, snap)))
                 continue
             site = snap.sites[placement.site]
             if site in self.federation.leaving:
                 continue  # being removed or rebuilt: the next pass decides without it
             rec = explain.record(self.pipeline, placement, snap)
-            snap.assume(placement.site, req, placement.model)
+            decider.assume(placement)
             new, version = self.book.apply(
                 job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
                 reason=f"placed on {site}; dispatching",
@@ -248,7 +277,7 @@ class SchedulingCycle:
             if job.state == JobState.DISPATCHING or self.book.admitted_seq.get(job_id, asked_at) >= asked_at:
                 site = snap.index.get(f.site)
                 if site is not None:
-                    snap.assume(site, f.request, f.model)
+                    snap.assume(site, f.request, f.model, placed_now=False)
             else:
                 del self._in_flight[job_id]  # admitted before the report was asked for: the report has it
 

@@ -54,6 +54,7 @@ class Federation:
         self._base: Snapshot | None = None  # arrays of the last reports; rebuilt when they change
         self.membership_changed = False  # a site joined, changed or left since the last full pass
         self.leaving: set[str] = set()  # sites being removed or rebuilt: offered to no job
+        self.last_placed_site: str | None = None  # where the last pass placed its last job (round-robin's cursor)
 
     def __contains__(self, name: str) -> bool:
         return name in self.members
@@ -138,7 +139,14 @@ class Federation:
             states = {name: None if name in self.leaving else self._fresh_state(m, now)
                       for name, m in self.members.items()}
             self._base = build_snapshot(now, specs, states)
-        return self._base.working_copy(now)
+        snap = self._base.working_copy(now)
+        snap.last_placed[0] = snap.index.get(self.last_placed_site, -1) if self.last_placed_site else -1
+        return snap
+
+    def remember_pass(self, snap: Snapshot) -> None:
+        """Carry a pass's last placement over to the next pass's snapshot."""
+        if snap.last_placed[0] >= 0:
+            self.last_placed_site = snap.sites[int(snap.last_placed[0])]
 
     def _fresh_state(self, member: Member, now: datetime) -> SiteState | None:
         """The member's state, marked unhealthy when its last report is older than ``stale_after_s``."""

@@ -75,6 +75,10 @@ class Snapshot:
     memory_gib: np.ndarray  # float32[n_sites, n_models]: memory per GPU, 0 where the model is absent
     usd_per_gpu_hour: np.ndarray  # float64[n_sites, n_models], NaN where unpriced
     index: dict[str, int] = field(default_factory=dict)
+    # Signals some policies use; empty arrays where the broker has none.
+    rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # int32[n_sites]: order as configured
+    carbon_g_per_kwh: np.ndarray = field(default_factory=lambda: np.zeros(0))  # float64[n_sites]: NaN unknown
+    last_placed: np.ndarray = field(default_factory=lambda: np.full(1, -1, dtype=np.int64))  # [site of the last placement]
 
     @property
     def n_sites(self) -> int:
@@ -92,10 +96,12 @@ class Snapshot:
             now=now,
             free_gpus=self.free_gpus.copy(order="F"),
             shared_free_milli=self.shared_free_milli.copy(order="F"),
+            last_placed=self.last_placed.copy(),
         )
 
-    def assume(self, site: int, req: JobRequest, model: int) -> None:
-        """Debit a placement from the working free capacity.
+    def assume(self, site: int, req: JobRequest, model: int, *, placed_now: bool = True) -> None:
+        """Debit a placement from the working free capacity. ``placed_now`` (a placement of this pass, not
+        one re-debited from an earlier pass) also moves ``last_placed``.
 
         A fractional job goes onto a shared GPU with room if there is one, else it opens a whole GPU.
         """
@@ -107,11 +113,17 @@ class Snapshot:
                 self.shared_free_milli[site, model] = max(self.shared_free_milli[site, model], 1000 - req.milli)
         else:
             self.free_gpus[site, model] -= req.count
+        if placed_now:
+            self.last_placed[0] = site
 
 def build_snapshot(
-    now: datetime, specs: list[SiteSpec], states: dict[str, SiteState | None]
+    now: datetime, specs: list[SiteSpec], states: dict[str, SiteState | None],
+    carbon_g_per_kwh: dict[str, float] | None = None,
 ) -> Snapshot:
-    """Freeze site specs and their last reported states into arrays. A site with no state is unhealthy."""
+    """Freeze site specs and their last reported states into arrays. A site with no state is unhealthy.
+    ``specs`` come in their configured order (``rank``); rows are sorted by name. ``carbon_g_per_kwh``: the
+    current grid intensity per site, where known."""
+    configured = {s.name: i for i, s in enumerate(specs)}
     specs = sorted(specs, key=lambda s: s.name)
     n = len(specs)
     total = np.zeros((n, N_MODELS), dtype=np.int32, order="F")
@@ -151,4 +163,6 @@ def build_snapshot(
         memory_gib=mem,
         usd_per_gpu_hour=price,
         index={s.name: i for i, s in enumerate(specs)},
+        rank=np.array([configured[s.name] for s in specs], dtype=np.int32),
+        carbon_g_per_kwh=np.array([(carbon_g_per_kwh or {}).get(s.name, np.nan) for s in specs], dtype=np.float64),
     )

@@ -113,3 +113,14 @@ def server(server_factory) -> ServerProcess:
     srv = server_factory()
     srv.start()
     return srv
+
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The project's shared real data (``../shared/data``); a test that needs it fails without it."""
+    assert (SHARED_DATA / "SOURCES.md").exists(), (
+        f"the shared data is not at {SHARED_DATA}: clone the repository with shared/ beside it")
+    return SHARED_DATA

@@ -1,0 +1,496 @@
+"""The offline bound: the least carbon (and, separately, the least cost) that any schedule of the jobs could
+have, knowing the future carbon intensity of every site perfectly.
+
+What it solves
+    A fluid linear program over hourly slots. Each job brings ``gpu_hours`` of work that may be split in any
+    way over the hours of its window and over the sites; in every hour ``t`` a site ``s`` serves at most
+    ``capacity_gpus[s]`` GPU-hours in all; every job is served in full. The first LP minimises carbon,
+    ``sum GPUh[s, t] × power_kw_per_gpu[s] × intensity[s, t] / 1000`` (kg; intensity is g/kWh), the second
+    minimises cost, ``sum GPUh[s, t] × usd_per_gpu_hour[s]``. Both are solved by HiGHS through
+    :func:`scipy.optimize.linprog`.
+
+Why it is a lower bound
+    Everything a real schedule must respect and the LP does not is a relaxation: a job may take any number
+    of GPU-hours in one hour (no limit from its GPU count), may spread over several sites at once, is never
+    tied to a site (no latency objective, no allowed regions) and never pays for restarts. A job's window
+    is rounded *outward* to whole hours: it may use hour ``floor(release_s / 3600)`` through hour
+    ``ceil(end_s / 3600) - 1``, both included, so a job that runs inside ``[release_s, end_s)`` in any
+    schedule uses only hours of its LP window. Hence for every schedule that keeps each site within its
+    capacity at every instant and runs each job inside its window, the LP optimum is at most that
+    schedule's carbon (and cost), when the schedule's carbon is counted with the same hourly intensities.
+    Callers take each job's window end from real schedules (the latest end over the policies, or the
+    deadline), so the bound is comparable with every one of them.
+
+The exact reduction (no approximation)
+    1. Jobs with the same first and last hour form one class; their GPU-hours add up. Jobs with no work
+       are dropped.
+    2. A class may use any hour of its window at any site, so the LP only needs how much of each class is
+       served in each hour, plus how each hour's total is split over the sites (``z[s, t] <=
+       capacity_gpus[s]``, cost per GPU-hour of site ``s`` in hour ``t``).
+    3. The hours of a window ``[a, d]`` are the disjoint union of at most ``2 log2(d - a + 1)`` blocks of a
+       segment tree over the hours (block ``b`` of level ``k`` is hours ``[b 2^k, (b + 1) 2^k)``). A class
+       sends its work to its blocks in any split (one variable per block; a class of one block injects its
+       work there directly), and each block passes work down to its two halves without limit, down to the
+       hours. Work that enters a block can reach any hour of it and no other, so the flows that this
+       network allows are exactly the assignments of class work to hours of its window.
+    The model has about ``sum over classes of their blocks + 2 × hours + sites × hours`` variables (the
+    full Philly trace: about 0.2 million) instead of ``jobs × sites × hours`` (hundreds of billions).
+
+Coarsening (off unless the exact model is larger than ``max_variables``)
+    When the exact model would have more than ``max_variables`` variables, windows are widened outward to
+    a coarser grid, the finest of :data:`COARSENING` that fits: a window of ``L`` hours gets a grid of
+    ``g`` hours, the largest power of two with ``g <= L × fraction`` (at least 1 hour, which leaves short
+    windows exact), its first hour rounded down and its last hour rounded up to the grid (but not past the
+    intensity data's last hour). A window grows by less than ``2 × fraction`` of its length and never
+    shrinks, so the LP stays a relaxation: the result is still a lower bound, only a looser one.
+    :attr:`BoundResult.relaxation` says what was done; it is ``"none"`` for the exact model. To turn
+    coarsening off, give a ``max_variables`` large enough.
+
+Feasibility
+    Before any LP, the jobs are scheduled earliest-deadline-first over the hours on one pooled machine of
+    ``sum(capacity_gpus)`` GPU-hours per hour, which meets every window if and only if the LP is feasible
+    (work is divisible and may go to any site). If it fails, :class:`BoundError` names an interval of hours
+    whose jobs need more GPU-hours than the sites hold in it.
+
+Units
+    ``release_s`` and ``end_s``: float seconds after the run start, where hour ``h`` is column ``h`` of
+    ``SiteFacts.intensity``, ``[h × 3600, (h + 1) × 3600)``. ``gpu_hours``: GPU-hours of work per job.
+    Results: carbon in kg CO2e, cost in US dollars, energy in kWh.
+
+Energy
+    ``energy_kwh`` is the total GPU-hours times the lowest ``power_kw_per_gpu`` over the sites that have
+    GPUs: a lower bound on any schedule's energy, exact when all sites draw the same power per GPU (as in
+    the default federation). It is not an LP optimum.
+
+Nothing here reads a clock (other than to time the solve), a file or the network.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import linprog
+
+from broker.simulation.results import SiteFacts
+
+__all__ = [
+    "COARSENING",
+    "DEFAULT_MAX_VARIABLES",
+    "SLOT_S",
+    "BoundError",
+    "BoundResult",
+    "offline_bound",
+]
+
+SLOT_S = 3600.0
+"""Seconds per slot: one column of ``SiteFacts.intensity``."""
+
+DEFAULT_MAX_VARIABLES = 3_000_000
+"""Largest LP (variables) solved without coarsening. The exact model of the full Philly trace (82k jobs,
+4,200 hours, 16 sites) has about 0.2 million, so by default nothing is coarsened; at 3 million HiGHS needs
+about a gigabyte and a minute or so."""
+
+COARSENING: tuple[float, ...] = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+"""Grid fractions tried in turn when the exact model is too large: a window of ``L`` hours is widened to a
+grid of at most ``L × fraction`` hours (a power of two)."""
+
+_METHOD = "highs-ipm"  # interior point with crossover: several times faster than dual simplex on these LPs
+_FIRST_SITES = 2  # sites with a column of their own in every hour in the first solve
+_SHARED_TOL = 1e-9  # work on a shared column, relative to all the work, below which it counts as unused
+_FEASIBILITY_TOL = 1e-9  # relative to the pooled capacity per hour: EDF leftovers below this are float noise
+
+
+class BoundError(ValueError):
+    """The bound cannot be computed from what was given; the message says what is wrong and where."""
+
+
+@dataclass(frozen=True)
+class BoundResult:
+    """The offline bound of one set of jobs over one federation (module docstring: definition, units)."""
+
+    carbon_kg: float  # least carbon of any schedule, kg CO2e
+    cost_usd: float  # least cost of any schedule, US dollars (a separate LP)
+    energy_kwh: float  # GPU-hours × the lowest power per GPU of the sites: a lower bound on energy
+    jobs: int  # jobs given (including any with no work)
+    gpu_hours: float  # their work in all
+    variables: int  # of the LP solved (each of the two LPs has this many)
+    constraints: int  # equality rows of the LP
+    solve_s: float  # wall seconds of the whole call: checks, building the LP and both solves
+    relaxation: str  # the coarsening applied, in a sentence; "none" when exact on hour slots
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: plain ``int``, ``float`` and ``str`` values."""
+        out = asdict(self)
+        for key in ("carbon_kg", "cost_usd", "energy_kwh", "gpu_hours", "solve_s"):
+            out[key] = float(out[key])
+        for key in ("jobs", "variables", "constraints"):
+            out[key] = int(out[key])
+        return out
+
+
+def offline_bound(
+    sites: SiteFacts,
+    release_s: np.ndarray,
+    end_s: np.ndarray,
+    gpu_hours: np.ndarray,
+    *,
+    max_variables: int = DEFAULT_MAX_VARIABLES,
+) -> BoundResult:
+    """The least carbon and the least cost of serving every job inside its window (module docstring).
+
+    ``release_s[i]`` and ``end_s[i]`` (float seconds after the run start, ``end_s > release_s``) bound job
+    ``i``'s window and ``gpu_hours[i] >= 0`` is its work. Raises :class:`BoundError` for mismatched shapes,
+    bad values, a window outside the intensity data (naming the job and the hour), work the sites cannot
+    serve in time (naming the hours), or an LP above ``max_variables`` even at the coarsest grid.
+    """
+    t0 = time.perf_counter()
+    if isinstance(max_variables, bool) or not isinstance(max_variables, (int, np.integer)) or max_variables < 1:
+        raise BoundError(f"max_variables must be a whole number, 1 or more, not {max_variables!r}")
+    capacity, usd, power, intensity = _check_sites(sites)
+    release, end, work = _check_jobs(release_s, end_s, gpu_hours)
+    hours = intensity.shape[1]
+    first, last = _slots(release, end, hours)
+
+    n_jobs = len(work)
+    total = float(work.sum()) if n_jobs else 0.0
+    used = capacity > 0
+    energy = total * float(power[used].min()) if total > 0 and used.any() else 0.0
+    has_work = work > 0
+    if not has_work.any():
+        return BoundResult(0.0, 0.0, 0.0, n_jobs, total, 0, 0, time.perf_counter() - t0, "none")
+
+    a, d, w = _classes(first[has_work], last[has_work], work[has_work], hours)
+    _check_feasible(a, d, w, float(capacity.sum()), int(used.sum()))
+
+    model = _Model.build(a, d, w, hours, capacity)
+    relaxation = "none"
+    if model.variables > max_variables:
+        exact_variables = model.variables
+        for fraction in COARSENING:
+            ca, cd = _coarsen(first[has_work], last[has_work], fraction, hours)
+            widened = int(np.count_nonzero((ca != first[has_work]) | (cd != last[has_work])))
+            model = _Model.build(*_classes(ca, cd, work[has_work], hours), hours, capacity)
+            if model.variables <= max_variables:
+                relaxation = (
+                    f"coarsened: the exact hour-slot LP needs {exact_variables:,} variables, more than "
+                    f"max_variables={max_variables:,}, so each window of L hours was widened outward to a grid "
+                    f"of g hours (g the largest power of two <= L/{round(1 / fraction)}, at least 1 h: first "
+                    f"hour rounded down, last hour rounded up, within the data), lengthening it by less than "
+                    f"{200 * fraction:g} %; {widened:,} of {int(has_work.sum()):,} jobs' windows grew. Wider "
+                    "windows only relax the LP: the result is still a lower bound, a looser one"
+                )
+                break
+        else:
+            raise BoundError(
+                f"the LP needs {exact_variables:,} variables exact and still {model.variables:,} at the "
+                f"coarsest grid (windows widened by up to twice their length), over "
+                f"max_variables={max_variables:,}: raise max_variables"
+            )
+
+    kg_per_gpu_hour = power[:, None] * intensity / 1000.0
+    carbon, carbon_vars = model.solve(kg_per_gpu_hour, "carbon")
+    cost, cost_vars = model.solve(np.broadcast_to(usd[:, None], intensity.shape), "cost")
+    return BoundResult(
+        carbon_kg=carbon, cost_usd=cost, energy_kwh=energy, jobs=n_jobs, gpu_hours=total,
+        variables=max(carbon_vars, cost_vars), constraints=model.constraints, solve_s=time.perf_counter() - t0,
+        relaxation=relaxation,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks and slots
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_sites(sites: SiteFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    n = len(sites.names)
+    intensity = np.asarray(sites.intensity, dtype=np.float64)
+    if intensity.ndim != 2 or intensity.shape[0] != n:
+        raise BoundError(f"sites.intensity must be [sites, hours] = [{n}, hours], not {list(intensity.shape)}")
+    arrays = []
+    for name in ("capacity_gpus", "usd_per_gpu_hour", "power_kw_per_gpu"):
+        values = np.asarray(getattr(sites, name), dtype=np.float64)
+        if values.shape != (n,):
+            raise BoundError(f"sites.{name} must hold one value per site ({n}), not shape {list(values.shape)}")
+        bad = ~np.isfinite(values) | (values < 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise BoundError(f"sites.{name} of site {i} ({sites.names[i]}) is {values[i]!r}; "
+                             "it must be a finite number, 0 or more")
+        arrays.append(values)
+    bad = ~np.isfinite(intensity)
+    if bad.any():
+        s, h = (int(x) for x in np.argwhere(bad)[0])
+        raise BoundError(f"sites.intensity of site {s} ({sites.names[s]}) in hour {h} is {intensity[s, h]!r}; "
+                         "every hour needs a finite value")
+    return arrays[0], arrays[1], arrays[2], intensity
+
+
+def _check_jobs(release_s: Any, end_s: Any, gpu_hours: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    arrays = []
+    for name, values in (("release_s", release_s), ("end_s", end_s), ("gpu_hours", gpu_hours)):
+        try:
+            arr = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError) as err:
+            raise BoundError(f"{name} must be an array of numbers: {err}") from None
+        if arr.ndim != 1:
+            raise BoundError(f"{name} must be one-dimensional (one value per job), not shape {list(arr.shape)}")
+        bad = ~np.isfinite(arr)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise BoundError(f"{name} of job {i} is {arr[i]!r}; it must be a finite number")
+        arrays.append(arr)
+    release, end, work = arrays
+    if not len(release) == len(end) == len(work):
+        raise BoundError(f"release_s, end_s and gpu_hours must have one value per job each, not "
+                         f"{len(release)}, {len(end)} and {len(work)}")
+    for bad, what in ((work < 0, "gpu_hours is negative"), (end <= release, "end_s is not after release_s")):
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise BoundError(f"job {i}: {what} (release_s={release[i]!r}, end_s={end[i]!r}, "
+                             f"gpu_hours={work[i]!r})")
+    return release, end, work
+
+
+def _slots(release: np.ndarray, end: np.ndarray, hours: int) -> tuple[np.ndarray, np.ndarray]:
+    """First and last hour (both included) of each window, rounded outward; checked against the data."""
+    first_f = np.floor(release / SLOT_S)
+    last_f = np.ceil(end / SLOT_S) - 1
+    early = first_f < 0
+    if early.any():
+        i = int(np.argmax(early))
+        raise BoundError(f"job {i}'s window starts at release_s={release[i]!r}, in hour {int(first_f[i])}, "
+                         "before hour 0 of the intensity data")
+    late = last_f > hours - 1
+    if late.any():
+        i = int(np.argmax(late))
+        raise BoundError(f"job {i}'s window ends at end_s={end[i]!r}, in hour {int(last_f[i])}, past the "
+                         f"intensity data, which has hours 0..{hours - 1} (give the sites more hours of data)")
+    return first_f.astype(np.int64), last_f.astype(np.int64)
+
+
+def _classes(first: np.ndarray, last: np.ndarray, work: np.ndarray,
+             hours: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Jobs with the same window merged: first hours, last hours and summed work, sorted by window."""
+    key, inverse = np.unique(first * hours + last, return_inverse=True)
+    w = np.bincount(inverse, weights=work, minlength=len(key))
+    return key // hours, key % hours, w
+
+
+def _coarsen(first: np.ndarray, last: np.ndarray, fraction: float, hours: int) -> tuple[np.ndarray, np.ndarray]:
+    """Windows widened outward to a grid of the largest power of two <= length × fraction (at least 1)."""
+    length = (last - first + 1).astype(np.float64)
+    grid = np.left_shift(1, np.floor(np.log2(np.maximum(length * fraction, 1.0))).astype(np.int64))
+    return (first // grid) * grid, np.minimum((last // grid + 1) * grid - 1, hours - 1)
+
+
+def _check_feasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float, n_sites: int) -> None:
+    """Earliest deadline first on one machine of ``pooled`` GPU-hours per hour; raises if a window is missed."""
+    tol = _FEASIBILITY_TOL * max(pooled, 1.0)
+    order = np.lexsort((d, a))
+    a_sorted, d_sorted, rem = a[order].tolist(), d[order].tolist(), w[order].tolist()
+    heap: list[tuple[int, int]] = []
+    i, n = 0, len(rem)
+    t = a_sorted[0] if n else 0
+    while i < n or heap:
+        if not heap and a_sorted[i] > t:
+            t = a_sorted[i]
+        while i < n and a_sorted[i] <= t:
+            heapq.heappush(heap, (d_sorted[i], i))
+            i += 1
+        room = pooled
+        while heap and room > 0:
+            j = heap[0][1]
+            take = min(room, rem[j])
+            rem[j] -= take
+            room -= take
+            if rem[j] <= tol:
+                heapq.heappop(heap)
+        if heap and heap[0][0] <= t:
+            _raise_infeasible(a, d, w, pooled, n_sites, heap[0][0])
+        t += 1
+
+
+def _raise_infeasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float, n_sites: int, q: int) -> None:
+    """Name the interval ending at hour ``q`` whose jobs exceed the sites' GPU-hours the most."""
+    inside = d <= q
+    by_first = np.bincount(a[inside], weights=w[inside], minlength=q + 1)
+    need = np.cumsum(by_first[::-1])[::-1]  # need[p]: work of windows inside [p, q]
+    held = pooled * (q + 1 - np.arange(q + 1))
+    p = int(np.argmax(need - held))
+    raise BoundError(
+        f"the sites cannot serve the work in time, so the LP is infeasible: the jobs whose windows lie within "
+        f"hours {p}..{q} (seconds {p * SLOT_S:g} to {(q + 1) * SLOT_S:g}) need {need[p]:.6g} GPU-hours, but "
+        f"the {n_sites} site(s) with GPUs hold {pooled:g} GPUs × {q + 1 - p} h = {held[p]:.6g} GPU-hours; "
+        "widen the windows or add capacity"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The LP
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _blocks(a: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Segment-tree blocks of each window ``[a, d]``: (class index, level, block), disjoint, covering it."""
+    lo, hi = a.astype(np.int64), d.astype(np.int64) + 1  # half-open [lo, hi) in blocks of the level
+    idx = np.arange(len(a))
+    out_c, out_k, out_b = [], [], []
+    level = 0
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            break
+        left = open_ & ((lo & 1) == 1)
+        right = open_ & ((hi & 1) == 1)
+        out_c.append(idx[left])
+        out_k.append(np.full(int(left.sum()), level))
+        out_b.append(lo[left])
+        hi = hi - right
+        out_c.append(idx[right])
+        out_k.append(np.full(int(right.sum()), level))
+        out_b.append(hi[right])
+        lo = (lo + left) >> 1
+        hi = hi >> 1
+        level += 1
+    return np.concatenate(out_c), np.concatenate(out_k).astype(np.int64), np.concatenate(out_b)
+
+
+@dataclass
+class _Model:
+    """The network LP of module docstring step 3, without the site split of the hours (added per solve)."""
+
+    a_net: sparse.csc_matrix  # rows: tree nodes, then classes of several blocks; columns: splits, tree edges
+    b_eq: np.ndarray
+    hours_used: np.ndarray  # the hours some window reaches, ascending
+    hour_row: np.ndarray  # their rows
+    capacity: np.ndarray  # per site
+
+    @property
+    def network_variables(self) -> int:
+        return int(self.a_net.shape[1])
+
+    @property
+    def variables(self) -> int:
+        """Variables with every site of every hour a column of its own: the most any solve may use."""
+        return self.network_variables + len(self.hours_used) * int(np.count_nonzero(self.capacity > 0))
+
+    @property
+    def constraints(self) -> int:
+        return int(self.a_net.shape[0])
+
+    @classmethod
+    def build(cls, a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, capacity: np.ndarray) -> _Model:
+        cls_of, lev, blk = _blocks(a, d)
+        levels = (hours - 1).bit_length() + 1  # the top level has one block
+        n_blocks = [-(-hours // (1 << k)) for k in range(levels)]
+        need = [np.zeros(n, dtype=bool) for n in n_blocks]
+        for k in range(levels):
+            need[k][blk[lev == k]] = True
+        for k in range(levels - 1, 0, -1):  # every block below a used block is needed
+            parents = np.flatnonzero(need[k])
+            children = np.concatenate([2 * parents, 2 * parents + 1])
+            need[k - 1][children[children < n_blocks[k - 1]]] = True
+        offset = np.cumsum([0] + [int(m.sum()) for m in need])
+        row_of = [offset[k] + np.cumsum(need[k]) - 1 for k in range(levels)]  # node row per (level, block)
+        n_nodes = int(offset[-1])
+
+        pieces = np.bincount(cls_of, minlength=len(a))
+        single = pieces[cls_of] == 1
+        node_row = np.empty(len(cls_of), dtype=np.int64)
+        for k in range(levels):
+            at = lev == k
+            node_row[at] = row_of[k][blk[at]]
+        # Node rows: outflow - inflow = work injected there (classes of one block).
+        b_eq = np.zeros(n_nodes, dtype=np.float64)
+        np.add.at(b_eq, node_row[single], w[cls_of[single]])
+
+        rows: list[np.ndarray] = []
+        cols: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
+        n_var = 0
+
+        # Splits of classes of several blocks: class row +1 (the splits sum to its work), block row -1.
+        multi = np.flatnonzero(pieces > 1)
+        class_row = np.full(len(a), -1, dtype=np.int64)
+        class_row[multi] = n_nodes + np.arange(len(multi))
+        split = ~single
+        var = np.arange(int(split.sum()))
+        rows += [class_row[cls_of[split]], node_row[split]]
+        cols += [var, var]
+        vals += [np.ones(len(var)), -np.ones(len(var))]
+        b_eq = np.concatenate([b_eq, w[multi]])
+        n_var += len(var)
+
+        # Tree edges, unbounded: parent row +1, child row -1.
+        for k in range(1, levels):
+            parents = np.flatnonzero(need[k])
+            for half in (0, 1):
+                child = 2 * parents + half
+                ok = child < n_blocks[k - 1]
+                var = n_var + np.arange(int(ok.sum()))
+                rows += [row_of[k][parents[ok]], row_of[k - 1][child[ok]]]
+                cols += [var, var]
+                vals += [np.ones(len(var)), -np.ones(len(var))]
+                n_var += len(var)
+
+        a_net = sparse.csc_matrix(
+            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(b_eq), n_var)
+        )
+        hours_used = np.flatnonzero(need[0])
+        return cls(a_net, b_eq, hours_used, row_of[0][hours_used], capacity)
+
+    def solve(self, per_gpu_hour: np.ndarray, what: str) -> tuple[float, int]:
+        """The least ``sum z[s, t] × per_gpu_hour[s, t]``, and the most variables of any LP solved for it.
+
+        The site split is added lazily (module docstring, "Solving"): in hour ``t`` the ``k_t`` sites of
+        lowest cost get a column each and the others share one column with their summed capacity at the
+        lowest of their costs, an under-estimate of the hour's cost curve, so every LP solved is a
+        relaxation of the exact one. Where the shared column carries work, ``k_t`` doubles and the LP is
+        solved again, until no shared column is used; its optimum is then the exact optimum.
+        """
+        sites = np.flatnonzero(self.capacity > 0)
+        cost = per_gpu_hour[np.ix_(sites, self.hours_used)]  # [sites with GPUs, hours used]
+        order = np.argsort(cost, axis=0, kind="stable")
+        sorted_cost = np.take_along_axis(cost, order, axis=0)
+        sorted_cap = self.capacity[sites][order]
+        tail_cap = np.cumsum(sorted_cap[::-1], axis=0)[::-1]  # [j, t]: capacity of the j-th cheapest and up
+        n_sites, n_hours = cost.shape
+        k = np.full(n_hours, min(_FIRST_SITES, n_sites), dtype=np.int64)
+        most = 0
+        scale = float(self.b_eq.sum())  # all the work
+        while True:
+            shared = k < n_sites
+            # Columns in hour order: the k cheapest sites one by one, then the shared column if any.
+            per_hour = k + shared
+            hour_of = np.repeat(np.arange(n_hours), per_hour)
+            rank = np.arange(len(hour_of)) - np.repeat(np.cumsum(per_hour) - per_hour, per_hour)
+            is_shared = rank == k[hour_of]
+            col_cost = sorted_cost[np.minimum(rank, n_sites - 1), hour_of]
+            col_cap = np.where(is_shared, tail_cap[np.minimum(rank, n_sites - 1), hour_of],
+                               sorted_cap[np.minimum(rank, n_sites - 1), hour_of])
+            z = sparse.csc_matrix((np.ones(len(hour_of)), (self.hour_row[hour_of], np.arange(len(hour_of)))),
+                                  shape=(self.constraints, len(hour_of)))
+            a_eq = sparse.hstack([self.a_net, z], format="csc")
+            n = a_eq.shape[1]
+            most = max(most, n)
+            c = np.concatenate([np.zeros(self.network_variables), col_cost])
+            upper = np.concatenate([np.full(self.network_variables, np.inf), col_cap])
+            res = linprog(c, A_eq=a_eq, b_eq=self.b_eq, bounds=np.column_stack([np.zeros(n), upper]),
+                          method=_METHOD)
+            if res.status == 2:
+                raise BoundError(f"the {what} LP is infeasible (HiGHS: {res.message}): the sites cannot serve "
+                                 "the work inside the windows; widen the windows or add capacity")
+            if res.status != 0:
+                raise BoundError(f"the {what} LP was not solved (HiGHS status {res.status}: {res.message})")
+            used = np.zeros(n_hours)
+            np.add.at(used, hour_of[is_shared], res.x[self.network_variables:][is_shared])
+            grow = used > _SHARED_TOL * max(scale, 1.0)
+            if not grow.any():
+                return float(res.fun), most
+            k[grow] = np.minimum(2 * k[grow], n_sites)

@@ -1,0 +1,126 @@
+"""``heliotrope simulate``: the command line of the simulator (see ``broker.simulation.run`` for the steps).
+
+    heliotrope simulate --trace FILE (--preset philly | --columns MAPPING) --carbon DIR [--prices FILE]
+        [--latency FILE] [--sites FILE] [--utilisation FRACTION] [--trace-from ISO-DATE] [--days N]
+        [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--json OUT] [--report DIR]
+        [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound]
+
+Prints the comparison table on stdout; progress on standard error when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, date, datetime
+from pathlib import Path
+
+from broker.data.traces import parse_columns, resolve_preset
+from broker.simulation.run import (DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS, SimulationSpec, as_json,
+                                   prepare, simulate)
+from broker.simulation.workload import dump_workload
+from policies.baselines import COMPARED, POLICIES
+
+
+class SimulateUsage(ValueError):
+    pass
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("simulate", help="replay a job trace against real carbon, prices and latency",
+                       description="Replay a GPU job trace over sites in real grid zones and compare policies.")
+    s.add_argument("--trace", required=True, metavar="FILE", help="job trace CSV")
+    how = s.add_mutually_exclusive_group(required=True)
+    how.add_argument("--preset", metavar="NAME", help="a built-in column mapping: philly")
+    how.add_argument("--columns", metavar="MAPPING",
+                     help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL; optional milli=COL, "
+                          "model=COL, tenant=COL")
+    s.add_argument("--time-format", choices=("iso", "seconds"), default="iso",
+                   help="trace times: ISO 8601 (naive = UTC) or seconds after --origin (default %(default)s)")
+    s.add_argument("--origin", metavar="ISO-TIME", help="what 0 s means with --time-format seconds "
+                   "(default the Unix epoch)")
+    s.add_argument("--carbon", required=True, metavar="DIR", help="hourly carbon intensity: <ZONE>/*.csv folders "
+                   "or <zone>_ci.csv files")
+    s.add_argument("--lifecycle", action="store_true", help="life-cycle intensity instead of direct (operational)")
+    s.add_argument("--prices", default=str(DEFAULT_PRICES), metavar="FILE", help="GCP GPU price CSV "
+                   "(default: the copy in data/)")
+    s.add_argument("--latency", default=str(DEFAULT_LATENCY), metavar="FILE", help="measured RTT CSV "
+                   "(default: the GCP rows shipped in data/)")
+    s.add_argument("--regions", default=str(DEFAULT_REGIONS), metavar="FILE", help="region coordinates JSON "
+                   "(default: the copy in data/)")
+    s.add_argument("--sites", metavar="FILE", help="sites in the broker's YAML config format (default: one equal "
+                   "site per carbon zone)")
+    s.add_argument("--utilisation", type=float, default=0.5, metavar="FRACTION",
+                   help="mean GPU utilisation the default sites are sized for (default %(default)s)")
+    s.add_argument("--trace-from", metavar="ISO-DATE", help="first day of the trace window")
+    s.add_argument("--days", type=float, metavar="N", help="length of the trace window in days")
+    s.add_argument("--start", metavar="ISO-DATE", help="the carbon-data date the window's first instant maps to")
+    which = s.add_mutually_exclusive_group(required=True)
+    which.add_argument("--policy", metavar="NAME", help=f"one of: {', '.join(POLICIES)}")
+    which.add_argument("--compare", metavar="all", help=f"'all': {', '.join(COMPARED)}; or NAME,NAME,...")
+    s.add_argument("--seed", type=int, default=0, help="seed of the workload assumptions (default %(default)s)")
+    s.add_argument("--json", dest="json_out", metavar="OUT", help="write the figures as JSON to OUT")
+    s.add_argument("--report", metavar="DIR", help="write an HTML report with plots into DIR")
+    s.add_argument("--dump-workload", metavar="DIR", help="write jobs.csv and sites.json: what the run was given")
+    s.add_argument("--no-bound", action="store_true", help="skip the offline bound")
+
+
+def _date(flag: str, text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            d = date.fromisoformat(text)
+        except ValueError:
+            raise SimulateUsage(f"{flag} {text!r}: write an ISO date or time, e.g. 2017-10-01") from None
+        value = datetime(d.year, d.month, d.day)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def spec_from(args: argparse.Namespace) -> SimulationSpec:
+    if args.compare is not None:
+        names = list(COMPARED) if args.compare == "all" else [n.strip() for n in args.compare.split(",") if n.strip()]
+        if not names:
+            raise SimulateUsage("--compare: give 'all' or a comma-separated list of policies")
+    else:
+        names = [args.policy]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise SimulateUsage(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    if not 0 < args.utilisation <= 1:
+        raise SimulateUsage(f"--utilisation {args.utilisation}: give a fraction above 0 and at most 1, e.g. 0.5")
+    if args.days is not None and not args.days > 0:
+        raise SimulateUsage(f"--days {args.days}: give a number of days above 0")
+    mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
+    for flag, value in (("--trace", args.trace), ("--carbon", args.carbon)):
+        if not Path(value).exists():
+            raise SimulateUsage(f"{flag} {value}: no such file or folder")
+    return SimulationSpec(
+        trace=Path(args.trace), mapping=mapping, carbon=Path(args.carbon), policies=names,
+        time_format=args.time_format, origin=_date("--origin", args.origin), prices=Path(args.prices),
+        latency=Path(args.latency), regions=Path(args.regions), sites=Path(args.sites) if args.sites else None,
+        utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
+        start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
+    )
+
+
+def run(args: argparse.Namespace) -> str:
+    """Run the simulation the arguments ask for; returns the table for stdout."""
+    from broker.simulation.report import format_table, write_html
+
+    spec = spec_from(args)
+    if args.dump_workload:
+        prep = prepare(spec)
+        dump_workload(prep.workload, prep.sites, args.dump_workload)
+    result = simulate(spec, progress=sys.stderr.isatty())
+    if args.json_out:
+        out = Path(args.json_out)
+        if out.parent != Path():
+            out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(as_json(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    if args.report:
+        write_html(result, args.report)
+    return format_table(result)

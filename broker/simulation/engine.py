@@ -1,0 +1,314 @@
+"""The discrete-event replay: a workload's jobs arrive, the scheduling cycle places them, they run, they end.
+
+What is the live broker's and what is the simulator's
+    Placement is the live cycle's own step 3 (:class:`broker.cycle.PassDecider`: jobs in priority-then-age
+    order against one snapshot, a shape that failed fails for the rest of the pass, each placement debited
+    at once) running the same :class:`policies.pipeline.Pipeline` on the same
+    :class:`policies.snapshot.Snapshot` arrays. The cycle's passes are kept too: a *full* pass re-decides the
+    whole queue whenever capacity freed (a job ended); between them a pass decides only the jobs that
+    arrived. What the simulator replaces are the steps that talk to the world: collect (it knows every
+    site's free GPUs exactly, so the snapshot is its own ledger), the store (nothing to make durable), and
+    dispatch (a simulated site admits at once what the snapshot said fits, and runs it for its *true*
+    duration). The asynchronous steps are exercised by the broker's own tests; here they would only add
+    the event loop's cost to every job.
+
+Events
+    Time jumps from event to event: an arrival (a job's submit time) or a completion (start + true
+    duration). At each instant, completions are applied first, then arrivals, then one pass runs with
+    ``now`` set to that instant and the grid intensity of the hour containing it. Ties are resolved by
+    the pipeline's own rule (first site by name) and queue order by (priority, submit time, job index), so
+    a replay is deterministic: same inputs, same numbers.
+
+Accounting (per job, over its actual run window ``[start, start + true duration)``)
+    - energy (kWh) = GPUs held × the GPU model's board power (:attr:`broker.ids.GpuModel.tdp_w`, the power
+      limit: the simulated GPUs are busy for the whole run, so this is an upper-end figure; no host, network
+      or cooling overhead, i.e. PUE 1) × hours. GPUs held is ``milli / 1000`` for a fractional job.
+    - carbon (kg CO2e) = GPUs held × power × the integral of the site zone's hourly intensity over the run
+      window (hour by hour, partial hours pro rata) / 1000.
+    - cost (USD) = GPU-hours × the site's price per GPU-hour of the model used (its spec's
+      ``usd_per_gpu_hour``; an unpriced model costs 0 and is reported).
+
+Capacity: whole-GPU jobs take free whole GPUs of one model at one site; a fractional job shares a GPU
+(best fit: the fullest shared GPU it fits on, else a fresh one), as the simulated adapter packs them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+import numpy as np
+
+from broker import ids
+from broker.cycle import PassDecider
+from broker.models import SiteSpec
+from policies.filters.gpu_fit import GpuFitFilter
+from policies.pipeline import Pipeline
+from policies.snapshot import MODEL_INDEX, N_MODELS, JobRequest, Snapshot, build_snapshot
+
+from broker.simulation.results import PolicyRun, SiteFacts
+from broker.simulation.workload import Workload
+
+_MODEL_IDS = ids.GPU_MODEL_IDS
+_TDP_KW = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in _MODEL_IDS], dtype=np.float64)
+
+
+class SimulationError(ValueError):
+    """The run cannot go on as asked; the message names the job, site or zone and what to change."""
+
+
+@dataclass(frozen=True)
+class Federation:
+    """The simulated sites as arrays: the base snapshot (full capacity), and the hourly intensity of each
+    site's zone from the run's start, with its running integral for carbon accounting."""
+
+    specs: tuple[SiteSpec, ...]  # in name order, as the snapshot's rows
+    base: Snapshot
+    intensity: np.ndarray  # float64[n_sites, hours]
+    cumulative: np.ndarray  # float64[n_sites, hours + 1]: integral of intensity in g/kWh·h from the start
+    price: np.ndarray  # float64[n_sites, n_models]: USD per GPU-hour, NaN unpriced
+
+    @property
+    def hours(self) -> int:
+        return int(self.intensity.shape[1])
+
+    def facts(self) -> SiteFacts:
+        has = self.base.total_gpus > 0
+        power = np.where(has, _TDP_KW[None, :], np.inf).min(axis=1)
+        price = np.where(has, np.nan_to_num(self.price, nan=0.0), np.inf).min(axis=1)
+        return SiteFacts(
+            names=self.base.sites,
+            zones=tuple(s.grid_zone for s in self.specs),
+            regions=self.base.regions,
+            capacity_gpus=self.base.total_gpus.sum(axis=1).astype(np.int64),
+            usd_per_gpu_hour=price,
+            power_kw_per_gpu=power,
+            intensity=self.intensity,
+        )
+
+    def carbon_integral(self, site: np.ndarray, t_s: np.ndarray) -> np.ndarray:
+        """The integral of each site's intensity from the start to ``t_s`` (g/kWh·h), partial hours pro rata."""
+        hours = t_s / 3600.0
+        h = np.minimum(np.floor(hours).astype(np.int64), self.hours - 1)
+        return self.cumulative[site, h] + (hours - h) * self.intensity[site, h]
+
+
+def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.ndarray], start: datetime) -> Federation:
+    """``specs`` in configured order (spillover's order); ``intensity_by_zone``: hourly values from ``start``,
+    every zone the same length."""
+    snap = build_snapshot(start, list(specs), {}, carbon_g_per_kwh=None)
+    ordered = tuple(sorted(specs, key=lambda s: s.name))
+    for i, spec in enumerate(ordered):
+        for model, n in spec.total_gpus().items():
+            snap.total_gpus[i, MODEL_INDEX[model]] = n
+    snap.free_gpus[:] = snap.total_gpus
+    snap.healthy[:] = True
+    intensity = np.vstack([intensity_by_zone[s.grid_zone] for s in ordered]).astype(np.float64)
+    cumulative = np.zeros((len(ordered), intensity.shape[1] + 1))
+    np.cumsum(intensity, axis=1, out=cumulative[:, 1:])
+    return Federation(ordered, snap, intensity, cumulative, snap.usd_per_gpu_hour)
+
+
+def requests_of(workload: Workload) -> list[JobRequest]:
+    """Each job's placement request, as the live cycle builds it from the job's spec."""
+    empty: frozenset[str] = frozenset()
+    out = []
+    for i, (count, milli, model) in enumerate(zip(workload.gpus.tolist(), workload.milli.tolist(),
+                                                  workload.model.tolist(), strict=True)):
+        out.append(JobRequest(job_id=str(i), count=count, milli=milli, model=model, memory_gib=0.0,
+                              allowed_regions=empty, denied_regions=empty))
+    return out
+
+
+def fits_anywhere(requests: Sequence[JobRequest], federation: Federation) -> np.ndarray:
+    """bool[n_jobs]: whether each job fits some site when that site is empty (the rest are left out)."""
+    fit = GpuFitFilter()
+    by_shape: dict[tuple[object, ...], bool] = {}
+    out = np.empty(len(requests), dtype=bool)
+    for i, req in enumerate(requests):
+        shape = req.shape
+        ok = by_shape.get(shape)
+        if ok is None:
+            ok = by_shape[shape] = bool(fit.passes(req, federation.base).any())
+        out[i] = ok
+    return out
+
+
+class _Shared:
+    """One site-model's shared GPUs: how many thousandths of each are in use."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used: list[int] = []
+
+
+def replay(
+    name: str,
+    pipeline: Pipeline,
+    workload: Workload,
+    federation: Federation,
+    requests: Sequence[JobRequest],
+    left_out: np.ndarray,
+    progress: Callable[[int], None] | None = None,
+) -> PolicyRun:
+    """Run every job of ``workload`` (except ``left_out``) to completion under ``pipeline``."""
+    began = time.perf_counter()
+    n = len(workload)
+    submit = workload.submit_s
+    true_s = workload.true_duration_s
+    start_at = workload.start
+    hours = federation.hours
+    site_of = np.full(n, -1, dtype=np.int32)
+    model_of = np.full(n, -1, dtype=np.int32)
+    start_s = np.full(n, np.nan)
+    end_s = np.full(n, np.nan)
+    shapes = [r.shape for r in requests]
+    fractional = [r.fractional for r in requests]
+    priority = [r.priority for r in requests]
+
+    base = federation.base
+    free = base.free_gpus.copy(order="F")
+    shared_free = np.zeros_like(base.shared_free_milli, order="F")
+    cursor = np.full(1, -1, dtype=np.int64)
+    shares: dict[tuple[int, int], _Shared] = {}
+    share_of: dict[int, int] = {}  # job -> index of its shared GPU
+
+    completions: list[tuple[float, int]] = []
+    queue: list[int] = []  # queued jobs in scheduling order
+    order_key = (lambda i: (-priority[i], submit[i], i)) if any(priority) else None
+    todo = np.flatnonzero(~left_out).tolist()
+    next_arrival = 0
+    done = passes = 0
+    while next_arrival < len(todo) or completions:
+        t_arrival = float(submit[todo[next_arrival]]) if next_arrival < len(todo) else np.inf
+        t = min(t_arrival, completions[0][0]) if completions else t_arrival
+        freed = False
+        while completions and completions[0][0] <= t:
+            _, j = heapq.heappop(completions)
+            s, m = int(site_of[j]), int(model_of[j])
+            if fractional[j]:
+                pool = shares[(s, m)]
+                k = share_of.pop(j)
+                pool.used[k] -= int(requests[j].milli)
+                if pool.used[k] == 0:
+                    free[s, m] += 1  # the GPU is whole again
+                shared_free[s, m] = _shared_free(pool)
+            else:
+                free[s, m] += requests[j].count
+            freed = True
+            done += 1
+        fresh: list[int] = []
+        while next_arrival < len(todo) and submit[todo[next_arrival]] <= t:
+            fresh.append(todo[next_arrival])
+            next_arrival += 1
+        if freed:
+            if fresh:
+                queue.extend(fresh)
+                if order_key is not None:
+                    queue.sort(key=order_key)
+            candidates = queue
+        else:
+            if order_key is not None:
+                fresh.sort(key=order_key)
+            candidates = fresh
+        if not candidates:
+            continue
+        h = min(int(t // 3600.0), hours - 1)
+        snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
+                       carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor)
+        decider = PassDecider(pipeline, snap)
+        placed: set[int] = set()
+        for j in candidates:
+            placement = decider.decide(requests[j], shapes[j])
+            if not placement.placed:  # a shared failure: the job waits for capacity
+                continue
+            s, m = placement.site, placement.model
+            if fractional[j]:
+                # The ledger decides where the share goes; the snapshot's own debit is an estimate, so
+                # its figures for this site-model are set from the ledger afterwards.
+                whole_before = int(free[s, m])
+                decider.assume(placement)
+                pool = shares.setdefault((s, m), _Shared())
+                share_of[j], opened = _share(pool, int(requests[j].milli))
+                free[s, m] = whole_before - opened
+                shared_free[s, m] = _shared_free(pool)
+            else:
+                decider.assume(placement)
+            site_of[j], model_of[j] = s, m
+            start_s[j] = t
+            end_s[j] = t + float(true_s[j])
+            heapq.heappush(completions, (end_s[j], j))
+            placed.add(j)
+        if freed:
+            queue = [j for j in queue if j not in placed] if placed else queue
+        elif len(placed) < len(candidates):
+            waiting = [j for j in candidates if j not in placed]
+            if order_key is None:
+                queue.extend(waiting)
+            else:
+                queue.extend(waiting)
+                queue.sort(key=order_key)
+        passes += 1
+        if progress is not None and passes % 4096 == 0:
+            progress(done)
+    if progress is not None:
+        progress(done)
+    return _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began)
+
+
+def _share(pool: _Shared, milli: int) -> tuple[int, bool]:
+    """Put a fractional job on the fullest shared GPU it fits on, else open a fresh one. Returns the shared
+    GPU's index and whether it was opened (a whole free GPU became shared)."""
+    best = -1
+    idle = -1
+    for k, used in enumerate(pool.used):
+        if used == 0:
+            idle = k if idle < 0 else idle
+        elif used + milli <= 1000 and (best < 0 or used > pool.used[best]):
+            best = k
+    if best >= 0:
+        pool.used[best] += milli
+        return best, False
+    if idle < 0:
+        pool.used.append(0)
+        idle = len(pool.used) - 1
+    pool.used[idle] = milli
+    return idle, True
+
+
+def _shared_free(pool: _Shared) -> int:
+    """The most thousandths free on one shared GPU in use (0 when none is shared)."""
+    return max((1000 - u for u in pool.used if u), default=0)
+
+
+def _account(name: str, workload: Workload, federation: Federation, site: np.ndarray, model: np.ndarray,
+             start_s: np.ndarray, end_s: np.ndarray, wall_s: float) -> PolicyRun:
+    ran = site >= 0
+    n = len(workload)
+    held = workload.gpus.astype(np.float64) * np.where(workload.milli < 1000, workload.milli / 1000.0, 1.0)
+    energy = np.zeros(n)
+    carbon = np.zeros(n)
+    cost = np.zeros(n)
+    if ran.any():
+        s, m = site[ran], model[ran]
+        last = float(end_s[ran].max())
+        if last > federation.hours * 3600.0:
+            j = int(np.flatnonzero(ran)[np.argmax(end_s[ran])])
+            zone = federation.specs[int(site[j])].grid_zone
+            raise SimulationError(
+                f"job {j} ends {(last / 3600.0):.1f} h after the start, past the {federation.hours} h of carbon "
+                f"data for zone {zone} (and the others) from {workload.start.isoformat()}; choose an earlier "
+                f"--start or fewer --days"
+            )
+        power = _TDP_KW[m] * held[ran]
+        run_h = (end_s[ran] - start_s[ran]) / 3600.0
+        energy[ran] = power * run_h
+        integral = federation.carbon_integral(s, end_s[ran]) - federation.carbon_integral(s, start_s[ran])
+        carbon[ran] = power * integral / 1000.0
+        cost[ran] = held[ran] * run_h * np.nan_to_num(federation.price[s, m], nan=0.0)
+    return PolicyRun(name=name, site=site, start_s=start_s, end_s=end_s, energy_kwh=energy, carbon_kg=carbon,
+                     cost_usd=cost, wall_s=wall_s)

@@ -1,0 +1,74 @@
+"""What a simulation run produces: per policy, where and when every job ran, and the figures over them.
+
+Everything is arrays aligned with the workload's jobs (index ``i`` is job ``i`` of the workload, in submit
+order). Times are float seconds after :attr:`SimulationResult.start` (aware UTC). A job left out of the run
+(larger than the largest site) has ``site == -1`` and NaN times for every policy alike.
+
+Units: energy in kWh, carbon in kg CO2e, cost in US dollars, intensity in g CO2e per kWh, GPUs as a float
+count (a fractional job holds ``milli / 1000`` of one GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SiteFacts:
+    """The simulated sites, in the simulator's site order (sorted by name)."""
+
+    names: tuple[str, ...]
+    zones: tuple[str, ...]  # grid zone per site
+    regions: tuple[str, ...]  # cloud region per site
+    capacity_gpus: np.ndarray  # int64[n_sites]: GPUs per site (all models)
+    usd_per_gpu_hour: np.ndarray  # float64[n_sites]: price of the site's GPUs (the cheapest model it has)
+    power_kw_per_gpu: np.ndarray  # float64[n_sites]: power per busy GPU (the lowest of the site's models)
+    intensity: np.ndarray  # float64[n_sites, hours]: g/kWh, hour h = [start + h h, start + (h+1) h)
+
+    @property
+    def n_sites(self) -> int:
+        return len(self.names)
+
+    @property
+    def hours(self) -> int:
+        return int(self.intensity.shape[1])
+
+
+@dataclass
+class PolicyRun:
+    """One policy's replay. ``metrics`` holds the figures of the JSON report (see ``broker.simulation.metrics``)."""
+
+    name: str
+    site: np.ndarray  # int32[n_jobs]: site index, -1 when left out
+    start_s: np.ndarray  # float64[n_jobs]: when the job's last attempt started
+    end_s: np.ndarray  # float64[n_jobs]: when it finished
+    energy_kwh: np.ndarray  # float64[n_jobs]
+    carbon_kg: np.ndarray  # float64[n_jobs]
+    cost_usd: np.ndarray  # float64[n_jobs]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    preemptions: int = 0  # running jobs stopped (no policy of this release preempts)
+    requeues: int = 0  # jobs sent back to the queue after they were placed
+    wall_s: float = 0.0  # how long the replay took
+
+    @property
+    def ran(self) -> np.ndarray:
+        return self.site >= 0
+
+
+@dataclass
+class SimulationResult:
+    start: datetime  # aware UTC: time 0 of the run
+    sites: SiteFacts
+    submit_s: np.ndarray  # float64[n_jobs]
+    deadline_s: np.ndarray  # float64[n_jobs]
+    gpus: np.ndarray  # float64[n_jobs]: GPUs held (milli / 1000 for a fractional job)
+    tenant: np.ndarray  # int32[n_jobs]
+    tenant_names: tuple[str, ...]
+    left_out: np.ndarray  # bool[n_jobs]: larger than the largest site, run by no policy
+    policies: dict[str, PolicyRun] = field(default_factory=dict)
+    offline_bound: dict[str, Any] | None = None
+    report: list[str] = field(default_factory=list)  # what a reader should know about the run's inputs

@@ -1,0 +1,67 @@
+"""Named policies: the baselines today's systems use, and the live broker's default, as pipelines.
+
+Every policy is the same filter chain (health, region, refused, GPU fit) followed by its scorers; they
+differ only in how they rank the sites that can take a job now. None of them waits: a job that fits
+nowhere stays queued until capacity frees. ``heliotrope simulate --policy NAME`` takes these names;
+``--compare all`` runs every one of them.
+
+- ``baseline-round-robin``: the next site in turn (``round_robin``).
+- ``baseline-least-loaded``: the largest free share, i.e. the earliest start (Slurm federation, MultiKueue
+  all-at-once) (``least_loaded``).
+- ``baseline-cheapest-first``: the cheapest site with room, then the next (SkyPilot's optimizer)
+  (``cheapest``).
+- ``baseline-spillover``: a fixed site order (MultiKueue incremental, Karmada ordered affinities)
+  (``spillover``).
+- ``baseline-carbon-greedy``: the lowest grid intensity at submit time, no waiting (``carbon_now``).
+- ``default``: the live broker's pipeline of this release (most free GPUs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from policies.filters.gpu_fit import GpuFitFilter
+from policies.filters.health import HealthyFilter
+from policies.filters.region import RefusedFilter, RegionFilter
+from policies.pipeline import Pipeline, Weighted, default_pipeline
+from policies.scorers import Scorer
+from policies.scorers.carbon_now import CarbonNowScorer
+from policies.scorers.cheapest import CheapestScorer
+from policies.scorers.least_loaded import LeastLoadedScorer
+from policies.scorers.round_robin import RoundRobinScorer
+from policies.scorers.spillover import SpilloverScorer
+
+
+def _one(scorer: Scorer) -> Callable[[], Pipeline]:
+    def build() -> Pipeline:
+        return Pipeline(
+            filters=(HealthyFilter(), RegionFilter(), RefusedFilter(), GpuFitFilter()),
+            scorers=(Weighted(scorer, 1.0),),
+        )
+    return build
+
+
+POLICIES: dict[str, Callable[[], Pipeline]] = {
+    "baseline-round-robin": _one(RoundRobinScorer()),
+    "baseline-least-loaded": _one(LeastLoadedScorer()),
+    "baseline-cheapest-first": _one(CheapestScorer()),
+    "baseline-spillover": _one(SpilloverScorer()),
+    "baseline-carbon-greedy": _one(CarbonNowScorer()),
+    "default": default_pipeline,
+}
+
+
+COMPARED: tuple[str, ...] = tuple(n for n in POLICIES if n != "default")
+"""What ``--compare all`` runs: every policy but ``default``, which in this release ranks sites as
+``baseline-least-loaded`` does on one-model federations (most free GPUs)."""
+
+
+class UnknownPolicy(ValueError):
+    pass
+
+
+def policy(name: str) -> Pipeline:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise UnknownPolicy(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None

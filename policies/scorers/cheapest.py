@@ -1,0 +1,25 @@
+"""Cheapest: prefer the site with the lowest price per GPU-hour of the GPUs the job can use.
+
+SkyPilot's optimizer: the cheapest location with room, failing over to the next cheapest when it is full
+(the filters remove full sites). Raw value: US dollars per GPU-hour, the cheapest usable model at the site
+(the site spec's static price); lower is better; an unpriced site ranks after every priced one. Weight 1
+in ``baseline-cheapest-first``; 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.scorers._usable import unknown_last, usable_models
+from policies.snapshot import JobRequest, Snapshot
+
+
+class CheapestScorer:
+    name = "cheapest"
+    higher_is_better = False
+
+    def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
+        prices = np.where(usable_models(req, snap), snap.usd_per_gpu_hour, np.nan)
+        with np.errstate(invalid="ignore"):
+            best = np.fmin.reduce(prices, axis=1)  # NaN only where no usable model is priced
+        return unknown_last(best)
