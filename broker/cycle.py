@@ -66,8 +66,15 @@ class _Failure:
 
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
-        self.signature = placement.failures.tobytes()
+        self._signature: bytes | None = None
         self._record: dict[str, Any] | None = None
+
+    @property
+    def signature(self) -> bytes:
+        """Which filters rejected which sites: two failures with one signature read the same."""
+        if self._signature is None:
+            self._signature = self.placement.failures.tobytes()
+        return self._signature
 
     def record(self, pipeline: Pipeline, snap: Snapshot) -> dict[str, Any]:
         if self._record is None:

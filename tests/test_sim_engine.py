@@ -8,10 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from broker import cli
 from broker.data.traces import parse_columns
 from broker.simulation.run import SimulationSpec, simulate
+from policies.baselines import COMPARED
 
 START = datetime(2022, 6, 1, tzinfo=UTC)
 
@@ -135,3 +138,35 @@ def test_left_out_jobs_are_reported_and_run_by_no_policy(tiny: SimulationSpec) -
     assert result.policies["baseline-spillover"].metrics["jobs"] == 3
     assert any("left out: 1 jobs" in line for line in result.report)
     assert np.isnan(result.policies["baseline-spillover"].start_s[3])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    jobs=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=12),
+    gb=st.lists(st.floats(10, 900), min_size=48, max_size=48),
+    fr=st.lists(st.floats(10, 900), min_size=48, max_size=48),
+    slack=st.floats(1.0, 4.0),
+)
+def test_property_no_policy_emits_less_than_the_bound(
+    tmp_path_factory: pytest.TempPathFactory, jobs: list[tuple[int, int, int]], gb: list[float], fr: list[float],
+    slack: float,
+) -> None:
+    """Random small federations and traces: every policy's carbon and cost are at or above the offline bound."""
+    root = tmp_path_factory.mktemp("prop")
+    carbon = _carbon(root / "carbon", {"GB": gb, "FR": fr})
+    sites = root / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=3)
+                     + _site("b", "FR", "gcp:europe-west9", 1.5, gpus=2))
+    trace = root / "trace.csv"
+    trace.write_text("submit,seconds,gpus\n" + "".join(
+        f"2022-06-01T{q // 4:02d}:{(q % 4) * 15:02d}:00,{quarters * 900},{gpus}\n" for q, quarters, gpus in jobs))
+    spec = SimulationSpec(trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus"),
+                          carbon=carbon, sites=sites, policies=list(COMPARED),
+                          assumptions={"slack_factor": slack, "min_slack_s": 0.0, "estimate_sigma": 0.0})
+    result = simulate(spec)
+    bound = result.offline_bound
+    assert bound is not None
+    for run in result.policies.values():
+        assert run.metrics["carbon_kg"] >= bound["carbon_kg"] * (1 - 1e-9) - 1e-12
+        assert run.metrics["cost_usd"] >= bound["cost_usd"] * (1 - 1e-9) - 1e-12
+        assert run.metrics["energy_kwh"] == pytest.approx(bound["energy_kwh"])  # one GPU model: same energy

@@ -9,6 +9,8 @@ which role (the CLI's ``--columns submit=COL,duration=COL,gpus=COL,...`` or ``--
 - ``milli``: thousandths of a GPU used per GPU, 1..1000 (optional; 1000, a whole GPU, when not mapped);
 - ``model``: GPU model the job asked for (optional; ``None`` = any model, also for an empty cell);
 - ``tenant``: who submitted it, e.g. Philly's virtual cluster (optional; one tenant ``default`` if not mapped).
+- ``deadline``: by when the job must finish, a time like ``submit`` (optional; when mapped it replaces the
+  simulator's slack assumption; a deadline before the job's submit time is an error naming the line).
 
 Units. Times are UTC. With ``time_format="iso"`` a time without an offset is taken as UTC and one with an
 offset is converted to UTC; with ``time_format="seconds"`` a time is a number of seconds after ``origin``
@@ -57,7 +59,7 @@ WHOLE_GPU_MILLI = 1000
 DEFAULT_TENANT = "default"
 """The one tenant of a trace whose mapping has no ``tenant`` column."""
 
-ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "model", "tenant")
+ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "model", "tenant", "deadline")
 """Roles a ``--columns`` mapping may name, in the order they are printed."""
 
 _FIRST_LINES_SHOWN = 5
@@ -86,6 +88,7 @@ class ColumnMapping:
     milli: str | None = None
     model: str | None = None
     tenant: str | None = None
+    deadline: str | None = None
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -199,6 +202,7 @@ class Trace:
     line: np.ndarray
     span: tuple[datetime, datetime]
     report: list[str]
+    deadline_s: np.ndarray | None = None  # float64 seconds after ``start``, when the trace maps a deadline
 
     def __len__(self) -> int:
         return int(self.submit_s.shape[0])
@@ -305,6 +309,14 @@ def load_trace(
         early = int(np.count_nonzero(started < submit_abs))
         if early:
             report.append(f"{_n(early, 'job')} start before submission; duration is end - start.")
+    deadline_abs = None
+    if mapping.deadline is not None:
+        deadline_abs = times("deadline")
+        column.reject(deadline_abs < submit_abs, "deadline", f"is before the submit time (column '{mapping.submit}')")
+        late = int(np.count_nonzero(deadline_abs < submit_abs + duration))
+        if late:
+            report.append(f"{_n(late, 'job')} have a deadline before submit + duration: they miss it however "
+                          "they are placed.")
     gpus = column.whole_numbers("gpus", "a whole number of GPUs")
     column.reject(gpus < 1, "gpus", "is less than 1; a job asks for at least one GPU")
     if mapping.milli is not None:
@@ -326,6 +338,8 @@ def load_trace(
         report.append("Rows were not in submit order; sorted by submit time (equal times keep file order).")
     submit_abs, duration, gpus, milli, line_arr = (a[order] for a in (submit_abs, duration, gpus, milli, line_arr))
     model, tenant_text = model[order], tenant_text[order]
+    if deadline_abs is not None:
+        deadline_abs = deadline_abs[order]
 
     first_at = _from_epoch(float(submit_abs[0]))
     last_at = _from_epoch(float(submit_abs[-1]))
@@ -342,6 +356,8 @@ def load_trace(
         report.append(f"Window [{lo_at.isoformat()}, {shown_hi}) keeps {int(keep.sum())} of {len(keep)} jobs.")
         submit_abs, duration, gpus, milli, line_arr = (a[keep] for a in (submit_abs, duration, gpus, milli, line_arr))
         model, tenant_text = model[keep], tenant_text[keep]
+        if deadline_abs is not None:
+            deadline_abs = deadline_abs[keep]
         first_at = _from_epoch(float(submit_abs[0]))
         span = (lo_at, hi_at if hi_at is not None else _from_epoch(float(submit_abs[-1])))
     else:
@@ -360,7 +376,7 @@ def load_trace(
     return Trace(
         path=path, start=first_at, submit_s=submit_abs - submit_abs[0], duration_s=duration, gpus=gpus,
         milli=milli, model=model, tenant=tenant, tenant_names=tenant_names, line=line_arr, span=span,
-        report=report,
+        report=report, deadline_s=None if deadline_abs is None else deadline_abs - submit_abs[0],
     )
 
 

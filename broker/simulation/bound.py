@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -99,9 +100,8 @@ COARSENING: tuple[float, ...] = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.
 """Grid fractions tried in turn when the exact model is too large: a window of ``L`` hours is widened to a
 grid of at most ``L × fraction`` hours (a power of two)."""
 
-_METHOD = "highs-ipm"  # interior point with crossover: several times faster than dual simplex on these LPs
-_FIRST_SITES = 2  # sites with a column of their own in every hour in the first solve
-_SHARED_TOL = 1e-9  # work on a shared column, relative to all the work, below which it counts as unused
+_METHODS = ("highs-ipm", "highs-ds")  # interior point (with crossover) is 2-3 times faster than dual simplex
+# on these LPs; dual simplex is the fallback should it stop on numerical trouble
 _FEASIBILITY_TOL = 1e-9  # relative to the pooled capacity per hour: EDF leftovers below this are float noise
 
 
@@ -193,11 +193,14 @@ def offline_bound(
             )
 
     kg_per_gpu_hour = power[:, None] * intensity / 1000.0
-    carbon, carbon_vars = model.solve(kg_per_gpu_hour, "carbon")
-    cost, cost_vars = model.solve(np.broadcast_to(usd[:, None], intensity.shape), "cost")
+    price = np.broadcast_to(usd[:, None], intensity.shape)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # HiGHS releases the GIL: the two LPs run side by side
+        carbon_lp = pool.submit(model.solve, kg_per_gpu_hour, "carbon")
+        cost_lp = pool.submit(model.solve, price, "cost")
+        carbon, cost = carbon_lp.result(), cost_lp.result()
     return BoundResult(
         carbon_kg=carbon, cost_usd=cost, energy_kwh=energy, jobs=n_jobs, gpu_hours=total,
-        variables=max(carbon_vars, cost_vars), constraints=model.constraints, solve_s=time.perf_counter() - t0,
+        variables=model.variables, constraints=model.constraints, solve_s=time.perf_counter() - t0,
         relaxation=relaxation,
     )
 
@@ -363,26 +366,22 @@ def _blocks(a: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 
 @dataclass
 class _Model:
-    """The network LP of module docstring step 3, without the site split of the hours (added per solve)."""
+    """The network LP of module docstring step 3 with the site split of every hour some window reaches."""
 
-    a_net: sparse.csc_matrix  # rows: tree nodes, then classes of several blocks; columns: splits, tree edges
+    a_eq: sparse.csc_matrix  # rows: blocks, then classes of several blocks; columns: splits, tree edges, z
     b_eq: np.ndarray
-    hours_used: np.ndarray  # the hours some window reaches, ascending
-    hour_row: np.ndarray  # their rows
-    capacity: np.ndarray  # per site
-
-    @property
-    def network_variables(self) -> int:
-        return int(self.a_net.shape[1])
+    bounds: np.ndarray  # [variables, 2]: lower (0) and upper bound of each variable
+    z_start: int  # variables z_start.. are the z[s, t]
+    z_site: np.ndarray
+    z_hour: np.ndarray
 
     @property
     def variables(self) -> int:
-        """Variables with every site of every hour a column of its own: the most any solve may use."""
-        return self.network_variables + len(self.hours_used) * int(np.count_nonzero(self.capacity > 0))
+        return int(self.a_eq.shape[1])
 
     @property
     def constraints(self) -> int:
-        return int(self.a_net.shape[0])
+        return int(self.a_eq.shape[0])
 
     @classmethod
     def build(cls, a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, capacity: np.ndarray) -> _Model:
@@ -439,58 +438,37 @@ class _Model:
                 vals += [np.ones(len(var)), -np.ones(len(var))]
                 n_var += len(var)
 
-        a_net = sparse.csc_matrix(
+        # Site split of each hour reached: hour row +1 (outflow), 0 <= z[s, t] <= capacity[s].
+        hours_used = np.flatnonzero(need[0])
+        sites_used = np.flatnonzero(capacity > 0)
+        z_hour = np.repeat(hours_used, len(sites_used))
+        z_site = np.tile(sites_used, len(hours_used))
+        var = n_var + np.arange(len(z_hour))
+        rows.append(row_of[0][z_hour])
+        cols.append(var)
+        vals.append(np.ones(len(var)))
+        z_start, n_var = n_var, n_var + len(var)
+
+        upper = np.full(n_var, np.inf)
+        upper[z_start:] = capacity[z_site]
+        a_eq = sparse.csc_matrix(
             (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(b_eq), n_var)
         )
-        hours_used = np.flatnonzero(need[0])
-        return cls(a_net, b_eq, hours_used, row_of[0][hours_used], capacity)
+        return cls(a_eq, b_eq, np.column_stack([np.zeros(n_var), upper]), z_start, z_site, z_hour)
 
-    def solve(self, per_gpu_hour: np.ndarray, what: str) -> tuple[float, int]:
-        """The least ``sum z[s, t] × per_gpu_hour[s, t]``, and the most variables of any LP solved for it.
-
-        The site split is added lazily (module docstring, "Solving"): in hour ``t`` the ``k_t`` sites of
-        lowest cost get a column each and the others share one column with their summed capacity at the
-        lowest of their costs, an under-estimate of the hour's cost curve, so every LP solved is a
-        relaxation of the exact one. Where the shared column carries work, ``k_t`` doubles and the LP is
-        solved again, until no shared column is used; its optimum is then the exact optimum.
-        """
-        sites = np.flatnonzero(self.capacity > 0)
-        cost = per_gpu_hour[np.ix_(sites, self.hours_used)]  # [sites with GPUs, hours used]
-        order = np.argsort(cost, axis=0, kind="stable")
-        sorted_cost = np.take_along_axis(cost, order, axis=0)
-        sorted_cap = self.capacity[sites][order]
-        tail_cap = np.cumsum(sorted_cap[::-1], axis=0)[::-1]  # [j, t]: capacity of the j-th cheapest and up
-        n_sites, n_hours = cost.shape
-        k = np.full(n_hours, min(_FIRST_SITES, n_sites), dtype=np.int64)
-        most = 0
-        scale = float(self.b_eq.sum())  # all the work
-        while True:
-            shared = k < n_sites
-            # Columns in hour order: the k cheapest sites one by one, then the shared column if any.
-            per_hour = k + shared
-            hour_of = np.repeat(np.arange(n_hours), per_hour)
-            rank = np.arange(len(hour_of)) - np.repeat(np.cumsum(per_hour) - per_hour, per_hour)
-            is_shared = rank == k[hour_of]
-            col_cost = sorted_cost[np.minimum(rank, n_sites - 1), hour_of]
-            col_cap = np.where(is_shared, tail_cap[np.minimum(rank, n_sites - 1), hour_of],
-                               sorted_cap[np.minimum(rank, n_sites - 1), hour_of])
-            z = sparse.csc_matrix((np.ones(len(hour_of)), (self.hour_row[hour_of], np.arange(len(hour_of)))),
-                                  shape=(self.constraints, len(hour_of)))
-            a_eq = sparse.hstack([self.a_net, z], format="csc")
-            n = a_eq.shape[1]
-            most = max(most, n)
-            c = np.concatenate([np.zeros(self.network_variables), col_cost])
-            upper = np.concatenate([np.full(self.network_variables, np.inf), col_cap])
-            res = linprog(c, A_eq=a_eq, b_eq=self.b_eq, bounds=np.column_stack([np.zeros(n), upper]),
-                          method=_METHOD)
-            if res.status == 2:
-                raise BoundError(f"the {what} LP is infeasible (HiGHS: {res.message}): the sites cannot serve "
-                                 "the work inside the windows; widen the windows or add capacity")
-            if res.status != 0:
-                raise BoundError(f"the {what} LP was not solved (HiGHS status {res.status}: {res.message})")
-            used = np.zeros(n_hours)
-            np.add.at(used, hour_of[is_shared], res.x[self.network_variables:][is_shared])
-            grow = used > _SHARED_TOL * max(scale, 1.0)
-            if not grow.any():
-                return float(res.fun), most
-            k[grow] = np.minimum(2 * k[grow], n_sites)
+    def solve(self, per_gpu_hour: np.ndarray, what: str) -> float:
+        """The least ``sum z[s, t] × per_gpu_hour[s, t]``."""
+        c = np.zeros(self.variables)
+        c[self.z_start:] = per_gpu_hour[self.z_site, self.z_hour]
+        res = None
+        for method in _METHODS:
+            res = linprog(c, A_eq=self.a_eq, b_eq=self.b_eq, bounds=self.bounds, method=method)
+            if res.status in (0, 2):
+                break
+        assert res is not None
+        if res.status == 2:
+            raise BoundError(f"the {what} LP is infeasible (HiGHS: {res.message}): the sites cannot serve the "
+                             "work inside the windows; widen the windows or add capacity")
+        if res.status != 0:
+            raise BoundError(f"the {what} LP was not solved (HiGHS status {res.status}: {res.message})")
+        return float(res.fun)

@@ -15,6 +15,7 @@ Steps
     7. Solve the offline bound (``broker.simulation.bound``). Its windows run from each job's submit to its
        deadline, or to the latest end any replayed policy gave the job when that is later: a policy that
        missed a deadline may not beat the bound by running late, so the bound holds for every policy run.
+       A window is cut at the end of the carbon data, where every replayed policy has finished.
     8. Compute the metrics (``broker.simulation.metrics``).
 
 Defaults: prices, latency and region coordinates come from the copies shipped in ``data/`` (see
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import calendar
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
@@ -132,7 +133,7 @@ def prepare(spec: SimulationSpec) -> Prepared:
         latency = load_latency(spec.latency)
         regions = load_gcp_regions(spec.regions)
         default = build_default_federation(
-            zones, trace_mean_gpus_busy=trace.mean_gpus_busy(), prices=prices, latency=latency, regions=regions,
+            zones, trace_mean_gpus_busy=trace.mean_gpus_busy(_busy_window(trace)), prices=prices, latency=latency, regions=regions,
             largest_job_gpus=int(trace.gpus.max()), utilisation=spec.utilisation,
         )
         sites = default.sites
@@ -150,6 +151,15 @@ def prepare(spec: SimulationSpec) -> Prepared:
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
     return Prepared(workload, sites, federation, requests, left_out, rtt, report)
+
+
+def _busy_window(trace: Trace) -> tuple[datetime, datetime]:
+    """The window the default sites are sized over: the trace's span, or, when every job was submitted at
+    one instant, from then until the last job would end."""
+    lo, hi = trace.span
+    if hi <= lo:
+        hi = lo + timedelta(seconds=float((trace.submit_s + trace.duration_s).max()))
+    return lo, hi
 
 
 def _choose_start(given: date | datetime | None, trace: Trace, carbon: CarbonData, zones: list[str],
@@ -208,11 +218,18 @@ def simulate(spec: SimulationSpec, *, progress: bool = False) -> SimulationResul
             if bar is not None:
                 bar.close()
         result.policies[name] = run
+    ran = ~prep.left_out
+    window_end = w.deadline_s.copy()
+    for run in result.policies.values():
+        window_end = np.fmax(window_end, run.end_s)
+    # Every replayed policy finished inside the carbon data (the engine checks), so a window cut at the
+    # data's end still holds every policy's schedule: the bound stays below each of them.
+    window_end = np.minimum(window_end, facts.hours * 3600.0)
+    if ran.any():  # the hours the run and its bound look at, not the whole carbon data
+        needed = min(int(np.ceil(float(window_end[ran].max()) / 3600.0)) + 1, facts.hours)
+        facts = replace(facts, intensity=facts.intensity[:, :needed])
+        result.sites = facts
     if spec.bound and result.policies:
-        ran = ~prep.left_out
-        window_end = w.deadline_s.copy()
-        for run in result.policies.values():
-            window_end = np.fmax(window_end, run.end_s)
         bound = offline_bound(facts, release_s=w.submit_s[ran], end_s=window_end[ran],
                               gpu_hours=held[ran] * w.true_duration_s[ran] / 3600.0)
         result.offline_bound = bound.as_dict()

@@ -313,6 +313,9 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
     slack_s = np.maximum((a.slack_factor - 1.0) * true_s, a.min_slack_s)
     slack_s[inflexible] = 0.0
     deadline_s = (submit_s + true_s) + slack_s
+    if trace.deadline_s is not None:  # the trace's own deadlines replace the slack assumption
+        deadline_s = np.asarray(trace.deadline_s, dtype=np.float64).copy()
+        inflexible = deadline_s <= submit_s + true_s
 
     latency = _rng(a.seed, _LATENCY).random(n) < a.latency_fraction
     latency_slo_ms = np.where(latency, a.latency_slo_ms, np.nan)

@@ -1,0 +1,79 @@
+"""How long ``heliotrope simulate`` takes on the real data: each policy over the whole Philly trace, and
+``--compare all`` over 30 days.
+
+What runs (each through ``broker.simulation.run.simulate``, the code behind the CLI):
+
+1. **Per policy, full trace.** The whole 82,247-job Philly trace over the default federation of the 16
+   zones of ``shared/data/carbon-intensity/electricitymaps-hourly`` (mapped to 2021-09-04, the trace's own
+   date in the first year of carbon data), one policy at a time, without the bound. Printed per policy:
+   the replay's wall time (``PolicyRun.wall_s``: the event loop and the accounting, not the loading) and
+   the whole call's wall time (loading the trace, carbon, prices, latency and regions, building the sites
+   and the workload, replaying).
+2. **The bound, full trace.** The offline LP alone on the same workload, its size and solve time.
+3. **``--compare all`` over 30 days** from ``--trace-from 2017-10-01``: every compared policy and the bound,
+   end to end as the CLI runs it (without writing reports): one wall time.
+
+This prints figures; it asserts nothing about timing. Usage::
+
+    .venv/bin/python bench/simulate.py [--data ../shared/data] [--skip-full] [--skip-compare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import date
+from pathlib import Path
+
+from broker.data.traces import PRESETS
+from broker.simulation.run import SimulationSpec, simulate
+from policies.baselines import COMPARED
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="the shared data folder")
+    p.add_argument("--skip-full", action="store_true", help="skip steps 1 and 2")
+    p.add_argument("--skip-compare", action="store_true", help="skip step 3")
+    args = p.parse_args()
+    data = Path(args.data)
+    trace = data / "traces" / "philly" / "philly_jobs_pollux.csv"
+    carbon = data / "carbon-intensity" / "electricitymaps-hourly"
+    for path in (trace, carbon):
+        if not path.exists():
+            raise SystemExit(f"bench/simulate.py: {path} is missing; pass --data DIR (the shared data folder)")
+
+    def spec(policies: list[str], bound: bool, **window: object) -> SimulationSpec:
+        return SimulationSpec(trace=trace, mapping=PRESETS["philly"], carbon=carbon, policies=policies,
+                              bound=bound, **window)  # type: ignore[arg-type]
+
+    if not args.skip_full:
+        print("1. each policy over the whole Philly trace, 16 zones (no bound)")
+        print(f"   {'policy':<26} {'jobs':>7} {'replay s':>9} {'call s':>8}")
+        for name in COMPARED:
+            t0 = time.perf_counter()
+            result = simulate(spec([name], bound=False))
+            wall = time.perf_counter() - t0
+            run = result.policies[name]
+            print(f"   {name:<26} {run.metrics['jobs']:>7} {run.wall_s:>9.1f} {wall:>8.1f}")
+        print("2. the offline bound over the whole trace (with the last policy's ends)")
+        t0 = time.perf_counter()
+        result = simulate(spec([COMPARED[-1]], bound=True))
+        b = result.offline_bound or {}
+        print(f"   {b.get('variables')} variables, {b.get('constraints')} constraints, solved in "
+              f"{b.get('solve_s', float('nan')):.1f} s (whole call {time.perf_counter() - t0:.1f} s); "
+              f"relaxation: {b.get('relaxation')}")
+    if not args.skip_compare:
+        print("3. --compare all over 30 days from 2017-10-01")
+        t0 = time.perf_counter()
+        result = simulate(spec(list(COMPARED), bound=True, trace_from=date(2017, 10, 1), days=30.0))
+        wall = time.perf_counter() - t0
+        jobs = next(iter(result.policies.values())).metrics["jobs"]
+        print(f"   {len(result.policies)} policies + bound, {jobs} jobs: {wall:.1f} s end to end "
+              f"(bound {result.offline_bound['solve_s']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

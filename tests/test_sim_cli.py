@@ -1,0 +1,103 @@
+"""``heliotrope simulate`` from the command line: its outputs, and a clear one-line error for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from broker import cli
+from tests.test_sim_engine import _carbon, _site
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    carbon = _carbon(tmp_path / "carbon", {"GB": [100.0 + 10 * h for h in range(72)], "FR": [60.0] * 72})
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0) + _site("b", "FR", "gcp:europe-west9", 1.0))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team,due\n"
+                     "2022-06-01T00:00:00,3600,2,x,2022-06-01T06:00:00\n"
+                     "2022-06-01T00:10:00,5400,1,y,2022-06-01T08:00:00\n"
+                     "2022-06-01T00:30:00,3600,2,x,2022-06-01T09:00:00\n")
+    return {"carbon": carbon, "sites": sites, "trace": trace, "tmp": tmp_path}
+
+
+def _args(f: dict[str, Path], *more: str, columns: str = "submit=submit,duration=seconds,gpus=gpus,tenant=team") -> list[str]:
+    return ["simulate", "--trace", str(f["trace"]), "--columns", columns, "--carbon", str(f["carbon"]),
+            "--sites", str(f["sites"]), *more]
+
+
+def test_compare_writes_table_json_report_and_workload(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    out = files["tmp"] / "out"
+    code = cli.main(_args(files, "--compare", "all", "--json", str(out / "r.json"), "--report", str(out / "html"),
+                          "--dump-workload", str(out / "w")))
+    assert code == 0
+    table = capsys.readouterr().out
+    for name in ("baseline-round-robin", "baseline-least-loaded", "baseline-cheapest-first", "baseline-spillover",
+                 "baseline-carbon-greedy", "offline bound"):
+        assert name in table
+    doc = json.loads((out / "r.json").read_text())
+    assert set(doc) >= {"policies", "offline_bound"}
+    for m in doc["policies"].values():
+        assert {"carbon_kg", "cost_usd", "energy_kwh", "jobs", "deadline_misses", "wait_p95_s", "jain_fairness",
+                "utilisation", "gap_to_bound"} <= set(m)
+        assert m["jobs"] == 3
+        assert m["gap_to_bound"] >= 0
+    assert (out / "html" / "index.html").exists()
+    jobs = (out / "w" / "jobs.csv").read_text().splitlines()
+    assert len(jobs) == 4 and "deadline" in jobs[0]
+    assert json.loads((out / "w" / "sites.json").read_text())[0]["grid_zone"] in ("GB", "FR")
+
+
+def test_trace_deadlines_are_used(files: dict[str, Path]) -> None:
+    out = files["tmp"] / "r.json"
+    code = cli.main(_args(files, "--policy", "baseline-spillover", "--json", str(out), "--dump-workload",
+                          str(files["tmp"] / "w"),
+                          columns="submit=submit,duration=seconds,gpus=gpus,tenant=team,deadline=due"))
+    assert code == 0
+    rows = (files["tmp"] / "w" / "jobs.csv").read_text().splitlines()
+    assert "2022-06-01T06:00:00Z" in rows[1]
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+def test_missing_column_names_the_column(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(capsys, _args(files, "--policy", "baseline-spillover",
+                               columns="submit=submit,duration=runtime,gpus=gpus"))
+    assert "runtime" in err and "trace.csv" in err
+
+
+def test_zone_without_data_names_the_zone(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    files["sites"].write_text(files["sites"].read_text() + _site("c", "JP-TK", "gcp:asia-northeast1", 3.0))
+    err = _error(capsys, _args(files, "--policy", "baseline-spillover"))
+    assert "JP-TK" in err
+
+
+def test_deadline_before_submit_names_the_row(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    text = files["trace"].read_text().replace("2022-06-01T09:00:00", "2022-05-31T23:00:00")
+    files["trace"].write_text(text)
+    err = _error(capsys, _args(files, "--policy", "baseline-spillover",
+                               columns="submit=submit,duration=seconds,gpus=gpus,tenant=team,deadline=due"))
+    assert "line 4" in err and "deadline" in err and "before the submit" in err
+
+
+def test_start_outside_the_carbon_data(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(capsys, _args(files, "--policy", "baseline-spillover", "--start", "2023-01-01"))
+    assert "--start" in err and "GB" in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--policy", "fastest"), "unknown policy fastest"),
+    (("--compare", "all", "--utilisation", "0"), "--utilisation"),
+    (("--compare", "all", "--days", "-2"), "--days"),
+    (("--compare", "all", "--trace-from", "yesterday"), "--trace-from"),
+])
+def test_bad_flags(files: dict[str, Path], capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str) -> None:
+    assert words in _error(capsys, _args(files, *flags))
