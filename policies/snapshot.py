@@ -79,6 +79,7 @@ class Snapshot:
     rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # int32[n_sites]: order as configured
     carbon_g_per_kwh: np.ndarray = field(default_factory=lambda: np.zeros(0))  # float64[n_sites]: NaN unknown
     last_placed: np.ndarray = field(default_factory=lambda: np.full(1, -1, dtype=np.int64))  # [site of the last placement]
+    has_model_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), repr=False)  # cache of has_model
 
     @property
     def n_sites(self) -> int:
@@ -86,8 +87,10 @@ class Snapshot:
 
     @property
     def has_model(self) -> np.ndarray:
-        """bool[n_sites, n_models]: the site owns GPUs of the model."""
-        return self.memory_gib > 0
+        """bool[n_sites, n_models]: the site owns GPUs of the model (computed once per set of site facts)."""
+        if self.has_model_mask.shape != self.memory_gib.shape:
+            object.__setattr__(self, "has_model_mask", self.memory_gib > 0)
+        return self.has_model_mask
 
     def working_copy(self, now: datetime) -> Snapshot:
         """The same facts at ``now``, with free capacity of its own for ``assume`` to debit."""

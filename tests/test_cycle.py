@@ -338,3 +338,17 @@ async def test_job_ids_come_from_the_injected_generator_so_replays_repeat(tmp_pa
         assert (first.id, second.id) == ("sim-000000", "sim-000001")
     finally:
         await b.stop()
+
+
+async def test_round_robin_turns_across_passes_of_the_live_cycle(make):
+    """The cursor is carried from pass to pass (and in-flight debits do not move it)."""
+    from policies.baselines import policy
+
+    h = await make(*(site(n, gpus={"a100-80gb": 8}, adapter=FAST) for n in ("alpha", "bravo", "charlie")))
+    h.broker.cycle.pipeline = policy("baseline-round-robin")
+    placed = []
+    for _ in range(4):
+        j = await h.submit(count=1, duration_s=600)
+        await h.cycle()  # one pass per job: the cursor must survive between passes
+        placed.append((await h.job(j.id)).site)
+    assert placed == ["alpha", "bravo", "charlie", "alpha"]

@@ -170,3 +170,77 @@ def test_property_no_policy_emits_less_than_the_bound(
         assert run.metrics["carbon_kg"] >= bound["carbon_kg"] * (1 - 1e-9) - 1e-12
         assert run.metrics["cost_usd"] >= bound["cost_usd"] * (1 - 1e-9) - 1e-12
         assert run.metrics["energy_kwh"] == pytest.approx(bound["energy_kwh"])  # one GPU model: same energy
+
+
+def _trace(spec: SimulationSpec, rows: str, columns: str = "submit=submit,duration=seconds,gpus=gpus,tenant=team") -> None:
+    spec.trace.write_text("submit,seconds,gpus,team,milli,due\n" + rows)
+    spec.mapping = parse_columns(columns)
+
+
+def test_a_run_that_does_not_start_on_the_hour_is_charged_the_right_hours(tiny: SimulationSpec) -> None:
+    # One 2-GPU job of 1 h submitted at 00:30: it runs half in GB's hour 0 (100 g) and half in hour 1 (300 g).
+    _trace(tiny, "2022-06-01T00:30:00,3600,2,x,1000,\n")
+    tiny.policies = ["baseline-spillover"]
+    run = simulate(tiny).policies["baseline-spillover"]
+    assert run.carbon_kg[0] == pytest.approx(0.8 * (100 + 300) / 2 / 1000)
+
+
+def test_start_maps_the_window_first_instant(tiny: SimulationSpec, tmp_path: Path) -> None:
+    _trace(tiny, "2022-06-01T01:00:00,600,1,x,1000,\n2022-06-01T02:30:00,600,1,y,1000,\n")
+    tiny.trace_from = datetime(2022, 6, 1, 2, tzinfo=UTC)
+    tiny.start = datetime(2022, 6, 1, 20, tzinfo=UTC)
+    result = simulate(tiny)
+    # The window starts at 02:00 and is mapped to 20:00: its one job, 30 min into the window, arrives at 20:30.
+    assert result.start + timedelta(seconds=float(result.submit_s[0])) == datetime(2022, 6, 1, 20, 30, tzinfo=UTC)
+    run = result.policies["baseline-spillover"]
+    assert run.carbon_kg[0] == pytest.approx(0.4 * (600 / 3600) * (100 + 200 * 20) / 1000)  # GB hour 20
+
+
+def test_fractional_jobs_share_a_gpu_and_pay_for_their_share(tiny: SimulationSpec) -> None:
+    _trace(tiny, "2022-06-01T00:00:00,3600,1,x,500,\n2022-06-01T00:00:00,3600,1,y,500,\n"
+                 "2022-06-01T00:00:00,3600,2,x,1000,\n",
+           columns="submit=submit,duration=seconds,gpus=gpus,tenant=team,milli=milli")
+    result = simulate(tiny)
+    run = result.policies["baseline-spillover"]
+    # Both halves share one of a's GPUs, so the 2-GPU job no longer fits on a and goes to b at once.
+    assert [result.sites.names[s] for s in run.site] == ["a", "a", "b"]
+    assert run.start_s.tolist() == [0.0, 0.0, 0.0]
+    assert run.energy_kwh.tolist() == pytest.approx([0.2, 0.2, 0.8])
+    assert run.cost_usd.tolist() == pytest.approx([1.0, 1.0, 2.0])
+
+
+def test_power_and_price_follow_the_model_each_site_has(tiny: SimulationSpec) -> None:
+    tiny.sites.write_text(tiny.sites.read_text().replace("model: a100-80gb", "model: h100-80gb", 1)
+                          .replace("usd_per_gpu_hour: {a100-80gb: 2.0}", "usd_per_gpu_hour: {h100-80gb: 5.0}"))
+    _trace(tiny, "2022-06-01T00:00:00,3600,1,x,1000,\n2022-06-01T00:00:00,3600,2,y,1000,\n")
+    result = simulate(tiny)
+    run = result.policies["baseline-spillover"]
+    assert [result.sites.names[s] for s in run.site] == ["a", "b"]
+    assert run.energy_kwh.tolist() == pytest.approx([0.7, 0.8])  # H100 700 W, A100 400 W
+    assert run.cost_usd.tolist() == pytest.approx([5.0, 2.0])
+    assert result.offline_bound is not None
+    assert result.offline_bound["energy_kwh"] <= run.metrics["energy_kwh"]
+
+
+def test_trace_deadlines_count_misses(tiny: SimulationSpec) -> None:
+    # Two 2-GPU jobs of 1 h on one free site pair... j2 must wait for a: its deadline 1 h after submit is missed.
+    _trace(tiny, "2022-06-01T00:00:00,3600,2,x,1000,2022-06-01T05:00:00\n"
+                 "2022-06-01T00:00:00,3600,2,x,1000,2022-06-01T05:00:00\n"
+                 "2022-06-01T00:00:00,3600,2,y,1000,2022-06-01T01:00:00\n",
+           columns="submit=submit,duration=seconds,gpus=gpus,tenant=team,deadline=due")
+    run = simulate(tiny).policies["baseline-spillover"]
+    assert run.start_s.tolist() == [0.0, 0.0, 3600.0]
+    assert run.metrics["deadline_misses"] == 1
+
+
+def test_a_policy_gap_does_not_depend_on_the_other_policies(tiny: SimulationSpec) -> None:
+    _trace(tiny, "".join(f"2022-06-01T{h:02d}:00:00,{5400 + 600 * (h % 3)},{1 + h % 2},x,1000,2022-06-01T{h + 2:02d}:00:00\n"
+                         for h in range(8)),
+           columns="submit=submit,duration=seconds,gpus=gpus,tenant=team,deadline=due")
+    tiny.policies = ["baseline-round-robin"]
+    alone = simulate(tiny).policies["baseline-round-robin"].metrics
+    tiny.policies = list(COMPARED)
+    together = simulate(tiny)
+    assert together.policies["baseline-round-robin"].metrics["gap_to_bound"] == pytest.approx(alone["gap_to_bound"])
+    for run in together.policies.values():
+        assert run.metrics["gap_to_bound"] >= -1e-9

@@ -121,6 +121,10 @@ class BoundError(ValueError):
     """The bound cannot be computed from what was given; the message says what is wrong and where."""
 
 
+class BoundInfeasible(BoundError):
+    """No schedule can serve every job inside its window with the sites' GPUs (the message names the hours)."""
+
+
 @dataclass(frozen=True)
 class BoundResult:
     """The offline bound of one set of jobs over one federation (module docstring: definition, units)."""
@@ -339,7 +343,7 @@ def _raise_infeasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float
     need = np.cumsum(by_first[::-1])[::-1]  # need[p]: work of windows inside [p, q]
     held = pooled * (q + 1 - np.arange(q + 1))
     p = int(np.argmax(need - held))
-    raise BoundError(
+    raise BoundInfeasible(
         f"the sites cannot serve the work in time, so the LP is infeasible: the jobs whose windows lie within "
         f"hours {p}..{q} (seconds {p * SLOT_S:g} to {(q + 1) * SLOT_S:g}) need {need[p]:.6g} GPU-hours, but "
         f"the {n_sites} site(s) with GPUs hold {pooled:g} GPUs × {q + 1 - p} h = {held[p]:.6g} GPU-hours; "

@@ -92,8 +92,10 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         raise SimulateUsage(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
     if not 0 < args.utilisation <= 1:
         raise SimulateUsage(f"--utilisation {args.utilisation}: give a fraction above 0 and at most 1, e.g. 0.5")
-    if args.days is not None and not args.days > 0:
-        raise SimulateUsage(f"--days {args.days}: give a number of days above 0")
+    if args.days is not None and not 0 < args.days <= 36_600:
+        raise SimulateUsage(f"--days {args.days}: give a number of days above 0 and at most 36,600")
+    if args.seed < 0:
+        raise SimulateUsage(f"--seed {args.seed}: give a whole number, 0 or more")
     mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
     for flag, value in (("--trace", args.trace), ("--carbon", args.carbon)):
         if not Path(value).exists():
@@ -112,10 +114,12 @@ def run(args: argparse.Namespace) -> str:
     from broker.simulation.report import format_table, write_html
 
     spec = spec_from(args)
+    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
+        raise SimulateUsage(f"--report {args.report}: is a file; give a folder (it is created if missing)")
+    prep = prepare(spec)
     if args.dump_workload:
-        prep = prepare(spec)
         dump_workload(prep.workload, prep.sites, args.dump_workload)
-    result = simulate(spec, progress=sys.stderr.isatty())
+    result = simulate(spec, progress=sys.stderr.isatty(), prepared=prep)
     if args.json_out:
         out = Path(args.json_out)
         if out.parent != Path():

@@ -38,6 +38,7 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import NoReturn
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -78,6 +79,7 @@ class Federation:
     def facts(self) -> SiteFacts:
         has = self.base.total_gpus > 0
         power = np.where(has, _TDP_KW[None, :], np.inf).min(axis=1)
+        # An unpriced model costs 0 in the accounting (reported by run.prepare), so it does in the bound too.
         price = np.where(has, np.nan_to_num(self.price, nan=0.0), np.inf).min(axis=1)
         return SiteFacts(
             names=self.base.sites,
@@ -162,6 +164,7 @@ def replay(
     true_s = workload.true_duration_s
     start_at = workload.start
     hours = federation.hours
+    horizon_s = hours * 3600.0
     site_of = np.full(n, -1, dtype=np.int32)
     model_of = np.full(n, -1, dtype=np.int32)
     start_s = np.full(n, np.nan)
@@ -241,6 +244,8 @@ def replay(
             site_of[j], model_of[j] = s, m
             start_s[j] = t
             end_s[j] = t + float(true_s[j])
+            if end_s[j] > horizon_s:
+                _past_the_data(j, float(end_s[j]), federation, workload, s)
             heapq.heappush(completions, (end_s[j], j))
             placed.add(j)
         if freed:
@@ -285,6 +290,15 @@ def _shared_free(pool: _Shared) -> int:
     return max((1000 - u for u in pool.used if u), default=0)
 
 
+def _past_the_data(job: int, end_s: float, federation: Federation, workload: Workload, site: int) -> NoReturn:
+    zone = federation.specs[site].grid_zone
+    raise SimulationError(
+        f"job {job} would end {end_s / 3600.0:.1f} h after the run's start ({workload.start.isoformat()}), past the "
+        f"{federation.hours} h of carbon data that zone {zone} and the others share from then; choose an earlier "
+        "--start, fewer --days, or more years of carbon data"
+    )
+
+
 def _account(name: str, workload: Workload, federation: Federation, site: np.ndarray, model: np.ndarray,
              start_s: np.ndarray, end_s: np.ndarray, wall_s: float) -> PolicyRun:
     ran = site >= 0
@@ -298,12 +312,7 @@ def _account(name: str, workload: Workload, federation: Federation, site: np.nda
         last = float(end_s[ran].max())
         if last > federation.hours * 3600.0:
             j = int(np.flatnonzero(ran)[np.argmax(end_s[ran])])
-            zone = federation.specs[int(site[j])].grid_zone
-            raise SimulationError(
-                f"job {j} ends {(last / 3600.0):.1f} h after the start, past the {federation.hours} h of carbon "
-                f"data for zone {zone} (and the others) from {workload.start.isoformat()}; choose an earlier "
-                f"--start or fewer --days"
-            )
+            _past_the_data(j, last, federation, workload, int(site[j]))
         power = _TDP_KW[m] * held[ran]
         run_h = (end_s[ran] - start_s[ran]) / 3600.0
         energy[ran] = power * run_h

@@ -3,6 +3,10 @@
 The carbon-greedy baseline: the lowest current grid intensity among the sites with room. Raw value: the
 site's grid carbon intensity now, in g CO2e/kWh; lower is better; a site whose intensity is unknown ranks
 after every site whose intensity is known. Weight 1 in ``baseline-carbon-greedy``; 0 turns it off.
+
+Where the intensity comes from: the simulator sets ``Snapshot.carbon_g_per_kwh`` from the loaded carbon
+data every hour. The live broker has no intensity source yet (carbon providers come with the routing
+policies), so live, every site is unknown and this scorer ranks them all alike (first by name).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Cheapest: prefer the site with the lowest price per GPU-hour of the GPUs the job can use.
 
 SkyPilot's optimizer: the cheapest location with room, failing over to the next cheapest when it is full
-(the filters remove full sites). Raw value: US dollars per GPU-hour, the cheapest usable model at the site
-(the site spec's static price); lower is better; an unpriced site ranks after every priced one. Weight 1
+(the filters remove full sites). Raw value: US dollars per GPU-hour of the cheapest model at the site that the job could use and that has
+room for it now (the site spec's static price); lower is better; an unpriced site ranks after every
+priced one. (The model a placement then uses is chosen by the pipeline: the smallest GPUs that fit.) Weight 1
 in ``baseline-cheapest-first``; 0 turns it off.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from policies.filters.gpu_fit import fit_matrix
 from policies.scorers._usable import unknown_last, usable_models
 from policies.snapshot import JobRequest, Snapshot
 
@@ -19,7 +21,7 @@ class CheapestScorer:
     higher_is_better = False
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
-        prices = np.where(usable_models(req, snap), snap.usd_per_gpu_hour, np.nan)
+        prices = np.where(usable_models(req, snap) & fit_matrix(req, snap), snap.usd_per_gpu_hour, np.nan)
         with np.errstate(invalid="ignore"):
             best = np.fmin.reduce(prices, axis=1)  # NaN only where no usable model is priced
         return unknown_last(best)
