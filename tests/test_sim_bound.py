@@ -20,6 +20,11 @@ from broker.simulation.results import SiteFacts
 H = 3600.0
 
 
+
+def approx(expected, rel=1e-5, abs=1e-6):  # noqa: A002 - pytest's names
+    """Equality up to the solver's tolerance and the bound's safety margin (bound.SOLVER_MARGIN)."""
+    return pytest.approx(expected, rel=rel, abs=abs)
+
 def facts(intensity, capacity, power=None, price=None) -> SiteFacts:
     intensity = np.atleast_2d(np.asarray(intensity, dtype=np.float64))
     n = intensity.shape[0]
@@ -45,56 +50,56 @@ def bound(sites, release, end, work, **kw) -> BoundResult:
 def test_one_job_takes_the_cleaner_hour():
     sites = facts([[100.0, 300.0]], [1], power=[0.5], price=[2.0])
     r = bound(sites, [0.0], [2 * H], [1.0])
-    assert r.carbon_kg == pytest.approx(1.0 * 0.5 * 100 / 1000)  # 0.05 kg
-    assert r.cost_usd == pytest.approx(2.0)
-    assert r.energy_kwh == pytest.approx(0.5)
+    assert r.carbon_kg == approx(1.0 * 0.5 * 100 / 1000)  # 0.05 kg
+    assert r.cost_usd == approx(2.0)
+    assert r.energy_kwh == approx(0.5)
     assert (r.jobs, r.gpu_hours, r.relaxation) == (1, 1.0, "none")
 
 
 def test_two_jobs_on_one_gpu_must_use_both_hours():
     sites = facts([[100.0, 300.0]], [1], power=[0.5], price=[2.0])
     r = bound(sites, [0.0, 0.0], [2 * H, 2 * H], [1.0, 1.0])
-    assert r.carbon_kg == pytest.approx(0.5 * (100 + 300) / 1000)  # 0.2 kg
-    assert r.cost_usd == pytest.approx(4.0)
-    assert r.energy_kwh == pytest.approx(1.0)
+    assert r.carbon_kg == approx(0.5 * (100 + 300) / 1000)  # 0.2 kg
+    assert r.cost_usd == approx(4.0)
+    assert r.energy_kwh == approx(1.0)
 
 
 def test_a_tight_window_spills_to_the_dirtier_site_and_a_wide_one_does_not():
     # Site 0 is clean but holds 1 GPU; site 1 is dirty and holds 2. Power 1 kW per GPU.
     sites = facts([[100.0, 100.0, 100.0], [500.0, 500.0, 500.0]], [1, 2], price=[3.0, 1.0])
     tight = bound(sites, [0.0], [H], [3.0])  # 3 GPU-hours inside hour 0: 1 clean, 2 dirty
-    assert tight.carbon_kg == pytest.approx((1 * 100 + 2 * 500) / 1000)
-    assert tight.cost_usd == pytest.approx(2 * 1.0 + 1 * 3.0)  # the cheap site is full, one GPU-hour costs 3
+    assert tight.carbon_kg == approx((1 * 100 + 2 * 500) / 1000)
+    assert tight.cost_usd == approx(2 * 1.0 + 1 * 3.0)  # the cheap site is full, one GPU-hour costs 3
     wide = bound(sites, [0.0], [3 * H], [3.0])  # three hours: all of it on the clean site
-    assert wide.carbon_kg == pytest.approx(3 * 100 / 1000)
-    assert wide.cost_usd == pytest.approx(3 * 1.0)
+    assert wide.carbon_kg == approx(3 * 100 / 1000)
+    assert wide.cost_usd == approx(3 * 1.0)
 
 
 def test_carbon_uses_each_sites_power_and_energy_the_lowest_power():
     sites = facts([[200.0], [200.0]], [1, 1], power=[0.4, 0.8])
     r = bound(sites, [0.0], [H], [2.0])  # both sites are needed for one hour
-    assert r.carbon_kg == pytest.approx((0.4 + 0.8) * 200 / 1000)
-    assert r.energy_kwh == pytest.approx(2.0 * 0.4)  # a lower bound, not the LP's energy (1.2 kWh)
+    assert r.carbon_kg == approx((0.4 + 0.8) * 200 / 1000)
+    assert r.energy_kwh == approx(2.0 * 0.4)  # a lower bound, not the LP's energy (1.2 kWh)
 
 
 def test_a_site_without_gpus_is_never_used_nor_sets_the_energy():
     sites = facts([[1.0], [900.0]], [0, 1], power=[0.1, 0.5])
     r = bound(sites, [0.0], [H], [1.0])
-    assert r.carbon_kg == pytest.approx(0.5 * 900 / 1000)
-    assert r.energy_kwh == pytest.approx(0.5)
+    assert r.carbon_kg == approx(0.5 * 900 / 1000)
+    assert r.energy_kwh == approx(0.5)
 
 
 def test_window_is_rounded_outward_to_whole_hours():
     # [1800 s, 5400 s) touches hours 0 and 1, so the job may use either, and never hour 2 (the cleanest).
     sites = facts([[100.0, 300.0, 10.0]], [1], power=[0.5])
     r = bound(sites, [1800.0], [5400.0], [2.0])
-    assert r.carbon_kg == pytest.approx(0.5 * (100 + 300) / 1000)
+    assert r.carbon_kg == approx(0.5 * (100 + 300) / 1000)
     one = bound(sites, [1800.0], [5400.0], [1.0])
-    assert one.carbon_kg == pytest.approx(0.5 * 100 / 1000)
+    assert one.carbon_kg == approx(0.5 * 100 / 1000)
     # A window ending exactly on an hour boundary does not reach the next hour.
-    assert bound(sites, [0.0], [2 * H], [2.0]).carbon_kg == pytest.approx(0.5 * 400 / 1000)
+    assert bound(sites, [0.0], [2 * H], [2.0]).carbon_kg == approx(0.5 * 400 / 1000)
     # A window ending a second after it does.
-    assert bound(sites, [3600.0], [2 * H + 1], [1.0]).carbon_kg == pytest.approx(0.5 * 10 / 1000)
+    assert bound(sites, [3600.0], [2 * H + 1], [1.0]).carbon_kg == approx(0.5 * 10 / 1000)
 
 
 def test_no_work_gives_zero_and_solves_nothing():
@@ -108,16 +113,16 @@ def test_jobs_with_no_work_are_counted_but_cost_nothing():
     sites = facts([[100.0, 300.0]], [1])
     r = bound(sites, [0.0, 0.0], [H, 2 * H], [1.0, 0.0])
     assert r.jobs == 2 and r.gpu_hours == 1.0
-    assert r.carbon_kg == pytest.approx(0.1)
+    assert r.carbon_kg == approx(0.1)
     # A job of zero duration (submit = deadline = end) needs no window.
-    assert bound(sites, [0.0, 600.0], [H, 600.0], [1.0, 0.0]).carbon_kg == pytest.approx(0.1)
+    assert bound(sites, [0.0, 600.0], [H, 600.0], [1.0, 0.0]).carbon_kg == approx(0.1)
 
 
 def test_as_dict_is_json_ready():
     sites = facts([[100.0, 300.0]], [1], power=[0.5], price=[2.0])
     d = bound(sites, [0.0], [2 * H], [1.0]).as_dict()
     back = json.loads(json.dumps(d))
-    assert back["carbon_kg"] == pytest.approx(0.05) and back["relaxation"] == "none"
+    assert back["carbon_kg"] == approx(0.05) and back["relaxation"] == "none"
     assert set(back) == {"carbon_kg", "cost_usd", "energy_kwh", "jobs", "gpu_hours", "variables",
                          "constraints", "solve_s", "relaxation"}
     assert all(type(v) in (int, float, str) for v in d.values())
@@ -143,7 +148,7 @@ def test_too_much_work_for_the_capacity_is_an_error_naming_the_hours():
 def test_the_same_work_fits_when_its_window_is_long_enough():
     sites = facts([[100.0, 300.0, 200.0]], [1])
     r = bound(sites, [0.0, 0.0, 0.0], [2 * H, 2 * H, 3 * H], [1.0, 1.0, 1.0])
-    assert r.carbon_kg == pytest.approx((100 + 300 + 200) / 1000)
+    assert r.carbon_kg == approx((100 + 300 + 200) / 1000)
 
 
 def test_a_window_past_the_data_names_the_job_and_the_hour():
@@ -310,8 +315,8 @@ def test_equals_the_naive_lp_on_a_hundred_jobs_with_windows_up_to_two_days():
     r = offline_bound(sites, release, end, work)
     naive_carbon, naive_cost = naive_lp(sites, release, end, work)
     assert r.relaxation == "none"
-    assert r.carbon_kg == pytest.approx(naive_carbon, rel=1e-6)
-    assert r.cost_usd == pytest.approx(naive_cost, rel=1e-6)
+    assert r.carbon_kg == approx(naive_carbon, rel=1e-5)
+    assert r.cost_usd == approx(naive_cost, rel=1e-5)
     assert r.variables < 120 * 3 * 25  # far fewer than the naive LP's job × site × hour variables
 
 
@@ -328,7 +333,8 @@ def federations(draw, max_hours: int = 8):
 
 
 def below(bound_value: float, schedule_value: float) -> bool:
-    return bound_value <= schedule_value * (1 + 1e-9) + 1e-12
+    """At or below, up to the LP solver's tolerance (a few parts in 10 million)."""
+    return bound_value <= schedule_value * (1 + 1e-6) + 1e-9
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -352,8 +358,8 @@ def test_bound_never_exceeds_an_hourly_greedy_schedule_and_equals_the_naive_lp(s
     assert below(r.carbon_kg, carbon)
     assert below(r.cost_usd, cost)
     naive_carbon, naive_cost = naive_lp(sites, release, end, work)
-    assert r.carbon_kg == pytest.approx(naive_carbon, rel=1e-6, abs=1e-9)
-    assert r.cost_usd == pytest.approx(naive_cost, rel=1e-6, abs=1e-9)
+    assert r.carbon_kg == approx(naive_carbon, rel=1e-5, abs=1e-6)
+    assert r.cost_usd == approx(naive_cost, rel=1e-5, abs=1e-6)
     assert r.energy_kwh <= float((used * sites.power_kw_per_gpu[:, None]).sum()) * (1 + 1e-9)
 
 

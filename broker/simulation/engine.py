@@ -48,7 +48,7 @@ from broker.cycle import PassDecider
 from broker.models import SiteSpec
 from policies.filters.gpu_fit import GpuFitFilter
 from policies.pipeline import Pipeline
-from policies.snapshot import MODEL_INDEX, N_MODELS, JobRequest, Snapshot, build_snapshot
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, build_snapshot
 
 from broker.simulation.results import PolicyRun, SiteFacts
 from broker.simulation.workload import Workload
