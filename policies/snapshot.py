@@ -9,8 +9,10 @@ later decisions in the same cycle see it (Kueue's "assume" step).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from zoneinfo import ZoneInfo
 
 import numpy as np
 
@@ -34,6 +36,9 @@ class JobRequest:
     denied_regions: frozenset[str]
     priority: int = 0
     excluded_sites: frozenset[str] = frozenset()  # sites that already refused this attempt
+    duration_s: float = 3600.0  # the expected run time the submitter gave
+    origin_region: str | None = None  # where the job's data and users are
+    latency_slo_ms: float | None = None  # most RTT from origin_region allowed (a hard filter)
 
     @classmethod
     def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset()) -> JobRequest:
@@ -48,6 +53,9 @@ class JobRequest:
             denied_regions=frozenset(spec.denied_regions),
             priority=spec.priority,
             excluded_sites=excluded_sites,
+            duration_s=spec.duration_s,
+            origin_region=spec.origin_region,
+            latency_slo_ms=spec.latency_slo_ms,
         )
 
     @property
@@ -58,7 +66,8 @@ class JobRequest:
     def shape(self) -> tuple[object, ...]:
         """Everything placement looks at: two requests of one shape get the same answer."""
         return (self.count, self.milli, self.model, self.memory_gib, self.allowed_regions,
-                self.denied_regions, self.excluded_sites)
+                self.denied_regions, self.excluded_sites,
+                self.origin_region if self.latency_slo_ms is not None else None, self.latency_slo_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +89,14 @@ class Snapshot:
     carbon_g_per_kwh: np.ndarray = field(default_factory=lambda: np.zeros(0))  # float64[n_sites]: NaN unknown
     last_placed: np.ndarray = field(default_factory=lambda: np.full(1, -1, dtype=np.int64))  # [site of the last placement]
     has_model_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), repr=False)  # cache of has_model
+    rtt_ms: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # float64[n_sites, n_origins]: NaN unmeasured
+    origin_index: dict[str, int] = field(default_factory=dict)  # origin region -> rtt_ms column
+    latitude: np.ndarray = field(default_factory=lambda: np.zeros(0))  # degrees north, per site
+    longitude: np.ndarray = field(default_factory=lambda: np.zeros(0))  # degrees east, per site
+    utc_offset_h: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the site's local time - UTC, at ``now``
+    carbon_forecast: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # g/kWh [n_sites, hours from now's hour]
+    temperature_c: np.ndarray = field(default_factory=lambda: np.zeros(0))  # hottest GPU, per site (0 unknown)
+    queue_depth: np.ndarray = field(default_factory=lambda: np.zeros(0))  # jobs waiting at the site
 
     @property
     def n_sites(self) -> int:
@@ -153,6 +170,19 @@ def build_snapshot(
             total[i, j] = cap.total_gpus
             free[i, j] = cap.free_gpus
             milli[i, j] = cap.shared_free_milli
+    origins = sorted({o for spec in specs for o in spec.rtt_ms})
+    rtt = np.full((n, len(origins)), np.nan)
+    column = {o: k for k, o in enumerate(origins)}
+    for i, spec in enumerate(specs):
+        for o, ms in spec.rtt_ms.items():
+            rtt[i, column[o]] = ms
+    temperature = np.zeros(n)
+    queue = np.zeros(n)
+    for i, spec in enumerate(specs):
+        state = states.get(spec.name)
+        if state is not None:
+            temperature[i] = state.telemetry.temperature_c_max
+            queue[i] = state.telemetry.queue_depth
     return Snapshot(
         now=now,
         sites=tuple(s.name for s in specs),
@@ -168,4 +198,26 @@ def build_snapshot(
         index={s.name: i for i, s in enumerate(specs)},
         rank=np.array([configured[s.name] for s in specs], dtype=np.int32),
         carbon_g_per_kwh=np.array([(carbon_g_per_kwh or {}).get(s.name, np.nan) for s in specs], dtype=np.float64),
+        rtt_ms=rtt,
+        origin_index=column,
+        latitude=np.array([s.latitude for s in specs], dtype=np.float64),
+        longitude=np.array([s.longitude for s in specs], dtype=np.float64),
+        utc_offset_h=utc_offsets(specs, now),
+        temperature_c=temperature,
+        queue_depth=queue,
     )
+
+
+def utc_offsets(specs: list[SiteSpec], when: datetime) -> np.ndarray:
+    """Each site's local time minus UTC at ``when``, in hours (daylight saving included)."""
+    return np.array([_offset_h(s.timezone, when) for s in specs], dtype=np.float64)
+
+
+@functools.lru_cache(maxsize=65536)
+def _offset_hour(timezone: str, hour: int) -> float:
+    offset = datetime.fromtimestamp(hour * 3600, tz=ZoneInfo(timezone)).utcoffset()
+    return offset.total_seconds() / 3600.0 if offset is not None else 0.0
+
+
+def _offset_h(timezone: str, when: datetime) -> float:
+    return _offset_hour(timezone, int(when.timestamp() // 3600))

@@ -167,9 +167,14 @@ def test_property_no_policy_emits_less_than_the_bound(
     bound = result.offline_bound
     assert bound is not None
     for run in result.policies.values():
-        assert run.metrics["carbon_kg"] >= bound["carbon_kg"] * (1 - 1e-9) - 1e-12
-        assert run.metrics["cost_usd"] >= bound["cost_usd"] * (1 - 1e-9) - 1e-12
-        assert run.metrics["energy_kwh"] == pytest.approx(bound["energy_kwh"])  # one GPU model: same energy
+        m = run.metrics
+        # Each policy's own bound (the offline bound, or with its late jobs' windows reaching their ends).
+        assert m["carbon_kg"] >= m["bound_carbon_kg"]
+        assert m["cost_usd"] >= m["bound_cost_usd"]
+        assert m["gap_to_bound"] >= 0
+        if m["deadline_misses"] == 0:  # a policy that met every deadline is bounded by the offline bound itself
+            assert m["bound_carbon_kg"] == bound["carbon_kg"]
+        assert m["energy_kwh"] == pytest.approx(bound["energy_kwh"])  # one GPU model: same energy
 
 
 def _trace(spec: SimulationSpec, rows: str, columns: str = "submit=submit,duration=seconds,gpus=gpus,tenant=team") -> None:

@@ -118,10 +118,14 @@ def requests_of(workload: Workload) -> list[JobRequest]:
     """Each job's placement request, as the live cycle builds it from the job's spec."""
     empty: frozenset[str] = frozenset()
     out = []
-    for i, (count, milli, model) in enumerate(zip(workload.gpus.tolist(), workload.milli.tolist(),
-                                                  workload.model.tolist(), strict=True)):
+    regions = workload.region_names
+    for i, (count, milli, model, estimate, origin, slo) in enumerate(zip(
+            workload.gpus.tolist(), workload.milli.tolist(), workload.model.tolist(),
+            workload.estimated_duration_s.tolist(), workload.origin_region.tolist(), workload.latency_slo_ms.tolist(),
+            strict=True)):
         out.append(JobRequest(job_id=str(i), count=count, milli=milli, model=model, memory_gib=0.0,
-                              allowed_regions=empty, denied_regions=empty))
+                              allowed_regions=empty, denied_regions=empty, duration_s=estimate,
+                              origin_region=regions[origin], latency_slo_ms=None if slo != slo else slo))
     return out
 
 

@@ -25,6 +25,9 @@ Defaults: prices, latency and region coordinates come from the copies shipped in
 from __future__ import annotations
 
 import calendar
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
@@ -74,6 +77,7 @@ class SimulationSpec:
     seed: int = 0
     lifecycle: bool = False
     bound: bool = True
+    workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
 
 
@@ -228,15 +232,19 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
     result = SimulationResult(start=w.start, sites=facts, submit_s=w.submit_s, deadline_s=w.deadline_s, gpus=held,
                               tenant=w.tenant, tenant_names=w.tenant_names, left_out=prep.left_out,
                               report=prep.report)
-    for name in spec.policies:
-        bar = _bar(name, int((~prep.left_out).sum())) if progress else None
-        try:
-            run = engine.replay(name, policy(name), w, prep.federation, prep.requests, prep.left_out,
-                                progress=None if bar is None else (lambda n, b=bar: b.update(n - b.n)))
-        finally:
-            if bar is not None:
-                bar.close()
-        result.policies[name] = run
+    workers = min(len(spec.policies), spec.workers or os.cpu_count() or 1)
+    if workers > 1 and int((~prep.left_out).sum()) >= PARALLEL_FROM_JOBS:
+        result.policies.update(_replay_in_parallel(prep, list(spec.policies), workers, progress))
+    else:
+        for name in spec.policies:
+            bar = _bar(name, int((~prep.left_out).sum())) if progress else None
+            try:
+                run = engine.replay(name, policy(name), w, prep.federation, prep.requests, prep.left_out,
+                                    progress=None if bar is None else (lambda n, b=bar: b.update(n - b.n)))
+            finally:
+                if bar is not None:
+                    bar.close()
+            result.policies[name] = run
     ran = ~prep.left_out
     bounds: dict[str, dict[str, object]] = {}
     if ran.any() and result.policies:
@@ -256,6 +264,42 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
         m["replay_s"] = round(run.wall_s, 3)
         run.metrics = m
     return result
+
+
+PARALLEL_FROM_JOBS = 5_000
+"""Below this many jobs the policies replay one after the other: starting worker processes (about a
+second each) would cost more than the replays."""
+
+_SHARED: Prepared | None = None  # what a worker process replays (sent once, when it starts)
+
+
+def _worker_init(prep: Prepared) -> None:
+    global _SHARED
+    _SHARED = prep
+
+
+def _replay_one(name: str) -> engine.PolicyRun:
+    assert _SHARED is not None
+    p = _SHARED
+    return engine.replay(name, policy(name), p.workload, p.federation, p.requests, p.left_out)
+
+
+def _replay_in_parallel(prep: Prepared, names: list[str], workers: int, progress: bool) -> dict[str, engine.PolicyRun]:
+    """Each policy in a worker process (replays are independent; fresh "spawn" processes, so no thread or
+    lock of this one is inherited); results in ``names`` order."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                             initargs=(prep,)) as pool:
+        futures = {name: pool.submit(_replay_one, name) for name in names}
+        bar = _bar("policies", len(names), unit="policy") if progress else None
+        try:
+            for _ in as_completed(futures.values()):
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return {name: futures[name].result() for name in names}
 
 
 def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray,
@@ -301,10 +345,10 @@ def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray,
     return offline, per_policy
 
 
-def _bar(name: str, total: int):  # noqa: ANN202 - tqdm's type
+def _bar(name: str, total: int, unit: str = "job"):  # noqa: ANN202 - tqdm's type
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=name, unit="job", disable=None, leave=False, mininterval=0.5)
+    return tqdm(total=total, desc=name, unit=unit, disable=None, leave=False, mininterval=0.5)
 
 
 def as_json(result: SimulationResult) -> dict[str, object]:
