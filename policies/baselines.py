@@ -14,6 +14,7 @@ nowhere stays queued until capacity frees. ``heliotrope simulate --policy NAME``
   (``spillover``).
 - ``baseline-carbon-greedy``: the lowest grid intensity at submit time, no waiting (``carbon_now``).
 - ``default``: the live broker's pipeline of this release (most free GPUs).
+- ``balanced``, ``green``, ``cheap``, ``fast``: heliotrope's own profiles (``policies/profiles.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from policies.filters.gpu_fit import GpuFitFilter
 from policies.filters.health import HealthyFilter
 from policies.filters.region import RefusedFilter, RegionFilter
 from policies.pipeline import Pipeline, Weighted, default_pipeline
+from policies.profiles import BUILTIN, profile_pipeline
 from policies.scorers import Scorer
 from policies.scorers.carbon_now import CarbonNowScorer
 from policies.scorers.cheapest import CheapestScorer
@@ -49,11 +51,14 @@ POLICIES: dict[str, Callable[[], Pipeline]] = {
     "baseline-carbon-greedy": _one(CarbonNowScorer()),
     "default": default_pipeline,
 }
+for _name in BUILTIN:  # heliotrope's own profiles, under their names
+    POLICIES[_name] = (lambda name: lambda: profile_pipeline(name))(_name)
 
 
-COMPARED: tuple[str, ...] = tuple(n for n in POLICIES if n != "default")
-"""What ``--compare all`` runs: every policy but ``default``, which in this release ranks sites as
-``baseline-least-loaded`` does on one-model federations (most free GPUs)."""
+COMPARED: tuple[str, ...] = tuple(n for n in POLICIES if n.startswith("baseline-"))
+"""What ``--compare all`` runs: the baselines. ``default`` ranks sites as ``baseline-least-loaded`` does on
+one-model federations (most free GPUs). The profiles run by name (``--policy green``, ``--compare
+green,cheap``); they join ``all`` once their forecasts and time-shifting land in the simulator."""
 
 
 class UnknownPolicy(ValueError):

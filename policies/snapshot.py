@@ -221,3 +221,12 @@ def _offset_hour(timezone: str, hour: int) -> float:
 
 def _offset_h(timezone: str, when: datetime) -> float:
     return _offset_hour(timezone, int(when.timestamp() // 3600))
+
+
+def replace_forecast(snap: Snapshot, carbon_forecast: np.ndarray) -> Snapshot:
+    """``snap`` with an hourly intensity forecast per site (rows in site order, from ``now``'s hour)."""
+    forecast = np.asarray(carbon_forecast, dtype=np.float64)
+    if forecast.ndim != 2 or forecast.shape[0] != snap.n_sites:
+        raise ValueError(f"carbon_forecast must be [n_sites={snap.n_sites}, hours], not {list(forecast.shape)}")
+    now_values = forecast[:, 0] if forecast.shape[1] else np.full(snap.n_sites, np.nan)
+    return replace(snap, carbon_forecast=forecast, carbon_g_per_kwh=now_values)

@@ -1,0 +1,28 @@
+"""Latency objective: a job with ``latency_slo_ms`` runs only where the round-trip time from its
+``origin_region`` is at most that. Units: milliseconds. A site with no measured RTT from the job's origin
+cannot show it meets the objective and is rejected. Jobs without an objective pass everywhere (None).
+Turn it off by leaving it out of the pipeline's filters."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.filters import FitView
+from policies.snapshot import JobRequest, Snapshot
+
+
+class LatencyFilter:
+    code = "latency-objective"
+
+    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray | None:
+        if req.latency_slo_ms is None:
+            return None
+        column = snap.origin_index.get(req.origin_region or "")
+        if column is None:
+            return np.zeros(snap.n_sites, dtype=bool)
+        rtt = snap.rtt_ms[:, column]
+        return ~np.isnan(rtt) & (rtt <= req.latency_slo_ms)
+
+    def describe(self, req: JobRequest, view: FitView, site: int) -> str:
+        return (f"the RTT from {req.origin_region} is over the job's latency objective of "
+                f"{req.latency_slo_ms:g} ms (or not measured)")

@@ -1,0 +1,140 @@
+"""Profiles: named weightings of the scorers, chosen per federation and overridable per job within limits.
+
+A profile is a set of scorer weights (each finite and >= 0; 0 or absent turns a scorer off). Every profile
+runs the same filters: health, region, latency objective, refused, GPU fit. The built-in profiles:
+
+- ``balanced``: carbon 0.5, cost 0.5, latency 0.25, free GPUs 0.1, off-peak 0.1, telemetry 0.1 — a bit of
+  everything, carbon and money first.
+- ``green``: carbon 1.0, cost 0.05, telemetry 0.05 — the cleanest grid over the job's run.
+- ``cheap``: cost 1.0, carbon 0.05, telemetry 0.05 — the lowest price.
+- ``fast``: latency 1.0, free GPUs 0.5, telemetry 0.25 — near the users, on the least loaded site.
+
+Scorer names: ``carbon``, ``cost``, ``latency``, ``free_gpus``, ``least_loaded``, ``follow_sun_offpeak``,
+``follow_sun_solar``, ``telemetry``, ``carbon_now``, ``cheapest``, ``round_robin``, ``spillover`` (see
+``policies/scorers/``). Configuration (``profiles:`` in the federation YAML) may redefine a built-in
+profile or add one; an unknown scorer or a negative weight is an error naming the profile and the scorer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from policies.filters.gpu_fit import GpuFitFilter
+from policies.filters.health import HealthyFilter
+from policies.filters.latency import LatencyFilter
+from policies.filters.region import RefusedFilter, RegionFilter
+from policies.pipeline import Pipeline, Weighted
+from policies.scorers import Scorer
+from policies.scorers.carbon import CarbonScorer
+from policies.scorers.carbon_now import CarbonNowScorer
+from policies.scorers.cheapest import CheapestScorer
+from policies.scorers.cost import CostScorer
+from policies.scorers.follow_sun import FollowSunScorer
+from policies.scorers.free_gpus import FreeGpusScorer
+from policies.scorers.latency import LatencyScorer
+from policies.scorers.least_loaded import LeastLoadedScorer
+from policies.scorers.round_robin import RoundRobinScorer
+from policies.scorers.spillover import SpilloverScorer
+from policies.scorers.telemetry import TelemetryScorer
+
+SCORERS: dict[str, Callable[[], Scorer]] = {
+    "carbon": CarbonScorer,
+    "cost": CostScorer,
+    "latency": LatencyScorer,
+    "free_gpus": FreeGpusScorer,
+    "least_loaded": LeastLoadedScorer,
+    "follow_sun_offpeak": lambda: FollowSunScorer("offpeak"),
+    "follow_sun_solar": lambda: FollowSunScorer("solar"),
+    "telemetry": TelemetryScorer,
+    "carbon_now": CarbonNowScorer,
+    "cheapest": CheapestScorer,
+    "round_robin": RoundRobinScorer,
+    "spillover": SpilloverScorer,
+}
+
+BUILTIN: dict[str, dict[str, float]] = {
+    "balanced": {"carbon": 0.5, "cost": 0.5, "latency": 0.25, "free_gpus": 0.1, "follow_sun_offpeak": 0.1,
+                 "telemetry": 0.1},
+    "green": {"carbon": 1.0, "cost": 0.05, "telemetry": 0.05},
+    "cheap": {"cost": 1.0, "carbon": 0.05, "telemetry": 0.05},
+    "fast": {"latency": 1.0, "free_gpus": 0.5, "telemetry": 0.25},
+}
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the profile and the scorer or field."""
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weights: dict[str, float] = Field(description="scorer name -> weight (>= 0; 0 turns the scorer off)")
+
+    @field_validator("weights")
+    @classmethod
+    def _known_and_non_negative(cls, weights: dict[str, float]) -> dict[str, float]:
+        for name, w in weights.items():
+            if name not in SCORERS:
+                raise ValueError(f"unknown scorer {name!r}; scorers are: {', '.join(SCORERS)}")
+            if not math.isfinite(w) or w < 0:
+                raise ValueError(f"scorer {name}: weight must be a finite number >= 0, got {w}")
+        if not any(w > 0 for w in weights.values()):
+            raise ValueError("at least one scorer needs a weight above 0")
+        return weights
+
+
+class ProfilesConfig(BaseModel):
+    """``profiles:`` in the federation config: the default profile, the ones jobs may ask for, and
+    definitions that add profiles or replace built-in ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    default: str = "balanced"
+    job_may_choose: list[str] = Field(default_factory=lambda: list(BUILTIN),
+                                      description="profiles a job may name in its spec; [] forbids overrides")
+    definitions: dict[str, Profile] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _names_exist(self) -> ProfilesConfig:
+        known = set(BUILTIN) | set(self.definitions)
+        for name in [self.default, *self.job_may_choose]:
+            if name not in known:
+                raise ValueError(f"profile {name!r} is not defined; profiles are: {', '.join(sorted(known))}")
+        return self
+
+    def weights(self, name: str) -> dict[str, float]:
+        if name in self.definitions:
+            return dict(self.definitions[name].weights)
+        if name in BUILTIN:
+            return dict(BUILTIN[name])
+        raise ProfileError(f"profile {name!r} is not defined; profiles are: "
+                           f"{', '.join(sorted(set(BUILTIN) | set(self.definitions)))}")
+
+    def choose(self, requested: str | None) -> str:
+        """The profile a job runs under: its own when allowed, else the federation's default."""
+        if requested is None:
+            return self.default
+        if requested not in self.job_may_choose:
+            raise ProfileError(f"profile {requested!r} may not be chosen by a job here; allowed: "
+                               f"{', '.join(self.job_may_choose) or 'none'}")
+        return requested
+
+
+def filters() -> tuple:
+    return (HealthyFilter(), RegionFilter(), LatencyFilter(), RefusedFilter(), GpuFitFilter())
+
+
+def pipeline_for(weights: Mapping[str, float]) -> Pipeline:
+    """The pipeline of a profile: every filter, then each scorer with its weight."""
+    for name in weights:
+        if name not in SCORERS:
+            raise ProfileError(f"unknown scorer {name!r}; scorers are: {', '.join(SCORERS)}")
+    return Pipeline(filters=filters(),
+                    scorers=tuple(Weighted(SCORERS[name](), float(w)) for name, w in weights.items()))
+
+
+def profile_pipeline(name: str, config: ProfilesConfig | None = None) -> Pipeline:
+    return pipeline_for((config or ProfilesConfig()).weights(name))

@@ -1,0 +1,67 @@
+"""Carbon: prefer the site whose grid is forecast cleanest over the job's run.
+
+Raw value: kg CO2e = the job's estimated energy (GPUs held × the board power of the lowest-power model at
+the site it could use with room, in kW, × expected duration in hours) × the site zone's mean forecast
+intensity (g/kWh) over the hours from now to now + duration / 1000. The forecast is the snapshot's
+``carbon_forecast`` (hourly, from the hour containing ``now``); beyond its horizon the last forecast hour
+stands for the rest of the run; without a forecast the current intensity (``carbon_g_per_kwh``) is used; a
+site with neither ranks after every known one. Lower is better. Weight from the profile (``green`` 1.0,
+``balanced`` 0.5); 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from broker import ids
+from policies.filters.gpu_fit import fit_matrix
+from policies.scorers._usable import unknown_last, usable_models
+from policies.scorers.cost import gpus_held
+from policies.snapshot import JobRequest, Snapshot
+
+_TDP_KW = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in ids.GPU_MODEL_IDS], dtype=np.float64)
+
+
+def window_mean(forecast: np.ndarray, offset_h: float, duration_h: float) -> np.ndarray:
+    """Mean of each row of an hourly ``forecast`` over ``[offset_h, offset_h + duration_h)`` hours from its
+    first hour, partial hours pro rata; hours past the forecast's end take its last value."""
+    hours = forecast.shape[1]
+    cum = np.zeros((forecast.shape[0], hours + 1))
+    np.cumsum(forecast, axis=1, out=cum[:, 1:])
+
+    def integral(t: float) -> np.ndarray:
+        if t >= hours:
+            return cum[:, hours] + (t - hours) * forecast[:, hours - 1]
+        h = int(t)
+        return cum[:, h] + (t - h) * forecast[:, h]
+
+    span = max(duration_h, 1e-9)
+    return (integral(offset_h + span) - integral(offset_h)) / span
+
+
+def run_intensity(req: JobRequest, snap: Snapshot, start_offset_h: float = 0.0) -> np.ndarray:
+    """Mean forecast g/kWh per site over a run starting ``start_offset_h`` hours after ``now``."""
+    duration_h = req.duration_s / 3600.0
+    if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1] > 0:
+        into_hour = (snap.now.minute * 60 + snap.now.second + snap.now.microsecond / 1e6) / 3600.0
+        return window_mean(snap.carbon_forecast, into_hour + start_offset_h, duration_h)
+    if snap.carbon_g_per_kwh.size == snap.n_sites:
+        return snap.carbon_g_per_kwh.astype(np.float64)
+    return np.full(snap.n_sites, np.nan)
+
+
+def power_kw(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    """kW the job would draw per site: GPUs held × the lowest-power usable model with room."""
+    ok = usable_models(req, snap) & fit_matrix(req, snap)
+    tdp = np.where(ok, _TDP_KW[None, :], np.nan)
+    with np.errstate(invalid="ignore"):
+        return np.fmin.reduce(tdp, axis=1) * gpus_held(req)
+
+
+class CarbonScorer:
+    name = "carbon"
+    higher_is_better = False
+
+    def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
+        energy_kwh = power_kw(req, snap) * req.duration_s / 3600.0
+        return unknown_last(energy_kwh * run_intensity(req, snap) / 1000.0)

@@ -1,0 +1,31 @@
+"""Cost: prefer the site where the job costs least.
+
+Raw value: US dollars = price per GPU-hour of the cheapest model at the site that the job can use and that
+has room now × GPUs held (``milli / 1000`` of one for a fractional job) × the job's expected duration in
+hours. Lower is better; an unpriced site ranks after every priced one. Prices are the snapshot's
+``usd_per_gpu_hour``: the site spec's static prices, or a price provider's when one is configured
+(``broker.providers.prices``). Weight from the profile (``cheap`` 1.0, ``balanced`` 0.5); 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.filters.gpu_fit import fit_matrix
+from policies.scorers._usable import unknown_last, usable_models
+from policies.snapshot import JobRequest, Snapshot
+
+
+def gpus_held(req: JobRequest) -> float:
+    return req.count * (req.milli / 1000.0 if req.fractional else 1.0)
+
+
+class CostScorer:
+    name = "cost"
+    higher_is_better = False
+
+    def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
+        prices = np.where(usable_models(req, snap) & fit_matrix(req, snap), snap.usd_per_gpu_hour, np.nan)
+        with np.errstate(invalid="ignore"):
+            best = np.fmin.reduce(prices, axis=1)
+        return unknown_last(best * gpus_held(req) * req.duration_s / 3600.0)

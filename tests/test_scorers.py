@@ -1,0 +1,140 @@
+"""The routing scorers and profiles on real data: which site wins, and why, at named hours.
+
+Sites are the demo federation's (config/demo.yaml: real GCP prices and measured RTTs); intensities are the
+shipped Electricity Maps slice (data/carbon, June 2022). Every site is healthy with all its GPUs free.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from broker import ids
+from broker.config import load_config
+from broker.data.carbon import load_carbon
+from broker.models import Health, ModelCapacity, SiteState, Telemetry
+from policies.profiles import ProfileError, ProfilesConfig, pipeline_for, profile_pipeline
+from policies.scorers.carbon import CarbonScorer
+from policies.scorers.cost import CostScorer
+from policies.scorers.follow_sun import FollowSunScorer, sun_elevation_sine
+from policies.scorers.latency import LatencyScorer
+from policies.scorers.telemetry import TelemetryScorer
+from policies.snapshot import JobRequest, build_snapshot, replace_forecast
+
+ROOT = Path(__file__).resolve().parents[1]
+SITES = load_config(ROOT / "config" / "demo.yaml").sites
+CARBON = load_carbon(ROOT / "data" / "carbon")
+FRIDAY_1400 = datetime(2022, 6, 10, 14, tzinfo=UTC)  # 10:00 in Toronto, 15:00 London, 23:00 Tokyo, 00:00 Sydney
+
+
+def snapshot(now: datetime, temperatures: dict[str, float] | None = None):
+    states = {
+        s.name: SiteState(site=s.name, health=Health.HEALTHY, capacity=[
+            ModelCapacity(model=m, total_gpus=n, free_gpus=n, used_gpus=0, memory_gib_per_gpu=ids.GPU_MODEL_BY_ID[m].memory_gib)
+            for m, n in s.total_gpus().items()],
+            telemetry=Telemetry(temperature_c_max=(temperatures or {}).get(s.name, 0.0)))
+        for s in SITES
+    }
+    snap = build_snapshot(now, list(SITES), states)
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    forecast = np.vstack([CARBON.series(next(s for s in SITES if s.name == n).grid_zone, hour, 48) for n in snap.sites])
+    return replace_forecast(snap, forecast)
+
+
+def request(**kw) -> JobRequest:
+    base = dict(job_id="j", count=8, milli=1000, model="a100-80gb", memory_gib=0.0, allowed_regions=frozenset(),
+                denied_regions=frozenset(), duration_s=2 * 3600.0)
+    return JobRequest(**(base | kw))
+
+
+def winner(weights: dict[str, float], req: JobRequest, snap) -> str:
+    placement = pipeline_for(weights).decide(req, snap)
+    assert placement.placed
+    return snap.sites[placement.site]
+
+
+def test_carbon_prefers_the_grid_cleanest_over_the_run_and_says_by_how_much() -> None:
+    snap = snapshot(FRIDAY_1400)
+    raw = dict(zip(snap.sites, CarbonScorer().raw(request(), snap)))
+    # Sites with A100 80GB: ashburn (PJM), toronto (Ontario), frankfurt (DE), sydney (NSW).
+    on = CARBON.series("CA-ON", FRIDAY_1400, 2).mean()
+    assert raw["toronto"] == pytest.approx(8 * 0.4 * 2 * on / 1000)  # 8 GPUs × 400 W × 2 h × g/kWh
+    assert winner({"carbon": 1.0}, request(), snap) == "toronto"
+    assert raw["sydney"] > raw["frankfurt"] > raw["toronto"]
+
+
+def test_cost_prefers_the_cheapest_price_for_the_model_with_room() -> None:
+    snap = snapshot(FRIDAY_1400)
+    raw = dict(zip(snap.sites, CostScorer().raw(request(), snap)))
+    assert raw["toronto"] == pytest.approx(5.581 * 8 * 2)  # USD/GPU-h × GPUs × h
+    assert raw["sydney"] == pytest.approx(7.192 * 8 * 2)
+    assert winner({"cost": 1.0}, request(), snap) == "toronto"
+    # An L4 job: Toronto's L4 at 0.778 beats London's 0.805 and Sydney's 0.883.
+    assert winner({"cost": 1.0}, request(model="l4", count=1), snap) == "toronto"
+
+
+def test_latency_prefers_the_nearest_site_and_the_objective_filters() -> None:
+    snap = snapshot(FRIDAY_1400)
+    from_europe = request(model=None, count=1, origin_region="gcp:europe-west1")
+    raw = dict(zip(snap.sites, LatencyScorer().raw(from_europe, snap)))
+    assert min(raw, key=raw.get) in ("london", "frankfurt")
+    assert winner({"latency": 1.0}, from_europe, snap) == min(raw, key=raw.get)
+    tight = request(model=None, count=1, origin_region="gcp:europe-west1", latency_slo_ms=20.0)
+    placement = pipeline_for({"carbon": 1.0}).decide(tight, snap)
+    allowed = {s for s, ms in raw.items() if ms <= 20.0}
+    assert snap.sites[placement.site] in allowed  # carbon picks only among the sites within 20 ms
+    assert allowed and allowed != set(snap.sites)
+
+
+def test_offpeak_prefers_sites_outside_business_hours() -> None:
+    snap = snapshot(FRIDAY_1400)
+    raw = dict(zip(snap.sites, FollowSunScorer("offpeak").raw(request(duration_s=3600.0), snap)))
+    # Friday 14:00 UTC: 10:00 in Ashburn and Toronto, 15:00 London, 16:00 Frankfurt (business hours);
+    # 07:00 Los Angeles, 23:00 Tokyo, 00:00 Saturday Sydney (outside them).
+    assert {s for s, v in raw.items() if v == 1.0} == {"losangeles", "tokyo", "sydney"}
+    assert {s for s, v in raw.items() if v == 0.0} == {"ashburn", "toronto", "london", "frankfurt", "saopaulo"}
+    assert winner({"follow_sun_offpeak": 1.0}, request(), snap) == "sydney"
+
+
+def test_solar_follows_the_sun() -> None:
+    # London at its solar noon near the June solstice: elevation 90 - 51.5 + 23.4 = 61.9 degrees.
+    noon = datetime(2022, 6, 21, 12, 2, tzinfo=UTC).timestamp()
+    assert sun_elevation_sine(np.array([51.5]), np.array([-0.13]), np.array([noon]))[0, 0] == pytest.approx(
+        np.sin(np.radians(61.9)), abs=0.01)
+    snap = snapshot(FRIDAY_1400)
+    raw = dict(zip(snap.sites, FollowSunScorer("solar").raw(request(duration_s=3600.0), snap)))
+    assert raw["tokyo"] == 0.0 and raw["sydney"] == 0.0  # night
+    assert raw["london"] > 0.5 and raw["toronto"] > 0.5
+
+
+def test_telemetry_penalises_hot_gpus() -> None:
+    snap = snapshot(FRIDAY_1400, temperatures={"toronto": 85.0, "ashburn": 55.0})
+    raw = dict(zip(snap.sites, TelemetryScorer().raw(request(), snap)))
+    assert raw["toronto"] == pytest.approx(1.0) and raw["ashburn"] == 0.0
+    assert winner({"carbon": 0.5, "telemetry": 1.0}, request(), snap) != "toronto"
+
+
+def test_profiles_rank_the_same_hour_differently() -> None:
+    snap = snapshot(FRIDAY_1400)
+    job = request(model=None, count=1, origin_region="gcp:asia-east1", duration_s=4 * 3600.0)
+    chosen = {name: snap.sites[profile_pipeline(name).decide(job, snap).site] for name in ("green", "cheap", "fast")}
+    assert chosen["green"] in ("toronto", "saopaulo")  # the two cleanest grids
+    assert chosen["fast"] == "tokyo"  # nearest to Taiwan
+    assert chosen["cheap"] != chosen["fast"]
+
+
+def test_profiles_config_is_validated() -> None:
+    with pytest.raises(ValidationError, match="unknown scorer 'carbn'"):
+        ProfilesConfig(definitions={"mine": {"weights": {"carbn": 1.0}}})
+    with pytest.raises(ValidationError, match="weight must be a finite number >= 0"):
+        ProfilesConfig(definitions={"mine": {"weights": {"carbon": -1.0}}})
+    with pytest.raises(ValidationError, match="profile 'greener' is not defined"):
+        ProfilesConfig(default="greener")
+    config = ProfilesConfig(job_may_choose=["green"])
+    assert config.choose(None) == "balanced" and config.choose("green") == "green"
+    with pytest.raises(ProfileError, match="may not be chosen"):
+        config.choose("fast")
