@@ -6,7 +6,7 @@ shipped Electricity Maps slice (data/carbon, June 2022). Every site is healthy w
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
