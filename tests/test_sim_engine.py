@@ -249,3 +249,23 @@ def test_a_policy_gap_does_not_depend_on_the_other_policies(tiny: SimulationSpec
     assert together.policies["baseline-round-robin"].metrics["gap_to_bound"] == pytest.approx(alone["gap_to_bound"])
     for run in together.policies.values():
         assert run.metrics["gap_to_bound"] >= -1e-9
+
+
+def test_profiles_replay_with_forecasts_made_from_the_past_only(tiny: SimulationSpec) -> None:
+    from broker.data.carbon import load_carbon
+    from broker.simulation.forecasts import forecast_rows
+
+    tiny.policies = ["green", "baseline-carbon-greedy"]
+    result = simulate(tiny)
+    assert any(line.startswith("forecast: GB") for line in result.report)
+    assert result.policies["green"].metrics["jobs"] == 3
+    # With two weeks of history a zone gets seasonal-naive (24 h): the forecast for the next day repeats
+    # the last day, and nothing at or after the run's start is read.
+    carbon = load_carbon(Path(__file__).resolve().parents[1] / "data" / "carbon", zones=["GB"])
+    hour0 = datetime(2022, 6, 15, tzinfo=UTC)
+    report: list[str] = []
+    rows = forecast_rows(carbon, "GB", hour0, 5, report)
+    past = carbon.series("GB", hour0 - timedelta(hours=24), 24)
+    assert rows.shape == (5, 48)
+    assert rows[0, :24] == pytest.approx(past.astype(np.float32))
+    assert "seasonal-naive" in report[0]

@@ -48,7 +48,7 @@ from broker.cycle import PassDecider
 from broker.models import SiteSpec
 from policies.filters.gpu_fit import GpuFitFilter
 from policies.pipeline import Pipeline
-from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, build_snapshot
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, _offset_hour, build_snapshot
 
 from broker.simulation.results import PolicyRun, SiteFacts
 from broker.simulation.workload import Workload
@@ -71,6 +71,8 @@ class Federation:
     intensity: np.ndarray  # float64[n_sites, hours]
     cumulative: np.ndarray  # float64[n_sites, hours + 1]: integral of intensity in g/kWh·h from the start
     price: np.ndarray  # float64[n_sites, n_models]: USD per GPU-hour, NaN unpriced
+    forecast: np.ndarray | None = None  # float32[n_sites, hours, 48]: each hour's forecast of the next 48
+    utc_offset_h: np.ndarray | None = None  # float64[n_sites, hours]: local time - UTC in each hour
 
     @property
     def hours(self) -> int:
@@ -98,9 +100,10 @@ class Federation:
         return self.cumulative[site, h] + (hours - h) * self.intensity[site, h]
 
 
-def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.ndarray], start: datetime) -> Federation:
+def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.ndarray], start: datetime,
+                     forecast_by_zone: dict[str, np.ndarray] | None = None) -> Federation:
     """``specs`` in configured order (spillover's order); ``intensity_by_zone``: hourly values from ``start``,
-    every zone the same length."""
+    every zone the same length; ``forecast_by_zone``: [hours, 48] forecasts, when a policy reads them."""
     snap = build_snapshot(start, list(specs), {}, carbon_g_per_kwh=None)
     ordered = tuple(sorted(specs, key=lambda s: s.name))
     for i, spec in enumerate(ordered):
@@ -111,7 +114,14 @@ def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.
     intensity = np.vstack([intensity_by_zone[s.grid_zone] for s in ordered]).astype(np.float64)
     cumulative = np.zeros((len(ordered), intensity.shape[1] + 1))
     np.cumsum(intensity, axis=1, out=cumulative[:, 1:])
-    return Federation(ordered, snap, intensity, cumulative, snap.usd_per_gpu_hour)
+    forecast = None
+    offsets = None
+    if forecast_by_zone is not None:
+        forecast = np.stack([forecast_by_zone[s.grid_zone] for s in ordered])
+        hours = intensity.shape[1]
+        offsets = np.array([[_offset_hour(s.timezone, int(start.timestamp() // 3600) + h) for h in range(hours)]
+                            for s in ordered], dtype=np.float64)
+    return Federation(ordered, snap, intensity, cumulative, snap.usd_per_gpu_hour, forecast, offsets)
 
 
 def requests_of(workload: Workload) -> list[JobRequest]:
@@ -225,8 +235,13 @@ def replay(
         if not candidates:
             continue
         h = min(int(t // 3600.0), hours - 1)
-        snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
-                       carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor)
+        if federation.forecast is None:
+            snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
+                           carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor)
+        else:
+            snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
+                           carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor,
+                           carbon_forecast=federation.forecast[:, h, :], utc_offset_h=federation.utc_offset_h[:, h])
         decider = PassDecider(pipeline, snap)
         placed: set[int] = set()
         for j in candidates:

@@ -45,10 +45,12 @@ from broker.models import SiteSpec
 from broker.simulation import engine
 from broker.simulation.bound import BoundInfeasible, offline_bound
 from broker.simulation.federation import build_default_federation
+from broker.simulation.forecasts import forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
 from broker.simulation.results import SimulationResult, SiteFacts
 from broker.simulation.workload import Workload, WorkloadAssumptions, build_workload
 from policies.baselines import COMPARED, policy
+from policies.profiles import BUILTIN as PROFILES
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 DEFAULT_PRICES = DATA / "prices" / "gcp_gpu_instance_prices.csv"
@@ -150,7 +152,10 @@ def prepare(spec: SimulationSpec) -> Prepared:
     assumptions = WorkloadAssumptions.for_sites(sites, seed=spec.seed, **spec.assumptions)
     workload = _rebase(build_workload(trace, assumptions, start=first_job_at), hour0)
     report += [f"workload: {r}" for r in workload.report]
-    federation = engine.build_federation(sites, intensity, hour0)
+    forecasts = None
+    if any(name in PROFILES for name in spec.policies):  # profiles read forecasts; the baselines do not
+        forecasts = {z: forecast_rows(carbon, z, hour0, hours, report) for z in dict.fromkeys(s.grid_zone for s in sites)}
+    federation = engine.build_federation(sites, intensity, hour0, forecasts)
     for s in sites:
         unpriced = sorted(set(s.total_gpus()) - set(s.usd_per_gpu_hour))
         if unpriced:

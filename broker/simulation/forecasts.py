@@ -1,0 +1,48 @@
+"""The carbon forecasts a simulated broker sees: for every hour of the run, each zone's next 48 hours,
+made from the values before that hour only (``broker.forecast``).
+
+Per zone, the model is chosen the way the live broker chooses it: among seasonal-naive (24 h, 168 h) and
+damped Holt-Winters, the one with the lowest 1–48 h-ahead MAE on the zone's history *before the run
+starts* (Holt-Winters is fitted on that history too); nothing after the run's start is used to choose or
+fit. With less than three weeks of history the zone gets seasonal-naive (24 h), reported. Built only when
+a replayed policy reads forecasts (the profiles); the baselines see the current intensity only.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import numpy as np
+
+from broker.data.carbon import CarbonData
+from broker.forecast import DEFAULT_MODELS, WARMUP_H, SeasonalNaive, forecast_matrix, mae
+
+HORIZON_H = 48
+_HOUR = timedelta(hours=1)
+_MIN_HISTORY_H = 21 * 24
+
+
+def forecast_rows(carbon: CarbonData, zone: str, hour0: datetime, hours: int,
+                  report: list[str]) -> np.ndarray:
+    """float32[hours, HORIZON_H]: row h is the forecast made at the start of run hour h (hour0 + h)."""
+    start, end = carbon.span(zone)
+    y = np.asarray(carbon.series(zone, start, (end - start) // _HOUR), dtype=np.float64)
+    k0 = (hour0 - start) // _HOUR
+    history = y[:k0]
+    model = SeasonalNaive(24)
+    if k0 >= _MIN_HISTORY_H:
+        best = None
+        for candidate in DEFAULT_MODELS:
+            fitted = candidate.fit(history, horizon=HORIZON_H, score_from=WARMUP_H, zone=zone)
+            score = mae(forecast_matrix(fitted, history, HORIZON_H, zone=zone), history, WARMUP_H, k0 - HORIZON_H)
+            if best is None or score < best[0]:
+                best = (score, fitted)
+        assert best is not None
+        model = best[1]
+        report.append(f"forecast: {zone}: {model.name}, {best[0]:.1f} g/kWh MAE over the {k0} h before the run")
+    else:
+        report.append(f"forecast: {zone}: only {k0} h of history before the run; seasonal-naive (24 h)")
+    rows = forecast_matrix(model, y[:k0 + hours], HORIZON_H, zone=zone)[k0:k0 + hours]
+    if k0 == 0:  # no value before the run's first hour: its forecast repeats that hour's... nothing known
+        rows[0] = np.nan
+    return rows.astype(np.float32)
