@@ -27,6 +27,9 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used; the message says where and why."""
 
 
+from policies.profiles import ProfilesConfig  # noqa: E402 - after the imports above, for readability
+
+
 class BrokerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -43,6 +46,8 @@ class BrokerSettings(BaseModel):
     refusal_ttl_s: float = Field(default=30.0, ge=0, description="a site that refused a job is skipped this long")
     shutdown_grace_s: float = Field(default=5.0, ge=0, description="how long shutdown waits for dispatches")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    profiles: ProfilesConfig = Field(default_factory=ProfilesConfig,
+                                     description="routing profiles: the default, and which ones a job may choose")
 
 
 class FederationConfig(BaseModel):

@@ -18,6 +18,7 @@ from adapters.simulated import SimulatedSite
 from broker.clock import Clock, SystemClock
 from broker.config import BrokerSettings
 from broker.cycle import SchedulingCycle
+from policies.profiles import profile_pipeline
 from broker.federation import Federation, Member
 from broker.jobs import JobBook
 from broker.lifecycle import Lifecycle
@@ -66,6 +67,7 @@ class Broker:
         self.cycle = SchedulingCycle(
             self.clock, self.federation, self.book, self.store, self.lifecycle,
             dispatch_timeout_s=self.settings.dispatch_timeout_s, full_pass_interval_s=self.settings.cycle_interval_s,
+            pipeline=profile_pipeline(self.settings.profiles.default, self.settings.profiles),
         )
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together

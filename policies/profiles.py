@@ -26,7 +26,7 @@ from policies.filters.gpu_fit import GpuFitFilter
 from policies.filters.health import HealthyFilter
 from policies.filters.latency import LatencyFilter
 from policies.filters.region import RefusedFilter, RegionFilter
-from policies.pipeline import Pipeline, Weighted
+from policies.pipeline import Pipeline, Weighted, default_pipeline
 from policies.scorers import Scorer
 from policies.scorers.carbon import CarbonScorer
 from policies.scorers.carbon_now import CarbonNowScorer
@@ -92,7 +92,8 @@ class ProfilesConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    default: str = "balanced"
+    default: str | None = Field(default=None, description="the profile jobs run under unless they name one; "
+                                "none: the release's default pipeline (most free GPUs)")
     job_may_choose: list[str] = Field(default_factory=lambda: list(BUILTIN),
                                       description="profiles a job may name in its spec; [] forbids overrides")
     definitions: dict[str, Profile] = Field(default_factory=dict)
@@ -101,7 +102,7 @@ class ProfilesConfig(BaseModel):
     def _names_exist(self) -> ProfilesConfig:
         known = set(BUILTIN) | set(self.definitions)
         for name in [self.default, *self.job_may_choose]:
-            if name not in known:
+            if name is not None and name not in known:
                 raise ValueError(f"profile {name!r} is not defined; profiles are: {', '.join(sorted(known))}")
         return self
 
@@ -113,8 +114,9 @@ class ProfilesConfig(BaseModel):
         raise ProfileError(f"profile {name!r} is not defined; profiles are: "
                            f"{', '.join(sorted(set(BUILTIN) | set(self.definitions)))}")
 
-    def choose(self, requested: str | None) -> str:
-        """The profile a job runs under: its own when allowed, else the federation's default."""
+    def choose(self, requested: str | None) -> str | None:
+        """The profile a job runs under: its own when allowed, else the federation's default (None: the
+        release's default pipeline)."""
         if requested is None:
             return self.default
         if requested not in self.job_may_choose:
@@ -136,5 +138,8 @@ def pipeline_for(weights: Mapping[str, float]) -> Pipeline:
                     scorers=tuple(Weighted(SCORERS[name](), float(w)) for name, w in weights.items()))
 
 
-def profile_pipeline(name: str, config: ProfilesConfig | None = None) -> Pipeline:
+def profile_pipeline(name: str | None, config: ProfilesConfig | None = None) -> Pipeline:
+    """The pipeline of profile ``name``; ``None``: the release's default pipeline (most free GPUs)."""
+    if name is None:
+        return default_pipeline()
     return pipeline_for((config or ProfilesConfig()).weights(name))

@@ -352,3 +352,20 @@ async def test_round_robin_turns_across_passes_of_the_live_cycle(make):
         await h.cycle()  # one pass per job: the cursor must survive between passes
         placed.append((await h.job(j.id)).site)
     assert placed == ["alpha", "bravo", "charlie", "alpha"]
+
+
+async def test_a_configured_profile_routes_live_jobs(tmp_path):
+    """``broker.profiles.default: cheap`` makes the live cycle place by price."""
+    clock = ManualClock(T0)
+    settings = BrokerSettings(db=str(tmp_path / "p.db"), shutdown_grace_s=0.1, profiles={"default": "cheap"})
+    b = Broker(settings, clock=clock)
+    dear = site("alpha", gpus={"a100-80gb": 8}, adapter=FAST).model_copy(update={"usd_per_gpu_hour": {"a100-80gb": 9.0}})
+    cheap = site("bravo", gpus={"a100-80gb": 8}, adapter=FAST).model_copy(update={"usd_per_gpu_hour": {"a100-80gb": 3.0}})
+    await b.start([dear, cheap], run_loop=False)
+    try:
+        assert [w.scorer.name for w in b.cycle.pipeline.scorers][0] == "cost"
+        j, _ = await b.book.submit(job(count=2, duration_s=600))
+        await b.cycle.run_once()
+        assert (await b.book.get(j.id)).site == "bravo"  # a tie would go to alpha, first by name
+    finally:
+        await b.stop()

@@ -135,6 +135,7 @@ def test_profiles_config_is_validated() -> None:
     with pytest.raises(ValidationError, match="profile 'greener' is not defined"):
         ProfilesConfig(default="greener")
     config = ProfilesConfig(job_may_choose=["green"])
-    assert config.choose(None) == "balanced" and config.choose("green") == "green"
+    assert config.choose(None) is None and config.choose("green") == "green"
+    assert ProfilesConfig(default="green").choose(None) == "green"
     with pytest.raises(ProfileError, match="may not be chosen"):
         config.choose("fast")
