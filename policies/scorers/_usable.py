@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from policies.filters.gpu_fit import fit_matrix
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 
 
@@ -24,3 +25,11 @@ def unknown_last(raw: np.ndarray) -> np.ndarray:
         return raw
     worst = float(raw[known].max()) + 1.0 if known.any() else 0.0
     return np.where(known, raw, worst)
+
+
+def cheapest_with_room(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    """USD per GPU-hour per site of the cheapest model the job could use that has room for it now (NaN:
+    none is priced)."""
+    prices = np.where(usable_models(req, snap) & fit_matrix(req, snap), snap.usd_per_gpu_hour, np.nan)
+    with np.errstate(invalid="ignore"):
+        return np.fmin.reduce(prices, axis=1)

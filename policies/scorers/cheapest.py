@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.filters.gpu_fit import fit_matrix
-from policies.scorers._usable import unknown_last, usable_models
+from policies.scorers._usable import cheapest_with_room, unknown_last
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -21,7 +20,4 @@ class CheapestScorer:
     higher_is_better = False
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
-        prices = np.where(usable_models(req, snap) & fit_matrix(req, snap), snap.usd_per_gpu_hour, np.nan)
-        with np.errstate(invalid="ignore"):
-            best = np.fmin.reduce(prices, axis=1)  # NaN only where no usable model is priced
-        return unknown_last(best)
+        return unknown_last(cheapest_with_room(req, snap))
