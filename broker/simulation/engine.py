@@ -235,13 +235,10 @@ def replay(
         if not candidates:
             continue
         h = min(int(t // 3600.0), hours - 1)
-        if federation.forecast is None:
-            snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
-                           carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor)
-        else:
-            snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
-                           carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor,
-                           carbon_forecast=federation.forecast[:, h, :], utc_offset_h=federation.utc_offset_h[:, h])
+        hourly = {} if federation.forecast is None else {
+            "carbon_forecast": federation.forecast[:, h, :], "utc_offset_h": federation.utc_offset_h[:, h]}
+        snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
+                       carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor, **hourly)
         decider = PassDecider(pipeline, snap)
         placed: set[int] = set()
         for j in candidates:
@@ -270,11 +267,8 @@ def replay(
         if freed:
             queue = [j for j in queue if j not in placed] if placed else queue
         elif len(placed) < len(candidates):
-            waiting = [j for j in candidates if j not in placed]
-            if order_key is None:
-                queue.extend(waiting)
-            else:
-                queue.extend(waiting)
+            queue.extend(j for j in candidates if j not in placed)  # newer than every job already queued
+            if order_key is not None:
                 queue.sort(key=order_key)
         passes += 1
         if progress is not None and passes % 4096 == 0:
