@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from broker.errors import is_malformed_json, problems
 from broker.federation import Member
 from broker.jobs import IdempotencyConflict, JobNotFound
+from policies.profiles import ProfileError
 from broker.lifecycle import AlreadyEnded
 from broker.models import Job, JobSpec, JobState, SiteSpec
 from broker.openapi import openapi_document
@@ -191,6 +192,10 @@ async def delete_site(request: web.Request) -> web.Response:
 async def submit_job(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     spec, raw = await _body(request, JobSpec, "job spec")
+    try:
+        broker.settings.profiles.choose(spec.profile)
+    except ProfileError as e:
+        raise ApiError(422, f"invalid job spec: profile: {e}", [{"field": "profile", "problem": str(e)}]) from None
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (1 <= len(key) <= 255 and key.isascii() and key.isprintable()):
         raise ApiError(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from broker.clock import Clock
@@ -126,14 +126,18 @@ class SchedulingCycle:
         pipeline: Pipeline | None = None,
         dispatch_timeout_s: float = 30.0,
         full_pass_interval_s: float = 1.0,
+        profiles: Mapping[str, Pipeline] | None = None,
     ) -> None:
+        """``pipeline`` places jobs that name no profile; ``profiles`` holds the pipelines of the profiles
+        jobs may name (a job naming another one, after a configuration change, gets ``pipeline``)."""
         self.lifecycle = lifecycle
         self.clock = clock
         self.federation = federation
         self.book = book
         self.store = store
         self.pipeline = pipeline or default_pipeline()
-        self.filters = {f.code: f for f in self.pipeline.filters}
+        self.profiles: dict[str, Pipeline] = dict(profiles or {})
+        self.filters = {f.code: f for p in (self.pipeline, *self.profiles.values()) for f in p.filters}
         self.dispatch_timeout_s = dispatch_timeout_s
         self._dispatches: set[asyncio.Task[None]] = set()
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
@@ -195,7 +199,7 @@ class SchedulingCycle:
     ) -> int:
         """Step 3: decide each job in order; append placements (assumed in memory, writes queued) and the
         decisions worth recording. Returns how many jobs were decided."""
-        decider = PassDecider(self.pipeline, snap)
+        deciders: dict[int, PassDecider] = {}  # one per pipeline in use, all on the same snapshot
         decided = 0
         for n, queued_job in enumerate(jobs):
             if n and n % YIELD_EVERY == 0:
@@ -205,16 +209,20 @@ class SchedulingCycle:
                 continue  # cancelled or changed while the pass yielded
             decided += 1
             req = self._request(job)
+            pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
+            decider = deciders.get(id(pipeline))
+            if decider is None:
+                decider = deciders[id(pipeline)] = PassDecider(pipeline, snap)
             placement = decider.decide(req)
             if isinstance(placement, _Failure):
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
                     self._last_seen[job.id] = placement.signature
-                    records.append((job, placement.record(self.pipeline, snap)))
+                    records.append((job, placement.record(pipeline, snap)))
                 continue
             site = snap.sites[placement.site]
             if site in self.federation.leaving:
                 continue  # being removed or rebuilt: the next pass decides without it
-            rec = explain.record(self.pipeline, placement, snap)
+            rec = explain.record(pipeline, placement, snap)
             decider.assume(placement)
             new, version = self.book.apply(
                 job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],

@@ -248,6 +248,11 @@ class JobSpec(Strict):
         default=3, ge=1, le=100, description="failed attempts allowed; preemption and site loss do not count"
     )
     labels: dict[str, str] = Field(default_factory=dict)
+    profile: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",
+        description="routing profile (balanced, green, cheap, fast, or one the federation defines), if the "
+                    "federation lets jobs choose it; none: the federation's default",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

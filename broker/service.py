@@ -68,6 +68,8 @@ class Broker:
             self.clock, self.federation, self.book, self.store, self.lifecycle,
             dispatch_timeout_s=self.settings.dispatch_timeout_s, full_pass_interval_s=self.settings.cycle_interval_s,
             pipeline=profile_pipeline(self.settings.profiles.default, self.settings.profiles),
+            profiles={name: profile_pipeline(name, self.settings.profiles)
+                      for name in self.settings.profiles.job_may_choose},
         )
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together

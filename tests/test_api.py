@@ -355,3 +355,38 @@ async def test_a_site_with_more_gpus_than_any_cluster_is_refused(client: TestCli
     body["gpus"] = [{"model": "a100-80gb", "gpus_per_node": 64, "nodes": 100_000}]
     r = await client.post("/v1/sites", json=body)
     assert r.status == 422 and "more than 200,000" in (await r.json())["error"]["message"]
+
+
+# --- routing profiles ---
+
+
+async def test_a_job_may_choose_a_profile_and_is_routed_by_it(client: TestClient) -> None:
+    await register(client, site_body("alpha", "gcp:europe-west3", {"a100-80gb": 8},
+                                     usd_per_gpu_hour={"a100-80gb": 9.0}))
+    await register(client, site_body("bravo", "gcp:europe-west3", {"a100-80gb": 4},
+                                     usd_per_gpu_hour={"a100-80gb": 3.0}))
+    base = {"tenant": "t1", "gpus": {"count": 2}, "duration_s": 600}
+    # No profile: the default most-free-GPUs placement takes alpha (8 free against 4).
+    r = await client.post("/v1/jobs", json=base | {"name": "plain"})
+    assert r.status == 201
+    assert (await wait_for(client, (await r.json())["id"], {"running"}))["site"] == "alpha"
+    # The cheap profile takes bravo, the cheaper site; its explanation names the cost term.
+    r = await client.post("/v1/jobs", json=base | {"name": "thrifty", "profile": "cheap"})
+    assert r.status == 201
+    job = await wait_for(client, (await r.json())["id"], {"running"})
+    assert job["site"] == "bravo" and job["spec"]["profile"] == "cheap"
+    explained = await (await client.get(f"/v1/jobs/{job['id']}/decision")).text()
+    assert "cost" in explained
+
+
+@pytest.mark.parametrize("profile, words", [
+    ("greener", "profile 'greener' may not be chosen by a job here"),
+    ("Green!", "profile"),
+])
+async def test_an_unknown_profile_is_refused_naming_the_field(client: TestClient, profile: str, words: str) -> None:
+    r = await client.post("/v1/jobs", json={"tenant": "t1", "name": "j", "gpus": {"count": 1}, "duration_s": 60,
+                                            "profile": profile})
+    assert r.status == 422
+    body = await r.json()
+    assert words in body["error"]["message"]
+    assert [f["field"] for f in body["error"]["fields"]] == ["profile"]
