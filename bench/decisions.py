@@ -43,7 +43,8 @@ from broker import ids  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
 from policies import explain  # noqa: E402
 from policies.pipeline import choose_model, default_pipeline  # noqa: E402
-from policies.snapshot import JobRequest, build_snapshot  # noqa: E402
+from policies.profiles import profile_pipeline  # noqa: E402
+from policies.snapshot import JobRequest, Snapshot, build_snapshot, replace_forecast  # noqa: E402
 
 MODELS = ("a100-40gb", "a100-80gb", "h100-80gb", "l4", "t4")
 MODEL_WEIGHTS = (0.2, 0.2, 0.15, 0.25, 0.2)
@@ -138,6 +139,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1, help="seed of the federation and the jobs")
     p.add_argument("--explain-sample", type=int, default=2000,
                    help="decisions whose explain.record cost is measured (default %(default)s)")
+    p.add_argument("--profile", default=None,
+                   help="decide with a routing profile (balanced, green, cheap, fast): every scorer it weighs, "
+                        "with a synthetic 48-hour carbon forecast per site; default: the release's default pipeline")
     p.add_argument("--refresh-below", type=float, default=0.2,
                    help="rebuild the snapshot when free whole GPUs fall below this share of the start")
     args = p.parse_args()
@@ -156,10 +160,19 @@ def main() -> int:
     conv_ns = time.perf_counter_ns() - t
 
     now = datetime.now(UTC)
-    pipeline = default_pipeline()
+    pipeline = default_pipeline() if args.profile is None else profile_pipeline(args.profile)
+    forecast = None
+    if args.profile is not None:  # seeded intensities, 50..700 g/kWh, one 48-hour row per site
+        forecast = np.random.default_rng(args.seed).uniform(50, 700, size=(args.sites, 48))
+
+    def fresh() -> Snapshot:
+        built = build_snapshot(now, specs, states)
+        return built if forecast is None else replace_forecast(built, forecast)
+
     t = time.perf_counter_ns()
     snap = build_snapshot(now, specs, states)
     build_ns = time.perf_counter_ns() - t
+    snap = fresh()
     start_free = int(snap.free_gpus[snap.healthy].sum())
     refresh_at = max(1, int(start_free * args.refresh_below))
 
@@ -168,7 +181,7 @@ def main() -> int:
         pl = pipeline.decide(req, snap)
         if pl.placed:
             snap.assume(pl.site, req, pl.model)
-    snap = build_snapshot(now, specs, states)
+    snap = fresh()
 
     decide_ns = np.empty(len(reqs), dtype=np.int64)
     assume_ns = 0
@@ -190,14 +203,14 @@ def main() -> int:
         if i % 500 == 499:  # outside the timed section: is the federation running out of GPUs?
             u0 = perf()
             if int(snap.free_gpus[snap.healthy].sum()) < refresh_at:
-                snap = build_snapshot(now, specs, states)
+                snap = fresh()
                 refreshes += 1
                 refresh_ns += perf() - u0
             untimed_ns += perf() - u0
     loop_ns = perf() - loop_start - untimed_ns
 
     # explain.record (and the JSON the store writes) on a sample, on a fresh snapshot.
-    snap = build_snapshot(now, specs, states)
+    snap = fresh()
     sample = reqs[: min(args.explain_sample, len(reqs))]
     record_ns = np.empty(len(sample), dtype=np.int64)
     dumps_ns = np.empty(len(sample), dtype=np.int64)
@@ -216,7 +229,7 @@ def main() -> int:
             snap.assume(placement.site, req, placement.model)
 
     # Where a decision's time goes: each filter, each scorer and the model choice, called on their own.
-    snap = build_snapshot(now, specs, states)
+    snap = fresh()
     parts: dict[str, int] = {f"filter {f.code}": 0 for f in pipeline.filters}
     parts.update({f"scorer {w.scorer.name}": 0 for w in pipeline.scorers})
     parts["choose_model (placed jobs)"] = 0

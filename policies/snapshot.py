@@ -95,6 +95,7 @@ class Snapshot:
     longitude: np.ndarray = field(default_factory=lambda: np.zeros(0))  # degrees east, per site
     utc_offset_h: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the site's local time - UTC, at ``now``
     carbon_forecast: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # g/kWh [n_sites, hours from now's hour]
+    carbon_forecast_cum: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [n_sites, hours + 1]: running sums
     temperature_c: np.ndarray = field(default_factory=lambda: np.zeros(0))  # hottest GPU, per site (0 unknown)
     queue_depth: np.ndarray = field(default_factory=lambda: np.zeros(0))  # jobs waiting at the site
 
@@ -229,4 +230,12 @@ def replace_forecast(snap: Snapshot, carbon_forecast: np.ndarray) -> Snapshot:
     if forecast.ndim != 2 or forecast.shape[0] != snap.n_sites:
         raise ValueError(f"carbon_forecast must be [n_sites={snap.n_sites}, hours], not {list(forecast.shape)}")
     now_values = forecast[:, 0] if forecast.shape[1] else np.full(snap.n_sites, np.nan)
-    return replace(snap, carbon_forecast=forecast, carbon_g_per_kwh=now_values)
+    return replace(snap, carbon_forecast=forecast, carbon_forecast_cum=running_sums(forecast),
+                   carbon_g_per_kwh=now_values)
+
+
+def running_sums(values: np.ndarray) -> np.ndarray:
+    """[rows, n + 1]: 0, then the running sums of each row (the integral of an hourly series)."""
+    out = np.zeros((values.shape[0], values.shape[1] + 1))
+    np.cumsum(values, axis=1, out=out[:, 1:])
+    return out

@@ -139,3 +139,12 @@ def test_profiles_config_is_validated() -> None:
     assert ProfilesConfig(default="green").choose(None) == "green"
     with pytest.raises(ProfileError, match="may not be chosen"):
         config.choose("fast")
+
+
+def test_offpeak_counts_the_exact_share_of_the_run_outside_business_hours() -> None:
+    # Friday 16:30 UTC is 17:30 in London (BST): a 2-hour job runs 30 minutes of business hours, 75 % outside.
+    snap = snapshot(datetime(2022, 6, 10, 16, 30, tzinfo=UTC))
+    raw = dict(zip(snap.sites, FollowSunScorer("offpeak").raw(request(duration_s=2 * 3600.0), snap)))
+    assert raw["london"] == pytest.approx(0.75)
+    # Tokyo: 01:30 to 03:30 on Saturday, all outside.
+    assert raw["tokyo"] == pytest.approx(1.0)

@@ -72,6 +72,7 @@ class Federation:
     cumulative: np.ndarray  # float64[n_sites, hours + 1]: integral of intensity in g/kWh·h from the start
     price: np.ndarray  # float64[n_sites, n_models]: USD per GPU-hour, NaN unpriced
     forecast: np.ndarray | None = None  # float32[n_sites, hours, 48]: each hour's forecast of the next 48
+    forecast_cum: np.ndarray | None = None  # float64[n_sites, hours, 49]: their running sums
     utc_offset_h: np.ndarray | None = None  # float64[n_sites, hours]: local time - UTC in each hour
 
     @property
@@ -121,7 +122,11 @@ def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.
         hours = intensity.shape[1]
         offsets = np.array([[_offset_hour(s.timezone, int(start.timestamp() // 3600) + h) for h in range(hours)]
                             for s in ordered], dtype=np.float64)
-    return Federation(ordered, snap, intensity, cumulative, snap.usd_per_gpu_hour, forecast, offsets)
+    forecast_cum = None
+    if forecast is not None:
+        forecast_cum = np.zeros(forecast.shape[:2] + (forecast.shape[2] + 1,))
+        np.cumsum(forecast, axis=2, out=forecast_cum[:, :, 1:])
+    return Federation(ordered, snap, intensity, cumulative, snap.usd_per_gpu_hour, forecast, forecast_cum, offsets)
 
 
 def requests_of(workload: Workload) -> list[JobRequest]:
@@ -236,7 +241,8 @@ def replay(
             continue
         h = min(int(t // 3600.0), hours - 1)
         hourly = {} if federation.forecast is None else {
-            "carbon_forecast": federation.forecast[:, h, :], "utc_offset_h": federation.utc_offset_h[:, h]}
+            "carbon_forecast": federation.forecast[:, h, :], "carbon_forecast_cum": federation.forecast_cum[:, h, :],
+            "utc_offset_h": federation.utc_offset_h[:, h]}
         snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
                        carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor, **hourly)
         decider = PassDecider(pipeline, snap)

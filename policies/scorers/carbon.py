@@ -17,17 +17,18 @@ from broker import ids
 from policies.filters.gpu_fit import fit_matrix
 from policies.scorers._usable import unknown_last, usable_models
 from policies.scorers.cost import gpus_held
-from policies.snapshot import JobRequest, Snapshot
+from policies.snapshot import JobRequest, Snapshot, running_sums
 
 _TDP_KW = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in ids.GPU_MODEL_IDS], dtype=np.float64)
 
 
-def window_mean(forecast: np.ndarray, offset_h: float, duration_h: float) -> np.ndarray:
+def window_mean(forecast: np.ndarray, offset_h: float, duration_h: float, cum: np.ndarray | None = None) -> np.ndarray:
     """Mean of each row of an hourly ``forecast`` over ``[offset_h, offset_h + duration_h)`` hours from its
-    first hour, partial hours pro rata; hours past the forecast's end take its last value."""
+    first hour, partial hours pro rata; hours past the forecast's end take its last value. ``cum``: the
+    rows' running sums (``policies.snapshot.running_sums``), when the caller has them."""
     hours = forecast.shape[1]
-    cum = np.zeros((forecast.shape[0], hours + 1))
-    np.cumsum(forecast, axis=1, out=cum[:, 1:])
+    if cum is None or cum.shape != (forecast.shape[0], hours + 1):
+        cum = running_sums(forecast)
 
     def integral(t: float) -> np.ndarray:
         if t >= hours:
@@ -44,7 +45,7 @@ def run_intensity(req: JobRequest, snap: Snapshot, start_offset_h: float = 0.0) 
     duration_h = req.duration_s / 3600.0
     if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1] > 0:
         into_hour = (snap.now.minute * 60 + snap.now.second + snap.now.microsecond / 1e6) / 3600.0
-        return window_mean(snap.carbon_forecast, into_hour + start_offset_h, duration_h)
+        return window_mean(snap.carbon_forecast, into_hour + start_offset_h, duration_h, snap.carbon_forecast_cum)
     if snap.carbon_g_per_kwh.size == snap.n_sites:
         return snap.carbon_g_per_kwh.astype(np.float64)
     return np.full(snap.n_sites, np.nan)

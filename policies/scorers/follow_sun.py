@@ -2,7 +2,7 @@
 
 - ``offpeak``: prefer sites outside their local business hours (Monday to Friday, 09:00 to 18:00 local
   time, daylight saving included), where capacity sits idle and is cheap. Raw value: the fraction of the
-  run window (up to its first 24 hours, sampled every 15 minutes) that falls outside business hours, 0..1.
+  run window (up to its first 24 hours) that falls outside business hours, 0..1, computed exactly.
 - ``solar``: prefer sites where the sun is up, so the work follows solar generation. Raw value: the mean
   sine of the sun's elevation (0 when it is below the horizon) at the site over the run window (up to its
   first 12 hours, sampled every 15 minutes), from the site's latitude and longitude and the date (NOAA's
@@ -28,14 +28,18 @@ def _samples(req: JobRequest, cap_h: float) -> np.ndarray:
     return np.arange(0.0, span, _STEP_H) + _STEP_H / 2  # hours after now, mid-step
 
 
-def offpeak_fraction(snap: Snapshot, hours_ahead: np.ndarray) -> np.ndarray:
-    """Per site: the fraction of the sample instants outside local business hours."""
-    epoch_h = snap.now.timestamp() / 3600.0
-    local_h = epoch_h + snap.utc_offset_h[:, None] + hours_ahead[None, :]  # local hours since the epoch
-    weekday = (np.floor(local_h / 24.0).astype(np.int64) + 3) % 7  # 1970-01-01 was a Thursday (3)
-    hour = np.mod(local_h, 24.0)
-    busy = (weekday < 5) & (hour >= BUSINESS_HOURS[0]) & (hour < BUSINESS_HOURS[1])
-    return 1.0 - busy.mean(axis=1)
+def offpeak_fraction(snap: Snapshot, span_h: float) -> np.ndarray:
+    """Per site: the share of ``[now, now + span_h)`` outside local business hours, exactly (local days are
+    walked one by one; a job's window covers at most a few of them)."""
+    start = snap.now.timestamp() / 3600.0 + snap.utc_offset_h  # local hours since the epoch, per site
+    end = start + span_h
+    busy = np.zeros(snap.n_sites)
+    for day in range(int(np.floor(start.min() / 24.0)), int(np.floor(end.max() / 24.0)) + 1):
+        if (day + 3) % 7 >= 5:  # 1970-01-01 was a Thursday (3): days 5 and 6 of the week are the weekend
+            continue
+        lo, hi = day * 24.0 + BUSINESS_HOURS[0], day * 24.0 + BUSINESS_HOURS[1]
+        busy += np.clip(np.minimum(end, hi) - np.maximum(start, lo), 0.0, None)
+    return 1.0 - busy / span_h
 
 
 def sun_elevation_sine(lat_deg: np.ndarray, lon_deg: np.ndarray, epoch_s: np.ndarray) -> np.ndarray:
@@ -68,7 +72,7 @@ class FollowSunScorer:
         if self.mode == "offpeak":
             if snap.utc_offset_h.size != snap.n_sites:
                 return np.zeros(snap.n_sites)
-            return offpeak_fraction(snap, _samples(req, 24.0))
+            return offpeak_fraction(snap, min(max(req.duration_s / 3600.0, _STEP_H), 24.0))
         if snap.latitude.size != snap.n_sites:
             return np.zeros(snap.n_sites)
         instants = snap.now.timestamp() + _samples(req, 12.0) * 3600.0
