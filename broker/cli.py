@@ -102,6 +102,10 @@ def show_job(job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
 def show_decision(d: dict[str, Any]) -> str:
     lines = [f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}", f"  {d['summary']}", ""]
     feasible = sorted((s for s in d["sites"] if s["feasible"]), key=lambda s: -(s["score"] or 0))
@@ -110,7 +114,7 @@ def show_decision(d: dict[str, Any]) -> str:
         for s in feasible:
             mark = "*" if s["site"] == d["site"] else " "
             terms = ", ".join(
-                f"{t['scorer']} raw {t['raw']:g} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
+                f"{t['scorer']} raw {_num(t['raw'])} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
                 for t in s["terms"]
             )
             lines.append(f"  {mark} {s['site']:<20} score {s['score']:.3f}  [{terms}]")
@@ -118,7 +122,7 @@ def show_decision(d: dict[str, Any]) -> str:
     if rejected:
         lines.append("  rejected sites:")
         for s in rejected:
-            lines.append(f"    {s['site']:<20} " + "; ".join(s["reasons"]))
+            lines.append(f"    {s['site']:<20} " + "; ".join(s["reasons"]))  # raw terms: in --json
     return "\n".join(lines)
 
 

@@ -351,10 +351,12 @@ class Job(BaseModel):
 
 class ScoreTerm(Strict):
     scorer: str
-    raw: float
-    normalised: float = Field(description="0..1 over the sites that passed the filters; 1 is best")
+    raw: float | None = Field(description="the scorer's value in its own units (None: not a finite number)")
+    normalised: float | None = Field(
+        description="0..1 over the sites that passed the filters; 1 is best (None: the site was rejected, so "
+                    "it was not ranked)")
     weight: float
-    weighted: float
+    weighted: float | None
 
 
 class SiteVerdict(Strict):

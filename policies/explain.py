@@ -8,6 +8,7 @@ conversions; rendering builds one verdict per site and runs only when someone as
 from __future__ import annotations
 
 import base64
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -78,6 +79,10 @@ class _View:
     regions: list[str]
 
 
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
 def render(
     rec: dict[str, Any],
     req: JobRequest,
@@ -115,10 +120,12 @@ def render(
                     text = f.describe(req, view, i) if f is not None else "rejected"
                     reasons.append(f"{code}: {text}")
                     rejected_by[code] = rejected_by.get(code, 0) + 1
-            verdicts.append(SiteVerdict(site=site, feasible=False, reasons=reasons))
+            unranked = [ScoreTerm(scorer=name, raw=_finite(raw[i]), normalised=None, weight=weight, weighted=None)
+                        for name, weight, raw, _ in terms]
+            verdicts.append(SiteVerdict(site=site, feasible=False, reasons=reasons, terms=unranked))
             continue
         site_terms = [
-            ScoreTerm(scorer=name, raw=raw[i], normalised=norm[k], weight=weight, weighted=weight * norm[k])
+            ScoreTerm(scorer=name, raw=_finite(raw[i]), normalised=norm[k], weight=weight, weighted=weight * norm[k])
             for name, weight, raw, norm in terms
         ]
         verdicts.append(SiteVerdict(site=site, feasible=True, terms=site_terms, score=totals[k]))

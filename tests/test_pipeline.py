@@ -461,7 +461,10 @@ def test_a_decision_explains_every_site_with_score_terms_or_reasons() -> None:
     assert d.summary == "placed on tokyo (a100-80gb, score 2.000): best of 3 feasible of 4 sites"
 
     by_site = {v.site: v for v in d.sites}
-    assert not by_site["berlin"].feasible and by_site["berlin"].terms == []
+    # A rejected site still shows each term's raw value; it was not ranked, so nothing normalised or weighted.
+    assert not by_site["berlin"].feasible
+    assert [(t.scorer, t.raw, t.normalised, t.weight, t.weighted) for t in by_site["berlin"].terms] == [
+        ("free_gpus", 8.0, None, 2.0, None)]
     assert by_site["berlin"].score is None
     terms = {name: [(t.scorer, t.raw, t.normalised, t.weight, t.weighted) for t in by_site[name].terms]
              for name in ("amsterdam", "tokyo", "zurich")}
