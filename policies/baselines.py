@@ -62,7 +62,7 @@ green,cheap``); they join ``all`` once their forecasts and time-shifting land in
 
 
 class UnknownPolicy(ValueError):
-    pass
+    """A policy name that is neither a baseline nor a profile; the message lists the known ones."""
 
 
 def policy(name: str) -> Pipeline:

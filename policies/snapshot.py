@@ -21,6 +21,8 @@ from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState
 
 MODEL_INDEX: dict[str, int] = {m: i for i, m in enumerate(ids.GPU_MODEL_IDS)}
 N_MODELS = len(ids.GPU_MODEL_IDS)
+TDP_KW: np.ndarray = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in ids.GPU_MODEL_IDS], dtype=np.float64)
+"""Board power per model column, in kW (the energy the scorers estimate and the simulator charges)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from policies.baselines import COMPARED, POLICIES
 
 
 class SimulateUsage(ValueError):
-    pass
+    """A flag of ``heliotrope simulate`` that cannot be used; the message names it and what to give."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -43,18 +43,15 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
-from broker import ids
 from broker.cycle import PassDecider
 from broker.models import SiteSpec
 from policies.filters.gpu_fit import GpuFitFilter
 from policies.pipeline import Pipeline
-from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, _offset_hour, build_snapshot
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
 
 from broker.simulation.results import PolicyRun, SiteFacts
 from broker.simulation.workload import Workload
 
-_MODEL_IDS = ids.GPU_MODEL_IDS
-_TDP_KW = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in _MODEL_IDS], dtype=np.float64)
 
 
 class SimulationError(ValueError):
@@ -81,7 +78,7 @@ class Federation:
 
     def facts(self) -> SiteFacts:
         has = self.base.total_gpus > 0
-        power = np.where(has, _TDP_KW[None, :], np.inf).min(axis=1)
+        power = np.where(has, TDP_KW[None, :], np.inf).min(axis=1)
         # An unpriced model costs 0 in the accounting (reported by run.prepare), so it does in the bound too.
         price = np.where(has, np.nan_to_num(self.price, nan=0.0), np.inf).min(axis=1)
         return SiteFacts(
@@ -332,7 +329,7 @@ def _account(name: str, workload: Workload, federation: Federation, site: np.nda
         if last > federation.hours * 3600.0:
             j = int(np.flatnonzero(ran)[np.argmax(end_s[ran])])
             _past_the_data(j, last, federation, workload, int(site[j]))
-        power = _TDP_KW[m] * held[ran]
+        power = TDP_KW[m] * held[ran]
         run_h = (end_s[ran] - start_s[ran]) / 3600.0
         energy[ran] = power * run_h
         integral = federation.carbon_integral(s, end_s[ran]) - federation.carbon_integral(s, start_s[ran])

@@ -43,6 +43,5 @@ def forecast_rows(carbon: CarbonData, zone: str, hour0: datetime, hours: int,
     else:
         report.append(f"forecast: {zone}: only {k0} h of history before the run; seasonal-naive (24 h)")
     rows = forecast_matrix(model, y[:k0 + hours], HORIZON_H, zone=zone)[k0:k0 + hours]
-    if k0 == 0:  # no value before the run's first hour: its forecast repeats that hour's... nothing known
-        rows[0] = np.nan
+    # With no value before the run's first hour (k0 == 0), that hour's row is NaN (forecast_matrix's row 0).
     return rows.astype(np.float32)

@@ -49,7 +49,7 @@ from broker.simulation.forecasts import forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
 from broker.simulation.results import SimulationResult, SiteFacts
 from broker.simulation.workload import Workload, WorkloadAssumptions, build_workload
-from policies.baselines import COMPARED, policy
+from policies.baselines import policy
 from policies.profiles import BUILTIN as PROFILES
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -372,5 +372,3 @@ def as_json(result: SimulationResult) -> dict[str, object]:
         "report": result.report,
     }
 
-
-ALL_POLICIES = COMPARED

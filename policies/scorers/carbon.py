@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from broker import ids
 from policies.filters.gpu_fit import fit_matrix
 from policies.scorers._usable import unknown_last, usable_models
 from policies.scorers.cost import gpus_held
-from policies.snapshot import JobRequest, Snapshot, running_sums
+from policies.snapshot import TDP_KW, JobRequest, Snapshot, running_sums
 
-_TDP_KW = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in ids.GPU_MODEL_IDS], dtype=np.float64)
 
 
 def window_mean(forecast: np.ndarray, offset_h: float, duration_h: float, cum: np.ndarray | None = None) -> np.ndarray:
@@ -54,7 +52,7 @@ def run_intensity(req: JobRequest, snap: Snapshot, start_offset_h: float = 0.0) 
 def power_kw(req: JobRequest, snap: Snapshot) -> np.ndarray:
     """kW the job would draw per site: GPUs held × the lowest-power usable model with room."""
     ok = usable_models(req, snap) & fit_matrix(req, snap)
-    tdp = np.where(ok, _TDP_KW[None, :], np.nan)
+    tdp = np.where(ok, TDP_KW[None, :], np.nan)
     with np.errstate(invalid="ignore"):
         return np.fmin.reduce(tdp, axis=1) * gpus_held(req)
 
