@@ -10,10 +10,16 @@ A file holds the broker's settings and the sites it starts with::
 
 An error names the file, the field and the problem, for example
 ``config/demo.yaml: sites[2].gpus[0].model: unknown GPU model 'a1000'; known models: ...``.
+
+Live signals (optional): ``broker.carbon`` names a carbon-intensity provider and ``broker.carbon_forecast``
+how each zone is forecast (:mod:`broker.signals`); ``broker.prices`` names a price provider that overrides
+the sites' ``usd_per_gpu_hour``. A relative ``path`` in either provider is read relative to the folder of
+the configuration file.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -21,6 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.errors import problems
 from broker.models import SiteSpec
+from broker.providers.carbon import CarbonProviderConfig, FilesCarbonConfig
+from broker.providers.prices import FilesPriceConfig, PriceProviderConfig
+from broker.signals import CarbonForecastSettings
 
 
 class ConfigError(ValueError):
@@ -48,6 +57,25 @@ class BrokerSettings(BaseModel):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     profiles: ProfilesConfig = Field(default_factory=ProfilesConfig,
                                      description="routing profiles: the default, and which ones a job may choose")
+    carbon: CarbonProviderConfig | None = Field(
+        default=None,
+        description="where live grid carbon intensity comes from: {kind: files, path: DIR} (Electricity Maps CSVs, "
+                    "broker.data.carbon) or {kind: http, url, token_env, timeout_s, cache_ttl_s, retries, ...} (an "
+                    "Electricity Maps v3 API service); each site's zone is forecast from it (see carbon_forecast). "
+                    "Unset: no carbon data, and the carbon scorer ranks every site alike",
+    )
+    carbon_forecast: CarbonForecastSettings = Field(
+        default_factory=CarbonForecastSettings,
+        description="how the carbon intensity of each zone is forecast: refresh_s (3600), history_h (672), "
+                    "horizon_h (48), model (auto | seasonal_naive | holt_winters), season_h, stale_after_s "
+                    "(a failing zone keeps its last forecast this long), fetch_timeout_s, replay_day",
+    )
+    prices: PriceProviderConfig | None = Field(
+        default=None,
+        description="where GPU prices come from: {kind: files, path: CSV} (the GCP price list by each site's "
+                    "region, falling back to the site's usd_per_gpu_hour) or {kind: static}. Unset: each site's "
+                    "usd_per_gpu_hour",
+    )
 
 
 class FederationConfig(BaseModel):
@@ -84,7 +112,21 @@ def load_config(path: str | Path) -> FederationConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping with 'broker' and 'sites'")
     try:
-        return FederationConfig.model_validate(data)
+        config = FederationConfig.model_validate(data)
     except ValidationError as e:
         lines = [f"{p}: {d['field']}: {d['problem']}" for d in problems(e)]
         raise ConfigError("\n".join(lines)) from None
+    return _relative_to(config, p.parent)
+
+
+def _relative_to(config: FederationConfig, folder: Path) -> FederationConfig:
+    """The providers' relative ``path`` read relative to the configuration file's folder."""
+    b = config.broker
+    update: dict[str, object] = {}
+    for name in ("carbon", "prices"):
+        cfg = getattr(b, name)
+        if isinstance(cfg, FilesCarbonConfig | FilesPriceConfig) and not Path(cfg.path).is_absolute():
+            update[name] = cfg.model_copy(update={"path": os.path.normpath(folder / cfg.path)})
+    if update:
+        config.broker = b.model_copy(update=update)
+    return config

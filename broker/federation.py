@@ -2,7 +2,9 @@
 
 ``collect`` asks every site for a snapshot concurrently, each bounded by a timeout; a site that fails or
 stays silent past ``stale_after_s`` is marked unhealthy with the reason. ``freeze`` turns the view into the
-arrays the policies decide on.
+arrays the policies decide on, with the live signals the broker has: each site's carbon-intensity forecast
+(``signals``, :class:`broker.signals.GridSignals`) and a price provider's prices (``prices``), which override
+the site specs' ``usd_per_gpu_hour``.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
+
+import numpy as np
 
 from adapters.base import SiteAdapter
 from broker.clock import Clock
 from broker.models import Health, SiteSpec, SiteState
-from policies.snapshot import Snapshot, build_snapshot
+from broker.providers.prices import PriceProvider
+from broker.signals import ForecastRows, price_matrix
+from policies.snapshot import Snapshot, build_snapshot, replace_forecast
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,9 @@ class Federation:
         self.membership_changed = False  # a site joined, changed or left since the last full pass
         self.leaving: set[str] = set()  # sites being removed or rebuilt: offered to no job
         self.last_placed_site: str | None = None  # where the last pass placed its last job (round-robin's cursor)
+        self.signals: ForecastRows | None = None  # carbon forecasts per zone, when the broker has a carbon provider
+        self.prices: PriceProvider | None = None  # overrides the specs' prices, when configured
+        self._site_arrays: tuple[tuple[str, ...], np.ndarray | None] | None = None  # zones and prices, by name
 
     def __contains__(self, name: str) -> bool:
         return name in self.members
@@ -69,7 +78,7 @@ class Federation:
         await adapter.start()
         member = Member(spec, adapter)
         self.members[spec.name] = member
-        self._base = None
+        self._base = self._site_arrays = None
         self.membership_changed = True
         await self._collect_one(member)
         return member
@@ -83,7 +92,7 @@ class Federation:
             await member.adapter.start()
             member.state = None
         member.spec = spec
-        self._base = None
+        self._base = self._site_arrays = None
         self.membership_changed = True
         await self._collect_one(member)
         return member
@@ -99,7 +108,7 @@ class Federation:
     async def remove(self, name: str) -> None:
         member = self.members.pop(name)
         self.leaving.discard(name)
-        self._base = None
+        self._base = self._site_arrays = None
         self.membership_changed = True
         await member.adapter.close()
 
@@ -132,16 +141,36 @@ class Federation:
         """Step 2 of the cycle: the frozen arrays the policies decide on, with free capacity of their own.
 
         The arrays are built once per set of reports and copied for each cycle; staleness is judged when
-        they are built (every collect), so a silent site turns unhealthy at the next collect.
+        they are built (every collect), so a silent site turns unhealthy at the next collect. Prices from a
+        price provider are computed once per set of sites; the carbon forecast is read for every snapshot,
+        from the hour containing ``now``.
         """
         if self._base is None:
             specs = [m.spec for m in self.members.values()]
             states = {name: None if name in self.leaving else self._fresh_state(m, now)
                       for name, m in self.members.items()}
-            self._base = build_snapshot(now, specs, states)
+            base = build_snapshot(now, specs, states)
+            prices = self._site_facts()[1]
+            self._base = base if prices is None else replace(base, usd_per_gpu_hour=prices)
         snap = self._base.working_copy(now)
+        if self.signals is not None:
+            snap = replace_forecast(snap, self.signals.forecast_rows(self._site_facts()[0], now))
         snap.last_placed[0] = snap.index.get(self.last_placed_site, -1) if self.last_placed_site else -1
         return snap
+
+    def _site_facts(self) -> tuple[tuple[str, ...], np.ndarray | None]:
+        """Per site in snapshot order (by name): its grid zone, and the price provider's price matrix (None
+        without a provider). Computed once per change of the set of sites."""
+        if self._site_arrays is None:
+            specs = sorted((m.spec for m in self.members.values()), key=lambda s: s.name)
+            prices = price_matrix(specs, self.prices) if self.prices is not None else None
+            self._site_arrays = (tuple(s.grid_zone for s in specs), prices)
+        return self._site_arrays
+
+    def set_prices(self, provider: PriceProvider | None) -> None:
+        """Use ``provider``'s prices from the next snapshot on (None: the specs' own)."""
+        self.prices = provider
+        self._base = self._site_arrays = None
 
     def remember_pass(self, snap: Snapshot) -> None:
         """Carry a pass's last placement over to the next pass's snapshot."""

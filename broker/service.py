@@ -2,8 +2,10 @@
 
 Start-up: open the store; register the sites of the configuration (the configuration is the starting
 point: a site in it is written to the store) and those registered earlier over the API; load active jobs;
-requeue attempts that the sites no longer know; then run the cycle whenever work may have changed, and
-at least every ``cycle_interval_s``.
+requeue attempts that the sites no longer know; start the live signals (carbon forecasts, when
+``broker.carbon`` is set; prices, when ``broker.prices`` is set); then run the cycle whenever work may have
+changed, and at least every ``cycle_interval_s``. A provider that cannot be built (a missing folder, an unset
+token variable) stops the start with a :class:`~broker.config.ConfigError` naming the setting.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from collections.abc import AsyncIterator, Callable
 from adapters.base import SiteAdapter
 from adapters.simulated import SimulatedSite
 from broker.clock import Clock, SystemClock
-from broker.config import BrokerSettings
+from broker.config import BrokerSettings, ConfigError
 from broker.cycle import SchedulingCycle
 from policies.profiles import profile_pipeline
 from broker.federation import Federation, Member
 from broker.jobs import JobBook
 from broker.lifecycle import Lifecycle
 from broker.models import SiteSpec
+from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
+from broker.providers.prices import PriceProvider, build_price_provider
+from broker.signals import GridSignals
 from broker.store import Store
 from broker.store.sqlite import SQLiteStore
 
@@ -51,7 +56,10 @@ class Broker:
         clock: Clock | None = None,
         factory: Callable[[SiteSpec], SiteAdapter] | None = None,
         new_id: Callable[[], str] | None = None,
+        carbon: CarbonProvider | None = None,
+        prices: PriceProvider | None = None,
     ) -> None:
+        """``carbon`` and ``prices``: providers to use instead of building those ``settings`` configure."""
         self.settings = settings or BrokerSettings()
         self.clock = clock or SystemClock()
         self.store: Store = store or SQLiteStore(self.settings.db)
@@ -71,6 +79,8 @@ class Broker:
             profiles={name: profile_pipeline(name, self.settings.profiles)
                       for name in self.settings.profiles.job_may_choose},
         )
+        self._carbon_provider, self._price_provider = carbon, prices
+        self.signals: GridSignals | None = None  # carbon forecasts per zone; None without a carbon provider
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together
         self._loop_task: asyncio.Task[None] | None = None
@@ -80,6 +90,7 @@ class Broker:
     # --- life cycle ---
 
     async def start(self, sites: list[SiteSpec] | None = None, run_loop: bool = True) -> None:
+        carbon, prices = await self._providers()
         await self.store.open()
         for spec in sites or []:
             await self.store.put_site(spec)
@@ -89,14 +100,41 @@ class Broker:
         requeued = await self.lifecycle.recover()
         if requeued:
             log.warning("requeued %d jobs whose attempts were lost while the broker was down", len(requeued))
+        self.federation.set_prices(prices)
+        if carbon is not None:
+            self.signals = GridSignals(carbon, self.settings.carbon_forecast, self.clock, zones=self._grid_zones)
+            self.federation.signals = self.signals
+            await self.signals.start()
         if run_loop:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="scheduling-loop")
+
+    async def _providers(self) -> tuple[CarbonProvider | None, PriceProvider | None]:
+        """The carbon and price providers: those given, else those the settings configure (files are read in
+        a thread). Raises ConfigError naming the setting when one cannot be built."""
+        carbon, prices = self._carbon_provider, self._price_provider
+        try:
+            if prices is None and self.settings.prices is not None:
+                prices = await asyncio.to_thread(build_price_provider, self.settings.prices)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"broker.prices: {e}") from None
+        try:
+            if carbon is None and self.settings.carbon is not None:
+                carbon = await asyncio.to_thread(build_carbon_provider, self.settings.carbon, clock=self.clock)
+        except (ValueError, OSError, ProviderError) as e:
+            raise ConfigError(f"broker.carbon: {e}") from None
+        return carbon, prices
+
+    def _grid_zones(self) -> set[str]:
+        return {m.spec.grid_zone for m in self.federation.members.values()}
 
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
+        if self.signals is not None:
+            await self.signals.stop()  # cancels a refresh in progress and closes the provider
+            self.federation.signals = self.signals = None
         if self._housekeeping is not None:
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)

@@ -128,7 +128,10 @@ def test_the_demo_serves_on_loopback_and_its_sample_jobs_run_to_success(tmp_path
     url = f"http://127.0.0.1:{port}"
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().startswith(f"heliotrope serving on {url}")
+        line = proc.stdout.readline()
+        while line and not line.startswith("heliotrope serving on"):  # log lines (carbon forecasts) may come first
+            line = proc.stdout.readline()
+        assert line.startswith(f"heliotrope serving on {url}")
         done: list[dict] = []
         for _ in range(150):
             time.sleep(0.1)

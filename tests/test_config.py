@@ -62,6 +62,20 @@ def test_the_demo_config_identifiers_are_canonical(demo: FederationConfig) -> No
     assert demo.broker.port == 8080
 
 
+def test_the_demo_config_forecasts_carbon_from_the_shipped_slice(demo: FederationConfig) -> None:
+    assert demo.broker.carbon is not None and demo.broker.carbon.kind == "files"
+    assert Path(demo.broker.carbon.path) == REPO / "data" / "carbon"
+    assert demo.broker.carbon_forecast.replay_day is not None
+
+
+def test_provider_paths_are_read_relative_to_the_config_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "broker:\n  carbon: {kind: files, path: carbon}\n"
+                           "  prices: {kind: files, path: /abs/prices.csv}\n")
+    broker = load_config(path).broker
+    assert broker.carbon.path == str(tmp_path / "carbon")
+    assert broker.prices.path == "/abs/prices.csv"
+
+
 def test_an_empty_file_is_a_broker_with_default_settings_and_no_sites(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, ""))
     assert config.sites == []
@@ -108,6 +122,27 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             "sites:\n" + site_yaml("ashburn").replace("    longitude: -80.0\n", ""),
             ["sites[0].longitude: required field is missing"],
             id="a missing field is named",
+        ),
+        pytest.param(
+            "broker: {carbon: {kind: ftp, path: data/carbon}}\n",
+            ["broker.carbon: Input tag 'ftp' found using 'kind' does not match any of the expected tags: 'files', "
+             "'http'"],
+            id="an unknown carbon provider kind names broker.carbon and the kinds there are",
+        ),
+        pytest.param(
+            "broker: {carbon: {kind: http, url: not-a-url}}\n",
+            ["broker.carbon.http.url: Input should be a valid URL"],
+            id="a carbon service URL that is not one names the url field",
+        ),
+        pytest.param(
+            "broker: {carbon_forecast: {history_h: 100}}\n",
+            ["broker.carbon_forecast: history_h 100 is too short for model auto: it needs at least 216 hours"],
+            id="too little forecast history for the model says how much it needs",
+        ),
+        pytest.param(
+            "broker: {prices: {kind: files}}\n",
+            ["broker.prices.files.path: required field is missing"],
+            id="a price list without its path names the path",
         ),
         pytest.param(
             "- just\n- a list\n",

@@ -1,0 +1,444 @@
+"""Live grid signals in the broker's snapshots: carbon forecasts per zone from a carbon provider (the shipped
+Electricity Maps slice, or a local service answering in the Electricity Maps v3 shape with recorded data) and
+prices from a price provider; what a site's zone gets when its service fails; the refresh task's life cycle;
+and a green job routed end to end by the forecast."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from broker.clock import ManualClock
+from broker.config import BrokerSettings, ConfigError
+from broker.data.carbon import CarbonData, load_carbon
+from broker.federation import Federation
+from broker.models import JobState, SimulatedAdapterConfig, SiteSpec
+from broker.providers import FileCarbonProvider, FilePriceProvider, HttpCarbonProvider, build_price_provider
+from broker.service import Broker, adapter_factory
+from broker.signals import CarbonForecastSettings, GridSignals, fit_forecast
+from policies import explain
+from policies.snapshot import MODEL_INDEX, JobRequest
+from tests.builders import job, site
+from tests.test_providers import FakeElectricityMaps
+
+ROOT = Path(__file__).resolve().parents[1]
+CARBON_DIR = ROOT / "data" / "carbon"  # the shipped slice: 2022-06-01 .. 2022-06-21, 8 zones
+PRICES = ROOT / "data" / "prices" / "gcp_gpu_instance_prices.csv"
+H = timedelta(hours=1)
+FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+
+NOW = datetime(2022, 6, 15, 12, 20, tzinfo=UTC)  # two weeks into the slice, 20 minutes into the hour
+HOUR = NOW.replace(minute=0)
+
+LONDON = site("london", region="gcp:europe-west2", grid_zone="GB", timezone="Europe/London", adapter=FAST)
+FRANKFURT = site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin", adapter=FAST)
+PARIS = site("paris", region="gcp:europe-west9", grid_zone="FR", timezone="Europe/Paris", adapter=FAST)  # no data
+TOKYO = site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=FAST)
+
+
+@pytest.fixture(scope="module")
+def carbon() -> CarbonData:
+    return load_carbon(CARBON_DIR)
+
+
+def settings(**kw: Any) -> CarbonForecastSettings:
+    return CarbonForecastSettings(**({"history_h": 336} | kw))
+
+
+def edited(data: CarbonData, zones: tuple[str, ...], edit: Callable[[np.ndarray, int], np.ndarray]) -> CarbonData:
+    """The zones' series with ``edit(values, index of NOW's hour)`` applied."""
+    arrays = {}
+    for z in zones:
+        start, end = data.span(z)
+        values = np.array(data.series(z, start, (end - start) // H))
+        arrays[z] = (start, edit(values, (HOUR - start) // H))
+    return CarbonData.from_arrays(arrays)
+
+
+async def federation(clock: ManualClock, *specs: SiteSpec) -> Federation:
+    fed = Federation(clock, adapter_factory(clock))
+    for spec in specs:
+        await fed.add(spec)
+    return fed
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[list[Any]]:
+    """Federations and signals to close when the test ends."""
+    things: list[Any] = []
+    yield things
+    for t in things:
+        await (t.stop() if isinstance(t, GridSignals) else t.close())
+
+
+async def signals_for(closing: list[Any], provider: Any, clock: ManualClock, cfg: CarbonForecastSettings,
+                      *specs: SiteSpec) -> tuple[Federation, GridSignals]:
+    """A federation of ``specs`` whose snapshots read the forecasts of signals on ``provider`` (no refresh task:
+    the test calls ``refresh()``)."""
+    fed = await federation(clock, *specs)
+    signals = GridSignals(provider, cfg, clock, zones=lambda: {m.spec.grid_zone for m in fed.members.values()})
+    fed.signals = signals
+    closing += [fed, signals]
+    return fed, signals
+
+
+def row(snap: Any, name: str) -> np.ndarray:
+    return snap.carbon_forecast[snap.index[name]]
+
+
+# --- (a) the forecast in the snapshot: hour 0 is now's hour, and nothing after now is read --------------------------
+
+DATA_AFTER_NOW = [
+    pytest.param(lambda v, i: v, id="the shipped files, which go on for a week after now"),
+    pytest.param(lambda v, i: np.concatenate([v[:i], np.full(len(v) - i, 1e6)]),
+                 id="files whose values from now's hour on are poisoned with 1e6"),
+    pytest.param(lambda v, i: v[:i], id="files that end where now's hour begins"),
+]
+
+
+@pytest.mark.parametrize("model", ["seasonal_naive", "holt_winters", "auto"])
+@pytest.mark.parametrize("after_now", DATA_AFTER_NOW)
+async def test_the_snapshot_forecast_starts_at_nows_hour_and_reads_only_the_past(carbon, closing, model,
+                                                                                  after_now) -> None:
+    zones = ("GB", "DE-LU")
+    provider = FileCarbonProvider(edited(carbon, zones, after_now))
+    clock = ManualClock(NOW)
+    cfg = settings(model=model)
+    fed, signals = await signals_for(closing, provider, clock, cfg, LONDON, FRANKFURT)
+    await signals.refresh()
+    snap = fed.freeze(NOW)
+    assert snap.carbon_forecast.shape == (2, 48)
+    for name, zone in (("london", "GB"), ("frankfurt", "DE-LU")):
+        past = carbon.series(zone, HOUR - 336 * H, 336)  # the 336 hours before now's hour, from the real files
+        _, want, _ = fit_forecast(np.array(past), cfg, zone)
+        np.testing.assert_allclose(row(snap, name), want, rtol=1e-12)
+        assert np.all(row(snap, name) < 1e5)
+        assert signals.zones[zone].forecast.first_hour == HOUR
+    np.testing.assert_array_equal(snap.carbon_g_per_kwh, snap.carbon_forecast[:, 0])
+
+
+async def test_hour_0_is_nows_hour_seasonal_naive_repeats_yesterdays_same_hour(carbon, closing) -> None:
+    clock = ManualClock(NOW)
+    fed, signals = await signals_for(closing, FileCarbonProvider(carbon), clock, settings(model="seasonal_naive"),
+                                     LONDON)
+    await signals.refresh()
+    got = row(fed.freeze(NOW), "london")
+    yesterday = carbon.series("GB", HOUR - 24 * H, 24)  # 12:00 yesterday .. 11:00 today
+    np.testing.assert_array_equal(got, np.tile(yesterday, 2))
+
+
+async def test_a_forecast_is_shifted_to_nows_hour_until_it_goes_stale(carbon, closing) -> None:
+    clock = ManualClock(NOW)
+    cfg = settings(stale_after_s=6 * 3600)
+    fed, signals = await signals_for(closing, FileCarbonProvider(carbon), clock, cfg, LONDON)
+    await signals.refresh()
+    made = row(fed.freeze(NOW), "london").copy()
+    shifted = row(fed.freeze(NOW + 2 * H), "london")  # no refresh in between
+    np.testing.assert_array_equal(shifted[:46], made[2:])
+    np.testing.assert_array_equal(shifted[46:], [made[-1], made[-1]])  # past its horizon: its last value
+    assert np.isnan(row(fed.freeze(NOW + 6 * H + timedelta(seconds=1)), "london")).all()
+    assert np.isnan(row(fed.freeze(NOW - H), "london")).all(), "a forecast made after now's hour is not used"
+
+
+async def test_a_zone_the_provider_cannot_answer_is_a_nan_row_and_the_others_are_unaffected(carbon, closing,
+                                                                                            caplog) -> None:
+    clock = ManualClock(NOW)
+    fed, signals = await signals_for(closing, FileCarbonProvider(carbon, "data/carbon"), clock, settings(),
+                                     LONDON, PARIS)
+    with caplog.at_level(logging.WARNING, logger="broker.signals"):
+        await signals.refresh()
+    snap = fed.freeze(NOW)
+    assert np.isnan(row(snap, "paris")).all() and np.isnan(snap.carbon_g_per_kwh[snap.index["paris"]])
+    assert np.isfinite(row(snap, "london")).all()
+    assert "zone FR: files data/carbon: no carbon data for this zone" in signals.zones["FR"].error
+    assert "no forecast for this zone until a refresh succeeds" in caplog.text
+
+
+# --- (b) the HTTP provider: one zone's outage keeps its last forecast, the other zone carries on ---------------------
+
+SERVICE_NOW = datetime(2022, 6, 7, 6, tzinfo=UTC)  # inside the recordings (2022-06-01 .. 2022-06-07 23:00)
+
+
+class FlakyElectricityMaps(FakeElectricityMaps):
+    """The recorded service, with faults per service zone id (``DE`` is the files' ``DE-LU``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faults: dict[str, tuple[int, float]] = {}  # zone -> (HTTP status, delay in seconds)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        fault = self.faults.get(request.query.get("zone", ""))
+        if fault is None:
+            return await super().handle(request)
+        status, delay_s = fault
+        await asyncio.sleep(delay_s)
+        return web.json_response({"message": "scripted outage"}, status=status)
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[FlakyElectricityMaps]:
+    fake = FlakyElectricityMaps()
+    server = TestServer(fake.app, host="127.0.0.1")
+    await server.start_server()
+    fake.url = str(server.make_url("")).rstrip("/")
+    yield fake
+    await server.close()
+
+
+OUTAGES = [
+    pytest.param((503, 0.0), "HTTP 503 Service Unavailable; gave up after 1 attempt",
+                 id="a zone whose service answers 503"),
+    pytest.param((200, 1.0), "no answer within 0.2 s; gave up after 1 attempt",
+                 id="a zone whose service answers slower than the timeout"),
+    pytest.param((404, 0.0), "HTTP 404 Not Found: scripted outage", id="a zone the service says it does not know"),
+]
+
+
+@pytest.mark.parametrize(("fault", "reason"), OUTAGES)
+async def test_a_failing_zone_keeps_its_last_forecast_until_stale_and_the_other_zone_is_unaffected(
+        service, carbon, closing, caplog, fault, reason) -> None:
+    clock = ManualClock(SERVICE_NOW)
+    provider = HttpCarbonProvider(service.url, timeout_s=0.2, retries=0, clock=clock)
+    cfg = settings(model="seasonal_naive", history_h=96, stale_after_s=3 * 3600)
+    fed, signals = await signals_for(closing, provider, clock, cfg, LONDON, FRANKFURT)
+    await signals.refresh()
+    first = fed.freeze(clock.now())
+    assert np.isfinite(first.carbon_forecast).all()
+
+    service.faults["GB"] = fault
+    await clock.advance(3600)
+    with caplog.at_level(logging.WARNING, logger="broker.signals"):
+        await signals.refresh()
+    snap = fed.freeze(clock.now())
+    np.testing.assert_array_equal(row(snap, "london")[:47], row(first, "london")[1:])  # kept, shifted an hour
+    assert reason in signals.zones["GB"].error
+    assert "keeping the forecast made 2022-06-07 06:00 UTC" in caplog.text
+    # frankfurt was refitted at 07:00: seasonal naive, so hour 0 is yesterday's 07:00
+    assert signals.zones["DE-LU"].error is None and signals.zones["DE-LU"].forecast.first_hour == clock.now()
+    assert row(snap, "frankfurt")[0] == carbon.intensity("DE-LU", clock.now() - 24 * H)
+
+    await clock.advance(2.5 * 3600)  # 3.5 h after london's last good forecast: stale
+    await signals.refresh()
+    snap = fed.freeze(clock.now())
+    assert np.isnan(row(snap, "london")).all()
+    assert np.isfinite(row(snap, "frankfurt")).all()
+
+    service.faults.clear()
+    await clock.advance(3600)
+    await signals.refresh()
+    assert np.isfinite(fed.freeze(clock.now()).carbon_forecast).all(), "the zone is back once its service is"
+
+
+# --- (c) prices from a price provider ---------------------------------------------------------------------------------
+
+
+class CountingPrices:
+    """A price provider that counts its lookups."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.calls = inner, 0
+
+    def usd_per_gpu_hour(self, site: SiteSpec, model: str, spot: bool = False) -> float | None:
+        self.calls += 1
+        return self.inner.usd_per_gpu_hour(site, model, spot)
+
+
+GB_PRICED = site("london", region="gcp:europe-west2", grid_zone="GB", gpus={"l4": 8, "a100-40gb": 8},
+                 usd_per_gpu_hour={"l4": 0.9, "a100-40gb": 99.0}, adapter=FAST)
+ONPREM = site("lab", region="onprem:basement", grid_zone="GB", gpus={"l4": 8}, usd_per_gpu_hour={"l4": 0.5},
+              adapter=FAST)
+
+
+async def test_a_price_provider_overrides_the_spec_price_once_per_set_of_sites(closing) -> None:
+    clock = ManualClock(NOW)
+    listed = FilePriceProvider.load(str(PRICES))
+    prices = CountingPrices(listed)
+    fed = await federation(clock, GB_PRICED, ONPREM)
+    closing.append(fed)
+    fed.set_prices(prices)
+    snap = fed.freeze(NOW)
+    usd = snap.usd_per_gpu_hour
+    gb, lab = snap.index["london"], snap.index["lab"]
+    assert usd[gb, MODEL_INDEX["a100-40gb"]] == listed.table.price("gcp:europe-west2", "a100-40gb") != 99.0
+    assert usd[gb, MODEL_INDEX["l4"]] == listed.table.price("gcp:europe-west2", "l4") != 0.9
+    assert usd[lab, MODEL_INDEX["l4"]] == 0.5, "a region the list does not price keeps the spec's price"
+    assert np.isnan(usd[lab, MODEL_INDEX["a100-40gb"]])
+    looked_up = prices.calls
+    for _ in range(3):  # passes: new reports, new snapshots, the same sites
+        await fed.collect()
+        fed.freeze(clock.now())
+    assert prices.calls == looked_up
+    await fed.add(site("berlin", region="gcp:europe-west3", grid_zone="DE-LU", gpus={"l4": 8}, adapter=FAST))
+    snap = fed.freeze(NOW)
+    assert prices.calls > looked_up and not np.isnan(snap.usd_per_gpu_hour[snap.index["berlin"], MODEL_INDEX["l4"]])
+
+
+async def test_a_broker_configured_with_prices_uses_them(tmp_path) -> None:
+    b = Broker(BrokerSettings(db=str(tmp_path / "p.db"), shutdown_grace_s=0.1,
+                              prices={"kind": "files", "path": str(PRICES)}), clock=ManualClock(NOW))
+    await b.start([GB_PRICED], run_loop=False)
+    try:
+        snap = b.federation.freeze(NOW)
+        want = build_price_provider({"kind": "files", "path": str(PRICES)}).usd_per_gpu_hour(GB_PRICED, "a100-40gb")
+        assert snap.usd_per_gpu_hour[0, MODEL_INDEX["a100-40gb"]] == want != 99.0
+        assert b.signals is None and np.isnan(snap.carbon_g_per_kwh).all()
+    finally:
+        await b.stop()
+
+
+# --- (d) end to end: a green job goes where the grid is forecast cleanest over its run ------------------------------
+
+# 2022-06-15 02:00 UTC (11:00 in Tokyo): Tokyo's grid is forecast cleaner than Frankfurt's for this hour (and was:
+# 430 against 548 gCO2e/kWh), Frankfurt's over the next twelve (and was: 402 against 478), as its sun comes up.
+GREEN_AT = datetime(2022, 6, 15, 2, tzinfo=UTC)
+GREEN_JOBS = [
+    pytest.param(dict(duration_s=3600), "tokyo", id="a one-hour job goes to tokyo, cleaner in the hour it runs"),
+    pytest.param(dict(duration_s=12 * 3600), "frankfurt",
+                 id="a twelve-hour job goes to frankfurt, dirtier now but cleaner over the twelve hours"),
+    pytest.param(dict(duration_s=3600, allowed_regions=["gcp:europe-west9", "gcp:europe-west3"]), "frankfurt",
+                 id="a job allowed in paris and frankfurt goes to frankfurt: paris's zone has no forecast"),
+]
+
+
+@pytest.fixture
+async def green_broker(tmp_path) -> AsyncIterator[Broker]:
+    cfg = {"db": str(tmp_path / "g.db"), "shutdown_grace_s": 0.1, "carbon": {"kind": "files", "path": str(CARBON_DIR)},
+           "carbon_forecast": {"history_h": 336}}
+    b = Broker(BrokerSettings.model_validate(cfg), clock=ManualClock(GREEN_AT))
+    await b.start([FRANKFURT, PARIS, TOKYO], run_loop=False)
+    await asyncio.wait_for(b.signals.wait_ready(), 30)
+    yield b
+    await b.stop()
+
+
+@pytest.mark.parametrize(("spec", "chosen"), GREEN_JOBS)
+async def test_a_green_job_goes_to_the_site_whose_grid_is_cleaner_over_its_run(green_broker, spec, chosen) -> None:
+    b = green_broker
+    j, _ = await b.book.submit(job(count=1, profile="green", **spec))
+    await b.cycle.run_once()
+    placed = await b.book.get(j.id)
+    assert placed.state == JobState.DISPATCHING and placed.site == chosen
+    stored = await b.store.get_decision(j.id)
+    why = explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
+    carbon_kg = {v.site: next(t.raw for t in v.terms if t.scorer == "carbon") for v in why.sites if v.feasible}
+    assert min(carbon_kg, key=carbon_kg.get) == chosen  # the explanation shows why
+
+
+# --- the refresh task and the broker's life cycle -----------------------------------------------------------------
+
+
+class CountingCarbon:
+    """A carbon provider over files that counts history requests per zone, and can be made to hang."""
+
+    def __init__(self, inner: FileCarbonProvider) -> None:
+        self.inner = inner
+        self.asked: Counter[str] = Counter()
+        self.spans: list[tuple[str, datetime, datetime]] = []
+        self.hang = False
+        self.closed = False
+
+    async def history(self, zone: str, start: datetime, end: datetime) -> np.ndarray:
+        self.asked[zone] += 1
+        self.spans.append((zone, start, end))
+        if self.hang:
+            await asyncio.Event().wait()
+        return await self.inner.history(zone, start, end)
+
+    async def latest(self, zone: str, now: datetime) -> float:
+        return await self.inner.latest(zone, now)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def eventually(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_later_rounds_ask_only_for_the_new_hours_and_the_last_day_again(carbon, closing) -> None:
+    provider = CountingCarbon(FileCarbonProvider(carbon))
+    clock = ManualClock(NOW)
+    fed, signals = await signals_for(closing, provider, clock, settings(), LONDON)
+    await signals.refresh()
+    await clock.advance(3 * 3600)
+    await signals.refresh()
+    assert provider.spans == [("GB", HOUR - 336 * H, HOUR), ("GB", HOUR - 24 * H, HOUR + 3 * H)]
+    once = await signals_for(closing, FileCarbonProvider(carbon), clock, settings(), LONDON)
+    await once[1].refresh()  # the same hour, everything fetched at once
+    np.testing.assert_array_equal(row(fed.freeze(clock.now()), "london"), row(once[0].freeze(clock.now()), "london"))
+    await clock.advance(340 * 3600)  # more than history_h later: nothing kept is wanted, all is asked again
+    await signals.refresh()
+    assert provider.spans[-1] == ("GB", HOUR + 7 * H, HOUR + 343 * H)
+
+
+@pytest.fixture
+def make_broker(tmp_path) -> Iterator[Callable[..., Broker]]:
+    def make(provider: Any, clock: ManualClock, **cfg: Any) -> Broker:
+        s = BrokerSettings.model_validate({"db": str(tmp_path / "s.db"), "shutdown_grace_s": 0.1,
+                                           "carbon_forecast": {"history_h": 336, **cfg}})
+        return Broker(s, clock=clock, carbon=provider)
+
+    yield make
+
+
+async def test_the_broker_refreshes_every_refresh_s_and_fetches_a_new_zone_at_once(carbon, make_broker) -> None:
+    provider = CountingCarbon(FileCarbonProvider(carbon))
+    clock = ManualClock(NOW)
+    b = make_broker(provider, clock, refresh_s=3600)
+    await b.start([LONDON], run_loop=False)
+    try:
+        await asyncio.wait_for(b.signals.wait_ready(), 10)
+        assert provider.asked == {"GB": 1}
+        await clock.advance(1800)
+        await asyncio.sleep(0.05)
+        assert provider.asked == {"GB": 1}, "no round before refresh_s"
+        await clock.advance(1800)
+        await eventually(lambda: provider.asked["GB"] == 2)
+        await b.register_site(FRANKFURT)
+        b.federation.freeze(clock.now())  # a snapshot that asks for a zone never fetched wakes the task
+        await eventually(lambda: b.signals.zones.get("DE-LU") is not None
+                         and b.signals.zones["DE-LU"].forecast is not None)
+        assert provider.asked == {"GB": 2, "DE-LU": 1}
+    finally:
+        await b.stop()
+    assert provider.closed
+
+
+async def test_stopping_the_broker_mid_refresh_cancels_it_and_closes_the_provider(carbon, make_broker) -> None:
+    provider = CountingCarbon(FileCarbonProvider(carbon))
+    provider.hang = True
+    b = make_broker(provider, ManualClock(NOW))
+    await b.start([LONDON], run_loop=False)
+    await eventually(lambda: provider.asked["GB"] == 1)
+    await asyncio.wait_for(b.stop(), 5)
+    assert provider.closed and b.signals is None
+
+
+@pytest.mark.parametrize(("cfg", "message"), [
+    pytest.param({"carbon": {"kind": "files", "path": "/nonexistent/carbon"}}, "broker.carbon: ",
+                 id="a carbon folder that does not exist stops the start naming broker.carbon"),
+    pytest.param({"carbon": {"kind": "http", "url": "http://127.0.0.1:9", "token_env": "HELIOTROPE_NO_SUCH_TOKEN"}},
+                 "broker.carbon: carbon provider: token_env names $HELIOTROPE_NO_SUCH_TOKEN, which is not set",
+                 id="an unset token variable stops the start naming broker.carbon and the variable"),
+    pytest.param({"prices": {"kind": "files", "path": "/nonexistent/prices.csv"}}, "broker.prices: ",
+                 id="a price list that does not exist stops the start naming broker.prices"),
+])
+async def test_a_provider_that_cannot_be_built_stops_the_start_with_a_config_error(tmp_path, cfg, message) -> None:
+    b = Broker(BrokerSettings.model_validate({"db": str(tmp_path / "e.db"), **cfg}), clock=ManualClock(NOW))
+    with pytest.raises(ConfigError) as err:
+        await b.start([LONDON], run_loop=False)
+    assert str(err.value).startswith(message)
