@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from datetime import datetime
+import math
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
@@ -34,9 +35,10 @@ from broker.jobs import JobBook
 from broker.lifecycle import Lifecycle
 from broker.models import Job, JobState
 from broker.store import Store, StoreError
-from policies import explain
+from policies import explain, timeshift
 from policies.pipeline import Pipeline, Placement, default_pipeline
-from policies.snapshot import JobRequest, Snapshot
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies.timeshift import Deferral
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,29 @@ class CycleReport:
     decided: int
     placed: int
     unplaceable: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A deferred job's plan: where, which model column, how many GPUs, the POSIX hours it holds, the hour
+    it was decided in, and whether it was deferred for a saving (else for lack of room: decided again at
+    every full pass)."""
+
+    site: str
+    model: int
+    gpus: float
+    first: int
+    end: int
+    decided_h: int
+    saving: bool
+
+
+def _latest_start(job: Job) -> float:
+    """POSIX seconds by which a job must start to meet its deadline (inf without one): the queue's
+    urgency order for pipelines that defer jobs."""
+    if job.spec.deadline is None:
+        return math.inf
+    return job.spec.deadline.timestamp() - job.spec.duration_s
 
 
 class _Failure:
@@ -86,7 +111,9 @@ class PassDecider:
     """Step 3's rule, shared by the live cycle and the simulator (``broker.simulation.engine``): decide
     queued jobs in order against one snapshot. A request shape that found no site fails again for the rest
     of the pass, since capacity only shrinks within a pass; each placement is debited from the snapshot at
-    once (``assume``), so later jobs in the pass see it."""
+    once (``assume``), so later jobs in the pass see it. With a pipeline that shifts jobs in time and a
+    snapshot that carries a plan (``Snapshot.plan_free``), a flexible job may come back as a
+    :class:`policies.timeshift.Deferral`, which ``reserve`` debits from the plan."""
 
     __slots__ = ("pipeline", "snap", "failed")
 
@@ -95,21 +122,31 @@ class PassDecider:
         self.snap = snap
         self.failed: dict[tuple[Any, ...], _Failure] = {}
 
-    def decide(self, req: JobRequest, shape: tuple[Any, ...] | None = None) -> Placement | _Failure:
-        """The placement of ``req`` (not yet assumed), or the failure its shape met in this pass.
-        ``shape`` is ``req.shape`` when the caller has it cached."""
+    def decide(self, req: JobRequest, shape: tuple[Any, ...] | None = None) -> Placement | _Failure | Deferral:
+        """The placement of ``req`` (not yet assumed), its deferral, or the failure its shape met in this
+        pass. ``shape`` is ``req.shape`` when the caller has it cached."""
         key = req.shape if shape is None else shape
         failure = self.failed.get(key)
-        if failure is not None:
-            return failure
-        placement = self.pipeline.decide(req, self.snap)
-        if not placement.placed:
-            failure = self.failed[key] = _Failure(placement)
-            return failure
-        return placement
+        if failure is None:
+            placement = self.pipeline.decide(req, self.snap)
+            if not placement.placed:
+                failure = self.failed[key] = _Failure(placement)
+        else:
+            placement = failure.placement
+        shift = self.pipeline.shift
+        if shift is not None and timeshift.shiftable(req, self.snap, shift):
+            outcome = timeshift.plan(req, self.snap, placement, shift, self.pipeline.filter_codes)
+            if outcome is not None:
+                return outcome
+        return failure if failure is not None else placement
 
     def assume(self, placement: Placement) -> None:
         self.snap.assume(placement.site, placement.request, placement.model)
+
+    def reserve(self, deferral: Deferral) -> None:
+        """Debit a deferred job's planned hours from the pass's plan, so later jobs plan around it."""
+        timeshift.debit(self.snap, deferral.site, deferral.model, timeshift.held(deferral.request),
+                        deferral.slot, deferral.slot + deferral.slots)
 
 
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
@@ -146,6 +183,11 @@ class SchedulingCycle:
         self.full_pass_interval_s = full_pass_interval_s
         self._last_full: datetime | None = None
         self._asked_at = 0  # book.seq when the sites were last asked for reports
+        # Time-shifting: the hours the plan covers (0: no pipeline defers) and the jobs deferred, with
+        # the hours their planned start holds; a job deferred for a saving is decided again each whole hour.
+        shifts = [p.shift for p in (self.pipeline, *self.profiles.values()) if p.shift is not None]
+        self._plan_hours = max((s.plan_hours for s in shifts), default=0)
+        self._deferred: dict[str, _Planned] = {}
 
     def full_pass_due(self, now: datetime) -> bool:
         """A full pass asks the sites again and re-decides the whole queue. It is due when capacity may
@@ -178,6 +220,8 @@ class SchedulingCycle:
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
+        if self._plan_hours:
+            snap = self._with_plan(snap)
         # 3. decide, and assume each placement in memory at once (its store write is queued at once too)
         assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write)
         records: list[tuple[Job, dict[str, Any]]] = []
@@ -201,12 +245,24 @@ class SchedulingCycle:
         decisions worth recording. Returns how many jobs were decided."""
         deciders: dict[int, PassDecider] = {}  # one per pipeline in use, all on the same snapshot
         decided = 0
+        hour = timeshift.epoch_hour(snap.now)
+        if self.pipeline.urgent_first:
+            jobs = sorted(jobs, key=lambda j: (-j.spec.priority, _latest_start(j), j.created_at))
         for n, queued_job in enumerate(jobs):
             if n and n % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the API breathe during a long pass
             job = self.book.active.get(queued_job.id)
             if job is None or job.state != JobState.QUEUED:
                 continue  # cancelled or changed while the pass yielded
+            planned = self._deferred.get(job.id)
+            if planned is not None:
+                if planned.saving and planned.decided_h == hour:
+                    continue  # deferred this hour; decided again when the forecast moves on
+                del self._deferred[job.id]
+                site = snap.index.get(planned.site)
+                if site is not None:  # its hours are free to plan anew
+                    timeshift.credit(snap, timeshift.Booking(site, planned.model, planned.gpus, planned.first,
+                                                             planned.end))
             decided += 1
             req = self._request(job)
             pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
@@ -214,6 +270,17 @@ class SchedulingCycle:
             if decider is None:
                 decider = deciders[id(pipeline)] = PassDecider(pipeline, snap)
             placement = decider.decide(req)
+            if isinstance(placement, Deferral):
+                decider.reserve(placement)
+                first = hour + placement.slot
+                self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
+                                                  timeshift.held(req), first, first + placement.slots, hour,
+                                                  placement.now_site >= 0)
+                signature = f"deferred {placement.site} {first}".encode()
+                if self._last_seen.get(job.id) != signature:
+                    self._last_seen[job.id] = signature
+                    records.append((job, explain.record_deferral(pipeline, placement, snap)))
+                continue
             if isinstance(placement, _Failure):
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
                     self._last_seen[job.id] = placement.signature
@@ -263,6 +330,35 @@ class SchedulingCycle:
         if req is None or req.excluded_sites != excluded:
             req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, excluded)
         return req
+
+    def _with_plan(self, snap: Snapshot) -> Snapshot:
+        """``snap`` with the time-shift plan: hour by hour, the GPUs that jobs on sites (until their expected
+        end: ``duration_s`` less what earlier attempts ran, from when this attempt started or was placed)
+        and deferred jobs (from their planned start) leave free."""
+        hours = self._plan_hours
+        h0 = timeshift.epoch_hour(snap.now)
+        calendar = timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
+        for job in self.book.active.values():
+            site = snap.index.get(job.site) if job.site is not None else None
+            if not job.state.on_site or site is None or job.gpu_model not in MODEL_INDEX:
+                continue
+            began = (job.started_at or job.updated_at).timestamp()
+            end_h = math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S)
+            calendar.book(site, MODEL_INDEX[job.gpu_model], timeshift.held(self._request(job)), h0,
+                          min(end_h, h0 + hours))
+        for job_id, planned in list(self._deferred.items()):
+            job = self.book.active.get(job_id)
+            site = snap.index.get(planned.site)
+            if job is None or job.state != JobState.QUEUED or site is None:
+                del self._deferred[job_id]  # placed, cancelled, or its site left: nothing to hold
+                continue
+            calendar.book(site, planned.model, planned.gpus, planned.first, min(planned.end, h0 + hours))
+        return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours))
+
+    def deferred_until(self, job_id: str) -> datetime | None:
+        """When a deferred job is planned to start (None: not deferred)."""
+        planned = self._deferred.get(job_id)
+        return None if planned is None else datetime.fromtimestamp(planned.first * timeshift.HOUR_S, tz=UTC)
 
     def _forget_gone(self) -> None:
         """Drop cached requests and decision signatures of jobs no longer queued."""

@@ -20,6 +20,7 @@ from broker.models import Decision, ScoreTerm, SiteVerdict
 from policies.filters import Filter
 from policies.pipeline import TIE_EPSILON, Pipeline, Placement
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies.timeshift import Deferral
 
 RECORD_VERSION = 2
 
@@ -31,6 +32,15 @@ def pack(values: np.ndarray, dtype: str) -> str:
 
 def unpack(text: str, dtype: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype=np.dtype(dtype).newbyteorder("<"))
+
+
+def record_deferral(pipeline: Pipeline, deferral: Deferral, snap: Snapshot) -> dict[str, Any]:
+    """The record of a deferral: the profile's view of every site now, no site chosen, and the plan
+    (``deferred``: site, start, objective values and the reason in words)."""
+    rec = record(pipeline, deferral.placement, snap)
+    rec["site"] = rec["model"] = None
+    rec["deferred"] = deferral.as_dict(snap.sites)
+    return rec
 
 
 def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str, Any]:
@@ -142,9 +152,12 @@ def render(
         )
         if tied:
             summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
-    elif deferred_until is not None:
+    elif deferred_until is not None or rec.get("deferred"):
         outcome = "deferred"
-        summary = f"deferred until {deferred_until.isoformat()}"
+        planned = rec.get("deferred") or {}
+        if deferred_until is None:
+            deferred_until = datetime.fromisoformat(planned["start"])
+        summary = planned.get("reason") or f"deferred until {deferred_until.isoformat()}"
     else:
         outcome = "unplaceable"
         if not verdicts:

@@ -28,6 +28,7 @@ from policies.filters.region import RefusedFilter, RegionFilter
 from policies.scorers import Scorer
 from policies.scorers.free_gpus import FreeGpusScorer
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies.timeshift import ShiftPolicy
 
 TIE_EPSILON = 1e-9
 _MEMORY_ORDER = np.array([ids.GPU_MODEL_BY_ID[m].memory_gib for m in ids.GPU_MODEL_IDS], dtype=np.float64)
@@ -79,7 +80,8 @@ class Placement:
 
 
 class Pipeline:
-    def __init__(self, filters: Sequence[Filter], scorers: Sequence[Weighted]) -> None:
+    def __init__(self, filters: Sequence[Filter], scorers: Sequence[Weighted], shift: ShiftPolicy | None = None) -> None:
+        """``shift``: how flexible jobs are deferred (``policies.timeshift``); None: never."""
         codes = [f.code for f in filters]
         if len(set(codes)) != len(codes):
             raise PipelineError(f"a filter is listed twice: {codes}")
@@ -93,6 +95,11 @@ class Pipeline:
                 raise PipelineError(f"scorer {w.scorer.name}: weight must be a finite number >= 0, got {w.weight}")
         self.filters: tuple[Filter, ...] = tuple(filters)
         self.scorers: tuple[Weighted, ...] = tuple(w for w in scorers if w.weight > 0)
+        self.shift = shift
+        # A pipeline that defers jobs also orders the queue by urgency: within a priority, the job that
+        # must start soonest (deadline - expected run time; no deadline last) is decided first (EDF).
+        self.urgent_first = shift is not None
+        self.filter_codes: tuple[str, ...] = tuple(codes)
 
     def decide(self, req: JobRequest, snap: Snapshot) -> Placement:
         passes = tuple(f.passes(req, snap) for f in self.filters)

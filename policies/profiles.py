@@ -39,6 +39,7 @@ from policies.scorers.least_loaded import LeastLoadedScorer
 from policies.scorers.round_robin import RoundRobinScorer
 from policies.scorers.spillover import SpilloverScorer
 from policies.scorers.telemetry import TelemetryScorer
+from policies.timeshift import ShiftPolicy
 
 SCORERS: dict[str, Callable[[], Scorer]] = {
     "carbon": CarbonScorer,
@@ -68,10 +69,19 @@ class ProfileError(ValueError):
     """A profile that cannot be used; the message names the profile and the scorer or field."""
 
 
+SHIFTS: dict[str, ShiftPolicy] = {
+    "balanced": ShiftPolicy(objective="carbon", min_saving=0.2),
+    "green": ShiftPolicy(objective="carbon"),
+    "cheap": ShiftPolicy(objective="cost"),
+}
+"""How the built-in profiles shift flexible jobs in time (``fast`` never defers)."""
+
+
 class Profile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weights: dict[str, float] = Field(description="scorer name -> weight (>= 0; 0 turns the scorer off)")
+    shift: ShiftPolicy | None = Field(default=None, description="time-shifting of flexible jobs; none: never defer")
 
     @field_validator("weights")
     @classmethod
@@ -114,6 +124,11 @@ class ProfilesConfig(BaseModel):
         raise ProfileError(f"profile {name!r} is not defined; profiles are: "
                            f"{', '.join(sorted(set(BUILTIN) | set(self.definitions)))}")
 
+    def shift(self, name: str) -> ShiftPolicy | None:
+        if name in self.definitions:
+            return self.definitions[name].shift
+        return SHIFTS.get(name)
+
     def choose(self, requested: str | None) -> str | None:
         """The profile a job runs under: its own when allowed, else the federation's default (None: the
         release's default pipeline)."""
@@ -129,17 +144,18 @@ def filters() -> tuple:
     return (HealthyFilter(), RegionFilter(), LatencyFilter(), RefusedFilter(), GpuFitFilter())
 
 
-def pipeline_for(weights: Mapping[str, float]) -> Pipeline:
-    """The pipeline of a profile: every filter, then each scorer with its weight."""
+def pipeline_for(weights: Mapping[str, float], shift: ShiftPolicy | None = None) -> Pipeline:
+    """The pipeline of a profile: every filter, then each scorer with its weight, and its time-shifting."""
     for name in weights:
         if name not in SCORERS:
             raise ProfileError(f"unknown scorer {name!r}; scorers are: {', '.join(SCORERS)}")
     return Pipeline(filters=filters(),
-                    scorers=tuple(Weighted(SCORERS[name](), float(w)) for name, w in weights.items()))
+                    scorers=tuple(Weighted(SCORERS[name](), float(w)) for name, w in weights.items()), shift=shift)
 
 
 def profile_pipeline(name: str | None, config: ProfilesConfig | None = None) -> Pipeline:
     """The pipeline of profile ``name``; ``None``: the release's default pipeline (most free GPUs)."""
     if name is None:
         return default_pipeline()
-    return pipeline_for((config or ProfilesConfig()).weights(name))
+    config = config or ProfilesConfig()
+    return pipeline_for(config.weights(name), config.shift(name))

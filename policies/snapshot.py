@@ -41,6 +41,7 @@ class JobRequest:
     duration_s: float = 3600.0  # the expected run time the submitter gave
     origin_region: str | None = None  # where the job's data and users are
     latency_slo_ms: float | None = None  # most RTT from origin_region allowed (a hard filter)
+    deadline_ts: float | None = None  # POSIX seconds by which the job must finish (None: no deadline)
 
     @classmethod
     def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset()) -> JobRequest:
@@ -58,6 +59,7 @@ class JobRequest:
             duration_s=spec.duration_s,
             origin_region=spec.origin_region,
             latency_slo_ms=spec.latency_slo_ms,
+            deadline_ts=spec.deadline.timestamp() if spec.deadline is not None else None,
         )
 
     @property
@@ -100,6 +102,9 @@ class Snapshot:
     carbon_forecast_cum: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [n_sites, hours + 1]: running sums
     temperature_c: np.ndarray = field(default_factory=lambda: np.zeros(0))  # hottest GPU, per site (0 unknown)
     queue_depth: np.ndarray = field(default_factory=lambda: np.zeros(0))  # jobs waiting at the site
+    # float32[n_sites, n_models, hours]: GPUs free in each whole hour from now's (policies.timeshift); empty
+    # when no pipeline shifts jobs in time. Debited by assume() and by deferrals, like free_gpus.
+    plan_free: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
 
     @property
     def n_sites(self) -> int:
@@ -120,6 +125,7 @@ class Snapshot:
             free_gpus=self.free_gpus.copy(order="F"),
             shared_free_milli=self.shared_free_milli.copy(order="F"),
             last_placed=self.last_placed.copy(),
+            plan_free=self.plan_free.copy(),
         )
 
     def assume(self, site: int, req: JobRequest, model: int, *, placed_now: bool = True) -> None:
@@ -136,6 +142,13 @@ class Snapshot:
                 self.shared_free_milli[site, model] = max(self.shared_free_milli[site, model], 1000 - req.milli)
         else:
             self.free_gpus[site, model] -= req.count
+        if self.plan_free.size:  # the run's later hours in the time-shift plan; hour 0 is free_gpus itself
+            now_s = self.now.timestamp()
+            into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
+            end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
+            gpus = req.milli / 1000.0 if req.fractional else float(req.count)
+            self.plan_free[site, model, 1:max(end, 1)] -= gpus
+            self.plan_free[site, model, 0] = self.free_gpus[site, model]
         if placed_now:
             self.last_placed[0] = site
 

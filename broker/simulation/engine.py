@@ -47,7 +47,9 @@ from broker.cycle import PassDecider
 from broker.models import SiteSpec
 from policies.filters.gpu_fit import GpuFitFilter
 from policies.pipeline import Pipeline
+from policies import timeshift
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
+from policies.timeshift import Booking, Calendar, Deferral, epoch_hour, run_slots
 
 from broker.simulation.results import PolicyRun, SiteFacts
 from broker.simulation.workload import Workload
@@ -131,13 +133,15 @@ def requests_of(workload: Workload) -> list[JobRequest]:
     empty: frozenset[str] = frozenset()
     out = []
     regions = workload.region_names
-    for i, (count, milli, model, estimate, origin, slo) in enumerate(zip(
+    start_ts = workload.start.timestamp()
+    for i, (count, milli, model, estimate, origin, slo, deadline) in enumerate(zip(
             workload.gpus.tolist(), workload.milli.tolist(), workload.model.tolist(),
             workload.estimated_duration_s.tolist(), workload.origin_region.tolist(), workload.latency_slo_ms.tolist(),
-            strict=True)):
+            workload.deadline_s.tolist(), strict=True)):
         out.append(JobRequest(job_id=str(i), count=count, milli=milli, model=model, memory_gib=0.0,
                               allowed_regions=empty, denied_regions=empty, duration_s=estimate,
-                              origin_region=regions[origin], latency_slo_ms=None if slo != slo else slo))
+                              origin_region=regions[origin], latency_slo_ms=None if slo != slo else slo,
+                              deadline_ts=start_ts + deadline))
     return out
 
 
@@ -197,14 +201,35 @@ def replay(
     share_of: dict[int, int] = {}  # job -> index of its shared GPU
 
     completions: list[tuple[float, int]] = []
-    queue: list[int] = []  # queued jobs in scheduling order
+    queue: list[int] = []  # jobs waiting for room, in scheduling order
+    in_queue: set[int] = set()
     order_key = (lambda i: (-priority[i], submit[i], i)) if any(priority) else None
+    if pipeline.urgent_first:
+        latest = [(r.deadline_ts or np.inf) - r.duration_s for r in requests]
+        order_key = lambda i: (-priority[i], latest[i], i)  # noqa: E731
     todo = np.flatnonzero(~left_out).tolist()
     next_arrival = 0
     done = passes = 0
-    while next_arrival < len(todo) or completions:
+
+    # Time-shifting (profiles with ``shift``): the plan of booked hours, each job's booking, and the jobs
+    # deferred for a saving (decided again at every whole hour, when the forecast moves on).
+    shift = pipeline.shift
+    start_ts = start_at.timestamp()
+    calendar = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if shift else None
+    bookings: dict[int, Booking] = {}
+    deferred: set[int] = set()
+    ever_deferred = np.zeros(n, dtype=bool)
+    gpus_held = [timeshift.held(r) for r in requests]
+    t_prev = -np.inf
+    while next_arrival < len(todo) or completions or deferred:
         t_arrival = float(submit[todo[next_arrival]]) if next_arrival < len(todo) else np.inf
         t = min(t_arrival, completions[0][0]) if completions else t_arrival
+        boundary = False
+        if deferred:
+            t_hour = (np.floor(t_prev / 3600.0) + 1.0) * 3600.0
+            if t_hour <= t:
+                t, boundary = t_hour, True
+        t_prev = t
         freed = False
         while completions and completions[0][0] <= t:
             _, j = heapq.heappop(completions)
@@ -218,67 +243,99 @@ def replay(
                 shared_free[s, m] = _shared_free(pool)
             else:
                 free[s, m] += requests[j].count
+            booking = bookings.pop(j, None)
+            if booking is not None and calendar is not None:  # ended before (or after) its expected end
+                calendar.release(booking, from_h=int((start_ts + t) // 3600.0) + 1)
             freed = True
             done += 1
         fresh: list[int] = []
         while next_arrival < len(todo) and submit[todo[next_arrival]] <= t:
             fresh.append(todo[next_arrival])
             next_arrival += 1
-        if freed:
-            if fresh:
-                queue.extend(fresh)
-                if order_key is not None:
-                    queue.sort(key=order_key)
-            candidates = queue
-        else:
-            if order_key is not None:
-                fresh.sort(key=order_key)
-            candidates = fresh
+        candidates = (queue + fresh) if freed else fresh
+        if boundary:
+            candidates = candidates + sorted(deferred)
         if not candidates:
             continue
+        if order_key is not None:
+            candidates.sort(key=order_key)
+        elif boundary or freed:
+            candidates.sort()  # job index is submit order
         h = min(int(t // 3600.0), hours - 1)
         hourly = {} if federation.forecast is None else {
             "carbon_forecast": federation.forecast[:, h, :], "carbon_forecast_cum": federation.forecast_cum[:, h, :],
             "utc_offset_h": federation.utc_offset_h[:, h]}
-        snap = replace(base, now=start_at + timedelta(seconds=t), free_gpus=free, shared_free_milli=shared_free,
+        now = start_at + timedelta(seconds=t)
+        if calendar is not None:
+            hourly["plan_free"] = calendar.view(now, free, base.total_gpus, shift.plan_hours)
+        snap = replace(base, now=now, free_gpus=free, shared_free_milli=shared_free,
                        carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor, **hourly)
         decider = PassDecider(pipeline, snap)
-        placed: set[int] = set()
+        waiting: list[int] = []  # candidates not already queued that now wait for room
+        gone: set[int] = set()  # queued candidates placed or deferred for a saving
         for j in candidates:
-            placement = decider.decide(requests[j], shapes[j])
-            if not placement.placed:  # a shared failure: the job waits for capacity
+            booking = bookings.pop(j, None)
+            if booking is not None:  # a deferred job decided again: its hours are free to plan anew
+                calendar.release(booking)
+                timeshift.credit(snap, booking)
+            outcome = decider.decide(requests[j], shapes[j])
+            if isinstance(outcome, Deferral):
+                first = epoch_hour(now) + outcome.slot
+                bookings[j] = calendar.book(outcome.site, outcome.model, gpus_held[j], first, first + outcome.slots)
+                decider.reserve(outcome)
+                if outcome.now_site >= 0:  # for a saving: wait out of the queue until the next whole hour
+                    ever_deferred[j] = True
+                    deferred.add(j)
+                    if j in in_queue:
+                        gone.add(j)
+                    continue
+            if isinstance(outcome, Deferral) or not outcome.placed:  # waits for room (reserved or not)
+                deferred.discard(j)
+                if j not in in_queue:
+                    waiting.append(j)
                 continue
-            s, m = placement.site, placement.model
+            deferred.discard(j)
+            if j in in_queue:
+                gone.add(j)
+            s, m = outcome.site, outcome.model
             if fractional[j]:
                 # The ledger decides where the share goes; the snapshot's own debit is an estimate, so
                 # its figures for this site-model are set from the ledger afterwards.
                 whole_before = int(free[s, m])
-                decider.assume(placement)
+                decider.assume(outcome)
                 pool = shares.setdefault((s, m), _Shared())
                 share_of[j], opened = _share(pool, int(requests[j].milli))
                 free[s, m] = whole_before - opened
                 shared_free[s, m] = _shared_free(pool)
             else:
-                decider.assume(placement)
+                decider.assume(outcome)
+            if calendar is not None:
+                bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s))
             site_of[j], model_of[j] = s, m
             start_s[j] = t
             end_s[j] = t + float(true_s[j])
             if end_s[j] > horizon_s:
                 _past_the_data(j, float(end_s[j]), federation, workload, s)
             heapq.heappush(completions, (end_s[j], j))
-            placed.add(j)
-        if freed:
-            queue = [j for j in queue if j not in placed] if placed else queue
-        elif len(placed) < len(candidates):
-            queue.extend(j for j in candidates if j not in placed)  # newer than every job already queued
+        if gone:
+            queue = [j for j in queue if j not in gone]
+            in_queue -= gone
+        if waiting:
+            newest = queue[-1] if queue else -1
+            queue.extend(waiting)
+            in_queue.update(waiting)
             if order_key is not None:
                 queue.sort(key=order_key)
+            elif waiting[0] < newest:
+                queue.sort()
         passes += 1
         if progress is not None and passes % 4096 == 0:
             progress(done)
     if progress is not None:
         progress(done)
-    return _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began)
+    run = _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began)
+    run.deferred = int(ever_deferred.sum())
+    return run
 
 
 def _share(pool: _Shared, milli: int) -> tuple[int, bool]:

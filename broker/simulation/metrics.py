@@ -45,7 +45,8 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
         return out | {"wait_mean_s": 0.0, "wait_p50_s": 0.0, "wait_p95_s": 0.0, "wait_p99_s": 0.0,
                       "slowdown_mean": 1.0, "deadline_misses": 0, "latency_violations": 0, "latency_unknown": 0,
                       "utilisation": 0.0, "utilisation_by_site": {n: 0.0 for n in sites.names},
-                      "jain_fairness": 1.0, "preemptions": run.preemptions, "requeues": run.requeues}
+                      "jain_fairness": 1.0, "preemptions": run.preemptions, "requeues": run.requeues,
+                      "deferred_jobs": run.deferred}
     start, end, sub = run.start_s[ran], run.end_s[ran], submit_s[ran]
     wait = np.maximum(start - sub, 0.0)
     run_s = end - start
@@ -77,6 +78,7 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
         "jain_fairness": jain,
         "preemptions": run.preemptions,
         "requeues": run.requeues,
+        "deferred_jobs": run.deferred,
     }
 
 

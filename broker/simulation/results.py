@@ -52,6 +52,7 @@ class PolicyRun:
     metrics: dict[str, Any] = field(default_factory=dict)
     preemptions: int = 0  # running jobs stopped (no policy of this release preempts)
     requeues: int = 0  # jobs sent back to the queue after they were placed
+    deferred: int = 0  # jobs deferred at least once for a saving (time-shifting profiles)
     wall_s: float = 0.0  # how long the replay took
 
     @property

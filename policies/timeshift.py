@@ -1,0 +1,355 @@
+"""Time-shifting: start a flexible job later, at the site and hour that minimise its forecast carbon (or
+cost), when that saves enough, planning capacity hour by hour so deferred jobs do not all pile onto the
+same clean site.
+
+Who may be deferred
+    A job with a deadline. Its *latest start* is ``deadline - duration_safety × duration_s`` (the
+    submitter's estimate of its run time, inflated because estimates run short as often as long); a job
+    whose latest start is before the next whole hour is decided as if no shifting existed. A deferred job
+    is decided again at every whole hour (its forecast has been refreshed), and at the latest start it can
+    no longer be deferred: deferral never pushes a job past the point where its deadline is at risk, and
+    since deferred jobs keep their age in the queue order, a deferred job is never starved by newer ones.
+
+The plan (:class:`Calendar`)
+    Planned GPUs per site, model and whole hour: running jobs until their expected end, deferred jobs from
+    their planned start for their expected run. A booking holds whole hours (a job ending at 14:20 holds
+    the 14:00 hour), so the plan errs on the side of never promising a GPU twice; the current hour is the
+    sites' real free capacity. Each pass plans on a working copy (``Snapshot.plan_free``: GPUs free per
+    site, model and hour from the hour containing ``now``) that every placement and every deferral of the
+    pass debits, as ``Snapshot.assume`` debits the free capacity.
+
+The search (:func:`plan`)
+    Candidates are every site that passes the profile's filters other than "free now" (health, region,
+    latency objective, refused, a model with enough memory and enough GPUs in total) × every start: now,
+    or a whole hour up to the latest start (at most ``horizon_h`` ahead). A start is feasible where the plan
+    has room for the job in every hour of its expected run (hours past the plan's end are not checked).
+    Starting now, the profile's own choice stands unless its run would take GPUs the plan has promised to
+    a deferred job (then the best-scoring site that does not is used). Objective, per (site, start):
+
+    - ``carbon``: the job's energy (GPUs held × board power of the site's lowest-power usable model, kW, ×
+      expected hours) × the site zone's forecast intensity integrated over the run (g/kWh; past the
+      forecast's end its last hour stands), in kg CO2e;
+    - ``cost``: the site's price per GPU-hour × GPUs held × expected hours, in USD (prices do not change by
+      the hour, so a job waits for cost only when the cheap site is full now and has room later).
+
+    The job is deferred to the best later (site, hour) when that is at least ``min_saving`` (a fraction)
+    below starting now; with no room now, to the best later start with room (a reservation, so it is not
+    overtaken); otherwise it starts now. Ties go to the earlier hour, then the first site by name.
+
+Units: times are POSIX seconds or aware datetimes, hours are whole UTC hours, capacity is GPUs (a
+fractional job holds ``milli / 1000`` of one). Turning it off: a profile without ``shift`` (or ``fast``)
+never defers; ``min_saving`` close to 1 defers only for lack of room.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot
+
+if TYPE_CHECKING:
+    from policies.pipeline import Placement
+
+HOUR_S = 3600.0
+_EPS = 1e-6
+_CAPACITY_FILTER = "gpus-do-not-fit"
+
+
+class ShiftPolicy(BaseModel):
+    """How a profile shifts flexible jobs in time (``shift:`` in a profile)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    objective: Literal["carbon", "cost"] = Field(default="carbon", description="what a later start must save")
+    min_saving: float = Field(default=0.1, ge=0.0, lt=1.0,
+                              description="defer only when the later start saves at least this fraction")
+    duration_safety: float = Field(default=2.0, ge=1.0, le=100.0,
+                                   description="latest start = deadline - duration_safety × expected run time")
+    horizon_h: int = Field(default=48, ge=1, le=168, description="how many hours ahead a job may be deferred")
+    headroom: float = Field(default=0.1, ge=0.0, lt=1.0,
+                            description="share of each site's GPUs that deferred starts leave free, for work "
+                                        "that cannot wait (no slack, or a latency objective near that site)")
+
+    @property
+    def plan_hours(self) -> int:
+        """Hours the plan covers: the furthest start plus as long again for the run that follows."""
+        return 2 * self.horizon_h + 1
+
+
+def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
+    """POSIX seconds of the latest start that still leaves ``duration_safety`` × the estimate before the
+    deadline; None for a job without a deadline."""
+    if req.deadline_ts is None:
+        return None
+    return req.deadline_ts - policy.duration_safety * req.duration_s
+
+
+def held(req: JobRequest) -> float:
+    """GPUs the job holds: ``count``, or ``milli / 1000`` of one for a fractional job."""
+    return req.milli / 1000.0 if req.fractional else float(req.count)
+
+
+@dataclass(frozen=True, slots=True)
+class Deferral:
+    """A decision to start ``request`` later: at ``site`` (index), model column ``model``, at ``start``
+    (``slot`` whole hours after the hour containing the decision). ``value_then``/``value_now`` are the
+    objective (kg CO2e or USD) of the planned start and of starting now (``now_site``; inf and -1 when no
+    site has room now)."""
+
+    request: JobRequest
+    site: int
+    model: int
+    slot: int
+    start: datetime
+    objective: str
+    value_then: float
+    value_now: float
+    now_site: int
+    decided_at: datetime
+    slots: int  # whole hours the run is planned to hold
+    placement: Placement  # the profile's decision for now, for the explanation (every site's terms)
+
+    placed = False
+
+    def reason(self, sites: tuple[str, ...]) -> str:
+        unit = "kg CO2e" if self.objective == "carbon" else "USD"
+        then = f"{sites[self.site]} from {self.start:%Y-%m-%dT%H:%MZ}"
+        if self.now_site < 0 or not math.isfinite(self.value_now):
+            return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because no site can take it now without "
+                    f"breaking a plan; reserved on {then} ({self.value_then:.3g} {unit} forecast)")
+        saving = 1.0 - self.value_then / self.value_now if self.value_now > 0 else 0.0
+        return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because {self.objective} forecast on {then} is "
+                f"{self.value_then:.3g} {unit} against {self.value_now:.3g} {unit} starting now on "
+                f"{sites[self.now_site]} ({saving:.0%} less)")
+
+    def as_dict(self, sites: tuple[str, ...]) -> dict[str, object]:
+        return {"site": sites[self.site], "start": self.start.isoformat(), "objective": self.objective,
+                "value_then": self.value_then, "value_now": self.value_now if math.isfinite(self.value_now) else None,
+                "now_site": sites[self.now_site] if self.now_site >= 0 else None,
+                "reason": self.reason(sites)}
+
+
+def epoch_hour(when: datetime) -> int:
+    return int(when.timestamp() // HOUR_S)
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    site: int
+    model: int
+    gpus: float
+    first: int  # POSIX hour of the first slot held
+    end: int  # POSIX hour after the last slot held
+
+
+class Calendar:
+    """Planned GPUs per site, model column and POSIX hour. Bookings are kept in full (a long job's whole
+    run), the past is dropped as time moves on."""
+
+    def __init__(self, n_sites: int, n_models: int, origin_h: int, span_h: int = 256) -> None:
+        self.busy = np.zeros((n_sites, n_models, span_h), dtype=np.float32)
+        self.origin = origin_h
+
+    def _reach(self, end_h: int) -> None:
+        need = end_h - self.origin
+        if need > self.busy.shape[2]:
+            grown = np.zeros(self.busy.shape[:2] + (max(need, 2 * self.busy.shape[2]),), dtype=np.float32)
+            grown[:, :, :self.busy.shape[2]] = self.busy
+            self.busy = grown
+
+    def advance(self, now_h: int) -> None:
+        """Forget the hours before ``now_h`` once they are more than half the array."""
+        drop = now_h - self.origin
+        if drop > self.busy.shape[2] // 2:
+            keep = self.busy[:, :, drop:].copy()
+            self.busy = np.zeros_like(self.busy)
+            self.busy[:, :, :keep.shape[2]] = keep
+            self.origin = now_h
+
+    def book(self, site: int, model: int, gpus: float, first_h: int, end_h: int) -> Booking:
+        first_h = max(first_h, self.origin)
+        self._reach(end_h)
+        if end_h > first_h:
+            self.busy[site, model, first_h - self.origin:end_h - self.origin] += gpus
+        return Booking(site, model, gpus, first_h, end_h)
+
+    def release(self, booking: Booking, from_h: int | None = None) -> None:
+        """Give back a booking's hours from ``from_h`` on (all of them by default)."""
+        lo = max(booking.first, self.origin, from_h if from_h is not None else booking.first)
+        if booking.end > lo:
+            self.busy[booking.site, booking.model, lo - self.origin:booking.end - self.origin] -= booking.gpus
+
+    def view(self, now: datetime, free_now: np.ndarray, total: np.ndarray, hours: int) -> np.ndarray:
+        """float32[n_sites, n_models, hours]: GPUs free in each hour from the one containing ``now``; hour 0
+        is ``free_now`` (the sites' real free capacity), later hours total - planned."""
+        h0 = epoch_hour(now)
+        self.advance(h0)
+        self._reach(h0 + hours)
+        out = total[:, :, None].astype(np.float32) - self.busy[:, :, h0 - self.origin:h0 - self.origin + hours]
+        out[:, :, 0] = free_now
+        return out
+
+
+def run_slots(start_ts: float, duration_s: float) -> tuple[int, int]:
+    """The POSIX hours a run from ``start_ts`` of ``duration_s`` holds: [first, end)."""
+    first = int(start_ts // HOUR_S)
+    end = int(math.ceil((start_ts + duration_s) / HOUR_S - 1e-9))
+    return first, max(end, first + 1)
+
+
+def debit(snap: Snapshot, site: int, model: int, gpus: float, first_slot: int, end_slot: int) -> None:
+    """Take ``gpus`` from the pass's plan in slots [first_slot, end_slot) (clipped to the plan)."""
+    if snap.plan_free.size:
+        snap.plan_free[site, model, max(first_slot, 0):max(min(end_slot, snap.plan_free.shape[2]), 0)] -= gpus
+
+
+def credit(snap: Snapshot, booking: Booking) -> None:
+    """Give a booking back to the pass's plan (a deferred job being decided again)."""
+    if snap.plan_free.size:
+        h0 = epoch_hour(snap.now)
+        lo, hi = max(booking.first - h0, 1), min(booking.end - h0, snap.plan_free.shape[2])
+        if hi > lo:
+            snap.plan_free[booking.site, booking.model, lo:hi] += booking.gpus
+
+
+def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Integral of each row of an hourly series from its start to ``t`` hours (any t >= 0; past its end the
+    last hour stands). ``t`` broadcasts against the rows: shape [k] gives [rows, k]."""
+    hours = forecast.shape[1]
+    h = np.minimum(np.floor(t).astype(np.int64), hours - 1)
+    return cum[:, h] + (t - h) * forecast[:, h]
+
+
+def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
+         filter_codes: tuple[str, ...]) -> Placement | Deferral | None:
+    """The time-shift decision for a flexible job: a :class:`~policies.pipeline.Placement` to start now
+    (the profile's own choice, or another site when that one's GPUs are promised), a :class:`Deferral`, or
+    None (the job waits: no room now and none planned). ``placement`` is the profile's decision for now
+    (placed or not), ``filter_codes`` its pipeline's filters in order. Callers check flexibility first
+    (:func:`shiftable`)."""
+    plan_free = snap.plan_free
+    hours = plan_free.shape[2]
+    now_ts = snap.now.timestamp()
+    hour0 = math.floor(now_ts / HOUR_S) * HOUR_S
+    into_h = (now_ts - hour0) / HOUR_S
+    latest = latest_start_ts(req, policy)
+    assert latest is not None
+    last_slot = min(hours - 1, policy.horizon_h, int((latest - hour0) // HOUR_S))
+    need = held(req)
+    d_h = req.duration_s / HOUR_S
+
+    # Sites that could take the job at some hour: every filter but "free now", and a model with room in total.
+    ok = np.ones(snap.n_sites, dtype=bool)
+    for code, passed in zip(filter_codes, placement.passes, strict=True):
+        if passed is not None and code != _CAPACITY_FILTER:
+            ok &= passed
+    usable = _usable(req, snap) & (snap.total_gpus >= math.ceil(need))
+    if policy.objective == "carbon":
+        key = np.where(usable, TDP_KW[None, :], np.inf)
+    else:
+        key = np.where(usable, np.nan_to_num(snap.usd_per_gpu_hour, nan=np.inf), np.inf)
+    col = np.argmin(key, axis=1)
+    per_gpu = key[np.arange(snap.n_sites), col]
+    ok &= np.isfinite(per_gpu)
+    if policy.objective == "carbon":
+        if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1]:
+            forecast, cum = snap.carbon_forecast, snap.carbon_forecast_cum
+        else:
+            forecast = snap.carbon_g_per_kwh[:, None].astype(np.float64)
+            cum = np.concatenate([np.zeros((snap.n_sites, 1)), forecast], axis=1)
+        ok &= np.isfinite(forecast).all(axis=1)
+    sites = np.flatnonzero(ok)
+    if sites.size == 0:
+        return placement if placement.placed else None
+    cols = col[sites]
+
+    # Room: a start fits where every hour of the run has room (checked to the plan's end).
+    # A job that can wait leaves the headroom free in every hour of its run, now or later.
+    reserve = policy.headroom * snap.total_gpus[sites, cols].astype(np.float32)
+    short = np.zeros((sites.size, hours + 1), dtype=np.int32)
+    np.cumsum(plan_free[sites, cols, :] < (need + reserve)[:, None] - _EPS, axis=1, out=short[:, 1:])
+    now_hours = max(int(math.ceil(into_h + d_h - 1e-9)), 1)
+    fits_now = short[:, min(now_hours, hours)] == short[:, 0]
+    ks = np.arange(1, last_slot + 1)
+    run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
+    fits_later = short[:, np.minimum(ks + run_hours, hours)] == short[:, ks]
+
+    # Objective per (site, start).
+    if policy.objective == "carbon":
+        energy = per_gpu[sites] * need  # kW
+        fc, cc = forecast[sites], cum[sites]
+        then = energy[:, None] * (_integral(cc, fc, ks + d_h) - _integral(cc, fc, ks.astype(np.float64))) / 1000.0
+        now_value = energy * (_integral(cc, fc, np.array([into_h + d_h]))[:, 0]
+                              - _integral(cc, fc, np.array([into_h]))[:, 0]) / 1000.0
+    else:
+        value = per_gpu[sites] * need * d_h
+        then = np.broadcast_to(value[:, None], (sites.size, ks.size))
+        now_value = value
+
+    # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
+    now_site = -1
+    position = {int(s): i for i, s in enumerate(sites)}
+    chosen = placement
+    if placement.placed:
+        i = position.get(placement.site)
+        if i is None or fits_now[i]:
+            now_site = placement.site
+        else:
+            order = np.argsort(-placement.totals, kind="stable")
+            for k in order:
+                s = int(placement.feasible[k])
+                j = position.get(s)
+                if j is not None and fits_now[j]:
+                    now_site = s
+                    chosen = _moved(placement, snap, s)
+                    break
+    best_now = float(now_value[position[now_site]]) if now_site in position else (
+        0.0 if now_site >= 0 else math.inf)
+
+    if ks.size:
+        masked = np.where(fits_later, then, np.inf)
+        flat = int(np.argmin(masked.T))  # k-major: the earliest hour wins a tie, then the first site
+        k, i = divmod(flat, sites.size)
+        best_then = float(masked[i, k])
+        if math.isfinite(best_then) and best_then < best_now * (1.0 - policy.min_saving) - 1e-12:
+            slot = int(ks[k])
+            return Deferral(
+                request=req, site=int(sites[i]), model=int(cols[i]), slot=slot,
+                start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
+                value_then=best_then, value_now=best_now, now_site=now_site, decided_at=snap.now,
+                slots=run_hours, placement=placement,
+            )
+    if now_site >= 0:
+        return chosen
+    return placement if placement.placed else None
+
+
+def shiftable(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> bool:
+    """Whether ``req`` may be deferred now: it has a deadline whose latest start is at or after the next
+    whole hour, and the pass has a plan."""
+    latest = latest_start_ts(req, policy)
+    if latest is None or not snap.plan_free.size:
+        return False
+    next_hour = (math.floor(snap.now.timestamp() / HOUR_S) + 1) * HOUR_S
+    return latest >= next_hour
+
+
+def _usable(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if req.model is not None:
+        mask = np.zeros_like(snap.has_model)
+        j = MODEL_INDEX[req.model]
+        mask[:, j] = snap.has_model[:, j]
+        return mask
+    return snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
+
+
+def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
+    from policies.pipeline import choose_model  # the pipeline imports this module
+
+    return replace(placement, site=site, model=choose_model(placement.request, snap, site))

@@ -1,0 +1,245 @@
+"""Time-shifting: which jobs are deferred, to which site and hour, and why; the plan that keeps deferred
+jobs from being promised the same GPUs; and the live cycle deferring a job and deciding it again.
+
+Sites are the demo federation's (config/demo.yaml: real prices and RTTs); forecasts are either the shipped
+Electricity Maps slice (data/carbon, June 2022) or stated here, so the expected winner can be read off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker.config import load_config
+from broker.cycle import PassDecider
+from broker.data.carbon import load_carbon
+from broker.models import Health, ModelCapacity, SiteState
+from broker import ids
+from policies.profiles import BUILTIN, pipeline_for
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, build_snapshot, replace_forecast
+from policies.timeshift import Calendar, Deferral, ShiftPolicy, epoch_hour, run_slots
+
+ROOT = Path(__file__).resolve().parents[1]
+SITES = load_config(ROOT / "config" / "demo.yaml").sites
+CARBON = load_carbon(ROOT / "data" / "carbon")
+NOON = datetime(2022, 6, 10, 12, 20, tzinfo=UTC)
+A100 = MODEL_INDEX["a100-80gb"]  # at ashburn (16), toronto (8), frankfurt (16) and sydney (8)
+
+
+def snapshot(now: datetime, forecast: dict[str, list[float]] | None = None, plan_hours: int = 97,
+             free: dict[str, int] | None = None, booked: dict[str, tuple[int, int, int]] | None = None):
+    """The demo federation with every GPU free (or ``free`` A100s per site), the given hourly forecasts
+    (default: the real data from now's hour), and a plan in which ``booked`` site -> (gpus, first hour
+    offset, end hour offset) is already promised."""
+    states = {
+        s.name: SiteState(site=s.name, health=Health.HEALTHY, capacity=[
+            ModelCapacity(model=m, total_gpus=n, free_gpus=(free or {}).get(s.name, n) if m == "a100-80gb" else n,
+                          used_gpus=0, memory_gib_per_gpu=ids.GPU_MODEL_BY_ID[m].memory_gib)
+            for m, n in s.total_gpus().items()])
+        for s in SITES
+    }
+    snap = build_snapshot(now, list(SITES), states)
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    rows = []
+    for name in snap.sites:
+        if forecast is not None and name in forecast:
+            rows.append(np.asarray(forecast[name], dtype=np.float64))
+        else:
+            zone = next(s for s in SITES if s.name == name).grid_zone
+            rows.append(CARBON.series(zone, hour, 48))
+    snap = replace_forecast(snap, np.vstack(rows))
+    calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(now))
+    for name, (gpus, lo, hi) in (booked or {}).items():
+        calendar.book(snap.index[name], A100, gpus, epoch_hour(now) + lo, epoch_hour(now) + hi)
+    return replace(snap, plan_free=calendar.view(now, snap.free_gpus, snap.total_gpus, plan_hours))
+
+
+def request(hours: float = 2.0, slack_h: float | None = 24.0, count: int = 4, **kw) -> JobRequest:
+    deadline = None if slack_h is None else NOON.timestamp() + (hours + slack_h) * 3600.0
+    base = dict(job_id="j", count=count, milli=1000, model="a100-80gb", memory_gib=0.0, allowed_regions=frozenset(),
+                denied_regions=frozenset(), duration_s=hours * 3600.0, deadline_ts=deadline)
+    return JobRequest(**(base | kw))
+
+
+def green(**shift) -> PassDecider:
+    return pipeline_for(BUILTIN["green"], ShiftPolicy(**shift))
+
+
+def decide(pipeline, req, snap):
+    return PassDecider(pipeline, snap).decide(req)
+
+
+# Ashburn is dirty now and clean from hour 3 to 8; Toronto is medium all day; the others are dirty.
+FLAT = {"toronto": [300.0] * 48, "ashburn": [500.0] * 3 + [100.0] * 5 + [500.0] * 40,
+        "frankfurt": [600.0] * 48, "sydney": [600.0] * 48}
+
+
+@pytest.mark.parametrize(
+    ("case", "req", "shift", "expected"),
+    [
+        ("a flexible job waits three hours for ashburn's clean hours", request(), {}, ("ashburn", 3)),
+        ("a job without a deadline starts now", request(slack_h=None), {}, ("toronto", 0)),
+        ("a job whose latest start is before the next hour starts now", request(slack_h=1.5), {}, ("toronto", 0)),
+        ("deferral stops at the latest start: deadline - 2 × the estimate",
+         request(hours=2.0, slack_h=4.5), {}, ("toronto", 0)),
+        ("a saving below min_saving is not worth the wait", request(), {"min_saving": 0.7}, ("toronto", 0)),
+        ("the cost objective does not wait when prices do not change", request(), {"objective": "cost"},
+         ("toronto", 0)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_who_is_deferred_where_and_until_when(case, req, shift, expected) -> None:
+    snap = snapshot(NOON, FLAT)
+    outcome = decide(green(**shift), req, snap)
+    site, slot = expected
+    if slot == 0:
+        assert outcome.placed and snap.sites[outcome.site] == site, case
+    else:
+        assert isinstance(outcome, Deferral), case
+        assert (snap.sites[outcome.site], outcome.slot) == (site, slot)
+        assert outcome.start == datetime(2022, 6, 10, 15, tzinfo=UTC)
+        reason = outcome.reason(snap.sites)
+        assert reason.startswith("deferred until 2022-06-10T15:00Z because carbon forecast on ashburn")
+        assert "starting now on toronto" in reason
+
+
+def test_the_deferral_names_both_forecasts_and_the_saving() -> None:
+    snap = snapshot(NOON, FLAT)
+    outcome = decide(green(), request(), snap)
+    kw = 4 * TDP_KW[A100]
+    then = kw * 2 * 100.0 / 1000.0  # two hours at 100 g/kWh
+    now = kw * 2 * 300.0 / 1000.0  # toronto from 12:20 for two hours at 300 g/kWh
+    assert outcome.value_then == pytest.approx(then)
+    assert outcome.value_now == pytest.approx(now)
+    assert f"({1 - then / now:.0%} less)" in outcome.reason(snap.sites)
+
+
+def test_a_plan_full_at_the_clean_hour_sends_the_job_to_the_next_best_start() -> None:
+    # Ashburn's A100s are promised from hour 3 to 5 to deferred jobs: the next 2-hour window with room is
+    # hours 5-7, still clean.
+    snap = snapshot(NOON, FLAT, booked={"ashburn": (16, 3, 5)})
+    outcome = decide(green(), request(), snap)
+    assert isinstance(outcome, Deferral) and (snap.sites[outcome.site], outcome.slot) == ("ashburn", 5)
+
+
+def test_two_jobs_in_one_pass_do_not_plan_the_same_gpus() -> None:
+    snap = snapshot(NOON, FLAT)
+    decider = PassDecider(green(), snap)
+    first = decider.decide(request(count=8, job_id="a"))
+    decider.reserve(first)
+    second = decider.decide(request(count=8, job_id="b"))
+    assert isinstance(first, Deferral) and (snap.sites[first.site], first.slot) == ("ashburn", 3)
+    # Hours 3-4 keep 8 of 16 free, less than 8 + the 10 % headroom: the second waits for hours 5-6.
+    assert isinstance(second, Deferral) and (snap.sites[second.site], second.slot) == ("ashburn", 5)
+
+
+def test_headroom_keeps_part_of_each_site_for_work_that_cannot_wait() -> None:
+    # Toronto has 8 A100s free; with a headroom of a quarter a 7-GPU flexible job may not take them (it
+    # reserves ashburn's room from hour 2), while a job that cannot wait still does.
+    snap = snapshot(NOON, FLAT | {"ashburn": [500.0] * 48}, free={"ashburn": 0, "frankfurt": 0, "sydney": 0},
+                    booked={"ashburn": (16, 1, 2), "frankfurt": (16, 1, 97), "sydney": (8, 1, 97)})
+    outcome = decide(green(headroom=0.25), request(count=7), snap)
+    assert isinstance(outcome, Deferral) and snap.sites[outcome.site] == "ashburn" and outcome.now_site < 0
+    assert outcome.slot == 2 and "no site can take it now" in outcome.reason(snap.sites)
+    urgent = decide(green(headroom=0.25), request(count=7, slack_h=0.5), snap)
+    assert urgent.placed and snap.sites[urgent.site] == "toronto"
+
+
+def test_on_real_data_the_planned_start_is_the_cheapest_carbon_of_every_site_and_hour() -> None:
+    """Brute force over every (site, hour) with room: the deferral is the minimum, and saves at least
+    min_saving against starting now."""
+    now = datetime(2022, 6, 3, 15, 30, tzinfo=UTC)
+    snap = snapshot(now)
+    req = replace(request(hours=3.0, count=4), deadline_ts=now.timestamp() + 33 * 3600.0)
+    shift = ShiftPolicy()
+    outcome = decide(green(), req, snap)
+    assert isinstance(outcome, Deferral)
+    latest = req.deadline_ts - shift.duration_safety * req.duration_s
+    hour0 = math.floor(now.timestamp() / 3600) * 3600
+    best = math.inf
+    for i, name in enumerate(snap.sites):
+        if snap.total_gpus[i, A100] < 4:
+            continue
+        for k in range(1, 49):
+            if hour0 + k * 3600 > latest:
+                break
+            best = min(best, 4 * TDP_KW[A100] * snap.carbon_forecast[i, k:k + 3].sum() / 1000.0)
+    assert outcome.value_then == pytest.approx(best)
+    assert outcome.value_then <= (1 - shift.min_saving) * outcome.value_now
+    assert outcome.start.timestamp() <= latest
+    assert snap.sites[outcome.site] == "toronto" and outcome.start == datetime(2022, 6, 4, 15, tzinfo=UTC)
+
+
+def test_the_calendar_books_whole_hours_and_gives_them_back() -> None:
+    start = datetime(2022, 6, 10, 14, 20, tzinfo=UTC)
+    first, end = run_slots(start.timestamp(), 2 * 3600.0)
+    assert (end - first) == 3  # 14:20-16:20 holds the 14, 15 and 16 o'clock hours
+    calendar = Calendar(1, 1, first - 1, span_h=4)
+    booking = calendar.book(0, 0, 8.0, first, end + 300)  # grows past its span
+    view = calendar.view(start - timedelta(hours=1), np.array([[10]]), np.array([[16]]), 5)
+    assert view[0, 0].tolist() == [10, 8, 8, 8, 8]  # hour 0 is the sites' real free capacity
+    calendar.release(booking, from_h=first + 1)
+    view = calendar.view(start - timedelta(hours=1), np.array([[10]]), np.array([[16]]), 5)
+    assert view[0, 0].tolist() == [10, 8, 16, 16, 16]
+
+
+# --- the live cycle --------------------------------------------------------------------------------------------------
+
+CARBON_DIR = ROOT / "data" / "carbon"
+GREEN_AT = datetime(2022, 6, 15, 2, 10, tzinfo=UTC)  # 11:10 in Tokyo, 04:10 in Frankfurt before its sun is up
+
+
+@pytest.fixture
+async def live(tmp_path):
+    from broker.clock import ManualClock
+    from broker.config import BrokerSettings
+    from broker.models import SimulatedAdapterConfig
+    from broker.service import Broker
+    from tests.builders import site
+
+    fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+    sites = [site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin", adapter=fast),
+             site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=fast)]
+    cfg = {"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
+           "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336}}
+    clock = ManualClock(GREEN_AT)
+    b = Broker(BrokerSettings.model_validate(cfg), clock=clock)
+    await b.start(sites, run_loop=False)
+    await b.signals.wait_ready()
+    yield b, clock
+    await b.stop()
+
+
+async def test_the_live_cycle_defers_a_green_job_says_why_and_starts_it_by_its_latest_start(live) -> None:
+    from broker.models import JobState
+    from policies import explain
+    from tests.builders import job
+
+    b, clock = live
+    deadline = GREEN_AT + timedelta(hours=30)
+    j, _ = await b.book.submit(job(count=1, profile="green", duration_s=3600, deadline=deadline))
+    latest = deadline - timedelta(hours=2)  # duration_safety 2 × the one-hour estimate
+    await b.cycle.run_once(full=True)
+    assert (await b.book.get(j.id)).state == JobState.QUEUED
+    stored = await b.store.get_decision(j.id)
+    why = explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
+    assert why.outcome == "deferred" and GREEN_AT < why.deferred_until <= latest
+    assert why.summary.startswith(f"deferred until {why.deferred_until:%Y-%m-%dT%H:%MZ} because carbon forecast on ")
+    assert {v.site for v in why.sites} == {"frankfurt", "tokyo"}  # every site's terms, as for a placement
+    assert b.cycle.deferred_until(j.id) == why.deferred_until
+
+    # Within the hour the job is not decided again; each whole hour it is, until it starts.
+    await clock.advance(600)
+    await b.cycle.run_once(full=True)
+    assert (await b.book.get(j.id)).state == JobState.QUEUED
+    while (await b.book.get(j.id)).state == JobState.QUEUED:
+        assert clock.now() <= latest, "a deferred job started after its latest start"
+        await clock.advance(3600)
+        await b.cycle.run_once(full=True)
+    placed = await b.book.get(j.id)
+    assert placed.state == JobState.DISPATCHING and b.cycle.deferred_until(j.id) is None
