@@ -64,8 +64,8 @@ class CycleReport:
 @dataclass(frozen=True, slots=True)
 class _Planned:
     """A deferred job's plan: where, which model column, how many GPUs, the POSIX hours it holds, the hour
-    it was decided in, and whether it was deferred for a saving (else for lack of room: decided again at
-    every full pass)."""
+    it was decided in (it is decided again in the next one, when the forecast has moved on), and whether
+    it was deferred for a saving (else for lack of room now)."""
 
     site: str
     model: int
@@ -115,12 +115,15 @@ class PassDecider:
     snapshot that carries a plan (``Snapshot.plan_free``), a flexible job may come back as a
     :class:`policies.timeshift.Deferral`, which ``reserve`` debits from the plan."""
 
-    __slots__ = ("pipeline", "snap", "failed")
+    __slots__ = ("pipeline", "snap", "failed", "unplanned")
 
     def __init__(self, pipeline: Pipeline, snap: Snapshot) -> None:
         self.pipeline = pipeline
         self.snap = snap
         self.failed: dict[tuple[Any, ...], _Failure] = {}
+        # Flexible requests that found no start at all, by (shape, hours run, last start): the plan only
+        # fills up within a pass (until ``credit`` gives hours back), so they find none again.
+        self.unplanned: set[tuple[Any, ...]] = set()
 
     def decide(self, req: JobRequest, shape: tuple[Any, ...] | None = None) -> Placement | _Failure | Deferral:
         """The placement of ``req`` (not yet assumed), its deferral, or the failure its shape met in this
@@ -135,13 +138,25 @@ class PassDecider:
             placement = failure.placement
         shift = self.pipeline.shift
         if shift is not None and timeshift.shiftable(req, self.snap, shift):
+            plan_key = None
+            if failure is not None:
+                plan_key = (key, *timeshift.window(req, self.snap, shift))
+                if plan_key in self.unplanned:
+                    return failure
             outcome = timeshift.plan(req, self.snap, placement, shift, self.pipeline.filter_codes)
             if outcome is not None:
                 return outcome
+            if plan_key is not None:
+                self.unplanned.add(plan_key)
         return failure if failure is not None else placement
 
     def assume(self, placement: Placement) -> None:
         self.snap.assume(placement.site, placement.request, placement.model)
+
+    def credit(self, booking: timeshift.Booking) -> None:
+        """Give a deferred job's planned hours back to the pass's plan before it is decided again."""
+        timeshift.credit(self.snap, booking)
+        self.unplanned.clear()
 
     def reserve(self, deferral: Deferral) -> None:
         """Debit a deferred job's planned hours from the pass's plan, so later jobs plan around it."""
@@ -184,7 +199,7 @@ class SchedulingCycle:
         self._last_full: datetime | None = None
         self._asked_at = 0  # book.seq when the sites were last asked for reports
         # Time-shifting: the hours the plan covers (0: no pipeline defers) and the jobs deferred, with
-        # the hours their planned start holds; a job deferred for a saving is decided again each whole hour.
+        # the hours their planned start holds; a deferred job is decided again each whole hour.
         shifts = [p.shift for p in (self.pipeline, *self.profiles.values()) if p.shift is not None]
         self._plan_hours = max((s.plan_hours for s in shifts), default=0)
         self._deferred: dict[str, _Planned] = {}
@@ -256,13 +271,15 @@ class SchedulingCycle:
                 continue  # cancelled or changed while the pass yielded
             planned = self._deferred.get(job.id)
             if planned is not None:
-                if planned.saving and planned.decided_h == hour:
+                if planned.decided_h == hour:
                     continue  # deferred this hour; decided again when the forecast moves on
                 del self._deferred[job.id]
                 site = snap.index.get(planned.site)
                 if site is not None:  # its hours are free to plan anew
                     timeshift.credit(snap, timeshift.Booking(site, planned.model, planned.gpus, planned.first,
                                                              planned.end))
+                    for other in deciders.values():
+                        other.unplanned.clear()
             decided += 1
             req = self._request(job)
             pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline

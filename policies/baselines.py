@@ -1,9 +1,9 @@
 """Named policies: the baselines today's systems use, and the live broker's default, as pipelines.
 
 Every policy is the same filter chain (health, region, refused, GPU fit) followed by its scorers; they
-differ only in how they rank the sites that can take a job now. None of them waits: a job that fits
+differ only in how they rank the sites that can take a job now. No baseline waits: a job that fits
 nowhere stays queued until capacity frees. ``heliotrope simulate --policy NAME`` takes these names;
-``--compare all`` runs every one of them.
+``--compare all`` runs every one but ``default``.
 
 - ``baseline-round-robin``: the next site in turn (``round_robin``).
 - ``baseline-least-loaded``: the largest free share, i.e. the earliest start (Slurm federation, MultiKueue
@@ -14,7 +14,9 @@ nowhere stays queued until capacity frees. ``heliotrope simulate --policy NAME``
   (``spillover``).
 - ``baseline-carbon-greedy``: the lowest grid intensity at submit time, no waiting (``carbon_now``).
 - ``default``: the live broker's pipeline of this release (most free GPUs).
-- ``balanced``, ``green``, ``cheap``, ``fast``: heliotrope's own profiles (``policies/profiles.py``).
+- ``balanced``, ``green``, ``cheap``, ``fast``: heliotrope's own profiles (``policies/profiles.py``), with
+  their time-shifting (``policies/timeshift.py``): they may defer a job with slack, and take the queue in
+  urgency order.
 """
 
 from __future__ import annotations
@@ -55,10 +57,9 @@ for _name in BUILTIN:  # heliotrope's own profiles, under their names
     POLICIES[_name] = (lambda name: lambda: profile_pipeline(name))(_name)
 
 
-COMPARED: tuple[str, ...] = tuple(n for n in POLICIES if n.startswith("baseline-"))
-"""What ``--compare all`` runs: the baselines. ``default`` ranks sites as ``baseline-least-loaded`` does on
-one-model federations (most free GPUs). The profiles run by name (``--policy green``, ``--compare
-green,cheap``); they join ``all`` once their forecasts and time-shifting land in the simulator."""
+COMPARED: tuple[str, ...] = tuple(n for n in POLICIES if n != "default")
+"""What ``--compare all`` runs: the baselines and heliotrope's profiles. ``default`` ranks sites as
+``baseline-least-loaded`` does on one-model federations (most free GPUs), so it runs only by name."""
 
 
 class UnknownPolicy(ValueError):

@@ -69,10 +69,10 @@ class ShiftPolicy(BaseModel):
     objective: Literal["carbon", "cost"] = Field(default="carbon", description="what a later start must save")
     min_saving: float = Field(default=0.1, ge=0.0, lt=1.0,
                               description="defer only when the later start saves at least this fraction")
-    duration_safety: float = Field(default=2.0, ge=1.0, le=100.0,
+    duration_safety: float = Field(default=1.5, ge=1.0, le=100.0,
                                    description="latest start = deadline - duration_safety × expected run time")
-    horizon_h: int = Field(default=48, ge=1, le=168, description="how many hours ahead a job may be deferred")
-    headroom: float = Field(default=0.1, ge=0.0, lt=1.0,
+    horizon_h: int = Field(default=168, ge=1, le=336, description="how many hours ahead a job may be deferred")
+    headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
                                         "that cannot wait (no slack, or a latency objective near that site)")
 
@@ -226,6 +226,22 @@ def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarra
     return cum[:, h] + (t - h) * forecast[:, h]
 
 
+_CLEANEST: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
+    """Each row's lowest value from its second hour on (a later start's run sees no cleaner hour),
+    remembered for the few forecasts in use (one per pass)."""
+    hit = _CLEANEST.get(id(forecast))
+    if hit is not None and hit[0] is forecast:
+        return hit[1]
+    low = forecast[:, 1:].min(axis=1) if forecast.shape[1] > 1 else forecast[:, 0]
+    if len(_CLEANEST) >= 8:
+        _CLEANEST.clear()
+    _CLEANEST[id(forecast)] = (forecast, low)
+    return low
+
+
 def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
          filter_codes: tuple[str, ...]) -> Placement | Deferral | None:
     """The time-shift decision for a flexible job: a :class:`~policies.pipeline.Placement` to start now
@@ -257,6 +273,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     col = np.argmin(key, axis=1)
     per_gpu = key[np.arange(snap.n_sites), col]
     ok &= np.isfinite(per_gpu)
+    forecast = cum = np.zeros((snap.n_sites, 1))
     if policy.objective == "carbon":
         if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1]:
             forecast, cum = snap.carbon_forecast, snap.carbon_forecast_cum
@@ -264,60 +281,66 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             forecast = snap.carbon_g_per_kwh[:, None].astype(np.float64)
             cum = np.concatenate([np.zeros((snap.n_sites, 1)), forecast], axis=1)
         ok &= np.isfinite(forecast).all(axis=1)
-    sites = np.flatnonzero(ok)
-    if sites.size == 0:
+    if not ok.any():
         return placement if placement.placed else None
-    cols = col[sites]
-
-    # Room: a start fits where every hour of the run has room (checked to the plan's end).
-    # A job that can wait leaves the headroom free in every hour of its run, now or later.
-    reserve = policy.headroom * snap.total_gpus[sites, cols].astype(np.float32)
-    short = np.zeros((sites.size, hours + 1), dtype=np.int32)
-    np.cumsum(plan_free[sites, cols, :] < (need + reserve)[:, None] - _EPS, axis=1, out=short[:, 1:])
-    now_hours = max(int(math.ceil(into_h + d_h - 1e-9)), 1)
-    fits_now = short[:, min(now_hours, hours)] == short[:, 0]
-    ks = np.arange(1, last_slot + 1)
+    reserve_all = policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
-    fits_later = short[:, np.minimum(ks + run_hours, hours)] == short[:, ks]
+    now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
 
-    # Objective per (site, start).
-    if policy.objective == "carbon":
-        energy = per_gpu[sites] * need  # kW
-        fc, cc = forecast[sites], cum[sites]
-        then = energy[:, None] * (_integral(cc, fc, ks + d_h) - _integral(cc, fc, ks.astype(np.float64))) / 1000.0
-        now_value = energy * (_integral(cc, fc, np.array([into_h + d_h]))[:, 0]
-                              - _integral(cc, fc, np.array([into_h]))[:, 0]) / 1000.0
-    else:
-        value = per_gpu[sites] * need * d_h
-        then = np.broadcast_to(value[:, None], (sites.size, ks.size))
-        now_value = value
+    def value_now(site: int) -> float:
+        if policy.objective == "carbon":
+            window = _integral(cum[site:site + 1], forecast[site:site + 1], np.array([into_h, into_h + d_h]))[0]
+            return float(per_gpu[site] * need * (window[1] - window[0]) / 1000.0)
+        return float(per_gpu[site] * need * d_h)
+
+    def fits_now(site: int) -> bool:
+        # A job that can wait leaves the headroom free in every hour of its run, now or later.
+        return bool((plan_free[site, col[site], :now_hours] >= need + reserve_all[site] - _EPS).all())
 
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
     now_site = -1
-    position = {int(s): i for i, s in enumerate(sites)}
     chosen = placement
     if placement.placed:
-        i = position.get(placement.site)
-        if i is None or fits_now[i]:
+        if not ok[placement.site] or fits_now(placement.site):
             now_site = placement.site
         else:
-            order = np.argsort(-placement.totals, kind="stable")
-            for k in order:
-                s = int(placement.feasible[k])
-                j = position.get(s)
-                if j is not None and fits_now[j]:
-                    now_site = s
-                    chosen = _moved(placement, snap, s)
+            for k in np.argsort(-placement.totals, kind="stable"):
+                site = int(placement.feasible[k])
+                if ok[site] and fits_now(site):
+                    now_site, chosen = site, _moved(placement, snap, site)
                     break
-    best_now = float(now_value[position[now_site]]) if now_site in position else (
-        0.0 if now_site >= 0 else math.inf)
+    best_now = (value_now(now_site) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
+    threshold = best_now * (1.0 - policy.min_saving) - 1e-12
 
-    if ks.size:
+    # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
+    # cleanest forecast hour ahead, or its price).
+    if last_slot >= 1 and threshold > 0:
+        if policy.objective == "carbon":
+            floor_value = per_gpu * need * d_h * _cleanest_ahead(forecast) / 1000.0
+        else:
+            floor_value = per_gpu * need * d_h
+        sites = np.flatnonzero(ok & (floor_value < threshold))
+    else:
+        sites = np.zeros(0, dtype=np.int64)
+    if sites.size:
+        cols = col[sites]
+        span = min(hours, last_slot + run_hours)
+        short = np.zeros((sites.size, span + 1), dtype=np.int32)
+        room = plan_free[sites, cols, :span] < (need + reserve_all[sites])[:, None] - _EPS
+        np.cumsum(room, axis=1, out=short[:, 1:])
+        ks = np.arange(1, last_slot + 1)
+        fits_later = short[:, np.minimum(ks + run_hours, span)] == short[:, ks]
+        if policy.objective == "carbon":
+            fc, cc = forecast[sites], cum[sites]
+            then = (per_gpu[sites] * need)[:, None] * (
+                _integral(cc, fc, ks + d_h) - _integral(cc, fc, ks.astype(np.float64))) / 1000.0
+        else:
+            then = np.broadcast_to((per_gpu[sites] * need * d_h)[:, None], (sites.size, ks.size))
         masked = np.where(fits_later, then, np.inf)
         flat = int(np.argmin(masked.T))  # k-major: the earliest hour wins a tie, then the first site
         k, i = divmod(flat, sites.size)
         best_then = float(masked[i, k])
-        if math.isfinite(best_then) and best_then < best_now * (1.0 - policy.min_saving) - 1e-12:
+        if math.isfinite(best_then) and best_then < threshold:
             slot = int(ks[k])
             return Deferral(
                 request=req, site=int(sites[i]), model=int(cols[i]), slot=slot,
@@ -328,6 +351,15 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     if now_site >= 0:
         return chosen
     return placement if placement.placed else None
+
+
+def window(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> tuple[int, int]:
+    """(whole hours the run holds, the last whole hour it may start in, counted from now's hour): with the
+    request's shape, all that decides whether a plan has room for it."""
+    hour0 = math.floor(snap.now.timestamp() / HOUR_S) * HOUR_S
+    latest = latest_start_ts(req, policy)
+    last = int((latest - hour0) // HOUR_S) if latest is not None else 0
+    return max(int(math.ceil(req.duration_s / HOUR_S - 1e-9)), 1), min(last, policy.horizon_h)
 
 
 def shiftable(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> bool:

@@ -269,3 +269,33 @@ def test_profiles_replay_with_forecasts_made_from_the_past_only(tiny: Simulation
     assert rows.shape == (5, 48)
     assert rows[0, :24] == pytest.approx(past.astype(np.float32))
     assert "seasonal-naive" in report[0]
+
+
+def test_green_waits_for_the_clean_hours_it_can_foresee_and_meets_every_deadline(tmp_path: Path) -> None:
+    """FR is clean (50 g/kWh) from 12:00 to 18:00 every day and dirty (400) otherwise; GB is 300 all day.
+    Three days of that history come before the run, so the forecast (seasonal-naive) sees the pattern.
+    Three 1-GPU jobs of an hour arrive at 06:00 on the fourth day with 12 hours of slack: green defers them
+    to FR at 12:00; carbon-greedy runs them at once in GB."""
+    first = datetime(2022, 6, 1, tzinfo=UTC)
+    root = tmp_path / "carbon"
+    for zone, value in {"FR": lambda h: 50.0 if 12 <= h % 24 < 18 else 400.0, "GB": lambda h: 300.0}.items():
+        (root / zone).mkdir(parents=True)
+        rows = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
+        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(h)},{value(h)}" for h in range(6 * 24)]
+        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
+                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n" + "2022-06-04T06:00:00,3600,1,x\n" * 3)
+    spec = SimulationSpec(
+        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=root,
+        policies=["green", "baseline-carbon-greedy"], sites=sites, bound=False,
+        assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0,
+                     "min_slack_s": 12 * 3600.0})
+    result = simulate(spec)
+    green, greedy = result.policies["green"], result.policies["baseline-carbon-greedy"]
+    assert green.metrics["deferred_jobs"] == 3 and green.metrics["deadline_misses"] == 0
+    assert green.site.tolist() == [1, 1, 1] and green.start_s.tolist() == [6 * 3600.0] * 3  # 12:00, run hour 6
+    assert green.carbon_kg.sum() == pytest.approx(3 * 0.4 * 50 / 1000)
+    assert greedy.site.tolist() == [0, 0, 0] and greedy.carbon_kg.sum() == pytest.approx(3 * 0.4 * 300 / 1000)

@@ -46,6 +46,7 @@ import numpy as np
 from broker.cycle import PassDecider
 from broker.models import SiteSpec
 from policies.filters.gpu_fit import GpuFitFilter
+from policies.filters.latency import LatencyFilter
 from policies.pipeline import Pipeline
 from policies import timeshift
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
@@ -146,15 +147,18 @@ def requests_of(workload: Workload) -> list[JobRequest]:
 
 
 def fits_anywhere(requests: Sequence[JobRequest], federation: Federation) -> np.ndarray:
-    """bool[n_jobs]: whether each job fits some site when that site is empty (the rest are left out)."""
-    fit = GpuFitFilter()
+    """bool[n_jobs]: whether each job fits some site that meets its latency objective when that site is
+    empty (the rest are left out: the policies that honour the objective could never run them)."""
+    fit, near = GpuFitFilter(), LatencyFilter()
     by_shape: dict[tuple[object, ...], bool] = {}
     out = np.empty(len(requests), dtype=bool)
     for i, req in enumerate(requests):
         shape = req.shape
         ok = by_shape.get(shape)
         if ok is None:
-            ok = by_shape[shape] = bool(fit.passes(req, federation.base).any())
+            sites = fit.passes(req, federation.base)
+            within = near.passes(req, federation.base)
+            ok = by_shape[shape] = bool((sites if within is None else sites & within).any())
         out[i] = ok
     return out
 
@@ -205,14 +209,16 @@ def replay(
     in_queue: set[int] = set()
     order_key = (lambda i: (-priority[i], submit[i], i)) if any(priority) else None
     if pipeline.urgent_first:
-        latest = [(r.deadline_ts or np.inf) - r.duration_s for r in requests]
-        order_key = lambda i: (-priority[i], latest[i], i)  # noqa: E731
+        latest = np.array([(r.deadline_ts or np.inf) - r.duration_s for r in requests])
+        rank = np.empty(n, dtype=np.int64)
+        rank[np.lexsort((np.arange(n), latest, -np.asarray(priority)))] = np.arange(n)
+        order_key = rank.tolist().__getitem__
     todo = np.flatnonzero(~left_out).tolist()
     next_arrival = 0
     done = passes = 0
 
     # Time-shifting (profiles with ``shift``): the plan of booked hours, each job's booking, and the jobs
-    # deferred for a saving (decided again at every whole hour, when the forecast moves on).
+    # deferred to a whole hour (decided again at every whole hour, when the forecast moves on).
     shift = pipeline.shift
     start_ts = start_at.timestamp()
     calendar = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if shift else None
@@ -272,24 +278,24 @@ def replay(
                        carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor, **hourly)
         decider = PassDecider(pipeline, snap)
         waiting: list[int] = []  # candidates not already queued that now wait for room
-        gone: set[int] = set()  # queued candidates placed or deferred for a saving
+        gone: set[int] = set()  # queued candidates placed or deferred
         for j in candidates:
             booking = bookings.pop(j, None)
             if booking is not None:  # a deferred job decided again: its hours are free to plan anew
                 calendar.release(booking)
-                timeshift.credit(snap, booking)
+                decider.credit(booking)
             outcome = decider.decide(requests[j], shapes[j])
             if isinstance(outcome, Deferral):
                 first = epoch_hour(now) + outcome.slot
                 bookings[j] = calendar.book(outcome.site, outcome.model, gpus_held[j], first, first + outcome.slots)
                 decider.reserve(outcome)
-                if outcome.now_site >= 0:  # for a saving: wait out of the queue until the next whole hour
-                    ever_deferred[j] = True
-                    deferred.add(j)
-                    if j in in_queue:
-                        gone.add(j)
-                    continue
-            if isinstance(outcome, Deferral) or not outcome.placed:  # waits for room (reserved or not)
+                # Planned for a whole hour: out of the queue until the next one, when it is decided again.
+                ever_deferred[j] |= outcome.now_site >= 0  # for a saving (else for lack of room now)
+                deferred.add(j)
+                if j in in_queue:
+                    gone.add(j)
+                continue
+            if not outcome.placed:  # waits for room
                 deferred.discard(j)
                 if j not in in_queue:
                     waiting.append(j)
@@ -331,6 +337,9 @@ def replay(
         passes += 1
         if progress is not None and passes % 4096 == 0:
             progress(done)
+    if queue:  # nothing left that could free room: a job no site can ever take slipped past fits_anywhere
+        raise SimulationError(f"{len(queue)} jobs were still waiting when no job was left to end or arrive "
+                              f"(first: job {queue[0]}); no site can ever take them")
     if progress is not None:
         progress(done)
     run = _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began)

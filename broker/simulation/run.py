@@ -164,8 +164,9 @@ def prepare(spec: SimulationSpec) -> Prepared:
     requests = engine.requests_of(workload)
     left_out = ~engine.fits_anywhere(requests, federation)
     if left_out.any():
-        report.append(f"left out: {int(left_out.sum())} jobs fit no site even when it is empty (largest asks "
-                      f"{int(workload.gpus[left_out].max())} GPUs); no policy runs them")
+        report.append(f"left out: {int(left_out.sum())} jobs fit no site even when it is empty, or none that "
+                      f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs); "
+                      "no policy runs them")
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
     return Prepared(workload, sites, federation, requests, left_out, rtt, report)
