@@ -18,9 +18,19 @@ What runs:
 4. The cost of ``policies.explain.record`` (what the live cycle adds to keep a decision's explanation) and
    of serialising that record to JSON (what the store adds), on a sample of decisions.
 
+``--profile NAME`` decides with a routing profile's pipeline (every scorer it weighs) on snapshots that
+carry a seeded synthetic 48-hour carbon forecast per site. ``--shift`` adds the profile's time-shifting, as
+the live cycle runs it: every job gets a deadline (its expected run plus 2 to 48 hours of slack, seeded),
+every snapshot a plan hour by hour (``Snapshot.plan_free`` from a ``policies.timeshift.Calendar``: the GPUs
+in use now stay busy for 1 to 12 more hours, seeded), and jobs are decided through
+``broker.cycle.PassDecider`` (``decide``, then ``assume`` for a placement or ``reserve`` for a deferral),
+so the timed figure covers the whole decision with the time-shift search; it also prints the share of
+deferrals and the cost of ``timeshift.plan`` per shiftable job.
+
 This prints figures; it asserts nothing about timing. Usage::
 
     .venv/bin/python bench/decisions.py [--sites 1000] [--jobs 50000] [--seed 1] [--explain-sample 2000]
+                                        [--profile balanced [--shift]]
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import platform
 import random
 import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -40,11 +51,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker import ids  # noqa: E402
+from broker.cycle import PassDecider  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
-from policies import explain  # noqa: E402
+from policies import explain, timeshift  # noqa: E402
 from policies.pipeline import choose_model, default_pipeline  # noqa: E402
 from policies.profiles import profile_pipeline  # noqa: E402
 from policies.snapshot import JobRequest, Snapshot, build_snapshot, replace_forecast  # noqa: E402
+from policies.timeshift import Deferral, ShiftPolicy  # noqa: E402
 
 MODELS = ("a100-40gb", "a100-80gb", "h100-80gb", "l4", "t4")
 MODEL_WEIGHTS = (0.2, 0.2, 0.15, 0.25, 0.2)
@@ -132,6 +145,28 @@ def pct(values_ns: np.ndarray, q: float) -> float:
     return float(np.percentile(values_ns, q)) / 1000.0
 
 
+def with_deadlines(reqs: list[JobRequest], now: datetime, seed: int) -> list[JobRequest]:
+    """Each request with a deadline: its expected run time plus 2 to 48 hours of slack (seeded)."""
+    rng = random.Random(seed)
+    now_s = now.timestamp()
+    return [replace(r, deadline_ts=now_s + r.duration_s + rng.uniform(2.0, 48.0) * 3600.0) for r in reqs]
+
+
+def plan_of(snap: Snapshot, shift: ShiftPolicy, seed: int) -> np.ndarray:
+    """The time-shift plan the live cycle gives a pass (``Snapshot.plan_free``, from a ``Calendar``): the
+    GPUs in use now stay busy until their jobs' expected end, drawn per site and model from 1 to 12 hours
+    (seeded); later hours are free."""
+    rng = np.random.default_rng(seed)
+    hours = shift.plan_hours
+    h0 = timeshift.epoch_hour(snap.now)
+    calendar = timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
+    used = snap.total_gpus - np.maximum(snap.free_gpus, 0)
+    ends = rng.integers(1, 13, size=used.shape)
+    for site, model in zip(*np.nonzero(used > 0), strict=True):
+        calendar.book(int(site), int(model), float(used[site, model]), h0, h0 + int(ends[site, model]))
+    return calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sites", type=int, default=1000, help="sites in the federation (default %(default)s)")
@@ -142,9 +177,15 @@ def main() -> int:
     p.add_argument("--profile", default=None,
                    help="decide with a routing profile (balanced, green, cheap, fast): every scorer it weighs, "
                         "with a synthetic 48-hour carbon forecast per site; default: the release's default pipeline")
+    p.add_argument("--shift", action="store_true",
+                   help="with --profile: the profile's time-shifting too; every job gets a deadline (2-48 h of "
+                        "slack), the snapshot a plan hour by hour, and jobs are decided as the cycle does "
+                        "(broker.cycle.PassDecider: decide, then assume a placement or reserve a deferral)")
     p.add_argument("--refresh-below", type=float, default=0.2,
                    help="rebuild the snapshot when free whole GPUs fall below this share of the start")
     args = p.parse_args()
+    if args.shift and args.profile is None:
+        p.error("--shift needs --profile: the default pipeline never defers a job")
     rng = random.Random(args.seed)
 
     t = time.perf_counter()
@@ -161,13 +202,22 @@ def main() -> int:
 
     now = datetime.now(UTC)
     pipeline = default_pipeline() if args.profile is None else profile_pipeline(args.profile)
+    shift = pipeline.shift if args.shift else None
+    if args.shift:
+        reqs = with_deadlines(reqs, now, args.seed)
+        if shift is None:
+            print(f"note: profile {args.profile} has no time-shift policy; no job will be deferred")
     forecast = None
     if args.profile is not None:  # seeded intensities, 50..700 g/kWh, one 48-hour row per site
         forecast = np.random.default_rng(args.seed).uniform(50, 700, size=(args.sites, 48))
 
     def fresh() -> Snapshot:
         built = build_snapshot(now, specs, states)
-        return built if forecast is None else replace_forecast(built, forecast)
+        if forecast is not None:
+            built = replace_forecast(built, forecast)
+        if shift is not None:
+            built = replace(built, plan_free=plan_of(built, shift, args.seed))
+        return built
 
     t = time.perf_counter_ns()
     snap = build_snapshot(now, specs, states)
@@ -177,15 +227,20 @@ def main() -> int:
     refresh_at = max(1, int(start_free * args.refresh_below))
 
     # Warm-up on a throwaway snapshot (first calls into numpy paths), then the measured run.
+    decider = PassDecider(pipeline, snap)
     for req in reqs[:300]:
-        pl = pipeline.decide(req, snap)
-        if pl.placed:
-            snap.assume(pl.site, req, pl.model)
+        outcome = decider.decide(req) if args.shift else pipeline.decide(req, snap)
+        if isinstance(outcome, Deferral):
+            decider.reserve(outcome)
+        elif outcome.placed:
+            decider.assume(outcome)
     snap = fresh()
+    decider = PassDecider(pipeline, snap)
 
     decide_ns = np.empty(len(reqs), dtype=np.int64)
     assume_ns = 0
     placed = 0
+    deferred = 0
     refreshes = 0
     refresh_ns = 0
     perf = time.perf_counter_ns
@@ -193,17 +248,22 @@ def main() -> int:
     untimed_ns = 0
     for i, req in enumerate(reqs):
         t0 = perf()
-        placement = pipeline.decide(req, snap)
+        outcome = decider.decide(req) if args.shift else pipeline.decide(req, snap)
         t1 = perf()
         decide_ns[i] = t1 - t0
-        if placement.site >= 0:
-            snap.assume(placement.site, req, placement.model)
+        if isinstance(outcome, Deferral):
+            decider.reserve(outcome)
+            assume_ns += perf() - t1
+            deferred += 1
+        elif outcome.placed:
+            decider.assume(outcome)
             assume_ns += perf() - t1
             placed += 1
         if i % 500 == 499:  # outside the timed section: is the federation running out of GPUs?
             u0 = perf()
             if int(snap.free_gpus[snap.healthy].sum()) < refresh_at:
                 snap = fresh()
+                decider = PassDecider(pipeline, snap)  # a new pass
                 refreshes += 1
                 refresh_ns += perf() - u0
             untimed_ns += perf() - u0
@@ -228,11 +288,15 @@ def main() -> int:
         if placement.placed:
             snap.assume(placement.site, req, placement.model)
 
-    # Where a decision's time goes: each filter, each scorer and the model choice, called on their own.
+    # Where a decision's time goes: each filter, each scorer, the model choice and the time-shift search,
+    # called on their own.
     snap = fresh()
     parts: dict[str, int] = {f"filter {f.code}": 0 for f in pipeline.filters}
     parts.update({f"scorer {w.scorer.name}": 0 for w in pipeline.scorers})
     parts["choose_model (placed jobs)"] = 0
+    if shift is not None:
+        parts["timeshift.plan (shiftable jobs)"] = 0
+    shiftable = 0
     for req in sample:
         for f in pipeline.filters:
             t0 = perf()
@@ -247,7 +311,17 @@ def main() -> int:
             t0 = perf()
             choose_model(req, snap, placement.site)
             parts["choose_model (placed jobs)"] += perf() - t0
-            snap.assume(placement.site, req, placement.model)
+        outcome = placement
+        if shift is not None and timeshift.shiftable(req, snap, shift):
+            shiftable += 1
+            t0 = perf()
+            outcome = timeshift.plan(req, snap, placement, shift, pipeline.filter_codes) or placement
+            parts["timeshift.plan (shiftable jobs)"] += perf() - t0
+        if isinstance(outcome, Deferral):
+            timeshift.debit(snap, outcome.site, outcome.model, timeshift.held(req), outcome.slot,
+                            outcome.slot + outcome.slots)
+        elif outcome.placed:
+            snap.assume(outcome.site, req, outcome.model)
 
     n = len(reqs)
     decide_total_s = decide_ns.sum() / 1e9
@@ -260,6 +334,11 @@ def main() -> int:
     print()
     print(f"heliotrope placement benchmark: {args.sites} sites, {n} jobs, seed {args.seed}; "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}")
+    what = "the default pipeline" if args.profile is None else f"profile {args.profile}"
+    if shift is not None:
+        what += (f" with time-shifting ({shift.objective}, min_saving {shift.min_saving:g}, horizon "
+                 f"{shift.horizon_h} h, a {shift.plan_hours}-hour plan); deadlines 2-48 h after each job's run")
+    print(f"  deciding with {what}")
     print(f"  federation: {len(specs)} sites in {len(REGIONS)} regions, {n_models} GPU models, "
           f"{int(snap.total_gpus.sum())} GPUs, {start_free} free whole GPUs at healthy sites; "
           f"{int((~snap.healthy).sum())} sites unhealthy or never heard from")
@@ -271,17 +350,28 @@ def main() -> int:
           f"({refresh_ns / max(refreshes, 1) / 1e6:.2f} ms each, not counted in the rates)")
     print(f"  decide: mean {mean_decide_us:.1f} us, p50 {pct(decide_ns, 50):.1f} us, "
           f"p99 {pct(decide_ns, 99):.1f} us, max {decide_ns.max() / 1000:.1f} us")
+    per = {k: v / len(sample) for k, v in parts.items()}
+    if shift is not None:  # per job it ran for
+        per["timeshift.plan (shiftable jobs)"] = parts["timeshift.plan (shiftable jobs)"] / max(shiftable, 1)
     print("  inside decide, called on their own (mean per decision): "
-          + ", ".join(f"{k} {v / len(sample) / 1000:.1f} us" for k, v in parts.items()))
-    print(f"  assume: {assume_ns / max(placed, 1) / 1000:.2f} us per placement")
+          + ", ".join(f"{k} {v / 1000:.1f} us" for k, v in per.items()))
+    if shift is not None:
+        print(f"  time-shift search: {shiftable}/{len(sample)} sampled jobs were shiftable (latest start after "
+              f"the next whole hour)")
+    print(f"  {'assume or reserve' if args.shift else 'assume'}: "
+          f"{assume_ns / max(placed + deferred, 1) / 1000:.2f} us per placement or deferral")
     print(f"  explain.record on {len(sample)} decisions: mean {mean_record_us:.1f} us, "
           f"p99 {pct(record_ns, 99):.1f} us; json.dumps of the record: mean {dumps_ns.mean() / 1000:.1f} us, "
           f"p99 {pct(dumps_ns, 99):.1f} us, {record_bytes / len(sample) / 1024:.1f} KiB per record")
     print()
     print("=" * 78)
-    print(f"decisions/s at {args.sites} sites (decide + assume, JobRequest built beforehand): {rate_loop:,.0f}")
+    how = ("PassDecider.decide with time-shifting + assume or reserve" if args.shift
+           else "decide + assume")
+    print(f"decisions/s at {args.sites} sites ({how}, JobRequest built beforehand): {rate_loop:,.0f}")
     print(f"  decide alone: {rate_decide:,.0f}/s; mean {mean_decide_us:.1f} us, p99 {pct(decide_ns, 99):.1f} us "
-          f"per decision; placed {placed}/{n} = {placed / n:.1%}")
+          f"per decision; placed {placed}/{n} = {placed / n:.1%}"
+          + (f", deferred {deferred}/{n} = {deferred / n:.1%}, waiting {n - placed - deferred}/{n} = "
+             f"{(n - placed - deferred) / n:.1%}" if args.shift else ""))
     per_live_us = mean_decide_us + mean_record_us + conv_ns / n / 1000
     mean_dumps_us = dumps_ns.mean() / 1000
     print(f"  + JobRequest.from_spec (+{conv_ns / n / 1000:.2f} us) and explain.record (+{mean_record_us:.1f} us) "

@@ -10,19 +10,28 @@
    by name. No float ``==``.
 
 Everything is arrays over sites: the cost of a decision grows with the number of sites in numpy, not in
-Python loops. The pipeline is immutable and can be shared; ``decide`` has no side effects.
+Python loops. The pipeline is immutable and can be shared; ``decide`` has no side effects (beyond filling
+the snapshot's cache of values derived from its fixed facts, ``Snapshot.derived``).
+
+How a decision stays cheap at a thousand sites: where the request fits is worked out once
+(:class:`~policies.filters.gpu_fit.Fit`, over the model columns the request could use) and handed to every
+filter and scorer that offers ``passes_fit``/``raw_fit``; values that do not depend on free capacity are
+cached on the snapshot; and the score terms are normalised together, as one [scorers, feasible sites]
+array, with the same arithmetic per element as one term at a time (``_normalise_each``), so the numbers
+are identical.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from broker import ids
 from policies.filters import Filter
-from policies.filters.gpu_fit import GpuFitFilter, fit_row
+from policies.filters.gpu_fit import Fit, GpuFitFilter, fit_row
 from policies.filters.health import HealthyFilter
 from policies.filters.region import RefusedFilter, RegionFilter
 from policies.scorers import Scorer
@@ -31,6 +40,7 @@ from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies.timeshift import ShiftPolicy
 
 TIE_EPSILON = 1e-9
+_T = TypeVar("_T")
 _MEMORY_ORDER = np.array([ids.GPU_MODEL_BY_ID[m].memory_gib for m in ids.GPU_MODEL_IDS], dtype=np.float64)
 
 
@@ -100,36 +110,110 @@ class Pipeline:
         # must start soonest (deadline - expected run time; no deadline last) is decided first (EDF).
         self.urgent_first = shift is not None
         self.filter_codes: tuple[str, ...] = tuple(codes)
+        # Filters and scorers that can use the decision's shared fit say so with passes_fit / raw_fit.
+        self._passes = tuple(getattr(f, "passes_fit", None) or _on_request(f.passes) for f in self.filters)
+        self._raws = tuple(getattr(w.scorer, "raw_fit", None) or _on_request(w.scorer.raw) for w in self.scorers)
+        self._lower = tuple(not w.scorer.higher_is_better for w in self.scorers)
+        self._weights = np.array([w.weight for w in self.scorers], dtype=np.float64)[:, None]
 
     def decide(self, req: JobRequest, snap: Snapshot) -> Placement:
-        passes = tuple(f.passes(req, snap) for f in self.filters)
+        fit = Fit(req, snap)  # shared by the filters and scorers that look at free capacity
+        passes = tuple([passes(fit) for passes in self._passes])
         feasible_mask: np.ndarray | None = None
         for passed in passes:
             if passed is not None:
                 feasible_mask = passed if feasible_mask is None else feasible_mask & passed
-        if feasible_mask is None:
-            feasible = np.arange(snap.n_sites)
-        else:
-            feasible = np.flatnonzero(feasible_mask)
-        k = feasible.size
-        totals = np.zeros(k, dtype=np.float64)
-        terms: list[TermArrays] = []
-        for w in self.scorers:
-            raw = w.scorer.raw(req, snap)
-            norm = np.zeros(k, dtype=np.float64)
-            if k:
-                r = raw[feasible]
-                lo, hi = r.min(), r.max()
-                span = float(hi - lo)
-                if span > TIE_EPSILON:
-                    norm = (r - lo) / span if w.scorer.higher_is_better else (hi - r) / span
-                    totals += w.weight * norm
-            terms.append(TermArrays(w.scorer.name, w.weight, raw, norm))
-        if not k:
-            return Placement(req, -1, -1, snap.n_sites, passes, feasible, tuple(terms), totals)
-        best = int(np.argmax(totals >= totals.max() - TIE_EPSILON))
+        feasible = np.arange(snap.n_sites) if feasible_mask is None else feasible_mask.nonzero()[0]
+        raws = [raw(fit) for raw in self._raws]
+        terms, totals = self._normalise(raws, feasible, snap)
+        if not feasible.size:
+            return Placement(req, -1, -1, snap.n_sites, passes, feasible, terms, totals)
+        best = int((totals >= np.maximum.reduce(totals) - TIE_EPSILON).argmax())
         site = int(feasible[best])
-        return Placement(req, site, choose_model(req, snap, site), snap.n_sites, passes, feasible, tuple(terms), totals)
+        model = MODEL_INDEX[req.model] if req.model is not None else _smallest_that_fits(fit, site)
+        return Placement(req, site, model, snap.n_sites, passes, feasible, terms, totals)
+
+    def _normalise(self, raws: list[np.ndarray], feasible: np.ndarray,
+                   snap: Snapshot) -> tuple[tuple[TermArrays, ...], np.ndarray]:
+        """Every term normalised over the feasible sites, and the weighted sum per feasible site.
+
+        All terms at once, with the arithmetic of ``_normalise_each`` element by element, so the numbers are
+        the same: the feasible raw values go into one [terms, feasible sites] float64 array, lower-is-better
+        rows negated, so that ``(hi - r) / span`` is computed as ``(r' - lo') / span`` (negation is exact and
+        ``-a - -b`` rounds as ``b - a``); the weighted rows are added in scorer order. A term whose raw values
+        the snapshot caches and knows to span no more than ``TIE_EPSILON`` over all sites (so over the
+        feasible ones too) is 0 everywhere without being looked at. Raw values of another dtype than float64
+        or integers (which float64 holds exactly) take the one-term-at-a-time path."""
+        k = feasible.size
+        if not k:
+            return _normalise_each(self.scorers, raws, feasible)
+        norm = np.empty((len(raws), k))
+        flat = []  # rows already 0: terms known to span no more than TIE_EPSILON
+        for i, (row, raw, lower) in enumerate(zip(norm, raws, self._lower, strict=True)):
+            if raw.dtype.char == "d":
+                if not raw.flags.writeable:
+                    span = snap.derived_span(raw)
+                    if span is not None and span <= TIE_EPSILON:
+                        row.fill(0.0)
+                        flat.append(i)
+                        continue
+                raw.take(feasible, out=row)
+            elif raw.dtype.kind in "iu":
+                row[:] = raw.take(feasible)
+            else:
+                return _normalise_each(self.scorers, raws, feasible)
+            if lower:
+                np.negative(row, out=row)
+        lo = np.minimum.reduce(norm, axis=1)
+        span = np.maximum.reduce(norm, axis=1)
+        span -= lo
+        norm -= lo[:, None]
+        level = [j for j, width in enumerate(span.tolist()) if not width > TIE_EPSILON]  # NaN too: adds nothing
+        if level:
+            span[level] = 1.0
+        norm /= span[:, None]
+        for j in level:
+            if j not in flat:
+                norm[j] = 0.0
+        weighted = norm * self._weights  # a row of 0 adds exactly nothing to the sums
+        # Rows added one after another, in scorer order. (With one feasible site, which numpy would sum
+        # pairwise, every term is 0.)
+        totals = np.add.reduce(weighted, axis=0)
+        return tuple([TermArrays(w.scorer.name, w.weight, raw, row)
+                      for w, raw, row in zip(self.scorers, raws, norm, strict=True)]), totals
+
+
+def _on_request(method: Callable[[JobRequest, Snapshot], _T]) -> Callable[[Fit], _T]:
+    """A filter's ``passes`` or a scorer's ``raw`` called with the decision's fit."""
+    return lambda fit: method(fit.req, fit.snap)
+
+
+def _normalise_each(scorers: tuple[Weighted, ...], raws: list[np.ndarray],
+                    feasible: np.ndarray) -> tuple[tuple[TermArrays, ...], np.ndarray]:
+    """One term at a time: min-max over the feasible sites, inverted when lower is better."""
+    k = feasible.size
+    totals = np.zeros(k, dtype=np.float64)
+    terms: list[TermArrays] = []
+    for w, raw in zip(scorers, raws, strict=True):
+        norm = np.zeros(k, dtype=np.float64)
+        if k:
+            r = raw[feasible]
+            lo, hi = r.min(), r.max()
+            span = float(hi - lo)
+            if span > TIE_EPSILON:
+                norm = (r - lo) / span if w.scorer.higher_is_better else (hi - r) / span
+                totals += w.weight * norm
+        terms.append(TermArrays(w.scorer.name, w.weight, raw, norm))
+    return tuple(terms), totals
+
+
+def _smallest_that_fits(fit: Fit, site: int) -> int:
+    """``choose_model`` for a job that names no model, from the decision's fit."""
+    model = fit.smallest_at(site)
+    if model < 0:
+        raise IndexError(f"no GPU model fits the job at site {fit.snap.sites[site]}: a pipeline that places jobs "
+                         f"needs the {GpuFitFilter.code} filter")
+    return model
 
 
 def choose_model(req: JobRequest, snap: Snapshot, site: int) -> int:

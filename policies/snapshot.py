@@ -10,8 +10,10 @@ later decisions in the same cycle see it (Kueue's "assume" step).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import TypeVar
 from zoneinfo import ZoneInfo
 
 import numpy as np
@@ -23,6 +25,10 @@ MODEL_INDEX: dict[str, int] = {m: i for i, m in enumerate(ids.GPU_MODEL_IDS)}
 N_MODELS = len(ids.GPU_MODEL_IDS)
 TDP_KW: np.ndarray = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in ids.GPU_MODEL_IDS], dtype=np.float64)
 """Board power per model column, in kW (the energy the scorers estimate and the simulator charges)."""
+DERIVED_MAX = 4096
+"""Most values one snapshot keeps in ``Snapshot.derived`` (past it, the cache starts again empty)."""
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,10 @@ class Snapshot:
     # float32[n_sites, n_models, hours]: GPUs free in each whole hour from now's (policies.timeshift); empty
     # when no pipeline shifts jobs in time. Debited by assume() and by deferrals, like free_gpus.
     plan_free: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
+    # Values the policies derive from the fixed site facts and ``now`` (never from free capacity, which
+    # assume changes), built on first use by ``derived``. Not an argument: every new snapshot (``replace``,
+    # ``working_copy``) starts with an empty one.
+    _derived: dict[Hashable, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def n_sites(self) -> int:
@@ -116,6 +126,41 @@ class Snapshot:
         if self.has_model_mask.shape != self.memory_gib.shape:
             object.__setattr__(self, "has_model_mask", self.memory_gib > 0)
         return self.has_model_mask
+
+    def derived(self, key: Hashable, build: Callable[..., _T], *args: object) -> _T:
+        """``build(*args)``, computed once per snapshot and ``key``. Only for values that depend on nothing but the
+        site facts, ``now`` and what ``key`` names: never on free capacity or ``last_placed``, which change
+        within a pass. Arrays are stored read-only, so a decision that returns one cannot change it."""
+        cache = self._derived
+        value = cache.get(key)
+        if value is None:
+            value = build(*args)
+            if isinstance(value, np.ndarray):
+                value = value.view()  # its own flags: the array it was built from stays writeable
+                value.flags.writeable = False
+            if len(cache) >= DERIVED_MAX:
+                cache.clear()
+            cache[key] = value
+            if isinstance(value, np.ndarray):
+                cache[("derived", id(value))] = key  # for ``derived_span``; cleared with the value
+        return value  # type: ignore[return-value]
+
+    def zeros(self) -> np.ndarray:
+        """float64[n_sites] of 0, read-only: the raw value of a scorer that has nothing to tell sites apart."""
+        return self.derived(("zeros",), np.zeros, self.n_sites)
+
+    def derived_span(self, values: np.ndarray) -> float | None:
+        """max - min of ``values`` (NaN if it holds NaN), computed once, if ``values`` is an array that
+        ``derived`` returned and still holds; None for any other array. (While the cache holds an array, no
+        other array can have its ``id``.)"""
+        cache = self._derived
+        if ("derived", id(values)) not in cache:
+            return None
+        key = ("span", id(values))
+        span = cache.get(key)
+        if span is None:
+            span = cache[key] = float(np.maximum.reduce(values) - np.minimum.reduce(values)) if values.size else 0.0
+        return span  # type: ignore[return-value]
 
     def working_copy(self, now: datetime) -> Snapshot:
         """The same facts at ``now``, with free capacity of its own for ``assume`` to debit."""

@@ -3,7 +3,9 @@ take the job (a boolean array over the snapshot's sites, or ``None`` when every 
 the work), and describes in words why a site could not.
 
 The pipeline records every failing filter of every site as a bit, so "why not there?" always has an
-answer. A filter is turned off by leaving it out of the pipeline's filter list.
+answer. A filter is turned off by leaving it out of the pipeline's filter list. A filter that looks at free
+capacity may also offer ``passes_fit(fit)``, the same answer from the decision's shared
+:class:`~policies.filters.gpu_fit.Fit`.
 """
 
 from __future__ import annotations

@@ -3,14 +3,139 @@ requested memory, and enough of it is free: ``count`` whole GPUs, or for a fract
 1000) a shared GPU with that share free or one whole free GPU. Units: GPUs, thousandths of a GPU, GiB.
 
 This issue counts GPUs per site; node and NVLink topology are checked by the site-local policies.
+
+:class:`Fit` works out where one request fits once per decision, over only the model columns it could use,
+and the pipeline shares it with the scorers that look at free capacity (``raw_fit``); ``fit_matrix``,
+``fit_row`` and ``fit_column`` are the same rule over whole arrays.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from broker import ids
 from policies.filters import FitView
-from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot
+
+
+class Usable:
+    """The model columns a request could use anywhere (``usable_models`` is false in every other one), fixed
+    per snapshot and (model, memory per GPU), so kept in ``Snapshot.derived``.
+
+    ``columns``: int[c], ascending; ``mask``: bool[n_sites, c], column-major: ``usable_models`` there (the
+    named model where a site has it, or the models with enough memory per GPU); ``key``: what it was made
+    for, for the caches of values over the same columns."""
+
+    __slots__ = ("columns", "column_list", "mask", "named", "key", "tdp_kw", "memory_order")
+
+    def __init__(self, req: JobRequest, snap: Snapshot, key: tuple[object, ...]) -> None:
+        self.key = key
+        self.named = req.model is not None
+        if req.model is not None:
+            j = MODEL_INDEX[req.model]
+            self.columns = np.array([j])
+            self.mask = snap.has_model[:, j:j + 1]
+        else:
+            full = snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
+            self.columns = np.flatnonzero(full.any(axis=0))
+            self.mask = np.asfortranarray(full[:, self.columns])
+            self.mask.flags.writeable = False
+        self.column_list: list[int] = self.columns.tolist()
+        self.tdp_kw: list[float] = TDP_KW[self.columns].tolist()  # board power per usable column
+        # Per usable column: GPU memory of the model, the first key of ``choose_model``'s best fit.
+        self.memory_order: list[float] = [ids.GPU_MODEL_BY_ID[ids.GPU_MODEL_IDS[c]].memory_gib
+                                          for c in self.column_list]
+
+    def of(self, matrix: np.ndarray) -> np.ndarray:
+        """``matrix`` ([n_sites, n_models]) in the usable columns only, column-major."""
+        return np.asfortranarray(matrix[:, self.columns])
+
+    def total(self, gpus: np.ndarray) -> np.ndarray:
+        """Per site: the sum of ``gpus`` ([n_sites, n_models]) over the models usable there."""
+        return (gpus[:, self.columns] * self.mask).sum(axis=1)
+
+
+def usable_columns(req: JobRequest, snap: Snapshot) -> Usable:
+    """The request's :class:`Usable` columns (cached per snapshot)."""
+    key = ("usable", req.model) if req.model is not None else ("usable", None, req.memory_gib)
+    return snap.derived(key, Usable, req, snap, key)
+
+
+class Fit:
+    """Where one request fits in one snapshot, worked out at most once per decision over the model columns
+    it could use (``usable.columns``), and shared by the GPU-fit filter and the scorers that look at free
+    capacity. Free capacity changes with every ``assume``: make a new one for each decision."""
+
+    __slots__ = ("req", "snap", "usable", "_free", "_room", "_sites")
+
+    def __init__(self, req: JobRequest, snap: Snapshot) -> None:
+        self.req = req
+        self.snap = snap
+        self.usable = usable_columns(req, snap)
+        self._free: np.ndarray | None = None
+        self._room: np.ndarray | None = None
+        self._sites: np.ndarray | None = None
+
+    @property
+    def free(self) -> np.ndarray:
+        """int32[n_sites, c], column-major: free whole GPUs in each usable column now."""
+        if self._free is None:
+            cols = self.usable.columns
+            self._free = (self.snap.free_gpus[:, cols[0]:cols[0] + 1] if self.usable.named
+                          else self.snap.free_gpus[:, cols])
+        return self._free
+
+    @property
+    def room(self) -> np.ndarray:
+        """bool[n_sites, c], column-major: the model is usable there and has room for the job now (in full,
+        ``usable_models(req, snap) & fit_matrix(req, snap)``, which is false outside the usable columns)."""
+        if self._room is None:
+            self._work()
+        return self._room  # type: ignore[return-value]
+
+    @property
+    def sites(self) -> np.ndarray:
+        """bool[n_sites]: the GPU-fit filter's answer."""
+        if self._sites is None:
+            self._work()
+        return self._sites  # type: ignore[return-value]
+
+    def _work(self) -> None:
+        req, usable = self.req, self.usable
+        if req.fractional:
+            shared = self.snap.shared_free_milli
+            cols = usable.columns
+            shared = shared[:, cols[0]:cols[0] + 1] if usable.named else shared[:, cols]
+            capacity = (self.free > 0) | (shared >= req.milli)
+        else:
+            capacity = self.free >= req.count
+        if not usable.named:
+            room = np.logical_and(capacity, usable.mask, out=capacity)
+            self._room, self._sites = room, np.logical_or.reduce(room, axis=1)
+            return
+        # As fit_column: the filter checks memory only when the job asks for some, and not that the site
+        # has the model (a site without it has no free GPUs of it); the scorers' room also needs the model.
+        fits = capacity[:, 0]
+        if req.memory_gib:
+            j, memory = usable.column_list[0], req.memory_gib
+            fits = fits & self.snap.derived(("memory-column", j, memory), _at_least, self.snap.memory_gib, j, memory)
+        self._sites = fits
+        self._room = (fits & usable.mask[:, 0])[:, None]
+
+    def smallest_at(self, site: int) -> int:
+        """``choose_model`` at ``site`` for a job that names no model: of the usable columns with room, the
+        one with the least memory per GPU, then the most free GPUs, then the first (-1: none has room)."""
+        usable = self.usable
+        best, best_key = -1, (0.0, 0)
+        for c, ok, memory, free in zip(usable.column_list, self.room[site].tolist(), usable.memory_order,
+                                       self.free[site].tolist(), strict=True):
+            if ok and (best < 0 or (memory, -free) < best_key):
+                best, best_key = c, (memory, -free)
+        return best
+
+
+def _at_least(memory_gib: np.ndarray, column: int, memory: float) -> np.ndarray:
+    return memory_gib[:, column] >= memory
 
 
 def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
@@ -52,9 +177,10 @@ class GpuFitFilter:
     code = "gpus-do-not-fit"
 
     def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
-        if req.model is not None:
-            return fit_column(req, snap, MODEL_INDEX[req.model])
-        return fit_matrix(req, snap).any(axis=1)
+        return Fit(req, snap).sites
+
+    def passes_fit(self, fit: Fit) -> np.ndarray:
+        return fit.sites
 
     def describe(self, req: JobRequest, view: FitView, site: int) -> str:
         what = req.model or "GPUs of any model"

@@ -20,9 +20,13 @@ class LatencyFilter:
         column = snap.origin_index.get(req.origin_region or "")
         if column is None:
             return np.zeros(snap.n_sites, dtype=bool)
-        rtt = snap.rtt_ms[:, column]
-        return ~np.isnan(rtt) & (rtt <= req.latency_slo_ms)
+        return snap.derived(("latency-objective", column, req.latency_slo_ms), _within, snap.rtt_ms[:, column],
+                            req.latency_slo_ms)
 
     def describe(self, req: JobRequest, view: FitView, site: int) -> str:
         return (f"the RTT from {req.origin_region} is over the job's latency objective of "
                 f"{req.latency_slo_ms:g} ms (or not measured)")
+
+
+def _within(rtt_ms: np.ndarray, slo_ms: float) -> np.ndarray:
+    return ~np.isnan(rtt_ms) & (rtt_ms <= slo_ms)

@@ -14,6 +14,11 @@ class RegionFilter:
     def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray | None:
         if not req.allowed_regions and not req.denied_regions:
             return None
+        # The same for every job with the same regions: computed once per snapshot and pair of sets.
+        return snap.derived(("regions", req.allowed_regions, req.denied_regions), self._mask, req, snap)
+
+    @staticmethod
+    def _mask(req: JobRequest, snap: Snapshot) -> np.ndarray:
         table = np.fromiter(
             (
                 (not req.allowed_regions or name in req.allowed_regions) and name not in req.denied_regions

@@ -2,6 +2,11 @@
 stated units; the
 pipeline normalises the raw values to 0..1 over the sites that passed the filters (inverting them when
 lower is better), multiplies by the scorer's weight and sums. A weight of 0 turns a scorer off.
+
+A scorer that looks at free capacity may also offer ``raw_fit(fit)``, the same values from the decision's
+shared :class:`~policies.filters.gpu_fit.Fit` (where the job fits, worked out once per decision); the
+pipeline calls it instead of ``raw``. Values that depend only on the snapshot's fixed facts (telemetry, an
+origin's RTTs, a run length's forecast intensity) are cached with ``Snapshot.derived``.
 """
 
 from __future__ import annotations

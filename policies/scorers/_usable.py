@@ -1,10 +1,12 @@
-"""Which model columns a request could use at each site (shared by the scorers)."""
+"""Which model columns a request could use at each site, and the cheapest of them with room (shared by the
+scorers). ``usable_models`` and ``cheapest_with_room`` work over every model column; the scorers call the
+``Fit`` forms, which work over the request's usable columns only and share one fit per decision."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from policies.filters.gpu_fit import fit_matrix
+from policies.filters.gpu_fit import Fit, fit_matrix
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 
 
@@ -20,11 +22,10 @@ def usable_models(req: JobRequest, snap: Snapshot) -> np.ndarray:
 def unknown_last(raw: np.ndarray) -> np.ndarray:
     """Lower-is-better values with NaN (unknown) replaced by one more than the worst known value, so a site
     the broker knows nothing about ranks after every site it does (and never wins a tie with one)."""
-    known = ~np.isnan(raw)
-    if known.all():
-        return raw
-    worst = float(raw[known].max()) + 1.0 if known.any() else 0.0
-    return np.where(known, raw, worst)
+    if raw.dtype.kind not in "fc" or not raw.size:
+        return raw  # integers are never unknown
+    worst = np.fmax.reduce(raw)  # the largest known value; NaN when none is known
+    return np.where(np.isnan(raw), float(worst) + 1.0 if worst == worst else 0.0, raw)
 
 
 def cheapest_with_room(req: JobRequest, snap: Snapshot) -> np.ndarray:
@@ -33,3 +34,25 @@ def cheapest_with_room(req: JobRequest, snap: Snapshot) -> np.ndarray:
     prices = np.where(usable_models(req, snap) & fit_matrix(req, snap), snap.usd_per_gpu_hour, np.nan)
     with np.errstate(invalid="ignore"):
         return np.fmin.reduce(prices, axis=1)
+
+
+def least_where(ok: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """float64[n_sites]: per row of ``ok`` (bool[n_sites, c]), the least of ``values`` (float64[c], or
+    [n_sites, c]) where ``ok`` is true; NaN where it is true nowhere or only beside NaN values."""
+    c = ok.shape[1]
+    if c == 1:
+        return np.where(ok[:, 0], values[..., 0], np.nan)
+    if c == 0:
+        return np.full(ok.shape[0], np.nan)
+    return np.fmin.reduce(np.where(ok, values, np.nan), axis=1)
+
+
+def cheapest_with_room_fit(fit: Fit) -> np.ndarray:
+    """``cheapest_with_room`` over the decision's shared fit: the same values."""
+    snap, usable = fit.snap, fit.usable
+    if usable.named:
+        j = usable.column_list[0]
+        prices = snap.usd_per_gpu_hour[:, j:j + 1]
+    else:
+        prices = snap.derived(("usd-per-gpu-hour", usable.key), usable.of, snap.usd_per_gpu_hour)
+    return least_where(fit.room, prices)

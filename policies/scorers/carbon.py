@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.filters.gpu_fit import fit_matrix
-from policies.scorers._usable import unknown_last, usable_models
+from policies.filters.gpu_fit import Fit, fit_matrix
+from policies.scorers._usable import least_where, unknown_last, usable_models
 from policies.scorers.cost import gpus_held
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, running_sums
-
 
 
 def window_mean(forecast: np.ndarray, offset_h: float, duration_h: float, cum: np.ndarray | None = None) -> np.ndarray:
@@ -57,10 +56,34 @@ def power_kw(req: JobRequest, snap: Snapshot) -> np.ndarray:
         return np.fmin.reduce(tdp, axis=1) * gpus_held(req)
 
 
+def power_kw_fit(fit: Fit) -> np.ndarray:
+    """``power_kw`` over the decision's shared fit: the same values."""
+    power = least_where(fit.room, TDP_KW[fit.usable.columns])
+    power *= gpus_held(fit.req)
+    return power
+
+
 class CarbonScorer:
     name = "carbon"
     higher_is_better = False
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
-        energy_kwh = power_kw(req, snap) * req.duration_s / 3600.0
-        return unknown_last(energy_kwh * run_intensity(req, snap) / 1000.0)
+        return self.raw_fit(Fit(req, snap))
+
+    def raw_fit(self, fit: Fit) -> np.ndarray:
+        req, snap = fit.req, fit.snap
+        # The mean intensity over the run depends only on the snapshot and the run's length.
+        intensity = snap.derived(("run-intensity", req.duration_s), run_intensity, req, snap)
+        held, duration_s = gpus_held(req), req.duration_s
+        if held >= 0 and duration_s >= 0:
+            # kWh per usable model, in the order of ``power_kw * duration_s / 3600``: rounding is monotonic,
+            # so the least of them is the kWh of the lowest-power model, as ``power_kw`` takes it.
+            kwh = [kw * held * duration_s / 3600.0 for kw in fit.usable.tdp_kw]
+            kg = least_where(fit.room, np.array(kwh))
+        else:
+            kg = power_kw_fit(fit)
+            kg *= duration_s
+            kg /= 3600.0
+        kg *= intensity
+        kg /= 1000.0
+        return unknown_last(kg)

@@ -23,5 +23,5 @@ class CarbonNowScorer:
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
         if snap.carbon_g_per_kwh.size != snap.n_sites:
-            return np.zeros(snap.n_sites)
-        return unknown_last(snap.carbon_g_per_kwh)
+            return snap.zeros()  # every site alike
+        return snap.derived(("carbon-now",), unknown_last, snap.carbon_g_per_kwh)

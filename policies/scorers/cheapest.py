@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.scorers._usable import cheapest_with_room, unknown_last
+from policies.filters.gpu_fit import Fit
+from policies.scorers._usable import cheapest_with_room_fit, unknown_last
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -20,4 +21,7 @@ class CheapestScorer:
     higher_is_better = False
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
-        return unknown_last(cheapest_with_room(req, snap))
+        return self.raw_fit(Fit(req, snap))
+
+    def raw_fit(self, fit: Fit) -> np.ndarray:
+        return unknown_last(cheapest_with_room_fit(fit))

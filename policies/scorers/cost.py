@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.scorers._usable import cheapest_with_room, unknown_last
+from policies.filters.gpu_fit import Fit
+from policies.scorers._usable import cheapest_with_room_fit, unknown_last
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -24,4 +25,12 @@ class CostScorer:
     higher_is_better = False
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
-        return unknown_last(cheapest_with_room(req, snap) * gpus_held(req) * req.duration_s / 3600.0)
+        return self.raw_fit(Fit(req, snap))
+
+    def raw_fit(self, fit: Fit) -> np.ndarray:
+        # In place, in the order of ``cheapest_with_room(req, snap) * gpus_held(req) * duration_s / 3600``.
+        usd = cheapest_with_room_fit(fit)
+        usd *= gpus_held(fit.req)
+        usd *= fit.req.duration_s
+        usd /= 3600.0
+        return unknown_last(usd)

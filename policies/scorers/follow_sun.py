@@ -71,9 +71,16 @@ class FollowSunScorer:
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
         if self.mode == "offpeak":
             if snap.utc_offset_h.size != snap.n_sites:
-                return np.zeros(snap.n_sites)
-            return offpeak_fraction(snap, min(max(req.duration_s / 3600.0, _STEP_H), 24.0))
+                return snap.zeros()  # every site alike
+            span_h = min(max(req.duration_s / 3600.0, _STEP_H), 24.0)
+            return snap.derived(("offpeak", span_h), offpeak_fraction, snap, span_h)
         if snap.latitude.size != snap.n_sites:
-            return np.zeros(snap.n_sites)
-        instants = snap.now.timestamp() + _samples(req, 12.0) * 3600.0
-        return np.maximum(sun_elevation_sine(snap.latitude, snap.longitude, instants), 0.0).mean(axis=1)
+            return snap.zeros()  # every site alike
+        # The same for every run of the same (capped) length: computed once per snapshot and length.
+        return snap.derived(("solar", min(max(req.duration_s / 3600.0, _STEP_H), 12.0)), solar, req, snap)
+
+
+def solar(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    """Mean sine of the sun's elevation (0 below the horizon) per site over the run's first 12 hours."""
+    instants = snap.now.timestamp() + _samples(req, 12.0) * 3600.0
+    return np.maximum(sun_elevation_sine(snap.latitude, snap.longitude, instants), 0.0).mean(axis=1)

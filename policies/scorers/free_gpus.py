@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from policies.filters.gpu_fit import Fit
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 
 
@@ -18,5 +19,10 @@ class FreeGpusScorer:
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
         if req.model is not None:
             return snap.free_gpus[:, MODEL_INDEX[req.model]]
-        usable = snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
-        return (snap.free_gpus * usable).sum(axis=1)
+        return self.raw_fit(Fit(req, snap))
+
+    def raw_fit(self, fit: Fit) -> np.ndarray:
+        if fit.req.model is not None:
+            return fit.snap.free_gpus[:, MODEL_INDEX[fit.req.model]]
+        # Only the usable columns can add anything.
+        return np.add.reduce(fit.free * fit.usable.mask, axis=1, dtype=np.int_)  # as ndarray.sum

@@ -22,5 +22,9 @@ class LatencyScorer:
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
         column = snap.origin_index.get(req.origin_region or "")
         if column is None:
-            return np.zeros(snap.n_sites)
-        return unknown_last(snap.rtt_ms[:, column])
+            return snap.zeros()  # every site alike
+        return snap.derived(("latency", column), _from_origin, snap.rtt_ms, column)
+
+
+def _from_origin(rtt_ms: np.ndarray, column: int) -> np.ndarray:
+    return unknown_last(rtt_ms[:, column])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.scorers._usable import usable_models
+from policies.filters.gpu_fit import Fit
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -20,7 +20,11 @@ class LeastLoadedScorer:
     higher_is_better = True
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
-        usable = usable_models(req, snap)
-        total = (snap.total_gpus * usable).sum(axis=1)
-        free = (np.maximum(snap.free_gpus, 0) * usable).sum(axis=1)
+        return self.raw_fit(Fit(req, snap))
+
+    def raw_fit(self, fit: Fit) -> np.ndarray:
+        # Only the usable columns can add anything to either sum.
+        snap, usable = fit.snap, fit.usable
+        total = snap.derived(("usable-gpus", usable.key), usable.total, snap.total_gpus)
+        free = (np.maximum(fit.free, 0) * usable.mask).sum(axis=1)
         return np.divide(free, total, out=np.zeros(snap.n_sites), where=total > 0)

@@ -23,8 +23,13 @@ class TelemetryScorer:
 
     def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
         if snap.temperature_c.size != snap.n_sites:
-            return np.zeros(snap.n_sites)
-        heat = np.maximum(snap.temperature_c - COOL_C, 0.0) / THROTTLE_SPAN_C
-        gpus = snap.total_gpus.sum(axis=1)
-        queue = np.divide(snap.queue_depth, gpus, out=np.zeros(snap.n_sites), where=gpus > 0)
-        return heat + queue
+            return snap.zeros()  # every site alike
+        return snap.derived(("telemetry",), penalty, snap)
+
+
+def penalty(snap: Snapshot) -> np.ndarray:
+    """The raw value per site (the same for every job, so computed once per snapshot)."""
+    heat = np.maximum(snap.temperature_c - COOL_C, 0.0) / THROTTLE_SPAN_C
+    gpus = snap.total_gpus.sum(axis=1)
+    queue = np.divide(snap.queue_depth, gpus, out=np.zeros(snap.n_sites), where=gpus > 0)
+    return heat + queue

@@ -1,0 +1,421 @@
+"""The fast ``Pipeline.decide`` decides exactly as the straightforward one did.
+
+The reference below is the code of every filter, scorer and the pipeline's normalisation as they were
+before the decision was made fast (as of commit 3361953): whole [n_sites, n_models] matrices, one term at
+a time, nothing cached. The pure functions that the speed-up did not touch (``window_mean``,
+``offpeak_fraction``, ``sun_elevation_sine``, ``_samples``) are imported, not copied.
+
+Each profile and baseline decides a stream of distinct requests on a seeded federation, one at a time,
+and each placement is assumed into its own working copy, so every later decision sees the debited
+capacity (and any cache that failed to follow it would show). For every decision the two must agree on
+the site, the model, every filter's answer, the feasible sites, every raw and normalised term and the
+totals, and produce the same explanation record (``policies.explain.record``, bit for bit).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+import pytest
+
+from broker import ids
+from broker.models import Health, ModelCapacity, SiteState, Telemetry
+from policies import explain
+from policies.baselines import POLICIES
+from policies.pipeline import TIE_EPSILON, Pipeline, Placement, TermArrays
+from policies.profiles import BUILTIN, SCORERS, pipeline_for
+from policies.scorers.carbon import window_mean
+from policies.scorers.follow_sun import _STEP_H, _samples, offpeak_fraction, sun_elevation_sine
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, build_snapshot, replace_forecast
+from tests.builders import site
+
+N_SITES = 200
+N_REQUESTS = 500
+NOW = datetime(2026, 7, 30, 12, 17, 23, 500000, tzinfo=UTC)  # a Thursday, 17 minutes into the hour
+
+MODELS = ("a100-40gb", "a100-80gb", "h100-80gb", "l4", "t4", "l40s-48gb")
+ABSENT_MODEL = "h200-141gb"  # no site has it
+REGIONS = (
+    ("gcp:us-east1", "America/New_York"), ("gcp:europe-west4", "Europe/Amsterdam"),
+    ("gcp:asia-east1", "Asia/Taipei"), ("aws:us-west-2", "America/Los_Angeles"),
+    ("aws:eu-west-1", "Europe/Dublin"), ("aws:ap-northeast-1", "Asia/Tokyo"),
+)
+REGION_IDS = tuple(r for r, _ in REGIONS)
+UNMEASURED_ORIGIN = "aws:sa-east-1"  # no site has an RTT from it
+
+
+# -- the reference: the straightforward code, as it was -------------------------------------------------
+
+def _ref_fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if req.fractional:
+        fits = (snap.free_gpus > 0) | (snap.shared_free_milli >= req.milli)
+    else:
+        fits = snap.free_gpus >= req.count
+    if req.memory_gib:
+        fits &= snap.memory_gib >= req.memory_gib
+    else:
+        fits &= snap.has_model
+    return fits
+
+
+def _ref_fit_column(req: JobRequest, snap: Snapshot, column: int) -> np.ndarray:
+    free = snap.free_gpus[:, column]
+    if req.fractional:
+        fits = (free > 0) | (snap.shared_free_milli[:, column] >= req.milli)
+    else:
+        fits = free >= req.count
+    if req.memory_gib:
+        fits &= snap.memory_gib[:, column] >= req.memory_gib
+    return fits
+
+
+def _ref_fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
+    free = snap.free_gpus[site]
+    if req.fractional:
+        fits = (free > 0) | (snap.shared_free_milli[site] >= req.milli)
+    else:
+        fits = free >= req.count
+    return fits & (snap.memory_gib[site] >= req.memory_gib if req.memory_gib else snap.memory_gib[site] > 0)
+
+
+def _ref_usable_models(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if req.model is not None:
+        mask = np.zeros_like(snap.has_model)
+        mask[:, MODEL_INDEX[req.model]] = snap.has_model[:, MODEL_INDEX[req.model]]
+        return mask
+    return snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
+
+
+def _ref_unknown_last(raw: np.ndarray) -> np.ndarray:
+    known = ~np.isnan(raw)
+    if known.all():
+        return raw
+    worst = float(raw[known].max()) + 1.0 if known.any() else 0.0
+    return np.where(known, raw, worst)
+
+
+def _ref_cheapest_with_room(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    prices = np.where(_ref_usable_models(req, snap) & _ref_fit_matrix(req, snap), snap.usd_per_gpu_hour, np.nan)
+    with np.errstate(invalid="ignore"):
+        return np.fmin.reduce(prices, axis=1)
+
+
+def _ref_gpus_held(req: JobRequest) -> float:
+    return req.count * (req.milli / 1000.0 if req.fractional else 1.0)
+
+
+def _ref_run_intensity(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    duration_h = req.duration_s / 3600.0
+    if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1] > 0:
+        into_hour = (snap.now.minute * 60 + snap.now.second + snap.now.microsecond / 1e6) / 3600.0
+        return window_mean(snap.carbon_forecast, into_hour, duration_h, snap.carbon_forecast_cum)
+    if snap.carbon_g_per_kwh.size == snap.n_sites:
+        return snap.carbon_g_per_kwh.astype(np.float64)
+    return np.full(snap.n_sites, np.nan)
+
+
+def _ref_carbon(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    ok = _ref_usable_models(req, snap) & _ref_fit_matrix(req, snap)
+    tdp = np.where(ok, TDP_KW[None, :], np.nan)
+    with np.errstate(invalid="ignore"):
+        power_kw = np.fmin.reduce(tdp, axis=1) * _ref_gpus_held(req)
+    energy_kwh = power_kw * req.duration_s / 3600.0
+    return _ref_unknown_last(energy_kwh * _ref_run_intensity(req, snap) / 1000.0)
+
+
+def _ref_cost(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    return _ref_unknown_last(_ref_cheapest_with_room(req, snap) * _ref_gpus_held(req) * req.duration_s / 3600.0)
+
+
+def _ref_latency(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    column = snap.origin_index.get(req.origin_region or "")
+    if column is None:
+        return np.zeros(snap.n_sites)
+    return _ref_unknown_last(snap.rtt_ms[:, column])
+
+
+def _ref_free_gpus(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if req.model is not None:
+        return snap.free_gpus[:, MODEL_INDEX[req.model]]
+    usable = snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
+    return (snap.free_gpus * usable).sum(axis=1)
+
+
+def _ref_least_loaded(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    usable = _ref_usable_models(req, snap)
+    total = (snap.total_gpus * usable).sum(axis=1)
+    free = (np.maximum(snap.free_gpus, 0) * usable).sum(axis=1)
+    return np.divide(free, total, out=np.zeros(snap.n_sites), where=total > 0)
+
+
+def _ref_offpeak(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if snap.utc_offset_h.size != snap.n_sites:
+        return np.zeros(snap.n_sites)
+    return offpeak_fraction(snap, min(max(req.duration_s / 3600.0, _STEP_H), 24.0))
+
+
+def _ref_solar(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if snap.latitude.size != snap.n_sites:
+        return np.zeros(snap.n_sites)
+    instants = snap.now.timestamp() + _samples(req, 12.0) * 3600.0
+    return np.maximum(sun_elevation_sine(snap.latitude, snap.longitude, instants), 0.0).mean(axis=1)
+
+
+def _ref_telemetry(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if snap.temperature_c.size != snap.n_sites:
+        return np.zeros(snap.n_sites)
+    heat = np.maximum(snap.temperature_c - 60.0, 0.0) / 25.0
+    gpus = snap.total_gpus.sum(axis=1)
+    queue = np.divide(snap.queue_depth, gpus, out=np.zeros(snap.n_sites), where=gpus > 0)
+    return heat + queue
+
+
+def _ref_carbon_now(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if snap.carbon_g_per_kwh.size != snap.n_sites:
+        return np.zeros(snap.n_sites)
+    return _ref_unknown_last(snap.carbon_g_per_kwh)
+
+
+def _ref_round_robin(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    n = snap.n_sites
+    last = int(snap.last_placed[0])
+    return (np.arange(n) - last - 1) % n + 1 if last >= 0 else np.arange(n) + 1
+
+
+def _ref_spillover(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    return snap.rank if snap.rank.size == snap.n_sites else np.arange(snap.n_sites)
+
+
+REF_RAW: dict[str, Callable[[JobRequest, Snapshot], np.ndarray]] = {
+    "carbon": _ref_carbon, "cost": _ref_cost, "latency": _ref_latency, "free_gpus": _ref_free_gpus,
+    "least_loaded": _ref_least_loaded, "follow_sun_offpeak": _ref_offpeak, "follow_sun_solar": _ref_solar,
+    "telemetry": _ref_telemetry, "carbon_now": _ref_carbon_now,
+    "cheapest": lambda req, snap: _ref_unknown_last(_ref_cheapest_with_room(req, snap)),
+    "round_robin": _ref_round_robin, "spillover": _ref_spillover,
+}
+
+
+def _ref_region(req: JobRequest, snap: Snapshot) -> np.ndarray | None:
+    if not req.allowed_regions and not req.denied_regions:
+        return None
+    table = np.fromiter(
+        ((not req.allowed_regions or name in req.allowed_regions) and name not in req.denied_regions
+         for name in snap.region_names), dtype=bool, count=len(snap.region_names))
+    return table[snap.region_code]
+
+
+def _ref_latency_objective(req: JobRequest, snap: Snapshot) -> np.ndarray | None:
+    if req.latency_slo_ms is None:
+        return None
+    column = snap.origin_index.get(req.origin_region or "")
+    if column is None:
+        return np.zeros(snap.n_sites, dtype=bool)
+    rtt = snap.rtt_ms[:, column]
+    return ~np.isnan(rtt) & (rtt <= req.latency_slo_ms)
+
+
+def _ref_refused(req: JobRequest, snap: Snapshot) -> np.ndarray | None:
+    if not req.excluded_sites:
+        return None
+    ok = np.ones(snap.n_sites, dtype=bool)
+    for name in req.excluded_sites:
+        i = snap.index.get(name)
+        if i is not None:
+            ok[i] = False
+    return ok
+
+
+def _ref_gpu_fit(req: JobRequest, snap: Snapshot) -> np.ndarray:
+    if req.model is not None:
+        return _ref_fit_column(req, snap, MODEL_INDEX[req.model])
+    return _ref_fit_matrix(req, snap).any(axis=1)
+
+
+REF_FILTER: dict[str, Callable[[JobRequest, Snapshot], np.ndarray | None]] = {
+    "site-unhealthy": lambda req, snap: snap.healthy, "region-not-allowed": _ref_region,
+    "latency-objective": _ref_latency_objective, "site-refused": _ref_refused, "gpus-do-not-fit": _ref_gpu_fit,
+}
+
+_MEMORY_ORDER = np.array([ids.GPU_MODEL_BY_ID[m].memory_gib for m in ids.GPU_MODEL_IDS], dtype=np.float64)
+
+
+def _ref_choose_model(req: JobRequest, snap: Snapshot, site: int) -> int:
+    if req.model is not None:
+        return MODEL_INDEX[req.model]
+    candidates = np.flatnonzero(_ref_fit_row(req, snap, site))
+    order = np.lexsort((-snap.free_gpus[site, candidates], _MEMORY_ORDER[candidates]))
+    return int(candidates[order[0]])
+
+
+def reference_decide(pipeline: Pipeline, req: JobRequest, snap: Snapshot) -> Placement:
+    passes = tuple(REF_FILTER[code](req, snap) for code in pipeline.filter_codes)
+    feasible_mask = None
+    for passed in passes:
+        if passed is not None:
+            feasible_mask = passed if feasible_mask is None else feasible_mask & passed
+    feasible = np.arange(snap.n_sites) if feasible_mask is None else np.flatnonzero(feasible_mask)
+    k = feasible.size
+    totals = np.zeros(k, dtype=np.float64)
+    terms = []
+    for w in pipeline.scorers:
+        raw = REF_RAW[w.scorer.name](req, snap)
+        norm = np.zeros(k, dtype=np.float64)
+        if k:
+            r = raw[feasible]
+            lo, hi = r.min(), r.max()
+            span = float(hi - lo)
+            if span > TIE_EPSILON:
+                norm = (r - lo) / span if w.scorer.higher_is_better else (hi - r) / span
+                totals += w.weight * norm
+        terms.append(TermArrays(w.scorer.name, w.weight, raw, norm))
+    if not k:
+        return Placement(req, -1, -1, snap.n_sites, passes, feasible, tuple(terms), totals)
+    best = int(np.argmax(totals >= totals.max() - TIE_EPSILON))
+    site_ = int(feasible[best])
+    return Placement(req, site_, _ref_choose_model(req, snap, site_), snap.n_sites, passes, feasible,
+                     tuple(terms), totals)
+
+
+# -- the federation and the requests --------------------------------------------------------------------
+
+def federation(seed: int) -> Snapshot:
+    """``N_SITES`` seeded sites: one to three GPU models, some unpriced, RTTs from most regions (some
+    unmeasured), telemetry, about 5% unhealthy; a 48-hour forecast with a few sites unknown (NaN)."""
+    rng = random.Random(seed)
+    specs, states = [], {}
+    for i in range(N_SITES):
+        region, tz = rng.choice(REGIONS)
+        models = rng.sample(MODELS, k=rng.choice((1, 1, 2, 2, 3)))
+        gpus = {m: 8 * rng.randint(1, 6) for m in models}
+        prices = {m: round(rng.uniform(0.3, 12.0), 3) for m in models if rng.random() < 0.9}
+        rtt = {o: round(rng.uniform(1.0, 250.0), 1) for o in REGION_IDS if rng.random() < 0.85}
+        spec = site(f"site-{i:04d}", region=region, timezone=tz, latitude=rng.uniform(-60, 60),
+                    longitude=rng.uniform(-180, 180), gpus=gpus, usd_per_gpu_hour=prices, rtt_ms=rtt)
+        specs.append(spec)
+        capacity = []
+        for model, total in gpus.items():
+            free = rng.randint(0, total) if rng.random() < 0.8 else 0
+            capacity.append(ModelCapacity(
+                model=model, total_gpus=total, free_gpus=free, used_gpus=total - free,
+                shared_free_milli=rng.choice((0, 0, 250, 500, 750)) if free < total else 0,
+                memory_gib_per_gpu=ids.GPU_MODEL_BY_ID[model].memory_gib))
+        states[spec.name] = SiteState(
+            site=spec.name, health=Health.UNHEALTHY if rng.random() < 0.05 else Health.HEALTHY,
+            capacity=capacity,
+            telemetry=Telemetry(temperature_c_max=rng.choice((0.0, 55.0, 70.0, 88.0)), queue_depth=rng.randint(0, 9)))
+    snap = build_snapshot(NOW, specs, states)
+    forecast = np.random.default_rng(seed).uniform(50, 700, size=(N_SITES, 48))
+    forecast[rng.sample(range(N_SITES), 4)] = np.nan
+    return replace_forecast(snap, forecast)
+
+
+def requests(seed: int, snap: Snapshot) -> list[JobRequest]:
+    """``N_REQUESTS`` distinct requests: named models (present and absent) and none, whole and fractional,
+    memory minimums, regions allowed and denied, refused sites, origins with and without latency
+    objectives (an unmeasured origin too), many run lengths, deadlines."""
+    rng = random.Random(seed + 1)
+    out = []
+    for i in range(N_REQUESTS):
+        fractional = rng.random() < 0.2
+        shape = rng.random()
+        model = (ABSENT_MODEL if shape < 0.03 else rng.choice(MODELS) if shape < 0.4 else None)
+        origin = rng.choice(REGION_IDS + (UNMEASURED_ORIGIN, None, None))
+        allowed = frozenset(rng.sample(REGION_IDS, k=rng.randint(1, 3))) if rng.random() < 0.2 else frozenset()
+        denied = frozenset(rng.sample(REGION_IDS, k=1)) if rng.random() < 0.1 else frozenset()
+        duration_s = rng.choice((300.0, 600.0, 3600.0, 5400.5, 4 * 3600.0, 30 * 3600.0, 3 * 86400.0))
+        out.append(JobRequest(
+            job_id=f"job-{i}", count=1 if fractional else rng.choice((1, 1, 2, 4, 8, 16)),
+            milli=rng.choice((250, 500, 750)) if fractional else 1000, model=model,
+            memory_gib=rng.choice((0.0, 0.0, 0.0, 16.0, 40.0, 48.0, 80.0)), allowed_regions=allowed,
+            denied_regions=denied, priority=rng.choice((0, 10)),
+            excluded_sites=excluded(rng, snap),
+            duration_s=duration_s, origin_region=origin,
+            latency_slo_ms=rng.choice((None, 40.0, 120.0)) if origin is not None else None,
+            deadline_ts=NOW.timestamp() + duration_s + rng.uniform(0, 48 * 3600) if rng.random() < 0.5 else None,
+        ))
+    return out
+
+
+def excluded(rng: random.Random, snap: Snapshot) -> frozenset[str]:
+    """Sites a request must skip: none mostly, a few sometimes, and now and then all but one or two (so
+    that one or two sites at most are feasible)."""
+    roll = rng.random()
+    if roll < 0.85:
+        return frozenset()
+    if roll < 0.95:
+        return frozenset(rng.sample(snap.sites, k=rng.randint(1, 3)))
+    return frozenset(snap.sites) - frozenset(rng.sample(snap.sites, k=rng.randint(1, 2)))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    pipeline: Callable[[], Pipeline]
+
+
+EVERY_SCORER = {name: 0.05 + 0.1 * i for i, name in enumerate(SCORERS)}
+
+CASES = [
+    *(Case(f"profile {name} (without time-shifting) decides as before", lambda w=weights: pipeline_for(w))
+      for name, weights in BUILTIN.items()),
+    *(Case(f"policy {name} decides as before", build) for name, build in POLICIES.items() if name not in BUILTIN),
+    Case("a pipeline with every scorer on decides as before", lambda: pipeline_for(EVERY_SCORER)),
+]
+
+
+def assert_same(new: Placement, ref: Placement, pipeline: Pipeline, snap_new: Snapshot, snap_ref: Snapshot,
+                where: str) -> None:
+    assert (new.site, new.model) == (ref.site, ref.model), where
+    assert np.array_equal(new.feasible, ref.feasible), where
+    for code, a, b in zip(pipeline.filter_codes, new.passes, ref.passes, strict=True):
+        assert (a is None) == (b is None), f"{where}: filter {code}"
+        assert a is None or np.array_equal(a, b), f"{where}: filter {code}"
+    for a, b in zip(new.terms, ref.terms, strict=True):
+        assert (a.scorer, a.weight) == (b.scorer, b.weight), where
+        assert np.allclose(a.raw, b.raw, rtol=1e-12, atol=0.0, equal_nan=True), f"{where}: {a.scorer} raw"
+        assert np.allclose(a.normalised, b.normalised, rtol=1e-12, atol=0.0, equal_nan=True), \
+            f"{where}: {a.scorer} normalised"
+    assert np.allclose(new.totals, ref.totals, rtol=1e-12, atol=0.0, equal_nan=True), f"{where}: totals"
+    # The explanation the store keeps: every array packed to bytes, so this is equality bit for bit.
+    assert explain.record(pipeline, new, snap_new) == explain.record(pipeline, ref, snap_ref), where
+
+
+@pytest.mark.parametrize("seed", [1, 2], ids=lambda s: f"federation {s}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_fast_decision_is_the_straightforward_one(case: Case, seed: int) -> None:
+    pipeline = case.pipeline()
+    base = federation(seed)
+    snap_new, snap_ref = base.working_copy(NOW), base.working_copy(NOW)
+    outcomes = {"placed": 0, "unplaceable": 0, "one feasible site": 0}
+    for i, req in enumerate(requests(seed, base)):
+        new = pipeline.decide(req, snap_new)
+        ref = reference_decide(pipeline, req, snap_ref)
+        assert_same(new, ref, pipeline, snap_new, snap_ref, f"request {i} ({req})")
+        outcomes["one feasible site"] += new.feasible.size == 1
+        if new.placed:
+            snap_new.assume(new.site, req, new.model)
+            snap_ref.assume(ref.site, req, ref.model)
+            outcomes["placed"] += 1
+        else:
+            outcomes["unplaceable"] += 1
+    # The stream exercised both outcomes, and capacity ran low enough to matter.
+    assert outcomes["placed"] > 100 and outcomes["unplaceable"] > 10 and outcomes["one feasible site"], outcomes
+    assert np.array_equal(snap_new.free_gpus, snap_ref.free_gpus)
+
+
+def test_a_snapshot_with_a_new_forecast_scores_with_the_new_forecast() -> None:
+    """Values cached on a snapshot (the run's mean intensity, here) do not follow it into a copy made with
+    other facts."""
+    pipeline = pipeline_for({"carbon": 1.0})
+    snap = federation(3)
+    req = JobRequest(job_id="j", count=1, milli=1000, model=None, memory_gib=0.0, allowed_regions=frozenset(),
+                     denied_regions=frozenset(), duration_s=7200.0)
+    first = pipeline.decide(req, snap)
+    flipped = replace_forecast(snap, 750.0 - snap.carbon_forecast)
+    second = pipeline.decide(req, flipped)
+    assert second.site != first.site
+    assert np.allclose(second.terms[0].raw, _ref_carbon(req, flipped), rtol=1e-12, atol=0.0, equal_nan=True)
