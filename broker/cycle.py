@@ -76,12 +76,10 @@ class _Planned:
     saving: bool
 
 
-def _latest_start(job: Job) -> float:
-    """POSIX seconds by which a job must start to meet its deadline (inf without one): the queue's
-    urgency order for pipelines that defer jobs."""
-    if job.spec.deadline is None:
-        return math.inf
-    return job.spec.deadline.timestamp() - job.spec.duration_s
+def _urgency(job: Job) -> float:
+    """The queue's order for pipelines that defer jobs (``policies.timeshift.urgency_ts``)."""
+    deadline = job.spec.deadline.timestamp() if job.spec.deadline is not None else None
+    return timeshift.urgency_ts(job.created_at.timestamp(), deadline, job.spec.duration_s)
 
 
 class _Failure:
@@ -262,7 +260,7 @@ class SchedulingCycle:
         decided = 0
         hour = timeshift.epoch_hour(snap.now)
         if self.pipeline.urgent_first:
-            jobs = sorted(jobs, key=lambda j: (-j.spec.priority, _latest_start(j), j.created_at))
+            jobs = sorted(jobs, key=lambda j: (-j.spec.priority, _urgency(j), j.created_at))
         for n, queued_job in enumerate(jobs):
             if n and n % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the API breathe during a long pass

@@ -82,6 +82,18 @@ class ShiftPolicy(BaseModel):
         return 2 * self.horizon_h + 1
 
 
+MAX_QUEUE_WAIT_S = 24 * 3600.0
+"""In urgency order no job waits behind newer ones for longer than this: a job's place in the queue is its
+latest start (deadline - expected run time) or its submit time + a day, whichever is sooner, so a large job
+with a distant deadline is not overtaken for weeks by a stream of more urgent small ones."""
+
+
+def urgency_ts(submit_ts: float, deadline_ts: float | None, duration_s: float) -> float:
+    """A job's place in urgency order (POSIX seconds; sooner is first): see :data:`MAX_QUEUE_WAIT_S`."""
+    latest = math.inf if deadline_ts is None else deadline_ts - duration_s
+    return min(latest, submit_ts + MAX_QUEUE_WAIT_S)
+
+
 def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
     """POSIX seconds of the latest start that still leaves ``duration_safety`` × the estimate before the
     deadline; None for a job without a deadline."""

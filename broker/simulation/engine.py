@@ -209,7 +209,9 @@ def replay(
     in_queue: set[int] = set()
     order_key = (lambda i: (-priority[i], submit[i], i)) if any(priority) else None
     if pipeline.urgent_first:
-        latest = np.array([(r.deadline_ts or np.inf) - r.duration_s for r in requests])
+        t0 = start_at.timestamp()
+        latest = np.array([timeshift.urgency_ts(t0 + float(submit[i]), r.deadline_ts, r.duration_s)
+                           for i, r in enumerate(requests)])
         rank = np.empty(n, dtype=np.int64)
         rank[np.lexsort((np.arange(n), latest, -np.asarray(priority)))] = np.arange(n)
         order_key = rank.tolist().__getitem__
