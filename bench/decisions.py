@@ -19,7 +19,9 @@ What runs:
    of serialising that record to JSON (what the store adds), on a sample of decisions.
 
 ``--profile NAME`` decides with a routing profile's pipeline (every scorer it weighs) on snapshots that
-carry a seeded synthetic 48-hour carbon forecast per site. ``--shift`` adds the profile's time-shifting, as
+carry a 48-hour carbon forecast per site: the seasonal-naive forecast of a real zone at a seeded hour of
+2022 (``--carbon``, default the shared data's 16 zones, round robin over the sites), or seeded random
+intensities when there is no such folder. ``--shift`` adds the profile's time-shifting, as
 the live cycle runs it: every job gets a deadline (its expected run plus 2 to 48 hours of slack, seeded),
 every snapshot a plan hour by hour (``Snapshot.plan_free`` from a ``policies.timeshift.Calendar``: the GPUs
 in use now stay busy for 1 to 12 more hours, seeded), and jobs are decided through
@@ -43,14 +45,16 @@ import random
 import sys
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+SHARED_CARBON = Path(__file__).resolve().parents[2] / "shared" / "data" / "carbon-intensity" / "electricitymaps-hourly"
 
 from broker import ids  # noqa: E402
+from broker.data.carbon import load_carbon  # noqa: E402
 from broker.cycle import PassDecider  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
 from policies import explain, timeshift  # noqa: E402
@@ -167,6 +171,17 @@ def plan_of(snap: Snapshot, shift: ShiftPolicy, seed: int) -> np.ndarray:
     return calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours)
 
 
+def real_forecasts(folder: Path, n_sites: int, seed: int) -> np.ndarray:
+    """[n_sites, 48]: site i gets zone i mod (zones in ``folder``), and as its forecast the seasonal-naive
+    one a broker would make at a seeded hour of 2022: the 24 hours before, twice over (real daily shapes,
+    so a later start is cleaner where the grid's day makes it so, not at random)."""
+    carbon = load_carbon(folder)
+    zones = sorted(carbon.zones())
+    hour = datetime(2022, 1, 8, tzinfo=UTC) + timedelta(hours=random.Random(seed).randrange(300 * 24))
+    day = {z: np.asarray(carbon.series(z, hour - timedelta(hours=24), 24), dtype=np.float64) for z in zones}
+    return np.vstack([np.tile(day[zones[i % len(zones)]], 2) for i in range(n_sites)])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sites", type=int, default=1000, help="sites in the federation (default %(default)s)")
@@ -177,6 +192,9 @@ def main() -> int:
     p.add_argument("--profile", default=None,
                    help="decide with a routing profile (balanced, green, cheap, fast): every scorer it weighs, "
                         "with a synthetic 48-hour carbon forecast per site; default: the release's default pipeline")
+    p.add_argument("--carbon", type=Path, default=SHARED_CARBON if SHARED_CARBON.exists() else None,
+                   help="carbon-intensity folder whose zones the sites take, round robin, with a seasonal-naive "
+                        "forecast (default: shared/data's when present; without one, seeded random intensities)")
     p.add_argument("--shift", action="store_true",
                    help="with --profile: the profile's time-shifting too; every job gets a deadline (2-48 h of "
                         "slack), the snapshot a plan hour by hour, and jobs are decided as the cycle does "
@@ -208,7 +226,9 @@ def main() -> int:
         if shift is None:
             print(f"note: profile {args.profile} has no time-shift policy; no job will be deferred")
     forecast = None
-    if args.profile is not None:  # seeded intensities, 50..700 g/kWh, one 48-hour row per site
+    if args.profile is not None and args.carbon is not None and args.carbon.exists():
+        forecast = real_forecasts(args.carbon, args.sites, args.seed)
+    elif args.profile is not None:  # seeded intensities, 50..700 g/kWh, one 48-hour row per site
         forecast = np.random.default_rng(args.seed).uniform(50, 700, size=(args.sites, 48))
 
     def fresh() -> Snapshot:

@@ -343,7 +343,7 @@ class SchedulingCycle:
         excluded = self.book.refused_sites(job.id)
         req = self._requests.get(job.id)
         if req is None or req.excluded_sites != excluded:
-            req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, excluded)
+            req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, excluded, job.created_at)
         return req
 
     def _with_plan(self, snap: Snapshot) -> Snapshot:

@@ -48,9 +48,11 @@ class JobRequest:
     origin_region: str | None = None  # where the job's data and users are
     latency_slo_ms: float | None = None  # most RTT from origin_region allowed (a hard filter)
     deadline_ts: float | None = None  # POSIX seconds by which the job must finish (None: no deadline)
+    submitted_ts: float | None = None  # POSIX seconds the job was submitted (bounds how long it may be deferred)
 
     @classmethod
-    def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset()) -> JobRequest:
+    def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset(),
+                  submitted: datetime | None = None) -> JobRequest:
         g: GpuRequest = spec.gpus
         return cls(
             job_id=job_id,
@@ -66,6 +68,7 @@ class JobRequest:
             origin_region=spec.origin_region,
             latency_slo_ms=spec.latency_slo_ms,
             deadline_ts=spec.deadline.timestamp() if spec.deadline is not None else None,
+            submitted_ts=submitted.timestamp() if submitted is not None else None,
         )
 
     @property

@@ -5,10 +5,12 @@ same clean site.
 Who may be deferred
     A job with a deadline. Its *latest start* is ``deadline - duration_safety × duration_s`` (the
     submitter's estimate of its run time, inflated because estimates run short as often as long); a job
-    whose latest start is before the next whole hour is decided as if no shifting existed. A deferred job
+    whose latest start is before the next whole hour is decided as if no shifting existed. A deferral also
+    ends ``horizon_h`` after the job was submitted, however often it was deferred again. A deferred job
     is decided again at every whole hour (its forecast has been refreshed), and at the latest start it can
-    no longer be deferred: deferral never pushes a job past the point where its deadline is at risk, and
-    since deferred jobs keep their age in the queue order, a deferred job is never starved by newer ones.
+    no longer be deferred: deferral never pushes a job past the point where its deadline is at risk, nor
+    holds it for more than ``horizon_h`` in all, and since the queue is taken in urgency order with aging
+    (:func:`urgency_ts`), a job that waits for room is not overtaken by newer ones for long either.
 
 The plan (:class:`Calendar`)
     Planned GPUs per site, model and whole hour: running jobs until their expected end, deferred jobs from
@@ -95,11 +97,15 @@ def urgency_ts(submit_ts: float, deadline_ts: float | None, duration_s: float) -
 
 
 def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
-    """POSIX seconds of the latest start that still leaves ``duration_safety`` × the estimate before the
-    deadline; None for a job without a deadline."""
+    """POSIX seconds of the latest start a deferral may plan: ``duration_safety`` × the estimate before the
+    deadline, and no later than ``horizon_h`` after the job was submitted, so that a job deferred again
+    and again as forecasts move can never be put off for longer than that (None: no deadline)."""
     if req.deadline_ts is None:
         return None
-    return req.deadline_ts - policy.duration_safety * req.duration_s
+    latest = req.deadline_ts - policy.duration_safety * req.duration_s
+    if req.submitted_ts is not None:
+        latest = min(latest, req.submitted_ts + policy.horizon_h * HOUR_S)
+    return latest
 
 
 def held(req: JobRequest) -> float:
@@ -126,6 +132,8 @@ class Deferral:
     decided_at: datetime
     slots: int  # whole hours the run is planned to hold
     placement: Placement  # the profile's decision for now, for the explanation (every site's terms)
+    best_now: float = math.inf  # the best start now at any site the plan allows (the bar a later start clears)
+    best_now_site: int = -1
 
     placed = False
 
@@ -136,9 +144,12 @@ class Deferral:
             return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because no site can take it now without "
                     f"breaking a plan; reserved on {then} ({self.value_then:.3g} {unit} forecast)")
         saving = 1.0 - self.value_then / self.value_now if self.value_now > 0 else 0.0
-        return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because {self.objective} forecast on {then} is "
+        text = (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because {self.objective} forecast on {then} is "
                 f"{self.value_then:.3g} {unit} against {self.value_now:.3g} {unit} starting now on "
                 f"{sites[self.now_site]} ({saving:.0%} less)")
+        if self.best_now_site >= 0 and self.best_now_site != self.now_site:
+            text += f"; the best start now, on {sites[self.best_now_site]}, is {self.best_now:.3g} {unit}"
+        return text
 
     def as_dict(self, sites: tuple[str, ...]) -> dict[str, object]:
         return {"site": sites[self.site], "start": self.start.isoformat(), "objective": self.objective,
@@ -238,20 +249,45 @@ def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarra
     return cum[:, h] + (t - h) * forecast[:, h]
 
 
-_CLEANEST: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+_BATCH = 32  # sites whose later starts are searched at once
+
+
+def _values_now(sites: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float, into_h: float,
+                forecast: np.ndarray, cum: np.ndarray, objective: str) -> np.ndarray:
+    """The objective of starting now at each of ``sites``."""
+    if objective == "carbon":
+        window = _integral(cum[sites], forecast[sites], np.array([into_h, into_h + d_h]))
+        return per_gpu[sites] * need * (window[:, 1] - window[:, 0]) / 1000.0
+    return per_gpu[sites] * need * d_h
 
 
 def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
-    """Each row's lowest value from its second hour on (a later start's run sees no cleaner hour),
-    remembered for the few forecasts in use (one per pass)."""
-    hit = _CLEANEST.get(id(forecast))
-    if hit is not None and hit[0] is forecast:
-        return hit[1]
-    low = forecast[:, 1:].min(axis=1) if forecast.shape[1] > 1 else forecast[:, 0]
-    if len(_CLEANEST) >= 8:
-        _CLEANEST.clear()
-    _CLEANEST[id(forecast)] = (forecast, low)
-    return low
+    """Each row's lowest value from its second hour on: a later start's run sees no cleaner hour."""
+    return forecast[:, 1:].min(axis=1) if forecast.shape[1] > 1 else forecast[:, 0].copy()
+
+
+def _columns(req: JobRequest, snap: Snapshot, objective: str, need: float) -> tuple[np.ndarray, ...]:
+    """Per site: the model column a plan uses (the lowest-power one, or the cheapest, that the job can use
+    and that has enough GPUs in total), its kW or USD per GPU-hour, and whether there is one."""
+    usable = _usable(req, snap) & (snap.total_gpus >= math.ceil(need))
+    if objective == "carbon":
+        key = np.where(usable, TDP_KW[None, :], np.inf)
+    else:
+        key = np.where(usable, np.nan_to_num(snap.usd_per_gpu_hour, nan=np.inf), np.inf)
+    col = np.argmin(key, axis=1)
+    per_gpu = key[np.arange(snap.n_sites), col]
+    return col, per_gpu, np.isfinite(per_gpu)
+
+
+def _forecast(snap: Snapshot) -> tuple[np.ndarray, ...]:
+    """The hourly intensity a plan reads (the forecast, else the current intensity for every hour), its
+    running sums, and which sites have one with no gap."""
+    if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1]:
+        forecast, cum = snap.carbon_forecast, snap.carbon_forecast_cum
+    else:
+        forecast = snap.carbon_g_per_kwh[:, None].astype(np.float64)
+        cum = np.concatenate([np.zeros((snap.n_sites, 1)), forecast], axis=1)
+    return forecast, cum, np.isfinite(forecast).all(axis=1)
 
 
 def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
@@ -277,25 +313,17 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     for code, passed in zip(filter_codes, placement.passes, strict=True):
         if passed is not None and code != _CAPACITY_FILTER:
             ok &= passed
-    usable = _usable(req, snap) & (snap.total_gpus >= math.ceil(need))
-    if policy.objective == "carbon":
-        key = np.where(usable, TDP_KW[None, :], np.inf)
-    else:
-        key = np.where(usable, np.nan_to_num(snap.usd_per_gpu_hour, nan=np.inf), np.inf)
-    col = np.argmin(key, axis=1)
-    per_gpu = key[np.arange(snap.n_sites), col]
-    ok &= np.isfinite(per_gpu)
+    col, per_gpu, usable_sites = snap.derived(("shift-columns", policy.objective, req.model, req.memory_gib,
+                                               math.ceil(need)), _columns, req, snap, policy.objective, need)
+    ok &= usable_sites
     forecast = cum = np.zeros((snap.n_sites, 1))
     if policy.objective == "carbon":
-        if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1]:
-            forecast, cum = snap.carbon_forecast, snap.carbon_forecast_cum
-        else:
-            forecast = snap.carbon_g_per_kwh[:, None].astype(np.float64)
-            cum = np.concatenate([np.zeros((snap.n_sites, 1)), forecast], axis=1)
-        ok &= np.isfinite(forecast).all(axis=1)
+        forecast, cum, known = snap.derived(("shift-forecast",), _forecast, snap)
+        ok &= known
     if not ok.any():
         return placement if placement.placed else None
-    reserve_all = policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
+    reserve_all = (policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
+                   if policy.headroom else np.zeros(snap.n_sites, dtype=np.float32))
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
 
@@ -322,26 +350,46 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                     now_site, chosen = site, _moved(placement, snap, site)
                     break
     best_now = (value_now(now_site) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
-    threshold = best_now * (1.0 - policy.min_saving) - 1e-12
+    # Waiting must buy something that starting now cannot: the bar is the profile's choice or the best
+    # start now at any site the plan allows, whichever is lower (a profile that weighs more than carbon
+    # may start a job where it is dirtier; that is no reason to make it wait).
+    anywhere_now, anywhere_site = best_now, now_site
+    if now_site >= 0 and placement.feasible.size > 1:
+        for site in placement.feasible[np.argsort(_values_now(placement.feasible, per_gpu, need, d_h, into_h,
+                                                              forecast, cum, policy.objective), kind="stable")]:
+            site = int(site)
+            if ok[site] and fits_now(site):
+                anywhere_now, anywhere_site = min((value_now(site), site), (best_now, now_site))
+                break
+    threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
-    # cleanest forecast hour ahead, or its price).
-    if last_slot >= 1 and threshold > 0:
-        if policy.objective == "carbon":
-            floor_value = per_gpu * need * d_h * _cleanest_ahead(forecast) / 1000.0
-        else:
-            floor_value = per_gpu * need * d_h
-        sites = np.flatnonzero(ok & (floor_value < threshold))
+    # cleanest forecast hour ahead, or its price), in batches from the lowest bound up, until no site left
+    # could beat the best start found.
+    if last_slot < 1 or not threshold > 0:
+        return chosen if now_site >= 0 else (placement if placement.placed else None)
+    if policy.objective == "carbon":
+        floor_value = per_gpu * need * d_h * snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) / 1000.0
     else:
-        sites = np.zeros(0, dtype=np.int64)
-    if sites.size:
+        floor_value = per_gpu * need * d_h
+    candidates = np.flatnonzero(ok & (floor_value < threshold))
+    if candidates.size > _BATCH:
+        candidates = candidates[np.argsort(floor_value[candidates], kind="stable")]
+    ks = np.arange(1, last_slot + 1)
+    span = min(hours, last_slot + run_hours)
+    best: tuple[float, int, int] = (math.inf, 0, 0)  # (value, slot, site): ties go to the earlier slot, then site
+    best_col = 0
+    for lo in range(0, candidates.size, _BATCH):
+        if floor_value[candidates[lo]] > best[0]:
+            break
+        sites = np.sort(candidates[lo:lo + _BATCH])
         cols = col[sites]
-        span = min(hours, last_slot + run_hours)
         short = np.zeros((sites.size, span + 1), dtype=np.int32)
         room = plan_free[sites, cols, :span] < (need + reserve_all[sites])[:, None] - _EPS
         np.cumsum(room, axis=1, out=short[:, 1:])
-        ks = np.arange(1, last_slot + 1)
         fits_later = short[:, np.minimum(ks + run_hours, span)] == short[:, ks]
+        if not fits_later.any():
+            continue
         if policy.objective == "carbon":
             fc, cc = forecast[sites], cum[sites]
             then = (per_gpu[sites] * need)[:, None] * (
@@ -351,15 +399,18 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         masked = np.where(fits_later, then, np.inf)
         flat = int(np.argmin(masked.T))  # k-major: the earliest hour wins a tie, then the first site
         k, i = divmod(flat, sites.size)
-        best_then = float(masked[i, k])
-        if math.isfinite(best_then) and best_then < threshold:
-            slot = int(ks[k])
-            return Deferral(
-                request=req, site=int(sites[i]), model=int(cols[i]), slot=slot,
-                start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
-                value_then=best_then, value_now=best_now, now_site=now_site, decided_at=snap.now,
-                slots=run_hours, placement=placement,
-            )
+        found = (float(masked[i, k]), int(ks[k]), int(sites[i]))
+        if found < best:
+            best = found
+            best_col = int(cols[i])
+    value, slot, site = best
+    if math.isfinite(value) and value < threshold:
+        return Deferral(
+            request=req, site=site, model=best_col, slot=slot,
+            start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
+            value_then=value, value_now=best_now, now_site=now_site, decided_at=snap.now,
+            slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
+        )
     if now_site >= 0:
         return chosen
     return placement if placement.placed else None

@@ -88,6 +88,8 @@ FLAT = {"toronto": [300.0] * 48, "ashburn": [500.0] * 3 + [100.0] * 5 + [500.0] 
         ("deferral stops at the latest start: deadline - 1.5 × the estimate",
          request(hours=2.0, slack_h=3.5), {}, ("toronto", 0)),
         ("a saving below min_saving is not worth the wait", request(), {"min_saving": 0.7}, ("toronto", 0)),
+        ("a job submitted a week ago is not deferred again, however much it would save",
+         request(submitted_ts=NOON.timestamp() - 168 * 3600.0 + 1800.0), {}, ("toronto", 0)),
         ("the cost objective does not wait when prices do not change", request(), {"objective": "cost"},
          ("toronto", 0)),
     ],

@@ -135,14 +135,14 @@ def requests_of(workload: Workload) -> list[JobRequest]:
     out = []
     regions = workload.region_names
     start_ts = workload.start.timestamp()
-    for i, (count, milli, model, estimate, origin, slo, deadline) in enumerate(zip(
+    for i, (count, milli, model, estimate, origin, slo, deadline, submitted) in enumerate(zip(
             workload.gpus.tolist(), workload.milli.tolist(), workload.model.tolist(),
             workload.estimated_duration_s.tolist(), workload.origin_region.tolist(), workload.latency_slo_ms.tolist(),
-            workload.deadline_s.tolist(), strict=True)):
+            workload.deadline_s.tolist(), workload.submit_s.tolist(), strict=True)):
         out.append(JobRequest(job_id=str(i), count=count, milli=milli, model=model, memory_gib=0.0,
                               allowed_regions=empty, denied_regions=empty, duration_s=estimate,
                               origin_region=regions[origin], latency_slo_ms=None if slo != slo else slo,
-                              deadline_ts=start_ts + deadline))
+                              deadline_ts=start_ts + deadline, submitted_ts=start_ts + submitted))
     return out
 
 
