@@ -6,10 +6,10 @@ Who may be deferred
     A job with a deadline. Its *latest start* is ``deadline - duration_safety × duration_s`` (the
     submitter's estimate of its run time, inflated because estimates run short as often as long); a job
     whose latest start is before the next whole hour is decided as if no shifting existed. A deferral also
-    ends ``horizon_h`` after the job was submitted, however often it was deferred again. A deferred job
+    ends ``max_wait_h`` (two weeks) after the job was submitted, however often it was deferred again. A deferred job
     is decided again at every whole hour (its forecast has been refreshed), and at the latest start it can
     no longer be deferred: deferral never pushes a job past the point where its deadline is at risk, nor
-    holds it for more than ``horizon_h`` in all, and since the queue is taken in urgency order with aging
+    holds it for more than ``max_wait_h`` in all, and since the queue is taken in urgency order with aging
     (:func:`urgency_ts`), a job that waits for room is not overtaken by newer ones for long either.
 
 The plan (:class:`Calendar`)
@@ -74,6 +74,8 @@ class ShiftPolicy(BaseModel):
     duration_safety: float = Field(default=1.5, ge=1.0, le=100.0,
                                    description="latest start = deadline - duration_safety × expected run time")
     horizon_h: int = Field(default=168, ge=1, le=336, description="how many hours ahead a job may be deferred")
+    max_wait_h: float = Field(default=336.0, gt=0.0, le=8784.0,
+                              description="longest a job may be kept waiting by deferrals, from its submission")
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
                                         "that cannot wait (no slack, or a latency objective near that site)")
@@ -98,13 +100,13 @@ def urgency_ts(submit_ts: float, deadline_ts: float | None, duration_s: float) -
 
 def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
     """POSIX seconds of the latest start a deferral may plan: ``duration_safety`` × the estimate before the
-    deadline, and no later than ``horizon_h`` after the job was submitted, so that a job deferred again
+    deadline, and no later than ``max_wait_h`` after the job was submitted, so that a job deferred again
     and again as forecasts move can never be put off for longer than that (None: no deadline)."""
     if req.deadline_ts is None:
         return None
     latest = req.deadline_ts - policy.duration_safety * req.duration_s
     if req.submitted_ts is not None:
-        latest = min(latest, req.submitted_ts + policy.horizon_h * HOUR_S)
+        latest = min(latest, req.submitted_ts + policy.max_wait_h * HOUR_S)
     return latest
 
 
