@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot
+from policies.scorers._usable import usable_models
+from policies.snapshot import TDP_KW, JobRequest, Snapshot
 
 if TYPE_CHECKING:
     from policies.pipeline import Placement
@@ -271,7 +272,7 @@ def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
 def _columns(req: JobRequest, snap: Snapshot, objective: str, need: float) -> tuple[np.ndarray, ...]:
     """Per site: the model column a plan uses (the lowest-power one, or the cheapest, that the job can use
     and that has enough GPUs in total), its kW or USD per GPU-hour, and whether there is one."""
-    usable = _usable(req, snap) & (snap.total_gpus >= math.ceil(need))
+    usable = usable_models(req, snap) & (snap.total_gpus >= math.ceil(need))
     if objective == "carbon":
         key = np.where(usable, TDP_KW[None, :], np.inf)
     else:
@@ -435,15 +436,6 @@ def shiftable(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> bool:
         return False
     next_hour = (math.floor(snap.now.timestamp() / HOUR_S) + 1) * HOUR_S
     return latest >= next_hour
-
-
-def _usable(req: JobRequest, snap: Snapshot) -> np.ndarray:
-    if req.model is not None:
-        mask = np.zeros_like(snap.has_model)
-        j = MODEL_INDEX[req.model]
-        mask[:, j] = snap.has_model[:, j]
-        return mask
-    return snap.memory_gib >= req.memory_gib if req.memory_gib else snap.has_model
 
 
 def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
