@@ -259,7 +259,7 @@ class SchedulingCycle:
         deciders: dict[int, PassDecider] = {}  # one per pipeline in use, all on the same snapshot
         decided = 0
         hour = timeshift.epoch_hour(snap.now)
-        if self.pipeline.urgent_first:
+        if self._plan_hours:  # some profile defers jobs: urgency order, as the simulator replays it
             jobs = sorted(jobs, key=lambda j: (-j.spec.priority, _urgency(j), j.created_at))
         for n, queued_job in enumerate(jobs):
             if n and n % YIELD_EVERY == 0:
@@ -291,7 +291,7 @@ class SchedulingCycle:
                 self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
                                                   timeshift.held(req), first, first + placement.slots, hour,
                                                   placement.now_site >= 0)
-                signature = f"deferred {placement.site} {first}".encode()
+                signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = signature
                     records.append((job, explain.record_deferral(pipeline, placement, snap)))

@@ -270,15 +270,18 @@ def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
 
 
 def _columns(req: JobRequest, snap: Snapshot, objective: str, need: float) -> tuple[np.ndarray, ...]:
-    """Per site: the model column a plan uses (the lowest-power one, or the cheapest, that the job can use
-    and that has enough GPUs in total), its kW or USD per GPU-hour, and whether there is one."""
+    """Per site: the model column a plan uses, its kW or USD per GPU-hour, and whether there is one. The
+    column is the one placement would use (``policies.pipeline.choose_model``: the named model, else the
+    smallest GPUs that fit, here among the models with enough GPUs in total), so a plan checks room and
+    counts carbon or cost on the GPUs the job would really run on."""
     usable = usable_models(req, snap) & (snap.total_gpus >= math.ceil(need))
+    memory = np.where(usable, snap.memory_gib, np.inf)
+    col = np.argmin(memory, axis=1)  # the named model's column is the only usable one
+    rows = np.arange(snap.n_sites)
     if objective == "carbon":
-        key = np.where(usable, TDP_KW[None, :], np.inf)
+        per_gpu = np.where(usable[rows, col], TDP_KW[col], np.inf)
     else:
-        key = np.where(usable, np.nan_to_num(snap.usd_per_gpu_hour, nan=np.inf), np.inf)
-    col = np.argmin(key, axis=1)
-    per_gpu = key[np.arange(snap.n_sites), col]
+        per_gpu = np.where(usable[rows, col], np.nan_to_num(snap.usd_per_gpu_hour[rows, col], nan=np.inf), np.inf)
     return col, per_gpu, np.isfinite(per_gpu)
 
 
@@ -330,29 +333,43 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
 
-    def value_now(site: int) -> float:
+    def per_gpu_at(site: int, column: int) -> float:
+        if policy.objective == "carbon":
+            return float(TDP_KW[column])
+        return float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
+
+    def value_now(site: int, column: int | None = None) -> float:
+        rate = per_gpu[site] if column is None else per_gpu_at(site, column)
         if policy.objective == "carbon":
             window = _integral(cum[site:site + 1], forecast[site:site + 1], np.array([into_h, into_h + d_h]))[0]
-            return float(per_gpu[site] * need * (window[1] - window[0]) / 1000.0)
-        return float(per_gpu[site] * need * d_h)
+            return float(rate * need * (window[1] - window[0]) / 1000.0)
+        return float(rate * need * d_h)
 
-    def fits_now(site: int) -> bool:
-        # A job that can wait leaves the headroom free in every hour of its run, now or later.
-        return bool((plan_free[site, col[site], :now_hours] >= need + reserve_all[site] - _EPS).all())
+    def fits_now(site: int, column: int | None = None) -> bool:
+        # A job that can wait leaves the headroom free in every hour of its run, now or later. The current
+        # hour is the sites' real free capacity, which the profile's GPU-fit filter has already checked
+        # (shared GPUs included); for whole GPUs the headroom is checked in it too. ``column``: the model
+        # the job would start on now (placement's choice), else the plan's column.
+        first = 1 if req.fractional else 0
+        hours_free = plan_free[site, col[site] if column is None else column, first:now_hours]
+        return bool((hours_free >= need + reserve_all[site] - _EPS).all())
 
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
     now_site = -1
     chosen = placement
     if placement.placed:
-        if not ok[placement.site] or fits_now(placement.site):
+        if not ok[placement.site] or fits_now(placement.site, placement.model):
             now_site = placement.site
         else:
             for k in np.argsort(-placement.totals, kind="stable"):
                 site = int(placement.feasible[k])
-                if ok[site] and fits_now(site):
-                    now_site, chosen = site, _moved(placement, snap, site)
+                if not ok[site]:
+                    continue
+                moved = _moved(placement, snap, site)
+                if fits_now(site, moved.model):
+                    now_site, chosen = site, moved
                     break
-    best_now = (value_now(now_site) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
+    best_now = (value_now(now_site, chosen.model) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
     # Waiting must buy something that starting now cannot: the bar is the profile's choice or the best
     # start now at any site the plan allows, whichever is lower (a profile that weighs more than carbon
     # may start a job where it is dirtier; that is no reason to make it wait).

@@ -245,3 +245,30 @@ async def test_the_live_cycle_defers_a_green_job_says_why_and_starts_it_by_its_l
         await b.cycle.run_once(full=True)
     placed = await b.book.get(j.id)
     assert placed.state == JobState.DISPATCHING and b.cycle.deferred_until(j.id) is None
+
+
+def test_a_job_naming_no_model_is_checked_for_room_on_the_gpus_it_would_start_on() -> None:
+    # Toronto's L4s are busy for two more hours, its A100s idle. A job that names no model and may only run
+    # in Toronto's region could start on the A100s now: that is what waiting is weighed against (it may
+    # still wait for the L4s, which draw a fifth of the power), never "no site can take it now".
+    snap = snapshot(NOON, FLAT)
+    toronto, l4 = snap.index["toronto"], MODEL_INDEX["l4"]
+    snap.free_gpus[toronto, l4] = 0
+    snap.plan_free[toronto, l4, :3] = 0
+    region = next(s.region for s in SITES if s.name == "toronto")
+    outcome = decide(green(), request(model=None, allowed_regions=frozenset({region})), snap)
+    if outcome.placed:
+        assert snap.sites[outcome.site] == "toronto" and outcome.model == A100
+    else:
+        assert snap.sites[outcome.now_site] == "toronto"
+        assert outcome.value_now == pytest.approx(4 * TDP_KW[A100] * 2 * 300.0 / 1000.0)
+        assert "starting now on toronto" in outcome.reason(snap.sites)
+
+
+def test_a_fractional_job_that_fits_a_shared_gpu_now_is_not_held_back() -> None:
+    # No whole A100 is free at Toronto but a shared one has half a GPU free: a quarter-GPU job starts there.
+    snap = snapshot(NOON, {name: [300.0] * 48 for name in ("toronto", "ashburn", "frankfurt", "sydney")},
+                    free={"toronto": 0, "ashburn": 0, "frankfurt": 0, "sydney": 0})
+    snap.shared_free_milli[snap.index["toronto"], A100] = 500
+    outcome = decide(green(), request(count=1, milli=250), snap)
+    assert outcome.placed and snap.sites[outcome.site] == "toronto"
