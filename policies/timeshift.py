@@ -179,13 +179,14 @@ class Calendar:
     run), the past is dropped as time moves on."""
 
     def __init__(self, n_sites: int, n_models: int, origin_h: int, span_h: int = 256) -> None:
-        self.busy = np.zeros((n_sites, n_models, span_h), dtype=np.float32)
+        # float64: many fractional bookings and releases must cancel out (float32 drifts by ~1e-5)
+        self.busy = np.zeros((n_sites, n_models, span_h), dtype=np.float64)
         self.origin = origin_h
 
     def _reach(self, end_h: int) -> None:
         need = end_h - self.origin
         if need > self.busy.shape[2]:
-            grown = np.zeros(self.busy.shape[:2] + (max(need, 2 * self.busy.shape[2]),), dtype=np.float32)
+            grown = np.zeros(self.busy.shape[:2] + (max(need, 2 * self.busy.shape[2]),), dtype=np.float64)
             grown[:, :, :self.busy.shape[2]] = self.busy
             self.busy = grown
 
@@ -217,7 +218,7 @@ class Calendar:
         h0 = epoch_hour(now)
         self.advance(h0)
         self._reach(h0 + hours)
-        out = total[:, :, None].astype(np.float32) - self.busy[:, :, h0 - self.origin:h0 - self.origin + hours]
+        out = (total[:, :, None] - self.busy[:, :, h0 - self.origin:h0 - self.origin + hours]).astype(np.float32)
         out[:, :, 0] = free_now
         return out
 

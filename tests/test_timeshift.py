@@ -272,3 +272,19 @@ def test_a_fractional_job_that_fits_a_shared_gpu_now_is_not_held_back() -> None:
     snap.shared_free_milli[snap.index["toronto"], A100] = 500
     outcome = decide(green(), request(count=1, milli=250), snap)
     assert outcome.placed and snap.sites[outcome.site] == "toronto"
+
+
+def test_fractional_bookings_and_releases_cancel_out() -> None:
+    import random
+
+    calendar = Calendar(1, 1, 0, span_h=8)
+    rnd = random.Random(1)
+    held_now = []
+    for _ in range(2000):
+        if held_now and rnd.random() < 0.5:
+            calendar.release(held_now.pop(rnd.randrange(len(held_now))))
+        else:
+            held_now.append(calendar.book(0, 0, rnd.randint(1, 999) / 1000.0, 0, 4))
+    for booking in held_now:
+        calendar.release(booking)
+    assert np.abs(calendar.busy).max() < 1e-9  # a job needing every GPU still fits once the others left
