@@ -299,3 +299,28 @@ def test_green_waits_for_the_clean_hours_it_can_foresee_and_meets_every_deadline
     assert green.site.tolist() == [1, 1, 1] and green.start_s.tolist() == [6 * 3600.0] * 3  # 12:00, run hour 6
     assert green.carbon_kg.sum() == pytest.approx(3 * 0.4 * 50 / 1000)
     assert greedy.site.tolist() == [0, 0, 0] and greedy.carbon_kg.sum() == pytest.approx(3 * 0.4 * 300 / 1000)
+
+
+def test_a_shifting_policy_plans_no_start_past_the_carbon_data(tmp_path: Path) -> None:
+    """The carbon data ends at midnight after the job arrives (20:00) and FR is clean only from 12:00 to
+    18:00: the cleaner hours of the next day are past the data, so green runs the job within the data
+    instead of stopping the run."""
+    first = datetime(2022, 6, 1, tzinfo=UTC)
+    root = tmp_path / "carbon"
+    for zone, value in {"FR": lambda h: 50.0 if 12 <= h % 24 < 18 else 400.0, "GB": lambda h: 300.0}.items():
+        (root / zone).mkdir(parents=True)
+        rows = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
+        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(h)},{value(h)}" for h in range(4 * 24)]
+        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
+                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n2022-06-04T20:00:00,3600,1,x\n")
+    spec = SimulationSpec(
+        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=root,
+        policies=["green"], sites=sites, bound=False,
+        assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0,
+                     "min_slack_s": 24 * 3600.0})
+    green = simulate(spec).policies["green"]
+    assert green.site[0] >= 0 and green.end_s[0] <= 4 * 3600.0  # ends by midnight, the data's end

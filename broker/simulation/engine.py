@@ -275,7 +275,9 @@ def replay(
             "utc_offset_h": federation.utc_offset_h[:, h]}
         now = start_at + timedelta(seconds=t)
         if calendar is not None:
-            hourly["plan_free"] = calendar.view(now, free, base.total_gpus, shift.plan_hours)
+            plan = calendar.view(now, free, base.total_gpus, shift.plan_hours)
+            plan[:, :, max(hours - h, 1):] = 0  # no simulated site runs past the carbon data: plan no start there
+            hourly["plan_free"] = plan
         snap = replace(base, now=now, free_gpus=free, shared_free_milli=shared_free,
                        carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor, **hourly)
         decider = PassDecider(pipeline, snap)
