@@ -271,29 +271,35 @@ def test_profiles_replay_with_forecasts_made_from_the_past_only(tiny: Simulation
     assert "seasonal-naive" in report[0]
 
 
-def test_green_waits_for_the_clean_hours_it_can_foresee_and_meets_every_deadline(tmp_path: Path) -> None:
-    """FR is clean (50 g/kWh) from 12:00 to 18:00 every day and dirty (400) otherwise; GB is 300 all day.
-    Three days of that history come before the run, so the forecast (seasonal-naive) sees the pattern.
-    Three 1-GPU jobs of an hour arrive at 06:00 on the fourth day with 12 hours of slack: green defers them
-    to FR at 12:00; carbon-greedy runs them at once in GB."""
+def _clean_afternoons(tmp_path: Path, days: int, trace_rows: str, slack_h: float) -> SimulationSpec:
+    """``days`` of hourly carbon data from 2022-06-01: FR is clean (50 g/kWh) from 12:00 to 18:00 and dirty
+    (400) otherwise, GB is 300 all day. Sites a (GB) and b (FR) of 4 A100s; ``trace_rows`` (submit,seconds,
+    gpus,team) replayed by green and carbon-greedy with exact estimates, no latency objectives, and
+    ``slack_h`` hours of slack for every job."""
     first = datetime(2022, 6, 1, tzinfo=UTC)
     root = tmp_path / "carbon"
     for zone, value in {"FR": lambda h: 50.0 if 12 <= h % 24 < 18 else 400.0, "GB": lambda h: 300.0}.items():
         (root / zone).mkdir(parents=True)
         rows = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
-        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(h)},{value(h)}" for h in range(6 * 24)]
+        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(h)},{value(h)}" for h in range(days * 24)]
         (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
     sites = tmp_path / "sites.yaml"
     sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
                      + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4))
     trace = tmp_path / "trace.csv"
-    trace.write_text("submit,seconds,gpus,team\n" + "2022-06-04T06:00:00,3600,1,x\n" * 3)
-    spec = SimulationSpec(
+    trace.write_text("submit,seconds,gpus,team\n" + trace_rows)
+    return SimulationSpec(
         trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=root,
         policies=["green", "baseline-carbon-greedy"], sites=sites, bound=False,
         assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0,
-                     "min_slack_s": 12 * 3600.0})
-    result = simulate(spec)
+                     "min_slack_s": slack_h * 3600.0})
+
+
+def test_green_waits_for_the_clean_hours_it_can_foresee_and_meets_every_deadline(tmp_path: Path) -> None:
+    """Three days of history come before the run, so the forecast (seasonal-naive) sees FR's clean
+    afternoons. Three 1-GPU jobs of an hour arrive at 06:00 on the fourth day with 12 hours of slack: green
+    defers them to FR at 12:00; carbon-greedy runs them at once in GB."""
+    result = simulate(_clean_afternoons(tmp_path, 6, "2022-06-04T06:00:00,3600,1,x\n" * 3, slack_h=12))
     green, greedy = result.policies["green"], result.policies["baseline-carbon-greedy"]
     assert green.metrics["deferred_jobs"] == 3 and green.metrics["deadline_misses"] == 0
     assert green.site.tolist() == [1, 1, 1] and green.start_s.tolist() == [6 * 3600.0] * 3  # 12:00, run hour 6
@@ -302,25 +308,9 @@ def test_green_waits_for_the_clean_hours_it_can_foresee_and_meets_every_deadline
 
 
 def test_a_shifting_policy_plans_no_start_past_the_carbon_data(tmp_path: Path) -> None:
-    """The carbon data ends at midnight after the job arrives (20:00) and FR is clean only from 12:00 to
-    18:00: the cleaner hours of the next day are past the data, so green runs the job within the data
-    instead of stopping the run."""
-    first = datetime(2022, 6, 1, tzinfo=UTC)
-    root = tmp_path / "carbon"
-    for zone, value in {"FR": lambda h: 50.0 if 12 <= h % 24 < 18 else 400.0, "GB": lambda h: 300.0}.items():
-        (root / zone).mkdir(parents=True)
-        rows = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
-        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(h)},{value(h)}" for h in range(4 * 24)]
-        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
-    sites = tmp_path / "sites.yaml"
-    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
-                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4))
-    trace = tmp_path / "trace.csv"
-    trace.write_text("submit,seconds,gpus,team\n2022-06-04T20:00:00,3600,1,x\n")
-    spec = SimulationSpec(
-        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=root,
-        policies=["green"], sites=sites, bound=False,
-        assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0,
-                     "min_slack_s": 24 * 3600.0})
+    """The carbon data ends at midnight after the job arrives (20:00): FR's clean hours of the next day are
+    past the data, so green runs the job within the data instead of stopping the run."""
+    spec = _clean_afternoons(tmp_path, 4, "2022-06-04T20:00:00,3600,1,x\n", slack_h=24)
+    spec.policies = ["green"]
     green = simulate(spec).policies["green"]
     assert green.site[0] >= 0 and green.end_s[0] <= 4 * 3600.0  # ends by midnight, the data's end
