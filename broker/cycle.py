@@ -63,9 +63,8 @@ class CycleReport:
 
 @dataclass(frozen=True, slots=True)
 class _Planned:
-    """A deferred job's plan: where, which model column, how many GPUs, the POSIX hours it holds, the hour
-    it was decided in (it is decided again in the next one, when the forecast has moved on), and whether
-    it was deferred for a saving (else for lack of room now)."""
+    """A deferred job's plan: where, which model column, how many GPUs, the POSIX hours it holds, and the
+    hour it was decided in (it is decided again in the next one, when the forecast has moved on)."""
 
     site: str
     model: int
@@ -73,7 +72,6 @@ class _Planned:
     first: int
     end: int
     decided_h: int
-    saving: bool
 
 
 def _urgency(job: Job) -> float:
@@ -289,8 +287,7 @@ class SchedulingCycle:
                 decider.reserve(placement)
                 first = hour + placement.slot
                 self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
-                                                  timeshift.held(req), first, first + placement.slots, hour,
-                                                  placement.now_site >= 0)
+                                                  timeshift.held(req), first, first + placement.slots, hour)
                 signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = signature

@@ -256,13 +256,14 @@ def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarra
 _BATCH = 32  # sites whose later starts are searched at once
 
 
-def _values_now(sites: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float, into_h: float,
+def _values_now(sites: np.ndarray, rates: np.ndarray, need: float, d_h: float, into_h: float,
                 forecast: np.ndarray, cum: np.ndarray, objective: str) -> np.ndarray:
-    """The objective of starting now at each of ``sites``."""
+    """The objective of starting now at each of ``sites``, whose GPUs draw or cost ``rates`` (kW or USD
+    per GPU-hour, one per site)."""
     if objective == "carbon":
         window = _integral(cum[sites], forecast[sites], np.array([into_h, into_h + d_h]))
-        return per_gpu[sites] * need * (window[:, 1] - window[:, 0]) / 1000.0
-    return per_gpu[sites] * need * d_h
+        return rates * need * (window[:, 1] - window[:, 0]) / 1000.0
+    return rates * need * d_h
 
 
 def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
@@ -341,10 +342,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
 
     def value_now(site: int, column: int | None = None) -> float:
         rate = per_gpu[site] if column is None else per_gpu_at(site, column)
-        if policy.objective == "carbon":
-            window = _integral(cum[site:site + 1], forecast[site:site + 1], np.array([into_h, into_h + d_h]))[0]
-            return float(rate * need * (window[1] - window[0]) / 1000.0)
-        return float(rate * need * d_h)
+        return float(_values_now(np.array([site]), np.array([rate]), need, d_h, into_h, forecast, cum,
+                                 policy.objective)[0])
 
     def fits_now(site: int, column: int | None = None) -> bool:
         # A job that can wait leaves the headroom free in every hour of its run, now or later. The current
@@ -376,8 +375,9 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # may start a job where it is dirtier; that is no reason to make it wait).
     anywhere_now, anywhere_site = best_now, now_site
     if now_site >= 0 and placement.feasible.size > 1:
-        for site in placement.feasible[np.argsort(_values_now(placement.feasible, per_gpu, need, d_h, into_h,
-                                                              forecast, cum, policy.objective), kind="stable")]:
+        feasible = placement.feasible
+        now_values = _values_now(feasible, per_gpu[feasible], need, d_h, into_h, forecast, cum, policy.objective)
+        for site in feasible[np.argsort(now_values, kind="stable")]:
             site = int(site)
             if ok[site] and fits_now(site):
                 anywhere_now, anywhere_site = min((value_now(site), site), (best_now, now_site))
