@@ -3,6 +3,8 @@
 - ``CapacityReporter``: a snapshot of capacity and telemetry.
 - ``JobRunner``: submit an attempt (admitted, or rejected with a reason) and cancel one.
 - ``EventSource``: a stream of job events (running, succeeded, failed, preempted, lost).
+- ``QuotaAdmin`` (optional): the site's quota state, and its operator's changes to it, which the site keeps
+  across restarts. The broker only relays them: the site owns its quotas.
 - ``AttemptLookup`` (optional): which attempts the site still knows, for reconciliation after a broker
   restart: the broker requeues the attempts the site no longer has. Without it, the broker withdraws the
   attempts that were still being dispatched and requeues them; admitted and running attempts are settled
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from broker.models import Job, SiteState
+from broker.models import Job, QuotaState, SiteState, TenantQuota
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,15 @@ class EventSource(Protocol):
 @runtime_checkable
 class AttemptLookup(Protocol):
     async def known_attempts(self) -> set[tuple[str, int]]: ...
+
+
+@runtime_checkable
+class QuotaAdmin(Protocol):
+    async def quota(self) -> QuotaState: ...
+
+    async def set_quota(self, quota: TenantQuota) -> QuotaState: ...
+
+    async def remove_quota(self, tenant: str) -> QuotaState: ...
 
 
 @runtime_checkable

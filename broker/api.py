@@ -1,6 +1,10 @@
 """HTTP API (aiohttp, JSON, under ``/v1``).
 
 Sites:  ``POST /v1/sites``, ``GET /v1/sites``, ``GET|PUT|DELETE /v1/sites/{name}``
+Quotas: ``GET /v1/sites/{name}/quota[?tenant=T]`` (the site's own report: per tenant guaranteed, burst, in use,
+        borrowed, fair share now, decayed usage, why its jobs wait), ``PUT|DELETE /v1/sites/{name}/quota/{tenant}``
+        (the site operator's change, kept by the site across restarts; the body is a TenantQuota, ``tenant``
+        taken from the path)
 Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured), ``GET /v1/jobs?state=&tenant=&site=&limit=&cursor=``,
         ``GET /v1/jobs/{id}``, ``POST /v1/jobs/{id}/cancel`` (and ``DELETE /v1/jobs/{id}``),
         ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``
@@ -29,7 +33,8 @@ from broker.federation import Member
 from broker.jobs import IdempotencyConflict, JobNotFound
 from policies.profiles import ProfileError
 from broker.lifecycle import AlreadyEnded
-from broker.models import Job, JobSpec, JobState, SiteSpec
+from adapters.base import AdapterError, QuotaAdmin
+from broker.models import Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict
 from broker.store import JobFilter, StoreError
@@ -90,7 +95,9 @@ async def error_middleware(
         raise ApiError(500, "internal error; the broker's log has the details") from None
 
 
-async def _body(request: web.Request, model: type[BaseModel], what: str) -> tuple[Any, bytes]:
+async def _body(request: web.Request, model: type[BaseModel], what: str,
+                defaults: dict[str, Any] | None = None) -> tuple[Any, bytes]:
+    """The body validated as ``model``; ``defaults`` fill fields a JSON object body leaves out (the path's)."""
     try:
         raw = await request.read()
     except web.HTTPException:
@@ -101,6 +108,14 @@ async def _body(request: web.Request, model: type[BaseModel], what: str) -> tupl
     if not raw.strip():
         raise ApiError(400, f"the request body must be a JSON {what}", [{"field": "(body)", "problem": "empty"}])
     try:
+        if defaults:
+            try:
+                doc = json.loads(raw)
+            except ValueError as e:
+                raise ApiError(400, f"malformed JSON: {e}", [{"field": "(body)", "problem": str(e)}]) from None
+            if isinstance(doc, dict):
+                doc = {**defaults, **doc}
+            return model.model_validate(doc), raw
         return model.model_validate_json(raw), raw
     except ValidationError as e:
         if is_malformed_json(e):
@@ -184,6 +199,54 @@ async def delete_site(request: web.Request) -> web.Response:
     except SiteConflict as e:
         raise ApiError(409, str(e)) from None
     return web.Response(status=204)
+
+
+# --- site quotas (the site owns them; the broker relays) ---
+
+
+def _quota_admin(member: Member) -> QuotaAdmin:
+    if not isinstance(member.adapter, QuotaAdmin):
+        raise ApiError(501, f"site {member.spec.name}'s adapter ({member.spec.adapter.kind}) does not report quotas")
+    return member.adapter
+
+
+async def _ask_site(member: Member, call: Awaitable[QuotaState]) -> QuotaState:
+    try:
+        return await call
+    except AdapterError as e:
+        raise ApiError(503, f"site {member.spec.name} did not answer: {e}") from None
+
+
+def _quota_json(member: Member, state: QuotaState, tenant: str | None = None) -> dict[str, Any]:
+    body = {"site": member.spec.name, **state.model_dump(mode="json")}
+    if tenant is not None:
+        body["tenants"] = [t for t in body["tenants"] if t["tenant"] == tenant]
+    return body
+
+
+async def get_quota(request: web.Request) -> web.Response:
+    member = _member(request)
+    state = await _ask_site(member, _quota_admin(member).quota())
+    return _json(_quota_json(member, state, request.query.get("tenant")))
+
+
+async def set_quota(request: web.Request) -> web.Response:
+    member = _member(request)
+    tenant = request.match_info["tenant"]
+    admin = _quota_admin(member)
+    quota, _ = await _body(request, TenantQuota, "tenant quota", defaults={"tenant": tenant})
+    if quota.tenant != tenant:
+        raise ApiError(422, f"the body names tenant {quota.tenant!r} but the path names {tenant!r}",
+                       [{"field": "tenant", "problem": f"must be {tenant!r}"}])
+    state = await _ask_site(member, admin.set_quota(quota))
+    return _json(_quota_json(member, state, tenant))
+
+
+async def delete_quota(request: web.Request) -> web.Response:
+    member = _member(request)
+    tenant = request.match_info["tenant"]
+    state = await _ask_site(member, _quota_admin(member).remove_quota(tenant))
+    return _json(_quota_json(member, state))
 
 
 # --- jobs ---
@@ -298,6 +361,9 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/sites/{name}", get_site)
     r.add_put("/v1/sites/{name}", update_site)
     r.add_delete("/v1/sites/{name}", delete_site)
+    r.add_get("/v1/sites/{name}/quota", get_quota)
+    r.add_put("/v1/sites/{name}/quota/{tenant}", set_quota)
+    r.add_delete("/v1/sites/{name}/quota/{tenant}", delete_quota)
     r.add_post("/v1/jobs", submit_job)
     r.add_get("/v1/jobs", list_jobs)
     r.add_get("/v1/jobs/{id}", get_job)

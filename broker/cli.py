@@ -6,6 +6,8 @@
     heliotrope jobs [--state S] [--tenant T] [--site S] [--limit N]
     heliotrope job ID | explain ID | cancel ID
     heliotrope sites list | get NAME | add FILE | remove NAME
+    heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
+    heliotrope quota SITE --set T [--guaranteed N] [--burst N] [--weight W] [--ceiling P] [--model M] | --remove T
     heliotrope simulate --trace FILE --preset philly --carbon DIR --compare all   (see broker.simulation.cli)
 
 Client commands talk to ``--server`` (default ``$HELIOTROPE_URL`` or http://127.0.0.1:8080), print
@@ -99,6 +101,30 @@ def show_job(job: dict[str, Any]) -> str:
         f"  created   {job['created_at']}",
         f"  updated   {job['updated_at']}",
     ]
+    return "\n".join(lines)
+
+
+def show_quota(q: dict[str, Any]) -> str:
+    if not q["enforced"]:
+        head = f"site {q['site']}: no quotas; it admits whatever fits"
+    else:
+        fs = q["fair_share"]
+        head = (f"site {q['site']}: {_num(q['capacity_gpus'])} GPUs; fair share {fs['mode']} (window {fs['window_h']:g} h, "
+                f"half-life {fs['half_life_h']:g} h, re-weighted every {fs['reweight_h']:g} h); "
+                f"unlisted tenants: {fs['unlisted_tenants']}")
+    rows = [{
+        "tenant": t["tenant"] + ("" if t["listed"] else " (unlisted)"),
+        "guaranteed": _num(t["guaranteed_gpus"]),
+        "burst": "no limit" if t["burst_gpus"] is None else _num(t["burst_gpus"]),
+        "weight": f"{t['fair_share_weight']:g}",
+        "in use": _num(t["in_use_gpus"]),
+        "borrowed": _num(t["borrowed_gpus"]),
+        "fair share": _num(t["fair_share_gpus"]),
+        "usage (GPU-h)": _num(t["decayed_usage_gpu_h"]),
+    } for t in q["tenants"]]
+    lines = [head, table(rows, ["tenant", "guaranteed", "burst", "weight", "in use", "borrowed", "fair share",
+                                "usage (GPU-h)"])]
+    lines += [f"  {t['tenant']} waits: {t['waiting_reason']}" for t in q["tenants"] if t.get("waiting_reason")]
     return "\n".join(lines)
 
 
@@ -208,6 +234,18 @@ async def _client_command(args: argparse.Namespace) -> str:
                         text = f"site {args.name} removed"
                     case _:
                         raise CliError(f"unknown sites action {args.action}")
+            case "quota":
+                path = f"/v1/sites/{args.site}/quota"
+                if args.set:
+                    body = {k: v for k, v in (("guaranteed_gpus", args.guaranteed), ("burst_gpus", args.burst),
+                                              ("fair_share_weight", args.weight), ("priority_ceiling", args.ceiling),
+                                              ("model", args.model)) if v is not None}
+                    out = await c.request("PUT", f"{path}/{args.set}", body)
+                elif args.remove:
+                    out = await c.request("DELETE", f"{path}/{args.remove}")
+                else:
+                    out = await c.request("GET", path, params={"tenant": args.tenant} if args.tenant else None)
+                text = show_quota(out)
             case _:
                 raise CliError(f"unknown command {args.command}")
     return json.dumps(out, indent=2) if args.json else text
@@ -284,6 +322,17 @@ def parser() -> argparse.ArgumentParser:
     acts.add_parser("get", parents=[common], help="show a site").add_argument("name")
     acts.add_parser("add", parents=[common], help="register sites from a YAML or JSON file").add_argument("file")
     acts.add_parser("remove", parents=[common], help="remove a site").add_argument("name")
+    s = sub.add_parser("quota", parents=[common], help="a site's quota state per tenant; --set or --remove changes it")
+    s.add_argument("site")
+    s.add_argument("--tenant", help="show only this tenant")
+    change = s.add_mutually_exclusive_group()
+    change.add_argument("--set", metavar="TENANT", help="set this tenant's quota (fields not given: defaults)")
+    change.add_argument("--remove", metavar="TENANT", help="remove this tenant's quota")
+    s.add_argument("--guaranteed", type=int, help="guaranteed GPUs")
+    s.add_argument("--burst", type=int, help="GPUs allowed above the guarantee")
+    s.add_argument("--weight", type=float, help="fair-share weight")
+    s.add_argument("--ceiling", type=int, help="priority ceiling")
+    s.add_argument("--model", help="GPU model the quota counts (default: any)")
     simulation_cli.add_parser(sub)
     return p
 

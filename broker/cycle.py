@@ -125,6 +125,8 @@ class PassDecider:
         """The placement of ``req`` (not yet assumed), its deferral, or the failure its shape met in this
         pass. ``shape`` is ``req.shape`` when the caller has it cached."""
         key = req.shape if shape is None else shape
+        if self.snap.quota is not None:  # the sites' quotas tell tenants apart
+            key = (key, req.tenant, req.preemptible)
         failure = self.failed.get(key)
         if failure is None:
             placement = self.pipeline.decide(req, self.snap)

@@ -100,14 +100,37 @@ class NodeGroup(Strict):
 
 
 class TenantQuota(Strict):
-    """A tenant's local quota at one site; enforced by the site (see the site-local policies)."""
+    """A tenant's local quota at one site; enforced by the site (see ``policies.quota``).
+
+    A tenant holds at most ``guaranteed_gpus + burst_gpus`` GPUs (fractions count as their share). Its
+    guarantee is honoured whenever it asks: work that borrowed it is preempted. ``priority_ceiling`` caps the
+    priority its jobs are ranked with at this site (a job asking more is ranked at the ceiling)."""
 
     tenant: Slug
     guaranteed_gpus: int = Field(default=0, ge=0)
     burst_gpus: int = Field(default=0, ge=0, description="allowed above the guarantee")
     fair_share_weight: float = Field(default=1.0, gt=0)
-    priority_ceiling: int | None = None
+    priority_ceiling: int | None = Field(default=None, ge=-1000, le=1000)
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
+
+
+class FairSharePolicy(Strict):
+    """How a site divides what is left once guarantees are met (``policies.fairshare``).
+
+    ``mode``: ``time`` weighs each tenant's share by its decayed usage over the sliding window (a tenant that
+    burst yesterday yields to one that did not); ``instant`` divides by weight alone; ``off`` admits in
+    priority-then-arrival order with quota limits only."""
+
+    mode: Literal["time", "instant", "off"] = "time"
+    window_h: float = Field(default=24.0, gt=0, le=24 * 90, description="usage older than this is forgotten")
+    reweight_h: float = Field(default=1.0, gt=0, le=24 * 7, description="how often shares are recomputed")
+    half_life_h: float = Field(default=6.0, gt=0, le=24 * 90, description="usage this old counts half")
+    k: float = Field(default=1.0, ge=0, le=100, description="how strongly past usage moves a share")
+    min_run_s: float = Field(default=0.0, ge=0, description="preemption spares a job that ran less than this")
+    unlisted_tenants: Literal["refuse", "best-effort"] = Field(
+        default="best-effort",
+        description="a tenant the quota list does not name: refused, or guaranteed nothing with no burst limit",
+    )
 
 
 class SimulatedAdapterConfig(Strict):
@@ -134,7 +157,8 @@ class SiteSpec(Strict):
     gpus: list[NodeGroup] = Field(min_length=1, max_length=256)
     usd_per_gpu_hour: dict[GpuModelId, float] = Field(default_factory=dict)
     rtt_ms: dict[RegionId, float] = Field(default_factory=dict, description="round-trip time from origin regions")
-    quotas: list[TenantQuota] = Field(default_factory=list)
+    quotas: list[TenantQuota] = Field(default_factory=list, description="empty: the site enforces no quotas")
+    fair_share: FairSharePolicy = Field(default_factory=FairSharePolicy)
     adapter: AdapterConfig = Field(default_factory=SimulatedAdapterConfig)
     labels: dict[str, str] = Field(default_factory=dict)
 
@@ -199,6 +223,46 @@ class Telemetry(Strict):
     queue_depth: int = Field(default=0, ge=0)
 
 
+class TenantQuotaState(Strict):
+    """One tenant's quota at a site as the site reports it (``GET /v1/sites/{name}/quota``)."""
+
+    tenant: str
+    listed: bool = Field(default=True, description="false: the site has no quota for it (unlisted_tenants applies)")
+    model: str | None = None
+    guaranteed_gpus: float = 0.0
+    burst_gpus: float | None = Field(default=None, description="None: no limit above the guarantee")
+    fair_share_weight: float = 1.0
+    priority_ceiling: int | None = None
+    in_use_gpus: float = Field(default=0.0, description="GPUs its running jobs hold (fractions count as their share)")
+    borrowed_gpus: float = Field(default=0.0, description="in use above its guarantee: lent capacity, reclaimable")
+    fair_share_gpus: float = Field(default=0.0, description="its share now: guarantee, then the rest by weight and usage")
+    decayed_usage_gpu_h: float = Field(default=0.0, description="GPU-hours used over the window, with half-life decay")
+    waiting_reason: str | None = Field(default=None, description="why the site last refused one of its jobs")
+    room_gpus: float | None = Field(default=None, description="more GPUs its preemptible jobs may hold (None: no limit)")
+    nonpreemptible_room_gpus: float | None = Field(
+        default=None, description="more GPUs its non-preemptible jobs may hold without making a guarantee unreclaimable")
+    reclaimable_gpus: float = Field(default=0.0, description="GPUs it would get back now by reclaiming its guarantee")
+
+
+class QuotaState(Strict):
+    """A site's quota state: what it enforces and where each tenant stands."""
+
+    enforced: bool = Field(description="false: the site lists no quotas and admits whatever fits")
+    fair_share: FairSharePolicy = Field(default_factory=FairSharePolicy)
+    capacity_gpus: float = 0.0
+    tenants: list[TenantQuotaState] = Field(default_factory=list)
+    unlisted_room_gpus: float | None = Field(
+        default=None, description="what a tenant the list does not name may hold: 0 if refused, None: no limit")
+    unlisted_nonpreemptible_room_gpus: float | None = Field(
+        default=None, description="what such a tenant's non-preemptible jobs may hold (capacity nobody is guaranteed)")
+
+    def tenant(self, name: str) -> TenantQuotaState | None:
+        for t in self.tenants:
+            if t.tenant == name:
+                return t
+        return None
+
+
 class SiteState(Strict):
     """What the broker last heard from a site."""
 
@@ -209,24 +273,54 @@ class SiteState(Strict):
     telemetry: Telemetry = Field(default_factory=Telemetry)
     running_jobs: int = 0
     reason: str | None = Field(default=None, description="why the site is not healthy")
+    quota: QuotaState | None = Field(default=None, description="the site's quota state, if it reports one")
 
 
 # --- jobs ---------------------------------------------------------------------------------------------
 
 
 class GpuRequest(Strict):
-    """GPUs a job needs: ``count`` whole GPUs, or with ``milli`` below 1000 a share of one GPU."""
+    """GPUs a job needs: ``count`` whole GPUs, a share of one GPU, or MIG slices.
+
+    - Whole GPUs: ``count`` of them, all at once or none (a gang); ``memory_gib`` is the least memory each
+      must have; ``topology`` keeps them within one node or one NVLink domain.
+    - A share of one GPU: ``milli`` below 1000 (compute), or ``shared: true`` with ``memory_gib`` (memory).
+      ``memory_gib`` is then the memory the job takes on the shared GPU (default: its ``milli`` share of the
+      GPU's memory); a GPU's jobs never hold more memory than it has.
+    - MIG: ``mig_profile`` (for instance ``1g.10gb``) asks for ``count`` fixed slices of that profile, on GPUs
+      whose node group offers it.
+    """
 
     count: int = Field(default=1, ge=1, le=4096)
     model: GpuModelId | None = Field(default=None, description="None: any model")
-    memory_gib: float | None = Field(default=None, gt=0, le=4096, description="minimum memory per GPU")
+    memory_gib: float | None = Field(
+        default=None, gt=0, le=4096,
+        description="whole GPUs: minimum memory per GPU; a shared GPU: the memory this job takes on it",
+    )
     milli: int = Field(default=1000, ge=1, le=1000, description="thousandths of one GPU; 1000 = whole GPUs")
+    shared: bool = Field(default=False, description="part of one GPU, sized by memory_gib")
+    mig_profile: str | None = Field(default=None, pattern=r"^\d+g\.\d+gb$", description="a MIG slice, e.g. 1g.10gb")
+    topology: Literal["any", "node", "nvlink"] = Field(
+        default="any", description="node: all GPUs on one node; nvlink: within one NVLink domain"
+    )
 
     @model_validator(mode="after")
     def _fraction_of_one(self) -> GpuRequest:
         if self.milli < 1000 and self.count != 1:
             raise ValueError("a fractional job (milli below 1000) asks for part of one GPU: count must be 1")
+        if self.shared:
+            if self.count != 1:
+                raise ValueError("shared: a job sharing a GPU asks for part of one GPU: count must be 1")
+            if self.memory_gib is None:
+                raise ValueError("shared: needs memory_gib, the memory the job takes on the shared GPU")
+        if self.mig_profile is not None and (self.milli < 1000 or self.shared):
+            raise ValueError("mig_profile: a MIG slice is a fixed partition; do not combine it with milli or shared")
         return self
+
+    @property
+    def fractional(self) -> bool:
+        """True when the job takes part of one GPU (compute share or memory), beside other jobs."""
+        return self.milli < 1000 or self.shared
 
 
 class JobSpec(Strict):
@@ -244,6 +338,10 @@ class JobSpec(Strict):
     denied_regions: list[RegionId] = Field(default_factory=list)
     preemptible: bool = False
     checkpointable: bool = False
+    min_run_s: float | None = Field(
+        default=None, ge=0, le=366 * 86400,
+        description="preemption spares the job until it has run this long (none: the site's min_run_s)",
+    )
     max_attempts: int = Field(
         default=3, ge=1, le=100, description="failed attempts allowed; preemption and site loss do not count"
     )

@@ -78,7 +78,17 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         "totals": pack(placement.totals, "f8"),
         "site": snap.sites[placement.site] if placement.placed else None,
         "model": ids.GPU_MODEL_IDS[placement.model] if placement.placed else None,
+        **_quota_record(req, snap),
     }
+
+
+def _quota_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
+    """The tenant's quota room per site (what the quota filter's reasons quote), when sites report quotas."""
+    if snap.quota is None:
+        return {}
+    room, np_room = snap.quota.rooms(req.tenant)
+    return {"quota_room": pack(room, "f8"), "quota_np_room": pack(np_room, "f8"),
+            "quota_listed": req.tenant in snap.quota.room}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +97,9 @@ class _View:
     shared: list[int]
     memory_gib: list[float]
     regions: list[str]
+    quota_room: list[float] | None = None  # the tenant's quota room per site (policies.filters.quota)
+    quota_np_room: list[float] | None = None
+    quota_listed: bool = True
 
 
 def _finite(value: float) -> float | None:
@@ -110,6 +123,9 @@ def render(
         unpack(rec["shared"], "i2").tolist(),
         unpack(rec["memory_gib"], "f4").tolist(),
         rec["regions"].split("\n") if rec["regions"] else [],
+        unpack(rec["quota_room"], "f8").tolist() if "quota_room" in rec else None,
+        unpack(rec["quota_np_room"], "f8").tolist() if "quota_np_room" in rec else None,
+        rec.get("quota_listed", True),
     )
     terms = [
         (t["scorer"], t["weight"], unpack(t["raw"], "f8").tolist(), unpack(t["normalised"], "f8").tolist())

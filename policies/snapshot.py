@@ -49,6 +49,8 @@ class JobRequest:
     latency_slo_ms: float | None = None  # most RTT from origin_region allowed (a hard filter)
     deadline_ts: float | None = None  # POSIX seconds by which the job must finish (None: no deadline)
     submitted_ts: float | None = None  # POSIX seconds the job was submitted (bounds how long it may be deferred)
+    tenant: str | None = None  # whose quota the job counts against at each site
+    preemptible: bool = False  # a site lends burst capacity to preemptible work only beyond unguaranteed GPUs
 
     @classmethod
     def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset(),
@@ -69,6 +71,8 @@ class JobRequest:
             latency_slo_ms=spec.latency_slo_ms,
             deadline_ts=spec.deadline.timestamp() if spec.deadline is not None else None,
             submitted_ts=submitted.timestamp() if submitted is not None else None,
+            tenant=spec.tenant,
+            preemptible=spec.preemptible,
         )
 
     @property
@@ -76,11 +80,83 @@ class JobRequest:
         return self.milli < 1000
 
     @property
+    def charge(self) -> float:
+        """GPUs the job counts against its tenant's quota (a share of one for a fractional job)."""
+        return self.milli / 1000.0 if self.milli < 1000 else float(self.count)
+
+    @property
     def shape(self) -> tuple[object, ...]:
         """Everything placement looks at: two requests of one shape get the same answer."""
         return (self.count, self.milli, self.model, self.memory_gib, self.allowed_regions,
                 self.denied_regions, self.excluded_sites,
                 self.origin_region if self.latency_slo_ms is not None else None, self.latency_slo_ms)
+
+
+@dataclass(slots=True)
+class QuotaView:
+    """What the sites' quotas let each tenant add, per site (``policies.filters.quota``), as the sites
+    reported it. Arrays are float64[n_sites]; ``inf`` where a site enforces no limit. A tenant a site does
+    not list gets the site's ``unlisted`` figures. ``assume`` debits them within a pass."""
+
+    room: dict[str, np.ndarray]  # tenant -> more GPUs its preemptible jobs may hold
+    np_room: dict[str, np.ndarray]  # tenant -> more GPUs its non-preemptible jobs may hold
+    reclaim: dict[str, np.ndarray]  # tenant -> GPUs it would get back now by reclaiming its guarantee
+    unlisted_room: np.ndarray
+    unlisted_np_room: np.ndarray
+
+    def rooms(self, tenant: str | None) -> tuple[np.ndarray, np.ndarray]:
+        if tenant is None:
+            return self.unlisted_room, self.unlisted_np_room
+        room = self.room.get(tenant)
+        if room is None:
+            return self.unlisted_room, self.unlisted_np_room
+        return room, self.np_room[tenant]
+
+    def copy(self) -> QuotaView:
+        return QuotaView({t: a.copy() for t, a in self.room.items()}, {t: a.copy() for t, a in self.np_room.items()},
+                         {t: a.copy() for t, a in self.reclaim.items()}, self.unlisted_room.copy(),
+                         self.unlisted_np_room.copy())
+
+    def debit(self, site: int, req: JobRequest, took_free: float) -> None:
+        """A placement of ``req`` at ``site`` that took ``took_free`` of the free GPUs (the rest reclaimed)."""
+        charge = req.charge
+        room, np_room = self.rooms(req.tenant)  # an unlisted tenant's figures are shared by all unlisted
+        room[site] -= charge
+        if not req.preemptible:
+            np_room[site] -= charge
+        reclaim = self.reclaim.get(req.tenant) if req.tenant is not None else None
+        if reclaim is not None and charge > took_free:
+            reclaim[site] = max(reclaim[site] - (charge - took_free), 0.0)
+
+
+def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None]) -> QuotaView | None:
+    """The quota figures of ``specs`` (in name order) from their states; None when no site enforces quotas."""
+    reports = [(i, st.quota) for i, st in enumerate(states.get(s.name) for s in specs)
+               if st is not None and st.quota is not None and st.quota.enforced]
+    if not reports:
+        return None
+    n = len(specs)
+    inf = float("inf")
+    unlisted_room = np.full(n, inf)
+    unlisted_np_room = np.full(n, inf)
+    for i, q in reports:
+        unlisted_room[i] = inf if q.unlisted_room_gpus is None else q.unlisted_room_gpus
+        unlisted_np_room[i] = inf if q.unlisted_nonpreemptible_room_gpus is None else q.unlisted_nonpreemptible_room_gpus
+    room: dict[str, np.ndarray] = {}
+    np_room: dict[str, np.ndarray] = {}
+    reclaim: dict[str, np.ndarray] = {}
+    for i, q in reports:
+        for t in q.tenants:
+            if not t.listed:
+                continue
+            if t.tenant not in room:
+                room[t.tenant] = unlisted_room.copy()
+                np_room[t.tenant] = unlisted_np_room.copy()
+                reclaim[t.tenant] = np.zeros(n)
+            room[t.tenant][i] = inf if t.room_gpus is None else t.room_gpus
+            np_room[t.tenant][i] = inf if t.nonpreemptible_room_gpus is None else t.nonpreemptible_room_gpus
+            reclaim[t.tenant][i] = t.reclaimable_gpus
+    return QuotaView(room, np_room, reclaim, unlisted_room, unlisted_np_room)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +190,8 @@ class Snapshot:
     # float32[n_sites, n_models, hours]: GPUs free in each whole hour from now's (policies.timeshift); empty
     # when no pipeline shifts jobs in time. Debited by assume() and by deferrals, like free_gpus.
     plan_free: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
+    # The sites' quota figures per tenant (None: no site enforces quotas). Debited by assume().
+    quota: QuotaView | None = None
     # Values the policies derive from the fixed site facts and ``now`` (never from free capacity, which
     # assume changes), built on first use by ``derived``. Not an argument: every new snapshot (``replace``,
     # ``working_copy``) starts with an empty one.
@@ -174,6 +252,7 @@ class Snapshot:
             shared_free_milli=self.shared_free_milli.copy(order="F"),
             last_placed=self.last_placed.copy(),
             plan_free=self.plan_free.copy(),
+            quota=self.quota.copy() if self.quota is not None else None,
         )
 
     def assume(self, site: int, req: JobRequest, model: int, *, placed_now: bool = True) -> None:
@@ -182,6 +261,7 @@ class Snapshot:
 
         A fractional job goes onto a shared GPU with room if there is one, else it opens a whole GPU.
         """
+        free_before = int(self.free_gpus[site, model])
         if req.fractional:
             if self.shared_free_milli[site, model] >= req.milli:
                 self.shared_free_milli[site, model] -= req.milli
@@ -190,6 +270,9 @@ class Snapshot:
                 self.shared_free_milli[site, model] = max(self.shared_free_milli[site, model], 1000 - req.milli)
         else:
             self.free_gpus[site, model] -= req.count
+        if self.quota is not None:
+            self.quota.debit(site, req, took_free=min(float(max(free_before, 0)), req.charge) if not req.fractional
+                             else req.charge)
         if self.plan_free.size:  # the run's later hours in the time-shift plan; hour 0 is free_gpus itself
             now_s = self.now.timestamp()
             into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
@@ -269,6 +352,7 @@ def build_snapshot(
         utc_offset_h=utc_offsets(specs, now),
         temperature_c=temperature,
         queue_depth=queue,
+        quota=build_quota_view(specs, states),
     )
 
 

@@ -2,7 +2,9 @@
 requested memory, and enough of it is free: ``count`` whole GPUs, or for a fractional job (``milli`` below
 1000) a shared GPU with that share free or one whole free GPU. Units: GPUs, thousandths of a GPU, GiB.
 
-This issue counts GPUs per site; node and NVLink topology are checked by the site-local policies.
+GPUs a site reports its tenant could reclaim from borrowers of its guarantee (``Snapshot.quota``) count as
+free for that tenant's jobs: the site preempts the borrowers to admit it. Node and NVLink topology, MIG
+slices and shared-GPU memory are checked by the site itself (``policies.inventory``).
 
 :class:`Fit` works out where one request fits once per decision, over only the model columns it could use,
 and the pipeline shares it with the scorers that look at free capacity (``raw_fit``); ``fit_matrix``,
@@ -102,11 +104,17 @@ class Fit:
 
     def _work(self) -> None:
         req, usable = self.req, self.usable
+        quota = self.snap.quota
+        reclaim = quota.reclaim.get(req.tenant) if quota is not None and req.tenant is not None else None
         if req.fractional:
             shared = self.snap.shared_free_milli
             cols = usable.columns
             shared = shared[:, cols[0]:cols[0] + 1] if usable.named else shared[:, cols]
             capacity = (self.free > 0) | (shared >= req.milli)
+            if reclaim is not None:
+                capacity |= (reclaim >= req.charge)[:, None]
+        elif reclaim is not None:  # GPUs its guarantee would take back from borrowers count as free for it
+            capacity = (self.free + reclaim[:, None]) >= req.count
         else:
             capacity = self.free >= req.count
         if not usable.named:

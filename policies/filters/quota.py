@@ -1,0 +1,44 @@
+"""Site quotas, as the sites report them: skip a site whose quota for the job's tenant would refuse it.
+
+A site that enforces quotas reports, per tenant, how many more GPUs its preemptible jobs may hold
+(guarantee + burst, less what it holds) and how many more its non-preemptible jobs may hold without making
+anyone's guarantee unreclaimable (``policies.quota``). A tenant the site does not list gets the site's
+figures for unlisted tenants (none if the site refuses them). Units: GPUs, a fractional job counting its
+share. The site still decides (its figures may have moved since it reported); a refusal is recorded as the
+reason and the job is routed again. Turn it off by leaving ``quota`` out of a profile's filters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.filters import FitView
+from policies.snapshot import JobRequest, Snapshot
+
+EPS = 1e-9
+
+
+class QuotaFilter:
+    code = "quota-refuses"
+
+    def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray | None:
+        quota = snap.quota
+        if quota is None:
+            return None
+        room, np_room = quota.rooms(req.tenant)
+        ok = room >= req.charge - EPS
+        if not req.preemptible:
+            ok &= np_room >= req.charge - EPS
+        return ok
+
+    def describe(self, req: JobRequest, view: FitView, site: int) -> str:
+        room = getattr(view, "quota_room", None)
+        np_room = getattr(view, "quota_np_room", None)
+        if room is None or np_room is None:
+            return f"the site's quota for tenant {req.tenant} refuses the job"
+        listed = getattr(view, "quota_listed", True)
+        who = f"tenant {req.tenant}" + ("" if listed else " (not in the site's quota list)")
+        if room[site] < req.charge - EPS:
+            return f"{who} may hold {max(room[site], 0.0):g} more GPUs here; the job needs {req.charge:g}"
+        return (f"{who}'s non-preemptible jobs may hold {max(np_room[site], 0.0):g} more GPUs here without taking "
+                f"another tenant's guarantee; the job needs {req.charge:g} (preemptible jobs may borrow more)")
