@@ -2,10 +2,15 @@
 duration on the injected clock, so the live broker (system clock) and tests or the simulator (manual
 clock) drive it the same way.
 
-- Admission: after ``dispatch_delay_s`` the site admits the attempt if its GPUs fit now, else it rejects
-  it with a reason. A repeated submission of the same (job id, attempt) is admitted once.
-- Allocation: whole-GPU jobs take GPUs with nothing on them; a fractional job (``milli`` < 1000) goes on
-  the fullest shared GPU it fits on (best fit), else on an empty GPU.
+- Admission: after ``dispatch_delay_s`` the site decides with :class:`policies.admission.SiteAdmission`,
+  the site-local policies every adapter applies: its GPU inventory (nodes, NVLink domains, shared GPUs, MIG
+  slices; all of a job's GPUs or none) and its quotas (guarantee, burst, fair share). It admits the attempt,
+  perhaps after preempting running jobs the quota book names (each gets a ``preempted`` event with the
+  reason, and its run so far), or rejects it with the reason. A repeated submission of the same (job id,
+  attempt) is admitted once.
+- Quotas: the spec's ``quotas`` and ``fair_share`` are the starting point; the operator's changes
+  (``set_quota``, ``remove_quota``) are kept in ``state_dir``/``NAME``/quota.json, so the site has them
+  again after a restart (:mod:`adapters.quota_store`).
 - Failures: each attempt fails with probability ``failure_rate`` at a uniformly random point of its run,
   from a generator seeded by ``seed``, so runs repeat exactly.
 - Telemetry is modelled from allocation: utilisation follows the share of GPU in use, power goes from
@@ -23,10 +28,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from pathlib import Path
+
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
+from adapters.quota_store import QuotaOverrides
 from broker import ids
 from broker.clock import Clock
-from broker.models import Health, Job, ModelCapacity, SimulatedAdapterConfig, SiteSpec, SiteState, Telemetry
+from broker.models import Health, Job, QuotaState, SimulatedAdapterConfig, SiteSpec, SiteState, Telemetry, TenantQuota
+from policies.admission import Admitted, SiteAdmission
 
 
 TOMBSTONE_TTL_S = 3600.0  # far longer than any dispatch timeout
@@ -35,10 +44,12 @@ TOMBSTONE_TTL_S = 3600.0  # far longer than any dispatch timeout
 @dataclass(slots=True)
 class _Run:
     job: Job
-    model: str
-    gpus: list[int]  # indices into the model's GPU list
-    milli: int
+    started: float  # POSIX seconds
     task: asyncio.Task[None] | None = None
+
+
+def _admission_key(job_id: str, attempt: int) -> str:
+    return f"{job_id}/{attempt}"
 
 
 class SimulatedSite:
@@ -48,19 +59,21 @@ class SimulatedSite:
         clock: Clock,
         config: SimulatedAdapterConfig | None = None,
         run_seconds: Callable[[Job], float] | None = None,
+        state_dir: str | Path | None = None,
     ) -> None:
         """``run_seconds(job)`` is how long a job really runs; by default its ``duration_s``. The simulator
-        passes the trace's true duration, while the policies see only the estimate in the spec."""
+        passes the trace's true duration, while the policies see only the estimate in the spec.
+        ``state_dir``: where the site keeps what must outlive it (its operator's quota changes); None: the
+        config's ``state_dir``, else nowhere (they last as long as the object)."""
         self.spec = spec
         self._run_seconds = run_seconds or (lambda job: job.spec.duration_s)
         self.name = spec.name
         self.config = config or spec.adapter
         self._clock = clock
         self._rng = random.Random(self.config.seed)
-        self._used: dict[str, list[int]] = {m: [0] * n for m, n in spec.total_gpus().items()}
-        self._memory: dict[str, float] = {}
-        for g in spec.gpus:
-            self._memory[g.model] = max(self._memory.get(g.model, 0.0), g.gpu_memory_gib)
+        folder = state_dir if state_dir is not None else self.config.state_dir
+        self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
+        self._admission = SiteAdmission(spec, self._overrides.apply(spec.quotas))
         self._runs: dict[tuple[str, int], _Run] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Admission]] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}  # tombstones of cancelled attempts -> when
@@ -94,48 +107,53 @@ class SimulatedSite:
 
     async def snapshot(self) -> SiteState:
         self._check_reachable()
-        capacity = []
-        busy_milli = 0
-        total = 0
-        power = 0.0
-        mem_used = 0.0
-        mem_total = 0.0
-        for model, used in self._used.items():
-            shared = [1000 - u for u in used if 0 < u < 1000]
-            capacity.append(
-                ModelCapacity(
-                    model=model,
-                    total_gpus=len(used),
-                    free_gpus=sum(1 for u in used if u == 0),
-                    used_gpus=sum(1 for u in used if u > 0),
-                    shared_free_milli=max(shared, default=0),
-                    memory_gib_per_gpu=self._memory[model],
-                )
-            )
-            tdp = ids.GPU_MODEL_BY_ID[model].tdp_w
-            for u in used:
-                share = u / 1000
-                power += tdp * (0.1 + 0.9 * share)
-                mem_used += self._memory[model] * share * 0.8
-            busy_milli += sum(used)
-            total += len(used)
-            mem_total += self._memory[model] * len(used)
-        util = busy_milli / (10 * total) if total else 0.0
+        now = self._clock.now()
+        busy = 0.0
+        power = mem_used = mem_total = 0.0
+        gpus = self._admission.inventory.gpus()
+        for gpu in gpus:
+            share = gpu.mig_slices / 7 if gpu.mig else gpu.milli / 1000
+            busy += share
+            power += ids.GPU_MODEL_BY_ID[gpu.model].tdp_w * (0.1 + 0.9 * share)
+            mem_total += gpu.memory_kib / (1 << 20)
+            mem_used += gpu.used_kib / (1 << 20) * 0.8
+        util = 100.0 * busy / len(gpus) if gpus else 0.0
         return SiteState(
             site=self.name,
             health=Health.HEALTHY,
-            last_heard_at=self._clock.now(),
-            capacity=capacity,
+            last_heard_at=now,
+            capacity=[f.capacity() for _, f in sorted(self._admission.inventory.free().items())],
             telemetry=Telemetry(
                 gpu_utilisation_pct=round(util, 2),
                 memory_used_gib=round(mem_used, 2),
-                memory_total_gib=mem_total,
+                memory_total_gib=round(mem_total, 2),
                 temperature_c_max=round(35 + 45 * util / 100, 1),
                 power_w=round(power, 1),
                 queue_depth=len(self._pending),
             ),
             running_jobs=len(self._runs),
+            quota=self._admission.report(now.timestamp()),
         )
+
+    # --- QuotaAdmin ---
+
+    async def quota(self) -> QuotaState:
+        self._check_reachable()
+        return self._admission.report(self._clock.now().timestamp())
+
+    async def set_quota(self, quota: TenantQuota) -> QuotaState:
+        self._check_reachable()
+        self._overrides.set(quota)  # on disk first: a change the site forgets on restart was never made
+        now = self._clock.now().timestamp()
+        self._admission.set_quota(quota, now)
+        return self._admission.report(now)
+
+    async def remove_quota(self, tenant: str) -> QuotaState:
+        self._check_reachable()
+        self._overrides.remove(tenant)
+        now = self._clock.now().timestamp()
+        self._admission.remove_quota(tenant, now)
+        return self._admission.report(now)
 
     # --- JobRunner ---
 
@@ -154,15 +172,10 @@ class SimulatedSite:
         try:
             await self._clock.sleep(self.config.dispatch_delay_s)
             self._check_reachable()
-            placed = f"attempt {job.attempt} was withdrawn" if key in self._withdrawn else self._allocate(job)
-            if isinstance(placed, str):
-                admission = Admission.rejected(placed)
+            if key in self._withdrawn:
+                admission = Admission.rejected(f"attempt {job.attempt} was withdrawn")
             else:
-                model, gpus, milli = placed
-                run = _Run(job, model, gpus, milli)
-                self._runs[key] = run
-                run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"sim-{self.name}-{job.id}")
-                admission = Admission.ok()
+                admission = self._admit(job)
             answer.set_result(admission)
             return admission
         except BaseException as e:
@@ -179,7 +192,7 @@ class SimulatedSite:
         run = self._runs.pop((job_id, attempt), None)
         if run is None:
             return
-        self._release(run)
+        self._admission.stop(_admission_key(job_id, attempt), self._clock.now().timestamp())
         if run.task is not None and run.task is not asyncio.current_task():
             run.task.cancel()
 
@@ -210,45 +223,29 @@ class SimulatedSite:
         if not self._reachable:
             raise AdapterError(f"site {self.name} is unreachable")
 
-    def _allocate(self, job: Job) -> tuple[str, list[int], int] | str:
-        g = job.spec.gpus
-        chosen = job.gpu_model or g.model  # the broker names the model it placed the job on
-        models = [chosen] if chosen else sorted(self._used, key=lambda m: self._memory[m])
-        reasons = []
-        for model in models:
-            used = self._used.get(model)
-            if used is None:
-                reasons.append(f"no {model} at this site")
-                continue
-            if g.memory_gib and self._memory[model] < g.memory_gib:
-                reasons.append(f"{model} has {self._memory[model]:g} GiB per GPU, job needs {g.memory_gib:g}")
-                continue
-            if g.milli < 1000:
-                fitting = [i for i, u in enumerate(used) if 0 < u and u + g.milli <= 1000]
-                if fitting:
-                    best = max(fitting, key=lambda i: used[i])
-                else:
-                    empty = [i for i, u in enumerate(used) if u == 0]
-                    if not empty:
-                        reasons.append(f"no {model} has {g.milli}/1000 free")
-                        continue
-                    best = empty[0]
-                used[best] += g.milli
-                return model, [best], g.milli
-            empty = [i for i, u in enumerate(used) if u == 0]
-            if len(empty) < g.count:
-                reasons.append(f"{g.count} {model} needed, {len(empty)} free")
-                continue
-            chosen = empty[: g.count]
-            for i in chosen:
-                used[i] = 1000
-            return model, chosen, 1000
-        return "no room: " + "; ".join(reasons)
+    def _admit(self, job: Job) -> Admission:
+        now = self._clock.now().timestamp()
+        decision = self._admission.admit(_admission_key(job.id, job.attempt), job.spec, now, model=job.gpu_model)
+        if not isinstance(decision, Admitted):
+            return Admission.rejected(decision.reason)
+        for victim in decision.victims:
+            self._preempt(victim, f"for job {job.id} of tenant {job.spec.tenant}, which {decision.reason}", now)
+        self._admission.start(_admission_key(job.id, job.attempt), decision, now)
+        run = _Run(job, now)
+        self._runs[(job.id, job.attempt)] = run
+        run.task = asyncio.get_running_loop().create_task(self._run(run), name=f"sim-{self.name}-{job.id}")
+        return Admission.ok()
 
-    def _release(self, run: _Run) -> None:
-        used = self._used[run.model]
-        for i in run.gpus:
-            used[i] -= run.milli
+    def _preempt(self, victim: str, reason: str, now: float) -> None:
+        job_id, _, attempt = victim.rpartition("/")
+        run = self._runs.pop((job_id, int(attempt)), None)
+        self._admission.stop(victim, now)
+        if run is None:
+            return
+        if run.task is not None:
+            run.task.cancel()
+        self._emit(JobEvent(job_id, int(attempt), EventKind.PREEMPTED, self._clock.now(), reason=reason,
+                            run_s=max(now - run.started, 0.0)))
 
     async def _run(self, run: _Run) -> None:
         job = run.job
@@ -264,7 +261,7 @@ class SimulatedSite:
             return
         if self._runs.pop(key, None) is None:
             return  # cancelled while finishing
-        self._release(run)
+        self._admission.stop(_admission_key(job.id, job.attempt), self._clock.now().timestamp())
         if fails:
             self._emit(JobEvent(job.id, job.attempt, EventKind.FAILED, self._clock.now(),
                                 reason="simulated failure (failure_rate)", run_s=run_for))

@@ -140,6 +140,9 @@ class SimulatedAdapterConfig(Strict):
     dispatch_delay_s: float = Field(default=0.2, ge=0, le=3600)
     failure_rate: float = Field(default=0.0, ge=0, le=1, description="chance that an attempt fails")
     seed: int = 0
+    state_dir: str | None = Field(
+        default=None, description="where the site keeps its operator's quota changes (default: the broker's "
+                                  "folder for site state, beside its database)")
 
 
 AdapterConfig = Annotated[SimulatedAdapterConfig, Field(discriminator="kind")]

@@ -11,6 +11,7 @@ token variable) stops the start with a :class:`~broker.config.ConfigError` namin
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -38,14 +39,23 @@ class SiteConflict(ValueError):
     """A site change that would strand jobs, or a name already taken."""
 
 
-def adapter_factory(clock: Clock) -> Callable[[SiteSpec], SiteAdapter]:
+def adapter_factory(clock: Clock, state_dir: str | Path | None = None) -> Callable[[SiteSpec], SiteAdapter]:
+    """``state_dir``: where sites without a ``state_dir`` of their own keep what must outlive a restart."""
+
     def make(spec: SiteSpec) -> SiteAdapter:
         match spec.adapter.kind:
             case "simulated":
-                return SimulatedSite(spec, clock)
+                return SimulatedSite(spec, clock, state_dir=spec.adapter.state_dir or state_dir)
         raise ValueError(f"site {spec.name}: unknown adapter kind {spec.adapter.kind!r}")
 
     return make
+
+
+def site_state_dir(db: str) -> Path | None:
+    """Where the simulated sites keep their state: ``sites/`` beside the database file (none in memory)."""
+    if db == ":memory:" or db.startswith("file::memory:"):
+        return None
+    return Path(db).resolve().parent / "sites"
 
 
 class Broker:
@@ -65,7 +75,7 @@ class Broker:
         self.store: Store = store or SQLiteStore(self.settings.db)
         self.federation = Federation(
             self.clock,
-            factory or adapter_factory(self.clock),
+            factory or adapter_factory(self.clock, site_state_dir(self.settings.db)),
             stale_after_s=self.settings.site_stale_after_s,
             collect_timeout_s=self.settings.collect_timeout_s,
         )

@@ -174,3 +174,20 @@ def test_json_and_server_may_follow_the_command(capsys, server, tmp_path):
     code = main(["sites", "list", "--json", "--server", server.url])
     out, _ = capsys.readouterr()
     assert code == 0 and [s["name"] for s in json.loads(out)] == ["alpha", "beta"]
+
+
+def test_quota_shows_a_sites_tenants_and_sets_and_removes_one(capsys, server):
+    code, out, _ = run(capsys, server, "quota", "alpha")
+    assert code == 0 and out.startswith("site alpha: no quotas")
+    code, out, _ = run(capsys, server, "quota", "alpha", "--set", "vision", "--guaranteed", "4", "--burst", "2")
+    assert code == 0
+    header, row = out.splitlines()[1:3]
+    assert header.split()[:3] == ["TENANT", "GUARANTEED", "BURST"] and row.split()[:3] == ["vision", "4", "2"]
+    code, out, _ = run(capsys, server, "--json", "quota", "alpha")
+    assert json.loads(out)["enforced"] is True
+    code, out, _ = run(capsys, server, "quota", "alpha", "--remove", "vision")
+    assert code == 0 and out.startswith("site alpha: no quotas")
+    code, _, err = run(capsys, server, "quota", "alpha", "--set", "vision", "--guaranteed", "-3")
+    assert code == 1 and "guaranteed_gpus" in err and "Traceback" not in err
+    code, _, err = run(capsys, server, "quota", "nowhere")
+    assert code == 1 and "no site named nowhere" in err

@@ -1,0 +1,665 @@
+"""Site-local quotas and preemption-victim choice: one site's ledger of who holds what (:class:`QuotaBook`).
+
+A site (its adapter or agent) asks :meth:`QuotaBook.admit` whether a job may start, starts it with
+:meth:`~QuotaBook.start` once its inventory has placed it, and reports its end or preemption with
+:meth:`~QuotaBook.stop`. Everything is a pure function of what was recorded and of ``now`` (POSIX seconds,
+passed in; never read from a clock): no I/O, no awaits, deterministic.
+
+The rules, per tenant (``broker.models.TenantQuota``)
+    - A tenant holds at most ``guaranteed + burst`` GPUs; a job that would take it past that is refused
+      with the numbers ("tenant vision holds 58 of its 60 GPUs (20 guaranteed + 40 burst); this job needs
+      4") unless preempting its own lower-priority jobs makes room.
+    - A job's priority at the site is ``min(priority, priority_ceiling)``.
+    - Non-preemptible work never makes a guarantee unreclaimable: with ``N_t`` tenant t's non-preemptible
+      GPUs and ``G_t`` its guarantee, ``sum(max(G_t, N_t)) <= C`` must hold after a non-preemptible job
+      starts (for the whole site, and for each model a model-specific quota names). So non-preemptible jobs
+      burst only into capacity nobody is guaranteed; preemptible jobs may borrow anything idle.
+    - Idle capacity is lent (work-conserving): a job that fits within its tenant's limit is admitted even
+      when the tenant is over its fair share; fairness acts through :meth:`~QuotaBook.order` and preemption.
+    - A quota with ``model=None`` counts GPUs of any model, one with a model counts only that model
+      (capacity C is then that model's GPUs). A listed tenant's job on another model, and any job of a tenant
+      the list does not name, follows ``FairSharePolicy.unlisted_tenants``: refused, or best-effort
+      (guaranteed nothing, no burst limit, weight 1). A site with no quotas at all admits whatever fits.
+
+Preemption (when the job does not fit as things stand)
+    Candidates are preemptible jobs on the job's GPU model that have run at least their minimum run time
+    (the job's ``min_run_s``, else the policy's), from:
+
+    - reclaim: when the tenant would stay within its guarantee (``in_use + gpus <= guaranteed``), other
+      tenants holding more than their guarantee, any priority;
+    - priority: jobs of lower effective priority of the tenant itself, and of other tenants over their fair
+      share (``policies.fairshare``, with the demand the caller passes, the asking job included).
+
+    Another tenant is never pushed below its guarantee: of each, only jobs that fit in what it holds above its
+    guarantee are taken (walking the order, a job that would cross the line is skipped). Order: effective
+    priority ascending, start descending (newest first), job id. The caller's ``fits(victim_ids)`` says
+    whether the job fits once those are gone (its inventory knows nodes, fractions, topology); releasing more
+    never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Without
+    one, the refusal says why the job waits ("site full; 6 GPUs could be freed from preemptible jobs over
+    their share, 8 needed"). A tenant over its limit may only preempt its own lower-priority jobs.
+
+Cost: admission is O(1) plus, when preemption is needed, one fair-share division (O(tenants)) and a lazy
+merge of per-tenant candidate lists kept sorted at start/stop. Units: GPUs (a fractional job counts its
+share), POSIX seconds. Turn it off with an empty quota list (everything that fits is admitted).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from broker.models import FairSharePolicy, JobSpec, QuotaState, TenantQuota, TenantQuotaState
+from policies.fairshare import EPS, Claim, UsageLedger, divide
+
+Fits = Callable[[Sequence[str]], bool]
+_INF = math.inf
+
+
+def _n(x: float) -> str:
+    """A GPU amount for a message: 58, 0.25, 12.5."""
+    return f"{round(x, 6):g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A job asking to start at this site: ``gpus`` it counts (a fraction for a share of one GPU) of ``model``."""
+
+    job_id: str
+    tenant: str
+    gpus: float
+    model: str
+    priority: int = 0
+    preemptible: bool = False
+    min_run_s: float | None = None  # None: the policy's min_run_s
+    checkpointable: bool = False
+
+    @classmethod
+    def of(cls, job_id: str, spec: JobSpec, model: str, gpus: float | None = None) -> Ask:
+        """From a job spec placed on ``model``. ``gpus`` defaults to ``count`` whole GPUs, or ``milli / 1000``
+        of one; pass the inventory's charge (``policies.inventory.Inventory.charge``) for a memory-sized
+        share or MIG slices, which only the inventory can size."""
+        req = spec.gpus
+        charge = gpus if gpus is not None else (req.milli / 1000 if req.milli < 1000 else float(req.count))
+        return cls(job_id, spec.tenant, charge, model, spec.priority, spec.preemptible, spec.min_run_s,
+                   spec.checkpointable)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """``victims``: job ids to preempt first, in order; ``borrowed``: the job runs above its tenant's guarantee;
+    ``reason``: why it was refused, or, when it preempts, on what grounds (reclaim or priority); else None."""
+
+    admitted: bool
+    reason: str | None = None
+    victims: tuple[str, ...] = ()
+    borrowed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TenantState:
+    """Where one tenant stands (the fields of ``broker.models.TenantQuotaState``, plus non-preemptible GPUs).
+    A listed tenant's jobs on a model its quota does not count appear as a second, unlisted entry."""
+
+    tenant: str
+    listed: bool
+    model: str | None
+    guaranteed_gpus: float
+    burst_gpus: float | None  # None: no limit
+    fair_share_weight: float
+    priority_ceiling: int | None
+    in_use_gpus: float
+    borrowed_gpus: float
+    nonpreemptible_gpus: float
+    fair_share_gpus: float
+    decayed_usage_gpu_h: float
+    waiting_reason: str | None
+    room_gpus: float | None  # more GPUs it may hold (None: no limit)
+    nonpreemptible_room_gpus: float | None
+    reclaimable_gpus: float  # GPUs it would get back now by reclaiming its guarantee
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    job_id: str
+    account: _Account
+    gpus: float
+    model: str
+    asked: int  # priority as submitted
+    priority: int  # effective: capped by the tenant's ceiling
+    preemptible: bool
+    min_run_s: float
+    start: float
+
+
+@dataclass(slots=True, eq=False)
+class _Account:
+    """One tenant's GPUs in one pool (its quota's model, or None for any)."""
+
+    tenant: str
+    pool: str | None
+    listed: bool
+    guaranteed: float = 0.0
+    burst: float | None = None
+    weight: float = 1.0
+    ceiling: int | None = None
+    since: float | None = None  # usage accrued up to here
+    in_use: float = 0.0
+    nonpre: float = 0.0
+    jobs: dict[str, _Job] = field(default_factory=dict)
+    queue: list[tuple[int, float, str, _Job]] = field(default_factory=list)  # preemptible, in victim order
+
+    @property
+    def limit(self) -> float:
+        return _INF if self.burst is None else self.guaranteed + self.burst
+
+    @property
+    def gap(self) -> float:
+        """Guaranteed GPUs not held by its non-preemptible jobs (reserved for it)."""
+        return max(0.0, self.guaranteed - self.nonpre)
+
+    def effective(self, priority: int) -> int:
+        return priority if self.ceiling is None else min(priority, self.ceiling)
+
+
+class QuotaBook:
+    """One site's quota ledger. ``capacity``: GPUs per model. See the module docstring for the rules."""
+
+    def __init__(self, quotas: Sequence[TenantQuota], policy: FairSharePolicy, capacity: Mapping[str, float]) -> None:
+        self.policy = policy
+        self._capacity = {m: float(c) for m, c in capacity.items()}
+        self._total = sum(self._capacity.values())
+        self._quotas: dict[str, TenantQuota] = {}
+        self._accounts: dict[tuple[str, str | None], _Account] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._used: dict[str, float] = {}  # GPUs held per model
+        self._np: dict[str, float] = {}  # non-preemptible GPUs per model
+        self._gap: dict[str | None, float] = {}  # unheld guarantees per pool
+        self._ledger = UsageLedger(policy.reweight_h * 3600, policy.window_h * 3600, policy.half_life_h * 3600)
+        self._now: float | None = None
+        self._epoch: int | None = None
+        self._usage_s: dict[object, float] = {}
+        self._capacity_s: dict[str | None, float] = {}
+        self._refusals: dict[tuple[str, str | None], str] = {}
+        for q in quotas:
+            if q.tenant in self._quotas:
+                raise ValueError(f"quotas: tenant {q.tenant} appears twice; give each tenant one quota per site")
+            self._quotas[q.tenant] = q
+            self._open(self._listed(q), None)
+
+    # --- recording ------------------------------------------------------------------------------------
+
+    def start(self, ask: Ask, now: float) -> None:
+        """Record an admitted job as running (preempt its verdict's victims with :meth:`stop` first)."""
+        self._clock(now)
+        self._check(ask)
+        acct = self._resolve(ask.tenant, ask.model)
+        if isinstance(acct, str):
+            raise ValueError(f"job {ask.job_id} cannot start here: {acct}")
+        min_run = ask.min_run_s if ask.min_run_s is not None else self.policy.min_run_s
+        job = _Job(ask.job_id, acct, ask.gpus, ask.model, ask.priority, acct.effective(ask.priority), ask.preemptible,
+                   min_run, now)
+        self._record(job, acct, now)
+
+    def stop(self, job_id: str, now: float) -> None:
+        """A running job ended or was preempted."""
+        self._clock(now)
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise KeyError(f"job {job_id} is not running at this site (never started, or already stopped)")
+        acct = job.account
+        self._unrecord(job, now)
+        if not acct.listed and not acct.jobs:  # a best-effort account with nothing left; its usage stays
+            del self._accounts[(acct.tenant, acct.pool)]
+
+    def set_quota(self, quota: TenantQuota, now: float) -> None:
+        """An operator's change (or a new tenant). Running jobs keep running, even above a lowered limit."""
+        self._clock(now)
+        old = self._quotas.get(quota.tenant)
+        self._quotas[quota.tenant] = quota
+        self._rehome(quota.tenant, None if old is None else old.model, quota.model, now)
+
+    def remove_quota(self, tenant: str, now: float) -> None:
+        """The tenant becomes unlisted; its running jobs stay (as best-effort) whatever ``unlisted_tenants`` says."""
+        self._clock(now)
+        old = self._quotas.pop(tenant, None)
+        if old is None:
+            raise KeyError(f"tenant {tenant} has no quota at this site")
+        self._rehome(tenant, old.model, None, now)
+
+    # --- decisions ------------------------------------------------------------------------------------
+
+    def admit(self, ask: Ask, now: float, fits: Fits, demand: Mapping[str, float] | None = None) -> Verdict:
+        """May ``ask`` start now, and after preempting whom? ``fits(victim_ids)``: the inventory's answer to
+        "does the job fit once these are gone". ``demand``: GPUs each tenant wants in all (running + waiting;
+        default: what it runs), for the fair shares that decide who is over its share. Changes nothing but
+        caches and the refusal reason :meth:`state` reports."""
+        self._clock(now)
+        self._check(ask)
+        acct = self._resolve(ask.tenant, ask.model)
+        if isinstance(acct, str):
+            return self._refuse(ask.tenant, self._main(ask.tenant).pool, acct)
+        g, model = ask.gpus, ask.model
+        cap = self._capacity.get(model, 0.0)
+        if g > cap + EPS:
+            return self._refuse_acct(acct, f"the site has {_n(cap)} {model} GPUs; this job needs {_n(g)}")
+        if not ask.preemptible and self._quotas and (why := self._np_blocks(acct, g, model)):
+            return self._refuse_acct(acct, why)
+        over_limit = acct.in_use + g > acct.limit + EPS
+        if not over_limit and fits(()):
+            return Verdict(True, None, (), acct.in_use + g > acct.guaranteed + EPS)
+        reclaim = not over_limit and acct.in_use + g <= acct.guaranteed + EPS
+        p = acct.effective(ask.priority)
+        found = self._search(acct, g, model, p, now, fits, reclaim, over_limit, demand)
+        victims, own_freed, freed = found
+        if victims is not None:
+            held = acct.in_use - own_freed + g
+            why = (f"reclaims its guarantee ({_n(acct.guaranteed)} GPUs)" if reclaim else f"priority {p}") + \
+                  f": preempts {len(victims)} job{'s' * (len(victims) != 1)}"
+            return Verdict(True, why, victims, held > acct.guaranteed + EPS)
+        if over_limit and acct.in_use - own_freed + g > acct.limit + EPS:
+            return self._refuse_acct(acct, self._limit_reason(acct, g))
+        free = cap - self._used.get(model, 0.0)
+        if free + freed >= g - EPS:
+            why = (f"site full for this job's shape: {_n(max(free, 0))} {model} GPUs are free and {_n(freed)} more "
+                   f"could be freed from preemptible jobs over their share, but not where the job fits")
+        else:
+            why = (f"site full; {_n(freed)} GPUs could be freed from preemptible jobs over their share, "
+                   f"{_n(g - max(free, 0))} needed")
+        return self._refuse_acct(acct, why)
+
+    def fair_shares(self, now: float, demand: Mapping[str, float]) -> dict[str, float]:
+        """Fair share in GPUs per tenant for ``demand`` (GPUs wanted in all; tenants left out want what they run)."""
+        self._clock(now)
+        shares = self._division(now, self._wants(demand))
+        return {self._name(a): s for a, s in shares.items()}
+
+    def order(self, pending: Sequence[Ask], now: float) -> list[Ask]:
+        """The site's queue order for ``pending`` (all waiting here): tenants furthest below their fair share
+        first, re-ranked as each job is counted in (mode ``off``: priority, then arrival); within a tenant,
+        priority then arrival. Jobs of tenants the site refuses come last."""
+        self._clock(now)
+        if self.policy.mode == "off":
+            return sorted(pending, key=lambda a: -self._eff(a))
+        queues: dict[_Account, list[tuple[int, int, Ask]]] = {}
+        refused: list[Ask] = []
+        wants: dict[_Account, float] = {a: a.in_use for a in self._accounts.values()}
+        new: dict[tuple[str, str | None], _Account] = {}  # one account per tenant not seen before
+        for i, ask in enumerate(pending):
+            acct = self._resolve(ask.tenant, ask.model)
+            if isinstance(acct, str):
+                refused.append(ask)
+                continue
+            if (acct.tenant, acct.pool) not in self._accounts:
+                acct = new.setdefault((acct.tenant, acct.pool), acct)
+            queues.setdefault(acct, []).append((-acct.effective(ask.priority), i, ask))
+            wants[acct] = wants.get(acct, acct.in_use) + ask.gpus
+        shares = self._division(now, wants)
+        heap = []
+        seq = {acct: i for i, acct in enumerate(queues)}  # the last tie-break: first seen in pending
+        for acct, q in queues.items():
+            q.sort(key=lambda e: (e[0], e[1]), reverse=True)  # pop() from the end: best first
+            heap.append((*self._rank(acct, acct.in_use, shares[acct], q[-1][2].gpus), seq[acct], acct))
+        heapq.heapify(heap)
+        out: list[Ask] = []
+        held = {acct: acct.in_use for acct in queues}
+        while heap:
+            *_, acct = heapq.heappop(heap)
+            ask = queues[acct].pop()[2]
+            out.append(ask)
+            held[acct] += ask.gpus
+            if queues[acct]:
+                nxt = queues[acct][-1][2].gpus
+                heapq.heappush(heap, (*self._rank(acct, held[acct], shares[acct], nxt), seq[acct], acct))
+        return out + refused
+
+    def state(self, now: float, demand: Mapping[str, float] | None = None) -> list[TenantState]:
+        """Every tenant the site lists or runs jobs for, listed first, by name."""
+        self._clock(now)
+        wants = self._wants(demand or {})
+        shares = self._division(now, wants)
+        removable = self._removable(now)
+        free_of_guarantees = self._total - sum(self._np.values()) - sum(self._gap.values())
+        out = []
+        for acct in sorted(self._accounts.values(), key=lambda a: (not a.listed, a.tenant, a.pool or "")):
+            room = None if acct.burst is None else max(0.0, acct.limit - acct.in_use)
+            np_room = free_of_guarantees + acct.gap
+            if acct.pool is not None:
+                np_room = min(np_room, self._capacity.get(acct.pool, 0.0) - self._np.get(acct.pool, 0.0)
+                              - self._gap.get(acct.pool, 0.0) + acct.gap)
+            np_room = max(0.0, np_room if room is None else min(np_room, room))
+            short = max(0.0, acct.guaranteed - acct.in_use)
+            back = sum(v for (o, m), v in removable.items() if o is not acct and (acct.pool is None or m == acct.pool))
+            usage_s = self._usage_s.get((acct.tenant, acct.pool), 0.0)
+            waiting = self._refusals.get((acct.tenant, acct.pool))
+            if waiting is None and wants.get(acct, 0.0) > acct.in_use + EPS:
+                waiting = self._waiting(acct, shares.get(acct, 0.0))
+            out.append(TenantState(
+                acct.tenant, acct.listed, acct.pool, acct.guaranteed, acct.burst, acct.weight, acct.ceiling,
+                acct.in_use, max(0.0, acct.in_use - acct.guaranteed), acct.nonpre, shares.get(acct, 0.0),
+                usage_s / 3600, waiting, room, np_room, min(short, back)))
+        return out
+
+    def report(self, now: float, demand: Mapping[str, float] | None = None) -> QuotaState:
+        """What the site reports to the broker (``GET /v1/sites/{name}/quota``)."""
+        enforced = bool(self._quotas)
+        refuse = enforced and self.policy.unlisted_tenants == "refuse"
+        free_of_guarantees = max(0.0, self._total - sum(self._np.values()) - sum(self._gap.values()))
+        tenants = [TenantQuotaState(
+            tenant=s.tenant, listed=s.listed, model=s.model, guaranteed_gpus=s.guaranteed_gpus,
+            burst_gpus=s.burst_gpus, fair_share_weight=s.fair_share_weight, priority_ceiling=s.priority_ceiling,
+            in_use_gpus=s.in_use_gpus, borrowed_gpus=s.borrowed_gpus, fair_share_gpus=s.fair_share_gpus,
+            decayed_usage_gpu_h=s.decayed_usage_gpu_h, waiting_reason=s.waiting_reason, room_gpus=s.room_gpus,
+            nonpreemptible_room_gpus=s.nonpreemptible_room_gpus, reclaimable_gpus=s.reclaimable_gpus,
+        ) for s in self.state(now, demand)]
+        return QuotaState(
+            enforced=enforced, fair_share=self.policy, capacity_gpus=self._total, tenants=tenants,
+            unlisted_room_gpus=0.0 if refuse else None,
+            unlisted_nonpreemptible_room_gpus=(0.0 if refuse else free_of_guarantees) if enforced else None)
+
+    # --- the victim search ----------------------------------------------------------------------------
+
+    def _search(self, acct: _Account, g: float, model: str, p: int, now: float, fits: Fits, reclaim: bool,
+                over_limit: bool, demand: Mapping[str, float] | None) -> tuple[tuple[str, ...] | None, float, float]:
+        """Shortest prefix of the candidates after which the job fits: (ids or None, own GPUs freed, GPUs freed)."""
+        streams = [self._stream(acct.queue, model, now, p)] if acct.queue else []
+        if not over_limit:
+            shares = None
+            if not reclaim:
+                wants = self._wants(demand or {})
+                wants[acct] = max(wants.get(acct, acct.in_use), acct.in_use + g)
+                shares = self._division(now, wants)
+            for o in self._accounts.values():
+                if o is acct or not o.queue or o.in_use <= o.guaranteed + EPS:
+                    continue
+                if reclaim:
+                    streams.append(self._stream(o.queue, model, now, None))
+                elif o.in_use > shares[o] + EPS:
+                    streams.append(self._stream(o.queue, model, now, p))
+        taken = self._capped(acct, heapq.merge(*streams))
+        ids: list[str] = []
+        own = [0.0]
+        freed = [0.0]
+
+        def grow(n: int) -> bool:
+            while len(ids) < n:
+                job = next(taken, None)
+                if job is None:
+                    return False
+                ids.append(job.job_id)
+                own.append(own[-1] + (job.gpus if job.account is acct else 0.0))
+                freed.append(freed[-1] + job.gpus)
+            return True
+
+        def ok(n: int) -> bool:
+            return acct.in_use - own[n] + g <= acct.limit + EPS and fits(tuple(ids[:n]))
+
+        lo, n, hi = 0, 1, None  # ok(lo) is known false: the job did not fit as things stand
+        while True:
+            if not grow(n):
+                n = len(ids)
+                if n > lo and ok(n):
+                    hi = n
+                break
+            if ok(n):
+                hi = n
+                break
+            lo, n = n, 2 * n
+        if hi is None:
+            return None, own[-1], freed[-1]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                hi = mid
+            else:
+                lo = mid
+        return tuple(ids[:hi]), own[hi], freed[hi]
+
+    @staticmethod
+    def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float,
+                below: int | None) -> Iterator[tuple[int, float, str, _Job]]:
+        for item in queue:
+            if below is not None and item[0] >= below:
+                return
+            job = item[3]
+            if job.model == model and now - job.start >= job.min_run_s:
+                yield item
+
+    @staticmethod
+    def _capped(acct: _Account, merged: Iterator[tuple[int, float, str, _Job]]) -> Iterator[_Job]:
+        """Candidates in order, skipping any that would push another tenant below its guarantee."""
+        left: dict[_Account, float] = {}
+        for *_, job in merged:
+            o = job.account
+            if o is not acct:
+                room = left.get(o, o.in_use - o.guaranteed)
+                if job.gpus > room + EPS:
+                    left[o] = room
+                    continue
+                left[o] = room - job.gpus
+            yield job
+
+    def _removable(self, now: float) -> dict[tuple[_Account, str], float]:
+        """GPUs each account could lose to a reclaim now, per model (for reports)."""
+        out: dict[tuple[_Account, str], float] = {}
+        for o in self._accounts.values():
+            room = o.in_use - o.guaranteed
+            for *_, job in o.queue:
+                if room <= EPS:
+                    break
+                if job.gpus <= room + EPS and now - job.start >= job.min_run_s:
+                    room -= job.gpus
+                    out[(o, job.model)] = out.get((o, job.model), 0.0) + job.gpus
+        return out
+
+    # --- rules and reasons ----------------------------------------------------------------------------
+
+    def _np_blocks(self, acct: _Account, g: float, model: str) -> str | None:
+        """Why a non-preemptible job of ``g`` GPUs would make a guarantee unreclaimable, or None."""
+        delta = max(0.0, acct.guaranteed - acct.nonpre - g) - acct.gap
+        np_total = sum(self._np.values())
+        gap_total = sum(self._gap.values())
+        checks = [(self._total, np_total, gap_total, "", True)]  # the site, then the model's own guarantees
+        if acct.pool == model or self._gap.get(model):
+            checks.append((self._capacity.get(model, 0.0), self._np.get(model, 0.0), self._gap.get(model, 0.0),
+                           f" {model}", acct.pool == model))
+        for cap, np_now, gap, kind, mine in checks:
+            if np_now + g + gap + (delta if mine else 0.0) > cap + EPS:
+                room = max(0.0, cap - np_now - gap + (acct.gap if mine else 0.0))
+                return (f"tenant {acct.tenant}: non-preemptible jobs may take only {_n(room)} more of the site's "
+                        f"{_n(cap)}{kind} GPUs without making another tenant's guarantee unreclaimable; this job "
+                        f"needs {_n(g)} (run it preemptible to borrow idle capacity)")
+        return None
+
+    def _limit_reason(self, acct: _Account, g: float) -> str:
+        kind = f" {acct.pool}" if acct.pool else ""
+        return (f"tenant {acct.tenant} holds {_n(acct.in_use)} of its {_n(acct.limit)}{kind} GPUs "
+                f"({_n(acct.guaranteed)} guaranteed + {_n(acct.burst or 0)} burst); this job needs {_n(g)}")
+
+    def _waiting(self, acct: _Account, share: float) -> str:
+        if acct.in_use + EPS >= acct.limit:
+            return f"at its limit: holds {_n(acct.in_use)} of its {_n(acct.limit)} GPUs"
+        pool_cap = self._total if acct.pool is None else self._capacity.get(acct.pool, 0.0)
+        pool_used = sum(self._used.values()) if acct.pool is None else self._used.get(acct.pool, 0.0)
+        if pool_used + EPS < pool_cap:
+            return "waits in the site's queue order behind tenants further below their fair share"
+        return f"site full; it holds {_n(acct.in_use)} GPUs, its fair share is {_n(share)}"
+
+    def _refuse_acct(self, acct: _Account, why: str) -> Verdict:
+        return self._refuse(acct.tenant, acct.pool, why)
+
+    def _refuse(self, tenant: str, pool: str | None, why: str) -> Verdict:
+        self._refusals[(tenant, pool)] = why
+        return Verdict(False, why)
+
+    def _rank(self, acct: _Account, held: float, share: float, nxt: float) -> tuple[int, float, float, str]:
+        """Queue rank of a tenant holding ``held`` whose next job is ``nxt`` GPUs: within its guarantee first,
+        then the lowest held/share, then the furthest below its share, then by name."""
+        tier = 0 if held + nxt <= acct.guaranteed + EPS else 1
+        ratio = held / share if share > EPS else _INF
+        return tier, ratio, held - share, acct.tenant
+
+    # --- bookkeeping ----------------------------------------------------------------------------------
+
+    def _clock(self, now: float) -> None:
+        if not math.isfinite(now):
+            raise ValueError(f"now must be POSIX seconds, got {now}")
+        if self._now is None:
+            self._ledger.origin = now
+        elif now < self._now - 1e-6:
+            raise ValueError(f"time went backwards: {now} after {self._now}; pass now from one monotonic clock")
+        self._now = now if self._now is None else max(self._now, now)
+
+    def _check(self, ask: Ask) -> None:
+        if not (ask.gpus > 0 and math.isfinite(ask.gpus)):
+            raise ValueError(f"job {ask.job_id}: gpus must be a positive number of GPUs, got {ask.gpus}")
+        if ask.job_id in self._jobs:
+            raise ValueError(f"job {ask.job_id} is already running at this site")
+
+    def _listed(self, q: TenantQuota) -> _Account:
+        return _Account(q.tenant, q.model, True, float(q.guaranteed_gpus), float(q.burst_gpus),
+                        q.fair_share_weight, q.priority_ceiling)
+
+    def _resolve(self, tenant: str, model: str) -> _Account | str:
+        """The account a job of ``tenant`` on ``model`` counts against (a new best-effort one is not stored
+        until a job starts), or why the site refuses it."""
+        q = self._quotas.get(tenant)
+        if q is not None and (q.model is None or q.model == model):
+            return self._accounts[(tenant, q.model)]
+        if self._quotas and self.policy.unlisted_tenants == "refuse":
+            if q is None:
+                return f"the site has no quota for tenant {tenant} and refuses tenants it does not list"
+            return f"tenant {tenant}'s quota here counts {q.model} GPUs only; this job asks for {model}"
+        return self._accounts.get((tenant, None)) or _Account(tenant, None, False)
+
+    def _main(self, tenant: str) -> _Account:
+        q = self._quotas.get(tenant)
+        key = (tenant, q.model if q is not None else None)
+        return self._accounts.get(key) or _Account(tenant, None, False)
+
+    def _name(self, acct: _Account) -> str:
+        return acct.tenant if acct.listed or acct.tenant not in self._quotas else f"{acct.tenant}@any"
+
+    def _eff(self, ask: Ask) -> int:
+        acct = self._resolve(ask.tenant, ask.model)
+        return ask.priority if isinstance(acct, str) else acct.effective(ask.priority)
+
+    def _open(self, acct: _Account, now: float | None) -> _Account:
+        acct.since = now
+        self._accounts[(acct.tenant, acct.pool)] = acct
+        self._gap[acct.pool] = self._gap.get(acct.pool, 0.0) + acct.gap
+        return acct
+
+    def _accrue(self, acct: _Account, t: float) -> None:
+        if acct.since is not None and t > acct.since:
+            self._ledger.add((acct.tenant, acct.pool), acct.in_use, acct.since, t)
+        if acct.since is None or t > acct.since:
+            acct.since = t
+
+    def _record(self, job: _Job, acct: _Account, now: float) -> None:
+        if (acct.tenant, acct.pool) not in self._accounts:
+            self._open(acct, now)
+        self._accrue(acct, now)
+        job.account = acct
+        self._refusals.pop((acct.tenant, acct.pool), None)  # what it held changed: the old reason may not hold
+        acct.jobs[job.job_id] = job
+        acct.in_use += job.gpus
+        self._used[job.model] = self._used.get(job.model, 0.0) + job.gpus
+        if job.preemptible:
+            bisect.insort(acct.queue, (job.priority, -job.start, job.job_id, job))
+        else:
+            before = acct.gap
+            acct.nonpre += job.gpus
+            self._gap[acct.pool] += acct.gap - before
+            self._np[job.model] = self._np.get(job.model, 0.0) + job.gpus
+        self._jobs[job.job_id] = job
+
+    def _unrecord(self, job: _Job, now: float) -> None:
+        acct = job.account
+        self._accrue(acct, now)
+        self._refusals.pop((acct.tenant, acct.pool), None)
+        del self._jobs[job.job_id]
+        del acct.jobs[job.job_id]
+        acct.in_use = _tidy(acct.in_use - job.gpus)
+        self._used[job.model] = _tidy(self._used[job.model] - job.gpus)
+        if job.preemptible:
+            i = bisect.bisect_left(acct.queue, (job.priority, -job.start, job.job_id))
+            del acct.queue[i]
+        else:
+            before = acct.gap
+            acct.nonpre = _tidy(acct.nonpre - job.gpus)
+            self._gap[acct.pool] += acct.gap - before
+            self._np[job.model] = _tidy(self._np[job.model] - job.gpus)
+
+    def _rehome(self, tenant: str, old_pool: str | None, new_pool: str | None, now: float) -> None:
+        """Rebuild ``tenant``'s accounts after a quota change; its running jobs move with their usage."""
+        jobs: list[_Job] = []
+        for key in [(tenant, old_pool), (tenant, None)]:
+            acct = self._accounts.pop(key, None)
+            if acct is None:
+                continue
+            jobs.extend(acct.jobs.values())
+            for job in list(acct.jobs.values()):
+                self._unrecord(job, now)
+            self._gap[acct.pool] = _tidy(self._gap[acct.pool] - acct.gap)
+        if old_pool != new_pool:
+            self._ledger.rename((tenant, old_pool), (tenant, new_pool))
+        self._epoch = None  # weights again at the next decision: the pools or the weights changed
+        q = self._quotas.get(tenant)
+        if q is not None:
+            self._open(self._listed(q), now)
+        for job in jobs:
+            acct = self._resolve(tenant, job.model)
+            if isinstance(acct, str):  # a running job is never dropped: it stays, best-effort
+                acct = self._accounts.get((tenant, None)) or _Account(tenant, None, False)
+            job.priority = acct.effective(job.asked)
+            self._record(job, acct, now)
+
+    def _wants(self, demand: Mapping[str, float]) -> dict[_Account, float]:
+        wants = {a: a.in_use for a in self._accounts.values()}
+        for tenant, d in demand.items():
+            acct = self._main(tenant)
+            wants[acct] = max(float(d), acct.in_use)
+        return wants
+
+    def _division(self, now: float, wants: Mapping[_Account, float]) -> dict[_Account, float]:
+        """Fair shares of the accounts in ``wants``, pool by pool."""
+        self._reweight(now)
+        mode = self.policy.mode
+        k = self.policy.k if mode == "time" else 0.0
+        pools: dict[str | None, list[_Account]] = {}
+        for acct in wants:
+            pools.setdefault(acct.pool, []).append(acct)
+        out: dict[_Account, float] = {}
+        for pool, accts in pools.items():
+            cap = self._total if pool is None else self._capacity.get(pool, 0.0)
+            cap_s = self._capacity_s.get(pool, 0.0)
+            claims = [Claim(a.guaranteed, a.limit, a.weight, wants[a],
+                            self._usage_s.get((a.tenant, a.pool), 0.0) / cap_s if cap_s > 0 else 0.0)
+                      for a in accts]
+            out.update(zip(accts, divide(cap, claims, k, by_weight=mode != "off"), strict=True))
+        return out
+
+    def _reweight(self, now: float) -> None:
+        """Usage weights at the last reweight boundary: every open interval is closed there first."""
+        bucket = self._ledger.bucket_s
+        epoch = math.floor(now / bucket)
+        if epoch == self._epoch:
+            return
+        boundary = epoch * bucket
+        for acct in self._accounts.values():
+            if acct.since is not None and acct.since < boundary:
+                self._accrue(acct, boundary)
+        factors = self._ledger.factors(epoch)
+        self._usage_s = self._ledger.decayed(factors)
+        pools = {None} | {q.model for q in self._quotas.values()}
+        self._capacity_s = {p: self._ledger.capacity(self._total if p is None else self._capacity.get(p, 0.0),
+                                                     factors) for p in pools}
+        self._epoch = epoch
+
+
+def _tidy(x: float) -> float:
+    """Clear float dust from sums of fractions (0.1 + 0.2 - 0.3)."""
+    return 0.0 if abs(x) < EPS else x

@@ -1,0 +1,156 @@
+"""Site quotas through the live broker: the site reports them, its operator changes them through the API and
+the CLI, the site keeps the changes across a restart, the broker routes around a site whose quota refuses,
+and a tenant reclaiming its guarantee gets its GPUs back from the tenant that borrowed them."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from broker.api import create_app
+from broker.cli import show_quota
+from broker.config import BrokerSettings
+from broker.service import Broker
+from tests.test_api import register, site_body, wait_for
+
+
+def job_body(tenant: str, gpus: int, **more: Any) -> dict[str, Any]:
+    return {"tenant": tenant, "name": f"{tenant}-job", "gpus": {"count": gpus}, "duration_s": 3600, **more}
+
+
+@pytest.fixture
+async def broker_at(tmp_path: Path):
+    """Start a broker on ``tmp_path``'s database (again after a stop, as a restart would)."""
+    running: list[tuple[Broker, TestClient]] = []
+
+    async def start() -> TestClient:
+        settings = BrokerSettings(db=str(tmp_path / "quota.db"), cycle_interval_s=0.05, shutdown_grace_s=1)
+        broker = Broker(settings)
+        await broker.start([])
+        client = TestClient(TestServer(create_app(broker)))
+        await client.start_server()
+        running.append((broker, client))
+        return client
+
+    async def stop() -> None:
+        broker, client = running.pop()
+        await client.close()
+        await broker.stop()
+
+    yield start, stop
+    while running:
+        await stop()
+
+
+QUOTAS = [
+    {"tenant": "vision", "guaranteed_gpus": 8, "burst_gpus": 8, "fair_share_weight": 1},
+    {"tenant": "nlp", "guaranteed_gpus": 8, "burst_gpus": 8, "fair_share_weight": 1},
+]
+
+
+async def test_the_site_reports_its_quotas_and_its_operator_changes_them_across_a_restart(broker_at):
+    start, stop = broker_at
+    client = await start()
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
+
+    q = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert q["site"] == "berlin" and q["enforced"] is True and q["capacity_gpus"] == 16
+    vision = next(t for t in q["tenants"] if t["tenant"] == "vision")
+    assert (vision["guaranteed_gpus"], vision["burst_gpus"], vision["in_use_gpus"]) == (8, 8, 0)
+
+    r = await client.put("/v1/sites/berlin/quota/vision", json={"guaranteed_gpus": 12, "burst_gpus": 4})
+    assert r.status == 200, await r.text()
+    changed = await r.json()
+    assert [(t["tenant"], t["guaranteed_gpus"], t["burst_gpus"]) for t in changed["tenants"]] == [("vision", 12, 4)]
+    r = await client.delete("/v1/sites/berlin/quota/nlp")
+    assert r.status == 200 and [t["tenant"] for t in (await r.json())["tenants"] if t["listed"]] == ["vision"]
+
+    await stop()
+    client = await start()  # the site is rebuilt from the broker's store; its own file holds the changes
+    q = await (await client.get("/v1/sites/berlin/quota?tenant=vision")).json()
+    assert [(t["tenant"], t["guaranteed_gpus"], t["burst_gpus"]) for t in q["tenants"]] == [("vision", 12, 4)]
+    site = await (await client.get("/v1/sites/berlin")).json()
+    assert site["status"]["quota"]["tenants"][0]["guaranteed_gpus"] == 12  # the broker shows what the site reports
+    text = show_quota(q)
+    assert "fair share time" in text and "vision" in text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "field"),
+    [
+        pytest.param("/v1/sites/berlin/quota/vision", {"guaranteed_gpus": -1}, 422, "guaranteed_gpus",
+                     id="a negative guarantee names the field"),
+        pytest.param("/v1/sites/berlin/quota/vision", {"tenant": "nlp"}, 422, "tenant",
+                     id="a body naming another tenant than the path is refused"),
+        pytest.param("/v1/sites/berlin/quota/vision", {"fair_share_weight": 0}, 422, "fair_share_weight",
+                     id="a zero weight names the field"),
+        pytest.param("/v1/sites/nowhere/quota/vision", {}, 404, None, id="an unknown site is 404"),
+    ],
+)
+async def test_a_bad_quota_change_is_a_clear_error_and_changes_nothing(broker_at, path, body, status, field):
+    start, _ = broker_at
+    client = await start()
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
+    r = await client.put(path, json=body)
+    assert r.status == status
+    error = (await r.json())["error"]
+    if field is not None:
+        assert error["fields"][0]["field"] == field
+    q = await (await client.get("/v1/sites/berlin/quota?tenant=vision")).json()
+    assert q["tenants"][0]["guaranteed_gpus"] == 8
+
+
+async def test_the_broker_routes_around_a_site_whose_quota_refuses_the_tenant(broker_at):
+    start, _ = broker_at
+    client = await start()
+    strict = {"mode": "time", "unlisted_tenants": "refuse"}
+    # alpha has more free GPUs (the default profile's choice) but quotas for vision only
+    await register(client, site_body("alpha", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS[:1],
+                                     fair_share=strict))
+    await register(client, site_body("beta", "gcp:europe-west3", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json=job_body("speech", 2))).json()
+    job = await wait_for(client, job["id"], {"running"})
+    assert job["site"] == "beta"
+    decision = await (await client.get(f"/v1/jobs/{job['id']}/decision")).json()
+    alpha = next(s for s in decision["sites"] if s["site"] == "alpha")
+    assert not alpha["feasible"]
+    assert any("quota-refuses" in r and "not in the site's quota list" in r for r in alpha["reasons"]), alpha
+
+
+async def test_a_tenant_reclaims_its_guarantee_from_the_tenant_that_borrowed_it(broker_at):
+    start, _ = broker_at
+    client = await start()
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
+    # nlp borrows vision's idle guarantee with preemptible work: 4 jobs of 4 GPUs fill the site
+    borrowed = []
+    for i in range(4):
+        body = job_body("nlp", 4, name=f"nlp-{i}", preemptible=True, checkpointable=True)
+        borrowed.append((await (await client.post("/v1/jobs", json=body)).json())["id"])
+        await wait_for(client, borrowed[-1], {"running"})
+    q = await (await client.get("/v1/sites/berlin/quota?tenant=nlp")).json()
+    assert q["tenants"][0]["in_use_gpus"] == 16 and q["tenants"][0]["borrowed_gpus"] == 8
+
+    # vision comes back for 8 non-preemptible GPUs of its guarantee: the site is full, yet the broker sends
+    # it there, and the site preempts nlp's newest borrowed jobs to admit it
+    owner = (await (await client.post("/v1/jobs", json=job_body("vision", 8))).json())["id"]
+    await wait_for(client, owner, {"running"})
+    states = {}
+    for job_id in borrowed:
+        states[job_id] = await wait_for(client, job_id, {"running", "queued", "preempted"})
+    requeued = [j for j in borrowed if states[j]["state"] != "running"]
+    assert requeued == borrowed[2:], "the newest borrowed jobs are preempted first, and only as many as needed"
+    events = await (await client.get(f"/v1/jobs/{borrowed[3]}/events")).json()
+    preempted = [e for e in events["items"] if e["state"] == "preempted"]
+    assert preempted and "reclaims its guarantee" in preempted[0]["reason"], events
+    q = await (await client.get("/v1/sites/berlin/quota")).json()
+    by = {t["tenant"]: t for t in q["tenants"]}
+    assert by["vision"]["in_use_gpus"] == 8 and by["nlp"]["in_use_gpus"] == 8 and by["nlp"]["borrowed_gpus"] == 0
+    # the preempted jobs wait: the site is full and nlp holds its guarantee
+    await asyncio.sleep(0.3)
+    for job_id in requeued:
+        job = await (await client.get(f"/v1/jobs/{job_id}")).json()
+        assert job["state"] == "queued" and job["run_s"] >= 0, job
