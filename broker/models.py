@@ -213,6 +213,8 @@ class ModelCapacity(Strict):
         default=0, ge=0, le=1000, description="largest free share of a GPU already shared by fractional jobs"
     )
     memory_gib_per_gpu: float = Field(ge=0)
+    mig_free_slices: dict[str, int] = Field(
+        default_factory=dict, description="MIG slices of each profile that could still be made (GPUs in MIG mode)")
 
 
 class Telemetry(Strict):

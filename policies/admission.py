@@ -78,7 +78,10 @@ class SiteAdmission:
             verdict = self.book.admit(ask, now, fits, demand)
             if not verdict.admitted:
                 why = verdict.reason or "refused"
-                reasons.append(why if isinstance(found, Placement) else f"no room: {found}; {why}")
+                if isinstance(found, Placement):
+                    reasons.append(why)
+                else:  # the inventory's reason first; the quota book's adds only where quotas are kept
+                    reasons.append(f"no room: {found}" + (f"; {why}" if self.book.enforced else ""))
                 continue
             if verdict.victims:
                 placement = self.inventory.find(req, m, releasing=verdict.victims)

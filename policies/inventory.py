@@ -139,7 +139,7 @@ class ModelFree:
     def capacity(self) -> ModelCapacity:
         return ModelCapacity(model=self.model, total_gpus=self.total_gpus, free_gpus=self.free_gpus,
                              used_gpus=self.used_gpus, shared_free_milli=self.shared_free_milli,
-                             memory_gib_per_gpu=self.memory_gib_per_gpu)
+                             memory_gib_per_gpu=self.memory_gib_per_gpu, mig_free_slices=self.mig_free_slices)
 
 
 @dataclass(frozen=True, slots=True)

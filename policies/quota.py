@@ -189,6 +189,11 @@ class QuotaBook:
             self._quotas[q.tenant] = q
             self._open(self._listed(q), None)
 
+    @property
+    def enforced(self) -> bool:
+        """False when the site lists no quotas (it admits whatever fits)."""
+        return bool(self._quotas)
+
     # --- recording ------------------------------------------------------------------------------------
 
     def start(self, ask: Ask, now: float) -> None:
@@ -246,7 +251,8 @@ class QuotaBook:
         if g > cap + EPS:
             return self._refuse_acct(acct, f"the site has {_n(cap)} {model} GPUs; this job needs {_n(g)}")
         if not ask.preemptible and self._quotas and (why := self._np_blocks(acct, g, model)):
-            return self._refuse_acct(acct, why)
+            over = acct.in_use + g > acct.limit + EPS  # the tenant's own limit is the first reason
+            return self._refuse_acct(acct, self._limit_reason(acct, g) if over else why)
         over_limit = acct.in_use + g > acct.limit + EPS
         if not over_limit and fits(()):
             return Verdict(True, None, (), acct.in_use + g > acct.guaranteed + EPS)

@@ -10,6 +10,7 @@ later decisions in the same cycle see it (Kueue's "assume" step).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -49,6 +50,7 @@ class JobRequest:
     latency_slo_ms: float | None = None  # most RTT from origin_region allowed (a hard filter)
     deadline_ts: float | None = None  # POSIX seconds by which the job must finish (None: no deadline)
     submitted_ts: float | None = None  # POSIX seconds the job was submitted (bounds how long it may be deferred)
+    mig_profile: str | None = None  # ``count`` MIG slices of this profile (routed by Snapshot.mig_free)
     tenant: str | None = None  # whose quota the job counts against at each site
     preemptible: bool = False  # a site lends burst capacity to preemptible work only beyond unguaranteed GPUs
 
@@ -59,7 +61,7 @@ class JobRequest:
         return cls(
             job_id=job_id,
             count=g.count,
-            milli=g.milli,
+            milli=_broker_milli(g),
             model=g.model,
             memory_gib=g.memory_gib or 0.0,
             allowed_regions=frozenset(spec.allowed_regions),
@@ -73,6 +75,7 @@ class JobRequest:
             submitted_ts=submitted.timestamp() if submitted is not None else None,
             tenant=spec.tenant,
             preemptible=spec.preemptible,
+            mig_profile=g.mig_profile,
         )
 
     @property
@@ -81,15 +84,31 @@ class JobRequest:
 
     @property
     def charge(self) -> float:
-        """GPUs the job counts against its tenant's quota (a share of one for a fractional job)."""
+        """GPUs the job counts against its tenant's quota and holds: a share of one for a fractional job,
+        N/7 of a GPU per slice of an ``Ng.Mgb`` MIG profile."""
+        if self.mig_profile is not None:
+            return self.count * int(self.mig_profile.split("g", 1)[0]) / 7.0
         return self.milli / 1000.0 if self.milli < 1000 else float(self.count)
 
     @property
     def shape(self) -> tuple[object, ...]:
         """Everything placement looks at: two requests of one shape get the same answer."""
-        return (self.count, self.milli, self.model, self.memory_gib, self.allowed_regions,
+        return (self.count, self.milli, self.mig_profile, self.model, self.memory_gib, self.allowed_regions,
                 self.denied_regions, self.excluded_sites,
                 self.origin_region if self.latency_slo_ms is not None else None, self.latency_slo_ms)
+
+
+_LARGEST_GPU_GIB = max(m.memory_gib for m in ids.GPU_MODELS)
+
+
+def _broker_milli(g: GpuRequest) -> int:
+    """The share of one GPU the broker routes a request by. A GPU shared by memory (``shared``) is sized on
+    the named model's memory, else on the largest GPU's, so the broker never skips a site that could take
+    it; the site sizes it exactly on the GPU it picks (``policies.inventory``) and refuses if it must."""
+    if not g.shared or g.milli < 1000:
+        return g.milli
+    memory = ids.GPU_MODEL_BY_ID[g.model].memory_gib if g.model is not None else _LARGEST_GPU_GIB
+    return max(1, min(1000, math.ceil(1000 * (g.memory_gib or 0.0) / memory)))
 
 
 @dataclass(slots=True)
@@ -192,6 +211,8 @@ class Snapshot:
     plan_free: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
     # The sites' quota figures per tenant (None: no site enforces quotas). Debited by assume().
     quota: QuotaView | None = None
+    # MIG slices of each profile that could still be made, int32[n_sites, n_models]. Debited by assume().
+    mig_free: dict[str, np.ndarray] = field(default_factory=dict)
     # Values the policies derive from the fixed site facts and ``now`` (never from free capacity, which
     # assume changes), built on first use by ``derived``. Not an argument: every new snapshot (``replace``,
     # ``working_copy``) starts with an empty one.
@@ -253,6 +274,7 @@ class Snapshot:
             last_placed=self.last_placed.copy(),
             plan_free=self.plan_free.copy(),
             quota=self.quota.copy() if self.quota is not None else None,
+            mig_free={p: a.copy(order="F") for p, a in self.mig_free.items()},
         )
 
     def assume(self, site: int, req: JobRequest, model: int, *, placed_now: bool = True) -> None:
@@ -262,7 +284,11 @@ class Snapshot:
         A fractional job goes onto a shared GPU with room if there is one, else it opens a whole GPU.
         """
         free_before = int(self.free_gpus[site, model])
-        if req.fractional:
+        if req.mig_profile is not None:
+            slices = self.mig_free.get(req.mig_profile)
+            if slices is not None:
+                slices[site, model] -= req.count
+        elif req.fractional:
             if self.shared_free_milli[site, model] >= req.milli:
                 self.shared_free_milli[site, model] -= req.milli
             else:
@@ -299,6 +325,7 @@ def build_snapshot(
     mem = np.zeros((n, N_MODELS), dtype=np.float32, order="F")
     price = np.full((n, N_MODELS), np.nan, dtype=np.float64, order="F")
     healthy = np.zeros(n, dtype=bool)
+    mig_free: dict[str, np.ndarray] = {}
     region_names: dict[str, int] = {}
     region_code = np.zeros(n, dtype=np.int32)
     for i, spec in enumerate(specs):
@@ -317,6 +344,10 @@ def build_snapshot(
             total[i, j] = cap.total_gpus
             free[i, j] = cap.free_gpus
             milli[i, j] = cap.shared_free_milli
+            for profile, slices in cap.mig_free_slices.items():
+                if profile not in mig_free:
+                    mig_free[profile] = np.zeros((n, N_MODELS), dtype=np.int32, order="F")
+                mig_free[profile][i, j] = slices
     origins = sorted({o for spec in specs for o in spec.rtt_ms})
     rtt = np.full((n, len(origins)), np.nan)
     column = {o: k for k, o in enumerate(origins)}
@@ -353,6 +384,7 @@ def build_snapshot(
         temperature_c=temperature,
         queue_depth=queue,
         quota=build_quota_view(specs, states),
+        mig_free=mig_free,
     )
 
 

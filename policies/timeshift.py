@@ -112,8 +112,8 @@ def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
 
 
 def held(req: JobRequest) -> float:
-    """GPUs the job holds: ``count``, or ``milli / 1000`` of one for a fractional job."""
-    return req.milli / 1000.0 if req.fractional else float(req.count)
+    """GPUs the job holds: ``count``, ``milli / 1000`` of one for a fractional job, N/7 a MIG slice."""
+    return req.charge
 
 
 @dataclass(frozen=True, slots=True)

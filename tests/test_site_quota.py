@@ -46,6 +46,18 @@ async def broker_at(tmp_path: Path):
         await stop()
 
 
+async def reported(client: TestClient, site: str, check, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The site's first reported capacity (of its one model) that passes ``check``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        capacity = (await (await client.get(f"/v1/sites/{site}")).json())["status"]["capacity"][0]
+        if check(capacity) or loop.time() > deadline:
+            assert check(capacity), capacity
+            return capacity
+        await asyncio.sleep(0.05)
+
+
 QUOTAS = [
     {"tenant": "vision", "guaranteed_gpus": 8, "burst_gpus": 8, "fair_share_weight": 1},
     {"tenant": "nlp", "guaranteed_gpus": 8, "burst_gpus": 8, "fair_share_weight": 1},
@@ -154,3 +166,44 @@ async def test_a_tenant_reclaims_its_guarantee_from_the_tenant_that_borrowed_it(
     for job_id in requeued:
         job = await (await client.get(f"/v1/jobs/{job_id}")).json()
         assert job["state"] == "queued" and job["run_s"] >= 0, job
+
+
+async def test_mig_slices_and_shared_gpus_are_routed_to_sites_that_can_hold_them(broker_at):
+    start, _ = broker_at
+    client = await start()
+    mig = site_body("alpha", "gcp:europe-west3", {"a100-80gb": 8})
+    mig["gpus"][0]["mig_profiles"] = ["1g.10gb", "3g.40gb"]
+    await register(client, mig)
+    await register(client, site_body("beta", "gcp:europe-west3", {"a100-80gb": 16}))
+    status = (await (await client.get("/v1/sites/alpha")).json())["status"]["capacity"][0]
+    assert status["free_gpus"] == 0 and status["mig_free_slices"] == {"1g.10gb": 56, "3g.40gb": 16}
+
+    sliced = await (await client.post("/v1/jobs", json={**job_body("vision", 2), "gpus": {
+        "count": 2, "mig_profile": "3g.40gb"}})).json()
+    whole = await (await client.post("/v1/jobs", json=job_body("vision", 4))).json()
+    shared = await (await client.post("/v1/jobs", json={**job_body("nlp", 1), "gpus": {
+        "shared": True, "memory_gib": 20}})).json()
+    assert (await wait_for(client, sliced["id"], {"running"}))["site"] == "alpha"
+    assert (await wait_for(client, whole["id"], {"running"}))["site"] == "beta"
+    assert (await wait_for(client, shared["id"], {"running"}))["site"] == "beta"
+    # what the sites report next: 14 = 8 GPUs x 2 slices less the two taken; 16 - 4 whole - 1 shared
+    alpha = await reported(client, "alpha", lambda c: c["mig_free_slices"]["3g.40gb"] == 14)
+    assert alpha["mig_free_slices"]["1g.10gb"] == 49  # one GPU holds 6 of 7 compute slices now
+    beta = await reported(client, "beta", lambda c: c["free_gpus"] == 11)
+    assert beta["shared_free_milli"] == 750  # the shared GPU has three quarters of its memory left
+
+
+async def test_a_gang_the_site_cannot_keep_on_one_node_is_refused_there_and_placed_elsewhere(broker_at):
+    start, _ = broker_at
+    client = await start()
+    await register(client, site_body("alpha", "gcp:europe-west3", {"a100-80gb": 8}) | {
+        "gpus": [{"model": "a100-80gb", "gpus_per_node": 4, "nodes": 2}]})
+    await register(client, site_body("beta", "gcp:europe-west3", {"a100-80gb": 8}))
+    body = job_body("vision", 8)
+    body["gpus"]["topology"] = "node"
+    job = await (await client.post("/v1/jobs", json=body)).json()
+    job = await wait_for(client, job["id"], {"running"})
+    assert job["site"] == "beta"  # alpha (first by name) has 8 free, but on two nodes of 4
+    events = await (await client.get(f"/v1/jobs/{job['id']}/events")).json()
+    refusal = [e["reason"] for e in events["items"] if e["reason"] and "alpha refused" in e["reason"]]
+    assert refusal and "alpha refused it: no room: 8 a100-80gb on one node needed; nodes here have at most 4; routing again" == refusal[0], events

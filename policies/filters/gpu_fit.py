@@ -4,7 +4,9 @@ requested memory, and enough of it is free: ``count`` whole GPUs, or for a fract
 
 GPUs a site reports its tenant could reclaim from borrowers of its guarantee (``Snapshot.quota``) count as
 free for that tenant's jobs: the site preempts the borrowers to admit it. Node and NVLink topology, MIG
-slices and shared-GPU memory are checked by the site itself (``policies.inventory``).
+slices and shared-GPU memory are checked exactly by the site itself (``policies.inventory``); here a MIG
+request fits where the site reports that many slices of its profile could still be made
+(``ModelCapacity.mig_free_slices``), and a GPU shared by memory is sized as ``JobRequest`` explains.
 
 :class:`Fit` works out where one request fits once per decision, over only the model columns it could use,
 and the pipeline shares it with the scorers that look at free capacity (``raw_fit``); ``fit_matrix``,
@@ -106,7 +108,9 @@ class Fit:
         req, usable = self.req, self.usable
         quota = self.snap.quota
         reclaim = quota.reclaim.get(req.tenant) if quota is not None and req.tenant is not None else None
-        if req.fractional:
+        if req.mig_profile is not None:
+            capacity = _mig_slices(self.snap, req)[:, usable.columns] >= req.count
+        elif req.fractional:
             shared = self.snap.shared_free_milli
             cols = usable.columns
             shared = shared[:, cols[0]:cols[0] + 1] if usable.named else shared[:, cols]
@@ -146,9 +150,17 @@ def _at_least(memory_gib: np.ndarray, column: int, memory: float) -> np.ndarray:
     return memory_gib[:, column] >= memory
 
 
+def _mig_slices(snap: Snapshot, req: JobRequest) -> np.ndarray:
+    """int32[n_sites, n_models]: slices of the request's MIG profile that could still be made."""
+    slices = snap.mig_free.get(req.mig_profile) if req.mig_profile is not None else None
+    return slices if slices is not None else np.zeros_like(snap.free_gpus)
+
+
 def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
     """bool[n_sites, n_models]: where the job would fit, per model column."""
-    if req.fractional:
+    if req.mig_profile is not None:
+        fits = _mig_slices(snap, req) >= req.count
+    elif req.fractional:
         fits = (snap.free_gpus > 0) | (snap.shared_free_milli >= req.milli)
     else:
         fits = snap.free_gpus >= req.count
@@ -162,7 +174,9 @@ def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
 def fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
     """bool[n_models]: which models the job would fit at one site."""
     free = snap.free_gpus[site]
-    if req.fractional:
+    if req.mig_profile is not None:
+        fits = _mig_slices(snap, req)[site] >= req.count
+    elif req.fractional:
         fits = (free > 0) | (snap.shared_free_milli[site] >= req.milli)
     else:
         fits = free >= req.count
@@ -172,7 +186,9 @@ def fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
 def fit_column(req: JobRequest, snap: Snapshot, column: int) -> np.ndarray:
     """bool[n_sites]: where the job fits in one model column."""
     free = snap.free_gpus[:, column]
-    if req.fractional:
+    if req.mig_profile is not None:
+        fits = _mig_slices(snap, req)[:, column] >= req.count
+    elif req.fractional:
         fits = (free > 0) | (snap.shared_free_milli[:, column] >= req.milli)
     else:
         fits = free >= req.count
@@ -200,6 +216,8 @@ class GpuFitFilter:
         if req.memory_gib and mem < req.memory_gib:
             return f"{what} here have {mem:g} GiB per GPU; the job needs {req.memory_gib:g} GiB"
         free = view.free[site]
+        if req.mig_profile is not None:
+            return f"job needs {req.count} MIG slices {req.mig_profile} of {what}; the site has not that many free"
         if req.fractional:
             return (
                 f"job needs {req.milli}/1000 of one {what}; {free} whole GPUs free and the largest "

@@ -17,7 +17,7 @@ from policies.snapshot import JobRequest, Snapshot
 
 
 def gpus_held(req: JobRequest) -> float:
-    return req.count * (req.milli / 1000.0 if req.fractional else 1.0)
+    return req.charge
 
 
 class CostScorer:
