@@ -293,17 +293,17 @@ class SchedulingCycle:
                 signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = signature
-                    records.append((job, explain.record_deferral(pipeline, placement, snap)))
+                    records.append((job, self._with_refusals(req, explain.record_deferral(pipeline, placement, snap))))
                 continue
             if isinstance(placement, _Failure):
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
                     self._last_seen[job.id] = placement.signature
-                    records.append((job, placement.record(pipeline, snap)))
+                    records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
                 continue
             site = snap.sites[placement.site]
             if site in self.federation.leaving:
                 continue  # being removed or rebuilt: the next pass decides without it
-            rec = explain.record(pipeline, placement, snap)
+            rec = self._with_refusals(req, explain.record(pipeline, placement, snap))
             decider.assume(placement)
             new, version = self.book.apply(
                 job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
@@ -336,6 +336,12 @@ class SchedulingCycle:
         for result in results[len(assumed):]:
             if isinstance(result, BaseException):
                 log.error("could not record a decision: %s", result)
+
+    def _with_refusals(self, req: JobRequest, rec: dict[str, Any]) -> dict[str, Any]:
+        """``rec`` (maybe shared by several jobs) with the reasons the sites it skips gave for refusing this job."""
+        if not req.excluded_sites:
+            return rec
+        return {**rec, "refusals": self.book.refusal_reasons(req.job_id)}
 
     def _request(self, job: Job) -> JobRequest:
         """The job's placement request, cached until the sites it must skip change."""

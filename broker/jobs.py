@@ -319,6 +319,11 @@ class JobBook:
         self._next_expiry = min((r.until for rs in self._refusals.values() for r in rs.values()), default=None)
         return True
 
+    def refusal_reasons(self, job_id: str) -> dict[str, str]:
+        """Why each site that still refuses the job's current attempt refused it."""
+        now = self._clock.now()
+        return {site: r.reason for site, r in self._refusals.get(job_id, {}).items() if r.until > now}
+
     def refused_sites(self, job_id: str) -> frozenset[str]:
         refusals = self._refusals.get(job_id)
         if not refusals:

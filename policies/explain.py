@@ -100,6 +100,8 @@ class _View:
     quota_room: list[float] | None = None  # the tenant's quota room per site (policies.filters.quota)
     quota_np_room: list[float] | None = None
     quota_listed: bool = True
+    refusals: dict[str, str] | None = None  # site -> why it refused the job's attempt (RefusedFilter)
+    sites: list[str] | None = None  # site names, in row order
 
 
 def _finite(value: float) -> float | None:
@@ -126,6 +128,8 @@ def render(
         unpack(rec["quota_room"], "f8").tolist() if "quota_room" in rec else None,
         unpack(rec["quota_np_room"], "f8").tolist() if "quota_np_room" in rec else None,
         rec.get("quota_listed", True),
+        rec.get("refusals"),
+        sites,
     )
     terms = [
         (t["scorer"], t["weight"], unpack(t["raw"], "f8").tolist(), unpack(t["normalised"], "f8").tolist())

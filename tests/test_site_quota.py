@@ -207,3 +207,8 @@ async def test_a_gang_the_site_cannot_keep_on_one_node_is_refused_there_and_plac
     events = await (await client.get(f"/v1/jobs/{job['id']}/events")).json()
     refusal = [e["reason"] for e in events["items"] if e["reason"] and "alpha refused" in e["reason"]]
     assert refusal and "alpha refused it: no room: 8 a100-80gb on one node needed; nodes here have at most 4; routing again" == refusal[0], events
+    # the decision that placed it on beta says why alpha was skipped, in alpha's words
+    decision = await (await client.get(f"/v1/jobs/{job['id']}/decision")).json()
+    alpha = next(s for s in decision["sites"] if s["site"] == "alpha")
+    assert alpha["reasons"] == ["site-refused: earlier, the site refused it: no room: 8 a100-80gb on "
+                                "one node needed; nodes here have at most 4; it is skipped until conditions change"]

@@ -52,4 +52,9 @@ class RefusedFilter:
         return ok
 
     def describe(self, req: JobRequest, view: FitView, site: int) -> str:
+        refusals = getattr(view, "refusals", None) or {}
+        names = getattr(view, "sites", None)
+        why = refusals.get(names[site]) if names is not None else None
+        if why:
+            return f"earlier, the site {why}; it is skipped until conditions change"
         return "site refused this job earlier; it is skipped until conditions change"
