@@ -88,6 +88,10 @@ class QuotaAdmin(Protocol):
 
     async def remove_quota(self, tenant: str) -> QuotaState: ...
 
+    async def forget_quotas(self) -> None:
+        """The site leaves the federation: drop the changes it kept, so a new site of its name starts afresh."""
+        ...
+
 
 @runtime_checkable
 class SiteAdapter(CapacityReporter, JobRunner, EventSource, Protocol):

@@ -150,10 +150,15 @@ class SimulatedSite:
 
     async def remove_quota(self, tenant: str) -> QuotaState:
         self._check_reachable()
+        if not self._admission.book.has_quota(tenant):
+            raise KeyError(f"site {self.name} has no quota for tenant {tenant}")
         self._overrides.remove(tenant)
         now = self._clock.now().timestamp()
         self._admission.remove_quota(tenant, now)
         return self._admission.report(now)
+
+    async def forget_quotas(self) -> None:
+        self._overrides.forget()
 
     # --- JobRunner ---
 

@@ -245,7 +245,10 @@ async def set_quota(request: web.Request) -> web.Response:
 async def delete_quota(request: web.Request) -> web.Response:
     member = _member(request)
     tenant = request.match_info["tenant"]
-    state = await _ask_site(member, _quota_admin(member).remove_quota(tenant))
+    try:
+        state = await _ask_site(member, _quota_admin(member).remove_quota(tenant))
+    except KeyError:
+        raise ApiError(404, f"site {member.spec.name} has no quota for tenant {tenant}") from None
     return _json(_quota_json(member, state))
 
 

@@ -236,10 +236,14 @@ async def _client_command(args: argparse.Namespace) -> str:
                         raise CliError(f"unknown sites action {args.action}")
             case "quota":
                 path = f"/v1/sites/{args.site}/quota"
-                if args.set:
-                    body = {k: v for k, v in (("guaranteed_gpus", args.guaranteed), ("burst_gpus", args.burst),
-                                              ("fair_share_weight", args.weight), ("priority_ceiling", args.ceiling),
-                                              ("model", args.model)) if v is not None}
+                if args.set:  # a change of the fields given; the others keep their value
+                    now = await c.request("GET", path, params={"tenant": args.set})
+                    listed = [t for t in now["tenants"] if t["tenant"] == args.set and t["listed"]]
+                    body = {k: listed[0][k] for k in ("guaranteed_gpus", "burst_gpus", "fair_share_weight",
+                                                      "priority_ceiling", "model")} if listed else {}
+                    body.update({k: v for k, v in (("guaranteed_gpus", args.guaranteed), ("burst_gpus", args.burst),
+                                                   ("fair_share_weight", args.weight), ("priority_ceiling", args.ceiling),
+                                                   ("model", args.model)) if v is not None})
                     out = await c.request("PUT", f"{path}/{args.set}", body)
                 elif args.remove:
                     out = await c.request("DELETE", f"{path}/{args.remove}")
@@ -326,7 +330,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("site")
     s.add_argument("--tenant", help="show only this tenant")
     change = s.add_mutually_exclusive_group()
-    change.add_argument("--set", metavar="TENANT", help="set this tenant's quota (fields not given: defaults)")
+    change.add_argument("--set", metavar="TENANT", help="change this tenant's quota: the fields given (a new tenant: "
+                                                        "the others at their defaults)")
     change.add_argument("--remove", metavar="TENANT", help="remove this tenant's quota")
     s.add_argument("--guaranteed", type=int, help="guaranteed GPUs")
     s.add_argument("--burst", type=int, help="GPUs allowed above the guarantee")

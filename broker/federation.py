@@ -10,6 +10,7 @@ the site specs' ``usd_per_gpu_hour``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -17,7 +18,7 @@ from datetime import datetime
 
 import numpy as np
 
-from adapters.base import SiteAdapter
+from adapters.base import QuotaAdmin, SiteAdapter
 from broker.clock import Clock
 from broker.models import Health, SiteSpec, SiteState
 from broker.providers.prices import PriceProvider
@@ -42,6 +43,11 @@ class Member:
         if self.state is None:
             return SiteState(site=self.spec.name, health=Health.UNKNOWN, reason=self.error or "not heard from yet")
         return self.state
+
+
+def needs_rebuild(old: SiteSpec, new: SiteSpec) -> bool:
+    """A spec change the running adapter cannot take: its GPUs, its adapter settings, its fair-share policy."""
+    return old.gpus != new.gpus or old.adapter != new.adapter or old.fair_share != new.fair_share
 
 
 class Federation:
@@ -84,13 +90,25 @@ class Federation:
         return member
 
     async def replace(self, spec: SiteSpec) -> Member:
-        """Swap a site's spec; the adapter is rebuilt when its inventory or adapter settings change."""
+        """Swap a site's spec; the adapter is rebuilt when its inventory, adapter settings or fair-share policy
+        change. Changed quotas are passed to the site as its operator's changes would be (the latest change
+        wins, whether made through the spec or through the quota API)."""
         member = self.members[spec.name]
-        if spec.gpus != member.spec.gpus or spec.adapter != member.spec.adapter:
+        old = member.spec
+        if needs_rebuild(old, spec):
             await member.adapter.close()
             member.adapter = self._factory(spec)
             await member.adapter.start()
             member.state = None
+        if spec.quotas != old.quotas and isinstance(member.adapter, QuotaAdmin):
+            before = {q.tenant: q for q in old.quotas}
+            after = {q.tenant: q for q in spec.quotas}
+            for tenant, quota in after.items():
+                if before.get(tenant) != quota:
+                    await member.adapter.set_quota(quota)
+            for tenant in before.keys() - after.keys():
+                with contextlib.suppress(KeyError):  # the operator removed it already
+                    await member.adapter.remove_quota(tenant)
         member.spec = spec
         self._base = self._site_arrays = None
         self.membership_changed = True
@@ -110,6 +128,8 @@ class Federation:
         self.leaving.discard(name)
         self._base = self._site_arrays = None
         self.membership_changed = True
+        if isinstance(member.adapter, QuotaAdmin):
+            await member.adapter.forget_quotas()
         await member.adapter.close()
 
     async def close(self) -> None:

@@ -86,9 +86,17 @@ class NodeGroup(Strict):
     @classmethod
     def _mig(cls, profiles: list[str]) -> list[str]:
         for p in profiles:
-            if not re.fullmatch(r"\d+g\.\d+gb", p):
-                raise ValueError(f"{p!r} is not a MIG profile such as 1g.10gb or 3g.40gb")
+            mig_slices(p)
         return profiles
+
+    @model_validator(mode="after")
+    def _mig_fits(self) -> NodeGroup:
+        for p in self.mig_profiles:
+            memory = int(p.split(".")[1][:-2])
+            if memory > self.gpu_memory_gib:
+                raise ValueError(f"mig_profiles: {p} needs {memory} GiB, more than a {self.model} GPU here has "
+                                 f"({self.gpu_memory_gib:g} GiB)")
+        return self
 
     @property
     def gpus(self) -> int:
@@ -97,6 +105,14 @@ class NodeGroup(Strict):
     @property
     def gpu_memory_gib(self) -> float:
         return self.memory_gib_per_gpu or float(ids.GPU_MODEL_BY_ID[self.model].memory_gib)
+
+
+def mig_slices(profile: str) -> int:
+    """The compute slices (of 7) of a MIG profile such as ``3g.40gb``; ValueError for anything else."""
+    match = re.fullmatch(r"([1-7])g\.(\d+)gb", profile)
+    if match is None or int(match.group(2)) == 0:
+        raise ValueError(f"{profile!r} is not a MIG profile such as 1g.10gb or 3g.40gb (1 to 7 compute slices)")
+    return int(match.group(1))
 
 
 class TenantQuota(Strict):
@@ -318,8 +334,10 @@ class GpuRequest(Strict):
                 raise ValueError("shared: a job sharing a GPU asks for part of one GPU: count must be 1")
             if self.memory_gib is None:
                 raise ValueError("shared: needs memory_gib, the memory the job takes on the shared GPU")
-        if self.mig_profile is not None and (self.milli < 1000 or self.shared):
-            raise ValueError("mig_profile: a MIG slice is a fixed partition; do not combine it with milli or shared")
+        if self.mig_profile is not None:
+            mig_slices(self.mig_profile)
+            if self.milli < 1000 or self.shared:
+                raise ValueError("mig_profile: a MIG slice is a fixed partition; do not combine it with milli or shared")
         return self
 
     @property

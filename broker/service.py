@@ -11,9 +11,9 @@ token variable) stops the start with a :class:`~broker.config.ConfigError` namin
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 import contextlib
 import logging
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 
 from adapters.base import SiteAdapter
@@ -22,7 +22,7 @@ from broker.clock import Clock, SystemClock
 from broker.config import BrokerSettings, ConfigError
 from broker.cycle import SchedulingCycle
 from policies.profiles import profile_pipeline
-from broker.federation import Federation, Member
+from broker.federation import Federation, Member, needs_rebuild
 from broker.jobs import JobBook
 from broker.lifecycle import Lifecycle
 from broker.models import SiteSpec
@@ -219,13 +219,13 @@ class Broker:
         member = self.federation.get(spec.name)
         if member is None:
             raise KeyError(spec.name)
-        rebuild = spec.gpus != member.spec.gpus or spec.adapter != member.spec.adapter
-        if not rebuild:
+        if not needs_rebuild(member.spec, spec):
             await self.store.put_site(spec)
             member = await self.federation.replace(spec)
             self.wake()
             return member
-        async with self._site_leaving(spec.name, "its GPU inventory and adapter can change only when none run there"):
+        async with self._site_leaving(spec.name, "its GPU inventory, adapter and fair-share policy can change only "
+                                                 "when no jobs run there"):
             await self.store.put_site(spec)
             await self._stop_pump(spec.name)
             member = await self.federation.replace(spec)

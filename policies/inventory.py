@@ -46,19 +46,17 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from bisect import bisect_left, insort
 from itertools import islice
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from broker import ids
-from broker.models import GpuRequest, ModelCapacity, NodeGroup, SiteSpec
+from broker.models import GpuRequest, ModelCapacity, NodeGroup, SiteSpec, mig_slices
 
 KIB_PER_GIB = 1 << 20
 MILLI_PER_GPU = 1000
 MIG_SLICES_PER_GPU = 7
-_PROFILE = re.compile(r"(\d+)g\.(\d+)gb")
 
 
 class AllocationError(ValueError):
@@ -83,10 +81,7 @@ class MigProfile:
 
     @classmethod
     def parse(cls, name: str) -> MigProfile:
-        m = _PROFILE.fullmatch(name)
-        if m is None or not 1 <= int(m[1]) <= MIG_SLICES_PER_GPU or int(m[2]) < 1:
-            raise ValueError(f"{name!r} is not a MIG profile such as 1g.10gb (1 to 7 compute slices, some GiB)")
-        return cls(name, int(m[1]), int(m[2]) * KIB_PER_GIB)
+        return cls(name, mig_slices(name), int(name.split(".")[1][:-2]) * KIB_PER_GIB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +164,7 @@ class _Group:
         self.memory_gib: float = spec_group.gpu_memory_gib
         self.mem_kib = math.floor(self.memory_gib * KIB_PER_GIB)
         self.domain: str | None = spec_group.nvlink_domain
-        self.profiles = {p: MigProfile.parse(p) for p in spec_group.mig_profiles}
-        for p in self.profiles.values():
-            if p.memory_kib > self.mem_kib:
-                raise ValueError(f"node group {index} ({self.model}, {self.memory_gib:g} GiB a GPU) offers MIG "
-                                 f"profile {p.name}, which needs more memory than a GPU has; remove it")
+        self.profiles = {p: MigProfile.parse(p) for p in spec_group.mig_profiles}  # NodeGroup checked they fit
         self.first_node, self.end_node = first_node, first_node + spec_group.nodes
         self.first_gpu, self.end_gpu = first_gpu, first_gpu + spec_group.gpus
         nodes = set(range(self.first_node, self.end_node))

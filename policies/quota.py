@@ -40,7 +40,8 @@ Preemption (when the job does not fit as things stand)
 
 Cost: admission is O(1) plus, when preemption is needed, one fair-share division (O(tenants)) and a lazy
 merge of per-tenant candidate lists kept sorted at start/stop. Units: GPUs (a fractional job counts its
-share), POSIX seconds. Turn it off with an empty quota list (everything that fits is admitted).
+share), POSIX seconds. With an empty quota list there are no limits (everything that fits is admitted)
+and no reclaim; a higher-priority job may still preempt lower-priority preemptible work.
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ class QuotaBook:
             self._quotas[q.tenant] = q
             self._open(self._listed(q), None)
 
+    def has_quota(self, tenant: str) -> bool:
+        return tenant in self._quotas
+
     @property
     def enforced(self) -> bool:
         """False when the site lists no quotas (it admits whatever fits)."""
@@ -198,7 +202,7 @@ class QuotaBook:
 
     def start(self, ask: Ask, now: float) -> None:
         """Record an admitted job as running (preempt its verdict's victims with :meth:`stop` first)."""
-        self._clock(now)
+        now = self._clock(now)
         self._check(ask)
         acct = self._resolve(ask.tenant, ask.model)
         if isinstance(acct, str):
@@ -210,7 +214,7 @@ class QuotaBook:
 
     def stop(self, job_id: str, now: float) -> None:
         """A running job ended or was preempted."""
-        self._clock(now)
+        now = self._clock(now)
         job = self._jobs.get(job_id)
         if job is None:
             raise KeyError(f"job {job_id} is not running at this site (never started, or already stopped)")
@@ -221,14 +225,14 @@ class QuotaBook:
 
     def set_quota(self, quota: TenantQuota, now: float) -> None:
         """An operator's change (or a new tenant). Running jobs keep running, even above a lowered limit."""
-        self._clock(now)
+        now = self._clock(now)
         old = self._quotas.get(quota.tenant)
         self._quotas[quota.tenant] = quota
         self._rehome(quota.tenant, None if old is None else old.model, quota.model, now)
 
     def remove_quota(self, tenant: str, now: float) -> None:
         """The tenant becomes unlisted; its running jobs stay (as best-effort) whatever ``unlisted_tenants`` says."""
-        self._clock(now)
+        now = self._clock(now)
         old = self._quotas.pop(tenant, None)
         if old is None:
             raise KeyError(f"tenant {tenant} has no quota at this site")
@@ -241,7 +245,7 @@ class QuotaBook:
         "does the job fit once these are gone". ``demand``: GPUs each tenant wants in all (running + waiting;
         default: what it runs), for the fair shares that decide who is over its share. Changes nothing but
         caches and the refusal reason :meth:`state` reports."""
-        self._clock(now)
+        now = self._clock(now)
         self._check(ask)
         acct = self._resolve(ask.tenant, ask.model)
         if isinstance(acct, str):
@@ -278,7 +282,7 @@ class QuotaBook:
 
     def fair_shares(self, now: float, demand: Mapping[str, float]) -> dict[str, float]:
         """Fair share in GPUs per tenant for ``demand`` (GPUs wanted in all; tenants left out want what they run)."""
-        self._clock(now)
+        now = self._clock(now)
         shares = self._division(now, self._wants(demand))
         return {self._name(a): s for a, s in shares.items()}
 
@@ -286,7 +290,7 @@ class QuotaBook:
         """The site's queue order for ``pending`` (all waiting here): tenants furthest below their fair share
         first, re-ranked as each job is counted in (mode ``off``: priority, then arrival); within a tenant,
         priority then arrival. Jobs of tenants the site refuses come last."""
-        self._clock(now)
+        now = self._clock(now)
         if self.policy.mode == "off":
             return sorted(pending, key=lambda a: -self._eff(a))
         queues: dict[_Account, list[tuple[int, int, Ask]]] = {}
@@ -323,7 +327,7 @@ class QuotaBook:
 
     def state(self, now: float, demand: Mapping[str, float] | None = None) -> list[TenantState]:
         """Every tenant the site lists or runs jobs for, listed first, by name."""
-        self._clock(now)
+        now = self._clock(now)
         wants = self._wants(demand or {})
         shares = self._division(now, wants)
         removable = self._removable(now)
@@ -509,14 +513,15 @@ class QuotaBook:
 
     # --- bookkeeping ----------------------------------------------------------------------------------
 
-    def _clock(self, now: float) -> None:
+    def _clock(self, now: float) -> float:
+        """``now``, never before the latest time seen: a wall clock stepped back (NTP) must not undo usage
+        already accrued, so the book holds its time until the clock catches up."""
         if not math.isfinite(now):
             raise ValueError(f"now must be POSIX seconds, got {now}")
         if self._now is None:
             self._ledger.origin = now
-        elif now < self._now - 1e-6:
-            raise ValueError(f"time went backwards: {now} after {self._now}; pass now from one monotonic clock")
         self._now = now if self._now is None else max(self._now, now)
+        return self._now
 
     def _check(self, ask: Ask) -> None:
         if not (ask.gpus > 0 and math.isfinite(ask.gpus)):

@@ -20,7 +20,7 @@ from zoneinfo import ZoneInfo
 import numpy as np
 
 from broker import ids
-from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState
+from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState, mig_slices
 
 MODEL_INDEX: dict[str, int] = {m: i for i, m in enumerate(ids.GPU_MODEL_IDS)}
 N_MODELS = len(ids.GPU_MODEL_IDS)
@@ -87,7 +87,7 @@ class JobRequest:
         """GPUs the job counts against its tenant's quota and holds: a share of one for a fractional job,
         N/7 of a GPU per slice of an ``Ng.Mgb`` MIG profile."""
         if self.mig_profile is not None:
-            return self.count * int(self.mig_profile.split("g", 1)[0]) / 7.0
+            return self.count * mig_slices(self.mig_profile) / 7.0
         return self.milli / 1000.0 if self.milli < 1000 else float(self.count)
 
     @property
@@ -119,9 +119,13 @@ class QuotaView:
 
     room: dict[str, np.ndarray]  # tenant -> more GPUs its preemptible jobs may hold
     np_room: dict[str, np.ndarray]  # tenant -> more GPUs its non-preemptible jobs may hold
-    reclaim: dict[str, np.ndarray]  # tenant -> GPUs it would get back now by reclaiming its guarantee
+    # tenant -> GPUs it would get back now by reclaiming its guarantee, and how much of its guarantee it
+    # does not hold (a job reclaims only if it fits in that); only tenants some site could reclaim for
+    reclaim: dict[str, np.ndarray]
+    shortfall: dict[str, np.ndarray]
     unlisted_room: np.ndarray
     unlisted_np_room: np.ndarray
+    model: dict[str, np.ndarray] = field(default_factory=dict)  # tenant -> model column its quota counts (-1: any)
 
     def rooms(self, tenant: str | None) -> tuple[np.ndarray, np.ndarray]:
         if tenant is None:
@@ -131,21 +135,29 @@ class QuotaView:
             return self.unlisted_room, self.unlisted_np_room
         return room, self.np_room[tenant]
 
+    def extra(self, req: JobRequest) -> np.ndarray | None:
+        """float64[n_sites]: GPUs the job could take by reclaiming its tenant's guarantee, per site (None:
+        none anywhere). Counted on top of free GPUs; a placement that uses them drives free below 0."""
+        reclaim = self.reclaim.get(req.tenant) if req.tenant is not None and req.mig_profile is None else None
+        if reclaim is None:
+            return None
+        return np.where(self.shortfall[req.tenant] >= req.charge - 1e-9, reclaim, 0.0)
+
     def copy(self) -> QuotaView:
         return QuotaView({t: a.copy() for t, a in self.room.items()}, {t: a.copy() for t, a in self.np_room.items()},
-                         {t: a.copy() for t, a in self.reclaim.items()}, self.unlisted_room.copy(),
-                         self.unlisted_np_room.copy())
+                         self.reclaim, {t: a.copy() for t, a in self.shortfall.items()}, self.unlisted_room.copy(),
+                         self.unlisted_np_room.copy(), self.model)
 
-    def debit(self, site: int, req: JobRequest, took_free: float) -> None:
-        """A placement of ``req`` at ``site`` that took ``took_free`` of the free GPUs (the rest reclaimed)."""
+    def debit(self, site: int, req: JobRequest) -> None:
+        """A placement of ``req`` at ``site``: its tenant's room (and guarantee not held) shrink by its charge."""
         charge = req.charge
         room, np_room = self.rooms(req.tenant)  # an unlisted tenant's figures are shared by all unlisted
         room[site] -= charge
         if not req.preemptible:
             np_room[site] -= charge
-        reclaim = self.reclaim.get(req.tenant) if req.tenant is not None else None
-        if reclaim is not None and charge > took_free:
-            reclaim[site] = max(reclaim[site] - (charge - took_free), 0.0)
+        shortfall = self.shortfall.get(req.tenant) if req.tenant is not None else None
+        if shortfall is not None:
+            shortfall[site] -= charge
 
 
 def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None]) -> QuotaView | None:
@@ -164,6 +176,8 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
     room: dict[str, np.ndarray] = {}
     np_room: dict[str, np.ndarray] = {}
     reclaim: dict[str, np.ndarray] = {}
+    shortfall: dict[str, np.ndarray] = {}
+    model: dict[str, np.ndarray] = {}
     for i, q in reports:
         for t in q.tenants:
             if not t.listed:
@@ -171,11 +185,16 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
             if t.tenant not in room:
                 room[t.tenant] = unlisted_room.copy()
                 np_room[t.tenant] = unlisted_np_room.copy()
-                reclaim[t.tenant] = np.zeros(n)
             room[t.tenant][i] = inf if t.room_gpus is None else t.room_gpus
             np_room[t.tenant][i] = inf if t.nonpreemptible_room_gpus is None else t.nonpreemptible_room_gpus
-            reclaim[t.tenant][i] = t.reclaimable_gpus
-    return QuotaView(room, np_room, reclaim, unlisted_room, unlisted_np_room)
+            if t.model is not None:
+                model.setdefault(t.tenant, np.full(n, -1, dtype=np.int32))[i] = MODEL_INDEX[t.model]
+            if t.reclaimable_gpus > 0:
+                if t.tenant not in reclaim:
+                    reclaim[t.tenant], shortfall[t.tenant] = np.zeros(n), np.zeros(n)
+                reclaim[t.tenant][i] = t.reclaimable_gpus
+                shortfall[t.tenant][i] = max(t.guaranteed_gpus - t.in_use_gpus, 0.0)
+    return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +302,6 @@ class Snapshot:
 
         A fractional job goes onto a shared GPU with room if there is one, else it opens a whole GPU.
         """
-        free_before = int(self.free_gpus[site, model])
         if req.mig_profile is not None:
             slices = self.mig_free.get(req.mig_profile)
             if slices is not None:
@@ -297,14 +315,12 @@ class Snapshot:
         else:
             self.free_gpus[site, model] -= req.count
         if self.quota is not None:
-            self.quota.debit(site, req, took_free=min(float(max(free_before, 0)), req.charge) if not req.fractional
-                             else req.charge)
+            self.quota.debit(site, req)
         if self.plan_free.size:  # the run's later hours in the time-shift plan; hour 0 is free_gpus itself
             now_s = self.now.timestamp()
             into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
             end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
-            gpus = req.milli / 1000.0 if req.fractional else float(req.count)
-            self.plan_free[site, model, 1:max(end, 1)] -= gpus
+            self.plan_free[site, model, 1:max(end, 1)] -= req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
         if placed_now:
             self.last_placed[0] = site

@@ -185,6 +185,8 @@ def test_quota_shows_a_sites_tenants_and_sets_and_removes_one(capsys, server):
     assert header.split()[:3] == ["TENANT", "GUARANTEED", "BURST"] and row.split()[:3] == ["vision", "4", "2"]
     code, out, _ = run(capsys, server, "--json", "quota", "alpha")
     assert json.loads(out)["enforced"] is True
+    code, out, _ = run(capsys, server, "quota", "alpha", "--set", "vision", "--weight", "3")  # the rest is kept
+    assert out.splitlines()[2].split()[:4] == ["vision", "4", "2", "3"]
     code, out, _ = run(capsys, server, "quota", "alpha", "--remove", "vision")
     assert code == 0 and out.startswith("site alpha: no quotas")
     code, _, err = run(capsys, server, "quota", "alpha", "--set", "vision", "--guaranteed", "-3")

@@ -280,7 +280,7 @@ def test_mig_gpus_serve_only_mig_slices() -> None:
 
 
 def test_a_mig_profile_larger_than_the_gpu_is_a_configuration_error() -> None:
-    with pytest.raises(ValueError, match="7g.80gb, which needs more memory than a GPU has"):
+    with pytest.raises(ValueError, match="7g.80gb needs 80 GiB, more than a a100-40gb GPU here has"):
         inventory(group("a100-40gb", per_node=1, mig_profiles=["7g.80gb"]))
 
 

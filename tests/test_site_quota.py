@@ -101,19 +101,21 @@ async def test_the_site_reports_its_quotas_and_its_operator_changes_them_across_
         pytest.param("/v1/sites/berlin/quota/vision", {"fair_share_weight": 0}, 422, "fair_share_weight",
                      id="a zero weight names the field"),
         pytest.param("/v1/sites/nowhere/quota/vision", {}, 404, None, id="an unknown site is 404"),
+        pytest.param("/v1/sites/berlin/quota/speech", None, 404, None,
+                     id="removing the quota of a tenant the site does not list is 404"),
     ],
 )
 async def test_a_bad_quota_change_is_a_clear_error_and_changes_nothing(broker_at, path, body, status, field):
     start, _ = broker_at
     client = await start()
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
-    r = await client.put(path, json=body)
+    r = await (client.put(path, json=body) if body is not None else client.delete(path))
     assert r.status == status
     error = (await r.json())["error"]
     if field is not None:
         assert error["fields"][0]["field"] == field
-    q = await (await client.get("/v1/sites/berlin/quota?tenant=vision")).json()
-    assert q["tenants"][0]["guaranteed_gpus"] == 8
+    q = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert [(t["tenant"], t["guaranteed_gpus"]) for t in q["tenants"]] == [("nlp", 8), ("vision", 8)]
 
 
 async def test_the_broker_routes_around_a_site_whose_quota_refuses_the_tenant(broker_at):
@@ -212,3 +214,115 @@ async def test_a_gang_the_site_cannot_keep_on_one_node_is_refused_there_and_plac
     alpha = next(s for s in decision["sites"] if s["site"] == "alpha")
     assert alpha["reasons"] == ["site-refused: earlier, the site refused it: no room: 8 a100-80gb on "
                                 "one node needed; nodes here have at most 4; it is skipped until conditions change"]
+
+
+# --- the broker's view of quota state (pure: the site's own admission, its report, the pipeline) --------
+
+from broker.models import GpuRequest, JobSpec, SiteState, TenantQuota  # noqa: E402
+from policies.admission import Admitted, Refused, SiteAdmission  # noqa: E402
+from policies.pipeline import choose_model, default_pipeline  # noqa: E402
+from policies.snapshot import MODEL_INDEX, JobRequest, build_snapshot  # noqa: E402
+from tests.builders import NOW, site  # noqa: E402
+
+T0 = NOW.timestamp()
+
+
+def spec_of(tenant: str, count: int, model: str | None = None, **more: Any) -> JobSpec:
+    return JobSpec(tenant=tenant, name=f"{tenant}-{count}", gpus=GpuRequest(count=count, model=model),
+                   duration_s=3600, **more)
+
+
+def running(spec, jobs: list[tuple[str, JobSpec]]) -> tuple[SiteAdmission, SiteState]:
+    """The site ``spec`` after admitting ``jobs`` in order (each must be admitted without victims), and what it
+    reports to the broker."""
+    admission = SiteAdmission(spec)
+    for job_id, job in jobs:
+        verdict = admission.admit(job_id, job, T0)
+        assert isinstance(verdict, Admitted) and not verdict.victims, verdict
+        admission.start(job_id, verdict, T0)
+    capacity = [f.capacity() for _, f in sorted(admission.inventory.free().items())]
+    return admission, SiteState(site=spec.name, health="healthy", last_heard_at=NOW, capacity=capacity,
+                                quota=admission.report(T0))
+
+
+def test_gpus_a_tenant_may_reclaim_count_as_free_for_it_once_per_pass():
+    spec = site("alpha", gpus={"a100-80gb": 8}, quotas=[TenantQuota(tenant="x", guaranteed_gpus=8),
+                                                      TenantQuota(tenant="y", burst_gpus=8)])
+    admission, state = running(spec, [("y0", spec_of("y", 4, preemptible=True)),
+                                      ("y1", spec_of("y", 4, preemptible=True))])
+    snap = build_snapshot(NOW, [spec], {"alpha": state}).working_copy(NOW)
+    pipeline = default_pipeline()
+    x4 = JobRequest.from_spec("x4", spec_of("x", 4))
+    first = pipeline.decide(x4, snap)
+    assert first.placed  # 0 free, but 8 x's guarantee would reclaim from y
+    assert len(admission.admit("x4", spec_of("x", 4), T0).victims) == 1  # and the site agrees: one of y's jobs
+    snap.assume(first.site, x4, first.model)
+    second = pipeline.decide(JobRequest.from_spec("x4b", spec_of("x", 4)), snap)
+    assert second.placed  # the first took 4 of the 8, not all of them
+    snap.assume(second.site, JobRequest.from_spec("x4b", spec_of("x", 4)), second.model)
+    assert not pipeline.decide(JobRequest.from_spec("x1", spec_of("x", 1)), snap).placed
+    # y may reclaim nothing (no guarantee); z is not listed: neither is sent to the full site
+    assert not pipeline.decide(JobRequest.from_spec("y", spec_of("y", 1, preemptible=True)), snap).placed
+    assert choose_model(JobRequest.from_spec("x", spec_of("x", 4)), build_snapshot(NOW, [spec], {"alpha": state}),
+                        0) == MODEL_INDEX["a100-80gb"]  # the model choice counts reclaim like the filter does
+
+
+def test_a_job_larger_than_the_guarantee_it_lacks_is_not_sent_to_reclaim():
+    spec = site("alpha", gpus={"a100-80gb": 8}, quotas=[TenantQuota(tenant="x", guaranteed_gpus=4, burst_gpus=4),
+                                                      TenantQuota(tenant="y", burst_gpus=8)])
+    admission, state = running(spec, [("x0", spec_of("x", 2)), ("y0", spec_of("y", 4, preemptible=True))])
+    snap = build_snapshot(NOW, [spec], {"alpha": state})
+    pipeline = default_pipeline()
+    # x holds 2 of its 4: 2 free + 2 it could reclaim = 4, but a 4-GPU job would take x past its guarantee,
+    # which no reclaim may do; the site would refuse it, so the broker does not send it
+    assert isinstance(admission.admit("x4", spec_of("x", 4), T0), Refused)
+    assert not pipeline.decide(JobRequest.from_spec("x4", spec_of("x", 4)), snap).placed
+    assert pipeline.decide(JobRequest.from_spec("x2", spec_of("x", 2)), snap).placed
+
+
+def test_a_quota_on_one_model_does_not_limit_the_tenants_jobs_on_another():
+    spec = site("alpha", gpus={"a100-80gb": 8, "h100-80gb": 8},
+                quotas=[TenantQuota(tenant="vision", guaranteed_gpus=4, model="h100-80gb")])
+    admission, state = running(spec, [("v0", spec_of("vision", 4, "h100-80gb"))])
+    snap = build_snapshot(NOW, [spec], {"alpha": state})
+    pipeline = default_pipeline()
+    on_a100 = spec_of("vision", 2, "a100-80gb")
+    assert isinstance(admission.admit("a", on_a100, T0), Admitted)
+    assert pipeline.decide(JobRequest.from_spec("a", on_a100), snap).placed
+    on_h100 = spec_of("vision", 2, "h100-80gb")
+    assert isinstance(admission.admit("h", on_h100, T0), Refused)
+    assert not pipeline.decide(JobRequest.from_spec("h", on_h100), snap).placed
+
+
+def test_an_unreadable_overrides_file_is_set_aside_and_the_site_starts_from_its_config(tmp_path, caplog):
+    from adapters.quota_store import QuotaOverrides
+
+    path = tmp_path / "berlin" / "quota.json"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    overrides = QuotaOverrides(path)
+    configured = [TenantQuota(tenant="vision", guaranteed_gpus=8)]
+    assert overrides.apply(configured) == configured
+    assert (tmp_path / "berlin" / "quota.json.unreadable").read_text() == "{not json"
+    assert "cannot read the quota overrides" in caplog.text
+    overrides.set(TenantQuota(tenant="vision", guaranteed_gpus=2))  # and it keeps changes again
+    assert QuotaOverrides(path).apply(configured)[0].guaranteed_gpus == 2
+
+
+async def test_quotas_changed_in_the_site_spec_apply_at_once_and_a_removed_site_forgets_its_changes(broker_at):
+    start, _ = broker_at
+    client = await start()
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS)
+    await register(client, body)
+    await client.put("/v1/sites/berlin/quota/vision", json={"guaranteed_gpus": 2})  # the operator's change
+    changed = body | {"quotas": [{"tenant": "vision", "guaranteed_gpus": 6, "burst_gpus": 2}]}
+    r = await client.put("/v1/sites/berlin", json=changed)
+    assert r.status == 200, await r.text()
+    q = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert [(t["tenant"], t["guaranteed_gpus"], t["burst_gpus"]) for t in q["tenants"] if t["listed"]] == [
+        ("vision", 6, 2)]  # the latest change wins; nlp left the spec, so it left the site
+
+    assert (await client.delete("/v1/sites/berlin")).status == 204
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
+    q = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert [(t["tenant"], t["guaranteed_gpus"]) for t in q["tenants"]] == [("nlp", 8), ("vision", 8)]

@@ -106,8 +106,7 @@ class Fit:
 
     def _work(self) -> None:
         req, usable = self.req, self.usable
-        quota = self.snap.quota
-        reclaim = quota.reclaim.get(req.tenant) if quota is not None and req.tenant is not None else None
+        reclaim = _reclaim(self.snap, req)
         if req.mig_profile is not None:
             capacity = _mig_slices(self.snap, req)[:, usable.columns] >= req.count
         elif req.fractional:
@@ -150,6 +149,11 @@ def _at_least(memory_gib: np.ndarray, column: int, memory: float) -> np.ndarray:
     return memory_gib[:, column] >= memory
 
 
+def _reclaim(snap: Snapshot, req: JobRequest) -> np.ndarray | None:
+    """float64[n_sites]: GPUs the job's tenant could reclaim at each site (None: none anywhere)."""
+    return snap.quota.extra(req) if snap.quota is not None else None
+
+
 def _mig_slices(snap: Snapshot, req: JobRequest) -> np.ndarray:
     """int32[n_sites, n_models]: slices of the request's MIG profile that could still be made."""
     slices = snap.mig_free.get(req.mig_profile) if req.mig_profile is not None else None
@@ -158,10 +162,15 @@ def _mig_slices(snap: Snapshot, req: JobRequest) -> np.ndarray:
 
 def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
     """bool[n_sites, n_models]: where the job would fit, per model column."""
+    reclaim = _reclaim(snap, req)
     if req.mig_profile is not None:
         fits = _mig_slices(snap, req) >= req.count
     elif req.fractional:
         fits = (snap.free_gpus > 0) | (snap.shared_free_milli >= req.milli)
+        if reclaim is not None:
+            fits |= (reclaim >= req.charge)[:, None]
+    elif reclaim is not None:
+        fits = (snap.free_gpus + reclaim[:, None]) >= req.count
     else:
         fits = snap.free_gpus >= req.count
     if req.memory_gib:
@@ -174,22 +183,29 @@ def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
 def fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
     """bool[n_models]: which models the job would fit at one site."""
     free = snap.free_gpus[site]
+    reclaim = _reclaim(snap, req)
+    extra = float(reclaim[site]) if reclaim is not None else 0.0
     if req.mig_profile is not None:
         fits = _mig_slices(snap, req)[site] >= req.count
     elif req.fractional:
-        fits = (free > 0) | (snap.shared_free_milli[site] >= req.milli)
+        fits = (free > 0) | (snap.shared_free_milli[site] >= req.milli) | (extra >= req.charge)
     else:
-        fits = free >= req.count
+        fits = free + extra >= req.count
     return fits & (snap.memory_gib[site] >= req.memory_gib if req.memory_gib else snap.memory_gib[site] > 0)
 
 
 def fit_column(req: JobRequest, snap: Snapshot, column: int) -> np.ndarray:
     """bool[n_sites]: where the job fits in one model column."""
     free = snap.free_gpus[:, column]
+    reclaim = _reclaim(snap, req)
     if req.mig_profile is not None:
         fits = _mig_slices(snap, req)[:, column] >= req.count
     elif req.fractional:
         fits = (free > 0) | (snap.shared_free_milli[:, column] >= req.milli)
+        if reclaim is not None:
+            fits |= reclaim >= req.charge
+    elif reclaim is not None:
+        fits = free + reclaim >= req.count
     else:
         fits = free >= req.count
     if req.memory_gib:

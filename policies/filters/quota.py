@@ -3,7 +3,8 @@
 A site that enforces quotas reports, per tenant, how many more GPUs its preemptible jobs may hold
 (guarantee + burst, less what it holds) and how many more its non-preemptible jobs may hold without making
 anyone's guarantee unreclaimable (``policies.quota``). A tenant the site does not list gets the site's
-figures for unlisted tenants (none if the site refuses them). Units: GPUs, a fractional job counting its
+figures for unlisted tenants (none if the site refuses them); so does a tenant whose quota counts one GPU
+model only, for a job on another model (a job naming no model passes: the site picks the model). Units: GPUs, a fractional job counting its
 share. The site still decides (its figures may have moved since it reported); a refusal is recorded as the
 reason and the job is routed again. Turn it off by leaving ``quota`` out of a profile's filters.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.filters import FitView
-from policies.snapshot import JobRequest, Snapshot
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 
 EPS = 1e-9
 
@@ -26,6 +27,19 @@ class QuotaFilter:
         if quota is None:
             return None
         room, np_room = quota.rooms(req.tenant)
+        ok = self._fits(req, room, np_room)
+        counted = quota.model.get(req.tenant) if req.tenant is not None else None
+        if counted is not None:  # where its quota counts one model only, other models are not limited by it
+            elsewhere = counted >= 0
+            if req.model is None:  # the site picks the model: it decides
+                ok = ok | elsewhere
+            else:
+                elsewhere &= counted != MODEL_INDEX[req.model]
+                ok = np.where(elsewhere, self._fits(req, quota.unlisted_room, quota.unlisted_np_room), ok)
+        return ok
+
+    @staticmethod
+    def _fits(req: JobRequest, room: np.ndarray, np_room: np.ndarray) -> np.ndarray:
         ok = room >= req.charge - EPS
         if not req.preemptible:
             ok &= np_room >= req.charge - EPS
