@@ -9,6 +9,7 @@
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
     heliotrope quota SITE --set T [--guaranteed N] [--burst N] [--weight W] [--ceiling P] [--model M] | --remove T
     heliotrope simulate --trace FILE --preset philly --carbon DIR --compare all   (see broker.simulation.cli)
+    heliotrope simulate-quotas --trace FILE --preset philly   one site's fair-share modes compared (fairshare_cli)
 
 Client commands talk to ``--server`` (default ``$HELIOTROPE_URL`` or http://127.0.0.1:8080), print
 tables, or JSON with ``--json``. Errors are one-line messages on standard error and exit status 1 (2 for
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from broker.client import ApiClientError, Client
 from broker.simulation import cli as simulation_cli
+from broker.simulation import fairshare_cli
 from broker.errors import problems
 from broker.models import JobSpec, SiteSpec
 from broker.store import StoreError
@@ -339,6 +341,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ceiling", type=int, help="priority ceiling")
     s.add_argument("--model", help="GPU model the quota counts (default: any)")
     simulation_cli.add_parser(sub)
+    fairshare_cli.add_parser(sub)
     return p
 
 
@@ -350,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "simulate":
             print(simulation_cli.run(args))
+            return 0
+        if args.command == fairshare_cli.COMMAND:
+            print(fairshare_cli.run(args))
             return 0
         print(asyncio.run(_client_command(args)))
         return 0

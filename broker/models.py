@@ -135,7 +135,7 @@ class FairSharePolicy(Strict):
 
     ``mode``: ``time`` weighs each tenant's share by its decayed usage over the sliding window (a tenant that
     burst yesterday yields to one that did not); ``instant`` divides by weight alone; ``off`` admits in
-    priority-then-arrival order with quota limits only."""
+    priority-then-arrival order with quota limits and reclaim of guarantees only."""
 
     mode: Literal["time", "instant", "off"] = "time"
     window_h: float = Field(default=24.0, gt=0, le=24 * 90, description="usage older than this is forgotten")
@@ -276,6 +276,8 @@ class QuotaState(Strict):
         default=None, description="what a tenant the list does not name may hold: 0 if refused, None: no limit")
     unlisted_nonpreemptible_room_gpus: float | None = Field(
         default=None, description="what such a tenant's non-preemptible jobs may hold (capacity nobody is guaranteed)")
+    preemptible_gpus_by_priority: dict[int, float] = Field(
+        default_factory=dict, description="GPUs held by preemptible jobs past their minimum run time, by priority")
 
     def tenant(self, name: str) -> TenantQuotaState | None:
         for t in self.tenants:

@@ -292,7 +292,9 @@ class QuotaBook:
         priority then arrival. Jobs of tenants the site refuses come last."""
         now = self._clock(now)
         if self.policy.mode == "off":
-            return sorted(pending, key=lambda a: -self._eff(a))
+            ranked = sorted(pending, key=lambda a: -self._eff(a))
+            return ([a for a in ranked if not isinstance(self._resolve(a.tenant, a.model), str)]
+                    + [a for a in ranked if isinstance(self._resolve(a.tenant, a.model), str)])
         queues: dict[_Account, list[tuple[int, int, Ask]]] = {}
         refused: list[Ask] = []
         wants: dict[_Account, float] = {a: a.in_use for a in self._accounts.values()}
@@ -367,7 +369,17 @@ class QuotaBook:
         return QuotaState(
             enforced=enforced, fair_share=self.policy, capacity_gpus=self._total, tenants=tenants,
             unlisted_room_gpus=0.0 if refuse else None,
-            unlisted_nonpreemptible_room_gpus=(0.0 if refuse else free_of_guarantees) if enforced else None)
+            unlisted_nonpreemptible_room_gpus=(0.0 if refuse else free_of_guarantees) if enforced else None,
+            preemptible_gpus_by_priority=self._preemptible_by_priority(now))
+
+    def _preemptible_by_priority(self, now: float) -> dict[int, float]:
+        """GPUs held by preemptible jobs past their minimum run time, by effective priority: what a job of
+        higher priority might take (the broker's hint; the victim search decides)."""
+        out: dict[int, float] = {}
+        for job in self._jobs.values():
+            if job.preemptible and now - job.start >= job.min_run_s:
+                out[job.priority] = out.get(job.priority, 0.0) + job.gpus
+        return {p: _tidy(g) for p, g in sorted(out.items())}
 
     # --- the victim search ----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ later decisions in the same cycle see it (Kueue's "assume" step).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Callable, Hashable
@@ -232,6 +233,11 @@ class Snapshot:
     quota: QuotaView | None = None
     # MIG slices of each profile that could still be made, int32[n_sites, n_models]. Debited by assume().
     mig_free: dict[str, np.ndarray] = field(default_factory=dict)
+    # GPUs held by preemptible jobs past their minimum run time, by priority, as the sites report them:
+    # the priorities (ascending), and per site the GPUs held below each ([n_sites, levels + 1], column k:
+    # priority below levels[k]; the last column: all of them).
+    preempt_levels: tuple[int, ...] = ()
+    preempt_below: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     # Values the policies derive from the fixed site facts and ``now`` (never from free capacity, which
     # assume changes), built on first use by ``derived``. Not an argument: every new snapshot (``replace``,
     # ``working_copy``) starts with an empty one.
@@ -265,6 +271,12 @@ class Snapshot:
             if isinstance(value, np.ndarray):
                 cache[("derived", id(value))] = key  # for ``derived_span``; cleared with the value
         return value  # type: ignore[return-value]
+
+    def preemptible_below(self, priority: int) -> np.ndarray | None:
+        """float64[n_sites]: GPUs of preemptible work below ``priority`` a site might preempt for a job of that
+        priority (None: none anywhere)."""
+        k = bisect.bisect_left(self.preempt_levels, priority)
+        return self.preempt_below[:, k] if k else None
 
     def zeros(self) -> np.ndarray:
         """float64[n_sites] of 0, read-only: the raw value of a scorer that has nothing to tell sites apart."""
@@ -401,7 +413,22 @@ def build_snapshot(
         queue_depth=queue,
         quota=build_quota_view(specs, states),
         mig_free=mig_free,
+        **_preemptible(specs, states),
     )
+
+
+def _preemptible(specs: list[SiteSpec], states: dict[str, SiteState | None]) -> dict[str, object]:
+    reports = [(i, st.quota.preemptible_gpus_by_priority) for i, st in enumerate(states.get(s.name) for s in specs)
+               if st is not None and st.quota is not None and st.quota.preemptible_gpus_by_priority]
+    if not reports:
+        return {}
+    levels = sorted({p for _, by in reports for p in by})
+    column = {p: k for k, p in enumerate(levels)}
+    held = np.zeros((len(specs), len(levels) + 1))
+    for i, by in reports:
+        for p, gpus in by.items():
+            held[i, column[p] + 1] = gpus
+    return {"preempt_levels": tuple(levels), "preempt_below": np.cumsum(held, axis=1)}
 
 
 def utc_offsets(specs: list[SiteSpec], when: datetime) -> np.ndarray:

@@ -326,3 +326,23 @@ async def test_quotas_changed_in_the_site_spec_apply_at_once_and_a_removed_site_
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
     q = await (await client.get("/v1/sites/berlin/quota")).json()
     assert [(t["tenant"], t["guaranteed_gpus"]) for t in q["tenants"]] == [("nlp", 8), ("vision", 8)]
+
+
+async def test_an_urgent_job_is_sent_to_a_full_site_where_it_preempts_lower_priority_work(broker_at):
+    start, _ = broker_at
+    client = await start()
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))  # no quotas at all
+    low = (await (await client.post("/v1/jobs", json=job_body("a", 8, preemptible=True, checkpointable=True)))
+           .json())["id"]
+    await wait_for(client, low, {"running"})
+    await reported(client, "berlin", lambda c: c["free_gpus"] == 0)
+    urgent = (await (await client.post("/v1/jobs", json=job_body("b", 8, priority=10))).json())["id"]
+    assert (await wait_for(client, urgent, {"running"}))["site"] == "berlin"
+    low_job = await wait_for(client, low, {"queued", "preempted"})
+    events = (await (await client.get(f"/v1/jobs/{low}/events")).json())["items"]
+    assert any(e["state"] == "preempted" and "priority 10: preempts 1 job" in e["reason"] for e in events), events
+    assert low_job["state"] in ("queued", "preempted")
+    # a job of any priority is not sent there now: nothing there is preemptible
+    peer = (await (await client.post("/v1/jobs", json=job_body("c", 4, priority=50))).json())["id"]
+    await asyncio.sleep(0.3)
+    assert (await (await client.get(f"/v1/jobs/{peer}")).json())["state"] == "queued"

@@ -2,8 +2,9 @@
 requested memory, and enough of it is free: ``count`` whole GPUs, or for a fractional job (``milli`` below
 1000) a shared GPU with that share free or one whole free GPU. Units: GPUs, thousandths of a GPU, GiB.
 
-GPUs a site reports its tenant could reclaim from borrowers of its guarantee (``Snapshot.quota``) count as
-free for that tenant's jobs: the site preempts the borrowers to admit it. Node and NVLink topology, MIG
+GPUs a site reports its tenant could reclaim from borrowers of its guarantee (``Snapshot.quota``), or that
+preemptible work of lower priority holds there (``Snapshot.preemptible_below``), count as free for the job:
+the site preempts to admit it (its victim search decides exactly whom, and may refuse). Node and NVLink topology, MIG
 slices and shared-GPU memory are checked exactly by the site itself (``policies.inventory``); here a MIG
 request fits where the site reports that many slices of its profile could still be made
 (``ModelCapacity.mig_free_slices``), and a GPU shared by memory is sized as ``JobRequest`` explains.
@@ -150,8 +151,15 @@ def _at_least(memory_gib: np.ndarray, column: int, memory: float) -> np.ndarray:
 
 
 def _reclaim(snap: Snapshot, req: JobRequest) -> np.ndarray | None:
-    """float64[n_sites]: GPUs the job's tenant could reclaim at each site (None: none anywhere)."""
-    return snap.quota.extra(req) if snap.quota is not None else None
+    """float64[n_sites]: GPUs a site might preempt for the job (None: none anywhere): those its tenant could
+    reclaim of its guarantee, or those held by preemptible work of lower priority, whichever is more."""
+    if req.mig_profile is not None:
+        return None
+    reclaim = snap.quota.extra(req) if snap.quota is not None else None
+    lower = snap.preemptible_below(req.priority)
+    if lower is None:
+        return reclaim
+    return lower if reclaim is None else np.maximum(reclaim, lower)
 
 
 def _mig_slices(snap: Snapshot, req: JobRequest) -> np.ndarray:
