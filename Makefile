@@ -25,6 +25,7 @@ bench: $(STAMP)
 	bash scripts/bench-deps
 	$(BIN)/python bench/submit_throughput.py
 	$(BIN)/python bench/decisions.py
+	$(BIN)/python bench/admission.py
 	$(BIN)/python bench/simulate.py
 
 clean:

@@ -22,6 +22,7 @@ The clock is injected, so the same cycle runs live (system clock) and in the sim
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -127,6 +128,8 @@ class PassDecider:
         key = req.shape if shape is None else shape
         if self.snap.quota is not None:  # the sites' quotas tell tenants apart
             key = (key, req.tenant, req.preemptible)
+        if self.snap.preempt_levels:  # so does what a job's priority lets a site preempt for it
+            key = (key, bisect.bisect_left(self.snap.preempt_levels, req.priority))
         failure = self.failed.get(key)
         if failure is None:
             placement = self.pipeline.decide(req, self.snap)

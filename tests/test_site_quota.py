@@ -346,3 +346,15 @@ async def test_an_urgent_job_is_sent_to_a_full_site_where_it_preempts_lower_prio
     peer = (await (await client.post("/v1/jobs", json=job_body("c", 4, priority=50))).json())["id"]
     await asyncio.sleep(0.3)
     assert (await (await client.get(f"/v1/jobs/{peer}")).json())["state"] == "queued"
+
+
+def test_in_one_pass_a_low_priority_failure_does_not_fail_an_urgent_job_of_the_same_shape():
+    from broker.cycle import PassDecider
+
+    spec = site("alpha", gpus={"a100-80gb": 8})
+    _, state = running(spec, [("low", spec_of("a", 8, preemptible=True))])
+    decider = PassDecider(default_pipeline(), build_snapshot(NOW, [spec], {"alpha": state}).working_copy(NOW))
+    first = decider.decide(JobRequest.from_spec("b0", spec_of("b", 4)))
+    assert not getattr(first, "placed", False)  # nothing below priority 0 to preempt
+    urgent = decider.decide(JobRequest.from_spec("b1", spec_of("b", 4, priority=5)))
+    assert urgent.placed and urgent.site == 0
