@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from broker.models import Decision, Job, JobSpec, JobState, SiteSpec, SiteState
+from broker.models import Decision, Job, JobSpec, JobState, QuotaState, SiteSpec, SiteState, TenantQuota
 
 _REF = "#/components/schemas/{model}"
 
@@ -33,8 +33,8 @@ def _page(item: dict[str, Any]) -> dict[str, Any]:
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    models = [(m, "validation") for m in (JobSpec, SiteSpec)] + [
-        (m, "serialization") for m in (Job, Decision, SiteState)
+    models = [(m, "validation") for m in (JobSpec, SiteSpec, TenantQuota)] + [
+        (m, "serialization") for m in (Job, Decision, SiteState, QuotaState)
     ]
     _, schemas = models_json_schema(models, ref_template=_REF)
     components = dict(schemas.get("$defs", {}))
@@ -58,13 +58,19 @@ def openapi_document() -> dict[str, Any]:
             }
         },
     }
+    components["SiteQuota"] = {
+        "allOf": [{"type": "object", "required": ["site"], "properties": {"site": {"type": "string"}}},
+                  _ref("QuotaState")]
+    }
     components["Site"] = {
         "allOf": [_ref("SiteSpec"), {"type": "object", "properties": {"status": _ref("SiteState")}}]
     }
     err = {str(code): _json_body(_ref("Error"), text) for code, text in (
         (400, "malformed JSON or query parameter"), (404, "not found"), (409, "conflict"),
-        (413, "body too large"), (422, "invalid spec"),
+        (413, "body too large"), (422, "invalid spec"), (501, "the site's adapter keeps no quotas"),
+        (503, "the site did not answer or could not keep the change"),
     )}
+    tenant = {"name": "tenant", "in": "path", "required": True, "schema": {"type": "string"}}
     name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
     job_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     list_params = [
@@ -92,6 +98,26 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {"200": _json_body(_ref("Site"), "updated"), **err},
             },
             "delete": {"summary": "Remove a site", "responses": {"204": {"description": "removed"}, **err}},
+        },
+        "/v1/sites/{name}/quota": {
+            "parameters": [name],
+            "get": {
+                "summary": "The site's quota state per tenant, as the site reports it",
+                "parameters": [{"name": "tenant", "in": "query", "schema": {"type": "string"}}],
+                "responses": {"200": _json_body(_ref("SiteQuota"), "the quota state"), **err},
+            },
+        },
+        "/v1/sites/{name}/quota/{tenant}": {
+            "parameters": [name, tenant],
+            "put": {
+                "summary": "Set a tenant's quota at the site (kept by the site across restarts)",
+                "requestBody": _json_body(_ref("TenantQuota"), "the quota; tenant defaults to the path's"),
+                "responses": {"200": _json_body(_ref("SiteQuota"), "the tenant's new state"), **err},
+            },
+            "delete": {
+                "summary": "Remove a tenant's quota at the site",
+                "responses": {"200": _json_body(_ref("SiteQuota"), "the quota state"), **err},
+            },
         },
         "/v1/jobs": {
             "post": {

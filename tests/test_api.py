@@ -292,6 +292,9 @@ async def test_the_openapi_document_describes_the_jobs_api_from_the_models(clien
     spec = doc["components"]["schemas"]["JobSpec"]
     assert set(spec["required"]) == {"tenant", "name", "gpus", "duration_s"}
     assert "milli" in doc["components"]["schemas"]["GpuRequest"]["properties"]
+    quota = doc["paths"]["/v1/sites/{name}/quota/{tenant}"]
+    assert set(quota) >= {"put", "delete"} and "guaranteed_gpus" in doc["components"]["schemas"]["TenantQuota"]["properties"]
+    assert "borrowed_gpus" in doc["components"]["schemas"]["TenantQuotaState"]["properties"]
 
 
 # --- regressions from review: races and hostile input never give a 500 ---
