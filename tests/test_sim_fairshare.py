@@ -114,6 +114,29 @@ def test_past_usage_moves_the_share_time_mode_serves_calm_sooner_than_instant_mo
     assert time_.first_start_s[calm].mean() < instant.first_start_s[calm].mean()
 
 
+# --- the starvation guard ----------------------------------------------------------------------------
+
+# Two nodes (16 GPUs). Tenant small sends a 2-hour 1-GPU job every 7.5 minutes for 60 h: it keeps the site
+# exactly full, each completion's GPU taken by the arrival of the same instant. Tenant big asks for the whole
+# site at 0:03, when one GPU is busy: with backfill alone 16 GPUs are never free at once until the stream ends.
+STREAM = workload((0.05, 1.0, 16, "big"), *[(k / 8, 2.0, 1, "small") for k in range(480)])
+NO_GUARANTEES = [quota("big", 0, 16), quota("small", 0, 16)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_large_job_of_a_small_tenant_starves_behind_backfill_without_the_guard_and_starts_with_it(
+        mode: str) -> None:
+    big = jobs_of(STREAM, "big")
+    without = run(STREAM, mode, NO_GUARANTEES, starvation_h=0.0)
+    assert without.first_start_s[big][0] >= 60 * H, "without a reservation big waits for the stream to end"
+    guarded = run(STREAM, mode, NO_GUARANTEES)  # the default guard, 24 h
+    start = guarded.first_start_s[big][0]
+    assert 24.05 * H <= start <= (24.05 + 2) * H, "starving after 24 h, it starts once the running jobs end"
+    assert guarded.metrics["jain"] > without.metrics["jain"]
+    idled = without.busy_gpu_s - guarded.busy_gpu_s  # inside the window, which ends at the last submit
+    assert 0 < idled <= 16 * 2 * H, "the reservation idles at most the site while the running jobs end"
+
+
 # --- the figures --------------------------------------------------------------------------------------
 
 
@@ -176,11 +199,13 @@ JOBS = st.lists(st.tuples(st.integers(0, 40).map(lambda m: m / 10), st.integers(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(jobs=JOBS, mode=st.sampled_from(MODES), guaranteed=st.sampled_from([0, 4, 8]))
+@given(jobs=JOBS, mode=st.sampled_from(MODES), guaranteed=st.sampled_from([0, 4, 8]),
+       starvation_h=st.sampled_from([0.0, 0.5, 24.0]))
 def test_in_every_mode_every_job_runs_all_its_work_and_the_site_never_holds_more_than_it_has(
-        jobs: list[tuple[float, float, int, str]], mode: str, guaranteed: int) -> None:
+        jobs: list[tuple[float, float, int, str]], mode: str, guaranteed: int, starvation_h: float) -> None:
     w = workload(*jobs, window_h=1000.0)  # a window past every end: busy time is all the work done
-    r = run(w, mode, [quota(t, guaranteed, 16) for t in ("a", "b", "c")], min_run_s=600.0)
+    r = run(w, mode, [quota(t, guaranteed, 16) for t in ("a", "b", "c")], min_run_s=600.0,
+            starvation_h=starvation_h)
     assert r.peak_gpus <= 16
     assert (r.first_start_s >= w.submit_s).all()
     assert (r.end_s - r.first_start_s >= w.run_s - 1e-6).all(), "no job finishes before its work is done"

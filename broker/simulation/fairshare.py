@@ -51,7 +51,22 @@ The replay (discrete events; no asyncio, no clock)
     queue (``SiteAdmission.order``), then walks it calling ``admit`` with the demand of each tenant (GPUs it
     runs plus GPUs it waits for); an admitted job's victims are stopped and put back in the queue at their
     submit position with their remaining work (they are considered again from the next cycle), then the job
-    starts. Later jobs may start past a refused one (backfill without reservations, the same in every mode).
+    starts. Later jobs may start past a refused one (backfill, the same in every mode) until a job starves:
+
+    - the starvation guard (``starvation_h``, default :data:`DEFAULT_STARVATION_H`, 24 h; 0 turns it off):
+      the first job in the site's order that has been queued for ``starvation_h`` or longer (since its
+      submit, or since its last preemption) holds a reservation once it is refused in a cycle: later jobs
+      in that cycle may start only if, after their victims are stopped, the site still has at least the
+      starving job's GPUs free (they fit in GPUs beyond what it needs, counted, not placed on nodes); the
+      others are held back and count as refused for the two rules below. Preemption (reclaim) still
+      happens wherever it leaves those GPUs free. One reservation at a time, the same in every mode, so a
+      large job of a small tenant cannot be starved for ever by smaller jobs backfilling every GPU freed
+      (without it, nothing ever gathers 32 free GPUs on a busy site). The default is one day: the usage
+      window of the fair share (so a job that waited that long has outlived any usage an order could hold
+      against it), and far above the waits an order alone causes on a site that drains (p95 waits are
+      hours), so the guard acts only where backfill starves a job; it is a round figure, not fitted to any
+      trace.
+
     Two rules bound a cycle's work whatever the queue's length:
 
     - a job is not asked about when a job of its tenant no larger was refused earlier in the same cycle (the
@@ -116,6 +131,7 @@ GUARANTEED_FRACTION = 0.8
 DEFAULT_MIN_RUN_S = 600.0
 DEFAULT_MAX_REFUSALS = 64
 DEFAULT_CYCLE_S = 300.0
+DEFAULT_STARVATION_H = 24.0
 SLOWDOWN_FLOOR_S = 60.0
 MODES = ("fifo", "off", "instant", "time")
 _MAX_DURATION_S = 366 * 86400.0  # the longest JobSpec.duration_s (the site does not read it here)
@@ -236,11 +252,15 @@ class Replay:
 
 
 def replay(w: QuotaWorkload, spec: SiteSpec, mode: str, *, max_refusals: int = DEFAULT_MAX_REFUSALS,
-           cycle_s: float = DEFAULT_CYCLE_S) -> Replay:
+           cycle_s: float = DEFAULT_CYCLE_S, starvation_h: float = DEFAULT_STARVATION_H) -> Replay:
     """Replay every job of ``w`` at the site ``spec`` (its quotas and fair-share policy) until all finished.
-    ``mode`` only labels the result. Jobs must fit the site (see :func:`compare`, which drops the others)."""
+    ``mode`` only labels the result. Jobs must fit the site (see :func:`compare`, which drops the others).
+    ``starvation_h``: the starvation guard's threshold, hours (0: no guard; module docstring)."""
     if max_refusals < 1:
         raise QuotaSimulationError(f"max refusals {max_refusals}: give 1 or more")
+    if not starvation_h >= 0:
+        raise QuotaSimulationError(f"starvation threshold {starvation_h} h: give 0 (no guard) or more hours")
+    starvation_s = starvation_h * 3600.0
     began = time.perf_counter()
     capacity = sum(spec.total_gpus().values())
     if len(w) and int(w.gpus.max()) > capacity:
@@ -257,6 +277,7 @@ def replay(w: QuotaWorkload, spec: SiteSpec, mode: str, *, max_refusals: int = D
     first = [math.nan] * n
     end = [math.nan] * n
     began_at = [0.0] * n  # start of the running attempt
+    queued_at = list(submit)  # when the job last joined the queue: submit, or its last preemption
     attempt = [0] * n
     preempted = [False] * n
     specs: list[JobSpec | None] = [None] * n
@@ -281,12 +302,23 @@ def replay(w: QuotaWorkload, spec: SiteSpec, mode: str, *, max_refusals: int = D
         started: set[int] = set()
         back: list[int] = []
         smallest_refused: dict[str, float] = {}  # per tenant, in this cycle
+        starving = next((a.job_id for a in ordered if now - queued_at[index[a.job_id]] >= starvation_s),
+                        None) if starvation_s > 0 else None
+        reserved = 0  # GPUs kept free for the starving job once it was refused this cycle
         for ask in ordered:
-            if ask.gpus >= smallest_refused.get(ask.tenant, math.inf):
-                continue
             i = index[ask.job_id]
+            if ask.gpus >= smallest_refused.get(ask.tenant, math.inf):
+                if ask.job_id == starving:
+                    reserved = gpus[i]
+                continue
             verdict = adm.admit(ask.job_id, specs[i], now, demand=demand)
+            if reserved and not isinstance(verdict, Refused):
+                freed = sum(gpus[index[v]] for v in verdict.victims)
+                if capacity - held + freed - gpus[i] < reserved:
+                    verdict = Refused("held back for a starving job")
             if isinstance(verdict, Refused):
+                if ask.job_id == starving:
+                    reserved = gpus[i]
                 smallest_refused[ask.tenant] = ask.gpus
                 refusals += 1
                 if refusals >= max_refusals:
@@ -302,6 +334,7 @@ def replay(w: QuotaWorkload, spec: SiteSpec, mode: str, *, max_refusals: int = D
                 out.preemptions += 1
                 out.preempted_gpu_s += gpus[v] * done
                 preempted[v] = True
+                queued_at[v] = now
                 held -= gpus[v]
                 back.append(v)
             adm.start(ask.job_id, verdict, now)
@@ -410,7 +443,8 @@ def compare(w: QuotaWorkload, modes: Sequence[str] = ("off", "instant", "time"),
             utilisation: float = DEFAULT_UTILISATION, guaranteed_fraction: float = GUARANTEED_FRACTION,
             window_h: float = 24.0, half_life_h: float = 6.0, reweight_h: float = 1.0, k: float = 1.0,
             min_run_s: float = DEFAULT_MIN_RUN_S, max_refusals: int = DEFAULT_MAX_REFUSALS,
-            cycle_s: float = DEFAULT_CYCLE_S, nodes: int | None = None) -> tuple[QuotaExperiment, list[Replay]]:
+            cycle_s: float = DEFAULT_CYCLE_S, starvation_h: float = DEFAULT_STARVATION_H,
+            nodes: int | None = None) -> tuple[QuotaExperiment, list[Replay]]:
     """Size the site (or take ``nodes``), derive the quotas, drop jobs larger than the site, replay each mode."""
     for m in modes:
         policy_for(m)  # unknown modes fail before any work
@@ -423,13 +457,13 @@ def compare(w: QuotaWorkload, modes: Sequence[str] = ("off", "instant", "time"),
     quotas = derive_quotas(kept.sizes(), capacity, guaranteed_fraction)
     settings = {"window_h": window_h, "half_life_h": half_life_h, "reweight_h": reweight_h, "k": k,
                 "min_run_s": min_run_s, "guaranteed_fraction": guaranteed_fraction,
-                "max_refusals": max_refusals, "cycle_s": cycle_s}
+                "max_refusals": max_refusals, "cycle_s": cycle_s, "starvation_h": starvation_h}
     runs = []
     for m in modes:
         policy = policy_for(m, window_h=window_h, half_life_h=half_life_h, reweight_h=reweight_h, k=k,
                             min_run_s=min_run_s)
         r = replay(kept, site_spec(nodes, [] if m == "fifo" else quotas, policy), m, max_refusals=max_refusals,
-                   cycle_s=cycle_s)
+                   cycle_s=cycle_s, starvation_h=starvation_h)
         r.dropped = dropped
         r.metrics = metrics(r, kept)
         runs.append(r)

@@ -3,7 +3,7 @@
     heliotrope simulate-quotas --trace FILE (--preset philly | --columns MAPPING) [--utilisation 0.8]
         [--trace-from ISO-DATE] [--days N] [--modes off,instant,time] [--window-h 24] [--half-life-h 6]
         [--reweight-h 1] [--k 1] [--min-run-s 600] [--guaranteed-fraction 0.8] [--max-refusals 64]
-        [--cycle-s 300] [--json OUT]
+        [--cycle-s 300] [--starvation-h 24] [--json OUT]
 
 What is simulated and every assumption: ``broker.simulation.fairshare``. Prints the table on stdout.
 """
@@ -16,8 +16,9 @@ from pathlib import Path
 
 from broker.data.traces import load_trace, parse_columns, resolve_preset
 from broker.simulation.fairshare import (DEFAULT_CYCLE_S, DEFAULT_MAX_REFUSALS, DEFAULT_MIN_RUN_S,
-                                         DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES, QuotaSimulationError,
-                                         as_json, compare, format_table, workload_from_trace)
+                                         DEFAULT_STARVATION_H, DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES,
+                                         QuotaSimulationError, as_json, compare, format_table,
+                                         workload_from_trace)
 
 COMMAND = "simulate-quotas"
 
@@ -53,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--cycle-s", type=float, default=DEFAULT_CYCLE_S,
                    help="seconds between scheduling cycles while jobs wait and nothing else happens "
                         "(default %(default)s)")
+    s.add_argument("--starvation-h", type=float, default=DEFAULT_STARVATION_H, metavar="HOURS",
+                   help="a job queued this long holds GPUs against backfill once refused; 0 turns the guard "
+                        "off (default %(default)s)")
     s.add_argument("--json", dest="json_out", metavar="OUT", help="write the figures as JSON to OUT")
 
 
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> str:
     info, runs = compare(workload_from_trace(trace), modes, utilisation=args.utilisation,
                          guaranteed_fraction=args.guaranteed_fraction, window_h=args.window_h,
                          half_life_h=args.half_life_h, reweight_h=args.reweight_h, k=args.k,
-                         min_run_s=args.min_run_s, max_refusals=args.max_refusals, cycle_s=args.cycle_s)
+                         min_run_s=args.min_run_s, max_refusals=args.max_refusals, cycle_s=args.cycle_s,
+                         starvation_h=args.starvation_h)
     if args.json_out:
         out = Path(args.json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
