@@ -1,4 +1,4 @@
-"""Site-local quotas and preemption-victim choice: one site's ledger of who holds what (:class:`QuotaBook`).
+"""Site-local quotas: one site's ledger of who holds what (:class:`QuotaBook`), and whom it preempts.
 
 A site (its adapter or agent) asks :meth:`QuotaBook.admit` whether a job may start, starts it with
 :meth:`~QuotaBook.start` once its inventory has placed it, and reports its end or preemption with
@@ -22,40 +22,27 @@ The rules, per tenant (``broker.models.TenantQuota``)
       (guaranteed nothing, no burst limit, weight 1). A site with no quotas at all admits whatever fits.
 
 Preemption (when the job does not fit as things stand)
-    Candidates are preemptible jobs on the job's GPU model that have run at least their minimum run time
-    (the job's ``min_run_s``, else the policy's), from:
+    ``policies.preemption`` chooses the victims: by reclaim (the tenant stays within its guarantee) or by
+    priority, never pushing another tenant below its guarantee; see that module for the candidates and order.
 
-    - reclaim: when the tenant would stay within its guarantee (``in_use + gpus <= guaranteed``), other
-      tenants holding more than their guarantee, any priority;
-    - priority: jobs of lower effective priority of the tenant itself, and of other tenants over their fair
-      share (``policies.fairshare``, with the demand the caller passes, the asking job included).
-
-    Another tenant is never pushed below its guarantee: of each, only jobs that fit in what it holds above its
-    guarantee are taken (walking the order, a job that would cross the line is skipped). Order: effective
-    priority ascending, start descending (newest first), job id. The caller's ``fits(victim_ids)`` says
-    whether the job fits once those are gone (its inventory knows nodes, fractions, topology); releasing more
-    never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Without
-    one, the refusal says why the job waits ("site full; 6 GPUs could be freed from preemptible jobs over
-    their share, 8 needed"). A tenant over its limit may only preempt its own lower-priority jobs.
-
-Cost: admission is O(1) plus, when preemption is needed, one fair-share division (O(tenants)) and a lazy
-merge of per-tenant candidate lists kept sorted at start/stop. Units: GPUs (a fractional job counts its
-share), POSIX seconds. With an empty quota list there are no limits (everything that fits is admitted)
-and no reclaim; a higher-priority job may still preempt lower-priority preemptible work.
+Cost: admission is O(1) plus, when preemption is needed, one fair-share division (O(tenants)) and the victim
+search of ``policies.preemption``. Units: GPUs (a fractional job counts its share), POSIX seconds. With an
+empty quota list there are no limits (everything that fits is admitted) and no reclaim; a higher-priority job
+may still preempt lower-priority preemptible work.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.models import FairSharePolicy, JobSpec, QuotaState, TenantQuota, TenantQuotaState
 from policies.fairshare import EPS, Claim, UsageLedger, divide
+from policies import preemption
+from policies.preemption import Fits
 
-Fits = Callable[[Sequence[str]], bool]
 _INF = math.inf
 
 
@@ -262,7 +249,12 @@ class QuotaBook:
             return Verdict(True, None, (), acct.in_use + g > acct.guaranteed + EPS)
         reclaim = not over_limit and acct.in_use + g <= acct.guaranteed + EPS
         p = acct.effective(ask.priority)
-        found = self._search(acct, g, model, p, now, fits, reclaim, over_limit, demand)
+        shares = None
+        if not over_limit and not reclaim:  # who is over its fair share, this job counted in
+            wants = self._wants(demand or {})
+            wants[acct] = max(wants.get(acct, acct.in_use), acct.in_use + g)
+            shares = self._division(now, wants)
+        found = preemption.search(acct, g, model, p, now, fits, reclaim, over_limit, self._accounts.values(), shares)
         victims, own_freed, freed = found
         if victims is not None:
             held = acct.in_use - own_freed + g
@@ -332,7 +324,7 @@ class QuotaBook:
         now = self._clock(now)
         wants = self._wants(demand or {})
         shares = self._division(now, wants)
-        removable = self._removable(now)
+        removable = preemption.removable(self._accounts.values(), now)
         free_of_guarantees = self._total - sum(self._np.values()) - sum(self._gap.values())
         out = []
         for acct in sorted(self._accounts.values(), key=lambda a: (not a.listed, a.tenant, a.pool or "")):
@@ -380,101 +372,6 @@ class QuotaBook:
             if job.preemptible and now - job.start >= job.min_run_s:
                 out[job.priority] = out.get(job.priority, 0.0) + job.gpus
         return {p: _tidy(g) for p, g in sorted(out.items())}
-
-    # --- the victim search ----------------------------------------------------------------------------
-
-    def _search(self, acct: _Account, g: float, model: str, p: int, now: float, fits: Fits, reclaim: bool,
-                over_limit: bool, demand: Mapping[str, float] | None) -> tuple[tuple[str, ...] | None, float, float]:
-        """Shortest prefix of the candidates after which the job fits: (ids or None, own GPUs freed, GPUs freed)."""
-        streams = [self._stream(acct.queue, model, now, p)] if acct.queue else []
-        if not over_limit:
-            shares = None
-            if not reclaim:
-                wants = self._wants(demand or {})
-                wants[acct] = max(wants.get(acct, acct.in_use), acct.in_use + g)
-                shares = self._division(now, wants)
-            for o in self._accounts.values():
-                if o is acct or not o.queue or o.in_use <= o.guaranteed + EPS:
-                    continue
-                if reclaim:
-                    streams.append(self._stream(o.queue, model, now, None))
-                elif o.in_use > shares[o] + EPS:
-                    streams.append(self._stream(o.queue, model, now, p))
-        taken = self._capped(acct, heapq.merge(*streams))
-        ids: list[str] = []
-        own = [0.0]
-        freed = [0.0]
-
-        def grow(n: int) -> bool:
-            while len(ids) < n:
-                job = next(taken, None)
-                if job is None:
-                    return False
-                ids.append(job.job_id)
-                own.append(own[-1] + (job.gpus if job.account is acct else 0.0))
-                freed.append(freed[-1] + job.gpus)
-            return True
-
-        def ok(n: int) -> bool:
-            return acct.in_use - own[n] + g <= acct.limit + EPS and fits(tuple(ids[:n]))
-
-        lo, n, hi = 0, 1, None  # ok(lo) is known false: the job did not fit as things stand
-        while True:
-            if not grow(n):
-                n = len(ids)
-                if n > lo and ok(n):
-                    hi = n
-                break
-            if ok(n):
-                hi = n
-                break
-            lo, n = n, 2 * n
-        if hi is None:
-            return None, own[-1], freed[-1]
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                hi = mid
-            else:
-                lo = mid
-        return tuple(ids[:hi]), own[hi], freed[hi]
-
-    @staticmethod
-    def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float,
-                below: int | None) -> Iterator[tuple[int, float, str, _Job]]:
-        for item in queue:
-            if below is not None and item[0] >= below:
-                return
-            job = item[3]
-            if job.model == model and now - job.start >= job.min_run_s:
-                yield item
-
-    @staticmethod
-    def _capped(acct: _Account, merged: Iterator[tuple[int, float, str, _Job]]) -> Iterator[_Job]:
-        """Candidates in order, skipping any that would push another tenant below its guarantee."""
-        left: dict[_Account, float] = {}
-        for *_, job in merged:
-            o = job.account
-            if o is not acct:
-                room = left.get(o, o.in_use - o.guaranteed)
-                if job.gpus > room + EPS:
-                    left[o] = room
-                    continue
-                left[o] = room - job.gpus
-            yield job
-
-    def _removable(self, now: float) -> dict[tuple[_Account, str], float]:
-        """GPUs each account could lose to a reclaim now, per model (for reports)."""
-        out: dict[tuple[_Account, str], float] = {}
-        for o in self._accounts.values():
-            room = o.in_use - o.guaranteed
-            for *_, job in o.queue:
-                if room <= EPS:
-                    break
-                if job.gpus <= room + EPS and now - job.start >= job.min_run_s:
-                    room -= job.gpus
-                    out[(o, job.model)] = out.get((o, job.model), 0.0) + job.gpus
-        return out
 
     # --- rules and reasons ----------------------------------------------------------------------------
 
@@ -591,7 +488,7 @@ class QuotaBook:
         acct.in_use += job.gpus
         self._used[job.model] = self._used.get(job.model, 0.0) + job.gpus
         if job.preemptible:
-            bisect.insort(acct.queue, (job.priority, -job.start, job.job_id, job))
+            preemption.enqueue(acct.queue, job)
         else:
             before = acct.gap
             acct.nonpre += job.gpus
@@ -608,8 +505,7 @@ class QuotaBook:
         acct.in_use = _tidy(acct.in_use - job.gpus)
         self._used[job.model] = _tidy(self._used[job.model] - job.gpus)
         if job.preemptible:
-            i = bisect.bisect_left(acct.queue, (job.priority, -job.start, job.job_id))
-            del acct.queue[i]
+            preemption.dequeue(acct.queue, job)
         else:
             before = acct.gap
             acct.nonpre = _tidy(acct.nonpre - job.gpus)

@@ -1,0 +1,146 @@
+"""Preemption-victim choice for one site's quota ledger (``policies.quota.QuotaBook``): which preemptible jobs to
+stop, and in what order, so that a job that does not fit as things stand can start.
+
+Pure functions of the ledger's accounts and of ``now`` (POSIX seconds, passed in): no I/O, no clock. The book
+calls :func:`search` from ``QuotaBook.admit``, keeps each account's candidates in order with :func:`enqueue`
+and :func:`dequeue`, and reports :func:`removable` in ``QuotaBook.state``.
+
+Preemption (when the job does not fit as things stand)
+    Candidates are preemptible jobs on the job's GPU model that have run at least their minimum run time
+    (the job's ``min_run_s``, else the policy's), from:
+
+    - reclaim: when the tenant would stay within its guarantee (``in_use + gpus <= guaranteed``), other
+      tenants holding more than their guarantee, any priority;
+    - priority: jobs of lower effective priority of the tenant itself, and of other tenants over their fair
+      share (``policies.fairshare``, with the demand the caller passes, the asking job included).
+
+    Another tenant is never pushed below its guarantee: of each, only jobs that fit in what it holds above its
+    guarantee are taken (walking the order, a job that would cross the line is skipped). Order: effective
+    priority ascending, start descending (newest first), job id. The caller's ``fits(victim_ids)`` says
+    whether the job fits once those are gone (its inventory knows nodes, fractions, topology); releasing more
+    never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Without
+    one, the refusal says why the job waits ("site full; 6 GPUs could be freed from preemptible jobs over
+    their share, 8 needed"). A tenant over its limit may only preempt its own lower-priority jobs.
+
+Cost: a lazy merge of per-tenant candidate lists kept sorted at start/stop, plus O(log n) ``fits`` calls.
+Units: GPUs (a fractional job counts its share), POSIX seconds. There is no switch: a job that fits never
+searches, and a site with only non-preemptible work has no candidates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from policies.fairshare import EPS
+
+if TYPE_CHECKING:
+    from policies.quota import _Account, _Job
+
+Fits = Callable[[Sequence[str]], bool]
+
+
+def enqueue(queue: list[tuple[int, float, str, _Job]], job: _Job) -> None:
+    """Add a preemptible job to its account's candidates, kept in victim order."""
+    bisect.insort(queue, (job.priority, -job.start, job.job_id, job))
+
+
+def dequeue(queue: list[tuple[int, float, str, _Job]], job: _Job) -> None:
+    """Remove a preemptible job from its account's candidates."""
+    i = bisect.bisect_left(queue, (job.priority, -job.start, job.job_id))
+    del queue[i]
+
+
+def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits, reclaim: bool, over_limit: bool,
+           accounts: Iterable[_Account], shares: Mapping[_Account, float] | None
+           ) -> tuple[tuple[str, ...] | None, float, float]:
+    """Shortest prefix of the candidates after which the job fits: (ids or None, own GPUs freed, GPUs freed).
+    ``accounts``: every account of the book; ``shares``: fair shares (GPUs) with the asking job counted in,
+    needed unless ``reclaim`` or ``over_limit``."""
+    streams = [_stream(acct.queue, model, now, p)] if acct.queue else []
+    if not over_limit:
+        for o in accounts:
+            if o is acct or not o.queue or o.in_use <= o.guaranteed + EPS:
+                continue
+            if reclaim:
+                streams.append(_stream(o.queue, model, now, None))
+            elif o.in_use > shares[o] + EPS:
+                streams.append(_stream(o.queue, model, now, p))
+    taken = _capped(acct, heapq.merge(*streams))
+    ids: list[str] = []
+    own = [0.0]
+    freed = [0.0]
+
+    def grow(n: int) -> bool:
+        while len(ids) < n:
+            job = next(taken, None)
+            if job is None:
+                return False
+            ids.append(job.job_id)
+            own.append(own[-1] + (job.gpus if job.account is acct else 0.0))
+            freed.append(freed[-1] + job.gpus)
+        return True
+
+    def ok(n: int) -> bool:
+        return acct.in_use - own[n] + g <= acct.limit + EPS and fits(tuple(ids[:n]))
+
+    lo, n, hi = 0, 1, None  # ok(lo) is known false: the job did not fit as things stand
+    while True:
+        if not grow(n):
+            n = len(ids)
+            if n > lo and ok(n):
+                hi = n
+            break
+        if ok(n):
+            hi = n
+            break
+        lo, n = n, 2 * n
+    if hi is None:
+        return None, own[-1], freed[-1]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return tuple(ids[:hi]), own[hi], freed[hi]
+
+
+def removable(accounts: Iterable[_Account], now: float) -> dict[tuple[_Account, str], float]:
+    """GPUs each account could lose to a reclaim now, per model (for reports)."""
+    out: dict[tuple[_Account, str], float] = {}
+    for o in accounts:
+        room = o.in_use - o.guaranteed
+        for *_, job in o.queue:
+            if room <= EPS:
+                break
+            if job.gpus <= room + EPS and now - job.start >= job.min_run_s:
+                room -= job.gpus
+                out[(o, job.model)] = out.get((o, job.model), 0.0) + job.gpus
+    return out
+
+
+def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float,
+            below: int | None) -> Iterator[tuple[int, float, str, _Job]]:
+    for item in queue:
+        if below is not None and item[0] >= below:
+            return
+        job = item[3]
+        if job.model == model and now - job.start >= job.min_run_s:
+            yield item
+
+
+def _capped(acct: _Account, merged: Iterator[tuple[int, float, str, _Job]]) -> Iterator[_Job]:
+    """Candidates in order, skipping any that would push another tenant below its guarantee."""
+    left: dict[_Account, float] = {}
+    for *_, job in merged:
+        o = job.account
+        if o is not acct:
+            room = left.get(o, o.in_use - o.guaranteed)
+            if job.gpus > room + EPS:
+                left[o] = room
+                continue
+            left[o] = room - job.gpus
+        yield job
