@@ -6,7 +6,9 @@
 2. snapshot — freeze the federation into arrays, carrying ``now`` from the injected clock, and debit the
               placements still in flight: dispatched but not yet admitted, or admitted after the site's
               report was asked for (Kueue's assumed workloads), so no GPU is promised twice;
-3. decide   — for each queued job, highest priority then oldest first, run the placement pipeline and
+3. decide   — for each queued job, highest priority then oldest first (within a priority, tenants furthest
+             below their fair share first where sites report quotas: ``policies.fair_order``), run the
+             placement pipeline and
               debit each placement from the snapshot so later jobs see it;
 4. assume   — write every placement to the store (state ``dispatching``, a new attempt), in one group
               commit, before any site hears of it;
@@ -27,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from broker.clock import Clock
@@ -37,6 +39,7 @@ from broker.lifecycle import Lifecycle
 from broker.models import Job, JobState
 from broker.store import Store, StoreError
 from policies import explain, timeshift
+from policies.fair_order import FairOrder
 from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies.timeshift import Deferral
@@ -264,7 +267,13 @@ class SchedulingCycle:
         hour = timeshift.epoch_hour(snap.now)
         if self._plan_hours:  # some profile defers jobs: urgency order, as the simulator replays it
             jobs = sorted(jobs, key=lambda j: (-j.spec.priority, _urgency(j), j.created_at))
-        for n, queued_job in enumerate(jobs):
+        fair = None
+        if snap.quota is not None and any(e > 0 for _, e in snap.quota.standing.values()):
+            # sites divide by fair share: offer their GPUs in that order (policies.fair_order)
+            within: Callable[[Job], Any] = ((lambda j: (_urgency(j), j.created_at)) if self._plan_hours
+                                            else (lambda j: j.created_at))
+            fair = FairOrder(jobs, lambda j: j.spec.tenant, lambda j: j.spec.priority, within, snap.quota.standing)
+        for n, queued_job in enumerate(fair if fair is not None else jobs):
             if n and n % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the API breathe during a long pass
             job = self.book.active.get(queued_job.id)
@@ -318,6 +327,8 @@ class SchedulingCycle:
             self._last_seen.pop(job.id, None)
             self._requests.pop(job.id, None)
             assumed.append((new, landing))
+            if fair is not None:
+                fair.placed(job.spec.tenant, req.charge)
         return decided
 
     async def _finish(

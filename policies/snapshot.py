@@ -22,6 +22,7 @@ import numpy as np
 
 from broker import ids
 from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState, mig_slices
+from policies.fair_order import standings
 
 MODEL_INDEX: dict[str, int] = {m: i for i, m in enumerate(ids.GPU_MODEL_IDS)}
 N_MODELS = len(ids.GPU_MODEL_IDS)
@@ -127,6 +128,8 @@ class QuotaView:
     unlisted_room: np.ndarray
     unlisted_np_room: np.ndarray
     model: dict[str, np.ndarray] = field(default_factory=dict)  # tenant -> model column its quota counts (-1: any)
+    # tenant -> (GPUs held, GPUs entitled by fair share) over the sites (policies.fair_order); fixed per pass
+    standing: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def rooms(self, tenant: str | None) -> tuple[np.ndarray, np.ndarray]:
         if tenant is None:
@@ -147,7 +150,7 @@ class QuotaView:
     def copy(self) -> QuotaView:
         return QuotaView({t: a.copy() for t, a in self.room.items()}, {t: a.copy() for t, a in self.np_room.items()},
                          self.reclaim, {t: a.copy() for t, a in self.shortfall.items()}, self.unlisted_room.copy(),
-                         self.unlisted_np_room.copy(), self.model)
+                         self.unlisted_np_room.copy(), self.model, self.standing)
 
     def debit(self, site: int, req: JobRequest) -> None:
         """A placement of ``req`` at ``site``: its tenant's room (and guarantee not held) shrink by its charge."""
@@ -195,7 +198,8 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
                     reclaim[t.tenant], shortfall[t.tenant] = np.zeros(n), np.zeros(n)
                 reclaim[t.tenant][i] = t.reclaimable_gpus
                 shortfall[t.tenant][i] = max(t.guaranteed_gpus - t.in_use_gpus, 0.0)
-    return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model)
+    return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model,
+                     standings([q for _, q in reports]))
 
 
 @dataclass(frozen=True, slots=True)

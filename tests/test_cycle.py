@@ -369,3 +369,24 @@ async def test_a_configured_profile_routes_live_jobs(tmp_path):
         assert (await b.book.get(j.id)).site == "bravo"  # a tie would go to alpha, first by name
     finally:
         await b.stop()
+
+
+async def test_a_tenant_that_used_the_site_yesterday_yields_todays_scarce_gpus_to_one_that_did_not(make):
+    quotas = [{"tenant": "a", "burst_gpus": 8}, {"tenant": "b", "burst_gpus": 8}]  # equal weights, no guarantee
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas))
+    burst = await h.submit(tenant="a", name="burst", count=8, duration_s=10 * 3600)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(10 * 3600)
+    assert (await h.job(burst.id)).state == JobState.SUCCEEDED
+    await h.step(3600)  # the site re-weights usage hourly
+    # a queues first, b second: the plain order (priority, then age) would give a the site again
+    a_jobs = [await h.submit(tenant="a", name=f"a{i}", count=4) for i in range(2)]
+    b_jobs = [await h.submit(tenant="b", name=f"b{i}", count=4) for i in range(2)]
+    await h.cycle()
+    states = {j.spec.name: (await h.job(j.id)).state for j in a_jobs + b_jobs}
+    assert states == {"a0": JobState.QUEUED, "a1": JobState.QUEUED,
+                      "b0": JobState.DISPATCHING, "b1": JobState.DISPATCHING}, states
+    quota = h.broker.federation.get("alpha").state.quota
+    used = {t.tenant: t.decayed_usage_gpu_h for t in quota.tenants}
+    assert used["a"] > 30 and used["b"] == 0  # 80 GPU-hours, decayed over 6 h half-lives

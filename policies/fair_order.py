@@ -1,0 +1,89 @@
+"""The broker's queue order across tenants, from the fair shares the sites report.
+
+Sites with quotas divide their GPUs by fair share (``policies.quota``, ``policies.fairshare``): in mode
+``time`` each tenant's weight is moved by its decayed usage, ``P = max(0, W + k·(W − U))`` with W its share
+of the site's weights and U its share of the site's decayed GPU-hours (KAI-scheduler's time-aware
+fairness); in mode ``instant`` ``P = W``. The broker holds the queue, so it is the broker that must offer
+jobs in that order, or a site can only act on fairness by preempting:
+
+- a tenant's *entitlement* is the sum over sites of ``capacity × P / ΣP`` (GPUs);
+- it *holds* the sum of the GPUs it runs there;
+- within one priority, the queue goes to the tenant with the least held per entitled GPU first, re-ranked
+  as each of its jobs is placed (the placement's GPUs count at once), then to its oldest job; a tenant no
+  site lists is entitled to nothing and comes after the listed ones (it still gets what they leave).
+
+Sites whose mode is ``off`` and sites without quotas add nothing; with no entitlement anywhere the order is
+the plain one (priority, then the caller's key). Units: GPUs. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Generic, TypeVar
+
+from broker.models import QuotaState
+
+T = TypeVar("T")
+
+
+def standings(reports: Sequence[QuotaState]) -> dict[str, tuple[float, float]]:
+    """Per tenant: (GPUs held, GPUs entitled) over the sites' quota reports."""
+    out: dict[str, list[float]] = {}
+    for q in reports:
+        if not q.enforced or q.fair_share.mode == "off":
+            continue
+        listed = [t for t in q.tenants if t.listed]
+        weights = sum(t.fair_share_weight for t in listed)
+        usage = sum(t.decayed_usage_gpu_h for t in listed)
+        if weights <= 0:
+            continue
+        p = {}
+        for t in listed:
+            w = t.fair_share_weight / weights
+            u = t.decayed_usage_gpu_h / usage if usage > 0 else w
+            p[t.tenant] = max(0.0, w + q.fair_share.k * (w - u)) if q.fair_share.mode == "time" else w
+        total = sum(p.values()) or 1.0
+        for t in q.tenants:
+            entry = out.setdefault(t.tenant, [0.0, 0.0])
+            entry[0] += t.in_use_gpus
+            if t.listed:
+                entry[1] += q.capacity_gpus * p[t.tenant] / total
+    return {t: (held, entitled) for t, (held, entitled) in out.items()}
+
+
+class FairOrder(Generic[T]):
+    """Iterate ``items`` in fair-share order; call :meth:`placed` after an item is placed (before asking
+    for the next) so its tenant's standing moves. ``key(item)``: the order within a tenant and the last
+    tie-break (e.g. urgency, then age); ``priority(item)``: higher first, across tenants."""
+
+    def __init__(self, items: Sequence[T], tenant: Callable[[T], str], priority: Callable[[T], int],
+                 key: Callable[[T], Hashable], standing: Mapping[str, tuple[float, float]]) -> None:
+        self._priority = priority
+        self._key = key
+        self._held = {t: h for t, (h, _) in standing.items()}
+        self._entitled = {t: e for t, (_, e) in standing.items()}
+        queues: dict[str, list[T]] = {}
+        for item in items:
+            queues.setdefault(tenant(item), []).append(item)
+        self._queues = {t: sorted(q, key=lambda i: (-priority(i), key(i)), reverse=True) for t, q in queues.items()}
+        self._heap = [self._entry(t) for t in self._queues]
+        heapq.heapify(self._heap)
+
+    def _ratio(self, tenant: str) -> float:
+        entitled = self._entitled.get(tenant, 0.0)
+        return self._held.get(tenant, 0.0) / entitled if entitled > 0 else float("inf")
+
+    def _entry(self, tenant: str) -> tuple:
+        head = self._queues[tenant][-1]
+        return (-self._priority(head), self._ratio(tenant), self._key(head), tenant)
+
+    def placed(self, tenant: str, gpus: float) -> None:
+        self._held[tenant] = self._held.get(tenant, 0.0) + gpus
+
+    def __iter__(self) -> Iterator[T]:
+        while self._heap:
+            tenant = heapq.heappop(self._heap)[-1]
+            yield self._queues[tenant].pop()
+            if self._queues[tenant]:  # re-ranked with what ``placed`` added meanwhile
+                heapq.heappush(self._heap, self._entry(tenant))
