@@ -4,8 +4,9 @@ requested memory, and enough of it is free: ``count`` whole GPUs, or for a fract
 
 GPUs a site reports its tenant could reclaim from borrowers of its guarantee (``Snapshot.quota``), or that
 preemptible work of lower priority holds there (``Snapshot.preemptible_below``), count as free for the job:
-the site preempts to admit it (its victim search decides exactly whom, and may refuse). Node and NVLink topology, MIG
-slices and shared-GPU memory are checked exactly by the site itself (``policies.inventory``); here a MIG
+the site preempts to admit it (its victim search decides exactly whom, and may refuse). Node and NVLink
+topology, MIG slices and shared-GPU memory are checked exactly by the site itself (``policies.inventory``);
+here a MIG
 request fits where the site reports that many slices of its profile could still be made
 (``ModelCapacity.mig_free_slices``), and a GPU shared by memory is sized as ``JobRequest`` explains.
 
@@ -107,20 +108,14 @@ class Fit:
 
     def _work(self) -> None:
         req, usable = self.req, self.usable
-        reclaim = _reclaim(self.snap, req)
-        if req.mig_profile is not None:
-            capacity = _mig_slices(self.snap, req)[:, usable.columns] >= req.count
-        elif req.fractional:
+        cols = usable.columns
+        shared = None
+        if req.fractional:
             shared = self.snap.shared_free_milli
-            cols = usable.columns
             shared = shared[:, cols[0]:cols[0] + 1] if usable.named else shared[:, cols]
-            capacity = (self.free > 0) | (shared >= req.milli)
-            if reclaim is not None:
-                capacity |= (reclaim >= req.charge)[:, None]
-        elif reclaim is not None:  # GPUs its guarantee would take back from borrowers count as free for it
-            capacity = (self.free + reclaim[:, None]) >= req.count
-        else:
-            capacity = self.free >= req.count
+        mig = _mig_slices(self.snap, req)[:, cols] if req.mig_profile is not None else None
+        reclaim = _reclaim(self.snap, req)
+        capacity = _room(req, self.free, shared, mig, reclaim[:, None] if reclaim is not None else None)
         if not usable.named:
             room = np.logical_and(capacity, usable.mask, out=capacity)
             self._room, self._sites = room, np.logical_or.reduce(room, axis=1)
@@ -162,6 +157,19 @@ def _reclaim(snap: Snapshot, req: JobRequest) -> np.ndarray | None:
     return lower if reclaim is None else np.maximum(reclaim, lower)
 
 
+def _room(req: JobRequest, free: np.ndarray, shared: np.ndarray | None, mig: np.ndarray | None,
+          extra: np.ndarray | float | None) -> np.ndarray:
+    """The fit rule over matching arrays (or scalars) of one site, one column or all: ``free`` whole GPUs,
+    ``shared`` the largest free share of a shared GPU (fractional jobs), ``mig`` free slices of the job's
+    profile (MIG jobs), ``extra`` GPUs the site might preempt for the job (None: none)."""
+    if req.mig_profile is not None:
+        return mig >= req.count
+    if req.fractional:
+        fits = (free > 0) | (shared >= req.milli)
+        return fits if extra is None else fits | (extra >= req.charge)
+    return free >= req.count if extra is None else free + extra >= req.count
+
+
 def _mig_slices(snap: Snapshot, req: JobRequest) -> np.ndarray:
     """int32[n_sites, n_models]: slices of the request's MIG profile that could still be made."""
     slices = snap.mig_free.get(req.mig_profile) if req.mig_profile is not None else None
@@ -171,16 +179,8 @@ def _mig_slices(snap: Snapshot, req: JobRequest) -> np.ndarray:
 def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
     """bool[n_sites, n_models]: where the job would fit, per model column."""
     reclaim = _reclaim(snap, req)
-    if req.mig_profile is not None:
-        fits = _mig_slices(snap, req) >= req.count
-    elif req.fractional:
-        fits = (snap.free_gpus > 0) | (snap.shared_free_milli >= req.milli)
-        if reclaim is not None:
-            fits |= (reclaim >= req.charge)[:, None]
-    elif reclaim is not None:
-        fits = (snap.free_gpus + reclaim[:, None]) >= req.count
-    else:
-        fits = snap.free_gpus >= req.count
+    fits = _room(req, snap.free_gpus, snap.shared_free_milli, _mig_slices(snap, req) if req.mig_profile else None,
+                 reclaim[:, None] if reclaim is not None else None)
     if req.memory_gib:
         fits &= snap.memory_gib >= req.memory_gib
     else:
@@ -190,32 +190,17 @@ def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
 
 def fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
     """bool[n_models]: which models the job would fit at one site."""
-    free = snap.free_gpus[site]
     reclaim = _reclaim(snap, req)
-    extra = float(reclaim[site]) if reclaim is not None else 0.0
-    if req.mig_profile is not None:
-        fits = _mig_slices(snap, req)[site] >= req.count
-    elif req.fractional:
-        fits = (free > 0) | (snap.shared_free_milli[site] >= req.milli) | (extra >= req.charge)
-    else:
-        fits = free + extra >= req.count
+    fits = _room(req, snap.free_gpus[site], snap.shared_free_milli[site],
+                 _mig_slices(snap, req)[site] if req.mig_profile else None,
+                 float(reclaim[site]) if reclaim is not None else None)
     return fits & (snap.memory_gib[site] >= req.memory_gib if req.memory_gib else snap.memory_gib[site] > 0)
 
 
 def fit_column(req: JobRequest, snap: Snapshot, column: int) -> np.ndarray:
     """bool[n_sites]: where the job fits in one model column."""
-    free = snap.free_gpus[:, column]
-    reclaim = _reclaim(snap, req)
-    if req.mig_profile is not None:
-        fits = _mig_slices(snap, req)[:, column] >= req.count
-    elif req.fractional:
-        fits = (free > 0) | (snap.shared_free_milli[:, column] >= req.milli)
-        if reclaim is not None:
-            fits |= reclaim >= req.charge
-    elif reclaim is not None:
-        fits = free + reclaim >= req.count
-    else:
-        fits = free >= req.count
+    fits = _room(req, snap.free_gpus[:, column], snap.shared_free_milli[:, column],
+                 _mig_slices(snap, req)[:, column] if req.mig_profile else None, _reclaim(snap, req))
     if req.memory_gib:
         fits &= snap.memory_gib[:, column] >= req.memory_gib
     return fits

@@ -4,8 +4,8 @@ A site that enforces quotas reports, per tenant, how many more GPUs its preempti
 (guarantee + burst, less what it holds) and how many more its non-preemptible jobs may hold without making
 anyone's guarantee unreclaimable (``policies.quota``). A tenant the site does not list gets the site's
 figures for unlisted tenants (none if the site refuses them); so does a tenant whose quota counts one GPU
-model only, for a job on another model (a job naming no model passes: the site picks the model). Units: GPUs, a fractional job counting its
-share. The site still decides (its figures may have moved since it reported); a refusal is recorded as the
+model only, for a job on another model (a job naming no model passes: the site picks the model). Units:
+GPUs, a fractional job counting its share. The site still decides (its figures may have moved since it reported); a refusal is recorded as the
 reason and the job is routed again. Turn it off by leaving ``quota`` out of a profile's filters.
 """
 
