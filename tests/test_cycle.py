@@ -390,3 +390,28 @@ async def test_a_tenant_that_used_the_site_yesterday_yields_todays_scarce_gpus_t
     quota = h.broker.federation.get("alpha").state.quota
     used = {t.tenant: t.decayed_usage_gpu_h for t in quota.tenants}
     assert used["a"] > 30 and used["b"] == 0  # 80 GPU-hours, decayed over 6 h half-lives
+
+
+async def test_a_checkpointed_job_reclaimed_by_the_guarantees_owner_resumes_with_its_progress(make):
+    quotas = [{"tenant": "a", "burst_gpus": 8}, {"tenant": "b", "guaranteed_gpus": 8}]
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas))
+    borrower = await h.submit(tenant="a", name="long", count=8, duration_s=2 * 3600, preemptible=True,
+                              checkpointable=True)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(3600)  # an hour of its two done
+    owner = await h.submit(tenant="b", name="owner", count=8, duration_s=3600)
+    await h.cycle()  # the site is full, but b reclaims its guarantee there
+    await h.step(1.0)
+    assert (await h.job(owner.id)).state == JobState.RUNNING
+    preempted = await h.job(borrower.id)
+    assert preempted.state == JobState.QUEUED and preempted.run_s == pytest.approx(3600, abs=2)
+    events = await h.broker.store.job_events(borrower.id)
+    assert any(e["state"] == "preempted" and "reclaims its guarantee (8 GPUs)" in e["reason"] for e in events)
+    await h.step(3600)  # the owner's hour ends; the borrower goes back and runs only what it had left
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(3600 + 1)
+    done = await h.job(borrower.id)
+    assert done.state == JobState.SUCCEEDED and done.attempt == 2
+    assert done.run_s == pytest.approx(2 * 3600, abs=5)
