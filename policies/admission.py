@@ -52,7 +52,9 @@ class SiteAdmission:
         self.inventory = Inventory.from_spec(spec)
         capacity = self.inventory.capacity()
         self.book = QuotaBook(spec.quotas if quotas is None else quotas, spec.fair_share, capacity)
-        memory = {g.model: g.gpu_memory_gib for g in spec.gpus}
+        memory: dict[str, float] = {}
+        for g in spec.gpus:  # a model's memory is its largest node group's, as the inventory counts it
+            memory[g.model] = max(memory.get(g.model, 0.0), g.gpu_memory_gib)
         self._models = sorted(capacity, key=lambda m: (memory[m], m))
 
     def admit(self, job_id: str, spec: JobSpec, now: float, model: str | None = None,
