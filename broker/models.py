@@ -161,7 +161,25 @@ class SimulatedAdapterConfig(Strict):
                                   "folder for site state, beside its database)")
 
 
-AdapterConfig = Annotated[SimulatedAdapterConfig, Field(discriminator="kind")]
+class KubernetesAdapterConfig(Strict):
+    """A Kubernetes cluster (``adapters.kubernetes``): GPUs from its Nodes, jobs as batch/v1 Jobs in the tenant's
+    namespace (``namespace_prefix`` + tenant), quotas mirrored as ResourceQuota objects."""
+
+    kind: Literal["kubernetes"] = "kubernetes"
+    kubeconfig: str | None = Field(default=None, description="kubeconfig file (None: ~/.kube/config or KUBECONFIG)")
+    in_cluster: bool = Field(default=False, description="use the pod's service account instead of a kubeconfig")
+    context: str | None = Field(default=None, description="kubeconfig context (None: its current context)")
+    host: str | None = Field(default=None, description="API server URL without credentials (tests, kubectl proxy)")
+    namespace_prefix: str = Field(default="heliotrope-", max_length=30, pattern=r"^([a-z0-9][a-z0-9-]*)?$")
+    request_timeout_s: float = Field(default=10.0, gt=0, le=300, description="per API call")
+    retries: int = Field(default=3, ge=1, le=10, description="attempts per API call on transient errors")
+    image: str = Field(default="busybox:1.36", min_length=1, description="container image of each job")
+    command: list[str] = Field(default_factory=list, description="its command (empty: the image's entrypoint)")
+    state_dir: str | None = Field(
+        default=None, description="where the site keeps its operator's quota changes (default: the broker's)")
+
+
+AdapterConfig = Annotated[SimulatedAdapterConfig | KubernetesAdapterConfig, Field(discriminator="kind")]
 
 
 class SiteSpec(Strict):

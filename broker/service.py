@@ -46,6 +46,10 @@ def adapter_factory(clock: Clock, state_dir: str | Path | None = None) -> Callab
         match spec.adapter.kind:
             case "simulated":
                 return SimulatedSite(spec, clock, state_dir=spec.adapter.state_dir or state_dir)
+            case "kubernetes":
+                from adapters.kubernetes import KubernetesSite  # the kubernetes client only where it is used
+
+                return KubernetesSite(spec, clock, state_dir=spec.adapter.state_dir or state_dir)
         raise ValueError(f"site {spec.name}: unknown adapter kind {spec.adapter.kind!r}")
 
     return make

@@ -1,0 +1,704 @@
+"""A Kubernetes cluster as a site, through the ``kubernetes`` package's asyncio client (``kubernetes.aio``).
+
+- Capacity: read from the Nodes. Whole GPUs are ``nvidia.com/gpu`` allocatable; MIG slices are the
+  ``nvidia.com/mig-<profile>`` allocatable of the device plugin's mixed strategy (a node's MIG GPUs are
+  ``nvidia.com/gpu.count`` minus its whole GPUs, else its slices' compute slices / 7, rounded up). The model
+  comes from NVIDIA GPU feature discovery's ``nvidia.com/gpu.product`` label, mapped to the canonical ids
+  (``broker.ids``); a node whose product is missing or unknown, or that is cordoned or not Ready, is left out
+  (logged). Nodes are grouped into the site's node groups, and :class:`policies.admission.SiteAdmission`
+  is built from them (rebuilt when the Nodes change; the attempts this adapter runs are re-entered).
+- Admission: before it creates a Job the adapter applies ``SiteAdmission`` (its inventory from the Nodes,
+  the site's quotas and fair share), so it refuses what the site's policy refuses. A job runs as one Pod, so
+  whole GPUs must fit on one node (``topology: node`` is implied). Fractional GPUs (``milli``, ``shared``) are
+  refused: the NVIDIA device plugin hands out whole GPUs or MIG slices. What the cluster still decides: the
+  scheduler places the Pod (it may stay Pending, e.g. when Pods outside heliotrope hold GPUs, which this
+  adapter does not count), ResourceQuota admission may refuse it, and the device plugin assigns the
+  devices (a MIG layout is fixed on the node, where the inventory assumes any mix of the offered slices).
+- Jobs: a batch/v1 Job named ``h-<job id>-<attempt>`` in namespace ``namespace_prefix + tenant`` (which must
+  exist), one Pod, ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on
+  the product labels of the chosen model, labelled with the site, job id, attempt and tenant. A repeated
+  dispatch of the same attempt finds the existing Job (create answers 409) and admits it once. Cancel
+  deletes the Job (background propagation) and is final for the attempt.
+- Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job
+  with a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with
+  the Job's reason; a Job deleted by someone else → ``lost``. Each watch reconnects after errors.
+- Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
+  are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
+  namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
+  expressible there, and are annotated only).
+- Every API call has a timeout (``request_timeout_s``) and is retried (``retries``, exponential back-off) on
+  connection errors, 429 and 5xx; what still fails raises ``AdapterError``.
+
+Credentials: ``in_cluster`` (the Pod's service account), else the kubeconfig (``kubeconfig``, ``context``),
+or ``host`` alone (an unauthenticated URL such as ``kubectl proxy`` or a test emulator). RBAC: list/watch
+nodes; create/get/list/watch/delete jobs; list/watch pods; create/patch/delete resourcequotas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+from kubernetes.aio import client as k8s
+from kubernetes.aio import config as k8s_config
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from adapters.base import AdapterError, Admission, EventKind, JobEvent
+from adapters.quota_store import QuotaOverrides
+from broker import ids
+from broker.clock import Clock
+from broker.models import (
+    GpuRequest,
+    Health,
+    Job,
+    KubernetesAdapterConfig,
+    NodeGroup,
+    QuotaState,
+    SiteSpec,
+    SiteState,
+    Telemetry,
+    TenantQuota,
+    mig_slices,
+)
+from policies.admission import Admitted, SiteAdmission
+
+log = logging.getLogger(__name__)
+
+GPU = "nvidia.com/gpu"
+MIG_PREFIX = "nvidia.com/mig-"
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+COUNT_LABEL = "nvidia.com/gpu.count"
+MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB
+SITE_LABEL = "heliotrope.io/site"
+JOB_LABEL = "heliotrope.io/job-id"
+ATTEMPT_LABEL = "heliotrope.io/attempt"
+TENANT_LABEL = "heliotrope.io/tenant"
+JOB_ANNOTATION = "heliotrope.io/job-id"  # the full id (a label value is at most 63 characters)
+QUOTA_NAME = "heliotrope-gpus"
+TOMBSTONE_TTL_S = 3600.0
+
+T = TypeVar("T")
+
+
+def _label_value(value: str) -> str:
+    """A label value: at most 63 of [A-Za-z0-9-_.], starting and ending alphanumeric."""
+    clean = re.sub(r"[^A-Za-z0-9._-]", "-", value)[:63].strip("-_.")
+    return clean or "x"
+
+
+def job_name(job_id: str, attempt: int) -> str:
+    """The Job's name for an attempt: stable, so a repeated dispatch finds it (DNS-1123, at most 63)."""
+    slug = re.sub(r"[^a-z0-9-]", "-", job_id.lower()).strip("-")[:36].strip("-")
+    digest = hashlib.sha256(job_id.encode()).hexdigest()[:8]
+    return f"h-{slug}-{digest}-{attempt}" if slug else f"h-{digest}-{attempt}"
+
+
+def product_model(product: str) -> str:
+    """The canonical model of a GFD product label (``NVIDIA-A100-SXM4-80GB``, or ``...-MIG-1g.10gb`` under
+    the single MIG strategy); ``ids.UnknownIdentifier`` if unknown."""
+    return ids.gpu_model(re.sub(r"-MIG-.*$", "", product, flags=re.IGNORECASE))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeGpus:
+    """What one Node offers: ``gpus`` whole GPUs, ``mig_gpus`` GPUs in MIG mode serving ``mig`` slices."""
+
+    name: str
+    model: str
+    product: str
+    gpus: int
+    mig_gpus: int
+    mig: dict[str, int]
+    memory_gib: float | None
+
+
+def read_node(node: dict[str, Any]) -> NodeGpus | str:
+    """A Node's GPUs, or why it is left out."""
+    meta, status = node.get("metadata", {}), node.get("status", {})
+    name = meta.get("name", "?")
+    labels = meta.get("labels") or {}
+    allocatable = status.get("allocatable") or {}
+    gpus = int(allocatable.get(GPU, "0") or 0)
+    mig: dict[str, int] = {}
+    for key, value in allocatable.items():
+        if key.startswith(MIG_PREFIX) and int(value or 0) > 0:
+            profile = key[len(MIG_PREFIX):]
+            try:
+                mig_slices(profile)
+            except ValueError:
+                log.warning("node %s: MIG resource %s is not a profile heliotrope knows; left out", name, key)
+                continue
+            mig[profile] = int(value)
+    if not gpus and not mig:
+        return f"node {name} has no allocatable {GPU} or {MIG_PREFIX}* resources"
+    if (node.get("spec") or {}).get("unschedulable"):
+        return f"node {name} is cordoned"
+    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    if ready and ready[0].get("status") != "True":
+        return f"node {name} is not Ready"
+    product = labels.get(PRODUCT_LABEL)
+    if not product:
+        return f"node {name} has GPUs but no {PRODUCT_LABEL} label (install NVIDIA GPU feature discovery)"
+    try:
+        model = product_model(product)
+    except ids.UnknownIdentifier as e:
+        return f"node {name}: {e}"
+    mig_gpus = 0
+    if mig:
+        counted = int(labels.get(COUNT_LABEL, "0") or 0) - gpus
+        needed = math.ceil(sum(mig_slices(p) * n for p, n in mig.items()) / 7)
+        mig_gpus = max(counted, needed, 1)
+    memory_mib = labels.get(MEMORY_LABEL)
+    memory_gib = round(int(memory_mib) / 1024, 1) if memory_mib and memory_mib.isdigit() else None
+    return NodeGpus(name, model, product, gpus, mig_gpus, mig, memory_gib)
+
+
+def node_groups(nodes: list[NodeGpus]) -> list[NodeGroup]:
+    """Identical nodes grouped, whole-GPU and MIG parts apart, in a stable order."""
+    counts: dict[tuple[str, int, tuple[str, ...], float | None], int] = {}
+    for n in nodes:
+        memory = n.memory_gib if n.memory_gib and n.memory_gib < ids.GPU_MODEL_BY_ID[n.model].memory_gib else None
+        if n.gpus:
+            key = (n.model, n.gpus, (), memory)
+            counts[key] = counts.get(key, 0) + 1
+        if n.mig_gpus:
+            key = (n.model, n.mig_gpus, tuple(sorted(n.mig)), memory)
+            counts[key] = counts.get(key, 0) + 1
+    return [NodeGroup(model=m, gpus_per_node=per, nodes=k, mig_profiles=list(profiles), memory_gib_per_gpu=mem)
+            for (m, per, profiles, mem), k in sorted(counts.items(), key=lambda kv: repr(kv[0]))]
+
+
+def gpu_resources(req: GpuRequest) -> dict[str, str]:
+    if req.mig_profile is not None:
+        return {MIG_PREFIX + req.mig_profile: str(req.count)}
+    return {GPU: str(req.count)}
+
+
+@dataclass(slots=True)
+class _Attempt:
+    job_id: str
+    attempt: int
+    tenant: str
+    namespace: str
+    admitted: bool = False  # entered in the admission ledgers
+    running_since: datetime | None = None
+    done: bool = False
+    job: Job | None = field(default=None, repr=False)
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, k8s.ApiException):
+        return e.status in (0, 429) or (e.status or 0) >= 500
+    return isinstance(e, aiohttp.ClientError | asyncio.TimeoutError | ConnectionError)
+
+
+class KubernetesSite:
+    def __init__(self, spec: SiteSpec, clock: Clock, config: KubernetesAdapterConfig | None = None,
+                 state_dir: str | Path | None = None, api_client: k8s.ApiClient | None = None) -> None:
+        """``api_client``: a ready client (tests); by default one is built at ``start`` from the config."""
+        self.spec = spec
+        self.name = spec.name
+        cfg = config or spec.adapter
+        if not isinstance(cfg, KubernetesAdapterConfig):
+            raise ValueError(f"site {spec.name}: adapter kind {cfg.kind!r} is not kubernetes")
+        self.config = cfg
+        self._clock = clock
+        folder = state_dir if state_dir is not None else cfg.state_dir
+        self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
+        self._api = api_client
+        self._own_api = api_client is None
+        self._admission: SiteAdmission | None = None
+        self._groups: list[NodeGroup] = []
+        self._products: dict[str, set[str]] = {}  # model -> product label values seen
+        self.left_out: list[str] = []  # nodes left out of the inventory, with the reason
+        self._attempts: dict[tuple[str, int], _Attempt] = {}
+        self._withdrawn: dict[tuple[str, int], datetime] = {}
+        self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self._watches: list[asyncio.Task[None]] = []
+        self._lock = asyncio.Lock()  # one admission at a time
+
+    # --- life cycle ---
+
+    async def start(self) -> None:
+        if self._api is None:
+            self._api = await self._build_client()
+        await self._refresh_inventory()
+        await self._adopt()
+        for tenant_quota in self._quotas():
+            try:
+                await self._mirror_quota(tenant_quota)
+            except AdapterError as e:
+                log.warning("site %s: %s", self.name, e)
+        loop = asyncio.get_running_loop()
+        self._watches = [loop.create_task(self._watch("jobs"), name=f"k8s-{self.name}-jobs"),
+                         loop.create_task(self._watch("pods"), name=f"k8s-{self.name}-pods")]
+
+    async def close(self) -> None:
+        for task in self._watches:
+            task.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
+        self._watches = []
+        if self._api is not None and self._own_api:
+            await self._api.close()
+            self._api = None
+
+    async def _build_client(self) -> k8s.ApiClient:
+        cfg = self.config
+        configuration = k8s.Configuration()
+        try:
+            if cfg.host is not None:
+                configuration.host = cfg.host
+            elif cfg.in_cluster:
+                k8s_config.load_incluster_config(client_configuration=configuration)
+            else:
+                await k8s_config.load_kube_config(config_file=cfg.kubeconfig, context=cfg.context,
+                                                  client_configuration=configuration, persist_config=False)
+        except (k8s_config.ConfigException, OSError) as e:
+            raise AdapterError(f"site {self.name}: cannot load Kubernetes credentials ({e}); set adapter.kubeconfig "
+                               "and adapter.context, or adapter.in_cluster: true inside the cluster") from e
+        return k8s.ApiClient(configuration)
+
+    # --- API calls: a timeout on each, retries on transient errors ---
+
+    async def _call(self, what: str, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        timeout = self.config.request_timeout_s
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.config.retries),
+                                               wait=wait_exponential(multiplier=0.2, max=5),
+                                               retry=retry_if_exception(_transient), reraise=True):
+                with attempt:
+                    async with asyncio.timeout(timeout + 1):
+                        return await fn(*args, _request_timeout=timeout, **kwargs)
+        except k8s.ApiException:
+            raise
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            raise AdapterError(f"site {self.name}: {what} failed: {e!r}") from e
+        raise AssertionError("unreachable")
+
+    async def _json(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """Call a ``*_without_preload_content`` method and decode its JSON (no client-side model checks)."""
+        async def call(*a: Any, **kw: Any) -> Any:
+            resp = await fn(*a, **kw)
+            try:
+                if resp.status >= 400:
+                    raise k8s.ApiException(status=resp.status, reason=(await resp.text())[:500])
+                return await resp.json()
+            finally:
+                resp.release()
+        return await self._call(what, call, *args, **kwargs)
+
+    @property
+    def _core(self) -> k8s.CoreV1Api:
+        return k8s.CoreV1Api(self._api)
+
+    @property
+    def _batch(self) -> k8s.BatchV1Api:
+        return k8s.BatchV1Api(self._api)
+
+    def namespace(self, tenant: str) -> str:
+        return self.config.namespace_prefix + tenant
+
+    def _ours(self, obj: dict[str, Any]) -> bool:
+        """The label selector again, client-side (an emulator may ignore it)."""
+        return ((obj.get("metadata") or {}).get("labels") or {}).get(SITE_LABEL) == _label_value(self.name)
+
+    # --- inventory ---
+
+    async def _refresh_inventory(self) -> None:
+        try:
+            data = await self._json("listing Nodes", self._core.list_node_without_preload_content)
+        except k8s.ApiException as e:
+            raise AdapterError(f"site {self.name}: listing Nodes failed ({e.status}: {e.reason})") from e
+        nodes, left_out = [], []
+        for item in data.get("items") or []:
+            found = read_node(item)
+            if isinstance(found, str):
+                left_out.append(found)
+            else:
+                nodes.append(found)
+        self.left_out = left_out
+        self._products = {}
+        for n in nodes:
+            self._products.setdefault(n.model, set()).add(n.product)
+        groups = node_groups(nodes)
+        if groups == self._groups and self._admission is not None:
+            return
+        self._groups = groups
+        if not groups:
+            self._admission = None
+            return
+        spec = self.spec.model_copy(update={"gpus": groups, "usd_per_gpu_hour": {}})
+        self._admission = SiteAdmission(spec, self._overrides.apply(self.spec.quotas))
+        now = self._clock.now().timestamp()
+        for a in self._attempts.values():  # re-enter what runs here into the new ledgers
+            a.admitted = False
+            if a.job is not None and not a.done:
+                decision = self._admission.admit(_key(a.job_id, a.attempt), _as_pod(a.job).spec, now,
+                                                 model=a.job.gpu_model)
+                if isinstance(decision, Admitted):
+                    self._admission.start(_key(a.job_id, a.attempt), decision, now)
+                    a.admitted = True
+                else:
+                    log.warning("site %s: job %s no longer fits the Nodes: %s", self.name, a.job_id, decision.reason)
+
+    async def _adopt(self) -> None:
+        """Jobs of this site already in the cluster (a broker restart): known, so cancel and events work."""
+        for obj in await self._list_jobs():
+            meta = obj["metadata"]
+            labels = meta.get("labels") or {}
+            try:
+                key = ((meta.get("annotations") or {}).get(JOB_ANNOTATION, labels.get(JOB_LABEL, "")),
+                       int(labels.get(ATTEMPT_LABEL, "")))
+            except ValueError:
+                continue
+            self._attempts.setdefault(key, _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""),
+                                                    meta.get("namespace", "")))
+
+    async def _list_jobs(self) -> list[dict[str, Any]]:
+        try:
+            data = await self._json("listing Jobs", self._batch.list_job_for_all_namespaces_without_preload_content,
+                                    label_selector=f"{SITE_LABEL}={_label_value(self.name)}")
+        except k8s.ApiException as e:
+            raise AdapterError(f"site {self.name}: listing Jobs failed ({e.status}: {e.reason})") from e
+        return [j for j in data.get("items") or [] if self._ours(j)]
+
+    # --- CapacityReporter ---
+
+    async def snapshot(self) -> SiteState:
+        await self._refresh_inventory()
+        now = self._clock.now()
+        running = sum(1 for a in self._attempts.values() if not a.done)
+        if self._admission is None:
+            reason = "; ".join(self.left_out) or "the cluster has no Nodes"
+            return SiteState(site=self.name, health=Health.UNHEALTHY, last_heard_at=now, running_jobs=running,
+                             reason=f"no usable GPU nodes: {reason}"[:1000])
+        inventory = self._admission.inventory
+        return SiteState(
+            site=self.name, health=Health.HEALTHY, last_heard_at=now,
+            capacity=[f.capacity() for _, f in sorted(inventory.free().items())],
+            telemetry=Telemetry(memory_total_gib=round(sum(g.memory_kib for g in inventory.gpus()) / (1 << 20), 2),
+                                queue_depth=0),
+            running_jobs=running,
+            quota=self._admission.report(now.timestamp()),
+        )
+
+    # --- JobRunner ---
+
+    async def submit(self, job: Job) -> Admission:
+        key = (job.id, job.attempt)
+        async with self._lock:
+            if key in self._withdrawn:
+                return Admission.rejected(f"attempt {job.attempt} was withdrawn")
+            known = self._attempts.get(key)
+            if known is not None and known.admitted:
+                return Admission.ok()
+            if job.spec.gpus.fractional:
+                return Admission.rejected("this Kubernetes site hands out whole GPUs or MIG slices only (the NVIDIA "
+                                          "device plugin); ask for whole GPUs or a mig_profile")
+            await self._refresh_inventory()
+            if self._admission is None:
+                return Admission.rejected(f"site {self.name} has no usable GPU nodes: {'; '.join(self.left_out)}")
+            namespace = self.namespace(job.spec.tenant)
+            now = self._clock.now().timestamp()
+            existing = await self._get_job(namespace, job_name(job.id, job.attempt))
+            decision = self._admission.admit(_key(*key), _as_pod(job).spec, now, model=job.gpu_model)
+            if existing is None:
+                if not isinstance(decision, Admitted):
+                    return Admission.rejected(decision.reason)
+                for victim in decision.victims:
+                    await self._preempt(victim, f"for job {job.id} of tenant {job.spec.tenant}, which "
+                                                f"{decision.reason}")
+                admission = await self._create_job(job, namespace, decision.placement.model)
+                if not admission.admitted:
+                    return admission
+            attempt = self._attempts.setdefault(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
+            attempt.job = job
+            if isinstance(decision, Admitted) and (existing is None or not decision.victims):
+                self._admission.start(_key(*key), decision, now)
+            # else the Job exists already (a repeated dispatch): it holds its GPUs whatever the ledgers say
+            attempt.admitted = True
+            return Admission.ok()
+
+    async def _get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._json("reading a Job", self._batch.read_namespaced_job_without_preload_content,
+                                    name, namespace)
+        except k8s.ApiException as e:
+            if e.status == 404:
+                return None
+            raise AdapterError(f"site {self.name}: reading Job {namespace}/{name} failed ({e.status})") from e
+
+    def job_manifest(self, job: Job, namespace: str, model: str) -> dict[str, Any]:
+        labels = {SITE_LABEL: _label_value(self.name), JOB_LABEL: _label_value(job.id),
+                  ATTEMPT_LABEL: str(job.attempt), TENANT_LABEL: job.spec.tenant}
+        annotations = {JOB_ANNOTATION: job.id}
+        resources = gpu_resources(job.spec.gpus)
+        container: dict[str, Any] = {
+            "name": "job", "image": self.config.image,
+            "resources": {"limits": resources, "requests": dict(resources)},
+            "env": [{"name": "HELIOTROPE_JOB_ID", "value": job.id},
+                    {"name": "HELIOTROPE_ATTEMPT", "value": str(job.attempt)}],
+        }
+        if self.config.command:
+            container["command"] = list(self.config.command)
+        products = sorted(self._products.get(model, ()))
+        pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        if products:
+            pod_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": PRODUCT_LABEL, "operator": "In", "values": products}]}]}}}
+        return {
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": job_name(job.id, job.attempt), "namespace": namespace, "labels": labels,
+                         "annotations": annotations},
+            "spec": {"backoffLimit": 0, "template": {
+                "metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}},
+        }
+
+    async def _create_job(self, job: Job, namespace: str, model: str) -> Admission:
+        manifest = self.job_manifest(job, namespace, model)
+        try:
+            await self._json("creating a Job", self._batch.create_namespaced_job_without_preload_content,
+                             namespace, manifest)
+        except k8s.ApiException as e:
+            if e.status == 409:
+                return Admission.ok()  # made by a concurrent dispatch of the same attempt
+            if e.status == 404:
+                return Admission.rejected(f"namespace {namespace} does not exist at site {self.name}; create it "
+                                          f"(one namespace per tenant, named {self.config.namespace_prefix}<tenant>)")
+            if e.status in (403, 422):
+                return Admission.rejected(f"the cluster refused Job {namespace}/{manifest['metadata']['name']} "
+                                          f"({e.status}): {e.reason}")
+            raise AdapterError(f"site {self.name}: creating Job {namespace}/{manifest['metadata']['name']} failed "
+                               f"({e.status}: {e.reason})") from e
+        return Admission.ok()
+
+    async def cancel(self, job_id: str, attempt: int) -> None:
+        key = (job_id, attempt)
+        self._withdrawn[key] = self._clock.now()  # final: a submit of it, now or later, is refused
+        self._forget_old_tombstones()
+        known = self._attempts.get(key)
+        await self._delete_job(key, known)
+        self._finish(key)
+
+    async def _delete_job(self, key: tuple[str, int], known: _Attempt | None) -> None:
+        namespaces = [known.namespace] if known is not None else []
+        if not namespaces:  # not dispatched from this process: find it by its labels
+            namespaces = [j["metadata"].get("namespace", "") for j in await self._list_jobs()
+                          if (j["metadata"].get("annotations") or {}).get(JOB_ANNOTATION) == key[0]
+                          and (j["metadata"].get("labels") or {}).get(ATTEMPT_LABEL) == str(key[1])]
+        for namespace in namespaces:
+            try:
+                await self._json("deleting a Job", self._batch.delete_namespaced_job_without_preload_content,
+                                 job_name(*key), namespace, propagation_policy="Background")
+            except k8s.ApiException as e:
+                if e.status != 404:
+                    raise AdapterError(f"site {self.name}: deleting Job {namespace}/{job_name(*key)} failed "
+                                       f"({e.status}: {e.reason})") from e
+
+    async def _preempt(self, victim: str, reason: str) -> None:
+        job_id, _, attempt_s = victim.rpartition("/")
+        key = (job_id, int(attempt_s))
+        known = self._attempts.get(key)
+        self._withdrawn[key] = self._clock.now()
+        await self._delete_job(key, known)
+        run_s = 0.0
+        if known is not None and known.running_since is not None:
+            run_s = max((self._clock.now() - known.running_since).total_seconds(), 0.0)
+        if self._finish(key):
+            self._events.put_nowait(JobEvent(job_id, key[1], EventKind.PREEMPTED, self._clock.now(), reason=reason,
+                                             run_s=run_s))
+
+    def _finish(self, key: tuple[str, int]) -> bool:
+        """The attempt ended: free its GPUs and quota. False if it had ended already."""
+        known = self._attempts.get(key)
+        if known is not None and known.done:
+            return False
+        if known is not None:
+            known.done = True
+        if self._admission is not None:
+            self._admission.stop(_key(*key), self._clock.now().timestamp())
+        return True
+
+    def _forget_old_tombstones(self) -> None:
+        if len(self._withdrawn) < 1024:
+            return
+        cutoff = self._clock.now() - timedelta(seconds=TOMBSTONE_TTL_S)
+        for key in [k for k, at in self._withdrawn.items() if at < cutoff]:
+            del self._withdrawn[key]
+
+    # --- AttemptLookup ---
+
+    async def known_attempts(self) -> set[tuple[str, int]]:
+        """The attempts whose Jobs exist (finished ones too: their outcome comes from the watch)."""
+        out = set()
+        for obj in await self._list_jobs():
+            meta = obj["metadata"]
+            with contextlib.suppress(ValueError):
+                out.add(((meta.get("annotations") or {}).get(JOB_ANNOTATION, ""),
+                         int((meta.get("labels") or {}).get(ATTEMPT_LABEL, ""))))
+        return out
+
+    # --- EventSource ---
+
+    async def events(self) -> AsyncIterator[JobEvent]:
+        while True:
+            yield await self._events.get()
+
+    async def _watch(self, kind: str) -> None:
+        """Follow Jobs or Pods of this site; reconnect after errors or the end of a stream."""
+        fn = (self._batch.list_job_for_all_namespaces_without_preload_content if kind == "jobs"
+              else self._core.list_pod_for_all_namespaces_without_preload_content)
+        delay = 0.2
+        while True:
+            try:
+                resp = await fn(watch=True, label_selector=f"{SITE_LABEL}={_label_value(self.name)}",
+                                timeout_seconds=300, _request_timeout=330.0)
+                try:
+                    if resp.status >= 400:
+                        raise k8s.ApiException(status=resp.status, reason=(await resp.text())[:300])
+                    delay = 0.2
+                    while line := await resp.content.readline():
+                        if line.strip():
+                            self._on_watch_event(kind, json.loads(line))
+                finally:
+                    resp.release()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a watch must outlive the cluster's hiccups; logged
+                log.warning("site %s: watch on %s failed (%r); reconnecting in %.1fs", self.name, kind, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+    def _on_watch_event(self, kind: str, event: dict[str, Any]) -> None:
+        obj = event.get("object") or {}
+        if event.get("type") == "ERROR" or not self._ours(obj):
+            return
+        meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        try:
+            key = ((meta.get("annotations") or {}).get(JOB_ANNOTATION) or labels[JOB_LABEL],
+                   int(labels[ATTEMPT_LABEL]))
+        except (KeyError, ValueError):
+            return
+        known = self._attempts.setdefault(key, _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""),
+                                                        meta.get("namespace", "")))
+        if known.done:
+            return
+        now = self._clock.now()
+        status = obj.get("status") or {}
+        if kind == "pods":
+            if status.get("phase") == "Running" and known.running_since is None and event.get("type") != "DELETED":
+                known.running_since = now
+                self._events.put_nowait(JobEvent(key[0], key[1], EventKind.RUNNING, now))
+            return
+        run_s = max((now - known.running_since).total_seconds(), 0.0) if known.running_since else 0.0
+        conditions = {c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"}
+        if "Complete" in conditions or (status.get("succeeded") or 0) > 0:
+            if self._finish(key):
+                self._events.put_nowait(JobEvent(key[0], key[1], EventKind.SUCCEEDED, now, run_s=run_s))
+        elif "Failed" in conditions or (status.get("failed") or 0) > 0:
+            failed = conditions.get("Failed") or {}
+            reason = ": ".join(x for x in (failed.get("reason"), failed.get("message")) if x) or "the Job's Pod failed"
+            if self._finish(key):
+                self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, reason=reason, run_s=run_s))
+        elif event.get("type") == "DELETED" and key not in self._withdrawn:
+            if self._finish(key):
+                self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, run_s=run_s,
+                                                 reason=f"Job {meta.get('namespace')}/{meta.get('name')} was deleted "
+                                                        "outside heliotrope"))
+
+    # --- QuotaAdmin ---
+
+    def _quotas(self) -> list[TenantQuota]:
+        return list(self._overrides.apply(self.spec.quotas))
+
+    async def quota(self) -> QuotaState:
+        if self._admission is None:
+            await self._refresh_inventory()
+        if self._admission is None:
+            raise AdapterError(f"site {self.name} has no usable GPU nodes, so no quota state")
+        return self._admission.report(self._clock.now().timestamp())
+
+    async def set_quota(self, quota: TenantQuota) -> QuotaState:
+        self._overrides.set(quota)  # kept first: a change the site forgets on restart was never made
+        now = self._clock.now().timestamp()
+        if self._admission is not None:
+            self._admission.set_quota(quota, now)
+        await self._mirror_quota(quota)
+        return await self.quota()
+
+    async def remove_quota(self, tenant: str) -> QuotaState:
+        if all(q.tenant != tenant for q in self._quotas()):
+            raise KeyError(f"site {self.name} has no quota for tenant {tenant}")
+        self._overrides.remove(tenant)
+        if self._admission is not None:
+            self._admission.remove_quota(tenant, self._clock.now().timestamp())
+        try:
+            await self._json("deleting a ResourceQuota",
+                             self._core.delete_namespaced_resource_quota_without_preload_content,
+                             QUOTA_NAME, self.namespace(tenant))
+        except k8s.ApiException as e:
+            if e.status != 404:
+                raise AdapterError(f"site {self.name}: the quota of {tenant} is removed here, but deleting "
+                                   f"ResourceQuota {self.namespace(tenant)}/{QUOTA_NAME} failed ({e.status})") from e
+        return await self.quota()
+
+    async def forget_quotas(self) -> None:
+        self._overrides.forget()
+
+    def quota_manifest(self, quota: TenantQuota) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1", "kind": "ResourceQuota",
+            "metadata": {"name": QUOTA_NAME, "namespace": self.namespace(quota.tenant),
+                         "labels": {SITE_LABEL: _label_value(self.name), TENANT_LABEL: quota.tenant},
+                         "annotations": {"heliotrope.io/guaranteed-gpus": str(quota.guaranteed_gpus),
+                                         "heliotrope.io/burst-gpus": str(quota.burst_gpus),
+                                         "heliotrope.io/model": quota.model or "any"}},
+            "spec": {"hard": {f"requests.{GPU}": str(quota.guaranteed_gpus + quota.burst_gpus)}},
+        }
+
+    async def _mirror_quota(self, quota: TenantQuota) -> None:
+        manifest = self.quota_manifest(quota)
+        namespace = manifest["metadata"]["namespace"]
+        try:
+            try:
+                await self._json("creating a ResourceQuota",
+                                 self._core.create_namespaced_resource_quota_without_preload_content,
+                                 namespace, manifest)
+                return
+            except k8s.ApiException as e:
+                if e.status != 409:
+                    raise
+            patch = {"metadata": {"labels": manifest["metadata"]["labels"],
+                                  "annotations": manifest["metadata"]["annotations"]}, "spec": manifest["spec"]}
+            await self._json("updating a ResourceQuota",
+                             self._core.patch_namespaced_resource_quota_without_preload_content,
+                             QUOTA_NAME, namespace, patch)
+        except k8s.ApiException as e:
+            raise AdapterError(f"site {self.name}: the quota of {quota.tenant} is kept and enforced by heliotrope, "
+                               f"but mirroring it as ResourceQuota {namespace}/{QUOTA_NAME} failed ({e.status}: "
+                               f"{e.reason}); does namespace {namespace} exist?") from e
+
+
+def _key(job_id: str, attempt: int) -> str:
+    return f"{job_id}/{attempt}"
+
+
+def _as_pod(job: Job) -> Job:
+    """The job as one Pod runs it: whole GPUs all on one node."""
+    if job.spec.gpus.mig_profile is None and job.spec.gpus.topology == "any":
+        gpus = job.spec.gpus.model_copy(update={"topology": "node"})
+        return job.model_copy(update={"spec": job.spec.model_copy(update={"gpus": gpus})})
+    return job

@@ -1,0 +1,269 @@
+"""The Kubernetes adapter against kmock, a Kubernetes API emulator started in-process on a free port.
+
+kmock stores the objects it is sent and serves list, watch, fetch, create (409 on a duplicate), merge-patch
+and delete. It does not schedule Pods, run them, enforce ResourceQuota or filter by label selector, so the
+tests play the cluster's part: they preload Nodes, and patch Pods and Jobs to move them through their life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kmock
+import pytest
+
+from adapters.base import EventKind, JobEvent
+from adapters.kubernetes import KubernetesSite, job_name, product_model
+from broker.clock import SystemClock
+from broker.models import GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
+from tests.builders import NOW, job, site
+
+JOBS, PODS, NODES, QUOTAS = "batch/v1/jobs", "v1/pods", "v1/nodes", "v1/resourcequotas"
+
+
+def node(name: str, product: str | None, gpus: int = 0, mig: dict[str, int] | None = None,
+         gpu_count: int | None = None, **spec: Any) -> dict[str, Any]:
+    labels = {} if product is None else {"nvidia.com/gpu.product": product}
+    if gpu_count is not None:
+        labels["nvidia.com/gpu.count"] = str(gpu_count)
+    allocatable = {"cpu": "64", "nvidia.com/gpu": str(gpus)}
+    allocatable |= {f"nvidia.com/mig-{p}": str(n) for p, n in (mig or {}).items()}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": spec,
+            "status": {"allocatable": allocatable, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+CLUSTER = [
+    node("a100-0", "NVIDIA-A100-SXM4-80GB", gpus=8),
+    node("a100-1", "NVIDIA-A100-SXM4-80GB", gpus=8),
+    node("mig-0", "NVIDIA-A100-SXM4-80GB", mig={"1g.10gb": 7, "3g.40gb": 2}, gpu_count=3),
+    node("cpu-0", None),
+    node("unlabelled", None, gpus=4),
+    node("cordoned", "NVIDIA-H100-80GB-HBM3", gpus=8, unschedulable=True),
+]
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator):  # a free port of its choosing
+        for resource in (JOBS, PODS, QUOTAS):
+            emulator.resources[resource] = {}
+        for n in CLUSTER:
+            emulator.objects[NODES, None, n["metadata"]["name"]] = n
+        yield emulator
+
+
+def make_site(cluster: kmock.KubernetesEmulator, **spec: Any) -> KubernetesSite:
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
+    return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), SystemClock())
+
+
+@pytest.fixture
+async def kube(cluster: kmock.KubernetesEmulator) -> AsyncIterator[KubernetesSite]:
+    adapter = make_site(cluster, quotas=[{"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 4}])
+    await adapter.start()
+    yield adapter
+    await adapter.close()
+
+
+def attempt(job_id: str = "j-1", n: int = 1, **spec: Any) -> Job:
+    return Job(id=job_id, spec=job(**spec), attempt=n, created_at=NOW, updated_at=NOW)
+
+
+def mig_attempt(job_id: str, count: int, profile: str) -> Job:
+    spec = job().model_copy(update={"gpus": GpuRequest(count=count, mig_profile=profile)})
+    return Job(id=job_id, spec=spec, attempt=1, created_at=NOW, updated_at=NOW)
+
+
+def jobs(cluster: kmock.KubernetesEmulator) -> dict[tuple[str | None, str], dict[str, Any]]:
+    return {(ns, name): obj for (res, ns, name), obj in cluster.objects.items()
+            if res.plural == "jobs" and not obj.deleted}
+
+
+async def next_event(adapter: KubernetesSite, stream: AsyncIterator[JobEvent]) -> JobEvent:
+    return await asyncio.wait_for(anext(stream), 5)
+
+
+# --- capacity from Nodes ---
+
+
+@pytest.mark.parametrize(("product", "model"), [
+    ("NVIDIA-A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "a100-40gb"),
+    ("NVIDIA-H100-80GB-HBM3", "h100-80gb"),
+    ("Tesla-T4", "t4"),
+    ("NVIDIA-L4", "l4"),
+], ids=[
+    "an A100 80GB product label maps to a100-80gb",
+    "a single-strategy MIG product label maps to its GPU",
+    "an H100 HBM3 label maps to h100-80gb",
+    "a Tesla T4 label maps to t4",
+    "an L4 label maps to l4",
+])
+def test_gpu_feature_discovery_products_map_to_canonical_models(product: str, model: str) -> None:
+    assert product_model(product) == model
+
+
+async def test_capacity_counts_whole_gpus_and_mig_slices_of_usable_nodes(kube: KubernetesSite) -> None:
+    state = await kube.snapshot()
+    [a100] = state.capacity
+    assert a100.model == "a100-80gb"
+    assert a100.total_gpus == 16 + 3  # two whole-GPU nodes, one node of 3 MIG GPUs
+    assert a100.free_gpus == 16
+    assert a100.mig_free_slices["1g.10gb"] == 21  # 3 GPUs of 7 one-slice instances could still be made
+    assert a100.mig_free_slices["3g.40gb"] == 6
+    assert state.health == "healthy"
+    left_out = " | ".join(kube.left_out)
+    assert "unlabelled has GPUs but no nvidia.com/gpu.product" in left_out
+    assert "cordoned is cordoned" in left_out
+
+
+async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster: kmock.KubernetesEmulator) -> None:
+    for name in ("a100-0", "a100-1", "mig-0"):
+        del cluster.objects[NODES, None, name]
+    adapter = make_site(cluster)
+    await adapter.start()
+    try:
+        state = await adapter.snapshot()
+        assert state.health == "unhealthy" and "no usable GPU nodes" in (state.reason or "")
+        assert not (await adapter.submit(attempt())).admitted
+    finally:
+        await adapter.close()
+
+
+# --- Jobs: creation, idempotent re-dispatch, refusal, cancel ---
+
+
+async def test_a_job_becomes_a_batch_job_with_its_gpus_labels_and_model_affinity(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    assert (await kube.submit(attempt("j-1", 2, count=4))).admitted
+    created = jobs(cluster)[("heliotrope-t1", job_name("j-1", 2))]
+    labels = created["metadata"]["labels"]
+    assert labels["heliotrope.io/job-id"] == "j-1" and labels["heliotrope.io/attempt"] == "2"
+    assert labels["heliotrope.io/site"] == "kube" and labels["heliotrope.io/tenant"] == "t1"
+    pod = created["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    assert pod["restartPolicy"] == "Never" and created["spec"]["backoffLimit"] == 0
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert term["matchExpressions"][0]["values"] == ["NVIDIA-A100-SXM4-80GB"]
+    assert (await kube.snapshot()).capacity[0].free_gpus == 12
+
+
+async def test_a_mig_job_asks_for_its_mig_resource(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    assert (await kube.submit(mig_attempt("m-1", 2, "1g.10gb"))).admitted
+    created = jobs(cluster)[("heliotrope-t1", job_name("m-1", 1))]
+    assert created["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "nvidia.com/mig-1g.10gb": "2"}
+    assert (await kube.snapshot()).capacity[0].mig_free_slices["1g.10gb"] == 19
+
+
+async def test_a_repeated_dispatch_finds_the_existing_job(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    assert (await kube.submit(attempt("j-1", count=8))).admitted
+    assert (await kube.submit(attempt("j-1", count=8))).admitted
+    restarted = make_site(cluster)  # a broker restart: a fresh adapter, the same cluster
+    await restarted.start()
+    try:
+        assert (await restarted.submit(attempt("j-1", count=8))).admitted
+    finally:
+        await restarted.close()
+    assert list(jobs(cluster)) == [("heliotrope-t1", job_name("j-1", 1))]
+    assert len(cluster[kmock.action.CREATE, kmock.resource("batch/v1/jobs")]) == 1
+    assert (await kube.snapshot()).capacity[0].free_gpus == 8  # counted once
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    ({"count": 9}, "no room"),
+    ({"count": 1, "model": "h100-80gb"}, "no h100-80gb at this site"),
+    ({"milli": 500}, "whole GPUs or MIG slices only"),
+], ids=[
+    "nine GPUs do not fit on one eight-GPU node",
+    "a model the Nodes do not have is refused",
+    "a fractional GPU is refused: the device plugin hands out whole GPUs",
+])
+async def test_the_site_policy_refuses_before_any_job_is_made(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, spec: dict[str, Any], reason: str) -> None:
+    answer = await kube.submit(attempt(**spec))
+    assert not answer.admitted and reason in (answer.reason or "")
+    assert not jobs(cluster)
+
+
+async def test_the_tenants_quota_is_applied_before_a_job_is_made(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    assert (await kube.submit(attempt("j-1", count=8))).admitted  # guarantee 4 + burst 4
+    answer = await kube.submit(attempt("j-2", count=1))
+    assert not answer.admitted
+    assert list(jobs(cluster)) == [("heliotrope-t1", job_name("j-1", 1))]
+
+
+async def test_cancel_deletes_the_job_and_is_final(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    assert (await kube.submit(attempt("j-1", count=8))).admitted
+    await kube.cancel("j-1", 1)
+    assert not jobs(cluster)
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
+    again = await kube.submit(attempt("j-1", count=8))
+    assert not again.admitted and "withdrawn" in (again.reason or "")
+    await kube.cancel("j-never", 1)  # an attempt the cluster never had: nothing to delete, no error
+
+
+async def test_known_attempts_are_the_jobs_of_this_site(kube: KubernetesSite) -> None:
+    assert (await kube.submit(attempt("j-1", 1))).admitted
+    assert (await kube.submit(attempt("j-2", 3))).admitted
+    assert await kube.known_attempts() == {("j-1", 1), ("j-2", 3)}
+
+
+# --- status from the watch ---
+
+
+async def test_the_watch_reports_running_then_succeeded(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    stream = kube.events()
+    assert (await kube.submit(attempt("j-1", count=2))).admitted
+    name = job_name("j-1", 1)
+    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
+           "spec": {"containers": [{"name": "job", "image": "x"}]}, "status": {"phase": "Pending"}}
+    assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
+    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": {"phase": "Running"}})
+    running = await next_event(kube, stream)
+    assert (running.job_id, running.attempt, running.kind) == ("j-1", 1, EventKind.RUNNING)
+    await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {
+        "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}})
+    done = await next_event(kube, stream)
+    assert (done.job_id, done.kind) == ("j-1", EventKind.SUCCEEDED)
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
+
+
+async def test_the_watch_reports_a_failed_job_with_its_reason(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    stream = kube.events()
+    assert (await kube.submit(attempt("j-1"))).admitted
+    await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{job_name('j-1', 1)}", json={"status": {
+        "failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                     "message": "Job has reached the specified backoff limit"}]}})
+    failed = await next_event(kube, stream)
+    assert failed.kind == EventKind.FAILED and "BackoffLimitExceeded" in (failed.reason or "")
+
+
+async def test_a_job_deleted_outside_heliotrope_is_lost(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    stream = kube.events()
+    assert (await kube.submit(attempt("j-1"))).admitted
+    await cluster.delete(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{job_name('j-1', 1)}")
+    lost = await next_event(kube, stream)
+    assert lost.kind == EventKind.LOST and "deleted outside heliotrope" in (lost.reason or "")
+
+
+# --- quotas mirrored as ResourceQuota ---
+
+
+async def test_quotas_are_mirrored_as_resource_quotas(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    mirrored = cluster.objects[QUOTAS, "heliotrope-t1", "heliotrope-gpus"]
+    assert mirrored["spec"]["hard"] == {"requests.nvidia.com/gpu": "8"}
+    await kube.set_quota(TenantQuota(tenant="t1", guaranteed_gpus=2, burst_gpus=1))
+    assert cluster.objects[QUOTAS, "heliotrope-t1", "heliotrope-gpus"]["spec"]["hard"] == {
+        "requests.nvidia.com/gpu": "3"}
+    await kube.set_quota(TenantQuota(tenant="t2", guaranteed_gpus=1))
+    assert cluster.objects[QUOTAS, "heliotrope-t2", "heliotrope-gpus"]["spec"]["hard"] == {
+        "requests.nvidia.com/gpu": "1"}
+    state = await kube.remove_quota("t1")
+    assert cluster.objects[QUOTAS, "heliotrope-t1", "heliotrope-gpus"].deleted
+    assert state.tenant("t2") is not None
