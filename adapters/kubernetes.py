@@ -262,7 +262,8 @@ class KubernetesSite:
             elif cfg.in_cluster:
                 k8s_config.load_incluster_config(client_configuration=configuration)
             else:
-                await k8s_config.load_kube_config(config_file=cfg.kubeconfig, context=cfg.context,
+                path = str(Path(cfg.kubeconfig).expanduser()) if cfg.kubeconfig else None
+                await k8s_config.load_kube_config(config_file=path, context=cfg.context,
                                                   client_configuration=configuration, persist_config=False)
         except (k8s_config.ConfigException, OSError) as e:
             raise AdapterError(f"site {self.name}: cannot load Kubernetes credentials ({e}); set adapter.kubeconfig "
