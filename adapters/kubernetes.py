@@ -11,9 +11,15 @@
   the site's quotas and fair share), so it refuses what the site's policy refuses. A job runs as one Pod, so
   whole GPUs must fit on one node (``topology: node`` is implied). Fractional GPUs (``milli``, ``shared``) are
   refused: the NVIDIA device plugin hands out whole GPUs or MIG slices. What the cluster still decides: the
-  scheduler places the Pod (it may stay Pending, e.g. when Pods outside heliotrope hold GPUs, which this
-  adapter does not count), ResourceQuota admission may refuse it, and the device plugin assigns the
-  devices (a MIG layout is fixed on the node, where the inventory assumes any mix of the offered slices).
+  scheduler places the Pod (on a node the inventory may not have chosen), ResourceQuota admission may refuse
+  it, and the device plugin assigns the devices (a MIG layout is fixed on the node, where the inventory
+  assumes any mix of the offered slices).
+- What runs already: Pods not of this site (Pending on a node, or Running) that ask for ``nvidia.com/gpu`` or
+  MIG slices hold those GPUs of their node in the inventory (not in the quota book); the Pods are re-read with
+  the Nodes, at most every ``pods_ttl_s`` (5 s). On start, and whenever the ledgers are rebuilt, this site's
+  active Jobs are re-entered (GPUs from the container limits, on their Pod's node or any node of their model,
+  tenant from the labels, priority/preemptible from an annotation, since ``status.startTime``); one whose node
+  is gone counts against its tenant's quota only (logged).
 - Jobs: a batch/v1 Job named ``h-<job id>-<attempt>`` in namespace ``namespace_prefix + tenant`` (which must
   exist), one Pod, ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on
   the product labels of the chosen model, labelled with the site, job id, attempt and tenant. A repeated
@@ -31,18 +37,19 @@
 
 Credentials: ``in_cluster`` (the Pod's service account), else the kubeconfig (``kubeconfig``, ``context``),
 or ``host`` alone (an unauthenticated URL such as ``kubectl proxy`` or a test emulator). RBAC: list/watch
-nodes; create/get/list/watch/delete jobs; list/watch pods; create/patch/delete resourcequotas.
+nodes; create/get/list/watch/delete jobs; list/watch pods (all namespaces); create/patch/delete resourcequotas.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
-import math
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -56,7 +63,25 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from adapters.quota_store import QuotaOverrides
-from broker import ids
+from adapters.kubernetes_nodes import (
+    ASK_ANNOTATION,
+    ATTEMPT_LABEL,
+    GPU,
+    JOB_ANNOTATION,
+    JOB_LABEL,
+    MIG_PREFIX,
+    PRODUCT_LABEL,
+    NodeGpus,
+    attempt_key,
+    inventory_nodes,
+    job_ask,
+    job_ended,
+    node_groups,
+    place_on,
+    pod_gpus,
+    product_model,  # noqa: F401 - re-exported: part of this module's interface
+    read_node,
+)
 from broker.clock import Clock
 from broker.models import (
     GpuRequest,
@@ -69,22 +94,15 @@ from broker.models import (
     SiteState,
     Telemetry,
     TenantQuota,
-    mig_slices,
 )
 from policies.admission import Admitted, SiteAdmission
+from policies.quota import Ask
 
 log = logging.getLogger(__name__)
 
-GPU = "nvidia.com/gpu"
-MIG_PREFIX = "nvidia.com/mig-"
-PRODUCT_LABEL = "nvidia.com/gpu.product"
-COUNT_LABEL = "nvidia.com/gpu.count"
-MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB
 SITE_LABEL = "heliotrope.io/site"
-JOB_LABEL = "heliotrope.io/job-id"
-ATTEMPT_LABEL = "heliotrope.io/attempt"
 TENANT_LABEL = "heliotrope.io/tenant"
-JOB_ANNOTATION = "heliotrope.io/job-id"  # the full id (a label value is at most 63 characters)
+PODS_TTL_S = 5.0  # how long a read of the Pods (GPUs held outside heliotrope) is reused
 QUOTA_NAME = "heliotrope-gpus"
 TOMBSTONE_TTL_S = 3600.0
 
@@ -104,81 +122,6 @@ def job_name(job_id: str, attempt: int) -> str:
     return f"h-{slug}-{digest}-{attempt}" if slug else f"h-{digest}-{attempt}"
 
 
-def product_model(product: str) -> str:
-    """The canonical model of a GFD product label (``NVIDIA-A100-SXM4-80GB``, or ``...-MIG-1g.10gb`` under
-    the single MIG strategy); ``ids.UnknownIdentifier`` if unknown."""
-    return ids.gpu_model(re.sub(r"-MIG-.*$", "", product, flags=re.IGNORECASE))
-
-
-@dataclass(frozen=True, slots=True)
-class NodeGpus:
-    """What one Node offers: ``gpus`` whole GPUs, ``mig_gpus`` GPUs in MIG mode serving ``mig`` slices."""
-
-    name: str
-    model: str
-    product: str
-    gpus: int
-    mig_gpus: int
-    mig: dict[str, int]
-    memory_gib: float | None
-
-
-def read_node(node: dict[str, Any]) -> NodeGpus | str:
-    """A Node's GPUs, or why it is left out."""
-    meta, status = node.get("metadata", {}), node.get("status", {})
-    name = meta.get("name", "?")
-    labels = meta.get("labels") or {}
-    allocatable = status.get("allocatable") or {}
-    gpus = int(allocatable.get(GPU, "0") or 0)
-    mig: dict[str, int] = {}
-    for key, value in allocatable.items():
-        if key.startswith(MIG_PREFIX) and int(value or 0) > 0:
-            profile = key[len(MIG_PREFIX):]
-            try:
-                mig_slices(profile)
-            except ValueError:
-                log.warning("node %s: MIG resource %s is not a profile heliotrope knows; left out", name, key)
-                continue
-            mig[profile] = int(value)
-    if not gpus and not mig:
-        return f"node {name} has no allocatable {GPU} or {MIG_PREFIX}* resources"
-    if (node.get("spec") or {}).get("unschedulable"):
-        return f"node {name} is cordoned"
-    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
-    if ready and ready[0].get("status") != "True":
-        return f"node {name} is not Ready"
-    product = labels.get(PRODUCT_LABEL)
-    if not product:
-        return f"node {name} has GPUs but no {PRODUCT_LABEL} label (install NVIDIA GPU feature discovery)"
-    try:
-        model = product_model(product)
-    except ids.UnknownIdentifier as e:
-        return f"node {name}: {e}"
-    mig_gpus = 0
-    if mig:
-        counted = int(labels.get(COUNT_LABEL, "0") or 0) - gpus
-        needed = math.ceil(sum(mig_slices(p) * n for p, n in mig.items()) / 7)
-        mig_gpus = max(counted, needed, 1)
-    memory_mib = labels.get(MEMORY_LABEL)
-    memory_gib = round(int(memory_mib) / 1024, 1) if memory_mib and memory_mib.isdigit() else None
-    return NodeGpus(name, model, product, gpus, mig_gpus, mig, memory_gib)
-
-
-def node_groups(nodes: list[NodeGpus]) -> list[NodeGroup]:
-    """Identical nodes grouped, whole-GPU and MIG parts apart, in a stable order."""
-    counts: dict[tuple[str, int, tuple[str, ...], float | None], int] = {}
-    for n in nodes:
-        memory = n.memory_gib if n.memory_gib and n.memory_gib < ids.GPU_MODEL_BY_ID[n.model].memory_gib else None
-        if n.gpus:
-            key = (n.model, n.gpus, (), memory)
-            counts[key] = counts.get(key, 0) + 1
-        if n.mig_gpus:
-            key = (n.model, n.mig_gpus, tuple(sorted(n.mig)), memory)
-            counts[key] = counts.get(key, 0) + 1
-    return [NodeGroup(model=m, gpus_per_node=per, nodes=k, mig_profiles=list(profiles), memory_gib_per_gpu=mem)
-            for (m, per, profiles, mem), k in sorted(counts.items(), key=lambda kv: repr(kv[0]))]
-
-
 def gpu_resources(req: GpuRequest) -> dict[str, str]:
     if req.mig_profile is not None:
         return {MIG_PREFIX + req.mig_profile: str(req.count)}
@@ -195,6 +138,11 @@ class _Attempt:
     running_since: datetime | None = None
     done: bool = False
     job: Job | None = field(default=None, repr=False)
+    # what re-enters it into new ledgers (a broker restart, changed Nodes): its GPUs, the ask, where it runs
+    req: GpuRequest | None = None
+    ask: Ask | None = None
+    node: str | None = None  # the Node its Pod runs on, once scheduled
+    started: float | None = None  # POSIX seconds
 
 
 def _transient(e: BaseException) -> bool:
@@ -221,6 +169,12 @@ class KubernetesSite:
         self._admission: SiteAdmission | None = None
         self._groups: list[NodeGroup] = []
         self._products: dict[str, set[str]] = {}  # model -> product label values seen
+        self._node_map: dict[str, list[str]] = {}  # Node -> its names in the inventory
+        self._node_model: dict[str, str] = {}
+        self._foreign: dict[str, tuple[str, GpuRequest]] = {}  # Pods outside this site: id -> (Node, GPUs)
+        self._foreign_held: dict[str, tuple[str, GpuRequest]] = {}  # those entered in the inventory
+        self._pods_read_at: float | None = None  # time.monotonic()
+        self.pods_ttl_s = PODS_TTL_S
         self.left_out: list[str] = []  # nodes left out of the inventory, with the reason
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}
@@ -233,8 +187,8 @@ class KubernetesSite:
     async def start(self) -> None:
         if self._api is None:
             self._api = await self._build_client()
-        await self._refresh_inventory()
         await self._adopt()
+        await self._refresh_inventory()
         for tenant_quota in self._quotas():
             try:
                 await self._mirror_quota(tenant_quota)
@@ -317,11 +271,14 @@ class KubernetesSite:
     # --- inventory ---
 
     async def _refresh_inventory(self) -> None:
+        """Read the Nodes (and, at most every ``pods_ttl_s``, the Pods); rebuild the ledgers when the node groups
+        changed, re-entering what runs here; keep the GPUs of Pods outside heliotrope out of them."""
         try:
             data = await self._json("listing Nodes", self._core.list_node_without_preload_content)
         except k8s.ApiException as e:
             raise AdapterError(f"site {self.name}: listing Nodes failed ({e.status}: {e.reason})") from e
-        nodes, left_out = [], []
+        nodes: list[NodeGpus] = []
+        left_out = []
         for item in data.get("items") or []:
             found = read_node(item)
             if isinstance(found, str):
@@ -332,39 +289,127 @@ class KubernetesSite:
         self._products = {}
         for n in nodes:
             self._products.setdefault(n.model, set()).add(n.product)
+        await self._read_pods()
         groups = node_groups(nodes)
         if groups == self._groups and self._admission is not None:
+            self._sync_foreign()
             return
         self._groups = groups
+        self._node_map = inventory_nodes(nodes)
+        self._node_model = {n.name: n.model for n in nodes}
+        self._foreign_held = {}
         if not groups:
             self._admission = None
             return
         spec = self.spec.model_copy(update={"gpus": groups, "usd_per_gpu_hour": {}})
         self._admission = SiteAdmission(spec, self._overrides.apply(self.spec.quotas))
-        now = self._clock.now().timestamp()
-        for a in self._attempts.values():  # re-enter what runs here into the new ledgers
+        self._sync_foreign()  # first: those GPUs are taken, whatever heliotrope's ledgers say
+        live = [a for a in self._attempts.values() if not a.done and a.req is not None and a.ask is not None]
+        for a in self._attempts.values():
             a.admitted = False
-            if a.job is not None and not a.done:
-                decision = self._admission.admit(_key(a.job_id, a.attempt), _as_pod(a.job).spec, now,
-                                                 model=a.job.gpu_model)
-                if isinstance(decision, Admitted):
-                    self._admission.start(_key(a.job_id, a.attempt), decision, now)
-                    a.admitted = True
-                else:
-                    log.warning("site %s: job %s no longer fits the Nodes: %s", self.name, a.job_id, decision.reason)
+        for a in sorted(live, key=lambda a: a.started or 0.0):
+            self._reenter(a)
+
+    def _reenter(self, a: _Attempt) -> None:
+        """Enter a running attempt into fresh ledgers: on its Pod's Node, else anywhere on its model. One the
+        inventory cannot place (its Node vanished) still counts against its tenant's quota."""
+        assert self._admission is not None and a.req is not None and a.ask is not None
+        key, model = _key(a.job_id, a.attempt), a.ask.model
+        inventory = self._admission.inventory
+        placement = None
+        if model in inventory.capacity():
+            if a.node is not None:
+                placement = place_on(inventory, a.req, model, self._node_map.get(a.node, ()))
+            else:
+                found = inventory.find(a.req, model)
+                placement = found if not isinstance(found, str) else None
+        started = a.started if a.started is not None else self._clock.now().timestamp()
+        ask = a.ask
+        if model in inventory.capacity():
+            ask = dataclasses.replace(ask, gpus=inventory.charge(a.req, model))
+        a.admitted = True
+        if placement is not None:
+            self._admission.start(key, Admitted(placement, ask), started)
+            return
+        where = f"Node {a.node}" if a.node is not None else f"any {model} Node"
+        try:
+            self._admission.book.start(ask, started)
+        except ValueError as e:
+            log.warning("site %s: job %s (Job %s/%s) no longer fits %s, and its quota cannot count it: %s",
+                        self.name, a.job_id, a.namespace, job_name(a.job_id, a.attempt), where, e)
+            return
+        log.warning("site %s: job %s (Job %s/%s) does not fit %s in the inventory; counted by its tenant's quota "
+                    "only", self.name, a.job_id, a.namespace, job_name(a.job_id, a.attempt), where)
+
+    async def _read_pods(self) -> None:
+        """The Pods holding GPUs on a Node: those outside this site (``_foreign``) and the Nodes of ours.
+        Cached for ``pods_ttl_s``: a snapshot lists the Nodes anyway, and the Pods of a large cluster cost more."""
+        now = time.monotonic()
+        if self._pods_read_at is not None and now - self._pods_read_at < self.pods_ttl_s:
+            return
+        try:
+            data = await self._json("listing Pods", self._core.list_pod_for_all_namespaces_without_preload_content,
+                                    field_selector="status.phase!=Succeeded,status.phase!=Failed")
+        except k8s.ApiException as e:
+            raise AdapterError(f"site {self.name}: listing Pods failed ({e.status}: {e.reason})") from e
+        self._pods_read_at = now
+        foreign: dict[str, tuple[str, GpuRequest]] = {}
+        for pod in data.get("items") or []:
+            meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+            node, phase = spec.get("nodeName"), (pod.get("status") or {}).get("phase")
+            if not node or phase not in ("Pending", "Running"):
+                continue
+            if self._ours(pod):
+                key = attempt_key(meta)
+                if key is not None and key in self._attempts:
+                    self._attempts[key].node = node
+            elif (req := pod_gpus(pod)) is not None:
+                foreign[f"pod:{meta.get('namespace')}/{meta.get('name')}"] = (node, req)
+        self._foreign = foreign
+
+    def _sync_foreign(self) -> None:
+        """Hold the GPUs of Pods outside heliotrope in the inventory (not in the quota book): what they take of
+        their Node is not free. Where heliotrope's ledger put a job on GPUs such a Pod holds, the Pod takes
+        what is left (logged)."""
+        if self._admission is None:
+            return
+        inventory = self._admission.inventory
+        for pod_id in [p for p, held in self._foreign_held.items() if self._foreign.get(p) != held]:
+            inventory.release(pod_id)
+            del self._foreign_held[pod_id]
+        for pod_id, (node, req) in self._foreign.items():
+            model = self._node_model.get(node)
+            if pod_id in self._foreign_held or model is None:
+                continue
+            placement = place_on(inventory, req, model, self._node_map.get(node, ()), partial=True)
+            if placement is None or len(placement.slots) < req.count:
+                log.warning("site %s: Pod %s holds %s on Node %s, where the ledger has %s free", self.name,
+                            pod_id[4:], gpu_resources(req), node, len(placement.slots) if placement else 0)
+            if placement is not None:
+                inventory.commit(pod_id, placement)
+            self._foreign_held[pod_id] = (node, req)
 
     async def _adopt(self) -> None:
-        """Jobs of this site already in the cluster (a broker restart): known, so cancel and events work."""
+        """Jobs of this site already in the cluster (a broker restart): known, so cancel and events work, and
+        the active ones are re-entered into the ledgers (by ``_refresh_inventory``) with their GPUs, tenant
+        and start time, so capacity and quotas count them."""
         for obj in await self._list_jobs():
             meta = obj["metadata"]
-            labels = meta.get("labels") or {}
-            try:
-                key = ((meta.get("annotations") or {}).get(JOB_ANNOTATION, labels.get(JOB_LABEL, "")),
-                       int(labels.get(ATTEMPT_LABEL, "")))
-            except ValueError:
+            key = attempt_key(meta)
+            if key is None:
                 continue
-            self._attempts.setdefault(key, _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""),
-                                                    meta.get("namespace", "")))
+            labels = meta.get("labels") or {}
+            a = self._attempts.setdefault(key, _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""),
+                                                        meta.get("namespace", "")))
+            if a.ask is None and not job_ended(obj.get("status") or {}):
+                self._adopt_ask(a, obj)
+
+    def _adopt_ask(self, a: _Attempt, obj: dict[str, Any]) -> None:
+        found = job_ask(obj, _key(a.job_id, a.attempt), a.tenant)
+        if isinstance(found, str):
+            log.warning("site %s: %s; not counted", self.name, found)
+        else:
+            a.req, a.ask, a.started = found
 
     async def _list_jobs(self) -> list[dict[str, Any]]:
         try:
@@ -425,6 +470,8 @@ class KubernetesSite:
                     return admission
             attempt = self._attempts.setdefault(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
             attempt.job = job
+            if isinstance(decision, Admitted):
+                attempt.req, attempt.ask, attempt.started = _as_pod(job).spec.gpus, decision.ask, now
             if isinstance(decision, Admitted) and (existing is None or not decision.victims):
                 self._admission.start(_key(*key), decision, now)
             # else the Job exists already (a repeated dispatch): it holds its GPUs whatever the ledgers say
@@ -443,7 +490,9 @@ class KubernetesSite:
     def job_manifest(self, job: Job, namespace: str, model: str) -> dict[str, Any]:
         labels = {SITE_LABEL: _label_value(self.name), JOB_LABEL: _label_value(job.id),
                   ATTEMPT_LABEL: str(job.attempt), TENANT_LABEL: job.spec.tenant}
-        annotations = {JOB_ANNOTATION: job.id}
+        annotations = {JOB_ANNOTATION: job.id, ASK_ANNOTATION: json.dumps({
+            "priority": job.spec.priority, "preemptible": job.spec.preemptible, "min_run_s": job.spec.min_run_s,
+            "checkpointable": job.spec.checkpointable})}
         resources = gpu_resources(job.spec.gpus)
         container: dict[str, Any] = {
             "name": "job", "image": self.config.image,
@@ -529,7 +578,10 @@ class KubernetesSite:
         if known is not None:
             known.done = True
         if self._admission is not None:
-            self._admission.stop(_key(*key), self._clock.now().timestamp())
+            now = self._clock.now().timestamp()
+            if self._admission.stop(_key(*key), now) is None:
+                with contextlib.suppress(KeyError):  # counted by quota only (its Node had gone), or not at all
+                    self._admission.book.stop(_key(*key), now)
         return True
 
     def _forget_old_tombstones(self) -> None:
@@ -588,10 +640,8 @@ class KubernetesSite:
             return
         meta = obj.get("metadata") or {}
         labels = meta.get("labels") or {}
-        try:
-            key = ((meta.get("annotations") or {}).get(JOB_ANNOTATION) or labels[JOB_LABEL],
-                   int(labels[ATTEMPT_LABEL]))
-        except (KeyError, ValueError):
+        key = attempt_key(meta)
+        if key is None:
             return
         known = self._attempts.setdefault(key, _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""),
                                                         meta.get("namespace", "")))
@@ -600,6 +650,8 @@ class KubernetesSite:
         now = self._clock.now()
         status = obj.get("status") or {}
         if kind == "pods":
+            if (node := (obj.get("spec") or {}).get("nodeName")) and event.get("type") != "DELETED":
+                known.node = node
             if status.get("phase") == "Running" and known.running_since is None and event.get("type") != "DELETED":
                 known.running_since = now
                 self._events.put_nowait(JobEvent(key[0], key[1], EventKind.RUNNING, now))

@@ -267,3 +267,81 @@ async def test_quotas_are_mirrored_as_resource_quotas(kube: KubernetesSite, clus
     state = await kube.remove_quota("t1")
     assert cluster.objects[QUOTAS, "heliotrope-t1", "heliotrope-gpus"].deleted
     assert state.tenant("t2") is not None
+
+
+# --- what runs already: a broker restart, Pods outside heliotrope ---
+
+
+async def test_a_fresh_adapter_counts_the_active_jobs_of_the_one_before(cluster: kmock.KubernetesEmulator) -> None:
+    quotas = [{"tenant": "t1", "guaranteed_gpus": 8, "burst_gpus": 8}]
+    first = make_site(cluster, quotas=quotas)
+    await first.start()
+    try:
+        assert (await first.submit(attempt("j-1", count=8))).admitted
+        assert (await first.submit(attempt("j-2", count=4))).admitted
+    finally:
+        await first.close()
+    await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{job_name('j-2', 1)}",
+                        json={"status": {"startTime": "2024-05-01T12:00:00Z"}})
+    second = make_site(cluster, quotas=quotas)  # a broker restart: a fresh adapter, the same cluster
+    await second.start()
+    try:
+        state = await second.snapshot()
+        assert state.capacity[0].free_gpus == 4
+        assert state.quota is not None and state.quota.tenant("t1").in_use_gpus == 12
+        refused = await second.submit(attempt("j-3", count=6))
+        assert not refused.admitted
+        assert (await second.submit(attempt("j-3", count=4))).admitted
+        await second.cancel("j-1", 1)  # an adopted job is released when it ends
+        assert (await second.snapshot()).capacity[0].free_gpus == 8
+    finally:
+        await second.close()
+
+
+def foreign_pod(name: str, node_name: str, gpus: int, phase: str = "Running") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "other"},
+            "spec": {"nodeName": node_name, "containers": [
+                {"name": "x", "image": "x", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]},
+            "status": {"phase": phase}}
+
+
+async def test_gpus_of_pods_outside_heliotrope_are_not_free(cluster: kmock.KubernetesEmulator) -> None:
+    del cluster.objects[NODES, None, "a100-1"]
+    cluster.objects[PODS, "other", "train"] = foreign_pod("train", "a100-0", 4)
+    cluster.objects[PODS, "other", "done"] = foreign_pod("done", "a100-0", 4, phase="Succeeded")
+    adapter = make_site(cluster)
+    adapter.pods_ttl_s = 0.0
+    await adapter.start()
+    try:
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 4
+        answer = await adapter.submit(attempt("j-1", count=6))
+        assert not answer.admitted and "no room" in (answer.reason or "")
+        assert not jobs(cluster)
+        await cluster.delete("/api/v1/namespaces/other/pods/train")  # it ended: its GPUs are free again
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 8
+        assert (await adapter.submit(attempt("j-1", count=6))).admitted
+    finally:
+        await adapter.close()
+
+
+# --- preemption ---
+
+
+async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
+        cluster: kmock.KubernetesEmulator) -> None:
+    adapter = make_site(cluster, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
+                                         {"tenant": "b", "guaranteed_gpus": 8}])
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("a-1", count=8, tenant="a", preemptible=True))).admitted
+        assert (await adapter.submit(attempt("a-2", count=8, tenant="a", preemptible=True))).admitted  # b's
+        assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
+        preempted = await next_event(adapter, stream)
+        assert (preempted.job_id, preempted.kind) == ("a-2", EventKind.PREEMPTED)
+        assert "for job b-1 of tenant b" in (preempted.reason or "")
+        assert "reclaims its guarantee" in (preempted.reason or "")
+        assert set(jobs(cluster)) == {("heliotrope-a", job_name("a-1", 1)), ("heliotrope-b", job_name("b-1", 1))}
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 0
+    finally:
+        await adapter.close()
