@@ -338,7 +338,7 @@ def main() -> int:
             outcome = timeshift.plan(req, snap, placement, shift, pipeline.filter_codes) or placement
             parts["timeshift.plan (shiftable jobs)"] += perf() - t0
         if isinstance(outcome, Deferral):
-            timeshift.debit(snap, outcome.site, outcome.model, timeshift.held(req), outcome.slot,
+            timeshift.debit(snap, outcome.site, outcome.model, req.charge, outcome.slot,
                             outcome.slot + outcome.slots)
         elif outcome.placed:
             snap.assume(outcome.site, req, outcome.model)

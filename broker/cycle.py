@@ -164,7 +164,7 @@ class PassDecider:
 
     def reserve(self, deferral: Deferral) -> None:
         """Debit a deferred job's planned hours from the pass's plan, so later jobs plan around it."""
-        timeshift.debit(self.snap, deferral.site, deferral.model, timeshift.held(deferral.request),
+        timeshift.debit(self.snap, deferral.site, deferral.model, deferral.request.charge,
                         deferral.slot, deferral.slot + deferral.slots)
 
 
@@ -301,7 +301,7 @@ class SchedulingCycle:
                 decider.reserve(placement)
                 first = hour + placement.slot
                 self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
-                                                  timeshift.held(req), first, first + placement.slots, hour)
+                                                  req.charge, first, first + placement.slots, hour)
                 signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = signature
@@ -378,7 +378,7 @@ class SchedulingCycle:
                 continue
             began = (job.started_at or job.updated_at).timestamp()
             end_h = math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S)
-            calendar.book(site, MODEL_INDEX[job.gpu_model], timeshift.held(self._request(job)), h0,
+            calendar.book(site, MODEL_INDEX[job.gpu_model], self._request(job).charge, h0,
                           min(end_h, h0 + hours))
         for job_id, planned in list(self._deferred.items()):
             job = self.book.active.get(job_id)

@@ -111,10 +111,6 @@ def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
     return latest
 
 
-def held(req: JobRequest) -> float:
-    """GPUs the job holds: ``count``, ``milli / 1000`` of one for a fractional job, N/7 a MIG slice."""
-    return req.charge
-
 
 @dataclass(frozen=True, slots=True)
 class Deferral:
@@ -313,7 +309,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     latest = latest_start_ts(req, policy)
     assert latest is not None
     last_slot = min(hours - 1, policy.horizon_h, int((latest - hour0) // HOUR_S))
-    need = held(req)
+    need = req.charge
     d_h = req.duration_s / HOUR_S
 
     # Sites that could take the job at some hour: every filter but "free now", and a model with room in total.

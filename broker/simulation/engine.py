@@ -227,7 +227,7 @@ def replay(
     bookings: dict[int, Booking] = {}
     deferred: set[int] = set()
     ever_deferred = np.zeros(n, dtype=bool)
-    gpus_held = [timeshift.held(r) for r in requests]
+    gpus_held = [r.charge for r in requests]
     t_prev = -np.inf
     while next_arrival < len(todo) or completions or deferred:
         t_arrival = float(submit[todo[next_arrival]]) if next_arrival < len(todo) else np.inf

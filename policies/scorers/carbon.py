@@ -15,7 +15,6 @@ import numpy as np
 
 from policies.filters.gpu_fit import Fit, fit_matrix
 from policies.scorers._usable import least_where, unknown_last, usable_models
-from policies.scorers.cost import gpus_held
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, running_sums
 
 
@@ -53,13 +52,13 @@ def power_kw(req: JobRequest, snap: Snapshot) -> np.ndarray:
     ok = usable_models(req, snap) & fit_matrix(req, snap)
     tdp = np.where(ok, TDP_KW[None, :], np.nan)
     with np.errstate(invalid="ignore"):
-        return np.fmin.reduce(tdp, axis=1) * gpus_held(req)
+        return np.fmin.reduce(tdp, axis=1) * req.charge
 
 
 def power_kw_fit(fit: Fit) -> np.ndarray:
     """``power_kw`` over the decision's shared fit: the same values."""
     power = least_where(fit.room, TDP_KW[fit.usable.columns])
-    power *= gpus_held(fit.req)
+    power *= fit.req.charge
     return power
 
 
@@ -74,7 +73,7 @@ class CarbonScorer:
         req, snap = fit.req, fit.snap
         # The mean intensity over the run depends only on the snapshot and the run's length.
         intensity = snap.derived(("run-intensity", req.duration_s), run_intensity, req, snap)
-        held, duration_s = gpus_held(req), req.duration_s
+        held, duration_s = req.charge, req.duration_s
         if held >= 0 and duration_s >= 0:
             # kWh per usable model, in the order of ``power_kw * duration_s / 3600``: rounding is monotonic,
             # so the least of them is the kWh of the lowest-power model, as ``power_kw`` takes it.

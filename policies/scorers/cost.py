@@ -16,10 +16,6 @@ from policies.scorers._usable import cheapest_with_room_fit, unknown_last
 from policies.snapshot import JobRequest, Snapshot
 
 
-def gpus_held(req: JobRequest) -> float:
-    return req.charge
-
-
 class CostScorer:
     name = "cost"
     higher_is_better = False
@@ -28,9 +24,9 @@ class CostScorer:
         return self.raw_fit(Fit(req, snap))
 
     def raw_fit(self, fit: Fit) -> np.ndarray:
-        # In place, in the order of ``cheapest_with_room(req, snap) * gpus_held(req) * duration_s / 3600``.
+        # In place, in the order of ``cheapest_with_room(req, snap) * req.charge * duration_s / 3600``.
         usd = cheapest_with_room_fit(fit)
-        usd *= gpus_held(fit.req)
+        usd *= fit.req.charge
         usd *= fit.req.duration_s
         usd /= 3600.0
         return unknown_last(usd)
