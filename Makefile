@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(BIN)/heliotrope demo
 
 test: $(STAMP)
+	bash scripts/test-deps
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
@@ -26,6 +27,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/submit_throughput.py
 	$(BIN)/python bench/decisions.py
 	$(BIN)/python bench/admission.py
+	$(BIN)/python bench/mqtt_telemetry.py
+	$(BIN)/python bench/failover.py
 	$(BIN)/python bench/simulate.py
 
 clean:

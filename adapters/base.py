@@ -9,6 +9,9 @@
   restart: the broker requeues the attempts the site no longer has. Without it, the broker withdraws the
   attempts that were still being dispatched and requeues them; admitted and running attempts are settled
   by the site's events.
+- ``HeldAttempts`` (optional): the attempts the site says it holds now, known without a call (a remote
+  site's heartbeat lists them). The broker cancels any of them it no longer has at that site: an agent back
+  from a partition, or restarted, is reconciled without running anything twice.
 
 Submissions are keyed by (job id, attempt): submitting the same attempt twice must not run it twice.
 A cancel is final for its attempt: the site drops it if it has it, and refuses it if its submission
@@ -78,6 +81,11 @@ class EventSource(Protocol):
 @runtime_checkable
 class AttemptLookup(Protocol):
     async def known_attempts(self) -> set[tuple[str, int]]: ...
+
+
+@runtime_checkable
+class HeldAttempts(Protocol):
+    def held_attempts(self) -> set[tuple[str, int]]: ...
 
 
 @runtime_checkable

@@ -11,9 +11,17 @@ What runs:
 3. Durability: the broker is stopped with SIGTERM, the database is opened with ``sqlite3`` and the jobs of
    tenant ``bench`` are counted and printed next to the 201s wrk counted.
 
+With ``--postgres`` step 2 runs the broker on PostgreSQL instead: a private server started for the run
+(``tests.postgres.PostgresServer``: ``initdb`` into a temporary folder, ``fsync=on``) and a fresh database on
+it, or, with ``--db-url URL``, an existing database. The broker is then a replica: the load starts once its
+``GET /healthz`` shows ``replica.leading: true``. Step 3 counts this run's jobs (tenant ``bench``, names
+``job-<run>-...``) with asyncpg.
+
 This prints figures; it asserts nothing about timing. Usage::
 
     .venv/bin/python bench/submit_throughput.py [--duration 10] [--connections 64] [--threads 1]
+    .venv/bin/python bench/submit_throughput.py --postgres [--skip-reference]
+    .venv/bin/python bench/submit_throughput.py --db-url postgresql://user@host:5432/db
 
 Needs ``wrk`` on PATH (``bash scripts/bench-deps`` installs it). Everything listens on 127.0.0.1 only, and
 every process it starts is stopped on exit, also on error.
@@ -22,6 +30,7 @@ every process it starts is stopped on exit, also on error.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -211,6 +220,39 @@ def run_wrk(url: str, lua: Path, args: argparse.Namespace, run_id: str) -> dict:
     return fields
 
 
+def wait_leading(proc: subprocess.Popen, url: str, timeout: float) -> float:
+    """Poll ``url`` (``/healthz``) every 50 ms until ``replica.leading`` is true; the seconds it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"broker exited with status {proc.returncode} before it led")
+        h = http_get(url)
+        if h is not None and (h.get("replica") or {}).get("leading"):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise RuntimeError(f"the broker did not lead within {timeout:.0f} s (does another replica hold the lease?)")
+
+
+def count_postgres(dsn: str, run_id: str) -> tuple[int, int, dict]:
+    """This run's jobs in PostgreSQL: how many, how many distinct names, how many per state."""
+    import asyncpg
+
+    async def go() -> tuple[int, int, dict]:
+        conn = await asyncpg.connect(dsn, timeout=30)
+        try:
+            where = "tenant = 'bench' AND (doc::jsonb #>> '{spec,name}') LIKE $1"
+            pattern = f"job-{run_id}-%"
+            total = await conn.fetchval(f"SELECT COUNT(*) FROM jobs WHERE {where}", pattern)
+            names = await conn.fetchval(
+                f"SELECT COUNT(DISTINCT doc::jsonb #>> '{{spec,name}}') FROM jobs WHERE {where}", pattern)
+            rows = await conn.fetch(f"SELECT state, COUNT(*) AS n FROM jobs WHERE {where} GROUP BY state", pattern)
+            return total, names, {r["state"]: r["n"] for r in rows}
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
 def fmt_ms(us: float) -> str:
     return f"{us / 1000:.2f} ms"
 
@@ -240,7 +282,13 @@ def main() -> int:
     p.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="seconds the broker gets to exit after SIGTERM before SIGKILL (default %(default)s)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (db, logs)")
+    p.add_argument("--postgres", action="store_true",
+                   help="run the broker on a private PostgreSQL started for the run (initdb/pg_ctl) instead of SQLite")
+    p.add_argument("--db-url", metavar="URL",
+                   help="run the broker on this existing PostgreSQL database (postgresql://...) instead of SQLite")
     args = p.parse_args()
+    if args.postgres and args.db_url:
+        p.error("--postgres and --db-url exclude each other")
 
     if shutil.which("wrk") is None:
         print("wrk is not installed; run: bash scripts/bench-deps", file=sys.stderr)
@@ -258,6 +306,7 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     run_id = uuid.uuid4().hex[:8]
     bare: dict | None = None
+    pg = None  # tests.postgres.PostgresServer, with --postgres
     try:
         lua = tmp / "submit.lua"
         lua.write_text(WRK_LUA)
@@ -279,7 +328,19 @@ def main() -> int:
         # 2. the broker
         config = tmp / "bench.yaml"
         config.write_text(CONFIG_YAML)
-        db = tmp / "bench.db"
+        db: Path | str = tmp / "bench.db"
+        store_name = "SQLite WAL synchronous=FULL, group commit"
+        if args.postgres:
+            sys.path.insert(0, str(ROOT))
+            from tests.postgres import PostgresServer
+
+            pg = PostgresServer()
+            pg.start()
+            db = asyncio.run(pg.create_database())
+            store_name = "PostgreSQL fsync=on, private server on 127.0.0.1"
+        elif args.db_url:
+            db = args.db_url
+            store_name = "PostgreSQL at --db-url"
         port = free_port()
         log = tmp / "broker.out"
         errlog = tmp / "broker.err"
@@ -292,6 +353,9 @@ def main() -> int:
         procs.append(broker)
         base = f"http://{HOST}:{port}"
         wait_ready(broker, log, "heliotrope serving on", f"{base}/healthz")
+        led_after: float | None = None
+        if isinstance(db, str):  # PostgreSQL: a replica; drive load only once it leads
+            led_after = wait_leading(broker, f"{base}/healthz", timeout=60.0)
         spy: subprocess.Popen | None = None
         if args.py_spy:
             spy_bin = Path(sys.executable).parent / "py-spy"
@@ -327,16 +391,19 @@ def main() -> int:
         t_stop = time.monotonic()
         status = stop(broker, timeout=args.shutdown_timeout)
         stop_s = time.monotonic() - t_stop
-        conn = sqlite3.connect(db)
-        try:
-            on_disk = conn.execute("SELECT COUNT(*) FROM jobs WHERE tenant = 'bench'").fetchone()[0]
-            names = conn.execute(
-                "SELECT COUNT(DISTINCT json_extract(doc, '$.spec.name')) FROM jobs WHERE tenant = 'bench'"
-            ).fetchone()[0]
-            states = dict(conn.execute(
-                "SELECT state, COUNT(*) FROM jobs WHERE tenant = 'bench' GROUP BY state").fetchall())
-        finally:
-            conn.close()
+        if isinstance(db, str):
+            on_disk, names, states = count_postgres(db, run_id)
+        else:
+            conn = sqlite3.connect(db)
+            try:
+                on_disk = conn.execute("SELECT COUNT(*) FROM jobs WHERE tenant = 'bench'").fetchone()[0]
+                names = conn.execute(
+                    "SELECT COUNT(DISTINCT json_extract(doc, '$.spec.name')) FROM jobs WHERE tenant = 'bench'"
+                ).fetchone()[0]
+                states = dict(conn.execute(
+                    "SELECT state, COUNT(*) FROM jobs WHERE tenant = 'bench' GROUP BY state").fetchall())
+            finally:
+                conn.close()
         err_lines = [ln for ln in errlog.read_text(errors="replace").splitlines()
                      if " ERROR " in ln or "Traceback" in ln]
 
@@ -345,6 +412,9 @@ def main() -> int:
         print(f"heliotrope submit benchmark: wrk -t{args.threads} -c{args.connections} -d{args.duration}s, "
               f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
         print(f"  command: {result['cmd']}")
+        print(f"  store: {store_name}")
+        if led_after is not None:
+            print(f"  the broker (a replica) led {led_after:.2f} s after it served /healthz; load started then")
         if bare is not None:
             print_run("bare aiohttp POST (reference)", bare)
         print_run("heliotrope POST /v1/jobs", result)
@@ -365,8 +435,7 @@ def main() -> int:
         in_flight = on_disk - result["ok201"]
         print()
         print("=" * 78)
-        print(f"durable submissions/s (heliotrope, SQLite WAL synchronous=FULL, group commit): "
-              f"{result['ok_per_s']:.0f}")
+        print(f"durable submissions/s (heliotrope, {store_name}): {result['ok_per_s']:.0f}")
         print(f"  latency p50 {fmt_ms(result['p50_us'])}, p99 {fmt_ms(result['p99_us'])}; "
               f"non-201 responses: {result['non201']}")
         if bare is not None:
@@ -396,6 +465,12 @@ def main() -> int:
                 stop(proc, timeout=15.0)
             except Exception:  # noqa: BLE001 - best effort: never leave a process behind
                 proc.kill()
+        if pg is not None:
+            if args.keep:
+                pg.stop()
+                print(f"(kept the PostgreSQL data folder {pg.workdir})")
+            else:
+                pg.cleanup()
         if args.keep:
             print(f"(kept {tmp})")
         else:

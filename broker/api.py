@@ -25,6 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
@@ -36,7 +37,7 @@ from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, QuotaAdmin
 from broker.models import Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document
-from broker.service import Broker, SiteConflict
+from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
 from policies import explain
 from policies.snapshot import JobRequest
@@ -44,6 +45,7 @@ from policies.snapshot import JobRequest
 log = logging.getLogger(__name__)
 
 BROKER = web.AppKey("broker", Broker)
+PROXY = web.AppKey("proxy", aiohttp.ClientSession)  # a follower's connection to the leader, made on first use
 MAX_PAGE = 1000
 
 
@@ -93,6 +95,63 @@ async def error_middleware(
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         raise ApiError(500, "internal error; the broker's log has the details") from None
+
+
+ANY_REPLICA: tuple[tuple[str, str], ...] = (
+    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/healthz"), ("GET", "/openapi.json"),
+)
+"""What every replica serves itself: submissions (stored at once; the leader takes them in) and reads of
+jobs, which come from the shared store. Everything else (sites, quotas, cancels) changes what the leader
+holds in memory, and a replica that does not lead passes it on to the leader."""
+
+
+FORWARDED = "X-Heliotrope-Forwarded-By"  # set on a request one replica passes on to another: never passed on again
+PASSED_BACK = ("content-type", "location", "retry-after", "idempotent-replayed")
+
+
+def _any_replica(request: web.Request) -> bool:
+    path = request.path.rstrip("/")
+    if (request.method, path) in ANY_REPLICA:
+        return True
+    return request.method == "GET" and path.startswith("/v1/jobs/")
+
+
+@web.middleware
+async def follower_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """On a replica that does not lead, pass what only the leader may do on to the leader."""
+    broker = request.app[BROKER]
+    if broker.in_charge or _any_replica(request):
+        return await handler(request)
+    assert broker.leadership is not None
+    leader = await broker.leadership.leader_url()
+    if leader is None or request.headers.get(FORWARDED):
+        # Nobody leads, this one is taking over, or the replica that passed it on took this one for the leader.
+        raise ApiError(503, "no replica leads right now (an election or a takeover is under way); try again in a "
+                            "few seconds")
+    session: aiohttp.ClientSession | None = request.app.get(PROXY)
+    if session is None or session.closed:
+        # Longer than anything the leader may take to answer (a cancel waits up to the dispatch timeout).
+        timeout = aiohttp.ClientTimeout(total=2 * broker.settings.dispatch_timeout_s + 10)
+        session = request.app[PROXY] = aiohttp.ClientSession(timeout=timeout)
+    headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "idempotency-key",
+                                                                         "authorization", "accept")}
+    headers[FORWARDED] = broker.leadership.url
+    try:
+        async with session.request(request.method, leader.rstrip("/") + request.path_qs, headers=headers,
+                                   data=await request.read()) as answer:
+            body = await answer.read()
+            kept = {k: v for k, v in answer.headers.items() if k.lower() in PASSED_BACK}
+            return web.Response(status=answer.status, body=body, headers={**kept, "X-Heliotrope-Leader": leader})
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise ApiError(503, f"the leader at {leader} did not answer ({e}); try again in a few seconds") from None
+
+
+async def _close_proxy(app: web.Application) -> None:
+    session = app.get(PROXY)
+    if session is not None:
+        await session.close()
 
 
 async def _body(request: web.Request, model: type[BaseModel], what: str,
@@ -154,6 +213,8 @@ async def create_site(request: web.Request) -> web.Response:
         member = await broker.register_site(spec)
     except SiteConflict as e:
         raise ApiError(409, str(e), [{"field": "name", "problem": "already registered"}]) from None
+    except SiteUnsupported as e:
+        raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
     return _json(_site_json(member), 201, headers={"Location": f"/v1/sites/{spec.name}"})
 
 
@@ -187,6 +248,8 @@ async def update_site(request: web.Request) -> web.Response:
         raise ApiError(404, f"no site named {name}") from None
     except SiteConflict as e:
         raise ApiError(409, str(e)) from None
+    except SiteUnsupported as e:
+        raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
     return _json(_site_json(member))
 
 
@@ -348,6 +411,10 @@ async def healthz(request: web.Request) -> web.Response:
         "sites": len(broker.federation.members),
         "active_jobs": len(broker.book.active),
         "cycles": broker.cycles,
+        **({"mqtt": {"connected": broker.hub.connected.is_set(), "messages": broker.hub.received,
+                     "malformed": dict(broker.hub.malformed)}} if broker.hub is not None else {}),
+        **({"replica": {"name": broker.leadership.holder, "leading": broker.leadership.leading,
+                        "epoch": broker.leadership.epoch}} if broker.leadership is not None else {}),
     })
 
 
@@ -356,8 +423,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def create_app(broker: Broker) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=broker.settings.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, follower_middleware],
+                          client_max_size=broker.settings.max_body_bytes)
     app[BROKER] = broker
+    app.on_cleanup.append(_close_proxy)
     r = app.router
     r.add_post("/v1/sites", create_site)
     r.add_get("/v1/sites", list_sites)

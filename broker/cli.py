@@ -1,11 +1,12 @@
 """The ``heliotrope`` command.
 
-    heliotrope serve --config FILE --host H --port P --db PATH
+    heliotrope serve --config FILE --host H --port P --db PATH|postgresql://...   (replicas elect a leader)
     heliotrope demo                    serve config/demo.yaml and feed it sample jobs
     heliotrope submit FILE             a job spec in YAML or JSON ('-' reads standard input)
     heliotrope jobs [--state S] [--tenant T] [--site S] [--limit N]
     heliotrope job ID | explain ID | cancel ID
-    heliotrope sites list | get NAME | add FILE | remove NAME
+    heliotrope sites list | get NAME | add FILE | remove NAME   (list: health, lease and last-heard time)
+    heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
     heliotrope quota SITE --set T [--guaranteed N] [--burst N] [--weight W] [--ceiling P] [--model M] | --remove T
     heliotrope simulate --trace FILE --preset philly --carbon DIR --compare all   (see broker.simulation.cli)
@@ -24,6 +25,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,32 @@ def _site_row(site: dict[str, Any]) -> dict[str, Any]:
         "zone": site["grid_zone"],
         "timezone": site["timezone"],
         "gpus (free/total)": ", ".join(f"{m} {free[m]}/{total[m]}" for m in sorted(free)) or "-",
-        "health": status.get("health"),
+        "health": status.get("health") + (f" ({status['reason']})" if status.get("reason") else ""),
+        "lease": _lease(status.get("lease_expires_at")),
+        "last heard": _ago(status.get("last_heard_at")),
     }
+
+
+SITE_COLUMNS = ["name", "region", "zone", "timezone", "gpus (free/total)", "health", "lease", "last heard"]
+
+
+def _seconds_from_now(iso: str | None) -> float | None:
+    if not iso:
+        return None
+    return (datetime.fromisoformat(iso) - datetime.now(UTC)).total_seconds()
+
+
+def _lease(iso: str | None) -> str:
+    """A site agent's lease: the seconds left, or '-' for a site that holds none (a local site)."""
+    left = _seconds_from_now(iso)
+    if left is None:
+        return "-"
+    return f"{left:.0f} s left" if left > 0 else f"ran out {-left:.0f} s ago"
+
+
+def _ago(iso: str | None) -> str:
+    left = _seconds_from_now(iso)
+    return "-" if left is None else f"{max(0.0, -left):.0f} s ago"
 
 
 def show_job(job: dict[str, Any]) -> str:
@@ -219,7 +245,7 @@ async def _client_command(args: argparse.Namespace) -> str:
                 match args.action:
                     case "list":
                         out = await c.list_all("/v1/sites")
-                        text = table([_site_row(s) for s in out], ["name", "region", "zone", "timezone", "gpus (free/total)", "health"])
+                        text = table([_site_row(s) for s in out], SITE_COLUMNS)
                     case "get":
                         out = await c.request("GET", f"/v1/sites/{args.name}")
                         text = yaml.safe_dump(out, sort_keys=False).rstrip()
@@ -229,7 +255,7 @@ async def _client_command(args: argparse.Namespace) -> str:
                         _check_all(specs, SiteSpec, "site")
                         added = [await c.request("POST", "/v1/sites", s) for s in specs]
                         out = added if isinstance(doc, list) else added[0]
-                        text = table([_site_row(s) for s in added], ["name", "region", "zone", "timezone", "gpus (free/total)", "health"])
+                        text = table([_site_row(s) for s in added], SITE_COLUMNS)
                     case "remove":
                         await c.request("DELETE", f"/v1/sites/{args.name}")
                         out = {"removed": args.name}
@@ -304,7 +330,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--config", default=str(DEMO_CONFIG) if name == "demo" else None, help="federation YAML")
         s.add_argument("--host", default=None, help="address to listen on (default from config: 127.0.0.1)")
         s.add_argument("--port", type=int, default=None, help="port (default from config: 8080)")
-        s.add_argument("--db", default="var/demo.db" if name == "demo" else None, help="SQLite database file")
+        s.add_argument("--db", default="var/demo.db" if name == "demo" else None, help="SQLite database file, or a postgresql:// URL (several replicas may share it)")
         s.add_argument("--log-jobs", action="store_true", help="log every job transition (on in the demo)")
         if name == "demo":
             s.add_argument("--rate", type=float, default=0.5, help="sample jobs per second (default %(default)s)")
@@ -340,6 +366,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--weight", type=float, help="fair-share weight")
     s.add_argument("--ceiling", type=int, help="priority ceiling")
     s.add_argument("--model", help="GPU model the quota counts (default: any)")
+    s = sub.add_parser("agent", help="run a site agent next to a remote cluster; it reaches the broker over MQTT")
+    s.add_argument("--config", required=True, metavar="FILE", help="the agent's YAML: site, mqtt, heartbeat_s, ...")
+    s.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
     simulation_cli.add_parser(sub)
     fairshare_cli.add_parser(sub)
     return p
@@ -351,6 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("serve", "demo"):
             _serve(args)
             return 0
+        if args.command == "agent":
+            from adapters.agent import main as agent_main  # the agent's own loop, signals and errors
+
+            return agent_main(["--config", args.config, "--log-level", args.log_level])
         if args.command == "simulate":
             print(simulation_cli.run(args))
             return 0

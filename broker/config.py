@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.errors import problems
-from broker.models import SiteSpec
+from broker.models import MqttSettings, SiteSpec
 from broker.providers.carbon import CarbonProviderConfig, FilesCarbonConfig
 from broker.providers.prices import FilesPriceConfig, PriceProviderConfig
 from broker.signals import CarbonForecastSettings
@@ -37,6 +38,24 @@ class ConfigError(ValueError):
 
 
 from policies.profiles import ProfilesConfig  # noqa: E402 - after the imports above, for readability
+
+
+class ReplicaSettings(BaseModel):
+    """Several broker replicas on one shared database (``broker.leadership``): one leads, the rest serve the API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_s: float = Field(default=6.0, gt=0.5, le=300,
+                           description="the leader renews its lease every third of this; a dead leader is "
+                                       "replaced within about 4/3 of it")
+    advertise_url: str | None = Field(
+        default=None, pattern=r"^https?://",
+        description="where the other replicas reach this one's API (default: the address it serves on)")
+
+
+def is_shared_database(db: str) -> bool:
+    """Whether ``db`` names a database several replicas may share (PostgreSQL): then they elect a leader."""
+    return db.startswith(("postgresql://", "postgres://"))
 
 
 class BrokerSettings(BaseModel):
@@ -70,6 +89,17 @@ class BrokerSettings(BaseModel):
                     "horizon_h (48), model (auto | seasonal_naive | holt_winters), season_h, stale_after_s "
                     "(a failing zone keeps its last forecast this long), fetch_timeout_s, replay_day",
     )
+    replicas: ReplicaSettings | None = Field(
+        default=None,
+        description="leader election among replicas sharing the database: {lease_s}. On by default (lease 6 s) "
+                    "with a PostgreSQL database, off with SQLite (one broker per file)",
+    )
+    mqtt: MqttSettings | None = Field(
+        default=None,
+        description="the MQTT broker that site agents (sites with adapter kind mqtt) reach the broker through: "
+                    "{host, port, username, password_env, tls, keepalive_s, reconnect_max_s, client_id}. Unset: "
+                    "no remote sites",
+    )
     prices: PriceProviderConfig | None = Field(
         default=None,
         description="where GPU prices come from: {kind: files, path: CSV} (the GCP price list by each site's "
@@ -93,7 +123,12 @@ class FederationConfig(BaseModel):
         return self
 
 
-def load_config(path: str | Path) -> FederationConfig:
+T = TypeVar("T", bound=BaseModel)
+
+
+def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
+    """A YAML file validated as ``model``. :class:`ConfigError` names the file and, for each problem, the
+    field (``top_level`` says what the file's top level must hold when it is not a mapping)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -110,13 +145,16 @@ def load_config(path: str | Path) -> FederationConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping with 'broker' and 'sites'")
+        raise ConfigError(f"{p}: the top level must be a mapping with {top_level}")
     try:
-        config = FederationConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
-        lines = [f"{p}: {d['field']}: {d['problem']}" for d in problems(e)]
-        raise ConfigError("\n".join(lines)) from None
-    return _relative_to(config, p.parent)
+        raise ConfigError("\n".join(f"{p}: {d['field']}: {d['problem']}" for d in problems(e))) from None
+
+
+def load_config(path: str | Path) -> FederationConfig:
+    config = load_yaml_model(path, FederationConfig, "'broker' and 'sites'")
+    return _relative_to(config, Path(path).parent)
 
 
 def _relative_to(config: FederationConfig, folder: Path) -> FederationConfig:

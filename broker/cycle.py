@@ -196,6 +196,8 @@ class SchedulingCycle:
         self.filters = {f.code: f for p in (self.pipeline, *self.profiles.values()) for f in p.filters}
         self.dispatch_timeout_s = dispatch_timeout_s
         self._dispatches: set[asyncio.Task[None]] = set()
+        self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
+        self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
         self._in_flight: dict[str, InFlight] = {}
         self._requests: dict[str, JobRequest] = {}
@@ -225,17 +227,32 @@ class SchedulingCycle:
         if full is None:
             full = self.full_pass_due(now)
         # 1. collect (full passes; between them the last reports stand and step 2 debits what was placed since)
+        quiet_key = None
         if full:
+            # Only the interval brought this pass: if the sites report what they reported at the last full
+            # pass, which placed nothing, in the same hour, and no job changed since, every queued job would be
+            # refused again; only the new ones are decided. So an idle, full federation costs a collect, not a
+            # walk over a queue of jobs that cannot run.
+            interval_only = not (self.book.capacity_freed or self.federation.membership_changed
+                                 or self.book.refusal_expired(now))
             self._last_full = now
             self.book.capacity_freed = False
             self.federation.membership_changed = False
             self._asked_at = self.book.seq
             await self.federation.collect()
-            self.book.fresh.clear()
-            jobs = self.book.queued()
-            self._forget_gone()
+            quiet_key = self._quiet_key(now) if interval_only else None
+            if quiet_key is not None and quiet_key == self._quiet:
+                jobs = self.book.take_fresh()
+            else:
+                self.book.fresh.clear()
+                jobs = self.book.queued()
+                self._forget_gone()
         else:
             jobs = self.book.take_fresh()
+        if not jobs:  # nothing to decide: no snapshot, no plan (building the plan walks every active job)
+            if full:
+                self._quiet = quiet_key if quiet_key is not None and self.book.seq == quiet_key[1] else None
+            return CycleReport(full=full, decided=0, placed=0, unplaceable=0)
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
@@ -251,7 +268,21 @@ class SchedulingCycle:
             self.federation.remember_pass(snap)
             # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
             await self._finish(assumed, records)
+        if full:
+            self._quiet = quiet_key if quiet_key is not None and not assumed and self.book.seq == quiet_key[1] else None
         return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
+
+    def _quiet_key(self, now: datetime) -> tuple[Any, ...]:
+        """What a full pass's outcome depends on besides the queue: the hour (forecasts, deferrals), the job
+        book's count of changes and of refusals made or expired (the sites a job may use), and every site's
+        report without its clock and telemetry (no filter reads telemetry: it only ranks sites that can take
+        a job)."""
+        reports = tuple(
+            (name, None if m.state is None else m.state.model_copy(
+                update={"last_heard_at": None, "lease_expires_at": None, "telemetry": None}))
+            for name, m in sorted(self.federation.members.items()))
+        return (timeshift.epoch_hour(now), self.book.seq, self.book.refusals_changed,
+                tuple(sorted(self.federation.leaving)), reports)
 
     async def _decide(
         self,
@@ -434,6 +465,8 @@ class SchedulingCycle:
         member = self.federation.get(site)
         if member is None:
             return await self._requeue(job, "site was removed")
+        if not self.may_act():
+            return  # no longer sure it leads: the next leader reconciles the attempt with the site
         try:
             async with asyncio.timeout(self.dispatch_timeout_s):
                 admission = await member.adapter.submit(job)

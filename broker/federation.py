@@ -132,6 +132,15 @@ class Federation:
             await member.adapter.forget_quotas()
         await member.adapter.close()
 
+    async def clear(self) -> None:
+        """Close every site's adapter and forget them all (they stay registered in the store): a broker giving
+        up charge of the sites."""
+        await self.close()
+        self.members.clear()
+        self.leaving.clear()
+        self._base = self._site_arrays = None
+        self.membership_changed = True
+
     async def close(self) -> None:
         await asyncio.gather(*(m.adapter.close() for m in self.members.values()), return_exceptions=True)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -24,7 +25,8 @@ from typing import Any
 
 from broker.clock import Clock
 from broker.models import IllegalTransition, Job, JobSpec, JobState
-from broker.store import Store, StoreError
+from broker.store import DuplicateKey, Store, StoreError
+from policies.snapshot import NO_SITES
 
 log = logging.getLogger(__name__)
 transitions_log = logging.getLogger("heliotrope.jobs")  # one line per transition; `heliotrope demo` shows it
@@ -45,6 +47,17 @@ def new_job_id() -> str:
 def _in_order(jobs: Iterable[Job]) -> list[Job]:
     """Scheduling order: highest priority first, then oldest first."""
     return sorted(jobs, key=lambda j: (-j.spec.priority, j.created_at, j.id))
+
+
+GAP_TTL_S = 60.0
+"""How long a row number skipped by ``pull_new`` is looked for again: an insert that started before a later
+one committed has committed (or failed) well within this (the stores time a statement out after 10 s)."""
+TAKEOVER_GAP_ROWS = 10_000
+"""At a load, the rows just below the last one that may still be committing (more than any writer batches)."""
+MAX_GAP_ROWS = 100_000
+GAP_CHECK_S = 1.0
+"""How often skipped rows are looked up again (a submission may wait this much longer to be taken in)."""
+"""A larger jump between row numbers is not tracked row by row (the first read after a load, say)."""
 
 
 class IdempotencyConflict(ValueError):
@@ -82,11 +95,21 @@ class JobBook:
         self.admitted_seq: dict[str, int] = {}  # job id -> seq of its current attempt's admission
         self._changes: dict[str, int] = {}  # job id -> changes made in memory (see mark, undo, resync)
         self.suspect: set[str] = set()  # jobs whose stored state could not be read back after a failed write
+        self.tracking = True  # false on a replica that does not lead: it only stores what it is sent
+        self.refusals_changed = 0  # counts refusals made and expiries: the sites a job may use changed
+        self._pulled_seq = 0  # the newest job row this book has seen in the store (see pull_new)
+        self._gaps: dict[int, float] = {}  # row numbers skipped below it, and when that was noticed
+        self._gaps_checked = -math.inf  # monotonic time they were last looked up
 
     async def load(self) -> list[Job]:
         """Load every non-terminal job from the store (at start-up)."""
+        last = await self._store.last_seq()  # before the jobs: a row committed meanwhile is read by pull_new
         jobs = await self._store.active_jobs()
         self.active = {j.id: j for j in jobs}
+        self._pulled_seq = last
+        # Inserts that took a row number below ``last`` but had not committed: looked up for a while.
+        noticed = time.monotonic()
+        self._gaps = dict.fromkeys(range(max(1, last - TAKEOVER_GAP_ROWS + 1), last + 1), noticed)
         return jobs
 
     # --- submit ---
@@ -110,8 +133,15 @@ class JobBook:
                 job, first_digest = self.active.get(found[0].id, found[0]), found[1]
                 created = False
             else:
-                job, first_digest = await self._create(spec, idempotency_key, digest), digest
-                created = True
+                try:
+                    job, first_digest = await self._create(spec, idempotency_key, digest), digest
+                    created = True
+                except DuplicateKey:
+                    # Another replica stored a job under this key between the lookup and the insert.
+                    found = await self._store.find_idempotent(*slot)
+                    if found is None:
+                        raise
+                    job, first_digest, created = self.active.get(found[0].id, found[0]), found[1], False
             fut.set_result((job, first_digest))
         except BaseException as e:
             fut.set_exception(e)
@@ -133,10 +163,44 @@ class JobBook:
         now = self._clock.now()
         job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
         await self._store.insert_job(job, key, digest)
-        self.active[job.id] = job
-        self.fresh.append(job.id)
-        self.changed.set()
+        if self.tracking:
+            self.active[job.id] = job
+            self.fresh.append(job.id)
+            self.changed.set()
         return job
+
+    async def pull_new(self, limit: int = 10_000) -> int:
+        """Take in the jobs other replicas stored since the last call (the leader calls this every cycle);
+        returns how many were new to this book.
+
+        Only queued jobs this book never touched are taken: every other replica only ever inserts queued
+        jobs, and a job this book changed (say, finished, its write still on the way) must not come back
+        from a read older than that change. Row numbers are handed out when an insert starts, not when it
+        commits, so a lower one can appear after a higher one was read: the numbers skipped are looked up
+        again, apart from the forward read, for :data:`GAP_TTL_S`, longer than any insert may take to
+        commit. ``load`` starts the count at the store's last row, with the rows just below it that the
+        load did not see counted as skipped, so a takeover in the middle of a burst loses nothing."""
+        now = time.monotonic()
+        for seq in [q for q, noticed in self._gaps.items() if now - noticed > GAP_TTL_S]:
+            del self._gaps[seq]
+        rows = await self._store.active_after(self._pulled_seq, limit)
+        if self._gaps and now - self._gaps_checked >= GAP_CHECK_S:
+            self._gaps_checked = now
+            rows = await self._store.active_at(sorted(self._gaps)) + rows
+        new = 0
+        for seq, job in rows:
+            self._gaps.pop(seq, None)
+            if seq > self._pulled_seq:
+                if seq - self._pulled_seq <= MAX_GAP_ROWS:
+                    self._gaps.update(dict.fromkeys(range(self._pulled_seq + 1, seq), now))
+                self._pulled_seq = seq
+            if job.state == JobState.QUEUED and job.id not in self.active and job.id not in self._changes:
+                self.active[job.id] = job
+                self.fresh.append(job.id)
+                new += 1
+        if new:
+            self.changed.set()
+        return new
 
     # --- reads ---
 
@@ -272,6 +336,10 @@ class JobBook:
         except Exception as e:
             landed = asyncio.get_running_loop().create_future()
             landed.set_exception(e)
+        if isinstance(landed, asyncio.Future):
+            # Whoever awaits the result sees a failure; if nobody does (a pass cut short when its broker
+            # stopped leading), the failure is not reported again as "never retrieved".
+            landed.add_done_callback(lambda f: f.cancelled() or f.exception())
         return self._landed(landed, before, new, mark)
 
     async def _landed(self, landed: Awaitable[None], before: Job | None, new: Job, mark: int) -> None:
@@ -303,6 +371,7 @@ class JobBook:
     def refuse(self, job_id: str, site: str, reason: str) -> None:
         until = self._clock.now() + timedelta(seconds=self.refusal_ttl_s)
         self._refusals.setdefault(job_id, {})[site] = Refusal(reason, until)
+        self.refusals_changed += 1
         if self._next_expiry is None or until < self._next_expiry:
             self._next_expiry = until
 
@@ -317,6 +386,7 @@ class JobBook:
             if not refusals:
                 del self._refusals[job_id]
         self._next_expiry = min((r.until for rs in self._refusals.values() for r in rs.values()), default=None)
+        self.refusals_changed += 1
         return True
 
     def refusal_reasons(self, job_id: str) -> dict[str, str]:
@@ -327,6 +397,6 @@ class JobBook:
     def refused_sites(self, job_id: str) -> frozenset[str]:
         refusals = self._refusals.get(job_id)
         if not refusals:
-            return frozenset()
+            return NO_SITES
         now = self._clock.now()
         return frozenset(site for site, r in refusals.items() if r.until > now)

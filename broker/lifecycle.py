@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from adapters.base import AttemptLookup, EventKind, JobEvent
+from adapters.base import AttemptLookup, EventKind, HeldAttempts, JobEvent
 from broker.federation import Federation, Member
 from broker.jobs import JobBook, JobNotFound
 from broker.models import IllegalTransition, Job, JobState
@@ -40,6 +41,7 @@ class Lifecycle:
         self._requeues: dict[tuple[str, int], tuple[str, str]] = {}  # requeues to retry: -> (site, why)
         self._backoff: dict[str, tuple[float, float]] = {}  # site -> (next try, monotonic s; last delay s)
         self.max_backoff_s = max_backoff_s
+        self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -160,10 +162,31 @@ class Lifecycle:
         await self.book.resync_suspects()
         for (job_id, attempt), (site, why) in list(self._requeues.items()):
             await self.requeue_from(site, job_id, attempt, why)
+        self.find_strays()
         sites = set(self._withdrawals.values()) | set(self.pending_sites)
         now = time.monotonic()
         due = [s for s in sites if force or self._backoff.get(s, (0.0, 0.0))[0] <= now]
         await asyncio.gather(*(self._settle_site(site) for site in due))
+
+    def find_strays(self) -> int:
+        """Attempts a site says it holds that the broker no longer has there (requeued when its lease ran
+        out, withdrawn, ended): each becomes a withdrawal, which ``settle`` sends until the site confirms.
+        The broker moves a job to an attempt before dispatching it, so an attempt being dispatched is never
+        taken for a stray. Returns how many new strays were found."""
+        found = 0
+        for name, member in self.federation.members.items():
+            if not isinstance(member.adapter, HeldAttempts):
+                continue
+            for job_id, attempt in member.adapter.held_attempts():
+                job = self.book.active.get(job_id)
+                if job is not None and job.site == name and job.attempt == attempt and job.state in ON_SITE:
+                    continue
+                if (job_id, attempt) not in self._withdrawals:
+                    log.warning("site %s holds attempt %d of job %s, which the broker no longer has there; "
+                                "cancelling it", name, attempt, job_id)
+                    self._withdrawals[(job_id, attempt)] = name
+                    found += 1
+        return found
 
     async def _settle_site(self, site: str) -> None:
         ok = True
@@ -192,6 +215,8 @@ class Lifecycle:
         member = self.federation.get(site)
         if member is None:
             return True  # the site is gone, and its attempts with it
+        if not self.may_act():
+            return False  # no longer sure it leads: the withdrawal waits (for this replica's next term)
         try:
             async with asyncio.timeout(self.cancel_timeout_s):
                 await member.adapter.cancel(job_id, attempt)

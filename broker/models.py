@@ -46,6 +46,8 @@ def _timezone(value: str) -> str:
 
 
 def _utc(value: datetime) -> datetime:
+    if value.tzinfo is UTC:
+        return value  # already UTC (every stored time): no copy
     try:
         return value.astimezone(UTC)
     except OverflowError:
@@ -179,7 +181,34 @@ class KubernetesAdapterConfig(Strict):
         default=None, description="where the site keeps its operator's quota changes (default: the broker's)")
 
 
-AdapterConfig = Annotated[SimulatedAdapterConfig | KubernetesAdapterConfig, Field(discriminator="kind")]
+class MqttSettings(Strict):
+    """How to reach the MQTT broker (Mosquitto or any MQTT 3.1.1 broker) that carries the site protocol."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=1883, ge=1, le=65535)
+    username: str | None = None
+    password_env: str | None = Field(default=None, description="environment variable holding the password")
+    tls: bool = Field(default=False, description="connect with TLS (system CA store)")
+    keepalive_s: int = Field(default=10, ge=2, le=3600, description="MQTT keepalive; the last will fires after 1.5x")
+    reconnect_max_s: float = Field(default=5.0, gt=0, le=300, description="longest wait between reconnect attempts")
+    client_id: str | None = Field(default=None, description="None: heliotrope-broker, or heliotrope-agent-SITE")
+
+
+class RemoteAdapterConfig(Strict):
+    """A site run by a site agent (``heliotrope agent``) that reaches the broker over MQTT
+    (``adapters.remote``; the protocol is ``adapters.mqtt_protocol``). The broker's ``mqtt`` setting names the
+    MQTT broker; the site's agent publishes its capacity and events there and takes dispatches from it."""
+
+    kind: Literal["mqtt"] = "mqtt"
+    lease_s: float = Field(default=15.0, gt=0, le=3600,
+                           description="a site silent this long loses its lease: its jobs are requeued elsewhere")
+    command_timeout_s: float = Field(default=10.0, gt=0, le=600,
+                                     description="how long a dispatch, cancel or quota command waits for the reply")
+    resend_s: float = Field(default=2.0, gt=0, le=60, description="how often an unanswered command is sent again")
+
+
+AdapterConfig = Annotated[SimulatedAdapterConfig | KubernetesAdapterConfig | RemoteAdapterConfig,
+                          Field(discriminator="kind")]
 
 
 class SiteSpec(Strict):
@@ -314,6 +343,8 @@ class SiteState(Strict):
     telemetry: Telemetry = Field(default_factory=Telemetry)
     running_jobs: int = 0
     reason: str | None = Field(default=None, description="why the site is not healthy")
+    lease_expires_at: UtcDatetime | None = Field(
+        default=None, description="sites run by an agent: when their lease runs out unless a heartbeat renews it")
     quota: QuotaState | None = Field(default=None, description="the site's quota state, if it reports one")
 
 

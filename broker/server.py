@@ -57,6 +57,9 @@ async def run(
         log.warning("listening on %s without authentication: anyone who can reach it can submit jobs", settings.host)
     else:
         log.info("open API on loopback only (no authentication in this release)")
+    if broker.replicas is not None:
+        broker.elect(broker.replicas.advertise_url or url)
+        log.info("one of several replicas: competing for leadership as %s", broker.replicas.advertise_url or url)
     if ready is not None:
         ready(port)
 

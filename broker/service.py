@@ -13,24 +13,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 
 from adapters.base import SiteAdapter
+from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
 from broker.clock import Clock, SystemClock
-from broker.config import BrokerSettings, ConfigError
+from broker.config import BrokerSettings, ConfigError, ReplicaSettings, is_shared_database
 from broker.cycle import SchedulingCycle
 from policies.profiles import profile_pipeline
 from broker.federation import Federation, Member, needs_rebuild
 from broker.jobs import JobBook
+from broker.leadership import SHUTTING_DOWN, Leadership
 from broker.lifecycle import Lifecycle
 from broker.models import SiteSpec
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
 from broker.providers.prices import PriceProvider, build_price_provider
 from broker.signals import GridSignals
-from broker.store import Store
-from broker.store.sqlite import SQLiteStore
+from broker.store import Fenced, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,21 @@ class SiteConflict(ValueError):
     """A site change that would strand jobs, or a name already taken."""
 
 
-def adapter_factory(clock: Clock, state_dir: str | Path | None = None) -> Callable[[SiteSpec], SiteAdapter]:
-    """``state_dir``: where sites without a ``state_dir`` of their own keep what must outlive a restart."""
+class SiteUnsupported(ValueError):
+    """A site this broker cannot run: an agent-run site (adapter kind mqtt) without ``broker.mqtt``."""
+
+
+def check_supported(spec: SiteSpec, hub: MqttHub | None) -> None:
+    """Raise SiteUnsupported for a site this broker cannot run: one run by an agent, with no MQTT connection."""
+    if spec.adapter.kind == "mqtt" and hub is None:
+        raise SiteUnsupported(f"site {spec.name} is run by a site agent over MQTT, but this broker has no MQTT "
+                              "connection: set broker.mqtt in its configuration")
+
+
+def adapter_factory(clock: Clock, state_dir: str | Path | None = None,
+                    hub: MqttHub | None = None) -> Callable[[SiteSpec], SiteAdapter]:
+    """``state_dir``: where sites without a ``state_dir`` of their own keep what must outlive a restart;
+    ``hub``: the broker's MQTT connection, for sites run by an agent."""
 
     def make(spec: SiteSpec) -> SiteAdapter:
         match spec.adapter.kind:
@@ -50,15 +65,25 @@ def adapter_factory(clock: Clock, state_dir: str | Path | None = None) -> Callab
                 from adapters.kubernetes import KubernetesSite  # the kubernetes client only where it is used
 
                 return KubernetesSite(spec, clock, state_dir=spec.adapter.state_dir or state_dir)
+            case "mqtt":
+                check_supported(spec, hub)
+                assert hub is not None
+                return RemoteSite(spec, clock, hub)
         raise ValueError(f"site {spec.name}: unknown adapter kind {spec.adapter.kind!r}")
 
     return make
 
 
 def site_state_dir(db: str) -> Path | None:
-    """Where the simulated sites keep their state: ``sites/`` beside the database file (none in memory)."""
+    """Where the simulated sites keep their state: ``sites/`` beside the database file (none in memory).
+
+    With a PostgreSQL URL there is no file to stand beside: ``var/sites`` under the working directory, where
+    the default database (``var/heliotrope.db``) would have put it. That state is the replica's own (each
+    replica runs its own site adapters); set ``adapter.state_dir`` on a site to put it elsewhere."""
     if db == ":memory:" or db.startswith("file::memory:"):
         return None
+    if db.startswith(("postgresql://", "postgres://")):
+        return Path("var/sites").resolve()
     return Path(db).resolve().parent / "sites"
 
 
@@ -76,15 +101,39 @@ class Broker:
         """``carbon`` and ``prices``: providers to use instead of building those ``settings`` configure."""
         self.settings = settings or BrokerSettings()
         self.clock = clock or SystemClock()
-        self.store: Store = store or SQLiteStore(self.settings.db)
+        self.store: Store = store or open_store(self.settings.db)
+        self.replicas: ReplicaSettings | None = self.settings.replicas or (
+            ReplicaSettings() if is_shared_database(self.settings.db) else None)
+        mqtt = self.settings.mqtt
+        if mqtt is not None and self.replicas is not None:  # each replica its own MQTT session
+            mqtt = mqtt.model_copy(update={"client_id": f"{mqtt.client_id or 'heliotrope-broker'}-{uuid.uuid4().hex[:8]}"})
+        self.hub: MqttHub | None = MqttHub(mqtt) if mqtt is not None else None
         self.federation = Federation(
             self.clock,
-            factory or adapter_factory(self.clock, site_state_dir(self.settings.db)),
+            factory or adapter_factory(self.clock, site_state_dir(self.settings.db), self.hub),
             stale_after_s=self.settings.site_stale_after_s,
             collect_timeout_s=self.settings.collect_timeout_s,
         )
+        self._new_id = new_id
+        self._fresh_term()
+        self._carbon_provider, self._price_provider = carbon, prices
+        self.signals: GridSignals | None = None  # carbon forecasts per zone; None without a carbon provider
+        self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together
+        self._loop_task: asyncio.Task[None] | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
+        self.cycles = 0
+        self.leadership: Leadership | None = None  # set by elect(), among replicas
+        self._terms = 0  # terms this replica has led
+        self._run_loop = True
+        self._stepping: asyncio.Task[None] | None = None
+        self._providers_built: tuple[CarbonProvider | None, PriceProvider | None] = (None, None)
+
+    def _fresh_term(self) -> None:
+        """The job book, lifecycle and cycle of one term in charge: built at construction, and again when a
+        replica is elected after having led before (nothing of the earlier term's memory is trusted)."""
         self.book = JobBook(self.store, self.clock, refusal_ttl_s=self.settings.refusal_ttl_s,
-                            **({"new_id": new_id} if new_id else {}))
+                            **({"new_id": self._new_id} if self._new_id else {}))
         self.lifecycle = Lifecycle(self.book, self.federation, cancel_timeout_s=self.settings.dispatch_timeout_s)
         self.cycle = SchedulingCycle(
             self.clock, self.federation, self.book, self.store, self.lifecycle,
@@ -93,22 +142,66 @@ class Broker:
             profiles={name: profile_pipeline(name, self.settings.profiles)
                       for name in self.settings.profiles.job_may_choose},
         )
-        self._carbon_provider, self._price_provider = carbon, prices
-        self.signals: GridSignals | None = None  # carbon forecasts per zone; None without a carbon provider
-        self._pumps: dict[str, asyncio.Task[None]] = {}
-        self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together
-        self._loop_task: asyncio.Task[None] | None = None
-        self._housekeeping: asyncio.Task[None] | None = None
-        self.cycles = 0
+        self.cycle.may_act = self.lifecycle.may_act = self.may_act
+
+    def may_act(self) -> bool:
+        """Whether this broker may call a site now: always when alone; among replicas, while it surely leads."""
+        return self.leadership is None or self.leadership.certain()
 
     # --- life cycle ---
 
+    @property
+    def in_charge(self) -> bool:
+        """Whether this broker runs the cycle and the sites: always when alone, while leading as a replica."""
+        return self.leadership is None or (self.leadership.leading and self.leadership.ready)
+
     async def start(self, sites: list[SiteSpec] | None = None, run_loop: bool = True) -> None:
-        carbon, prices = await self._providers()
+        """Open the store and register the configured sites; then take charge at once, or, as one of several
+        replicas (``settings.replicas``), when :meth:`elect` makes this one the leader."""
+        self._providers_built = await self._providers()
+        self._run_loop = run_loop
         await self.store.open()
-        for spec in sites or []:
-            await self.store.put_site(spec)
+        if self.replicas is None:
+            for spec in sites or []:
+                await self.store.put_site(spec)
+        else:  # the shared store's sites are the truth (the leader changes them); the config only seeds it
+            known = {s.name for s in await self.store.list_sites()}
+            for spec in sites or []:
+                if spec.name not in known:
+                    await self.store.put_site(spec)
+        if self.replicas is None:
+            await self._take_charge()
+        else:
+            self.book.tracking = False  # until elected: submissions are stored for the leader to take in
+
+    def elect(self, advertise_url: str) -> None:
+        """As one of several replicas: compete for leadership under the name ``advertise_url`` (where this
+        replica's API is served; followers send the leader's requests there)."""
+        assert self.replicas is not None
+        self.leadership = Leadership(self.store, advertise_url, self.replicas.lease_s,
+                                     elected=self._elected, deposed=self._give_up_charge)
+        self.leadership.start()
+
+    async def _elected(self, epoch: int) -> None:
+        if self._terms:
+            self._fresh_term()
+        self._terms += 1
+        await self._take_charge()
+
+    async def _take_charge(self) -> None:
+        """Join the sites, load the active jobs, reconcile with the sites, start signals and the loop."""
+        carbon, prices = self._providers_built
+        self.book.tracking = True
+        if self.hub is not None:  # only the broker in charge talks to the agents
+            await self.hub.start()  # connects in the background, and reconnects by itself
+            if not await self.hub.wait_connected(self.settings.collect_timeout_s):
+                log.warning("mqtt: not connected to %s:%d yet; agent-run sites stay unhealthy until it is",
+                            self.hub.settings.host, self.hub.settings.port)
         for spec in await self.store.list_sites():
+            try:
+                check_supported(spec, self.hub)
+            except SiteUnsupported as e:
+                raise ConfigError(str(e)) from None
             await self._join(spec)
         await self.book.load()
         requeued = await self.lifecycle.recover()
@@ -119,7 +212,7 @@ class Broker:
             self.signals = GridSignals(carbon, self.settings.carbon_forecast, self.clock, zones=self._grid_zones)
             self.federation.signals = self.signals
             await self.signals.start()
-        if run_loop:
+        if self._run_loop:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="scheduling-loop")
 
     async def _providers(self) -> tuple[CarbonProvider | None, PriceProvider | None]:
@@ -142,6 +235,15 @@ class Broker:
         return {m.spec.grid_zone for m in self.federation.members.values()}
 
     async def stop(self) -> None:
+        if self.leadership is not None:
+            await self.leadership.stop()  # gives up charge, and the lease, so another replica takes over at once
+        else:
+            await self._give_up_charge(SHUTTING_DOWN)
+        await self.store.close()
+
+    async def _give_up_charge(self, why: str) -> None:
+        """Stop the loop, the signals and the sites' event pumps, let dispatches in flight finish, and close
+        the sites: what a deposed leader and a stopping broker both do. Jobs stay as the store has them."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -153,15 +255,20 @@ class Broker:
             self._housekeeping.cancel()
             await asyncio.gather(self._housekeeping, return_exceptions=True)
             self._housekeeping = None
-        cut = await self.cycle.drain(self.settings.shutdown_grace_s)
+        # A deposed leader must not call a site again: what has not reached one is dropped at once (the next
+        # leader reconciles). A broker shutting down lets dispatches on their way finish.
+        cut = await self.cycle.drain(self.settings.shutdown_grace_s if why == SHUTTING_DOWN else 0.0)
         if cut:
             log.warning("%d dispatches were still in flight at shutdown; they are reconciled at the next start", cut)
         for task in self._pumps.values():
             task.cancel()
         await asyncio.gather(*self._pumps.values(), return_exceptions=True)
         self._pumps.clear()
-        await self.federation.close()
-        await self.store.close()
+        await self.federation.clear()
+        if self.hub is not None:
+            await self.hub.close()
+        self.book.active.clear()  # what a follower reads comes from the store, which the leader keeps current
+        self.book.tracking = self.replicas is None
 
     async def _loop(self) -> None:
         """Run a pass when work may have changed, at least every ``cycle_interval_s``, and at most one
@@ -170,8 +277,17 @@ class Broker:
         while True:
             self.book.changed.clear()
             try:
+                if self.leadership is not None:
+                    await self.book.pull_new()  # jobs the other replicas took in
                 await self.cycle.run_once()
                 self.cycles += 1
+            except Fenced as e:
+                # Another replica leads now: nothing this one writes lands. Step down (from another task:
+                # stepping down stops this loop).
+                if self.leadership is not None:
+                    self._stepping = asyncio.get_running_loop().create_task(self.leadership.step_down(str(e)),
+                                                                            name="step-down")
+                return
             except Exception:
                 log.exception("scheduling cycle failed; trying again")
             if self._housekeeping is None or self._housekeeping.done():
@@ -210,6 +326,7 @@ class Broker:
     async def _register_site(self, spec: SiteSpec) -> Member:
         if spec.name in self.federation:
             raise SiteConflict(f"site {spec.name} is already registered; update it with PUT")
+        check_supported(spec, self.hub)
         await self.store.put_site(spec)
         member = await self._join(spec)
         self.wake()
@@ -223,6 +340,7 @@ class Broker:
         member = self.federation.get(spec.name)
         if member is None:
             raise KeyError(spec.name)
+        check_supported(spec, self.hub)
         if not needs_rebuild(member.spec, spec):
             await self.store.put_site(spec)
             member = await self.federation.replace(spec)

@@ -1,8 +1,12 @@
 """Named policies: the baselines today's systems use, and the live broker's default, as pipelines.
 
-Every policy is the same filter chain (health, region, refused, GPU fit) followed by its scorers; they
-differ only in how they rank the sites that can take a job now. No baseline waits: a job that fits
-nowhere stays queued until capacity frees. ``heliotrope simulate --policy NAME`` takes these names;
+Every policy is the same filter chain as heliotrope's profiles (health, region, latency objective, refused,
+quota, GPU fit) followed by its scorers; they differ only in how they rank the sites that can take a job
+now. A job's hard constraints (allowed regions, latency objective) bind the baselines as they bind the
+profiles: today's brokers honour a placement constraint the submitter states (SkyPilot's region list,
+MultiKueue's and Karmada's cluster affinities), and a schedule that breaks them is not one a user would
+accept, so comparing against it would flatter the baseline. No baseline waits: a job that fits nowhere
+stays queued until capacity frees. ``heliotrope simulate --policy NAME`` takes these names;
 ``--compare all`` runs every one but ``default``.
 
 - ``baseline-round-robin``: the next site in turn (``round_robin``).
@@ -23,11 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from policies.filters.gpu_fit import GpuFitFilter
-from policies.filters.health import HealthyFilter
-from policies.filters.region import RefusedFilter, RegionFilter
 from policies.pipeline import Pipeline, Weighted, default_pipeline
-from policies.profiles import BUILTIN, profile_pipeline
+from policies.profiles import BUILTIN, filters, profile_pipeline
 from policies.scorers import Scorer
 from policies.scorers.carbon_now import CarbonNowScorer
 from policies.scorers.cheapest import CheapestScorer
@@ -39,7 +40,7 @@ from policies.scorers.spillover import SpilloverScorer
 def _one(scorer: Scorer) -> Callable[[], Pipeline]:
     def build() -> Pipeline:
         return Pipeline(
-            filters=(HealthyFilter(), RegionFilter(), RefusedFilter(), GpuFitFilter()),
+            filters=filters(),
             scorers=(Weighted(scorer, 1.0),),
         )
     return build

@@ -33,6 +33,7 @@ from broker import ids
 from policies.filters import Filter
 from policies.filters.gpu_fit import Fit, GpuFitFilter, fit_row
 from policies.filters.health import HealthyFilter
+from policies.filters.latency import LatencyFilter
 from policies.filters.quota import QuotaFilter
 from policies.filters.region import RefusedFilter, RegionFilter
 from policies.scorers import Scorer
@@ -230,6 +231,6 @@ def choose_model(req: JobRequest, snap: Snapshot, site: int) -> int:
 def default_pipeline() -> Pipeline:
     """The filters of this release and the one scorer, most free GPUs, at weight 1."""
     return Pipeline(
-        filters=(HealthyFilter(), RegionFilter(), RefusedFilter(), QuotaFilter(), GpuFitFilter()),
+        filters=(HealthyFilter(), RegionFilter(), LatencyFilter(), RefusedFilter(), QuotaFilter(), GpuFitFilter()),
         scorers=(Weighted(FreeGpusScorer(), 1.0),),
     )

@@ -34,6 +34,19 @@ DERIVED_MAX = 4096
 _T = TypeVar("_T")
 
 
+
+NO_SITES: frozenset[str] = frozenset()
+"""The empty set of sites or regions, shared by every request that names none (most of them)."""
+def region_set(regions: list[str] | tuple[str, ...]) -> frozenset[str]:
+    """``regions`` as a frozenset shared by every request that names the same ones: a million queued jobs
+    hold a handful of distinct sets, not a million copies."""
+    return _shared_set(tuple(regions)) if regions else NO_SITES
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_set(regions: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(regions)
+
 @dataclass(frozen=True, slots=True)
 class JobRequest:
     """What the placement policies need of a job, resolved to snapshot indices once per job."""
@@ -66,8 +79,8 @@ class JobRequest:
             milli=_broker_milli(g),
             model=g.model,
             memory_gib=g.memory_gib or 0.0,
-            allowed_regions=frozenset(spec.allowed_regions),
-            denied_regions=frozenset(spec.denied_regions),
+            allowed_regions=region_set(spec.allowed_regions),
+            denied_regions=region_set(spec.denied_regions),
             priority=spec.priority,
             excluded_sites=excluded_sites,
             duration_s=spec.duration_s,

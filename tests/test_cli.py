@@ -75,6 +75,22 @@ def test_sites_are_added_listed_shown_and_removed(capsys, server, tmp_path):
     assert code == 0 and out.strip() == "site singapore removed"
 
 
+def test_a_remote_site_on_a_broker_without_mqtt_is_refused_with_the_setting_to_fix(capsys, server):
+    code, _, err = run(capsys, server, "sites", "add", str(ROOT / "config" / "remote-site-example.yaml"))
+    assert code == 1 and "set broker.mqtt" in err
+    code, out, _ = run(capsys, server, "sites", "list")
+    assert "lab" not in [line.split()[0] for line in out.splitlines()[1:]]  # nothing half-registered
+
+
+def test_the_agent_command_with_a_bad_config_is_a_one_line_message(capsys, tmp_path):
+    bad = tmp_path / "site.yaml"
+    bad.write_text("site: {name: lab}\nheartbeat_s: 0\n")
+    assert main(["agent", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and all(line.startswith("heliotrope agent: ") or ": " in line for line in err)
+    assert "heartbeat_s" in "\n".join(err) and "Traceback" not in "\n".join(err)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -305,6 +305,60 @@ async def test_a_waiting_job_is_placed_in_the_pass_right_after_capacity_frees(ma
     assert (await h.job(second.id)).state == JobState.DISPATCHING
 
 
+async def test_a_periodic_full_pass_over_a_full_federation_does_not_walk_the_queue_again(make):
+    """Nothing changed since the last full pass placed nothing (same reports, same hour, no job moved): the
+    interval's pass decides only new jobs. A job that ends changes that, and the queue is walked again."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    first = await h.submit(name="first", count=8, duration_s=100)
+    await h.cycle()
+    await h.step(1.0)
+    waiting = [await h.submit(name=f"waiting-{i}", count=1, duration_s=60) for i in range(40)]
+    report = await h.broker.cycle.run_once(full=True)
+    assert report.decided == 40 and report.placed == 0
+    await h.clock.advance(h.broker.cycle.full_pass_interval_s)
+    report = await h.broker.cycle.run_once()
+    assert report.full and report.decided == 0  # the 40 were not decided again
+    late = await h.submit(name="late", count=1, duration_s=60)
+    await h.clock.advance(h.broker.cycle.full_pass_interval_s)
+    report = await h.broker.cycle.run_once()
+    assert report.full and report.decided == 1 and report.placed == 0  # only the new job
+    await h.step(100)  # the first job ends
+    assert (await h.job(first.id)).state == JobState.SUCCEEDED
+    report = await h.broker.cycle.run_once()
+    assert report.full and report.decided >= 8 and report.placed == 8
+    placed = [j for j in waiting + [late] if (await h.job(j.id)).state == JobState.DISPATCHING]
+    assert len(placed) == 8
+
+
+class RefusesOnce(SimulatedSite):
+    """Turns the first attempt away (a passing reason), then admits as usual."""
+
+    refused = False
+
+    async def submit(self, job: Job):  # noqa: ANN201
+        if not self.refused:
+            self.refused = True
+            from adapters.base import Admission
+
+            return Admission.rejected("draining a node for maintenance")
+        return await super().submit(job)
+
+
+async def test_a_job_a_site_refused_is_placed_there_once_the_refusal_expires_even_when_all_else_is_quiet(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST),
+                   factory=lambda spec, clock: RefusesOnce(spec, clock))
+    j = await h.submit(count=8, duration_s=60)
+    await h.cycle()
+    await h.step(1.0)  # alpha refuses it: it waits, alpha skipped for refusal_ttl_s
+    assert (await h.job(j.id)).state == JobState.QUEUED
+    for _ in range(3):  # periodic passes with nothing changing: remembered as quiet
+        await h.clock.advance(h.broker.cycle.full_pass_interval_s)
+        await h.cycle()
+    await h.clock.advance(h.broker.book.refusal_ttl_s)
+    await h.cycle()  # the refusal has run out: the job is decided again and goes to alpha
+    assert (await h.job(j.id)).state == JobState.DISPATCHING
+
+
 async def test_jobs_of_one_shape_that_cannot_fit_all_get_the_reasons(make):
     h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
     jobs = [await h.submit(name=f"big-{i}", count=16) for i in range(3)]

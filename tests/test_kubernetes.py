@@ -14,7 +14,7 @@ from typing import Any
 import kmock
 import pytest
 
-from adapters.base import EventKind, JobEvent
+from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
 from broker.clock import SystemClock
 from broker.models import GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
@@ -343,5 +343,62 @@ async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
         assert "reclaims its guarantee" in (preempted.reason or "")
         assert set(jobs(cluster)) == {("heliotrope-a", job_name("a-1", 1)), ("heliotrope-b", job_name("b-1", 1))}
         assert (await adapter.snapshot()).capacity[0].free_gpus == 0
+    finally:
+        await adapter.close()
+
+
+# --- credentials: a kubeconfig, a context, in-cluster ---
+
+
+def kubeconfig(path, server: str, context: str = "lab") -> str:  # noqa: ANN001
+    path.write_text(f"""apiVersion: v1
+kind: Config
+clusters:
+- name: emulated
+  cluster: {{server: "{server}"}}
+- name: unreachable
+  cluster: {{server: "http://127.0.0.1:9"}}
+users:
+- name: operator
+  user: {{token: not-checked-by-the-emulator}}
+contexts:
+- name: {context}
+  context: {{cluster: emulated, user: operator}}
+- name: elsewhere
+  context: {{cluster: unreachable, user: operator}}
+current-context: elsewhere
+""")
+    return str(path)
+
+
+async def test_a_kubeconfig_file_and_its_named_context_reach_the_cluster(cluster, tmp_path) -> None:  # noqa: ANN001
+    """What an operator writes (`kubeconfig:` and `context:`), not the `host:` shortcut the other tests use.
+    The file's current context names an unreachable cluster, so only the named context can succeed."""
+    path = kubeconfig(tmp_path / "config", str(cluster.url).rstrip("/"))
+    config = KubernetesAdapterConfig(kubeconfig=path, context="lab", request_timeout_s=5, retries=2)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    await adapter.start()
+    try:
+        state = await adapter.snapshot()
+        assert state.health == "healthy" and state.capacity[0].total_gpus == 19
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"context": "missing"}, "cannot load Kubernetes credentials"),
+    ({"kubeconfig": "/nonexistent/kubeconfig"}, "cannot load Kubernetes credentials"),
+    ({"in_cluster": True}, "cannot load Kubernetes credentials"),
+], ids=["a context the kubeconfig does not have", "a kubeconfig file that is not there",
+        "in-cluster credentials outside a cluster"])
+async def test_credentials_that_cannot_be_loaded_are_a_clear_error(cluster, tmp_path, settings, message) -> None:  # noqa: ANN001
+    path = kubeconfig(tmp_path / "config", str(cluster.url).rstrip("/"))
+    config = KubernetesAdapterConfig(**({"kubeconfig": path} | settings), request_timeout_s=5, retries=1)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    try:
+        with pytest.raises(AdapterError, match=message) as err:
+            await adapter.start()
+            await adapter.snapshot()
+        assert "adapter.kubeconfig" in str(err.value)
     finally:
         await adapter.close()

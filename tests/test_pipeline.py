@@ -574,3 +574,19 @@ def test_a_placed_job_passes_every_filter_and_an_unplaceable_one_fails_one_every
         assert snap.free_gpus[i, m] >= spec.gpus.count
     best = p.totals[list(p.feasible).index(i)]
     assert best >= p.totals.max() - 1e-9  # no feasible site scored higher
+
+
+@pytest.mark.parametrize("name", sorted(__import__("policies.baselines", fromlist=["POLICIES"]).POLICIES))
+def test_every_named_policy_keeps_a_job_within_its_latency_objective(name: str) -> None:
+    """The objective is the job's hard constraint: no policy, baseline or the live default, sends the job to a
+    site farther than it allows, even when that site is the emptiest, cheapest and cleanest."""
+    from policies.baselines import policy
+
+    far = up("far", gpus={"a100-80gb": 64}, region="gcp:europe-west1", grid_zone="SE",
+             usd_per_gpu_hour={"a100-80gb": 0.5}, rtt_ms={"gcp:us-east1": 95.0})
+    near = up("near", gpus={"a100-80gb": 8}, free={"a100-80gb": 4}, usd_per_gpu_hour={"a100-80gb": 9.0},
+              rtt_ms={"gcp:us-east1": 2.0})
+    spec = job(count=2, latency_slo_ms=30, origin_region="gcp:us-east1")
+    out = decide([far, near], spec, pipeline=policy(name))
+    assert out.site == "near"
+    assert any("latency objective of 30 ms" in r for r in out.reasons()["far"])

@@ -1,5 +1,6 @@
-"""The stores: optimistic concurrency, idempotency keys, pagination and job events on every backend (SQLite
-and in-memory, through one parametrised fixture); durability, group commit and migrations on SQLite."""
+"""The stores: optimistic concurrency, idempotency keys, pagination, job events, leadership and fencing on every
+backend (SQLite, in-memory and PostgreSQL, through one parametrised fixture); durability, group commit and
+migrations on SQLite and PostgreSQL (a server of the session's own: tests/postgres.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,22 @@ import textwrap
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from broker.models import Job, JobSpec, JobState
-from broker.store import Conflict, DuplicateKey, JobFilter, Store, StoreError, decode_cursor
+from broker.store import Conflict, DuplicateKey, Fenced, JobFilter, Store, StoreError, decode_cursor, open_store
+from broker.store import postgres as pg
+from broker.store import sqlite as sq
 from broker.store.memory import MemoryStore
+from broker.store.postgres import PostgresStore
 from broker.store.sqlite import SQLiteStore
 from tests.builders import site
+from tests import postgres as postgres_fixtures
+from tests.postgres import PostgresServer, free_port
+
+postgres_server = postgres_fixtures.postgres_server  # the session's PostgreSQL server (a fixture)
+postgres_dsn = postgres_fixtures.postgres_dsn  # a fresh database on it (a fixture)
 
 T0 = datetime(2022, 3, 1, 12, tzinfo=UTC)
 
@@ -30,10 +40,16 @@ def make_job(i: int, tenant: str = "t1", state: JobState = JobState.QUEUED, site
     return Job(id=f"job{i:05d}", spec=spec, state=state, site=site, created_at=at, updated_at=at)
 
 
-@pytest.fixture(params=["sqlite", "memory"])
+@pytest.fixture(params=["sqlite", "memory", "postgres"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path):
-    """Each backend, opened; behavioural tests take this and run on both."""
-    s: Store = SQLiteStore(tmp_path / "h.db") if request.param == "sqlite" else MemoryStore()
+    """Each backend, opened (PostgreSQL: a fresh database on the session's server); behavioural tests take this
+    and run on all three."""
+    s: Store
+    if request.param == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        s = PostgresStore(await server.create_database())
+    else:
+        s = SQLiteStore(tmp_path / "h.db") if request.param == "sqlite" else MemoryStore()
     await s.open()
     yield s
     await s.close()
@@ -194,13 +210,123 @@ async def test_sites_are_listed_by_name_replaced_in_place_and_deleted(store: Sto
     assert [s.name for s in await store.list_sites()] == ["zeta"]
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "memory"])
+@pytest.mark.parametrize("backend", ["sqlite", "memory", "postgres"])
 async def test_a_store_that_is_not_open_refuses_reads_and_writes(backend: str, tmp_path: Path):
-    s: Store = SQLiteStore(tmp_path / "h.db") if backend == "sqlite" else MemoryStore()
+    s: Store = {"sqlite": lambda: SQLiteStore(tmp_path / "h.db"), "memory": MemoryStore,
+                "postgres": lambda: PostgresStore("postgresql://heliotrope@127.0.0.1:1/nowhere")}[backend]()
     with pytest.raises(StoreError, match="not open"):
         await s.insert_job(make_job(1))
     with pytest.raises(StoreError, match="not open"):
         await s.get_job("job00001")
+    with pytest.raises(StoreError, match="not open"):
+        await s.acquire_leadership("a", 1)
+
+
+def test_open_store_picks_postgresql_for_a_url_and_sqlite_otherwise(tmp_path: Path):
+    assert isinstance(open_store("postgresql://u@db.example:5433/h"), PostgresStore)
+    assert isinstance(open_store("postgres://u@db.example/h"), PostgresStore)
+    assert isinstance(open_store(str(tmp_path / "h.db")), SQLiteStore)
+    assert isinstance(open_store(":memory:"), SQLiteStore)
+
+
+# --- leadership and fencing, on every backend ---
+
+
+async def test_the_first_holder_gets_epoch_1_and_keeps_it_when_it_acquires_again(store: Store):
+    assert await store.acquire_leadership("a", 30) == 1
+    assert await store.acquire_leadership("a", 30) == 1
+    assert await store.acquire_leadership("b", 30) is None
+    assert await store.renew_leadership("a", 1, 30) is True
+
+
+async def test_another_holder_gets_the_next_epoch_only_once_the_lease_expired(store: Store):
+    assert await store.acquire_leadership("a", 0.3) == 1
+    assert await store.acquire_leadership("b", 0.3) is None
+    await asyncio.sleep(0.4)
+    assert await store.renew_leadership("a", 1, 30) is False, "an expired lease was renewed"
+    assert await store.acquire_leadership("b", 30) == 2
+    assert await store.renew_leadership("a", 1, 30) is False, "a deposed holder renewed"
+    assert await store.renew_leadership("b", 1, 30) is False, "a renewal with a stale epoch passed"
+    assert await store.renew_leadership("b", 2, 30) is True
+    assert await store.acquire_leadership("a", 30) is None
+
+
+async def test_of_holders_racing_for_a_free_lease_exactly_one_wins(store: Store):
+    epochs = await asyncio.gather(*(store.acquire_leadership(f"r{i}", 30) for i in range(8)))
+    assert [e for e in epochs if e is not None] == [1], epochs
+
+
+async def test_release_lets_another_holder_in_at_once(store: Store):
+    assert await store.acquire_leadership("a", 30) == 1
+    await store.release_leadership("a", 2)  # not its epoch: nothing happens
+    await store.release_leadership("b", 1)  # not its lease: nothing happens
+    assert await store.acquire_leadership("b", 30) is None
+    await store.release_leadership("a", 1)
+    assert await store.acquire_leadership("b", 30) == 2
+    assert await store.renew_leadership("a", 1, 30) is False
+
+
+async def test_a_fenced_store_whose_epoch_was_superseded_writes_nothing_but_still_takes_submissions(store: Store):
+    job = make_job(1)
+    await store.insert_job(job)
+    assert await store.acquire_leadership("a", 0.3) == 1
+    store.fence(1)
+    placed = job.transition(JobState.DISPATCHING, T0, site="a", attempt=1)
+    await store.update_job(placed, job.version, decision={"outcome": "placed", "site": "a"})  # still the leader
+    await store.put_site(site("alpha"))
+    await asyncio.sleep(0.4)
+    assert await store.acquire_leadership("b", 30) == 2  # another replica took over
+    running = placed.transition(JobState.ADMITTED, T0)
+    with pytest.raises(Fenced, match=r"no longer the leader \(epoch 1; the store is at 2\)"):
+        await store.update_job(running, placed.version)
+    with pytest.raises(Fenced):
+        await store.save_decision(job.id, 2, {"outcome": "deferred"})
+    with pytest.raises(Fenced):
+        await store.put_site(site("beta"))
+    with pytest.raises(Fenced):
+        await store.delete_site("alpha")
+    assert await store.get_job(job.id) == placed, "a fenced update was applied"
+    assert [e["state"] for e in await store.job_events(job.id)] == ["queued", "dispatching"]
+    stored = await store.get_decision(job.id)
+    assert stored is not None and stored.record == {"outcome": "placed", "site": "a"}
+    assert [s.name for s in await store.list_sites()] == ["alpha"]
+    await store.insert_job(make_job(2))  # submissions are any replica's: never fenced
+    assert await store.get_job("job00002") is not None
+    store.fence(2)
+    await store.update_job(running, placed.version)
+    store.fence(None)
+    await store.save_decision(job.id, 2, {"outcome": "deferred"})
+    assert (await store.get_decision(job.id)).record == {"outcome": "deferred"}
+
+
+async def test_a_fenced_store_whose_lease_expired_unclaimed_is_fenced_too(store: Store):
+    job = make_job(1)
+    await store.insert_job(job)
+    store.fence(1)
+    with pytest.raises(Fenced, match="the store has no leader"):
+        await store.save_decision(job.id, 0, {"outcome": "deferred"})
+    assert await store.acquire_leadership("a", 0.3) == 1
+    await store.save_decision(job.id, 0, {"outcome": "deferred"})
+    await asyncio.sleep(0.4)
+    with pytest.raises(Fenced, match="lease expired"):
+        await store.update_job(job.transition(JobState.CANCELLED, T0), job.version)
+    assert (await store.get_job(job.id)).state == JobState.QUEUED
+
+
+async def test_in_a_batch_every_fenced_write_fails_and_the_submissions_land(store: Store):
+    jobs = [make_job(i) for i in range(20)]
+    for job in jobs:
+        await store.insert_job(job)
+    assert await store.acquire_leadership("a", 0.3) == 1
+    store.fence(1)
+    await asyncio.sleep(0.4)
+    assert await store.acquire_leadership("b", 30) == 2
+    updates = [store.enqueue_update(j.transition(JobState.CANCELLED, T0), j.version) for j in jobs]
+    inserts = [store.insert_job(make_job(i)) for i in range(100, 110)]
+    results = await asyncio.gather(*updates, *inserts, return_exceptions=True)
+    assert all(isinstance(r, Fenced) for r in results[:20]), results[:20]
+    assert all(r is None for r in results[20:]), results[20:]
+    assert [j.state for j in await store.active_jobs()].count(JobState.QUEUED) == 30
 
 
 # --- SQLite only: the file, its durability and its schema ---
@@ -249,7 +375,7 @@ async def test_reopening_applies_no_migration_twice(tmp_path: Path):
         await s.open()
         await s.close()
     with sqlite3.connect(tmp_path / "h.db") as db:
-        assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+        assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(sq.MIGRATIONS)
 
 
 def test_a_write_that_returned_is_on_disk_when_the_process_is_killed(tmp_path: Path):
@@ -293,3 +419,212 @@ async def test_a_write_that_breaks_the_writer_fails_alone_and_later_writes_still
     good = make_job(2)
     await asyncio.wait_for(store.insert_job(good), 5)
     assert await store.get_job(good.id) == good
+
+
+# --- PostgreSQL only: the server, its schema, its durability ---
+
+
+async def test_postgres_stores_docs_as_the_same_text_as_sqlite(postgres_dsn: str):
+    s = PostgresStore(postgres_dsn)
+    await s.open()
+    try:
+        job = make_job(1).model_copy(update={"version": 2**62})
+        await s.insert_job(job, idempotency_key="k", digest="d")
+        conn = await asyncpg.connect(postgres_dsn)
+        try:
+            doc, version = await conn.fetchrow("SELECT doc, version FROM jobs WHERE id = $1", job.id)
+        finally:
+            await conn.close()
+        assert (doc, version) == (job.model_dump_json(), 2**62)
+        assert await s.get_job(job.id) == job
+    finally:
+        await s.close()
+
+
+async def test_postgres_reopening_applies_no_migration_twice_even_when_replicas_open_together(postgres_dsn: str):
+    stores = [PostgresStore(postgres_dsn) for _ in range(4)]
+    await asyncio.gather(*(s.open() for s in stores))
+    await asyncio.gather(*(s.close() for s in stores))
+    again = PostgresStore(postgres_dsn)
+    await again.open()
+    await again.close()
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        versions = [r[0] for r in await conn.fetch("SELECT version FROM schema_version ORDER BY version")]
+    finally:
+        await conn.close()
+    assert versions == list(range(1, len(pg.MIGRATIONS) + 1))
+
+
+async def test_postgres_a_database_from_a_newer_release_is_refused_with_a_clear_message(postgres_dsn: str):
+    s = PostgresStore(postgres_dsn)
+    await s.open()
+    await s.close()
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        await conn.execute("INSERT INTO schema_version VALUES (99)")
+    finally:
+        await conn.close()
+    with pytest.raises(StoreError, match="schema version 99, newer than this heliotrope"):
+        await PostgresStore(postgres_dsn).open()
+
+
+async def test_postgres_a_server_that_cannot_be_reached_is_named_in_the_error():
+    port = free_port()
+    s = PostgresStore(f"postgresql://heliotrope:secret@127.0.0.1:{port}/h", timeout_s=5)
+    with pytest.raises(StoreError, match=f"cannot connect to PostgreSQL at postgresql://heliotrope@127.0.0.1:{port}/h"
+                       ) as raised:
+        await s.open()
+    assert "secret" not in str(raised.value)
+
+
+async def test_postgres_concurrent_writes_share_commits(postgres_dsn: str):
+    s = PostgresStore(postgres_dsn)
+    await s.open()
+    try:
+        await asyncio.gather(*(s.insert_job(make_job(i)) for i in range(600)))
+        assert s.commits < 100, f"600 concurrent inserts took {s.commits} commits; group commit is not batching"
+    finally:
+        await s.close()
+
+
+async def test_postgres_replicas_on_one_database_fence_each_other(postgres_dsn: str):
+    """Two store objects (two replicas): the deposed one's scheduling writes fail, the new leader's land."""
+    a, b = PostgresStore(postgres_dsn), PostgresStore(postgres_dsn)
+    await a.open()
+    await b.open()
+    try:
+        job = make_job(1)
+        await a.insert_job(job)
+        assert await a.acquire_leadership("replica-a", 0.3) == 1
+        a.fence(1)
+        assert await b.acquire_leadership("replica-b", 30) is None
+        await asyncio.sleep(0.4)
+        epoch = await b.acquire_leadership("replica-b", 30)
+        assert epoch == 2
+        b.fence(epoch)
+        with pytest.raises(Fenced):
+            await a.update_job(job.transition(JobState.CANCELLED, T0), job.version)
+        moved = job.transition(JobState.DISPATCHING, T0, site="x", attempt=1)
+        await b.update_job(moved, job.version)
+        assert await a.get_job(job.id) == moved
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_a_write_that_breaks_the_writer_fails_alone_on_every_durable_backend(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path,
+):
+    if backend == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        s: Store = PostgresStore(await server.create_database())
+    else:
+        s = SQLiteStore(tmp_path / "h.db")
+    await s.open()
+    try:
+        bad = make_job(1).model_copy(update={"version": 2**63})  # too large for a 64-bit integer
+        results = await asyncio.gather(s.insert_job(bad), *(s.insert_job(make_job(i)) for i in range(2, 30)),
+                                       return_exceptions=True)
+        assert isinstance(results[0], StoreError) and all(r is None for r in results[1:]), results
+        good = make_job(40)
+        await asyncio.wait_for(s.insert_job(good), 5)
+        assert await s.get_job(good.id) == good and await s.get_job(bad.id) is None
+    finally:
+        await s.close()
+
+
+@pytest.mark.slow  # a server of its own, crashed and restarted: about 5 s
+def test_postgres_a_write_that_returned_survives_a_crash_of_the_server():
+    """A child process inserts jobs and prints each id once its write returned; we crash the server mid-stream
+    (``pg_ctl stop -m immediate``: no flush, no checkpoint), start it again, and find every acknowledged job."""
+    try:
+        server = PostgresServer()
+    except Exception as e:  # no binaries: as the fixture does
+        from tests.postgres import missing
+
+        missing(str(e))
+        raise
+    try:
+        server.start()
+        dsn = asyncio.run(server.create_database())
+        child = textwrap.dedent(f"""
+            import asyncio, sys
+            sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+            from tests.test_store import make_job
+            from broker.store.postgres import PostgresStore
+            async def main():
+                s = PostgresStore({dsn!r}, max_batch=256)
+                await s.open()
+                async def one(i):
+                    await s.insert_job(make_job(i))
+                    print(make_job(i).id, flush=True)
+                await asyncio.gather(*(one(i) for i in range(20000)), return_exceptions=True)
+            asyncio.run(main())
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+        acked = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            acked.append(line.strip())
+            if len(acked) >= 2000:
+                server.crash()
+                break
+        proc.kill()  # what it printed before it was killed still counts
+        acked += [line.strip() for line in proc.stdout.read().splitlines() if line.strip()]
+        proc.wait(30)
+        server.start()
+
+        async def ids() -> set[str]:
+            conn = await asyncpg.connect(dsn)
+            try:
+                return {r[0] for r in await conn.fetch("SELECT id FROM jobs")}
+            finally:
+                await conn.close()
+
+        on_disk = asyncio.run(ids())
+        assert len(acked) >= 2000
+        assert set(acked) <= on_disk, f"{len(set(acked) - on_disk)} acknowledged jobs were lost"
+    finally:
+        server.cleanup()
+
+
+def test_without_the_postgresql_binaries_the_fixture_skips_but_fails_in_ci(monkeypatch: pytest.MonkeyPatch):
+    import tests.postgres as fixture
+
+    monkeypatch.setattr(fixture.shutil, "which", lambda name: None)
+    monkeypatch.setattr(fixture.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(fixture.os, "access", lambda path, mode: False)
+    with pytest.raises(fixture.PostgresMissing, match="apt-get install postgresql") as raised:
+        fixture.find_bindir()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="must not be skipped in CI"):
+        fixture.missing(str(raised.value))
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="not installed"):
+        fixture.missing(str(raised.value))
+
+
+async def test_the_leader_is_named_while_its_lease_runs_and_nobody_after(store: Store):
+    assert await store.leader() is None
+    await store.acquire_leadership("http://replica-a:8080", 0.3)
+    assert await store.leader() == "http://replica-a:8080"
+    await asyncio.sleep(0.4)
+    assert await store.leader() is None
+
+
+async def test_active_jobs_after_a_row_come_oldest_first_without_the_finished(store: Store):
+    jobs = [make_job(i) for i in range(5)]
+    for j in jobs:
+        await store.insert_job(j)
+    done = jobs[1].model_copy(update={"state": JobState.CANCELLED, "version": jobs[1].version + 1})
+    await store.update_job(done, jobs[1].version)
+    everything = await store.active_after(0, 100)
+    assert [j.id for _, j in everything] == [jobs[i].id for i in (0, 2, 3, 4)]
+    seqs = [seq for seq, _ in everything]
+    assert seqs == sorted(seqs)
+    after = await store.active_after(seqs[1], 100)
+    assert [j.id for _, j in after] == [jobs[3].id, jobs[4].id]
+    assert [j.id for _, j in await store.active_after(0, 2)] == [jobs[0].id, jobs[2].id]

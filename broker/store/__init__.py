@@ -1,9 +1,15 @@
 """The broker's durable store, behind one interface so that SQLite (embedded default) and PostgreSQL
-(several replicas) are interchangeable.
+(several replicas) are interchangeable: :func:`open_store` picks one from the ``db`` setting.
 
 Every write resolves only once it is on disk (fsynced); the API answers ``201`` after that. Job rows carry
 a ``version``: an update names the version it read and fails with ``Conflict`` if another writer moved
 the job first.
+
+Leadership: replicas sharing one database elect the one that runs the scheduling cycle through a lease on
+the ``leader`` row (``acquire_leadership``/``renew_leadership``/``release_leadership``). Each new holder
+gets a larger ``epoch`` (the fencing token); a store told ``fence(epoch)`` checks, in the transaction of
+every scheduling write, that the row is still at that epoch and unexpired, and fails the write with
+:class:`Fenced` otherwise, so a deposed leader that has not noticed yet cannot overwrite its successor.
 """
 
 from __future__ import annotations
@@ -27,6 +33,31 @@ class Conflict(StoreError):
 
 class DuplicateKey(StoreError):
     """The job id, or the tenant's idempotency key, is already taken."""
+
+
+class Fenced(StoreError):
+    """A scheduling write from a replica whose leadership epoch is no longer the store's (or whose lease
+    expired): the write was not applied."""
+
+    def __init__(self, epoch: int, stored: int | None, expired: bool = False) -> None:
+        at = "has no leader" if stored is None else f"is at {stored}"
+        if expired and stored == epoch:
+            at += ", and the lease expired"
+        super().__init__(f"this replica is no longer the leader (epoch {epoch}; the store {at})")
+        self.epoch, self.stored = epoch, stored
+
+
+LEADER = "scheduler"
+"""The name of the one leader row (the scheduling cycle's)."""
+
+
+def fence_error(epoch: int, leader: tuple[int, bool] | None) -> Fenced | None:
+    """The error for a write fenced at ``epoch`` given the leader row as (epoch, lease still running), or None
+    when the row is still at that epoch, unexpired."""
+    if leader is None:
+        return Fenced(epoch, None)
+    stored, live = leader
+    return None if stored == epoch and live else Fenced(epoch, stored, expired=not live)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +156,46 @@ class Store(Protocol):
     async def delete_site(self, name: str) -> None: ...
 
     async def list_sites(self) -> list[SiteSpec]: ...
+
+    # leadership (one ``leader`` row; its lease is judged by the database's clock where there is one)
+    async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:
+        """Take the lease if it is free, expired or already the caller's; return the epoch (bumped by one when
+        the holder changes, kept when the same holder re-acquires), or None while another holder has it.
+        ``holder`` must be unique to the process (a replica restarting under the same name keeps its epoch)."""
+
+    async def renew_leadership(self, holder: str, epoch: int, lease_s: float) -> bool:
+        """Extend the lease by ``lease_s`` from now if it is still this holder's, at this epoch, unexpired."""
+
+    async def release_leadership(self, holder: str, epoch: int) -> None:
+        """Expire the lease now if it is still this holder's at this epoch (the next replica takes over at once)."""
+
+    async def leader(self) -> str | None:
+        """The holder of the leadership lease, if it has not expired (None: nobody leads now)."""
+
+    async def active_after(self, seq: int, limit: int) -> list[tuple[int, Job]]:
+        """Unfinished jobs stored after row ``seq`` (their order of insertion), at most ``limit``, oldest
+        first, each with its row number: how the leader takes in what other replicas accepted."""
+
+    async def active_at(self, seqs: list[int]) -> list[tuple[int, Job]]:
+        """The unfinished jobs among rows ``seqs`` (rows skipped by an earlier ``active_after``)."""
+
+    async def last_seq(self) -> int:
+        """The highest row number committed so far (0 when there are none)."""
+
+    def fence(self, epoch: int | None) -> None:
+        """From now on, every scheduling write of this store object (``update_job``/``enqueue_update``,
+        ``save_decision``, ``put_site``, ``delete_site``; never ``insert_job``) checks in its transaction that
+        the leader row is still at ``epoch`` and unexpired, and fails with :class:`Fenced` otherwise. ``None``
+        (the default) turns the check off."""
+
+
+def open_store(db: str) -> Store:
+    """The store for the ``db`` setting: a ``postgresql://`` (or ``postgres://``) URL is PostgreSQL, anything
+    else an SQLite file path (or ``:memory:``)."""
+    if db.startswith(("postgresql://", "postgres://")):
+        from broker.store.postgres import PostgresStore
+
+        return PostgresStore(db)
+    from broker.store.sqlite import SQLiteStore
+
+    return SQLiteStore(db)

@@ -10,11 +10,15 @@ It is cheap: jobs and site specs are kept as the pydantic objects handed in (no 
 they are replaced, never mutated (``Job.transition`` returns a copy). Decision records are kept as given;
 callers must not mutate a record after saving it. The methods are ``async`` to satisfy the protocol but
 never wait, so a write cannot interleave with another. To use SQLite instead, pass ``SQLiteStore``.
+
+Leadership is kept in the object too (one holder, epoch and expiry by ``time.monotonic()``), with the same
+semantics as the other stores, so a test can run several "replicas" on one ``MemoryStore`` and fence them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +34,7 @@ from broker.store import (
     StoreError,
     decode_cursor,
     encode_cursor,
+    fence_error,
 )
 
 
@@ -58,6 +63,8 @@ class MemoryStore(QueuedUpdates):
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._decisions: dict[str, StoredDecision] = {}
         self._sites: dict[str, SiteSpec] = {}
+        self._leader: tuple[str, int, float] | None = None  # holder, epoch, expires at (time.monotonic())
+        self._fence: int | None = None
 
     # --- life cycle ---
 
@@ -70,6 +77,51 @@ class MemoryStore(QueuedUpdates):
     def _check_open(self) -> None:
         if not self._open:
             raise StoreError("store is not open")
+
+    def _check_fence(self) -> None:
+        if self._fence is None:
+            return
+        leader = None if self._leader is None else (self._leader[1], self._leader[2] > time.monotonic())
+        if (error := fence_error(self._fence, leader)) is not None:
+            raise error
+
+    # --- leadership ---
+
+    async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:
+        self._check_open()
+        now = time.monotonic()
+        if self._leader is None:
+            epoch = 1
+        else:
+            current, epoch, expires = self._leader
+            if current != holder:
+                if expires > now:
+                    return None
+                epoch += 1
+        self._leader = (holder, epoch, now + lease_s)
+        return epoch
+
+    async def renew_leadership(self, holder: str, epoch: int, lease_s: float) -> bool:
+        self._check_open()
+        now = time.monotonic()
+        if self._leader is None or self._leader[:2] != (holder, epoch) or self._leader[2] <= now:
+            return False
+        self._leader = (holder, epoch, now + lease_s)
+        return True
+
+    async def release_leadership(self, holder: str, epoch: int) -> None:
+        self._check_open()
+        if self._leader is not None and self._leader[:2] == (holder, epoch):
+            self._leader = (holder, epoch, time.monotonic())
+
+    async def leader(self) -> str | None:
+        self._check_open()
+        if self._leader is None or self._leader[2] <= time.monotonic():
+            return None
+        return self._leader[0]
+
+    def fence(self, epoch: int | None) -> None:
+        self._fence = epoch
 
     # --- jobs ---
 
@@ -104,6 +156,7 @@ class MemoryStore(QueuedUpdates):
         self, job: Job, expected_version: int, event_reason: str | None, decision: dict[str, Any] | None
     ) -> None:
         self._check_open()
+        self._check_fence()
         row = self._rows.get(job.id)
         if row is None or row.job.version != expected_version:
             raise Conflict(f"job {job.id} changed since it was read (or does not exist)")
@@ -153,6 +206,21 @@ class MemoryStore(QueuedUpdates):
         self._check_open()
         return [r.job for r in self._rows.values() if not r.job.state.terminal]
 
+    async def active_at(self, seqs: list[int]) -> list[tuple[int, Job]]:
+        self._check_open()
+        wanted = set(seqs)
+        return [(r.seq, r.job) for r in self._rows.values() if r.seq in wanted and not r.job.state.terminal]
+
+    async def last_seq(self) -> int:
+        self._check_open()
+        return self._seq
+
+    async def active_after(self, seq: int, limit: int) -> list[tuple[int, Job]]:
+        self._check_open()
+        rows = list(self._rows.values())  # ascending seq
+        start = bisect_left(rows, seq + 1, key=lambda r: r.seq)
+        return [(r.seq, r.job) for r in rows[start:] if not r.job.state.terminal][:limit]
+
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         self._check_open()
         return [dict(e) for e in self._events.get(job_id, ())]
@@ -161,6 +229,7 @@ class MemoryStore(QueuedUpdates):
 
     async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
         self._check_open()
+        self._check_fence()
         self._decisions[job_id] = StoredDecision(attempt, record)
 
     async def get_decision(self, job_id: str) -> StoredDecision | None:
@@ -171,10 +240,12 @@ class MemoryStore(QueuedUpdates):
 
     async def put_site(self, spec: SiteSpec) -> None:
         self._check_open()
+        self._check_fence()
         self._sites[spec.name] = spec
 
     async def delete_site(self, name: str) -> None:
         self._check_open()
+        self._check_fence()
         self._sites.pop(name, None)
 
     async def list_sites(self) -> list[SiteSpec]:

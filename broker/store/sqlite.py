@@ -7,6 +7,10 @@ a commit carries hundreds of jobs, so durability costs one fsync per batch, not 
 answered before its write is on disk. Reads use a second connection and never wait for the writer.
 
 Schema changes are numbered migrations, applied in order at open and recorded in ``schema_version``.
+
+Leadership: the ``leader`` row's lease is judged by this process's clock (``time.time()``). A fenced write
+(see ``Store.fence``) reads the row inside its batch's transaction, which ``BEGIN IMMEDIATE`` makes the only
+writer, so no new leader can take over between the check and the commit.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
@@ -32,7 +38,11 @@ from broker.store import (
     StoreError,
     decode_cursor,
     encode_cursor,
+    fence_error,
+    LEADER,
 )
+
+T = TypeVar("T")
 
 MIGRATIONS: tuple[str, ...] = (
     # 1: jobs, their transitions, decisions, sites
@@ -66,6 +76,15 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE decisions (job_id TEXT PRIMARY KEY, attempt INTEGER NOT NULL, doc TEXT NOT NULL);
     CREATE TABLE sites (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
     """,
+    # 2: the scheduling cycle's leader lease (expires_at: seconds since the epoch, process clock)
+    """
+    CREATE TABLE leader (
+        name TEXT PRIMARY KEY,
+        holder TEXT NOT NULL,
+        epoch INTEGER NOT NULL,
+        expires_at REAL NOT NULL
+    );
+    """,
 )
 
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
@@ -84,6 +103,7 @@ class _Write:
     statements: list[tuple[str, tuple[Any, ...]]]
     future: asyncio.Future[None]
     checks: list[int] = field(default_factory=list)  # statement indices that must change exactly one row
+    fence: int | None = None  # the leadership epoch the store must still be at (a scheduling write)
 
 
 def _event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
@@ -96,6 +116,12 @@ def _decision_row(job_id: str, attempt: int, record: dict[str, Any]) -> tuple[st
         " ON CONFLICT(job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc",
         (job_id, attempt, json.dumps(record, separators=(",", ":"))),
     )
+
+
+def _leader_row(conn: sqlite3.Connection) -> tuple[int, bool] | None:
+    """The leader row's epoch and whether its lease still runs (by this process's clock)."""
+    row = conn.execute("SELECT epoch, expires_at FROM leader WHERE name = ?", (LEADER,)).fetchone()
+    return (int(row[0]), row[1] > time.time()) if row else None
 
 
 def _translate(error: BaseException) -> StoreError:
@@ -118,6 +144,7 @@ class SQLiteStore(QueuedUpdates):
         self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
         self._writer_task: asyncio.Task[None] | None = None
         self._closing = False
+        self._fence: int | None = None
         self.commits = 0  # batches committed (for benchmarks)
 
     # --- life cycle ---
@@ -198,8 +225,10 @@ class SQLiteStore(QueuedUpdates):
         await self._queue.put(write)
         await write.future
 
-    def _new_write(self, statements: list[tuple[str, tuple[Any, ...]]], checks: list[int] | None = None) -> _Write:
-        return _Write(statements, asyncio.get_running_loop().create_future(), checks or [])
+    def _new_write(self, statements: list[tuple[str, tuple[Any, ...]]], checks: list[int] | None = None,
+                   fenced: bool = False) -> _Write:
+        return _Write(statements, asyncio.get_running_loop().create_future(), checks or [],
+                      self._fence if fenced else None)
 
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -237,9 +266,14 @@ class SQLiteStore(QueuedUpdates):
         retried in a transaction of its own, so one bad write fails alone."""
         conn = self._wconn
         assert conn is not None
+        errors: list[StoreError | None] = [None] * len(batch)
         try:
             conn.execute("BEGIN IMMEDIATE")
-            for w in batch:
+            leader = _leader_row(conn) if any(w.fence is not None for w in batch) else None
+            for k, w in enumerate(batch):
+                if w.fence is not None and (fenced := fence_error(w.fence, leader)) is not None:
+                    errors[k] = fenced  # not applied; the rest of the batch goes on
+                    continue
                 for i, (sql, params) in enumerate(w.statements):
                     cur = conn.execute(sql, params)
                     if i in w.checks and cur.rowcount != 1:
@@ -252,7 +286,70 @@ class SQLiteStore(QueuedUpdates):
                 return [self._commit([w])[0] for w in batch]
             return [_translate(e)]
         self.commits += 1
-        return [None] * len(batch)
+        return errors
+
+    # --- leadership (on the writer thread, between batches) ---
+
+    async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in one immediate transaction on the write connection, committed (or rolled back)."""
+        self._check_writable()
+
+        def run() -> T:
+            conn = self._wconn
+            if conn is None:
+                raise StoreError("store is not open")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                result = fn(conn)
+                conn.execute("COMMIT")
+                return result
+            except Exception as e:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise _translate(e) from None
+
+        assert self._writer is not None
+        return await asyncio.get_running_loop().run_in_executor(self._writer, run)
+
+    async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:
+        def acquire(conn: sqlite3.Connection) -> int | None:
+            now = time.time()
+            row = conn.execute("SELECT holder, epoch, expires_at FROM leader WHERE name = ?", (LEADER,)).fetchone()
+            if row is None:
+                conn.execute("INSERT INTO leader (name, holder, epoch, expires_at) VALUES (?, ?, 1, ?)",
+                             (LEADER, holder, now + lease_s))
+                return 1
+            current, epoch, expires = row
+            if current != holder:
+                if expires > now:
+                    return None
+                epoch += 1
+            conn.execute("UPDATE leader SET holder = ?, epoch = ?, expires_at = ? WHERE name = ?",
+                         (holder, epoch, now + lease_s, LEADER))
+            return int(epoch)
+
+        return await self._on_writer(acquire)
+
+    async def renew_leadership(self, holder: str, epoch: int, lease_s: float) -> bool:
+        def renew(conn: sqlite3.Connection) -> bool:
+            now = time.time()
+            cur = conn.execute(
+                "UPDATE leader SET expires_at = ? WHERE name = ? AND holder = ? AND epoch = ? AND expires_at > ?",
+                (now + lease_s, LEADER, holder, epoch, now))
+            return cur.rowcount == 1
+
+        return await self._on_writer(renew)
+
+    async def release_leadership(self, holder: str, epoch: int) -> None:
+        def release(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "UPDATE leader SET expires_at = MIN(expires_at, ?) WHERE name = ? AND holder = ? AND epoch = ?",
+                (time.time(), LEADER, holder, epoch))
+
+        await self._on_writer(release)
+
+    def fence(self, epoch: int | None) -> None:
+        self._fence = epoch
 
     # --- jobs ---
 
@@ -276,7 +373,7 @@ class SQLiteStore(QueuedUpdates):
         ]
         if decision is not None:
             statements.append(_decision_row(job.id, job.attempt, decision))
-        write = self._new_write(statements, checks=[0])
+        write = self._new_write(statements, checks=[0], fenced=True)
         self._queue.put_nowait(write)
         return write.future
 
@@ -319,6 +416,30 @@ class SQLiteStore(QueuedUpdates):
         rows = await self._all(f"SELECT doc FROM jobs WHERE state IN ({marks}) ORDER BY seq", _ACTIVE)
         return [Job.model_validate_json(r[0]) for r in rows]
 
+    async def active_after(self, seq: int, limit: int) -> list[tuple[int, Job]]:
+        marks = ",".join("?" * len(_ACTIVE))
+        rows = await self._all(f"SELECT seq, doc FROM jobs WHERE seq > ? AND state IN ({marks}) ORDER BY seq LIMIT ?",
+                               (seq, *_ACTIVE, limit))
+        return [(int(r[0]), Job.model_validate_json(r[1])) for r in rows]
+
+    async def active_at(self, seqs: list[int]) -> list[tuple[int, Job]]:
+        out: list[tuple[int, Job]] = []
+        marks = ",".join("?" * len(_ACTIVE))
+        for i in range(0, len(seqs), 500):  # SQLite binds at most 999 parameters
+            chunk = seqs[i:i + 500]
+            rows = await self._all(f"SELECT seq, doc FROM jobs WHERE seq IN ({','.join('?' * len(chunk))}) "
+                                   f"AND state IN ({marks}) ORDER BY seq", (*chunk, *_ACTIVE))
+            out += [(int(r[0]), Job.model_validate_json(r[1])) for r in rows]
+        return out
+
+    async def last_seq(self) -> int:
+        row = await self._one("SELECT COALESCE(MAX(seq), 0) FROM jobs", ())
+        return int(row[0]) if row else 0
+
+    async def leader(self) -> str | None:
+        row = await self._one("SELECT holder FROM leader WHERE name = ? AND expires_at > ?", (LEADER, time.time()))
+        return None if row is None else str(row[0])
+
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         rows = await self._all(
             "SELECT at, state, site, attempt, reason FROM job_events WHERE job_id = ? ORDER BY seq", (job_id,)
@@ -328,7 +449,7 @@ class SQLiteStore(QueuedUpdates):
     # --- decisions ---
 
     async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
-        await self._submit(self._new_write([_decision_row(job_id, attempt, record)]))
+        await self._submit(self._new_write([_decision_row(job_id, attempt, record)], fenced=True))
 
     async def get_decision(self, job_id: str) -> StoredDecision | None:
         row = await self._one("SELECT attempt, doc FROM decisions WHERE job_id = ?", (job_id,))
@@ -340,10 +461,10 @@ class SQLiteStore(QueuedUpdates):
         await self._submit(self._new_write([(
             "INSERT INTO sites (name, doc) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET doc = excluded.doc",
             (spec.name, spec.model_dump_json()),
-        )]))
+        )], fenced=True))
 
     async def delete_site(self, name: str) -> None:
-        await self._submit(self._new_write([("DELETE FROM sites WHERE name = ?", (name,))]))
+        await self._submit(self._new_write([("DELETE FROM sites WHERE name = ?", (name,))], fenced=True))
 
     async def list_sites(self) -> list[SiteSpec]:
         rows = await self._all("SELECT doc FROM sites ORDER BY name", ())

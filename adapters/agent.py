@@ -1,0 +1,648 @@
+"""The site agent: runs one site next to its cluster and reaches the broker over MQTT only.
+
+``python -m adapters.agent --config site.yaml`` runs one site adapter (simulated or Kubernetes; the site's
+own admission, its inventory and quotas, happens inside that adapter's ``submit``) and speaks the wire
+protocol of :mod:`adapters.mqtt_protocol` with the broker through an MQTT broker (Mosquitto). The agent
+opens the only connection, so a site behind NAT or an outgoing-only firewall works. A config file::
+
+    site: {name: lyon, region: ..., gpus: [...], adapter: {kind: simulated}}
+    mqtt: {host: mqtt.example.org, port: 8883, tls: true, username: lyon, password_env: LYON_MQTT_PASSWORD}
+    heartbeat_s: 2          # how often the agent publishes its state (and asks for its lease to be renewed)
+    resend_s: 2             # how often an unacknowledged event is published again
+    stop_margin_s: null     # see "Leases" below
+    state_dir: var/sites    # where the site keeps its operator's quota changes
+
+What it does
+    - Connects with a persistent MQTT session (``clean_session`` false, client id ``heliotrope-agent-SITE``)
+      and a retained last will ``status: offline``, publishes ``status: online`` (retained) and subscribes
+      to its ``down`` topic. When the MQTT connection dies (the MQTT broker restarts, the network drops) it
+      reconnects with exponential backoff up to ``mqtt.reconnect_max_s``, for ever; everything below keeps
+      going meanwhile, and the events it could not deliver go out once it is back.
+    - Every ``heartbeat_s`` publishes a retained ``heartbeat``: the site's snapshot (capacity, telemetry,
+      quotas) and the attempts it holds (``admitted``, or ``running`` once the site said so). A site the
+      agent cannot reach is reported unhealthy, with the reason.
+    - Answers every command (``dispatch``, ``cancel``, ``quota``) with a ``reply``, and a repeated command
+      (the same ``msg_id``) with the same reply, without doing the work again. A failure inside the site
+      becomes ``ok: false`` with the reason; the agent itself never stops on one.
+    - Forwards every job event of the site as an ``event`` with its own ``msg_id`` and publishes it again
+      every ``resend_s`` until the broker acknowledges it.
+    - Drops (and counts, by reason, in :attr:`SiteAgent.malformed`) any payload that breaks the protocol.
+
+Leases
+    The broker answers each heartbeat with a lease grant. The agent counts the lease from when it *sent*
+    that heartbeat (its own monotonic clock), so its view of the lease ends before the broker's. When the
+    lease is within ``stop_margin_s`` of its end with no newer grant (the agent is cut off from the broker),
+    the agent stops every attempt it holds and reports it: a checkpointable job as ``preempted`` with the
+    seconds it ran (its checkpoint counts), any other as ``lost``; from then until a new grant it refuses
+    every dispatch. The broker requeues a silent site's jobs only once its own, later, end of the lease has
+    passed, so a job never runs at two sites at once. ``stop_margin_s`` unset means
+    ``max(2 * heartbeat_s, 0.2 * lease_s)``: two missed heartbeats, and a fifth of the lease for stopping
+    jobs. A margin as long as the lease stops jobs as soon as they start: keep it well below ``lease_s``.
+
+What survives a crash
+    Nothing of the agent's own state is on disk: the event outbox, the replies it remembers and the lease
+    live in memory, and a restarted agent is a new ``boot`` that holds nothing and has no lease until the
+    broker grants one. After a ``kill -9``, a simulated site's jobs die with the process; the broker hears
+    nothing more from the site (the MQTT broker publishes the last will at once) and requeues its jobs when
+    the lease runs out. A Kubernetes site's Jobs are objects on the cluster: they keep running while no
+    agent is there and nothing stops them when the lease runs out, so a job the broker requeued may for a
+    while run both there and at its new site. A restarted agent adopts what the site still holds
+    (``known_attempts``) and lists it in its heartbeats: the broker keeps the attempts still current there
+    and has the others cancelled at once, and events for attempts that are no longer current are ignored. Operator quota changes
+    survive (``state_dir``), as in the adapters. While the agent cannot reach the MQTT broker its outbox
+    grows with the site's events (a few hundred bytes each), without a limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import signal
+import sys
+import time
+import uuid
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiomqtt
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from adapters.base import AttemptLookup, EventKind, JobEvent, QuotaAdmin, SiteAdapter
+from adapters.mqtt_protocol import (
+    PUBLISH_TIMEOUT_S,
+    Ack,
+    AttemptReport,
+    Cancel,
+    Dispatch,
+    EventMsg,
+    Heartbeat,
+    LeaseGrant,
+    MalformedMessage,
+    QuotaCommand,
+    Reply,
+    Status,
+    WireEvent,
+    client_options,
+    decode,
+    encode,
+    topic,
+)
+from broker.clock import Clock, SystemClock
+from broker.config import ConfigError, load_yaml_model
+from broker.models import Health, Job, MqttSettings, SiteSpec, SiteState
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 15.0
+"""The lease the agent asks for before the broker has granted one (the broker's default ``lease_s``)."""
+NO_LEASE = "site agent holds no lease (cut off from the broker)"
+REPLIES_KEPT = 10_000
+HEARTBEATS_KEPT = 1_000
+ATTEMPTS_KEPT = 10_000
+TERMINAL = frozenset({EventKind.SUCCEEDED, EventKind.FAILED, EventKind.PREEMPTED, EventKind.LOST})
+
+
+# --- configuration -----------------------------------------------------------------------------------------
+
+
+class AgentConfig(BaseModel):
+    """One site agent: the site it runs, where the MQTT broker is, and its timings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    site: SiteSpec
+    mqtt: MqttSettings = Field(default_factory=MqttSettings)
+    heartbeat_s: float = Field(default=2.0, gt=0, le=600, description="how often the agent publishes its state")
+    resend_s: float = Field(default=2.0, gt=0, le=600, description="how often an unacknowledged event is resent")
+    stop_margin_s: float | None = Field(
+        default=None, ge=0, le=3600,
+        description="stop the jobs this long before the lease ends (None: max(2 * heartbeat_s, 0.2 * lease_s))")
+    state_dir: str | None = Field(
+        default=None, description="where the site keeps what must outlive a restart (its operator's quota changes)")
+
+    @field_validator("site")
+    @classmethod
+    def _runs_a_site(cls, site: SiteSpec) -> SiteSpec:
+        if site.adapter.kind not in ("simulated", "kubernetes"):
+            raise ValueError(
+                f"adapter.kind: {site.adapter.kind!r} is how the broker reaches a site through an agent; the agent "
+                "runs the site itself: use simulated or kubernetes")
+        return site
+
+    def stop_margin(self, lease_s: float) -> float:
+        if self.stop_margin_s is not None:
+            return self.stop_margin_s
+        return max(2 * self.heartbeat_s, 0.2 * lease_s)
+
+
+def load_agent_config(path: str | Path) -> AgentConfig:
+    """The agent's YAML config; :class:`ConfigError` names the file, the field and the problem."""
+    return load_yaml_model(path, AgentConfig, "'site' (and 'mqtt', 'heartbeat_s', ...)")
+
+
+# --- the agent ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Held:
+    job: Job | None  # None: adopted at start-up from the site, which knew the attempt but not its spec
+    status: Literal["admitted", "running"] = "admitted"
+    running_since: float | None = None  # monotonic
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    msg: EventMsg
+    sent: float = -math.inf  # monotonic; -inf: not yet published on this connection
+
+
+class _Bounded(OrderedDict[Any, Any]):
+    """A dict that forgets its oldest entries beyond ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+class SiteAgent:
+    def __init__(self, config: AgentConfig, clock: Clock | None = None, adapter: SiteAdapter | None = None) -> None:
+        """``adapter``: an already-built site adapter (tests); by default one is built from ``config.site``."""
+        from broker.service import adapter_factory  # the broker's service module only where it is used
+
+        self.config = config
+        self.site = config.site.name
+        self.clock = clock or SystemClock()
+        self.inner: SiteAdapter = adapter or adapter_factory(self.clock, config.state_dir)(config.site)
+        self.boot = uuid.uuid4().hex[:16]
+        self.malformed: Counter[str] = Counter()
+        self._held: dict[tuple[str, int], _Held] = {}
+        self._last_event: _Bounded = _Bounded(ATTEMPTS_KEPT)  # (job id, attempt) -> last EventKind seen
+        self._stopped: _Bounded = _Bounded(ATTEMPTS_KEPT)  # attempts the agent stopped itself (lease) -> True
+        self._replies: _Bounded = _Bounded(REPLIES_KEPT)  # msg_id -> Reply
+        self._working: dict[str, asyncio.Future[Reply]] = {}  # commands being carried out, by msg_id
+        self._outbox: dict[int, _Outgoing] = {}
+        self._event_ids = itertools.count(1)
+        self._seq = itertools.count(0)
+        self._sent_at: _Bounded = _Bounded(HEARTBEATS_KEPT)  # heartbeat seq -> monotonic send time
+        self._lease_end: float | None = None  # monotonic
+        self._lease_s = DEFAULT_LEASE_S
+        self._stop_failed: set[tuple[str, int]] = set()
+        self._client: aiomqtt.Client | None = None
+        self._connected = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._started = False
+        self._closing = False
+        # Held while the online status goes out and the client is published, and while stop() says goodbye, so
+        # a stop that lands mid-connect never leaves a retained "online" behind (or skips the "offline").
+        self._status_lock = asyncio.Lock()
+        self._margin_warned = False
+        self._started_mono = time.monotonic()
+        self._done = asyncio.Event()
+
+    # --- what tests and operators look at ---
+
+    @property
+    def held(self) -> dict[tuple[str, int], str]:
+        """The attempts the agent holds: (job id, attempt) -> ``admitted`` or ``running``."""
+        return {key: h.status for key, h in self._held.items()}
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def lease_remaining_s(self) -> float | None:
+        """Seconds until the lease ends as the agent counts it (negative: ended); None: never granted."""
+        return None if self._lease_end is None else self._lease_end - time.monotonic()
+
+    # --- life cycle ---
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._started_mono = time.monotonic()
+        await self.inner.start()
+        await self._adopt()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._events_loop(), name=f"agent-{self.site}-events"),
+            loop.create_task(self._watchdog_loop(), name=f"agent-{self.site}-lease"),
+            loop.create_task(self._connection_loop(), name=f"agent-{self.site}-mqtt"),
+        ]
+        log.info("site agent %s started (boot %s)", self.site, self.boot)
+
+    async def stop(self) -> None:
+        """Say goodbye (``status: offline``, retained), disconnect and close the site adapter. The jobs the
+        site runs are left to the lease: the broker requeues them once it runs out."""
+        if not self._started or self._done.is_set():
+            return
+        async with self._status_lock:
+            self._closing = True  # from here the connection loop publishes no "online"
+            client = self._client
+            if client is not None:
+                try:
+                    await client.publish(topic(self.site, "status"), encode(self._status(False)), qos=1,
+                                         retain=True, timeout=PUBLISH_TIMEOUT_S)
+                except aiomqtt.MqttError as e:
+                    log.warning("site agent %s: could not publish its offline status: %s", self.site, e)
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        self._client = None
+        self._connected.clear()
+        try:
+            await self.inner.close()
+        finally:
+            self._done.set()
+            log.info("site agent %s stopped", self.site)
+
+    async def run_forever(self) -> None:
+        """Run until :meth:`stop` is called (the CLI calls it on SIGINT or SIGTERM)."""
+        await self.start()
+        await self._done.wait()
+
+    # --- MQTT connection ---
+
+    def _make_client(self) -> aiomqtt.Client:
+        options = client_options(self.config.mqtt, self.config.mqtt.client_id or f"heliotrope-agent-{self.site}")
+        will = aiomqtt.Will(topic(self.site, "status"), encode(self._status(False)), qos=1, retain=True)
+        return aiomqtt.Client(**options, will=will)
+
+    async def _connection_loop(self) -> None:
+        mqtt = self.config.mqtt
+        first_wait = min(0.5, mqtt.reconnect_max_s)
+        wait = first_wait
+        while not self._closing:  # aiomqtt may turn a cancellation into an MqttError: the flag ends the loop
+            try:
+                async with self._make_client() as client:
+                    await client.subscribe(topic(self.site, "down"), qos=1)
+                    async with self._status_lock:
+                        if self._closing:
+                            break
+                        await client.publish(topic(self.site, "status"), encode(self._status(True)), qos=1,
+                                             retain=True)
+                        self._client = client
+                    for out in self._outbox.values():
+                        out.sent = -math.inf  # what went out on the last connection may be lost
+                    self._connected.set()
+                    wait = first_wait
+                    log.info("site agent %s: connected to MQTT broker %s:%d", self.site, mqtt.host, mqtt.port)
+                    beats = asyncio.create_task(self._heartbeat_loop(client))
+                    resends = asyncio.create_task(self._resend_loop(client))
+                    try:
+                        async for message in client.messages:
+                            self._on_message(message.topic.value, message.payload)
+                    finally:
+                        self._client = None
+                        self._connected.clear()
+                        beats.cancel()
+                        resends.cancel()
+                        await asyncio.gather(beats, resends, return_exceptions=True)
+            except aiomqtt.MqttError as e:
+                log.warning("site agent %s: MQTT broker %s:%d: %s; connecting again in %.1f s", self.site,
+                            mqtt.host, mqtt.port, e, wait)
+            except Exception:  # never give up on the connection
+                log.exception("site agent %s: MQTT connection failed; connecting again in %.1f s", self.site, wait)
+            if self._closing:
+                break
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, mqtt.reconnect_max_s)
+
+    async def _publish(self, client: aiomqtt.Client | None, channel: Literal["state", "up"], msg: BaseModel,
+                       retain: bool = False) -> bool:
+        if client is None:
+            return False
+        try:
+            await client.publish(topic(self.site, channel), encode(msg), qos=1, retain=retain,
+                                 timeout=PUBLISH_TIMEOUT_S)
+            return True
+        except aiomqtt.MqttError as e:
+            log.debug("site agent %s: publish on %s failed: %s", self.site, channel, e)
+            return False
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _status(self, online: bool) -> Status:
+        return Status(site=self.site, boot=self.boot, online=online, at=self.clock.now())
+
+    # --- heartbeats and the lease ---
+
+    async def _heartbeat_loop(self, client: aiomqtt.Client) -> None:
+        while True:
+            try:
+                state = await self.inner.snapshot()
+            except Exception as e:  # the site is unreachable: say so (and keep the lease: its jobs still run)
+                log.warning("site agent %s: snapshot failed: %s", self.site, e)
+                state = SiteState(site=self.site, health=Health.UNHEALTHY, last_heard_at=self.clock.now(),
+                                  reason=f"the site agent cannot reach the site: {e}")
+            seq = next(self._seq)
+            beat = Heartbeat(
+                site=self.site, boot=self.boot, seq=seq, sent_at=self.clock.now(), lease_s=self._lease_s,
+                state=state,
+                attempts=[AttemptReport(job_id=j, attempt=a, status=h.status) for (j, a), h in self._held.items()],
+            )
+            self._sent_at[seq] = time.monotonic()
+            await self._publish(client, "state", beat, retain=True)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    def _on_lease(self, grant: LeaseGrant) -> None:
+        sent = self._sent_at.get(grant.seq)
+        if grant.boot != self.boot or sent is None:
+            return
+        end = sent + grant.lease_s
+        if self.config.stop_margin(grant.lease_s) >= grant.lease_s and not self._margin_warned:
+            self._margin_warned = True
+            log.error("site agent %s: the broker grants %.1f s leases, no longer than the agent's stop margin "
+                      "(%.1f s): it would stop every job at once and refuse all work; lower heartbeat_s or "
+                      "stop_margin_s, or raise the site's lease_s at the broker", self.site, grant.lease_s,
+                      self.config.stop_margin(grant.lease_s))
+        if self._lease_end is None or end > self._lease_end:
+            self._lease_end = end
+            self._lease_s = grant.lease_s
+
+    def _lease_valid(self) -> bool:
+        if self._lease_end is None:
+            return False
+        return time.monotonic() < self._lease_end - self.config.stop_margin(self._lease_s)
+
+    async def _adopt(self) -> None:
+        """Hold what the site still runs from before this start (a Kubernetes site's Jobs outlive the agent),
+        so the first heartbeats list it: the broker keeps the attempts that are still current there and has
+        the others cancelled. Until a first lease is granted they are given one default lease from start-up
+        (the broker answers the first heartbeat within moments when it is reachable), then stopped."""
+        if not isinstance(self.inner, AttemptLookup):
+            return
+        try:
+            known = await self.inner.known_attempts()
+        except Exception as e:
+            log.warning("site agent %s: cannot list the attempts the site still holds (%s); the broker will "
+                        "cancel any it sees later that it no longer has there", self.site, e)
+            return
+        for key in known:
+            self._held.setdefault(key, _Held(None))
+        if known:
+            log.info("site agent %s: the site still holds %d attempt(s) from before; reporting them to the "
+                     "broker", self.site, len(known))
+
+    def _must_stop(self) -> bool:
+        """Whether the jobs it holds must stop now: its lease is about to end, or, never granted one since
+        start-up (only adopted attempts can be held then), a default lease has passed."""
+        if self._lease_end is None:
+            margin = self.config.stop_margin(DEFAULT_LEASE_S)
+            return time.monotonic() >= self._started_mono + DEFAULT_LEASE_S - margin
+        return not self._lease_valid()
+
+    async def _watchdog_loop(self) -> None:
+        period = min(0.2, self.config.heartbeat_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            if self._held and self._must_stop():
+                try:
+                    await self._stop_held()
+                except Exception:  # never let the watchdog die
+                    log.exception("site agent %s: stopping jobs failed", self.site)
+
+    async def _stop_held(self) -> None:
+        remaining = self.lease_remaining_s()
+        if any(key not in self._stop_failed for key in self._held):  # not again for each retry of a failed stop
+            log.warning("site agent %s: lease %s without a newer grant: stopping the %d attempt(s) it holds",
+                        self.site, "not granted" if remaining is None else f"ends in {max(remaining, 0):.1f} s",
+                        len(self._held))
+        # All at once: a site with many jobs must be done within the margin, not one API call after another.
+        await asyncio.gather(*(self._stop(key, held) for key, held in list(self._held.items())))
+
+    async def _stop(self, key: tuple[str, int], held: _Held) -> None:
+        """Stop one attempt because the lease is ending, and report it: checkpointed (``preempted``, with the
+        seconds it ran) when its job can resume from a checkpoint, else ``lost``."""
+        try:
+            await self.inner.cancel(*key)
+        except Exception as e:
+            if key not in self._stop_failed:
+                log.error("site agent %s: could not stop job %s attempt %d: %s", self.site, key[0], key[1], e)
+                self._stop_failed.add(key)
+            return
+        self._stop_failed.discard(key)
+        if self._held.pop(key, None) is None:
+            return  # it ended (or was cancelled) while we stopped it
+        self._stopped[key] = True
+        now = time.monotonic()
+        if held.job is not None and held.job.spec.checkpointable:
+            ran = now - held.running_since if held.running_since is not None else 0.0
+            event = JobEvent(key[0], key[1], EventKind.PREEMPTED, self.clock.now(),
+                             "lease running out: checkpointed and stopped before the broker may move it",
+                             run_s=max(ran, 0.0))
+        else:
+            event = JobEvent(key[0], key[1], EventKind.LOST, self.clock.now(),
+                             "lease running out: stopped before the broker may move it")
+        self._last_event[key] = event.kind
+        self._emit(event)
+
+    # --- events ---
+
+    async def _events_loop(self) -> None:
+        while True:
+            try:
+                async for event in self.inner.events():
+                    self._on_event(event)
+                log.warning("site agent %s: the site's event stream ended; opening it again", self.site)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("site agent %s: reading the site's events failed: %s; trying again", self.site, e)
+            await asyncio.sleep(1.0)
+
+    def _on_event(self, event: JobEvent) -> None:
+        key = (event.job_id, event.attempt)
+        if key in self._stopped:
+            log.debug("site agent %s: %s of %s/%d, which it stopped itself, not forwarded", self.site, event.kind,
+                      *key)
+            return
+        self._last_event[key] = event.kind
+        held = self._held.get(key)
+        if held is not None:
+            if event.kind == EventKind.RUNNING:
+                held.status = "running"
+                held.running_since = time.monotonic()
+            elif event.kind in TERMINAL:
+                del self._held[key]
+        self._emit(event)
+
+    def _emit(self, event: JobEvent) -> None:
+        msg = EventMsg(site=self.site, boot=self.boot, msg_id=next(self._event_ids), event=WireEvent.of(event))
+        out = _Outgoing(msg)
+        self._outbox[msg.msg_id] = out
+        if self._client is not None:
+            out.sent = time.monotonic()
+            self._spawn(self._publish(self._client, "up", msg))
+
+    async def _resend_loop(self, client: aiomqtt.Client) -> None:
+        resend = self.config.resend_s
+        while True:
+            now = time.monotonic()
+            for out in list(self._outbox.values()):
+                if now - out.sent >= resend and out.msg.msg_id in self._outbox:
+                    out.sent = now
+                    await self._publish(client, "up", out.msg)
+            await asyncio.sleep(min(resend, 0.5) / 2)
+
+    # --- commands ---
+
+    def _on_message(self, topic_name: str, payload: Any) -> None:
+        try:
+            msg = decode(topic_name, payload if isinstance(payload, bytes | bytearray | str) else b"")
+        except MalformedMessage as e:
+            self.malformed[e.reason] += 1
+            log.warning("site agent %s: dropped a malformed message on %s: %s", self.site, topic_name, e)
+            return
+        except Exception as e:  # whatever a payload does, the agent goes on
+            self.malformed["invalid"] += 1
+            log.warning("site agent %s: dropped a message on %s it could not read: %s", self.site, topic_name, e)
+            return
+        match msg:
+            case None:
+                return
+            case Ack():
+                if msg.boot == self.boot:
+                    for msg_id in msg.msg_ids:
+                        self._outbox.pop(msg_id, None)
+            case LeaseGrant():
+                self._on_lease(msg)
+            case Dispatch() | Cancel() | QuotaCommand():
+                self._spawn(self._answer(msg))
+
+    async def _answer(self, cmd: Dispatch | Cancel | QuotaCommand) -> None:
+        reply = self._replies.get(cmd.msg_id)
+        if reply is None:
+            working = self._working.get(cmd.msg_id)
+            if working is not None:  # the same command again while we carry it out: the same answer
+                reply = await asyncio.shield(working)
+            else:
+                working = asyncio.get_running_loop().create_future()
+                self._working[cmd.msg_id] = working
+                try:
+                    reply = await self._carry_out(cmd)
+                except Exception as e:  # the adapter failed: the broker hears why
+                    reply = Reply(site=self.site, msg_id=cmd.msg_id, ok=False, reason=str(e) or type(e).__name__)
+                except BaseException:
+                    working.cancel()
+                    raise
+                finally:
+                    self._working.pop(cmd.msg_id, None)
+                self._replies[cmd.msg_id] = reply
+                working.set_result(reply)
+        await self._publish(self._client, "up", reply)
+
+    async def _carry_out(self, cmd: Dispatch | Cancel | QuotaCommand) -> Reply:
+        match cmd:
+            case Dispatch():
+                return await self._dispatch(cmd)
+            case Cancel():
+                await self.inner.cancel(cmd.job_id, cmd.attempt)
+                self._held.pop((cmd.job_id, cmd.attempt), None)
+                return Reply(site=self.site, msg_id=cmd.msg_id, ok=True)
+            case QuotaCommand():
+                return await self._quota(cmd)
+
+    async def _dispatch(self, cmd: Dispatch) -> Reply:
+        if not self._lease_valid():
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, admitted=False, reason=NO_LEASE)
+        job = cmd.job
+        key = (job.id, job.attempt)
+        fresh = key not in self._held and key not in self._stopped and key not in self._last_event
+        if fresh:
+            # Held from before the site is asked: a heartbeat sent while the site admits it lists it, so the
+            # broker never takes it for gone (and requeues it elsewhere) while it is being started here.
+            self._held[key] = _Held(job)
+        try:
+            admission = await self.inner.submit(job)
+        except BaseException:
+            if fresh and self._last_event.get(key) is None:
+                self._held.pop(key, None)
+            raise
+        if not admission.admitted:
+            if fresh and self._last_event.get(key) is None:
+                self._held.pop(key, None)
+        elif not self._lease_valid() and key in self._held:
+            # The site took a while and the lease is ending meanwhile: the broker may move the job any moment,
+            # so it must not run here.
+            await self._stop(key, self._held[key])
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, admitted=False, reason=NO_LEASE)
+        return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, admitted=admission.admitted, reason=admission.reason)
+
+    async def _quota(self, cmd: QuotaCommand) -> Reply:
+        inner = self.inner
+        if not isinstance(inner, QuotaAdmin):
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, reason="site has no quotas")
+        match cmd.op:
+            case "get":
+                state = await inner.quota()
+            case "set":
+                if cmd.quota is None:
+                    return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, reason="quota set needs a quota")
+                state = await inner.set_quota(cmd.quota)
+            case "remove":
+                if cmd.tenant is None:
+                    return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, reason="quota remove needs a tenant")
+                try:
+                    state = await inner.remove_quota(cmd.tenant)
+                except KeyError:
+                    return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, not_found=True,
+                                 quota=await inner.quota())
+            case "forget":
+                await inner.forget_quotas()
+                state = await inner.quota()
+        return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, quota=state)
+
+
+# --- command line ------------------------------------------------------------------------------------------
+
+
+async def _run(config: AgentConfig) -> None:
+    agent = SiteAgent(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await agent.start()
+    try:
+        await stop.wait()
+    finally:
+        await agent.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="heliotrope agent", description="Run one site and connect it to the broker "
+                                                                     "over MQTT.")
+    p.add_argument("--config", required=True, metavar="FILE", help="the agent's YAML config (site, mqtt, ...)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    try:
+        config = load_agent_config(args.config)
+    except ConfigError as e:
+        print(f"heliotrope agent: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

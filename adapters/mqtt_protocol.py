@@ -1,0 +1,275 @@
+"""The wire protocol between the broker and site agents over MQTT, version 1.
+
+Every message is one UTF-8 JSON object with ``"v": 1`` and a ``"kind"``; a receiver drops (and counts) a
+payload that is not valid JSON, has another version, an unknown kind, a field of the wrong type or a site
+that does not match its topic, and never crashes on one (:func:`decode`). Heartbeats, status, events,
+commands and replies are published at QoS 1, so MQTT delivers each at least once; the application-level
+acknowledgements below make them survive a restart of the MQTT broker or a lost session too, and every
+handler is idempotent, so a duplicate is harmless. ``ack`` and ``lease`` go at QoS 0: a lost one is
+covered by the event's resend and by the next heartbeat's grant.
+
+Topics (``{site}`` is the site's name; ``heliotrope/v1`` changes with an incompatible protocol):
+
+=================================== ============ ======== ================================================
+topic                               direction    retained messages
+=================================== ============ ======== ================================================
+``heliotrope/v1/sites/{site}/state``  agent→broker yes      ``heartbeat``: capacity, telemetry, quotas, the
+                                                          attempts the site holds; renews the lease
+``heliotrope/v1/sites/{site}/status`` agent→broker yes      ``status``: online, or offline (the last will,
+                                                          published by the MQTT broker when the agent's
+                                                          connection dies, so the broker sees the site
+                                                          go dark at once)
+``heliotrope/v1/sites/{site}/up``     agent→broker no       ``event`` (a job event, resent until ``ack``),
+                                                          ``reply`` (the answer to a command)
+``heliotrope/v1/sites/{site}/down``   broker→agent no       ``dispatch``, ``cancel``, ``quota`` (commands,
+                                                          resent until the ``reply``), ``ack``, ``lease``
+=================================== ============ ======== ================================================
+
+The agent opens the only connection (to the MQTT broker), so a site behind NAT or a firewall that allows
+outgoing connections only works. It connects with a persistent session (``clean_session`` false, a fixed
+client id per site), so QoS 1 messages published to it while it is briefly away are kept for it.
+
+Commands and replies
+    A command carries a ``msg_id`` (unique per broker process and command). The agent answers each with a
+    ``reply`` naming that ``msg_id``; the broker resends a command until it has the reply or gives up
+    (its dispatch timeout). The agent keeps the replies it sent recently and answers a repeated ``msg_id``
+    with the same reply without doing the work again; a dispatch is also keyed by (job id, attempt) in the
+    adapter below, so the same attempt never runs twice.
+
+Events and acknowledgements
+    The agent gives each job event a ``msg_id`` (unique per agent boot) and resends it until the broker
+    answers ``ack`` with that id. The broker acknowledges an event once it has applied it (stored the job's
+    new state); an event for an attempt that is no longer current is acknowledged and ignored.
+
+Leases
+    Each ``heartbeat`` carries a ``seq`` (increasing per boot) and the agent's ``lease_s``. The broker answers
+    every heartbeat it receives with ``lease`` (``boot``, ``seq``, ``lease_s``): the site's lease runs until
+    ``lease_s`` after the broker *received* that heartbeat. The agent counts its lease from when it *sent*
+    the heartbeat the grant answers, which is earlier, so the agent's view of its lease always ends first.
+    An agent whose lease is about to end without a newer grant (it is partitioned from the broker) stops its
+    jobs (a checkpointable job is checkpointed) before the end; the broker requeues a silent site's jobs
+    only once the lease has run out. So a job never runs at two sites at once, on the usual assumption that
+    the two clocks run at the same rate (not that they agree on the time: each side measures only
+    durations on its own monotonic clock).
+
+Reconciliation
+    Each heartbeat lists the attempts the site holds. The broker cancels an attempt it no longer has at that
+    site (requeued after a lease ran out, withdrawn, finished), and keeps those that are still current.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import ssl
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import aiomqtt
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from adapters.base import EventKind, JobEvent
+from broker.models import Job, MqttSettings, QuotaState, SiteState, TenantQuota
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+ROOT = f"heliotrope/v{VERSION}/sites"
+MAX_PAYLOAD_BYTES = 4 << 20
+
+
+def client_options(settings: MqttSettings, identifier: str) -> dict[str, Any]:
+    """``aiomqtt.Client`` arguments for either side: MQTT 3.1.1, a persistent session (``clean_session``
+    false) under a fixed client id, the password from ``settings.password_env``, TLS with the system's CA
+    store when ``settings.tls``."""
+    password = os.environ.get(settings.password_env) if settings.password_env else None
+    if settings.password_env and password is None:
+        log.warning("mqtt: environment variable %s (the MQTT password) is not set; connecting without one",
+                    settings.password_env)
+    return {
+        "hostname": settings.host, "port": settings.port, "identifier": identifier, "clean_session": False,
+        "protocol": aiomqtt.ProtocolVersion.V311, "keepalive": settings.keepalive_s,
+        "username": settings.username, "password": password,
+        "tls_context": ssl.create_default_context() if settings.tls else None, "timeout": PUBLISH_TIMEOUT_S,
+    }
+
+
+PUBLISH_TIMEOUT_S = 5.0
+"""How long one publish or subscribe may wait for the MQTT broker."""
+
+
+def topic(site: str, channel: Literal["state", "status", "up", "down"]) -> str:
+    return f"{ROOT}/{site}/{channel}"
+
+
+UP_SUBSCRIPTIONS = (f"{ROOT}/+/state", f"{ROOT}/+/status", f"{ROOT}/+/up")
+"""What the broker subscribes to: every site's agent-to-broker topics."""
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = VERSION
+    site: str
+
+
+# --- agent -> broker ---------------------------------------------------------------------------------------
+
+
+class AttemptReport(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    attempt: int = Field(ge=1)
+    status: Literal["admitted", "running"]
+
+
+class Heartbeat(_Msg):
+    kind: Literal["heartbeat"] = "heartbeat"
+    boot: str = Field(min_length=1, max_length=64, description="unique per agent start")
+    seq: int = Field(ge=0)
+    sent_at: datetime
+    lease_s: float = Field(gt=0, le=3600)
+    state: SiteState
+    attempts: list[AttemptReport] = Field(default_factory=list)
+
+
+class Status(_Msg):
+    kind: Literal["status"] = "status"
+    boot: str = Field(min_length=1, max_length=64)
+    online: bool
+    at: datetime
+
+
+class WireEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    attempt: int = Field(ge=1)
+    kind: EventKind
+    at: datetime
+    reason: str | None = None
+    run_s: float = Field(default=0.0, ge=0)
+
+    @classmethod
+    def of(cls, ev: JobEvent) -> WireEvent:
+        return cls(job_id=ev.job_id, attempt=ev.attempt, kind=ev.kind, at=ev.at, reason=ev.reason, run_s=ev.run_s)
+
+    def job_event(self) -> JobEvent:
+        return JobEvent(self.job_id, self.attempt, self.kind, self.at, self.reason, self.run_s)
+
+
+class EventMsg(_Msg):
+    kind: Literal["event"] = "event"
+    boot: str = Field(min_length=1, max_length=64)
+    msg_id: int = Field(ge=0)
+    event: WireEvent
+
+
+class Reply(_Msg):
+    kind: Literal["reply"] = "reply"
+    msg_id: str = Field(min_length=1, max_length=128)
+    ok: bool = Field(description="false: the command failed at the site (``reason`` says why)")
+    admitted: bool | None = Field(default=None, description="dispatch: whether the site admitted the attempt")
+    reason: str | None = None
+    quota: QuotaState | None = Field(default=None, description="quota commands: the site's quota state after it")
+    not_found: bool = Field(default=False, description="quota remove: the tenant had no quota there")
+
+
+# --- broker -> agent ---------------------------------------------------------------------------------------
+
+
+class Dispatch(_Msg):
+    kind: Literal["dispatch"] = "dispatch"
+    msg_id: str = Field(min_length=1, max_length=128)
+    job: Job
+
+
+class Cancel(_Msg):
+    kind: Literal["cancel"] = "cancel"
+    msg_id: str = Field(min_length=1, max_length=128)
+    job_id: str
+    attempt: int = Field(ge=1)
+
+
+class QuotaCommand(_Msg):
+    kind: Literal["quota"] = "quota"
+    msg_id: str = Field(min_length=1, max_length=128)
+    op: Literal["get", "set", "remove", "forget"]
+    quota: TenantQuota | None = None
+    tenant: str | None = None
+
+
+class Ack(_Msg):
+    kind: Literal["ack"] = "ack"
+    boot: str = Field(min_length=1, max_length=64, description="the agent boot whose events these are")
+    msg_ids: list[int] = Field(min_length=1)
+
+
+class LeaseGrant(_Msg):
+    kind: Literal["lease"] = "lease"
+    boot: str = Field(min_length=1, max_length=64)
+    seq: int = Field(ge=0, description="the heartbeat this answers")
+    lease_s: float = Field(gt=0, le=3600)
+
+
+UpMessage = Annotated[Heartbeat | Status | EventMsg | Reply, Field(discriminator="kind")]
+DownMessage = Annotated[Dispatch | Cancel | QuotaCommand | Ack | LeaseGrant, Field(discriminator="kind")]
+Command = Dispatch | Cancel | QuotaCommand
+_UP: TypeAdapter[Any] = TypeAdapter(UpMessage)
+_DOWN: TypeAdapter[Any] = TypeAdapter(DownMessage)
+_CHANNEL_KINDS = {"state": {"heartbeat"}, "status": {"status"}, "up": {"event", "reply"},
+                  "down": {"dispatch", "cancel", "quota", "ack", "lease"}}
+
+
+class MalformedMessage(ValueError):
+    """A payload that breaks the protocol; ``reason`` is a short label for counting (``bad-json``,
+    ``wrong-version``, ``invalid``, ``wrong-topic``, ``too-large``), the message says what was wrong."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msg.model_dump_json(exclude_none=False).encode()
+
+
+def parse_topic(name: str) -> tuple[str, str]:
+    """(site, channel) of a protocol topic; MalformedMessage for any other topic."""
+    parts = name.split("/")
+    if len(parts) != 5 or "/".join(parts[:3]) != ROOT or parts[4] not in _CHANNEL_KINDS or not parts[3]:
+        raise MalformedMessage("wrong-topic", f"{name!r} is not a heliotrope/v{VERSION} site topic")
+    return parts[3], parts[4]
+
+
+def decode(topic_name: str, payload: bytes | bytearray | str) -> Any:
+    """The message a payload carries on ``topic_name``, checked against the topic's site and channel.
+    Raises :class:`MalformedMessage` for anything else; an empty payload (a retained message cleared)
+    decodes to None."""
+    site, channel = parse_topic(topic_name)
+    if not payload:
+        return None
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise MalformedMessage("too-large", f"{len(payload)} bytes is more than {MAX_PAYLOAD_BYTES}")
+    try:
+        doc = json.loads(payload)
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, or nested too deep to parse
+        raise MalformedMessage("bad-json", str(e) if not isinstance(e, RecursionError) else "nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise MalformedMessage("invalid", f"expected a JSON object, got {type(doc).__name__}")
+    if doc.get("v") != VERSION:
+        raise MalformedMessage("wrong-version", f"v is {doc.get('v')!r}; this side speaks {VERSION}")
+    kind = doc.get("kind")
+    if kind not in _CHANNEL_KINDS[channel]:
+        raise MalformedMessage("wrong-topic", f"kind {kind!r} does not belong on {channel}")
+    try:
+        msg = (_DOWN if channel == "down" else _UP).validate_python(doc)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][1:]) or "message"
+        raise MalformedMessage("invalid", f"{kind}: {where}: {first['msg']}") from None
+    if msg.site != site:
+        raise MalformedMessage("wrong-topic", f"message for site {msg.site!r} on the topic of {site!r}")
+    return msg

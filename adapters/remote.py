@@ -1,0 +1,421 @@
+"""A site run by a site agent (``heliotrope agent``), seen from the broker through MQTT.
+
+:class:`MqttHub` is the broker's one MQTT connection: it subscribes to every site's agent-to-broker topics
+(``adapters.mqtt_protocol``), hands each message to the :class:`RemoteSite` of its site, and publishes what
+the sites send down. It reconnects by itself (backoff up to ``reconnect_max_s``) and never crashes on a
+payload: a malformed one is counted in ``malformed`` by reason, logged and dropped.
+
+:class:`RemoteSite` is a :class:`~adapters.base.SiteAdapter` like any other, so the scheduling cycle and the
+lifecycle treat it as they treat a local site:
+
+- ``snapshot`` returns the latest heartbeat's state. A site never heard live, or silent past its lease, is
+  an error (the federation marks it unhealthy); a site whose agent's connection died (the last will) but
+  whose lease still runs is reported unhealthy: it takes no new work, and its jobs stay where they are.
+- ``submit``, ``cancel`` and the quota calls are commands, resent every ``resend_s`` until the agent's reply
+  arrives or ``command_timeout_s`` passes (then :class:`~adapters.base.AdapterError`).
+- ``events`` yields the agent's job events; each is acknowledged to the agent once the broker has applied
+  it (when the consumer asks for the next one), so an event is resent until the broker has it. A repeated
+  event is acknowledged again and not applied twice.
+- The lease: every live heartbeat is answered with a grant of ``lease_s``, counted from when the broker
+  received it. When a lease runs out, the site yields a ``lost`` event for every attempt it holds, so the
+  lifecycle requeues them elsewhere; from then on a cancel is confirmed at once, since an agent that could
+  not renew its lease has stopped its jobs by then (the protocol's promise), and refuses new ones until it
+  holds a lease again.
+- ``known_attempts`` is what the latest live heartbeat listed: the lifecycle cancels the attempts a site
+  holds that the broker no longer has there (a site back from a partition, an agent restarted).
+
+A retained heartbeat delivered when the broker subscribes is the site's last known state, not a sign of
+life: it fills in capacity for display but renews no lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import aiomqtt
+from pydantic import BaseModel
+
+from adapters.base import Admission, AdapterError, EventKind, JobEvent
+from adapters import mqtt_protocol as proto
+from broker.clock import Clock
+from broker.models import Health, Job, MqttSettings, QuotaState, RemoteAdapterConfig, SiteSpec, SiteState, TenantQuota
+
+log = logging.getLogger(__name__)
+
+
+class MqttHub:
+    """The broker's MQTT connection, shared by every remote site."""
+
+    def __init__(self, settings: MqttSettings) -> None:
+        self.settings = settings
+        self.identifier = settings.client_id or "heliotrope-broker"
+        self.malformed: Counter[str] = Counter()
+        self.received = 0
+        self.connected = asyncio.Event()
+        self._sites: dict[str, RemoteSite] = {}
+        self._retained: dict[tuple[str, str], Any] = {}  # (site, kind) -> the retained heartbeat or status
+        self._client: aiomqtt.Client | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.connects = 0
+
+    def attach(self, site: RemoteSite) -> None:
+        self._sites[site.name] = site
+        for kind in ("heartbeat", "status"):  # what the MQTT broker kept for it: its last known state
+            retained = self._retained.get((site.name, kind))
+            if retained is not None:
+                site.receive(retained, retained=True)
+
+    def detach(self, site: RemoteSite) -> None:
+        if self._sites.get(site.name) is site:
+            del self._sites[site.name]
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._closed = False
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="mqtt-hub")
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.connected.wait()
+        return self.connected.is_set()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self.connected.clear()
+
+    async def publish(self, site: str, msg: BaseModel, qos: int = 1) -> bool:
+        """Send ``msg`` down to ``site``'s agent. False when not connected: the caller's resend covers it."""
+        client = self._client
+        if client is None or not self.connected.is_set():
+            return False
+        try:
+            await client.publish(proto.topic(site, "down"), proto.encode(msg), qos=qos)
+            return True
+        except aiomqtt.MqttError as e:
+            log.debug("mqtt: publish to %s failed: %s", site, e)
+            return False
+
+    async def _run(self) -> None:
+        delay = 0.1
+        while not self._closed:
+            try:
+                async with aiomqtt.Client(**proto.client_options(self.settings, self.identifier)) as client:
+                    for sub in proto.UP_SUBSCRIPTIONS:
+                        await client.subscribe(sub, qos=1)
+                    self._client = client
+                    self.connected.set()
+                    self.connects += 1
+                    delay = 0.1
+                    log.info("mqtt: connected to %s:%d", self.settings.host, self.settings.port)
+                    async for message in client.messages:
+                        self._on_message(message)
+            except aiomqtt.MqttError as e:
+                log.warning("mqtt: connection to %s:%d lost or refused (%s); reconnecting in %.1f s",
+                            self.settings.host, self.settings.port, e, delay)
+            except Exception:  # whatever it was, the connection must come back
+                log.exception("mqtt: the connection failed; reconnecting in %.1f s", delay)
+            finally:
+                self._client = None
+                self.connected.clear()
+            await asyncio.sleep(delay)
+            delay = min(self.settings.reconnect_max_s, delay * 2)
+
+    def _on_message(self, message: aiomqtt.Message) -> None:
+        self.received += 1
+        name = str(message.topic)
+        try:
+            msg = proto.decode(name, message.payload if isinstance(message.payload, bytes | bytearray) else b"")
+        except proto.MalformedMessage as e:
+            self.malformed[e.reason] += 1
+            log.warning("mqtt: dropped a malformed message on %s: %s", name, e)
+            return
+        except Exception as e:  # a payload that broke the decoder itself: still only that payload is lost
+            self.malformed["undecodable"] += 1
+            log.warning("mqtt: dropped a message on %s that could not be decoded: %r", name, e)
+            return
+        if msg is None:
+            return  # a retained message cleared
+        retained = bool(message.retain)
+        if retained and isinstance(msg, proto.Heartbeat | proto.Status):
+            self._retained[(msg.site, msg.kind)] = msg  # for a site that attaches later (at start-up)
+        site = self._sites.get(msg.site)
+        if site is None:
+            return  # an agent of a site not (or no longer) registered here
+        try:
+            site.receive(msg, retained=retained)
+        except Exception:  # a site's bug must not take the connection down
+            log.exception("mqtt: site %s could not take a %s message", msg.site, msg.kind)
+
+
+class RemoteSite:
+    """A :class:`~adapters.base.SiteAdapter` whose site is run by an agent over MQTT (see the module doc)."""
+
+    def __init__(self, spec: SiteSpec, clock: Clock, hub: MqttHub) -> None:
+        assert isinstance(spec.adapter, RemoteAdapterConfig)
+        self.spec = spec
+        self.name = spec.name
+        self.config: RemoteAdapterConfig = spec.adapter
+        self._clock = clock
+        self._hub = hub
+        self._ids = itertools.count(1)
+        self._prefix = uuid.uuid4().hex[:12]
+        self._pending: dict[str, asyncio.Future[proto.Reply]] = {}
+        self._events: asyncio.Queue[tuple[str, int, JobEvent]] = asyncio.Queue()
+        self._queued: set[tuple[str, int]] = set()  # (boot, msg id) waiting in _events
+        self._applied: OrderedDict[tuple[str, int], None] = OrderedDict()  # recently acknowledged events
+        self._state: SiteState | None = None  # the latest heartbeat's state
+        self._boot: str | None = None
+        self._heard_mono: float | None = None  # monotonic s of the latest live heartbeat
+        self._heard_at: datetime | None = None
+        # Until the first live heartbeat, a lease the previous broker process granted may still run: it ends
+        # at the latest one lease after this one started (start() sets it).
+        self._lease_end = math.inf
+        self._lapsed = False  # the lease ran out and its attempts were given up; a heartbeat renews it
+        self._attempts: set[tuple[str, int]] = set()  # what the latest live heartbeat listed
+        self._ours: set[tuple[str, int]] = set()  # attempts admitted, being dispatched, or listed; not ended
+        self._offline_at: datetime | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._sending: set[asyncio.Task[bool]] = set()
+        self._closed = False
+
+    # --- life ---
+
+    async def start(self) -> None:
+        self._lease_end = time.monotonic() + self.config.lease_s
+        self._hub.attach(self)
+        self._watch = asyncio.get_running_loop().create_task(self._watch_lease(), name=f"lease-{self.name}")
+
+    async def close(self) -> None:
+        self._closed = True
+        self._hub.detach(self)
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        for fut in self._pending.values():
+            fut.cancel()
+
+    # --- what the hub hands over ---
+
+    def receive(self, msg: Any, retained: bool = False) -> None:
+        match msg:
+            case proto.Heartbeat():
+                self._on_heartbeat(msg, retained)
+            case proto.Status():
+                if retained and msg.online:
+                    return  # an old "online" says nothing about now
+                if not msg.online:
+                    self._offline_at = msg.at if retained else self._clock.now()
+                elif msg.boot == self._boot or self._offline_at is not None:
+                    self._offline_at = None
+            case proto.EventMsg():
+                key = (msg.boot, msg.msg_id)
+                if key in self._applied:
+                    self._send(proto.Ack(site=self.name, boot=msg.boot, msg_ids=[msg.msg_id]))
+                elif key not in self._queued:
+                    self._queued.add(key)
+                    self._events.put_nowait((msg.boot, msg.msg_id, msg.event.job_event()))
+            case proto.Reply():
+                fut = self._pending.get(msg.msg_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def _on_heartbeat(self, hb: proto.Heartbeat, retained: bool) -> None:
+        if retained:
+            if self._state is None:  # the last known state, for display; no lease
+                self._state = hb.state
+            return
+        listed = {(a.job_id, a.attempt) for a in hb.attempts}
+        if self._boot is not None and hb.boot != self._boot:
+            # A new agent process holds only what it found still running at its site: whatever else the old
+            # one ran is gone (and the new one refuses work until this broker grants it a lease).
+            self._give_up(self._ours - listed, f"the site's agent restarted (boot {hb.boot}) without it")
+        self._state = hb.state
+        self._boot = hb.boot
+        self._heard_mono = time.monotonic()
+        self._heard_at = self._clock.now()
+        self._lease_end = self._heard_mono + self.config.lease_s
+        self._attempts = listed
+        self._ours |= listed
+        self._offline_at = None
+        if self._lapsed:
+            log.info("site %s: heard from its agent (boot %s); it holds a lease again", self.name, hb.boot)
+        self._lapsed = False
+        self._send(proto.LeaseGrant(site=self.name, boot=hb.boot, seq=hb.seq, lease_s=self.config.lease_s))
+
+    def _send(self, msg: BaseModel) -> None:
+        """Publish at QoS 0 without waiting: acknowledgements and lease grants, whose loss the agent's
+        resends and next heartbeat cover (half the MQTT round trips of QoS 1, at 1,000 sites that counts)."""
+        task = asyncio.get_running_loop().create_task(self._hub.publish(self.name, msg, qos=0))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    def _give_up(self, attempts: set[tuple[str, int]], why: str) -> None:
+        """Report ``attempts`` lost (the lifecycle requeues the current ones and ignores the rest)."""
+        now = self._clock.now()
+        for job_id, attempt in sorted(attempts):
+            self._events.put_nowait(("", 0, JobEvent(job_id, attempt, EventKind.LOST, now, reason=why)))
+        self._ours -= attempts
+
+    # --- lease ---
+
+    @property
+    def _expired(self) -> bool:
+        """The lease has run out: an agent that could not renew it has stopped its jobs by now."""
+        return time.monotonic() >= self._lease_end
+
+    async def _watch_lease(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(min(0.5, self.config.lease_s / 10))
+            if self._lapsed or not self._expired:
+                continue
+            self._lapsed = True
+            silent = "never heard since the broker started" if self._heard_mono is None else \
+                f"silent for {time.monotonic() - self._heard_mono:.1f} s"
+            log.warning("site %s: lease ran out (%s); %d attempts there are given up", self.name, silent,
+                        len(self._ours))
+            self._give_up(set(self._ours), f"the site's lease ran out ({self.config.lease_s:g} s without a heartbeat)")
+            self._attempts.clear()
+
+    # --- SiteAdapter ---
+
+    async def snapshot(self) -> SiteState:
+        if self._expired:
+            silent = "never heard" if self._heard_mono is None else f"no heartbeat for {time.monotonic() - self._heard_mono:.0f} s"
+            raise AdapterError(f"lease ran out: {silent} (lease {self.config.lease_s:g} s)")
+        if self._heard_mono is None:
+            raise AdapterError("no heartbeat from the site's agent yet")
+        assert self._state is not None and self._heard_at is not None
+        expires = self._heard_at + timedelta(seconds=self.config.lease_s)
+        update: dict[str, Any] = {"last_heard_at": self._heard_at, "lease_expires_at": expires}
+        if self._offline_at is not None:
+            update |= {"health": Health.UNHEALTHY,
+                       "reason": f"its agent went offline at {self._offline_at.isoformat(timespec='seconds')}; its "
+                                 f"jobs move elsewhere if it is not back by {expires.isoformat(timespec='seconds')}"}
+        return self._state.model_copy(update=update)
+
+    async def _command(self, make: Any) -> proto.Reply:
+        """Send a command (``make(msg_id)``), resending until the reply comes; AdapterError on timeout."""
+        msg_id = f"{self._prefix}-{next(self._ids)}"
+        msg = make(msg_id)
+        fut: asyncio.Future[proto.Reply] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = fut
+        deadline = time.monotonic() + self.config.command_timeout_s
+        try:
+            while True:
+                await self._hub.publish(self.name, msg)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AdapterError(f"site {self.name}: its agent did not answer {msg.kind} within "
+                                       f"{self.config.command_timeout_s:g} s")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(self.config.resend_s, left)):
+                        return await asyncio.shield(fut)
+        finally:
+            self._pending.pop(msg_id, None)
+
+    async def submit(self, job: Job) -> Admission:
+        if self._expired or self._heard_mono is None:
+            return Admission.rejected("the site holds no lease (its agent is not heard from)")
+        key = (job.id, job.attempt)
+        self._ours.add(key)  # from now: a lease that runs out during the dispatch gives this attempt up too
+        try:
+            reply = await self._command(lambda i: proto.Dispatch(site=self.name, msg_id=i, job=job))
+        except BaseException:
+            self._ours.discard(key)
+            raise
+        if not reply.ok or not reply.admitted:
+            self._ours.discard(key)
+            if not reply.ok:
+                raise AdapterError(f"site {self.name}: {reply.reason or 'dispatch failed'}")
+            return Admission.rejected(reply.reason or "refused")
+        if self._expired:
+            # Admitted, but the lease ran out meanwhile: the agent has stopped it (or will before its own
+            # lease ends). Say so, and the dispatch is withdrawn and the job routed again.
+            raise AdapterError(f"site {self.name}: the lease ran out while the site admitted the job")
+        return Admission.ok()
+
+    async def cancel(self, job_id: str, attempt: int) -> None:
+        self._ours.discard((job_id, attempt))
+        if self._expired:
+            # An agent without a lease has stopped its jobs and refuses new ones: the attempt cannot be
+            # running. Tell it anyway, for when it comes back.
+            self._send(proto.Cancel(site=self.name, msg_id=f"{self._prefix}-{next(self._ids)}", job_id=job_id,
+                                    attempt=attempt))
+            return
+        reply = await self._command(lambda i: proto.Cancel(site=self.name, msg_id=i, job_id=job_id, attempt=attempt))
+        if not reply.ok:
+            raise AdapterError(f"site {self.name}: cancel failed: {reply.reason}")
+
+    async def events(self) -> AsyncIterator[JobEvent]:
+        while not self._closed:
+            boot, msg_id, event = await self._events.get()
+            if event.kind not in (EventKind.RUNNING,):
+                self._ours.discard((event.job_id, event.attempt))
+            applied = False
+            try:
+                yield event
+                applied = True  # resumed: the consumer applied it
+            finally:
+                if not applied:  # the consumer went away mid-event: keep it for the next one
+                    if boot:
+                        self._queued.discard((boot, msg_id))  # the agent's resend brings it back
+                    else:
+                        self._events.put_nowait((boot, msg_id, event))
+            if boot:  # acknowledge the agent's event (lease-expiry events are our own)
+                key = (boot, msg_id)
+                self._queued.discard(key)
+                self._applied[key] = None
+                while len(self._applied) > 100_000:
+                    self._applied.popitem(last=False)
+                self._send(proto.Ack(site=self.name, boot=boot, msg_ids=[msg_id]))
+
+    async def known_attempts(self) -> set[tuple[str, int]]:
+        if self._expired:
+            return set()  # an agent without a lease holds nothing that runs
+        if self._heard_mono is None:
+            raise AdapterError(f"site {self.name}: its agent is not heard from yet; it cannot list its attempts")
+        return set(self._attempts)
+
+    def held_attempts(self) -> set[tuple[str, int]]:
+        """What the latest live heartbeat listed (empty while the site holds no lease)."""
+        return set() if self._expired else set(self._attempts)
+
+    # --- QuotaAdmin ---
+
+    async def _quota(self, op: str, quota: TenantQuota | None = None, tenant: str | None = None) -> QuotaState:
+        reply = await self._command(lambda i: proto.QuotaCommand(site=self.name, msg_id=i, op=op, quota=quota,
+                                                                 tenant=tenant))
+        if not reply.ok or reply.quota is None:
+            raise AdapterError(f"site {self.name}: {reply.reason or 'quota command failed'}")
+        if reply.not_found:
+            raise KeyError(tenant)
+        return reply.quota
+
+    async def quota(self) -> QuotaState:
+        return await self._quota("get")
+
+    async def set_quota(self, quota: TenantQuota) -> QuotaState:
+        return await self._quota("set", quota=quota)
+
+    async def remove_quota(self, tenant: str) -> QuotaState:
+        return await self._quota("remove", tenant=tenant)
+
+    async def forget_quotas(self) -> None:
+        with contextlib.suppress(AdapterError):
+            await self._quota("forget")

@@ -1,0 +1,525 @@
+"""PostgreSQL store: several broker replicas on one database. Same semantics as ``SQLiteStore``.
+
+``db`` is a URL, ``postgresql://user[:password]@host[:port]/database`` (``postgres://`` too); the store keeps
+a small connection pool (1 to ``max_connections``) and gives every call ``timeout_s``.
+
+Writes go through group commit, as on SQLite: every caller's write joins one queue; a single writer task
+takes everything waiting and applies it in one transaction on one pooled connection, in the order the
+callers made their calls, then resolves each caller's future once the commit returned (``synchronous_commit``
+is left at the server's default, ``on``: the commit is flushed to the write-ahead log). If the batch fails,
+it is applied again in one transaction with a savepoint around each write, so that the write that broke it
+fails alone (``DuplicateKey``, ``Conflict``) and the others still land. Reads go straight to the pool.
+
+Schema changes are numbered migrations (``MIGRATIONS``), applied in order at open inside one transaction
+that first takes a transaction-scoped advisory lock, so replicas starting together migrate once; they are
+recorded in ``schema_version``, and a database migrated by a newer heliotrope is refused.
+
+Documents are stored as the same text as on SQLite (``Job.model_dump_json()``, compact JSON for decisions).
+
+Leadership: the ``leader`` row's lease is judged by the database's clock (``clock_timestamp()``), so replicas
+on hosts with drifting clocks agree on it. A fenced write (see ``Store.fence``) reads the row ``FOR SHARE`` in
+its batch's transaction: a replica taking over must wait for that transaction to end, so a write that passed
+the check commits before the new leader's epoch exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+
+from broker.models import Job, JobState, SiteSpec
+from broker.store import (
+    LEADER,
+    Conflict,
+    DuplicateKey,
+    JobFilter,
+    Page,
+    QueuedUpdates,
+    StoredDecision,
+    StoreError,
+    decode_cursor,
+    encode_cursor,
+    fence_error,
+)
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: jobs, their transitions, decisions, sites
+    """
+    CREATE TABLE jobs (
+        seq BIGSERIAL PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        tenant TEXT NOT NULL,
+        state TEXT NOT NULL,
+        site TEXT,
+        priority BIGINT NOT NULL,
+        idempotency_key TEXT,
+        request_digest TEXT,
+        version BIGINT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE UNIQUE INDEX jobs_idempotency ON jobs(tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
+    CREATE INDEX jobs_state ON jobs(state, seq);
+    CREATE INDEX jobs_tenant ON jobs(tenant, seq);
+    CREATE INDEX jobs_site ON jobs(site, seq);
+    CREATE TABLE job_events (
+        seq BIGSERIAL PRIMARY KEY,
+        job_id TEXT NOT NULL,
+        at TEXT NOT NULL,
+        state TEXT NOT NULL,
+        site TEXT,
+        attempt BIGINT NOT NULL,
+        reason TEXT
+    );
+    CREATE INDEX job_events_job ON job_events(job_id, seq);
+    CREATE TABLE decisions (job_id TEXT PRIMARY KEY, attempt BIGINT NOT NULL, doc TEXT NOT NULL);
+    CREATE TABLE sites (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
+    """,
+    # 2: the scheduling cycle's leader lease
+    """
+    CREATE TABLE leader (
+        name TEXT PRIMARY KEY,
+        holder TEXT NOT NULL,
+        epoch BIGINT NOT NULL,
+        expires_at TIMESTAMPTZ NOT NULL
+    );
+    """,
+)
+
+MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
+
+_ACTIVE = [s.value for s in JobState if not s.terminal]
+_INSERT_JOB = (
+    "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+)
+_UPDATE_JOB = "UPDATE jobs SET state = $1, site = $2, version = $3, doc = $4 WHERE id = $5 AND version = $6"
+_INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES ($1, $2, $3, $4, $5, $6)"
+_UPSERT_DECISION = (
+    "INSERT INTO decisions (job_id, attempt, doc) VALUES ($1, $2, $3)"
+    " ON CONFLICT (job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc"
+)
+_LEADER_FOR_SHARE = "SELECT epoch, expires_at > clock_timestamp() FROM leader WHERE name = $1 FOR SHARE"
+IDLE_IN_TRANSACTION_MS = 2000
+"""How long the server lets a session sit in an open transaction without sending anything (this store's
+transactions are single batches, milliseconds long)."""
+
+_ACQUIRE = """
+    INSERT INTO leader AS l (name, holder, epoch, expires_at)
+    VALUES ($1, $2, 1, clock_timestamp() + make_interval(secs => $3))
+    ON CONFLICT (name) DO UPDATE SET
+        holder = excluded.holder,
+        epoch = CASE WHEN l.holder = excluded.holder THEN l.epoch ELSE l.epoch + 1 END,
+        expires_at = excluded.expires_at
+    WHERE l.holder = excluded.holder OR l.expires_at <= clock_timestamp()
+    RETURNING epoch
+"""
+_RENEW = (
+    "UPDATE leader SET expires_at = clock_timestamp() + make_interval(secs => $4)"
+    " WHERE name = $1 AND holder = $2 AND epoch = $3 AND expires_at > clock_timestamp()"
+)
+_RELEASE = (
+    "UPDATE leader SET expires_at = LEAST(expires_at, clock_timestamp())"
+    " WHERE name = $1 AND holder = $2 AND epoch = $3"
+)
+
+
+@dataclass(slots=True)
+class _Write:
+    """One caller's write: statements run in order inside the batch's transaction."""
+
+    statements: list[tuple[str, tuple[Any, ...]]]
+    future: asyncio.Future[None]
+    checks: list[int] = field(default_factory=list)  # statement indices that must change exactly one row
+    fence: int | None = None  # the leadership epoch the store must still be at (a scheduling write)
+    bulk: bool = False  # an insert_job: consecutive ones are sent together (the same statements, no checks)
+
+
+def _event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
+    return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason)
+
+
+def _decision_row(job_id: str, attempt: int, record: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    return _UPSERT_DECISION, (job_id, attempt, json.dumps(record, separators=(",", ":")))
+
+
+def _rowcount(status: str) -> int:
+    """The row count of a command status such as ``UPDATE 1`` or ``INSERT 0 1``."""
+    try:
+        return int(status.rsplit(" ", 1)[-1])
+    except ValueError:
+        return -1
+
+
+def server_name(dsn: str) -> str:
+    """The DSN without its password, to name the server in messages."""
+    try:
+        parts = urlsplit(dsn)
+        host = parts.hostname or "localhost"
+        port = parts.port or 5432
+    except ValueError:
+        return "the PostgreSQL server (unparsable URL)"
+    user = f"{parts.username}@" if parts.username else ""
+    return f"postgresql://{user}{host}:{port}{parts.path or '/'}"
+
+
+class PostgresStore(QueuedUpdates):
+    def __init__(self, dsn: str, *, max_batch: int = 2048, min_connections: int = 1, max_connections: int = 8,
+                 timeout_s: float = 10.0) -> None:
+        self.dsn = dsn
+        self.server = server_name(dsn)
+        self.max_batch = max_batch
+        self.min_connections, self.max_connections = min_connections, max_connections
+        self.timeout_s = timeout_s
+        self._pool: asyncpg.Pool | None = None
+        self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
+        self._writer_task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._fence: int | None = None
+        self.commits = 0  # batches committed (for benchmarks)
+
+    # --- life cycle ---
+
+    async def open(self) -> None:
+        try:
+            self._pool = await asyncpg.create_pool(
+                self.dsn, min_size=self.min_connections, max_size=self.max_connections,
+                timeout=self.timeout_s, command_timeout=self.timeout_s,
+                # A process paused inside a transaction (SIGSTOP, a long GC) must not hold its locks for ever:
+                # a fenced batch holds the leader row, and the next leader could not take it over. The
+                # server ends such a session, and its uncommitted batch with it.
+                server_settings={"idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_MS)},
+            )
+        except Exception as e:  # refused, unknown host, no such database, bad password, timeout
+            raise StoreError(f"cannot connect to PostgreSQL at {self.server}: {_describe(e)}") from None
+        try:
+            await self._migrate()
+        except BaseException:
+            await self.close()
+            raise
+        self._closing = False
+        self._writer_task = asyncio.get_running_loop().create_task(self._write_loop(), name="postgres-writer")
+
+    async def close(self) -> None:
+        self._closing = True  # from now on a new write fails at once instead of waiting behind the stop
+        if self._writer_task is not None:
+            await self._queue.put(None)
+            await self._writer_task
+            self._writer_task = None
+        while not self._queue.empty():  # anything queued behind the stop marker: fail it, never strand it
+            leftover = self._queue.get_nowait()
+            if leftover is not None and not leftover.future.done():
+                leftover.future.set_exception(StoreError("store closed before this write"))
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            try:
+                await asyncio.wait_for(pool.close(), self.timeout_s)
+            except (TimeoutError, OSError, asyncpg.PostgresError):
+                pool.terminate()
+
+    async def _migrate(self) -> None:
+        """Apply the migrations this database lacks, in one transaction under an advisory lock: a replica that
+        opens at the same moment waits for it, then finds them applied."""
+        try:
+            async with self._connection() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+                await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
+                current = await conn.fetchval("SELECT COALESCE(MAX(version), 0) FROM schema_version")
+                if current > len(MIGRATIONS):
+                    raise StoreError(
+                        f"database {self.server} has schema version {current}, newer than this heliotrope "
+                        f"({len(MIGRATIONS)}); upgrade heliotrope"
+                    )
+                for version, script in enumerate(MIGRATIONS[current:], start=current + 1):
+                    await conn.execute(script)
+                    await conn.execute("INSERT INTO schema_version VALUES ($1)", version)
+        except StoreError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot migrate database {self.server}: {_describe(e)}") from None
+
+    def _connection(self) -> Any:
+        if self._pool is None:
+            raise StoreError("store is not open")
+        return self._pool.acquire(timeout=self.timeout_s)
+
+    # --- group commit ---
+
+    def _check_writable(self) -> None:
+        if self._closing or self._writer_task is None or self._writer_task.done():
+            raise StoreError("store is not open")
+
+    async def _submit(self, write: _Write) -> None:
+        self._check_writable()
+        await self._queue.put(write)
+        await write.future
+
+    def _new_write(self, statements: list[tuple[str, tuple[Any, ...]]], checks: list[int] | None = None,
+                   fenced: bool = False, bulk: bool = False) -> _Write:
+        return _Write(statements, asyncio.get_running_loop().create_future(), checks or [],
+                      self._fence if fenced else None, bulk)
+
+    async def _write_loop(self) -> None:
+        stop = False
+        while not stop:
+            first = await self._queue.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            try:
+                errors = await self._commit(batch)
+            except BaseException as e:  # never leave a caller waiting forever
+                error = e if isinstance(e, StoreError) else StoreError(
+                    f"write to {self.server} failed: {_describe(e)}")
+                for w in batch:
+                    if not w.future.done():
+                        w.future.set_exception(error)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                continue
+            for w, err in zip(batch, errors):
+                if w.future.done():
+                    continue
+                if err is None:
+                    w.future.set_result(None)
+                else:
+                    w.future.set_exception(err)
+
+    async def _commit(self, batch: list[_Write]) -> list[StoreError | None]:
+        """The whole batch in one transaction. If a write fails, the batch is applied again, in one
+        transaction still, with a savepoint around each write, so that the failing write fails alone."""
+        async with self._connection() as conn:
+            try:
+                errors = await self._apply(conn, batch, isolate=False)
+            except _WriteFailed:
+                errors = await self._apply(conn, batch, isolate=True)
+        self.commits += 1
+        return errors
+
+    async def _apply(self, conn: asyncpg.Connection, batch: list[_Write], isolate: bool) -> list[StoreError | None]:
+        errors: list[StoreError | None] = [None] * len(batch)
+        async with conn.transaction():
+            leader: tuple[int, bool] | None = None
+            if any(w.fence is not None for w in batch):
+                row = await conn.fetchrow(_LEADER_FOR_SHARE, LEADER)
+                leader = (row[0], row[1]) if row is not None else None
+            k = 0
+            while k < len(batch):
+                w = batch[k]
+                if w.fence is not None and (fenced := fence_error(w.fence, leader)) is not None:
+                    errors[k] = fenced  # not applied; the rest of the batch goes on
+                    k += 1
+                    continue
+                if isolate:
+                    try:
+                        async with conn.transaction():  # a savepoint: a failing write is undone alone
+                            await _run(conn, w)
+                    except _WRITE_ERRORS as e:
+                        errors[k] = _translate(e)
+                    k += 1
+                    continue
+                end = k + 1
+                while w.bulk and end < len(batch) and batch[end].bulk:
+                    end += 1
+                try:
+                    if end - k > 1:  # a run of inserts: each statement for all of them at once, in call order
+                        for i, (sql, _) in enumerate(w.statements):
+                            await conn.executemany(sql, [b.statements[i][1] for b in batch[k:end]])
+                    else:
+                        await _run(conn, w)
+                except _WRITE_ERRORS as e:
+                    raise _WriteFailed from e
+                k = end
+        return errors
+
+    # --- jobs ---
+
+    async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
+        doc = job.model_dump_json()
+        await self._submit(self._new_write([
+            (_INSERT_JOB, (job.id, job.spec.tenant, job.state.value, job.site, job.spec.priority,
+                           idempotency_key, digest, job.version, doc)),
+            (_INSERT_EVENT, _event_row(job, "submitted")),
+        ], bulk=True))
+
+    def enqueue_update(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> asyncio.Future[None]:
+        """Queue the update now, in the caller's order; the future resolves once it is committed."""
+        self._check_writable()
+        statements = [
+            (_UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id, expected_version)),
+            (_INSERT_EVENT, _event_row(job, event_reason)),
+        ]
+        if decision is not None:
+            statements.append(_decision_row(job.id, job.attempt, decision))
+        write = self._new_write(statements, checks=[0], fenced=True)
+        self._queue.put_nowait(write)
+        return write.future
+
+    async def get_job(self, job_id: str) -> Job | None:
+        row = await self._one("SELECT doc FROM jobs WHERE id = $1", job_id)
+        return Job.model_validate_json(row[0]) if row else None
+
+    async def find_idempotent(self, tenant: str, key: str) -> tuple[Job, str | None] | None:
+        row = await self._one(
+            "SELECT doc, request_digest FROM jobs WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+        )
+        return (Job.model_validate_json(row[0]), row[1]) if row else None
+
+    async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None = None) -> Page:
+        where: list[str] = []
+        params: list[Any] = []
+
+        def param(value: Any) -> str:
+            params.append(value)
+            return f"${len(params)}"
+
+        if flt.state is not None:
+            where.append(f"state = {param(flt.state.value)}")
+        if flt.tenant is not None:
+            where.append(f"tenant = {param(flt.tenant)}")
+        if flt.site is not None:
+            where.append(f"site = {param(flt.site)}")
+        if cursor is not None:
+            where.append(f"seq < {param(decode_cursor(cursor))}")
+        sql = "SELECT seq, doc FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" ORDER BY seq DESC LIMIT {param(limit + 1)}"
+        rows = await self._all(sql, *params)
+        items = [Job.model_validate_json(r[1]) for r in rows[:limit]]
+        nxt = encode_cursor(rows[limit - 1][0]) if len(rows) > limit else None
+        return Page(items, nxt)
+
+    async def active_jobs(self) -> list[Job]:
+        rows = await self._all("SELECT doc FROM jobs WHERE state = ANY($1::text[]) ORDER BY seq", _ACTIVE)
+        return [Job.model_validate_json(r[0]) for r in rows]
+
+    async def active_after(self, seq: int, limit: int) -> list[tuple[int, Job]]:
+        rows = await self._all("SELECT seq, doc FROM jobs WHERE seq > $1 AND state = ANY($2::text[]) ORDER BY seq"
+                               " LIMIT $3", seq, _ACTIVE, limit)
+        return [(int(r[0]), Job.model_validate_json(r[1])) for r in rows]
+
+    async def active_at(self, seqs: list[int]) -> list[tuple[int, Job]]:
+        rows = await self._all("SELECT seq, doc FROM jobs WHERE seq = ANY($1::bigint[]) AND state = ANY($2::text[])"
+                               " ORDER BY seq", seqs, _ACTIVE)
+        return [(int(r[0]), Job.model_validate_json(r[1])) for r in rows]
+
+    async def last_seq(self) -> int:
+        return int(await self._call("fetchval", "SELECT COALESCE(MAX(seq), 0) FROM jobs") or 0)
+
+    async def leader(self) -> str | None:
+        return await self._call("fetchval", "SELECT holder FROM leader WHERE name = $1 AND expires_at > clock_timestamp()",
+                                LEADER)
+
+    async def job_events(self, job_id: str) -> list[dict[str, Any]]:
+        rows = await self._all(
+            "SELECT at, state, site, attempt, reason FROM job_events WHERE job_id = $1 ORDER BY seq", job_id
+        )
+        return [dict(zip(("at", "state", "site", "attempt", "reason"), r)) for r in rows]
+
+    # --- decisions ---
+
+    async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
+        await self._submit(self._new_write([_decision_row(job_id, attempt, record)], fenced=True))
+
+    async def get_decision(self, job_id: str) -> StoredDecision | None:
+        row = await self._one("SELECT attempt, doc FROM decisions WHERE job_id = $1", job_id)
+        return StoredDecision(row[0], json.loads(row[1])) if row else None
+
+    # --- sites ---
+
+    async def put_site(self, spec: SiteSpec) -> None:
+        await self._submit(self._new_write([(
+            "INSERT INTO sites (name, doc) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE SET doc = excluded.doc",
+            (spec.name, spec.model_dump_json()),
+        )], fenced=True))
+
+    async def delete_site(self, name: str) -> None:
+        await self._submit(self._new_write([("DELETE FROM sites WHERE name = $1", (name,))], fenced=True))
+
+    async def list_sites(self) -> list[SiteSpec]:
+        rows = await self._all("SELECT doc FROM sites ORDER BY name")
+        return [SiteSpec.model_validate_json(r[0]) for r in rows]
+
+    # --- leadership ---
+
+    async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:
+        self._check_writable()
+        return await self._call("fetchval", _ACQUIRE, LEADER, holder, float(lease_s))
+
+    async def renew_leadership(self, holder: str, epoch: int, lease_s: float) -> bool:
+        self._check_writable()
+        status = await self._call("execute", _RENEW, LEADER, holder, epoch, float(lease_s))
+        return _rowcount(status) == 1
+
+    async def release_leadership(self, holder: str, epoch: int) -> None:
+        self._check_writable()
+        await self._call("execute", _RELEASE, LEADER, holder, epoch)
+
+    def fence(self, epoch: int | None) -> None:
+        self._fence = epoch
+
+    # --- reads ---
+
+    async def _call(self, method: str, sql: str, *args: Any) -> Any:
+        """One statement on a pooled connection (its own transaction), errors as ``StoreError``."""
+        if self._pool is None:
+            raise StoreError("store is not open")
+        try:
+            return await getattr(self._pool, method)(sql, *args, timeout=self.timeout_s)
+        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            raise _translate(e, self.server) from None
+
+    async def _one(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        return await self._call("fetchrow", sql, *args)
+
+    async def _all(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        return await self._call("fetch", sql, *args)
+
+
+_WRITE_ERRORS = (StoreError, asyncpg.PostgresError, ValueError)
+"""What fails one write alone: the server refused it, or asyncpg could not encode a value (its client-side
+``DataError`` is a ``ValueError``). Anything else (a lost connection, a timeout) fails the whole batch."""
+
+
+class _WriteFailed(Exception):
+    """A write of the batch failed on the first, unisolated, attempt."""
+
+
+async def _run(conn: asyncpg.Connection, w: _Write) -> None:
+    for i, (sql, params) in enumerate(w.statements):
+        status = await conn.execute(sql, *params)
+        if i in w.checks and _rowcount(status) != 1:
+            raise Conflict(f"job {params[-2]} changed since it was read (or does not exist)")
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    text = str(error).strip()
+    return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
+
+
+def _translate(error: BaseException, server: str = "PostgreSQL") -> StoreError:
+    if isinstance(error, StoreError):
+        return error
+    if isinstance(error, asyncpg.UniqueViolationError):
+        return DuplicateKey(str(error))
+    if isinstance(error, asyncpg.PostgresError):
+        return StoreError(f"database error: {_describe(error)}")
+    if isinstance(error, ValueError):
+        return StoreError(f"invalid value: {_describe(error)}")
+    return StoreError(f"cannot use {server}: {_describe(error)}")

@@ -1,0 +1,595 @@
+"""The site agent (``adapters.agent``) against a real MQTT broker (a Mosquitto this module starts on a free port).
+
+The test plays the broker's side with a plain MQTT client on the site's topics (:class:`BrokerSide`), so
+each test sees what the broker would: the retained heartbeat and status, replies, events and their resends.
+Every test uses a site name of its own, so tests never see each other's retained messages, and clears them
+at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import pytest
+import yaml
+
+from adapters.agent import NO_LEASE, AgentConfig, SiteAgent, load_agent_config, main
+from adapters.base import EventKind
+from adapters.mqtt_protocol import (
+    Ack,
+    Cancel,
+    Dispatch,
+    EventMsg,
+    Heartbeat,
+    LeaseGrant,
+    QuotaCommand,
+    Reply,
+    Status,
+    decode,
+    encode,
+    topic,
+)
+from broker.config import ConfigError
+from broker.models import Job, MqttSettings, SimulatedAdapterConfig, TenantQuota
+from tests.builders import job, site
+from tests.conftest import ROOT
+from tests.mosquitto import Mosquitto, MosquittoMissing, mosquitto_fixture  # noqa: F401
+from tests.mosquitto import missing as mosquitto_missing
+
+MQTT_HOST = "127.0.0.1"
+HEARTBEAT_S = 0.2
+LEASE_S = 2.0
+_PORT: list[int] = []  # the port of this module's Mosquitto, once it runs
+
+
+def mqtt_port() -> int:
+    assert _PORT, "the module's Mosquitto is not running"
+    return _PORT[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
+    """One Mosquitto for this module's tests (each uses a site of its own); the tests that kill an MQTT
+    broker start their own."""
+    try:
+        broker = Mosquitto(tmp_path_factory.mktemp("mosquitto"))
+    except MosquittoMissing as e:
+        mosquitto_missing(str(e))
+        raise
+    broker.start()
+    _PORT[:] = [broker.port]
+    try:
+        yield broker
+    finally:
+        _PORT.clear()
+        broker.cleanup()
+
+
+def unique_site() -> str:
+    return f"agent-test-{uuid.uuid4().hex[:10]}"
+
+
+def site_spec(name: str, **adapter: Any) -> Any:
+    return site(name, gpus={"a100-80gb": 8},
+                adapter=SimulatedAdapterConfig(dispatch_delay_s=0.01, **adapter).model_dump())
+
+
+def a_job(job_id: str, *, duration_s: float = 0.4, attempt: int = 1, **more: Any) -> Job:
+    now = datetime.now(UTC)
+    return Job(id=job_id, spec=job(duration_s=duration_s, **more), created_at=now, updated_at=now, attempt=attempt)
+
+
+class BrokerSide:
+    """The central broker's side of one site's topics: records every message the agent publishes (with the
+    monotonic time it arrived), answers heartbeats with a lease while ``lease_s`` is set, and acknowledges
+    events while ``auto_ack`` is true."""
+
+    def __init__(self, site_name: str, port: int | None = None, lease_s: float | None = LEASE_S,
+                 auto_ack: bool = True) -> None:
+        self.site = site_name
+        self.port = port or mqtt_port()
+        self.lease_s = lease_s
+        self.auto_ack = auto_ack
+        self.received: list[tuple[float, Any]] = []
+        self.grants: list[tuple[int, float]] = []  # (heartbeat seq, when its heartbeat arrived)
+        self._changed = asyncio.Condition()
+        self._client: aiomqtt.Client | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> BrokerSide:
+        self._client = aiomqtt.Client(MQTT_HOST, self.port, identifier=f"test-broker-{uuid.uuid4().hex[:10]}")
+        await self._client.__aenter__()
+        for channel in ("state", "status", "up"):
+            await self._client.subscribe(topic(self.site, channel), qos=1)
+        self._reader = asyncio.create_task(self._read(self._client))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._client is not None and self._reader is not None
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        await self._client.__aexit__(None, None, None)
+
+    async def _read(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            msg = decode(message.topic.value, message.payload)
+            if msg is None:
+                continue
+            now = time.monotonic()
+            if isinstance(msg, Heartbeat) and self.lease_s is not None:
+                self.grants.append((msg.seq, now))
+                await self.send(LeaseGrant(site=self.site, boot=msg.boot, seq=msg.seq, lease_s=self.lease_s))
+            if isinstance(msg, EventMsg) and self.auto_ack:
+                await self.send(Ack(site=self.site, boot=msg.boot, msg_ids=[msg.msg_id]))
+            async with self._changed:
+                self.received.append((now, msg))
+                self._changed.notify_all()
+
+    async def send(self, msg: Any) -> None:
+        await self.send_raw(encode(msg))
+
+    async def send_raw(self, payload: bytes) -> None:
+        assert self._client is not None
+        await self._client.publish(topic(self.site, "down"), payload, qos=1)
+
+    def seen(self, pred: Callable[[Any], bool]) -> list[Any]:
+        return [m for _, m in self.received if pred(m)]
+
+    async def wait_for(self, pred: Callable[[Any], bool], timeout: float = 5.0,
+                       since: float = -1.0) -> tuple[float, Any]:
+        """The first message (and when it arrived) that ``pred`` accepts, of those that arrived after
+        ``since`` (monotonic), waiting up to ``timeout`` seconds."""
+        async def first() -> tuple[float, Any]:
+            async with self._changed:
+                while True:
+                    for at, m in self.received:
+                        if at > since and pred(m):
+                            return at, m
+                    await self._changed.wait()
+        return await asyncio.wait_for(first(), timeout)
+
+    async def reply(self, msg_id: str, timeout: float = 5.0) -> Reply:
+        return (await self.wait_for(lambda m: isinstance(m, Reply) and m.msg_id == msg_id, timeout))[1]
+
+    async def event(self, job_id: str, kind: EventKind, timeout: float = 5.0) -> tuple[float, EventMsg]:
+        return await self.wait_for(
+            lambda m: isinstance(m, EventMsg) and m.event.job_id == job_id and m.event.kind == kind, timeout)
+
+    def events_of(self, job_id: str, kind: EventKind | None = None) -> list[EventMsg]:
+        return self.seen(lambda m: isinstance(m, EventMsg) and m.event.job_id == job_id
+                         and (kind is None or m.event.kind == kind))
+
+
+async def clear_retained(site_name: str, port: int | None = None) -> None:
+    """Clear the site's retained messages, and the persistent session its agent left in the MQTT broker
+    (connecting with the agent's client id and a clean session ends it)."""
+    async with aiomqtt.Client(MQTT_HOST, port or mqtt_port(), identifier=f"heliotrope-agent-{site_name}",
+                              clean_session=True,
+                              protocol=aiomqtt.ProtocolVersion.V311) as client:
+        for channel in ("state", "status"):
+            await client.publish(topic(site_name, channel), b"", qos=1, retain=True)
+
+
+async def retained(site_name: str, channel: str, port: int | None = None, timeout: float = 3.0) -> Any:
+    """What a client subscribing now gets on a retained topic (None when nothing is retained)."""
+    async with aiomqtt.Client(MQTT_HOST, port or mqtt_port()) as client:
+        await client.subscribe(topic(site_name, channel), qos=1)
+        try:
+            async with asyncio.timeout(timeout):
+                async for message in client.messages:
+                    assert message.retain, "the first message on a retained topic must be the retained one"
+                    return decode(message.topic.value, message.payload)
+        except TimeoutError:
+            return None
+
+
+def agent_config(name: str, port: int | None = None, **more: Any) -> AgentConfig:
+    return AgentConfig(site=site_spec(name), mqtt=MqttSettings(port=port or mqtt_port(), reconnect_max_s=0.5),
+                       heartbeat_s=HEARTBEAT_S, resend_s=0.3, **more)
+
+
+@pytest.fixture
+async def agent_and_broker() -> AsyncIterator[tuple[SiteAgent, BrokerSide]]:
+    name = unique_site()
+    agent = SiteAgent(agent_config(name))
+    async with BrokerSide(name) as side:
+        await agent.start()
+        try:
+            await until(lambda: agent.connected, what="the agent to connect")
+            yield agent, side
+        finally:
+            await agent.stop()
+    await clear_retained(name)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def leased(agent: SiteAgent, side: BrokerSide) -> None:
+    """Wait until the agent holds a lease it may admit work under."""
+    await until(lambda: (agent.lease_remaining_s() or 0) > LEASE_S * 0.7, what="a lease")
+
+
+# --- heartbeat and status ------------------------------------------------------------------------------------
+
+
+async def test_heartbeat_is_retained_with_capacity_and_status_goes_offline_on_stop():
+    name = unique_site()
+    agent = SiteAgent(agent_config(name))
+    try:
+        async with BrokerSide(name) as side:
+            await agent.start()
+            _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat))
+            assert beat.boot == agent.boot and beat.lease_s == 15.0  # before any grant: the default
+            [cap] = beat.state.capacity
+            assert (cap.model, cap.total_gpus, cap.free_gpus) == ("a100-80gb", 8, 8)
+            assert beat.attempts == []
+            # a broker that subscribes later still finds the site's state and status
+            later = await retained(name, "state")
+            assert isinstance(later, Heartbeat) and later.site == name
+            status = await retained(name, "status")
+            assert isinstance(status, Status) and status.online and status.boot == agent.boot
+            # heartbeats keep coming, with increasing seq, and the lease granted is what they ask for next
+            await side.wait_for(lambda m: isinstance(m, Heartbeat) and m.seq >= 3 and m.lease_s == LEASE_S)
+            await agent.stop()
+            _, bye = await side.wait_for(lambda m: isinstance(m, Status) and not m.online)
+            assert bye.boot == agent.boot
+        status = await retained(name, "status")
+        assert isinstance(status, Status) and not status.online
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
+@pytest.mark.parametrize("stop_after_s", [0.0, 0.002, 0.005, 0.01, 0.02, 0.05])
+async def test_an_agent_stopped_while_it_connects_is_never_left_online(stop_after_s):
+    """SIGTERM can land at any point of the connect: before the "online" status, or while it is in flight.
+    Whatever the moment, what a broker finds retained afterwards must not say the site is online."""
+    name = unique_site()
+    agent = SiteAgent(agent_config(name))
+    try:
+        await agent.start()
+        await asyncio.sleep(stop_after_s)
+        await agent.stop()
+        status = await retained(name, "status", timeout=1.0)
+        assert status is None or (isinstance(status, Status) and not status.online), status
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
+# --- dispatch, events, acks ------------------------------------------------------------------------------------
+
+
+async def test_dispatch_is_admitted_then_running_and_succeeded_events_arrive(agent_and_broker):
+    agent, side = agent_and_broker
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.3)))
+    reply = await side.reply("d1")
+    assert reply.ok and reply.admitted
+    _, running = await side.event("j1", EventKind.RUNNING)
+    _, done = await side.event("j1", EventKind.SUCCEEDED)
+    assert running.msg_id < done.msg_id and done.event.attempt == 1
+    await until(lambda: not agent.held, what="the finished attempt to be let go")
+
+
+async def test_an_event_is_resent_until_acknowledged(agent_and_broker):
+    agent, side = agent_and_broker
+    side.auto_ack = False
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.1)))
+    _, done = await side.event("j1", EventKind.SUCCEEDED)
+    await until(lambda: len(side.events_of("j1", EventKind.SUCCEEDED)) >= 3, what="resends")  # resend_s 0.3
+    assert {m.msg_id for m in side.events_of("j1", EventKind.SUCCEEDED)} == {done.msg_id}  # the same message
+    await side.send(Ack(site=agent.site, boot="another-boot", msg_ids=[done.msg_id]))  # not ours: ignored
+    await asyncio.sleep(0.7)
+    before = len(side.events_of("j1"))
+    assert before > 3
+    await side.send(Ack(site=agent.site, boot=agent.boot, msg_ids=[m.msg_id for m in side.events_of("j1")]))
+    await asyncio.sleep(0.4)  # a resend already on its way may still arrive
+    settled = len(side.events_of("j1"))
+    await asyncio.sleep(1.0)
+    assert len(side.events_of("j1")) == settled, "events kept coming after the ack"
+
+
+async def test_a_repeated_dispatch_does_not_run_the_job_twice(agent_and_broker):
+    agent, side = agent_and_broker
+    await leased(agent, side)
+    the_job = a_job("j1", duration_s=0.5)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=the_job))
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=the_job))  # the broker resent it
+    first = await side.reply("d1")
+    await side.event("j1", EventKind.RUNNING)
+    await side.send(Dispatch(site=agent.site, msg_id="d2", job=the_job))  # a new command, the same attempt
+    again = await side.reply("d2")
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=the_job))  # and the first, once more
+    await side.event("j1", EventKind.SUCCEEDED)
+    await until(lambda: len(side.seen(lambda m: isinstance(m, Reply) and m.msg_id == "d1")) == 3,
+                what="three replies to d1")
+    replies = side.seen(lambda m: isinstance(m, Reply) and m.msg_id == "d1")
+    assert all(r == first for r in replies) and first.admitted
+    assert again.ok and again.admitted
+    await asyncio.sleep(0.3)
+    assert len(side.events_of("j1", EventKind.RUNNING)) == 1
+    assert len(side.events_of("j1", EventKind.SUCCEEDED)) == 1
+
+
+async def test_cancel_stops_the_job_and_forgets_it(agent_and_broker):
+    agent, side = agent_and_broker
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=60)))
+    await side.event("j1", EventKind.RUNNING)
+    await until(lambda: agent.held == {("j1", 1): "running"}, what="the attempt to be held as running")
+    _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat) and m.attempts)
+    assert [(a.job_id, a.attempt, a.status) for a in beat.attempts] == [("j1", 1, "running")]
+    await side.send(Cancel(site=agent.site, msg_id="c1", job_id="j1", attempt=1))
+    assert (await side.reply("c1")).ok
+    assert agent.held == {}
+    _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat), since=time.monotonic())
+    assert beat.attempts == [] and beat.state.running_jobs == 0
+
+
+async def test_quota_commands_are_answered(agent_and_broker):
+    agent, side = agent_and_broker
+    await side.send(QuotaCommand(site=agent.site, msg_id="q1", op="set",
+                                 quota=TenantQuota(tenant="t1", guaranteed_gpus=2)))
+    set_reply = await side.reply("q1")
+    assert set_reply.ok and set_reply.quota is not None and set_reply.quota.tenant("t1").guaranteed_gpus == 2
+    await side.send(QuotaCommand(site=agent.site, msg_id="q2", op="remove", tenant="nobody"))
+    missing = await side.reply("q2")
+    assert missing.ok and missing.not_found and missing.quota is not None
+    await side.send(QuotaCommand(site=agent.site, msg_id="q3", op="get"))
+    got = await side.reply("q3")
+    assert got.ok and got.quota.enforced
+
+
+# --- leases ------------------------------------------------------------------------------------------------
+
+
+async def _cut_off_while_running(agent: SiteAgent, side: BrokerSide, the_job: Job) -> tuple[float, float, EventMsg]:
+    """Run ``the_job``, then stop granting leases; returns (when the broker's view of the lease ends, when the
+    agent's stop event arrived, that event)."""
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=the_job))
+    assert (await side.reply("d1")).admitted
+    await side.event(the_job.id, EventKind.RUNNING)
+    await asyncio.sleep(0.3)
+    side.lease_s = None  # the broker stops hearing the site
+    _, last_received = side.grants[-1]
+    broker_lease_end = last_received + LEASE_S
+    at, stopped = await side.wait_for(
+        lambda m: isinstance(m, EventMsg) and m.event.job_id == the_job.id
+        and m.event.kind in (EventKind.LOST, EventKind.PREEMPTED), timeout=LEASE_S + 2)
+    return broker_lease_end, at, stopped
+
+
+async def test_a_cut_off_agent_stops_its_job_before_the_lease_ends_and_refuses_work(agent_and_broker):
+    agent, side = agent_and_broker
+    broker_lease_end, at, stopped = await _cut_off_while_running(agent, side, a_job("j1", duration_s=60))
+    assert stopped.event.kind == EventKind.LOST
+    assert "lease running out" in stopped.event.reason
+    assert at < broker_lease_end, f"stopped {at - broker_lease_end:.2f} s after the broker's lease ended"
+    assert agent.held == {}
+    remaining = agent.lease_remaining_s()
+    assert remaining is not None and remaining < 0.4 + 0.2  # it stopped within its margin of the end
+    # until a new grant it refuses work
+    await side.send(Dispatch(site=agent.site, msg_id="d2", job=a_job("j2")))
+    refused = await side.reply("d2")
+    assert refused.ok and refused.admitted is False and refused.reason == NO_LEASE
+    _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat), since=at)
+    assert beat.attempts == []
+    # the broker hears it again: it grants, and the site takes work once more
+    side.lease_s = LEASE_S
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d3", job=a_job("j3", duration_s=0.2)))
+    assert (await side.reply("d3")).admitted
+    await side.event("j3", EventKind.SUCCEEDED)
+
+
+async def test_a_checkpointable_job_cut_off_is_preempted_with_its_run_time(agent_and_broker):
+    agent, side = agent_and_broker
+    started = time.monotonic()
+    _, at, stopped = await _cut_off_while_running(agent, side, a_job("j1", duration_s=60, checkpointable=True))
+    assert stopped.event.kind == EventKind.PREEMPTED
+    assert "checkpointed" in stopped.event.reason
+    assert 0.3 < stopped.event.run_s <= at - started
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+
+async def test_malformed_commands_are_counted_and_dropped(agent_and_broker):
+    agent, side = agent_and_broker
+    await leased(agent, side)
+    good = json.loads(encode(Dispatch(site=agent.site, msg_id="bad", job=a_job("jx"))))
+    await side.send_raw(b"{not json")
+    await side.send_raw(json.dumps({**good, "v": 2}).encode())
+    await side.send_raw(json.dumps({**good, "kind": "explode"}).encode())
+    await side.send_raw(json.dumps({**good, "site": "someone-else"}).encode())
+    await side.send_raw(json.dumps({k: v for k, v in good.items() if k != "job"}).encode())
+    await side.send_raw(b"[1, 2]")
+    await side.send_raw(b"")  # a cleared retained message: nothing, and not an error
+    await side.send(QuotaCommand(site=agent.site, msg_id="q1", op="get"))
+    assert (await side.reply("q1")).ok  # it keeps answering
+    assert agent.malformed == {"bad-json": 1, "wrong-version": 1, "wrong-topic": 2, "invalid": 2}
+    assert not side.seen(lambda m: isinstance(m, Reply) and m.msg_id == "bad")
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.1)))
+    assert (await side.reply("d1")).admitted
+
+
+async def test_an_adapter_failure_becomes_a_failed_reply():
+    name = unique_site()
+    agent = SiteAgent(agent_config(name))
+    try:
+        async with BrokerSide(name) as side:
+            await agent.start()
+            await leased(agent, side)
+            agent.inner.set_reachable(False)  # the cluster's API is down
+            await side.send(Dispatch(site=name, msg_id="d1", job=a_job("j1")))
+            failed = await side.reply("d1")
+            assert not failed.ok and "unreachable" in failed.reason
+            _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat) and m.state.health == "unhealthy")
+            assert "cannot reach" in beat.state.reason
+            agent.inner.set_reachable(True)
+            await side.send(Dispatch(site=name, msg_id="d2", job=a_job("j2", duration_s=0.1)))
+            assert (await side.reply("d2")).admitted
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
+# --- surviving the MQTT broker ----------------------------------------------------------------------------
+
+
+async def test_the_agent_carries_on_across_an_mqtt_broker_restart(mosquitto: Mosquitto):
+    port = mosquitto.port
+    name = unique_site()
+    agent = SiteAgent(agent_config(name, port=port))
+    try:
+        async with BrokerSide(name, port=port, lease_s=10.0) as side:
+            await agent.start()
+            await until(lambda: (agent.lease_remaining_s() or 0) > 5, what="a lease")
+            await side.send(Dispatch(site=name, msg_id="d1", job=a_job("j1", duration_s=0.5)))
+            await side.event("j1", EventKind.RUNNING)
+            mosquitto.kill()
+            await until(lambda: not agent.connected, what="the agent to notice")
+            await asyncio.sleep(1.0)  # the job ends while the MQTT broker is away
+            assert not agent.held
+        mosquitto.start()
+        async with BrokerSide(name, port=port, lease_s=10.0) as side:
+            # its event went nowhere before: it comes now, and the site takes new work
+            _, done = await side.event("j1", EventKind.SUCCEEDED, timeout=5)
+            assert done.boot == agent.boot
+            await side.wait_for(lambda m: isinstance(m, Heartbeat))
+            await side.send(Dispatch(site=name, msg_id="d2", job=a_job("j2", duration_s=0.1)))
+            assert (await side.reply("d2")).admitted
+            await side.event("j2", EventKind.SUCCEEDED)
+    finally:
+        await agent.stop()
+
+
+@pytest.mark.slow
+async def test_a_killed_agent_process_goes_offline_at_once(tmp_path):
+    name = unique_site()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"site": json.loads(site_spec(name).model_dump_json()), "heartbeat_s": 0.5,
+                                   "mqtt": {"port": mqtt_port()}}))
+    async with BrokerSide(name) as side:
+        proc = subprocess.Popen([sys.executable, "-m", "adapters.agent", "--config", str(cfg)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            _, online = await side.wait_for(lambda m: isinstance(m, Status) and m.online, timeout=15)
+            await side.wait_for(lambda m: isinstance(m, Heartbeat))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(5)
+            _, gone = await side.wait_for(lambda m: isinstance(m, Status) and not m.online, timeout=5)
+            assert gone.boot == online.boot  # the last will, published by the MQTT broker
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    await clear_retained(name)
+
+
+@pytest.mark.slow
+async def test_an_agent_process_stopped_with_sigterm_says_goodbye_and_exits_0(tmp_path):
+    name = unique_site()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"site": json.loads(site_spec(name).model_dump_json()), "heartbeat_s": 0.5,
+                                   "mqtt": {"port": mqtt_port()}}))
+    log = tmp_path / "agent.log"
+    async with BrokerSide(name) as side:
+        proc = subprocess.Popen([sys.executable, "-m", "adapters.agent", "--config", str(cfg), "--log-level", "DEBUG"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+        try:
+            _, online = await side.wait_for(lambda m: isinstance(m, Status) and m.online, timeout=15)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, timeout=10)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the agent did not exit 10 s after SIGTERM:\n{log.read_text()[-4000:]}") from None
+            err = log.read_bytes()
+            assert proc.returncode == 0, err.decode()
+            _, gone = await side.wait_for(lambda m: isinstance(m, Status) and not m.online, timeout=5)
+            assert gone.boot == online.boot
+            assert b"Traceback" not in err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    await clear_retained(name)
+
+
+# --- configuration and command line -------------------------------------------------------------------------
+
+
+def _write_config(tmp_path: Path, doc: Any) -> Path:
+    path = tmp_path / "agent.yaml"
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    return path
+
+
+def _site_doc(**adapter: Any) -> dict[str, Any]:
+    doc = json.loads(site_spec("lyon").model_dump_json())
+    if adapter:
+        doc["adapter"] = adapter
+    return doc
+
+
+def test_a_good_config_loads_with_defaults(tmp_path):
+    config = load_agent_config(_write_config(tmp_path, {"site": _site_doc(), "heartbeat_s": 1}))
+    assert config.site.name == "lyon" and config.mqtt.port == 1883 and config.resend_s == 2.0
+    assert config.stop_margin(15) == 3.0 and config.stop_margin(4) == 2.0  # max(2 * heartbeat_s, 0.2 * lease)
+    margin = load_agent_config(_write_config(tmp_path, {"site": _site_doc(), "stop_margin_s": 5}))
+    assert margin.stop_margin(15) == 5
+
+
+@pytest.mark.parametrize("doc, field, problem", [
+    ({"site": _site_doc(kind="mqtt")}, "site", "simulated or kubernetes"),
+    ({"site": _site_doc(), "heartbeat_s": 0}, "heartbeat_s", "greater than 0"),
+    ({"site": _site_doc(), "mqtt": {"port": 0}}, "mqtt.port", "greater than or equal to 1"),
+    ({"site": _site_doc(), "heartbeat": 2}, "heartbeat", "unknown field"),
+    ({"mqtt": {}}, "site", "required field is missing"),
+    ({"site": {**_site_doc(), "gpus": []}}, "site.gpus", "at least 1"),
+])
+def test_config_errors_name_the_field(tmp_path, doc, field, problem):
+    path = _write_config(tmp_path, doc)
+    with pytest.raises(ConfigError) as e:
+        load_agent_config(path)
+    assert f"{path}: {field}: " in str(e.value) and problem in str(e.value)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("site: [unclosed", "not valid YAML (line 1"),
+    ("- just\n- a list\n", "the top level must be a mapping"),
+])
+def test_config_files_that_are_not_a_config(tmp_path, text, problem):
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
+        load_agent_config(_write_config(tmp_path, text))
+
+
+def test_main_with_a_bad_config_exits_2_with_one_line(tmp_path, capsys):
+    path = _write_config(tmp_path, {"site": _site_doc(kind="mqtt")})
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"heliotrope agent: {path}: site: ") and err.count("\n") == 1
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -1,0 +1,327 @@
+"""A broker and site agents over a real Mosquitto of the test's own: telemetry, dispatch and events, and the
+faults the protocol promises to survive (a restarted MQTT broker, a partitioned agent, ``kill -9`` of an
+agent, an agent holding an attempt the broker no longer has). Every test also checks, from what the sites
+really ran, that no job ever ran two attempts at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adapters import mqtt_protocol as proto
+from adapters.agent import AgentConfig, SiteAgent
+from adapters.remote import RemoteSite
+from adapters.simulated import SimulatedSite
+from broker.api import _site_json
+from broker.cli import _site_row
+from broker.clock import Clock, SystemClock
+from broker.config import BrokerSettings
+from broker.models import Health, Job, JobState
+from broker.service import Broker
+from tests.builders import job, site
+from tests.conftest import ROOT
+from tests.mosquitto import Mosquitto, mosquitto_fixture  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.slow
+
+FAST = {"kind": "simulated", "dispatch_delay_s": 0.01}
+
+
+@dataclass
+class Timeline:
+    """What the sites really ran: (job id, attempt, site, start, end) on the monotonic clock."""
+
+    spans: list[list] = field(default_factory=list)
+
+    def begin(self, job_id: str, attempt: int, where: str) -> list:
+        span = [job_id, attempt, where, time.monotonic(), None]
+        self.spans.append(span)
+        return span
+
+    def of(self, job_id: str) -> list[list]:
+        return sorted((s for s in self.spans if s[0] == job_id), key=lambda s: s[3])
+
+    def assert_never_twice(self) -> None:
+        for job_id in {s[0] for s in self.spans}:
+            spans = self.of(job_id)
+            for before, after in zip(spans, spans[1:]):
+                assert before[4] is not None and before[4] <= after[3], (
+                    f"job {job_id} ran attempt {before[1]} at {before[2]} and attempt {after[1]} at {after[2]} "
+                    "at the same time")
+
+
+class RecordingSite(SimulatedSite):
+    """A simulated site that writes down when each attempt really starts and stops running."""
+
+    def __init__(self, spec, clock: Clock, timeline: Timeline) -> None:  # noqa: ANN001
+        super().__init__(spec, clock)
+        self.timeline = timeline
+
+    async def _run(self, run) -> None:  # noqa: ANN001
+        span = self.timeline.begin(run.job.id, run.job.attempt, self.name)
+        try:
+            await super()._run(run)
+        finally:
+            span[4] = time.monotonic()
+
+
+def edge_spec(kind: dict) -> object:
+    """The agent-run site: 16 GPUs, so the broker's default (most free GPUs) prefers it to ``home``."""
+    return site("edge", gpus={"a100-80gb": 16}, adapter=kind)
+
+
+@dataclass
+class World:
+    broker: Broker
+    mosq: Mosquitto
+    timeline: Timeline
+    tmp: Path
+    holder: dict[str, Broker]
+    agents: list[SiteAgent] = field(default_factory=list)
+
+    async def agent(self, heartbeat_s: float = 0.2) -> SiteAgent:
+        spec = edge_spec(FAST)
+        config = AgentConfig(site=spec, mqtt=self.mosq.settings(), heartbeat_s=heartbeat_s, resend_s=0.3)
+        a = SiteAgent(config, adapter=RecordingSite(spec, SystemClock(), self.timeline))
+        await a.start()
+        self.agents.append(a)
+        return a
+
+    def rebind(self, broker: Broker) -> None:
+        """Carry on with a broker started afresh (after a restart); the factory's sites use its hub."""
+        self.broker = broker
+        self.holder["broker"] = broker
+
+    async def until(self, what: Callable[[], bool], timeout_s: float, why: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not what():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {timeout_s} s: {why}\n{self.mosq.log_tail()}")
+            await asyncio.sleep(0.05)
+
+    async def state(self, job_id: str) -> Job:
+        return await self.broker.book.get(job_id)
+
+    async def until_state(self, job_id: str, states: set[JobState], timeout_s: float) -> Job:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            j = await self.state(job_id)
+            if j.state in states:
+                return j
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id} is {j.state} ({j.reason}), not {states} within {timeout_s} s")
+            await asyncio.sleep(0.05)
+
+    def edge_health(self) -> Health | None:
+        m = self.broker.federation.get("edge")
+        return None if m is None or m.state is None else m.state.health
+
+
+@pytest.fixture
+async def world(tmp_path: Path, mosquitto: Mosquitto):  # noqa: F811
+    worlds: list[World] = []
+
+    async def make(lease_s: float = 2.0, command_timeout_s: float = 5.0) -> World:
+        timeline = Timeline()
+        clock = SystemClock()
+        settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
+                                  collect_timeout_s=1.0, dispatch_timeout_s=command_timeout_s + 1,
+                                  shutdown_grace_s=0.2, refusal_ttl_s=1.0)
+        holder: dict[str, Broker] = {}
+
+        def factory(spec):  # noqa: ANN001, ANN202
+            if spec.adapter.kind == "mqtt":
+                return RemoteSite(spec, clock, holder["broker"].hub)
+            return RecordingSite(spec, clock, timeline)
+
+        b = Broker(settings, clock=clock, factory=factory)
+        holder["broker"] = b
+        remote = {"kind": "mqtt", "lease_s": lease_s, "command_timeout_s": command_timeout_s, "resend_s": 0.3}
+        await b.start([edge_spec(remote), site("home", gpus={"a100-80gb": 8}, adapter=FAST)])
+        w = World(b, mosquitto, timeline, tmp_path, holder)
+        worlds.append(w)
+        return w
+
+    yield make
+    for w in worlds:
+        for a in w.agents:
+            await a.stop()
+        await w.broker.stop()
+        for w_ in worlds:
+            w_.timeline.assert_never_twice()
+
+
+def site_row(w: World, name: str) -> dict:
+    """The site's line in `heliotrope sites list`, from the API's JSON for it."""
+    return _site_row(json.loads(json.dumps(_site_json(w.broker.federation.get(name)))))
+
+
+async def submit(w: World, name: str, duration_s: float, **more) -> str:  # noqa: ANN003
+    j, _ = await w.broker.book.submit(job(name=name, duration_s=duration_s, **more))
+    w.broker.wake()
+    return j.id
+
+
+async def test_telemetry_reaches_the_broker_and_a_job_runs_on_the_agents_site(world) -> None:
+    w = await world()
+    assert w.edge_health() != Health.HEALTHY  # no agent yet
+    await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "the agent's heartbeat makes edge healthy")
+    state = w.broker.federation.get("edge").state
+    assert state.capacity[0].total_gpus == 16 and state.lease_expires_at is not None
+    row = site_row(w, "edge")  # what `heliotrope sites list` prints
+    assert row["health"] == "healthy" and row["lease"].endswith("s left") and row["last heard"] == "0 s ago"
+    assert site_row(w, "home")["lease"] == "-"  # a local site holds no lease
+    job_id = await submit(w, "over-mqtt", 0.5)
+    done = await w.until_state(job_id, {JobState.SUCCEEDED}, 10)
+    assert (done.site, done.attempt) == ("edge", 1)
+    assert [(s[1], s[2]) for s in w.timeline.of(job_id)] == [(1, "edge")]  # it ran there, once
+
+
+async def test_restarting_mosquitto_mid_run_loses_no_dispatch_and_no_event(world) -> None:
+    w = await world(lease_s=8.0, command_timeout_s=8.0)
+    await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    first = await submit(w, "running-through", 2.0)
+    await w.until_state(first, {JobState.RUNNING}, 10)
+    w.mosq.kill()
+    second = await submit(w, "sent-while-down", 0.5)  # dispatched while the MQTT broker is down
+    await asyncio.sleep(1.5)  # the first job ends while the link is down: its event must wait
+    w.mosq.start()
+    for job_id in (first, second):
+        done = await w.until_state(job_id, {JobState.SUCCEEDED}, 15)
+        assert done.attempt == 1, f"{done.name} was requeued: {done.reason}"
+        assert done.site == "edge"
+        assert len(w.timeline.of(job_id)) == 1
+
+
+async def test_a_partitioned_agent_stops_its_job_before_the_broker_moves_it(world) -> None:
+    w = await world(lease_s=2.0, command_timeout_s=1.5)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "long", 30.0)
+    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    w.mosq.kill()  # agent and broker lose each other (the broker still runs its local site)
+    await w.until(lambda: (j := w.broker.book.active[job_id]).site == "home" and j.state == JobState.RUNNING, 10,
+                  "the job runs at home once the lease has run out")
+    spans = w.timeline.of(job_id)
+    assert [(s[1], s[2]) for s in spans][:2] == [(1, "edge"), (2, "home")]
+    edge_run, home_run = spans[0], spans[1]
+    assert edge_run[4] is not None and edge_run[4] <= home_run[3]  # stopped at the edge before it started home
+    assert agent.held == {}
+    assert w.edge_health() == Health.UNHEALTHY
+    w.mosq.start()  # the partition heals: the agent comes back and its stale report changes nothing
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 10, "edge healthy again")
+    await asyncio.sleep(1.0)
+    now = w.broker.book.active[job_id]
+    assert (now.site, now.attempt, now.state) == ("home", 2, JobState.RUNNING)
+
+
+async def test_an_attempt_the_broker_no_longer_has_is_cancelled_at_the_site(world, mosquitto) -> None:  # noqa: F811
+    w = await world(lease_s=3.0)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    # A dispatch the broker never made (a stale one from before a restart) reaches the agent.
+    import aiomqtt
+
+    ghost = Job(id="ghost-1", spec=job(name="ghost", duration_s=60), attempt=3,
+                created_at=w.broker.clock.now(), updated_at=w.broker.clock.now(), site="edge")
+    async with aiomqtt.Client("127.0.0.1", mosquitto.port, identifier=f"old-{uuid.uuid4().hex[:6]}") as c:
+        await c.publish(proto.topic("edge", "down"), proto.encode(proto.Dispatch(site="edge", msg_id="old-1", job=ghost)),
+                        qos=1)
+    await w.until(lambda: ("ghost-1", 3) in agent.held, 5, "the agent runs the stray attempt")
+    await w.until(lambda: ("ghost-1", 3) not in agent.held, 5, "the broker has it cancelled")
+    span = w.timeline.of("ghost-1")[0]
+    assert span[4] is not None and span[4] - span[3] < 5  # stopped long before its 60 s
+
+
+def agent_process(tmp: Path, mosq: Mosquitto, log: Path) -> subprocess.Popen[bytes]:
+    config = tmp / f"agent-{uuid.uuid4().hex[:6]}.yaml"
+    spec = edge_spec(FAST).model_dump(mode="json")
+    config.write_text(yaml.safe_dump({"site": spec, "mqtt": mosq.settings().model_dump(mode="json"),
+                                      "heartbeat_s": 0.2, "resend_s": 0.3}))
+    return subprocess.Popen([sys.executable, "-m", "adapters.agent", "--config", str(config)], cwd=ROOT,
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+async def test_kill_9_of_an_agent_moves_its_jobs_once_the_lease_has_run_out(world) -> None:
+    w = await world(lease_s=2.0, command_timeout_s=1.5)
+    log = w.tmp / "agent.log"
+    proc = agent_process(w.tmp, w.mosq, log)
+    try:
+        await w.until(lambda: w.edge_health() == Health.HEALTHY, 15, "the agent process makes edge healthy")
+        job_id = await submit(w, "doomed-there", 30.0)
+        await w.until(lambda: (j := w.broker.book.active.get(job_id)) is not None and j.state == JobState.RUNNING,
+                      10, f"the job runs at edge\n{log.read_text()}")
+        assert w.broker.book.active[job_id].site == "edge"
+        last_heard = w.broker.federation.get("edge").adapter._heard_mono
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        await w.until(lambda: w.broker.book.active[job_id].site == "home", 10, "the job moves home")
+        moved_after = time.monotonic() - last_heard
+        assert moved_after >= 2.0  # not before the lease ran out
+        assert w.edge_health() == Health.UNHEALTHY
+        assert "lease ran out" in w.broker.federation.get("edge").state.reason
+        row = site_row(w, "edge")
+        assert row["health"].startswith("unhealthy (report failed: lease ran out") and "ran out" in row["lease"]
+        proc = agent_process(w.tmp, w.mosq, log)  # the agent comes back: nothing runs twice
+        await w.until(lambda: w.edge_health() == Health.HEALTHY, 15, "edge healthy again")
+        await asyncio.sleep(0.5)
+        now = w.broker.book.active[job_id]
+        assert (now.site, now.attempt) == ("home", 2)
+        assert [(s[1], s[2]) for s in w.timeline.of(job_id)] == [(2, "home")]  # attempt 1 ran in the killed process
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_restarted_agent_reports_what_its_site_still_runs_and_the_broker_cancels_the_stale(world) -> None:
+    """A Kubernetes site's Jobs outlive its agent; here a simulated site stands in, already running an
+    attempt the broker moved elsewhere long ago when the agent starts over it."""
+    w = await world(lease_s=3.0)
+    spec = edge_spec(FAST)
+    inner = RecordingSite(spec, SystemClock(), w.timeline)
+    await inner.start()
+    old = Job(id="left-behind", spec=job(name="left-behind", duration_s=60), attempt=1,
+              created_at=w.broker.clock.now(), updated_at=w.broker.clock.now(), site="edge")
+    assert (await inner.submit(old)).admitted
+    await w.until(lambda: bool(w.timeline.of("left-behind")), 2, "the old attempt runs")
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=w.mosq.settings(), heartbeat_s=0.2, resend_s=0.3), adapter=inner)
+    await agent.start()
+    w.agents.append(agent)
+    assert ("left-behind", 1) in agent.held  # adopted, so its heartbeat lists it
+    await w.until(lambda: ("left-behind", 1) not in agent.held, 5, "the broker has the stale attempt cancelled")
+    span = w.timeline.of("left-behind")[0]
+    assert span[4] is not None and span[4] - span[3] < 5
+
+
+async def test_a_broker_restart_within_the_lease_keeps_the_agents_job_where_it_runs(world) -> None:
+    """The broker goes down and comes back (same database, a new process's state) while a job runs at the
+    agent's site: the retained heartbeat is no sign of life, the first live one is, the restart's
+    reconciliation finds the attempt at the site, and the job finishes there, once."""
+    w = await world(lease_s=6.0)
+    await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "outlives-the-broker", 3.0)
+    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    settings, factory = w.broker.settings, w.broker.federation._factory
+    await w.broker.stop()
+    await asyncio.sleep(0.5)
+    again = Broker(settings, clock=SystemClock(), factory=factory)
+    w.rebind(again)
+    await again.start()
+    done = await w.until_state(job_id, {JobState.SUCCEEDED}, 15)
+    assert (done.site, done.attempt) == ("edge", 1)
+    assert len(w.timeline.of(job_id)) == 1

@@ -1,0 +1,87 @@
+"""Leader election among replicas (``broker.leadership``) on the memory store: who leads, for how long, and
+what a leader that is no longer sure of its lease may still do."""
+
+from __future__ import annotations
+
+import asyncio
+
+from broker.leadership import Leadership
+from broker.store.memory import MemoryStore
+
+
+async def store() -> MemoryStore:
+    s = MemoryStore()
+    await s.open()
+    return s
+
+
+def replica(s: MemoryStore, url: str, lease_s: float, log: list[str], take_over_s: float = 0.0) -> Leadership:
+    async def elected(epoch: int) -> None:
+        log.append(f"{url} elected {epoch}")
+        await asyncio.sleep(take_over_s)
+
+    async def deposed(why: str) -> None:
+        log.append(f"{url} deposed: {why}")
+
+    return Leadership(s, url, lease_s, elected, deposed)
+
+
+async def test_two_replicas_with_the_same_address_never_both_lead() -> None:
+    """Every pod serves on 0.0.0.0:8080: the address alone must not make two processes one holder."""
+    s, log = await store(), []
+    a, b = replica(s, "http://0.0.0.0:8080", 0.6, log), replica(s, "http://0.0.0.0:8080", 0.6, log)
+    a.start()
+    b.start()
+    await asyncio.sleep(0.5)
+    assert [a.leading, b.leading].count(True) == 1
+    assert a.holder != b.holder
+    await a.stop()
+    await b.stop()
+
+
+async def test_a_takeover_slower_than_a_renewal_period_still_ends_ready_to_lead() -> None:
+    s, log = await store(), []
+    a = replica(s, "http://a", 0.6, log, take_over_s=0.5)  # longer than lease / 3
+    a.start()
+    await asyncio.sleep(1.0)
+    assert a.leading and a.ready and a.certain()
+    await a.stop()
+
+
+async def test_a_leader_that_was_not_renewed_in_time_is_not_sure_and_steps_down() -> None:
+    s, log = await store(), []
+    a = replica(s, "http://a", 0.6, log)
+    a.start()
+    await asyncio.sleep(0.3)
+    assert a.certain()
+    a._task.cancel()  # as if the process were paused: no renewal goes out
+    await asyncio.sleep(0.5)
+    assert not a.certain()  # two thirds of a lease passed since the last renewal was sent
+    await asyncio.sleep(0.05)
+    assert not a.leading and any("may have run out" in line for line in log)
+    b = replica(s, "http://b", 0.6, log)
+    b.start()
+    await asyncio.sleep(0.5)
+    assert b.leading and await b.store.leader() == b.holder
+    await b.stop()
+
+
+async def test_a_replica_whose_takeover_fails_lets_another_take_over() -> None:
+    s, log = await store(), []
+
+    async def broken(epoch: int) -> None:
+        raise RuntimeError("a site's adapter would not start")
+
+    async def deposed(why: str) -> None:
+        log.append(why)
+
+    a = Leadership(s, "http://a", 0.6, broken, deposed)
+    a.start()
+    await asyncio.sleep(0.3)
+    b = replica(s, "http://b", 0.6, log)
+    b.start()
+    await asyncio.sleep(0.6)
+    assert b.leading and not a.leading
+    assert any("taking over failed" in line for line in log)
+    await a.stop()
+    await b.stop()

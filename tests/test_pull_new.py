@@ -1,0 +1,111 @@
+"""How a leading replica takes in the jobs other replicas stored (``JobBook.pull_new``)."""
+
+from __future__ import annotations
+
+from broker.clock import ManualClock
+from broker.jobs import JobBook
+from broker.models import Job, JobState
+from broker.store.memory import MemoryStore
+from tests.builders import NOW, job
+
+
+def stored(i: int) -> Job:
+    return Job(id=f"job-{i:03d}", spec=job(name=f"j{i}"), created_at=NOW, updated_at=NOW)
+
+
+async def started() -> tuple[JobBook, MemoryStore]:
+    store = MemoryStore()
+    await store.open()
+    book = JobBook(store, ManualClock(NOW))
+    await book.load()
+    return book, store
+
+
+async def test_jobs_another_replica_stored_are_taken_in_once_and_queued_for_the_cycle() -> None:
+    book, store = await started()
+    for i in range(3):
+        await store.insert_job(stored(i))  # as another replica's API does
+    assert await book.pull_new() == 3
+    assert [j.id for j in book.take_fresh()] == ["job-000", "job-001", "job-002"]
+    await store.insert_job(stored(3))
+    assert await book.pull_new() == 1  # only the new one
+    assert await book.pull_new() == 0
+
+
+async def test_a_job_this_book_finished_does_not_come_back_from_an_older_read() -> None:
+    book, store = await started()
+    await store.insert_job(stored(0))
+    await book.pull_new()
+    book.take_fresh()
+    book.apply("job-000", JobState.CANCELLED, reason="cancelled")  # in memory; its write not yet made
+    assert "job-000" not in book.active
+    assert await book.pull_new() == 0  # the store still says queued: it is not taken in again
+    assert "job-000" not in book.active
+
+
+class OutOfOrder(MemoryStore):
+    """Row 2 commits after row 3 was read (row numbers are handed out before commit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: set[int] = set()
+
+    async def active_after(self, seq: int, limit: int):  # noqa: ANN201
+        return [(s, j) for s, j in await super().active_after(seq, limit) if s not in self.hidden]
+
+    async def active_at(self, seqs: list[int]):  # noqa: ANN201
+        return [(s, j) for s, j in await super().active_at(seqs) if s not in self.hidden]
+
+    async def active_jobs(self):  # noqa: ANN201
+        return [j for s, j in await super().active_after(0, 1 << 30) if s not in self.hidden]
+
+
+async def test_a_row_committed_after_a_later_one_was_read_is_still_taken_in() -> None:
+    store = OutOfOrder()
+    await store.open()
+    book = JobBook(store, ManualClock(NOW))
+    await store.insert_job(stored(1))
+    assert await book.pull_new() == 1
+    await store.insert_job(stored(2))
+    await store.insert_job(stored(3))
+    store.hidden = {2}  # job 2's row: its insert has not committed yet
+    assert await book.pull_new() == 1  # job 3
+    store.hidden = set()  # now it commits
+    book._gaps_checked = float("-inf")  # skipped rows are looked up at most once a second: due now
+    assert await book.pull_new() == 1  # job 2, although a later row was read before it
+    assert {j.id for j in book.take_fresh()} == {"job-001", "job-002", "job-003"}
+
+
+async def test_a_takeover_during_a_burst_takes_in_a_row_that_commits_after_the_load() -> None:
+    store = OutOfOrder()
+    await store.open()
+    for i in (1, 2, 3):
+        await store.insert_job(stored(i))
+    store.hidden = {2}  # job 2's insert took its row number but commits only after the new leader loaded
+    book = JobBook(store, ManualClock(NOW))
+    await book.load()
+    assert set(book.active) == {"job-001", "job-003"}
+    store.hidden = set()
+    book._gaps_checked = float("-inf")  # the next look at skipped rows is due
+    assert await book.pull_new() == 1
+    assert "job-002" in book.active
+
+
+async def test_two_replicas_racing_on_one_idempotency_key_both_answer_with_the_first_job() -> None:
+    """Replica B looked the key up before replica A's insert committed; its own insert then collides."""
+    store = MemoryStore()
+    await store.open()
+    a, b = JobBook(store, ManualClock(NOW)), JobBook(store, ManualClock(NOW))
+    real_find = store.find_idempotent
+    calls = 0
+
+    async def find_late(tenant: str, key: str):  # noqa: ANN202 - the first lookup misses A's insert
+        nonlocal calls
+        calls += 1
+        return None if calls == 1 else await real_find(tenant, key)
+
+    first, created = await a.submit(job(name="once"), "key-1")
+    assert created
+    store.find_idempotent = find_late  # type: ignore[method-assign]
+    again, created_again = await b.submit(job(name="once"), "key-1")
+    assert (again.id, created_again) == (first.id, False)

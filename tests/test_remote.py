@@ -1,0 +1,223 @@
+"""The broker's side of an agent-run site (``adapters.remote``), without MQTT: a recording hub stands in for
+the connection, so each rule of the protocol is checked on its own. The same classes run over a real
+Mosquitto in ``tests/test_agent_mqtt.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
+
+from adapters import mqtt_protocol as proto
+from adapters.base import AdapterError, EventKind, JobEvent
+from adapters.remote import MqttHub, RemoteSite
+from broker.clock import SystemClock
+from broker.models import Health, Job, MqttSettings, SiteState
+from tests.builders import job, site
+
+NOW = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
+
+
+class RecordingHub(MqttHub):
+    """Keeps what the sites publish instead of sending it."""
+
+    def __init__(self) -> None:
+        super().__init__(MqttSettings())
+        self.sent: list[object] = []
+        self.connected.set()
+
+    async def publish(self, site: str, msg, qos: int = 1) -> bool:  # noqa: ANN001
+        self.sent.append(msg)
+        return True
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.sent if isinstance(m, kind)]
+
+
+def remote(lease_s: float = 0.5, command_timeout_s: float = 0.6, resend_s: float = 0.2) -> tuple[RemoteSite, RecordingHub]:
+    spec = site("edge", adapter={"kind": "mqtt", "lease_s": lease_s, "command_timeout_s": command_timeout_s,
+                                 "resend_s": resend_s})
+    hub = RecordingHub()
+    return RemoteSite(spec, SystemClock(), hub), hub
+
+
+def heartbeat(seq: int, attempts: tuple[tuple[str, int], ...] = (), boot: str = "b1", free: int = 8) -> proto.Heartbeat:
+    state = SiteState(site="edge", health=Health.HEALTHY, capacity=[{
+        "model": "a100-80gb", "total_gpus": 8, "free_gpus": free, "used_gpus": 8 - free, "memory_gib_per_gpu": 80}])
+    return proto.Heartbeat(site="edge", boot=boot, seq=seq, sent_at=datetime.now(UTC), lease_s=15, state=state,
+                           attempts=[proto.AttemptReport(job_id=j, attempt=a, status="running") for j, a in attempts])
+
+
+def a_job(job_id: str = "j1", attempt: int = 1) -> Job:
+    return Job(id=job_id, spec=job(), attempt=attempt, created_at=NOW, updated_at=NOW, site="edge")
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def edge():
+    site_, hub = remote()
+    await site_.start()
+    yield site_, hub
+    await site_.close()
+
+
+async def test_a_retained_heartbeat_shows_the_last_state_but_is_no_sign_of_life(edge) -> None:
+    s, hub = edge
+    s.receive(heartbeat(7), retained=True)
+    with pytest.raises(AdapterError, match="no heartbeat"):
+        await s.snapshot()
+    assert hub.of(proto.LeaseGrant) == []  # no lease for a message that may be hours old
+    s.receive(heartbeat(8))
+    await settle()
+    state = await s.snapshot()
+    assert state.health == Health.HEALTHY and state.capacity[0].free_gpus == 8
+    assert state.lease_expires_at is not None and state.last_heard_at is not None
+    grant = hub.of(proto.LeaseGrant)[-1]
+    assert (grant.boot, grant.seq, grant.lease_s) == ("b1", 8, 0.5)
+
+
+async def test_when_the_lease_runs_out_the_site_is_unhealthy_and_its_attempts_are_lost(edge) -> None:
+    s, hub = edge
+    s.receive(heartbeat(1, attempts=(("j1", 1),)))
+    await settle()
+    adm = asyncio.create_task(s.submit(a_job("j2")))
+    await asyncio.sleep(0.05)
+    dispatch = hub.of(proto.Dispatch)[-1]
+    s.receive(proto.Reply(site="edge", msg_id=dispatch.msg_id, ok=True, admitted=True))
+    assert (await adm).admitted
+    started = time.monotonic()
+    events = s.events()
+    first = await asyncio.wait_for(anext(events), 2)
+    second = await asyncio.wait_for(anext(events), 2)
+    assert time.monotonic() - started >= 0.4  # not before the lease has run out
+    lost = {(e.job_id, e.attempt) for e in (first, second)}
+    assert lost == {("j1", 1), ("j2", 1)} and {first.kind, second.kind} == {EventKind.LOST}
+    assert "lease ran out" in first.reason
+    with pytest.raises(AdapterError, match="lease ran out"):
+        await s.snapshot()
+    # Without a lease nothing is dispatched, and a cancel is confirmed at once (the agent has stopped).
+    assert not (await s.submit(a_job("j3"))).admitted
+    await asyncio.wait_for(s.cancel("j1", 1), 0.1)
+    assert s.held_attempts() == set()
+
+
+async def test_the_offline_will_makes_the_site_unhealthy_but_keeps_its_jobs_until_the_lease_ends(edge) -> None:
+    s, _ = edge
+    s.receive(heartbeat(1, attempts=(("j1", 1),)))
+    s.receive(proto.Status(site="edge", boot="b1", online=False, at=datetime.now(UTC)))
+    state = await s.snapshot()
+    assert state.health == Health.UNHEALTHY and "went offline" in state.reason
+    assert s.held_attempts() == {("j1", 1)}  # not moved before the lease ends
+    s.receive(heartbeat(2, attempts=(("j1", 1),)))
+    assert (await s.snapshot()).health == Health.HEALTHY
+
+
+async def test_an_event_is_acknowledged_only_once_applied_and_a_repeat_is_not_applied_twice(edge) -> None:
+    s, hub = edge
+    s.receive(heartbeat(1))
+    ev = proto.WireEvent(job_id="j1", attempt=1, kind=EventKind.RUNNING, at=NOW)
+    s.receive(proto.EventMsg(site="edge", boot="b1", msg_id=4, event=ev))
+    s.receive(proto.EventMsg(site="edge", boot="b1", msg_id=4, event=ev))  # resent before the ack
+    events = s.events()
+    got = await asyncio.wait_for(anext(events), 1)
+    assert got == JobEvent("j1", 1, EventKind.RUNNING, NOW)
+    await settle()
+    assert hub.of(proto.Ack) == []  # still being applied
+    pending = asyncio.create_task(anext(events))  # the consumer is done with it: acknowledged
+    await settle()
+    assert [a.msg_ids for a in hub.of(proto.Ack)] == [[4]]
+    s.receive(proto.EventMsg(site="edge", boot="b1", msg_id=4, event=ev))  # the ack was lost: resent
+    await settle()
+    assert [a.msg_ids for a in hub.of(proto.Ack)] == [[4], [4]]  # acknowledged again ...
+    assert not pending.done()  # ... and not applied again
+    pending.cancel()
+
+
+async def test_a_command_is_resent_until_answered_and_times_out_with_a_clear_error() -> None:
+    s, hub = remote(lease_s=30, command_timeout_s=0.5, resend_s=0.1)
+    await s.start()
+    try:
+        s.receive(heartbeat(1))
+        with pytest.raises(AdapterError, match="did not answer dispatch within 0.5 s"):
+            await s.submit(a_job())
+        sent = hub.of(proto.Dispatch)
+        assert len(sent) >= 4 and len({d.msg_id for d in sent}) == 1  # the same command, resent
+        refused = asyncio.create_task(s.submit(a_job("j2")))
+        await asyncio.sleep(0.15)
+        s.receive(proto.Reply(site="edge", msg_id=hub.of(proto.Dispatch)[-1].msg_id, ok=True, admitted=False,
+                              reason="no room: 9 GPUs asked"))
+        adm = await refused
+        assert not adm.admitted and adm.reason == "no room: 9 GPUs asked"
+    finally:
+        await s.close()
+
+
+def message(topic: str, payload: bytes, retain: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(topic=topic, payload=payload, retain=retain)
+
+
+async def test_the_hub_counts_and_drops_malformed_payloads_and_keeps_serving(edge) -> None:
+    s, hub = edge
+    good = proto.encode(heartbeat(3))
+    for topic, payload in [
+        (proto.topic("edge", "state"), b"{not json"),
+        (proto.topic("edge", "state"), b'{"v": 2, "kind": "heartbeat"}'),
+        (proto.topic("edge", "up"), b'{"v": 1, "kind": "launch", "site": "edge"}'),
+        (proto.topic("other", "state"), good),  # names edge on other's topic
+        ("heliotrope/v1/sites/edge/state/extra", good),
+        (proto.topic("edge", "state"), b'{"v": 1, "kind": "heartbeat", "site": "edge", "seq": -1}'),
+    ]:
+        hub._on_message(message(topic, payload))
+    assert hub.malformed == {"bad-json": 1, "wrong-version": 1, "wrong-topic": 3, "invalid": 1}
+    hub._on_message(message(proto.topic("edge", "state"), good))
+    await settle()
+    assert (await s.snapshot()).capacity[0].free_gpus == 8
+
+
+async def test_a_payload_nested_too_deeply_for_the_parser_is_one_more_malformed_message(edge) -> None:
+    s, hub = edge
+    hub._on_message(message(proto.topic("edge", "up"), b"[" * 100_000))
+    assert hub.malformed == {"bad-json": 1}
+    hub._on_message(message(proto.topic("edge", "state"), proto.encode(heartbeat(1))))
+    await settle()
+    assert (await s.snapshot()).health == Health.HEALTHY  # the hub carried on
+
+
+async def test_an_agent_restarted_within_the_lease_gives_up_what_its_new_process_does_not_hold(edge) -> None:
+    s, _ = edge
+    s.receive(heartbeat(1, attempts=(("j1", 1), ("j2", 1)), boot="b1"))
+    s.receive(heartbeat(2, attempts=(("j1", 1), ("j2", 1)), boot="b1"))
+    s.receive(heartbeat(0, attempts=(("j2", 1),), boot="b2"))  # restarted: j2 is still running at the site
+    lost = await asyncio.wait_for(anext(s.events()), 1)
+    assert (lost.job_id, lost.attempt, lost.kind) == ("j1", 1, EventKind.LOST) and "restarted" in lost.reason
+    assert s.held_attempts() == {("j2", 1)}
+
+
+async def test_a_dispatch_answered_after_the_lease_ran_out_is_given_up_not_admitted(edge) -> None:
+    s, hub = edge  # lease 0.5 s
+    s.receive(heartbeat(1))
+    dispatch = asyncio.create_task(s.submit(a_job("late")))
+    await asyncio.sleep(0.05)
+    msg_id = hub.of(proto.Dispatch)[-1].msg_id
+    lost = await asyncio.wait_for(anext(s.events()), 2)  # the lease runs out while the site deliberates
+    assert (lost.job_id, lost.kind) == ("late", EventKind.LOST)
+    s.receive(proto.Reply(site="edge", msg_id=msg_id, ok=True, admitted=True))  # ... then it says yes
+    with pytest.raises(AdapterError, match="lease ran out while the site admitted"):
+        await dispatch
+
+
+async def test_after_a_broker_restart_a_site_never_heard_holds_nothing_once_a_lease_has_passed(edge) -> None:
+    s, _ = edge  # started just now, as after a restart; its agent is gone
+    with pytest.raises(AdapterError, match="not heard from yet"):
+        await s.known_attempts()  # the previous broker's lease may still run: cannot tell
+    await asyncio.sleep(0.6)
+    assert await s.known_attempts() == set()  # any lease granted before the restart has ended
+    with pytest.raises(AdapterError, match="lease ran out: never heard"):
+        await s.snapshot()
