@@ -388,7 +388,7 @@ async def cancel_job(request: web.Request) -> web.Response:
 async def job_decision(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     job = await _job(request)
-    stored = await broker.store.get_decision(job.id)
+    stored = await broker.decision(job)
     if stored is None:
         raise ApiError(404, f"job {job.id} has not been decided yet; the next scheduling cycle decides it")
     req = JobRequest.from_spec(job.id, job.spec, frozenset(stored.record.get("excluded", ())))

@@ -35,6 +35,7 @@ from typing import Any
 from broker.clock import Clock
 from broker.federation import Federation
 from broker.jobs import JobBook
+from broker.queue import Entry, QueueWalk
 from broker.lifecycle import Lifecycle
 from broker.models import Job, JobState
 from broker.store import Store, StoreError
@@ -82,6 +83,38 @@ def _urgency(job: Job) -> float:
     """The queue's order for pipelines that defer jobs (``policies.timeshift.urgency_ts``)."""
     deadline = job.spec.deadline.timestamp() if job.spec.deadline is not None else None
     return timeshift.urgency_ts(job.created_at.timestamp(), deadline, job.spec.duration_s)
+
+
+def _by_urgency(job: Job) -> tuple[float, float]:
+    return (_urgency(job), job.created_at.timestamp())
+
+
+class _Listed:
+    """A pass over given jobs (the new ones), in scheduling order; a :class:`broker.queue.QueueWalk`'s
+    interface. Failures are shared through ``PassDecider`` alone: the list holds few jobs per group."""
+
+    def __init__(self, jobs: list[Job], fair: FairOrder[Job] | None) -> None:
+        self._jobs = jobs
+        self._fair = fair
+
+    def __iter__(self) -> Any:
+        return (j.id for j in (self._fair if self._fair is not None else self._jobs))
+
+    def placed(self, tenant: str, gpus: float) -> None:
+        if self._fair is not None:
+            self._fair.placed(tenant, gpus)
+
+    def fail_group(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupFailure:
+    """A queue group that found no site in a full pass: the job it failed at (its place in the group) and
+    that decision's record, which is every later job's of the group until the next full pass."""
+
+    entry: Entry
+    record: dict[str, Any]
 
 
 class _Failure:
@@ -209,6 +242,11 @@ class SchedulingCycle:
         shifts = [p.shift for p in (self.pipeline, *self.profiles.values()) if p.shift is not None]
         self._plan_hours = max((s.plan_hours for s in shifts), default=0)
         self._deferred: dict[str, _Planned] = {}
+        if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
+            book.active.queue.reorder(_by_urgency, book.active.get)
+        # The groups the last full pass found no site for (``broker.queue``): their jobs it did not decide
+        # are explained by the decision it failed at (``skipped_decision``).
+        self._group_failures: dict[tuple[Any, ...], _GroupFailure] = {}
 
     def full_pass_due(self, now: datetime) -> bool:
         """A full pass asks the sites again and re-decides the whole queue. It is due when capacity may
@@ -245,11 +283,12 @@ class SchedulingCycle:
                 jobs = self.book.take_fresh()
             else:
                 self.book.fresh.clear()
-                jobs = self.book.queued()
+                jobs = None  # the whole queue, walked group by group
                 self._forget_gone()
         else:
             jobs = self.book.take_fresh()
-        if not jobs:  # nothing to decide: no snapshot, no plan (building the plan walks every active job)
+        if jobs is not None and not jobs or jobs is None and not self.book.active.queue:
+            # nothing to decide: no snapshot, no plan (building the plan walks every job on a site)
             if full:
                 self._quiet = quiet_key if quiet_key is not None and self.book.seq == quiet_key[1] else None
             return CycleReport(full=full, decided=0, placed=0, unplaceable=0)
@@ -284,30 +323,41 @@ class SchedulingCycle:
         return (timeshift.epoch_hour(now), self.book.seq, self.book.refusals_changed,
                 tuple(sorted(self.federation.leaving)), reports)
 
+    def _order(self, jobs: list[Job] | None, snap: Snapshot) -> QueueWalk | _Listed:
+        """The pass's order over ``jobs`` (None: the whole queue): priority, then, where sites divide by
+        fair share, the tenant furthest below its share (``policies.fair_order``), then urgency when some
+        profile defers jobs (as the simulator replays it), then age."""
+        standing = None
+        if snap.quota is not None and any(e > 0 for _, e in snap.quota.standing.values()):
+            standing = snap.quota.standing
+        if jobs is None:
+            self._group_failures = {}
+            return self.book.active.queue.walk(standing)
+        within: Callable[[Job], Any] = _by_urgency if self._plan_hours else (lambda j: j.created_at)
+        jobs = sorted(jobs, key=lambda j: (-j.spec.priority, within(j)))
+        fair = None
+        if standing is not None:
+            fair = FairOrder(jobs, lambda j: j.spec.tenant, lambda j: j.spec.priority, within, standing)
+        return _Listed(jobs, fair)
+
     async def _decide(
         self,
-        jobs: list[Job],
+        jobs: list[Job] | None,
         snap: Snapshot,
         assumed: list[tuple[Job, Awaitable[None]]],
         records: list[tuple[Job, dict[str, Any]]],
     ) -> int:
-        """Step 3: decide each job in order; append placements (assumed in memory, writes queued) and the
-        decisions worth recording. Returns how many jobs were decided."""
+        """Step 3: decide each job of ``jobs`` (None: the queue) in order; append placements (assumed in
+        memory, writes queued) and the decisions worth recording. Returns how many jobs were decided."""
         deciders: dict[int, PassDecider] = {}  # one per pipeline in use, all on the same snapshot
         decided = 0
         hour = timeshift.epoch_hour(snap.now)
-        if self._plan_hours:  # some profile defers jobs: urgency order, as the simulator replays it
-            jobs = sorted(jobs, key=lambda j: (-j.spec.priority, _urgency(j), j.created_at))
-        fair = None
-        if snap.quota is not None and any(e > 0 for _, e in snap.quota.standing.values()):
-            # sites divide by fair share: offer their GPUs in that order (policies.fair_order)
-            within: Callable[[Job], Any] = ((lambda j: (_urgency(j), j.created_at)) if self._plan_hours
-                                            else (lambda j: j.created_at))
-            fair = FairOrder(jobs, lambda j: j.spec.tenant, lambda j: j.spec.priority, within, snap.quota.standing)
-        for n, queued_job in enumerate(fair if fair is not None else jobs):
+        order = self._order(jobs, snap)
+        queue = self.book.active.queue
+        for n, job_id in enumerate(order):
             if n and n % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the API breathe during a long pass
-            job = self.book.active.get(queued_job.id)
+            job = self.book.active.get(job_id)
             if job is None or job.state != JobState.QUEUED:
                 continue  # cancelled or changed while the pass yielded
             planned = self._deferred.get(job.id)
@@ -342,6 +392,12 @@ class SchedulingCycle:
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
                     self._last_seen[job.id] = placement.signature
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
+                if jobs is None and not req.excluded_sites and (pipeline.shift is None or req.deadline_ts is None):
+                    # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.
+                    order.fail_group()
+                    where = queue.position(job.id)
+                    if where is not None:
+                        self._group_failures[where[0]] = _GroupFailure(where[1], placement.record(pipeline, snap))
                 continue
             site = snap.sites[placement.site]
             if site in self.federation.leaving:
@@ -358,9 +414,19 @@ class SchedulingCycle:
             self._last_seen.pop(job.id, None)
             self._requests.pop(job.id, None)
             assumed.append((new, landing))
-            if fair is not None:
-                fair.placed(job.spec.tenant, req.charge)
+            order.placed(job.spec.tenant, req.charge)
         return decided
+
+    def skipped_decision(self, job_id: str) -> dict[str, Any] | None:
+        """The record explaining a queued job the last full pass did not decide, because an earlier job of
+        its group (same request shape, tenant, priority and profile) found no site; None otherwise."""
+        where = self.book.active.queue.position(job_id)
+        if where is None:
+            return None
+        failure = self._group_failures.get(where[0])
+        if failure is None or where[1] <= failure.entry:
+            return None
+        return failure.record
 
     async def _finish(
         self, assumed: list[tuple[Job, Awaitable[None]]], records: list[tuple[Job, dict[str, Any]]]
@@ -403,7 +469,7 @@ class SchedulingCycle:
         hours = self._plan_hours
         h0 = timeshift.epoch_hour(snap.now)
         calendar = timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
-        for job in self.book.active.values():
+        for job in self.book.active.unqueued():
             site = snap.index.get(job.site) if job.site is not None else None
             if not job.state.on_site or site is None or job.gpu_model not in MODEL_INDEX:
                 continue

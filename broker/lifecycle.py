@@ -237,14 +237,14 @@ class Lifecycle:
         reconcile every site. A site that cannot answer now is retried by ``settle``, for the jobs it had
         at start-up only: jobs placed there later are settled by the usual dispatch and events."""
         requeued = []
-        for job in list(self.book.active.values()):
+        for job in self.book.active.unqueued():
             if job.state == JobState.PREEMPTED:
                 requeued.append(await self._requeue(job, "requeued after preemption"))
             elif job.state in ON_SITE and job.site not in self.federation:
                 requeued.append(await self._requeue(job, f"site {job.site} is no longer registered; requeued"))
         names = list(self.federation.members)
         snapshots = {
-            name: {j.id: j.version for j in self.book.active.values() if j.site == name and j.state in ON_SITE}
+            name: {j.id: j.version for j in self.book.active.unqueued() if j.site == name and j.state in ON_SITE}
             for name in names
         }
         outcomes = await asyncio.gather(*(self.reconcile(name, snapshots[name]) for name in names))

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import uuid
 from pathlib import Path
+from datetime import datetime
 from collections.abc import AsyncIterator, Callable
 
 from adapters.base import SiteAdapter
@@ -28,11 +29,11 @@ from broker.federation import Federation, Member, needs_rebuild
 from broker.jobs import JobBook
 from broker.leadership import SHUTTING_DOWN, Leadership
 from broker.lifecycle import Lifecycle
-from broker.models import SiteSpec
+from broker.models import Job, SiteSpec
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
 from broker.providers.prices import PriceProvider, build_price_provider
 from broker.signals import GridSignals
-from broker.store import Fenced, Store, open_store
+from broker.store import Fenced, Store, StoredDecision, open_store
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +307,17 @@ class Broker:
             await self.lifecycle.settle()
         except Exception:
             log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
+
+    async def decision(self, job: Job) -> StoredDecision | None:
+        """The decision that explains ``job`` now: its own last recorded one, or, if newer, the one its
+        queue group failed at in the last full pass, which did not decide the rest of the group
+        (``broker.queue``). None: not decided yet."""
+        stored = await self.store.get_decision(job.id)
+        skipped = self.cycle.skipped_decision(job.id)
+        if skipped is not None and (stored is None or datetime.fromisoformat(skipped["decided_at"])
+                                    > datetime.fromisoformat(stored.record["decided_at"])):
+            return StoredDecision(job.attempt, skipped)
+        return stored
 
     def wake(self) -> None:
         self.book.changed.set()

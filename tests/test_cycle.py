@@ -97,7 +97,7 @@ class Harness:
 
     async def decision(self, job_id: str):
         j = await self.job(job_id)
-        stored = await self.broker.store.get_decision(job_id)
+        stored = await self.broker.decision(j)
         req = JobRequest.from_spec(j.id, j.spec, frozenset(stored.record["excluded"]))
         return explain.render(stored.record, req, self.broker.cycle.filters, stored.attempt)
 
@@ -314,7 +314,7 @@ async def test_a_periodic_full_pass_over_a_full_federation_does_not_walk_the_que
     await h.step(1.0)
     waiting = [await h.submit(name=f"waiting-{i}", count=1, duration_s=60) for i in range(40)]
     report = await h.broker.cycle.run_once(full=True)
-    assert report.decided == 40 and report.placed == 0
+    assert report.decided == 1 and report.placed == 0  # one shape: the first that found no site speaks for all
     await h.clock.advance(h.broker.cycle.full_pass_interval_s)
     report = await h.broker.cycle.run_once()
     assert report.full and report.decided == 0  # the 40 were not decided again
@@ -328,6 +328,35 @@ async def test_a_periodic_full_pass_over_a_full_federation_does_not_walk_the_que
     assert report.full and report.decided >= 8 and report.placed == 8
     placed = [j for j in waiting + [late] if (await h.job(j.id)).state == JobState.DISPATCHING]
     assert len(placed) == 8
+
+
+async def test_a_full_pass_decides_one_job_per_group_that_cannot_run_and_explains_the_rest(make):
+    """A full pass stops at the first job of a group (same shape, tenant, priority) that finds no site: the
+    rest of the group could not run either. They are explained by that decision, and once capacity frees
+    they are placed in the queue's order, across groups."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    blocker = await h.submit(name="blocker", count=8, duration_s=100)
+    await h.cycle()
+    await h.step(1.0)
+    queued = []
+    for i in range(30):  # three groups, interleaved by age
+        tenant, count = [("t1", 1), ("t2", 1), ("t1", 2)][i % 3]
+        queued.append(await h.submit(tenant=tenant, name=f"w-{i}", count=count, duration_s=60))
+        await h.clock.advance(0.001)
+    report = await h.broker.cycle.run_once(full=True)
+    assert report.full and report.decided == 3 and report.placed == 0
+    last = queued[-1]  # never decided: its group failed at its first job
+    assert await h.broker.store.get_decision(last.id) is None
+    d = await h.decision(last.id)
+    assert d.outcome == "unplaceable"
+    assert d.sites[0].reasons == ["gpus-do-not-fit: job needs 2 GPUs of any model; 0 free"]
+    await h.step(100)  # the blocker ends: 8 GPUs free
+    assert (await h.job(blocker.id)).state == JobState.SUCCEEDED
+    report = await h.broker.cycle.run_once()
+    placed = [j for j in queued if (await h.job(j.id)).state == JobState.DISPATCHING]
+    # oldest first across the groups: 1 + 1 + 2 + 1 + 1 + 2 = 8 GPUs
+    assert [j.spec.name for j in placed] == [f"w-{i}" for i in range(6)]
+    assert report.placed == 6
 
 
 class RefusesOnce(SimulatedSite):

@@ -1,0 +1,182 @@
+"""The queue, indexed so that a scheduling pass costs what it places, not what waits.
+
+Queued jobs are grouped by everything placement reads of them (``policies.snapshot.JobRequest.shape``
+without the sites that refused the job, its tenant, priority, profile, whether it is preemptible and
+whether it has a deadline). Within a pass capacity only shrinks, so once one job of a group finds no site,
+the rest of the group finds none either: :class:`QueueWalk` then drops the whole group for the pass
+(``fail_group``) instead of deciding each of its jobs. A pass over a million queued jobs of a few dozen
+shapes that cannot run costs a few dozen decisions.
+
+Order: each group holds its jobs sorted by ``order(job)`` (oldest first, or by urgency when some profile
+defers jobs; the job id breaks ties), and a walk merges the groups' heads: higher priority first, then,
+where the sites report fair shares, the tenant with the least held per entitled GPU (``policies.fair_order``,
+re-ranked lazily as the walk places jobs), then the group order. That is the order the cycle always used;
+only the jobs of groups that failed are no longer visited.
+
+Each queued job costs the index one entry in a ``sortedcontainers.SortedList`` (insert and remove in
+O(log n)) and one in a dict from id to (group, entry).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from sortedcontainers import SortedList
+
+from broker.models import Job
+from policies.snapshot import JobRequest
+
+Entry = tuple[Any, ...]
+"""``(*order(job), job id)``: a job's place within its group."""
+
+
+def group_key(job: Job) -> tuple[Any, ...]:
+    """What placement reads of a queued job, apart from the sites that refused it (priority first: the walk
+    orders groups by it)."""
+    spec = job.spec
+    shape = JobRequest.from_spec(job.id, spec).shape
+    return (spec.priority, spec.tenant, spec.profile, spec.preemptible, spec.deadline is not None, shape)
+
+
+def by_age(job: Job) -> tuple[Any, ...]:
+    return (job.created_at.timestamp(),)
+
+
+class QueueIndex:
+    """The queued jobs by group, each group in ``order``."""
+
+    __slots__ = ("groups", "_where", "_order", "_keys")
+
+    def __init__(self, order: Callable[[Job], tuple[Any, ...]] = by_age) -> None:
+        self.groups: dict[tuple[Any, ...], SortedList] = {}
+        self._where: dict[str, tuple[tuple[Any, ...], Entry]] = {}
+        self._order = order
+        self._keys: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # one shared key object per group
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._where
+
+    def add(self, job: Job) -> None:
+        if job.id in self._where:
+            self.discard(job.id)
+        key = group_key(job)
+        key = self._keys.setdefault(key, key)
+        entry = (*self._order(job), job.id)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = SortedList()
+        group.add(entry)
+        self._where[job.id] = (key, entry)
+
+    def discard(self, job_id: str) -> None:
+        found = self._where.pop(job_id, None)
+        if found is None:
+            return
+        key, entry = found
+        group = self.groups[key]
+        group.remove(entry)
+        if not group:
+            del self.groups[key]
+            del self._keys[key]
+
+    def clear(self) -> None:
+        self.groups.clear()
+        self._where.clear()
+        self._keys.clear()
+
+    def position(self, job_id: str) -> tuple[tuple[Any, ...], Entry] | None:
+        """(group, entry) of a queued job; None if it is not queued."""
+        return self._where.get(job_id)
+
+    def reorder(self, order: Callable[[Job], tuple[Any, ...]], jobs: Callable[[str], Job | None]) -> None:
+        """Sort every group by ``order`` from now on (``jobs`` reads a queued job by id)."""
+        self._order = order
+        queued = [j for j in map(jobs, list(self._where)) if j is not None]
+        self.clear()
+        for job in queued:
+            self.add(job)
+
+    def ids(self) -> Iterator[str]:
+        """Every queued job's id, in no particular order."""
+        return iter(self._where)
+
+    def walk(self, standing: Mapping[str, tuple[float, float]] | None = None) -> QueueWalk:
+        return QueueWalk(self, standing)
+
+
+class QueueWalk:
+    """One pass's walk over the queue, in scheduling order. After each job it yields, the caller may say
+    ``placed(tenant, gpus)`` (fair order moves that tenant back) or ``fail_group()`` (the job found no site
+    and neither will the rest of its group in this pass). Jobs added to a group behind the walk's position
+    in it during the pass are left to the next pass (the cycle decides new jobs on their own anyway)."""
+
+    def __init__(self, index: QueueIndex, standing: Mapping[str, tuple[float, float]] | None) -> None:
+        self._index = index
+        self._fair = standing is not None
+        self._held = {t: h for t, (h, _) in (standing or {}).items()}
+        self._entitled = {t: e for t, (_, e) in (standing or {}).items()}
+        self._cursor: dict[tuple[Any, ...], Entry] = {}
+        self._current: tuple[Any, ...] | None = None
+        self._heap: list[tuple[Any, ...]] = []
+        for key, group in index.groups.items():
+            self._heap.append(self._rank(key, group[0]))
+        heapq.heapify(self._heap)
+        self.visited = 0  # jobs yielded
+        self.groups_failed = 0
+
+    def _ratio(self, tenant: str) -> float:
+        if not self._fair:
+            return 0.0
+        entitled = self._entitled.get(tenant, 0.0)
+        return self._held.get(tenant, 0.0) / entitled if entitled > 0 else math.inf
+
+    def _rank(self, key: tuple[Any, ...], entry: Entry) -> tuple[Any, ...]:
+        return (-key[0], self._ratio(key[1]), entry, key)
+
+    def _next_entry(self, key: tuple[Any, ...]) -> Entry | None:
+        group = self._index.groups.get(key)
+        if not group:
+            return None
+        cursor = self._cursor.get(key)
+        i = 0 if cursor is None else group.bisect_right(cursor)
+        return group[i] if i < len(group) else None
+
+    def placed(self, tenant: str, gpus: float) -> None:
+        self._held[tenant] = self._held.get(tenant, 0.0) + gpus
+
+    def fail_group(self) -> None:
+        """The last job's group finds no site for the rest of this pass."""
+        if self._current is not None:
+            self._cursor.pop(self._current, None)
+            self._current = None
+            self.groups_failed += 1
+
+    def __iter__(self) -> Iterator[str]:
+        heap = self._heap
+        while True:
+            if self._current is not None:  # the last job's group goes on from after it
+                entry = self._next_entry(self._current)
+                if entry is not None:
+                    heapq.heappush(heap, self._rank(self._current, entry))
+                self._current = None
+            if not heap:
+                return
+            ranked = heapq.heappop(heap)
+            key = ranked[-1]
+            entry = self._next_entry(key)
+            if entry is None:
+                continue  # emptied meanwhile
+            now = self._rank(key, entry)
+            if now > ranked:  # its tenant was placed since, or its head left: take its turn when it comes
+                heapq.heappush(heap, now)
+                continue
+            self._cursor[key] = entry
+            self._current = key
+            self.visited += 1
+            yield entry[-1]
