@@ -45,6 +45,7 @@ This prints figures; it asserts nothing about timing. Usage::
 
     .venv/bin/python bench/queue_scale.py [--sizes 10000,100000,1000000] [--store sqlite|memory]
                                           [--passes 5] [--plot FILE] [--diagnose N] [--timeout 1800]
+                                          [--distinct-shapes]
 """
 
 from __future__ import annotations
@@ -113,9 +114,19 @@ def templates() -> list[Job]:
     return [out[(k * step) % len(out)] for k in range(len(out))]
 
 
+DISTINCT_SHAPES = False
+"""``--distinct-shapes``: every queued job asks for its own minimum GPU memory, so no two share a queue
+group (the worst case for ``broker.queue``: a pass decides every job again)."""
+
+
 def queued_job(i: int, n: int, tmpl: list[Job]) -> Job:
     at = T0 - timedelta(milliseconds=n - i)
-    return tmpl[i % len(tmpl)].model_copy(update={"id": job_id(i), "created_at": at, "updated_at": at})
+    job = tmpl[i % len(tmpl)]
+    update: dict[str, Any] = {"id": job_id(i), "created_at": at, "updated_at": at}
+    if DISTINCT_SHAPES:
+        gpus = job.spec.gpus.model_copy(update={"memory_gib": 1.0 + i * 1e-5})
+        update["spec"] = job.spec.model_copy(update={"gpus": gpus})
+    return job.model_copy(update=update)
 
 
 def rss_kib(field: str = "VmRSS") -> int:
@@ -298,17 +309,19 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 def run_size(n: int, args: argparse.Namespace, diagnose: bool = False) -> dict[str, Any]:
     me = [sys.executable, str(Path(__file__).resolve())]
     deadline = time.monotonic() + args.timeout
+    shapes = ["--distinct-shapes"] if args.distinct_shapes else []
     with tempfile.TemporaryDirectory(prefix="queue-scale-") as tmp:
         db = Path(tmp) / "bench.db"
         result: dict[str, Any] = {"n": n}
         try:
             if args.store == "sqlite":
-                done = subprocess.run([*me, "--insert-worker", str(n), "--db", str(db)], capture_output=True,
+                done = subprocess.run([*me, "--insert-worker", str(n), "--db", str(db), *shapes], capture_output=True,
                                       text=True, timeout=args.timeout)
                 if done.returncode != 0:
                     return {"n": n, "error": f"insert failed: {done.stderr.strip()[-2000:]}"}
                 result.update(json.loads(done.stdout.strip().splitlines()[-1]))
-            cmd = [*me, "--worker", str(n), "--db", str(db), "--store", args.store, "--passes", str(args.passes)]
+            cmd = [*me, "--worker", str(n), "--db", str(db), "--store", args.store, "--passes", str(args.passes),
+                   *shapes]
             if diagnose:
                 cmd.append("--diag")
             done = subprocess.run(cmd, capture_output=True, text=True,
@@ -474,7 +487,11 @@ def main() -> None:
     p.add_argument("--insert-worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--db", help=argparse.SUPPRESS)
     p.add_argument("--diag", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--distinct-shapes", action="store_true",
+                   help="give every queued job a shape of its own (no two in one queue group): the worst case")
     args = p.parse_args()
+    global DISTINCT_SHAPES
+    DISTINCT_SHAPES = args.distinct_shapes
     if args.insert_worker is not None:
         print(json.dumps(insert_sqlite(Path(args.db), args.insert_worker)))
     elif args.worker is not None:

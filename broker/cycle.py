@@ -372,7 +372,9 @@ class SchedulingCycle:
                     for other in deciders.values():
                         other.unplanned.clear()
             decided += 1
-            req = self._request(job)
+            # Built afresh: a queued job is decided again only when its group's turn comes (no cache per
+            # queued job, which would cost more memory than the compact job itself).
+            req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
             pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
             decider = deciders.get(id(pipeline))
             if decider is None:
@@ -412,7 +414,6 @@ class SchedulingCycle:
                                            decision=rec)
             self._in_flight[job.id] = InFlight(site, new.attempt, req, placement.model)
             self._last_seen.pop(job.id, None)
-            self._requests.pop(job.id, None)
             assumed.append((new, landing))
             order.placed(job.spec.tenant, req.charge)
         return decided
@@ -454,12 +455,11 @@ class SchedulingCycle:
             return rec
         return {**rec, "refusals": self.book.refusal_reasons(req.job_id)}
 
-    def _request(self, job: Job) -> JobRequest:
-        """The job's placement request, cached until the sites it must skip change."""
-        excluded = self.book.refused_sites(job.id)
+    def _on_site_request(self, job: Job) -> JobRequest:
+        """The placement request of a job on a site (what the plan books for it), cached while it is there."""
         req = self._requests.get(job.id)
-        if req is None or req.excluded_sites != excluded:
-            req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, excluded, job.created_at)
+        if req is None:
+            req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, frozenset(), job.created_at)
         return req
 
     def _with_plan(self, snap: Snapshot) -> Snapshot:
@@ -475,7 +475,7 @@ class SchedulingCycle:
                 continue
             began = (job.started_at or job.updated_at).timestamp()
             end_h = math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S)
-            calendar.book(site, MODEL_INDEX[job.gpu_model], self._request(job).charge, h0,
+            calendar.book(site, MODEL_INDEX[job.gpu_model], self._on_site_request(job).charge, h0,
                           min(end_h, h0 + hours))
         for job_id, planned in list(self._deferred.items()):
             job = self.book.active.get(job_id)
@@ -492,7 +492,7 @@ class SchedulingCycle:
         return None if planned is None else datetime.fromtimestamp(planned.first * timeshift.HOUR_S, tz=UTC)
 
     def _forget_gone(self) -> None:
-        """Drop cached requests and decision signatures of jobs no longer queued."""
+        """Drop the cached requests and decision signatures of jobs that have ended."""
         active = self.book.active
         for cache in (self._requests, self._last_seen):
             for job_id in [j for j in cache if j not in active]:
