@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from broker.errors import is_malformed_json, problems
@@ -98,7 +99,7 @@ async def error_middleware(
 
 
 ANY_REPLICA: tuple[tuple[str, str], ...] = (
-    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/healthz"), ("GET", "/openapi.json"),
+    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/metrics"),
 )
 """What every replica serves itself: submissions (stored at once; the leader takes them in) and reads of
 jobs, which come from the shared store. Everything else (sites, quotas, cancels) changes what the leader
@@ -418,6 +419,12 @@ async def healthz(request: web.Request) -> web.Response:
     })
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus' text format; each replica answers for itself (a replica that does not lead holds no jobs)."""
+    body = generate_latest(request.app[BROKER].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 async def openapi(request: web.Request) -> web.Response:
     return _json(openapi_document())
 
@@ -444,5 +451,6 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/jobs/{id}/decision", job_decision)
     r.add_get("/v1/jobs/{id}/events", job_events)
     r.add_get("/healthz", healthz)
+    r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi)
     return app

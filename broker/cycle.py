@@ -27,6 +27,7 @@ import asyncio
 import bisect
 import logging
 import math
+import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from collections.abc import Awaitable, Callable, Mapping
@@ -37,6 +38,7 @@ from broker.federation import Federation
 from broker.jobs import JobBook
 from broker.queue import Entry, QueueWalk
 from broker.lifecycle import Lifecycle
+from broker.metrics import Metrics
 from broker.models import Job, JobState
 from broker.store import Store, StoreError
 from policies import explain, timeshift
@@ -230,6 +232,7 @@ class SchedulingCycle:
         self.dispatch_timeout_s = dispatch_timeout_s
         self._dispatches: set[asyncio.Task[None]] = set()
         self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
+        self.metrics = Metrics()  # the broker passes its own
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
         self._in_flight: dict[str, InFlight] = {}
@@ -354,6 +357,8 @@ class SchedulingCycle:
         hour = timeshift.epoch_hour(snap.now)
         order = self._order(jobs, snap)
         queue = self.book.active.queue
+        metrics = self.metrics
+        metrics.passes.labels("full" if jobs is None else "new").inc()
         for n, job_id in enumerate(order):
             if n and n % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the API breathe during a long pass
@@ -379,8 +384,11 @@ class SchedulingCycle:
             decider = deciders.get(id(pipeline))
             if decider is None:
                 decider = deciders[id(pipeline)] = PassDecider(pipeline, snap)
+            started = time.perf_counter()
             placement = decider.decide(req)
+            metrics.decision_seconds.observe(time.perf_counter() - started)
             if isinstance(placement, Deferral):
+                metrics.deferred.inc()
                 decider.reserve(placement)
                 first = hour + placement.slot
                 self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
@@ -391,12 +399,14 @@ class SchedulingCycle:
                     records.append((job, self._with_refusals(req, explain.record_deferral(pipeline, placement, snap))))
                 continue
             if isinstance(placement, _Failure):
+                metrics.unplaceable.inc()
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
                     self._last_seen[job.id] = placement.signature
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
                 if jobs is None and not req.excluded_sites and (pipeline.shift is None or req.deadline_ts is None):
                     # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.
                     order.fail_group()
+                    metrics.groups_skipped.inc()
                     where = queue.position(job.id)
                     if where is not None:
                         self._group_failures[where[0]] = _GroupFailure(where[1], placement.record(pipeline, snap))
@@ -404,6 +414,7 @@ class SchedulingCycle:
             site = snap.sites[placement.site]
             if site in self.federation.leaving:
                 continue  # being removed or rebuilt: the next pass decides without it
+            metrics.placed.inc()
             rec = self._with_refusals(req, explain.record(pipeline, placement, snap))
             decider.assume(placement)
             new, version = self.book.apply(

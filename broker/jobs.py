@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from broker.clock import Clock
+from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobSpec, JobState
 from broker.queue import QueueIndex
 from broker.store import DuplicateKey, Store, StoreError
@@ -167,6 +168,7 @@ class JobBook:
         self._pulled_seq = 0  # the newest job row this book has seen in the store (see pull_new)
         self._gaps: dict[int, float] = {}  # row numbers skipped below it, and when that was noticed
         self._gaps_checked = -math.inf  # monotonic time they were last looked up
+        self.metrics = Metrics()  # the broker passes its own
 
     async def load(self) -> int:
         """Load every non-terminal job from the store (at start-up), a page at a time; returns how many."""
@@ -424,7 +426,9 @@ class JobBook:
             if isinstance(e, StoreError):
                 raise
             raise StoreError(f"write failed: {e.__class__.__name__}: {e}") from e
+        self.metrics.transitions.labels(new.state.value).inc()
         if new.state.terminal:
+            self.metrics.finished.labels(new.state.value, new.spec.tenant).inc()
             self._changes.pop(new.id, None)
 
     async def transition_if(self, job_id: str, states: Iterable[JobState], attempt: int | None, dst: JobState,

@@ -20,6 +20,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 from adapters.base import AttemptLookup, EventKind, HeldAttempts, JobEvent
 from broker.federation import Federation, Member
 from broker.jobs import JobBook, JobNotFound
+from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobState
 from broker.store import StoreError
 
@@ -42,6 +43,7 @@ class Lifecycle:
         self._backoff: dict[str, tuple[float, float]] = {}  # site -> (next try, monotonic s; last delay s)
         self.max_backoff_s = max_backoff_s
         self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
+        self.metrics = Metrics()  # the broker passes its own
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -98,6 +100,7 @@ class Lifecycle:
                            f"({failed} of {job.spec.max_attempts} attempts failed)",
                 )
             case EventKind.PREEMPTED:
+                self.metrics.preemptions.labels(site).inc()
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
                 await self.book.transition(
                     job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {ev.reason or ''}".strip()

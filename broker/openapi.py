@@ -153,6 +153,9 @@ def openapi_document() -> dict[str, Any]:
             "get": {"summary": "The job's transitions", "responses": {"200": {"description": "transitions"}, **err}},
         },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics (text format): jobs, decisions, sites, carbon, cost",
+                             "responses": {"200": {"description": "ok",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
     }
     return {
         "openapi": "3.1.0",

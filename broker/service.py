@@ -29,6 +29,7 @@ from broker.federation import Federation, Member, needs_rebuild
 from broker.jobs import JobBook
 from broker.leadership import SHUTTING_DOWN, Leadership
 from broker.lifecycle import Lifecycle
+from broker.metrics import Metrics
 from broker.models import Job, SiteSpec
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
 from broker.providers.prices import PriceProvider, build_price_provider
@@ -116,7 +117,9 @@ class Broker:
             collect_timeout_s=self.settings.collect_timeout_s,
         )
         self._new_id = new_id
+        self.metrics = Metrics()
         self._fresh_term()
+        self.metrics.bind(self)
         self._carbon_provider, self._price_provider = carbon, prices
         self.signals: GridSignals | None = None  # carbon forecasts per zone; None without a carbon provider
         self._pumps: dict[str, asyncio.Task[None]] = {}
@@ -144,6 +147,7 @@ class Broker:
                       for name in self.settings.profiles.job_may_choose},
         )
         self.cycle.may_act = self.lifecycle.may_act = self.may_act
+        self.book.metrics = self.cycle.metrics = self.lifecycle.metrics = self.metrics
 
     def may_act(self) -> bool:
         """Whether this broker may call a site now: always when alone; among replicas, while it surely leads."""

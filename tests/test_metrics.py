@@ -1,0 +1,125 @@
+"""GET /metrics: Prometheus' text format, parsed by prometheus-client's own parser, with the figures an
+operator reads: jobs by state and tenant, decisions, the sites' GPUs, carbon, price and health, and the
+estimated carbon and cost of the work running."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.api import create_app
+from broker.clock import ManualClock
+from broker.config import BrokerSettings
+from broker.data.carbon import load_carbon
+from broker.models import JobState, SimulatedAdapterConfig
+from broker.providers import FileCarbonProvider
+from broker.service import Broker
+from tests.builders import job, site
+
+ROOT = Path(__file__).resolve().parent.parent
+NOW = datetime(2022, 6, 15, 12, 20, tzinfo=UTC)  # inside the shipped carbon slice
+FAST = SimulatedAdapterConfig(dispatch_delay_s=0.5)
+LONDON = site("london", region="gcp:europe-west2", grid_zone="GB", timezone="Europe/London", adapter=FAST,
+              gpus={"a100-80gb": 8}, usd_per_gpu_hour={"a100-80gb": 4.0})
+TOKYO = site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=FAST,
+             gpus={"h100-80gb": 8})
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample by (name, sorted labels); the parser raises on anything not in the text format."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+@pytest.fixture
+async def running(tmp_path: Path):
+    clock = ManualClock(NOW)
+    carbon = FileCarbonProvider(load_carbon(ROOT / "data" / "carbon"))
+    settings = BrokerSettings.model_validate({"db": str(tmp_path / "m.db"), "shutdown_grace_s": 0.1,
+                                              "carbon_forecast": {"history_h": 336}})  # the slice holds 3 weeks
+    broker = Broker(settings, clock=clock, carbon=carbon)
+    await broker.start([LONDON, TOKYO], run_loop=False)
+    await asyncio.wait_for(broker.signals.wait_ready(), 10)
+    async with TestClient(TestServer(create_app(broker))) as client:
+        yield broker, clock, client
+    await broker.stop()
+
+
+async def scrape(client: TestClient) -> dict:
+    r = await client.get("/metrics")
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=")
+    return samples(await r.text())
+
+
+async def test_metrics_show_jobs_decisions_sites_and_the_cost_and_carbon_of_running_work(running):
+    broker, clock, client = running
+    for i in range(3):  # 2 GPUs each on london's A100s, the only model they name
+        await broker.book.submit(job(tenant="vision", name=f"train-{i}", count=2, model="a100-80gb", duration_s=600))
+    for i in range(2):  # no site has 16 GPUs of one model: unplaceable, one shape
+        await broker.book.submit(job(tenant="nlp", name=f"huge-{i}", count=16, duration_s=600))
+    await broker.cycle.run_once()
+    await asyncio.sleep(0.05)
+    await clock.advance(1.0)  # the simulated site admits and starts them
+    await asyncio.sleep(0.05)
+    await broker.federation.collect()
+    m = await scrape(client)
+
+    assert m[("heliotrope_jobs", (("state", "running"), ("tenant", "vision")))] == 3
+    assert m[("heliotrope_jobs", (("state", "queued"), ("tenant", "nlp")))] == 2
+    assert m[("heliotrope_decisions_total", (("outcome", "placed"),))] == 3
+    # one of the two huge jobs was decided: the other, of the same group, could not run either
+    assert m[("heliotrope_decisions_total", (("outcome", "unplaceable"),))] == 1
+    assert m[("heliotrope_queue_groups_skipped_total", ())] == 1
+    assert m[("heliotrope_decision_seconds_count", ())] == 4
+    assert m[("heliotrope_job_transitions_total", (("state", "running"),))] == 3
+
+    assert m[("heliotrope_site_gpus", (("model", "a100-80gb"), ("site", "london")))] == 8
+    assert m[("heliotrope_site_free_gpus", (("model", "a100-80gb"), ("site", "london")))] == 2
+    assert m[("heliotrope_site_free_gpus", (("model", "h100-80gb"), ("site", "tokyo")))] == 8
+    assert m[("heliotrope_site_healthy", (("site", "london"),))] == 1
+    assert m[("heliotrope_site_telemetry_age_seconds", (("site", "london"),))] == 0
+    assert m[("heliotrope_site_price_usd_per_gpu_hour", (("model", "a100-80gb"), ("site", "london")))] == 4.0
+
+    # what routing sees now, from the shipped GB slice
+    snap = broker.federation.freeze(clock.now())
+    gb = float(snap.carbon_g_per_kwh[snap.index["london"]])
+    assert 0 < gb < 1000
+    assert m[("heliotrope_site_carbon_intensity_grams_per_kwh", (("site", "london"), ("zone", "GB")))] == gb
+    # 6 A100s (400 W each) at GB's intensity, and at 4 USD an hour each
+    assert m[("heliotrope_running_carbon_grams_per_hour", (("site", "london"),))] == pytest.approx(6 * 0.4 * gb)
+    assert m[("heliotrope_running_cost_usd_per_hour", (("site", "london"),))] == pytest.approx(24.0)
+    assert m[("heliotrope_running_cost_usd_per_hour", (("site", "tokyo"),))] == 0
+
+
+async def test_finished_jobs_are_counted_by_state_and_tenant_and_leave_the_levels(running):
+    broker, clock, client = running
+    done, _ = await broker.book.submit(job(tenant="vision", name="short", count=1, duration_s=30))
+    gone, _ = await broker.book.submit(job(tenant="nlp", name="cancel-me", count=1, duration_s=3000))
+    await broker.cycle.run_once()
+    await asyncio.sleep(0.05)
+    await clock.advance(1.0)
+    await asyncio.sleep(0.05)
+    await broker.lifecycle.cancel(gone.id)
+    await clock.advance(40.0)
+    await asyncio.sleep(0.1)
+    assert (await broker.book.get(done.id)).state == JobState.SUCCEEDED
+    m = await scrape(client)
+    assert m[("heliotrope_jobs_finished_total", (("state", "succeeded"), ("tenant", "vision")))] == 1
+    assert m[("heliotrope_jobs_finished_total", (("state", "cancelled"), ("tenant", "nlp")))] == 1
+    assert not [k for k in m if k[0] == "heliotrope_jobs"]  # nothing unfinished
+
+
+async def test_a_site_gone_dark_is_reported_unhealthy(running):
+    broker, clock, client = running
+    await clock.advance(broker.federation.stale_after_s + 1)  # nothing collected since
+    m = await scrape(client)
+    assert m[("heliotrope_site_healthy", (("site", "tokyo"),))] == 0
+    assert m[("heliotrope_site_telemetry_age_seconds", (("site", "tokyo"),))] >= broker.federation.stale_after_s
