@@ -117,6 +117,7 @@ class _GroupFailure:
 
     entry: Entry
     record: dict[str, Any]
+    at_ts: float  # POSIX seconds of the pass: a job submitted after it was not skipped by it
 
 
 class _Failure:
@@ -204,6 +205,7 @@ class PassDecider:
 
 
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
+SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 
 
 class SchedulingCycle:
@@ -235,6 +237,8 @@ class SchedulingCycle:
         self.metrics = Metrics()  # the broker passes its own
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
+        self._signatures: dict[bytes, bytes] = {}  # one copy of each signature in _last_seen (2 bytes a site)
+        self._sweep_at = SWEEP_MIN  # cache entries at which _forget_gone next runs
         self._in_flight: dict[str, InFlight] = {}
         self._requests: dict[str, JobRequest] = {}
         self.full_pass_interval_s = full_pass_interval_s
@@ -287,7 +291,8 @@ class SchedulingCycle:
             else:
                 self.book.fresh.clear()
                 jobs = None  # the whole queue, walked group by group
-                self._forget_gone()
+                if len(self._last_seen) + len(self._requests) >= self._sweep_at:
+                    self._forget_gone()
         else:
             jobs = self.book.take_fresh()
         if jobs is not None and not jobs or jobs is None and not self.book.active.queue:
@@ -395,13 +400,13 @@ class SchedulingCycle:
                                                   req.charge, first, first + placement.slots, hour)
                 signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
                 if self._last_seen.get(job.id) != signature:
-                    self._last_seen[job.id] = signature
+                    self._last_seen[job.id] = self._signatures.setdefault(signature, signature)
                     records.append((job, self._with_refusals(req, explain.record_deferral(pipeline, placement, snap))))
                 continue
             if isinstance(placement, _Failure):
                 metrics.unplaceable.inc()
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
-                    self._last_seen[job.id] = placement.signature
+                    self._last_seen[job.id] = self._signatures.setdefault(placement.signature, placement.signature)
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
                 if jobs is None and not req.excluded_sites and (pipeline.shift is None or req.deadline_ts is None):
                     # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.
@@ -409,7 +414,8 @@ class SchedulingCycle:
                     metrics.groups_skipped.inc()
                     where = queue.position(job.id)
                     if where is not None:
-                        self._group_failures[where[0]] = _GroupFailure(where[1], placement.record(pipeline, snap))
+                        self._group_failures[where[0]] = _GroupFailure(where[1], placement.record(pipeline, snap),
+                                                                       snap.now.timestamp())
                 continue
             site = snap.sites[placement.site]
             if site in self.federation.leaving:
@@ -436,8 +442,11 @@ class SchedulingCycle:
         if where is None:
             return None
         failure = self._group_failures.get(where[0])
-        if failure is None or where[1] <= failure.entry:
-            return None
+        if failure is None or where[1] <= failure.entry or where[1][-2] > failure.at_ts:
+            return None  # decided itself, or submitted after that pass (entries end with creation time, id)
+        refusals = self.book.refusal_reasons(job_id)
+        if refusals:  # the failure was another job's, which no site had refused
+            return {**failure.record, "excluded": sorted(refusals), "refusals": refusals}
         return failure.record
 
     async def _finish(
@@ -503,11 +512,14 @@ class SchedulingCycle:
         return None if planned is None else datetime.fromtimestamp(planned.first * timeshift.HOUR_S, tz=UTC)
 
     def _forget_gone(self) -> None:
-        """Drop the cached requests and decision signatures of jobs that have ended."""
+        """Drop the cached requests and decision signatures of jobs that have ended. Run when the caches
+        have doubled since the last sweep, so their upkeep costs a constant per entry, not a walk per pass."""
         active = self.book.active
         for cache in (self._requests, self._last_seen):
             for job_id in [j for j in cache if j not in active]:
                 del cache[job_id]
+        self._signatures = {sig: sig for sig in self._last_seen.values()}
+        self._sweep_at = max(SWEEP_MIN, 2 * (len(self._last_seen) + len(self._requests)))
 
     async def _persist(self, new: Job, landing: Awaitable[None]) -> bool:
         """Wait for an assumed placement's write (queued when it was decided, with its decision); if it

@@ -114,8 +114,7 @@ class ActiveJobs(MutableMapping[str, Job]):
         return job_id in self._jobs or job_id in self._queued
 
     def __iter__(self) -> Iterator[str]:
-        yield from list(self._jobs)
-        yield from list(self._queued)
+        return iter([*self._jobs, *self._queued])  # both taken now: a caller may await between items
 
     def __len__(self) -> int:
         return len(self._jobs) + len(self._queued)

@@ -359,6 +359,22 @@ async def test_a_full_pass_decides_one_job_per_group_that_cannot_run_and_explain
     assert report.placed == 6
 
 
+async def test_a_job_submitted_after_its_group_failed_is_explained_by_its_own_decision(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    await h.submit(name="blocker", count=8, duration_s=1000)
+    await h.cycle()
+    await h.step(1.0)
+    early = [await h.submit(name=f"early-{i}", count=1) for i in range(3)]
+    await h.broker.cycle.run_once(full=True)  # fails the group at early-0
+    assert (await h.decision(early[2].id)).outcome == "unplaceable"  # explained by early-0's failure
+    await h.clock.advance(5.0)
+    late = await h.submit(name="late", count=1)
+    assert await h.broker.decision(late) is None  # not decided yet: the earlier failure is not its own
+    await h.broker.cycle.run_once(full=False)
+    d = await h.decision(late.id)
+    assert d.outcome == "unplaceable" and d.decided_at == h.clock.now()
+
+
 class RefusesOnce(SimulatedSite):
     """Turns the first attempt away (a passing reason), then admits as usual."""
 

@@ -59,6 +59,7 @@ class MemoryStore(QueuedUpdates):
         self._open = False
         self._seq = 0
         self._rows: dict[str, _Row] = {}  # job id -> row; insertion order is seq order
+        self._by_seq: list[_Row] = []  # the same rows, ascending seq (rows are never removed)
         self._keys: dict[tuple[str, str], str] = {}  # (tenant, idempotency key) -> job id
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._decisions: dict[str, StoredDecision] = {}
@@ -135,7 +136,8 @@ class MemoryStore(QueuedUpdates):
                 raise DuplicateKey(f"tenant {tenant} already used idempotency key {idempotency_key!r}")
             self._keys[(tenant, idempotency_key)] = job.id
         self._seq += 1
-        self._rows[job.id] = _Row(self._seq, job, tenant, idempotency_key, digest)
+        self._rows[job.id] = row = _Row(self._seq, job, tenant, idempotency_key, digest)
+        self._by_seq.append(row)
         self._events[job.id] = [_event(job, "submitted")]
 
     def enqueue_update(
@@ -217,9 +219,14 @@ class MemoryStore(QueuedUpdates):
 
     async def active_after(self, seq: int, limit: int) -> list[tuple[int, Job]]:
         self._check_open()
-        rows = list(self._rows.values())  # ascending seq
-        start = bisect_left(rows, seq + 1, key=lambda r: r.seq)
-        return [(r.seq, r.job) for r in rows[start:] if not r.job.state.terminal][:limit]
+        rows = self._by_seq
+        out: list[tuple[int, Job]] = []
+        for i in range(bisect_left(rows, seq + 1, key=lambda r: r.seq), len(rows)):
+            if len(out) == limit:
+                break
+            if not rows[i].job.state.terminal:
+                out.append((rows[i].seq, rows[i].job))
+        return out
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         self._check_open()
