@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from broker.models import MqttSettings
+from tests.services import missing
 
 INSTALL_HINT = "install it with: sudo apt-get install mosquitto (or: bash scripts/test-deps)"
 
@@ -209,19 +210,13 @@ class Mosquitto:
         self.cleanup()
 
 
-def missing(reason: str) -> None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{reason} (CI=true: the MQTT tests must not be skipped in CI)", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(name="mosquitto")
 def mosquitto_fixture(tmp_path: Path) -> Iterator[Mosquitto]:
     """A started Mosquitto of this test's own (persistent, 127.0.0.1, a free port); stopped at teardown."""
     try:
         broker = Mosquitto(tmp_path / "mosquitto")
     except MosquittoMissing as e:
-        missing(str(e))
+        missing("MQTT", str(e))
         raise  # not reached: skip and fail raise
     try:
         broker.start()

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from tests.services import missing
 
 INSTALL_HINT = "install it with: sudo apt-get install postgresql (or: bash scripts/test-deps)"
 USER = "heliotrope"
@@ -171,19 +172,13 @@ class PostgresServer:
             return "(no log)"
 
 
-def missing(reason: str) -> None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{reason} (CI=true: the PostgreSQL tests must not be skipped in CI)", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
     """A started PostgreSQL server of the session's own; stopped and removed at the end of the session."""
     try:
         server = PostgresServer()
     except PostgresMissing as e:
-        missing(str(e))
+        missing("PostgreSQL", str(e))
         raise  # not reached: skip and fail raise
     try:
         server.start()

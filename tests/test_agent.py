@@ -46,7 +46,7 @@ from broker.models import Job, MqttSettings, SimulatedAdapterConfig, TenantQuota
 from tests.builders import job, site
 from tests.conftest import ROOT
 from tests.mosquitto import Mosquitto, MosquittoMissing, mosquitto_fixture  # noqa: F401
-from tests.mosquitto import missing as mosquitto_missing
+from tests.services import missing
 
 MQTT_HOST = "127.0.0.1"
 HEARTBEAT_S = 0.2
@@ -66,7 +66,7 @@ def _module_mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosq
     try:
         broker = Mosquitto(tmp_path_factory.mktemp("mosquitto"))
     except MosquittoMissing as e:
-        mosquitto_missing(str(e))
+        missing("MQTT", str(e))
         raise
     broker.start()
     _PORT[:] = [broker.port]

@@ -542,9 +542,9 @@ def test_postgres_a_write_that_returned_survives_a_crash_of_the_server():
     try:
         server = PostgresServer()
     except Exception as e:  # no binaries: as the fixture does
-        from tests.postgres import missing
+        from tests.services import missing
 
-        missing(str(e))
+        missing("PostgreSQL", str(e))
         raise
     try:
         server.start()
@@ -601,10 +601,10 @@ def test_without_the_postgresql_binaries_the_fixture_skips_but_fails_in_ci(monke
         fixture.find_bindir()
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="must not be skipped in CI"):
-        fixture.missing(str(raised.value))
+        fixture.missing("PostgreSQL", str(raised.value))
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="not installed"):
-        fixture.missing(str(raised.value))
+        fixture.missing("PostgreSQL", str(raised.value))
 
 
 async def test_the_leader_is_named_while_its_lease_runs_and_nobody_after(store: Store):
