@@ -295,7 +295,7 @@ class SchedulingCycle:
                     self._forget_gone()
         else:
             jobs = self.book.take_fresh()
-        if jobs is not None and not jobs or jobs is None and not self.book.active.queue:
+        if not (self.book.active.queue if jobs is None else jobs):
             # nothing to decide: no snapshot, no plan (building the plan walks every job on a site)
             if full:
                 self._quiet = quiet_key if quiet_key is not None and self.book.seq == quiet_key[1] else None

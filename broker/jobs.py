@@ -74,7 +74,7 @@ class JobNotFound(KeyError):
 
 class ActiveJobs(MutableMapping[str, Job]):
     """The book's unfinished jobs by id. Queued jobs, nearly all of them in a long queue, are kept as their
-    compact JSON document (the fields that differ from their defaults: about 300 bytes, against some 4 KB
+    compact JSON document (the fields that differ from their defaults: about 250 bytes, against some 4 KB
     for a pydantic ``Job``) and rebuilt when read; each is also in :attr:`queue`, the index a scheduling
     pass walks. Jobs on sites, or on their way to one, are kept as they are.
 
