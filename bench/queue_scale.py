@@ -77,7 +77,8 @@ from broker.models import Job, JobSpec, JobState, SimulatedAdapterConfig  # noqa
 from broker.service import Broker  # noqa: E402
 from broker.store import JobFilter, encode_cursor  # noqa: E402
 from broker.store.memory import MemoryStore  # noqa: E402
-from broker.store.sqlite import _INSERT_EVENT, _INSERT_JOB, SQLiteStore, _event_row  # noqa: E402
+from broker.store.sql import event_row  # noqa: E402
+from broker.store.sqlite import _INSERT_EVENT, _INSERT_JOB, SQLiteStore  # noqa: E402
 from tests.builders import site  # noqa: E402
 
 T0 = datetime(2026, 7, 30, 12, tzinfo=UTC)
@@ -164,7 +165,7 @@ def insert_sqlite(path: Path, n: int) -> dict[str, Any]:
         conn.executemany(_INSERT_JOB, [
             (j.id, j.spec.tenant, j.state.value, j.site, j.spec.priority, None, None, j.version, j.model_dump_json())
             for j in jobs])
-        conn.executemany(_INSERT_EVENT, [_event_row(j, "submitted") for j in jobs])
+        conn.executemany(_INSERT_EVENT, [event_row(j, "submitted") for j in jobs])
         conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()

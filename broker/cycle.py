@@ -107,7 +107,7 @@ class _Listed:
             self._fair.placed(tenant, gpus)
 
     def fail_group(self) -> None:
-        pass
+        """Nothing to drop: ``PassDecider`` already answers the rest of the shape from its failure."""
 
 
 @dataclass(frozen=True, slots=True)

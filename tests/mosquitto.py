@@ -21,6 +21,7 @@ the environment variable ``CI`` is ``true``: there it fails, so a CI run never p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import resource
@@ -68,10 +69,8 @@ def raise_nofile_limit(needed: int) -> tuple[int, int]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < needed and (hard == resource.RLIM_INFINITY or soft < hard):
         target = hard if hard != resource.RLIM_INFINITY else max(needed, 65536)
-        try:
+        with contextlib.suppress(ValueError, OSError):  # best effort: the limit may not be raised here
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            pass
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft, hard
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,13 +38,13 @@ from broker.store import (
     DuplicateKey,
     JobFilter,
     Page,
-    QueuedUpdates,
     StoredDecision,
     StoreError,
     decode_cursor,
     encode_cursor,
     fence_error,
 )
+from broker.store.sql import SqlWriteQueue, Write
 
 MIGRATIONS: tuple[str, ...] = (
     # 1: jobs, their transitions, decisions, sites
@@ -128,25 +127,6 @@ _RELEASE = (
 )
 
 
-@dataclass(slots=True)
-class _Write:
-    """One caller's write: statements run in order inside the batch's transaction."""
-
-    statements: list[tuple[str, tuple[Any, ...]]]
-    future: asyncio.Future[None]
-    checks: list[int] = field(default_factory=list)  # statement indices that must change exactly one row
-    fence: int | None = None  # the leadership epoch the store must still be at (a scheduling write)
-    bulk: bool = False  # an insert_job: consecutive ones are sent together (the same statements, no checks)
-
-
-def _event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
-    return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason)
-
-
-def _decision_row(job_id: str, attempt: int, record: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    return _UPSERT_DECISION, (job_id, attempt, json.dumps(record, separators=(",", ":")))
-
-
 def _rowcount(status: str) -> int:
     """The row count of a command status such as ``UPDATE 1`` or ``INSERT 0 1``."""
     try:
@@ -167,7 +147,9 @@ def server_name(dsn: str) -> str:
     return f"postgresql://{user}{host}:{port}{parts.path or '/'}"
 
 
-class PostgresStore(QueuedUpdates):
+class PostgresStore(SqlWriteQueue):
+    INSERT_JOB, UPDATE_JOB, INSERT_EVENT, UPSERT_DECISION = _INSERT_JOB, _UPDATE_JOB, _INSERT_EVENT, _UPSERT_DECISION
+
     def __init__(self, dsn: str, *, max_batch: int = 2048, min_connections: int = 1, max_connections: int = 8,
                  timeout_s: float = 10.0) -> None:
         self.dsn = dsn
@@ -176,7 +158,7 @@ class PostgresStore(QueuedUpdates):
         self.min_connections, self.max_connections = min_connections, max_connections
         self.timeout_s = timeout_s
         self._pool: asyncpg.Pool | None = None
-        self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[Write | None] = asyncio.Queue()
         self._writer_task: asyncio.Task[None] | None = None
         self._closing = False
         self._fence: int | None = None
@@ -249,20 +231,6 @@ class PostgresStore(QueuedUpdates):
 
     # --- group commit ---
 
-    def _check_writable(self) -> None:
-        if self._closing or self._writer_task is None or self._writer_task.done():
-            raise StoreError("store is not open")
-
-    async def _submit(self, write: _Write) -> None:
-        self._check_writable()
-        await self._queue.put(write)
-        await write.future
-
-    def _new_write(self, statements: list[tuple[str, tuple[Any, ...]]], checks: list[int] | None = None,
-                   fenced: bool = False, bulk: bool = False) -> _Write:
-        return _Write(statements, asyncio.get_running_loop().create_future(), checks or [],
-                      self._fence if fenced else None, bulk)
-
     async def _write_loop(self) -> None:
         stop = False
         while not stop:
@@ -295,18 +263,18 @@ class PostgresStore(QueuedUpdates):
                 else:
                     w.future.set_exception(err)
 
-    async def _commit(self, batch: list[_Write]) -> list[StoreError | None]:
+    async def _commit(self, batch: list[Write]) -> list[StoreError | None]:
         """The whole batch in one transaction. If a write fails, the batch is applied again, in one
         transaction still, with a savepoint around each write, so that the failing write fails alone."""
         async with self._connection() as conn:
             try:
                 errors = await self._apply(conn, batch, isolate=False)
-            except _WriteFailed:
+            except WriteFailed:
                 errors = await self._apply(conn, batch, isolate=True)
         self.commits += 1
         return errors
 
-    async def _apply(self, conn: asyncpg.Connection, batch: list[_Write], isolate: bool) -> list[StoreError | None]:
+    async def _apply(self, conn: asyncpg.Connection, batch: list[Write], isolate: bool) -> list[StoreError | None]:
         errors: list[StoreError | None] = [None] * len(batch)
         async with conn.transaction():
             leader: tuple[int, bool] | None = None
@@ -338,35 +306,11 @@ class PostgresStore(QueuedUpdates):
                     else:
                         await _run(conn, w)
                 except _WRITE_ERRORS as e:
-                    raise _WriteFailed from e
+                    raise WriteFailed from e
                 k = end
         return errors
 
     # --- jobs ---
-
-    async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
-        doc = job.model_dump_json()
-        await self._submit(self._new_write([
-            (_INSERT_JOB, (job.id, job.spec.tenant, job.state.value, job.site, job.spec.priority,
-                           idempotency_key, digest, job.version, doc)),
-            (_INSERT_EVENT, _event_row(job, "submitted")),
-        ], bulk=True))
-
-    def enqueue_update(
-        self, job: Job, expected_version: int, event_reason: str | None = None,
-        decision: dict[str, Any] | None = None,
-    ) -> asyncio.Future[None]:
-        """Queue the update now, in the caller's order; the future resolves once it is committed."""
-        self._check_writable()
-        statements = [
-            (_UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id, expected_version)),
-            (_INSERT_EVENT, _event_row(job, event_reason)),
-        ]
-        if decision is not None:
-            statements.append(_decision_row(job.id, job.attempt, decision))
-        write = self._new_write(statements, checks=[0], fenced=True)
-        self._queue.put_nowait(write)
-        return write.future
 
     async def get_job(self, job_id: str) -> Job | None:
         row = await self._one("SELECT doc FROM jobs WHERE id = $1", job_id)
@@ -432,9 +376,6 @@ class PostgresStore(QueuedUpdates):
 
     # --- decisions ---
 
-    async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
-        await self._submit(self._new_write([_decision_row(job_id, attempt, record)], fenced=True))
-
     async def get_decision(self, job_id: str) -> StoredDecision | None:
         row = await self._one("SELECT attempt, doc FROM decisions WHERE job_id = $1", job_id)
         return StoredDecision(row[0], json.loads(row[1])) if row else None
@@ -469,9 +410,6 @@ class PostgresStore(QueuedUpdates):
         self._check_writable()
         await self._call("execute", _RELEASE, LEADER, holder, epoch)
 
-    def fence(self, epoch: int | None) -> None:
-        self._fence = epoch
-
     # --- reads ---
 
     async def _call(self, method: str, sql: str, *args: Any) -> Any:
@@ -495,11 +433,11 @@ _WRITE_ERRORS = (StoreError, asyncpg.PostgresError, ValueError)
 ``DataError`` is a ``ValueError``). Anything else (a lost connection, a timeout) fails the whole batch."""
 
 
-class _WriteFailed(Exception):
+class WriteFailed(Exception):
     """A write of the batch failed on the first, unisolated, attempt."""
 
 
-async def _run(conn: asyncpg.Connection, w: _Write) -> None:
+async def _run(conn: asyncpg.Connection, w: Write) -> None:
     for i, (sql, params) in enumerate(w.statements):
         status = await conn.execute(sql, *params)
         if i in w.checks and _rowcount(status) != 1:

@@ -21,7 +21,6 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +28,6 @@ import aiosqlite
 
 from broker.models import Job, JobState, SiteSpec
 from broker.store import (
-    QueuedUpdates,
     Conflict,
     DuplicateKey,
     JobFilter,
@@ -41,6 +39,7 @@ from broker.store import (
     fence_error,
     LEADER,
 )
+from broker.store.sql import SqlWriteQueue, Write
 
 T = TypeVar("T")
 
@@ -94,28 +93,10 @@ _INSERT_JOB = (
 )
 _UPDATE_JOB = "UPDATE jobs SET state = ?, site = ?, version = ?, doc = ? WHERE id = ? AND version = ?"
 _INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES (?, ?, ?, ?, ?, ?)"
-
-
-@dataclass(slots=True)
-class _Write:
-    """One caller's write: statements run in order inside the batch's transaction."""
-
-    statements: list[tuple[str, tuple[Any, ...]]]
-    future: asyncio.Future[None]
-    checks: list[int] = field(default_factory=list)  # statement indices that must change exactly one row
-    fence: int | None = None  # the leadership epoch the store must still be at (a scheduling write)
-
-
-def _event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
-    return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason)
-
-
-def _decision_row(job_id: str, attempt: int, record: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
-    return (
-        "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
-        " ON CONFLICT(job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc",
-        (job_id, attempt, json.dumps(record, separators=(",", ":"))),
-    )
+_UPSERT_DECISION = (
+    "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
+    " ON CONFLICT(job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc"
+)
 
 
 def _leader_row(conn: sqlite3.Connection) -> tuple[int, bool] | None:
@@ -134,14 +115,16 @@ def _translate(error: BaseException) -> StoreError:
     return StoreError(f"write failed: {error.__class__.__name__}: {error}")
 
 
-class SQLiteStore(QueuedUpdates):
+class SQLiteStore(SqlWriteQueue):
+    INSERT_JOB, UPDATE_JOB, INSERT_EVENT, UPSERT_DECISION = _INSERT_JOB, _UPDATE_JOB, _INSERT_EVENT, _UPSERT_DECISION
+
     def __init__(self, path: str | Path, max_batch: int = 2048) -> None:
         self.path = Path(path)
         self.max_batch = max_batch
         self._writer: ThreadPoolExecutor | None = None  # one thread owns the write connection
         self._wconn: sqlite3.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
-        self._queue: asyncio.Queue[_Write | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[Write | None] = asyncio.Queue()
         self._writer_task: asyncio.Task[None] | None = None
         self._closing = False
         self._fence: int | None = None
@@ -216,20 +199,6 @@ class SQLiteStore(QueuedUpdates):
 
     # --- group commit ---
 
-    def _check_writable(self) -> None:
-        if self._closing or self._writer_task is None or self._writer_task.done():
-            raise StoreError("store is not open")
-
-    async def _submit(self, write: _Write) -> None:
-        self._check_writable()
-        await self._queue.put(write)
-        await write.future
-
-    def _new_write(self, statements: list[tuple[str, tuple[Any, ...]]], checks: list[int] | None = None,
-                   fenced: bool = False) -> _Write:
-        return _Write(statements, asyncio.get_running_loop().create_future(), checks or [],
-                      self._fence if fenced else None)
-
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
         stop = False
@@ -261,7 +230,7 @@ class SQLiteStore(QueuedUpdates):
                 else:
                     w.future.set_exception(error)
 
-    def _commit(self, batch: list[_Write]) -> list[StoreError | None]:
+    def _commit(self, batch: list[Write]) -> list[StoreError | None]:
         """On the writer thread: the whole batch in one transaction, one fsync. If it fails, each write is
         retried in a transaction of its own, so one bad write fails alone."""
         conn = self._wconn
@@ -348,34 +317,7 @@ class SQLiteStore(QueuedUpdates):
 
         await self._on_writer(release)
 
-    def fence(self, epoch: int | None) -> None:
-        self._fence = epoch
-
     # --- jobs ---
-
-    async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
-        doc = job.model_dump_json()
-        await self._submit(self._new_write([
-            (_INSERT_JOB, (job.id, job.spec.tenant, job.state.value, job.site, job.spec.priority,
-                           idempotency_key, digest, job.version, doc)),
-            (_INSERT_EVENT, _event_row(job, "submitted")),
-        ]))
-
-    def enqueue_update(
-        self, job: Job, expected_version: int, event_reason: str | None = None,
-        decision: dict[str, Any] | None = None,
-    ) -> asyncio.Future[None]:
-        """Queue the update now, in the caller's order; the future resolves once it is on disk."""
-        self._check_writable()
-        statements = [
-            (_UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id, expected_version)),
-            (_INSERT_EVENT, _event_row(job, event_reason)),
-        ]
-        if decision is not None:
-            statements.append(_decision_row(job.id, job.attempt, decision))
-        write = self._new_write(statements, checks=[0], fenced=True)
-        self._queue.put_nowait(write)
-        return write.future
 
     async def get_job(self, job_id: str) -> Job | None:
         row = await self._one("SELECT doc FROM jobs WHERE id = ?", (job_id,))
@@ -447,9 +389,6 @@ class SQLiteStore(QueuedUpdates):
         return [dict(zip(("at", "state", "site", "attempt", "reason"), r)) for r in rows]
 
     # --- decisions ---
-
-    async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
-        await self._submit(self._new_write([_decision_row(job_id, attempt, record)], fenced=True))
 
     async def get_decision(self, job_id: str) -> StoredDecision | None:
         row = await self._one("SELECT attempt, doc FROM decisions WHERE job_id = ?", (job_id,))

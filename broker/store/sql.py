@@ -1,0 +1,89 @@
+"""What the SQL stores (SQLite and PostgreSQL) share: a single writer fed by one queue of writes, and the
+statements each write is made of. A subclass gives its dialect's statements and runs the writer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from broker.models import Job
+from broker.store import QueuedUpdates, StoreError
+
+
+@dataclass(slots=True)
+class Write:
+    """One caller's write: statements run in order inside the batch's transaction."""
+
+    statements: list[tuple[str, tuple[Any, ...]]]
+    future: asyncio.Future[None]
+    checks: list[int] = field(default_factory=list)  # statement indices that must change exactly one row
+    fence: int | None = None  # the leadership epoch the store must still be at (a scheduling write)
+    bulk: bool = False  # an insert_job: consecutive ones may be sent together (the same statements, no checks)
+
+
+def event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
+    return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason)
+
+
+class SqlWriteQueue(QueuedUpdates):
+    """Writes queued in the callers' order for the subclass's writer task (``_queue``); the statements in
+    the subclass's SQL."""
+
+    INSERT_JOB: ClassVar[str]  # (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)
+    UPDATE_JOB: ClassVar[str]  # (state, site, version, doc, id, expected version)
+    INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason)
+    UPSERT_DECISION: ClassVar[str]  # (job_id, attempt, doc)
+
+    _queue: asyncio.Queue[Write | None]
+    _fence: int | None
+    _closing: bool
+    _writer_task: asyncio.Task[None] | None
+
+    def _check_writable(self) -> None:
+        if self._closing or self._writer_task is None or self._writer_task.done():
+            raise StoreError("store is not open")
+
+    async def _submit(self, write: Write) -> None:
+        self._check_writable()
+        await self._queue.put(write)
+        await write.future
+
+    def _new_write(self, statements: list[tuple[str, tuple[Any, ...]]], checks: list[int] | None = None,
+                   fenced: bool = False, bulk: bool = False) -> Write:
+        return Write(statements, asyncio.get_running_loop().create_future(), checks or [],
+                     self._fence if fenced else None, bulk)
+
+    def fence(self, epoch: int | None) -> None:
+        self._fence = epoch
+
+    def _decision_row(self, job_id: str, attempt: int, record: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        return self.UPSERT_DECISION, (job_id, attempt, json.dumps(record, separators=(",", ":")))
+
+    async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
+        await self._submit(self._new_write([
+            (self.INSERT_JOB, (job.id, job.spec.tenant, job.state.value, job.site, job.spec.priority,
+                               idempotency_key, digest, job.version, job.model_dump_json())),
+            (self.INSERT_EVENT, event_row(job, "submitted")),
+        ], bulk=True))
+
+    def enqueue_update(
+        self, job: Job, expected_version: int, event_reason: str | None = None,
+        decision: dict[str, Any] | None = None,
+    ) -> asyncio.Future[None]:
+        """Queue the update now, in the caller's order; the future resolves once it is committed."""
+        self._check_writable()
+        statements = [
+            (self.UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id,
+                               expected_version)),
+            (self.INSERT_EVENT, event_row(job, event_reason)),
+        ]
+        if decision is not None:
+            statements.append(self._decision_row(job.id, job.attempt, decision))
+        write = self._new_write(statements, checks=[0], fenced=True)
+        self._queue.put_nowait(write)
+        return write.future
+
+    async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
+        await self._submit(self._new_write([self._decision_row(job_id, attempt, record)], fenced=True))
