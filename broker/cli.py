@@ -287,10 +287,10 @@ async def _client_command(args: argparse.Namespace) -> str:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from broker.config import FederationConfig, load_config
+    from broker.config import load_config
     from broker.server import run
 
-    config = load_config(args.config) if args.config else FederationConfig()
+    config = load_config(args.config)
     settings = config.broker.model_copy(update={
         k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db)) if v is not None
     })

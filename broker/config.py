@@ -11,6 +11,11 @@ A file holds the broker's settings and the sites it starts with::
 An error names the file, the field and the problem, for example
 ``config/demo.yaml: sites[2].gpus[0].model: unknown GPU model 'a1000'; known models: ...``.
 
+Environment variables override the file (containers, Kubernetes): ``HELIOTROPE_BROKER__<FIELD>``, with
+``__`` between nested fields, each value read as YAML (``HELIOTROPE_BROKER__PORT=9090``,
+``HELIOTROPE_BROKER__DB=postgresql://...``, ``HELIOTROPE_BROKER__MQTT__HOST=mosquitto``,
+``HELIOTROPE_BROKER__AUTH__ENABLED=true``). An error in one names the variable.
+
 Live signals (optional): ``broker.carbon`` names a carbon-intensity provider and ``broker.carbon_forecast``
 how each zone is forecast (:mod:`broker.signals`); ``broker.prices`` names a price provider that overrides
 the sites' ``usd_per_gpu_hour``. A relative ``path`` in either provider is read relative to the folder of
@@ -20,8 +25,9 @@ the configuration file.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -51,6 +57,37 @@ class ReplicaSettings(BaseModel):
     advertise_url: str | None = Field(
         default=None, pattern=r"^https?://",
         description="where the other replicas reach this one's API (default: the address it serves on)")
+
+
+class AuthSettings(BaseModel):
+    """Bearer tokens (``broker.auth``): who may call the API. Tokens are made and revoked with
+    ``heliotrope token create|list|revoke``, which writes their SHA-256 digests into the broker's database."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=False,
+        description="require a bearer token on every API call but /healthz, /openapi.json and the dashboard's "
+                    "static page. Off: the API is open, which the broker allows on a loopback address only")
+    admin_token_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="an environment variable holding a platform-admin token the broker also accepts (a "
+                    "Kubernetes Secret or a compose secret: the first admin before any token is stored)")
+    refresh_s: float = Field(
+        default=2.0, gt=0, le=300,
+        description="how often the broker rereads the stored tokens: a token made or revoked with the CLI "
+                    "takes effect within this")
+
+
+class ServerTlsSettings(BaseModel):
+    """HTTPS for the API (``broker.tls``): PEM files, read at start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cert_file: str = Field(min_length=1, description="the server's certificate chain (PEM)")
+    key_file: str = Field(min_length=1, description="its private key (PEM)")
+    client_ca_file: str | None = Field(
+        default=None, description="require client certificates signed by this CA (mutual TLS); unset: none asked")
 
 
 def is_shared_database(db: str) -> bool:
@@ -100,6 +137,11 @@ class BrokerSettings(BaseModel):
                     "{host, port, username, password_env, tls, keepalive_s, reconnect_max_s, client_id}. Unset: "
                     "no remote sites",
     )
+    auth: AuthSettings = Field(default_factory=AuthSettings,
+                               description="bearer-token authentication and roles: {enabled, admin_token_env, "
+                                           "refresh_s}")
+    tls: ServerTlsSettings | None = Field(
+        default=None, description="serve HTTPS: {cert_file, key_file, client_ca_file}. Unset: plain HTTP")
     prices: PriceProviderConfig | None = Field(
         default=None,
         description="where GPU prices come from: {kind: files, path: CSV} (the GCP price list by each site's "
@@ -152,9 +194,69 @@ def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
         raise ConfigError("\n".join(f"{p}: {d['field']}: {d['problem']}" for d in problems(e))) from None
 
 
-def load_config(path: str | Path) -> FederationConfig:
+ENV_PREFIX = "HELIOTROPE_BROKER__"
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The broker settings that ``HELIOTROPE_BROKER__*`` variables set, as a nested mapping: each name's
+    parts after the prefix, split at ``__`` and lower-cased, are the path; its value is read as YAML."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX) or len(name) == len(ENV_PREFIX):
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
+        if any(not part for part in path):
+            raise ConfigError(f"environment variable {name}: empty field name (write HELIOTROPE_BROKER__A__B)")
+        try:
+            value = yaml.safe_load(environ[name]) if environ[name].strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"environment variable {name}: not a valid YAML value: {getattr(e, 'problem', e)}") from None
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"environment variable {name}: {'.'.join(path[:-1])} is also set as a whole")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def with_env(config: FederationConfig, environ: Mapping[str, str] | None = None) -> FederationConfig:
+    """``config`` with the ``HELIOTROPE_BROKER__*`` overrides applied; :class:`ConfigError` names the
+    variable of a value that does not validate."""
+    over = env_overrides(environ)
+    if not over:
+        return config
+    data = _merge(config.broker.model_dump(exclude_unset=True), over)
+    try:
+        broker = BrokerSettings.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for d in problems(e):
+            var = ENV_PREFIX + d["field"].split("[")[0].replace(".", "__").upper()
+            lines.append(f"broker.{d['field']} (environment {var} or the file): {d['problem']}")
+        raise ConfigError("\n".join(lines)) from None
+    return config.model_copy(update={"broker": broker})
+
+
+def load_config(path: str | Path | None, environ: Mapping[str, str] | None = None) -> FederationConfig:
+    """The federation file (``None``: no file, every setting at its default), then the environment's
+    ``HELIOTROPE_BROKER__*`` overrides."""
+    if path is None:
+        return with_env(FederationConfig(), environ)
     config = load_yaml_model(path, FederationConfig, "'broker' and 'sites'")
-    return _relative_to(config, Path(path).parent)
+    return with_env(_relative_to(config, Path(path).parent), environ)
 
 
 def _relative_to(config: FederationConfig, folder: Path) -> FederationConfig:
