@@ -29,6 +29,12 @@ The agent opens the only connection (to the MQTT broker), so a site behind NAT o
 outgoing connections only works. It connects with a persistent session (``clean_session`` false, a fixed
 client id per site), so QoS 1 messages published to it while it is briefly away are kept for it.
 
+Both sides connect with the same options (:func:`client_options`). Over TLS (:func:`tls_context`) when
+``mqtt.tls`` is true (the MQTT broker's certificate verified by the system's CA store), when ``mqtt.ca_file``
+names a PEM CA bundle (a private CA; implies TLS), or when ``mqtt.cert_file`` and ``mqtt.key_file`` give a
+client certificate for an MQTT broker that requires one; TLS 1.2 or later, host name checked. Leave all
+four unset for plain MQTT.
+
 Commands and replies
     A command carries a ``msg_id`` (unique per broker process and command). The agent answers each with a
     ``reply`` naming that ``msg_id``; the broker resends a command until it has the reply or gives up
@@ -79,10 +85,50 @@ ROOT = f"heliotrope/v{VERSION}/sites"
 MAX_PAYLOAD_BYTES = 4 << 20
 
 
+class MqttTlsError(aiomqtt.MqttError, ValueError):
+    """A TLS setting of ``mqtt`` that cannot be used (a CA bundle or client certificate that cannot be read);
+    the message names the field and the file. An ``MqttError``, so the reconnect loops of the hub and the agent
+    log it in one line and try again (a certificate mounted late is picked up); a ``ValueError``, so the
+    broker's check at start (``broker.server.check_startup``) stops ``heliotrope serve`` with it."""
+
+
+def tls_context(settings: MqttSettings) -> ssl.SSLContext | None:
+    """The TLS context for ``settings``, or None for plain MQTT. It verifies the MQTT broker's certificate and
+    host name against ``ca_file`` (else the system's CA store) and presents ``cert_file``/``key_file`` when
+    set. :class:`MqttTlsError` names the field and the file that could not be used."""
+    if not settings.uses_tls:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=settings.ca_file)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        raise MqttTlsError(f"mqtt.ca_file {settings.ca_file}: {_reason(e)}: give a readable PEM CA bundle") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if settings.cert_file is not None and settings.key_file is not None:
+        try:
+            context.load_cert_chain(settings.cert_file, settings.key_file, password=_no_passphrase)
+        except (OSError, ValueError) as e:
+            raise MqttTlsError(f"mqtt.cert_file {settings.cert_file} with mqtt.key_file {settings.key_file}: "
+                               f"{_reason(e)}: give a PEM certificate and its unencrypted private key") from None
+    return context
+
+
+def _no_passphrase() -> bytes:
+    raise ValueError("the private key is encrypted (decrypt it: openssl pkey -in KEY -out KEY.plain)")
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, ssl.SSLError):  # without the source location OpenSSL appends, "(_ssl.c:3926)"
+        return "not usable ({})".format(str(e.args[-1]).split(" (_ssl.c:")[0])
+    if isinstance(e, OSError):
+        return f"cannot read ({e.strerror or e})"
+    return str(e)
+
+
 def client_options(settings: MqttSettings, identifier: str) -> dict[str, Any]:
     """``aiomqtt.Client`` arguments for either side: MQTT 3.1.1, a persistent session (``clean_session``
-    false) under a fixed client id, the password from ``settings.password_env``, TLS with the system's CA
-    store when ``settings.tls``."""
+    false) under a fixed client id, the password from ``settings.password_env``, and TLS (:func:`tls_context`)
+    when ``settings.tls``, ``ca_file`` or ``cert_file`` is set. Used by the broker's hub
+    (:mod:`adapters.remote`) and the site agent (:mod:`adapters.agent`)."""
     password = os.environ.get(settings.password_env) if settings.password_env else None
     if settings.password_env and password is None:
         log.warning("mqtt: environment variable %s (the MQTT password) is not set; connecting without one",
@@ -91,7 +137,7 @@ def client_options(settings: MqttSettings, identifier: str) -> dict[str, Any]:
         "hostname": settings.host, "port": settings.port, "identifier": identifier, "clean_session": False,
         "protocol": aiomqtt.ProtocolVersion.V311, "keepalive": settings.keepalive_s,
         "username": settings.username, "password": password,
-        "tls_context": ssl.create_default_context() if settings.tls else None, "timeout": PUBLISH_TIMEOUT_S,
+        "tls_context": tls_context(settings), "timeout": PUBLISH_TIMEOUT_S,
     }
 
 

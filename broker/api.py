@@ -8,30 +8,46 @@ Quotas: ``GET /v1/sites/{name}/quota[?tenant=T]`` (the site's own report: per te
 Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured), ``GET /v1/jobs?state=&tenant=&site=&limit=&cursor=``,
         ``GET /v1/jobs/{id}``, ``POST /v1/jobs/{id}/cancel`` (and ``DELETE /v1/jobs/{id}``),
         ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``
-Other:  ``GET /healthz``, ``GET /openapi.json``
+Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
+        ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`)
+Other:  ``GET /healthz``, ``GET /openapi.json``, ``GET /metrics``, ``GET /v1/whoami``
+
+Authentication (``broker.auth.enabled``): ``Authorization: Bearer TOKEN`` on every call but ``/healthz``,
+``/openapi.json`` and the dashboard's static files; 401 without a valid token, 403 for a role that may not
+make the call (``ACCESS``), 404 for a job of another tenant. :mod:`broker.auth` has the roles.
 
 Lists answer ``{"items": [...], "next": CURSOR}``; pass ``cursor=CURSOR`` for the next page (``next`` is
 null on the last). Every error is JSON::
 
     {"error": {"status": 422, "message": "...", "fields": [{"field": "gpus.count", "problem": "..."}]}}
 
-422 for an invalid spec, 400 for malformed JSON or query parameters, 404, 409, 413 for a body over the limit.
+422 for an invalid spec, 400 for malformed JSON or query parameters, 401, 403, 404, 409, 413 for a body over
+the limit.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+from dataclasses import replace
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from broker.errors import is_malformed_json, problems
+from broker import auth
+from broker import dashboard
+from broker.auth import Principal, Role, Unauthenticated
+from broker.errors import integral_float, is_malformed_json, problems
+from broker.events import TYPES as EVENT_TYPES
+from broker.events import Event, frame
 from broker.federation import Member
+from broker.ids import GPU_MODEL_IDS
 from broker.jobs import IdempotencyConflict, JobNotFound
 from policies.profiles import ProfileError
 from broker.lifecycle import AlreadyEnded
@@ -46,6 +62,7 @@ from policies.snapshot import JobRequest
 log = logging.getLogger(__name__)
 
 BROKER = web.AppKey("broker", Broker)
+PRINCIPAL = web.RequestKey("heliotrope.principal", Principal)  # who is calling (broker.auth)
 PROXY = web.AppKey("proxy", aiohttp.ClientSession)  # a follower's connection to the leader, made on first use
 MAX_PAGE = 1000
 
@@ -53,12 +70,13 @@ MAX_PAGE = 1000
 class ApiError(web.HTTPException):
     """An error answered as JSON: ``status``, ``message`` and optionally the offending ``fields``."""
 
-    def __init__(self, status: int, message: str, fields: list[dict[str, str]] | None = None) -> None:
+    def __init__(self, status: int, message: str, fields: list[dict[str, str]] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.status_code = status
         body: dict[str, Any] = {"status": status, "message": message}
         if fields:
             body["fields"] = fields
-        super().__init__(text=json.dumps({"error": body}), content_type="application/json")
+        super().__init__(text=json.dumps({"error": body}), content_type="application/json", headers=headers)
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -84,8 +102,9 @@ async def error_middleware(
     except web.HTTPNotFound:
         raise ApiError(404, f"no such endpoint: {request.method} {request.path}") from None
     except web.HTTPMethodNotAllowed as e:
-        raise ApiError(405, f"{request.method} is not allowed on {request.path}; "
-                            f"allowed: {', '.join(sorted(e.allowed_methods))}") from None
+        allowed = ", ".join(sorted(e.allowed_methods))
+        raise ApiError(405, f"{request.method} is not allowed on {request.path}; allowed: {allowed}",
+                       headers={"Allow": allowed}) from None  # RFC 9110: a 405 names the methods allowed
     except web.HTTPException as e:
         if e.status >= 400:
             raise ApiError(e.status, e.reason or "error") from None
@@ -98,8 +117,81 @@ async def error_middleware(
         raise ApiError(500, "internal error; the broker's log has the details") from None
 
 
+# --- who may call what ---
+
+OPEN = object()  # no token needed
+ANY = frozenset(Role)
+ADMIN = frozenset({Role.ADMIN})
+OPERATORS = frozenset({Role.ADMIN, Role.OPERATOR})
+SUBMITTERS = frozenset({Role.ADMIN, Role.SUBMITTER})
+SITE = "site operator"  # admin, or an operator of the site the path names
+
+ACCESS: dict[tuple[str, str], Any] = {
+    ("POST", "/v1/sites"): ADMIN,
+    ("GET", "/v1/sites"): ANY,  # a view per role: secrets never, adapters and quotas to the site's operators
+    ("GET", "/v1/sites/{name}"): ANY,
+    ("PUT", "/v1/sites/{name}"): SITE,
+    ("DELETE", "/v1/sites/{name}"): ADMIN,
+    ("GET", "/v1/sites/{name}/quota"): ANY,  # operators of the site; submitters see their own tenants' rows
+    ("PUT", "/v1/sites/{name}/quota/{tenant}"): SITE,
+    ("DELETE", "/v1/sites/{name}/quota/{tenant}"): SITE,
+    ("POST", "/v1/jobs"): SUBMITTERS,  # for a tenant the token acts for
+    ("GET", "/v1/jobs"): ANY,  # submitters: their tenants' jobs; operators: jobs on their sites
+    ("GET", "/v1/jobs/{id}"): ANY,  # 404 for a job the caller may not see
+    ("POST", "/v1/jobs/{id}/cancel"): SUBMITTERS,
+    ("DELETE", "/v1/jobs/{id}"): SUBMITTERS,
+    ("GET", "/v1/jobs/{id}/decision"): ANY,
+    ("GET", "/v1/jobs/{id}/events"): ANY,
+    ("GET", "/v1/events"): ANY,  # filtered to what the caller may see
+    ("GET", "/v1/carbon"): ANY,
+    ("GET", "/v1/whoami"): ANY,
+    ("GET", "/metrics"): OPERATORS,
+    ("GET", "/healthz"): OPEN,
+    ("GET", "/openapi.json"): OPEN,
+}
+"""Every route's rule; a route missing here is for admins only. The dashboard's static files are open."""
+
+UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="heliotrope"'}
+
+
+def principal(request: web.Request) -> Principal:
+    return request.get(PRINCIPAL) or auth.ANONYMOUS_ADMIN
+
+
+@web.middleware
+async def auth_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Who is calling, and whether their role may make this call at all (scoping by site, tenant and job is
+    each handler's, through :func:`principal`)."""
+    match = request.match_info
+    if match.http_exception is not None:  # no such route or method: answered as such, token or not
+        return await handler(request)
+    pattern = match.route.resource.canonical if match.route.resource is not None else request.path
+    rule = ACCESS.get((request.method, pattern), ADMIN)
+    if request.method == "HEAD":
+        rule = ACCESS.get(("GET", pattern), ADMIN)
+    if rule is OPEN or pattern == "/" or pattern.startswith("/dashboard"):
+        return await handler(request)
+    try:
+        who = await request.app[BROKER].tokens.authenticate(request.headers.get("Authorization"))
+    except Unauthenticated as e:
+        raise ApiError(401, str(e), [{"field": "Authorization", "problem": str(e)}], headers=UNAUTHORIZED) from None
+    if rule == SITE:
+        allowed = who.operates(match.get("name"))
+    else:
+        allowed = who.role in rule
+    if not allowed:
+        scope = f" for sites {', '.join(sorted(who.sites))}" if who.role == Role.OPERATOR else (
+            f" for tenants {', '.join(sorted(who.tenants))}" if who.role == Role.SUBMITTER else "")
+        raise ApiError(403, f"{who.name} ({who.role}{scope}) may not {request.method} {request.path}")
+    request[PRINCIPAL] = who
+    return await handler(request)
+
+
 ANY_REPLICA: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/metrics"),
+    ("GET", "/v1/whoami"),
 )
 """What every replica serves itself: submissions (stored at once; the leader takes them in) and reads of
 jobs, which come from the shared store. Everything else (sites, quotas, cancels) changes what the leader
@@ -131,6 +223,9 @@ async def follower_middleware(
         # Nobody leads, this one is taking over, or the replica that passed it on took this one for the leader.
         raise ApiError(503, "no replica leads right now (an election or a takeover is under way); try again in a "
                             "few seconds")
+    if request.path.rstrip("/") == "/v1/events":  # a stream is not relayed: the client follows the leader's
+        raise web.HTTPTemporaryRedirect(leader.rstrip("/") + request.path_qs,
+                                        headers={"X-Heliotrope-Leader": leader})
     session: aiohttp.ClientSession | None = request.app.get(PROXY)
     if session is None or session.closed:
         # Longer than anything the leader may take to answer (a cancel waits up to the dispatch timeout).
@@ -149,10 +244,27 @@ async def follower_middleware(
         raise ApiError(503, f"the leader at {leader} did not answer ({e}); try again in a few seconds") from None
 
 
+async def _end_streams(app: web.Application) -> None:
+    """At shutdown: end every event stream, so that requests in flight, not streams, are what it waits for."""
+    app[BROKER].events.end_streams()
+
+
 async def _close_proxy(app: web.Application) -> None:
     session = app.get(PROXY)
     if session is not None:
         await session.close()
+
+
+def _validated(model: type[BaseModel], data: Any) -> Any:
+    """``data`` (JSON bytes, or parsed JSON) as ``model``, strictly: the JSON types the OpenAPI document states
+    (no "3" or true for a number), though 2.0 is an integer, as JSON Schema has it."""
+    validate = model.model_validate_json if isinstance(data, bytes) else model.model_validate
+    try:
+        return validate(data, strict=True)
+    except ValidationError as e:
+        if not all(integral_float(err) for err in e.errors(include_url=False)):
+            raise  # problems() leaves out the 2.0s
+    return validate(data)
 
 
 async def _body(request: web.Request, model: type[BaseModel], what: str,
@@ -175,8 +287,8 @@ async def _body(request: web.Request, model: type[BaseModel], what: str,
                 raise ApiError(400, f"malformed JSON: {e}", [{"field": "(body)", "problem": str(e)}]) from None
             if isinstance(doc, dict):
                 doc = {**defaults, **doc}
-            return model.model_validate(doc), raw
-        return model.model_validate_json(raw), raw
+            return _validated(model, doc), raw
+        return _validated(model, raw), raw
     except ValidationError as e:
         if is_malformed_json(e):
             detail = e.errors(include_url=False)[0]["msg"]
@@ -203,8 +315,45 @@ def _query_int(request: web.Request, name: str, default: int, lo: int, hi: int) 
 # --- sites ---
 
 
-def _site_json(member: Member) -> dict[str, Any]:
-    return {**member.spec.model_dump(mode="json"), "status": member.public_state().model_dump(mode="json")}
+def _site_json(member: Member, who: Principal, signals: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A site as ``who`` may see it: never its secrets; its adapter settings and quota list only to its
+    operators; the quota state of the caller's own tenants only to a submitter."""
+    doc = auth.redact_site(member.spec.model_dump(mode="json"))
+    status = member.public_state().model_dump(mode="json")
+    if not who.operates(member.spec.name):
+        doc.pop("adapter", None)
+        doc.pop("quotas", None)
+        quota = status.get("quota")
+        if quota is not None:
+            quota["tenants"] = [t for t in quota["tenants"] if who.acts_for(t["tenant"])]
+    out = {**doc, "status": status}
+    if signals is not None:
+        out["signals"] = signals.get(member.spec.name, {"carbon_g_per_kwh": None, "usd_per_gpu_hour": {}})
+    return out
+
+
+def _site_signals(broker: Broker) -> dict[str, dict[str, Any]]:
+    """What routing sees of each site now: the grid's carbon intensity (gCO2e/kWh, None unknown) and the
+    price of a GPU-hour of each model it has."""
+    fed = broker.federation
+    if not fed.members:
+        return {}
+    snap = fed.freeze(broker.clock.now())
+    out: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(snap.sites):
+        carbon = float(snap.carbon_g_per_kwh[i]) if snap.carbon_g_per_kwh.size else math.nan
+        prices = {GPU_MODEL_IDS[m]: round(float(snap.usd_per_gpu_hour[i, m]), 6)
+                  for m in np.flatnonzero(snap.total_gpus[i] > 0) if math.isfinite(float(snap.usd_per_gpu_hour[i, m]))}
+        out[name] = {"carbon_g_per_kwh": round(carbon, 3) if math.isfinite(carbon) else None,
+                     "usd_per_gpu_hour": prices}
+    return out
+
+
+def _adapter_failed(e: AdapterError) -> ApiError:
+    """A site whose adapter cannot start with its spec (credentials that do not load, a cluster that does not
+    answer): the spec cannot be used as it is."""
+    return ApiError(422, f"the site's adapter could not start: {e}",
+                    [{"field": "adapter", "problem": f"could not start: {e}"}])
 
 
 async def create_site(request: web.Request) -> web.Response:
@@ -216,13 +365,16 @@ async def create_site(request: web.Request) -> web.Response:
         raise ApiError(409, str(e), [{"field": "name", "problem": "already registered"}]) from None
     except SiteUnsupported as e:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
-    return _json(_site_json(member), 201, headers={"Location": f"/v1/sites/{spec.name}"})
+    except AdapterError as e:
+        raise _adapter_failed(e) from None
+    return _json(_site_json(member, principal(request)), 201, headers={"Location": f"/v1/sites/{spec.name}"})
 
 
 async def list_sites(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     members = sorted(broker.federation.members.values(), key=lambda m: m.spec.name)
-    return _json({"items": [_site_json(m) for m in members], "next": None})
+    signals = _site_signals(broker)
+    return _json({"items": [_site_json(m, principal(request), signals) for m in members], "next": None})
 
 
 def _member(request: web.Request) -> Member:
@@ -234,7 +386,7 @@ def _member(request: web.Request) -> Member:
 
 
 async def get_site(request: web.Request) -> web.Response:
-    return _json(_site_json(_member(request)))
+    return _json(_site_json(_member(request), principal(request), _site_signals(request.app[BROKER])))
 
 
 async def update_site(request: web.Request) -> web.Response:
@@ -243,6 +395,8 @@ async def update_site(request: web.Request) -> web.Response:
     if spec.name != name:
         raise ApiError(422, f"the body names site {spec.name!r} but the path names {name!r}",
                        [{"field": "name", "problem": f"must be {name!r}"}])
+    current = request.app[BROKER].federation.get(name)
+    spec = auth.keep_secrets(spec, current.spec if current is not None else None)
     try:
         member = await request.app[BROKER].update_site(spec)
     except KeyError:
@@ -251,7 +405,9 @@ async def update_site(request: web.Request) -> web.Response:
         raise ApiError(409, str(e)) from None
     except SiteUnsupported as e:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
-    return _json(_site_json(member))
+    except AdapterError as e:
+        raise _adapter_failed(e) from None
+    return _json(_site_json(member, principal(request)))
 
 
 async def delete_site(request: web.Request) -> web.Response:
@@ -289,9 +445,19 @@ def _quota_json(member: Member, state: QuotaState, tenant: str | None = None) ->
 
 
 async def get_quota(request: web.Request) -> web.Response:
+    who = principal(request)
     member = _member(request)
+    if who.role == Role.OPERATOR and not who.operates(member.spec.name):
+        raise ApiError(403, f"{who.name} operates sites {', '.join(sorted(who.sites))}, not {member.spec.name}")
+    tenant = request.query.get("tenant")
+    if tenant is not None and who.role == Role.SUBMITTER and not who.acts_for(tenant):
+        raise ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {tenant}",
+                       [{"field": "tenant", "problem": "not a tenant this token acts for"}])
     state = await _ask_site(member, _quota_admin(member).quota())
-    return _json(_quota_json(member, state, request.query.get("tenant")))
+    body = _quota_json(member, state, tenant)
+    if who.role == Role.SUBMITTER:
+        body["tenants"] = [t for t in body["tenants"] if who.acts_for(t["tenant"])]
+    return _json(body)
 
 
 async def set_quota(request: web.Request) -> web.Response:
@@ -322,6 +488,10 @@ async def delete_quota(request: web.Request) -> web.Response:
 async def submit_job(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     spec, raw = await _body(request, JobSpec, "job spec")
+    who = principal(request)
+    if not who.acts_for(spec.tenant):
+        raise ApiError(403, f"{who.name} may submit for tenants {', '.join(sorted(who.tenants))}, not {spec.tenant}",
+                       [{"field": "tenant", "problem": "not a tenant this token acts for"}])
     try:
         broker.settings.profiles.choose(spec.profile)
     except ProfileError as e:
@@ -349,11 +519,11 @@ async def list_jobs(request: web.Request) -> web.Response:
     if state is not None and state not in JobState.__members__.values():
         raise ApiError(400, f"unknown state {state!r}",
                        [{"field": "state", "problem": f"must be one of {', '.join(s.value for s in JobState)}"}])
-    flt = JobFilter(
+    flt = _scoped(principal(request), JobFilter(
         state=JobState(state) if state else None,
         tenant=request.query.get("tenant"),
         site=request.query.get("site"),
-    )
+    ))
     limit = _query_int(request, "limit", 100, 1, MAX_PAGE)
     try:
         page = await broker.store.list_jobs(flt, limit, request.query.get("cursor"))
@@ -363,12 +533,31 @@ async def list_jobs(request: web.Request) -> web.Response:
     return _json({"items": items, "next": page.next})
 
 
+def _scoped(who: Principal, flt: JobFilter) -> JobFilter:
+    """``flt`` narrowed to the jobs ``who`` may see: a submitter's tenants, an operator's sites."""
+    if who.role == Role.SUBMITTER:
+        if flt.tenant is not None and not who.acts_for(flt.tenant):
+            raise ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {flt.tenant}",
+                           [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+        return flt if flt.tenant is not None else replace(flt, tenants=tuple(sorted(who.tenants)))
+    if who.role == Role.OPERATOR:
+        if flt.site is not None and not who.operates(flt.site):
+            raise ApiError(403, f"{who.name} operates sites {', '.join(sorted(who.sites))}, not {flt.site}",
+                           [{"field": "site", "problem": "not a site this token operates"}])
+        return flt if flt.site is not None else replace(flt, sites=tuple(sorted(who.sites)))
+    return flt
+
+
 async def _job(request: web.Request) -> Job:
+    """The path's job, if the caller may see it (404 otherwise, as for a job that does not exist)."""
     job_id = request.match_info["id"]
     try:
-        return await request.app[BROKER].book.get(job_id)
+        job = await request.app[BROKER].book.get(job_id)
     except JobNotFound:
         raise ApiError(404, f"no job with id {job_id}") from None
+    if not principal(request).sees_job(job):
+        raise ApiError(404, f"no job with id {job_id}")
+    return job
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -377,6 +566,9 @@ async def get_job(request: web.Request) -> web.Response:
 
 async def cancel_job(request: web.Request) -> web.Response:
     job_id = request.match_info["id"]
+    job = await _job(request)
+    if not principal(request).acts_for(job.spec.tenant):
+        raise ApiError(403, f"only tenant {job.spec.tenant}'s submitters and admins may cancel job {job_id}")
     try:
         cancelled = await request.app[BROKER].lifecycle.cancel(job_id)
     except JobNotFound:
@@ -400,6 +592,87 @@ async def job_decision(request: web.Request) -> web.Response:
 async def job_events(request: web.Request) -> web.Response:
     job = await _job(request)
     return _json({"items": await request.app[BROKER].store.job_events(job.id), "next": None})
+
+
+# --- live ---
+
+EVENT_FILTERS = ("tenant", "site", "job", "type")
+HEARTBEAT_S = 15.0
+
+
+def _event_filter(request: web.Request) -> Callable[[Event], bool]:
+    """What the stream sends: the events the caller may see, narrowed by ``tenant``, ``site``, ``job`` and
+    ``type`` (comma-separated types)."""
+    who = principal(request)
+    q = request.query
+    for name in q:
+        if name not in EVENT_FILTERS:
+            raise ApiError(400, f"unknown query parameter {name!r}; the stream filters by {', '.join(EVENT_FILTERS)}",
+                           [{"field": name, "problem": "unknown parameter"}])
+    tenant, site, job = q.get("tenant"), q.get("site"), q.get("job")
+    types = frozenset(t for t in q.get("type", "").split(",") if t) or None
+    if types is not None and not types <= set(EVENT_TYPES):
+        raise ApiError(400, f"unknown event type in {q['type']!r}; types: {', '.join(EVENT_TYPES)}",
+                       [{"field": "type", "problem": f"must be among {', '.join(EVENT_TYPES)}"}])
+    if tenant is not None and who.role == Role.SUBMITTER and not who.acts_for(tenant):
+        raise ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {tenant}",
+                       [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+    if site is not None and who.role == Role.OPERATOR and not who.operates(site):
+        raise ApiError(403, f"{who.name} operates sites {', '.join(sorted(who.sites))}, not {site}",
+                       [{"field": "site", "problem": "not a site this token operates"}])
+
+    def wants(e: Event) -> bool:
+        return (who.sees_event(e.tenant, e.site)
+                and (tenant is None or e.tenant == tenant) and (site is None or e.site == site)
+                and (job is None or e.job_id == job) and (types is None or e.type in types))
+
+    return wants
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """Server-sent events (``text/event-stream``) until the client leaves or the broker stops; a comment
+    every 15 s keeps proxies from closing an idle stream. ``Last-Event-ID`` resumes after that event."""
+    broker = request.app[BROKER]
+    wants = _event_filter(request)
+    raw = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
+    after: int | None = None
+    if raw:
+        try:
+            after = int(raw)
+        except ValueError:
+            raise ApiError(400, "Last-Event-ID must be the integer id of an event",
+                           [{"field": "Last-Event-ID", "problem": f"not an event id: {raw[:40]!r}"}]) from None
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    following = broker.events.follow(wants, after, HEARTBEAT_S)  # subscribed before the client hears back
+    last = after
+    try:
+        await resp.prepare(request)
+        await resp.write(b"retry: 2000\n: heliotrope events\n\n")
+        async for event in following:
+            if event is None:
+                await resp.write(b": keepalive\n\n")
+                continue
+            await resp.write(frame(event, last))
+            if event.id >= 0:
+                last = event.id
+    except ConnectionResetError:
+        pass  # the client left: nothing more to send
+    finally:
+        following.close()
+    return resp
+
+
+async def carbon(request: web.Request) -> web.Response:
+    return _json({**request.app[BROKER].cycle.carbon.as_dict(), "baseline": "carbon-agnostic: the same "
+                  "decision without its carbon terms, at the same moment (broker.carbon_ledger)"})
+
+
+async def whoami(request: web.Request) -> web.Response:
+    who = principal(request)
+    return _json({"name": who.name, "role": who.role.value, "sites": sorted(who.sites),
+                  "tenants": sorted(who.tenants), "token_id": who.token_id,
+                  "auth": request.app[BROKER].tokens.enabled})
 
 
 # --- misc ---
@@ -430,10 +703,11 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def create_app(broker: Broker) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, follower_middleware],
+    app = web.Application(middlewares=[error_middleware, auth_middleware, follower_middleware],
                           client_max_size=broker.settings.max_body_bytes)
     app[BROKER] = broker
     app.on_cleanup.append(_close_proxy)
+    app.on_shutdown.append(_end_streams)
     r = app.router
     r.add_post("/v1/sites", create_site)
     r.add_get("/v1/sites", list_sites)
@@ -450,7 +724,11 @@ def create_app(broker: Broker) -> web.Application:
     r.add_delete("/v1/jobs/{id}", cancel_job)
     r.add_get("/v1/jobs/{id}/decision", job_decision)
     r.add_get("/v1/jobs/{id}/events", job_events)
+    r.add_get("/v1/events", events)
+    r.add_get("/v1/carbon", carbon)
+    r.add_get("/v1/whoami", whoami)
     r.add_get("/healthz", healthz)
     r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi)
+    dashboard.add_routes(app)
     return app

@@ -9,10 +9,15 @@
     heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
     heliotrope quota SITE --set T [--guaranteed N] [--burst N] [--weight W] [--ceiling P] [--model M] | --remove T
+    heliotrope watch [--tenant T] [--site S] [--job ID] [--type T,...]   follow live events (GET /v1/events)
+    heliotrope token create --role admin|operator|submitter --name N [--site S ...] [--tenant T ...]
+                     [--expires-in DAYS] [--config FILE | --db DB]    prints the new token once
+    heliotrope token list | revoke ID [--config FILE | --db DB]        (writes the broker's database directly)
     heliotrope simulate --trace FILE --preset philly --carbon DIR --compare all   (see broker.simulation.cli)
     heliotrope simulate-quotas --trace FILE --preset philly   one site's fair-share modes compared (fairshare_cli)
 
-Client commands talk to ``--server`` (default ``$HELIOTROPE_URL`` or http://127.0.0.1:8080), print
+Client commands talk to ``--server`` (default ``$HELIOTROPE_URL`` or http://127.0.0.1:8080) with the bearer
+token ``--token`` (default ``$HELIOTROPE_TOKEN``) where the broker requires one, print
 tables, or JSON with ``--json``. Errors are one-line messages on standard error and exit status 1 (2 for
 wrong usage); never a traceback.
 """
@@ -37,6 +42,7 @@ from broker.client import ApiClientError, Client
 from broker.simulation import cli as simulation_cli
 from broker.simulation import fairshare_cli
 from broker.errors import problems
+from broker.auth import Role
 from broker.models import JobSpec, SiteSpec
 from broker.store import StoreError
 
@@ -214,9 +220,11 @@ def _api_message(e: ApiClientError) -> str:
 
 
 async def _client_command(args: argparse.Namespace) -> str:
-    async with Client(args.server) as c:
+    async with Client(args.server, ca_file=args.ca_file, token=args.token) as c:
         out: Any
         match args.command:
+            case "watch":
+                return await _watch(c, args)
             case "submit":
                 doc = _load_document(args.file)
                 specs = doc if isinstance(doc, list) else [doc]
@@ -283,6 +291,123 @@ async def _client_command(args: argparse.Namespace) -> str:
     return json.dumps(out, indent=2) if args.json else text
 
 
+async def _watch(c: Client, args: argparse.Namespace) -> str:
+    """Print events as they come until interrupted; reconnects (resuming after the last event) when the
+    stream breaks, as when the broker restarts or leadership moves."""
+    params = {k: v for k, v in (("tenant", args.tenant), ("site", args.site), ("job", args.job),
+                                ("type", args.type)) if v}
+    last: int | None = None
+    while True:
+        try:
+            async for event in c.events(params, last):
+                if event["id"] is not None:
+                    last = event["id"]
+                print(json.dumps(event) if args.json else show_event(event), flush=True)
+                if args.count is not None:
+                    args.count -= 1
+                    if args.count <= 0:
+                        return "(done)" if not args.json else ""
+        except ApiClientError as e:
+            if e.status is not None:  # the broker refused (401, 403, 400): retrying would not help
+                raise
+            print(f"heliotrope: {e}; reconnecting in 2 s", file=sys.stderr, flush=True)
+        await asyncio.sleep(2.0)
+
+
+def show_event(event: dict[str, Any]) -> str:
+    d, kind = event["data"], event["type"]
+    at = str(d.get("at") or "")[11:19]
+    match kind:
+        case "transition":
+            where = f" on {d['site']}" if d.get("site") else ""
+            text = f"{d['job_id']} ({d['tenant']}) {d.get('previous') or 'new'} -> {d['state']}{where}"
+            if d.get("reason"):
+                text += f": {d['reason']}"
+        case "decision" | "deferral":
+            text = f"{d['job_id']} ({d['tenant']}) {d['outcome']}: {d['summary']}"
+        case "preemption":
+            text = f"{d['job_id']} ({d['tenant']}) preempted on {d['site']}: {d.get('reason') or '-'}"
+        case "site":
+            text = f"site {d['site']} {d.get('previous') or 'new'} -> {d['health']}" + (
+                f" ({d['reason']})" if d.get("reason") else "")
+        case "gap":
+            text = "some events were missed while disconnected (no longer held by the broker)"
+        case _:
+            text = json.dumps(d)
+    return f"{at}  {kind:<10}  {text}"
+
+
+# --- tokens (the database directly: the first admin token is made before anyone can call the API) ---
+
+
+def _token_command(args: argparse.Namespace) -> str:
+    return asyncio.run(_tokens(args))
+
+
+async def _tokens(args: argparse.Namespace) -> str:
+    from datetime import timedelta
+
+    from broker import auth
+    from broker.config import load_config
+    from broker.store import open_store
+
+    db = args.db or load_config(args.config).broker.db
+    if not db.startswith(("postgresql://", "postgres://")) and db != ":memory:":
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
+    store = open_store(db)
+    await store.open()
+    try:
+        records = [auth.TokenRecord.model_validate_json(doc) for doc in await store.list_tokens()]
+        match args.action:
+            case "create":
+                now = datetime.now(UTC)
+                expires = now + timedelta(days=args.expires_in) if args.expires_in else None
+                try:
+                    token, record = auth.make_record(args.name, args.role, args.site or [], args.tenant or [], now,
+                                                     expires)
+                except ValidationError as e:
+                    raise CliError("; ".join(p["problem"] if p["field"] in ("", "(body)") else f"{p['field']}: {p['problem']}"
+                                             for p in problems(e))) from None
+                await store.put_token(record.id, record.digest, record.model_dump_json())
+                if args.json:
+                    return json.dumps({**record.public(), "token": token}, indent=2)
+                scope = ", ".join(record.sites or record.tenants) or "everything"
+                return (f"{token}\n\ntoken {record.id} for {record.name}: {record.role} ({scope})"
+                        + (f", expires {record.expires_at:%Y-%m-%d %H:%M} UTC" if record.expires_at else "")
+                        + f"\nThis is the only time it is shown; the database ({_where(db)}) keeps its SHA-256 digest."
+                        + "\nUse it with --token or HELIOTROPE_TOKEN, or as 'Authorization: Bearer TOKEN'.")
+            case "list":
+                rows = [{"id": r.id, "name": r.name, "role": r.role.value,
+                         "scope": ", ".join(r.sites or r.tenants) or "-",
+                         "created": f"{r.created_at:%Y-%m-%d %H:%M}",
+                         "expires": f"{r.expires_at:%Y-%m-%d %H:%M}" if r.expires_at else "never",
+                         "revoked": f"{r.revoked_at:%Y-%m-%d %H:%M}" if r.revoked_at else "-"} for r in records]
+                if args.json:
+                    return json.dumps([r.public() for r in records], indent=2)
+                return table(rows, ["id", "name", "role", "scope", "created", "expires", "revoked"])
+            case "revoke":
+                found = [r for r in records if r.id == args.id]
+                if not found:
+                    raise CliError(f"no token {args.id} in {_where(db)}; 'heliotrope token list' shows them")
+                if found[0].revoked_at is not None:
+                    return f"token {args.id} was already revoked at {found[0].revoked_at:%Y-%m-%d %H:%M} UTC"
+                revoked = found[0].model_copy(update={"revoked_at": datetime.now(UTC)})
+                await store.update_token(revoked.id, revoked.model_dump_json())
+                return (f"token {args.id} ({revoked.name}) revoked; brokers on this database refuse it within "
+                        "broker.auth.refresh_s (2 s by default)")
+        raise CliError(f"unknown token action {args.action}")
+    finally:
+        await store.close()
+
+
+def _where(db: str) -> str:
+    """The database named for a person, without a password."""
+    if "://" in db and "@" in db:
+        scheme, rest = db.split("://", 1)
+        return f"{scheme}://{rest.split('@', 1)[1]}"
+    return db
+
+
 # --- server commands ---
 
 
@@ -319,11 +444,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default=os.environ.get("HELIOTROPE_URL", DEFAULT_SERVER),
                    help="broker URL for client commands (default $HELIOTROPE_URL or %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--token", default=os.environ.get("HELIOTROPE_TOKEN"), metavar="TOKEN",
+                   help="bearer token for a broker that requires one (default $HELIOTROPE_TOKEN)")
+    p.add_argument("--ca-file", default=os.environ.get("HELIOTROPE_CA_FILE"), metavar="PEM",
+                   help="CA bundle that verifies an https:// broker with a private CA (default $HELIOTROPE_CA_FILE)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # The same options after the command too (`heliotrope jobs --json`); SUPPRESS keeps the global value.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--server", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    common.add_argument("--token", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--ca-file", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     for name, help_text in (("serve", "run the broker"), ("demo", "run the broker on config/demo.yaml and feed it sample jobs")):
         s = sub.add_parser(name, help=help_text)
@@ -366,6 +497,28 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--weight", type=float, help="fair-share weight")
     s.add_argument("--ceiling", type=int, help="priority ceiling")
     s.add_argument("--model", help="GPU model the quota counts (default: any)")
+    s = sub.add_parser("watch", parents=[common], help="follow live events: job transitions, decisions, "
+                                                       "deferrals, preemptions, site health")
+    s.add_argument("--tenant", help="only this tenant's jobs")
+    s.add_argument("--site", help="only this site and the jobs on it")
+    s.add_argument("--job", help="only this job")
+    s.add_argument("--type", help="only these types, comma-separated: transition,decision,deferral,preemption,site")
+    s.add_argument("--count", type=int, help="stop after this many events")
+    s = sub.add_parser("token", help="create, list or revoke API tokens (in the broker's database)")
+    acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--config", metavar="FILE", help="the broker's YAML (its broker.db, and HELIOTROPE_BROKER__DB)")
+    where.add_argument("--db", help="the database: an SQLite file or a postgresql:// URL (default: --config's, "
+                                    "else var/heliotrope.db)")
+    where.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    c = acts.add_parser("create", parents=[where], help="make a token; it is printed once")
+    c.add_argument("--role", required=True, choices=[r.value for r in Role])
+    c.add_argument("--name", required=True, help="who or what holds it (a person, a team, a CI job)")
+    c.add_argument("--site", action="append", help="operator: a site it may change (repeat for several)")
+    c.add_argument("--tenant", action="append", help="submitter: a tenant it acts for (repeat for several)")
+    c.add_argument("--expires-in", type=float, metavar="DAYS", help="days until it stops working (default: never)")
+    acts.add_parser("list", parents=[where], help="the tokens: id, holder, role, scope, expiry (never the token)")
+    acts.add_parser("revoke", parents=[where], help="stop accepting a token").add_argument("id")
     s = sub.add_parser("agent", help="run a site agent next to a remote cluster; it reaches the broker over MQTT")
     s.add_argument("--config", required=True, metavar="FILE", help="the agent's YAML: site, mqtt, heartbeat_s, ...")
     s.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
@@ -386,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return agent_main(["--config", args.config, "--log-level", args.log_level])
         if args.command == "simulate":
             print(simulation_cli.run(args))
+            return 0
+        if args.command == "token":
+            print(_token_command(args))
             return 0
         if args.command == fairshare_cli.COMMAND:
             print(fairshare_cli.run(args))

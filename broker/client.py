@@ -1,7 +1,14 @@
-"""A small asynchronous client of the HTTP API, used by the CLI, the demo feeder and the benchmarks."""
+"""A small asynchronous client of the HTTP API, used by the CLI, the demo feeder and the benchmarks.
+
+An ``https://`` broker is verified against the system's CA store, or against ``ca_file`` (a private CA's PEM
+bundle; the CLI's ``--ca-file`` or ``$HELIOTROPE_CA_FILE``); ``cert_file`` and ``key_file`` present a client
+certificate to a broker that requires one (``broker.tls.client_ca_file``)."""
 
 from __future__ import annotations
 
+import json
+import ssl
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -18,7 +25,10 @@ class ApiClientError(RuntimeError):
 
 
 class Client:
-    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 30.0, ca_file: str | None = None,
+                 cert_file: str | None = None, key_file: str | None = None, token: str | None = None) -> None:
+        """``token``: a bearer token (``heliotrope token create``; the CLI's ``--token`` or
+        ``$HELIOTROPE_TOKEN``), sent on every request."""
         url = URL(base_url)
         if url.scheme not in ("http", "https") or not url.host:
             raise ApiClientError(
@@ -26,10 +36,13 @@ class Client:
             )
         self.base_url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._ssl = _tls_context(ca_file, cert_file, key_file) if url.scheme == "https" else None
         self._session: aiohttp.ClientSession | None = None
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
 
     async def __aenter__(self) -> Client:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
+        self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -47,27 +60,70 @@ class Client:
         assert self._session is not None, "use 'async with Client(...)'"
         url = self.base_url + path
         try:
-            async with self._session.request(method, url, json=body, params=params, headers=headers) as resp:
+            async with self._session.request(method, url, json=body, params=params,
+                                             headers={**self._auth, **(headers or {})}) as resp:
                 if resp.status == 204:
                     return None
-                try:
-                    data = await resp.json(content_type=None)
-                except ValueError:
-                    data = None
-                if resp.status >= 400:
-                    err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
-                    message = err.get("message") or f"HTTP {resp.status}"
-                    raise ApiClientError(message, resp.status, err.get("fields"))
-                return data
+                return await _answer(resp)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise self._failed(e, url) from None
+
+    async def events(self, params: dict[str, str] | None = None,
+                     last_event_id: int | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Follow ``GET /v1/events``: each event as ``{"id", "type", "data"}``, until the broker ends the
+        stream. A replica that does not lead redirects to the leader, which this follows (with the token)."""
+        assert self._session is not None, "use 'async with Client(...)'"
+        url = self.base_url + "/v1/events"
+        headers = {**self._auth, "Accept": "text/event-stream"}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = str(last_event_id)
+        stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=None)
+        try:
+            for _ in range(3):
+                async with self._session.get(url, params=params, headers=headers, allow_redirects=False,
+                                             timeout=stream_timeout) as resp:
+                    if resp.status in (301, 302, 307, 308) and resp.headers.get("Location"):
+                        url, params = resp.headers["Location"], None
+                        continue
+                    if resp.status >= 400:
+                        await _answer(resp)
+                    async for event in _parse_sse(resp.content):
+                        yield event
+                    return
+            raise ApiClientError(f"the event stream at {self.base_url} redirected too many times")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise self._failed(e, url) from None
+
+    def _failed(self, error: BaseException, url: str) -> ApiClientError:
+        """A failed request as a message for a person."""
+        try:
+            raise error
+        except ApiClientError as known:
+            return known
+        except aiohttp.ClientConnectorCertificateError as e:
+            return ApiClientError(
+                f"the broker at {self.base_url} presented a certificate that could not be verified "
+                f"({getattr(e.certificate_error, 'verify_message', None) or e.certificate_error}): give the CA "
+                "that signed it with --ca-file or HELIOTROPE_CA_FILE"
+            )
+        except aiohttp.ClientSSLError as e:
+            return ApiClientError(f"TLS with the broker at {self.base_url} failed: {e}")
+        except aiohttp.ServerDisconnectedError:
+            if not self.base_url.startswith("https:"):
+                return ApiClientError(f"the broker at {self.base_url} closed the connection without an answer")
+            return ApiClientError(  # TLS 1.3: a refused client certificate shows only as a closed connection
+                f"the broker at {self.base_url} closed the connection without an answer; if it asks for client "
+                "certificates (broker.tls.client_ca_file), this client presented none or one it does not accept"
+            )
         except aiohttp.ClientConnectionError as e:
-            raise ApiClientError(
+            return ApiClientError(
                 f"cannot reach the broker at {self.base_url} ({e.__class__.__name__}); is it running? "
                 "Start it with 'heliotrope serve' or 'heliotrope demo', or point --server at it"
-            ) from None
+            )
         except TimeoutError:
-            raise ApiClientError(f"the broker at {self.base_url} did not answer within {self._timeout.total:g} s") from None
-        except (aiohttp.ClientError, ValueError) as e:
-            raise ApiClientError(f"request to {url} failed: {e.__class__.__name__}: {e}") from None
+            return ApiClientError(f"the broker at {self.base_url} did not answer within {self._timeout.total:g} s")
+        except BaseException as e:
+            return ApiClientError(f"request to {url} failed: {e.__class__.__name__}: {e}")
 
     async def list_all(self, path: str, params: dict[str, str] | None = None, limit: int | None = None) -> list[Any]:
         """Follow ``next`` cursors; stop after ``limit`` items if given."""
@@ -79,3 +135,58 @@ class Client:
             if page.get("next") is None or (limit is not None and len(items) >= limit):
                 return items[:limit] if limit is not None else items
             query["cursor"] = page["next"]
+
+
+async def _answer(resp: aiohttp.ClientResponse) -> Any:
+    """The JSON body of an answer; :class:`ApiClientError` with the broker's message for an error status."""
+    try:
+        data = await resp.json(content_type=None)
+    except ValueError:
+        data = None
+    if resp.status >= 400:
+        err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        message = err.get("message") or f"HTTP {resp.status}"
+        raise ApiClientError(message, resp.status, err.get("fields"))
+    return data
+
+
+async def _parse_sse(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """Server-sent events from a stream: ``{"id", "type", "data"}`` per frame (comments skipped; ``data``
+    parsed as JSON)."""
+    event: dict[str, str] = {}
+    data: list[str] = []
+    async for raw in content:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data:
+                ident = event.get("id", "")
+                yield {"id": int(ident) if ident.isdigit() else None, "type": event.get("event", "message"),
+                       "data": json.loads("\n".join(data))}
+            event, data = {}, []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data.append(value)
+        elif name in ("id", "event"):
+            event[name] = value
+
+
+def _tls_context(ca_file: str | None, cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """None (aiohttp's default: the system's CA store) unless a CA bundle or a client certificate is given."""
+    if ca_file is None and cert_file is None:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except OSError as e:  # ssl.SSLError is one too
+        raise ApiClientError(f"the CA file {ca_file} (--ca-file or HELIOTROPE_CA_FILE) cannot be used: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+    if cert_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except OSError as e:
+            raise ApiClientError(f"the client certificate {cert_file} (key {key_file or cert_file}) cannot be used: "
+                                 f"{getattr(e, 'strerror', None) or e}") from None
+    return context

@@ -33,7 +33,9 @@ from datetime import UTC, datetime
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from broker.carbon_ledger import CarbonLedger
 from broker.clock import Clock
+from broker.events import EventHub
 from broker.federation import Federation
 from broker.jobs import JobBook
 from broker.queue import Entry, QueueWalk
@@ -235,6 +237,9 @@ class SchedulingCycle:
         self._dispatches: set[asyncio.Task[None]] = set()
         self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
         self.metrics = Metrics()  # the broker passes its own
+        self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
+        self.carbon = CarbonLedger()  # carbon of placements against a carbon-agnostic choice
+        self._site_health: dict[str, str] = {}  # site -> health last published
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
         self._signatures: dict[bytes, bytes] = {}  # one copy of each signature in _last_seen (2 bytes a site)
@@ -285,6 +290,7 @@ class SchedulingCycle:
             self.federation.membership_changed = False
             self._asked_at = self.book.seq
             await self.federation.collect()
+            self._announce_sites(now)
             quiet_key = self._quiet_key(now) if interval_only else None
             if quiet_key is not None and quiet_key == self._quiet:
                 jobs = self.book.take_fresh()
@@ -401,13 +407,18 @@ class SchedulingCycle:
                 signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = self._signatures.setdefault(signature, signature)
-                    records.append((job, self._with_refusals(req, explain.record_deferral(pipeline, placement, snap))))
+                    rec = explain.record_deferral(pipeline, placement, snap)
+                    records.append((job, self._with_refusals(req, rec)))
+                    self._announce_decision(job, "deferral", "deferred", rec["deferred"]["site"], None,
+                                            rec["deferred"]["reason"], snap.now, rec["deferred"]["start"])
                 continue
             if isinstance(placement, _Failure):
                 metrics.unplaceable.inc()
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
                     self._last_seen[job.id] = self._signatures.setdefault(placement.signature, placement.signature)
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
+                    self._announce_decision(job, "decision", "unplaceable", None, None,
+                                            "no site can run it now; it waits in the queue", snap.now)
                 if jobs is None and not req.excluded_sites and (pipeline.shift is None or req.deadline_ts is None):
                     # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.
                     order.fail_group()
@@ -422,6 +433,12 @@ class SchedulingCycle:
                 continue  # being removed or rebuilt: the next pass decides without it
             metrics.placed.inc()
             rec = self._with_refusals(req, explain.record(pipeline, placement, snap))
+            carbon = self.carbon.record(placement, snap)
+            if carbon is not None:
+                metrics.carbon_grams.inc(carbon[0])
+                metrics.carbon_agnostic_grams.inc(carbon[1])
+            self._announce_decision(job, "decision", "placed", site, rec["model"],
+                                    f"placed on {site} ({rec['model']})", snap.now)
             decider.assume(placement)
             new, version = self.book.apply(
                 job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
@@ -434,6 +451,38 @@ class SchedulingCycle:
             assumed.append((new, landing))
             order.placed(job.spec.tenant, req.charge)
         return decided
+
+    def _announce_decision(self, job: Job, kind: str, outcome: str, site: str | None, model: str | None,
+                           summary: str, now: datetime, deferred_until: str | None = None) -> None:
+        if self.events is None:
+            return
+        data = {"job_id": job.id, "tenant": job.spec.tenant, "attempt": job.attempt + (outcome == "placed"),
+                "outcome": outcome, "site": site, "model": model, "summary": summary, "at": now.isoformat()}
+        if kind == "deferral":
+            data["deferred_until"] = deferred_until
+        self.events.publish(kind, data, tenant=job.spec.tenant, site=site, job_id=job.id)
+
+    def _announce_sites(self, now: datetime) -> None:
+        """Publish each site whose health (as routing sees it: a silent site is unhealthy) changed, joined or
+        left since the last full pass."""
+        if self.events is None:
+            return
+        seen: dict[str, str] = {}
+        for name, member in self.federation.members.items():
+            state = member.public_state()
+            health, reason = state.health.value, state.reason
+            age = None if member.last_heard_at is None else (now - member.last_heard_at).total_seconds()
+            if health == "healthy" and age is not None and age > self.federation.stale_after_s:
+                health, reason = "unhealthy", f"not heard from for {age:.0f} s"
+            seen[name] = health
+            previous = self._site_health.get(name)
+            if previous != health:
+                self.events.publish("site", {"site": name, "health": health, "previous": previous,
+                                             "reason": reason, "at": now.isoformat()}, site=name)
+        for name in self._site_health.keys() - seen.keys():
+            self.events.publish("site", {"site": name, "health": "removed", "previous": self._site_health[name],
+                                         "reason": "removed from the federation", "at": now.isoformat()}, site=name)
+        self._site_health = seen
 
     def skipped_decision(self, job_id: str) -> dict[str, Any] | None:
         """The record explaining a queued job the last full pass did not decide, because an earlier job of

@@ -35,10 +35,17 @@ def _problem(err: Any) -> str:
     return msg
 
 
+def integral_float(err: Any) -> bool:
+    """A number such as 2.0 where strict validation wants an integer: an integer to JSON Schema, so no problem."""
+    return err["type"] == "int_type" and isinstance(err["input"], float) and err["input"].is_integer()
+
+
 def problems(error: ValidationError) -> list[dict[str, str]]:
-    """One ``{"field", "problem"}`` entry per error pydantic found."""
+    """One ``{"field", "problem"}`` entry per error pydantic found (but :func:`integral_float`)."""
     out = []
     for err in error.errors(include_url=False):
+        if integral_float(err):
+            continue
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         out.append({"field": field_path(loc), "problem": _problem(err)})
     return out

@@ -27,6 +27,7 @@ from broker.clock import Clock
 from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobSpec, JobState
 from broker.queue import QueueIndex
+from broker.events import EventHub
 from broker.store import DuplicateKey, Store, StoreError
 from policies.snapshot import NO_SITES
 
@@ -168,6 +169,7 @@ class JobBook:
         self._gaps: dict[int, float] = {}  # row numbers skipped below it, and when that was noticed
         self._gaps_checked = -math.inf  # monotonic time they were last looked up
         self.metrics = Metrics()  # the broker passes its own
+        self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
 
     async def load(self) -> int:
         """Load every non-terminal job from the store (at start-up), a page at a time; returns how many."""
@@ -240,6 +242,7 @@ class JobBook:
         job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
         await self._store.insert_job(job, key, digest)
         if self.tracking:
+            self.announce(job, None)
             self.active[job.id] = job
             self.fresh.append(job.id)
             self.changed.set()
@@ -271,6 +274,7 @@ class JobBook:
                     self._gaps.update(dict.fromkeys(range(self._pulled_seq + 1, seq), now))
                 self._pulled_seq = seq
             if job.state == JobState.QUEUED and job.id not in self.active and job.id not in self._changes:
+                self.announce(job, None)
                 self.active[job.id] = job
                 self.fresh.append(job.id)
                 new += 1
@@ -426,9 +430,21 @@ class JobBook:
                 raise
             raise StoreError(f"write failed: {e.__class__.__name__}: {e}") from e
         self.metrics.transitions.labels(new.state.value).inc()
+        self.announce(new, before)
         if new.state.terminal:
             self.metrics.finished.labels(new.state.value, new.spec.tenant).inc()
             self._changes.pop(new.id, None)
+
+    def announce(self, job: Job, before: Job | None) -> None:
+        """Publish a stored transition of ``job`` from ``before`` (None: the broker just took it in). The
+        event's site is the one the job left when it left one, so that site's operator sees it go."""
+        if self.events is not None:
+            site = job.site or (before.site if before is not None else None)
+            self.events.publish("transition", {
+                "job_id": job.id, "tenant": job.spec.tenant, "site": job.site, "state": job.state.value,
+                "previous": before.state.value if before is not None else None, "attempt": job.attempt,
+                "reason": job.reason, "at": job.updated_at.isoformat(),
+            }, tenant=job.spec.tenant, site=site, job_id=job.id)
 
     async def transition_if(self, job_id: str, states: Iterable[JobState], attempt: int | None, dst: JobState,
                             **changes: Any) -> Job | None:

@@ -101,6 +101,11 @@ class Lifecycle:
                 )
             case EventKind.PREEMPTED:
                 self.metrics.preemptions.labels(site).inc()
+                if self.book.events is not None:
+                    self.book.events.publish("preemption", {
+                        "job_id": job.id, "tenant": job.spec.tenant, "site": site, "attempt": job.attempt,
+                        "reason": ev.reason, "at": ev.at.isoformat(),
+                    }, tenant=job.spec.tenant, site=site, job_id=job.id)
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
                 await self.book.transition(
                     job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {ev.reason or ''}".strip()

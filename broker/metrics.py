@@ -55,6 +55,12 @@ class Metrics:
                                    ["state"], registry=r)
         self.finished = Counter("heliotrope_jobs_finished", "Jobs that ended, by final state and tenant",
                                 ["state", "tenant"], registry=r)
+        self.carbon_grams = Counter("heliotrope_placed_carbon_grams", "Estimated emissions of the jobs placed "
+                                    "(GPUs x board power x expected duration x the chosen site's grid intensity "
+                                    "at the decision)", registry=r)
+        self.carbon_agnostic_grams = Counter("heliotrope_placed_carbon_agnostic_grams", "What the same jobs "
+                                             "would have emitted where a carbon-agnostic choice put them "
+                                             "(broker.carbon_ledger)", registry=r)
         self.preemptions = Counter("heliotrope_preemptions", "Attempts a site preempted, by site", ["site"],
                                    registry=r)
 

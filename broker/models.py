@@ -188,10 +188,30 @@ class MqttSettings(Strict):
     port: int = Field(default=1883, ge=1, le=65535)
     username: str | None = None
     password_env: str | None = Field(default=None, description="environment variable holding the password")
-    tls: bool = Field(default=False, description="connect with TLS (system CA store)")
+    tls: bool = Field(default=False, description="connect with TLS, verifying the MQTT broker with the system CA "
+                                                 "store (or ca_file)")
+    ca_file: str | None = Field(default=None, min_length=1,
+                                description="CA bundle (PEM) that verifies the MQTT broker's certificate, for a "
+                                            "private CA; setting it implies TLS")
+    cert_file: str | None = Field(default=None, min_length=1,
+                                  description="client certificate (PEM) for an MQTT broker that requires one; "
+                                              "with key_file; implies TLS")
+    key_file: str | None = Field(default=None, min_length=1, description="the client certificate's private key (PEM)")
     keepalive_s: int = Field(default=10, ge=2, le=3600, description="MQTT keepalive; the last will fires after 1.5x")
     reconnect_max_s: float = Field(default=5.0, gt=0, le=300, description="longest wait between reconnect attempts")
     client_id: str | None = Field(default=None, description="None: heliotrope-broker, or heliotrope-agent-SITE")
+
+    @model_validator(mode="after")
+    def _client_cert_pair(self) -> MqttSettings:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (a client certificate and its private key): "
+                             "set both, or neither")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether the connection is TLS: ``tls``, or a ``ca_file`` or client certificate set."""
+        return self.tls or self.ca_file is not None or self.cert_file is not None
 
 
 class RemoteAdapterConfig(Strict):

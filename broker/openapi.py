@@ -1,15 +1,98 @@
-"""The OpenAPI 3.1 document of the HTTP API, generated from the pydantic models."""
+"""The OpenAPI 3.1 document of the HTTP API, generated from the pydantic models.
+
+The models check some fields in Python (a site name's syntax, a region, a GPU model, a time zone); the
+document states those rules as patterns and enums too, so that a client, or a fuzzer, knows what the API
+accepts without trying it. ``tests/test_schemathesis.py`` holds the document to what the live API does.
+"""
 
 from __future__ import annotations
 
 from functools import cache
 from typing import Any
+from zoneinfo import available_timezones
 
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
+from pydantic_core import core_schema
 
+from broker import ids, models
+from broker.auth import Role
+from broker.events import TYPES as EVENT_TYPES
 from broker.models import Decision, Job, JobSpec, JobState, QuotaState, SiteSpec, SiteState, TenantQuota
 
 _REF = "#/components/schemas/{model}"
+
+
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.upper()}{c}]" if c.isalpha() else c for c in word)
+
+
+_L, _LD = "[A-Za-z]", "[A-Za-z0-9]"  # identifiers are lower-cased (grid zones upper-cased) on the way in
+_REGION = (
+    rf"^\s*(?:{_any_case('gcp')}:{_L}+-{_L}+[0-9]+(?:-{_L})?"
+    rf"|{_any_case('aws')}:{_L}{{2}}(?:-{_any_case('gov')})?-{_L}+-[0-9]+{_L}?"
+    rf"|{_any_case('azure')}:{_L}{_LD}+"
+    rf"|{_any_case('onprem')}:{_LD}[A-Za-z0-9._-]{{0,62}})\s*$"
+)
+
+# What each validating function of ``broker.models`` accepts, as JSON Schema (besides the type pydantic states).
+_CHECKED_BY: dict[Any, dict[str, Any]] = {
+    models._slug: {"pattern": f"^{models._NAME.pattern}$"},
+    models._timezone: {"enum": sorted(available_timezones()), "description": "an IANA time zone"},
+    ids.gpu_model: {"enum": list(ids.GPU_MODEL_IDS),
+                    "description": "a GPU model id (its product names and cloud SKUs are accepted and canonicalised)"},
+    ids.region: {"pattern": _REGION,
+                 "description": "provider:region (gcp, aws, azure, onprem); a zone suffix is dropped"},
+    ids.grid_zone: {"pattern": rf"^\s*{_L}{{2}}(?:-{_LD}{{1,8}}){{0,3}}\s*$",
+                    "description": "an Electricity Maps zone id such as DE-LU (its aliases are accepted too)"},
+}
+
+
+class _Generator(GenerateJsonSchema):
+    """Pydantic's JSON Schema, with the rules the models check in Python written into it."""
+
+    def function_after_schema(self, schema: core_schema.AfterValidatorFunctionSchema) -> JsonSchemaValue:
+        out = super().function_after_schema(schema)
+        rule = _CHECKED_BY.get(schema["function"]["function"])
+        return {**out, **rule} if rule else out
+
+    def dict_schema(self, schema: core_schema.DictSchema) -> JsonSchemaValue:
+        # Pydantic writes a key pattern as patternProperties, which leaves keys that miss it unconstrained.
+        out = super().dict_schema(schema)
+        if len(out.get("patternProperties", {})) == 1:
+            ((pattern, values),) = out.pop("patternProperties").items()
+            out["propertyNames"] = {**out.get("propertyNames", {}), "pattern": pattern}
+            out["additionalProperties"] = values
+        return out
+
+
+_MIG_PROFILE = r"^[1-7]g\.[0-9]*[1-9][0-9]*gb$"  # models.mig_slices: 1 to 7 compute slices, some memory
+
+
+def _if(field: str, holds: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {"if": {"required": [field], "properties": {field: holds}}, "then": then}
+
+
+def _state_model_rules(schemas: dict[str, Any]) -> None:
+    """The rules a model's own validators check, where JSON Schema can say them (others are in descriptions)."""
+    node_group, site, gpus, job = schemas["NodeGroup"], schemas["SiteSpec"], schemas["GpuRequest"], schemas["JobSpec"]
+    node_group["properties"]["mig_profiles"]["items"]["pattern"] = _MIG_PROFILE
+    gpus["properties"]["mig_profile"]["anyOf"][0]["pattern"] = _MIG_PROFILE
+    adapter = site["properties"]["adapter"]["discriminator"]  # the tag picks the variant: it must be there
+    for ref in adapter["mapping"].values():
+        variant = schemas[ref.rsplit("/", 1)[1]]
+        variant["required"] = [adapter["propertyName"], *variant.get("required", [])]
+    for field in ("usd_per_gpu_hour", "rtt_ms"):
+        site["properties"][field]["additionalProperties"]["minimum"] = 0
+    gpus["allOf"] = [
+        _if("milli", {"maximum": 999}, {"properties": {"count": {"const": 1}}}),
+        _if("shared", {"const": True},
+            {"required": ["memory_gib"], "properties": {"count": {"const": 1}, "memory_gib": {"type": "number"}}}),
+        _if("mig_profile", {"type": "string"}, {"properties": {"milli": {"const": 1000}, "shared": {"const": False}}}),
+    ]
+    job["allOf"] = [
+        _if("latency_slo_ms", {"type": "number"},
+            {"required": ["origin_region"], "properties": {"origin_region": {"type": "string"}}}),
+    ]
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -18,6 +101,10 @@ def _ref(name: str) -> dict[str, str]:
 
 def _json_body(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _request(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {**_json_body(schema, description), "required": True}
 
 
 def _page(item: dict[str, Any]) -> dict[str, Any]:
@@ -31,135 +118,222 @@ def _page(item: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@cache
-def openapi_document() -> dict[str, Any]:
+def _extended(model: dict[str, Any], title: str, required: bool = True, **more: dict[str, Any]) -> dict[str, Any]:
+    """``model``'s schema with the properties ``more`` added (a model's schema forbids any other)."""
+    out = {**model, "title": title, "properties": {**model["properties"], **more}}
+    if required:
+        out["required"] = [*model.get("required", []), *more]
+    return out
+
+
+def _object(required: bool = True, **properties: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+    if required:
+        out["required"] = list(properties)
+    return out
+
+
+_STR, _INT, _NUM, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+_NULLABLE_STR, _NULLABLE_NUM = {"type": ["string", "null"]}, {"type": ["number", "null"]}
+
+
+def _components() -> dict[str, Any]:
     models = [(m, "validation") for m in (JobSpec, SiteSpec, TenantQuota)] + [
         (m, "serialization") for m in (Job, Decision, SiteState, QuotaState)
     ]
-    _, schemas = models_json_schema(models, ref_template=_REF)
+    _, schemas = models_json_schema(models, ref_template=_REF, schema_generator=_Generator)
     components = dict(schemas.get("$defs", {}))
-    components["Error"] = {
+    _state_model_rules(components)
+    components["Error"] = _object(error={
         "type": "object",
+        "required": ["status", "message"],
         "properties": {
-            "error": {
-                "type": "object",
-                "required": ["status", "message"],
-                "properties": {
-                    "status": {"type": "integer"},
-                    "message": {"type": "string"},
-                    "fields": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "properties": {"field": {"type": "string"}, "problem": {"type": "string"}},
-                        },
-                    },
-                },
-            }
+            "status": _INT,
+            "message": _STR,
+            "fields": {"type": "array", "items": _object(field=_STR, problem=_STR)},
         },
+    })
+    components["SiteQuota"] = _extended(components["QuotaState"], "SiteQuota", site=_STR)
+    signals = _object(carbon_g_per_kwh={**_NULLABLE_NUM, "description": "the grid's intensity now, gCO2e/kWh"},
+                      usd_per_gpu_hour={"type": "object", "additionalProperties": _NUM,
+                                        "description": "the price of a GPU-hour of each model it has, now"})
+    # A site as the caller may see it: without its adapter and quota list unless it operates the site, and
+    # never with a secret (a Kubernetes site's kubeconfig); its live signals in the reads.
+    components["Site"] = _extended(
+        _extended(components["SiteSpec"], "Site", status=_ref("SiteState")), "Site", required=False, signals=signals)
+    components["JobEvent"] = _object(at={"type": "string", "format": "date-time"},
+                                     state={"enum": [s.value for s in JobState]}, site=_NULLABLE_STR,
+                                     attempt=_INT, reason=_NULLABLE_STR)
+    components["Carbon"] = _object(
+        jobs=_INT, energy_kwh=_NUM, grams=_NUM, agnostic_grams=_NUM, saved_grams=_NUM, saved_fraction=_NUM,
+        moved_jobs=_INT, baseline=_STR)
+    components["WhoAmI"] = _object(name=_STR, role={"enum": [r.value for r in Role]},
+                                   sites={"type": "array", "items": _STR}, tenants={"type": "array", "items": _STR},
+                                   token_id=_NULLABLE_STR, auth=_BOOL)
+    components["Healthz"] = {
+        **_object(status={"const": "ok"}, sites=_INT, active_jobs=_INT, cycles=_INT),
+        "additionalProperties": True,  # and mqtt, replica: the broker's links, when it has them
     }
-    components["SiteQuota"] = {
-        "allOf": [{"type": "object", "required": ["site"], "properties": {"site": {"type": "string"}}},
-                  _ref("QuotaState")]
-    }
-    components["Site"] = {
-        "allOf": [_ref("SiteSpec"), {"type": "object", "properties": {"status": _ref("SiteState")}}]
-    }
-    err = {str(code): _json_body(_ref("Error"), text) for code, text in (
-        (400, "malformed JSON or query parameter"), (404, "not found"), (409, "conflict"),
-        (413, "body too large"), (422, "invalid spec"), (501, "the site's adapter keeps no quotas"),
-        (503, "the site did not answer or could not keep the change"),
-    )}
-    tenant = {"name": "tenant", "in": "path", "required": True, "schema": {"type": "string"}}
-    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
-    job_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-    list_params = [
-        {"name": "state", "in": "query", "schema": {"type": "string", "enum": [s.value for s in JobState]}},
-        {"name": "tenant", "in": "query", "schema": {"type": "string"}},
-        {"name": "site", "in": "query", "schema": {"type": "string"}},
-        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}},
-        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
-    ]
-    paths: dict[str, Any] = {
+    return components
+
+
+_WHY = {
+    400: "malformed JSON, a body of the wrong JSON type, or a bad query parameter",
+    401: "no valid bearer token (authentication on)",
+    403: "the token's role or scope does not allow this call",
+    404: "no such resource (or one the token may not see)",
+    409: "conflict with the current state",
+    413: "body larger than broker.max_body_bytes",
+    422: "invalid spec: each field and its problem",
+    501: "the site's adapter keeps no quotas",
+    503: "the store, the leader or the site could not answer or keep the change; try again",
+}
+_LOCATION = {"Location": {"description": "the new resource", "schema": _STR}}
+
+
+def _answers(ok: dict[str, Any], *errors: int, ok_status: int = 200, open_: bool = False) -> dict[str, Any]:
+    """An operation's responses: ``ok`` and the errors it may answer, plus 401 and 403 unless it is open, and 503
+    (a store or a leader that did not answer)."""
+    codes = sorted({*errors, 503} | (set() if open_ else {401, 403}))
+    out = {str(ok_status): ok}
+    for code in codes:
+        out[str(code)] = _json_body(_ref("Error"), _WHY[code])
+        if code == 401:
+            out["401"]["headers"] = {"WWW-Authenticate": {"description": "Bearer realm", "schema": _STR}}
+    return out
+
+
+def _paths() -> dict[str, Any]:
+    def param(name: str, where: str = "query", **schema: Any) -> dict[str, Any]:
+        return {"name": name, "in": where, "required": where == "path", "schema": {"type": "string", **schema}}
+
+    name, tenant, job_id = param("name", "path"), param("tenant", "path"), param("id", "path")
+    job = _json_body(_ref("Job"), "the job")
+    return {
         "/v1/sites": {
             "post": {
                 "summary": "Register a site",
-                "requestBody": _json_body(_ref("SiteSpec"), "the site"),
-                "responses": {"201": _json_body(_ref("Site"), "registered"), **err},
+                "requestBody": _request(_ref("SiteSpec"), "the site"),
+                "responses": _answers({**_json_body(_ref("Site"), "registered"), "headers": _LOCATION},
+                                      400, 409, 413, 422, ok_status=201),
             },
-            "get": {"summary": "List sites", "responses": {"200": _json_body(_page(_ref("Site")), "sites")}},
+            "get": {"summary": "List sites", "responses": _answers(_json_body(_page(_ref("Site")), "sites"))},
         },
         "/v1/sites/{name}": {
             "parameters": [name],
-            "get": {"summary": "Get a site", "responses": {"200": _json_body(_ref("Site"), "the site"), **err}},
+            "get": {"summary": "Get a site", "responses": _answers(_json_body(_ref("Site"), "the site"), 404)},
             "put": {
-                "summary": "Replace a site's spec",
-                "requestBody": _json_body(_ref("SiteSpec"), "the new spec"),
-                "responses": {"200": _json_body(_ref("Site"), "updated"), **err},
+                "summary": "Replace a site's spec (the body names the path's site; a secret left out is kept)",
+                "requestBody": _request(_ref("SiteSpec"), "the new spec"),
+                "responses": _answers(_json_body(_ref("Site"), "updated"), 400, 404, 409, 413, 422),
             },
-            "delete": {"summary": "Remove a site", "responses": {"204": {"description": "removed"}, **err}},
+            "delete": {"summary": "Remove a site (none of its jobs active)",
+                       "responses": _answers({"description": "removed"}, 404, 409, ok_status=204)},
         },
         "/v1/sites/{name}/quota": {
             "parameters": [name],
             "get": {
                 "summary": "The site's quota state per tenant, as the site reports it",
-                "parameters": [{"name": "tenant", "in": "query", "schema": {"type": "string"}}],
-                "responses": {"200": _json_body(_ref("SiteQuota"), "the quota state"), **err},
+                "parameters": [param("tenant")],
+                "responses": _answers(_json_body(_ref("SiteQuota"), "the quota state"), 404, 501),
             },
         },
         "/v1/sites/{name}/quota/{tenant}": {
             "parameters": [name, tenant],
             "put": {
                 "summary": "Set a tenant's quota at the site (kept by the site across restarts)",
-                "requestBody": _json_body(_ref("TenantQuota"), "the quota; tenant defaults to the path's"),
-                "responses": {"200": _json_body(_ref("SiteQuota"), "the tenant's new state"), **err},
+                "requestBody": _request(_ref("TenantQuota"), "the quota; tenant defaults to the path's"),
+                "responses": _answers(_json_body(_ref("SiteQuota"), "the tenant's new state"),
+                                      400, 404, 413, 422, 501),
             },
             "delete": {
                 "summary": "Remove a tenant's quota at the site",
-                "responses": {"200": _json_body(_ref("SiteQuota"), "the quota state"), **err},
+                "responses": _answers(_json_body(_ref("SiteQuota"), "the quota state"), 404, 501),
             },
         },
         "/v1/jobs": {
             "post": {
                 "summary": "Submit a job (stored durably before 201)",
-                "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string", "maxLength": 255}}],
-                "requestBody": _json_body(_ref("JobSpec"), "the job"),
-                "responses": {"201": _json_body(_ref("Job"), "accepted (or replayed for a repeated key)"), **err},
+                "parameters": [param("Idempotency-Key", "header", minLength=1, maxLength=255, pattern=r"^[!-~]([ -~]*[!-~])?$")],
+                "requestBody": _request(_ref("JobSpec"), "the job"),
+                "responses": _answers(
+                    {**_json_body(_ref("Job"), "accepted (or replayed for a repeated key)"), "headers": {
+                        **_LOCATION,
+                        "Idempotent-Replayed": {"description": "true: the key was seen before; this is that job",
+                                                "schema": {"const": "true"}},
+                    }},
+                    400, 409, 413, 422, ok_status=201),
             },
             "get": {
                 "summary": "List jobs, newest first",
-                "parameters": list_params,
-                "responses": {"200": _json_body(_page(_ref("Job")), "a page of jobs"), **err},
+                "parameters": [
+                    param("state", enum=[s.value for s in JobState]), param("tenant"), param("site"),
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
+                                                                "default": 100}},
+                    param("cursor", description="the previous page's next"),
+                ],
+                "responses": _answers(_json_body(_page(_ref("Job")), "a page of jobs"), 400),
             },
         },
         "/v1/jobs/{id}": {
             "parameters": [job_id],
-            "get": {"summary": "Get a job", "responses": {"200": _json_body(_ref("Job"), "the job"), **err}},
-            "delete": {"summary": "Cancel a job", "responses": {"200": _json_body(_ref("Job"), "cancelled"), **err}},
+            "get": {"summary": "Get a job", "responses": _answers(job, 404)},
+            "delete": {"summary": "Cancel a job", "responses": _answers(job, 404, 409)},
         },
         "/v1/jobs/{id}/cancel": {
             "parameters": [job_id],
-            "post": {"summary": "Cancel a job", "responses": {"200": _json_body(_ref("Job"), "cancelled"), **err}},
+            "post": {"summary": "Cancel a job", "responses": _answers(job, 404, 409)},
         },
         "/v1/jobs/{id}/decision": {
             "parameters": [job_id],
             "get": {
                 "summary": "Why the job went where it went",
-                "responses": {"200": _json_body(_ref("Decision"), "the latest decision"), **err},
+                "responses": _answers(_json_body(_ref("Decision"), "the latest decision"), 404),
             },
         },
         "/v1/jobs/{id}/events": {
             "parameters": [job_id],
-            "get": {"summary": "The job's transitions", "responses": {"200": {"description": "transitions"}, **err}},
+            "get": {"summary": "The job's transitions, oldest first",
+                    "responses": _answers(_json_body(_page(_ref("JobEvent")), "transitions"), 404)},
         },
-        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"}}}},
+        "/v1/events": {
+            "get": {
+                "summary": "Live events (server-sent events) until the client leaves; a replica that does not "
+                           "lead redirects to the leader",
+                "parameters": [
+                    param("tenant"), param("site"), param("job"),
+                    param("type", description=f"comma-separated, among {', '.join(EVENT_TYPES)}"),
+                    param("last_event_id", pattern="^[0-9]+$"), param("Last-Event-ID", "header", pattern="^[0-9]+$"),
+                ],
+                "responses": _answers({"description": "the stream", "content": {"text/event-stream": {
+                    "schema": {"type": "string"}}}}, 400),
+            },
+        },
+        "/v1/carbon": {"get": {"summary": "Carbon of the placements made, against a carbon-agnostic choice",
+                               "responses": _answers(_json_body(_ref("Carbon"), "the ledger"))}},
+        "/v1/whoami": {"get": {"summary": "Who the token is: name, role and scope",
+                               "responses": _answers(_json_body(_ref("WhoAmI"), "the caller"))}},
+        "/healthz": {"get": {"summary": "Liveness", "security": [],
+                             "responses": _answers(_json_body(_ref("Healthz"), "ok"), open_=True)}},
+        "/openapi.json": {"get": {"summary": "This document", "security": [],
+                                  "responses": _answers(_json_body({"type": "object"}, "the document"), open_=True)}},
         "/metrics": {"get": {"summary": "Prometheus metrics (text format): jobs, decisions, sites, carbon, cost",
-                             "responses": {"200": {"description": "ok",
-                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+                             "responses": _answers({"description": "ok", "content": {
+                                 "text/plain": {"schema": {"type": "string"}}}})}},
     }
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "heliotrope", "version": "1", "description": "Federated multi-cluster GPU job broker"},
-        "paths": paths,
-        "components": {"schemas": components},
+        "paths": _paths(),
+        "components": {
+            "schemas": _components(),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "a token from 'heliotrope token create' (broker.auth)"}},
+        },
+        # Every call but /healthz and /openapi.json, when broker.auth.enabled; with it off the API is open.
+        "security": [{"bearer": []}],
     }

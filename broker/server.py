@@ -1,5 +1,21 @@
 """Run the broker and its HTTP API until SIGINT or SIGTERM, then shut down gracefully: stop taking
-requests, let dispatches in flight finish, close the sites and the store."""
+requests, let dispatches in flight finish, close the sites and the store.
+
+Before anything starts, :func:`check_startup` refuses a configuration that is unsafe or cannot work, with a
+one-line error (:class:`StartupRefused`, printed by the CLI as ``heliotrope: ...``):
+
+- **No open API beyond this machine.** With ``broker.auth.enabled`` false anyone who reaches the API may use
+  it, so the broker then listens on a loopback address only (127.0.0.1, ::1, localhost) and logs a WARNING
+  saying so; on any other address it refuses to start. Turn ``broker.auth.enabled`` on, or listen on
+  127.0.0.1. With authentication on but plain HTTP on a non-loopback address, a WARNING says that bearer
+  tokens travel in clear text.
+- **HTTPS from ``broker.tls``** (:func:`server_tls_context`): TLS 1.2 or later with ``cert_file`` and
+  ``key_file`` (PEM, read once at start); with ``client_ca_file`` every client must present a certificate
+  signed by that CA (mutual TLS). A file that cannot be read or is not PEM, an encrypted key, or a key that
+  is not the certificate's is named in the error. Leave ``broker.tls`` unset to serve plain HTTP.
+- **The MQTT connection's TLS files** (``broker.mqtt.ca_file``, ``cert_file``, ``key_file``;
+  :func:`adapters.mqtt_protocol.tls_context`) are loaded once too, so a bad one stops the start.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +23,26 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import re
 import signal
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from aiohttp import web
 
+from adapters.mqtt_protocol import tls_context as mqtt_tls_context
 from broker.api import create_app
-from broker.config import BrokerSettings
+from broker.config import BrokerSettings, ServerTlsSettings
 from broker.models import SiteSpec
 from broker.service import Broker
 
 log = logging.getLogger("heliotrope")
+
+
+class StartupRefused(ValueError):
+    """The broker will not start with these settings; the message says what is wrong and what to do."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -30,6 +54,78 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def check_startup(settings: BrokerSettings) -> ssl.SSLContext | None:
+    """Refuse (:class:`StartupRefused`) an open API on a non-loopback address and TLS files that cannot be
+    used; the server's TLS context when ``settings.tls`` is set, else None."""
+    if not settings.auth.enabled and not _is_loopback(settings.host):
+        raise StartupRefused(
+            f"listening on {settings.host or 'every address'} without authentication is refused: set "
+            "broker.auth.enabled: true (and create tokens with `heliotrope token create`) or listen on 127.0.0.1")
+    if settings.mqtt is not None:
+        mqtt_tls_context(settings.mqtt)  # raises MqttTlsError (a ValueError) naming the file
+    return server_tls_context(settings.tls) if settings.tls is not None else None
+
+
+def server_tls_context(tls: ServerTlsSettings) -> ssl.SSLContext:
+    """An HTTPS server context: TLS 1.2 or later, ``cert_file`` with ``key_file``, and with
+    ``client_ca_file`` a client certificate signed by that CA required. :class:`StartupRefused` names the
+    setting and the file that cannot be used, and why."""
+    cert = _read_pem("broker.tls.cert_file", tls.cert_file)
+    key = _read_pem("broker.tls.key_file", tls.key_file)
+    if "-----BEGIN CERTIFICATE-----" not in cert:
+        raise StartupRefused(f"broker.tls.cert_file {tls.cert_file}: no PEM certificate in it "
+                             "(a block starting -----BEGIN CERTIFICATE-----)")
+    if "PRIVATE KEY-----" not in key:
+        raise StartupRefused(f"broker.tls.key_file {tls.key_file}: no PEM private key in it "
+                             "(a block starting -----BEGIN PRIVATE KEY-----)")
+    try:  # the certificates alone first, so that an error can name the file at fault
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=cert)
+    except ssl.SSLError as e:
+        raise StartupRefused(f"broker.tls.cert_file {tls.cert_file}: not a usable PEM certificate "
+                             f"({_ssl_reason(e)})") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=_never_prompt(tls.key_file))
+    except ssl.SSLError as e:
+        if "KEY_VALUES_MISMATCH" in str(e):
+            raise StartupRefused(f"broker.tls.key_file {tls.key_file}: not the private key of the certificate in "
+                                 f"broker.tls.cert_file {tls.cert_file}") from None
+        raise StartupRefused(f"broker.tls.key_file {tls.key_file}: not a usable PEM private key "
+                             f"({_ssl_reason(e)})") from None
+    except OSError as e:  # removed or made unreadable since it was read above
+        raise StartupRefused(f"broker.tls: cannot read {tls.cert_file} or {tls.key_file}: {e.strerror or e}") from None
+    if tls.client_ca_file is not None:
+        _read_pem("broker.tls.client_ca_file", tls.client_ca_file)
+        try:
+            context.load_verify_locations(cafile=tls.client_ca_file)
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            raise StartupRefused(f"broker.tls.client_ca_file {tls.client_ca_file}: no usable PEM CA certificate "
+                                 f"in it ({_ssl_reason(e)})") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _never_prompt(key_file: str) -> Callable[[], bytes]:
+    def refuse() -> bytes:  # OpenSSL would otherwise ask on the terminal
+        raise StartupRefused(f"broker.tls.key_file {key_file}: the key is encrypted and the broker cannot ask for "
+                             "its passphrase: decrypt it (openssl pkey -in KEY -out PLAIN_KEY)")
+    return refuse
+
+
+def _ssl_reason(e: BaseException) -> str:
+    """An ``ssl.SSLError``'s text without the source location OpenSSL appends (``(_ssl.c:3926)``)."""
+    text = e.args[1] if isinstance(e, ssl.SSLError) and len(e.args) > 1 else str(e)
+    return re.sub(r"\s*\(_ssl\.c:\d+\)", "", str(text))
+
+
+def _read_pem(setting: str, path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="ascii", errors="replace")
+    except OSError as e:
+        raise StartupRefused(f"{setting} {path}: cannot read: {e.strerror or e}") from None
+
+
 async def run(
     settings: BrokerSettings,
     sites: list[SiteSpec],
@@ -39,11 +135,12 @@ async def run(
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("heliotrope.jobs").setLevel(logging.INFO if log_jobs else logging.WARNING)
+    tls = check_startup(settings)
     broker = Broker(settings)
     await broker.start(sites)
     runner = web.AppRunner(create_app(broker), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, ssl_context=tls)
     try:
         await site.start()
     except OSError as e:
@@ -51,12 +148,15 @@ async def run(
         await broker.stop()
         raise OSError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else settings.port  # type: ignore[union-attr]
-    url = f"http://{settings.host}:{port}"
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    url = f"{'https' if tls else 'http'}://{host}:{port}"
     print(f"heliotrope serving on {url}  (db {settings.db}, {len(broker.federation.members)} sites)", flush=True)
-    if not _is_loopback(settings.host):
-        log.warning("listening on %s without authentication: anyone who can reach it can submit jobs", settings.host)
-    else:
-        log.info("open API on loopback only (no authentication in this release)")
+    if not settings.auth.enabled:  # only on loopback: check_startup refused it elsewhere
+        log.warning("the API is open to anyone on this machine: authentication is off (broker.auth.enabled); "
+                    "it listens on %s only", settings.host)
+    elif tls is None and not _is_loopback(settings.host):
+        log.warning("bearer tokens travel in clear text: plain HTTP on %s; set broker.tls (cert_file, key_file) "
+                    "or serve behind a TLS proxy", settings.host)
     if broker.replicas is not None:
         broker.elect(broker.replicas.advertise_url or url)
         log.info("one of several replicas: competing for leadership as %s", broker.replicas.advertise_url or url)
@@ -76,5 +176,8 @@ async def run(
         if feed_task is not None:
             feed_task.cancel()
             await asyncio.gather(feed_task, return_exceptions=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
         await runner.cleanup()
         await broker.stop()

@@ -29,6 +29,8 @@ from broker.federation import Federation, Member, needs_rebuild
 from broker.jobs import JobBook
 from broker.leadership import SHUTTING_DOWN, Leadership
 from broker.lifecycle import Lifecycle
+from broker.auth import TokenBook
+from broker.events import EventHub
 from broker.metrics import Metrics
 from broker.models import Job, SiteSpec
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
@@ -118,6 +120,8 @@ class Broker:
         )
         self._new_id = new_id
         self.metrics = Metrics()
+        self.events = EventHub()
+        self.tokens = TokenBook(self.store, self.settings.auth, self.clock)
         self._fresh_term()
         self.metrics.bind(self)
         self._carbon_provider, self._price_provider = carbon, prices
@@ -148,6 +152,7 @@ class Broker:
         )
         self.cycle.may_act = self.lifecycle.may_act = self.may_act
         self.book.metrics = self.cycle.metrics = self.lifecycle.metrics = self.metrics
+        self.book.events = self.cycle.events = self.events
 
     def may_act(self) -> bool:
         """Whether this broker may call a site now: always when alone; among replicas, while it surely leads."""

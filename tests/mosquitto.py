@@ -5,6 +5,8 @@ anonymous clients allowed, persistence into that folder so persistent sessions, 
 and retained messages survive a restart; an autosave every ``autosave_interval_s`` so that even a SIGKILL
 loses at most that much), starts ``mosquitto -c FILE`` on a free port and waits until the port accepts
 connections. :meth:`Mosquitto.restart` brings it back on the *same* port, as a real broker restart would.
+With ``tls=MosquittoTls(cafile, certfile, keyfile)`` it also listens with TLS on ``tls_port`` (127.0.0.1),
+asking every client for a certificate signed by ``cafile`` when ``require_certificate`` is set.
 
 The pytest fixture ``mosquitto`` (function scope: a fresh broker per test, so a test that kills it disturbs
 no other) yields a started :class:`Mosquitto` and always stops it at teardown. Use it with::
@@ -32,6 +34,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -75,13 +78,24 @@ def raise_nofile_limit(needed: int) -> tuple[int, int]:
     return soft, hard
 
 
+@dataclass(frozen=True)
+class MosquittoTls:
+    """A TLS listener's PEM files: the server's certificate and key, and the CA clients are checked against."""
+
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+    require_certificate: bool = False
+
+
 class Mosquitto:
     """One Mosquitto process on 127.0.0.1, configured and logging into ``workdir`` (a new temporary folder when
     None, removed by :meth:`cleanup`)."""
 
     def __init__(self, workdir: Path | None = None, port: int | None = None, *, persistence: bool = True,
                  autosave_interval_s: int = 1, max_queued_messages: int = 100_000,
-                 log_connections: bool = True, extra_config: list[str] | tuple[str, ...] = ()) -> None:
+                 log_connections: bool = True, extra_config: list[str] | tuple[str, ...] = (),
+                 tls: MosquittoTls | None = None) -> None:
         self.binary = find_mosquitto()
         self._own_dir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="mosquitto-"))
@@ -110,6 +124,11 @@ class Mosquitto:
             # Run as root, Mosquitto drops to the user "mosquitto", which may not write here: stay who we are.
             lines.append(f"user {pwd.getpwuid(os.geteuid()).pw_name}")
         lines.extend(extra_config)
+        self.tls_port = free_port() if tls is not None else None
+        if tls is not None:  # a second listener, last: the options after it belong to it
+            lines += [f"listener {self.tls_port} 127.0.0.1", f"cafile {tls.cafile}", f"certfile {tls.certfile}",
+                      f"keyfile {tls.keyfile}",
+                      f"require_certificate {'true' if tls.require_certificate else 'false'}"]
         self.config.write_text("\n".join(lines) + "\n")
 
     # --- life ---

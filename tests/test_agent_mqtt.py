@@ -25,6 +25,7 @@ from adapters.agent import AgentConfig, SiteAgent
 from adapters.remote import RemoteSite
 from adapters.simulated import SimulatedSite
 from broker.api import _site_json
+from broker.auth import ANONYMOUS_ADMIN
 from broker.cli import _site_row
 from broker.clock import Clock, SystemClock
 from broker.config import BrokerSettings
@@ -165,7 +166,7 @@ async def world(tmp_path: Path, mosquitto: Mosquitto):  # noqa: F811
 
 def site_row(w: World, name: str) -> dict:
     """The site's line in `heliotrope sites list`, from the API's JSON for it."""
-    return _site_row(json.loads(json.dumps(_site_json(w.broker.federation.get(name)))))
+    return _site_row(json.loads(json.dumps(_site_json(w.broker.federation.get(name), ANONYMOUS_ADMIN))))
 
 
 async def submit(w: World, name: str, duration_s: float, **more) -> str:  # noqa: ANN003

@@ -123,6 +123,25 @@ async def test_listing_pages_newest_first_and_filters(store: Store):
     assert [j.id for j in running.items] == ["job00020", "job00015", "job00010", "job00005", "job00000"]
 
 
+async def test_a_scoped_listing_keeps_only_the_tenants_or_sites_named(store: Store):
+    for i in range(12):
+        await store.insert_job(make_job(i, tenant="abc"[i % 3], state=JobState.RUNNING, site=f"s{i % 4}"))
+    two = await store.list_jobs(JobFilter(tenants=("a", "c")), limit=100)
+    assert {j.spec.tenant for j in two.items} == {"a", "c"} and len(two.items) == 8
+    sites = await store.list_jobs(JobFilter(sites=("s1",), tenants=("b",)), limit=100)
+    assert [(j.spec.tenant, j.site) for j in sites.items] == [("b", "s1")]
+    assert (await store.list_jobs(JobFilter(tenants=()), limit=100)).items == []
+
+
+async def test_tokens_are_kept_by_id_listed_and_updated(store: Store):
+    await store.put_token("tok-2", "d" * 64, '{"id": "tok-2", "v": 1}')
+    await store.put_token("tok-1", "e" * 64, '{"id": "tok-1"}')
+    with pytest.raises(DuplicateKey):
+        await store.put_token("tok-3", "d" * 64, '{"id": "tok-3"}')  # the same digest twice
+    await store.update_token("tok-2", '{"id": "tok-2", "v": 2}')
+    assert await store.list_tokens() == ['{"id": "tok-1"}', '{"id": "tok-2", "v": 2}']
+
+
 def test_a_cursor_not_handed_out_by_the_store_is_rejected():
     with pytest.raises(ValueError, match="not a cursor"):
         decode_cursor("garbage!")

@@ -65,6 +65,8 @@ class JobFilter:
     state: JobState | None = None
     tenant: str | None = None
     site: str | None = None
+    tenants: tuple[str, ...] | None = None  # any of these (a submitter's scope)
+    sites: tuple[str, ...] | None = None  # any of these (an operator's scope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,13 @@ class Store(Protocol):
     async def delete_site(self, name: str) -> None: ...
 
     async def list_sites(self) -> list[SiteSpec]: ...
+
+    # API tokens (broker.auth): the record as JSON, keyed by id, its digest unique
+    async def put_token(self, token_id: str, digest: str, doc: str) -> None: ...
+
+    async def update_token(self, token_id: str, doc: str) -> None: ...
+
+    async def list_tokens(self) -> list[str]: ...
 
     # leadership (one ``leader`` row; its lease is judged by the database's clock where there is one)
     async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:

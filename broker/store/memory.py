@@ -64,6 +64,7 @@ class MemoryStore(QueuedUpdates):
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._decisions: dict[str, StoredDecision] = {}
         self._sites: dict[str, SiteSpec] = {}
+        self._tokens: dict[str, tuple[str, str]] = {}  # token id -> (digest, record JSON)
         self._leader: tuple[str, int, float] | None = None  # holder, epoch, expires at (time.monotonic())
         self._fence: int | None = None
 
@@ -197,6 +198,10 @@ class MemoryStore(QueuedUpdates):
                 continue
             if flt.site is not None and job.site != flt.site:
                 continue
+            if flt.tenants is not None and row.tenant not in flt.tenants:
+                continue
+            if flt.sites is not None and job.site not in flt.sites:
+                continue
             if len(items) == limit:
                 more = True
                 break
@@ -258,3 +263,20 @@ class MemoryStore(QueuedUpdates):
     async def list_sites(self) -> list[SiteSpec]:
         self._check_open()
         return [self._sites[name] for name in sorted(self._sites)]
+
+    # --- tokens (broker.auth) ---
+
+    async def put_token(self, token_id: str, digest: str, doc: str) -> None:
+        self._check_open()
+        if token_id in self._tokens or any(d == digest for d, _ in self._tokens.values()):
+            raise DuplicateKey(f"token {token_id} is already stored")
+        self._tokens[token_id] = (digest, doc)
+
+    async def update_token(self, token_id: str, doc: str) -> None:
+        self._check_open()
+        if token_id in self._tokens:
+            self._tokens[token_id] = (self._tokens[token_id][0], doc)
+
+    async def list_tokens(self) -> list[str]:
+        self._check_open()
+        return [self._tokens[k][1] for k in sorted(self._tokens)]

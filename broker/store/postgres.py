@@ -87,6 +87,10 @@ MIGRATIONS: tuple[str, ...] = (
         expires_at TIMESTAMPTZ NOT NULL
     );
     """,
+    # 3: API tokens (broker.auth): a token's SHA-256 digest and its record, never the token
+    """
+    CREATE TABLE tokens (id TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, doc TEXT NOT NULL);
+    """,
 )
 
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
@@ -336,6 +340,10 @@ class PostgresStore(SqlWriteQueue):
             where.append(f"tenant = {param(flt.tenant)}")
         if flt.site is not None:
             where.append(f"site = {param(flt.site)}")
+        if flt.tenants is not None:
+            where.append(f"tenant = ANY({param(list(flt.tenants))}::text[])")
+        if flt.sites is not None:
+            where.append(f"site = ANY({param(list(flt.sites))}::text[])")
         if cursor is not None:
             where.append(f"seq < {param(decode_cursor(cursor))}")
         sql = "SELECT seq, doc FROM jobs"
@@ -409,6 +417,18 @@ class PostgresStore(SqlWriteQueue):
     async def release_leadership(self, holder: str, epoch: int) -> None:
         self._check_writable()
         await self._call("execute", _RELEASE, LEADER, holder, epoch)
+
+    # --- tokens (broker.auth) ---
+
+    async def put_token(self, token_id: str, digest: str, doc: str) -> None:
+        await self._submit(self._new_write([("INSERT INTO tokens (id, digest, doc) VALUES ($1, $2, $3)",
+                                             (token_id, digest, doc))]))
+
+    async def update_token(self, token_id: str, doc: str) -> None:
+        await self._submit(self._new_write([("UPDATE tokens SET doc = $1 WHERE id = $2", (doc, token_id))]))
+
+    async def list_tokens(self) -> list[str]:
+        return [r[0] for r in await self._all("SELECT doc FROM tokens ORDER BY id")]
 
     # --- reads ---
 

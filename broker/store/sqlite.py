@@ -84,6 +84,10 @@ MIGRATIONS: tuple[str, ...] = (
         expires_at REAL NOT NULL
     );
     """,
+    # 3: API tokens (broker.auth): a token's SHA-256 digest and its record, never the token
+    """
+    CREATE TABLE tokens (id TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, doc TEXT NOT NULL);
+    """,
 )
 
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
@@ -340,6 +344,10 @@ class SQLiteStore(SqlWriteQueue):
         if flt.site is not None:
             where.append("site = ?")
             params.append(flt.site)
+        for column, values in (("tenant", flt.tenants), ("site", flt.sites)):
+            if values is not None:
+                where.append(f"{column} IN ({','.join('?' * len(values))})" if values else "0")
+                params.extend(values)
         if cursor is not None:
             where.append("seq < ?")
             params.append(decode_cursor(cursor))
@@ -408,6 +416,18 @@ class SQLiteStore(SqlWriteQueue):
     async def list_sites(self) -> list[SiteSpec]:
         rows = await self._all("SELECT doc FROM sites ORDER BY name", ())
         return [SiteSpec.model_validate_json(r[0]) for r in rows]
+
+    # --- tokens (broker.auth) ---
+
+    async def put_token(self, token_id: str, digest: str, doc: str) -> None:
+        await self._submit(self._new_write([("INSERT INTO tokens (id, digest, doc) VALUES (?, ?, ?)",
+                                             (token_id, digest, doc))]))
+
+    async def update_token(self, token_id: str, doc: str) -> None:
+        await self._submit(self._new_write([("UPDATE tokens SET doc = ? WHERE id = ?", (doc, token_id))]))
+
+    async def list_tokens(self) -> list[str]:
+        return [r[0] for r in await self._all("SELECT doc FROM tokens ORDER BY id", ())]
 
     # --- reads ---
 

@@ -1,0 +1,77 @@
+"""The carbon the broker's choices saved against a carbon-agnostic baseline (``GET /v1/carbon``, the
+dashboard's headline, ``heliotrope_carbon_*_grams_total``).
+
+For each placement the baseline is the site the same decision would have chosen with its carbon terms
+(the ``carbon`` and ``carbon_now`` scorers) left out: every other term (price, latency, follow-the-sun,
+free GPUs...) weighted as configured, among the same feasible sites. When the chosen site ties for first
+without the carbon terms, the baseline is the chosen site and nothing is claimed.
+
+Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board power (TDP) x the job's
+expected duration; emissions = energy x the grid intensity each site had at the moment of the decision.
+Both sites are charged the same energy (the placed model's power). Savings from deferring a job to a
+cleaner hour are not in this figure: it compares sites at the same moment, so it never credits a forecast
+that may not come true. Totals are the leader's since it started leading (they are not stored).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.pipeline import TIE_EPSILON, Placement
+from policies.snapshot import TDP_KW, Snapshot
+
+CARBON_SCORERS = frozenset({"carbon", "carbon_now"})
+
+
+@dataclass(slots=True)
+class CarbonLedger:
+    jobs: int = 0
+    energy_kwh: float = 0.0
+    grams: float = 0.0
+    agnostic_grams: float = 0.0
+    moved: int = 0  # placements whose site differs from the baseline's
+
+    def record(self, placement: Placement, snap: Snapshot) -> tuple[float, float] | None:
+        """Count one placement; returns (grams, baseline grams), or None where the intensity is unknown."""
+        if not placement.placed or snap.carbon_g_per_kwh.size == 0:
+            return None
+        chosen = placement.site
+        baseline = agnostic_choice(placement)
+        here, there = float(snap.carbon_g_per_kwh[chosen]), float(snap.carbon_g_per_kwh[baseline])
+        if not (math.isfinite(here) and math.isfinite(there)):
+            return None
+        req = placement.request
+        kwh = req.charge * float(TDP_KW[placement.model]) * req.duration_s / 3600.0
+        self.jobs += 1
+        self.energy_kwh += kwh
+        self.grams += kwh * here
+        self.agnostic_grams += kwh * there
+        self.moved += baseline != chosen
+        return kwh * here, kwh * there
+
+    def as_dict(self) -> dict[str, float | int]:
+        saved = self.agnostic_grams - self.grams
+        return {
+            "jobs": self.jobs, "energy_kwh": round(self.energy_kwh, 6), "grams": round(self.grams, 3),
+            "agnostic_grams": round(self.agnostic_grams, 3), "saved_grams": round(saved, 3),
+            "saved_fraction": round(saved / self.agnostic_grams, 6) if self.agnostic_grams > 0 else 0.0,
+            "moved_jobs": self.moved,
+        }
+
+
+def agnostic_choice(placement: Placement) -> int:
+    """The site index the decision would have picked without its carbon terms."""
+    feasible = placement.feasible
+    if len(feasible) <= 1 or not any(t.scorer in CARBON_SCORERS for t in placement.terms):
+        return placement.site
+    totals = placement.totals.astype(np.float64, copy=True)
+    for term in placement.terms:
+        if term.scorer in CARBON_SCORERS:
+            totals -= term.weight * np.nan_to_num(term.normalised, nan=0.0)
+    where = np.flatnonzero(feasible == placement.site)
+    if where.size and totals[where[0]] >= totals.max() - TIE_EPSILON:
+        return placement.site
+    return int(feasible[int(np.argmax(totals))])

@@ -1,0 +1,637 @@
+"""The deployment files of deploy/ (issue 8), loaded and checked against the code they deploy.
+
+No container engine or cluster runs here, so nothing is built or applied: every file is parsed, the broker's
+and the agent's configurations (with the environment compose and Kubernetes give them) are validated by the
+same code that reads them at start, the Kubernetes objects are checked against the API's own models (the
+``kubernetes`` package), and the agent's RBAC is compared with the Kubernetes API calls of its adapter.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import re
+import shlex
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from adapters.agent import AgentConfig
+from broker.config import FederationConfig, is_shared_database, load_config
+from broker.models import SiteSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "kubernetes"
+IMAGE = "ghcr.io/heliotrope/heliotrope:0.1.0"
+BROKER_CONFIG = DEPLOY / "config" / "heliotrope.yaml"
+AGENT_CONFIG = DEPLOY / "config" / "agent.yaml"
+
+# What compose reads from deploy/.env, with the values `openssl rand -hex 32` would give.
+COMPOSE_ENV = {"POSTGRES_PASSWORD": "9f" * 32, "HELIOTROPE_ADMIN_TOKEN": "a1" * 32}
+# What the Kubernetes Secret `heliotrope` and the downward API give the broker's pods.
+SECRET_VALUES = {"db-url": "postgresql://heliotrope:" + "9f" * 32 + "@postgres.example.internal:5432/heliotrope",
+                 "admin-token": "a1" * 32}
+POD_IP = "10.1.2.3"
+
+EXPECTED_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget",
+                  "ClusterRole", "ClusterRoleBinding", "RoleBinding", "PersistentVolumeClaim"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+
+# Every Kubernetes API call of the site's adapter (adapters/kubernetes.py, KubernetesSite), read from the code:
+# the client method, and the (API group, resource, verbs) it needs. `_watch` calls the two list methods again
+# with watch=True, which the API server authorises as the verb watch.
+K8S_CALLS: dict[str, tuple[str, str, frozenset[str]]] = {
+    "list_node": ("", "nodes", frozenset({"list"})),                            # _refresh_inventory
+    "list_pod_for_all_namespaces": ("", "pods", frozenset({"list", "watch"})),  # _read_pods; _watch("pods")
+    "list_job_for_all_namespaces": ("batch", "jobs", frozenset({"list", "watch"})),  # _list_jobs; _watch("jobs")
+    "read_namespaced_job": ("batch", "jobs", frozenset({"get"})),               # _get_job
+    "create_namespaced_job": ("batch", "jobs", frozenset({"create"})),          # _create_job
+    "delete_namespaced_job": ("batch", "jobs", frozenset({"delete"})),          # _delete_job
+    "create_namespaced_resource_quota": ("", "resourcequotas", frozenset({"create"})),  # _mirror_quota
+    "patch_namespaced_resource_quota": ("", "resourcequotas", frozenset({"patch"})),    # _mirror_quota (409)
+    "delete_namespaced_resource_quota": ("", "resourcequotas", frozenset({"delete"})),  # remove_quota
+}
+WATCHED = {"list_pod_for_all_namespaces", "list_job_for_all_namespaces"}
+ADAPTER_SOURCES = [ROOT / "adapters" / name for name in ("kubernetes.py", "kubernetes_nodes.py", "agent.py")]
+EXPECTED_GRANTS = {(group, resource, verb) for group, resource, verbs in K8S_CALLS.values() for verb in verbs}
+READ_VERBS = {"get", "list", "watch"}
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+
+def yaml_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
+
+
+def k8s_objects() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.name, doc) for p in sorted(K8S.glob("*.yaml")) for doc in yaml.safe_load_all(p.read_text())
+            if doc is not None]
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    found = [o for _, o in k8s_objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name} in deploy/kubernetes, found {len(found)}"
+    return found[0]
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """Compose's ${NAME}, ${NAME:-default} and ${NAME:?error} (an error when unset or empty), and $$."""
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        got = env.get(name, "")
+        if op == ":?" and not got:
+            raise KeyError(f"compose needs {name}: {arg}")
+        return got or (arg if op == ":-" else "")
+    return re.sub(r"\$\{(\w+)(?:(:[?-])([^}]*))?\}", one, value).replace("$$", "$")
+
+
+def service_env(service: dict[str, Any], env: Mapping[str, str] = COMPOSE_ENV) -> dict[str, str]:
+    raw = service.get("environment") or {}
+    if isinstance(raw, list):
+        raw = dict(item.split("=", 1) for item in raw)
+    return {k: interpolate(str(v), env) for k, v in raw.items()}
+
+
+def heliotrope_services() -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in compose()["services"].items() if s.get("image") == IMAGE or "build" in s}
+
+
+def broker_services() -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in heliotrope_services().items() if command(s)[0] == "serve"}
+
+
+def command(service: dict[str, Any]) -> list[str]:
+    cmd = service.get("command") or dockerfile_instruction("CMD")
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def duration_s(text: str) -> float:
+    """A compose duration such as 30s or 1m30s."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(a + u for a, u in parts) == text, f"not a compose duration: {text!r}"
+    return sum(float(a) * units[u] for a, u in parts)
+
+
+def broker_config_in_compose(name: str) -> FederationConfig:
+    return load_config(BROKER_CONFIG, service_env(compose()["services"][name]))
+
+
+def dockerfile_stages() -> list[list[tuple[str, str]]]:
+    """The Dockerfile's stages, each a list of (INSTRUCTION, arguments), continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    stages: list[list[tuple[str, str]]] = [[]]
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        if word.upper() == "FROM":
+            stages.append([])
+        stages[-1].append((word.upper(), rest.strip()))
+    return stages  # stages[0]: what comes before the first FROM (ARGs)
+
+
+def dockerfile_instruction(word: str, stage: int = -1) -> Any:
+    """The last ``word`` instruction of a stage; JSON-array (exec) form as a list."""
+    found = [rest for w, rest in dockerfile_stages()[stage] if w == word]
+    assert found, f"deploy/Dockerfile: the stage has no {word}"
+    return yaml.safe_load(found[-1]) if found[-1].startswith("[") else found[-1]
+
+
+def dockerignore_excludes(path: str) -> bool:
+    patterns = [p.strip().strip("/") for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    suffixes = ["/".join(parts[i:]) for i in range(len(parts))]
+    for pattern in patterns:
+        if pattern.startswith("**/"):
+            if any(fnmatch.fnmatch(s, pattern[3:]) for s in suffixes):
+                return True
+        elif any(fnmatch.fnmatch(p, pattern) for p in prefixes):
+            return True
+    return False
+
+
+def containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
+    return deployment["spec"]["template"]["spec"]["containers"]
+
+
+def container_port(container: dict[str, Any], port: int | str) -> int:
+    """A port given by number or by the container's port name."""
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
+    assert port in named, f"container {container['name']} has no port named {port}"
+    return named[port]
+
+
+def literal_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: $(VAR) expanded from variables above it, the
+    Secret and the downward API replaced by sample values."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"])
+        elif "secretKeyRef" in item["valueFrom"]:
+            env[item["name"]] = SECRET_VALUES[item["valueFrom"]["secretKeyRef"]["key"]]
+        elif item["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[item["name"]] = POD_IP
+    return env
+
+
+def config_map_file(deployment: dict[str, Any], tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """The file a Deployment's first container reads with --config, written out from its ConfigMap, and
+    that container's environment."""
+    pod, container = deployment["spec"]["template"]["spec"], containers(deployment)[0]
+    path = container["args"][container["args"].index("--config") + 1]
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    data = find("ConfigMap", volume["configMap"]["name"])["data"]
+    key = path[len(mount["mountPath"].rstrip("/")) + 1:]
+    assert key in data, f"{deployment['metadata']['name']} reads {path}, but its ConfigMap has no key {key}"
+    out = tmp_path / key
+    out.write_text(data[key])
+    return out, literal_env(container)
+
+
+def broker_deployment() -> dict[str, Any]:
+    return find("Deployment", "heliotrope-broker")
+
+
+def agent_deployment() -> dict[str, Any]:
+    return find("Deployment", "heliotrope-agent")
+
+
+def service_host_port(host: str, port: int) -> tuple[str, int] | None:
+    """The Service of the manifests that ``host`` names (NAME, NAME.NS, NAME.NS.svc[.cluster.local]) with
+    the port it serves on, or None."""
+    parts = host.split(".")
+    if len(parts) not in (1, 2, 3, 5) or parts[3:] not in ([], ["cluster", "local"]) or parts[2:3] not in ([], ["svc"]):
+        return None
+    for _, o in k8s_objects():
+        if o["kind"] == "Service" and o["metadata"]["name"] == parts[0] and \
+                (len(parts) == 1 or o["metadata"]["namespace"] == parts[1]):
+            ports = [p["port"] for p in o["spec"]["ports"]]
+            return (o["metadata"]["name"], port) if port in ports else None
+    return None
+
+
+def site_without_adapter(site: SiteSpec) -> dict[str, Any]:
+    return site.model_dump(exclude={"adapter"})
+
+
+# --- every file ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: f"{p.relative_to(ROOT)} parses as YAML")
+def test_every_yaml_file_parses(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert docs and all(isinstance(d, dict) for d in docs)
+
+
+@pytest.mark.parametrize("file,obj", k8s_objects(),
+                         ids=[f"{o['kind']} {o['metadata']['name']} in {f} is named, of a known kind and placed"
+                              for f, o in k8s_objects()])
+def test_every_kubernetes_object_is_complete(file: str, obj: dict[str, Any]) -> None:
+    assert obj["apiVersion"] and obj["metadata"]["name"]
+    assert obj["kind"] in EXPECTED_KINDS
+    assert ("namespace" in obj["metadata"]) == (obj["kind"] not in CLUSTER_SCOPED)
+
+
+@pytest.mark.parametrize("file,obj", k8s_objects(),
+                         ids=[f"{o['kind']} {o['metadata']['name']} in {f} has only fields the Kubernetes API knows"
+                              for f, o in k8s_objects()])
+def test_kubernetes_objects_round_trip_through_the_api_models(file: str, obj: dict[str, Any]) -> None:
+    # The client's models drop a field they do not know (a typo such as readinesProbe) and refuse a
+    # missing required one, so an object that comes back equal is one the API server would read the same.
+    api = k8s.ApiClient()
+    model = api._ApiClient__deserialize(obj, f"V1{obj['kind']}")  # type: ignore[attr-defined]
+    assert api.sanitize_for_serialization(model) == obj
+
+
+# --- the image ------------------------------------------------------------------------------------------
+
+
+def test_the_dockerfile_builds_in_a_builder_stage_and_ships_a_slim_python_3_11_stage() -> None:
+    stages = dockerfile_stages()[1:]
+    assert len(stages) >= 2, "multi-stage: a builder and the final image"
+    args = {k: v for w, rest in dockerfile_stages()[0] if w == "ARG" for k, _, v in [rest.partition("=")]}
+    final = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], stages[-1][0][1]).split()[0]
+    assert final == "python:3.11-slim"
+    assert any(w == "COPY" and rest.startswith("--from=") for w, rest in stages[-1]), "the final stage copies the build"
+
+
+def test_the_image_runs_as_a_numeric_non_root_user() -> None:
+    user = str(dockerfile_instruction("USER")).split(":")
+    assert all(part.isdigit() and int(part) != 0 for part in user), f"USER {':'.join(user)}"
+
+
+def test_the_image_exposes_the_port_the_broker_config_listens_on() -> None:
+    assert int(dockerfile_instruction("EXPOSE")) == broker_config_in_compose("broker-1").broker.port
+
+
+def test_the_image_entrypoint_is_the_console_script_of_pyproject() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert dockerfile_instruction("ENTRYPOINT") == ["heliotrope"] and "heliotrope" in scripts
+
+
+def test_the_image_serves_the_config_file_that_compose_and_kubernetes_mount() -> None:
+    cmd = dockerfile_instruction("CMD")
+    assert cmd[:2] == ["serve", "--config"]
+    assert all(f"./config/heliotrope.yaml:{cmd[2]}:ro" in s["volumes"] for s in broker_services().values())
+    assert containers(broker_deployment())[0]["args"] == cmd
+
+
+def test_the_image_health_check_asks_healthz_on_the_exposed_port_and_stops_on_sigterm() -> None:
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(r for w, r in dockerfile_stages()[-1] if w == "ENV")))
+    url = urlsplit(env["HELIOTROPE_HEALTHCHECK_URL"])
+    assert (url.path, url.port) == ("/healthz", int(dockerfile_instruction("EXPOSE")))
+    assert "HELIOTROPE_HEALTHCHECK_URL" in dockerfile_instruction("HEALTHCHECK")
+    assert dockerfile_instruction("STOPSIGNAL") == "SIGTERM"
+
+
+def wheel_inputs() -> list[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.split(".")[0] for p in project["tool"]["setuptools"]["packages"]}
+    return ["pyproject.toml", project["project"]["readme"], *sorted(packages)]
+
+
+@pytest.mark.parametrize("path", wheel_inputs(), ids=lambda p: f"the image build copies {p}, which the wheel needs")
+def test_the_build_copies_what_the_wheel_needs_from_the_context(path: str) -> None:
+    sources = {src for w, rest in dockerfile_stages()[1] if w == "COPY" for src in rest.split()[:-1]}
+    assert path in sources or f"./{path}" in sources or "." in sources
+    assert (ROOT / path).exists()
+    assert not dockerignore_excludes(path), f".dockerignore leaves {path} out of the build context"
+
+
+@pytest.mark.parametrize("path", [".venv", ".git", "var/heliotrope.db", "deploy/.env", "broker/__pycache__/x.pyc"],
+                         ids=lambda p: f"the build context leaves out {p}")
+def test_the_build_context_leaves_out_local_state_and_secrets(path: str) -> None:
+    assert dockerignore_excludes(path)
+
+
+# --- compose --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(heliotrope_services()),
+                         ids=lambda n: f"compose service {n} builds the one image from deploy/Dockerfile")
+def test_compose_services_build_the_image_from_deploy_dockerfile(name: str) -> None:
+    service = compose()["services"][name]
+    assert service["image"] == IMAGE
+    context = (DEPLOY / service["build"]["context"]).resolve()
+    assert context == ROOT and (context / service["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+
+
+@pytest.mark.parametrize("name,published", [("broker-1", 8080), ("broker-2", 8081)],
+                         ids=["broker-1 is published on port 8080 of this machine",
+                              "broker-2 is published on port 8081 of this machine"])
+def test_each_broker_replica_is_published_on_its_own_port_to_the_port_it_listens_on(name: str, published: int) -> None:
+    port = broker_config_in_compose(name).broker.port
+    [mapping] = compose()["services"][name]["ports"]
+    host_ip, host_port, target = mapping.rsplit(":", 2) if mapping.count(":") == 2 else ("", *mapping.split(":"))
+    assert (int(host_port), int(target)) == (published, port)
+    assert host_ip == "127.0.0.1", "plain HTTP with bearer tokens: published on loopback only"
+
+
+@pytest.mark.parametrize("name", sorted(broker_services()),
+                         ids=lambda n: f"{n}'s environment applied to config/heliotrope.yaml is a valid shared setup")
+def test_each_broker_replica_loads_its_config_with_its_environment(name: str) -> None:
+    env = service_env(compose()["services"][name])
+    assert any(k.startswith("HELIOTROPE_BROKER__") for k in env)
+    broker = load_config(BROKER_CONFIG, env).broker  # an unknown setting in a variable's name fails here
+    services = compose()["services"]
+    assert is_shared_database(broker.db), "the replicas must share PostgreSQL to elect one leader"
+    assert urlsplit(broker.db).hostname in services and "postgres" in services[urlsplit(broker.db).hostname]["image"]
+    assert broker.mqtt is not None and broker.mqtt.host in services and "mosquitto" in services[broker.mqtt.host]["image"]
+    assert broker.replicas is not None and broker.replicas.advertise_url == f"http://{name}:{broker.port}"
+    assert broker.auth.enabled and env.get(broker.auth.admin_token_env or "") == COMPOSE_ENV["HELIOTROPE_ADMIN_TOKEN"]
+    assert broker.mqtt.password_env is None or broker.mqtt.password_env in env
+
+
+def test_the_broker_replicas_advertise_different_addresses() -> None:
+    urls = [broker_config_in_compose(n).broker.replicas.advertise_url for n in broker_services()]  # type: ignore[union-attr]
+    assert len(urls) == 2 and len(set(urls)) == 2
+
+
+@pytest.mark.parametrize("name", sorted(broker_services()),
+                         ids=lambda n: f"{n} gets longer to stop than the broker's shutdown grace")
+def test_broker_stop_grace_period_exceeds_shutdown_grace(name: str) -> None:
+    grace = broker_config_in_compose(name).broker.shutdown_grace_s
+    assert duration_s(compose()["services"][name]["stop_grace_period"]) > grace
+
+
+@pytest.mark.parametrize("name", sorted(broker_services()),
+                         ids=lambda n: f"{n} starts only once PostgreSQL answers pg_isready")
+def test_brokers_wait_for_a_healthy_postgres(name: str) -> None:
+    assert compose()["services"][name]["depends_on"]["postgres"] == {"condition": "service_healthy"}
+    assert "pg_isready" in " ".join(compose()["services"]["postgres"]["healthcheck"]["test"])
+
+
+def test_compose_refuses_to_start_without_the_secrets_that_example_env_lists() -> None:
+    text = (DEPLOY / "compose.yaml").read_text()
+    required = set(re.findall(r"\$\{(\w+):\?", text))
+    listed = set(re.findall(r"^(\w+)=", (DEPLOY / "example.env").read_text(), re.M))
+    assert required == listed == set(COMPOSE_ENV)
+    with pytest.raises(KeyError, match="openssl rand -hex 32"):
+        service_env(compose()["services"]["broker-1"], {})
+
+
+@pytest.mark.parametrize("name", sorted(compose()["services"]),
+                         ids=lambda n: f"every file compose service {n} mounts from deploy/ exists")
+def test_compose_bind_mounts_exist(name: str) -> None:
+    for volume in compose()["services"][name].get("volumes", []):
+        source = volume.split(":")[0]
+        if source.startswith("."):
+            assert (DEPLOY / source).is_file(), f"{name} mounts {source}, which is not a file in deploy/"
+
+
+def test_the_compose_agent_runs_the_site_the_brokers_reach_over_mqtt() -> None:
+    services = compose()["services"]
+    agent_service = services["agent"]
+    assert command(agent_service) == ["agent", "--config", "/etc/heliotrope/agent.yaml"]
+    assert f"./config/agent.yaml:{command(agent_service)[2]}:ro" in agent_service["volumes"]
+    assert agent_service["healthcheck"] == {"disable": True}, "the agent serves no /healthz"
+    agent = AgentConfig.model_validate(yaml.safe_load(AGENT_CONFIG.read_text()))
+    broker = broker_config_in_compose("broker-1")
+    assert agent.mqtt.host in services and broker.broker.mqtt is not None
+    assert (agent.mqtt.host, agent.mqtt.port) == (broker.broker.mqtt.host, broker.broker.mqtt.port)
+    registered = {s.name: s for s in broker.sites}
+    assert registered[agent.site.name].adapter.kind == "mqtt"
+    assert site_without_adapter(registered[agent.site.name]) == site_without_adapter(agent.site)
+    assert agent.state_dir is not None and any(v.endswith(":/var/lib/heliotrope") and v.startswith(
+        "agent-state") for v in agent_service["volumes"]) and agent.state_dir.startswith("/var/lib/heliotrope/")
+
+
+def test_a_broker_on_every_address_always_has_authentication() -> None:
+    for config in [broker_config_in_compose(n) for n in broker_services()]:
+        host = config.broker.host
+        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+            assert config.broker.auth.enabled and config.broker.auth.admin_token_env
+
+
+# --- Kubernetes -----------------------------------------------------------------------------------------
+
+
+def heliotrope_deployments() -> list[dict[str, Any]]:
+    return [o for _, o in k8s_objects() if o["kind"] == "Deployment" and containers(o)[0]["image"] == IMAGE]
+
+
+def all_deployments() -> list[dict[str, Any]]:
+    return [o for _, o in k8s_objects() if o["kind"] == "Deployment"]
+
+
+def test_kubernetes_runs_the_image_that_compose_builds() -> None:
+    assert {d["metadata"]["name"] for d in heliotrope_deployments()} == {"heliotrope-broker", "heliotrope-agent"}
+    assert {s["image"] for s in heliotrope_services().values()} == {IMAGE}
+
+
+def test_the_broker_deployment_runs_two_replicas_on_a_shared_database(tmp_path: Path) -> None:
+    path, env = config_map_file(broker_deployment(), tmp_path)
+    broker = load_config(path, env).broker  # the literal env names must be real settings
+    assert broker_deployment()["spec"]["replicas"] == 2
+    assert is_shared_database(broker.db)
+    assert broker.replicas is not None and broker.replicas.advertise_url == f"http://{POD_IP}:{broker.port}"
+    assert broker.auth.enabled and env.get(broker.auth.admin_token_env or "") == SECRET_VALUES["admin-token"]
+    assert broker.host == "0.0.0.0"
+
+
+def test_the_pod_ip_is_defined_before_the_advertise_url_that_uses_it() -> None:
+    names = [e["name"] for e in containers(broker_deployment())[0]["env"]]
+    assert names.index("POD_IP") < names.index("HELIOTROPE_BROKER__REPLICAS__ADVERTISE_URL")
+
+
+def test_the_broker_container_service_and_probes_use_the_port_the_config_listens_on(tmp_path: Path) -> None:
+    path, env = config_map_file(broker_deployment(), tmp_path)
+    port = load_config(path, env).broker.port
+    container = containers(broker_deployment())[0]
+    assert [p["containerPort"] for p in container["ports"]] == [port]
+    service = find("Service", "heliotrope")
+    assert [container_port(container, p["targetPort"]) for p in service["spec"]["ports"]] == [port]
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert (get["path"], container_port(container, get["port"])) == ("/healthz", port), probe
+
+
+def test_the_broker_pods_get_longer_to_stop_than_the_shutdown_grace(tmp_path: Path) -> None:
+    path, env = config_map_file(broker_deployment(), tmp_path)
+    grace = load_config(path, env).broker.shutdown_grace_s
+    assert broker_deployment()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+
+
+@pytest.mark.parametrize("deployment", all_deployments(),
+                         ids=lambda d: f"{d['metadata']['name']} runs as non-root, read-only, without capabilities")
+def test_every_deployment_is_locked_down(deployment: dict[str, Any]) -> None:
+    pod = deployment["spec"]["template"]["spec"]
+    for container in pod["containers"]:
+        ctx = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0
+        assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+        assert ctx["capabilities"]["drop"] == ["ALL"] and "add" not in ctx["capabilities"]
+        assert "resources" in container and "memory" in container["resources"]["limits"]
+
+
+@pytest.mark.parametrize("deployment", heliotrope_deployments(),
+                         ids=lambda d: f"{d['metadata']['name']} can write where heliotrope writes")
+def test_heliotrope_pods_run_as_the_image_user_with_writable_state_and_tmp(deployment: dict[str, Any]) -> None:
+    pod = deployment["spec"]["template"]["spec"]
+    assert str(pod["securityContext"]["runAsUser"]) == str(dockerfile_instruction("USER")).split(":")[0]
+    mounts = {m["mountPath"] for m in containers(deployment)[0]["volumeMounts"] if not m.get("readOnly")}
+    assert {dockerfile_instruction("WORKDIR"), "/tmp"} <= mounts
+
+
+@pytest.mark.parametrize("obj", [o for _, o in k8s_objects() if o["kind"] in ("Service", "PodDisruptionBudget")],
+                         ids=lambda o: f"{o['kind']} {o['metadata']['name']} selects the pods of a Deployment")
+def test_selectors_match_a_deployments_pods(obj: dict[str, Any]) -> None:
+    selector = obj["spec"]["selector"]
+    selector = selector.get("matchLabels", selector)
+    matched = [d for d in all_deployments() if d["metadata"]["namespace"] == obj["metadata"]["namespace"]
+               and selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+    assert len(matched) == 1
+
+
+@pytest.mark.parametrize("deployment", all_deployments(),
+                         ids=lambda d: f"every ConfigMap, claim and account {d['metadata']['name']} uses is deployed")
+def test_deployments_refer_only_to_objects_in_the_manifests(deployment: dict[str, Any]) -> None:
+    pod = deployment["spec"]["template"]["spec"]
+    for volume in pod["volumes"]:
+        if "configMap" in volume:
+            find("ConfigMap", volume["configMap"]["name"])
+        if "persistentVolumeClaim" in volume:
+            find("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    if "serviceAccountName" in pod:
+        find("ServiceAccount", pod["serviceAccountName"])
+
+
+def test_the_secret_keys_the_broker_reads_are_the_ones_the_instructions_create() -> None:
+    keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in containers(broker_deployment())[0]["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    instructions = (K8S / "00-namespace.yaml").read_text()
+    assert keys == set(SECRET_VALUES) == set(re.findall(r"--from-literal=([\w-]+)=", instructions))
+
+
+def test_the_broker_and_the_agent_reach_the_in_cluster_mosquitto(tmp_path: Path) -> None:
+    path, env = config_map_file(broker_deployment(), tmp_path)
+    broker = load_config(path, env).broker
+    agent_path, _ = config_map_file(agent_deployment(), tmp_path)
+    agent = AgentConfig.model_validate(yaml.safe_load(agent_path.read_text()))
+    assert broker.mqtt is not None and service_host_port(broker.mqtt.host, broker.mqtt.port) == ("mosquitto", 1883)
+    assert service_host_port(agent.mqtt.host, agent.mqtt.port) == ("mosquitto", 1883)
+
+
+def test_the_agent_runs_the_brokers_mqtt_site_on_this_cluster_with_its_service_account(tmp_path: Path) -> None:
+    agent_path, _ = config_map_file(agent_deployment(), tmp_path)
+    agent = AgentConfig.model_validate(yaml.safe_load(agent_path.read_text()))
+    assert agent.site.adapter.kind == "kubernetes" and agent.site.adapter.in_cluster
+    broker_path, env = config_map_file(broker_deployment(), tmp_path)
+    registered = {s.name: s for s in load_config(broker_path, env).sites}
+    assert registered[agent.site.name].adapter.kind == "mqtt"
+    assert site_without_adapter(registered[agent.site.name]) == site_without_adapter(agent.site)
+    pod = agent_deployment()["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert agent_deployment()["spec"]["strategy"]["type"] == "Recreate", "never two agents for one site"
+    assert agent_deployment()["spec"]["replicas"] == 1
+    state = next(m for m in containers(agent_deployment())[0]["volumeMounts"] if m["name"] == "state")
+    assert agent.state_dir is not None and agent.state_dir.startswith(state["mountPath"] + "/")
+    assert "persistentVolumeClaim" in next(v for v in pod["volumes"] if v["name"] == "state")
+
+
+def test_the_broker_has_no_kubernetes_credentials() -> None:
+    pod = broker_deployment()["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    bound = [o for _, o in k8s_objects() if o["kind"].endswith("Binding")
+             and any(s["name"] == pod["serviceAccountName"] for s in o["subjects"])]
+    assert bound == []
+
+
+# --- RBAC -----------------------------------------------------------------------------------------------
+
+
+def agent_bindings() -> list[dict[str, Any]]:
+    account = agent_deployment()["spec"]["template"]["spec"]["serviceAccountName"]
+    namespace = agent_deployment()["metadata"]["namespace"]
+    return [o for _, o in k8s_objects() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")
+            and any(s == {"kind": "ServiceAccount", "name": account, "namespace": namespace} for s in o["subjects"])]
+
+
+def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def role_of(binding: dict[str, Any]) -> dict[str, Any]:
+    return find(binding["roleRef"]["kind"], binding["roleRef"]["name"])
+
+
+def adapter_calls() -> set[str]:
+    return {m for path in ADAPTER_SOURCES for m in re.findall(r"\.(\w+)_without_preload_content", path.read_text())}
+
+
+def test_the_rbac_table_lists_every_kubernetes_call_the_adapter_makes() -> None:
+    assert adapter_calls() == set(K8S_CALLS), "a Kubernetes API call was added or removed: update RBAC"
+    source = (ROOT / "adapters" / "kubernetes.py").read_text()
+    watch = source[source.index("async def _watch("):source.index("def _on_watch_event(")]
+    assert "watch=True" in watch and set(re.findall(r"\.(\w+)_without_preload_content", watch)) == WATCHED
+    assert set(re.findall(r"k8s\.(\w+Api)\(", source)) == {"CoreV1Api", "BatchV1Api"}
+
+
+def test_the_agent_is_granted_exactly_what_its_adapter_calls() -> None:
+    granted = set().union(*(grants(role_of(b)) for b in agent_bindings()))
+    assert granted == EXPECTED_GRANTS
+
+
+@pytest.mark.parametrize("role", [o for _, o in k8s_objects() if o["kind"] in ("ClusterRole", "Role")],
+                         ids=lambda r: f"{r['kind']} {r['metadata']['name']} names every group, resource and verb")
+def test_no_rbac_rule_uses_a_wildcard(role: dict[str, Any]) -> None:
+    for rule in role["rules"]:
+        assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"]
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+
+
+def test_the_agent_writes_only_in_tenant_namespaces(tmp_path: Path) -> None:
+    cluster_wide = set().union(*(grants(role_of(b)) for b in agent_bindings() if b["kind"] == "ClusterRoleBinding"))
+    assert {verb for _, _, verb in cluster_wide} <= READ_VERBS
+    agent_path, _ = config_map_file(agent_deployment(), tmp_path)
+    site = AgentConfig.model_validate(yaml.safe_load(agent_path.read_text())).site
+    assert site.adapter.kind == "kubernetes"
+    tenant_namespaces = {site.adapter.namespace_prefix + q.tenant for q in site.quotas}
+    writers = [b for b in agent_bindings() if b["kind"] == "RoleBinding"]
+    assert {b["metadata"]["namespace"] for b in writers} == tenant_namespaces
+    assert all(find("Namespace", ns) for ns in tenant_namespaces)
+
+
+def rule_comments(path: Path) -> Iterator[str]:
+    """The comment lines right above each rule (``- apiGroups:``) of a manifest, in order."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("- apiGroups:"):
+            above = []
+            while i > 0 and lines[i - 1].strip().startswith("#"):
+                i -= 1
+                above.append(lines[i])
+            yield " ".join(above)
+
+
+def test_every_rbac_rule_names_the_adapter_calls_that_need_it() -> None:
+    rules = [r for f, o in k8s_objects() if f == "agent.yaml" and o["kind"] in ("ClusterRole", "Role")
+             for r in o["rules"]]
+    comments = list(rule_comments(K8S / "agent.yaml"))
+    assert all(f == "agent.yaml" for f, o in k8s_objects() if "rules" in o) and len(comments) == len(rules)
+    for rule, comment in zip(rules, comments, strict=True):
+        named = [m for m in K8S_CALLS if f".{m}" in comment or f" {m}" in comment]
+        assert named, f"a rule without the call that needs it: {rule}"
+        covered = {(K8S_CALLS[m][0], K8S_CALLS[m][1], v) for m in named for v in K8S_CALLS[m][2]}
+        assert grants({"rules": [rule]}) <= covered, f"{rule} grants more than {', '.join(named)} need"
