@@ -206,6 +206,8 @@ def _any_replica(request: web.Request) -> bool:
     path = request.path.rstrip("/")
     if (request.method, path) in ANY_REPLICA:
         return True
+    if request.method in ("GET", "HEAD") and (path == "" or path.startswith("/dashboard")):
+        return True  # the dashboard's static files: every replica has them
     return request.method == "GET" and path.startswith("/v1/jobs/")
 
 

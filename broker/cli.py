@@ -219,7 +219,7 @@ def _api_message(e: ApiClientError) -> str:
 # --- client commands ---
 
 
-async def _client_command(args: argparse.Namespace) -> str:
+async def _client_command(args: argparse.Namespace) -> str | None:
     async with Client(args.server, ca_file=args.ca_file, token=args.token) as c:
         out: Any
         match args.command:
@@ -291,7 +291,7 @@ async def _client_command(args: argparse.Namespace) -> str:
     return json.dumps(out, indent=2) if args.json else text
 
 
-async def _watch(c: Client, args: argparse.Namespace) -> str:
+async def _watch(c: Client, args: argparse.Namespace) -> None:
     """Print events as they come until interrupted; reconnects (resuming after the last event) when the
     stream breaks, as when the broker restarts or leadership moves."""
     params = {k: v for k, v in (("tenant", args.tenant), ("site", args.site), ("job", args.job),
@@ -306,7 +306,7 @@ async def _watch(c: Client, args: argparse.Namespace) -> str:
                 if args.count is not None:
                     args.count -= 1
                     if args.count <= 0:
-                        return "(done)" if not args.json else ""
+                        return None
         except ApiClientError as e:
             if e.status is not None:  # the broker refused (401, 403, 400): retrying would not help
                 raise
@@ -546,7 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == fairshare_cli.COMMAND:
             print(fairshare_cli.run(args))
             return 0
-        print(asyncio.run(_client_command(args)))
+        text = asyncio.run(_client_command(args))
+        if text is not None:
+            print(text)
         return 0
     except ApiClientError as e:
         print(f"heliotrope: {_api_message(e)}", file=sys.stderr)

@@ -5,8 +5,9 @@ The browser test opens ``/``, sees every demo site on the map and in the table, 
 reads its decision term by term (the chosen site, the scorers, the rejected sites and their reasons), sees a
 job submitted afterwards appear without a reload (the event stream), and saves a screenshot: to pytest's
 temporary folder, and to ``$HELIOTROPE_SCREENSHOTS/dashboard.png`` when that names a folder (run once with
-``HELIOTROPE_SCREENSHOTS=docs`` to refresh ``docs/dashboard.png``). Without ``/usr/bin/chromium`` the browser
-tests skip, and fail under ``CI=true`` (``scripts/test-deps`` installs it).
+``HELIOTROPE_SCREENSHOTS=docs`` to refresh ``docs/dashboard.png``). A second one, against a broker with
+authentication on, types a token into the page's form. Without ``/usr/bin/chromium`` the browser tests skip,
+and fail under ``CI=true`` (``scripts/test-deps`` installs it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from broker import dashboard
-from tests.conftest import ROOT, ServerProcess, free_port
+from tests.conftest import ROOT, TWO_SITES, ServerProcess, free_port
 from tests.services import missing
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -36,6 +37,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync"]
 DEMO_SITES = ["ashburn", "frankfurt", "london", "losangeles", "saopaulo", "sydney", "tokyo", "toronto"]
 TOKEN = "hlt_dashboard-test-token"
+TOKEN_ENV = "HELIOTROPE_DASHBOARD_TEST_TOKEN"
 
 
 # --- the static route, on a bare application --------------------------------------------------------
@@ -300,37 +302,38 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
 
 
 @pytest.mark.slow
-def test_a_broker_that_asks_for_a_token_gets_one_from_a_form_and_every_call_then_carries_it(browser, demo_broker):
-    """The broker's answers are intercepted: 401 without ``Authorization: Bearer TOKEN``, as with
-    ``broker.auth.enabled``."""
-    srv = demo_broker
+def test_a_broker_that_asks_for_a_token_gets_one_from_a_form_and_every_call_then_carries_it(
+        browser, server_factory, monkeypatch):
+    """A broker with ``broker.auth.enabled`` and an admin token from the environment: the page asks for a
+    token, says so when one is refused, and once given a good one sends it on every call, the stream too."""
+    from playwright.sync_api import expect
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    srv = server_factory({**TWO_SITES, "broker": {**TWO_SITES["broker"],
+                                                  "auth": {"enabled": True, "admin_token_env": TOKEN_ENV}}})
+    srv.start()
     w = Watched(browser)
     page = w.page
     calls: list[tuple[str, str | None]] = []
+    page.on("request", lambda r: calls.append((r.url, r.headers.get("authorization"))))
 
-    def guard(route: Any, request: Any) -> None:
-        auth = request.headers.get("authorization")
-        calls.append((request.url, auth))
-        if auth == f"Bearer {TOKEN}":
-            route.continue_()
-        else:
-            route.fulfill(status=401, content_type="application/json",
-                          body=json.dumps({"error": {"status": 401, "message": "a bearer token is required"}}))
-
-    page.route(re.compile(r"/(v1/|metrics)"), guard)
-    from playwright.sync_api import expect
-
-    page.goto(srv.url + "/dashboard/")
+    page.goto(srv.url + "/dashboard/")  # the page itself needs no token
     dialog = page.locator("#token-dialog")
     expect(dialog).to_be_visible()
+    page.fill("#token-input", "hlt_not-a-token")
+    page.click("#token-dialog button[type=submit]")
+    expect(dialog).to_be_visible()  # refused: asked again, saying why
+    expect(page.locator("#token-error")).to_contain_text("refused")
     page.fill("#token-input", TOKEN)
     page.click("#token-dialog button[type=submit]")
     expect(dialog).not_to_be_visible()
-    expect(page.locator("#sites-table tbody tr")).to_have_count(len(DEMO_SITES))
+    expect(page.locator("#sites-table tbody tr")).to_have_count(2)
     expect(page.locator("#live")).to_have_attribute("data-state", "live")
+    expect(page.locator("#token-button")).to_contain_text("admin")
     assert page.evaluate("localStorage.getItem('heliotrope.token')") == TOKEN
-    first_ok = next(i for i, (_, auth) in enumerate(calls) if auth)
-    assert all(auth == f"Bearer {TOKEN}" for _, auth in calls[first_ok:]), calls[first_ok:]
-    paths = {u.split("?")[0].removeprefix(srv.url) for u, _ in calls[first_ok:]}
-    assert paths >= {"/v1/sites", "/v1/jobs", "/v1/events"}
+
+    api = [(u.removeprefix(srv.url).split("?")[0], auth) for u, auth in calls if "/v1/" in u]
+    first_good = next(i for i, (_, auth) in enumerate(api) if auth == f"Bearer {TOKEN}")
+    assert all(auth == f"Bearer {TOKEN}" for _, auth in api[first_good:]), api[first_good:]
+    assert {path for path, _ in api[first_good:]} >= {"/v1/sites", "/v1/jobs", "/v1/events", "/v1/carbon"}
     page.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import ServerProcess, free_port
+from tests.conftest import HELIOTROPE, ROOT, ServerProcess, free_port
 from tests.postgres import postgres_dsn, postgres_server  # noqa: F401 - the fixtures
 
 pytestmark = pytest.mark.slow
@@ -121,6 +122,21 @@ def test_a_follower_stores_submissions_for_the_leader_and_passes_on_the_rest(rep
     until(lambda: call(f"{leader.url}/v1/jobs/{long['id']}")[1]["state"] == "running", 15, "it runs")
     status, cancelled = call(f"{follower.url}/v1/jobs/{long['id']}/cancel", "POST")
     assert status == 200 and cancelled["state"] == "cancelled"
+
+
+def test_the_event_stream_asked_of_a_follower_comes_from_the_leader(replicas) -> None:
+    """A follower holds no events: it redirects the stream, and a job submitted to it (taken in by the
+    leader's pull) is seen from its first transition to its last."""
+    leader, follower = the_leader(replicas(2))
+    watch = subprocess.Popen([*HELIOTROPE, "--server", follower.url, "--json", "watch", "--type", "transition",
+                              "--count", "5"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # let it connect
+    status, created = call(follower.url + "/v1/jobs", "POST", job("watched", 0.3))
+    assert status == 201
+    out, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    states = [e["data"]["state"] for e in map(json.loads, out.splitlines()) if e["data"]["job_id"] == created["id"]]
+    assert states == ["queued", "dispatching", "admitted", "running", "succeeded"]
 
 
 def test_kill_9_of_the_leader_mid_burst_loses_no_job_and_dispatches_no_attempt_twice(replicas) -> None:
