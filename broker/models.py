@@ -79,7 +79,7 @@ class NodeGroup(Strict):
     gpus_per_node: int = Field(ge=1, le=64)
     nodes: int = Field(ge=1, le=100_000)
     memory_gib_per_gpu: float | None = Field(
-        default=None, gt=0, description="defaults to the model's memory (a100-40gb: 40)"
+        default=None, gt=0, le=4096, description="defaults to the model's memory (a100-40gb: 40)"
     )
     nvlink_domain: str | None = Field(default=None, description="nodes sharing this id share one NVLink domain")
     mig_profiles: list[str] = Field(default_factory=list, description="MIG profiles offered, e.g. 1g.10gb")

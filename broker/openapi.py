@@ -72,9 +72,18 @@ def _if(field: str, holds: dict[str, Any], then: dict[str, Any]) -> dict[str, An
     return {"if": {"required": [field], "properties": {field: holds}}, "then": then}
 
 
+_BEYOND_THE_SCHEMA = {
+    "SiteSpec": "usd_per_gpu_hour prices only models its gpus have; at most 200,000 GPUs in all; each tenant at most "
+                "once in quotas; a node group's mig_profiles fit its GPUs' memory; an mqtt adapter needs broker.mqtt",
+    "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose",
+}
+
+
 def _state_model_rules(schemas: dict[str, Any]) -> None:
-    """The rules a model's own validators check, where JSON Schema can say them (others are in descriptions)."""
+    """The rules a model's own validators check: as JSON Schema where it can say them, else in the description."""
     node_group, site, gpus, job = schemas["NodeGroup"], schemas["SiteSpec"], schemas["GpuRequest"], schemas["JobSpec"]
+    for model, rules in _BEYOND_THE_SCHEMA.items():
+        schemas[model]["description"] += f"\n\nAlso checked (a 422 names the field): {rules}."
     node_group["properties"]["mig_profiles"]["items"]["pattern"] = _MIG_PROFILE
     gpus["properties"]["mig_profile"]["anyOf"][0]["pattern"] = _MIG_PROFILE
     adapter = site["properties"]["adapter"]["discriminator"]  # the tag picks the variant: it must be there
@@ -154,6 +163,9 @@ def _components() -> dict[str, Any]:
         },
     })
     components["SiteQuota"] = _extended(components["QuotaState"], "SiteQuota", site=_STR)
+    quota = components["TenantQuota"]  # PUT .../quota/{tenant}: the body's tenant, if any, is the path's
+    components["TenantQuotaAtPath"] = {**quota, "title": "TenantQuotaAtPath",
+                                       "required": [f for f in quota.get("required", []) if f != "tenant"]}
     signals = _object(carbon_g_per_kwh={**_NULLABLE_NUM, "description": "the grid's intensity now, gCO2e/kWh"},
                       usd_per_gpu_hour={"type": "object", "additionalProperties": _NUM,
                                         "description": "the price of a GPU-hour of each model it has, now"})
@@ -207,7 +219,9 @@ def _paths() -> dict[str, Any]:
     def param(name: str, where: str = "query", **schema: Any) -> dict[str, Any]:
         return {"name": name, "in": where, "required": where == "path", "schema": {"type": "string", **schema}}
 
-    name, tenant, job_id = param("name", "path"), param("tenant", "path"), param("id", "path")
+    slug = _CHECKED_BY[models._slug]["pattern"]
+    name, tenant = param("name", "path", pattern=slug), param("tenant", "path", pattern=slug)
+    job_id = param("id", "path")
     job = _json_body(_ref("Job"), "the job")
     return {
         "/v1/sites": {
@@ -242,7 +256,7 @@ def _paths() -> dict[str, Any]:
             "parameters": [name, tenant],
             "put": {
                 "summary": "Set a tenant's quota at the site (kept by the site across restarts)",
-                "requestBody": _request(_ref("TenantQuota"), "the quota; tenant defaults to the path's"),
+                "requestBody": _request(_ref("TenantQuotaAtPath"), "the quota; tenant defaults to the path's"),
                 "responses": _answers(_json_body(_ref("SiteQuota"), "the tenant's new state"),
                                       400, 404, 413, 422, 501),
             },
@@ -254,7 +268,8 @@ def _paths() -> dict[str, Any]:
         "/v1/jobs": {
             "post": {
                 "summary": "Submit a job (stored durably before 201)",
-                "parameters": [param("Idempotency-Key", "header", minLength=1, maxLength=255, pattern=r"^[!-~]([ -~]*[!-~])?$")],
+                # Printable ASCII, not starting or ending with a space (HTTP trims those).
+                "parameters": [param("Idempotency-Key", "header", maxLength=255, pattern=r"^[!-~]([ -~]*[!-~])?$")],
                 "requestBody": _request(_ref("JobSpec"), "the job"),
                 "responses": _answers(
                     {**_json_body(_ref("Job"), "accepted (or replayed for a repeated key)"), "headers": {

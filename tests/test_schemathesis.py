@@ -1,12 +1,13 @@
 """Schemathesis over the whole HTTP API of a live ``heliotrope serve``: no 5xx, every answer as the document says.
 
-The broker runs as a real process with three simulated sites (one keeps quotas, so the quota endpoints
-answer 200 as well as 404) and authentication on, called with an admin token: an admin may make every call,
-so nothing is left out, and schemathesis' ``ignored_auth`` check also confirms that each operation the
-document marks as protected answers 401 without a token or with a wrong one. Every operation is fuzzed with
-valid and invalid inputs and schemathesis' default checks, all of them: ``not_a_server_error``, status code,
-content type, response header and response schema conformance, invalid data rejected, valid data accepted,
-authentication enforced, and the rest.
+The broker runs as a real process with four simulated sites (one keeps quotas) and three jobs, and with
+authentication on, called with an admin token: an admin may make every call, so nothing is left out, and
+schemathesis' ``ignored_auth`` check also confirms that each operation the document marks as protected
+answers 401 without a token and with a wrong one. Every operation is fuzzed with valid and invalid inputs and
+all of schemathesis' default checks: ``not_a_server_error``, status code, content type, response header and
+response schema conformance, invalid data rejected, valid data accepted, authentication enforced, and the
+rest. Path parameters are often swapped for the sites, tenants and jobs that exist, so that the answers with
+bodies (a job, its decision, a site's quota) are checked too, not only 404s.
 
 Reproducible: a fixed seed, derandomised generation, no example database. Left out: streaming operations
 (``text/event-stream``, that is ``GET /v1/events``): a stream never ends, so a fuzzed call would hang until
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ import pytest
 import schemathesis
 import yaml
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from broker.openapi import openapi_document
 from tests.conftest import ServerProcess, free_port
@@ -56,8 +59,19 @@ CONFIG = {
         _site("beta", "gcp:europe-west3", "DE-LU", "Europe/Berlin", "l4",
               quotas=[{"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 4}, {"tenant": "t2", "guaranteed_gpus": 2}]),
         _site("gamma", "gcp:asia-northeast1", "JP-TK", "Asia/Tokyo", "h100-80gb"),
+        _site("delta", "aws:eu-west-1", "GB", "Europe/London", "t4"),  # the one DELETE /v1/sites/{name} may hit
     ],
 }
+
+# What exists on the live server: a drawn path parameter is often swapped for one of these, so the answers
+# with bodies (a job, its decision, a site's quota) are fuzzed and checked too, not only 404s. The jobs are
+# submitted by the fixture: one running, one no site can take, one finished.
+KNOWN: dict[str, list[str]] = {"name": ["alpha", "beta", "gamma"], "tenant": ["t1", "t2"], "id": []}
+JOBS = [
+    {"tenant": "t1", "name": "runs", "gpus": {"count": 2}, "duration_s": 3600},
+    {"tenant": "t2", "name": "fits-nowhere", "gpus": {"count": 64}, "duration_s": 60},
+    {"tenant": "t1", "name": "ends", "gpus": {"count": 1, "model": "l4"}, "duration_s": 0.1},
+]
 
 # Rules the API checks that JSON Schema cannot state: they relate two fields, a field and the path, or a
 # value and the server's state or configuration. A request that breaks one may be valid by the document, so
@@ -106,7 +120,10 @@ schema = schemathesis.openapi.from_dict(
     openapi_document(),
     config=schemathesis.Config.from_dict({
         "seed": SEED,
-        "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
+        # Every request carries the admin token (below) rather than a generated one, which could only be
+        # refused; the ignored_auth check still sends each operation without a token and with a wrong one.
+        "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none",
+                       "with-security-parameters": False},
     }),
 ).exclude(_streams)
 
@@ -115,6 +132,32 @@ schema = schemathesis.openapi.from_dict(
 def filter_failure(context: Any, failure: Any, case: schemathesis.Case, response: Any) -> bool:
     """Keep every failure but a valid-by-the-document request refused for a rule the document cannot state."""
     return not (type(failure).__name__ == "RejectedPositiveData" and _only_rules_beyond_the_schema(response))
+
+
+@schema.hook
+def flatmap_path_parameters(context: Any, path_parameters: dict[str, Any] | None) -> st.SearchStrategy[Any]:
+    """Each drawn path parameter, or one of the resources that exist; but a value the document says is invalid
+    is left alone (a negative case's), so that no invalid request is made valid behind schemathesis' back."""
+    if not path_parameters:
+        return st.just(path_parameters)
+    removes_a_site = (context.operation.method.upper(), context.operation.path) == ("DELETE", "/v1/sites/{name}")
+    known = {**KNOWN, "name": ["delta"]} if removes_a_site else KNOWN
+    patterns = {p.name: p.definition.get("schema", {}).get("pattern", "") for p in context.operation.path_parameters}
+
+    def swappable(key: str, value: Any) -> bool:
+        return bool(known.get(key)) and isinstance(value, str) and re.search(patterns.get(key, ""), value) is not None
+
+    return st.fixed_dictionaries({
+        key: st.sampled_from([value, *known[key]]) if swappable(key, value) else st.just(value)
+        for key, value in path_parameters.items()
+    })
+
+
+def _call(url: str, method: str = "GET", body: Any = None) -> Any:
+    request = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as r:
+        return json.load(r)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +170,11 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     with pytest.MonkeyPatch.context() as env:
         env.setenv(TOKEN_ENV, TOKEN)
         srv.start()
+    KNOWN["id"] = [_call(srv.url + "/v1/jobs", "POST", job)["id"] for job in JOBS]
+    deadline = time.monotonic() + 10
+    while _call(f"{srv.url}/v1/jobs/{KNOWN['id'][2]}")["state"] != "succeeded":
+        assert time.monotonic() < deadline, "the short job did not finish in 10 s"
+        time.sleep(0.05)
     yield srv
     srv.stop()
 
