@@ -27,6 +27,7 @@ the limit.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ValidationError
 
 from broker import auth
 from broker import dashboard
-from broker.auth import Principal, Role, Unauthenticated
+from broker.auth import Principal, Role, TokensUnavailable, Unauthenticated
 from broker.errors import integral_float, is_malformed_json, problems
 from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
@@ -63,7 +64,9 @@ log = logging.getLogger(__name__)
 
 BROKER = web.AppKey("broker", Broker)
 PRINCIPAL = web.RequestKey("heliotrope.principal", Principal)  # who is calling (broker.auth)
-PROXY = web.AppKey("proxy", aiohttp.ClientSession)  # a follower's connection to the leader, made on first use
+PROXY = web.AppKey("proxy", aiohttp.ClientSession)
+RELAYS = web.AppKey("relays", set)  # tasks relaying the leader's event stream (ended at shutdown)
+STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)  # a follower's connection to the leader, made on first use
 MAX_PAGE = 1000
 
 
@@ -177,6 +180,8 @@ async def auth_middleware(
         who = await request.app[BROKER].tokens.authenticate(request.headers.get("Authorization"))
     except Unauthenticated as e:
         raise ApiError(401, str(e), [{"field": "Authorization", "problem": str(e)}], headers=UNAUTHORIZED) from None
+    except TokensUnavailable as e:
+        raise ApiError(503, str(e), headers={"Retry-After": "2"}) from None
     if rule == SITE:
         allowed = who.operates(match.get("name"))
     else:
@@ -225,17 +230,16 @@ async def follower_middleware(
         # Nobody leads, this one is taking over, or the replica that passed it on took this one for the leader.
         raise ApiError(503, "no replica leads right now (an election or a takeover is under way); try again in a "
                             "few seconds")
-    if request.path.rstrip("/") == "/v1/events":  # a stream is not relayed: the client follows the leader's
-        raise web.HTTPTemporaryRedirect(leader.rstrip("/") + request.path_qs,
-                                        headers={"X-Heliotrope-Leader": leader})
     session: aiohttp.ClientSession | None = request.app.get(PROXY)
     if session is None or session.closed:
         # Longer than anything the leader may take to answer (a cancel waits up to the dispatch timeout).
         timeout = aiohttp.ClientTimeout(total=2 * broker.settings.dispatch_timeout_s + 10)
         session = request.app[PROXY] = aiohttp.ClientSession(timeout=timeout)
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "idempotency-key",
-                                                                         "authorization", "accept")}
+                                                                         "authorization", "accept", "last-event-id")}
     headers[FORWARDED] = broker.leadership.url
+    if request.path.rstrip("/") == "/v1/events":
+        return await _relay_stream(request, session, leader, headers)
     try:
         async with session.request(request.method, leader.rstrip("/") + request.path_qs, headers=headers,
                                    data=await request.read()) as answer:
@@ -246,9 +250,43 @@ async def follower_middleware(
         raise ApiError(503, f"the leader at {leader} did not answer ({e}); try again in a few seconds") from None
 
 
+async def _relay_stream(request: web.Request, session: aiohttp.ClientSession, leader: str,
+                        headers: dict[str, str]) -> web.StreamResponse:
+    """The leader's event stream, passed through as it comes: a client of any replica (behind one Service
+    address) follows the leader's events. It ends when the leader's ends (the leader stopped or stepped
+    down: the client reconnects, with Last-Event-ID, to whoever leads next) or when this replica stops."""
+    relays: set[asyncio.Task[Any]] = request.app[RELAYS]
+    task = asyncio.current_task()
+    assert task is not None
+    relays.add(task)
+    resp: web.StreamResponse | None = None
+    try:
+        async with session.get(leader.rstrip("/") + request.path_qs, headers=headers, timeout=STREAM_TIMEOUT) as up:
+            if up.status != 200:
+                body = await up.read()
+                kept = {k: v for k, v in up.headers.items() if k.lower() in PASSED_BACK}
+                return web.Response(status=up.status, body=body, headers={**kept, "X-Heliotrope-Leader": leader})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no", "X-Heliotrope-Leader": leader})
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        if resp is None:
+            raise ApiError(503, f"the leader at {leader} did not answer ({e}); try again in a few seconds") from None
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass  # the client left, or this replica is stopping
+    finally:
+        relays.discard(task)
+    return resp if resp is not None else web.Response(status=503)
+
+
 async def _end_streams(app: web.Application) -> None:
-    """At shutdown: end every event stream, so that requests in flight, not streams, are what it waits for."""
+    """At shutdown: end every event stream (this replica's, and those it relays from the leader), so that
+    requests in flight, not streams, are what it waits for."""
     app[BROKER].events.end_streams()
+    for task in tuple(app[RELAYS]):
+        task.cancel()
 
 
 async def _close_proxy(app: web.Application) -> None:
@@ -399,6 +437,13 @@ async def update_site(request: web.Request) -> web.Response:
                        [{"field": "name", "problem": f"must be {name!r}"}])
     current = request.app[BROKER].federation.get(name)
     spec = auth.keep_secrets(spec, current.spec if current is not None else None)
+    who = principal(request)
+    if not who.admin and current is not None and spec.adapter != current.spec.adapter:
+        # The adapter picks credentials (a kubeconfig, its context, the broker's service account) and where
+        # the broker writes: an operator could aim its site at another's cluster. Platform admins only.
+        raise ApiError(403, f"{who.name} may change site {name}'s GPUs, prices, quotas and labels, but not its "
+                            "adapter (it selects credentials); ask a platform admin",
+                       [{"field": "adapter", "problem": "only an admin may change it"}])
     try:
         member = await request.app[BROKER].update_site(spec)
     except KeyError:
@@ -598,7 +643,7 @@ async def job_events(request: web.Request) -> web.Response:
 
 # --- live ---
 
-EVENT_FILTERS = ("tenant", "site", "job", "type")
+EVENT_FILTERS = ("tenant", "site", "job", "type", "last_event_id")
 HEARTBEAT_S = 15.0
 
 
@@ -635,6 +680,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     """Server-sent events (``text/event-stream``) until the client leaves or the broker stops; a comment
     every 15 s keeps proxies from closing an idle stream. ``Last-Event-ID`` resumes after that event."""
     broker = request.app[BROKER]
+    who = principal(request)
     wants = _event_filter(request)
     raw = request.headers.get("Last-Event-ID") or request.query.get("last_event_id")
     after: int | None = None
@@ -652,6 +698,8 @@ async def events(request: web.Request) -> web.StreamResponse:
         await resp.prepare(request)
         await resp.write(b"retry: 2000\n: heliotrope events\n\n")
         async for event in following:
+            if not await broker.tokens.still_valid(who):
+                break  # revoked or expired since the stream opened: it ends (the client's reconnect gets a 401)
             if event is None:
                 await resp.write(b": keepalive\n\n")
                 continue
@@ -708,6 +756,7 @@ def create_app(broker: Broker) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware, follower_middleware],
                           client_max_size=broker.settings.max_body_bytes)
     app[BROKER] = broker
+    app[RELAYS] = set()
     app.on_cleanup.append(_close_proxy)
     app.on_shutdown.append(_end_streams)
     r = app.router
@@ -726,7 +775,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_delete("/v1/jobs/{id}", cancel_job)
     r.add_get("/v1/jobs/{id}/decision", job_decision)
     r.add_get("/v1/jobs/{id}/events", job_events)
-    r.add_get("/v1/events", events)
+    r.add_get("/v1/events", events, allow_head=False)  # a stream has no HEAD: it never ends
     r.add_get("/v1/carbon", carbon)
     r.add_get("/v1/whoami", whoami)
     r.add_get("/healthz", healthz)

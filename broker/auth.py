@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
+import logging
 import os
 import secrets
 import time
@@ -39,6 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.config import AuthSettings
 from broker.models import Job, Slug, UtcDatetime
+
+log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "hlt_"
 
@@ -58,7 +61,7 @@ class TokenRecord(BaseModel):
     name: str = Field(min_length=1, max_length=100, description="who or what holds it")
     role: Role
     sites: list[Slug] = Field(default_factory=list, description="operator: the sites it may change")
-    tenants: list[str] = Field(default_factory=list, description="submitter: the tenants it acts for")
+    tenants: list[Slug] = Field(default_factory=list, description="submitter: the tenants it acts for")
     digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the token, hex")
     created_at: UtcDatetime
     expires_at: UtcDatetime | None = None
@@ -129,6 +132,10 @@ ANONYMOUS_ADMIN = Principal("anonymous", Role.ADMIN)
 """Every caller while authentication is off."""
 
 
+class TokensUnavailable(Exception):
+    """The tokens could not be read at all (the store is down at start): 503, not 401."""
+
+
 class Unauthenticated(Exception):
     """No token, or one the broker does not accept; the message says which (never echoes the token)."""
 
@@ -141,11 +148,12 @@ class TokenBook:
         self.settings = settings
         self.clock = clock
         self._by_digest: dict[str, TokenRecord] = {}
+        self._by_id: dict[str, TokenRecord] = {}
         self._loaded_at = -1e18
         self._lock = asyncio.Lock()
         self._admin_digest: str | None = None
         if settings.admin_token_env:
-            value = os.environ.get(settings.admin_token_env)
+            value = (os.environ.get(settings.admin_token_env) or "").strip()  # a secret file's newline
             if value:
                 self._admin_digest = digest(value)
 
@@ -154,14 +162,43 @@ class TokenBook:
         return self.settings.enabled
 
     async def refresh(self, force: bool = False) -> None:
+        """Reread the tokens if ``refresh_s`` has passed. If the store cannot be read, the last set read
+        stands until the next try (``refresh_s`` later); with none read yet, :class:`TokensUnavailable`."""
         if not force and time.monotonic() - self._loaded_at < self.settings.refresh_s:
             return
         async with self._lock:
             if not force and time.monotonic() - self._loaded_at < self.settings.refresh_s:
                 return  # another request reloaded while this one waited
-            records = [TokenRecord.model_validate_json(doc) for doc in await self.store.list_tokens()]
-            self._by_digest = {r.digest: r for r in records if r.revoked_at is None}
+            try:
+                docs = await self.store.list_tokens()
+            except Exception as e:
+                if self._loaded_at < 0:
+                    raise TokensUnavailable(f"the broker cannot read its tokens from the store ({e}); try again "
+                                            "in a few seconds") from None
+                log.warning("cannot reread the tokens (%s); the %d read before stand for %.1f s more", e,
+                            len(self._by_digest), self.settings.refresh_s)
+                self._loaded_at = time.monotonic()
+                return
+            by_digest: dict[str, TokenRecord] = {}
+            for doc in docs:
+                try:
+                    record = TokenRecord.model_validate_json(doc)
+                except ValueError as e:  # written by another version, or by hand: that token alone is refused
+                    log.warning("a stored token record cannot be read and is refused: %s", str(e).splitlines()[0])
+                    continue
+                if record.revoked_at is None:
+                    by_digest[record.digest] = record
+            self._by_digest = by_digest
+            self._by_id = {r.id: r for r in by_digest.values()}
             self._loaded_at = time.monotonic()
+
+    async def still_valid(self, who: Principal) -> bool:
+        """Whether ``who``'s token is still accepted (a stream re-checks it as it goes)."""
+        if not self.enabled or who.token_id is None:
+            return True  # auth off, or the environment's admin token
+        await self.refresh()
+        record = self._by_id.get(who.token_id)
+        return record is not None and (record.expires_at is None or record.expires_at > self.clock.now())
 
     async def authenticate(self, header: str | None) -> Principal:
         """The principal for an ``Authorization`` header; :class:`Unauthenticated` if there is none."""

@@ -296,10 +296,12 @@ async def _watch(c: Client, args: argparse.Namespace) -> None:
     stream breaks, as when the broker restarts or leadership moves."""
     params = {k: v for k, v in (("tenant", args.tenant), ("site", args.site), ("job", args.job),
                                 ("type", args.type)) if v}
-    last: int | None = None
+    last: int | None = args.after
     while True:
         try:
             async for event in c.events(params, last):
+                if event["type"] == "gap" and args.after == 0:
+                    continue  # asked for everything held: that some are no longer held is expected
                 if event["id"] is not None:
                     last = event["id"]
                 print(json.dumps(event) if args.json else show_event(event), flush=True)
@@ -308,7 +310,7 @@ async def _watch(c: Client, args: argparse.Namespace) -> None:
                     if args.count <= 0:
                         return None
         except ApiClientError as e:
-            if e.status is not None:  # the broker refused (401, 403, 400): retrying would not help
+            if e.status is not None and e.status < 500:  # refused (400, 401, 403, 404): retrying would not help
                 raise
             print(f"heliotrope: {e}; reconnecting in 2 s", file=sys.stderr, flush=True)
         await asyncio.sleep(2.0)
@@ -352,8 +354,17 @@ async def _tokens(args: argparse.Namespace) -> str:
     from broker.store import open_store
 
     db = args.db or load_config(args.config).broker.db
-    if not db.startswith(("postgresql://", "postgres://")) and db != ":memory:":
+    if "://" in db and not db.startswith(("postgresql://", "postgres://")):
+        raise CliError(f"--db {_where(db)}: give an SQLite file path or a postgresql:// URL")
+    if db == ":memory:" or db.startswith("file::memory:"):
+        raise CliError("--db :memory: keeps nothing; give the broker's database (a file or a postgresql:// URL)")
+    if not db.startswith(("postgresql://", "postgres://")):
+        if args.action != "create" and not Path(db).exists():
+            raise CliError(f"no database at {db}: give the broker's with --db or --config")
         Path(db).parent.mkdir(parents=True, exist_ok=True)
+    if args.action == "create" and args.expires_in is not None and not 0 < args.expires_in <= 36500:
+        raise CliError(f"--expires-in {args.expires_in:g}: give a number of days above 0 and at most 36500 "
+                       "(leave it out for a token that does not expire)")
     store = open_store(db)
     await store.open()
     try:
@@ -361,7 +372,7 @@ async def _tokens(args: argparse.Namespace) -> str:
         match args.action:
             case "create":
                 now = datetime.now(UTC)
-                expires = now + timedelta(days=args.expires_in) if args.expires_in else None
+                expires = now + timedelta(days=args.expires_in) if args.expires_in is not None else None
                 try:
                     token, record = auth.make_record(args.name, args.role, args.site or [], args.tenant or [], now,
                                                      expires)
@@ -504,6 +515,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--job", help="only this job")
     s.add_argument("--type", help="only these types, comma-separated: transition,decision,deferral,preemption,site")
     s.add_argument("--count", type=int, help="stop after this many events")
+    s.add_argument("--after", type=int, metavar="ID", help="start after this event id (0: every event the broker "
+                                                           "still holds, up to 10,000); default: from now")
     s = sub.add_parser("token", help="create, list or revoke API tokens (in the broker's database)")
     acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
     where = argparse.ArgumentParser(add_help=False)

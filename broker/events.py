@@ -18,7 +18,8 @@ from the last :data:`KEEP` events held in memory (a ``gap`` event says when some
 
 A subscriber that falls :data:`QUEUE` events behind is cut off with a ``lost`` event (its position), so a
 stalled client never holds the broker's memory; it reconnects from there. Events live in the leader's
-memory only: a replica that does not lead redirects the stream to the leader.
+memory only: a replica that does not lead relays the leader's stream (``broker.api``), and a leader that
+steps down ends its streams, so clients reconnect to whoever leads next.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ class EventHub:
 
     def publish(self, type_: str, data: dict[str, Any], *, tenant: str | None = None, site: str | None = None,
                 job_id: str | None = None) -> Event:
+        # Ids follow the clock (microseconds) when it is ahead, so a replica that takes over later never
+        # hands out ids below those its predecessor did.
+        self._next = max(self._next, time.time_ns() // 1000)
         event = Event(self._next, type_, data, tenant, site, job_id)
         self._next += 1
         self.published += 1

@@ -413,13 +413,19 @@ class JobBook:
         except Exception as e:
             landed = asyncio.get_running_loop().create_future()
             landed.set_exception(e)
+        announced = isinstance(landed, asyncio.Future)
         if isinstance(landed, asyncio.Future):
             # Whoever awaits the result sees a failure; if nobody does (a pass cut short when its broker
             # stopped leading), the failure is not reported again as "never retrieved".
             landed.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return self._landed(landed, before, new, mark)
+            # Published as the write lands, not when someone awaits it: the store resolves its writes in
+            # the order they were queued, so a job's events go out in the order they were stored.
+            landed.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self.announce(new, before))
+        return self._landed(landed, before, new, mark, announced)
 
-    async def _landed(self, landed: Awaitable[None], before: Job | None, new: Job, mark: int) -> None:
+    async def _landed(self, landed: Awaitable[None], before: Job | None, new: Job, mark: int,
+                      announced: bool = False) -> None:
         try:
             await landed
         except Exception as e:
@@ -430,7 +436,8 @@ class JobBook:
                 raise
             raise StoreError(f"write failed: {e.__class__.__name__}: {e}") from e
         self.metrics.transitions.labels(new.state.value).inc()
-        self.announce(new, before)
+        if not announced:
+            self.announce(new, before)
         if new.state.terminal:
             self.metrics.finished.labels(new.state.value, new.spec.tenant).inc()
             self._changes.pop(new.id, None)

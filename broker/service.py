@@ -277,6 +277,7 @@ class Broker:
         await self.federation.clear()
         if self.hub is not None:
             await self.hub.close()
+        self.events.end_streams()  # the clients follow whoever leads next
         self.book.active.clear()  # what a follower reads comes from the store, which the leader keeps current
         self.book.tracking = self.replicas is None
 

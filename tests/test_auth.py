@@ -118,6 +118,8 @@ TABLE: list[tuple[str, str, str, Any, dict[str, int]]] = [
     ("everyone with a token reads a site", "GET", "/v1/sites/beta", None, {A: 200, O: 200, S: 200, T: 200}),
     ("a site's operator changes its spec", "PUT", "/v1/sites/alpha", ALPHA, {A: 200, O: 200, S: 403, T: 403}),
     ("an operator cannot change another site", "PUT", "/v1/sites/beta", BETA, {A: 200, O: 403, S: 403, T: 403}),
+    ("an operator cannot change its site's adapter (it picks credentials)", "PUT", "/v1/sites/alpha",
+     {**ALPHA, "adapter": {"kind": "kubernetes", "context": "beta-admin"}}, {O: 403, S: 403}),
     ("nobody but an admin removes a site", "DELETE", "/v1/sites/beta", None, {O: 403, S: 403, T: 403}),
     ("a site's operator reads its quota state", "GET", "/v1/sites/alpha/quota", None,
      {A: 200, O: 200, S: 200, T: 200}),
@@ -238,6 +240,22 @@ async def test_a_revoked_token_is_refused_within_the_refresh_interval(fed: Feder
     assert status == 401 and "revoked" in answer["error"]["message"]
 
 
+async def test_an_open_event_stream_ends_when_its_token_is_revoked(fed: Federation):
+    headers = fed.headers("submitter")
+    async with fed.client.get("/v1/events?type=transition", headers=headers) as stream:
+        assert stream.status == 200
+        await asyncio.wait_for(stream.content.readline(), 5)
+        broker = fed.client.server.app[BROKER]
+        record = next(r for r in broker.tokens._by_digest.values() if r.name == "vision-team")
+        await broker.store.update_token(record.id, record.model_copy(
+            update={"revoked_at": datetime.now(UTC)}).model_dump_json())
+        await asyncio.sleep(0.1)  # refresh_s is 0.05 here
+        status, _ = await fed.call("admin", "POST", "/v1/jobs", job("vision", "l4"))  # an event it would see
+        assert status == 201
+        rest = await asyncio.wait_for(stream.content.read(), 5)  # the stream ends instead
+    assert b"event: transition" not in rest
+
+
 async def test_an_expired_token_is_refused_and_the_environments_admin_token_is_accepted(fed: Federation):
     token, record = auth.make_record("old", "admin", [], [], datetime.now(UTC) - timedelta(days=2),
                                      expires_at=datetime.now(UTC) - timedelta(seconds=1))
@@ -265,12 +283,23 @@ async def test_a_401_asks_for_a_bearer_token_and_never_echoes_the_one_sent(fed: 
     (["--role", "submitter", "--name", "x"], "names at least one tenant"),
     (["--role", "admin", "--name", "x", "--tenant", "t"], "not scoped"),
     (["--role", "submitter", "--name", "x", "--tenant", "t", "--site", "s"], "scoped to tenants"),
+    (["--role", "submitter", "--name", "x", "--tenant", ""], "tenants[0]: must be"),
+    (["--role", "admin", "--name", "x", "--expires-in", "0"], "above 0"),
+    (["--role", "admin", "--name", "x", "--expires-in", "inf"], "above 0"),
+    (["--role", "admin", "--name", "x", "--db", "mysql://u@h/db"], "postgresql:// URL"),
 ], ids=["an operator token without a site", "a submitter token without a tenant", "a scoped admin token",
-        "a submitter token with a site"])
+        "a submitter token with a site", "an empty tenant", "a token that expires at once",
+        "a token that expires after infinity", "a database that is not SQLite or PostgreSQL"])
 def test_a_token_with_the_wrong_scope_is_refused_with_a_message(tmp_path, capsys, args, problem):
     assert main(["token", "create", "--db", str(tmp_path / "t.db"), *args]) == 1
     _, err = capsys.readouterr()
     assert problem in err and "Traceback" not in err
+
+
+def test_listing_the_tokens_of_a_database_that_is_not_there_says_so(tmp_path, capsys):
+    assert main(["token", "list", "--db", str(tmp_path / "typo" / "t.db")]) == 1
+    _, err = capsys.readouterr()
+    assert "no database at" in err and not (tmp_path / "typo").exists()
 
 
 def test_the_store_keeps_only_a_digest_of_each_token(tmp_path, capsys):

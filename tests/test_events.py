@@ -184,13 +184,14 @@ async def test_stopping_the_server_ends_open_streams_promptly(tmp_path: Path):
 
 @pytest.mark.slow
 def test_heliotrope_watch_prints_a_jobs_life_as_it_happens(server, tmp_path: Path):
-    watch = subprocess.Popen([*HELIOTROPE, "--server", server.url, "watch", "--type", "transition", "--count", "5"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # let it connect
     body = json.dumps(job("vision", 0.3)).encode()
     req = urllib.request.Request(server.url + "/v1/jobs", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         job_id = json.loads(r.read())["id"]
+    # --after 0: from the first event the broker holds, so what happened before it connected is there too
+    watch = subprocess.Popen([*HELIOTROPE, "--server", server.url, "watch", "--type", "transition", "--job", job_id,
+                              "--after", "0", "--count", "5"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
     lines = [line for line in out.splitlines() if job_id in line]

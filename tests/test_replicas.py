@@ -128,11 +128,11 @@ def test_the_event_stream_asked_of_a_follower_comes_from_the_leader(replicas) ->
     """A follower holds no events: it redirects the stream, and a job submitted to it (taken in by the
     leader's pull) is seen from its first transition to its last."""
     leader, follower = the_leader(replicas(2))
-    watch = subprocess.Popen([*HELIOTROPE, "--server", follower.url, "--json", "watch", "--type", "transition",
-                              "--count", "5"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # let it connect
     status, created = call(follower.url + "/v1/jobs", "POST", job("watched", 0.3))
     assert status == 201
+    watch = subprocess.Popen([*HELIOTROPE, "--server", follower.url, "--json", "watch", "--type", "transition",
+                              "--job", created["id"], "--after", "0", "--count", "5"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
     states = [e["data"]["state"] for e in map(json.loads, out.splitlines()) if e["data"]["job_id"] == created["id"]]
