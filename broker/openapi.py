@@ -314,7 +314,7 @@ def _paths() -> dict[str, Any]:
         "/v1/events": {
             "get": {
                 "summary": "Live events (server-sent events) until the client leaves; a replica that does not "
-                           "lead redirects to the leader",
+                           "lead relays the leader's stream",
                 "parameters": [
                     param("tenant"), param("site"), param("job"),
                     param("type", description=f"comma-separated, among {', '.join(EVENT_TYPES)}"),

@@ -1,0 +1,67 @@
+"""Graceful shutdown of a real ``heliotrope serve`` process: SIGTERM lets a dispatch on its way to a site
+finish (within ``shutdown_grace_s``) and exits 0; an open event stream does not hold the process up."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.conftest import TWO_SITES
+
+
+def slow_sites(grace_s: float) -> dict[str, Any]:
+    """One site that takes 1.5 s to admit a job."""
+    site = {**TWO_SITES["sites"][0], "adapter": {"kind": "simulated", "dispatch_delay_s": 1.5}}
+    return {"broker": {"cycle_interval_s": 0.1, "shutdown_grace_s": grace_s}, "sites": [site]}
+
+
+def submit(url: str) -> str:
+    body = json.dumps({"tenant": "t1", "name": "j", "gpus": {"count": 1}, "duration_s": 600}).encode()
+    req = urllib.request.Request(url + "/v1/jobs", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())["id"]
+
+
+def stored_state(db, job_id: str) -> str:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
+
+
+def wait_dispatching(url: str, job_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/v1/jobs/{job_id}", timeout=5) as r:
+            if json.loads(r.read())["state"] == "dispatching":
+                return
+        time.sleep(0.02)
+    raise AssertionError("the job was never dispatched")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace_s, after", [(5.0, {"admitted", "running"}), (0.0, {"dispatching"})],
+                         ids=["with a grace longer than the dispatch, the site's admission is kept",
+                              "with no grace, the dispatch is cut and left for the next start to reconcile"])
+def test_sigterm_lets_a_dispatch_in_flight_finish_within_the_grace(server_factory, grace_s, after):
+    srv = server_factory(slow_sites(grace_s))
+    srv.start()
+    # An open event stream, which must not keep the server from stopping.
+    stream = urllib.request.urlopen(srv.url + "/v1/events", timeout=30)
+    reader = threading.Thread(target=stream.read, daemon=True)  # read until the server ends the stream
+    reader.start()
+    job_id = submit(srv.url)
+    wait_dispatching(srv.url, job_id)
+    started = time.monotonic()
+    srv.stop()
+    assert srv.proc is not None and srv.proc.returncode == 0
+    assert time.monotonic() - started < grace_s + 5
+    reader.join(5)
+    assert not reader.is_alive(), "the event stream was left open"
+    assert stored_state(srv.db, job_id) in after
+    log = srv.log.read_text() if srv.log else ""
+    assert ("still in flight at shutdown" in log) == (after == {"dispatching"})
