@@ -288,12 +288,13 @@ async def test_release_lets_another_holder_in_at_once(store: Store):
 async def test_a_fenced_store_whose_epoch_was_superseded_writes_nothing_but_still_takes_submissions(store: Store):
     job = make_job(1)
     await store.insert_job(job)
-    assert await store.acquire_leadership("a", 0.3) == 1
+    # A lease long enough for two writes on a loaded CI machine (0.3 s was not, once, with PostgreSQL).
+    assert await store.acquire_leadership("a", 2.0) == 1
     store.fence(1)
     placed = job.transition(JobState.DISPATCHING, T0, site="a", attempt=1)
     await store.update_job(placed, job.version, decision={"outcome": "placed", "site": "a"})  # still the leader
     await store.put_site(site("alpha"))
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(2.1)
     assert await store.acquire_leadership("b", 30) == 2  # another replica took over
     running = placed.transition(JobState.ADMITTED, T0)
     with pytest.raises(Fenced, match=r"no longer the leader \(epoch 1; the store is at 2\)"):
