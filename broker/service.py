@@ -134,6 +134,8 @@ class Broker:
         self.leadership: Leadership | None = None  # set by elect(), among replicas
         self._terms = 0  # terms this replica has led
         self._run_loop = True
+        self._in_pass = asyncio.Event()  # set while the loop runs a scheduling pass
+        self._pass_over = asyncio.Event()  # set when that pass has ended
         self._stepping: asyncio.Task[None] | None = None
         self._providers_built: tuple[CarbonProvider | None, PriceProvider | None] = (None, None)
 
@@ -255,6 +257,12 @@ class Broker:
         """Stop the loop, the signals and the sites' event pumps, let dispatches in flight finish, and close
         the sites: what a deposed leader and a stopping broker both do. Jobs stay as the store has them."""
         if self._loop_task is not None:
+            if why == SHUTTING_DOWN and self._in_pass.is_set():
+                # A pass whose placements are stored but not yet dispatched: let it hand them to the sites
+                # (within the grace), so a clean stop leaves no attempt stranded as dispatching.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.settings.shutdown_grace_s):
+                        await self._pass_over.wait()
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
@@ -290,7 +298,13 @@ class Broker:
             try:
                 if self.leadership is not None:
                     await self.book.pull_new()  # jobs the other replicas took in
-                await self.cycle.run_once()
+                self._pass_over.clear()
+                self._in_pass.set()
+                try:
+                    await self.cycle.run_once()
+                finally:
+                    self._in_pass.clear()
+                    self._pass_over.set()
                 self.cycles += 1
             except Fenced as e:
                 # Another replica leads now: nothing this one writes lands. Step down (from another task:
