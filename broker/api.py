@@ -157,6 +157,16 @@ ACCESS: dict[tuple[str, str], Any] = {
 UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="heliotrope"'}
 
 
+def not_your_tenant(who: Principal, tenant: str) -> ApiError:
+    return ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {tenant}",
+                    [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+
+
+def not_your_site(who: Principal, site: str) -> ApiError:
+    return ApiError(403, f"{who.name} operates sites {', '.join(sorted(who.sites))}, not {site}",
+                    [{"field": "site", "problem": "not a site this token operates"}])
+
+
 def principal(request: web.Request) -> Principal:
     return request.get(PRINCIPAL) or auth.ANONYMOUS_ADMIN
 
@@ -171,9 +181,7 @@ async def auth_middleware(
     if match.http_exception is not None:  # no such route or method: answered as such, token or not
         return await handler(request)
     pattern = match.route.resource.canonical if match.route.resource is not None else request.path
-    rule = ACCESS.get((request.method, pattern), ADMIN)
-    if request.method == "HEAD":
-        rule = ACCESS.get(("GET", pattern), ADMIN)
+    rule = ACCESS.get(("GET" if request.method == "HEAD" else request.method, pattern), ADMIN)
     if rule is OPEN or pattern == "/" or pattern.startswith("/dashboard"):
         return await handler(request)
     try:
@@ -495,11 +503,10 @@ async def get_quota(request: web.Request) -> web.Response:
     who = principal(request)
     member = _member(request)
     if who.role == Role.OPERATOR and not who.operates(member.spec.name):
-        raise ApiError(403, f"{who.name} operates sites {', '.join(sorted(who.sites))}, not {member.spec.name}")
+        raise not_your_site(who, member.spec.name)
     tenant = request.query.get("tenant")
     if tenant is not None and who.role == Role.SUBMITTER and not who.acts_for(tenant):
-        raise ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {tenant}",
-                       [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+        raise not_your_tenant(who, tenant)
     state = await _ask_site(member, _quota_admin(member).quota())
     body = _quota_json(member, state, tenant)
     if who.role == Role.SUBMITTER:
@@ -537,8 +544,7 @@ async def submit_job(request: web.Request) -> web.Response:
     spec, raw = await _body(request, JobSpec, "job spec")
     who = principal(request)
     if not who.acts_for(spec.tenant):
-        raise ApiError(403, f"{who.name} may submit for tenants {', '.join(sorted(who.tenants))}, not {spec.tenant}",
-                       [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+        raise not_your_tenant(who, spec.tenant)
     try:
         broker.settings.profiles.choose(spec.profile)
     except ProfileError as e:
@@ -584,13 +590,11 @@ def _scoped(who: Principal, flt: JobFilter) -> JobFilter:
     """``flt`` narrowed to the jobs ``who`` may see: a submitter's tenants, an operator's sites."""
     if who.role == Role.SUBMITTER:
         if flt.tenant is not None and not who.acts_for(flt.tenant):
-            raise ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {flt.tenant}",
-                           [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+            raise not_your_tenant(who, flt.tenant)
         return flt if flt.tenant is not None else replace(flt, tenants=tuple(sorted(who.tenants)))
     if who.role == Role.OPERATOR:
         if flt.site is not None and not who.operates(flt.site):
-            raise ApiError(403, f"{who.name} operates sites {', '.join(sorted(who.sites))}, not {flt.site}",
-                           [{"field": "site", "problem": "not a site this token operates"}])
+            raise not_your_site(who, flt.site)
         return flt if flt.site is not None else replace(flt, sites=tuple(sorted(who.sites)))
     return flt
 
@@ -662,11 +666,9 @@ def _event_filter(request: web.Request) -> Callable[[Event], bool]:
         raise ApiError(400, f"unknown event type in {q['type']!r}; types: {', '.join(EVENT_TYPES)}",
                        [{"field": "type", "problem": f"must be among {', '.join(EVENT_TYPES)}"}])
     if tenant is not None and who.role == Role.SUBMITTER and not who.acts_for(tenant):
-        raise ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {tenant}",
-                       [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+        raise not_your_tenant(who, tenant)
     if site is not None and who.role == Role.OPERATOR and not who.operates(site):
-        raise ApiError(403, f"{who.name} operates sites {', '.join(sorted(who.sites))}, not {site}",
-                       [{"field": "site", "problem": "not a site this token operates"}])
+        raise not_your_site(who, site)
 
     def wants(e: Event) -> bool:
         return (who.sees_event(e.tenant, e.site)

@@ -469,11 +469,8 @@ class SchedulingCycle:
             return
         seen: dict[str, str] = {}
         for name, member in self.federation.members.items():
-            state = member.public_state()
+            state = self.federation.fresh_state(member, now) or member.public_state()
             health, reason = state.health.value, state.reason
-            age = None if member.last_heard_at is None else (now - member.last_heard_at).total_seconds()
-            if health == "healthy" and age is not None and age > self.federation.stale_after_s:
-                health, reason = "unhealthy", f"not heard from for {age:.0f} s"
             seen[name] = health
             previous = self._site_health.get(name)
             if previous != health:

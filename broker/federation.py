@@ -176,7 +176,7 @@ class Federation:
         """
         if self._base is None:
             specs = [m.spec for m in self.members.values()]
-            states = {name: None if name in self.leaving else self._fresh_state(m, now)
+            states = {name: None if name in self.leaving else self.fresh_state(m, now)
                       for name, m in self.members.items()}
             base = build_snapshot(now, specs, states)
             prices = self._site_facts()[1]
@@ -206,7 +206,7 @@ class Federation:
         if snap.last_placed[0] >= 0:
             self.last_placed_site = snap.sites[int(snap.last_placed[0])]
 
-    def _fresh_state(self, member: Member, now: datetime) -> SiteState | None:
+    def fresh_state(self, member: Member, now: datetime) -> SiteState | None:
         """The member's state, marked unhealthy when its last report is older than ``stale_after_s``."""
         state = member.state
         if state is None or member.last_heard_at is None:
