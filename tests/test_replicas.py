@@ -149,7 +149,7 @@ def test_kill_9_of_the_leader_mid_burst_loses_no_job_and_dispatches_no_attempt_t
         i = 0
         while not stop.is_set():
             try:
-                status, body = call(target.url + "/v1/jobs", "POST", job(f"{prefix}-{i}", 0.5), timeout=5)
+                status, body = call(target.url + "/v1/jobs", "POST", job(f"{prefix}-{i}", 0.05), timeout=5)
             except OSError:
                 status, body = 0, None  # the killed replica: nothing was acknowledged
             if status == 201:
@@ -157,6 +157,7 @@ def test_kill_9_of_the_leader_mid_burst_loses_no_job_and_dispatches_no_attempt_t
             elif target is follower:
                 errors.append((status, body))
             i += 1
+            time.sleep(0.002)  # a steady burst: the backlog it leaves is sized below, not by how fast CI is
 
     threads = [threading.Thread(target=burst, args=(s, name)) for s, name in ((leader, "l"), (follower, "f"))]
     for t in threads:
@@ -172,12 +173,16 @@ def test_kill_9_of_the_leader_mid_burst_loses_no_job_and_dispatches_no_attempt_t
     assert took_over <= 10.0, f"took {took_over:.1f} s"
     assert errors == [], errors[:3]  # the surviving replica took every submission sent to it
     assert len(accepted) > 20
-    until(lambda: all(call(f"{follower.url}/v1/jobs/{j}")[1]["state"] == "succeeded" for j in accepted[-5:]), 30,
-          "the new leader runs what was submitted")
+    # The backlog grows with how fast the machine takes submissions (800 to 4,000 seen): the new leader is
+    # given time in proportion to it (about 165 jobs/s measured here; a third of that is allowed).
+    budget_s = 30 + len(accepted) / 50
+    ran = until(lambda: all(call(f"{follower.url}/v1/jobs/{j}")[1]["state"] == "succeeded" for j in accepted[-5:]),
+                budget_s, "the new leader runs what was submitted")
+    print(f"the last five ended {ran:.1f} s after the burst")
     for job_id in accepted:  # every acknowledged job is there, and ends
         status, body = call(f"{follower.url}/v1/jobs/{job_id}")
         assert status == 200, (job_id, body)
-    until(lambda: all(call(f"{follower.url}/v1/jobs/{j}")[1]["state"] == "succeeded" for j in accepted), 60,
+    until(lambda: all(call(f"{follower.url}/v1/jobs/{j}")[1]["state"] == "succeeded" for j in accepted), budget_s,
           "every acknowledged job runs to the end")
     counts = dispatch_counts(follower, accepted)
     twice = {k: n for k, n in counts.items() if n > 1}
