@@ -1,6 +1,8 @@
 """HTTP API (aiohttp, JSON, under ``/v1``).
 
-Sites:  ``POST /v1/sites``, ``GET /v1/sites``, ``GET|PUT|DELETE /v1/sites/{name}``
+Sites:  ``POST /v1/sites``, ``GET /v1/sites``, ``GET|PUT|DELETE /v1/sites/{name}``,
+        ``POST /v1/sites/{name}/cordon`` (body optional: ``{"reason": "..."}``; no new jobs are placed there,
+        what runs there runs on) and ``POST /v1/sites/{name}/uncordon``
 Quotas: ``GET /v1/sites/{name}/quota[?tenant=T]`` (the site's own report: per tenant guaranteed, burst, in use,
         borrowed, fair share now, decayed usage, why its jobs wait), ``PUT|DELETE /v1/sites/{name}/quota/{tenant}``
         (the site operator's change, kept by the site across restarts; the body is a TenantQuota, ``tenant``
@@ -39,7 +41,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker import auth
 from broker import dashboard
@@ -52,6 +54,7 @@ from broker.ids import GPU_MODEL_IDS
 from broker.jobs import IdempotencyConflict, JobNotFound
 from policies.profiles import ProfileError
 from broker.lifecycle import AlreadyEnded
+from broker.metrics import ScopedView
 from adapters.base import AdapterError, QuotaAdmin
 from broker.models import Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document
@@ -135,6 +138,8 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("GET", "/v1/sites/{name}"): ANY,
     ("PUT", "/v1/sites/{name}"): SITE,
     ("DELETE", "/v1/sites/{name}"): ADMIN,
+    ("POST", "/v1/sites/{name}/cordon"): SITE,
+    ("POST", "/v1/sites/{name}/uncordon"): SITE,
     ("GET", "/v1/sites/{name}/quota"): ANY,  # operators of the site; submitters see their own tenants' rows
     ("PUT", "/v1/sites/{name}/quota/{tenant}"): SITE,
     ("DELETE", "/v1/sites/{name}/quota/{tenant}"): SITE,
@@ -446,12 +451,15 @@ async def update_site(request: web.Request) -> web.Response:
     current = request.app[BROKER].federation.get(name)
     spec = auth.keep_secrets(spec, current.spec if current is not None else None)
     who = principal(request)
-    if not who.admin and current is not None and spec.adapter != current.spec.adapter:
-        # The adapter picks credentials (a kubeconfig, its context, the broker's service account) and where
-        # the broker writes: an operator could aim its site at another's cluster. Platform admins only.
-        raise ApiError(403, f"{who.name} may change site {name}'s GPUs, prices, quotas and labels, but not its "
-                            "adapter (it selects credentials); ask a platform admin",
-                       [{"field": "adapter", "problem": "only an admin may change it"}])
+    if not who.admin and current is not None:
+        changed = auth.credential_changes(current.spec.adapter, spec.adapter)
+        if changed:
+            # These pick credentials (a kubeconfig, its context, the broker's service account) or where the
+            # broker writes: an operator could aim its site at another's cluster. Platform admins only.
+            raise ApiError(403, f"{who.name} may change site {name}'s GPUs, prices, quotas, labels and adapter "
+                                f"settings, but not {', '.join('adapter.' + f for f in changed)} (they select "
+                                "credentials or where the broker writes); ask a platform admin",
+                           [{"field": f"adapter.{f}", "problem": "only an admin may change it"} for f in changed])
     try:
         member = await request.app[BROKER].update_site(spec)
     except KeyError:
@@ -462,6 +470,35 @@ async def update_site(request: web.Request) -> web.Response:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
     except AdapterError as e:
         raise _adapter_failed(e) from None
+    return _json(_site_json(member, principal(request)))
+
+
+class CordonRequest(BaseModel):
+    """The optional body of ``POST /v1/sites/{name}/cordon``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str | None = Field(default=None, max_length=500, description="why, in the operator's words")
+
+
+async def cordon_site(request: web.Request) -> web.Response:
+    """Take a site out of routing (no new placements; what runs there runs on) or give it back."""
+    name = request.match_info["name"]
+    cordon = request.path.rstrip("/").endswith("/cordon")
+    reason = None
+    if cordon and (await request.read()).strip():
+        reason = (await _body(request, CordonRequest, "cordon request"))[0].reason
+    broker = request.app[BROKER]
+    current = broker.federation.get(name)
+    if current is None:
+        raise ApiError(404, f"no site named {name}")
+    spec = current.spec.model_copy(update={"cordoned": cordon, "cordon_reason": reason if cordon else None})
+    try:
+        member = await broker.update_site(spec)
+    except KeyError:
+        raise ApiError(404, f"no site named {name}") from None
+    log.info("site %s %s by %s%s", name, "cordoned" if cordon else "uncordoned", principal(request).name,
+             f" ({reason})" if reason else "")
     return _json(_site_json(member, principal(request)))
 
 
@@ -745,8 +782,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus' text format; each replica answers for itself (a replica that does not lead holds no jobs)."""
-    body = generate_latest(request.app[BROKER].metrics.registry)
+    """Prometheus' text format; each replica answers for itself (a replica that does not lead holds no jobs).
+    A site operator reads its own sites' figures and the platform's aggregates, never a tenant's
+    (:class:`broker.metrics.ScopedView`)."""
+    registry = request.app[BROKER].metrics.registry
+    who = principal(request)
+    body = generate_latest(registry if who.admin else ScopedView(registry, frozenset(who.sites)))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -767,6 +808,8 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/sites/{name}", get_site)
     r.add_put("/v1/sites/{name}", update_site)
     r.add_delete("/v1/sites/{name}", delete_site)
+    r.add_post("/v1/sites/{name}/cordon", cordon_site)
+    r.add_post("/v1/sites/{name}/uncordon", cordon_site)
     r.add_get("/v1/sites/{name}/quota", get_quota)
     r.add_put("/v1/sites/{name}/quota/{tenant}", set_quota)
     r.add_delete("/v1/sites/{name}/quota/{tenant}", delete_quota)

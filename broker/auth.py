@@ -239,6 +239,24 @@ SECRET_FIELDS: dict[str, tuple[str, ...]] = {"kubernetes": ("kubeconfig",)}
 the stored value (the spec as read back can be sent back unchanged)."""
 
 
+CREDENTIAL_FIELDS: dict[str, tuple[str, ...]] = {
+    "simulated": ("state_dir",),
+    "kubernetes": ("kubeconfig", "in_cluster", "context", "host", "state_dir"),
+    "mqtt": (),
+}
+"""Adapter fields that select credentials or where the broker writes, by adapter kind: only a platform admin
+may change them (or the kind itself). A site operator may change the rest of its own site's adapter settings
+(timeouts, retries, the job image, a simulated site's delays)."""
+
+
+def credential_changes(old: Any, new: Any) -> list[str]:
+    """The adapter fields (of an ``AdapterConfig``) that differ between ``old`` and ``new`` and only an admin
+    may change: ``["kind"]`` when the kind changes, else the changed :data:`CREDENTIAL_FIELDS`."""
+    if old.kind != new.kind:
+        return ["kind"]
+    return [f for f in CREDENTIAL_FIELDS.get(new.kind, ()) if getattr(old, f) != getattr(new, f)]
+
+
 def redact_site(doc: dict[str, Any]) -> dict[str, Any]:
     """A site spec as JSON, without its secrets."""
     adapter = doc.get("adapter")

@@ -94,7 +94,9 @@ def _site_row(site: dict[str, Any]) -> dict[str, Any]:
         "zone": site["grid_zone"],
         "timezone": site["timezone"],
         "gpus (free/total)": ", ".join(f"{m} {free[m]}/{total[m]}" for m in sorted(free)) or "-",
-        "health": status.get("health") + (f" ({status['reason']})" if status.get("reason") else ""),
+        "health": status.get("health") + (f" ({status['reason']})" if status.get("reason") else "")
+        + (", cordoned" + (f" ({site['cordon_reason']})" if site.get("cordon_reason") else "")
+           if site.get("cordoned") else ""),
         "lease": _lease(status.get("lease_expires_at")),
         "last heard": _ago(status.get("last_heard_at")),
     }
@@ -268,6 +270,10 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                         await c.request("DELETE", f"/v1/sites/{args.name}")
                         out = {"removed": args.name}
                         text = f"site {args.name} removed"
+                    case "cordon" | "uncordon":
+                        body = {"reason": args.reason} if args.action == "cordon" and args.reason else None
+                        out = await c.request("POST", f"/v1/sites/{args.name}/{args.action}", body)
+                        text = table([_site_row(out)], SITE_COLUMNS)
                     case _:
                         raise CliError(f"unknown sites action {args.action}")
             case "quota":
@@ -435,7 +441,16 @@ def _serve(args: argparse.Namespace) -> None:
         from broker.demo import feed
 
         seconds = _seconds_range(args.job_seconds)
-        feeder = lambda url: feed(url, config.sites, rate_per_s=args.rate, seed=args.seed, seconds=seconds)  # noqa: E731
+        # With authentication on, the feeder submits with --token ($HELIOTROPE_TOKEN), else with the admin token
+        # the broker itself reads from broker.auth.admin_token_env.
+        env = settings.auth.admin_token_env
+        token = args.token or (os.environ.get(env, "").strip() if env else "") or None
+        if settings.auth.enabled and token is None:
+            raise CliError("the demo's job feeder needs a token when broker.auth is enabled: pass --token (or set "
+                           "HELIOTROPE_TOKEN) to a submitter or admin token"
+                           + (f", or set ${env}" if env else ""))
+        feeder = lambda url: feed(url, config.sites, rate_per_s=args.rate, seed=args.seed, seconds=seconds,  # noqa: E731
+                                  token=token, ca_file=args.ca_file)
     asyncio.run(run(settings, config.sites, feeder=feeder, log_jobs=args.command == "demo" or args.log_jobs))
 
 
@@ -490,12 +505,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=50)
     for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
         sub.add_parser(name, parents=[common], help=help_text).add_argument("id")
-    s = sub.add_parser("sites", parents=[common], help="list, show, add or remove sites")
+    s = sub.add_parser("sites", parents=[common], help="list, show, add, remove, cordon or uncordon sites")
     acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
     acts.add_parser("list", parents=[common], help="list sites")
     acts.add_parser("get", parents=[common], help="show a site").add_argument("name")
     acts.add_parser("add", parents=[common], help="register sites from a YAML or JSON file").add_argument("file")
     acts.add_parser("remove", parents=[common], help="remove a site").add_argument("name")
+    cordon = acts.add_parser("cordon", parents=[common], help="place no new jobs on a site (what runs there runs on)")
+    cordon.add_argument("name")
+    cordon.add_argument("--reason", help="why, for the site's readers (at most 500 characters)")
+    acts.add_parser("uncordon", parents=[common], help="give a cordoned site back to routing").add_argument("name")
     s = sub.add_parser("quota", parents=[common], help="a site's quota state per tenant; --set or --remove changes it")
     s.add_argument("site")
     s.add_argument("--tenant", help="show only this tenant")
@@ -565,6 +584,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except ApiClientError as e:
         print(f"heliotrope: {_api_message(e)}", file=sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (`heliotrope token create ... | head -1`): what it read was whole; say nothing.
+        # Python would flush stdout again at exit and complain, so point it at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (CliError, ValueError, OSError, StoreError) as e:
         print(f"heliotrope: {e}", file=sys.stderr)
     except KeyboardInterrupt:

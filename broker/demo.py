@@ -35,13 +35,16 @@ def sample_job(rng: random.Random, models: list[str], n: int, seconds: tuple[flo
 
 
 async def feed(
-    url: str, sites: list[SiteSpec], rate_per_s: float = 0.5, seed: int = 1, seconds: tuple[float, float] = (10, 90)
+    url: str, sites: list[SiteSpec], rate_per_s: float = 0.5, seed: int = 1, seconds: tuple[float, float] = (10, 90),
+    token: str | None = None, ca_file: str | None = None,
 ) -> None:
+    """Submit a sample job every ``1 / rate_per_s`` seconds and log the jobs' states every tenth; ``token``:
+    the bearer token to submit with where the broker requires one."""
     rng = random.Random(seed)
     models = sorted({g.model for s in sites for g in s.gpus}) or ["a100-80gb"]
     interval = 1.0 / rate_per_s if rate_per_s > 0 else None
     n = 0
-    async with Client(url) as client:
+    async with Client(url, token=token, ca_file=ca_file) as client:
         while True:
             if interval is not None:
                 n += 1

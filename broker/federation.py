@@ -37,6 +37,8 @@ class Member:
     state: SiteState | None = None
     last_heard_at: datetime | None = None
     error: str | None = None
+    started: bool = True  # False: its adapter could not start; collects try a fresh one every restart_after_s
+    start_tried_at: datetime | None = None
 
     def public_state(self) -> SiteState:
         """The state the API shows: the last report, with the broker's verdict on health."""
@@ -62,6 +64,7 @@ class Federation:
         self._factory = adapter_factory
         self.stale_after_s = stale_after_s
         self.collect_timeout_s = collect_timeout_s
+        self.restart_after_s = 10.0  # how often a site whose adapter could not start is given a fresh one
         self.members: dict[str, Member] = {}
         self._base: Snapshot | None = None  # arrays of the last reports; rebuilt when they change
         self.membership_changed = False  # a site joined, changed or left since the last full pass
@@ -77,11 +80,27 @@ class Federation:
     def get(self, name: str) -> Member | None:
         return self.members.get(name)
 
-    async def add(self, spec: SiteSpec) -> Member:
+    async def add(self, spec: SiteSpec, tolerate_failure: bool = False) -> Member:
+        """Start the site's adapter and take the site in. An adapter that cannot start raises, unless
+        ``tolerate_failure`` (a stored site at the broker's start: a cluster that is down must not keep the
+        broker from serving the others): then the site joins unhealthy, with the error as its reason, and
+        every collect tries to start the adapter again."""
         if spec.name in self.members:
             raise KeyError(spec.name)
         adapter = self._factory(spec)
-        await adapter.start()
+        try:
+            await adapter.start()
+        except Exception as e:
+            if not tolerate_failure:
+                raise
+            log.error("site %s: its adapter could not start (%s); the site stays unhealthy and the broker tries "
+                      "again every %g s", spec.name, e, self.restart_after_s)
+            member = Member(spec, adapter, error=f"its adapter could not start: {e}", started=False,
+                            start_tried_at=self._clock.now())
+            self.members[spec.name] = member
+            self._base = self._site_arrays = None
+            self.membership_changed = True
+            return member
         member = Member(spec, adapter)
         self.members[spec.name] = member
         self._base = self._site_arrays = None
@@ -97,8 +116,20 @@ class Federation:
         old = member.spec
         if needs_rebuild(old, spec):
             await member.adapter.close()
-            member.adapter = self._factory(spec)
-            await member.adapter.start()
+            adapter = self._factory(spec)
+            try:
+                await adapter.start()
+            except Exception:
+                # The new settings do not work: the site goes on with its old adapter (or, if even that
+                # cannot start again now, joins the sites whose adapter each collect tries to start).
+                member.adapter = self._factory(old)
+                try:
+                    await member.adapter.start()
+                    member.started = True
+                except Exception as e:
+                    member.started, member.error, member.state = False, f"its adapter could not start: {e}", None
+                raise
+            member.adapter, member.started = adapter, True
             member.state = None
         if spec.quotas != old.quotas and isinstance(member.adapter, QuotaAdmin):
             before = {q.tenant: q for q in old.quotas}
@@ -151,13 +182,25 @@ class Federation:
     async def _collect_one(self, member: Member) -> None:
         now = self._clock.now()
         self._base = None
+        if not member.started:
+            if (member.start_tried_at is not None
+                    and (now - member.start_tried_at).total_seconds() < self.restart_after_s):
+                return  # unhealthy, with the start's error as its reason, until the next try
+            member.start_tried_at = now
+            with contextlib.suppress(Exception):
+                await member.adapter.close()
+            member.adapter = self._factory(member.spec)  # a fresh one: credentials and clients read anew
         try:
             async with asyncio.timeout(self.collect_timeout_s):
+                if not member.started:
+                    await member.adapter.start()
+                    member.started = True
+                    log.info("site %s: its adapter started", member.spec.name)
                 state = await member.adapter.snapshot()
         except TimeoutError:
             member.error = f"no report within {self.collect_timeout_s:g} s"
         except Exception as e:  # an adapter's failure is the site's health, not the broker's crash
-            member.error = f"report failed: {e}"
+            member.error = f"report failed: {e}" if member.started else f"its adapter could not start: {e}"
         else:
             member.state, member.last_heard_at, member.error = state, now, None
             return

@@ -69,6 +69,26 @@ class Metrics:
         self.registry.register(BrokerCollector(broker))
 
 
+class ScopedView:
+    """What a site operator may read of a registry: samples labelled with one of its own ``sites``, and the
+    platform's aggregates (samples with neither a ``site`` nor a ``tenant`` label); never a sample labelled
+    with a tenant (tenants' figures are theirs and the platform's) or with another site. A registry-like
+    object for ``generate_latest``."""
+
+    def __init__(self, registry: CollectorRegistry, sites: frozenset[str]) -> None:
+        self.registry, self.sites = registry, sites
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = [s for s in family.samples if "tenant" not in s.labels
+                    and ("site" not in s.labels or s.labels["site"] in self.sites)]
+            if not kept and family.samples:
+                continue
+            scoped = Metric(family.name, family.documentation, family.type, family.unit)
+            scoped.samples = kept
+            yield scoped
+
+
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 

@@ -247,6 +247,9 @@ class SiteSpec(Strict):
     fair_share: FairSharePolicy = Field(default_factory=FairSharePolicy)
     adapter: AdapterConfig = Field(default_factory=SimulatedAdapterConfig)
     labels: dict[str, str] = Field(default_factory=dict)
+    cordoned: bool = Field(default=False, description="the site's operator took it out of routing: no new jobs are "
+                                                      "placed there; what runs there runs on")
+    cordon_reason: str | None = Field(default=None, max_length=500, description="why, in the operator's words")
 
     @field_validator("usd_per_gpu_hour", "rtt_ms")
     @classmethod

@@ -244,6 +244,20 @@ def _paths() -> dict[str, Any]:
             "delete": {"summary": "Remove a site (none of its jobs active)",
                        "responses": _answers({"description": "removed"}, 404, 409, ok_status=204)},
         },
+        "/v1/sites/{name}/cordon": {
+            "parameters": [name],
+            "post": {
+                "summary": "Cordon a site: no new jobs are placed there; what runs there runs on",
+                "requestBody": {**_json_body(_object(False, reason={**_NULLABLE_STR, "maxLength": 500}), "why (optional)"),
+                                "required": False},
+                "responses": _answers(_json_body(_ref("Site"), "the site, cordoned"), 400, 404, 413, 422),
+            },
+        },
+        "/v1/sites/{name}/uncordon": {
+            "parameters": [name],
+            "post": {"summary": "Give a cordoned site back to routing",
+                     "responses": _answers(_json_body(_ref("Site"), "the site, uncordoned"), 404)},
+        },
         "/v1/sites/{name}/quota": {
             "parameters": [name],
             "get": {

@@ -214,7 +214,7 @@ class Broker:
                 check_supported(spec, self.hub)
             except SiteUnsupported as e:
                 raise ConfigError(str(e)) from None
-            await self._join(spec)
+            await self._join(spec, tolerate_failure=True)
         await self.book.load()
         requeued = await self.lifecycle.recover()
         if requeued:
@@ -348,8 +348,8 @@ class Broker:
 
     # --- sites ---
 
-    async def _join(self, spec: SiteSpec) -> Member:
-        member = await self.federation.add(spec)
+    async def _join(self, spec: SiteSpec, tolerate_failure: bool = False) -> Member:
+        member = await self.federation.add(spec, tolerate_failure)
         self._pumps[spec.name] = asyncio.get_running_loop().create_task(
             self.lifecycle.pump(member), name=f"events-{spec.name}"
         )
@@ -363,8 +363,13 @@ class Broker:
         if spec.name in self.federation:
             raise SiteConflict(f"site {spec.name} is already registered; update it with PUT")
         check_supported(spec, self.hub)
-        await self.store.put_site(spec)
-        member = await self._join(spec)
+        member = await self._join(spec)  # an adapter that cannot start raises here: nothing is stored
+        try:
+            await self.store.put_site(spec)
+        except BaseException:
+            await self._stop_pump(spec.name)
+            await self.federation.remove(spec.name)
+            raise
         self.wake()
         return member
 
@@ -384,12 +389,20 @@ class Broker:
             return member
         async with self._site_leaving(spec.name, "its GPU inventory, adapter and fair-share policy can change only "
                                                  "when no jobs run there"):
-            await self.store.put_site(spec)
+            old = member.spec
             await self._stop_pump(spec.name)
-            member = await self.federation.replace(spec)
-            self._pumps[spec.name] = asyncio.get_running_loop().create_task(
-                self.lifecycle.pump(member), name=f"events-{spec.name}"
-            )
+            try:
+                # An adapter that cannot start with the new spec raises, and the site keeps its old one.
+                member = await self.federation.replace(spec)
+                try:
+                    await self.store.put_site(spec)
+                except BaseException:
+                    member = await self.federation.replace(old)
+                    raise
+            finally:
+                self._pumps[spec.name] = asyncio.get_running_loop().create_task(
+                    self.lifecycle.pump(member), name=f"events-{spec.name}"
+                )
         self.wake()
         return member
 

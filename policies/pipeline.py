@@ -30,12 +30,8 @@ from typing import TypeVar
 import numpy as np
 
 from broker import ids
-from policies.filters import Filter
+from policies.filters import Filter, standard_filters
 from policies.filters.gpu_fit import Fit, GpuFitFilter, fit_row
-from policies.filters.health import HealthyFilter
-from policies.filters.latency import LatencyFilter
-from policies.filters.quota import QuotaFilter
-from policies.filters.region import RefusedFilter, RegionFilter
 from policies.scorers import Scorer
 from policies.scorers.free_gpus import FreeGpusScorer
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
@@ -231,6 +227,6 @@ def choose_model(req: JobRequest, snap: Snapshot, site: int) -> int:
 def default_pipeline() -> Pipeline:
     """The filters of this release and the one scorer, most free GPUs, at weight 1."""
     return Pipeline(
-        filters=(HealthyFilter(), RegionFilter(), LatencyFilter(), RefusedFilter(), QuotaFilter(), GpuFitFilter()),
+        filters=standard_filters(),
         scorers=(Weighted(FreeGpusScorer(), 1.0),),
     )

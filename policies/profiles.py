@@ -1,7 +1,7 @@
 """Profiles: named weightings of the scorers, chosen per federation and overridable per job within limits.
 
 A profile is a set of scorer weights (each finite and >= 0; 0 or absent turns a scorer off). Every profile
-runs the same filters: health, region, latency objective, refused, site quota, GPU fit. The built-in profiles:
+runs the same filters: health, cordon, region, latency objective, refused, site quota, GPU fit. The built-in profiles:
 
 - ``balanced``: carbon 0.5, cost 0.5, latency 0.25, free GPUs 0.1, off-peak 0.1, telemetry 0.1 — a bit of
   everything, carbon and money first.
@@ -24,11 +24,7 @@ from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from policies.filters.gpu_fit import GpuFitFilter
-from policies.filters.health import HealthyFilter
-from policies.filters.latency import LatencyFilter
-from policies.filters.quota import QuotaFilter
-from policies.filters.region import RefusedFilter, RegionFilter
+from policies.filters import standard_filters
 from policies.pipeline import Pipeline, Weighted, default_pipeline
 from policies.scorers import Scorer
 from policies.scorers.carbon import CarbonScorer
@@ -147,7 +143,7 @@ class ProfilesConfig(BaseModel):
 
 
 def filters() -> tuple:
-    return (HealthyFilter(), RegionFilter(), LatencyFilter(), RefusedFilter(), QuotaFilter(), GpuFitFilter())
+    return standard_filters()
 
 
 def pipeline_for(weights: Mapping[str, float], shift: ShiftPolicy | None = None) -> Pipeline:

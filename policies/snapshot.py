@@ -229,6 +229,7 @@ class Snapshot:
     memory_gib: np.ndarray  # float32[n_sites, n_models]: memory per GPU, 0 where the model is absent
     usd_per_gpu_hour: np.ndarray  # float64[n_sites, n_models], NaN where unpriced
     index: dict[str, int] = field(default_factory=dict)
+    cordoned: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # bool[n_sites]; empty: none is
     # Signals some policies use; empty arrays where the broker has none.
     rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # int32[n_sites]: order as configured
     carbon_g_per_kwh: np.ndarray = field(default_factory=lambda: np.zeros(0))  # float64[n_sites]: NaN unknown
@@ -419,6 +420,8 @@ def build_snapshot(
         memory_gib=mem,
         usd_per_gpu_hour=price,
         index={s.name: i for i, s in enumerate(specs)},
+        cordoned=np.array([s.cordoned for s in specs], dtype=bool) if any(s.cordoned for s in specs)
+        else np.zeros(0, dtype=bool),
         rank=np.array([configured[s.name] for s in specs], dtype=np.int32),
         carbon_g_per_kwh=np.array([(carbon_g_per_kwh or {}).get(s.name, np.nan) for s in specs], dtype=np.float64),
         rtt_ms=rtt,

@@ -92,6 +92,39 @@ async def test_a_site_with_active_jobs_cannot_be_removed(client: TestClient):
     assert r.status == 409 and "1 active jobs" in (await r.json())["error"]["message"]
 
 
+async def test_a_cordoned_site_takes_no_new_job_keeps_what_runs_and_takes_work_again_when_uncordoned(
+        client: TestClient, tmp_path: Path):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    running = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "before", "duration_s": 600})).json()
+    await wait_for(client, running["id"], {"running"})
+
+    r = await client.post("/v1/sites/berlin/cordon", json={"reason": "driver upgrade"})
+    assert r.status == 200, await r.text()
+    site = await r.json()
+    assert site["cordoned"] is True and site["cordon_reason"] == "driver upgrade"
+    waiting = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "after"})).json()
+    await asyncio.sleep(0.3)  # several passes
+    assert (await (await client.get(f"/v1/jobs/{waiting['id']}")).json())["state"] == "queued"
+    decision = await (await client.get(f"/v1/jobs/{waiting['id']}/decision")).json()
+    reasons = {s["site"]: s["reasons"] for s in decision["sites"]}
+    assert reasons["berlin"] == ["site-cordoned: its operator cordoned the site: it takes no new jobs until "
+                                 "uncordoned"], reasons
+    assert (await (await client.get(f"/v1/jobs/{running['id']}")).json())["state"] == "running"  # runs on
+
+    # Kept in the stored spec: a restarted broker still holds the site out of routing.
+    assert (await client.get("/v1/sites/berlin")).status == 200
+    stored = await client.broker.store.list_sites()  # type: ignore[attr-defined]
+    assert [s.cordoned for s in stored if s.name == "berlin"] == [True]
+
+    r = await client.post("/v1/sites/berlin/uncordon")
+    assert r.status == 200 and (await r.json())["cordoned"] is False
+    await wait_for(client, waiting["id"], {"running", "succeeded"})
+
+    assert (await client.post("/v1/sites/nowhere/cordon")).status == 404
+    bad = await client.post("/v1/sites/berlin/cordon", json={"reason": 7})
+    assert bad.status == 422 and (await bad.json())["error"]["fields"][0]["field"] == "reason"
+
+
 async def test_a_hundred_jobs_land_on_sites_that_have_the_model_they_asked_for(client: TestClient):
     inventories = {
         "ashburn": ("gcp:us-east4", {"h100-80gb": 16, "a100-80gb": 8}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -134,14 +135,30 @@ def test_serve_with_a_broken_config_prints_the_field_and_exits_1(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_the_demo_serves_on_loopback_and_its_sample_jobs_run_to_success(tmp_path):
+ADMIN_SECRET = "demo-admin-" + "x" * 32
+
+
+@pytest.mark.parametrize("auth", [False, True], ids=["open", "with-auth"])
+def test_the_demo_serves_on_loopback_and_its_sample_jobs_run_to_success(tmp_path, auth):
+    """With authentication on (from the environment, as a container would set it), the demo's job feeder
+    submits with the admin token the broker reads from ``broker.auth.admin_token_env``."""
     port = free_port()
+    env = dict(os.environ)
+    if auth:
+        env.update(HELIOTROPE_BROKER__AUTH__ENABLED="true", HELIOTROPE_BROKER__AUTH__ADMIN_TOKEN_ENV="DEMO_ADMIN",
+                   DEMO_ADMIN=ADMIN_SECRET)
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker.cli", "demo", "--port", str(port), "--db", str(tmp_path / "demo.db"),
          "--rate", "8", "--job-seconds", "0.5-1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {ADMIN_SECRET}"} if auth else {}
+
+    def get(path: str) -> dict:
+        with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers)) as r:
+            return json.load(r)
+
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -151,13 +168,11 @@ def test_the_demo_serves_on_loopback_and_its_sample_jobs_run_to_success(tmp_path
         done: list[dict] = []
         for _ in range(150):
             time.sleep(0.1)
-            with urllib.request.urlopen(f"{url}/v1/jobs?state=succeeded&limit=5") as r:
-                done = json.load(r)["items"]
+            done = get("/v1/jobs?state=succeeded&limit=5")["items"]
             if len(done) >= 3:
                 break
         assert len(done) >= 3, "the demo's sample jobs did not run to success"
-        with urllib.request.urlopen(f"{url}/v1/jobs/{done[0]['id']}/events") as r:
-            path = [e["state"] for e in json.load(r)["items"]]
+        path = [e["state"] for e in get(f"/v1/jobs/{done[0]['id']}/events")["items"]]
         assert path[0] == "queued" and path[-3:] == ["admitted", "running", "succeeded"]
         assert proc.poll() is None
     finally:

@@ -402,3 +402,67 @@ async def test_credentials_that_cannot_be_loaded_are_a_clear_error(cluster, tmp_
         assert "adapter.kubeconfig" in str(err.value)
     finally:
         await adapter.close()
+
+
+# --- a cluster that cannot be reached when the broker starts ---
+
+
+async def test_a_stored_site_whose_adapter_cannot_start_leaves_the_broker_serving_and_joins_when_it_can(
+        cluster, tmp_path) -> None:  # noqa: ANN001
+    """The kubeconfig is not there when the broker starts (a secret not mounted yet, a cluster being rebuilt):
+    the broker still starts and serves its other sites; this one is unhealthy, saying why, and joins at the
+    first collect after the kubeconfig appears."""
+    from broker.config import BrokerSettings
+    from broker.service import Broker
+
+    missing = tmp_path / "later" / "kubeconfig"
+    config = KubernetesAdapterConfig(kubeconfig=str(missing), context="lab", request_timeout_s=5, retries=1)
+    kube_site = site("kube", adapter=config.model_dump())
+    other = site("sim", adapter={"kind": "simulated", "dispatch_delay_s": 0.01})
+    broker = Broker(BrokerSettings(db=str(tmp_path / "b.db"), cycle_interval_s=0.05, shutdown_grace_s=0.5))
+    broker.federation.restart_after_s = 0.2
+    await broker.start([kube_site, other])
+    try:
+        member = broker.federation.get("kube")
+        assert member is not None and member.public_state().health != "healthy"
+        assert "its adapter could not start" in (member.public_state().reason or "")
+        assert broker.federation.get("sim").public_state().health == "healthy"  # type: ignore[union-attr]
+
+        missing.parent.mkdir()
+        kubeconfig(missing, str(cluster.url).rstrip("/"))
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            member = broker.federation.get("kube")
+            if member.public_state().health == "healthy":
+                break
+        assert member.public_state().health == "healthy", member.public_state()
+        assert sum(c.total_gpus for c in member.public_state().capacity) > 0
+    finally:
+        await broker.stop()
+
+
+async def test_registering_a_site_whose_adapter_cannot_start_stores_nothing(cluster, tmp_path) -> None:  # noqa: ANN001
+    from broker.config import BrokerSettings
+    from broker.service import Broker
+
+    config = KubernetesAdapterConfig(kubeconfig=str(tmp_path / "absent"), request_timeout_s=5, retries=1)
+    broker = Broker(BrokerSettings(db=str(tmp_path / "b.db"), cycle_interval_s=0.05, shutdown_grace_s=0.5))
+    await broker.start([])
+    try:
+        with pytest.raises(AdapterError, match="cannot load Kubernetes credentials"):
+            await broker.register_site(site("kube", adapter=config.model_dump()))
+        assert await broker.store.list_sites() == [] and "kube" not in broker.federation
+        # A working site with the same name can be registered right after.
+        good = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=1)
+        await broker.register_site(site("kube", adapter=good.model_dump()))
+        assert [s.name for s in await broker.store.list_sites()] == ["kube"]
+
+        # An update to settings that cannot start keeps the site on the ones that work.
+        with pytest.raises(AdapterError):
+            await broker.update_site(site("kube", adapter=config.model_dump()))
+        stored = await broker.store.list_sites()
+        assert stored[0].adapter.host == good.host  # type: ignore[union-attr]
+        await broker.federation.collect()
+        assert broker.federation.get("kube").public_state().health == "healthy"  # type: ignore[union-attr]
+    finally:
+        await broker.stop()

@@ -236,7 +236,9 @@ def _ref_gpu_fit(req: JobRequest, snap: Snapshot) -> np.ndarray:
 
 
 REF_FILTER: dict[str, Callable[[JobRequest, Snapshot], np.ndarray | None]] = {
-    "site-unhealthy": lambda req, snap: snap.healthy, "region-not-allowed": _ref_region,
+    "site-unhealthy": lambda req, snap: snap.healthy,
+    "site-cordoned": lambda req, snap: ~snap.cordoned if snap.cordoned.size else None,
+    "region-not-allowed": _ref_region,
     "latency-objective": _ref_latency_objective, "site-refused": _ref_refused, "gpus-do-not-fit": _ref_gpu_fit,
     "quota-refuses": lambda req, snap: None,  # these federations report no quotas (the filter passes every site)
 }

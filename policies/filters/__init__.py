@@ -32,3 +32,17 @@ class Filter(Protocol):
     def passes(self, req: JobRequest, snap: Snapshot) -> np.ndarray | None: ...
 
     def describe(self, req: JobRequest, view: FitView, site: int) -> str: ...
+
+
+def standard_filters() -> tuple:
+    """Every filter of this release, in the order a decision records them: health, cordon, region, latency
+    objective, refused, site quota, GPU fit (each profile and baseline runs all of them)."""
+    from policies.filters.cordon import CordonFilter
+    from policies.filters.gpu_fit import GpuFitFilter
+    from policies.filters.health import HealthyFilter
+    from policies.filters.latency import LatencyFilter
+    from policies.filters.quota import QuotaFilter
+    from policies.filters.region import RefusedFilter, RegionFilter
+
+    return (HealthyFilter(), CordonFilter(), RegionFilter(), LatencyFilter(), RefusedFilter(), QuotaFilter(),
+            GpuFitFilter())
