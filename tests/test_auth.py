@@ -1,17 +1,22 @@
 """Authentication and roles against a live broker (``broker.auth``): tenant isolation and operator scoping,
-endpoint by endpoint, as a table of role x endpoint x expected status; tokens made, revoked and expired
-through the CLI's database path; secrets in a site's spec never returned."""
+endpoint by endpoint, as a table of role x endpoint x expected status; metrics scoped to an operator's sites;
+tokens made, revoked and expired through the CLI's database path; secrets in a site's spec never returned."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.simulated import SimulatedSite
 from broker import auth
@@ -21,17 +26,27 @@ from broker.config import AuthSettings, BrokerSettings
 from broker.models import SimulatedAdapterConfig, SiteSpec
 from broker.service import Broker
 
-# alpha has A100s, beta L4s: a job asking for a model runs where that model is.
+# alpha has A100s, beta L4s: a job asking for a model runs where that model is. gamma (L4s, idle) is registered
+# only by the rows that need a site with nothing on it.
 ALPHA = {"name": "alpha", "region": "gcp:europe-west3", "grid_zone": "DE-LU", "timezone": "Europe/Berlin",
          "latitude": 50.1, "longitude": 8.7, "gpus": [{"model": "a100-80gb", "gpus_per_node": 8, "nodes": 1}],
          "quotas": [{"tenant": "vision", "guaranteed_gpus": 4}, {"tenant": "nlp", "guaranteed_gpus": 2}],
          "adapter": {"kind": "simulated", "dispatch_delay_s": 0.005}}
 BETA = {**ALPHA, "name": "beta", "gpus": [{"model": "l4", "gpus_per_node": 8, "nodes": 1}], "quotas": []}
 GAMMA = {**BETA, "name": "gamma"}
+KUBE_GAMMA = {**GAMMA, "adapter": {"kind": "kubernetes", "kubeconfig": "/etc/secret/gamma.kubeconfig",
+                                   "context": "gamma-admin"}}
 
 
 def job(tenant: str, model: str, name: str = "j") -> dict[str, Any]:
     return {"tenant": tenant, "name": name, "gpus": {"count": 1, "model": model}, "duration_s": 3600}
+
+
+def with_adapter(site: dict[str, Any], **change: Any) -> dict[str, Any]:
+    """``site`` with adapter settings changed, sent back as an operator reads it (without its kubeconfig,
+    which the API never returns, so the stored one is kept) unless the change names the kubeconfig."""
+    adapter = {k: v for k, v in site["adapter"].items() if k != "kubeconfig"} | change
+    return {**site, "adapter": adapter}
 
 
 class Federation:
@@ -44,17 +59,26 @@ class Federation:
         return {"Authorization": f"Bearer {self.tokens[who]}"} if who in self.tokens else (
             {"Authorization": "Bearer hlt_not-a-token"} if who == "bogus" else {})
 
-    async def call(self, who: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        path = path.format(**self.jobs)
-        if path == "/v1/events":
+    async def call(self, who: str, method: str, path: str, body: Any = None,
+                   names: dict[str, str] | None = None) -> tuple[int, Any]:
+        path = path.format(**self.jobs, **(names or {}))
+        if path.startswith("/v1/events"):
             async with self.client.get(path, headers=self.headers(who)) as r:
                 if r.status != 200:
                     return r.status, await r.json()
                 assert r.headers["Content-Type"].startswith("text/event-stream")
                 await asyncio.wait_for(r.content.readline(), 5)  # a bounded read: the stream never ends
                 return r.status, None
-        r = await self.client.request(method, path, json=body, headers=self.headers(who))
+        r = await self.client.request(method, path, json=body, headers=self.headers(who), allow_redirects=False)
         return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+    async def running(self, job_id: str, site: str) -> None:
+        for _ in range(250):
+            _, got = await self.call("admin", "GET", f"/v1/jobs/{job_id}")
+            if got["state"] == "running":
+                break
+            await asyncio.sleep(0.02)
+        assert got["state"] == "running" and got["site"] == site, got
 
 
 def make_token(db: str, capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -65,14 +89,15 @@ def make_token(db: str, capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 @pytest.fixture
 def made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, dict[str, str]]:
-    """A database with a token per role, made with the CLI before the broker starts."""
+    """A database with a token per role, made with the CLI before the broker starts: an operator for each
+    site (ghost-ops operates a site that is not registered) and a submitter for each tenant."""
     db = str(tmp_path / "auth.db")
-    return db, {
-        "admin": make_token(db, capsys, "--role", "admin", "--name", "platform"),
-        "operator": make_token(db, capsys, "--role", "operator", "--name", "alpha-ops", "--site", "alpha"),
-        "submitter": make_token(db, capsys, "--role", "submitter", "--name", "vision-team", "--tenant", "vision"),
-        "other tenant": make_token(db, capsys, "--role", "submitter", "--name", "nlp-team", "--tenant", "nlp"),
-    }
+    tokens = {"admin": make_token(db, capsys, "--role", "admin", "--name", "platform")}
+    for site in ("alpha", "beta", "gamma", "ghost"):
+        tokens[f"{site}-ops"] = make_token(db, capsys, "--role", "operator", "--name", f"{site}-ops", "--site", site)
+    for tenant in ("vision", "nlp"):
+        tokens[tenant] = make_token(db, capsys, "--role", "submitter", "--name", f"{tenant}-team", "--tenant", tenant)
+    return db, tokens
 
 
 @pytest.fixture
@@ -89,110 +114,258 @@ async def fed(made: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch)
     await broker.start([SiteSpec.model_validate(ALPHA), SiteSpec.model_validate(BETA)])
     async with TestClient(TestServer(create_app(broker))) as client:
         f = Federation(client, tokens, {}, db)
-        for key, (who, body) in {"vision_job": ("submitter", job("vision", "a100-80gb")),
-                                 "nlp_job": ("other tenant", job("nlp", "l4")),
-                                 "spare": ("submitter", job("vision", "a100-80gb", "spare"))}.items():
+        for key, (who, body) in {"vision_job": ("vision", job("vision", "a100-80gb")),
+                                 "nlp_job": ("nlp", job("nlp", "l4")),
+                                 "spare": ("vision", job("vision", "a100-80gb", "spare"))}.items():
             status, created = await f.call(who, "POST", "/v1/jobs", body)
             assert status == 201, created
             f.jobs[key] = created["id"]
         for key, site in (("vision_job", "alpha"), ("nlp_job", "beta"), ("spare", "alpha")):
-            for _ in range(200):
-                _, got = await f.call("admin", "GET", f"/v1/jobs/{f.jobs[key]}")
-                if got["state"] == "running":
-                    break
-                await asyncio.sleep(0.02)
-            assert got["state"] == "running" and got["site"] == site
+            await f.running(f.jobs[key], site)
         yield f
     await broker.stop()
 
 
-ROLES = ("admin", "operator", "submitter", "other tenant", "nobody", "bogus")
+# --- fresh objects: what a destructive row acts on, made again before each caller's try ---
 
-# (method, path, body, {role: status}); "operator" operates alpha, "submitter" acts for vision, "other tenant"
-# for nlp; the vision job runs on alpha, the nlp job on beta. "nobody" sends no token, "bogus" an unknown one.
-A, O, S, T = "admin", "operator", "submitter", "other tenant"
-DENIED = {"nobody": 401, "bogus": 401}
-TABLE: list[tuple[str, str, str, Any, dict[str, int]]] = [
-    ("only an admin registers a site", "POST", "/v1/sites", GAMMA, {A: 201, O: 403, S: 403, T: 403}),
-    ("everyone with a token lists the sites", "GET", "/v1/sites", None, {A: 200, O: 200, S: 200, T: 200}),
-    ("everyone with a token reads a site", "GET", "/v1/sites/beta", None, {A: 200, O: 200, S: 200, T: 200}),
-    ("a site's operator changes its spec", "PUT", "/v1/sites/alpha", ALPHA, {A: 200, O: 200, S: 403, T: 403}),
-    ("an operator cannot change another site", "PUT", "/v1/sites/beta", BETA, {A: 200, O: 403, S: 403, T: 403}),
-    ("an operator cannot change its site's adapter (it picks credentials)", "PUT", "/v1/sites/alpha",
-     {**ALPHA, "adapter": {"kind": "kubernetes", "context": "beta-admin"}}, {O: 403, S: 403}),
-    ("nobody but an admin removes a site", "DELETE", "/v1/sites/beta", None, {O: 403, S: 403, T: 403}),
-    ("a site's operator reads its quota state", "GET", "/v1/sites/alpha/quota", None,
-     {A: 200, O: 200, S: 200, T: 200}),
-    ("an operator cannot read another site's quotas", "GET", "/v1/sites/beta/quota", None, {O: 403}),
-    ("a site's operator sets a tenant's quota", "PUT", "/v1/sites/alpha/quota/vision", {"guaranteed_gpus": 4},
-     {A: 200, O: 200, S: 403, T: 403}),
-    ("an operator cannot set quotas at another site", "PUT", "/v1/sites/beta/quota/vision", {"guaranteed_gpus": 1},
-     {O: 403, S: 403}),
-    ("a submitter cannot remove a quota", "DELETE", "/v1/sites/alpha/quota/nlp", None, {S: 403, T: 403}),
-    ("an operator cannot remove another site's quota", "DELETE", "/v1/sites/beta/quota/nlp", None, {O: 403}),
-    ("a submitter submits for its own tenant only", "POST", "/v1/jobs", job("vision", "l4"),
-     {A: 201, O: 403, S: 201, T: 403}),
-    ("everyone with a token lists jobs (scoped)", "GET", "/v1/jobs", None, {A: 200, O: 200, S: 200, T: 200}),
-    ("a submitter cannot list another tenant's jobs", "GET", "/v1/jobs?tenant=nlp", None, {A: 200, S: 403, T: 200}),
-    ("an operator cannot list another site's jobs", "GET", "/v1/jobs?site=beta", None, {A: 200, O: 403}),
-    ("a job is visible to its tenant and its site's operator", "GET", "/v1/jobs/{vision_job}", None,
-     {A: 200, O: 200, S: 200, T: 404}),
-    ("a job on another site is hidden from an operator", "GET", "/v1/jobs/{nlp_job}", None,
-     {A: 200, O: 404, S: 404, T: 200}),
-    ("a decision is visible as its job is", "GET", "/v1/jobs/{vision_job}/decision", None,
-     {A: 200, O: 200, S: 200, T: 404}),
-    ("a job's history is visible as its job is", "GET", "/v1/jobs/{nlp_job}/events", None,
-     {A: 200, O: 404, S: 404, T: 200}),
-    ("only the tenant's submitters cancel its job", "POST", "/v1/jobs/{vision_job}/cancel", None,
-     {O: 403, T: 404}),
-    ("only the tenant's submitters delete its job", "DELETE", "/v1/jobs/{vision_job}", None, {O: 403, T: 404}),
-    ("a submitter cancels its own job", "POST", "/v1/jobs/{spare}/cancel", None, {S: 200}),
-    ("everyone with a token follows the event stream", "GET", "/v1/events", None,
-     {A: 200, O: 200, S: 200, T: 200}),
-    ("everyone with a token reads the carbon saved", "GET", "/v1/carbon", None, {A: 200, O: 200, S: 200, T: 200}),
-    ("everyone with a token asks who it is", "GET", "/v1/whoami", None, {A: 200, O: 200, S: 200, T: 200}),
-    ("admins and operators scrape metrics", "GET", "/metrics", None, {A: 200, O: 200, S: 403, T: 403}),
-    ("liveness needs no token", "GET", "/healthz", None, {r: 200 for r in ROLES}),
-    ("the API's description needs no token", "GET", "/openapi.json", None, {r: 200 for r in ROLES}),
+Fresh = Callable[[Federation], contextlib.AbstractAsyncContextManager[dict[str, str]]]
+
+
+@contextlib.asynccontextmanager
+async def running_vision_job(f: Federation) -> AsyncIterator[dict[str, str]]:
+    """``{fresh}``: a vision job running on alpha (so alpha's operator sees it), cancelled afterwards."""
+    status, created = await f.call("admin", "POST", "/v1/jobs", job("vision", "a100-80gb", "fresh"))
+    assert status == 201, created
+    await f.running(created["id"], "alpha")
+    yield {"fresh": created["id"]}
+    await f.call("admin", "POST", f"/v1/jobs/{created['id']}/cancel")  # 409 if the row cancelled it
+
+
+def idle_gamma(spec: dict[str, Any]) -> Fresh:
+    """gamma registered afresh with ``spec``, nothing on it (so its adapter may be rebuilt or it removed)."""
+
+    @contextlib.asynccontextmanager
+    async def make(f: Federation) -> AsyncIterator[dict[str, str]]:
+        await f.call("admin", "DELETE", "/v1/sites/gamma")  # 404 if the previous try removed it
+        status, answer = await f.call("admin", "POST", "/v1/sites", spec)
+        assert status == 201, answer
+        yield {}
+
+    return make
+
+
+@contextlib.asynccontextmanager
+async def vision_quota_at_alpha(f: Federation) -> AsyncIterator[dict[str, str]]:
+    status, answer = await f.call("admin", "PUT", "/v1/sites/alpha/quota/vision", {"guaranteed_gpus": 4})
+    assert status == 200, answer
+    yield {}
+
+
+@contextlib.asynccontextmanager
+async def cordoned_alpha(f: Federation) -> AsyncIterator[dict[str, str]]:
+    status, answer = await f.call("admin", "POST", "/v1/sites/alpha/cordon", {"reason": "maintenance"})
+    assert status == 200, f"cordoning alpha (to try uncordoning it) answered {status}: {answer}"
+    yield {}
+
+
+@contextlib.asynccontextmanager
+async def as_it_is(f: Federation) -> AsyncIterator[dict[str, str]]:
+    yield {}
+
+
+# --- the table ---
+
+@dataclass(frozen=True)
+class Row:
+    """One route and case: the expected status for each caller, relative to the site and tenant the row is
+    about (``site``, ``tenant``). ``fresh`` makes the object a destructive row acts on again before each try."""
+
+    case: str
+    route: str  # "METHOD /path"; {vision_job}, {nlp_job}, {spare}: the fixture's jobs, {fresh}: ``fresh``'s
+    expect: tuple[int, int, int, int, int, int]  # nobody, admin, site's operator, other site's operator,
+    #                                               tenant's submitter, other tenant's submitter
+    body: Any = None
+    site: str = "alpha"
+    tenant: str = "vision"
+    fresh: Fresh = as_it_is
+
+    def callers(self) -> dict[str, int]:
+        """Token name -> status; "nobody" sends no token, "bogus" an unknown one (answered as no token)."""
+        other_site = "alpha" if self.site == "beta" else "beta"
+        other_tenant = "nlp" if self.tenant == "vision" else "vision"
+        nobody, admin, ops, other_ops, sub, other_sub = self.expect
+        return {"nobody": nobody, "bogus": nobody, "admin": admin, f"{self.site}-ops": ops,
+                f"{other_site}-ops": other_ops, self.tenant: sub, other_tenant: other_sub}
+
+
+R = Row
+OPEN = (200,) * 6
+TABLE: list[Row] = [
+    # sites                                                                   nobody admin ops ops* sub sub*
+    R("only an admin registers a site", "POST /v1/sites", (401, 201, 403, 403, 403, 403), GAMMA, site="gamma"),
+    R("everyone with a token lists the sites", "GET /v1/sites", (401, 200, 200, 200, 200, 200)),
+    R("everyone with a token reads a site", "GET /v1/sites/alpha", (401, 200, 200, 200, 200, 200)),
+    R("a site's operator changes its spec", "PUT /v1/sites/alpha", (401, 200, 200, 403, 403, 403), ALPHA),
+    R("only an admin changes a site's adapter kind", "PUT /v1/sites/gamma", (401, 200, 403, 403, 403, 403),
+      {**GAMMA, "adapter": {"kind": "kubernetes", "context": "gamma-admin"}}, site="gamma", fresh=idle_gamma(GAMMA)),
+    R("a site's operator changes a simulated adapter's dispatch delay", "PUT /v1/sites/gamma",
+      (401, 200, 200, 403, 403, 403), with_adapter(GAMMA, dispatch_delay_s=0.02), site="gamma",
+      fresh=idle_gamma(GAMMA)),
+    R("only an admin changes a simulated adapter's state_dir", "PUT /v1/sites/gamma", (401, 200, 403, 403, 403, 403),
+      with_adapter(GAMMA, state_dir="/var/lib/heliotrope/beta"), site="gamma", fresh=idle_gamma(GAMMA)),
+    R("a site's operator changes a kubernetes adapter's request timeout", "PUT /v1/sites/gamma",
+      (401, 200, 200, 403, 403, 403), with_adapter(KUBE_GAMMA, request_timeout_s=30.0), site="gamma",
+      fresh=idle_gamma(KUBE_GAMMA)),
+    R("a site's operator changes a kubernetes adapter's image", "PUT /v1/sites/gamma", (401, 200, 200, 403, 403, 403),
+      with_adapter(KUBE_GAMMA, image="pytorch/pytorch:2.3.0"), site="gamma", fresh=idle_gamma(KUBE_GAMMA)),
+    R("only an admin changes a kubernetes adapter's kubeconfig", "PUT /v1/sites/gamma",
+      (401, 200, 403, 403, 403, 403), with_adapter(KUBE_GAMMA, kubeconfig="/home/ops/beta.kubeconfig"),
+      site="gamma", fresh=idle_gamma(KUBE_GAMMA)),
+    R("only an admin changes a kubernetes adapter's context", "PUT /v1/sites/gamma", (401, 200, 403, 403, 403, 403),
+      with_adapter(KUBE_GAMMA, context="beta-admin"), site="gamma", fresh=idle_gamma(KUBE_GAMMA)),
+    R("only an admin changes a kubernetes adapter's in_cluster", "PUT /v1/sites/gamma",
+      (401, 200, 403, 403, 403, 403), with_adapter(KUBE_GAMMA, in_cluster=True), site="gamma",
+      fresh=idle_gamma(KUBE_GAMMA)),
+    R("only an admin changes a kubernetes adapter's host", "PUT /v1/sites/gamma", (401, 200, 403, 403, 403, 403),
+      with_adapter(KUBE_GAMMA, host="https://10.0.0.1:6443"), site="gamma", fresh=idle_gamma(KUBE_GAMMA)),
+    R("only an admin changes a kubernetes adapter's state_dir", "PUT /v1/sites/gamma",
+      (401, 200, 403, 403, 403, 403), with_adapter(KUBE_GAMMA, state_dir="/var/lib/heliotrope/beta"), site="gamma",
+      fresh=idle_gamma(KUBE_GAMMA)),
+    R("only an admin removes a site", "DELETE /v1/sites/gamma", (401, 204, 403, 403, 403, 403), site="gamma",
+      fresh=idle_gamma(GAMMA)),
+    R("a site's operator cordons it", "POST /v1/sites/alpha/cordon", (401, 200, 200, 403, 403, 403),
+      {"reason": "maintenance"}),
+    R("a site's operator uncordons it", "POST /v1/sites/alpha/uncordon", (401, 200, 200, 403, 403, 403),
+      fresh=cordoned_alpha),
+    R("cordoning a site that is not registered", "POST /v1/sites/ghost/cordon", (401, 404, 404, 403, 403, 403),
+      {"reason": "maintenance"}, site="ghost"),
+    R("uncordoning a site that is not registered", "POST /v1/sites/ghost/uncordon", (401, 404, 404, 403, 403, 403),
+      site="ghost"),
+    # quotas
+    R("a site's quota state: its operator, and submitters for their own tenants", "GET /v1/sites/alpha/quota",
+      (401, 200, 200, 403, 200, 200)),
+    R("a submitter cannot ask for another tenant's quota row", "GET /v1/sites/alpha/quota?tenant=vision",
+      (401, 200, 200, 403, 200, 403)),
+    R("a site's operator sets a tenant's quota", "PUT /v1/sites/alpha/quota/vision", (401, 200, 200, 403, 403, 403),
+      {"guaranteed_gpus": 4}),
+    R("a site's operator removes a tenant's quota", "DELETE /v1/sites/alpha/quota/vision",
+      (401, 200, 200, 403, 403, 403), fresh=vision_quota_at_alpha),
+    # jobs
+    R("a submitter submits for its own tenant only", "POST /v1/jobs", (401, 201, 403, 403, 201, 403),
+      job("vision", "l4")),
+    R("everyone with a token lists jobs (scoped)", "GET /v1/jobs", (401, 200, 200, 200, 200, 200)),
+    R("a submitter cannot list another tenant's jobs", "GET /v1/jobs?tenant=vision", (401, 200, 200, 200, 200, 403)),
+    R("an operator cannot list another site's jobs", "GET /v1/jobs?site=alpha", (401, 200, 200, 403, 200, 200)),
+    R("a job is visible to its tenant and its site's operator", "GET /v1/jobs/{vision_job}",
+      (401, 200, 200, 404, 200, 404)),
+    R("so is a job of another tenant on another site", "GET /v1/jobs/{nlp_job}", (401, 200, 200, 404, 200, 404),
+      site="beta", tenant="nlp"),
+    R("a decision is visible as its job is", "GET /v1/jobs/{vision_job}/decision", (401, 200, 200, 404, 200, 404)),
+    R("a job's history is visible as its job is", "GET /v1/jobs/{vision_job}/events", (401, 200, 200, 404, 200, 404)),
+    R("the tenant's submitters and admins cancel its job", "POST /v1/jobs/{fresh}/cancel",
+      (401, 200, 403, 403, 200, 404), fresh=running_vision_job),
+    R("the tenant's submitters and admins delete (cancel) its job", "DELETE /v1/jobs/{fresh}",
+      (401, 200, 403, 403, 200, 404), fresh=running_vision_job),
+    # live and other
+    R("everyone with a token follows the event stream", "GET /v1/events", (401, 200, 200, 200, 200, 200)),
+    R("a submitter cannot follow another tenant's events", "GET /v1/events?tenant=vision",
+      (401, 200, 200, 200, 200, 403)),
+    R("an operator cannot follow another site's events", "GET /v1/events?site=alpha", (401, 200, 200, 403, 200, 200)),
+    R("everyone with a token reads the carbon saved", "GET /v1/carbon", (401, 200, 200, 200, 200, 200)),
+    R("everyone with a token asks who it is", "GET /v1/whoami", (401, 200, 200, 200, 200, 200)),
+    R("admins and operators scrape metrics", "GET /metrics", (401, 200, 200, 200, 403, 403)),
+    R("liveness needs no token", "GET /healthz", OPEN),
+    R("the API's description needs no token", "GET /openapi.json", OPEN),
+    # the dashboard's static files: open, whatever token is sent
+    R("the root redirects to the dashboard", "GET /", (302,) * 6),
+    R("the dashboard without its slash redirects", "GET /dashboard", (302,) * 6),
+    R("the dashboard's page needs no token", "GET /dashboard/", OPEN),
+    R("the dashboard's script needs no token", "GET /dashboard/dashboard.js", OPEN),
+    R("a file the dashboard does not have is 404 to anyone", "GET /dashboard/secrets.txt", (404,) * 6),
 ]
 
 
-@pytest.mark.parametrize("case", TABLE, ids=[row[0] for row in TABLE])
-async def test_who_may_call_what(fed: Federation, case):
-    _, method, path, body, expected = case
-    expected = {**DENIED, **expected} if (method, path.split("?")[0]) not in (("GET", "/healthz"),
-                                                                             ("GET", "/openapi.json")) else expected
-    got = {}
+@pytest.mark.parametrize("row", TABLE, ids=[row.case for row in TABLE])
+async def test_who_may_call_what(fed: Federation, row: Row):
+    method, path = row.route.split(" ", 1)
+    expected = row.callers()
+    got: dict[str, int] = {}
     for who in expected:
-        status, answer = await fed.call(who, method, path, body)
+        async with row.fresh(fed) as names:
+            status, answer = await fed.call(who, method, path, row.body, names)
         got[who] = status
         if status in (401, 403):
-            assert answer["error"]["status"] == status and answer["error"]["message"]
-    assert got == expected
+            assert answer["error"]["status"] == status and answer["error"]["message"], (
+                f"{row.case} ({row.route}) as {who}: {answer}")
+    wrong = {who: f"expected {expected[who]}, got {got[who]}" for who in expected if got[who] != expected[who]}
+    assert not wrong, f"{row.case} ({row.route}): {wrong}"
 
 
-def test_every_route_is_in_the_table_of_rules():
-    """A route missing from ACCESS would be admin-only by default; every route the API serves is listed."""
+def test_every_route_has_a_rule_and_a_row():
+    """A route missing from ACCESS would be admin-only by default; every route the API serves, the dashboard's
+    included, has a rule and at least one row in TABLE."""
     from aiohttp import web
 
     app = create_app(Broker(BrokerSettings(db=":memory:")))
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()
-              if r.method != "HEAD" and isinstance(r.resource, web.Resource)
-              and not r.resource.canonical.startswith("/dashboard") and r.resource.canonical != "/"}
-    assert routes - set(ACCESS) == set()
-    tested = {(m, p.split("?")[0].replace("{vision_job}", "{id}").replace("{nlp_job}", "{id}")
-               .replace("{spare}", "{id}").replace("/alpha", "/{name}").replace("/beta", "/{name}")
-               .replace("/quota/vision", "/quota/{tenant}").replace("/quota/nlp", "/quota/{tenant}"))
-              for _, m, p, _, _ in TABLE}
-    assert routes - tested == set(), "a route with no row in TABLE"
+              if r.method != "HEAD" and isinstance(r.resource, web.Resource)}
+    api = {(m, p) for m, p in routes if not p.startswith("/dashboard") and p != "/"}
+    assert api - set(ACCESS) == set(), "a route with no rule in ACCESS"
+
+    def pattern(canonical: str) -> re.Pattern[str]:
+        return re.compile("^" + re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(canonical)) + "$")
+
+    rows = [r.route.split(" ", 1) for r in TABLE]
+    untested = {(m, p) for m, p in routes
+                if not any(rm == m and pattern(p).match(rp.split("?")[0]) for rm, rp in rows)}
+    assert untested == set(), "a route with no row in TABLE"
+    for m, p in (("POST", "/v1/sites/{name}/cordon"), ("POST", "/v1/sites/{name}/uncordon")):
+        assert ACCESS.get((m, p)) == "site operator", f"{m} {p}: admins and the site's operators only"
+
+
+async def test_an_operator_scrapes_only_its_own_sites_metrics_and_no_tenants(fed: Federation):
+    async def labels(who: str) -> list[tuple[str, dict[str, str]]]:
+        r = await fed.client.get("/metrics", headers=fed.headers(who))
+        assert r.status == 200
+        return [(s.name, s.labels) for family in text_string_to_metric_families(await r.text())
+                for s in family.samples]
+
+    everything = await labels("admin")
+    assert {ls["site"] for _, ls in everything if "site" in ls} == {"alpha", "beta"}
+    assert {ls["tenant"] for _, ls in everything if "tenant" in ls} == {"vision", "nlp"}
+    mine = await labels("alpha-ops")
+    assert ("heliotrope_site_gpus", {"site": "alpha", "model": "a100-80gb"}) in mine
+    assert ("heliotrope_site_healthy", {"site": "alpha"}) in mine
+    assert {ls["site"] for _, ls in mine if "site" in ls} == {"alpha"}, "another site's samples"
+    assert [(n, ls) for n, ls in mine if "tenant" in ls] == [], "samples by tenant"
+    theirs = await labels("beta-ops")
+    assert {ls["site"] for _, ls in theirs if "site" in ls} == {"beta"}
+
+
+async def test_a_cordoned_site_keeps_its_jobs_and_takes_no_new_ones_until_uncordoned(fed: Federation):
+    status, site = await fed.call("alpha-ops", "POST", "/v1/sites/alpha/cordon", {"reason": "swapping a PSU"})
+    assert status == 200, site
+    assert site["name"] == "alpha" and site["cordoned"] is True and site["cordon_reason"] == "swapping a PSU"
+    _, read = await fed.call("admin", "GET", "/v1/sites/alpha")
+    assert read["cordoned"] is True
+    status, created = await fed.call("vision", "POST", "/v1/jobs", job("vision", "a100-80gb", "waits"))
+    assert status == 201  # only alpha has A100s
+    await asyncio.sleep(0.5)  # ten scheduling passes
+    _, waiting = await fed.call("vision", "GET", f"/v1/jobs/{created['id']}")
+    assert waiting["state"] == "queued", "a cordoned site was given a new job"
+    _, kept = await fed.call("vision", "GET", "/v1/jobs/{vision_job}")
+    assert kept["state"] == "running" and kept["site"] == "alpha", "cordoning stopped a running job"
+    status, site = await fed.call("alpha-ops", "POST", "/v1/sites/alpha/uncordon")
+    assert status == 200 and site["cordoned"] is False, site
+    await fed.running(created["id"], "alpha")
 
 
 async def test_a_submitter_lists_only_its_tenants_jobs_and_an_operator_only_its_sites(fed: Federation):
-    _, mine = await fed.call("submitter", "GET", "/v1/jobs")
+    _, mine = await fed.call("vision", "GET", "/v1/jobs")
     assert {j["spec"]["tenant"] for j in mine["items"]} == {"vision"}
-    _, theirs = await fed.call("other tenant", "GET", "/v1/jobs")
+    _, theirs = await fed.call("nlp", "GET", "/v1/jobs")
     assert [j["id"] for j in theirs["items"]] == [fed.jobs["nlp_job"]]
-    _, on_alpha = await fed.call("operator", "GET", "/v1/jobs")
+    _, on_alpha = await fed.call("alpha-ops", "GET", "/v1/jobs")
     assert {j["site"] for j in on_alpha["items"]} == {"alpha"}
     assert {j["id"] for j in on_alpha["items"]} == {fed.jobs["vision_job"], fed.jobs["spare"]}
     _, everything = await fed.call("admin", "GET", "/v1/jobs")
@@ -200,13 +373,13 @@ async def test_a_submitter_lists_only_its_tenants_jobs_and_an_operator_only_its_
 
 
 async def test_sites_are_shown_to_each_role_as_it_may_see_them(fed: Federation):
-    _, as_operator = await fed.call("operator", "GET", "/v1/sites")
+    _, as_operator = await fed.call("alpha-ops", "GET", "/v1/sites")
     views = {s["name"]: s for s in as_operator["items"]}
     assert "adapter" in views["alpha"] and len(views["alpha"]["quotas"]) == 2  # its own site, whole
     assert "adapter" not in views["beta"] and "quotas" not in views["beta"]  # another's: the public view
-    _, quota = await fed.call("submitter", "GET", "/v1/sites/alpha/quota")
+    _, quota = await fed.call("vision", "GET", "/v1/sites/alpha/quota")
     assert [t["tenant"] for t in quota["tenants"]] == ["vision"]  # not nlp's guarantee or usage
-    _, site = await fed.call("submitter", "GET", "/v1/sites/alpha")
+    _, site = await fed.call("vision", "GET", "/v1/sites/alpha")
     assert "quotas" not in site and all(t["tenant"] == "vision" for t in site["status"]["quota"]["tenants"])
 
 
@@ -227,7 +400,7 @@ async def test_a_kubeconfig_is_never_returned_and_an_update_without_it_keeps_it(
 
 
 async def test_a_revoked_token_is_refused_within_the_refresh_interval(fed: Federation, capsys):
-    status, _ = await fed.call("submitter", "GET", "/v1/jobs")
+    status, _ = await fed.call("vision", "GET", "/v1/jobs")
     assert status == 200
     assert await asyncio.to_thread(main, ["token", "list", "--db", fed.db, "--json"]) == 0
     listed = json.loads(capsys.readouterr()[0])
@@ -236,12 +409,12 @@ async def test_a_revoked_token_is_refused_within_the_refresh_interval(fed: Feder
     assert await asyncio.to_thread(main, ["token", "revoke", vision, "--db", fed.db]) == 0
     capsys.readouterr()
     await asyncio.sleep(0.1)  # refresh_s is 0.05 here
-    status, answer = await fed.call("submitter", "GET", "/v1/jobs")
+    status, answer = await fed.call("vision", "GET", "/v1/jobs")
     assert status == 401 and "revoked" in answer["error"]["message"]
 
 
 async def test_an_open_event_stream_ends_when_its_token_is_revoked(fed: Federation):
-    headers = fed.headers("submitter")
+    headers = fed.headers("vision")
     async with fed.client.get("/v1/events?type=transition", headers=headers) as stream:
         assert stream.status == 200
         await asyncio.wait_for(stream.content.readline(), 5)

@@ -1,11 +1,11 @@
 """GET /metrics: Prometheus' text format, parsed by prometheus-client's own parser, with the figures an
-operator reads: jobs by state and tenant, decisions, the sites' GPUs, carbon, price and health, and the
-estimated carbon and cost of the work running."""
+operator reads: jobs by state and tenant, decisions (deferrals included), preemptions, the sites' GPUs,
+carbon, price and health, and the estimated carbon and cost of the work running."""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -123,3 +123,66 @@ async def test_a_site_gone_dark_is_reported_unhealthy(running):
     m = await scrape(client)
     assert m[("heliotrope_site_healthy", (("site", "tokyo"),))] == 0
     assert m[("heliotrope_site_telemetry_age_seconds", (("site", "tokyo"),))] >= broker.federation.stale_after_s
+
+
+async def test_a_preemption_is_counted_for_the_site_that_preempted(running):
+    broker, clock, client = running
+    preemptions = ("heliotrope_preemptions_total", (("site", "london"),))
+    low, _ = await broker.book.submit(job(tenant="nlp", name="low", count=8, model="a100-80gb", duration_s=3600,
+                                          preemptible=True, checkpointable=True))
+    await broker.cycle.run_once()
+    await asyncio.sleep(0.05)
+    await clock.advance(1.0)  # london admits and starts it: all 8 of its A100s
+    await asyncio.sleep(0.05)
+    assert (await broker.book.get(low.id)).state == JobState.RUNNING
+    assert (await scrape(client)).get(preemptions, 0) == 0
+    urgent, _ = await broker.book.submit(job(tenant="vision", name="urgent", count=8, model="a100-80gb",
+                                             duration_s=600, priority=10))
+    await broker.cycle.run_once(full=True)
+    await asyncio.sleep(0.05)
+    await clock.advance(1.0)  # london admits the urgent job, preempting the low one
+    await asyncio.sleep(0.1)
+    assert (await broker.book.get(urgent.id)).state == JobState.RUNNING
+    assert (await broker.book.get(low.id)).state == JobState.QUEUED
+    m = await scrape(client)
+    assert m[preemptions] == 1
+    assert ("heliotrope_preemptions_total", (("site", "tokyo"),)) not in m
+    assert m[("heliotrope_job_transitions_total", (("state", "preempted"),))] == 1
+
+
+GREEN_AT = datetime(2022, 6, 15, 2, 10, tzinfo=UTC)  # a dirty hour in Frankfurt and Tokyo (tests/test_timeshift.py)
+
+
+@pytest.fixture
+async def green(tmp_path: Path):
+    """Frankfurt and Tokyo at an hour when waiting for a cleaner one pays, under the shipped carbon data."""
+    clock = ManualClock(GREEN_AT)
+    carbon = FileCarbonProvider(load_carbon(ROOT / "data" / "carbon"))
+    settings = BrokerSettings.model_validate({"db": str(tmp_path / "g.db"), "shutdown_grace_s": 0.1,
+                                              "carbon_forecast": {"history_h": 336}})
+    fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+    sites = [site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin", adapter=fast),
+             site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=fast)]
+    broker = Broker(settings, clock=clock, carbon=carbon)
+    await broker.start(sites, run_loop=False)
+    await asyncio.wait_for(broker.signals.wait_ready(), 10)
+    async with TestClient(TestServer(create_app(broker))) as client:
+        yield broker, clock, client
+    await broker.stop()
+
+
+async def test_a_deferral_is_counted_once_per_decision(green):
+    broker, clock, client = green
+    deferred = ("heliotrope_decisions_total", (("outcome", "deferred"),))
+    placed = ("heliotrope_decisions_total", (("outcome", "placed"),))
+    assert (await scrape(client))[deferred] == 0
+    j, _ = await broker.book.submit(job(count=1, profile="green", duration_s=3600,
+                                        deadline=GREEN_AT + timedelta(hours=30)))
+    await broker.cycle.run_once(full=True)
+    assert broker.cycle.deferred_until(j.id) is not None and (await broker.book.get(j.id)).state == JobState.QUEUED
+    m = await scrape(client)
+    assert m[deferred] == 1 and m[placed] == 0
+    assert m[("heliotrope_decision_seconds_count", ())] == 1
+    await clock.advance(600)  # within the hour a deferred job is not decided again
+    await broker.cycle.run_once(full=True)
+    assert (await scrape(client))[deferred] == 1
