@@ -21,20 +21,24 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from broker import dashboard
+from broker.config import load_config
 from tests.conftest import ROOT, TWO_SITES, ServerProcess, free_port
 from tests.services import missing
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
+DEMO_CONFIG = ROOT / "config" / "demo.yaml"
 DEMO_SITES = ["ashburn", "frankfurt", "london", "losangeles", "saopaulo", "sydney", "tokyo", "toronto"]
 TOKEN = "hlt_dashboard-test-token"
 TOKEN_ENV = "HELIOTROPE_DASHBOARD_TEST_TOKEN"
@@ -254,6 +258,14 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
         expect(page.locator(f'#sites-table tr[data-site="{name}"]')).to_contain_text(name)
     expect(page.locator('#sites-table tr[data-site="toronto"]')).to_contain_text("CA-ON")
     expect(page.locator('#map g.label[data-site="london"]')).to_contain_text(re.compile(r"\d+ g/kWh"))
+    # Each site's label: its local time (the site's time zone, not the browser's) and its price per GPU-hour.
+    for spec in load_config(DEMO_CONFIG).sites:
+        label = page.locator(f'#map g.label[data-site="{spec.name}"]')
+        expect(label).to_contain_text(f"${min(spec.usd_per_gpu_hour.values()):.2f}")
+        shown = label.locator("tspan.time").text_content()
+        now = datetime.now(ZoneInfo(spec.timezone))
+        near = {(now + timedelta(minutes=m)).strftime("%H:%M") for m in (-1, 0, 1)}
+        assert shown in near, (spec.name, spec.timezone, shown, near)
 
     # The queue: the placed jobs and the one nothing can fit.
     expect(page.locator(f'li.job[data-job-id="{srv.jobs["too-big"]}"]')).to_have_attribute("data-state", "queued")
