@@ -70,13 +70,15 @@ class ProfileError(ValueError):
 
 SHIFTS: dict[str, ShiftPolicy] = {
     "balanced": ShiftPolicy(objective="carbon", min_saving=0.2),
-    "green": ShiftPolicy(objective="carbon"),
+    "green": ShiftPolicy(objective="carbon", max_wait_factor=4.0, min_saving_abs=0.5),
     "cheap": ShiftPolicy(objective="cost"),
 }
 """How the built-in profiles shift flexible jobs in time (``fast`` never defers): the defaults of
 :class:`policies.timeshift.ShiftPolicy` (latest start at deadline - 1.5 × the estimate, up to a week ahead,
 no headroom, 10 % saving), chosen on the 2021 replay of the Philly trace; ``balanced`` asks twice the
-saving before it makes a job wait."""
+saving before it makes a job wait. ``green`` waits at most four times a job's expected run time and only
+for half a kilogram or more: on the 2021 replay it missed 90 % fewer deadlines at 30 % utilisation and a
+third fewer at 50 % than with the bare defaults, for the same carbon (README, Evidence)."""
 
 
 class Profile(BaseModel):

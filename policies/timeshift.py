@@ -6,7 +6,10 @@ Who may be deferred
     A job with a deadline. Its *latest start* is ``deadline - duration_safety × duration_s`` (the
     submitter's estimate of its run time, inflated because estimates run short as often as long); a job
     whose latest start is before the next whole hour is decided as if no shifting existed. A deferral also
-    ends ``max_wait_h`` (two weeks) after the job was submitted, however often it was deferred again. A deferred job
+    ends ``max_wait_h`` (two weeks) after the job was submitted, however often it was deferred again, and,
+    with ``max_wait_factor``, ``max_wait_factor × duration_s`` after it: a job waits in proportion to its
+    own length (its slowdown stays under ``1 + max_wait_factor``), so a ten-minute job is not held for
+    hours, and a wait that the deadline allows only because the estimate runs short stays short. A deferred job
     is decided again at every whole hour (its forecast has been refreshed), and at the latest start it can
     no longer be deferred: deferral never pushes a job past the point where its deadline is at risk, nor
     holds it for more than ``max_wait_h`` in all, and since the queue is taken in urgency order with aging
@@ -35,7 +38,8 @@ The search (:func:`plan`)
       the hour, so a job waits for cost only when the cheap site is full now and has room later).
 
     The job is deferred to the best later (site, hour) when that is at least ``min_saving`` (a fraction)
-    below starting now; with no room now, to the best later start with room (a reservation, so it is not
+    and ``min_saving_abs`` (kg CO2e or USD) below starting now: every deferral risks the deadline a little
+    (the estimate may be short), which a job's few grams are not worth; with no room now, to the best later start with room (a reservation, so it is not
     overtaken); otherwise it starts now. Ties go to the earlier hour, then the first site by name.
 
 Units: times are POSIX seconds or aware datetimes, hours are whole UTC hours, capacity is GPUs (a
@@ -77,6 +81,13 @@ class ShiftPolicy(BaseModel):
     horizon_h: int = Field(default=168, ge=1, le=336, description="how many hours ahead a job may be deferred")
     max_wait_h: float = Field(default=336.0, gt=0.0, le=8784.0,
                               description="longest a job may be kept waiting by deferrals, from its submission")
+    max_wait_factor: float | None = Field(
+        default=None, gt=0.0, le=1000.0,
+        description="longest a deferral may hold a job, as a multiple of its expected run time from its "
+                    "submission (None: only max_wait_h and the deadline bound it)")
+    min_saving_abs: float = Field(default=0.0, ge=0.0,
+                                  description="defer only when the later start saves at least this much, in the "
+                                              "objective's unit (kg CO2e for carbon, USD for cost)")
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
                                         "that cannot wait (no slack, or a latency objective near that site)")
@@ -101,13 +112,16 @@ def urgency_ts(submit_ts: float, deadline_ts: float | None, duration_s: float) -
 
 def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
     """POSIX seconds of the latest start a deferral may plan: ``duration_safety`` × the estimate before the
-    deadline, and no later than ``max_wait_h`` after the job was submitted, so that a job deferred again
-    and again as forecasts move can never be put off for longer than that (None: no deadline)."""
+    deadline, and no later than ``max_wait_h`` (and ``max_wait_factor`` × the estimate) after the job was
+    submitted, so that a job deferred again and again as forecasts move can never be put off for longer
+    than that (None: no deadline)."""
     if req.deadline_ts is None:
         return None
     latest = req.deadline_ts - policy.duration_safety * req.duration_s
     if req.submitted_ts is not None:
         latest = min(latest, req.submitted_ts + policy.max_wait_h * HOUR_S)
+        if policy.max_wait_factor is not None:
+            latest = min(latest, req.submitted_ts + policy.max_wait_factor * req.duration_s)
     return latest
 
 
@@ -421,6 +435,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             best = found
             best_col = int(cols[i])
     value, slot, site = best
+    if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
+        value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
     if math.isfinite(value) and value < threshold:
         return Deferral(
             request=req, site=site, model=best_col, slot=slot,

@@ -403,9 +403,13 @@ async def green(tmp_path: Path):
 async def test_a_deferral_and_the_placement_that_ends_it_are_on_the_stream(green):
     broker, clock, client = green
     deadline = GREEN_AT + timedelta(hours=30)
-    latest = deadline - timedelta(hours=1.5)  # duration_safety 1.5 x the one-hour estimate
+    # Eight GPUs for four hours (enough carbon at stake for green to wait); green waits at most four times
+    # the estimate, 16 h, which comes before deadline - 1.5 x the estimate.
+    latest = GREEN_AT + timedelta(hours=16)
     async with Stream(client, "?type=deferral,decision,transition") as stream:
-        r = await client.post("/v1/jobs", json=job(duration_s=3600, profile="green", deadline=deadline.isoformat()))
+        body = job(duration_s=4 * 3600, profile="green", deadline=deadline.isoformat())
+        body["gpus"] = {**body["gpus"], "count": 8}
+        r = await client.post("/v1/jobs", json=body)
         job_id = (await r.json())["id"]
         await broker.cycle.run_once(full=True)
         deferral = await stream.saw(lambda e: e["type"] == "deferral")

@@ -176,7 +176,7 @@ async def test_a_deferral_is_counted_once_per_decision(green):
     deferred = ("heliotrope_decisions_total", (("outcome", "deferred"),))
     placed = ("heliotrope_decisions_total", (("outcome", "placed"),))
     assert (await scrape(client))[deferred] == 0
-    j, _ = await broker.book.submit(job(count=1, profile="green", duration_s=3600,
+    j, _ = await broker.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
                                         deadline=GREEN_AT + timedelta(hours=30)))
     await broker.cycle.run_once(full=True)
     assert broker.cycle.deferred_until(j.id) is not None and (await broker.book.get(j.id)).state == JobState.QUEUED

@@ -271,9 +271,9 @@ def test_profiles_replay_with_forecasts_made_from_the_past_only(tiny: Simulation
     assert "seasonal-naive" in report[0]
 
 
-def _clean_afternoons(tmp_path: Path, days: int, trace_rows: str, slack_h: float) -> SimulationSpec:
+def _clean_afternoons(tmp_path: Path, days: int, trace_rows: str, slack_h: float, gpus: int = 4) -> SimulationSpec:
     """``days`` of hourly carbon data from 2022-06-01: FR is clean (50 g/kWh) from 12:00 to 18:00 and dirty
-    (400) otherwise, GB is 300 all day. Sites a (GB) and b (FR) of 4 A100s; ``trace_rows`` (submit,seconds,
+    (400) otherwise, GB is 300 all day. Sites a (GB) and b (FR) of ``gpus`` A100s; ``trace_rows`` (submit,seconds,
     gpus,team) replayed by green and carbon-greedy with exact estimates, no latency objectives, and
     ``slack_h`` hours of slack for every job."""
     first = datetime(2022, 6, 1, tzinfo=UTC)
@@ -284,8 +284,8 @@ def _clean_afternoons(tmp_path: Path, days: int, trace_rows: str, slack_h: float
         rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(h)},{value(h)}" for h in range(days * 24)]
         (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
     sites = tmp_path / "sites.yaml"
-    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
-                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4))
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=gpus)
+                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=gpus))
     trace = tmp_path / "trace.csv"
     trace.write_text("submit,seconds,gpus,team\n" + trace_rows)
     return SimulationSpec(
@@ -297,14 +297,24 @@ def _clean_afternoons(tmp_path: Path, days: int, trace_rows: str, slack_h: float
 
 def test_green_waits_for_the_clean_hours_it_can_foresee_and_meets_every_deadline(tmp_path: Path) -> None:
     """Three days of history come before the run, so the forecast (seasonal-naive) sees FR's clean
-    afternoons. Three 1-GPU jobs of an hour arrive at 06:00 on the fourth day with 12 hours of slack: green
-    defers them to FR at 12:00; carbon-greedy runs them at once in GB."""
-    result = simulate(_clean_afternoons(tmp_path, 6, "2022-06-04T06:00:00,3600,1,x\n" * 3, slack_h=12))
+    afternoons. Three 4-GPU jobs of two hours arrive at 06:00 on the fourth day with 12 hours of slack:
+    green defers them to FR at 12:00 (a six-hour wait, within four times their run; 0.8 kg saved each, over
+    green's 0.5 kg); carbon-greedy runs them at once in GB."""
+    result = simulate(_clean_afternoons(tmp_path, 6, "2022-06-04T06:00:00,7200,4,x\n" * 3, slack_h=12, gpus=16))
     green, greedy = result.policies["green"], result.policies["baseline-carbon-greedy"]
     assert green.metrics["deferred_jobs"] == 3 and green.metrics["deadline_misses"] == 0
     assert green.site.tolist() == [1, 1, 1] and green.start_s.tolist() == [6 * 3600.0] * 3  # 12:00, run hour 6
-    assert green.carbon_kg.sum() == pytest.approx(3 * 0.4 * 50 / 1000)
-    assert greedy.site.tolist() == [0, 0, 0] and greedy.carbon_kg.sum() == pytest.approx(3 * 0.4 * 300 / 1000)
+    assert green.carbon_kg.sum() == pytest.approx(3 * 4 * 0.4 * 2 * 50 / 1000)
+    assert greedy.site.tolist() == [0, 0, 0]
+    assert greedy.carbon_kg.sum() == pytest.approx(3 * 4 * 0.4 * 2 * 300 / 1000)
+
+
+def test_green_does_not_hold_a_small_short_job_for_a_few_grams(tmp_path: Path) -> None:
+    """The same clean afternoon six hours away is not worth a wait to three 1-GPU jobs of an hour: 0.1 kg each
+    (under green's 0.5 kg), and six hours is more than four times their run. They start at once."""
+    result = simulate(_clean_afternoons(tmp_path, 6, "2022-06-04T06:00:00,3600,1,x\n" * 3, slack_h=12))
+    green = result.policies["green"]
+    assert green.metrics["deferred_jobs"] == 0 and green.start_s.tolist() == [0.0] * 3
 
 
 def test_a_shifting_policy_plans_no_start_past_the_carbon_data(tmp_path: Path) -> None:

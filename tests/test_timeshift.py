@@ -92,6 +92,13 @@ FLAT = {"toronto": [300.0] * 48, "ashburn": [500.0] * 3 + [100.0] * 5 + [500.0] 
          request(submitted_ts=NOON.timestamp() - 336 * 3600.0 + 1800.0), {}, ("toronto", 0)),
         ("the cost objective does not wait when prices do not change", request(), {"objective": "cost"},
          ("toronto", 0)),
+        ("a wait within max_wait_factor × the estimate (2 × 2 h) is taken",
+         request(submitted_ts=NOON.timestamp()), {"max_wait_factor": 2.0}, ("ashburn", 3)),
+        ("a wait past max_wait_factor × the estimate (1 × 2 h: 14:20, before ashburn's 15:00) is not",
+         request(submitted_ts=NOON.timestamp()), {"max_wait_factor": 1.0}, ("toronto", 0)),
+        ("a saving of 0.64 kg clears min_saving_abs 0.5 kg", request(), {"min_saving_abs": 0.5}, ("ashburn", 3)),
+        ("a saving of 0.64 kg is not worth a wait below min_saving_abs 1 kg", request(), {"min_saving_abs": 1.0},
+         ("toronto", 0)),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -224,8 +231,10 @@ async def test_the_live_cycle_defers_a_green_job_says_why_and_starts_it_by_its_l
 
     b, clock = live
     deadline = GREEN_AT + timedelta(hours=30)
-    j, _ = await b.book.submit(job(count=1, profile="green", duration_s=3600, deadline=deadline))
-    latest = deadline - timedelta(hours=1.5)  # duration_safety 1.5 × the one-hour estimate
+    # Eight GPUs for four hours: enough carbon at stake (green defers for 0.5 kg or more), and green's wait
+    # bound (four times the estimate: 16 h) comes before deadline - 1.5 × the estimate (24 h).
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600, deadline=deadline))
+    latest = GREEN_AT + timedelta(hours=16)
     await b.cycle.run_once(full=True)
     assert (await b.book.get(j.id)).state == JobState.QUEUED
     stored = await b.store.get_decision(j.id)
