@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from policies import _shift_search as _search
 from policies.scorers._usable import usable_models
 from policies.snapshot import TDP_KW, JobRequest, Snapshot
 
@@ -255,27 +256,6 @@ def credit(snap: Snapshot, booking: Booking) -> None:
             snap.plan_free[booking.site, booking.model, lo:hi] += booking.gpus
 
 
-def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Integral of each row of an hourly series from its start to ``t`` hours (any t >= 0; past its end the
-    last hour stands). ``t`` broadcasts against the rows: shape [k] gives [rows, k]."""
-    hours = forecast.shape[1]
-    h = np.minimum(np.floor(t).astype(np.int64), hours - 1)
-    return cum[:, h] + (t - h) * forecast[:, h]
-
-
-_BATCH = 32  # sites whose later starts are searched at once
-
-
-def _values_now(sites: np.ndarray, rates: np.ndarray, need: float, d_h: float, into_h: float,
-                forecast: np.ndarray, cum: np.ndarray, objective: str) -> np.ndarray:
-    """The objective of starting now at each of ``sites``, whose GPUs draw or cost ``rates`` (kW or USD
-    per GPU-hour, one per site)."""
-    if objective == "carbon":
-        window = _integral(cum[sites], forecast[sites], np.array([into_h, into_h + d_h]))
-        return rates * need * (window[:, 1] - window[:, 0]) / 1000.0
-    return rates * need * d_h
-
-
 def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
     """Each row's lowest value from its second hour on: a later start's run sees no cleaner hour."""
     return forecast[:, 1:].min(axis=1) if forecast.shape[1] > 1 else forecast[:, 0].copy()
@@ -351,9 +331,18 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         return float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
 
     def value_now(site: int, column: int | None = None) -> float:
-        rate = per_gpu[site] if column is None else per_gpu_at(site, column)
-        return float(_values_now(np.array([site]), np.array([rate]), need, d_h, into_h, forecast, cum,
-                                 policy.objective)[0])
+        # The objective of starting now at one site, in Python floats (float64): the same operations, in
+        # the same order, as the compiled search's (policies._shift_search), so the two agree to the bit.
+        rate = float(per_gpu[site]) if column is None else per_gpu_at(site, column)
+        if policy.objective != "carbon":
+            return rate * need * d_h
+        last = forecast.shape[1] - 1
+
+        def integral(t: float) -> float:
+            h = min(math.floor(t), last)
+            return float(cum[site, h]) + (t - h) * float(forecast[site, h])
+
+        return rate * need * (integral(into_h + d_h) - integral(into_h)) / 1000.0
 
     def fits_now(site: int, column: int | None = None) -> bool:
         # A job that can wait leaves the headroom free in every hour of its run, now or later. The current
@@ -385,13 +374,11 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # may start a job where it is dirtier; that is no reason to make it wait).
     anywhere_now, anywhere_site = best_now, now_site
     if now_site >= 0 and placement.feasible.size > 1:
-        feasible = placement.feasible
-        now_values = _values_now(feasible, per_gpu[feasible], need, d_h, into_h, forecast, cum, policy.objective)
-        for site in feasible[np.argsort(now_values, kind="stable")]:
-            site = int(site)
-            if ok[site] and fits_now(site):
-                anywhere_now, anywhere_site = min((value_now(site), site), (best_now, now_site))
-                break
+        value, site = _search.cheapest_fitting_now(
+            placement.feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, policy.objective == "carbon",
+            plan_free, col, reserve_all, 1 if req.fractional else 0, now_hours)
+        if site >= 0:
+            anywhere_now, anywhere_site = min((value, site), (best_now, now_site))
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
@@ -404,37 +391,13 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     else:
         floor_value = per_gpu * need * d_h
     candidates = np.flatnonzero(ok & (floor_value < threshold))
-    if candidates.size > _BATCH:
+    if candidates.size > _search.BATCH:
         candidates = candidates[np.argsort(floor_value[candidates], kind="stable")]
-    ks = np.arange(1, last_slot + 1)
-    span = min(hours, last_slot + run_hours)
-    best: tuple[float, int, int] = (math.inf, 0, 0)  # (value, slot, site): ties go to the earlier slot, then site
-    best_col = 0
-    for lo in range(0, candidates.size, _BATCH):
-        if floor_value[candidates[lo]] > best[0]:
-            break
-        sites = np.sort(candidates[lo:lo + _BATCH])
-        cols = col[sites]
-        short = np.zeros((sites.size, span + 1), dtype=np.int32)
-        room = plan_free[sites, cols, :span] < (need + reserve_all[sites])[:, None] - _EPS
-        np.cumsum(room, axis=1, out=short[:, 1:])
-        fits_later = short[:, np.minimum(ks + run_hours, span)] == short[:, ks]
-        if not fits_later.any():
-            continue
-        if policy.objective == "carbon":
-            fc, cc = forecast[sites], cum[sites]
-            then = (per_gpu[sites] * need)[:, None] * (
-                _integral(cc, fc, ks + d_h) - _integral(cc, fc, ks.astype(np.float64))) / 1000.0
-        else:
-            then = np.broadcast_to((per_gpu[sites] * need * d_h)[:, None], (sites.size, ks.size))
-        masked = np.where(fits_later, then, np.inf)
-        flat = int(np.argmin(masked.T))  # k-major: the earliest hour wins a tie, then the first site
-        k, i = divmod(flat, sites.size)
-        found = (float(masked[i, k]), int(ks[k]), int(sites[i]))
-        if found < best:
-            best = found
-            best_col = int(cols[i])
-    value, slot, site = best
+    # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
+    # the sites with the lowest bound up (policies._shift_search).
+    value, slot, site, best_col = _search.search_later(
+        candidates, floor_value, per_gpu, need, d_h, forecast, cum, policy.objective == "carbon", plan_free, col,
+        reserve_all, last_slot, run_hours, min(hours, last_slot + run_hours))
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
     if math.isfinite(value) and value < threshold:
@@ -472,3 +435,32 @@ def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
     from policies.pipeline import choose_model  # the pipeline imports this module
 
     return replace(placement, site=site, model=choose_model(placement.request, snap, site))
+
+
+def warm_up() -> None:
+    """Compile the search (``policies._shift_search``) for the array types the broker hands it, so that the
+    first flexible job a fresh deployment decides does not wait for Numba (a few seconds, once: the code is
+    cached on disk, in ``NUMBA_CACHE_DIR`` when set). The container image runs this when it is built."""
+    from datetime import timedelta
+
+    from broker.models import Health, ModelCapacity, NodeGroup, SiteSpec, SiteState
+    from policies.profiles import profile_pipeline
+    from policies.snapshot import build_snapshot, replace_forecast
+
+    now = datetime(2026, 1, 1, 0, 30, tzinfo=UTC)
+    specs = [SiteSpec(name=f"s{i}", region="gcp:us-east1", grid_zone="US-MIDA-PJM", timezone="UTC", latitude=0,
+                      longitude=0, gpus=[NodeGroup(model="l4", gpus_per_node=8, nodes=1)],
+                      usd_per_gpu_hour={"l4": 1.0 + i}) for i in range(2)]
+    states = {s.name: SiteState(site=s.name, health=Health.HEALTHY, capacity=[ModelCapacity(
+        model="l4", total_gpus=8, free_gpus=8, used_gpus=0, memory_gib_per_gpu=24)]) for s in specs}
+    snap = build_snapshot(now, specs, states)
+    snap = replace_forecast(snap, np.array([[500.0] * 2 + [50.0] * 46, [400.0] * 48]))
+    for name in ("green", "cheap"):
+        pipeline = profile_pipeline(name)
+        assert pipeline.shift is not None
+        calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(now))
+        fresh = replace(snap, plan_free=calendar.view(now, snap.free_gpus, snap.total_gpus, pipeline.shift.plan_hours))
+        req = JobRequest(job_id="warm-up", count=8, milli=1000, model=None, memory_gib=0.0,
+                         allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
+                         deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
+        plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)

@@ -1,0 +1,129 @@
+"""The two loops of the time-shift search (:func:`policies.timeshift.plan`), compiled with Numba.
+
+They do what the NumPy code they replaced did, in the same floating-point operations and the same order,
+so they find the same site, hour and value, bit for bit (``tests/test_timeshift_speed_equivalence.py``
+holds that code as the reference and checks it): only the per-call overhead of some forty NumPy calls over
+a thousand sites is gone.
+
+- :func:`cheapest_fitting_now`: of the sites that could take the job now, the one whose objective for a
+  start now is lowest (ties: the earlier in ``feasible``), among those the plan has room for over the hours
+  the run holds.
+- :func:`search_later`: the best later start (value, then hour, then site, least first) among candidate
+  sites, visited in batches of :data:`BATCH` from the lowest lower bound up, stopping at the first batch
+  whose lower bound is above the best value found.
+
+Units as in :mod:`policies.timeshift`: values in kg CO2e (``per_gpu`` in kW) or USD (``per_gpu`` in USD
+per GPU-hour), hours counted from the hour containing ``now``, capacity in GPUs (float32, as the plan).
+Compiled on first use and cached on disk (the next process loads it in milliseconds): in
+``NUMBA_CACHE_DIR`` when it is set, else beside this file or in the user's cache folder, whichever can be
+written; where none can (a read-only file system and no writable home), in memory only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+
+def _jit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    def compile_(fn: Callable[..., Any]) -> Any:
+        try:
+            return njit(cache=True, **options)(fn)
+        except RuntimeError:  # "no locator available": nowhere to write the cache
+            return njit(cache=False, **options)(fn)
+    return compile_
+
+BATCH = 32  # sites whose later starts are searched at once (the NumPy code's batch size)
+EPS32 = np.float32(1e-6)  # the plan's tolerance, in the plan's own precision
+
+
+@_jit(inline="always")
+def _integral(cum: np.ndarray, forecast: np.ndarray, site: int, t: float) -> float:
+    """Integral of site ``site``'s hourly forecast from its start to ``t`` hours (past its end the last hour
+    stands): the running sum up to hour ``h``, plus the part of hour ``h`` up to ``t``."""
+    hours = forecast.shape[1]
+    h = min(int(np.floor(t)), hours - 1)
+    return cum[site, h] + (t - h) * forecast[site, h]
+
+
+@_jit()
+def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float,
+                         into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
+                         plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, first: int,
+                         now_hours: int) -> tuple[float, int]:
+    """(value, site) of the first site of ``feasible`` in ascending order of its value now (a stable
+    order) that is ``ok`` and whose plan column has room for ``need`` plus its ``reserve`` in hours
+    ``[first, now_hours)``; (inf, -1) when none has."""
+    best_value = np.inf
+    best_site = -1
+    need32 = np.float32(need)
+    for i in range(feasible.shape[0]):
+        site = feasible[i]
+        if not ok[site]:
+            continue
+        rate = per_gpu[site] * need
+        if carbon:
+            value = rate * (_integral(cum, forecast, site, into_h + d_h) - _integral(cum, forecast, site, into_h)) / 1000.0
+        else:
+            value = rate * d_h
+        if not value < best_value:  # NaN never wins; a tie keeps the earlier site
+            continue
+        bar = np.float32(np.float32(need32 + reserve[site]) - EPS32)
+        fits = True
+        c = col[site]
+        for h in range(first, now_hours):
+            if not plan_free[site, c, h] >= bar:
+                fits = False
+                break
+        if fits:
+            best_value = value
+            best_site = site
+    return best_value, best_site
+
+
+@_jit()
+def search_later(candidates: np.ndarray, floor_value: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float,
+                 forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray, col: np.ndarray,
+                 reserve: np.ndarray, last_slot: int, run_hours: int, span: int) -> tuple[float, int, int, int]:
+    """(value, slot, site, model column) of the best start at a whole hour ``1 .. last_slot`` among
+    ``candidates`` (site indices in ascending ``floor_value`` order, a stable sort), where the plan has room
+    in every hour of the run (hours past ``span`` are not checked); (inf, 0, 0, 0) when none has."""
+    best_value, best_slot, best_site, best_col = np.inf, 0, 0, 0
+    n = candidates.shape[0]
+    need32 = np.float32(need)
+    short = np.zeros(span + 1, dtype=np.int32)
+    for lo in range(0, n, BATCH):
+        if floor_value[candidates[lo]] > best_value:
+            break
+        sites = np.sort(candidates[lo:lo + BATCH])
+        # The batch's least (value, slot, site): the earliest hour wins a tie, then the lower site index.
+        b_value, b_slot, b_site, b_col = np.inf, 0, 0, 0
+        found = False
+        for i in range(sites.shape[0]):
+            site = sites[i]
+            c = col[site]
+            bar = np.float32(np.float32(need32 + reserve[site]) - EPS32)
+            for h in range(span):
+                short[h + 1] = short[h] + (1 if plan_free[site, c, h] < bar else 0)
+            rate = per_gpu[site] * need
+            fixed = rate * d_h  # the cost objective: the same for every start
+            for k in range(1, last_slot + 1):
+                end = min(k + run_hours, span)
+                if short[end] != short[k]:
+                    continue
+                if carbon:
+                    value = rate * (_integral(cum, forecast, site, k + d_h)
+                                    - _integral(cum, forecast, site, float(k))) / 1000.0
+                else:
+                    value = fixed
+                if (not found or value < b_value or (value == b_value and (k < b_slot or (k == b_slot and site < b_site)))):
+                    if value == value:  # NaN never wins (np.argmin would pick it; the plan's values are finite)
+                        b_value, b_slot, b_site, b_col = value, k, site, c
+                        found = True
+        if found and (b_value < best_value or (b_value == best_value and (
+                b_slot < best_slot or (b_slot == best_slot and b_site < best_site)))):
+            best_value, best_slot, best_site, best_col = b_value, b_slot, b_site, b_col
+    return best_value, best_slot, best_site, best_col

@@ -1,0 +1,289 @@
+"""The compiled time-shift search (``policies._shift_search``) decides exactly as the NumPy code it replaced.
+
+The reference below is :func:`policies.timeshift.plan` as it was before its two loops were compiled (as of
+commit 7dd3aaf), with the helpers it used then. Streams of distinct flexible requests are decided, one at
+a time, on seeded federations with a plan already partly booked (some hours short of room), forecasts
+that vary by site and hour, shared and whole GPUs, headroom and both objectives; every outcome is applied
+to the snapshot before the next request (a placement assumed, a deferral debited from the plan), so later
+decisions see the plan the earlier ones left. For every request the two must agree exactly: the kind of
+outcome, site, model, hour, and every value (no tolerance: the same floating-point operations in the same
+order).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pytest
+
+from broker import ids
+from broker.cycle import PassDecider
+from broker.models import Health, ModelCapacity, SiteState
+from policies.pipeline import Placement
+from policies.profiles import BUILTIN, pipeline_for
+from policies.snapshot import TDP_KW, JobRequest, Snapshot, build_snapshot, replace_forecast
+from policies.timeshift import (_CAPACITY_FILTER, _EPS, HOUR_S, Calendar, Deferral, ShiftPolicy, _cleanest_ahead,
+                                _columns, _forecast, _moved, debit, epoch_hour, latest_start_ts, shiftable)
+from tests.builders import site
+
+NOW = datetime(2026, 7, 30, 12, 17, 23, tzinfo=UTC)
+MODELS = ("a100-80gb", "h100-80gb", "l4")
+REGIONS = ("gcp:us-east1", "gcp:europe-west4", "gcp:asia-east1")
+
+
+# -- the reference: the NumPy search, as it was ------------------------------------------------------------
+
+_BATCH = 32
+
+
+def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarray:
+    hours = forecast.shape[1]
+    h = np.minimum(np.floor(t).astype(np.int64), hours - 1)
+    return cum[:, h] + (t - h) * forecast[:, h]
+
+
+def _values_now(sites: np.ndarray, rates: np.ndarray, need: float, d_h: float, into_h: float,
+                forecast: np.ndarray, cum: np.ndarray, objective: str) -> np.ndarray:
+    if objective == "carbon":
+        window = _integral(cum[sites], forecast[sites], np.array([into_h, into_h + d_h]))
+        return rates * need * (window[:, 1] - window[:, 0]) / 1000.0
+    return rates * need * d_h
+
+
+def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
+         filter_codes: tuple[str, ...]) -> Placement | Deferral | None:
+    """(As of commit 7dd3aaf.) The time-shift decision for a flexible job: a :class:`~policies.pipeline.Placement` to start now
+    (the profile's own choice, or another site when that one's GPUs are promised), a :class:`Deferral`, or
+    None (the job waits: no room now and none planned). ``placement`` is the profile's decision for now
+    (placed or not), ``filter_codes`` its pipeline's filters in order. Callers check flexibility first
+    (:func:`shiftable`)."""
+    plan_free = snap.plan_free
+    hours = plan_free.shape[2]
+    now_ts = snap.now.timestamp()
+    hour0 = math.floor(now_ts / HOUR_S) * HOUR_S
+    into_h = (now_ts - hour0) / HOUR_S
+    latest = latest_start_ts(req, policy)
+    assert latest is not None
+    last_slot = min(hours - 1, policy.horizon_h, int((latest - hour0) // HOUR_S))
+    need = req.charge
+    d_h = req.duration_s / HOUR_S
+
+    # Sites that could take the job at some hour: every filter but "free now", and a model with room in total.
+    ok = np.ones(snap.n_sites, dtype=bool)
+    for code, passed in zip(filter_codes, placement.passes, strict=True):
+        if passed is not None and code != _CAPACITY_FILTER:
+            ok &= passed
+    col, per_gpu, usable_sites = snap.derived(("shift-columns", policy.objective, req.model, req.memory_gib,
+                                               math.ceil(need)), _columns, req, snap, policy.objective, need)
+    ok &= usable_sites
+    forecast = cum = np.zeros((snap.n_sites, 1))
+    if policy.objective == "carbon":
+        forecast, cum, known = snap.derived(("shift-forecast",), _forecast, snap)
+        ok &= known
+    if not ok.any():
+        return placement if placement.placed else None
+    reserve_all = (policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
+                   if policy.headroom else np.zeros(snap.n_sites, dtype=np.float32))
+    run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
+    now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
+
+    def per_gpu_at(site: int, column: int) -> float:
+        if policy.objective == "carbon":
+            return float(TDP_KW[column])
+        return float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
+
+    def value_now(site: int, column: int | None = None) -> float:
+        rate = per_gpu[site] if column is None else per_gpu_at(site, column)
+        return float(_values_now(np.array([site]), np.array([rate]), need, d_h, into_h, forecast, cum,
+                                 policy.objective)[0])
+
+    def fits_now(site: int, column: int | None = None) -> bool:
+        # A job that can wait leaves the headroom free in every hour of its run, now or later. The current
+        # hour is the sites' real free capacity, which the profile's GPU-fit filter has already checked
+        # (shared GPUs included); for whole GPUs the headroom is checked in it too. ``column``: the model
+        # the job would start on now (placement's choice), else the plan's column.
+        first = 1 if req.fractional else 0
+        hours_free = plan_free[site, col[site] if column is None else column, first:now_hours]
+        return bool((hours_free >= need + reserve_all[site] - _EPS).all())
+
+    # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
+    now_site = -1
+    chosen = placement
+    if placement.placed:
+        if not ok[placement.site] or fits_now(placement.site, placement.model):
+            now_site = placement.site
+        else:
+            for k in np.argsort(-placement.totals, kind="stable"):
+                site = int(placement.feasible[k])
+                if not ok[site]:
+                    continue
+                moved = _moved(placement, snap, site)
+                if fits_now(site, moved.model):
+                    now_site, chosen = site, moved
+                    break
+    best_now = (value_now(now_site, chosen.model) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
+    # Waiting must buy something that starting now cannot: the bar is the profile's choice or the best
+    # start now at any site the plan allows, whichever is lower (a profile that weighs more than carbon
+    # may start a job where it is dirtier; that is no reason to make it wait).
+    anywhere_now, anywhere_site = best_now, now_site
+    if now_site >= 0 and placement.feasible.size > 1:
+        feasible = placement.feasible
+        now_values = _values_now(feasible, per_gpu[feasible], need, d_h, into_h, forecast, cum, policy.objective)
+        for site in feasible[np.argsort(now_values, kind="stable")]:
+            site = int(site)
+            if ok[site] and fits_now(site):
+                anywhere_now, anywhere_site = min((value_now(site), site), (best_now, now_site))
+                break
+    threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
+
+    # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
+    # cleanest forecast hour ahead, or its price), in batches from the lowest bound up, until no site left
+    # could beat the best start found.
+    if last_slot < 1 or not threshold > 0:
+        return chosen if now_site >= 0 else (placement if placement.placed else None)
+    if policy.objective == "carbon":
+        floor_value = per_gpu * need * d_h * snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) / 1000.0
+    else:
+        floor_value = per_gpu * need * d_h
+    candidates = np.flatnonzero(ok & (floor_value < threshold))
+    if candidates.size > _BATCH:
+        candidates = candidates[np.argsort(floor_value[candidates], kind="stable")]
+    ks = np.arange(1, last_slot + 1)
+    span = min(hours, last_slot + run_hours)
+    best: tuple[float, int, int] = (math.inf, 0, 0)  # (value, slot, site): ties go to the earlier slot, then site
+    best_col = 0
+    for lo in range(0, candidates.size, _BATCH):
+        if floor_value[candidates[lo]] > best[0]:
+            break
+        sites = np.sort(candidates[lo:lo + _BATCH])
+        cols = col[sites]
+        short = np.zeros((sites.size, span + 1), dtype=np.int32)
+        room = plan_free[sites, cols, :span] < (need + reserve_all[sites])[:, None] - _EPS
+        np.cumsum(room, axis=1, out=short[:, 1:])
+        fits_later = short[:, np.minimum(ks + run_hours, span)] == short[:, ks]
+        if not fits_later.any():
+            continue
+        if policy.objective == "carbon":
+            fc, cc = forecast[sites], cum[sites]
+            then = (per_gpu[sites] * need)[:, None] * (
+                _integral(cc, fc, ks + d_h) - _integral(cc, fc, ks.astype(np.float64))) / 1000.0
+        else:
+            then = np.broadcast_to((per_gpu[sites] * need * d_h)[:, None], (sites.size, ks.size))
+        masked = np.where(fits_later, then, np.inf)
+        flat = int(np.argmin(masked.T))  # k-major: the earliest hour wins a tie, then the first site
+        k, i = divmod(flat, sites.size)
+        found = (float(masked[i, k]), int(ks[k]), int(sites[i]))
+        if found < best:
+            best = found
+            best_col = int(cols[i])
+    value, slot, site = best
+    if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
+        value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
+    if math.isfinite(value) and value < threshold:
+        return Deferral(
+            request=req, site=site, model=best_col, slot=slot,
+            start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
+            value_then=value, value_now=best_now, now_site=now_site, decided_at=snap.now,
+            slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
+        )
+    if now_site >= 0:
+        return chosen
+    return placement if placement.placed else None
+
+
+# -- the streams -----------------------------------------------------------------------------------------------
+
+
+def federation(rng: random.Random, n_sites: int, plan_hours: int, forecast_dtype: type) -> Snapshot:
+    specs, states = [], {}
+    for i in range(n_sites):
+        models = rng.sample(MODELS, rng.randint(1, 2))
+        spec = site(f"s{i:03d}", region=rng.choice(REGIONS),
+                    gpus=[{"model": m, "gpus_per_node": 8, "nodes": rng.randint(1, 4)} for m in models],
+                    usd_per_gpu_hour={m: round(rng.uniform(0.5, 12.0), 3) for m in models})
+        specs.append(spec)
+        states[spec.name] = SiteState(site=spec.name, health=Health.HEALTHY, capacity=[
+            ModelCapacity(model=m, total_gpus=n, free_gpus=rng.randint(0, n), used_gpus=0,
+                          shared_free_milli=rng.choice((0, 0, 250, 600)),
+                          memory_gib_per_gpu=ids.GPU_MODEL_BY_ID[m].memory_gib)
+            for m, n in spec.total_gpus().items()])
+    snap = build_snapshot(NOW, specs, states)
+    hours = np.arange(48)
+    forecast = np.array([[rng.uniform(20, 700) * (1 + 0.4 * math.sin((h + rng.random() * 24) / 24 * 2 * math.pi))
+                          for h in hours] for _ in range(n_sites)], dtype=forecast_dtype)
+    snap = replace_forecast(snap, forecast)
+    if forecast_dtype is np.float32:  # as the simulator hands them over
+        snap = replace(snap, carbon_forecast=forecast)
+    calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(NOW))
+    for _ in range(n_sites * 3):  # work already planned: some sites short of room in some hours
+        s = rng.randrange(n_sites)
+        m = int(rng.choice(np.flatnonzero(snap.total_gpus[s] > 0)))
+        first = epoch_hour(NOW) + rng.randint(0, plan_hours // 2)
+        calendar.book(s, m, float(rng.randint(1, 8)), first, first + rng.randint(1, 30))
+    return replace(snap, plan_free=calendar.view(NOW, snap.free_gpus, snap.total_gpus, plan_hours))
+
+
+def requests(rng: random.Random, n: int) -> list[JobRequest]:
+    out = []
+    for i in range(n):
+        hours = rng.choice((0.2, 0.75, 1.0, 2.5, 6.0, 13.3, 40.0))
+        shared = rng.random() < 0.15
+        out.append(JobRequest(
+            job_id=f"j{i}", count=1 if shared else rng.choice((1, 2, 4, 8)), milli=rng.choice((250, 500)) if shared
+            else 1000, model=rng.choice((None, None, *MODELS)), memory_gib=0.0,
+            allowed_regions=frozenset(rng.sample(REGIONS, 2)) if rng.random() < 0.2 else frozenset(),
+            denied_regions=frozenset(), duration_s=hours * 3600.0,
+            deadline_ts=NOW.timestamp() + hours * 3600.0 * rng.uniform(1.2, 6.0) + rng.uniform(0, 48) * 3600.0,
+            submitted_ts=NOW.timestamp() - rng.uniform(0, 6) * 3600.0))
+    return out
+
+
+def same(new: object, ref: object) -> None:
+    assert type(new) is type(ref) or (new is None) == (ref is None), (new, ref)
+    if isinstance(ref, Deferral):
+        assert isinstance(new, Deferral)
+        for f in ("site", "model", "slot", "start", "value_then", "value_now", "now_site", "slots", "best_now",
+                  "best_now_site"):
+            assert getattr(new, f) == getattr(ref, f), (f, getattr(new, f), getattr(ref, f))
+    elif isinstance(ref, Placement):
+        assert isinstance(new, Placement) and (new.site, new.model) == (ref.site, ref.model), (new, ref)
+
+
+@pytest.mark.parametrize(("seed", "profile", "shift", "forecast_dtype"), [
+    (1, "green", dict(objective="carbon", max_wait_factor=4.0, min_saving_abs=0.5), np.float64),
+    (2, "green", dict(objective="carbon"), np.float32),
+    (3, "balanced", dict(objective="carbon", min_saving=0.2, headroom=0.1), np.float64),
+    (4, "cheap", dict(objective="cost"), np.float64),
+    (5, "cheap", dict(objective="cost", headroom=0.25, horizon_h=24), np.float32),
+], ids=["green", "green-float32-forecast", "balanced-headroom", "cheap", "cheap-headroom-short-horizon"])
+def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, shift: dict, forecast_dtype: type):
+    from policies import timeshift
+
+    rng = random.Random(seed)
+    policy = ShiftPolicy(**shift)
+    pipeline = pipeline_for(BUILTIN[profile], policy)
+    snap = federation(rng, 120, policy.plan_hours, forecast_dtype)
+    decider = PassDecider(pipeline, snap)
+    outcomes = {"deferred": 0, "placed": 0, "none": 0}
+    for req in requests(rng, 400):
+        if not shiftable(req, snap, policy):
+            continue
+        placement = pipeline.decide(req, snap)
+        new = timeshift.plan(req, snap, placement, policy, pipeline.filter_codes)
+        ref = reference_plan(req, snap, placement, policy, pipeline.filter_codes)
+        same(new, ref)
+        if isinstance(new, Deferral):
+            outcomes["deferred"] += 1
+            decider.reserve(new)
+        elif new is not None and new.placed:
+            outcomes["placed"] += 1
+            decider.assume(new)
+            debit(snap, new.site, new.model, req.charge, 0, 3)
+        else:
+            outcomes["none"] += 1
+    # The streams reach every outcome, so each branch of the search was compared.
+    assert outcomes["deferred"] > 10 and outcomes["placed"] > 5, outcomes
