@@ -25,16 +25,37 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import njit
+
+
+class _Kernel:
+    """A function for Numba, made a Numba dispatcher at its first call: Numba (half a second to import) is
+    loaded by the first decision that needs it, not by every command that imports the policies. Then every
+    kernel of the module replaces its own name there, so later calls through the module reach the
+    dispatcher directly, and kernels that call one another see dispatchers when they are compiled."""
+
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        self.fn, self.options = fn, options
+        self.dispatcher: Any = None
+        self.__doc__, self.__name__, self.__wrapped__ = fn.__doc__, fn.__name__, fn
+
+    def __call__(self, *args: Any) -> Any:
+        if self.dispatcher is None:
+            from numba import njit
+
+            names = self.fn.__globals__
+            for name, value in list(names.items()):  # definition order: helpers before their callers
+                if isinstance(value, _Kernel) and value.dispatcher is None:
+                    try:
+                        value.dispatcher = njit(cache=True, **value.options)(value.fn)
+                    except RuntimeError:  # "no locator available": nowhere to write the cache
+                        value.dispatcher = njit(cache=False, **value.options)(value.fn)
+                    names[name] = value.dispatcher
+        return self.dispatcher(*args)
 
 
 def _jit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    def compile_(fn: Callable[..., Any]) -> Any:
-        try:
-            return njit(cache=True, **options)(fn)
-        except RuntimeError:  # "no locator available": nowhere to write the cache
-            return njit(cache=False, **options)(fn)
-    return compile_
+    """``numba.njit(cache=True, **options)``, applied at the first call (:class:`_Kernel`)."""
+    return lambda fn: _Kernel(fn, options)
 
 BATCH = 32  # sites whose later starts are searched at once (the NumPy code's batch size)
 EPS32 = np.float32(1e-6)  # the plan's tolerance, in the plan's own precision
@@ -85,12 +106,24 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 
 
 @_jit()
-def search_later(candidates: np.ndarray, floor_value: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float,
-                 forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray, col: np.ndarray,
-                 reserve: np.ndarray, last_slot: int, run_hours: int, span: int) -> tuple[float, int, int, int]:
-    """(value, slot, site, model column) of the best start at a whole hour ``1 .. last_slot`` among
-    ``candidates`` (site indices in ascending ``floor_value`` order, a stable sort), where the plan has room
-    in every hour of the run (hours past ``span`` are not checked); (inf, 0, 0, 0) when none has."""
+def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu: np.ndarray, need: float,
+                 d_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray,
+                 col: np.ndarray, reserve: np.ndarray, last_slot: int, run_hours: int,
+                 span: int) -> tuple[float, int, int, int]:
+    """(value, slot, site, model column) of the best start at a whole hour ``1 .. last_slot`` where the plan
+    has room in every hour of the run (hours past ``span`` are not checked); (inf, 0, 0, 0) when none has.
+    The candidates are the ``ok`` sites whose lower bound (the run at ``cleanest``, each site's cleanest
+    forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up."""
+    n_sites = ok.shape[0]
+    floor_value = np.empty(n_sites)
+    for site in range(n_sites):
+        if carbon:
+            floor_value[site] = per_gpu[site] * need * d_h * cleanest[site] / 1000.0
+        else:
+            floor_value[site] = per_gpu[site] * need * d_h
+    candidates = np.flatnonzero(ok & (floor_value < threshold))
+    if candidates.shape[0] > BATCH:
+        candidates = candidates[np.argsort(floor_value[candidates], kind="mergesort")]  # stable
     best_value, best_slot, best_site, best_col = np.inf, 0, 0, 0
     n = candidates.shape[0]
     need32 = np.float32(need)

@@ -30,6 +30,7 @@ from typing import TypeVar
 import numpy as np
 
 from broker import ids
+from policies import _scores
 from policies.filters import Filter, standard_filters
 from policies.filters.gpu_fit import Fit, GpuFitFilter, fit_row
 from policies.scorers import Scorer
@@ -112,7 +113,8 @@ class Pipeline:
         self._passes = tuple(getattr(f, "passes_fit", None) or _on_request(f.passes) for f in self.filters)
         self._raws = tuple(getattr(w.scorer, "raw_fit", None) or _on_request(w.scorer.raw) for w in self.scorers)
         self._lower = tuple(not w.scorer.higher_is_better for w in self.scorers)
-        self._weights = np.array([w.weight for w in self.scorers], dtype=np.float64)[:, None]
+        self._lower_mask = np.array(self._lower, dtype=bool)
+        self._weight_list = np.array([w.weight for w in self.scorers], dtype=np.float64)
 
     def decide(self, req: JobRequest, snap: Snapshot) -> Placement:
         fit = Fit(req, snap)  # shared by the filters and scorers that look at free capacity
@@ -143,40 +145,26 @@ class Pipeline:
         feasible ones too) is 0 everywhere without being looked at. Raw values of another dtype than float64
         or integers (which float64 holds exactly) take the one-term-at-a-time path."""
         k = feasible.size
-        if not k:
+        if not k or not raws:
             return _normalise_each(self.scorers, raws, feasible)
         norm = np.empty((len(raws), k))
-        flat = []  # rows already 0: terms known to span no more than TIE_EPSILON
-        for i, (row, raw, lower) in enumerate(zip(norm, raws, self._lower, strict=True)):
+        flat = np.zeros(len(raws), dtype=bool)  # rows already 0: terms known to span no more than TIE_EPSILON
+        for i, (row, raw) in enumerate(zip(norm, raws, strict=True)):
             if raw.dtype.char == "d":
                 if not raw.flags.writeable:
                     span = snap.derived_span(raw)
                     if span is not None and span <= TIE_EPSILON:
                         row.fill(0.0)
-                        flat.append(i)
+                        flat[i] = True
                         continue
                 raw.take(feasible, out=row)
             elif raw.dtype.kind in "iu":
                 row[:] = raw.take(feasible)
             else:
                 return _normalise_each(self.scorers, raws, feasible)
-            if lower:
-                np.negative(row, out=row)
-        lo = np.minimum.reduce(norm, axis=1)
-        span = np.maximum.reduce(norm, axis=1)
-        span -= lo
-        norm -= lo[:, None]
-        level = [j for j, width in enumerate(span.tolist()) if not width > TIE_EPSILON]  # NaN too: adds nothing
-        if level:
-            span[level] = 1.0
-        norm /= span[:, None]
-        for j in level:
-            if j not in flat:
-                norm[j] = 0.0
-        weighted = norm * self._weights  # a row of 0 adds exactly nothing to the sums
-        # Rows added one after another, in scorer order. (With one feasible site, which numpy would sum
-        # pairwise, every term is 0.)
-        totals = np.add.reduce(weighted, axis=0)
+        # Negation, min-max per row (NaN or a span within TIE_EPSILON: 0), and the weighted rows added one
+        # after another in scorer order (a row of 0 adds exactly nothing), compiled (policies._scores).
+        totals = _scores.normalise(norm, self._lower_mask, flat, self._weight_list, TIE_EPSILON)
         return tuple([TermArrays(w.scorer.name, w.weight, raw, row)
                       for w, raw, row in zip(self.scorers, raws, norm, strict=True)]), totals
 

@@ -386,18 +386,13 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # could beat the best start found.
     if last_slot < 1 or not threshold > 0:
         return chosen if now_site >= 0 else (placement if placement.placed else None)
-    if policy.objective == "carbon":
-        floor_value = per_gpu * need * d_h * snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) / 1000.0
-    else:
-        floor_value = per_gpu * need * d_h
-    candidates = np.flatnonzero(ok & (floor_value < threshold))
-    if candidates.size > _search.BATCH:
-        candidates = candidates[np.argsort(floor_value[candidates], kind="stable")]
+    carbon = policy.objective == "carbon"
+    cleanest = snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) if carbon else per_gpu
     # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
     # the sites with the lowest bound up (policies._shift_search).
     value, slot, site, best_col = _search.search_later(
-        candidates, floor_value, per_gpu, need, d_h, forecast, cum, policy.objective == "carbon", plan_free, col,
-        reserve_all, last_slot, run_hours, min(hours, last_slot + run_hours))
+        ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, last_slot,
+        run_hours, min(hours, last_slot + run_hours))
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
     if math.isfinite(value) and value < threshold:
