@@ -463,14 +463,16 @@ class SchedulingCycle:
         self.events.publish(kind, data, tenant=job.spec.tenant, site=site, job_id=job.id)
 
     def _announce_sites(self, now: datetime) -> None:
-        """Publish each site whose health (as routing sees it: a silent site is unhealthy) changed, joined or
-        left since the last full pass."""
+        """Publish each site whose health (as routing sees it: a silent site is unhealthy, a cordoned one
+        ``cordoned``) changed, joined or left since the last full pass."""
         if self.events is None:
             return
         seen: dict[str, str] = {}
         for name, member in self.federation.members.items():
             state = self.federation.fresh_state(member, now) or member.public_state()
             health, reason = state.health.value, state.reason
+            if member.spec.cordoned and health == "healthy":  # up, but its operator took it out of routing
+                health, reason = "cordoned", member.spec.cordon_reason or "cordoned by its operator"
             seen[name] = health
             previous = self._site_health.get(name)
             if previous != health:

@@ -126,7 +126,7 @@ class BrokerCollector(Collector):
                       ["site", "model"])
         total = _gauge("heliotrope_site_gpus", "GPUs the site has, as it last reported", ["site", "model"])
         healthy = _gauge("heliotrope_site_healthy", "1 when the broker may place jobs on the site (healthy, heard "
-                         "from within site_stale_after_s, not being removed)", ["site"])
+                         "from within site_stale_after_s, not being removed, not cordoned)", ["site"])
         age = _gauge("heliotrope_site_telemetry_age_seconds", "Seconds since the site was last heard from",
                      ["site"])
         carbon = _gauge("heliotrope_site_carbon_intensity_grams_per_kwh", "The site's grid carbon intensity now "
@@ -148,7 +148,9 @@ class BrokerCollector(Collector):
         if snap is not None:
             for i, name in enumerate(snap.sites):
                 spec = b.federation.members[name].spec
-                healthy.add_metric([name], float(snap.healthy[i]))  # what routing sees: stale reports count
+                # What routing sees: stale reports count, and a cordoned site takes no new jobs.
+                cordoned = bool(snap.cordoned[i]) if snap.cordoned.size else False
+                healthy.add_metric([name], float(snap.healthy[i] and not cordoned))
                 intensity = float(snap.carbon_g_per_kwh[i]) if snap.carbon_g_per_kwh.size else math.nan
                 if math.isfinite(intensity):
                     carbon.add_metric([name, spec.grid_zone], intensity)

@@ -462,3 +462,15 @@ async def test_a_preemption_is_on_the_stream_before_the_job_is_requeued(client: 
     after = [e["data"]["state"] for e in stream.seen[stream.seen.index(preemption):]
              if e["type"] == "transition" and e["data"]["job_id"] == low_id]
     assert after == ["preempted", "queued"]
+
+
+async def test_cordoning_a_site_is_on_the_stream_and_so_is_giving_it_back(client: TestClient):
+    name = SITE["name"]
+    async with Stream(client, "?type=site", last_id=0) as stream:
+        await stream.saw(health(name, "healthy"))
+        assert (await client.post(f"/v1/sites/{name}/cordon", json={"reason": "rack move"})).status == 200
+        cordoned = await stream.saw(health(name, "cordoned"))
+        assert (await client.post(f"/v1/sites/{name}/uncordon")).status == 200
+        back = (await stream.until(health(name, "healthy")))[-1]
+    assert cordoned["data"]["previous"] == "healthy" and cordoned["data"]["reason"] == "rack move"
+    assert back["data"]["previous"] == "cordoned" and back["id"] > cordoned["id"]

@@ -284,6 +284,8 @@ function siteView(site, fallback) {
     health: status.health || "unknown",
     running: status.running_jobs ?? null,
     reason: status.reason || null,
+    cordoned: Boolean(site.cordoned),
+    cordonReason: site.cordon_reason || null,
   };
 }
 
@@ -501,7 +503,9 @@ function renderSitesTable() {
         })),
         `${c.free_gpus ?? "?"}/${c.total_gpus}`)))),
       h("td", { class: "num" }, v.running ?? "–"),
-      h("td", { title: v.reason || "" }, h("span", { class: `pill ${v.health}` }, v.health)));
+      h("td", { title: v.reason || "" }, h("span", { class: `pill ${v.health}` }, v.health),
+        v.cordoned ? h("span", { class: "pill cordoned", title: v.cordonReason || "cordoned by its operator" },
+          "cordoned") : null));
   }));
 }
 
