@@ -16,11 +16,18 @@ import sys
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from broker.data.traces import parse_columns, resolve_preset
-from broker.simulation.run import (DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS, SimulationSpec, as_json,
-                                   prepare, simulate)
-from broker.simulation.workload import dump_workload
 from policies.baselines import COMPARED, POLICIES
+
+if TYPE_CHECKING:
+    from broker.simulation.run import SimulationSpec
+
+from broker.simulation.defaults import DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS
+
+# The simulator itself (SciPy, Matplotlib) is imported when a simulation runs, so that the CLI's other
+# commands start without it.
 
 
 class SimulateUsage(ValueError):
@@ -81,6 +88,8 @@ def _date(flag: str, text: str | None) -> datetime | None:
 
 
 def spec_from(args: argparse.Namespace) -> SimulationSpec:
+    from broker.simulation.run import SimulationSpec
+
     if args.compare is not None:
         names = list(COMPARED) if args.compare == "all" else [n.strip() for n in args.compare.split(",") if n.strip()]
         if not names:
@@ -112,6 +121,8 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
 def run(args: argparse.Namespace) -> str:
     """Run the simulation the arguments ask for; returns the table for stdout."""
     from broker.simulation.report import format_table, write_html
+    from broker.simulation.run import as_json, prepare, simulate
+    from broker.simulation.workload import dump_workload
 
     spec = spec_from(args)
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():

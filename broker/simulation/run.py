@@ -44,6 +44,7 @@ from broker.data.traces import ColumnMapping, Trace, load_trace
 from broker.models import SiteSpec
 from broker.simulation import engine
 from broker.simulation.bound import BoundInfeasible, offline_bound
+from broker.simulation.defaults import DATA, DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS  # noqa: F401
 from broker.simulation.federation import build_default_federation
 from broker.simulation.forecasts import forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
@@ -51,11 +52,6 @@ from broker.simulation.results import SimulationResult, SiteFacts
 from broker.simulation.workload import Workload, WorkloadAssumptions, build_workload
 from policies.baselines import policy
 from policies.profiles import BUILTIN as PROFILES
-
-DATA = Path(__file__).resolve().parents[2] / "data"
-DEFAULT_PRICES = DATA / "prices" / "gcp_gpu_instance_prices.csv"
-DEFAULT_LATENCY = DATA / "network" / "gcp-latency.csv"
-DEFAULT_REGIONS = DATA / "regions" / "regions.json"
 
 
 @dataclass
