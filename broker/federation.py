@@ -65,6 +65,9 @@ class Federation:
         self.stale_after_s = stale_after_s
         self.collect_timeout_s = collect_timeout_s
         self.restart_after_s = 10.0  # how often a site whose adapter could not start is given a fresh one
+        # Called with a site's name when a collect has given it a fresh adapter that started: whoever follows
+        # the site's events (the broker's pump) must follow the new adapter's.
+        self.adapter_started: Callable[[str], None] = lambda name: None
         self.members: dict[str, Member] = {}
         self._base: Snapshot | None = None  # arrays of the last reports; rebuilt when they change
         self.membership_changed = False  # a site joined, changed or left since the last full pass
@@ -196,6 +199,7 @@ class Federation:
                     await member.adapter.start()
                     member.started = True
                     log.info("site %s: its adapter started", member.spec.name)
+                    self.adapter_started(member.spec.name)
                 state = await member.adapter.snapshot()
         except TimeoutError:
             member.error = f"no report within {self.collect_timeout_s:g} s"

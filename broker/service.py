@@ -118,6 +118,7 @@ class Broker:
             stale_after_s=self.settings.site_stale_after_s,
             collect_timeout_s=self.settings.collect_timeout_s,
         )
+        self.federation.adapter_started = self._follow_new_adapter
         self._new_id = new_id
         self.metrics = Metrics()
         self.events = EventHub()
@@ -350,10 +351,23 @@ class Broker:
 
     async def _join(self, spec: SiteSpec, tolerate_failure: bool = False) -> Member:
         member = await self.federation.add(spec, tolerate_failure)
-        self._pumps[spec.name] = asyncio.get_running_loop().create_task(
-            self.lifecycle.pump(member), name=f"events-{spec.name}"
-        )
+        self._start_pump(member)
         return member
+
+    def _follow_new_adapter(self, name: str) -> None:
+        """A site that joined without a working adapter has a fresh one that started: its events pump
+        follows the new adapter's events from now on."""
+        old = self._pumps.pop(name, None)
+        if old is not None:
+            old.cancel()
+        member = self.federation.get(name)
+        if member is not None:
+            self._start_pump(member)
+
+    def _start_pump(self, member: Member) -> None:
+        """Follow the site's events (its adapter's) into the job book."""
+        self._pumps[member.spec.name] = asyncio.get_running_loop().create_task(
+            self.lifecycle.pump(member), name=f"events-{member.spec.name}")
 
     async def register_site(self, spec: SiteSpec) -> Member:
         async with self._sites_lock:
@@ -400,9 +414,7 @@ class Broker:
                     member = await self.federation.replace(old)
                     raise
             finally:
-                self._pumps[spec.name] = asyncio.get_running_loop().create_task(
-                    self.lifecycle.pump(member), name=f"events-{spec.name}"
-                )
+                self._start_pump(member)
         self.wake()
         return member
 

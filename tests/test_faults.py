@@ -517,3 +517,39 @@ async def test_placements_made_before_a_pass_fails_part_way_are_still_stored_and
     await h.cycle()
     await h.step(1.0)
     assert (await h.job(second.id)).state == JobState.RUNNING
+
+
+async def test_a_site_whose_adapter_starts_late_runs_jobs_and_its_events_reach_the_broker(tmp_path: Path) -> None:
+    """The first adapter the broker makes for a stored site cannot start (its cluster is down at the
+    broker's start); a later collect makes a fresh one that starts. The job then placed there runs to the
+    end: the broker follows the events of the adapter that works, not of the one that never started."""
+    from broker.clock import SystemClock
+
+    made: list[SimulatedSite] = []
+
+    class DownAtFirst(SimulatedSite):
+        async def start(self) -> None:
+            if len(made) == 1:
+                raise AdapterError("cluster unreachable")
+            await super().start()
+
+    def factory(spec):  # noqa: ANN001, ANN202
+        adapter = DownAtFirst(spec, SystemClock(), state_dir=str(tmp_path / "sites"))
+        made.append(adapter)
+        return adapter
+
+    spec = site("late", adapter=SimulatedAdapterConfig(dispatch_delay_s=0.01))
+    b = Broker(BrokerSettings(db=str(tmp_path / "b.db"), cycle_interval_s=0.05, shutdown_grace_s=0.5), factory=factory)
+    b.federation.restart_after_s = 0.1
+    await b.start([spec])
+    try:
+        assert "could not start" in (b.federation.get("late").public_state().reason or "")
+        j, _ = await b.book.submit(job(count=1, duration_s=0.2))
+        for _ in range(200):
+            if (await b.book.get(j.id)).state == JobState.SUCCEEDED:
+                break
+            await asyncio.sleep(0.05)
+        assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
+        assert len(made) >= 2 and b.federation.get("late").adapter is made[-1]
+    finally:
+        await b.stop()
