@@ -52,9 +52,9 @@ from broker.events import Event, frame
 from broker.federation import Member
 from broker.ids import GPU_MODEL_IDS
 from broker.jobs import IdempotencyConflict, JobNotFound
+from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from broker.lifecycle import AlreadyEnded
-from broker.metrics import ScopedView
 from adapters.base import AdapterError, QuotaAdmin
 from broker.models import Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document

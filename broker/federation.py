@@ -47,6 +47,11 @@ class Member:
         return self.state
 
 
+def not_started(error: Exception) -> str:
+    """A site's health reason while its adapter cannot start."""
+    return f"its adapter could not start: {error}"
+
+
 def needs_rebuild(old: SiteSpec, new: SiteSpec) -> bool:
     """A spec change the running adapter cannot take: its GPUs, its adapter settings, its fair-share policy."""
     return old.gpus != new.gpus or old.adapter != new.adapter or old.fair_share != new.fair_share
@@ -98,7 +103,7 @@ class Federation:
                 raise
             log.error("site %s: its adapter could not start (%s); the site stays unhealthy and the broker tries "
                       "again every %g s", spec.name, e, self.restart_after_s)
-            member = Member(spec, adapter, error=f"its adapter could not start: {e}", started=False,
+            member = Member(spec, adapter, error=not_started(e), started=False,
                             start_tried_at=self._clock.now())
             self.members[spec.name] = member
             self._base = self._site_arrays = None
@@ -130,7 +135,7 @@ class Federation:
                     await member.adapter.start()
                     member.started = True
                 except Exception as e:
-                    member.started, member.error, member.state = False, f"its adapter could not start: {e}", None
+                    member.started, member.error, member.state = False, not_started(e), None
                 raise
             member.adapter, member.started = adapter, True
             member.state = None
@@ -204,7 +209,7 @@ class Federation:
         except TimeoutError:
             member.error = f"no report within {self.collect_timeout_s:g} s"
         except Exception as e:  # an adapter's failure is the site's health, not the broker's crash
-            member.error = f"report failed: {e}" if member.started else f"its adapter could not start: {e}"
+            member.error = f"report failed: {e}" if member.started else not_started(e)
         else:
             member.state, member.last_heard_at, member.error = state, now, None
             return

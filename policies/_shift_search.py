@@ -70,6 +70,31 @@ def _integral(cum: np.ndarray, forecast: np.ndarray, site: int, t: float) -> flo
     return cum[site, h] + (t - h) * forecast[site, h]
 
 
+@_jit(inline="always")
+def _bar(need: float, reserve: np.float32) -> np.float32:
+    """The free GPUs an hour needs for ``need`` plus ``reserve``, in the plan's precision, less its tolerance."""
+    return np.float32(np.float32(np.float32(need) + reserve) - EPS32)
+
+
+@_jit(inline="always")
+def _room(plan_free: np.ndarray, site: int, column: int, first: int, end: int, need: float,
+          reserve: np.float32) -> bool:
+    """Whether the plan has room for ``need`` GPUs plus ``reserve`` at ``site`` in model ``column`` in every
+    hour of ``[first, end)``, in the plan's own precision (float32, within its tolerance)."""
+    bar = _bar(need, reserve)
+    for h in range(first, end):
+        if not plan_free[site, column, h] >= bar:
+            return False
+    return True
+
+
+@_jit()
+def room_now(plan_free: np.ndarray, site: int, column: int, first: int, end: int, need: float,
+             reserve: np.ndarray) -> bool:
+    """:func:`_room` for one site, with its ``reserve`` from the per-site array (for Python callers)."""
+    return _room(plan_free, site, column, first, end, need, reserve[site])
+
+
 @_jit()
 def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float,
                          into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
@@ -80,7 +105,6 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
     ``[first, now_hours)``; (inf, -1) when none has."""
     best_value = np.inf
     best_site = -1
-    need32 = np.float32(need)
     for i in range(feasible.shape[0]):
         site = feasible[i]
         if not ok[site]:
@@ -92,14 +116,7 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
             value = rate * d_h
         if not value < best_value:  # NaN never wins; a tie keeps the earlier site
             continue
-        bar = np.float32(np.float32(need32 + reserve[site]) - EPS32)
-        fits = True
-        c = col[site]
-        for h in range(first, now_hours):
-            if not plan_free[site, c, h] >= bar:
-                fits = False
-                break
-        if fits:
+        if _room(plan_free, site, col[site], first, now_hours, need, reserve[site]):
             best_value = value
             best_site = site
     return best_value, best_site
@@ -126,7 +143,6 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
         candidates = candidates[np.argsort(floor_value[candidates], kind="mergesort")]  # stable
     best_value, best_slot, best_site, best_col = np.inf, 0, 0, 0
     n = candidates.shape[0]
-    need32 = np.float32(need)
     short = np.zeros(span + 1, dtype=np.int32)
     for lo in range(0, n, BATCH):
         if floor_value[candidates[lo]] > best_value:
@@ -138,7 +154,7 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
         for i in range(sites.shape[0]):
             site = sites[i]
             c = col[site]
-            bar = np.float32(np.float32(need32 + reserve[site]) - EPS32)
+            bar = _bar(need, reserve[site])
             for h in range(span):
                 short[h + 1] = short[h] + (1 if plan_free[site, c, h] < bar else 0)
             rate = per_gpu[site] * need

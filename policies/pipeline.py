@@ -112,8 +112,7 @@ class Pipeline:
         # Filters and scorers that can use the decision's shared fit say so with passes_fit / raw_fit.
         self._passes = tuple(getattr(f, "passes_fit", None) or _on_request(f.passes) for f in self.filters)
         self._raws = tuple(getattr(w.scorer, "raw_fit", None) or _on_request(w.scorer.raw) for w in self.scorers)
-        self._lower = tuple(not w.scorer.higher_is_better for w in self.scorers)
-        self._lower_mask = np.array(self._lower, dtype=bool)
+        self._lower_mask = np.array([not w.scorer.higher_is_better for w in self.scorers], dtype=bool)
         self._weight_list = np.array([w.weight for w in self.scorers], dtype=np.float64)
 
     def decide(self, req: JobRequest, snap: Snapshot) -> Placement:

@@ -65,7 +65,6 @@ if TYPE_CHECKING:
     from policies.pipeline import Placement
 
 HOUR_S = 3600.0
-_EPS = 1e-6
 _CAPACITY_FILTER = "gpus-do-not-fit"
 
 
@@ -349,9 +348,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         # hour is the sites' real free capacity, which the profile's GPU-fit filter has already checked
         # (shared GPUs included); for whole GPUs the headroom is checked in it too. ``column``: the model
         # the job would start on now (placement's choice), else the plan's column.
-        first = 1 if req.fractional else 0
-        hours_free = plan_free[site, col[site] if column is None else column, first:now_hours]
-        return bool((hours_free >= need + reserve_all[site] - _EPS).all())
+        return bool(_search.room_now(plan_free, site, int(col[site]) if column is None else column,
+                                     1 if req.fractional else 0, now_hours, need, reserve_all))
 
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
     now_site = -1

@@ -26,7 +26,7 @@ from broker.models import Health, ModelCapacity, SiteState
 from policies.pipeline import Placement
 from policies.profiles import BUILTIN, pipeline_for
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, build_snapshot, replace_forecast
-from policies.timeshift import (_CAPACITY_FILTER, _EPS, HOUR_S, Calendar, Deferral, ShiftPolicy, _cleanest_ahead,
+from policies.timeshift import (_CAPACITY_FILTER, HOUR_S, Calendar, Deferral, ShiftPolicy, _cleanest_ahead,
                                 _columns, _forecast, _moved, debit, epoch_hour, latest_start_ts, shiftable)
 from tests.builders import site
 
@@ -38,6 +38,7 @@ REGIONS = ("gcp:us-east1", "gcp:europe-west4", "gcp:asia-east1")
 # -- the reference: the NumPy search, as it was ------------------------------------------------------------
 
 _BATCH = 32
+_EPS = 1e-6
 
 
 def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarray:

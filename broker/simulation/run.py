@@ -44,7 +44,7 @@ from broker.data.traces import ColumnMapping, Trace, load_trace
 from broker.models import SiteSpec
 from broker.simulation import engine
 from broker.simulation.bound import BoundInfeasible, offline_bound
-from broker.simulation.defaults import DATA, DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS  # noqa: F401
+from broker.simulation.defaults import DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS
 from broker.simulation.federation import build_default_federation
 from broker.simulation.forecasts import forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
