@@ -176,7 +176,9 @@ async def submit(w: World, name: str, duration_s: float, **more) -> str:  # noqa
 
 
 async def test_telemetry_reaches_the_broker_and_a_job_runs_on_the_agents_site(world) -> None:
-    w = await world()
+    # A lease long enough that a CI machine's stall of a second or two cannot end it mid-job (CI once saw the
+    # 2 s lease run out, the agent stop the job, and the rerun land on home): the lease is tested below.
+    w = await world(lease_s=6.0)
     assert w.edge_health() != Health.HEALTHY  # no agent yet
     await w.agent()
     await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "the agent's heartbeat makes edge healthy")
