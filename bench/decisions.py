@@ -18,7 +18,8 @@ What runs:
 4. The cost of ``policies.explain.record`` (what the live cycle adds to keep a decision's explanation) and
    of serialising that record to JSON (what the store adds), on a sample of decisions.
 
-``--profile NAME`` decides with a routing profile's pipeline (every scorer it weighs) on snapshots that
+``--profile NAME`` decides with a routing profile's pipeline (every scorer it weighs; ``every``: all the
+routing scorers at once, follow-the-sun in both modes, with ``balanced``'s time-shifting) on snapshots that
 carry a 48-hour carbon forecast per site: the seasonal-naive forecast of a real zone at a seeded hour of
 2022 (``--carbon``, default the shared data's 16 zones, round robin over the sites), or seeded random
 intensities when there is no such folder. ``--shift`` adds the profile's time-shifting, as
@@ -32,7 +33,7 @@ deferrals and the cost of ``timeshift.plan`` per shiftable job.
 This prints figures; it asserts nothing about timing. Usage::
 
     .venv/bin/python bench/decisions.py [--sites 1000] [--jobs 50000] [--seed 1] [--explain-sample 2000]
-                                        [--profile balanced [--shift]]
+                                        [--profile balanced|green|cheap|fast|every [--shift]]
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from broker.cycle import PassDecider  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
 from policies import explain, timeshift  # noqa: E402
 from policies.pipeline import choose_model, default_pipeline  # noqa: E402
-from policies.profiles import profile_pipeline  # noqa: E402
+from policies.profiles import BUILTIN, SHIFTS, pipeline_for, profile_pipeline  # noqa: E402
 from policies.snapshot import JobRequest, Snapshot, build_snapshot, replace_forecast  # noqa: E402
 from policies.timeshift import Deferral, ShiftPolicy  # noqa: E402
 
@@ -182,6 +183,11 @@ def real_forecasts(folder: Path, n_sites: int, seed: int) -> np.ndarray:
     return np.vstack([np.tile(day[zones[i % len(zones)]], 2) for i in range(n_sites)])
 
 
+EVERY = BUILTIN["balanced"] | {"follow_sun_solar": 0.1}
+"""``--profile every``: the routing issue's scorers all weighed at once (latency, cost, carbon, follow-the-sun
+in both modes, telemetry) and free GPUs, as ``balanced`` weighs them, plus solar follow-the-sun."""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sites", type=int, default=1000, help="sites in the federation (default %(default)s)")
@@ -191,7 +197,8 @@ def main() -> int:
                    help="decisions whose explain.record cost is measured (default %(default)s)")
     p.add_argument("--profile", default=None,
                    help="decide with a routing profile (balanced, green, cheap, fast): every scorer it weighs, "
-                        "with a synthetic 48-hour carbon forecast per site; default: the release's default pipeline")
+                        "with a synthetic 48-hour carbon forecast per site; 'every': every routing scorer at once "
+                        "(EVERY below) with balanced's time-shifting; default: the release's default pipeline")
     p.add_argument("--carbon", type=Path, default=SHARED_CARBON if SHARED_CARBON.exists() else None,
                    help="carbon-intensity folder whose zones the sites take, round robin, with a seasonal-naive "
                         "forecast (default: shared/data's when present; without one, seeded random intensities)")
@@ -219,7 +226,10 @@ def main() -> int:
     conv_ns = time.perf_counter_ns() - t
 
     now = datetime.now(UTC)
-    pipeline = default_pipeline() if args.profile is None else profile_pipeline(args.profile)
+    if args.profile == "every":
+        pipeline = pipeline_for(EVERY, SHIFTS["balanced"])
+    else:
+        pipeline = default_pipeline() if args.profile is None else profile_pipeline(args.profile)
     shift = pipeline.shift if args.shift else None
     if args.shift:
         reqs = with_deadlines(reqs, now, args.seed)

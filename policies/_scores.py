@@ -1,9 +1,15 @@
-"""The normalisation step of :meth:`policies.pipeline.Pipeline.decide`, compiled with Numba: each term's
-feasible raw values min-max normalised (lower-is-better rows negated first), and the weighted sum per site,
-the terms added in scorer order. The same floating-point operations as the NumPy code it replaced, in the
-same order, so every normalised value and total is the same to the bit (``tests/
-test_pipeline_speed_equivalence.py`` checks the pipeline against its reference, explanation records
-included). Compiled on first use and cached on disk, as :mod:`policies._shift_search`."""
+"""The compiled (Numba) steps of :meth:`policies.pipeline.Pipeline.decide`:
+
+- ``normalise``: each term's feasible raw values min-max normalised (lower-is-better rows negated first),
+  and the weighted sum per site, the terms added in scorer order;
+- ``least_scaled``: the carbon and cost scorers' raw values (the least value of a usable model with room,
+  scaled, unknown last) in one pass;
+- ``window_mean_rows``: the carbon scorer's mean forecast intensity over a run.
+
+Each does the same floating-point operations as the NumPy code it replaced, in the same order, so every
+raw and normalised value and total is the same to the bit (``tests/test_pipeline_speed_equivalence.py``
+checks the pipeline against its reference, explanation records included). Compiled on first use and
+cached on disk, as :mod:`policies._shift_search`."""
 
 from __future__ import annotations
 
@@ -52,3 +58,65 @@ def normalise(norm: np.ndarray, lower: np.ndarray, flat: np.ndarray, weights: np
             total = total + norm[i, j] * weights[i]
         totals[j] = total
     return totals
+
+
+@_jit()
+def least_scaled(room: np.ndarray, values: np.ndarray, row_factor: np.ndarray, factors: np.ndarray,
+                 divisor: float) -> np.ndarray:
+    """The raw values of the carbon and cost scorers in one pass (``policies.scorers._usable.least_where``,
+    the scaling, then ``unknown_last``, with their floating-point operations in their order):
+
+    per site ``s``: the least ``values[s, j]`` (float64[n_sites, c]; or [1, c], the same for every site)
+    where ``room[s, j]`` (NaN values ignored, as ``np.fmin``; NaN when none), times ``row_factor[s]`` (when
+    it has n_sites entries; skipped when empty), times each of ``factors`` in turn, divided by ``divisor``;
+    then every NaN replaced by one more than the largest known value (0.0 when none is known)."""
+    n, c = room.shape
+    out = np.empty(n)
+    per_site = values.shape[0] != 1
+    scaled = row_factor.shape[0] == n and n > 0
+    worst = np.nan
+    for s in range(n):
+        best = np.nan
+        r = s if per_site else 0
+        for j in range(c):
+            if room[s, j]:
+                v = values[r, j]
+                if v == v and (best != best or v < best):
+                    best = v
+        if scaled:
+            best = best * row_factor[s]
+        for f in factors:
+            best = best * f
+        best = best / divisor
+        out[s] = best
+        if best == best and (worst != worst or best > worst):
+            worst = best
+    fill = worst + 1.0 if worst == worst else 0.0
+    for s in range(n):
+        if out[s] != out[s]:
+            out[s] = fill
+    return out
+
+
+@_jit()
+def window_mean_rows(forecast: np.ndarray, cum: np.ndarray, offset_h: float, duration_h: float) -> np.ndarray:
+    """``policies.scorers.carbon.window_mean`` with the rows' running sums: each row's mean over
+    ``[offset_h, offset_h + duration_h)`` hours, partial hours pro rata, hours past the end at the last
+    value; the same operations in the same order."""
+    n, hours = forecast.shape
+    span = max(duration_h, 1e-9)
+    t0, t1 = offset_h, offset_h + span
+    out = np.empty(n)
+    for s in range(n):
+        if t1 >= hours:
+            i1 = cum[s, hours] + (t1 - hours) * forecast[s, hours - 1]
+        else:
+            h = int(t1)
+            i1 = cum[s, h] + (t1 - h) * forecast[s, h]
+        if t0 >= hours:
+            i0 = cum[s, hours] + (t0 - hours) * forecast[s, hours - 1]
+        else:
+            h = int(t0)
+            i0 = cum[s, h] + (t0 - h) * forecast[s, h]
+        out[s] = (i1 - i0) / span
+    return out

@@ -431,8 +431,9 @@ def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
 
 
 def warm_up() -> None:
-    """Compile the search (``policies._shift_search``) for the array types the broker hands it, so that the
-    first flexible job a fresh deployment decides does not wait for Numba (a few seconds, once: the code is
+    """Compile the search (``policies._shift_search``) and the pipeline's kernels (``policies._scores``) for
+    the array types the broker hands them, so that the first job a fresh deployment decides does not wait
+    for Numba (a few seconds, once: the code is
     cached on disk, in ``NUMBA_CACHE_DIR`` when set). The container image runs this when it is built."""
     from datetime import timedelta
 
@@ -453,7 +454,8 @@ def warm_up() -> None:
         assert pipeline.shift is not None
         calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(now))
         fresh = replace(snap, plan_free=calendar.view(now, snap.free_gpus, snap.total_gpus, pipeline.shift.plan_hours))
-        req = JobRequest(job_id="warm-up", count=8, milli=1000, model=None, memory_gib=0.0,
-                         allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
-                         deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
-        plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)
+        for model in (None, "l4"):  # any model, and a named one: the scorers' arrays differ in layout
+            req = JobRequest(job_id="warm-up", count=8, milli=1000, model=model, memory_gib=0.0,
+                             allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
+                             deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
+            plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)

@@ -21,16 +21,19 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker import ids
 from broker.models import Health, ModelCapacity, SiteState, Telemetry
-from policies import explain
+from policies import _scores, explain
 from policies.baselines import POLICIES
 from policies.pipeline import TIE_EPSILON, Pipeline, Placement, TermArrays
 from policies.profiles import BUILTIN, SCORERS, pipeline_for
+from policies.scorers._usable import least_where, unknown_last
 from policies.scorers.carbon import window_mean
 from policies.scorers.follow_sun import _STEP_H, _samples, offpeak_fraction, sun_elevation_sine
-from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, build_snapshot, replace_forecast
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, build_snapshot, replace_forecast, running_sums
 from tests.builders import site
 
 N_SITES = 200
@@ -422,3 +425,49 @@ def test_a_snapshot_with_a_new_forecast_scores_with_the_new_forecast() -> None:
     second = pipeline.decide(req, flipped)
     assert second.site != first.site
     assert np.allclose(second.terms[0].raw, _ref_carbon(req, flipped), rtol=1e-12, atol=0.0, equal_nan=True)
+
+
+# -- the compiled scorer kernels against their NumPy composition, on arrays drawn at random ----------------
+
+_VALUES = st.one_of(st.just(np.nan), st.floats(min_value=0.0, max_value=1e4, allow_nan=False))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 6), c=st.integers(1, 3), shared=st.booleans(), data=st.data())
+def test_the_compiled_least_value_scaled_is_the_numpy_one(n: int, c: int, shared: bool, data: st.DataObject) -> None:
+    """Unpriced (NaN) models beside priced ones, sites with no room or an unknown intensity, every site
+    unknown: the scorers' ``least_where`` × intensity or × charge × hours, / 1000 or / 3600, then
+    ``unknown_last``, and the compiled pass agree to the bit."""
+    room = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=c, max_size=c), min_size=n, max_size=n)),
+                    dtype=bool).reshape(n, c)
+    rows = 1 if shared else n
+    values = np.array(data.draw(st.lists(_VALUES, min_size=rows * c, max_size=rows * c)), dtype=np.float64)
+    values = values.reshape(rows, c)
+    # The carbon scorer's intensity per site (NaN where unknown), or none (the cost scorer's).
+    per_site = data.draw(st.booleans())
+    row_factor = np.array(data.draw(st.lists(st.one_of(st.just(np.nan), st.floats(0.0, 900.0)), min_size=n,
+                                             max_size=n)) if per_site else [], dtype=np.float64)
+    factors = data.draw(st.lists(st.floats(0.0, 1e5), max_size=2))
+    divisor = data.draw(st.sampled_from([1.0, 1000.0, 3600.0]))
+
+    expected = least_where(room, values[0] if shared else values)
+    if per_site:
+        expected *= row_factor
+    for f in factors:
+        expected *= f
+    expected /= divisor
+    expected = unknown_last(expected)
+    got = _scores.least_scaled(np.asfortranarray(room), values, row_factor, np.array(factors, dtype=np.float64), divisor)
+    assert got.tobytes() == expected.tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(hours=st.integers(1, 6), offset=st.floats(0.0, 9.0), duration=st.floats(0.0, 12.0), data=st.data())
+def test_the_compiled_window_mean_is_the_numpy_one(hours: int, offset: float, duration: float,
+                                                   data: st.DataObject) -> None:
+    """Runs inside the forecast, past its end, of zero length, and rows with unknown (NaN) hours."""
+    forecast = np.array(data.draw(st.lists(_VALUES, min_size=3 * hours, max_size=3 * hours)), dtype=np.float64)
+    forecast = forecast.reshape(3, hours)
+    cum = running_sums(forecast)
+    expected = window_mean(forecast, offset, duration, cum)
+    assert _scores.window_mean_rows(forecast, cum, offset, duration).tobytes() == expected.tobytes()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from policies import _scores
 from policies.filters.gpu_fit import Fit, fit_matrix
 from policies.scorers._usable import least_where, unknown_last, usable_models
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, running_sums
@@ -39,9 +40,12 @@ def window_mean(forecast: np.ndarray, offset_h: float, duration_h: float, cum: n
 def run_intensity(req: JobRequest, snap: Snapshot, start_offset_h: float = 0.0) -> np.ndarray:
     """Mean forecast g/kWh per site over a run starting ``start_offset_h`` hours after ``now``."""
     duration_h = req.duration_s / 3600.0
-    if snap.carbon_forecast.shape[0] == snap.n_sites and snap.carbon_forecast.shape[1] > 0:
+    forecast, cum = snap.carbon_forecast, snap.carbon_forecast_cum
+    if forecast.shape[0] == snap.n_sites and forecast.shape[1] > 0:
         into_hour = (snap.now.minute * 60 + snap.now.second + snap.now.microsecond / 1e6) / 3600.0
-        return window_mean(snap.carbon_forecast, into_hour + start_offset_h, duration_h, snap.carbon_forecast_cum)
+        if forecast.dtype == np.float64 and cum.shape == (forecast.shape[0], forecast.shape[1] + 1):
+            return _scores.window_mean_rows(forecast, cum, into_hour + start_offset_h, duration_h)  # compiled, same values
+        return window_mean(forecast, into_hour + start_offset_h, duration_h, cum)
     if snap.carbon_g_per_kwh.size == snap.n_sites:
         return snap.carbon_g_per_kwh.astype(np.float64)
     return np.full(snap.n_sites, np.nan)
@@ -62,6 +66,9 @@ def power_kw_fit(fit: Fit) -> np.ndarray:
     return power
 
 
+_NO_FACTORS = np.zeros(0)
+
+
 class CarbonScorer:
     name = "carbon"
     higher_is_better = False
@@ -77,8 +84,9 @@ class CarbonScorer:
         if held >= 0 and duration_s >= 0:
             # kWh per usable model, in the order of ``power_kw * duration_s / 3600``: rounding is monotonic,
             # so the least of them is the kWh of the lowest-power model, as ``power_kw`` takes it.
-            kwh = [kw * held * duration_s / 3600.0 for kw in fit.usable.tdp_kw]
-            kg = least_where(fit.room, np.array(kwh))
+            kwh = np.array([[kw * held * duration_s / 3600.0 for kw in fit.usable.tdp_kw]])
+            # least_where(fit.room, kwh) * intensity / 1000, then unknown_last, in one compiled pass
+            return _scores.least_scaled(fit.room, kwh, intensity, _NO_FACTORS, 1000.0)
         else:
             kg = power_kw_fit(fit)
             kg *= duration_s

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.filters.gpu_fit import Fit
-from policies.scorers._usable import cheapest_with_room_fit, unknown_last
+from policies.scorers._usable import cheapest_known_last
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -24,4 +24,4 @@ class CheapestScorer:
         return self.raw_fit(Fit(req, snap))
 
     def raw_fit(self, fit: Fit) -> np.ndarray:
-        return unknown_last(cheapest_with_room_fit(fit))
+        return cheapest_known_last(fit)

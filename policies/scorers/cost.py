@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.filters.gpu_fit import Fit
-from policies.scorers._usable import cheapest_with_room_fit, unknown_last
+from policies.scorers._usable import cheapest_known_last
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -24,9 +24,5 @@ class CostScorer:
         return self.raw_fit(Fit(req, snap))
 
     def raw_fit(self, fit: Fit) -> np.ndarray:
-        # In place, in the order of ``cheapest_with_room(req, snap) * req.charge * duration_s / 3600``.
-        usd = cheapest_with_room_fit(fit)
-        usd *= fit.req.charge
-        usd *= fit.req.duration_s
-        usd /= 3600.0
-        return unknown_last(usd)
+        # In the order of ``cheapest_with_room(req, snap) * req.charge * duration_s / 3600``, unknown last.
+        return cheapest_known_last(fit, (fit.req.charge, fit.req.duration_s), 3600.0)
