@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/mqtt_telemetry.py
 	$(BIN)/python bench/failover.py
 	$(BIN)/python bench/simulate.py
+	$(BIN)/python bench/green_sensitivity.py
 	$(BIN)/python bench/auth.py
 
 clean:

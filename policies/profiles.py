@@ -77,8 +77,9 @@ SHIFTS: dict[str, ShiftPolicy] = {
 :class:`policies.timeshift.ShiftPolicy` (latest start at deadline - 1.5 × the estimate, up to a week ahead,
 no headroom, 10 % saving), chosen on the 2021 replay of the Philly trace; ``balanced`` asks twice the
 saving before it makes a job wait. ``green`` waits at most four times a job's expected run time and only
-for half a kilogram or more: on the 2021 replay it missed 90 % fewer deadlines at 30 % utilisation and a
-third fewer at 50 % than with the bare defaults, for the same carbon (README, Evidence)."""
+for half a kilogram or more: on the 2021 replay it missed nearly 90 % fewer deadlines at 30 % utilisation
+and nearly a third fewer at 50 % than with the bare defaults, for the same carbon to within 1 % (README,
+Evidence)."""
 
 
 class Profile(BaseModel):

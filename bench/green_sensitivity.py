@@ -1,0 +1,118 @@
+"""What holds ``green`` back where the routing issue's targets are not met: the Evidence replay of the whole
+Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy`` as shipped, then
+``green`` again under variants that change one assumption or one setting at a time:
+
+- ``exact estimates``: the workload's run-time estimates equal the true run times (``estimate_sigma`` 0;
+  the shipped workload draws them log-normal, sigma 0.5): how much of the carbon and of the misses is the
+  estimates' error;
+- ``exact estimates, waits unbounded``: the same, and ``green`` without ``max_wait_factor`` and
+  ``min_saving_abs``: whether the wait bounds hold the carbon back;
+- ``duration_safety 2`` and ``2.5``: a deferral keeps two (two and a half) expected run times before the
+  deadline instead of 1.5;
+- ``headroom 0.1``: deferred starts leave a tenth of every site free for work that cannot wait.
+
+Each line: carbon (t CO2e), deadline misses, and the misses by kind: latency-bound jobs (a latency
+objective pins them to the sites near their origin) or not, and of the rest, how many were deferred (started
+more than a minute after submission) and ran longer than their estimate. The workload and the sites are the
+Evidence's (``heliotrope simulate --preset philly --trace-from 2017-09-01``, default federation); only the
+named setting differs. Each replay takes about half a minute here.
+
+This prints figures; it asserts nothing. Usage::
+
+    .venv/bin/python bench/green_sensitivity.py [--year 2021] [--utilisation 0.3] [--data ../shared/data]
+                                                [--variants all|NAME,NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from broker.data.traces import resolve_preset  # noqa: E402
+from broker.simulation import engine  # noqa: E402
+from broker.simulation.run import Prepared, SimulationSpec, prepare  # noqa: E402
+from policies.baselines import policy  # noqa: E402
+from policies.pipeline import Pipeline  # noqa: E402
+from policies.profiles import BUILTIN, SHIFTS, pipeline_for  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def green(**shift: object) -> Callable[[], Pipeline]:
+    return lambda: pipeline_for(BUILTIN["green"], SHIFTS["green"].model_copy(update=shift))
+
+
+# name -> (workload assumptions, the pipeline)
+VARIANTS: dict[str, tuple[dict[str, object], Callable[[], Pipeline]]] = {
+    "baseline-carbon-greedy": ({}, lambda: policy("baseline-carbon-greedy")),
+    "green": ({}, lambda: policy("green")),
+    "green, exact estimates": ({"estimate_sigma": 0.0}, lambda: policy("green")),
+    "green, exact estimates, waits unbounded": ({"estimate_sigma": 0.0},
+                                                green(max_wait_factor=None, min_saving_abs=0.0)),
+    "green, duration_safety 2": ({}, green(duration_safety=2.0)),
+    "green, duration_safety 2.5": ({}, green(duration_safety=2.5)),
+    "green, headroom 0.1": ({}, green(headroom=0.1)),
+}
+
+
+def replay(prep: Prepared, name: str, build: Callable[[], Pipeline]) -> tuple[engine.PolicyRun, float]:
+    t = time.perf_counter()
+    run = engine.replay(name, build(), prep.workload, prep.federation, prep.requests, prep.left_out)
+    return run, time.perf_counter() - t
+
+
+def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) -> str:
+    w = prep.workload
+    ran = run.site >= 0
+    missed = ran & (run.end_s > w.deadline_s + 1e-6)
+    bound = np.nan_to_num(np.asarray(w.latency_slo_ms, dtype=np.float64), nan=0.0) > 0
+    deferred = (run.start_s - w.submit_s) > 60.0
+    overran = w.true_duration_s > w.estimated_duration_s
+    mobile = missed & ~bound
+    return (f"{name:42s} {run.carbon_kg[ran].sum() / 1000:7.1f} t {int(missed.sum()):6,d} misses: "
+            f"latency-bound {int((missed & bound).sum()):5,d}, other {int(mobile.sum()):5,d} "
+            f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d})  [{wall_s:.0f} s]")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--year", type=int, default=2021, help="the carbon year the trace is mapped onto")
+    p.add_argument("--utilisation", type=float, default=0.3, help="mean GPU utilisation the sites are sized for")
+    p.add_argument("--data", type=Path, default=SHARED, help="the shared data folder")
+    p.add_argument("--variants", default="all", help="'all' or a comma-separated list of: " + ", ".join(VARIANTS))
+    args = p.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else [n.strip() for n in args.variants.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    trace = args.data / "traces" / "philly" / "philly_jobs_pollux.csv"
+    carbon = args.data / "carbon-intensity" / "electricitymaps-hourly"
+    for path in (trace, carbon):
+        if not path.exists():
+            p.error(f"{path}: not found (give --data)")
+    print(f"green sensitivity: Philly, {args.year}, utilisation {args.utilisation:g}")
+    prepared: dict[tuple[tuple[str, object], ...], Prepared] = {}
+    for name in names:
+        assumptions, build = VARIANTS[name]
+        key = tuple(sorted(assumptions.items()))
+        if key not in prepared:
+            # policies: a profile, so that the replay builds the forecasts it reads
+            spec = SimulationSpec(trace=trace, mapping=resolve_preset("philly"), carbon=carbon, policies=["green"],
+                                  utilisation=args.utilisation, trace_from=date(2017, 9, 1),
+                                  start=date(args.year, 9, 1), bound=False, assumptions=dict(assumptions))
+            prepared[key] = prepare(spec)
+        run, wall_s = replay(prepared[key], name, build)
+        print(describe(prepared[key], name, run, wall_s), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
