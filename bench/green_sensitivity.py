@@ -20,7 +20,7 @@ named setting differs. Each replay takes about half a minute here.
 This prints figures; it asserts nothing. Usage::
 
     .venv/bin/python bench/green_sensitivity.py [--year 2021] [--utilisation 0.3] [--data ../shared/data]
-                                                [--variants all|NAME,NAME]
+                                                [--variants all|greedy,green,exact,...]
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ def green(**shift: object) -> Callable[[], Pipeline]:
     return lambda: pipeline_for(BUILTIN["green"], SHIFTS["green"].model_copy(update=shift))
 
 
-# name -> (workload assumptions, the pipeline)
-VARIANTS: dict[str, tuple[dict[str, object], Callable[[], Pipeline]]] = {
-    "baseline-carbon-greedy": ({}, lambda: policy("baseline-carbon-greedy")),
-    "green": ({}, lambda: policy("green")),
-    "green, exact estimates": ({"estimate_sigma": 0.0}, lambda: policy("green")),
-    "green, exact estimates, waits unbounded": ({"estimate_sigma": 0.0},
-                                                green(max_wait_factor=None, min_saving_abs=0.0)),
-    "green, duration_safety 2": ({}, green(duration_safety=2.0)),
-    "green, duration_safety 2.5": ({}, green(duration_safety=2.5)),
-    "green, headroom 0.1": ({}, green(headroom=0.1)),
+# name -> (what it is, workload assumptions, the pipeline)
+VARIANTS: dict[str, tuple[str, dict[str, object], Callable[[], Pipeline]]] = {
+    "greedy": ("baseline-carbon-greedy", {}, lambda: policy("baseline-carbon-greedy")),
+    "green": ("green", {}, lambda: policy("green")),
+    "exact": ("green, exact estimates", {"estimate_sigma": 0.0}, lambda: policy("green")),
+    "exact-unbounded": ("green, exact estimates, waits unbounded", {"estimate_sigma": 0.0},
+                        green(max_wait_factor=None, min_saving_abs=0.0)),
+    "safety-2": ("green, duration_safety 2", {}, green(duration_safety=2.0)),
+    "safety-2.5": ("green, duration_safety 2.5", {}, green(duration_safety=2.5)),
+    "headroom-0.1": ("green, headroom 0.1", {}, green(headroom=0.1)),
 }
 
 
@@ -101,7 +101,7 @@ def main() -> int:
     print(f"green sensitivity: Philly, {args.year}, utilisation {args.utilisation:g}")
     prepared: dict[tuple[tuple[str, object], ...], Prepared] = {}
     for name in names:
-        assumptions, build = VARIANTS[name]
+        label, assumptions, build = VARIANTS[name]
         key = tuple(sorted(assumptions.items()))
         if key not in prepared:
             # policies: a profile, so that the replay builds the forecasts it reads
@@ -109,8 +109,8 @@ def main() -> int:
                                   utilisation=args.utilisation, trace_from=date(2017, 9, 1),
                                   start=date(args.year, 9, 1), bound=False, assumptions=dict(assumptions))
             prepared[key] = prepare(spec)
-        run, wall_s = replay(prepared[key], name, build)
-        print(describe(prepared[key], name, run, wall_s), flush=True)
+        run, wall_s = replay(prepared[key], label, build)
+        print(describe(prepared[key], label, run, wall_s), flush=True)
     return 0
 
 
