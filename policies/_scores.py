@@ -60,6 +60,10 @@ def normalise(norm: np.ndarray, lower: np.ndarray, flat: np.ndarray, weights: np
     return totals
 
 
+NO_VALUES = np.zeros(0)
+"""An empty ``row_factor`` or ``factors`` for :func:`least_scaled`."""
+
+
 @_jit()
 def least_scaled(room: np.ndarray, values: np.ndarray, row_factor: np.ndarray, factors: np.ndarray,
                  divisor: float) -> np.ndarray:

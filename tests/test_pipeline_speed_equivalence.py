@@ -457,7 +457,8 @@ def test_the_compiled_least_value_scaled_is_the_numpy_one(n: int, c: int, shared
         expected *= f
     expected /= divisor
     expected = unknown_last(expected)
-    got = _scores.least_scaled(np.asfortranarray(room), values, row_factor, np.array(factors, dtype=np.float64), divisor)
+    scale = np.array(factors, dtype=np.float64)
+    got = _scores.least_scaled(np.asfortranarray(room), values, row_factor, scale, divisor)
     assert got.tobytes() == expected.tobytes()
 
 

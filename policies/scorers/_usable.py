@@ -61,10 +61,8 @@ def cheapest_with_room_fit(fit: Fit) -> np.ndarray:
     return least_where(fit.room, _usable_prices(fit))
 
 
-_NONE = np.zeros(0)
-
-
 def cheapest_known_last(fit: Fit, factors: tuple[float, ...] = (), divisor: float = 1.0) -> np.ndarray:
     """``unknown_last(cheapest_with_room_fit(fit) * factors[0] * ... / divisor)``, the same values, in one
     compiled pass (``policies._scores.least_scaled``)."""
-    return _scores.least_scaled(fit.room, _usable_prices(fit), _NONE, np.array(factors, dtype=np.float64), divisor)
+    scale = np.array(factors, dtype=np.float64)
+    return _scores.least_scaled(fit.room, _usable_prices(fit), _scores.NO_VALUES, scale, divisor)

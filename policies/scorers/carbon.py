@@ -44,7 +44,8 @@ def run_intensity(req: JobRequest, snap: Snapshot, start_offset_h: float = 0.0) 
     if forecast.shape[0] == snap.n_sites and forecast.shape[1] > 0:
         into_hour = (snap.now.minute * 60 + snap.now.second + snap.now.microsecond / 1e6) / 3600.0
         if forecast.dtype == np.float64 and cum.shape == (forecast.shape[0], forecast.shape[1] + 1):
-            return _scores.window_mean_rows(forecast, cum, into_hour + start_offset_h, duration_h)  # compiled, same values
+            # window_mean, compiled: the same values
+            return _scores.window_mean_rows(forecast, cum, into_hour + start_offset_h, duration_h)
         return window_mean(forecast, into_hour + start_offset_h, duration_h, cum)
     if snap.carbon_g_per_kwh.size == snap.n_sites:
         return snap.carbon_g_per_kwh.astype(np.float64)
@@ -66,9 +67,6 @@ def power_kw_fit(fit: Fit) -> np.ndarray:
     return power
 
 
-_NO_FACTORS = np.zeros(0)
-
-
 class CarbonScorer:
     name = "carbon"
     higher_is_better = False
@@ -86,7 +84,7 @@ class CarbonScorer:
             # so the least of them is the kWh of the lowest-power model, as ``power_kw`` takes it.
             kwh = np.array([[kw * held * duration_s / 3600.0 for kw in fit.usable.tdp_kw]])
             # least_where(fit.room, kwh) * intensity / 1000, then unknown_last, in one compiled pass
-            return _scores.least_scaled(fit.room, kwh, intensity, _NO_FACTORS, 1000.0)
+            return _scores.least_scaled(fit.room, kwh, intensity, _scores.NO_VALUES, 1000.0)
         else:
             kg = power_kw_fit(fit)
             kg *= duration_s
