@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from pathlib import Path
 from datetime import datetime
@@ -90,6 +91,27 @@ def site_state_dir(db: str) -> Path | None:
         return Path("var/sites").resolve()
     return Path(db).resolve().parent / "sites"
 
+
+
+_KERNELS_READY = False
+
+
+async def _compile_decision_kernels() -> None:
+    """Compile the Numba kernels that decisions run (``policies.timeshift.warm_up``) in a worker thread,
+    before the broker takes charge. The first call of each kernel compiles it: a few seconds on a fresh
+    install (then cached on disk: milliseconds), which inside a scheduling pass would stall the event loop,
+    and with it heartbeats, lease grants and the API. Once per process; later calls return at once."""
+    global _KERNELS_READY
+    if _KERNELS_READY:
+        return
+    from policies.timeshift import warm_up
+
+    began = time.perf_counter()
+    await asyncio.to_thread(warm_up)
+    _KERNELS_READY = True
+    took = time.perf_counter() - began
+    if took >= 1.0:
+        log.info("decision kernels compiled in %.1f s (cached on disk for the next start)", took)
 
 class Broker:
     def __init__(
@@ -171,6 +193,7 @@ class Broker:
     async def start(self, sites: list[SiteSpec] | None = None, run_loop: bool = True) -> None:
         """Open the store and register the configured sites; then take charge at once, or, as one of several
         replicas (``settings.replicas``), when :meth:`elect` makes this one the leader."""
+        await _compile_decision_kernels()
         self._providers_built = await self._providers()
         self._run_loop = run_loop
         await self.store.open()

@@ -20,6 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 HELIOTROPE = [sys.executable, "-m", "broker.cli"]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the decision kernels (Numba) once, before any test: on a fresh clone that takes seconds and
+    writes the on-disk cache, which every broker this suite starts (in process or as a server process)
+    then loads in milliseconds, so no test's start-up waits for a compiler."""
+    from policies.timeshift import warm_up
+
+    warm_up()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,6 +4,8 @@ site events, retries, cancellation and unhealthy sites."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -514,3 +516,31 @@ async def test_a_checkpointed_job_reclaimed_by_the_guarantees_owner_resumes_with
     done = await h.job(borrower.id)
     assert done.state == JobState.SUCCEEDED and done.attempt == 2
     assert done.run_s == pytest.approx(2 * 3600, abs=5)
+
+
+def test_a_starting_broker_compiles_the_decision_kernels_before_it_takes_charge(tmp_path: Path) -> None:
+    """The first call of a Numba kernel compiles it (seconds on a fresh install): the broker does that in a
+    worker thread while it starts, so no scheduling pass stalls the event loop, and with it heartbeats and
+    lease grants, for a compiler. Checked in a fresh process, where nothing has called a kernel yet."""
+    probe = f"""
+import asyncio
+from broker.config import BrokerSettings
+from broker.service import Broker
+import policies._scores as scores, policies._shift_search as search
+from policies._shift_search import _Kernel
+kernels = (scores.normalise, scores.least_scaled, scores.window_mean_rows, search.search_later,
+           search.cheapest_fitting_now, search.room_now)
+assert all(isinstance(k, _Kernel) for k in kernels), "compiled before the broker started"
+async def main():
+    broker = Broker(BrokerSettings(db={str(tmp_path / 'h.db')!r}))
+    await broker.start([], run_loop=False)
+    await broker.stop()
+asyncio.run(main())
+kernels = (scores.normalise, scores.least_scaled, scores.window_mean_rows, search.search_later,
+           search.cheapest_fitting_now, search.room_now)
+print(sorted(type(k).__name__ for k in kernels))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == str(["CPUDispatcher"] * 6)
