@@ -442,11 +442,17 @@ def warm_up() -> None:
     from policies.snapshot import build_snapshot, replace_forecast
 
     now = datetime(2026, 1, 1, 0, 30, tzinfo=UTC)
+    # Two models per site: a job any model suits has several usable columns (column-major arrays), one
+    # that names a model or asks for more memory than one of them has a single column; Numba compiles
+    # each layout on its own.
     specs = [SiteSpec(name=f"s{i}", region="gcp:us-east1", grid_zone="US-MIDA-PJM", timezone="UTC", latitude=0,
-                      longitude=0, gpus=[NodeGroup(model="l4", gpus_per_node=8, nodes=1)],
-                      usd_per_gpu_hour={"l4": 1.0 + i}) for i in range(2)]
-    states = {s.name: SiteState(site=s.name, health=Health.HEALTHY, capacity=[ModelCapacity(
-        model="l4", total_gpus=8, free_gpus=8, used_gpus=0, memory_gib_per_gpu=24)]) for s in specs}
+                      longitude=0, gpus=[NodeGroup(model="l4", gpus_per_node=8, nodes=1),
+                                         NodeGroup(model="a100-80gb", gpus_per_node=8, nodes=1)],
+                      usd_per_gpu_hour={"l4": 1.0 + i, "a100-80gb": 3.0 + i}) for i in range(2)]
+    states = {s.name: SiteState(site=s.name, health=Health.HEALTHY, capacity=[
+        ModelCapacity(model="l4", total_gpus=8, free_gpus=8, used_gpus=0, memory_gib_per_gpu=24),
+        ModelCapacity(model="a100-80gb", total_gpus=8, free_gpus=8, used_gpus=0, memory_gib_per_gpu=80)])
+        for s in specs}
     snap = build_snapshot(now, specs, states)
     snap = replace_forecast(snap, np.array([[500.0] * 2 + [50.0] * 46, [400.0] * 48]))
     for name in ("green", "cheap"):
@@ -454,8 +460,8 @@ def warm_up() -> None:
         assert pipeline.shift is not None
         calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(now))
         fresh = replace(snap, plan_free=calendar.view(now, snap.free_gpus, snap.total_gpus, pipeline.shift.plan_hours))
-        for model in (None, "l4"):  # any model, and a named one: the scorers' arrays differ in layout
-            req = JobRequest(job_id="warm-up", count=8, milli=1000, model=model, memory_gib=0.0,
+        for model, memory_gib in ((None, 0.0), ("l4", 0.0), (None, 40.0)):
+            req = JobRequest(job_id="warm-up", count=8, milli=1000, model=model, memory_gib=memory_gib,
                              allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
                              deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
             plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)

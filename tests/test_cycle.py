@@ -3,6 +3,7 @@ site events, retries, cancellation and unhealthy sites."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import subprocess
 import sys
@@ -519,28 +520,32 @@ async def test_a_checkpointed_job_reclaimed_by_the_guarantees_owner_resumes_with
 
 
 def test_a_starting_broker_compiles_the_decision_kernels_before_it_takes_charge(tmp_path: Path) -> None:
-    """The first call of a Numba kernel compiles it (seconds on a fresh install): the broker does that in a
-    worker thread while it starts, so no scheduling pass stalls the event loop, and with it heartbeats and
-    lease grants, for a compiler. Checked in a fresh process, where nothing has called a kernel yet."""
+    """The first call of a Numba kernel compiles it (seconds on a fresh install), once per array layout: the
+    broker does that in a worker thread while it starts, so no scheduling pass stalls the event loop, and
+    with it heartbeats and lease grants, for a compiler. Checked in a fresh process, where nothing has called
+    a kernel yet: after start every kernel holds compiled code, the scorers' for jobs that any of several
+    models suits (column-major arrays) and for jobs with one usable model."""
     probe = f"""
 import asyncio
 from broker.config import BrokerSettings
 from broker.service import Broker
 import policies._scores as scores, policies._shift_search as search
-from policies._shift_search import _Kernel
-kernels = (scores.normalise, scores.least_scaled, scores.window_mean_rows, search.search_later,
-           search.cheapest_fitting_now, search.room_now)
-assert all(isinstance(k, _Kernel) for k in kernels), "compiled before the broker started"
+names = ("normalise", "least_scaled", "window_mean_rows", "search_later", "cheapest_fitting_now", "room_now")
+def compiled():
+    return {{n: [tuple(getattr(t, "layout", "") for t in sig) for sig in getattr(getattr(scores, n, None) or
+            getattr(search, n), "signatures", [])] for n in names}}
+assert not any(compiled().values()), "compiled before the broker started"
 async def main():
     broker = Broker(BrokerSettings(db={str(tmp_path / 'h.db')!r}))
     await broker.start([], run_loop=False)
     await broker.stop()
 asyncio.run(main())
-kernels = (scores.normalise, scores.least_scaled, scores.window_mean_rows, search.search_later,
-           search.cheapest_fitting_now, search.room_now)
-print(sorted(type(k).__name__ for k in kernels))
+print(compiled())
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[-2] == str(["CPUDispatcher"] * 6)
+    compiled = ast.literal_eval(out.stdout.strip().split("\n")[-1])
+    assert all(compiled[name] for name in compiled), compiled  # every kernel has compiled code
+    rooms = {layouts[0] for layouts in compiled["least_scaled"]}
+    assert rooms == {"C", "F"}, compiled["least_scaled"]  # one usable column, and several
