@@ -107,11 +107,15 @@ async def _compile_decision_kernels() -> None:
     from policies.timeshift import warm_up
 
     began = time.perf_counter()
-    await asyncio.to_thread(warm_up)
+    compiling = asyncio.ensure_future(asyncio.to_thread(warm_up))
+    done, _ = await asyncio.wait({compiling}, timeout=1.0)
+    if not done:  # not in the disk cache: say why the start pauses
+        log.info("compiling the decision kernels (Numba; the first start after an install only)")
+    await compiling
     _KERNELS_READY = True
     took = time.perf_counter() - began
     if took >= 1.0:
-        log.info("decision kernels compiled in %.1f s (cached on disk for the next start)", took)
+        log.info("decision kernels ready in %.1f s (cached on disk for the next start)", took)
 
 class Broker:
     def __init__(
