@@ -92,15 +92,14 @@ def site_state_dir(db: str) -> Path | None:
     return Path(db).resolve().parent / "sites"
 
 
-
 _KERNELS_READY = False
 
 
 async def _compile_decision_kernels() -> None:
     """Compile the Numba kernels that decisions run (``policies.timeshift.warm_up``) in a worker thread,
-    before the broker takes charge. The first call of each kernel compiles it: a few seconds on a fresh
-    install (then cached on disk: milliseconds), which inside a scheduling pass would stall the event loop,
-    and with it heartbeats, lease grants and the API. Once per process; later calls return at once."""
+    before the broker takes charge. The first call of each kernel compiles it: seconds on a fresh install
+    (then loaded from the disk cache: under a second), which inside a scheduling pass would stall the event
+    loop, and with it heartbeats, lease grants and the API. Once per process; later calls return at once."""
     global _KERNELS_READY
     if _KERNELS_READY:
         return
@@ -108,7 +107,7 @@ async def _compile_decision_kernels() -> None:
 
     began = time.perf_counter()
     compiling = asyncio.ensure_future(asyncio.to_thread(warm_up))
-    done, _ = await asyncio.wait({compiling}, timeout=1.0)
+    done, _ = await asyncio.wait({compiling}, timeout=2.0)
     if not done:  # not in the disk cache: say why the start pauses
         log.info("compiling the decision kernels (Numba; the first start after an install only)")
     await compiling
@@ -116,6 +115,7 @@ async def _compile_decision_kernels() -> None:
     took = time.perf_counter() - began
     if took >= 1.0:
         log.info("decision kernels ready in %.1f s (cached on disk for the next start)", took)
+
 
 class Broker:
     def __init__(
