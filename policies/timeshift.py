@@ -433,8 +433,8 @@ def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
 def warm_up() -> None:
     """Compile the search (``policies._shift_search``) and the pipeline's kernels (``policies._scores``) for
     the array types the broker hands them, so that the first job a fresh deployment decides does not wait
-    for Numba (a few seconds, once: the code is
-    cached on disk, in ``NUMBA_CACHE_DIR`` when set). The container image runs this when it is built."""
+    for Numba (seconds, once: the code is cached on disk, in ``NUMBA_CACHE_DIR`` when set). A starting
+    broker runs this in a worker thread; the container image runs it when it is built."""
     from datetime import timedelta
 
     from broker.models import Health, ModelCapacity, NodeGroup, SiteSpec, SiteState

@@ -56,13 +56,8 @@ def _usable_prices(fit: Fit) -> np.ndarray:
     return snap.derived(("usd-per-gpu-hour", usable.key), usable.of, snap.usd_per_gpu_hour)
 
 
-def cheapest_with_room_fit(fit: Fit) -> np.ndarray:
-    """``cheapest_with_room`` over the decision's shared fit: the same values."""
-    return least_where(fit.room, _usable_prices(fit))
-
-
 def cheapest_known_last(fit: Fit, factors: tuple[float, ...] = (), divisor: float = 1.0) -> np.ndarray:
-    """``unknown_last(cheapest_with_room_fit(fit) * factors[0] * ... / divisor)``, the same values, in one
-    compiled pass (``policies._scores.least_scaled``)."""
+    """``unknown_last(cheapest_with_room(req, snap) * factors[0] * ... / divisor)`` over the decision's
+    shared fit, the same values, in one compiled pass (``policies._scores.least_scaled``)."""
     scale = np.array(factors, dtype=np.float64)
     return _scores.least_scaled(fit.room, _usable_prices(fit), _scores.NO_VALUES, scale, divisor)
