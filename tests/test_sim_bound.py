@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from scipy import sparse
 from scipy.optimize import linprog
 
-from broker.simulation.bound import BoundError, BoundResult, offline_bound
+from broker.simulation.bound import BoundError, BoundInfeasible, BoundResult, offline_bound
 from broker.simulation.results import SiteFacts
 
 H = 3600.0
@@ -227,12 +227,14 @@ def test_no_grid_small_enough_is_an_error_asking_for_more_variables():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def naive_lp(sites: SiteFacts, release, end, work) -> tuple[float, float]:
-    """The definition itself: x[job, site, hour] over each job's outward-rounded hours."""
+def naive_lp(sites: SiteFacts, release, end, work, allowed=None) -> tuple[float, float]:
+    """The definition itself: x[job, site, hour] over each job's outward-rounded hours (at the sites it is
+    allowed, all by default)."""
     first = np.floor(np.asarray(release) / H).astype(int)
     last = np.ceil(np.asarray(end) / H).astype(int) - 1
     n_sites, n_hours = sites.intensity.shape
-    cols = [(j, s, t) for j in range(len(work)) for s in range(n_sites) for t in range(first[j], last[j] + 1)]
+    cols = [(j, s, t) for j in range(len(work)) for s in range(n_sites) for t in range(first[j], last[j] + 1)
+            if allowed is None or allowed[j][s]]
     n = len(cols)
     job_rows = sparse.coo_matrix((np.ones(n), ([c[0] for c in cols], range(n))), shape=(len(work), n))
     cap_rows = sparse.coo_matrix((np.ones(n), ([c[1] * n_hours + c[2] for c in cols], range(n))),
@@ -269,16 +271,17 @@ def greedy_hourly(sites: SiteFacts, release, work) -> tuple[np.ndarray, np.ndarr
     return used, last
 
 
-def continuous_schedule(sites: SiteFacts, release, gpus, duration_s):
+def continuous_schedule(sites: SiteFacts, release, gpus, duration_s, allowed=None):
     """A schedule a real policy could make: each job whole at one site from its start to its end, never more
-    GPUs than the site holds at any instant; jobs in submit order, each at the earliest start it can get."""
+    GPUs than the site holds at any instant; jobs in submit order, each at the earliest start it can get (at
+    a site it is allowed, all by default)."""
     placed: list[list[tuple[float, float, int]]] = [[] for _ in range(sites.n_sites)]
     site = np.zeros(len(gpus), dtype=int)
     start = np.zeros(len(gpus))
     for j in np.argsort(release, kind="stable"):
         best = None
         for s in range(sites.n_sites):
-            if gpus[j] > sites.capacity_gpus[s]:
+            if gpus[j] > sites.capacity_gpus[s] or (allowed is not None and not allowed[j][s]):
                 continue
             for t0 in sorted({release[j], *(e for _, e, _ in placed[s] if e > release[j])}):
                 t1 = t0 + duration_s[j]
@@ -400,3 +403,72 @@ def test_bound_never_exceeds_a_whole_job_schedule_in_continuous_time(sites, data
         cost_scale = float(sites.usd_per_gpu_hour.max()) * r.gpu_hours
         assert coarse.carbon_kg <= r.carbon_kg + 2e-6 * carbon_scale + 1e-12
         assert coarse.cost_usd <= r.cost_usd + 2e-6 * cost_scale + 1e-12
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Jobs tied to some sites (latency objectives)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_job_tied_to_the_dirty_site_pays_for_it_and_leaves_the_clean_one_to_others():
+    # Site 0 is clean and holds 1 GPU; site 1 is dirty and holds 2. Power 1 kW per GPU.
+    sites = facts([[100.0, 100.0, 100.0], [500.0, 500.0, 500.0]], [1, 2], price=[3.0, 1.0])
+    free = bound(sites, [0.0], [3 * H], [3.0])
+    assert free.carbon_kg == approx(0.3)
+    tied = bound(sites, [0.0], [3 * H], [3.0], allowed_sites=np.array([[False, True]]))
+    assert tied.carbon_kg == approx(1.5) and tied.cost_usd == approx(3.0)
+    # One job may use only the clean site: it fills two of its three GPU-hours, the other job spills.
+    both = bound(sites, [0.0, 0.0], [3 * H, 3 * H], [3.0, 2.0], allowed_sites=np.array([[True, True], [True, False]]))
+    assert both.carbon_kg == approx((3 * 100 + 2 * 500) / 1000)
+    # Every job allowed everywhere is the unrestricted LP, the same model.
+    everywhere = bound(sites, [0.0], [3 * H], [3.0], allowed_sites=np.array([[True, True]]))
+    assert everywhere.carbon_kg == approx(free.carbon_kg) and everywhere.variables == free.variables
+
+
+def test_tied_jobs_that_cannot_fit_their_sites_are_infeasible_naming_them():
+    sites = facts([[100.0, 300.0], [500.0, 500.0]], [1, 4])
+    with pytest.raises(BoundInfeasible, match=r"jobs \(the jobs that may use only s0\) whose windows lie within hours 0\.\.0"):
+        bound(sites, [0.0, 0.0], [H, H], [1.0, 1.0], allowed_sites=np.array([[True, False], [True, False]]))
+    with pytest.raises(BoundInfeasible, match="job 1 may use no site with GPUs"):
+        bound(facts([[100.0], [200.0]], [1, 0]), [0.0, 0.0], [H, H], [0.5, 0.5],
+              allowed_sites=np.array([[True, False], [False, True]]))
+    # Each group fits alone, but not together: the LP says so.
+    three = facts([[100.0], [200.0], [300.0]], [1, 1, 1])
+    allowed = np.array([[True, True, False], [True, True, False], [True, True, False], [True, False, False]])
+    with pytest.raises(BoundInfeasible):
+        bound(three, [0.0] * 4, [H] * 4, [0.9, 0.9, 0.2, 0.5], allowed_sites=allowed)
+    with pytest.raises(BoundError, match=r"allowed_sites must be a bool array of \[jobs, sites\] = \[1, 2\]"):
+        bound(sites, [0.0], [H], [1.0], allowed_sites=np.array([[1, 0]]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sites=federations(max_hours=10), data=st.data())
+def test_with_allowed_sites_the_bound_is_the_naive_lp_and_below_a_whole_job_schedule(sites, data):
+    n_jobs = data.draw(st.integers(1, 6))
+    cap_max = int(sites.capacity_gpus.max())
+    release = np.array(data.draw(st.lists(st.floats(0, 3 * H), min_size=n_jobs, max_size=n_jobs)))
+    gpus = np.array(data.draw(st.lists(st.integers(1, cap_max), min_size=n_jobs, max_size=n_jobs)))
+    duration = np.array(data.draw(st.lists(st.floats(60, 2 * H), min_size=n_jobs, max_size=n_jobs)))
+    roomy = sites.capacity_gpus[None, :] >= gpus[:, None]  # each job keeps at least one site it fits
+    draws = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=sites.n_sites, max_size=sites.n_sites),
+                                        min_size=n_jobs, max_size=n_jobs)))
+    allowed = draws & roomy
+    allowed[~allowed.any(axis=1), :] = roomy[~allowed.any(axis=1), :]
+    site, start = continuous_schedule(sites, release, gpus, duration, allowed)
+    finish = start + duration
+    assume(finish.max() <= sites.hours * H)
+    end = np.minimum(finish + np.array(data.draw(st.lists(st.floats(0, 2 * H), min_size=n_jobs, max_size=n_jobs))),
+                     sites.hours * H)
+    work = gpus * duration / H
+    r = offline_bound(sites, release, end, work, allowed_sites=allowed)
+    carbon, cost = schedule_carbon_cost(sites, site, start, finish, gpus)
+    assert below(r.carbon_kg, carbon)
+    assert below(r.cost_usd, cost)
+    naive_carbon, naive_cost = naive_lp(sites, release, end, work, allowed)
+    carbon_scale = float((sites.power_kw_per_gpu[:, None] * sites.intensity).max()) / 1000 * float(work.sum())
+    cost_scale = float(sites.usd_per_gpu_hour.max()) * float(work.sum())
+    assert r.carbon_kg == approx(naive_carbon, rel=1e-5, abs=3e-6 * carbon_scale + 1e-12)
+    assert r.cost_usd == approx(naive_cost, rel=1e-5, abs=3e-6 * cost_scale + 1e-12)
+    # Tying jobs to sites only takes choices away: never below the bound without it.
+    free = offline_bound(sites, release, end, work)
+    assert free.carbon_kg <= r.carbon_kg + 2e-6 * carbon_scale + 1e-12

@@ -3,7 +3,9 @@ have, knowing the future carbon intensity of every site perfectly.
 
 What it solves
     A fluid linear program over hourly slots. Each job brings ``gpu_hours`` of work that may be split in any
-    way over the hours of its window and over the sites; in every hour ``t`` a site ``s`` serves at most
+    way over the hours of its window and over the sites it may use (``allowed_sites``: all by default; the
+    simulator gives each job the sites it fits and that meet its latency objective, the sites every policy
+    is held to); in every hour ``t`` a site ``s`` serves at most
     ``capacity_gpus[s]`` GPU-hours in all; every job is served in full. The first LP minimises carbon,
     ``sum GPUh[s, t] × power_kw_per_gpu[s] × intensity[s, t] / 1000`` (kg; intensity is g/kWh), the second
     minimises cost, ``sum GPUh[s, t] × usd_per_gpu_hour[s]``. Both are solved by HiGHS through
@@ -11,39 +13,44 @@ What it solves
 
 Why it is a lower bound
     Everything a real schedule must respect and the LP does not is a relaxation: a job may take any number
-    of GPU-hours in one hour (no limit from its GPU count), may spread over several sites at once, is never
-    tied to a site (no latency objective, no allowed regions, no GPU model) and never pays for restarts;
+    of GPU-hours in one hour (no limit from its GPU count), may spread over several of its sites at once,
+    is tied to no site beyond ``allowed_sites`` and never pays for restarts;
     each site draws its lowest power per GPU and holds all its GPUs (``SiteFacts`` gives both that way). A
     job's window is rounded *outward* to whole hours: it may use hour ``floor(release_s / 3600)`` through
     hour ``ceil(end_s / 3600) - 1``, both included, so a job that runs inside ``[release_s, end_s)`` uses
     only hours of its LP window. Hence for every schedule that keeps each site within its capacity at every
-    instant and runs each job inside its window, the LP optimum is at most that schedule's carbon (and
+    instant and runs each job inside its window at sites it is allowed, the LP optimum is at most that
+    schedule's carbon (and
     cost), counted with the same hourly intensities. To compare the bound with several schedules, give each
     job a window that holds its run in all of them (e.g. its submit time to the latest of its deadline and
     its ends); a wider window only lowers the bound.
 
 The exact reduction (no approximation)
-    1. Jobs with the same first and last hour form one class; their GPU-hours add up. Jobs with no work
+    1. Jobs allowed the same sites form a group (one group when every job may use every site). In a group,
+       jobs with the same first and last hour form one class; their GPU-hours add up. Jobs with no work
        are dropped.
-    2. A class may use any hour of its window at any site, so the LP only needs how much of each class is
-       served in each hour, plus how each hour's total is split over the sites (``z[s, t] <=
-       capacity_gpus[s]``, cost per GPU-hour of site ``s`` in hour ``t``).
-    3. The hours of a window ``[a, d]`` are the disjoint union of at most ``2 log2(d - a + 1)`` blocks of a
+    2. A class may use any hour of its window at any of its group's sites, so the LP only needs how much
+       of each class is served in each hour, plus how the group's total in each hour is split over its
+       sites (``z[g, s, t] <= capacity_gpus[s]``, cost per GPU-hour of site ``s`` in hour ``t``); where
+       several groups may use site ``s`` in hour ``t``, one row keeps their sum within its capacity.
+    3. Per group, the hours of a window ``[a, d]`` are the disjoint union of at most ``2 log2(d - a + 1)`` blocks of a
        segment tree over the hours (block ``b`` of level ``k`` is hours ``[b 2^k, (b + 1) 2^k)``). A class
        sends its work to its blocks in any split (one variable per block; a class of one block injects its
        work there directly), and each block passes work down to its two halves without limit, down to the
        hours. Work that enters a block can reach any hour of it and no other, so the flows that this
        network allows are exactly the assignments of class work to hours of its window.
-    The model has about ``sum over classes of their blocks + 2 × hours + sites × hours`` variables and
-    ``blocks + classes`` equality rows, instead of ``jobs × sites × hours`` variables. The full Philly trace
-    (82,247 jobs, windows to hour 4,223, 16 sites) gives 117,610 variables and 17,776 rows instead of
-    5.6 billion.
+    The model has about ``sum over classes of their blocks + per group (2 × hours + its sites × hours)``
+    variables and ``blocks + classes`` equality rows (plus a capacity row per site-hour shared by groups),
+    instead of ``jobs × sites × hours`` variables. The full Philly trace (82,247 jobs, windows to hour
+    4,223, 16 sites) gives 117,610 variables and 17,776 rows instead of 5.6 billion when every job may use
+    every site; with its 8,217 latency-bound jobs tied to the sites within 50 ms of their origin, 177,593
+    variables and 75,421 rows (7 groups).
 
 Solving
     Each LP goes to HiGHS's interior-point solver with crossover (``method="highs-ipm"``), 2 to 3 times
     faster than dual simplex here; should it stop on numerical trouble, dual simplex solves it again. The
     two LPs run in two threads (HiGHS releases the GIL). The full Philly trace takes 7 to 13 s on a 2-core
-    machine, its 30 days from 2017-10-01 (46,722 jobs, 66,467 variables) 2.5 to 4 s, and the time grows
+    machine (15 to 20 s with its latency-bound jobs tied to their sites), its 30 days from 2017-10-01 (46,722 jobs, 66,467 variables) 2.5 to 4 s, and the time grows
     about linearly with the variables (four copies of the trace end to end, 385,000 variables: 30 s).
     HiGHS meets its tolerances (about 1e-7, relative) rather than exact arithmetic, so the optimum may be
     off by that much either way.
@@ -155,14 +162,18 @@ def offline_bound(
     end_s: np.ndarray,
     gpu_hours: np.ndarray,
     *,
+    allowed_sites: np.ndarray | None = None,
     max_variables: int = DEFAULT_MAX_VARIABLES,
 ) -> BoundResult:
     """The least carbon and the least cost of serving every job inside its window (module docstring).
 
     ``release_s[i]`` and ``end_s[i]`` (float seconds after the run start, ``end_s > release_s``; equal is
-    allowed for a job with no work) bound job ``i``'s window and ``gpu_hours[i] >= 0`` is its work. Raises :class:`BoundError` for mismatched shapes,
-    bad values, a window outside the intensity data (naming the job and the hour), work the sites cannot
-    serve in time (naming the hours), or an LP above ``max_variables`` even at the coarsest grid.
+    allowed for a job with no work) bound job ``i``'s window and ``gpu_hours[i] >= 0`` is its work.
+    ``allowed_sites`` (bool[jobs, sites], None: every site) says where each job may run, e.g. only the sites
+    that meet its latency objective. Raises :class:`BoundError` for mismatched shapes, bad values, a window
+    outside the intensity data (naming the job and the hour), work the sites cannot serve in time
+    (:class:`BoundInfeasible`, naming the hours, or the job allowed no site with GPUs), or an LP above
+    ``max_variables`` even at the coarsest grid.
     """
     t0 = time.perf_counter()
     if isinstance(max_variables, bool) or not isinstance(max_variables, (int, np.integer)) or max_variables < 1:
@@ -176,21 +187,33 @@ def offline_bound(
     total = float(work.sum()) if n_jobs else 0.0
     used = capacity > 0
     energy = total * float(power[used].min()) if total > 0 and used.any() else 0.0
+    group_of, group_sites = _groups(allowed_sites, n_jobs, used, work > 0, sites.names)
     has_work = work > 0
     if not has_work.any():
         return BoundResult(0.0, 0.0, 0.0, n_jobs, total, 0, 0, time.perf_counter() - t0, "none")
 
-    a, d, w = _classes(first[has_work], last[has_work], work[has_work], hours)
-    _check_feasible(a, d, w, float(capacity.sum()), int(used.sum()))
+    first, last, work, group_of = first[has_work], last[has_work], work[has_work], group_of[has_work]
+    _check_feasible(*_classes(first, last, work, hours), float(capacity.sum()), int(used.sum()))
+    present = [g for g in range(len(group_sites)) if (group_of == g).any()]  # groups with work
+    for g in present:  # each group alone on its own sites: named when it cannot fit
+        members = group_sites[g]
+        if len(members) < int(used.sum()):
+            mine = group_of == g
+            _check_feasible(*_classes(first[mine], last[mine], work[mine], hours), float(capacity[members].sum()),
+                            len(members), f" (the jobs that may use only {', '.join(sites.names[i] for i in members)})")
 
-    model = _Model.build(a, d, w, hours, capacity)
+    def build(a: np.ndarray, d: np.ndarray) -> _Model:
+        return _Model.build([(*_classes(a[group_of == g], d[group_of == g], work[group_of == g], hours),
+                              group_sites[g]) for g in present], hours, capacity)
+
+    model = build(first, last)
     relaxation = "none"
     if model.variables > max_variables:
         exact_variables = model.variables
         for fraction in COARSENING:
-            ca, cd = _coarsen(first[has_work], last[has_work], fraction, hours)
-            widened = int(np.count_nonzero((ca != first[has_work]) | (cd != last[has_work])))
-            model = _Model.build(*_classes(ca, cd, work[has_work], hours), hours, capacity)
+            ca, cd = _coarsen(first, last, fraction, hours)
+            widened = int(np.count_nonzero((ca != first) | (cd != last)))
+            model = build(ca, cd)
             if model.variables <= max_variables:
                 relaxation = (
                     f"coarsened: the exact hour-slot LP needs {exact_variables:,} variables, more than "
@@ -322,8 +345,9 @@ def _coarsen(first: np.ndarray, last: np.ndarray, fraction: float, hours: int) -
     return (first // grid) * grid, np.minimum((last // grid + 1) * grid - 1, hours - 1)
 
 
-def _check_feasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float, n_sites: int) -> None:
-    """Earliest deadline first on one machine of ``pooled`` GPU-hours per hour; raises if a window is missed."""
+def _check_feasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float, n_sites: int, who: str = "") -> None:
+    """Earliest deadline first on one machine of ``pooled`` GPU-hours per hour; raises if a window is missed
+    (``who``: which jobs these are, for the message)."""
     tol = _FEASIBILITY_TOL * max(pooled, 1.0)
     order = np.lexsort((d, a))
     a_sorted, d_sorted, rem = a[order].tolist(), d[order].tolist(), w[order].tolist()
@@ -345,11 +369,12 @@ def _check_feasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float, 
             if rem[j] <= tol:
                 heapq.heappop(heap)
         if heap and heap[0][0] <= t:
-            _raise_infeasible(a, d, w, pooled, n_sites, heap[0][0])
+            _raise_infeasible(a, d, w, pooled, n_sites, heap[0][0], who)
         t += 1
 
 
-def _raise_infeasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float, n_sites: int, q: int) -> NoReturn:
+def _raise_infeasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float, n_sites: int, q: int,
+                      who: str = "") -> NoReturn:
     """Name the interval ending at hour ``q`` whose jobs exceed the sites' GPU-hours the most."""
     inside = d <= q
     by_first = np.bincount(a[inside], weights=w[inside], minlength=q + 1)
@@ -357,11 +382,32 @@ def _raise_infeasible(a: np.ndarray, d: np.ndarray, w: np.ndarray, pooled: float
     held = pooled * (q + 1 - np.arange(q + 1))
     p = int(np.argmax(need - held))
     raise BoundInfeasible(
-        f"the sites cannot serve the work in time, so the LP is infeasible: the jobs whose windows lie within "
-        f"hours {p}..{q} (seconds {p * SLOT_S:g} to {(q + 1) * SLOT_S:g}) need {need[p]:.6g} GPU-hours, but "
+        f"the sites cannot serve the work in time, so the LP is infeasible: the jobs{who} whose windows lie "
+        f"within hours {p}..{q} (seconds {p * SLOT_S:g} to {(q + 1) * SLOT_S:g}) need {need[p]:.6g} GPU-hours, but "
         f"the {n_sites} site(s) with GPUs hold {pooled:g} GPUs × {q + 1 - p} h = {held[p]:.6g} GPU-hours; "
         "widen the windows or add capacity"
     )
+
+
+def _groups(allowed: Any, n_jobs: int, used: np.ndarray, has_work: np.ndarray,
+            names: tuple[str, ...]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Jobs grouped by the sites with GPUs they may use: each job's group, and each group's site indices.
+    None: one group, every site with GPUs."""
+    if allowed is None:
+        return np.zeros(n_jobs, dtype=np.int64), [np.flatnonzero(used)]
+    mask = np.asarray(allowed)
+    if mask.dtype != bool or mask.shape != (n_jobs, len(used)):
+        raise BoundError(f"allowed_sites must be a bool array of [jobs, sites] = [{n_jobs}, {len(used)}], not "
+                         f"{mask.dtype} of shape {list(mask.shape)}")
+    mask = mask & used
+    stranded = has_work & ~mask.any(axis=1)
+    if stranded.any():
+        i = int(np.argmax(stranded))
+        raise BoundInfeasible(f"job {i} may use no site with GPUs (allowed: "
+                              f"{', '.join(n for n, ok in zip(names, np.asarray(allowed)[i], strict=True) if ok) or 'none'}), "
+                              "so the LP is infeasible")
+    rows, group_of = np.unique(mask, axis=0, return_inverse=True)
+    return group_of.reshape(-1).astype(np.int64), [np.flatnonzero(r) for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -394,14 +440,86 @@ def _blocks(a: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return np.concatenate(out_c), np.concatenate(out_k).astype(np.int64), np.concatenate(out_b)
 
 
+def _network(a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, sites: np.ndarray, row0: int, var0: int,
+             rows: list[np.ndarray], cols: list[np.ndarray], vals: list[np.ndarray], b_eq: list[np.ndarray],
+             z_var: list[np.ndarray], z_site: list[np.ndarray], z_hour: list[np.ndarray]) -> tuple[int, int]:
+    """Append one group's network (its rows from ``row0``, its variables from ``var0``) to the LP's parts;
+    returns the next free row and variable."""
+    cls_of, lev, blk = _blocks(a, d)
+    levels = (hours - 1).bit_length() + 1  # the top level has one block
+    n_blocks = [-(-hours // (1 << k)) for k in range(levels)]
+    need = [np.zeros(n, dtype=bool) for n in n_blocks]
+    for k in range(levels):
+        need[k][blk[lev == k]] = True
+    for k in range(levels - 1, 0, -1):  # every block below a used block is needed
+        parents = np.flatnonzero(need[k])
+        children = np.concatenate([2 * parents, 2 * parents + 1])
+        need[k - 1][children[children < n_blocks[k - 1]]] = True
+    offset = row0 + np.cumsum([0] + [int(m.sum()) for m in need])
+    row_of = [offset[k] + np.cumsum(need[k]) - 1 for k in range(levels)]  # node row per (level, block)
+    n_nodes = int(offset[-1]) - row0
+
+    pieces = np.bincount(cls_of, minlength=len(a))
+    single = pieces[cls_of] == 1
+    node_row = np.empty(len(cls_of), dtype=np.int64)
+    for k in range(levels):
+        at = lev == k
+        node_row[at] = row_of[k][blk[at]]
+    # Node rows: outflow - inflow = work injected there (classes of one block).
+    nodes_b = np.zeros(n_nodes, dtype=np.float64)
+    np.add.at(nodes_b, node_row[single] - row0, w[cls_of[single]])
+
+    # Splits of classes of several blocks: class row +1 (the splits sum to its work), block row -1.
+    multi = np.flatnonzero(pieces > 1)
+    class_row = np.full(len(a), -1, dtype=np.int64)
+    class_row[multi] = row0 + n_nodes + np.arange(len(multi))
+    split = ~single
+    n_var = var0
+    var = n_var + np.arange(int(split.sum()))
+    rows += [class_row[cls_of[split]], node_row[split]]
+    cols += [var, var]
+    vals += [np.ones(len(var)), -np.ones(len(var))]
+    b_eq += [nodes_b, w[multi]]
+    n_var += len(var)
+
+    # Tree edges, unbounded: parent row +1, child row -1.
+    for k in range(1, levels):
+        parents = np.flatnonzero(need[k])
+        for half in (0, 1):
+            child = 2 * parents + half
+            ok = child < n_blocks[k - 1]
+            var = n_var + np.arange(int(ok.sum()))
+            rows += [row_of[k][parents[ok]], row_of[k - 1][child[ok]]]
+            cols += [var, var]
+            vals += [np.ones(len(var)), -np.ones(len(var))]
+            n_var += len(var)
+
+    # Site split of each hour reached: hour row +1 (outflow), 0 <= z[g, s, t] <= capacity[s].
+    hours_used = np.flatnonzero(need[0])
+    zh = np.repeat(hours_used, len(sites))
+    zs = np.tile(sites, len(hours_used))
+    var = n_var + np.arange(len(zh))
+    rows.append(row_of[0][zh])
+    cols.append(var)
+    vals.append(np.ones(len(var)))
+    z_var.append(var)
+    z_site.append(zs)
+    z_hour.append(zh)
+    return row0 + n_nodes + len(multi), n_var + len(var)
+
+
 @dataclass
 class _Model:
-    """The network LP of module docstring step 3 with the site split of every hour some window reaches."""
+    """The network LP of module docstring step 3, one network per site group, with the site split of every
+    hour a group's windows reach; where several groups may use the same site in the same hour, a row keeps
+    their GPU-hours within its capacity."""
 
-    a_eq: sparse.csc_matrix  # rows: blocks, then classes of several blocks; columns: splits, tree edges, z
+    a_eq: sparse.csc_matrix  # rows: per group, its blocks then its classes of several blocks
     b_eq: np.ndarray
+    a_ub: sparse.csc_matrix | None  # rows: (site, hour) pairs shared by several groups; None: no sharing
+    b_ub: np.ndarray | None
     bounds: np.ndarray  # [variables, 2]: lower (0) and upper bound of each variable
-    z_start: int  # variables z_start.. are the z[s, t]
+    z_var: np.ndarray  # the variables z[g, s, t], and their site and hour
     z_site: np.ndarray
     z_hour: np.ndarray
 
@@ -411,85 +529,45 @@ class _Model:
 
     @property
     def constraints(self) -> int:
-        return int(self.a_eq.shape[0])
+        return int(self.a_eq.shape[0]) + (int(self.a_ub.shape[0]) if self.a_ub is not None else 0)
 
     @classmethod
-    def build(cls, a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, capacity: np.ndarray) -> _Model:
-        cls_of, lev, blk = _blocks(a, d)
-        levels = (hours - 1).bit_length() + 1  # the top level has one block
-        n_blocks = [-(-hours // (1 << k)) for k in range(levels)]
-        need = [np.zeros(n, dtype=bool) for n in n_blocks]
-        for k in range(levels):
-            need[k][blk[lev == k]] = True
-        for k in range(levels - 1, 0, -1):  # every block below a used block is needed
-            parents = np.flatnonzero(need[k])
-            children = np.concatenate([2 * parents, 2 * parents + 1])
-            need[k - 1][children[children < n_blocks[k - 1]]] = True
-        offset = np.cumsum([0] + [int(m.sum()) for m in need])
-        row_of = [offset[k] + np.cumsum(need[k]) - 1 for k in range(levels)]  # node row per (level, block)
-        n_nodes = int(offset[-1])
-
-        pieces = np.bincount(cls_of, minlength=len(a))
-        single = pieces[cls_of] == 1
-        node_row = np.empty(len(cls_of), dtype=np.int64)
-        for k in range(levels):
-            at = lev == k
-            node_row[at] = row_of[k][blk[at]]
-        # Node rows: outflow - inflow = work injected there (classes of one block).
-        b_eq = np.zeros(n_nodes, dtype=np.float64)
-        np.add.at(b_eq, node_row[single], w[cls_of[single]])
-
+    def build(cls, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], hours: int,
+              capacity: np.ndarray) -> _Model:
+        """``groups``: per site group, its classes (first hours, last hours, work) and its sites (indices of
+        sites with GPUs)."""
         rows: list[np.ndarray] = []
         cols: list[np.ndarray] = []
         vals: list[np.ndarray] = []
-        n_var = 0
-
-        # Splits of classes of several blocks: class row +1 (the splits sum to its work), block row -1.
-        multi = np.flatnonzero(pieces > 1)
-        class_row = np.full(len(a), -1, dtype=np.int64)
-        class_row[multi] = n_nodes + np.arange(len(multi))
-        split = ~single
-        var = np.arange(int(split.sum()))
-        rows += [class_row[cls_of[split]], node_row[split]]
-        cols += [var, var]
-        vals += [np.ones(len(var)), -np.ones(len(var))]
-        b_eq = np.concatenate([b_eq, w[multi]])
-        n_var += len(var)
-
-        # Tree edges, unbounded: parent row +1, child row -1.
-        for k in range(1, levels):
-            parents = np.flatnonzero(need[k])
-            for half in (0, 1):
-                child = 2 * parents + half
-                ok = child < n_blocks[k - 1]
-                var = n_var + np.arange(int(ok.sum()))
-                rows += [row_of[k][parents[ok]], row_of[k - 1][child[ok]]]
-                cols += [var, var]
-                vals += [np.ones(len(var)), -np.ones(len(var))]
-                n_var += len(var)
-
-        # Site split of each hour reached: hour row +1 (outflow), 0 <= z[s, t] <= capacity[s].
-        hours_used = np.flatnonzero(need[0])
-        sites_used = np.flatnonzero(capacity > 0)
-        z_hour = np.repeat(hours_used, len(sites_used))
-        z_site = np.tile(sites_used, len(hours_used))
-        var = n_var + np.arange(len(z_hour))
-        rows.append(row_of[0][z_hour])
-        cols.append(var)
-        vals.append(np.ones(len(var)))
-        z_start, n_var = n_var, n_var + len(var)
-
+        b_eq: list[np.ndarray] = []
+        z_var: list[np.ndarray] = []
+        z_site: list[np.ndarray] = []
+        z_hour: list[np.ndarray] = []
+        n_row = n_var = 0
+        for a, d, w, sites in groups:
+            n_row, n_var = _network(a, d, w, hours, sites, n_row, n_var, rows, cols, vals, b_eq, z_var, z_site,
+                                    z_hour)
+        zv, zs, zh = np.concatenate(z_var), np.concatenate(z_site), np.concatenate(z_hour)
         upper = np.full(n_var, np.inf)
-        upper[z_start:] = capacity[z_site]
+        upper[zv] = capacity[zs]
         a_eq = sparse.csc_matrix(
-            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(b_eq), n_var)
+            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_row, n_var)
         )
-        return cls(a_eq, b_eq, np.column_stack([np.zeros(n_var), upper]), z_start, z_site, z_hour)
+        a_ub = b_ub = None
+        if len(groups) > 1:  # a site-hour that several groups may use holds its capacity for all of them
+            key, inverse, count = np.unique(zs * hours + zh, return_inverse=True, return_counts=True)
+            shared = count[inverse] > 1
+            if shared.any():
+                row = np.cumsum(count > 1) - 1
+                a_ub = sparse.csc_matrix((np.ones(int(shared.sum())), (row[inverse[shared]], zv[shared])),
+                                         shape=(int((count > 1).sum()), n_var))
+                b_ub = capacity[key[count > 1] // hours].astype(np.float64)
+        return cls(a_eq, np.concatenate(b_eq), a_ub, b_ub, np.column_stack([np.zeros(n_var), upper]), zv, zs, zh)
 
     def solve(self, per_gpu_hour: np.ndarray, what: str) -> float:
-        """The least ``sum z[s, t] × per_gpu_hour[s, t]``."""
+        """The least ``sum z[g, s, t] × per_gpu_hour[s, t]``."""
         c = np.zeros(self.variables)
-        c[self.z_start:] = per_gpu_hour[self.z_site, self.z_hour]
+        c[self.z_var] = per_gpu_hour[self.z_site, self.z_hour]
         # HiGHS's tolerances are absolute (1e-7): costs are scaled to at most 1 so that tiny ones (a clean
         # hour in kg per GPU-hour) are not taken for zero, and the optimum is scaled back.
         scale = float(np.abs(c).max()) if c.size else 0.0
@@ -499,13 +577,15 @@ class _Model:
             scale = 1.0
         res = None
         for method in _METHODS:
-            res = linprog(c, A_eq=self.a_eq, b_eq=self.b_eq, bounds=self.bounds, method=method)
+            res = linprog(c, A_ub=self.a_ub, b_ub=self.b_ub, A_eq=self.a_eq, b_eq=self.b_eq, bounds=self.bounds,
+                          method=method)
             if res.status in (0, 2):
                 break
         assert res is not None
         if res.status == 2:
-            raise BoundError(f"the {what} LP is infeasible (HiGHS: {res.message}): the sites cannot serve the "
-                             "work inside the windows; widen the windows or add capacity")
+            raise BoundInfeasible(f"the {what} LP is infeasible (HiGHS: {res.message}): the sites cannot serve "
+                                  "the work inside the windows (at the sites each job may use); widen the windows "
+                                  "or add capacity")
         if res.status != 0:
             raise BoundError(f"the {what} LP was not solved (HiGHS status {res.status}: {res.message})")
         return float(res.fun) * scale

@@ -149,16 +149,23 @@ def requests_of(workload: Workload) -> list[JobRequest]:
 def fits_anywhere(requests: Sequence[JobRequest], federation: Federation) -> np.ndarray:
     """bool[n_jobs]: whether each job fits some site that meets its latency objective when that site is
     empty (the rest are left out: the policies that honour the objective could never run them)."""
+    return sites_fitting(requests, federation).any(axis=1)
+
+
+def sites_fitting(requests: Sequence[JobRequest], federation: Federation) -> np.ndarray:
+    """bool[n_jobs, n_sites]: the sites each job fits when empty and that meet its latency objective (the
+    pipeline's own GPU-fit and latency filters on the full federation): the only sites any policy could
+    run it on."""
     fit, near = GpuFitFilter(), LatencyFilter()
-    by_shape: dict[tuple[object, ...], bool] = {}
-    out = np.empty(len(requests), dtype=bool)
+    by_shape: dict[tuple[object, ...], np.ndarray] = {}
+    out = np.empty((len(requests), federation.base.n_sites), dtype=bool)
     for i, req in enumerate(requests):
         shape = req.shape
         ok = by_shape.get(shape)
         if ok is None:
             sites = fit.passes(req, federation.base)
             within = near.passes(req, federation.base)
-            ok = by_shape[shape] = bool((sites if within is None else sites & within).any())
+            ok = by_shape[shape] = sites if within is None else sites & within
         out[i] = ok
     return out
 

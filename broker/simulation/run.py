@@ -254,7 +254,8 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
         shown = min(int(np.ceil(last_end / 3600.0)) + 1, facts.hours)
         result.sites = replace(facts, intensity=facts.intensity[:, :shown])  # the run's hours, for the plots
         if spec.bound:
-            result.offline_bound, bounds = _bounds(facts, w, ran, held, result)
+            allowed = engine.sites_fitting([prep.requests[i] for i in np.flatnonzero(ran)], prep.federation)
+            result.offline_bound, bounds = _bounds(facts, w, ran, held, allowed, result)
     for name, run in result.policies.items():
         m = policy_metrics(run, facts, submit_s=w.submit_s, deadline_s=w.deadline_s, gpus=held, tenant=w.tenant,
                            rtt_ms=prep.rtt_ms, origin=w.origin_region, latency_slo_ms=w.latency_slo_ms)
@@ -304,9 +305,12 @@ def _replay_in_parallel(prep: Prepared, names: list[str], workers: int, progress
         return {name: futures[name].result() for name in names}
 
 
-def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray,
+def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, allowed: np.ndarray,
             result: SimulationResult) -> tuple[dict[str, object], dict[str, dict[str, object]]]:
     """The offline bound on the jobs' own windows, and the bound each policy is measured against.
+
+    Each job may use only the sites it fits and that meet its latency objective (``allowed``, bool[jobs
+    that ran, sites]), the sites every policy is held to.
 
     The offline bound's windows run from submit to deadline. When the sites cannot serve every job by its
     deadline even fluidly, every deadline is pushed back by the same extension (1 h, then doubling) until
@@ -324,7 +328,8 @@ def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray,
     while True:
         windows = np.minimum(deadline + extension, horizon)
         try:
-            offline = offline_bound(facts, release_s=release, end_s=windows, gpu_hours=work).as_dict()
+            offline = offline_bound(facts, release_s=release, end_s=windows, gpu_hours=work,
+                                    allowed_sites=allowed).as_dict()
             break
         except BoundInfeasible:
             if (windows >= horizon).all():
@@ -340,7 +345,7 @@ def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray,
             per_policy[name] = offline
             continue
         own = offline_bound(facts, release_s=release, end_s=np.minimum(np.fmax(windows, ends), horizon),
-                            gpu_hours=work).as_dict()
+                            gpu_hours=work, allowed_sites=allowed).as_dict()
         late = int((ends > windows + 1e-6).sum())
         own["windows"] = f"as the offline bound, with the {late} jobs this policy finished later reaching their end"
         per_policy[name] = own
