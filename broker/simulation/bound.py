@@ -68,8 +68,11 @@ Coarsening (off unless the exact model is larger than ``max_variables``)
 Feasibility
     Before any LP, the jobs are scheduled earliest-deadline-first over the hours on one pooled machine of
     ``sum(capacity_gpus)`` GPU-hours per hour, which meets every window if and only if the LP is feasible
-    (work is divisible and may go to any site). If it fails, :class:`BoundError` names an interval of hours
-    whose jobs need more GPU-hours than the sites hold in it.
+    when every job may use every site (work is divisible). If it fails, :class:`BoundInfeasible` names an
+    interval of hours whose jobs need more GPU-hours than the sites hold in it. With ``allowed_sites``, each
+    group of jobs that may use only some sites is checked the same way on those sites alone, and named when
+    it fails; groups that fit alone but not together (they share sites) are found by the LP itself, which
+    raises :class:`BoundInfeasible` without naming hours.
 
 Units
     ``release_s`` and ``end_s``: float seconds after the run start, where hour ``h`` is column ``h`` of
@@ -142,7 +145,7 @@ class BoundResult:
     jobs: int  # jobs given (including any with no work)
     gpu_hours: float  # their work in all
     variables: int  # of the LP solved (each of the two LPs has this many)
-    constraints: int  # equality rows of the LP
+    constraints: int  # rows of the LP: equalities, and capacity rows of site-hours several groups share
     solve_s: float  # wall seconds of the whole call: checks, building the LP and both solves
     relaxation: str  # the coarsening applied, in a sentence; "none" when exact on hour slots
 
@@ -172,8 +175,10 @@ def offline_bound(
     ``allowed_sites`` (bool[jobs, sites], None: every site) says where each job may run, e.g. only the sites
     that meet its latency objective. Raises :class:`BoundError` for mismatched shapes, bad values, a window
     outside the intensity data (naming the job and the hour), work the sites cannot serve in time
-    (:class:`BoundInfeasible`, naming the hours, or the job allowed no site with GPUs), or an LP above
-    ``max_variables`` even at the coarsest grid.
+    (:class:`BoundInfeasible`: naming the hours, the group of jobs or the job allowed no site with GPUs,
+    except for groups that fit alone but not together), or an LP above ``max_variables`` even at the
+    coarsest grid (with many groups of allowed sites the per-group site split dominates the model, and
+    wider windows reach more hours, so coarsening may not shrink it).
     """
     t0 = time.perf_counter()
     if isinstance(max_variables, bool) or not isinstance(max_variables, (int, np.integer)) or max_variables < 1:
@@ -200,7 +205,7 @@ def offline_bound(
         if len(members) < int(used.sum()):
             mine = group_of == g
             _check_feasible(*_classes(first[mine], last[mine], work[mine], hours), float(capacity[members].sum()),
-                            len(members), f" (the jobs that may use only {', '.join(sites.names[i] for i in members)})")
+                            len(members), f" that may use only {', '.join(sites.names[i] for i in members)} and")
 
     def build(a: np.ndarray, d: np.ndarray) -> _Model:
         return _Model.build([(*_classes(a[group_of == g], d[group_of == g], work[group_of == g], hours),
