@@ -90,7 +90,8 @@ class ShiftPolicy(BaseModel):
                                               "objective's unit (kg CO2e for carbon, USD for cost)")
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
-                                        "that cannot wait (no slack, or a latency objective near that site)")
+                                        "that cannot wait (no slack) or go far (a latency objective: such a job "
+                                        "may take the headroom, which is kept for it)")
 
     @property
     def plan_hours(self) -> int:
@@ -319,8 +320,9 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         ok &= known
     if not ok.any():
         return placement if placement.placed else None
+    # The headroom is kept for work that cannot wait or go far: a job with a latency objective takes it.
     reserve_all = (policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
-                   if policy.headroom else np.zeros(snap.n_sites, dtype=np.float32))
+                   if policy.headroom and req.latency_slo_ms is None else np.zeros(snap.n_sites, dtype=np.float32))
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
 

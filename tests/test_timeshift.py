@@ -147,7 +147,7 @@ def test_two_jobs_in_one_pass_do_not_plan_the_same_gpus() -> None:
     assert isinstance(second, Deferral) and (snap.sites[second.site], second.slot) == ("ashburn", 5)
 
 
-def test_headroom_keeps_part_of_each_site_for_work_that_cannot_wait() -> None:
+def test_headroom_keeps_part_of_each_site_for_work_that_cannot_wait_or_go_far() -> None:
     # Toronto has 8 A100s free; with a headroom of a quarter a 7-GPU flexible job may not take them (it
     # reserves ashburn's room from hour 2), while a job that cannot wait still does.
     snap = snapshot(NOON, FLAT | {"ashburn": [500.0] * 48}, free={"ashburn": 0, "frankfurt": 0, "sydney": 0},
@@ -157,6 +157,10 @@ def test_headroom_keeps_part_of_each_site_for_work_that_cannot_wait() -> None:
     assert outcome.slot == 2 and "no site can take it now" in outcome.reason(snap.sites)
     urgent = decide(green(headroom=0.25), request(count=7, slack_h=0.5), snap)
     assert urgent.placed and snap.sites[urgent.site] == "toronto"
+    # A job with a latency objective (40 ms from us-east1: Ashburn or Toronto) is what the headroom is kept
+    # for: it takes Toronto's GPUs now, slack or not.
+    near = decide(green(headroom=0.25), request(count=7, origin_region="gcp:us-east1", latency_slo_ms=40.0), snap)
+    assert near.placed and snap.sites[near.site] == "toronto"
 
 
 def test_on_real_data_the_planned_start_is_the_cheapest_carbon_of_every_site_and_hour() -> None:

@@ -87,8 +87,9 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
         ok &= known
     if not ok.any():
         return placement if placement.placed else None
+    # The headroom is kept for work that cannot wait or go far: a job with a latency objective takes it.
     reserve_all = (policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
-                   if policy.headroom else np.zeros(snap.n_sites, dtype=np.float32))
+                   if policy.headroom and req.latency_slo_ms is None else np.zeros(snap.n_sites, dtype=np.float32))
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
 
