@@ -9,7 +9,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   ``min_saving_abs``: whether the wait bounds hold the carbon back;
 - ``duration_safety 2`` and ``2.5``: a deferral keeps two (two and a half) expected run times before the
   deadline instead of 1.5;
-- ``headroom 0.1``: deferred starts leave a tenth of every site free for work that cannot wait.
+- ``headroom 0.1``: deferred starts of jobs without a latency objective leave a tenth of every site free,
+  for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2).
 
 Each line: carbon (t CO2e), deadline misses, and the misses by kind: latency-bound jobs (a latency
 objective pins them to the sites near their origin) or not, and of the rest, how many were deferred (started
@@ -60,6 +61,7 @@ VARIANTS: dict[str, tuple[str, dict[str, object], Callable[[], Pipeline]]] = {
     "safety-2": ("green, duration_safety 2", {}, green(duration_safety=2.0)),
     "safety-2.5": ("green, duration_safety 2.5", {}, green(duration_safety=2.5)),
     "headroom-0.1": ("green, headroom 0.1", {}, green(headroom=0.1)),
+    "headroom-0.1-safety-2": ("green, headroom 0.1, duration_safety 2", {}, green(headroom=0.1, duration_safety=2.0)),
 }
 
 
