@@ -373,14 +373,22 @@ def test_bound_never_exceeds_an_hourly_greedy_schedule_and_equals_the_naive_lp(s
     assert r.energy_kwh <= float((used * sites.power_kw_per_gpu[:, None]).sum()) * (1 + 1e-9)
 
 
-@settings(max_examples=60, deadline=None)
-@given(sites=federations(max_hours=12), data=st.data())
-def test_bound_never_exceeds_a_whole_job_schedule_in_continuous_time(sites, data):
+def whole_jobs(sites: SiteFacts, data) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """1 to 6 jobs released in the first three hours: release times, GPUs (up to the largest site) and run
+    times (a minute to two hours)."""
     n_jobs = data.draw(st.integers(1, 6))
     cap_max = int(sites.capacity_gpus.max())
     release = np.array(data.draw(st.lists(st.floats(0, 3 * H), min_size=n_jobs, max_size=n_jobs)))
     gpus = np.array(data.draw(st.lists(st.integers(1, cap_max), min_size=n_jobs, max_size=n_jobs)))
     duration = np.array(data.draw(st.lists(st.floats(60, 2 * H), min_size=n_jobs, max_size=n_jobs)))
+    return release, gpus, duration
+
+
+@settings(max_examples=60, deadline=None)
+@given(sites=federations(max_hours=12), data=st.data())
+def test_bound_never_exceeds_a_whole_job_schedule_in_continuous_time(sites, data):
+    release, gpus, duration = whole_jobs(sites, data)
+    n_jobs = len(gpus)
     site, start = continuous_schedule(sites, release, gpus, duration)
     finish = start + duration
     assume(finish.max() <= sites.hours * H)
@@ -444,11 +452,8 @@ def test_tied_jobs_that_cannot_fit_their_sites_are_infeasible_naming_them():
 @settings(max_examples=60, deadline=None)
 @given(sites=federations(max_hours=10), data=st.data())
 def test_with_allowed_sites_the_bound_is_the_naive_lp_and_below_a_whole_job_schedule(sites, data):
-    n_jobs = data.draw(st.integers(1, 6))
-    cap_max = int(sites.capacity_gpus.max())
-    release = np.array(data.draw(st.lists(st.floats(0, 3 * H), min_size=n_jobs, max_size=n_jobs)))
-    gpus = np.array(data.draw(st.lists(st.integers(1, cap_max), min_size=n_jobs, max_size=n_jobs)))
-    duration = np.array(data.draw(st.lists(st.floats(60, 2 * H), min_size=n_jobs, max_size=n_jobs)))
+    release, gpus, duration = whole_jobs(sites, data)
+    n_jobs = len(gpus)
     roomy = sites.capacity_gpus[None, :] >= gpus[:, None]  # each job keeps at least one site it fits
     draws = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=sites.n_sites, max_size=sites.n_sites),
                                         min_size=n_jobs, max_size=n_jobs)))
