@@ -33,7 +33,8 @@ The exact reduction (no approximation)
        of each class is served in each hour, plus how the group's total in each hour is split over its
        sites (``z[g, s, t] <= capacity_gpus[s]``, cost per GPU-hour of site ``s`` in hour ``t``); where
        several groups may use site ``s`` in hour ``t``, one row keeps their sum within its capacity.
-    3. Per group, the hours of a window ``[a, d]`` are the disjoint union of at most ``2 log2(d - a + 1)`` blocks of a
+    3. Per group, the hours of a window ``[a, d]`` are the disjoint union of at most ``2 log2(d - a + 1)``
+       blocks of a
        segment tree over the hours (block ``b`` of level ``k`` is hours ``[b 2^k, (b + 1) 2^k)``). A class
        sends its work to its blocks in any split (one variable per block; a class of one block injects its
        work there directly), and each block passes work down to its two halves without limit, down to the
@@ -50,7 +51,8 @@ Solving
     Each LP goes to HiGHS's interior-point solver with crossover (``method="highs-ipm"``), 2 to 3 times
     faster than dual simplex here; should it stop on numerical trouble, dual simplex solves it again. The
     two LPs run in two threads (HiGHS releases the GIL). The full Philly trace takes 7 to 13 s on a 2-core
-    machine (15 to 20 s with its latency-bound jobs tied to their sites), its 30 days from 2017-10-01 (46,722 jobs, 66,467 variables) 2.5 to 4 s, and the time grows
+    machine (15 to 20 s with its latency-bound jobs tied to their sites), its 30 days from 2017-10-01
+    (46,722 jobs, 66,467 variables) 2.5 to 4 s, and the time grows
     about linearly with the variables (four copies of the trace end to end, 385,000 variables: 30 s).
     HiGHS meets its tolerances (about 1e-7, relative) rather than exact arithmetic, so the optimum may be
     off by that much either way.
@@ -93,7 +95,7 @@ import heapq
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 from scipy import sparse
@@ -400,17 +402,17 @@ def _groups(allowed: Any, n_jobs: int, used: np.ndarray, has_work: np.ndarray,
     None: one group, every site with GPUs."""
     if allowed is None:
         return np.zeros(n_jobs, dtype=np.int64), [np.flatnonzero(used)]
-    mask = np.asarray(allowed)
-    if mask.dtype != bool or mask.shape != (n_jobs, len(used)):
+    given = np.asarray(allowed)
+    if given.dtype != bool or given.shape != (n_jobs, len(used)):
         raise BoundError(f"allowed_sites must be a bool array of [jobs, sites] = [{n_jobs}, {len(used)}], not "
-                         f"{mask.dtype} of shape {list(mask.shape)}")
-    mask = mask & used
+                         f"{given.dtype} of shape {list(given.shape)}")
+    mask = given & used
     stranded = has_work & ~mask.any(axis=1)
     if stranded.any():
         i = int(np.argmax(stranded))
-        raise BoundInfeasible(f"job {i} may use no site with GPUs (allowed: "
-                              f"{', '.join(n for n, ok in zip(names, np.asarray(allowed)[i], strict=True) if ok) or 'none'}), "
-                              "so the LP is infeasible")
+        allowed_names = ", ".join(n for n, ok in zip(names, given[i], strict=True) if ok) or "none"
+        raise BoundInfeasible(f"job {i} may use no site with GPUs (allowed: {allowed_names}), so the LP is "
+                              "infeasible")
     rows, group_of = np.unique(mask, axis=0, return_inverse=True)
     return group_of.reshape(-1).astype(np.int64), [np.flatnonzero(r) for r in rows]
 
@@ -445,11 +447,24 @@ def _blocks(a: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return np.concatenate(out_c), np.concatenate(out_k).astype(np.int64), np.concatenate(out_b)
 
 
-def _network(a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, sites: np.ndarray, row0: int, var0: int,
-             rows: list[np.ndarray], cols: list[np.ndarray], vals: list[np.ndarray], b_eq: list[np.ndarray],
-             z_var: list[np.ndarray], z_site: list[np.ndarray], z_hour: list[np.ndarray]) -> tuple[int, int]:
-    """Append one group's network (its rows from ``row0``, its variables from ``var0``) to the LP's parts;
-    returns the next free row and variable."""
+class _Network(NamedTuple):
+    """One group's part of the LP: its matrix entries, right-hand sides and site-split variables, and the
+    first row and variable after it."""
+
+    rows: list[np.ndarray]
+    cols: list[np.ndarray]
+    vals: list[np.ndarray]
+    b_eq: list[np.ndarray]
+    z_var: np.ndarray
+    z_site: np.ndarray
+    z_hour: np.ndarray
+    end_row: int
+    end_var: int
+
+
+def _network(a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, sites: np.ndarray, row0: int,
+             var0: int) -> _Network:
+    """One group's network: its rows numbered from ``row0``, its variables from ``var0``."""
     cls_of, lev, blk = _blocks(a, d)
     levels = (hours - 1).bit_length() + 1  # the top level has one block
     n_blocks = [-(-hours // (1 << k)) for k in range(levels)]
@@ -481,10 +496,9 @@ def _network(a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, sites: np.
     split = ~single
     n_var = var0
     var = n_var + np.arange(int(split.sum()))
-    rows += [class_row[cls_of[split]], node_row[split]]
-    cols += [var, var]
-    vals += [np.ones(len(var)), -np.ones(len(var))]
-    b_eq += [nodes_b, w[multi]]
+    rows = [class_row[cls_of[split]], node_row[split]]
+    cols = [var, var]
+    vals = [np.ones(len(var)), -np.ones(len(var))]
     n_var += len(var)
 
     # Tree edges, unbounded: parent row +1, child row -1.
@@ -507,10 +521,8 @@ def _network(a: np.ndarray, d: np.ndarray, w: np.ndarray, hours: int, sites: np.
     rows.append(row_of[0][zh])
     cols.append(var)
     vals.append(np.ones(len(var)))
-    z_var.append(var)
-    z_site.append(zs)
-    z_hour.append(zh)
-    return row0 + n_nodes + len(multi), n_var + len(var)
+    return _Network(rows, cols, vals, [nodes_b, w[multi]], var, zs, zh, row0 + n_nodes + len(multi),
+                    n_var + len(var))
 
 
 @dataclass
@@ -541,23 +553,19 @@ class _Model:
               capacity: np.ndarray) -> _Model:
         """``groups``: per site group, its classes (first hours, last hours, work) and its sites (indices of
         sites with GPUs)."""
-        rows: list[np.ndarray] = []
-        cols: list[np.ndarray] = []
-        vals: list[np.ndarray] = []
-        b_eq: list[np.ndarray] = []
-        z_var: list[np.ndarray] = []
-        z_site: list[np.ndarray] = []
-        z_hour: list[np.ndarray] = []
+        parts: list[_Network] = []
         n_row = n_var = 0
         for a, d, w, sites in groups:
-            n_row, n_var = _network(a, d, w, hours, sites, n_row, n_var, rows, cols, vals, b_eq, z_var, z_site,
-                                    z_hour)
-        zv, zs, zh = np.concatenate(z_var), np.concatenate(z_site), np.concatenate(z_hour)
+            parts.append(_network(a, d, w, hours, sites, n_row, n_var))
+            n_row, n_var = parts[-1].end_row, parts[-1].end_var
+
+        def joined(field: str) -> np.ndarray:
+            return np.concatenate([x for part in parts for x in getattr(part, field)])
+
+        zv, zs, zh = (np.concatenate([getattr(part, f) for part in parts]) for f in ("z_var", "z_site", "z_hour"))
         upper = np.full(n_var, np.inf)
         upper[zv] = capacity[zs]
-        a_eq = sparse.csc_matrix(
-            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_row, n_var)
-        )
+        a_eq = sparse.csc_matrix((joined("vals"), (joined("rows"), joined("cols"))), shape=(n_row, n_var))
         a_ub = b_ub = None
         if len(groups) > 1:  # a site-hour that several groups may use holds its capacity for all of them
             key, inverse, count = np.unique(zs * hours + zh, return_inverse=True, return_counts=True)
@@ -567,7 +575,7 @@ class _Model:
                 a_ub = sparse.csc_matrix((np.ones(int(shared.sum())), (row[inverse[shared]], zv[shared])),
                                          shape=(int((count > 1).sum()), n_var))
                 b_ub = capacity[key[count > 1] // hours].astype(np.float64)
-        return cls(a_eq, np.concatenate(b_eq), a_ub, b_ub, np.column_stack([np.zeros(n_var), upper]), zv, zs, zh)
+        return cls(a_eq, joined("b_eq"), a_ub, b_ub, np.column_stack([np.zeros(n_var), upper]), zv, zs, zh)
 
     def solve(self, per_gpu_hour: np.ndarray, what: str) -> float:
         """The least ``sum z[g, s, t] × per_gpu_hour[s, t]``."""

@@ -146,16 +146,11 @@ def requests_of(workload: Workload) -> list[JobRequest]:
     return out
 
 
-def fits_anywhere(requests: Sequence[JobRequest], federation: Federation) -> np.ndarray:
-    """bool[n_jobs]: whether each job fits some site that meets its latency objective when that site is
-    empty (the rest are left out: the policies that honour the objective could never run them)."""
-    return sites_fitting(requests, federation).any(axis=1)
-
-
 def sites_fitting(requests: Sequence[JobRequest], federation: Federation) -> np.ndarray:
     """bool[n_jobs, n_sites]: the sites each job fits when empty and that meet its latency objective (the
     pipeline's own GPU-fit and latency filters on the full federation): the only sites any policy could
-    run it on."""
+    run it on. A job with none is left out of the run (no policy that honours the objective could run it),
+    and the offline bound keeps every other job to its sites."""
     fit, near = GpuFitFilter(), LatencyFilter()
     by_shape: dict[tuple[object, ...], np.ndarray] = {}
     out = np.empty((len(requests), federation.base.n_sites), dtype=bool)
@@ -348,7 +343,7 @@ def replay(
         passes += 1
         if progress is not None and passes % 4096 == 0:
             progress(done)
-    if queue:  # nothing left that could free room: a job no site can ever take slipped past fits_anywhere
+    if queue:  # nothing left that could free room: a job no site can ever take slipped past sites_fitting
         raise SimulationError(f"{len(queue)} jobs were still waiting when no job was left to end or arrive "
                               f"(first: job {queue[0]}); no site can ever take them")
     if progress is not None:

@@ -90,6 +90,7 @@ class Prepared:
     left_out: np.ndarray
     rtt_ms: np.ndarray  # [n_sites (name order), n_origin_regions]
     report: list[str]
+    fitting: np.ndarray  # bool[n_jobs, n_sites]: where each job fits and meets its latency objective
 
 
 def prepare(spec: SimulationSpec) -> Prepared:
@@ -158,14 +159,15 @@ def prepare(spec: SimulationSpec) -> Prepared:
             report.append(f"prices: site {s.name} has no price for {', '.join(unpriced)}; jobs run on them cost "
                           "0 USD in this run (and in the cost bound)")
     requests = engine.requests_of(workload)
-    left_out = ~engine.fits_anywhere(requests, federation)
+    fitting = engine.sites_fitting(requests, federation)
+    left_out = ~fitting.any(axis=1)
     if left_out.any():
         report.append(f"left out: {int(left_out.sum())} jobs fit no site even when it is empty, or none that "
                       f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs); "
                       "no policy runs them")
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
-    return Prepared(workload, sites, federation, requests, left_out, rtt, report)
+    return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
 
 
 def _busy_window(trace: Trace) -> tuple[datetime, datetime]:
@@ -254,8 +256,7 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
         shown = min(int(np.ceil(last_end / 3600.0)) + 1, facts.hours)
         result.sites = replace(facts, intensity=facts.intensity[:, :shown])  # the run's hours, for the plots
         if spec.bound:
-            allowed = engine.sites_fitting([prep.requests[i] for i in np.flatnonzero(ran)], prep.federation)
-            result.offline_bound, bounds = _bounds(facts, w, ran, held, allowed, result)
+            result.offline_bound, bounds = _bounds(facts, w, ran, held, prep.fitting[ran], result)
     for name, run in result.policies.items():
         m = policy_metrics(run, facts, submit_s=w.submit_s, deadline_s=w.deadline_s, gpus=held, tenant=w.tenant,
                            rtt_ms=prep.rtt_ms, origin=w.origin_region, latency_slo_ms=w.latency_slo_ms)
