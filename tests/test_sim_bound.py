@@ -477,3 +477,28 @@ def test_with_allowed_sites_the_bound_is_the_naive_lp_and_below_a_whole_job_sche
     # Tying jobs to sites only takes choices away: never below the bound without it.
     free = offline_bound(sites, release, end, work)
     assert free.carbon_kg <= r.carbon_kg + 2e-6 * carbon_scale + 1e-12
+
+
+def test_shadow_prices_value_the_capacity_that_binds() -> None:
+    """Two jobs of one GPU-hour in hour 0 on a clean site (10 g/kWh) and a dirty one (100), one GPU each, 1 kW:
+    one job must run dirty, so one more clean GPU in hour 0 would save 0.09 kg; hour 1 (outside every window)
+    and the dirty site's GPU (never full) are worth nothing."""
+    sites = facts([[10.0, 10.0], [100.0, 100.0]], capacity=[1, 1])
+    result = bound(sites, [0.0, 0.0], [H, H], [1.0, 1.0], shadow_prices=True)
+    assert result.carbon_kg == approx(0.11)
+    prices = result.shadow_kg_per_gpu_hour
+    assert prices is not None and prices.shape == (2, 2)
+    assert prices[0, 0] == approx(0.09)
+    assert prices[1, 0] == approx(0.0) and prices[:, 1] == approx([0.0, 0.0])
+    assert "shadow_kg_per_gpu_hour" not in result.as_dict()
+    assert bound(sites, [0.0, 0.0], [H, H], [1.0, 1.0]).shadow_kg_per_gpu_hour is None
+
+
+def test_shadow_prices_with_groups_that_share_a_site() -> None:
+    """A job tied to the clean site and one free to go anywhere, both one GPU-hour in hour 0, on one GPU
+    each: the tied job takes the clean GPU, the free one runs dirty; the clean site's price is the same."""
+    sites = facts([[10.0], [100.0]], capacity=[1, 1])
+    allowed = np.array([[True, False], [True, True]])
+    result = bound(sites, [0.0, 0.0], [H, H], [1.0, 1.0], allowed_sites=allowed, shadow_prices=True)
+    assert result.carbon_kg == approx(0.11)
+    assert result.shadow_kg_per_gpu_hour[:, 0] == approx([0.09, 0.0])

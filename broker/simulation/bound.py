@@ -94,7 +94,7 @@ from __future__ import annotations
 import heapq
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -150,10 +150,15 @@ class BoundResult:
     constraints: int  # rows of the LP: equalities, and capacity rows of site-hours several groups share
     solve_s: float  # wall seconds of the whole call: checks, building the LP and both solves
     relaxation: str  # the coarsening applied, in a sentence; "none" when exact on hour slots
+    # float64[sites, hours] with ``shadow_prices=True``: what one more GPU at site s in hour t would save
+    # the carbon LP, kg CO2e per GPU-hour (the dual value of that site-hour's capacity; 0 where the LP
+    # leaves GPUs free); None otherwise
+    shadow_kg_per_gpu_hour: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: plain ``int``, ``float`` and ``str`` values."""
+        """JSON-ready: plain ``int``, ``float`` and ``str`` values (the shadow prices are left out)."""
         out = asdict(self)
+        out.pop("shadow_kg_per_gpu_hour")
         for key in ("carbon_kg", "cost_usd", "energy_kwh", "gpu_hours", "solve_s"):
             out[key] = float(out[key])
         for key in ("jobs", "variables", "constraints"):
@@ -169,6 +174,7 @@ def offline_bound(
     *,
     allowed_sites: np.ndarray | None = None,
     max_variables: int = DEFAULT_MAX_VARIABLES,
+    shadow_prices: bool = False,
 ) -> BoundResult:
     """The least carbon and the least cost of serving every job inside its window (module docstring).
 
@@ -180,7 +186,9 @@ def offline_bound(
     (:class:`BoundInfeasible`: naming the hours, the group of jobs or the job allowed no site with GPUs,
     except for groups that fit alone but not together), or an LP above ``max_variables`` even at the
     coarsest grid (with many groups of allowed sites the per-group site split dominates the model, and
-    wider windows reach more hours, so coarsening may not shrink it).
+    wider windows reach more hours, so coarsening may not shrink it). ``shadow_prices``: also return the
+    carbon LP's price of each site-hour's capacity (:attr:`BoundResult.shadow_kg_per_gpu_hour`; of the
+    coarsened LP when it was coarsened).
     """
     t0 = time.perf_counter()
     if isinstance(max_variables, bool) or not isinstance(max_variables, (int, np.integer)) or max_variables < 1:
@@ -197,7 +205,8 @@ def offline_bound(
     group_of, group_sites = _groups(allowed_sites, n_jobs, used, work > 0, sites.names)
     has_work = work > 0
     if not has_work.any():
-        return BoundResult(0.0, 0.0, 0.0, n_jobs, total, 0, 0, time.perf_counter() - t0, "none")
+        return BoundResult(0.0, 0.0, 0.0, n_jobs, total, 0, 0, time.perf_counter() - t0, "none",
+                           np.zeros(intensity.shape) if shadow_prices else None)
 
     first, last, work, group_of = first[has_work], last[has_work], work[has_work], group_of[has_work]
     _check_feasible(*_classes(first, last, work, hours), float(capacity.sum()), int(used.sum()))
@@ -241,14 +250,15 @@ def offline_bound(
     kg_per_gpu_hour = power[:, None] * intensity / 1000.0
     price = np.broadcast_to(usd[:, None], intensity.shape)
     with ThreadPoolExecutor(max_workers=2) as pool:  # HiGHS releases the GIL: the two LPs run side by side
-        carbon_lp = pool.submit(model.solve, kg_per_gpu_hour, "carbon")
+        carbon_lp = pool.submit(model.solve, kg_per_gpu_hour, "carbon", shadow_prices)
         cost_lp = pool.submit(model.solve, price, "cost")
-        carbon = _margin(carbon_lp.result(), float(kg_per_gpu_hour.max(initial=0.0)) * total)
-        cost = _margin(cost_lp.result(), float(price.max(initial=0.0)) * total)
+        carbon_opt, shadow = carbon_lp.result()
+        carbon = _margin(carbon_opt, float(kg_per_gpu_hour.max(initial=0.0)) * total)
+        cost = _margin(cost_lp.result()[0], float(price.max(initial=0.0)) * total)
     return BoundResult(
         carbon_kg=carbon, cost_usd=cost, energy_kwh=energy, jobs=n_jobs, gpu_hours=total,
         variables=model.variables, constraints=model.constraints, solve_s=time.perf_counter() - t0,
-        relaxation=relaxation,
+        relaxation=relaxation, shadow_kg_per_gpu_hour=shadow,
     )
 
 
@@ -535,6 +545,8 @@ class _Model:
     b_eq: np.ndarray
     a_ub: sparse.csc_matrix | None  # rows: (site, hour) pairs shared by several groups; None: no sharing
     b_ub: np.ndarray | None
+    ub_site: np.ndarray | None  # the site and hour of each a_ub row
+    ub_hour: np.ndarray | None
     bounds: np.ndarray  # [variables, 2]: lower (0) and upper bound of each variable
     z_var: np.ndarray  # the variables z[g, s, t], and their site and hour
     z_site: np.ndarray
@@ -566,7 +578,7 @@ class _Model:
         upper = np.full(n_var, np.inf)
         upper[zv] = capacity[zs]
         a_eq = sparse.csc_matrix((joined("vals"), (joined("rows"), joined("cols"))), shape=(n_row, n_var))
-        a_ub = b_ub = None
+        a_ub = b_ub = ub_site = ub_hour = None
         if len(groups) > 1:  # a site-hour that several groups may use holds its capacity for all of them
             key, inverse, count = np.unique(zs * hours + zh, return_inverse=True, return_counts=True)
             shared = count[inverse] > 1
@@ -574,11 +586,16 @@ class _Model:
                 row = np.cumsum(count > 1) - 1
                 a_ub = sparse.csc_matrix((np.ones(int(shared.sum())), (row[inverse[shared]], zv[shared])),
                                          shape=(int((count > 1).sum()), n_var))
-                b_ub = capacity[key[count > 1] // hours].astype(np.float64)
-        return cls(a_eq, joined("b_eq"), a_ub, b_ub, np.column_stack([np.zeros(n_var), upper]), zv, zs, zh)
+                ub_site, ub_hour = key[count > 1] // hours, key[count > 1] % hours
+                b_ub = capacity[ub_site].astype(np.float64)
+        return cls(a_eq, joined("b_eq"), a_ub, b_ub, ub_site, ub_hour, np.column_stack([np.zeros(n_var), upper]),
+                   zv, zs, zh)
 
-    def solve(self, per_gpu_hour: np.ndarray, what: str) -> float:
-        """The least ``sum z[g, s, t] × per_gpu_hour[s, t]``."""
+    def solve(self, per_gpu_hour: np.ndarray, what: str, shadow_prices: bool = False) -> tuple[float, np.ndarray | None]:
+        """The least ``sum z[g, s, t] × per_gpu_hour[s, t]``, and with ``shadow_prices`` the price of each
+        site-hour's capacity in the objective's unit per GPU-hour (float64 shaped as ``per_gpu_hour``): the
+        dual values of the rows and upper bounds that hold it, which are 0 where the optimum leaves GPUs
+        free."""
         c = np.zeros(self.variables)
         c[self.z_var] = per_gpu_hour[self.z_site, self.z_hour]
         # HiGHS's tolerances are absolute (1e-7): costs are scaled to at most 1 so that tiny ones (a clean
@@ -601,4 +618,12 @@ class _Model:
                                   "or add capacity")
         if res.status != 0:
             raise BoundError(f"the {what} LP was not solved (HiGHS status {res.status}: {res.message})")
-        return float(res.fun) * scale
+        shadow = None
+        if shadow_prices:
+            # linprog's marginals are d(objective)/d(bound), <= 0 for a binding upper bound or <= row
+            shadow = np.zeros(per_gpu_hour.shape)
+            np.add.at(shadow, (self.z_site, self.z_hour), -res.upper.marginals[self.z_var] * scale)
+            if self.a_ub is not None:
+                np.add.at(shadow, (self.ub_site, self.ub_hour), -res.ineqlin.marginals * scale)
+            np.maximum(shadow, 0.0, out=shadow)  # -0.0 and solver noise
+        return float(res.fun) * scale, shadow

@@ -3,7 +3,7 @@
     heliotrope simulate --trace FILE (--preset philly | --columns MAPPING) --carbon DIR [--prices FILE]
         [--latency FILE] [--sites FILE] [--utilisation FRACTION] [--trace-from ISO-DATE] [--days N]
         [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--json OUT] [--report DIR]
-        [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound]
+        [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound] [--oracle]
 
 Prints the comparison table on stdout; progress on standard error when it is a terminal.
 """
@@ -71,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--report", metavar="DIR", help="write an HTML report with plots into DIR")
     s.add_argument("--dump-workload", metavar="DIR", help="write jobs.csv and sites.json: what the run was given")
     s.add_argument("--no-bound", action="store_true", help="skip the offline bound")
+    s.add_argument("--oracle", action="store_true",
+                   help="also pack the whole-job oracle: a schedule that knows every run time and every future "
+                        "hour's carbon (a reference, not a policy; guided by the bound's prices unless --no-bound)")
 
 
 def _date(flag: str, text: str | None) -> datetime | None:
@@ -115,6 +118,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         latency=Path(args.latency), regions=Path(args.regions), sites=Path(args.sites) if args.sites else None,
         utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
         start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
+        oracle=args.oracle,
     )
 
 

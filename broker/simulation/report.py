@@ -121,10 +121,14 @@ def _gap(run: PolicyRun, key: str, bound_value: float | None, value: float | Non
 
 
 def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], str]:
-    """Header, rows (policies then the bound) and the line under the table, as strings."""
+    """Header, rows (policies, the whole-job oracle when there is one, then the bound) and the line under the
+    table, as strings; the line compares policies only."""
     bound = result.offline_bound
     bound_carbon = _num(bound, "carbon_kg")
-    carbons = {name: _carbon_kg(run) for name, run in result.policies.items()}
+    runs = dict(result.policies)
+    if result.oracle is not None:
+        runs[result.oracle.name] = result.oracle
+    carbons = {name: _carbon_kg(run) for name, run in runs.items()}
 
     known = [c for c in [*carbons.values(), bound_carbon] if c is not None]
     in_tonnes = bool(known) and min(known) >= 1000.0
@@ -133,7 +137,7 @@ def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], 
     def carbon_cell(kg: float | None) -> str:
         return DASH if kg is None else f"{kg / scale:,.1f}"
 
-    energies = [_num(run.metrics, "energy_kwh") for run in result.policies.values()]
+    energies = [_num(run.metrics, "energy_kwh") for run in runs.values()]
     energies.append(_num(bound, "energy_kwh"))
     known_mwh = [e / 1000.0 for e in energies if e is not None]
     energy_decimals = 1 if known_mwh and min(known_mwh) >= 10.0 else 3
@@ -147,7 +151,7 @@ def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], 
     header = list(TABLE_COLUMNS)
     header[1] = f"carbon ({unit} CO2e)"
     rows: list[list[str]] = []
-    for name, run in result.policies.items():
+    for name, run in runs.items():
         m = run.metrics
         gap = _gap(run, "gap_to_bound", bound_carbon, carbons[name])
         jain = _num(m, "jain_fairness")
@@ -176,7 +180,7 @@ def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], 
             *([DASH] * 5),
         ]
     )
-    return header, rows, _verdict(carbons, scale, unit)
+    return header, rows, _verdict({name: carbons[name] for name in result.policies}, scale, unit)
 
 
 def _verdict(carbons: dict[str, float | None], scale: float, unit: str) -> str:
@@ -217,8 +221,8 @@ def format_table(result: SimulationResult) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     body = [line(header), rule]
-    body += [line(row) for row in rows[:-1]]
-    body += [rule, line(rows[-1])]
+    body += [line(row) for row in rows[:len(result.policies)]]
+    body += [rule, *(line(row) for row in rows[len(result.policies):])]
     return "\n".join([*body, "", verdict])
 
 
@@ -597,6 +601,20 @@ def _run_facts(result: SimulationResult) -> str:
     return f"<p>{_e(text)}</p>"
 
 
+def _oracle_paragraph(result: SimulationResult) -> str:
+    """What the whole-job oracle row is, when the run has one."""
+    if result.oracle is None:
+        return ""
+    guided = bool(result.oracle.metrics.get("guided_by_shadow_prices"))
+    return "<p>" + _e(
+        "The whole-job oracle is a schedule, not a policy: it runs every job whole at one site, choosing its "
+        "site and start knowing every job's true run time and every future hour's carbon intensity"
+        + (" and guided by the offline bound's price of each site-hour's capacity" if guided else "")
+        + ". It shows what foresight could buy a whole-job schedule; the offline bound, below it, also "
+        "lets work split over hours and sites."
+    ) + "</p>"
+
+
 def write_html(result: SimulationResult, directory: str | Path) -> Path:
     """Write ``index.html`` and its three PNG plots into ``directory`` (made if missing); return the page's path.
 
@@ -614,7 +632,7 @@ def write_html(result: SimulationResult, directory: str | Path) -> Path:
     _plot_wait_cdf(result, styles, out / "wait_cdf.png")
 
     header, rows, verdict = _table_cells(result)
-    classes = [""] * (len(rows) - 1) + ["bound"]
+    classes = [""] * len(result.policies) + ["bound"] * (len(rows) - len(result.policies))
     utilisation = _utilisation_table(result)
 
     parts = [
@@ -632,6 +650,7 @@ def write_html(result: SimulationResult, directory: str | Path) -> Path:
         _html_table(header, rows, row_classes=classes),
         f"<p><strong>{_e(verdict)}</strong></p>",
         _bound_paragraph(result),
+        _oracle_paragraph(result),
         "<h2>Carbon intensity and where the jobs ran</h2>",
         "<p>Top: the grid's carbon intensity (g CO2e per kWh) in each site's zone, "
         + ("as a 24-hour moving mean (runs over three weeks)" if result.sites.hours > SMOOTH_AFTER_H

@@ -15,8 +15,10 @@ Steps
     7. Solve the offline bound (``broker.simulation.bound``) on windows from each job's submit to its
        deadline, and for a policy that finished jobs after their deadlines, the same LP with those jobs'
        windows reaching their actual ends: every policy is measured against a bound that holds for it
-       (details in :func:`_bounds`).
-    8. Compute the metrics (``broker.simulation.metrics``).
+       (details in :func:`_offline` and :func:`_per_run_bounds`).
+    8. With ``oracle``, pack the whole-job oracle (``broker.simulation.oracle``), guided by the first LP's
+       prices of capacity, and bound it as a policy.
+    9. Compute the metrics (``broker.simulation.metrics``).
 
 Defaults: prices, latency and region coordinates come from the copies shipped in ``data/`` (see
 ``data/SOURCES.md``) unless ``--prices``, ``--latency`` or ``--regions`` name other files.
@@ -48,6 +50,7 @@ from broker.simulation.defaults import DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_
 from broker.simulation.federation import build_default_federation
 from broker.simulation.forecasts import forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
+from broker.simulation.oracle import whole_job_oracle
 from broker.simulation.results import SimulationResult, SiteFacts
 from broker.simulation.workload import Workload, WorkloadAssumptions, build_workload
 from policies.baselines import policy
@@ -75,6 +78,7 @@ class SimulationSpec:
     seed: int = 0
     lifecycle: bool = False
     bound: bool = True
+    oracle: bool = False  # also pack the whole-job oracle (broker.simulation.oracle) as a reference row
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
 
@@ -255,9 +259,19 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
         last_end = max(float(np.nanmax(r.end_s)) for r in result.policies.values())
         shown = min(int(np.ceil(last_end / 3600.0)) + 1, facts.hours)
         result.sites = replace(facts, intensity=facts.intensity[:, :shown])  # the run's hours, for the plots
+    runs = dict(result.policies)
+    if ran.any() and (result.policies or spec.oracle):
+        offline = windows = shadow = None
         if spec.bound:
-            result.offline_bound, bounds = _bounds(facts, w, ran, held, prep.fitting[ran], result)
-    for name, run in result.policies.items():
+            offline, windows, shadow = _offline(facts, w, ran, held, prep.fitting[ran], shadow_prices=spec.oracle)
+            result.offline_bound = offline
+        if spec.oracle:
+            result.oracle = whole_job_oracle(w, prep.federation, prep.fitting, prep.left_out,
+                                             shadow_kg_per_gpu_hour=shadow)
+            runs[result.oracle.name] = result.oracle
+        if offline is not None and windows is not None:
+            bounds = _per_run_bounds(facts, w, ran, held, prep.fitting[ran], offline, windows, runs)
+    for name, run in runs.items():
         m = policy_metrics(run, facts, submit_s=w.submit_s, deadline_s=w.deadline_s, gpus=held, tenant=w.tenant,
                            rtt_ms=prep.rtt_ms, origin=w.origin_region, latency_slo_ms=w.latency_slo_ms)
         b = bounds.get(name)
@@ -267,6 +281,8 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
         m["bound_cost_usd"] = b["cost_usd"] if b else None
         m["replay_s"] = round(run.wall_s, 3)
         run.metrics = m
+    if result.oracle is not None:
+        result.oracle.metrics["guided_by_shadow_prices"] = shadow is not None
     return result
 
 
@@ -306,20 +322,16 @@ def _replay_in_parallel(prep: Prepared, names: list[str], workers: int, progress
         return {name: futures[name].result() for name in names}
 
 
-def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, allowed: np.ndarray,
-            result: SimulationResult) -> tuple[dict[str, object], dict[str, dict[str, object]]]:
-    """The offline bound on the jobs' own windows, and the bound each policy is measured against.
+def _offline(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, allowed: np.ndarray,
+             shadow_prices: bool = False) -> tuple[dict[str, object], np.ndarray, np.ndarray | None]:
+    """The offline bound on the jobs' own windows, those windows, and (``shadow_prices``) its carbon LP's
+    price of each site-hour's capacity.
 
     Each job may use only the sites it fits and that meet its latency objective (``allowed``, bool[jobs
-    that ran, sites]), the sites every policy is held to.
-
-    The offline bound's windows run from submit to deadline. When the sites cannot serve every job by its
-    deadline even fluidly, every deadline is pushed back by the same extension (1 h, then doubling) until
-    they can; the extension is reported. A policy whose jobs all ended inside those windows is measured
-    against that bound; one that ran a job later is measured against the same LP with that job's window
-    reaching its actual end, so that no policy can beat its bound by running late, and a policy's gap
-    does not depend on which other policies ran. The carbon data's end closes every window: every policy
-    finished before it.
+    that ran, sites]), the sites every policy is held to. The windows run from submit to deadline. When
+    the sites cannot serve every job by its deadline even fluidly, every deadline is pushed back by the
+    same extension (1 h, then doubling) until they can; the extension is reported. The carbon data's end
+    closes every window: every policy finished before it.
     """
     horizon = facts.hours * 3600.0
     release = w.submit_s[ran]
@@ -329,22 +341,36 @@ def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, al
     while True:
         windows = np.minimum(deadline + extension, horizon)
         try:
-            offline = offline_bound(facts, release_s=release, end_s=windows, gpu_hours=work,
-                                    allowed_sites=allowed).as_dict()
+            solved = offline_bound(facts, release_s=release, end_s=windows, gpu_hours=work, allowed_sites=allowed,
+                                   shadow_prices=shadow_prices)
             break
         except BoundInfeasible:
             if (windows >= horizon).all():
                 raise
             extension = 3600.0 if extension == 0 else extension * 2
+    offline = solved.as_dict()
     offline["deadline_extension_s"] = extension
     offline["windows"] = ("submit to deadline" if extension == 0 else
                           f"submit to deadline + {extension / 3600:g} h (no schedule meets every deadline)")
-    per_policy: dict[str, dict[str, object]] = {}
+    return offline, windows, solved.shadow_kg_per_gpu_hour
+
+
+def _per_run_bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, allowed: np.ndarray,
+                    offline: dict[str, object], windows: np.ndarray,
+                    runs: dict[str, engine.PolicyRun]) -> dict[str, dict[str, object]]:
+    """The bound each run is measured against: a run whose jobs all ended inside the offline bound's
+    ``windows`` gets that bound; one that ran a job later gets the same LP with that job's window reaching
+    its actual end, so that no policy can beat its bound by running late, and a policy's gap does not
+    depend on which other policies ran."""
+    horizon = facts.hours * 3600.0
+    release = w.submit_s[ran]
+    work = held[ran] * w.true_duration_s[ran] / 3600.0
+    per_run: dict[str, dict[str, object]] = {}
     late_ends: dict[str, np.ndarray] = {}
-    for name, run in result.policies.items():
+    for name, run in runs.items():
         ends = run.end_s[ran]
         if (ends <= windows + 1e-6).all():
-            per_policy[name] = offline
+            per_run[name] = offline
         else:
             late_ends[name] = ends
 
@@ -359,8 +385,8 @@ def _bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, al
     # there are pairs of cores.
     with ThreadPoolExecutor(max_workers=max(1, min(len(late_ends), (os.cpu_count() or 2) // 2))) as pool:
         futures = {name: pool.submit(own_bound, ends) for name, ends in late_ends.items()}
-        per_policy.update({name: future.result() for name, future in futures.items()})
-    return offline, per_policy
+        per_run.update({name: future.result() for name, future in futures.items()})
+    return per_run
 
 
 def _bar(name: str, total: int, unit: str = "job"):  # noqa: ANN202 - tqdm's type
@@ -370,10 +396,12 @@ def _bar(name: str, total: int, unit: str = "job"):  # noqa: ANN202 - tqdm's typ
 
 
 def as_json(result: SimulationResult) -> dict[str, object]:
-    """``{"policies": {NAME: metrics}, "offline_bound": {...}, "sites": [...], "report": [...]}``."""
+    """``{"policies": {NAME: metrics}, "offline_bound": {...}, "oracle": {...} or null, "sites": [...],
+    "report": [...]}``."""
     return {
         "policies": {name: run.metrics for name, run in result.policies.items()},
         "offline_bound": result.offline_bound,
+        "oracle": None if result.oracle is None else result.oracle.metrics,
         "start": result.start.isoformat(),
         "jobs": int((~result.left_out).sum()),
         "left_out": int(result.left_out.sum()),
