@@ -10,7 +10,13 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 - ``duration_safety 2`` and ``2.5``: a deferral keeps two (two and a half) expected run times before the
   deadline instead of 1.5;
 - ``headroom 0.1``: deferred starts of jobs without a latency objective leave a tenth of every site free,
-  for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2).
+  for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2);
+- ``perfect forecast``: the policies read each zone's true intensity for the next week instead of the
+  48-hour forecast: how much of the gap is the forecasts' error;
+- ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
+  margins that only guard against not knowing (``duration_safety`` 1, no ``min_saving``, no wait bounds):
+  what ``green``'s way of deciding, one job at a time as each arrives, reaches when nothing is uncertain
+  but the jobs still to come (``heliotrope simulate --oracle`` knows those too).
 
 Each line: carbon (t CO2e), deadline misses, and the misses by kind: latency-bound jobs (a latency
 objective pins them to the sites near their origin) or not, and of the rest, how many were deferred (started
@@ -30,8 +36,10 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,23 +59,52 @@ def green(**shift: object) -> Callable[[], Pipeline]:
     return lambda: pipeline_for(BUILTIN["green"], SHIFTS["green"].model_copy(update=shift))
 
 
-# name -> (what it is, workload assumptions, the pipeline)
-VARIANTS: dict[str, tuple[str, dict[str, object], Callable[[], Pipeline]]] = {
-    "greedy": ("baseline-carbon-greedy", {}, lambda: policy("baseline-carbon-greedy")),
-    "green": ("green", {}, lambda: policy("green")),
-    "exact": ("green, exact estimates", {"estimate_sigma": 0.0}, lambda: policy("green")),
-    "exact-unbounded": ("green, exact estimates, waits unbounded", {"estimate_sigma": 0.0},
-                        green(max_wait_factor=None, min_saving_abs=0.0)),
-    "safety-2": ("green, duration_safety 2", {}, green(duration_safety=2.0)),
-    "safety-2.5": ("green, duration_safety 2.5", {}, green(duration_safety=2.5)),
-    "headroom-0.1": ("green, headroom 0.1", {}, green(headroom=0.1)),
-    "headroom-0.1-safety-2": ("green, headroom 0.1, duration_safety 2", {}, green(headroom=0.1, duration_safety=2.0)),
+FORESIGHT_H = 168
+"""Hours of true future intensity the ``perfect forecast`` variants read: the time-shift search's horizon."""
+
+
+def true_future(federation: engine.Federation, hours: int = FORESIGHT_H) -> engine.Federation:
+    """``federation`` with each hour's forecast replaced by the true intensity of the next ``hours`` hours
+    (the last hour of data standing for any after it)."""
+    intensity = federation.intensity
+    padded = np.hstack([intensity, np.repeat(intensity[:, -1:], hours, axis=1)])
+    ahead = np.arange(intensity.shape[1])[:, None] + np.arange(hours)[None, :]
+    forecast = padded[:, ahead]  # [sites, hours of the run, hours ahead]
+    cum = np.zeros(forecast.shape[:2] + (hours + 1,))
+    np.cumsum(forecast, axis=2, out=cum[:, :, 1:])
+    return replace(federation, forecast=forecast, forecast_cum=cum)
+
+
+class Variant(NamedTuple):
+    label: str  # what it is
+    assumptions: dict[str, object]  # workload assumptions that differ from the Evidence's
+    build: Callable[[], Pipeline]  # the pipeline
+    foresight: bool = False  # reads the true future intensity (true_future) instead of the forecasts
+
+
+VARIANTS: dict[str, Variant] = {
+    "greedy": Variant("baseline-carbon-greedy", {}, lambda: policy("baseline-carbon-greedy")),
+    "green": Variant("green", {}, lambda: policy("green")),
+    "exact": Variant("green, exact estimates", {"estimate_sigma": 0.0}, lambda: policy("green")),
+    "exact-unbounded": Variant("green, exact estimates, waits unbounded", {"estimate_sigma": 0.0},
+                               green(max_wait_factor=None, min_saving_abs=0.0)),
+    "safety-2": Variant("green, duration_safety 2", {}, green(duration_safety=2.0)),
+    "safety-2.5": Variant("green, duration_safety 2.5", {}, green(duration_safety=2.5)),
+    "headroom-0.1": Variant("green, headroom 0.1", {}, green(headroom=0.1)),
+    "headroom-0.1-safety-2": Variant("green, headroom 0.1, duration_safety 2", {},
+                                     green(headroom=0.1, duration_safety=2.0)),
+    "perfect-forecast": Variant("green, perfect forecast", {}, lambda: policy("green"), True),
+    "full-knowledge": Variant("green, full knowledge", {"estimate_sigma": 0.0},
+                              green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0),
+                              True),
 }
 
 
-def replay(prep: Prepared, name: str, build: Callable[[], Pipeline]) -> tuple[engine.PolicyRun, float]:
+def replay(prep: Prepared, name: str, build: Callable[[], Pipeline],
+           foresight: bool = False) -> tuple[engine.PolicyRun, float]:
+    federation = true_future(prep.federation) if foresight else prep.federation
     t = time.perf_counter()
-    run = engine.replay(name, build(), prep.workload, prep.federation, prep.requests, prep.left_out)
+    run = engine.replay(name, build(), prep.workload, federation, prep.requests, prep.left_out)
     return run, time.perf_counter() - t
 
 
@@ -103,7 +140,7 @@ def main() -> int:
     print(f"green sensitivity: Philly, {args.year}, utilisation {args.utilisation:g}")
     prepared: dict[tuple[tuple[str, object], ...], Prepared] = {}
     for name in names:
-        label, assumptions, build = VARIANTS[name]
+        label, assumptions, build, foresight = VARIANTS[name]
         key = tuple(sorted(assumptions.items()))
         if key not in prepared:
             # policies: a profile, so that the replay builds the forecasts it reads
@@ -111,7 +148,7 @@ def main() -> int:
                                   utilisation=args.utilisation, trace_from=date(2017, 9, 1),
                                   start=date(args.year, 9, 1), bound=False, assumptions=dict(assumptions))
             prepared[key] = prepare(spec)
-        run, wall_s = replay(prepared[key], label, build)
+        run, wall_s = replay(prepared[key], label, build, foresight)
         print(describe(prepared[key], label, run, wall_s), flush=True)
     return 0
 
