@@ -502,3 +502,18 @@ def test_shadow_prices_with_groups_that_share_a_site() -> None:
     result = bound(sites, [0.0, 0.0], [H, H], [1.0, 1.0], allowed_sites=allowed, shadow_prices=True)
     assert result.carbon_kg == approx(0.11)
     assert result.shadow_kg_per_gpu_hour[:, 0] == approx([0.09, 0.0])
+
+
+def test_shadow_price_of_a_site_hour_held_by_a_bound_and_a_shared_row() -> None:
+    """Site a (10 then 100 g/kWh, one GPU) and b (50, one GPU); two GPU-hours tied to a over hours 0-1 and one
+    that may go anywhere in hour 0. The tied work fills a in both hours and the free hour runs at b: 0.16 kg.
+    One more GPU at a in hour 0 lets the tied work take it instead of hour 1: 0.07 kg, a price of 0.09. Its
+    capacity is held both by the tied group's own upper bound and by the row both groups share, and the
+    solver may split the dual between the two: the price is their sum."""
+    sites = facts([[10.0, 100.0], [50.0, 50.0]], capacity=[1, 1])
+    allowed = np.array([[True, False], [True, True]])
+    result = bound(sites, [0.0, 0.0], [2 * H, H], [2.0, 1.0], allowed_sites=allowed, shadow_prices=True)
+    assert result.carbon_kg == approx(0.16)
+    more = facts([[10.0, 100.0], [50.0, 50.0]], capacity=[2, 1])
+    assert bound(more, [0.0, 0.0], [2 * H, H], [2.0, 1.0], allowed_sites=allowed).carbon_kg == approx(0.07)
+    assert result.shadow_kg_per_gpu_hour[0, 0] == approx(0.09)

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from broker import cli
 from broker.data.traces import parse_columns
 from broker.simulation.oracle import NAME, whole_job_oracle
 from broker.simulation.run import SimulationSpec, prepare, simulate
+from policies.snapshot import MODEL_INDEX
 from tests.test_sim_engine import START, _carbon, _site, tiny  # noqa: F401 - the fixture
 
 
@@ -62,52 +63,115 @@ def test_a_job_with_no_room_in_its_window_takes_the_first_room_after_it(tiny: Si
     assert late.tolist() == [False, False, True]
 
 
+def test_a_start_after_a_mid_slot_submit_holds_only_the_slots_its_run_touches(tmp_path: Path) -> None:
+    """One GPU, ten one-hour jobs submitted a second apart, none able to wait: each starts when the one before
+    it ends, on the hour, not five minutes later for the slot its submit time fell in."""
+    carbon = _carbon(tmp_path / "carbon", {"GB": [100.0] * 30})
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=1))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n" + "".join(
+        f"{(START + timedelta(seconds=k)):%Y-%m-%dT%H:%M:%S},3600,1,t\n" for k in range(10)))
+    spec = SimulationSpec(trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"),
+                          carbon=carbon, policies=["baseline-carbon-greedy"], sites=sites,
+                          assumptions={"inflexible_fraction": 1.0, "latency_fraction": 0.0})
+    prep = prepare(spec)
+    run = whole_job_oracle(prep.workload, prep.federation, prep.fitting, prep.left_out)
+    assert run.start_s.tolist() == [0.0] + [3600.0 * k for k in range(1, 10)]
+
+
+def test_equal_carbon_goes_to_the_earlier_start(tmp_path: Path) -> None:
+    """Two sites of one GPU on grids of the same constant intensity; j0 may use only a, j1 either: j1 starts
+    at once at b rather than after j0 at a, for the same carbon."""
+    carbon = _carbon(tmp_path / "carbon", {"GB": [200.0] * 30, "FR": [200.0] * 30})
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=1)
+                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=1))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n2022-06-01T00:00:00,3600,1,t\n2022-06-01T00:00:00,3600,1,u\n")
+    spec = SimulationSpec(trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"),
+                          carbon=carbon, policies=["baseline-carbon-greedy"], sites=sites,
+                          assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0})
+    prep = prepare(spec)
+    allowed = prep.fitting.copy()
+    allowed[0] = [True, False]
+    run = whole_job_oracle(prep.workload, prep.federation, allowed, prep.left_out)
+    assert run.site.tolist() == [0, 1]
+    assert run.start_s.tolist() == [0.0, 0.0]
+
+
+def test_the_price_of_capacity_moves_a_job_off_a_clean_site(tiny: SimulationSpec) -> None:  # noqa: F811
+    """j0 alone (2 GPUs, 1 h): FR at hour 0 (50 g/kWh) is its cleanest start; priced at 1 kg per GPU-hour in
+    every hour (the jobs to come want it more), FR costs it 0.04 + 2 kg, and GB at once (0.08 kg) wins."""
+    prep = prepare(tiny)
+    alone = np.array([False, True, True])
+    free = whole_job_oracle(prep.workload, prep.federation, prep.fitting, alone)
+    assert (free.site[0], free.start_s[0]) == (1, 0.0)
+    prices = np.zeros((2, prep.federation.hours))
+    prices[1] = 1.0
+    priced = whole_job_oracle(prep.workload, prep.federation, prep.fitting, alone, shadow_kg_per_gpu_hour=prices)
+    assert (priced.site[0], priced.start_s[0]) == (0, 0.0)
+    assert priced.carbon_kg[0] == pytest.approx(0.08)
+    assert free.site[1] == priced.site[1] == -1  # left out: not run
+
+
 def _held_within_capacity(run, prep) -> None:
-    """At every instant, each site holds at most its GPUs (ends before starts at the same instant)."""
-    held = prep.workload.gpus.astype(float)
-    capacity = prep.federation.base.total_gpus.sum(axis=1)
-    for s in range(len(capacity)):
-        mine = np.flatnonzero(run.site == s)
+    """At every instant, each (site, model) pool holds at most its GPUs (ends before starts at one instant)."""
+    w = prep.workload
+    held = w.gpus * np.where(w.milli < 1000, w.milli / 1000.0, 1.0)
+    total = prep.federation.base.total_gpus
+    for s, m in zip(*np.nonzero(total > 0), strict=True):
+        mine = np.flatnonzero((run.site == s) & (run.model == m))  # type: ignore[operator]
         events = sorted([(run.start_s[j], 1, held[j]) for j in mine] + [(run.end_s[j], 0, -held[j]) for j in mine])
         busy = np.cumsum([e[2] for e in events]) if events else np.zeros(0)
-        assert (busy <= capacity[s] + 1e-9).all(), f"site {s} holds {busy.max()} of {capacity[s]} GPUs"
+        assert (busy <= total[s, m] + 1e-9).all(), f"site {s} model {m} holds {busy.max()} of {total[s, m]} GPUs"
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    jobs=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 12), st.integers(1, 3)), min_size=1, max_size=14),
+    jobs=st.lists(st.tuples(st.integers(0, 4 * 3600), st.integers(30, 3 * 3600), st.integers(1, 3),
+                            st.sampled_from(["", "a100-80gb", "h100-80gb"])), min_size=1, max_size=14),
     gb=st.lists(st.integers(20, 600), min_size=6, max_size=6),
     fr=st.lists(st.integers(20, 600), min_size=6, max_size=6),
     inflexible=st.sampled_from([0.0, 0.5]),
 )
 def test_a_feasible_schedule_never_below_its_bound(tmp_path_factory: pytest.TempPathFactory,
-                                                   jobs: list[tuple[int, int, int]], gb: list[int], fr: list[int],
-                                                   inflexible: float) -> None:
-    """Random jobs (submit in 10-minute steps, runs of 10-minute steps, 1-3 GPUs) on two sites of three GPUs:
-    every job runs whole at a site it may use, for its true run time, never before its submit time, no site
-    ever holds more GPUs than it has, and its carbon is never below the offline bound on its own windows."""
+                                                   jobs: list[tuple[int, int, int, str]], gb: list[int],
+                                                   fr: list[int], inflexible: float) -> None:
+    """Random jobs (any second, runs of 30 s to 3 h, 1-3 GPUs, a model named or not) on site a (three A100s)
+    and site b (two A100s and two H100s): every job runs whole on a pool it may use, for its true run time,
+    never before its submit time, on its model when it names one; no pool ever holds more GPUs than it has;
+    the carbon is never below the offline bound on its own windows."""
     root = tmp_path_factory.mktemp("oracle")
     carbon = _carbon(root / "carbon", {"GB": [float(v) for v in gb * 40], "FR": [float(v) for v in fr * 40]})
     sites = root / "sites.yaml"
-    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=3)
-                     + _site("b", "FR", "gcp:europe-west9", 1.0, gpus=3))
+    sites.write_text(
+        "sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=3)
+        + "  - {name: b, region: 'gcp:europe-west9', grid_zone: FR, timezone: UTC, latitude: 0, longitude: 0,\n"
+          "     gpus: [{model: a100-80gb, gpus_per_node: 2, nodes: 1}, {model: h100-80gb, gpus_per_node: 2, nodes: 1}],\n"
+          "     usd_per_gpu_hour: {a100-80gb: 1.0, h100-80gb: 3.0}, rtt_ms: {'gcp:europe-west9': 1.0}}\n")
     trace = root / "trace.csv"
-    trace.write_text("submit,seconds,gpus,team\n" + "".join(
-        f"{(START + timedelta(minutes=10 * t)):%Y-%m-%dT%H:%M:%S},{600 * d},{g},t{i % 3}\n"
-        for i, (t, d, g) in enumerate(sorted(jobs))))
+    trace.write_text("submit,seconds,gpus,team,model\n" + "".join(
+        f"{(START + timedelta(seconds=t)):%Y-%m-%dT%H:%M:%S},{d},{g},t{i % 3},{m}\n"
+        for i, (t, d, g, m) in enumerate(sorted(jobs))))
     spec = SimulationSpec(
-        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=carbon,
-        policies=["baseline-carbon-greedy"], sites=sites, oracle=True,
+        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team,model=model"),
+        carbon=carbon, policies=["baseline-carbon-greedy"], sites=sites, oracle=True,
         assumptions={"inflexible_fraction": inflexible, "latency_fraction": 0.0, "estimate_sigma": 0.5},
     )
     prep = prepare(spec)
+    ran = ~prep.left_out
+    assume(ran.any())  # a job larger than every pool is left out, for every policy and the oracle alike
     result = simulate(spec, prepared=prep)
     run = result.oracle
-    assert run is not None
+    assert run is not None and run.model is not None
     w = prep.workload
-    assert (run.site >= 0).all() and prep.fitting[np.arange(len(run.site)), run.site].all()
-    assert (run.start_s >= w.submit_s).all()
-    assert run.end_s - run.start_s == pytest.approx(w.true_duration_s)
+    assert (run.site[ran] >= 0).all() and prep.fitting[np.flatnonzero(ran), run.site[ran]].all()
+    named = np.array([m is not None for m in w.model])
+    assert (prep.federation.base.total_gpus[run.site[ran], run.model[ran]] > 0).all()
+    assert all(run.model[j] == MODEL_INDEX[w.model[j]] for j in np.flatnonzero(ran & named))
+    assert (run.start_s[ran] >= w.submit_s[ran]).all()
+    assert run.end_s[ran] - run.start_s[ran] == pytest.approx(w.true_duration_s[ran])
     _held_within_capacity(run, prep)
     assert run.metrics["carbon_kg"] >= run.metrics["bound_carbon_kg"] * (1 - 1e-6) - 1e-9
     assert run.metrics["guided_by_shadow_prices"] is True

@@ -408,4 +408,4 @@ def _account(name: str, workload: Workload, federation: Federation, site: np.nda
         carbon[ran] = power * integral / 1000.0
         cost[ran] = held[ran] * run_h * np.nan_to_num(federation.price[s, m], nan=0.0)
     return PolicyRun(name=name, site=site, start_s=start_s, end_s=end_s, energy_kwh=energy, carbon_kg=carbon,
-                     cost_usd=cost, wall_s=wall_s)
+                     cost_usd=cost, wall_s=wall_s, model=np.asarray(model, dtype=np.int64))

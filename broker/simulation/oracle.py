@@ -1,29 +1,32 @@
 """The whole-job oracle: a schedule that knows the future, to set beside the offline bound.
 
 What it is
-    A feasible schedule of the workload in which every job runs whole, once, at one site, for its true run
-    time, at the start and site chosen knowing what no policy knows: every job's true run time, every
-    site's true carbon intensity in every future hour and, with ``shadow_kg_per_gpu_hour`` (the offline
-    LP's price of each site-hour's capacity, :mod:`broker.simulation.bound`), how much the jobs still to
-    come will want each site-hour. It is not a bound: a better offline schedule may exist, and it is not a
-    policy: it reads the future. Its carbon is an upper estimate of the best any whole-job schedule could
-    do, as the fluid offline bound is a lower one; a policy's distance from it is what foresight would buy,
-    and the bound's distance from it is what running jobs whole (no splitting over hours or sites) costs.
+    A schedule of the workload in which every job runs whole, once, at one site, for its true run time, at
+    the start and site chosen knowing what no policy knows: every job's true run time, every site's true
+    carbon intensity in every future hour and, with ``shadow_kg_per_gpu_hour`` (the offline LP's price of
+    each site-hour's capacity, :mod:`broker.simulation.bound`), how much the jobs still to come will want
+    each site-hour. It is not a bound, and not a policy: it reads the future, and it is a greedy packing,
+    so a better offline schedule may exist and a policy may even beat it. It shows roughly what foresight
+    buys a whole-job schedule; the fluid offline bound, below it, also lets work split over hours and
+    sites, and the distance between the two is at most what running jobs whole costs.
 
 How it packs
     Time is cut into slots of ``slot_s`` seconds (300). A job starts at its submit time or on a later slot
-    boundary and holds its GPUs in every slot its run touches (its run rounded out to whole slots), so no
-    site ever holds more GPUs than it has at any instant. Jobs are packed one after the other, those allowed
-    the fewest sites first (a latency objective ties a job to the sites near its origin), then in submit
-    order; each takes, among the sites (and GPU models) it may use and every start from its submit time to
-    its latest start (deadline - true run time, and no later than the carbon data allows), the one with
-    room for its whole run with the least carbon over the run (plus, with shadow prices, the price of the
-    GPU-hours it takes); ties go to the earlier start, then the first site by name. A job with no room
-    anywhere before its latest start takes the earliest start with room after it (a deadline miss, counted
-    as any policy's is). Fractional jobs hold ``milli / 1000`` of a GPU, packed fluidly within a site.
+    boundary and holds its GPUs in every slot its run touches, so no (site, GPU model) pool ever holds more
+    GPUs than it has at any instant. Jobs are packed one after the other, those allowed the fewest sites
+    first (a latency objective ties a job to the sites near its origin), then in submit order; each takes,
+    among the pools it may use (the sites ``allowed_sites`` lets it use, a model it can run on) and every
+    start from its submit time to its latest start (deadline - true run time), the one with room for its
+    whole run with the least carbon over the run (plus, with shadow prices, the price of the GPU-hours it
+    takes); ties go to the earlier start, then the first pool (site by name, then model). A job with no
+    room anywhere before its latest start takes the earliest start with room after it (a deadline miss,
+    counted as any policy's is). A fractional job holds ``milli / 1000`` of a GPU: the shares in a pool add
+    up to at most its GPUs, but a share is not tied to one physical GPU as the replay ties it, so with
+    fractional jobs the packing may be a little tighter than a real schedule.
 
 Accounting is the replay's own (:func:`broker.simulation.engine.replay`'s): carbon, energy and cost over
 each job's actual run window, so every metric of a policy run is computed for the oracle the same way.
+Memory: the GPUs taken per pool and slot (8 bytes each) as far as the jobs' windows reach.
 
 Nothing here reads a clock (other than to time the packing), a file or the network.
 """
@@ -65,9 +68,12 @@ def whole_job_oracle(
     if allowed_sites.shape != (n, n_sites) or left_out.shape != (n,):
         raise SimulationError(f"allowed_sites must be bool[{n}, {n_sites}] and left_out bool[{n}], got "
                               f"{allowed_sites.shape} and {left_out.shape}")
+    if shadow_kg_per_gpu_hour is not None and (shadow_kg_per_gpu_hour.ndim != 2
+                                               or shadow_kg_per_gpu_hour.shape[0] != n_sites):
+        raise SimulationError(f"shadow_kg_per_gpu_hour must be float[{n_sites}, hours], got "
+                              f"{shadow_kg_per_gpu_hour.shape}")
     if not slot_s > 0:
         raise SimulationError(f"slot_s must be above 0, got {slot_s}")
-    per_hour = 3600.0 / slot_s
     data_slots = int(np.floor(federation.hours * 3600.0 / slot_s))
 
     # Pools: (site, model) pairs with GPUs, in site order then model order. Capacity in milli-GPUs.
@@ -79,23 +85,27 @@ def whole_job_oracle(
     allowed_pools = (allowed_sites[:, pool_site]
                      & ((job_model[:, None] < 0) | (job_model[:, None] == pool_model[None, :]))
                      & (need[:, None] <= capacity[None, :]))
+    sites_allowed = np.zeros(n, dtype=np.int64)
+    for s in range(n_sites):
+        sites_allowed += allowed_pools[:, pool_site == s].any(axis=1)
 
-    # Per site and slot: the intensity integral (g/kWh·h) and the shadow price integral (kg per GPU).
-    hourly = federation.intensity
-    site_cum = _slot_integral(hourly, data_slots, per_hour)
-    price_cum = None if shadow_kg_per_gpu_hour is None else _slot_integral(
-        _to_hours(shadow_kg_per_gpu_hour, federation.hours), data_slots, per_hour)
+    price = None
+    if shadow_kg_per_gpu_hour is not None:
+        hourly_price = _to_hours(np.asarray(shadow_kg_per_gpu_hour, dtype=np.float64), federation.hours)
+        price = (hourly_price, np.hstack([np.zeros((n_sites, 1)), np.cumsum(hourly_price, axis=1)]))
+
     submit, duration, deadline = workload.submit_s, workload.true_duration_s, workload.deadline_s
     first = np.floor(submit / slot_s).astype(np.int64)
-    held_slots = np.ceil((submit + duration) / slot_s).astype(np.int64) - first  # from the submit slot on
-    held_slots = np.maximum(held_slots, 1)
+    # Slots a run holds: starting at its submit time (maybe mid-slot), or on a later slot boundary.
+    at_submit = np.maximum(np.ceil((submit + duration) / slot_s).astype(np.int64) - first, 1)
+    on_boundary = np.maximum(np.ceil(duration / slot_s).astype(np.int64), 1)
     latest = np.maximum(np.floor((deadline - duration) / slot_s).astype(np.int64), first)
     # GPUs taken per pool and slot, as far as any window reaches (grown when a late job needs more)
-    reach = int((latest + held_slots)[~left_out].max(initial=1))
+    reach = int((latest + at_submit)[~left_out].max(initial=1))
     occupied = np.zeros((len(pool_site), min(reach, data_slots)), dtype=np.int64)
 
     todo = np.flatnonzero(~left_out)
-    order = todo[np.lexsort((np.arange(len(todo)), submit[todo], allowed_pools[todo].sum(axis=1)))]
+    order = todo[np.lexsort((np.arange(len(todo)), submit[todo], sites_allowed[todo]))]
     site = np.full(n, -1, dtype=np.int64)
     model = np.zeros(n, dtype=np.int64)
     start = np.full(n, np.nan)
@@ -104,57 +114,83 @@ def whole_job_oracle(
         pools = np.flatnonzero(allowed_pools[j])
         if pools.size == 0:
             raise SimulationError(f"job {j}: no site it may use has {held[j]:g} GPUs of a model it can use")
-        span, a = int(held_slots[j]), int(first[j])
-        b = min(int(latest[j]), occupied.shape[1] - span)
-        if a + span > data_slots:
-            _past(j, (a + span) * slot_s, federation, workload)
-        power = TDP_KW[pool_model[pools]] * held[j]
-        best_value, best_pool, best_slot = np.inf, -1, -1
-        if b >= a:
-            for p, kw in zip(pools, power):
-                room = capacity[p] - need[j]
-                window = occupied[p, a:b + span]
-                peak = maximum_filter1d(window, size=span, origin=-(span // 2), mode="nearest")[:b - a + 1] \
-                    if span > 1 else window
-                fits = np.flatnonzero(peak <= room)
-                if fits.size == 0:
-                    continue
-                t = a + fits
-                s = pool_site[p]
-                value = kw * (site_cum[s, t + span] - site_cum[s, t]) / 1000.0
-                if price_cum is not None:
-                    value = value + held[j] * (price_cum[s, t + span] - price_cum[s, t])
-                i = int(np.argmin(value))
-                if value[i] < best_value - 1e-12:
-                    best_value, best_pool, best_slot = float(value[i]), int(p), int(t[i])
-        while best_pool < 0:  # no room in the window: the earliest start with room after it
+        a, span0, span = int(first[j]), int(at_submit[j]), int(on_boundary[j])
+        if a + span0 > data_slots:
+            _past(j, float(submit[j] + duration[j]), federation, workload)
+        b = min(int(latest[j]), occupied.shape[1] - span)  # >= a: the array reaches every window
+        best: tuple[float, int, int] | None = None  # (value, start slot, pool)
+        for p in pools:
+            room = capacity[p] - need[j]
+            t = _starts_with_room(occupied[p], a, b, span0, span, room)
+            if t.size == 0:
+                continue
+            begin = np.maximum(t * slot_s, submit[j])
+            s = int(pool_site[p])
+            value = _value(federation, price, s, begin, begin + duration[j], TDP_KW[pool_model[p]], held[j])
+            i = int(np.flatnonzero(value <= value.min() + _tie(value.min()))[0])  # the earliest of the least
+            if best is None or value[i] < best[0] - _tie(best[0]) or (
+                    value[i] <= best[0] + _tie(best[0]) and int(t[i]) < best[1]):
+                best = (float(value[i]), int(t[i]), int(p))
+        while best is None:  # no room in the window: the earliest start with room after it
             width = occupied.shape[1]
-            best_slot = width
             for p in pools:
-                t = _earliest_room(occupied[p], max(b + 1, a), span, capacity[p] - need[j], width)
-                if t < best_slot:
-                    best_slot, best_pool = t, int(p)
-            if best_pool < 0:
+                t0 = _earliest_room(occupied[p], b + 1, span, capacity[p] - need[j], width)
+                if t0 < width and (best is None or t0 < best[1]):
+                    best = (np.inf, t0, int(p))
+            if best is None:
                 if width >= data_slots:
-                    _past(j, (max(b + 1, a) + span) * slot_s, federation, workload)
+                    raise SimulationError(
+                        f"{NAME}: found no room for job {j} before the carbon data ends ({federation.hours} h "
+                        f"after the run's start, {workload.start.isoformat()}); choose an earlier --start, fewer "
+                        "--days, or more years of carbon data")
                 grown = min(data_slots, max(2 * width, width + 2 * span))
                 occupied = np.hstack([occupied, np.zeros((occupied.shape[0], grown - width), dtype=np.int64)])
-        occupied[best_pool, best_slot:best_slot + span] += need[j]
-        site[j], model[j] = pool_site[best_pool], pool_model[best_pool]
-        start[j] = max(float(submit[j]), best_slot * slot_s)
+        _, slot, p = best
+        held_for = span0 if slot == a else span
+        occupied[p, slot:slot + held_for] += need[j]
+        site[j], model[j] = pool_site[p], pool_model[p]
+        start[j] = max(float(submit[j]), slot * slot_s)
         end[j] = start[j] + float(duration[j])
     return _account(NAME, workload, federation, site, model, np.nan_to_num(start), np.nan_to_num(end),
                     time.perf_counter() - t_wall)
 
 
-def _slot_integral(hourly: np.ndarray, slots: int, per_hour: float) -> np.ndarray:
-    """float64[rows, slots + 1]: the integral of each row's hourly values from 0 to each slot boundary, in
-    value × hours (a slot inside one hour takes that hour's value; one that straddles two, pro rata)."""
-    edges = np.arange(slots + 1) / per_hour  # hours
-    cum_h = np.zeros((hourly.shape[0], hourly.shape[1] + 1))
-    np.cumsum(hourly, axis=1, out=cum_h[:, 1:])
-    h = np.minimum(np.floor(edges).astype(np.int64), hourly.shape[1] - 1)
-    return cum_h[:, h] + (edges - h)[None, :] * hourly[:, h]
+def _starts_with_room(occupied: np.ndarray, a: int, b: int, span0: int, span: int, room: int) -> np.ndarray:
+    """The start slots in ``a .. b`` from which the run has room (``occupied <= room`` in every slot it
+    holds): ``span0`` slots from ``a`` (the start at submit), ``span`` from a later one."""
+    ok_first = bool(occupied[a:a + span0].max() <= room)
+    later = np.zeros(0, dtype=np.int64)
+    if b > a:
+        window = occupied[a + 1:b + span]
+        peak = maximum_filter1d(window, size=span, origin=-(span // 2), mode="nearest") if span > 1 else window
+        later = a + 1 + np.flatnonzero(peak[:b - a] <= room)
+    return np.concatenate([[a], later]) if ok_first else later
+
+
+def _value(federation: Federation, price: tuple[np.ndarray, np.ndarray] | None, site: int, begin: np.ndarray,
+           finish: np.ndarray, kw_per_gpu: float, gpus: float) -> np.ndarray:
+    """What a run over ``[begin, finish)`` (seconds, arrays) at ``site`` is charged: its carbon in kg (as
+    :meth:`Federation.carbon_integral` integrates it), plus the price of the GPU-hours it takes when
+    ``price`` (hourly prices and their running sums) is given."""
+    hourly, cum = federation.intensity[site], federation.cumulative[site]
+    value = kw_per_gpu * gpus * (_integral(hourly, cum, finish) - _integral(hourly, cum, begin)) / 1000.0
+    if price is not None:
+        hourly, cum = price[0][site], price[1][site]
+        value += gpus * (_integral(hourly, cum, finish) - _integral(hourly, cum, begin))
+    return value
+
+
+def _integral(hourly: np.ndarray, cum: np.ndarray, t_s: np.ndarray) -> np.ndarray:
+    """The integral of one row of hourly values (``cum``: its running sums) from 0 to ``t_s`` seconds,
+    partial hours pro rata."""
+    hours = t_s / 3600.0
+    h = np.minimum(hours.astype(np.int64), hourly.shape[0] - 1)
+    return cum[h] + (hours - h) * hourly[h]
+
+
+def _tie(value: float) -> float:
+    """Values closer than this are equal (the same carbon summed in another order)."""
+    return 1e-9 * abs(value) + 1e-15
 
 
 def _to_hours(values: np.ndarray, hours: int) -> np.ndarray:
@@ -176,7 +212,7 @@ def _earliest_room(occupied: np.ndarray, t: int, span: int, room: int, slots: in
 
 def _past(job: int, end_s: float, federation: Federation, workload: Workload) -> NoReturn:
     raise SimulationError(
-        f"{NAME}: job {job} would end {end_s / 3600.0:.1f} h after the run's start ({workload.start.isoformat()}), "
-        f"past the {federation.hours} h of carbon data; choose an earlier --start, fewer --days, or more years "
-        "of carbon data"
+        f"{NAME}: job {job} would end {end_s / 3600.0:.1f} h after the run's start ({workload.start.isoformat()}) "
+        f"even if it started at once, past the {federation.hours} h of carbon data; choose an earlier --start, "
+        "fewer --days, or more years of carbon data"
     )

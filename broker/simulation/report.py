@@ -498,6 +498,7 @@ th, td { padding: 0.25em 0.7em; border-bottom: 1px solid #ddd; }
 th { background: #f3f3f3; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.bound td { font-style: italic; border-top: 2px solid #999; }
+tr.reference td { font-style: italic; }
 img { max-width: 100%; border: 1px solid #eee; }
 .note { color: #555; }
 """
@@ -632,7 +633,8 @@ def write_html(result: SimulationResult, directory: str | Path) -> Path:
     _plot_wait_cdf(result, styles, out / "wait_cdf.png")
 
     header, rows, verdict = _table_cells(result)
-    classes = [""] * len(result.policies) + ["bound"] * (len(rows) - len(result.policies))
+    # the reference rows under the policies: the first under a rule, all in italics
+    classes = [""] * len(result.policies) + ["bound"] + ["reference"] * (len(rows) - len(result.policies) - 1)
     utilisation = _utilisation_table(result)
 
     parts = [

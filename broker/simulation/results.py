@@ -54,6 +54,7 @@ class PolicyRun:
     requeues: int = 0  # jobs sent back to the queue after they were placed
     deferred: int = 0  # jobs deferred at least once for a saving (time-shifting profiles)
     wall_s: float = 0.0  # how long the replay took
+    model: np.ndarray | None = None  # int64[n_jobs]: the GPU model index (policies.snapshot.MODEL_INDEX) it ran on
 
     @property
     def ran(self) -> np.ndarray:
