@@ -196,3 +196,19 @@ def test_cli_oracle_row_and_json(tiny: SimulationSpec, tmp_path: Path, capsys: p
     assert cli.main([*args, "--json", str(plain)]) == 0
     assert NAME not in capsys.readouterr().out
     assert json.loads(plain.read_text())["oracle"] is None
+
+
+def test_an_oracle_that_cannot_pack_leaves_the_policies_figures(tiny: SimulationSpec,  # noqa: F811
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import broker.simulation.run as run_module
+    from broker.simulation.engine import SimulationError
+
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise SimulationError(f"{NAME}: found no room for job 2 before the carbon data ends")
+
+    monkeypatch.setattr(run_module, "whole_job_oracle", no_room)
+    tiny.oracle = True
+    result = simulate(tiny)
+    assert result.oracle is None
+    assert result.policies["baseline-spillover"].metrics["carbon_kg"] == pytest.approx(0.37)
+    assert f"not packed: {NAME}: found no room for job 2 before the carbon data ends" in result.report
