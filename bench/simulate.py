@@ -9,9 +9,10 @@ What runs (each through ``broker.simulation.run.simulate``, the code behind the 
    the replay's wall time (``PolicyRun.wall_s``: the event loop and the accounting, not the loading) and
    the whole call's wall time (loading the trace, carbon, prices, latency and regions, building the sites
    and the workload, replaying).
-2. **The bound, full trace.** The offline LP on the same workload (deadline windows): its size and solve
-   time; the whole call's time also holds one replay and, for a policy that finished jobs after their
-   deadlines, the solve of its own bound.
+2. **The bound and the oracle, full trace.** The offline LP on the same workload (deadline windows): its
+   size and solve time, and the whole-job oracle's packing time (``--oracle``, guided by the LP's prices);
+   the whole call's time also holds one replay and, for a policy (or the oracle) that finished jobs after
+   their deadlines, the solve of its own bound.
 3. **``--compare all`` over 30 days** from ``--trace-from 2017-10-01``: every compared policy and the bound,
    end to end as the CLI runs it (without writing reports): one wall time.
 
@@ -47,9 +48,9 @@ def main() -> None:
         if not path.exists():
             raise SystemExit(f"bench/simulate.py: {path} is missing; pass --data DIR (the shared data folder)")
 
-    def spec(policies: list[str], bound: bool, **window: object) -> SimulationSpec:
+    def spec(policies: list[str], bound: bool, **more: object) -> SimulationSpec:
         return SimulationSpec(trace=trace, mapping=PRESETS["philly"], carbon=carbon, policies=policies,
-                              bound=bound, **window)  # type: ignore[arg-type]
+                              bound=bound, **more)  # type: ignore[arg-type]
 
     if not args.skip_full:
         print("1. each policy over the whole Philly trace, 16 zones (no bound)")
@@ -60,13 +61,17 @@ def main() -> None:
             wall = time.perf_counter() - t0
             run = result.policies[name]
             print(f"   {name:<26} {run.metrics['jobs']:>7} {run.wall_s:>9.1f} {wall:>8.1f}")
-        print(f"2. the offline bound over the whole trace (the call also replays {COMPARED[-1]} and solves its own bound)")
+        print(f"2. the offline bound and the whole-job oracle over the whole trace (the call also replays "
+              f"{COMPARED[-1]} and solves its own bound)")
         t0 = time.perf_counter()
-        result = simulate(spec([COMPARED[-1]], bound=True))
+        result = simulate(spec([COMPARED[-1]], bound=True, oracle=True))
         b = result.offline_bound or {}
-        print(f"   {b.get('variables')} variables, {b.get('constraints')} constraints, solved in "
-              f"{b.get('solve_s', float('nan')):.1f} s (whole call {time.perf_counter() - t0:.1f} s); "
+        print(f"   {b.get('variables')} variables, {b.get('constraints')} constraints, solved with the capacity "
+              f"prices in {b.get('solve_s', float('nan')):.1f} s (whole call {time.perf_counter() - t0:.1f} s); "
               f"relaxation: {b.get('relaxation')}")
+        if result.oracle is not None:
+            print(f"   whole-job oracle: packed in {result.oracle.wall_s:.1f} s, "
+                  f"{result.oracle.metrics['carbon_kg'] / 1000:.1f} t CO2e")
     if not args.skip_compare:
         print("3. --compare all over 30 days from 2017-10-01")
         t0 = time.perf_counter()
