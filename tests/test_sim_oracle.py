@@ -148,7 +148,8 @@ def test_a_feasible_schedule_never_below_its_bound(tmp_path_factory: pytest.Temp
     sites.write_text(
         "sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=3)
         + "  - {name: b, region: 'gcp:europe-west9', grid_zone: FR, timezone: UTC, latitude: 0, longitude: 0,\n"
-          "     gpus: [{model: a100-80gb, gpus_per_node: 2, nodes: 1}, {model: h100-80gb, gpus_per_node: 2, nodes: 1}],\n"
+          "     gpus: [{model: a100-80gb, gpus_per_node: 2, nodes: 1},\n"
+          "            {model: h100-80gb, gpus_per_node: 2, nodes: 1}],\n"
           "     usd_per_gpu_hour: {a100-80gb: 1.0, h100-80gb: 3.0}, rtt_ms: {'gcp:europe-west9': 1.0}}\n")
     trace = root / "trace.csv"
     trace.write_text("submit,seconds,gpus,team,model\n" + "".join(
@@ -177,7 +178,8 @@ def test_a_feasible_schedule_never_below_its_bound(tmp_path_factory: pytest.Temp
     assert run.metrics["guided_by_shadow_prices"] is True
 
 
-def test_cli_oracle_row_and_json(tiny: SimulationSpec, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+def test_cli_oracle_row_and_json(tiny: SimulationSpec, tmp_path: Path,  # noqa: F811
+                                 capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", "--trace", str(tiny.trace), "--columns", "submit=submit,duration=seconds,gpus=gpus,tenant=team",
             "--carbon", str(tiny.carbon), "--sites", str(tiny.sites), "--policy", "baseline-carbon-greedy"]
     out = tmp_path / "with.json"

@@ -591,7 +591,8 @@ class _Model:
         return cls(a_eq, joined("b_eq"), a_ub, b_ub, ub_site, ub_hour, np.column_stack([np.zeros(n_var), upper]),
                    zv, zs, zh)
 
-    def solve(self, per_gpu_hour: np.ndarray, what: str, shadow_prices: bool = False) -> tuple[float, np.ndarray | None]:
+    def solve(self, per_gpu_hour: np.ndarray, what: str,
+              shadow_prices: bool = False) -> tuple[float, np.ndarray | None]:
         """The least ``sum z[g, s, t] × per_gpu_hour[s, t]``, and with ``shadow_prices`` the price of each
         site-hour's capacity in the objective's unit per GPU-hour (float64 shaped as ``per_gpu_hour``): the
         dual values of the rows and upper bounds that hold it, which are 0 where the optimum leaves GPUs
