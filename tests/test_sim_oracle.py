@@ -214,3 +214,15 @@ def test_an_oracle_that_cannot_pack_leaves_the_policies_figures(tiny: Simulation
     assert result.oracle is None
     assert result.policies["baseline-spillover"].metrics["carbon_kg"] == pytest.approx(0.37)
     assert f"not packed: {NAME}: found no room for job 2 before the carbon data ends" in result.report
+
+
+def test_without_the_bound_the_oracle_packs_for_carbon_alone(tiny: SimulationSpec) -> None:  # noqa: F811
+    tiny.bound, tiny.oracle = False, True
+    result = simulate(tiny)
+    assert result.offline_bound is None
+    run = result.oracle
+    assert run is not None
+    assert run.metrics["guided_by_shadow_prices"] is False and run.metrics["gap_to_bound"] is None
+    # the schedule of test_packs_each_job_at_its_cleanest_start_with_room, with no prices
+    assert run.start_s.tolist() == [0.0, 5400.0, 1800.0]
+    assert run.metrics["carbon_kg"] == pytest.approx(0.04 + 0.05 + 0.16)
