@@ -94,11 +94,19 @@ class Federation:
             intensity=self.intensity,
         )
 
-    def carbon_integral(self, site: np.ndarray, t_s: np.ndarray) -> np.ndarray:
+    def carbon_integral(self, site: np.ndarray | int, t_s: np.ndarray) -> np.ndarray:
         """The integral of each site's intensity from the start to ``t_s`` (g/kWh·h), partial hours pro rata."""
-        hours = t_s / 3600.0
-        h = np.minimum(np.floor(hours).astype(np.int64), self.hours - 1)
-        return self.cumulative[site, h] + (hours - h) * self.intensity[site, h]
+        return hourly_integral(self.intensity, self.cumulative, site, t_s)
+
+
+def hourly_integral(hourly: np.ndarray, cum: np.ndarray, row: np.ndarray | int, t_s: np.ndarray) -> np.ndarray:
+    """The integral of ``hourly[row]`` (values per hour from the run's start; ``cum``: their running sums,
+    one column more) from 0 to ``t_s`` seconds, partial hours pro rata; past the last hour, its value."""
+    hours = t_s / 3600.0
+    h = np.minimum(np.floor(hours).astype(np.int64), hourly.shape[1] - 1)
+    if isinstance(row, (int, np.integer)):  # one row: index its view (the oracle asks for one site at a time)
+        return cum[row][h] + (hours - h) * hourly[row][h]
+    return cum[row, h] + (hours - h) * hourly[row, h]
 
 
 def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.ndarray], start: datetime,

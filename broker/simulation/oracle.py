@@ -39,7 +39,7 @@ from typing import NoReturn
 import numpy as np
 from scipy.ndimage import maximum_filter1d
 
-from broker.simulation.engine import Federation, SimulationError, _account
+from broker.simulation.engine import Federation, SimulationError, _account, hourly_integral
 from broker.simulation.results import PolicyRun
 from broker.simulation.workload import Workload
 from policies.snapshot import MODEL_INDEX, TDP_KW
@@ -59,19 +59,18 @@ def whole_job_oracle(
 ) -> PolicyRun:
     """Pack every job not ``left_out`` (bool[jobs]) at the sites ``allowed_sites`` (bool[jobs, sites], site
     order as ``federation.specs``) lets it use; module docstring for the rule. ``shadow_kg_per_gpu_hour``:
-    float64[sites, hours] from the carbon LP (None: carbon alone decides). Returns the schedule as a
-    :class:`PolicyRun` named :data:`NAME`. Raises :class:`SimulationError` when a job cannot end before
-    the carbon data does."""
+    float64[sites, hours of carbon data] from the carbon LP (None: carbon alone decides). Returns the
+    schedule as a :class:`PolicyRun` named :data:`NAME`. Raises :class:`SimulationError` when a job cannot
+    end before the carbon data does."""
     t_wall = time.perf_counter()
     n = len(workload.submit_s)
     n_sites = len(federation.specs)
     if allowed_sites.shape != (n, n_sites) or left_out.shape != (n,):
         raise SimulationError(f"allowed_sites must be bool[{n}, {n_sites}] and left_out bool[{n}], got "
                               f"{allowed_sites.shape} and {left_out.shape}")
-    if shadow_kg_per_gpu_hour is not None and (shadow_kg_per_gpu_hour.ndim != 2
-                                               or shadow_kg_per_gpu_hour.shape[0] != n_sites):
-        raise SimulationError(f"shadow_kg_per_gpu_hour must be float[{n_sites}, hours], got "
-                              f"{shadow_kg_per_gpu_hour.shape}")
+    if shadow_kg_per_gpu_hour is not None and shadow_kg_per_gpu_hour.shape != (n_sites, federation.hours):
+        raise SimulationError(f"shadow_kg_per_gpu_hour must be float[{n_sites}, {federation.hours}] (sites, hours "
+                              f"of carbon data), got {shadow_kg_per_gpu_hour.shape}")
     if not slot_s > 0:
         raise SimulationError(f"slot_s must be above 0, got {slot_s}")
     data_slots = int(np.floor(federation.hours * 3600.0 / slot_s))
@@ -91,7 +90,7 @@ def whole_job_oracle(
 
     price = None
     if shadow_kg_per_gpu_hour is not None:
-        hourly_price = _to_hours(np.asarray(shadow_kg_per_gpu_hour, dtype=np.float64), federation.hours)
+        hourly_price = np.asarray(shadow_kg_per_gpu_hour, dtype=np.float64)
         price = (hourly_price, np.hstack([np.zeros((n_sites, 1)), np.cumsum(hourly_price, axis=1)]))
 
     submit, duration, deadline = workload.submit_s, workload.true_duration_s, workload.deadline_s
@@ -169,35 +168,18 @@ def _starts_with_room(occupied: np.ndarray, a: int, b: int, span0: int, span: in
 
 def _value(federation: Federation, price: tuple[np.ndarray, np.ndarray] | None, site: int, begin: np.ndarray,
            finish: np.ndarray, kw_per_gpu: float, gpus: float) -> np.ndarray:
-    """What a run over ``[begin, finish)`` (seconds, arrays) at ``site`` is charged: its carbon in kg (as
-    :meth:`Federation.carbon_integral` integrates it), plus the price of the GPU-hours it takes when
-    ``price`` (hourly prices and their running sums) is given."""
-    hourly, cum = federation.intensity[site], federation.cumulative[site]
-    value = kw_per_gpu * gpus * (_integral(hourly, cum, finish) - _integral(hourly, cum, begin)) / 1000.0
+    """What a run over ``[begin, finish)`` (seconds, arrays) at ``site`` is charged: its carbon in kg, plus
+    the price of the GPU-hours it takes when ``price`` (hourly prices and their running sums) is given."""
+    value = kw_per_gpu * gpus * (federation.carbon_integral(site, finish)
+                                 - federation.carbon_integral(site, begin)) / 1000.0
     if price is not None:
-        hourly, cum = price[0][site], price[1][site]
-        value += gpus * (_integral(hourly, cum, finish) - _integral(hourly, cum, begin))
+        value += gpus * (hourly_integral(*price, site, finish) - hourly_integral(*price, site, begin))
     return value
-
-
-def _integral(hourly: np.ndarray, cum: np.ndarray, t_s: np.ndarray) -> np.ndarray:
-    """The integral of one row of hourly values (``cum``: its running sums) from 0 to ``t_s`` seconds,
-    partial hours pro rata."""
-    hours = t_s / 3600.0
-    h = np.minimum(hours.astype(np.int64), hourly.shape[0] - 1)
-    return cum[h] + (hours - h) * hourly[h]
 
 
 def _tie(value: float) -> float:
     """Values closer than this are equal (the same carbon summed in another order)."""
     return 1e-9 * abs(value) + 1e-15
-
-
-def _to_hours(values: np.ndarray, hours: int) -> np.ndarray:
-    """``values`` (float[sites, k]) cut or padded with 0 to ``hours`` columns."""
-    if values.shape[1] >= hours:
-        return values[:, :hours]
-    return np.hstack([values, np.zeros((values.shape[0], hours - values.shape[1]))])
 
 
 def _earliest_room(occupied: np.ndarray, t: int, span: int, room: int, slots: int) -> int:
