@@ -11,6 +11,9 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   deadline instead of 1.5;
 - ``headroom 0.1``: deferred starts of jobs without a latency objective leave a tenth of every site free,
   for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2);
+- ``deadline risk not priced`` (``unpriced``): ``miss_cost`` 0, as ``green`` was before it priced a
+  wait's risk to the deadline (:mod:`policies.runtime_risk`); ``miss_cost 100`` and ``300``: priced higher
+  than the shipped 30;
 - ``perfect forecast``: the policies read each zone's true intensity for the next week instead of the
   48-hour forecast: how much of the gap is the forecasts' error;
 - ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
@@ -20,7 +23,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 
 Each line: carbon (t CO2e), deadline misses, and the misses by kind: latency-bound jobs (a latency
 objective pins them to the sites near their origin) or not, and of the rest, how many were deferred (started
-more than a minute after submission) and ran longer than their estimate. The workload and the sites are the
+more than a minute after submission) and ran longer than their estimate; last, the misses of jobs deferred
+for a saving at least once (``deferred_misses``: each would have met its deadline by starting at once). The workload and the sites are the
 Evidence's (``heliotrope simulate --preset philly --trace-from 2017-09-01``, default federation); only the
 named setting differs. Each replay takes about half a minute here.
 
@@ -93,6 +97,9 @@ VARIANTS: dict[str, Variant] = {
     "headroom-0.1": Variant("green, headroom 0.1", {}, green(headroom=0.1)),
     "headroom-0.1-safety-2": Variant("green, headroom 0.1, duration_safety 2", {},
                                      green(headroom=0.1, duration_safety=2.0)),
+    "unpriced": Variant("green, deadline risk not priced", {}, green(miss_cost=0.0)),
+    "miss-cost-100": Variant("green, miss_cost 100", {}, green(miss_cost=100.0)),
+    "miss-cost-300": Variant("green, miss_cost 300", {}, green(miss_cost=300.0)),
     "perfect-forecast": Variant("green, perfect forecast", {}, lambda: policy("green"), True),
     "full-knowledge": Variant("green, full knowledge", {"estimate_sigma": 0.0},
                               green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0),
@@ -118,7 +125,8 @@ def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) ->
     mobile = missed & ~bound
     return (f"{name:42s} {run.carbon_kg[ran].sum() / 1000:7.1f} t {int(missed.sum()):6,d} misses: "
             f"latency-bound {int((missed & bound).sum()):5,d}, other {int(mobile.sum()):5,d} "
-            f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d})  [{wall_s:.0f} s]")
+            f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d}); "
+            f"after a deferral {int((missed & run.was_deferred).sum()):4,d}  [{wall_s:.0f} s]")
 
 
 def main() -> int:

@@ -552,7 +552,8 @@ class SchedulingCycle:
                 del self._deferred[job_id]  # placed, cancelled, or its site left: nothing to hold
                 continue
             calendar.book(site, planned.model, planned.gpus, planned.first, min(planned.end, h0 + hours))
-        return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours))
+        return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours),
+                       run_time_errors=self.lifecycle.run_times.sorted())
 
     def deferred_until(self, job_id: str) -> datetime | None:
         """When a deferred job is planned to start (None: not deferred)."""

@@ -1,6 +1,7 @@
 """What happens to a job after dispatch: site events, cancellation, and recovery after a restart.
 
-- ``running``, ``succeeded``: recorded as they come.
+- ``running``, ``succeeded``: recorded as they come; a success also tells ``run_times`` how long the job ran
+  against its estimate (:mod:`policies.runtime_risk`), seeded at start-up from the store (``learn_run_times``).
 - ``failed``: the job is requeued while it has failed attempts left (``max_attempts``), else it fails.
 - ``preempted``: recorded, then the job is requeued; a checkpointable job keeps its progress (``run_s``).
 - ``lost``: the site no longer has the attempt; the job is requeued (a loss is not the job's failure).
@@ -22,7 +23,9 @@ from broker.federation import Federation, Member
 from broker.jobs import JobBook, JobNotFound
 from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobState
-from broker.store import StoreError
+from broker.store import JobFilter, Store, StoreError
+from policies import runtime_risk
+from policies.runtime_risk import RunTimeErrors
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ class Lifecycle:
         self.max_backoff_s = max_backoff_s
         self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
         self.metrics = Metrics()  # the broker passes its own
+        # How finished jobs' run times compared with their estimates (every snapshot of the time-shift plan
+        # carries it; policies.runtime_risk prices a deferral's risk to the deadline from it).
+        self.run_times = RunTimeErrors()
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -81,10 +87,12 @@ class Lifecycle:
                     return None
                 return await self.book.transition(job.id, R, reason=f"running on {site}", started_at=ev.at)
             case EventKind.SUCCEEDED:
-                return await self.book.transition(
+                done = await self.book.transition(
                     job.id, JobState.SUCCEEDED, reason=f"succeeded on {site}", run_s=job.run_s + ev.run_s,
                     finished_at=ev.at,
                 )
+                self.run_times.add(job.spec.duration_s, job.run_s + ev.run_s)
+                return done
             case EventKind.FAILED:
                 failed = job.failed_attempts + 1
                 why = ev.reason or "failed"
@@ -239,6 +247,14 @@ class Lifecycle:
         return dict(self._withdrawals)
 
     # --- after a restart ---
+
+    async def learn_run_times(self, store: Store) -> int:
+        """Start ``run_times`` from the latest jobs that succeeded before this broker started (oldest first, as
+        they would have finished); returns how many it read."""
+        page = await store.list_jobs(JobFilter(state=JobState.SUCCEEDED), limit=runtime_risk.KEEP)
+        for job in reversed(page.items):  # the store lists the newest first
+            self.run_times.add(job.spec.duration_s, job.run_s)
+        return len(page.items)
 
     async def recover(self) -> list[Job]:
         """After a restart: requeue what was preempted or sits on a site no longer registered, then

@@ -245,6 +245,7 @@ class Broker:
             await self._join(spec, tolerate_failure=True)
         await self.book.load()
         requeued = await self.lifecycle.recover()
+        await self.lifecycle.learn_run_times(self.store)
         if requeued:
             log.warning("requeued %d jobs whose attempts were lost while the broker was down", len(requeued))
         self.federation.set_prices(prices)

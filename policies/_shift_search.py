@@ -126,11 +126,13 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu: np.ndarray, need: float,
                  d_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray,
                  col: np.ndarray, reserve: np.ndarray, last_slot: int, run_hours: int,
-                 span: int) -> tuple[float, int, int, int]:
+                 span: int, penalty: np.ndarray) -> tuple[float, int, int, int]:
     """(value, slot, site, model column) of the best start at a whole hour ``1 .. last_slot`` where the plan
     has room in every hour of the run (hours past ``span`` are not checked); (inf, 0, 0, 0) when none has.
     The candidates are the ``ok`` sites whose lower bound (the run at ``cleanest``, each site's cleanest
-    forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up."""
+    forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up. ``penalty``
+    (float64[last_slot + 1], or empty: none) is added to the value of a start at hour ``k``: the price of the
+    risk it adds to the deadline (policies.runtime_risk); at least 0, so the lower bounds still hold."""
     n_sites = ok.shape[0]
     floor_value = np.empty(n_sites)
     for site in range(n_sites):
@@ -144,6 +146,7 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
     best_value, best_slot, best_site, best_col = np.inf, 0, 0, 0
     n = candidates.shape[0]
     short = np.zeros(span + 1, dtype=np.int32)
+    priced = penalty.shape[0] > last_slot
     for lo in range(0, n, BATCH):
         if floor_value[candidates[lo]] > best_value:
             break
@@ -168,6 +171,8 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
                                     - _integral(cum, forecast, site, float(k))) / 1000.0
                 else:
                     value = fixed
+                if priced:
+                    value = value + penalty[k]
                 if (not found or value < b_value or (value == b_value and (k < b_slot or (k == b_slot and site < b_site)))):
                     if value == value:  # NaN never wins (np.argmin would pick it; the plan's values are finite)
                         b_value, b_slot, b_site, b_col = value, k, site, c

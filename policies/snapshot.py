@@ -247,6 +247,9 @@ class Snapshot:
     # float32[n_sites, n_models, hours]: GPUs free in each whole hour from now's (policies.timeshift); empty
     # when no pipeline shifts jobs in time. Debited by assume() and by deferrals, like free_gpus.
     plan_free: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
+    # float64, ascending: log(actual run time / estimate) of the latest finished jobs (policies.runtime_risk);
+    # empty: not known, and a deferral's risk to the deadline is not priced.
+    run_time_errors: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # The sites' quota figures per tenant (None: no site enforces quotas). Debited by assume().
     quota: QuotaView | None = None
     # MIG slices of each profile that could still be made, int32[n_sites, n_models]. Debited by assume().

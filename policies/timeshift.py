@@ -58,6 +58,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies import _shift_search as _search
+from policies import runtime_risk
 from policies.scorers._usable import usable_models
 from policies.snapshot import TDP_KW, JobRequest, Snapshot
 
@@ -88,6 +89,11 @@ class ShiftPolicy(BaseModel):
     min_saving_abs: float = Field(default=0.0, ge=0.0,
                                   description="defer only when the later start saves at least this much, in the "
                                               "objective's unit (kg CO2e for carbon, USD for cost)")
+    miss_cost: float = Field(default=0.0, ge=0.0, le=1e9,
+                             description="what a later start must save, in the objective's unit, for each whole unit "
+                                         "of probability of missing the deadline it adds, judged on how long the latest "
+                                         "finished jobs ran against their estimates (policies.runtime_risk); 0: not "
+                                         "priced, duration_safety alone guards the deadline")
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
                                         "that cannot wait (no slack) or go far (a latency objective: such a job "
@@ -148,6 +154,9 @@ class Deferral:
     placement: Placement  # the profile's decision for now, for the explanation (every site's terms)
     best_now: float = math.inf  # the best start now at any site the plan allows (the bar a later start clears)
     best_now_site: int = -1
+    # P(missing the deadline) starting now and at ``start`` (policies.runtime_risk); NaN: not priced
+    risk_now: float = math.nan
+    risk_then: float = math.nan
 
     placed = False
 
@@ -163,12 +172,17 @@ class Deferral:
                 f"{sites[self.now_site]} ({saving:.0%} less)")
         if self.best_now_site >= 0 and self.best_now_site != self.now_site:
             text += f"; the best start now, on {sites[self.best_now_site]}, is {self.best_now:.3g} {unit}"
+        if self.risk_then == self.risk_then:
+            text += (f"; the chance of missing its deadline, from how long recent jobs ran against their "
+                     f"estimates, goes from {self.risk_now:.1%} to {self.risk_then:.1%}")
         return text
 
     def as_dict(self, sites: tuple[str, ...]) -> dict[str, object]:
         return {"site": sites[self.site], "start": self.start.isoformat(), "objective": self.objective,
                 "value_then": self.value_then, "value_now": self.value_now if math.isfinite(self.value_now) else None,
                 "now_site": sites[self.now_site] if self.now_site >= 0 else None,
+                "deadline_risk": ({"now": self.risk_now, "then": self.risk_then}
+                                  if self.risk_then == self.risk_then else None),
                 "reason": self.reason(sites)}
 
 
@@ -390,17 +404,23 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     cleanest = snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) if carbon else per_gpu
     # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
     # the sites with the lowest bound up (policies._shift_search).
+    # A later start also pays for the risk it adds to the deadline, where that is priced (policies.runtime_risk).
+    penalty, risk_now = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
+                                                      policy.miss_cost)
     value, slot, site, best_col = _search.search_later(
         ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, last_slot,
-        run_hours, min(hours, last_slot + run_hours))
+        run_hours, min(hours, last_slot + run_hours), penalty)
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
     if math.isfinite(value) and value < threshold:
+        charged = float(penalty[slot]) if penalty.size else 0.0
         return Deferral(
             request=req, site=site, model=best_col, slot=slot,
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
-            value_then=value, value_now=best_now, now_site=now_site, decided_at=snap.now,
+            value_then=value - charged, value_now=best_now, now_site=now_site, decided_at=snap.now,
             slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
+            risk_now=risk_now, risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)
+                                          if penalty.size else math.nan),
         )
     if now_site >= 0:
         return chosen
@@ -457,6 +477,8 @@ def warm_up() -> None:
         for s in specs}
     snap = build_snapshot(now, specs, states)
     snap = replace_forecast(snap, np.array([[500.0] * 2 + [50.0] * 46, [400.0] * 48]))
+    # Finished jobs that ran from half to twice their estimates: green prices a deferral's risk from them.
+    snap = replace(snap, run_time_errors=np.log(np.linspace(0.5, 2.0, runtime_risk.MIN_SAMPLES)))
     for name in ("green", "cheap"):
         pipeline = profile_pipeline(name)
         assert pipeline.shift is not None

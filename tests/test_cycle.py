@@ -529,11 +529,12 @@ def test_a_starting_broker_compiles_the_decision_kernels_before_it_takes_charge(
 import asyncio
 from broker.config import BrokerSettings
 from broker.service import Broker
-import policies._scores as scores, policies._shift_search as search
-names = ("normalise", "least_scaled", "window_mean_rows", "search_later", "cheapest_fitting_now", "room_now")
+import policies._scores as scores, policies._shift_search as search, policies.runtime_risk as risk
+names = ("normalise", "least_scaled", "window_mean_rows", "search_later", "cheapest_fitting_now", "room_now",
+         "_penalty")
 def compiled():
     return {{n: [tuple(getattr(t, "layout", "") for t in sig) for sig in getattr(getattr(scores, n, None) or
-            getattr(search, n), "signatures", [])] for n in names}}
+            getattr(search, n, None) or getattr(risk, n), "signatures", [])] for n in names}}
 assert not any(compiled().values()), "compiled before the broker started"
 async def main():
     broker = Broker(BrokerSettings(db={str(tmp_path / 'h.db')!r}))

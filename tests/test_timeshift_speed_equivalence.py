@@ -23,6 +23,7 @@ import pytest
 from broker import ids
 from broker.cycle import PassDecider
 from broker.models import Health, ModelCapacity, SiteState
+from policies import runtime_risk
 from policies.pipeline import Placement
 from policies.profiles import BUILTIN, pipeline_for
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, build_snapshot, replace_forecast
@@ -156,6 +157,8 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
         candidates = candidates[np.argsort(floor_value[candidates], kind="stable")]
     ks = np.arange(1, last_slot + 1)
     span = min(hours, last_slot + run_hours)
+    penalty, risk_now = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
+                                                      policy.miss_cost)
     best: tuple[float, int, int] = (math.inf, 0, 0)  # (value, slot, site): ties go to the earlier slot, then site
     best_col = 0
     for lo in range(0, candidates.size, _BATCH):
@@ -175,6 +178,8 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
                 _integral(cc, fc, ks + d_h) - _integral(cc, fc, ks.astype(np.float64))) / 1000.0
         else:
             then = np.broadcast_to((per_gpu[sites] * need * d_h)[:, None], (sites.size, ks.size))
+        if penalty.size:  # (added since 7dd3aaf) the priced risk to the deadline of each later start
+            then = then + penalty[ks][None, :]
         masked = np.where(fits_later, then, np.inf)
         flat = int(np.argmin(masked.T))  # k-major: the earliest hour wins a tie, then the first site
         k, i = divmod(flat, sites.size)
@@ -189,8 +194,11 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
         return Deferral(
             request=req, site=site, model=best_col, slot=slot,
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
-            value_then=value, value_now=best_now, now_site=now_site, decided_at=snap.now,
-            slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
+            value_then=value - (float(penalty[slot]) if penalty.size else 0.0), value_now=best_now,
+            now_site=now_site, decided_at=snap.now, slots=run_hours, placement=placement, best_now=anywhere_now,
+            best_now_site=anywhere_site, risk_now=risk_now,
+            risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)
+                       if penalty.size else math.nan),
         )
     if now_site >= 0:
         return chosen
@@ -249,8 +257,9 @@ def same(new: object, ref: object) -> None:
     if isinstance(ref, Deferral):
         assert isinstance(new, Deferral)
         for f in ("site", "model", "slot", "start", "value_then", "value_now", "now_site", "slots", "best_now",
-                  "best_now_site"):
-            assert getattr(new, f) == getattr(ref, f), (f, getattr(new, f), getattr(ref, f))
+                  "best_now_site", "risk_now", "risk_then"):
+            a, b = getattr(new, f), getattr(ref, f)
+            assert a == b or (a != a and b != b), (f, a, b)  # NaN: not priced in either
     elif isinstance(ref, Placement):
         assert isinstance(new, Placement) and (new.site, new.model) == (ref.site, ref.model), (new, ref)
 
@@ -261,7 +270,10 @@ def same(new: object, ref: object) -> None:
     (3, "balanced", dict(objective="carbon", min_saving=0.2, headroom=0.1), np.float64),
     (4, "cheap", dict(objective="cost"), np.float64),
     (5, "cheap", dict(objective="cost", headroom=0.25, horizon_h=24), np.float32),
-], ids=["green", "green-float32-forecast", "balanced-headroom", "cheap", "cheap-headroom-short-horizon"])
+    (6, "green", dict(objective="carbon", max_wait_factor=4.0, min_saving_abs=0.5, miss_cost=30.0), np.float64),
+    (7, "cheap", dict(objective="cost", miss_cost=2.0), np.float64),
+], ids=["green", "green-float32-forecast", "balanced-headroom", "cheap", "cheap-headroom-short-horizon",
+        "green-risk-priced", "cheap-risk-priced"])
 def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, shift: dict, forecast_dtype: type):
     from policies import timeshift
 
@@ -269,8 +281,10 @@ def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, s
     policy = ShiftPolicy(**shift)
     pipeline = pipeline_for(BUILTIN[profile], policy)
     snap = federation(rng, 120, policy.plan_hours, forecast_dtype)
+    if policy.miss_cost:  # finished jobs that ran from half to three times their estimates
+        snap = replace(snap, run_time_errors=np.sort(np.log(np.random.default_rng(seed).uniform(0.5, 3.0, 400))))
     decider = PassDecider(pipeline, snap)
-    outcomes = {"deferred": 0, "placed": 0, "none": 0}
+    outcomes = {"deferred": 0, "placed": 0, "none": 0, "risk_added": 0}
     for req in requests(rng, 400):
         if not shiftable(req, snap, policy):
             continue
@@ -280,6 +294,7 @@ def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, s
         same(new, ref)
         if isinstance(new, Deferral):
             outcomes["deferred"] += 1
+            outcomes["risk_added"] += new.risk_then > new.risk_now
             decider.reserve(new)
         elif new is not None and new.placed:
             outcomes["placed"] += 1
@@ -289,3 +304,4 @@ def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, s
             outcomes["none"] += 1
     # The streams reach every outcome, so each branch of the search was compared.
     assert outcomes["deferred"] > 10 and outcomes["placed"] > 5, outcomes
+    assert (outcomes["risk_added"] > 0) == bool(policy.miss_cost), outcomes  # the priced search was compared too

@@ -10,7 +10,9 @@ What is the live broker's and what is the simulator's
     site's free GPUs exactly, so the snapshot is its own ledger), the store (nothing to make durable), and
     dispatch (a simulated site admits at once what the snapshot said fits, and runs it for its *true*
     duration). The asynchronous steps are exercised by the broker's own tests; here they would only add
-    the event loop's cost to every job.
+    the event loop's cost to every job. As the live broker does, the replay learns how run times compare with
+    estimates from the jobs that have finished (:class:`policies.runtime_risk.RunTimeErrors`, in every
+    snapshot): the only knowledge of true run times a policy gets, and only once a job has ended.
 
 Events
     Time jumps from event to event: an arrival (a job's submit time) or a completion (start + true
@@ -49,6 +51,7 @@ from policies.filters.gpu_fit import GpuFitFilter
 from policies.filters.latency import LatencyFilter
 from policies.pipeline import Pipeline
 from policies import timeshift
+from policies.runtime_risk import RunTimeErrors
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
 from policies.timeshift import Booking, Calendar, Deferral, epoch_hour, run_slots
 
@@ -235,6 +238,7 @@ def replay(
     start_ts = start_at.timestamp()
     calendar = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if shift else None
     bookings: dict[int, Booking] = {}
+    errors = RunTimeErrors()  # how the finished jobs' run times compared with their estimates, as the broker learns it
     deferred: set[int] = set()
     ever_deferred = np.zeros(n, dtype=bool)
     gpus_held = [r.charge for r in requests]
@@ -266,6 +270,7 @@ def replay(
                 calendar.release(booking, from_h=int((start_ts + t) // 3600.0) + 1)
             freed = True
             done += 1
+            errors.add(requests[j].duration_s, float(true_s[j]))
         fresh: list[int] = []
         while next_arrival < len(todo) and submit[todo[next_arrival]] <= t:
             fresh.append(todo[next_arrival])
@@ -289,7 +294,8 @@ def replay(
             plan[:, :, max(hours - h, 1):] = 0  # no simulated site runs past the carbon data: plan no start there
             hourly["plan_free"] = plan
         snap = replace(base, now=now, free_gpus=free, shared_free_milli=shared_free,
-                       carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor, **hourly)
+                       carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor,
+                       run_time_errors=errors.sorted(), **hourly)
         decider = PassDecider(pipeline, snap)
         waiting: list[int] = []  # candidates not already queued that now wait for room
         gone: set[int] = set()  # queued candidates placed or deferred
@@ -358,6 +364,7 @@ def replay(
         progress(done)
     run = _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began)
     run.deferred = int(ever_deferred.sum())
+    run.was_deferred = ever_deferred
     return run
 
 

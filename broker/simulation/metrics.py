@@ -7,7 +7,9 @@ Over the jobs that ran (jobs left out for every policy are not counted by any):
 - ``wait_mean_s``, ``wait_p50_s``, ``wait_p95_s``, ``wait_p99_s``: seconds from submit to start.
 - ``slowdown_mean``: mean bounded slowdown, ``max(1, (wait + run) / max(run, 10 s))`` — the 10 s bound keeps
   a few-second job that waited a minute from dominating the mean.
-- ``deadline_misses``: jobs that finished after their deadline.
+- ``deadline_misses``: jobs that finished after their deadline; ``deferred_misses``: those of them that a
+  time-shifting profile had deferred for a saving at least once (each would have met its deadline by starting
+  at its submit time, since deadlines leave room for the true run time: ``broker.simulation.workload``).
 - ``latency_violations``: jobs with a latency objective that ran where the RTT from their origin exceeds it
   (``latency_unknown``: such jobs at a site with no RTT from their origin, not counted either way).
 - ``utilisation``: busy GPU-hours over all sites / (all GPUs × the run's length, first submit to last end);
@@ -46,7 +48,7 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
                       "slowdown_mean": 1.0, "deadline_misses": 0, "latency_violations": 0, "latency_unknown": 0,
                       "utilisation": 0.0, "utilisation_by_site": {n: 0.0 for n in sites.names},
                       "jain_fairness": 1.0, "preemptions": run.preemptions, "requeues": run.requeues,
-                      "deferred_jobs": run.deferred}
+                      "deferred_jobs": run.deferred, "deferred_misses": 0}
     start, end, sub = run.start_s[ran], run.end_s[ran], submit_s[ran]
     wait = np.maximum(start - sub, 0.0)
     run_s = end - start
@@ -71,6 +73,8 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
         "wait_p99_s": float(p99),
         "slowdown_mean": float(slowdown.mean()),
         "deadline_misses": int((end > deadline_s[ran] + 1e-6).sum()),
+        "deferred_misses": (int(((end > deadline_s[ran] + 1e-6) & run.was_deferred[ran]).sum())
+                            if run.was_deferred is not None else 0),
         "latency_violations": int((rtt > slo[has_slo]).sum()),
         "latency_unknown": int(np.isnan(rtt).sum()),
         "utilisation": float(busy.sum() / capacity_h.sum()) if capacity_h.sum() > 0 else 0.0,

@@ -55,6 +55,7 @@ class PolicyRun:
     deferred: int = 0  # jobs deferred at least once for a saving (time-shifting profiles)
     wall_s: float = 0.0  # how long the replay took
     model: np.ndarray | None = None  # int64[n_jobs]: the GPU model index (policies.snapshot.MODEL_INDEX) it ran on
+    was_deferred: np.ndarray | None = None  # bool[n_jobs]: deferred at least once for a saving
 
     @property
     def ran(self) -> np.ndarray:

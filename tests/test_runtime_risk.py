@@ -1,0 +1,198 @@
+"""Pricing the risk a deferral adds to a job's deadline (policies.runtime_risk): the probability read off how
+long finished jobs ran against their estimates, the time-shift search paying for it, the explanation
+saying it, the simulator and the live broker learning it from finished jobs only."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker.clock import ManualClock
+from broker.config import BrokerSettings
+from broker.models import JobState, SimulatedAdapterConfig
+from broker.service import Broker
+from broker.simulation import engine
+from broker.simulation.run import prepare, simulate
+from policies.profiles import BUILTIN, SHIFTS, pipeline_for
+from policies.runtime_risk import MIN_SAMPLES, RunTimeErrors, deferral_penalty, miss_probability
+from policies.timeshift import Deferral
+from tests.builders import job, site
+from tests.test_sim_engine import _clean_afternoons
+from tests.test_timeshift import FLAT, NOON, decide, green, request, snapshot
+
+
+def errors_of(ratios: list[float]) -> np.ndarray:
+    """What a snapshot carries after jobs ran ``ratios`` × their estimates."""
+    learned = RunTimeErrors()
+    for r in ratios:
+        learned.add(3600.0, 3600.0 * r)
+    return learned.sorted()
+
+
+# -- the probability ---------------------------------------------------------------------------------------------
+
+def test_the_probability_is_the_share_of_finished_jobs_that_ran_longer() -> None:
+    errors = errors_of([0.5] * 50 + [2.0] * 30 + [4.0] * 20)
+    est = 1000.0
+    p = miss_probability(errors, np.array([400.0, 1000.0, 1500.0, 2000.0, 3000.0, 4000.0, 5000.0]), est)
+    # room / estimate: 0.4 -> all 100 ran longer; 1 -> 50 (the 2x and 4x); 1.5 -> 50; 2 -> the 20 at 4x
+    # (ran exactly 2x is not longer); 3 -> 20; 4 -> none; 5 -> none
+    assert p.tolist() == [1.0, 0.5, 0.5, 0.2, 0.2, 0.0, 0.0]
+    assert miss_probability(errors, np.array([0.0, -60.0]), est).tolist() == [1.0, 1.0]  # no room left at all
+
+
+def test_the_errors_keep_the_latest_jobs_and_ignore_what_says_nothing() -> None:
+    learned = RunTimeErrors(keep=3)
+    for est, actual in [(100.0, 200.0), (100.0, 0.0), (0.0, 50.0), (100.0, math.nan), (100.0, 100.0),
+                        (100.0, 50.0), (100.0, 400.0)]:
+        learned.add(est, actual)
+    assert len(learned) == 3  # the first of the four valid ones is gone
+    assert learned.sorted() == pytest.approx(np.log([0.5, 1.0, 4.0]))
+    assert learned.sorted() is learned.sorted()  # sorted once until the next job finishes
+    with pytest.raises(ValueError, match="keep"):
+        RunTimeErrors(keep=0)
+
+
+def test_the_penalty_charges_only_the_risk_a_wait_adds() -> None:
+    errors = errors_of([1.0] * 40 + [2.0] * 40 + [3.0] * 20)
+    hour0 = 1_000_000 * 3600.0
+    now = hour0 + 1200.0
+    # Estimate 2 h, deadline 7 h after the hour: starting now leaves 6.67 h (3.3x, nothing ran longer); the
+    # starts at hours 1..5 leave 6, 5, 4, 3, 2 h: 3x, 2.5x, 2x, 1.5x, 1x the estimate.
+    req = request(hours=2.0, deadline_ts=hour0 + 7 * 3600.0)
+    penalty, p_now = deferral_penalty(req, errors, now, hour0, 5, miss_cost=100.0)
+    assert p_now == 0.0
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, 20.0, 20.0, 60.0, 60.0])
+    assert (np.diff(penalty) >= 0).all()
+    # Nothing is priced without a cost, on too few jobs, or for a job without a deadline.
+    assert deferral_penalty(req, errors, now, hour0, 5, miss_cost=0.0)[0].size == 0
+    assert deferral_penalty(req, errors[: MIN_SAMPLES - 1], now, hour0, 5, miss_cost=100.0)[0].size == 0
+    assert deferral_penalty(replace(req, deadline_ts=None), errors, now, hour0, 5, 100.0)[0].size == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_compiled_penalty_is_the_probability_difference_to_the_bit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    errors = np.sort(rng.normal(0.0, rng.uniform(0.1, 1.5), int(rng.integers(MIN_SAMPLES, 3000))))
+    hour0 = 1_000_000 * 3600.0
+    now = hour0 + rng.uniform(0, 3600)
+    est = rng.uniform(60, 40 * 3600)
+    req = request(hours=est / 3600.0, deadline_ts=now + est * rng.uniform(0.5, 6.0))
+    last = int(rng.integers(1, 169))
+    penalty, p_now = deferral_penalty(req, errors, now, hour0, last, miss_cost=37.5)
+    starts = np.concatenate([[now], hour0 + np.arange(last + 1) * 3600.0])
+    p = miss_probability(errors, req.deadline_ts - starts, est)
+    assert p_now == p[0]
+    assert penalty.tolist() == (np.maximum(p[1:] - p[0], 0.0) * 37.5).tolist()
+
+
+# -- the time-shift search ---------------------------------------------------------------------------------------
+
+# Two hours, deadline six hours after noon (18:20): ashburn's clean hours start at 15:00, which leaves 3 h 20 min,
+# 1.67 × the estimate; starting now leaves 3 ×. Ashburn saves 0.64 kg of toronto's 0.96 kg.
+TIGHT = request(hours=2.0, slack_h=4.0)
+
+
+@pytest.mark.parametrize(("case", "ratios", "miss_cost", "deferred"), [
+    ("not priced: the wait is taken", [2.0] * 30 + [1.0] * 70, 0.0, True),
+    ("30 % of jobs ran 2x: a 30 % risk at 1 kg is 0.3 kg, less than the 0.64 kg saved", [2.0] * 30 + [1.0] * 70,
+     1.0, True),
+    ("the same risk at 3 kg is 0.9 kg, more than the saving: the job starts now", [2.0] * 30 + [1.0] * 70, 3.0,
+     False),
+    ("no finished job ran more than 1.5x its estimate: no risk, whatever its price", [1.5] * 30 + [0.5] * 70,
+     1e6, True),
+    ("49 finished jobs are too few to price anything", [2.0] * (MIN_SAMPLES - 1), 1e6, True),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_wait_must_save_more_than_the_risk_it_adds_costs(case, ratios, miss_cost, deferred) -> None:
+    snap = replace(snapshot(NOON, FLAT), run_time_errors=errors_of(ratios))
+    outcome = decide(green(miss_cost=miss_cost), TIGHT, snap)
+    assert isinstance(outcome, Deferral) == deferred, case
+    if deferred:
+        assert (snap.sites[outcome.site], outcome.slot) == ("ashburn", 3), case
+    else:
+        assert outcome.placed and snap.sites[outcome.site] == "toronto", case
+
+
+def test_a_priced_deferral_says_how_its_risk_to_the_deadline_grows() -> None:
+    snap = replace(snapshot(NOON, FLAT), run_time_errors=errors_of([2.0] * 30 + [1.0] * 70))
+    outcome = decide(green(miss_cost=1.0), TIGHT, snap)
+    assert isinstance(outcome, Deferral)
+    assert (outcome.risk_now, outcome.risk_then) == (0.0, 0.3)
+    # value_then is the forecast carbon itself, not the priced value the search compared
+    assert outcome.value_then == pytest.approx(4 * 0.4 * 2 * 100.0 / 1000.0)
+    assert outcome.reason(snap.sites).endswith("the chance of missing its deadline, from how long recent jobs "
+                                               "ran against their estimates, goes from 0.0% to 30.0%")
+    assert outcome.as_dict(snap.sites)["deadline_risk"] == {"now": 0.0, "then": 0.3}
+    unpriced = decide(green(), TIGHT, snap)
+    assert math.isnan(unpriced.risk_then) and unpriced.as_dict(snap.sites)["deadline_risk"] is None
+    assert "chance of missing" not in unpriced.reason(snap.sites)
+
+
+def test_green_prices_the_risk_out_of_the_box() -> None:
+    assert SHIFTS["green"].miss_cost > 0
+    assert all(SHIFTS[name].miss_cost == 0 for name in ("balanced", "cheap"))
+
+
+# -- the simulator learns from finished jobs only ---------------------------------------------------------------
+
+def test_the_replay_learns_from_jobs_that_ran_past_their_estimates_and_stops_risking_deadlines(tmp_path: Path):
+    """Sixty 1-GPU jobs at midnight and three 8-GPU jobs at 06:00, every one running twice its estimate. The
+    three (estimated 2 h, really 4 h) could save 1.6 kg each by waiting for FR's clean afternoon at 12:00,
+    and the 1.5 × estimate safety allows it (deadline 15:30, latest start 12:30), but a 4-hour run from 12:00
+    ends at 16:00. By 06:00 the sixty small jobs have finished and shown that jobs here run twice their
+    estimates: green, which prices that risk, starts the three at once and meets every deadline; the same
+    profile with the price off defers them and misses three."""
+    rows = "2022-06-04T00:00:00,3600,1,x\n" * 60 + "2022-06-04T06:00:00,14400,8,x\n" * 3
+    spec = _clean_afternoons(tmp_path, 6, rows, slack_h=5.5, gpus=32)
+    spec.assumptions["slack_factor"] = 1.0  # every job's slack is the 5.5 h
+    prep = prepare(spec)
+    w = replace(prep.workload, estimated_duration_s=prep.workload.true_duration_s / 2.0)
+    prep = replace(prep, workload=w, requests=engine.requests_of(w))
+    big = slice(60, 63)
+
+    priced = simulate(spec, prepared=prep).policies["green"]
+    assert priced.metrics["deadline_misses"] == 0 and priced.metrics["deferred_misses"] == 0
+    assert (priced.start_s[big] == 6 * 3600.0).all() and not priced.was_deferred[big].any()
+
+    unpriced_pipeline = pipeline_for(BUILTIN["green"], SHIFTS["green"].model_copy(update={"miss_cost": 0.0}))
+    unpriced = engine.replay("green-unpriced", unpriced_pipeline, prep.workload, prep.federation, prep.requests,
+                             prep.left_out)
+    assert unpriced.was_deferred[big].all() and (unpriced.start_s[big] == 12 * 3600.0).all()
+    assert int((unpriced.end_s > prep.workload.deadline_s).sum()) == 3
+
+
+# -- the live broker -----------------------------------------------------------------------------------------------
+
+async def test_the_live_broker_learns_run_times_from_successes_and_again_after_a_restart(tmp_path: Path):
+    t0 = datetime(2022, 6, 1, 12, tzinfo=UTC)
+    fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+    settings = BrokerSettings(db=str(tmp_path / "r.db"), shutdown_grace_s=0.1)
+    clock = ManualClock(t0)
+    b = Broker(settings, clock=clock)
+    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=fast)], run_loop=False)
+    try:
+        j, _ = await b.book.submit(job(count=1, duration_s=600))
+        await b.cycle.run_once()
+        for _ in range(3):
+            await clock.advance(601 if _ else 1)
+            await asyncio.sleep(0.05)
+            await b.cycle.drain()
+        done = await b.book.get(j.id)
+        assert done.state == JobState.SUCCEEDED
+        assert b.lifecycle.run_times.sorted() == pytest.approx([math.log(done.run_s / 600.0)])
+        assert b.cycle._with_plan(b.federation.freeze(clock.now())).run_time_errors.size == 1
+    finally:
+        await b.stop()
+    again = Broker(settings, clock=ManualClock(t0 + timedelta(hours=1)))
+    await again.start([site("alpha", gpus={"a100-80gb": 8}, adapter=fast)], run_loop=False)
+    try:
+        assert again.lifecycle.run_times.sorted() == pytest.approx([math.log(done.run_s / 600.0)])
+    finally:
+        await again.stop()
+
