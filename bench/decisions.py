@@ -19,13 +19,15 @@ What runs:
    of serialising that record to JSON (what the store adds), on a sample of decisions.
 
 ``--profile NAME`` decides with a routing profile's pipeline (every scorer it weighs; ``every``: all the
-routing scorers at once, follow-the-sun in both modes, with ``balanced``'s time-shifting) on snapshots that
+routing scorers at once, follow-the-sun in both modes, with ``green``'s time-shifting, every bound and
+the priced deadline risk on) on snapshots that
 carry a 48-hour carbon forecast per site: the seasonal-naive forecast of a real zone at a seeded hour of
 2022 (``--carbon``, default the shared data's 16 zones, round robin over the sites), or seeded random
 intensities when there is no such folder. ``--shift`` adds the profile's time-shifting, as
 the live cycle runs it: every job gets a deadline (its expected run plus 2 to 48 hours of slack, seeded),
 every snapshot a plan hour by hour (``Snapshot.plan_free`` from a ``policies.timeshift.Calendar``: the GPUs
-in use now stay busy for 1 to 12 more hours, seeded), and jobs are decided through
+in use now stay busy for 1 to 12 more hours, seeded) and the run-time errors of 2,000 finished jobs
+(log-normal, sigma 0.5, seeded: what the pricing of a deferral's risk to the deadline reads), and jobs are decided through
 ``broker.cycle.PassDecider`` (``decide``, then ``assume`` for a placement or ``reserve`` for a deferral),
 so the timed figure covers the whole decision with the time-shift search; it also prints the share of
 deferrals and the cost of ``timeshift.plan`` per shiftable job.
@@ -58,7 +60,7 @@ from broker import ids  # noqa: E402
 from broker.data.carbon import load_carbon  # noqa: E402
 from broker.cycle import PassDecider  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
-from policies import explain, timeshift  # noqa: E402
+from policies import explain, runtime_risk, timeshift  # noqa: E402
 from policies.pipeline import choose_model, default_pipeline  # noqa: E402
 from policies.profiles import BUILTIN, SHIFTS, pipeline_for, profile_pipeline  # noqa: E402
 from policies.snapshot import JobRequest, Snapshot, build_snapshot, replace_forecast  # noqa: E402
@@ -198,7 +200,7 @@ def main() -> int:
     p.add_argument("--profile", default=None,
                    help="decide with a routing profile (balanced, green, cheap, fast): every scorer it weighs, "
                         "with a synthetic 48-hour carbon forecast per site; 'every': every routing scorer at once "
-                        "(EVERY below) with balanced's time-shifting; default: the release's default pipeline")
+                        "(EVERY below) with green's time-shifting; default: the release's default pipeline")
     p.add_argument("--carbon", type=Path, default=SHARED_CARBON if SHARED_CARBON.exists() else None,
                    help="carbon-intensity folder whose zones the sites take, round robin, with a seasonal-naive "
                         "forecast (default: shared/data's when present; without one, seeded random intensities)")
@@ -227,7 +229,7 @@ def main() -> int:
 
     now = datetime.now(UTC)
     if args.profile == "every":
-        pipeline = pipeline_for(EVERY, SHIFTS["balanced"])
+        pipeline = pipeline_for(EVERY, SHIFTS["green"])
     else:
         pipeline = default_pipeline() if args.profile is None else profile_pipeline(args.profile)
     shift = pipeline.shift if args.shift else None
@@ -241,12 +243,16 @@ def main() -> int:
     elif args.profile is not None:  # seeded intensities, 50..700 g/kWh, one 48-hour row per site
         forecast = np.random.default_rng(args.seed).uniform(50, 700, size=(args.sites, 48))
 
+    # What the broker has learned after 2,000 jobs finished that ran a log-normal factor (sigma 0.5) off their
+    # estimates, as the simulator's workload draws them: a deferral's risk to the deadline is priced from it.
+    errors = np.sort(np.random.default_rng(args.seed).normal(0.0, 0.5, runtime_risk.KEEP))
+
     def fresh() -> Snapshot:
         built = build_snapshot(now, specs, states)
         if forecast is not None:
             built = replace_forecast(built, forecast)
         if shift is not None:
-            built = replace(built, plan_free=plan_of(built, shift, args.seed))
+            built = replace(built, plan_free=plan_of(built, shift, args.seed), run_time_errors=errors)
         return built
 
     t = time.perf_counter_ns()

@@ -90,10 +90,11 @@ class ShiftPolicy(BaseModel):
                                   description="defer only when the later start saves at least this much, in the "
                                               "objective's unit (kg CO2e for carbon, USD for cost)")
     miss_cost: float = Field(default=0.0, ge=0.0, le=1e9,
-                             description="what a later start must save, in the objective's unit, for each whole unit "
-                                         "of probability of missing the deadline it adds, judged on how long the latest "
-                                         "finished jobs ran against their estimates (policies.runtime_risk); 0: not "
-                                         "priced, duration_safety alone guards the deadline")
+                             description="what a later start must save, in the objective's unit, for each whole "
+                                         "unit of probability of missing the deadline it adds, judged on how long "
+                                         "the latest finished jobs ran against their estimates "
+                                         "(policies.runtime_risk); 0: not priced, duration_safety alone guards "
+                                         "the deadline")
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
                                         "that cannot wait (no slack) or go far (a latency objective: such a job "
@@ -419,8 +420,9 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
             value_then=value - charged, value_now=best_now, now_site=now_site, decided_at=snap.now,
             slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
-            risk_now=risk_now, risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)
-                                          if penalty.size else math.nan),
+            risk_now=risk_now,
+            risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)
+                       if penalty.size else math.nan),
         )
     if now_site >= 0:
         return chosen
