@@ -29,6 +29,19 @@ from policies.runtime_risk import RunTimeErrors
 
 log = logging.getLogger(__name__)
 
+LEARN_FROM = 5 * runtime_risk.KEEP
+"""Successes read at start-up to find the latest to finish: the store lists jobs by submission, and a long job
+submitted before thousands of short ones may be among the last to finish."""
+
+
+def actual_run_s(job: Job) -> float:
+    """How long a succeeded job ran: what its attempts reported (``run_s``), or, when more, the time from its
+    last attempt's start to its end. An adapter that re-adopted a running job after a broker restart reports
+    only what it saw since, while ``started_at`` and ``finished_at`` are stored as the site reported them."""
+    if job.started_at is not None and job.finished_at is not None:
+        return max(job.run_s, (job.finished_at - job.started_at).total_seconds())
+    return job.run_s
+
 R, D, A = JobState.RUNNING, JobState.DISPATCHING, JobState.ADMITTED
 ON_SITE = (D, A, R)
 
@@ -49,7 +62,7 @@ class Lifecycle:
         self.metrics = Metrics()  # the broker passes its own
         # How finished jobs' run times compared with their estimates (every snapshot of the time-shift plan
         # carries it; policies.runtime_risk prices a deferral's risk to the deadline from it).
-        self.run_times = RunTimeErrors()
+        self.run_times = RunTimeErrors(runtime_risk.KEEP)
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -91,7 +104,7 @@ class Lifecycle:
                     job.id, JobState.SUCCEEDED, reason=f"succeeded on {site}", run_s=job.run_s + ev.run_s,
                     finished_at=ev.at,
                 )
-                self.run_times.add(job.spec.duration_s, job.run_s + ev.run_s)
+                self.run_times.add(job.spec.duration_s, actual_run_s(done))
                 return done
             case EventKind.FAILED:
                 failed = job.failed_attempts + 1
@@ -249,11 +262,13 @@ class Lifecycle:
     # --- after a restart ---
 
     async def learn_run_times(self, store: Store) -> int:
-        """Start ``run_times`` from the latest jobs that succeeded before this broker started (oldest first, as
-        they would have finished); returns how many it read."""
-        page = await store.list_jobs(JobFilter(state=JobState.SUCCEEDED), limit=runtime_risk.KEEP)
-        for job in reversed(page.items):  # the store lists the newest first
-            self.run_times.add(job.spec.duration_s, job.run_s)
+        """Start ``run_times`` from the jobs that succeeded before this broker took charge: of the latest
+        ``LEARN_FROM`` successes the store holds (it lists jobs in submission order, newest first), the
+        ``runtime_risk.KEEP`` that finished last, in the order they finished. Returns how many it read."""
+        page = await store.list_jobs(JobFilter(state=JobState.SUCCEEDED), limit=LEARN_FROM)
+        ended = sorted(page.items, key=lambda j: (j.finished_at or j.updated_at, j.id))[-runtime_risk.KEEP:]
+        for job in ended:
+            self.run_times.add(job.spec.duration_s, actual_run_s(job))
         return len(page.items)
 
     async def recover(self) -> list[Job]:

@@ -232,6 +232,8 @@ class Broker:
         """Join the sites, load the active jobs, reconcile with the sites, start signals and the loop."""
         carbon, prices = self._providers_built
         self.book.tracking = True
+        # Before any site's events are pumped: a job that succeeds from here on is learned once, live.
+        await self.lifecycle.learn_run_times(self.store)
         if self.hub is not None:  # only the broker in charge talks to the agents
             await self.hub.start()  # connects in the background, and reconnects by itself
             if not await self.hub.wait_connected(self.settings.collect_timeout_s):
@@ -245,7 +247,6 @@ class Broker:
             await self._join(spec, tolerate_failure=True)
         await self.book.load()
         requeued = await self.lifecycle.recover()
-        await self.lifecycle.learn_run_times(self.store)
         if requeued:
             log.warning("requeued %d jobs whose attempts were lost while the broker was down", len(requeued))
         self.federation.set_prices(prices)

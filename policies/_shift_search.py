@@ -126,9 +126,10 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu: np.ndarray, need: float,
                  d_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray,
                  col: np.ndarray, reserve: np.ndarray, last_slot: int, run_hours: int,
-                 span: int, penalty: np.ndarray) -> tuple[float, int, int, int]:
-    """(value, slot, site, model column) of the best start at a whole hour ``1 .. last_slot`` where the plan
-    has room in every hour of the run (hours past ``span`` are not checked); (inf, 0, 0, 0) when none has.
+                 span: int, penalty: np.ndarray) -> tuple[float, int, int, int, float]:
+    """(value, slot, site, model column, value without the penalty) of the best start at a whole hour
+    ``1 .. last_slot`` where the plan has room in every hour of the run (hours past ``span`` are not
+    checked); (inf, 0, 0, 0, inf) when none has.
     The candidates are the ``ok`` sites whose lower bound (the run at ``cleanest``, each site's cleanest
     forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up. ``penalty``
     (float64[last_slot + 1], or empty: none) is added to the value of a start at hour ``k``: the price of the
@@ -143,7 +144,7 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
     candidates = np.flatnonzero(ok & (floor_value < threshold))
     if candidates.shape[0] > BATCH:
         candidates = candidates[np.argsort(floor_value[candidates], kind="mergesort")]  # stable
-    best_value, best_slot, best_site, best_col = np.inf, 0, 0, 0
+    best_value, best_slot, best_site, best_col, best_pure = np.inf, 0, 0, 0, np.inf
     n = candidates.shape[0]
     short = np.zeros(span + 1, dtype=np.int32)
     priced = penalty.shape[0] > last_slot
@@ -152,7 +153,7 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
             break
         sites = np.sort(candidates[lo:lo + BATCH])
         # The batch's least (value, slot, site): the earliest hour wins a tie, then the lower site index.
-        b_value, b_slot, b_site, b_col = np.inf, 0, 0, 0
+        b_value, b_slot, b_site, b_col, b_pure = np.inf, 0, 0, 0, np.inf
         found = False
         for i in range(sites.shape[0]):
             site = sites[i]
@@ -171,13 +172,14 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
                                     - _integral(cum, forecast, site, float(k))) / 1000.0
                 else:
                     value = fixed
+                pure = value
                 if priced:
                     value = value + penalty[k]
                 if (not found or value < b_value or (value == b_value and (k < b_slot or (k == b_slot and site < b_site)))):
                     if value == value:  # NaN never wins (np.argmin would pick it; the plan's values are finite)
-                        b_value, b_slot, b_site, b_col = value, k, site, c
+                        b_value, b_slot, b_site, b_col, b_pure = value, k, site, c, pure
                         found = True
         if found and (b_value < best_value or (b_value == best_value and (
                 b_slot < best_slot or (b_slot == best_slot and b_site < best_site)))):
-            best_value, best_slot, best_site, best_col = b_value, b_slot, b_site, b_col
-    return best_value, best_slot, best_site, best_col
+            best_value, best_slot, best_site, best_col, best_pure = b_value, b_slot, b_site, b_col, b_pure
+    return best_value, best_slot, best_site, best_col, best_pure

@@ -78,6 +78,7 @@ class RunTimeErrors:
         """float64[len(self)], ascending (a new array after each ``add``; the same one until then)."""
         if self._sorted is None:
             self._sorted = np.sort(self._ring[:len(self)])
+            self._sorted.flags.writeable = False  # every snapshot of a pass shares it
         return self._sorted
 
 
@@ -85,6 +86,8 @@ def miss_probability(errors: np.ndarray, room_s: np.ndarray, estimate_s: float) 
     """P(a job estimated at ``estimate_s`` runs longer than ``room_s``) for each entry of ``room_s`` (seconds
     from a start to the deadline; at or below 0: 1), from ``errors`` (sorted ``log(actual / estimate)``): the
     share of them above ``log(room_s / estimate_s)``."""
+    if errors.size == 0:
+        raise ValueError("no finished jobs to judge by: miss_probability needs at least one run-time error")
     room = np.asarray(room_s, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         bar = np.log(np.maximum(room, 0.0) / estimate_s)  # -inf where there is no room at all

@@ -37,6 +37,11 @@ The search (:func:`plan`)
     - ``cost``: the site's price per GPU-hour × GPUs held × expected hours, in USD (prices do not change by
       the hour, so a job waits for cost only when the cheap site is full now and has room later).
 
+    With ``miss_cost`` (and enough finished jobs to judge by), each later start's value also carries the
+    price of the risk it adds to the deadline (:mod:`policies.runtime_risk`): the search finds the least
+    value with that price included, and the bars below are cleared with it included too; the deferral
+    reports the forecast value itself and both chances of a miss.
+
     The job is deferred to the best later (site, hour) when that is at least ``min_saving`` (a fraction)
     and ``min_saving_abs`` (kg CO2e or USD) below starting now: every deferral risks the deadline a little
     (the estimate may be short), which a job's few grams are not worth; with no room now, to the best later start with room (a reservation, so it is not
@@ -166,17 +171,21 @@ class Deferral:
         then = f"{sites[self.site]} from {self.start:%Y-%m-%dT%H:%MZ}"
         if self.now_site < 0 or not math.isfinite(self.value_now):
             return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because no site can take it now without "
-                    f"breaking a plan; reserved on {then} ({self.value_then:.3g} {unit} forecast)")
+                    f"breaking a plan; reserved on {then} ({self.value_then:.3g} {unit} forecast)"
+                    + self._risk_text())
         saving = 1.0 - self.value_then / self.value_now if self.value_now > 0 else 0.0
         text = (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because {self.objective} forecast on {then} is "
                 f"{self.value_then:.3g} {unit} against {self.value_now:.3g} {unit} starting now on "
                 f"{sites[self.now_site]} ({saving:.0%} less)")
         if self.best_now_site >= 0 and self.best_now_site != self.now_site:
             text += f"; the best start now, on {sites[self.best_now_site]}, is {self.best_now:.3g} {unit}"
-        if self.risk_then == self.risk_then:
-            text += (f"; the chance of missing its deadline, from how long recent jobs ran against their "
-                     f"estimates, goes from {self.risk_now:.1%} to {self.risk_then:.1%}")
-        return text
+        return text + self._risk_text()
+
+    def _risk_text(self) -> str:
+        if self.risk_then != self.risk_then:  # not priced
+            return ""
+        return (f"; the chance of missing its deadline, from how long recent jobs ran against their estimates, "
+                f"goes from {self.risk_now:.1%} to {self.risk_then:.1%}")
 
     def as_dict(self, sites: tuple[str, ...]) -> dict[str, object]:
         return {"site": sites[self.site], "start": self.start.isoformat(), "objective": self.objective,
@@ -408,17 +417,16 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # A later start also pays for the risk it adds to the deadline, where that is priced (policies.runtime_risk).
     penalty, risk_now = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
                                                       policy.miss_cost)
-    value, slot, site, best_col = _search.search_later(
+    value, slot, site, best_col, value_then = _search.search_later(
         ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, last_slot,
         run_hours, min(hours, last_slot + run_hours), penalty)
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
     if math.isfinite(value) and value < threshold:
-        charged = float(penalty[slot]) if penalty.size else 0.0
         return Deferral(
             request=req, site=site, model=best_col, slot=slot,
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
-            value_then=value - charged, value_now=best_now, now_site=now_site, decided_at=snap.now,
+            value_then=value_then, value_now=best_now, now_site=now_site, decided_at=snap.now,
             slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
             risk_now=risk_now,
             risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)

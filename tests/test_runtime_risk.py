@@ -18,6 +18,8 @@ from broker.config import BrokerSettings
 from broker.models import JobState, SimulatedAdapterConfig
 from broker.service import Broker
 from broker.simulation import engine
+from broker.store import JobFilter
+from policies import runtime_risk
 from broker.simulation.run import prepare, simulate
 from policies.profiles import BUILTIN, SHIFTS, pipeline_for
 from policies.runtime_risk import MIN_SAMPLES, RunTimeErrors, deferral_penalty, miss_probability
@@ -108,10 +110,14 @@ TIGHT = request(hours=2.0, slack_h=4.0)
     ("no finished job ran more than 1.5x its estimate: no risk, whatever its price", [1.5] * 30 + [0.5] * 70,
      1e6, True),
     ("49 finished jobs are too few to price anything", [2.0] * (MIN_SAMPLES - 1), 1e6, True),
+    ("with min_saving_abs 0.3 kg: 0.64 kg saved less 0.3 kg of risk clears it", [2.0] * 30 + [1.0] * 70,
+     (1.0, 0.3), True),
+    ("with min_saving_abs 0.5 kg: 0.64 kg less 0.3 kg does not", [2.0] * 30 + [1.0] * 70, (1.0, 0.5), False),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_a_wait_must_save_more_than_the_risk_it_adds_costs(case, ratios, miss_cost, deferred) -> None:
     snap = replace(snapshot(NOON, FLAT), run_time_errors=errors_of(ratios))
-    outcome = decide(green(miss_cost=miss_cost), TIGHT, snap)
+    miss_cost, min_abs = miss_cost if isinstance(miss_cost, tuple) else (miss_cost, 0.0)
+    outcome = decide(green(miss_cost=miss_cost, min_saving_abs=min_abs), TIGHT, snap)
     assert isinstance(outcome, Deferral) == deferred, case
     if deferred:
         assert (snap.sites[outcome.site], outcome.slot) == ("ashburn", 3), case
@@ -167,6 +173,25 @@ def test_the_replay_learns_from_jobs_that_ran_past_their_estimates_and_stops_ris
     assert int((unpriced.end_s > prep.workload.deadline_s).sum()) == 3
 
 
+def test_the_replay_learns_nothing_from_jobs_still_running(tmp_path: Path) -> None:
+    """The same three jobs, but the sixty small ones run from 05:00 to 07:00. At 06:00 none has finished, so
+    nothing is known about how this workload's estimates run (the replay knows the true run times; only a
+    finished job tells the policies): the risk is not priced and green defers the three to 12:00. At 07:00
+    the sixty end, the deferred three are decided again, now with the risk priced, and start at once: every
+    deadline is met."""
+    rows = "2022-06-04T05:00:00,7200,1,x\n" * 60 + "2022-06-04T06:00:00,14400,8,x\n" * 3
+    spec = _clean_afternoons(tmp_path, 6, rows, slack_h=5.5, gpus=64)  # room for the three beside the sixty
+    spec.assumptions["slack_factor"] = 1.0
+    prep = prepare(spec)
+    w = replace(prep.workload, estimated_duration_s=prep.workload.true_duration_s / 2.0)
+    prep = replace(prep, workload=w, requests=engine.requests_of(w))
+    green_run = simulate(spec, prepared=prep).policies["green"]
+    big = slice(60, 63)
+    assert green_run.was_deferred[big].all()  # at 06:00, for the clean afternoon
+    assert (green_run.start_s[big] == 2 * 3600.0).all()  # 07:00, as soon as the sixty have shown their errors
+    assert green_run.metrics["deadline_misses"] == 0
+
+
 # -- the live broker -----------------------------------------------------------------------------------------------
 
 async def test_the_live_broker_learns_run_times_from_successes_and_again_after_a_restart(tmp_path: Path):
@@ -196,3 +221,39 @@ async def test_the_live_broker_learns_run_times_from_successes_and_again_after_a
     finally:
         await again.stop()
 
+
+async def test_a_restarted_broker_keeps_the_jobs_that_finished_last_not_the_last_submitted(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """Three jobs estimated at 600 s, submitted a, b, c, that really run 1,800, 300 and 600 s: they finish b,
+    c, a. With room for two errors, the live broker keeps c's and a's; so does a broker started afterwards on
+    the same store, which lists jobs by submission."""
+    from adapters.simulated import SimulatedSite
+
+    monkeypatch.setattr(runtime_risk, "KEEP", 2)
+    t0 = datetime(2022, 6, 1, 12, tzinfo=UTC)
+    fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+    runs = {"a": 1800.0, "b": 300.0, "c": 600.0}
+    settings = BrokerSettings(db=str(tmp_path / "r.db"), shutdown_grace_s=0.1)
+    clock = ManualClock(t0)
+    b = Broker(settings, clock=clock, factory=lambda spec: SimulatedSite(
+        spec, clock, fast, run_seconds=lambda j: runs[j.spec.name]))
+    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=fast)], run_loop=False)
+    expected = sorted([math.log(600.0 / 600.0), math.log(1800.0 / 600.0)])
+    try:
+        for name in "abc":
+            await b.book.submit(job(name=name, count=1, duration_s=600))
+        await b.cycle.run_once()
+        for step in (1.0, 300.0, 300.0, 1200.0, 1.0):
+            await clock.advance(step)
+            await asyncio.sleep(0.05)
+            await b.cycle.drain()
+        assert len((await b.store.list_jobs(JobFilter(state=JobState.SUCCEEDED), limit=10)).items) == 3
+        assert b.lifecycle.run_times.sorted() == pytest.approx(expected)
+    finally:
+        await b.stop()
+    again = Broker(settings, clock=ManualClock(t0 + timedelta(hours=1)))
+    await again.start([site("alpha", gpus={"a100-80gb": 8}, adapter=fast)], run_loop=False)
+    try:
+        assert again.lifecycle.run_times.sorted() == pytest.approx(expected)
+    finally:
+        await again.stop()

@@ -161,6 +161,7 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
                                                       policy.miss_cost)
     best: tuple[float, int, int] = (math.inf, 0, 0)  # (value, slot, site): ties go to the earlier slot, then site
     best_col = 0
+    best_pure = math.inf
     for lo in range(0, candidates.size, _BATCH):
         if floor_value[candidates[lo]] > best[0]:
             break
@@ -178,6 +179,7 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
                 _integral(cc, fc, ks + d_h) - _integral(cc, fc, ks.astype(np.float64))) / 1000.0
         else:
             then = np.broadcast_to((per_gpu[sites] * need * d_h)[:, None], (sites.size, ks.size))
+        pure = then
         if penalty.size:  # (added since 7dd3aaf) the priced risk to the deadline of each later start
             then = then + penalty[ks][None, :]
         masked = np.where(fits_later, then, np.inf)
@@ -187,6 +189,7 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
         if found < best:
             best = found
             best_col = int(cols[i])
+            best_pure = float(pure[i, k])
     value, slot, site = best
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
@@ -194,7 +197,7 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
         return Deferral(
             request=req, site=site, model=best_col, slot=slot,
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
-            value_then=value - (float(penalty[slot]) if penalty.size else 0.0), value_now=best_now,
+            value_then=best_pure, value_now=best_now,
             now_site=now_site, decided_at=snap.now, slots=run_hours, placement=placement, best_now=anywhere_now,
             best_now_site=anywhere_site, risk_now=risk_now,
             risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)

@@ -8,8 +8,9 @@ Over the jobs that ran (jobs left out for every policy are not counted by any):
 - ``slowdown_mean``: mean bounded slowdown, ``max(1, (wait + run) / max(run, 10 s))`` — the 10 s bound keeps
   a few-second job that waited a minute from dominating the mean.
 - ``deadline_misses``: jobs that finished after their deadline; ``deferred_misses``: those of them that a
-  time-shifting profile had deferred for a saving at least once (each would have met its deadline by starting
-  at its submit time, since deadlines leave room for the true run time: ``broker.simulation.workload``).
+  time-shifting profile had deferred for a saving at least once, when there was room to start them. With
+  the simulator's own deadlines, which leave room for the true run (``broker.simulation.workload``), each
+  would have met its deadline by starting then; a trace's own deadlines need not.
 - ``latency_violations``: jobs with a latency objective that ran where the RTT from their origin exceeds it
   (``latency_unknown``: such jobs at a site with no RTT from their origin, not counted either way).
 - ``utilisation``: busy GPU-hours over all sites / (all GPUs × the run's length, first submit to last end);
