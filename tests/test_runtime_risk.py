@@ -140,9 +140,9 @@ def test_a_priced_deferral_says_how_its_risk_to_the_deadline_grows() -> None:
     assert "chance of missing" not in unpriced.reason(snap.sites)
 
 
-def test_green_prices_the_risk_out_of_the_box() -> None:
-    assert SHIFTS["green"].miss_cost > 0
-    assert all(SHIFTS[name].miss_cost == 0 for name in ("balanced", "cheap"))
+def test_every_built_in_profile_that_defers_prices_the_risk_out_of_the_box() -> None:
+    assert {name: shift.miss_cost > 0 for name, shift in SHIFTS.items()} == {
+        "balanced": True, "green": True, "cheap": True}
 
 
 # -- the simulator learns from finished jobs only ---------------------------------------------------------------
