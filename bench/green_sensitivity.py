@@ -13,7 +13,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2);
 - ``deadline risk not priced`` (``unpriced``): ``miss_cost`` 0, as ``green`` was before it priced a
   wait's risk to the deadline (:mod:`policies.runtime_risk`); ``miss_cost 100`` and ``300``: priced higher
-  than the shipped 30;
+  than the shipped 30; ``balanced``, ``cheap`` and their ``-unpriced`` forms: the other profiles that defer,
+  as shipped and with ``miss_cost`` 0;
 - ``perfect forecast``: the policies read each zone's true intensity for the next week instead of the
   48-hour forecast: how much of the gap is the forecasts' error;
 - ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
@@ -21,12 +22,12 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   what ``green``'s way of deciding, one job at a time as each arrives, reaches when nothing is uncertain
   but the jobs still to come (``heliotrope simulate --oracle`` knows those too).
 
-Each line: carbon (t CO2e), deadline misses, and the misses by kind: latency-bound jobs (a latency
+Each line: carbon (t CO2e), cost (USD), deadline misses, and the misses by kind: latency-bound jobs (a latency
 objective pins them to the sites near their origin) or not, and of the rest, how many were deferred (started
 more than a minute after submission) and ran longer than their estimate; last, the misses of jobs deferred
-for a saving at least once (``deferred_misses``: each would have met its deadline by starting at once). The workload and the sites are the
-Evidence's (``heliotrope simulate --preset philly --trace-from 2017-09-01``, default federation); only the
-named setting differs. Each replay takes about half a minute here.
+for a saving at least once (``deferred_misses``: each would have met its deadline by starting at once). The
+workload and the sites are the Evidence's (``heliotrope simulate --preset philly --trace-from
+2017-09-01``, default federation); only the named setting differs. Each replay takes about half a minute here.
 
 This prints figures; it asserts nothing. Usage::
 
@@ -59,8 +60,12 @@ from policies.profiles import BUILTIN, SHIFTS, pipeline_for  # noqa: E402
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def shifted(profile: str, **shift: object) -> Callable[[], Pipeline]:
+    return lambda: pipeline_for(BUILTIN[profile], SHIFTS[profile].model_copy(update=shift))
+
+
 def green(**shift: object) -> Callable[[], Pipeline]:
-    return lambda: pipeline_for(BUILTIN["green"], SHIFTS["green"].model_copy(update=shift))
+    return shifted("green", **shift)
 
 
 FORESIGHT_H = 168
@@ -98,6 +103,10 @@ VARIANTS: dict[str, Variant] = {
     "headroom-0.1-safety-2": Variant("green, headroom 0.1, duration_safety 2", {},
                                      green(headroom=0.1, duration_safety=2.0)),
     "unpriced": Variant("green, deadline risk not priced", {}, green(miss_cost=0.0)),
+    "balanced": Variant("balanced", {}, lambda: policy("balanced")),
+    "balanced-unpriced": Variant("balanced, deadline risk not priced", {}, shifted("balanced", miss_cost=0.0)),
+    "cheap": Variant("cheap", {}, lambda: policy("cheap")),
+    "cheap-unpriced": Variant("cheap, deadline risk not priced", {}, shifted("cheap", miss_cost=0.0)),
     "miss-cost-100": Variant("green, miss_cost 100", {}, green(miss_cost=100.0)),
     "miss-cost-300": Variant("green, miss_cost 300", {}, green(miss_cost=300.0)),
     "perfect-forecast": Variant("green, perfect forecast", {}, lambda: policy("green"), True),
@@ -123,7 +132,8 @@ def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) ->
     deferred = (run.start_s - w.submit_s) > 60.0
     overran = w.true_duration_s > w.estimated_duration_s
     mobile = missed & ~bound
-    return (f"{name:42s} {run.carbon_kg[ran].sum() / 1000:7.1f} t {int(missed.sum()):6,d} misses: "
+    return (f"{name:42s} {run.carbon_kg[ran].sum() / 1000:7.1f} t {run.cost_usd[ran].sum():11,.0f} USD "
+            f"{int(missed.sum()):6,d} misses: "
             f"latency-bound {int((missed & bound).sum()):5,d}, other {int(mobile.sum()):5,d} "
             f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d}); "
             f"after a deferral {int((missed & run.was_deferred).sum()):4,d}  [{wall_s:.0f} s]")
