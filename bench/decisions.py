@@ -245,7 +245,10 @@ def main() -> int:
 
     # What the broker has learned after 2,000 jobs finished that ran a log-normal factor (sigma 0.5) off their
     # estimates, as the simulator's workload draws them: a deferral's risk to the deadline is priced from it.
-    errors = np.sort(np.random.default_rng(args.seed).normal(0.0, 0.5, runtime_risk.KEEP))
+    learned = runtime_risk.RunTimeErrors()
+    for error in np.random.default_rng(args.seed).normal(0.0, 0.5, runtime_risk.KEEP):
+        learned.add(3600.0, 3600.0 * float(np.exp(error)))
+    errors = learned.sorted()
 
     def fresh() -> Snapshot:
         built = build_snapshot(now, specs, states)

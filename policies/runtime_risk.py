@@ -5,8 +5,8 @@ would have met by starting at once. ``ShiftPolicy.duration_safety`` bounds the w
 deadline - duration_safety × the estimate), but the same bound for every job either wastes the slack of the
 many or risks the deadlines of the few. Pricing the risk does better: a later start must save, on top of
 the objective's own bar, ``ShiftPolicy.miss_cost`` (kg CO2e or USD) for each whole unit of probability of a
-miss it adds. A large job's deferral saves kilograms and may take a small risk; a small job's saves grams
-and then waits only where the risk is nil.
+miss it adds. A large job's deferral saves kilograms and may take a few points of risk; a small job's saves
+grams and may take only a sliver.
 
 The probability (:func:`miss_probability`)
     P(a job that starts at ``t`` misses its deadline ``D``) = P(actual run > D - t) = P(actual / estimate >

@@ -487,8 +487,12 @@ def warm_up() -> None:
         for s in specs}
     snap = build_snapshot(now, specs, states)
     snap = replace_forecast(snap, np.array([[500.0] * 2 + [50.0] * 46, [400.0] * 48]))
-    # Finished jobs that ran from half to twice their estimates: green prices a deferral's risk from them.
-    snap = replace(snap, run_time_errors=np.log(np.linspace(0.5, 2.0, runtime_risk.MIN_SAMPLES)))
+    # Finished jobs that ran from half to twice their estimates: the profiles price a deferral's risk from them
+    # (a read-only array, as RunTimeErrors hands every snapshot: Numba compiles read-only arrays on their own).
+    errors = runtime_risk.RunTimeErrors()
+    for ratio in np.linspace(0.5, 2.0, runtime_risk.MIN_SAMPLES):
+        errors.add(3600.0, 3600.0 * float(ratio))
+    snap = replace(snap, run_time_errors=errors.sorted())
     for name in ("green", "cheap"):
         pipeline = profile_pipeline(name)
         assert pipeline.shift is not None
