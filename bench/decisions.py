@@ -27,9 +27,9 @@ intensities when there is no such folder. ``--shift`` adds the profile's time-sh
 the live cycle runs it: every job gets a deadline (its expected run plus 2 to 48 hours of slack, seeded),
 every snapshot a plan hour by hour (``Snapshot.plan_free`` from a ``policies.timeshift.Calendar``: the GPUs
 in use now stay busy for 1 to 12 more hours, seeded) and the run-time errors of 2,000 finished jobs
-(log-normal, sigma 0.5, seeded: what the pricing of a deferral's risk to the deadline reads), and jobs are decided through
-``broker.cycle.PassDecider`` (``decide``, then ``assume`` for a placement or ``reserve`` for a deferral),
-so the timed figure covers the whole decision with the time-shift search; it also prints the share of
+(log-normal, sigma 0.5, seeded: what the pricing of a deferral's risk to the deadline reads), and jobs are
+decided through ``broker.cycle.PassDecider`` (``decide``, then ``assume`` for a placement or ``reserve`` for
+a deferral), so the timed figure covers the whole decision with the time-shift search; it also prints the share of
 deferrals and the cost of ``timeshift.plan`` per shiftable job.
 
 This prints figures; it asserts nothing about timing. Usage::

@@ -96,16 +96,16 @@ def miss_probability(errors: np.ndarray, room_s: np.ndarray, estimate_s: float) 
 
 
 def deferral_penalty(req: JobRequest, errors: np.ndarray, now_ts: float, hour0_ts: float, last_slot: int,
-                     miss_cost: float) -> tuple[np.ndarray, float]:
+                     miss_cost: float) -> tuple[np.ndarray, np.ndarray]:
     """(penalty per start ``k`` = 0 .. ``last_slot`` whole hours after ``hour0_ts``, in the objective's unit;
-    the probability of a miss starting now). Empty and NaN when nothing is priced: ``miss_cost`` 0, fewer than
-    :data:`MIN_SAMPLES` errors, or a request with no deadline or estimate. The probabilities are
-    :func:`miss_probability`'s, in one compiled pass (a few microseconds for a week of starts)."""
+    the probabilities of a miss: starting now first, then at each of those starts). Both empty when nothing
+    is priced: ``miss_cost`` 0, fewer than :data:`MIN_SAMPLES` errors, or a request with no deadline or
+    estimate. The probabilities are :func:`miss_probability`'s, in one compiled pass (a few microseconds for
+    a week of starts)."""
     if not miss_cost > 0 or errors.size < MIN_SAMPLES or req.deadline_ts is None or not req.duration_s > 0:
-        return _NONE, math.nan
-    penalty, p_now = _penalty(errors, float(req.deadline_ts), float(req.duration_s), float(now_ts),
-                              float(hour0_ts), int(last_slot), float(miss_cost))
-    return penalty, float(p_now)
+        return _NONE, _NONE
+    return _penalty(errors, float(req.deadline_ts), float(req.duration_s), float(now_ts), float(hour0_ts),
+                    int(last_slot), float(miss_cost))
 
 
 @_jit(inline="always")
@@ -119,18 +119,12 @@ def _share_above(errors: np.ndarray, room_s: float, estimate_s: float) -> float:
 
 @_jit()
 def _penalty(errors: np.ndarray, deadline_ts: float, estimate_s: float, now_ts: float, hour0_ts: float,
-             last_slot: int, miss_cost: float) -> tuple[np.ndarray, float]:
-    p_now = _share_above(errors, deadline_ts - now_ts, estimate_s)
+             last_slot: int, miss_cost: float) -> tuple[np.ndarray, np.ndarray]:
+    risk = np.empty(last_slot + 2)
+    risk[0] = _share_above(errors, deadline_ts - now_ts, estimate_s)
     out = np.empty(last_slot + 1)
     for k in range(last_slot + 1):
-        added = _share_above(errors, deadline_ts - (hour0_ts + k * 3600.0), estimate_s) - p_now
+        risk[k + 1] = _share_above(errors, deadline_ts - (hour0_ts + k * 3600.0), estimate_s)
+        added = risk[k + 1] - risk[0]
         out[k] = miss_cost * added if added > 0 else 0.0
-    return out, p_now
-
-
-def miss_probability_at(errors: np.ndarray, req: JobRequest, start_ts: float) -> float:
-    """P(``req`` misses its deadline if it starts at ``start_ts``), NaN when not known (as
-    :func:`deferral_penalty`)."""
-    if errors.size < MIN_SAMPLES or req.deadline_ts is None or not req.duration_s > 0:
-        return math.nan
-    return float(miss_probability(errors, np.array([req.deadline_ts - start_ts]), req.duration_s)[0])
+    return out, risk

@@ -415,7 +415,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
     # the sites with the lowest bound up (policies._shift_search).
     # A later start also pays for the risk it adds to the deadline, where that is priced (policies.runtime_risk).
-    penalty, risk_now = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
+    penalty, risk = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
                                                       policy.miss_cost)
     value, slot, site, best_col, value_then = _search.search_later(
         ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, last_slot,
@@ -428,9 +428,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
             value_then=value_then, value_now=best_now, now_site=now_site, decided_at=snap.now,
             slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
-            risk_now=risk_now,
-            risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)
-                       if penalty.size else math.nan),
+            risk_now=float(risk[0]) if risk.size else math.nan,
+            risk_then=float(risk[slot + 1]) if risk.size else math.nan,
         )
     if now_site >= 0:
         return chosen

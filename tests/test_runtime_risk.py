@@ -68,14 +68,14 @@ def test_the_penalty_charges_only_the_risk_a_wait_adds() -> None:
     # Estimate 2 h, deadline 7 h after the hour: starting now leaves 6.67 h (3.3x, nothing ran longer); the
     # starts at hours 1..5 leave 6, 5, 4, 3, 2 h: 3x, 2.5x, 2x, 1.5x, 1x the estimate.
     req = request(hours=2.0, deadline_ts=hour0 + 7 * 3600.0)
-    penalty, p_now = deferral_penalty(req, errors, now, hour0, 5, miss_cost=100.0)
-    assert p_now == 0.0
+    penalty, risk = deferral_penalty(req, errors, now, hour0, 5, miss_cost=100.0)
+    assert risk.tolist() == [0.0, 0.0, 0.0, 0.2, 0.2, 0.6, 0.6]  # now, then hours 0..5
     assert penalty.tolist() == pytest.approx([0.0, 0.0, 20.0, 20.0, 60.0, 60.0])
     assert (np.diff(penalty) >= 0).all()
     # Nothing is priced without a cost, on too few jobs, or for a job without a deadline.
-    assert deferral_penalty(req, errors, now, hour0, 5, miss_cost=0.0)[0].size == 0
-    assert deferral_penalty(req, errors[: MIN_SAMPLES - 1], now, hour0, 5, miss_cost=100.0)[0].size == 0
-    assert deferral_penalty(replace(req, deadline_ts=None), errors, now, hour0, 5, 100.0)[0].size == 0
+    assert [a.size for a in deferral_penalty(req, errors, now, hour0, 5, miss_cost=0.0)] == [0, 0]
+    assert [a.size for a in deferral_penalty(req, errors[: MIN_SAMPLES - 1], now, hour0, 5, miss_cost=100.0)] == [0, 0]
+    assert [a.size for a in deferral_penalty(replace(req, deadline_ts=None), errors, now, hour0, 5, 100.0)] == [0, 0]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -87,10 +87,10 @@ def test_the_compiled_penalty_is_the_probability_difference_to_the_bit(seed: int
     est = rng.uniform(60, 40 * 3600)
     req = request(hours=est / 3600.0, deadline_ts=now + est * rng.uniform(0.5, 6.0))
     last = int(rng.integers(1, 169))
-    penalty, p_now = deferral_penalty(req, errors, now, hour0, last, miss_cost=37.5)
+    penalty, risk = deferral_penalty(req, errors, now, hour0, last, miss_cost=37.5)
     starts = np.concatenate([[now], hour0 + np.arange(last + 1) * 3600.0])
     p = miss_probability(errors, req.deadline_ts - starts, est)
-    assert p_now == p[0]
+    assert risk.tolist() == p.tolist()
     assert penalty.tolist() == (np.maximum(p[1:] - p[0], 0.0) * 37.5).tolist()
 
 

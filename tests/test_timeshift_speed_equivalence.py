@@ -157,7 +157,7 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
         candidates = candidates[np.argsort(floor_value[candidates], kind="stable")]
     ks = np.arange(1, last_slot + 1)
     span = min(hours, last_slot + run_hours)
-    penalty, risk_now = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
+    penalty, risk = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
                                                       policy.miss_cost)
     best: tuple[float, int, int] = (math.inf, 0, 0)  # (value, slot, site): ties go to the earlier slot, then site
     best_col = 0
@@ -199,9 +199,8 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
             value_then=best_pure, value_now=best_now,
             now_site=now_site, decided_at=snap.now, slots=run_hours, placement=placement, best_now=anywhere_now,
-            best_now_site=anywhere_site, risk_now=risk_now,
-            risk_then=(runtime_risk.miss_probability_at(snap.run_time_errors, req, hour0 + slot * HOUR_S)
-                       if penalty.size else math.nan),
+            best_now_site=anywhere_site, risk_now=float(risk[0]) if risk.size else math.nan,
+            risk_then=float(risk[slot + 1]) if risk.size else math.nan,
         )
     if now_site >= 0:
         return chosen
