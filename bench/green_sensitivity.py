@@ -8,7 +8,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 - ``exact estimates, waits unbounded``: the same, and ``green`` without ``max_wait_factor`` and
   ``min_saving_abs``: whether the wait bounds hold the carbon back;
 - ``duration_safety 2`` and ``2.5``: a deferral keeps two (two and a half) expected run times before the
-  deadline instead of 1.5;
+  deadline instead of ``green``'s 1.25; ``safety-1.5``: the default 1.5, which ``green`` kept until it
+  priced a wait's risk;
 - ``headroom 0.1``: deferred starts of jobs without a latency objective leave a tenth of every site free,
   for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2);
 - ``deadline risk not priced`` (``unpriced``): ``miss_cost`` 0, as ``green`` was before it priced a
@@ -22,6 +23,9 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   what ``green``'s way of deciding, one job at a time as each arrives, reaches when nothing is uncertain
   but the jobs still to come (``heliotrope simulate --oracle`` knows those too).
 
+``greedy`` and ``cheapest-first`` are the baselines the routing issue's targets name (carbon-greedy, and
+the best carbon-blind baseline of the Evidence), for the targets on another ``--seed`` of the workload.
+
 Each line: carbon (t CO2e), cost (USD), deadline misses, and the misses by kind: latency-bound jobs (a latency
 objective pins them to the sites near their origin) or not, and of the rest, how many were deferred (started
 more than a minute after submission) and ran longer than their estimate; last, the misses of jobs deferred
@@ -32,7 +36,7 @@ workload and the sites are the Evidence's (``heliotrope simulate --preset philly
 This prints figures; it asserts nothing. Usage::
 
     .venv/bin/python bench/green_sensitivity.py [--year 2021] [--utilisation 0.3] [--data ../shared/data]
-                                                [--variants all|greedy,green,exact,...]
+                                                [--seed 0] [--variants all|greedy,green,exact,...]
 """
 
 from __future__ import annotations
@@ -93,10 +97,12 @@ class Variant(NamedTuple):
 
 VARIANTS: dict[str, Variant] = {
     "greedy": Variant("baseline-carbon-greedy", {}, lambda: policy("baseline-carbon-greedy")),
+    "cheapest-first": Variant("baseline-cheapest-first", {}, lambda: policy("baseline-cheapest-first")),
     "green": Variant("green", {}, lambda: policy("green")),
     "exact": Variant("green, exact estimates", {"estimate_sigma": 0.0}, lambda: policy("green")),
     "exact-unbounded": Variant("green, exact estimates, waits unbounded", {"estimate_sigma": 0.0},
                                green(max_wait_factor=None, min_saving_abs=0.0)),
+    "safety-1.5": Variant("green, duration_safety 1.5", {}, green(duration_safety=1.5)),
     "safety-2": Variant("green, duration_safety 2", {}, green(duration_safety=2.0)),
     "safety-2.5": Variant("green, duration_safety 2.5", {}, green(duration_safety=2.5)),
     "headroom-0.1": Variant("green, headroom 0.1", {}, green(headroom=0.1)),
@@ -144,6 +150,9 @@ def main() -> int:
     p.add_argument("--year", type=int, default=2021, help="the carbon year the trace is mapped onto")
     p.add_argument("--utilisation", type=float, default=0.3, help="mean GPU utilisation the sites are sized for")
     p.add_argument("--data", type=Path, default=SHARED, help="the shared data folder")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the workload's seed (heliotrope simulate --seed): which jobs are inflexible or latency-bound, "
+                        "their origins and their estimates' errors; the Evidence's is 0")
     p.add_argument("--variants", default="all", help="'all' or a comma-separated list of: " + ", ".join(VARIANTS))
     args = p.parse_args()
     names = list(VARIANTS) if args.variants == "all" else [n.strip() for n in args.variants.split(",")]
@@ -155,7 +164,7 @@ def main() -> int:
     for path in (trace, carbon):
         if not path.exists():
             p.error(f"{path}: not found (give --data)")
-    print(f"green sensitivity: Philly, {args.year}, utilisation {args.utilisation:g}")
+    print(f"green sensitivity: Philly, {args.year}, utilisation {args.utilisation:g}, workload seed {args.seed}")
     prepared: dict[tuple[tuple[str, object], ...], Prepared] = {}
     for name in names:
         label, assumptions, build, foresight = VARIANTS[name]
@@ -164,7 +173,8 @@ def main() -> int:
             # policies: a profile, so that the replay builds the forecasts it reads
             spec = SimulationSpec(trace=trace, mapping=resolve_preset("philly"), carbon=carbon, policies=["green"],
                                   utilisation=args.utilisation, trace_from=date(2017, 9, 1),
-                                  start=date(args.year, 9, 1), bound=False, assumptions=dict(assumptions))
+                                  start=date(args.year, 9, 1), bound=False, seed=args.seed,
+                                  assumptions=dict(assumptions))
             prepared[key] = prepare(spec)
         run, wall_s = replay(prepared[key], label, build, foresight)
         print(describe(prepared[key], label, run, wall_s), flush=True)

@@ -114,6 +114,16 @@ def test_estimates_are_right_in_the_median_and_off_by_a_log_normal_factor_of_sig
     assert abs(np.mean(np.exp(log_ratio)) - math.exp(DEFAULTS.estimate_sigma**2 / 2)) < 0.02
 
 
+def test_estimates_are_whole_seconds_as_a_user_gives_them(philly: Trace, workload: Workload) -> None:
+    # Whole seconds also keep a replay the same on every CPU: a last-bit difference in a vectorised exp
+    # cannot change a rounded estimate (short of one that lands on a half second to the last bit).
+    est = workload.estimated_duration_s
+    np.testing.assert_array_equal(est, np.rint(est))
+    assert est.min() >= 1.0
+    wide = build_workload(philly, assume(estimate_sigma=5.0))  # factors down to e^-25: still at least a second
+    assert wide.estimated_duration_s.min() == 1.0
+
+
 def test_mean_unbiased_estimates_are_right_on_average(philly: Trace) -> None:
     w = build_workload(philly, assume(estimate_unbiased="mean"))
     ratio = w.estimated_duration_s / w.true_duration_s

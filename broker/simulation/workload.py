@@ -44,7 +44,9 @@ The assumptions, their defaults and why:
   a factor more often than by an amount, which a log-normal error models. ``"mean"`` sets mu = -sigma²/2
   so the mean estimate is right and the median is low. Sigma 0.5 puts two thirds of estimates within a
   factor of 1.65 of the truth; 0 gives exact estimates. Estimates are capped at 366 days, the longest a
-  ``JobSpec`` accepts.
+  ``JobSpec`` accepts, and rounded to whole seconds (at least one), as a user gives them; this also keeps
+  a replay the same on every CPU, where a vectorised ``exp`` (NumPy's AVX-512 one, say) may round the last
+  bit of a factor differently and one such bit can move a tie, and from there a policy's figures.
 
 What is not assumed: priority, preemptibility, checkpointing, allowed regions and attempts stay at the
 ``JobSpec`` defaults, since nothing in a trace speaks to them. Trace GPU models are mapped to canonical ids
@@ -307,6 +309,8 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
     mu = -a.estimate_sigma**2 / 2 if a.estimate_unbiased == "mean" else 0.0
     noise = _rng(a.seed, _ESTIMATE).standard_normal(n) * a.estimate_sigma + mu
     estimate_s = np.minimum(true_s * np.exp(noise), MAX_ESTIMATE_S)
+    if a.estimate_sigma > 0:  # whole seconds (docstring); exact estimates stay the true durations
+        estimate_s = np.maximum(np.rint(estimate_s), 1.0)
 
     # Deadlines from the true duration: feasible when started at once.
     inflexible = _rng(a.seed, _INFLEXIBLE).random(n) < a.inflexible_fraction
