@@ -96,9 +96,9 @@ instead of the default 1.5: the price already charges a wait for the chance it a
 fixed margin on top of it held back waits that were worth their risk. Chosen on 2021 over three draws of
 the workload (seeds 0, 1 and 2: which jobs are inflexible or latency-bound, and their estimates' errors),
 so that no one draw's accidents decide it: 1.25 emitted 0.9-1.5 t less at 50 % utilisation and 0.3 t less
-on average at 30 %, with about as many deadline misses over the three draws (7,548 against 7,425 at 50 %, 1,242
-against 1,254 at 30 %); 1.0 saved up to 0.6 t more at 50 % on two draws, lost 0.3 t on the third, and
-missed 3-22 % more deadlines (README, Evidence)."""
+on average at 30 %, with about as many deadline misses over the three draws (7,548 against 7,425 at 50 %,
+1,242 against 1,254 at 30 %); 1.0 saved up to 0.6 t more at 50 % on two draws, lost 0.3 t on the third,
+and missed 3-22 % more deadlines (README, Evidence)."""
 
 
 class Profile(BaseModel):

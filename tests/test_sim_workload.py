@@ -115,8 +115,8 @@ def test_estimates_are_right_in_the_median_and_off_by_a_log_normal_factor_of_sig
 
 
 def test_estimates_are_whole_seconds_as_a_user_gives_them(philly: Trace, workload: Workload) -> None:
-    # Whole seconds also keep a replay the same on every CPU: a last-bit difference in a vectorised exp
-    # cannot change a rounded estimate (short of one that lands on a half second to the last bit).
+    # Whole seconds also keep the last bit of a vectorised exp, which may differ from one CPU to another, out
+    # of the replay (short of an estimate that lands on a half second to the last bit).
     est = workload.estimated_duration_s
     np.testing.assert_array_equal(est, np.rint(est))
     assert est.min() >= 1.0

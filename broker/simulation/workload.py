@@ -44,9 +44,9 @@ The assumptions, their defaults and why:
   a factor more often than by an amount, which a log-normal error models. ``"mean"`` sets mu = -sigma²/2
   so the mean estimate is right and the median is low. Sigma 0.5 puts two thirds of estimates within a
   factor of 1.65 of the truth; 0 gives exact estimates. Estimates are capped at 366 days, the longest a
-  ``JobSpec`` accepts, and rounded to whole seconds (at least one), as a user gives them; this also keeps
-  a replay the same on every CPU, where a vectorised ``exp`` (NumPy's AVX-512 one, say) may round the last
-  bit of a factor differently and one such bit can move a tie, and from there a policy's figures.
+  ``JobSpec`` accepts, and rounded to whole seconds (at least one), as a user gives them. That also takes
+  the last bit of a vectorised ``exp`` out of a replay: NumPy's AVX-512 one may round it differently from
+  another CPU's, and one such bit can move a tie and from there a policy's figures.
 
 What is not assumed: priority, preemptibility, checkpointing, allowed regions and attempts stay at the
 ``JobSpec`` defaults, since nothing in a trace speaks to them. Trace GPU models are mapped to canonical ids
