@@ -8,8 +8,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 - ``exact estimates, waits unbounded``: the same, and ``green`` without ``max_wait_factor`` and
   ``min_saving_abs``: whether the wait bounds hold the carbon back;
 - ``duration_safety 2`` and ``2.5``: a deferral keeps two (two and a half) expected run times before the
-  deadline instead of ``green``'s 1.25; ``safety-1.5``: the default 1.5, which ``green`` kept until it
-  priced a wait's risk;
+  deadline instead of ``green``'s 1.25; ``safety-1.5``: the default 1.5, which ``green`` kept until the
+  release after it priced a wait's risk; ``safety-1.0``: none kept beyond the estimate itself;
 - ``headroom 0.1``: deferred starts of jobs without a latency objective leave a tenth of every site free,
   for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2);
 - ``deadline risk not priced`` (``unpriced``): ``miss_cost`` 0, as ``green`` was before it priced a
@@ -31,7 +31,8 @@ objective pins them to the sites near their origin) or not, and of the rest, how
 more than a minute after submission) and ran longer than their estimate; last, the misses of jobs deferred
 for a saving at least once (``deferred_misses``: each would have met its deadline by starting at once). The
 workload and the sites are the Evidence's (``heliotrope simulate --preset philly --trace-from
-2017-09-01``, default federation); only the named setting differs. Each replay takes about half a minute here.
+2017-09-01``, default federation) at ``--seed`` 0; only the named setting differs. Each replay takes about
+half a minute here.
 
 This prints figures; it asserts nothing. Usage::
 
@@ -102,6 +103,7 @@ VARIANTS: dict[str, Variant] = {
     "exact": Variant("green, exact estimates", {"estimate_sigma": 0.0}, lambda: policy("green")),
     "exact-unbounded": Variant("green, exact estimates, waits unbounded", {"estimate_sigma": 0.0},
                                green(max_wait_factor=None, min_saving_abs=0.0)),
+    "safety-1.0": Variant("green, duration_safety 1.0", {}, green(duration_safety=1.0)),
     "safety-1.5": Variant("green, duration_safety 1.5", {}, green(duration_safety=1.5)),
     "safety-2": Variant("green, duration_safety 2", {}, green(duration_safety=2.0)),
     "safety-2.5": Variant("green, duration_safety 2.5", {}, green(duration_safety=2.5)),

@@ -79,26 +79,27 @@ SHIFTS: dict[str, ShiftPolicy] = {
 no headroom, 10 % saving), chosen on the 2021 replay of the Philly trace; ``balanced`` asks twice the
 saving before it makes a job wait. ``green`` waits at most four times a job's expected run time and only
 for half a kilogram or more: on the 2021 replay it missed nearly 90 % fewer deadlines at 30 % utilisation
-and nearly a third fewer at 50 % than with the bare defaults, for the same carbon to within 1 % (README,
-Evidence).
+and nearly a third fewer at 50 % than with the bare defaults, for the same carbon to within 1 % (measured
+before the risk below was priced; README, Evidence).
 
 All three price the risk a wait adds to the deadline at 30 per whole unit of probability, in the
 objective's unit (``miss_cost``; :mod:`policies.runtime_risk`): 0.3 kg CO2e (``cheap``: 0.3 USD) per
 percentage point. Chosen on the 2021 replay: of 30, 100 and 300 tried on ``green`` at both utilisations
 (and 1,000 at 30 %), 30 is the one that kept the targets ``green`` met there (20 % below the best
-carbon-blind baseline at 50 %, 10 % below carbon-greedy at 30 %). On that replay the misses of jobs
+carbon-blind baseline at 50 %, 10 % below carbon-greedy at 30 %), with ``duration_safety`` 1.5 then and
+on the machine the previous release was measured on. On that replay the misses of jobs
 deferred for a saving fell from 129 to 44 (``green``), 1,246 to 110 (``balanced``) and 810 to 232
 (``cheap``) at 50 % utilisation, and from 99 to 38, 1,128 to 35 and 411 to 17 at 30 %, for at most
 0.9 % more carbon (``green`` at 30 %) and 0.1 % more cost (``balanced`` at 30 %) (README, Evidence).
 
 With the risk priced, ``green`` keeps 1.25 expected run times before the deadline (``duration_safety``)
-instead of the default 1.5: the price already charges a wait for the chance it adds of a miss, and the
-fixed margin on top of it held back waits that were worth their risk. Chosen on 2021 over three draws of
-the workload (seeds 0, 1 and 2: which jobs are inflexible or latency-bound, and their estimates' errors),
-so that no one draw's accidents decide it: 1.25 emitted 0.9-1.5 t less at 50 % utilisation and 0.3 t less
-on average at 30 %, with about as many deadline misses over the three draws (7,548 against 7,425 at 50 %,
-1,242 against 1,254 at 30 %); 1.0 saved up to 0.6 t more at 50 % on two draws, lost 0.3 t on the third,
-and missed 3-22 % more deadlines (README, Evidence)."""
+instead of the default 1.5: the price already charges a wait for the chance it adds of a miss, and the fixed
+margin on top of it held back waits that were worth their risk. Chosen on 2021 over three draws of the
+workload (seeds 0, 1 and 2: which jobs are inflexible or latency-bound, and their estimates' errors), so that
+no one draw's accidents decide it: 1.25 emitted 0.9-1.5 t less at 50 % utilisation and 0.3 t less on average
+at 30 %, with about as many deadline misses over the three draws (7,548 against 7,425 at 50 %, 1,242 against
+1,254 at 30 %; more on seeds 0, the Evidence's, and 1, fewer on seed 2); 1.0 saved up to 0.6 t
+more at 50 % on two draws, lost 0.3 t on the third, and missed 3-22 % more deadlines (README, Evidence)."""
 
 
 class Profile(BaseModel):

@@ -44,9 +44,10 @@ The assumptions, their defaults and why:
   a factor more often than by an amount, which a log-normal error models. ``"mean"`` sets mu = -sigma²/2
   so the mean estimate is right and the median is low. Sigma 0.5 puts two thirds of estimates within a
   factor of 1.65 of the truth; 0 gives exact estimates. Estimates are capped at 366 days, the longest a
-  ``JobSpec`` accepts, and rounded to whole seconds (at least one), as a user gives them. That also takes
-  the last bit of a vectorised ``exp`` out of a replay: NumPy's AVX-512 one may round it differently from
-  another CPU's, and one such bit can move a tie and from there a policy's figures.
+  ``JobSpec`` accepts, and (when sigma is above 0) rounded to whole seconds, at least one, as a user gives
+  them. That also takes the last bit of a vectorised ``exp`` out of a replay, short of an estimate that lands
+  on a half second to the last bit: NumPy's AVX-512 one may round it differently from another CPU's, and
+  one such bit can move a tie and from there a policy's figures.
 
 What is not assumed: priority, preemptibility, checkpointing, allowed regions and attempts stay at the
 ``JobSpec`` defaults, since nothing in a trace speaks to them. Trace GPU models are mapped to canonical ids
