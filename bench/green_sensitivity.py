@@ -16,6 +16,10 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   wait's risk to the deadline (:mod:`policies.runtime_risk`); ``miss_cost 100`` and ``300``: priced higher
   than the shipped 30; ``balanced``, ``cheap`` and their ``-unpriced`` forms: the other profiles that defer,
   as shipped and with ``miss_cost`` 0;
+- ``checkpointable``: nine in ten of the jobs that are not interactive can be checkpointed
+  (``checkpointable_fraction`` 0.9; the shipped workload has none), so ``green`` moves running work
+  (``policies.migration``): to a site where the rest of the run is cleaner, and out of the sites near the
+  users of a latency-bound job that can wait no longer; ``-no-room`` and ``-room-only``: one of the two;
 - ``perfect forecast``: the policies read each zone's true intensity for the next week instead of the
   48-hour forecast: how much of the gap is the forecasts' error;
 - ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
@@ -60,7 +64,7 @@ from broker.simulation import engine  # noqa: E402
 from broker.simulation.run import Prepared, SimulationSpec, prepare  # noqa: E402
 from policies.baselines import policy  # noqa: E402
 from policies.pipeline import Pipeline  # noqa: E402
-from policies.profiles import BUILTIN, SHIFTS, pipeline_for  # noqa: E402
+from policies.profiles import BUILTIN, MIGRATIONS, SHIFTS, pipeline_for  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -71,6 +75,11 @@ def shifted(profile: str, **shift: object) -> Callable[[], Pipeline]:
 
 def green(**shift: object) -> Callable[[], Pipeline]:
     return shifted("green", **shift)
+
+
+def moving(**migrate: object) -> Callable[[], Pipeline]:
+    """``green`` with its moving of running work (``policies.migration``) changed."""
+    return lambda: pipeline_for(BUILTIN["green"], SHIFTS["green"], MIGRATIONS["green"].model_copy(update=migrate))
 
 
 FORESIGHT_H = 168
@@ -117,6 +126,12 @@ VARIANTS: dict[str, Variant] = {
     "cheap-unpriced": Variant("cheap, deadline risk not priced", {}, shifted("cheap", miss_cost=0.0)),
     "miss-cost-100": Variant("green, miss_cost 100", {}, green(miss_cost=100.0)),
     "miss-cost-300": Variant("green, miss_cost 300", {}, green(miss_cost=300.0)),
+    "checkpointable": Variant("green, 90 % of flexible jobs checkpointable", {"checkpointable_fraction": 0.9},
+                              lambda: policy("green")),
+    "checkpointable-no-room": Variant("green, 90 % checkpointable, moves for a saving only",
+                                      {"checkpointable_fraction": 0.9}, moving(make_room=False)),
+    "checkpointable-room-only": Variant("green, 90 % checkpointable, moves to make room only",
+                                        {"checkpointable_fraction": 0.9}, moving(min_saving_abs=1e12)),
     "perfect-forecast": Variant("green, perfect forecast", {}, lambda: policy("green"), True),
     "full-knowledge": Variant("green, full knowledge", {"estimate_sigma": 0.0},
                               green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0),
@@ -144,7 +159,7 @@ def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) ->
             f"{int(missed.sum()):6,d} misses: "
             f"latency-bound {int((missed & bound).sum()):5,d}, other {int(mobile.sum()):5,d} "
             f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d}); "
-            f"after a deferral {int((missed & run.was_deferred).sum()):4,d}  [{wall_s:.0f} s]")
+            f"after a deferral {int((missed & run.was_deferred).sum()):4,d}; moves {run.migrations:,d}  [{wall_s:.0f} s]")
 
 
 def main() -> int:

@@ -198,6 +198,11 @@ class Broker:
         """Open the store and register the configured sites; then take charge at once, or, as one of several
         replicas (``settings.replicas``), when :meth:`elect` makes this one the leader."""
         await _compile_decision_kernels()
+        moving = sorted({name for name in {self.settings.profiles.default, *self.settings.profiles.job_may_choose}
+                         if name is not None and self.settings.profiles.migrate(name) is not None})
+        if moving:  # policies.migration is replayed by the simulator; this cycle does not stop running work
+            log.info("profiles %s move running checkpointable jobs in `heliotrope simulate` only: this release's "
+                     "scheduling cycle does not move a job once it runs", ", ".join(moving))
         self._providers_built = await self._providers()
         self._run_loop = run_loop
         await self.store.open()

@@ -36,6 +36,7 @@ from policies.filters.gpu_fit import Fit, GpuFitFilter, fit_row
 from policies.scorers import Scorer
 from policies.scorers.free_gpus import FreeGpusScorer
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies.migration import MigrationPolicy
 from policies.timeshift import ShiftPolicy
 
 TIE_EPSILON = 1e-9
@@ -89,8 +90,10 @@ class Placement:
 
 
 class Pipeline:
-    def __init__(self, filters: Sequence[Filter], scorers: Sequence[Weighted], shift: ShiftPolicy | None = None) -> None:
-        """``shift``: how flexible jobs are deferred (``policies.timeshift``); None: never."""
+    def __init__(self, filters: Sequence[Filter], scorers: Sequence[Weighted], shift: ShiftPolicy | None = None,
+                 migrate: MigrationPolicy | None = None) -> None:
+        """``shift``: how flexible jobs are deferred (``policies.timeshift``); None: never. ``migrate``: how
+        running checkpointable jobs are moved to a cleaner or cheaper site (``policies.migration``); None: never."""
         codes = [f.code for f in filters]
         if len(set(codes)) != len(codes):
             raise PipelineError(f"a filter is listed twice: {codes}")
@@ -105,6 +108,7 @@ class Pipeline:
         self.filters: tuple[Filter, ...] = tuple(filters)
         self.scorers: tuple[Weighted, ...] = tuple(w for w in scorers if w.weight > 0)
         self.shift = shift
+        self.migrate = migrate
         # A pipeline that defers jobs also orders the queue by urgency: within a priority, the job that
         # must start soonest (deadline - expected run time; no deadline last) is decided first (EDF).
         self.urgent_first = shift is not None

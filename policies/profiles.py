@@ -38,6 +38,7 @@ from policies.scorers.least_loaded import LeastLoadedScorer
 from policies.scorers.round_robin import RoundRobinScorer
 from policies.scorers.spillover import SpilloverScorer
 from policies.scorers.telemetry import TelemetryScorer
+from policies.migration import MigrationPolicy
 from policies.timeshift import ShiftPolicy
 
 SCORERS: dict[str, Callable[[], Scorer]] = {
@@ -102,11 +103,22 @@ at 30 %, with about as many deadline misses over the three draws (7,548 against 
 more at 50 % on two draws, lost 0.3 t on the third, and missed 3-22 % more deadlines (README, Evidence)."""
 
 
+MIGRATIONS: dict[str, MigrationPolicy] = {
+    "green": MigrationPolicy(objective="carbon"),
+}
+"""Which built-in profiles move running checkpointable jobs to a cleaner site (``policies.migration``, its
+defaults: 20 % and 1 kg saved over the rest of the run, a 10-minute restart counted, at least 2 h left).
+Only jobs that say they are checkpointable are ever moved; the simulator acts on it, the live cycle does not
+yet (README, Evidence)."""
+
+
 class Profile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weights: dict[str, float] = Field(description="scorer name -> weight (>= 0; 0 turns the scorer off)")
     shift: ShiftPolicy | None = Field(default=None, description="time-shifting of flexible jobs; none: never defer")
+    migrate: MigrationPolicy | None = Field(default=None, description="moving running checkpointable jobs to a "
+                                            "cleaner or cheaper site; none: never move one")
 
     @field_validator("weights")
     @classmethod
@@ -154,6 +166,11 @@ class ProfilesConfig(BaseModel):
             return self.definitions[name].shift
         return SHIFTS.get(name)
 
+    def migrate(self, name: str) -> MigrationPolicy | None:
+        if name in self.definitions:
+            return self.definitions[name].migrate
+        return MIGRATIONS.get(name)
+
     def choose(self, requested: str | None) -> str | None:
         """The profile a job runs under: its own when allowed, else the federation's default (None: the
         release's default pipeline)."""
@@ -169,13 +186,16 @@ def filters() -> tuple:
     return standard_filters()
 
 
-def pipeline_for(weights: Mapping[str, float], shift: ShiftPolicy | None = None) -> Pipeline:
-    """The pipeline of a profile: every filter, then each scorer with its weight, and its time-shifting."""
+def pipeline_for(weights: Mapping[str, float], shift: ShiftPolicy | None = None,
+                 migrate: MigrationPolicy | None = None) -> Pipeline:
+    """The pipeline of a profile: every filter, then each scorer with its weight, its time-shifting and its
+    moving of running work."""
     for name in weights:
         if name not in SCORERS:
             raise ProfileError(f"unknown scorer {name!r}; scorers are: {', '.join(SCORERS)}")
     return Pipeline(filters=filters(),
-                    scorers=tuple(Weighted(SCORERS[name](), float(w)) for name, w in weights.items()), shift=shift)
+                    scorers=tuple(Weighted(SCORERS[name](), float(w)) for name, w in weights.items()), shift=shift,
+                    migrate=migrate)
 
 
 def profile_pipeline(name: str | None, config: ProfilesConfig | None = None) -> Pipeline:
@@ -183,4 +203,4 @@ def profile_pipeline(name: str | None, config: ProfilesConfig | None = None) -> 
     if name is None:
         return default_pipeline()
     config = config or ProfilesConfig()
-    return pipeline_for(config.weights(name), config.shift(name))
+    return pipeline_for(config.weights(name), config.shift(name), config.migrate(name))

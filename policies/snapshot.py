@@ -68,6 +68,7 @@ class JobRequest:
     mig_profile: str | None = None  # ``count`` MIG slices of this profile (routed by Snapshot.mig_free)
     tenant: str | None = None  # whose quota the job counts against at each site
     preemptible: bool = False  # a site lends burst capacity to preemptible work only beyond unguaranteed GPUs
+    checkpointable: bool = False  # may be stopped and resumed from a checkpoint (policies.migration moves only these)
 
     @classmethod
     def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset(),
@@ -90,6 +91,7 @@ class JobRequest:
             submitted_ts=submitted.timestamp() if submitted is not None else None,
             tenant=spec.tenant,
             preemptible=spec.preemptible,
+            checkpointable=spec.checkpointable,
             mig_profile=g.mig_profile,
         )
 

@@ -98,6 +98,8 @@ def test_start_outside_the_carbon_data(files: dict[str, Path], capsys: pytest.Ca
     (("--compare", "all", "--utilisation", "0"), "--utilisation"),
     (("--compare", "all", "--days", "-2"), "--days"),
     (("--compare", "all", "--trace-from", "yesterday"), "--trace-from"),
+    (("--compare", "all", "--checkpointable", "1.5"), "--checkpointable 1.5: give a share of jobs within [0, 1]"),
+    (("--compare", "all", "--restart-s", "-1"), "--restart-s -1.0: give seconds"),
 ])
 def test_bad_flags(files: dict[str, Path], capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str) -> None:
     assert words in _error(capsys, _args(files, *flags))

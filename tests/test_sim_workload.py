@@ -157,6 +157,20 @@ def test_inflexible_jobs_must_start_at_once_and_are_the_requested_share(workload
                                   workload.submit_s[rigid] + workload.true_duration_s[rigid])
 
 
+def test_no_job_is_checkpointable_unless_asked_and_interactive_jobs_never_are(philly: Trace,
+                                                                             workload: Workload) -> None:
+    assert not workload.checkpointable.any() and not workload.job_spec(0).checkpointable
+    some = build_workload(philly, assume(checkpointable_fraction=0.9))
+    assert not some.checkpointable[some.inflexible].any()
+    flexible = ~some.inflexible
+    assert within_binomial(int(some.checkpointable[flexible].sum()), int(flexible.sum()), 0.9)
+    np.testing.assert_array_equal(some.estimated_duration_s, workload.estimated_duration_s)  # other draws as they were
+    np.testing.assert_array_equal(some.has_latency_slo, workload.has_latency_slo)
+    i = int(np.flatnonzero(some.checkpointable)[0])
+    assert some.job_spec(i).checkpointable
+    assert any("can be checkpointed and moved; a move costs 600 s" in line for line in some.report)
+
+
 def test_a_flexible_job_may_wait_twice_its_length_and_at_least_an_hour(workload: Workload) -> None:
     flexible = ~workload.inflexible
     true_s = workload.true_duration_s[flexible]
@@ -298,6 +312,7 @@ def test_dump_writes_every_job_and_every_site_in_the_documented_columns(tmp_path
         assert (int(row["gpus"]), int(row["milli"]), row["model"]) == (spec.gpus.count, spec.gpus.milli, "")
         assert (row["tenant"], row["origin_region"]) == (spec.tenant, spec.origin_region)
         assert (float(row["latency_slo_ms"]) if row["latency_slo_ms"] else None) == spec.latency_slo_ms
+        assert row["checkpointable"] == ("true" if spec.checkpointable else "false")
     listing = json.loads((tmp_path / "dump" / "sites.json").read_text())
     assert listing == [
         {"name": "alpha", "grid_zone": "US-MIDA-PJM", "region": "gcp:us-east1",
@@ -323,6 +338,8 @@ def test_dump_writes_every_job_and_every_site_in_the_documented_columns(tmp_path
     pytest.param({"min_slack_s": -1}, "min_slack_s", id="a negative minimum slack is refused"),
     pytest.param({"latency_slo_ms": 0}, "latency_slo_ms", id="a latency objective of 0 ms is refused"),
     pytest.param({"seed": -1}, "seed", id="a negative seed is refused"),
+    pytest.param({"checkpointable_fraction": 2}, "checkpointable_fraction", id="a checkpointable share above 1"),
+    pytest.param({"restart_s": -5}, "restart_s", id="a negative restart time is refused"),
     pytest.param({"origin_rule": "nearest"}, "origin_rule", id="an unknown origin rule is refused"),
 ])
 def test_invalid_assumptions_are_refused_naming_the_field(changes: dict[str, Any], field: str) -> None:

@@ -2,7 +2,8 @@
 
     heliotrope simulate --trace FILE (--preset philly | --columns MAPPING) --carbon DIR [--prices FILE]
         [--latency FILE] [--sites FILE] [--utilisation FRACTION] [--trace-from ISO-DATE] [--days N]
-        [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--json OUT] [--report DIR]
+        [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
+        [--restart-s SECONDS] [--json OUT] [--report DIR]
         [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound] [--oracle]
 
 Prints the comparison table on stdout; progress on standard error when it is a terminal.
@@ -67,6 +68,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     which.add_argument("--policy", metavar="NAME", help=f"one of: {', '.join(POLICIES)}")
     which.add_argument("--compare", metavar="all", help=f"'all': {', '.join(COMPARED)}; or NAME,NAME,...")
     s.add_argument("--seed", type=int, default=0, help="seed of the workload assumptions (default %(default)s)")
+    s.add_argument("--checkpointable", type=float, default=0.0, metavar="FRACTION",
+                   help="share of the jobs that are not interactive that can be checkpointed, so that a profile "
+                        "that moves running work (green) may move them (default %(default)s: none)")
+    s.add_argument("--restart-s", type=float, default=600.0, metavar="SECONDS",
+                   help="GPU time a move costs the moved job at its new site (default %(default)s)")
     s.add_argument("--json", dest="json_out", metavar="OUT", help="write the figures as JSON to OUT")
     s.add_argument("--report", metavar="DIR", help="write an HTML report with plots into DIR")
     s.add_argument("--dump-workload", metavar="DIR", help="write jobs.csv and sites.json: what the run was given")
@@ -108,6 +114,10 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         raise SimulateUsage(f"--days {args.days}: give a number of days above 0 and at most 36,600")
     if args.seed < 0:
         raise SimulateUsage(f"--seed {args.seed}: give a whole number, 0 or more")
+    if not 0 <= args.checkpointable <= 1:
+        raise SimulateUsage(f"--checkpointable {args.checkpointable}: give a share of jobs within [0, 1], e.g. 0.9")
+    if not 0 <= args.restart_s <= 86400:
+        raise SimulateUsage(f"--restart-s {args.restart_s}: give seconds within [0, 86400], e.g. 600")
     mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
     for flag, value in (("--trace", args.trace), ("--carbon", args.carbon)):
         if not Path(value).exists():
@@ -119,6 +129,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
         start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
         oracle=args.oracle,
+        assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s},
     )
 
 

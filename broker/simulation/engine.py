@@ -49,8 +49,9 @@ from broker.cycle import PassDecider
 from broker.models import SiteSpec
 from policies.filters.gpu_fit import GpuFitFilter
 from policies.filters.latency import LatencyFilter
-from policies.pipeline import Pipeline
+from policies.pipeline import Pipeline, Placement
 from policies import timeshift
+from policies.migration import Move, Running, make_room, plan_moves, urgent
 from policies.runtime_risk import RunTimeErrors
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
 from policies.timeshift import Booking, Calendar, Deferral, epoch_hour, run_slots
@@ -153,7 +154,8 @@ def requests_of(workload: Workload) -> list[JobRequest]:
         out.append(JobRequest(job_id=str(i), count=count, milli=milli, model=model, memory_gib=0.0,
                               allowed_regions=empty, denied_regions=empty, duration_s=estimate,
                               origin_region=regions[origin], latency_slo_ms=None if slo != slo else slo,
-                              deadline_ts=start_ts + deadline, submitted_ts=start_ts + submitted))
+                              deadline_ts=start_ts + deadline, submitted_ts=start_ts + submitted,
+                              checkpointable=bool(workload.checkpointable[i])))
     return out
 
 
@@ -242,19 +244,86 @@ def replay(
     deferred: set[int] = set()
     ever_deferred = np.zeros(n, dtype=bool)
     gpus_held = [r.charge for r in requests]
+    # Moving running work (profiles with ``migrate``): at every whole hour, the running checkpointable jobs
+    # are offered to policies.migration; a move ends the job's piece where it ran and starts the rest, after
+    # the workload's restart time, at the new site. A completion queued for an earlier end is then stale.
+    migrate = pipeline.migrate if workload.checkpointable.any() else None
+    restart_s = float(workload.assumptions.restart_s)
+    running: set[int] = set()
+    last_start = np.full(n, np.nan)  # start of a moved job's current piece
+    done_before = np.zeros(n)  # seconds of work a moved job had done when its current piece started
+    moved: list[tuple[float, float, float, float, float]] = []  # earlier pieces: job, site, model, start, end
+
+    def start(j: int, outcome: Placement, decider: PassDecider, t: float) -> None:
+        """Start job ``j`` now where ``outcome`` places it, debited from the pass's snapshot."""
+        s, m = outcome.site, outcome.model
+        if fractional[j]:
+            # The ledger decides where the share goes; the snapshot's own debit is an estimate, so
+            # its figures for this site-model are set from the ledger afterwards.
+            whole_before = int(free[s, m])
+            decider.assume(outcome)
+            pool = shares.setdefault((s, m), _Shared())
+            share_of[j], opened = _share(pool, int(requests[j].milli))
+            free[s, m] = whole_before - opened
+            shared_free[s, m] = _shared_free(pool)
+        else:
+            decider.assume(outcome)
+        if calendar is not None:
+            bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s))
+        site_of[j], model_of[j] = s, m
+        start_s[j] = t
+        end_s[j] = t + float(true_s[j])
+        if end_s[j] > horizon_s:
+            _past_the_data(j, float(end_s[j]), federation, workload, s)
+        heapq.heappush(completions, (end_s[j], j))
+        running.add(j)
+
+    def work_done(j: int, t: float) -> tuple[float, float]:
+        """(when job ``j``'s current piece started, seconds of work it has done by ``t``)."""
+        if last_start[j] != last_start[j]:
+            return float(start_s[j]), t - float(start_s[j])
+        return float(last_start[j]), float(done_before[j]) + max(t - float(last_start[j]) - restart_s, 0.0)
+
+    def offer(t: float) -> list[Running]:
+        """The running jobs a move may take, as the broker knows them (the work each has done, not its end)."""
+        out = []
+        for j in sorted(running):
+            if requests[j].checkpointable and not fractional[j] and end_s[j] + restart_s <= horizon_s:
+                out.append(Running(requests[j], int(site_of[j]), int(model_of[j]), work_done(j, t)[1]))
+        return out  # (a move that would run a job past the carbon data is not offered)
+
+    def apply(move: Move, t: float) -> None:
+        """End the moving job's piece here and restart the rest, after the restart time, at its new site."""
+        j = int(move.running.request.job_id)
+        began, done = work_done(j, t)
+        moved.append((j, site_of[j], model_of[j], began, t))
+        done_before[j], last_start[j] = done, t
+        site_of[j], model_of[j] = move.site, move.model
+        end_s[j] = t + restart_s + (float(true_s[j]) - done)
+        heapq.heappush(completions, (end_s[j], j))
+        booking = bookings.pop(j, None)
+        if booking is not None and calendar is not None:
+            calendar.release(booking)
+        if calendar is not None and migrate is not None:
+            bookings[j] = calendar.book(move.site, move.model, gpus_held[j],
+                                        *run_slots(start_ts + t, move.remaining_s + migrate.overhead_s))
+
     t_prev = -np.inf
     while next_arrival < len(todo) or completions or deferred:
         t_arrival = float(submit[todo[next_arrival]]) if next_arrival < len(todo) else np.inf
         t = min(t_arrival, completions[0][0]) if completions else t_arrival
         boundary = False
-        if deferred:
+        if deferred or (migrate is not None and running):
             t_hour = (np.floor(t_prev / 3600.0) + 1.0) * 3600.0
             if t_hour <= t:
                 t, boundary = t_hour, True
         t_prev = t
         freed = False
         while completions and completions[0][0] <= t:
-            _, j = heapq.heappop(completions)
+            t_end, j = heapq.heappop(completions)
+            if t_end != end_s[j] or j not in running:  # the job moved: it ends later, elsewhere
+                continue
+            running.discard(j)
             s, m = int(site_of[j]), int(model_of[j])
             if fractional[j]:
                 pool = shares[(s, m)]
@@ -278,7 +347,8 @@ def replay(
         candidates = (queue + fresh) if freed else fresh
         if boundary:
             candidates = candidates + sorted(deferred)
-        if not candidates:
+        moving = boundary and migrate is not None and bool(running)
+        if not candidates and not moving:
             continue
         if order_key is not None:
             candidates.sort(key=order_key)
@@ -323,29 +393,35 @@ def replay(
             deferred.discard(j)
             if j in in_queue:
                 gone.add(j)
-            s, m = outcome.site, outcome.model
-            if fractional[j]:
-                # The ledger decides where the share goes; the snapshot's own debit is an estimate, so
-                # its figures for this site-model are set from the ledger afterwards.
-                whole_before = int(free[s, m])
-                decider.assume(outcome)
-                pool = shares.setdefault((s, m), _Shared())
-                share_of[j], opened = _share(pool, int(requests[j].milli))
-                free[s, m] = whole_before - opened
-                shared_free[s, m] = _shared_free(pool)
-            else:
-                decider.assume(outcome)
-            if calendar is not None:
-                bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s))
-            site_of[j], model_of[j] = s, m
-            start_s[j] = t
-            end_s[j] = t + float(true_s[j])
-            if end_s[j] > horizon_s:
-                _past_the_data(j, float(end_s[j]), federation, workload, s)
-            heapq.heappush(completions, (end_s[j], j))
+            start(j, outcome, decider, t)
+        if migrate is not None and migrate.make_room:
+            # Jobs near their users that can wait no longer get room made at their sites (policies.migration):
+            # those that just found no room, and at each whole hour those still waiting.
+            offered: list[Running] | None = None
+            asking = (*queue, *waiting) if boundary else waiting
+            for j in sorted((k for k in asking if k not in gone), key=order_key or int):
+                if not urgent(requests[j], start_ts + t, migrate):
+                    continue
+                offered = offer(t) if offered is None else offered
+                moves = make_room(pipeline, decider.snap, requests[j], offered, migrate)
+                if not moves:
+                    continue
+                offered = None  # the moved jobs run elsewhere now
+                for move in moves:
+                    apply(move, t)
+                outcome = decider.pipeline.decide(requests[j], decider.snap)
+                if not outcome.placed:  # make_room moved enough GPUs out of one of its sites
+                    raise SimulationError(f"job {j} did not fit where room was made for it")
+                start(j, outcome, decider, t)
+                deferred.discard(j)
+                gone.add(j)
+        if moving:  # at a whole hour, running jobs move where the rest of their run is cleaner
+            for move in plan_moves(pipeline, decider.snap, offer(t), migrate):
+                apply(move, t)
         if gone:
             queue = [j for j in queue if j not in gone]
             in_queue -= gone
+            waiting = [j for j in waiting if j not in gone]
         if waiting:
             newest = queue[-1] if queue else -1
             queue.extend(waiting)
@@ -362,7 +438,9 @@ def replay(
                               f"(first: job {queue[0]}); no site can ever take them")
     if progress is not None:
         progress(done)
-    run = _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began)
+    pieces = np.array(moved, dtype=np.float64).reshape(-1, 5)
+    run = _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began,
+                   last_start=last_start, moved=pieces)
     run.deferred = int(ever_deferred.sum())
     run.was_deferred = ever_deferred
     return run
@@ -403,7 +481,11 @@ def _past_the_data(job: int, end_s: float, federation: Federation, workload: Wor
 
 
 def _account(name: str, workload: Workload, federation: Federation, site: np.ndarray, model: np.ndarray,
-             start_s: np.ndarray, end_s: np.ndarray, wall_s: float) -> PolicyRun:
+             start_s: np.ndarray, end_s: np.ndarray, wall_s: float, *, last_start: np.ndarray | None = None,
+             moved: np.ndarray | None = None) -> PolicyRun:
+    """Per job energy, carbon and cost over where it ran: from ``start_s`` (or ``last_start``, where not NaN:
+    a moved job's last piece) to ``end_s`` at ``site``/``model``, plus the earlier pieces in ``moved`` (rows of
+    job, site, model, start, end)."""
     ran = site >= 0
     n = len(workload)
     held = workload.gpus.astype(np.float64) * np.where(workload.milli < 1000, workload.milli / 1000.0, 1.0)
@@ -416,11 +498,23 @@ def _account(name: str, workload: Workload, federation: Federation, site: np.nda
         if last > federation.hours * 3600.0:
             j = int(np.flatnonzero(ran)[np.argmax(end_s[ran])])
             _past_the_data(j, last, federation, workload, int(site[j]))
+        begin = start_s[ran]
+        if last_start is not None:
+            begin = np.where(np.isnan(last_start[ran]), begin, last_start[ran])
         power = TDP_KW[m] * held[ran]
-        run_h = (end_s[ran] - start_s[ran]) / 3600.0
+        run_h = (end_s[ran] - begin) / 3600.0
         energy[ran] = power * run_h
-        integral = federation.carbon_integral(s, end_s[ran]) - federation.carbon_integral(s, start_s[ran])
+        integral = federation.carbon_integral(s, end_s[ran]) - federation.carbon_integral(s, begin)
         carbon[ran] = power * integral / 1000.0
         cost[ran] = held[ran] * run_h * np.nan_to_num(federation.price[s, m], nan=0.0)
+    if moved is not None and moved.shape[0]:
+        j, ps, pm = moved[:, 0].astype(np.int64), moved[:, 1].astype(np.int64), moved[:, 2].astype(np.int64)
+        a, b = moved[:, 3], moved[:, 4]
+        power = TDP_KW[pm] * held[j]
+        run_h = (b - a) / 3600.0
+        np.add.at(energy, j, power * run_h)
+        np.add.at(carbon, j, power * (federation.carbon_integral(ps, b) - federation.carbon_integral(ps, a)) / 1000.0)
+        np.add.at(cost, j, held[j] * run_h * np.nan_to_num(federation.price[ps, pm], nan=0.0))
     return PolicyRun(name=name, site=site, start_s=start_s, end_s=end_s, energy_kwh=energy, carbon_kg=carbon,
-                     cost_usd=cost, wall_s=wall_s, model=np.asarray(model, dtype=np.int64))
+                     cost_usd=cost, wall_s=wall_s, model=np.asarray(model, dtype=np.int64),
+                     last_start_s=last_start, moved=moved)

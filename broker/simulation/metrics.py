@@ -19,6 +19,10 @@ Over the jobs that ran (jobs left out for every policy are not counted by any):
   tenant is slowed alike, 1/n when one tenant bears it all.
 - ``preemptions``, ``requeues``: how often a running job was stopped, and how often a job went back to the
   queue. The policies of this release never preempt, so both count what happened, which is nothing.
+- ``migrations``: how often a running job was stopped and restarted from its checkpoint at another site
+  (``policies.migration``; only a profile with ``migrate`` and a workload with checkpointable jobs move any).
+  Its pieces count where each ran (``utilisation_by_site``), and every piece's energy, carbon and cost,
+  the restart's included, is in the job's.
 - ``gap_to_bound``, ``cost_gap_to_bound``: carbon (cost) above the offline bound's, as a fraction of it.
 """
 
@@ -49,6 +53,7 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
                       "slowdown_mean": 1.0, "deadline_misses": 0, "latency_violations": 0, "latency_unknown": 0,
                       "utilisation": 0.0, "utilisation_by_site": {n: 0.0 for n in sites.names},
                       "jain_fairness": 1.0, "preemptions": run.preemptions, "requeues": run.requeues,
+                      "migrations": run.migrations,
                       "deferred_jobs": run.deferred, "deferred_misses": 0}
     start, end, sub = run.start_s[ran], run.end_s[ran], submit_s[ran]
     wait = np.maximum(start - sub, 0.0)
@@ -60,7 +65,8 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
     has_slo = ~np.isnan(slo)
     rtt = rtt_ms[site[has_slo], origin[ran][has_slo]]
     span_s = float(end.max() - min(float(sub.min()), 0.0))
-    busy = np.bincount(site, weights=gpus[ran] * run_s, minlength=sites.n_sites) / 3600.0
+    p_job, p_site, p_start, p_end = run.pieces()
+    busy = np.bincount(p_site, weights=gpus[p_job] * (p_end - p_start), minlength=sites.n_sites) / 3600.0
     capacity_h = sites.capacity_gpus.astype(np.float64) * span_s / 3600.0
     by_site = np.divide(busy, capacity_h, out=np.zeros(sites.n_sites), where=capacity_h > 0)
     t = tenant[ran]
@@ -83,6 +89,7 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
         "jain_fairness": jain,
         "preemptions": run.preemptions,
         "requeues": run.requeues,
+        "migrations": run.migrations,
         "deferred_jobs": run.deferred,
     }
 

@@ -410,7 +410,8 @@ def _plot_intensity(result: SimulationResult, best: str | None, path: Path) -> N
 
     if best is not None:
         run = result.policies[best]
-        busy = gpus_busy_by_hour(run.site, run.start_s, run.end_s, result.gpus, n, hours)
+        p_job, p_site, p_start, p_end = run.pieces()  # a moved job counts where each piece ran
+        busy = gpus_busy_by_hour(p_site, p_start, p_end, result.gpus[p_job], n, hours)
         ax = axes[1]
         ax.stackplot(_hour_axis(result.start, hours, 0.5), busy[order], colors=[colours[i] for i in order],
                      labels=[sites.names[i] for i in order], linewidth=0)

@@ -44,7 +44,7 @@ class PolicyRun:
 
     name: str
     site: np.ndarray  # int32[n_jobs]: site index, -1 when left out
-    start_s: np.ndarray  # float64[n_jobs]: when the job's last attempt started
+    start_s: np.ndarray  # float64[n_jobs]: when the job first started (its wait ends there)
     end_s: np.ndarray  # float64[n_jobs]: when it finished
     energy_kwh: np.ndarray  # float64[n_jobs]
     carbon_kg: np.ndarray  # float64[n_jobs]
@@ -56,6 +56,29 @@ class PolicyRun:
     wall_s: float = 0.0  # how long the replay took
     model: np.ndarray | None = None  # int64[n_jobs]: the GPU model index (policies.snapshot.MODEL_INDEX) it ran on
     was_deferred: np.ndarray | None = None  # bool[n_jobs]: deferred at least once for a saving
+    # A job moved while it ran (policies.migration) ran in pieces: ``site`` and ``model`` are where its last
+    # piece ran, from ``last_start_s`` (NaN: never moved, from ``start_s``) to ``end_s``; ``moved`` holds the
+    # earlier pieces, one row each: job, site, model, start, end (float64[k, 5]).
+    last_start_s: np.ndarray | None = None
+    moved: np.ndarray | None = None
+
+    @property
+    def migrations(self) -> int:
+        return 0 if self.moved is None else int(self.moved.shape[0])
+
+    def pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every stretch a job ran at one site: (job, site, start, end), the jobs that ran first in job
+        order (their last piece), then the earlier pieces of moved jobs."""
+        jobs = np.flatnonzero(self.ran)
+        start = self.start_s[jobs]
+        if self.last_start_s is not None:
+            start = np.where(np.isnan(self.last_start_s[jobs]), start, self.last_start_s[jobs])
+        site, end = self.site[jobs].astype(np.int64), self.end_s[jobs]
+        if self.moved is None or not self.moved.shape[0]:
+            return jobs, site, start, end
+        m = self.moved
+        return (np.concatenate([jobs, m[:, 0].astype(np.int64)]), np.concatenate([site, m[:, 1].astype(np.int64)]),
+                np.concatenate([start, m[:, 3]]), np.concatenate([end, m[:, 4]]))
 
     @property
     def ran(self) -> np.ndarray:

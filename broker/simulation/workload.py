@@ -49,7 +49,15 @@ The assumptions, their defaults and why:
   on a half second to the last bit: NumPy's AVX-512 one may round it differently from another CPU's, and
   one such bit can move a tie and from there a policy's figures.
 
-What is not assumed: priority, preemptibility, checkpointing, allowed regions and attempts stay at the
+- ``checkpointable_fraction`` (default 0) and ``restart_s`` (default 600 s): this share of the jobs that are
+  not inflexible, drawn per job, can be stopped and resumed from a checkpoint (``JobSpec.checkpointable``),
+  which a profile that moves running work (``policies.migration``) may use; interactive work is not. A
+  move costs the job ``restart_s`` of GPU time at its new site before it makes progress again (save,
+  copy and restore the checkpoint, warm up): it ends that much later and uses that much more energy.
+  Schedulers of training traces such as this one (Gandiva, Tiresias, Pollux) assume every training job
+  can be checkpointed; 0 keeps the default replay whole-job, as every policy but a moving one sees it.
+
+What is not assumed: priority, preemptibility, allowed regions and attempts stay at the
 ``JobSpec`` defaults, since nothing in a trace speaks to them. Trace GPU models are mapped to canonical ids
 (an unknown model is an error); tenant names that are not valid ``JobSpec`` tenants are renamed by
 :func:`tenant_slug`.
@@ -86,12 +94,12 @@ MAX_ESTIMATE_S = 366 * 86400.0
 
 JOBS_CSV_COLUMNS = (
     "submit_utc", "true_duration_s", "estimated_duration_s", "gpus", "milli", "model", "tenant",
-    "origin_region", "deadline_utc", "latency_slo_ms",
+    "origin_region", "deadline_utc", "latency_slo_ms", "checkpointable",
 )
 """The columns of ``jobs.csv``, in order; row ``i`` is job ``trace-<i>``."""
 
 # One random stream per assumption, so that changing one leaves the others' draws unchanged.
-_ESTIMATE, _INFLEXIBLE, _LATENCY, _ORIGIN_PER_JOB, _TENANT_HOME = 1, 2, 3, 4, 5
+_ESTIMATE, _INFLEXIBLE, _LATENCY, _ORIGIN_PER_JOB, _TENANT_HOME, _CHECKPOINT = 1, 2, 3, 4, 5, 6
 
 _TENANT = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # the JobSpec tenant rule
 
@@ -116,6 +124,8 @@ class WorkloadAssumptions(BaseModel):
     latency_slo_ms: float = 50.0
     estimate_sigma: float = 0.5
     estimate_unbiased: Literal["median", "mean"] = "median"
+    checkpointable_fraction: float = 0.0
+    restart_s: float = 600.0
 
     @classmethod
     def for_sites(cls, sites: Sequence[SiteSpec], **overrides: Any) -> WorkloadAssumptions:
@@ -158,7 +168,14 @@ class WorkloadAssumptions(BaseModel):
             raise ValueError(f"must be seconds >= 0, got {value}")
         return value
 
-    @field_validator("inflexible_fraction", "latency_fraction")
+    @field_validator("restart_s")
+    @classmethod
+    def _restart(cls, value: float) -> float:
+        if not (np.isfinite(value) and 0 <= value <= 86400):
+            raise ValueError(f"must be seconds within [0, 86400], got {value}")
+        return value
+
+    @field_validator("inflexible_fraction", "latency_fraction", "checkpointable_fraction")
     @classmethod
     def _fraction(cls, value: float) -> float:
         if not 0 <= value <= 1:
@@ -195,7 +212,8 @@ class Workload:
     int32. ``model``: object array of canonical GPU model ids or ``None`` (any). ``tenant``: int32 codes
     into ``tenant_names`` (valid ``JobSpec`` tenants; ``trace_tenant_names`` holds the names in the trace).
     ``origin_region``: int32 codes into ``region_names``. ``latency_slo_ms``: float64, NaN for none.
-    ``inflexible``: bool, the jobs whose deadline is submit + true duration.
+    ``inflexible``: bool, the jobs whose deadline is submit + true duration. ``checkpointable``: bool, the
+    jobs that may be stopped and resumed from a checkpoint.
     """
 
     start: datetime
@@ -214,6 +232,11 @@ class Workload:
     latency_slo_ms: np.ndarray
     inflexible: np.ndarray
     assumptions: WorkloadAssumptions
+    checkpointable: np.ndarray | None = None  # None: no job (a workload built before the assumption existed)
+
+    def __post_init__(self) -> None:
+        if self.checkpointable is None:
+            object.__setattr__(self, "checkpointable", np.zeros(len(self.submit_s), dtype=bool))
 
     def __len__(self) -> int:
         return int(self.submit_s.shape[0])
@@ -245,6 +268,7 @@ class Workload:
             deadline=self.deadline_at(i),
             latency_slo_ms=None if np.isnan(slo) else slo,
             origin_region=self.region_names[int(self.origin_region[i])],
+            checkpointable=bool(self.checkpointable[i]),
         )
 
     @property
@@ -262,6 +286,9 @@ class Workload:
             f"{self.assumptions.latency_slo_ms:g} ms.",
             f"{self.inflexible.mean():.1%} of jobs are inflexible (deadline = submit + duration).",
         ]
+        if self.checkpointable.any():
+            lines.append(f"{self.checkpointable.mean():.1%} of jobs can be checkpointed and moved; a move costs "
+                         f"{self.assumptions.restart_s:g} s of GPU time.")
         if flexible.any():
             slack_h = self.slack_s[flexible] / 3600.0
             lines.append(f"Flexible jobs may wait {slack_h.mean():.1f} h on average (median "
@@ -322,6 +349,8 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
         deadline_s = np.asarray(trace.deadline_s, dtype=np.float64).copy()
         inflexible = deadline_s <= submit_s + true_s
 
+    checkpointable = (_rng(a.seed, _CHECKPOINT).random(n) < a.checkpointable_fraction) & ~inflexible
+
     latency = _rng(a.seed, _LATENCY).random(n) < a.latency_fraction
     latency_slo_ms = np.where(latency, a.latency_slo_ms, np.nan)
 
@@ -344,6 +373,7 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
         milli=milli, model=_canonical_models(trace), tenant=tenant, tenant_names=slugs,
         trace_tenant_names=tuple(trace.tenant_names), origin_region=origin, region_names=regions,
         deadline_s=deadline_s, latency_slo_ms=latency_slo_ms, inflexible=inflexible, assumptions=a,
+        checkpointable=checkpointable,
     )
 
 
@@ -367,6 +397,7 @@ def dump_workload(workload: Workload, sites: Sequence[SiteSpec], directory: str 
         np.asarray(w.region_names, dtype=object)[w.origin_region].tolist() if len(w) else [],
         _iso_times(start_us + _microseconds(w.deadline_s)),
         ["" if np.isnan(v) else v for v in w.latency_slo_ms.tolist()],
+        ["true" if c else "false" for c in w.checkpointable.tolist()],
     ]
     with (out / "jobs.csv").open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, lineterminator="\n")

@@ -1,0 +1,321 @@
+"""Moving running work: which checkpointable jobs to stop, checkpoint and restart at another site, because the
+rest of their run there is forecast to emit (or cost) enough less to pay for the move.
+
+Why
+    A job is placed with what was free when it started. In a burst the clean sites are full and the
+    overflow starts where the grid is dirty; when the burst ends, clean capacity is idle while long jobs run
+    on at the dirty sites for days. A training job that can checkpoint and resume (``JobSpec.checkpointable``;
+    the schedulers that replay this kind of trace, Gandiva, Tiresias and Pollux, assume every training job
+    can) can be stopped and restarted where the rest of its run is cleaner. This is how a whole-job schedule
+    gets closer to the fluid bound, which may split a job over sites and hours.
+
+What a move must clear (all of them, for the job's *expected* remaining run: its estimate less the work it
+has done; a job that has run past its estimate is not moved, since how much is left is unknown)
+    - the job is checkpointable, holds whole GPUs, and is expected to run at least ``min_remaining_s`` more;
+    - its deadline still holds with the move: ``now + overhead_s + duration_safety × remaining <= deadline``;
+    - the target site passes every filter of the profile's pipeline for the job (health, cordon, regions,
+      latency objective, quotas, a GPU model that fits *now*) and has room in the time-shift plan for the
+      whole remaining run (hours promised to deferred jobs stay theirs);
+    - the objective of the rest of the run at the target, *including* ``overhead_s`` of GPU time spent to
+      save, copy and restore the checkpoint there, is at least ``min_saving`` (a fraction) and
+      ``min_saving_abs`` (kg CO2e or USD) below the rest of the run where it is.
+    Carbon: GPUs × the model's board power × the forecast intensity integrated over the run window, judged
+    over the part of the rest of the run that the forecast covers (the snapshot's 48 hours, less the part of
+    this hour gone): a forecast's last hour says little about the weeks after it, and a long job that is
+    still better off elsewhere in two days may move again then. Cost: GPUs × price per GPU-hour × hours.
+
+Making room (``make_room``)
+    A job with a latency objective can run only at the few sites near its users. When they are full of work
+    that could run anywhere and the job's latest start has come (``duration_safety`` × its estimate before
+    its deadline, within the hour), the checkpointable jobs there are moved out to the site the profile
+    would choose for the rest of their run, until the job fits: at the first of its sites (in the order of
+    the profile's own scores) where that takes the fewest moves. Each moved job must clear the same checks
+    as above, except the saving: it may pay a little more carbon or money so that the other job meets its
+    deadline. Nothing is moved unless the job then fits.
+
+Order: the jobs that could save the most (against the best site for them anywhere) are decided first, so
+they get the clean capacity; each move is debited from the snapshot at once (the source's GPUs freed, the
+target's taken, the plan's hours moved), so later moves see it.
+
+Units: seconds, POSIX seconds, kg CO2e or USD. Pure: a function of the snapshot and the running jobs handed
+in; no clock, no I/O. How to turn it off: a profile without ``migrate`` (the default) never moves a job, and
+a job that is not checkpointable is never moved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies import _shift_search as _search
+from policies._scores import window_mean_rows
+from policies.snapshot import TDP_KW, JobRequest, Snapshot
+
+if TYPE_CHECKING:
+    from policies.pipeline import Pipeline
+
+HOUR_S = 3600.0
+
+
+class MigrationPolicy(BaseModel):
+    """How a profile moves running checkpointable jobs (``migrate:`` in a profile)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    objective: Literal["carbon", "cost"] = Field(default="carbon", description="what a move must save")
+    min_saving: float = Field(default=0.2, ge=0.0, lt=1.0,
+                              description="move only when the rest of the run saves at least this fraction, "
+                                          "the move's overhead counted")
+    min_saving_abs: float = Field(default=1.0, ge=0.0,
+                                  description="and at least this much, in the objective's unit (kg CO2e or USD)")
+    overhead_s: float = Field(default=600.0, ge=0.0, le=86400.0,
+                              description="GPU seconds a move is assumed to cost at the target: save, copy and "
+                                          "restore the checkpoint, warm up")
+    min_remaining_s: float = Field(default=2 * HOUR_S, ge=0.0,
+                                   description="a job expected to end sooner than this stays where it is")
+    duration_safety: float = Field(default=1.5, ge=1.0, le=100.0,
+                                   description="a move keeps this many times the expected remaining run (plus the "
+                                               "overhead) before the deadline")
+    make_room: bool = Field(default=True, description="move checkpointable jobs out of the sites near the users of "
+                                                      "a job with a latency objective that can wait no longer")
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A running job as the broker knows it: its request (``duration_s`` the estimate of the whole run), where
+    it runs, and how many seconds of work it has done (time since its latest start, less a restart's
+    overhead, plus what earlier attempts kept through their checkpoints)."""
+
+    request: JobRequest
+    site: int
+    model: int
+    done_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Stop ``running`` where it is and restart it from its checkpoint on ``site``/``model`` now."""
+
+    running: Running
+    site: int
+    model: int
+    remaining_s: float  # the expected remaining run (estimate less work done), without the overhead
+    value_stay: float  # objective of the judged part of the rest of the run where it is
+    value_move: float  # the same at the target, the overhead included
+    objective: str
+    for_job: str | None = None  # the job it made room for (make_room), else None: moved for a saving
+    judged_s: float = math.nan  # how much of the rest of the run the values cover (the forecast's reach)
+
+    def reason(self, sites: tuple[str, ...]) -> str:
+        unit = "kg CO2e" if self.objective == "carbon" else "USD"
+        span = (f"the rest of its run (~{self.remaining_s / HOUR_S:.1f} h)"
+                if not self.judged_s < self.remaining_s else
+                f"the next {self.judged_s / HOUR_S:.1f} h of the ~{self.remaining_s / HOUR_S:.1f} h left of its run")
+        if self.for_job is not None:
+            return (f"moved from {sites[self.running.site]} to {sites[self.site]} from its checkpoint to make room "
+                    f"for {self.for_job}, which must run near its users and can wait no longer ({self.objective} "
+                    f"forecast for {span}: {self.value_move:.3g} {unit} there, restart included, against "
+                    f"{self.value_stay:.3g} {unit} where it ran)")
+        saving = 1.0 - self.value_move / self.value_stay if self.value_stay > 0 else 0.0
+        return (f"moved from {sites[self.running.site]} to {sites[self.site]} from its checkpoint because "
+                f"{self.objective} forecast for {span} is {self.value_move:.3g} {unit} there, restart included, "
+                f"against {self.value_stay:.3g} {unit} where it runs ({saving:.0%} less)")
+
+
+def movable(run: Running, now_ts: float, policy: MigrationPolicy) -> float | None:
+    """The expected remaining run (seconds) of a job the policy may move at all, else None."""
+    req = run.request
+    if not req.checkpointable or req.fractional or req.mig_profile is not None:
+        return None
+    remaining = req.duration_s - run.done_s
+    if remaining < max(policy.min_remaining_s, 1.0):
+        return None
+    if req.deadline_ts is not None and now_ts + policy.overhead_s + policy.duration_safety * remaining > req.deadline_ts:
+        return None
+    return remaining
+
+
+def _judged_h(snap: Snapshot, objective: str, into_h: float, rem_h: float) -> float:
+    """Hours of the rest of a run that a move is judged over: as far as the forecast reaches (carbon), all of
+    it (cost: prices do not change with the hour)."""
+    if objective != "carbon" or not snap.carbon_forecast.shape[1]:
+        return rem_h
+    return min(rem_h, max(snap.carbon_forecast.shape[1] - into_h, 1.0))
+
+
+def _rates(snap: Snapshot, objective: str, into_h: float, hours: float) -> np.ndarray | None:
+    """Per site and model: the objective of one GPU over ``hours`` from ``into_h`` into the current hour (NaN
+    where unknown); None when the snapshot has no forecast for a carbon objective."""
+    if objective == "carbon":
+        forecast, cum = snap.carbon_forecast, snap.carbon_forecast_cum
+        if forecast.shape[0] != snap.n_sites or not forecast.shape[1]:
+            return None
+        mean = window_mean_rows(forecast, cum, into_h, hours)
+        return mean[:, None] * TDP_KW[None, :] * hours / 1000.0
+    return np.asarray(snap.usd_per_gpu_hour, dtype=np.float64) * hours
+
+
+def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], policy: MigrationPolicy) -> list[Move]:
+    """The moves to make now, in the order made; each is already debited from ``snap`` (free GPUs, the plan)."""
+    from policies.pipeline import choose_model  # the pipeline imports the time-shift module, which is ours' peer
+
+    now_ts = snap.now.timestamp()
+    into_h = (now_ts - math.floor(now_ts / HOUR_S) * HOUR_S) / HOUR_S
+    overhead_h = policy.overhead_s / HOUR_S
+    candidates: list[tuple[float, int, float, float]] = []  # (-(best possible saving), index, remaining, stay)
+    for i, run in enumerate(running):
+        remaining = movable(run, now_ts, policy)
+        if remaining is None:
+            continue
+        judged_h = _judged_h(snap, policy.objective, into_h, remaining / HOUR_S)
+        stay_rates = _rates(snap, policy.objective, into_h, judged_h)
+        move_rates = _rates(snap, policy.objective, into_h, judged_h + overhead_h)
+        if stay_rates is None or move_rates is None:
+            return []
+        g = run.request.charge
+        stay = float(stay_rates[run.site, run.model]) * g
+        best = float(np.nanmin(np.where(snap.total_gpus > 0, move_rates, np.nan))) * g
+        if stay == stay and best == best and stay - best >= max(policy.min_saving * stay, policy.min_saving_abs):
+            candidates.append((best - stay, i, remaining, stay))
+    candidates.sort()
+    moves: list[Move] = []
+    for _, i, remaining, stay in candidates:
+        run = running[i]
+        req = replace(run.request, duration_s=remaining + policy.overhead_s)
+        placement = pipeline.decide(req, snap)
+        if not placement.feasible.size:
+            continue
+        rem_h = remaining / HOUR_S
+        judged_h = _judged_h(snap, policy.objective, into_h, rem_h)
+        move_rates = _rates(snap, policy.objective, into_h, judged_h + overhead_h)
+        assert move_rates is not None
+        run_hours = max(int(math.ceil(into_h + rem_h + overhead_h - 1e-9)), 1)
+        now_hours = min(run_hours, snap.plan_free.shape[2]) if snap.plan_free.size else 0
+        bar = stay - max(policy.min_saving * stay, policy.min_saving_abs)
+        best: tuple[float, int, int] | None = None
+        for site in placement.feasible.tolist():
+            if site == run.site:
+                continue
+            model = choose_model(req, snap, site)
+            value = float(move_rates[site, model]) * req.charge
+            if not value <= bar or (best is not None and value >= best[0]):
+                continue
+            if now_hours and not _search.room_now(snap.plan_free, site, model, 0, now_hours, req.charge,
+                                                  np.zeros(snap.n_sites, dtype=np.float32)):
+                continue
+            best = (value, site, model)
+        if best is None:
+            continue
+        value, site, model = best
+        _release(snap, run, into_h)
+        snap.assume(site, req, model)
+        moves.append(Move(run, site, model, remaining, stay, value, policy.objective, judged_s=judged_h * HOUR_S))
+    return moves
+
+
+def _release(snap: Snapshot, run: Running, into_h: float) -> None:
+    """Give the GPUs a moving job holds back to the snapshot, now and in the plan's hours of its expected run."""
+    req = run.request
+    snap.free_gpus[run.site, run.model] += req.count
+    if snap.plan_free.size:
+        left_h = max(req.duration_s - run.done_s, 0.0) / HOUR_S
+        end = min(int(math.ceil(into_h + left_h - 1e-9)), snap.plan_free.shape[2])
+        snap.plan_free[run.site, run.model, 1:max(end, 1)] += req.charge
+        snap.plan_free[run.site, run.model, 0] = snap.free_gpus[run.site, run.model]
+
+
+def urgent(req: JobRequest, now_ts: float, policy: MigrationPolicy) -> bool:
+    """Whether ``req`` is a job near its users that may have room made for it now: it has a latency objective
+    and its latest start (``duration_safety`` × its estimate before its deadline) is within the hour."""
+    return (req.latency_slo_ms is not None and req.deadline_ts is not None and not req.fractional
+            and req.mig_profile is None
+            and req.deadline_ts - policy.duration_safety * req.duration_s <= now_ts + HOUR_S)
+
+
+def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequence[Running],
+              policy: MigrationPolicy) -> list[Move]:
+    """The moves that make room for ``req`` (see the module docstring), already debited from ``snap`` (the
+    moved jobs' GPUs freed and taken at their new sites), or [] with ``snap`` untouched."""
+    from policies.filters.gpu_fit import GpuFitFilter
+    from policies.pipeline import choose_model
+    from policies.scorers._usable import usable_models
+
+    now_ts = snap.now.timestamp()
+    into_h = (now_ts - math.floor(now_ts / HOUR_S) * HOUR_S) / HOUR_S
+    placement = pipeline.decide(req, snap)
+    ok = np.ones(snap.n_sites, dtype=bool)
+    for code, passed in zip(pipeline.filter_codes, placement.passes, strict=True):
+        if passed is not None and code != GpuFitFilter.code:
+            ok &= passed
+    usable = usable_models(req, snap) & (snap.total_gpus >= req.count)
+    ok &= usable.any(axis=1)
+    if not ok.any():
+        return []
+    remaining = [movable(run, now_ts, policy) for run in running]
+    best: tuple[int, list[Move]] | None = None
+    for site in np.flatnonzero(ok).tolist():
+        for model in np.flatnonzero(usable[site]).tolist():
+            short = req.count - int(snap.free_gpus[site, model])
+            victims = sorted((i for i, run in enumerate(running)
+                              if run.site == site and run.model == model and remaining[i] is not None),
+                             key=lambda i: (-running[i].request.count, running[i].request.job_id))
+            if short <= 0 or sum(running[i].request.count for i in victims) < short:
+                continue
+            if best is not None and len(best[1]) <= 1:
+                break
+            trial = snap.working_copy(snap.now)
+            moves: list[Move] = []
+            for i in victims:
+                if short <= 0:
+                    break
+                run, rem = running[i], remaining[i]
+                assert rem is not None
+                move = _rehome(pipeline, trial, run, rem, into_h, policy, choose_model, req.job_id)
+                if move is None:
+                    continue
+                moves.append(move)
+                short -= run.request.count
+            if short <= 0 and (best is None or len(moves) < len(best[1])):
+                best = (site, moves)
+    if best is None:
+        return []
+    for move in best[1]:  # replay the chosen moves on the pass's own snapshot
+        _release(snap, move.running, into_h)
+        snap.assume(move.site, replace(move.running.request, duration_s=move.remaining_s + policy.overhead_s),
+                    move.model)
+    return best[1]
+
+
+def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, into_h: float,
+            policy: MigrationPolicy, choose_model, for_job: str) -> Move | None:  # noqa: ANN001
+    """Move ``run`` out of its site to the profile's best other site with room now and in the plan, debited
+    from ``snap``; None when there is none."""
+    req = replace(run.request, duration_s=remaining + policy.overhead_s)
+    placement = pipeline.decide(req, snap)
+    rem_h = remaining / HOUR_S
+    overhead_h = policy.overhead_s / HOUR_S
+    run_hours = max(int(math.ceil(into_h + rem_h + overhead_h - 1e-9)), 1)
+    now_hours = min(run_hours, snap.plan_free.shape[2]) if snap.plan_free.size else 0
+    for k in np.argsort(-placement.totals, kind="stable").tolist():
+        site = int(placement.feasible[k])
+        if site == run.site:
+            continue
+        model = choose_model(req, snap, site)
+        if now_hours and not _search.room_now(snap.plan_free, site, model, 0, now_hours, req.charge,
+                                              np.zeros(snap.n_sites, dtype=np.float32)):
+            continue
+        judged_h = _judged_h(snap, policy.objective, into_h, rem_h)
+        stay = _rates(snap, policy.objective, into_h, judged_h)
+        there = _rates(snap, policy.objective, into_h, judged_h + overhead_h)
+        value_stay = float(stay[run.site, run.model]) * req.charge if stay is not None else math.nan
+        value_move = float(there[site, model]) * req.charge if there is not None else math.nan
+        _release(snap, run, into_h)
+        snap.assume(site, req, model)
+        return Move(run, site, model, remaining, value_stay, value_move, policy.objective, for_job,
+                    judged_s=judged_h * HOUR_S)
+    return None

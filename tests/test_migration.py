@@ -1,0 +1,191 @@
+"""Moving running work (policies.migration): which running jobs move where, and what the simulator charges
+for a move."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from broker.data.traces import parse_columns
+from broker.simulation.run import SimulationSpec, simulate
+from policies.migration import MigrationPolicy, Running, make_room, plan_moves, urgent
+from policies.profiles import BUILTIN, SHIFTS, Profile, pipeline_for
+from policies.snapshot import TDP_KW
+from tests.test_sim_engine import _site
+from tests.test_timeshift import A100, NOON, request, snapshot
+
+H = 3600.0
+GREEN = pipeline_for(BUILTIN["green"], SHIFTS["green"], MigrationPolicy())
+# Frankfurt (where the job runs) is dirty, Toronto clean, the others in between: flat for two days.
+FORECAST = {"frankfurt": [600.0] * 48, "toronto": [100.0] * 48, "ashburn": [450.0] * 48, "sydney": [500.0] * 48}
+
+
+def running(hours: float = 10.0, done_h: float = 1.0, count: int = 8, job_id: str = "r", **kw) -> Running:
+    req = request(hours=hours, slack_h=kw.pop("slack_h", 48.0), count=count, job_id=job_id,
+                  checkpointable=kw.pop("checkpointable", True), **kw)
+    return Running(req, site=-1, model=A100, done_s=done_h * H)
+
+
+def at(snap, run: Running, site: str) -> Running:
+    return Running(run.request, snap.index[site], run.model, run.done_s)
+
+
+def test_a_long_job_at_a_dirty_site_moves_where_the_rest_of_its_run_is_cleaner() -> None:
+    # The job holds 8 of Frankfurt's 16 GPUs, and its hours are in the plan.
+    snap = snapshot(NOON, FORECAST, free={"frankfurt": 8}, booked={"frankfurt": (8, 0, 10)})
+    job = at(snap, running(), "frankfurt")
+    fra, tor = snap.index["frankfurt"], snap.index["toronto"]
+    moves = plan_moves(GREEN, snap, [job], MigrationPolicy())
+    assert [(snap.sites[m.site], m.model) for m in moves] == [("toronto", A100)]
+    move = moves[0]
+    kw = 8 * TDP_KW[A100]
+    assert move.remaining_s == 9 * H
+    assert move.value_stay == pytest.approx(kw * 600 * 9 / 1000)
+    assert move.value_move == pytest.approx(kw * 100 * (9 + 1 / 6) / 1000)  # the 10-minute restart is paid
+    reason = move.reason(snap.sites)
+    assert reason.startswith("moved from frankfurt to toronto from its checkpoint")
+    assert "~9.0 h" in reason and "83% less" in reason
+    # Debited at once: Frankfurt's GPUs are free again, Toronto's taken, now and in the plan's next hours.
+    assert snap.free_gpus[fra, A100] == 16 and snap.free_gpus[tor, A100] == 0
+    assert snap.plan_free[tor, A100, 1:10].max() == 0 and (snap.plan_free[fra, A100, :10] == 16).all()
+
+
+def test_a_long_job_is_judged_over_the_hours_the_forecast_covers() -> None:
+    """99 hours are left but the forecast covers 47 h 40 min from now (48 hours from the start of this hour):
+    the move is judged on those, restart included; the forecast's last hour is not stretched over four days."""
+    snap = snapshot(NOON, FORECAST, free={"frankfurt": 8})
+    move, = plan_moves(GREEN, snap, [at(snap, running(hours=100.0, slack_h=200.0), "frankfurt")], MigrationPolicy())
+    judged = 48 - 20 / 60
+    kw = 8 * TDP_KW[A100]
+    assert move.judged_s == pytest.approx(judged * H) and move.remaining_s == 99 * H
+    assert move.value_stay == pytest.approx(kw * 600 * judged / 1000)
+    assert move.value_move == pytest.approx(kw * 100 * (judged + 1 / 6) / 1000)
+    assert "forecast for the next 47.7 h of the ~99.0 h left of its run" in move.reason(snap.sites)
+
+
+@pytest.mark.parametrize("case, job, forecast, booked", [
+    ("not checkpointable", running(checkpointable=False), FORECAST, None),
+    ("under 2 h left", running(hours=2.5, done_h=1.0), FORECAST, None),
+    ("ran past its estimate", running(hours=10.0, done_h=11.0), FORECAST, None),
+    ("the deadline would not hold", running(slack_h=3.0), FORECAST, None),
+    ("saves under 20 %", running(), FORECAST | {"toronto": [520.0] * 48, "ashburn": [600.0] * 48,
+                                                "sydney": [600.0] * 48}, None),
+    ("the clean site's hours are promised", running(), FORECAST | {"ashburn": [600.0] * 48, "sydney": [600.0] * 48},
+     {"toronto": (8, 3, 6)}),
+    ("a fractional job", running(count=1, milli=500), FORECAST, None),
+])
+def test_what_keeps_a_job_where_it_is(case, job, forecast, booked) -> None:
+    snap = snapshot(NOON, forecast, free={"frankfurt": 8}, booked=booked)
+    free = snap.free_gpus.copy()
+    assert plan_moves(GREEN, snap, [at(snap, job, "frankfurt")], MigrationPolicy()) == [], case
+    assert (snap.free_gpus == free).all()
+
+
+def test_the_job_that_saves_most_gets_the_clean_room_first() -> None:
+    """Toronto has room for one 8-GPU job: of a 4-hour and a 20-hour job at Frankfurt, the longer one, which
+    saves more, gets it; the shorter one goes to the next cleanest site with room (Ashburn, 25 % cleaner)."""
+    snap = snapshot(NOON, FORECAST, free={"frankfurt": 0})
+    short, long = at(snap, running(hours=5.0, job_id="short"), "frankfurt"), at(snap, running(hours=21.0, job_id="long"), "frankfurt")
+    moves = plan_moves(GREEN, snap, [short, long], MigrationPolicy())
+    assert [(m.running.request.job_id, snap.sites[m.site]) for m in moves] == [("long", "toronto"), ("short", "ashburn")]
+
+
+def test_room_is_made_for_a_job_that_must_run_near_its_users() -> None:
+    """Frankfurt is the only site with A100 80GB within 20 ms of europe-west1, and two checkpointable jobs fill
+    it. A job there that can wait no longer gets one of them moved out (to the cleanest site with room for the
+    rest of its run), and then fits."""
+    snap = snapshot(NOON, FORECAST, free={"frankfurt": 0})
+    near = request(hours=4.0, slack_h=0.0, count=8, job_id="near", origin_region="gcp:europe-west1",
+                   latency_slo_ms=20.0)
+    assert urgent(near, NOON.timestamp(), MigrationPolicy())
+    assert not GREEN.decide(near, snap).placed
+    busy = [at(snap, running(job_id="a"), "frankfurt"), at(snap, running(job_id="b"), "frankfurt")]
+    moves = make_room(GREEN, snap, near, busy, MigrationPolicy())
+    assert [(m.running.request.job_id, snap.sites[m.site]) for m in moves] == [("a", "toronto")]
+    assert "to make room for near, which must run near its users" in moves[0].reason(snap.sites)
+    placed = GREEN.decide(near, snap)
+    assert placed.placed and snap.sites[placed.site] == "frankfurt"
+
+
+def test_no_room_is_made_when_the_jobs_in_the_way_cannot_move() -> None:
+    snap = snapshot(NOON, FORECAST, free={"frankfurt": 0})
+    near = request(hours=4.0, slack_h=0.0, count=8, job_id="near", origin_region="gcp:europe-west1",
+                   latency_slo_ms=20.0)
+    stuck = [at(snap, running(job_id="a", checkpointable=False), "frankfurt"),
+             at(snap, running(job_id="b", slack_h=2.0), "frankfurt")]  # its deadline leaves no time for a move
+    free = snap.free_gpus.copy()
+    assert make_room(GREEN, snap, near, stuck, MigrationPolicy()) == []
+    assert (snap.free_gpus == free).all()
+
+
+def test_a_job_with_slack_or_without_a_latency_objective_is_not_urgent() -> None:
+    policy = MigrationPolicy()
+    now = NOON.timestamp()
+    assert not urgent(request(hours=4.0, slack_h=10.0, origin_region="gcp:europe-west1", latency_slo_ms=20.0), now, policy)
+    assert not urgent(request(hours=4.0, slack_h=0.0), now, policy)
+
+
+def test_a_profile_says_how_it_moves_work_and_bad_settings_are_named() -> None:
+    profile = Profile.model_validate({"weights": {"carbon": 1.0}, "migrate": {"min_saving": 0.3, "overhead_s": 300}})
+    assert profile.migrate == MigrationPolicy(min_saving=0.3, overhead_s=300.0)
+    with pytest.raises(ValidationError, match="min_saving"):
+        Profile.model_validate({"weights": {"carbon": 1.0}, "migrate": {"min_saving": 1.5}})
+    with pytest.raises(ValidationError, match="overhaed_s"):
+        Profile.model_validate({"weights": {"carbon": 1.0}, "migrate": {"overhaed_s": 60}})
+
+
+# --- in the simulator -----------------------------------------------------------------------------------
+
+
+def _greening(tmp_path: Path, checkpointable: float) -> SimulationSpec:
+    """Ten days of data from 2022-06-01. GB (site a) is 300 g/kWh throughout; FR (site b) is 500 until
+    2022-06-05 and 50 from then on. One 4-GPU job of 100 hours arrives on 2022-06-04, when FR is the dirtier:
+    it starts in GB. Once the forecast (made from the past only) has seen FR's new level, the rest of the run
+    is cleaner there."""
+    first = datetime(2022, 6, 1, tzinfo=UTC)
+    switch = datetime(2022, 6, 5, tzinfo=UTC)
+    root = tmp_path / "carbon"
+    for zone, value in {"FR": lambda t: 500.0 if t < switch else 50.0, "GB": lambda t: 300.0}.items():
+        (root / zone).mkdir(parents=True)
+        rows = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
+        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(first + timedelta(hours=h))},0"
+                 for h in range(10 * 24)]
+        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
+                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n2022-06-04T00:00:00,360000,4,x\n")
+    return SimulationSpec(
+        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=root,
+        policies=["green"], sites=sites, bound=False,
+        assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0,
+                     "checkpointable_fraction": checkpointable, "restart_s": 900.0})
+
+
+def test_a_replayed_job_moves_once_the_forecast_sees_the_cleaner_grid_and_pays_for_the_restart(tmp_path: Path) -> None:
+    still = simulate(_greening(tmp_path / "whole", 0.0)).policies["green"]
+    result = simulate(_greening(tmp_path / "moving", 1.0))
+    run = result.policies["green"]
+    assert still.migrations == 0 and still.site.tolist() == [0]
+    assert run.migrations == 1 and run.metrics["migrations"] == 1
+    (job, site, model, began, moved_at), = run.moved.tolist()
+    assert (job, site, began) == (0, 0, still.start_s[0]) and run.site.tolist() == [1]
+    assert moved_at > 24 * H  # not before FR's new level is in the past the forecast reads
+    # It restarts at b at once and runs the rest of its 100 hours after the 15-minute restart.
+    assert run.last_start_s[0] == moved_at
+    assert run.end_s[0] == pytest.approx(still.end_s[0] + 900.0)
+    kw = 4 * TDP_KW[A100]
+    assert run.energy_kwh[0] == pytest.approx(kw * (100 + 0.25))
+    assert run.carbon_kg[0] == pytest.approx(kw * (300 * (moved_at - began) / H + 50 * (run.end_s[0] - moved_at) / H) / 1000)
+    assert run.carbon_kg[0] < 0.5 * still.carbon_kg[0]
+    assert run.metrics["deadline_misses"] == 0
+    # Each piece is counted at its own site.
+    span = run.end_s[0] - run.start_s[0]
+    assert run.metrics["utilisation_by_site"]["a"] == pytest.approx((moved_at - began) / span)
+    assert run.metrics["utilisation_by_site"]["b"] == pytest.approx((run.end_s[0] - moved_at) / span)
+    assert np.isnan(still.last_start_s[0])
