@@ -16,7 +16,7 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   wait's risk to the deadline (:mod:`policies.runtime_risk`); ``miss_cost 100`` and ``300``: priced higher
   than the shipped 30; ``balanced``, ``cheap`` and their ``-unpriced`` forms: the other profiles that defer,
   as shipped and with ``miss_cost`` 0;
-- ``checkpointable``: nine in ten of the jobs that are not interactive can be checkpointed
+- ``checkpointable``: nine in ten of the jobs that are not inflexible can be checkpointed
   (``checkpointable_fraction`` 0.9; the shipped workload has none), so ``green`` moves running work
   (``policies.migration``): to a site where the rest of the run is cleaner, and out of the sites near the
   users of a latency-bound job that can wait no longer; ``-no-room`` and ``-room-only``: one of the two;

@@ -28,9 +28,10 @@ Making room (``make_room``)
     A job with a latency objective can run only at the few sites near its users. When they are full of work
     that could run anywhere and the job's latest start has come (``duration_safety`` × its estimate before
     its deadline, within the hour), the checkpointable jobs there are moved out to the site the profile
-    would choose for the rest of their run, until the job fits: at the first of its sites (in the order of
-    the profile's own scores) where that takes the fewest moves. Each moved job must clear the same checks
-    as above, except the saving: it may pay a little more carbon or money so that the other job meets its
+    would choose for the rest of their run, until the job fits: at the site and model that take the fewest
+    moves, and of those the cleanest (or cheapest) for the job; one job that covers the shortfall if there
+    is one (the smallest such), else the largest first. Each moved job must clear the same checks as above,
+    except the saving: it may pay a little more carbon or money so that the other job meets its
     deadline. Nothing is moved unless the job then fits.
 
 Order: the jobs that could save the most (against the best site for them anywhere) are decided first, so
@@ -160,73 +161,95 @@ def _rates(snap: Snapshot, objective: str, into_h: float, hours: float) -> np.nd
     return np.asarray(snap.usd_per_gpu_hour, dtype=np.float64) * hours
 
 
+class _Clock:
+    """Where in the current hour a decision is: the plan's hour 0 is the hour containing ``now``."""
+
+    __slots__ = ("now_ts", "into_h")
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.now_ts = snap.now.timestamp()
+        self.into_h = (self.now_ts - math.floor(self.now_ts / HOUR_S) * HOUR_S) / HOUR_S
+
+
+def _values(snap: Snapshot, policy: MigrationPolicy, at: _Clock, remaining: float
+            ) -> tuple[float, np.ndarray, np.ndarray] | None:
+    """(hours judged, per site and model the objective of one GPU staying over them, and of one GPU moving:
+    the overhead and then the same hours); None without a forecast for a carbon objective."""
+    judged_h = _judged_h(snap, policy.objective, at.into_h, remaining / HOUR_S)
+    stay = _rates(snap, policy.objective, at.into_h, judged_h)
+    move = _rates(snap, policy.objective, at.into_h, judged_h + policy.overhead_s / HOUR_S)
+    return None if stay is None or move is None else (judged_h, stay, move)
+
+
+def _rest(run: Running, remaining: float, policy: MigrationPolicy) -> JobRequest:
+    """The request of the rest of a moving job's run: its expected remaining run plus the overhead."""
+    return replace(run.request, duration_s=remaining + policy.overhead_s)
+
+
+def _has_room(snap: Snapshot, site: int, model: int, rest: JobRequest, at: _Clock) -> bool:
+    """Whether the plan leaves room at ``site``/``model`` for the whole of ``rest`` from now (hours promised
+    to deferred jobs and to the expected runs of running ones stay theirs)."""
+    if not snap.plan_free.size:
+        return True
+    hours = min(max(int(math.ceil(at.into_h + rest.duration_s / HOUR_S - 1e-9)), 1), snap.plan_free.shape[2])
+    return bool(_search.room_now(snap.plan_free, site, model, 0, hours, rest.charge,
+                                 np.zeros(snap.n_sites, dtype=np.float32)))
+
+
+def _debit(snap: Snapshot, run: Running, rest: JobRequest, site: int, model: int, at: _Clock) -> None:
+    """Move ``run`` in ``snap``: its GPUs back where it ran (now and in the plan's hours of its expected run),
+    the rest of its run taken at ``site``/``model``."""
+    req = run.request
+    snap.free_gpus[run.site, run.model] += req.count
+    if snap.plan_free.size:
+        left_h = max(req.duration_s - run.done_s, 0.0) / HOUR_S
+        end = min(int(math.ceil(at.into_h + left_h - 1e-9)), snap.plan_free.shape[2])
+        snap.plan_free[run.site, run.model, 1:max(end, 1)] += req.charge
+        snap.plan_free[run.site, run.model, 0] = snap.free_gpus[run.site, run.model]
+    snap.assume(site, rest, model, placed_now=False)
+
+
 def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], policy: MigrationPolicy) -> list[Move]:
     """The moves to make now, in the order made; each is already debited from ``snap`` (free GPUs, the plan)."""
     from policies.pipeline import choose_model  # the pipeline imports the time-shift module, which is ours' peer
+    from policies.scorers._usable import usable_models
 
-    now_ts = snap.now.timestamp()
-    into_h = (now_ts - math.floor(now_ts / HOUR_S) * HOUR_S) / HOUR_S
-    overhead_h = policy.overhead_s / HOUR_S
-    candidates: list[tuple[float, int, float, float]] = []  # (-(best possible saving), index, remaining, stay)
+    at = _Clock(snap)
+    candidates: list[tuple[float, int, float, float, float, np.ndarray]] = []
     for i, run in enumerate(running):
-        remaining = movable(run, now_ts, policy)
+        remaining = movable(run, at.now_ts, policy)
         if remaining is None:
             continue
-        judged_h = _judged_h(snap, policy.objective, into_h, remaining / HOUR_S)
-        stay_rates = _rates(snap, policy.objective, into_h, judged_h)
-        move_rates = _rates(snap, policy.objective, into_h, judged_h + overhead_h)
-        if stay_rates is None or move_rates is None:
+        values = _values(snap, policy, at, remaining)
+        if values is None:
             return []
+        judged_h, stay_rates, move_rates = values
         g = run.request.charge
         stay = float(stay_rates[run.site, run.model]) * g
-        best = float(np.nanmin(np.where(snap.total_gpus > 0, move_rates, np.nan))) * g
+        usable = usable_models(run.request, snap) & (snap.total_gpus >= run.request.count)
+        best = float(np.nanmin(np.where(usable, move_rates, np.nan))) * g if usable.any() else math.nan
         if stay == stay and best == best and stay - best >= max(policy.min_saving * stay, policy.min_saving_abs):
-            candidates.append((best - stay, i, remaining, stay))
-    candidates.sort()
+            candidates.append((best - stay, i, remaining, stay, judged_h, move_rates))
+    candidates.sort(key=lambda c: c[:2])  # the most to save first
     moves: list[Move] = []
-    for _, i, remaining, stay in candidates:
+    for _, i, remaining, stay, judged_h, move_rates in candidates:
         run = running[i]
-        req = replace(run.request, duration_s=remaining + policy.overhead_s)
-        placement = pipeline.decide(req, snap)
-        if not placement.feasible.size:
-            continue
-        rem_h = remaining / HOUR_S
-        judged_h = _judged_h(snap, policy.objective, into_h, rem_h)
-        move_rates = _rates(snap, policy.objective, into_h, judged_h + overhead_h)
-        assert move_rates is not None
-        run_hours = max(int(math.ceil(into_h + rem_h + overhead_h - 1e-9)), 1)
-        now_hours = min(run_hours, snap.plan_free.shape[2]) if snap.plan_free.size else 0
+        rest = _rest(run, remaining, policy)
+        placement = pipeline.decide(rest, snap)
         bar = stay - max(policy.min_saving * stay, policy.min_saving_abs)
         best: tuple[float, int, int] | None = None
         for site in placement.feasible.tolist():
             if site == run.site:
                 continue
-            model = choose_model(req, snap, site)
-            value = float(move_rates[site, model]) * req.charge
-            if not value <= bar or (best is not None and value >= best[0]):
-                continue
-            if now_hours and not _search.room_now(snap.plan_free, site, model, 0, now_hours, req.charge,
-                                                  np.zeros(snap.n_sites, dtype=np.float32)):
-                continue
-            best = (value, site, model)
-        if best is None:
-            continue
-        value, site, model = best
-        _release(snap, run, into_h)
-        snap.assume(site, req, model)
-        moves.append(Move(run, site, model, remaining, stay, value, policy.objective, judged_s=judged_h * HOUR_S))
+            model = choose_model(rest, snap, site)
+            value = float(move_rates[site, model]) * rest.charge
+            if value <= bar and (best is None or value < best[0]) and _has_room(snap, site, model, rest, at):
+                best = (value, site, model)
+        if best is not None:
+            value, site, model = best
+            _debit(snap, run, rest, site, model, at)
+            moves.append(Move(run, site, model, remaining, stay, value, policy.objective, judged_s=judged_h * HOUR_S))
     return moves
-
-
-def _release(snap: Snapshot, run: Running, into_h: float) -> None:
-    """Give the GPUs a moving job holds back to the snapshot, now and in the plan's hours of its expected run."""
-    req = run.request
-    snap.free_gpus[run.site, run.model] += req.count
-    if snap.plan_free.size:
-        left_h = max(req.duration_s - run.done_s, 0.0) / HOUR_S
-        end = min(int(math.ceil(into_h + left_h - 1e-9)), snap.plan_free.shape[2])
-        snap.plan_free[run.site, run.model, 1:max(end, 1)] += req.charge
-        snap.plan_free[run.site, run.model, 0] = snap.free_gpus[run.site, run.model]
 
 
 def urgent(req: JobRequest, now_ts: float, policy: MigrationPolicy) -> bool:
@@ -245,77 +268,71 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
     from policies.pipeline import choose_model
     from policies.scorers._usable import usable_models
 
-    now_ts = snap.now.timestamp()
-    into_h = (now_ts - math.floor(now_ts / HOUR_S) * HOUR_S) / HOUR_S
+    at = _Clock(snap)
     placement = pipeline.decide(req, snap)
+    if placement.placed:  # it fits as things stand: nothing to move
+        return []
     ok = np.ones(snap.n_sites, dtype=bool)
     for code, passed in zip(pipeline.filter_codes, placement.passes, strict=True):
         if passed is not None and code != GpuFitFilter.code:
             ok &= passed
     usable = usable_models(req, snap) & (snap.total_gpus >= req.count)
     ok &= usable.any(axis=1)
-    if not ok.any():
+    own = _rates(snap, policy.objective, at.into_h, req.duration_s / HOUR_S)
+    if not ok.any() or own is None:
         return []
-    remaining = [movable(run, now_ts, policy) for run in running]
-    best: tuple[int, list[Move]] | None = None
-    for site in np.flatnonzero(ok).tolist():
-        for model in np.flatnonzero(usable[site]).tolist():
-            short = req.count - int(snap.free_gpus[site, model])
-            victims = sorted((i for i, run in enumerate(running)
-                              if run.site == site and run.model == model and remaining[i] is not None),
-                             key=lambda i: (-running[i].request.count, running[i].request.job_id))
-            if short <= 0 or sum(running[i].request.count for i in victims) < short:
-                continue
-            if best is not None and len(best[1]) <= 1:
+    remaining = [movable(run, at.now_ts, policy) for run in running]
+    # The job's own sites and models, the cleanest (or cheapest) for it first.
+    options = sorted(((float(own[site, model]), site, model) for site in np.flatnonzero(ok).tolist()
+                      for model in np.flatnonzero(usable[site]).tolist()))
+    best: list[Move] | None = None
+    for _, site, model in options:
+        short = req.count - int(snap.free_gpus[site, model])
+        here = [i for i, run in enumerate(running)
+                if run.site == site and run.model == model and remaining[i] is not None]
+        if short <= 0 or sum(running[i].request.count for i in here) < short:
+            continue
+        # One job that covers the shortfall, the smallest such; else the largest first (the fewest moves).
+        here.sort(key=lambda i: ((0, running[i].request.count) if running[i].request.count >= short
+                                 else (1, -running[i].request.count), running[i].request.job_id))
+        trial = snap.working_copy(snap.now)
+        moves: list[Move] = []
+        for i in here:
+            if short <= 0:
                 break
-            trial = snap.working_copy(snap.now)
-            moves: list[Move] = []
-            for i in victims:
-                if short <= 0:
-                    break
-                run, rem = running[i], remaining[i]
-                assert rem is not None
-                move = _rehome(pipeline, trial, run, rem, into_h, policy, choose_model, req.job_id)
-                if move is None:
-                    continue
+            move = _rehome(pipeline, trial, running[i], remaining[i], at, policy, choose_model, req.job_id)  # type: ignore[arg-type]
+            if move is not None:
                 moves.append(move)
-                short -= run.request.count
-            if short <= 0 and (best is None or len(moves) < len(best[1])):
-                best = (site, moves)
+                short -= running[i].request.count
+        if short <= 0 and pipeline.decide(req, trial).placed and (best is None or len(moves) < len(best)):
+            best = moves
+            if len(best) == 1:
+                break
     if best is None:
         return []
-    for move in best[1]:  # replay the chosen moves on the pass's own snapshot
-        _release(snap, move.running, into_h)
-        snap.assume(move.site, replace(move.running.request, duration_s=move.remaining_s + policy.overhead_s),
-                    move.model)
-    return best[1]
+    for move in best:  # the chosen moves, on the pass's own snapshot
+        _debit(snap, move.running, _rest(move.running, move.remaining_s, policy), move.site, move.model, at)
+    return best
 
 
-def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, into_h: float,
+def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, at: _Clock,
             policy: MigrationPolicy, choose_model, for_job: str) -> Move | None:  # noqa: ANN001
     """Move ``run`` out of its site to the profile's best other site with room now and in the plan, debited
     from ``snap``; None when there is none."""
-    req = replace(run.request, duration_s=remaining + policy.overhead_s)
-    placement = pipeline.decide(req, snap)
-    rem_h = remaining / HOUR_S
-    overhead_h = policy.overhead_s / HOUR_S
-    run_hours = max(int(math.ceil(into_h + rem_h + overhead_h - 1e-9)), 1)
-    now_hours = min(run_hours, snap.plan_free.shape[2]) if snap.plan_free.size else 0
+    rest = _rest(run, remaining, policy)
+    placement = pipeline.decide(rest, snap)
+    values = _values(snap, policy, at, remaining)
     for k in np.argsort(-placement.totals, kind="stable").tolist():
         site = int(placement.feasible[k])
         if site == run.site:
             continue
-        model = choose_model(req, snap, site)
-        if now_hours and not _search.room_now(snap.plan_free, site, model, 0, now_hours, req.charge,
-                                              np.zeros(snap.n_sites, dtype=np.float32)):
+        model = choose_model(rest, snap, site)
+        if not _has_room(snap, site, model, rest, at):
             continue
-        judged_h = _judged_h(snap, policy.objective, into_h, rem_h)
-        stay = _rates(snap, policy.objective, into_h, judged_h)
-        there = _rates(snap, policy.objective, into_h, judged_h + overhead_h)
-        value_stay = float(stay[run.site, run.model]) * req.charge if stay is not None else math.nan
-        value_move = float(there[site, model]) * req.charge if there is not None else math.nan
-        _release(snap, run, into_h)
-        snap.assume(site, req, model)
-        return Move(run, site, model, remaining, value_stay, value_move, policy.objective, for_job,
-                    judged_s=judged_h * HOUR_S)
+        _debit(snap, run, rest, site, model, at)
+        if values is None:
+            return Move(run, site, model, remaining, math.nan, math.nan, policy.objective, for_job)
+        judged_h, stay, move = values
+        return Move(run, site, model, remaining, float(stay[run.site, run.model]) * rest.charge,
+                    float(move[site, model]) * rest.charge, policy.objective, for_job, judged_s=judged_h * HOUR_S)
     return None

@@ -80,9 +80,9 @@ def test_a_long_job_is_judged_over_the_hours_the_forecast_covers() -> None:
 ])
 def test_what_keeps_a_job_where_it_is(case, job, forecast, booked) -> None:
     snap = snapshot(NOON, forecast, free={"frankfurt": 8}, booked=booked)
-    free = snap.free_gpus.copy()
+    free, plan = snap.free_gpus.copy(), snap.plan_free.copy()
     assert plan_moves(GREEN, snap, [at(snap, job, "frankfurt")], MigrationPolicy()) == [], case
-    assert (snap.free_gpus == free).all()
+    assert (snap.free_gpus == free).all() and (snap.plan_free == plan).all()
 
 
 def test_the_job_that_saves_most_gets_the_clean_room_first() -> None:
@@ -117,9 +117,9 @@ def test_no_room_is_made_when_the_jobs_in_the_way_cannot_move() -> None:
                    latency_slo_ms=20.0)
     stuck = [at(snap, running(job_id="a", checkpointable=False), "frankfurt"),
              at(snap, running(job_id="b", slack_h=2.0), "frankfurt")]  # its deadline leaves no time for a move
-    free = snap.free_gpus.copy()
+    free, plan = snap.free_gpus.copy(), snap.plan_free.copy()
     assert make_room(GREEN, snap, near, stuck, MigrationPolicy()) == []
-    assert (snap.free_gpus == free).all()
+    assert (snap.free_gpus == free).all() and (snap.plan_free == plan).all()
 
 
 def test_a_job_with_slack_or_without_a_latency_objective_is_not_urgent() -> None:
@@ -127,6 +127,18 @@ def test_a_job_with_slack_or_without_a_latency_objective_is_not_urgent() -> None
     now = NOON.timestamp()
     assert not urgent(request(hours=4.0, slack_h=10.0, origin_region="gcp:europe-west1", latency_slo_ms=20.0), now, policy)
     assert not urgent(request(hours=4.0, slack_h=0.0), now, policy)
+
+
+def test_green_moves_work_and_a_configured_profile_says_how() -> None:
+    from policies.profiles import ProfilesConfig, profile_pipeline
+
+    assert profile_pipeline("green").migrate == MigrationPolicy()
+    assert profile_pipeline("fast").migrate is None and profile_pipeline("balanced").migrate is None
+    config = ProfilesConfig.model_validate({"definitions": {"green": {"weights": {"carbon": 1.0}},
+                                                            "mover": {"weights": {"cost": 1.0},
+                                                                      "migrate": {"objective": "cost"}}}})
+    assert profile_pipeline("green", config).migrate is None  # a redefinition says whether it moves work
+    assert profile_pipeline("mover", config).migrate == MigrationPolicy(objective="cost")
 
 
 def test_a_profile_says_how_it_moves_work_and_bad_settings_are_named() -> None:
@@ -189,3 +201,77 @@ def test_a_replayed_job_moves_once_the_forecast_sees_the_cleaner_grid_and_pays_f
     assert run.metrics["utilisation_by_site"]["a"] == pytest.approx((moved_at - began) / span)
     assert run.metrics["utilisation_by_site"]["b"] == pytest.approx((run.end_s[0] - moved_at) / span)
     assert np.isnan(still.last_start_s[0])
+
+
+def _three_sites(tmp_path: Path, rows: str) -> SimulationSpec:
+    """24 days of data from 2022-06-01: GB (site a) 300 g/kWh throughout, FR (b) 500 then 50 from 2022-06-05,
+    DE (c) 400 then 30 from 2022-06-10. Sites of four A100s; a is the only site within 20 ms of
+    europe-west2 (the others have no RTT from there)."""
+    first = datetime(2022, 6, 1, tzinfo=UTC)
+    day = lambda n: first + timedelta(days=n)  # noqa: E731
+    levels = {"GB": lambda t: 300.0, "FR": lambda t: 500.0 if t < day(4) else 50.0,
+              "DE": lambda t: 400.0 if t < day(9) else 30.0}
+    root = tmp_path / "carbon"
+    for zone, value in levels.items():
+        (root / zone).mkdir(parents=True)
+        lines = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
+        lines += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(first + timedelta(hours=h))},0"
+                  for h in range(24 * 24)]
+        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(lines) + "\n")
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
+                     + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4) + _site("c", "DE", "gcp:europe-west3", 2.0, gpus=4))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n" + rows)
+    return SimulationSpec(
+        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=root,
+        policies=["green"], sites=sites, bound=False,
+        assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0})
+
+
+def _replay_near(tmp_path: Path, x_checkpointable: bool, q_deadline_h: float):
+    """X (4 GPUs, 100 h, submitted 2022-06-04 00:00) starts at a, the cleanest site then. Q (4 GPUs, 2 h,
+    submitted half an hour later) must run at a (a 20 ms objective from europe-west2) and finish within
+    ``q_deadline_h`` of its submission; a is full until X leaves."""
+    from dataclasses import replace as with_
+
+    from broker.simulation import engine
+    from broker.simulation.run import prepare
+
+    prep = prepare(_three_sites(tmp_path, "2022-06-04T00:00:00,360000,4,x\n2022-06-04T00:30:00,7200,4,y\n"))
+    w = prep.workload
+    near = w.region_names.index("gcp:europe-west2")
+    deadline = w.deadline_s.copy()
+    deadline[1] = w.submit_s[1] + q_deadline_h * H
+    w = with_(w, latency_slo_ms=np.array([np.nan, 20.0]), origin_region=np.full(2, near, dtype=w.origin_region.dtype),
+              checkpointable=np.array([x_checkpointable, False]), deadline_s=deadline)
+    requests = engine.requests_of(w)
+    run = engine.replay("green", GREEN, w, prep.federation, requests, np.zeros(2, dtype=bool))
+    return run, w
+
+
+def test_room_is_made_in_a_replay_and_the_job_near_its_users_meets_its_deadline(tmp_path: Path) -> None:
+    """Q's latest start (its deadline less 1.5 × its 2 hours) comes 7 hours after it arrived: within the
+    hour before it, X is moved out of a to c (DE, cleaner than FR then), and Q starts at a at once. Once Q
+    has left, a is 25 % cleaner than c over the next two days and X moves back; once the forecast has seen
+    FR's new level, it moves there."""
+    stuck, w = _replay_near(tmp_path / "stuck", False, q_deadline_h=10.0)
+    assert stuck.start_s[1] == stuck.end_s[0] and stuck.end_s[1] > w.deadline_s[1]  # waits for X, and misses
+    run, w = _replay_near(tmp_path / "moved", True, q_deadline_h=10.0)
+    pieces = [(int(j), int(site), a / H, b / H) for j, site, _, a, b in run.moved.tolist()]
+    assert [p[:2] for p in pieces] == [(0, 0), (0, 2), (0, 0)] and run.site.tolist() == [1, 0]
+    made_room = pieces[0][3] * H
+    assert run.start_s[1] == made_room and 6 * H <= made_room - w.submit_s[1] <= 7 * H
+    assert run.end_s[1] <= w.deadline_s[1]
+    assert pieces[1][3] == run.end_s[1] / H  # back to a when Q ended
+    assert run.end_s[0] == pytest.approx(100 * H + 3 * 600.0)  # three restarts
+
+
+def test_gpus_a_move_frees_go_to_the_queue_at_once(tmp_path: Path) -> None:
+    """With a distant deadline Q is in no hurry; X moves for a saving once the forecast has seen FR clean,
+    and Q takes a's GPUs in the same instant rather than when X would have ended."""
+    run, w = _replay_near(tmp_path, True, q_deadline_h=90.0)
+    (job, site, _, _, moved_at), = run.moved.tolist()
+    assert (job, site) == (0, 0) and run.site.tolist() == [1, 0]
+    assert run.start_s[1] == moved_at < run.end_s[0] - 30 * H
+    assert run.end_s[1] <= w.deadline_s[1]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,18 @@ def test_compare_writes_table_json_report_and_workload(files: dict[str, Path], c
     jobs = (out / "w" / "jobs.csv").read_text().splitlines()
     assert len(jobs) == 4 and "deadline" in jobs[0]
     assert json.loads((out / "w" / "sites.json").read_text())[0]["grid_zone"] in ("GB", "FR")
+
+
+def test_checkpointable_jobs_are_drawn_when_asked_and_written_out(files: dict[str, Path]) -> None:
+    out = files["tmp"] / "out"
+    assert cli.main(_args(files, "--policy", "green", "--dump-workload", str(out / "none"))) == 0
+    assert cli.main(_args(files, "--policy", "green", "--checkpointable", "1", "--restart-s", "60",
+                          "--dump-workload", str(out / "all"))) == 0
+    rows = {name: list(csv.DictReader((out / name / "jobs.csv").open())) for name in ("none", "all")}
+    assert [r["checkpointable"] for r in rows["none"]] == ["false"] * 3
+    flexible = [datetime.fromisoformat(r["deadline_utc"]) > datetime.fromisoformat(r["submit_utc"])
+                + timedelta(seconds=float(r["true_duration_s"])) for r in rows["all"]]
+    assert [r["checkpointable"] == "true" for r in rows["all"]] == flexible and any(flexible)
 
 
 def test_trace_deadlines_are_used(files: dict[str, Path]) -> None:

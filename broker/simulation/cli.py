@@ -69,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     which.add_argument("--compare", metavar="all", help=f"'all': {', '.join(COMPARED)}; or NAME,NAME,...")
     s.add_argument("--seed", type=int, default=0, help="seed of the workload assumptions (default %(default)s)")
     s.add_argument("--checkpointable", type=float, default=0.0, metavar="FRACTION",
-                   help="share of the jobs that are not interactive that can be checkpointed, so that a profile "
+                   help="share of the jobs that are not inflexible (interactive) that can be checkpointed, so that a profile "
                         "that moves running work (green) may move them (default %(default)s: none)")
     s.add_argument("--restart-s", type=float, default=600.0, metavar="SECONDS",
                    help="GPU time a move costs the moved job at its new site (default %(default)s)")

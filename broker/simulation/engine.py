@@ -252,6 +252,11 @@ def replay(
     running: set[int] = set()
     last_start = np.full(n, np.nan)  # start of a moved job's current piece
     done_before = np.zeros(n)  # seconds of work a moved job had done when its current piece started
+    # ... as the broker counts it: it knows when each piece started, not how long a restart really took, so
+    # it takes off the overhead its profile assumes (overhead_s) where the replay takes the workload's restart_s.
+    seen_before = np.zeros(n)
+    assumed_s = float(migrate.overhead_s) if migrate is not None else 0.0
+    again = False  # a move freed GPUs: decide the queue again at the same instant
     moved: list[tuple[float, float, float, float, float]] = []  # earlier pieces: job, site, model, start, end
 
     def start(j: int, outcome: Placement, decider: PassDecider, t: float) -> None:
@@ -278,24 +283,31 @@ def replay(
         heapq.heappush(completions, (end_s[j], j))
         running.add(j)
 
-    def work_done(j: int, t: float) -> tuple[float, float]:
-        """(when job ``j``'s current piece started, seconds of work it has done by ``t``)."""
+    def work_done(j: int, t: float, seen: bool = False) -> tuple[float, float]:
+        """(when job ``j``'s current piece started, seconds of work it has done by ``t``: in truth, or as the
+        broker counts it when ``seen``)."""
         if last_start[j] != last_start[j]:
             return float(start_s[j]), t - float(start_s[j])
-        return float(last_start[j]), float(done_before[j]) + max(t - float(last_start[j]) - restart_s, 0.0)
+        before, lost = (seen_before[j], assumed_s) if seen else (done_before[j], restart_s)
+        return float(last_start[j]), float(before) + max(t - float(last_start[j]) - lost, 0.0)
 
     def offer(t: float) -> list[Running]:
-        """The running jobs a move may take, as the broker knows them (the work each has done, not its end)."""
+        """The running jobs a move may take, as the broker knows them (the work each has done, not its end),
+        but not one that started at ``t``: a piece of no length would buy nothing for a restart. Nor one that
+        a move would run past the carbon data (the replay's own limit, read from the true end)."""
         out = []
         for j in sorted(running):
-            if requests[j].checkpointable and not fractional[j] and end_s[j] + restart_s <= horizon_s:
-                out.append(Running(requests[j], int(site_of[j]), int(model_of[j]), work_done(j, t)[1]))
-        return out  # (a move that would run a job past the carbon data is not offered)
+            began = start_s[j] if last_start[j] != last_start[j] else last_start[j]
+            if (requests[j].checkpointable and not fractional[j] and began < t
+                    and end_s[j] + restart_s <= horizon_s):
+                out.append(Running(requests[j], int(site_of[j]), int(model_of[j]), work_done(j, t, seen=True)[1]))
+        return out
 
     def apply(move: Move, t: float) -> None:
         """End the moving job's piece here and restart the rest, after the restart time, at its new site."""
         j = int(move.running.request.job_id)
         began, done = work_done(j, t)
+        seen_before[j] = work_done(j, t, seen=True)[1]
         moved.append((j, site_of[j], model_of[j], began, t))
         done_before[j], last_start[j] = done, t
         site_of[j], model_of[j] = move.site, move.model
@@ -312,13 +324,14 @@ def replay(
     while next_arrival < len(todo) or completions or deferred:
         t_arrival = float(submit[todo[next_arrival]]) if next_arrival < len(todo) else np.inf
         t = min(t_arrival, completions[0][0]) if completions else t_arrival
-        boundary = False
-        if deferred or (migrate is not None and running):
+        boundary = freed = False
+        if again:  # the GPUs that moves freed: the queue is decided again now
+            t, freed, again = t_prev, True, False
+        elif deferred or (migrate is not None and running):
             t_hour = (np.floor(t_prev / 3600.0) + 1.0) * 3600.0
             if t_hour <= t:
                 t, boundary = t_hour, True
         t_prev = t
-        freed = False
         while completions and completions[0][0] <= t:
             t_end, j = heapq.heappop(completions)
             if t_end != end_s[j] or j not in running:  # the job moved: it ends later, elsewhere
@@ -409,6 +422,7 @@ def replay(
                 offered = None  # the moved jobs run elsewhere now
                 for move in moves:
                     apply(move, t)
+                again = True
                 outcome = decider.pipeline.decide(requests[j], decider.snap)
                 if not outcome.placed:  # make_room moved enough GPUs out of one of its sites
                     raise SimulationError(f"job {j} did not fit where room was made for it")
@@ -418,6 +432,7 @@ def replay(
         if moving:  # at a whole hour, running jobs move where the rest of their run is cleaner
             for move in plan_moves(pipeline, decider.snap, offer(t), migrate):
                 apply(move, t)
+                again = True
         if gone:
             queue = [j for j in queue if j not in gone]
             in_queue -= gone

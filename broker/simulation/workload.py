@@ -232,7 +232,7 @@ class Workload:
     latency_slo_ms: np.ndarray
     inflexible: np.ndarray
     assumptions: WorkloadAssumptions
-    checkpointable: np.ndarray | None = None  # None: no job (a workload built before the assumption existed)
+    checkpointable: np.ndarray | None = None  # None given: no job; always an array once built
 
     def __post_init__(self) -> None:
         if self.checkpointable is None:
