@@ -211,7 +211,7 @@ def _debit(snap: Snapshot, run: Running, rest: JobRequest, site: int, model: int
 
 def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], policy: MigrationPolicy) -> list[Move]:
     """The moves to make now, in the order made; each is already debited from ``snap`` (free GPUs, the plan)."""
-    from policies.pipeline import choose_model  # the pipeline imports the time-shift module, which is ours' peer
+    from policies.pipeline import choose_model  # imported here: policies.pipeline imports this module
     from policies.scorers._usable import usable_models
 
     at = _Clock(snap)
@@ -227,9 +227,9 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
         g = run.request.charge
         stay = float(stay_rates[run.site, run.model]) * g
         usable = usable_models(run.request, snap) & (snap.total_gpus >= run.request.count)
-        best = float(np.nanmin(np.where(usable, move_rates, np.nan))) * g if usable.any() else math.nan
-        if stay == stay and best == best and stay - best >= max(policy.min_saving * stay, policy.min_saving_abs):
-            candidates.append((best - stay, i, remaining, stay, judged_h, move_rates))
+        floor = float(np.nanmin(np.where(usable, move_rates, np.nan))) * g if usable.any() else math.nan
+        if stay == stay and floor == floor and stay - floor >= max(policy.min_saving * stay, policy.min_saving_abs):
+            candidates.append((floor - stay, i, remaining, stay, judged_h, move_rates))
     candidates.sort(key=lambda c: c[:2])  # the most to save first
     moves: list[Move] = []
     for _, i, remaining, stay, judged_h, move_rates in candidates:

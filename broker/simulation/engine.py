@@ -30,6 +30,14 @@ Accounting (per job, over its actual run window ``[start, start + true duration)
     - cost (USD) = GPU-hours × the site's price per GPU-hour of the model used (its spec's
       ``usd_per_gpu_hour``; an unpriced model costs 0 and is reported).
 
+Moving running work (a profile with ``migrate`` and a workload with checkpointable jobs; ``policies.migration``)
+    At each whole hour the running checkpointable jobs are offered to the policy, as the broker knows them
+    (the work each has done, counted with the restart its profile assumes), and jobs with a latency objective
+    that can wait no longer get room made at their sites, when they arrive and at each whole hour. A move
+    ends the job's piece where it ran; the rest starts at once at the new site and takes the workload's
+    ``restart_s`` longer. The GPUs it frees are offered to the queue in a pass at the same instant. Each
+    piece is accounted where it ran (``PolicyRun.moved``); ``start_s`` stays the job's first start.
+
 Capacity: whole-GPU jobs take free whole GPUs of one model at one site; a fractional job shares a GPU
 (best fit: the fullest shared GPU it fits on, else a fresh one), as the simulated adapter packs them.
 """
