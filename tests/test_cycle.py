@@ -553,3 +553,21 @@ print(compiled())
     assert all(compiled[name] for name in compiled), compiled  # every kernel has compiled code
     rooms = {layouts[0] for layouts in compiled["least_scaled"]}
     assert rooms == {"C", "F"}, compiled["least_scaled"]  # one usable column, and several
+
+
+async def test_a_broker_says_at_start_that_it_does_not_move_running_jobs(tmp_path, caplog):
+    """``green`` moves running checkpointable jobs in the simulator only: a live broker offering it says so
+    (and names only the profiles that would move work)."""
+    import logging
+
+    clock = ManualClock(T0)
+    settings = BrokerSettings(db=str(tmp_path / "m.db"), shutdown_grace_s=0.1,
+                              profiles={"default": "fast", "job_may_choose": ["green", "cheap"]})
+    b = Broker(settings, clock=clock)
+    with caplog.at_level(logging.INFO, logger="broker.service"):
+        await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
+    try:
+        assert "profiles green move running checkpointable jobs in `heliotrope simulate` only" in caplog.text
+        assert "cheap" not in caplog.text.split("move running")[0].split("profiles")[-1]
+    finally:
+        await b.stop()
