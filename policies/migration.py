@@ -32,7 +32,10 @@ Making room (``make_room``)
     moves, and of those the cleanest (or cheapest) for the job; one job that covers the shortfall if there
     is one (the smallest such), else the largest first. Each moved job must clear the same checks as above,
     except the saving: it may pay a little more carbon or money so that the other job meets its
-    deadline. Nothing is moved unless the job then fits.
+    deadline. A job in the way that no other site has room for may instead be stopped and put back in the
+    queue from its checkpoint (``suspend``), if its deadline leaves it its remaining run and the overhead,
+    ``duration_safety`` times over, and as long again to wait (``site`` -1 in the :class:`Move`). Nothing is
+    moved unless the job then fits.
 
 Order: the jobs that could save the most (against the best site for them anywhere) are decided first, so
 they get the clean capacity; each move is debited from the snapshot at once (the source's GPUs freed, the
@@ -84,6 +87,9 @@ class MigrationPolicy(BaseModel):
                                                "overhead) before the deadline")
     make_room: bool = Field(default=True, description="move checkpointable jobs out of the sites near the users of "
                                                       "a job with a latency objective that can wait no longer")
+    suspend: bool = Field(default=True, description="when making room, a job in the way that no other site has room "
+                                                    "for may go back to the queue from its checkpoint, if its deadline "
+                                                    "leaves it as long again to wait")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +123,10 @@ class Move:
         span = (f"the rest of its run (~{self.remaining_s / HOUR_S:.1f} h)"
                 if not self.judged_s < self.remaining_s else
                 f"the next {self.judged_s / HOUR_S:.1f} h of the ~{self.remaining_s / HOUR_S:.1f} h left of its run")
+        if self.site < 0:
+            return (f"stopped on {sites[self.running.site]} and requeued from its checkpoint to make room for "
+                    f"{self.for_job}, which must run near its users and can wait no longer; no other site has room "
+                    f"for the ~{self.remaining_s / HOUR_S:.1f} h left of its run, and its deadline leaves time to wait")
         if self.for_job is not None:
             return (f"moved from {sites[self.running.site]} to {sites[self.site]} from its checkpoint to make room "
                     f"for {self.for_job}, which must run near its users and can wait no longer ({self.objective} "
@@ -196,9 +206,9 @@ def _has_room(snap: Snapshot, site: int, model: int, rest: JobRequest, at: _Cloc
                                  np.zeros(snap.n_sites, dtype=np.float32)))
 
 
-def _debit(snap: Snapshot, run: Running, rest: JobRequest, site: int, model: int, at: _Clock) -> None:
+def _debit(snap: Snapshot, run: Running, rest: JobRequest | None, site: int, model: int, at: _Clock) -> None:
     """Move ``run`` in ``snap``: its GPUs back where it ran (now and in the plan's hours of its expected run),
-    the rest of its run taken at ``site``/``model``."""
+    the rest of its run taken at ``site``/``model`` (``rest`` None: nowhere, it goes back to the queue)."""
     req = run.request
     snap.free_gpus[run.site, run.model] += req.count
     if snap.plan_free.size:
@@ -206,7 +216,8 @@ def _debit(snap: Snapshot, run: Running, rest: JobRequest, site: int, model: int
         end = min(int(math.ceil(at.into_h + left_h - 1e-9)), snap.plan_free.shape[2])
         snap.plan_free[run.site, run.model, 1:max(end, 1)] += req.charge
         snap.plan_free[run.site, run.model, 0] = snap.free_gpus[run.site, run.model]
-    snap.assume(site, rest, model, placed_now=False)
+    if rest is not None:
+        snap.assume(site, rest, model, placed_now=False)
 
 
 def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], policy: MigrationPolicy) -> list[Move]:
@@ -301,6 +312,9 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
             if short <= 0:
                 break
             move = _rehome(pipeline, trial, running[i], remaining[i], at, policy, choose_model, req.job_id)  # type: ignore[arg-type]
+            if move is None and policy.suspend and _may_wait(running[i], remaining[i], at, policy):  # type: ignore[arg-type]
+                move = Move(running[i], -1, -1, remaining[i], math.nan, math.nan, policy.objective, req.job_id)  # type: ignore[arg-type]
+                _debit(trial, running[i], None, -1, -1, at)
             if move is not None:
                 moves.append(move)
                 short -= running[i].request.count
@@ -311,8 +325,17 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
     if best is None:
         return []
     for move in best:  # the chosen moves, on the pass's own snapshot
-        _debit(snap, move.running, _rest(move.running, move.remaining_s, policy), move.site, move.model, at)
+        rest = _rest(move.running, move.remaining_s, policy) if move.site >= 0 else None
+        _debit(snap, move.running, rest, move.site, move.model, at)
     return best
+
+
+def _may_wait(run: Running, remaining: float, at: _Clock, policy: MigrationPolicy) -> bool:
+    """Whether a job's deadline leaves it time to go back to the queue: its rest and the overhead,
+    ``duration_safety`` times over, and as long again to wait."""
+    deadline = run.request.deadline_ts
+    return deadline is None or (
+        at.now_ts + 2 * (policy.overhead_s + policy.duration_safety * remaining) <= deadline)
 
 
 def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, at: _Clock,

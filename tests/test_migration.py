@@ -229,25 +229,35 @@ def _three_sites(tmp_path: Path, rows: str) -> SimulationSpec:
         assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0})
 
 
-def _replay_near(tmp_path: Path, x_checkpointable: bool, q_deadline_h: float):
-    """X (4 GPUs, 100 h, submitted 2022-06-04 00:00) starts at a, the cleanest site then. Q (4 GPUs, 2 h,
-    submitted half an hour later) must run at a (a 20 ms objective from europe-west2) and finish within
-    ``q_deadline_h`` of its submission; a is full until X leaves."""
+def _replay(tmp_path: Path, rows: str, near: list[bool], checkpointable: list[bool],
+            deadline_h: dict[int, float] | None = None, policy: MigrationPolicy | None = None):
+    """Replay ``rows`` over the three sites under green; jobs with ``near`` set have a 20 ms objective from
+    europe-west2 (site a only); ``deadline_h``: job -> hours from its submission to its deadline."""
     from dataclasses import replace as with_
 
     from broker.simulation import engine
     from broker.simulation.run import prepare
 
-    prep = prepare(_three_sites(tmp_path, "2022-06-04T00:00:00,360000,4,x\n2022-06-04T00:30:00,7200,4,y\n"))
+    prep = prepare(_three_sites(tmp_path, rows))
     w = prep.workload
-    near = w.region_names.index("gcp:europe-west2")
+    n = len(w)
     deadline = w.deadline_s.copy()
-    deadline[1] = w.submit_s[1] + q_deadline_h * H
-    w = with_(w, latency_slo_ms=np.array([np.nan, 20.0]), origin_region=np.full(2, near, dtype=w.origin_region.dtype),
-              checkpointable=np.array([x_checkpointable, False]), deadline_s=deadline)
-    requests = engine.requests_of(w)
-    run = engine.replay("green", GREEN, w, prep.federation, requests, np.zeros(2, dtype=bool))
+    for i, hours in (deadline_h or {}).items():
+        deadline[i] = w.submit_s[i] + hours * H
+    w = with_(w, latency_slo_ms=np.where(near, 20.0, np.nan),
+              origin_region=np.full(n, w.region_names.index("gcp:europe-west2"), dtype=w.origin_region.dtype),
+              checkpointable=np.array(checkpointable), deadline_s=deadline)
+    pipeline = GREEN if policy is None else pipeline_for(BUILTIN["green"], SHIFTS["green"], policy)
+    run = engine.replay("green", pipeline, w, prep.federation, engine.requests_of(w), np.zeros(n, dtype=bool))
     return run, w
+
+
+def _replay_near(tmp_path: Path, x_checkpointable: bool, q_deadline_h: float):
+    """X (4 GPUs, 100 h, submitted 2022-06-04 00:00) starts at a, the cleanest site then. Q (4 GPUs, 2 h,
+    submitted half an hour later) must run at a (a 20 ms objective from europe-west2) and finish within
+    ``q_deadline_h`` of its submission; a is full until X leaves."""
+    return _replay(tmp_path, "2022-06-04T00:00:00,360000,4,x\n2022-06-04T00:30:00,7200,4,y\n", [False, True],
+                   [x_checkpointable, False], {1: q_deadline_h})
 
 
 def test_room_is_made_in_a_replay_and_the_job_near_its_users_meets_its_deadline(tmp_path: Path) -> None:
@@ -275,3 +285,25 @@ def test_gpus_a_move_frees_go_to_the_queue_at_once(tmp_path: Path) -> None:
     assert (job, site) == (0, 0) and run.site.tolist() == [1, 0]
     assert run.start_s[1] == moved_at < run.end_s[0] - 30 * H
     assert run.end_s[1] <= w.deadline_s[1]
+
+
+def test_a_job_no_other_site_can_take_is_stopped_and_resumed_from_its_checkpoint(tmp_path: Path) -> None:
+    """As above, but b and c are full of work that cannot move (it must start at once; X came an hour
+    before it and took a): X is stopped when Q can wait no longer (X's deadline, 300 h after it arrived,
+    leaves it time to wait), Q runs at a, and X resumes there when Q ends, losing only the
+    restart. Without ``suspend`` nothing can make room, and Q misses its deadline."""
+    rows = ("2022-06-03T23:00:00,360000,4,x\n2022-06-04T00:00:00,720000,4,f\n2022-06-04T00:00:00,720000,4,f\n"
+            "2022-06-04T00:30:00,7200,4,y\n")
+    args = ([False, False, False, True], [True, False, False, False], {1: 200.0, 2: 200.0, 3: 10.0})  # f: no slack
+    stuck, w = _replay(tmp_path / "stuck", rows, *args, policy=MigrationPolicy(suspend=False))
+    assert stuck.migrations == stuck.preemptions == 0 and stuck.end_s[3] > w.deadline_s[3]
+    run, w = _replay(tmp_path / "stopped", rows, *args)
+    assert run.preemptions == run.requeues == 1 and run.migrations == 0
+    (job, site, _, began, stopped_at), = run.moved.tolist()
+    assert (job, site, began) == (0, 0, 0.0) and run.site[0] == 0 and run.site[3] == 0
+    assert run.start_s[3] == stopped_at and run.end_s[3] <= w.deadline_s[3]
+    assert run.last_start_s[0] == run.end_s[3]  # resumed when Q left
+    assert run.end_s[0] == pytest.approx(run.end_s[3] + 600.0 + (100 * H - stopped_at))
+    assert run.end_s[0] <= w.deadline_s[0] and run.start_s[0] == 0.0
+    kw = 4 * TDP_KW[A100]
+    assert run.energy_kwh[0] == pytest.approx(kw * (100 + 1 / 6))  # the work once, and the restart

@@ -265,6 +265,9 @@ def replay(
     seen_before = np.zeros(n)
     assumed_s = float(migrate.overhead_s) if migrate is not None else 0.0
     again = False  # a move freed GPUs: decide the queue again at the same instant
+    resumed = np.zeros(n, dtype=bool)  # stopped to make room and back in the queue: its next start resumes it
+    suspensions = 0
+    requests = list(requests)  # a stopped job's entry becomes the rest of its run (the caller's list is kept)
     moved: list[tuple[float, float, float, float, float]] = []  # earlier pieces: job, site, model, start, end
 
     def start(j: int, outcome: Placement, decider: PassDecider, t: float) -> None:
@@ -284,8 +287,13 @@ def replay(
         if calendar is not None:
             bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s))
         site_of[j], model_of[j] = s, m
-        start_s[j] = t
-        end_s[j] = t + float(true_s[j])
+        if resumed[j]:  # the rest of a stopped job's run, from its checkpoint
+            resumed[j] = False
+            last_start[j] = t
+            end_s[j] = t + restart_s + (float(true_s[j]) - float(done_before[j]))
+        else:
+            start_s[j] = t
+            end_s[j] = t + float(true_s[j])
         if end_s[j] > horizon_s:
             _past_the_data(j, float(end_s[j]), federation, workload, s)
         heapq.heappush(completions, (end_s[j], j))
@@ -312,12 +320,25 @@ def replay(
         return out
 
     def apply(move: Move, t: float) -> None:
-        """End the moving job's piece here and restart the rest, after the restart time, at its new site."""
+        """End the moving job's piece here and restart the rest, after the restart time, at its new site (or,
+        stopped to make room, put it back in the queue, its work kept)."""
+        nonlocal suspensions
         j = int(move.running.request.job_id)
         began, done = work_done(j, t)
         seen_before[j] = work_done(j, t, seen=True)[1]
         moved.append((j, site_of[j], model_of[j], began, t))
         done_before[j], last_start[j] = done, t
+        if move.site < 0:
+            suspensions += 1
+            running.discard(j)
+            resumed[j] = True
+            end_s[j] = np.nan  # its queued completion is stale
+            booking = bookings.pop(j, None)
+            if booking is not None and calendar is not None:
+                calendar.release(booking)
+            requests[j] = replace(requests[j], duration_s=move.remaining_s + (migrate.overhead_s if migrate else 0.0))
+            requeued.append(j)
+            return
         site_of[j], model_of[j] = move.site, move.model
         end_s[j] = t + restart_s + (float(true_s[j]) - done)
         heapq.heappush(completions, (end_s[j], j))
@@ -389,6 +410,7 @@ def replay(
                        run_time_errors=errors.sorted(), **hourly)
         decider = PassDecider(pipeline, snap)
         waiting: list[int] = []  # candidates not already queued that now wait for room
+        requeued: list[int] = []  # running jobs stopped to make room, back in the queue
         gone: set[int] = set()  # queued candidates placed or deferred
         for j in candidates:
             booking = bookings.pop(j, None)
@@ -445,6 +467,7 @@ def replay(
             queue = [j for j in queue if j not in gone]
             in_queue -= gone
             waiting = [j for j in waiting if j not in gone]
+        waiting.extend(requeued)
         if waiting:
             newest = queue[-1] if queue else -1
             queue.extend(waiting)
@@ -465,6 +488,7 @@ def replay(
     run = _account(name, workload, federation, site_of, model_of, start_s, end_s, time.perf_counter() - began,
                    last_start=last_start, moved=pieces)
     run.deferred = int(ever_deferred.sum())
+    run.preemptions = run.requeues = suspensions
     run.was_deferred = ever_deferred
     return run
 

@@ -18,7 +18,8 @@ Over the jobs that ran (jobs left out for every policy are not counted by any):
 - ``jain_fairness``: Jain's index, (Σx)² / (n Σx²), over tenants of their mean bounded slowdown: 1 when every
   tenant is slowed alike, 1/n when one tenant bears it all.
 - ``preemptions``, ``requeues``: how often a running job was stopped, and how often a job went back to the
-  queue. The policies of this release never preempt, so both count what happened, which is nothing.
+  queue: in this release only a checkpointable job stopped to make room for a latency-bound one
+  (``policies.migration``, ``suspend``), which is both.
 - ``migrations``: how often a running job was stopped and restarted from its checkpoint at another site
   (``policies.migration``; only a profile with ``migrate`` and a workload with checkpointable jobs move any).
   Its pieces count where each ran (``utilisation_by_site``), and every piece's energy, carbon and cost,

@@ -64,7 +64,8 @@ class PolicyRun:
 
     @property
     def migrations(self) -> int:
-        return 0 if self.moved is None else int(self.moved.shape[0])
+        """Moves of a running job to another site (the pieces a move ended, less those a stop ended)."""
+        return 0 if self.moved is None else int(self.moved.shape[0]) - self.preemptions
 
     def pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Every stretch a job ran at one site: (job, site, start, end), the jobs that ran first in job
