@@ -19,7 +19,9 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 - ``checkpointable``: nine in ten of the jobs that are not inflexible can be checkpointed
   (``checkpointable_fraction`` 0.9; the shipped workload has none), so ``green`` moves running work
   (``policies.migration``): to a site where the rest of the run is cleaner, and out of the sites near the
-  users of a latency-bound job that can wait no longer; ``-no-room`` and ``-room-only``: one of the two;
+  users of a latency-bound job that can wait no longer (to another site, or stopped and requeued from its
+  checkpoint when none has room); ``-no-room`` and ``-room-only``: one of the two; ``-no-suspend``: room is
+  made only by moving jobs to another site;
 - ``perfect forecast``: the policies read each zone's true intensity for the next week instead of the
   48-hour forecast: how much of the gap is the forecasts' error;
 - ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
@@ -128,6 +130,8 @@ VARIANTS: dict[str, Variant] = {
     "miss-cost-300": Variant("green, miss_cost 300", {}, green(miss_cost=300.0)),
     "checkpointable": Variant("green, 90 % of flexible jobs checkpointable", {"checkpointable_fraction": 0.9},
                               lambda: policy("green")),
+    "checkpointable-no-suspend": Variant("green, 90 % checkpointable, no job stopped to make room",
+                                         {"checkpointable_fraction": 0.9}, moving(suspend=False)),
     "checkpointable-no-room": Variant("green, 90 % checkpointable, moves for a saving only",
                                       {"checkpointable_fraction": 0.9}, moving(make_room=False)),
     "checkpointable-room-only": Variant("green, 90 % checkpointable, moves to make room only",
@@ -159,7 +163,7 @@ def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) ->
             f"{int(missed.sum()):6,d} misses: "
             f"latency-bound {int((missed & bound).sum()):5,d}, other {int(mobile.sum()):5,d} "
             f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d}); "
-            f"after a deferral {int((missed & run.was_deferred).sum()):4,d}; moves {run.migrations:,d}  [{wall_s:.0f} s]")
+            f"after a deferral {int((missed & run.was_deferred).sum()):4,d}; moves {run.migrations:,d}, stops {run.preemptions:,d}  [{wall_s:.0f} s]")
 
 
 def main() -> int:
