@@ -307,3 +307,19 @@ def test_a_job_no_other_site_can_take_is_stopped_and_resumed_from_its_checkpoint
     assert run.end_s[0] <= w.deadline_s[0] and run.start_s[0] == 0.0
     kw = 4 * TDP_KW[A100]
     assert run.energy_kwh[0] == pytest.approx(kw * (100 + 1 / 6))  # the work once, and the restart
+
+
+def test_with_no_other_site_free_a_job_in_the_way_is_stopped_if_its_deadline_can_wait() -> None:
+    snap = snapshot(NOON, FORECAST, free={"frankfurt": 0, "toronto": 0, "ashburn": 0, "sydney": 0})
+    near = request(hours=4.0, slack_h=0.0, count=8, job_id="near", origin_region="gcp:europe-west1",
+                   latency_slo_ms=20.0)
+    fra = snap.index["frankfurt"]
+    # "a" has 9 h of its run left and its deadline 20 h away: too little to wait; "b" has 48 hours of slack.
+    busy = [at(snap, running(job_id="a", slack_h=10.0), "frankfurt"), at(snap, running(job_id="b"), "frankfurt")]
+    moves = make_room(GREEN, snap, near, busy, MigrationPolicy())
+    assert [(m.running.request.job_id, m.site) for m in moves] == [("b", -1)]
+    assert moves[0].reason(snap.sites).startswith(
+        "stopped on frankfurt and requeued from its checkpoint to make room for near")
+    assert snap.free_gpus[fra, A100] == 8 and GREEN.decide(near, snap).placed
+    assert make_room(GREEN, snapshot(NOON, FORECAST, free={"frankfurt": 0, "toronto": 0, "ashburn": 0, "sydney": 0}),
+                     near, busy, MigrationPolicy(suspend=False)) == []

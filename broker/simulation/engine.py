@@ -267,6 +267,7 @@ def replay(
     again = False  # a move freed GPUs: decide the queue again at the same instant
     resumed = np.zeros(n, dtype=bool)  # stopped to make room and back in the queue: its next start resumes it
     suspensions = 0
+    whole = requests  # each job's own request: what a move reads (its estimate, against the work done)
     requests = list(requests)  # a stopped job's entry becomes the rest of its run (the caller's list is kept)
     moved: list[tuple[float, float, float, float, float]] = []  # earlier pieces: job, site, model, start, end
 
@@ -316,7 +317,7 @@ def replay(
             began = start_s[j] if last_start[j] != last_start[j] else last_start[j]
             if (requests[j].checkpointable and not fractional[j] and began < t
                     and end_s[j] + restart_s <= horizon_s):
-                out.append(Running(requests[j], int(site_of[j]), int(model_of[j]), work_done(j, t, seen=True)[1]))
+                out.append(Running(whole[j], int(site_of[j]), int(model_of[j]), work_done(j, t, seen=True)[1]))
         return out
 
     def apply(move: Move, t: float) -> None:
