@@ -153,6 +153,17 @@ def test_a_profile_says_how_it_moves_work_and_bad_settings_are_named() -> None:
 # --- in the simulator -----------------------------------------------------------------------------------
 
 
+def _hourly(root: Path, first: datetime, days: int, levels: dict) -> Path:
+    """``days`` of hourly carbon data per zone from ``first``, each hour's value ``levels[zone](its start)``."""
+    for zone, value in levels.items():
+        (root / zone).mkdir(parents=True)
+        rows = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
+        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(first + timedelta(hours=h))},0"
+                 for h in range(days * 24)]
+        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
+    return root
+
+
 def _greening(tmp_path: Path, checkpointable: float) -> SimulationSpec:
     """Ten days of data from 2022-06-01. GB (site a) is 300 g/kWh throughout; FR (site b) is 500 until
     2022-06-05 and 50 from then on. One 4-GPU job of 100 hours arrives on 2022-06-04, when FR is the dirtier:
@@ -160,13 +171,8 @@ def _greening(tmp_path: Path, checkpointable: float) -> SimulationSpec:
     is cleaner there."""
     first = datetime(2022, 6, 1, tzinfo=UTC)
     switch = datetime(2022, 6, 5, tzinfo=UTC)
-    root = tmp_path / "carbon"
-    for zone, value in {"FR": lambda t: 500.0 if t < switch else 50.0, "GB": lambda t: 300.0}.items():
-        (root / zone).mkdir(parents=True)
-        rows = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
-        rows += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(first + timedelta(hours=h))},0"
-                 for h in range(10 * 24)]
-        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(rows) + "\n")
+    root = _hourly(tmp_path / "carbon", first, 10, {"FR": lambda t: 500.0 if t < switch else 50.0,
+                                                    "GB": lambda t: 300.0})
     sites = tmp_path / "sites.yaml"
     sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
                      + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4))
@@ -211,13 +217,7 @@ def _three_sites(tmp_path: Path, rows: str) -> SimulationSpec:
     day = lambda n: first + timedelta(days=n)  # noqa: E731
     levels = {"GB": lambda t: 300.0, "FR": lambda t: 500.0 if t < day(4) else 50.0,
               "DE": lambda t: 400.0 if t < day(9) else 30.0}
-    root = tmp_path / "carbon"
-    for zone, value in levels.items():
-        (root / zone).mkdir(parents=True)
-        lines = ["Datetime (UTC),Zone Id,Carbon Intensity gCO2eq/kWh (direct),Carbon Intensity gCO2eq/kWh (LCA)"]
-        lines += [f"{first + timedelta(hours=h):%Y-%m-%d %H:%M:%S},{zone},{value(first + timedelta(hours=h))},0"
-                  for h in range(24 * 24)]
-        (root / zone / f"{zone}_2022_hourly.csv").write_text("\n".join(lines) + "\n")
+    root = _hourly(tmp_path / "carbon", first, 24, levels)
     sites = tmp_path / "sites.yaml"
     sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4)
                      + _site("b", "FR", "gcp:europe-west9", 2.0, gpus=4) + _site("c", "DE", "gcp:europe-west3", 2.0, gpus=4))
