@@ -3,8 +3,9 @@ rest of their run there is forecast to emit (or cost) enough less to pay for the
 
 Why
     A job is placed with what was free when it started. In a burst the clean sites are full and the
-    overflow starts where the grid is dirty; when the burst ends, clean capacity is idle while long jobs run
-    on at the dirty sites for days. A training job that can checkpoint and resume (``JobSpec.checkpointable``;
+    overflow starts where the grid is dirty; when the burst ends, clean capacity may stand idle while long
+    jobs run on at the dirty sites for days (on the Philly replay it seldom does, and moving for a saving
+    bought at most 1 %: README, Evidence). Making room for latency-bound work pays more. A training job that can checkpoint and resume (``JobSpec.checkpointable``;
     the schedulers that replay this kind of trace, Gandiva, Tiresias and Pollux, assume every training job
     can) can be stopped and restarted where the rest of its run is cleaner. This is how a whole-job schedule
     gets closer to the fluid bound, which may split a job over sites and hours.
