@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.data.traces import parse_columns
@@ -323,3 +325,33 @@ def test_with_no_other_site_free_a_job_in_the_way_is_stopped_if_its_deadline_can
     assert snap.free_gpus[fra, A100] == 8 and GREEN.decide(near, snap).placed
     assert make_room(GREEN, snapshot(NOON, FORECAST, free={"frankfurt": 0, "toronto": 0, "ashburn": 0, "sydney": 0}),
                      near, busy, MigrationPolicy(suspend=False)) == []
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.floats(0, 24), st.floats(2, 100), st.integers(1, 2), st.booleans(), st.booleans()),
+                min_size=4, max_size=10))
+def test_property_moved_and_stopped_jobs_run_their_work_once_plus_the_restarts(tmp_path_factory, jobs) -> None:
+    """Random jobs (arrival in the first day and run in hours, GPUs, near europe-west2 with two hours of
+    slack or not, checkpointable or not) over the three sites, while FR turns clean a day in and DE five
+    days in: however often green moves or stops them, each job's pieces follow one another, add up to
+    its run plus one restart per move or stop, and its energy is that much GPU time; a job near its users
+    runs only at a."""
+    jobs = sorted(jobs)
+    t0 = datetime(2022, 6, 4, tzinfo=UTC)
+    rows = "".join(f"{t0 + timedelta(hours=a):%Y-%m-%dT%H:%M:%S},{int(d * H)},{g},x\n" for a, d, g, _, _ in jobs)
+    near = [n for *_, n, _ in jobs]
+    checkpointable = [c and not n for *_, n, c in jobs]
+    slack = {i: d + 2.0 for i, (_, d, _, n, _) in enumerate(jobs) if n}
+    run, w = _replay(tmp_path_factory.mktemp("p"), rows, near, checkpointable, slack)
+    job, site, a, b = run.pieces()
+    restarts = np.bincount(run.moved[:, 0].astype(int), minlength=len(w)) if run.moved.size else np.zeros(len(w))
+    work = w.true_duration_s + restarts * 600.0
+    assert np.bincount(job, weights=b - a, minlength=len(w)) == pytest.approx(work)
+    assert (b > a).all() and (run.end_s - run.start_s >= work - 1e-6).all()
+    assert run.energy_kwh == pytest.approx(TDP_KW[A100] * w.gpus * work / H)
+    for k in range(len(w)):
+        order = np.argsort(a[job == k])
+        starts, ends = a[job == k][order], b[job == k][order]
+        assert (starts[1:] >= ends[:-1] - 1e-6).all()
+        if near[k]:
+            assert (site[job == k] == 0).all()
