@@ -207,16 +207,11 @@ def _has_room(snap: Snapshot, site: int, model: int, rest: JobRequest, at: _Cloc
                                  np.zeros(snap.n_sites, dtype=np.float32)))
 
 
-def _debit(snap: Snapshot, run: Running, rest: JobRequest | None, site: int, model: int, at: _Clock) -> None:
+def _debit(snap: Snapshot, run: Running, rest: JobRequest | None, site: int, model: int) -> None:
     """Move ``run`` in ``snap``: its GPUs back where it ran (now and in the plan's hours of its expected run),
     the rest of its run taken at ``site``/``model`` (``rest`` None: nowhere, it goes back to the queue)."""
     req = run.request
-    snap.free_gpus[run.site, run.model] += req.count
-    if snap.plan_free.size:
-        left_h = max(req.duration_s - run.done_s, 0.0) / HOUR_S
-        end = min(int(math.ceil(at.into_h + left_h - 1e-9)), snap.plan_free.shape[2])
-        snap.plan_free[run.site, run.model, 1:max(end, 1)] += req.charge
-        snap.plan_free[run.site, run.model, 0] = snap.free_gpus[run.site, run.model]
+    snap.release(run.site, replace(req, duration_s=max(req.duration_s - run.done_s, 0.0)), run.model)
     if rest is not None:
         snap.assume(site, rest, model, placed_now=False)
 
@@ -259,7 +254,7 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
                 best = (value, site, model)
         if best is not None:
             value, site, model = best
-            _debit(snap, run, rest, site, model, at)
+            _debit(snap, run, rest, site, model)
             moves.append(Move(run, site, model, remaining, stay, value, policy.objective, judged_s=judged_h * HOUR_S))
     return moves
 
@@ -277,7 +272,6 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
     """The moves that make room for ``req`` (see the module docstring), already debited from ``snap`` (the
     moved jobs' GPUs freed and taken at their new sites), or [] with ``snap`` untouched."""
     from policies.filters.gpu_fit import GpuFitFilter
-    from policies.pipeline import choose_model
     from policies.scorers._usable import usable_models
 
     at = _Clock(snap)
@@ -312,10 +306,10 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
         for i in here:
             if short <= 0:
                 break
-            move = _rehome(pipeline, trial, running[i], remaining[i], at, policy, choose_model, req.job_id)  # type: ignore[arg-type]
+            move = _rehome(pipeline, trial, running[i], remaining[i], at, policy, req.job_id)  # type: ignore[arg-type]
             if move is None and policy.suspend and _may_wait(running[i], remaining[i], at, policy):  # type: ignore[arg-type]
                 move = Move(running[i], -1, -1, remaining[i], math.nan, math.nan, policy.objective, req.job_id)  # type: ignore[arg-type]
-                _debit(trial, running[i], None, -1, -1, at)
+                _debit(trial, running[i], None, -1, -1)
             if move is not None:
                 moves.append(move)
                 short -= running[i].request.count
@@ -327,7 +321,7 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
         return []
     for move in best:  # the chosen moves, on the pass's own snapshot
         rest = _rest(move.running, move.remaining_s, policy) if move.site >= 0 else None
-        _debit(snap, move.running, rest, move.site, move.model, at)
+        _debit(snap, move.running, rest, move.site, move.model)
     return best
 
 
@@ -340,9 +334,11 @@ def _may_wait(run: Running, remaining: float, at: _Clock, policy: MigrationPolic
 
 
 def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, at: _Clock,
-            policy: MigrationPolicy, choose_model, for_job: str) -> Move | None:  # noqa: ANN001
+            policy: MigrationPolicy, for_job: str) -> Move | None:
     """Move ``run`` out of its site to the profile's best other site with room now and in the plan, debited
     from ``snap``; None when there is none."""
+    from policies.pipeline import choose_model  # imported here: policies.pipeline imports this module
+
     rest = _rest(run, remaining, policy)
     placement = pipeline.decide(rest, snap)
     values = _values(snap, policy, at, remaining)
@@ -353,7 +349,7 @@ def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, 
         model = choose_model(rest, snap, site)
         if not _has_room(snap, site, model, rest, at):
             continue
-        _debit(snap, run, rest, site, model, at)
+        _debit(snap, run, rest, site, model)
         if values is None:
             return Move(run, site, model, remaining, math.nan, math.nan, policy.objective, for_job)
         judged_h, stay, move = values

@@ -331,6 +331,20 @@ class Snapshot:
             mig_free={p: a.copy(order="F") for p, a in self.mig_free.items()},
         )
 
+    def release(self, site: int, req: JobRequest, model: int) -> None:
+        """Give back what :meth:`assume` took for a job on whole GPUs that leaves ``site`` now, ``req.duration_s``
+        being what is left of its run: its GPUs now and the plan's hours of that rest. (Quotas are not given
+        back: only the simulator moves running jobs, and its sites have none.)"""
+        if req.fractional or req.mig_profile is not None:
+            raise ValueError(f"job {req.job_id}: only a job on whole GPUs can be released")
+        self.free_gpus[site, model] += req.count
+        if self.plan_free.size:
+            now_s = self.now.timestamp()
+            into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
+            end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
+            self.plan_free[site, model, 1:max(end, 1)] += req.charge
+            self.plan_free[site, model, 0] = self.free_gpus[site, model]
+
     def assume(self, site: int, req: JobRequest, model: int, *, placed_now: bool = True) -> None:
         """Debit a placement from the working free capacity. ``placed_now`` (a placement of this pass, not
         one re-debited from an earlier pass) also moves ``last_placed``.

@@ -314,8 +314,7 @@ def replay(
         a move would run past the carbon data (the replay's own limit, read from the true end)."""
         out = []
         for j in sorted(running):
-            began = start_s[j] if last_start[j] != last_start[j] else last_start[j]
-            if (requests[j].checkpointable and not fractional[j] and began < t
+            if (requests[j].checkpointable and not fractional[j] and work_done(j, t)[0] < t
                     and end_s[j] + restart_s <= horizon_s):
                 out.append(Running(whole[j], int(site_of[j]), int(model_of[j]), work_done(j, t, seen=True)[1]))
         return out
