@@ -12,6 +12,11 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   release after it priced a wait's risk; ``safety-1.0``: none kept beyond the estimate itself;
 - ``headroom 0.1``: deferred starts of jobs without a latency objective leave a tenth of every site free,
   for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2);
+- ``reserve-0.75``, ``-0.9``, ``-1``: deferred work without a latency objective leaves free, at each site,
+  that quantile of what latency-bound jobs held there hour by hour over the last week
+  (``latency_reserve``, :mod:`policies.latency_reserve`; ``green`` keeps none);
+- ``max-risk-0.05``: a deferral may not plan a start whose chance of missing the deadline is above 5 %
+  (``max_risk``); ``reserve-0.9-max-risk-0.05``: both;
 - ``deadline risk not priced`` (``unpriced``): ``miss_cost`` 0, as ``green`` was before it priced a
   wait's risk to the deadline (:mod:`policies.runtime_risk`); ``miss_cost 100`` and ``300``: priced higher
   than the shipped 30; ``balanced``, ``cheap`` and their ``-unpriced`` forms: the other profiles that defer,
@@ -121,6 +126,12 @@ VARIANTS: dict[str, Variant] = {
     "headroom-0.1": Variant("green, headroom 0.1", {}, green(headroom=0.1)),
     "headroom-0.1-safety-2": Variant("green, headroom 0.1, duration_safety 2", {},
                                      green(headroom=0.1, duration_safety=2.0)),
+    "reserve-0.75": Variant("green, latency reserve 0.75", {}, green(latency_reserve=0.75)),
+    "reserve-0.9": Variant("green, latency reserve 0.9", {}, green(latency_reserve=0.9)),
+    "reserve-1": Variant("green, latency reserve 1.0", {}, green(latency_reserve=1.0)),
+    "max-risk-0.05": Variant("green, max_risk 0.05", {}, green(max_risk=0.05)),
+    "reserve-0.9-max-risk-0.05": Variant("green, latency reserve 0.9, max_risk 0.05", {},
+                                         green(latency_reserve=0.9, max_risk=0.05)),
     "unpriced": Variant("green, deadline risk not priced", {}, green(miss_cost=0.0)),
     "balanced": Variant("balanced", {}, lambda: policy("balanced")),
     "balanced-unpriced": Variant("balanced, deadline risk not priced", {}, shifted("balanced", miss_cost=0.0)),

@@ -47,6 +47,7 @@ from policies import explain, timeshift
 from policies.fair_order import FairOrder
 from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies.latency_reserve import LatencyDemand
 from policies.timeshift import Deferral
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class _Planned:
     first: int
     end: int
     decided_h: int
+    near: bool = False  # the job has a latency objective (policies.latency_reserve)
 
 
 def _urgency(job: Job) -> float:
@@ -254,6 +256,8 @@ class SchedulingCycle:
         shifts = [p.shift for p in (self.pipeline, *self.profiles.values()) if p.shift is not None]
         self._plan_hours = max((s.plan_hours for s in shifts), default=0)
         self._deferred: dict[str, _Planned] = {}
+        # What latency-bound jobs held, hour by hour, for profiles that keep room for them (policies.latency_reserve).
+        self._near = LatencyDemand() if any(s.latency_reserve is not None for s in shifts) else None
         if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
             book.active.queue.reorder(_by_urgency, book.active.get)
         # The groups the last full pass found no site for (``broker.queue``): their jobs it did not decide
@@ -305,6 +309,9 @@ class SchedulingCycle:
             # nothing to decide: no snapshot, no plan (building the plan walks every job on a site)
             if full:
                 self._quiet = quiet_key if quiet_key is not None and self.book.seq == quiet_key[1] else None
+                if self._near is not None and self._near.hour != timeshift.epoch_hour(now):
+                    # once an hour all the same: what latency-bound jobs hold is learned from every hour
+                    self._with_plan(self.federation.freeze(now))
             return CycleReport(full=full, decided=0, placed=0, unplaceable=0)
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
@@ -403,7 +410,8 @@ class SchedulingCycle:
                 decider.reserve(placement)
                 first = hour + placement.slot
                 self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
-                                                  req.charge, first, first + placement.slots, hour)
+                                                  req.charge, first, first + placement.slots, hour,
+                                                  req.latency_slo_ms is not None)
                 signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = self._signatures.setdefault(signature, signature)
@@ -543,17 +551,24 @@ class SchedulingCycle:
                 continue
             began = (job.started_at or job.updated_at).timestamp()
             end_h = math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S)
-            calendar.book(site, MODEL_INDEX[job.gpu_model], self._on_site_request(job).charge, h0,
-                          min(end_h, h0 + hours))
+            req = self._on_site_request(job)
+            calendar.book(site, MODEL_INDEX[job.gpu_model], req.charge, h0, min(end_h, h0 + hours),
+                          near=req.latency_slo_ms is not None)
         for job_id, planned in list(self._deferred.items()):
             job = self.book.active.get(job_id)
             site = snap.index.get(planned.site)
             if job is None or job.state != JobState.QUEUED or site is None:
                 del self._deferred[job_id]  # placed, cancelled, or its site left: nothing to hold
                 continue
-            calendar.book(site, planned.model, planned.gpus, planned.first, min(planned.end, h0 + hours))
+            calendar.book(site, planned.model, planned.gpus, planned.first, min(planned.end, h0 + hours),
+                          near=planned.near)
+        near: dict[str, Any] = {}
+        if self._near is not None:  # what latency-bound jobs hold now is this hour's sample
+            near["near_booked"] = booked = calendar.near_view(snap.now, hours)
+            self._near.observe(h0, snap.sites, booked[:, :, 0])
+            near["near_samples"] = self._near.samples(snap.sites, booked.shape[1])
         return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours),
-                       run_time_errors=self.lifecycle.run_times.sorted())
+                       run_time_errors=self.lifecycle.run_times.sorted(), **near)
 
     def deferred_until(self, job_id: str) -> datetime | None:
         """When a deferred job is planned to start (None: not deferred)."""

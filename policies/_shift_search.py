@@ -77,29 +77,47 @@ def _bar(need: float, reserve: np.float32) -> np.float32:
 
 
 @_jit(inline="always")
+def _hour_bar(bar: np.float32, need: float, reserve: np.float32, kept: np.ndarray, near: np.ndarray, site: int,
+              column: int, h: int) -> np.float32:
+    """The bar of hour ``h``: ``bar`` (need plus ``reserve``), or need plus the room kept for latency-bound
+    jobs there when that is more: ``kept`` (float32[sites, models], or empty: none kept) less what they hold
+    or have booked in that hour (``near``: float[sites, models, hours]; policies.latency_reserve)."""
+    if kept.shape[0] == 0:
+        return bar
+    level = kept[site, column]
+    if not level > 0:
+        return bar
+    held = np.float32(level - near[site, column, h])
+    if not held > reserve:
+        return bar
+    return _bar(need, held)
+
+
+@_jit(inline="always")
 def _room(plan_free: np.ndarray, site: int, column: int, first: int, end: int, need: float,
-          reserve: np.float32) -> bool:
-    """Whether the plan has room for ``need`` GPUs plus ``reserve`` at ``site`` in model ``column`` in every
-    hour of ``[first, end)``, in the plan's own precision (float32, within its tolerance)."""
+          reserve: np.float32, kept: np.ndarray, near: np.ndarray) -> bool:
+    """Whether the plan has room for ``need`` GPUs plus ``reserve`` (or plus the room kept for latency-bound
+    jobs, where more: :func:`_hour_bar`) at ``site`` in model ``column`` in every hour of ``[first, end)``,
+    in the plan's own precision (float32, within its tolerance)."""
     bar = _bar(need, reserve)
     for h in range(first, end):
-        if not plan_free[site, column, h] >= bar:
+        if not plan_free[site, column, h] >= _hour_bar(bar, need, reserve, kept, near, site, column, h):
             return False
     return True
 
 
 @_jit()
 def room_now(plan_free: np.ndarray, site: int, column: int, first: int, end: int, need: float,
-             reserve: np.ndarray) -> bool:
+             reserve: np.ndarray, kept: np.ndarray, near: np.ndarray) -> bool:
     """:func:`_room` for one site, with its ``reserve`` from the per-site array (for Python callers)."""
-    return _room(plan_free, site, column, first, end, need, reserve[site])
+    return _room(plan_free, site, column, first, end, need, reserve[site], kept, near)
 
 
 @_jit()
 def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float,
                          into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
-                         plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, first: int,
-                         now_hours: int) -> tuple[float, int]:
+                         plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray,
+                         near: np.ndarray, first: int, now_hours: int) -> tuple[float, int]:
     """(value, site) of the first site of ``feasible`` in ascending order of its value now (a stable
     order) that is ``ok`` and whose plan column has room for ``need`` plus its ``reserve`` in hours
     ``[first, now_hours)``; (inf, -1) when none has."""
@@ -116,7 +134,7 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
             value = rate * d_h
         if not value < best_value:  # NaN never wins; a tie keeps the earlier site
             continue
-        if _room(plan_free, site, col[site], first, now_hours, need, reserve[site]):
+        if _room(plan_free, site, col[site], first, now_hours, need, reserve[site], kept, near):
             best_value = value
             best_site = site
     return best_value, best_site
@@ -125,7 +143,8 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 @_jit()
 def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu: np.ndarray, need: float,
                  d_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray,
-                 col: np.ndarray, reserve: np.ndarray, last_slot: int, run_hours: int,
+                 col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray, last_slot: int,
+                 run_hours: int,
                  span: int, penalty: np.ndarray) -> tuple[float, int, int, int, float]:
     """(value, slot, site, model column, value without the penalty) of the best start at a whole hour
     ``1 .. last_slot`` where the plan has room in every hour of the run (hours past ``span`` are not
@@ -160,7 +179,8 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
             c = col[site]
             bar = _bar(need, reserve[site])
             for h in range(span):
-                short[h + 1] = short[h] + (1 if plan_free[site, c, h] < bar else 0)
+                short[h + 1] = short[h] + (1 if plan_free[site, c, h] < _hour_bar(bar, need, reserve[site], kept,
+                                                                                   near, site, c, h) else 0)
             rate = per_gpu[site] * need
             fixed = rate * d_h  # the cost objective: the same for every start
             for k in range(1, last_slot + 1):

@@ -60,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from policies import _shift_search as _search
 from policies._scores import window_mean_rows
 from policies.snapshot import TDP_KW, JobRequest, Snapshot
+from policies.timeshift import ShiftPolicy, held_back_for
 
 if TYPE_CHECKING:
     from policies.pipeline import Pipeline
@@ -197,14 +198,17 @@ def _rest(run: Running, remaining: float, policy: MigrationPolicy) -> JobRequest
     return replace(run.request, duration_s=remaining + policy.overhead_s)
 
 
-def _has_room(snap: Snapshot, site: int, model: int, rest: JobRequest, at: _Clock) -> bool:
+def _has_room(snap: Snapshot, site: int, model: int, rest: JobRequest, at: _Clock,
+              shift: ShiftPolicy | None) -> bool:
     """Whether the plan leaves room at ``site``/``model`` for the whole of ``rest`` from now (hours promised
-    to deferred jobs and to the expected runs of running ones stay theirs)."""
+    to deferred jobs and to the expected runs of running ones stay theirs, and a job without a latency
+    objective leaves the room kept for those with one: policies.latency_reserve)."""
     if not snap.plan_free.size:
         return True
     hours = min(max(int(math.ceil(at.into_h + rest.duration_s / HOUR_S - 1e-9)), 1), snap.plan_free.shape[2])
+    kept, near = held_back_for(rest, snap, shift)
     return bool(_search.room_now(snap.plan_free, site, model, 0, hours, rest.charge,
-                                 np.zeros(snap.n_sites, dtype=np.float32)))
+                                 np.zeros(snap.n_sites, dtype=np.float32), kept, near))
 
 
 def _debit(snap: Snapshot, run: Running, rest: JobRequest | None, site: int, model: int) -> None:
@@ -250,7 +254,7 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
                 continue
             model = choose_model(rest, snap, site)
             value = float(move_rates[site, model]) * rest.charge
-            if value <= bar and (best is None or value < best[0]) and _has_room(snap, site, model, rest, at):
+            if value <= bar and (best is None or value < best[0]) and _has_room(snap, site, model, rest, at, pipeline.shift):
                 best = (value, site, model)
         if best is not None:
             value, site, model = best
@@ -347,7 +351,7 @@ def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, 
         if site == run.site:
             continue
         model = choose_model(rest, snap, site)
-        if not _has_room(snap, site, model, rest, at):
+        if not _has_room(snap, site, model, rest, at, pipeline.shift):
             continue
         _debit(snap, run, rest, site, model)
         if values is None:

@@ -249,6 +249,12 @@ class Snapshot:
     # float32[n_sites, n_models, hours]: GPUs free in each whole hour from now's (policies.timeshift); empty
     # when no pipeline shifts jobs in time. Debited by assume() and by deferrals, like free_gpus.
     plan_free: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
+    # What jobs with a latency objective hold, for the room kept for them (policies.latency_reserve): GPUs
+    # they hold or have booked in each hour of the plan (float[n_sites, n_models, hours], as plan_free), and
+    # what they held hour by hour over the last week (float32[hours, n_sites, n_models], sorted along the
+    # first axis). Empty: not known, nothing kept.
+    near_booked: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))
+    near_samples: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
     # float64, ascending: log(actual run time / estimate) of the latest finished jobs (policies.runtime_risk);
     # empty: not known, and a deferral's risk to the deadline is not priced.
     run_time_errors: np.ndarray = field(default_factory=lambda: np.zeros(0))

@@ -60,10 +60,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies import _shift_search as _search
-from policies import runtime_risk
+from policies import latency_reserve, runtime_risk
 from policies.scorers._usable import usable_models
 from policies.snapshot import TDP_KW, JobRequest, Snapshot
 
@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 HOUR_S = 3600.0
 _CAPACITY_FILTER = "gpus-do-not-fit"
+_NOTHING_KEPT = np.zeros((0, 0), dtype=np.float32)
+_NOTHING_HELD = np.zeros((0, 0, 0))
 
 
 class ShiftPolicy(BaseModel):
@@ -100,10 +102,27 @@ class ShiftPolicy(BaseModel):
                                          "the latest finished jobs ran against their estimates "
                                          "(policies.runtime_risk); 0: not priced, duration_safety alone guards "
                                          "the deadline")
+    max_risk: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        description="defer only to a start whose chance of missing the deadline, judged as miss_cost judges it "
+                    "(policies.runtime_risk), is at most this; None: no bound but the price. Needs miss_cost > 0")
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
                                         "that cannot wait (no slack) or go far (a latency objective: such a job "
                                         "may take the headroom, which is kept for it)")
+    latency_reserve: float | None = Field(
+        default=None, gt=0.0, le=1.0,
+        description="keep room at each site for jobs with a latency objective: this quantile of the GPUs they "
+                    "held there, hour by hour over the last week, less what they hold or have booked in each "
+                    "hour, is left free by work without one that the plan places (policies.latency_reserve); "
+                    "None: no such reserve")
+
+    @model_validator(mode="after")
+    def _risk_is_judged(self) -> ShiftPolicy:
+        if self.max_risk is not None and not self.miss_cost > 0:
+            raise ValueError("max_risk needs miss_cost > 0: a deferral's risk to the deadline is judged only where "
+                             "it is priced")
+        return self
 
     @property
     def plan_hours(self) -> int:
@@ -207,45 +226,63 @@ class Booking:
     gpus: float
     first: int  # POSIX hour of the first slot held
     end: int  # POSIX hour after the last slot held
+    near: bool = False  # a job with a latency objective (policies.latency_reserve)
 
 
 class Calendar:
     """Planned GPUs per site, model column and POSIX hour. Bookings are kept in full (a long job's whole
-    run), the past is dropped as time moves on."""
+    run), the past is dropped as time moves on. The bookings of jobs with a latency objective are also
+    summed on their own (``near_view``), for the reserve kept for them (:mod:`policies.latency_reserve`)."""
 
     def __init__(self, n_sites: int, n_models: int, origin_h: int, span_h: int = 256) -> None:
         # float64: many fractional bookings and releases must cancel out (float32 drifts by ~1e-5)
         self.busy = np.zeros((n_sites, n_models, span_h), dtype=np.float64)
+        self.near: np.ndarray | None = None  # the same, for latency-bound jobs alone; made by the first one
         self.origin = origin_h
+
+    def _grown(self, busy: np.ndarray, span: int) -> np.ndarray:
+        grown = np.zeros(busy.shape[:2] + (span,), dtype=np.float64)
+        grown[:, :, :busy.shape[2]] = busy
+        return grown
 
     def _reach(self, end_h: int) -> None:
         need = end_h - self.origin
         if need > self.busy.shape[2]:
-            grown = np.zeros(self.busy.shape[:2] + (max(need, 2 * self.busy.shape[2]),), dtype=np.float64)
-            grown[:, :, :self.busy.shape[2]] = self.busy
-            self.busy = grown
+            span = max(need, 2 * self.busy.shape[2])
+            self.busy = self._grown(self.busy, span)
+            if self.near is not None:
+                self.near = self._grown(self.near, span)
 
     def advance(self, now_h: int) -> None:
         """Forget the hours before ``now_h`` once they are more than half the array."""
         drop = now_h - self.origin
         if drop > self.busy.shape[2] // 2:
-            keep = self.busy[:, :, drop:].copy()
-            self.busy = np.zeros_like(self.busy)
-            self.busy[:, :, :keep.shape[2]] = keep
+            for name in ("busy", "near"):
+                busy = getattr(self, name)
+                if busy is not None:
+                    kept = np.zeros_like(busy)
+                    kept[:, :, :busy.shape[2] - drop] = busy[:, :, drop:]
+                    setattr(self, name, kept)
             self.origin = now_h
 
-    def book(self, site: int, model: int, gpus: float, first_h: int, end_h: int) -> Booking:
+    def book(self, site: int, model: int, gpus: float, first_h: int, end_h: int, near: bool = False) -> Booking:
         first_h = max(first_h, self.origin)
         self._reach(end_h)
         if end_h > first_h:
             self.busy[site, model, first_h - self.origin:end_h - self.origin] += gpus
-        return Booking(site, model, gpus, first_h, end_h)
+            if near:
+                if self.near is None:
+                    self.near = np.zeros_like(self.busy)
+                self.near[site, model, first_h - self.origin:end_h - self.origin] += gpus
+        return Booking(site, model, gpus, first_h, end_h, near)
 
     def release(self, booking: Booking, from_h: int | None = None) -> None:
         """Give back a booking's hours from ``from_h`` on (all of them by default)."""
         lo = max(booking.first, self.origin, from_h if from_h is not None else booking.first)
         if booking.end > lo:
             self.busy[booking.site, booking.model, lo - self.origin:booking.end - self.origin] -= booking.gpus
+            if booking.near and self.near is not None:
+                self.near[booking.site, booking.model, lo - self.origin:booking.end - self.origin] -= booking.gpus
 
     def view(self, now: datetime, free_now: np.ndarray, total: np.ndarray, hours: int) -> np.ndarray:
         """float32[n_sites, n_models, hours]: GPUs free in each hour from the one containing ``now``; hour 0
@@ -256,6 +293,16 @@ class Calendar:
         out = (total[:, :, None] - self.busy[:, :, h0 - self.origin:h0 - self.origin + hours]).astype(np.float32)
         out[:, :, 0] = free_now
         return out
+
+    def near_view(self, now: datetime, hours: int) -> np.ndarray:
+        """float64[n_sites, n_models, hours]: GPUs booked by latency-bound jobs in each hour from the one
+        containing ``now`` (running ones until their expected end, deferred ones from their planned start)."""
+        h0 = epoch_hour(now)
+        self.advance(h0)
+        self._reach(h0 + hours)
+        if self.near is None:
+            return np.zeros(self.busy.shape[:2] + (hours,))
+        return self.near[:, :, h0 - self.origin:h0 - self.origin + hours]
 
 
 def run_slots(start_ts: float, duration_s: float) -> tuple[int, int]:
@@ -347,6 +394,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # The headroom is kept for work that cannot wait or go far: a job with a latency objective takes it.
     reserve_all = (policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
                    if policy.headroom and req.latency_slo_ms is None else np.zeros(snap.n_sites, dtype=np.float32))
+    # So is the room latency-bound jobs were seen to need where they run (policies.latency_reserve).
+    kept, near = held_back_for(req, snap, policy)
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
 
@@ -375,7 +424,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         # (shared GPUs included); for whole GPUs the headroom is checked in it too. ``column``: the model
         # the job would start on now (placement's choice), else the plan's column.
         return bool(_search.room_now(plan_free, site, int(col[site]) if column is None else column,
-                                     1 if req.fractional else 0, now_hours, need, reserve_all))
+                                     1 if req.fractional else 0, now_hours, need, reserve_all, kept, near))
 
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
     now_site = -1
@@ -400,7 +449,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     if now_site >= 0 and placement.feasible.size > 1:
         value, site = _search.cheapest_fitting_now(
             placement.feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, policy.objective == "carbon",
-            plan_free, col, reserve_all, 1 if req.fractional else 0, now_hours)
+            plan_free, col, reserve_all, kept, near, 1 if req.fractional else 0, now_hours)
         if site >= 0:
             anywhere_now, anywhere_site = min((value, site), (best_now, now_site))
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
@@ -417,8 +466,10 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # A later start also pays for the risk it adds to the deadline, where that is priced (policies.runtime_risk).
     penalty, risk = runtime_risk.deferral_penalty(req, snap.run_time_errors, now_ts, hour0, last_slot,
                                                       policy.miss_cost)
+    if policy.max_risk is not None and risk.size:  # a start riskier than that is not planned at all
+        penalty = np.where(risk[1:] > policy.max_risk, np.inf, penalty)
     value, slot, site, best_col, value_then = _search.search_later(
-        ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, last_slot,
+        ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, last_slot,
         run_hours, min(hours, last_slot + run_hours), penalty)
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
@@ -434,6 +485,21 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     if now_site >= 0:
         return chosen
     return placement if placement.placed else None
+
+
+def held_back_for(req: JobRequest, snap: Snapshot,
+                  policy: ShiftPolicy | None) -> tuple[np.ndarray, np.ndarray]:
+    """(float32[n_sites, n_models]: the room kept for jobs with a latency objective at each site and model,
+    float[n_sites, n_models, hours]: what they hold or have booked in each hour of the plan), which ``req``
+    leaves free less the second (:mod:`policies.latency_reserve`); both empty when nothing is kept from it
+    (it has a latency objective itself, the policy keeps no such room, or the snapshot does not know what
+    they hold)."""
+    if (policy is None or policy.latency_reserve is None or req.latency_slo_ms is not None
+            or not snap.near_samples.shape[0] or snap.near_booked.shape != snap.plan_free.shape):
+        return _NOTHING_KEPT, _NOTHING_HELD
+    kept = snap.derived(("latency-reserve", policy.latency_reserve), latency_reserve.reserve, snap.near_samples,
+                        policy.latency_reserve)
+    return kept, snap.near_booked
 
 
 def window(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> tuple[int, int]:

@@ -125,6 +125,32 @@ def test_a_wait_must_save_more_than_the_risk_it_adds_costs(case, ratios, miss_co
         assert outcome.placed and snap.sites[outcome.site] == "toronto", case
 
 
+@pytest.mark.parametrize(("case", "max_risk", "deferred"), [
+    ("no bound: the 30 % risk at hour 3 is priced (0.3 kg) and the 0.64 kg saving clears it", None, True),
+    ("a bound of 30 %: hour 3's risk is within it", 0.3, True),
+    ("a bound of 20 %: no start with room is that safe but now's, so the job starts now", 0.2, False),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_max_risk_bounds_the_chance_of_a_miss_a_deferral_may_take(case, max_risk, deferred) -> None:
+    # Three in ten finished jobs ran twice their estimate: starting at 15:00 leaves 1.67 × the estimate
+    # before the deadline, so 30 % of such jobs would miss it; starting now leaves 3 ×, so none.
+    snap = replace(snapshot(NOON, FLAT), run_time_errors=errors_of([2.0] * 30 + [1.0] * 70))
+    outcome = decide(green(miss_cost=1.0, max_risk=max_risk), TIGHT, snap)
+    assert isinstance(outcome, Deferral) == deferred, case
+    if deferred:
+        assert outcome.risk_then <= (max_risk if max_risk is not None else 1.0)
+    else:
+        assert outcome.placed and snap.sites[outcome.site] == "toronto", case
+
+
+def test_max_risk_keeps_the_safe_later_starts() -> None:
+    # With a deadline 20 h away, hours 3-8 at Ashburn all leave more than twice the estimate: no risk, and
+    # the bound changes nothing.
+    snap = replace(snapshot(NOON, FLAT), run_time_errors=errors_of([2.0] * 30 + [1.0] * 70))
+    outcome = decide(green(miss_cost=1.0, max_risk=0.0), request(hours=2.0, slack_h=18.0), snap)
+    assert isinstance(outcome, Deferral) and (snap.sites[outcome.site], outcome.slot) == ("ashburn", 3)
+    assert outcome.risk_then == 0.0
+
+
 def test_a_priced_deferral_says_how_its_risk_to_the_deadline_grows() -> None:
     snap = replace(snapshot(NOON, FLAT), run_time_errors=errors_of([2.0] * 30 + [1.0] * 70))
     outcome = decide(green(miss_cost=1.0), TIGHT, snap)

@@ -60,6 +60,7 @@ from policies.filters.latency import LatencyFilter
 from policies.pipeline import Pipeline, Placement
 from policies import timeshift
 from policies.migration import Move, Running, make_room, plan_moves, urgent
+from policies.latency_reserve import LatencyDemand
 from policies.runtime_risk import RunTimeErrors
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
 from policies.timeshift import Booking, Calendar, Deferral, epoch_hour, run_slots
@@ -252,6 +253,9 @@ def replay(
     deferred: set[int] = set()
     ever_deferred = np.zeros(n, dtype=bool)
     gpus_held = [r.charge for r in requests]
+    # The room kept for latency-bound jobs (ShiftPolicy.latency_reserve): what they held, sampled hourly.
+    near = [r.latency_slo_ms is not None for r in requests]
+    demand = LatencyDemand() if shift is not None and shift.latency_reserve is not None else None
     # Moving running work (profiles with ``migrate``): at every whole hour, the running checkpointable jobs
     # are offered to policies.migration; a move ends the job's piece where it ran and starts the rest, after
     # the workload's restart time, at the new site. A completion queued for an earlier end is then stale.
@@ -286,7 +290,8 @@ def replay(
         else:
             decider.assume(outcome)
         if calendar is not None:
-            bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s))
+            bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s),
+                                        near=near[j])
         site_of[j], model_of[j] = s, m
         if resumed[j]:  # the rest of a stopped job's run, from its checkpoint
             resumed[j] = False
@@ -347,7 +352,7 @@ def replay(
             calendar.release(booking)
         if calendar is not None and migrate is not None:
             bookings[j] = calendar.book(move.site, move.model, gpus_held[j],
-                                        *run_slots(start_ts + t, move.remaining_s + migrate.overhead_s))
+                                        *run_slots(start_ts + t, move.remaining_s + migrate.overhead_s), near=near[j])
 
     t_prev = -np.inf
     while next_arrival < len(todo) or completions or deferred:
@@ -405,6 +410,10 @@ def replay(
             plan = calendar.view(now, free, base.total_gpus, shift.plan_hours)
             plan[:, :, max(hours - h, 1):] = 0  # no simulated site runs past the carbon data: plan no start there
             hourly["plan_free"] = plan
+            if demand is not None:
+                hourly["near_booked"] = booked = calendar.near_view(now, shift.plan_hours)
+                demand.observe(epoch_hour(now), base.sites, booked[:, :, 0])
+                hourly["near_samples"] = demand.samples(base.sites, booked.shape[1])
         snap = replace(base, now=now, free_gpus=free, shared_free_milli=shared_free,
                        carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor,
                        run_time_errors=errors.sorted(), **hourly)
@@ -420,7 +429,8 @@ def replay(
             outcome = decider.decide(requests[j], shapes[j])
             if isinstance(outcome, Deferral):
                 first = epoch_hour(now) + outcome.slot
-                bookings[j] = calendar.book(outcome.site, outcome.model, gpus_held[j], first, first + outcome.slots)
+                bookings[j] = calendar.book(outcome.site, outcome.model, gpus_held[j], first, first + outcome.slots,
+                                            near=near[j])
                 decider.reserve(outcome)
                 # Planned for a whole hour: out of the queue until the next one, when it is decided again.
                 ever_deferred[j] |= outcome.now_site >= 0  # for a saving (else for lack of room now)

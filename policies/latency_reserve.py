@@ -1,0 +1,118 @@
+"""Room kept for jobs near their users: a reserve at each site, learned from what latency-bound jobs held there.
+
+A job with a latency objective may run only at the few sites near its origin (Frankfurt or London for a
+European user at 50 ms). Deferred work without one goes wherever and whenever the grid is cleanest, and at
+30 % utilisation it filled London's clean hours so often that latency-bound jobs found both sites full and
+waited past their deadlines: on the 2022 Philly replay ``green`` missed 147 deadlines of latency-bound jobs
+where carbon-greedy, which defers nothing, missed 45. A fixed ``headroom`` (a tenth of every site) cut that
+to 44 but cost 3.9 % more carbon: it also held back the clean sites that no latency-bound job needed.
+
+This reserve is kept only where latency-bound jobs are seen to need it, as much as they need:
+
+- **What is learned** (:class:`LatencyDemand`): once an hour, the GPUs that jobs with a latency objective
+  hold at each site and GPU model (running there, or booked by a deferral for that hour). The reserve is
+  the ``quantile`` of the last ``window_h`` hourly samples, per site and model: what they needed there
+  most of the time, and nothing at a site they never used.
+- **How it is kept** (by the plan's search, :mod:`policies.timeshift`): as a protection level (the nested
+  booking limits of revenue management): in each hour of the plan, work without a latency objective that the time-shift plan
+  places (a deferral, or a start now of a job that could wait) leaves free the reserve less what
+  latency-bound jobs already hold or have booked in that hour. Latency-bound jobs may take all of it; a
+  job that cannot wait is not held back (it is placed as if no plan existed).
+
+What it buys and costs on the Philly replays is in the README (Evidence, "Room for latency-bound jobs and a
+bound on a deferral's risk"): at the 0.9 quantile, 30-48 % fewer deadline misses for 0.9-1.9 % more
+carbon; no built-in profile keeps it, since at 50 % utilisation in 2021 it takes ``green`` 0.2 t past
+its carbon target.
+
+Units: GPUs (a fractional job counts ``milli / 1000`` of one), POSIX hours. Turning it on: a profile's
+``shift.latency_reserve`` (a quantile in (0, 1]); None, the default, keeps nothing. Pure: the broker and the
+simulator own the samples (:class:`LatencyDemand`) and hand each pass their sorted samples
+(``Snapshot.near_samples``) and what latency-bound jobs hold in each hour of the plan
+(``Snapshot.near_booked``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WINDOW_H = 168
+"""Hours of samples a reserve is learned from: a week, so that every hour of the day and day of the week is
+in it, and a change in demand shows within days."""
+
+
+class LatencyDemand:
+    """The GPUs latency-bound jobs held at each site and model, one sample per hour, over the last
+    ``window_h`` hours. Sites are known by name: when the set of sites changes, the samples of those that
+    stay are kept (a new site has none, so no reserve until it has some)."""
+
+    def __init__(self, window_h: int = WINDOW_H) -> None:
+        if window_h < 1:
+            raise ValueError(f"window_h must be at least 1, got {window_h}")
+        self.window_h = window_h
+        self._sites: tuple[str, ...] = ()
+        self._ring = np.zeros((window_h, 0, 0), dtype=np.float32)  # [hour % window_h, site, model]; NaN: none
+        self._hour: int | None = None  # the POSIX hour of the latest sample
+        self._cache: dict[int, np.ndarray] = {}
+
+    @property
+    def hour(self) -> int | None:
+        """The POSIX hour of the latest sample (None: none yet)."""
+        return self._hour
+
+    def _follow(self, sites: tuple[str, ...], n_models: int) -> None:
+        """Lay the samples out for ``sites`` (in that order), keeping those of the sites that stay."""
+        ring = np.full((self.window_h, len(sites), n_models), np.nan, dtype=np.float32)
+        if self._ring.shape[2] == n_models:
+            was = {name: i for i, name in enumerate(self._sites)}
+            for i, name in enumerate(sites):
+                if name in was:
+                    ring[:, i] = self._ring[:, was[name]]
+        self._sites, self._ring = sites, ring
+        self._cache.clear()
+
+    def observe(self, hour: int, sites: tuple[str, ...], held: np.ndarray) -> None:
+        """Record ``held`` (float[n_sites, n_models]: GPUs latency-bound jobs hold at each of ``sites``) as
+        POSIX hour ``hour``'s sample. A second sample in the same hour keeps the larger (read by
+        :meth:`reserve` once the next hour's first sample is in, so the reserve changes once an hour); hours
+        with no sample since the last one repeat it (nothing changed that anyone saw)."""
+        held = np.asarray(held, dtype=np.float32)
+        if sites != self._sites or held.shape[1] != self._ring.shape[2]:
+            self._follow(sites, held.shape[1])
+        last = self._hour
+        if last is not None and hour < last:
+            return  # a sample from the past (a clock stepping back): ignore it
+        slot = self._ring[hour % self.window_h]
+        if hour == last:
+            np.fmax(slot, held, out=slot)
+            return
+        if last is not None:
+            prev = self._ring[last % self.window_h].copy()
+            for h in range(max(last + 1, hour - self.window_h + 1), hour):
+                self._ring[h % self.window_h] = prev
+        slot[:] = held
+        self._hour = hour
+        self._cache.clear()
+
+    def samples(self, sites: tuple[str, ...], n_models: int) -> np.ndarray:
+        """float32[k, n_sites, n_models]: each site's samples of the last ``window_h`` hours, the latest
+        hour's (still open) one left out, sorted ascending along the first axis, for :func:`reserve` (a site
+        that joined since has 0 for the hours before; k is 0 before the first hour is complete). The same
+        array until the next hour's first sample."""
+        if sites != self._sites or n_models != self._ring.shape[2]:
+            self._follow(sites, n_models)
+        out = self._cache.get(0)
+        if out is None:
+            filled = ~np.isnan(self._ring).all(axis=(1, 2)) if self._ring.shape[1] else np.zeros(self.window_h, bool)
+            if self._hour is not None:
+                filled[self._hour % self.window_h] = False
+            out = self._cache[0] = np.sort(np.nan_to_num(self._ring[filled]), axis=0)
+        return out
+
+
+def reserve(samples: np.ndarray, quantile: float) -> np.ndarray:
+    """float32[n_sites, n_models]: the ``quantile`` of ``samples`` (sorted, as :meth:`LatencyDemand.samples`
+    gives them), the lowest sample at or above it; 0 where there are none."""
+    if not samples.shape[0]:
+        return np.zeros(samples.shape[1:], dtype=np.float32)
+    return np.ascontiguousarray(samples[min(int(np.ceil(quantile * (samples.shape[0] - 1) - 1e-9)),
+                                            samples.shape[0] - 1)], dtype=np.float32)

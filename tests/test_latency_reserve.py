@@ -1,0 +1,191 @@
+"""The room kept for latency-bound jobs (``ShiftPolicy.latency_reserve``, :mod:`policies.latency_reserve`):
+what is learned from the hours seen, where work without a latency objective may then be deferred, and
+the live cycle learning it from the jobs on its sites.
+
+Sites and forecasts are tests/test_timeshift.py's: the demo federation, Ashburn (16 A100s) clean from hour 3
+to 8, Toronto (8 A100s) medium all day; a job 40 ms from gcp:us-east1 may run only at Ashburn or Toronto.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.cycle import PassDecider
+from policies import latency_reserve
+from policies.latency_reserve import LatencyDemand
+from policies.profiles import ProfilesConfig
+from policies.timeshift import Deferral, ShiftPolicy
+from tests.test_timeshift import A100, CARBON_DIR, FLAT, GREEN_AT, NOON, green, request, snapshot
+
+SITES = ("a", "b")
+
+
+def held(hour_values: list[list[float]]) -> LatencyDemand:
+    """A demand that saw, hour after hour from POSIX hour 100, sites a and b (one model) hold these GPUs."""
+    demand = LatencyDemand(window_h=24)
+    for k, row in enumerate(hour_values):
+        demand.observe(100 + k, SITES, np.array(row, dtype=np.float32)[:, None])
+    return demand
+
+
+def test_the_reserve_is_a_quantile_of_the_hours_seen_the_open_hour_left_out() -> None:
+    demand = held([[0, 4], [2, 4], [8, 4], [2, 4], [30, 4]])  # hour 104 (30 GPUs at a) is still open
+    samples = demand.samples(SITES, 1)
+    assert samples.shape == (4, 2, 1)
+    assert latency_reserve.reserve(samples, 1.0)[:, 0].tolist() == [8.0, 4.0]
+    assert latency_reserve.reserve(samples, 0.5)[:, 0].tolist() == [2.0, 4.0]
+    demand.observe(105, SITES, np.array([[0.0], [0.0]]))  # hour 104 is complete now
+    assert latency_reserve.reserve(demand.samples(SITES, 1), 1.0)[:, 0].tolist() == [30.0, 4.0]
+
+
+def test_an_hour_keeps_its_largest_sample_and_hours_without_one_repeat_the_last() -> None:
+    demand = LatencyDemand(window_h=24)
+    demand.observe(100, SITES, np.array([[1.0], [5.0]]))
+    demand.observe(100, SITES, np.array([[6.0], [2.0]]))  # a later pass in the same hour
+    demand.observe(103, SITES, np.array([[0.0], [0.0]]))  # hours 101 and 102 saw no pass
+    samples = demand.samples(SITES, 1)
+    assert samples[:, 0, 0].tolist() == [6.0, 6.0, 6.0] and samples[:, 1, 0].tolist() == [5.0, 5.0, 5.0]
+    demand.observe(90, SITES, np.array([[50.0], [50.0]]))  # a clock that stepped back is not believed
+    assert latency_reserve.reserve(demand.samples(SITES, 1), 1.0)[:, 0].tolist() == [6.0, 5.0]
+
+
+def test_samples_older_than_the_window_are_forgotten() -> None:
+    demand = held([[20, 0]] + [[1, 0]] * 30)
+    assert latency_reserve.reserve(demand.samples(SITES, 1), 1.0)[:, 0].tolist() == [1.0, 0.0]
+
+
+def test_a_site_that_joins_has_no_reserve_and_one_that_stays_keeps_its_samples() -> None:
+    demand = held([[3, 7], [3, 7]])
+    demand.observe(102, ("b", "c"), np.array([[7.0], [9.0]]))
+    demand.observe(103, ("b", "c"), np.array([[7.0], [9.0]]))
+    reserve = latency_reserve.reserve(demand.samples(("b", "c"), 1), 0.5)[:, 0]
+    assert reserve.tolist() == [7.0, 0.0]  # c: two hours of 0 before it joined, one of 9
+
+
+def kept(snap, gpus: float, booked: np.ndarray | None = None):
+    """``snap`` where latency-bound jobs have held ``gpus`` A100s at Ashburn every hour of the last day, and
+    have ``booked`` (float[hours]) of them in the plan's hours."""
+    samples = np.zeros((24, snap.n_sites, snap.total_gpus.shape[1]), dtype=np.float32)
+    samples[:, snap.index["ashburn"], A100] = gpus
+    near_booked = np.zeros(snap.plan_free.shape)
+    if booked is not None:
+        near_booked[snap.index["ashburn"], A100] = booked
+    return replace(snap, near_samples=samples, near_booked=near_booked)
+
+
+def test_deferred_work_leaves_the_room_latency_bound_jobs_need_at_a_clean_site() -> None:
+    # Latency-bound jobs held 12 of Ashburn's 16 A100s: deferred work without a latency objective may plan
+    # the other 4 in each of its clean hours. A first 4-GPU job takes them in hours 3-4; a second waits for
+    # hours 5-6, though hours 3-4 still have 12 free; a latency-bound job is still deferred into those.
+    snap = kept(snapshot(NOON, FLAT), 12.0)
+    decider = PassDecider(green(latency_reserve=0.9), snap)
+    first = decider.decide(request(job_id="a"))
+    assert isinstance(first, Deferral) and (snap.sites[first.site], first.slot) == ("ashburn", 3)
+    decider.reserve(first)
+    second = decider.decide(request(job_id="b"))
+    assert isinstance(second, Deferral) and (snap.sites[second.site], second.slot) == ("ashburn", 5)
+    near = decider.decide(request(job_id="c", origin_region="gcp:us-east1", latency_slo_ms=40.0))
+    assert isinstance(near, Deferral) and (snap.sites[near.site], near.slot) == ("ashburn", 3)
+    # Without the reserve the second job takes Ashburn's clean hours too.
+    plain = PassDecider(green(), snap)
+    plain.reserve(plain.decide(request(job_id="a")))
+    again = plain.decide(request(job_id="b"))
+    assert isinstance(again, Deferral) and (snap.sites[again.site], again.slot) == ("ashburn", 3)
+
+
+def test_a_policy_without_the_reserve_or_a_snapshot_without_samples_keeps_nothing() -> None:
+    snap = kept(snapshot(NOON, FLAT), 16.0)
+    assert isinstance(PassDecider(green(), snap).decide(request()), Deferral)
+    bare = snapshot(NOON, FLAT)
+    assert isinstance(PassDecider(green(latency_reserve=1.0), bare).decide(request()), Deferral)
+
+
+@settings(max_examples=60, deadline=None)
+@given(reserve=st.integers(0, 16), near=st.integers(0, 16), other=st.integers(0, 16), need=st.integers(1, 8))
+def test_work_without_a_latency_objective_plans_at_most_what_neither_the_reserve_nor_latency_bound_jobs_hold(
+        reserve: int, near: int, other: int, need: int) -> None:
+    # Nested limits: whatever latency-bound jobs have booked of Ashburn's 16 A100s in the clean hours, work
+    # without a latency objective may be planned there only while it holds at most 16 - max(reserve, booked).
+    if near + other > 16:
+        return
+    hours = 97
+    snap = snapshot(NOON, FLAT | {"toronto": [700.0] * 48},
+                    booked={"ashburn": (near + other, 1, hours)})
+    snap = kept(snap, float(reserve), np.r_[0.0, np.full(hours - 1, float(near))])
+    outcome = PassDecider(green(latency_reserve=1.0), snap).decide(request(count=need))
+    fits = other + need <= 16 - max(reserve, near)
+    at_ashburn = isinstance(outcome, Deferral) and snap.sites[outcome.site] == "ashburn" and outcome.slot == 3
+    assert at_ashburn == fits
+
+
+def test_the_settings_are_validated_with_the_field_named() -> None:
+    with pytest.raises(ValueError, match="latency_reserve"):
+        ShiftPolicy(latency_reserve=1.5)
+    with pytest.raises(ValueError, match="max_risk needs miss_cost"):
+        ShiftPolicy(max_risk=0.05)
+    profiles = ProfilesConfig.model_validate(
+        {"definitions": {"green-near": {"weights": {"carbon": 1.0},
+                                        "shift": {"latency_reserve": 0.9, "miss_cost": 30, "max_risk": 0.05}}}})
+    assert profiles.shift("green-near").latency_reserve == 0.9 and profiles.shift("green-near").max_risk == 0.05
+
+
+@pytest.fixture
+async def live(tmp_path):
+    """A broker on a manual clock over Frankfurt (2 ms from gcp:europe-west3) and Tokyo (far from it)."""
+    from broker.clock import ManualClock
+    from broker.config import BrokerSettings
+    from broker.models import SimulatedAdapterConfig
+    from broker.service import Broker
+    from tests.builders import site
+
+    fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+    sites = [site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin", adapter=fast,
+                  rtt_ms={"gcp:europe-west3": 2.0}),
+             site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=fast,
+                  rtt_ms={"gcp:europe-west3": 230.0})]
+    cfg = {"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
+           "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336},
+           "profiles": {"job_may_choose": ["green", "green-near"], "definitions": {"green-near": {
+               "weights": {"carbon": 1.0}, "shift": {"miss_cost": 30, "latency_reserve": 0.9}}}}}
+    clock = ManualClock(GREEN_AT)
+    b = Broker(BrokerSettings.model_validate(cfg), clock=clock)
+    await b.start(sites, run_loop=False)
+    await b.signals.wait_ready()
+    yield b, clock
+    await b.stop()
+
+
+async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(live) -> None:
+    # A job 50 ms from Frankfurt's region may run only there; it holds 6 of Frankfurt's 8 A100s for five
+    # hours. The pass's plan learns that, hour by hour, and keeps those GPUs from deferred work (a profile
+    # that keeps the reserve: green-near here).
+    from broker.models import JobState
+    from tests.builders import job
+
+    b, clock = live
+    near, _ = await b.book.submit(job(count=6, profile="green-near", duration_s=5 * 3600,
+                                      origin_region="gcp:europe-west3", latency_slo_ms=50.0))
+    async def step(seconds: float) -> None:  # as tests/test_cycle.py's Harness: the clock, then the writes
+        await clock.advance(seconds)
+        await asyncio.sleep(0.05)
+        await b.cycle.drain()
+
+    await b.cycle.run_once(full=True)
+    await step(1.0)  # the simulated site starts it after a second
+    for _ in range(3):
+        await b.cycle.run_once(full=True)
+        await step(3600)
+    placed = await b.book.get(near.id)
+    assert placed.state.on_site and placed.site == "frankfurt" and placed.state != JobState.QUEUED
+    snap = b.cycle._with_plan(b.federation.freeze(clock.now()))
+    fra, tyo = snap.index["frankfurt"], snap.index["tokyo"]
+    reserve = latency_reserve.reserve(snap.near_samples, 0.9)
+    assert reserve[fra, A100] == 6.0 and reserve[tyo].sum() == 0.0
+    assert snap.near_booked[fra, A100, 0] == 6.0  # it still holds them this hour
+    assert snap.near_booked[fra, A100, 3] == 0.0  # it is expected to end by then: the reserve is kept free
