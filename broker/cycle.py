@@ -33,6 +33,8 @@ from datetime import UTC, datetime
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from broker.carbon_ledger import CarbonLedger
 from broker.clock import Clock
 from broker.events import EventHub
@@ -47,6 +49,7 @@ from policies import explain, timeshift
 from policies.fair_order import FairOrder
 from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies import latency_reserve
 from policies.latency_reserve import LatencyDemand
 from policies.timeshift import Deferral
 
@@ -569,6 +572,22 @@ class SchedulingCycle:
             near["near_samples"] = self._near.samples(snap.sites, booked.shape[1])
         return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours),
                        run_time_errors=self.lifecycle.run_times.sorted(), **near)
+
+    def latency_reserve(self) -> dict[tuple[str, int, float], float]:
+        """(site, model column, quantile) -> GPUs kept for latency-bound jobs there, for each quantile the
+        profiles keep (``ShiftPolicy.latency_reserve``; the ``heliotrope_site_latency_reserve_gpus`` gauge).
+        Empty when no profile keeps one or no hour has been sampled yet."""
+        if self._near is None or not self._near.sites:
+            return {}
+        samples = self._near.samples(self._near.sites, self._near.n_models)
+        quantiles = sorted({p.shift.latency_reserve for p in (self.pipeline, *self.profiles.values())
+                            if p.shift is not None and p.shift.latency_reserve is not None})
+        out: dict[tuple[str, int, float], float] = {}
+        for q in quantiles:
+            kept = latency_reserve.reserve(samples, q)
+            for i, m in zip(*np.nonzero(kept > 0), strict=True):
+                out[(self._near.sites[i], int(m), q)] = float(kept[i, m])
+        return out
 
     def deferred_until(self, job_id: str) -> datetime | None:
         """When a deferred job is planned to start (None: not deferred)."""

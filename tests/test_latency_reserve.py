@@ -189,3 +189,10 @@ async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(l
     assert reserve[fra, A100] == 6.0 and reserve[tyo].sum() == 0.0
     assert snap.near_booked[fra, A100, 0] == 6.0  # it still holds them this hour
     assert snap.near_booked[fra, A100, 3] == 0.0  # it is expected to end by then: the reserve is kept free
+    # Operators see it on /metrics.
+    assert b.cycle.latency_reserve() == {("frankfurt", A100, 0.9): 6.0}
+    from prometheus_client import generate_latest
+
+    scraped = generate_latest(b.metrics.registry).decode()
+    assert ('heliotrope_site_latency_reserve_gpus{model="a100-80gb",quantile="0.9",site="frankfurt"} 6.0'
+            in scraped)
