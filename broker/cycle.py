@@ -208,7 +208,7 @@ class PassDecider:
     def reserve(self, deferral: Deferral) -> None:
         """Debit a deferred job's planned hours from the pass's plan, so later jobs plan around it."""
         timeshift.debit(self.snap, deferral.site, deferral.model, deferral.request.charge,
-                        deferral.slot, deferral.slot + deferral.slots)
+                        deferral.slot, deferral.slot + deferral.slots, deferral.request.latency_slo_ms is not None)
 
 
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
@@ -394,7 +394,7 @@ class SchedulingCycle:
                 site = snap.index.get(planned.site)
                 if site is not None:  # its hours are free to plan anew
                     timeshift.credit(snap, timeshift.Booking(site, planned.model, planned.gpus, planned.first,
-                                                             planned.end))
+                                                             planned.end, planned.near))
                     for other in deciders.values():
                         other.unplanned.clear()
             decided += 1
@@ -553,7 +553,9 @@ class SchedulingCycle:
             if not job.state.on_site or site is None or job.gpu_model not in MODEL_INDEX:
                 continue
             began = (job.started_at or job.updated_at).timestamp()
-            end_h = math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S)
+            # a job past its estimate still holds its GPUs this hour (it is in free_gpus, and what
+            # latency-bound jobs hold now is the reserve's sample)
+            end_h = max(math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S), h0 + 1)
             req = self._on_site_request(job)
             calendar.book(site, MODEL_INDEX[job.gpu_model], req.charge, h0, min(end_h, h0 + hours),
                           near=req.latency_slo_ms is not None)

@@ -175,9 +175,10 @@ class BrokerCollector(Collector):
                 if snap.carbon_g_per_kwh.size and math.isfinite(float(snap.carbon_g_per_kwh[snap.index[name]])):
                     carbon_rate.add_metric([name], grams[name])
                 cost_rate.add_metric([name], usd_h[name])
-        kept = _gauge("heliotrope_site_latency_reserve_gpus", "GPUs that deferred work without a latency objective "
-                      "leaves free for jobs with one (ShiftPolicy.latency_reserve: this quantile of what they held "
-                      "at the site hour by hour over the last week)", ["site", "model", "quantile"])
+        kept = _gauge("heliotrope_site_latency_reserve_gpus", "Protection level for jobs with a latency objective "
+                      "(ShiftPolicy.latency_reserve: this quantile of the GPUs they held at the site, hour by hour "
+                      "over the last week); deferred work without one leaves it free less what they hold in each "
+                      "hour", ["site", "model", "quantile"])
         for (name, m, q), gpus in sorted(b.cycle.latency_reserve().items()):
             kept.add_metric([name, GPU_MODEL_IDS[m], f"{q:g}"], gpus)
         yield from (free, total, healthy, age, carbon, price, carbon_rate, cost_rate, kept)

@@ -14,10 +14,12 @@ This reserve is kept only where latency-bound jobs are seen to need it, as much 
   the ``quantile`` of the last ``window_h`` hourly samples, per site and model: what they needed there
   most of the time, and nothing at a site they never used.
 - **How it is kept** (by the plan's search, :mod:`policies.timeshift`): as a protection level (the nested
-  booking limits of revenue management): in each hour of the plan, work without a latency objective that the time-shift plan
-  places (a deferral, or a start now of a job that could wait) leaves free the reserve less what
-  latency-bound jobs already hold or have booked in that hour. Latency-bound jobs may take all of it; a
-  job that cannot wait is not held back (it is placed as if no plan existed).
+  booking limits of revenue management): in each hour of the plan, work without a latency objective that
+  the time-shift plan places (a deferral, or a start now of a job that could wait) leaves free the reserve
+  less what latency-bound jobs already hold or have booked in that hour: it may hold at most the site's
+  GPUs less the larger of the two. Latency-bound jobs may take all of it; a job that cannot wait is not
+  held back (it is placed as if no plan existed), nor is one that could wait when no later start has
+  room either (it starts now rather than wait for nothing).
 
 What it buys and costs on the Philly replays is in the README (Evidence, "Room for latency-bound jobs and a
 bound on a deferral's risk"): at the 0.9 quantile, about half the deadline misses at 30 % utilisation
@@ -50,8 +52,9 @@ class LatencyDemand:
         if window_h < 1:
             raise ValueError(f"window_h must be at least 1, got {window_h}")
         self.window_h = window_h
+        self._slots = window_h + 1  # the open hour's sample and window_h complete ones
         self._sites: tuple[str, ...] = ()
-        self._ring = np.zeros((window_h, 0, 0), dtype=np.float32)  # [hour % window_h, site, model]; NaN: none
+        self._ring = np.zeros((self._slots, 0, 0), dtype=np.float32)  # [hour % slots, site, model]; NaN: none
         self._hour: int | None = None  # the POSIX hour of the latest sample
         self._cache: dict[int, np.ndarray] = {}
 
@@ -71,7 +74,7 @@ class LatencyDemand:
 
     def _follow(self, sites: tuple[str, ...], n_models: int) -> None:
         """Lay the samples out for ``sites`` (in that order), keeping those of the sites that stay."""
-        ring = np.full((self.window_h, len(sites), n_models), np.nan, dtype=np.float32)
+        ring = np.full((self._slots, len(sites), n_models), np.nan, dtype=np.float32)
         if self._ring.shape[2] == n_models:
             was = {name: i for i, name in enumerate(self._sites)}
             for i, name in enumerate(sites):
@@ -91,14 +94,14 @@ class LatencyDemand:
         last = self._hour
         if last is not None and hour < last:
             return  # a sample from the past (a clock stepping back): ignore it
-        slot = self._ring[hour % self.window_h]
+        slot = self._ring[hour % self._slots]
         if hour == last:
             np.fmax(slot, held, out=slot)
             return
         if last is not None:
-            prev = self._ring[last % self.window_h].copy()
-            for h in range(max(last + 1, hour - self.window_h + 1), hour):
-                self._ring[h % self.window_h] = prev
+            prev = self._ring[last % self._slots].copy()
+            for h in range(max(last + 1, hour - self._slots + 1), hour):
+                self._ring[h % self._slots] = prev
         slot[:] = held
         self._hour = hour
         self._cache.clear()
@@ -112,9 +115,9 @@ class LatencyDemand:
             self._follow(sites, n_models)
         out = self._cache.get(0)
         if out is None:
-            filled = ~np.isnan(self._ring).all(axis=(1, 2)) if self._ring.shape[1] else np.zeros(self.window_h, bool)
+            filled = ~np.isnan(self._ring).all(axis=(1, 2)) if self._ring.shape[1] else np.zeros(self._slots, bool)
             if self._hour is not None:
-                filled[self._hour % self.window_h] = False
+                filled[self._hour % self._slots] = False
             out = self._cache[0] = np.sort(np.nan_to_num(self._ring[filled]), axis=0)
         return out
 

@@ -254,7 +254,8 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
                 continue
             model = choose_model(rest, snap, site)
             value = float(move_rates[site, model]) * rest.charge
-            if value <= bar and (best is None or value < best[0]) and _has_room(snap, site, model, rest, at, pipeline.shift):
+            if (value <= bar and (best is None or value < best[0])
+                    and _has_room(snap, site, model, rest, at, pipeline.shift)):
                 best = (value, site, model)
         if best is not None:
             value, site, model = best

@@ -333,6 +333,7 @@ class Snapshot:
             shared_free_milli=self.shared_free_milli.copy(order="F"),
             last_placed=self.last_placed.copy(),
             plan_free=self.plan_free.copy(),
+            near_booked=self.near_booked.copy(),
             quota=self.quota.copy() if self.quota is not None else None,
             mig_free={p: a.copy(order="F") for p, a in self.mig_free.items()},
         )
@@ -350,6 +351,13 @@ class Snapshot:
             end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
             self.plan_free[site, model, 1:max(end, 1)] += req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
+            self._near(site, req, model, end, -1.0)
+
+    def _near(self, site: int, req: JobRequest, model: int, end: int, sign: float) -> None:
+        """What a latency-bound job starting (``sign`` 1) or leaving (-1) now holds in hours [0, ``end``) of
+        the plan, in ``near_booked`` (policies.latency_reserve), as ``plan_free`` debits it."""
+        if req.latency_slo_ms is not None and self.near_booked.shape == self.plan_free.shape:
+            self.near_booked[site, model, 0:max(end, 1)] += sign * req.charge
 
     def assume(self, site: int, req: JobRequest, model: int, *, placed_now: bool = True) -> None:
         """Debit a placement from the working free capacity. ``placed_now`` (a placement of this pass, not
@@ -377,6 +385,7 @@ class Snapshot:
             end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
             self.plan_free[site, model, 1:max(end, 1)] -= req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
+            self._near(site, req, model, end, 1.0)
         if placed_now:
             self.last_placed[0] = site
 

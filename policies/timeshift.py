@@ -105,7 +105,8 @@ class ShiftPolicy(BaseModel):
     max_risk: float | None = Field(
         default=None, ge=0.0, le=1.0,
         description="defer only to a start whose chance of missing the deadline, judged as miss_cost judges it "
-                    "(policies.runtime_risk), is at most this; None: no bound but the price. Needs miss_cost > 0")
+                    "(policies.runtime_risk), is at most this; None: no bound but the price. Needs miss_cost > 0; "
+                    "like the price, judges nothing until 50 jobs have finished")
     headroom: float = Field(default=0.0, ge=0.0, lt=1.0,
                             description="share of each site's GPUs that deferred starts leave free, for work "
                                         "that cannot wait (no slack) or go far (a latency objective: such a job "
@@ -261,7 +262,8 @@ class Calendar:
                 busy = getattr(self, name)
                 if busy is not None:
                     kept = np.zeros_like(busy)
-                    kept[:, :, :busy.shape[2] - drop] = busy[:, :, drop:]
+                    n = max(busy.shape[2] - drop, 0)
+                    kept[:, :, :n] = busy[:, :, drop:drop + n]
                     setattr(self, name, kept)
             self.origin = now_h
 
@@ -295,14 +297,15 @@ class Calendar:
         return out
 
     def near_view(self, now: datetime, hours: int) -> np.ndarray:
-        """float64[n_sites, n_models, hours]: GPUs booked by latency-bound jobs in each hour from the one
-        containing ``now`` (running ones until their expected end, deferred ones from their planned start)."""
+        """float64[n_sites, n_models, hours], a copy for a pass to debit: GPUs booked by latency-bound jobs in
+        each hour from the one containing ``now`` (running ones until their expected end, deferred ones from
+        their planned start)."""
         h0 = epoch_hour(now)
         self.advance(h0)
         self._reach(h0 + hours)
         if self.near is None:
             return np.zeros(self.busy.shape[:2] + (hours,))
-        return self.near[:, :, h0 - self.origin:h0 - self.origin + hours]
+        return self.near[:, :, h0 - self.origin:h0 - self.origin + hours].copy()
 
 
 def run_slots(start_ts: float, duration_s: float) -> tuple[int, int]:
@@ -312,10 +315,15 @@ def run_slots(start_ts: float, duration_s: float) -> tuple[int, int]:
     return first, max(end, first + 1)
 
 
-def debit(snap: Snapshot, site: int, model: int, gpus: float, first_slot: int, end_slot: int) -> None:
-    """Take ``gpus`` from the pass's plan in slots [first_slot, end_slot) (clipped to the plan)."""
+def debit(snap: Snapshot, site: int, model: int, gpus: float, first_slot: int, end_slot: int,
+          near: bool = False) -> None:
+    """Take ``gpus`` from the pass's plan in slots [first_slot, end_slot) (clipped to the plan); ``near``: a
+    latency-bound job's, which the plan's ``near_booked`` counts too (policies.latency_reserve)."""
     if snap.plan_free.size:
-        snap.plan_free[site, model, max(first_slot, 0):max(min(end_slot, snap.plan_free.shape[2]), 0)] -= gpus
+        lo, hi = max(first_slot, 0), max(min(end_slot, snap.plan_free.shape[2]), 0)
+        snap.plan_free[site, model, lo:hi] -= gpus
+        if near and snap.near_booked.shape == snap.plan_free.shape:
+            snap.near_booked[site, model, lo:hi] += gpus
 
 
 def credit(snap: Snapshot, booking: Booking) -> None:
@@ -325,6 +333,8 @@ def credit(snap: Snapshot, booking: Booking) -> None:
         lo, hi = max(booking.first - h0, 1), min(booking.end - h0, snap.plan_free.shape[2])
         if hi > lo:
             snap.plan_free[booking.site, booking.model, lo:hi] += booking.gpus
+            if booking.near and snap.near_booked.shape == snap.plan_free.shape:
+                snap.near_booked[booking.site, booking.model, lo:hi] -= booking.gpus
 
 
 def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
@@ -469,8 +479,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     if policy.max_risk is not None and risk.size:  # a start riskier than that is not planned at all
         penalty = np.where(risk[1:] > policy.max_risk, np.inf, penalty)
     value, slot, site, best_col, value_then = _search.search_later(
-        ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, last_slot,
-        run_hours, min(hours, last_slot + run_hours), penalty)
+        ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near,
+        last_slot, run_hours, min(hours, last_slot + run_hours), penalty)
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
     if math.isfinite(value) and value < threshold:
@@ -499,7 +509,7 @@ def held_back_for(req: JobRequest, snap: Snapshot,
         return _NOTHING_KEPT, _NOTHING_HELD
     kept = snap.derived(("latency-reserve", policy.latency_reserve), latency_reserve.reserve, snap.near_samples,
                         policy.latency_reserve)
-    return kept, snap.near_booked
+    return kept, snap.near_booked  # the pass's own near_booked, which assume, debit and credit keep up
 
 
 def window(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> tuple[int, int]:

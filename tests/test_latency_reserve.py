@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from policies import latency_reserve
 from policies.latency_reserve import LatencyDemand
 from policies.profiles import ProfilesConfig
 from policies.timeshift import Deferral, ShiftPolicy
-from tests.test_timeshift import A100, CARBON_DIR, FLAT, GREEN_AT, NOON, green, request, snapshot
+from tests.test_timeshift import A100, FLAT, NOON, frankfurt_and_tokyo, green, request, snapshot
 
 SITES = ("a", "b")
 
@@ -101,9 +102,50 @@ def test_deferred_work_leaves_the_room_latency_bound_jobs_need_at_a_clean_site()
 
 def test_a_policy_without_the_reserve_or_a_snapshot_without_samples_keeps_nothing() -> None:
     snap = kept(snapshot(NOON, FLAT), 16.0)
+    assert not isinstance(PassDecider(green(latency_reserve=1.0), snap).decide(request()), Deferral)  # all kept
     assert isinstance(PassDecider(green(), snap).decide(request()), Deferral)
     bare = snapshot(NOON, FLAT)
     assert isinstance(PassDecider(green(latency_reserve=1.0), bare).decide(request()), Deferral)
+
+
+def test_a_latency_bound_job_decided_earlier_in_the_pass_counts_toward_the_reserve() -> None:
+    # Reserve 12 of Ashburn's 16. An 8-GPU latency-bound job deferred into hours 3-4 holds 8 of the 12; the
+    # 4-GPU job after it in the same pass may still plan the 4 the reserve leaves (16 - max(12, 8)).
+    snap = kept(snapshot(NOON, FLAT), 12.0)
+    decider = PassDecider(green(latency_reserve=0.9), snap)
+    near = decider.decide(request(job_id="n", count=8, origin_region="gcp:us-east1", latency_slo_ms=40.0))
+    assert isinstance(near, Deferral) and (snap.sites[near.site], near.slot) == ("ashburn", 3)
+    decider.reserve(near)
+    assert snap.near_booked[snap.index["ashburn"], A100, 3:5].tolist() == [8.0, 8.0]
+    other = decider.decide(request(job_id="o"))
+    assert isinstance(other, Deferral) and (snap.sites[other.site], other.slot) == ("ashburn", 3)
+    # A latency-bound job started now counts from hour 0, and stops counting when it is released.
+    toronto = snap.index["toronto"]
+    now = request(job_id="m", count=2, slack_h=None, origin_region="gcp:us-east1", latency_slo_ms=40.0)
+    decider.snap.assume(toronto, now, A100)
+    assert snap.near_booked[toronto, A100, :4].tolist() == [2.0, 2.0, 2.0, 0.0]  # 12:20 to 14:20
+    decider.snap.release(toronto, now, A100)
+    assert not snap.near_booked[toronto].any()
+
+
+def test_the_calendar_counts_latency_bound_bookings_on_their_own() -> None:
+    from policies.timeshift import Calendar, epoch_hour
+
+    h0 = epoch_hour(NOON)
+    calendar = Calendar(2, 3, h0, span_h=8)
+    near = calendar.book(0, 1, 4.0, h0 + 1, h0 + 3, near=True)
+    calendar.book(0, 1, 2.0, h0, h0 + 5)
+    view = calendar.near_view(NOON, 6)
+    assert view[0, 1].tolist() == [0.0, 4.0, 4.0, 0.0, 0.0, 0.0]
+    view[0, 1, 1] = 99.0  # a pass's copy: debiting it does not touch the calendar
+    assert calendar.near_view(NOON, 6)[0, 1, 1] == 4.0
+    calendar.release(near, from_h=h0 + 2)
+    assert calendar.near_view(NOON, 6)[0, 1].tolist() == [0.0, 4.0, 0.0, 0.0, 0.0, 0.0]
+    # Far ahead (more than the calendar's span, less than twice it): the past is dropped, nothing is kept.
+    later = NOON + timedelta(hours=12)
+    calendar.book(0, 1, 1.0, h0 + 12, h0 + 14, near=True)
+    assert calendar.near_view(later, 4)[0, 1].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert calendar.view(later, np.zeros((2, 3)), np.full((2, 3), 8), 4)[0, 1, 1:].tolist() == [7.0, 8.0, 8.0]
 
 
 @settings(max_examples=60, deadline=None)
@@ -137,26 +179,12 @@ def test_the_settings_are_validated_with_the_field_named() -> None:
 
 @pytest.fixture
 async def live(tmp_path):
-    """A broker on a manual clock over Frankfurt (2 ms from gcp:europe-west3) and Tokyo (far from it)."""
-    from broker.clock import ManualClock
-    from broker.config import BrokerSettings
-    from broker.models import SimulatedAdapterConfig
-    from broker.service import Broker
-    from tests.builders import site
-
-    fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
-    sites = [site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin", adapter=fast,
-                  rtt_ms={"gcp:europe-west3": 2.0}),
-             site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=fast,
-                  rtt_ms={"gcp:europe-west3": 230.0})]
-    cfg = {"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
-           "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336},
-           "profiles": {"job_may_choose": ["green", "green-near"], "definitions": {"green-near": {
-               "weights": {"carbon": 1.0}, "shift": {"miss_cost": 30, "latency_reserve": 0.9}}}}}
-    clock = ManualClock(GREEN_AT)
-    b = Broker(BrokerSettings.model_validate(cfg), clock=clock)
-    await b.start(sites, run_loop=False)
-    await b.signals.wait_ready()
+    """Frankfurt 2 ms from gcp:europe-west3, Tokyo far from it; profile green-near keeps the reserve."""
+    b, clock = await frankfurt_and_tokyo(
+        tmp_path,
+        {"frankfurt": {"rtt_ms": {"gcp:europe-west3": 2.0}}, "tokyo": {"rtt_ms": {"gcp:europe-west3": 230.0}}},
+        profiles={"job_may_choose": ["green", "green-near"], "definitions": {"green-near": {
+            "weights": {"carbon": 1.0}, "shift": {"miss_cost": 30, "latency_reserve": 0.9}}}})
     yield b, clock
     await b.stop()
 

@@ -207,8 +207,10 @@ CARBON_DIR = ROOT / "data" / "carbon"
 GREEN_AT = datetime(2022, 6, 15, 2, 10, tzinfo=UTC)  # 11:10 in Tokyo, 04:10 in Frankfurt before its sun is up
 
 
-@pytest.fixture
-async def live(tmp_path):
+async def frankfurt_and_tokyo(tmp_path, site_extra: dict | None = None, **settings):
+    """A started broker on a manual clock at GREEN_AT over Frankfurt and Tokyo (simulated, starting a job
+    after a second), with the shipped carbon data; ``site_extra`` maps a site to more of its spec fields,
+    ``settings`` adds broker settings."""
     from broker.clock import ManualClock
     from broker.config import BrokerSettings
     from broker.models import SimulatedAdapterConfig
@@ -216,14 +218,23 @@ async def live(tmp_path):
     from tests.builders import site
 
     fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
-    sites = [site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin", adapter=fast),
-             site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=fast)]
+    extra = site_extra or {}
+    sites = [site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin", adapter=fast,
+                  **extra.get("frankfurt", {})),
+             site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=fast,
+                  **extra.get("tokyo", {}))]
     cfg = {"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
-           "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336}}
+           "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336}, **settings}
     clock = ManualClock(GREEN_AT)
     b = Broker(BrokerSettings.model_validate(cfg), clock=clock)
     await b.start(sites, run_loop=False)
     await b.signals.wait_ready()
+    return b, clock
+
+
+@pytest.fixture
+async def live(tmp_path):
+    b, clock = await frankfurt_and_tokyo(tmp_path)
     yield b, clock
     await b.stop()
 

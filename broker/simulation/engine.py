@@ -256,6 +256,7 @@ def replay(
     # The room kept for latency-bound jobs (ShiftPolicy.latency_reserve): what they held, sampled hourly.
     near = [r.latency_slo_ms is not None for r in requests]
     demand = LatencyDemand() if shift is not None and shift.latency_reserve is not None else None
+    near_now = np.zeros(base.total_gpus.shape)  # GPUs latency-bound jobs hold now (past their estimates too)
     # Moving running work (profiles with ``migrate``): at every whole hour, the running checkpointable jobs
     # are offered to policies.migration; a move ends the job's piece where it ran and starts the rest, after
     # the workload's restart time, at the new site. A completion queued for an earlier end is then stale.
@@ -292,6 +293,8 @@ def replay(
         if calendar is not None:
             bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s),
                                         near=near[j])
+        if near[j]:
+            near_now[s, m] += gpus_held[j]
         site_of[j], model_of[j] = s, m
         if resumed[j]:  # the rest of a stopped job's run, from its checkpoint
             resumed[j] = False
@@ -333,6 +336,10 @@ def replay(
         seen_before[j] = work_done(j, t, seen=True)[1]
         moved.append((j, site_of[j], model_of[j], began, t))
         done_before[j], last_start[j] = done, t
+        if near[j]:
+            near_now[site_of[j], model_of[j]] -= gpus_held[j]
+            if move.site >= 0:
+                near_now[move.site, move.model] += gpus_held[j]
         if move.site < 0:
             suspensions += 1
             running.discard(j)
@@ -372,6 +379,8 @@ def replay(
                 continue
             running.discard(j)
             s, m = int(site_of[j]), int(model_of[j])
+            if near[j]:
+                near_now[s, m] -= gpus_held[j]
             if fractional[j]:
                 pool = shares[(s, m)]
                 k = share_of.pop(j)
@@ -412,7 +421,8 @@ def replay(
             hourly["plan_free"] = plan
             if demand is not None:
                 hourly["near_booked"] = booked = calendar.near_view(now, shift.plan_hours)
-                demand.observe(epoch_hour(now), base.sites, booked[:, :, 0])
+                booked[:, :, 0] = near_now  # as plan_free's hour 0 is the real free capacity
+                demand.observe(epoch_hour(now), base.sites, near_now)
                 hourly["near_samples"] = demand.samples(base.sites, booked.shape[1])
         snap = replace(base, now=now, free_gpus=free, shared_free_milli=shared_free,
                        carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor,
