@@ -56,6 +56,7 @@ class LatencyDemand:
         self._sites: tuple[str, ...] = ()
         self._ring = np.zeros((self._slots, 0, 0), dtype=np.float32)  # [hour % slots, site, model]; NaN: none
         self._hour: int | None = None  # the POSIX hour of the latest sample
+        self._latest = np.zeros((0, 0), dtype=np.float32)  # the latest sample itself
         self._cache: dict[int, np.ndarray] = {}
 
     @property
@@ -87,7 +88,9 @@ class LatencyDemand:
         """Record ``held`` (float[n_sites, n_models]: GPUs latency-bound jobs hold at each of ``sites``) as
         POSIX hour ``hour``'s sample. A second sample in the same hour keeps the larger (read by
         :meth:`reserve` once the next hour's first sample is in, so the reserve changes once an hour); hours
-        with no sample since the last one repeat it (nothing changed that anyone saw)."""
+        with no sample since the last one hold what the latest sample saw (nothing changed that anyone saw).
+        Sample after deciding as well as before, where passes are few: what a pass starts is held for the
+        rest of the hour."""
         held = np.asarray(held, dtype=np.float32)
         if sites != self._sites or held.shape[1] != self._ring.shape[2]:
             self._follow(sites, held.shape[1])
@@ -97,12 +100,13 @@ class LatencyDemand:
         slot = self._ring[hour % self._slots]
         if hour == last:
             np.fmax(slot, held, out=slot)
+            self._latest = held.copy()
             return
-        if last is not None:
-            prev = self._ring[last % self._slots].copy()
+        if last is not None and self._latest.shape == held.shape:
             for h in range(max(last + 1, hour - self._slots + 1), hour):
-                self._ring[h % self._slots] = prev
+                self._ring[h % self._slots] = self._latest
         slot[:] = held
+        self._latest = held.copy()
         self._hour = hour
         self._cache.clear()
 

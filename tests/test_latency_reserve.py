@@ -45,13 +45,14 @@ def test_the_reserve_is_a_quantile_of_the_hours_seen_the_open_hour_left_out() ->
     assert latency_reserve.reserve(demand.samples(SITES, 1), 1.0)[:, 0].tolist() == [30.0, 4.0]
 
 
-def test_an_hour_keeps_its_largest_sample_and_hours_without_one_repeat_the_last() -> None:
+def test_an_hour_keeps_its_largest_sample_and_hours_without_one_hold_what_the_latest_saw() -> None:
     demand = LatencyDemand(window_h=24)
     demand.observe(100, SITES, np.array([[1.0], [5.0]]))
     demand.observe(100, SITES, np.array([[6.0], [2.0]]))  # a later pass in the same hour
     demand.observe(103, SITES, np.array([[0.0], [0.0]]))  # hours 101 and 102 saw no pass
     samples = demand.samples(SITES, 1)
-    assert samples[:, 0, 0].tolist() == [6.0, 6.0, 6.0] and samples[:, 1, 0].tolist() == [5.0, 5.0, 5.0]
+    # hour 100: the larger of its two samples; 101 and 102: what the latest sample saw, sorted
+    assert samples[:, 0, 0].tolist() == [6.0, 6.0, 6.0] and samples[:, 1, 0].tolist() == [2.0, 2.0, 5.0]
     demand.observe(90, SITES, np.array([[50.0], [50.0]]))  # a clock that stepped back is not believed
     assert latency_reserve.reserve(demand.samples(SITES, 1), 1.0)[:, 0].tolist() == [6.0, 5.0]
 
@@ -224,3 +225,39 @@ async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(l
     scraped = generate_latest(b.metrics.registry).decode()
     assert ('heliotrope_site_latency_reserve_gpus{model="a100-80gb",quantile="0.9",site="frankfurt"} 6.0'
             in scraped)
+
+
+def test_in_a_replay_the_room_kept_lets_a_job_near_its_users_start_at_once(tmp_path) -> None:
+    """Site a (GB, 300 g/kWh) is the only site near europe-west2; c (DE, 400) and b (FR, 500) are not. For
+    two days latency-bound jobs keep a's four A100s busy. Then X (4 GPUs, 20 h, no latency objective) arrives
+    when a is free and cleanest, and Q (4 GPUs, 2 h, near europe-west2, due 2 h after it arrives) an hour
+    later. As shipped, green starts X at a and Q waits twenty hours past its deadline; keeping the room
+    latency-bound jobs were seen to need, X runs at c and Q starts at once."""
+    from dataclasses import replace as with_
+
+    from broker.simulation import engine
+    from broker.simulation.run import prepare
+    from policies.profiles import BUILTIN, SHIFTS, pipeline_for
+    from tests.test_migration import H, _three_sites
+
+    stream = "".join(f"2022-06-{1 + k // 12:02d}T{2 * (k % 12):02d}:00:00,7200,4,near\n" for k in range(24))
+    rows = stream + "2022-06-03T00:00:00,72000,4,x\n2022-06-03T01:00:00,7200,4,q\n"
+    prep = prepare(_three_sites(tmp_path, rows))
+    w = prep.workload
+    n = len(w)
+    near = np.array([True] * 24 + [False, True])
+    deadline = w.deadline_s.copy()
+    deadline[25] = w.submit_s[25] + 2 * H
+    w = with_(w, latency_slo_ms=np.where(near, 20.0, np.nan), deadline_s=deadline,
+              origin_region=np.full(n, w.region_names.index("gcp:europe-west2"), dtype=w.origin_region.dtype))
+    runs = {}
+    for label, reserve in (("as shipped", None), ("room kept", 0.9)):
+        pipeline = pipeline_for(BUILTIN["green"], SHIFTS["green"].model_copy(update={"latency_reserve": reserve}))
+        runs[label] = engine.replay("green", pipeline, w, prep.federation, engine.requests_of(w),
+                                    np.zeros(n, dtype=bool))
+    sites = prep.federation.base.sites
+    shipped, kept_ = runs["as shipped"], runs["room kept"]
+    assert sites[shipped.site[24]] == "a" and shipped.end_s[25] > w.deadline_s[25] + 10 * H
+    assert sites[kept_.site[24]] == "c" and kept_.start_s[25] == w.submit_s[25]
+    assert kept_.end_s[25] <= w.deadline_s[25]
+    assert (kept_.site[:24] == shipped.site[:24]).all() and (kept_.end_s[:24] == shipped.end_s[:24]).all()

@@ -483,6 +483,8 @@ def replay(
             for move in plan_moves(pipeline, decider.snap, offer(t), migrate):
                 apply(move, t)
                 again = True
+        if demand is not None:  # what the pass started is held for the rest of the hour
+            demand.observe(epoch_hour(now), base.sites, near_now)
         if gone:
             queue = [j for j in queue if j not in gone]
             in_queue -= gone
