@@ -22,10 +22,10 @@ This reserve is kept only where latency-bound jobs are seen to need it, as much 
   room either (it starts now rather than wait for nothing).
 
 What it buys and costs on the Philly replays is in the README (Evidence, "Room for latency-bound jobs and a
-bound on a deferral's risk"): at the 0.9 quantile, 11-51 % fewer deadline misses on five of the six
-replays measured, for 0.2-2.4 t more carbon (on the sixth a burst still found the sites full). No built-in
-profile keeps it: at 50 % utilisation in 2021 it takes ``green`` just past its carbon target (19.97 % below
-the best carbon-blind baseline, where 20 % is asked).
+bound on a deferral's risk"): at the 0.9 quantile, 13-48 % fewer deadline misses on five of the six
+replays measured, for at most 2.7 t more carbon (on the sixth a burst still found the sites full). No
+built-in profile keeps it: at 50 % utilisation in 2021 it takes ``green`` past its carbon target (19.8 %
+below the best carbon-blind baseline, where 20 % is asked).
 
 Units: GPUs (a fractional job counts ``milli / 1000`` of one), POSIX hours. Turning it on: a profile's
 ``shift.latency_reserve`` (a quantile in (0, 1]); None, the default, keeps nothing. Pure: the broker and the

@@ -104,7 +104,7 @@ more at 50 % on two draws, lost 0.3 t on the third, and missed 3-22 % more deadl
 
 None keeps room for latency-bound jobs (``latency_reserve``, :mod:`policies.latency_reserve`) or bounds a
 deferral's chance of a miss (``max_risk``): on the 2021 replay at 50 % utilisation the first took ``green``
-just past its carbon target (19.97 % below the best carbon-blind baseline, 20 % asked), the second further,
+past its carbon target (19.8 % below the best carbon-blind baseline, 20 % asked), the second further,
 though together they cut the misses at 30 % to carbon-greedy's or near it (README, Evidence). A platform
 that puts deadlines first sets them."""
 
