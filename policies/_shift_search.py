@@ -144,8 +144,7 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu: np.ndarray, need: float,
                  d_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray,
                  col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray, last_slot: int,
-                 run_hours: int,
-                 span: int, penalty: np.ndarray) -> tuple[float, int, int, int, float]:
+                 run_hours: int, span: int, penalty: np.ndarray) -> tuple[float, int, int, int, float]:
     """(value, slot, site, model column, value without the penalty) of the best start at a whole hour
     ``1 .. last_slot`` where the plan has room in every hour of the run (hours past ``span`` are not
     checked); (inf, 0, 0, 0, inf) when none has.

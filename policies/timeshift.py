@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 HOUR_S = 3600.0
 _CAPACITY_FILTER = "gpus-do-not-fit"
 _NOTHING_KEPT = np.zeros((0, 0), dtype=np.float32)
-_NOTHING_HELD = np.zeros((0, 0, 0))
+_NOTHING_NEAR = np.zeros((0, 0, 0))
 
 
 class ShiftPolicy(BaseModel):
@@ -506,7 +506,7 @@ def held_back_for(req: JobRequest, snap: Snapshot,
     they hold)."""
     if (policy is None or policy.latency_reserve is None or req.latency_slo_ms is not None
             or not snap.near_samples.shape[0] or snap.near_booked.shape != snap.plan_free.shape):
-        return _NOTHING_KEPT, _NOTHING_HELD
+        return _NOTHING_KEPT, _NOTHING_NEAR
     kept = snap.derived(("latency-reserve", policy.latency_reserve), latency_reserve.reserve, snap.near_samples,
                         policy.latency_reserve)
     return kept, snap.near_booked  # the pass's own near_booked, which assume, debit and credit keep up
