@@ -180,6 +180,8 @@ def show_decision(d: dict[str, Any]) -> str:
                 for t in s["terms"]
             )
             lines.append(f"  {mark} {s['site']:<20} score {s['score']:.3f}  [{terms}]")
+            if s.get("passed_over"):
+                lines.append(f"      turned away now: {s['passed_over']}")
     rejected = [s for s in d["sites"] if not s["feasible"]]
     if rejected:
         lines.append("  rejected sites:")

@@ -560,6 +560,10 @@ class SiteVerdict(Strict):
     reasons: list[str] = Field(default_factory=list, description="every filter that rejected the site")
     terms: list[ScoreTerm] = Field(default_factory=list)
     score: float | None = None
+    passed_over: str | None = Field(
+        None, description="why a time-shifting profile's plan turned this site away now although it scored "
+                          "higher than the site chosen (its GPUs are booked within the run, or kept for "
+                          "latency-bound jobs or as headroom); None: it was not")
 
 
 class Decision(Strict):

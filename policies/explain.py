@@ -40,6 +40,7 @@ def record_deferral(pipeline: Pipeline, deferral: Deferral, snap: Snapshot) -> d
     rec = record(pipeline, deferral.placement, snap)
     rec["site"] = rec["model"] = None
     rec["deferred"] = deferral.as_dict(snap.sites)
+    rec.update(_passed_over_record(deferral.passed_over, deferral.n_passed_over, snap))
     return rec
 
 
@@ -79,7 +80,15 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         "site": snap.sites[placement.site] if placement.placed else None,
         "model": ids.GPU_MODEL_IDS[placement.model] if placement.placed else None,
         **_quota_record(req, snap),
+        **_passed_over_record(placement.passed_over, placement.n_passed_over, snap),
     }
+
+
+def _passed_over_record(passed: tuple[tuple[int, str], ...], n_passed: int, snap: Snapshot) -> dict[str, Any]:
+    """The better-scoring sites a time-shifting plan turned away now (site -> why), and how many in all."""
+    if not n_passed:
+        return {}
+    return {"passed_over": {snap.sites[site]: why for site, why in passed}, "n_passed_over": n_passed}
 
 
 def _quota_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
@@ -137,6 +146,7 @@ def render(
     ]
     totals = unpack(rec["totals"], "f8").tolist()
     codes: list[str] = rec["filters"]
+    passed: dict[str, str] = rec.get("passed_over") or {}
     verdicts: list[SiteVerdict] = []
     rejected_by: dict[str, int] = {}
     k = 0  # position among the feasible sites
@@ -158,18 +168,29 @@ def render(
             ScoreTerm(scorer=name, raw=_finite(raw[i]), normalised=norm[k], weight=weight, weighted=weight * norm[k])
             for name, weight, raw, norm in terms
         ]
-        verdicts.append(SiteVerdict(site=site, feasible=True, terms=site_terms, score=totals[k]))
+        verdicts.append(SiteVerdict(site=site, feasible=True, terms=site_terms, score=totals[k],
+                                    passed_over=passed.get(site)))
         k += 1
 
     n_feasible = k
     if rec["site"] is not None:
         outcome = "placed"
         score = next(v.score for v in verdicts if v.site == rec["site"])
-        tied = [v.site for v in verdicts if v.feasible and v.site != rec["site"] and v.score >= score - TIE_EPSILON]
-        summary = (
-            f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): "
-            f"best of {n_feasible} feasible of {len(verdicts)} sites"
-        )
+        tied = [v.site for v in verdicts if v.feasible and v.site != rec["site"] and v.site not in passed
+                and abs(v.score - score) <= TIE_EPSILON]
+        if passed:
+            n_passed = rec.get("n_passed_over", len(passed))
+            summary = (
+                f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): best of {n_feasible} feasible of "
+                f"{len(verdicts)} sites once the plan turned away {n_passed} that scored higher: "
+                + "; ".join(f"{site} ({why})" for site, why in passed.items())
+                + (f" and {n_passed - len(passed)} more" if n_passed > len(passed) else "")
+            )
+        else:
+            summary = (
+                f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): "
+                f"best of {n_feasible} feasible of {len(verdicts)} sites"
+            )
         if tied:
             summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
     elif deferred_until is not None or rec.get("deferred"):

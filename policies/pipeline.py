@@ -74,6 +74,10 @@ class Placement:
     feasible: np.ndarray  # int[k]: indices of the sites that passed every filter
     terms: tuple[TermArrays, ...]
     totals: np.ndarray  # float64[k]: weighted sum per feasible site
+    # Better-scoring feasible sites a time-shifting profile's plan turned away (site index, why), the first
+    # policies.timeshift.PASSED_OVER_KEPT of n_passed_over: their GPUs are booked within the run, or kept.
+    passed_over: tuple[tuple[int, str], ...] = ()
+    n_passed_over: int = 0
 
     @property
     def placed(self) -> bool:

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from broker import ids
 from policies import _shift_search as _search
 from policies import latency_reserve, runtime_risk
 from policies.scorers._usable import usable_models
@@ -74,6 +75,8 @@ HOUR_S = 3600.0
 _CAPACITY_FILTER = "gpus-do-not-fit"
 _NOTHING_KEPT = np.zeros((0, 0), dtype=np.float32)
 _NOTHING_NEAR = np.zeros((0, 0, 0))
+PASSED_OVER_KEPT = 8
+"""How many of the better-scoring sites a start now passed over are named, with the reason, in a decision."""
 
 
 class ShiftPolicy(BaseModel):
@@ -183,6 +186,10 @@ class Deferral:
     # P(missing the deadline) starting now and at ``start`` (policies.runtime_risk); NaN: not priced
     risk_now: float = math.nan
     risk_then: float = math.nan
+    # The profile's better-scoring sites the plan turned away now, and why (the first PASSED_OVER_KEPT of
+    # n_passed_over): their GPUs are booked within the run, or kept for latency-bound jobs or as headroom.
+    passed_over: tuple[tuple[int, str], ...] = ()
+    n_passed_over: int = 0
 
     placed = False
 
@@ -192,14 +199,19 @@ class Deferral:
         if self.now_site < 0 or not math.isfinite(self.value_now):
             return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because no site can take it now without "
                     f"breaking a plan; reserved on {then} ({self.value_then:.3g} {unit} forecast)"
-                    + self._risk_text())
+                    + self._passed_text(sites) + self._risk_text())
         saving = 1.0 - self.value_then / self.value_now if self.value_now > 0 else 0.0
         text = (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because {self.objective} forecast on {then} is "
                 f"{self.value_then:.3g} {unit} against {self.value_now:.3g} {unit} starting now on "
                 f"{sites[self.now_site]} ({saving:.0%} less)")
         if self.best_now_site >= 0 and self.best_now_site != self.now_site:
             text += f"; the best start now, on {sites[self.best_now_site]}, is {self.best_now:.3g} {unit}"
-        return text + self._risk_text()
+        return text + self._passed_text(sites) + self._risk_text()
+
+    def _passed_text(self, sites: tuple[str, ...]) -> str:
+        if not self.n_passed_over:
+            return ""
+        return "; turned away now: " + passed_over_text(sites, self.passed_over, self.n_passed_over)
 
     def _risk_text(self) -> str:
         if self.risk_then != self.risk_then:  # not priced
@@ -214,6 +226,14 @@ class Deferral:
                 "deadline_risk": ({"now": self.risk_now, "then": self.risk_then}
                                   if self.risk_then == self.risk_then else None),
                 "reason": self.reason(sites)}
+
+
+def passed_over_text(sites: tuple[str, ...], passed: tuple[tuple[int, str], ...], n_passed: int) -> str:
+    """The better-scoring sites a plan turned away now, in words: "site (why); site (why) and N more"."""
+    text = "; ".join(f"{sites[site]} ({why})" for site, why in passed)
+    if n_passed > len(passed):
+        text += f" and {n_passed - len(passed)} more"
+    return text
 
 
 def epoch_hour(when: datetime) -> int:
@@ -436,21 +456,50 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         return bool(_search.room_now(plan_free, site, int(col[site]) if column is None else column,
                                      1 if req.fractional else 0, now_hours, need, reserve_all, kept, near))
 
+    def why_not_now(site: int, column: int) -> str:
+        # Why a run starting now at ``site`` does not fit the plan, for the explanation (a rare path: the
+        # profile's choice was turned away): the first hour short of room with nothing kept, else what is kept.
+        first = 1 if req.fractional else 0
+        if not _search.room_now(plan_free, site, column, first, now_hours, need, no_headroom, _NOTHING_KEPT,
+                                _NOTHING_NEAR):
+            short = plan_free[site, column, first:now_hours] < np.float32(need) - _search.EPS32
+            hour = int(short.argmax()) + first
+            model = ids.GPU_MODEL_IDS[column]
+            if not hour:
+                return f"its {model} GPUs are not free now"
+            at = datetime.fromtimestamp(hour0 + hour * HOUR_S, tz=UTC)
+            return (f"its {model} GPUs are booked from {at:%Y-%m-%dT%H:%MZ}, within this run's expected "
+                    f"{d_h:.3g} h, by running or deferred jobs")
+        if kept.size and _search.room_now(plan_free, site, column, first, now_hours, need, reserve_all,
+                                          _NOTHING_KEPT, _NOTHING_NEAR):
+            return (f"it would take the room kept for latency-bound jobs: {float(kept[site, column]):g} "
+                    f"{ids.GPU_MODEL_IDS[column]} GPUs at latency_reserve {policy.latency_reserve:g}")
+        return f"it would take the headroom kept for work that cannot wait: headroom {policy.headroom:g}"
+
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
     now_site = -1
     chosen = placement
+    passed: list[tuple[int, str]] = []  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
+    n_passed = 0
     if placement.placed:
         if not ok[placement.site] or fits_now(placement.site, placement.model):
             now_site = placement.site
         else:
+            no_headroom = np.zeros(snap.n_sites, dtype=np.float32)
             for k in np.argsort(-placement.totals, kind="stable"):
                 site = int(placement.feasible[k])
                 if not ok[site]:
+                    n_passed += 1
+                    if len(passed) < PASSED_OVER_KEPT:
+                        passed.append((site, "the plan cannot check it: its zone has no complete forecast"))
                     continue
                 moved = _moved(placement, snap, site)
                 if fits_now(site, moved.model):
-                    now_site, chosen = site, moved
+                    now_site, chosen = site, replace(moved, passed_over=tuple(passed), n_passed_over=n_passed)
                     break
+                n_passed += 1
+                if len(passed) < PASSED_OVER_KEPT:
+                    passed.append((site, why_not_now(site, moved.model)))
     best_now = (value_now(now_site, chosen.model) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
     # Waiting must buy something that starting now cannot: the bar is the profile's choice or the best
     # start now at any site the plan allows, whichever is lower (a profile that weighs more than carbon
@@ -491,6 +540,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
             risk_now=float(risk[0]) if risk.size else math.nan,
             risk_then=float(risk[slot + 1]) if risk.size else math.nan,
+            passed_over=tuple(passed) if now_site < 0 else chosen.passed_over,
+            n_passed_over=n_passed if now_site < 0 else chosen.n_passed_over,
         )
     if now_site >= 0:
         return chosen

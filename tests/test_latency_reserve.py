@@ -22,7 +22,7 @@ from policies import latency_reserve
 from policies.latency_reserve import LatencyDemand
 from policies.profiles import ProfilesConfig
 from policies.timeshift import Deferral, ShiftPolicy
-from tests.test_timeshift import A100, FLAT, NOON, frankfurt_and_tokyo, green, request, snapshot
+from tests.test_timeshift import A100, FLAT, NOON, explained, frankfurt_and_tokyo, green, request, snapshot
 
 SITES = ("a", "b")
 
@@ -99,6 +99,30 @@ def test_deferred_work_leaves_the_room_latency_bound_jobs_need_at_a_clean_site()
     plain.reserve(plain.decide(request(job_id="a")))
     again = plain.decide(request(job_id="b"))
     assert isinstance(again, Deferral) and (snap.sites[again.site], again.slot) == ("ashburn", 3)
+
+
+def test_a_site_turned_away_for_the_reserve_is_named_in_the_decision() -> None:
+    # Ashburn is the cleanest all day, but latency-bound jobs held 14 of its 16 A100s: a 4-GPU job that
+    # could wait starts now at Toronto instead, and its decision says why not Ashburn.
+    forecast = {"toronto": [300.0] * 48, "ashburn": [100.0] * 48, "frankfurt": [600.0] * 48, "sydney": [600.0] * 48}
+    snap = kept(snapshot(NOON, forecast), 14.0)
+    pipeline, req = green(latency_reserve=0.9), request()
+    outcome = PassDecider(pipeline, snap).decide(req)
+    assert outcome.placed and snap.sites[outcome.site] == "toronto"
+    decision, text = explained(pipeline, outcome, snap, req)
+    why = "it would take the room kept for latency-bound jobs: 14 a100-80gb GPUs at latency_reserve 0.9"
+    assert f"turned away 1 that scored higher: ashburn ({why})" in decision.summary
+    assert next(v for v in decision.sites if v.site == "ashburn").passed_over == why
+    # When no other site has room now, the job is deferred to the first room elsewhere (Toronto, once its
+    # GPUs are no longer booked at 17:00), and the deferral says Ashburn was turned away for the reserve.
+    full = kept(snapshot(NOON, forecast, free={"toronto": 0, "frankfurt": 0, "sydney": 0},
+                         booked={"toronto": (8, 1, 5), "frankfurt": (16, 1, 97), "sydney": (8, 1, 97)}), 14.0)
+    deferred = PassDecider(pipeline, full).decide(req)
+    assert isinstance(deferred, Deferral) and (full.sites[deferred.site], deferred.slot) == ("toronto", 5)
+    assert deferred.reason(full.sites).endswith(f"; turned away now: ashburn ({why})")
+    decision, text = explained(pipeline, deferred, full, req)
+    assert decision.outcome == "deferred" and f"turned away now: ashburn ({why})" in decision.summary
+    assert next(v for v in decision.sites if v.site == "ashburn").passed_over == why
 
 
 def test_a_policy_without_the_reserve_or_a_snapshot_without_samples_keeps_nothing() -> None:

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 from broker.config import load_config
+from broker.cli import show_decision
 from broker.cycle import PassDecider
 from broker.data.carbon import load_carbon
 from broker.models import Health, ModelCapacity, SiteState
 from broker import ids
+from policies import explain
 from policies.profiles import BUILTIN, pipeline_for
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, build_snapshot, replace_forecast
 from policies.timeshift import Calendar, Deferral, ShiftPolicy, epoch_hour, run_slots
@@ -134,6 +136,39 @@ def test_a_plan_full_at_the_clean_hour_sends_the_job_to_the_next_best_start() ->
     snap = snapshot(NOON, FLAT, booked={"ashburn": (16, 3, 5)})
     outcome = decide(green(), request(), snap)
     assert isinstance(outcome, Deferral) and (snap.sites[outcome.site], outcome.slot) == ("ashburn", 5)
+
+
+def explained(pipeline, outcome, snap, req):
+    """The decision a user reads for ``outcome`` (``GET /v1/jobs/{id}/decision``), and the CLI's text of it."""
+    rec = (explain.record_deferral(pipeline, outcome, snap) if isinstance(outcome, Deferral)
+           else explain.record(pipeline, outcome, snap))
+    decision = explain.render(rec, req, {f.code: f for f in pipeline.filters}, 1)
+    return decision, show_decision(decision.model_dump(mode="json"))
+
+
+def test_a_start_now_moved_off_the_profiles_choice_names_the_site_turned_away_and_why() -> None:
+    # Flat forecasts, Toronto the cleanest: the profile picks it, but its 8 A100s are booked from 13:00 (the
+    # next hour) by running or deferred jobs, so a 2-hour run from 12:20 would take them. Nothing is saved by
+    # waiting: the job starts now at the best-scoring site whose run fits, Ashburn, and says why not Toronto.
+    flat = {"toronto": [300.0] * 48, "ashburn": [500.0] * 48, "frankfurt": [600.0] * 48, "sydney": [600.0] * 48}
+    snap = snapshot(NOON, flat, booked={"toronto": (8, 1, 97)})
+    req = request()
+    outcome = decide(green(), req, snap)
+    assert outcome.placed and snap.sites[outcome.site] == "ashburn"
+    decision, text = explained(green(), outcome, snap, req)
+    verdicts = {v.site: v for v in decision.sites}
+    assert verdicts["toronto"].score > verdicts["ashburn"].score
+    why = "its a100-80gb GPUs are booked from 2022-06-10T13:00Z, within this run's expected 2 h, by running or deferred jobs"
+    assert verdicts["toronto"].passed_over == why and verdicts["ashburn"].passed_over is None
+    assert decision.summary.startswith("placed on ashburn (a100-80gb, score ")
+    assert f"once the plan turned away 1 that scored higher: toronto ({why})" in decision.summary
+    assert "tied" not in decision.summary  # a better score is not a tie
+    assert f"turned away now: {why}" in text
+    # The profile's own choice, where it fits, carries no such note.
+    free = snapshot(NOON, flat)
+    plain = decide(green(), req, free)
+    assert snap.sites[plain.site] == "toronto" and not plain.passed_over
+    assert "turned away" not in explained(green(), plain, free, req)[0].summary
 
 
 def test_two_jobs_in_one_pass_do_not_plan_the_same_gpus() -> None:

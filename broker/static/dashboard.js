@@ -652,7 +652,8 @@ function renderDecision(job, d, problem) {
         const terms = new Map(v.terms.map((t) => [t.scorer, t]));
         const isChosen = d.outcome === "placed" && v.site === d.site;
         return h("tr", { class: isChosen ? "chosen" : "", dataset: { site: v.site } },
-          h("td", {}, h("b", {}, v.site), isChosen ? h("span", { class: "chosen-mark" }, "chosen") : null),
+          h("td", {}, h("b", {}, v.site), isChosen ? h("span", { class: "chosen-mark" }, "chosen") : null,
+            v.passed_over ? h("div", { class: "reason passed-over" }, `turned away now: ${v.passed_over}`) : null),
           scorers.map((name) => {
             const t = terms.get(name);
             if (!t) return h("td", { class: "term" }, "–");
