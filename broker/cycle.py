@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import logging
 import math
 import time
@@ -211,6 +212,7 @@ class PassDecider:
                         deferral.slot, deferral.slot + deferral.slots, deferral.request.latency_slo_ms is not None)
 
 
+LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bound jobs held (put_state)
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 
@@ -261,6 +263,7 @@ class SchedulingCycle:
         self._deferred: dict[str, _Planned] = {}
         # What latency-bound jobs held, hour by hour, for profiles that keep room for them (policies.latency_reserve).
         self._near = LatencyDemand() if any(s.latency_reserve is not None for s in shifts) else None
+        self._near_saved: int | None = None  # the hour of the latest sample the store holds
         if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
             book.active.queue.reorder(_by_urgency, book.active.get)
         # The groups the last full pass found no site for (``broker.queue``): their jobs it did not decide
@@ -315,12 +318,14 @@ class SchedulingCycle:
                 if self._near is not None and self._near.hour != timeshift.epoch_hour(now):
                     # once an hour all the same: what latency-bound jobs hold is learned from every hour
                     self._with_plan(self.federation.freeze(now))
+                    await self._keep_learned()
             return CycleReport(full=full, decided=0, placed=0, unplaceable=0)
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
         if self._plan_hours:
             snap = self._with_plan(snap)
+            await self._keep_learned()
         # 3. decide, and assume each placement in memory at once (its store write is queued at once too)
         assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write)
         records: list[tuple[Job, dict[str, Any]]] = []
@@ -574,6 +579,39 @@ class SchedulingCycle:
             near["near_samples"] = self._near.samples(snap.sites, booked.shape[1])
         return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours),
                        run_time_errors=self.lifecycle.run_times.sorted(), **near)
+
+    async def restore_learned(self) -> bool:
+        """When this broker takes charge: what latency-bound jobs held, hour by hour, as the store keeps it
+        (saved at the first sample of each hour), so the room kept for them is not learned again from
+        nothing. Returns whether a stored demand was taken; one that cannot be read is ignored, with a warning."""
+        if self._near is None:
+            return False
+        try:
+            doc = await self.store.get_state(LATENCY_DEMAND_STATE)
+        except StoreError as e:
+            log.warning("could not read the stored latency demand (%s); learning it again", e)
+            return False
+        if doc is None:
+            return False
+        try:
+            self._near = LatencyDemand.restore(json.loads(doc))
+        except ValueError as e:
+            log.warning("ignoring the stored latency demand: %s; learning it again", e)
+            return False
+        self._near_saved = self._near.hour
+        return True
+
+    async def _keep_learned(self) -> None:
+        """Save the latency demand once an hour, at its first sample of the hour (the hour before is complete)."""
+        near = self._near
+        if near is None or near.hour is None or near.hour == self._near_saved or not self.may_act():
+            return
+        try:
+            await self.store.put_state(LATENCY_DEMAND_STATE, json.dumps(near.state()))
+        except StoreError as e:  # tried again at the next pass
+            log.warning("could not save the latency demand: %s", e)
+            return
+        self._near_saved = near.hour
 
     def latency_reserve(self) -> dict[tuple[str, int, float], float]:
         """(site, model column, quantile) -> GPUs kept for latency-bound jobs there, for each quantile the

@@ -31,10 +31,15 @@ Units: GPUs (a fractional job counts ``milli / 1000`` of one), POSIX hours. Turn
 ``shift.latency_reserve`` (a quantile in (0, 1]); None, the default, keeps nothing. Pure: the broker and the
 simulator own the samples (:class:`LatencyDemand`) and hand each pass their sorted samples
 (``Snapshot.near_samples``) and what latency-bound jobs hold in each hour of the plan
-(``Snapshot.near_booked``).
+(``Snapshot.near_booked``). The broker keeps the samples in its store (:meth:`LatencyDemand.state`), so a
+broker that restarts or takes over from another replica does not learn the week again.
 """
 
 from __future__ import annotations
+
+import base64
+import zlib
+from typing import Any
 
 import numpy as np
 
@@ -110,6 +115,35 @@ class LatencyDemand:
         self._hour = hour
         self._cache.clear()
 
+    def state(self) -> dict[str, Any]:
+        """The samples as a JSON-ready document (:meth:`restore` reads it back): the ring of hours, zlib
+        compressed (hours not sampled and sites never used compress to almost nothing)."""
+        return {"v": STATE_VERSION, "window_h": self.window_h, "hour": self._hour, "sites": list(self._sites),
+                "n_models": self.n_models, "ring": _pack(self._ring),
+                # the latest sample, where it is laid out for these sites (samples() may have followed others)
+                "latest": _pack(self._latest if self._latest.shape == self._ring.shape[1:] else np.zeros(0))}
+
+    @classmethod
+    def restore(cls, doc: dict[str, Any], window_h: int = WINDOW_H) -> LatencyDemand:
+        """A demand from :meth:`state`'s document. Raises ValueError when the document is not one this
+        release wrote, or was kept over another window (a ring of another length means other hours)."""
+        if not isinstance(doc, dict) or doc.get("v") != STATE_VERSION:
+            raise ValueError(f"not a latency demand document of version {STATE_VERSION}")
+        if doc.get("window_h") != window_h:
+            raise ValueError(f"kept over {doc.get('window_h')} hours, not {window_h}")
+        demand = cls(window_h)
+        try:
+            sites = tuple(str(name) for name in doc["sites"])
+            n_models = int(doc["n_models"])
+            hour = doc["hour"]
+            ring = _unpack(doc["ring"], (demand._slots, len(sites), n_models))
+            latest = _unpack(doc["latest"], (len(sites), n_models), empty_ok=True)
+        except (KeyError, TypeError, ValueError, zlib.error) as e:
+            raise ValueError(f"a latency demand document that cannot be read: {e}") from None
+        demand._sites, demand._ring, demand._latest = sites, ring, latest
+        demand._hour = None if hour is None else int(hour)
+        return demand
+
     def samples(self, sites: tuple[str, ...], n_models: int) -> np.ndarray:
         """float32[k, n_sites, n_models]: each site's samples of the last ``window_h`` hours, the latest
         hour's (still open) one left out, sorted ascending along the first axis, for :func:`reserve` (a site
@@ -124,6 +158,23 @@ class LatencyDemand:
                 filled[self._hour % self._slots] = False
             out = self._cache[0] = np.sort(np.nan_to_num(self._ring[filled]), axis=0)
         return out
+
+
+STATE_VERSION = 1
+
+
+def _pack(values: np.ndarray) -> str:
+    return base64.b64encode(zlib.compress(np.ascontiguousarray(values, dtype="<f4").tobytes(), 6)).decode()
+
+
+def _unpack(text: str, shape: tuple[int, ...], empty_ok: bool = False) -> np.ndarray:
+    raw = zlib.decompress(base64.b64decode(text, validate=True))
+    values = np.frombuffer(raw, dtype="<f4")
+    if empty_ok and not values.size:
+        return np.zeros((0, 0), dtype=np.float32)
+    if values.size != int(np.prod(shape)):
+        raise ValueError(f"{values.size} values where {shape} needs {int(np.prod(shape))}")
+    return values.reshape(shape).astype(np.float32)  # a writable copy
 
 
 def reserve(samples: np.ndarray, quantile: float) -> np.ndarray:

@@ -9,6 +9,7 @@ to 8, Toronto (8 A100s) medium all day; a job 40 ms from gcp:us-east1 may run on
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from datetime import timedelta
 
@@ -68,6 +69,39 @@ def test_a_site_that_joins_has_no_reserve_and_one_that_stays_keeps_its_samples()
     demand.observe(103, ("b", "c"), np.array([[7.0], [9.0]]))
     reserve = latency_reserve.reserve(demand.samples(("b", "c"), 1), 0.5)[:, 0]
     assert reserve.tolist() == [7.0, 0.0]  # c: two hours of 0 before it joined, one of 9
+
+
+def test_the_samples_survive_a_round_trip_through_their_stored_document() -> None:
+    demand = held([[0, 4], [2, 4], [8, 4], [2, 4], [30, 4]])
+    doc = json.loads(json.dumps(demand.state()))
+    back = LatencyDemand.restore(doc, window_h=24)
+    assert back.hour == 104 and back.sites == SITES
+    assert np.array_equal(back.samples(SITES, 1), demand.samples(SITES, 1))
+    # The latest sample came back too: hour 105, with no pass, holds what hour 104 saw (30 GPUs at a).
+    back.observe(106, SITES, np.array([[1.0], [1.0]]))
+    assert latency_reserve.reserve(back.samples(SITES, 1), 0.5)[:, 0].tolist() == [8.0, 4.0]  # 0 2 2 8 30 30
+    # Laid out for a third site that a pass saw: the samples come back in that layout.
+    demand.samples(("a", "b", "c"), 1)
+    wider = LatencyDemand.restore(json.loads(json.dumps(demand.state())), window_h=24)
+    assert np.array_equal(wider.samples(("a", "b", "c"), 1), demand.samples(("a", "b", "c"), 1))
+    with pytest.raises(ValueError, match="kept over 24 hours, not 168"):
+        LatencyDemand.restore(doc)
+    with pytest.raises(ValueError, match="cannot be read"):
+        LatencyDemand.restore(doc | {"ring": "not base64!"}, window_h=24)
+    with pytest.raises(ValueError, match="version 1"):
+        LatencyDemand.restore({"v": 99}, window_h=24)
+
+
+async def test_a_stored_demand_that_cannot_be_read_is_ignored_and_learned_again(live, caplog) -> None:
+    from broker.cycle import LATENCY_DEMAND_STATE
+
+    b, _ = live
+    await b.store.put_state(LATENCY_DEMAND_STATE, '{"v": 1, "window_h": 168, "sites": ["frankfurt"]}')
+    assert await b.cycle.restore_learned() is False
+    assert "ignoring the stored latency demand" in caplog.text
+    assert b.cycle.latency_reserve() == {}
+    await b.cycle.run_once(full=True)  # the cycle goes on, and saves what it learns over the bad document
+    assert json.loads(await b.store.get_state(LATENCY_DEMAND_STATE))["sites"] == ["frankfurt", "tokyo"]
 
 
 def kept(snap, gpus: float, booked: np.ndarray | None = None):
@@ -202,19 +236,21 @@ def test_the_settings_are_validated_with_the_field_named() -> None:
     assert profiles.shift("green-near").latency_reserve == 0.9 and profiles.shift("green-near").max_risk == 0.05
 
 
+LIVE_SETTINGS = dict(
+    site_extra={"frankfurt": {"rtt_ms": {"gcp:europe-west3": 2.0}}, "tokyo": {"rtt_ms": {"gcp:europe-west3": 230.0}}},
+    profiles={"job_may_choose": ["green", "green-near"], "definitions": {"green-near": {
+        "weights": {"carbon": 1.0}, "shift": {"miss_cost": 30, "latency_reserve": 0.9}}}})
+
+
 @pytest.fixture
 async def live(tmp_path):
     """Frankfurt 2 ms from gcp:europe-west3, Tokyo far from it; profile green-near keeps the reserve."""
-    b, clock = await frankfurt_and_tokyo(
-        tmp_path,
-        {"frankfurt": {"rtt_ms": {"gcp:europe-west3": 2.0}}, "tokyo": {"rtt_ms": {"gcp:europe-west3": 230.0}}},
-        profiles={"job_may_choose": ["green", "green-near"], "definitions": {"green-near": {
-            "weights": {"carbon": 1.0}, "shift": {"miss_cost": 30, "latency_reserve": 0.9}}}})
+    b, clock = await frankfurt_and_tokyo(tmp_path, **LIVE_SETTINGS)
     yield b, clock
     await b.stop()
 
 
-async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(live) -> None:
+async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(live, tmp_path) -> None:
     # A job 50 ms from Frankfurt's region may run only there; it holds 6 of Frankfurt's 8 A100s for five
     # hours. The pass's plan learns that, hour by hour, and keeps those GPUs from deferred work (a profile
     # that keeps the reserve: green-near here).
@@ -249,6 +285,14 @@ async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(l
     scraped = generate_latest(b.metrics.registry).decode()
     assert ('heliotrope_site_latency_reserve_gpus{model="a100-80gb",quantile="0.9",site="frankfurt"} 6.0'
             in scraped)
+    # A broker that restarts on the same database keeps what was learned: the reserve holds before its
+    # first pass, instead of being learned again hour by hour.
+    await b.stop()
+    again, _ = await frankfurt_and_tokyo(tmp_path, **LIVE_SETTINGS)
+    try:
+        assert again.cycle.latency_reserve() == {("frankfurt", A100, 0.9): 6.0}
+    finally:
+        await again.stop()
 
 
 def test_in_a_replay_the_room_kept_lets_a_job_near_its_users_start_at_once(tmp_path) -> None:

@@ -229,6 +229,14 @@ async def test_sites_are_listed_by_name_replaced_in_place_and_deleted(store: Sto
     assert [s.name for s in await store.list_sites()] == ["zeta"]
 
 
+async def test_learned_state_is_kept_by_name_and_replaced(store: Store):
+    assert await store.get_state("latency-demand") is None
+    await store.put_state("latency-demand", '{"hour": 1}')
+    await store.put_state("other", "{}")
+    await store.put_state("latency-demand", '{"hour": 2}')
+    assert await store.get_state("latency-demand") == '{"hour": 2}' and await store.get_state("other") == "{}"
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "memory", "postgres"])
 async def test_a_store_that_is_not_open_refuses_reads_and_writes(backend: str, tmp_path: Path):
     s: Store = {"sqlite": lambda: SQLiteStore(tmp_path / "h.db"), "memory": MemoryStore,
@@ -305,6 +313,9 @@ async def test_a_fenced_store_whose_epoch_was_superseded_writes_nothing_but_stil
         await store.put_site(site("beta"))
     with pytest.raises(Fenced):
         await store.delete_site("alpha")
+    with pytest.raises(Fenced):  # what the cycle learned is the leader's to keep
+        await store.put_state("latency-demand", "{}")
+    assert await store.get_state("latency-demand") is None
     assert await store.get_job(job.id) == placed, "a fenced update was applied"
     assert [e["state"] for e in await store.job_events(job.id)] == ["queued", "dispatching"]
     stored = await store.get_decision(job.id)

@@ -166,6 +166,12 @@ class Store(Protocol):
 
     async def list_tokens(self) -> list[str]: ...
 
+    # what the scheduling cycle learns and a broker taking charge should not learn again (JSON by name;
+    # written by the leader only, like the sites)
+    async def put_state(self, name: str, doc: str) -> None: ...
+
+    async def get_state(self, name: str) -> str | None: ...
+
     # leadership (one ``leader`` row; its lease is judged by the database's clock where there is one)
     async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:
         """Take the lease if it is free, expired or already the caller's; return the epoch (bumped by one when

@@ -64,6 +64,7 @@ class MemoryStore(QueuedUpdates):
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._decisions: dict[str, StoredDecision] = {}
         self._sites: dict[str, SiteSpec] = {}
+        self._state: dict[str, str] = {}  # put_state: name -> JSON
         self._tokens: dict[str, tuple[str, str]] = {}  # token id -> (digest, record JSON)
         self._leader: tuple[str, int, float] | None = None  # holder, epoch, expires at (time.monotonic())
         self._fence: int | None = None
@@ -263,6 +264,17 @@ class MemoryStore(QueuedUpdates):
     async def list_sites(self) -> list[SiteSpec]:
         self._check_open()
         return [self._sites[name] for name in sorted(self._sites)]
+
+    # --- learned state ---
+
+    async def put_state(self, name: str, doc: str) -> None:
+        self._check_open()
+        self._check_fence()
+        self._state[name] = doc
+
+    async def get_state(self, name: str) -> str | None:
+        self._check_open()
+        return self._state.get(name)
 
     # --- tokens (broker.auth) ---
 

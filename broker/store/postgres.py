@@ -91,6 +91,10 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE tokens (id TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, doc TEXT NOT NULL);
     """,
+    # 4: what the scheduling cycle learns, kept across restarts and takeovers (Store.put_state)
+    """
+    CREATE TABLE broker_state (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
+    """,
 )
 
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
@@ -417,6 +421,18 @@ class PostgresStore(SqlWriteQueue):
     async def release_leadership(self, holder: str, epoch: int) -> None:
         self._check_writable()
         await self._call("execute", _RELEASE, LEADER, holder, epoch)
+
+    # --- learned state ---
+
+    async def put_state(self, name: str, doc: str) -> None:
+        await self._submit(self._new_write([(
+            "INSERT INTO broker_state (name, doc) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE SET doc = excluded.doc",
+            (name, doc),
+        )], fenced=True))
+
+    async def get_state(self, name: str) -> str | None:
+        row = await self._one("SELECT doc FROM broker_state WHERE name = $1", name)
+        return None if row is None else row[0]
 
     # --- tokens (broker.auth) ---
 

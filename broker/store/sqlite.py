@@ -88,6 +88,10 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE tokens (id TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, doc TEXT NOT NULL);
     """,
+    # 4: what the scheduling cycle learns, kept across restarts and takeovers (Store.put_state)
+    """
+    CREATE TABLE broker_state (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
+    """,
 )
 
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
@@ -416,6 +420,18 @@ class SQLiteStore(SqlWriteQueue):
     async def list_sites(self) -> list[SiteSpec]:
         rows = await self._all("SELECT doc FROM sites ORDER BY name", ())
         return [SiteSpec.model_validate_json(r[0]) for r in rows]
+
+    # --- learned state ---
+
+    async def put_state(self, name: str, doc: str) -> None:
+        await self._submit(self._new_write([(
+            "INSERT INTO broker_state (name, doc) VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET doc = excluded.doc",
+            (name, doc),
+        )], fenced=True))
+
+    async def get_state(self, name: str) -> str | None:
+        row = await self._one("SELECT doc FROM broker_state WHERE name = ?", (name,))
+        return None if row is None else row[0]
 
     # --- tokens (broker.auth) ---
 
