@@ -73,12 +73,13 @@ from typing import Any, Literal
 import aiomqtt
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from adapters.base import AttemptLookup, EventKind, JobEvent, QuotaAdmin, SiteAdapter
+from adapters.base import AttemptLookup, EventKind, JobEvent, Preempter, QuotaAdmin, SiteAdapter
 from adapters.mqtt_protocol import (
     PUBLISH_TIMEOUT_S,
     Ack,
     AttemptReport,
     Cancel,
+    Preempt,
     Dispatch,
     EventMsg,
     Heartbeat,
@@ -523,10 +524,10 @@ class SiteAgent:
                         self._outbox.pop(msg_id, None)
             case LeaseGrant():
                 self._on_lease(msg)
-            case Dispatch() | Cancel() | QuotaCommand():
+            case Dispatch() | Cancel() | Preempt() | QuotaCommand():
                 self._spawn(self._answer(msg))
 
-    async def _answer(self, cmd: Dispatch | Cancel | QuotaCommand) -> None:
+    async def _answer(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand) -> None:
         reply = self._replies.get(cmd.msg_id)
         if reply is None:
             working = self._working.get(cmd.msg_id)
@@ -548,13 +549,19 @@ class SiteAgent:
                 working.set_result(reply)
         await self._publish(self._client, "up", reply)
 
-    async def _carry_out(self, cmd: Dispatch | Cancel | QuotaCommand) -> Reply:
+    async def _carry_out(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand) -> Reply:
         match cmd:
             case Dispatch():
                 return await self._dispatch(cmd)
             case Cancel():
                 await self.inner.cancel(cmd.job_id, cmd.attempt)
                 self._held.pop((cmd.job_id, cmd.attempt), None)
+                return Reply(site=self.site, msg_id=cmd.msg_id, ok=True)
+            case Preempt():
+                if not isinstance(self.inner, Preempter):
+                    return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
+                                 reason="this site's adapter cannot checkpoint and stop a job on request")
+                await self.inner.preempt(cmd.job_id, cmd.attempt, cmd.reason)
                 return Reply(site=self.site, msg_id=cmd.msg_id, ok=True)
             case QuotaCommand():
                 return await self._quota(cmd)

@@ -12,6 +12,9 @@
 - ``HeldAttempts`` (optional): the attempts the site says it holds now, known without a call (a remote
   site's heartbeat lists them). The broker cancels any of them it no longer has at that site: an agent back
   from a partition, or restarted, is reconciled without running anything twice.
+- ``Preempter`` (optional): checkpoint and stop a running attempt when the broker asks, as the site's own
+  preemption does, so a checkpointable job can move to a cleaner or cheaper site, or make room for a job
+  that must run near its users (``policies.migration``). Sites without it never have a job moved away.
 
 Submissions are keyed by (job id, attempt): submitting the same attempt twice must not run it twice.
 A cancel is final for its attempt: the site drops it if it has it, and refuses it if its submission
@@ -86,6 +89,16 @@ class AttemptLookup(Protocol):
 @runtime_checkable
 class HeldAttempts(Protocol):
     def held_attempts(self) -> set[tuple[str, int]]: ...
+
+
+@runtime_checkable
+class Preempter(Protocol):
+    async def preempt(self, job_id: str, attempt: int, reason: str) -> None:
+        """Stop a running attempt as the site's own preemption does: the job is signalled (and given the
+        site's grace period, in which a checkpointable job saves its checkpoint), its GPUs are freed, and the
+        site sends a ``preempted`` event with ``reason`` and how long the attempt ran. An attempt the site
+        no longer runs is left alone (its own event, if any, stands)."""
+        ...
 
 
 @runtime_checkable

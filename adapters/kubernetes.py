@@ -557,6 +557,15 @@ class KubernetesSite:
                     raise AdapterError(f"site {self.name}: deleting Job {namespace}/{job_name(*key)} failed "
                                        f"({e.status}: {e.reason})") from e
 
+    async def preempt(self, job_id: str, attempt: int, reason: str) -> None:
+        """The broker's request to checkpoint and stop a running attempt (``Preempter``): its Job is deleted
+        as a preemption by the site deletes it (its Pods get SIGTERM and their terminationGracePeriodSeconds
+        to write a checkpoint), and a ``preempted`` event says how long it ran."""
+        known = self._attempts.get((job_id, attempt))
+        if known is None or known.done:
+            return  # not this process's, or it ended: its own event stands
+        await self._preempt(_key(job_id, attempt), reason)
+
     async def _preempt(self, victim: str, reason: str) -> None:
         job_id, _, attempt_s = victim.rpartition("/")
         key = (job_id, int(attempt_s))

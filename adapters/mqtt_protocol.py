@@ -21,8 +21,9 @@ topic                               direction    retained messages
                                                           go dark at once)
 ``heliotrope/v1/sites/{site}/up``     agent→broker no       ``event`` (a job event, resent until ``ack``),
                                                           ``reply`` (the answer to a command)
-``heliotrope/v1/sites/{site}/down``   broker→agent no       ``dispatch``, ``cancel``, ``quota`` (commands,
-                                                          resent until the ``reply``), ``ack``, ``lease``
+``heliotrope/v1/sites/{site}/down``   broker→agent no       ``dispatch``, ``cancel``, ``preempt``, ``quota``
+                                                          (commands, resent until the ``reply``), ``ack``,
+                                                          ``lease``
 =================================== ============ ======== ================================================
 
 The agent opens the only connection (to the MQTT broker), so a site behind NAT or a firewall that allows
@@ -239,6 +240,17 @@ class Cancel(_Msg):
     attempt: int = Field(ge=1)
 
 
+class Preempt(_Msg):
+    """Checkpoint and stop a running attempt (``adapters.base.Preempter``): the agent has its site preempt
+    it, and the site's ``preempted`` event follows as an ``event``. An agent whose site cannot replies not ok."""
+
+    kind: Literal["preempt"] = "preempt"
+    msg_id: str = Field(min_length=1, max_length=128)
+    job_id: str
+    attempt: int = Field(ge=1)
+    reason: str = Field(max_length=1000)
+
+
 class QuotaCommand(_Msg):
     kind: Literal["quota"] = "quota"
     msg_id: str = Field(min_length=1, max_length=128)
@@ -261,12 +273,12 @@ class LeaseGrant(_Msg):
 
 
 UpMessage = Annotated[Heartbeat | Status | EventMsg | Reply, Field(discriminator="kind")]
-DownMessage = Annotated[Dispatch | Cancel | QuotaCommand | Ack | LeaseGrant, Field(discriminator="kind")]
-Command = Dispatch | Cancel | QuotaCommand
+DownMessage = Annotated[Dispatch | Cancel | Preempt | QuotaCommand | Ack | LeaseGrant, Field(discriminator="kind")]
+Command = Dispatch | Cancel | Preempt | QuotaCommand
 _UP: TypeAdapter[Any] = TypeAdapter(UpMessage)
 _DOWN: TypeAdapter[Any] = TypeAdapter(DownMessage)
 _CHANNEL_KINDS = {"state": {"heartbeat"}, "status": {"status"}, "up": {"event", "reply"},
-                  "down": {"dispatch", "cancel", "quota", "ack", "lease"}}
+                  "down": {"dispatch", "cancel", "preempt", "quota", "ack", "lease"}}
 
 
 class MalformedMessage(ValueError):

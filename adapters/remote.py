@@ -362,6 +362,17 @@ class RemoteSite:
         if not reply.ok:
             raise AdapterError(f"site {self.name}: cancel failed: {reply.reason}")
 
+    async def preempt(self, job_id: str, attempt: int, reason: str) -> None:
+        """Have the agent's site checkpoint and stop a running attempt (``Preempter``); its ``preempted``
+        event comes back as any event does. Raises ``AdapterError`` when the agent cannot (its site's adapter
+        has no such request) or does not answer in time."""
+        if self._expired:
+            raise AdapterError(f"site {self.name}: its lease has run out; its jobs are being stopped anyway")
+        reply = await self._command(lambda i: proto.Preempt(site=self.name, msg_id=i, job_id=job_id, attempt=attempt,
+                                                            reason=reason[:1000]))
+        if not reply.ok:
+            raise AdapterError(f"site {self.name}: preempt failed: {reply.reason}")
+
     async def events(self) -> AsyncIterator[JobEvent]:
         while not self._closed:
             boot, msg_id, event = await self._events.get()

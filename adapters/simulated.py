@@ -201,6 +201,13 @@ class SimulatedSite:
         if run.task is not None and run.task is not asyncio.current_task():
             run.task.cancel()
 
+    async def preempt(self, job_id: str, attempt: int, reason: str) -> None:
+        """The broker's request to checkpoint and stop a running attempt (``Preempter``): as the site's own
+        preemption, with a ``preempted`` event carrying how long it ran."""
+        self._check_reachable()
+        if (job_id, attempt) in self._runs:
+            self._preempt(_admission_key(job_id, attempt), reason, self._clock.now().timestamp())
+
     # --- EventSource / AttemptLookup ---
 
     async def events(self) -> AsyncIterator[JobEvent]:

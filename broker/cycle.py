@@ -18,6 +18,14 @@
               time) sends the job back to ``queued`` with that site skipped for a while, and the next cycle
               routes it elsewhere.
 
+Moving running work (profiles with ``migrate``; ``policies.migration``): at the first full pass of each hour,
+running checkpointable jobs whose rest of run is forecast to emit (or cost) enough less at another site are
+moved there, and at every full pass a job near its users that can wait no longer and found no room gets
+room made at its sites. A move asks the job's site to checkpoint and stop the attempt (``Preempter``); the
+site's ``preempted`` event requeues the job with its progress kept, and the next pass restarts it at the
+site the move chose, if that still has room (else wherever the profile now places it). Sites whose adapter
+cannot stop a job on request have no job moved away.
+
 The clock is injected, so the same cycle runs live (system clock) and in the simulator (manual clock).
 """
 
@@ -45,6 +53,7 @@ from broker.queue import Entry, QueueWalk
 from broker.lifecycle import Lifecycle
 from broker.metrics import Metrics
 from broker.models import Job, JobState
+from adapters.base import AdapterError, Preempter
 from broker.store import Store, StoreError
 from policies import explain, timeshift
 from policies.fair_order import FairOrder
@@ -52,6 +61,8 @@ from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies import latency_reserve
 from policies.latency_reserve import LatencyDemand
+from policies.migration import Move, Running, make_room, plan_moves, urgent
+from policies.pipeline import choose_model
 from policies.timeshift import Deferral
 
 log = logging.getLogger(__name__)
@@ -87,6 +98,26 @@ class _Planned:
     end: int
     decided_h: int
     near: bool = False  # the job has a latency objective (policies.latency_reserve)
+
+
+@dataclass(frozen=True, slots=True)
+class _Moving:
+    """A running job whose site was asked to checkpoint and stop it (``policies.migration``): where it ran
+    (which attempt), where it goes (``site`` None: back to the queue, its place taken by ``for_job``), why, and
+    the hour it was asked in."""
+
+    origin: str
+    attempt: int
+    site: str | None
+    model: int
+    reason: str
+    for_job: str | None
+    hour: int
+
+
+MOVE_TIMEOUT_H = 1
+"""Hours a move waits for its site's ``preempted`` event (or for the pass that restarts the job) before
+it is forgotten and the job is treated as any other."""
 
 
 def _urgency(job: Job) -> float:
@@ -264,6 +295,12 @@ class SchedulingCycle:
         # What latency-bound jobs held, hour by hour, for profiles that keep room for them (policies.latency_reserve).
         self._near = LatencyDemand() if any(s.latency_reserve is not None for s in shifts) else None
         self._near_saved: int | None = None  # the hour of the latest sample the store holds
+        # Moving running work (profiles with ``migrate``): the jobs asked to stop, by job id, and the hour of
+        # the last pass that looked for moves that save.
+        self._migrating = any(p.migrate is not None for p in (self.pipeline, *self.profiles.values()))
+        self._moving: dict[str, _Moving] = {}
+        self._moves_h: int | None = None
+        self._stuck: list[tuple[Job, JobRequest, Pipeline]] = []  # this pass's urgent jobs that found no room
         if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
             book.active.queue.reorder(_by_urgency, book.active.get)
         # The groups the last full pass found no site for (``broker.queue``): their jobs it did not decide
@@ -311,7 +348,8 @@ class SchedulingCycle:
                     self._forget_gone()
         else:
             jobs = self.book.take_fresh()
-        if not (self.book.active.queue if jobs is None else jobs):
+        moves_due = full and self._migrating and self._moves_h != timeshift.epoch_hour(now)
+        if not (self.book.active.queue if jobs is None else jobs) and not moves_due:
             # nothing to decide: no snapshot, no plan (building the plan walks every job on a site)
             if full:
                 self._quiet = quiet_key if quiet_key is not None and self.book.seq == quiet_key[1] else None
@@ -330,8 +368,11 @@ class SchedulingCycle:
         assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write)
         records: list[tuple[Job, dict[str, Any]]] = []
         decided = 0
+        self._stuck = []
         try:
             decided = await self._decide(jobs, snap, assumed, records)
+            if self._migrating and full:
+                await self._move_running(snap, moves_due)
         finally:
             self.federation.remember_pass(snap)
             # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
@@ -411,7 +452,10 @@ class SchedulingCycle:
             if decider is None:
                 decider = deciders[id(pipeline)] = PassDecider(pipeline, snap)
             started = time.perf_counter()
-            placement = decider.decide(req)
+            moving = self._moving.pop(job.id, None) if self._moving else None
+            placement = self._moved_to(moving, pipeline, req, snap) if moving is not None else None
+            if placement is None:
+                placement = decider.decide(req)
             metrics.decision_seconds.observe(time.perf_counter() - started)
             if isinstance(placement, Deferral):
                 metrics.deferred.inc()
@@ -430,6 +474,9 @@ class SchedulingCycle:
                 continue
             if isinstance(placement, _Failure):
                 metrics.unplaceable.inc()
+                if pipeline.migrate is not None and pipeline.migrate.make_room and urgent(
+                        req, snap.now.timestamp(), pipeline.migrate):
+                    self._stuck.append((job, req, pipeline))
                 if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
                     self._last_seen[job.id] = self._signatures.setdefault(placement.signature, placement.signature)
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
@@ -449,6 +496,8 @@ class SchedulingCycle:
                 continue  # being removed or rebuilt: the next pass decides without it
             metrics.placed.inc()
             rec = self._with_refusals(req, explain.record(pipeline, placement, snap))
+            if moving is not None and placement.site == snap.index.get(moving.site or ""):
+                rec["moved"] = moving.reason  # the summary: why it restarts here (policies.explain.render)
             carbon = self.carbon.record(placement, snap)
             if carbon is not None:
                 metrics.carbon_grams.inc(carbon[0])
@@ -532,6 +581,109 @@ class SchedulingCycle:
         for result in results[len(assumed):]:
             if isinstance(result, BaseException):
                 log.error("could not record a decision: %s", result)
+
+    # --- moving running work (policies.migration) ---
+
+    def _moved_to(self, moving: _Moving, pipeline: Pipeline, req: JobRequest, snap: Snapshot) -> Placement | None:
+        """The restart of a moved job at the site its move chose, when that still passes every filter (room
+        now included); None: decide it as any other job (the move made room for another job, or the room
+        at its target was taken meanwhile)."""
+        site = snap.index.get(moving.site) if moving.site is not None else None
+        if site is None:
+            return None
+        placement = pipeline.decide(req, snap)  # every site's terms, for the explanation
+        if site not in placement.feasible:
+            log.info("job %s: %s no longer has room for it; it is placed as any other job", req.job_id, moving.site)
+            return None
+        return replace(placement, site=site, model=moving.model if req.model is None and moving.model >= 0
+                       and snap.free_gpus[site, moving.model] >= req.count else choose_model(req, snap, site))
+
+    async def _move_running(self, snap: Snapshot, saving: bool) -> None:
+        """Step 3b, at full passes of a broker with ``migrate`` profiles: room made for this pass's urgent
+        jobs near their users that found none, and, once an hour (``saving``), moves that save. Planned on a
+        working copy of the pass's snapshot (what it says of the sites stays what they reported); each move
+        asks the job's site to checkpoint and stop it."""
+        hour = timeshift.epoch_hour(snap.now)
+        for job_id, moving in list(self._moving.items()):  # moves whose event or restart never came
+            if hour - moving.hour > MOVE_TIMEOUT_H:
+                del self._moving[job_id]
+        if saving:
+            self._moves_h = hour
+        if not saving and not self._stuck:
+            return
+        trial = snap.working_copy(snap.now)
+        waiting = {m.for_job for m in self._moving.values() if m.for_job is not None}
+        moves: list[tuple[Move, Job]] = []
+        pipelines = {id(p): p for p in (self.pipeline, *self.profiles.values()) if p.migrate is not None}
+        running = {key: self._running(trial, pipeline) for key, pipeline in pipelines.items()}
+        for job, req, pipeline in self._stuck:  # the most urgent first: the order the pass decided them in
+            if job.id in waiting or pipeline.migrate is None:
+                continue  # room is being made for it already
+            offered = running[id(pipeline)]
+            made = make_room(pipeline, trial, req, [r for r, _ in offered], pipeline.migrate)
+            if made:
+                jobs = {r.request.job_id: j for r, j in offered}
+                moves += [(m, jobs[m.running.request.job_id]) for m in made]
+                moved = {m.running.request.job_id for m in made}
+                for key in running:
+                    running[key] = [(r, j) for r, j in running[key] if r.request.job_id not in moved]
+        if saving:
+            for key, pipeline in pipelines.items():
+                offered = running[key]
+                assert pipeline.migrate is not None
+                made = plan_moves(pipeline, trial, [r for r, _ in offered], pipeline.migrate)
+                jobs = {r.request.job_id: j for r, j in offered}
+                moves += [(m, jobs[m.running.request.job_id]) for m in made]
+        for move, job in moves:
+            self._ask_to_move(move, job, snap, hour)
+
+    def _running(self, snap: Snapshot, pipeline: Pipeline) -> list[tuple[Running, Job]]:
+        """The running jobs of ``pipeline``'s profile a move may take, as ``policies.migration`` reads them:
+        checkpointable, on a site that can stop a job on request, not already moving. Work done: what earlier
+        attempts kept, plus this attempt's time running, less the profile's restart overhead after a move."""
+        assert pipeline.migrate is not None
+        overhead = pipeline.migrate.overhead_s
+        now = snap.now
+        out = []
+        for job in self.book.active.unqueued():
+            if job.state != JobState.RUNNING or not job.spec.checkpointable or job.id in self._moving:
+                continue
+            mine = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
+            member = self.federation.members.get(job.site) if job.site is not None else None
+            site = snap.index.get(job.site) if job.site is not None else None
+            if (mine is not pipeline or member is None or site is None or job.gpu_model not in MODEL_INDEX
+                    or not isinstance(member.adapter, Preempter)):
+                continue
+            ran = max((now - job.updated_at).total_seconds() - (overhead if job.run_s > 0 else 0.0), 0.0)
+            req = JobRequest.from_spec(job.id, job.spec, frozenset(), job.created_at)
+            out.append((Running(req, site, MODEL_INDEX[job.gpu_model], job.run_s + ran), job))
+        return out
+
+    def _ask_to_move(self, move: Move, job: Job, snap: Snapshot, hour: int) -> None:
+        """Remember the move, then ask the job's site, in the background as a dispatch, to checkpoint and
+        stop it; a site that cannot is logged, and the job runs on where it is."""
+        reason = move.reason(snap.sites)
+        origin = job.site or ""
+        member = self.federation.members.get(origin)
+        if member is None or not self.may_act():
+            return
+        self._moving[job.id] = _Moving(origin, job.attempt, snap.sites[move.site] if move.site >= 0 else None,
+                                       move.model, reason, move.for_job, hour)
+        log.info("job %s: %s", job.id, reason)
+        self.metrics.moves.labels(origin, "room" if move.for_job is not None else "saving").inc()
+
+        async def ask() -> None:
+            try:
+                await asyncio.wait_for(member.adapter.preempt(job.id, job.attempt, reason),  # type: ignore[attr-defined]
+                                       self.dispatch_timeout_s)
+            except (AdapterError, TimeoutError) as e:
+                log.warning("job %s: %s could not stop it to move it (%s); it runs on there", job.id, origin, e)
+                if self._moving.get(job.id) is not None and self._moving[job.id].attempt == job.attempt:
+                    del self._moving[job.id]
+
+        task = asyncio.get_running_loop().create_task(ask(), name=f"move-{job.id}")
+        self._dispatches.add(task)
+        task.add_done_callback(self._dispatches.discard)
 
     def _with_refusals(self, req: JobRequest, rec: dict[str, Any]) -> dict[str, Any]:
         """``rec`` (maybe shared by several jobs) with the reasons the sites it skips gave for refusing this job."""

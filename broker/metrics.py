@@ -63,6 +63,9 @@ class Metrics:
                                              "(broker.carbon_ledger)", registry=r)
         self.preemptions = Counter("heliotrope_preemptions", "Attempts a site preempted, by site", ["site"],
                                    registry=r)
+        self.moves = Counter("heliotrope_moves", "Running jobs the cycle asked their site to checkpoint and stop, "
+                             "by site and why: to restart where the rest of the run saves (saving), or to make "
+                             "room for a job near its users (room)", ["site", "why"], registry=r)
 
     def bind(self, broker: Broker) -> None:
         """Read the broker's levels at every scrape."""

@@ -200,9 +200,10 @@ class Broker:
         await _compile_decision_kernels()
         moving = sorted({name for name in {self.settings.profiles.default, *self.settings.profiles.job_may_choose}
                          if name is not None and self.settings.profiles.migrate(name) is not None})
-        if moving:  # policies.migration is replayed by the simulator; this cycle does not stop running work
-            log.info("profiles %s move running checkpointable jobs in `heliotrope simulate` only: this release's "
-                     "scheduling cycle does not move a job once it runs", ", ".join(moving))
+        if moving:  # policies.migration: the cycle asks sites to checkpoint and stop the jobs it moves
+            log.info("profiles %s move running checkpointable jobs to where the rest of their run is cleaner or "
+                     "cheaper, and out of the way of jobs near their users, at sites whose adapter can stop a "
+                     "job on request", ", ".join(moving))
         self._providers_built = await self._providers()
         self._run_loop = run_loop
         await self.store.open()

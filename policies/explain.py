@@ -178,7 +178,9 @@ def render(
         score = next(v.score for v in verdicts if v.site == rec["site"])
         tied = [v.site for v in verdicts if v.feasible and v.site != rec["site"] and v.site not in passed
                 and abs(v.score - score) <= TIE_EPSILON]
-        if passed:
+        if rec.get("moved"):  # the restart of a running job moved here (policies.migration)
+            summary = f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): {rec['moved']}"
+        elif passed:
             n_passed = rec.get("n_passed_over", len(passed))
             summary = (
                 f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): best of {n_feasible} feasible of "

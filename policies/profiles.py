@@ -115,8 +115,8 @@ MIGRATIONS: dict[str, MigrationPolicy] = {
 """Which built-in profiles move running checkpointable jobs to a cleaner site (``policies.migration``, its
 defaults: 20 % and 1 kg saved over the part of the rest of the run that the 48-hour forecast covers, a
 10-minute restart counted, at least 2 h left; and room made for latency-bound jobs that can wait no longer).
-Only jobs that say they are checkpointable are ever moved; the simulator acts on it, the live cycle does not
-yet (README, Evidence)."""
+Only jobs that say they are checkpointable are ever moved; the simulator and the live cycle act on it alike
+(README, *Moving running work*)."""
 
 
 class Profile(BaseModel):

@@ -34,6 +34,7 @@ from adapters.mqtt_protocol import (
     EventMsg,
     Heartbeat,
     LeaseGrant,
+    Preempt,
     QuotaCommand,
     Reply,
     Status,
@@ -344,6 +345,19 @@ async def test_cancel_stops_the_job_and_forgets_it(agent_and_broker):
     assert agent.held == {}
     _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat), since=time.monotonic())
     assert beat.attempts == [] and beat.state.running_jobs == 0
+
+
+async def test_preempt_checkpoints_and_stops_the_job_and_the_site_says_so(agent_and_broker):
+    agent, side = agent_and_broker
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=60, checkpointable=True)))
+    await side.event("j1", EventKind.RUNNING)
+    await asyncio.sleep(0.3)
+    await side.send(Preempt(site=agent.site, msg_id="p1", job_id="j1", attempt=1, reason="moved to b"))
+    assert (await side.reply("p1")).ok
+    _, stopped = await side.event("j1", EventKind.PREEMPTED)
+    assert stopped.event.reason == "moved to b" and 0.2 < stopped.event.run_s < 5
+    await until(lambda: not agent.held, what="the stopped attempt to be let go")
 
 
 async def test_quota_commands_are_answered(agent_and_broker):

@@ -193,6 +193,27 @@ async def test_telemetry_reaches_the_broker_and_a_job_runs_on_the_agents_site(wo
     assert [(s[1], s[2]) for s in w.timeline.of(job_id)] == [(1, "edge")]  # it ran there, once
 
 
+async def test_the_broker_asking_an_agent_to_stop_a_job_requeues_it_with_its_work_kept(world) -> None:
+    # What a move does (policies.migration): the remote site's preempt goes to the agent as a command, the
+    # agent's site checkpoints and stops the attempt, and its "preempted" event requeues the job with the
+    # work done kept; the job then runs again (attempt 2), never at once with attempt 1.
+    w = await world(lease_s=6.0)
+    await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "moving", 30.0, checkpointable=True)
+    running = await w.until_state(job_id, {JobState.RUNNING}, 10)
+    assert (running.site, running.attempt) == ("edge", 1)
+    await asyncio.sleep(0.5)
+    await w.broker.federation.get("edge").adapter.preempt(job_id, 1, "moved from edge to home")
+    await w.until(lambda: (j := w.broker.book.active.get(job_id)) is not None and j.attempt == 2, 10,
+                  "the job is placed again")
+    assert (await w.state(job_id)).run_s >= 0.4
+    history = [e["reason"] for e in await w.broker.store.job_events(job_id)]
+    assert "preempted on edge: moved from edge to home" in history, history
+    assert w.timeline.of(job_id)[0][4] is not None  # attempt 1 stopped
+    w.timeline.assert_never_twice()
+
+
 async def test_restarting_mosquitto_mid_run_loses_no_dispatch_and_no_event(world) -> None:
     w = await world(lease_s=8.0, command_timeout_s=8.0)
     await w.agent()

@@ -555,9 +555,9 @@ print(compiled())
     assert rooms == {"C", "F"}, compiled["least_scaled"]  # one usable column, and several
 
 
-async def test_a_broker_says_at_start_that_it_does_not_move_running_jobs(tmp_path, caplog):
-    """``green`` moves running checkpointable jobs in the simulator only: a live broker offering it says so
-    (and names only the profiles that would move work)."""
+async def test_a_broker_says_at_start_which_profiles_move_running_jobs(tmp_path, caplog):
+    """``green`` moves running checkpointable jobs (tests/test_live_moves.py): a live broker offering it says
+    so at start, naming only the profiles that would move work."""
     import logging
 
     clock = ManualClock(T0)
@@ -567,7 +567,7 @@ async def test_a_broker_says_at_start_that_it_does_not_move_running_jobs(tmp_pat
     with caplog.at_level(logging.INFO, logger="broker.service"):
         await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)], run_loop=False)
     try:
-        assert "profiles green move running checkpointable jobs in `heliotrope simulate` only" in caplog.text
+        assert "profiles green move running checkpointable jobs to where the rest of their run is" in caplog.text
         assert "cheap" not in caplog.text.split("move running")[0].split("profiles")[-1]
     finally:
         await b.stop()

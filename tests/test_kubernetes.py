@@ -206,6 +206,31 @@ async def test_cancel_deletes_the_job_and_is_final(kube: KubernetesSite, cluster
     await kube.cancel("j-never", 1)  # an attempt the cluster never had: nothing to delete, no error
 
 
+async def test_the_broker_asking_to_stop_a_job_deletes_it_as_a_preemption_with_its_run_time(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    # A move (policies.migration): the Job is deleted (its Pods get SIGTERM and their grace period to write a
+    # checkpoint), its GPUs are free, and the broker hears "preempted" with the reason and how long it ran.
+    stream = kube.events()
+    assert (await kube.submit(attempt("j-1", count=8))).admitted
+    name = job_name("j-1", 1)
+    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
+           "spec": {"containers": [{"name": "job", "image": "x"}]}, "status": {"phase": "Running"}}
+    assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
+    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": {"phase": "Running"}})
+    assert (await next_event(kube, stream)).kind == EventKind.RUNNING
+    await asyncio.sleep(0.2)
+    await kube.preempt("j-1", 1, "moved from here to b from its checkpoint")
+    stopped = await next_event(kube, stream)
+    assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
+    assert stopped.reason == "moved from here to b from its checkpoint" and 0.1 < stopped.run_s < 5
+    assert not jobs(cluster) and (await kube.snapshot()).capacity[0].free_gpus == 16
+    await kube.preempt("j-1", 1, "again")  # it has ended: nothing more happens
+    await kube.preempt("j-never", 1, "never here")
+    with pytest.raises(TimeoutError):
+        await next_event(kube, stream)
+
+
 async def test_known_attempts_are_the_jobs_of_this_site(kube: KubernetesSite) -> None:
     assert (await kube.submit(attempt("j-1", 1))).admitted
     assert (await kube.submit(attempt("j-2", 3))).admitted

@@ -1,0 +1,171 @@
+"""Moving running work in the live cycle (profiles with ``migrate``; ``policies.migration``): the broker asks
+a site to checkpoint and stop a running job, the site's ``preempted`` event requeues it with its progress
+kept, and the next pass restarts it where the move chose; and room made for a job near its users.
+
+Two simulated sites with the shipped June 2022 carbon data: ``clean`` on Ontario's grid (CA-ON, mostly
+hydro and nuclear) and ``dirty`` on Tokyo's (JP-TK, mostly gas and coal), 8 A100s each, starting a job a
+second after it is dispatched. The clock is manual: each step advances it, then lets the sites' events in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from prometheus_client import generate_latest
+
+from broker.clock import ManualClock
+from broker.config import BrokerSettings
+from broker.models import JobState, SimulatedAdapterConfig
+from broker.service import Broker
+from policies import explain
+from policies.snapshot import JobRequest
+from tests.builders import job, site
+from tests.test_timeshift import CARBON_DIR, GREEN_AT
+
+FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+
+
+async def broker(tmp_path) -> tuple[Broker, ManualClock]:
+    sites = [site("clean", region="gcp:northamerica-northeast2", grid_zone="CA-ON", timezone="America/Toronto",
+                  adapter=FAST, rtt_ms={"gcp:northamerica-northeast2": 2.0}),
+             site("dirty", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=FAST,
+                  rtt_ms={"gcp:northamerica-northeast2": 160.0})]
+    cfg = {"db": str(tmp_path / "m.db"), "shutdown_grace_s": 0.1,
+           "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336},
+           "profiles": {"default": "green"}}
+    clock = ManualClock(GREEN_AT)
+    b = Broker(BrokerSettings.model_validate(cfg), clock=clock)
+    await b.start(sites, run_loop=False)
+    await b.signals.wait_ready()
+    return b, clock
+
+
+@pytest.fixture
+async def live(tmp_path):
+    b, clock = await broker(tmp_path)
+    yield b, clock
+    await b.stop()
+
+
+async def step(b: Broker, clock: ManualClock, seconds: float) -> None:
+    """As tests/test_cycle.py's Harness: the clock, then the sites' events and the store's writes."""
+    await clock.advance(seconds)
+    for _ in range(3):
+        await asyncio.sleep(0.05)
+        await b.cycle.drain()
+
+
+async def decision(b: Broker, job_id: str):
+    stored = await b.store.get_decision(job_id)
+    spec = (await b.book.get(job_id)).spec
+    return explain.render(stored.record, JobRequest.from_spec(job_id, spec), b.cycle.filters, stored.attempt)
+
+
+async def test_a_checkpointable_job_started_at_the_dirty_site_moves_to_the_clean_one_once_it_has_room(live) -> None:
+    b, clock = live
+    # The clean site is full for half an hour, so a ten-hour checkpointable job starts at the dirty one.
+    blocker, _ = await b.book.submit(job(name="blocker", count=8, duration_s=1800))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    mover, _ = await b.book.submit(job(name="mover", count=8, duration_s=10 * 3600, checkpointable=True))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    started = await b.book.get(mover.id)
+    assert (started.state, started.site, started.attempt) == (JobState.RUNNING, "dirty", 1)
+    assert (await b.book.get(blocker.id)).site == "clean"
+    # Passes within the hour move nothing (moves that save are looked for once an hour).
+    await step(b, clock, 1800)
+    await b.cycle.run_once(full=True)
+    assert (await b.book.get(blocker.id)).state == JobState.SUCCEEDED
+    assert (await b.book.get(mover.id)).site == "dirty"
+    # The next hour's first full pass asks the dirty site to checkpoint and stop it; its event requeues it
+    # with the work done kept, and the next pass restarts it at the clean site, from its checkpoint.
+    await step(b, clock, 3600 - (clock.now() - GREEN_AT.replace(minute=0)).total_seconds() % 3600)
+    ran_s = (clock.now() - started.updated_at).total_seconds()
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 1.0)
+    requeued = await b.book.get(mover.id)
+    assert requeued.state == JobState.QUEUED and requeued.run_s == pytest.approx(ran_s, abs=2.0)
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    moved = await b.book.get(mover.id)
+    assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "clean", 2)
+    why = await decision(b, mover.id)
+    assert why.site == "clean"
+    assert why.summary.startswith("placed on clean (a100-80gb, score ")
+    assert "moved from dirty to clean from its checkpoint because carbon forecast for the rest of its run" in why.summary
+    history = [e["reason"] for e in await b.store.job_events(mover.id)]
+    assert any(r and r.startswith("preempted on dirty: moved from dirty to clean") for r in history), history
+    scraped = generate_latest(b.metrics.registry).decode()
+    assert 'heliotrope_moves_total{site="dirty",why="saving"} 1.0' in scraped
+    # It finishes at the clean site after the rest of its run, not the whole of it again.
+    await step(b, clock, 10 * 3600 - ran_s - 60)
+    assert (await b.book.get(mover.id)).state == JobState.RUNNING
+    await step(b, clock, 120)
+    assert (await b.book.get(mover.id)).state == JobState.SUCCEEDED
+
+
+async def test_room_is_made_at_the_only_site_near_a_job_that_can_wait_no_longer(live) -> None:
+    b, clock = live
+    # A ten-hour checkpointable job fills the clean site (the cleanest, so green's choice).
+    filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    assert (await b.book.get(filler.id)).site == "clean"
+    # A job 2 ms from the clean site (160 ms from the other) must start within the hour to meet its deadline.
+    near, _ = await b.book.submit(job(name="near", count=4, duration_s=3600, origin_region="gcp:northamerica-northeast2",
+                                      latency_slo_ms=50.0, deadline=clock.now() + timedelta(hours=2)))
+    await b.cycle.run_once(full=True)  # no room: the filler is asked to move out, to the dirty site
+    await step(b, clock, 1.0)
+    assert (await b.book.get(filler.id)).state == JobState.QUEUED
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    placed, moved = await b.book.get(near.id), await b.book.get(filler.id)
+    assert (placed.state, placed.site) == (JobState.RUNNING, "clean")
+    assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "dirty", 2) and moved.run_s > 0
+    why = await decision(b, filler.id)
+    assert f"to make room for {near.id}, which must run near its users and can wait no longer" in why.summary
+    scraped = generate_latest(b.metrics.registry).decode()
+    assert 'heliotrope_moves_total{site="clean",why="room"} 1.0' in scraped
+
+
+async def test_a_job_that_is_not_checkpointable_is_never_moved(live) -> None:
+    b, clock = live
+    blocker, _ = await b.book.submit(job(name="blocker", count=8, duration_s=1800))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    stays, _ = await b.book.submit(job(name="stays", count=8, duration_s=10 * 3600))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    for _ in range(3):
+        await step(b, clock, 3600)
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 1.0)
+    kept = await b.book.get(stays.id)
+    assert (kept.state, kept.site, kept.attempt) == (JobState.RUNNING, "dirty", 1)
+
+
+async def test_a_site_that_cannot_stop_the_job_keeps_it_running_and_says_why(live, caplog) -> None:
+    from adapters.base import AdapterError
+
+    b, clock = live
+    blocker, _ = await b.book.submit(job(name="blocker", count=8, duration_s=1800))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    mover, _ = await b.book.submit(job(name="mover", count=8, duration_s=10 * 3600, checkpointable=True))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+
+    async def refuse(job_id: str, attempt: int, reason: str) -> None:
+        raise AdapterError("site dirty: the cluster is unreachable")
+
+    b.federation.get("dirty").adapter.preempt = refuse
+    await step(b, clock, 3600)
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 1.0)
+    kept = await b.book.get(mover.id)
+    assert (kept.state, kept.site, kept.attempt) == (JobState.RUNNING, "dirty", 1)
+    assert f"job {mover.id}: dirty could not stop it to move it (site dirty: the cluster is unreachable)" in caplog.text
+    assert not b.cycle._moving  # not left waiting for an event that will not come: tried again next hour
