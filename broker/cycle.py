@@ -61,8 +61,8 @@ from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies import latency_reserve
 from policies.latency_reserve import LatencyDemand
+from policies import migration
 from policies.migration import Move, Running, make_room, plan_moves, urgent
-from policies.pipeline import choose_model
 from policies.timeshift import Deferral
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class _Planned:
 class _Moving:
     """A running job whose site was asked to checkpoint and stop it (``policies.migration``): where it ran
     (which attempt), where it goes (``site`` None: back to the queue, its place taken by ``for_job``), why, and
-    the hour it was asked in."""
+    when it was asked (POSIX seconds)."""
 
     origin: str
     attempt: int
@@ -112,12 +112,28 @@ class _Moving:
     model: int
     reason: str
     for_job: str | None
-    hour: int
+    asked_ts: float
 
 
-MOVE_TIMEOUT_H = 1
-"""Hours a move waits for its site's ``preempted`` event (or for the pass that restarts the job) before
-it is forgotten and the job is treated as any other."""
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """GPUs kept at a site for one job until it is placed: where a move restarts it (``request``: the rest
+    of its run), or where room was made for a job near its users. Debited from every pass's snapshot, as
+    placements in flight are, until the job's attempt changes or ``until_ts`` passes."""
+
+    site: str
+    model: int
+    request: JobRequest
+    attempt: int
+    until_ts: float
+
+
+MOVE_TIMEOUT_S = 1800.0
+"""Seconds a move waits for its site's ``preempted`` event and the pass that restarts the job (its target,
+and the room made for a job near its users, held meanwhile) before it is forgotten and the job is treated as
+any other; also how long the moved job keeps off the site it left."""
+CANNOT_STOP_S = 3600.0
+"""Seconds a site that failed to stop a job on request is left out of moves."""
 
 
 def _urgency(job: Job) -> float:
@@ -299,6 +315,9 @@ class SchedulingCycle:
         # the last pass that looked for moves that save.
         self._migrating = any(p.migrate is not None for p in (self.pipeline, *self.profiles.values()))
         self._moving: dict[str, _Moving] = {}
+        self._holds: dict[str, _Hold] = {}  # job id -> GPUs kept for it until it is placed
+        self._released: set[str] = set()  # jobs whose hold this pass gave back to them
+        self._cannot_stop: dict[str, float] = {}  # site -> until when no job is moved away from it
         self._moves_h: int | None = None
         self._stuck: list[tuple[Job, JobRequest, Pipeline]] = []  # this pass's urgent jobs that found no room
         if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
@@ -361,6 +380,9 @@ class SchedulingCycle:
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
+        self._released = set()
+        if self._holds or self._moving:
+            self._debit_holds(snap)
         if self._plan_hours:
             snap = self._with_plan(snap)
             await self._keep_learned()
@@ -453,8 +475,14 @@ class SchedulingCycle:
                 decider = deciders[id(pipeline)] = PassDecider(pipeline, snap)
             started = time.perf_counter()
             moving = self._moving.pop(job.id, None) if self._moving else None
+            if moving is not None and moving.attempt != job.attempt:
+                moving = None  # a move of an earlier attempt
+            if self._holds:
+                self._take_hold(job, snap, deciders)
             placement = self._moved_to(moving, pipeline, req, snap) if moving is not None else None
             if placement is None:
+                if moving is not None:
+                    self._holds.pop(job.id, None)  # its target had no room left: nothing more to keep there
                 placement = decider.decide(req)
             metrics.decision_seconds.observe(time.perf_counter() - started)
             if isinstance(placement, Deferral):
@@ -496,8 +524,10 @@ class SchedulingCycle:
                 continue  # being removed or rebuilt: the next pass decides without it
             metrics.placed.inc()
             rec = self._with_refusals(req, explain.record(pipeline, placement, snap))
-            if moving is not None and placement.site == snap.index.get(moving.site or ""):
-                rec["moved"] = moving.reason  # the summary: why it restarts here (policies.explain.render)
+            if moving is not None and moving.site is not None:  # the summary: why it restarts here, or not
+                rec["moved"] = (moving.reason if site == moving.site else
+                                f"moved away from {moving.origin} ({moving.reason}); {moving.site}, where the move "
+                                f"would have restarted it, no longer had room for it, so it is placed as any other job")
             carbon = self.carbon.record(placement, snap)
             if carbon is not None:
                 metrics.carbon_grams.inc(carbon[0])
@@ -585,65 +615,99 @@ class SchedulingCycle:
     # --- moving running work (policies.migration) ---
 
     def _moved_to(self, moving: _Moving, pipeline: Pipeline, req: JobRequest, snap: Snapshot) -> Placement | None:
-        """The restart of a moved job at the site its move chose, when that still passes every filter (room
-        now included); None: decide it as any other job (the move made room for another job, or the room
-        at its target was taken meanwhile)."""
+        """The restart of a moved job at the site its move chose (its hold there already given back to the
+        pass), when that still passes every filter and has room now and in the plan for the rest of its run;
+        None: decide it as any other job."""
         site = snap.index.get(moving.site) if moving.site is not None else None
-        if site is None:
+        hold = self._holds.get(req.job_id)
+        if site is None or hold is None:
             return None
         placement = pipeline.decide(req, snap)  # every site's terms, for the explanation
-        if site not in placement.feasible:
-            log.info("job %s: %s no longer has room for it; it is placed as any other job", req.job_id, moving.site)
+        if site not in placement.feasible or not migration.fits_rest(snap, site, hold.model, hold.request,
+                                                                     pipeline.shift):
             return None
-        return replace(placement, site=site, model=moving.model if req.model is None and moving.model >= 0
-                       and snap.free_gpus[site, moving.model] >= req.count else choose_model(req, snap, site))
+        return replace(placement, site=site, model=hold.model)
+
+    def _debit_holds(self, snap: Snapshot) -> None:
+        """Debit the GPUs kept for moved jobs at their targets and for jobs room was made for, as placements
+        in flight are; forget holds whose job was placed again, has gone, or waited too long."""
+        now_ts = snap.now.timestamp()
+        for job_id, hold in list(self._holds.items()):
+            job = self.book.active.get(job_id)
+            if job is None or job.attempt != hold.attempt or now_ts > hold.until_ts:
+                del self._holds[job_id]
+                continue
+            site = snap.index.get(hold.site)
+            if site is not None:
+                snap.hold(site, hold.request, hold.model)
+        for job_id, moving in list(self._moving.items()):  # moves whose event or restart never came
+            if now_ts > moving.asked_ts + MOVE_TIMEOUT_S:
+                del self._moving[job_id]
+
+    def _take_hold(self, job: Job, snap: Snapshot, deciders: dict[int, PassDecider]) -> None:
+        """Before ``job`` is decided: give the pass back what is held for it, so it may take it."""
+        hold = self._holds.get(job.id)
+        site = snap.index.get(hold.site) if hold is not None else None
+        if hold is None or site is None or job.id in self._released:
+            return
+        snap.release(site, hold.request, hold.model)
+        self._released.add(job.id)
+        for decider in deciders.values():  # capacity grew: failures met earlier in the pass may not hold
+            decider.failed.clear()
+            decider.unplanned.clear()
 
     async def _move_running(self, snap: Snapshot, saving: bool) -> None:
         """Step 3b, at full passes of a broker with ``migrate`` profiles: room made for this pass's urgent
         jobs near their users that found none, and, once an hour (``saving``), moves that save. Planned on a
         working copy of the pass's snapshot (what it says of the sites stays what they reported); each move
-        asks the job's site to checkpoint and stop it."""
-        hour = timeshift.epoch_hour(snap.now)
-        for job_id, moving in list(self._moving.items()):  # moves whose event or restart never came
-            if hour - moving.hour > MOVE_TIMEOUT_H:
-                del self._moving[job_id]
+        asks the job's site to checkpoint and stop it, and holds its target (and the room made) until the
+        jobs are placed there."""
         if saving:
-            self._moves_h = hour
+            self._moves_h = timeshift.epoch_hour(snap.now)
         if not saving and not self._stuck:
             return
         trial = snap.working_copy(snap.now)
         waiting = {m.for_job for m in self._moving.values() if m.for_job is not None}
-        moves: list[tuple[Move, Job]] = []
+        moves: list[tuple[Move, Job, Pipeline]] = []
         pipelines = {id(p): p for p in (self.pipeline, *self.profiles.values()) if p.migrate is not None}
         running = {key: self._running(trial, pipeline) for key, pipeline in pipelines.items()}
         for job, req, pipeline in self._stuck:  # the most urgent first: the order the pass decided them in
-            if job.id in waiting or pipeline.migrate is None:
+            policy = pipeline.migrate
+            if job.id in waiting or job.id in self._holds or policy is None:
                 continue  # room is being made for it already
             offered = running[id(pipeline)]
-            made = make_room(pipeline, trial, req, [r for r, _ in offered], pipeline.migrate)
-            if made:
-                jobs = {r.request.job_id: j for r, j in offered}
-                moves += [(m, jobs[m.running.request.job_id]) for m in made]
-                moved = {m.running.request.job_id for m in made}
-                for key in running:
-                    running[key] = [(r, j) for r, j in running[key] if r.request.job_id not in moved]
+            made = make_room(pipeline, trial, req, [r for r, _ in offered], policy)
+            if not made:
+                continue
+            placement = pipeline.decide(req, trial)  # it fits now: hold its room until it is placed there
+            assert placement.placed
+            trial.assume(placement.site, req, placement.model)
+            self._holds[job.id] = _Hold(trial.sites[placement.site], placement.model, req, job.attempt,
+                                        snap.now.timestamp() + MOVE_TIMEOUT_S)
+            jobs = {r.request.job_id: j for r, j in offered}
+            moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
+            moved = {m.running.request.job_id for m in made}
+            for key in running:
+                running[key] = [(r, j) for r, j in running[key] if r.request.job_id not in moved]
         if saving:
             for key, pipeline in pipelines.items():
                 offered = running[key]
                 assert pipeline.migrate is not None
                 made = plan_moves(pipeline, trial, [r for r, _ in offered], pipeline.migrate)
                 jobs = {r.request.job_id: j for r, j in offered}
-                moves += [(m, jobs[m.running.request.job_id]) for m in made]
-        for move, job in moves:
-            self._ask_to_move(move, job, snap, hour)
+                moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
+        for move, job, pipeline in moves:
+            self._ask_to_move(move, job, pipeline, snap)
 
     def _running(self, snap: Snapshot, pipeline: Pipeline) -> list[tuple[Running, Job]]:
         """The running jobs of ``pipeline``'s profile a move may take, as ``policies.migration`` reads them:
-        checkpointable, on a site that can stop a job on request, not already moving. Work done: what earlier
-        attempts kept, plus this attempt's time running, less the profile's restart overhead after a move."""
+        checkpointable, on a site that can stop a job on request (and has not lately failed to), not
+        already moving. Work done: what earlier attempts kept, plus this attempt's time running, less the
+        profile's restart overhead after a move."""
         assert pipeline.migrate is not None
         overhead = pipeline.migrate.overhead_s
         now = snap.now
+        now_ts = now.timestamp()
         out = []
         for job in self.book.active.unqueued():
             if job.state != JobState.RUNNING or not job.spec.checkpointable or job.id in self._moving:
@@ -652,35 +716,53 @@ class SchedulingCycle:
             member = self.federation.members.get(job.site) if job.site is not None else None
             site = snap.index.get(job.site) if job.site is not None else None
             if (mine is not pipeline or member is None or site is None or job.gpu_model not in MODEL_INDEX
+                    or self._cannot_stop.get(member.spec.name, 0.0) > now_ts
                     or not isinstance(member.adapter, Preempter)):
                 continue
             ran = max((now - job.updated_at).total_seconds() - (overhead if job.run_s > 0 else 0.0), 0.0)
-            req = JobRequest.from_spec(job.id, job.spec, frozenset(), job.created_at)
+            req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
             out.append((Running(req, site, MODEL_INDEX[job.gpu_model], job.run_s + ran), job))
         return out
 
-    def _ask_to_move(self, move: Move, job: Job, snap: Snapshot, hour: int) -> None:
-        """Remember the move, then ask the job's site, in the background as a dispatch, to checkpoint and
-        stop it; a site that cannot is logged, and the job runs on where it is."""
+    def _ask_to_move(self, move: Move, job: Job, pipeline: Pipeline, snap: Snapshot) -> None:
+        """Remember the move and hold its target, keep the job off the site it leaves for a while (it was
+        moved for a reason), then ask that site, in the background as a dispatch, to checkpoint and stop
+        it. A site that cannot is logged, left out of moves for an hour, and the job runs on where it is."""
         reason = move.reason(snap.sites)
         origin = job.site or ""
         member = self.federation.members.get(origin)
         if member is None or not self.may_act():
             return
-        self._moving[job.id] = _Moving(origin, job.attempt, snap.sites[move.site] if move.site >= 0 else None,
-                                       move.model, reason, move.for_job, hour)
+        now_ts = snap.now.timestamp()
+        target = snap.sites[move.site] if move.site >= 0 else None
+        self._moving[job.id] = _Moving(origin, job.attempt, target, move.model, reason, move.for_job, now_ts)
+        if target is not None:
+            assert pipeline.migrate is not None
+            self._holds[job.id] = _Hold(target, move.model, migration.rest_of(move.running, move.remaining_s,
+                                                                                pipeline.migrate),
+                                        job.attempt, now_ts + MOVE_TIMEOUT_S)
         log.info("job %s: %s", job.id, reason)
-        self.metrics.moves.labels(origin, "room" if move.for_job is not None else "saving").inc()
 
         async def ask() -> None:
             try:
                 await asyncio.wait_for(member.adapter.preempt(job.id, job.attempt, reason),  # type: ignore[attr-defined]
                                        self.dispatch_timeout_s)
-            except (AdapterError, TimeoutError) as e:
-                log.warning("job %s: %s could not stop it to move it (%s); it runs on there", job.id, origin, e)
+            except Exception as e:  # the site could not: the job runs on there
+                why = "no answer in time" if isinstance(e, TimeoutError) else str(e) or e.__class__.__name__
+                log.warning("job %s: %s could not stop it to move it (%s); it runs on there, and no job is moved "
+                            "away from %s for an hour", job.id, origin, why, origin)
+                self._cannot_stop[origin] = now_ts + CANNOT_STOP_S
                 if self._moving.get(job.id) is not None and self._moving[job.id].attempt == job.attempt:
                     del self._moving[job.id]
+                    self._holds.pop(job.id, None)
+                if move.for_job is not None:  # room is not being made: the job near its users may ask again
+                    self._holds.pop(move.for_job, None)
+                return
+            self.metrics.moves.labels(origin, "room" if move.for_job is not None else "saving").inc()
 
+        # Off the site it leaves until the move's time is up: a job put back in the queue to make room must
+        # not take that room, nor a moved one go back where it was moved from.
+        self.book.refuse(job.id, origin, f"moved away: {reason}", ttl_s=MOVE_TIMEOUT_S)
         task = asyncio.get_running_loop().create_task(ask(), name=f"move-{job.id}")
         self._dispatches.add(task)
         task.add_done_callback(self._dispatches.discard)
@@ -709,7 +791,7 @@ class SchedulingCycle:
             site = snap.index.get(job.site) if job.site is not None else None
             if not job.state.on_site or site is None or job.gpu_model not in MODEL_INDEX:
                 continue
-            began = (job.started_at or job.updated_at).timestamp()
+            began = job.updated_at.timestamp()  # this attempt's start, or its placement (not the first attempt's)
             # a job past its estimate still holds its GPUs this hour (it is in free_gpus, and what
             # latency-bound jobs hold now is the reserve's sample)
             end_h = max(math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S), h0 + 1)
@@ -746,10 +828,13 @@ class SchedulingCycle:
         if doc is None:
             return False
         try:
-            self._near = LatencyDemand.restore(json.loads(doc))
+            near = LatencyDemand.restore(json.loads(doc))
+            if near.sites and near.n_models != len(MODEL_INDEX):
+                raise ValueError(f"kept for {near.n_models} GPU models, where this release knows {len(MODEL_INDEX)}")
         except ValueError as e:
             log.warning("ignoring the stored latency demand: %s; learning it again", e)
             return False
+        self._near = near
         self._near_saved = self._near.hour
         return True
 

@@ -466,8 +466,9 @@ class JobBook:
 
     # --- refusals ---
 
-    def refuse(self, job_id: str, site: str, reason: str) -> None:
-        until = self._clock.now() + timedelta(seconds=self.refusal_ttl_s)
+    def refuse(self, job_id: str, site: str, reason: str, ttl_s: float | None = None) -> None:
+        """Skip ``site`` for the job for ``ttl_s`` (default ``refusal_ttl_s``), or until a site admits it."""
+        until = self._clock.now() + timedelta(seconds=self.refusal_ttl_s if ttl_s is None else ttl_s)
         self._refusals.setdefault(job_id, {})[site] = Refusal(reason, until)
         self.refusals_changed += 1
         if self._next_expiry is None or until < self._next_expiry:

@@ -184,7 +184,7 @@ def render(
             n_passed = rec.get("n_passed_over", len(passed))
             summary = (
                 f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): best of {n_feasible} feasible of "
-                f"{len(verdicts)} sites once the plan turned away {n_passed} that scored higher: "
+                f"{len(verdicts)} sites once the plan turned away {n_passed} that ranked above it: "
                 + "; ".join(f"{site} ({why})" for site, why in passed.items())
                 + (f" and {n_passed - len(passed)} more" if n_passed > len(passed) else "")
             )
@@ -193,7 +193,7 @@ def render(
                 f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): "
                 f"best of {n_feasible} feasible of {len(verdicts)} sites"
             )
-        if tied:
+        if tied and not rec.get("moved"):
             summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
     elif deferred_until is not None or rec.get("deferred"):
         outcome = "deferred"

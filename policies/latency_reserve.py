@@ -107,9 +107,10 @@ class LatencyDemand:
             np.fmax(slot, held, out=slot)
             self._latest = held.copy()
             return
-        if last is not None and self._latest.shape == held.shape:
+        if last is not None:
+            fill = self._latest if self._latest.shape == held.shape else np.nan  # nothing seen: no sample
             for h in range(max(last + 1, hour - self._slots + 1), hour):
-                self._ring[h % self._slots] = self._latest
+                self._ring[h % self._slots] = fill
         slot[:] = held
         self._latest = held.copy()
         self._hour = hour
@@ -119,14 +120,14 @@ class LatencyDemand:
         """The samples as a JSON-ready document (:meth:`restore` reads it back): the ring of hours, zlib
         compressed (hours not sampled and sites never used compress to almost nothing)."""
         return {"v": STATE_VERSION, "window_h": self.window_h, "hour": self._hour, "sites": list(self._sites),
-                "n_models": self.n_models, "ring": _pack(self._ring),
-                # the latest sample, where it is laid out for these sites (samples() may have followed others)
-                "latest": _pack(self._latest if self._latest.shape == self._ring.shape[1:] else np.zeros(0))}
+                "n_models": self.n_models, "ring": _pack(self._ring)}
 
     @classmethod
     def restore(cls, doc: dict[str, Any], window_h: int = WINDOW_H) -> LatencyDemand:
-        """A demand from :meth:`state`'s document. Raises ValueError when the document is not one this
-        release wrote, or was kept over another window (a ring of another length means other hours)."""
+        """A demand from :meth:`state`'s document. The hours between its latest sample and the next one
+        observed are not filled in (nobody saw them: a broker was down), so they are no samples. Raises
+        ValueError when the document is not one this release wrote, or was kept over another window (a ring
+        of another length means other hours)."""
         if not isinstance(doc, dict) or doc.get("v") != STATE_VERSION:
             raise ValueError(f"not a latency demand document of version {STATE_VERSION}")
         if doc.get("window_h") != window_h:
@@ -135,13 +136,11 @@ class LatencyDemand:
         try:
             sites = tuple(str(name) for name in doc["sites"])
             n_models = int(doc["n_models"])
-            hour = doc["hour"]
+            hour = None if doc["hour"] is None else int(doc["hour"])
             ring = _unpack(doc["ring"], (demand._slots, len(sites), n_models))
-            latest = _unpack(doc["latest"], (len(sites), n_models), empty_ok=True)
         except (KeyError, TypeError, ValueError, zlib.error) as e:
             raise ValueError(f"a latency demand document that cannot be read: {e}") from None
-        demand._sites, demand._ring, demand._latest = sites, ring, latest
-        demand._hour = None if hour is None else int(hour)
+        demand._sites, demand._ring, demand._hour = sites, ring, hour
         return demand
 
     def samples(self, sites: tuple[str, ...], n_models: int) -> np.ndarray:
@@ -167,11 +166,9 @@ def _pack(values: np.ndarray) -> str:
     return base64.b64encode(zlib.compress(np.ascontiguousarray(values, dtype="<f4").tobytes(), 6)).decode()
 
 
-def _unpack(text: str, shape: tuple[int, ...], empty_ok: bool = False) -> np.ndarray:
+def _unpack(text: str, shape: tuple[int, ...]) -> np.ndarray:
     raw = zlib.decompress(base64.b64decode(text, validate=True))
     values = np.frombuffer(raw, dtype="<f4")
-    if empty_ok and not values.size:
-        return np.zeros((0, 0), dtype=np.float32)
     if values.size != int(np.prod(shape)):
         raise ValueError(f"{values.size} values where {shape} needs {int(np.prod(shape))}")
     return values.reshape(shape).astype(np.float32)  # a writable copy

@@ -211,6 +211,17 @@ def _has_room(snap: Snapshot, site: int, model: int, rest: JobRequest, at: _Cloc
                                  np.zeros(snap.n_sites, dtype=np.float32), kept, near))
 
 
+def fits_rest(snap: Snapshot, site: int, model: int, rest: JobRequest, shift: ShiftPolicy | None) -> bool:
+    """Whether ``site``/``model`` still has room now and in the plan for ``rest`` (a moved job's rest of run,
+    the overhead included), as a move checks it: where the live cycle restarts a moved job."""
+    return bool(snap.free_gpus[site, model] >= rest.count) and _has_room(snap, site, model, rest, _Clock(snap), shift)
+
+
+def rest_of(run: Running, remaining_s: float, policy: MigrationPolicy) -> JobRequest:
+    """The request of the rest of a moving job's run: its expected remaining run plus the overhead."""
+    return _rest(run, remaining_s, policy)
+
+
 def _debit(snap: Snapshot, run: Running, rest: JobRequest | None, site: int, model: int) -> None:
     """Move ``run`` in ``snap``: its GPUs back where it ran (now and in the plan's hours of its expected run),
     the rest of its run taken at ``site``/``model`` (``rest`` None: nowhere, it goes back to the queue)."""

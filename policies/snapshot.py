@@ -341,17 +341,27 @@ class Snapshot:
     def release(self, site: int, req: JobRequest, model: int) -> None:
         """Give back what :meth:`assume` took for a job on whole GPUs that leaves ``site`` now, ``req.duration_s``
         being what is left of its run: its GPUs now and the plan's hours of that rest. (Quotas are not given
-        back: only the simulator moves running jobs, and its sites have none.)"""
+        back: the simulator's sites have none, and a job the live cycle moves is restarted by a new placement.)"""
+        self._whole(site, req, model, 1.0)
+
+    def hold(self, site: int, req: JobRequest, model: int) -> None:
+        """Debit what :meth:`assume` takes for a job on whole GPUs starting now (its GPUs and the plan's
+        hours of ``req.duration_s``), quotas apart, for GPUs kept for a job until it is decided: where a
+        move restarts it, or where room was made for it (``broker.cycle``). :meth:`release` gives them back.
+        Free GPUs may go below 0 while the room is not free yet."""
+        self._whole(site, req, model, -1.0)
+
+    def _whole(self, site: int, req: JobRequest, model: int, sign: float) -> None:
         if req.fractional or req.mig_profile is not None:
-            raise ValueError(f"job {req.job_id}: only a job on whole GPUs can be released")
-        self.free_gpus[site, model] += req.count
+            raise ValueError(f"job {req.job_id}: only a job on whole GPUs can be released or held")
+        self.free_gpus[site, model] += int(sign) * req.count
         if self.plan_free.size:
             now_s = self.now.timestamp()
             into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
             end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
-            self.plan_free[site, model, 1:max(end, 1)] += req.charge
+            self.plan_free[site, model, 1:max(end, 1)] += sign * req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
-            self._near(site, req, model, end, -1.0)
+            self._near(site, req, model, end, -sign)
 
     def _near(self, site: int, req: JobRequest, model: int, end: int, sign: float) -> None:
         """What a latency-bound job starting (``sign`` 1) or leaving (-1) now holds in hours [0, ``end``) of

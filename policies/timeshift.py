@@ -491,7 +491,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                 if not ok[site]:
                     n_passed += 1
                     if len(passed) < PASSED_OVER_KEPT:
-                        passed.append((site, "the plan cannot check it: its zone has no complete forecast"))
+                        passed.append((site, "the plan cannot check it: no complete forecast for its zone, or "
+                                                     "no price, for the GPUs the job would use"))
                     continue
                 moved = _moved(placement, snap, site)
                 if fits_now(site, moved.model):

@@ -72,14 +72,18 @@ def test_a_site_that_joins_has_no_reserve_and_one_that_stays_keeps_its_samples()
 
 
 def test_the_samples_survive_a_round_trip_through_their_stored_document() -> None:
-    demand = held([[0, 4], [2, 4], [8, 4], [2, 4], [30, 4]])
+    # Hours 100-134; a window of 24 h keeps 25 slots, so hours 100-109 are gone and 110-114 are next to go.
+    demand = held([[50, 50]] * 15 + [[5, 5]] * 15 + [[0, 4], [2, 4], [8, 4], [2, 4], [30, 4]])
     doc = json.loads(json.dumps(demand.state()))
     back = LatencyDemand.restore(doc, window_h=24)
-    assert back.hour == 104 and back.sites == SITES
+    assert back.hour == 134 and back.sites == SITES
     assert np.array_equal(back.samples(SITES, 1), demand.samples(SITES, 1))
-    # The latest sample came back too: hour 105, with no pass, holds what hour 104 saw (30 GPUs at a).
-    back.observe(106, SITES, np.array([[1.0], [1.0]]))
-    assert latency_reserve.reserve(back.samples(SITES, 1), 0.5)[:, 0].tolist() == [8.0, 4.0]  # 0 2 2 8 30 30
+    # Hours nobody saw (the broker was down until hour 140) are no samples: neither what hour 134 saw,
+    # repeated, nor what their slots held a window ago.
+    back.observe(140, SITES, np.array([[1.0], [1.0]]))
+    assert latency_reserve.reserve(back.samples(SITES, 1), 1.0)[:, 0].tolist() == [30.0, 5.0]  # not 50: stale
+    with pytest.raises(ValueError, match="cannot be read"):
+        LatencyDemand.restore(doc | {"hour": [1]}, window_h=24)
     # Laid out for a third site that a pass saw: the samples come back in that layout.
     demand.samples(("a", "b", "c"), 1)
     wider = LatencyDemand.restore(json.loads(json.dumps(demand.state())), window_h=24)
@@ -145,7 +149,7 @@ def test_a_site_turned_away_for_the_reserve_is_named_in_the_decision() -> None:
     assert outcome.placed and snap.sites[outcome.site] == "toronto"
     decision, text = explained(pipeline, outcome, snap, req)
     why = "it would take the room kept for latency-bound jobs: 14 a100-80gb GPUs at latency_reserve 0.9"
-    assert f"turned away 1 that scored higher: ashburn ({why})" in decision.summary
+    assert f"turned away 1 that ranked above it: ashburn ({why})" in decision.summary
     assert next(v for v in decision.sites if v.site == "ashburn").passed_over == why
     # When no other site has room now, the job is deferred to the first room elsewhere (Toronto, once its
     # GPUs are no longer booked at 17:00), and the deferral says Ashburn was turned away for the reserve.

@@ -107,7 +107,7 @@ async def test_a_checkpointable_job_started_at_the_dirty_site_moves_to_the_clean
     assert (await b.book.get(mover.id)).state == JobState.SUCCEEDED
 
 
-async def test_room_is_made_at_the_only_site_near_a_job_that_can_wait_no_longer(live) -> None:
+async def test_room_is_made_at_the_only_site_near_a_job_that_can_wait_no_longer_and_kept_for_it(live) -> None:
     b, clock = live
     # A ten-hour checkpointable job fills the clean site (the cleanest, so green's choice).
     filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
@@ -115,36 +115,73 @@ async def test_room_is_made_at_the_only_site_near_a_job_that_can_wait_no_longer(
     await step(b, clock, 2.0)
     assert (await b.book.get(filler.id)).site == "clean"
     # A job 2 ms from the clean site (160 ms from the other) must start within the hour to meet its deadline.
-    near, _ = await b.book.submit(job(name="near", count=4, duration_s=3600, origin_region="gcp:northamerica-northeast2",
+    near, _ = await b.book.submit(job(name="near", count=8, duration_s=3600, origin_region="gcp:northamerica-northeast2",
                                       latency_slo_ms=50.0, deadline=clock.now() + timedelta(hours=2)))
     await b.cycle.run_once(full=True)  # no room: the filler is asked to move out, to the dirty site
     await step(b, clock, 1.0)
     assert (await b.book.get(filler.id)).state == JobState.QUEUED
+    # A job of higher priority that could run anywhere arrives meanwhile: the room made is not its to take,
+    # nor is the dirty site, where the filler is to restart.
+    grabber, _ = await b.book.submit(job(name="grabber", count=8, duration_s=3600, priority=10))
     await b.cycle.run_once(full=True)
     await step(b, clock, 2.0)
     placed, moved = await b.book.get(near.id), await b.book.get(filler.id)
     assert (placed.state, placed.site) == (JobState.RUNNING, "clean")
     assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "dirty", 2) and moved.run_s > 0
+    assert (await b.book.get(grabber.id)).state == JobState.QUEUED
     why = await decision(b, filler.id)
     assert f"to make room for {near.id}, which must run near its users and can wait no longer" in why.summary
     scraped = generate_latest(b.metrics.registry).decode()
     assert 'heliotrope_moves_total{site="clean",why="room"} 1.0' in scraped
 
 
+async def test_a_job_in_the_way_with_nowhere_to_go_waits_in_the_queue_off_the_room_it_made(live) -> None:
+    b, clock = live
+    # The dirty site is full for ten hours with work that cannot move; the clean one with a checkpointable
+    # job. Room for the job near its users is made by putting that job back in the queue, from its
+    # checkpoint: it may not take that room back, and waits.
+    await b.book.submit(job(name="stuck", count=8, duration_s=10 * 3600, allowed_regions=["gcp:asia-northeast1"]))
+    filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    assert (await b.book.get(filler.id)).site == "clean"
+    near, _ = await b.book.submit(job(name="near", count=8, duration_s=3600, origin_region="gcp:northamerica-northeast2",
+                                      latency_slo_ms=50.0, deadline=clock.now() + timedelta(hours=2)))
+    for _ in range(3):
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+    assert ((await b.book.get(near.id)).state, (await b.book.get(near.id)).site) == (JobState.RUNNING, "clean")
+    waiting = await b.book.get(filler.id)
+    assert waiting.state == JobState.QUEUED and waiting.run_s > 0
+    assert [e["reason"] for e in await b.store.job_events(filler.id)][-2].startswith(
+        f"preempted on clean: stopped on clean and requeued from its checkpoint to make room for {near.id}")
+    # Once the job near its users is done, the room is the filler's again, and it resumes from its checkpoint.
+    await step(b, clock, 3600)
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    back = await b.book.get(filler.id)
+    assert (back.state, back.site, back.attempt) == (JobState.RUNNING, "clean", 2)
+
+
 async def test_a_job_that_is_not_checkpointable_is_never_moved(live) -> None:
     b, clock = live
-    blocker, _ = await b.book.submit(job(name="blocker", count=8, duration_s=1800))
+    await b.book.submit(job(name="blocker", count=8, duration_s=1800))
     await b.cycle.run_once(full=True)
     await step(b, clock, 2.0)
-    stays, _ = await b.book.submit(job(name="stays", count=8, duration_s=10 * 3600))
+    stays, _ = await b.book.submit(job(name="stays", count=4, duration_s=10 * 3600))
+    goes, _ = await b.book.submit(job(name="goes", count=4, duration_s=10 * 3600, checkpointable=True))
     await b.cycle.run_once(full=True)
     await step(b, clock, 2.0)
+    assert {(await b.book.get(j.id)).site for j in (stays, goes)} == {"dirty"}
     for _ in range(3):
         await step(b, clock, 3600)
         await b.cycle.run_once(full=True)
         await step(b, clock, 1.0)
-    kept = await b.book.get(stays.id)
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+    kept, moved = await b.book.get(stays.id), await b.book.get(goes.id)
     assert (kept.state, kept.site, kept.attempt) == (JobState.RUNNING, "dirty", 1)
+    assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "clean", 2)
 
 
 async def test_a_site_that_cannot_stop_the_job_keeps_it_running_and_says_why(live, caplog) -> None:

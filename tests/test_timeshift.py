@@ -161,7 +161,7 @@ def test_a_start_now_moved_off_the_profiles_choice_names_the_site_turned_away_an
     why = "its a100-80gb GPUs are booked from 2022-06-10T13:00Z, within this run's expected 2 h, by running or deferred jobs"
     assert verdicts["toronto"].passed_over == why and verdicts["ashburn"].passed_over is None
     assert decision.summary.startswith("placed on ashburn (a100-80gb, score ")
-    assert f"once the plan turned away 1 that scored higher: toronto ({why})" in decision.summary
+    assert f"once the plan turned away 1 that ranked above it: toronto ({why})" in decision.summary
     assert "tied" not in decision.summary  # a better score is not a tie
     assert f"turned away now: {why}" in text
     # The profile's own choice, where it fits, carries no such note.
