@@ -680,10 +680,10 @@ class SchedulingCycle:
             if not made:
                 continue
             placement = pipeline.decide(req, trial)  # it fits now: hold its room until it is placed there
-            assert placement.placed
-            trial.assume(placement.site, req, placement.model)
-            self._holds[job.id] = _Hold(trial.sites[placement.site], placement.model, req, job.attempt,
-                                        snap.now.timestamp() + MOVE_TIMEOUT_S)
+            if placement.placed:
+                trial.assume(placement.site, req, placement.model)
+                self._holds[job.id] = _Hold(trial.sites[placement.site], placement.model, req, job.attempt,
+                                            snap.now.timestamp() + MOVE_TIMEOUT_S)
             jobs = {r.request.job_id: j for r, j in offered}
             moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
             moved = {m.running.request.job_id for m in made}

@@ -85,6 +85,16 @@ async def next_event(adapter: KubernetesSite, stream: AsyncIterator[JobEvent]) -
     return await asyncio.wait_for(anext(stream), 5)
 
 
+async def pod_running(cluster: kmock.KubernetesEmulator, name: str, namespace: str = "heliotrope-t1") -> None:
+    """What the cluster's Job controller and kubelet would do for Job ``name``: a Pod of it, pending, then
+    running (the emulator runs no controller)."""
+    labels = dict(jobs(cluster)[(namespace, name)]["spec"]["template"]["metadata"]["labels"])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
+           "spec": {"containers": [{"name": "job", "image": "x"}]}, "status": {"phase": "Pending"}}
+    assert (await cluster.post(f"/api/v1/namespaces/{namespace}/pods", json=pod)).status == 200
+    await cluster.patch(f"/api/v1/namespaces/{namespace}/pods/{name}-abc", json={"status": {"phase": "Running"}})
+
+
 # --- capacity from Nodes ---
 
 
@@ -212,12 +222,7 @@ async def test_the_broker_asking_to_stop_a_job_deletes_it_as_a_preemption_with_i
     # checkpoint), its GPUs are free, and the broker hears "preempted" with the reason and how long it ran.
     stream = kube.events()
     assert (await kube.submit(attempt("j-1", count=8))).admitted
-    name = job_name("j-1", 1)
-    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
-           "spec": {"containers": [{"name": "job", "image": "x"}]}, "status": {"phase": "Running"}}
-    assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
-    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": {"phase": "Running"}})
+    await pod_running(cluster, job_name("j-1", 1))
     assert (await next_event(kube, stream)).kind == EventKind.RUNNING
     await asyncio.sleep(0.2)
     await kube.preempt("j-1", 1, "moved from here to b from its checkpoint")
@@ -244,11 +249,7 @@ async def test_the_watch_reports_running_then_succeeded(kube: KubernetesSite, cl
     stream = kube.events()
     assert (await kube.submit(attempt("j-1", count=2))).admitted
     name = job_name("j-1", 1)
-    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
-           "spec": {"containers": [{"name": "job", "image": "x"}]}, "status": {"phase": "Pending"}}
-    assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
-    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": {"phase": "Running"}})
+    await pod_running(cluster, name)
     running = await next_event(kube, stream)
     assert (running.job_id, running.attempt, running.kind) == ("j-1", 1, EventKind.RUNNING)
     await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {

@@ -16,35 +16,23 @@ import pytest
 from prometheus_client import generate_latest
 
 from broker.clock import ManualClock
-from broker.config import BrokerSettings
 from broker.models import JobState, SimulatedAdapterConfig
 from broker.service import Broker
 from policies import explain
 from policies.snapshot import JobRequest
 from tests.builders import job, site
-from tests.test_timeshift import CARBON_DIR, GREEN_AT
+from tests.test_timeshift import GREEN_AT, green_broker
 
 FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
 
 
-async def broker(tmp_path) -> tuple[Broker, ManualClock]:
+@pytest.fixture
+async def live(tmp_path):
     sites = [site("clean", region="gcp:northamerica-northeast2", grid_zone="CA-ON", timezone="America/Toronto",
                   adapter=FAST, rtt_ms={"gcp:northamerica-northeast2": 2.0}),
              site("dirty", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=FAST,
                   rtt_ms={"gcp:northamerica-northeast2": 160.0})]
-    cfg = {"db": str(tmp_path / "m.db"), "shutdown_grace_s": 0.1,
-           "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336},
-           "profiles": {"default": "green"}}
-    clock = ManualClock(GREEN_AT)
-    b = Broker(BrokerSettings.model_validate(cfg), clock=clock)
-    await b.start(sites, run_loop=False)
-    await b.signals.wait_ready()
-    return b, clock
-
-
-@pytest.fixture
-async def live(tmp_path):
-    b, clock = await broker(tmp_path)
+    b, clock = await green_broker(tmp_path, sites, profiles={"default": "green"})
     yield b, clock
     await b.stop()
 
@@ -63,15 +51,21 @@ async def decision(b: Broker, job_id: str):
     return explain.render(stored.record, JobRequest.from_spec(job_id, spec), b.cycle.filters, stored.attempt)
 
 
-async def test_a_checkpointable_job_started_at_the_dirty_site_moves_to_the_clean_one_once_it_has_room(live) -> None:
-    b, clock = live
-    # The clean site is full for half an hour, so a ten-hour checkpointable job starts at the dirty one.
+async def started_at_the_dirty_site(b: Broker, clock: ManualClock):
+    """The clean site full for half an hour (a blocker), so a ten-hour checkpointable job (the mover)
+    starts at the dirty one. Returns both jobs as submitted."""
     blocker, _ = await b.book.submit(job(name="blocker", count=8, duration_s=1800))
     await b.cycle.run_once(full=True)
     await step(b, clock, 2.0)
     mover, _ = await b.book.submit(job(name="mover", count=8, duration_s=10 * 3600, checkpointable=True))
     await b.cycle.run_once(full=True)
     await step(b, clock, 2.0)
+    return blocker, mover
+
+
+async def test_a_checkpointable_job_started_at_the_dirty_site_moves_to_the_clean_one_once_it_has_room(live) -> None:
+    b, clock = live
+    blocker, mover = await started_at_the_dirty_site(b, clock)
     started = await b.book.get(mover.id)
     assert (started.state, started.site, started.attempt) == (JobState.RUNNING, "dirty", 1)
     assert (await b.book.get(blocker.id)).site == "clean"
@@ -107,16 +101,22 @@ async def test_a_checkpointable_job_started_at_the_dirty_site_moves_to_the_clean
     assert (await b.book.get(mover.id)).state == JobState.SUCCEEDED
 
 
-async def test_room_is_made_at_the_only_site_near_a_job_that_can_wait_no_longer_and_kept_for_it(live) -> None:
-    b, clock = live
-    # A ten-hour checkpointable job fills the clean site (the cleanest, so green's choice).
+async def filled_then_urgent(b: Broker, clock: ManualClock):
+    """A ten-hour checkpointable job (the filler) fills the clean site (the cleanest, so green's choice); then
+    a job 2 ms from it (160 ms from the other) that must start within the hour to meet its deadline (near)
+    is submitted. Returns both jobs as submitted."""
     filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
     await b.cycle.run_once(full=True)
     await step(b, clock, 2.0)
     assert (await b.book.get(filler.id)).site == "clean"
-    # A job 2 ms from the clean site (160 ms from the other) must start within the hour to meet its deadline.
     near, _ = await b.book.submit(job(name="near", count=8, duration_s=3600, origin_region="gcp:northamerica-northeast2",
                                       latency_slo_ms=50.0, deadline=clock.now() + timedelta(hours=2)))
+    return filler, near
+
+
+async def test_room_is_made_at_the_only_site_near_a_job_that_can_wait_no_longer_and_kept_for_it(live) -> None:
+    b, clock = live
+    filler, near = await filled_then_urgent(b, clock)
     await b.cycle.run_once(full=True)  # no room: the filler is asked to move out, to the dirty site
     await step(b, clock, 1.0)
     assert (await b.book.get(filler.id)).state == JobState.QUEUED
@@ -141,12 +141,7 @@ async def test_a_job_in_the_way_with_nowhere_to_go_waits_in_the_queue_off_the_ro
     # job. Room for the job near its users is made by putting that job back in the queue, from its
     # checkpoint: it may not take that room back, and waits.
     await b.book.submit(job(name="stuck", count=8, duration_s=10 * 3600, allowed_regions=["gcp:asia-northeast1"]))
-    filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
-    await b.cycle.run_once(full=True)
-    await step(b, clock, 2.0)
-    assert (await b.book.get(filler.id)).site == "clean"
-    near, _ = await b.book.submit(job(name="near", count=8, duration_s=3600, origin_region="gcp:northamerica-northeast2",
-                                      latency_slo_ms=50.0, deadline=clock.now() + timedelta(hours=2)))
+    filler, near = await filled_then_urgent(b, clock)
     for _ in range(3):
         await b.cycle.run_once(full=True)
         await step(b, clock, 2.0)
@@ -188,12 +183,7 @@ async def test_a_site_that_cannot_stop_the_job_keeps_it_running_and_says_why(liv
     from adapters.base import AdapterError
 
     b, clock = live
-    blocker, _ = await b.book.submit(job(name="blocker", count=8, duration_s=1800))
-    await b.cycle.run_once(full=True)
-    await step(b, clock, 2.0)
-    mover, _ = await b.book.submit(job(name="mover", count=8, duration_s=10 * 3600, checkpointable=True))
-    await b.cycle.run_once(full=True)
-    await step(b, clock, 2.0)
+    _, mover = await started_at_the_dirty_site(b, clock)
 
     async def refuse(job_id: str, attempt: int, reason: str) -> None:
         raise AdapterError("site dirty: the cluster is unreachable")

@@ -246,10 +246,7 @@ async def frankfurt_and_tokyo(tmp_path, site_extra: dict | None = None, **settin
     """A started broker on a manual clock at GREEN_AT over Frankfurt and Tokyo (simulated, starting a job
     after a second), with the shipped carbon data; ``site_extra`` maps a site to more of its spec fields,
     ``settings`` adds broker settings."""
-    from broker.clock import ManualClock
-    from broker.config import BrokerSettings
     from broker.models import SimulatedAdapterConfig
-    from broker.service import Broker
     from tests.builders import site
 
     fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
@@ -258,6 +255,16 @@ async def frankfurt_and_tokyo(tmp_path, site_extra: dict | None = None, **settin
                   **extra.get("frankfurt", {})),
              site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=fast,
                   **extra.get("tokyo", {}))]
+    return await green_broker(tmp_path, sites, **settings)
+
+
+async def green_broker(tmp_path, sites, **settings):
+    """A started broker over ``sites`` on a manual clock at GREEN_AT, with the shipped carbon data and its
+    forecasts ready; ``settings`` adds broker settings."""
+    from broker.clock import ManualClock
+    from broker.config import BrokerSettings
+    from broker.service import Broker
+
     cfg = {"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
            "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336}, **settings}
     clock = ManualClock(GREEN_AT)
