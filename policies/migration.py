@@ -42,6 +42,10 @@ Order: the jobs that could save the most (against the best site for them anywher
 they get the clean capacity; each move is debited from the snapshot at once (the source's GPUs freed, the
 target's taken, the plan's hours moved), so later moves see it.
 
+Who acts on it: the simulator (``broker.simulation.engine``) and the live scheduling cycle
+(``broker.cycle``, which asks a job's site to checkpoint and stop it, and holds the GPUs the move counted
+on until the job restarts) call the same functions.
+
 Units: seconds, POSIX seconds, kg CO2e or USD. Pure: a function of the snapshot and the running jobs handed
 in; no clock, no I/O. How to turn it off: a profile without ``migrate`` (the default) never moves a job, and
 a job that is not checkpointable is never moved.
