@@ -264,6 +264,47 @@ YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 
 
+def _plan_moves(
+    trial: Snapshot,
+    stuck: list[tuple[Job, JobRequest, Pipeline]],
+    running: dict[int, list[tuple[Running, Job]]],
+    pipelines: dict[int, Pipeline],
+    saving: bool,
+) -> tuple[list[tuple[Move, Job, Pipeline]], list[tuple[Job, str, int, JobRequest]]]:
+    """Step 3b's decisions (``policies.migration``), on ``trial`` (a working copy of the pass's snapshot,
+    debited as moves are made): room made for each stuck job near its users, from the running jobs of its
+    own profile, then, with ``saving``, each profile's moves that save. Returns the moves (with each moved
+    job and its pipeline) and, for each stuck job room was made for, where it now fits (job, site, model,
+    request)."""
+    moves: list[tuple[Move, Job, Pipeline]] = []
+    held: list[tuple[Job, str, int, JobRequest]] = []
+    for job, req, pipeline in stuck:
+        policy = pipeline.migrate
+        if policy is None:
+            continue
+        offered = running[id(pipeline)]
+        made = make_room(pipeline, trial, req, [r for r, _ in offered], policy)
+        if not made:
+            continue
+        placement = pipeline.decide(req, trial)  # it fits now: its room is held until it is placed there
+        if placement.placed:
+            trial.assume(placement.site, req, placement.model)
+            held.append((job, trial.sites[placement.site], placement.model, req))
+        jobs = {r.request.job_id: j for r, j in offered}
+        moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
+        moved = {m.running.request.job_id for m in made}
+        for key in running:
+            running[key] = [(r, j) for r, j in running[key] if r.request.job_id not in moved]
+    if saving:
+        for key, pipeline in pipelines.items():
+            assert pipeline.migrate is not None
+            offered = running[key]
+            made = plan_moves(pipeline, trial, [r for r, _ in offered], pipeline.migrate)
+            jobs = {r.request.job_id: j for r, j in offered}
+            moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
+    return moves, held
+
+
 class SchedulingCycle:
     def __init__(
         self,
@@ -664,40 +705,24 @@ class SchedulingCycle:
         jobs are placed there."""
         if saving:
             self._moves_h = timeshift.epoch_hour(snap.now)
-        if not saving and not self._stuck:
+        waiting = {m.for_job for m in self._moving.values() if m.for_job is not None}
+        stuck = [(job, req, pipeline) for job, req, pipeline in self._stuck  # the most urgent first
+                 if job.id not in waiting and job.id not in self._holds]  # else room is being made already
+        if not saving and not stuck:
             return
         trial = snap.working_copy(snap.now)
-        waiting = {m.for_job for m in self._moving.values() if m.for_job is not None}
-        moves: list[tuple[Move, Job, Pipeline]] = []
         pipelines = {id(p): p for p in (self.pipeline, *self.profiles.values()) if p.migrate is not None}
         running = {key: self._running(trial, pipeline) for key, pipeline in pipelines.items()}
-        for job, req, pipeline in self._stuck:  # the most urgent first: the order the pass decided them in
-            policy = pipeline.migrate
-            if job.id in waiting or job.id in self._holds or policy is None:
-                continue  # room is being made for it already
-            offered = running[id(pipeline)]
-            made = make_room(pipeline, trial, req, [r for r, _ in offered], policy)
-            if not made:
-                continue
-            placement = pipeline.decide(req, trial)  # it fits now: hold its room until it is placed there
-            if placement.placed:
-                trial.assume(placement.site, req, placement.model)
-                self._holds[job.id] = _Hold(trial.sites[placement.site], placement.model, req, job.attempt,
-                                            snap.now.timestamp() + MOVE_TIMEOUT_S)
-            jobs = {r.request.job_id: j for r, j in offered}
-            moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
-            moved = {m.running.request.job_id for m in made}
-            for key in running:
-                running[key] = [(r, j) for r, j in running[key] if r.request.job_id not in moved]
-        if saving:
-            for key, pipeline in pipelines.items():
-                offered = running[key]
-                assert pipeline.migrate is not None
-                made = plan_moves(pipeline, trial, [r for r, _ in offered], pipeline.migrate)
-                jobs = {r.request.job_id: j for r, j in offered}
-                moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
+        # Pure work on the pass's own copy, in a worker thread so the API stays responsive (a second or two
+        # with ten thousand running jobs: bench/moves.py).
+        moves, held = await asyncio.to_thread(_plan_moves, trial, stuck, running, pipelines, saving)
+        until_ts = snap.now.timestamp() + MOVE_TIMEOUT_S
+        for job, site, model, req in held:
+            self._holds[job.id] = _Hold(site, model, req, job.attempt, until_ts)
         for move, job, pipeline in moves:
-            self._ask_to_move(move, job, pipeline, snap)
+            now = self.book.active.get(job.id)
+            if now is not None and now.state == JobState.RUNNING and (now.site, now.attempt) == (job.site, job.attempt):
+                self._ask_to_move(move, job, pipeline, snap)  # still running where the move found it
 
     def _running(self, snap: Snapshot, pipeline: Pipeline) -> list[tuple[Running, Job]]:
         """The running jobs of ``pipeline``'s profile a move may take, as ``policies.migration`` reads them:

@@ -255,21 +255,40 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
         usable = usable_models(run.request, snap) & (snap.total_gpus >= run.request.count)
         floor = float(np.nanmin(np.where(usable, move_rates, np.nan))) * g if usable.any() else math.nan
         if stay == stay and floor == floor and stay - floor >= max(policy.min_saving * stay, policy.min_saving_abs):
-            candidates.append((floor - stay, i, remaining, stay, judged_h, move_rates))
+            candidates.append((floor - stay, i, remaining, stay, judged_h, move_rates, usable))
     candidates.sort(key=lambda c: c[:2])  # the most to save first
     moves: list[Move] = []
-    for _, i, remaining, stay, judged_h, move_rates in candidates:
+    for _, i, remaining, stay, judged_h, move_rates, usable in candidates:
         run = running[i]
         rest = _rest(run, remaining, policy)
         placement = pipeline.decide(rest, snap)
         bar = stay - max(policy.min_saving * stay, policy.min_saving_abs)
+        # The least value at each feasible site over the models the job could use there with room now bounds
+        # the value of the model it would get (choose_model's pick is one of them): sites are tried from the lowest bound
+        # up, and the search stops where no site left can beat (or tie with a lower index) the best found.
+        # The same site as trying them all in order: the least value that clears the bar and has room, the
+        # first site by index among equals.
+        sites = placement.feasible[placement.feasible != run.site]
+        fits_now = usable[sites] & (snap.free_gpus[sites] >= rest.count)  # choose_model picks one of these
+        lower = np.fmin.reduce(np.where(fits_now, move_rates[sites], np.nan), axis=1) * rest.charge
+        clears = lower <= bar  # NaN: no usable model with a value
+        sites, lower = sites[clears], lower[clears]
+        # Rooms the plan has for the rest at no usable model, before any reserve, fail _has_room at any.
+        hours = (min(max(int(math.ceil(at.into_h + rest.duration_s / HOUR_S - 1e-9)), 1), snap.plan_free.shape[2])
+                 if snap.plan_free.size else 0)
+        bar32 = np.float32(np.float32(np.float32(rest.charge) + np.float32(0.0)) - _search.EPS32)
         best: tuple[float, int, int] | None = None
-        for site in placement.feasible.tolist():
-            if site == run.site:
+        for k in np.lexsort((sites, lower)).tolist():
+            site, bound = int(sites[k]), float(lower[k])
+            if best is not None and (bound > best[0] or (bound == best[0] and site > best[1])):
+                if bound > best[0]:
+                    break
                 continue
+            if hours and not ((snap.plan_free[site, :, :hours] >= bar32).all(axis=1) & usable[site]).any():
+                continue  # no model it could use has room in every hour of the rest, before any reserve
             model = choose_model(rest, snap, site)
             value = float(move_rates[site, model]) * rest.charge
-            if (value <= bar and (best is None or value < best[0])
+            if (value <= bar and (best is None or value < best[0] or (value == best[0] and site < best[1]))
                     and _has_room(snap, site, model, rest, at, pipeline.shift)):
                 best = (value, site, model)
         if best is not None:
@@ -307,15 +326,19 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
     own = _rates(snap, policy.objective, at.into_h, req.duration_s / HOUR_S)
     if not ok.any() or own is None:
         return []
-    remaining = [movable(run, at.now_ts, policy) for run in running]
     # The job's own sites and models, the cleanest (or cheapest) for it first.
     options = sorted(((float(own[site, model]), site, model) for site in np.flatnonzero(ok).tolist()
                       for model in np.flatnonzero(usable[site]).tolist()))
+    places = {(site, model) for _, site, model in options}
+    by_place: dict[tuple[int, int], list[int]] = {}  # the running jobs at those sites and models, in order
+    for i, run in enumerate(running):
+        if (run.site, run.model) in places:
+            by_place.setdefault((run.site, run.model), []).append(i)
+    remaining = {i: movable(running[i], at.now_ts, policy) for found in by_place.values() for i in found}
     best: list[Move] | None = None
     for _, site, model in options:
         short = req.count - int(snap.free_gpus[site, model])
-        here = [i for i, run in enumerate(running)
-                if run.site == site and run.model == model and remaining[i] is not None]
+        here = [i for i in by_place.get((site, model), ()) if remaining[i] is not None]
         if short <= 0 or sum(running[i].request.count for i in here) < short:
             continue
         # One job that covers the shortfall, the smallest such; else the largest first (the fewest moves).
