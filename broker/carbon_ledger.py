@@ -10,7 +10,8 @@ Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board pow
 expected duration; emissions = energy x the grid intensity each site had at the moment of the decision.
 Both sites are charged the same energy (the placed model's power). Savings from deferring a job to a
 cleaner hour are not in this figure: it compares sites at the same moment, so it never credits a forecast
-that may not come true. Totals are the leader's since it started leading (they are not stored).
+that may not come true. The leader keeps the totals in its database after each pass that placed jobs
+(``broker_state``), so they run on across restarts and takeovers (a crash loses at most the last pass's).
 """
 
 from __future__ import annotations
@@ -51,6 +52,27 @@ class CarbonLedger:
         self.agnostic_grams += kwh * there
         self.moved += baseline != chosen
         return kwh * here, kwh * there
+
+    def state(self) -> dict[str, float | int]:
+        """The totals, as the store keeps them (:meth:`restore` reads them back)."""
+        return {"v": 1, "jobs": self.jobs, "energy_kwh": self.energy_kwh, "grams": self.grams,
+                "agnostic_grams": self.agnostic_grams, "moved": self.moved}
+
+    @classmethod
+    def restore(cls, doc: object) -> CarbonLedger:
+        """Totals from :meth:`state`'s document; ValueError when it is not one (a count below 0, a total
+        that is not a finite number)."""
+        if not isinstance(doc, dict) or doc.get("v") != 1:
+            raise ValueError("not a carbon ledger document of version 1")
+        try:
+            ledger = cls(int(doc["jobs"]), float(doc["energy_kwh"]), float(doc["grams"]),
+                         float(doc["agnostic_grams"]), int(doc["moved"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a carbon ledger document that cannot be read: {e}") from None
+        totals = (ledger.energy_kwh, ledger.grams, ledger.agnostic_grams)
+        if min(ledger.jobs, ledger.moved) < 0 or not all(math.isfinite(t) and t >= 0 for t in totals):
+            raise ValueError("a carbon ledger document with a negative or non-finite total")
+        return ledger
 
     def as_dict(self) -> dict[str, float | int]:
         saved = self.agnostic_grams - self.grams

@@ -260,6 +260,7 @@ class PassDecider:
 
 
 LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bound jobs held (put_state)
+CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger's totals (GET /v1/carbon)
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 
@@ -334,6 +335,7 @@ class SchedulingCycle:
         self.metrics = Metrics()  # the broker passes its own
         self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
         self.carbon = CarbonLedger()  # carbon of placements against a carbon-agnostic choice
+        self._carbon_saved = 0  # the ledger's job count the store holds
         self._site_health: dict[str, str] = {}  # site -> health last published
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
@@ -440,6 +442,8 @@ class SchedulingCycle:
             self.federation.remember_pass(snap)
             # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
             await self._finish(assumed, records)
+            if self.carbon.jobs != self._carbon_saved:
+                await self._keep_ledger()
         if full:
             self._quiet = quiet_key if quiet_key is not None and not assumed and self.book.seq == quiet_key[1] else None
         return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
@@ -840,9 +844,11 @@ class SchedulingCycle:
                        run_time_errors=self.lifecycle.run_times.sorted(), **near)
 
     async def restore_learned(self) -> bool:
-        """When this broker takes charge: what latency-bound jobs held, hour by hour, as the store keeps it
-        (saved at the first sample of each hour), so the room kept for them is not learned again from
-        nothing. Returns whether a stored demand was taken; one that cannot be read is ignored, with a warning."""
+        """When this broker takes charge: the carbon ledger's totals, and what latency-bound jobs held, hour
+        by hour (saved at the first sample of each hour), so the room kept for them is not learned again
+        from nothing. Returns whether a stored demand was taken; a document that cannot be read is ignored,
+        with a warning."""
+        await self._restore_ledger()
         if self._near is None:
             return False
         try:
@@ -862,6 +868,29 @@ class SchedulingCycle:
         self._near = near
         self._near_saved = self._near.hour
         return True
+
+    async def _restore_ledger(self) -> None:
+        try:
+            doc = await self.store.get_state(CARBON_LEDGER_STATE)
+            if doc is not None:
+                self.carbon = CarbonLedger.restore(json.loads(doc))
+                self._carbon_saved = self.carbon.jobs
+        except StoreError as e:
+            log.warning("could not read the stored carbon ledger (%s); its totals start from 0", e)
+        except ValueError as e:
+            log.warning("ignoring the stored carbon ledger: %s; its totals start from 0", e)
+
+    async def _keep_ledger(self) -> None:
+        """Save the carbon ledger's totals after a pass that placed jobs (tried again after the next one)."""
+        if not self.may_act():
+            return
+        jobs = self.carbon.jobs
+        try:
+            await self.store.put_state(CARBON_LEDGER_STATE, json.dumps(self.carbon.state()))
+        except StoreError as e:
+            log.warning("could not save the carbon ledger: %s", e)
+            return
+        self._carbon_saved = jobs
 
     async def _keep_learned(self) -> None:
         """Save the latency demand once an hour, at its first sample of the hour (the hour before is complete)."""

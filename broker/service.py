@@ -240,7 +240,7 @@ class Broker:
         self.book.tracking = True
         # Before any site's events are pumped: a job that succeeds from here on is learned once, live.
         await self.lifecycle.learn_run_times(self.store)
-        await self.cycle.restore_learned()  # the room kept for latency-bound jobs, as the last leader saw it
+        await self.cycle.restore_learned()  # the carbon ledger and the latency demand, as the last leader left them
         if self.hub is not None:  # only the broker in charge talks to the agents
             await self.hub.start()  # connects in the background, and reconnects by itself
             if not await self.hub.wait_connected(self.settings.collect_timeout_s):

@@ -1,0 +1,75 @@
+"""The carbon ledger (``GET /v1/carbon``, the dashboard's headline): what the broker's choices emitted against a
+carbon-agnostic choice, kept in the database so that a restart or a takeover does not start it from 0.
+
+Two simulated sites with the shipped June 2022 carbon data: ``clean`` on Ontario's grid (CA-ON), the dearer,
+and ``cheap`` on Tokyo's (JP-TK); ``green`` weighs carbon first, so it places on ``clean`` where a choice
+without the carbon terms (price, telemetry) would have taken ``cheap``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from broker.cycle import CARBON_LEDGER_STATE
+from broker.models import SimulatedAdapterConfig
+from tests.builders import job, site
+from tests.test_timeshift import green_broker
+
+FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+SITES = [site("clean", region="gcp:northamerica-northeast2", grid_zone="CA-ON", timezone="America/Toronto",
+              adapter=FAST, usd_per_gpu_hour={"a100-80gb": 4.0}),
+         site("cheap", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=FAST,
+              usd_per_gpu_hour={"a100-80gb": 2.0})]
+
+
+async def carbon(b) -> dict:
+    """What ``GET /v1/carbon`` answers."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.api import create_app
+
+    async with TestClient(TestServer(create_app(b))) as client:
+        resp = await client.get("/v1/carbon")
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        for name in ("a", "b"):
+            await b.book.submit(job(name=name, count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await asyncio.sleep(0.05)
+        before = await carbon(b)
+        assert before["jobs"] == 2 and before["moved_jobs"] == 2 and before["saved_grams"] > 0
+    finally:
+        await b.stop()
+    again, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        after = await carbon(again)
+        assert after == before
+        # It goes on counting from there: a new job, and the two whose attempts the simulated sites lost
+        # with the restart, placed again (a placement counts each time it is made).
+        await again.book.submit(job(name="c", count=2, duration_s=3600))
+        report = await again.cycle.run_once(full=True)
+        assert report.placed == 3 and (await carbon(again))["jobs"] == 5
+        assert json.loads(await again.store.get_state(CARBON_LEDGER_STATE))["jobs"] == 5
+    finally:
+        await again.stop()
+
+
+@pytest.mark.parametrize("doc", ['{"v": 1, "jobs": -1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, "moved": 0}',
+                                 '{"v": 1, "jobs": 1}', "not json", '{"v": 2}'])
+async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
+    b, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        await b.store.put_state(CARBON_LEDGER_STATE, doc)
+        await b.cycle.restore_learned()
+        assert "ignoring the stored carbon ledger" in caplog.text
+        assert (await carbon(b))["jobs"] == 0
+    finally:
+        await b.stop()
