@@ -261,6 +261,7 @@ class PassDecider:
 
 LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bound jobs held (put_state)
 CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger's totals (GET /v1/carbon)
+LEDGER_SAVE_S = 10.0  # at most this often the ledger is saved (a crash loses at most that many seconds of it)
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 
@@ -336,6 +337,7 @@ class SchedulingCycle:
         self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
         self.carbon = CarbonLedger()  # carbon of placements against a carbon-agnostic choice
         self._carbon_saved = 0  # the ledger's job count the store holds
+        self._carbon_saved_at = -math.inf  # when it was saved (time.monotonic)
         self._site_health: dict[str, str] = {}  # site -> health last published
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
@@ -423,12 +425,12 @@ class SchedulingCycle:
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
-        self._released = set()
-        if self._holds or self._moving:
-            self._debit_holds(snap)
         if self._plan_hours:
             snap = self._with_plan(snap)
             await self._keep_learned()
+        self._released = set()
+        if self._holds or self._moving:
+            self._debit_holds(snap)  # after the plan, so its hours are held too
         # 3. decide, and assume each placement in memory at once (its store write is queued at once too)
         assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write)
         records: list[tuple[Job, dict[str, Any]]] = []
@@ -442,8 +444,8 @@ class SchedulingCycle:
             self.federation.remember_pass(snap)
             # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
             await self._finish(assumed, records)
-            if self.carbon.jobs != self._carbon_saved:
-                await self._keep_ledger()
+            if self.carbon.jobs != self._carbon_saved and time.monotonic() - self._carbon_saved_at >= LEDGER_SAVE_S:
+                await self.keep_ledger()
         if full:
             self._quiet = quiet_key if quiet_key is not None and not assumed and self.book.seq == quiet_key[1] else None
         return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
@@ -530,6 +532,8 @@ class SchedulingCycle:
                     self._holds.pop(job.id, None)  # its target had no room left: nothing more to keep there
                 placement = decider.decide(req)
             metrics.decision_seconds.observe(time.perf_counter() - started)
+            if job.id in self._released and not isinstance(placement, Placement):
+                self._hold_again(job.id, snap)  # not placed this pass: what is kept for it stays kept
             if isinstance(placement, Deferral):
                 metrics.deferred.inc()
                 decider.reserve(placement)
@@ -555,7 +559,8 @@ class SchedulingCycle:
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
                     self._announce_decision(job, "decision", "unplaceable", None, None,
                                             "no site can run it now; it waits in the queue", snap.now)
-                if jobs is None and not req.excluded_sites and (pipeline.shift is None or req.deadline_ts is None):
+                if (jobs is None and not req.excluded_sites and not self._holds
+                        and (pipeline.shift is None or req.deadline_ts is None)):
                     # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.
                     order.fail_group()
                     metrics.groups_skipped.inc()
@@ -688,6 +693,8 @@ class SchedulingCycle:
         for job_id, moving in list(self._moving.items()):  # moves whose event or restart never came
             if now_ts > moving.asked_ts + MOVE_TIMEOUT_S:
                 del self._moving[job_id]
+        for site in [s for s, until in self._cannot_stop.items() if until <= now_ts]:
+            del self._cannot_stop[site]
 
     def _take_hold(self, job: Job, snap: Snapshot, deciders: dict[int, PassDecider]) -> None:
         """Before ``job`` is decided: give the pass back what is held for it, so it may take it."""
@@ -700,6 +707,13 @@ class SchedulingCycle:
         for decider in deciders.values():  # capacity grew: failures met earlier in the pass may not hold
             decider.failed.clear()
             decider.unplanned.clear()
+
+    def _hold_again(self, job_id: str, snap: Snapshot) -> None:
+        hold = self._holds.get(job_id)
+        site = snap.index.get(hold.site) if hold is not None else None
+        if hold is not None and site is not None:
+            snap.hold(site, hold.request, hold.model)
+        self._released.discard(job_id)
 
     async def _move_running(self, snap: Snapshot, saving: bool) -> None:
         """Step 3b, at full passes of a broker with ``migrate`` profiles: room made for this pass's urgent
@@ -720,13 +734,17 @@ class SchedulingCycle:
         # Pure work on the pass's own copy, in a worker thread so the API stays responsive (a second or two
         # with ten thousand running jobs: bench/moves.py).
         moves, held = await asyncio.to_thread(_plan_moves, trial, stuck, running, pipelines, saving)
-        until_ts = snap.now.timestamp() + MOVE_TIMEOUT_S
-        for job, site, model, req in held:
-            self._holds[job.id] = _Hold(site, model, req, job.attempt, until_ts)
+        not_asked: set[str] = set()  # jobs near their users one of whose moves was not asked for
         for move, job, pipeline in moves:
             now = self.book.active.get(job.id)
-            if now is not None and now.state == JobState.RUNNING and (now.site, now.attempt) == (job.site, job.attempt):
-                self._ask_to_move(move, job, pipeline, snap)  # still running where the move found it
+            if not (now is not None and now.state == JobState.RUNNING  # still running where the move found it
+                    and (now.site, now.attempt) == (job.site, job.attempt)
+                    and self._ask_to_move(move, job, pipeline, snap)) and move.for_job is not None:
+                not_asked.add(move.for_job)
+        until_ts = snap.now.timestamp() + MOVE_TIMEOUT_S
+        for job, site, model, req in held:  # the room made is held only where every move making it was asked
+            if job.id not in not_asked:
+                self._holds[job.id] = _Hold(site, model, req, job.attempt, until_ts)
 
     def _running(self, snap: Snapshot, pipeline: Pipeline) -> list[tuple[Running, Job]]:
         """The running jobs of ``pipeline``'s profile a move may take, as ``policies.migration`` reads them:
@@ -753,16 +771,16 @@ class SchedulingCycle:
             out.append((Running(req, site, MODEL_INDEX[job.gpu_model], job.run_s + ran), job))
         return out
 
-    def _ask_to_move(self, move: Move, job: Job, pipeline: Pipeline, snap: Snapshot) -> None:
+    def _ask_to_move(self, move: Move, job: Job, pipeline: Pipeline, snap: Snapshot) -> bool:
         """Remember the move and hold its target, keep the job off the site it leaves for a while (it was
         moved for a reason), then ask that site, in the background as a dispatch, to checkpoint and stop
         it. A site that cannot is logged, left out of moves for an hour, and the job runs on where it is."""
         reason = move.reason(snap.sites)
         origin = job.site or ""
         member = self.federation.members.get(origin)
-        if member is None or not self.may_act():
-            return
         now_ts = snap.now.timestamp()
+        if member is None or not self.may_act() or self._cannot_stop.get(origin, 0.0) > now_ts:
+            return False
         target = snap.sites[move.site] if move.site >= 0 else None
         self._moving[job.id] = _Moving(origin, job.attempt, target, move.model, reason, move.for_job, now_ts)
         if target is not None:
@@ -786,6 +804,7 @@ class SchedulingCycle:
                     self._holds.pop(job.id, None)
                 if move.for_job is not None:  # room is not being made: the job near its users may ask again
                     self._holds.pop(move.for_job, None)
+                self.book.forgive(job.id, origin)  # it runs on there: nothing keeps it off that site
                 return
             self.metrics.moves.labels(origin, "room" if move.for_job is not None else "saving").inc()
 
@@ -795,6 +814,7 @@ class SchedulingCycle:
         task = asyncio.get_running_loop().create_task(ask(), name=f"move-{job.id}")
         self._dispatches.add(task)
         task.add_done_callback(self._dispatches.discard)
+        return True
 
     def _with_refusals(self, req: JobRequest, rec: dict[str, Any]) -> dict[str, Any]:
         """``rec`` (maybe shared by several jobs) with the reasons the sites it skips gave for refusing this job."""
@@ -872,17 +892,17 @@ class SchedulingCycle:
     async def _restore_ledger(self) -> None:
         try:
             doc = await self.store.get_state(CARBON_LEDGER_STATE)
-            if doc is not None:
-                self.carbon = CarbonLedger.restore(json.loads(doc))
-                self._carbon_saved = self.carbon.jobs
+            self.carbon = CarbonLedger() if doc is None else CarbonLedger.restore(json.loads(doc))
+            self._carbon_saved = self.carbon.jobs
         except StoreError as e:
             log.warning("could not read the stored carbon ledger (%s); its totals start from 0", e)
         except ValueError as e:
             log.warning("ignoring the stored carbon ledger: %s; its totals start from 0", e)
 
-    async def _keep_ledger(self) -> None:
-        """Save the carbon ledger's totals after a pass that placed jobs (tried again after the next one)."""
-        if not self.may_act():
+    async def keep_ledger(self) -> None:
+        """Save the carbon ledger's totals: after a pass that placed jobs, at most every ``LEDGER_SAVE_S``
+        (tried again after the next one), and when the broker stops."""
+        if not self.may_act() or self.carbon.jobs == self._carbon_saved:
             return
         jobs = self.carbon.jobs
         try:
@@ -890,7 +910,7 @@ class SchedulingCycle:
         except StoreError as e:
             log.warning("could not save the carbon ledger: %s", e)
             return
-        self._carbon_saved = jobs
+        self._carbon_saved, self._carbon_saved_at = jobs, time.monotonic()
 
     async def _keep_learned(self) -> None:
         """Save the latency demand once an hour, at its first sample of the hour (the hour before is complete)."""

@@ -474,6 +474,14 @@ class JobBook:
         if self._next_expiry is None or until < self._next_expiry:
             self._next_expiry = until
 
+    def forgive(self, job_id: str, site: str) -> None:
+        """Take back a refusal (the reason for it did not happen)."""
+        refusals = self._refusals.get(job_id)
+        if refusals is not None and refusals.pop(site, None) is not None:
+            self.refusals_changed += 1
+            if not refusals:
+                del self._refusals[job_id]
+
     def refusal_expired(self, now: datetime) -> bool:
         """True (once) when some refusal has run out, so its site may take a job again."""
         if self._next_expiry is None or self._next_expiry > now:

@@ -313,6 +313,8 @@ class Broker:
         # A deposed leader must not call a site again: what has not reached one is dropped at once (the next
         # leader reconciles). A broker shutting down lets dispatches on their way finish.
         cut = await self.cycle.drain(self.settings.shutdown_grace_s if why == SHUTTING_DOWN else 0.0)
+        if why == SHUTTING_DOWN:
+            await self.cycle.keep_ledger()  # the last seconds' placements, counted
         if cut:
             log.warning("%d dispatches were still in flight at shutdown; they are reconciled at the next start", cut)
         for task in self._pumps.values():

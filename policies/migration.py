@@ -237,11 +237,12 @@ def _debit(snap: Snapshot, run: Running, rest: JobRequest | None, site: int, mod
 
 def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], policy: MigrationPolicy) -> list[Move]:
     """The moves to make now, in the order made; each is already debited from ``snap`` (free GPUs, the plan)."""
+    from policies.filters.gpu_fit import fit_matrix
     from policies.pipeline import choose_model  # imported here: policies.pipeline imports this module
     from policies.scorers._usable import usable_models
 
     at = _Clock(snap)
-    candidates: list[tuple[float, int, float, float, float, np.ndarray]] = []
+    candidates: list[tuple[float, int, float, float, float, np.ndarray, np.ndarray]] = []
     for i, run in enumerate(running):
         remaining = movable(run, at.now_ts, policy)
         if remaining is None:
@@ -263,13 +264,14 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
         rest = _rest(run, remaining, policy)
         placement = pipeline.decide(rest, snap)
         bar = stay - max(policy.min_saving * stay, policy.min_saving_abs)
-        # The least value at each feasible site over the models the job could use there with room now bounds
-        # the value of the model it would get (choose_model's pick is one of them): sites are tried from the lowest bound
+        # The least value at each feasible site over the models the job could use there and would fit now
+        # (free, or GPUs the site would preempt for it) bounds the value of the model it would get
+        # (choose_model's pick is one of them): sites are tried from the lowest bound
         # up, and the search stops where no site left can beat (or tie with a lower index) the best found.
         # The same site as trying them all in order: the least value that clears the bar and has room, the
         # first site by index among equals.
         sites = placement.feasible[placement.feasible != run.site]
-        fits_now = usable[sites] & (snap.free_gpus[sites] >= rest.count)  # choose_model picks one of these
+        fits_now = usable[sites] & fit_matrix(rest, snap)[sites]  # choose_model picks one of these
         lower = np.fmin.reduce(np.where(fits_now, move_rates[sites], np.nan), axis=1) * rest.charge
         clears = lower <= bar  # NaN: no usable model with a value
         sites, lower = sites[clears], lower[clears]

@@ -73,3 +73,4 @@ async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp
         assert (await carbon(b))["jobs"] == 0
     finally:
         await b.stop()
+

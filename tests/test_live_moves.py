@@ -196,3 +196,39 @@ async def test_a_site_that_cannot_stop_the_job_keeps_it_running_and_says_why(liv
     assert (kept.state, kept.site, kept.attempt) == (JobState.RUNNING, "dirty", 1)
     assert f"job {mover.id}: dirty could not stop it to move it (site dirty: the cluster is unreachable)" in caplog.text
     assert not b.cycle._moving  # not left waiting for an event that will not come: tried again next hour
+
+
+async def test_room_half_made_stays_kept_while_the_rest_of_it_is_being_freed(live) -> None:
+    b, clock = live
+    # Two 4-GPU checkpointable jobs fill the clean site; the job near its users needs all 8. Both are asked to
+    # move out, but the second takes its time to checkpoint: the 4 GPUs the first freed stay kept for the job
+    # near its users, and a small job that could use them is not given them.
+    fillers = [(await b.book.submit(job(name=f"filler-{i}", count=4, duration_s=10 * 3600, checkpointable=True)))[0]
+               for i in range(2)]
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    assert {(await b.book.get(f.id)).site for f in fillers} == {"clean"}
+    clean = b.federation.get("clean").adapter
+    stop_now = clean.preempt
+    slow = asyncio.Event()
+
+    async def checkpoint_slowly(job_id: str, attempt: int, reason: str) -> None:
+        if job_id == fillers[1].id:
+            await slow.wait()
+        await stop_now(job_id, attempt, reason)
+
+    clean.preempt = checkpoint_slowly
+    near, _ = await b.book.submit(job(name="near", count=8, duration_s=3600, origin_region="gcp:northamerica-northeast2",
+                                      latency_slo_ms=50.0, deadline=clock.now() + timedelta(hours=2)))
+    await b.cycle.run_once(full=True)  # both asked to move; only the first has stopped
+    await asyncio.sleep(0.1)
+    small, _ = await b.book.submit(job(name="small", count=2, duration_s=3600))
+    await b.cycle.run_once(full=True)
+    await asyncio.sleep(0.1)
+    assert (await b.book.get(small.id)).site != "clean" and (await b.book.get(near.id)).state == JobState.QUEUED
+    slow.set()  # the second has checkpointed: the room is whole, and the job near its users gets it
+    await asyncio.sleep(0.1)
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    placed = await b.book.get(near.id)
+    assert (placed.state, placed.site) == (JobState.RUNNING, "clean")

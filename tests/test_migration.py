@@ -400,10 +400,12 @@ def _plan_moves_by_trying_every_site(pipeline, snap, running_jobs, policy):
     return moves
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_search_for_moves_finds_what_trying_every_site_finds(seed: int) -> None:
-    """40 sites of random models, zones' flat forecasts, free GPUs and plans; 150 running checkpointable jobs
-    at random: the same moves, in the same order, to the same sites and models, at the same values."""
+@pytest.mark.parametrize(("seed", "planned"), [(1, True), (2, True), (3, True), (4, False), (5, False)])
+def test_the_search_for_moves_finds_what_trying_every_site_finds(seed: int, planned: bool) -> None:
+    """40 sites of random models, zones' flat forecasts, free GPUs and plans (or, for a profile that does not
+    shift jobs, no plan, and sites that would preempt lower-priority work for a job); 150 running
+    checkpointable jobs at random: the same moves, in the same order, to the same sites and models, at the
+    same values."""
     import random
     from dataclasses import replace
 
@@ -431,7 +433,12 @@ def test_the_search_for_moves_finds_what_trying_every_site_finds(seed: int) -> N
         for col in np.flatnonzero(snap.total_gpus[s]).tolist():
             calendar.book(s, col, float(rng.randint(0, 4)), epoch_hour(NOON) + rng.randint(1, 6),
                           epoch_hour(NOON) + rng.randint(6, 30))
-    snap = replace(snap, plan_free=calendar.view(NOON, snap.free_gpus, snap.total_gpus, 97))
+    if planned:
+        snap = replace(snap, plan_free=calendar.view(NOON, snap.free_gpus, snap.total_gpus, 97))
+    else:  # GPUs held by preemptible work of lower priority count as room (policies.filters.gpu_fit)
+        below = np.zeros((snap.n_sites, 2))
+        below[:, 1] = [rng.choice((0, 0, 4, 8)) for _ in range(snap.n_sites)]
+        snap = replace(snap, preempt_levels=(-100,), preempt_below=below)
     jobs = []
     for k in range(150):
         s = rng.randrange(snap.n_sites)
