@@ -143,6 +143,8 @@ class _Attempt:
     ask: Ask | None = None
     node: str | None = None  # the Node its Pod runs on, once scheduled
     started: float | None = None  # POSIX seconds
+    pods: set[str] = field(default_factory=set)  # its Pods that exist, as the watch saw them
+    stopping: str | None = None  # the reason the broker asked to stop it: reported once its Pods are gone
 
 
 def _transient(e: BaseException) -> bool:
@@ -178,6 +180,7 @@ class KubernetesSite:
         self.left_out: list[str] = []  # nodes left out of the inventory, with the reason
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}
+        self._stop_waits: set[asyncio.Task[None]] = set()  # stops the broker asked for, awaiting their Pods
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._watches: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()  # one admission at a time
@@ -199,9 +202,9 @@ class KubernetesSite:
                          loop.create_task(self._watch("pods"), name=f"k8s-{self.name}-pods")]
 
     async def close(self) -> None:
-        for task in self._watches:
+        for task in (*self._watches, *self._stop_waits):
             task.cancel()
-        await asyncio.gather(*self._watches, return_exceptions=True)
+        await asyncio.gather(*self._watches, *self._stop_waits, return_exceptions=True)
         self._watches = []
         if self._api is not None and self._own_api:
             await self._api.close()
@@ -559,12 +562,41 @@ class KubernetesSite:
 
     async def preempt(self, job_id: str, attempt: int, reason: str) -> None:
         """The broker's request to checkpoint and stop a running attempt (``Preempter``): its Job is deleted
-        as a preemption by the site deletes it (its Pods get SIGTERM and their terminationGracePeriodSeconds
-        to write a checkpoint), and a ``preempted`` event says how long it ran."""
-        known = self._attempts.get((job_id, attempt))
-        if known is None or known.done:
-            return  # not this process's, or it ended: its own event stands
-        await self._preempt(_key(job_id, attempt), reason)
+        (its Pods get SIGTERM and their terminationGracePeriodSeconds to write a checkpoint), and the
+        ``preempted`` event, with how long it ran, is sent once the watch has seen its last Pod go (or after
+        ``stop_wait_s``): the broker restarts the job elsewhere only when it has stopped here."""
+        key = (job_id, attempt)
+        known = self._attempts.get(key)
+        if known is None or known.done or known.stopping is not None:
+            return  # not this process's, it ended (its own event stands), or it is being stopped
+        self._withdrawn[key] = self._clock.now()
+        known.stopping = reason
+        await self._delete_job(key, known)
+        if not known.pods:
+            self._stopped(key)
+            return
+        task = asyncio.get_running_loop().create_task(self._stop_deadline(key), name=f"k8s-stop-{job_id}")
+        self._stop_waits.add(task)
+        task.add_done_callback(self._stop_waits.discard)
+
+    async def _stop_deadline(self, key: tuple[str, int]) -> None:
+        await asyncio.sleep(self.config.stop_wait_s)
+        known = self._attempts.get(key)
+        if known is not None and not known.done:
+            log.warning("site %s: the Pods of %s attempt %d were still there %.0f s after its Job was deleted; "
+                        "reported stopped all the same", self.name, key[0], key[1], self.config.stop_wait_s)
+            self._stopped(key)
+
+    def _stopped(self, key: tuple[str, int]) -> None:
+        """A stop the broker asked for is done: the GPUs are free, and it hears ``preempted``."""
+        known = self._attempts.get(key)
+        if known is None or known.stopping is None:
+            return
+        now = self._clock.now()
+        run_s = max((now - known.running_since).total_seconds(), 0.0) if known.running_since is not None else 0.0
+        if self._finish(key):
+            self._events.put_nowait(JobEvent(key[0], key[1], EventKind.PREEMPTED, now, reason=known.stopping,
+                                             run_s=run_s))
 
     async def _preempt(self, victim: str, reason: str) -> None:
         job_id, _, attempt_s = victim.rpartition("/")
@@ -659,7 +691,13 @@ class KubernetesSite:
         now = self._clock.now()
         status = obj.get("status") or {}
         if kind == "pods":
-            if (node := (obj.get("spec") or {}).get("nodeName")) and event.get("type") != "DELETED":
+            if event.get("type") == "DELETED":
+                known.pods.discard(meta.get("name", ""))
+                if known.stopping is not None and not known.pods:
+                    self._stopped(key)  # its last Pod has exited: stopped, as the broker asked
+                return
+            known.pods.add(meta.get("name", ""))
+            if node := (obj.get("spec") or {}).get("nodeName"):
                 known.node = node
             if status.get("phase") == "Running" and known.running_since is None and event.get("type") != "DELETED":
                 known.running_since = now

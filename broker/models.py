@@ -179,6 +179,10 @@ class KubernetesAdapterConfig(Strict):
     command: list[str] = Field(default_factory=list, description="its command (empty: the image's entrypoint)")
     state_dir: str | None = Field(
         default=None, description="where the site keeps its operator's quota changes (default: the broker's)")
+    stop_wait_s: float = Field(
+        default=300.0, gt=0, le=3600,
+        description="a job the broker stops to move it is reported stopped once its Pods are gone, or after this "
+                    "long (their terminationGracePeriodSeconds, in which they write a checkpoint, should be shorter)")
 
 
 class MqttSettings(Strict):

@@ -54,8 +54,9 @@ async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
         yield emulator
 
 
-def make_site(cluster: kmock.KubernetesEmulator, **spec: Any) -> KubernetesSite:
-    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
+def make_site(cluster: kmock.KubernetesEmulator, stop_wait_s: float = 300.0, **spec: Any) -> KubernetesSite:
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2,
+                                     stop_wait_s=stop_wait_s)
     return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), SystemClock())
 
 
@@ -219,21 +220,43 @@ async def test_cancel_deletes_the_job_and_is_final(kube: KubernetesSite, cluster
 async def test_the_broker_asking_to_stop_a_job_deletes_it_as_a_preemption_with_its_run_time(
         kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
     # A move (policies.migration): the Job is deleted (its Pods get SIGTERM and their grace period to write a
-    # checkpoint), its GPUs are free, and the broker hears "preempted" with the reason and how long it ran.
+    # checkpoint); once its Pod has gone, its GPUs are free and the broker hears "preempted" with the reason
+    # and how long it ran, so the job is never restarted elsewhere while it still runs here.
     stream = kube.events()
     assert (await kube.submit(attempt("j-1", count=8))).admitted
-    await pod_running(cluster, job_name("j-1", 1))
+    name = job_name("j-1", 1)
+    await pod_running(cluster, name)
     assert (await next_event(kube, stream)).kind == EventKind.RUNNING
     await asyncio.sleep(0.2)
     await kube.preempt("j-1", 1, "moved from here to b from its checkpoint")
-    stopped = await next_event(kube, stream)
+    assert not jobs(cluster)
+    with pytest.raises(TimeoutError):  # its Pod is still writing its checkpoint
+        await asyncio.wait_for(asyncio.shield(anext_task := asyncio.ensure_future(anext(stream))), 0.5)
+    assert (await kube.snapshot()).capacity[0].free_gpus == 8
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # what the kubelet does once it exits
+    stopped = await asyncio.wait_for(anext_task, 5)
     assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
     assert stopped.reason == "moved from here to b from its checkpoint" and 0.1 < stopped.run_s < 5
-    assert not jobs(cluster) and (await kube.snapshot()).capacity[0].free_gpus == 16
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
     await kube.preempt("j-1", 1, "again")  # it has ended: nothing more happens
     await kube.preempt("j-never", 1, "never here")
     with pytest.raises(TimeoutError):
         await next_event(kube, stream)
+
+
+async def test_a_stop_whose_pods_never_go_is_reported_after_stop_wait_s(cluster: kmock.KubernetesEmulator) -> None:
+    adapter = make_site(cluster, stop_wait_s=0.5)
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        await pod_running(cluster, job_name("j-1", 1))
+        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+        await adapter.preempt("j-1", 1, "moved")
+        stopped = await next_event(adapter, stream)  # the emulator runs no garbage collector: the Pod stays
+        assert (stopped.kind, stopped.reason) == (EventKind.PREEMPTED, "moved")
+    finally:
+        await adapter.close()
 
 
 async def test_known_attempts_are_the_jobs_of_this_site(kube: KubernetesSite) -> None:
