@@ -269,41 +269,34 @@ SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 def _plan_moves(
     trial: Snapshot,
     stuck: list[tuple[Job, JobRequest, Pipeline]],
-    running: dict[int, list[tuple[Running, Job]]],
+    running: dict[int, list[Running]],
     pipelines: dict[int, Pipeline],
     saving: bool,
-) -> tuple[list[tuple[Move, Job, Pipeline]], list[tuple[Job, str, int, JobRequest]]]:
+) -> tuple[list[tuple[Move, Pipeline]], list[tuple[Job, str, int, JobRequest]]]:
     """Step 3b's decisions (``policies.migration``), on ``trial`` (a working copy of the pass's snapshot,
     debited as moves are made): room made for each stuck job near its users, from the running jobs of its
-    own profile, then, with ``saving``, each profile's moves that save. Returns the moves (with each moved
-    job and its pipeline) and, for each stuck job room was made for, where it now fits (job, site, model,
-    request)."""
-    moves: list[tuple[Move, Job, Pipeline]] = []
+    own profile (``running``, by pipeline), then, with ``saving``, each profile's moves that save. Returns
+    the moves (with the moved job's pipeline) and, for each stuck job room was made for, where it now fits
+    (job, site, model, request)."""
+    moves: list[tuple[Move, Pipeline]] = []
     held: list[tuple[Job, str, int, JobRequest]] = []
     for job, req, pipeline in stuck:
-        policy = pipeline.migrate
-        if policy is None:
-            continue
-        offered = running[id(pipeline)]
-        made = make_room(pipeline, trial, req, [r for r, _ in offered], policy)
+        assert pipeline.migrate is not None
+        made = make_room(pipeline, trial, req, running[id(pipeline)], pipeline.migrate)
         if not made:
             continue
         placement = pipeline.decide(req, trial)  # it fits now: its room is held until it is placed there
         if placement.placed:
             trial.assume(placement.site, req, placement.model)
             held.append((job, trial.sites[placement.site], placement.model, req))
-        jobs = {r.request.job_id: j for r, j in offered}
-        moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
+        moves += [(m, pipeline) for m in made]
         moved = {m.running.request.job_id for m in made}
         for key in running:
-            running[key] = [(r, j) for r, j in running[key] if r.request.job_id not in moved]
+            running[key] = [r for r in running[key] if r.request.job_id not in moved]
     if saving:
         for key, pipeline in pipelines.items():
             assert pipeline.migrate is not None
-            offered = running[key]
-            made = plan_moves(pipeline, trial, [r for r, _ in offered], pipeline.migrate)
-            jobs = {r.request.job_id: j for r, j in offered}
-            moves += [(m, jobs[m.running.request.job_id], pipeline) for m in made]
+            moves += [(m, pipeline) for m in plan_moves(pipeline, trial, running[key], pipeline.migrate)]
     return moves, held
 
 
@@ -730,12 +723,15 @@ class SchedulingCycle:
             return
         trial = snap.working_copy(snap.now)
         pipelines = {id(p): p for p in (self.pipeline, *self.profiles.values()) if p.migrate is not None}
-        running = {key: self._running(trial, pipeline) for key, pipeline in pipelines.items()}
+        offered = {key: self._running(trial, pipeline) for key, pipeline in pipelines.items()}
+        jobs = {r.request.job_id: job for runs in offered.values() for r, job in runs}
+        running = {key: [r for r, _ in runs] for key, runs in offered.items()}
         # Pure work on the pass's own copy, in a worker thread so the API stays responsive (a second or two
         # with ten thousand running jobs: bench/moves.py).
         moves, held = await asyncio.to_thread(_plan_moves, trial, stuck, running, pipelines, saving)
         not_asked: set[str] = set()  # jobs near their users one of whose moves was not asked for
-        for move, job, pipeline in moves:
+        for move, pipeline in moves:
+            job = jobs[move.running.request.job_id]
             now = self.book.active.get(job.id)
             if not (now is not None and now.state == JobState.RUNNING  # still running where the move found it
                     and (now.site, now.attempt) == (job.site, job.attempt)

@@ -20,7 +20,7 @@ from broker.models import Decision, ScoreTerm, SiteVerdict
 from policies.filters import Filter
 from policies.pipeline import TIE_EPSILON, Pipeline, Placement
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
-from policies.timeshift import Deferral
+from policies.timeshift import Deferral, passed_over_text
 
 RECORD_VERSION = 2
 
@@ -178,23 +178,17 @@ def render(
         score = next(v.score for v in verdicts if v.site == rec["site"])
         tied = [v.site for v in verdicts if v.feasible and v.site != rec["site"] and v.site not in passed
                 and abs(v.score - score) <= TIE_EPSILON]
+        summary = f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): "
         if rec.get("moved"):  # the restart of a running job moved here (policies.migration)
-            summary = f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): {rec['moved']}"
-        elif passed:
-            n_passed = rec.get("n_passed_over", len(passed))
-            summary = (
-                f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): best of {n_feasible} feasible of "
-                f"{len(verdicts)} sites once the plan turned away {n_passed} that ranked above it: "
-                + "; ".join(f"{site} ({why})" for site, why in passed.items())
-                + (f" and {n_passed - len(passed)} more" if n_passed > len(passed) else "")
-            )
+            summary += rec["moved"]
         else:
-            summary = (
-                f"placed on {rec['site']} ({rec['model']}, score {score:.3f}): "
-                f"best of {n_feasible} feasible of {len(verdicts)} sites"
-            )
-        if tied and not rec.get("moved"):
-            summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
+            summary += f"best of {n_feasible} feasible of {len(verdicts)} sites"
+            if passed:
+                n_passed = rec.get("n_passed_over", len(passed))
+                summary += (f" once the plan turned away {n_passed} that ranked above it: "
+                            + passed_over_text(list(passed.items()), n_passed))
+            if tied:
+                summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
     elif deferred_until is not None or rec.get("deferred"):
         outcome = "deferred"
         planned = rec.get("deferred") or {}

@@ -197,7 +197,7 @@ def _values(snap: Snapshot, policy: MigrationPolicy, at: _Clock, remaining: floa
     return None if stay is None or move is None else (judged_h, stay, move)
 
 
-def _rest(run: Running, remaining: float, policy: MigrationPolicy) -> JobRequest:
+def rest_of(run: Running, remaining: float, policy: MigrationPolicy) -> JobRequest:
     """The request of the rest of a moving job's run: its expected remaining run plus the overhead."""
     return replace(run.request, duration_s=remaining + policy.overhead_s)
 
@@ -219,11 +219,6 @@ def fits_rest(snap: Snapshot, site: int, model: int, rest: JobRequest, shift: Sh
     """Whether ``site``/``model`` still has room now and in the plan for ``rest`` (a moved job's rest of run,
     the overhead included), as a move checks it: where the live cycle restarts a moved job."""
     return bool(snap.free_gpus[site, model] >= rest.count) and _has_room(snap, site, model, rest, _Clock(snap), shift)
-
-
-def rest_of(run: Running, remaining_s: float, policy: MigrationPolicy) -> JobRequest:
-    """The request of the rest of a moving job's run: its expected remaining run plus the overhead."""
-    return _rest(run, remaining_s, policy)
 
 
 def _debit(snap: Snapshot, run: Running, rest: JobRequest | None, site: int, model: int) -> None:
@@ -261,7 +256,7 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
     moves: list[Move] = []
     for _, i, remaining, stay, judged_h, move_rates, usable in candidates:
         run = running[i]
-        rest = _rest(run, remaining, policy)
+        rest = rest_of(run, remaining, policy)
         placement = pipeline.decide(rest, snap)
         bar = stay - max(policy.min_saving * stay, policy.min_saving_abs)
         # The least value at each feasible site over the models the job could use there and would fit now
@@ -365,7 +360,7 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
     if best is None:
         return []
     for move in best:  # the chosen moves, on the pass's own snapshot
-        rest = _rest(move.running, move.remaining_s, policy) if move.site >= 0 else None
+        rest = rest_of(move.running, move.remaining_s, policy) if move.site >= 0 else None
         _debit(snap, move.running, rest, move.site, move.model)
     return best
 
@@ -384,7 +379,7 @@ def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, 
     from ``snap``; None when there is none."""
     from policies.pipeline import choose_model  # imported here: policies.pipeline imports this module
 
-    rest = _rest(run, remaining, policy)
+    rest = rest_of(run, remaining, policy)
     placement = pipeline.decide(rest, snap)
     values = _values(snap, policy, at, remaining)
     for k in np.argsort(-placement.totals, kind="stable").tolist():

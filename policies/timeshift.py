@@ -55,6 +55,7 @@ never defers; ``min_saving`` close to 1 defers only for lack of room.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
@@ -211,7 +212,8 @@ class Deferral:
     def _passed_text(self, sites: tuple[str, ...]) -> str:
         if not self.n_passed_over:
             return ""
-        return "; turned away now: " + passed_over_text(sites, self.passed_over, self.n_passed_over)
+        return "; turned away now: " + passed_over_text(
+            [(sites[site], why) for site, why in self.passed_over], self.n_passed_over)
 
     def _risk_text(self) -> str:
         if self.risk_then != self.risk_then:  # not priced
@@ -228,9 +230,10 @@ class Deferral:
                 "reason": self.reason(sites)}
 
 
-def passed_over_text(sites: tuple[str, ...], passed: tuple[tuple[int, str], ...], n_passed: int) -> str:
-    """The better-scoring sites a plan turned away now, in words: "site (why); site (why) and N more"."""
-    text = "; ".join(f"{sites[site]} ({why})" for site, why in passed)
+def passed_over_text(passed: Sequence[tuple[str, str]], n_passed: int) -> str:
+    """The better-scoring sites a plan turned away now ((name, why), the first of ``n_passed``), in words:
+    "site (why); site (why) and N more"."""
+    text = "; ".join(f"{site} ({why})" for site, why in passed)
     if n_passed > len(passed):
         text += f" and {n_passed - len(passed)} more"
     return text
@@ -481,6 +484,12 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     chosen = placement
     passed: list[tuple[int, str]] = []  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
     n_passed = 0
+
+    def pass_over(site: int, why: Callable[[], str]) -> None:
+        nonlocal n_passed
+        n_passed += 1
+        if len(passed) < PASSED_OVER_KEPT:
+            passed.append((site, why()))
     if placement.placed:
         if not ok[placement.site] or fits_now(placement.site, placement.model):
             now_site = placement.site
@@ -489,18 +498,14 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             for k in np.argsort(-placement.totals, kind="stable"):
                 site = int(placement.feasible[k])
                 if not ok[site]:
-                    n_passed += 1
-                    if len(passed) < PASSED_OVER_KEPT:
-                        passed.append((site, "the plan cannot check it: no complete forecast for its zone, or "
-                                                     "no price, for the GPUs the job would use"))
+                    pass_over(site, lambda: "the plan cannot check it: no complete forecast for its zone, or "
+                                            "no price, for the GPUs the job would use")
                     continue
                 moved = _moved(placement, snap, site)
                 if fits_now(site, moved.model):
                     now_site, chosen = site, replace(moved, passed_over=tuple(passed), n_passed_over=n_passed)
                     break
-                n_passed += 1
-                if len(passed) < PASSED_OVER_KEPT:
-                    passed.append((site, why_not_now(site, moved.model)))
+                pass_over(site, lambda: why_not_now(site, moved.model))  # noqa: B023 - called at once
     best_now = (value_now(now_site, chosen.model) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
     # Waiting must buy something that starting now cannot: the bar is the profile's choice or the best
     # start now at any site the plan allows, whichever is lower (a profile that weighs more than carbon
@@ -541,8 +546,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
             risk_now=float(risk[0]) if risk.size else math.nan,
             risk_then=float(risk[slot + 1]) if risk.size else math.nan,
-            passed_over=tuple(passed) if now_site < 0 else chosen.passed_over,
-            n_passed_over=n_passed if now_site < 0 else chosen.n_passed_over,
+            passed_over=tuple(passed), n_passed_over=n_passed,
         )
     if now_site >= 0:
         return chosen

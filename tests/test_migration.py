@@ -381,7 +381,7 @@ def _plan_moves_by_trying_every_site(pipeline, snap, running_jobs, policy):
     moves = []
     for _, i, remaining, stay, judged_h, move_rates in candidates:
         run = running_jobs[i]
-        rest = m._rest(run, remaining, policy)
+        rest = m.rest_of(run, remaining, policy)
         placement = pipeline.decide(rest, snap)
         bar = stay - max(policy.min_saving * stay, policy.min_saving_abs)
         best = None
