@@ -144,7 +144,9 @@ class _Attempt:
     node: str | None = None  # the Node its Pod runs on, once scheduled
     started: float | None = None  # POSIX seconds
     pods: set[str] = field(default_factory=set)  # its Pods that exist, as the watch saw them
-    stopping: str | None = None  # the reason the broker asked to stop it: reported once its Pods are gone
+    stopping: str | None = None  # why it is being stopped (a move, or the site's own preemption): reported once
+    # its Pods are gone
+    released: bool = False  # its GPUs and quota already given to the job that preempted it, ahead of its Pods
 
 
 def _transient(e: BaseException) -> bool:
@@ -307,7 +309,8 @@ class KubernetesSite:
         spec = self.spec.model_copy(update={"gpus": groups, "usd_per_gpu_hour": {}})
         self._admission = SiteAdmission(spec, self._overrides.apply(self.spec.quotas))
         self._sync_foreign()  # first: those GPUs are taken, whatever heliotrope's ledgers say
-        live = [a for a in self._attempts.values() if not a.done and a.req is not None and a.ask is not None]
+        live = [a for a in self._attempts.values()
+                if not a.done and not a.released and a.req is not None and a.ask is not None]
         for a in self._attempts.values():
             a.admitted = False
         for a in sorted(live, key=lambda a: a.started or 0.0):
@@ -588,7 +591,8 @@ class KubernetesSite:
             self._stopped(key)
 
     def _stopped(self, key: tuple[str, int]) -> None:
-        """A stop the broker asked for is done: the GPUs are free, and it hears ``preempted``."""
+        """A stop (one the broker asked for, or the site's own preemption) is done: the GPUs are free, and the
+        broker hears ``preempted``."""
         known = self._attempts.get(key)
         if known is None or known.stopping is None:
             return
@@ -599,11 +603,24 @@ class KubernetesSite:
                                              run_s=run_s))
 
     async def _preempt(self, victim: str, reason: str) -> None:
+        """The site's own preemption (its quotas, for a job of higher priority or a tenant reclaiming its
+        guarantee): the victim's Job is deleted and its GPUs and quota go to the preemptor in the ledgers at
+        once (its Pod waits in the cluster until they are free), but the broker hears ``preempted`` only once
+        the watch has seen the victim's last Pod go (or after ``stop_wait_s``), as for a stop it asked for: a
+        checkpointing job is never started again elsewhere while it still writes its checkpoint here."""
         job_id, _, attempt_s = victim.rpartition("/")
         key = (job_id, int(attempt_s))
         known = self._attempts.get(key)
         self._withdrawn[key] = self._clock.now()
         await self._delete_job(key, known)
+        if known is not None and not known.done and known.pods and known.stopping is None:
+            known.stopping = reason
+            self._release(key)
+            known.released = True
+            task = asyncio.get_running_loop().create_task(self._stop_deadline(key), name=f"k8s-stop-{job_id}")
+            self._stop_waits.add(task)
+            task.add_done_callback(self._stop_waits.discard)
+            return
         run_s = 0.0
         if known is not None and known.running_since is not None:
             run_s = max((self._clock.now() - known.running_since).total_seconds(), 0.0)
@@ -618,12 +635,18 @@ class KubernetesSite:
             return False
         if known is not None:
             known.done = True
+            if known.released:  # its ledgers were freed when it was preempted
+                return True
+        self._release(key)
+        return True
+
+    def _release(self, key: tuple[str, int]) -> None:
+        """Free an attempt's GPUs and quota in the site's ledgers."""
         if self._admission is not None:
             now = self._clock.now().timestamp()
             if self._admission.stop(_key(*key), now) is None:
                 with contextlib.suppress(KeyError):  # counted by quota only (its Node had gone), or not at all
                     self._admission.book.stop(_key(*key), now)
-        return True
 
     def _forget_old_tombstones(self) -> None:
         if len(self._withdrawn) < 1024:

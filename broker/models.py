@@ -181,8 +181,9 @@ class KubernetesAdapterConfig(Strict):
         default=None, description="where the site keeps its operator's quota changes (default: the broker's)")
     stop_wait_s: float = Field(
         default=300.0, gt=0, le=3600,
-        description="a job the broker stops to move it is reported stopped once its Pods are gone, or after this "
-                    "long (their terminationGracePeriodSeconds, in which they write a checkpoint, should be shorter)")
+        description="a job the broker stops to move it, or the site preempts for its quotas, is reported stopped "
+                    "once its Pods are gone, or after this long (their terminationGracePeriodSeconds, in which they "
+                    "write a checkpoint, should be shorter)")
 
 
 class MqttSettings(Strict):

@@ -396,6 +396,39 @@ async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
         await adapter.close()
 
 
+async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_pod_has_gone(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # The preemptor gets the GPUs in the site's books at once (its Pod waits in the cluster for them), but the
+    # broker hears "preempted" only when the victim's Pod has exited: a checkpointing job is not started
+    # elsewhere while it still writes its checkpoint here.
+    adapter = make_site(cluster, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
+                                         {"tenant": "b", "guaranteed_gpus": 8}])
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("a-1", count=8, tenant="a", preemptible=True))).admitted
+        assert (await adapter.submit(attempt("a-2", count=8, tenant="a", preemptible=True))).admitted  # b's
+        victim = job_name("a-2", 1)
+        await pod_running(cluster, victim, "heliotrope-a")
+        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+        await asyncio.sleep(0.2)
+        assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
+        assert ("heliotrope-a", victim) not in jobs(cluster)
+        waiting = asyncio.ensure_future(anext(stream))
+        with pytest.raises(TimeoutError):  # its Pod is still in its grace period
+            await asyncio.wait_for(asyncio.shield(waiting), 0.5)
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 0  # b-1 holds them in the books
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{victim}-abc")
+        preempted = await asyncio.wait_for(waiting, 5)
+        assert (preempted.job_id, preempted.kind) == ("a-2", EventKind.PREEMPTED)
+        assert "for job b-1 of tenant b" in (preempted.reason or "") and 0.2 < preempted.run_s < 5
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 0  # freed once only: b-1 still holds them
+        quota = {q.tenant: q for q in (await adapter.quota()).tenants}
+        assert quota["a"].in_use_gpus == 8 and quota["b"].in_use_gpus == 8
+    finally:
+        await adapter.close()
+
+
 # --- credentials: a kubeconfig, a context, in-cluster ---
 
 
