@@ -261,6 +261,7 @@ class PassDecider:
 
 LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bound jobs held (put_state)
 CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger's totals (GET /v1/carbon)
+MOVES_STATE = "moves-in-flight"  # ... and for the moves asked for, the GPUs held for them, the sites that could not stop
 LEDGER_SAVE_S = 10.0  # at most this often the ledger is saved (a crash loses at most that many seconds of it)
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
@@ -357,6 +358,8 @@ class SchedulingCycle:
         self._released: set[str] = set()  # jobs whose hold this pass gave back to them
         self._cannot_stop: dict[str, float] = {}  # site -> until when no job is moved away from it
         self._moves_h: int | None = None
+        self._moves_saved: str | None = None  # the moves document the store holds (MOVES_STATE)
+        self._moves_kept: dict[str, Any] | None = None  # one the last leader left, taken up at the next pass
         self._stuck: list[tuple[Job, JobRequest, Pipeline]] = []  # this pass's urgent jobs that found no room
         if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
             book.active.queue.reorder(_by_urgency, book.active.get)
@@ -414,6 +417,8 @@ class SchedulingCycle:
                     # once an hour all the same: what latency-bound jobs hold is learned from every hour
                     self._with_plan(self.federation.freeze(now))
                     await self._keep_learned()
+                if self._migrating:  # a stop that failed in the background since the last pass
+                    await self.keep_moves()
             return CycleReport(full=full, decided=0, placed=0, unplaceable=0)
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
@@ -422,6 +427,8 @@ class SchedulingCycle:
             snap = self._with_plan(snap)
             await self._keep_learned()
         self._released = set()
+        if self._moves_kept is not None:
+            self._take_up_moves(snap.now.timestamp())
         if self._holds or self._moving:
             self._debit_holds(snap)  # after the plan, so its hours are held too
         # 3. decide, and assume each placement in memory at once (its store write is queued at once too)
@@ -439,6 +446,8 @@ class SchedulingCycle:
             await self._finish(assumed, records)
             if self.carbon.jobs != self._carbon_saved and time.monotonic() - self._carbon_saved_at >= LEDGER_SAVE_S:
                 await self.keep_ledger()
+            if self._migrating:
+                await self.keep_moves()
         if full:
             self._quiet = quiet_key if quiet_key is not None and not assumed and self.book.seq == quiet_key[1] else None
         return CycleReport(full=full, decided=decided, placed=len(assumed), unplaceable=decided - len(assumed))
@@ -860,11 +869,13 @@ class SchedulingCycle:
                        run_time_errors=self.lifecycle.run_times.sorted(), **near)
 
     async def restore_learned(self) -> bool:
-        """When this broker takes charge: the carbon ledger's totals, and what latency-bound jobs held, hour
-        by hour (saved at the first sample of each hour), so the room kept for them is not learned again
-        from nothing. Returns whether a stored demand was taken; a document that cannot be read is ignored,
-        with a warning."""
+        """When this broker takes charge: the carbon ledger's totals, the moves in flight (taken up at the first
+        pass, once the active jobs are loaded), and what latency-bound jobs held, hour by hour (saved at the
+        first sample of each hour), so the room kept for them is not learned again from nothing. Returns
+        whether a stored demand was taken; a document that cannot be read is ignored, with a warning."""
         await self._restore_ledger()
+        if self._migrating:
+            await self._restore_moves()
         if self._near is None:
             return False
         try:
@@ -884,6 +895,90 @@ class SchedulingCycle:
         self._near = near
         self._near_saved = self._near.hour
         return True
+
+    def _moves_doc(self) -> str:
+        """The moves in flight as the store keeps them (``MOVES_STATE``): each hold's request by its run
+        length only, the rest of it being the job's own."""
+        return json.dumps({
+            "moving": {job_id: {"origin": m.origin, "attempt": m.attempt, "site": m.site, "model": m.model,
+                                "reason": m.reason, "for_job": m.for_job, "asked_ts": m.asked_ts}
+                       for job_id, m in sorted(self._moving.items())},
+            "holds": {job_id: {"site": h.site, "model": h.model, "duration_s": h.request.duration_s,
+                               "attempt": h.attempt, "until_ts": h.until_ts}
+                      for job_id, h in sorted(self._holds.items())},
+            "cannot_stop": dict(sorted(self._cannot_stop.items())),
+        }, separators=(",", ":"))
+
+    async def keep_moves(self) -> None:
+        """Save the moves in flight when they changed (after a pass, and when the broker stops), so a broker
+        that takes charge restarts the moved jobs where their moves chose and keeps holding the room made."""
+        if not self.may_act() or (self._moves_saved is None and not (self._moving or self._holds or self._cannot_stop)):
+            return
+        doc = self._moves_doc()
+        if doc == self._moves_saved:
+            return
+        try:
+            await self.store.put_state(MOVES_STATE, doc)
+        except StoreError as e:  # tried again after the next pass
+            log.warning("could not save the moves in flight: %s", e)
+            return
+        self._moves_saved = doc
+
+    async def _restore_moves(self) -> None:
+        try:
+            doc = await self.store.get_state(MOVES_STATE)
+        except StoreError as e:
+            log.warning("could not read the stored moves in flight (%s); their jobs are placed as any other", e)
+            return
+        if doc is None:
+            return
+        try:
+            kept = json.loads(doc)
+            if not all(isinstance(kept.get(k), dict) for k in ("moving", "holds", "cannot_stop")):
+                raise ValueError("it lacks moving, holds or cannot_stop")
+        except ValueError as e:
+            log.warning("ignoring the stored moves in flight: %s; their jobs are placed as any other", e)
+            return
+        self._moves_saved = doc
+        self._moves_kept = kept  # taken up at the next pass, when the active jobs are loaded
+
+    def _take_up_moves(self, now_ts: float) -> None:
+        """The moves the last leader left (``_restore_moves``), for jobs still active at the same attempt and
+        within their time: asked-for stops, the GPUs held, the moved jobs kept off the sites they left, the
+        sites that could not stop a job. An entry that cannot be read is dropped, with a warning."""
+        kept, self._moves_kept = self._moves_kept or {}, None
+        taken = 0
+        for job_id, m in kept["moving"].items():
+            try:
+                moving = _Moving(str(m["origin"]), int(m["attempt"]), None if m["site"] is None else str(m["site"]),
+                                 int(m["model"]), str(m["reason"]),
+                                 None if m["for_job"] is None else str(m["for_job"]), float(m["asked_ts"]))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("ignoring a stored move of job %s: %r", job_id, e)
+                continue
+            job = self.book.active.get(job_id)
+            left_s = moving.asked_ts + MOVE_TIMEOUT_S - now_ts
+            if job is None or job.attempt != moving.attempt or left_s <= 0:
+                continue
+            self._moving[job_id] = moving
+            self.book.refuse(job_id, moving.origin, f"moved away: {moving.reason}", ttl_s=left_s)
+            taken += 1
+        for job_id, h in kept["holds"].items():
+            job = self.book.active.get(job_id)
+            try:
+                if job is None or job.attempt != int(h["attempt"]) or float(h["until_ts"]) <= now_ts:
+                    continue
+                req = replace(JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at),
+                              duration_s=float(h["duration_s"]))
+                self._holds[job_id] = _Hold(str(h["site"]), int(h["model"]), req, job.attempt, float(h["until_ts"]))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("ignoring a stored hold for job %s: %r", job_id, e)
+        for site, until in kept["cannot_stop"].items():
+            if isinstance(until, int | float) and until > now_ts:
+                self._cannot_stop[str(site)] = float(until)
+        if taken or self._holds:
+            log.info("took up %d moves in flight and %d holds that the last broker in charge left", taken,
+                     len(self._holds))
 
     async def _restore_ledger(self) -> None:
         try:

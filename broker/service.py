@@ -315,6 +315,7 @@ class Broker:
         cut = await self.cycle.drain(self.settings.shutdown_grace_s if why == SHUTTING_DOWN else 0.0)
         if why == SHUTTING_DOWN:
             await self.cycle.keep_ledger()  # the last seconds' placements, counted
+            await self.cycle.keep_moves()  # and the moves in flight, as they stand
         if cut:
             log.warning("%d dispatches were still in flight at shutdown; they are reconciled at the next start", cut)
         for task in self._pumps.values():

@@ -10,12 +10,14 @@ second after it is dispatched. The clock is manual: each step advances it, then 
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import timedelta
 
 import pytest
 from prometheus_client import generate_latest
 
 from broker.clock import ManualClock
+from broker.cycle import MOVES_STATE
 from broker.models import JobState, SimulatedAdapterConfig
 from broker.service import Broker
 from policies import explain
@@ -26,13 +28,15 @@ from tests.test_timeshift import GREEN_AT, green_broker
 FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
 
 
+LIVE_SITES = [site("clean", region="gcp:northamerica-northeast2", grid_zone="CA-ON", timezone="America/Toronto",
+                   adapter=FAST, rtt_ms={"gcp:northamerica-northeast2": 2.0}),
+              site("dirty", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=FAST,
+                   rtt_ms={"gcp:northamerica-northeast2": 160.0})]
+
+
 @pytest.fixture
 async def live(tmp_path):
-    sites = [site("clean", region="gcp:northamerica-northeast2", grid_zone="CA-ON", timezone="America/Toronto",
-                  adapter=FAST, rtt_ms={"gcp:northamerica-northeast2": 2.0}),
-             site("dirty", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo", adapter=FAST,
-                  rtt_ms={"gcp:northamerica-northeast2": 160.0})]
-    b, clock = await green_broker(tmp_path, sites, profiles={"default": "green"})
+    b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
     yield b, clock
     await b.stop()
 
@@ -232,3 +236,50 @@ async def test_room_half_made_stays_kept_while_the_rest_of_it_is_being_freed(liv
     await step(b, clock, 2.0)
     placed = await b.book.get(near.id)
     assert (placed.state, placed.site) == (JobState.RUNNING, "clean")
+
+
+async def test_a_broker_that_takes_charge_keeps_the_moves_in_flight_and_the_room_they_made(tmp_path) -> None:
+    # The broker in charge asks the clean site to move the filler out for the job near its users, then
+    # stops before either restarts. The broker that takes charge from the same database restarts the filler
+    # where its move chose and keeps the room made for the near job: the job of higher priority that arrives
+    # meanwhile takes neither.
+    b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        filler, near = await filled_then_urgent(b, clock)
+        await b.cycle.run_once(full=True)  # no room: the filler is asked to move out, to the dirty site
+        await step(b, clock, 1.0)
+        assert (await b.book.get(filler.id)).state == JobState.QUEUED
+    finally:
+        await b.stop()
+    again, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        await clock.advance((clock.now() - GREEN_AT).total_seconds() + 2.0)  # where the first broker stopped
+        stored = json.loads(await again.store.get_state(MOVES_STATE))
+        assert set(stored["moving"]) == {filler.id} and set(stored["holds"]) == {filler.id, near.id}
+        grabber, _ = await again.book.submit(job(name="grabber", count=8, duration_s=3600, priority=10))
+        await again.cycle.run_once(full=True)
+        await step(again, clock, 2.0)
+        placed, moved = await again.book.get(near.id), await again.book.get(filler.id)
+        assert (placed.state, placed.site) == (JobState.RUNNING, "clean")
+        assert (moved.state, moved.site) == (JobState.RUNNING, "dirty") and moved.run_s > 0
+        assert (await again.book.get(grabber.id)).state == JobState.QUEUED
+        why = await decision(again, filler.id)
+        assert f"to make room for {near.id}, which must run near its users and can wait no longer" in why.summary
+        # Both restarted: at the next pass nothing is in flight any more, and the store says so.
+        await again.cycle.run_once(full=True)
+        assert json.loads(await again.store.get_state(MOVES_STATE)) == {"moving": {}, "holds": {}, "cannot_stop": {}}
+    finally:
+        await again.stop()
+
+
+@pytest.mark.parametrize("doc", ["not json", '{"moving": []}', '{"holds": {}}'])
+async def test_stored_moves_that_cannot_be_read_are_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
+    b, _ = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        await b.store.put_state(MOVES_STATE, doc)
+        await b.cycle.restore_learned()
+        assert "ignoring the stored moves in flight" in caplog.text
+        await b.cycle.run_once(full=True)
+        assert not b.cycle._moving and not b.cycle._holds
+    finally:
+        await b.stop()
