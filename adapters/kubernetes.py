@@ -144,8 +144,7 @@ class _Attempt:
     node: str | None = None  # the Node its Pod runs on, once scheduled
     started: float | None = None  # POSIX seconds
     pods: set[str] = field(default_factory=set)  # its Pods that exist, as the watch saw them
-    stopping: str | None = None  # why it is being stopped (a move, or the site's own preemption): reported once
-    # its Pods are gone
+    stopping: str | None = None  # why it is being stopped (a move, a preemption): reported once its Pods are gone
     released: bool = False  # its GPUs and quota already given to the job that preempted it, ahead of its Pods
 
 
@@ -182,7 +181,7 @@ class KubernetesSite:
         self.left_out: list[str] = []  # nodes left out of the inventory, with the reason
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}
-        self._stop_waits: set[asyncio.Task[None]] = set()  # stops the broker asked for, awaiting their Pods
+        self._stop_waits: set[asyncio.Task[None]] = set()  # stopping attempts awaiting the end of their Pods
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._watches: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()  # one admission at a time
@@ -430,7 +429,7 @@ class KubernetesSite:
     async def snapshot(self) -> SiteState:
         await self._refresh_inventory()
         now = self._clock.now()
-        running = sum(1 for a in self._attempts.values() if not a.done)
+        running = sum(1 for a in self._attempts.values() if not a.done and not a.released)
         if self._admission is None:
             reason = "; ".join(self.left_out) or "the cluster has no Nodes"
             return SiteState(site=self.name, health=Health.UNHEALTHY, last_heard_at=now, running_jobs=running,
@@ -578,7 +577,11 @@ class KubernetesSite:
         if not known.pods:
             self._stopped(key)
             return
-        task = asyncio.get_running_loop().create_task(self._stop_deadline(key), name=f"k8s-stop-{job_id}")
+        self._wait_for_pods(key)
+
+    def _wait_for_pods(self, key: tuple[str, int]) -> None:
+        """Report a stopping attempt when its last Pod goes (the watch), or after ``stop_wait_s``."""
+        task = asyncio.get_running_loop().create_task(self._stop_deadline(key), name=f"k8s-stop-{key[0]}")
         self._stop_waits.add(task)
         task.add_done_callback(self._stop_waits.discard)
 
@@ -613,13 +616,13 @@ class KubernetesSite:
         known = self._attempts.get(key)
         self._withdrawn[key] = self._clock.now()
         await self._delete_job(key, known)
-        if known is not None and not known.done and known.pods and known.stopping is None:
-            known.stopping = reason
+        if known is not None and not known.done and known.pods:
             self._release(key)
             known.released = True
-            task = asyncio.get_running_loop().create_task(self._stop_deadline(key), name=f"k8s-stop-{job_id}")
-            self._stop_waits.add(task)
-            task.add_done_callback(self._stop_waits.discard)
+            if known.stopping is None:
+                known.stopping = reason
+                self._wait_for_pods(key)
+            # else the broker had asked to stop it already: that stop is reported once its Pods are gone
             return
         run_s = 0.0
         if known is not None and known.running_since is not None:

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from broker import ids
 from broker.carbon_ledger import CarbonLedger
 from broker.clock import Clock
 from broker.events import EventHub
@@ -299,6 +300,34 @@ def _plan_moves(
             assert pipeline.migrate is not None
             moves += [(m, pipeline) for m in plan_moves(pipeline, trial, running[key], pipeline.migrate)]
     return moves, held
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a string")
+    return value
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else _text(value)
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"{value!r} is not a whole number >= 0")
+    return value
+
+
+def _instant(value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise TypeError(f"{value!r} is not a time in POSIX seconds")
+    return float(value)
+
+
+def _model(value: Any) -> int:
+    if value not in MODEL_INDEX:
+        raise ValueError(f"{value!r} is not a GPU model this release knows")
+    return MODEL_INDEX[value]
 
 
 class SchedulingCycle:
@@ -900,19 +929,24 @@ class SchedulingCycle:
         """The moves in flight as the store keeps them (``MOVES_STATE``): each hold's request by its run
         length only, the rest of it being the job's own."""
         return json.dumps({
-            "moving": {job_id: {"origin": m.origin, "attempt": m.attempt, "site": m.site, "model": m.model,
+            "moving": {job_id: {"origin": m.origin, "attempt": m.attempt, "site": m.site,
+                                "model": ids.GPU_MODEL_IDS[m.model] if m.site is not None else None,
                                 "reason": m.reason, "for_job": m.for_job, "asked_ts": m.asked_ts}
                        for job_id, m in sorted(self._moving.items())},
-            "holds": {job_id: {"site": h.site, "model": h.model, "duration_s": h.request.duration_s,
+            "holds": {job_id: {"site": h.site, "model": ids.GPU_MODEL_IDS[h.model], "duration_s": h.request.duration_s,
                                "attempt": h.attempt, "until_ts": h.until_ts}
                       for job_id, h in sorted(self._holds.items())},
             "cannot_stop": dict(sorted(self._cannot_stop.items())),
         }, separators=(",", ":"))
 
-    async def keep_moves(self) -> None:
-        """Save the moves in flight when they changed (after a pass, and when the broker stops), so a broker
-        that takes charge restarts the moved jobs where their moves chose and keeps holding the room made."""
-        if not self.may_act() or (self._moves_saved is None and not (self._moving or self._holds or self._cannot_stop)):
+    async def keep_moves(self, final: bool = False) -> None:
+        """Save the moves in flight when they changed (after a pass, and when the broker stops: ``final``, when
+        a replica has already given up leading but still holds the lease; the store's fence refuses the write
+        if another has taken over), so a broker that takes charge restarts the moved jobs where their moves
+        chose and keeps holding the room made."""
+        if not (final or self.may_act()) or self._moves_kept is not None:  # (what the last leader left: not read yet)
+            return
+        if self._moves_saved is None and not (self._moving or self._holds or self._cannot_stop):
             return
         doc = self._moves_doc()
         if doc == self._moves_saved:
@@ -934,8 +968,9 @@ class SchedulingCycle:
             return
         try:
             kept = json.loads(doc)
-            if not all(isinstance(kept.get(k), dict) for k in ("moving", "holds", "cannot_stop")):
-                raise ValueError("it lacks moving, holds or cannot_stop")
+            if not isinstance(kept, dict) or not all(isinstance(kept.get(k), dict)
+                                                     for k in ("moving", "holds", "cannot_stop")):
+                raise ValueError("it is not an object with moving, holds and cannot_stop")
         except ValueError as e:
             log.warning("ignoring the stored moves in flight: %s; their jobs are placed as any other", e)
             return
@@ -945,40 +980,55 @@ class SchedulingCycle:
     def _take_up_moves(self, now_ts: float) -> None:
         """The moves the last leader left (``_restore_moves``), for jobs still active at the same attempt and
         within their time: asked-for stops, the GPUs held, the moved jobs kept off the sites they left, the
-        sites that could not stop a job. An entry that cannot be read is dropped, with a warning."""
+        sites that could not stop a job. A job still running where its move found it (the stop may never have
+        reached its site) is left to the next search, with the room its move was making. An entry that cannot
+        be read is dropped, with a warning."""
         kept, self._moves_kept = self._moves_kept or {}, None
-        taken = 0
+        dropped: set[str] = set()  # jobs whose room is no longer being made
         for job_id, m in kept["moving"].items():
             try:
-                moving = _Moving(str(m["origin"]), int(m["attempt"]), None if m["site"] is None else str(m["site"]),
-                                 int(m["model"]), str(m["reason"]),
-                                 None if m["for_job"] is None else str(m["for_job"]), float(m["asked_ts"]))
+                moving = _Moving(_text(m["origin"]), _count(m["attempt"]), _text_or_none(m["site"]),
+                                 _model(m["model"]) if m["site"] is not None else -1, _text(m["reason"]),
+                                 _text_or_none(m["for_job"]), _instant(m["asked_ts"]))
             except (KeyError, TypeError, ValueError) as e:
-                log.warning("ignoring a stored move of job %s: %r", job_id, e)
+                log.warning("ignoring a stored move of job %s: %s", job_id, e)
                 continue
             job = self.book.active.get(job_id)
-            left_s = moving.asked_ts + MOVE_TIMEOUT_S - now_ts
+            left_s = min(moving.asked_ts + MOVE_TIMEOUT_S - now_ts, MOVE_TIMEOUT_S)
             if job is None or job.attempt != moving.attempt or left_s <= 0:
                 continue
-            self._moving[job_id] = moving
+            # Kept off the site it left either way: a stop on its way there may still come.
             self.book.refuse(job_id, moving.origin, f"moved away: {moving.reason}", ttl_s=left_s)
-            taken += 1
+            if job.state != JobState.QUEUED:  # not stopped (yet), and nothing tells it will be
+                dropped.add(job_id)
+                if moving.for_job is not None:
+                    dropped.add(moving.for_job)
+                continue
+            self._moving[job_id] = moving
+        held = 0
         for job_id, h in kept["holds"].items():
             job = self.book.active.get(job_id)
+            if job is None or job_id in dropped:
+                continue
             try:
-                if job is None or job.attempt != int(h["attempt"]) or float(h["until_ts"]) <= now_ts:
+                attempt, until_ts = _count(h["attempt"]), min(_instant(h["until_ts"]), now_ts + MOVE_TIMEOUT_S)
+                if job.attempt != attempt or until_ts <= now_ts:
                     continue
+                duration_s = float(h["duration_s"])
+                if not (math.isfinite(duration_s) and duration_s > 0):
+                    raise ValueError(f"duration_s {duration_s!r} is not a positive number of seconds")
                 req = replace(JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at),
-                              duration_s=float(h["duration_s"]))
-                self._holds[job_id] = _Hold(str(h["site"]), int(h["model"]), req, job.attempt, float(h["until_ts"]))
+                              duration_s=duration_s)
+                self._holds[job_id] = _Hold(_text(h["site"]), _model(h["model"]), req, job.attempt, until_ts)
+                held += 1
             except (KeyError, TypeError, ValueError) as e:
-                log.warning("ignoring a stored hold for job %s: %r", job_id, e)
+                log.warning("ignoring a stored hold for job %s: %s", job_id, e)
         for site, until in kept["cannot_stop"].items():
-            if isinstance(until, int | float) and until > now_ts:
-                self._cannot_stop[str(site)] = float(until)
-        if taken or self._holds:
-            log.info("took up %d moves in flight and %d holds that the last broker in charge left", taken,
-                     len(self._holds))
+            if isinstance(until, int | float) and not isinstance(until, bool) and math.isfinite(until) and until > now_ts:
+                self._cannot_stop[str(site)] = min(float(until), now_ts + CANNOT_STOP_S)
+        if self._moving or held:
+            log.info("took up %d moves in flight and %d holds that the last broker in charge left", len(self._moving),
+                     held)
 
     async def _restore_ledger(self) -> None:
         try:
@@ -990,10 +1040,10 @@ class SchedulingCycle:
         except ValueError as e:
             log.warning("ignoring the stored carbon ledger: %s; its totals start from 0", e)
 
-    async def keep_ledger(self) -> None:
+    async def keep_ledger(self, final: bool = False) -> None:
         """Save the carbon ledger's totals: after a pass that placed jobs, at most every ``LEDGER_SAVE_S``
-        (tried again after the next one), and when the broker stops."""
-        if not self.may_act() or self.carbon.jobs == self._carbon_saved:
+        (tried again after the next one), and when the broker stops (``final``: as for ``keep_moves``)."""
+        if not (final or self.may_act()) or self.carbon.jobs == self._carbon_saved:
             return
         jobs = self.carbon.jobs
         try:

@@ -314,8 +314,8 @@ class Broker:
         # leader reconciles). A broker shutting down lets dispatches on their way finish.
         cut = await self.cycle.drain(self.settings.shutdown_grace_s if why == SHUTTING_DOWN else 0.0)
         if why == SHUTTING_DOWN:
-            await self.cycle.keep_ledger()  # the last seconds' placements, counted
-            await self.cycle.keep_moves()  # and the moves in flight, as they stand
+            await self.cycle.keep_ledger(final=True)  # the last seconds' placements, counted
+            await self.cycle.keep_moves(final=True)  # and the moves in flight, as they stand
         if cut:
             log.warning("%d dispatches were still in flight at shutdown; they are reconciled at the next start", cut)
         for task in self._pumps.values():

@@ -417,14 +417,43 @@ async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_po
         waiting = asyncio.ensure_future(anext(stream))
         with pytest.raises(TimeoutError):  # its Pod is still in its grace period
             await asyncio.wait_for(asyncio.shield(waiting), 0.5)
-        assert (await adapter.snapshot()).capacity[0].free_gpus == 0  # b-1 holds them in the books
+        state = await adapter.snapshot()
+        assert state.capacity[0].free_gpus == 0 and state.running_jobs == 2  # b-1 holds a-2's GPUs in the books
+        quota = {q.tenant: q for q in (await adapter.quota()).tenants}
+        assert quota["a"].in_use_gpus == 8 and quota["b"].in_use_gpus == 8
         await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{victim}-abc")
         preempted = await asyncio.wait_for(waiting, 5)
         assert (preempted.job_id, preempted.kind) == ("a-2", EventKind.PREEMPTED)
         assert "for job b-1 of tenant b" in (preempted.reason or "") and 0.2 < preempted.run_s < 5
-        assert (await adapter.snapshot()).capacity[0].free_gpus == 0  # freed once only: b-1 still holds them
-        quota = {q.tenant: q for q in (await adapter.quota()).tenants}
-        assert quota["a"].in_use_gpus == 8 and quota["b"].in_use_gpus == 8
+        with pytest.raises(TimeoutError):  # reported once
+            await next_event(adapter, stream)
+    finally:
+        await adapter.close()
+
+
+async def test_a_job_the_site_preempts_while_the_broker_stops_it_is_reported_once_its_pods_are_gone(
+        cluster: kmock.KubernetesEmulator) -> None:
+    adapter = make_site(cluster, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
+                                         {"tenant": "b", "guaranteed_gpus": 8}])
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("a-1", count=8, tenant="a", preemptible=True))).admitted
+        assert (await adapter.submit(attempt("a-2", count=8, tenant="a", preemptible=True))).admitted
+        victim = job_name("a-2", 1)
+        await pod_running(cluster, victim, "heliotrope-a")
+        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+        await adapter.preempt("a-2", 1, "moved from kube to elsewhere from its checkpoint")
+        assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted  # its guarantee: a-2's GPUs
+        waiting = asyncio.ensure_future(anext(stream))
+        with pytest.raises(TimeoutError):  # a-2's Pod is still writing its checkpoint
+            await asyncio.wait_for(asyncio.shield(waiting), 0.5)
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{victim}-abc")
+        stopped = await asyncio.wait_for(waiting, 5)
+        assert (stopped.job_id, stopped.kind, stopped.reason) == (
+            "a-2", EventKind.PREEMPTED, "moved from kube to elsewhere from its checkpoint")
+        with pytest.raises(TimeoutError):
+            await next_event(adapter, stream)
     finally:
         await adapter.close()
 
