@@ -376,63 +376,10 @@ async def test_gpus_of_pods_outside_heliotrope_are_not_free(cluster: kmock.Kuber
 # --- preemption ---
 
 
-async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
-        cluster: kmock.KubernetesEmulator) -> None:
-    adapter = make_site(cluster, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
-                                         {"tenant": "b", "guaranteed_gpus": 8}])
-    await adapter.start()
-    stream = adapter.events()
-    try:
-        assert (await adapter.submit(attempt("a-1", count=8, tenant="a", preemptible=True))).admitted
-        assert (await adapter.submit(attempt("a-2", count=8, tenant="a", preemptible=True))).admitted  # b's
-        assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
-        preempted = await next_event(adapter, stream)
-        assert (preempted.job_id, preempted.kind) == ("a-2", EventKind.PREEMPTED)
-        assert "for job b-1 of tenant b" in (preempted.reason or "")
-        assert "reclaims its guarantee" in (preempted.reason or "")
-        assert set(jobs(cluster)) == {("heliotrope-a", job_name("a-1", 1)), ("heliotrope-b", job_name("b-1", 1))}
-        assert (await adapter.snapshot()).capacity[0].free_gpus == 0
-    finally:
-        await adapter.close()
-
-
-async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_pod_has_gone(
-        cluster: kmock.KubernetesEmulator) -> None:
-    # The preemptor gets the GPUs in the site's books at once (its Pod waits in the cluster for them), but the
-    # broker hears "preempted" only when the victim's Pod has exited: a checkpointing job is not started
-    # elsewhere while it still writes its checkpoint here.
-    adapter = make_site(cluster, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
-                                         {"tenant": "b", "guaranteed_gpus": 8}])
-    await adapter.start()
-    stream = adapter.events()
-    try:
-        assert (await adapter.submit(attempt("a-1", count=8, tenant="a", preemptible=True))).admitted
-        assert (await adapter.submit(attempt("a-2", count=8, tenant="a", preemptible=True))).admitted  # b's
-        victim = job_name("a-2", 1)
-        await pod_running(cluster, victim, "heliotrope-a")
-        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
-        await asyncio.sleep(0.2)
-        assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
-        assert ("heliotrope-a", victim) not in jobs(cluster)
-        waiting = asyncio.ensure_future(anext(stream))
-        with pytest.raises(TimeoutError):  # its Pod is still in its grace period
-            await asyncio.wait_for(asyncio.shield(waiting), 0.5)
-        state = await adapter.snapshot()
-        assert state.capacity[0].free_gpus == 0 and state.running_jobs == 2  # b-1 holds a-2's GPUs in the books
-        quota = {q.tenant: q for q in (await adapter.quota()).tenants}
-        assert quota["a"].in_use_gpus == 8 and quota["b"].in_use_gpus == 8
-        await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{victim}-abc")
-        preempted = await asyncio.wait_for(waiting, 5)
-        assert (preempted.job_id, preempted.kind) == ("a-2", EventKind.PREEMPTED)
-        assert "for job b-1 of tenant b" in (preempted.reason or "") and 0.2 < preempted.run_s < 5
-        with pytest.raises(TimeoutError):  # reported once
-            await next_event(adapter, stream)
-    finally:
-        await adapter.close()
-
-
-async def test_a_job_the_site_preempts_while_the_broker_stops_it_is_reported_once_its_pods_are_gone(
-        cluster: kmock.KubernetesEmulator) -> None:
+@pytest.fixture
+async def borrowing(cluster: kmock.KubernetesEmulator) -> AsyncIterator[tuple[KubernetesSite, AsyncIterator[JobEvent]]]:
+    """A site whose tenant a (8 GPUs guaranteed, 8 more of burst) runs a-1 on its guarantee and a-2 on b's
+    (8 guaranteed, none used yet); a-2 is what b's first job reclaims."""
     adapter = make_site(cluster, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
                                          {"tenant": "b", "guaranteed_gpus": 8}])
     await adapter.start()
@@ -440,22 +387,67 @@ async def test_a_job_the_site_preempts_while_the_broker_stops_it_is_reported_onc
     try:
         assert (await adapter.submit(attempt("a-1", count=8, tenant="a", preemptible=True))).admitted
         assert (await adapter.submit(attempt("a-2", count=8, tenant="a", preemptible=True))).admitted
-        victim = job_name("a-2", 1)
-        await pod_running(cluster, victim, "heliotrope-a")
-        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
-        await adapter.preempt("a-2", 1, "moved from kube to elsewhere from its checkpoint")
-        assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted  # its guarantee: a-2's GPUs
-        waiting = asyncio.ensure_future(anext(stream))
-        with pytest.raises(TimeoutError):  # a-2's Pod is still writing its checkpoint
-            await asyncio.wait_for(asyncio.shield(waiting), 0.5)
-        await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{victim}-abc")
-        stopped = await asyncio.wait_for(waiting, 5)
-        assert (stopped.job_id, stopped.kind, stopped.reason) == (
-            "a-2", EventKind.PREEMPTED, "moved from kube to elsewhere from its checkpoint")
-        with pytest.raises(TimeoutError):
-            await next_event(adapter, stream)
+        yield adapter, stream
     finally:
         await adapter.close()
+
+
+async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
+        borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator) -> None:
+    adapter, stream = borrowing
+    assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
+    preempted = await next_event(adapter, stream)
+    assert (preempted.job_id, preempted.kind) == ("a-2", EventKind.PREEMPTED)
+    assert "for job b-1 of tenant b" in (preempted.reason or "")
+    assert "reclaims its guarantee" in (preempted.reason or "")
+    assert set(jobs(cluster)) == {("heliotrope-a", job_name("a-1", 1)), ("heliotrope-b", job_name("b-1", 1))}
+    assert (await adapter.snapshot()).capacity[0].free_gpus == 0
+
+
+async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_pod_has_gone(
+        borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator) -> None:
+    # The preemptor gets the GPUs in the site's books at once (its Pod waits in the cluster for them), but the
+    # broker hears "preempted" only when the victim's Pod has exited: a checkpointing job is not started
+    # elsewhere while it still writes its checkpoint here.
+    adapter, stream = borrowing
+    victim = job_name("a-2", 1)
+    await pod_running(cluster, victim, "heliotrope-a")
+    assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+    await asyncio.sleep(0.2)
+    assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
+    assert ("heliotrope-a", victim) not in jobs(cluster)
+    waiting = asyncio.ensure_future(anext(stream))
+    with pytest.raises(TimeoutError):  # its Pod is still in its grace period
+        await asyncio.wait_for(asyncio.shield(waiting), 0.5)
+    state = await adapter.snapshot()
+    assert state.capacity[0].free_gpus == 0 and state.running_jobs == 2  # b-1 holds a-2's GPUs in the books
+    quota = {q.tenant: q for q in (await adapter.quota()).tenants}
+    assert quota["a"].in_use_gpus == 8 and quota["b"].in_use_gpus == 8
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{victim}-abc")
+    preempted = await asyncio.wait_for(waiting, 5)
+    assert (preempted.job_id, preempted.kind) == ("a-2", EventKind.PREEMPTED)
+    assert "for job b-1 of tenant b" in (preempted.reason or "") and 0.2 < preempted.run_s < 5
+    with pytest.raises(TimeoutError):  # reported once
+        await next_event(adapter, stream)
+
+
+async def test_a_job_the_site_preempts_while_the_broker_stops_it_is_reported_once_its_pods_are_gone(
+        borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator) -> None:
+    adapter, stream = borrowing
+    victim = job_name("a-2", 1)
+    await pod_running(cluster, victim, "heliotrope-a")
+    assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+    await adapter.preempt("a-2", 1, "moved from kube to elsewhere from its checkpoint")
+    assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted  # its guarantee: a-2's GPUs
+    waiting = asyncio.ensure_future(anext(stream))
+    with pytest.raises(TimeoutError):  # a-2's Pod is still writing its checkpoint
+        await asyncio.wait_for(asyncio.shield(waiting), 0.5)
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{victim}-abc")
+    stopped = await asyncio.wait_for(waiting, 5)
+    assert (stopped.job_id, stopped.kind, stopped.reason) == (
+        "a-2", EventKind.PREEMPTED, "moved from kube to elsewhere from its checkpoint")
+    with pytest.raises(TimeoutError):
+        await next_event(adapter, stream)
 
 
 # --- credentials: a kubeconfig, a context, in-cluster ---
