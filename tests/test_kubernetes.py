@@ -392,6 +392,15 @@ async def borrowing(cluster: kmock.KubernetesEmulator) -> AsyncIterator[tuple[Ku
         await adapter.close()
 
 
+async def a2_running(adapter: KubernetesSite, stream: AsyncIterator[JobEvent],
+                     cluster: kmock.KubernetesEmulator) -> str:
+    """a-2 (of ``borrowing``) running in a Pod, as the site has heard; returns its Job's name."""
+    victim = job_name("a-2", 1)
+    await pod_running(cluster, victim, "heliotrope-a")
+    assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+    return victim
+
+
 async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
         borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator) -> None:
     adapter, stream = borrowing
@@ -410,9 +419,7 @@ async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_po
     # broker hears "preempted" only when the victim's Pod has exited: a checkpointing job is not started
     # elsewhere while it still writes its checkpoint here.
     adapter, stream = borrowing
-    victim = job_name("a-2", 1)
-    await pod_running(cluster, victim, "heliotrope-a")
-    assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+    victim = await a2_running(adapter, stream, cluster)
     await asyncio.sleep(0.2)
     assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
     assert ("heliotrope-a", victim) not in jobs(cluster)
@@ -434,9 +441,7 @@ async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_po
 async def test_a_job_the_site_preempts_while_the_broker_stops_it_is_reported_once_its_pods_are_gone(
         borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator) -> None:
     adapter, stream = borrowing
-    victim = job_name("a-2", 1)
-    await pod_running(cluster, victim, "heliotrope-a")
-    assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+    victim = await a2_running(adapter, stream, cluster)
     await adapter.preempt("a-2", 1, "moved from kube to elsewhere from its checkpoint")
     assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted  # its guarantee: a-2's GPUs
     waiting = asyncio.ensure_future(anext(stream))
