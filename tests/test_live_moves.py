@@ -287,8 +287,8 @@ async def test_stored_moves_that_cannot_be_read_are_ignored_with_a_warning(tmp_p
 
 @pytest.mark.parametrize("hold", [{"model": 999}, {"model": 1}, {"duration_s": "nan"}, {"duration_s": -5},
                                   {"until_ts": "inf"}, {"attempt": True}, {"site": 5}],
-                         ids=["a model index", "a model as a number", "a NaN run", "a negative run", "no end",
-                              "a boolean attempt", "a site that is not a name"])
+                         ids=["an index out of range", "a model by index, not by id", "a NaN run", "a negative run",
+                              "no end", "a boolean attempt", "a site that is not a name"])
 async def test_a_stored_hold_with_a_bad_value_is_dropped_and_the_others_taken_up(tmp_path, caplog, hold) -> None:
     b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
     try:
