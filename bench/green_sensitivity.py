@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import date
@@ -70,6 +71,7 @@ from broker.data.traces import resolve_preset  # noqa: E402
 from broker.simulation import engine  # noqa: E402
 from broker.simulation.run import Prepared, SimulationSpec, prepare  # noqa: E402
 from policies.baselines import policy  # noqa: E402
+from policies.filters.latency import LatencyFilter  # noqa: E402
 from policies.pipeline import Pipeline  # noqa: E402
 from policies.profiles import BUILTIN, MIGRATIONS, SHIFTS, pipeline_for  # noqa: E402
 
@@ -177,6 +179,36 @@ def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) ->
             f"after a deferral {int((missed & run.was_deferred).sum()):4,d}; moves {run.migrations:,d}, stops {run.preemptions:,d}  [{wall_s:.0f} s]")
 
 
+def why_missed(prep: Prepared, run: engine.PolicyRun) -> str:
+    """Where the latency-bound jobs that missed their deadline came from, whether any site near them (within
+    their latency objective) had room for them when they arrived (GPUs of every model, less those the jobs
+    running then held), and how long they waited."""
+    w, base = prep.workload, prep.federation.base
+    bound = ~np.isnan(np.asarray(w.latency_slo_ms, dtype=np.float64))
+    missed = np.flatnonzero((run.site >= 0) & (run.end_s > w.deadline_s + 1e-6) & bound)
+    if not missed.size:
+        return "    no latency-bound job missed its deadline"
+    jobs, site, start, end = run.pieces()
+    held = np.array([prep.requests[j].charge for j in jobs.tolist()])
+    capacity = base.total_gpus.sum(axis=1)
+    near_of = LatencyFilter()
+    origins: Counter[str] = Counter()
+    full = 0
+    for j in missed.tolist():
+        req, t = prep.requests[j], float(w.submit_s[j])
+        busy = (start <= t) & (end > t)
+        in_use = np.bincount(site[busy], weights=held[busy], minlength=base.n_sites)
+        near = near_of.passes(req, base)
+        if near is not None and not np.any(near & (capacity - in_use >= req.charge)):
+            full += 1
+        origins[req.origin_region or "?"] += 1
+    wait_h = (run.start_s[missed] - w.submit_s[missed]) / 3600.0
+    where = ", ".join(f"{origin} {n:,d}" for origin, n in origins.most_common())
+    return (f"    latency-bound misses by origin: {where}; {full:,d} of {missed.size:,d} found no site near them "
+            f"with room when they arrived; they waited {np.median(wait_h):.2f} h at the median "
+            f"(90th percentile {np.percentile(wait_h, 90):.2f} h)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--year", type=int, default=2021, help="the carbon year the trace is mapped onto")
@@ -186,6 +218,9 @@ def main() -> int:
                    help="the workload's seed (heliotrope simulate --seed): which jobs are inflexible or latency-bound, "
                         "their origins and their estimates' errors; the Evidence's is 0")
     p.add_argument("--variants", default="all", help="'all' or a comma-separated list of: " + ", ".join(VARIANTS))
+    p.add_argument("--why-missed", action="store_true",
+                   help="after each line: the latency-bound misses by origin, how many found every site near them "
+                        "full when they arrived, and how long they waited")
     args = p.parse_args()
     names = list(VARIANTS) if args.variants == "all" else [n.strip() for n in args.variants.split(",")]
     unknown = [n for n in names if n not in VARIANTS]
@@ -210,6 +245,8 @@ def main() -> int:
             prepared[key] = prepare(spec)
         run, wall_s = replay(prepared[key], label, build, foresight)
         print(describe(prepared[key], label, run, wall_s), flush=True)
+        if args.why_missed:
+            print(why_missed(prepared[key], run), flush=True)
     return 0
 
 
