@@ -48,7 +48,10 @@ half a minute here.
 This prints figures; it asserts nothing. Usage::
 
     .venv/bin/python bench/green_sensitivity.py [--year 2021] [--utilisation 0.3] [--data ../shared/data]
-                                                [--seed 0] [--variants all|greedy,green,exact,...]
+                                                [--seed 0] [--variants all|greedy,green,exact,...] [--why-missed]
+
+``--why-missed`` adds, under each line, the latency-bound misses by origin, how many found no site within
+their latency objective with room when they arrived, and how long they waited.
 """
 
 from __future__ import annotations
