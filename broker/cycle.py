@@ -959,6 +959,7 @@ class SchedulingCycle:
         self._moves_saved = doc
 
     async def _restore_moves(self) -> None:
+        """Read the moves the last leader kept (``keep_moves``), to be taken up at the first pass."""
         try:
             doc = await self.store.get_state(MOVES_STATE)
         except StoreError as e:
