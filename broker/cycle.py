@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from broker import ids
 from broker.carbon_ledger import CarbonLedger
@@ -53,7 +54,7 @@ from broker.jobs import JobBook
 from broker.queue import Entry, QueueWalk
 from broker.lifecycle import Lifecycle
 from broker.metrics import Metrics
-from broker.models import Job, JobState
+from broker.models import GpuModelId, Job, JobState
 from adapters.base import AdapterError, Preempter
 from broker.store import Store, StoreError
 from policies import explain, timeshift
@@ -302,32 +303,34 @@ def _plan_moves(
     return moves, held
 
 
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{value!r} is not a string")
-    return value
+class _KeptMove(BaseModel):
+    """A move in flight as the store keeps it (``MOVES_STATE``): a :class:`_Moving` with its target's GPU model
+    by id (None: the job goes back to the queue)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
+
+    origin: str
+    attempt: int = Field(ge=0)
+    site: str | None
+    model: GpuModelId | None
+    reason: str
+    for_job: str | None
+    asked_ts: float
 
 
-def _text_or_none(value: Any) -> str | None:
-    return None if value is None else _text(value)
+class _KeptHold(BaseModel):
+    """A hold as the store keeps it: a :class:`_Hold` whose request is the job's own with ``duration_s``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
+
+    site: str
+    model: GpuModelId
+    duration_s: float = Field(gt=0)
+    attempt: int = Field(ge=0)
+    until_ts: float
 
 
-def _count(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TypeError(f"{value!r} is not a whole number >= 0")
-    return value
-
-
-def _instant(value: Any) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-        raise TypeError(f"{value!r} is not a time in POSIX seconds")
-    return float(value)
-
-
-def _model(value: Any) -> int:
-    if value not in MODEL_INDEX:
-        raise ValueError(f"{value!r} is not a GPU model this release knows")
-    return MODEL_INDEX[value]
+_KEPT_UNTIL: TypeAdapter[float] = TypeAdapter(float, config=ConfigDict(strict=True, allow_inf_nan=False))
 
 
 class SchedulingCycle:
@@ -926,15 +929,14 @@ class SchedulingCycle:
         return True
 
     def _moves_doc(self) -> str:
-        """The moves in flight as the store keeps them (``MOVES_STATE``): each hold's request by its run
-        length only, the rest of it being the job's own."""
+        """The moves in flight as the store keeps them (``MOVES_STATE``)."""
         return json.dumps({
-            "moving": {job_id: {"origin": m.origin, "attempt": m.attempt, "site": m.site,
-                                "model": ids.GPU_MODEL_IDS[m.model] if m.site is not None else None,
-                                "reason": m.reason, "for_job": m.for_job, "asked_ts": m.asked_ts}
+            "moving": {job_id: _KeptMove(origin=m.origin, attempt=m.attempt, site=m.site,
+                                         model=ids.GPU_MODEL_IDS[m.model] if m.site is not None else None,
+                                         reason=m.reason, for_job=m.for_job, asked_ts=m.asked_ts).model_dump()
                        for job_id, m in sorted(self._moving.items())},
-            "holds": {job_id: {"site": h.site, "model": ids.GPU_MODEL_IDS[h.model], "duration_s": h.request.duration_s,
-                               "attempt": h.attempt, "until_ts": h.until_ts}
+            "holds": {job_id: _KeptHold(site=h.site, model=ids.GPU_MODEL_IDS[h.model], duration_s=h.request.duration_s,
+                                        attempt=h.attempt, until_ts=h.until_ts).model_dump()
                       for job_id, h in sorted(self._holds.items())},
             "cannot_stop": dict(sorted(self._cannot_stop.items())),
         }, separators=(",", ":"))
@@ -986,14 +988,16 @@ class SchedulingCycle:
         be read is dropped, with a warning."""
         kept, self._moves_kept = self._moves_kept or {}, None
         dropped: set[str] = set()  # jobs whose room is no longer being made
-        for job_id, m in kept["moving"].items():
+        for job_id, entry in kept["moving"].items():
             try:
-                moving = _Moving(_text(m["origin"]), _count(m["attempt"]), _text_or_none(m["site"]),
-                                 _model(m["model"]) if m["site"] is not None else -1, _text(m["reason"]),
-                                 _text_or_none(m["for_job"]), _instant(m["asked_ts"]))
-            except (KeyError, TypeError, ValueError) as e:
+                m = _KeptMove.model_validate(entry)
+                if (m.site is None) != (m.model is None):
+                    raise ValueError("a target site needs its GPU model, and only it")
+            except ValueError as e:  # pydantic's ValidationError included
                 log.warning("ignoring a stored move of job %s: %s", job_id, e)
                 continue
+            moving = _Moving(m.origin, m.attempt, m.site, MODEL_INDEX[m.model] if m.model is not None else -1,
+                             m.reason, m.for_job, m.asked_ts)
             job = self.book.active.get(job_id)
             left_s = min(moving.asked_ts + MOVE_TIMEOUT_S - now_ts, MOVE_TIMEOUT_S)
             if job is None or job.attempt != moving.attempt or left_s <= 0:
@@ -1007,26 +1011,29 @@ class SchedulingCycle:
                 continue
             self._moving[job_id] = moving
         held = 0
-        for job_id, h in kept["holds"].items():
+        for job_id, entry in kept["holds"].items():
             job = self.book.active.get(job_id)
             if job is None or job_id in dropped:
                 continue
             try:
-                attempt, until_ts = _count(h["attempt"]), min(_instant(h["until_ts"]), now_ts + MOVE_TIMEOUT_S)
-                if job.attempt != attempt or until_ts <= now_ts:
-                    continue
-                duration_s = float(h["duration_s"])
-                if not (math.isfinite(duration_s) and duration_s > 0):
-                    raise ValueError(f"duration_s {duration_s!r} is not a positive number of seconds")
-                req = replace(JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at),
-                              duration_s=duration_s)
-                self._holds[job_id] = _Hold(_text(h["site"]), _model(h["model"]), req, job.attempt, until_ts)
-                held += 1
-            except (KeyError, TypeError, ValueError) as e:
+                h = _KeptHold.model_validate(entry)
+            except ValueError as e:
                 log.warning("ignoring a stored hold for job %s: %s", job_id, e)
+                continue
+            until_ts = min(h.until_ts, now_ts + MOVE_TIMEOUT_S)
+            if job.attempt != h.attempt or until_ts <= now_ts:
+                continue
+            req = replace(JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at),
+                          duration_s=h.duration_s)
+            self._holds[job_id] = _Hold(h.site, MODEL_INDEX[h.model], req, job.attempt, until_ts)
+            held += 1
         for site, until in kept["cannot_stop"].items():
-            if isinstance(until, int | float) and not isinstance(until, bool) and math.isfinite(until) and until > now_ts:
-                self._cannot_stop[str(site)] = min(float(until), now_ts + CANNOT_STOP_S)
+            try:
+                until = _KEPT_UNTIL.validate_python(until)
+            except ValueError:
+                continue
+            if until > now_ts:
+                self._cannot_stop[site] = min(until, now_ts + CANNOT_STOP_S)
         if self._moving or held:
             log.info("took up %d moves in flight and %d holds that the last broker in charge left", len(self._moving),
                      held)

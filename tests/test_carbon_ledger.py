@@ -16,7 +16,7 @@ import pytest
 from broker.cycle import CARBON_LEDGER_STATE
 from broker.models import SimulatedAdapterConfig
 from tests.builders import job, site
-from tests.test_timeshift import green_broker
+from tests.test_timeshift import green_broker, restoring
 
 FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
 SITES = [site("clean", region="gcp:northamerica-northeast2", grid_zone="CA-ON", timezone="America/Toronto",
@@ -65,12 +65,7 @@ async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
 @pytest.mark.parametrize("doc", ['{"v": 1, "jobs": -1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, "moved": 0}',
                                  '{"v": 1, "jobs": 1}', "not json", '{"v": 2}'])
 async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
-    b, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
-    try:
-        await b.store.put_state(CARBON_LEDGER_STATE, doc)
-        await b.cycle.restore_learned()
+    async with restoring(tmp_path, SITES, CARBON_LEDGER_STATE, doc) as b:
         assert "ignoring the stored carbon ledger" in caplog.text
         assert (await carbon(b))["jobs"] == 0
-    finally:
-        await b.stop()
 

@@ -23,7 +23,7 @@ from broker.service import Broker
 from policies import explain
 from policies.snapshot import JobRequest
 from tests.builders import job, site
-from tests.test_timeshift import GREEN_AT, green_broker
+from tests.test_timeshift import GREEN_AT, green_broker, restoring
 
 FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
 
@@ -274,15 +274,10 @@ async def test_a_broker_that_takes_charge_keeps_the_moves_in_flight_and_the_room
 
 @pytest.mark.parametrize("doc", ["not json", "[]", "null", "5", '{"moving": []}', '{"holds": {}}'])
 async def test_stored_moves_that_cannot_be_read_are_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
-    b, _ = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
-    try:
-        await b.store.put_state(MOVES_STATE, doc)
-        await b.cycle.restore_learned()
+    async with restoring(tmp_path, LIVE_SITES, MOVES_STATE, doc) as b:
         assert "ignoring the stored moves in flight" in caplog.text
         await b.cycle.run_once(full=True)
         assert not b.cycle._moving and not b.cycle._holds
-    finally:
-        await b.stop()
 
 
 @pytest.mark.parametrize("hold", [{"model": 999}, {"model": 1}, {"duration_s": "nan"}, {"duration_s": -5},

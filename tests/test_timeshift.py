@@ -7,6 +7,7 @@ Electricity Maps slice (data/carbon, June 2022) or stated here, so the expected 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -272,6 +273,19 @@ async def green_broker(tmp_path, sites, **settings):
     await b.start(sites, run_loop=False)
     await b.signals.wait_ready()
     return b, clock
+
+
+@contextlib.asynccontextmanager
+async def restoring(tmp_path, sites, name: str, doc: str):
+    """A green broker over ``sites`` that takes charge with ``doc`` stored as its state ``name``
+    (``Store.put_state``), as a broker does after a restart or a takeover; stopped on leaving."""
+    b, _ = await green_broker(tmp_path, sites, profiles={"default": "green"})
+    try:
+        await b.store.put_state(name, doc)
+        await b.cycle.restore_learned()
+        yield b
+    finally:
+        await b.stop()
 
 
 @pytest.fixture
