@@ -1,7 +1,7 @@
 """The compiled (Numba) steps of :meth:`policies.pipeline.Pipeline.decide`:
 
 - ``normalise``: each term's feasible raw values min-max normalised (lower-is-better rows negated first),
-  and the weighted sum per site, the terms added in scorer order;
+  the weighted sum per site, the terms added in scorer order, and the best site's index (``pick``);
 - ``least_scaled``: the carbon and cost scorers' raw values (the least value of a usable model with room,
   scaled, unknown last) in one pass;
 - ``window_mean_rows``: the carbon scorer's mean forecast intensity over a run.
@@ -20,11 +20,12 @@ from policies._shift_search import _jit
 
 @_jit()
 def normalise(norm: np.ndarray, lower: np.ndarray, flat: np.ndarray, weights: np.ndarray,
-              tie_epsilon: float) -> np.ndarray:
+              tie_epsilon: float) -> tuple[np.ndarray, int]:
     """In place over ``norm`` (float64[terms, feasible sites]: each term's raw values at the feasible sites):
     row ``i`` negated where ``lower[i]``, then ``(row - min) / (max - min)``, or all 0 where the span is not
     above ``tie_epsilon`` (NaN included); rows with ``flat[i]`` are already 0 and left alone. Returns the
-    weighted sums per site (float64[feasible sites]): ``row0 × w0 + row1 × w1 + ...`` in row order."""
+    weighted sums per site (float64[feasible sites]: ``row0 × w0 + row1 × w1 + ...`` in row order) and the
+    index of the best (:func:`pick`)."""
     terms, k = norm.shape
     for i in range(terms):
         if flat[i]:
@@ -57,7 +58,25 @@ def normalise(norm: np.ndarray, lower: np.ndarray, flat: np.ndarray, weights: np
         for i in range(1, terms):
             total = total + norm[i, j] * weights[i]
         totals[j] = total
-    return totals
+    return totals, pick(totals, tie_epsilon)
+
+
+@_jit(inline="always")
+def pick(totals: np.ndarray, tie_epsilon: float) -> int:
+    """The first index whose total is within ``tie_epsilon`` of the highest (``(totals >= max - tie_epsilon)
+    .argmax()``: 0 when the highest is NaN)."""
+    hi = totals[0]
+    for j in range(1, totals.shape[0]):
+        v = totals[j]
+        if v != v or hi != hi:  # np.maximum propagates NaN
+            return 0
+        if v > hi:
+            hi = v
+    bar = hi - tie_epsilon
+    for j in range(totals.shape[0]):
+        if totals[j] >= bar:
+            return j
+    return 0
 
 
 NO_VALUES = np.zeros(0)

@@ -141,6 +141,36 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 
 
 @_jit()
+def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.ndarray, per_gpu: np.ndarray,
+              need: float, d_h: float, into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
+              plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray,
+              first: int, now_hours: int) -> tuple[bool, float, float, int]:
+    """A start now at ``site`` on model ``column`` (``rate``: kW or USD per GPU-hour there): (whether the plan
+    allows it, its value, the value and site of the best start now at any site the plan allows, this one
+    included). A site that is not ``ok`` cannot be checked by the plan: it is allowed, valued 0. Where the
+    plan has no room: (False, inf, inf, -1). The best start anywhere is :func:`cheapest_fitting_now`'s when
+    there is more than one feasible site, taken over this one's only where lower (a tie: the lower index)."""
+    if ok[site]:
+        if not _room(plan_free, site, column, first, now_hours, need, reserve[site], kept, near):
+            return False, np.inf, np.inf, -1
+        if carbon:
+            value = rate * need * (_integral(cum, forecast, site, into_h + d_h)
+                                   - _integral(cum, forecast, site, into_h)) / 1000.0
+        else:
+            value = rate * need * d_h
+    else:
+        value = 0.0
+    best_value, best_site = value, site
+    if feasible.shape[0] > 1:
+        other, at = cheapest_fitting_now(feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
+                                         col, reserve, kept, near, first, now_hours)
+        # min((other, at), (value, site)) as Python compares tuples
+        if at >= 0 and not (value < other or (value == other and site < at)):
+            best_value, best_site = other, at
+    return True, value, best_value, best_site
+
+
+@_jit()
 def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu: np.ndarray, need: float,
                  d_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray,
                  col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray, last_slot: int,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -54,8 +54,9 @@ class Weighted:
     weight: float
 
 
-@dataclass(frozen=True, slots=True)
-class TermArrays:
+class TermArrays(NamedTuple):
+    """One score term of a decision (a named tuple: made for every scorer of every decision, so cheap to make)."""
+
     scorer: str
     weight: float
     raw: np.ndarray  # over all sites
@@ -78,6 +79,10 @@ class Placement:
     # policies.timeshift.PASSED_OVER_KEPT of n_passed_over: their GPUs are booked within the run, or kept.
     passed_over: tuple[tuple[int, str], ...] = ()
     n_passed_over: int = 0
+    # For the time-shift search (policies.timeshift.plan): the sites every filter but the GPU fit passed
+    # (None: all), and the decision's fit; None both in a placement made otherwise.
+    steady: np.ndarray | None = None
+    fit: Fit | None = None
 
     @property
     def placed(self) -> bool:
@@ -117,6 +122,7 @@ class Pipeline:
         # must start soonest (deadline - expected run time; no deadline last) is decided first (EDF).
         self.urgent_first = shift is not None
         self.filter_codes: tuple[str, ...] = tuple(codes)
+        self._capacity_at = codes.index(GpuFitFilter.code) if GpuFitFilter.code in codes else -1
         # Filters and scorers that can use the decision's shared fit say so with passes_fit / raw_fit.
         self._passes = tuple(getattr(f, "passes_fit", None) or _on_request(f.passes) for f in self.filters)
         self._raws = tuple(getattr(w.scorer, "raw_fit", None) or _on_request(w.scorer.raw) for w in self.scorers)
@@ -126,23 +132,29 @@ class Pipeline:
     def decide(self, req: JobRequest, snap: Snapshot) -> Placement:
         fit = Fit(req, snap)  # shared by the filters and scorers that look at free capacity
         passes = tuple([passes(fit) for passes in self._passes])
-        feasible_mask: np.ndarray | None = None
-        for passed in passes:
+        # The sites every filter but the GPU fit passes (what the time-shift search starts from), then those
+        # that fit now as well.
+        steady = room = None
+        for i, passed in enumerate(passes):
             if passed is not None:
-                feasible_mask = passed if feasible_mask is None else feasible_mask & passed
+                if i == self._capacity_at:
+                    room = passed
+                else:
+                    steady = passed if steady is None else steady & passed
+        feasible_mask = room if steady is None else (steady if room is None else steady & room)
         feasible = np.arange(snap.n_sites) if feasible_mask is None else feasible_mask.nonzero()[0]
         raws = [raw(fit) for raw in self._raws]
-        terms, totals = self._normalise(raws, feasible, snap)
+        terms, totals, best = self._normalise(raws, feasible, snap)
         if not feasible.size:
-            return Placement(req, -1, -1, snap.n_sites, passes, feasible, terms, totals)
-        best = int((totals >= np.maximum.reduce(totals) - TIE_EPSILON).argmax())
+            return Placement(req, -1, -1, snap.n_sites, passes, feasible, terms, totals, steady=steady, fit=fit)
         site = int(feasible[best])
         model = MODEL_INDEX[req.model] if req.model is not None else _smallest_that_fits(fit, site)
-        return Placement(req, site, model, snap.n_sites, passes, feasible, terms, totals)
+        return Placement(req, site, model, snap.n_sites, passes, feasible, terms, totals, steady=steady, fit=fit)
 
     def _normalise(self, raws: list[np.ndarray], feasible: np.ndarray,
-                   snap: Snapshot) -> tuple[tuple[TermArrays, ...], np.ndarray]:
-        """Every term normalised over the feasible sites, and the weighted sum per feasible site.
+                   snap: Snapshot) -> tuple[tuple[TermArrays, ...], np.ndarray, int]:
+        """Every term normalised over the feasible sites, the weighted sum per feasible site, and the index
+        (among the feasible sites) of the best: the first whose total is within ``TIE_EPSILON`` of the highest.
 
         All terms at once, with the arithmetic of ``_normalise_each`` element by element, so the numbers are
         the same: the feasible raw values go into one [terms, feasible sites] float64 array, lower-is-better
@@ -153,7 +165,7 @@ class Pipeline:
         or integers (which float64 holds exactly) take the one-term-at-a-time path."""
         k = feasible.size
         if not k or not raws:
-            return _normalise_each(self.scorers, raws, feasible)
+            return _best_of(*_normalise_each(self.scorers, raws, feasible))
         norm = np.empty((len(raws), k))
         flat = np.zeros(len(raws), dtype=bool)  # rows already 0: terms known to span no more than TIE_EPSILON
         for i, (row, raw) in enumerate(zip(norm, raws, strict=True)):
@@ -168,17 +180,24 @@ class Pipeline:
             elif raw.dtype.kind in "iu":
                 row[:] = raw.take(feasible)
             else:
-                return _normalise_each(self.scorers, raws, feasible)
+                return _best_of(*_normalise_each(self.scorers, raws, feasible))
         # Negation, min-max per row (NaN or a span within TIE_EPSILON: 0), and the weighted rows added one
         # after another in scorer order (a row of 0 adds exactly nothing), compiled (policies._scores).
-        totals = _scores.normalise(norm, self._lower_mask, flat, self._weight_list, TIE_EPSILON)
+        totals, best = _scores.normalise(norm, self._lower_mask, flat, self._weight_list, TIE_EPSILON)
         return tuple([TermArrays(w.scorer.name, w.weight, raw, row)
-                      for w, raw, row in zip(self.scorers, raws, norm, strict=True)]), totals
+                      for w, raw, row in zip(self.scorers, raws, norm, strict=True)]), totals, best
 
 
 def _on_request(method: Callable[[JobRequest, Snapshot], _T]) -> Callable[[Fit], _T]:
     """A filter's ``passes`` or a scorer's ``raw`` called with the decision's fit."""
     return lambda fit: method(fit.req, fit.snap)
+
+
+def _best_of(terms: tuple[TermArrays, ...], totals: np.ndarray) -> tuple[tuple[TermArrays, ...], np.ndarray, int]:
+    """``terms`` and ``totals`` with the index of the best total (the first within ``TIE_EPSILON`` of the
+    highest; 0 when there is none)."""
+    best = int((totals >= np.maximum.reduce(totals) - TIE_EPSILON).argmax()) if totals.size else 0
+    return terms, totals, best
 
 
 def _normalise_each(scorers: tuple[Weighted, ...], raws: list[np.ndarray],

@@ -411,58 +411,49 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     d_h = req.duration_s / HOUR_S
 
     # Sites that could take the job at some hour: every filter but "free now", and a model with room in total.
-    ok = np.ones(snap.n_sites, dtype=bool)
-    for code, passed in zip(filter_codes, placement.passes, strict=True):
-        if passed is not None and code != _CAPACITY_FILTER:
-            ok &= passed
     col, per_gpu, usable_sites = snap.derived(("shift-columns", policy.objective, req.model, req.memory_gib,
                                                math.ceil(need)), _columns, req, snap, policy.objective, need)
-    ok &= usable_sites
-    forecast = cum = np.zeros((snap.n_sites, 1))
-    if policy.objective == "carbon":
+    ok = usable_sites & _steady(placement, filter_codes)
+    carbon = policy.objective == "carbon"
+    if carbon:
         forecast, cum, known = snap.derived(("shift-forecast",), _forecast, snap)
         ok &= known
+    else:
+        forecast = cum = snap.derived(("shift-no-forecast",), np.zeros, (snap.n_sites, 1))
     if not ok.any():
         return placement if placement.placed else None
     # The headroom is kept for work that cannot wait or go far: a job with a latency objective takes it.
-    reserve_all = (policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
-                   if policy.headroom and req.latency_slo_ms is None else np.zeros(snap.n_sites, dtype=np.float32))
+    if policy.headroom and req.latency_slo_ms is None:
+        reserve_all = policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
+        reserve_all.flags.writeable = False  # as the cached zeros: one compiled form of the search for both
+    else:
+        reserve_all = snap.derived(("shift-no-headroom",), np.zeros, snap.n_sites, np.float32)
     # So is the room latency-bound jobs were seen to need where they run (policies.latency_reserve).
     kept, near = held_back_for(req, snap, policy)
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
+    first = 1 if req.fractional else 0
 
     def per_gpu_at(site: int, column: int) -> float:
-        if policy.objective == "carbon":
+        if carbon:
             return float(TDP_KW[column])
         return float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
 
-    def value_now(site: int, column: int | None = None) -> float:
-        # The objective of starting now at one site, in Python floats (float64): the same operations, in
-        # the same order, as the compiled search's (policies._shift_search), so the two agree to the bit.
-        rate = float(per_gpu[site]) if column is None else per_gpu_at(site, column)
-        if policy.objective != "carbon":
-            return rate * need * d_h
-        last = forecast.shape[1] - 1
-
-        def integral(t: float) -> float:
-            h = min(math.floor(t), last)
-            return float(cum[site, h]) + (t - h) * float(forecast[site, h])
-
-        return rate * need * (integral(into_h + d_h) - integral(into_h)) / 1000.0
-
-    def fits_now(site: int, column: int | None = None) -> bool:
-        # A job that can wait leaves the headroom free in every hour of its run, now or later. The current
-        # hour is the sites' real free capacity, which the profile's GPU-fit filter has already checked
-        # (shared GPUs included); for whole GPUs the headroom is checked in it too. ``column``: the model
-        # the job would start on now (placement's choice), else the plan's column.
-        return bool(_search.room_now(plan_free, site, int(col[site]) if column is None else column,
-                                     1 if req.fractional else 0, now_hours, need, reserve_all, kept, near))
+    def start_now(site: int, column: int) -> tuple[bool, float, float, int]:
+        # A job that can wait leaves the headroom (and the room kept for latency-bound jobs) free in every
+        # hour of its run, now or later. The current hour is the sites' real free capacity, which the
+        # profile's GPU-fit filter has already checked (shared GPUs included); for whole GPUs the headroom is
+        # checked in it too. One compiled call (policies._shift_search.start_now): whether the plan has room
+        # for a run starting now at ``site`` on ``column`` (the model it would start on now), its value, and
+        # the best start now at any site the plan allows.
+        return _search.start_now(site, column, per_gpu_at(site, column), ok, placement.feasible, per_gpu, need, d_h,
+                                 into_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, first,
+                                 now_hours)
 
     def why_not_now(site: int, column: int) -> str:
         # Why a run starting now at ``site`` does not fit the plan, for the explanation (a rare path: the
         # profile's choice was turned away): the first hour short of room with nothing kept, else what is kept.
-        first = 1 if req.fractional else 0
+        no_headroom = snap.derived(("shift-no-headroom",), np.zeros, snap.n_sites, np.float32)
         if not _search.room_now(plan_free, site, column, first, now_hours, need, no_headroom, _NOTHING_KEPT,
                                 _NOTHING_NEAR):
             short = plan_free[site, column, first:now_hours] < np.float32(need) - _search.EPS32
@@ -480,43 +471,38 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         return f"it would take the headroom kept for work that cannot wait: headroom {policy.headroom:g}"
 
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
+    # Waiting must buy something that starting now cannot: the bar is the profile's choice or the best start
+    # now at any site the plan allows, whichever is lower (a profile that weighs more than carbon may start a
+    # job where it is dirtier; that is no reason to make it wait).
     now_site = -1
     chosen = placement
+    best_now = anywhere_now = math.inf
+    anywhere_site = -1
     passed: list[tuple[int, str]] = []  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
     n_passed = 0
-
-    def pass_over(site: int, why: Callable[[], str]) -> None:
-        nonlocal n_passed
-        n_passed += 1
-        if len(passed) < PASSED_OVER_KEPT:
-            passed.append((site, why()))
     if placement.placed:
-        if not ok[placement.site] or fits_now(placement.site, placement.model):
+        fits, best_now, anywhere_now, anywhere_site = start_now(placement.site, placement.model)
+        if fits:
             now_site = placement.site
-        else:
-            no_headroom = np.zeros(snap.n_sites, dtype=np.float32)
+        else:  # (start_now gave inf, inf, -1)
             for k in np.argsort(-placement.totals, kind="stable"):
                 site = int(placement.feasible[k])
                 if not ok[site]:
-                    pass_over(site, lambda: "the plan cannot check it: no complete forecast for its zone, or "
-                                            "no price, for the GPUs the job would use")
+                    n_passed += 1
+                    if len(passed) < PASSED_OVER_KEPT:
+                        passed.append((site, "the plan cannot check it: no complete forecast for its zone, or no "
+                                             "price, for the GPUs the job would use"))
                     continue
-                moved = _moved(placement, snap, site)
-                if fits_now(site, moved.model):
-                    now_site, chosen = site, replace(moved, passed_over=tuple(passed), n_passed_over=n_passed)
+                model = _model_at(placement, snap, site)
+                fits, best_now, anywhere_now, anywhere_site = start_now(site, model)
+                if fits:
+                    now_site = site
+                    chosen = replace(placement, site=site, model=model, passed_over=tuple(passed),
+                                     n_passed_over=n_passed)
                     break
-                pass_over(site, lambda: why_not_now(site, moved.model))  # noqa: B023 - called at once
-    best_now = (value_now(now_site, chosen.model) if ok[now_site] else 0.0) if now_site >= 0 else math.inf
-    # Waiting must buy something that starting now cannot: the bar is the profile's choice or the best
-    # start now at any site the plan allows, whichever is lower (a profile that weighs more than carbon
-    # may start a job where it is dirtier; that is no reason to make it wait).
-    anywhere_now, anywhere_site = best_now, now_site
-    if now_site >= 0 and placement.feasible.size > 1:
-        value, site = _search.cheapest_fitting_now(
-            placement.feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, policy.objective == "carbon",
-            plan_free, col, reserve_all, kept, near, 1 if req.fractional else 0, now_hours)
-        if site >= 0:
-            anywhere_now, anywhere_site = min((value, site), (best_now, now_site))
+                n_passed += 1
+                if len(passed) < PASSED_OVER_KEPT:
+                    passed.append((site, why_not_now(site, model)))
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
@@ -524,7 +510,6 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # could beat the best start found.
     if last_slot < 1 or not threshold > 0:
         return chosen if now_site >= 0 else (placement if placement.placed else None)
-    carbon = policy.objective == "carbon"
     cleanest = snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) if carbon else per_gpu
     # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
     # the sites with the lowest bound up (policies._shift_search).
@@ -585,6 +570,28 @@ def shiftable(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> bool:
         return False
     next_hour = (math.floor(snap.now.timestamp() / HOUR_S) + 1) * HOUR_S
     return latest >= next_hour
+
+
+def _steady(placement: Placement, filter_codes: tuple[str, ...]) -> np.ndarray | bool:
+    """The sites every filter but "free now" passed: the decision's own answer when it kept one (True: all
+    passed), else worked out from the filters' answers."""
+    if placement.fit is not None:
+        return True if placement.steady is None else placement.steady
+    steady = np.ones(placement.n_sites, dtype=bool)
+    for code, passed in zip(filter_codes, placement.passes, strict=True):
+        if passed is not None and code != _CAPACITY_FILTER:
+            steady &= passed
+    return steady
+
+
+def _model_at(placement: Placement, snap: Snapshot, site: int) -> int:
+    """The model column the placement would use at ``site`` (``policies.pipeline.choose_model``), from the
+    decision's fit when it kept one."""
+    if placement.request.model is None and placement.fit is not None:
+        return placement.fit.smallest_at(site)
+    from policies.pipeline import choose_model  # the pipeline imports this module
+
+    return choose_model(placement.request, snap, site)
 
 
 def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
