@@ -144,15 +144,28 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.ndarray, per_gpu: np.ndarray,
               need: float, d_h: float, into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
               plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray,
-              first: int, now_hours: int) -> tuple[bool, float, float, int]:
+              first: int, now_hours: int) -> tuple[bool, float, float, int, int, int]:
     """A start now at ``site`` on model ``column`` (``rate``: kW or USD per GPU-hour there): (whether the plan
     allows it, its value, the value and site of the best start now at any site the plan allows, this one
-    included). A site that is not ``ok`` cannot be checked by the plan: it is allowed, valued 0. Where the
-    plan has no room: (False, inf, inf, -1). The best start anywhere is :func:`cheapest_fitting_now`'s when
-    there is more than one feasible site, taken over this one's only where lower (a tie: the lower index)."""
+    included, and -1, 0). A site that is not ``ok`` cannot be checked by the plan: it is allowed, valued 0.
+    The best start anywhere is :func:`cheapest_fitting_now`'s when there is more than one feasible site,
+    taken over this one's only where lower (a tie: the lower index).
+
+    Where the plan has no room: (False, inf, inf, -1, why, hour), for the explanation: ``why`` 0 where the
+    run itself does not fit, from ``hour`` on (the first hour of ``[first, now_hours)`` short of ``need``;
+    ``first`` when none is, as with NaN); 1 where it would take the room kept for latency-bound jobs; 2 the
+    headroom."""
     if ok[site]:
         if not _room(plan_free, site, column, first, now_hours, need, reserve[site], kept, near):
-            return False, np.inf, np.inf, -1
+            bare = _bar(need, np.float32(0.0))
+            if not _room(plan_free, site, column, first, now_hours, need, np.float32(0.0), kept[:0], near):
+                for h in range(first, now_hours):
+                    if plan_free[site, column, h] < bare:
+                        return False, np.inf, np.inf, -1, 0, h
+                return False, np.inf, np.inf, -1, 0, first
+            if kept.size and _room(plan_free, site, column, first, now_hours, need, reserve[site], kept[:0], near):
+                return False, np.inf, np.inf, -1, 1, 0
+            return False, np.inf, np.inf, -1, 2, 0
         if carbon:
             value = rate * need * (_integral(cum, forecast, site, into_h + d_h)
                                    - _integral(cum, forecast, site, into_h)) / 1000.0
@@ -167,7 +180,7 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
         # min((other, at), (value, site)) as Python compares tuples
         if at >= 0 and not (value < other or (value == other and site < at)):
             best_value, best_site = other, at
-    return True, value, best_value, best_site
+    return True, value, best_value, best_site, -1, 0
 
 
 @_jit()

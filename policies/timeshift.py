@@ -439,35 +439,30 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             return float(TDP_KW[column])
         return float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
 
-    def start_now(site: int, column: int) -> tuple[bool, float, float, int]:
+    def start_now(site: int, column: int) -> tuple[bool, float, float, int, int, int]:
         # A job that can wait leaves the headroom (and the room kept for latency-bound jobs) free in every
         # hour of its run, now or later. The current hour is the sites' real free capacity, which the
         # profile's GPU-fit filter has already checked (shared GPUs included); for whole GPUs the headroom is
         # checked in it too. One compiled call (policies._shift_search.start_now): whether the plan has room
-        # for a run starting now at ``site`` on ``column`` (the model it would start on now), its value, and
-        # the best start now at any site the plan allows.
+        # for a run starting now at ``site`` on ``column`` (the model it would start on now), its value, the
+        # best start now at any site the plan allows, and where there is no room, why.
         return _search.start_now(site, column, per_gpu_at(site, column), ok, placement.feasible, per_gpu, need, d_h,
                                  into_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, first,
                                  now_hours)
 
-    def why_not_now(site: int, column: int) -> str:
-        # Why a run starting now at ``site`` does not fit the plan, for the explanation (a rare path: the
-        # profile's choice was turned away): the first hour short of room with nothing kept, else what is kept.
-        no_headroom = snap.derived(("shift-no-headroom",), np.zeros, snap.n_sites, np.float32)
-        if not _search.room_now(plan_free, site, column, first, now_hours, need, no_headroom, _NOTHING_KEPT,
-                                _NOTHING_NEAR):
-            short = plan_free[site, column, first:now_hours] < np.float32(need) - _search.EPS32
-            hour = int(short.argmax()) + first
-            model = ids.GPU_MODEL_IDS[column]
+    def why_not_now(site: int, column: int, why: int, hour: int) -> str:
+        # Why a run starting now at ``site`` does not fit the plan (start_now's ``why`` and ``hour``), for the
+        # explanation: the first hour short of room with nothing kept, else what is kept.
+        model = ids.GPU_MODEL_IDS[column]
+        if why == 0:
             if not hour:
                 return f"its {model} GPUs are not free now"
             at = datetime.fromtimestamp(hour0 + hour * HOUR_S, tz=UTC)
             return (f"its {model} GPUs are booked from {at:%Y-%m-%dT%H:%MZ}, within this run's expected "
                     f"{d_h:.3g} h, by running or deferred jobs")
-        if kept.size and _search.room_now(plan_free, site, column, first, now_hours, need, reserve_all,
-                                          _NOTHING_KEPT, _NOTHING_NEAR):
+        if why == 1:
             return (f"it would take the room kept for latency-bound jobs: {float(kept[site, column]):g} "
-                    f"{ids.GPU_MODEL_IDS[column]} GPUs at latency_reserve {policy.latency_reserve:g}")
+                    f"{model} GPUs at latency_reserve {policy.latency_reserve:g}")
         return f"it would take the headroom kept for work that cannot wait: headroom {policy.headroom:g}"
 
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
@@ -481,7 +476,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     passed: list[tuple[int, str]] = []  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
     n_passed = 0
     if placement.placed:
-        fits, best_now, anywhere_now, anywhere_site = start_now(placement.site, placement.model)
+        fits, best_now, anywhere_now, anywhere_site, _, _ = start_now(placement.site, placement.model)
         if fits:
             now_site = placement.site
         else:  # (start_now gave inf, inf, -1)
@@ -494,7 +489,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                                              "price, for the GPUs the job would use"))
                     continue
                 model = _model_at(placement, snap, site)
-                fits, best_now, anywhere_now, anywhere_site = start_now(site, model)
+                fits, best_now, anywhere_now, anywhere_site, why, hour = start_now(site, model)
                 if fits:
                     now_site = site
                     chosen = replace(placement, site=site, model=model, passed_over=tuple(passed),
@@ -502,7 +497,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                     break
                 n_passed += 1
                 if len(passed) < PASSED_OVER_KEPT:
-                    passed.append((site, why_not_now(site, model)))
+                    passed.append((site, why_not_now(site, model, why, hour)))
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
@@ -641,3 +636,6 @@ def warm_up() -> None:
                              allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
                              deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
             plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)
+    # A move's check of room in the plan (policies.migration) calls the plan's room check on its own.
+    _search.room_now(fresh.plan_free, 0, 0, 0, 1, 1.0, np.zeros(snap.n_sites, dtype=np.float32), _NOTHING_KEPT,
+                     _NOTHING_NEAR)
