@@ -4,7 +4,8 @@
   the weighted sum per site, the terms added in scorer order, and the best site's index (``pick``);
 - ``least_scaled``: the carbon and cost scorers' raw values (the least value of a usable model with room,
   scaled, unknown last) in one pass;
-- ``window_mean_rows``: the carbon scorer's mean forecast intensity over a run.
+- ``window_mean_rows``: the carbon scorer's mean forecast intensity over a run;
+- ``free_where``: the free-GPUs scorer's sum over the usable columns.
 
 Each does the same floating-point operations as the NumPy code it replaced, in the same order, so every
 raw and normalised value and total is the same to the bit (``tests/test_pipeline_speed_equivalence.py``
@@ -94,18 +95,29 @@ def least_scaled(room: np.ndarray, values: np.ndarray, row_factor: np.ndarray, f
     it has n_sites entries; skipped when empty), times each of ``factors`` in turn, divided by ``divisor``;
     then every NaN replaced by one more than the largest known value (0.0 when none is known)."""
     n, c = room.shape
-    out = np.empty(n)
+    # The least value per site, a column at a time (the arrays are column-major): columns in ascending order
+    # and strictly less to replace, so each site keeps the first least value, as a pass per site would.
+    out = np.full(n, np.nan)
     per_site = values.shape[0] != 1
+    for j in range(c):
+        if per_site:
+            for s in range(n):
+                v = values[s, j]
+                if room[s, j] and v == v:
+                    best = out[s]
+                    if best != best or v < best:
+                        out[s] = v
+        else:
+            v = values[0, j]
+            if v != v:
+                continue
+            for s in range(n):
+                if room[s, j] and not out[s] <= v:  # none yet (NaN), or more than v
+                    out[s] = v
     scaled = row_factor.shape[0] == n and n > 0
     worst = np.nan
     for s in range(n):
-        best = np.nan
-        r = s if per_site else 0
-        for j in range(c):
-            if room[s, j]:
-                v = values[r, j]
-                if v == v and (best != best or v < best):
-                    best = v
+        best = out[s]
         if scaled:
             best = best * row_factor[s]
         for f in factors:
@@ -118,6 +130,18 @@ def least_scaled(room: np.ndarray, values: np.ndarray, row_factor: np.ndarray, f
     for s in range(n):
         if out[s] != out[s]:
             out[s] = fill
+    return out
+
+
+@_jit()
+def free_where(free: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """int64[n_sites]: per site, the sum of ``free`` (int[n_sites, c]) where ``mask`` (bool[n_sites, c]), a
+    column at a time (both are column-major): the free-GPUs scorer's ``(free * mask).sum(axis=1)``."""
+    n, c = free.shape
+    out = np.zeros(n, dtype=np.int64)
+    for j in range(c):
+        for s in range(n):
+            out[s] += free[s, j] * mask[s, j]
     return out
 
 

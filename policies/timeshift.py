@@ -420,8 +420,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         ok &= known
     else:
         forecast = cum = snap.derived(("shift-no-forecast",), np.zeros, (snap.n_sites, 1))
-    if not ok.any():
-        return placement if placement.placed else None
+    if not placement.placed and not ok.any():
+        return None  # (a placed job with no such site starts now below: its bar is 0, nothing beats it)
     # The headroom is kept for work that cannot wait or go far: a job with a latency objective takes it.
     if policy.headroom and req.latency_slo_ms is None:
         reserve_all = policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
@@ -603,6 +603,7 @@ def warm_up() -> None:
     from datetime import timedelta
 
     from broker.models import Health, ModelCapacity, NodeGroup, SiteSpec, SiteState
+    from policies.pipeline import default_pipeline
     from policies.profiles import profile_pipeline
     from policies.snapshot import build_snapshot, replace_forecast
 
@@ -636,6 +637,7 @@ def warm_up() -> None:
                              allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
                              deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
             plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)
+            default_pipeline().decide(req, fresh)  # the free-GPUs scorer's sum
     # A move's check of room in the plan (policies.migration) calls the plan's room check on its own.
     _search.room_now(fresh.plan_free, 0, 0, 0, 1, 1.0, np.zeros(snap.n_sites, dtype=np.float32), _NOTHING_KEPT,
                      _NOTHING_NEAR)

@@ -530,7 +530,8 @@ import asyncio
 from broker.config import BrokerSettings
 from broker.service import Broker
 import policies._scores as scores, policies._shift_search as search, policies.runtime_risk as risk
-names = ("normalise", "least_scaled", "window_mean_rows", "search_later", "start_now", "room_now", "_penalty")
+names = ("normalise", "least_scaled", "window_mean_rows", "free_where", "search_later", "start_now", "room_now",
+         "_penalty")
 def compiled():
     return {{n: [tuple(getattr(t, "layout", "") for t in sig) for sig in getattr(getattr(scores, n, None) or
             getattr(search, n, None) or getattr(risk, n), "signatures", [])] for n in names}}

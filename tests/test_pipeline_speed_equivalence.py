@@ -482,3 +482,15 @@ def test_the_compiled_window_mean_is_the_numpy_one(hours: int, offset: float, du
     with np.errstate(invalid="ignore"):  # inf - inf is NaN in both
         expected = window_mean(forecast, offset, duration, cum)
     assert _bits(_scores.window_mean_rows(forecast, cum, offset, duration)) == _bits(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 6), c=st.integers(0, 3), data=st.data())
+def test_the_compiled_free_gpu_sum_is_the_numpy_one(n: int, c: int, data: st.DataObject) -> None:
+    """The free-GPUs scorer's sum over the columns a job could use, column-major as ``Fit`` holds them."""
+    free = np.asfortranarray(np.array(data.draw(st.lists(st.integers(0, 64), min_size=n * c, max_size=n * c)),
+                                      dtype=np.int32).reshape(n, c))
+    mask = np.asfortranarray(np.array(data.draw(st.lists(st.booleans(), min_size=n * c, max_size=n * c)),
+                                      dtype=bool).reshape(n, c))
+    got = _scores.free_where(free, mask)
+    assert got.dtype == np.int64 and got.tolist() == np.add.reduce(free * mask, axis=1, dtype=np.int_).tolist()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from policies import _scores
 from policies.filters.gpu_fit import Fit
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 
@@ -25,4 +26,4 @@ class FreeGpusScorer:
         if fit.req.model is not None:
             return fit.snap.free_gpus[:, MODEL_INDEX[fit.req.model]]
         # Only the usable columns can add anything.
-        return np.add.reduce(fit.free * fit.usable.mask, axis=1, dtype=np.int_)  # as ndarray.sum
+        return _scores.free_where(fit.free, fit.usable.mask)  # (fit.free * mask).sum(axis=1), compiled
