@@ -24,12 +24,14 @@ def normalise(norm: np.ndarray, lower: np.ndarray, flat: np.ndarray, weights: np
               tie_epsilon: float) -> tuple[np.ndarray, int]:
     """In place over ``norm`` (float64[terms, feasible sites]: each term's raw values at the feasible sites):
     row ``i`` negated where ``lower[i]``, then ``(row - min) / (max - min)``, or all 0 where the span is not
-    above ``tie_epsilon`` (NaN included); rows with ``flat[i]`` are already 0 and left alone. Returns the
-    weighted sums per site (float64[feasible sites]: ``row0 × w0 + row1 × w1 + ...`` in row order) and the
+    above ``tie_epsilon`` (NaN included); rows with ``flat[i]`` are set to 0 (their values are not read).
+    Returns the weighted sums per site (float64[feasible sites]: ``row0 × w0 + row1 × w1 + ...`` in row order) and the
     index of the best (:func:`pick`)."""
     terms, k = norm.shape
     for i in range(terms):
         if flat[i]:
+            for j in range(k):
+                norm[i, j] = 0.0
             continue
         row = norm[i]
         if lower[i]:

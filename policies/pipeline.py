@@ -40,6 +40,7 @@ from policies.migration import MigrationPolicy
 from policies.timeshift import ShiftPolicy
 
 TIE_EPSILON = 1e-9
+_new_tuple = tuple.__new__  # a TermArrays made without its Python-level __new__ (one per scorer per decision)
 _T = TypeVar("_T")
 _MEMORY_ORDER = np.array([ids.GPU_MODEL_BY_ID[m].memory_gib for m in ids.GPU_MODEL_IDS], dtype=np.float64)
 
@@ -128,6 +129,7 @@ class Pipeline:
         self._raws = tuple(getattr(w.scorer, "raw_fit", None) or _on_request(w.scorer.raw) for w in self.scorers)
         self._lower_mask = np.array([not w.scorer.higher_is_better for w in self.scorers], dtype=bool)
         self._weight_list = np.array([w.weight for w in self.scorers], dtype=np.float64)
+        self._heads = tuple((w.scorer.name, w.weight) for w in self.scorers)  # each term's scorer and weight
 
     def decide(self, req: JobRequest, snap: Snapshot) -> Placement:
         fit = Fit(req, snap)  # shared by the filters and scorers that look at free capacity
@@ -167,25 +169,24 @@ class Pipeline:
         if not k or not raws:
             return _best_of(*_normalise_each(self.scorers, raws, feasible))
         norm = np.empty((len(raws), k))
-        flat = np.zeros(len(raws), dtype=bool)  # rows already 0: terms known to span no more than TIE_EPSILON
-        for i, (row, raw) in enumerate(zip(norm, raws, strict=True)):
+        flat = np.zeros(len(raws), dtype=bool)  # rows to be 0: terms known to span no more than TIE_EPSILON
+        for i, raw in enumerate(raws):
             if raw.dtype.char == "d":
                 if not raw.flags.writeable:
                     span = snap.derived_span(raw)
                     if span is not None and span <= TIE_EPSILON:
-                        row.fill(0.0)
                         flat[i] = True
                         continue
-                raw.take(feasible, out=row)
+                raw.take(feasible, out=norm[i])
             elif raw.dtype.kind in "iu":
-                row[:] = raw.take(feasible)
+                norm[i] = raw.take(feasible)
             else:
                 return _best_of(*_normalise_each(self.scorers, raws, feasible))
-        # Negation, min-max per row (NaN or a span within TIE_EPSILON: 0), and the weighted rows added one
-        # after another in scorer order (a row of 0 adds exactly nothing), compiled (policies._scores).
+        # Negation, min-max per row (NaN or a span within TIE_EPSILON: 0; flat rows: 0), and the weighted rows
+        # added one after another in scorer order (a row of 0 adds exactly nothing), compiled (policies._scores).
         totals, best = _scores.normalise(norm, self._lower_mask, flat, self._weight_list, TIE_EPSILON)
-        return tuple([TermArrays(w.scorer.name, w.weight, raw, row)
-                      for w, raw, row in zip(self.scorers, raws, norm, strict=True)]), totals, best
+        return tuple([_new_tuple(TermArrays, (name, weight, raw, row))
+                      for (name, weight), raw, row in zip(self._heads, raws, norm, strict=True)]), totals, best
 
 
 def _on_request(method: Callable[[JobRequest, Snapshot], _T]) -> Callable[[Fit], _T]:
