@@ -35,7 +35,7 @@ deferrals and the cost of ``timeshift.plan`` per shiftable job.
 This prints figures; it asserts nothing about timing. Usage::
 
     .venv/bin/python bench/decisions.py [--sites 1000] [--jobs 50000] [--seed 1] [--explain-sample 2000]
-                                        [--profile balanced|green|cheap|fast|every [--shift]]
+                                        [--profile balanced|green|cheap|fast|every [--shift]] [--now ISO-TIME]
 """
 
 from __future__ import annotations
@@ -208,6 +208,10 @@ def main() -> int:
                    help="with --profile: the profile's time-shifting too; every job gets a deadline (2-48 h of "
                         "slack), the snapshot a plan hour by hour, and jobs are decided as the cycle does "
                         "(broker.cycle.PassDecider: decide, then assume a placement or reserve a deferral)")
+    p.add_argument("--now", type=datetime.fromisoformat, default=None,
+                   help="the decisions' time, ISO 8601 with a UTC offset (default: the current time); the forecast "
+                        "hours, the plan and so the outcomes depend on it, so two builds decide the same jobs the "
+                        "same way only at the same --now")
     p.add_argument("--refresh-below", type=float, default=0.2,
                    help="rebuild the snapshot when free whole GPUs fall below this share of the start")
     args = p.parse_args()
@@ -227,7 +231,9 @@ def main() -> int:
     reqs = [JobRequest.from_spec(f"job-{i:06d}", spec) for i, spec in enumerate(jobs)]
     conv_ns = time.perf_counter_ns() - t
 
-    now = datetime.now(UTC)
+    if args.now is not None and args.now.tzinfo is None:
+        p.error("--now needs a UTC offset, e.g. 2026-11-28T01:37:11+00:00")
+    now = datetime.now(UTC) if args.now is None else args.now.astimezone(UTC)
     if args.profile == "every":
         pipeline = pipeline_for(EVERY, SHIFTS["green"])
     else:

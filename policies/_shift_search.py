@@ -1,10 +1,12 @@
-"""The two loops of the time-shift search (:func:`policies.timeshift.plan`), compiled with Numba.
+"""The loops of the time-shift search (:func:`policies.timeshift.plan`), compiled with Numba.
 
-They do what the NumPy code they replaced did, in the same floating-point operations and the same order,
-so they find the same site, hour and value, bit for bit (``tests/test_timeshift_speed_equivalence.py``
+They do what the NumPy and Python code they replaced did, in the same floating-point operations and the
+same order, so they find the same site, hour and value, bit for bit (``tests/test_timeshift_speed_equivalence.py``
 holds that code as the reference and checks it): only the per-call overhead of some forty NumPy calls over
 a thousand sites is gone.
 
+- :func:`start_now`: whether the plan allows a start now at one site, its value, and the best start now
+  at any site (:func:`cheapest_fitting_now`), in one call; where the plan has no room, why.
 - :func:`cheapest_fitting_now`: of the sites that could take the job now, the one whose objective for a
   start now is lowest (ties: the earlier in ``feasible``), among those the plan has room for over the hours
   the run holds.
