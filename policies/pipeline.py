@@ -80,8 +80,9 @@ class Placement:
     # policies.timeshift.PASSED_OVER_KEPT of n_passed_over: their GPUs are booked within the run, or kept.
     passed_over: tuple[tuple[int, str], ...] = ()
     n_passed_over: int = 0
-    # For the time-shift search (policies.timeshift.plan): the sites every filter but the GPU fit passed
-    # (None: all), and the decision's fit; None both in a placement made otherwise.
+    # For the time-shift search (policies.timeshift.plan), called straight after the decision: the sites
+    # every filter but the GPU fit passed (None: all), and the decision's fit (it holds the free capacity
+    # the decision saw, and the snapshot); None both in a placement made otherwise.
     steady: np.ndarray | None = None
     fit: Fit | None = None
 

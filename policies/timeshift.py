@@ -55,7 +55,7 @@ never defers; ``min_saving`` close to 1 defers only for lack of room.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
@@ -581,9 +581,12 @@ def _steady(placement: Placement, filter_codes: tuple[str, ...]) -> np.ndarray |
 
 def _model_at(placement: Placement, snap: Snapshot, site: int) -> int:
     """The model column the placement would use at ``site`` (``policies.pipeline.choose_model``), from the
-    decision's fit when it kept one."""
-    if placement.request.model is None and placement.fit is not None:
-        return placement.fit.smallest_at(site)
+    decision's fit when it kept one. The fit holds the free capacity ``decide`` saw: this is only right
+    before anything is assumed on ``snap``, as :func:`plan` is called, straight after the decision."""
+    if placement.request.model is None and placement.fit is not None and placement.fit.snap is snap:
+        model = placement.fit.smallest_at(site)
+        if model >= 0:
+            return model
     from policies.pipeline import choose_model  # the pipeline imports this module
 
     return choose_model(placement.request, snap, site)
@@ -597,9 +600,11 @@ def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
 
 def warm_up() -> None:
     """Compile the search (``policies._shift_search``) and the pipeline's kernels (``policies._scores``) for
-    the array types the broker hands them, so that the first job a fresh deployment decides does not wait
-    for Numba (seconds, once: the code is cached on disk, in ``NUMBA_CACHE_DIR`` when set). A starting
-    broker runs this in a worker thread; the container image runs it when it is built."""
+    the array types the broker hands them with the built-in profiles, so that the first job a fresh
+    deployment decides does not wait for Numba (seconds, once: the code is cached on disk, in
+    ``NUMBA_CACHE_DIR`` when set). A starting broker runs this in a worker thread; the container image runs
+    it when it is built. Not covered: the read-only room kept for latency-bound jobs of a profile with
+    ``latency_reserve``, and the simulator's float32 forecasts, which compile at their first use."""
     from datetime import timedelta
 
     from broker.models import Health, ModelCapacity, NodeGroup, SiteSpec, SiteState

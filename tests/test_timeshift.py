@@ -172,6 +172,20 @@ def test_a_start_now_moved_off_the_profiles_choice_names_the_site_turned_away_an
     assert "turned away" not in explained(green(), plain, free, req)[0].summary
 
 
+def test_a_start_now_turned_away_for_the_headroom_says_so() -> None:
+    # Toronto, the cleanest, has its 8 A100s free, but a 7-GPU job that could wait would leave fewer than a
+    # quarter of them for work that cannot: it starts now at Ashburn (16 free), which keeps its headroom.
+    flat = {"toronto": [300.0] * 48, "ashburn": [500.0] * 48, "frankfurt": [600.0] * 48, "sydney": [600.0] * 48}
+    snap = snapshot(NOON, flat)
+    req = request(count=7)
+    outcome = decide(green(headroom=0.25), req, snap)
+    assert outcome.placed and snap.sites[outcome.site] == "ashburn"
+    why = "it would take the headroom kept for work that cannot wait: headroom 0.25"
+    assert [(snap.sites[site], text) for site, text in outcome.passed_over] == [("toronto", why)]
+    decision, _ = explained(green(headroom=0.25), outcome, snap, req)
+    assert {v.site: v.passed_over for v in decision.sites}["toronto"] == why
+
+
 def test_two_jobs_in_one_pass_do_not_plan_the_same_gpus() -> None:
     snap = snapshot(NOON, FLAT)
     decider = PassDecider(green(headroom=0.1), snap)
