@@ -32,7 +32,7 @@ class Usable:
     named model where a site has it, or the models with enough memory per GPU); ``key``: what it was made
     for, for the caches of values over the same columns."""
 
-    __slots__ = ("columns", "column_list", "mask", "named", "key", "tdp_kw", "memory_order")
+    __slots__ = ("columns", "column_list", "mask", "named", "key", "tdp_kw", "memory_order", "span")
 
     def __init__(self, req: JobRequest, snap: Snapshot, key: tuple[object, ...]) -> None:
         self.key = key
@@ -47,6 +47,9 @@ class Usable:
             self.mask = np.asfortranarray(full[:, self.columns])
             self.mask.flags.writeable = False
         self.column_list: list[int] = self.columns.tolist()
+        # The columns as a slice where they are adjacent (a view of a matrix's columns, not a copy).
+        first, last = (self.column_list[0], self.column_list[-1]) if self.column_list else (0, -1)
+        self.span: slice | None = slice(first, last + 1) if last - first + 1 == len(self.column_list) else None
         self.tdp_kw: list[float] = TDP_KW[self.columns].tolist()  # board power per usable column
         # Per usable column: GPU memory of the model, the first key of ``choose_model``'s best fit.
         self.memory_order: list[float] = [ids.GPU_MODEL_BY_ID[ids.GPU_MODEL_IDS[c]].memory_gib
@@ -84,11 +87,11 @@ class Fit:
 
     @property
     def free(self) -> np.ndarray:
-        """int32[n_sites, c], column-major: free whole GPUs in each usable column now."""
+        """int32[n_sites, c], column-major: free whole GPUs in each usable column now (a view of the
+        snapshot's where the columns are adjacent: read it before anything is assumed)."""
         if self._free is None:
-            cols = self.usable.columns
-            self._free = (self.snap.free_gpus[:, cols[0]:cols[0] + 1] if self.usable.named
-                          else self.snap.free_gpus[:, cols])
+            span = self.usable.span
+            self._free = self.snap.free_gpus[:, self.usable.columns if span is None else span]
         return self._free
 
     @property
