@@ -603,8 +603,9 @@ def warm_up() -> None:
     the array types the broker hands them with the built-in profiles, so that the first job a fresh
     deployment decides does not wait for Numba (seconds, once: the code is cached on disk, in
     ``NUMBA_CACHE_DIR`` when set). A starting broker runs this in a worker thread; the container image runs
-    it when it is built. Not covered: the read-only room kept for latency-bound jobs of a profile with
-    ``latency_reserve``, and the simulator's float32 forecasts, which compile at their first use."""
+    it when it is built, with the room kept for latency-bound jobs of a profile with ``latency_reserve``.
+    Not covered: the simulator's float32 forecasts, which compile at their first use (in the replay, not a
+    live broker's scheduling pass)."""
     from datetime import timedelta
 
     from broker.models import Health, ModelCapacity, NodeGroup, SiteSpec, SiteState
@@ -646,3 +647,19 @@ def warm_up() -> None:
     # A move's check of room in the plan (policies.migration) calls the plan's room check on its own.
     _search.room_now(fresh.plan_free, 0, 0, 0, 1, 1.0, np.zeros(snap.n_sites, dtype=np.float32), _NOTHING_KEPT,
                      _NOTHING_NEAR)
+    # A profile that keeps room for latency-bound jobs (``latency_reserve``) hands the search that room
+    # read-only, with what they hold hour by hour: types Numba compiles on their own.
+    green = profile_pipeline("green")
+    assert green.shift is not None
+    keeping = green.shift.model_copy(update={"latency_reserve": 0.9})
+    calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(now))
+    plan_free = calendar.view(now, snap.free_gpus, snap.total_gpus, keeping.plan_hours)
+    near_snap = replace(snap, plan_free=plan_free, near_booked=calendar.near_view(now, keeping.plan_hours),
+                        near_samples=np.ones((2,) + snap.total_gpus.shape, dtype=np.float32))
+    for model, memory_gib in ((None, 0.0), ("l4", 0.0)):
+        req = JobRequest(job_id="warm-up", count=4, milli=1000, model=model, memory_gib=memory_gib,
+                         allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
+                         deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
+        plan(req, near_snap, green.decide(req, near_snap), keeping, green.filter_codes)
+    kept, near = held_back_for(req, near_snap, keeping)
+    _search.room_now(plan_free, 0, 0, 0, 1, 1.0, np.zeros(snap.n_sites, dtype=np.float32), kept, near)
