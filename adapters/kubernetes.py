@@ -27,7 +27,10 @@
   deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job
   with a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with
-  the Job's reason; a Job deleted by someone else → ``lost``. Each watch reconnects after errors.
+  the Job's reason; a Job deleted by someone else → ``lost``. Each watch reconnects after errors. A stop
+  (``preempt``, or the site's own preemption) deletes the Job and is reported ``preempted`` once its last
+  Pod has gone (or after ``stop_wait_s``); Pods found at start without their Job are such a stop, begun
+  before this adapter: known, their GPUs held, reported the same way.
 - Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
   are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
@@ -52,7 +55,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -77,6 +80,7 @@ from adapters.kubernetes_nodes import (
     job_ask,
     job_ended,
     node_groups,
+    _timestamp,
     place_on,
     pod_gpus,
     product_model,  # noqa: F401 - re-exported: part of this module's interface
@@ -146,6 +150,7 @@ class _Attempt:
     pods: set[str] = field(default_factory=set)  # its Pods that exist, as the watch saw them
     stopping: str | None = None  # why it is being stopped (a move, a preemption): reported once its Pods are gone
     released: bool = False  # its GPUs and quota already given to the job that preempted it, ahead of its Pods
+    orphan: bool = False  # found at start as Pods without their Job: a stop under way before this adapter
 
 
 def _transient(e: BaseException) -> bool:
@@ -192,6 +197,7 @@ class KubernetesSite:
         if self._api is None:
             self._api = await self._build_client()
         await self._adopt()
+        await self._adopt_orphans()
         await self._refresh_inventory()
         for tenant_quota in self._quotas():
             try:
@@ -364,11 +370,13 @@ class KubernetesSite:
             node, phase = spec.get("nodeName"), (pod.get("status") or {}).get("phase")
             if not node or phase not in ("Pending", "Running"):
                 continue
-            if self._ours(pod):
-                key = attempt_key(meta)
+            ours = self._ours(pod)
+            key = attempt_key(meta) if ours else None
+            orphan = key is not None and key in self._attempts and self._attempts[key].orphan
+            if ours and not orphan:
                 if key is not None and key in self._attempts:
                     self._attempts[key].node = node
-            elif (req := pod_gpus(pod)) is not None:
+            elif (req := pod_gpus(pod)) is not None:  # not ours, or ours without its Job: not in the ledgers
                 foreign[f"pod:{meta.get('namespace')}/{meta.get('name')}"] = (node, req)
         self._foreign = foreign
 
@@ -408,6 +416,33 @@ class KubernetesSite:
                                                         meta.get("namespace", "")))
             if a.ask is None and not job_ended(obj.get("status") or {}):
                 self._adopt_ask(a, obj)
+
+    async def _adopt_orphans(self) -> None:
+        """Pods of this site whose Job is gone (a stop under way when the adapter before this one closed: its
+        Job deleted, its Pods still writing their checkpoint): known as stopping, so that the broker does not
+        take the attempt for lost and start the job elsewhere meanwhile (``known_attempts``), their GPUs held
+        (``_read_pods``), and ``preempted`` reported once their last Pod goes, or after ``stop_wait_s``."""
+        try:
+            data = await self._json("listing Pods", self._core.list_pod_for_all_namespaces_without_preload_content,
+                                    label_selector=f"{SITE_LABEL}={_label_value(self.name)}")
+        except k8s.ApiException as e:
+            raise AdapterError(f"site {self.name}: listing Pods failed ({e.status}: {e.reason})") from e
+        for pod in data.get("items") or []:
+            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            key = attempt_key(meta)
+            if (not self._ours(pod) or key is None or key in self._attempts
+                    or status.get("phase") not in ("Pending", "Running")):
+                continue
+            labels = meta.get("labels") or {}
+            a = self._attempts[key] = _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""), meta.get("namespace", ""),
+                                               orphan=True, released=True, pods={meta.get("name", "")})
+            started = _timestamp(status.get("startTime"))
+            a.running_since = (datetime.fromtimestamp(started, tz=UTC) if started is not None
+                               else self._clock.now())
+            a.stopping = "stopped: its Job was deleted before this site's adapter started"
+            log.info("site %s: the Pods of %s attempt %d outlive their Job (a stop under way); reported "
+                     "preempted once they have gone", self.name, key[0], key[1])
+            self._wait_for_pods(key)
 
     def _adopt_ask(self, a: _Attempt, obj: dict[str, Any]) -> None:
         found = job_ask(obj, _key(a.job_id, a.attempt), a.tenant)
@@ -661,8 +696,9 @@ class KubernetesSite:
     # --- AttemptLookup ---
 
     async def known_attempts(self) -> set[tuple[str, int]]:
-        """The attempts whose Jobs exist (finished ones too: their outcome comes from the watch)."""
-        out = set()
+        """The attempts whose Jobs exist (finished ones too: their outcome comes from the watch), and those
+        being stopped whose Pods outlive their Job (their ``preempted`` comes once the Pods have gone)."""
+        out = {key for key, a in self._attempts.items() if a.stopping is not None and not a.done}
         for obj in await self._list_jobs():
             meta = obj["metadata"]
             with contextlib.suppress(ValueError):

@@ -259,6 +259,45 @@ async def test_a_stop_whose_pods_never_go_is_reported_after_stop_wait_s(cluster:
         await adapter.close()
 
 
+async def test_a_stop_under_way_when_the_adapter_restarts_is_reported_once_its_pod_has_gone(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # The broker asked to stop a job (a move), and restarted (or rebuilt the site's adapter) while the job's
+    # Pod still wrote its checkpoint. The Job is gone, so the fresh adapter finds only the Pod: it must not
+    # let the broker take the attempt for lost and start the job elsewhere meanwhile, nor hand its GPUs out.
+    first = make_site(cluster)
+    await first.start()
+    stream = first.events()
+    assert (await first.submit(attempt("j-1", count=8))).admitted
+    name = job_name("j-1", 1)
+    await pod_running(cluster, name)
+    assert (await next_event(first, stream)).kind == EventKind.RUNNING
+    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={  # where the scheduler put it
+        "spec": {"nodeName": "a100-0", "containers": [{"name": "job", "image": "x",
+                                                      "resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+        "status": {"startTime": "2026-11-28T01:00:00Z"}})
+    await first.preempt("j-1", 1, "moved from here to b from its checkpoint")
+    await first.close()
+    assert not jobs(cluster)
+    second = make_site(cluster)
+    await second.start()
+    events = second.events()
+    try:
+        assert ("j-1", 1) in await second.known_attempts()  # so a restarted broker does not requeue it yet
+        state = await second.snapshot()
+        assert state.capacity[0].free_gpus == 8 and state.running_jobs == 0  # its Pod holds a100-0's GPUs
+        with pytest.raises(TimeoutError):  # not reported running again, nor stopped while the Pod is there
+            await asyncio.wait_for(asyncio.shield(pending := asyncio.ensure_future(anext(events))), 0.5)
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")
+        stopped = await asyncio.wait_for(pending, 5)
+        assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
+        assert stopped.run_s > 60  # since the Pod's start, as the site knows it
+        assert ("j-1", 1) not in await second.known_attempts()
+        second._pods_read_at = None  # the Pods are re-read with the Nodes at most every pods_ttl_s
+        assert (await second.snapshot()).capacity[0].free_gpus == 16
+    finally:
+        await second.close()
+
+
 async def test_known_attempts_are_the_jobs_of_this_site(kube: KubernetesSite) -> None:
     assert (await kube.submit(attempt("j-1", 1))).admitted
     assert (await kube.submit(attempt("j-2", 3))).admitted
