@@ -418,7 +418,7 @@ class KubernetesSite:
                 self._adopt_ask(a, obj)
 
     async def _adopt_orphans(self) -> None:
-        """Pods of this site whose Job is gone (a stop under way when the adapter before this one closed: its
+        """Pods of this site whose Job is gone (a stop under way when the broker before this one stopped: its
         Job deleted, its Pods still writing their checkpoint): known as stopping, so that the broker does not
         take the attempt for lost and start the job elsewhere meanwhile (``known_attempts``), their GPUs held
         (``_read_pods``), and ``preempted`` reported once their last Pod goes, or after ``stop_wait_s``."""
