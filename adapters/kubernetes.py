@@ -436,9 +436,10 @@ class KubernetesSite:
             labels = meta.get("labels") or {}
             a = self._attempts[key] = _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""), meta.get("namespace", ""),
                                                orphan=True, released=True, pods={meta.get("name", "")})
-            started = _timestamp(status.get("startTime"))
-            a.running_since = (datetime.fromtimestamp(started, tz=UTC) if started is not None
-                               else self._clock.now())
+            if status.get("phase") == "Running":  # what it ran, as far as the site knows (a Pending one ran nothing)
+                started = _timestamp(status.get("startTime"))
+                a.running_since = (datetime.fromtimestamp(started, tz=UTC) if started is not None
+                                   else self._clock.now())
             a.stopping = "stopped: its Job was deleted before this site's adapter started"
             log.info("site %s: the Pods of %s attempt %d outlive their Job (a stop under way); reported "
                      "preempted once they have gone", self.name, key[0], key[1])
