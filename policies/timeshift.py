@@ -592,12 +592,6 @@ def _model_at(placement: Placement, snap: Snapshot, site: int) -> int:
     return choose_model(placement.request, snap, site)
 
 
-def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
-    from policies.pipeline import choose_model  # the pipeline imports this module
-
-    return replace(placement, site=site, model=choose_model(placement.request, snap, site))
-
-
 def warm_up() -> None:
     """Compile the search (``policies._shift_search``) and the pipeline's kernels (``policies._scores``) for
     the array types the broker hands them with the built-in profiles, so that the first job a fresh

@@ -261,9 +261,9 @@ async def test_a_stop_whose_pods_never_go_is_reported_after_stop_wait_s(cluster:
 
 async def test_a_stop_under_way_when_the_adapter_restarts_is_reported_once_its_pod_has_gone(
         cluster: kmock.KubernetesEmulator) -> None:
-    # The broker asked to stop a job (a move), and restarted (or rebuilt the site's adapter) while the job's
-    # Pod still wrote its checkpoint. The Job is gone, so the fresh adapter finds only the Pod: it must not
-    # let the broker take the attempt for lost and start the job elsewhere meanwhile, nor hand its GPUs out.
+    # The broker asked to stop a job (a move), and restarted while the job's Pod still wrote its checkpoint.
+    # The Job is gone, so the fresh adapter finds only the Pod: it must not let the broker take the attempt
+    # for lost and start the job elsewhere meanwhile, nor hand its GPUs out.
     first = make_site(cluster)
     await first.start()
     stream = first.events()

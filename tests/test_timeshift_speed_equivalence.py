@@ -24,11 +24,11 @@ from broker import ids
 from broker.cycle import PassDecider
 from broker.models import Health, ModelCapacity, SiteState
 from policies import runtime_risk
-from policies.pipeline import Placement
+from policies.pipeline import Placement, choose_model
 from policies.profiles import BUILTIN, pipeline_for
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, build_snapshot, replace_forecast
 from policies.timeshift import (_CAPACITY_FILTER, HOUR_S, Calendar, Deferral, ShiftPolicy, _cleanest_ahead,
-                                _columns, _forecast, _moved, debit, epoch_hour, latest_start_ts, shiftable)
+                                _columns, _forecast, debit, epoch_hour, latest_start_ts, shiftable)
 from tests.builders import site
 
 NOW = datetime(2026, 7, 30, 12, 17, 23, tzinfo=UTC)
@@ -37,6 +37,11 @@ REGIONS = ("gcp:us-east1", "gcp:europe-west4", "gcp:asia-east1")
 
 
 # -- the reference: the NumPy search, as it was ------------------------------------------------------------
+
+
+def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
+    return replace(placement, site=site, model=choose_model(placement.request, snap, site))
+
 
 _BATCH = 32
 _EPS = 1e-6
