@@ -32,7 +32,13 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 - ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
   margins that only guard against not knowing (``duration_safety`` 1, no ``min_saving``, no wait bounds):
   what ``green``'s way of deciding, one job at a time as each arrives, reaches when nothing is uncertain
-  but the jobs still to come (``heliotrope simulate --oracle`` knows those too).
+  but the jobs still to come (``heliotrope simulate --oracle`` knows those too);
+- ``full-knowledge-capacity-prices``: that, and the jobs still to come as well, as prices: every site-hour's
+  forecast is raised by the offline LP's price of that hour's capacity at that site (its shadow price, kg
+  CO2e per GPU-hour, over the GPU's power: g/kWh), which the whole-job oracle packs by; a job then takes
+  clean capacity only where it saves more than the jobs to come would have. Carbon is accounted on the true
+  intensity. ``capacity-prices``: ``green`` as shipped (48-hour forecasts, estimates as drawn) with the same
+  prices, future ones included: whether a broker that learned such prices could gain from them.
 
 ``greedy`` and ``cheapest-first`` are the baselines the routing issue's targets name (carbon-greedy, and
 the best carbon-blind baseline of the Evidence), for the targets on another ``--seed`` of the workload.
@@ -72,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.data.traces import resolve_preset  # noqa: E402
 from broker.simulation import engine  # noqa: E402
-from broker.simulation.run import Prepared, SimulationSpec, prepare  # noqa: E402
+from broker.simulation.run import Prepared, SimulationSpec, capacity_prices, prepare  # noqa: E402
 from policies.baselines import policy  # noqa: E402
 from policies.filters.latency import LatencyFilter  # noqa: E402
 from policies.pipeline import Pipeline  # noqa: E402
@@ -115,6 +121,7 @@ class Variant(NamedTuple):
     assumptions: dict[str, object]  # workload assumptions that differ from the Evidence's
     build: Callable[[], Pipeline]  # the pipeline
     foresight: bool = False  # reads the true future intensity (true_future) instead of the forecasts
+    capacity_prices: bool = False  # decides on intensity raised by the offline LP's price of capacity (priced)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -156,15 +163,51 @@ VARIANTS: dict[str, Variant] = {
     "full-knowledge": Variant("green, full knowledge", {"estimate_sigma": 0.0},
                               green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0),
                               True),
+    "full-knowledge-capacity-prices": Variant(
+        "green, full knowledge, capacity prices", {"estimate_sigma": 0.0},
+        green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0), True, True),
+    "capacity-prices": Variant("green, capacity prices", {}, lambda: policy("green"), False, True),
 }
 
 
-def replay(prep: Prepared, name: str, build: Callable[[], Pipeline],
-           foresight: bool = False) -> tuple[engine.PolicyRun, float]:
+def priced(prep: Prepared, federation: engine.Federation) -> engine.Federation:
+    """``federation`` as a policy that knew the offline LP's price of every site-hour's capacity would read
+    it: each hour's intensity, and each hour's forecast of every hour ahead, raised by that hour's price over
+    the site's power per GPU (the LP's shadow prices, :func:`broker.simulation.run.capacity_prices`; they know
+    the jobs still to come). Only what the policy reads: carbon is accounted on the true intensity
+    (:func:`true_carbon`)."""
+    g_per_kwh = capacity_prices(prep) * 1000.0 / prep.federation.facts().power_kw_per_gpu[:, None]
+    n_sites, hours = g_per_kwh.shape
+    assert federation.forecast is not None, "the replay reads forecasts: a profile"
+    ahead = federation.forecast.shape[2]
+    padded = np.hstack([g_per_kwh, np.zeros((n_sites, ahead))])  # no price past the carbon data
+    forecast = federation.forecast + padded[:, np.arange(hours)[:, None] + np.arange(ahead)[None, :]]
+    cum = np.zeros(forecast.shape[:2] + (ahead + 1,))
+    np.cumsum(forecast, axis=2, out=cum[:, :, 1:])
+    return replace(federation, intensity=federation.intensity + g_per_kwh, forecast=forecast, forecast_cum=cum)
+
+
+def true_carbon(run: engine.PolicyRun, prep: Prepared) -> engine.PolicyRun:
+    """``run`` with each job's carbon accounted on the true intensity, piece by piece."""
+    fed, w = prep.federation, prep.workload
+    held = w.gpus.astype(np.float64) * np.where(w.milli < 1000, w.milli / 1000.0, 1.0)
+    jobs, site, start, end = run.pieces()
+    kg = (fed.facts().power_kw_per_gpu[site] * held[jobs]
+          * (fed.carbon_integral(site, end) - fed.carbon_integral(site, start)) / 1000.0)
+    carbon = np.zeros(len(w))
+    np.add.at(carbon, jobs, kg)
+    return replace(run, carbon_kg=carbon)
+
+
+def replay(prep: Prepared, name: str, build: Callable[[], Pipeline], foresight: bool = False,
+           with_prices: bool = False) -> tuple[engine.PolicyRun, float]:
     federation = true_future(prep.federation) if foresight else prep.federation
+    if with_prices:
+        federation = priced(prep, federation)
     t = time.perf_counter()
     run = engine.replay(name, build(), prep.workload, federation, prep.requests, prep.left_out)
-    return run, time.perf_counter() - t
+    wall_s = time.perf_counter() - t
+    return (true_carbon(run, prep) if with_prices else run), wall_s
 
 
 def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) -> str:
@@ -237,7 +280,7 @@ def main() -> int:
     print(f"green sensitivity: Philly, {args.year}, utilisation {args.utilisation:g}, workload seed {args.seed}")
     prepared: dict[tuple[tuple[str, object], ...], Prepared] = {}
     for name in names:
-        label, assumptions, build, foresight = VARIANTS[name]
+        label, assumptions, build, foresight, with_prices = VARIANTS[name]
         key = tuple(sorted(assumptions.items()))
         if key not in prepared:
             # policies: a profile, so that the replay builds the forecasts it reads
@@ -246,7 +289,7 @@ def main() -> int:
                                   start=date(args.year, 9, 1), bound=False, seed=args.seed,
                                   assumptions=dict(assumptions))
             prepared[key] = prepare(spec)
-        run, wall_s = replay(prepared[key], label, build, foresight)
+        run, wall_s = replay(prepared[key], label, build, foresight, with_prices)
         print(describe(prepared[key], label, run, wall_s), flush=True)
         if args.why_missed:
             print(why_missed(prepared[key], run), flush=True)

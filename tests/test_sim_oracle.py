@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from broker import cli
 from broker.data.traces import parse_columns
 from broker.simulation.oracle import NAME, whole_job_oracle
-from broker.simulation.run import SimulationSpec, prepare, simulate
+from broker.simulation.run import SimulationSpec, capacity_prices, prepare, simulate
 from policies.snapshot import MODEL_INDEX
 from tests.test_sim_engine import START, _carbon, _site, tiny  # noqa: F401 - the fixture
 
@@ -226,3 +226,22 @@ def test_without_the_bound_the_oracle_packs_for_carbon_alone(tiny: SimulationSpe
     # the schedule of test_packs_each_job_at_its_cleanest_start_with_room, with no prices
     assert run.start_s.tolist() == [0.0, 5400.0, 1800.0]
     assert run.metrics["carbon_kg"] == pytest.approx(0.04 + 0.05 + 0.16)
+
+
+def test_capacity_prices_are_the_prices_the_oracle_packs_by(tiny: SimulationSpec) -> None:  # noqa: F811
+    """``capacity_prices`` (what bench/green_sensitivity.py prices a policy's inputs with) is the carbon LP's
+    price of each site-hour that ``simulate --oracle`` guides the oracle with: packing by it gives the
+    oracle's own schedule. Four jobs of 2 GPUs for 1 h at once, each with 3 h to run in: FR (2 GPUs) is the
+    cleaner site in every one of those hours but has room for three of them only, so its hours have a price."""
+    tiny.trace.write_text("submit,seconds,gpus,team\n" + "2022-06-01T00:00:00,3600,2,x\n" * 4)
+    prep = prepare(tiny)
+    prices = capacity_prices(prep)
+    assert prices.shape == (len(prep.federation.specs), prep.federation.hours)
+    assert (prices >= 0).all() and prices.max() > 0  # the jobs contend for the clean site-hours
+    tiny.oracle = True
+    oracle = simulate(tiny, prepared=prep).oracle
+    assert oracle is not None and oracle.metrics["guided_by_shadow_prices"] is True
+    packed = whole_job_oracle(prep.workload, prep.federation, prep.fitting, prep.left_out,
+                              shadow_kg_per_gpu_hour=prices)
+    assert packed.site.tolist() == oracle.site.tolist()
+    assert packed.start_s.tolist() == oracle.start_s.tolist()

@@ -358,6 +358,19 @@ def _offline(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, a
     return offline, windows, solved.shadow_kg_per_gpu_hour
 
 
+def capacity_prices(prep: Prepared) -> np.ndarray:
+    """float64[sites, hours of carbon data]: the offline bound's carbon LP's price of each site-hour's capacity
+    (kg CO2e per GPU-hour: what one more GPU there and then would save), on the jobs' own windows as
+    :func:`simulate` solves it. It reads the whole workload, the jobs still to come included: a reference
+    for what knowing them is worth (``bench/green_sensitivity.py``), never an input to a policy."""
+    w = prep.workload
+    ran = ~prep.left_out
+    held = w.gpus.astype(np.float64) * np.where(w.milli < 1000, w.milli / 1000.0, 1.0)
+    _, _, shadow = _offline(prep.federation.facts(), w, ran, held, prep.fitting[ran], shadow_prices=True)
+    assert shadow is not None
+    return shadow
+
+
 def _per_run_bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.ndarray, allowed: np.ndarray,
                     offline: dict[str, object], windows: np.ndarray,
                     runs: dict[str, engine.PolicyRun]) -> dict[str, dict[str, object]]:
