@@ -21,8 +21,9 @@ What runs:
 ``--profile NAME`` decides with a routing profile's pipeline (every scorer it weighs; ``every``: all the
 routing scorers at once, follow-the-sun in both modes, with ``green``'s time-shifting, every bound and
 the priced deadline risk on) on snapshots that
-carry a 48-hour carbon forecast per site: the seasonal-naive forecast of a real zone at a seeded hour of
-2022 (``--carbon``, default the shared data's 16 zones, round robin over the sites), or seeded random
+carry a week's carbon forecast per site, as the broker's rows reach (``broker.forecast.REACH_H``): the
+seasonal-naive forecast of a real zone at a seeded hour of 2022 and, past its 48 hours, the zone's mean day
+over the 28 days before (``--carbon``, default the shared data's 16 zones, round robin over the sites), or seeded random
 intensities when there is no such folder. ``--shift`` adds the profile's time-shifting, as
 the live cycle runs it: every job gets a deadline (its expected run plus 2 to 48 hours of slack, seeded),
 every snapshot a plan hour by hour (``Snapshot.plan_free`` from a ``policies.timeshift.Calendar``: the GPUs
@@ -59,6 +60,7 @@ SHARED_CARBON = Path(__file__).resolve().parents[2] / "shared" / "data" / "carbo
 from broker import ids  # noqa: E402
 from broker.data.carbon import load_carbon  # noqa: E402
 from broker.cycle import PassDecider  # noqa: E402
+from broker.forecast import PROFILE_DAYS, REACH_H, daily_profile, extend_by_profile  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
 from policies import explain, runtime_risk, timeshift  # noqa: E402
 from policies.pipeline import choose_model, default_pipeline  # noqa: E402
@@ -175,14 +177,18 @@ def plan_of(snap: Snapshot, shift: ShiftPolicy, seed: int) -> np.ndarray:
 
 
 def real_forecasts(folder: Path, n_sites: int, seed: int) -> np.ndarray:
-    """[n_sites, 48]: site i gets zone i mod (zones in ``folder``), and as its forecast the seasonal-naive
-    one a broker would make at a seeded hour of 2022: the 24 hours before, twice over (real daily shapes,
-    so a later start is cleaner where the grid's day makes it so, not at random)."""
+    """[n_sites, REACH_H]: site i gets zone i mod (zones in ``folder``), and as its forecast the row a broker
+    with a seasonal-naive model would make at a seeded hour of 2022: the 24 hours before, twice over (real
+    daily shapes, so a later start is cleaner where the grid's day makes it so, not at random), then the
+    zone's mean day over the 28 days before (``broker.forecast.extend_by_profile``), to a week."""
     carbon = load_carbon(folder)
     zones = sorted(carbon.zones())
     hour = datetime(2022, 1, 8, tzinfo=UTC) + timedelta(hours=random.Random(seed).randrange(300 * 24))
-    day = {z: np.asarray(carbon.series(z, hour - timedelta(hours=24), 24), dtype=np.float64) for z in zones}
-    return np.vstack([np.tile(day[zones[i % len(zones)]], 2) for i in range(n_sites)])
+    past = {z: np.asarray(carbon.series(z, hour - timedelta(days=PROFILE_DAYS), PROFILE_DAYS * 24), dtype=np.float64)
+            for z in zones}
+    rows = {z: extend_by_profile(np.tile(y[-24:], 2)[None, :], daily_profile(y, PROFILE_DAYS, [len(y)]), REACH_H)[0]
+            for z, y in past.items()}
+    return np.vstack([rows[zones[i % len(zones)]] for i in range(n_sites)])
 
 
 EVERY = BUILTIN["balanced"] | {"follow_sun_solar": 0.1}
@@ -247,7 +253,7 @@ def main() -> int:
     if args.profile is not None and args.carbon is not None and args.carbon.exists():
         forecast = real_forecasts(args.carbon, args.sites, args.seed)
     elif args.profile is not None:  # seeded intensities, 50..700 g/kWh, one 48-hour row per site
-        forecast = np.random.default_rng(args.seed).uniform(50, 700, size=(args.sites, 48))
+        forecast = np.random.default_rng(args.seed).uniform(50, 700, size=(args.sites, REACH_H))
 
     # What the broker has learned after 2,000 jobs finished that ran a log-normal factor (sigma 0.5) off their
     # estimates, as the simulator's workload draws them: a deferral's risk to the deadline is priced from it.

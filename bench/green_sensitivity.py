@@ -113,7 +113,7 @@ def true_future(federation: engine.Federation, hours: int = FORESIGHT_H) -> engi
     forecast = padded[:, ahead]  # [sites, hours of the run, hours ahead]
     cum = np.zeros(forecast.shape[:2] + (hours + 1,))
     np.cumsum(forecast, axis=2, out=cum[:, :, 1:])
-    return replace(federation, forecast=forecast, forecast_cum=cum)
+    return replace(federation, forecast=forecast, forecast_cum=cum, forecast_model_h=0)  # all of it: the truth
 
 
 class Variant(NamedTuple):

@@ -235,7 +235,8 @@ class Federation:
             self._base = base if prices is None else replace(base, usd_per_gpu_hour=prices)
         snap = self._base.working_copy(now)
         if self.signals is not None:
-            snap = replace_forecast(snap, self.signals.forecast_rows(self._site_facts()[0], now))
+            snap = replace_forecast(snap, self.signals.forecast_rows(self._site_facts()[0], now),
+                                    getattr(self.signals, "model_hours", 0))
         snap.last_placed[0] = snap.index.get(self.last_placed_site, -1) if self.last_placed_site else -1
         return snap
 

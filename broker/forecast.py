@@ -434,6 +434,64 @@ def forecast_matrix(model: Model, values: np.ndarray | Sequence[float], horizon:
     raise ForecastError(f"unknown model {model!r}")
 
 
+# --- past the model's horizon: the mean day ----------------------------------------------------------------
+
+REACH_H = 168
+"""Hours a forecast row reaches when it is extended past its model's horizon (:func:`extend_by_profile`):
+a week, as far as the time-shift search plans a start (``ShiftPolicy.horizon_h``)."""
+
+PROFILE_DAYS = 28
+"""Days of past values the mean day is taken over (:func:`daily_profile`): four weeks, what the live broker
+reads per zone and round (``broker.carbon_forecast.history_h`` 672). Chosen on 2021 against 7 (README,
+Evidence)."""
+
+
+def daily_profile(values: np.ndarray | Sequence[float], days: int = PROFILE_DAYS,
+                  at: np.ndarray | Sequence[int] | None = None, *, zone: str | None = None) -> np.ndarray:
+    """The mean day before each hour of ``at`` (default every hour ``0 .. len(values)``): row ``i`` is made
+    at the start of hour ``t = at[i]`` from ``values[:t]`` only, and its column ``r`` is the mean of
+    ``values[t + r - 24 d]`` for ``d = 1 .. days``: the same hour of the day as hour ``t + r`` (and as every
+    ``t + r + 24 n``) on each of the last ``days`` days, over those that exist; NaN where none does (``t +
+    r < 24``). float64[len(at), 24], gCO2e/kWh. One pass of running sums (a stride-24 cumulative sum), so a
+    year of hours costs a few milliseconds."""
+    y = _as_series(values, zone)
+    if isinstance(days, bool) or not isinstance(days, int | np.integer) or days < 1:
+        raise ForecastError(f"{_where(zone)}days must be a whole number of 1 or more, not {days!r}")
+    n = len(y)
+    t = np.arange(n + 1) if at is None else np.asarray(at, dtype=np.int64)
+    if t.size and (t.min() < 0 or t.max() > n):
+        raise ForecastError(f"{_where(zone)}hours to make a mean day at must lie in 0 .. {n}")
+    pad = (-n) % 24
+    # c[i] = y[i] + y[i - 24] + y[i - 48] + ...: running sums along each hour of the day
+    c = np.cumsum(np.concatenate([y, np.zeros(pad)]).reshape(-1, 24), axis=0).ravel()[:n]
+    last = t[:, None] + np.arange(24)[None, :] - 24  # the latest value of that hour of the day before t
+    first = last - 24 * days  # exclusive
+    known = last >= 0
+    total = np.where(known, c[np.clip(last, 0, n - 1)], 0.0)  # (n >= 1: _as_series refuses no values)
+    total -= np.where(first >= 0, c[np.clip(first, 0, n - 1)], 0.0)
+    count = np.where(known, np.minimum(days, last // 24 + 1), 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def extend_by_profile(rows: np.ndarray, profile: np.ndarray, reach_h: int = REACH_H) -> np.ndarray:
+    """``rows`` (forecasts, [m, horizon]: row ``i`` from the hour its ``profile`` row was made at) extended
+    to ``reach_h`` hours: hour ``k >= horizon`` of a row takes ``profile[i, k % 24]``, the mean of that hour
+    of the day over the past days, or the row's last value where the profile has none (too little history).
+    A model's skill fades within a day or two; past its horizon the zone's mean day is the better guess, and
+    where the row's last hour, stretched, would stand for a whole week, it is the zone's typical day
+    instead. ``reach_h`` at most ``horizon``: the rows as they are (a copy, cut to ``reach_h``)."""
+    rows = np.asarray(rows)
+    horizon = rows.shape[1]
+    out = np.empty((rows.shape[0], max(reach_h, 0)), dtype=np.result_type(rows.dtype, np.float32))
+    head = min(horizon, reach_h)
+    out[:, :head] = rows[:, :head]
+    if reach_h > horizon:
+        tail = profile[:, np.arange(horizon, reach_h) % 24]
+        out[:, horizon:] = np.where(np.isnan(tail), rows[:, -1:], tail)
+    return out
+
+
 # --- the live forecaster --------------------------------------------------------------------------------
 
 

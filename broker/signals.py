@@ -25,8 +25,15 @@ Carbon forecasts (:class:`GridSignals`)
     and that zone keeps its last forecast until it is older than ``stale_after_s`` (default 6 h); after
     that the zone has no forecast until a round succeeds.
 
+    Past the model's ``horizon_h`` the row goes on to ``reach_h`` hours (default 168, a week: as far as the
+    time-shift search plans a start) with the zone's mean day: each hour takes the mean of the same hour of
+    the day over the last ``profile_days`` days of the history (default 28; :func:`broker.forecast.
+    daily_profile`). A model's skill fades within a day or two, and a job that runs for days is judged on
+    the zone's typical day instead of the model's last hour stretched over its whole run. ``reach_h`` at
+    most ``horizon_h`` turns it off.
+
     :meth:`GridSignals.forecast_rows` is what the snapshot path calls (synchronous, no I/O): one row per
-    site's zone, ``horizon_h`` hourly values from the hour containing ``now``. A forecast made in an earlier
+    site's zone, ``reach_h`` hourly values from the hour containing ``now``. A forecast made in an earlier
     hour is shifted so that column 0 is always ``now``'s hour; the hours it no longer covers at the end take
     its last value (as the carbon scorer does past a forecast's horizon). A zone with no usable forecast
     (none yet, stale, or made in a later hour than ``now``'s) is a row of NaN: the carbon scorer ranks such a
@@ -60,12 +67,16 @@ from pydantic import Field, model_validator
 
 from broker.clock import Clock
 from broker.forecast import (
+    PROFILE_DAYS,
+    REACH_H,
     WARMUP_H,
     ExponentialSmoothing,
     ForecastError,
     Forecaster,
     Model,
     SeasonalNaive,
+    daily_profile,
+    extend_by_profile,
     forecast_matrix,
     mae,
 )
@@ -104,6 +115,12 @@ class CarbonForecastSettings(Strict):
     history_h: int = Field(default=672, ge=24, le=24 * 366,
                            description="hours of past intensity fetched per zone and round (672 = four weeks)")
     horizon_h: int = Field(default=48, ge=1, le=24 * 14, description="hours forecast from now's hour")
+    reach_h: int = Field(default=REACH_H, ge=1, le=24 * 14,
+                         description="hours each zone's row reaches: past horizon_h, the zone's mean day over the "
+                                     "last profile_days days (horizon_h or less: the model's hours alone)")
+    profile_days: int = Field(default=PROFILE_DAYS, ge=1, le=366,
+                              description="days of history the mean day past horizon_h is taken over (those "
+                                          "history_h holds, where it holds fewer)")
     model: ModelChoice = Field(default="auto", description="seasonal_naive, holt_winters, or auto: the one with "
                                "the lower in-sample MAE over the history")
     season_h: Literal[24, 168] = Field(default=24, description="the seasonal-naive model's season: 24 (daily) "
@@ -165,8 +182,8 @@ def _candidates(settings: CarbonForecastSettings) -> tuple[Model, ...]:
 def fit_forecast(history: np.ndarray, settings: CarbonForecastSettings, zone: str | None = None,
                  ) -> tuple[Model, np.ndarray, dict[str, float]]:
     """Fit the configured model on ``history`` (hourly gCO2e/kWh, oldest first, ending just before the first
-    hour forecast) and forecast ``horizon_h`` hours. Returns ``(fitted model, forecast, in-sample MAE per
-    candidate)`` (the MAEs only for ``auto``). CPU-bound (tens of milliseconds for four weeks); raises
+    hour forecast) and forecast ``horizon_h`` hours, extended to ``reach_h`` by the mean day of the last
+    ``profile_days`` days of ``history``. Returns ``(fitted model, forecast, in-sample MAE per candidate)`` (the MAEs only for ``auto``). CPU-bound (tens of milliseconds for four weeks); raises
     :class:`~broker.forecast.ForecastError` naming the zone."""
     y = np.asarray(history, dtype=np.float64)
     horizon = settings.horizon_h
@@ -190,6 +207,9 @@ def fit_forecast(history: np.ndarray, settings: CarbonForecastSettings, zone: st
         chosen = fitted[best[1]]
     forecaster = Forecaster(chosen, zone=zone).fit(y, horizon=horizon)
     values = np.asarray(forecaster.predict(horizon), dtype=np.float64)
+    if settings.reach_h > horizon:  # past the model's horizon: the zone's mean day over the last profile_days
+        profile = daily_profile(y, settings.profile_days, [len(y)], zone=zone)
+        values = extend_by_profile(values[None, :], profile, settings.reach_h)[0]
     values.setflags(write=False)
     return forecaster.model, values, scores
 
@@ -384,10 +404,15 @@ class GridSignals:
 
     # --- what the snapshot reads ---
 
+    @property
+    def model_hours(self) -> int:
+        """Hours of each row that the model made (the rest: the zone's mean day)."""
+        return self.settings.horizon_h
+
     def forecast_rows(self, zones: Sequence[str], now: datetime) -> np.ndarray:
-        """float64[len(zones), horizon_h]: each zone's forecast from the hour containing ``now`` (gCO2e/kWh),
+        """float64[len(zones), reach_h]: each zone's forecast from the hour containing ``now`` (gCO2e/kWh),
         NaN rows where a zone has no usable forecast. Synchronous and cheap: reads memory only."""
-        horizon = self.settings.horizon_h
+        horizon = max(self.settings.reach_h, self.settings.horizon_h)
         out = np.full((len(zones), horizon), np.nan)
         hour = _floor_hour(now)
         unseen = False

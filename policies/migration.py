@@ -21,9 +21,10 @@ has done; a job that has run past its estimate is not moved, since how much is l
       save, copy and restore the checkpoint there, is at least ``min_saving`` (a fraction) and
       ``min_saving_abs`` (kg CO2e or USD) below the rest of the run where it is.
     Carbon: GPUs × the model's board power × the forecast intensity integrated over the run window, judged
-    over the part of the rest of the run that the forecast covers (the snapshot's 48 hours, less the part of
-    this hour gone): a forecast's last hour says little about the weeks after it, and a long job that is
-    still better off elsewhere in two days may move again then. Cost: GPUs × price per GPU-hour × hours.
+    over the part of the rest of the run that the forecast's model covers
+    (``Snapshot.carbon_forecast_model_h``: 48 hours, less the part of this hour gone; not the zone's mean day
+    the rows go on with past it), and a long job that is still better off elsewhere in two days may move
+    again then. Cost: GPUs × price per GPU-hour × hours.
 
 Making room (``make_room``)
     A job with a latency objective can run only at the few sites near its users. When they are full of work
@@ -158,11 +159,14 @@ def movable(run: Running, now_ts: float, policy: MigrationPolicy) -> float | Non
 
 
 def _judged_h(snap: Snapshot, objective: str, into_h: float, rem_h: float) -> float:
-    """Hours of the rest of a run that a move is judged over: as far as the forecast reaches (carbon), all of
-    it (cost: prices do not change with the hour)."""
+    """Hours of the rest of a run that a move is judged over: as far as the zone's forecast model reaches
+    (carbon; not the mean day past it), all of it (cost: prices do not change with the hour)."""
     if objective != "carbon" or not snap.carbon_forecast.shape[1]:
         return rem_h
-    return min(rem_h, max(snap.carbon_forecast.shape[1] - into_h, 1.0))
+    reach = snap.carbon_forecast.shape[1]
+    if 0 < snap.carbon_forecast_model_h < reach:
+        reach = snap.carbon_forecast_model_h
+    return min(rem_h, max(reach - into_h, 1.0))
 
 
 def _rates(snap: Snapshot, objective: str, into_h: float, hours: float) -> np.ndarray | None:

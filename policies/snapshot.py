@@ -244,6 +244,9 @@ class Snapshot:
     utc_offset_h: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the site's local time - UTC, at ``now``
     carbon_forecast: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # g/kWh [n_sites, hours from now's hour]
     carbon_forecast_cum: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [n_sites, hours + 1]: running sums
+    # Hours of carbon_forecast that the zone's model made (the rest: the zone's mean day, broker.forecast.
+    # extend_by_profile); 0: all of them. Moves of running work are judged over these hours only.
+    carbon_forecast_model_h: int = 0
     temperature_c: np.ndarray = field(default_factory=lambda: np.zeros(0))  # hottest GPU, per site (0 unknown)
     queue_depth: np.ndarray = field(default_factory=lambda: np.zeros(0))  # jobs waiting at the site
     # float32[n_sites, n_models, hours]: GPUs free in each whole hour from now's (policies.timeshift); empty
@@ -510,14 +513,15 @@ def _offset_h(timezone: str, when: datetime) -> float:
     return _offset_hour(timezone, int(when.timestamp() // 3600))
 
 
-def replace_forecast(snap: Snapshot, carbon_forecast: np.ndarray) -> Snapshot:
-    """``snap`` with an hourly intensity forecast per site (rows in site order, from ``now``'s hour)."""
+def replace_forecast(snap: Snapshot, carbon_forecast: np.ndarray, model_h: int = 0) -> Snapshot:
+    """``snap`` with an hourly intensity forecast per site (rows in site order, from ``now``'s hour), of
+    which the first ``model_h`` hours are the model's (0: all; :attr:`Snapshot.carbon_forecast_model_h`)."""
     forecast = np.asarray(carbon_forecast, dtype=np.float64)
     if forecast.ndim != 2 or forecast.shape[0] != snap.n_sites:
         raise ValueError(f"carbon_forecast must be [n_sites={snap.n_sites}, hours], not {list(forecast.shape)}")
     now_values = forecast[:, 0] if forecast.shape[1] else np.full(snap.n_sites, np.nan)
     return replace(snap, carbon_forecast=forecast, carbon_forecast_cum=running_sums(forecast),
-                   carbon_g_per_kwh=now_values)
+                   carbon_g_per_kwh=now_values, carbon_forecast_model_h=model_h)
 
 
 def running_sums(values: np.ndarray) -> np.ndarray:

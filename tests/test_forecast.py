@@ -23,6 +23,8 @@ from broker.forecast import (
     Grid,
     SeasonalNaive,
     choose_models,
+    daily_profile,
+    extend_by_profile,
     forecast_matrix,
     mae,
     mase_scale,
@@ -232,3 +234,71 @@ def test_choose_models_on_the_real_data():
     m = forecast_matrix(report.zone("GB").model, y)
     assert m.shape == (17520, 48) and np.isfinite(m[1:]).all()
     assert timedelta(hours=len(y)) == utc(2023, 1, 1) - utc(2021, 1, 1)
+
+
+# --- past the model's horizon: the mean day ---------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0, 1000, allow_nan=False), min_size=1, max_size=24 * 9), st.integers(1, 10))
+def test_the_mean_day_is_each_hour_of_the_days_mean_over_the_last_days_before_it(values, days) -> None:
+    """Column r of the row made at hour t: the mean of values[t + r - 24 d], d = 1 .. days, over those that
+    exist (NaN where none does), checked against the sum written out."""
+    y = np.array(values)
+    got = daily_profile(y, days)
+    assert got.shape == (len(y) + 1, 24)
+    for t in range(len(y) + 1):
+        for r in range(24):
+            seen = [y[t + r - 24 * d] for d in range(1, days + 1) if t + r - 24 * d >= 0]
+            if seen:
+                assert got[t, r] == pytest.approx(np.mean(seen), rel=1e-9, abs=1e-9)
+            else:
+                assert math.isnan(got[t, r])
+
+
+def test_the_mean_day_reads_only_the_past() -> None:
+    """Rows made at hour t are the same whatever the values from t on are (a forecast never sees the
+    future), and ``at`` picks rows."""
+    rng = np.random.default_rng(3)
+    y = rng.uniform(50, 500, 24 * 40)
+    poisoned = y.copy()
+    poisoned[24 * 30:] = 1e6
+    at = np.arange(0, 24 * 30 + 1, 7)
+    np.testing.assert_array_equal(daily_profile(y, 28, at), daily_profile(poisoned, 28, at))
+    np.testing.assert_array_equal(daily_profile(y, 28, at), daily_profile(y, 28)[at])
+    with pytest.raises(ForecastError, match="days must be a whole number of 1 or more"):
+        daily_profile(y, 0)
+    with pytest.raises(ForecastError, match="must lie in 0 .. 960"):
+        daily_profile(y, 7, [961])
+
+
+def test_rows_go_on_with_the_mean_day_past_the_models_horizon() -> None:
+    """A 2-hour forecast made at 22:00 reaches 6 hours: 22:00 and 23:00 are the model's, then 00:00 .. 03:00
+    the mean day's; a row with no mean day (too little history) keeps its last value; reach at most the
+    horizon cuts the rows."""
+    rows = np.array([[10.0, 20.0], [30.0, 40.0]])
+    profile = np.full((2, 24), np.nan)
+    profile[0] = np.arange(24) * 100.0  # column r: the hour r hours after the row's first hour
+    out = extend_by_profile(rows, profile, 6)
+    np.testing.assert_array_equal(out[0], [10, 20, 200, 300, 400, 500])
+    np.testing.assert_array_equal(out[1], [30, 40, 40, 40, 40, 40])
+    np.testing.assert_array_equal(extend_by_profile(rows, profile, 1), rows[:, :1])
+
+
+def test_on_real_data_the_mean_day_past_48_hours_beats_the_last_hour_stretched() -> None:
+    """GB, every row of the first half of 2022: the 49..168 h-ahead values are closer to the truth as the
+    zone's mean day over 28 days than as the model's 48th hour stretched (bench/forecast_reach.py gives
+    every zone and the whole year)."""
+    from broker.simulation.forecasts import forecast_rows
+
+    carbon = load_carbon(ELECTRICITY_MAPS, zones=["GB"])
+    start = utc(2022, 1, 1)
+    first, end = carbon.span("GB")
+    y = np.asarray(carbon.series("GB", first, (end - first) // timedelta(hours=1)), dtype=np.float64)
+    k0 = (start - first) // timedelta(hours=1)
+    hours = 181 * 24
+    rows = forecast_rows(carbon, "GB", start, hours, []).astype(np.float64)
+    truth = y[(k0 + np.arange(hours))[:, None] + np.arange(48, 168)[None, :]]
+    stretched = np.abs(rows[:, 47:48] - truth).mean()
+    mean_day = np.abs(rows[:, 48:] - truth).mean()
+    assert mean_day < 0.9 * stretched

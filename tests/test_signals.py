@@ -117,7 +117,7 @@ async def test_the_snapshot_forecast_starts_at_nows_hour_and_reads_only_the_past
     fed, signals = await signals_for(closing, provider, clock, cfg, LONDON, FRANKFURT)
     await signals.refresh()
     snap = fed.freeze(NOW)
-    assert snap.carbon_forecast.shape == (2, 48)
+    assert snap.carbon_forecast.shape == (2, cfg.reach_h)  # the model's 48 h, then the mean day to a week
     for name, zone in (("london", "GB"), ("frankfurt", "DE-LU")):
         past = carbon.series(zone, HOUR - 336 * H, 336)  # the 336 hours before now's hour, from the real files
         _, want, _ = fit_forecast(np.array(past), cfg, zone)
@@ -134,7 +134,24 @@ async def test_hour_0_is_nows_hour_seasonal_naive_repeats_yesterdays_same_hour(c
     await signals.refresh()
     got = row(fed.freeze(NOW), "london")
     yesterday = carbon.series("GB", HOUR - 24 * H, 24)  # 12:00 yesterday .. 11:00 today
-    np.testing.assert_array_equal(got, np.tile(yesterday, 2))
+    np.testing.assert_array_equal(got[:48], np.tile(yesterday, 2))
+
+
+async def test_past_the_models_horizon_each_hour_is_the_mean_of_that_hour_of_the_day_over_the_history(
+        carbon, closing) -> None:
+    """The row reaches a week: after the model's 48 hours, the 12:00 hours take the mean of the 14 (history_h
+    336: fewer days than profile_days' 28) 12:00 values before now, and so on round the clock."""
+    clock = ManualClock(NOW)
+    cfg = settings(model="seasonal_naive")
+    fed, signals = await signals_for(closing, FileCarbonProvider(carbon), clock, cfg, LONDON)
+    await signals.refresh()
+    got = row(fed.freeze(NOW), "london")
+    assert got.shape == (168,) and cfg.reach_h == 168
+    mean_day = np.array(carbon.series("GB", HOUR - 336 * H, 336)).reshape(14, 24).mean(axis=0)  # from 12:00
+    np.testing.assert_allclose(got[48:], mean_day[np.arange(48, 168) % 24], rtol=1e-12)
+    off = settings(model="seasonal_naive", reach_h=48)  # reach_h at most horizon_h: the model's hours alone
+    _, values, _ = fit_forecast(np.array(carbon.series("GB", HOUR - 336 * H, 336)), off, "GB")
+    np.testing.assert_array_equal(values, got[:48])
 
 
 async def test_a_forecast_is_shifted_to_nows_hour_until_it_goes_stale(carbon, closing) -> None:
@@ -144,8 +161,8 @@ async def test_a_forecast_is_shifted_to_nows_hour_until_it_goes_stale(carbon, cl
     await signals.refresh()
     made = row(fed.freeze(NOW), "london").copy()
     shifted = row(fed.freeze(NOW + 2 * H), "london")  # no refresh in between
-    np.testing.assert_array_equal(shifted[:46], made[2:])
-    np.testing.assert_array_equal(shifted[46:], [made[-1], made[-1]])  # past its horizon: its last value
+    np.testing.assert_array_equal(shifted[:-2], made[2:])
+    np.testing.assert_array_equal(shifted[-2:], [made[-1], made[-1]])  # past its reach: its last value
     assert np.isnan(row(fed.freeze(NOW + 6 * H + timedelta(seconds=1)), "london")).all()
     assert np.isnan(row(fed.freeze(NOW - H), "london")).all(), "a forecast made after now's hour is not used"
 
@@ -220,7 +237,7 @@ async def test_a_failing_zone_keeps_its_last_forecast_until_stale_and_the_other_
     with caplog.at_level(logging.WARNING, logger="broker.signals"):
         await signals.refresh()
     snap = fed.freeze(clock.now())
-    np.testing.assert_array_equal(row(snap, "london")[:47], row(first, "london")[1:])  # kept, shifted an hour
+    np.testing.assert_array_equal(row(snap, "london")[:-1], row(first, "london")[1:])  # kept, shifted an hour
     assert reason in signals.zones["GB"].error
     assert "keeping the forecast made 2022-06-07 06:00 UTC" in caplog.text
     # frankfurt was refitted at 07:00: seasonal naive, so hour 0 is yesterday's 07:00

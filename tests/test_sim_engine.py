@@ -266,8 +266,11 @@ def test_profiles_replay_with_forecasts_made_from_the_past_only(tiny: Simulation
     report: list[str] = []
     rows = forecast_rows(carbon, "GB", hour0, 5, report)
     past = carbon.series("GB", hour0 - timedelta(hours=24), 24)
-    assert rows.shape == (5, 48)
+    assert rows.shape == (5, 168)
     assert rows[0, :24] == pytest.approx(past.astype(np.float32))
+    # Past the model's 48 hours, each hour is that hour of the day's mean over the (up to 28) days before.
+    before = carbon.series("GB", hour0 - timedelta(days=14), 14 * 24).reshape(14, 24).mean(axis=0)
+    assert rows[0, 48:] == pytest.approx(before[np.arange(48, 168) % 24].astype(np.float32))
     assert "seasonal-naive" in report[0]
 
 

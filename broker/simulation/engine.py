@@ -84,9 +84,10 @@ class Federation:
     intensity: np.ndarray  # float64[n_sites, hours]
     cumulative: np.ndarray  # float64[n_sites, hours + 1]: integral of intensity in g/kWh·h from the start
     price: np.ndarray  # float64[n_sites, n_models]: USD per GPU-hour, NaN unpriced
-    forecast: np.ndarray | None = None  # float32[n_sites, hours, 48]: each hour's forecast of the next 48
-    forecast_cum: np.ndarray | None = None  # float64[n_sites, hours, 49]: their running sums
+    forecast: np.ndarray | None = None  # float32[n_sites, hours, 168]: each hour's forecast of the next week
+    forecast_cum: np.ndarray | None = None  # float64[n_sites, hours, 169]: their running sums
     utc_offset_h: np.ndarray | None = None  # float64[n_sites, hours]: local time - UTC in each hour
+    forecast_model_h: int = 0  # hours of each forecast row its model made (the rest: the mean day); 0: all
 
     @property
     def hours(self) -> int:
@@ -123,9 +124,10 @@ def hourly_integral(hourly: np.ndarray, cum: np.ndarray, row: np.ndarray | int, 
 
 
 def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.ndarray], start: datetime,
-                     forecast_by_zone: dict[str, np.ndarray] | None = None) -> Federation:
+                     forecast_by_zone: dict[str, np.ndarray] | None = None, forecast_model_h: int = 0) -> Federation:
     """``specs`` in configured order (spillover's order); ``intensity_by_zone``: hourly values from ``start``,
-    every zone the same length; ``forecast_by_zone``: [hours, 48] forecasts, when a policy reads them."""
+    every zone the same length; ``forecast_by_zone``: [hours, reach] forecasts, when a policy reads them, of
+    which the first ``forecast_model_h`` hours are the model's (0: all)."""
     snap = build_snapshot(start, list(specs), {}, carbon_g_per_kwh=None)
     ordered = tuple(sorted(specs, key=lambda s: s.name))
     for i, spec in enumerate(ordered):
@@ -147,7 +149,8 @@ def build_federation(specs: Sequence[SiteSpec], intensity_by_zone: dict[str, np.
     if forecast is not None:
         forecast_cum = np.zeros(forecast.shape[:2] + (forecast.shape[2] + 1,))
         np.cumsum(forecast, axis=2, out=forecast_cum[:, :, 1:])
-    return Federation(ordered, snap, intensity, cumulative, snap.usd_per_gpu_hour, forecast, forecast_cum, offsets)
+    return Federation(ordered, snap, intensity, cumulative, snap.usd_per_gpu_hour, forecast, forecast_cum, offsets,
+                      forecast_model_h if forecast is not None else 0)
 
 
 def requests_of(workload: Workload) -> list[JobRequest]:
@@ -413,6 +416,7 @@ def replay(
         h = min(int(t // 3600.0), hours - 1)
         hourly = {} if federation.forecast is None else {
             "carbon_forecast": federation.forecast[:, h, :], "carbon_forecast_cum": federation.forecast_cum[:, h, :],
+            "carbon_forecast_model_h": federation.forecast_model_h,
             "utc_offset_h": federation.utc_offset_h[:, h]}
         now = start_at + timedelta(seconds=t)
         if calendar is not None:

@@ -48,7 +48,7 @@ from broker.simulation import engine
 from broker.simulation.bound import BoundInfeasible, offline_bound
 from broker.simulation.defaults import DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS
 from broker.simulation.federation import build_default_federation
-from broker.simulation.forecasts import forecast_rows
+from broker.simulation.forecasts import HORIZON_H, forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
 from broker.simulation.oracle import whole_job_oracle
 from broker.simulation.results import SimulationResult, SiteFacts
@@ -156,7 +156,7 @@ def prepare(spec: SimulationSpec) -> Prepared:
     forecasts = None
     if any(name in PROFILES for name in spec.policies):  # profiles read forecasts; the baselines do not
         forecasts = {z: forecast_rows(carbon, z, hour0, hours, report) for z in dict.fromkeys(s.grid_zone for s in sites)}
-    federation = engine.build_federation(sites, intensity, hour0, forecasts)
+    federation = engine.build_federation(sites, intensity, hour0, forecasts, HORIZON_H)
     for s in sites:
         unpriced = sorted(set(s.total_gpus()) - set(s.usd_per_gpu_hour))
         if unpriced:
