@@ -123,7 +123,8 @@ class BrokerSettings(BaseModel):
     carbon_forecast: CarbonForecastSettings = Field(
         default_factory=CarbonForecastSettings,
         description="how the carbon intensity of each zone is forecast: refresh_s (3600), history_h (672), "
-                    "horizon_h (48), model (auto | seasonal_naive | holt_winters), season_h, stale_after_s "
+                    "horizon_h (48), reach_h (168: past horizon_h, the zone's mean day), profile_days (28), model "
+                    "(auto | seasonal_naive | holt_winters), season_h, stale_after_s "
                     "(a failing zone keeps its last forecast this long), fetch_timeout_s, replay_day",
     )
     replicas: ReplicaSettings | None = Field(

@@ -235,8 +235,9 @@ class Federation:
             self._base = base if prices is None else replace(base, usd_per_gpu_hour=prices)
         snap = self._base.working_copy(now)
         if self.signals is not None:
-            snap = replace_forecast(snap, self.signals.forecast_rows(self._site_facts()[0], now),
-                                    getattr(self.signals, "model_hours", 0))
+            zones = self._site_facts()[0]
+            snap = replace_forecast(snap, self.signals.forecast_rows(zones, now),
+                                    model_h=self.signals.model_hours(zones, now))
         snap.last_placed[0] = snap.index.get(self.last_placed_site, -1) if self.last_placed_site else -1
         return snap
 

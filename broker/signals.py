@@ -233,6 +233,8 @@ class ForecastRows(Protocol):
 
     def forecast_rows(self, zones: Sequence[str], now: datetime) -> np.ndarray: ...
 
+    def model_hours(self, zones: Sequence[str], now: datetime) -> int: ...
+
 
 def _floor_hour(t: datetime) -> datetime:
     return t.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
@@ -404,10 +406,24 @@ class GridSignals:
 
     # --- what the snapshot reads ---
 
-    @property
-    def model_hours(self) -> int:
-        """Hours of each row that the model made (the rest: the zone's mean day)."""
-        return self.settings.horizon_h
+    def model_hours(self, zones: Sequence[str], now: datetime) -> int:
+        """Hours of :meth:`forecast_rows`' rows (from the hour containing ``now``) that the zones' models made,
+        the fewest over the zones with a usable forecast: a forecast made ``k`` hours ago has ``horizon_h -
+        k`` model hours left (the rest: the zone's mean day). 0 when no zone has one."""
+        hour = _floor_hour(now)
+        left = [self.settings.horizon_h - (hour - f.first_hour) // _HOUR for f in self._usable(zones, now)]
+        return max(min(left), 0) if left else 0
+
+    def _usable(self, zones: Sequence[str], now: datetime) -> list[FittedForecast]:
+        out = []
+        for z in zones:
+            state = self.zones.get(z)
+            f = state.forecast if state is not None else None
+            if f is not None and (now - f.made_at).total_seconds() <= self.settings.stale_after_s:
+                shift = (_floor_hour(now) - f.first_hour) // _HOUR
+                if 0 <= shift < len(f.values):
+                    out.append(f)
+        return out
 
     def forecast_rows(self, zones: Sequence[str], now: datetime) -> np.ndarray:
         """float64[len(zones), reach_h]: each zone's forecast from the hour containing ``now`` (gCO2e/kWh),
@@ -429,8 +445,12 @@ class GridSignals:
                 continue  # made in a later hour than now's (the clock went back), or run out
             n = len(f.values) - shift
             out[i, :min(n, horizon)] = f.values[shift:shift + horizon]
-            if n < horizon:
-                out[i, n:] = f.values[-1]
+            if n < horizon:  # the hours the shifted row no longer covers
+                if len(f.values) - self.settings.horizon_h >= 24:  # go on round the mean day, a day back
+                    j = np.arange(n, horizon) + shift
+                    out[i, n:] = f.values[j - 24 * ((j - len(f.values)) // 24 + 1)]
+                else:  # no mean day: the last value
+                    out[i, n:] = f.values[-1]
         if unseen and self._task is not None:
             self._new_zone.set()
         return out

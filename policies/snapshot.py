@@ -513,7 +513,7 @@ def _offset_h(timezone: str, when: datetime) -> float:
     return _offset_hour(timezone, int(when.timestamp() // 3600))
 
 
-def replace_forecast(snap: Snapshot, carbon_forecast: np.ndarray, model_h: int = 0) -> Snapshot:
+def replace_forecast(snap: Snapshot, carbon_forecast: np.ndarray, *, model_h: int = 0) -> Snapshot:
     """``snap`` with an hourly intensity forecast per site (rows in site order, from ``now``'s hour), of
     which the first ``model_h`` hours are the model's (0: all; :attr:`Snapshot.carbon_forecast_model_h`)."""
     forecast = np.asarray(carbon_forecast, dtype=np.float64)

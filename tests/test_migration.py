@@ -69,6 +69,23 @@ def test_a_long_job_is_judged_over_the_hours_the_forecast_covers() -> None:
     assert "forecast for the next 47.7 h of the ~99.0 h left of its run" in move.reason(snap.sites)
 
 
+def test_a_move_is_judged_over_the_models_hours_not_the_mean_day_after_them() -> None:
+    """Rows a week long whose first 48 hours are the model's (carbon_forecast_model_h 48): the move is still
+    judged over 47 h 40 min, not the 99 hours left; told nothing (0: all the row is the model's), over all 99."""
+    from dataclasses import replace
+
+    rows = {name: [700.0] * 48 for name in snapshot(NOON).sites} | FORECAST  # the other sites: dirtier still
+    week = {name: row * 3 + row[:24] for name, row in rows.items()}  # 168 hours, the same levels
+    wide = snapshot(NOON, week, free={"frankfurt": 8})
+    job = running(hours=100.0, slack_h=200.0)
+    move, = plan_moves(GREEN, replace(wide, carbon_forecast_model_h=48), [at(wide, job, "frankfurt")],
+                       MigrationPolicy())
+    assert move.judged_s == pytest.approx((48 - 20 / 60) * H)
+    wide = snapshot(NOON, week, free={"frankfurt": 8})
+    move, = plan_moves(GREEN, wide, [at(wide, job, "frankfurt")], MigrationPolicy())
+    assert wide.carbon_forecast_model_h == 0 and move.judged_s == pytest.approx(99 * H)
+
+
 @pytest.mark.parametrize("case, job, forecast, booked", [
     ("not checkpointable", running(checkpointable=False), FORECAST, None),
     ("under 2 h left", running(hours=2.5, done_h=1.0), FORECAST, None),

@@ -162,7 +162,10 @@ async def test_a_forecast_is_shifted_to_nows_hour_until_it_goes_stale(carbon, cl
     made = row(fed.freeze(NOW), "london").copy()
     shifted = row(fed.freeze(NOW + 2 * H), "london")  # no refresh in between
     np.testing.assert_array_equal(shifted[:-2], made[2:])
-    np.testing.assert_array_equal(shifted[-2:], [made[-1], made[-1]])  # past its reach: its last value
+    # past its reach: round the mean day, a day back (hours 168 and 169 of the row made at NOW are its 144, 145)
+    np.testing.assert_array_equal(shifted[-2:], made[144:146])
+    assert fed.freeze(NOW).carbon_forecast_model_h == 48  # the model's hours, then the mean day's
+    assert fed.freeze(NOW + 2 * H).carbon_forecast_model_h == 46  # a forecast two hours old: 46 left
     assert np.isnan(row(fed.freeze(NOW + 6 * H + timedelta(seconds=1)), "london")).all()
     assert np.isnan(row(fed.freeze(NOW - H), "london")).all(), "a forecast made after now's hour is not used"
 
