@@ -52,6 +52,36 @@ def test_jobs_allowed_fewest_sites_are_packed_first(tiny: SimulationSpec) -> Non
     assert (run.end_s <= prep.workload.deadline_s).all()
 
 
+def test_in_submit_order_the_job_allowed_one_site_finds_it_taken(tiny: SimulationSpec) -> None:  # noqa: F811
+    """The case above packed in submit order (``submit_order``, an ablation): j0 takes FR at 0 (50), j1 FR's
+    cleanest 1.5 h from 5400 (125 g/kWh·h), and j2, which may use only FR, finds both GPUs free there for
+    half an hour only (3600-5400) before its latest start (9000): it runs late, from 10800 when j1 ends (hour
+    3, 150). 0.21 kg and a missed deadline, against 0.15 kg and none when it went first."""
+    prep = prepare(tiny)
+    allowed = prep.fitting.copy()
+    allowed[2] = [False, True]
+    run = whole_job_oracle(prep.workload, prep.federation, allowed, prep.left_out, submit_order=True)
+    assert run.site.tolist() == [1, 1, 1]
+    assert run.start_s.tolist() == [0.0, 5400.0, 10800.0]
+    assert run.carbon_kg.tolist() == pytest.approx([0.04, 0.05, 0.12])
+    assert (run.end_s > prep.workload.deadline_s).tolist() == [False, False, True]
+
+
+def test_a_cap_on_the_wait_takes_the_best_start_within_it(tiny: SimulationSpec) -> None:  # noqa: F811
+    """``max_wait_s`` 3600 (an ablation: a policy's deferral horizon): j1 may no longer wait until 5400 for
+    FR's cleanest hours; FR from 3600 (150 for an hour, then 50: 175 g/kWh·h, 0.07 kg) still beats GB at 0
+    (250, 0.1 kg). j0 and j2 as without the cap. A negative cap is refused."""
+    prep = prepare(tiny)
+    run = whole_job_oracle(prep.workload, prep.federation, prep.fitting, prep.left_out, max_wait_s=3600.0)
+    assert run.start_s.tolist() == [0.0, 3600.0, 1800.0]
+    assert run.carbon_kg.tolist() == pytest.approx([0.04, 0.07, 0.16])
+    assert ((run.start_s - prep.workload.submit_s)[~prep.left_out] <= 3600.0).all()
+    from broker.simulation.engine import SimulationError
+
+    with pytest.raises(SimulationError, match="max_wait_s must be 0 or more, got -1"):
+        whole_job_oracle(prep.workload, prep.federation, prep.fitting, prep.left_out, max_wait_s=-1.0)
+
+
 def test_a_job_with_no_room_in_its_window_takes_the_first_room_after_it(tiny: SimulationSpec) -> None:  # noqa: F811
     tiny.assumptions = {**tiny.assumptions, "inflexible_fraction": 1.0}  # deadline = submit + run time
     prep = prepare(tiny)

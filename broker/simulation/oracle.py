@@ -56,10 +56,17 @@ def whole_job_oracle(
     *,
     shadow_kg_per_gpu_hour: np.ndarray | None = None,
     slot_s: float = SLOT_S,
+    submit_order: bool = False,
+    max_wait_s: float | None = None,
 ) -> PolicyRun:
     """Pack every job not ``left_out`` (bool[jobs]) at the sites ``allowed_sites`` (bool[jobs, sites], site
     order as ``federation.specs``) lets it use; module docstring for the rule. ``shadow_kg_per_gpu_hour``:
-    float64[sites, hours of carbon data] from the carbon LP (None: carbon alone decides). Returns the
+    float64[sites, hours of carbon data] from the carbon LP (None: carbon alone decides). Two ablations, to
+    see where its lead over a policy comes from (``bench/oracle_ablation.py``): ``submit_order`` packs every
+    job in submit order (not those allowed the fewest sites first: no job is placed ahead of one submitted
+    before it, as a broker deciding each job as it arrives would place it); ``max_wait_s`` lets no job start
+    later than that after its submission (a policy's deferral horizon), unless no start before has room.
+    Returns the
     schedule as a :class:`PolicyRun` named :data:`NAME`. Raises :class:`SimulationError` when a job cannot
     end before the carbon data does."""
     t_wall = time.perf_counter()
@@ -73,6 +80,8 @@ def whole_job_oracle(
                               f"of carbon data), got {shadow_kg_per_gpu_hour.shape}")
     if not slot_s > 0:
         raise SimulationError(f"slot_s must be above 0, got {slot_s}")
+    if max_wait_s is not None and not max_wait_s >= 0:
+        raise SimulationError(f"max_wait_s must be 0 or more, got {max_wait_s}")
     data_slots = int(np.floor(federation.hours * 3600.0 / slot_s))
 
     # Pools: (site, model) pairs with GPUs, in site order then model order. Capacity in milli-GPUs.
@@ -99,12 +108,17 @@ def whole_job_oracle(
     at_submit = np.maximum(np.ceil((submit + duration) / slot_s).astype(np.int64) - first, 1)
     on_boundary = np.maximum(np.ceil(duration / slot_s).astype(np.int64), 1)
     latest = np.maximum(np.floor((deadline - duration) / slot_s).astype(np.int64), first)
+    if max_wait_s is not None:
+        latest = np.minimum(latest, first + int(max_wait_s // slot_s))
     # GPUs taken per pool and slot, as far as any window reaches (grown when a late job needs more)
     reach = int((latest + at_submit)[~left_out].max(initial=1))
     occupied = np.zeros((len(pool_site), min(reach, data_slots)), dtype=np.int64)
 
     todo = np.flatnonzero(~left_out)
-    order = todo[np.lexsort((np.arange(len(todo)), submit[todo], sites_allowed[todo]))]
+    if submit_order:
+        order = todo[np.lexsort((np.arange(len(todo)), submit[todo]))]
+    else:
+        order = todo[np.lexsort((np.arange(len(todo)), submit[todo], sites_allowed[todo]))]
     site = np.full(n, -1, dtype=np.int64)
     model = np.zeros(n, dtype=np.int64)
     start = np.full(n, np.nan)
