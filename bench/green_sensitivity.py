@@ -28,7 +28,7 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   checkpoint when none has room); ``-no-room`` and ``-room-only``: one of the two; ``-no-suspend``: room is
   made only by moving jobs to another site;
 - ``perfect forecast``: the policies read each zone's true intensity for the next week instead of the
-  48-hour forecast: how much of the gap is the forecasts' error;
+  forecast: how much of the gap is the forecasts' error;
 - ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
   margins that only guard against not knowing (``duration_safety`` 1, no ``min_saving``, no wait bounds):
   what ``green``'s way of deciding, one job at a time as each arrives, reaches when nothing is uncertain
@@ -37,7 +37,7 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   forecast is raised by the offline LP's price of that hour's capacity at that site (its shadow price, kg
   CO2e per GPU-hour, over the GPU's power: g/kWh), which the whole-job oracle packs by; a job then takes
   clean capacity only where it saves more than the jobs to come would have. Carbon is accounted on the true
-  intensity. ``capacity-prices``: ``green`` as shipped (48-hour forecasts, estimates as drawn) with the same
+  intensity. ``capacity-prices``: ``green`` as shipped (its forecasts, estimates as drawn) with the same
   prices, future ones included: whether a broker that learned such prices could gain from them.
 
 ``greedy`` and ``cheapest-first`` are the baselines the routing issue's targets name (carbon-greedy, and

@@ -34,8 +34,10 @@ Carbon forecasts (:class:`GridSignals`)
 
     :meth:`GridSignals.forecast_rows` is what the snapshot path calls (synchronous, no I/O): one row per
     site's zone, ``reach_h`` hourly values from the hour containing ``now``. A forecast made in an earlier
-    hour is shifted so that column 0 is always ``now``'s hour; the hours it no longer covers at the end take
-    its last value (as the carbon scorer does past a forecast's horizon). A zone with no usable forecast
+    hour is shifted so that column 0 is always ``now``'s hour; the hours it no longer covers at the end go
+    on round the mean day (a day back in the row), or take its last value where the row has no mean day
+    (as the carbon scorer does past a forecast's end); :meth:`GridSignals.model_hours` says how many of the
+    shifted row's hours are still the model's. A zone with no usable forecast
     (none yet, stale, or made in a later hour than ``now``'s) is a row of NaN: the carbon scorer ranks such a
     site after every site with one.
 
@@ -183,7 +185,8 @@ def fit_forecast(history: np.ndarray, settings: CarbonForecastSettings, zone: st
                  ) -> tuple[Model, np.ndarray, dict[str, float]]:
     """Fit the configured model on ``history`` (hourly gCO2e/kWh, oldest first, ending just before the first
     hour forecast) and forecast ``horizon_h`` hours, extended to ``reach_h`` by the mean day of the last
-    ``profile_days`` days of ``history``. Returns ``(fitted model, forecast, in-sample MAE per candidate)`` (the MAEs only for ``auto``). CPU-bound (tens of milliseconds for four weeks); raises
+    ``profile_days`` days of ``history``. Returns ``(fitted model, forecast, in-sample MAE per candidate)``
+    (the MAEs only for ``auto``). CPU-bound (tens of milliseconds for four weeks); raises
     :class:`~broker.forecast.ForecastError` naming the zone."""
     y = np.asarray(history, dtype=np.float64)
     horizon = settings.horizon_h

@@ -66,8 +66,7 @@ def whole_job_oracle(
     job in submit order (not those allowed the fewest sites first: no job is placed ahead of one submitted
     before it, as a broker deciding each job as it arrives would place it); ``max_wait_s`` lets no job start
     later than that after its submission (a policy's deferral horizon), unless no start before has room.
-    Returns the
-    schedule as a :class:`PolicyRun` named :data:`NAME`. Raises :class:`SimulationError` when a job cannot
+    Returns the schedule as a :class:`PolicyRun` named :data:`NAME`. Raises :class:`SimulationError` when a job cannot
     end before the carbon data does."""
     t_wall = time.perf_counter()
     n = len(workload.submit_s)
