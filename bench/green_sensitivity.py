@@ -188,15 +188,12 @@ def priced(prep: Prepared, federation: engine.Federation) -> engine.Federation:
 
 
 def true_carbon(run: engine.PolicyRun, prep: Prepared) -> engine.PolicyRun:
-    """``run`` with each job's carbon accounted on the true intensity, piece by piece."""
-    fed, w = prep.federation, prep.workload
-    held = w.gpus.astype(np.float64) * np.where(w.milli < 1000, w.milli / 1000.0, 1.0)
-    jobs, site, start, end = run.pieces()
-    kg = (fed.facts().power_kw_per_gpu[site] * held[jobs]
-          * (fed.carbon_integral(site, end) - fed.carbon_integral(site, start)) / 1000.0)
-    carbon = np.zeros(len(w))
-    np.add.at(carbon, jobs, kg)
-    return replace(run, carbon_kg=carbon)
+    """``run`` with each job's carbon accounted on the true intensity, piece by piece, as the replay accounts
+    it (``engine._account``)."""
+    assert run.model is not None
+    true = engine._account(run.name, prep.workload, prep.federation, run.site, run.model, run.start_s, run.end_s,
+                           run.wall_s, last_start=run.last_start_s, moved=run.moved)
+    return replace(run, carbon_kg=true.carbon_kg)
 
 
 def replay(prep: Prepared, name: str, build: Callable[[], Pipeline], foresight: bool = False,

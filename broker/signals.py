@@ -413,39 +413,32 @@ class GridSignals:
         """Hours of :meth:`forecast_rows`' rows (from the hour containing ``now``) that the zones' models made,
         the fewest over the zones with a usable forecast: a forecast made ``k`` hours ago has ``horizon_h -
         k`` model hours left (the rest: the zone's mean day). 0 when no zone has one."""
-        hour = _floor_hour(now)
-        left = [self.settings.horizon_h - (hour - f.first_hour) // _HOUR for f in self._usable(zones, now)]
+        usable = [self._usable(z, now) for z in zones]
+        left = [self.settings.horizon_h - u[1] for u in usable if u is not None]
         return max(min(left), 0) if left else 0
 
-    def _usable(self, zones: Sequence[str], now: datetime) -> list[FittedForecast]:
-        out = []
-        for z in zones:
-            state = self.zones.get(z)
-            f = state.forecast if state is not None else None
-            if f is not None and (now - f.made_at).total_seconds() <= self.settings.stale_after_s:
-                shift = (_floor_hour(now) - f.first_hour) // _HOUR
-                if 0 <= shift < len(f.values):
-                    out.append(f)
-        return out
+    def _usable(self, zone: str, now: datetime) -> tuple[FittedForecast, int] | None:
+        """``zone``'s forecast and the hours since its first hour, if it is usable at ``now``: not stale,
+        not made in a later hour than ``now``'s, not run out."""
+        state = self.zones.get(zone)
+        f = state.forecast if state is not None else None
+        if f is None or (now - f.made_at).total_seconds() > self.settings.stale_after_s:
+            return None
+        shift = (_floor_hour(now) - f.first_hour) // _HOUR
+        return (f, shift) if 0 <= shift < len(f.values) else None  # else: the clock went back, or run out
 
     def forecast_rows(self, zones: Sequence[str], now: datetime) -> np.ndarray:
         """float64[len(zones), reach_h]: each zone's forecast from the hour containing ``now`` (gCO2e/kWh),
         NaN rows where a zone has no usable forecast. Synchronous and cheap: reads memory only."""
         horizon = max(self.settings.reach_h, self.settings.horizon_h)
         out = np.full((len(zones), horizon), np.nan)
-        hour = _floor_hour(now)
         unseen = False
         for i, z in enumerate(zones):
-            state = self.zones.get(z)
-            if state is None:
-                unseen = True
+            unseen = unseen or z not in self.zones
+            usable = self._usable(z, now)
+            if usable is None:
                 continue
-            f = state.forecast
-            if f is None or (now - f.made_at).total_seconds() > self.settings.stale_after_s:
-                continue
-            shift = (hour - f.first_hour) // _HOUR
-            if shift < 0 or shift >= len(f.values):
-                continue  # made in a later hour than now's (the clock went back), or run out
+            f, shift = usable
             n = len(f.values) - shift
             out[i, :min(n, horizon)] = f.values[shift:shift + horizon]
             if n < horizon:  # the hours the shifted row no longer covers

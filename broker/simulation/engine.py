@@ -561,7 +561,7 @@ def _account(name: str, workload: Workload, federation: Federation, site: np.nda
     job, site, model, start, end)."""
     ran = site >= 0
     n = len(workload)
-    held = workload.gpus.astype(np.float64) * np.where(workload.milli < 1000, workload.milli / 1000.0, 1.0)
+    held = workload.held
     energy = np.zeros(n)
     carbon = np.zeros(n)
     cost = np.zeros(n)

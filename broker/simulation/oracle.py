@@ -86,7 +86,7 @@ def whole_job_oracle(
     # Pools: (site, model) pairs with GPUs, in site order then model order. Capacity in milli-GPUs.
     pool_site, pool_model = np.nonzero(federation.base.total_gpus > 0)
     capacity = (federation.base.total_gpus[pool_site, pool_model].astype(np.int64) * 1000)
-    held = workload.gpus.astype(np.float64) * np.where(workload.milli < 1000, workload.milli / 1000.0, 1.0)
+    held = workload.held
     need = np.ceil(held * 1000.0 - 1e-9).astype(np.int64)
     job_model = np.array([-1 if m is None else MODEL_INDEX[m] for m in workload.model], dtype=np.int64)
     allowed_pools = (allowed_sites[:, pool_site]

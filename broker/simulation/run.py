@@ -236,7 +236,7 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
     prep = prepared or prepare(spec)
     w = prep.workload
     facts = prep.federation.facts()
-    held = w.gpus.astype(np.float64) * np.where(w.milli < 1000, w.milli / 1000.0, 1.0)
+    held = w.held
     result = SimulationResult(start=w.start, sites=facts, submit_s=w.submit_s, deadline_s=w.deadline_s, gpus=held,
                               tenant=w.tenant, tenant_names=w.tenant_names, left_out=prep.left_out,
                               report=prep.report)
@@ -365,8 +365,7 @@ def capacity_prices(prep: Prepared) -> np.ndarray:
     for what knowing them is worth (``bench/green_sensitivity.py``), never an input to a policy."""
     w = prep.workload
     ran = ~prep.left_out
-    held = w.gpus.astype(np.float64) * np.where(w.milli < 1000, w.milli / 1000.0, 1.0)
-    _, _, shadow = _offline(prep.federation.facts(), w, ran, held, prep.fitting[ran], shadow_prices=True)
+    _, _, shadow = _offline(prep.federation.facts(), w, ran, w.held, prep.fitting[ran], shadow_prices=True)
     assert shadow is not None
     return shadow
 

@@ -242,6 +242,11 @@ class Workload:
         return int(self.submit_s.shape[0])
 
     @property
+    def held(self) -> np.ndarray:
+        """float64[jobs]: the GPUs each job holds (a fractional job ``milli / 1000`` of one)."""
+        return self.gpus.astype(np.float64) * np.where(self.milli < 1000, self.milli / 1000.0, 1.0)
+
+    @property
     def slack_s(self) -> np.ndarray:
         """Seconds each job may wait and still meet its deadline: deadline - submit - true duration."""
         return self.deadline_s - self.submit_s - self.true_duration_s
