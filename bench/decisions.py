@@ -62,7 +62,7 @@ from broker.data.carbon import load_carbon  # noqa: E402
 from broker.cycle import PassDecider  # noqa: E402
 from broker.forecast import PROFILE_DAYS, REACH_H, daily_profile, extend_by_profile  # noqa: E402
 from broker.models import Health, JobSpec, ModelCapacity, SiteSpec, SiteState  # noqa: E402
-from policies import explain, runtime_risk, timeshift  # noqa: E402
+from policies import explain, latency_reserve, runtime_risk, timeshift  # noqa: E402
 from policies.pipeline import choose_model, default_pipeline  # noqa: E402
 from policies.profiles import BUILTIN, SHIFTS, pipeline_for, profile_pipeline  # noqa: E402
 from policies.snapshot import JobRequest, Snapshot, build_snapshot, replace_forecast  # noqa: E402
@@ -176,6 +176,17 @@ def plan_of(snap: Snapshot, shift: ShiftPolicy, seed: int) -> np.ndarray:
     return calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours)
 
 
+def near_of(snap: Snapshot, shift: ShiftPolicy, seed: int) -> dict[str, np.ndarray]:
+    """What a profile that keeps room for latency-bound jobs (``latency_reserve``) reads in a pass, as the live
+    cycle hands it: a week of hourly samples of the GPUs such jobs held (at a third of the sites, seeded, up to
+    half of each model's GPUs there) and what they hold or have booked in each hour of the plan (nothing)."""
+    rng = np.random.default_rng(seed + 1)
+    share = np.where(rng.random(snap.n_sites) < 1 / 3, rng.uniform(0.0, 0.5, snap.n_sites), 0.0)
+    samples = rng.random((latency_reserve.WINDOW_H,) + snap.total_gpus.shape) * share[None, :, None]
+    samples = np.sort(np.floor(samples * snap.total_gpus[None]), axis=0).astype(np.float32)
+    return {"near_samples": samples, "near_booked": np.zeros(snap.plan_free.shape)}
+
+
 def real_forecasts(folder: Path, n_sites: int, seed: int) -> np.ndarray:
     """[n_sites, REACH_H]: site i gets zone i mod (zones in ``folder``), and as its forecast the row a broker
     with a seasonal-naive model would make at a seeded hour of 2022: the 24 hours before, twice over (real
@@ -268,6 +279,8 @@ def main() -> int:
             built = replace_forecast(built, forecast)
         if shift is not None:
             built = replace(built, plan_free=plan_of(built, shift, args.seed), run_time_errors=errors)
+            if shift.latency_reserve is not None:
+                built = replace(built, **near_of(built, shift, args.seed))
         return built
 
     t = time.perf_counter_ns()

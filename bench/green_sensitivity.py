@@ -7,14 +7,18 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   estimates' error;
 - ``exact estimates, waits unbounded``: the same, and ``green`` without ``max_wait_factor`` and
   ``min_saving_abs``: whether the wait bounds hold the carbon back;
+- ``previous``: ``green`` as the release before this one shipped it: no room kept for latency-bound jobs, and
+  ``duration_safety`` 1.25; ``no-reserve``: ``green`` without the room kept (``duration_safety`` 1.5 still);
+  ``price-0.2``, ``-1``, ``-2``, ``-5``: the room priced at that many kg CO2e per GPU-hour instead of
+  ``green``'s 0.5 (``reserve-1``, below: not priced, a bar);
 - ``duration_safety 2`` and ``2.5``: a deferral keeps two (two and a half) expected run times before the
-  deadline instead of ``green``'s 1.25; ``safety-1.5``: the default 1.5, which ``green`` kept until the
-  release after it priced a wait's risk; ``safety-1.0``: none kept beyond the estimate itself;
+  deadline instead of ``green``'s 1.5; ``safety-1.25``: what ``green`` kept before it kept room for
+  latency-bound jobs; ``safety-1.0``: none kept beyond the estimate itself;
 - ``headroom 0.1``: deferred starts of jobs without a latency objective leave a tenth of every site free,
   for work that cannot wait or go far (``headroom-0.1-safety-2``: and ``duration_safety`` 2);
 - ``reserve-0.75``, ``-0.9``, ``-1``: deferred work without a latency objective leaves free, at each site,
-  that quantile of what latency-bound jobs held there hour by hour over the last week
-  (``latency_reserve``, :mod:`policies.latency_reserve`; ``green`` keeps none);
+  that quantile of what latency-bound jobs held there hour by hour over the last week, as a bar
+  (``latency_reserve``, :mod:`policies.latency_reserve`; ``green`` keeps the 1.0 quantile, priced);
 - ``max-risk-0.05``: a deferral may not plan a start whose chance of missing the deadline is above 5 %
   (``max_risk``); ``reserve-0.9-max-risk-0.05``: both;
 - ``deadline risk not priced`` (``unpriced``): ``miss_cost`` 0, as ``green`` was before it priced a
@@ -131,19 +135,29 @@ VARIANTS: dict[str, Variant] = {
     "exact": Variant("green, exact estimates", {"estimate_sigma": 0.0}, lambda: policy("green")),
     "exact-unbounded": Variant("green, exact estimates, waits unbounded", {"estimate_sigma": 0.0},
                                green(max_wait_factor=None, min_saving_abs=0.0)),
+    "previous": Variant("green of the previous release (no room kept, duration_safety 1.25)", {},
+                        green(latency_reserve=None, latency_reserve_price=None, duration_safety=1.25)),
+    "no-reserve": Variant("green, no room kept for latency-bound jobs", {},
+                          green(latency_reserve=None, latency_reserve_price=None)),
+    "price-0.2": Variant("green, the room priced at 0.2 kg per GPU-hour", {}, green(latency_reserve_price=0.2)),
+    "price-1": Variant("green, the room priced at 1 kg per GPU-hour", {}, green(latency_reserve_price=1.0)),
+    "price-2": Variant("green, the room priced at 2 kg per GPU-hour", {}, green(latency_reserve_price=2.0)),
+    "price-5": Variant("green, the room priced at 5 kg per GPU-hour", {}, green(latency_reserve_price=5.0)),
     "safety-1.0": Variant("green, duration_safety 1.0", {}, green(duration_safety=1.0)),
-    "safety-1.5": Variant("green, duration_safety 1.5", {}, green(duration_safety=1.5)),
+    "safety-1.25": Variant("green, duration_safety 1.25", {}, green(duration_safety=1.25)),
     "safety-2": Variant("green, duration_safety 2", {}, green(duration_safety=2.0)),
     "safety-2.5": Variant("green, duration_safety 2.5", {}, green(duration_safety=2.5)),
     "headroom-0.1": Variant("green, headroom 0.1", {}, green(headroom=0.1)),
     "headroom-0.1-safety-2": Variant("green, headroom 0.1, duration_safety 2", {},
                                      green(headroom=0.1, duration_safety=2.0)),
-    "reserve-0.75": Variant("green, latency reserve 0.75", {}, green(latency_reserve=0.75)),
-    "reserve-0.9": Variant("green, latency reserve 0.9", {}, green(latency_reserve=0.9)),
-    "reserve-1": Variant("green, latency reserve 1.0", {}, green(latency_reserve=1.0)),
+    "reserve-0.75": Variant("green, latency reserve 0.75 as a bar", {},
+                            green(latency_reserve=0.75, latency_reserve_price=None)),
+    "reserve-0.9": Variant("green, latency reserve 0.9 as a bar", {},
+                           green(latency_reserve=0.9, latency_reserve_price=None)),
+    "reserve-1": Variant("green, latency reserve 1.0 as a bar", {}, green(latency_reserve=1.0, latency_reserve_price=None)),
     "max-risk-0.05": Variant("green, max_risk 0.05", {}, green(max_risk=0.05)),
-    "reserve-0.9-max-risk-0.05": Variant("green, latency reserve 0.9, max_risk 0.05", {},
-                                         green(latency_reserve=0.9, max_risk=0.05)),
+    "reserve-0.9-max-risk-0.05": Variant("green, latency reserve 0.9 as a bar, max_risk 0.05", {},
+                                         green(latency_reserve=0.9, latency_reserve_price=None, max_risk=0.05)),
     "unpriced": Variant("green, deadline risk not priced", {}, green(miss_cost=0.0)),
     "balanced": Variant("balanced", {}, lambda: policy("balanced")),
     "balanced-unpriced": Variant("balanced, deadline risk not priced", {}, shifted("balanced", miss_cost=0.0)),

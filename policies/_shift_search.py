@@ -7,6 +7,7 @@ a thousand sites is gone.
 
 - :func:`start_now`: whether the plan allows a start now at one site, its value, and the best start now
   at any site (:func:`cheapest_fitting_now`), in one call; where the plan has no room, why.
+- :func:`walk_now`: :func:`start_now` at each of the profile's sites, best score first, until one fits.
 - :func:`cheapest_fitting_now`: of the sites that could take the job now, the one whose objective for a
   start now is lowest (ties: the earlier in ``feasible``), among those the plan has room for over the hours
   the run holds.
@@ -102,10 +103,50 @@ def _room(plan_free: np.ndarray, site: int, column: int, first: int, end: int, n
     jobs, where more: :func:`_hour_bar`) at ``site`` in model ``column`` in every hour of ``[first, end)``,
     in the plan's own precision (float32, within its tolerance)."""
     bar = _bar(need, reserve)
+    if kept.shape[0] == 0 or not kept[site, column] > reserve:  # nothing kept above the bar: the bar alone
+        for h in range(first, end):
+            if not plan_free[site, column, h] >= bar:
+                return False
+        return True
     for h in range(first, end):
         if not plan_free[site, column, h] >= _hour_bar(bar, need, reserve, kept, near, site, column, h):
             return False
     return True
+
+
+@_jit(inline="always")
+def _taken(plan_free: np.ndarray, site: int, column: int, first: int, end: int, t0: float, t1: float, need: float,
+           reserve: np.float32, kept: np.ndarray, near: np.ndarray) -> float:
+    """GPU-hours of a run of ``need`` GPUs from ``t0`` to ``t1`` hours (counted from now's hour) that would come
+    out of the room kept for latency-bound jobs, over its hours ``[first, end)``: in each hour, the part of
+    :func:`_hour_bar` above need plus ``reserve`` that the plan has not free, at most ``need``, times the
+    share of the hour the run holds. 0 when ``kept`` is empty."""
+    if kept.shape[0] == 0 or not kept[site, column] > reserve:
+        return 0.0
+    total = 0.0
+    for h in range(first, end):
+        share = min(float(h + 1), t1) - max(float(h), t0)
+        if share > 0.0:
+            total += share * _taken_in(plan_free, site, column, need, reserve, kept, near, h)
+    return total
+
+
+@_jit(inline="always")
+def _taken_in(plan_free: np.ndarray, site: int, column: int, need: float, reserve: np.float32, kept: np.ndarray,
+              near: np.ndarray, h: int) -> float:
+    """:func:`_taken` for hour ``h`` alone."""
+    if kept.shape[0] == 0:
+        return 0.0
+    level = kept[site, column]
+    if not level > 0:
+        return 0.0
+    held = np.float32(level - near[site, column, h])
+    if not held > reserve:
+        return 0.0
+    over = float(_bar(need, held)) - float(plan_free[site, column, h])
+    if not over > 0.0:
+        return 0.0
+    return min(over, need)
 
 
 @_jit()
@@ -119,10 +160,13 @@ def room_now(plan_free: np.ndarray, site: int, column: int, first: int, end: int
 def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarray, need: float, d_h: float,
                          into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
                          plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray,
-                         near: np.ndarray, first: int, now_hours: int) -> tuple[float, int]:
+                         near: np.ndarray, first: int, now_hours: int, kept_price: float) -> tuple[float, int]:
     """(value, site) of the first site of ``feasible`` in ascending order of its value now (a stable
     order) that is ``ok`` and whose plan column has room for ``need`` plus its ``reserve`` in hours
-    ``[first, now_hours)``; (inf, -1) when none has."""
+    ``[first, now_hours)``; (inf, -1) when none has. With a finite ``kept_price`` the room kept for
+    latency-bound jobs is not a bar: a start that takes some of it pays ``kept_price`` per GPU-hour taken
+    (:func:`_taken`), added to its value."""
+    soft = kept.shape[0] > 0 and kept_price < np.inf
     best_value = np.inf
     best_site = -1
     for i in range(feasible.shape[0]):
@@ -134,6 +178,18 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
             value = rate * (_integral(cum, forecast, site, into_h + d_h) - _integral(cum, forecast, site, into_h)) / 1000.0
         else:
             value = rate * d_h
+        if soft:
+            if not value < best_value:  # the price only adds
+                continue
+            if not _room(plan_free, site, col[site], first, now_hours, need, reserve[site], kept[:0], near):
+                continue
+            value = value + kept_price * _taken(plan_free, site, col[site], first, now_hours, into_h, into_h + d_h,
+                                                need, reserve[site], kept, near)
+            if not value < best_value:
+                continue
+            best_value = value
+            best_site = site
+            continue
         if not value < best_value:  # NaN never wins; a tie keeps the earlier site
             continue
         if _room(plan_free, site, col[site], first, now_hours, need, reserve[site], kept, near):
@@ -146,19 +202,25 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.ndarray, per_gpu: np.ndarray,
               need: float, d_h: float, into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
               plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray,
-              first: int, now_hours: int) -> tuple[bool, float, float, int, int, int]:
+              first: int, now_hours: int, kept_price: float, other: float,
+              at: int) -> tuple[bool, float, float, int, int, int]:
     """A start now at ``site`` on model ``column`` (``rate``: kW or USD per GPU-hour there): (whether the plan
     allows it, its value, the value and site of the best start now at any site the plan allows, this one
     included, and -1, 0). A site that is not ``ok`` cannot be checked by the plan: it is allowed, valued 0.
-    The best start anywhere is :func:`cheapest_fitting_now`'s when there is more than one feasible site,
-    taken over this one's only where lower (a tie: the lower index).
+    The best start anywhere is :func:`cheapest_fitting_now`'s (``other``, ``at``: the caller's, computed once
+    for all the sites it tries; ``at`` -2 where not yet computed, when this computes it) when there is more
+    than one feasible site, taken over this one's only where lower (a tie: the lower index).
 
     Where the plan has no room: (False, inf, inf, -1, why, hour), for the explanation: ``why`` 0 where the
     run itself does not fit, from ``hour`` on (the first hour of ``[first, now_hours)`` short of ``need``;
     ``first`` when none is, as with NaN); 1 where it would take the room kept for latency-bound jobs; 2 the
-    headroom."""
+    headroom. With a finite ``kept_price`` that room is not a bar but a price per GPU-hour taken from it,
+    added to the value (:func:`cheapest_fitting_now`); a start that takes some of it is allowed only where no
+    start now elsewhere costs less (else ``why`` 1)."""
+    soft = kept.shape[0] > 0 and kept_price < np.inf
+    hard_kept = kept[:0] if soft else kept
     if ok[site]:
-        if not _room(plan_free, site, column, first, now_hours, need, reserve[site], kept, near):
+        if not _room(plan_free, site, column, first, now_hours, need, reserve[site], hard_kept, near):
             bare = _bar(need, np.float32(0.0))
             if not _room(plan_free, site, column, first, now_hours, need, np.float32(0.0), kept[:0], near):
                 for h in range(first, now_hours):
@@ -173,30 +235,141 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
                                    - _integral(cum, forecast, site, into_h)) / 1000.0
         else:
             value = rate * need * d_h
+        if soft:
+            taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site],
+                           kept, near)
+            value = value + kept_price * taken
     else:
         value = 0.0
+        taken = 0.0
     best_value, best_site = value, site
     if feasible.shape[0] > 1:
-        other, at = cheapest_fitting_now(feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
-                                         col, reserve, kept, near, first, now_hours)
+        if at == -2:
+            other, at = cheapest_fitting_now(feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, carbon,
+                                             plan_free, col, reserve, kept, near, first, now_hours, kept_price)
         # min((other, at), (value, site)) as Python compares tuples
         if at >= 0 and not (value < other or (value == other and site < at)):
             best_value, best_site = other, at
+    if soft and ok[site] and taken > 0.0 and best_site != site:
+        return False, np.inf, np.inf, -1, 1, 0  # it takes priced room where a start elsewhere costs less
     return True, value, best_value, best_site, -1, 0
+
+
+WALK_SELECT = 16
+"""Sites :func:`walk_now` picks one at a time, best score first, before it sorts the rest: most walks end
+within a few sites, where a full sort of a thousand scores costs more than the walk."""
+
+
+@_jit(inline="always")
+def _before(totals: np.ndarray, i: int, j: int) -> bool:
+    """Whether site ``i`` comes before site ``j`` (``i`` > ``j``) in descending order of ``totals``: a higher
+    score, NaN after every number, equals in index order (so never, for an earlier ``j``)."""
+    a, b = totals[i], totals[j]
+    if a != a:
+        return False
+    return b != b or a > b
+
+
+@_jit()
+def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.ndarray, columns: np.ndarray,
+             memory: np.ndarray, tdp: np.ndarray, usd: np.ndarray, ok: np.ndarray, feasible: np.ndarray,
+             per_gpu: np.ndarray, need: float, d_h: float, into_h: float, forecast: np.ndarray, cum: np.ndarray,
+             carbon: bool, plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray,
+             near: np.ndarray, first: int, now_hours: int, kept_price: float, other: float, at: int,
+             keep: int) -> tuple[int, int, float, float, int, np.ndarray, int]:
+    """:func:`start_now` at each of the profile's ``feasible`` sites, in descending order of their ``totals``
+    (ties: the earlier in ``feasible``, as a stable sort), until the plan allows one. The model column each
+    would start on: ``models[k]`` for ``feasible[k]`` where given, else, as ``GpuFit.smallest_at``, of the
+    ``columns`` with ``room`` at the site (bool and int32 [n_sites, len(columns)], with ``free`` GPUs), the
+    least ``memory`` per GPU, then the most free, then the first (the plan's ``col`` where none has room). Its
+    rate: ``tdp`` (kW per model) for carbon, else ``usd`` ([n_sites, n_models] per GPU-hour; NaN: inf).
+
+    Returns (the site chosen, -1 when none; its model; its value; the value and site of the best start now
+    anywhere; the first ``keep`` sites turned away before it, int64[keep, 4] rows of site, ``why``, ``hour``
+    (as :func:`start_now` gives them; ``why`` 3: not ``ok``, the plan cannot check it) and model, -1 past the
+    last; how many were turned away). One call instead of one per site: a profile whose best sites are
+    turned away for the room kept for latency-bound jobs tries several."""
+    n = totals.shape[0]
+    passed = np.full((keep, 4), -1, dtype=np.int64)
+    n_passed = 0
+    given = models.shape[0] > 0
+    # The best WALK_SELECT in one scan (kept in order: score down, then index up; NaN after every number, as
+    # the stable sort puts it), the rest sorted only if the walk gets that far.
+    top = np.empty(min(WALK_SELECT, n), dtype=np.int64)
+    n_top = 0
+    for i in range(n):
+        j = n_top
+        while j > 0 and _before(totals, i, top[j - 1]):
+            j -= 1
+        if j >= top.shape[0]:
+            continue
+        last = min(n_top, top.shape[0] - 1)
+        for m in range(last, j, -1):
+            top[m] = top[m - 1]
+        top[j] = i
+        n_top = min(n_top + 1, top.shape[0])
+    order = np.empty(0, dtype=np.int64)
+    for step in range(n):
+        if step < top.shape[0]:
+            k = top[step]
+        else:
+            if step == top.shape[0]:  # the rest in one stable sort
+                tried = np.zeros(n, dtype=np.bool_)
+                tried[top] = True
+                rest = np.flatnonzero(~tried)
+                order = rest[np.argsort(-totals[rest], kind="mergesort")]
+            k = order[step - top.shape[0]]
+        site = feasible[k]
+        if given:
+            model = models[k]
+        else:
+            model = -1
+            best_memory, best_free = np.inf, -1
+            for i in range(columns.shape[0]):
+                if room[site, i] and (model < 0 or memory[i] < best_memory
+                                      or (memory[i] == best_memory and free[site, i] > best_free)):
+                    model, best_memory, best_free = columns[i], memory[i], free[site, i]
+            if model < 0:
+                model = col[site]
+        if not ok[site]:
+            if n_passed < keep:
+                passed[n_passed, 0], passed[n_passed, 1], passed[n_passed, 2], passed[n_passed, 3] = site, 3, 0, model
+            n_passed += 1
+            continue
+        if carbon:
+            rate = float(tdp[model])
+        else:
+            rate = usd[site, model]
+            if not rate == rate:
+                rate = np.inf
+        fits, value, best_value, best_site, why, hour = start_now(
+            site, model, rate, ok, feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
+            col, reserve, kept, near, first, now_hours, kept_price, other, at)
+        if fits:
+            return site, model, value, best_value, best_site, passed, n_passed
+        if n_passed < keep:
+            passed[n_passed, 0], passed[n_passed, 1], passed[n_passed, 2], passed[n_passed, 3] = site, why, hour, model
+        n_passed += 1
+    return -1, -1, np.inf, np.inf, -1, passed, n_passed
 
 
 @_jit()
 def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu: np.ndarray, need: float,
                  d_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool, plan_free: np.ndarray,
                  col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray, last_slot: int,
-                 run_hours: int, span: int, penalty: np.ndarray) -> tuple[float, int, int, int, float]:
+                 run_hours: int, span: int, penalty: np.ndarray,
+                 kept_price: float) -> tuple[float, int, int, int, float]:
     """(value, slot, site, model column, value without the penalty) of the best start at a whole hour
     ``1 .. last_slot`` where the plan has room in every hour of the run (hours past ``span`` are not
     checked); (inf, 0, 0, 0, inf) when none has.
     The candidates are the ``ok`` sites whose lower bound (the run at ``cleanest``, each site's cleanest
     forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up. ``penalty``
     (float64[last_slot + 1], or empty: none) is added to the value of a start at hour ``k``: the price of the
-    risk it adds to the deadline (policies.runtime_risk); at least 0, so the lower bounds still hold."""
+    risk it adds to the deadline (policies.runtime_risk); at least 0, so the lower bounds still hold. With a
+    finite ``kept_price`` the room kept for latency-bound jobs is not a bar: a start pays ``kept_price`` per
+    GPU-hour it takes from it (:func:`_taken`, its last hour pro rata), also at least 0."""
+    soft = kept.shape[0] > 0 and kept_price < np.inf
+    hard_kept = kept[:0] if soft else kept
     n_sites = ok.shape[0]
     floor_value = np.empty(n_sites)
     for site in range(n_sites):
@@ -210,6 +383,9 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
     best_value, best_slot, best_site, best_col, best_pure = np.inf, 0, 0, 0, np.inf
     n = candidates.shape[0]
     short = np.zeros(span + 1, dtype=np.int32)
+    taken = np.zeros(span + 1)  # running sum of the GPU-hours a run would take from the room kept
+    full_hours = int(np.floor(d_h))
+    part = d_h - full_hours
     priced = penalty.shape[0] > last_slot
     for lo in range(0, n, BATCH):
         if floor_value[candidates[lo]] > best_value:
@@ -222,9 +398,16 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
             site = sites[i]
             c = col[site]
             bar = _bar(need, reserve[site])
+            # Nothing kept at this site for this model: the plain bar in every hour (the same answers, faster).
+            keeps = kept.shape[0] > 0 and kept[site, c] > 0
+            site_kept = hard_kept if keeps else kept[:0]
             for h in range(span):
-                short[h + 1] = short[h] + (1 if plan_free[site, c, h] < _hour_bar(bar, need, reserve[site], kept,
+                short[h + 1] = short[h] + (1 if plan_free[site, c, h] < _hour_bar(bar, need, reserve[site], site_kept,
                                                                                    near, site, c, h) else 0)
+            with_price = soft and keeps
+            if with_price:
+                for h in range(span):
+                    taken[h + 1] = taken[h] + _taken_in(plan_free, site, c, need, reserve[site], kept, near, h)
             rate = per_gpu[site] * need
             fixed = rate * d_h  # the cost objective: the same for every start
             for k in range(1, last_slot + 1):
@@ -239,6 +422,11 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
                 pure = value
                 if priced:
                     value = value + penalty[k]
+                if with_price:  # the whole hours the run holds, and the share of its last one
+                    whole_end = min(k + full_hours, span)
+                    value = value + kept_price * (taken[whole_end] - taken[k])
+                    if part > 0.0 and whole_end < span:
+                        value = value + kept_price * part * (taken[whole_end + 1] - taken[whole_end])
                 if (not found or value < b_value or (value == b_value and (k < b_slot or (k == b_slot and site < b_site)))):
                     if value == value:  # NaN never wins (np.argmin would pick it; the plan's values are finite)
                         b_value, b_slot, b_site, b_col, b_pure = value, k, site, c, pure

@@ -20,6 +20,14 @@ This reserve is kept only where latency-bound jobs are seen to need it, as much 
   GPUs less the larger of the two. Latency-bound jobs may take all of it; a job that cannot wait is not
   held back (it is placed as if no plan existed), nor is one that could wait when no later start has
   room either (it starts now rather than wait for nothing).
+- **Or priced** (``shift.latency_reserve_price``, in the objective's unit per GPU-hour): the room kept is then
+  a bid price rather than a bar (as in bid-price control, the other classic of revenue management). Work
+  without a latency objective may take some of it, paying the price for each GPU-hour it takes, pro rata
+  over the hours its run holds; a start now that takes any is allowed only where no start now elsewhere
+  costs less, price included, and a later start's value carries its price as it carries the deadline
+  risk's. So the room gives way where keeping it would cost more than the price (when every clean site is
+  full, at high utilisation), and holds where a job has somewhere nearly as good to go. Moves of running
+  work (:mod:`policies.migration`) still treat the room kept as a bar.
 
 What it buys and costs on the Philly replays is in the README (Evidence, "Room for latency-bound jobs and a
 bound on a deferral's risk"): at the 0.9 quantile, 13-48 % fewer deadline misses on five of the six

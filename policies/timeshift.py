@@ -67,7 +67,7 @@ from broker import ids
 from policies import _shift_search as _search
 from policies import latency_reserve, runtime_risk
 from policies.scorers._usable import usable_models
-from policies.snapshot import TDP_KW, JobRequest, Snapshot
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot
 
 if TYPE_CHECKING:
     from policies.pipeline import Placement
@@ -121,6 +121,12 @@ class ShiftPolicy(BaseModel):
                     "held there, hour by hour over the last week, less what they hold or have booked in each "
                     "hour, is left free by work without one that the plan places (policies.latency_reserve); "
                     "None: no such reserve")
+    latency_reserve_price: float | None = Field(
+        default=None, ge=0.0,
+        description="make the latency_reserve a price instead of a bar: work the plan places may take room kept "
+                    "for latency-bound jobs, paying this much in the objective's unit (kg CO2e for carbon, USD for "
+                    "cost) for each GPU-hour it takes, so it does so only where every other start costs more; "
+                    "None: the room kept is never taken")
 
     @model_validator(mode="after")
     def _risk_is_judged(self) -> ShiftPolicy:
@@ -430,6 +436,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         reserve_all = snap.derived(("shift-no-headroom",), np.zeros, snap.n_sites, np.float32)
     # So is the room latency-bound jobs were seen to need where they run (policies.latency_reserve).
     kept, near = held_back_for(req, snap, policy)
+    kept_price = math.inf if policy.latency_reserve_price is None else float(policy.latency_reserve_price)
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
     first = 1 if req.fractional else 0
@@ -439,6 +446,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             return float(TDP_KW[column])
         return float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
 
+    anywhere: list[tuple[float, int]] = []  # the best start now at any site: the same for every site tried
+
     def start_now(site: int, column: int) -> tuple[bool, float, float, int, int, int]:
         # A job that can wait leaves the headroom (and the room kept for latency-bound jobs) free in every
         # hour of its run, now or later. The current hour is the sites' real free capacity, which the
@@ -446,9 +455,14 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         # checked in it too. One compiled call (policies._shift_search.start_now): whether the plan has room
         # for a run starting now at ``site`` on ``column`` (the model it would start on now), its value, the
         # best start now at any site the plan allows, and where there is no room, why.
+        if not anywhere and placement.feasible.shape[0] > 1 and ok[site]:
+            anywhere.append(_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h, forecast,
+                                                         cum, carbon, plan_free, col, reserve_all, kept, near, first,
+                                                         now_hours, kept_price))
+        other, at = anywhere[0] if anywhere else (math.inf, -2)
         return _search.start_now(site, column, per_gpu_at(site, column), ok, placement.feasible, per_gpu, need, d_h,
                                  into_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, first,
-                                 now_hours)
+                                 now_hours, kept_price, other, at)
 
     def why_not_now(site: int, column: int, why: int, hour: int) -> str:
         # Why a run starting now at ``site`` does not fit the plan (start_now's ``why`` and ``hour``), for the
@@ -461,8 +475,12 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             return (f"its {model} GPUs are booked from {at:%Y-%m-%dT%H:%MZ}, within this run's expected "
                     f"{d_h:.3g} h, by running or deferred jobs")
         if why == 1:
-            return (f"it would take the room kept for latency-bound jobs: {float(kept[site, column]):g} "
+            text = (f"it would take the room kept for latency-bound jobs: {float(kept[site, column]):g} "
                     f"{model} GPUs at latency_reserve {policy.latency_reserve:g}")
+            if policy.latency_reserve_price is not None:
+                text += (f", at {policy.latency_reserve_price:g} per GPU-hour taken, where a start elsewhere "
+                         "costs less")
+            return text
         return f"it would take the headroom kept for work that cannot wait: headroom {policy.headroom:g}"
 
     # Starting now: the profile's choice if the plan allows it, else its best-scoring site that the plan allows.
@@ -479,25 +497,25 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         fits, best_now, anywhere_now, anywhere_site, _, _ = start_now(placement.site, placement.model)
         if fits:
             now_site = placement.site
-        else:  # (start_now gave inf, inf, -1)
-            for k in np.argsort(-placement.totals, kind="stable"):
-                site = int(placement.feasible[k])
-                if not ok[site]:
-                    n_passed += 1
-                    if len(passed) < PASSED_OVER_KEPT:
-                        passed.append((site, "the plan cannot check it: no complete forecast for its zone, or no "
-                                             "price, for the GPUs the job would use"))
-                    continue
-                model = _model_at(placement, snap, site)
-                fits, best_now, anywhere_now, anywhere_site, why, hour = start_now(site, model)
-                if fits:
-                    now_site = site
-                    chosen = replace(placement, site=site, model=model, passed_over=tuple(passed),
-                                     n_passed_over=n_passed)
-                    break
-                n_passed += 1
-                if len(passed) < PASSED_OVER_KEPT:
-                    passed.append((site, why_not_now(site, model, why, hour)))
+        else:  # (start_now gave inf, inf, -1): the profile's sites in score order, in one compiled walk
+            if not anywhere and placement.feasible.shape[0] > 1:
+                anywhere.append(_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h,
+                                                             forecast, cum, carbon, plan_free, col, reserve_all, kept,
+                                                             near, first, now_hours, kept_price))
+            other, at = anywhere[0] if anywhere else (math.inf, -2)
+            models, room, free, columns, memory = _model_choice(placement, snap)
+            site, model, best_now, anywhere_now, anywhere_site, turned, n_passed = _search.walk_now(
+                placement.totals, models, room, free, columns, memory, TDP_KW, snap.usd_per_gpu_hour, ok,
+                placement.feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free, col, reserve_all,
+                kept, near, first, now_hours, kept_price, other, at, PASSED_OVER_KEPT)
+            for away, why, hour, at_model in turned[:min(n_passed, PASSED_OVER_KEPT)].tolist():
+                passed.append((away, why_not_now(away, at_model, why, hour) if why != 3 else
+                               "the plan cannot check it: no complete forecast for its zone, or no price, for the "
+                               "GPUs the job would use"))
+            if site >= 0:
+                now_site = site
+                chosen = replace(placement, site=site, model=model, passed_over=tuple(passed),
+                                 n_passed_over=n_passed)
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
@@ -515,7 +533,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         penalty = np.where(risk[1:] > policy.max_risk, np.inf, penalty)
     value, slot, site, best_col, value_then = _search.search_later(
         ok, cleanest, threshold, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near,
-        last_slot, run_hours, min(hours, last_slot + run_hours), penalty)
+        last_slot, run_hours, min(hours, last_slot + run_hours), penalty, kept_price)
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
     if math.isfinite(value) and value < threshold:
@@ -577,6 +595,32 @@ def _steady(placement: Placement, filter_codes: tuple[str, ...]) -> np.ndarray |
         if passed is not None and code != _CAPACITY_FILTER:
             steady &= passed
     return steady
+
+
+_NO_MODELS = np.zeros(0, dtype=np.int64)
+_NO_ROOM = np.zeros((0, 0), dtype=bool)
+_NO_FREE = np.zeros((0, 0), dtype=np.int32)
+_NO_MEMORY = np.zeros(0)
+
+
+def _model_choice(placement: Placement,
+                  snap: Snapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`policies._shift_search.walk_now` needs to know the model each of the placement's feasible
+    sites would start on, as :func:`_model_at` chooses it: (the models, one per feasible site, where they are
+    known without looking at the site: the request names one, or the decision kept no fit for this snapshot;
+    else empty), and the decision's fit to choose from (room, free GPUs, usable columns, their memory per GPU;
+    empty where not needed)."""
+    req = placement.request
+    fit = placement.fit
+    if req.model is not None:
+        return (np.full(len(placement.feasible), MODEL_INDEX[req.model], dtype=np.int64), _NO_ROOM, _NO_FREE,
+                _NO_MODELS, _NO_MEMORY)
+    if fit is None or fit.snap is not snap:
+        models = [_model_at(placement, snap, int(site)) for site in placement.feasible.tolist()]
+        return np.array(models, dtype=np.int64), _NO_ROOM, _NO_FREE, _NO_MODELS, _NO_MEMORY
+    usable = fit.usable
+    return (_NO_MODELS, fit.room, fit.free, np.asarray(usable.column_list, dtype=np.int64),
+            np.asarray(usable.memory_order, dtype=np.float64))
 
 
 def _model_at(placement: Placement, snap: Snapshot, site: int) -> int:
@@ -657,3 +701,15 @@ def warm_up() -> None:
         plan(req, near_snap, green.decide(req, near_snap), keeping, green.filter_codes)
     kept, near = held_back_for(req, near_snap, keeping)
     _search.room_now(plan_free, 0, 0, 0, 1, 1.0, np.zeros(snap.n_sites, dtype=np.float32), kept, near)
+    # Where the profile's best site (s0, the cleaner over the run) is booked within the run, the plan walks the
+    # other sites in one compiled call (walk_now): with the models given (a named model) and chosen from the
+    # decision's fit.
+    calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(now))
+    for column in range(snap.total_gpus.shape[1]):
+        calendar.book(0, column, 8.0, epoch_hour(now) + 1, epoch_hour(now) + 2)
+    booked = replace(near_snap, plan_free=calendar.view(now, snap.free_gpus, snap.total_gpus, keeping.plan_hours))
+    for model in (None, "l4"):
+        req = JobRequest(job_id="warm-up", count=4, milli=1000, model=model, memory_gib=0.0,
+                         allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
+                         deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
+        plan(req, booked, green.decide(req, booked), keeping, green.filter_codes)

@@ -531,7 +531,7 @@ from broker.config import BrokerSettings
 from broker.service import Broker
 import policies._scores as scores, policies._shift_search as search, policies.runtime_risk as risk
 names = ("normalise", "least_scaled", "window_mean_rows", "free_where", "search_later", "start_now", "room_now",
-         "_penalty")
+         "walk_now", "_penalty")
 def compiled():
     return {{n: [tuple(getattr(t, "layout", "") for t in sig) for sig in getattr(getattr(scores, n, None) or
             getattr(search, n, None) or getattr(risk, n), "signatures", [])] for n in names}}
@@ -556,6 +556,8 @@ print(compiled())
     assert all(compiled[name] for name in compiled), compiled  # every kernel has compiled code
     rooms = {layouts[0] for layouts in compiled["least_scaled"]}
     assert rooms == {"C", "F"}, compiled["least_scaled"]  # one usable column, and several
+    # The walk over a profile's sites turned away now: models given (a named model), and chosen from the fit.
+    assert {layouts[2] for layouts in compiled["walk_now"]} == {"C", "F"}, compiled["walk_now"]
 
 
 async def test_a_broker_says_at_start_which_profiles_move_running_jobs(tmp_path, caplog):

@@ -163,6 +163,29 @@ def test_a_site_turned_away_for_the_reserve_is_named_in_the_decision() -> None:
     assert next(v for v in decision.sites if v.site == "ashburn").passed_over == why
 
 
+def test_a_priced_reserve_is_taken_only_where_it_saves_more_than_its_price() -> None:
+    # Ashburn (100 g/kWh) saves 0.64 kg on Toronto (300) for a 2-hour, 4-GPU A100 run, but latency-bound jobs
+    # held 14 of its 16 GPUs: a start now there takes 2 GPUs of the room kept in each of the 3 hours it
+    # touches (6 GPU-hours). Priced at 0.05 kg per GPU-hour (0.3 kg) the room is worth taking; at 0.5 (3 kg)
+    # it is not, and the job starts at Toronto as with the reserve as a bar.
+    forecast = {"toronto": [300.0] * 48, "ashburn": [100.0] * 48, "frankfurt": [600.0] * 48, "sydney": [600.0] * 48}
+    snap = kept(snapshot(NOON, forecast), 14.0)
+    where = {}
+    for price in (None, 0.05, 0.5):
+        outcome = PassDecider(green(latency_reserve=0.9, latency_reserve_price=price), snap).decide(request())
+        assert outcome.placed and not isinstance(outcome, Deferral)
+        where[price] = snap.sites[outcome.site]
+    assert where == {None: "toronto", 0.05: "ashburn", 0.5: "toronto"}
+    # Where no other site has room now, a cheap price lets the job start at Ashburn at once instead of
+    # waiting for Toronto at 17:00; a dear one keeps it waiting, as the bar does.
+    full = kept(snapshot(NOON, forecast, free={"toronto": 0, "frankfurt": 0, "sydney": 0},
+                         booked={"toronto": (8, 1, 5), "frankfurt": (16, 1, 97), "sydney": (8, 1, 97)}), 14.0)
+    cheap = PassDecider(green(latency_reserve=0.9, latency_reserve_price=0.05), full).decide(request())
+    assert cheap.placed and not isinstance(cheap, Deferral) and full.sites[cheap.site] == "ashburn"
+    dear = PassDecider(green(latency_reserve=0.9, latency_reserve_price=0.5), full).decide(request())
+    assert isinstance(dear, Deferral) and (full.sites[dear.site], dear.slot) == ("toronto", 5)
+
+
 def test_a_policy_without_the_reserve_or_a_snapshot_without_samples_keeps_nothing() -> None:
     snap = kept(snapshot(NOON, FLAT), 16.0)
     assert not isinstance(PassDecider(green(latency_reserve=1.0), snap).decide(request()), Deferral)  # all kept
@@ -232,6 +255,8 @@ def test_work_without_a_latency_objective_plans_at_most_what_neither_the_reserve
 def test_the_settings_are_validated_with_the_field_named() -> None:
     with pytest.raises(ValueError, match="latency_reserve"):
         ShiftPolicy(latency_reserve=1.5)
+    with pytest.raises(ValueError, match="latency_reserve_price"):
+        ShiftPolicy(latency_reserve=0.9, latency_reserve_price=-1.0)
     with pytest.raises(ValueError, match="max_risk needs miss_cost"):
         ShiftPolicy(max_risk=0.05)
     profiles = ProfilesConfig.model_validate(
@@ -282,8 +307,8 @@ async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(l
     assert reserve[fra, A100] == 6.0 and reserve[tyo].sum() == 0.0
     assert snap.near_booked[fra, A100, 0] == 6.0  # it still holds them this hour
     assert snap.near_booked[fra, A100, 3] == 0.0  # it is expected to end by then: the reserve is kept free
-    # Operators see it on /metrics.
-    assert b.cycle.latency_reserve() == {("frankfurt", A100, 0.9): 6.0}
+    # Operators see it on /metrics, at each quantile a profile keeps (green-near's 0.9, green's 1.0).
+    assert b.cycle.latency_reserve() == {("frankfurt", A100, 0.9): 6.0, ("frankfurt", A100, 1.0): 6.0}
     from prometheus_client import generate_latest
 
     scraped = generate_latest(b.metrics.registry).decode()
@@ -294,7 +319,7 @@ async def test_the_live_cycle_learns_what_latency_bound_jobs_hold_at_each_site(l
     await b.stop()
     again, _ = await frankfurt_and_tokyo(tmp_path, **LIVE_SETTINGS)
     try:
-        assert again.cycle.latency_reserve() == {("frankfurt", A100, 0.9): 6.0}
+        assert again.cycle.latency_reserve() == {("frankfurt", A100, 0.9): 6.0, ("frankfurt", A100, 1.0): 6.0}
     finally:
         await again.stop()
 

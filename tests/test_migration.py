@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from broker.data.traces import parse_columns
 from broker.simulation.run import SimulationSpec, simulate
 from policies.migration import MigrationPolicy, Running, make_room, plan_moves, urgent
-from policies.profiles import BUILTIN, SHIFTS, Profile, pipeline_for
+from policies.pipeline import Pipeline
+from policies.profiles import BUILTIN, MIGRATIONS, SHIFTS, Profile, pipeline_for
 from policies.snapshot import TDP_KW
 from tests.test_sim_engine import _site
 from tests.test_timeshift import A100, NOON, request, snapshot
@@ -249,7 +250,8 @@ def _three_sites(tmp_path: Path, rows: str) -> SimulationSpec:
 
 
 def _replay(tmp_path: Path, rows: str, near: list[bool], checkpointable: list[bool],
-            deadline_h: dict[int, float] | None = None, policy: MigrationPolicy | None = None):
+            deadline_h: dict[int, float] | None = None, policy: MigrationPolicy | None = None,
+            pipeline: Pipeline | None = None):
     """Replay ``rows`` over the three sites under green; jobs with ``near`` set have a 20 ms objective from
     europe-west2 (site a only); ``deadline_h``: job -> hours from its submission to its deadline."""
     from dataclasses import replace as with_
@@ -266,34 +268,43 @@ def _replay(tmp_path: Path, rows: str, near: list[bool], checkpointable: list[bo
     w = with_(w, latency_slo_ms=np.where(near, 20.0, np.nan),
               origin_region=np.full(n, w.region_names.index("gcp:europe-west2"), dtype=w.origin_region.dtype),
               checkpointable=np.array(checkpointable), deadline_s=deadline)
-    pipeline = GREEN if policy is None else pipeline_for(BUILTIN["green"], SHIFTS["green"], policy)
+    if pipeline is None:
+        pipeline = GREEN if policy is None else pipeline_for(BUILTIN["green"], SHIFTS["green"], policy)
     run = engine.replay("green", pipeline, w, prep.federation, engine.requests_of(w), np.zeros(n, dtype=bool))
     return run, w
 
 
-def _replay_near(tmp_path: Path, x_checkpointable: bool, q_deadline_h: float):
+def _replay_near(tmp_path: Path, x_checkpointable: bool, q_deadline_h: float, pipeline: Pipeline | None = None):
     """X (4 GPUs, 100 h, submitted 2022-06-04 00:00) starts at a, the cleanest site then. Q (4 GPUs, 2 h,
     submitted half an hour later) must run at a (a 20 ms objective from europe-west2) and finish within
     ``q_deadline_h`` of its submission; a is full until X leaves."""
     return _replay(tmp_path, "2022-06-04T00:00:00,360000,4,x\n2022-06-04T00:30:00,7200,4,y\n", [False, True],
-                   [x_checkpointable, False], {1: q_deadline_h})
+                   [x_checkpointable, False], {1: q_deadline_h}, pipeline=pipeline)
 
 
 def test_room_is_made_in_a_replay_and_the_job_near_its_users_meets_its_deadline(tmp_path: Path) -> None:
     """Q's latest start (its deadline less 1.5 × its 2 hours) comes 7 hours after it arrived: within the
     hour before it, X is moved out of a to c (DE, cleaner than FR then), and Q starts at a at once. Once Q
-    has left, a is 25 % cleaner than c over the next two days and X moves back; once the forecast has seen
-    FR's new level, it moves there."""
+    has left, a is 25 % cleaner than c, but green keeps a's GPUs for jobs near europe-west2 (Q held them:
+    policies.latency_reserve, which moves treat as a bar), so X stays at c until the forecast has seen FR's
+    new level, and moves there. Without the room kept, it moves back to a when Q leaves."""
     stuck, w = _replay_near(tmp_path / "stuck", False, q_deadline_h=10.0)
     assert stuck.start_s[1] == stuck.end_s[0] and stuck.end_s[1] > w.deadline_s[1]  # waits for X, and misses
     run, w = _replay_near(tmp_path / "moved", True, q_deadline_h=10.0)
     pieces = [(int(j), int(site), a / H, b / H) for j, site, _, a, b in run.moved.tolist()]
-    assert [p[:2] for p in pieces] == [(0, 0), (0, 2), (0, 0)] and run.site.tolist() == [1, 0]
+    assert [p[:2] for p in pieces] == [(0, 0), (0, 2)] and run.site.tolist() == [1, 0]
     made_room = pieces[0][3] * H
     assert run.start_s[1] == made_room and 6 * H <= made_room - w.submit_s[1] <= 7 * H
     assert run.end_s[1] <= w.deadline_s[1]
-    assert pieces[1][3] == run.end_s[1] / H  # back to a when Q ended
-    assert run.end_s[0] == pytest.approx(100 * H + 3 * 600.0)  # three restarts
+    assert pieces[1][3] > run.end_s[1] / H + 24  # not back to a when Q ended: on to FR a day later
+    assert run.end_s[0] == pytest.approx(100 * H + 2 * 600.0)  # two restarts
+    open_room = SHIFTS["green"].model_copy(update={"latency_reserve": None, "latency_reserve_price": None})
+    back, w = _replay_near(tmp_path / "back", True, q_deadline_h=10.0,
+                           pipeline=pipeline_for(BUILTIN["green"], open_room, MIGRATIONS["green"]))
+    pieces = [(int(j), int(site), a / H, b / H) for j, site, _, a, b in back.moved.tolist()]
+    assert [p[:2] for p in pieces] == [(0, 0), (0, 2), (0, 0)] and back.site.tolist() == [1, 0]
+    assert pieces[1][3] == back.end_s[1] / H  # back to a when Q ended
+    assert back.end_s[0] == pytest.approx(100 * H + 3 * 600.0)  # three restarts
 
 
 def test_gpus_a_move_frees_go_to_the_queue_at_once(tmp_path: Path) -> None:

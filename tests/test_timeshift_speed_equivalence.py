@@ -19,6 +19,8 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker import ids
 from broker.cycle import PassDecider
@@ -312,3 +314,32 @@ def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, s
     # The streams reach every outcome, so each branch of the search was compared.
     assert outcomes["deferred"] > 10 and outcomes["placed"] > 5, outcomes
     assert (outcomes["risk_added"] > 0) == bool(policy.miss_cost), outcomes  # the priced search was compared too
+
+
+@settings(max_examples=40, deadline=None)
+@given(totals=st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -1.0, math.nan]), min_size=2, max_size=60),
+       rank=st.integers(0, 59))
+def test_the_walk_tries_sites_in_the_order_of_a_stable_sort_of_their_scores(totals: list[float], rank: int):
+    """walk_now picks the best scores one scan at a time and sorts the rest only when it gets that far: the
+    sites it turns away, and the one it stops at, come in the order np.argsort(-totals, kind="stable") gives
+    (NaN last, equals by index), whether the walk ends among the first WALK_SELECT or past them."""
+    from policies import _shift_search as search
+
+    n = len(totals)
+    scores = np.array(totals)
+    order = np.argsort(-scores, kind="stable")
+    feasible = np.arange(n, dtype=np.int64)
+    target = int(order[rank % n])
+    ok = np.zeros(n, dtype=bool)
+    ok[target] = True  # the one the plan can check (and has room at); every other site is turned away
+    plan_free = np.full((n, 1, 4), 8.0, dtype=np.float32)
+    forecast, cum = np.zeros((n, 4)), np.zeros((n, 5))
+    nothing = np.zeros((0, 0), dtype=np.float32)
+    site, model, value, best, best_site, passed, n_passed = search.walk_now(
+        scores, np.zeros(n, dtype=np.int64), np.zeros((0, 0), dtype=bool), np.zeros((0, 0), dtype=np.int32),
+        np.zeros(0, dtype=np.int64), np.zeros(0), np.ones(1), np.ones((n, 1)), ok, feasible, np.ones(n), 1.0, 1.0,
+        0.0, forecast, cum, True, plan_free, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.float32), nothing,
+        np.zeros((0, 0, 0)), 0, 1, math.inf, math.inf, -1, 8)
+    assert site == target and n_passed == rank % n
+    tried = order[:rank % n][:8].tolist()
+    assert passed[:len(tried), 0].tolist() == tried and (passed[:len(tried), 1] == 3).all()
