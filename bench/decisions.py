@@ -27,8 +27,10 @@ over the 28 days before (``--carbon``, default the shared data's 16 zones, round
 intensities when there is no such folder. ``--shift`` adds the profile's time-shifting, as
 the live cycle runs it: every job gets a deadline (its expected run plus 2 to 48 hours of slack, seeded),
 every snapshot a plan hour by hour (``Snapshot.plan_free`` from a ``policies.timeshift.Calendar``: the GPUs
-in use now stay busy for 1 to 12 more hours, seeded) and the run-time errors of 2,000 finished jobs
-(log-normal, sigma 0.5, seeded: what the pricing of a deferral's risk to the deadline reads), and jobs are
+in use now stay busy for 1 to 12 more hours, seeded), the run-time errors of 2,000 finished jobs
+(log-normal, sigma 0.5, seeded: what the pricing of a deferral's risk to the deadline reads), for a profile
+that keeps room for latency-bound jobs (``green``'s time-shifting does) a week of what they held (at a third
+of the sites, up to half of each model's GPUs there, seeded; ``--no-latency-reserve`` keeps none), and jobs are
 decided through ``broker.cycle.PassDecider`` (``decide``, then ``assume`` for a placement or ``reserve`` for
 a deferral), so the timed figure covers the whole decision with the time-shift search; it also prints the share of
 deferrals and the cost of ``timeshift.plan`` per shiftable job.
@@ -36,7 +38,8 @@ deferrals and the cost of ``timeshift.plan`` per shiftable job.
 This prints figures; it asserts nothing about timing. Usage::
 
     .venv/bin/python bench/decisions.py [--sites 1000] [--jobs 50000] [--seed 1] [--explain-sample 2000]
-                                        [--profile balanced|green|cheap|fast|every [--shift]] [--now ISO-TIME]
+                                        [--profile balanced|green|cheap|fast|every [--shift [--no-latency-reserve]]]
+                                        [--now ISO-TIME]
 """
 
 from __future__ import annotations
@@ -229,6 +232,9 @@ def main() -> int:
                    help="the decisions' time, ISO 8601 with a UTC offset (default: the current time); the forecast "
                         "hours, the plan and so the outcomes depend on it, so two builds decide the same jobs the "
                         "same way only at the same --now")
+    p.add_argument("--no-latency-reserve", action="store_true",
+                   help="with --shift: keep no room for latency-bound jobs (green keeps it, priced: without this, a "
+                        "third of the sites are seen to need some, and the plan keeps it)")
     p.add_argument("--refresh-below", type=float, default=0.2,
                    help="rebuild the snapshot when free whole GPUs fall below this share of the start")
     args = p.parse_args()
@@ -255,6 +261,10 @@ def main() -> int:
         pipeline = pipeline_for(EVERY, SHIFTS["green"])
     else:
         pipeline = default_pipeline() if args.profile is None else profile_pipeline(args.profile)
+    if args.no_latency_reserve and pipeline.shift is not None:
+        weights = EVERY if args.profile == "every" else BUILTIN[args.profile]
+        pipeline = pipeline_for(weights, pipeline.shift.model_copy(update={"latency_reserve": None,
+                                                                           "latency_reserve_price": None}))
     shift = pipeline.shift if args.shift else None
     if args.shift:
         reqs = with_deadlines(reqs, now, args.seed)

@@ -29,14 +29,16 @@ This reserve is kept only where latency-bound jobs are seen to need it, as much 
   full, at high utilisation), and holds where a job has somewhere nearly as good to go. Moves of running
   work (:mod:`policies.migration`) still treat the room kept as a bar.
 
-What it buys and costs on the Philly replays is in the README (Evidence, "Room for latency-bound jobs and a
-bound on a deferral's risk"): at the 0.9 quantile, 13-48 % fewer deadline misses on five of the six
-replays measured, for at most 2.7 t more carbon (on the sixth a burst still found the sites full). No
-built-in profile keeps it: at 50 % utilisation in 2021 it takes ``green`` past its carbon target (19.8 %
-below the best carbon-blind baseline, where 20 % is asked).
+What it buys and costs on the Philly replays is in the README (Evidence, "``green`` keeps room for
+latency-bound jobs, priced", and "Room for latency-bound jobs and a bound on a deferral's risk"). As a bar,
+at the 0.9 quantile, 13-48 % fewer deadline misses on five of the six replays measured, for at most 2.7 t
+more carbon, but at 50 % utilisation in 2021 ``green`` past its carbon target. Priced, ``green`` keeps it
+(the 1.0 quantile at 0.5 kg CO2e per GPU-hour): 23-67 % fewer misses on all four replays, for 0.7-2.4 t,
+every target it met before still met.
 
-Units: GPUs (a fractional job counts ``milli / 1000`` of one), POSIX hours. Turning it on: a profile's
-``shift.latency_reserve`` (a quantile in (0, 1]); None, the default, keeps nothing. Pure: the broker and the
+Units: GPUs (a fractional job counts ``milli / 1000`` of one), POSIX hours; the price in the objective's unit
+per GPU-hour. Turning it on: a profile's ``shift.latency_reserve`` (a quantile in (0, 1]); None, the
+default of :class:`policies.timeshift.ShiftPolicy` (not ``green``'s), keeps nothing. Pure: the broker and the
 simulator own the samples (:class:`LatencyDemand`) and hand each pass their sorted samples
 (``Snapshot.near_samples``) and what latency-bound jobs hold in each hour of the plan
 (``Snapshot.near_booked``). The broker keeps the samples in its store (:meth:`LatencyDemand.state`), so a

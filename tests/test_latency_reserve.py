@@ -176,6 +176,11 @@ def test_a_priced_reserve_is_taken_only_where_it_saves_more_than_its_price() -> 
         assert outcome.placed and not isinstance(outcome, Deferral)
         where[price] = snap.sites[outcome.site]
     assert where == {None: "toronto", 0.05: "ashburn", 0.5: "toronto"}
+    pipeline, req = green(latency_reserve=0.9, latency_reserve_price=0.5), request()
+    decision, _ = explained(pipeline, PassDecider(pipeline, snap).decide(req), snap, req)
+    assert next(v for v in decision.sites if v.site == "ashburn").passed_over == (
+        "it would take the room kept for latency-bound jobs: 14 a100-80gb GPUs at latency_reserve 0.9, at 0.5 per "
+        "GPU-hour taken, where a start elsewhere costs less")
     # Where no other site has room now, a cheap price lets the job start at Ashburn at once instead of
     # waiting for Toronto at 17:00; a dear one keeps it waiting, as the bar does.
     full = kept(snapshot(NOON, forecast, free={"toronto": 0, "frankfurt": 0, "sydney": 0},
