@@ -219,6 +219,7 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
     start now elsewhere costs less (else ``why`` 1)."""
     soft = kept.shape[0] > 0 and kept_price < np.inf
     hard_kept = kept[:0] if soft else kept
+    taken = 0.0  # GPU-hours it takes from the room kept, where priced
     if ok[site]:
         if not _room(plan_free, site, column, first, now_hours, need, reserve[site], hard_kept, near):
             bare = _bar(need, np.float32(0.0))
@@ -241,7 +242,6 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
             value = value + kept_price * taken
     else:
         value = 0.0
-        taken = 0.0
     best_value, best_site = value, site
     if feasible.shape[0] > 1:
         if at == -2:

@@ -448,6 +448,15 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
 
     anywhere: list[tuple[float, int]] = []  # the best start now at any site: the same for every site tried
 
+    def best_anywhere() -> tuple[float, int]:
+        # (value, site) of the best start now at any site the plan allows (policies._shift_search.
+        # cheapest_fitting_now), worked out once; (inf, -2) where there is one feasible site: never compared.
+        if not anywhere and placement.feasible.shape[0] > 1:
+            anywhere.append(_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h, forecast,
+                                                         cum, carbon, plan_free, col, reserve_all, kept, near, first,
+                                                         now_hours, kept_price))
+        return anywhere[0] if anywhere else (math.inf, -2)
+
     def start_now(site: int, column: int) -> tuple[bool, float, float, int, int, int]:
         # A job that can wait leaves the headroom (and the room kept for latency-bound jobs) free in every
         # hour of its run, now or later. The current hour is the sites' real free capacity, which the
@@ -455,11 +464,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         # checked in it too. One compiled call (policies._shift_search.start_now): whether the plan has room
         # for a run starting now at ``site`` on ``column`` (the model it would start on now), its value, the
         # best start now at any site the plan allows, and where there is no room, why.
-        if not anywhere and placement.feasible.shape[0] > 1 and ok[site]:
-            anywhere.append(_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h, forecast,
-                                                         cum, carbon, plan_free, col, reserve_all, kept, near, first,
-                                                         now_hours, kept_price))
-        other, at = anywhere[0] if anywhere else (math.inf, -2)
+        other, at = best_anywhere()
         return _search.start_now(site, column, per_gpu_at(site, column), ok, placement.feasible, per_gpu, need, d_h,
                                  into_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, first,
                                  now_hours, kept_price, other, at)
@@ -498,11 +503,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         if fits:
             now_site = placement.site
         else:  # (start_now gave inf, inf, -1): the profile's sites in score order, in one compiled walk
-            if not anywhere and placement.feasible.shape[0] > 1:
-                anywhere.append(_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h,
-                                                             forecast, cum, carbon, plan_free, col, reserve_all, kept,
-                                                             near, first, now_hours, kept_price))
-            other, at = anywhere[0] if anywhere else (math.inf, -2)
+            other, at = best_anywhere()
             models, room, free, columns, memory = _model_choice(placement, snap)
             site, model, best_now, anywhere_now, anywhere_site, turned, n_passed = _search.walk_now(
                 placement.totals, models, room, free, columns, memory, TDP_KW, snap.usd_per_gpu_hour, ok,
