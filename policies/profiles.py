@@ -6,7 +6,7 @@ runs the same filters: health, cordon, region, latency objective, refused, site 
 - ``balanced``: carbon 0.5, cost 0.5, latency 0.25, free GPUs 0.1, off-peak 0.1, telemetry 0.1 — a bit of
   everything, carbon and money first.
 - ``green``: carbon 1.0, cost 0.05, telemetry 0.05 — the cleanest grid over the job's run; defers a job
-  with slack to a cleaner site and hour.
+  with slack to a cleaner site and hour, leaving room, at a price, where latency-bound jobs need it.
 - ``cheap``: cost 1.0, carbon 0.05, telemetry 0.05 — the lowest price; a job with slack waits for room at a
   cheaper site.
 - ``fast``: latency 1.0, free GPUs 0.5, telemetry 0.25 — near the users, on the least loaded site.
