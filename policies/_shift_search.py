@@ -202,8 +202,8 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
 def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.ndarray, per_gpu: np.ndarray,
               need: float, d_h: float, into_h: float, forecast: np.ndarray, cum: np.ndarray, carbon: bool,
               plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray,
-              first: int, now_hours: int, kept_price: float, other: float,
-              at: int) -> tuple[bool, float, float, int, int, int]:
+              first: int, now_hours: int, kept_price: float, other: float, at: int,
+              floor: float) -> tuple[bool, float, float, int, int, int]:
     """A start now at ``site`` on model ``column`` (``rate``: kW or USD per GPU-hour there): (whether the plan
     allows it, its value, the value and site of the best start now at any site the plan allows, this one
     included, and -1, 0). A site that is not ``ok`` cannot be checked by the plan: it is allowed, valued 0.
@@ -216,7 +216,9 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
     ``first`` when none is, as with NaN); 1 where it would take the room kept for latency-bound jobs; 2 the
     headroom. With a finite ``kept_price`` that room is not a bar but a price per GPU-hour taken from it,
     added to the value (:func:`cheapest_fitting_now`); a start that takes some of it is allowed only where no
-    start now elsewhere costs less (else ``why`` 1)."""
+    start now elsewhere costs less (else ``why`` 1). ``floor``: a bound below every start's value here (0 where
+    no forecast hour or price is negative; -inf: none known), so that a start whose price alone for the room
+    it takes is above the best elsewhere is turned away before its value is read."""
     soft = kept.shape[0] > 0 and kept_price < np.inf
     hard_kept = kept[:0] if soft else kept
     taken = 0.0  # GPU-hours it takes from the room kept, where priced
@@ -231,15 +233,18 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
             if kept.size and _room(plan_free, site, column, first, now_hours, need, reserve[site], kept[:0], near):
                 return False, np.inf, np.inf, -1, 1, 0
             return False, np.inf, np.inf, -1, 2, 0
+        if soft:
+            taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site],
+                           kept, near)
+            if (taken > 0.0 and feasible.shape[0] > 1 and at >= 0 and at != site
+                    and floor + kept_price * taken > other):
+                return False, np.inf, np.inf, -1, 1, 0  # its price alone is more than the best start elsewhere
         if carbon:
             value = rate * need * (_integral(cum, forecast, site, into_h + d_h)
                                    - _integral(cum, forecast, site, into_h)) / 1000.0
         else:
             value = rate * need * d_h
-        if soft:
-            taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site],
-                           kept, near)
-            value = value + kept_price * taken
+        value = value + kept_price * taken if soft else value
     else:
         value = 0.0
     best_value, best_site = value, site
@@ -256,18 +261,39 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
 
 
 WALK_SELECT = 16
-"""Sites :func:`walk_now` picks one at a time, best score first, before it sorts the rest: most walks end
-within a few sites, where a full sort of a thousand scores costs more than the walk."""
+"""Sites :func:`walk_now` picks in its first scan over the scores, best first; each later scan picks twice as
+many as the one before, from those after the last picked: most walks end within a few sites, where a full
+sort of a thousand scores costs more than the walk, and a long walk costs a few scans."""
 
 
 @_jit(inline="always")
-def _before(totals: np.ndarray, i: int, j: int) -> bool:
-    """Whether site ``i`` comes before site ``j`` (``i`` > ``j``) in descending order of ``totals``: a higher
-    score, NaN after every number, equals in index order (so never, for an earlier ``j``)."""
+def _precedes(totals: np.ndarray, i: int, j: int) -> bool:
+    """Whether site ``i`` comes before site ``j`` in descending order of ``totals``: a higher score, NaN after
+    every number, equals in index order (the order of a stable sort of ``-totals``)."""
     a, b = totals[i], totals[j]
     if a != a:
-        return False
-    return b != b or a > b
+        return b != b and i < j
+    return b != b or a > b or (a == b and i < j)
+
+
+@_jit()
+def _select(totals: np.ndarray, after: int, top: np.ndarray) -> int:
+    """Fill ``top`` with the first sites, in :func:`_precedes` order, of those that come after site ``after``
+    (-1: of all), best first; how many it holds (fewer than its size where fewer are left)."""
+    n_top = 0
+    size = top.shape[0]
+    for i in range(totals.shape[0]):
+        if after >= 0 and not _precedes(totals, after, i):
+            continue
+        if n_top == size and not _precedes(totals, i, top[size - 1]):
+            continue
+        j = min(n_top, size - 1)
+        while j > 0 and _precedes(totals, i, top[j - 1]):
+            top[j] = top[j - 1]
+            j -= 1
+        top[j] = i
+        n_top = min(n_top + 1, size)
+    return n_top
 
 
 @_jit()
@@ -275,7 +301,7 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
              memory: np.ndarray, tdp: np.ndarray, usd: np.ndarray, ok: np.ndarray, feasible: np.ndarray,
              per_gpu: np.ndarray, need: float, d_h: float, into_h: float, forecast: np.ndarray, cum: np.ndarray,
              carbon: bool, plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray,
-             near: np.ndarray, first: int, now_hours: int, kept_price: float, other: float, at: int,
+             near: np.ndarray, first: int, now_hours: int, kept_price: float, other: float, at: int, floor: float,
              keep: int) -> tuple[int, int, float, float, int, np.ndarray, int]:
     """:func:`start_now` at each of the profile's ``feasible`` sites, in descending order of their ``totals``
     (ties: the earlier in ``feasible``, as a stable sort), until the plan allows one. The model column each
@@ -288,37 +314,27 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
     anywhere; the first ``keep`` sites turned away before it, int64[keep, 4] rows of site, ``why``, ``hour``
     (as :func:`start_now` gives them; ``why`` 3: not ``ok``, the plan cannot check it) and model, -1 past the
     last; how many were turned away). One call instead of one per site: a profile whose best sites are
-    turned away for the room kept for latency-bound jobs tries several."""
+    turned away for the room kept for latency-bound jobs tries several. The order comes from scans that pick
+    the next :data:`WALK_SELECT`, then twice as many each time (:func:`_select`), not from a sort of all."""
     n = totals.shape[0]
     passed = np.full((keep, 4), -1, dtype=np.int64)
     n_passed = 0
     given = models.shape[0] > 0
-    # The best WALK_SELECT in one scan (kept in order: score down, then index up; NaN after every number, as
-    # the stable sort puts it), the rest sorted only if the walk gets that far.
     top = np.empty(min(WALK_SELECT, n), dtype=np.int64)
-    n_top = 0
-    for i in range(n):
-        j = n_top
-        while j > 0 and _before(totals, i, top[j - 1]):
-            j -= 1
-        if j >= top.shape[0]:
-            continue
-        last = min(n_top, top.shape[0] - 1)
-        for m in range(last, j, -1):
-            top[m] = top[m - 1]
-        top[j] = i
-        n_top = min(n_top + 1, top.shape[0])
-    order = np.empty(0, dtype=np.int64)
-    for step in range(n):
-        if step < top.shape[0]:
-            k = top[step]
-        else:
-            if step == top.shape[0]:  # the rest in one stable sort
-                tried = np.zeros(n, dtype=np.bool_)
-                tried[top] = True
-                rest = np.flatnonzero(~tried)
-                order = rest[np.argsort(-totals[rest], kind="mergesort")]
-            k = order[step - top.shape[0]]
+    n_top = _select(totals, -1, top)
+    step = 0
+    for _ in range(n):
+        if step == n_top:  # this batch tried: the next, twice the size, from those after its last
+            if n_top < top.shape[0] or n_top == 0:
+                break
+            last = top[n_top - 1]
+            top = np.empty(min(2 * top.shape[0], n), dtype=np.int64)
+            n_top = _select(totals, last, top)
+            step = 0
+            if n_top == 0:
+                break
+        k = top[step]
+        step += 1
         site = feasible[k]
         if given:
             model = models[k]
@@ -344,7 +360,7 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
                 rate = np.inf
         fits, value, best_value, best_site, why, hour = start_now(
             site, model, rate, ok, feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
-            col, reserve, kept, near, first, now_hours, kept_price, other, at)
+            col, reserve, kept, near, first, now_hours, kept_price, other, at, floor)
         if fits:
             return site, model, value, best_value, best_site, passed, n_passed
         if n_passed < keep:

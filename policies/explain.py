@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -84,7 +85,7 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
     }
 
 
-def _passed_over_record(passed: tuple[tuple[int, str], ...], n_passed: int, snap: Snapshot) -> dict[str, Any]:
+def _passed_over_record(passed: Sequence[tuple[int, str]], n_passed: int, snap: Snapshot) -> dict[str, Any]:
     """The better-scoring sites a time-shifting plan turned away now (site -> why), and how many in all."""
     if not n_passed:
         return {}

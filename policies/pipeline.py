@@ -78,7 +78,7 @@ class Placement:
     totals: np.ndarray  # float64[k]: weighted sum per feasible site
     # Better-scoring feasible sites a time-shifting profile's plan turned away (site index, why), the first
     # policies.timeshift.PASSED_OVER_KEPT of n_passed_over: their GPUs are booked within the run, or kept.
-    passed_over: tuple[tuple[int, str], ...] = ()
+    passed_over: Sequence[tuple[int, str]] = ()  # a tuple, or policies.timeshift.TurnedAway (worded when read)
     n_passed_over: int = 0
     # For the time-shift search (policies.timeshift.plan), called straight after the decision: the sites
     # every filter but the GPU fit passed (None: all), and the decision's fit (it holds the free capacity

@@ -55,10 +55,10 @@ never defers; ``min_saving`` close to 1 defers only for lack of room.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -195,7 +195,7 @@ class Deferral:
     risk_then: float = math.nan
     # The profile's better-scoring sites the plan turned away now, and why (the first PASSED_OVER_KEPT of
     # n_passed_over): their GPUs are booked within the run, or kept for latency-bound jobs or as headroom.
-    passed_over: tuple[tuple[int, str], ...] = ()
+    passed_over: Sequence[tuple[int, str]] = ()  # a tuple, or TurnedAway
     n_passed_over: int = 0
 
     placed = False
@@ -234,6 +234,51 @@ class Deferral:
                 "deadline_risk": ({"now": self.risk_now, "then": self.risk_then}
                                   if self.risk_then == self.risk_then else None),
                 "reason": self.reason(sites)}
+
+
+class TurnedAway(Sequence[tuple[int, str]]):
+    """The better-scoring sites a plan turned away now, and why: a sequence of (site index, why) pairs whose
+    words are written when first read. A walk turns away several sites for each job it places; the simulator
+    never reads why, and the live cycle reads it when it records the decision's explanation."""
+
+    __slots__ = ("_rows", "_say", "_pairs")
+
+    def __init__(self, rows: list[list[int]], say: Callable[[int, int, int, int], str]) -> None:
+        # rows: (site, why code, hour, model), as policies._shift_search.walk_now gives them; say: their words
+        self._rows: list[list[int]] | None = rows
+        self._say: Callable[[int, int, int, int], str] | None = say
+        self._pairs: tuple[tuple[int, str], ...] | None = None
+
+    def pairs(self) -> tuple[tuple[int, str], ...]:
+        if self._pairs is None:
+            assert self._rows is not None and self._say is not None
+            say = self._say
+            self._pairs = tuple((row[0], say(*row)) for row in self._rows)
+            self._rows = self._say = None  # what the words were made from (the plan's arrays), let go
+        return self._pairs
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self.pairs())
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, str]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[tuple[int, str], ...]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[int, str] | tuple[tuple[int, str], ...]:
+        return self.pairs()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TurnedAway | tuple):
+            return self.pairs() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.pairs())
+
+    def __repr__(self) -> str:
+        return repr(self.pairs())
 
 
 def passed_over_text(passed: Sequence[tuple[str, str]], n_passed: int) -> str:
@@ -366,6 +411,12 @@ def credit(snap: Snapshot, booking: Booking) -> None:
                 snap.near_booked[booking.site, booking.model, lo:hi] -= booking.gpus
 
 
+def _value_floor(values: np.ndarray) -> float:
+    """0 where none of ``values`` (hourly intensities, or prices per GPU-hour) is negative, so that no start's value
+    is below 0; else -inf (nothing known)."""
+    return -math.inf if bool((values < 0).any()) else 0.0
+
+
 def _cleanest_ahead(forecast: np.ndarray) -> np.ndarray:
     """Each row's lowest value from its second hour on: a later start's run sees no cleaner hour."""
     return forecast[:, 1:].min(axis=1) if forecast.shape[1] > 1 else forecast[:, 0].copy()
@@ -437,6 +488,11 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # So is the room latency-bound jobs were seen to need where they run (policies.latency_reserve).
     kept, near = held_back_for(req, snap, policy)
     kept_price = math.inf if policy.latency_reserve_price is None else float(policy.latency_reserve_price)
+    # A bound below every start's value (0 where no forecast hour or price is negative), for the room's price:
+    # a start whose price for the room it would take is more than the best start elsewhere is turned away
+    # without its value being worked out.
+    floor = (snap.derived(("shift-value-floor", policy.objective), _value_floor, forecast if carbon else
+                          snap.usd_per_gpu_hour) if kept.size and kept_price < math.inf else -math.inf)
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
     first = 1 if req.fractional else 0
@@ -467,12 +523,15 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         other, at = best_anywhere()
         return _search.start_now(site, column, per_gpu_at(site, column), ok, placement.feasible, per_gpu, need, d_h,
                                  into_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, first,
-                                 now_hours, kept_price, other, at)
+                                 now_hours, kept_price, other, at, floor)
 
-    def why_not_now(site: int, column: int, why: int, hour: int) -> str:
-        # Why a run starting now at ``site`` does not fit the plan (start_now's ``why`` and ``hour``), for the
+    def why_not_now(site: int, why: int, hour: int, column: int) -> str:
+        # Why a run starting now at ``site`` does not fit the plan (walk_now's ``why`` and ``hour``), for the
         # explanation: the first hour short of room with nothing kept, else what is kept.
         model = ids.GPU_MODEL_IDS[column]
+        if why == 3:
+            return ("the plan cannot check it: no complete forecast for its zone, or no price, for the GPUs the "
+                    "job would use")
         if why == 0:
             if not hour:
                 return f"its {model} GPUs are not free now"
@@ -496,7 +555,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     chosen = placement
     best_now = anywhere_now = math.inf
     anywhere_site = -1
-    passed: list[tuple[int, str]] = []  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
+    passed: Sequence[tuple[int, str]] = ()  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
     n_passed = 0
     if placement.placed:
         fits, best_now, anywhere_now, anywhere_site, _, _ = start_now(placement.site, placement.model)
@@ -508,15 +567,17 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             site, model, best_now, anywhere_now, anywhere_site, turned, n_passed = _search.walk_now(
                 placement.totals, models, room, free, columns, memory, TDP_KW, snap.usd_per_gpu_hour, ok,
                 placement.feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free, col, reserve_all,
-                kept, near, first, now_hours, kept_price, other, at, PASSED_OVER_KEPT)
-            for away, why, hour, at_model in turned[:min(n_passed, PASSED_OVER_KEPT)].tolist():
-                passed.append((away, why_not_now(away, at_model, why, hour) if why != 3 else
-                               "the plan cannot check it: no complete forecast for its zone, or no price, for the "
-                               "GPUs the job would use"))
+                kept, near, first, now_hours, kept_price, other, at, floor, PASSED_OVER_KEPT)
+            if n_passed:
+                passed = TurnedAway(turned[:min(n_passed, PASSED_OVER_KEPT)].tolist(), why_not_now)
             if site >= 0:
                 now_site = site
-                chosen = replace(placement, site=site, model=model, passed_over=tuple(passed),
-                                 n_passed_over=n_passed)
+                # (made as dataclasses.replace would, without its field-by-field look-up: several µs less)
+                chosen = type(placement)(
+                    request=placement.request, site=site, model=model, n_sites=placement.n_sites,
+                    passes=placement.passes, feasible=placement.feasible, terms=placement.terms,
+                    totals=placement.totals, passed_over=passed, n_passed_over=n_passed,
+                    steady=placement.steady, fit=placement.fit)
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
@@ -545,7 +606,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             slots=run_hours, placement=placement, best_now=anywhere_now, best_now_site=anywhere_site,
             risk_now=float(risk[0]) if risk.size else math.nan,
             risk_then=float(risk[slot + 1]) if risk.size else math.nan,
-            passed_over=tuple(passed), n_passed_over=n_passed,
+            passed_over=passed, n_passed_over=n_passed,
         )
     if now_site >= 0:
         return chosen

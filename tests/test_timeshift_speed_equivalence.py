@@ -339,7 +339,7 @@ def test_the_walk_tries_sites_in_the_order_of_a_stable_sort_of_their_scores(tota
         scores, np.zeros(n, dtype=np.int64), np.zeros((0, 0), dtype=bool), np.zeros((0, 0), dtype=np.int32),
         np.zeros(0, dtype=np.int64), np.zeros(0), np.ones(1), np.ones((n, 1)), ok, feasible, np.ones(n), 1.0, 1.0,
         0.0, forecast, cum, True, plan_free, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.float32), nothing,
-        np.zeros((0, 0, 0)), 0, 1, math.inf, math.inf, -1, 8)
+        np.zeros((0, 0, 0)), 0, 1, math.inf, math.inf, -1, 0.0, 8)
     assert site == target and n_passed == rank % n
     tried = order[:rank % n][:8].tolist()
     assert passed[:len(tried), 0].tolist() == tried and (passed[:len(tried), 1] == 3).all()
