@@ -138,6 +138,15 @@ CANNOT_STOP_S = 3600.0
 """Seconds a site that failed to stop a job on request is left out of moves."""
 
 
+def work_done(job: Job, now: datetime, overhead_s: float) -> float:
+    """Seconds of a running job's work done at ``now``: what earlier attempts kept through their checkpoints
+    (``run_s``, less ``overhead_s`` for each of them that resumed from one: ``resumed``), plus this attempt's
+    time running, less ``overhead_s`` where it resumed from a checkpoint too."""
+    kept = max(job.run_s - overhead_s * job.resumed, 0.0)
+    ran = max((now - job.updated_at).total_seconds() - (overhead_s if job.run_s > 0 else 0.0), 0.0)
+    return kept + ran
+
+
 def _urgency(job: Job) -> float:
     """The queue's order for pipelines that defer jobs (``policies.timeshift.urgency_ts``)."""
     deadline = job.spec.deadline.timestamp() if job.spec.deadline is not None else None
@@ -786,8 +795,7 @@ class SchedulingCycle:
     def _running(self, snap: Snapshot, pipeline: Pipeline) -> list[tuple[Running, Job]]:
         """The running jobs of ``pipeline``'s profile a move may take, as ``policies.migration`` reads them:
         checkpointable, on a site that can stop a job on request (and has not lately failed to), not
-        already moving. Work done: what earlier attempts kept, plus this attempt's time running, less the
-        profile's restart overhead after a move."""
+        already moving. Work done: :func:`work_done`, with the profile's restart overhead."""
         assert pipeline.migrate is not None
         overhead = pipeline.migrate.overhead_s
         now = snap.now
@@ -803,9 +811,8 @@ class SchedulingCycle:
                     or self._cannot_stop.get(member.spec.name, 0.0) > now_ts
                     or not isinstance(member.adapter, Preempter)):
                 continue
-            ran = max((now - job.updated_at).total_seconds() - (overhead if job.run_s > 0 else 0.0), 0.0)
             req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
-            out.append((Running(req, site, MODEL_INDEX[job.gpu_model], job.run_s + ran), job))
+            out.append((Running(req, site, MODEL_INDEX[job.gpu_model], work_done(job, now, overhead)), job))
         return out
 
     def _ask_to_move(self, move: Move, job: Job, pipeline: Pipeline, snap: Snapshot) -> bool:
@@ -868,7 +875,7 @@ class SchedulingCycle:
 
     def _with_plan(self, snap: Snapshot) -> Snapshot:
         """``snap`` with the time-shift plan: hour by hour, the GPUs that jobs on sites (until their expected
-        end: ``duration_s`` less what earlier attempts ran, from when this attempt started or was placed)
+        end: ``duration_s`` less the work earlier attempts kept, from when this attempt started or was placed)
         and deferred jobs (from their planned start) leave free."""
         hours = self._plan_hours
         h0 = timeshift.epoch_hour(snap.now)
@@ -880,7 +887,12 @@ class SchedulingCycle:
             began = job.updated_at.timestamp()  # this attempt's start, or its placement (not the first attempt's)
             # a job past its estimate still holds its GPUs this hour (it is in free_gpus, and what
             # latency-bound jobs hold now is the reserve's sample)
-            end_h = max(math.ceil((began + max(job.spec.duration_s - job.run_s, 0.0)) / timeshift.HOUR_S), h0 + 1)
+            # (where it resumed from a checkpoint: the rest of its work after a restart's overhead, as its
+            # profile's moves count it)
+            mine = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
+            overhead = mine.migrate.overhead_s if mine.migrate is not None else 0.0
+            rest = max(job.spec.duration_s - work_done(job, job.updated_at, overhead), 0.0)
+            end_h = max(math.ceil((began + (overhead if job.run_s > 0 else 0.0) + rest) / timeshift.HOUR_S), h0 + 1)
             req = self._on_site_request(job)
             calendar.book(site, MODEL_INDEX[job.gpu_model], req.charge, h0, min(end_h, h0 + hours),
                           near=req.latency_slo_ms is not None)

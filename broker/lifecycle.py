@@ -128,8 +128,12 @@ class Lifecycle:
                         "reason": ev.reason, "at": ev.at.isoformat(),
                     }, tenant=job.spec.tenant, site=site, job_id=job.id)
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
+                # This attempt resumed from a checkpoint where earlier ones kept some work: its run time began
+                # with a restart's overhead (the broker's estimate of work done takes it off).
+                resumed = job.resumed + (1 if job.run_s > 0 else 0) if kept else 0
                 await self.book.transition(
-                    job.id, JobState.PREEMPTED, run_s=kept, reason=f"preempted on {site}: {ev.reason or ''}".strip()
+                    job.id, JobState.PREEMPTED, run_s=kept, resumed=resumed,
+                    reason=f"preempted on {site}: {ev.reason or ''}".strip()
                 )
                 return await self.book.transition(
                     job.id, JobState.QUEUED,

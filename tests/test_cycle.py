@@ -16,6 +16,7 @@ import pytest
 from adapters.simulated import SimulatedSite
 from broker.clock import ManualClock
 from broker.config import BrokerSettings
+from broker.cycle import work_done
 from broker.models import Job, JobState, SimulatedAdapterConfig, SiteSpec, SiteState
 from broker.service import Broker
 from broker.store import StoreError
@@ -517,6 +518,32 @@ async def test_a_checkpointed_job_reclaimed_by_the_guarantees_owner_resumes_with
     done = await h.job(borrower.id)
     assert done.state == JobState.SUCCEEDED and done.attempt == 2
     assert done.run_s == pytest.approx(2 * 3600, abs=5)
+
+
+async def test_a_job_checkpointed_twice_counts_the_restart_it_spent_in_its_second_attempt_as_no_work(make):
+    """run_s is the time a job ran; the work it kept is that less a restart's overhead for every attempt that
+    resumed from a checkpoint (``resumed``), and a move's estimate of the work done takes it off (work_done)."""
+    quotas = [{"tenant": "a", "burst_gpus": 8}, {"tenant": "b", "guaranteed_gpus": 8}]
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas))
+    borrower = await h.submit(tenant="a", name="long", count=8, duration_s=4 * 3600, preemptible=True,
+                              checkpointable=True)
+    await h.cycle()
+    await h.step(1.0)
+    for n in range(2):  # an hour run, then the guarantee's owner takes the site for an hour
+        await h.step(3600)
+        owner = await h.submit(tenant="b", name=f"owner{n}", count=8, duration_s=3600)
+        await h.cycle()
+        await h.step(1.0)
+        assert (await h.job(owner.id)).state == JobState.RUNNING
+        await h.step(3600)
+        await h.cycle()
+        await h.step(1.0)
+    job = await h.job(borrower.id)
+    assert job.state == JobState.RUNNING and job.attempt == 3
+    assert job.run_s == pytest.approx(2 * 3600, abs=5) and job.resumed == 1  # the first attempt started afresh
+    now = job.updated_at + timedelta(seconds=1800)
+    assert work_done(job, now, 600.0) == pytest.approx(2 * 3600 - 600 + 1800 - 600, abs=5)
+    assert work_done(job, now, 0.0) == pytest.approx(2 * 3600 + 1800, abs=5)
 
 
 def test_a_starting_broker_compiles_the_decision_kernels_before_it_takes_charge(tmp_path: Path) -> None:
