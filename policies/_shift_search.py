@@ -305,7 +305,8 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
              keep: int) -> tuple[int, int, float, float, int, np.ndarray, int]:
     """:func:`start_now` at each of the profile's ``feasible`` sites, in descending order of their ``totals``
     (ties: the earlier in ``feasible``, as a stable sort), until the plan allows one. The model column each
-    would start on: ``models[k]`` for ``feasible[k]`` where given, else, as ``GpuFit.smallest_at``, of the
+    would start on: ``models[k]`` for ``feasible[k]`` where given (``models[0]`` for all where it holds one),
+    else, as ``GpuFit.smallest_at``, of the
     ``columns`` with ``room`` at the site (bool and int32 [n_sites, len(columns)], with ``free`` GPUs), the
     least ``memory`` per GPU, then the most free, then the first (the plan's ``col`` where none has room). Its
     rate: ``tdp`` (kW per model) for carbon, else ``usd`` ([n_sites, n_models] per GPU-hour; NaN: inf).
@@ -337,7 +338,7 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
         step += 1
         site = feasible[k]
         if given:
-            model = models[k]
+            model = models[k if models.shape[0] > 1 else 0]
         else:
             model = -1
             best_memory, best_free = np.inf, -1

@@ -663,26 +663,25 @@ _NO_MODELS = np.zeros(0, dtype=np.int64)
 _NO_ROOM = np.zeros((0, 0), dtype=bool)
 _NO_FREE = np.zeros((0, 0), dtype=np.int32)
 _NO_MEMORY = np.zeros(0)
+_ONE_MODEL = tuple(np.full(1, column, dtype=np.int64) for column in range(len(ids.GPU_MODEL_IDS)))
 
 
 def _model_choice(placement: Placement,
                   snap: Snapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What :func:`policies._shift_search.walk_now` needs to know the model each of the placement's feasible
-    sites would start on, as :func:`_model_at` chooses it: (the models, one per feasible site, where they are
-    known without looking at the site: the request names one, or the decision kept no fit for this snapshot;
-    else empty), and the decision's fit to choose from (room, free GPUs, usable columns, their memory per GPU;
-    empty where not needed)."""
+    sites would start on, as :func:`_model_at` chooses it: (the models, one per feasible site, or one for all,
+    where they are known without looking at the site: the request names one, or the decision kept no fit for
+    this snapshot; else empty), and the decision's fit to choose from (room, free GPUs, usable columns, their
+    memory per GPU; empty where not needed)."""
     req = placement.request
     fit = placement.fit
-    if req.model is not None:
-        return (np.full(len(placement.feasible), MODEL_INDEX[req.model], dtype=np.int64), _NO_ROOM, _NO_FREE,
-                _NO_MODELS, _NO_MEMORY)
+    if req.model is not None:  # one model, the same at every site
+        return _ONE_MODEL[MODEL_INDEX[req.model]], _NO_ROOM, _NO_FREE, _NO_MODELS, _NO_MEMORY
     if fit is None or fit.snap is not snap:
         models = [_model_at(placement, snap, int(site)) for site in placement.feasible.tolist()]
         return np.array(models, dtype=np.int64), _NO_ROOM, _NO_FREE, _NO_MODELS, _NO_MEMORY
     usable = fit.usable
-    return (_NO_MODELS, fit.room, fit.free, np.asarray(usable.column_list, dtype=np.int64),
-            np.asarray(usable.memory_order, dtype=np.float64))
+    return _NO_MODELS, fit.room, fit.free, usable.columns, usable.memory_array
 
 
 def _model_at(placement: Placement, snap: Snapshot, site: int) -> int:

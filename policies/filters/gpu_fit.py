@@ -32,7 +32,7 @@ class Usable:
     named model where a site has it, or the models with enough memory per GPU); ``key``: what it was made
     for, for the caches of values over the same columns."""
 
-    __slots__ = ("columns", "column_list", "mask", "named", "key", "tdp_kw", "memory_order", "span")
+    __slots__ = ("columns", "column_list", "mask", "named", "key", "tdp_kw", "memory_order", "memory_array", "span")
 
     def __init__(self, req: JobRequest, snap: Snapshot, key: tuple[object, ...]) -> None:
         self.key = key
@@ -54,6 +54,7 @@ class Usable:
         # Per usable column: GPU memory of the model, the first key of ``choose_model``'s best fit.
         self.memory_order: list[float] = [ids.GPU_MODEL_BY_ID[ids.GPU_MODEL_IDS[c]].memory_gib
                                           for c in self.column_list]
+        self.memory_array = np.array(self.memory_order, dtype=np.float64)  # the same, for compiled code
 
     def of(self, matrix: np.ndarray) -> np.ndarray:
         """``matrix`` ([n_sites, n_models]) in the usable columns only, column-major."""
