@@ -149,6 +149,25 @@ def _taken_in(plan_free: np.ndarray, site: int, column: int, need: float, reserv
     return min(over, need)
 
 
+@_jit(inline="always")
+def _priced_out(site: int, column: int, feasible: np.ndarray, need: float, d_h: float, into_h: float,
+                plan_free: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray, first: int,
+                now_hours: int, kept_price: float, other: float, at: int, floor: float) -> bool:
+    """Whether :func:`start_now` turns away a start now at an ``ok`` site for the priced room it would take
+    (``why`` 1) before it reads the start's value: the plan has room for the run, it takes some of the room
+    kept for latency-bound jobs, and its price for that alone (plus ``floor``) is above the best start now
+    elsewhere (``other``, at ``at``). The same test with the same values, without a call: compiled code pays
+    for each call's array arguments, and a walk may turn away dozens of sites this way."""
+    if not (kept.shape[0] > 0 and kept_price < np.inf and feasible.shape[0] > 1 and at >= 0 and at != site):
+        return False
+    if not kept[site, column] > reserve[site]:  # nothing kept above the bar here: nothing taken
+        return False
+    if not _room(plan_free, site, column, first, now_hours, need, reserve[site], kept[:0], near):
+        return False
+    taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site], kept, near)
+    return taken > 0.0 and floor + kept_price * taken > other
+
+
 @_jit()
 def room_now(plan_free: np.ndarray, site: int, column: int, first: int, end: int, need: float,
              reserve: np.ndarray, kept: np.ndarray, near: np.ndarray) -> bool:
@@ -234,11 +253,11 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
                 return False, np.inf, np.inf, -1, 1, 0
             return False, np.inf, np.inf, -1, 2, 0
         if soft:
+            if _priced_out(site, column, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first,
+                           now_hours, kept_price, other, at, floor):
+                return False, np.inf, np.inf, -1, 1, 0  # its price alone is more than the best start elsewhere
             taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site],
                            kept, near)
-            if (taken > 0.0 and feasible.shape[0] > 1 and at >= 0 and at != site
-                    and floor + kept_price * taken > other):
-                return False, np.inf, np.inf, -1, 1, 0  # its price alone is more than the best start elsewhere
         if carbon:
             value = rate * need * (_integral(cum, forecast, site, into_h + d_h)
                                    - _integral(cum, forecast, site, into_h)) / 1000.0
@@ -359,6 +378,12 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
             rate = usd[site, model]
             if not rate == rate:
                 rate = np.inf
+        if _priced_out(site, model, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first, now_hours,
+                       kept_price, other, at, floor):
+            if n_passed < keep:
+                passed[n_passed, 0], passed[n_passed, 1], passed[n_passed, 2], passed[n_passed, 3] = site, 1, 0, model
+            n_passed += 1
+            continue
         fits, value, best_value, best_site, why, hour = start_now(
             site, model, rate, ok, feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
             col, reserve, kept, near, first, now_hours, kept_price, other, at, floor)

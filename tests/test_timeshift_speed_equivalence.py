@@ -343,3 +343,55 @@ def test_the_walk_tries_sites_in_the_order_of_a_stable_sort_of_their_scores(tota
     assert site == target and n_passed == rank % n
     tried = order[:rank % n][:8].tolist()
     assert passed[:len(tried), 0].tolist() == tried and (passed[:len(tried), 1] == 3).all()
+
+
+
+def test_a_start_priced_out_early_is_turned_away_as_a_start_valued_in_full_would_be():
+    """With the room kept for latency-bound jobs priced, a site whose price for that room alone is above the
+    best start elsewhere is turned away before the start's value is read (``floor`` 0: no negative forecast).
+    That only saves work: on 600 random plans (room, kept room and what latency-bound jobs hold varying hour
+    by hour; models of 1 kW and 70 W, so a start may be valued on another model than the search's own),
+    every site's answer and the walk's outcome are those of the search that values every start in full
+    (``floor`` -inf), including the starts that take priced room and still cost least."""
+    from policies import _shift_search as search
+
+    models = len(TDP_KW)
+    kinds = np.array([ids.GPU_MODEL_IDS.index("b200-180gb"), ids.GPU_MODEL_IDS.index("t4")])
+    no_room, no_free, no_columns, no_memory = (np.zeros((0, 0), dtype=bool), np.zeros((0, 0), dtype=np.int32),
+                                               np.zeros(0, dtype=np.int64), np.zeros(0))
+    taken_and_cheapest = 0
+    for seed in range(600):
+        rng = np.random.default_rng(seed)
+        n, hours = int(rng.integers(2, 40)), int(rng.integers(1, 6))
+        price, need = float(rng.choice([0.01, 0.5, 5.0])), float(rng.choice([0.25, 1.0, 2.0, 4.0]))
+        d_h, into_h = float(rng.choice([0.1, 0.5, 1.0, 2.5])), float(rng.uniform(0.0, 1.0))
+        plan_free = rng.choice([0.0, 0.5, 1.0, 2.0, 4.0, 8.0], size=(n, models, hours)).astype(np.float32)
+        kept = np.where(rng.random((n, models)) < 0.5, rng.choice([1.0, 2.0, 4.0], size=(n, models)),
+                        0.0).astype(np.float32)
+        near = rng.choice([0.0, 0.5, 1.0, 2.0], size=(n, models, hours))
+        forecast = rng.uniform(0.0, 600.0, size=(n, hours))
+        cum = np.concatenate([np.zeros((n, 1)), np.cumsum(forecast, axis=1)], axis=1)
+        feasible, ok = np.arange(n, dtype=np.int64), rng.random(n) < 0.9
+        col = rng.choice(kinds, size=n).astype(np.int64)
+        start_on = rng.choice(kinds, size=n).astype(np.int64)  # the model a start now takes: not always col's
+        per_gpu, reserve = TDP_KW[col].astype(np.float64), np.zeros(n, dtype=np.float32)
+        now_hours = min(max(math.ceil(into_h + d_h - 1e-9), 1), hours)
+        other, at = search.cheapest_fitting_now(feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, True,
+                                                plan_free, col, reserve, kept, near, 0, now_hours, price)
+        for site in range(n):
+            rate = float(TDP_KW[start_on[site]])
+            full, early = (search.start_now(site, int(start_on[site]), rate, ok, feasible, per_gpu, need, d_h, into_h,
+                                            forecast, cum, True, plan_free, col, reserve, kept, near, 0, now_hours,
+                                            price, other, at, floor) for floor in (-math.inf, 0.0))
+            assert early == full, (seed, site)
+            ends = [(min(math.floor(t), hours - 1), t) for t in (into_h, into_h + d_h)]  # past the end, its last hour
+            start, end = (cum[site, h] + (t - h) * forecast[site, h] for h, t in ends)
+            pure = rate * need * (end - start) / 1000.0  # the value without the price of any room taken
+            taken_and_cheapest += bool(full[0] and ok[site] and 0 <= at != site and full[1] > pure + 1e-9)
+        scores = rng.permutation(n).astype(np.float64)
+        full, early = (search.walk_now(scores, start_on, no_room, no_free, no_columns,
+                                       no_memory, TDP_KW, np.ones((n, models)), ok, feasible, per_gpu, need, d_h,
+                                       into_h, forecast, cum, True, plan_free, col, reserve, kept, near, 0, now_hours,
+                                       price, other, at, floor, 8) for floor in (-math.inf, 0.0))
+        assert full[:5] == early[:5] and full[6] == early[6] and (full[5] == early[5]).all(), seed
+    assert taken_and_cheapest > 5, taken_and_cheapest  # the case the early test must leave alone was met
