@@ -140,11 +140,10 @@ CANNOT_STOP_S = 3600.0
 
 def work_done(job: Job, now: datetime, overhead_s: float) -> float:
     """Seconds of a running job's work done at ``now``: what earlier attempts kept through their checkpoints
-    (``run_s``, less ``overhead_s`` for each of them that resumed from one: ``resumed``), plus this attempt's
-    time running, less ``overhead_s`` where it resumed from a checkpoint too."""
-    kept = max(job.run_s - overhead_s * job.resumed, 0.0)
+    (``run_s`` less the time those that resumed from one spent restarting: ``restart_s``), plus this attempt's
+    time running, less ``overhead_s`` (its restart) where it resumed from a checkpoint too."""
     ran = max((now - job.updated_at).total_seconds() - (overhead_s if job.run_s > 0 else 0.0), 0.0)
-    return kept + ran
+    return max(job.run_s - job.restart_s, 0.0) + ran
 
 
 def _urgency(job: Job) -> float:
@@ -792,6 +791,12 @@ class SchedulingCycle:
             if job.id not in not_asked:
                 self._holds[job.id] = _Hold(site, model, req, job.attempt, until_ts)
 
+    def restart_overhead_s(self, job: Job) -> float:
+        """Seconds an attempt of ``job`` resumed from a checkpoint spends restarting before it adds work: its
+        profile's move overhead (``MigrationPolicy.overhead_s``), 0 for a profile that moves nothing."""
+        mine = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
+        return mine.migrate.overhead_s if mine.migrate is not None else 0.0
+
     def _running(self, snap: Snapshot, pipeline: Pipeline) -> list[tuple[Running, Job]]:
         """The running jobs of ``pipeline``'s profile a move may take, as ``policies.migration`` reads them:
         checkpointable, on a site that can stop a job on request (and has not lately failed to), not
@@ -889,8 +894,7 @@ class SchedulingCycle:
             # latency-bound jobs hold now is the reserve's sample)
             # (where it resumed from a checkpoint: the rest of its work after a restart's overhead, as its
             # profile's moves count it)
-            mine = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
-            overhead = mine.migrate.overhead_s if mine.migrate is not None else 0.0
+            overhead = self.restart_overhead_s(job)
             rest = max(job.spec.duration_s - work_done(job, job.updated_at, overhead), 0.0)
             end_h = max(math.ceil((began + (overhead if job.run_s > 0 else 0.0) + rest) / timeshift.HOUR_S), h0 + 1)
             req = self._on_site_request(job)

@@ -63,6 +63,9 @@ class Lifecycle:
         # How finished jobs' run times compared with their estimates (every snapshot of the time-shift plan
         # carries it; policies.runtime_risk prices a deferral's risk to the deadline from it).
         self.run_times = RunTimeErrors(runtime_risk.KEEP)
+        # Seconds a job's attempt resumed from a checkpoint spends restarting before it adds work: its
+        # profile's move overhead (the broker sets this from its cycle; 0: none counted).
+        self.restart_overhead_s: Callable[[Job], float] = lambda job: 0.0
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -128,11 +131,12 @@ class Lifecycle:
                         "reason": ev.reason, "at": ev.at.isoformat(),
                     }, tenant=job.spec.tenant, site=site, job_id=job.id)
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
-                # This attempt resumed from a checkpoint where earlier ones kept some work: its run time began
-                # with a restart's overhead (the broker's estimate of work done takes it off).
-                resumed = job.resumed + (1 if job.run_s > 0 else 0) if kept else 0
+                # Where this attempt resumed from a checkpoint (earlier ones kept some work), its run began
+                # with a restart: up to the profile's overhead of it added no work.
+                restart_s = (job.restart_s + (min(ev.run_s, self.restart_overhead_s(job)) if job.run_s > 0 else 0.0)
+                             if kept else 0.0)
                 await self.book.transition(
-                    job.id, JobState.PREEMPTED, run_s=kept, resumed=resumed,
+                    job.id, JobState.PREEMPTED, run_s=kept, restart_s=restart_s,
                     reason=f"preempted on {site}: {ev.reason or ''}".strip()
                 )
                 return await self.book.transition(

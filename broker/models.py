@@ -528,9 +528,9 @@ class Job(BaseModel):
     finished_at: UtcDatetime | None = None
     reason: str | None = Field(default=None, description="why the job is in its state")
     run_s: float = Field(default=0.0, ge=0, description="seconds run so far, kept across checkpointed attempts")
-    resumed: int = Field(default=0, ge=0, description=(
-        "attempts counted in run_s that resumed from a checkpoint: each spent a restart's overhead before it "
-        "added work, so the work done is run_s less that overhead per such attempt"))
+    restart_s: float = Field(default=0.0, ge=0, description=(
+        "seconds of run_s that preempted attempts resumed from a checkpoint spent restarting (each one's run, "
+        "up to its profile's restart overhead) rather than adding work: the work kept is run_s less this"))
     version: int = Field(default=0, description="bumped by every stored change (optimistic concurrency)")
 
     def transition(self, dst: JobState, now: datetime, **changes: Any) -> Job:

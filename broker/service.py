@@ -180,6 +180,7 @@ class Broker:
                       for name in self.settings.profiles.job_may_choose},
         )
         self.cycle.may_act = self.lifecycle.may_act = self.may_act
+        self.lifecycle.restart_overhead_s = self.cycle.restart_overhead_s
         self.book.metrics = self.cycle.metrics = self.lifecycle.metrics = self.metrics
         self.book.events = self.cycle.events = self.events
 

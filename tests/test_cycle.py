@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from broker.models import Job, JobState, SimulatedAdapterConfig, SiteSpec, SiteS
 from broker.service import Broker
 from broker.store import StoreError
 from policies import explain
-from policies.snapshot import JobRequest
+from policies.snapshot import MODEL_INDEX, JobRequest
 from tests.builders import job, site
 
 T0 = datetime(2022, 6, 1, 12, tzinfo=UTC)
@@ -110,11 +111,12 @@ class Harness:
 async def make(tmp_path: Path):
     brokers: list[Broker] = []
 
-    async def _make(*sites: SiteSpec, factory=None) -> Harness:
-        """``factory(spec, clock)`` builds adapters; default: simulated sites on the harness clock."""
+    async def _make(*sites: SiteSpec, factory=None, **settings) -> Harness:
+        """``factory(spec, clock)`` builds adapters; default: simulated sites on the harness clock.
+        ``settings``: more BrokerSettings."""
         clock = ManualClock(T0)
         b = Broker(
-            BrokerSettings(db=str(tmp_path / "h.db"), shutdown_grace_s=0.1),
+            BrokerSettings(db=str(tmp_path / "h.db"), shutdown_grace_s=0.1, **settings),
             clock=clock,
             factory=(lambda spec: factory(spec, clock)) if factory else None,
         )
@@ -520,17 +522,21 @@ async def test_a_checkpointed_job_reclaimed_by_the_guarantees_owner_resumes_with
     assert done.run_s == pytest.approx(2 * 3600, abs=5)
 
 
-async def test_a_job_checkpointed_twice_counts_the_restart_it_spent_in_its_second_attempt_as_no_work(make):
-    """run_s is the time a job ran; the work it kept is that less a restart's overhead for every attempt that
-    resumed from a checkpoint (``resumed``), and a move's estimate of the work done takes it off (work_done)."""
+@pytest.mark.parametrize("second_run_s", [3600.0, 200.0])
+async def test_a_job_checkpointed_twice_counts_the_restart_it_spent_in_its_second_attempt_as_no_work(
+        make, second_run_s):
+    """run_s is the time a job ran; the work it kept is that less what its attempts that resumed from a
+    checkpoint spent restarting (``restart_s``: each one's run, up to its profile's overhead, 600 s for
+    ``green``), and a move's estimate of the work done (work_done) counts this attempt's restart too."""
     quotas = [{"tenant": "a", "burst_gpus": 8}, {"tenant": "b", "guaranteed_gpus": 8}]
-    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas))
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas), profiles={"default": "green"})
     borrower = await h.submit(tenant="a", name="long", count=8, duration_s=4 * 3600, preemptible=True,
                               checkpointable=True)
+    await h.step(2800)  # so that the third attempt starts late in an hour (see the plan's end below)
     await h.cycle()
     await h.step(1.0)
-    for n in range(2):  # an hour run, then the guarantee's owner takes the site for an hour
-        await h.step(3600)
+    for n, ran in enumerate((3600.0, second_run_s)):  # a run, then the guarantee's owner takes the site an hour
+        await h.step(ran)
         owner = await h.submit(tenant="b", name=f"owner{n}", count=8, duration_s=3600)
         await h.cycle()
         await h.step(1.0)
@@ -540,10 +546,20 @@ async def test_a_job_checkpointed_twice_counts_the_restart_it_spent_in_its_secon
         await h.step(1.0)
     job = await h.job(borrower.id)
     assert job.state == JobState.RUNNING and job.attempt == 3
-    assert job.run_s == pytest.approx(2 * 3600, abs=5) and job.resumed == 1  # the first attempt started afresh
+    assert job.run_s == pytest.approx(3600 + second_run_s, abs=5)
+    restarted = min(second_run_s, 600.0)  # the first attempt started afresh; the second resumed
+    assert job.restart_s == pytest.approx(restarted, abs=5)
     now = job.updated_at + timedelta(seconds=1800)
-    assert work_done(job, now, 600.0) == pytest.approx(2 * 3600 - 600 + 1800 - 600, abs=5)
-    assert work_done(job, now, 0.0) == pytest.approx(2 * 3600 + 1800, abs=5)
+    assert work_done(job, now, 600.0) == pytest.approx(3600 + second_run_s - restarted + 1800 - 600, abs=5)
+    # The time-shift plan holds its GPUs until its expected end: this attempt's restart, then the rest of the
+    # four hours' work, counted from this attempt's start.
+    began = job.updated_at.timestamp()
+    end_h = math.ceil((began + 600 + 4 * 3600 - (3600 + second_run_s - restarted)) / 3600)
+    assert end_h > math.ceil((began + 4 * 3600 - job.run_s) / 3600)  # later than if every second run were work
+    snap = h.broker.cycle._with_plan(h.broker.federation.freeze(job.updated_at))
+    held = snap.plan_free[snap.index["alpha"], MODEL_INDEX["a100-80gb"]]
+    h0 = int(began // 3600)
+    assert held[end_h - h0 - 1] == 0 and held[end_h - h0] == 8
 
 
 def test_a_starting_broker_compiles_the_decision_kernels_before_it_takes_charge(tmp_path: Path) -> None:
