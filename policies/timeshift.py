@@ -241,24 +241,30 @@ class TurnedAway(Sequence[tuple[int, str]]):
     words are written when first read. A walk turns away several sites for each job it places; the simulator
     never reads why, and the live cycle reads it when it records the decision's explanation."""
 
-    __slots__ = ("_rows", "_say", "_pairs")
+    __slots__ = ("_rows", "_say", "_pairs", "_n")
 
     def __init__(self, rows: list[list[int]], say: Callable[[int, int, int, int], str]) -> None:
         # rows: (site, why code, hour, model), as policies._shift_search.walk_now gives them; say: their words
         self._rows: list[list[int]] | None = rows
         self._say: Callable[[int, int, int, int], str] | None = say
         self._pairs: tuple[tuple[int, str], ...] | None = None
+        self._n = len(rows)
 
     def pairs(self) -> tuple[tuple[int, str], ...]:
-        if self._pairs is None:
-            assert self._rows is not None and self._say is not None
-            say = self._say
-            self._pairs = tuple((row[0], say(*row)) for row in self._rows)
+        pairs = self._pairs
+        if pairs is None:
+            rows, say = self._rows, self._say
+            if rows is None or say is None:  # another thread wrote them meanwhile
+                return self.pairs()
+            pairs = self._pairs = tuple((row[0], say(*row)) for row in rows)
             self._rows = self._say = None  # what the words were made from (the plan's arrays), let go
-        return self._pairs
+        return pairs
 
     def __len__(self) -> int:
-        return len(self._rows) if self._rows is not None else len(self.pairs())
+        return self._n
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[tuple[int, str], ...]]]:
+        return tuple, (self.pairs(),)  # pickled as the plain pairs (its words need the plan to be written)
 
     @overload
     def __getitem__(self, index: int) -> tuple[int, str]: ...

@@ -382,3 +382,19 @@ def test_fractional_bookings_and_releases_cancel_out() -> None:
     for booking in held_now:
         calendar.release(booking)
     assert np.abs(calendar.busy).max() < 1e-9  # a job needing every GPU still fits once the others left
+
+
+def test_the_site_a_walk_settles_on_keeps_every_other_field_of_the_profiles_placement():
+    """The plan makes the placement for the site its walk settles on field by field (faster than
+    dataclasses.replace): every field of Placement is named there, so one added later is not dropped."""
+    import ast
+    from dataclasses import fields
+
+    from policies import timeshift
+    from policies.pipeline import Placement
+
+    tree = ast.parse(Path(timeshift.__file__).read_text())
+    made = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Call)
+            and getattr(node.func.func, "id", None) == "type"]
+    assert len(made) == 1
+    assert {k.arg for k in made[0].keywords} == {f.name for f in fields(Placement)}
