@@ -418,7 +418,8 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
     ``1 .. last_slot`` where the plan has room in every hour of the run (hours past ``span`` are not
     checked); (inf, 0, 0, 0, inf) when none has.
     The candidates are the ``ok`` sites whose lower bound (the run at ``cleanest``, each site's cleanest
-    forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up. ``penalty``
+    forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up in batches;
+    within a batch, a site whose bound is above the best start found so far is passed over. ``penalty``
     (float64[last_slot + 1], or empty: none) is added to the value of a start at hour ``k``: the price of the
     risk it adds to the deadline (policies.runtime_risk); at least 0, so the lower bounds still hold. With a
     finite ``kept_price`` the room kept for latency-bound jobs is not a bar: a start pays ``kept_price`` per
@@ -451,6 +452,8 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
         found = False
         for i in range(sites.shape[0]):
             site = sites[i]
+            if floor_value[site] > best_value or (found and floor_value[site] > b_value):
+                continue  # every start here is worth more than one found already (its bound is above it)
             c = col[site]
             bar = _bar(need, reserve[site])
             # Nothing kept at this site for this model: the plain bar in every hour (the same answers, faster).
