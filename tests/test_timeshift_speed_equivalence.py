@@ -395,3 +395,83 @@ def test_a_start_priced_out_early_is_turned_away_as_a_start_valued_in_full_would
                                        price, other, at, floor, 8) for floor in (-math.inf, 0.0))
         assert full[:5] == early[:5] and full[6] == early[6] and (full[5] == early[5]).all(), seed
     assert taken_and_cheapest > 5, taken_and_cheapest  # the case the early test must leave alone was met
+
+
+def _slow_walk(totals, models, room, free, columns, memory, tdp, usd, ok, feasible, per_gpu, need, d_h, into_h,
+               forecast, cum, carbon, plan_free, col, reserve, kept, near, first, now_hours, kept_price, other, at,
+               floor, keep):
+    """walk_now as its docstring says it, one start_now call per site, in the order of a stable argsort and
+    with every start valued in full (``floor`` -inf, so start_now never turns a site away for its price
+    alone): the reference for the compiled walk and its shortcut."""
+    from policies import _shift_search as search
+
+    passed = np.full((keep, 4), -1, dtype=np.int64)
+    n_passed = 0
+    for k in np.argsort(-totals, kind="stable").tolist():
+        site = int(feasible[k])
+        if models.shape[0]:
+            model = int(models[k if models.shape[0] > 1 else 0])
+        else:  # the usable column with room, least memory, then most free, then first; else the plan's
+            choices = [(memory[i], -free[site, i], i) for i in range(columns.shape[0]) if room[site, i]]
+            model = int(columns[min(choices)[2]]) if choices else int(col[site])
+        if not ok[site]:
+            why, hour = 3, 0
+        else:
+            rate = float(tdp[model]) if carbon else float(np.nan_to_num(usd[site, model], nan=np.inf))
+            fits, value, best_value, best_site, why, hour = search.start_now(
+                site, model, rate, ok, feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free, col,
+                reserve, kept, near, first, now_hours, kept_price, other, at, -math.inf)
+            if fits:
+                return site, model, value, best_value, best_site, passed, n_passed
+        if n_passed < keep:
+            passed[n_passed] = (site, why, hour, model)
+        n_passed += 1
+    return -1, -1, math.inf, math.inf, -1, passed, n_passed
+
+
+@pytest.mark.parametrize("price", [0.05, 0.5, 5.0])
+def test_with_room_kept_for_latency_bound_jobs_priced_the_plan_decides_as_a_site_by_site_walk(price, monkeypatch):
+    """``green``'s room for latency-bound jobs, priced, over a stream of jobs on 120 sites, a third of which saw
+    latency-bound jobs hold up to half their GPUs: every outcome of the plan (where, which model, when, its
+    values, the sites it turned away and why, in words) is the one the same plan gives with its compiled walk
+    replaced by a site-by-site walk in stable score order that values every start in full."""
+    from policies import _shift_search as search
+    from policies import timeshift
+
+    rng = random.Random(11)
+    nprng = np.random.default_rng(11)
+    policy = ShiftPolicy(objective="carbon", max_wait_factor=4.0, min_saving_abs=0.5, miss_cost=30.0,
+                         latency_reserve=1.0, latency_reserve_price=price)
+    pipeline = pipeline_for(BUILTIN["green"], policy)
+    snap = federation(rng, 120, policy.plan_hours, np.float64)
+    samples = np.zeros((24,) + snap.total_gpus.shape, dtype=np.float32)
+    for s in range(0, snap.n_sites, 3):
+        samples[:, s] = np.floor(nprng.uniform(0.0, 0.5, samples[:, s].shape) * snap.total_gpus[s])
+    snap = replace(snap, near_samples=samples, near_booked=np.zeros(snap.plan_free.shape),
+                   run_time_errors=np.sort(np.log(nprng.uniform(0.5, 3.0, 400))))
+    decider = PassDecider(pipeline, snap)
+    walked = taken_priced = 0
+    for req in requests(rng, 400):
+        if not shiftable(req, snap, policy):
+            continue
+        placement = pipeline.decide(req, snap)
+        new = timeshift.plan(req, snap, placement, policy, pipeline.filter_codes)
+        with monkeypatch.context() as patch:
+            patch.setattr(search, "walk_now", _slow_walk)
+            snap._derived.pop(("shift-value-floor", policy.objective), None)  # start_now, first site: no floor
+            patch.setattr(timeshift, "_value_floor", lambda values: -math.inf)
+            ref = timeshift.plan(req, snap, placement, policy, pipeline.filter_codes)
+        snap._derived.pop(("shift-value-floor", policy.objective), None)
+        assert type(new) is type(ref)
+        if ref is not None:
+            for f in ("site", "model", "slot", "start", "value_then", "value_now", "now_site", "best_now",
+                      "best_now_site", "n_passed_over"):
+                assert getattr(new, f, None) == getattr(ref, f, None), (req.job_id, f)
+            assert list(new.passed_over) == list(ref.passed_over), req.job_id
+            walked += new.n_passed_over > 0
+            taken_priced += any("room kept for latency-bound jobs" in why for _, why in new.passed_over)
+        if isinstance(new, Deferral):
+            decider.reserve(new)
+        elif new is not None and new.placed:
+            decider.assume(new)
+    assert walked > 10 and taken_priced > 5, (walked, taken_priced)  # the walk and the price were compared
