@@ -150,22 +150,24 @@ def _taken_in(plan_free: np.ndarray, site: int, column: int, need: float, reserv
 
 
 @_jit(inline="always")
-def _priced_out(site: int, column: int, feasible: np.ndarray, need: float, d_h: float, into_h: float,
-                plan_free: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray, first: int,
-                now_hours: int, kept_price: float, other: float, at: int, floor: float) -> bool:
-    """Whether :func:`start_now` turns away a start now at an ``ok`` site for the priced room it would take
-    (``why`` 1) before it reads the start's value: the plan has room for the run, it takes some of the room
-    kept for latency-bound jobs, and its price for that alone (plus ``floor``) is above the best start now
-    elsewhere (``other``, at ``at``). The same test with the same values, without a call: compiled code pays
+def _priced_taken(site: int, column: int, feasible: np.ndarray, need: float, d_h: float, into_h: float,
+                  plan_free: np.ndarray, reserve: np.ndarray, kept: np.ndarray, near: np.ndarray, first: int,
+                  now_hours: int, kept_price: float, other: float, at: int, floor: float) -> float:
+    """The GPU-hours a start now at an ``ok`` site would take from the room kept for latency-bound jobs, where
+    priced (:func:`_taken`; 0 where none is kept above the bar, or the plan has no room for the run: start_now
+    says why); -1 where :func:`start_now` turns it away for that room (``why`` 1) before it reads the start's
+    value: its price for the room alone (plus ``floor``) is above the best start now elsewhere (``other``,
+    at ``at``). Inline in the walk too, the same test with the same values without a call: compiled code pays
     for each call's array arguments, and a walk may turn away dozens of sites this way."""
-    if not (kept.shape[0] > 0 and kept_price < np.inf and feasible.shape[0] > 1 and at >= 0 and at != site):
-        return False
-    if not kept[site, column] > reserve[site]:  # nothing kept above the bar here: nothing taken
-        return False
+    if not (kept.shape[0] > 0 and kept_price < np.inf) or not kept[site, column] > reserve[site]:
+        return 0.0  # nothing priced, or nothing kept above the bar here: nothing taken
     if not _room(plan_free, site, column, first, now_hours, need, reserve[site], kept[:0], near):
-        return False
+        return 0.0
     taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site], kept, near)
-    return taken > 0.0 and floor + kept_price * taken > other
+    if (taken > 0.0 and feasible.shape[0] > 1 and at >= 0 and at != site
+            and floor + kept_price * taken > other):
+        return -1.0
+    return taken
 
 
 @_jit()
@@ -253,11 +255,10 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
                 return False, np.inf, np.inf, -1, 1, 0
             return False, np.inf, np.inf, -1, 2, 0
         if soft:
-            if _priced_out(site, column, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first,
-                           now_hours, kept_price, other, at, floor):
+            taken = _priced_taken(site, column, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first,
+                                  now_hours, kept_price, other, at, floor)
+            if taken < 0.0:
                 return False, np.inf, np.inf, -1, 1, 0  # its price alone is more than the best start elsewhere
-            taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site],
-                           kept, near)
         if carbon:
             value = rate * need * (_integral(cum, forecast, site, into_h + d_h)
                                    - _integral(cum, forecast, site, into_h)) / 1000.0
@@ -391,8 +392,8 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
             rate = usd[site, model]
             if not rate == rate:
                 rate = np.inf
-        if _priced_out(site, model, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first, now_hours,
-                       kept_price, other, at, floor):
+        if _priced_taken(site, model, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first,
+                         now_hours, kept_price, other, at, floor) < 0.0:
             if n_passed < keep:
                 passed[n_passed, 0], passed[n_passed, 1], passed[n_passed, 2], passed[n_passed, 3] = site, 1, 0, model
             n_passed += 1
