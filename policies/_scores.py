@@ -1,7 +1,8 @@
 """The compiled (Numba) steps of :meth:`policies.pipeline.Pipeline.decide`:
 
-- ``normalise``: each term's feasible raw values min-max normalised (lower-is-better rows negated first),
-  the weighted sum per site, the terms added in scorer order, and the best site's index (``pick``);
+- ``gather_normalise``: each term's raw values taken at the feasible sites and min-max normalised
+  (lower-is-better rows negated first), the weighted sum per site, the terms added in scorer order, and the
+  best site's index (``pick``);
 - ``least_scaled``: the carbon and cost scorers' raw values (the least value of a usable model with room,
   scaled, unknown last) in one pass;
 - ``window_mean_rows``: the carbon scorer's mean forecast intensity over a run;
@@ -20,48 +21,56 @@ from policies._shift_search import _jit
 
 
 @_jit()
-def normalise(norm: np.ndarray, lower: np.ndarray, flat: np.ndarray, weights: np.ndarray,
-              tie_epsilon: float) -> tuple[np.ndarray, int]:
-    """In place over ``norm`` (float64[terms, feasible sites]: each term's raw values at the feasible sites):
-    row ``i`` negated where ``lower[i]``, then ``(row - min) / (max - min)``, or all 0 where the span is not
-    above ``tie_epsilon`` (NaN included); rows with ``flat[i]`` are set to 0 (their values are not read).
-    Returns the weighted sums per site (float64[feasible sites]: ``row0 × w0 + row1 × w1 + ...`` in row order) and the
-    index of the best (:func:`pick`)."""
-    terms, k = norm.shape
-    for i in range(terms):
-        if flat[i]:
-            for j in range(k):
-                norm[i, j] = 0.0
-            continue
+def gather_normalise(raws: tuple[np.ndarray, ...], feasible: np.ndarray, lower: np.ndarray, weights: np.ndarray,
+                     tie_epsilon: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """Each term's raw values at the feasible sites, normalised: ``raws`` (a tuple of float64 or integer
+    arrays over all sites, one per term) taken at ``feasible`` (int[k]) into row ``i`` of a new
+    float64[terms, k] array (integers converted as NumPy's ``take`` into a float64 array does), negated where
+    ``lower[i]``, then ``(row - min) / (max - min)``, or all 0 where the span is not above ``tie_epsilon``
+    (NaN included). Returns that array, the weighted sums per site (``row0 × w0 + row1 × w1 + ...`` in row
+    order) and the index of the best (:func:`pick`)."""
+    k = feasible.shape[0]
+    terms = len(raws)
+    norm = np.empty((terms, k))
+    totals = np.zeros(k)
+    i = 0
+    for raw in literal_unroll(raws):
+        # The row taken (negated where lower is better), its least and greatest, and whether it holds NaN
+        # (np.minimum / np.maximum would give NaN: the row is then 0).
         row = norm[i]
-        if lower[i]:
-            for j in range(k):
-                row[j] = -row[j]
-        lo = row[0]
-        hi = row[0]
-        for j in range(1, k):
-            v = row[j]
-            if v != v or lo != lo:  # np.minimum / np.maximum propagate NaN
-                lo = hi = np.nan
-                break
-            if v < lo:
+        negate = lower[i]
+        lo = hi = 0.0
+        nan = False
+        for j in range(k):
+            v = np.float64(raw[feasible[j]])
+            if negate:
+                v = -v
+            row[j] = v
+            if v != v:
+                nan = True
+            elif j == 0 or v < lo:
                 lo = v
-            if v > hi:
+            if j == 0 or v > hi:
                 hi = v
         span = hi - lo
-        if span > tie_epsilon:
+        w = weights[i]
+        if not nan and span > tie_epsilon:
             for j in range(k):
-                row[j] = (row[j] - lo) / span
+                v = (row[j] - lo) / span
+                row[j] = v
+                totals[j] = v * w if i == 0 else totals[j] + v * w
         else:
             for j in range(k):
                 row[j] = 0.0
-    totals = np.empty(k)
-    for j in range(k):
-        total = norm[0, j] * weights[0]
-        for i in range(1, terms):
-            total = total + norm[i, j] * weights[i]
-        totals[j] = total
-    return totals, pick(totals, tie_epsilon)
+                totals[j] = 0.0 * w if i == 0 else totals[j] + 0.0 * w
+        i += 1
+    return norm, totals, pick(totals, tie_epsilon)
+
+
+def literal_unroll(values: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """``numba.literal_unroll`` once the kernels are compiled (:class:`policies._shift_search._Kernel` puts
+    it here): a loop over a tuple whose arrays differ in type, one copy of the loop body per type."""
+    return values
 
 
 @_jit(inline="always")

@@ -43,9 +43,11 @@ class _Kernel:
 
     def __call__(self, *args: Any) -> Any:
         if self.dispatcher is None:
-            from numba import njit
+            from numba import literal_unroll, njit
 
             names = self.fn.__globals__
+            if "literal_unroll" in names:  # the module's stand-in (a kernel over a tuple of arrays of mixed types)
+                names["literal_unroll"] = literal_unroll
             for name, value in list(names.items()):  # definition order: helpers before their callers
                 if isinstance(value, _Kernel) and value.dispatcher is None:
                     try:

@@ -159,33 +159,19 @@ class Pipeline:
         """Every term normalised over the feasible sites, the weighted sum per feasible site, and the index
         (among the feasible sites) of the best: the first whose total is within ``TIE_EPSILON`` of the highest.
 
-        All terms at once, with the arithmetic of ``_normalise_each`` element by element, so the numbers are
-        the same: the feasible raw values go into one [terms, feasible sites] float64 array, lower-is-better
-        rows negated, so that ``(hi - r) / span`` is computed as ``(r' - lo') / span`` (negation is exact and
-        ``-a - -b`` rounds as ``b - a``); the weighted rows are added in scorer order. A term whose raw values
-        the snapshot caches and knows to span no more than ``TIE_EPSILON`` over all sites (so over the
-        feasible ones too) is 0 everywhere without being looked at. Raw values of another dtype than float64
-        or integers (which float64 holds exactly) take the one-term-at-a-time path."""
-        k = feasible.size
-        if not k or not raws:
+        All terms at once, in one compiled pass (``policies._scores.gather_normalise``), with the arithmetic of
+        ``_normalise_each`` element by element, so the numbers are the same: each term's raw values at the
+        feasible sites go into a row of one [terms, feasible sites] float64 array, lower-is-better rows
+        negated, so that ``(hi - r) / span`` is computed as ``(r' - lo') / span`` (negation is exact and
+        ``-a - -b`` rounds as ``b - a``); the weighted rows are added in scorer order. Raw values of another
+        dtype than float64 or integers (which float64 holds exactly) take the one-term-at-a-time path."""
+        if not feasible.size or not raws:
             return _best_of(*_normalise_each(self.scorers, raws, feasible))
-        norm = np.empty((len(raws), k))
-        flat = np.zeros(len(raws), dtype=bool)  # rows to be 0: terms known to span no more than TIE_EPSILON
-        for i, raw in enumerate(raws):
-            if raw.dtype.char == "d":
-                if not raw.flags.writeable:
-                    span = snap.derived_span(raw)
-                    if span is not None and span <= TIE_EPSILON:
-                        flat[i] = True
-                        continue
-                raw.take(feasible, out=norm[i])
-            elif raw.dtype.kind in "iu":
-                norm[i] = raw.take(feasible)
-            else:
+        for raw in raws:
+            if raw.dtype.char != "d" and raw.dtype.kind not in "iu":
                 return _best_of(*_normalise_each(self.scorers, raws, feasible))
-        # Negation, min-max per row (NaN or a span within TIE_EPSILON: 0; flat rows: 0), and the weighted rows
-        # added one after another in scorer order (a row of 0 adds exactly nothing), compiled (policies._scores).
-        totals, best = _scores.normalise(norm, self._lower_mask, flat, self._weight_list, TIE_EPSILON)
+        norm, totals, best = _scores.gather_normalise(tuple(raws), feasible, self._lower_mask, self._weight_list,
+                                                      TIE_EPSILON)
         return tuple([_new_tuple(TermArrays, (name, weight, raw, row))
                       for (name, weight), raw, row in zip(self._heads, raws, norm, strict=True)]), totals, best
 

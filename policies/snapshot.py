@@ -300,8 +300,6 @@ class Snapshot:
             if len(cache) >= DERIVED_MAX:
                 cache.clear()
             cache[key] = value
-            if isinstance(value, np.ndarray):
-                cache[("derived", id(value))] = key  # for ``derived_span``; cleared with the value
         return value  # type: ignore[return-value]
 
     def preemptible_below(self, priority: int) -> np.ndarray | None:
@@ -313,19 +311,6 @@ class Snapshot:
     def zeros(self) -> np.ndarray:
         """float64[n_sites] of 0, read-only: the raw value of a scorer that has nothing to tell sites apart."""
         return self.derived(("zeros",), np.zeros, self.n_sites)
-
-    def derived_span(self, values: np.ndarray) -> float | None:
-        """max - min of ``values`` (NaN if it holds NaN), computed once, if ``values`` is an array that
-        ``derived`` returned and still holds; None for any other array. (While the cache holds an array, no
-        other array can have its ``id``.)"""
-        cache = self._derived
-        if ("derived", id(values)) not in cache:
-            return None
-        key = ("span", id(values))
-        span = cache.get(key)
-        if span is None:
-            span = cache[key] = float(np.maximum.reduce(values) - np.minimum.reduce(values)) if values.size else 0.0
-        return span  # type: ignore[return-value]
 
     def working_copy(self, now: datetime) -> Snapshot:
         """The same facts at ``now``, with free capacity of its own for ``assume`` to debit."""

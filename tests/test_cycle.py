@@ -573,7 +573,7 @@ import asyncio
 from broker.config import BrokerSettings
 from broker.service import Broker
 import policies._scores as scores, policies._shift_search as search, policies.runtime_risk as risk
-names = ("normalise", "least_scaled", "window_mean_rows", "free_where", "search_later", "start_now", "room_now",
+names = ("gather_normalise", "least_scaled", "window_mean_rows", "free_where", "search_later", "start_now", "room_now",
          "walk_now", "_penalty")
 def compiled():
     return {{n: [tuple(getattr(t, "layout", "") for t in sig) for sig in getattr(getattr(scores, n, None) or
