@@ -23,7 +23,7 @@ are identical.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -55,6 +55,48 @@ class Weighted:
     weight: float
 
 
+class Terms(Sequence["TermArrays"]):
+    """A decision's score terms, a :class:`TermArrays` per scorer, made when first read: a pass decides many
+    jobs whose terms nobody reads (the simulator reads none; the live cycle reads the placed jobs' when it
+    records their explanation). Pickled, and equal to, the plain tuple of them."""
+
+    __slots__ = ("_heads", "_raws", "_norm", "_terms")
+
+    def __init__(self, heads: tuple[tuple[str, float], ...], raws: list[np.ndarray], norm: np.ndarray) -> None:
+        self._heads, self._raws, self._norm = heads, raws, norm  # each scorer's (name, weight), raw, row of norm
+        self._terms: tuple[TermArrays, ...] | None = None
+
+    def all(self) -> tuple[TermArrays, ...]:
+        terms = self._terms
+        if terms is None:  # (two threads reading at once make equal tuples: either may stay)
+            terms = self._terms = tuple([_new_tuple(TermArrays, (name, weight, raw, row)) for (name, weight), raw, row
+                                         in zip(self._heads, self._raws, self._norm, strict=True)])
+        return terms
+
+    def __len__(self) -> int:
+        return len(self._heads)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        return self.all()[index]
+
+    def __iter__(self) -> Iterator[TermArrays]:
+        return iter(self.all())
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[TermArrays, ...]]]:
+        return tuple, (self.all(),)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Terms | tuple):
+            return self.all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.all())
+
+    def __repr__(self) -> str:
+        return repr(self.all())
+
+
 class TermArrays(NamedTuple):
     """One score term of a decision (a named tuple: made for every scorer of every decision, so cheap to make)."""
 
@@ -74,7 +116,7 @@ class Placement:
     n_sites: int
     passes: tuple[np.ndarray | None, ...]  # per filter: which sites passed (None: all did)
     feasible: np.ndarray  # int[k]: indices of the sites that passed every filter
-    terms: tuple[TermArrays, ...]
+    terms: Sequence[TermArrays]  # a tuple, or Terms (made when read)
     totals: np.ndarray  # float64[k]: weighted sum per feasible site
     # Better-scoring feasible sites a time-shifting profile's plan turned away (site index, why), the first
     # policies.timeshift.PASSED_OVER_KEPT of n_passed_over: their GPUs are booked within the run, or kept.
@@ -155,7 +197,7 @@ class Pipeline:
         return Placement(req, site, model, snap.n_sites, passes, feasible, terms, totals, steady=steady, fit=fit)
 
     def _normalise(self, raws: list[np.ndarray], feasible: np.ndarray,
-                   snap: Snapshot) -> tuple[tuple[TermArrays, ...], np.ndarray, int]:
+                   snap: Snapshot) -> tuple[Sequence[TermArrays], np.ndarray, int]:
         """Every term normalised over the feasible sites, the weighted sum per feasible site, and the index
         (among the feasible sites) of the best: the first whose total is within ``TIE_EPSILON`` of the highest.
 
@@ -172,8 +214,7 @@ class Pipeline:
                 return _best_of(*_normalise_each(self.scorers, raws, feasible))
         norm, totals, best = _scores.gather_normalise(tuple(raws), feasible, self._lower_mask, self._weight_list,
                                                       TIE_EPSILON)
-        return tuple([_new_tuple(TermArrays, (name, weight, raw, row))
-                      for (name, weight), raw, row in zip(self._heads, raws, norm, strict=True)]), totals, best
+        return Terms(self._heads, raws, norm), totals, best
 
 
 def _on_request(method: Callable[[JobRequest, Snapshot], _T]) -> Callable[[Fit], _T]:

@@ -243,9 +243,10 @@ class TurnedAway(Sequence[tuple[int, str]]):
 
     __slots__ = ("_rows", "_say", "_pairs", "_n")
 
-    def __init__(self, rows: list[list[int]], say: Callable[[int, int, int, int], str]) -> None:
-        # rows: (site, why code, hour, model), as policies._shift_search.walk_now gives them; say: their words
-        self._rows: list[list[int]] | None = rows
+    def __init__(self, rows: np.ndarray | list[list[int]], say: Callable[[int, int, int, int], str]) -> None:
+        # rows: (site, why code, hour, model), as policies._shift_search.walk_now gives them (int[n, 4], made
+        # Python ints when read); say: their words
+        self._rows: np.ndarray | list[list[int]] | None = rows
         self._say: Callable[[int, int, int, int], str] | None = say
         self._pairs: tuple[tuple[int, str], ...] | None = None
         self._n = len(rows)
@@ -256,7 +257,8 @@ class TurnedAway(Sequence[tuple[int, str]]):
             rows, say = self._rows, self._say
             if rows is None or say is None:  # another thread wrote them meanwhile
                 return self.pairs()
-            pairs = self._pairs = tuple((row[0], say(*row)) for row in rows)
+            pairs = self._pairs = tuple((row[0], say(*row)) for row in
+                                        (rows.tolist() if isinstance(rows, np.ndarray) else rows))
             self._rows = self._say = None  # what the words were made from (the plan's arrays), let go
         return pairs
 
@@ -587,7 +589,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                 placement.feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free, col, reserve_all,
                 kept, near, first, now_hours, kept_price, other, at, floor, PASSED_OVER_KEPT)
             if n_passed:
-                passed = TurnedAway(turned[:min(n_passed, PASSED_OVER_KEPT)].tolist(), why_not_now)
+                passed = TurnedAway(turned[:min(n_passed, PASSED_OVER_KEPT)], why_not_now)
             if site >= 0:
                 now_site = site
                 # (made as dataclasses.replace would, without its field-by-field look-up: several µs less)

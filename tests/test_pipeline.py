@@ -590,3 +590,28 @@ def test_every_named_policy_keeps_a_job_within_its_latency_objective(name: str) 
     out = decide([far, near], spec, pipeline=policy(name))
     assert out.site == "near"
     assert any("latency objective of 30 ms" in r for r in out.reasons()["far"])
+
+
+def test_a_decisions_terms_read_pickle_and_compare_as_the_plain_tuple_of_them() -> None:
+    """The score terms are made when first read (``Terms``): what a reader sees is each scorer's term in
+    scorer order, the same every time it reads them, and a copy sent to another process is the plain tuple."""
+    import pickle
+
+    from policies.pipeline import TermArrays, Terms
+    from policies.scorers.latency import LatencyScorer
+
+    pipeline = Pipeline(filters=(HealthyFilter(), GpuFitFilter()),
+                        scorers=(Weighted(FreeGpusScorer(), 2.0), Weighted(LatencyScorer(), 1.0)))
+    out = decide(three_sites(), job(), pipeline=pipeline)
+    terms = out.placement.terms
+    assert isinstance(terms, Terms) and len(terms) == 2
+    first = list(terms)
+    assert [(t.scorer, t.weight) for t in first] == [("free_gpus", 2.0), ("latency", 1.0)]
+    assert all(isinstance(t, TermArrays) for t in first) and terms[0] is first[0] and terms[-1] is first[1]
+    assert terms[0].normalised.shape == out.placement.feasible.shape
+    assert np.array_equal(terms[0].raw[out.placement.feasible] > 2.0, terms[0].normalised > 0.0)  # free GPUs
+    copy = pickle.loads(pickle.dumps(terms))
+    assert type(copy) is tuple and [t.scorer for t in copy] == ["free_gpus", "latency"]
+    assert all(np.array_equal(a.normalised, b.normalised) and np.array_equal(a.raw, b.raw)
+               for a, b in zip(copy, first, strict=True))
+    assert terms == tuple(first) and terms != tuple(first[:1])
