@@ -189,15 +189,14 @@ class Pipeline:
         feasible_mask = room if steady is None else (steady if room is None else steady & room)
         feasible = np.arange(snap.n_sites) if feasible_mask is None else feasible_mask.nonzero()[0]
         raws = [raw(fit) for raw in self._raws]
-        terms, totals, best = self._normalise(raws, feasible, snap)
+        terms, totals, best = self._normalise(raws, feasible)
         if not feasible.size:
             return Placement(req, -1, -1, snap.n_sites, passes, feasible, terms, totals, steady=steady, fit=fit)
         site = int(feasible[best])
         model = MODEL_INDEX[req.model] if req.model is not None else _smallest_that_fits(fit, site)
         return Placement(req, site, model, snap.n_sites, passes, feasible, terms, totals, steady=steady, fit=fit)
 
-    def _normalise(self, raws: list[np.ndarray], feasible: np.ndarray,
-                   snap: Snapshot) -> tuple[Sequence[TermArrays], np.ndarray, int]:
+    def _normalise(self, raws: list[np.ndarray], feasible: np.ndarray) -> tuple[Sequence[TermArrays], np.ndarray, int]:
         """Every term normalised over the feasible sites, the weighted sum per feasible site, and the index
         (among the feasible sites) of the best: the first whose total is within ``TIE_EPSILON`` of the highest.
 
