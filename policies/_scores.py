@@ -23,12 +23,12 @@ from policies._shift_search import _jit
 @_jit()
 def gather_normalise(raws: tuple[np.ndarray, ...], feasible: np.ndarray, lower: np.ndarray, weights: np.ndarray,
                      tie_epsilon: float) -> tuple[np.ndarray, np.ndarray, int]:
-    """Each term's raw values at the feasible sites, normalised: ``raws`` (a tuple of float64 or integer
-    arrays over all sites, one per term) taken at ``feasible`` (int[k]) into row ``i`` of a new
-    float64[terms, k] array (integers converted as NumPy's ``take`` into a float64 array does), negated where
-    ``lower[i]``, then ``(row - min) / (max - min)``, or all 0 where the span is not above ``tie_epsilon``
-    (NaN included). Returns that array, the weighted sums per site (``row0 × w0 + row1 × w1 + ...`` in row
-    order) and the index of the best (:func:`pick`)."""
+    """Each term's raw values at the feasible sites, normalised: ``raws`` (a tuple of float64 arrays over all
+    sites, one per term; :meth:`policies.pipeline.Pipeline._normalise` hands it read-only contiguous ones, so
+    that it compiles once per number of terms) taken at ``feasible`` (int[k]) into row ``i`` of a new
+    float64[terms, k] array, negated where ``lower[i]``, then ``(row - min) / (max - min)``, or all 0 where
+    the span is not above ``tie_epsilon`` (NaN included). Returns that array, the weighted sums per site
+    (``row0 × w0 + row1 × w1 + ...`` in row order) and the index of the best (:func:`pick`)."""
     k = feasible.shape[0]
     terms = len(raws)
     norm = np.empty((terms, k))
@@ -69,7 +69,7 @@ def gather_normalise(raws: tuple[np.ndarray, ...], feasible: np.ndarray, lower: 
 
 def literal_unroll(values: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
     """``numba.literal_unroll`` once the kernels are compiled (:class:`policies._shift_search._Kernel` puts
-    it here): a loop over a tuple whose arrays differ in type, one copy of the loop body per type."""
+    it here): a loop over a tuple of arrays (of one type, or of several: one copy of the loop body per type)."""
     return values
 
 

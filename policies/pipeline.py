@@ -40,6 +40,7 @@ from policies.migration import MigrationPolicy
 from policies.timeshift import ShiftPolicy
 
 TIE_EPSILON = 1e-9
+_FLOAT64 = np.dtype(np.float64)
 _new_tuple = tuple.__new__  # a TermArrays made without its Python-level __new__ (one per scorer per decision)
 _T = TypeVar("_T")
 _MEMORY_ORDER = np.array([ids.GPU_MODEL_BY_ID[m].memory_gib for m in ids.GPU_MODEL_IDS], dtype=np.float64)
@@ -208,10 +209,21 @@ class Pipeline:
         dtype than float64 or integers (which float64 holds exactly) take the one-term-at-a-time path."""
         if not feasible.size or not raws:
             return _best_of(*_normalise_each(self.scorers, raws, feasible))
+        # The kernel is handed read-only, contiguous, native float64 arrays only, so it has one compiled form
+        # per number of terms (timeshift.warm_up compiles them all): no set of scorers, custom profile or
+        # per-job weights included, waits for Numba in a scheduling pass. Integers are converted as NumPy's
+        # take into a float64 array converts them; arrays of any other type take the one-term-at-a-time path.
+        rows = []
         for raw in raws:
-            if raw.dtype.char != "d" and raw.dtype.kind not in "iu":
-                return _best_of(*_normalise_each(self.scorers, raws, feasible))
-        norm, totals, best = _scores.gather_normalise(tuple(raws), feasible, self._lower_mask, self._weight_list,
+            if raw.dtype is not _FLOAT64 or not raw.flags.c_contiguous:
+                if raw.dtype.char != "d" and raw.dtype.kind not in "iu":
+                    return _best_of(*_normalise_each(self.scorers, raws, feasible))
+                raw = np.ascontiguousarray(raw, dtype=_FLOAT64)
+            if raw.flags.writeable:
+                raw = raw.view()  # (its own flags: the scorer's array stays writeable)
+                raw.flags.writeable = False
+            rows.append(raw)
+        norm, totals, best = _scores.gather_normalise(tuple(rows), feasible, self._lower_mask, self._weight_list,
                                                       TIE_EPSILON)
         return Terms(self._heads, raws, norm), totals, best
 

@@ -766,10 +766,16 @@ def warm_up() -> None:
                              deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
             plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)
             default_pipeline().decide(req, fresh)  # the free-GPUs scorer's sum
-            # The terms are normalised in one call over a tuple of the scorers' arrays, compiled for each
-            # profile's set of scorers.
-            for other in ("balanced", "fast"):
-                profile_pipeline(other).decide(req, fresh)
+    # The terms of a decision are normalised in one call over a tuple of read-only float64 arrays, compiled for
+    # each number of terms a pipeline may have (one per scorer there is, at most).
+    from policies import _scores
+    from policies.pipeline import TIE_EPSILON
+    from policies.profiles import SCORERS
+
+    row = np.zeros(snap.n_sites)
+    row.flags.writeable = False
+    for n in range(1, len(SCORERS) + 1):
+        _scores.gather_normalise((row,) * n, np.arange(snap.n_sites), np.zeros(n, dtype=bool), np.ones(n), TIE_EPSILON)
     # A move's check of room in the plan (policies.migration) calls the plan's room check on its own.
     _search.room_now(fresh.plan_free, 0, 0, 0, 1, 1.0, np.zeros(snap.n_sites, dtype=np.float32), _NOTHING_KEPT,
                      _NOTHING_NEAR)

@@ -584,6 +584,17 @@ async def main():
     await broker.start([], run_loop=False)
     await broker.stop()
 asyncio.run(main())
+# A profile of the operator's own (any set of scorers, in any order) decides without compiling anything.
+from policies.profiles import pipeline_for
+from policies.snapshot import JobRequest, build_snapshot
+from tests.builders import NOW, job, site, site_state
+specs = [site("a"), site("b", region="aws:eu-central-1")]
+snap = build_snapshot(NOW, specs, {{s.name: site_state(s) for s in specs}})
+before = len(scores.gather_normalise.signatures)
+for weights in ({{"round_robin": 1.0, "carbon": 1.0}}, {{"telemetry": 0.1, "carbon": 1.0, "cost": 0.05}},
+                {{"least_loaded": 1.0, "carbon": 0.5, "free_gpus": 0.2, "latency": 0.3}}):
+    pipeline_for(weights).decide(JobRequest.from_spec("j", job()), snap)
+assert len(scores.gather_normalise.signatures) == before, "a custom profile compiled the normalisation"
 print(([sig[0].mutable for sig in risk._penalty.signatures],
        [sig[12].mutable for sig in search.search_later.signatures]))
 print(compiled())
