@@ -215,7 +215,7 @@ class Pipeline:
         # take into a float64 array converts them; arrays of any other type take the one-term-at-a-time path.
         rows = []
         for raw in raws:
-            if raw.dtype is not _FLOAT64 or not raw.flags.c_contiguous:
+            if raw.dtype != _FLOAT64 or not raw.flags.c_contiguous:
                 if raw.dtype.char != "d" and raw.dtype.kind not in "iu":
                     return _best_of(*_normalise_each(self.scorers, raws, feasible))
                 raw = np.ascontiguousarray(raw, dtype=_FLOAT64)
