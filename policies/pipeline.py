@@ -215,11 +215,13 @@ class Pipeline:
         # take into a float64 array converts them; arrays of any other type take the one-term-at-a-time path.
         rows = []
         for raw in raws:
-            if raw.dtype != _FLOAT64 or not raw.flags.c_contiguous:
-                if raw.dtype.char != "d" and raw.dtype.kind not in "iu":
+            dtype, flags = raw.dtype, raw.flags
+            if (dtype is not _FLOAT64 and dtype != _FLOAT64) or not flags.c_contiguous:
+                if dtype.char != "d" and dtype.kind not in "iu":
                     return _best_of(*_normalise_each(self.scorers, raws, feasible))
-                raw = np.ascontiguousarray(raw, dtype=_FLOAT64)
-            if raw.flags.writeable:
+                raw = np.ascontiguousarray(raw, dtype=_FLOAT64)  # (a copy of its own)
+                raw.flags.writeable = False
+            elif flags.writeable:
                 raw = raw.view()  # (its own flags: the scorer's array stays writeable)
                 raw.flags.writeable = False
             rows.append(raw)

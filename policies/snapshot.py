@@ -346,7 +346,7 @@ class Snapshot:
         if self.plan_free.size:
             now_s = self.now.timestamp()
             into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
-            end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
+            end = math.ceil(into_h + req.duration_s / 3600.0 - 1e-9)
             self.plan_free[site, model, 1:max(end, 1)] += sign * req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
             self._near(site, req, model, end, -sign)
@@ -380,7 +380,7 @@ class Snapshot:
         if self.plan_free.size:  # the run's later hours in the time-shift plan; hour 0 is free_gpus itself
             now_s = self.now.timestamp()
             into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
-            end = int(np.ceil(into_h + req.duration_s / 3600.0 - 1e-9))
+            end = math.ceil(into_h + req.duration_s / 3600.0 - 1e-9)
             self.plan_free[site, model, 1:max(end, 1)] -= req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
             self._near(site, req, model, end, 1.0)

@@ -58,7 +58,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Literal, NamedTuple, overload
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -469,6 +469,46 @@ def _forecast(snap: Snapshot) -> tuple[np.ndarray, ...]:
     return forecast, cum, np.isfinite(forecast).all(axis=1)
 
 
+class _Facts(NamedTuple):
+    """What a plan reads of the snapshot for a policy, the same for every job a pass decides
+    (:func:`_facts`, kept in ``Snapshot.derived``)."""
+
+    hours: int  # the plan's hours
+    now_ts: float
+    hour0: float  # the start of now's hour (POSIX seconds)
+    into_h: float  # how far into it now is, in hours
+    carbon: bool  # the objective is carbon (else cost)
+    forecast: np.ndarray  # the hourly intensity the plan reads (zeros [n_sites, 1] for cost) ...
+    cum: np.ndarray  # ... its running sums
+    known: np.ndarray | None  # the sites with a complete forecast (None for cost)
+    no_reserve: np.ndarray  # float32 zeros, read-only: no headroom
+    kept: np.ndarray  # held_back_for a job with no latency objective: the room kept, and what
+    near: np.ndarray  # latency-bound jobs hold or have booked
+    kept_price: float  # the price per GPU-hour of that room (inf: a bar, not a price)
+    floor: float  # a bound below every start's value for the room's price (-inf: none, or nothing priced)
+    least: float  # a bound below every start's value (_value_floor: 0, or -inf)
+
+
+def _facts(snap: Snapshot, policy: ShiftPolicy) -> _Facts:
+    now_ts = snap.now.timestamp()
+    hour0 = math.floor(now_ts / HOUR_S) * HOUR_S
+    carbon = policy.objective == "carbon"
+    known = None
+    if carbon:
+        forecast, cum, known = snap.derived(("shift-forecast",), _forecast, snap)
+    else:
+        forecast = cum = snap.derived(("shift-no-forecast",), np.zeros, (snap.n_sites, 1))
+    kept, near = _held_back(snap, policy)
+    kept_price = math.inf if policy.latency_reserve_price is None else float(policy.latency_reserve_price)
+    least = snap.derived(("shift-value-floor", policy.objective), _value_floor,
+                         forecast if carbon else snap.usd_per_gpu_hour)
+    return _Facts(
+        hours=snap.plan_free.shape[2], now_ts=now_ts, hour0=hour0, into_h=(now_ts - hour0) / HOUR_S, carbon=carbon,
+        forecast=forecast, cum=cum, known=known,
+        no_reserve=snap.derived(("shift-no-headroom",), np.zeros, snap.n_sites, np.float32), kept=kept, near=near,
+        kept_price=kept_price, floor=least if kept.size and kept_price < math.inf else -math.inf, least=least)
+
+
 def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
          filter_codes: tuple[str, ...]) -> Placement | Deferral | None:
     """The time-shift decision for a flexible job: a :class:`~policies.pipeline.Placement` to start now
@@ -477,10 +517,11 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     (placed or not), ``filter_codes`` its pipeline's filters in order. Callers check flexibility first
     (:func:`shiftable`)."""
     plan_free = snap.plan_free
-    hours = plan_free.shape[2]
-    now_ts = snap.now.timestamp()
-    hour0 = math.floor(now_ts / HOUR_S) * HOUR_S
-    into_h = (now_ts - hour0) / HOUR_S
+    # What is the same for every job of the pass, worked out once.
+    facts = snap.derived(("shift-facts", policy.objective, policy.latency_reserve, policy.latency_reserve_price),
+                         _facts, snap, policy)
+    hours, now_ts, hour0, into_h, carbon = facts.hours, facts.now_ts, facts.hour0, facts.into_h, facts.carbon
+    forecast, cum = facts.forecast, facts.cum
     latest = latest_start_ts(req, policy)
     assert latest is not None
     last_slot = min(hours - 1, policy.horizon_h, int((latest - hour0) // HOUR_S))
@@ -491,12 +532,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     col, per_gpu, usable_sites = snap.derived(("shift-columns", policy.objective, req.model, req.memory_gib,
                                                math.ceil(need)), _columns, req, snap, policy.objective, need)
     ok = usable_sites & _steady(placement, filter_codes)
-    carbon = policy.objective == "carbon"
-    if carbon:
-        forecast, cum, known = snap.derived(("shift-forecast",), _forecast, snap)
-        ok &= known
-    else:
-        forecast = cum = snap.derived(("shift-no-forecast",), np.zeros, (snap.n_sites, 1))
+    if facts.known is not None:
+        ok &= facts.known
     if not placement.placed and not ok.any():
         return None  # (a placed job with no such site starts now below: its bar is 0, nothing beats it)
     # The headroom is kept for work that cannot wait or go far: a job with a latency objective takes it.
@@ -504,46 +541,19 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         reserve_all = policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
         reserve_all.flags.writeable = False  # as the cached zeros: one compiled form of the search for both
     else:
-        reserve_all = snap.derived(("shift-no-headroom",), np.zeros, snap.n_sites, np.float32)
-    # So is the room latency-bound jobs were seen to need where they run (policies.latency_reserve).
-    kept, near = held_back_for(req, snap, policy)
-    kept_price = math.inf if policy.latency_reserve_price is None else float(policy.latency_reserve_price)
-    # A bound below every start's value (0 where no forecast hour or price is negative), for the room's price:
-    # a start whose price for the room it would take is more than the best start elsewhere is turned away
-    # without its value being worked out.
-    floor = (snap.derived(("shift-value-floor", policy.objective), _value_floor, forecast if carbon else
-                          snap.usd_per_gpu_hour) if kept.size and kept_price < math.inf else -math.inf)
+        reserve_all = facts.no_reserve
+    # So is the room latency-bound jobs were seen to need where they run (policies.latency_reserve, as
+    # held_back_for). With it, a bound below every start's value (0 where no forecast hour or price is
+    # negative), for the room's price: a start whose price for the room it would take is more than the best
+    # start elsewhere is turned away without its value being worked out.
+    if req.latency_slo_ms is None:
+        kept, near, floor = facts.kept, facts.near, facts.floor
+    else:
+        kept, near, floor = _NOTHING_KEPT, _NOTHING_NEAR, -math.inf
+    kept_price = facts.kept_price
     run_hours = max(int(math.ceil(d_h - 1e-9)), 1)
     now_hours = min(max(int(math.ceil(into_h + d_h - 1e-9)), 1), hours)
     first = 1 if req.fractional else 0
-
-    def per_gpu_at(site: int, column: int) -> float:
-        if carbon:
-            return float(TDP_KW[column])
-        return float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
-
-    anywhere: list[tuple[float, int]] = []  # the best start now at any site: the same for every site tried
-
-    def best_anywhere() -> tuple[float, int]:
-        # (value, site) of the best start now at any site the plan allows (policies._shift_search.
-        # cheapest_fitting_now), worked out once; (inf, -2) where there is one feasible site: never compared.
-        if not anywhere and placement.feasible.shape[0] > 1:
-            anywhere.append(_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h, forecast,
-                                                         cum, carbon, plan_free, col, reserve_all, kept, near, first,
-                                                         now_hours, kept_price))
-        return anywhere[0] if anywhere else (math.inf, -2)
-
-    def start_now(site: int, column: int) -> tuple[bool, float, float, int, int, int]:
-        # A job that can wait leaves the headroom (and the room kept for latency-bound jobs) free in every
-        # hour of its run, now or later. The current hour is the sites' real free capacity, which the
-        # profile's GPU-fit filter has already checked (shared GPUs included); for whole GPUs the headroom is
-        # checked in it too. One compiled call (policies._shift_search.start_now): whether the plan has room
-        # for a run starting now at ``site`` on ``column`` (the model it would start on now), its value, the
-        # best start now at any site the plan allows, and where there is no room, why.
-        other, at = best_anywhere()
-        return _search.start_now(site, column, per_gpu_at(site, column), ok, placement.feasible, per_gpu, need, d_h,
-                                 into_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near, first,
-                                 now_hours, kept_price, other, at, floor)
 
     def why_not_now(site: int, why: int, hour: int, column: int) -> str:
         # Why a run starting now at ``site`` does not fit the plan (walk_now's ``why`` and ``hour``), for the
@@ -578,11 +588,27 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     passed: Sequence[tuple[int, str]] = ()  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
     n_passed = 0
     if placement.placed:
-        fits, best_now, anywhere_now, anywhere_site, _, _ = start_now(placement.site, placement.model)
+        # The best start now at any site the plan allows, (value, site) (policies._shift_search.
+        # cheapest_fitting_now); (inf, -2) where there is one feasible site: never compared.
+        other, at = (_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h, forecast, cum,
+                                                  carbon, plan_free, col, reserve_all, kept, near, first, now_hours,
+                                                  kept_price)
+                     if placement.feasible.shape[0] > 1 else (math.inf, -2))
+        # A job that can wait leaves the headroom (and the room kept for latency-bound jobs) free in every
+        # hour of its run, now or later. The current hour is the sites' real free capacity, which the
+        # profile's GPU-fit filter has already checked (shared GPUs included); for whole GPUs the headroom is
+        # checked in it too. One compiled call (policies._shift_search.start_now): whether the plan has room
+        # for a run starting now at the profile's site on the model it would start on, its value, the best
+        # start now at any site the plan allows, and where there is no room, why.
+        here, column = placement.site, placement.model
+        rate = float(TDP_KW[column]) if carbon else float(np.nan_to_num(snap.usd_per_gpu_hour[here, column],
+                                                                         nan=np.inf))
+        fits, best_now, anywhere_now, anywhere_site, _, _ = _search.start_now(
+            here, column, rate, ok, placement.feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
+            col, reserve_all, kept, near, first, now_hours, kept_price, other, at, floor)
         if fits:
             now_site = placement.site
         else:  # (start_now gave inf, inf, -1): the profile's sites in score order, in one compiled walk
-            other, at = best_anywhere()
             models, room, free, columns, memory = _model_choice(placement, snap)
             site, model, best_now, anywhere_now, anywhere_site, turned, n_passed = _search.walk_now(
                 placement.totals, models, room, free, columns, memory, TDP_KW, snap.usd_per_gpu_hour, ok,
@@ -605,8 +631,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # could beat the best start found. Where the job can start now, a later start must also save
     # min_saving_abs, so the search looks no higher than that either (_later_bar).
     bar = _later_bar(threshold, now_site, anywhere_now, policy.min_saving_abs)
-    if last_slot < 1 or not threshold > 0 or not bar > snap.derived(
-            ("shift-value-floor", policy.objective), _value_floor, forecast if carbon else snap.usd_per_gpu_hour):
+    if last_slot < 1 or not threshold > 0 or not bar > facts.least:
         return chosen if now_site >= 0 else (placement if placement.placed else None)
     cleanest = snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) if carbon else per_gpu
     # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
@@ -643,8 +668,15 @@ def held_back_for(req: JobRequest, snap: Snapshot,
     leaves free less the second (:mod:`policies.latency_reserve`); both empty when nothing is kept from it
     (it has a latency objective itself, the policy keeps no such room, or the snapshot does not know what
     they hold)."""
-    if (policy is None or policy.latency_reserve is None or req.latency_slo_ms is not None
-            or not snap.near_samples.shape[0] or snap.near_booked.shape != snap.plan_free.shape):
+    if req.latency_slo_ms is not None:
+        return _NOTHING_KEPT, _NOTHING_NEAR
+    return _held_back(snap, policy)
+
+
+def _held_back(snap: Snapshot, policy: ShiftPolicy | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`held_back_for` a job with no latency objective."""
+    if (policy is None or policy.latency_reserve is None or not snap.near_samples.shape[0]
+            or snap.near_booked.shape != snap.plan_free.shape):
         return _NOTHING_KEPT, _NOTHING_NEAR
     kept = snap.derived(("latency-reserve", policy.latency_reserve), latency_reserve.reserve, snap.near_samples,
                         policy.latency_reserve)

@@ -429,6 +429,12 @@ def _slow_walk(totals, models, room, free, columns, memory, tdp, usd, ok, feasib
     return -1, -1, math.inf, math.inf, -1, passed, n_passed
 
 
+def _forget_floor(snap: Snapshot) -> None:
+    """Drop the plan's value floor from the snapshot's cache, and what the plan keeps of it (its facts)."""
+    for key in [key for key in snap._derived if key[0] in ("shift-value-floor", "shift-facts")]:
+        del snap._derived[key]
+
+
 @pytest.mark.parametrize("price", [0.05, 0.5, 5.0])
 def test_with_room_kept_for_latency_bound_jobs_priced_the_plan_decides_as_a_site_by_site_walk(price, monkeypatch):
     """``green``'s room for latency-bound jobs, priced, over a stream of jobs on 120 sites, a third of which saw
@@ -458,10 +464,10 @@ def test_with_room_kept_for_latency_bound_jobs_priced_the_plan_decides_as_a_site
         new = timeshift.plan(req, snap, placement, policy, pipeline.filter_codes)
         with monkeypatch.context() as patch:
             patch.setattr(search, "walk_now", _slow_walk)
-            snap._derived.pop(("shift-value-floor", policy.objective), None)  # start_now, first site: no floor
+            _forget_floor(snap)  # start_now, first site: no floor
             patch.setattr(timeshift, "_value_floor", lambda values: -math.inf)
             ref = timeshift.plan(req, snap, placement, policy, pipeline.filter_codes)
-        snap._derived.pop(("shift-value-floor", policy.objective), None)
+        _forget_floor(snap)
         assert type(new) is type(ref)
         if ref is not None:
             for f in ("site", "model", "slot", "start", "value_then", "value_now", "now_site", "best_now",

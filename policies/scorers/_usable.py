@@ -60,4 +60,6 @@ def cheapest_known_last(fit: Fit, factors: tuple[float, ...] = (), divisor: floa
     """``unknown_last(cheapest_with_room(req, snap) * factors[0] * ... / divisor)`` over the decision's
     shared fit, the same values, in one compiled pass (``policies._scores.least_scaled``)."""
     scale = np.array(factors, dtype=np.float64)
-    return _scores.least_scaled(fit.room, _usable_prices(fit), _scores.NO_VALUES, scale, divisor)
+    least = _scores.least_scaled(fit.room, _usable_prices(fit), _scores.NO_VALUES, scale, divisor)
+    least.flags.writeable = False  # (raw values are read, never written: the pipeline takes them as they are)
+    return least

@@ -84,7 +84,9 @@ class CarbonScorer:
             # so the least of them is the kWh of the lowest-power model, as ``power_kw`` takes it.
             kwh = np.array([[kw * held * duration_s / 3600.0 for kw in fit.usable.tdp_kw]])
             # least_where(fit.room, kwh) * intensity / 1000, then unknown_last, in one compiled pass
-            return _scores.least_scaled(fit.room, kwh, intensity, _scores.NO_VALUES, 1000.0)
+            kg = _scores.least_scaled(fit.room, kwh, intensity, _scores.NO_VALUES, 1000.0)
+            kg.flags.writeable = False  # (raw values are read, never written: the pipeline takes them as they are)
+            return kg
         else:
             kg = power_kw_fit(fit)
             kg *= duration_s
