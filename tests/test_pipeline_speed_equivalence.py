@@ -494,3 +494,58 @@ def test_the_compiled_free_gpu_sum_is_the_numpy_one(n: int, c: int, data: st.Dat
                                       dtype=bool).reshape(n, c))
     got = _scores.free_where(free, mask)
     assert got.dtype == np.int64 and got.tolist() == np.add.reduce(free * mask, axis=1, dtype=np.int_).tolist()
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """A scorer of an operator's own whose raw values are one array, whatever the job."""
+
+    name: str
+    values: np.ndarray
+    higher_is_better: bool = True
+
+    def raw(self, req: JobRequest, snap: Snapshot) -> np.ndarray:
+        return self.values
+
+
+def test_scorers_of_any_array_type_are_normalised_as_one_term_at_a_time_and_compile_nothing_new() -> None:
+    """A scorer may hand back integers, a strided view, big-endian or single-precision floats, NaN or a flat
+    row: the decision's terms and totals are, bit for bit, those of normalising one term at a time (the plain
+    NumPy path), and a set of scorers the kernel has not seen compiles nothing (it is handed read-only float64
+    rows, one compiled form per number of terms)."""
+    from policies.filters.gpu_fit import GpuFitFilter
+    from policies.filters.health import HealthyFilter
+    from policies.pipeline import Weighted, _best_of, _normalise_each
+    from policies.timeshift import warm_up
+
+    warm_up()
+    base = federation(3)
+    n = base.n_sites
+    rng = np.random.default_rng(3)
+    wide = rng.uniform(-5, 5, 2 * n)
+    nan_row = rng.uniform(0, 1, n)
+    nan_row[rng.integers(0, n)] = np.nan
+    odd = [
+        _Fixed("ints", rng.integers(0, 9, n).astype(np.int32)),
+        _Fixed("strided", wide[::2], higher_is_better=False),
+        _Fixed("big-endian", rng.uniform(0, 100, n).astype(">f8")),
+        _Fixed("flat", np.full(n, 4.0)),
+        _Fixed("nan", nan_row, higher_is_better=False),
+        _Fixed("plain", rng.uniform(0, 1, n)),
+    ]
+    compiled = len(_scores.gather_normalise.signatures)
+    for scorers in (odd, odd[::-1], odd[:3], [*odd[3:], _Fixed("single", rng.uniform(0, 1, n).astype(np.float32))]):
+        pipeline = Pipeline(filters=(HealthyFilter(), GpuFitFilter()),
+                            scorers=tuple(Weighted(s, 0.5 + i) for i, s in enumerate(scorers)))
+        for req in requests(3, base)[:20]:
+            placement = pipeline.decide(req, base)
+            raws = [s.raw(req, base) for s in scorers]
+            terms, totals, best = _best_of(*_normalise_each(pipeline.scorers, raws, placement.feasible))
+            assert np.array_equal(placement.totals, totals, equal_nan=True)
+            if placement.feasible.size:
+                assert placement.site == int(placement.feasible[best])
+            for a, b in zip(placement.terms, terms, strict=True):
+                assert a.scorer == b.scorer and a.raw is b.raw  # the scorer's own array, not the kernel's copy
+                assert np.array_equal(a.normalised, b.normalised, equal_nan=True), a.scorer
+    assert len(_scores.gather_normalise.signatures) == compiled
+    assert odd[0].values.flags.writeable and odd[1].values.flags.writeable  # the scorers' arrays are left as they were
