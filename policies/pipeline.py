@@ -23,7 +23,7 @@ are identical.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from broker import ids
 from policies import _scores
+from policies._lazy import LazyTuple
 from policies.filters import Filter, standard_filters
 from policies.filters.gpu_fit import Fit, GpuFitFilter, fit_row
 from policies.scorers import Scorer
@@ -56,7 +57,7 @@ class Weighted:
     weight: float
 
 
-class Terms(Sequence["TermArrays"]):
+class Terms(LazyTuple["TermArrays"]):
     """A decision's score terms, a :class:`TermArrays` per scorer, made when first read: a pass decides many
     jobs whose terms nobody reads (the simulator reads none; the live cycle reads the placed jobs' when it
     records their explanation). Pickled, and equal to, the plain tuple of them."""
@@ -76,26 +77,6 @@ class Terms(Sequence["TermArrays"]):
 
     def __len__(self) -> int:
         return len(self._heads)
-
-    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
-        return self.all()[index]
-
-    def __iter__(self) -> Iterator[TermArrays]:
-        return iter(self.all())
-
-    def __reduce__(self) -> tuple[type, tuple[tuple[TermArrays, ...]]]:
-        return tuple, (self.all(),)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Terms | tuple):
-            return self.all() == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.all())
-
-    def __repr__(self) -> str:
-        return repr(self.all())
 
 
 class TermArrays(NamedTuple):

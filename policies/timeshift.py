@@ -58,7 +58,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal, NamedTuple, overload
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -66,6 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from broker import ids
 from policies import _shift_search as _search
 from policies import latency_reserve, runtime_risk
+from policies._lazy import LazyTuple
 from policies.scorers._usable import usable_models
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot
 
@@ -236,10 +237,11 @@ class Deferral:
                 "reason": self.reason(sites)}
 
 
-class TurnedAway(Sequence[tuple[int, str]]):
+class TurnedAway(LazyTuple[tuple[int, str]]):
     """The better-scoring sites a plan turned away now, and why: a sequence of (site index, why) pairs whose
     words are written when first read. A walk turns away several sites for each job it places; the simulator
-    never reads why, and the live cycle reads it when it records the decision's explanation."""
+    never reads why, and the live cycle reads it when it records the decision's explanation. Pickled as the
+    plain pairs (its words need the plan to be written)."""
 
     __slots__ = ("_rows", "_say", "_pairs", "_n")
 
@@ -251,12 +253,12 @@ class TurnedAway(Sequence[tuple[int, str]]):
         self._pairs: tuple[tuple[int, str], ...] | None = None
         self._n = len(rows)
 
-    def pairs(self) -> tuple[tuple[int, str], ...]:
+    def all(self) -> tuple[tuple[int, str], ...]:
         pairs = self._pairs
         if pairs is None:
             rows, say = self._rows, self._say
             if rows is None or say is None:  # another thread wrote them meanwhile
-                return self.pairs()
+                return self.all()
             pairs = self._pairs = tuple((row[0], say(*row)) for row in
                                         (rows.tolist() if isinstance(rows, np.ndarray) else rows))
             self._rows = self._say = None  # what the words were made from (the plan's arrays), let go
@@ -264,29 +266,6 @@ class TurnedAway(Sequence[tuple[int, str]]):
 
     def __len__(self) -> int:
         return self._n
-
-    def __reduce__(self) -> tuple[type, tuple[tuple[tuple[int, str], ...]]]:
-        return tuple, (self.pairs(),)  # pickled as the plain pairs (its words need the plan to be written)
-
-    @overload
-    def __getitem__(self, index: int) -> tuple[int, str]: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> tuple[tuple[int, str], ...]: ...
-
-    def __getitem__(self, index: int | slice) -> tuple[int, str] | tuple[tuple[int, str], ...]:
-        return self.pairs()[index]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, TurnedAway | tuple):
-            return self.pairs() == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.pairs())
-
-    def __repr__(self) -> str:
-        return repr(self.pairs())
 
 
 def passed_over_text(passed: Sequence[tuple[str, str]], n_passed: int) -> str:
