@@ -283,9 +283,11 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
 
 
 WALK_SELECT = 16
-"""Sites :func:`walk_now` picks in its first scan over the scores, best first, and twice as many in a second
-scan, from those after the last picked; a walk that goes further sorts the rest once. Most walks end within a
-few sites, where a full sort of a thousand scores costs more than the walk."""
+"""Sites :func:`walk_now` picks in its first scan over the scores, best first; each further scan picks twice as
+many, from those after the last picked, up to :data:`WALK_SCANS` scans; a walk that goes further sorts the rest
+once. Most walks end within a few sites, where a full sort of a thousand scores costs more than the walk, and a
+third of them within a few dozen more (a scan costs a few µs, a sort of a thousand scores about 30)."""
+WALK_SCANS = 4  # 16 + 32 + 64 + 128 sites before the rest are sorted
 
 
 @_jit(inline="always")
@@ -337,9 +339,9 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
     anywhere; the first ``keep`` sites turned away before it, int64[keep, 4] rows of site, ``why``, ``hour``
     (as :func:`start_now` gives them; ``why`` 3: not ``ok``, the plan cannot check it) and model, -1 past the
     last; how many were turned away). One call instead of one per site: a profile whose best sites are
-    turned away for the room kept for latency-bound jobs tries several. The order comes from two scans that
-    pick the best :data:`WALK_SELECT`, then twice as many (:func:`_select`), and past them from one stable sort
-    of the rest."""
+    turned away for the room kept for latency-bound jobs tries several. The order comes from scans that pick
+    the best :data:`WALK_SELECT`, then twice as many each time (:func:`_select`, :data:`WALK_SCANS` scans), and
+    past them from one stable sort of the rest."""
     n = totals.shape[0]
     passed = np.full((keep, 4), -1, dtype=np.int64)
     n_passed = 0
@@ -350,11 +352,11 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
     step = 0
     for _ in range(n):
         if step == n_top:  # this batch tried: the next, from those after its last
-            if n_top < top.shape[0] or n_top == 0 or batches == 3:
+            if n_top < top.shape[0] or n_top == 0 or batches > WALK_SCANS:
                 break
             last = top[n_top - 1]
-            if batches == 1:  # twice as many, in one more scan
-                top = np.empty(min(2 * WALK_SELECT, n), dtype=np.int64)
+            if batches < WALK_SCANS:  # twice as many, in one more scan
+                top = np.empty(min(WALK_SELECT << batches, n), dtype=np.int64)
                 n_top = _select(totals, last, top)
             else:  # all the rest, in one stable sort (NaN last, equals in index order)
                 rest = np.empty(n, dtype=np.int64)

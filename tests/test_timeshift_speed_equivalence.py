@@ -316,13 +316,14 @@ def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, s
     assert (outcomes["risk_added"] > 0) == bool(policy.miss_cost), outcomes  # the priced search was compared too
 
 
-@settings(max_examples=40, deadline=None)
-@given(totals=st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -1.0, math.nan]), min_size=2, max_size=90),
-       rank=st.integers(0, 89))
+@settings(max_examples=60, deadline=None)
+@given(totals=st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -1.0, math.nan]), min_size=2, max_size=320),
+       rank=st.integers(0, 319))
 def test_the_walk_tries_sites_in_the_order_of_a_stable_sort_of_their_scores(totals: list[float], rank: int):
     """walk_now picks the best scores one scan at a time and sorts the rest only when it gets that far: the
     sites it turns away, and the one it stops at, come in the order np.argsort(-totals, kind="stable") gives
-    (NaN last, equals by index), whether the walk ends among the first WALK_SELECT or past them."""
+    (NaN last, equals by index), whether the walk ends in its first scan, a later one, or past them all
+    (16 + 32 + 64 + 128 sites), among the sorted rest."""
     from policies import _shift_search as search
 
     n = len(totals)
