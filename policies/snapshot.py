@@ -289,7 +289,9 @@ class Snapshot:
     def derived(self, key: Hashable, build: Callable[..., _T], *args: object) -> _T:
         """``build(*args)``, computed once per snapshot and ``key``. Only for values that depend on nothing but the
         site facts, ``now`` and what ``key`` names: never on free capacity or ``last_placed``, which change
-        within a pass. Arrays are stored read-only, so a decision that returns one cannot change it."""
+        within a pass. Arrays are stored read-only, so a decision that returns one cannot change it. A value that
+        holds a reference rather than a copy (the time-shift plan's facts hold ``near_booked``, which ``assume``
+        keeps up in place) sees those changes, as it is meant to; its fields say which they are."""
         cache = self._derived
         value = cache.get(key)
         if value is None:

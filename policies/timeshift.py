@@ -462,7 +462,7 @@ class _Facts(NamedTuple):
     known: np.ndarray | None  # the sites with a complete forecast (None for cost)
     no_reserve: np.ndarray  # float32 zeros, read-only: no headroom
     kept: np.ndarray  # held_back_for a job with no latency objective: the room kept, and what
-    near: np.ndarray  # latency-bound jobs hold or have booked
+    near: np.ndarray  # latency-bound jobs hold or have booked (the pass's own near_booked, not a copy)
     kept_price: float  # the price per GPU-hour of that room (inf: a bar, not a price)
     floor: float  # a bound below every start's value for the room's price (-inf: none, or nothing priced)
     least: float  # a bound below every start's value (_value_floor: 0, or -inf)
