@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
 import logging
 import math
@@ -400,6 +401,9 @@ class SchedulingCycle:
         self._moves_h: int | None = None
         self._moves_saved: str | None = None  # the moves document the store holds (MOVES_STATE)
         self._moves_kept: dict[str, Any] | None = None  # one the last leader left, taken up at the next pass
+        # The stops the last leader asked for, by (job id, attempt, site): (when, POSIX s; why). Kept after the
+        # take-up, for a site that only answers later (stop_asked).
+        self._stops_kept: dict[tuple[str, int, str], tuple[float, str]] = {}
         self._stuck: list[tuple[Job, JobRequest, Pipeline]] = []  # this pass's urgent jobs that found no room
         if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
             book.active.queue.reorder(_by_urgency, book.active.get)
@@ -995,6 +999,21 @@ class SchedulingCycle:
             return
         self._moves_saved = doc
         self._moves_kept = kept  # taken up at the next pass, when the active jobs are loaded
+        self._stops_kept = {}
+        for job_id, entry in kept["moving"].items():
+            with contextlib.suppress(ValueError):  # (the take-up says which it drops, and why)
+                m = _KeptMove.model_validate(entry)
+                self._stops_kept[(job_id, m.attempt, m.origin)] = (m.asked_ts, m.reason)
+
+    def stop_asked(self, job_id: str, attempt: int, site: str) -> tuple[float, str] | None:
+        """When (POSIX seconds) and why ``site`` was asked to checkpoint and stop ``job_id``'s ``attempt`` to move
+        it, by this broker or by the last one in charge (the moves in flight it kept); None if it was not. A
+        restarted broker whose site no longer knows the attempt takes it for stopped then, not lost
+        (``Lifecycle.reconcile``): its work up to the stop is kept."""
+        m = self._moving.get(job_id)
+        if m is not None and m.attempt == attempt and m.origin == site:
+            return m.asked_ts, m.reason
+        return self._stops_kept.get((job_id, attempt, site))
 
     def _take_up_moves(self, now_ts: float) -> None:
         """The moves the last leader left (``_restore_moves``), for jobs still active at the same attempt and

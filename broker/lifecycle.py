@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
@@ -66,6 +67,10 @@ class Lifecycle:
         # Seconds a job's attempt resumed from a checkpoint spends restarting before it adds work: its
         # profile's move overhead (the broker sets this from its cycle; 0: none counted).
         self.restart_overhead_s: Callable[[Job], float] = lambda job: 0.0
+        # When and why a site was asked to checkpoint and stop an attempt to move it (job id, attempt, site ->
+        # (POSIX seconds, reason), or None), by this broker or the last one in charge: the broker sets this
+        # from its cycle's moves in flight.
+        self.stop_asked: Callable[[str, int, str], tuple[float, str] | None] = lambda job_id, attempt, site: None
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -307,8 +312,10 @@ class Lifecycle:
         not moved since. None when the site cannot tell now.
 
         A site that can list its attempts (AttemptLookup) is asked; any attempt it does not know is
-        requeued. A site that cannot list them is asked to withdraw the attempts still being dispatched;
-        admitted and running ones are settled by its events.
+        requeued. One the site had been asked to stop, to move it (``stop_asked``), is taken for stopped then,
+        as its lost ``preempted`` event would have said: a checkpointable job keeps its run up to the stop.
+        A site that cannot list them is asked to withdraw the attempts still being dispatched; admitted and
+        running ones are settled by its events.
         """
         member = self.federation.get(site)
         if member is None:
@@ -325,6 +332,10 @@ class Lifecycle:
                 return None
             for job in todo:
                 if (job.id, job.attempt) not in known and self._unmoved(job):
+                    asked = self.stop_asked(job.id, job.attempt, site) if job.state == R else None
+                    if asked is not None:
+                        requeued.append(await self._stopped_unheard(site, job, *asked))
+                        continue
                     requeued.append(await self._requeue(
                         job, f"{site} no longer knows attempt {job.attempt} after a broker restart; requeued"))
             return requeued
@@ -336,6 +347,22 @@ class Lifecycle:
             if self._unmoved(job):
                 requeued.append(await self._requeue(job, f"dispatch to {site} was cut off by a restart; requeued"))
         return requeued
+
+    async def _stopped_unheard(self, site: str, job: Job, asked_ts: float, why: str) -> Job | None:
+        """``job``'s attempt, which ``site`` was asked at ``asked_ts`` to checkpoint and stop, is gone from the
+        site, and its ``preempted`` event never reached the broker (the broker went down first): applied as
+        that event, with the run up to the stop."""
+        at = datetime.fromtimestamp(asked_ts, UTC)
+        ran_s = max(asked_ts - job.updated_at.timestamp(), 0.0)  # from this attempt's start (its last transition)
+        log.info("job %s: %s no longer knows attempt %d, which it was asked to stop at %s; taken for stopped "
+                 "then, after %.0f s running", job.id, site, job.attempt, at.isoformat(), ran_s)
+        try:
+            return await self.on_event(site, JobEvent(
+                job.id, job.attempt, EventKind.PREEMPTED, at, run_s=ran_s,
+                reason=f"{why} (its end was not heard before a broker restart; taken as of the stop)"))
+        except (IllegalTransition, JobNotFound, StoreError) as e:
+            log.error("job %s: cannot requeue: %s", job.id, e)
+            return None
 
     def _unmoved(self, job: Job) -> bool:
         current = self.book.active.get(job.id)

@@ -333,3 +333,51 @@ async def test_a_stored_move_whose_job_still_runs_where_it_was_is_left_to_the_ne
         assert ((await b.book.get(near.id)).site, (await b.book.get(filler.id)).site) == ("clean", "dirty")
     finally:
         await b.stop()
+
+
+async def test_a_move_whose_stop_the_broker_never_heard_of_keeps_the_work_done_after_a_restart(tmp_path) -> None:
+    # The clean site stops the filler as asked, but its `preempted` event never reaches the broker, which goes
+    # down first. The broker that takes charge finds the attempt gone from the site: the stop its last leader
+    # asked for (the moves in flight it kept) says the job was checkpointed then, so it keeps the half hour it
+    # ran and restarts where the move chose, rather than starting over as a lost attempt does.
+    b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        clean = b.federation.members["clean"].adapter
+        stop = clean.preempt
+
+        async def stop_then_lose_the_link(job_id: str, attempt: int, reason: str) -> None:
+            await stop(job_id, attempt, reason)
+            clean.set_reachable(False)  # its `preempted` waits for a link the broker will not see again
+
+        clean.preempt = stop_then_lose_the_link
+        filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        started = await b.book.get(filler.id)
+        assert (started.state, started.site) == (JobState.RUNNING, "clean")
+        await step(b, clock, 1800.0)
+        near, _ = await b.book.submit(job(name="near", count=8, duration_s=3600, deadline=clock.now() + timedelta(hours=2),
+                                          origin_region="gcp:northamerica-northeast2", latency_slo_ms=50.0))
+        await b.cycle.run_once(full=True)  # no room: the filler is asked to move out, to the dirty site
+        await step(b, clock, 1.0)
+        asked_ts = b.cycle._moving[filler.id].asked_ts
+        assert (await b.book.get(filler.id)).state == JobState.RUNNING  # the stop is done; the broker does not know
+    finally:
+        await b.stop()
+    again, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        await clock.advance(2.0)
+        stopped = await again.book.get(filler.id)
+        assert stopped.state == JobState.QUEUED and stopped.attempt == 1
+        assert stopped.run_s == pytest.approx(asked_ts - started.updated_at.timestamp())
+        assert stopped.run_s > 1800
+        history = [e["reason"] for e in await again.store.job_events(filler.id)]
+        assert any("its end was not heard before a broker restart" in (r or "") for r in history)
+        await again.cycle.run_once(full=True)
+        await step(again, clock, 2.0)
+        placed, moved = await again.book.get(near.id), await again.book.get(filler.id)
+        assert (placed.state, placed.site) == (JobState.RUNNING, "clean")
+        assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "dirty", 2)
+        assert moved.run_s == stopped.run_s
+    finally:
+        await again.stop()
