@@ -30,7 +30,10 @@
   the Job's reason; a Job deleted by someone else → ``lost``. Each watch reconnects after errors. A stop
   (``preempt``, or the site's own preemption) deletes the Job and is reported ``preempted`` once its last
   Pod has gone (or after ``stop_wait_s``); Pods found at start without their Job are such a stop, begun
-  before this adapter: known, their GPUs held, reported the same way.
+  before this adapter: known, their GPUs held, reported the same way. Each stop is kept in ``state_dir``
+  (``stops.json``, :class:`adapters.site_state.StopJournal`) until the broker has taken its event, so one
+  whose Pods went while no adapter ran (the broker restarting) is reported by the next adapter, with its run up
+  to the stop, rather than taken for a lost attempt.
 - Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
   are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
@@ -66,6 +69,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from adapters.quota_store import QuotaOverrides
+from adapters.site_state import StopJournal
 from adapters.kubernetes_nodes import (
     ASK_ANNOTATION,
     ATTEMPT_LABEL,
@@ -172,6 +176,8 @@ class KubernetesSite:
         self._clock = clock
         folder = state_dir if state_dir is not None else cfg.state_dir
         self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
+        # The stops begun whose `preempted` the broker has not taken yet (its Pods may go while no adapter runs).
+        self._journal = StopJournal(Path(folder) / spec.name / "stops.json" if folder is not None else None)
         self._api = api_client
         self._own_api = api_client is None
         self._admission: SiteAdmission | None = None
@@ -198,6 +204,7 @@ class KubernetesSite:
             self._api = await self._build_client()
         await self._adopt()
         await self._adopt_orphans()
+        self._adopt_stops()
         await self._refresh_inventory()
         for tenant_quota in self._quotas():
             try:
@@ -445,6 +452,30 @@ class KubernetesSite:
                      "preempted once they have gone", self.name, key[0], key[1])
             self._wait_for_pods(key)
 
+    def _adopt_stops(self) -> None:
+        """Stops the adapter before this one began whose ``preempted`` the broker never took (``StopJournal``):
+        one whose Pods are still there is reported once they go (``_adopt_orphans``), with the reason it was
+        stopped for; one of which nothing is left in the cluster ended while no adapter watched, and is
+        reported now, with its run up to the stop. One whose Job is still there never took (its deletion
+        failed): it runs on, and is forgotten."""
+        for key, kept in self._journal.items():
+            a = self._attempts.get(key)
+            if a is not None and a.orphan:
+                a.stopping = kept.reason
+                continue
+            if a is not None:
+                log.warning("site %s: %s attempt %d, whose stop began at %s, still has its Job; it runs on",
+                            self.name, key[0], key[1], kept.at.isoformat())
+                self._journal.remove(key)
+                continue
+            self._attempts[key] = _Attempt(key[0], key[1], "", "", done=True, released=True, stopping=kept.reason)
+            self._withdrawn[key] = kept.at
+            log.info("site %s: %s attempt %d, whose stop began at %s, has gone from the cluster meanwhile; "
+                     "reported preempted after %.0f s running", self.name, key[0], key[1], kept.at.isoformat(),
+                     kept.run_s)
+            self._events.put_nowait(JobEvent(key[0], key[1], EventKind.PREEMPTED, kept.at, reason=kept.reason,
+                                             run_s=kept.run_s))
+
     def _adopt_ask(self, a: _Attempt, obj: dict[str, Any]) -> None:
         found = job_ask(obj, _key(a.job_id, a.attempt), a.tenant)
         if isinstance(found, str):
@@ -582,6 +613,7 @@ class KubernetesSite:
         known = self._attempts.get(key)
         await self._delete_job(key, known)
         self._finish(key)
+        self._journal.remove(key)  # cancelled: no stop of it is reported any more
 
     async def _delete_job(self, key: tuple[str, int], known: _Attempt | None) -> None:
         namespaces = [known.namespace] if known is not None else []
@@ -609,6 +641,7 @@ class KubernetesSite:
             return  # not this process's, it ended (its own event stands), or it is being stopped
         self._withdrawn[key] = self._clock.now()
         known.stopping = reason
+        self._journal.add(key, reason, known.running_since, self._clock.now())
         await self._delete_job(key, known)
         if not known.pods:
             self._stopped(key)
@@ -651,6 +684,8 @@ class KubernetesSite:
         key = (job_id, int(attempt_s))
         known = self._attempts.get(key)
         self._withdrawn[key] = self._clock.now()
+        if known is not None and not known.done and known.stopping is None:
+            self._journal.add(key, reason, known.running_since, self._clock.now())
         await self._delete_job(key, known)
         if known is not None and not known.done and known.pods:
             self._release(key)
@@ -697,9 +732,11 @@ class KubernetesSite:
     # --- AttemptLookup ---
 
     async def known_attempts(self) -> set[tuple[str, int]]:
-        """The attempts whose Jobs exist (finished ones too: their outcome comes from the watch), and those
-        being stopped whose Pods outlive their Job (their ``preempted`` comes once the Pods have gone)."""
+        """The attempts whose Jobs exist (finished ones too: their outcome comes from the watch), those being
+        stopped whose Pods outlive their Job (their ``preempted`` comes once the Pods have gone), and those
+        stopped whose ``preempted`` the broker has not taken yet (``StopJournal``)."""
         out = {key for key, a in self._attempts.items() if a.stopping is not None and not a.done}
+        out |= self._journal.keys()
         for obj in await self._list_jobs():
             meta = obj["metadata"]
             with contextlib.suppress(ValueError):
@@ -711,7 +748,10 @@ class KubernetesSite:
 
     async def events(self) -> AsyncIterator[JobEvent]:
         while True:
-            yield await self._events.get()
+            event = await self._events.get()
+            yield event
+            if event.kind != EventKind.RUNNING:  # the attempt's end: the broker has taken it (it asks for the
+                self._journal.remove((event.job_id, event.attempt))  # next event once done with this one)
 
     async def _watch(self, kind: str) -> None:
         """Follow Jobs or Pods of this site; reconnect after errors or the end of a stream."""

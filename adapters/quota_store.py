@@ -11,18 +11,14 @@ error, and the site starts from its configured quotas. Without a path the overri
 from __future__ import annotations
 
 import json
-import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import TypeAdapter
 
 from adapters.base import AdapterError
+from adapters.site_state import read_or_set_aside, write_atomically
 from broker.models import TenantQuota
-
-log = logging.getLogger(__name__)
 
 _FILE = TypeAdapter(dict[str, TenantQuota | None])
 
@@ -38,21 +34,9 @@ class QuotaOverrides:
         self._overrides: dict[str, TenantQuota | None] = self._load()
 
     def _load(self) -> dict[str, TenantQuota | None]:
-        if self.path is None or not self.path.exists():
-            return {}
-        try:
-            return _FILE.validate_json(self.path.read_bytes())
-        except (OSError, ValidationError, ValueError) as e:
-            # The site must come up: it keeps the damaged file aside for its operator and starts from its
-            # configured quotas, saying so loudly.
-            aside = self.path.with_suffix(".json.unreadable")
-            log.error("cannot read the quota overrides in %s (%s); moved to %s, starting from the configured "
-                      "quotas", self.path, e, aside)
-            try:
-                os.replace(self.path, aside)
-            except OSError as err:
-                log.error("could not move %s aside: %s", self.path, err)
-            return {}
+        # The site must come up: a damaged file is kept aside for its operator, and the site starts from its
+        # configured quotas, saying so loudly.
+        return read_or_set_aside(self.path, _FILE, "the quota overrides", "starting from the configured quotas") or {}
 
     def apply(self, configured: Sequence[TenantQuota]) -> list[TenantQuota]:
         """The quotas in force: the configured ones, with the overrides applied, in tenant order."""
@@ -81,17 +65,7 @@ class QuotaOverrides:
             data = json.dumps({t: (q.model_dump(mode="json") if q is not None else None)
                                for t, q in sorted(overrides.items())}, indent=1).encode()
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".quota-", dir=self.path.parent)
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, self.path)
-                except BaseException:
-                    Path(tmp).unlink(missing_ok=True)
-                    raise
+                write_atomically(self.path, data)
             except OSError as e:
                 raise QuotaStoreError(f"cannot write the quota overrides to {self.path}: {e}") from None
         self._overrides = overrides  # only once it is on disk: a failed write changes nothing

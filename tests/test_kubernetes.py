@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import kmock
@@ -54,10 +55,11 @@ async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
         yield emulator
 
 
-def make_site(cluster: kmock.KubernetesEmulator, stop_wait_s: float = 300.0, **spec: Any) -> KubernetesSite:
+def make_site(cluster: kmock.KubernetesEmulator, stop_wait_s: float = 300.0, state_dir: Path | None = None,
+              **spec: Any) -> KubernetesSite:
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2,
                                      stop_wait_s=stop_wait_s)
-    return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), SystemClock())
+    return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), SystemClock(), state_dir=state_dir)
 
 
 @pytest.fixture
@@ -413,6 +415,135 @@ async def test_gpus_of_pods_outside_heliotrope_are_not_free(cluster: kmock.Kuber
 
 
 # --- preemption ---
+
+
+async def stopped_while_no_adapter_ran(cluster: kmock.KubernetesEmulator, state_dir: Path, stop) -> float:  # noqa: ANN001
+    """Tenant a runs j-0 on its guarantee and j-1 on tenant b's, all 16 GPUs, for half a second; then
+    ``stop(adapter)`` stops j-1; the adapter closes, and j-1's Pod goes while none runs. Returns how long j-1
+    ran before the stop, at least."""
+    first = make_site(cluster, state_dir=state_dir, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
+                                                            {"tenant": "b", "guaranteed_gpus": 8}])
+    await first.start()
+    stream = first.events()
+    try:
+        for name in ("j-0", "j-1"):
+            assert (await first.submit(attempt(name, count=8, tenant="a", preemptible=True))).admitted
+        await pod_running(cluster, job_name("j-1", 1), "heliotrope-a")
+        assert (await next_event(first, stream)).kind == EventKind.RUNNING
+        await asyncio.sleep(0.5)
+        await stop(first)
+        assert ("heliotrope-a", job_name("j-1", 1)) not in jobs(cluster)
+    finally:
+        await first.close()
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{job_name('j-1', 1)}-abc")
+    return 0.5
+
+
+@pytest.mark.parametrize("stop", ["the broker's", "the site's own"])
+async def test_a_stop_whose_pods_go_while_no_adapter_runs_is_reported_by_the_next_one(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, stop: str) -> None:
+    # The job's Pod wrote its checkpoint and exited while the broker restarted: nothing of it is left in the
+    # cluster. The next adapter, from the same state folder, still knows the stop and reports it with the run
+    # up to the stop, so the broker keeps the checkpoint's work rather than taking the attempt for lost; once
+    # the broker has taken the event, it is forgotten.
+    async def broker_asks(adapter: KubernetesSite) -> None:
+        await adapter.preempt("j-1", 1, "moved from kube to b from its checkpoint")
+
+    async def site_reclaims(adapter: KubernetesSite) -> None:  # tenant b reclaims its guarantee
+        assert (await adapter.submit(attempt("k-1", count=8, tenant="b"))).admitted
+
+    ran = await stopped_while_no_adapter_ran(cluster, tmp_path, broker_asks if stop == "the broker's" else site_reclaims)
+    assert (tmp_path / "kube" / "stops.json").exists()
+    second = make_site(cluster, state_dir=tmp_path)
+    await second.start()
+    try:
+        assert ("j-1", 1) in await second.known_attempts()  # so a restarted broker does not requeue it as lost
+        events = second.events()
+        stopped = await next_event(second, events)
+        assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
+        if stop == "the broker's":
+            assert stopped.reason == "moved from kube to b from its checkpoint"
+        else:
+            assert "for job k-1" in (stopped.reason or "")
+        assert ran <= stopped.run_s < 5
+        # The broker asks for the next event once it has stored this one: the stop is done with.
+        with pytest.raises(TimeoutError):
+            await next_event(second, events)
+        assert ("j-1", 1) not in await second.known_attempts()
+        assert not (tmp_path / "kube" / "stops.json").exists()
+    finally:
+        await second.close()
+    third = make_site(cluster, state_dir=tmp_path)
+    await third.start()
+    try:
+        with pytest.raises(TimeoutError):  # reported once
+            await next_event(third, third.events())
+    finally:
+        await third.close()
+
+
+async def test_a_stop_reported_as_the_adapter_closed_is_reported_again_by_the_next_one(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    # The Pod went and the adapter queued "preempted", but closed before the broker took it.
+    first = make_site(cluster, state_dir=tmp_path)
+    await first.start()
+    stream = first.events()
+    try:
+        assert (await first.submit(attempt("j-1", count=8))).admitted
+        await pod_running(cluster, job_name("j-1", 1))
+        assert (await next_event(first, stream)).kind == EventKind.RUNNING
+        await first.preempt("j-1", 1, "moved")
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{job_name('j-1', 1)}-abc")
+        for _ in range(50):  # until the watch has seen the Pod go
+            if first._events.qsize():
+                break
+            await asyncio.sleep(0.05)
+        assert first._events.qsize() == 1
+    finally:
+        await first.close()
+    second = make_site(cluster, state_dir=tmp_path)
+    await second.start()
+    try:
+        stopped = await next_event(second, second.events())
+        assert (stopped.job_id, stopped.kind, stopped.reason) == ("j-1", EventKind.PREEMPTED, "moved")
+    finally:
+        await second.close()
+
+
+async def test_a_stop_whose_job_is_still_there_never_took_and_is_forgotten(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The stop was noted, but its Job's deletion never reached the cluster: the job runs on.
+    first = make_site(cluster, state_dir=tmp_path)
+    await first.start()
+    try:
+        assert (await first.submit(attempt("j-1", count=8))).admitted
+        first._journal.add(("j-1", 1), "moved", None, NOW)
+    finally:
+        await first.close()
+    second = make_site(cluster, state_dir=tmp_path)
+    await second.start()
+    try:
+        assert "still has its Job; it runs on" in caplog.text
+        assert not (tmp_path / "kube" / "stops.json").exists()
+        with pytest.raises(TimeoutError):
+            await next_event(second, second.events())
+        assert (await second.snapshot()).capacity[0].free_gpus == 8  # it still holds its GPUs
+    finally:
+        await second.close()
+
+
+async def test_a_stops_file_that_cannot_be_read_is_set_aside_and_the_site_starts(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "kube").mkdir()
+    (tmp_path / "kube" / "stops.json").write_text('[{"job_id": "j-1"}]')
+    adapter = make_site(cluster, state_dir=tmp_path)
+    await adapter.start()
+    try:
+        assert "cannot read the stops not yet reported" in caplog.text
+        assert (tmp_path / "kube" / "stops.json.unreadable").exists()
+        assert await adapter.known_attempts() == set()
+    finally:
+        await adapter.close()
 
 
 @pytest.fixture

@@ -1,0 +1,125 @@
+"""What a site adapter keeps in its ``state_dir`` so that it outlives a restart: small JSON files, one per kind.
+
+Each file is written atomically (a temporary file in the same folder, flushed and synced, then renamed over
+the old one), so a crash leaves the old or the new file, never half of one. A file that cannot be read at
+start (edited by hand, a disk error) is moved aside as ``NAME.unreadable``, with a logged error, and the
+adapter starts without it: a site must come up.
+
+- :class:`StopJournal`: the stops an adapter began (the broker's ``preempt``, or the site's own preemption)
+  whose ``preempted`` event the broker has not yet taken. A stop ends when the job's Pods have gone, which
+  may happen while no adapter watches (the broker restarting); the adapter that starts next reports it from
+  here, with the run up to the stop, so the job keeps its checkpoint's work rather than starting over as a
+  lost attempt. (:mod:`adapters.quota_store` keeps the operator's quota changes the same way.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from broker.models import UtcDatetime
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` as the whole of ``path``, or (an OSError) the file as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_or_set_aside(path: Path | None, shape: TypeAdapter[T], what: str, starting: str) -> T | None:
+    """``path``'s JSON as ``shape``; None when there is no such file, or when it cannot be read, in which case
+    it is moved aside (``NAME.unreadable``) with an error naming ``what`` it held and what the adapter does
+    instead (``starting``)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        return shape.validate_json(path.read_bytes())
+    except (OSError, ValidationError, ValueError) as e:
+        aside = path.with_suffix(path.suffix + ".unreadable")
+        log.error("cannot read %s in %s (%s); moved to %s, %s", what, path, e, aside, starting)
+        try:
+            os.replace(path, aside)
+        except OSError as err:
+            log.error("could not move %s aside: %s", path, err)
+        return None
+
+
+class KeptStop(BaseModel):
+    """A stop an adapter began: why, since when the attempt ran (None: it never ran), and when the stop began."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str
+    running_since: UtcDatetime | None
+    at: UtcDatetime
+    job_id: str = Field(min_length=1)
+    attempt: int = Field(ge=0)
+
+    @property
+    def run_s(self) -> float:
+        """Seconds the attempt ran before its stop began: the work its checkpoint holds, as far as is known."""
+        return max((self.at - self.running_since).total_seconds(), 0.0) if self.running_since is not None else 0.0
+
+
+_STOPS = TypeAdapter(list[KeptStop])
+
+
+class StopJournal:
+    """The stops of one site not yet taken by the broker, by (job id, attempt); in ``path`` when given (else in
+    memory only). A write that fails is logged and kept in memory: a stop goes ahead without its record."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        found = read_or_set_aside(path, _STOPS, "the stops not yet reported", "reporting none from before") or []
+        self._stops: dict[tuple[str, int], KeptStop] = {(s.job_id, s.attempt): s for s in found}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._stops
+
+    def __len__(self) -> int:
+        return len(self._stops)
+
+    def items(self) -> list[tuple[tuple[str, int], KeptStop]]:
+        return sorted(self._stops.items())
+
+    def keys(self) -> set[tuple[str, int]]:
+        return set(self._stops)
+
+    def add(self, key: tuple[str, int], reason: str, running_since: datetime | None, at: datetime) -> None:
+        self._stops[key] = KeptStop(job_id=key[0], attempt=key[1], reason=reason, running_since=running_since, at=at)
+        self._save()
+
+    def remove(self, key: tuple[str, int]) -> None:
+        if self._stops.pop(key, None) is not None:
+            self._save()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            if self._stops:
+                write_atomically(self.path, _STOPS.dump_json([s for _, s in self.items()], indent=1))
+            else:
+                self.path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot write the stops not yet reported to %s (%s); a restart before they are "
+                        "reported takes their attempts for lost", self.path, e)
