@@ -73,7 +73,7 @@ from typing import Any, Literal
 import aiomqtt
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from adapters.base import AttemptLookup, EventKind, JobEvent, Preempter, QuotaAdmin, SiteAdapter
+from adapters.base import AttemptLookup, EventKind, EventReceipts, JobEvent, Preempter, QuotaAdmin, SiteAdapter
 from adapters.mqtt_protocol import (
     PUBLISH_TIMEOUT_S,
     Ack,
@@ -160,6 +160,7 @@ class _Held:
 @dataclass(slots=True)
 class _Outgoing:
     msg: EventMsg
+    event: JobEvent  # as the site's adapter reported it: said to be taken once the broker acknowledges it
     sent: float = -math.inf  # monotonic; -inf: not yet published on this connection
 
 
@@ -473,6 +474,7 @@ class SiteAgent:
         if key in self._stopped:
             log.debug("site agent %s: %s of %s/%d, which it stopped itself, not forwarded", self.site, event.kind,
                       *key)
+            self._taken(event)  # the agent reported the attempt's end itself
             return
         self._last_event[key] = event.kind
         held = self._held.get(key)
@@ -484,9 +486,14 @@ class SiteAgent:
                 del self._held[key]
         self._emit(event)
 
+    def _taken(self, event: JobEvent) -> None:
+        """The broker has the event (or needs it no more): the site's adapter may forget what it kept for it."""
+        if isinstance(self.inner, EventReceipts):
+            self.inner.taken(event)
+
     def _emit(self, event: JobEvent) -> None:
         msg = EventMsg(site=self.site, boot=self.boot, msg_id=next(self._event_ids), event=WireEvent.of(event))
-        out = _Outgoing(msg)
+        out = _Outgoing(msg, event)
         self._outbox[msg.msg_id] = out
         if self._client is not None:
             out.sent = time.monotonic()
@@ -521,7 +528,8 @@ class SiteAgent:
             case Ack():
                 if msg.boot == self.boot:
                     for msg_id in msg.msg_ids:
-                        self._outbox.pop(msg_id, None)
+                        if (out := self._outbox.pop(msg_id, None)) is not None:
+                            self._taken(out.event)
             case LeaseGrant():
                 self._on_lease(msg)
             case Dispatch() | Cancel() | Preempt() | QuotaCommand():

@@ -82,6 +82,15 @@ class EventSource(Protocol):
 
 
 @runtime_checkable
+class EventReceipts(Protocol):
+    def taken(self, event: JobEvent) -> None:
+        """The consumer of :meth:`EventSource.events` has kept ``event`` (the broker stored it, or, for a site
+        agent, the broker acknowledged it): an adapter that keeps what it must report across its own restarts
+        may forget it now. An event never said to be taken may be reported again by the next adapter."""
+        ...
+
+
+@runtime_checkable
 class AttemptLookup(Protocol):
     async def known_attempts(self) -> set[tuple[str, int]]: ...
 

@@ -616,7 +616,7 @@ class KubernetesSite:
         self._journal.remove(key)  # cancelled: no stop of it is reported any more
 
     async def _delete_job(self, key: tuple[str, int], known: _Attempt | None) -> None:
-        namespaces = [known.namespace] if known is not None else []
+        namespaces = [known.namespace] if known is not None and known.namespace else []
         if not namespaces:  # not dispatched from this process: find it by its labels
             namespaces = [j["metadata"].get("namespace", "") for j in await self._list_jobs()
                           if (j["metadata"].get("annotations") or {}).get(JOB_ANNOTATION) == key[0]
@@ -748,10 +748,13 @@ class KubernetesSite:
 
     async def events(self) -> AsyncIterator[JobEvent]:
         while True:
-            event = await self._events.get()
-            yield event
-            if event.kind != EventKind.RUNNING:  # the attempt's end: the broker has taken it (it asks for the
-                self._journal.remove((event.job_id, event.attempt))  # next event once done with this one)
+            yield await self._events.get()
+
+    def taken(self, event: JobEvent) -> None:
+        """``EventReceipts``: the attempt's end is kept by the broker (or the agent's broker); a stop of it kept
+        in the journal is done with."""
+        if event.kind != EventKind.RUNNING:
+            self._journal.remove((event.job_id, event.attempt))
 
     async def _watch(self, kind: str) -> None:
         """Follow Jobs or Pods of this site; reconnect after errors or the end of a stream."""

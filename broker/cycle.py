@@ -107,7 +107,7 @@ class _Planned:
 class _Moving:
     """A running job whose site was asked to checkpoint and stop it (``policies.migration``): where it ran
     (which attempt), where it goes (``site`` None: back to the queue, its place taken by ``for_job``), why, and
-    when it was asked (POSIX seconds)."""
+    when it was asked (POSIX seconds); ``delivered`` once the site has taken the request."""
 
     origin: str
     attempt: int
@@ -116,6 +116,7 @@ class _Moving:
     reason: str
     for_job: str | None
     asked_ts: float
+    delivered: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +326,7 @@ class _KeptMove(BaseModel):
     reason: str
     for_job: str | None
     asked_ts: float
+    delivered: bool = False
 
 
 class _KeptHold(BaseModel):
@@ -860,6 +862,9 @@ class SchedulingCycle:
                 self.book.forgive(job.id, origin)  # it runs on there: nothing keeps it off that site
                 return
             self.metrics.moves.labels(origin, "room" if move.for_job is not None else "saving").inc()
+            asked = self._moving.get(job.id)
+            if asked is not None and asked.attempt == job.attempt:  # the site has it: kept so (keep_moves)
+                self._moving[job.id] = replace(asked, delivered=True)
 
         # Off the site it leaves until the move's time is up: a job put back in the queue to make room must
         # not take that room, nor a moved one go back where it was moved from.
@@ -953,7 +958,8 @@ class SchedulingCycle:
         return json.dumps({
             "moving": {job_id: _KeptMove(origin=m.origin, attempt=m.attempt, site=m.site,
                                          model=ids.GPU_MODEL_IDS[m.model] if m.site is not None else None,
-                                         reason=m.reason, for_job=m.for_job, asked_ts=m.asked_ts).model_dump()
+                                         reason=m.reason, for_job=m.for_job, asked_ts=m.asked_ts,
+                                         delivered=m.delivered).model_dump()
                        for job_id, m in sorted(self._moving.items())},
             "holds": {job_id: _KeptHold(site=h.site, model=ids.GPU_MODEL_IDS[h.model], duration_s=h.request.duration_s,
                                         attempt=h.attempt, until_ts=h.until_ts).model_dump()
@@ -1003,15 +1009,18 @@ class SchedulingCycle:
         for job_id, entry in kept["moving"].items():
             with contextlib.suppress(ValueError):  # (the take-up says which it drops, and why)
                 m = _KeptMove.model_validate(entry)
-                self._stops_kept[(job_id, m.attempt, m.origin)] = (m.asked_ts, m.reason)
+                if m.delivered:
+                    self._stops_kept[(job_id, m.attempt, m.origin)] = (m.asked_ts, m.reason)
 
     def stop_asked(self, job_id: str, attempt: int, site: str) -> tuple[float, str] | None:
         """When (POSIX seconds) and why ``site`` was asked to checkpoint and stop ``job_id``'s ``attempt`` to move
-        it, by this broker or by the last one in charge (the moves in flight it kept); None if it was not. A
-        restarted broker whose site no longer knows the attempt takes it for stopped then, not lost
-        (``Lifecycle.reconcile``): its work up to the stop is kept."""
+        it, by this broker or by the last one in charge (the moves in flight it kept), and the site took the
+        request; None if not. A restarted broker whose site no longer knows the attempt takes it for stopped
+        then, not lost (``Lifecycle.reconcile``): its work up to the stop is kept. A request the broker went
+        down before the site took (or before the store kept that it had) does not count: the attempt may have
+        gone for another reason, with no checkpoint."""
         m = self._moving.get(job_id)
-        if m is not None and m.attempt == attempt and m.origin == site:
+        if m is not None and m.attempt == attempt and m.origin == site and m.delivered:
             return m.asked_ts, m.reason
         return self._stops_kept.get((job_id, attempt, site))
 
@@ -1032,7 +1041,7 @@ class SchedulingCycle:
                 log.warning("ignoring a stored move of job %s: %s", job_id, e)
                 continue
             moving = _Moving(m.origin, m.attempt, m.site, MODEL_INDEX[m.model] if m.model is not None else -1,
-                             m.reason, m.for_job, m.asked_ts)
+                             m.reason, m.for_job, m.asked_ts, m.delivered)
             job = self.book.active.get(job_id)
             left_s = min(moving.asked_ts + MOVE_TIMEOUT_S - now_ts, MOVE_TIMEOUT_S)
             if job is None or job.attempt != moving.attempt or left_s <= 0:

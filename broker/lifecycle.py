@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from adapters.base import AttemptLookup, EventKind, HeldAttempts, JobEvent
+from adapters.base import AttemptLookup, EventKind, EventReceipts, HeldAttempts, JobEvent
 from broker.federation import Federation, Member
 from broker.jobs import JobBook, JobNotFound
 from broker.metrics import Metrics
@@ -71,11 +71,15 @@ class Lifecycle:
         # (POSIX seconds, reason), or None), by this broker or the last one in charge: the broker sets this
         # from its cycle's moves in flight.
         self.stop_asked: Callable[[str, int, str], tuple[float, str] | None] = lambda job_id, attempt, site: None
+        # Set once the active jobs are loaded (the broker in charge): events wait for it, since one applied to a
+        # book that does not hold its job yet would be dropped as stale.
+        self.loaded = asyncio.Event()
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
         with backoff until the store takes it: a site's report is never dropped."""
         site = member.spec.name
+        await self.loaded.wait()
         async for event in member.adapter.events():
             try:
                 async for attempt in AsyncRetrying(
@@ -89,6 +93,9 @@ class Lifecycle:
                         await self.on_event(site, event)
             except Exception:
                 log.exception("site %s: could not apply event %s", site, event)
+                continue
+            if isinstance(member.adapter, EventReceipts):
+                member.adapter.taken(event)
 
     async def on_event(self, site: str, ev: JobEvent) -> Job | None:
         job = self.book.active.get(ev.job_id)
@@ -353,14 +360,19 @@ class Lifecycle:
         site, and its ``preempted`` event never reached the broker (the broker went down first): applied as
         that event, with the run up to the stop."""
         at = datetime.fromtimestamp(asked_ts, UTC)
-        ran_s = max(asked_ts - job.updated_at.timestamp(), 0.0)  # from this attempt's start (its last transition)
+        # From this attempt's start: as the site reported it, unless that is after the broker stored it (clocks
+        # apart); the broker's own time is later where it heard the start late.
+        began = min(job.started_at or job.updated_at, job.updated_at)
+        ran_s = max(asked_ts - began.timestamp(), 0.0)
         log.info("job %s: %s no longer knows attempt %d, which it was asked to stop at %s; taken for stopped "
                  "then, after %.0f s running", job.id, site, job.attempt, at.isoformat(), ran_s)
         try:
             return await self.on_event(site, JobEvent(
                 job.id, job.attempt, EventKind.PREEMPTED, at, run_s=ran_s,
                 reason=f"{why} (its end was not heard before a broker restart; taken as of the stop)"))
-        except (IllegalTransition, JobNotFound, StoreError) as e:
+        except IllegalTransition:  # the site's own event came meanwhile, and requeued it
+            return None
+        except (JobNotFound, StoreError) as e:
             log.error("job %s: cannot requeue: %s", job.id, e)
             return None
 

@@ -255,6 +255,7 @@ class Broker:
                 raise ConfigError(str(e)) from None
             await self._join(spec, tolerate_failure=True)
         await self.book.load()
+        self.lifecycle.loaded.set()  # the sites' events flow from here on
         requeued = await self.lifecycle.recover()
         if requeued:
             log.warning("requeued %d jobs whose attempts were lost while the broker was down", len(requeued))
@@ -329,6 +330,7 @@ class Broker:
             await self.hub.close()
         self.events.end_streams()  # the clients follow whoever leads next
         self.book.active.clear()  # what a follower reads comes from the store, which the leader keeps current
+        self.lifecycle.loaded.clear()
         self.book.tracking = self.replicas is None
 
     async def _loop(self) -> None:

@@ -310,6 +310,24 @@ async def test_an_event_is_resent_until_acknowledged(agent_and_broker):
     assert len(side.events_of("j1")) == settled, "events kept coming after the ack"
 
 
+async def test_the_sites_adapter_hears_an_event_is_taken_only_once_the_broker_acknowledges_it(agent_and_broker):
+    # An adapter that keeps what it must report across restarts (the Kubernetes adapter's stops) forgets it
+    # when told the event is taken (EventReceipts). The agent's outbox lives in memory, so it tells the adapter
+    # only once the broker has acknowledged the event, not when it has merely queued or sent it.
+    agent, side = agent_and_broker
+    taken: list[Any] = []
+    agent.inner.taken = taken.append  # type: ignore[attr-defined]
+    side.auto_ack = False
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.1)))
+    await side.event("j1", EventKind.SUCCEEDED)
+    await until(lambda: len(side.events_of("j1", EventKind.SUCCEEDED)) >= 2, what="a resend")
+    assert taken == []
+    await side.send(Ack(site=agent.site, boot=agent.boot, msg_ids=[m.msg_id for m in side.events_of("j1")]))
+    await until(lambda: {e.kind for e in taken} == {EventKind.RUNNING, EventKind.SUCCEEDED}, what="both taken")
+    assert [e.job_id for e in taken] == ["j1", "j1"]
+
+
 async def test_a_repeated_dispatch_does_not_run_the_job_twice(agent_and_broker):
     agent, side = agent_and_broker
     await leased(agent, side)
