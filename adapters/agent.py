@@ -49,7 +49,10 @@ What survives a crash
     while run both there and at its new site. A restarted agent adopts what the site still holds
     (``known_attempts``) and lists it in its heartbeats: the broker keeps the attempts still current there
     and has the others cancelled at once, and events for attempts that are no longer current are ignored. Operator quota changes
-    survive (``state_dir``), as in the adapters. While the agent cannot reach the MQTT broker its outbox
+    survive (``state_dir``), as in the adapters, and so do the stops a Kubernetes site began whose end the broker
+    has not acknowledged (the adapter hears of the acknowledgement: ``EventReceipts``). An attempt whose end
+    event is not acknowledged yet stays listed in the heartbeats, so a broker that restarts meanwhile does not
+    take it for lost before that event reaches it. While the agent cannot reach the MQTT broker its outbox
     grows with the site's events (a few hundred bytes each), without a limit.
 """
 
@@ -356,12 +359,22 @@ class SiteAgent:
             seq = next(self._seq)
             beat = Heartbeat(
                 site=self.site, boot=self.boot, seq=seq, sent_at=self.clock.now(), lease_s=self._lease_s,
-                state=state,
-                attempts=[AttemptReport(job_id=j, attempt=a, status=h.status) for (j, a), h in self._held.items()],
+                state=state, attempts=self._attempts_listed(),
             )
             self._sent_at[seq] = time.monotonic()
             await self._publish(client, "state", beat, retain=True)
             await asyncio.sleep(self.config.heartbeat_s)
+
+    def _attempts_listed(self) -> list[AttemptReport]:
+        """The attempts the site holds, and those whose end the broker has not acknowledged yet (listed as the
+        last the broker heard of them): a broker that restarted and asks what the site knows must not take
+        such an attempt for lost, and requeue it from scratch, before its end (a stop with its run) comes."""
+        listed = {key: h.status for key, h in self._held.items()}
+        for out in self._outbox.values():
+            key = (out.event.job_id, out.event.attempt)
+            if out.event.kind != EventKind.RUNNING and key not in listed:
+                listed[key] = "running"
+        return [AttemptReport(job_id=j, attempt=a, status=status) for (j, a), status in listed.items()]
 
     def _on_lease(self, grant: LeaseGrant) -> None:
         sent = self._sent_at.get(grant.seq)

@@ -14,7 +14,8 @@ Topics (``{site}`` is the site's name; ``heliotrope/v1`` changes with an incompa
 topic                               direction    retained messages
 =================================== ============ ======== ================================================
 ``heliotrope/v1/sites/{site}/state``  agent→broker yes      ``heartbeat``: capacity, telemetry, quotas, the
-                                                          attempts the site holds; renews the lease
+                                                          attempts the site holds (and those whose end
+                                                          event is not acknowledged yet); renews the lease
 ``heliotrope/v1/sites/{site}/status`` agent→broker yes      ``status``: online, or offline (the last will,
                                                           published by the MQTT broker when the agent's
                                                           connection dies, so the broker sees the site

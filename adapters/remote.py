@@ -179,6 +179,7 @@ class RemoteSite:
         self._events: asyncio.Queue[tuple[str, int, JobEvent]] = asyncio.Queue()
         self._queued: set[tuple[str, int]] = set()  # (boot, msg id) waiting in _events
         self._applied: OrderedDict[tuple[str, int], None] = OrderedDict()  # recently acknowledged events
+        self._current: tuple[str, int, JobEvent] | None = None  # the event the consumer reads, until taken
         self._state: SiteState | None = None  # the latest heartbeat's state
         self._boot: str | None = None
         self._heard_mono: float | None = None  # monotonic s of the latest live heartbeat
@@ -189,6 +190,9 @@ class RemoteSite:
         self._lapsed = False  # the lease ran out and its attempts were given up; a heartbeat renews it
         self._attempts: set[tuple[str, int]] = set()  # what the latest live heartbeat listed
         self._ours: set[tuple[str, int]] = set()  # attempts admitted, being dispatched, or listed; not ended
+        # Attempts whose end the broker has read: an agent lists one until the broker acknowledges its end, and
+        # such a listing must not make it ours again.
+        self._ended: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._offline_at: datetime | None = None
         self._watch: asyncio.Task[None] | None = None
         self._sending: set[asyncio.Task[bool]] = set()
@@ -251,7 +255,7 @@ class RemoteSite:
         self._heard_at = self._clock.now()
         self._lease_end = self._heard_mono + self.config.lease_s
         self._attempts = listed
-        self._ours |= listed
+        self._ours |= {key for key in listed if key not in self._ended}
         self._offline_at = None
         if self._lapsed:
             log.info("site %s: heard from its agent (boot %s); it holds a lease again", self.name, hb.boot)
@@ -374,27 +378,43 @@ class RemoteSite:
             raise AdapterError(f"site {self.name}: preempt failed: {reply.reason}")
 
     async def events(self) -> AsyncIterator[JobEvent]:
+        """The agent's events, each acknowledged to it once the consumer says it is kept (:meth:`taken`); one the
+        consumer goes on from without that (it could not apply it) is left to the agent's resend."""
         while not self._closed:
             boot, msg_id, event = await self._events.get()
             if event.kind not in (EventKind.RUNNING,):
                 self._ours.discard((event.job_id, event.attempt))
-            applied = False
+                self._ended[(event.job_id, event.attempt)] = None
+                while len(self._ended) > 100_000:
+                    self._ended.popitem(last=False)
+            self._current = (boot, msg_id, event)
+            resumed = False
             try:
                 yield event
-                applied = True  # resumed: the consumer applied it
+                resumed = True
             finally:
-                if not applied:  # the consumer went away mid-event: keep it for the next one
+                current, self._current = self._current, None
+                if current is not None:  # not taken: the consumer went away mid-event, or could not apply it
                     if boot:
                         self._queued.discard((boot, msg_id))  # the agent's resend brings it back
-                    else:
+                    elif not resumed:
                         self._events.put_nowait((boot, msg_id, event))
-            if boot:  # acknowledge the agent's event (lease-expiry events are our own)
-                key = (boot, msg_id)
-                self._queued.discard(key)
-                self._applied[key] = None
-                while len(self._applied) > 100_000:
-                    self._applied.popitem(last=False)
-                self._send(proto.Ack(site=self.name, boot=boot, msg_ids=[msg_id]))
+
+    def taken(self, event: JobEvent) -> None:
+        """``EventReceipts``: the broker has applied the event it is reading: acknowledge it to the agent (not
+        the lease-expiry events, which are this side's own), which then stops resending it and tells its
+        site's adapter."""
+        if self._current is None or self._current[2] is not event:
+            return
+        boot, msg_id, _ = self._current
+        self._current = None
+        if boot:
+            key = (boot, msg_id)
+            self._queued.discard(key)
+            self._applied[key] = None
+            while len(self._applied) > 100_000:
+                self._applied.popitem(last=False)
+            self._send(proto.Ack(site=self.name, boot=boot, msg_ids=[msg_id]))
 
     async def known_attempts(self) -> set[tuple[str, int]]:
         if self._expired:
@@ -404,8 +424,9 @@ class RemoteSite:
         return set(self._attempts)
 
     def held_attempts(self) -> set[tuple[str, int]]:
-        """What the latest live heartbeat listed (empty while the site holds no lease)."""
-        return set() if self._expired else set(self._attempts)
+        """What the latest live heartbeat listed (empty while the site holds no lease), less the attempts whose
+        end the broker has read: the agent lists those until it has the broker's acknowledgement."""
+        return set() if self._expired else {key for key in self._attempts if key not in self._ended}
 
     # --- QuotaAdmin ---
 

@@ -326,7 +326,6 @@ class _KeptMove(BaseModel):
     reason: str
     for_job: str | None
     asked_ts: float
-    delivered: bool = False
 
 
 class _KeptHold(BaseModel):
@@ -958,9 +957,11 @@ class SchedulingCycle:
         return json.dumps({
             "moving": {job_id: _KeptMove(origin=m.origin, attempt=m.attempt, site=m.site,
                                          model=ids.GPU_MODEL_IDS[m.model] if m.site is not None else None,
-                                         reason=m.reason, for_job=m.for_job, asked_ts=m.asked_ts,
-                                         delivered=m.delivered).model_dump()
+                                         reason=m.reason, for_job=m.for_job, asked_ts=m.asked_ts).model_dump()
                        for job_id, m in sorted(self._moving.items())},
+            # the moves whose stop the site has taken: a list beside the moves, which releases before this one
+            # (strict about each move's fields) read past
+            "delivered": sorted(job_id for job_id, m in self._moving.items() if m.delivered),
             "holds": {job_id: _KeptHold(site=h.site, model=ids.GPU_MODEL_IDS[h.model], duration_s=h.request.duration_s,
                                         attempt=h.attempt, until_ts=h.until_ts).model_dump()
                       for job_id, h in sorted(self._holds.items())},
@@ -1005,11 +1006,14 @@ class SchedulingCycle:
             return
         self._moves_saved = doc
         self._moves_kept = kept  # taken up at the next pass, when the active jobs are loaded
+        delivered = kept.get("delivered")
+        # (absent from an older release's document: none counts)
+        kept["delivered"] = {j for j in delivered if isinstance(j, str)} if isinstance(delivered, list) else set()
         self._stops_kept = {}
         for job_id, entry in kept["moving"].items():
             with contextlib.suppress(ValueError):  # (the take-up says which it drops, and why)
                 m = _KeptMove.model_validate(entry)
-                if m.delivered:
+                if job_id in kept["delivered"]:
                     self._stops_kept[(job_id, m.attempt, m.origin)] = (m.asked_ts, m.reason)
 
     def stop_asked(self, job_id: str, attempt: int, site: str) -> tuple[float, str] | None:
@@ -1018,7 +1022,8 @@ class SchedulingCycle:
         request; None if not. A restarted broker whose site no longer knows the attempt takes it for stopped
         then, not lost (``Lifecycle.reconcile``): its work up to the stop is kept. A request the broker went
         down before the site took (or before the store kept that it had) does not count: the attempt may have
-        gone for another reason, with no checkpoint."""
+        gone for another reason, with no checkpoint. (A site answers a stop of an attempt it no longer runs
+        without an error, and its own event for that attempt's end, which it sends first, is what counts.)"""
         m = self._moving.get(job_id)
         if m is not None and m.attempt == attempt and m.origin == site and m.delivered:
             return m.asked_ts, m.reason
@@ -1041,7 +1046,7 @@ class SchedulingCycle:
                 log.warning("ignoring a stored move of job %s: %s", job_id, e)
                 continue
             moving = _Moving(m.origin, m.attempt, m.site, MODEL_INDEX[m.model] if m.model is not None else -1,
-                             m.reason, m.for_job, m.asked_ts, m.delivered)
+                             m.reason, m.for_job, m.asked_ts, job_id in kept["delivered"])
             job = self.book.active.get(job_id)
             left_s = min(moving.asked_ts + MOVE_TIMEOUT_S - now_ts, MOVE_TIMEOUT_S)
             if job is None or job.attempt != moving.attempt or left_s <= 0:

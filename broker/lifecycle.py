@@ -370,7 +370,7 @@ class Lifecycle:
             return await self.on_event(site, JobEvent(
                 job.id, job.attempt, EventKind.PREEMPTED, at, run_s=ran_s,
                 reason=f"{why} (its end was not heard before a broker restart; taken as of the stop)"))
-        except IllegalTransition:  # the site's own event came meanwhile, and requeued it
+        except IllegalTransition:  # another change to the job got there first: it is no longer on the site
             return None
         except (JobNotFound, StoreError) as e:
             log.error("job %s: cannot requeue: %s", job.id, e)

@@ -328,6 +328,23 @@ async def test_the_sites_adapter_hears_an_event_is_taken_only_once_the_broker_ac
     assert [e.job_id for e in taken] == ["j1", "j1"]
 
 
+async def test_an_attempt_is_listed_in_heartbeats_until_the_broker_acknowledges_its_end(agent_and_broker):
+    # A broker that restarts asks which attempts the site knows before the agent's resend of an end reaches
+    # it: the attempt must still be listed then, or the broker takes it for lost and runs it again from scratch.
+    agent, side = agent_and_broker
+    side.auto_ack = False
+    await leased(agent, side)
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.1)))
+    ended, _ = await side.event("j1", EventKind.SUCCEEDED)
+    _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat), since=ended)
+    assert [(a.job_id, a.attempt) for a in beat.attempts] == [("j1", 1)]
+    acked = time.monotonic()
+    await side.send(Ack(site=agent.site, boot=agent.boot, msg_ids=[m.msg_id for m in side.events_of("j1")]))
+    await asyncio.sleep(0.2)
+    _, later = await side.wait_for(lambda m: isinstance(m, Heartbeat), since=acked + 0.2)
+    assert later.attempts == []
+
+
 async def test_a_repeated_dispatch_does_not_run_the_job_twice(agent_and_broker):
     agent, side = agent_and_broker
     await leased(agent, side)

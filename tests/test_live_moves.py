@@ -267,7 +267,8 @@ async def test_a_broker_that_takes_charge_keeps_the_moves_in_flight_and_the_room
         assert f"to make room for {near.id}, which must run near its users and can wait no longer" in why.summary
         # Both restarted: at the next pass nothing is in flight any more, and the store says so.
         await again.cycle.run_once(full=True)
-        assert json.loads(await again.store.get_state(MOVES_STATE)) == {"moving": {}, "holds": {}, "cannot_stop": {}}
+        assert json.loads(await again.store.get_state(MOVES_STATE)) == {"moving": {}, "holds": {}, "cannot_stop": {},
+                                                                       "delivered": []}
     finally:
         await again.stop()
 
@@ -397,9 +398,8 @@ async def test_after_a_restart_only_a_stop_the_site_took_keeps_the_work_of_an_at
         assert (running.state, running.site) == (JobState.RUNNING, "clean")
         await b.store.put_state(MOVES_STATE, json.dumps({
             "moving": {filler.id: {"origin": "clean", "attempt": 1, "site": "dirty", "model": "a100-80gb",
-                                   "reason": "to save carbon", "for_job": None, "asked_ts": clock.now().timestamp(),
-                                   "delivered": delivered}},
-            "holds": {}, "cannot_stop": {}}))
+                                   "reason": "to save carbon", "for_job": None, "asked_ts": clock.now().timestamp()}},
+            "holds": {}, "cannot_stop": {}, "delivered": [filler.id] if delivered else []}))
     finally:
         await b.stop()
     again, _ = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})

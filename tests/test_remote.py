@@ -130,14 +130,51 @@ async def test_an_event_is_acknowledged_only_once_applied_and_a_repeat_is_not_ap
     assert got == JobEvent("j1", 1, EventKind.RUNNING, NOW)
     await settle()
     assert hub.of(proto.Ack) == []  # still being applied
-    pending = asyncio.create_task(anext(events))  # the consumer is done with it: acknowledged
+    s.taken(got)  # the broker has stored it: acknowledged
     await settle()
     assert [a.msg_ids for a in hub.of(proto.Ack)] == [[4]]
+    pending = asyncio.create_task(anext(events))
+    await settle()
     s.receive(proto.EventMsg(site="edge", boot="b1", msg_id=4, event=ev))  # the ack was lost: resent
     await settle()
     assert [a.msg_ids for a in hub.of(proto.Ack)] == [[4], [4]]  # acknowledged again ...
     assert not pending.done()  # ... and not applied again
     pending.cancel()
+
+
+async def test_an_event_the_broker_could_not_apply_is_not_acknowledged_and_comes_again(edge) -> None:
+    # The broker goes on from an event it could not apply (an error other than the store's, logged): the agent
+    # is not told it is kept, so it resends it, and the broker tries it again.
+    s, hub = edge
+    s.receive(heartbeat(1))
+    ev = proto.WireEvent(job_id="j1", attempt=1, kind=EventKind.PREEMPTED, at=NOW, run_s=60.0)
+    s.receive(proto.EventMsg(site="edge", boot="b1", msg_id=7, event=ev))
+    events = s.events()
+    first = await asyncio.wait_for(anext(events), 1)
+    pending = asyncio.create_task(anext(events))  # not taken
+    await settle()
+    assert hub.of(proto.Ack) == [] and not pending.done()
+    s.receive(proto.EventMsg(site="edge", boot="b1", msg_id=7, event=ev))  # the agent's resend
+    again = await asyncio.wait_for(pending, 1)
+    assert again == first
+    s.taken(again)
+    await settle()
+    assert [a.msg_ids for a in hub.of(proto.Ack)] == [[7]]
+
+
+async def test_an_attempt_whose_end_was_read_is_not_taken_for_a_stray_while_the_agent_still_lists_it(edge) -> None:
+    # The agent lists an attempt until the broker acknowledges its end: for that moment it is known (a restarted
+    # broker does not take it for lost) but not held (the broker does not cancel it as a stray).
+    s, hub = edge
+    s.receive(heartbeat(1, attempts=(("j1", 1),)))
+    ev = proto.WireEvent(job_id="j1", attempt=1, kind=EventKind.SUCCEEDED, at=NOW, run_s=5.0)
+    s.receive(proto.EventMsg(site="edge", boot="b1", msg_id=3, event=ev))
+    events = s.events()
+    got = await asyncio.wait_for(anext(events), 1)
+    s.receive(heartbeat(2, attempts=(("j1", 1),)))  # sent before the ack reached the agent
+    assert ("j1", 1) in await s.known_attempts()
+    assert s.held_attempts() == set()
+    s.taken(got)
 
 
 async def test_a_command_is_resent_until_answered_and_times_out_with_a_clear_error() -> None:
