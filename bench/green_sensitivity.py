@@ -20,7 +20,7 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   that quantile of what latency-bound jobs held there hour by hour over the last week, as a bar
   (``latency_reserve``, :mod:`policies.latency_reserve`; ``green`` keeps the 1.0 quantile, priced);
 - ``max-risk-0.05``: a deferral may not plan a start whose chance of missing the deadline is above 5 %
-  (``max_risk``); ``reserve-0.9-max-risk-0.05``: both;
+  (``max_risk``); ``-0.1``, ``-0.2``: 10 %, 20 %; ``reserve-0.9-max-risk-0.05``: both;
 - ``deadline risk not priced`` (``unpriced``): ``miss_cost`` 0, as ``green`` was before it priced a
   wait's risk to the deadline (:mod:`policies.runtime_risk`); ``miss_cost 100`` and ``300``: priced higher
   than the shipped 30; ``balanced``, ``cheap`` and their ``-unpriced`` forms: the other profiles that defer,
@@ -156,6 +156,8 @@ VARIANTS: dict[str, Variant] = {
                            green(latency_reserve=0.9, latency_reserve_price=None)),
     "reserve-1": Variant("green, latency reserve 1.0 as a bar", {}, green(latency_reserve=1.0, latency_reserve_price=None)),
     "max-risk-0.05": Variant("green, max_risk 0.05", {}, green(max_risk=0.05)),
+    "max-risk-0.1": Variant("green, max_risk 0.1", {}, green(max_risk=0.1)),
+    "max-risk-0.2": Variant("green, max_risk 0.2", {}, green(max_risk=0.2)),
     "reserve-0.9-max-risk-0.05": Variant("green, latency reserve 0.9 as a bar, max_risk 0.05", {},
                                          green(latency_reserve=0.9, latency_reserve_price=None, max_risk=0.05)),
     "unpriced": Variant("green, deadline risk not priced", {}, green(miss_cost=0.0)),
