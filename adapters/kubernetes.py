@@ -464,8 +464,9 @@ class KubernetesSite:
                 a.stopping = kept.reason
                 continue
             if a is not None:
-                log.warning("site %s: %s attempt %d, whose stop began at %s, still has its Job; it runs on",
-                            self.name, key[0], key[1], kept.at.isoformat())
+                log.warning("site %s: %s attempt %d, whose stop began at %s, still has its Job (its deletion did "
+                            "not take); it runs on, or its own outcome stands", self.name, key[0], key[1],
+                            kept.at.isoformat())
                 self._journal.remove(key)
                 continue
             self._attempts[key] = _Attempt(key[0], key[1], "", "", done=True, released=True, stopping=kept.reason)
