@@ -210,7 +210,13 @@ class Broker:
         self._run_loop = run_loop
         await self.store.open()
         if self.replicas is None:
+            # The file's spec wins, but not over a cordon: taking a site out of routing is its operator's act
+            # (``sites cordon``), undone by ``uncordon``, and a restart must not send jobs to it meanwhile.
+            stored = {s.name: s for s in await self.store.list_sites()}
             for spec in sites or []:
+                was = stored.get(spec.name)
+                if was is not None and was.cordoned and not spec.cordoned:
+                    spec = spec.model_copy(update={"cordoned": True, "cordon_reason": was.cordon_reason})
                 await self.store.put_site(spec)
         else:  # the shared store's sites are the truth (the leader changes them); the config only seeds it
             known = {s.name for s in await self.store.list_sites()}

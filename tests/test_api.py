@@ -125,6 +125,41 @@ async def test_a_cordoned_site_takes_no_new_job_keeps_what_runs_and_takes_work_a
     assert bad.status == 422 and (await bad.json())["error"]["fields"][0]["field"] == "reason"
 
 
+async def test_a_site_from_the_configuration_file_stays_cordoned_across_a_restart(tmp_path: Path):
+    # The file's spec is written to the store at each start, but a cordon is the operator's act: a broker that
+    # restarts must not send jobs to a site under maintenance. The file's other settings still win.
+    from broker.config import BrokerSettings
+    from broker.service import Broker
+    from tests.builders import site
+
+    settings = BrokerSettings(db=str(tmp_path / "b.db"), shutdown_grace_s=0.1)
+    configured = site("berlin", usd_per_gpu_hour={"a100-80gb": 2.0})
+    broker = Broker(settings)
+    await broker.start([configured], run_loop=False)
+    try:
+        member = broker.federation.get("berlin")
+        await broker.update_site(member.spec.model_copy(update={"cordoned": True, "cordon_reason": "driver upgrade"}))
+    finally:
+        await broker.stop()
+    edited = site("berlin", usd_per_gpu_hour={"a100-80gb": 3.0})  # the file changed meanwhile
+    again = Broker(settings)
+    await again.start([edited], run_loop=False)
+    try:
+        spec = again.federation.get("berlin").spec
+        assert (spec.cordoned, spec.cordon_reason) == (True, "driver upgrade")
+        assert spec.usd_per_gpu_hour == {"a100-80gb": 3.0}
+        uncordoned = await again.update_site(spec.model_copy(update={"cordoned": False, "cordon_reason": None}))
+        assert not uncordoned.spec.cordoned
+    finally:
+        await again.stop()
+    third = Broker(settings)
+    await third.start([edited], run_loop=False)
+    try:
+        assert not third.federation.get("berlin").spec.cordoned  # uncordoned stays so
+    finally:
+        await third.stop()
+
+
 async def test_a_hundred_jobs_land_on_sites_that_have_the_model_they_asked_for(client: TestClient):
     inventories = {
         "ashburn": ("gcp:us-east4", {"h100-80gb": 16, "a100-80gb": 8}),
