@@ -291,12 +291,18 @@ async def test_dispatch_is_admitted_then_running_and_succeeded_events_arrive(age
     await until(lambda: not agent.held, what="the finished attempt to be let go")
 
 
-async def test_an_event_is_resent_until_acknowledged(agent_and_broker):
-    agent, side = agent_and_broker
+async def finished_unacknowledged(agent: SiteAgent, side: BrokerSide) -> tuple[float, EventMsg]:
+    """j1 dispatched and run to its end while the broker's side acknowledges nothing: when its end arrived,
+    and the end."""
     side.auto_ack = False
     await leased(agent, side)
     await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.1)))
-    _, done = await side.event("j1", EventKind.SUCCEEDED)
+    return await side.event("j1", EventKind.SUCCEEDED)
+
+
+async def test_an_event_is_resent_until_acknowledged(agent_and_broker):
+    agent, side = agent_and_broker
+    _, done = await finished_unacknowledged(agent, side)
     await until(lambda: len(side.events_of("j1", EventKind.SUCCEEDED)) >= 3, what="resends")  # resend_s 0.3
     assert {m.msg_id for m in side.events_of("j1", EventKind.SUCCEEDED)} == {done.msg_id}  # the same message
     await side.send(Ack(site=agent.site, boot="another-boot", msg_ids=[done.msg_id]))  # not ours: ignored
@@ -317,10 +323,7 @@ async def test_the_sites_adapter_hears_an_event_is_taken_only_once_the_broker_ac
     agent, side = agent_and_broker
     taken: list[Any] = []
     agent.inner.taken = taken.append  # type: ignore[attr-defined]
-    side.auto_ack = False
-    await leased(agent, side)
-    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.1)))
-    await side.event("j1", EventKind.SUCCEEDED)
+    await finished_unacknowledged(agent, side)
     await until(lambda: len(side.events_of("j1", EventKind.SUCCEEDED)) >= 2, what="a resend")
     assert taken == []
     await side.send(Ack(site=agent.site, boot=agent.boot, msg_ids=[m.msg_id for m in side.events_of("j1")]))
@@ -332,10 +335,7 @@ async def test_an_attempt_is_listed_in_heartbeats_until_the_broker_acknowledges_
     # A broker that restarts asks which attempts the site knows before the agent's resend of an end reaches
     # it: the attempt must still be listed then, or the broker takes it for lost and runs it again from scratch.
     agent, side = agent_and_broker
-    side.auto_ack = False
-    await leased(agent, side)
-    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=0.1)))
-    ended, _ = await side.event("j1", EventKind.SUCCEEDED)
+    ended, _ = await finished_unacknowledged(agent, side)
     _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat), since=ended)
     assert [(a.job_id, a.attempt) for a in beat.attempts] == [("j1", 1)]
     acked = time.monotonic()
