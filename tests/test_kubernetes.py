@@ -98,6 +98,17 @@ async def pod_running(cluster: kmock.KubernetesEmulator, name: str, namespace: s
     await cluster.patch(f"/api/v1/namespaces/{namespace}/pods/{name}-abc", json={"status": {"phase": "Running"}})
 
 
+async def j1_running(adapter: KubernetesSite, stream: AsyncIterator[JobEvent],
+                     cluster: kmock.KubernetesEmulator) -> str:
+    """j-1 (8 GPUs, tenant t1) admitted, its Pod running, and the adapter's ``running`` read from ``stream``;
+    returns its Job's name."""
+    assert (await adapter.submit(attempt("j-1", count=8))).admitted
+    name = job_name("j-1", 1)
+    await pod_running(cluster, name)
+    assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+    return name
+
+
 # --- capacity from Nodes ---
 
 
@@ -225,10 +236,7 @@ async def test_the_broker_asking_to_stop_a_job_deletes_it_as_a_preemption_with_i
     # checkpoint); once its Pod has gone, its GPUs are free and the broker hears "preempted" with the reason
     # and how long it ran, so the job is never restarted elsewhere while it still runs here.
     stream = kube.events()
-    assert (await kube.submit(attempt("j-1", count=8))).admitted
-    name = job_name("j-1", 1)
-    await pod_running(cluster, name)
-    assert (await next_event(kube, stream)).kind == EventKind.RUNNING
+    name = await j1_running(kube, stream, cluster)
     await asyncio.sleep(0.2)
     await kube.preempt("j-1", 1, "moved from here to b from its checkpoint")
     assert not jobs(cluster)
@@ -251,9 +259,7 @@ async def test_a_stop_whose_pods_never_go_is_reported_after_stop_wait_s(cluster:
     await adapter.start()
     stream = adapter.events()
     try:
-        assert (await adapter.submit(attempt("j-1", count=8))).admitted
-        await pod_running(cluster, job_name("j-1", 1))
-        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+        await j1_running(adapter, stream, cluster)
         await adapter.preempt("j-1", 1, "moved")
         stopped = await next_event(adapter, stream)  # the emulator runs no garbage collector: the Pod stays
         assert (stopped.kind, stopped.reason) == (EventKind.PREEMPTED, "moved")
@@ -269,10 +275,7 @@ async def test_a_stop_under_way_when_the_adapter_restarts_is_reported_once_its_p
     first = make_site(cluster)
     await first.start()
     stream = first.events()
-    assert (await first.submit(attempt("j-1", count=8))).admitted
-    name = job_name("j-1", 1)
-    await pod_running(cluster, name)
-    assert (await next_event(first, stream)).kind == EventKind.RUNNING
+    name = await j1_running(first, stream, cluster)
     await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={  # where the scheduler put it
         "spec": {"nodeName": "a100-0", "containers": [{"name": "job", "image": "x",
                                                       "resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
@@ -488,11 +491,9 @@ async def test_a_stop_reported_as_the_adapter_closed_is_reported_again_by_the_ne
     await first.start()
     stream = first.events()
     try:
-        assert (await first.submit(attempt("j-1", count=8))).admitted
-        await pod_running(cluster, job_name("j-1", 1))
-        assert (await next_event(first, stream)).kind == EventKind.RUNNING
+        name = await j1_running(first, stream, cluster)
         await first.preempt("j-1", 1, "moved")
-        await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{job_name('j-1', 1)}-abc")
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")
         for _ in range(200):  # until the watch has seen the Pod go
             if first._events.qsize():
                 break
