@@ -314,6 +314,12 @@ class Snapshot:
         """float64[n_sites] of 0, read-only: the raw value of a scorer that has nothing to tell sites apart."""
         return self.derived(("zeros",), np.zeros, self.n_sites)
 
+    def _plan_end(self, req: JobRequest) -> int:
+        """The plan's hour (0: now's) in which a run of ``req`` started now ends: its GPUs are held to there."""
+        now_s = self.now.timestamp()
+        into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
+        return math.ceil(into_h + req.duration_s / 3600.0 - 1e-9)
+
     def working_copy(self, now: datetime) -> Snapshot:
         """The same facts at ``now``, with free capacity of its own for ``assume`` to debit."""
         return replace(
@@ -346,9 +352,7 @@ class Snapshot:
             raise ValueError(f"job {req.job_id}: only a job on whole GPUs can be released or held")
         self.free_gpus[site, model] += int(sign) * req.count
         if self.plan_free.size:
-            now_s = self.now.timestamp()
-            into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
-            end = math.ceil(into_h + req.duration_s / 3600.0 - 1e-9)
+            end = self._plan_end(req)
             self.plan_free[site, model, 1:max(end, 1)] += sign * req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
             self._near(site, req, model, end, -sign)
@@ -380,9 +384,7 @@ class Snapshot:
         if self.quota is not None:
             self.quota.debit(site, req)
         if self.plan_free.size:  # the run's later hours in the time-shift plan; hour 0 is free_gpus itself
-            now_s = self.now.timestamp()
-            into_h = (now_s - (now_s // 3600.0) * 3600.0) / 3600.0
-            end = math.ceil(into_h + req.duration_s / 3600.0 - 1e-9)
+            end = self._plan_end(req)
             self.plan_free[site, model, 1:max(end, 1)] -= req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
             self._near(site, req, model, end, 1.0)
