@@ -68,7 +68,7 @@ import signal
 import sys
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -81,6 +81,7 @@ from adapters.mqtt_protocol import (
     PUBLISH_TIMEOUT_S,
     Ack,
     AttemptReport,
+    Bounded,
     Cancel,
     Preempt,
     Dispatch,
@@ -167,20 +168,6 @@ class _Outgoing:
     sent: float = -math.inf  # monotonic; -inf: not yet published on this connection
 
 
-class _Bounded(OrderedDict[Any, Any]):
-    """A dict that forgets its oldest entries beyond ``limit``."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            self.popitem(last=False)
-
-
 class SiteAgent:
     def __init__(self, config: AgentConfig, clock: Clock | None = None, adapter: SiteAdapter | None = None) -> None:
         """``adapter``: an already-built site adapter (tests); by default one is built from ``config.site``."""
@@ -193,14 +180,14 @@ class SiteAgent:
         self.boot = uuid.uuid4().hex[:16]
         self.malformed: Counter[str] = Counter()
         self._held: dict[tuple[str, int], _Held] = {}
-        self._last_event: _Bounded = _Bounded(ATTEMPTS_KEPT)  # (job id, attempt) -> last EventKind seen
-        self._stopped: _Bounded = _Bounded(ATTEMPTS_KEPT)  # attempts the agent stopped itself (lease) -> True
-        self._replies: _Bounded = _Bounded(REPLIES_KEPT)  # msg_id -> Reply
+        self._last_event: Bounded = Bounded(ATTEMPTS_KEPT)  # (job id, attempt) -> last EventKind seen
+        self._stopped: Bounded = Bounded(ATTEMPTS_KEPT)  # attempts the agent stopped itself (lease) -> True
+        self._replies: Bounded = Bounded(REPLIES_KEPT)  # msg_id -> Reply
         self._working: dict[str, asyncio.Future[Reply]] = {}  # commands being carried out, by msg_id
         self._outbox: dict[int, _Outgoing] = {}
         self._event_ids = itertools.count(1)
         self._seq = itertools.count(0)
-        self._sent_at: _Bounded = _Bounded(HEARTBEATS_KEPT)  # heartbeat seq -> monotonic send time
+        self._sent_at: Bounded = Bounded(HEARTBEATS_KEPT)  # heartbeat seq -> monotonic send time
         self._lease_end: float | None = None  # monotonic
         self._lease_s = DEFAULT_LEASE_S
         self._stop_failed: set[tuple[str, int]] = set()

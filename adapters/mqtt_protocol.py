@@ -71,6 +71,7 @@ import json
 import logging
 import os
 import ssl
+from collections import OrderedDict
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -149,6 +150,21 @@ PUBLISH_TIMEOUT_S = 5.0
 
 def topic(site: str, channel: Literal["state", "status", "up", "down"]) -> str:
     return f"{ROOT}/{site}/{channel}"
+
+
+class Bounded(OrderedDict[Any, Any]):
+    """A dict that forgets its oldest entries beyond ``limit`` (what either side of the link remembers of
+    recent messages and attempts)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 UP_SUBSCRIPTIONS = (f"{ROOT}/+/state", f"{ROOT}/+/status", f"{ROOT}/+/up")

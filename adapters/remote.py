@@ -37,7 +37,7 @@ import logging
 import math
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -178,7 +178,7 @@ class RemoteSite:
         self._pending: dict[str, asyncio.Future[proto.Reply]] = {}
         self._events: asyncio.Queue[tuple[str, int, JobEvent]] = asyncio.Queue()
         self._queued: set[tuple[str, int]] = set()  # (boot, msg id) waiting in _events
-        self._applied: OrderedDict[tuple[str, int], None] = OrderedDict()  # recently acknowledged events
+        self._applied: proto.Bounded = proto.Bounded(100_000)  # recently acknowledged events
         self._current: tuple[str, int, JobEvent] | None = None  # the event the consumer reads, until taken
         self._state: SiteState | None = None  # the latest heartbeat's state
         self._boot: str | None = None
@@ -192,7 +192,7 @@ class RemoteSite:
         self._ours: set[tuple[str, int]] = set()  # attempts admitted, being dispatched, or listed; not ended
         # Attempts whose end the broker has read: an agent lists one until the broker acknowledges its end, and
         # such a listing must not make it ours again.
-        self._ended: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._ended: proto.Bounded = proto.Bounded(100_000)
         self._offline_at: datetime | None = None
         self._watch: asyncio.Task[None] | None = None
         self._sending: set[asyncio.Task[bool]] = set()
@@ -385,8 +385,6 @@ class RemoteSite:
             if event.kind not in (EventKind.RUNNING,):
                 self._ours.discard((event.job_id, event.attempt))
                 self._ended[(event.job_id, event.attempt)] = None
-                while len(self._ended) > 100_000:
-                    self._ended.popitem(last=False)
             self._current = (boot, msg_id, event)
             resumed = False
             try:
@@ -412,8 +410,6 @@ class RemoteSite:
             key = (boot, msg_id)
             self._queued.discard(key)
             self._applied[key] = None
-            while len(self._applied) > 100_000:
-                self._applied.popitem(last=False)
             self._send(proto.Ack(site=self.name, boot=boot, msg_ids=[msg_id]))
 
     async def known_attempts(self) -> set[tuple[str, int]]:
