@@ -92,12 +92,6 @@ class StopJournal:
         found = read_or_set_aside(path, _STOPS, "the stops not yet reported", "reporting none from before") or []
         self._stops: dict[tuple[str, int], KeptStop] = {(s.job_id, s.attempt): s for s in found}
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._stops
-
-    def __len__(self) -> int:
-        return len(self._stops)
-
     def items(self) -> list[tuple[tuple[str, int], KeptStop]]:
         return sorted(self._stops.items())
 
