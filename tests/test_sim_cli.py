@@ -40,13 +40,19 @@ def test_compare_writes_table_json_report_and_workload(files: dict[str, Path], c
     for name in ("baseline-round-robin", "baseline-least-loaded", "baseline-cheapest-first", "baseline-spillover",
                  "baseline-carbon-greedy", "offline bound"):
         assert name in table
+    assert "whole-job bound" in table and "vs whole-job" in table
     doc = json.loads((out / "r.json").read_text())
-    assert set(doc) >= {"policies", "offline_bound"}
+    assert set(doc) >= {"policies", "offline_bound", "whole_job_bound"}
+    whole = doc["whole_job_bound"]["carbon_kg"]
+    # the whole-job bound starts from the fluid LP's prices, so it is at least about as high
+    assert whole >= doc["offline_bound"]["carbon_kg"] * (1 - 1e-6)
     for m in doc["policies"].values():
         assert {"carbon_kg", "cost_usd", "energy_kwh", "jobs", "deadline_misses", "wait_p95_s", "jain_fairness",
-                "utilisation", "gap_to_bound"} <= set(m)
+                "utilisation", "gap_to_bound", "gap_to_whole_job_bound"} <= set(m)
         assert m["jobs"] == 3
         assert m["gap_to_bound"] >= 0
+        assert m["carbon_kg"] >= m["whole_job_bound_carbon_kg"] - 1e-9 and m["gap_to_whole_job_bound"] >= 0
+        assert m["whole_job_bound_carbon_kg"] <= whole + 1e-9  # a run's own windows are at least as wide
     assert (out / "html" / "index.html").exists()
     jobs = (out / "w" / "jobs.csv").read_text().splitlines()
     assert len(jobs) == 4 and "deadline" in jobs[0]
@@ -114,6 +120,7 @@ def test_start_outside_the_carbon_data(files: dict[str, Path], capsys: pytest.Ca
     (("--compare", "all", "--trace-from", "yesterday"), "--trace-from"),
     (("--compare", "all", "--checkpointable", "1.5"), "--checkpointable 1.5: give a share of jobs within [0, 1]"),
     (("--compare", "all", "--restart-s", "-1"), "--restart-s -1.0: give seconds"),
+    (("--compare", "all", "--whole-job-steps", "-1"), "--whole-job-steps -1: give a whole number"),
 ])
 def test_bad_flags(files: dict[str, Path], capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str) -> None:
     assert words in _error(capsys, _args(files, *flags))

@@ -89,7 +89,8 @@ CARBON_AWARE = {
     "preemptions": 0,
     "requeues": 0,
     "cost_gap_to_bound": None,
-    # no gap_to_bound: the table computes it from the bound, 12,345.6 / 10,000 - 1 = +23.5 %
+    # no gap_to_bound: the table computes it from the bound, 12,345.6 / 10,000 - 1 = +23.5 %, and the same for
+    # the whole-job bound, 12,345.6 / 11,000 - 1 = +12.2 %
 }
 BASELINE = {
     "carbon_kg": 18_000.0,
@@ -103,6 +104,7 @@ BASELINE = {
     "utilisation": 0.5,
     "utilisation_by_site": {"alpha": 0.75},
     "gap_to_bound": 0.8,
+    "gap_to_whole_job_bound": 0.5,
 }
 BOUND = {
     "carbon_kg": 10_000.0,
@@ -113,7 +115,11 @@ BOUND = {
 }
 
 
-def make_result(site_names: tuple[str, str] = ("alpha", "b<eta>&co"), bound: dict | None = BOUND) -> SimulationResult:
+WHOLE_JOB = {"carbon_kg": 11_000.0, "iterations": 300, "solve_s": 4.0}
+
+
+def make_result(site_names: tuple[str, str] = ("alpha", "b<eta>&co"), bound: dict | None = BOUND,
+                whole_job: dict | None = WHOLE_JOB) -> SimulationResult:
     late = START_S + np.array([0.0, 7200.0, 0.0, 0.0, 10.0])  # the baseline starts job 1 two hours later
     return SimulationResult(
         start=START,
@@ -129,6 +135,7 @@ def make_result(site_names: tuple[str, str] = ("alpha", "b<eta>&co"), bound: dic
             "baseline-round-robin": policy("baseline-round-robin", dict(BASELINE), start_s=late),
         },
         offline_bound=dict(bound) if bound is not None else None,
+        whole_job_bound=dict(whole_job) if whole_job is not None else None,
         report=["Prices for <gcp:us-west2> came from the nearest region & were substituted."],
     )
 
@@ -151,18 +158,21 @@ def test_table_rows_show_each_policy_in_the_stated_units() -> None:
 
     aware = row(table, "carbon-aware")
     assert aware == [
-        "carbon-aware", "12.3", "+23.5 %", "1,234,568", "45.7", "3.2 h", "1,234", "0", "0.988", "43.2 %",
+        "carbon-aware", "12.3", "+23.5 %", "+12.2 %", "1,234,568", "45.7", "3.2 h", "1,234", "0", "0.988",
+        "43.2 %",
     ]
     base = row(table, "baseline-round-robin")
     assert base == [
-        "baseline-round-robin", "18.0", "+80.0 %", "999,999", "50.0", "41 min", "0", DASH, "0.500", "50.0 %",
+        "baseline-round-robin", "18.0", "+80.0 %", "+50.0 %", "999,999", "50.0", "41 min", "0", DASH, "0.500",
+        "50.0 %",
     ]
     bound = row(table, "offline bound")
-    assert bound[:5] == ["offline bound", "10.0", DASH, "900,000", "40.0"]
-    # policies in the dict's order, the bound last
+    assert bound[:6] == ["offline bound", "10.0", DASH, DASH, "900,000", "40.0"]
+    assert row(table, "whole-job bound") == ["whole-job bound", "11.0", *([DASH] * 9)]
+    # policies in the dict's order, the bounds last
     lines = table.splitlines()
-    order = [i for i, line in enumerate(lines) if line.startswith(("carbon-aware", "baseline-", "offline"))]
-    assert [lines[i].split()[0] for i in order] == ["carbon-aware", "baseline-round-robin", "offline"]
+    order = [i for i, line in enumerate(lines) if line.startswith(("carbon-aware", "baseline-", "offline", "whole"))]
+    assert [lines[i].split()[0] for i in order] == ["carbon-aware", "baseline-round-robin", "offline", "whole-job"]
 
 
 def test_table_numbers_are_right_aligned() -> None:
@@ -183,16 +193,17 @@ def test_line_under_the_table_names_the_best_policy_and_its_saving() -> None:
 
 
 def test_small_runs_are_shown_in_kilograms_and_missing_figures_as_dashes() -> None:
-    result = make_result(bound=None)
+    result = make_result(bound=None, whole_job=None)
     result.policies["carbon-aware"].metrics = {"carbon_kg": 450.3, "wait_p95_s": 12.0}
     result.policies["baseline-round-robin"].metrics["carbon_kg"] = 612.0
     table = format_table(result)
     assert "carbon (kg CO2e)" in table.splitlines()[0]
     aware = row(table, "carbon-aware")
     assert aware[:3] == ["carbon-aware", "450.3", DASH]
-    assert aware[5] == "12 s"
-    assert aware.count(DASH) == 7  # all ten cells but name, carbon and wait p95
-    assert row(table, "offline bound")[1:] == [DASH] * 9
+    assert aware[6] == "12 s"
+    assert aware.count(DASH) == 8  # all eleven cells but name, carbon and wait p95
+    assert row(table, "offline bound")[1:] == [DASH] * 10
+    assert "whole-job bound" not in table
     assert "Lowest carbon: carbon-aware (450.3 kg CO2e), 26.4 % (161.7 kg CO2e) less than" in table
 
 

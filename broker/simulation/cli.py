@@ -76,7 +76,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--json", dest="json_out", metavar="OUT", help="write the figures as JSON to OUT")
     s.add_argument("--report", metavar="DIR", help="write an HTML report with plots into DIR")
     s.add_argument("--dump-workload", metavar="DIR", help="write jobs.csv and sites.json: what the run was given")
-    s.add_argument("--no-bound", action="store_true", help="skip the offline bound")
+    s.add_argument("--no-bound", action="store_true", help="skip the offline bound and the whole-job bound")
+    s.add_argument("--whole-job-steps", type=int, default=300, metavar="N",
+                   help="steps of the whole-job bound's search (default %(default)s; more can only tighten it; "
+                        "0: the offline LP's prices alone)")
     s.add_argument("--oracle", action="store_true",
                    help="also pack the whole-job oracle: a schedule that knows every run time and every future "
                         "hour's carbon (a reference, not a policy; guided by the bound's prices unless --no-bound)")
@@ -118,6 +121,9 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         raise SimulateUsage(f"--checkpointable {args.checkpointable}: give a share of jobs within [0, 1], e.g. 0.9")
     if not 0 <= args.restart_s <= 86400:
         raise SimulateUsage(f"--restart-s {args.restart_s}: give seconds within [0, 86400], e.g. 600")
+    if not 0 <= args.whole_job_steps <= 100_000:
+        raise SimulateUsage(f"--whole-job-steps {args.whole_job_steps}: give a whole number within [0, 100000], "
+                            "e.g. 300")
     mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
     for flag, value in (("--trace", args.trace), ("--carbon", args.carbon)):
         if not Path(value).exists():
@@ -128,7 +134,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         latency=Path(args.latency), regions=Path(args.regions), sites=Path(args.sites) if args.sites else None,
         utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
         start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
-        oracle=args.oracle,
+        oracle=args.oracle, whole_job_steps=args.whole_job_steps,
         assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s},
     )
 

@@ -25,6 +25,9 @@ Over the jobs that ran (jobs left out for every policy are not counted by any):
   Its pieces count where each ran (``utilisation_by_site``), and every piece's energy, carbon and cost,
   the restart's included, is in the job's.
 - ``gap_to_bound``, ``cost_gap_to_bound``: carbon (cost) above the offline bound's, as a fraction of it.
+- ``whole_job_bound_carbon_kg``, ``gap_to_whole_job_bound``: the whole-job bound that holds for this run
+  (``broker.simulation.whole_job_bound``: no job split over hours or sites), and the carbon above it, as a
+  fraction of it; filled in by ``broker.simulation.run`` with the bound, None without it.
 """
 
 from __future__ import annotations

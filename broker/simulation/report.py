@@ -1,8 +1,8 @@
 """How a simulation run is shown to a person: a table for the terminal and an HTML page with plots.
 
 What it writes
-    :func:`format_table` gives one plain-text row per policy, in the order the run holds them, and a last
-    row for the offline bound, then a line naming the policy with the least carbon and what it saves
+    :func:`format_table` gives one plain-text row per policy, in the order the run holds them, and last
+    rows for the offline bound and the whole-job bound, then a line naming the policy with the least carbon and what it saves
     against the worst ``baseline-*`` policy. :func:`write_html` writes ``index.html`` into a directory,
     with the same table, the sites, utilisation per site, the run's report lines, the bound's relaxation
     and three PNG plots beside it (``intensity.png``, ``cumulative_carbon.png``, ``wait_cdf.png``), each
@@ -12,7 +12,8 @@ What it writes
 
 Units
     In the table: carbon in tonnes CO2e with one decimal (kilograms, one decimal, when any value of the
-    column is under a tonne); "vs bound" in percent above the offline bound's carbon; cost in US dollars
+    column is under a tonne); "vs bound" in percent above the offline bound's carbon, "vs whole-job" above
+    the whole-job bound's (the tighter of the two: no job split); cost in US dollars
     with thousands separators; energy in MWh; wait p95 in seconds, minutes or hours as fits; Jain's
     fairness index on 0..1 with three decimals; utilisation in percent of the federation's GPU-hours.
     A figure the run did not produce is shown as "–". In the plots: intensity in g CO2e per kWh, GPUs
@@ -57,6 +58,7 @@ TABLE_COLUMNS = (
     "policy",
     "carbon",  # header gets the unit chosen for the column
     "vs bound",
+    "vs whole-job",
     "cost (USD)",
     "energy (MWh)",
     "wait p95",
@@ -125,12 +127,13 @@ def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], 
     table, as strings; the line compares policies only."""
     bound = result.offline_bound
     bound_carbon = _num(bound, "carbon_kg")
+    whole_carbon = _num(result.whole_job_bound, "carbon_kg")
     runs = dict(result.policies)
     if result.oracle is not None:
         runs[result.oracle.name] = result.oracle
     carbons = {name: _carbon_kg(run) for name, run in runs.items()}
 
-    known = [c for c in [*carbons.values(), bound_carbon] if c is not None]
+    known = [c for c in [*carbons.values(), bound_carbon, whole_carbon] if c is not None]
     in_tonnes = bool(known) and min(known) >= 1000.0
     scale, unit = (1000.0, "t") if in_tonnes else (1.0, "kg")
 
@@ -154,6 +157,7 @@ def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], 
     for name, run in runs.items():
         m = run.metrics
         gap = _gap(run, "gap_to_bound", bound_carbon, carbons[name])
+        whole_gap = _gap(run, "gap_to_whole_job_bound", whole_carbon, carbons[name])
         jain = _num(m, "jain_fairness")
         util = _num(m, "utilisation")
         rows.append(
@@ -161,6 +165,7 @@ def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], 
                 name,
                 carbon_cell(carbons[name]),
                 DASH if gap is None else f"{100.0 * gap:+.1f} %",
+                DASH if whole_gap is None else f"{100.0 * whole_gap:+.1f} %",
                 cost_cell(_num(m, "cost_usd")),
                 energy_cell(_num(m, "energy_kwh")),
                 _human_duration(_num(m, "wait_p95_s")),
@@ -175,11 +180,14 @@ def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], 
             "offline bound",
             carbon_cell(bound_carbon),
             DASH,
+            DASH,
             cost_cell(_num(bound, "cost_usd")),
             energy_cell(_num(bound, "energy_kwh")),
             *([DASH] * 5),
         ]
     )
+    if whole_carbon is not None:
+        rows.append(["whole-job bound", carbon_cell(whole_carbon), *([DASH] * (len(header) - 2))])
     return header, rows, _verdict({name: carbons[name] for name in result.policies}, scale, unit)
 
 
@@ -206,7 +214,7 @@ def _verdict(carbons: dict[str, float | None], scale: float, unit: str) -> str:
 
 
 def format_table(result: SimulationResult) -> str:
-    """The run's figures as an aligned plain-text table, one row per policy and one for the offline bound.
+    """The run's figures as an aligned plain-text table, one row per policy and one for each bound.
 
     Text is left-aligned, numbers right-aligned; a line under the table names the policy with the least
     carbon and its saving against the worst policy whose name starts with ``baseline-``.
@@ -587,6 +595,17 @@ def _bound_paragraph(result: SimulationResult) -> str:
         text += " Relaxation: none beyond the bound's own (the hour-slot model was solved exactly)."
     elif relaxation:
         text += " Relaxation: " + relaxation + ("" if relaxation.endswith(".") else ".")
+    text += (" It lets a job's work split over any hours and sites of its window, which no schedule that runs "
+             "jobs whole can do.")
+    whole = _num(result.whole_job_bound, "carbon_kg")
+    if whole is not None:
+        steps = _num(result.whole_job_bound, "iterations")
+        text += (f" The whole-job bound keeps each job whole, at one site, in one stretch (checkpointable jobs, "
+                 f"which a policy may move, still as divisible work) and relaxes only the sites' capacity, "
+                 f"through a price on each site-hour: {whole / 1000.0:,.1f} t CO2e"
+                 + (f", found in {steps:,.0f} steps of a subgradient search" if steps is not None else "")
+                 + ". Any prices give a valid bound, so more steps could only raise it; no whole-job schedule "
+                 "inside the jobs' windows emits less.")
     return f"<p>{_e(text)}</p>"
 
 
@@ -647,7 +666,8 @@ def write_html(result: SimulationResult, directory: str | Path) -> Path:
         _run_facts(result),
         "<h2>Results per policy</h2>",
         ("<p class=\"note\">Carbon and energy are totals over the jobs each policy ran; “vs bound” is how much "
-        "more carbon than the offline bound (last row) the policy emitted; wait p95 is the 95th percentile of "
+        "more carbon than the offline bound the policy emitted, and “vs whole-job” than the whole-job bound "
+        "(the last rows, below); wait p95 is the 95th percentile of "
         "the time from submission to start; utilisation is the share of the federation's GPU-hours in use. "
         f"“{_e(DASH)}” marks a figure the run did not produce.</p>"),
         _html_table(header, rows, row_classes=classes),

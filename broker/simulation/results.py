@@ -98,5 +98,6 @@ class SimulationResult:
     left_out: np.ndarray  # bool[n_jobs]: larger than the largest site, run by no policy
     policies: dict[str, PolicyRun] = field(default_factory=dict)
     offline_bound: dict[str, Any] | None = None
+    whole_job_bound: dict[str, Any] | None = None  # broker.simulation.whole_job_bound, with the offline bound
     oracle: PolicyRun | None = None  # the whole-job oracle's schedule (``--oracle``), metrics filled in
     report: list[str] = field(default_factory=list)  # what a reader should know about the run's inputs

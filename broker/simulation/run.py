@@ -18,7 +18,11 @@ Steps
        (details in :func:`_offline` and :func:`_per_run_bounds`).
     8. With ``oracle``, pack the whole-job oracle (``broker.simulation.oracle``), guided by the first LP's
        prices of capacity, and bound it as a policy.
-    9. Compute the metrics (``broker.simulation.metrics``).
+    9. Search the whole-job bound (``broker.simulation.whole_job_bound``) from the first LP's prices of
+       capacity, on the same windows: every job whole, at one site, in one stretch (checkpointable jobs,
+       which a policy may move, as divisible work). Each run's own windows are bounded at the prices found,
+       so this bound too holds for every policy it is set against.
+    10. Compute the metrics (``broker.simulation.metrics``).
 
 Defaults: prices, latency and region coordinates come from the copies shipped in ``data/`` (see
 ``data/SOURCES.md``) unless ``--prices``, ``--latency`` or ``--regions`` name other files.
@@ -52,6 +56,7 @@ from broker.simulation.forecasts import HORIZON_H, forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
 from broker.simulation.oracle import whole_job_oracle
 from broker.simulation.results import SimulationResult, SiteFacts
+from broker.simulation.whole_job_bound import lagrangian_value, whole_job_bound
 from broker.simulation.workload import Workload, WorkloadAssumptions, build_workload
 from policies.baselines import policy
 from policies.profiles import BUILTIN as PROFILES
@@ -79,6 +84,7 @@ class SimulationSpec:
     lifecycle: bool = False
     bound: bool = True
     oracle: bool = False  # also pack the whole-job oracle (broker.simulation.oracle) as a reference row
+    whole_job_steps: int = 300  # steps of the whole-job bound's search (with bound; 0: the LP's prices only)
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
 
@@ -255,6 +261,7 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
             result.policies[name] = run
     ran = ~prep.left_out
     bounds: dict[str, dict[str, object]] = {}
+    whole: dict[str, float] = {}
     if ran.any() and result.policies:
         last_end = max(float(np.nanmax(r.end_s)) for r in result.policies.values())
         shown = min(int(np.ceil(last_end / 3600.0)) + 1, facts.hours)
@@ -263,17 +270,19 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
     if ran.any() and (result.policies or spec.oracle):
         offline = windows = shadow = None
         if spec.bound:
-            offline, windows, shadow = _offline(facts, w, ran, held, prep.fitting[ran], shadow_prices=spec.oracle)
+            offline, windows, shadow = _offline(facts, w, ran, held, prep.fitting[ran], shadow_prices=True)
             result.offline_bound = offline
         if spec.oracle:
             try:
                 result.oracle = whole_job_oracle(w, prep.federation, prep.fitting, prep.left_out,
-                                                 shadow_kg_per_gpu_hour=shadow)
+                                                 shadow_kg_per_gpu_hour=shadow if spec.bound else None)
                 runs[result.oracle.name] = result.oracle
             except engine.SimulationError as e:  # a reference row: the policies' figures stand without it
                 result.report.append(f"not packed: {e}")
         if offline is not None and windows is not None:
             bounds = _per_run_bounds(facts, w, ran, held, prep.fitting[ran], offline, windows, runs)
+            result.whole_job_bound, whole = _whole_job(facts, w, ran, prep.fitting[ran], windows, shadow, runs,
+                                                       spec.whole_job_steps)
     for name, run in runs.items():
         m = policy_metrics(run, facts, submit_s=w.submit_s, deadline_s=w.deadline_s, gpus=held, tenant=w.tenant,
                            rtt_ms=prep.rtt_ms, origin=w.origin_region, latency_slo_ms=w.latency_slo_ms)
@@ -281,6 +290,9 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
         m["gap_to_bound"] = gap(m["carbon_kg"], float(b["carbon_kg"])) if b else None  # type: ignore[arg-type]
         m["cost_gap_to_bound"] = gap(m["cost_usd"], float(b["cost_usd"])) if b else None  # type: ignore[arg-type]
         m["bound_carbon_kg"] = b["carbon_kg"] if b else None
+        whole_kg = whole.get(name)
+        m["whole_job_bound_carbon_kg"] = whole_kg
+        m["gap_to_whole_job_bound"] = gap(m["carbon_kg"], whole_kg) if whole_kg is not None else None
         m["bound_cost_usd"] = b["cost_usd"] if b else None
         m["replay_s"] = round(run.wall_s, 3)
         run.metrics = m
@@ -404,6 +416,33 @@ def _per_run_bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.nda
     return per_run
 
 
+def _whole_job(facts: SiteFacts, w: Workload, ran: np.ndarray, allowed: np.ndarray, windows: np.ndarray,
+               prices: np.ndarray | None, runs: dict[str, engine.PolicyRun],
+               steps: int) -> tuple[dict[str, object], dict[str, float]]:
+    """The whole-job bound on the offline bound's ``windows``, searched from its LP's ``prices``, and each run's
+    own: a run whose jobs all ended inside ``windows`` gets that bound; one that ran a job later gets the
+    value at the prices found with that job's window reaching its actual end (any prices give a valid
+    bound), so that no policy can beat its bound by running late. Checkpointable jobs count as divisible
+    work (a policy may move them)."""
+    horizon = facts.hours * 3600.0
+    jobs = {"release_s": w.submit_s[ran], "duration_s": w.true_duration_s[ran], "gpus": w.held[ran],
+            "allowed_sites": allowed, "splittable": w.checkpointable[ran]}
+    carbons = [float(r.carbon_kg[ran].sum()) for r in runs.values()]
+    found = whole_job_bound(facts, end_s=windows, start_prices=prices, max_iterations=steps,
+                            upper_kg=min(carbons) if carbons else None, **jobs)
+    bound = found.as_dict()
+    bound["windows"] = "as the offline bound"
+    per_run: dict[str, float] = {}
+    for name, run in runs.items():
+        ends = run.end_s[ran]
+        if (ends <= windows + 1e-6).all():
+            per_run[name] = found.carbon_kg
+        else:
+            per_run[name] = lagrangian_value(facts, found.prices_kg_per_gpu_hour,
+                                             end_s=np.minimum(np.fmax(windows, ends), horizon), **jobs)
+    return bound, per_run
+
+
 def _bar(name: str, total: int, unit: str = "job"):  # noqa: ANN202 - tqdm's type
     from tqdm import tqdm
 
@@ -411,11 +450,12 @@ def _bar(name: str, total: int, unit: str = "job"):  # noqa: ANN202 - tqdm's typ
 
 
 def as_json(result: SimulationResult) -> dict[str, object]:
-    """``{"policies": {NAME: metrics}, "offline_bound": {...}, "oracle": {...} or null, "sites": [...],
-    "report": [...]}``."""
+    """``{"policies": {NAME: metrics}, "offline_bound": {...}, "whole_job_bound": {...}, "oracle": {...} or null,
+    "sites": [...], "report": [...]}``."""
     return {
         "policies": {name: run.metrics for name, run in result.policies.items()},
         "offline_bound": result.offline_bound,
+        "whole_job_bound": result.whole_job_bound,
         "oracle": None if result.oracle is None else result.oracle.metrics,
         "start": result.start.isoformat(),
         "jobs": int((~result.left_out).sum()),
