@@ -40,8 +40,8 @@ The search
     Projected subgradient ascent on ``λ``, started from ``start_prices`` (the fluid LP's capacity prices
     when the simulator has them, which already give at least the fluid bound; zeros otherwise). Each step
     moves ``λ`` by how much each site-hour is over- or under-held by the jobs' own choices, with Polyak's
-    step towards a target above the best value so far (``upper_kg``: a schedule's carbon, when one is
-    known), halving the step after ``patience`` steps without a gain; it stops after ``max_iterations``
+    step towards a target above the best value so far (a tenth above it, or ``upper_kg``, a known
+    schedule's carbon, when that is lower, but never less than half a percent above), halving the step after ``patience`` steps without a gain; it stops after ``max_iterations``
     steps or when the step factor falls below ``min_step``. The best ``L`` seen is the bound.
 
 Validity in floating point
@@ -199,8 +199,8 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
     run start), ``duration_s`` (true run time) and ``gpus`` (held), each one per job; ``allowed_sites``
     (bool[jobs, sites], None: every site); ``splittable`` (bool[jobs], None: none). ``start_prices``: where
     the search starts (float64[sites, hours], e.g. the fluid LP's capacity prices; None: zeros);
-    ``upper_kg``: the carbon of a known schedule, which steers the step sizes (None: 10 % above the best
-    value so far). Raises :class:`WholeJobBoundError` for bad inputs."""
+    ``upper_kg``: the carbon of a known schedule, which steers the step sizes (it never changes what the
+    bound means). Raises :class:`WholeJobBoundError` for bad inputs."""
     t0 = time.perf_counter()
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, (int, np.integer)) or max_iterations < 0:
         raise WholeJobBoundError(f"max_iterations must be a whole number, 0 or more, not {max_iterations!r}")
@@ -221,7 +221,12 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
         norm = float((over * over).sum())
         if norm == 0.0:  # the jobs' own choices fit: L is the carbon of a schedule, the best there is
             break
-        target = max(upper_kg if upper_kg is not None else -np.inf, best + 0.1 * abs(best), best + 1e-6)
+        # Polyak's step aims at a value above the best so far: a tenth above it, or the known schedule's
+        # carbon when that is lower, but always a little above (a schedule that ran late may be below it)
+        target = best + 0.1 * abs(best)
+        if upper_kg is not None:
+            target = min(target, upper_kg)
+        target = max(target, best + 0.005 * abs(best) + 1e-9)
         prices = np.maximum(0.0, prices + step * (target - value) / norm * over)
         value = _evaluate(carbon, prices, capacity, jobs, site, start, held)
         taken += 1
