@@ -4,7 +4,8 @@
         [--latency FILE] [--sites FILE] [--utilisation FRACTION] [--trace-from ISO-DATE] [--days N]
         [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
         [--restart-s SECONDS] [--json OUT] [--report DIR]
-        [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound] [--oracle]
+        [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound]
+        [--whole-job-steps N] [--oracle]
 
 Prints the comparison table on stdout; progress on standard error when it is a terminal.
 """
