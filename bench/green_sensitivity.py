@@ -56,7 +56,8 @@ the best carbon-blind baseline of the Evidence), for the targets on another ``--
 Each line: carbon (t CO2e), cost (USD), deadline misses, and the misses by kind: latency-bound jobs (a latency
 objective pins them to the sites near their origin) or not, and of the rest, how many were deferred (started
 more than a minute after submission) and ran longer than their estimate; last, the misses of jobs deferred
-for a saving at least once (``deferred_misses``: each would have met its deadline by starting at once). The
+for a saving at least once (``deferred_misses``: each would have met its deadline by starting at once), and
+of those the inflexible ones (deadline = submit + true run time: they had to start at once). The
 workload and the sites are the Evidence's (``heliotrope simulate --preset philly --trace-from
 2017-09-01``, default federation) at ``--seed`` 0; only the named setting differs. Each replay takes about
 half a minute here.
@@ -261,7 +262,8 @@ def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) ->
             f"{int(missed.sum()):6,d} misses: "
             f"latency-bound {int((missed & bound).sum()):5,d}, other {int(mobile.sum()):5,d} "
             f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d}); "
-            f"after a deferral {int((missed & run.was_deferred).sum()):4,d}; moves {run.migrations:,d}, stops {run.preemptions:,d}  [{wall_s:.0f} s]")
+            f"after a deferral {int((missed & run.was_deferred).sum()):4,d} "
+            f"(inflexible {int((missed & run.was_deferred & w.inflexible).sum()):4,d}); moves {run.migrations:,d}, stops {run.preemptions:,d}  [{wall_s:.0f} s]")
 
 
 def why_missed(prep: Prepared, run: engine.PolicyRun) -> str:
