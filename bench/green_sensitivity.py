@@ -263,7 +263,8 @@ def describe(prep: Prepared, name: str, run: engine.PolicyRun, wall_s: float) ->
             f"latency-bound {int((missed & bound).sum()):5,d}, other {int(mobile.sum()):5,d} "
             f"(deferred and ran past the estimate {int((mobile & deferred & overran).sum()):5,d}); "
             f"after a deferral {int((missed & run.was_deferred).sum()):4,d} "
-            f"(inflexible {int((missed & run.was_deferred & w.inflexible).sum()):4,d}); moves {run.migrations:,d}, stops {run.preemptions:,d}  [{wall_s:.0f} s]")
+            f"(inflexible {int((missed & run.was_deferred & w.inflexible).sum()):4,d}); "
+            f"moves {run.migrations:,d}, stops {run.preemptions:,d}  [{wall_s:.0f} s]")
 
 
 def why_missed(prep: Prepared, run: engine.PolicyRun) -> str:

@@ -59,6 +59,16 @@ def test_compare_writes_table_json_report_and_workload(files: dict[str, Path], c
     assert json.loads((out / "w" / "sites.json").read_text())[0]["grid_zone"] in ("GB", "FR")
 
 
+def test_whole_job_steps_reach_the_search(files: dict[str, Path]) -> None:
+    out = files["tmp"] / "r.json"
+    assert cli.main(_args(files, "--policy", "green", "--whole-job-steps", "0", "--json", str(out))) == 0
+    doc = json.loads(out.read_text())
+    assert doc["whole_job_bound"]["iterations"] == 0  # the offline LP's prices alone
+    assert doc["whole_job_bound"]["carbon_kg"] >= doc["offline_bound"]["carbon_kg"] * (1 - 1e-6)
+    assert cli.main(_args(files, "--policy", "green", "--no-bound", "--json", str(out))) == 0
+    assert json.loads(out.read_text())["whole_job_bound"] is None
+
+
 def test_checkpointable_jobs_are_drawn_when_asked_and_written_out(files: dict[str, Path]) -> None:
     out = files["tmp"] / "out"
     assert cli.main(_args(files, "--policy", "green", "--dump-workload", str(out / "none"))) == 0

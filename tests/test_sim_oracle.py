@@ -206,6 +206,11 @@ def test_a_feasible_schedule_never_below_its_bound(tmp_path_factory: pytest.Temp
     _held_within_capacity(run, prep)
     assert run.metrics["carbon_kg"] >= run.metrics["bound_carbon_kg"] * (1 - 1e-6) - 1e-9
     assert run.metrics["guided_by_shadow_prices"] is True
+    # and never below its whole-job bound, which is never below its fluid bound: for the oracle and the
+    # policy alike, on time or late
+    for m in (run.metrics, result.policies["baseline-carbon-greedy"].metrics):
+        assert m["carbon_kg"] >= m["whole_job_bound_carbon_kg"] * (1 - 1e-6) - 1e-9
+        assert m["whole_job_bound_carbon_kg"] >= m["bound_carbon_kg"] * (1 - 1e-6) - 1e-9
 
 
 def test_cli_oracle_row_and_json(tiny: SimulationSpec, tmp_path: Path,  # noqa: F811

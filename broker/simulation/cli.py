@@ -79,8 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--dump-workload", metavar="DIR", help="write jobs.csv and sites.json: what the run was given")
     s.add_argument("--no-bound", action="store_true", help="skip the offline bound and the whole-job bound")
     s.add_argument("--whole-job-steps", type=int, default=300, metavar="N",
-                   help="steps of the whole-job bound's search (default %(default)s; more can only tighten it; "
-                        "0: the offline LP's prices alone)")
+                   help="steps of the whole-job bound's search (default %(default)s; more can only raise the "
+                        "bound on the deadlines; 0: the offline LP's prices alone)")
     s.add_argument("--oracle", action="store_true",
                    help="also pack the whole-job oracle: a schedule that knows every run time and every future "
                         "hour's carbon (a reference, not a policy; guided by the bound's prices unless --no-bound)")

@@ -2,8 +2,8 @@
 
 What it writes
     :func:`format_table` gives one plain-text row per policy, in the order the run holds them, and last
-    rows for the offline bound and the whole-job bound, then a line naming the policy with the least carbon and what it saves
-    against the worst ``baseline-*`` policy. :func:`write_html` writes ``index.html`` into a directory,
+    rows for the offline bound and the whole-job bound, then a line naming the policy with the least
+    carbon and what it saves against the worst ``baseline-*`` policy. :func:`write_html` writes ``index.html`` into a directory,
     with the same table, the sites, utilisation per site, the run's report lines, the bound's relaxation
     and three PNG plots beside it (``intensity.png``, ``cumulative_carbon.png``, ``wait_cdf.png``), each
     with a sentence saying what it shows and how to read it. Nothing is computed here that changes a
@@ -13,7 +13,7 @@ What it writes
 Units
     In the table: carbon in tonnes CO2e with one decimal (kilograms, one decimal, when any value of the
     column is under a tonne); "vs bound" in percent above the offline bound's carbon, "vs whole-job" above
-    the whole-job bound's (the tighter of the two: no job split); cost in US dollars
+    the whole-job bound that holds for the policy (no job split); cost in US dollars
     with thousands separators; energy in MWh; wait p95 in seconds, minutes or hours as fits; Jain's
     fairness index on 0..1 with three decimals; utilisation in percent of the federation's GPU-hours.
     A figure the run did not produce is shown as "–". In the plots: intensity in g CO2e per kWh, GPUs
@@ -598,14 +598,19 @@ def _bound_paragraph(result: SimulationResult) -> str:
     text += (" It lets a job's work split over any hours and sites of its window, which no schedule that runs "
              "jobs whole can do.")
     whole = _num(result.whole_job_bound, "carbon_kg")
+    about = (" The whole-job bound keeps each job whole, at one site, in one stretch (checkpointable jobs, which "
+             "a policy may move, still as divisible work) and relaxes the sites' capacity through a price on each "
+             "site-hour")
     if whole is not None:
         steps = _num(result.whole_job_bound, "iterations")
-        text += (f" The whole-job bound keeps each job whole, at one site, in one stretch (checkpointable jobs, "
-                 f"which a policy may move, still as divisible work) and relaxes only the sites' capacity, "
-                 f"through a price on each site-hour: {whole / 1000.0:,.1f} t CO2e"
-                 + (f", found in {steps:,.0f} steps of a subgradient search" if steps is not None else "")
-                 + ". Any prices give a valid bound, so more steps could only raise it; no whole-job schedule "
-                 "inside the jobs' windows emits less.")
+        text += (about + f": {whole / 1000.0:,.1f} t CO2e"
+                 + (f", the best of {steps:,.0f} steps of a subgradient search" if steps is not None else "")
+                 + ". Every set of prices gives a valid bound; no whole-job schedule inside the jobs' windows "
+                 "emits less. A policy that ran jobs late is held to the higher of this bound on its own, wider, "
+                 "windows and its fluid bound.")
+    elif result.whole_job_bound:
+        note = str(result.whole_job_bound.get("note") or "it gave no figure")
+        text += about + ": " + note + "."
     return f"<p>{_e(text)}</p>"
 
 

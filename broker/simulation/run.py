@@ -56,7 +56,7 @@ from broker.simulation.forecasts import HORIZON_H, forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
 from broker.simulation.oracle import whole_job_oracle
 from broker.simulation.results import SimulationResult, SiteFacts
-from broker.simulation.whole_job_bound import lagrangian_value, whole_job_bound
+from broker.simulation.whole_job_bound import WholeJobBoundError, lagrangian_value, whole_job_bound
 from broker.simulation.workload import Workload, WorkloadAssumptions, build_workload
 from policies.baselines import policy
 from policies.profiles import BUILTIN as PROFILES
@@ -87,6 +87,11 @@ class SimulationSpec:
     whole_job_steps: int = 300  # steps of the whole-job bound's search (with bound; 0: the LP's prices only)
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
+
+    def __post_init__(self) -> None:
+        if isinstance(self.whole_job_steps, bool) or not isinstance(self.whole_job_steps, int) \
+                or self.whole_job_steps < 0:
+            raise ValueError(f"whole_job_steps must be a whole number, 0 or more, not {self.whole_job_steps!r}")
 
 
 @dataclass
@@ -281,8 +286,11 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
                 result.report.append(f"not packed: {e}")
         if offline is not None and windows is not None:
             bounds = _per_run_bounds(facts, w, ran, held, prep.fitting[ran], offline, windows, runs)
-            result.whole_job_bound, whole = _whole_job(facts, w, ran, prep.fitting[ran], windows, shadow, runs,
-                                                       spec.whole_job_steps)
+            try:
+                result.whole_job_bound, whole = _whole_job(facts, w, ran, prep.fitting[ran], windows, shadow, runs,
+                                                           bounds, spec.whole_job_steps)
+            except WholeJobBoundError as e:  # a reference: the policies' figures stand without it
+                result.report.append(f"no whole-job bound: {e}")
     for name, run in runs.items():
         m = policy_metrics(run, facts, submit_s=w.submit_s, deadline_s=w.deadline_s, gpus=held, tenant=w.tenant,
                            rtt_ms=prep.rtt_ms, origin=w.origin_region, latency_slo_ms=w.latency_slo_ms)
@@ -417,29 +425,41 @@ def _per_run_bounds(facts: SiteFacts, w: Workload, ran: np.ndarray, held: np.nda
 
 
 def _whole_job(facts: SiteFacts, w: Workload, ran: np.ndarray, allowed: np.ndarray, windows: np.ndarray,
-               prices: np.ndarray | None, runs: dict[str, engine.PolicyRun],
+               prices: np.ndarray | None, runs: dict[str, engine.PolicyRun], fluid: dict[str, dict[str, object]],
                steps: int) -> tuple[dict[str, object], dict[str, float]]:
     """The whole-job bound on the offline bound's ``windows``, searched from its LP's ``prices``, and each run's
     own: a run whose jobs all ended inside ``windows`` gets that bound; one that ran a job later gets the
-    value at the prices found with that job's window reaching its actual end (any prices give a valid
-    bound), so that no policy can beat its bound by running late. Checkpointable jobs count as divisible
-    work (a policy may move them)."""
+    higher of its own fluid bound (``fluid``) and the value at the prices found with that job's window
+    reaching its actual end (any prices give a valid bound, though prices found for the deadlines may be
+    poor for wider windows), so that no policy can beat its bound by running late. Checkpointable jobs
+    count as divisible work (a policy may move them).
+
+    When no run met every window, the search stops once it rises above the cleanest of them: the windows
+    may admit no whole-job schedule at all, and the bound is then reported without a figure (``carbon_kg``
+    None, ``above_known`` true); each run keeps its own."""
     horizon = facts.hours * 3600.0
     jobs = {"release_s": w.submit_s[ran], "duration_s": w.true_duration_s[ran], "gpus": w.held[ran],
             "allowed_sites": allowed, "splittable": w.checkpointable[ran]}
-    carbons = [float(r.carbon_kg[ran].sum()) for r in runs.values()]
-    found = whole_job_bound(facts, end_s=windows, start_prices=prices, max_iterations=steps,
-                            upper_kg=min(carbons) if carbons else None, **jobs)
+    fits = {name: bool((run.end_s[ran] <= windows + 1e-6).all()) for name, run in runs.items()}
+    carbons = {name: float(run.carbon_kg[ran].sum()) for name, run in runs.items()}
+    inside = [carbons[name] for name in runs if fits[name]]
+    upper = min(inside) if inside else min(carbons.values(), default=None)
+    found = whole_job_bound(facts, end_s=windows, start_prices=prices, max_iterations=steps, upper_kg=upper,
+                            upper_fits=bool(inside), **jobs)
     bound = found.as_dict()
     bound["windows"] = "as the offline bound"
+    if found.above_known:
+        bound["carbon_kg"] = None
+        bound["note"] = ("no replayed schedule met every window and the search rose above the cleanest of them: "
+                         "no whole-job schedule may fit the windows at all, so no figure is given")
     per_run: dict[str, float] = {}
     for name, run in runs.items():
-        ends = run.end_s[ran]
-        if (ends <= windows + 1e-6).all():
+        if fits[name]:
             per_run[name] = found.carbon_kg
-        else:
-            per_run[name] = lagrangian_value(facts, found.prices_kg_per_gpu_hour,
-                                             end_s=np.minimum(np.fmax(windows, ends), horizon), **jobs)
+            continue
+        own = lagrangian_value(facts, found.prices_kg_per_gpu_hour,
+                               end_s=np.minimum(np.fmax(windows, run.end_s[ran]), horizon), **jobs)
+        per_run[name] = max(own, float(fluid[name]["carbon_kg"])) if name in fluid else own  # type: ignore[arg-type]
     return bound, per_run
 
 

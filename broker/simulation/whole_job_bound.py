@@ -7,7 +7,9 @@ Why another bound
     in the 50 cleanest hours of the month at 10 GPUs. No schedule that runs jobs whole can do that, so
     the fluid bound sits far below every such schedule (on the Philly trace at 30 % utilisation, 59.3 t
     where the whole-job oracle, which knows the future, packs 69.9 t). This bound keeps each job whole and
-    relaxes only the sites' capacity, through a price on it.
+    relaxes the sites' capacity, through a price on it (and, as the fluid bound does, counts capacity per
+    hour rather than at every instant, pools a site's GPU models at the lowest power among them, and treats
+    checkpointable jobs as divisible work).
 
 What it computes (Lagrangian relaxation of capacity)
     A job ``j`` holds ``gpus[j]`` GPUs for ``duration_s[j]`` at one site ``s`` it may use
@@ -41,12 +43,18 @@ The search
     when the simulator has them, which already give at least the fluid bound; zeros otherwise). Each step
     moves ``λ`` by how much each site-hour is over- or under-held by the jobs' own choices, with Polyak's
     step towards a target above the best value so far (a tenth above it, or ``upper_kg``, a known
-    schedule's carbon, when that is lower, but never less than half a percent above), halving the step after ``patience`` steps without a gain; it stops after ``max_iterations``
-    steps or when the step factor falls below ``min_step``. The best ``L`` seen is the bound.
+    schedule's carbon, when that is lower, but never less than half a percent above), halving the step
+    after ``patience`` steps without a gain; it stops after ``max_iterations`` steps or when the step
+    factor falls below ``min_step``. The best ``L`` seen is the bound, so more steps
+    can only raise it. Prices found for one set of windows are valid for any other, but may be poor there:
+    :func:`lagrangian_value` at them may even fall to 0 on much wider windows, where another search would
+    find more (``broker.simulation.run`` takes the higher of it and the fluid bound for each policy).
 
 Validity in floating point
     Every value is summed in float64 over at most a few hundred thousand jobs; the bound is lowered by a
-    part in a billion of the carbon at stake so that rounding cannot lift it above a schedule.
+    hundred-millionth of the largest sums it is the difference of (the carbon at stake, and the price of
+    all capacity), which covers rounding at the prices the search reaches (prices of a million kg per
+    GPU-hour were seen to leave a few billionths).
 
 Units
     Seconds for times (after the run start, where hour ``h`` is column ``h`` of ``SiteFacts.intensity``),
@@ -74,8 +82,9 @@ from broker.simulation.results import SiteFacts
 __all__ = ["WholeJobBound", "WholeJobBoundError", "lagrangian_value", "whole_job_bound"]
 
 HOUR_S = 3600.0
-MARGIN = 1e-9
-"""The bound is lowered by this fraction of the largest carbon at stake (float rounding; module docstring)."""
+MARGIN = 1e-8
+"""The bound is lowered by this fraction of the largest sums it is made of (float rounding; module
+docstring)."""
 
 
 class WholeJobBoundError(ValueError):
@@ -94,11 +103,15 @@ class WholeJobBound:
     # float64[sites, hours]: the prices at which the bound was found (kg CO2e per GPU-hour); any prices
     # give a valid bound, these give the highest found (for other windows: lagrangian_value)
     prices_kg_per_gpu_hour: np.ndarray = field(repr=False, compare=False)
+    # True when the search stopped above ``upper_kg``, a schedule that does not fit the windows
+    # (``upper_fits`` False): no whole-job schedule may fit them at all, and then no figure is meaningful
+    above_known: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: plain ``int``, ``float`` values (the prices are left out)."""
+        """JSON-ready: plain ``int``, ``float``, ``bool`` values (the prices are left out)."""
         return {"carbon_kg": float(self.carbon_kg), "jobs": int(self.jobs), "splittable": int(self.splittable),
-                "iterations": int(self.iterations), "solve_s": float(self.solve_s)}
+                "iterations": int(self.iterations), "solve_s": float(self.solve_s),
+                "above_known": bool(self.above_known)}
 
 
 class _Jobs:
@@ -145,10 +158,11 @@ class _Jobs:
         self.gpus = held
         self.allowed = np.ascontiguousarray(usable)
         self.splittable = split
-        # splittable work: whole hours from the release's to the one its window ends in (outward)
-        self.first_hour = np.minimum(np.floor(self.release_h), hours - 1).astype(np.int64)
+        # splittable work: whole hours from the release's to the one its window ends in (outward); column
+        # ``hours`` of the priced rates stands for every hour past the data (its last carbon, no price)
+        self.first_hour = np.minimum(np.floor(self.release_h), hours).astype(np.int64)
         self.last_hour = np.clip(np.ceil(np.maximum(end / HOUR_S, self.release_h + self.duration_h)) - 1,
-                                 self.first_hour, hours - 1).astype(np.int64)
+                                 self.first_hour, hours).astype(np.int64)
 
 
 def _carbon_rate(sites: SiteFacts) -> np.ndarray:
@@ -187,23 +201,34 @@ def lagrangian_value(sites: SiteFacts, prices_kg_per_gpu_hour: np.ndarray, relea
     carbon = _carbon_rate(sites)
     site = np.zeros(jobs.n, dtype=np.int64)
     start = np.zeros(jobs.n)
-    value = _evaluate(carbon, prices, np.asarray(sites.capacity_gpus, dtype=np.float64), jobs, site, start, None)
-    return _lowered(value, carbon, jobs)
+    capacity = np.asarray(sites.capacity_gpus, dtype=np.float64)
+    value = _evaluate(carbon, prices, capacity, jobs, site, start, None)
+    return _lowered(value, carbon, jobs, prices, capacity)
 
 
 def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: Any, gpus: Any, *,
                     allowed_sites: Any = None, splittable: Any = None, start_prices: np.ndarray | None = None,
-                    upper_kg: float | None = None, max_iterations: int = 1000, patience: int = 25,
-                    min_step: float = 1e-3) -> WholeJobBound:
+                    upper_kg: float | None = None, upper_fits: bool = True, max_iterations: int = 1000,
+                    patience: int = 25, min_step: float = 1e-3) -> WholeJobBound:
     """The whole-job bound (module docstring) of jobs ``release_s``, ``end_s`` (window, seconds after the
     run start), ``duration_s`` (true run time) and ``gpus`` (held), each one per job; ``allowed_sites``
     (bool[jobs, sites], None: every site); ``splittable`` (bool[jobs], None: none). ``start_prices``: where
     the search starts (float64[sites, hours], e.g. the fluid LP's capacity prices; None: zeros);
     ``upper_kg``: the carbon of a known schedule, which steers the step sizes (it never changes what the
-    bound means). Raises :class:`WholeJobBoundError` for bad inputs."""
+    bound means). ``upper_fits`` False: that schedule ran some job past its window, and may be the only kind
+    there is; the search then stops as soon as it rises above ``upper_kg`` and says so
+    (:attr:`WholeJobBound.above_known`): where no whole-job schedule fits the windows, ``L`` grows without
+    limit, and a figure above every schedule replayed tells a reader nothing. Raises
+    :class:`WholeJobBoundError` for bad inputs."""
     t0 = time.perf_counter()
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, (int, np.integer)) or max_iterations < 0:
         raise WholeJobBoundError(f"max_iterations must be a whole number, 0 or more, not {max_iterations!r}")
+    if isinstance(patience, bool) or not isinstance(patience, (int, np.integer)) or patience < 1:
+        raise WholeJobBoundError(f"patience must be a whole number, 1 or more, not {patience!r}")
+    if not 0 < min_step <= 1:
+        raise WholeJobBoundError(f"min_step must be above 0 and at most 1, not {min_step!r}")
+    if sites.hours < 1:
+        raise WholeJobBoundError("sites.intensity has no hours")
     jobs = _Jobs(sites, release_s, end_s, duration_s, gpus, allowed_sites, splittable)
     carbon = _carbon_rate(sites)
     capacity = np.asarray(sites.capacity_gpus, dtype=np.float64)
@@ -215,11 +240,12 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
     value = _evaluate(carbon, prices, capacity, jobs, site, start, held)
     best, best_prices = value, prices.copy()
     step, since, taken = 1.0, 0, 0
-    while taken < max_iterations and step >= min_step:
+    above = not upper_fits and upper_kg is not None and best > upper_kg
+    while taken < max_iterations and step >= min_step and not above:
         over = held - capacity[:, None]  # GPU-hours held above (below: negative) what each site-hour has
         over[(prices <= 0.0) & (over < 0.0)] = 0.0  # a price at 0 cannot fall
         norm = float((over * over).sum())
-        if norm == 0.0:  # the jobs' own choices fit: L is the carbon of a schedule, the best there is
+        if norm == 0.0:  # no site-hour over its GPUs, none under it at a price: no step moves the prices
             break
         # Polyak's step aims at a value above the best so far: a tenth above it, or the known schedule's
         # carbon when that is lower, but always a little above (a schedule that ran late may be below it)
@@ -232,13 +258,14 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
         taken += 1
         if value > best + 1e-9 * abs(best):
             best, best_prices, since = value, prices.copy(), 0
+            above = not upper_fits and upper_kg is not None and best > upper_kg
         else:
             since += 1
             if since >= patience:
                 step, since = step / 2.0, 0
-    return WholeJobBound(carbon_kg=_lowered(best, carbon, jobs), jobs=jobs.n,
+    return WholeJobBound(carbon_kg=_lowered(best, carbon, jobs, best_prices, capacity), jobs=jobs.n,
                          splittable=int(jobs.splittable.sum()), iterations=taken,
-                         solve_s=time.perf_counter() - t0, prices_kg_per_gpu_hour=best_prices)
+                         solve_s=time.perf_counter() - t0, prices_kg_per_gpu_hour=best_prices, above_known=above)
 
 
 def _check_prices(sites: SiteFacts, prices: Any) -> np.ndarray:
@@ -251,10 +278,11 @@ def _check_prices(sites: SiteFacts, prices: Any) -> np.ndarray:
     return arr
 
 
-def _lowered(value: float, carbon: np.ndarray, jobs: _Jobs) -> float:
+def _lowered(value: float, carbon: np.ndarray, jobs: _Jobs, prices: np.ndarray, capacity: np.ndarray) -> float:
     """``value`` lowered by float rounding's possible excess, and never below 0."""
     largest = float(carbon.max(initial=0.0)) * float((jobs.gpus * jobs.duration_h).sum())
-    return max(0.0, value - MARGIN * (abs(value) + largest))
+    priced = float((prices * capacity[:, None]).sum())
+    return max(0.0, value - MARGIN * (abs(value) + largest + 2.0 * priced))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -322,7 +350,8 @@ def _hold(site: np.ndarray, start: np.ndarray, duration: np.ndarray, gpus: np.nd
         if s < 0 or gpus[j] <= 0.0 or duration[j] <= 0.0:
             continue
         if splittable[j]:
-            held[s, int(start[j])] += gpus[j] * duration[j]
+            if int(start[j]) < hours:  # past the data nothing is priced, so nothing is held
+                held[s, int(start[j])] += gpus[j] * duration[j]
             continue
         t0, t1 = start[j], start[j] + duration[j]
         h = int(np.floor(t0))
