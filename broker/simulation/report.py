@@ -3,10 +3,11 @@
 What it writes
     :func:`format_table` gives one plain-text row per policy, in the order the run holds them, and last
     rows for the offline bound and the whole-job bound, then a line naming the policy with the least
-    carbon and what it saves against the worst ``baseline-*`` policy. :func:`write_html` writes ``index.html`` into a directory,
-    with the same table, the sites, utilisation per site, the run's report lines, the bound's relaxation
-    and three PNG plots beside it (``intensity.png``, ``cumulative_carbon.png``, ``wait_cdf.png``), each
-    with a sentence saying what it shows and how to read it. Nothing is computed here that changes a
+    carbon and what it saves against the worst ``baseline-*`` policy. :func:`write_html` writes
+    ``index.html`` into a directory, with the same table, the sites, utilisation per site, the run's
+    report lines, the bounds' relaxations and three PNG plots beside it (``intensity.png``,
+    ``cumulative_carbon.png``, ``wait_cdf.png``), each with a sentence saying what it shows and how to
+    read it. Nothing is computed here that changes a
     figure of the JSON report: the plots are drawn from the per-job arrays of
     :class:`~broker.simulation.results.SimulationResult`, the table from each policy's ``metrics``.
 

@@ -20,8 +20,9 @@ Steps
        prices of capacity, and bound it as a policy.
     9. Search the whole-job bound (``broker.simulation.whole_job_bound``) from the first LP's prices of
        capacity, on the same windows: every job whole, at one site, in one stretch (checkpointable jobs,
-       which a policy may move, as divisible work). Each run's own windows are bounded at the prices found,
-       so this bound too holds for every policy it is set against.
+       which a policy may move, as divisible work). A run that ended jobs past the windows is held to the
+       higher of its fluid bound and the value at the prices found on its own windows, so this bound too
+       holds for every policy it is set against (details in :func:`_whole_job`).
     10. Compute the metrics (``broker.simulation.metrics``).
 
 Defaults: prices, latency and region coordinates come from the copies shipped in ``data/`` (see
