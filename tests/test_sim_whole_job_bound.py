@@ -200,3 +200,9 @@ def test_bad_input_is_named(change: dict, words: str) -> None:
     args = {"release_s": [0.0], "end_s": [3 * H], "duration_s": [H], "gpus": [1.0], **change}
     with pytest.raises(WholeJobBoundError, match=words.replace("[", r"\[").replace("]", r"\]")):
         whole_job_bound(sites, **args)
+
+
+def test_sites_without_hours_are_named() -> None:
+    with pytest.raises(WholeJobBoundError, match="at least one hour"):
+        lagrangian_value(facts([[], []], [1, 1]), np.zeros((2, 0)), release_s=[0.0], end_s=[H], duration_s=[H],
+                         gpus=[1.0])

@@ -120,6 +120,8 @@ class _Jobs:
     def __init__(self, sites: SiteFacts, release_s: Any, end_s: Any, duration_s: Any, gpus: Any,
                  allowed_sites: Any, splittable: Any) -> None:
         n_sites = sites.n_sites
+        if np.ndim(sites.intensity) != 2 or sites.hours < 1:
+            raise WholeJobBoundError("sites.intensity must hold at least one hour per site")
         arrays = []
         for name, values in (("release_s", release_s), ("end_s", end_s), ("duration_s", duration_s),
                              ("gpus", gpus)):
@@ -227,8 +229,6 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
         raise WholeJobBoundError(f"patience must be a whole number, 1 or more, not {patience!r}")
     if not 0 < min_step <= 1:
         raise WholeJobBoundError(f"min_step must be above 0 and at most 1, not {min_step!r}")
-    if sites.hours < 1:
-        raise WholeJobBoundError("sites.intensity has no hours")
     jobs = _Jobs(sites, release_s, end_s, duration_s, gpus, allowed_sites, splittable)
     carbon = _carbon_rate(sites)
     capacity = np.asarray(sites.capacity_gpus, dtype=np.float64)
