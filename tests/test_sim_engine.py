@@ -121,6 +121,7 @@ def test_same_seed_same_numbers_on_real_data(shared_data: Path, tmp_path: Path) 
         for m in doc["policies"].values():
             m.pop("replay_s")
         doc["offline_bound"].pop("solve_s")
+        doc["whole_job_bound"].pop("solve_s")
         figures.append(doc)
     assert figures[0] == figures[1]
     greedy = figures[0]["policies"]["baseline-carbon-greedy"]
