@@ -443,10 +443,8 @@ def _whole_job(facts: SiteFacts, w: Workload, ran: np.ndarray, allowed: np.ndarr
             "allowed_sites": allowed, "splittable": w.checkpointable[ran]}
     fits = {name: bool((run.end_s[ran] <= windows + 1e-6).all()) for name, run in runs.items()}
     carbons = {name: float(run.carbon_kg[ran].sum()) for name, run in runs.items()}
-    inside = [carbons[name] for name in runs if fits[name]]
-    upper = min(inside) if inside else min(carbons.values(), default=None)
-    found = whole_job_bound(facts, end_s=windows, start_prices=prices, max_iterations=steps, upper_kg=upper,
-                            upper_fits=bool(inside), **jobs)
+    found = whole_job_bound(facts, end_s=windows, start_prices=prices, max_iterations=steps,
+                            upper_kg=min(carbons.values(), default=None), upper_fits=any(fits.values()), **jobs)
     bound = found.as_dict()
     bound["windows"] = "as the offline bound"
     if found.above_known:

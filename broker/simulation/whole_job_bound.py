@@ -42,8 +42,8 @@ The search
     Projected subgradient ascent on ``λ``, started from ``start_prices`` (the fluid LP's capacity prices
     when the simulator has them, which already give at least the fluid bound; zeros otherwise). Each step
     moves ``λ`` by how much each site-hour is over- or under-held by the jobs' own choices, with Polyak's
-    step towards a target above the best value so far (a tenth above it, or ``upper_kg``, a known
-    schedule's carbon, when that is lower, but never less than half a percent above), halving the step
+    step towards a target above the best value so far (a tenth above it, or ``upper_kg``, the least carbon
+    of the schedules known, when that is lower, but never less than half a percent above), halving the step
     after ``patience`` steps without a gain; it stops after ``max_iterations`` steps or when the step
     factor falls below ``min_step``. The best ``L`` seen is the bound, so more steps
     can only raise it. Prices found for one set of windows are valid for any other, but may be poor there:
@@ -216,9 +216,9 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
     run start), ``duration_s`` (true run time) and ``gpus`` (held), each one per job; ``allowed_sites``
     (bool[jobs, sites], None: every site); ``splittable`` (bool[jobs], None: none). ``start_prices``: where
     the search starts (float64[sites, hours], e.g. the fluid LP's capacity prices; None: zeros);
-    ``upper_kg``: the carbon of a known schedule, which steers the step sizes (it never changes what the
-    bound means). ``upper_fits`` False: that schedule ran some job past its window, and may be the only kind
-    there is; the search then stops as soon as it rises above ``upper_kg`` and says so
+    ``upper_kg``: the least carbon of the schedules known, which steers the step sizes (it never changes
+    what the bound means). ``upper_fits`` False: none of them fits the windows (each ran some job past its
+    window), and no schedule may; the search then stops as soon as it rises above ``upper_kg`` and says so
     (:attr:`WholeJobBound.above_known`): where no whole-job schedule fits the windows, ``L`` grows without
     limit, and a figure above every schedule replayed tells a reader nothing. Raises
     :class:`WholeJobBoundError` for bad inputs."""
