@@ -458,7 +458,7 @@ def _whole_job(facts: SiteFacts, w: Workload, ran: np.ndarray, allowed: np.ndarr
             continue
         own = lagrangian_value(facts, found.prices_kg_per_gpu_hour,
                                end_s=np.minimum(np.fmax(windows, run.end_s[ran]), horizon), **jobs)
-        per_run[name] = max(own, float(fluid[name]["carbon_kg"])) if name in fluid else own  # type: ignore[arg-type]
+        per_run[name] = max(own, float(fluid[name]["carbon_kg"]))  # type: ignore[arg-type]
     return bound, per_run
 
 

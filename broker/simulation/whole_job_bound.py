@@ -240,7 +240,8 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
     value = _evaluate(carbon, prices, capacity, jobs, site, start, held)
     best, best_prices = value, prices.copy()
     step, since, taken = 1.0, 0, 0
-    above = not upper_fits and upper_kg is not None and best > upper_kg
+    ceiling = None if upper_fits else upper_kg  # above it, the search has nothing left to tell
+    above = ceiling is not None and best > ceiling
     while taken < max_iterations and step >= min_step and not above:
         over = held - capacity[:, None]  # GPU-hours held above (below: negative) what each site-hour has
         over[(prices <= 0.0) & (over < 0.0)] = 0.0  # a price at 0 cannot fall
@@ -258,7 +259,7 @@ def whole_job_bound(sites: SiteFacts, release_s: Any, end_s: Any, duration_s: An
         taken += 1
         if value > best + 1e-9 * abs(best):
             best, best_prices, since = value, prices.copy(), 0
-            above = not upper_fits and upper_kg is not None and best > upper_kg
+            above = ceiling is not None and best > ceiling
         else:
             since += 1
             if since >= patience:
