@@ -44,11 +44,11 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   intensity. ``capacity-prices``: ``green`` as shipped (its forecasts, estimates as drawn) with the same
   prices, future ones included: whether a broker that learned such prices could gain from them.
 
-- ``green-start-now``, ``greedy-start-now``, ``cheapest-first-start-now``: the inflexible jobs (a tenth:
-  deadline = submit + true run time) say they must start at once, giving as their deadline their submit
-  time plus their own estimate (:func:`declared_start_now`); their misses still count against the true
-  deadline. In the shipped workload their deadline is all the broker sees, and a short estimate makes it
-  look loose, so a profile that defers may defer them.
+- ``green-undeclared``, ``greedy-undeclared``, ``cheapest-first-undeclared``: the inflexible jobs (a
+  tenth: deadline = submit + true run time) give only their deadline, as releases before 2026-11-29
+  replayed them (``declare_inflexible`` false; the Evidence's workload has them ask to start at once,
+  ``JobSpec.deferrable`` false). The broker then sees only that deadline and an estimate, and where the
+  estimate runs short the deadline looks loose, so a profile that defers may defer them.
 
 ``greedy`` and ``cheapest-first`` are the baselines the routing issue's targets name (carbon-greedy, and
 the best carbon-blind baseline of the Evidence), for the targets on another ``--seed`` of the workload.
@@ -133,7 +133,6 @@ class Variant(NamedTuple):
     build: Callable[[], Pipeline]  # the pipeline
     foresight: bool = False  # reads the true future intensity (true_future) instead of the forecasts
     capacity_prices: bool = False  # decides on intensity raised by the offline LP's price of capacity (priced)
-    start_now: bool = False  # the inflexible jobs say they must start at once (declared_start_now)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -191,25 +190,13 @@ VARIANTS: dict[str, Variant] = {
         "green, full knowledge, capacity prices", {"estimate_sigma": 0.0},
         green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0), True, True),
     "capacity-prices": Variant("green, capacity prices", {}, lambda: policy("green"), False, True),
-    "greedy-start-now": Variant("baseline-carbon-greedy, inflexible jobs declared", {},
-                                lambda: policy("baseline-carbon-greedy"), start_now=True),
-    "green-start-now": Variant("green, inflexible jobs declared", {}, lambda: policy("green"), start_now=True),
-    "cheapest-first-start-now": Variant("baseline-cheapest-first, inflexible jobs declared", {},
-                                        lambda: policy("baseline-cheapest-first"), start_now=True),
+    "greedy-undeclared": Variant("baseline-carbon-greedy, inflexible jobs undeclared", {"declare_inflexible": False},
+                                 lambda: policy("baseline-carbon-greedy")),
+    "green-undeclared": Variant("green, inflexible jobs undeclared", {"declare_inflexible": False},
+                                lambda: policy("green")),
+    "cheapest-first-undeclared": Variant("baseline-cheapest-first, inflexible jobs undeclared",
+                                         {"declare_inflexible": False}, lambda: policy("baseline-cheapest-first")),
 }
-
-
-def declared_start_now(prep: Prepared) -> list:
-    """The policies' view of the jobs when each inflexible job (one whose deadline is its submit time plus
-    its true run time: it must start at once) says so, as a submitter can: its deadline given as its submit
-    time plus its own estimate, which leaves no slack to defer into. Its misses are still counted against
-    its true deadline (the workload's); every other job is as drawn."""
-    requests = list(prep.requests)
-    for j in np.flatnonzero(prep.workload.inflexible).tolist():
-        r = requests[j]
-        if r is not None and r.submitted_ts is not None:
-            requests[j] = replace(r, deadline_ts=r.submitted_ts + r.duration_s)
-    return requests
 
 
 def priced(prep: Prepared, federation: engine.Federation) -> engine.Federation:
@@ -239,13 +226,12 @@ def true_carbon(run: engine.PolicyRun, prep: Prepared) -> engine.PolicyRun:
 
 
 def replay(prep: Prepared, name: str, build: Callable[[], Pipeline], foresight: bool = False,
-           with_prices: bool = False, start_now: bool = False) -> tuple[engine.PolicyRun, float]:
+           with_prices: bool = False) -> tuple[engine.PolicyRun, float]:
     federation = true_future(prep.federation) if foresight else prep.federation
     if with_prices:
         federation = priced(prep, federation)
-    requests = declared_start_now(prep) if start_now else prep.requests
     t = time.perf_counter()
-    run = engine.replay(name, build(), prep.workload, federation, requests, prep.left_out)
+    run = engine.replay(name, build(), prep.workload, federation, prep.requests, prep.left_out)
     wall_s = time.perf_counter() - t
     return (true_carbon(run, prep) if with_prices else run), wall_s
 
@@ -322,7 +308,7 @@ def main() -> int:
     print(f"green sensitivity: Philly, {args.year}, utilisation {args.utilisation:g}, workload seed {args.seed}")
     prepared: dict[tuple[tuple[str, object], ...], Prepared] = {}
     for name in names:
-        label, assumptions, build, foresight, with_prices, start_now = VARIANTS[name]
+        label, assumptions, build, foresight, with_prices = VARIANTS[name]
         key = tuple(sorted(assumptions.items()))
         if key not in prepared:
             # policies: a profile, so that the replay builds the forecasts it reads
@@ -331,7 +317,7 @@ def main() -> int:
                                   start=date(args.year, 9, 1), bound=False, seed=args.seed,
                                   assumptions=dict(assumptions))
             prepared[key] = prepare(spec)
-        run, wall_s = replay(prepared[key], label, build, foresight, with_prices, start_now)
+        run, wall_s = replay(prepared[key], label, build, foresight, with_prices)
         print(describe(prepared[key], label, run, wall_s), flush=True)
         if args.why_missed:
             print(why_missed(prepared[key], run), flush=True)

@@ -151,7 +151,7 @@ def work_done(job: Job, now: datetime, overhead_s: float) -> float:
 def _urgency(job: Job) -> float:
     """The queue's order for pipelines that defer jobs (``policies.timeshift.urgency_ts``)."""
     deadline = job.spec.deadline.timestamp() if job.spec.deadline is not None else None
-    return timeshift.urgency_ts(job.created_at.timestamp(), deadline, job.spec.duration_s)
+    return timeshift.urgency_ts(job.created_at.timestamp(), deadline, job.spec.duration_s, job.spec.deferrable)
 
 
 def _by_urgency(job: Job) -> tuple[float, float]:
@@ -607,7 +607,7 @@ class SchedulingCycle:
                     self._announce_decision(job, "decision", "unplaceable", None, None,
                                             "no site can run it now; it waits in the queue", snap.now)
                 if (jobs is None and not req.excluded_sites and not self._holds
-                        and (pipeline.shift is None or req.deadline_ts is None)):
+                        and (pipeline.shift is None or req.deadline_ts is None or not req.deferrable)):
                     # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.
                     order.fail_group()
                     metrics.groups_skipped.inc()

@@ -453,6 +453,15 @@ class JobSpec(Strict):
         description="routing profile (balanced, green, cheap, fast, or one the federation defines), if the "
                     "federation lets jobs choose it; none: the federation's default",
     )
+    deferrable: bool = Field(
+        default=True,
+        description="false: the job must start as soon as a site has room (interactive work, a notebook, a "
+                    "debugging session); no profile defers it to a cleaner or cheaper hour, whatever slack its "
+                    "deadline leaves, and it is queued as urgent as a job whose latest start is its submission",
+        # Left out where it is the default: a spec that does not use it is sent and stored as before, so site
+        # agents and brokers of earlier releases (whose specs forbid unknown keys) still read it.
+        exclude_if=lambda deferrable: deferrable,
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

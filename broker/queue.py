@@ -38,7 +38,8 @@ def group_key(job: Job) -> tuple[Any, ...]:
     orders groups by it)."""
     spec = job.spec
     shape = JobRequest.from_spec(job.id, spec).shape
-    return (spec.priority, spec.tenant, spec.profile, spec.preemptible, spec.deadline is not None, shape)
+    return (spec.priority, spec.tenant, spec.profile, spec.preemptible, spec.deadline is not None, spec.deferrable,
+            shape)
 
 
 def by_age(job: Job) -> tuple[Any, ...]:

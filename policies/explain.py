@@ -190,6 +190,8 @@ def render(
                             + passed_over_text(list(passed.items()), n_passed))
             if tied:
                 summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
+        if not req.deferrable:
+            summary += "; the job asks to start at once (deferrable: false), so no later start was considered"
     elif deferred_until is not None or rec.get("deferred"):
         outcome = "deferred"
         planned = rec.get("deferred") or {}

@@ -69,6 +69,7 @@ class JobRequest:
     tenant: str | None = None  # whose quota the job counts against at each site
     preemptible: bool = False  # a site lends burst capacity to preemptible work only beyond unguaranteed GPUs
     checkpointable: bool = False  # may be stopped and resumed from a checkpoint (policies.migration moves only these)
+    deferrable: bool = True  # False: must start as soon as a site has room; never deferred (policies.timeshift)
 
     @classmethod
     def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset(),
@@ -92,6 +93,7 @@ class JobRequest:
             tenant=spec.tenant,
             preemptible=spec.preemptible,
             checkpointable=spec.checkpointable,
+            deferrable=spec.deferrable,
             mig_profile=g.mig_profile,
         )
 

@@ -3,7 +3,9 @@ cost), when that saves enough, planning capacity hour by hour so deferred jobs d
 same clean site.
 
 Who may be deferred
-    A job with a deadline. Its *latest start* is ``deadline - duration_safety × duration_s`` (the
+    A job with a deadline that does not ask to start at once (``JobSpec.deferrable``, true by default: a
+    job that sets it false, interactive work, is placed as soon as a site has room, whatever slack its
+    deadline leaves, and queued by its submit time, as urgent as a job with no slack). Its *latest start* is ``deadline - duration_safety × duration_s`` (the
     submitter's estimate of its run time, inflated because estimates run short as often as long); a job
     whose latest start is before the next whole hour is decided as if no shifting existed. A deferral also
     ends ``max_wait_h`` (two weeks) after the job was submitted, however often it was deferred again, and,
@@ -148,9 +150,12 @@ latest start (deadline - expected run time) or its submit time + a day, whicheve
 with a distant deadline is not overtaken for weeks by a stream of more urgent small ones."""
 
 
-def urgency_ts(submit_ts: float, deadline_ts: float | None, duration_s: float) -> float:
-    """A job's place in urgency order (POSIX seconds; sooner is first): see :data:`MAX_QUEUE_WAIT_S`."""
+def urgency_ts(submit_ts: float, deadline_ts: float | None, duration_s: float, deferrable: bool = True) -> float:
+    """A job's place in urgency order (POSIX seconds; sooner is first): see :data:`MAX_QUEUE_WAIT_S`. A job
+    that must start at once (not ``deferrable``) has its submit time as its latest start."""
     latest = math.inf if deadline_ts is None else deadline_ts - duration_s
+    if not deferrable:
+        latest = min(latest, submit_ts)
     return min(latest, submit_ts + MAX_QUEUE_WAIT_S)
 
 
@@ -672,8 +677,10 @@ def window(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> tuple[int, i
 
 
 def shiftable(req: JobRequest, snap: Snapshot, policy: ShiftPolicy) -> bool:
-    """Whether ``req`` may be deferred now: it has a deadline whose latest start is at or after the next
-    whole hour, and the pass has a plan."""
+    """Whether ``req`` may be deferred now: it does not ask to start at once (``deferrable``), it has a
+    deadline whose latest start is at or after the next whole hour, and the pass has a plan."""
+    if not req.deferrable:
+        return False
     latest = latest_start_ts(req, policy)
     if latest is None or not snap.plan_free.size:
         return False

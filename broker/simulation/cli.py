@@ -3,7 +3,7 @@
     heliotrope simulate --trace FILE (--preset philly | --columns MAPPING) --carbon DIR [--prices FILE]
         [--latency FILE] [--sites FILE] [--utilisation FRACTION] [--trace-from ISO-DATE] [--days N]
         [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
-        [--restart-s SECONDS] [--json OUT] [--report DIR]
+        [--restart-s SECONDS] [--inflexible-undeclared] [--json OUT] [--report DIR]
         [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound]
         [--whole-job-steps N] [--oracle]
 
@@ -74,6 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "that moves running work (green) may move them (default %(default)s: none)")
     s.add_argument("--restart-s", type=float, default=600.0, metavar="SECONDS",
                    help="GPU time a move costs the moved job at its new site (default %(default)s)")
+    s.add_argument("--inflexible-undeclared", action="store_true",
+                   help="the inflexible (interactive) jobs give only their deadline, not deferrable: false, as "
+                        "releases before 2026-11-29 replayed them")
     s.add_argument("--json", dest="json_out", metavar="OUT", help="write the figures as JSON to OUT")
     s.add_argument("--report", metavar="DIR", help="write an HTML report with plots into DIR")
     s.add_argument("--dump-workload", metavar="DIR", help="write jobs.csv and sites.json: what the run was given")
@@ -136,7 +139,8 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
         start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
         oracle=args.oracle, whole_job_steps=args.whole_job_steps,
-        assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s},
+        assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s,
+                     "declare_inflexible": not args.inflexible_undeclared},
     )
 
 

@@ -159,6 +159,7 @@ def requests_of(workload: Workload) -> list[JobRequest]:
     out = []
     regions = workload.region_names
     start_ts = workload.start.timestamp()
+    deferrable = workload.deferrable.tolist()
     for i, (count, milli, model, estimate, origin, slo, deadline, submitted) in enumerate(zip(
             workload.gpus.tolist(), workload.milli.tolist(), workload.model.tolist(),
             workload.estimated_duration_s.tolist(), workload.origin_region.tolist(), workload.latency_slo_ms.tolist(),
@@ -167,7 +168,7 @@ def requests_of(workload: Workload) -> list[JobRequest]:
                               allowed_regions=empty, denied_regions=empty, duration_s=estimate,
                               origin_region=regions[origin], latency_slo_ms=None if slo != slo else slo,
                               deadline_ts=start_ts + deadline, submitted_ts=start_ts + submitted,
-                              checkpointable=bool(workload.checkpointable[i])))
+                              checkpointable=bool(workload.checkpointable[i]), deferrable=deferrable[i]))
     return out
 
 
@@ -237,7 +238,7 @@ def replay(
     order_key = (lambda i: (-priority[i], submit[i], i)) if any(priority) else None
     if pipeline.urgent_first:
         t0 = start_at.timestamp()
-        latest = np.array([timeshift.urgency_ts(t0 + float(submit[i]), r.deadline_ts, r.duration_s)
+        latest = np.array([timeshift.urgency_ts(t0 + float(submit[i]), r.deadline_ts, r.duration_s, r.deferrable)
                            for i, r in enumerate(requests)])
         rank = np.empty(n, dtype=np.int64)
         rank[np.lexsort((np.arange(n), latest, -np.asarray(priority)))] = np.arange(n)

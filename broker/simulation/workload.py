@@ -32,6 +32,11 @@ The assumptions, their defaults and why:
 - ``inflexible_fraction`` (default 0.1): this share of jobs, drawn per job, has ``deadline = submit + true
   duration`` — it must start at once. It stands for interactive work (notebooks, debugging) that no trace
   marks; a tenth keeps time-shifting policies honest without letting rigid work dominate.
+- ``declare_inflexible`` (default true): the inflexible jobs say so, as the person at a notebook would:
+  ``JobSpec.deferrable`` false, so no profile defers them. Their deadline alone would not say it, since the
+  policies see only the estimate: where it runs short (half of them), submit + true duration looks like
+  slack, and any wait misses it. False: they give their deadline and nothing else (releases before
+  2026-11-29 replayed them so).
 - ``latency_fraction`` (default 0.1) and ``latency_slo_ms`` (default 50 ms): this share of jobs, drawn per
   job and independently of inflexibility, has a latency objective: it must run where the round-trip time
   from its origin region is at most ``latency_slo_ms``. 50 ms keeps a job within its part of a continent
@@ -94,7 +99,7 @@ MAX_ESTIMATE_S = 366 * 86400.0
 
 JOBS_CSV_COLUMNS = (
     "submit_utc", "true_duration_s", "estimated_duration_s", "gpus", "milli", "model", "tenant",
-    "origin_region", "deadline_utc", "latency_slo_ms", "checkpointable",
+    "origin_region", "deadline_utc", "latency_slo_ms", "checkpointable", "deferrable",
 )
 """The columns of ``jobs.csv``, in order; row ``i`` is job ``trace-<i>``."""
 
@@ -120,6 +125,7 @@ class WorkloadAssumptions(BaseModel):
     slack_factor: float = 3.0
     min_slack_s: float = 3600.0
     inflexible_fraction: float = 0.1
+    declare_inflexible: bool = True
     latency_fraction: float = 0.1
     latency_slo_ms: float = 50.0
     estimate_sigma: float = 0.5
@@ -212,8 +218,9 @@ class Workload:
     int32. ``model``: object array of canonical GPU model ids or ``None`` (any). ``tenant``: int32 codes
     into ``tenant_names`` (valid ``JobSpec`` tenants; ``trace_tenant_names`` holds the names in the trace).
     ``origin_region``: int32 codes into ``region_names``. ``latency_slo_ms``: float64, NaN for none.
-    ``inflexible``: bool, the jobs whose deadline is submit + true duration. ``checkpointable``: bool, the
-    jobs that may be stopped and resumed from a checkpoint.
+    ``inflexible``: bool, the jobs whose deadline is submit + true duration (:attr:`deferrable` says which
+    of them ask to start at once). ``checkpointable``: bool, the jobs that may be stopped and resumed from a
+    checkpoint.
     """
 
     start: datetime
@@ -247,6 +254,14 @@ class Workload:
         return self.gpus.astype(np.float64) * np.where(self.milli < 1000, self.milli / 1000.0, 1.0)
 
     @property
+    def deferrable(self) -> np.ndarray:
+        """bool[jobs]: the jobs a profile may defer (``JobSpec.deferrable``): all but the inflexible ones,
+        where the assumptions declare them (``declare_inflexible``)."""
+        if not self.assumptions.declare_inflexible:
+            return np.ones(len(self), dtype=bool)
+        return ~np.asarray(self.inflexible, dtype=bool)
+
+    @property
     def slack_s(self) -> np.ndarray:
         """Seconds each job may wait and still meet its deadline: deadline - submit - true duration."""
         return self.deadline_s - self.submit_s - self.true_duration_s
@@ -274,6 +289,7 @@ class Workload:
             latency_slo_ms=None if np.isnan(slo) else slo,
             origin_region=self.region_names[int(self.origin_region[i])],
             checkpointable=bool(self.checkpointable[i]),
+            deferrable=bool(self.deferrable[i]),
         )
 
     @property
@@ -289,7 +305,9 @@ class Workload:
             f"from {len(self.region_names)} regions.",
             f"{self.has_latency_slo.mean():.1%} of jobs have a latency objective of "
             f"{self.assumptions.latency_slo_ms:g} ms.",
-            f"{self.inflexible.mean():.1%} of jobs are inflexible (deadline = submit + duration).",
+            f"{self.inflexible.mean():.1%} of jobs are inflexible (deadline = submit + duration)"
+            + ("; they ask to start at once (deferrable: false)." if self.assumptions.declare_inflexible
+               else "; they give only their deadline."),
         ]
         if self.checkpointable.any():
             lines.append(f"{self.checkpointable.mean():.1%} of jobs can be checkpointed and moved; a move costs "
@@ -403,6 +421,7 @@ def dump_workload(workload: Workload, sites: Sequence[SiteSpec], directory: str 
         _iso_times(start_us + _microseconds(w.deadline_s)),
         ["" if np.isnan(v) else v for v in w.latency_slo_ms.tolist()],
         ["true" if c else "false" for c in w.checkpointable.tolist()],
+        ["true" if d else "false" for d in w.deferrable.tolist()],
     ]
     with (out / "jobs.csv").open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, lineterminator="\n")
