@@ -227,6 +227,17 @@ async def test_a_cancelled_running_job_stops_and_gives_its_gpus_back(client: Tes
     assert [e["state"] for e in events["items"]][-1] == "cancelled"
 
 
+async def test_a_job_that_asks_to_start_at_once_keeps_saying_so(client: TestClient):
+    r = await client.post("/v1/jobs", json={**MINIMAL, "deferrable": False})
+    assert r.status == 201, await r.text()
+    job_id = (await r.json())["id"]
+    got = await (await client.get(f"/v1/jobs/{job_id}")).json()
+    assert got["spec"]["deferrable"] is False
+    # the default is left out, so a spec that does not use it reads as earlier releases wrote it
+    plain = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "plain"})).json()
+    assert "deferrable" not in plain["spec"]
+
+
 # --- bad input ---
 
 
@@ -251,6 +262,8 @@ async def test_a_cancelled_running_job_stops_and_gives_its_gpus_back(client: Tes
                      id="a deadline without a time zone is refused"),
         pytest.param([MINIMAL], 422, "(body)", "should be an object",
                      id="a list instead of one job is refused"),
+        pytest.param({**MINIMAL, "deferrable": "later"}, 422, "deferrable", "valid boolean",
+                     id="a deferrable that is not true or false is refused"),
     ],
 )
 async def test_an_invalid_job_spec_gets_a_4xx_naming_the_field(client, body, status, field, problem):

@@ -50,6 +50,18 @@ def test_the_minimal_job_body_is_accepted_with_the_documented_defaults() -> None
     assert spec.preemptible is False and spec.checkpointable is False
     assert spec.max_attempts == 3
     assert spec.labels == {}
+    assert spec.deferrable is True
+
+
+def test_deferrable_is_sent_only_where_a_job_asks_to_start_at_once() -> None:
+    # A spec of an earlier release (no ``deferrable``) reads as deferrable, and one that is deferrable is
+    # written without the key, so agents and brokers of that release, whose specs forbid unknown keys, read it.
+    plain = JobSpec.model_validate(MINIMAL_JOB)
+    assert "deferrable" not in plain.model_dump() and "deferrable" not in plain.model_dump_json()
+    assert JobSpec.model_validate_json(plain.model_dump_json()) == plain
+    at_once = JobSpec.model_validate({**MINIMAL_JOB, "deferrable": False})
+    assert at_once.model_dump()["deferrable"] is False
+    assert JobSpec.model_validate_json(at_once.model_dump_json()).deferrable is False
 
 
 @pytest.mark.parametrize(

@@ -175,3 +175,21 @@ def test_a_job_moves_between_the_queue_and_the_rest_as_its_state_changes():
     active[other.id] = other
     active.clear()
     assert len(active) == 0 and not active.queue.groups
+
+
+def test_a_job_that_must_start_at_once_fails_its_own_group_not_one_that_may_be_deferred() -> None:
+    # The same shape and deadline: when the first (deferrable false) finds no site, the cycle drops the rest
+    # of its group; the second may still be deferred to a later start, so it is walked.
+    deadline = NOW + timedelta(hours=30)
+    at_once = queued(1, deadline=deadline, deferrable=False, age_s=1.0)  # the older: walked first
+    later = queued(2, deadline=deadline)
+    index = QueueIndex()
+    for j in (at_once, later):
+        index.add(j)
+    walk = index.walk()
+    seen = []
+    for job_id in walk:
+        seen.append(job_id)
+        if job_id == at_once.id:
+            walk.fail_group()
+    assert seen == [at_once.id, later.id]

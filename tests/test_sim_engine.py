@@ -313,6 +313,24 @@ def test_green_waits_for_the_clean_hours_it_can_foresee_and_meets_every_deadline
     assert greedy.carbon_kg.sum() == pytest.approx(3 * 4 * 0.4 * 2 * 300 / 1000)
 
 
+def test_green_starts_at_once_the_jobs_that_ask_to_even_with_slack(tmp_path: Path) -> None:
+    """The three jobs green defers above (12 hours of slack, FR clean from 12:00), sent asking to start at once
+    (``deferrable`` false): green runs them at 06:00 at the cleaner site of the hour, GB, as carbon-greedy
+    does."""
+    from dataclasses import replace
+
+    from broker.simulation import engine
+    from policies.baselines import policy
+
+    spec = _clean_afternoons(tmp_path, 6, "2022-06-04T06:00:00,7200,4,x\n" * 3, slack_h=12, gpus=16)
+    prep = prepare(spec)
+    at_once = [replace(r, deferrable=False) for r in prep.requests]
+    run = engine.replay("green", policy("green"), prep.workload, prep.federation, at_once, prep.left_out)
+    assert not run.was_deferred.any()
+    assert run.site.tolist() == [0, 0, 0] and run.start_s.tolist() == [0.0] * 3
+    assert run.carbon_kg.sum() == pytest.approx(3 * 4 * 0.4 * 2 * 300 / 1000)
+
+
 def test_green_does_not_hold_a_small_short_job_for_a_few_grams(tmp_path: Path) -> None:
     """The same clean afternoon six hours away is not worth a wait to three 1-GPU jobs of an hour: 0.1 kg each
     (under green's 0.5 kg), and six hours is more than four times their run. They start at once."""

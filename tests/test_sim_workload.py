@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from broker.data.traces import Trace, load_trace, resolve_preset
 from broker.models import JobSpec
+from broker.simulation.engine import requests_of
 from broker.simulation.workload import (
     JOBS_CSV_COLUMNS,
     MAX_ESTIMATE_S,
@@ -155,6 +156,19 @@ def test_inflexible_jobs_must_start_at_once_and_are_the_requested_share(workload
     assert within_binomial(int(rigid.sum()), len(workload), DEFAULTS.inflexible_fraction)
     np.testing.assert_array_equal(workload.deadline_s[rigid],
                                   workload.submit_s[rigid] + workload.true_duration_s[rigid])
+
+
+def test_inflexible_jobs_ask_to_start_at_once_unless_the_assumptions_leave_it_undeclared(philly: Trace,
+                                                                                        workload: Workload) -> None:
+    rigid = workload.inflexible
+    np.testing.assert_array_equal(workload.deferrable, ~rigid)
+    one, other = int(np.flatnonzero(rigid)[0]), int(np.flatnonzero(~rigid)[0])
+    assert workload.job_spec(one).deferrable is False and workload.job_spec(other).deferrable is True
+    assert [r.deferrable for r in requests_of(workload)] == workload.deferrable.tolist()
+    assert any("ask to start at once" in line for line in workload.report)
+    undeclared = build_workload(philly, assume(declare_inflexible=False))
+    np.testing.assert_array_equal(undeclared.inflexible, rigid)  # the same jobs, drawn alike
+    assert undeclared.deferrable.all() and undeclared.job_spec(one).deferrable is True
 
 
 def test_no_job_is_checkpointable_unless_asked_and_interactive_jobs_never_are(philly: Trace,
@@ -313,6 +327,8 @@ def test_dump_writes_every_job_and_every_site_in_the_documented_columns(tmp_path
         assert (row["tenant"], row["origin_region"]) == (spec.tenant, spec.origin_region)
         assert (float(row["latency_slo_ms"]) if row["latency_slo_ms"] else None) == spec.latency_slo_ms
         assert row["checkpointable"] == ("true" if spec.checkpointable else "false")
+        assert row["deferrable"] == ("true" if spec.deferrable else "false")
+    assert {row["deferrable"] for row, rigid in zip(rows, workload.inflexible.tolist()) if rigid} == {"false"}
     listing = json.loads((tmp_path / "dump" / "sites.json").read_text())
     assert listing == [
         {"name": "alpha", "grid_zone": "US-MIDA-PJM", "region": "gcp:us-east1",

@@ -104,6 +104,8 @@ FLAT = {"toronto": [300.0] * 48, "ashburn": [500.0] * 3 + [100.0] * 5 + [500.0] 
         ("a saving of 0.64 kg clears min_saving_abs 0.5 kg", request(), {"min_saving_abs": 0.5}, ("ashburn", 3)),
         ("a saving of 0.64 kg is not worth a wait below min_saving_abs 1 kg", request(), {"min_saving_abs": 1.0},
          ("toronto", 0)),
+        ("a job that asks to start at once starts now, whatever its deadline leaves",
+         request(slack_h=72.0, deferrable=False), {}, ("toronto", 0)),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -309,6 +311,40 @@ async def live(tmp_path):
     b, clock = await frankfurt_and_tokyo(tmp_path)
     yield b, clock
     await b.stop()
+
+
+async def test_the_live_cycle_starts_a_job_that_asks_to_start_at_once_and_says_so(live) -> None:
+    """The job the deferral test below defers, sent with ``deferrable: false``: it is placed in the first pass
+    at the profile's best site now, and its decision says why no later start was weighed."""
+    from broker.models import JobState
+    from policies import explain
+    from tests.builders import job
+
+    b, _ = live
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30), deferrable=False))
+    assert j.spec.deferrable is False
+    await b.cycle.run_once(full=True)
+    placed = await b.book.get(j.id)
+    assert placed.state == JobState.DISPATCHING and placed.spec.deferrable is False  # as stored
+    assert b.cycle.deferred_until(j.id) is None
+    stored = await b.store.get_decision(j.id)
+    why = explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
+    assert why.outcome == "placed"
+    assert why.summary.endswith("the job asks to start at once (deferrable: false), so no later start was "
+                                "considered")
+
+
+def test_a_job_that_must_start_at_once_is_queued_by_its_submit_time() -> None:
+    from policies.timeshift import urgency_ts
+
+    t = NOON.timestamp()
+    roomy = urgency_ts(t, t + 30 * 3600.0, 3600.0)  # latest start 29 h after submission, capped at a day
+    assert roomy == t + 24 * 3600.0
+    assert urgency_ts(t + 600.0, t + 30 * 3600.0, 3600.0, deferrable=False) == t + 600.0
+    # ahead of a job with slack submitted before it, behind one whose latest start has already passed
+    assert urgency_ts(t + 600.0, None, 3600.0, deferrable=False) < roomy
+    assert urgency_ts(t, t + 1800.0, 3600.0) < urgency_ts(t + 600.0, None, 3600.0, deferrable=False)
 
 
 async def test_the_live_cycle_defers_a_green_job_says_why_and_starts_it_by_its_latest_start(live) -> None:
