@@ -81,6 +81,22 @@ def test_checkpointable_jobs_are_drawn_when_asked_and_written_out(files: dict[st
     assert [r["checkpointable"] == "true" for r in rows["all"]] == flexible and any(flexible)
 
 
+def test_inflexible_jobs_ask_to_start_at_once_unless_left_undeclared(files: dict[str, Path]) -> None:
+    # The second job's deadline (08:00) is its submit time (00:10) plus its whole run (7.83 h): it must start
+    # at once, which the job says (deferrable false) unless --inflexible-undeclared.
+    files["trace"].write_text("submit,seconds,gpus,team,due\n"
+                              "2022-06-01T00:00:00,3600,2,x,2022-06-01T06:00:00\n"
+                              "2022-06-01T00:10:00,28200,1,y,2022-06-01T08:00:00\n")
+    columns = "submit=submit,duration=seconds,gpus=gpus,tenant=team,deadline=due"
+    out = files["tmp"] / "w"
+    assert cli.main(_args(files, "--policy", "green", "--dump-workload", str(out / "declared"), columns=columns)) == 0
+    assert cli.main(_args(files, "--policy", "green", "--inflexible-undeclared", "--dump-workload",
+                          str(out / "undeclared"), columns=columns)) == 0
+    rows = {name: list(csv.DictReader((out / name / "jobs.csv").open())) for name in ("declared", "undeclared")}
+    assert [r["deferrable"] for r in rows["declared"]] == ["true", "false"]
+    assert [r["deferrable"] for r in rows["undeclared"]] == ["true", "true"]
+
+
 def test_trace_deadlines_are_used(files: dict[str, Path]) -> None:
     out = files["tmp"] / "r.json"
     code = cli.main(_args(files, "--policy", "baseline-spillover", "--json", str(out), "--dump-workload",
