@@ -76,7 +76,15 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import aiomqtt
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
+    field_serializer,
+)
 
 from adapters.base import EventKind, JobEvent
 from broker.models import Job, MqttSettings, QuotaState, SiteState, TenantQuota
@@ -248,6 +256,14 @@ class Dispatch(_Msg):
     kind: Literal["dispatch"] = "dispatch"
     msg_id: str = Field(min_length=1, max_length=128)
     job: Job
+
+    @field_serializer("job", mode="wrap")
+    def _without_routing(self, job: Job, handler: SerializerFunctionWrapHandler) -> Any:
+        """The job without ``spec.deferrable``: it is the broker's to honour (no site defers a job), and an
+        agent of an earlier release, whose spec forbids keys it does not know, would refuse the dispatch."""
+        data = handler(job)
+        data["spec"].pop("deferrable", None)
+        return data
 
 
 class Cancel(_Msg):

@@ -458,8 +458,9 @@ class JobSpec(Strict):
         description="false: the job must start as soon as a site has room (interactive work, a notebook, a "
                     "debugging session); no profile defers it to a cleaner or cheaper hour, whatever slack its "
                     "deadline leaves, and it is queued as urgent as a job whose latest start is its submission",
-        # Left out where it is the default: a spec that does not use it is sent and stored as before, so site
-        # agents and brokers of earlier releases (whose specs forbid unknown keys) still read it.
+        # Left out where it is the default: a spec that does not use it is sent and stored as before, so brokers
+        # of earlier releases (whose specs forbid unknown keys) still read it; dispatches to site agents never
+        # carry it (adapters.mqtt_protocol.Dispatch).
         exclude_if=lambda deferrable: deferrable,
     )
 

@@ -55,7 +55,7 @@ def test_the_minimal_job_body_is_accepted_with_the_documented_defaults() -> None
 
 def test_deferrable_is_sent_only_where_a_job_asks_to_start_at_once() -> None:
     # A spec of an earlier release (no ``deferrable``) reads as deferrable, and one that is deferrable is
-    # written without the key, so agents and brokers of that release, whose specs forbid unknown keys, read it.
+    # written without the key, so brokers of that release, whose specs forbid unknown keys, read it.
     plain = JobSpec.model_validate(MINIMAL_JOB)
     assert "deferrable" not in plain.model_dump() and "deferrable" not in plain.model_dump_json()
     assert JobSpec.model_validate_json(plain.model_dump_json()) == plain
