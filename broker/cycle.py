@@ -244,7 +244,9 @@ class PassDecider:
         else:
             placement = failure.placement
         shift = self.pipeline.shift
-        if shift is not None and timeshift.shiftable(req, self.snap, shift):
+        if shift is None:
+            return failure if failure is not None else placement
+        if timeshift.shiftable(req, self.snap, shift):
             plan_key = None
             if failure is not None:
                 plan_key = (key, *timeshift.window(req, self.snap, shift))
@@ -255,6 +257,8 @@ class PassDecider:
                 return outcome
             if plan_key is not None:
                 self.unplanned.add(plan_key)
+        elif failure is None:  # it starts now, around the plan's promises where it can
+            return timeshift.start_now(req, self.snap, placement, shift, self.pipeline.filter_codes)
         return failure if failure is not None else placement
 
     def assume(self, placement: Placement) -> None:

@@ -493,22 +493,41 @@ def _facts(snap: Snapshot, policy: ShiftPolicy) -> _Facts:
         kept_price=kept_price, floor=least if kept.size and kept_price < math.inf else -math.inf, least=least)
 
 
+def start_now(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
+              filter_codes: tuple[str, ...]) -> Placement:
+    """Where a job that a shifting profile does not defer (not :func:`shiftable`: it asks to start at once,
+    its latest start has come, or it has no deadline) starts, ``placement`` being the profile's choice
+    (placed): there, unless its run would take GPUs the plan has promised to running or deferred jobs, or
+    the room kept for latency-bound jobs (as for a flexible job starting now, :func:`plan`); then the
+    best-scoring site that does not; the profile's choice where every site would. So a job that cannot wait
+    does not take a deferred job's planned start where another site can take it, and still never waits for
+    one. The headroom is not kept from it: that is kept for work that cannot wait."""
+    if not snap.plan_free.size:
+        return placement
+    chosen = plan(req, snap, placement, policy, filter_codes, now_only=True)
+    return placement if chosen is None else chosen  # (a Placement: no later start is searched)  # type: ignore[return-value]
+
+
 def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
-         filter_codes: tuple[str, ...]) -> Placement | Deferral | None:
+         filter_codes: tuple[str, ...], now_only: bool = False) -> Placement | Deferral | None:
     """The time-shift decision for a flexible job: a :class:`~policies.pipeline.Placement` to start now
     (the profile's own choice, or another site when that one's GPUs are promised), a :class:`Deferral`, or
     None (the job waits: no room now and none planned). ``placement`` is the profile's decision for now
     (placed or not), ``filter_codes`` its pipeline's filters in order. Callers check flexibility first
-    (:func:`shiftable`)."""
+    (:func:`shiftable`); with ``now_only`` (:func:`start_now`) no later start is searched and no headroom
+    is kept from the job."""
     plan_free = snap.plan_free
     # What is the same for every job of the pass, worked out once.
     facts = snap.derived(("shift-facts", policy.objective, policy.latency_reserve, policy.latency_reserve_price),
                          _facts, snap, policy)
     hours, now_ts, hour0, into_h, carbon = facts.hours, facts.now_ts, facts.hour0, facts.into_h, facts.carbon
     forecast, cum = facts.forecast, facts.cum
-    latest = latest_start_ts(req, policy)
-    assert latest is not None
-    last_slot = min(hours - 1, policy.horizon_h, int((latest - hour0) // HOUR_S))
+    if now_only:
+        last_slot = 0
+    else:
+        latest = latest_start_ts(req, policy)
+        assert latest is not None
+        last_slot = min(hours - 1, policy.horizon_h, int((latest - hour0) // HOUR_S))
     need = req.charge
     d_h = req.duration_s / HOUR_S
 
@@ -521,7 +540,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     if not placement.placed and not ok.any():
         return None  # (a placed job with no such site starts now below: its bar is 0, nothing beats it)
     # The headroom is kept for work that cannot wait or go far: a job with a latency objective takes it.
-    if policy.headroom and req.latency_slo_ms is None:
+    if policy.headroom and req.latency_slo_ms is None and not now_only:
         reserve_all = policy.headroom * snap.total_gpus[np.arange(snap.n_sites), col].astype(np.float32)
         reserve_all.flags.writeable = False  # as the cached zeros: one compiled form of the search for both
     else:
