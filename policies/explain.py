@@ -191,7 +191,7 @@ def render(
             if tied:
                 summary += f"; tied with {', '.join(tied)}, and ties go to the first site by name"
         if not req.deferrable:
-            summary += "; the job asks to start at once (deferrable: false), so no later start was considered"
+            summary += "; the job asks to start at once (deferrable: false): no later start is weighed for it"
     elif deferred_until is not None or rec.get("deferred"):
         outcome = "deferred"
         planned = rec.get("deferred") or {}

@@ -7,7 +7,7 @@ Who may be deferred
     job that sets it false, interactive work, is placed as soon as a site has room, whatever slack its
     deadline leaves, and queued by its submit time, as urgent as a job with no slack). Its *latest start* is ``deadline - duration_safety × duration_s`` (the
     submitter's estimate of its run time, inflated because estimates run short as often as long); a job
-    whose latest start is before the next whole hour is decided as if no shifting existed. A deferral also
+    whose latest start is before the next whole hour starts now (:func:`start_now`). A deferral also
     ends ``max_wait_h`` (two weeks) after the job was submitted, however often it was deferred again, and,
     with ``max_wait_factor``, ``max_wait_factor × duration_s`` after it: a job waits in proportion to its
     own length (its slowdown stays under ``1 + max_wait_factor``), so a ten-minute job is not held for
@@ -24,6 +24,13 @@ The plan (:class:`Calendar`)
     sites' real free capacity. Each pass plans on a working copy (``Snapshot.plan_free``: GPUs free per
     site, model and hour from the hour containing ``now``) that every placement and every deferral of the
     pass debits, as ``Snapshot.assume`` debits the free capacity.
+
+Jobs that are not deferred (:func:`start_now`)
+    A job the profile may not defer (it asks to start at once, its latest start has come, or it has no
+    deadline) starts now at the profile's choice, unless its run would take GPUs the plan has promised to
+    running or deferred jobs, or the room kept for latency-bound jobs: then at the best-scoring site that
+    does not, and at the profile's choice where every site would. So it does not take a deferred job's
+    planned start where another site can take it, and it never waits for one. No headroom is kept from it.
 
 The search (:func:`plan`)
     Candidates are every site that passes the profile's filters other than "free now" (health, region,

@@ -82,19 +82,23 @@ def test_checkpointable_jobs_are_drawn_when_asked_and_written_out(files: dict[st
 
 
 def test_inflexible_jobs_ask_to_start_at_once_unless_left_undeclared(files: dict[str, Path]) -> None:
-    # The second job's deadline (08:00) is its submit time (00:10) plus its whole run (7.83 h): it must start
-    # at once, which the job says (deferrable false) unless --inflexible-undeclared.
-    files["trace"].write_text("submit,seconds,gpus,team,due\n"
-                              "2022-06-01T00:00:00,3600,2,x,2022-06-01T06:00:00\n"
-                              "2022-06-01T00:10:00,28200,1,y,2022-06-01T08:00:00\n")
-    columns = "submit=submit,duration=seconds,gpus=gpus,tenant=team,deadline=due"
+    # Forty jobs: the drawn inflexible ones (deadline = submit + run) say so (deferrable false) unless
+    # --inflexible-undeclared; a trace's own deadlines say nothing of it.
+    files["trace"].write_text("submit,seconds,gpus,team,due\n" + "".join(
+        f"2022-06-01T{i // 4:02d}:{15 * (i % 4):02d}:00,1800,1,x,2022-06-02T12:00:00\n" for i in range(40)))
     out = files["tmp"] / "w"
-    assert cli.main(_args(files, "--policy", "green", "--dump-workload", str(out / "declared"), columns=columns)) == 0
+    assert cli.main(_args(files, "--policy", "green", "--dump-workload", str(out / "declared"))) == 0
     assert cli.main(_args(files, "--policy", "green", "--inflexible-undeclared", "--dump-workload",
-                          str(out / "undeclared"), columns=columns)) == 0
-    rows = {name: list(csv.DictReader((out / name / "jobs.csv").open())) for name in ("declared", "undeclared")}
-    assert [r["deferrable"] for r in rows["declared"]] == ["true", "false"]
-    assert [r["deferrable"] for r in rows["undeclared"]] == ["true", "true"]
+                          str(out / "undeclared"))) == 0
+    assert cli.main(_args(files, "--policy", "green", "--dump-workload", str(out / "trace"),
+                          columns="submit=submit,duration=seconds,gpus=gpus,tenant=team,deadline=due")) == 0
+    rows = {name: list(csv.DictReader((out / name / "jobs.csv").open())) for name in ("declared", "undeclared",
+                                                                                      "trace")}
+    rigid = [datetime.fromisoformat(r["deadline_utc"]) == datetime.fromisoformat(r["submit_utc"])
+             + timedelta(seconds=float(r["true_duration_s"])) for r in rows["declared"]]
+    assert any(rigid) and not all(rigid)
+    assert [r["deferrable"] == "false" for r in rows["declared"]] == rigid
+    assert {r["deferrable"] for r in rows["undeclared"]} == {r["deferrable"] for r in rows["trace"]} == {"true"}
 
 
 def test_trace_deadlines_are_used(files: dict[str, Path]) -> None:

@@ -165,7 +165,7 @@ def test_inflexible_jobs_ask_to_start_at_once_unless_the_assumptions_leave_it_un
     one, other = int(np.flatnonzero(rigid)[0]), int(np.flatnonzero(~rigid)[0])
     assert workload.job_spec(one).deferrable is False and workload.job_spec(other).deferrable is True
     assert [r.deferrable for r in requests_of(workload)] == workload.deferrable.tolist()
-    assert any("ask to start at once" in line for line in workload.report)
+    assert any("ask to start at once (deferrable: false)" in line for line in workload.report)
     undeclared = build_workload(philly, assume(declare_inflexible=False))
     np.testing.assert_array_equal(undeclared.inflexible, rigid)  # the same jobs, drawn alike
     assert undeclared.deferrable.all() and undeclared.job_spec(one).deferrable is True

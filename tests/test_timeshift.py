@@ -331,8 +331,8 @@ async def test_the_live_cycle_starts_a_job_that_asks_to_start_at_once_and_says_s
     stored = await b.store.get_decision(j.id)
     why = explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
     assert why.outcome == "placed"
-    assert why.summary.endswith("the job asks to start at once (deferrable: false), so no later start was "
-                                "considered")
+    assert why.summary.endswith("the job asks to start at once (deferrable: false): no later start is weighed "
+                                "for it")
 
 
 @pytest.mark.parametrize("req", [request(slack_h=72.0, deferrable=False), request(slack_h=0.5),

@@ -218,9 +218,9 @@ class Workload:
     int32. ``model``: object array of canonical GPU model ids or ``None`` (any). ``tenant``: int32 codes
     into ``tenant_names`` (valid ``JobSpec`` tenants; ``trace_tenant_names`` holds the names in the trace).
     ``origin_region``: int32 codes into ``region_names``. ``latency_slo_ms``: float64, NaN for none.
-    ``inflexible``: bool, the jobs whose deadline is submit + true duration (:attr:`deferrable` says which
-    of them ask to start at once). ``checkpointable``: bool, the jobs that may be stopped and resumed from a
-    checkpoint.
+    ``inflexible``: bool, the jobs whose deadline is submit + true duration; ``start_at_once``: bool, those
+    of them that ask to start at once (``JobSpec.deferrable`` false: the drawn ones, where the assumptions
+    declare them). ``checkpointable``: bool, the jobs that may be stopped and resumed from a checkpoint.
     """
 
     start: datetime
@@ -240,10 +240,12 @@ class Workload:
     inflexible: np.ndarray
     assumptions: WorkloadAssumptions
     checkpointable: np.ndarray | None = None  # None given: no job; always an array once built
+    start_at_once: np.ndarray | None = None  # likewise: the jobs that ask to start at once (deferrable false)
 
     def __post_init__(self) -> None:
-        if self.checkpointable is None:
-            object.__setattr__(self, "checkpointable", np.zeros(len(self.submit_s), dtype=bool))
+        for name in ("checkpointable", "start_at_once"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(len(self.submit_s), dtype=bool))
 
     def __len__(self) -> int:
         return int(self.submit_s.shape[0])
@@ -255,11 +257,9 @@ class Workload:
 
     @property
     def deferrable(self) -> np.ndarray:
-        """bool[jobs]: the jobs a profile may defer (``JobSpec.deferrable``): all but the inflexible ones,
-        where the assumptions declare them (``declare_inflexible``)."""
-        if not self.assumptions.declare_inflexible:
-            return np.ones(len(self), dtype=bool)
-        return ~np.asarray(self.inflexible, dtype=bool)
+        """bool[jobs]: the jobs a profile may defer (``JobSpec.deferrable``): all but the ones that ask to
+        start at once."""
+        return ~self.start_at_once
 
     @property
     def slack_s(self) -> np.ndarray:
@@ -305,9 +305,9 @@ class Workload:
             f"from {len(self.region_names)} regions.",
             f"{self.has_latency_slo.mean():.1%} of jobs have a latency objective of "
             f"{self.assumptions.latency_slo_ms:g} ms.",
-            f"{self.inflexible.mean():.1%} of jobs are inflexible (deadline = submit + duration)"
-            + ("; they ask to start at once (deferrable: false)." if self.assumptions.declare_inflexible
-               else "; they give only their deadline."),
+            f"{self.inflexible.mean():.1%} of jobs are inflexible (deadline = submit + duration); "
+            + (f"{self.start_at_once.mean():.1%} of jobs ask to start at once (deferrable: false)."
+               if self.start_at_once.any() else "none asks to start at once."),
         ]
         if self.checkpointable.any():
             lines.append(f"{self.checkpointable.mean():.1%} of jobs can be checkpointed and moved; a move costs "
@@ -368,9 +368,13 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
     slack_s = np.maximum((a.slack_factor - 1.0) * true_s, a.min_slack_s)
     slack_s[inflexible] = 0.0
     deadline_s = (submit_s + true_s) + slack_s
+    # The drawn inflexible jobs ask to start at once (declare_inflexible); a trace's own deadlines say nothing
+    # of that, and which of them leave no slack the submitter could not know (it takes the true run time).
+    start_at_once = inflexible & a.declare_inflexible
     if trace.deadline_s is not None:  # the trace's own deadlines replace the slack assumption
         deadline_s = np.asarray(trace.deadline_s, dtype=np.float64).copy()
         inflexible = deadline_s <= submit_s + true_s
+        start_at_once = np.zeros(n, dtype=bool)
 
     checkpointable = (_rng(a.seed, _CHECKPOINT).random(n) < a.checkpointable_fraction) & ~inflexible
 
@@ -396,7 +400,7 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
         milli=milli, model=_canonical_models(trace), tenant=tenant, tenant_names=slugs,
         trace_tenant_names=tuple(trace.tenant_names), origin_region=origin, region_names=regions,
         deadline_s=deadline_s, latency_slo_ms=latency_slo_ms, inflexible=inflexible, assumptions=a,
-        checkpointable=checkpointable,
+        checkpointable=checkpointable, start_at_once=start_at_once,
     )
 
 
