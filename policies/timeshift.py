@@ -556,7 +556,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # held_back_for). With it, a bound below every start's value (0 where no forecast hour or price is
     # negative), for the room's price: a start whose price for the room it would take is more than the best
     # start elsewhere is turned away without its value being worked out.
-    if req.latency_slo_ms is None:
+    if req.latency_slo_ms is None and not now_only:
         kept, near, floor = facts.kept, facts.near, facts.floor
     else:
         kept, near, floor = _NOTHING_KEPT, _NOTHING_NEAR, -math.inf
