@@ -392,7 +392,7 @@ def main() -> int:
             t0 = perf()
             outcome = timeshift.plan(req, snap, placement, shift, pipeline.filter_codes) or placement
             parts["timeshift.plan (shiftable jobs)"] += perf() - t0
-        elif shift is not None and placement.placed:
+        elif shift is not None and shift.keep_promises and placement.placed:
             t0 = perf()
             outcome = timeshift.start_now(req, snap, placement, shift, pipeline.filter_codes)
             parts["timeshift.start_now (placed jobs not deferred)"] += perf() - t0

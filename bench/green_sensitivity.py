@@ -44,6 +44,9 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   intensity. ``capacity-prices``: ``green`` as shipped (its forecasts, estimates as drawn) with the same
   prices, future ones included: whether a broker that learned such prices could gain from them.
 
+- ``keep-promises``: ``green`` with ``keep_promises``: a job it does not defer starts where its run takes no
+  GPUs the plan has promised to running or deferred jobs, where another site can take it
+  (:func:`policies.timeshift.start_now`);
 - ``green-undeclared``, ``greedy-undeclared``, ``cheapest-first-undeclared``: the inflexible jobs (a
   tenth: deadline = submit + true run time) give only their deadline, as releases before 2026-11-29
   replayed them (``declare_inflexible`` false; the Evidence's workload has them ask to start at once,
@@ -190,6 +193,7 @@ VARIANTS: dict[str, Variant] = {
         "green, full knowledge, capacity prices", {"estimate_sigma": 0.0},
         green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0), True, True),
     "capacity-prices": Variant("green, capacity prices", {}, lambda: policy("green"), False, True),
+    "keep-promises": Variant("green, keep_promises", {}, green(keep_promises=True)),
     "greedy-undeclared": Variant("baseline-carbon-greedy, inflexible jobs undeclared", {"declare_inflexible": False},
                                  lambda: policy("baseline-carbon-greedy")),
     "green-undeclared": Variant("green, inflexible jobs undeclared", {"declare_inflexible": False},

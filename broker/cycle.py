@@ -257,7 +257,7 @@ class PassDecider:
                 return outcome
             if plan_key is not None:
                 self.unplanned.add(plan_key)
-        elif failure is None:  # it starts now, around the plan's promises where it can
+        elif failure is None and shift.keep_promises:  # it starts now, around the plan's promises where it can
             return timeshift.start_now(req, self.snap, placement, shift, self.pipeline.filter_codes)
         return failure if failure is not None else placement
 

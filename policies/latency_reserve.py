@@ -17,10 +17,9 @@ This reserve is kept only where latency-bound jobs are seen to need it, as much 
   booking limits of revenue management): in each hour of the plan, work without a latency objective that
   the time-shift plan places (a deferral, or a start now of a job that could wait) leaves free the reserve
   less what latency-bound jobs already hold or have booked in that hour: it may hold at most the site's
-  GPUs less the larger of the two. Latency-bound jobs may take all of it; a job that cannot wait
-  (:func:`policies.timeshift.start_now`) keeps off it where another site can take the job and takes it
-  where none can, and one that could wait takes it when no later start has room either (it starts now
-  rather than wait for nothing).
+  GPUs less the larger of the two. Latency-bound jobs may take all of it; a job that cannot wait is not
+  held back (:func:`policies.timeshift.start_now`), nor is one that could wait when no later start has
+  room either (it starts now rather than wait for nothing).
 - **Or priced** (``shift.latency_reserve_price``, in the objective's unit per GPU-hour): the room kept is then
   a bid price rather than a bar (as in bid-price control, the other classic of revenue management). Work
   without a latency objective may take some of it, paying the price for each GPU-hour it takes, pro rata

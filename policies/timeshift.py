@@ -7,7 +7,7 @@ Who may be deferred
     job that sets it false, interactive work, is placed as soon as a site has room, whatever slack its
     deadline leaves, and queued by its submit time, as urgent as a job with no slack). Its *latest start* is ``deadline - duration_safety × duration_s`` (the
     submitter's estimate of its run time, inflated because estimates run short as often as long); a job
-    whose latest start is before the next whole hour starts now (:func:`start_now`). A deferral also
+    whose latest start is before the next whole hour starts now (below). A deferral also
     ends ``max_wait_h`` (two weeks) after the job was submitted, however often it was deferred again, and,
     with ``max_wait_factor``, ``max_wait_factor × duration_s`` after it: a job waits in proportion to its
     own length (its slowdown stays under ``1 + max_wait_factor``), so a ten-minute job is not held for
@@ -27,10 +27,11 @@ The plan (:class:`Calendar`)
 
 Jobs that are not deferred (:func:`start_now`)
     A job the profile may not defer (it asks to start at once, its latest start has come, or it has no
-    deadline) starts now at the profile's choice, unless its run would take GPUs the plan has promised to
-    running or deferred jobs, or the room kept for latency-bound jobs: then at the best-scoring site that
-    does not, and at the profile's choice where every site would. So it does not take a deferred job's
-    planned start where another site can take it, and it never waits for one. No headroom is kept from it.
+    deadline) starts now at the profile's choice. With ``keep_promises``, not where its run would take GPUs
+    the plan has promised to running or deferred jobs: then at the best-scoring site whose GPUs are not
+    promised, and at the profile's choice where every site's are. So it does not take a deferred job's
+    planned start where another site can take it, and it never waits for one. Neither the headroom nor the
+    room kept for latency-bound jobs is kept from it.
 
 The search (:func:`plan`)
     Candidates are every site that passes the profile's filters other than "free now" (health, region,
@@ -131,6 +132,12 @@ class ShiftPolicy(BaseModel):
                     "held there, hour by hour over the last week, less what they hold or have booked in each "
                     "hour, is left free by work without one that the plan places (policies.latency_reserve); "
                     "None: no such reserve")
+    keep_promises: bool = Field(
+        default=False,
+        description="a job the profile does not defer (it asks to start at once, its latest start has come, or it "
+                    "has no deadline) starts where its run takes no GPUs the plan has promised to running or "
+                    "deferred jobs, where another site can take it (timeshift.start_now); false: at the profile's "
+                    "choice, promised or not")
     latency_reserve_price: float | None = Field(
         default=None, ge=0.0,
         description="make the latency_reserve a price instead of a bar: work the plan places may take room kept "
@@ -502,13 +509,13 @@ def _facts(snap: Snapshot, policy: ShiftPolicy) -> _Facts:
 
 def start_now(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
               filter_codes: tuple[str, ...]) -> Placement:
-    """Where a job that a shifting profile does not defer (not :func:`shiftable`: it asks to start at once,
-    its latest start has come, or it has no deadline) starts, ``placement`` being the profile's choice
-    (placed): there, unless its run would take GPUs the plan has promised to running or deferred jobs, or
-    the room kept for latency-bound jobs (as for a flexible job starting now, :func:`plan`); then the
-    best-scoring site that does not; the profile's choice where every site would. So a job that cannot wait
-    does not take a deferred job's planned start where another site can take it, and still never waits for
-    one. The headroom is not kept from it: that is kept for work that cannot wait."""
+    """Where a job that a profile with ``keep_promises`` does not defer (not :func:`shiftable`: it asks to
+    start at once, its latest start has come, or it has no deadline) starts, ``placement`` being the
+    profile's choice (placed): there, unless its run would take GPUs the plan has promised to running or
+    deferred jobs (as for a flexible job starting now, :func:`plan`); then the best-scoring site whose GPUs
+    are not promised; the profile's choice where every site's are. So a job that cannot wait does not take a
+    deferred job's planned start where another site can take it, and still never waits for one. Neither the
+    headroom nor the room kept for latency-bound jobs is kept from it: both are kept for such work."""
     if not snap.plan_free.size:
         return placement
     chosen = plan(req, snap, placement, policy, filter_codes, now_only=True)

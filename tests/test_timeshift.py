@@ -338,17 +338,20 @@ async def test_the_live_cycle_starts_a_job_that_asks_to_start_at_once_and_says_s
 @pytest.mark.parametrize("req", [request(slack_h=72.0, deferrable=False), request(slack_h=0.5),
                                  request(slack_h=None)],
                          ids=["asks to start at once", "its latest start has come", "no deadline"])
-def test_a_job_that_is_not_deferred_starts_around_the_plans_promises_where_it_can(req) -> None:
-    # Toronto, green's choice now, has its 8 A100s promised to deferred jobs from the next hour: a job that
-    # starts now goes to the best site whose GPUs are not promised, and says which it passed over and why.
+def test_with_keep_promises_a_job_that_is_not_deferred_starts_around_the_plans_promises(req) -> None:
+    # Toronto, green's choice now, has its 8 A100s promised to deferred jobs from the next hour: with
+    # keep_promises a job that starts now goes to the best site whose GPUs are not promised, and says which it
+    # passed over and why; without, it takes them.
     snap = snapshot(NOON, FLAT, booked={"toronto": (8, 1, 3)})
-    outcome = decide(green(), req, snap)
+    outcome = decide(green(keep_promises=True), req, snap)
     assert outcome.placed and snap.sites[outcome.site] != "toronto"
     assert [snap.sites[site] for site, _ in outcome.passed_over] == ["toronto"]
     assert "booked from 2022-06-10T13:00Z" in outcome.passed_over[0][1]
+    outcome = decide(green(), req, snapshot(NOON, FLAT, booked={"toronto": (8, 1, 3)}))
+    assert outcome.placed and snap.sites[outcome.site] == "toronto" and not outcome.passed_over
     # Where every site's GPUs are promised it still starts now, at the profile's choice: it cannot wait.
     everywhere = {name: (16, 1, 3) for name in ("toronto", "ashburn", "frankfurt", "sydney")}
-    outcome = decide(green(), req, snapshot(NOON, FLAT, booked=everywhere))
+    outcome = decide(green(keep_promises=True), req, snapshot(NOON, FLAT, booked=everywhere))
     assert outcome.placed and snap.sites[outcome.site] == "toronto"
 
 
