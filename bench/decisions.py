@@ -370,7 +370,8 @@ def main() -> int:
     parts["choose_model (placed jobs)"] = 0
     if shift is not None:
         parts["timeshift.plan (shiftable jobs)"] = 0
-        parts["timeshift.start_now (placed jobs not deferred)"] = 0
+        if shift.keep_promises:
+            parts["timeshift.start_now (placed jobs not deferred)"] = 0
     shiftable = 0
     for req in sample:
         for f in pipeline.filters:
