@@ -2,10 +2,10 @@
 
 Queued jobs are grouped by everything placement reads of them (``policies.snapshot.JobRequest.shape``
 without the sites that refused the job, its tenant, priority, profile, whether it is preemptible,
-whether it has a deadline and whether it may be deferred). Within a pass capacity only shrinks, so once one job of a group finds no site,
-the rest of the group finds none either: :class:`QueueWalk` then drops the whole group for the pass
-(``fail_group``) instead of deciding each of its jobs. A pass over a million queued jobs of a few dozen
-shapes that cannot run costs a few dozen decisions.
+whether it has a deadline and whether it may be deferred). Within a pass capacity only shrinks, so once
+one job of a group finds no site, the rest of the group finds none either: :class:`QueueWalk` then drops
+the whole group for the pass (``fail_group``) instead of deciding each of its jobs. A pass over a million
+queued jobs of a few dozen shapes that cannot run costs a few dozen decisions.
 
 Order: each group holds its jobs sorted by ``order(job)`` (oldest first, or by urgency when some profile
 defers jobs; the job id breaks ties), and a walk merges the groups' heads: higher priority first, then,

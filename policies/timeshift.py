@@ -5,9 +5,10 @@ same clean site.
 Who may be deferred
     A job with a deadline that does not ask to start at once (``JobSpec.deferrable``, true by default: a
     job that sets it false, interactive work, is placed as soon as a site has room, whatever slack its
-    deadline leaves, and queued by its submit time, as urgent as a job with no slack). Its *latest start* is ``deadline - duration_safety × duration_s`` (the
-    submitter's estimate of its run time, inflated because estimates run short as often as long); a job
-    whose latest start is before the next whole hour starts now (below). A deferral also
+    deadline leaves, and queued by its submit time, as urgent as a job with no slack). Its *latest start*
+    is ``deadline - duration_safety × duration_s`` (the submitter's estimate of its run time, inflated
+    because estimates run short as often as long); a job whose latest start is before the next whole hour
+    starts now (below). A deferral also
     ends ``max_wait_h`` (two weeks) after the job was submitted, however often it was deferred again, and,
     with ``max_wait_factor``, ``max_wait_factor × duration_s`` after it: a job waits in proportion to its
     own length (its slowdown stays under ``1 + max_wait_factor``), so a ten-minute job is not held for
@@ -519,7 +520,8 @@ def start_now(req: JobRequest, snap: Snapshot, placement: Placement, policy: Shi
     if not snap.plan_free.size:
         return placement
     chosen = plan(req, snap, placement, policy, filter_codes, now_only=True)
-    return placement if chosen is None else chosen  # (a Placement: no later start is searched)  # type: ignore[return-value]
+    assert not isinstance(chosen, Deferral), "now_only searches no later start"
+    return placement if chosen is None else chosen
 
 
 def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
