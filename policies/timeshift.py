@@ -530,8 +530,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     (the profile's own choice, or another site when that one's GPUs are promised), a :class:`Deferral`, or
     None (the job waits: no room now and none planned). ``placement`` is the profile's decision for now
     (placed or not), ``filter_codes`` its pipeline's filters in order. Callers check flexibility first
-    (:func:`shiftable`); with ``now_only`` (:func:`start_now`) no later start is searched and no headroom
-    is kept from the job."""
+    (:func:`shiftable`); with ``now_only`` (:func:`start_now`) no later start is searched, and neither the
+    headroom nor the room kept for latency-bound jobs is kept from the job."""
     plan_free = snap.plan_free
     # What is the same for every job of the pass, worked out once.
     facts = snap.derived(("shift-facts", policy.objective, policy.latency_reserve, policy.latency_reserve_price),
