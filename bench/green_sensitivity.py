@@ -47,6 +47,9 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 - ``keep-promises``: ``green`` with ``keep_promises``: a job it does not defer starts where its run takes no
   GPUs the plan has promised to running or deferred jobs, where another site can take it
   (:func:`policies.timeshift.start_now`);
+- ``book-overruns``: ``green`` with ``book_overruns``: the plan books a running job whose estimate has run
+  out until the end that the finished jobs that ran as long predict, instead of counting its GPUs free from
+  the next hour (:func:`policies.runtime_risk.expected_ratio`);
 - ``green-undeclared``, ``greedy-undeclared``, ``cheapest-first-undeclared``: the inflexible jobs (a
   tenth: deadline = submit + true run time) give only their deadline, as releases before 2026-11-29
   replayed them (``declare_inflexible`` false; the Evidence's workload has them ask to start at once,
@@ -194,6 +197,7 @@ VARIANTS: dict[str, Variant] = {
         green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0), True, True),
     "capacity-prices": Variant("green, capacity prices", {}, lambda: policy("green"), False, True),
     "keep-promises": Variant("green, keep_promises", {}, green(keep_promises=True)),
+    "book-overruns": Variant("green, book_overruns", {}, green(book_overruns=True)),
     "greedy-undeclared": Variant("baseline-carbon-greedy, inflexible jobs undeclared", {"declare_inflexible": False},
                                  lambda: policy("baseline-carbon-greedy")),
     "green-undeclared": Variant("green, inflexible jobs undeclared", {"declare_inflexible": False},

@@ -58,7 +58,7 @@ from broker.metrics import Metrics
 from broker.models import GpuModelId, Job, JobState
 from adapters.base import AdapterError, Preempter
 from broker.store import Store, StoreError
-from policies import explain, timeshift
+from policies import explain, runtime_risk, timeshift
 from policies.fair_order import FairOrder
 from policies.pipeline import Pipeline, Placement, default_pipeline
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
@@ -392,6 +392,7 @@ class SchedulingCycle:
         # the hours their planned start holds; a deferred job is decided again each whole hour.
         shifts = [p.shift for p in (self.pipeline, *self.profiles.values()) if p.shift is not None]
         self._plan_hours = max((s.plan_hours for s in shifts), default=0)
+        self._book_overruns = any(s.book_overruns for s in shifts)
         self._deferred: dict[str, _Planned] = {}
         # What latency-bound jobs held, hour by hour, for profiles that keep room for them (policies.latency_reserve).
         self._near = LatencyDemand() if any(s.latency_reserve is not None for s in shifts) else None
@@ -897,6 +898,7 @@ class SchedulingCycle:
         hours = self._plan_hours
         h0 = timeshift.epoch_hour(snap.now)
         calendar = timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
+        errors = self.lifecycle.run_times.sorted()
         for job in self.book.active.unqueued():
             site = snap.index.get(job.site) if job.site is not None else None
             if not job.state.on_site or site is None or job.gpu_model not in MODEL_INDEX:
@@ -908,7 +910,15 @@ class SchedulingCycle:
             # profile's moves count it)
             overhead = self.restart_overhead_s(job)
             rest = max(job.spec.duration_s - work_done(job, job.updated_at, overhead), 0.0)
-            end_h = max(math.ceil((began + (overhead if job.run_s > 0 else 0.0) + rest) / timeshift.HOUR_S), h0 + 1)
+            end_ts = began + (overhead if job.run_s > 0 else 0.0) + rest
+            if self._book_overruns and end_ts <= (h0 + 1) * timeshift.HOUR_S and job.spec.duration_s > 0:
+                # its estimate runs out this hour or ran out before: booked until the end that the finished
+                # jobs that ran as long predict, where any did (policies.runtime_risk.expected_ratio)
+                done = work_done(job, snap.now, overhead)
+                ratio = runtime_risk.expected_ratio(errors, done / job.spec.duration_s)
+                if ratio is not None:
+                    end_ts = max(end_ts, snap.now.timestamp() + job.spec.duration_s * ratio - done)
+            end_h = max(math.ceil(end_ts / timeshift.HOUR_S), h0 + 1)
             req = self._on_site_request(job)
             calendar.book(site, MODEL_INDEX[job.gpu_model], req.charge, h0, min(end_h, h0 + hours),
                           near=req.latency_slo_ms is not None)
@@ -926,7 +936,7 @@ class SchedulingCycle:
             self._near.observe(h0, snap.sites, booked[:, :, 0])
             near["near_samples"] = self._near.samples(snap.sites, booked.shape[1])
         return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours),
-                       run_time_errors=self.lifecycle.run_times.sorted(), **near)
+                       run_time_errors=errors, **near)
 
     async def restore_learned(self) -> bool:
         """When this broker takes charge: the carbon ledger's totals, the moves in flight (taken up at the first

@@ -23,6 +23,11 @@ The penalty (:func:`deferral_penalty`)
     time-shift search (:func:`policies.timeshift.plan`), which therefore still finds the least value,
     penalty included; the explanation of a deferral gives both probabilities.
 
+The expected end (:func:`expected_ratio`)
+    Of a job that has run ``r`` × its estimate so far: the median ``actual / estimate`` of the finished jobs
+    that ran longer than ``r`` × theirs. With ``ShiftPolicy.book_overruns`` the time-shift plan books a
+    running job whose estimate runs out until then, instead of counting its GPUs free from the next hour.
+
 Caveat: jobs that overran their estimates by most are also the last to finish, so right after a change in
 how submitters estimate, the window under-counts long overruns until they finish. Units: probabilities in
 [0, 1]; times in POSIX seconds; ``miss_cost`` in the objective's unit per unit of probability.
@@ -93,6 +98,19 @@ def miss_probability(errors: np.ndarray, room_s: np.ndarray, estimate_s: float) 
         bar = np.log(np.maximum(room, 0.0) / estimate_s)  # -inf where there is no room at all
     above = errors.size - np.searchsorted(errors, bar, side="right")
     return above / errors.size
+
+
+def expected_ratio(errors: np.ndarray, ran_ratio: float) -> float | None:
+    """How long a job that has already run ``ran_ratio`` × its estimate is expected to run in all, as a
+    multiple of its estimate: the median ``actual / estimate`` of the finished jobs (``errors``, sorted
+    ``log(actual / estimate)``) that ran longer than that. None when fewer than :data:`MIN_SAMPLES` jobs
+    have finished or none of them ran that long (nothing to judge by)."""
+    if errors.size < MIN_SAMPLES or not ran_ratio > 0:
+        return None
+    i = int(np.searchsorted(errors, math.log(ran_ratio), side="right"))
+    if i >= errors.size:
+        return None
+    return math.exp(float(np.median(errors[i:])))
 
 
 def deferral_penalty(req: JobRequest, errors: np.ndarray, now_ts: float, hour0_ts: float, last_slot: int,

@@ -16,6 +16,7 @@ import pytest
 from broker.clock import ManualClock
 from broker.config import BrokerSettings
 from broker.models import JobState, SimulatedAdapterConfig
+from policies.snapshot import MODEL_INDEX
 from broker.service import Broker
 from broker.simulation import engine
 from broker.store import JobFilter
@@ -283,3 +284,94 @@ async def test_a_restarted_broker_keeps_the_jobs_that_finished_last_not_the_last
         assert again.lifecycle.run_times.sorted() == pytest.approx(expected)
     finally:
         await again.stop()
+
+
+# -- book_overruns: the plan books a job past its estimate until its expected end -------------------------------
+
+def test_the_expected_run_of_a_job_is_the_median_of_those_that_ran_as_long() -> None:
+    errors = errors_of([0.5] * 50 + [2.0] * 30 + [4.0] * 20)
+    assert runtime_risk.expected_ratio(errors, 0.25) == pytest.approx(1.0)  # all 100: the median is 0.5 and 2.0
+    assert runtime_risk.expected_ratio(errors, 1.2) == pytest.approx(2.0)  # past 1.2 ×: the fifty at 2 × and 4 ×
+    assert runtime_risk.expected_ratio(errors, 2.0) == pytest.approx(4.0)  # ran exactly 2 × is not longer
+    assert runtime_risk.expected_ratio(errors, 4.5) is None  # longer than any finished job: nothing to judge by
+    assert runtime_risk.expected_ratio(errors_of([2.0] * (MIN_SAMPLES - 1)), 1.2) is None  # too few finished
+
+
+def _overrun_replay(tmp_path: Path, book_overruns: bool) -> tuple[engine.PolicyRun, float]:
+    """Sixty 1-GPU jobs at midnight teach the replay that jobs here run twice their estimates. A hog of all 8 of
+    FR's GPUs starts at FR's clean noon, estimated at 2 h (it runs 4 h, to 16:00). At 14:30 an 8-GPU job
+    estimated at 1 h (it runs 2 h) arrives with a deadline at 16:45: its latest start is 15:15 (1.5 × its
+    estimate before), and FR at 15:00 would save it 0.8 kg against GB now. The risk is not priced here, so
+    the plan alone decides."""
+    rows = ("2022-06-04T00:00:00,3600,1,x\n" * 60 + "2022-06-04T12:00:00,14400,8,x\n"
+            + "2022-06-04T14:30:00,7200,8,x\n")
+    spec = _clean_afternoons(tmp_path, 6, rows, slack_h=24, gpus=8)
+    prep = prepare(spec)
+    w = prep.workload
+    deadline = w.deadline_s.copy()
+    deadline[61] = w.submit_s[61] + 2.25 * 3600.0
+    w = replace(w, estimated_duration_s=w.true_duration_s / 2.0, deadline_s=deadline)
+    prep = replace(prep, workload=w, requests=engine.requests_of(w))
+    shift = SHIFTS["green"].model_copy(update={"miss_cost": 0.0, "book_overruns": book_overruns})
+    run = engine.replay("green", pipeline_for(BUILTIN["green"], shift), w, prep.federation, prep.requests,
+                        prep.left_out)
+    return run, float(deadline[61])
+
+
+def test_without_book_overruns_a_deferral_planned_on_a_job_past_its_estimate_slips_and_misses(tmp_path) -> None:
+    # The plan counts the hog's GPUs free from 15:00, an hour after its estimate ran out: the job is deferred
+    # to FR then, finds the hog still there, can no longer wait, and starts at 15:00 in GB: it ends at 17:00.
+    run, deadline = _overrun_replay(tmp_path, book_overruns=False)
+    assert deadline == 16.75 * 3600.0
+    assert (run.site[60], run.start_s[60], run.end_s[60]) == (1, 12 * 3600.0, 16 * 3600.0)  # the hog, at FR
+    assert run.was_deferred[61] and (run.site[61], run.start_s[61]) == (0, 15 * 3600.0)
+    assert run.end_s[61] == 17 * 3600.0 > deadline
+
+
+def test_with_book_overruns_no_deferral_is_planned_on_gpus_a_job_past_its_estimate_still_holds(tmp_path) -> None:
+    # The finished jobs that ran past 1.25 × their estimates ran 2 ×: the hog is booked until 16:00, FR has no
+    # room before the job's latest start, and it starts at once in GB, meeting its deadline.
+    run, deadline = _overrun_replay(tmp_path, book_overruns=True)
+    assert (run.site[60], run.start_s[60], run.end_s[60]) == (1, 12 * 3600.0, 16 * 3600.0)
+    assert not run.was_deferred[61] and (run.site[61], run.start_s[61]) == (0, 14.5 * 3600.0)
+    assert run.end_s[61] == 16.5 * 3600.0 <= deadline
+
+
+@pytest.mark.parametrize("book_overruns", [False, True])
+async def test_the_live_plan_books_a_job_past_its_estimate_until_its_expected_end(tmp_path: Path,
+                                                                                  book_overruns: bool) -> None:
+    """A job estimated at half an hour holds alpha's 8 GPUs from 12:00 and is still running at 13:00. Sixty
+    finished jobs ran four times their estimates. With ``book_overruns`` in the profile the pass's plan holds
+    its GPUs until the end those jobs predict, 14:00 (the 14:00 hour included: bookings hold whole hours);
+    without, they count as free from the next hour."""
+    from adapters.simulated import SimulatedSite
+
+    t0 = datetime(2022, 6, 1, 12, tzinfo=UTC)
+    fast = SimulatedAdapterConfig(dispatch_delay_s=1.0)
+    settings = BrokerSettings(db=str(tmp_path / "o.db"), shutdown_grace_s=0.1, profiles={
+        "default": "late", "definitions": {"late": {"weights": {"carbon": 1.0},
+                                                    "shift": {"book_overruns": book_overruns}}}})
+    clock = ManualClock(t0)
+    b = Broker(settings, clock=clock, factory=lambda spec: SimulatedSite(
+        spec, clock, fast, run_seconds=lambda j: 4 * j.spec.duration_s))
+    await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=fast)], run_loop=False)
+    try:
+        for _ in range(60):
+            b.lifecycle.run_times.add(1800.0, 7200.0)
+        j, _ = await b.book.submit(job(count=8, duration_s=1800))
+        await b.cycle.run_once()
+        await clock.advance(1.0)
+        await asyncio.sleep(0.05)
+        await b.cycle.drain()
+        assert (await b.book.get(j.id)).state == JobState.RUNNING
+        await clock.advance(3600.0)  # 13:00: past its half-hour estimate, on its way to two hours
+        await asyncio.sleep(0.05)
+        await b.cycle.drain()
+        assert (await b.book.get(j.id)).state == JobState.RUNNING
+        snap = b.cycle._with_plan(b.federation.freeze(clock.now()))
+        free = snap.plan_free[snap.index["alpha"], MODEL_INDEX["a100-80gb"]]
+        # hour 0 is the sites' real free capacity; then 14:00, 15:00: it started at 12:00:01, so the jobs that
+        # ran as long (2 × its estimate) and longer, which ran 4 ×, end it at 14:00:01
+        assert free[1:3].tolist() == ([0.0, 8.0] if book_overruns else [8.0, 8.0])
+    finally:
+        await b.stop()

@@ -61,7 +61,7 @@ from policies.pipeline import Pipeline, Placement
 from policies import timeshift
 from policies.migration import Move, Running, make_room, plan_moves, urgent
 from policies.latency_reserve import LatencyDemand
-from policies.runtime_risk import RunTimeErrors
+from policies.runtime_risk import RunTimeErrors, expected_ratio
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
 from policies.timeshift import Booking, Calendar, Deferral, epoch_hour, run_slots
 
@@ -253,6 +253,9 @@ def replay(
     start_ts = start_at.timestamp()
     calendar = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if shift else None
     bookings: dict[int, Booking] = {}
+    # With book_overruns: (hour to look again, job) for running jobs whose booking may end before they do.
+    overdue: list[tuple[int, int]] = []
+    book_late = shift is not None and shift.book_overruns
     errors = RunTimeErrors()  # how the finished jobs' run times compared with their estimates, as the broker learns it
     deferred: set[int] = set()
     ever_deferred = np.zeros(n, dtype=bool)
@@ -297,6 +300,8 @@ def replay(
         if calendar is not None:
             bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s),
                                         near=near[j])
+            if book_late:
+                heapq.heappush(overdue, (bookings[j].end, j))
         if near[j]:
             near_now[s, m] += gpus_held[j]
         site_of[j], model_of[j] = s, m
@@ -364,6 +369,29 @@ def replay(
         if calendar is not None and migrate is not None:
             bookings[j] = calendar.book(move.site, move.model, gpus_held[j],
                                         *run_slots(start_ts + t, move.remaining_s + migrate.overhead_s), near=near[j])
+            if book_late:
+                heapq.heappush(overdue, (bookings[j].end, j))
+
+    def book_overruns(h0: int, t: float) -> None:
+        """``book_overruns``: a running job whose booking ends before the next hour (its estimate runs out
+        this hour, or ran out before) may hold its GPUs past it. Its booking is stretched to the end that the
+        finished jobs that ran as long predict (``runtime_risk.expected_ratio``), and looked at again when
+        that hour comes, or next hour when nothing predicts one."""
+        assert calendar is not None
+        while overdue and overdue[0][0] <= h0 + 1:
+            _, j = heapq.heappop(overdue)
+            booking = bookings.get(j)
+            if j not in running or booking is None or booking.end > h0 + 1:
+                continue  # ended, or booked again since
+            estimate = float(whole[j].duration_s)  # the job's own, against all the work it has done
+            done = work_done(j, t, seen=True)[1]
+            ratio = expected_ratio(errors.sorted(), done / estimate) if estimate > 0 else None
+            end_h = h0 + 1 if ratio is None else int(np.ceil((start_ts + t + estimate * ratio - done) / 3600.0))
+            if end_h > h0 + 1:
+                calendar.release(booking)
+                bookings[j] = calendar.book(booking.site, booking.model, booking.gpus, booking.first, end_h,
+                                            near=booking.near)
+            heapq.heappush(overdue, (max(end_h, h0 + 2), j))
 
     t_prev = -np.inf
     while next_arrival < len(todo) or completions or deferred:
@@ -421,6 +449,8 @@ def replay(
             "utc_offset_h": federation.utc_offset_h[:, h]}
         now = start_at + timedelta(seconds=t)
         if calendar is not None:
+            if book_late:
+                book_overruns(epoch_hour(now), t)
             plan = calendar.view(now, free, base.total_gpus, shift.plan_hours)
             plan[:, :, max(hours - h, 1):] = 0  # no simulated site runs past the carbon data: plan no start there
             hourly["plan_free"] = plan
