@@ -102,15 +102,18 @@ def miss_probability(errors: np.ndarray, room_s: np.ndarray, estimate_s: float) 
 
 def expected_ratio(errors: np.ndarray, ran_ratio: float) -> float | None:
     """How long a job that has already run ``ran_ratio`` × its estimate is expected to run in all, as a
-    multiple of its estimate: the median ``actual / estimate`` of the finished jobs (``errors``, sorted
-    ``log(actual / estimate)``) that ran longer than that. None when fewer than :data:`MIN_SAMPLES` jobs
-    have finished or none of them ran that long (nothing to judge by)."""
-    if errors.size < MIN_SAMPLES or not ran_ratio > 0:
+    multiple of its estimate: over the finished jobs (``errors``, sorted ``log(actual / estimate)``) that ran
+    longer than that (all of them where it has not run at all), the median of ``log(actual / estimate)``,
+    as a ratio (for an even count, the geometric mean of the middle two). None when fewer than
+    :data:`MIN_SAMPLES` jobs have finished or none of them ran that long (nothing to judge by)."""
+    n = errors.size
+    if n < MIN_SAMPLES:
         return None
-    i = int(np.searchsorted(errors, math.log(ran_ratio), side="right"))
-    if i >= errors.size:
+    i = int(np.searchsorted(errors, math.log(ran_ratio), side="right")) if ran_ratio > 0 else 0
+    if i >= n:
         return None
-    return math.exp(float(np.median(errors[i:])))
+    mid = i + (n - i - 1) // 2  # the lower middle of errors[i:]
+    return math.exp(0.5 * (float(errors[mid]) + float(errors[i + (n - i) // 2])))
 
 
 def deferral_penalty(req: JobRequest, errors: np.ndarray, now_ts: float, hour0_ts: float, last_slot: int,

@@ -23,9 +23,9 @@ The plan (:class:`Calendar`)
     their planned start for their expected run. A booking holds whole hours (a job ending at 14:20 holds
     the 14:00 hour), so the plan errs on the side of never promising a GPU twice; the current hour is the
     sites' real free capacity. A job that runs past its estimate holds its GPUs in the current hour only,
-    so the plan counts on them from the next; with ``book_overruns`` it is booked until the end the
-    finished jobs that ran as long predict (:func:`policies.runtime_risk.expected_ratio`), looked at again
-    each hour. Each pass plans on a working copy (``Snapshot.plan_free``: GPUs free per
+    so the plan counts on them from the next; with ``book_overruns`` its booking runs to the end the
+    finished jobs that ran as long predict (:func:`policies.runtime_risk.expected_ratio`), worked out
+    again as it runs on (the live broker at every pass, the simulator at every whole hour). Each pass plans on a working copy (``Snapshot.plan_free``: GPUs free per
     site, model and hour from the hour containing ``now``) that every placement and every deferral of the
     pass debits, as ``Snapshot.assume`` debits the free capacity.
 
@@ -144,10 +144,10 @@ class ShiftPolicy(BaseModel):
                     "choice, promised or not")
     book_overruns: bool = Field(
         default=False,
-        description="the plan books a job that has run past its estimate until the end that the finished jobs "
-                    "that ran as long predict (runtime_risk.expected_ratio), so a deferral is not planned on GPUs "
-                    "it still holds; false: its GPUs count as free from the next hour. The plan is the broker's: "
-                    "it books them so when any profile asks")
+        description="the plan books a running job whose estimate runs out this hour or ran out before until the "
+                    "end that the finished jobs that ran as long predict (runtime_risk.expected_ratio), so a "
+                    "deferral is not planned on GPUs it still holds; false: its GPUs count as free from the next "
+                    "hour. The plan is the broker's: it books them so when any profile asks")
     latency_reserve_price: float | None = Field(
         default=None, ge=0.0,
         description="make the latency_reserve a price instead of a bar: work the plan places may take room kept "

@@ -290,7 +290,9 @@ async def test_a_restarted_broker_keeps_the_jobs_that_finished_last_not_the_last
 
 def test_the_expected_run_of_a_job_is_the_median_of_those_that_ran_as_long() -> None:
     errors = errors_of([0.5] * 50 + [2.0] * 30 + [4.0] * 20)
-    assert runtime_risk.expected_ratio(errors, 0.25) == pytest.approx(1.0)  # all 100: the median is 0.5 and 2.0
+    # all 100: the middle two are 0.5 and 2.0, and the median is taken in log terms (their geometric mean)
+    assert runtime_risk.expected_ratio(errors, 0.25) == pytest.approx(1.0)
+    assert runtime_risk.expected_ratio(errors, 0.0) == pytest.approx(1.0)  # a job that has not run yet: all 100
     assert runtime_risk.expected_ratio(errors, 1.2) == pytest.approx(2.0)  # past 1.2 ×: the fifty at 2 × and 4 ×
     assert runtime_risk.expected_ratio(errors, 2.0) == pytest.approx(4.0)  # ran exactly 2 × is not longer
     assert runtime_risk.expected_ratio(errors, 4.5) is None  # longer than any finished job: nothing to judge by
@@ -340,10 +342,12 @@ def test_with_book_overruns_no_deferral_is_planned_on_gpus_a_job_past_its_estima
 @pytest.mark.parametrize("book_overruns", [False, True])
 async def test_the_live_plan_books_a_job_past_its_estimate_until_its_expected_end(tmp_path: Path,
                                                                                   book_overruns: bool) -> None:
-    """A job estimated at half an hour holds alpha's 8 GPUs from 12:00 and is still running at 13:00. Sixty
-    finished jobs ran four times their estimates. With ``book_overruns`` in the profile the pass's plan holds
-    its GPUs until the end those jobs predict, 14:00 (the 14:00 hour included: bookings hold whole hours);
-    without, they count as free from the next hour."""
+    """A job estimated at half an hour holds alpha's 8 GPUs from 12:00:01 and is still running at 13:00:01,
+    twice its estimate. Of sixty finished jobs, thirty ran three times their estimates and thirty six times.
+    With ``book_overruns`` in the profile the pass's plan holds its GPUs until the end those that ran as long
+    predict: 12:00:01 + 30 min × sqrt(3 × 6) (the median in log terms), 14:07, so the 14:00 hour is booked
+    and 15:00 free. At 13:40, past 3 ×, only the thirty that ran 6 × are like it: booked until 15:00:01, the
+    15:00 hour too. Without, its GPUs count as free from the next hour."""
     from adapters.simulated import SimulatedSite
 
     t0 = datetime(2022, 6, 1, 12, tzinfo=UTC)
@@ -356,8 +360,9 @@ async def test_the_live_plan_books_a_job_past_its_estimate_until_its_expected_en
         spec, clock, fast, run_seconds=lambda j: 4 * j.spec.duration_s))
     await b.start([site("alpha", gpus={"a100-80gb": 8}, adapter=fast)], run_loop=False)
     try:
-        for _ in range(60):
-            b.lifecycle.run_times.add(1800.0, 7200.0)
+        for _ in range(30):
+            b.lifecycle.run_times.add(1800.0, 3 * 1800.0)
+            b.lifecycle.run_times.add(1800.0, 6 * 1800.0)
         j, _ = await b.book.submit(job(count=8, duration_s=1800))
         await b.cycle.run_once()
         await clock.advance(1.0)
@@ -370,8 +375,13 @@ async def test_the_live_plan_books_a_job_past_its_estimate_until_its_expected_en
         assert (await b.book.get(j.id)).state == JobState.RUNNING
         snap = b.cycle._with_plan(b.federation.freeze(clock.now()))
         free = snap.plan_free[snap.index["alpha"], MODEL_INDEX["a100-80gb"]]
-        # hour 0 is the sites' real free capacity; then 14:00, 15:00: it started at 12:00:01, so the jobs that
-        # ran as long (2 × its estimate) and longer, which ran 4 ×, end it at 14:00:01
-        assert free[1:3].tolist() == ([0.0, 8.0] if book_overruns else [8.0, 8.0])
+        assert free[1:3].tolist() == ([0.0, 8.0] if book_overruns else [8.0, 8.0])  # 14:00, 15:00 (0: the site now)
+        await clock.advance(2400.0)  # 13:40:01
+        await asyncio.sleep(0.05)
+        await b.cycle.drain()
+        assert (await b.book.get(j.id)).state == JobState.RUNNING
+        snap = b.cycle._with_plan(b.federation.freeze(clock.now()))
+        free = snap.plan_free[snap.index["alpha"], MODEL_INDEX["a100-80gb"]]
+        assert free[1:4].tolist() == ([0.0, 0.0, 8.0] if book_overruns else [8.0, 8.0, 8.0])  # 14:00 to 16:00
     finally:
         await b.stop()

@@ -253,9 +253,12 @@ def replay(
     start_ts = start_at.timestamp()
     calendar = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if shift else None
     bookings: dict[int, Booking] = {}
-    # With book_overruns: (hour to look again, job) for running jobs whose booking may end before they do.
-    overdue: list[tuple[int, int]] = []
+    # With book_overruns: (hour its booking runs out, job) for running jobs, and the running jobs whose
+    # estimate has run out (or runs out this hour), their bookings looked at again at each whole hour.
     book_late = shift is not None and shift.book_overruns
+    overdue: list[tuple[int, int]] = []
+    overran: set[int] = set()
+    looked_h = -1
     errors = RunTimeErrors()  # how the finished jobs' run times compared with their estimates, as the broker learns it
     deferred: set[int] = set()
     ever_deferred = np.zeros(n, dtype=bool)
@@ -301,6 +304,7 @@ def replay(
             bookings[j] = calendar.book(s, m, gpus_held[j], *run_slots(start_ts + t, requests[j].duration_s),
                                         near=near[j])
             if book_late:
+                overran.discard(j)  # a stopped job resumed: booked afresh for the rest of its run
                 heapq.heappush(overdue, (bookings[j].end, j))
         if near[j]:
             near_now[s, m] += gpus_held[j]
@@ -370,28 +374,44 @@ def replay(
             bookings[j] = calendar.book(move.site, move.model, gpus_held[j],
                                         *run_slots(start_ts + t, move.remaining_s + migrate.overhead_s), near=near[j])
             if book_late:
+                overran.discard(j)  # booked afresh, for the rest of its run there
                 heapq.heappush(overdue, (bookings[j].end, j))
 
     def book_overruns(h0: int, t: float) -> None:
-        """``book_overruns``: a running job whose booking ends before the next hour (its estimate runs out
-        this hour, or ran out before) may hold its GPUs past it. Its booking is stretched to the end that the
-        finished jobs that ran as long predict (``runtime_risk.expected_ratio``), and looked at again when
-        that hour comes, or next hour when nothing predicts one."""
+        """``book_overruns``: a running job whose booking holds no hour after this one (its estimate runs
+        out this hour, or ran out before) may hold its GPUs past it. Its booking runs to the end that the
+        finished jobs that ran as long predict (``runtime_risk.expected_ratio``; to this hour when nothing
+        predicts one), worked out again at each whole hour, as the job runs on and more jobs finish (the
+        live broker: at every pass)."""
+        nonlocal looked_h
         assert calendar is not None
+        fresh: list[int] = []
         while overdue and overdue[0][0] <= h0 + 1:
             _, j = heapq.heappop(overdue)
             booking = bookings.get(j)
-            if j not in running or booking is None or booking.end > h0 + 1:
-                continue  # ended, or booked again since
+            if j in running and booking is not None and booking.end <= h0 + 1 and j not in overran:
+                overran.add(j)
+                fresh.append(j)
+        if h0 != looked_h:
+            looked_h = h0
+            fresh = list(overran)
+        if not fresh:
+            return
+        known = errors.sorted()
+        for j in fresh:
+            booking = bookings.get(j)
+            if j not in running or booking is None:
+                overran.discard(j)
+                continue
             estimate = float(whole[j].duration_s)  # the job's own, against all the work it has done
             done = work_done(j, t, seen=True)[1]
-            ratio = expected_ratio(errors.sorted(), done / estimate) if estimate > 0 else None
+            ratio = expected_ratio(known, done / estimate) if estimate > 0 else None
             end_h = h0 + 1 if ratio is None else int(np.ceil((start_ts + t + estimate * ratio - done) / 3600.0))
-            if end_h > h0 + 1:
+            end_h = max(end_h, h0 + 1)
+            if end_h != booking.end:
                 calendar.release(booking)
                 bookings[j] = calendar.book(booking.site, booking.model, booking.gpus, booking.first, end_h,
                                             near=booking.near)
-            heapq.heappush(overdue, (max(end_h, h0 + 2), j))
 
     t_prev = -np.inf
     while next_arrival < len(todo) or completions or deferred:
@@ -427,7 +447,7 @@ def replay(
                 calendar.release(booking, from_h=int((start_ts + t) // 3600.0) + 1)
             freed = True
             done += 1
-            errors.add(requests[j].duration_s, float(true_s[j]))
+            errors.add(whole[j].duration_s, float(true_s[j]))  # its own estimate (a resumed job's entry is the rest)
         fresh: list[int] = []
         while next_arrival < len(todo) and submit[todo[next_arrival]] <= t:
             fresh.append(todo[next_arrival])
