@@ -82,6 +82,7 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         "model": ids.GPU_MODEL_IDS[placement.model] if placement.placed else None,
         **_quota_record(req, snap),
         **_passed_over_record(placement.passed_over, placement.n_passed_over, snap),
+        **({"over_plan": True} if placement.over_plan else {}),
     }
 
 
@@ -184,7 +185,12 @@ def render(
             summary += rec["moved"]
         else:
             summary += f"best of {n_feasible} feasible of {len(verdicts)} sites"
-            if passed:
+            if passed and rec.get("over_plan"):  # every site that could take it now was turned away
+                n_passed = rec.get("n_passed_over", len(passed))
+                summary += (f", started over the plan, which turned away all {n_passed} that could take it now: "
+                            + passed_over_text(list(passed.items()), n_passed)
+                            + "; it starts at the profile's choice rather than wait")
+            elif passed:
                 n_passed = rec.get("n_passed_over", len(passed))
                 summary += (f" once the plan turned away {n_passed} that ranked above it: "
                             + passed_over_text(list(passed.items()), n_passed))

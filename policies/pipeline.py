@@ -104,6 +104,9 @@ class Placement:
     # policies.timeshift.PASSED_OVER_KEPT of n_passed_over: their GPUs are booked within the run, or kept.
     passed_over: Sequence[tuple[int, str]] = ()  # a tuple, or policies.timeshift.TurnedAway (worded when read)
     n_passed_over: int = 0
+    # The plan turned away every site that could take it now (passed_over says why), and it starts at the
+    # profile's choice anyway: it cannot wait, or no later start has room either (policies.timeshift.plan).
+    over_plan: bool = False
     # For the time-shift search (policies.timeshift.plan), called straight after the decision: the sites
     # every filter but the GPU fit passed (None: all), and the decision's fit (it holds the free capacity
     # the decision saw, and the snapshot); None both in a placement made otherwise.

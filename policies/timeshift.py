@@ -33,7 +33,8 @@ Jobs that are not deferred (:func:`start_now`)
     A job the profile may not defer (it asks to start at once, its latest start has come, or it has no
     deadline) starts now at the profile's choice. With ``keep_promises``, not where its run would take GPUs
     the plan has promised to running or deferred jobs: then at the best-scoring site whose GPUs are not
-    promised, and at the profile's choice where every site's are. So it does not take a deferred job's
+    promised, and at the profile's choice where every site's are (``Placement.over_plan``: its decision says
+    it starts over the plan, and why each site was turned away). So it does not take a deferred job's
     planned start where another site can take it, and it never waits for one. Neither the headroom nor the
     room kept for latency-bound jobs is kept from it.
 
@@ -651,7 +652,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                     request=placement.request, site=site, model=model, n_sites=placement.n_sites,
                     passes=placement.passes, feasible=placement.feasible, terms=placement.terms,
                     totals=placement.totals, passed_over=passed, n_passed_over=n_passed,
-                    steady=placement.steady, fit=placement.fit)
+                    steady=placement.steady, fit=placement.fit, over_plan=False)
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
@@ -660,7 +661,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # min_saving_abs, so the search looks no higher than that either (_later_bar).
     bar = _later_bar(threshold, now_site, anywhere_now, policy.min_saving_abs)
     if last_slot < 1 or not threshold > 0 or not bar > facts.least:
-        return chosen if now_site >= 0 else (placement if placement.placed else None)
+        return chosen if now_site >= 0 else _over_plan(placement, passed, n_passed)
     cleanest = snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) if carbon else per_gpu
     # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
     # the sites with the lowest bound up (policies._shift_search).
@@ -686,7 +687,18 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         )
     if now_site >= 0:
         return chosen
-    return placement if placement.placed else None
+    return _over_plan(placement, passed, n_passed)
+
+
+def _over_plan(placement: Placement, passed: Sequence[tuple[int, str]], n_passed: int) -> Placement | None:
+    """Where the plan turned away every site that could take the job now and no later start is planned: the
+    profile's own choice, placed (it starts there, over the plan, rather than wait for nothing), marked so
+    and naming the sites turned away; None where the profile places it nowhere."""
+    if not placement.placed:
+        return None
+    if not n_passed:
+        return placement
+    return replace(placement, passed_over=passed, n_passed_over=n_passed, over_plan=True)
 
 
 def held_back_for(req: JobRequest, snap: Snapshot,

@@ -351,8 +351,37 @@ def test_with_keep_promises_a_job_that_is_not_deferred_starts_around_the_plans_p
     assert outcome.placed and snap.sites[outcome.site] == "toronto" and not outcome.passed_over
     # Where every site's GPUs are promised it still starts now, at the profile's choice: it cannot wait.
     everywhere = {name: (16, 1, 3) for name in ("toronto", "ashburn", "frankfurt", "sydney")}
-    outcome = decide(green(keep_promises=True), req, snapshot(NOON, FLAT, booked=everywhere))
+    full = snapshot(NOON, FLAT, booked=everywhere)
+    outcome = decide(green(keep_promises=True), req, full)
     assert outcome.placed and snap.sites[outcome.site] == "toronto"
+    # ... and its decision says that it took promised GPUs, and whose
+    assert outcome.over_plan and outcome.n_passed_over == 4
+    decision, text = explained(green(keep_promises=True), outcome, full, req)
+    assert decision.summary.startswith("placed on toronto (a100-80gb, score ")
+    assert ", started over the plan, which turned away all 4 that could take it now: toronto (its a100-80gb GPUs " \
+           "are booked from 2022-06-10T13:00Z" in decision.summary
+    assert decision.summary.count("are booked from") == 4
+    assert "it starts at the profile's choice rather than wait" in decision.summary
+    assert "once the plan turned away" not in decision.summary
+    assert {v.site for v in decision.sites if v.passed_over} == set(everywhere)
+    assert "turned away now: its a100-80gb GPUs are booked" in text
+
+
+def test_a_job_that_could_wait_but_finds_every_start_taken_says_it_starts_over_the_plan() -> None:
+    # A flexible job (72 h of slack) finds every site's GPUs promised for the next week: no later start has
+    # room either, so it starts now at the profile's choice, and says that it starts over the plan.
+    everywhere = {name: (16, 1, 400) for name in ("toronto", "ashburn", "frankfurt", "sydney")}
+    snap = snapshot(NOON, FLAT, booked=everywhere)
+    req = request(slack_h=72.0)
+    outcome = decide(green(), req, snap)
+    assert not isinstance(outcome, Deferral) and outcome.placed and outcome.over_plan
+    decision, _ = explained(green(), outcome, snap, req)
+    assert "started over the plan, which turned away all 4 that could take it now" in decision.summary
+    # where the profile's choice fits the plan, nothing of the kind is said
+    free = snapshot(NOON, FLAT)
+    plain = decide(green(), request(slack_h=0.5), free)
+    assert plain.placed and not plain.over_plan
+    assert "over the plan" not in explained(green(), plain, free, request(slack_h=0.5))[0].summary
 
 
 def test_a_job_that_must_start_at_once_is_queued_by_its_submit_time() -> None:
