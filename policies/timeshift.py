@@ -25,9 +25,10 @@ The plan (:class:`Calendar`)
     sites' real free capacity. A job that runs past its estimate holds its GPUs in the current hour only,
     so the plan counts on them from the next; with ``book_overruns`` its booking runs to the end the
     finished jobs that ran as long predict (:func:`policies.runtime_risk.expected_ratio`), worked out
-    again as it runs on (the live broker at every pass, the simulator at every whole hour). Each pass plans on a working copy (``Snapshot.plan_free``: GPUs free per
-    site, model and hour from the hour containing ``now``) that every placement and every deferral of the
-    pass debits, as ``Snapshot.assume`` debits the free capacity.
+    again as it runs on (the live broker at every pass, the simulator at every whole hour). Each pass plans
+    on a working copy (``Snapshot.plan_free``: GPUs free per site, model and hour from the hour containing
+    ``now``) that every placement and every deferral of the pass debits, as ``Snapshot.assume`` debits the
+    free capacity.
 
 Jobs that are not deferred (:func:`start_now`)
     A job the profile may not defer (it asks to start at once, its latest start has come, or it has no
