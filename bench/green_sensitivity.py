@@ -47,9 +47,10 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
 - ``keep-promises``: ``green`` with ``keep_promises``: a job it does not defer starts where its run takes no
   GPUs the plan has promised to running or deferred jobs, where another site can take it
   (:func:`policies.timeshift.start_now`);
-- ``book-overruns``: ``green`` with ``book_overruns``: the plan books a running job whose estimate has run
-  out until the end that the finished jobs that ran as long predict, instead of counting its GPUs free from
-  the next hour (:func:`policies.runtime_risk.expected_ratio`);
+- ``book-overruns``: ``green`` with ``book_overruns``: a deferral onto GPUs that a running job past its
+  estimate is expected to hold (until the end the finished jobs that ran as long predict,
+  :func:`policies.runtime_risk.expected_ratio`) stands only where the start it would slip to is still worth
+  its risk to the deadline (:func:`policies.timeshift.unless_it_slips`);
 - ``green-undeclared``, ``greedy-undeclared``, ``cheapest-first-undeclared``: the inflexible jobs (a
   tenth: deadline = submit + true run time) give only their deadline, as releases before 2026-11-29
   replayed them (``declare_inflexible`` false; the Evidence's workload has them ask to start at once,

@@ -253,6 +253,9 @@ class PassDecider:
                 if plan_key in self.unplanned:
                     return failure
             outcome = timeshift.plan(req, self.snap, placement, shift, self.pipeline.filter_codes)
+            if isinstance(outcome, Deferral) and self.snap.plan_overrun.size:  # book_overruns
+                outcome = timeshift.unless_it_slips(req, self.snap, placement, outcome, shift,
+                                                    self.pipeline.filter_codes)
             if outcome is not None:
                 return outcome
             if plan_key is not None:
@@ -899,6 +902,8 @@ class SchedulingCycle:
         h0 = timeshift.epoch_hour(snap.now)
         calendar = timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
         errors = self.lifecycle.run_times.sorted()
+        overruns = (timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
+                    if self._book_overruns else None)
         for job in self.book.active.unqueued():
             site = snap.index.get(job.site) if job.site is not None else None
             if not job.state.on_site or site is None or job.gpu_model not in MODEL_INDEX:
@@ -911,17 +916,19 @@ class SchedulingCycle:
             overhead = self.restart_overhead_s(job)
             rest = max(job.spec.duration_s - work_done(job, job.updated_at, overhead), 0.0)
             end_ts = began + (overhead if job.run_s > 0 else 0.0) + rest
-            if self._book_overruns and end_ts <= (h0 + 1) * timeshift.HOUR_S and job.spec.duration_s > 0:
-                # its estimate runs out this hour or ran out before: booked until the end that the finished
-                # jobs that ran as long predict, where any did (policies.runtime_risk.expected_ratio)
-                done = work_done(job, snap.now, overhead)
-                ratio = runtime_risk.expected_ratio(errors, done / job.spec.duration_s)
-                if ratio is not None:
-                    end_ts = max(end_ts, snap.now.timestamp() + job.spec.duration_s * ratio - done)
             end_h = max(math.ceil(end_ts / timeshift.HOUR_S), h0 + 1)
             req = self._on_site_request(job)
             calendar.book(site, MODEL_INDEX[job.gpu_model], req.charge, h0, min(end_h, h0 + hours),
                           near=req.latency_slo_ms is not None)
+            if overruns is not None and end_h == h0 + 1 and job.spec.duration_s > 0:
+                # its estimate runs out this hour or ran out before: it may hold its GPUs until the end that
+                # the finished jobs that ran as long predict (policies.runtime_risk.expected_ratio), which
+                # the plan shows beside it (Snapshot.plan_overrun; policies.timeshift.unless_it_slips)
+                done = work_done(job, snap.now, overhead)
+                ratio = runtime_risk.expected_ratio(errors, done / job.spec.duration_s)
+                if ratio is not None:
+                    over_h = math.ceil((snap.now.timestamp() + job.spec.duration_s * ratio - done) / timeshift.HOUR_S)
+                    overruns.book(site, MODEL_INDEX[job.gpu_model], req.charge, h0 + 1, min(over_h, h0 + hours))
         for job_id, planned in list(self._deferred.items()):
             job = self.book.active.get(job_id)
             site = snap.index.get(planned.site)
@@ -935,6 +942,9 @@ class SchedulingCycle:
             near["near_booked"] = booked = calendar.near_view(snap.now, hours)
             self._near.observe(h0, snap.sites, booked[:, :, 0])
             near["near_samples"] = self._near.samples(snap.sites, booked.shape[1])
+        if overruns is not None:  # total (0) less what is booked: hour 0 is the sites' real capacity
+            near["plan_overrun"] = -overruns.view(snap.now, np.zeros_like(snap.free_gpus),
+                                                  np.zeros_like(snap.total_gpus), hours)
         return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours),
                        run_time_errors=errors, **near)
 

@@ -259,6 +259,10 @@ class Snapshot:
     # what they held hour by hour over the last week (float32[hours, n_sites, n_models], sorted along the
     # first axis). Empty: not known, nothing kept.
     near_booked: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))
+    # float32[n_sites, n_models, hours], as plan_free: the GPUs that running jobs past their estimates are
+    # expected to hold beyond them (policies.runtime_risk.expected_ratio), which plan_free counts as free.
+    # Empty: not known.
+    plan_overrun: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
     near_samples: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
     # float64, ascending: log(actual run time / estimate) of the latest finished jobs (policies.runtime_risk);
     # empty: not known, and a deferral's risk to the deadline is not priced.

@@ -299,44 +299,53 @@ def test_the_expected_run_of_a_job_is_the_median_of_those_that_ran_as_long() -> 
     assert runtime_risk.expected_ratio(errors_of([2.0] * (MIN_SAMPLES - 1)), 1.2) is None  # too few finished
 
 
-def _overrun_replay(tmp_path: Path, book_overruns: bool) -> tuple[engine.PolicyRun, float]:
-    """Sixty 1-GPU jobs at midnight teach the replay that jobs here run twice their estimates. A hog of all 8 of
-    FR's GPUs starts at FR's clean noon, estimated at 2 h (it runs 4 h, to 16:00). At 14:30 an 8-GPU job
-    estimated at 1 h (it runs 2 h) arrives with a deadline at 16:45: its latest start is 15:15 (1.5 × its
-    estimate before), and FR at 15:00 would save it 0.8 kg against GB now. The risk is not priced here, so
-    the plan alone decides."""
+def _overrun_replay(tmp_path: Path, book_overruns: bool, slack_h: float) -> tuple[engine.PolicyRun, float]:
+    """Sixty 1-GPU jobs at midnight teach the replay how jobs here run against their estimates: fifty as
+    estimated, ten twice as long. A hog of all 8 of FR's GPUs starts at FR's clean noon, estimated at 2 h; it
+    runs 4 h, to 16:00. At 14:30 an 8-GPU job estimated at 1 h (it runs 2 h) arrives with its deadline
+    ``slack_h`` hours after its estimated end; FR from 15:00 would save it 0.8 kg against GB now. ``green``
+    with the deadline risk priced at 1 kg per whole unit of probability."""
     rows = ("2022-06-04T00:00:00,3600,1,x\n" * 60 + "2022-06-04T12:00:00,14400,8,x\n"
             + "2022-06-04T14:30:00,7200,8,x\n")
-    spec = _clean_afternoons(tmp_path, 6, rows, slack_h=24, gpus=8)
+    spec = _clean_afternoons(tmp_path, 6, rows, slack_h=72, gpus=8)
     prep = prepare(spec)
     w = prep.workload
+    ratio = np.array([1.0] * 50 + [2.0] * 10 + [2.0, 2.0])
     deadline = w.deadline_s.copy()
-    deadline[61] = w.submit_s[61] + 2.25 * 3600.0
-    w = replace(w, estimated_duration_s=w.true_duration_s / 2.0, deadline_s=deadline)
+    deadline[61] = w.submit_s[61] + (1.0 + slack_h) * 3600.0
+    w = replace(w, estimated_duration_s=w.true_duration_s / ratio, deadline_s=deadline)
     prep = replace(prep, workload=w, requests=engine.requests_of(w))
-    shift = SHIFTS["green"].model_copy(update={"miss_cost": 0.0, "book_overruns": book_overruns})
+    shift = SHIFTS["green"].model_copy(update={"miss_cost": 1.0, "book_overruns": book_overruns})
     run = engine.replay("green", pipeline_for(BUILTIN["green"], shift), w, prep.federation, prep.requests,
                         prep.left_out)
+    assert (run.site[60], run.start_s[60], run.end_s[60]) == (1, 12 * 3600.0, 16 * 3600.0)  # the hog, at FR
     return run, float(deadline[61])
 
 
 def test_without_book_overruns_a_deferral_planned_on_a_job_past_its_estimate_slips_and_misses(tmp_path) -> None:
-    # The plan counts the hog's GPUs free from 15:00, an hour after its estimate ran out: the job is deferred
-    # to FR then, finds the hog still there, can no longer wait, and starts at 15:00 in GB: it ends at 17:00.
-    run, deadline = _overrun_replay(tmp_path, book_overruns=False)
+    # Deadline 16:45, so its latest start is 15:15. The plan counts the hog's GPUs free from 15:00, an hour
+    # after its estimate ran out: the job is deferred to FR then (a one-in-six chance of a miss, priced at
+    # 0.17 kg), finds the hog still there, can no longer wait, and starts at 15:00 in GB: it ends at 17:00.
+    run, deadline = _overrun_replay(tmp_path, book_overruns=False, slack_h=1.25)
     assert deadline == 16.75 * 3600.0
-    assert (run.site[60], run.start_s[60], run.end_s[60]) == (1, 12 * 3600.0, 16 * 3600.0)  # the hog, at FR
     assert run.was_deferred[61] and (run.site[61], run.start_s[61]) == (0, 15 * 3600.0)
     assert run.end_s[61] == 17 * 3600.0 > deadline
 
 
-def test_with_book_overruns_no_deferral_is_planned_on_gpus_a_job_past_its_estimate_still_holds(tmp_path) -> None:
-    # The finished jobs that ran past 1.25 × their estimates ran 2 ×: the hog is booked until 16:00, FR has no
-    # room before the job's latest start, and it starts at once in GB, meeting its deadline.
-    run, deadline = _overrun_replay(tmp_path, book_overruns=True)
-    assert (run.site[60], run.start_s[60], run.end_s[60]) == (1, 12 * 3600.0, 16 * 3600.0)
+def test_with_book_overruns_a_deferral_that_would_slip_past_its_deadline_is_not_made(tmp_path) -> None:
+    # The finished jobs that ran past 1.25 × their estimates ran 2 ×: the hog is expected to hold FR until
+    # 16:00, and a start then would miss the 16:45 deadline for certain. The job starts at once in GB.
+    run, deadline = _overrun_replay(tmp_path, book_overruns=True, slack_h=1.25)
     assert not run.was_deferred[61] and (run.site[61], run.start_s[61]) == (0, 14.5 * 3600.0)
     assert run.end_s[61] == 16.5 * 3600.0 <= deadline
+
+
+def test_with_book_overruns_a_job_with_time_to_spare_still_waits_in_line_for_the_clean_site(tmp_path) -> None:
+    # Two days of slack: waiting for the hog to end risks nothing, so the job is still deferred to FR and runs
+    # there from 16:00, when the hog ends, in the clean afternoon.
+    run, deadline = _overrun_replay(tmp_path, book_overruns=True, slack_h=48.0)
+    assert run.was_deferred[61] and (run.site[61], run.start_s[61]) == (1, 16 * 3600.0)
+    assert run.carbon_kg[61] == pytest.approx(8 * 0.4 * 2 * 50 / 1000)
 
 
 @pytest.mark.parametrize("book_overruns", [False, True])
@@ -344,10 +353,10 @@ async def test_the_live_plan_books_a_job_past_its_estimate_until_its_expected_en
                                                                                   book_overruns: bool) -> None:
     """A job estimated at half an hour holds alpha's 8 GPUs from 12:00:01 and is still running at 13:00:01,
     twice its estimate. Of sixty finished jobs, thirty ran three times their estimates and thirty six times.
-    With ``book_overruns`` in the profile the pass's plan holds its GPUs until the end those that ran as long
-    predict: 12:00:01 + 30 min × sqrt(3 × 6) (the median in log terms), 14:07, so the 14:00 hour is booked
-    and 15:00 free. At 13:40, past 3 ×, only the thirty that ran 6 × are like it: booked until 15:00:01, the
-    15:00 hour too. Without, its GPUs count as free from the next hour."""
+    The plan counts its GPUs free from the next hour either way; with ``book_overruns`` in the profile the
+    pass also shows what it is expected to hold past that (``plan_overrun``), until the end those that ran as
+    long predict: 12:00:01 + 30 min × sqrt(3 × 6) (the median in log terms), 14:07, so the 14:00 hour. At
+    13:40, past 3 ×, only the thirty that ran 6 × are like it: until 15:00:01, the 15:00 hour too."""
     from adapters.simulated import SimulatedSite
 
     t0 = datetime(2022, 6, 1, 12, tzinfo=UTC)
@@ -374,14 +383,19 @@ async def test_the_live_plan_books_a_job_past_its_estimate_until_its_expected_en
         await b.cycle.drain()
         assert (await b.book.get(j.id)).state == JobState.RUNNING
         snap = b.cycle._with_plan(b.federation.freeze(clock.now()))
-        free = snap.plan_free[snap.index["alpha"], MODEL_INDEX["a100-80gb"]]
-        assert free[1:3].tolist() == ([0.0, 8.0] if book_overruns else [8.0, 8.0])  # 14:00, 15:00 (0: the site now)
+        at = (snap.index["alpha"], MODEL_INDEX["a100-80gb"])
+        assert snap.plan_free[at][1:4].tolist() == [8.0, 8.0, 8.0]  # 14:00 to 16:00 (0: the site now)
+        if not book_overruns:
+            assert snap.plan_overrun.size == 0
+        else:
+            assert snap.plan_overrun[at][:4].tolist() == [0.0, 8.0, 0.0, 0.0]
         await clock.advance(2400.0)  # 13:40:01
         await asyncio.sleep(0.05)
         await b.cycle.drain()
         assert (await b.book.get(j.id)).state == JobState.RUNNING
         snap = b.cycle._with_plan(b.federation.freeze(clock.now()))
-        free = snap.plan_free[snap.index["alpha"], MODEL_INDEX["a100-80gb"]]
-        assert free[1:4].tolist() == ([0.0, 0.0, 8.0] if book_overruns else [8.0, 8.0, 8.0])  # 14:00 to 16:00
+        assert snap.plan_free[at][1:4].tolist() == [8.0, 8.0, 8.0]
+        if book_overruns:
+            assert snap.plan_overrun[at][:4].tolist() == [0.0, 8.0, 8.0, 0.0]
     finally:
         await b.stop()

@@ -253,12 +253,15 @@ def replay(
     start_ts = start_at.timestamp()
     calendar = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if shift else None
     bookings: dict[int, Booking] = {}
-    # With book_overruns: (hour its booking runs out, job) for running jobs, and the running jobs whose
-    # estimate has run out (or runs out this hour), their bookings looked at again at each whole hour.
+    # With book_overruns: (hour its booking runs out, job) for running jobs; the running jobs whose estimate
+    # has run out (or runs out this hour), looked at again at each whole hour; and what they are expected to
+    # hold past their bookings (Snapshot.plan_overrun), one booking each.
     book_late = shift is not None and shift.book_overruns
     overdue: list[tuple[int, int]] = []
     overran: set[int] = set()
     looked_h = -1
+    overruns = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if book_late else None
+    past_estimate: dict[int, Booking] = {}
     errors = RunTimeErrors()  # how the finished jobs' run times compared with their estimates, as the broker learns it
     deferred: set[int] = set()
     ever_deferred = np.zeros(n, dtype=bool)
@@ -305,6 +308,7 @@ def replay(
                                         near=near[j])
             if book_late:
                 overran.discard(j)  # a stopped job resumed: booked afresh for the rest of its run
+                forget_overrun(j)
                 heapq.heappush(overdue, (bookings[j].end, j))
         if near[j]:
             near_now[s, m] += gpus_held[j]
@@ -361,6 +365,8 @@ def replay(
             booking = bookings.pop(j, None)
             if booking is not None and calendar is not None:
                 calendar.release(booking)
+            if book_late:
+                forget_overrun(j)
             requests[j] = replace(requests[j], duration_s=move.remaining_s + (migrate.overhead_s if migrate else 0.0))
             requeued.append(j)
             return
@@ -375,16 +381,22 @@ def replay(
                                         *run_slots(start_ts + t, move.remaining_s + migrate.overhead_s), near=near[j])
             if book_late:
                 overran.discard(j)  # booked afresh, for the rest of its run there
+                forget_overrun(j)
                 heapq.heappush(overdue, (bookings[j].end, j))
+
+    def forget_overrun(j: int, from_h: int | None = None) -> None:
+        booking = past_estimate.pop(j, None)
+        if booking is not None and overruns is not None:
+            overruns.release(booking, from_h=from_h)
 
     def book_overruns(h0: int, t: float) -> None:
         """``book_overruns``: a running job whose booking holds no hour after this one (its estimate runs
-        out this hour, or ran out before) may hold its GPUs past it. Its booking runs to the end that the
-        finished jobs that ran as long predict (``runtime_risk.expected_ratio``; to this hour when nothing
-        predicts one), worked out again at each whole hour, as the job runs on and more jobs finish (the
-        live broker: at every pass)."""
+        out this hour, or ran out before) may hold its GPUs past it, until the end that the finished jobs
+        that ran as long predict (``runtime_risk.expected_ratio``), worked out again at each whole hour as it
+        runs on and more jobs finish (the live broker: at every pass). Those hours go to ``overruns``, which
+        the pass's ``Snapshot.plan_overrun`` shows beside the plan (``timeshift.unless_it_slips``)."""
         nonlocal looked_h
-        assert calendar is not None
+        assert overruns is not None
         fresh: list[int] = []
         while overdue and overdue[0][0] <= h0 + 1:
             _, j = heapq.heappop(overdue)
@@ -400,18 +412,19 @@ def replay(
         known = errors.sorted()
         for j in fresh:
             booking = bookings.get(j)
+            forget_overrun(j)
             if j not in running or booking is None:
                 overran.discard(j)
                 continue
             estimate = float(whole[j].duration_s)  # the job's own, against all the work it has done
             done = work_done(j, t, seen=True)[1]
             ratio = expected_ratio(known, done / estimate) if estimate > 0 else None
-            end_h = h0 + 1 if ratio is None else int(np.ceil((start_ts + t + estimate * ratio - done) / 3600.0))
-            end_h = max(end_h, h0 + 1)
-            if end_h != booking.end:
-                calendar.release(booking)
-                bookings[j] = calendar.book(booking.site, booking.model, booking.gpus, booking.first, end_h,
-                                            near=booking.near)
+            if ratio is None:
+                continue
+            end_h = int(np.ceil((start_ts + t + estimate * ratio - done) / 3600.0))
+            if end_h > max(booking.end, h0 + 1):
+                past_estimate[j] = overruns.book(booking.site, booking.model, booking.gpus,
+                                                 max(booking.end, h0 + 1), end_h)
 
     t_prev = -np.inf
     while next_arrival < len(todo) or completions or deferred:
@@ -445,6 +458,8 @@ def replay(
             booking = bookings.pop(j, None)
             if booking is not None and calendar is not None:  # ended before (or after) its expected end
                 calendar.release(booking, from_h=int((start_ts + t) // 3600.0) + 1)
+            if overruns is not None:
+                forget_overrun(j, from_h=int((start_ts + t) // 3600.0) + 1)
             freed = True
             done += 1
             errors.add(whole[j].duration_s, float(true_s[j]))  # its own estimate (a resumed job's entry is the rest)
@@ -469,11 +484,14 @@ def replay(
             "utc_offset_h": federation.utc_offset_h[:, h]}
         now = start_at + timedelta(seconds=t)
         if calendar is not None:
-            if book_late:
-                book_overruns(epoch_hour(now), t)
             plan = calendar.view(now, free, base.total_gpus, shift.plan_hours)
             plan[:, :, max(hours - h, 1):] = 0  # no simulated site runs past the carbon data: plan no start there
             hourly["plan_free"] = plan
+            if overruns is not None:
+                book_overruns(epoch_hour(now), t)
+                # view: total (0) less what is booked, hour 0 the given 0 (the sites' real capacity knows it)
+                hourly["plan_overrun"] = -overruns.view(now, np.zeros_like(free), np.zeros_like(base.total_gpus),
+                                                        shift.plan_hours)
             if demand is not None:
                 hourly["near_booked"] = booked = calendar.near_view(now, shift.plan_hours)
                 booked[:, :, 0] = near_now  # as plan_free's hour 0 is the real free capacity
