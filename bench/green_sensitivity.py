@@ -49,8 +49,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   (:func:`policies.timeshift.start_now`);
 - ``book-overruns``: ``green`` with ``book_overruns``: a deferral onto GPUs that a running job past its
   estimate is expected to hold (until the end the finished jobs that ran as long predict,
-  :func:`policies.runtime_risk.expected_ratio`) stands only where the start it would slip to is still worth
-  its risk to the deadline (:func:`policies.timeshift.unless_it_slips`);
+  :func:`policies.runtime_risk.expected_ratio`) is planned again on what is expected free, and stands only
+  where that plan also waits for the same site (:func:`policies.timeshift.unless_it_slips`);
 - ``green-undeclared``, ``greedy-undeclared``, ``cheapest-first-undeclared``: the inflexible jobs (a
   tenth: deadline = submit + true run time) give only their deadline, as releases before 2026-11-29
   replayed them (``declare_inflexible`` false; the Evidence's workload has them ask to start at once,

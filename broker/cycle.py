@@ -253,7 +253,7 @@ class PassDecider:
                 if plan_key in self.unplanned:
                     return failure
             outcome = timeshift.plan(req, self.snap, placement, shift, self.pipeline.filter_codes)
-            if isinstance(outcome, Deferral) and self.snap.plan_overrun.size:  # book_overruns
+            if isinstance(outcome, Deferral) and shift.book_overruns and self.snap.plan_overrun.size:
                 outcome = timeshift.unless_it_slips(req, self.snap, placement, outcome, shift,
                                                     self.pipeline.filter_codes)
             if outcome is not None:

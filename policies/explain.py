@@ -187,7 +187,8 @@ def render(
             summary += f"best of {n_feasible} feasible of {len(verdicts)} sites"
             if passed and rec.get("over_plan"):  # every site that could take it now was turned away
                 n_passed = rec.get("n_passed_over", len(passed))
-                summary += (f", started over the plan, which turned away all {n_passed} that could take it now: "
+                which = "the one site" if n_passed == 1 else f"all {n_passed} sites"
+                summary += (f", started over the plan, which turned away {which} that could take it now: "
                             + passed_over_text(list(passed.items()), n_passed)
                             + "; it starts at the profile's choice rather than wait")
             elif passed:

@@ -27,7 +27,7 @@ The expected end (:func:`expected_ratio`)
     Of a job that has run ``r`` × its estimate so far: the median ``actual / estimate`` of the finished jobs
     that ran longer than ``r`` × theirs (in log terms). With ``ShiftPolicy.book_overruns`` the time-shift
     plan knows that a running job whose estimate has run out holds its GPUs until then, and a deferral onto
-    them must be worth the risk of the start it would slip to (``policies.timeshift.unless_it_slips``).
+    them is planned again on what is expected free (``policies.timeshift.unless_it_slips``).
 
 Caveat: jobs that overran their estimates by most are also the last to finish, so right after a change in
 how submitters estimate, the window under-counts long overruns until they finish. Units: probabilities in

@@ -26,8 +26,8 @@ The plan (:class:`Calendar`)
     so the plan counts on them from the next; with ``book_overruns`` the pass also knows what such jobs are
     expected to hold (``Snapshot.plan_overrun``: until the end the finished jobs that ran as long predict,
     :func:`policies.runtime_risk.expected_ratio`, worked out again as they run on: the live broker at every
-    pass, the simulator at every whole hour), and a deferral planned on it must be worth its risk at the
-    start it would slip to (:func:`unless_it_slips`). Each pass plans on a working copy
+    pass, the simulator at every whole hour), and a deferral planned on it is planned again on what is
+    expected free (:func:`unless_it_slips`). Each pass plans on a working copy
     (``Snapshot.plan_free``: GPUs free per site, model and hour from the hour containing ``now``) that every
     placement and every deferral of the pass debits, as ``Snapshot.assume`` debits the free capacity.
 
@@ -149,10 +149,9 @@ class ShiftPolicy(BaseModel):
         default=False,
         description="the plan also knows what running jobs whose estimates have run out are expected to hold "
                     "until the end that the finished jobs that ran as long predict (runtime_risk.expected_ratio); "
-                    "a deferral onto such GPUs stands only where a start when they come free would still be worth "
-                    "its added risk to the deadline (miss_cost), else the job is planned on what is expected free "
-                    "(timeshift.unless_it_slips); false: such GPUs count as free from the next hour. The plan is "
-                    "the broker's: it knows them when any profile asks")
+                    "a deferral onto such GPUs is planned again on what is expected free, and stands only where "
+                    "that plan also waits for the same site (timeshift.unless_it_slips); false: such GPUs count as "
+                    "free from the next hour. The broker works them out when any profile asks")
     latency_reserve_price: float | None = Field(
         default=None, ge=0.0,
         description="make the latency_reserve a price instead of a bar: work the plan places may take room kept "
@@ -709,41 +708,30 @@ def unless_it_slips(req: JobRequest, snap: Snapshot, placement: Placement, defer
                     policy: ShiftPolicy, filter_codes: tuple[str, ...]) -> Placement | Deferral | None:
     """``book_overruns``: ``deferral`` (from :func:`plan`), unless its run would take GPUs that running jobs
     past their estimates are expected to hold then (``Snapshot.plan_overrun``, which ``plan_free`` counts as
-    free). Then the start it would slip to, the first hour from its planned one at which what is expected
-    free at its site has room for the whole run, must still clear the deferral's bars (``min_saving`` and
-    ``min_saving_abs`` below the best start now) with the risk that start adds to the deadline priced
-    (``miss_cost``, :mod:`policies.runtime_risk`); a deferral that does not, or that nothing prices, is
-    planned again on what is expected free (the outcome of :func:`plan` on ``plan_free`` less
-    ``plan_overrun``). So a job with time to spare may still wait in line for a clean site, and one whose
-    deadline cannot take the wait is not planned on GPUs that are not coming free."""
+    free). Then the job is planned again on what is expected free (``plan_free`` less ``plan_overrun``), with
+    everything :func:`plan` weighs: the value of each start, the risk a later start adds to the deadline
+    (``miss_cost``, ``max_risk``), the latest start, the room kept. Where that plan also waits for the same
+    site and model, at the hour the GPUs are expected free or later, the deferral stands: the job keeps its
+    place in line there, and takes the GPUs as soon as they come free. Otherwise the new plan's outcome
+    (another site, a later hour elsewhere, or a start now) is the decision. So a job with time to spare
+    still waits for a clean site, and one whose deadline cannot take the wait is not planned on GPUs that are
+    not coming free."""
     over = snap.plan_overrun
     if not over.size:
         return deferral
-    need = req.charge - 1e-6
-    lo, slots = deferral.slot, deferral.slots
-    free = snap.plan_free[deferral.site, deferral.model] - over[deferral.site, deferral.model]
-    if (free[lo:lo + slots] >= need).all():
+    lo, hi = deferral.slot, deferral.slot + deferral.slots
+    row = snap.plan_free[deferral.site, deferral.model, lo:hi]
+    if (row - over[deferral.site, deferral.model, lo:hi] >= req.charge - 1e-6).all():
         return deferral
-    errors = snap.run_time_errors
-    base = deferral.best_now if math.isfinite(deferral.best_now) else deferral.value_now
-    if (policy.miss_cost > 0 and errors.size >= runtime_risk.MIN_SAMPLES and req.deadline_ts is not None
-            and math.isfinite(base)):
-        fits = free >= need
-        hours = fits.shape[0]
-        k = next((k for k in range(lo, hours) if fits[k:k + slots].all()), hours)  # the start it would slip to
-        hour0 = epoch_hour(snap.now) * HOUR_S
-        room = np.array([req.deadline_ts - (hour0 + k * HOUR_S) if k < hours else 0.0])
-        risk = float(runtime_risk.miss_probability(errors, room, req.duration_s)[0])
-        risk_now = deferral.risk_now if math.isfinite(deferral.risk_now) else 0.0
-        value = deferral.value_then + policy.miss_cost * max(risk - risk_now, 0.0)
-        if value < base * (1.0 - policy.min_saving) and base - value >= policy.min_saving_abs:
-            return deferral
     saved = snap.plan_free.copy()
     np.subtract(snap.plan_free, over, out=snap.plan_free)
     try:
-        return plan(req, snap, placement, policy, filter_codes)
+        again = plan(req, snap, placement, policy, filter_codes)
     finally:
         np.copyto(snap.plan_free, saved)
+    if isinstance(again, Deferral) and (again.site, again.model) == (deferral.site, deferral.model):
+        return deferral
+    return again
 
 
 def held_back_for(req: JobRequest, snap: Snapshot,

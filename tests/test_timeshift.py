@@ -358,7 +358,7 @@ def test_with_keep_promises_a_job_that_is_not_deferred_starts_around_the_plans_p
     assert outcome.over_plan and outcome.n_passed_over == 4
     decision, text = explained(green(keep_promises=True), outcome, full, req)
     assert decision.summary.startswith("placed on toronto (a100-80gb, score ")
-    assert ", started over the plan, which turned away all 4 that could take it now: toronto (its a100-80gb GPUs " \
+    assert ", started over the plan, which turned away all 4 sites that could take it now: toronto (its a100-80gb GPUs " \
            "are booked from 2022-06-10T13:00Z" in decision.summary
     assert decision.summary.count("are booked from") == 4
     assert "it starts at the profile's choice rather than wait" in decision.summary
@@ -376,7 +376,7 @@ def test_a_job_that_could_wait_but_finds_every_start_taken_says_it_starts_over_t
     outcome = decide(green(), req, snap)
     assert not isinstance(outcome, Deferral) and outcome.placed and outcome.over_plan
     decision, _ = explained(green(), outcome, snap, req)
-    assert "started over the plan, which turned away all 4 that could take it now" in decision.summary
+    assert "started over the plan, which turned away all 4 sites that could take it now" in decision.summary
     # where the profile's choice fits the plan, nothing of the kind is said
     free = snapshot(NOON, FLAT)
     plain = decide(green(), request(slack_h=0.5), free)
@@ -505,3 +505,31 @@ def test_the_search_for_a_later_start_looks_as_high_as_any_start_the_plan_would_
         assert value < bar, (now, value, min_abs, bar)
     assert _later_bar(7.5, -1, now, min_abs) == 7.5 and _later_bar(7.5, 3, now, 0.0) == 7.5
     assert _later_bar(-1.0, 0, now, min_abs) <= -1.0  # never above the threshold
+
+
+def _overrun(snap, site: str, first: int, end: int, gpus: float = 16.0):
+    """``snap`` with ``gpus`` A100s at ``site`` expected held in plan hours [first, end) by jobs past their
+    estimates (``Snapshot.plan_overrun``), which its plan counts as free."""
+    over = np.zeros_like(snap.plan_free)
+    over[snap.index[site], A100, first:end] = gpus
+    return replace(snap, plan_overrun=over)
+
+
+def test_with_book_overruns_a_deferral_keeps_its_place_in_line_where_the_site_is_still_worth_the_wait() -> None:
+    # Ashburn is clean from 15:00 to 20:00; green defers the 2-hour job there for 15:00. Jobs past their
+    # estimates are expected to hold Ashburn's A100s until 17:00: planned on what is expected free, the job
+    # still waits for Ashburn (from 17:00, still clean), so the deferral stands, its place in line kept.
+    snap = _overrun(snapshot(NOON, FLAT), "ashburn", 3, 5)
+    outcome = decide(green(book_overruns=True), request(), snap)
+    assert isinstance(outcome, Deferral) and (snap.sites[outcome.site], outcome.slot) == ("ashburn", 3)
+    assert (snap.plan_free == snapshot(NOON, FLAT).plan_free).all()  # the plan itself is left as it was
+
+
+def test_with_book_overruns_a_deferral_onto_gpus_held_past_every_clean_hour_is_planned_again() -> None:
+    # Held until 21:00, past Ashburn's clean hours: waiting there buys nothing, and the job starts now in
+    # Toronto. Without book_overruns the plan counts those GPUs free and defers it to Ashburn at 15:00.
+    snap = _overrun(snapshot(NOON, FLAT), "ashburn", 3, 9)
+    outcome = decide(green(book_overruns=True), request(), snap)
+    assert not isinstance(outcome, Deferral) and outcome.placed and snap.sites[outcome.site] == "toronto"
+    outcome = decide(green(), request(), snap)
+    assert isinstance(outcome, Deferral) and (snap.sites[outcome.site], outcome.slot) == ("ashburn", 3)
