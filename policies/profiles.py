@@ -107,7 +107,7 @@ finds their sites full or not. On two more draws (seeds 1 and 2) the price kept 
 ``green`` does not bound a deferral's chance of a miss (``max_risk``): it cost 3.4-5.6 % more carbon. A platform
 that puts deadlines first sets it. Nor does any built-in profile check a deferral against the GPUs that jobs past their estimates are
 expected to hold (``book_overruns``): for ``green`` it took the misses of jobs deferred for a saving to 0-3
-on the four replays (from 10-27), but cost 0.6-1.4 t, and in 2021 at 50 % left it 19.2 % below the best
+on the four replays (from 10-27), but cost 0.7-1.6 t, and in 2021 at 50 % left it 19.0 % below the best
 carbon-blind baseline, short of the target met there (README, Evidence)."""
 
 

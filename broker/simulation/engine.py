@@ -253,11 +253,12 @@ def replay(
     start_ts = start_at.timestamp()
     calendar = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if shift else None
     bookings: dict[int, Booking] = {}
-    # With book_overruns: (hour its booking runs out, job) for running jobs; the running jobs whose estimate
-    # has run out (or runs out this hour), looked at again at each whole hour; and what they are expected to
-    # hold past their bookings (Snapshot.plan_overrun), one booking each.
+    # With book_overruns: (replay seconds, job) when a running job is to be looked at (the start of the last
+    # hour its booking holds, and when its estimate runs out); the running jobs whose estimate has run out (or
+    # runs out this hour), looked at again at each whole hour; and what they are expected to hold past their
+    # bookings (Snapshot.plan_overrun), one booking each.
     book_late = shift is not None and shift.book_overruns
-    overdue: list[tuple[int, int]] = []
+    overdue: list[tuple[float, int]] = []
     overran: set[int] = set()
     looked_h = -1
     overruns = Calendar(base.n_sites, base.total_gpus.shape[1], epoch_hour(start_at)) if book_late else None
@@ -309,7 +310,7 @@ def replay(
             if book_late:
                 overran.discard(j)  # a stopped job resumed: booked afresh for the rest of its run
                 forget_overrun(j)
-                heapq.heappush(overdue, (bookings[j].end, j))
+                look_at(j, bookings[j], t + requests[j].duration_s)
         if near[j]:
             near_now[s, m] += gpus_held[j]
         site_of[j], model_of[j] = s, m
@@ -382,7 +383,13 @@ def replay(
             if book_late:
                 overran.discard(j)  # booked afresh, for the rest of its run there
                 forget_overrun(j)
-                heapq.heappush(overdue, (bookings[j].end, j))
+                look_at(j, bookings[j], t + move.remaining_s + migrate.overhead_s)
+
+    def look_at(j: int, booking: Booking, estimate_end: float) -> None:
+        """When to look at job ``j`` for ``book_overruns``: at the start of the last hour its booking holds,
+        and when its estimate runs out (replay seconds)."""
+        heapq.heappush(overdue, ((booking.end - 1) * 3600.0 - start_ts, j))
+        heapq.heappush(overdue, (estimate_end, j))
 
     def forget_overrun(j: int, from_h: int | None = None) -> None:
         booking = past_estimate.pop(j, None)
@@ -393,15 +400,16 @@ def replay(
         """``book_overruns``: a running job whose booking holds no hour after this one (its estimate runs
         out this hour, or ran out before) may hold its GPUs past it, until the end that the finished jobs
         that ran as long predict (``runtime_risk.expected_ratio``), worked out again at each whole hour as it
-        runs on and more jobs finish (the live broker: at every pass). Those hours go to ``overruns``, which
-        the pass's ``Snapshot.plan_overrun`` shows beside the plan (``timeshift.unless_it_slips``)."""
+        runs on and more jobs finish, and when its estimate runs out (the live broker: at every pass). Those
+        hours go to ``overruns``, which the pass's ``Snapshot.plan_overrun`` shows beside the plan
+        (``timeshift.unless_it_slips``)."""
         nonlocal looked_h
         assert overruns is not None
         fresh: list[int] = []
-        while overdue and overdue[0][0] <= h0 + 1:
+        while overdue and overdue[0][0] <= t:
             _, j = heapq.heappop(overdue)
             booking = bookings.get(j)
-            if j in running and booking is not None and booking.end <= h0 + 1 and j not in overran:
+            if j in running and booking is not None and booking.end <= h0 + 1:
                 overran.add(j)
                 fresh.append(j)
         if h0 != looked_h:
