@@ -105,10 +105,10 @@ the misses at 30 % move non-monotonically with the price (70 to 147), as one bur
 finds their sites full or not. On two more draws (seeds 1 and 2) the price kept the 50 % target (20.3 %,
 21.2 %) and cut the misses at 30 % by 45 % and 36 % (124 against carbon-greedy's 151; 489 against 433).
 ``green`` does not bound a deferral's chance of a miss (``max_risk``): it cost 3.4-5.6 % more carbon. A platform
-that puts deadlines first sets it. Nor does any built-in profile check a deferral against the GPUs that jobs past their estimates are
-expected to hold (``book_overruns``): for ``green`` it took the misses of jobs deferred for a saving to 0-3
-on the four replays (from 10-27), but cost 0.7-1.6 t, and in 2021 at 50 % left it 19.0 % below the best
-carbon-blind baseline, short of the target met there (README, Evidence)."""
+that puts deadlines first sets it. Nor does any built-in profile check a deferral against the GPUs that
+jobs past their estimates are expected to hold (``book_overruns``): for ``green`` it took the misses of jobs
+deferred for a saving to 0-3 on the four replays (from 10-27), but cost 0.7-1.6 t, and in 2021 at 50 % left
+it 19.0 % below the best carbon-blind baseline, short of the target met there (README, Evidence)."""
 
 
 MIGRATIONS: dict[str, MigrationPolicy] = {

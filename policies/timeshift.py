@@ -26,8 +26,8 @@ The plan (:class:`Calendar`)
     so the plan counts on them from the next; with ``book_overruns`` the pass also knows what such jobs are
     expected to hold (``Snapshot.plan_overrun``: until the end the finished jobs that ran as long predict,
     :func:`policies.runtime_risk.expected_ratio`, worked out again as they run on: the live broker at every
-    pass, the simulator at every whole hour and when an estimate runs out), and a deferral planned on it is planned again on what is
-    expected free (:func:`unless_it_slips`). Each pass plans on a working copy
+    pass, the simulator at every whole hour and when an estimate runs out), and a deferral planned on it is
+    planned again on what is expected free (:func:`unless_it_slips`). Each pass plans on a working copy
     (``Snapshot.plan_free``: GPUs free per site, model and hour from the hour containing ``now``) that every
     placement and every deferral of the pass debits, as ``Snapshot.assume`` debits the free capacity.
 
