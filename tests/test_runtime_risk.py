@@ -286,7 +286,7 @@ async def test_a_restarted_broker_keeps_the_jobs_that_finished_last_not_the_last
         await again.stop()
 
 
-# -- book_overruns: the plan books a job past its estimate until its expected end -------------------------------
+# -- book_overruns: what a job past its estimate is expected to hold, and deferrals that would slip -----------
 
 def test_the_expected_run_of_a_job_is_the_median_of_those_that_ran_as_long() -> None:
     errors = errors_of([0.5] * 50 + [2.0] * 30 + [4.0] * 20)
@@ -349,8 +349,8 @@ def test_with_book_overruns_a_job_with_time_to_spare_still_waits_in_line_for_the
 
 
 @pytest.mark.parametrize("book_overruns", [False, True])
-async def test_the_live_plan_books_a_job_past_its_estimate_until_its_expected_end(tmp_path: Path,
-                                                                                  book_overruns: bool) -> None:
+async def test_the_live_pass_knows_what_a_job_past_its_estimate_is_expected_to_hold(tmp_path: Path,
+                                                                                     book_overruns: bool) -> None:
     """A job estimated at half an hour holds alpha's 8 GPUs from 12:00:01 and is still running at 13:00:01,
     twice its estimate. Of sixty finished jobs, thirty ran three times their estimates and thirty six times.
     The plan counts its GPUs free from the next hour either way; with ``book_overruns`` in the profile the
