@@ -51,6 +51,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   estimate is expected to hold (until the end the finished jobs that ran as long predict,
   :func:`policies.runtime_risk.expected_ratio`) is planned again on what is expected free, and stands only
   where that plan also waits for the same site (:func:`policies.timeshift.unless_it_slips`);
+  ``book-overruns-safety-1.0-price-0.2``: that, keeping one expected run time in hand before the deadline
+  instead of 1.5, with the room kept for latency-bound jobs priced at 0.2 instead of 0.5;
 - ``green-undeclared``, ``greedy-undeclared``, ``cheapest-first-undeclared``: the inflexible jobs (a
   tenth: deadline = submit + true run time) give only their deadline, as releases before 2026-11-29
   replayed them (``declare_inflexible`` false; the Evidence's workload has them ask to start at once,
@@ -199,6 +201,9 @@ VARIANTS: dict[str, Variant] = {
     "capacity-prices": Variant("green, capacity prices", {}, lambda: policy("green"), False, True),
     "keep-promises": Variant("green, keep_promises", {}, green(keep_promises=True)),
     "book-overruns": Variant("green, book_overruns", {}, green(book_overruns=True)),
+    "book-overruns-safety-1.0-price-0.2": Variant(
+        "green, book_overruns, duration_safety 1, room at 0.2", {},
+        green(book_overruns=True, duration_safety=1.0, latency_reserve_price=0.2)),
     "greedy-undeclared": Variant("baseline-carbon-greedy, inflexible jobs undeclared", {"declare_inflexible": False},
                                  lambda: policy("baseline-carbon-greedy")),
     "green-undeclared": Variant("green, inflexible jobs undeclared", {"declare_inflexible": False},
