@@ -942,9 +942,8 @@ class SchedulingCycle:
             near["near_booked"] = booked = calendar.near_view(snap.now, hours)
             self._near.observe(h0, snap.sites, booked[:, :, 0])
             near["near_samples"] = self._near.samples(snap.sites, booked.shape[1])
-        if overruns is not None:  # total (0) less what is booked: hour 0 is the sites' real capacity
-            near["plan_overrun"] = -overruns.view(snap.now, np.zeros_like(snap.free_gpus),
-                                                  np.zeros_like(snap.total_gpus), hours)
+        if overruns is not None:
+            near["plan_overrun"] = overruns.booked_view(snap.now, hours)
         return replace(snap, plan_free=calendar.view(snap.now, snap.free_gpus, snap.total_gpus, hours),
                        run_time_errors=errors, **near)
 

@@ -390,6 +390,17 @@ class Calendar:
         out[:, :, 0] = free_now
         return out
 
+    def booked_view(self, now: datetime, hours: int) -> np.ndarray:
+        """float32[n_sites, n_models, hours]: GPUs booked in each hour from the one containing ``now``, hour 0
+        left at 0 (the sites' real capacity knows it): ``Snapshot.plan_overrun`` from a calendar of what jobs
+        past their estimates are expected to hold."""
+        h0 = epoch_hour(now)
+        self.advance(h0)
+        self._reach(h0 + hours)
+        out = self.busy[:, :, h0 - self.origin:h0 - self.origin + hours].astype(np.float32)
+        out[:, :, 0] = 0.0
+        return out
+
     def near_view(self, now: datetime, hours: int) -> np.ndarray:
         """float64[n_sites, n_models, hours], a copy for a pass to debit: GPUs booked by latency-bound jobs in
         each hour from the one containing ``now`` (running ones until their expected end, deferred ones from

@@ -497,9 +497,7 @@ def replay(
             hourly["plan_free"] = plan
             if overruns is not None:
                 book_overruns(epoch_hour(now), t)
-                # view: total (0) less what is booked, hour 0 the given 0 (the sites' real capacity knows it)
-                hourly["plan_overrun"] = -overruns.view(now, np.zeros_like(free), np.zeros_like(base.total_gpus),
-                                                        shift.plan_hours)
+                hourly["plan_overrun"] = overruns.booked_view(now, shift.plan_hours)
             if demand is not None:
                 hourly["near_booked"] = booked = calendar.near_view(now, shift.plan_hours)
                 booked[:, :, 0] = near_now  # as plan_free's hour 0 is the real free capacity
