@@ -1,8 +1,15 @@
 """Turn a placement into a compact, JSON-ready record, and a record into a per-site explanation.
 
-The record keeps the arrays the decision saw (failure masks, free GPUs, memory, every score term), so
-``render`` can explain any site later without re-running the decision. Recording costs a few list
-conversions; rendering builds one verdict per site and runs only when someone asks.
+The record keeps the arrays the decision saw (failure masks, free GPUs, memory, every score term's raw
+values), so ``render`` can explain any site later without re-running the decision. Recording costs a few
+array packings; rendering builds one verdict per site and runs only when someone asks.
+
+Record versions (``v``): 3 keeps each term's raw values and whether lower is better, and ``render`` works
+the normalised values and totals out again from them, with the pipeline's own arithmetic
+(:func:`normalise`), so they are the decision's to the bit; the regions are each site's index into the
+distinct region names. That is a third less than version 2, which stored the normalised values and totals
+as well, and every region name once per site (156 KiB at a thousand sites and seven scorers, against about
+100). ``render`` reads both versions: records already stored keep their explanations.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from policies.pipeline import TIE_EPSILON, Pipeline, Placement
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies.timeshift import Deferral, passed_over_text
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 
 
 def pack(values: np.ndarray, dtype: str) -> str:
@@ -48,8 +56,11 @@ def record_deferral(pipeline: Pipeline, deferral: Deferral, snap: Snapshot) -> d
 def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str, Any]:
     """A compact record of ``placement``; call it before the placement is assumed into ``snap``.
 
-    Per-site arrays are packed (``pack``); score terms and totals cover the feasible sites only, which are
-    the sites whose failure mask is 0, in site order.
+    Per-site arrays are packed (``pack``). Each term keeps its raw values over every site and whether lower
+    is better; the normalised values and totals over the feasible sites (whose failure mask is 0, in site
+    order) are worked out again when the record is read (:func:`normalise`). Where a term's raw values are
+    of a type the pipeline normalises on its other path (not float64 or integers: a custom scorer's), the
+    record keeps the normalised values and totals as well, as version 2 did.
     """
     req = placement.request
     if req.model is not None:
@@ -62,11 +73,13 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         free = (snap.free_gpus * usable).max(axis=1)
         shared = (snap.shared_free_milli * usable).max(axis=1)
         memory = snap.memory_gib.max(axis=1)
+    lower = pipeline.lower_is_better
+    terms = placement.terms
+    exact = all(_normalised_again(t.raw) for t in terms)
     return {
         "v": RECORD_VERSION,
         "decided_at": snap.now.isoformat(),
-        "sites": "\n".join(snap.sites),
-        "regions": "\n".join(snap.regions),
+        **snap.derived(("record-sites",), _site_fields, snap),
         "filters": [f.code for f in pipeline.filters],
         "failures": pack(placement.failures, "u2"),
         "free": pack(free, "i4"),
@@ -74,16 +87,58 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         "memory_gib": pack(memory, "f4"),
         "excluded": sorted(req.excluded_sites),
         "terms": [
-            {"scorer": t.scorer, "weight": t.weight, "raw": pack(t.raw, "f8"), "normalised": pack(t.normalised, "f8")}
-            for t in placement.terms
+            {"scorer": t.scorer, "weight": t.weight, "lower": lower[t.scorer], "raw": pack(t.raw, "f8"),
+             **({} if exact else {"normalised": pack(t.normalised, "f8")})}
+            for t in terms
         ],
-        "totals": pack(placement.totals, "f8"),
+        **({} if exact else {"totals": pack(placement.totals, "f8")}),
         "site": snap.sites[placement.site] if placement.placed else None,
         "model": ids.GPU_MODEL_IDS[placement.model] if placement.placed else None,
         **_quota_record(req, snap),
         **_passed_over_record(placement.passed_over, placement.n_passed_over, snap),
         **({"over_plan": True} if placement.over_plan else {}),
     }
+
+
+def _normalised_again(raw: np.ndarray) -> bool:
+    """Whether :func:`normalise` gives the pipeline's own normalised values for these raw values: float64 or
+    integers, which the pipeline normalises in its compiled pass (``Pipeline._normalise``)."""
+    return raw.dtype.char == "d" or raw.dtype.kind in "iu"
+
+
+def _site_fields(snap: Snapshot) -> dict[str, str]:
+    """The sites' names and regions as a record keeps them (the same for every decision of a snapshot): the
+    names one per line; the distinct region names one per line and each site's index among them, packed
+    (the region names themselves one per site where there are too many distinct ones for two bytes)."""
+    fields = {"sites": "\n".join(snap.sites)}
+    if len(snap.region_names) <= 0xFFFF and snap.region_code.shape[0] == snap.n_sites:
+        fields["region_names"] = "\n".join(snap.region_names)
+        fields["region_code"] = pack(snap.region_code, "u2")
+    else:
+        fields["regions"] = "\n".join(snap.regions)
+    return fields
+
+
+def normalise(raws: Sequence[np.ndarray], lower: Sequence[bool], weights: Sequence[float],
+              feasible: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Each term's raw values (float64 over every site) normalised over the ``feasible`` sites, and the
+    weighted totals, as the pipeline works them out (``policies._scores.gather_normalise``), operation for
+    operation, so the numbers are the same to the bit: negated where lower is better, then
+    ``(r - min) / (max - min)``, or all 0 where that span is not above ``TIE_EPSILON`` or a value is NaN;
+    the totals add ``row × weight`` in term order."""
+    norms: list[np.ndarray] = []
+    totals = np.zeros(feasible.shape[0])
+    for i, (raw, low, weight) in enumerate(zip(raws, lower, weights, strict=True)):
+        row = raw[feasible]
+        if low:
+            row = -row
+        if row.size and not np.isnan(row).any() and (span := row.max() - (lo := row.min())) > TIE_EPSILON:
+            row = (row - lo) / span
+        else:
+            row = np.zeros(row.shape[0])
+        norms.append(row)
+        totals = row * weight if i == 0 else totals + row * weight
+    return norms, totals
 
 
 def _passed_over_record(passed: Sequence[tuple[int, str]], n_passed: int, snap: Snapshot) -> dict[str, Any]:
@@ -115,6 +170,30 @@ class _View:
     sites: list[str] | None = None  # site names, in row order
 
 
+def scores(rec: dict[str, Any], failures: np.ndarray | None = None
+           ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """A record's score terms: each term's raw values over every site, its normalised values over the
+    feasible sites, and the totals per feasible site, as the decision had them. ``failures``: the record's
+    failure masks, where the caller has unpacked them."""
+    raws = [unpack(t["raw"], "f8") for t in rec["terms"]]
+    if "totals" in rec:  # version 2, or a term whose raw values the pipeline normalises on its other path
+        return raws, [unpack(t["normalised"], "f8") for t in rec["terms"]], unpack(rec["totals"], "f8")
+    if failures is None:
+        failures = unpack(rec["failures"], "u2")
+    norms, totals = normalise(raws, [t["lower"] for t in rec["terms"]], [t["weight"] for t in rec["terms"]],
+                              np.flatnonzero(failures == 0))
+    return raws, norms, totals
+
+
+def _regions(rec: dict[str, Any]) -> list[str]:
+    """Each site's region from a record: the names one per site (version 2), or each site's index among the
+    distinct names (version 3)."""
+    if "region_code" in rec:
+        names = rec["region_names"].split("\n") if rec["region_names"] else []
+        return [names[i] for i in unpack(rec["region_code"], "u2").tolist()]
+    return rec["regions"].split("\n") if rec["regions"] else []
+
+
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -127,26 +206,27 @@ def render(
     deferred_until: datetime | None = None,
 ) -> Decision:
     """Explain a record: every site with its rejection reasons, or its score terms and total."""
-    if rec.get("v") != RECORD_VERSION:
-        raise ValueError(f"decision record version {rec.get('v')} is not {RECORD_VERSION}")
+    if rec.get("v") not in READABLE_VERSIONS:
+        raise ValueError(f"decision record version {rec.get('v')} is not one this release reads "
+                         f"({', '.join(map(str, READABLE_VERSIONS))})")
     sites = rec["sites"].split("\n") if rec["sites"] else []
-    failures = unpack(rec["failures"], "u2").tolist()
+    failures_array = unpack(rec["failures"], "u2")
+    failures = failures_array.tolist()
     view = _View(
         unpack(rec["free"], "i4").tolist(),
         unpack(rec["shared"], "i2").tolist(),
         unpack(rec["memory_gib"], "f4").tolist(),
-        rec["regions"].split("\n") if rec["regions"] else [],
+        _regions(rec),
         unpack(rec["quota_room"], "f8").tolist() if "quota_room" in rec else None,
         unpack(rec["quota_np_room"], "f8").tolist() if "quota_np_room" in rec else None,
         rec.get("quota_listed", True),
         rec.get("refusals"),
         sites,
     )
-    terms = [
-        (t["scorer"], t["weight"], unpack(t["raw"], "f8").tolist(), unpack(t["normalised"], "f8").tolist())
-        for t in rec["terms"]
-    ]
-    totals = unpack(rec["totals"], "f8").tolist()
+    raws, norms, totals_array = scores(rec, failures_array)
+    terms = [(t["scorer"], t["weight"], raw.tolist(), norm.tolist())
+             for t, raw, norm in zip(rec["terms"], raws, norms, strict=True)]
+    totals = totals_array.tolist()
     codes: list[str] = rec["filters"]
     passed: dict[str, str] = rec.get("passed_over") or {}
     verdicts: list[SiteVerdict] = []

@@ -156,6 +156,8 @@ class Pipeline:
         self._passes = tuple(getattr(f, "passes_fit", None) or _on_request(f.passes) for f in self.filters)
         self._raws = tuple(getattr(w.scorer, "raw_fit", None) or _on_request(w.scorer.raw) for w in self.scorers)
         self._lower_mask = np.array([not w.scorer.higher_is_better for w in self.scorers], dtype=bool)
+        # Each weighted scorer's name -> whether lower raw values are better (what an explanation record keeps).
+        self.lower_is_better: dict[str, bool] = {w.scorer.name: not w.scorer.higher_is_better for w in self.scorers}
         self._weight_list = np.array([w.weight for w in self.scorers], dtype=np.float64)
         self._heads = tuple((w.scorer.name, w.weight) for w in self.scorers)  # each term's scorer and weight
 

@@ -9,7 +9,8 @@ Each profile and baseline decides a stream of distinct requests on a seeded fede
 and each placement is assumed into its own working copy, so every later decision sees the debited
 capacity (and any cache that failed to follow it would show). For every decision the two must agree on
 the site, the model, every filter's answer, the feasible sites, every raw and normalised term and the
-totals, and produce the same explanation record (``policies.explain.record``, bit for bit).
+totals, and produce the same explanation record (``policies.explain.record``, bit for bit), whose raw
+values read back (``policies.explain.scores``) give the decision's normalised values and totals, bit for bit.
 """
 
 from __future__ import annotations
@@ -387,7 +388,13 @@ def assert_same(new: Placement, ref: Placement, pipeline: Pipeline, snap_new: Sn
             f"{where}: {a.scorer} normalised"
     assert np.allclose(new.totals, ref.totals, rtol=1e-12, atol=0.0, equal_nan=True), f"{where}: totals"
     # The explanation the store keeps: every array packed to bytes, so this is equality bit for bit.
-    assert explain.record(pipeline, new, snap_new) == explain.record(pipeline, ref, snap_ref), where
+    rec = explain.record(pipeline, new, snap_new)
+    assert rec == explain.record(pipeline, ref, snap_ref), where
+    # It keeps the raw values only; read back, it gives the decision's normalised values and totals, to the bit.
+    _, norms, totals = explain.scores(rec)
+    for term, norm in zip(new.terms, norms, strict=True):
+        assert norm.tobytes() == np.asarray(term.normalised, dtype=np.float64).tobytes(), f"{where}: {term.scorer}"
+    assert totals.tobytes() == new.totals.tobytes(), f"{where}: totals"
 
 
 @pytest.mark.parametrize("seed", [1, 2], ids=lambda s: f"federation {s}")

@@ -7,6 +7,7 @@ shipped Electricity Maps slice (data/carbon, June 2022). Every site is healthy w
 from __future__ import annotations
 
 from datetime import UTC, datetime
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from broker import ids
 from broker.config import load_config
 from broker.data.carbon import load_carbon
 from broker.models import Health, ModelCapacity, SiteState, Telemetry
+from policies import explain
 from policies.profiles import ProfileError, ProfilesConfig, pipeline_for, profile_pipeline
 from policies.scorers.carbon import CarbonScorer
 from policies.scorers.cost import CostScorer
@@ -148,3 +150,34 @@ def test_offpeak_counts_the_exact_share_of_the_run_outside_business_hours() -> N
     assert raw["london"] == pytest.approx(0.75)
     # Tokyo: 01:30 to 03:30 on Saturday, all outside.
     assert raw["tokyo"] == pytest.approx(1.0)
+
+
+def test_a_decision_recorded_by_the_release_before_explains_it_as_this_release_does() -> None:
+    """A job's explanation is kept with it, so records an earlier broker stored must still read. That release
+    kept version 2 (``tests/data/decision-record-v2.json``, written by 649430b for this decision: the
+    normalised values and totals stored, a region name per site); this one keeps version 3 (raw values
+    only, worked out again when read)."""
+    stored = json.loads((ROOT / "tests" / "data" / "decision-record-v2.json").read_text())
+    snap = snapshot(FRIDAY_1400, temperatures={"toronto": 85.0, "ashburn": 55.0})
+    req = request(model=None, count=16, origin_region="gcp:europe-west3", duration_s=4 * 3600.0,
+                  denied_regions=frozenset({"gcp:australia-southeast1"}))
+    pipeline = pipeline_for({"carbon": 1.0, "cost": 0.5, "latency": 0.3, "free_gpus": 0.2, "follow_sun_offpeak": 0.2,
+                             "follow_sun_solar": 0.1, "telemetry": 0.4})
+    filters = {f.code: f for f in pipeline.filters}
+    rec = explain.record(pipeline, pipeline.decide(req, snap), snap)
+    assert (stored["v"], rec["v"]) == (2, 3)
+    assert "totals" not in rec and not any("normalised" in t for t in rec["terms"])
+    assert len(json.dumps(rec)) < len(json.dumps(stored))
+    before, now = explain.render(stored, req, filters, 1), explain.render(rec, req, filters, 1)
+    assert before == now
+    assert now.site == "losangeles" and now.summary.startswith("placed on losangeles")
+    feasible = [v for v in now.sites if v.feasible]
+    assert len(feasible) == 5 and len(now.sites) == 8
+    rejected = {v.site: v.reasons for v in now.sites if not v.feasible}
+    assert rejected.keys() == {"london", "toronto", "sydney"}
+    assert rejected["sydney"] == ["region-not-allowed: region gcp:australia-southeast1 is denied by the job"]
+    best = next(v for v in feasible if v.site == "losangeles")
+    assert best.score == max(v.score for v in feasible)
+    assert best.score == pytest.approx(sum(t.weighted for t in best.terms))
+    with pytest.raises(ValueError, match="version 1 is not one this release reads"):
+        explain.render({**rec, "v": 1}, req, filters, 1)
