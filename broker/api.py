@@ -673,7 +673,11 @@ async def job_decision(request: web.Request) -> web.Response:
     if stored is None:
         raise ApiError(404, f"job {job.id} has not been decided yet; the next scheduling cycle decides it")
     req = JobRequest.from_spec(job.id, job.spec, frozenset(stored.record.get("excluded", ())))
-    decision = explain.render(stored.record, req, broker.cycle.filters, stored.attempt)
+    try:
+        decision = explain.render(stored.record, req, broker.cycle.filters, stored.attempt)
+    except explain.RecordVersionError as e:  # a later release's replica decided it: this one cannot explain it
+        raise ApiError(501, f"job {job.id}'s decision cannot be explained by this broker: {e}; a later release "
+                            "of heliotrope recorded it (upgrade this replica)") from None
     return _json(decision)
 
 

@@ -34,6 +34,11 @@ RECORD_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 
 
+class RecordVersionError(ValueError):
+    """A decision record of a version this release does not read: written by a later release (a replica of
+    it shares the database), or not a record at all."""
+
+
 def pack(values: np.ndarray, dtype: str) -> str:
     """An array as base64 of its little-endian bytes: compact, and cheap to encode and decode."""
     return base64.b64encode(np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
@@ -207,8 +212,8 @@ def render(
 ) -> Decision:
     """Explain a record: every site with its rejection reasons, or its score terms and total."""
     if rec.get("v") not in READABLE_VERSIONS:
-        raise ValueError(f"decision record version {rec.get('v')} is not one this release reads "
-                         f"({', '.join(map(str, READABLE_VERSIONS))})")
+        raise RecordVersionError(f"decision record version {rec.get('v')} is not one this release reads "
+                                 f"({', '.join(map(str, READABLE_VERSIONS))})")
     sites = rec["sites"].split("\n") if rec["sites"] else []
     failures_array = unpack(rec["failures"], "u2")
     failures = failures_array.tolist()

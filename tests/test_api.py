@@ -212,6 +212,23 @@ async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_s
     }
 
 
+async def test_a_decision_a_later_release_recorded_is_refused_by_name_not_with_a_server_error(client: TestClient):
+    # Replicas share the database, so during an upgrade an older one may read a record a newer one wrote.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json=MINIMAL)).json()
+    await wait_for(client, job["id"], {"running", "succeeded"})
+    store = client.broker.store  # type: ignore[attr-defined]
+    stored = await store.get_decision(job["id"])
+    await store.save_decision(job["id"], stored.attempt, {**stored.record, "v": 99})
+    r = await client.get(f"/v1/jobs/{job['id']}/decision")
+    assert r.status == 501
+    message = (await r.json())["error"]["message"]
+    assert "decision record version 99 is not one this release reads (2, 3)" in message
+    assert "upgrade this replica" in message
+    await store.save_decision(job["id"], stored.attempt, stored.record)  # what it wrote itself still explains
+    assert (await (await client.get(f"/v1/jobs/{job['id']}/decision")).json())["site"] == "berlin"
+
+
 async def test_a_cancelled_running_job_stops_and_gives_its_gpus_back(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     job = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 8}, "duration_s": 600})).json()
