@@ -675,9 +675,11 @@ async def job_decision(request: web.Request) -> web.Response:
     req = JobRequest.from_spec(job.id, job.spec, frozenset(stored.record.get("excluded", ())))
     try:
         decision = explain.render(stored.record, req, broker.cycle.filters, stored.attempt)
-    except explain.RecordVersionError as e:  # a later release's replica decided it: this one cannot explain it
-        raise ApiError(501, f"job {job.id}'s decision cannot be explained by this broker: {e}; a later release "
-                            "of heliotrope recorded it (upgrade this replica)") from None
+    except explain.RecordVersionError as e:  # e.g. a later release's replica decided it: this one cannot read it
+        version = stored.record.get("v")
+        later = ("; a later release of heliotrope recorded it (upgrade this replica)"
+                 if isinstance(version, int) and version > explain.RECORD_VERSION else "")
+        raise ApiError(501, f"job {job.id}'s decision cannot be explained by this broker: {e}{later}") from None
     return _json(decision)
 
 

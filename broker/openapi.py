@@ -317,7 +317,9 @@ def _paths() -> dict[str, Any]:
             "parameters": [job_id],
             "get": {
                 "summary": "Why the job went where it went",
-                "responses": _answers(_json_body(_ref("Decision"), "the latest decision"), 404),
+                "responses": {**_answers(_json_body(_ref("Decision"), "the latest decision"), 404),
+                              "501": _json_body(_ref("Error"), "the decision's record is of a version this broker "
+                                                               "does not read (a later release's replica wrote it)")},
             },
         },
         "/v1/jobs/{id}/events": {

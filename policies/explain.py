@@ -5,11 +5,13 @@ values), so ``render`` can explain any site later without re-running the decisio
 array packings; rendering builds one verdict per site and runs only when someone asks.
 
 Record versions (``v``): 3 keeps each term's raw values and whether lower is better, and ``render`` works
-the normalised values and totals out again from them, with the pipeline's own arithmetic
-(:func:`normalise`), so they are the decision's to the bit; the regions are each site's index into the
+the normalised values and totals out again from them with the same arithmetic as the pipeline's compiled
+pass (:func:`normalise`), so they are the decision's to the bit; the regions are each site's index into the
 distinct region names. That is a third less than version 2, which stored the normalised values and totals
-as well, and every region name once per site (156 KiB at a thousand sites and seven scorers, against about
-100). ``render`` reads both versions: records already stored keep their explanations.
+as well, and every region name once per site (156 KiB at a thousand sites and seven scorers, against 104).
+``render`` reads both versions: records already stored keep their explanations. A change to how the
+pipeline normalises (``policies.pipeline.TIE_EPSILON`` included) needs a new record version, so that the
+records already stored are read as they were decided.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def _site_fields(snap: Snapshot) -> dict[str, str]:
     names one per line; the distinct region names one per line and each site's index among them, packed
     (the region names themselves one per site where there are too many distinct ones for two bytes)."""
     fields = {"sites": "\n".join(snap.sites)}
-    if len(snap.region_names) <= 0xFFFF and snap.region_code.shape[0] == snap.n_sites:
+    if len(snap.region_names) <= 0xFFFF:
         fields["region_names"] = "\n".join(snap.region_names)
         fields["region_code"] = pack(snap.region_code, "u2")
     else:
@@ -131,13 +133,22 @@ def normalise(raws: Sequence[np.ndarray], lower: Sequence[bool], weights: Sequen
     operation, so the numbers are the same to the bit: negated where lower is better, then
     ``(r - min) / (max - min)``, or all 0 where that span is not above ``TIE_EPSILON`` or a value is NaN;
     the totals add ``row × weight`` in term order."""
+    with np.errstate(invalid="ignore", over="ignore"):  # infinite raw values: NaN as in the kernel, which is silent
+        return _normalise(raws, lower, weights, feasible)
+
+
+def _normalise(raws: Sequence[np.ndarray], lower: Sequence[bool], weights: Sequence[float],
+               feasible: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     norms: list[np.ndarray] = []
     totals = np.zeros(feasible.shape[0])
     for i, (raw, low, weight) in enumerate(zip(raws, lower, weights, strict=True)):
         row = raw[feasible]
         if low:
             row = -row
-        if row.size and not np.isnan(row).any() and (span := row.max() - (lo := row.min())) > TIE_EPSILON:
+        # The first least and greatest values in site order, as the kernel takes them (of 0.0 and -0.0, the
+        # first: min and max may give either, and the sign of a zero survives into the normalised values).
+        if row.size and not np.isnan(row).any() and (
+                span := row[row.argmax()] - (lo := row[row.argmin()])) > TIE_EPSILON:
             row = (row - lo) / span
         else:
             row = np.zeros(row.shape[0])

@@ -40,7 +40,7 @@ from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies.migration import MigrationPolicy
 from policies.timeshift import ShiftPolicy
 
-TIE_EPSILON = 1e-9
+TIE_EPSILON = 1e-9  # (decision records of version 3 are normalised again with it: changing it needs a new one)
 _FLOAT64 = np.dtype(np.float64)
 _new_tuple = tuple.__new__  # a TermArrays made without its Python-level __new__ (one per scorer per decision)
 _T = TypeVar("_T")

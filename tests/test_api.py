@@ -225,6 +225,11 @@ async def test_a_decision_a_later_release_recorded_is_refused_by_name_not_with_a
     message = (await r.json())["error"]["message"]
     assert "decision record version 99 is not one this release reads (2, 3)" in message
     assert "upgrade this replica" in message
+    await store.save_decision(job["id"], stored.attempt, {**stored.record, "v": 1})  # no release still writes it
+    r = await client.get(f"/v1/jobs/{job['id']}/decision")
+    assert r.status == 501
+    message = (await r.json())["error"]["message"]
+    assert "decision record version 1 is not one this release reads" in message and "upgrade" not in message
     await store.save_decision(job["id"], stored.attempt, stored.record)  # what it wrote itself still explains
     assert (await (await client.get(f"/v1/jobs/{job['id']}/decision")).json())["site"] == "berlin"
 

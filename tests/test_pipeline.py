@@ -4,7 +4,7 @@ it did not go to (filters, then most free GPUs, then the first site by name)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -475,6 +475,23 @@ def test_a_decision_explains_every_site_with_score_terms_or_reasons() -> None:
     }
     assert [by_site[n].score for n in ("amsterdam", "tokyo", "zurich")] == [0.0, 2.0, 1.0]
     assert all(v.reasons == [] for v in d.sites if v.feasible)
+
+
+def test_a_record_names_each_sites_region_where_it_cannot_index_them() -> None:
+    """A record keeps each site's index among the distinct regions (version 3), or, where the snapshot has no
+    such index (more distinct regions than two bytes count), the region of each site by name; both explain
+    the same, region reasons included."""
+    sites = (*three_sites(), up("osaka", region="gcp:asia-northeast2", free={"a100-80gb": 8}))
+    spec = job(count=6, allowed_regions=["gcp:us-east1"])
+    indexed = decide(sites, spec)
+    snap = snapshot(*sites)
+    many = (*snap.region_names, *(f"gcp:elsewhere-{i}" for i in range(0x10000)))  # (sites' indices unchanged)
+    by_name = decide(sites, spec, snap=replace(snap, region_names=many))
+    assert "region_code" in indexed.record and "regions" not in indexed.record
+    assert "regions" in by_name.record and "region_code" not in by_name.record
+    assert by_name.decision == indexed.decision
+    assert by_name.reasons()["osaka"] == ["region-not-allowed: region gcp:asia-northeast2 is not among the job's "
+                                          "allowed regions (gcp:us-east1)"]
 
 
 def test_a_record_survives_json_and_explains_the_same_decision_later() -> None:

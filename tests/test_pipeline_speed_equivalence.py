@@ -15,6 +15,7 @@ values read back (``policies.explain.scores``) give the decision's normalised va
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -387,6 +388,10 @@ def assert_same(new: Placement, ref: Placement, pipeline: Pipeline, snap_new: Sn
         assert np.allclose(a.normalised, b.normalised, rtol=1e-12, atol=0.0, equal_nan=True), \
             f"{where}: {a.scorer} normalised"
     assert np.allclose(new.totals, ref.totals, rtol=1e-12, atol=0.0, equal_nan=True), f"{where}: totals"
+    # (and to the bit, as the records compared below once did when they kept the normalised values)
+    for a, b in zip(new.terms, ref.terms, strict=True):
+        assert a.normalised.tobytes() == b.normalised.tobytes(), f"{where}: {a.scorer} normalised"
+    assert new.totals.tobytes() == ref.totals.tobytes(), f"{where}: totals"
     # The explanation the store keeps: every array packed to bytes, so this is equality bit for bit.
     rec = explain.record(pipeline, new, snap_new)
     assert rec == explain.record(pipeline, ref, snap_ref), where
@@ -503,6 +508,28 @@ def test_the_compiled_free_gpu_sum_is_the_numpy_one(n: int, c: int, data: st.Dat
     assert got.dtype == np.int64 and got.tolist() == np.add.reduce(free * mask, axis=1, dtype=np.int_).tolist()
 
 
+_AWKWARD = st.sampled_from([0.0, -0.0, 1.0, -1.0, math.nan, math.inf, -math.inf, 1e-10, 5e-10, 2.5, -3.0, 1e300,
+                            -1e300, 5e-324])
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 24), terms=st.integers(1, 4), data=st.data())
+def test_a_record_normalises_its_raw_values_again_as_the_kernel_did(n: int, terms: int, data: st.DataObject) -> None:
+    """``explain.normalise`` (what reading a record of version 3 does) against the pipeline's kernel, bit for
+    bit, signed zeros, NaN, infinities and spans at the tie tolerance included."""
+    values = _AWKWARD | st.floats(-1e6, 1e6)
+    raws = tuple(np.array(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=np.float64) for _ in range(terms))
+    feasible = np.flatnonzero(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    if not feasible.size:  # (the pipeline normalises nothing then)
+        feasible = np.array([n - 1])
+    lower = data.draw(st.lists(st.booleans(), min_size=terms, max_size=terms))
+    weights = data.draw(st.lists(st.sampled_from([1.0, 0.5, 0.3, 0.1, 2.0]), min_size=terms, max_size=terms))
+    norm, totals, _ = _scores.gather_normalise(raws, feasible, np.array(lower), np.array(weights), TIE_EPSILON)
+    again, again_totals = explain.normalise(list(raws), lower, weights, feasible)
+    assert [row.tobytes() for row in again] == [row.tobytes() for row in norm]
+    assert again_totals.tobytes() == totals.tobytes()
+
+
 @dataclass(frozen=True)
 class _Fixed:
     """A scorer of an operator's own whose raw values are one array, whatever the job."""
@@ -554,5 +581,13 @@ def test_scorers_of_any_array_type_are_normalised_as_one_term_at_a_time_and_comp
             for a, b in zip(placement.terms, terms, strict=True):
                 assert a.scorer == b.scorer and a.raw is b.raw  # the scorer's own array, not the kernel's copy
                 assert np.array_equal(a.normalised, b.normalised, equal_nan=True), a.scorer
+            # Its explanation record reads back the same numbers, to the bit: worked out again from the raw
+            # values where the kernel normalised them, kept in the record where a term took the NumPy path.
+            rec = explain.record(pipeline, placement, base)
+            _, norms, rec_totals = explain.scores(rec)
+            assert rec_totals.tobytes() == placement.totals.tobytes()
+            for a, norm in zip(placement.terms, norms, strict=True):
+                assert norm.tobytes() == np.asarray(a.normalised, dtype=np.float64).tobytes(), a.scorer
+            assert ("totals" in rec) == any(s.name == "single" for s in scorers)
     assert len(_scores.gather_normalise.signatures) == compiled
     assert odd[0].values.flags.writeable and odd[1].values.flags.writeable  # the scorers' arrays are left as they were
