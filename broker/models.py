@@ -69,10 +69,18 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Spec(Strict):
+    """What a user or an operator writes (a job, a site, its quotas, its adapter): every number finite. JSON's
+    ``NaN`` and ``Infinity`` (which Python's parser accepts) and YAML's ``.nan`` and ``.inf`` are refused by
+    name, since a stored one could not be read back as the same number (the store's JSON writes it as null)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
 # --- sites --------------------------------------------------------------------------------------------
 
 
-class NodeGroup(Strict):
+class NodeGroup(Spec):
     """A group of identical nodes: ``nodes`` machines with ``gpus_per_node`` GPUs of one model each."""
 
     model: GpuModelId
@@ -117,7 +125,7 @@ def mig_slices(profile: str) -> int:
     return int(match.group(1))
 
 
-class TenantQuota(Strict):
+class TenantQuota(Spec):
     """A tenant's local quota at one site; enforced by the site (see ``policies.quota``).
 
     A tenant holds at most ``guaranteed_gpus + burst_gpus`` GPUs (fractions count as their share). Its
@@ -132,7 +140,7 @@ class TenantQuota(Strict):
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
 
 
-class FairSharePolicy(Strict):
+class FairSharePolicy(Spec):
     """How a site divides what is left once guarantees are met (``policies.fairshare``).
 
     ``mode``: ``time`` weighs each tenant's share by its decayed usage over the sliding window (a tenant that
@@ -151,7 +159,7 @@ class FairSharePolicy(Strict):
     )
 
 
-class SimulatedAdapterConfig(Strict):
+class SimulatedAdapterConfig(Spec):
     """A simulated site: runs jobs for their duration on the broker's clock."""
 
     kind: Literal["simulated"] = "simulated"
@@ -163,7 +171,7 @@ class SimulatedAdapterConfig(Strict):
                                   "folder for site state, beside its database)")
 
 
-class KubernetesAdapterConfig(Strict):
+class KubernetesAdapterConfig(Spec):
     """A Kubernetes cluster (``adapters.kubernetes``): GPUs from its Nodes, jobs as batch/v1 Jobs in the tenant's
     namespace (``namespace_prefix`` + tenant), quotas mirrored as ResourceQuota objects."""
 
@@ -186,7 +194,7 @@ class KubernetesAdapterConfig(Strict):
                     "write a checkpoint, should be shorter)")
 
 
-class MqttSettings(Strict):
+class MqttSettings(Spec):
     """How to reach the MQTT broker (Mosquitto or any MQTT 3.1.1 broker) that carries the site protocol."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
@@ -219,7 +227,7 @@ class MqttSettings(Strict):
         return self.tls or self.ca_file is not None or self.cert_file is not None
 
 
-class RemoteAdapterConfig(Strict):
+class RemoteAdapterConfig(Spec):
     """A site run by a site agent (``heliotrope agent``) that reaches the broker over MQTT
     (``adapters.remote``; the protocol is ``adapters.mqtt_protocol``). The broker's ``mqtt`` setting names the
     MQTT broker; the site's agent publishes its capacity and events there and takes dispatches from it."""
@@ -236,7 +244,7 @@ AdapterConfig = Annotated[SimulatedAdapterConfig | KubernetesAdapterConfig | Rem
                           Field(discriminator="kind")]
 
 
-class SiteSpec(Strict):
+class SiteSpec(Spec):
     """What a platform team registers: where a site is, what GPUs it has, what they cost, who may use them."""
 
     name: Slug
@@ -379,7 +387,7 @@ class SiteState(Strict):
 # --- jobs ---------------------------------------------------------------------------------------------
 
 
-class GpuRequest(Strict):
+class GpuRequest(Spec):
     """GPUs a job needs: ``count`` whole GPUs, a share of one GPU, or MIG slices.
 
     - Whole GPUs: ``count`` of them, all at once or none (a gang); ``memory_gib`` is the least memory each
@@ -425,7 +433,7 @@ class GpuRequest(Strict):
         return self.milli < 1000 or self.shared
 
 
-class JobSpec(Strict):
+class JobSpec(Spec):
     """What a submitter sends. Only ``tenant``, ``name``, ``gpus`` and ``duration_s`` are required."""
 
     tenant: Slug

@@ -137,7 +137,13 @@ async def run(
     logging.getLogger("heliotrope.jobs").setLevel(logging.INFO if log_jobs else logging.WARNING)
     tls = check_startup(settings)
     broker = Broker(settings)
-    await broker.start(sites)
+    try:
+        await broker.start(sites)
+    except BaseException:
+        # What it opened (the store's writer thread, the sites, the MQTT hub) would keep the process alive.
+        with contextlib.suppress(Exception):
+            await broker.stop()
+        raise
     runner = web.AppRunner(create_app(broker), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, ssl_context=tls)

@@ -496,3 +496,29 @@ async def test_an_unknown_profile_is_refused_naming_the_field(client: TestClient
     body = await r.json()
     assert words in body["error"]["message"]
     assert [f["field"] for f in body["error"]["fields"]] == ["profile"]
+
+
+async def test_nan_and_infinity_are_refused_by_field_and_nothing_of_them_is_stored(client: TestClient):
+    # Python's JSON parser takes the bare tokens NaN and Infinity; the store would write them back as null, and
+    # a site spec with a null RTT could not be read at the next start.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    headers = {"Content-Type": "application/json"}
+    site = '{"name": "paris", "region": "gcp:europe-west9", "grid_zone": "FR", "timezone": "Europe/Paris", ' \
+           '"latitude": 48.9, "longitude": 2.3, "gpus": [{"model": "l4", "gpus_per_node": 8, "nodes": 1}], ' \
+           '"adapter": {"kind": "simulated"}, "rtt_ms": {"gcp:europe-west9": NaN}, "usd_per_gpu_hour": {"l4": Infinity}}'
+    r = await client.post("/v1/sites", data=site, headers=headers)
+    assert r.status == 422
+    fields = {f["field"]: f["problem"] for f in (await r.json())["error"]["fields"]}
+    assert fields == {"rtt_ms.gcp:europe-west9": "Input should be a finite number",
+                      "usd_per_gpu_hour.l4": "Input should be a finite number"}
+    r = await client.put("/v1/sites/berlin/quota/t1", data='{"guaranteed_gpus": 2, "fair_share_weight": Infinity}',
+                         headers=headers)
+    assert r.status == 422
+    assert [f["field"] for f in (await r.json())["error"]["fields"]] == ["fair_share_weight"]
+    r = await client.post("/v1/jobs", data='{"tenant": "t1", "name": "n", "gpus": {"count": 1}, "duration_s": 60, '
+                                           '"latency_slo_ms": Infinity}', headers=headers)
+    assert r.status == 422
+    assert (await r.json())["error"]["fields"] == [{"field": "latency_slo_ms", "problem": "Input should be a finite number"}]
+    sites = await (await client.get("/v1/sites")).json()
+    assert [s["name"] for s in sites["items"]] == ["berlin"]
+    assert (await (await client.get("/v1/jobs")).json())["items"] == []

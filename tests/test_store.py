@@ -659,3 +659,32 @@ async def test_active_jobs_after_a_row_come_oldest_first_without_the_finished(st
     after = await store.active_after(seqs[1], 100)
     assert [j.id for _, j in after] == [jobs[3].id, jobs[4].id]
     assert [j.id for _, j in await store.active_after(0, 2)] == [jobs[0].id, jobs[2].id]
+
+
+async def test_a_stored_site_an_earlier_release_wrote_with_a_null_number_stops_the_start_by_name(tmp_path: Path):
+    """Releases before 2026-11-29 took NaN and Infinity in a site spec and stored them as null, which no spec
+    reads: the broker then says which site and field, and exits rather than hang on its open store."""
+    import threading
+
+    from broker.config import BrokerSettings
+    from broker.server import run
+    from broker.store import UnreadableSite
+
+    db = tmp_path / "h.db"
+    s = SQLiteStore(db)
+    await s.open()
+    spec = site("paris", rtt_ms={"gcp:europe-west9": 4.0})
+    await s.put_site(spec)
+    await s.close()
+    with sqlite3.connect(db) as conn:
+        doc = spec.model_dump_json().replace('"gcp:europe-west9":4.0', '"gcp:europe-west9":null')
+        assert doc != spec.model_dump_json()
+        conn.execute("UPDATE sites SET doc = ? WHERE name = 'paris'", (doc,))
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(UnreadableSite, match=r"site 'paris' cannot be read \(rtt_ms\.gcp:europe-west9: Input should "
+                                             r"be a valid number\); fix or delete its row of table sites"):
+        await asyncio.wait_for(run(BrokerSettings(db=str(db), port=0), []), 60)
+    await asyncio.sleep(0.1)
+    left = [t for t in threading.enumerate()  # (the loop's own executor, asyncio_N, closes with the loop)
+            if t.ident not in before and not t.daemon and not t.name.startswith("asyncio_")]
+    assert left == [], "a thread the failed start opened would keep the process alive"

@@ -97,7 +97,7 @@ from yarl import URL
 from broker.clock import Clock, SystemClock
 from broker.data.carbon import MAX_GAP_HOURS, CarbonData, CarbonDataError, load_carbon
 from broker.ids import UnknownIdentifier, grid_zone
-from broker.models import GridZoneId, Strict
+from broker.models import GridZoneId, Spec
 
 __all__ = [
     "HISTORY_PATH",
@@ -656,7 +656,7 @@ def _service_message(body: bytes) -> str:
 # --- configuration --------------------------------------------------------------------------------------
 
 
-class FilesCarbonConfig(Strict):
+class FilesCarbonConfig(Spec):
     """Carbon intensity from files: the shipped slice ``data/carbon`` or the shared Electricity Maps folder."""
 
     kind: Literal["files"]
@@ -664,7 +664,7 @@ class FilesCarbonConfig(Strict):
     lifecycle: bool = Field(default=False, description="life-cycle (LCA) intensity instead of direct")
 
 
-class HttpCarbonConfig(Strict):
+class HttpCarbonConfig(Spec):
     """Carbon intensity from a live Electricity Maps v3 API service."""
 
     kind: Literal["http"]

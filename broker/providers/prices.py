@@ -36,7 +36,7 @@ from pydantic import Field, TypeAdapter
 
 from broker import ids
 from broker.data.prices import PriceTable, load_gcp_prices
-from broker.models import SiteSpec, Strict
+from broker.models import SiteSpec, Spec
 
 __all__ = [
     "FilePriceProvider",
@@ -112,13 +112,13 @@ class FilePriceProvider:
 # --- configuration --------------------------------------------------------------------------------------
 
 
-class StaticPriceConfig(Strict):
+class StaticPriceConfig(Spec):
     """Prices from each site spec's ``usd_per_gpu_hour`` (the default)."""
 
     kind: Literal["static"]
 
 
-class FilesPriceConfig(Strict):
+class FilesPriceConfig(Spec):
     """Prices from the GCP price list by the site's region, falling back to the site spec."""
 
     kind: Literal["files"]

@@ -15,6 +15,7 @@ every scheduling write, that the row is still at that epoch and unexpired, and f
 from __future__ import annotations
 
 import base64
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from collections.abc import Awaitable
@@ -33,6 +34,27 @@ class Conflict(StoreError):
 
 class DuplicateKey(StoreError):
     """The job id, or the tenant's idempotency key, is already taken."""
+
+
+class UnreadableSite(StoreError):
+    """A stored site spec that this release cannot read (e.g. a NaN or an infinity an earlier release took,
+    which the store's JSON wrote as null)."""
+
+
+def site_from_doc(doc: str) -> SiteSpec:
+    """A stored site spec, or :class:`UnreadableSite` naming the site, each field and its problem."""
+    try:
+        return SiteSpec.model_validate_json(doc)
+    except ValueError as e:
+        try:
+            name = json.loads(doc).get("name", "?")
+        except ValueError:
+            name = "?"
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in getattr(e, "errors", list)())
+        raise UnreadableSite(
+            f"the stored spec of site {name!r} cannot be read ({problems or e}); fix or delete its row of table "
+            f"sites in the database, then start again"
+        ) from None
 
 
 class Fenced(StoreError):

@@ -43,6 +43,7 @@ from broker.store import (
     decode_cursor,
     encode_cursor,
     fence_error,
+    site_from_doc,
 )
 from broker.store.sql import SqlWriteQueue, Write
 
@@ -405,7 +406,7 @@ class PostgresStore(SqlWriteQueue):
 
     async def list_sites(self) -> list[SiteSpec]:
         rows = await self._all("SELECT doc FROM sites ORDER BY name")
-        return [SiteSpec.model_validate_json(r[0]) for r in rows]
+        return [site_from_doc(r[0]) for r in rows]
 
     # --- leadership ---
 

@@ -37,6 +37,7 @@ from broker.store import (
     decode_cursor,
     encode_cursor,
     fence_error,
+    site_from_doc,
     LEADER,
 )
 from broker.store.sql import SqlWriteQueue, Write
@@ -419,7 +420,7 @@ class SQLiteStore(SqlWriteQueue):
 
     async def list_sites(self) -> list[SiteSpec]:
         rows = await self._all("SELECT doc FROM sites ORDER BY name", ())
-        return [SiteSpec.model_validate_json(r[0]) for r in rows]
+        return [site_from_doc(r[0]) for r in rows]
 
     # --- learned state ---
 
