@@ -30,9 +30,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import yaml
 
@@ -196,9 +197,47 @@ def _load_document(path: str) -> Any:
     except OSError as e:
         raise CliError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        return yaml.safe_load(text)  # YAML is a superset of JSON
+        return _plain(yaml.safe_load(text))  # YAML is a superset of JSON
     except yaml.YAMLError as e:
         raise CliError(f"{path}: neither valid YAML nor JSON: {e}") from None
+
+
+def _plain(value: Any) -> Any:
+    """A YAML document as JSON has it: an unquoted timestamp (``deadline: 2030-01-01T00:00:00Z``), which YAML
+    reads as a date or time, becomes its ISO text again, so that the API reads it as it would the quoted one."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat() if value.tzinfo is None else value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, date):
+        return value.isoformat()
+    return value
+
+
+def _part(value: str) -> str:
+    """A job id, site or tenant name as one segment of an API path: escaped, so that ``../jobs/X`` or
+    ``name?x=1`` names that (no such) thing rather than another resource."""
+    return quote(value, safe="")
+
+
+async def _send_each(c: Client, path: str, docs: list[Any], what: str,
+                     headers_of: Any = lambda i: None) -> list[Any]:
+    """POST each document in turn; where the broker refuses one after others went in, say which did, so that
+    the rest can be sent again without sending those twice."""
+    sent: list[Any] = []
+    for i, doc in enumerate(docs):
+        try:
+            sent.append(await c.request("POST", path, doc, headers=headers_of(i)))
+        except ApiClientError as e:
+            if not sent:
+                raise
+            names = ", ".join(str(d.get("id") or d.get("name")) for d in sent)
+            raise CliError(f"{what} {i + 1} of {len(docs)} was refused: {_api_message(e)}\n"
+                           f"the {len(sent)} before it were accepted ({names}); send the rest again from {what} "
+                           f"{i + 1}") from None
+    return sent
 
 
 def _check_all(docs: list[Any], model: type[BaseModel], what: str) -> None:
@@ -233,10 +272,9 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 doc = _load_document(args.file)
                 specs = doc if isinstance(doc, list) else [doc]
                 _check_all(specs, JobSpec, "job")  # all or nothing: no job is sent if one is invalid
-                jobs = []
-                for i, spec in enumerate(specs):
-                    headers = {"Idempotency-Key": f"{args.idempotency_key}-{i}" if len(specs) > 1 else args.idempotency_key} if args.idempotency_key else None
-                    jobs.append(await c.request("POST", "/v1/jobs", spec, headers=headers))
+                key = args.idempotency_key
+                jobs = await _send_each(c, "/v1/jobs", specs, "job", lambda i: (
+                    {"Idempotency-Key": f"{key}-{i}" if len(specs) > 1 else key} if key else None))
                 out = jobs if isinstance(doc, list) else jobs[0]
                 text = table([_job_row(j) for j in jobs], ["id", "tenant", "name", "gpus", "state"])
             case "jobs":
@@ -245,13 +283,13 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 out = await c.list_all("/v1/jobs", params, limit=args.limit)
                 text = table([_job_row(j) for j in out], ["id", "tenant", "name", "gpus", "state", "site", "attempt", "updated"])
             case "job":
-                out = await c.request("GET", f"/v1/jobs/{args.id}")
+                out = await c.request("GET", f"/v1/jobs/{_part(args.id)}")
                 text = show_job(out)
             case "explain":
-                out = await c.request("GET", f"/v1/jobs/{args.id}/decision")
+                out = await c.request("GET", f"/v1/jobs/{_part(args.id)}/decision")
                 text = show_decision(out)
             case "cancel":
-                out = await c.request("POST", f"/v1/jobs/{args.id}/cancel")
+                out = await c.request("POST", f"/v1/jobs/{_part(args.id)}/cancel")
                 text = f"job {out['id']} {out['state']}"
             case "sites":
                 match args.action:
@@ -259,27 +297,27 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                         out = await c.list_all("/v1/sites")
                         text = table([_site_row(s) for s in out], SITE_COLUMNS)
                     case "get":
-                        out = await c.request("GET", f"/v1/sites/{args.name}")
+                        out = await c.request("GET", f"/v1/sites/{_part(args.name)}")
                         text = yaml.safe_dump(out, sort_keys=False).rstrip()
                     case "add":
                         doc = _load_document(args.file)
                         specs = doc if isinstance(doc, list) else [doc]
                         _check_all(specs, SiteSpec, "site")
-                        added = [await c.request("POST", "/v1/sites", s) for s in specs]
+                        added = await _send_each(c, "/v1/sites", specs, "site")
                         out = added if isinstance(doc, list) else added[0]
                         text = table([_site_row(s) for s in added], SITE_COLUMNS)
                     case "remove":
-                        await c.request("DELETE", f"/v1/sites/{args.name}")
+                        await c.request("DELETE", f"/v1/sites/{_part(args.name)}")
                         out = {"removed": args.name}
                         text = f"site {args.name} removed"
                     case "cordon" | "uncordon":
                         body = {"reason": args.reason} if args.action == "cordon" and args.reason else None
-                        out = await c.request("POST", f"/v1/sites/{args.name}/{args.action}", body)
+                        out = await c.request("POST", f"/v1/sites/{_part(args.name)}/{args.action}", body)
                         text = table([_site_row(out)], SITE_COLUMNS)
                     case _:
                         raise CliError(f"unknown sites action {args.action}")
             case "quota":
-                path = f"/v1/sites/{args.site}/quota"
+                path = f"/v1/sites/{_part(args.site)}/quota"
                 if args.set:  # a change of the fields given; the others keep their value
                     now = await c.request("GET", path, params={"tenant": args.set})
                     listed = [t for t in now["tenants"] if t["tenant"] == args.set and t["listed"]]
@@ -288,9 +326,9 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                     body.update({k: v for k, v in (("guaranteed_gpus", args.guaranteed), ("burst_gpus", args.burst),
                                                    ("fair_share_weight", args.weight), ("priority_ceiling", args.ceiling),
                                                    ("model", args.model)) if v is not None})
-                    out = await c.request("PUT", f"{path}/{args.set}", body)
+                    out = await c.request("PUT", f"{path}/{_part(args.set)}", body)
                 elif args.remove:
-                    out = await c.request("DELETE", f"{path}/{args.remove}")
+                    out = await c.request("DELETE", f"{path}/{_part(args.remove)}")
                 else:
                     out = await c.request("GET", path, params={"tenant": args.tenant} if args.tenant else None)
                 text = show_quota(out)

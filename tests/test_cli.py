@@ -224,3 +224,44 @@ def test_quota_shows_a_sites_tenants_and_sets_and_removes_one(capsys, server):
     assert code == 1 and "guaranteed_gpus" in err and "Traceback" not in err
     code, _, err = run(capsys, server, "quota", "nowhere")
     assert code == 1 and "no site named nowhere" in err
+
+
+def test_a_job_list_refused_part_way_says_which_jobs_went_in(capsys, server, tmp_path):
+    # A profile is checked by the broker only, so the first job is accepted before the second is refused.
+    path = tmp_path / "jobs.yaml"
+    good = {"tenant": "t1", "name": "first", "gpus": {"count": 1}, "duration_s": 60}
+    path.write_text(yaml.safe_dump([good, {**good, "name": "second", "profile": "no-such-profile"}]))
+    code, _, err = run(capsys, server, "submit", str(path))
+    assert code == 1 and "Traceback" not in err
+    code, out, _ = run(capsys, server, "--json", "jobs")
+    first = json.loads(out)
+    assert [j["spec"]["name"] for j in first] == ["first"]
+    assert "job 2 of 2 was refused" in err and "no-such-profile" in err
+    assert f"the 1 before it were accepted ({first[0]['id']}); send the rest again from job 2" in err
+
+
+def test_an_unquoted_yaml_deadline_is_read_as_the_time_it_names(capsys, server, tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("tenant: t1\nname: dated\ngpus: {count: 1}\nduration_s: 60\ndeadline: 2030-01-01T00:00:00Z\n")
+    code, out, err = run(capsys, server, "--json", "submit", str(path))
+    assert code == 0, err
+    assert json.loads(out)["spec"]["deadline"] in ("2030-01-01T00:00:00Z", "2030-01-01T00:00:00+00:00")
+    path.write_text("tenant: t1\nname: dated\ngpus: {count: 1}\nduration_s: 60\ndeadline: 2030-01-01\n")
+    code, _, err = run(capsys, server, "submit", str(path))
+    assert code == 1 and "deadline" in err and "Traceback" not in err
+
+
+def test_ids_and_names_are_one_path_segment_each(capsys, server, tmp_path):
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=600)))
+    job_id = json.loads(out)["id"]
+    # What would otherwise climb to another resource names no site, and touches nothing.
+    code, _, err = run(capsys, server, "sites", "remove", f"../jobs/{job_id}")
+    assert code == 1 and "Traceback" not in err
+    code, _, err = run(capsys, server, "sites", "remove", "alpha?x=1")
+    assert code == 1
+    code, out, _ = run(capsys, server, "--json", "job", job_id)
+    assert json.loads(out)["state"] != "cancelled"
+    code, out, _ = run(capsys, server, "sites", "list")
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["alpha", "beta"]
+    code, _, err = run(capsys, server, "job", "../sites/alpha")
+    assert code == 1 and "Traceback" not in err
