@@ -231,6 +231,11 @@ class Deferral:
     # n_passed_over): their GPUs are booked within the run, or kept for latency-bound jobs or as headroom.
     passed_over: Sequence[tuple[int, str]] = ()  # a tuple, or TurnedAway
     n_passed_over: int = 0
+    # value_now and best_now are what the plan compared: the forecast objective plus, where the policy prices
+    # the room kept for latency-bound jobs, that price for the room a start now would take. These are the
+    # forecast objective alone (NaN: not worked out; the same as value_now / best_now where no room is taken).
+    forecast_now: float = math.nan
+    forecast_best_now: float = math.nan
 
     placed = False
 
@@ -241,13 +246,28 @@ class Deferral:
             return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because no site can take it now without "
                     f"breaking a plan; reserved on {then} ({self.value_then:.3g} {unit} forecast)"
                     + self._passed_text(sites) + self._risk_text())
-        saving = 1.0 - self.value_then / self.value_now if self.value_now > 0 else 0.0
+        now = self._forecast(self.forecast_now, self.value_now)
+        saving = 1.0 - self.value_then / now if now > 0 else 0.0
         text = (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because {self.objective} forecast on {then} is "
-                f"{self.value_then:.3g} {unit} against {self.value_now:.3g} {unit} starting now on "
-                f"{sites[self.now_site]} ({saving:.0%} less)")
+                f"{self.value_then:.3g} {unit} against {now:.3g} {unit} starting now on "
+                f"{sites[self.now_site]} ({saving:.0%} less)"
+                + self._room_text(self.value_now - now, unit, sites[self.now_site]))
         if self.best_now_site >= 0 and self.best_now_site != self.now_site:
-            text += f"; the best start now, on {sites[self.best_now_site]}, is {self.best_now:.3g} {unit}"
+            best = self._forecast(self.forecast_best_now, self.best_now)
+            text += (f"; the best start now, on {sites[self.best_now_site]}, is {best:.3g} {unit}"
+                     + self._room_text(self.best_now - best, unit, sites[self.best_now_site]))
         return text + self._passed_text(sites) + self._risk_text()
+
+    @staticmethod
+    def _forecast(pure: float, compared: float) -> float:
+        return pure if pure == pure else compared
+
+    @staticmethod
+    def _room_text(price: float, unit: str, site: str) -> str:
+        """The price of the room kept for latency-bound jobs that a start now would take, where it has one."""
+        if not price > 1e-9:  # (none taken: the two differ by rounding at most)
+            return ""
+        return f"; a start now on {site} would also take room kept for latency-bound jobs, priced at {price:.3g} {unit}"
 
     def _passed_text(self, sites: tuple[str, ...]) -> str:
         if not self.n_passed_over:
@@ -262,8 +282,10 @@ class Deferral:
                 f"goes from {self.risk_now:.1%} to {self.risk_then:.1%}")
 
     def as_dict(self, sites: tuple[str, ...]) -> dict[str, object]:
+        now = self._forecast(self.forecast_now, self.value_now)
         return {"site": sites[self.site], "start": self.start.isoformat(), "objective": self.objective,
-                "value_then": self.value_then, "value_now": self.value_now if math.isfinite(self.value_now) else None,
+                "value_then": self.value_then, "value_now": now if math.isfinite(now) else None,
+                **({"room_price_now": self.value_now - now} if self.value_now - now > 1e-9 else {}),
                 "now_site": sites[self.now_site] if self.now_site >= 0 else None,
                 "deadline_risk": ({"now": self.risk_now, "then": self.risk_then}
                                   if self.risk_then == self.risk_then else None),
@@ -698,10 +720,39 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
             risk_now=float(risk[0]) if risk.size else math.nan,
             risk_then=float(risk[slot + 1]) if risk.size else math.nan,
             passed_over=passed, n_passed_over=n_passed,
+            forecast_now=(_forecast_now(now_site, _rate_at(snap, chosen.model, now_site, carbon), need, d_h, into_h,
+                                        forecast, cum, carbon, best_now) if now_site >= 0 and ok[now_site]
+                          else best_now),
+            forecast_best_now=(_forecast_now(anywhere_site, float(per_gpu[anywhere_site]), need, d_h, into_h,
+                                             forecast, cum, carbon, anywhere_now) if anywhere_site >= 0
+                               and ok[anywhere_site] else anywhere_now),
         )
     if now_site >= 0:
         return chosen
     return _over_plan(placement, passed, n_passed)
+
+
+def _rate_at(snap: Snapshot, column: int, site: int, carbon: bool) -> float:
+    """kW per GPU of the model column (carbon), or its USD per GPU-hour at the site: ``start_now``'s rate."""
+    return float(TDP_KW[column]) if carbon else float(np.nan_to_num(snap.usd_per_gpu_hour[site, column], nan=np.inf))
+
+
+def _forecast_now(site: int, rate: float, need: float, d_h: float, into_h: float, forecast: np.ndarray,
+                  cum: np.ndarray, carbon: bool, compared: float) -> float:
+    """The objective of a run starting now at ``site``, as :func:`policies._shift_search.start_now` values it
+    but without the price of the room kept for latency-bound jobs that it takes: what the explanation reports
+    as the forecast. ``compared`` (the value the plan compared, price included) where it cannot be worked out."""
+    if not carbon:
+        return rate * need * d_h
+    if forecast.shape[0] <= site or not forecast.shape[1]:
+        return compared
+    hours = forecast.shape[1]
+
+    def integral(t: float) -> float:  # _shift_search._integral
+        h = min(int(math.floor(t)), hours - 1)
+        return float(cum[site, h] + (t - h) * forecast[site, h])
+
+    return rate * need * (integral(into_h + d_h) - integral(into_h)) / 1000.0
 
 
 def _over_plan(placement: Placement, passed: Sequence[tuple[int, str]], n_passed: int) -> Placement | None:

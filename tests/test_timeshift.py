@@ -533,3 +533,29 @@ def test_with_book_overruns_a_deferral_onto_gpus_held_past_every_clean_hour_is_p
     assert not isinstance(outcome, Deferral) and outcome.placed and snap.sites[outcome.site] == "toronto"
     outcome = decide(green(), request(), snap)
     assert isinstance(outcome, Deferral) and (snap.sites[outcome.site], outcome.slot) == ("ashburn", 3)
+
+
+def test_a_deferral_reports_the_forecast_of_starting_now_and_the_price_of_the_room_it_would_take_apart() -> None:
+    # Toronto keeps room for 6 A100s of latency-bound work (it held that much each hour of the samples): a
+    # start now there takes 4 of it for 2 h, priced at 0.1 kg CO2e per GPU-hour. The plan compares 0.96 kg of
+    # forecast plus that price; the explanation gives the forecast and the price apart, each as what it is.
+    snap = snapshot(NOON, FLAT)
+    samples = np.zeros((3, *snap.total_gpus.shape), dtype=np.float32)
+    samples[:, snap.index["toronto"], A100] = 6.0
+    snap = replace(snap, near_samples=samples, near_booked=np.zeros(snap.plan_free.shape))
+    outcome = decide(green(latency_reserve=1.0, latency_reserve_price=0.1), request(), snap)
+    assert isinstance(outcome, Deferral) and snap.sites[outcome.now_site] == "toronto"
+    forecast_now = 4 * TDP_KW[A100] * 2 * 300.0 / 1000.0  # 4 GPUs, 2 h at 300 g/kWh: 0.96 kg
+    assert outcome.forecast_now == pytest.approx(forecast_now)
+    price = outcome.value_now - outcome.forecast_now
+    assert price > 0.1  # what the plan compared: the forecast and the room's price
+    text = outcome.reason(snap.sites)
+    assert (f"is {outcome.value_then:.3g} kg CO2e against {forecast_now:.3g} kg CO2e starting now on toronto "
+            f"({1 - outcome.value_then / forecast_now:.0%} less); a start now on toronto would also take room kept "
+            f"for latency-bound jobs, priced at {price:.3g} kg CO2e") in text
+    as_dict = outcome.as_dict(snap.sites)
+    assert as_dict["value_now"] == pytest.approx(forecast_now) and as_dict["room_price_now"] == pytest.approx(price)
+    # Where no room is taken, the two are one, and nothing is said of a price.
+    plain = decide(green(), request(), snapshot(NOON, FLAT))
+    assert plain.forecast_now == plain.value_now and "priced at" not in plain.reason(snap.sites)
+    assert "room_price_now" not in plain.as_dict(snap.sites)
