@@ -250,6 +250,8 @@ class PassDecider:
             plan_key = None
             if failure is not None:
                 plan_key = (key, *timeshift.window(req, self.snap, shift))
+                if shift.max_risk is not None:  # which starts it may take depends on its own deadline and run
+                    plan_key = (*plan_key, req.deadline_ts, req.duration_s)
                 if plan_key in self.unplanned:
                     return failure
             outcome = timeshift.plan(req, self.snap, placement, shift, self.pipeline.filter_codes)

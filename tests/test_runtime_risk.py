@@ -399,3 +399,31 @@ async def test_the_live_pass_knows_what_a_job_past_its_estimate_is_expected_to_h
             assert snap.plan_overrun[at][:4].tolist() == [0.0, 8.0, 8.0, 0.0]
     finally:
         await b.stop()
+
+
+def test_with_max_risk_one_jobs_lack_of_a_safe_start_is_not_taken_for_anothers() -> None:
+    # No A100 is free anywhere now. A, due soon, has no later start within max_risk; B, due in days, has.
+    # The pass remembers which requests found no plan, so that their like is not searched again: B is not A's.
+    from broker.cycle import PassDecider
+
+    errors = RunTimeErrors()
+    for r in np.linspace(0.5, 4.0, 60):
+        errors.add(3600.0, 3600.0 * float(r))
+    no_a100 = {name: 0 for name in ("ashburn", "toronto", "frankfurt", "sydney")}
+    hour0 = NOON.replace(minute=0).timestamp()
+    a = request(job_id="A", deadline_ts=hour0 + 4 * 3600.0, submitted_ts=NOON.timestamp())
+    b = request(job_id="B", deadline_ts=NOON.timestamp() + 100 * 3600.0,
+                submitted_ts=NOON.timestamp() - 336 * 3600.0 + 0.9 * 3600)  # the same last slot as A (max_wait)
+    pipeline = green(miss_cost=30.0, max_risk=0.5)
+
+    def pass_() -> PassDecider:
+        snap = snapshot(NOON, FLAT, free=no_a100)
+        return PassDecider(pipeline, replace(snap, run_time_errors=errors.sorted()))
+
+    alone = pass_().decide(b)
+    assert isinstance(alone, Deferral)
+    decider = pass_()
+    first = decider.decide(a)
+    assert not isinstance(first, Deferral) and not first.placed  # it waits: no start it may take
+    after = decider.decide(b)
+    assert isinstance(after, Deferral) and (after.site, after.slot) == (alone.site, alone.slot)
