@@ -492,6 +492,8 @@ async def cordon_site(request: web.Request) -> web.Response:
     current = broker.federation.get(name)
     if current is None:
         raise ApiError(404, f"no site named {name}")
+    if cordon and reason is None and current.spec.cordoned:  # cordoned again with no reason: the first one stands
+        reason = current.spec.cordon_reason
     spec = current.spec.model_copy(update={"cordoned": cordon, "cordon_reason": reason if cordon else None})
     try:
         member = await broker.update_site(spec)
@@ -603,8 +605,15 @@ async def submit_job(request: web.Request) -> web.Response:
     return _json(job, 201, headers=headers)
 
 
+JOB_FILTERS = ("state", "tenant", "site", "limit", "cursor")
+
+
 async def list_jobs(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    unknown = [name for name in request.query if name not in JOB_FILTERS]
+    if unknown:  # a misspelt filter must not list every job as if it had matched
+        raise ApiError(400, f"unknown query parameter {unknown[0]!r}; jobs are listed by {', '.join(JOB_FILTERS)}",
+                       [{"field": name, "problem": "unknown parameter"} for name in unknown])
     state = request.query.get("state")
     if state is not None and state not in JobState.__members__.values():
         raise ApiError(400, f"unknown state {state!r}",

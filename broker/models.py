@@ -63,6 +63,7 @@ UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
 
 
 MAX_GPUS_PER_SITE = 200_000  # larger than any single cluster today; bounds what one request can ask of us
+MAX_GPU_MEMORY_GIB = 4096  # the most memory a site may say one of its GPUs has
 
 
 class Strict(BaseModel):
@@ -87,7 +88,7 @@ class NodeGroup(Spec):
     gpus_per_node: int = Field(ge=1, le=64)
     nodes: int = Field(ge=1, le=100_000)
     memory_gib_per_gpu: float | None = Field(
-        default=None, gt=0, le=4096, description="defaults to the model's memory (a100-40gb: 40)"
+        default=None, gt=0, le=MAX_GPU_MEMORY_GIB, description="defaults to the model's memory (a100-40gb: 40)"
     )
     nvlink_domain: str | None = Field(default=None, description="nodes sharing this id share one NVLink domain")
     mig_profiles: list[str] = Field(default_factory=list, description="MIG profiles offered, e.g. 1g.10gb")
@@ -133,8 +134,8 @@ class TenantQuota(Spec):
     priority its jobs are ranked with at this site (a job asking more is ranked at the ceiling)."""
 
     tenant: Slug
-    guaranteed_gpus: int = Field(default=0, ge=0)
-    burst_gpus: int = Field(default=0, ge=0, description="allowed above the guarantee")
+    guaranteed_gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_SITE)
+    burst_gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_SITE, description="allowed above the guarantee")
     fair_share_weight: float = Field(default=1.0, gt=0)
     priority_ceiling: int | None = Field(default=None, ge=-1000, le=1000)
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
@@ -423,6 +424,10 @@ class GpuRequest(Spec):
                 raise ValueError("shared: needs memory_gib, the memory the job takes on the shared GPU")
         if self.mig_profile is not None:
             mig_slices(self.mig_profile)
+            memory = int(self.mig_profile.split(".")[1][:-2])
+            if memory > MAX_GPU_MEMORY_GIB:  # no site can offer it: the job would wait for ever
+                raise ValueError(f"mig_profile: {self.mig_profile} needs {memory} GiB, more than any GPU a site may "
+                                 f"have ({MAX_GPU_MEMORY_GIB} GiB)")
             if self.milli < 1000 or self.shared:
                 raise ValueError("mig_profile: a MIG slice is a fixed partition; do not combine it with milli or shared")
         return self

@@ -522,3 +522,24 @@ async def test_nan_and_infinity_are_refused_by_field_and_nothing_of_them_is_stor
     sites = await (await client.get("/v1/sites")).json()
     assert [s["name"] for s in sites["items"]] == ["berlin"]
     assert (await (await client.get("/v1/jobs")).json())["items"] == []
+
+
+async def test_requests_that_could_never_mean_what_they_say_are_refused_by_field(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json=MINIMAL)).json()
+    # A misspelt filter would otherwise list every job, as if every job had matched it.
+    r = await client.get("/v1/jobs", params={"status": "queued"})
+    assert r.status == 400
+    assert (await r.json())["error"]["fields"] == [{"field": "status", "problem": "unknown parameter"}]
+    assert [j["id"] for j in (await (await client.get("/v1/jobs", params={"tenant": "t1"})).json())["items"]] == [job["id"]]
+    # A MIG slice larger than any GPU a site may have would wait for ever.
+    r = await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 1, "mig_profile": "1g.999999gb"}})
+    assert r.status == 422 and "more than any GPU a site may have (4096 GiB)" in (await r.text())
+    # A guarantee of 10^30 GPUs would shut every other tenant's non-preemptible work out of the site.
+    r = await client.put("/v1/sites/berlin/quota/t2", json={"guaranteed_gpus": 10**30})
+    assert r.status == 422
+    assert [f["field"] for f in (await r.json())["error"]["fields"]] == ["guaranteed_gpus"]
+    # Cordoning a cordoned site again without a reason keeps the reason it was cordoned for.
+    await client.post("/v1/sites/berlin/cordon", json={"reason": "driver upgrade"})
+    again = await (await client.post("/v1/sites/berlin/cordon")).json()
+    assert again["cordoned"] is True and again["cordon_reason"] == "driver upgrade"
