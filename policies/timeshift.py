@@ -62,7 +62,8 @@ The search (:func:`plan`)
     The job is deferred to the best later (site, hour) when that is at least ``min_saving`` (a fraction)
     and ``min_saving_abs`` (kg CO2e or USD) below starting now: every deferral risks the deadline a little
     (the estimate may be short), which a job's few grams are not worth; with no room now, to the best later start with room (a reservation, so it is not
-    overtaken); otherwise it starts now. Ties go to the earlier hour, then the first site by name.
+    overtaken); otherwise it starts now. Ties go to the earlier hour, then the first site by name (values
+    equal to the bit: equally clean hours whose values differ by rounding are not ties; README, Evidence).
 
 Units: times are POSIX seconds or aware datetimes, hours are whole UTC hours, capacity is GPUs (a
 fractional job holds ``milli / 1000`` of one). Turning it off: a profile without ``shift`` (or ``fast``)
