@@ -2,7 +2,7 @@
 
 Every replica serves the API; only the leader runs the scheduling cycle, talks to the sites and changes
 jobs. The leader holds a lease row in the store (``Store.acquire_leadership``) and renews it every third of
-``lease_s``; the store bumps an *epoch* whenever the holder changes. The leader's store object is fenced with
+``lease_s``; the store bumps an *epoch* at every acquisition. The leader's store object is fenced with
 its epoch (``Store.fence``), so each of its writes checks, in the same transaction, that the epoch is still
 current: a leader that was paused or cut off past its lease and wakes up finds every write refused
 (``Fenced``), never dispatches (a dispatch is written before the site is called) and steps down.

@@ -259,11 +259,20 @@ def test_open_store_picks_postgresql_for_a_url_and_sqlite_otherwise(tmp_path: Pa
 # --- leadership and fencing, on every backend ---
 
 
-async def test_the_first_holder_gets_epoch_1_and_keeps_it_when_it_acquires_again(store: Store):
+async def test_the_first_holder_gets_epoch_1_and_a_new_one_each_time_it_acquires_again(store: Store):
+    job = make_job(1)
+    await store.insert_job(job)
     assert await store.acquire_leadership("a", 30) == 1
-    assert await store.acquire_leadership("a", 30) == 1
-    assert await store.acquire_leadership("b", 30) is None
     assert await store.renew_leadership("a", 1, 30) is True
+    store.fence(1)
+    # A replica that stepped down (it could not renew in time) and takes the lease again starts a new term:
+    # the writes it queued in the last one carry the old epoch and are refused, not applied after it reloads.
+    assert await store.acquire_leadership("a", 30) == 2
+    assert await store.renew_leadership("a", 1, 30) is False
+    with pytest.raises(Fenced, match=r"epoch 1; the store is at 2"):
+        await store.update_job(job.transition(JobState.DISPATCHING, T0, site="a", attempt=1), job.version)
+    assert await store.acquire_leadership("b", 30) is None
+    assert await store.renew_leadership("a", 2, 30) is True
 
 
 async def test_another_holder_gets_the_next_epoch_only_once_the_lease_expired(store: Store):

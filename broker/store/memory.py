@@ -97,10 +97,9 @@ class MemoryStore(QueuedUpdates):
             epoch = 1
         else:
             current, epoch, expires = self._leader
-            if current != holder:
-                if expires > now:
-                    return None
-                epoch += 1
+            if current != holder and expires > now:
+                return None
+            epoch += 1  # a new term, even for the same holder: writes queued in its last one stay fenced
         self._leader = (holder, epoch, now + lease_s)
         return epoch
 

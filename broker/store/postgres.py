@@ -121,7 +121,7 @@ _ACQUIRE = """
     VALUES ($1, $2, 1, clock_timestamp() + make_interval(secs => $3))
     ON CONFLICT (name) DO UPDATE SET
         holder = excluded.holder,
-        epoch = CASE WHEN l.holder = excluded.holder THEN l.epoch ELSE l.epoch + 1 END,
+        epoch = l.epoch + 1,
         expires_at = excluded.expires_at
     WHERE l.holder = excluded.holder OR l.expires_at <= clock_timestamp()
     RETURNING epoch

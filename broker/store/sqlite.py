@@ -298,10 +298,9 @@ class SQLiteStore(SqlWriteQueue):
                              (LEADER, holder, now + lease_s))
                 return 1
             current, epoch, expires = row
-            if current != holder:
-                if expires > now:
-                    return None
-                epoch += 1
+            if current != holder and expires > now:
+                return None
+            epoch += 1  # a new term, even for the same holder: writes queued in its last one stay fenced
             conn.execute("UPDATE leader SET holder = ?, epoch = ?, expires_at = ? WHERE name = ?",
                          (holder, epoch, now + lease_s, LEADER))
             return int(epoch)
