@@ -431,10 +431,17 @@ class JobBook:
         except Exception as e:
             if before is not None:
                 self.undo(before, mark)
-            await self.resync(new.id)
-            if isinstance(e, StoreError):
-                raise
-            raise StoreError(f"write failed: {e.__class__.__name__}: {e}") from e
+            stored = await self.resync(new.id)
+            if stored is None or (stored.version, stored.state, stored.attempt) != (new.version, new.state, new.attempt):
+                if isinstance(e, StoreError):
+                    raise
+                raise StoreError(f"write failed: {e.__class__.__name__}: {e}") from e
+            # It did land: the error came after the commit (the connection dropped, or the answer timed out), and
+            # the store holds this very change. So it goes on as written (a placement is dispatched), rather
+            # than be left in a state nobody acts on.
+            log.warning("job %s: its write was reported failed (%s) but is in the store; taken as written",
+                        new.id, e)
+            announced = False  # (the callback saw the failure, and announced nothing)
         self.metrics.transitions.labels(new.state.value).inc()
         if not announced:
             self.announce(new, before)

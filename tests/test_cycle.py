@@ -295,6 +295,34 @@ async def test_a_placement_the_store_cannot_write_is_not_dispatched_and_the_job_
     assert (await h.job(j.id)).state == JobState.RUNNING
 
 
+async def test_a_placement_that_landed_though_its_write_was_reported_failed_is_dispatched(make):
+    # The commit went through, then the answer was lost (the connection dropped, or it timed out): the job
+    # is in the store as dispatching, and nobody else would ever act on it.
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    j = await h.submit(count=8, duration_s=600)
+    store = h.broker.store
+    real = store.enqueue_update
+
+    def lost_answer(job, expected_version, event_reason=None, decision=None):
+        landed = real(job, expected_version, event_reason, decision)
+        if job.state != JobState.DISPATCHING:
+            return landed
+
+        async def then_fail():
+            await landed
+            raise StoreError("connection reset by peer")
+
+        return asyncio.ensure_future(then_fail())
+
+    store.enqueue_update = lost_answer
+    await h.cycle()
+    await h.step(1.0)
+    store.enqueue_update = real
+    assert (await h.job(j.id)).state == JobState.RUNNING
+    assert (await h.job(j.id)).attempt == 1
+    assert await h.states(j.id) == ["queued", "dispatching", "admitted", "running"]
+
+
 async def test_a_waiting_job_is_placed_in_the_pass_right_after_capacity_frees(make):
     h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
     h.broker.cycle.full_pass_interval_s = 3600  # no periodic full pass during the test
