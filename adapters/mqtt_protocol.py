@@ -87,7 +87,9 @@ from pydantic import (
 )
 
 from adapters.base import EventKind, JobEvent
-from broker.models import Job, MqttSettings, QuotaState, SiteState, TenantQuota
+from broker.models import Job, MqttSettings, QuotaState, SiteState, TenantQuota, UtcDatetime
+
+MAX_RUN_S = 10 * 366 * 86400.0  # ten years: more than any attempt runs, less than a float that breaks a date
 
 log = logging.getLogger(__name__)
 
@@ -215,14 +217,16 @@ class Status(_Msg):
 
 
 class WireEvent(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every number finite and every time zoned: they go into the job as the broker stores it (a NaN, an
+    # infinity or a naive time there would make the job unreadable, and the broker unable to start again).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     job_id: str
     attempt: int = Field(ge=1)
     kind: EventKind
-    at: datetime
+    at: UtcDatetime
     reason: str | None = None
-    run_s: float = Field(default=0.0, ge=0)
+    run_s: float = Field(default=0.0, ge=0, le=MAX_RUN_S, description="seconds the attempt ran")
 
     @classmethod
     def of(cls, ev: JobEvent) -> WireEvent:

@@ -63,7 +63,10 @@ class MqttHub:
         self.received = 0
         self.connected = asyncio.Event()
         self._sites: dict[str, RemoteSite] = {}
-        self._retained: dict[tuple[str, str], Any] = {}  # (site, kind) -> the retained heartbeat or status
+        # (site, kind) -> the retained heartbeat or status, for a site that attaches later (bounded: retained
+        # messages of sites never registered here would otherwise pile up)
+        self._retained: proto.Bounded = proto.Bounded(100_000)
+        self.unknown_sites: proto.Bounded = proto.Bounded(1_000)  # site -> messages for it while not registered
         self._client: aiomqtt.Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -155,8 +158,13 @@ class MqttHub:
         if retained and isinstance(msg, proto.Heartbeat | proto.Status):
             self._retained[(msg.site, msg.kind)] = msg  # for a site that attaches later (at start-up)
         site = self._sites.get(msg.site)
-        if site is None:
-            return  # an agent of a site not (or no longer) registered here
+        if site is None:  # an agent of a site not (or no longer) registered here
+            seen = self.unknown_sites.get(msg.site, 0)
+            self.unknown_sites[msg.site] = seen + 1
+            if not seen and not retained:
+                log.warning("mqtt: a %s from site %s, which is not registered here (its messages are dropped)",
+                            msg.kind, msg.site)
+            return
         try:
             site.receive(msg, retained=retained)
         except Exception:  # a site's bug must not take the connection down
@@ -182,6 +190,10 @@ class RemoteSite:
         self._current: tuple[str, int, JobEvent] | None = None  # the event the consumer reads, until taken
         self._state: SiteState | None = None  # the latest heartbeat's state
         self._boot: str | None = None
+        self._seq = -1  # the latest live heartbeat's sequence number, in self._boot
+        self._sent_at: datetime | None = None  # ... and when the agent sent it
+        self._replaced: proto.Bounded = proto.Bounded(64)  # boots a newer one replaced: their heartbeats are old
+        self.stale_heartbeats = 0  # heartbeats dropped as older than one already taken (replays, duplicates)
         self._heard_mono: float | None = None  # monotonic s of the latest live heartbeat
         self._heard_at: datetime | None = None
         # Until the first live heartbeat, a lease the previous broker process granted may still run: it ends
@@ -240,17 +252,27 @@ class RemoteSite:
                     fut.set_result(msg)
 
     def _on_heartbeat(self, hb: proto.Heartbeat, retained: bool) -> None:
+        state = self._checked(hb.state)
+        if state is None:
+            return
         if retained:
             if self._state is None:  # the last known state, for display; no lease
-                self._state = hb.state
+                self._state = state
+            return
+        if self._stale(hb):
+            self.stale_heartbeats += 1
+            log.warning("site %s: dropped a heartbeat older than one already taken (boot %s, seq %d, sent %s): a "
+                        "replay or a duplicate", self.name, hb.boot, hb.seq, hb.sent_at.isoformat())
             return
         listed = {(a.job_id, a.attempt) for a in hb.attempts}
         if self._boot is not None and hb.boot != self._boot:
             # A new agent process holds only what it found still running at its site: whatever else the old
             # one ran is gone (and the new one refuses work until this broker grants it a lease).
             self._give_up(self._ours - listed, f"the site's agent restarted (boot {hb.boot}) without it")
-        self._state = hb.state
+            self._replaced[self._boot] = True
+        self._state = state
         self._boot = hb.boot
+        self._seq, self._sent_at = hb.seq, hb.sent_at
         self._heard_mono = time.monotonic()
         self._heard_at = self._clock.now()
         self._lease_end = self._heard_mono + self.config.lease_s
@@ -261,6 +283,40 @@ class RemoteSite:
             log.info("site %s: heard from its agent (boot %s); it holds a lease again", self.name, hb.boot)
         self._lapsed = False
         self._send(proto.LeaseGrant(site=self.name, boot=hb.boot, seq=hb.seq, lease_s=self.config.lease_s))
+
+    def _stale(self, hb: proto.Heartbeat) -> bool:
+        """Whether a live heartbeat is older than one already taken: of the same agent process with no higher
+        sequence number, of a process a newer one replaced, or of another process but sent before the latest
+        one taken while that one's lease runs (so a replayed heartbeat of an earlier process does not pass for
+        a restart; an agent restarted with its clock set back is taken once the old process's lease ran out)."""
+        if hb.boot == self._boot:
+            return hb.seq <= self._seq
+        if hb.boot in self._replaced:
+            return True
+        return self._sent_at is not None and hb.sent_at <= self._sent_at and not self._expired
+
+    def _checked(self, state: SiteState) -> SiteState | None:
+        """An agent's report as the broker takes it: None (dropped, with a log line) where it speaks for another
+        site; GPU models the site's spec does not have left out, and counts above the spec's cut to it."""
+        if state.site != self.name:
+            log.warning("site %s: dropped a heartbeat whose state is of site %r", self.name, state.site)
+            return None
+        totals = self.spec.total_gpus()
+        capacity = []
+        for c in state.capacity:
+            most = totals.get(c.model)
+            if most is None:
+                log.warning("site %s: its agent reports %d %s GPUs, a model its spec does not have; left out",
+                            self.name, c.total_gpus, c.model)
+                continue
+            if c.total_gpus > most:
+                log.warning("site %s: its agent reports %d %s GPUs where its spec has %d; counted as %d", self.name,
+                            c.total_gpus, c.model, most, most)
+                c = c.model_copy(update={"total_gpus": most, "free_gpus": min(c.free_gpus, most),
+                                         "used_gpus": min(c.used_gpus, most)})
+            capacity.append(c)
+        return state if len(capacity) == len(state.capacity) and all(
+            a is b for a, b in zip(capacity, state.capacity)) else state.model_copy(update={"capacity": capacity})
 
     def _send(self, msg: BaseModel) -> None:
         """Publish at QoS 0 without waiting: acknowledgements and lease grants, whose loss the agent's

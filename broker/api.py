@@ -790,7 +790,8 @@ async def healthz(request: web.Request) -> web.Response:
         "active_jobs": len(broker.book.active),
         "cycles": broker.cycles,
         **({"mqtt": {"connected": broker.hub.connected.is_set(), "messages": broker.hub.received,
-                     "malformed": dict(broker.hub.malformed)}} if broker.hub is not None else {}),
+                     "malformed": dict(broker.hub.malformed),
+                     "unknown_sites": sum(broker.hub.unknown_sites.values())}} if broker.hub is not None else {}),
         **({"replica": {"name": broker.leadership.holder, "leading": broker.leadership.leading,
                         "epoch": broker.leadership.epoch}} if broker.leadership is not None else {}),
     })

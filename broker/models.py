@@ -302,22 +302,28 @@ class Health(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
-class ModelCapacity(Strict):
+class ModelCapacity(Spec):
     """Capacity of one GPU model at one site."""
 
     model: GpuModelId
-    total_gpus: int = Field(ge=0)
-    free_gpus: int = Field(ge=0, description="whole GPUs with nothing on them")
-    used_gpus: int = Field(ge=0, description="GPUs with at least part in use")
+    total_gpus: int = Field(ge=0, le=MAX_GPUS_PER_SITE)
+    free_gpus: int = Field(ge=0, le=MAX_GPUS_PER_SITE, description="whole GPUs with nothing on them")
+    used_gpus: int = Field(ge=0, le=MAX_GPUS_PER_SITE, description="GPUs with at least part in use")
     shared_free_milli: int = Field(
         default=0, ge=0, le=1000, description="largest free share of a GPU already shared by fractional jobs"
     )
-    memory_gib_per_gpu: float = Field(ge=0)
+    memory_gib_per_gpu: float = Field(ge=0, le=MAX_GPU_MEMORY_GIB)
     mig_free_slices: dict[str, int] = Field(
         default_factory=dict, description="MIG slices of each profile that could still be made (GPUs in MIG mode)")
 
+    @model_validator(mode="after")
+    def _within_total(self) -> ModelCapacity:
+        if self.free_gpus > self.total_gpus:
+            raise ValueError(f"free_gpus: {self.free_gpus} {self.model} free of {self.total_gpus} in all")
+        return self
 
-class Telemetry(Strict):
+
+class Telemetry(Spec):
     """Site-wide telemetry: means over GPUs for utilisation, sums for memory and power, maximum temperature."""
 
     gpu_utilisation_pct: float = Field(default=0.0, ge=0, le=100)
@@ -328,12 +334,12 @@ class Telemetry(Strict):
     queue_depth: int = Field(default=0, ge=0)
 
 
-class TenantQuotaState(Strict):
+class TenantQuotaState(Spec):
     """One tenant's quota at a site as the site reports it (``GET /v1/sites/{name}/quota``)."""
 
     tenant: str
     listed: bool = Field(default=True, description="false: the site has no quota for it (unlisted_tenants applies)")
-    model: str | None = None
+    model: GpuModelId | None = None
     guaranteed_gpus: float = 0.0
     burst_gpus: float | None = Field(default=None, description="None: no limit above the guarantee")
     fair_share_weight: float = 1.0
@@ -349,7 +355,7 @@ class TenantQuotaState(Strict):
     reclaimable_gpus: float = Field(default=0.0, description="GPUs it would get back now by reclaiming its guarantee")
 
 
-class QuotaState(Strict):
+class QuotaState(Spec):
     """A site's quota state: what it enforces and where each tenant stands."""
 
     enforced: bool = Field(description="false: the site lists no quotas and admits whatever fits")
@@ -370,7 +376,7 @@ class QuotaState(Strict):
         return None
 
 
-class SiteState(Strict):
+class SiteState(Spec):
     """What the broker last heard from a site."""
 
     site: str
@@ -378,7 +384,7 @@ class SiteState(Strict):
     last_heard_at: UtcDatetime | None = None
     capacity: list[ModelCapacity] = Field(default_factory=list)
     telemetry: Telemetry = Field(default_factory=Telemetry)
-    running_jobs: int = 0
+    running_jobs: int = Field(default=0, ge=0)
     reason: str | None = Field(default=None, description="why the site is not healthy")
     lease_expires_at: UtcDatetime | None = Field(
         default=None, description="sites run by an agent: when their lease runs out unless a heartbeat renews it")

@@ -5,6 +5,7 @@ Mosquitto in ``tests/test_agent_mqtt.py``."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
@@ -258,3 +259,71 @@ async def test_after_a_broker_restart_a_site_never_heard_holds_nothing_once_a_le
     assert await s.known_attempts() == set()  # any lease granted before the restart has ended
     with pytest.raises(AdapterError, match="lease ran out: never heard"):
         await s.snapshot()
+
+
+async def test_an_old_heartbeat_replayed_renews_nothing_and_restarts_nothing(edge) -> None:
+    s, hub = edge
+    first = heartbeat(1, attempts=(("j1", 1),), boot="b1", free=0)
+    s.receive(first)
+    s.receive(heartbeat(9, attempts=(("j1", 1),), boot="b1", free=4))
+    grants = len(hub.of(proto.LeaseGrant))
+    s.receive(first)  # the same process's seq 1 after its seq 9: no lease for it, and the state stays seq 9's
+    assert len(hub.of(proto.LeaseGrant)) == grants and s.stale_heartbeats == 1
+    assert (await s.snapshot()).capacity[0].free_gpus == 4
+    # A heartbeat of an earlier process, sent before the one taken, is not a restart: j1 is not given up.
+    earlier = heartbeat(5, attempts=(), boot="b0")
+    s.receive(earlier.model_copy(update={"sent_at": first.sent_at.replace(year=2020)}))
+    assert s.stale_heartbeats == 2 and s.held_attempts() == {("j1", 1)}
+    # A real restart is taken, and the process it replaced cannot come back.
+    s.receive(heartbeat(0, attempts=(("j1", 1),), boot="b2"))
+    s.receive(heartbeat(10, attempts=(("j1", 1),), boot="b1"))
+    assert s.stale_heartbeats == 3 and s.held_attempts() == {("j1", 1)}
+
+
+async def test_an_agents_report_is_held_to_its_sites_spec(edge) -> None:
+    s, _ = edge  # edge: 8 a100-80gb
+    state = SiteState(site="edge", health=Health.HEALTHY, capacity=[
+        {"model": "a100-80gb", "total_gpus": 5000, "free_gpus": 5000, "used_gpus": 0, "memory_gib_per_gpu": 80},
+        {"model": "h100-80gb", "total_gpus": 1000, "free_gpus": 1000, "used_gpus": 0, "memory_gib_per_gpu": 80}])
+    s.receive(heartbeat(1).model_copy(update={"state": state}))
+    capacity = (await s.snapshot()).capacity
+    assert [(c.model, c.total_gpus, c.free_gpus) for c in capacity] == [("a100-80gb", 8, 8)]
+    # A report in another site's name is not this site's.
+    other = state.model_copy(update={"site": "other", "capacity": capacity[:1]})
+    s.receive(heartbeat(2, free=3).model_copy(update={"state": other}))
+    assert (await s.snapshot()).capacity[0].free_gpus == 8
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"total_gpus": 2**31, "free_gpus": 0}, "total_gpus"),
+    ({"free_gpus": 9}, "free_gpus"),
+    ({"memory_gib_per_gpu": float("nan")}, "memory_gib_per_gpu"),
+])
+async def test_a_heartbeat_with_counts_no_site_has_is_dropped_as_invalid(edge, body, field) -> None:
+    s, hub = edge
+    doc = json.loads(proto.encode(heartbeat(1)))
+    doc["state"]["capacity"][0].update(body)
+    hub._on_message(message(proto.topic("edge", "state"), json.dumps(doc).encode()))  # (NaN as JSON's bare token)
+    assert hub.malformed == {"invalid": 1}
+    with pytest.raises(AdapterError, match="no heartbeat"):
+        await s.snapshot()
+
+
+async def test_an_event_with_a_time_or_a_run_the_store_could_not_keep_is_dropped_as_invalid(edge) -> None:
+    s, hub = edge
+    for event in ('{"job_id": "j1", "attempt": 1, "kind": "succeeded", "at": "2026-01-05T12:00:00"}',
+                  '{"job_id": "j1", "attempt": 1, "kind": "succeeded", "at": "2026-01-05T12:00:00Z", "run_s": Infinity}'):
+        hub._on_message(message(proto.topic("edge", "up"),
+                                b'{"v": 1, "kind": "event", "site": "edge", "boot": "b1", "msg_id": 1, "event": '
+                                + event.encode() + b"}"))
+    assert hub.malformed == {"invalid": 2}
+
+
+async def test_messages_of_a_site_not_registered_here_are_counted_and_named_once(edge, caplog) -> None:
+    _, hub = edge
+    ghost = proto.encode(heartbeat(1).model_copy(update={"site": "ghost"}))
+    for _ in range(3):
+        hub._on_message(message(proto.topic("ghost", "state"), ghost))
+    assert hub.unknown_sites == {"ghost": 3}
+    assert [r.getMessage() for r in caplog.records if "ghost" in r.getMessage()] == [
+        "mqtt: a heartbeat from site ghost, which is not registered here (its messages are dropped)"]
