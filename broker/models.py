@@ -414,7 +414,10 @@ class GpuRequest(Spec):
     )
     milli: int = Field(default=1000, ge=1, le=1000, description="thousandths of one GPU; 1000 = whole GPUs")
     shared: bool = Field(default=False, description="part of one GPU, sized by memory_gib")
-    mig_profile: str | None = Field(default=None, pattern=r"^\d+g\.\d+gb$", description="a MIG slice, e.g. 1g.10gb")
+    mig_profile: str | None = Field(
+        default=None, description="a MIG slice, e.g. 1g.10gb: 1 to 7 compute slices, 1 to 4096 GiB",
+        # (the document's pattern is what the checks below accept; they word what is wrong)
+        json_schema_extra={"pattern": r"^[1-7]g\.([1-9][0-9]{0,2}|[1-3][0-9]{3}|40[0-8][0-9]|409[0-6])gb$"})
     topology: Literal["any", "node", "nvlink"] = Field(
         default="any", description="node: all GPUs on one node; nvlink: within one NVLink domain"
     )
