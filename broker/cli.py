@@ -459,10 +459,9 @@ async def _tokens(args: argparse.Namespace) -> str:
 
 def _where(db: str) -> str:
     """The database named for a person, without a password."""
-    if "://" in db and "@" in db:
-        scheme, rest = db.split("://", 1)
-        return f"{scheme}://{rest.split('@', 1)[1]}"
-    return db
+    from broker.store import describe_db
+
+    return describe_db(db)
 
 
 # --- server commands ---
@@ -473,9 +472,14 @@ def _serve(args: argparse.Namespace) -> None:
     from broker.server import run
 
     config = load_config(args.config)
-    settings = config.broker.model_copy(update={
-        k: v for k, v in (("host", args.host), ("port", args.port), ("db", args.db)) if v is not None
-    })
+    settings = config.broker.model_copy()
+    for name, value in (("host", args.host), ("port", args.port), ("db", args.db)):
+        if value is not None:  # each flag checked as the file's setting is
+            try:
+                type(settings).__pydantic_validator__.validate_assignment(settings, name, value)
+            except ValidationError as e:
+                shown = _where(value) if name == "db" else value  # (a URL's password is not printed)
+                raise CliError(f"--{name} {shown}: {problems(e)[0]['problem']}") from None
     feeder = None
     if args.command == "demo":
         from broker.demo import feed

@@ -27,16 +27,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.errors import problems
 from broker.models import MqttSettings, SiteSpec
 from broker.providers.carbon import CarbonProviderConfig, FilesCarbonConfig
 from broker.providers.prices import FilesPriceConfig, PriceProviderConfig
 from broker.signals import CarbonForecastSettings
+from broker.store import check_db
 
 
 class ConfigError(ValueError):
@@ -100,7 +101,7 @@ class BrokerSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
-    db: str = "var/heliotrope.db"
+    db: Annotated[str, AfterValidator(check_db)] = "var/heliotrope.db"
     cycle_interval_s: float = Field(
         default=1.0, gt=0, description="longest wait between scheduling cycles, and between full passes"
     )

@@ -37,6 +37,7 @@ from broker.api import create_app
 from broker.config import BrokerSettings, ServerTlsSettings
 from broker.models import SiteSpec
 from broker.service import Broker
+from broker.store import describe_db
 
 log = logging.getLogger("heliotrope")
 
@@ -149,14 +150,17 @@ async def run(
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, ssl_context=tls)
     try:
         await site.start()
-    except OSError as e:
+    except BaseException as e:  # (what start opened would keep the process alive)
         await runner.cleanup()
         await broker.stop()
-        raise OSError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+        if isinstance(e, OSError):
+            raise OSError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+        raise
     port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else settings.port  # type: ignore[union-attr]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     url = f"{'https' if tls else 'http'}://{host}:{port}"
-    print(f"heliotrope serving on {url}  (db {settings.db}, {len(broker.federation.members)} sites)", flush=True)
+    print(f"heliotrope serving on {url}  (db {describe_db(settings.db)}, {len(broker.federation.members)} sites)",
+          flush=True)
     if not settings.auth.enabled:  # only on loopback: check_startup refused it elsewhere
         log.warning("the API is open to anyone on this machine: authentication is off (broker.auth.enabled); "
                     "it listens on %s only", settings.host)

@@ -135,6 +135,25 @@ def test_serve_with_a_broken_config_prints_the_field_and_exits_1(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("flags, env, words", [
+    (["--port", "99999"], {}, "--port 99999: Input should be less than or equal to 65535"),
+    (["--db", "mysql://u:secret@db/x"], {}, "--db mysql://u@db/x: mysql://u@db/x is not a database heliotrope "
+                                           "can use: a URL must start with postgresql://"),
+    ([], {"HELIOTROPE_BROKER__DB": "postgresq://u:secret@db.example/h"},
+     "postgresq://u@db.example/h is not a database heliotrope can use"),
+])
+def test_serve_checks_its_flags_and_database_url_and_exits_1_at_once(tmp_path, flags, env, words):
+    # A mistyped URL would otherwise become an SQLite file of that name, and a bad port a hang.
+    cfg = tmp_path / "broker.yaml"
+    cfg.write_text(f"broker: {{db: {tmp_path / 'ok.db'}, port: {free_port()}}}\n")
+    proc = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(cfg), *flags],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert words in proc.stderr
+    assert "secret" not in proc.stderr  # a URL's password is never printed
+    assert not any(p.name != "broker.yaml" for p in tmp_path.iterdir())  # no database file made
+
+
 ADMIN_SECRET = "demo-admin-" + "x" * 32
 
 

@@ -154,3 +154,22 @@ def test_start_outside_the_carbon_data(files: dict[str, Path], capsys: pytest.Ca
 ])
 def test_bad_flags(files: dict[str, Path], capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str) -> None:
     assert words in _error(capsys, _args(files, *flags))
+
+
+def test_an_output_that_cannot_be_written_is_named_before_the_run(files: dict[str, Path],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = files["tmp"] / "a-file"
+    blocker.write_text("not a folder")
+    err = _error(capsys, _args(files, "--policy", "green", "--json", str(blocker / "out.json")))
+    assert err.startswith(f"heliotrope: --json {blocker / 'out.json'}: cannot make the folder {blocker}")
+    err = _error(capsys, _args(files, "--policy", "green", "--dump-workload", str(blocker)))
+    assert "--dump-workload" in err and "cannot make the folder" in err
+    err = _error(capsys, _args(files, "--policy", "green", "--json", str(files["tmp"])))
+    assert "--json" in err and "is a folder" in err
+
+
+def test_a_trace_no_site_can_run_is_an_error_not_a_table_of_zeros(files: dict[str, Path],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    files["trace"].write_text("submit,seconds,gpus,team\n2022-06-01T00:00:00,3600,100000,x\n")
+    err = _error(capsys, _args(files, "--policy", "green"))
+    assert "no job to replay" in err and "100000 GPUs" in err

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -153,15 +154,40 @@ def run(args: argparse.Namespace) -> str:
     spec = spec_from(args)
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
         raise SimulateUsage(f"--report {args.report}: is a file; give a folder (it is created if missing)")
+    # Where the results go is checked before the run, which may take minutes.
+    if args.json_out:
+        _writable("--json", Path(args.json_out).parent, Path(args.json_out))
+    for flag, folder in (("--report", args.report), ("--dump-workload", args.dump_workload)):
+        if folder:
+            _writable(flag, Path(folder))
     prep = prepare(spec)
     if args.dump_workload:
         dump_workload(prep.workload, prep.sites, args.dump_workload)
     result = simulate(spec, progress=sys.stderr.isatty(), prepared=prep)
+    table = format_table(result)
+    writes = []
     if args.json_out:
-        out = Path(args.json_out)
-        if out.parent != Path():
-            out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(as_json(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        writes.append(("--json", lambda: Path(args.json_out).write_text(
+            json.dumps(as_json(result), indent=2, allow_nan=False) + "\n", encoding="utf-8")))
     if args.report:
-        write_html(result, args.report)
-    return format_table(result)
+        writes.append(("--report", lambda: write_html(result, args.report)))
+    for flag, write in writes:
+        try:
+            write()
+        except OSError as e:  # the results are not lost with the file: the table still goes to stdout
+            print(table, flush=True)
+            raise SimulateUsage(f"{flag}: cannot write {e.filename or ''}: {e.strerror or e}") from None
+    return table
+
+
+def _writable(flag: str, folder: Path, file: Path | None = None) -> None:
+    """``folder`` exists (made if missing) and can be written, and ``file`` (in it) is not a folder; else
+    :class:`SimulateUsage` naming the flag."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SimulateUsage(f"{flag} {file or folder}: cannot make the folder {folder}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SimulateUsage(f"{flag} {file or folder}: the folder {folder} cannot be written")
+    if file is not None and file.is_dir():
+        raise SimulateUsage(f"{flag} {file}: is a folder; give a file name")

@@ -226,10 +226,32 @@ class Store(Protocol):
         (the default) turns the check off."""
 
 
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def check_db(db: str) -> str:
+    """``db`` if it names a store: a PostgreSQL URL, or an SQLite file path (or ``:memory:``); a ValueError for
+    another URL (``postgresq://...``, ``mysql://...``), which would otherwise become a file of that name."""
+    if "://" in db and not db.startswith(POSTGRES_SCHEMES):
+        raise ValueError(f"{describe_db(db)} is not a database heliotrope can use: a URL must start with "
+                         f"postgresql:// (or postgres://); anything else is an SQLite file path, which has no ://")
+    return db
+
+
+def describe_db(db: str) -> str:
+    """The database named for a person (logs, messages): a URL without its password."""
+    if "://" in db and "@" in db:
+        scheme, rest = db.split("://", 1)
+        user = rest.split("@", 1)[0].split(":", 1)[0]
+        return f"{scheme}://{user + '@' if user else ''}{rest.split('@', 1)[1]}"
+    return db
+
+
 def open_store(db: str) -> Store:
     """The store for the ``db`` setting: a ``postgresql://`` (or ``postgres://``) URL is PostgreSQL, anything
     else an SQLite file path (or ``:memory:``)."""
-    if db.startswith(("postgresql://", "postgres://")):
+    check_db(db)
+    if db.startswith(POSTGRES_SCHEMES):
         from broker.store.postgres import PostgresStore
 
         return PostgresStore(db)
