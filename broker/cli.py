@@ -193,9 +193,11 @@ def show_decision(d: dict[str, Any]) -> str:
 
 def _load_document(path: str) -> Any:
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise CliError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise CliError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
         return _plain(yaml.safe_load(text))  # YAML is a superset of JSON
     except yaml.YAMLError as e:

@@ -151,6 +151,8 @@ def test_start_outside_the_carbon_data(files: dict[str, Path], capsys: pytest.Ca
     (("--compare", "all", "--checkpointable", "1.5"), "--checkpointable 1.5: give a share of jobs within [0, 1]"),
     (("--compare", "all", "--restart-s", "-1"), "--restart-s -1.0: give seconds"),
     (("--compare", "all", "--whole-job-steps", "-1"), "--whole-job-steps -1: give a whole number"),
+    (("--compare", "all", "--trace-from", "9999-12-31", "--days", "1"), "ends after the last date there is"),
+    (("--compare", "all", "--latency", "/no/such.csv"), "--latency /no/such.csv: no such file"),
 ])
 def test_bad_flags(files: dict[str, Path], capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str) -> None:
     assert words in _error(capsys, _args(files, *flags))
@@ -173,3 +175,37 @@ def test_a_trace_no_site_can_run_is_an_error_not_a_table_of_zeros(files: dict[st
     files["trace"].write_text("submit,seconds,gpus,team\n2022-06-01T00:00:00,3600,100000,x\n")
     err = _error(capsys, _args(files, "--policy", "green"))
     assert "no job to replay" in err and "100000 GPUs" in err
+
+
+@pytest.mark.parametrize("row, words", [
+    ("2022-06-01T00:00:00,1e12,2,x", "column 'seconds' (duration): '1e12' ends the job after 9000-01-01"),
+    ("2022-06-01T00:00:00,3600,2,x", None),
+])
+def test_a_trace_time_no_date_can_hold_names_its_line(files: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                       row: str, words: str | None) -> None:
+    files["trace"].write_text("submit,seconds,gpus,team\n" + row + "\n")
+    if words is None:
+        assert cli.main(_args(files, "--policy", "baseline-spillover")) == 0
+        return
+    err = _error(capsys, _args(files, "--policy", "baseline-spillover"))
+    assert "line 2" in err and words in err
+
+
+def test_a_file_that_is_not_text_is_named_with_its_flag(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    binary = files["tmp"] / "prices.csv"
+    binary.write_bytes(b"\xff\xfe\x00")
+    err = _error(capsys, _args(files, "--policy", "green", "--prices", str(binary)))
+    assert f"--prices {binary}: not UTF-8 text" in err
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--window-h", "0", "--window-h 0: Input should be greater than 0"),
+    ("--k", "-1", "--k -1: Input should be greater than or equal to 0"),
+    ("--utilisation", "1e-9", "give a larger utilisation"),
+])
+def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[str, Path],
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  flag: str, value: str, words: str) -> None:
+    err = _error(capsys, ["simulate-quotas", "--trace", str(files["trace"]), "--columns",
+                          "submit=submit,duration=seconds,gpus=gpus,tenant=team", flag, value])
+    assert words in err

@@ -278,8 +278,8 @@ def load_trace(
     if duplicates not in ("keep", "drop"):
         raise TraceError(f"duplicates={duplicates!r} is unknown; use 'keep' or 'drop'")
     window_from = None if trace_from is None else _as_utc(trace_from, "trace_from")
-    if days is not None and not days > 0:
-        raise TraceError(f"days must be more than 0, got {days!r}")
+    if days is not None and not 0 < days <= _MAX_DAYS:
+        raise TraceError(f"days must be more than 0 and at most {_MAX_DAYS:g} (a hundred years), got {days!r}")
 
     header, rows, lines = _read_rows(path)
     index = _column_index(path, header, mapping)
@@ -299,9 +299,13 @@ def load_trace(
         return column.numbers(role, "a number of seconds") + origin.timestamp()
 
     submit_abs = times("submit")
+    column.reject(~((submit_abs >= _FIRST_S) & (submit_abs <= _LAST_S)), "submit",
+                  f"is not a time between {_FIRST:%Y-%m-%d} and {_LAST:%Y-%m-%d}")
     if mapping.duration is not None:
         duration = column.numbers("duration", "a number of seconds")
         column.reject(duration < 0, "duration", "is negative; a duration is seconds >= 0")
+        column.reject(~(submit_abs + duration <= _LAST_S), "duration",
+                      f"ends the job after {_LAST:%Y-%m-%d}; a duration is seconds, and this is too many")
     else:
         started, ended = times("start"), times("end")
         column.reject(ended < started, "end", f"is before the start (column '{mapping.start}')")
@@ -312,6 +316,7 @@ def load_trace(
     deadline_abs = None
     if mapping.deadline is not None:
         deadline_abs = times("deadline")
+        column.reject(~(deadline_abs <= _LAST_S), "deadline", f"is after {_LAST:%Y-%m-%d}")
         column.reject(deadline_abs < submit_abs, "deadline", f"is before the submit time (column '{mapping.submit}')")
         late = int(np.count_nonzero(deadline_abs < submit_abs + duration))
         if late:
@@ -345,7 +350,11 @@ def load_trace(
     last_at = _from_epoch(float(submit_abs[-1]))
     if window_from is not None or days is not None:
         lo_at = window_from if window_from is not None else first_at
-        hi_at = lo_at + timedelta(days=days) if days is not None else None
+        try:
+            hi_at = lo_at + timedelta(days=days) if days is not None else None
+        except OverflowError:
+            raise TraceError(f"the window from {lo_at:%Y-%m-%d} for {days:g} days ends after the last date there "
+                             "is") from None
         keep = submit_abs >= lo_at.timestamp()
         if hi_at is not None:
             keep &= submit_abs < hi_at.timestamp()
@@ -545,6 +554,13 @@ def _as_utc(value: datetime | date | str, what: str, *, naive_ok: bool = True) -
                              f"{value.isoformat()}+00:00")
         return value.replace(tzinfo=UTC)
     return value.astimezone(UTC)
+
+
+# The times a trace may hold: within the years a date can have, with room for a run and a deadline after.
+_FIRST = datetime(1970, 1, 1, tzinfo=UTC)
+_LAST = datetime(9000, 1, 1, tzinfo=UTC)
+_FIRST_S, _LAST_S = _FIRST.timestamp(), _LAST.timestamp()
+_MAX_DAYS = 36_525.0
 
 
 def _from_epoch(seconds: float) -> datetime:

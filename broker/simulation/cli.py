@@ -133,6 +133,18 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
     for flag, value in (("--trace", args.trace), ("--carbon", args.carbon)):
         if not Path(value).exists():
             raise SimulateUsage(f"{flag} {value}: no such file or folder")
+    for flag, value in (("--prices", args.prices), ("--latency", args.latency), ("--regions", args.regions),
+                        ("--sites", args.sites)):
+        if value is None:
+            continue
+        if not Path(value).is_file():
+            raise SimulateUsage(f"{flag} {value}: no such file")
+        try:
+            Path(value).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise SimulateUsage(f"{flag} {value}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        except OSError as e:
+            raise SimulateUsage(f"{flag} {value}: cannot read: {e.strerror or e}") from None
     return SimulationSpec(
         trace=Path(args.trace), mapping=mapping, carbon=Path(args.carbon), policies=names,
         time_format=args.time_format, origin=_date("--origin", args.origin), prices=Path(args.prices),

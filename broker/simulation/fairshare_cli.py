@@ -14,7 +14,11 @@ import argparse
 import json
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from broker.data.traces import load_trace, parse_columns, resolve_preset
+from broker.errors import problems
+from broker.models import FairSharePolicy
 from broker.simulation.fairshare import (DEFAULT_CYCLE_S, DEFAULT_MAX_REFUSALS, DEFAULT_MIN_RUN_S,
                                          DEFAULT_STARVATION_H, DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES,
                                          QuotaSimulationError, as_json, compare, format_table,
@@ -76,6 +80,14 @@ def run(args: argparse.Namespace) -> str:
     if mapping.tenant is None:
         raise QuotaSimulationError("the column mapping names no tenant column: add tenant=COL (quotas are "
                                    "per tenant)")
+    # The fair-share settings, each checked as a site's quota file would be, and named by its flag.
+    for flag, field, value in (("--window-h", "window_h", args.window_h), ("--half-life-h", "half_life_h",
+                               args.half_life_h), ("--reweight-h", "reweight_h", args.reweight_h), ("--k", "k", args.k),
+                               ("--min-run-s", "min_run_s", args.min_run_s)):
+        try:
+            FairSharePolicy.model_validate({field: value})
+        except ValidationError as e:
+            raise QuotaSimulationError(f"{flag} {value:g}: {problems(e)[0]['problem']}") from None
     trace = load_trace(args.trace, mapping, trace_from=args.trace_from, days=args.days)
     info, runs = compare(workload_from_trace(trace), modes, utilisation=args.utilisation,
                          guaranteed_fraction=args.guaranteed_fraction, window_h=args.window_h,

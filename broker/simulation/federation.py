@@ -54,7 +54,7 @@ from broker.data.latency import LatencyMatrix
 from broker.data.prices import PriceTable
 from broker.data.regions import RegionTable, great_circle_km
 from broker.errors import problems
-from broker.models import NodeGroup, SimulatedAdapterConfig, SiteSpec
+from broker.models import MAX_GPUS_PER_SITE, NodeGroup, SimulatedAdapterConfig, SiteSpec
 
 __all__ = [
     "DEFAULT_GPU_MODEL",
@@ -186,7 +186,13 @@ def size_sites(
     if not math.isfinite(mean_gpus_busy) or mean_gpus_busy < 0:
         raise FederationError(f"mean GPUs busy must be a finite number, 0 or more, not {mean_gpus_busy!r}")
     need = mean_gpus_busy / (n_sites * gpus_per_node * utilisation)
-    return max(1, math.ceil(need - _NEED_TOLERANCE))
+    nodes = max(1, math.ceil(need - _NEED_TOLERANCE))
+    if nodes * gpus_per_node > MAX_GPUS_PER_SITE:  # what a site spec may hold
+        raise FederationError(
+            f"utilisation {utilisation:g} sizes each site at {nodes * gpus_per_node:,} GPUs (the trace keeps "
+            f"{mean_gpus_busy:,.1f} busy on average), more than a site may have ({MAX_GPUS_PER_SITE:,}); give a "
+            f"larger utilisation")
+    return nodes
 
 
 def _check_utilisation(utilisation: float) -> None:
