@@ -628,13 +628,22 @@ class SiteAgent:
 # --- command line ------------------------------------------------------------------------------------------
 
 
+class AgentStartError(RuntimeError):
+    """The site the agent runs could not be started (its adapter's settings, a kubeconfig, a state folder)."""
+
+
 async def _run(config: AgentConfig) -> None:
-    agent = SiteAgent(config)
+    try:
+        agent = SiteAgent(config)
+        await agent.start()
+    except Exception as e:  # the site's adapter could not start: a message, not a traceback
+        kind = getattr(config.site.adapter, "kind", "?")
+        raise AgentStartError(f"site {config.site.name} ({kind} adapter) could not start: "
+                              f"{e.__class__.__name__}: {e}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await agent.start()
     try:
         await stop.wait()
     finally:
@@ -654,8 +663,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_run(config))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_run(config))
+    except AgentStartError as e:
+        print(f"heliotrope agent: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

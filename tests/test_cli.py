@@ -92,6 +92,22 @@ def test_the_agent_command_with_a_bad_config_is_a_one_line_message(capsys, tmp_p
     assert "heartbeat_s" in "\n".join(err) and "Traceback" not in "\n".join(err)
 
 
+@pytest.mark.parametrize("kubeconfig", ["missing", "empty", "a-folder"])
+def test_an_agent_whose_site_cannot_start_says_why_in_one_line(capsys, tmp_path, kubeconfig):
+    path = tmp_path / kubeconfig
+    if kubeconfig == "empty":
+        path.write_text("")
+    elif kubeconfig == "a-folder":
+        path.mkdir()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("site: {name: lab, region: gcp:us-east1, grid_zone: US-MIDA-PJM, timezone: America/New_York, "
+                   "latitude: 33.2, longitude: -80.0, gpus: [{model: a100-80gb, gpus_per_node: 8, nodes: 1}], "
+                   f"adapter: {{kind: kubernetes, kubeconfig: '{path}'}}}}\nmqtt: {{host: 127.0.0.1, port: {free_port()}}}\n")
+    assert main(["agent", "--config", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert "heliotrope agent: site lab (kubernetes adapter) could not start: " in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
