@@ -18,8 +18,9 @@ Documents are stored as the same text as on SQLite (``Job.model_dump_json()``, c
 
 Leadership: the ``leader`` row's lease is judged by the database's clock (``clock_timestamp()``), so replicas
 on hosts with drifting clocks agree on it. A fenced write (see ``Store.fence``) reads the row ``FOR SHARE`` in
-its batch's transaction: a replica taking over must wait for that transaction to end, so a write that passed
-the check commits before the new leader's epoch exists.
+its batch's transaction, just before the commit: a replica taking over must wait for that transaction to end,
+so a write that passed the check commits before the new leader's epoch exists, and the leader's own renewal
+waits for the commit only, not for the whole batch.
 """
 
 from __future__ import annotations
@@ -274,26 +275,36 @@ class PostgresStore(SqlWriteQueue):
 
     async def _commit(self, batch: list[Write]) -> list[StoreError | None]:
         """The whole batch in one transaction. If a write fails, the batch is applied again, in one
-        transaction still, with a savepoint around each write, so that the failing write fails alone."""
+        transaction still, with a savepoint around each write, so that the failing write fails alone.
+
+        The fenced writes' check of the leader row is made at the end, just before the commit, and holds the
+        row (``FOR SHARE``) only through the commit: held from the start of a long batch, it would keep the
+        leader's own renewal of its lease waiting until the leader stepped down. Where the check finds a
+        fenced write out of its term, the batch is applied again with the row read first, so that only those
+        writes are refused."""
         async with self._connection() as conn:
             try:
-                errors = await self._apply(conn, batch, isolate=False)
-            except WriteFailed:
-                errors = await self._apply(conn, batch, isolate=True)
+                errors = await self._apply(conn, batch, isolate=False, check_first=False)
+            except (WriteFailed, _OutOfTerm):
+                # Again with the row read first and a savepoint around each write: a failing write fails
+                # alone, and a write out of its term is refused alone.
+                errors = await self._apply(conn, batch, isolate=True, check_first=True)
         self.commits += 1
         return errors
 
-    async def _apply(self, conn: asyncpg.Connection, batch: list[Write], isolate: bool) -> list[StoreError | None]:
+    async def _apply(self, conn: asyncpg.Connection, batch: list[Write], isolate: bool,
+                     check_first: bool) -> list[StoreError | None]:
         errors: list[StoreError | None] = [None] * len(batch)
+        fenced_writes = any(w.fence is not None for w in batch)
         async with conn.transaction():
             leader: tuple[int, bool] | None = None
-            if any(w.fence is not None for w in batch):
+            if check_first and fenced_writes:
                 row = await conn.fetchrow(_LEADER_FOR_SHARE, LEADER)
                 leader = (row[0], row[1]) if row is not None else None
             k = 0
             while k < len(batch):
                 w = batch[k]
-                if w.fence is not None and (fenced := fence_error(w.fence, leader)) is not None:
+                if check_first and w.fence is not None and (fenced := fence_error(w.fence, leader)) is not None:
                     errors[k] = fenced  # not applied; the rest of the batch goes on
                     k += 1
                     continue
@@ -317,6 +328,11 @@ class PostgresStore(SqlWriteQueue):
                 except _WRITE_ERRORS as e:
                     raise WriteFailed from e
                 k = end
+            if fenced_writes and not check_first:  # the check, held through the commit only
+                row = await conn.fetchrow(_LEADER_FOR_SHARE, LEADER)
+                leader = (row[0], row[1]) if row is not None else None
+                if any(w.fence is not None and fence_error(w.fence, leader) is not None for w in batch):
+                    raise _OutOfTerm  # (rolls the transaction back)
         return errors
 
     # --- jobs ---
@@ -472,6 +488,11 @@ _WRITE_ERRORS = (StoreError, asyncpg.PostgresError, ValueError)
 
 class WriteFailed(Exception):
     """A write of the batch failed on the first, unisolated, attempt."""
+
+
+class _OutOfTerm(Exception):
+    """The leader row, read before the commit, refuses a fenced write of the batch: apply it again with the row
+    read first."""
 
 
 async def _run(conn: asyncpg.Connection, w: Write) -> None:
