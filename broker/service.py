@@ -221,8 +221,8 @@ class Broker:
         else:  # the shared store's sites are the truth (the leader changes them); the config only seeds it
             known = {s.name for s in await self.store.list_sites()}
             for spec in sites or []:
-                if spec.name not in known:
-                    await self.store.put_site(spec)
+                if spec.name not in known:  # (one the leader stored meanwhile stays as the leader has it)
+                    await self.store.seed_site(spec)
         if self.replicas is None:
             await self._take_charge()
         else:

@@ -229,6 +229,14 @@ async def test_sites_are_listed_by_name_replaced_in_place_and_deleted(store: Sto
     assert [s.name for s in await store.list_sites()] == ["zeta"]
 
 
+async def test_a_replica_seeding_a_site_from_its_config_leaves_one_already_stored_as_it_is(store: Store):
+    # The leader cordoned zeta after this replica read the site list, and before it seeded it from its config.
+    await store.put_site(site("zeta", cordoned=True, cordon_reason="driver upgrade"))
+    await store.seed_site(site("zeta"))
+    await store.seed_site(site("alpha"))
+    assert [(s.name, s.cordoned) for s in await store.list_sites()] == [("alpha", False), ("zeta", True)]
+
+
 async def test_learned_state_is_kept_by_name_and_replaced(store: Store):
     assert await store.get_state("latency-demand") is None
     await store.put_state("latency-demand", '{"hour": 1}')

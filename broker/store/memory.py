@@ -255,6 +255,10 @@ class MemoryStore(QueuedUpdates):
         self._check_fence()
         self._sites[spec.name] = spec
 
+    async def seed_site(self, spec: SiteSpec) -> None:
+        self._check_open()
+        self._sites.setdefault(spec.name, spec)
+
     async def delete_site(self, name: str) -> None:
         self._check_open()
         self._check_fence()

@@ -417,6 +417,12 @@ class PostgresStore(SqlWriteQueue):
             (spec.name, spec.model_dump_json()),
         )], fenced=True))
 
+    async def seed_site(self, spec: SiteSpec) -> None:
+        await self._submit(self._new_write([(
+            "INSERT INTO sites (name, doc) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+            (spec.name, spec.model_dump_json()),
+        )]))
+
     async def delete_site(self, name: str) -> None:
         await self._submit(self._new_write([("DELETE FROM sites WHERE name = $1", (name,))], fenced=True))
 
