@@ -11,16 +11,30 @@ from typing import Any
 from pydantic import ValidationError
 
 
+# The fields that hold one of several kinds of settings (``kind:`` says which): pydantic puts the kind in
+# an error's location (``carbon.http.url``), which is no field anyone writes, so it is left out.
+TAGGED_FIELDS: dict[str, frozenset[str]] = {
+    "adapter": frozenset({"simulated", "kubernetes", "mqtt"}),
+    "carbon": frozenset({"files", "http"}),
+    "prices": frozenset({"static", "files"}),
+}
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
-    """``('sites', 2, 'gpus', 0, 'model')`` → ``sites[2].gpus[0].model``."""
+    """``('sites', 2, 'gpus', 0, 'model')`` → ``sites[2].gpus[0].model``; ``('carbon', 'http', 'url')`` →
+    ``carbon.url`` (the kind of settings a tagged field holds is not a field)."""
     out = ""
+    previous: int | str | None = None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
         elif part in ("function-after", "json-or-python") or str(part).startswith(("function-", "tagged-union")):
             continue
+        elif isinstance(previous, str) and part in TAGGED_FIELDS.get(previous, ()):
+            continue
         else:
             out += f".{part}" if out else str(part)
+        previous = part
     return out or "(body)"
 
 

@@ -543,3 +543,11 @@ async def test_requests_that_could_never_mean_what_they_say_are_refused_by_field
     await client.post("/v1/sites/berlin/cordon", json={"reason": "driver upgrade"})
     again = await (await client.post("/v1/sites/berlin/cordon")).json()
     assert again["cordoned"] is True and again["cordon_reason"] == "driver upgrade"
+
+
+async def test_a_bad_adapter_setting_is_named_by_the_field_a_user_writes(client: TestClient):
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8},
+                     adapter={"kind": "kubernetes", "request_timeout_s": -1})
+    r = await client.post("/v1/sites", json=body)
+    assert r.status == 422
+    assert [f["field"] for f in (await r.json())["error"]["fields"]] == ["adapter.request_timeout_s"]

@@ -131,7 +131,7 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
         ),
         pytest.param(
             "broker: {carbon: {kind: http, url: not-a-url}}\n",
-            ["broker.carbon.http.url: Input should be a valid URL"],
+            ["broker.carbon.url: Input should be a valid URL"],
             id="a carbon service URL that is not one names the url field",
         ),
         pytest.param(
@@ -141,7 +141,7 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
         ),
         pytest.param(
             "broker: {prices: {kind: files}}\n",
-            ["broker.prices.files.path: required field is missing"],
+            ["broker.prices.path: required field is missing"],
             id="a price list without its path names the path",
         ),
         pytest.param(
@@ -205,3 +205,13 @@ def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path: Path) -> 
     path.write_bytes("sites:\n  - name: z\u00fcrich\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: "):
         load_config(path)
+
+
+def test_an_environment_override_that_does_not_validate_names_the_variable_to_fix() -> None:
+    # The kind of provider is not a field: the variable to set is ..._CARBON__URL, not ..._CARBON__HTTP__URL.
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"HELIOTROPE_BROKER__CARBON": '{kind: http, url: "nope"}'})
+    assert str(err.value).startswith(
+        "broker.carbon.url (environment HELIOTROPE_BROKER__CARBON__URL or the file): Input should be a valid URL")
+    load_config(None, {"HELIOTROPE_BROKER__CARBON": "{kind: http, url: 'https://api.example/v3'}",
+                       "HELIOTROPE_BROKER__CARBON__URL": "https://api.example/v4"})
