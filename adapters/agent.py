@@ -633,10 +633,15 @@ class AgentStartError(RuntimeError):
 
 
 async def _run(config: AgentConfig) -> None:
+    agent: SiteAgent | None = None
     try:
         agent = SiteAgent(config)
         await agent.start()
     except Exception as e:  # the site's adapter could not start: a message, not a traceback
+        log.debug("site agent %s: start failed", config.site.name, exc_info=True)  # (--log-level DEBUG)
+        if agent is not None:
+            with contextlib.suppress(Exception):
+                await agent.inner.close()
         kind = getattr(config.site.adapter, "kind", "?")
         raise AgentStartError(f"site {config.site.name} ({kind} adapter) could not start: "
                               f"{e.__class__.__name__}: {e}") from None

@@ -72,7 +72,6 @@ import logging
 import os
 import ssl
 from collections import OrderedDict
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import aiomqtt
@@ -203,7 +202,7 @@ class Heartbeat(_Msg):
     kind: Literal["heartbeat"] = "heartbeat"
     boot: str = Field(min_length=1, max_length=64, description="unique per agent start")
     seq: int = Field(ge=0)
-    sent_at: datetime
+    sent_at: UtcDatetime
     lease_s: float = Field(gt=0, le=3600)
     state: SiteState
     attempts: list[AttemptReport] = Field(default_factory=list)
@@ -213,7 +212,7 @@ class Status(_Msg):
     kind: Literal["status"] = "status"
     boot: str = Field(min_length=1, max_length=64)
     online: bool
-    at: datetime
+    at: UtcDatetime
 
 
 class WireEvent(BaseModel):

@@ -67,6 +67,7 @@ class MqttHub:
         # messages of sites never registered here would otherwise pile up)
         self._retained: proto.Bounded = proto.Bounded(100_000)
         self.unknown_sites: proto.Bounded = proto.Bounded(1_000)  # site -> messages for it while not registered
+        self._named: proto.Bounded = proto.Bounded(1_000)  # unknown sites whose live message was logged
         self._client: aiomqtt.Client | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -159,9 +160,9 @@ class MqttHub:
             self._retained[(msg.site, msg.kind)] = msg  # for a site that attaches later (at start-up)
         site = self._sites.get(msg.site)
         if site is None:  # an agent of a site not (or no longer) registered here
-            seen = self.unknown_sites.get(msg.site, 0)
-            self.unknown_sites[msg.site] = seen + 1
-            if not seen and not retained:
+            self.unknown_sites[msg.site] = self.unknown_sites.get(msg.site, 0) + 1
+            if not retained and msg.site not in self._named:
+                self._named[msg.site] = True
                 log.warning("mqtt: a %s from site %s, which is not registered here (its messages are dropped)",
                             msg.kind, msg.site)
             return

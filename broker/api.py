@@ -581,6 +581,9 @@ async def delete_quota(request: web.Request) -> web.Response:
 async def submit_job(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     spec, raw = await _body(request, JobSpec, "job spec")
+    never = spec.gpus.never_fits()
+    if never is not None:  # it would wait in the queue for ever
+        raise ApiError(422, f"invalid job spec: gpus: {never}", [{"field": "gpus.mig_profile", "problem": never}])
     who = principal(request)
     if not who.acts_for(spec.tenant):
         raise not_your_tenant(who, spec.tenant)

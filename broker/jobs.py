@@ -28,7 +28,7 @@ from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobSpec, JobState
 from broker.queue import QueueIndex
 from broker.events import EventHub
-from broker.store import DuplicateKey, Store, StoreError
+from broker.store import Conflict, DuplicateKey, Fenced, Store, StoreError
 from policies.snapshot import NO_SITES
 
 log = logging.getLogger(__name__)
@@ -432,7 +432,9 @@ class JobBook:
             if before is not None:
                 self.undo(before, mark)
             stored = await self.resync(new.id)
-            if stored is None or (stored.version, stored.state, stored.attempt) != (new.version, new.state, new.attempt):
+            # A write the store refused (another writer's version, a newer leader's term) did not land, whatever
+            # the store holds now; of one whose answer was lost, the store holds this very document if it did.
+            if isinstance(e, Conflict | Fenced | DuplicateKey) or stored is None or stored != new:
                 if isinstance(e, StoreError):
                     raise
                 raise StoreError(f"write failed: {e.__class__.__name__}: {e}") from e

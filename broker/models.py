@@ -134,8 +134,8 @@ class TenantQuota(Spec):
     priority its jobs are ranked with at this site (a job asking more is ranked at the ceiling)."""
 
     tenant: Slug
-    guaranteed_gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_SITE)
-    burst_gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_SITE, description="allowed above the guarantee")
+    guaranteed_gpus: int = Field(default=0, ge=0)
+    burst_gpus: int = Field(default=0, ge=0, description="allowed above the guarantee")
     fair_share_weight: float = Field(default=1.0, gt=0)
     priority_ceiling: int | None = Field(default=None, ge=-1000, le=1000)
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
@@ -433,13 +433,19 @@ class GpuRequest(Spec):
                 raise ValueError("shared: needs memory_gib, the memory the job takes on the shared GPU")
         if self.mig_profile is not None:
             mig_slices(self.mig_profile)
-            memory = int(self.mig_profile.split(".")[1][:-2])
-            if memory > MAX_GPU_MEMORY_GIB:  # no site can offer it: the job would wait for ever
-                raise ValueError(f"mig_profile: {self.mig_profile} needs {memory} GiB, more than any GPU a site may "
-                                 f"have ({MAX_GPU_MEMORY_GIB} GiB)")
             if self.milli < 1000 or self.shared:
                 raise ValueError("mig_profile: a MIG slice is a fixed partition; do not combine it with milli or shared")
         return self
+
+    def never_fits(self) -> str | None:
+        """Why no site could ever run this request, where that can be told from it alone (checked when a job
+        is submitted, not when a stored one is read: an earlier release accepted such jobs)."""
+        if self.mig_profile is not None:
+            memory = int(self.mig_profile.split(".")[1][:-2])
+            if memory > MAX_GPU_MEMORY_GIB:
+                return (f"mig_profile: {self.mig_profile} needs {memory} GiB, more than any GPU a site may have "
+                        f"({MAX_GPU_MEMORY_GIB} GiB)")
+        return None
 
     @property
     def fractional(self) -> bool:

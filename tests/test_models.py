@@ -431,3 +431,20 @@ def test_once_terminal_a_job_never_leaves_its_terminal_state(attempts: list[JobS
         for dst in JobState:
             with pytest.raises(IllegalTransition):
                 j.transition(dst, NOW)
+
+
+def test_what_an_earlier_release_stored_still_reads() -> None:
+    # A burst written as "no limit in effect" and a MIG slice no GPU has were accepted before; a stored site or
+    # job that no longer read would stop the broker from starting. New submissions of the latter are refused
+    # by the API (GpuRequest.never_fits), not by the model.
+    from broker.models import GpuRequest, Job, JobSpec, SiteSpec
+
+    spec = SiteSpec.model_validate_json(
+        '{"name": "a", "region": "gcp:us-east1", "grid_zone": "US-MIDA-PJM", "timezone": "America/New_York", '
+        '"latitude": 33.2, "longitude": -80.0, "gpus": [{"model": "a100-80gb", "gpus_per_node": 8, "nodes": 1}], '
+        '"quotas": [{"tenant": "t1", "guaranteed_gpus": 0, "burst_gpus": 1000000}]}')
+    assert spec.quotas[0].burst_gpus == 1_000_000
+    old = JobSpec(tenant="t1", name="n", gpus={"count": 1, "mig_profile": "1g.5000gb"}, duration_s=60)
+    assert Job.model_validate_json(Job(id="j", spec=old, created_at=NOW, updated_at=NOW).model_dump_json()).spec == old
+    assert "more than any GPU a site may have" in (old.gpus.never_fits() or "")
+    assert GpuRequest(count=1, mig_profile="1g.10gb").never_fits() is None

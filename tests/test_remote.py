@@ -327,3 +327,23 @@ async def test_messages_of_a_site_not_registered_here_are_counted_and_named_once
     assert hub.unknown_sites == {"ghost": 3}
     assert [r.getMessage() for r in caplog.records if "ghost" in r.getMessage()] == [
         "mqtt: a heartbeat from site ghost, which is not registered here (its messages are dropped)"]
+
+
+async def test_a_heartbeat_or_status_time_without_a_zone_is_invalid(edge) -> None:
+    _, hub = edge
+    for kind, doc in (("state", json.loads(proto.encode(heartbeat(1)))),
+                      ("status", {"v": 1, "kind": "status", "site": "edge", "boot": "b1", "online": True})):
+        doc["sent_at" if kind == "state" else "at"] = "2026-01-05T12:00:00"
+        hub._on_message(message(proto.topic("edge", kind), json.dumps(doc).encode()))
+    assert hub.malformed == {"invalid": 2}
+
+
+async def test_a_site_not_registered_is_named_at_its_first_live_message_even_after_retained_ones(edge, caplog) -> None:
+    _, hub = edge
+    ghost = proto.encode(heartbeat(1).model_copy(update={"site": "ghost"}))
+    hub._on_message(message(proto.topic("ghost", "state"), ghost, retain=True))
+    assert not [r for r in caplog.records if "ghost" in r.getMessage()]
+    hub._on_message(message(proto.topic("ghost", "state"), ghost))
+    hub._on_message(message(proto.topic("ghost", "state"), ghost))
+    assert hub.unknown_sites == {"ghost": 3}
+    assert len([r for r in caplog.records if "ghost" in r.getMessage()]) == 1

@@ -705,3 +705,34 @@ async def test_a_stored_site_an_earlier_release_wrote_with_a_null_number_stops_t
     left = [t for t in threading.enumerate()  # (the loop's own executor, asyncio_N, closes with the loop)
             if t.ident not in before and not t.daemon and not t.name.startswith("asyncio_")]
     assert left == [], "a thread the failed start opened would keep the process alive"
+
+
+async def test_a_deposed_leaders_placement_that_matches_the_new_leaders_is_still_refused(tmp_path: Path):
+    # Both place the job as attempt 1 at the same version; the new leader on site-b, the deposed one, which
+    # woke after the takeover, on site-a. The store refuses the second (Fenced): it must not be taken for
+    # written because the stored job looks like it by version, state and attempt.
+    from broker.clock import SystemClock
+    from broker.jobs import JobBook
+
+    db = tmp_path / "h.db"
+    a, b = SQLiteStore(db), SQLiteStore(db)
+    await a.open()
+    await b.open()
+    try:
+        job = make_job(1)
+        await a.insert_job(job)
+        assert await a.acquire_leadership("A", 0.2) == 1
+        a.fence(1)
+        book = JobBook(a, SystemClock())
+        await book.load()
+        await asyncio.sleep(0.3)  # A's lease lapses while it is paused
+        assert await b.acquire_leadership("B", 30) == 2
+        b.fence(2)
+        await b.update_job(job.transition(JobState.DISPATCHING, T0, site="site-b", attempt=1), job.version)
+        new, version = book.apply(job.id, JobState.DISPATCHING, site="site-a", attempt=1)
+        with pytest.raises(Fenced):
+            await book.write_soon(job, new, version)
+        assert (await a.get_job(job.id)).site == "site-b"
+    finally:
+        await a.close()
+        await b.close()

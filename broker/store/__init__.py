@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from collections.abc import Awaitable
@@ -201,9 +202,9 @@ class Store(Protocol):
 
     # leadership (one ``leader`` row; its lease is judged by the database's clock where there is one)
     async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:
-        """Take the lease if it is free, expired or already the caller's; return the epoch (bumped by one when
-        the holder changes, kept when the same holder re-acquires), or None while another holder has it.
-        ``holder`` must be unique to the process (a replica restarting under the same name keeps its epoch)."""
+        """Take the lease if it is free, expired or already the caller's; return the epoch (bumped by one at
+        every acquisition, the same holder's included, so the writes of its last term stay fenced), or None
+        while another holder has it. ``holder`` must be unique to the process."""
 
     async def renew_leadership(self, holder: str, epoch: int, lease_s: float) -> bool:
         """Extend the lease by ``lease_s`` from now if it is still this holder's, at this epoch, unexpired."""
@@ -245,11 +246,15 @@ def check_db(db: str) -> str:
 
 def describe_db(db: str) -> str:
     """The database named for a person (logs, messages): a URL without its password."""
-    if "://" in db and "@" in db:
-        scheme, rest = db.split("://", 1)
-        user = rest.split("@", 1)[0].split(":", 1)[0]
-        return f"{scheme}://{user + '@' if user else ''}{rest.split('@', 1)[1]}"
-    return db
+    if "://" not in db:
+        return db
+    scheme, rest = db.split("://", 1)
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:  # user:password@host: the last @ ends the user's part (a password may hold one)
+        user = authority.rsplit("@", 1)[0].split(":", 1)[0]
+        authority = f"{user + '@' if user else ''}{authority.rsplit('@', 1)[1]}"
+    path = re.sub(r"(?i)(password=)[^&]*", r"\1***", path)
+    return f"{scheme}://{authority}{slash}{path}"
 
 
 def open_store(db: str) -> Store:
