@@ -173,6 +173,11 @@ def run(args: argparse.Namespace) -> str:
         if folder:
             _writable(flag, Path(folder))
     prep = prepare(spec)
+    if prep.left_out.all():  # nothing would be replayed: every figure would be a zero that means nothing
+        raise SimulateUsage(
+            f"no job to replay: no job of the trace ({prep.left_out.size}) fits a site even when it is empty, or "
+            f"one that meets its latency objective (the largest asks {int(prep.workload.gpus.max())} GPUs); give "
+            f"sites that fit them (--sites, --preset, --utilisation)")
     if args.dump_workload:
         dump_workload(prep.workload, prep.sites, args.dump_workload)
     result = simulate(spec, progress=sys.stderr.isatty(), prepared=prep)

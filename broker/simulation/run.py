@@ -181,11 +181,6 @@ def prepare(spec: SimulationSpec) -> Prepared:
         report.append(f"left out: {int(left_out.sum())} jobs fit no site even when it is empty, or none that "
                       f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs); "
                       "no policy runs them")
-        if left_out.all():  # nothing would be replayed: every figure would be a zero that means nothing
-            raise engine.SimulationError(
-                f"no job to replay: no job of the trace ({left_out.size}) fits a site even when it is empty, or one "
-                f"that meets its latency objective (the largest asks {int(workload.gpus.max())} GPUs); give sites "
-                f"that fit them (--sites, --preset, --utilisation)")
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
     return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
