@@ -195,6 +195,7 @@ class RemoteSite:
         self._sent_at: datetime | None = None  # ... and when the agent sent it
         self._replaced: proto.Bounded = proto.Bounded(64)  # boots a newer one replaced: their heartbeats are old
         self.stale_heartbeats = 0  # heartbeats dropped as older than one already taken (replays, duplicates)
+        self._said: set[str] = set()  # what _checked has logged once already (every heartbeat would say it again)
         self._heard_mono: float | None = None  # monotonic s of the latest live heartbeat
         self._heard_at: datetime | None = None
         # Until the first live heartbeat, a lease the previous broker process granted may still run: it ends
@@ -300,24 +301,30 @@ class RemoteSite:
         """An agent's report as the broker takes it: None (dropped, with a log line) where it speaks for another
         site; GPU models the site's spec does not have left out, and counts above the spec's cut to it."""
         if state.site != self.name:
-            log.warning("site %s: dropped a heartbeat whose state is of site %r", self.name, state.site)
+            self._once(f"site {self.name}: dropped a heartbeat whose state is of site {state.site!r} (and will "
+                       "drop each one that is)")
             return None
         totals = self.spec.total_gpus()
         capacity = []
         for c in state.capacity:
             most = totals.get(c.model)
             if most is None:
-                log.warning("site %s: its agent reports %d %s GPUs, a model its spec does not have; left out",
-                            self.name, c.total_gpus, c.model)
+                self._once(f"site {self.name}: its agent reports {c.model} GPUs, a model its spec does not have; "
+                           "they are left out")
                 continue
             if c.total_gpus > most:
-                log.warning("site %s: its agent reports %d %s GPUs where its spec has %d; counted as %d", self.name,
-                            c.total_gpus, c.model, most, most)
+                self._once(f"site {self.name}: its agent reports more {c.model} GPUs than its spec has ({most}); "
+                           f"counted as {most}")
                 c = c.model_copy(update={"total_gpus": most, "free_gpus": min(c.free_gpus, most),
                                          "used_gpus": min(c.used_gpus, most)})
             capacity.append(c)
         return state if len(capacity) == len(state.capacity) and all(
             a is b for a, b in zip(capacity, state.capacity)) else state.model_copy(update={"capacity": capacity})
+
+    def _once(self, text: str) -> None:
+        if text not in self._said and len(self._said) < 100:
+            self._said.add(text)
+            log.warning("%s", text)
 
     def _send(self, msg: BaseModel) -> None:
         """Publish at QoS 0 without waiting: acknowledgements and lease grants, whose loss the agent's
