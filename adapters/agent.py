@@ -89,6 +89,7 @@ from adapters.mqtt_protocol import (
     Heartbeat,
     LeaseGrant,
     MalformedMessage,
+    MqttTlsError,
     QuotaCommand,
     Reply,
     Status,
@@ -96,6 +97,7 @@ from adapters.mqtt_protocol import (
     client_options,
     decode,
     encode,
+    tls_context,
     topic,
 )
 from broker.clock import Clock, SystemClock
@@ -664,6 +666,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_agent_config(args.config)
     except ConfigError as e:
+        print(f"heliotrope agent: {e}", file=sys.stderr)
+        return 2
+    try:  # TLS files that cannot be used stop the start, as they stop `heliotrope serve`, not a retry for ever
+        tls_context(config.mqtt)
+    except MqttTlsError as e:
         print(f"heliotrope agent: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -97,7 +97,7 @@ def is_shared_database(db: str) -> bool:
 
 
 class BrokerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # (an .inf interval would stop the loop)
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)

@@ -300,3 +300,13 @@ def test_ids_and_names_are_one_path_segment_each(capsys, server, tmp_path):
     assert [line.split()[0] for line in out.splitlines()[1:]] == ["alpha", "beta"]
     code, _, err = run(capsys, server, "job", "../sites/alpha")
     assert code == 1 and "Traceback" not in err
+
+
+def test_an_agent_whose_mqtt_tls_files_cannot_be_used_stops_at_once_naming_the_file(capsys, tmp_path):
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("site: {name: lab, region: gcp:us-east1, grid_zone: US-MIDA-PJM, timezone: America/New_York, "
+                   "latitude: 33.2, longitude: -80.0, gpus: [{model: a100-80gb, gpus_per_node: 8, nodes: 1}]}\n"
+                   f"mqtt: {{host: 127.0.0.1, port: {free_port()}, tls: true, ca_file: '{tmp_path / 'none.pem'}'}}\n")
+    assert main(["agent", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"heliotrope agent: mqtt.ca_file {tmp_path / 'none.pem'}: cannot read" in err and "Traceback" not in err

@@ -215,3 +215,9 @@ def test_an_environment_override_that_does_not_validate_names_the_variable_to_fi
         "broker.carbon.url (environment HELIOTROPE_BROKER__CARBON__URL or the file): Input should be a valid URL")
     load_config(None, {"HELIOTROPE_BROKER__CARBON": "{kind: http, url: 'https://api.example/v3'}",
                        "HELIOTROPE_BROKER__CARBON__URL": "https://api.example/v4"})
+
+
+def test_an_infinite_interval_is_refused_by_name(tmp_path: Path) -> None:
+    # (cycle_interval_s: .inf would leave the scheduling loop asleep for ever)
+    with pytest.raises(ConfigError, match=r"broker.cycle_interval_s: Input should be a finite number"):
+        load_config(write(tmp_path, "broker: {cycle_interval_s: .inf}\n"))
