@@ -92,6 +92,14 @@ def test_the_agent_command_with_a_bad_config_is_a_one_line_message(capsys, tmp_p
     assert "heartbeat_s" in "\n".join(err) and "Traceback" not in "\n".join(err)
 
 
+def agent_yaml(adapter: str, mqtt: str) -> str:
+    """An agent config for site lab (one node of A100s), with ``adapter`` and more ``mqtt`` settings if given."""
+    return ("site: {name: lab, region: gcp:us-east1, grid_zone: US-MIDA-PJM, timezone: America/New_York, "
+            "latitude: 33.2, longitude: -80.0, gpus: [{model: a100-80gb, gpus_per_node: 8, nodes: 1}]"
+            + (f", {adapter}" if adapter else "") + "}\n"
+            + f"mqtt: {{host: 127.0.0.1, port: {free_port()}" + (f", {mqtt}" if mqtt else "") + "}\n")
+
+
 @pytest.mark.parametrize("kubeconfig", ["missing", "empty", "a-folder"])
 def test_an_agent_whose_site_cannot_start_says_why_in_one_line(capsys, tmp_path, kubeconfig):
     path = tmp_path / kubeconfig
@@ -100,9 +108,7 @@ def test_an_agent_whose_site_cannot_start_says_why_in_one_line(capsys, tmp_path,
     elif kubeconfig == "a-folder":
         path.mkdir()
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text("site: {name: lab, region: gcp:us-east1, grid_zone: US-MIDA-PJM, timezone: America/New_York, "
-                   "latitude: 33.2, longitude: -80.0, gpus: [{model: a100-80gb, gpus_per_node: 8, nodes: 1}], "
-                   f"adapter: {{kind: kubernetes, kubeconfig: '{path}'}}}}\nmqtt: {{host: 127.0.0.1, port: {free_port()}}}\n")
+    cfg.write_text(agent_yaml(f"adapter: {{kind: kubernetes, kubeconfig: '{path}'}}", ""))
     assert main(["agent", "--config", str(cfg)]) == 1
     err = capsys.readouterr().err
     assert "heliotrope agent: site lab (kubernetes adapter) could not start: " in err and "Traceback" not in err
@@ -304,9 +310,7 @@ def test_ids_and_names_are_one_path_segment_each(capsys, server, tmp_path):
 
 def test_an_agent_whose_mqtt_tls_files_cannot_be_used_stops_at_once_naming_the_file(capsys, tmp_path):
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text("site: {name: lab, region: gcp:us-east1, grid_zone: US-MIDA-PJM, timezone: America/New_York, "
-                   "latitude: 33.2, longitude: -80.0, gpus: [{model: a100-80gb, gpus_per_node: 8, nodes: 1}]}\n"
-                   f"mqtt: {{host: 127.0.0.1, port: {free_port()}, tls: true, ca_file: '{tmp_path / 'none.pem'}'}}\n")
+    cfg.write_text(agent_yaml("", f"tls: true, ca_file: '{tmp_path / 'none.pem'}'"))
     assert main(["agent", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert f"heliotrope agent: mqtt.ca_file {tmp_path / 'none.pem'}: cannot read" in err and "Traceback" not in err
