@@ -306,9 +306,11 @@ class RemoteSite:
             return None
         totals = self.spec.total_gpus()
         capacity = []
+        changed = False
         for c in state.capacity:
             most = totals.get(c.model)
             if most is None:
+                changed = True
                 self._once(f"site {self.name}: its agent reports {c.model} GPUs, a model its spec does not have; "
                            "they are left out")
                 continue
@@ -317,9 +319,9 @@ class RemoteSite:
                            f"counted as {most}")
                 c = c.model_copy(update={"total_gpus": most, "free_gpus": min(c.free_gpus, most),
                                          "used_gpus": min(c.used_gpus, most)})
+                changed = True
             capacity.append(c)
-        return state if len(capacity) == len(state.capacity) and all(
-            a is b for a, b in zip(capacity, state.capacity)) else state.model_copy(update={"capacity": capacity})
+        return state.model_copy(update={"capacity": capacity}) if changed else state
 
     def _once(self, text: str) -> None:
         if text not in self._said and len(self._said) < 100:

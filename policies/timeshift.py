@@ -667,8 +667,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         # for a run starting now at the profile's site on the model it would start on, its value, the best
         # start now at any site the plan allows, and where there is no room, why.
         here, column = placement.site, placement.model
-        rate = float(TDP_KW[column]) if carbon else float(np.nan_to_num(snap.usd_per_gpu_hour[here, column],
-                                                                         nan=np.inf))
+        rate = _rate_at(snap, column, here, carbon)
         fits, best_now, anywhere_now, anywhere_site, _, _ = _search.start_now(
             here, column, rate, ok, placement.feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
             col, reserve_all, kept, near, first, now_hours, kept_price, other, at, floor)
@@ -747,13 +746,8 @@ def _forecast_now(site: int, rate: float, need: float, d_h: float, into_h: float
         return rate * need * d_h
     if forecast.shape[0] <= site or not forecast.shape[1]:
         return compared
-    hours = forecast.shape[1]
-
-    def integral(t: float) -> float:  # _shift_search._integral
-        h = min(int(math.floor(t)), hours - 1)
-        return float(cum[site, h] + (t - h) * forecast[site, h])
-
-    return rate * need * (integral(into_h + d_h) - integral(into_h)) / 1000.0
+    return rate * need * (_search._integral(cum, forecast, site, into_h + d_h)
+                          - _search._integral(cum, forecast, site, into_h)) / 1000.0
 
 
 def _over_plan(placement: Placement, passed: Sequence[tuple[int, str]], n_passed: int) -> Placement | None:

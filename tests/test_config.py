@@ -221,3 +221,19 @@ def test_an_infinite_interval_is_refused_by_name(tmp_path: Path) -> None:
     # (cycle_interval_s: .inf would leave the scheduling loop asleep for ever)
     with pytest.raises(ConfigError, match=r"broker.cycle_interval_s: Input should be a finite number"):
         load_config(write(tmp_path, "broker: {cycle_interval_s: .inf}\n"))
+
+
+def test_the_tagged_settings_errors_leave_out_are_the_models_own() -> None:
+    # broker.errors.field_path drops the kind pydantic puts in an error's location; its list must follow the
+    # models, or a new kind (or a new tagged field) would show up in field names and environment variables.
+    from broker.config import BrokerSettings
+    from broker.errors import TAGGED_FIELDS
+    from broker.models import SiteSpec
+
+    found: dict[str, set[str]] = {}
+    for model in (SiteSpec, BrokerSettings):
+        for name, prop in model.model_json_schema()["properties"].items():
+            for branch in (prop, *prop.get("anyOf", ())):
+                if "discriminator" in branch:
+                    found[name] = set(branch["discriminator"]["mapping"])
+    assert found == {name: set(tags) for name, tags in TAGGED_FIELDS.items()}
