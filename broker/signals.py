@@ -8,9 +8,10 @@ Carbon forecasts (:class:`GridSignals`)
     672 h, four weeks), fit a :class:`broker.forecast.Forecaster` on them and keep its ``horizon_h``-hour
     forecast (default 48 h) starting at ``now``'s hour. Only past hours are read: the hour containing ``now``
     is the forecast's first hour, never part of its history. After a zone's first good round only the hours
-    since then are asked for, together with the last :data:`REFETCH_H` hours (24) again, so that a service's
-    revisions of recent hours are used (with the HTTP provider that is one ``history`` request a round instead
-    of four weeks of ``past-range``). A zone that a new site brings is fetched as soon as a snapshot asks for
+    since then are asked for, and at least the last :data:`REFETCH_H` hours (23) again, so that a service's
+    revisions of recent hours are used (with the HTTP provider and hourly rounds that is one ``history``
+    request a round instead of four weeks of ``past-range``). Where those hours cannot be read (a gap in the
+    service's data at their start, which cannot be interpolated there), the round asks for the whole window. A zone that a new site brings is fetched as soon as a snapshot asks for
     it, without waiting for the next round.
 
     Models (``model``): ``seasonal_naive`` (the value one season earlier, ``season_h`` 24 or 168),
@@ -102,8 +103,10 @@ log = logging.getLogger(__name__)
 
 _HOUR = timedelta(hours=1)
 
-REFETCH_H = 24
-"""Hours at the end of a zone's kept history that each round asks for again (revisions of recent hours)."""
+REFETCH_H = 23
+"""Hours before the forecast's first hour that each round asks for again (revisions of recent hours): the
+hours before the current one that the HTTP provider's ``history`` endpoint answers with (its last 24 hours
+include the current one), so that a round that follows a good one makes that one request."""
 
 ModelChoice = Literal["seasonal_naive", "holt_winters", "auto"]
 
@@ -399,10 +402,17 @@ class GridSignals:
         if kept is None or len(kept) != n:
             return await self.provider.history(zone, start, end)
         kept_end = state.forecast.history_end  # type: ignore[union-attr]
-        ask_from = max(start, kept_end - REFETCH_H * _HOUR)
+        ask_from = max(start, min(kept_end, end - REFETCH_H * _HOUR))
         if kept_end > end or ask_from >= kept_end:  # the clock went back, or nothing kept is still wanted
             return await self.provider.history(zone, start, end)
-        fresh = await self.provider.history(zone, ask_from, end)
+        try:
+            fresh = await self.provider.history(zone, ask_from, end)
+        except ProviderError as e:
+            # A gap in the service's data at the start of the hours asked for cannot be interpolated there, and
+            # asking from the same hour again would fail every round: the whole window, where the gap lies
+            # inside and is filled as in the first round (or the error is the window's own).
+            log.info("carbon forecast: zone %s: %s; asking for the whole history instead", zone, e)
+            return await self.provider.history(zone, start, end)
         kept_start = kept_end - n * _HOUR
         older = kept[(start - kept_start) // _HOUR:(ask_from - kept_start) // _HOUR]
         return np.concatenate([older, fresh])

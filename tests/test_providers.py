@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -354,6 +355,13 @@ async def test_answers_that_make_no_sense_are_named(em, http) -> None:
     em.script = [Reply(200, body={"zone": "GB"})]
     with pytest.raises(ProviderError, match="the answer has no 'data' list"):
         await http().history("GB", FIRST, END)
+    # readings no grid gives: an integer too large for a float, and one that would make the forecast's sums inf
+    for huge, shown in ((10 ** 400, "1000000000000000000000000000000000000..."), (1e308, "1e+308")):
+        em.script = [Reply(200, body={"zone": "GB", "data": [{"datetime": "2022-06-01T00:00:00Z",
+                                                               "carbonIntensity": huge}]})]
+        with pytest.raises(ProviderError, match=rf"entry 0 \(2022-06-01T00:00Z\): carbonIntensity {re.escape(shown)} is "
+                                                r"not a number from 0 to 5000 gCO2e/kWh"):
+            await http().history("GB", FIRST, END)
 
 
 # --- missing hours: interpolated up to 6 h inside the span, else an error ------------------------------------------
@@ -376,6 +384,19 @@ async def test_short_gaps_are_interpolated(em, http, files) -> None:
     untouched = np.ones(len(want), bool)
     untouched[i: i + 3] = untouched[j] = False
     np.testing.assert_array_equal(got[untouched], want[untouched])
+
+
+async def test_a_gap_is_named_with_the_request_that_should_have_had_it(em, http, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(carbon_module, "MAX_RANGE_HOURS", 72)  # three requests for the week
+    em.drop = {stamp(utc(2022, 6, 2, h)) for h in range(3, 11)}  # in the first request's hours
+    with pytest.raises(ProviderError, match=r"past-range\?zone=GB&start=2022-06-01T00:00:00Z&end=2022-06-04T00:00:00Z: "
+                                            r"the service has no data for the 8 h from 2022-06-02T03:00Z"):
+        await http().history("GB", FIRST, END)
+    em.drop = {stamp(utc(2022, 6, 5, 3))}  # in the second's: filled, and the log names it
+    with caplog.at_level(logging.INFO, logger="broker.providers.carbon"):
+        await http().history("GB", FIRST, END)
+    assert ("interpolated missing hours: 1 h from 2022-06-05T03:00Z to 2022-06-05T04:00Z (GET /v3/carbon-intensity/"
+            "past-range?zone=GB&start=2022-06-04T00:00:00Z&end=2022-06-07T00:00:00Z)") in caplog.text
 
 
 async def test_long_gaps_and_gaps_at_the_ends_are_errors(em, http) -> None:

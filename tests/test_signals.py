@@ -29,7 +29,7 @@ from broker.signals import CarbonForecastSettings, GridSignals, fit_forecast
 from policies import explain
 from policies.snapshot import MODEL_INDEX, JobRequest
 from tests.builders import job, site
-from tests.test_providers import FakeElectricityMaps
+from tests.test_providers import FakeElectricityMaps, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CARBON_DIR = ROOT / "data" / "carbon"  # the shipped slice: 2022-06-01 .. 2022-06-21, 8 zones
@@ -259,6 +259,43 @@ async def test_a_failing_zone_keeps_its_last_forecast_until_stale_and_the_other_
     assert np.isfinite(fed.freeze(clock.now()).carbon_forecast).all(), "the zone is back once its service is"
 
 
+async def test_a_gap_in_the_services_data_is_filled_in_every_round_as_the_hours_asked_for_slide_over_it(
+        service, closing, caplog) -> None:
+    # The service never has 2022-06-06 12:00. The first round asks for four days and fills it between its
+    # neighbours; each later round asks for the last 23 hours, whose first hour is the gap at 2022-06-07 11:00:
+    # that round asks for the whole window instead, and no round fails (it used to fail every round from then on).
+    service.drop = {stamp(datetime(2022, 6, 6, 12, tzinfo=UTC))}
+    clock = ManualClock(SERVICE_NOW)
+    # no cache: its answers live for cache_ttl_s of real time, which this test's hours do not take
+    provider = HttpCarbonProvider(service.url, timeout_s=2.0, retries=0, clock=clock, cache_ttl_s=0)
+    fed, signals = await signals_for(closing, provider, clock, settings(model="seasonal_naive", history_h=96), LONDON)
+    with caplog.at_level(logging.INFO, logger="broker.signals"):
+        for _ in range(10):  # hourly rounds, 06:00 .. 15:00
+            await signals.refresh()
+            state = signals.zones["GB"]
+            assert state.error is None and state.forecast.first_hour == clock.now(), state.error
+            assert np.isfinite(row(fed.freeze(clock.now()), "london")).all()
+            await clock.advance(3600)
+    assert "asking for the whole history instead" in caplog.text
+    # what the rounds kept is what one request for the whole window gives, the gap filled alike
+    end = signals.zones["GB"].forecast.history_end
+    whole = HttpCarbonProvider(service.url, timeout_s=2.0, retries=0, clock=clock)
+    closing.append(whole)
+    np.testing.assert_array_equal(signals.zones["GB"].history, await whole.history("GB", end - 96 * H, end))
+
+
+async def test_a_round_after_a_good_one_asks_the_history_endpoint_alone(service, closing) -> None:
+    clock = ManualClock(datetime(2022, 6, 7, 22, 5, tzinfo=UTC))  # the recorded history is 2022-06-07's
+    provider = HttpCarbonProvider(service.url, timeout_s=2.0, retries=0, clock=clock, cache_ttl_s=0)  # (no cache)
+    fed, signals = await signals_for(closing, provider, clock, settings(model="seasonal_naive", history_h=96), LONDON)
+    await signals.refresh()
+    await clock.advance(3600)
+    asked = len(service.requests)
+    await signals.refresh()
+    assert signals.zones["GB"].error is None
+    assert [e for e, _, _ in service.requests[asked:]] == ["history"]
+
+
 # --- (c) prices from a price provider ---------------------------------------------------------------------------------
 
 
@@ -389,14 +426,15 @@ async def eventually(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_later_rounds_ask_only_for_the_new_hours_and_the_last_day_again(carbon, closing) -> None:
+async def test_later_rounds_ask_only_for_the_new_hours_and_the_23_before_them_again(carbon, closing) -> None:
     provider = CountingCarbon(FileCarbonProvider(carbon))
     clock = ManualClock(NOW)
     fed, signals = await signals_for(closing, provider, clock, settings(), LONDON)
     await signals.refresh()
     await clock.advance(3 * 3600)
     await signals.refresh()
-    assert provider.spans == [("GB", HOUR - 336 * H, HOUR), ("GB", HOUR - 24 * H, HOUR + 3 * H)]
+    # the new hours and the 23 before them that the HTTP provider's history endpoint answers with
+    assert provider.spans == [("GB", HOUR - 336 * H, HOUR), ("GB", HOUR - 20 * H, HOUR + 3 * H)]
     once = await signals_for(closing, FileCarbonProvider(carbon), clock, settings(), LONDON)
     await once[1].refresh()  # the same hour, everything fetched at once
     np.testing.assert_array_equal(row(fed.freeze(clock.now()), "london"), row(once[0].freeze(clock.now()), "london"))

@@ -60,8 +60,9 @@ Providers
         interpolation between the hours either side when the run is at most :data:`MAX_GAP_HOURS` (6 h) and
         lies inside the span asked for, as :mod:`broker.data.carbon` does for files, and logged at INFO; a
         longer run, or one at either end of the span (nothing to interpolate from), is a ``ProviderError``
-        naming the zone, the path and the missing hours. Several readings stamped inside one hour are averaged
-        into it.
+        naming the zone, the request that should have had them and the missing hours. Several readings stamped
+        inside one hour are averaged into it. A reading that is not a number from 0 to :data:`MAX_INTENSITY`
+        (5,000 g/kWh) is an error naming the entry.
 
 Configuration
     :data:`CarbonProviderConfig` (pydantic 2, unknown fields are errors) is a union tagged by ``kind``::
@@ -83,7 +84,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 from urllib.parse import urlencode
@@ -104,6 +105,7 @@ __all__ = [
     "LATEST_LAG_HOURS",
     "LATEST_PATH",
     "MAX_GAP_HOURS",
+    "MAX_INTENSITY",
     "MAX_RANGE_HOURS",
     "PAST_RANGE_PATH",
     "SERVICE_ZONES",
@@ -126,6 +128,10 @@ PAST_RANGE_PATH = "/v3/carbon-intensity/past-range"
 
 MAX_RANGE_HOURS = 240
 """Longest span asked of ``past-range`` in one request (the service allows 10 days)."""
+
+MAX_INTENSITY = 5000.0
+"""Highest reading taken, gCO2e/kWh: no grid emits more (coal plants are near 1,000); a higher one is an
+error in the answer, and one too large for the forecast's running sums to stay finite."""
 
 LATEST_LAG_HOURS = 1
 """How many hours older than ``now``'s hour the service's latest reading may be and still be used."""
@@ -404,24 +410,28 @@ class HttpCarbonProvider:
             if v is not None:
                 got[h] = v
         missing = [h for h in hours if h not in got]
-        where = "cache"
+        asked: list[tuple[datetime, datetime, str]] = []  # (first hour, end, request) of each request made
         if missing:
             self._cache.purge()
             recent_from = _floor_hour(_utc(self._clock.now(), "clock.now()")) - (_HISTORY_HOURS - 1) * _HOUR
             if missing[0] >= recent_from:
-                where = self._shown(HISTORY_PATH, zone, {})
+                asked.append((recent_from, recent_from + _HISTORY_HOURS * _HOUR, self._shown(HISTORY_PATH, zone, {})))
                 got.update(self._keep(zone, await self._history_answer(zone), hours))
                 missing = [h for h in hours if h not in got]
             if missing:
                 a, b = missing[0], missing[-1] + _HOUR
                 while a < b:
                     c = min(b, a + MAX_RANGE_HOURS * _HOUR)
-                    where = self._shown(PAST_RANGE_PATH, zone, self._range_params(a, c))
+                    asked.append((a, c, self._shown(PAST_RANGE_PATH, zone, self._range_params(a, c))))
                     got.update(self._keep(zone, await self._past_range_answer(zone, a, c), hours))
                     a = c
                 missing = [h for h in hours if h not in got]
         values = np.array([got.get(h, math.nan) for h in hours], dtype=np.float64)
         if missing:
+            def where(hour: datetime) -> str:  # the last request that should have had the hour
+                return next((shown for first, end, shown in reversed(asked) if first <= hour < end),
+                            asked[-1][2] if asked else "cache")
+
             self._fill_gaps(zone, where, hours, values)
             for h, v in zip(hours, values, strict=True):
                 self._cache.put(("hourly", zone, h), float(v))
@@ -522,14 +532,21 @@ class HttpCarbonProvider:
                 t = t.replace(tzinfo=UTC)
             if raw_v is None:
                 continue  # the service has no value for this hour: a missing hour
-            if isinstance(raw_v, bool) or not isinstance(raw_v, int | float) or not math.isfinite(raw_v) or raw_v < 0:
-                raise ProviderError(f"entry {k} ({_fmt(t)}): carbonIntensity {raw_v!r} is not a number of 0 or more",
-                                    zone=zone, where=where)
-            sums.setdefault(_floor_hour(t.astimezone(UTC)), []).append(float(raw_v))
+            try:  # (an integer too large for a float is no more a reading than a string)
+                v = math.nan if isinstance(raw_v, bool) or not isinstance(raw_v, int | float) else float(raw_v)
+            except OverflowError:
+                v = math.nan
+            if not 0.0 <= v <= MAX_INTENSITY:
+                shown = repr(raw_v) if len(repr(raw_v)) <= 40 else repr(raw_v)[:37] + "..."
+                raise ProviderError(f"entry {k} ({_fmt(t)}): carbonIntensity {shown} is not a number from 0 to "
+                                    f"{MAX_INTENSITY:g} gCO2e/kWh", zone=zone, where=where)
+            sums.setdefault(_floor_hour(t.astimezone(UTC)), []).append(v)
         return {h: sum(vs) / len(vs) for h, vs in sorted(sums.items())}
 
-    def _fill_gaps(self, zone: str, where: str, hours: list[datetime], values: np.ndarray) -> None:
-        """Interpolate runs of NaN of at most MAX_GAP_HOURS inside ``values`` in place, or raise."""
+    def _fill_gaps(self, zone: str, where: Callable[[datetime], str], hours: list[datetime],
+                   values: np.ndarray) -> None:
+        """Interpolate runs of NaN of at most MAX_GAP_HOURS inside ``values`` in place, or raise; ``where``
+        names the request that should have had an hour."""
         missing = np.isnan(values)
         n = len(values)
         i = 0
@@ -546,19 +563,19 @@ class HttpCarbonProvider:
                 raise ProviderError(
                     f"the service has no data for the {_span_text(run)}, at the "
                     f"{'start' if i == 0 else 'end'} of the span asked for, so it cannot be interpolated",
-                    zone=zone, where=where,
+                    zone=zone, where=where(run[0]),
                 )
             if j - i > MAX_GAP_HOURS:
                 raise ProviderError(
                     f"the service has no data for the {_span_text(run)}, longer than the {MAX_GAP_HOURS} h "
-                    "that are interpolated", zone=zone, where=where,
+                    "that are interpolated", zone=zone, where=where(run[0]),
                 )
             a, b = values[i - 1], values[j]
             for k in range(i, j):
                 values[k] = a + (b - a) * (k - i + 1) / (j - i + 1)
-            filled.append(_span_text(run))
+            filled.append(f"{_span_text(run)} ({where(run[0])})")
             i = j
-        log.info("carbon provider: zone %s: %s: interpolated missing hours: %s", zone, where, "; ".join(filled))
+        log.info("carbon provider: zone %s: interpolated missing hours: %s", zone, "; ".join(filled))
 
     async def _get(self, zone: str, path: str, params: dict[str, str]) -> Any:
         shown = self._shown(path, zone, {k: v for k, v in params.items() if k in ("start", "end")})
