@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+import yaml
 from kubernetes.aio import client as k8s
 from kubernetes.aio import config as k8s_config
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
@@ -234,14 +235,18 @@ class KubernetesSite:
                 k8s_config.load_incluster_config(client_configuration=configuration)
             else:
                 path = str(Path(cfg.kubeconfig).expanduser()) if cfg.kubeconfig else None
+                if path is not None and Path(path).is_file():
+                    _check_kubeconfig(path)
                 await k8s_config.load_kube_config(config_file=path, context=cfg.context,
                                                   client_configuration=configuration, persist_config=False)
-        except (k8s_config.ConfigException, OSError) as e:
-            raise AdapterError(f"site {self.name}: cannot load Kubernetes credentials ({e}); set adapter.kubeconfig "
+        except Exception as e:  # noqa: BLE001 (the loader's own errors, and YAML, type and base64 ones from a bad file)
+            why = str(e) if isinstance(e, k8s_config.ConfigException | OSError) else f"{type(e).__name__}: {e}"
+            raise AdapterError(f"site {self.name}: cannot load Kubernetes credentials ({why}); set adapter.kubeconfig "
                                "and adapter.context, or adapter.in_cluster: true inside the cluster") from e
         return k8s.ApiClient(configuration)
 
     # --- API calls: a timeout on each, retries on transient errors ---
+
 
     async def _call(self, what: str, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         timeout = self.config.request_timeout_s
@@ -909,3 +914,16 @@ def _as_pod(job: Job) -> Job:
         gpus = job.spec.gpus.model_copy(update={"topology": "node"})
         return job.model_copy(update={"spec": job.spec.model_copy(update={"gpus": gpus})})
     return job
+
+
+def _check_kubeconfig(path: str) -> None:
+    """Refuse a kubeconfig file that is not one, in words (the client's loader fails on it with a TypeError)."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        why = f"line {mark.line + 1}: {problem}" if mark is not None and problem else str(e).splitlines()[0]
+        raise k8s_config.ConfigException(f"{path} is not a YAML file ({why})") from None
+    if not isinstance(doc, dict):
+        raise k8s_config.ConfigException(f"{path} holds no kubeconfig (a YAML mapping of clusters, users and "
+                                         f"contexts), but {'nothing' if doc is None else type(doc).__name__}")

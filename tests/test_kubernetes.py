@@ -682,6 +682,26 @@ async def test_credentials_that_cannot_be_loaded_are_a_clear_error(cluster, tmp_
         await adapter.close()
 
 
+@pytest.mark.parametrize(("text", "reason"), [
+    ("clusters: [\n - {name: x\n", "is not a YAML file \\(line 2: expected the node content, but found '-'\\)"),
+    ("", "holds no kubeconfig \\(a YAML mapping of clusters, users and contexts\\), but nothing"),
+    ("- just\n- a list\n", "holds no kubeconfig .*, but list"),
+    ("clusters: 3\n", "TypeError"),
+], ids=["not YAML", "an empty file", "a YAML list", "clusters that are not a list"])
+async def test_a_kubeconfig_that_is_not_one_is_a_clear_error(tmp_path, text, reason) -> None:  # noqa: ANN001
+    path = tmp_path / "config"
+    path.write_text(text)
+    config = KubernetesAdapterConfig(kubeconfig=str(path), request_timeout_s=5, retries=1)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    try:
+        with pytest.raises(AdapterError, match=f"site kube: cannot load Kubernetes credentials \\(.*{reason}") as err:
+            await adapter.start()
+            await adapter.snapshot()
+        assert "adapter.kubeconfig" in str(err.value)
+    finally:
+        await adapter.close()
+
+
 # --- a cluster that cannot be reached when the broker starts ---
 
 
