@@ -21,7 +21,7 @@ Models
           level_t  = alpha * (y_t - s_old) + (1 - alpha) * (level + phi * trend)
           trend_t  = beta * (level_t - level) + (1 - beta) * phi * trend
           s_t      = gamma * (y_t - level_t) + (1 - gamma) * s_old          (s_old: the season of y_t's phase)
-          forecast = level + (phi + phi^2 + ... + phi^h) * trend + s[phase of the target hour]
+          forecast = max(0, level + (phi + phi^2 + ... + phi^h) * trend + s[phase of the target hour])
 
       The state starts after one season: level = mean of the first 24 values, trend = 0, seasonal terms =
       those 24 values minus that mean; from then on it is updated hour by hour with each actual value.
@@ -322,8 +322,10 @@ def _hw_step(level: Any, trend: Any, season: Any, phase: int, y: float,
 
 
 def _hw_forecast(level: Any, trend: Any, seasonal: Any, damp_cum: Any) -> Any:
-    """Holt-Winters forecast from a state: level + damped trend sum + the target's seasonal term (broadcasts)."""
-    return level + damp_cum * trend + seasonal
+    """Holt-Winters forecast from a state: level + damped trend sum + the target's seasonal term (broadcasts),
+    and never below 0: no grid's intensity is (the sum dips below 0 where a clean grid's day swings wider than
+    its level, as Ontario's does)."""
+    return np.maximum(level + damp_cum * trend + seasonal, 0.0)
 
 
 def _hw_init(y: np.ndarray, season: int) -> tuple[float, list[float]]:

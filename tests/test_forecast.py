@@ -163,6 +163,21 @@ def test_forecaster_gives_the_rows_of_the_matrix(model):
     assert f.hours_seen == 260
 
 
+def test_no_forecast_is_below_zero_where_a_clean_grids_day_swings_wider_than_its_level():
+    # Ontario's real series (the cleanest grid in the data, a few g/kWh at night): Holt-Winters, fitted on it,
+    # forecast below 0 on many hours before it was held at 0; the live forecaster gives the same rows.
+    # Fitted on 2021 before September, as the Evidence's replay of 2021 fits it; its lowest value is 2 g/kWh.
+    y = np.asarray(load_carbon(ELECTRICITY_MAPS).series("CA-ON", utc(2021, 1, 1), 24 * (243 + 60)), dtype=np.float64)
+    fit_h = 24 * 243
+    model = ExponentialSmoothing().fit(y[:fit_h], horizon=48)
+    raw = forecast_matrix(model, y, 48)
+    assert np.nanmin(raw) == 0.0, "the rows reach 0 where the sum is below it, and go no lower"
+    f = Forecaster(model, zone="CA-ON").fit(y[:fit_h])
+    for t in range(fit_h, fit_h + 72):
+        np.testing.assert_array_equal(f.predict(48), raw[t])
+        f.update(y[t])
+
+
 def test_forecaster_fits_an_unfitted_model_on_its_history():
     y = daily(30, noise=10, seed=6)
     f = Forecaster(ExponentialSmoothing(), zone="DE-LU").fit(y)
