@@ -13,7 +13,9 @@ The rules, per tenant (``broker.models.TenantQuota``)
     - Non-preemptible work never makes a guarantee unreclaimable: with ``N_t`` tenant t's non-preemptible
       GPUs and ``G_t`` its guarantee, ``sum(max(G_t, N_t)) <= C`` must hold after a non-preemptible job
       starts (for the whole site, and for each model a model-specific quota names). So non-preemptible jobs
-      burst only into capacity nobody is guaranteed; preemptible jobs may borrow anything idle.
+      burst only into capacity nobody is guaranteed; preemptible jobs may borrow anything idle. Where the
+      guarantees add up to more than C (allowed), a tenant's non-preemptible jobs may still take its own
+      unheld guarantee, which leaves the sum where it was, and nothing more.
     - Idle capacity is lent (work-conserving): a job that fits within its tenant's limit is admitted even
       when the tenant is over its fair share; fairness acts through :meth:`~QuotaBook.order` and preemption.
     - A quota with ``model=None`` counts GPUs of any model, one with a model counts only that model
@@ -325,15 +327,14 @@ class QuotaBook:
         wants = self._wants(demand or {})
         shares = self._division(now, wants)
         removable = preemption.removable(self._accounts.values(), now)
-        free_of_guarantees = self._total - sum(self._np.values()) - sum(self._gap.values())
         out = []
         for acct in sorted(self._accounts.values(), key=lambda a: (not a.listed, a.tenant, a.pool or "")):
             room = None if acct.burst is None else max(0.0, acct.limit - acct.in_use)
-            np_room = free_of_guarantees + acct.gap
+            np_room = _np_room(self._total, sum(self._np.values()), sum(self._gap.values()), acct.gap)
             if acct.pool is not None:
-                np_room = min(np_room, self._capacity.get(acct.pool, 0.0) - self._np.get(acct.pool, 0.0)
-                              - self._gap.get(acct.pool, 0.0) + acct.gap)
-            np_room = max(0.0, np_room if room is None else min(np_room, room))
+                np_room = min(np_room, _np_room(self._capacity.get(acct.pool, 0.0), self._np.get(acct.pool, 0.0),
+                                                self._gap.get(acct.pool, 0.0), acct.gap))
+            np_room = np_room if room is None else min(np_room, room)
             short = max(0.0, acct.guaranteed - acct.in_use)
             back = sum(v for (o, m), v in removable.items() if o is not acct and (acct.pool is None or m == acct.pool))
             usage_s = self._usage_s.get((acct.tenant, acct.pool), 0.0)
@@ -377,16 +378,13 @@ class QuotaBook:
 
     def _np_blocks(self, acct: _Account, g: float, model: str) -> str | None:
         """Why a non-preemptible job of ``g`` GPUs would make a guarantee unreclaimable, or None."""
-        delta = max(0.0, acct.guaranteed - acct.nonpre - g) - acct.gap
-        np_total = sum(self._np.values())
-        gap_total = sum(self._gap.values())
-        checks = [(self._total, np_total, gap_total, "", True)]  # the site, then the model's own guarantees
-        if acct.pool == model or self._gap.get(model):
+        checks = [(self._total, sum(self._np.values()), sum(self._gap.values()), "", True)]
+        if acct.pool == model or self._gap.get(model):  # the site, then the model's own guarantees
             checks.append((self._capacity.get(model, 0.0), self._np.get(model, 0.0), self._gap.get(model, 0.0),
                            f" {model}", acct.pool == model))
         for cap, np_now, gap, kind, mine in checks:
-            if np_now + g + gap + (delta if mine else 0.0) > cap + EPS:
-                room = max(0.0, cap - np_now - gap + (acct.gap if mine else 0.0))
+            room = _np_room(cap, np_now, gap, acct.gap if mine else 0.0)
+            if g > room + EPS:
                 return (f"tenant {acct.tenant}: non-preemptible jobs may take only {_n(room)} more of the site's "
                         f"{_n(cap)}{kind} GPUs without making another tenant's guarantee unreclaimable; this job "
                         f"needs {_n(g)} (run it preemptible to borrow idle capacity)")
@@ -577,6 +575,15 @@ class QuotaBook:
         self._capacity_s = {p: self._ledger.capacity(self._total if p is None else self._capacity.get(p, 0.0),
                                                      factors) for p in pools}
         self._epoch = epoch
+
+
+def _np_room(cap: float, np_now: float, gap: float, own_gap: float) -> float:
+    """GPUs a tenant's non-preemptible jobs may still take in a pool of ``cap`` GPUs where non-preemptible jobs
+    hold ``np_now`` and guarantees not held by them add up to ``gap`` (``own_gap`` of it the tenant's own): its
+    own unheld guarantee, plus what no guarantee needs. Where the guarantees add up to more than the pool
+    (allowed), that is its own unheld guarantee alone: a job there does not make any guarantee less
+    reclaimable than it already is."""
+    return own_gap + max(0.0, cap - np_now - gap)
 
 
 def _tidy(x: float) -> float:

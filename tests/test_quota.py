@@ -152,6 +152,19 @@ def test_non_preemptible_jobs_burst_only_into_capacity_nobody_is_guaranteed() ->
     assert site.submit(ask("n0", "nlp", 40, preemptible=False)).victims == ("v6",)
 
 
+def test_guarantees_adding_up_to_more_than_the_site_still_let_each_tenant_run_its_own_guarantee() -> None:
+    site = Site([quota("a", 40, 8), quota("b", 40)], gpus=64)
+    for i in range(5):  # 40 non-preemptible GPUs, all within a's guarantee
+        v = site.submit(ask(f"a{i}", "a", 8, preemptible=False))
+        assert v.admitted, v.reason
+    v = site.submit(ask("a5", "a", 8, preemptible=False))
+    assert not v.admitted
+    assert v.reason.startswith("tenant a: non-preemptible jobs may take only 0 more of the site's 64 GPUs")
+    assert site.submit(ask("b0", "b", 24, preemptible=False)).admitted  # what is left of b's guarantee here
+    b = next(s for s in site.book.state(site.now) if s.tenant == "b")
+    assert b.nonpreemptible_room_gpus == 16
+
+
 # --- time-based fair share ----------------------------------------------------------------------------
 
 
