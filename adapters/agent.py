@@ -140,6 +140,9 @@ class AgentConfig(BaseModel):
             raise ValueError(
                 f"adapter.kind: {site.adapter.kind!r} is how the broker reaches a site through an agent; the agent "
                 "runs the site itself: use simulated or kubernetes")
+        problems = site.quota_problems()
+        if problems:
+            raise ValueError("; ".join(f"{p['field']}: {p['problem']}" for p in problems))
         return site
 
     def stop_margin(self, lease_s: float) -> float:

@@ -143,6 +143,7 @@ class SimulatedSite:
 
     async def set_quota(self, quota: TenantQuota) -> QuotaState:
         self._check_reachable()
+        self._admission.book.check(quota)  # a quota it would refuse is not kept either
         self._overrides.set(quota)  # on disk first: a change the site forgets on restart was never made
         now = self._clock.now().timestamp()
         self._admission.set_quota(quota, now)

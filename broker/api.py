@@ -409,9 +409,18 @@ def _adapter_failed(e: AdapterError) -> ApiError:
                     [{"field": "adapter", "problem": f"could not start: {e}"}])
 
 
+def _check_quotas(spec: SiteSpec) -> None:
+    """A quota for GPUs the site does not have is refused here (a stored one still loads: see TenantQuota.beyond)."""
+    problems = spec.quota_problems()
+    if problems:
+        raise ApiError(422, "invalid site spec: " + "; ".join(f"{p['field']}: {p['problem']}" for p in problems),
+                       problems)
+
+
 async def create_site(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     spec, _ = await _body(request, SiteSpec, "site spec")
+    _check_quotas(spec)
     try:
         member = await broker.register_site(spec)
     except SiteConflict as e:
@@ -448,6 +457,7 @@ async def update_site(request: web.Request) -> web.Response:
     if spec.name != name:
         raise ApiError(422, f"the body names site {spec.name!r} but the path names {name!r}",
                        [{"field": "name", "problem": f"must be {name!r}"}])
+    _check_quotas(spec)
     current = request.app[BROKER].federation.get(name)
     spec = auth.keep_secrets(spec, current.spec if current is not None else None)
     who = principal(request)
@@ -561,6 +571,9 @@ async def set_quota(request: web.Request) -> web.Response:
     if quota.tenant != tenant:
         raise ApiError(422, f"the body names tenant {quota.tenant!r} but the path names {tenant!r}",
                        [{"field": "tenant", "problem": f"must be {tenant!r}"}])
+    beyond = quota.beyond(member.spec.total_gpus())
+    if beyond is not None:
+        raise ApiError(422, f"invalid tenant quota: {beyond[0]}: {beyond[1]}", [{"field": beyond[0], "problem": beyond[1]}])
     state = await _ask_site(member, admin.set_quota(quota))
     return _json(_quota_json(member, state, tenant))
 

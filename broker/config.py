@@ -164,6 +164,10 @@ class FederationConfig(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"site names must be unique; repeated: {', '.join(dupes)}")
+        for i, site in enumerate(self.sites):
+            problems = site.quota_problems()
+            if problems:
+                raise ValueError("; ".join(f"sites[{i}].{p['field']}: {p['problem']}" for p in problems))
         return self
 
 

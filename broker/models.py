@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -139,6 +140,24 @@ class TenantQuota(Spec):
     fair_share_weight: float = Field(default=1.0, gt=0)
     priority_ceiling: int | None = Field(default=None, ge=-1000, le=1000)
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
+
+    def beyond(self, capacity: Mapping[str, float]) -> tuple[str, str] | None:
+        """(field, problem) where this quota asks for what a site of ``capacity`` (GPUs per model) cannot give:
+        a ``model`` it has none of, or a ``guaranteed_gpus`` above its GPUs (of that model); else None. A
+        guarantee no site could honour would still keep every other tenant's non-preemptible work out. Checked
+        where a quota comes in (a site spec sent to the API, a quota change), not when one is read back: a
+        stored one an earlier release took still loads, and its guarantee counts at most the GPUs it names
+        (``policies.quota``)."""
+        if self.model is not None and capacity.get(self.model, 0) <= 0:
+            has = ", ".join(sorted(m for m, n in capacity.items() if n > 0)) or "none"
+            return "model", (f"the site has no {self.model} GPUs (it has {has}); name one of its models, or none "
+                             f"to count GPUs of any model")
+        pool = sum(capacity.values()) if self.model is None else capacity[self.model]
+        if self.guaranteed_gpus > pool:
+            kind = "" if self.model is None else f" {self.model}"
+            return "guaranteed_gpus", (f"{self.guaranteed_gpus} is more than the site's {pool:g}{kind} GPUs; "
+                                       f"a guarantee can be at most what the site has")
+        return None
 
 
 class FairSharePolicy(Spec):
@@ -288,6 +307,18 @@ class SiteSpec(Spec):
         if len(tenants) != len(set(tenants)):
             raise ValueError("quotas: each tenant may appear once")
         return self
+
+    def quota_problems(self) -> list[dict[str, str]]:
+        """Each quota that asks for GPUs the site does not have (:meth:`TenantQuota.beyond`), as
+        ``{"field": "quotas[1].model", "problem": ...}``. Not a validator: a spec stored by an earlier release
+        must still load; the API and the config files refuse new ones."""
+        capacity = self.total_gpus()
+        out = []
+        for i, q in enumerate(self.quotas):
+            found = q.beyond(capacity)
+            if found is not None:
+                out.append({"field": f"quotas[{i}].{found[0]}", "problem": found[1]})
+        return out
 
     def total_gpus(self) -> dict[str, int]:
         out: dict[str, int] = {}

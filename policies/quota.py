@@ -22,6 +22,9 @@ The rules, per tenant (``broker.models.TenantQuota``)
       (capacity C is then that model's GPUs). A listed tenant's job on another model, and any job of a tenant
       the list does not name, follows ``FairSharePolicy.unlisted_tenants``: refused, or best-effort
       (guaranteed nothing, no burst limit, weight 1). A site with no quotas at all admits whatever fits.
+    - A quota naming a model the site lacks, or guaranteeing more GPUs than its pool has, is refused by
+      :meth:`~QuotaBook.set_quota` (and by the API); one the site was built with (stored by an earlier
+      release) is logged and its guarantee counts only the pool's GPUs (none for a model the site lacks).
 
 Preemption (when the job does not fit as things stand)
     ``policies.preemption`` chooses the victims: by reclaim (the tenant stays within its guarantee) or by
@@ -36,6 +39,7 @@ may still preempt lower-priority preemptible work.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +50,7 @@ from policies import preemption
 from policies.preemption import Fits
 
 _INF = math.inf
+log = logging.getLogger(__name__)
 
 
 def _n(x: float) -> str:
@@ -176,6 +181,10 @@ class QuotaBook:
         for q in quotas:
             if q.tenant in self._quotas:
                 raise ValueError(f"quotas: tenant {q.tenant} appears twice; give each tenant one quota per site")
+            beyond = q.beyond(self._capacity)
+            if beyond is not None:  # only a stored quota gets here (the API refuses new ones): it must still load
+                log.warning("tenant %s's quota asks for GPUs this site does not have (%s: %s); its guarantee counts "
+                            "as %s GPUs, what the site has of it", q.tenant, *beyond, _n(self._pool_gpus(q.model)))
             self._quotas[q.tenant] = q
             self._open(self._listed(q), None)
 
@@ -213,11 +222,20 @@ class QuotaBook:
             del self._accounts[(acct.tenant, acct.pool)]
 
     def set_quota(self, quota: TenantQuota, now: float) -> None:
-        """An operator's change (or a new tenant). Running jobs keep running, even above a lowered limit."""
+        """An operator's change (or a new tenant). Running jobs keep running, even above a lowered limit.
+        ValueError (:meth:`check`) for a quota asking for GPUs the site does not have."""
+        self.check(quota)
         now = self._clock(now)
         old = self._quotas.get(quota.tenant)
         self._quotas[quota.tenant] = quota
         self._rehome(quota.tenant, None if old is None else old.model, quota.model, now)
+
+    def check(self, quota: TenantQuota) -> None:
+        """ValueError, naming the field, where ``quota`` names a model the site lacks or guarantees more GPUs
+        than the site (or that model) has (``TenantQuota.beyond``)."""
+        beyond = quota.beyond(self._capacity)
+        if beyond is not None:
+            raise ValueError(f"tenant {quota.tenant}'s quota: {beyond[0]}: {beyond[1]}")
 
     def remove_quota(self, tenant: str, now: float) -> None:
         """The tenant becomes unlisted; its running jobs stay (as best-effort) whatever ``unlisted_tenants`` says."""
@@ -437,8 +455,13 @@ class QuotaBook:
             raise ValueError(f"job {ask.job_id} is already running at this site")
 
     def _listed(self, q: TenantQuota) -> _Account:
-        return _Account(q.tenant, q.model, True, float(q.guaranteed_gpus), float(q.burst_gpus),
-                        q.fair_share_weight, q.priority_ceiling)
+        """The account of a listed tenant; its guarantee counts at most the GPUs its pool has (a stored quota
+        naming a model the site lacks guarantees nothing, so it keeps no one else's work out)."""
+        return _Account(q.tenant, q.model, True, min(float(q.guaranteed_gpus), self._pool_gpus(q.model)),
+                        float(q.burst_gpus), q.fair_share_weight, q.priority_ceiling)
+
+    def _pool_gpus(self, pool: str | None) -> float:
+        return self._total if pool is None else self._capacity.get(pool, 0.0)
 
     def _resolve(self, tenant: str, model: str) -> _Account | str:
         """The account a job of ``tenant`` on ``model`` counts against (a new best-effort one is not stored

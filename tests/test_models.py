@@ -448,3 +448,16 @@ def test_what_an_earlier_release_stored_still_reads() -> None:
     assert Job.model_validate_json(Job(id="j", spec=old, created_at=NOW, updated_at=NOW).model_dump_json()).spec == old
     assert "more than any GPU a site may have" in (old.gpus.never_fits() or "")
     assert GpuRequest(count=1, mig_profile="1g.10gb").never_fits() is None
+
+
+def test_a_stored_quota_for_gpus_the_site_lacks_still_reads_and_is_named_for_new_specs() -> None:
+    from broker.store import site_from_doc
+
+    doc = ('{"name": "a", "region": "gcp:us-east1", "grid_zone": "US-MIDA-PJM", "timezone": "America/New_York", '
+           '"latitude": 33.2, "longitude": -80.0, "gpus": [{"model": "a100-80gb", "gpus_per_node": 8, "nodes": 1}], '
+           '"quotas": [{"tenant": "t1", "guaranteed_gpus": 2, "model": "h100-80gb"}, '
+           '{"tenant": "t2", "guaranteed_gpus": 9}, {"tenant": "t3", "guaranteed_gpus": 8}]}')
+    spec = site_from_doc(doc)  # an earlier release took it: the broker must still start
+    assert [p["field"] for p in spec.quota_problems()] == ["quotas[0].model", "quotas[1].guaranteed_gpus"]
+    assert "the site has no h100-80gb GPUs (it has a100-80gb)" in spec.quota_problems()[0]["problem"]
+    assert spec.quota_problems()[1]["problem"].startswith("9 is more than the site's 8 GPUs")

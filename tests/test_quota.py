@@ -419,6 +419,22 @@ def test_a_site_without_quotas_admits_whatever_fits() -> None:
     assert site.book.report(site.now).enforced is False
 
 
+def test_a_quota_for_gpus_the_site_lacks_is_refused_and_a_stored_one_keeps_no_one_out(caplog) -> None:
+    # built with one (stored by an earlier release): it loads, says so, and its guarantee holds nothing back
+    site = Site([quota("nlp", 40, model="h100-80gb"), quota("speech", 16)], gpus=64)
+    assert "tenant nlp's quota asks for GPUs this site does not have" in caplog.text
+    v = site.submit(ask("v0", "vision", 48, preemptible=False))  # all that speech's guarantee leaves
+    assert v.admitted, v.reason
+    huge = Site([quota("speech", 100)], gpus=64)  # a guarantee above the site counts as the whole site
+    assert "tenant speech's quota asks for GPUs this site does not have" in caplog.text
+    assert [(s.tenant, s.guaranteed_gpus) for s in huge.book.state(huge.now)] == [("speech", 64)]
+    with pytest.raises(ValueError, match="model: the site has no h100-80gb GPUs"):
+        site.book.set_quota(quota("vision", 8, model="h100-80gb"), site.now)
+    with pytest.raises(ValueError, match="guaranteed_gpus: 65 is more than the site's 64 GPUs"):
+        site.book.set_quota(quota("vision", 65), site.now)
+    assert not site.book.has_quota("vision")
+
+
 def test_a_model_quota_counts_only_that_model() -> None:
     capacity = {MODEL: 8, "h100-80gb": 8}
     site = Site([quota("vision", 4, model=MODEL)], capacity=capacity)

@@ -100,6 +100,10 @@ async def test_the_site_reports_its_quotas_and_its_operator_changes_them_across_
                      id="a body naming another tenant than the path is refused"),
         pytest.param("/v1/sites/berlin/quota/vision", {"fair_share_weight": 0}, 422, "fair_share_weight",
                      id="a zero weight names the field"),
+        pytest.param("/v1/sites/berlin/quota/vision", {"guaranteed_gpus": 8, "model": "h100-80gb"}, 422, "model",
+                     id="a quota for a GPU model the site does not have names the field"),
+        pytest.param("/v1/sites/berlin/quota/speech", {"guaranteed_gpus": 17}, 422, "guaranteed_gpus",
+                     id="a guarantee larger than the site names the field"),
         pytest.param("/v1/sites/nowhere/quota/vision", {}, 404, None, id="an unknown site is 404"),
         pytest.param("/v1/sites/berlin/quota/speech", None, 404, None,
                      id="removing the quota of a tenant the site does not list is 404"),
@@ -116,6 +120,31 @@ async def test_a_bad_quota_change_is_a_clear_error_and_changes_nothing(broker_at
         assert error["fields"][0]["field"] == field
     q = await (await client.get("/v1/sites/berlin/quota")).json()
     assert [(t["tenant"], t["guaranteed_gpus"]) for t in q["tenants"]] == [("nlp", 8), ("vision", 8)]
+
+
+@pytest.mark.parametrize(
+    ("quota", "field"),
+    [
+        pytest.param({"tenant": "nlp", "guaranteed_gpus": 4, "model": "h100-80gb"}, "quotas[1].model",
+                     id="a quota for a GPU model the site does not have"),
+        pytest.param({"tenant": "nlp", "guaranteed_gpus": 20}, "quotas[1].guaranteed_gpus",
+                     id="a guarantee larger than the site"),
+    ],
+)
+async def test_a_site_spec_whose_quota_asks_for_gpus_the_site_lacks_is_refused(broker_at, quota, field):
+    start, _ = broker_at
+    client = await start()
+    quotas = [{"tenant": "vision", "guaranteed_gpus": 8}, quota]
+    r = await client.post("/v1/sites", json=site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=quotas))
+    assert r.status == 422
+    assert [f["field"] for f in (await r.json())["error"]["fields"]] == [field]
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=quotas[:1]))
+    r = await client.put("/v1/sites/berlin", json=site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16},
+                                                             quotas=quotas))
+    assert r.status == 422
+    assert [f["field"] for f in (await r.json())["error"]["fields"]] == [field]
+    q = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert [t["tenant"] for t in q["tenants"]] == ["vision"]
 
 
 async def test_the_broker_routes_around_a_site_whose_quota_refuses_the_tenant(broker_at):
