@@ -251,7 +251,8 @@ class QuotaBook:
         """May ``ask`` start now, and after preempting whom? ``fits(victim_ids)``: the inventory's answer to
         "does the job fit once these are gone". ``demand``: GPUs each tenant wants in all (running + waiting;
         default: what it runs), for the fair shares that decide who is over its share. Changes nothing but
-        caches and the refusal reason :meth:`state` reports."""
+        caches and the refusal reason :meth:`state` reports (until the tenant starts a job, any job stops, or
+        a quota changes)."""
         now = self._clock(now)
         self._check(ask)
         acct = self._resolve(ask.tenant, ask.model)
@@ -520,7 +521,7 @@ class QuotaBook:
     def _unrecord(self, job: _Job, now: float) -> None:
         acct = job.account
         self._accrue(acct, now)
-        self._refusals.pop((acct.tenant, acct.pool), None)
+        self._refusals.clear()  # GPUs were freed: no refusal reason may still hold, whoever it was for
         del self._jobs[job.job_id]
         del acct.jobs[job.job_id]
         acct.in_use = _tidy(acct.in_use - job.gpus)
@@ -535,6 +536,7 @@ class QuotaBook:
 
     def _rehome(self, tenant: str, old_pool: str | None, new_pool: str | None, now: float) -> None:
         """Rebuild ``tenant``'s accounts after a quota change; its running jobs move with their usage."""
+        self._refusals.clear()  # a changed guarantee or limit may undo any tenant's refusal
         jobs: list[_Job] = []
         for key in [(tenant, old_pool), (tenant, None)]:
             acct = self._accounts.pop(key, None)

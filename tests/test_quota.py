@@ -499,6 +499,20 @@ def test_a_newcomer_without_a_quota_is_queued_as_one_tenant() -> None:
     assert order == ["g1", "g2", "g3", "g4", "a5", "g5", "a6", "g6"]
 
 
+def test_a_refusal_reason_is_reported_only_while_its_cause_lasts() -> None:
+    site = Site([quota("vision", 20, 44), quota("nlp", 8, 8)], gpus=64)
+    assert site.submit(ask("v1", "vision", 56, preemptible=False)).admitted
+    assert not site.submit(ask("n1", "nlp", 16, preemptible=False)).admitted
+    reasons = {s.tenant: s.waiting_reason for s in site.book.state(site.now)}
+    assert reasons["nlp"].startswith("tenant nlp: non-preemptible jobs may take only 8 more")
+    site.advance(600)
+    site.finish("v1")  # vision's job ends and the site is empty: nlp no longer waits for anything
+    assert [(s.tenant, s.waiting_reason) for s in site.book.state(site.now)] == [("nlp", None), ("vision", None)]
+    assert not site.submit(ask("n2", "nlp", 17, preemptible=False)).admitted  # above its 16-GPU limit
+    site.book.set_quota(quota("nlp", 8, 16), site.now)
+    assert [s.waiting_reason for s in site.book.state(site.now) if s.tenant == "nlp"] == [None]
+
+
 def test_a_clock_stepped_back_holds_the_books_time_and_loses_no_usage() -> None:
     site = Site([quota("a", 1, 1)], gpus=2)
     site.run(ask("a0", "a"))
