@@ -501,7 +501,8 @@ class JobSpec(Spec):
     checkpointable: bool = False
     min_run_s: float | None = Field(
         default=None, ge=0, le=366 * 86400,
-        description="preemption spares the job until it has run this long (none: the site's min_run_s)",
+        description="preemption spares the job until it has run this long (none: the site's min_run_s); a "
+                    "site reclaiming a guarantee spares it at most the site's min_run_s",
     )
     max_attempts: int = Field(
         default=3, ge=1, le=100, description="failed attempts allowed; preemption and site loss do not count"

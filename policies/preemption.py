@@ -7,7 +7,8 @@ and :func:`dequeue`, and reports :func:`removable` in ``QuotaBook.state``.
 
 Preemption (when the job does not fit as things stand)
     Candidates are preemptible jobs on the job's GPU model that have run at least their minimum run time
-    (the job's ``min_run_s``, else the policy's), from:
+    (the job's ``min_run_s``, else the policy's; for a reclaim, at most the policy's, so a job cannot hold
+    another tenant's guarantee longer than the site allows by asking for a long ``min_run_s``), from:
 
     - reclaim: when the tenant would stay within its guarantee (``in_use + gpus <= guaranteed``), other
       tenants holding more than their guarantee, any priority;
@@ -54,18 +55,19 @@ def dequeue(queue: list[tuple[int, float, str, _Job]], job: _Job) -> None:
 
 
 def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits, reclaim: bool, over_limit: bool,
-           accounts: Iterable[_Account], shares: Mapping[_Account, float] | None
+           accounts: Iterable[_Account], shares: Mapping[_Account, float] | None, reclaim_min_run_s: float
            ) -> tuple[tuple[str, ...] | None, float, float]:
     """Shortest prefix of the candidates after which the job fits: (ids or None, own GPUs freed, GPUs freed).
     ``accounts``: every account of the book; ``shares``: fair shares (GPUs) with the asking job counted in,
-    needed unless ``reclaim`` or ``over_limit``."""
+    needed unless ``reclaim`` or ``over_limit``; ``reclaim_min_run_s``: the site policy's ``min_run_s``, the
+    longest a reclaim spares a job."""
     streams = [_stream(acct.queue, model, now, p)] if acct.queue else []
     if not over_limit:
         for o in accounts:
             if o is acct or not o.queue or o.in_use <= o.guaranteed + EPS:
                 continue
             if reclaim:
-                streams.append(_stream(o.queue, model, now, None))
+                streams.append(_stream(o.queue, model, now, None, reclaim_min_run_s))
             elif o.in_use > shares[o] + EPS:
                 streams.append(_stream(o.queue, model, now, p))
     taken = _capped(acct, heapq.merge(*streams))
@@ -108,27 +110,28 @@ def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits,
     return tuple(ids[:hi]), own[hi], freed[hi]
 
 
-def removable(accounts: Iterable[_Account], now: float) -> dict[tuple[_Account, str], float]:
-    """GPUs each account could lose to a reclaim now, per model (for reports)."""
+def removable(accounts: Iterable[_Account], now: float, reclaim_min_run_s: float) -> dict[tuple[_Account, str], float]:
+    """GPUs each account could lose to a reclaim now, per model (for reports); ``reclaim_min_run_s`` as in
+    :func:`search`."""
     out: dict[tuple[_Account, str], float] = {}
     for o in accounts:
         room = o.in_use - o.guaranteed
         for *_, job in o.queue:
             if room <= EPS:
                 break
-            if job.gpus <= room + EPS and now - job.start >= job.min_run_s:
+            if job.gpus <= room + EPS and now - job.start >= min(job.min_run_s, reclaim_min_run_s):
                 room -= job.gpus
                 out[(o, job.model)] = out.get((o, job.model), 0.0) + job.gpus
     return out
 
 
-def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float,
-            below: int | None) -> Iterator[tuple[int, float, str, _Job]]:
+def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float, below: int | None,
+            min_run_cap_s: float = float("inf")) -> Iterator[tuple[int, float, str, _Job]]:
     for item in queue:
         if below is not None and item[0] >= below:
             return
         job = item[3]
-        if job.model == model and now - job.start >= job.min_run_s:
+        if job.model == model and now - job.start >= min(job.min_run_s, min_run_cap_s):
             yield item
 
 

@@ -275,7 +275,8 @@ class QuotaBook:
             wants = self._wants(demand or {})
             wants[acct] = max(wants.get(acct, acct.in_use), acct.in_use + g)
             shares = self._division(now, wants)
-        found = preemption.search(acct, g, model, p, now, fits, reclaim, over_limit, self._accounts.values(), shares)
+        found = preemption.search(acct, g, model, p, now, fits, reclaim, over_limit, self._accounts.values(), shares,
+                                  self.policy.min_run_s)
         victims, own_freed, freed = found
         if victims is not None:
             held = acct.in_use - own_freed + g
@@ -345,7 +346,7 @@ class QuotaBook:
         now = self._clock(now)
         wants = self._wants(demand or {})
         shares = self._division(now, wants)
-        removable = preemption.removable(self._accounts.values(), now)
+        removable = preemption.removable(self._accounts.values(), now, self.policy.min_run_s)
         out = []
         for acct in sorted(self._accounts.values(), key=lambda a: (not a.listed, a.tenant, a.pool or "")):
             room = None if acct.burst is None else max(0.0, acct.limit - acct.in_use)

@@ -296,8 +296,8 @@ RECLAIM_CASES = [
                  id="equal priority and start: the job id decides"),
     pytest.param([Job("x1", "x", priority=-5, preemptible=False), Job("y1", "y")], 1, ("y1",),
                  id="a non-preemptible job is never taken, even at the lowest priority"),
-    pytest.param([Job("x1", "x", age_s=60, min_run_s=600), Job("y1", "y", age_s=H)], 1, ("y1",),
-                 id="a job under its minimum run time is spared"),
+    pytest.param([Job("x1", "x", age_s=60, min_run_s=600), Job("y1", "y", age_s=H)], 1, ("x1",),
+                 id="a reclaim spares a job under its own minimum run time only up to the site's (none here)"),
     pytest.param([Job("s1", "x", 1, age_s=60), Job("s2", "y", 1, age_s=120), Job("big", "x", 4, priority=1)], 2,
                  ("s1", "s2"), id="two small jobs of low priority go before one big job of higher priority"),
     pytest.param([Job("x1", "x", 2), Job("x2", "x", 2, age_s=2 * H)], 3, ("x1", "x2"),
@@ -317,6 +317,22 @@ def test_a_job_own_min_run_time_overrides_the_sites() -> None:
     site = site_running([OWNER, *BORROWERS], jobs, gpus=2, policy=FairSharePolicy(min_run_s=H))
     assert site.verdict(ask("new", "owner", 1)).victims == ("x1",)
     assert not site.verdict(ask("new", "owner", 2)).admitted  # y1 has run half of the site's hour
+
+
+def test_a_long_min_run_time_does_not_keep_a_guarantee_from_its_owner_past_the_sites() -> None:
+    site = Site([quota("vision", 0, 16), quota("nlp", 16)], gpus=16, policy=FairSharePolicy(min_run_s=600))
+    for i in range(2):  # preemptible, asking to be spared for a year
+        assert site.submit(ask(f"v{i}", "vision", 8, min_run_s=366 * 86400)).admitted
+    site.advance(300)
+    assert not site.verdict(ask("n0", "nlp", 8, preemptible=False)).admitted  # the site's 10 minutes hold
+    site.advance(300)
+    v = site.submit(ask("n0", "nlp", 8, preemptible=False))
+    assert v.admitted and len(v.victims) == 1 and v.reason.startswith("reclaims its guarantee")
+    # a higher priority is no reclaim: there the job's own year holds
+    prio = Site([quota("vision", 0, 16), quota("nlp", 0, 16)], gpus=16, policy=FairSharePolicy(min_run_s=600))
+    assert prio.submit(ask("v0", "vision", 16, min_run_s=366 * 86400)).admitted
+    prio.advance(86400)
+    assert not prio.submit(ask("n0", "nlp", 8, priority=10)).admitted
 
 
 def test_another_tenant_is_never_pushed_below_its_guarantee() -> None:
@@ -546,12 +562,15 @@ OPS = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "finish"
 
 
 def check_victims(site: Site, job: Ask, v: Verdict, quotas: dict[str, TenantQuota]) -> None:
-    """A verdict's victims are preemptible, past their minimum run time, and leave every other tenant at or
-    above its guarantee (or what it held, if it held less)."""
+    """A verdict's victims are preemptible, past their minimum run time (for a reclaim, at most the site's),
+    and leave every other tenant at or above its guarantee (or what it held, if it held less)."""
     taken: dict[str, float] = {}
+    site_min_run = site.book.policy.min_run_s
     for victim in v.victims:
         held = site.running[victim]
-        min_run = held.min_run_s if held.min_run_s is not None else site.book.policy.min_run_s
+        min_run = held.min_run_s if held.min_run_s is not None else site_min_run
+        if v.reason is not None and v.reason.startswith("reclaims"):
+            min_run = min(min_run, site_min_run)
         assert held.preemptible
         assert site.now - site.started[victim] >= min_run
         taken[held.tenant] = taken.get(held.tenant, 0) + held.gpus
