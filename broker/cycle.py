@@ -524,7 +524,7 @@ class SchedulingCycle:
         fair share, the tenant furthest below its share (``policies.fair_order``), then urgency when some
         profile defers jobs (as the simulator replays it), then age."""
         standing = None
-        if snap.quota is not None and any(e > 0 for _, e in snap.quota.standing.values()):
+        if snap.quota is not None and any(s.entitled > 0 for s in snap.quota.standing.values()):
             standing = snap.quota.standing
         if jobs is None:
             self._group_failures = {}

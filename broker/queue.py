@@ -20,13 +20,13 @@ O(log n)) and one in a dict from id to (group, entry).
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from sortedcontainers import SortedList
 
 from broker.models import Job
+from policies.fair_order import Standing, rank
 from policies.snapshot import JobRequest
 
 Entry = tuple[Any, ...]
@@ -107,7 +107,7 @@ class QueueIndex:
         """Every queued job's id, in no particular order."""
         return iter(self._where)
 
-    def walk(self, standing: Mapping[str, tuple[float, float]] | None = None) -> QueueWalk:
+    def walk(self, standing: Mapping[str, Standing] | None = None) -> QueueWalk:
         return QueueWalk(self, standing)
 
 
@@ -117,11 +117,11 @@ class QueueWalk:
     and neither will the rest of its group in this pass). Jobs added to a group behind the walk's position
     in it during the pass are left to the next pass (the cycle decides new jobs on their own anyway)."""
 
-    def __init__(self, index: QueueIndex, standing: Mapping[str, tuple[float, float]] | None) -> None:
+    def __init__(self, index: QueueIndex, standing: Mapping[str, Standing] | None) -> None:
         self._index = index
         self._fair = standing is not None
-        self._held = {t: h for t, (h, _) in (standing or {}).items()}
-        self._entitled = {t: e for t, (_, e) in (standing or {}).items()}
+        self._standing = standing or {}
+        self._held = {t: s.held for t, s in self._standing.items()}
         self._cursor: dict[tuple[Any, ...], Entry] = {}
         self._current: tuple[Any, ...] | None = None
         self._heap: list[tuple[Any, ...]] = []
@@ -131,14 +131,9 @@ class QueueWalk:
         self.visited = 0  # jobs yielded
         self.groups_failed = 0
 
-    def _ratio(self, tenant: str) -> float:
-        if not self._fair:
-            return 0.0
-        entitled = self._entitled.get(tenant, 0.0)
-        return self._held.get(tenant, 0.0) / entitled if entitled > 0 else math.inf
-
     def _rank(self, key: tuple[Any, ...], entry: Entry) -> tuple[Any, ...]:
-        return (-key[0], self._ratio(key[1]), entry, key)
+        fair = rank(self._standing, self._held, key[1]) if self._fair else (False, 0.0)
+        return (-key[0], *fair, entry, key)
 
     def _next_entry(self, key: tuple[Any, ...]) -> Entry | None:
         group = self._index.groups.get(key)

@@ -10,7 +10,8 @@ jobs in that order, or a site can only act on fairness by preempting:
 - it *holds* the sum of the GPUs it runs there;
 - within one priority, the queue goes to the tenant with the least held per entitled GPU first, re-ranked
   as each of its jobs is placed (the placement's GPUs count at once), then to its oldest job; a tenant no
-  site lists is entitled to nothing and comes after the listed ones (it still gets what they leave).
+  site lists is entitled to nothing and comes after every listed one, even one whose usage brought its
+  entitlement to 0 (it still gets what they leave).
 
 Sites whose mode is ``off`` and sites without quotas add nothing; with no entitlement anywhere the order is
 the plain one (priority, then the caller's key). Units: GPUs. Pure: no I/O, no clock.
@@ -20,15 +21,32 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from broker.models import QuotaState
 
 T = TypeVar("T")
 
 
-def standings(reports: Sequence[QuotaState]) -> dict[str, tuple[float, float]]:
-    """Per tenant: (GPUs held, GPUs entitled) over the sites' quota reports."""
+class Standing(NamedTuple):
+    """One tenant over the sites: GPUs it holds, GPUs it is entitled to, and whether any site lists it."""
+
+    held: float
+    entitled: float
+    listed: bool
+
+
+def rank(standing: Mapping[str, Standing], held: Mapping[str, float], tenant: str) -> tuple[bool, float]:
+    """A tenant's place across tenants within one priority: listed ones first, then the least held per
+    entitled GPU (a listed tenant entitled to nothing, after the other listed ones)."""
+    s = standing.get(tenant)
+    entitled = s.entitled if s is not None else 0.0
+    ratio = held.get(tenant, 0.0) / entitled if entitled > 0 else float("inf")
+    return (s is None or not s.listed), ratio
+
+
+def standings(reports: Sequence[QuotaState]) -> dict[str, Standing]:
+    """Per tenant: GPUs held, GPUs entitled and whether it is listed, over the sites' quota reports."""
     out: dict[str, list[float]] = {}
     for q in reports:
         if not q.enforced or q.fair_share.mode == "off":
@@ -45,11 +63,12 @@ def standings(reports: Sequence[QuotaState]) -> dict[str, tuple[float, float]]:
             p[t.tenant] = max(0.0, w + q.fair_share.k * (w - u)) if q.fair_share.mode == "time" else w
         total = sum(p.values()) or 1.0
         for t in q.tenants:
-            entry = out.setdefault(t.tenant, [0.0, 0.0])
+            entry = out.setdefault(t.tenant, [0.0, 0.0, False])
             entry[0] += t.in_use_gpus
             if t.listed:
                 entry[1] += q.capacity_gpus * p[t.tenant] / total
-    return {t: (held, entitled) for t, (held, entitled) in out.items()}
+                entry[2] = True
+    return {t: Standing(held, entitled, listed) for t, (held, entitled, listed) in out.items()}
 
 
 class FairOrder(Generic[T]):
@@ -58,11 +77,11 @@ class FairOrder(Generic[T]):
     tie-break (e.g. urgency, then age); ``priority(item)``: higher first, across tenants."""
 
     def __init__(self, items: Sequence[T], tenant: Callable[[T], str], priority: Callable[[T], int],
-                 key: Callable[[T], Hashable], standing: Mapping[str, tuple[float, float]]) -> None:
+                 key: Callable[[T], Hashable], standing: Mapping[str, Standing]) -> None:
         self._priority = priority
         self._key = key
-        self._held = {t: h for t, (h, _) in standing.items()}
-        self._entitled = {t: e for t, (_, e) in standing.items()}
+        self._standing = standing
+        self._held = {t: s.held for t, s in standing.items()}
         queues: dict[str, list[T]] = {}
         for item in items:
             queues.setdefault(tenant(item), []).append(item)
@@ -70,13 +89,9 @@ class FairOrder(Generic[T]):
         self._heap = [self._entry(t) for t in self._queues]
         heapq.heapify(self._heap)
 
-    def _ratio(self, tenant: str) -> float:
-        entitled = self._entitled.get(tenant, 0.0)
-        return self._held.get(tenant, 0.0) / entitled if entitled > 0 else float("inf")
-
     def _entry(self, tenant: str) -> tuple:
         head = self._queues[tenant][-1]
-        return (-self._priority(head), self._ratio(tenant), self._key(head), tenant)
+        return (-self._priority(head), *rank(self._standing, self._held, tenant), self._key(head), tenant)
 
     def placed(self, tenant: str, gpus: float) -> None:
         self._held[tenant] = self._held.get(tenant, 0.0) + gpus

@@ -22,7 +22,7 @@ import numpy as np
 
 from broker import ids
 from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState, mig_slices
-from policies.fair_order import standings
+from policies.fair_order import Standing, standings
 
 MODEL_INDEX: dict[str, int] = {m: i for i, m in enumerate(ids.GPU_MODEL_IDS)}
 N_MODELS = len(ids.GPU_MODEL_IDS)
@@ -146,7 +146,7 @@ class QuotaView:
     unlisted_np_room: np.ndarray
     model: dict[str, np.ndarray] = field(default_factory=dict)  # tenant -> model column its quota counts (-1: any)
     # tenant -> (GPUs held, GPUs entitled by fair share) over the sites (policies.fair_order); fixed per pass
-    standing: dict[str, tuple[float, float]] = field(default_factory=dict)
+    standing: dict[str, Standing] = field(default_factory=dict)
 
     def rooms(self, tenant: str | None) -> tuple[np.ndarray, np.ndarray]:
         if tenant is None:

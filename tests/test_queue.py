@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from broker.jobs import ActiveJobs
 from broker.models import Job, JobState
 from broker.queue import QueueIndex
-from policies.fair_order import FairOrder
+from policies.fair_order import FairOrder, Standing
 from tests.builders import NOW, job
 
 
@@ -26,7 +26,7 @@ def plain_order(jobs: list[Job]) -> list[str]:
 
 
 job_lists = st.lists(
-    st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from([1, 2, 4]), st.sampled_from([0, 10]),
+    st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.sampled_from([1, 2, 4]), st.sampled_from([0, 10]),
               st.integers(0, 50)),
     max_size=60,
 ).map(lambda rows: [queued(i, t, c, p, float(age)) for i, (t, c, p, age) in enumerate(rows)])
@@ -72,7 +72,8 @@ def test_a_failed_group_is_skipped_for_the_rest_of_the_walk_and_nothing_else_is(
 @given(job_lists, st.data())
 @settings(max_examples=60, deadline=None)
 def test_with_fair_shares_the_walk_serves_tenants_as_fair_order_does(jobs, data):
-    standing = {"a": (data.draw(st.sampled_from([0.0, 4.0, 8.0])), 8.0), "b": (2.0, 8.0)}  # c: entitled to nothing
+    standing = {"a": Standing(data.draw(st.sampled_from([0.0, 4.0, 8.0])), 8.0, True), "b": Standing(2.0, 8.0, True),
+                "d": Standing(0.0, 0.0, True)}  # d: listed, its usage took its entitlement; c: listed nowhere
     placed = data.draw(st.sets(st.sampled_from([j.id for j in jobs] or ["none"])))
     index = QueueIndex()
     for j in jobs:
