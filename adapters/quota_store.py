@@ -5,7 +5,9 @@ the API (``PUT`` or ``DELETE /v1/sites/{name}/quota/{tenant}``) is an override o
 or its removal. Overrides are kept in one JSON file per site, written atomically (a temporary file in the
 same folder, flushed, then renamed over the old one), so a crash leaves the old or the new file, never half
 of one; a file that cannot be read at start (edited by hand, a disk error) is moved aside with a logged
-error, and the site starts from its configured quotas. Without a path the overrides live in memory only (tests, and sites whose broker keeps no files).
+error, and the site starts from its configured quotas. A file whose entry names another tenant than the
+quota it holds (``{"vision": {"tenant": "nlp", ...}}``, a copied entry whose key was not changed) is such a
+file: which tenant was meant cannot be told. Without a path the overrides live in memory only (tests, and sites whose broker keeps no files).
 """
 
 from __future__ import annotations
@@ -13,14 +15,23 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import TypeAdapter
+from pydantic import AfterValidator, TypeAdapter
 
 from adapters.base import AdapterError
 from adapters.site_state import read_or_set_aside, write_atomically
 from broker.models import TenantQuota
 
-_FILE = TypeAdapter(dict[str, TenantQuota | None])
+def _keys_name_their_tenants(overrides: dict[str, TenantQuota | None]) -> dict[str, TenantQuota | None]:
+    for key, quota in overrides.items():
+        if quota is not None and quota.tenant != key:
+            raise ValueError(f"entry {key!r} holds a quota for tenant {quota.tenant!r}; each entry's key must be "
+                             f"the tenant of its quota")
+    return overrides
+
+
+_FILE = TypeAdapter(Annotated[dict[str, TenantQuota | None], AfterValidator(_keys_name_their_tenants)])
 
 
 class QuotaStoreError(AdapterError):

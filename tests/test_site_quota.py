@@ -338,6 +338,22 @@ def test_an_unreadable_overrides_file_is_set_aside_and_the_site_starts_from_its_
     assert QuotaOverrides(path).apply(configured)[0].guaranteed_gpus == 2
 
 
+def test_an_overrides_file_whose_key_names_another_tenant_is_set_aside_and_the_site_starts(tmp_path, caplog):
+    from adapters.simulated import SimulatedSite
+    from broker.clock import SystemClock
+    from broker.models import SiteSpec
+
+    spec = SiteSpec.model_validate(site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16},
+                                             quotas=[{"tenant": "nlp", "guaranteed_gpus": 8}]))
+    path = tmp_path / "berlin" / "quota.json"
+    path.parent.mkdir()
+    path.write_text('{"vision": {"tenant": "nlp", "guaranteed_gpus": 4}}')  # copied for nlp, key left as it was
+    site = SimulatedSite(spec, SystemClock(), state_dir=tmp_path)
+    assert [(t.tenant, t.guaranteed_gpus) for t in site._admission.report(0).tenants] == [("nlp", 8)]
+    assert (tmp_path / "berlin" / "quota.json.unreadable").exists() and not path.exists()
+    assert "entry 'vision' holds a quota for tenant 'nlp'" in caplog.text
+
+
 async def test_quotas_changed_in_the_site_spec_apply_at_once_and_a_removed_site_forgets_its_changes(broker_at):
     start, _ = broker_at
     client = await start()
