@@ -9,8 +9,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   ``min_saving_abs``: whether the wait bounds hold the carbon back;
 - ``previous``: ``green`` as the release before this one shipped it: no room kept for latency-bound jobs, and
   ``duration_safety`` 1.25; ``no-reserve``: ``green`` without the room kept (``duration_safety`` 1.5 still);
-  ``price-0.2``, ``-1``, ``-2``, ``-5``: the room priced at that many kg CO2e per GPU-hour instead of
-  ``green``'s 0.5 (``reserve-1``, below: not priced, a bar);
+  ``price-0.2``, ``-0.5``, ``-1``, ``-2``, ``-5``: the room priced at that many kg CO2e per GPU-hour
+  instead of ``green``'s 0.2 (0.5 until 2026-11-29; ``reserve-1``, below: not priced, a bar);
 - ``duration_safety 2`` and ``2.5``: a deferral keeps two (two and a half) expected run times before the
   deadline instead of ``green``'s 1.5; ``safety-1.25``: what ``green`` kept before it kept room for
   latency-bound jobs; ``safety-1.0``: none kept beyond the estimate itself;
@@ -52,7 +52,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   :func:`policies.runtime_risk.expected_ratio`) is planned again on what is expected free, and stands only
   where that plan also waits for the same site (:func:`policies.timeshift.unless_it_slips`);
   ``book-overruns-safety-1.0-price-0.2``: that, keeping one expected run time in hand before the deadline
-  instead of 1.5, with the room kept for latency-bound jobs priced at 0.2 instead of 0.5;
+  instead of 1.5, with the room kept for latency-bound jobs priced at 0.2 (``green``'s price since
+  2026-11-29, 0.5 before);
 - ``green-undeclared``, ``greedy-undeclared``, ``cheapest-first-undeclared``: the inflexible jobs (a
   tenth: deadline = submit + true run time) give only their deadline, as releases before 2026-11-29
   replayed them (``declare_inflexible`` false; the Evidence's workload has them ask to start at once,
@@ -156,6 +157,7 @@ VARIANTS: dict[str, Variant] = {
     "no-reserve": Variant("green, no room kept for latency-bound jobs", {},
                           green(latency_reserve=None, latency_reserve_price=None)),
     "price-0.2": Variant("green, the room priced at 0.2 kg per GPU-hour", {}, green(latency_reserve_price=0.2)),
+    "price-0.5": Variant("green, the room priced at 0.5 kg per GPU-hour", {}, green(latency_reserve_price=0.5)),
     "price-1": Variant("green, the room priced at 1 kg per GPU-hour", {}, green(latency_reserve_price=1.0)),
     "price-2": Variant("green, the room priced at 2 kg per GPU-hour", {}, green(latency_reserve_price=2.0)),
     "price-5": Variant("green, the room priced at 5 kg per GPU-hour", {}, green(latency_reserve_price=5.0)),
