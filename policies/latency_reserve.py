@@ -34,7 +34,8 @@ latency-bound jobs, priced", and "Room for latency-bound jobs and a bound on a d
 at the 0.9 quantile, 13-48 % fewer deadline misses on five of the six replays measured, for at most 2.7 t
 more carbon, but at 50 % utilisation in 2021 ``green`` past its carbon target. Priced, ``green`` keeps it
 (the 1.0 quantile at 0.5 kg CO2e per GPU-hour): 23-67 % fewer misses on all four replays, for 0.7-2.4 t,
-every target it met before still met.
+every target it met before still met. Since forecasts stopped going below 0 g/kWh the price is 0.2, chosen
+again on 2021 (``policies.profiles.SHIFTS``).
 
 Units: GPUs (a fractional job counts ``milli / 1000`` of one), POSIX hours; the price in the objective's unit
 per GPU-hour. Turning it on: a profile's ``shift.latency_reserve`` (a quantile in (0, 1]); None, the
