@@ -27,7 +27,10 @@
   deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job
   with a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with
-  the Job's reason; a Job deleted by someone else → ``lost``. Each watch reconnects after errors. A stop
+  the Job's reason; a Job deleted by someone else → ``lost``. Each watch lists first and watches from the
+  list's resourceVersion; after an error, its 300 s timeout or 410 Gone it lists again, and reconciles: an
+  attempt whose Job is gone from the list (deleted while no watch ran) is ``lost``, a stopping one whose Pods
+  are gone is stopped. A stop
   (``preempt``, or the site's own preemption) deletes the Job and is reported ``preempted`` once its last
   Pod has gone (or after ``stop_wait_s``); Pods found at start without their Job are such a stop, begun
   before this adapter: known, their GPUs held, reported the same way. Each stop is kept in ``state_dir``
@@ -156,6 +159,7 @@ class _Attempt:
     stopping: str | None = None  # why it is being stopped (a move, a preemption): reported once its Pods are gone
     released: bool = False  # its GPUs and quota already given to the job that preempted it, ahead of its Pods
     orphan: bool = False  # found at start as Pods without their Job: a stop under way before this adapter
+    has_job: bool = False  # its Job was made or seen: one that is gone from a list of the Jobs was deleted
 
 
 def _transient(e: BaseException) -> bool:
@@ -426,6 +430,7 @@ class KubernetesSite:
             labels = meta.get("labels") or {}
             a = self._attempts.setdefault(key, _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""),
                                                         meta.get("namespace", "")))
+            a.has_job = True
             if a.ask is None and not job_ended(obj.get("status") or {}):
                 self._adopt_ask(a, obj)
 
@@ -547,7 +552,7 @@ class KubernetesSite:
                 if not admission.admitted:
                     return admission
             attempt = self._attempts.setdefault(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
-            attempt.job = job
+            attempt.job, attempt.has_job = job, True
             if isinstance(decision, Admitted):
                 attempt.req, attempt.ask, attempt.started = _as_pod(job).spec.gpus, decision.ask, now
             if isinstance(decision, Admitted) and (existing is None or not decision.victims):
@@ -763,21 +768,30 @@ class KubernetesSite:
             self._journal.remove((event.job_id, event.attempt))
 
     async def _watch(self, kind: str) -> None:
-        """Follow Jobs or Pods of this site; reconnect after errors or the end of a stream."""
-        fn = (self._batch.list_job_for_all_namespaces_without_preload_content if kind == "jobs"
-              else self._core.list_pod_for_all_namespaces_without_preload_content)
+        """Follow Jobs or Pods of this site. Each (re)connect first lists them and reconciles what it knows
+        with the list (``_resync``): what changed while no watch ran (a Job deleted during an API server
+        restart, a stopped attempt's Pods gone) is reported then. The watch then starts from the list's
+        resourceVersion; when it ends (the server's 300 s timeout, an error, 410 Gone) it lists again."""
+        watch = (self._batch.list_job_for_all_namespaces_without_preload_content if kind == "jobs"
+                 else self._core.list_pod_for_all_namespaces_without_preload_content)
         delay = 0.2
         while True:
             try:
-                resp = await fn(watch=True, label_selector=f"{SITE_LABEL}={_label_value(self.name)}",
-                                timeout_seconds=300, _request_timeout=330.0)
+                version = await self._resync(kind)
+                resp = await watch(watch=True, label_selector=f"{SITE_LABEL}={_label_value(self.name)}",
+                                   resource_version=version, timeout_seconds=300, _request_timeout=330.0)
                 try:
                     if resp.status >= 400:
                         raise k8s.ApiException(status=resp.status, reason=(await resp.text())[:300])
                     delay = 0.2
                     while line := await resp.content.readline():
-                        if line.strip():
-                            self._on_watch_event(kind, json.loads(line))
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        if event.get("type") == "ERROR":  # 410 Gone (too old a resourceVersion), or another
+                            status = event.get("object") or {}
+                            raise k8s.ApiException(status=status.get("code") or 0, reason=status.get("message"))
+                        self._on_watch_event(kind, event)
                 finally:
                     resp.release()
             except asyncio.CancelledError:
@@ -786,6 +800,46 @@ class KubernetesSite:
                 log.warning("site %s: watch on %s failed (%r); reconnecting in %.1fs", self.name, kind, e, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
+
+    async def _resync(self, kind: str) -> str | None:
+        """List this site's Jobs or Pods, treat each as the watch would, and reconcile the attempts known here
+        with the list: one whose Job has gone (deleted outside heliotrope while no watch ran) is ``lost``; a
+        stopping one whose Pods have all gone is stopped. Under the lock that admission holds, so a Job being
+        created is not taken for a gone one. Returns the list's resourceVersion, to watch from."""
+        fn = (self._batch.list_job_for_all_namespaces_without_preload_content if kind == "jobs"
+              else self._core.list_pod_for_all_namespaces_without_preload_content)
+        async with self._lock:
+            data = await self._json(f"listing {'Jobs' if kind == 'jobs' else 'Pods'}", fn,
+                                    label_selector=f"{SITE_LABEL}={_label_value(self.name)}")
+            items = [obj for obj in data.get("items") or [] if self._ours(obj)]
+            listed: dict[tuple[str, int], set[str]] = {}
+            for obj in items:
+                key = attempt_key(obj.get("metadata") or {})
+                if key is not None:
+                    listed.setdefault(key, set()).add((obj.get("metadata") or {}).get("name", ""))
+            for key, known in list(self._attempts.items()):
+                if known.done:
+                    continue
+                if kind == "pods":
+                    known.pods &= listed.get(key, set())
+                    if known.stopping is not None and not known.pods:
+                        self._stopped(key)  # its last Pod went while no watch ran
+                elif (key not in listed and known.has_job and known.stopping is None and not known.orphan
+                      and key not in self._withdrawn):
+                    self._gone(key, known.namespace, job_name(*key))
+            for obj in items:
+                self._on_watch_event(kind, {"type": "ADDED", "object": obj})
+        return (data.get("metadata") or {}).get("resourceVersion") or None
+
+    def _gone(self, key: tuple[str, int], namespace: str, name: str) -> None:
+        """An attempt's Job was deleted, not by heliotrope: ``lost``."""
+        known = self._attempts.get(key)
+        since = known.running_since if known is not None else None
+        now = self._clock.now()
+        run_s = max((now - since).total_seconds(), 0.0) if since is not None else 0.0
+        if self._finish(key):
+            self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, run_s=run_s,
+                                             reason=f"Job {namespace}/{name} was deleted outside heliotrope"))
 
     def _on_watch_event(self, kind: str, event: dict[str, Any]) -> None:
         obj = event.get("object") or {}
@@ -826,10 +880,9 @@ class KubernetesSite:
             if self._finish(key):
                 self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, reason=reason, run_s=run_s))
         elif event.get("type") == "DELETED" and key not in self._withdrawn:
-            if self._finish(key):
-                self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, run_s=run_s,
-                                                 reason=f"Job {meta.get('namespace')}/{meta.get('name')} was deleted "
-                                                        "outside heliotrope"))
+            self._gone(key, meta.get("namespace", ""), meta.get("name", ""))
+        else:
+            known.has_job = True
 
     # --- QuotaAdmin ---
 

@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import kmock
 import pytest
+from kubernetes.aio import client as k8s
 
 from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
@@ -343,6 +345,42 @@ async def test_a_job_deleted_outside_heliotrope_is_lost(kube: KubernetesSite, cl
     await cluster.delete(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{job_name('j-1', 1)}")
     lost = await next_event(kube, stream)
     assert lost.kind == EventKind.LOST and "deleted outside heliotrope" in (lost.reason or "")
+
+
+async def test_a_job_deleted_while_the_watch_reconnects_is_lost(
+        cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Job watch ends (the server's timeout, an API server restart) and cannot reconnect for a while;
+    # meanwhile someone deletes the Job. The watch that comes back never sees a DELETED event for it, so the
+    # adapter must notice from a list that it has gone, or the attempt holds its 8 GPUs for ever.
+    real = k8s.BatchV1Api.list_job_for_all_namespaces_without_preload_content
+    outage, streams = asyncio.Event(), []
+
+    async def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if outage.is_set():
+            raise aiohttp.ClientConnectionError("the API server is restarting")
+        resp = await real(self, *args, **kwargs)
+        if kwargs.get("watch"):
+            streams.append(resp)
+        return resp
+
+    monkeypatch.setattr(k8s.BatchV1Api, "list_job_for_all_namespaces_without_preload_content", flaky)
+    adapter = make_site(cluster)
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        await asyncio.sleep(0.2)
+        outage.set()
+        streams[-1].close()  # the stream ends; reconnecting fails while the outage lasts
+        await asyncio.sleep(0.2)
+        await cluster.delete(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{job_name('j-1', 1)}")
+        outage.clear()
+        lost = await next_event(adapter, stream)
+        assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
+        assert "deleted outside heliotrope" in (lost.reason or "")
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 16
+    finally:
+        await adapter.close()
 
 
 # --- quotas mirrored as ResourceQuota ---
