@@ -8,7 +8,9 @@
   (logged). Nodes are grouped into the site's node groups, and :class:`policies.admission.SiteAdmission`
   is built from them (rebuilt when the Nodes change; the attempts this adapter runs are re-entered).
 - Admission: before it creates a Job the adapter applies ``SiteAdmission`` (its inventory from the Nodes,
-  the site's quotas and fair share), so it refuses what the site's policy refuses. A job runs as one Pod, so
+  the site's quotas and fair share), so it refuses what the site's policy refuses. Jobs the site preempts for
+  it are stopped only once the cluster has accepted its Job (a refusal, such as a missing namespace, RBAC or
+  an admission webhook, stops nobody). A job runs as one Pod, so
   whole GPUs must fit on one node (``topology: node`` is implied). Fractional GPUs (``milli``, ``shared``) are
   refused: the NVIDIA device plugin hands out whole GPUs or MIG slices. What the cluster still decides: the
   scheduler places the Pod (on a node the inventory may not have chosen), ResourceQuota admission may refuse
@@ -545,12 +547,14 @@ class KubernetesSite:
             if existing is None:
                 if not isinstance(decision, Admitted):
                     return Admission.rejected(decision.reason)
-                for victim in decision.victims:
-                    await self._preempt(victim, f"for job {job.id} of tenant {job.spec.tenant}, which "
-                                                f"{decision.reason}")
+                # The Job first: a cluster that refuses it (no namespace, RBAC, an admission webhook) must not
+                # have its victims stopped for nothing. Its Pod waits in the cluster until their GPUs are free.
                 admission = await self._create_job(job, namespace, decision.placement.model)
                 if not admission.admitted:
                     return admission
+                for victim in decision.victims:
+                    await self._preempt(victim, f"for job {job.id} of tenant {job.spec.tenant}, which "
+                                                f"{decision.reason}")
             attempt = self._attempts.setdefault(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
             attempt.job, attempt.has_job = job, True
             if isinstance(decision, Admitted):

@@ -621,6 +621,35 @@ async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
     assert (await adapter.snapshot()).capacity[0].free_gpus == 0
 
 
+@pytest.mark.parametrize(("status", "why"), [
+    (404, 'namespaces "heliotrope-b" not found'),
+    (403, 'jobs.batch is forbidden: User "heliotrope" cannot create resource "jobs" in the namespace'),
+    (422, "admission webhook denied the request"),
+], ids=["tenant b's namespace does not exist", "RBAC forbids Jobs there", "an admission webhook refuses it"])
+async def test_a_job_the_cluster_refuses_preempts_nobody(
+        borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator,
+        monkeypatch: pytest.MonkeyPatch, status: int, why: str) -> None:
+    # b-1 reclaims b's guarantee from a-2, but the cluster refuses b-1's Job (the emulator checks none of
+    # these, so the test refuses it): a-2 must run on, not be stopped for a job that never existed.
+    adapter, stream = borrowing
+    victim = await a2_running(adapter, stream, cluster)
+    real = k8s.BatchV1Api.create_namespaced_job_without_preload_content
+
+    async def refuse_in_b(self: Any, namespace: str, body: Any, **kwargs: Any) -> Any:
+        if namespace == "heliotrope-b":
+            raise k8s.ApiException(status=status, reason=why)
+        return await real(self, namespace, body, **kwargs)
+
+    monkeypatch.setattr(k8s.BatchV1Api, "create_namespaced_job_without_preload_content", refuse_in_b)
+    answer = await adapter.submit(attempt("b-1", count=8, tenant="b"))
+    assert not answer.admitted and "heliotrope-b" in (answer.reason or "")
+    assert ("heliotrope-a", victim) in jobs(cluster)
+    state = await adapter.snapshot()
+    assert state.capacity[0].free_gpus == 0 and state.running_jobs == 2  # a-1 and a-2 still hold their GPUs
+    with pytest.raises(TimeoutError):  # a-2 is not preempted
+        await asyncio.wait_for(anext(stream), 0.5)
+
+
 async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_pod_has_gone(
         borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator) -> None:
     # The preemptor gets the GPUs in the site's books at once (its Pod waits in the cluster for them), but the
