@@ -21,7 +21,8 @@
   the Nodes, at most every ``pods_ttl_s`` (5 s). On start, and whenever the ledgers are rebuilt, this site's
   active Jobs are re-entered (GPUs from the container limits, on their Pod's node or any node of their model,
   tenant from the labels, priority/preemptible from an annotation, since ``status.startTime``); one whose node
-  is gone counts against its tenant's quota only (logged).
+  is gone counts against its tenant's quota only (logged). One whose Pod is Running has run since the Pod's
+  ``status.startTime``: ``running`` is reported once, at that time, and a later stop counts its run from it.
 - Jobs: a batch/v1 Job named ``h-<job id>-<attempt>`` in namespace ``namespace_prefix + tenant`` (which must
   exist), one Pod, ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on
   the product labels of the chosen model, labelled with the site, job id, attempt and tenant. A repeated
@@ -210,7 +211,7 @@ class KubernetesSite:
         if self._api is None:
             self._api = await self._build_client()
         await self._adopt()
-        await self._adopt_orphans()
+        await self._adopt_pods()
         self._adopt_stops()
         await self._refresh_inventory()
         for tenant_quota in self._quotas():
@@ -436,11 +437,17 @@ class KubernetesSite:
             if a.ask is None and not job_ended(obj.get("status") or {}):
                 self._adopt_ask(a, obj)
 
-    async def _adopt_orphans(self) -> None:
-        """Pods of this site whose Job is gone (a stop under way when the broker before this one stopped: its
-        Job deleted, its Pods still writing their checkpoint): known as stopping, so that the broker does not
-        take the attempt for lost and start the job elsewhere meanwhile (``known_attempts``), their GPUs held
-        (``_read_pods``), and ``preempted`` reported once their last Pod goes, or after ``stop_wait_s``."""
+    async def _adopt_pods(self) -> None:
+        """The Pods of this site already in the cluster (a broker restart).
+
+        A Running Pod of an adopted Job: the attempt has run since the Pod's ``status.startTime`` (so a job
+        preempted later keeps the run time it had before the restart), and ``running`` is reported once, at that
+        time (the broker ignores it if it knew; the watch does not report it again).
+
+        Pods whose Job is gone (a stop under way when the broker before this one stopped: its Job deleted, its
+        Pods still writing their checkpoint): known as stopping, so that the broker does not take the attempt
+        for lost and start the job elsewhere meanwhile (``known_attempts``), their GPUs held (``_read_pods``),
+        and ``preempted`` reported once their last Pod goes, or after ``stop_wait_s``."""
         try:
             data = await self._json("listing Pods", self._core.list_pod_for_all_namespaces_without_preload_content,
                                     label_selector=f"{SITE_LABEL}={_label_value(self.name)}")
@@ -449,8 +456,10 @@ class KubernetesSite:
         for pod in data.get("items") or []:
             meta, status = pod.get("metadata") or {}, pod.get("status") or {}
             key = attempt_key(meta)
-            if (not self._ours(pod) or key is None or key in self._attempts
-                    or status.get("phase") not in ("Pending", "Running")):
+            if not self._ours(pod) or key is None or status.get("phase") not in ("Pending", "Running"):
+                continue
+            if key in self._attempts:
+                self._adopt_pod(self._attempts[key], pod)
                 continue
             labels = meta.get("labels") or {}
             a = self._attempts[key] = _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""), meta.get("namespace", ""),
@@ -464,9 +473,23 @@ class KubernetesSite:
                      "preempted once they have gone", self.name, key[0], key[1])
             self._wait_for_pods(key)
 
+    def _adopt_pod(self, a: _Attempt, pod: dict[str, Any]) -> None:
+        """A live Pod of an adopted Job: where it runs, and, if Running, since when (``running`` reported)."""
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if a.done or a.orphan:
+            return
+        a.pods.add(meta.get("name", ""))
+        if node := (pod.get("spec") or {}).get("nodeName"):
+            a.node = node
+        if status.get("phase") != "Running" or a.running_since is not None:
+            return
+        started = _timestamp(status.get("startTime"))
+        a.running_since = datetime.fromtimestamp(started, tz=UTC) if started is not None else self._clock.now()
+        self._events.put_nowait(JobEvent(a.job_id, a.attempt, EventKind.RUNNING, a.running_since))
+
     def _adopt_stops(self) -> None:
         """Stops the adapter before this one began whose ``preempted`` the broker never took (``StopJournal``):
-        one whose Pods are still there is reported once they go (``_adopt_orphans``), with the reason it was
+        one whose Pods are still there is reported once they go (``_adopt_pods``), with the reason it was
         stopped for; one of which nothing is left in the cluster ended while no adapter watched, and is
         reported now, with its run up to the stop. One whose Job is still there never took (its deletion
         failed): it runs on, and is forgotten."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +426,34 @@ async def test_a_fresh_adapter_counts_the_active_jobs_of_the_one_before(cluster:
         assert (await second.submit(attempt("j-3", count=4))).admitted
         await second.cancel("j-1", 1)  # an adopted job is released when it ends
         assert (await second.snapshot()).capacity[0].free_gpus == 8
+    finally:
+        await second.close()
+
+
+async def test_a_job_running_before_the_adapter_restarted_keeps_its_run_time(cluster: kmock.KubernetesEmulator) -> None:
+    # A checkpointable job has run for an hour when the broker restarts; later it is moved. The run it had
+    # before the restart counts, so the broker keeps its checkpoint's work (it counted from the restart).
+    first = make_site(cluster)
+    await first.start()
+    try:
+        name = await j1_running(first, first.events(), cluster)
+    finally:
+        await first.close()
+    an_hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc",
+                        json={"status": {"startTime": an_hour_ago.strftime("%Y-%m-%dT%H:%M:%SZ")}})
+    second = make_site(cluster)
+    await second.start()
+    stream = second.events()
+    try:
+        running = await next_event(second, stream)  # once, at the Pod's start: the broker ignores it if it knew
+        assert running.kind == EventKind.RUNNING and abs((running.at - an_hour_ago).total_seconds()) < 1
+        await second.preempt("j-1", 1, "moved")
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")
+        stopped = await next_event(second, stream)
+        assert stopped.kind == EventKind.PREEMPTED and 3599 < stopped.run_s < 3660
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(anext(stream), 0.3)
     finally:
         await second.close()
 
