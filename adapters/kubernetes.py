@@ -24,7 +24,7 @@
   is gone counts against its tenant's quota only (logged). One whose Pod is Running has run since the Pod's
   ``status.startTime``: ``running`` is reported once, at that time, and a later stop counts its run from it.
 - Jobs: a batch/v1 Job named ``h-<job id>-<attempt>`` in namespace ``namespace_prefix + tenant`` (which must
-  exist), one Pod, ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on
+  exist; past 63 characters, the limit of a namespace name, shortened to end in a hash: ``namespace``), one Pod, ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on
   the product labels of the chosen model, labelled with the site, job id, attempt and tenant. A repeated
   dispatch of the same attempt finds the existing Job (create answers 409) and admits it once. Cancel
   deletes the Job (background propagation) and is final for the attempt.
@@ -291,7 +291,15 @@ class KubernetesSite:
         return k8s.BatchV1Api(self._api)
 
     def namespace(self, tenant: str) -> str:
-        return self.config.namespace_prefix + tenant
+        """The tenant's namespace: ``namespace_prefix`` + tenant. A namespace name is at most 63 characters (an
+        RFC 1123 label); a longer one keeps the first characters of the tenant and ends in ``-`` and 8 hex
+        digits of its SHA-256, as ``job_name`` does (so tenants that share a long beginning stay apart)."""
+        name = self.config.namespace_prefix + tenant
+        if len(name) <= 63:
+            return name
+        digest = hashlib.sha256(tenant.encode()).hexdigest()[:8]
+        kept = tenant[:63 - len(self.config.namespace_prefix) - 9].rstrip("-")
+        return f"{self.config.namespace_prefix}{kept}-{digest}"
 
     def _ours(self, obj: dict[str, Any]) -> bool:
         """The label selector again, client-side (an emulator may ignore it)."""
@@ -636,7 +644,8 @@ class KubernetesSite:
                 return Admission.ok()  # made by a concurrent dispatch of the same attempt
             if e.status == 404:
                 return Admission.rejected(f"namespace {namespace} does not exist at site {self.name}; create it "
-                                          f"(one namespace per tenant, named {self.config.namespace_prefix}<tenant>)")
+                                          f"(one namespace per tenant, named {self.config.namespace_prefix}<tenant>, "
+                                          "shortened with a hash past 63 characters)")
             if e.status in (403, 422):
                 return Admission.rejected(f"the cluster refused Job {namespace}/{manifest['metadata']['name']} "
                                           f"({e.status}): {e.reason}")

@@ -8,6 +8,7 @@ tests play the cluster's part: they preload Nodes, and patch Pods and Jobs to mo
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -175,6 +176,22 @@ async def test_a_job_becomes_a_batch_job_with_its_gpus_labels_and_model_affinity
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"][0]["values"] == ["NVIDIA-A100-SXM4-80GB"]
     assert (await kube.snapshot()).capacity[0].free_gpus == 12
+
+
+async def test_a_long_tenant_name_gives_a_namespace_kubernetes_accepts(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    # A tenant may be 63 characters, but "heliotrope-" + tenant may not: Kubernetes refuses a namespace name
+    # past 63 characters (the emulator does not check, so the test does).
+    long_a, long_b = "research-" + "a" * 54, "research-" + "a" * 53 + "b"
+    await kube.set_quota(TenantQuota(tenant=long_a, guaranteed_gpus=1))
+    assert (await kube.submit(attempt("j-1", count=1, tenant=long_a))).admitted
+    [(namespace, _)] = jobs(cluster)
+    assert len(namespace) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", namespace)
+    assert namespace.startswith("heliotrope-research-aaa")
+    quota = cluster.objects[QUOTAS, namespace, "heliotrope-gpus"]  # its quota goes to the same namespace
+    assert quota["spec"]["hard"] == {"requests.nvidia.com/gpu": "1"}
+    assert kube.namespace(long_b) != namespace  # tenants that begin alike stay apart
+    assert kube.namespace("t1") == "heliotrope-t1" and kube.namespace("x" * 52) == "heliotrope-" + "x" * 52
 
 
 async def test_a_mig_job_asks_for_its_mig_resource(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
