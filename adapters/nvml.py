@@ -6,7 +6,10 @@
   profile (``1g.10gb``). The NVML module is injected (default: ``import pynvml`` at :meth:`open`), so tests
   use a fake at exactly that boundary.
 - A metric a GPU does not support (``NVMLError_NotSupported``, or a function this driver lacks) is ``None``,
-  never a crash. Any other NVML error fails the whole sample, so nothing is silently wrong.
+  never a crash. A GPU this process may not use (``NVMLError_NoPermission``: ``nvmlDeviceGetCount`` counts
+  those too) or that has fallen off the bus (``NVMLError_GpuIsLost``) is left out of the sample, named in
+  ``NodeSample.left_out`` and logged once; the other GPUs are still reported. Any other NVML error fails the
+  whole sample, so nothing is silently wrong.
 - No driver: :meth:`NvmlCollector.open` raises :class:`NvmlUnavailable` with a one-line message that names
   the cause and what to do.
 - :meth:`NodeSample.telemetry` folds the GPUs into :class:`broker.models.Telemetry` (mean utilisation,
@@ -108,6 +111,7 @@ class NodeSample:
     taken_at: datetime
     driver_version: str | None
     gpus: tuple[GpuSample, ...]
+    left_out: tuple[str, ...] = ()  # GPUs not read, with why: "GPU 1: no permission (NVMLError_NoPermission)"
 
     def telemetry(self) -> Telemetry:
         """Node-wide telemetry: mean utilisation over the GPUs that report it, summed memory and power,
@@ -140,6 +144,7 @@ class NvmlCollector:
         self._clock = clock or SystemClock()
         self._open = False
         self._reason_bits: dict[int, str] = {}
+        self._warned: set[tuple[int, str]] = set()  # (GPU index, error) already logged
 
     def __enter__(self) -> NvmlCollector:
         self.open()
@@ -185,14 +190,26 @@ class NvmlCollector:
             self._nvml.nvmlShutdown()
 
     def sample(self) -> NodeSample:
-        """Read every GPU once. Raises ``NVMLError`` for anything but an unsupported metric."""
+        """Read every GPU once. A GPU this process may not use, or that is lost, is left out (``left_out``,
+        logged once); any other ``NVMLError`` but an unsupported metric is raised."""
         if not self._open:
             raise RuntimeError("NvmlCollector.sample() called before open()")
         nv = self._nvml
         taken_at = self._clock.now()
         driver = self._optional(nv.nvmlSystemGetDriverVersion)
-        gpus = tuple(self._gpu(i, nv.nvmlDeviceGetHandleByIndex(i)) for i in range(nv.nvmlDeviceGetCount()))
-        return NodeSample(taken_at=taken_at, driver_version=driver, gpus=gpus)
+        gpus: list[GpuSample] = []
+        left_out: list[str] = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            try:
+                gpus.append(self._gpu(i, nv.nvmlDeviceGetHandleByIndex(i)))
+            except (nv.NVMLError_NoPermission, nv.NVMLError_GpuIsLost) as exc:
+                why = "no permission" if isinstance(exc, nv.NVMLError_NoPermission) else "lost (fallen off the bus)"
+                left_out.append(f"GPU {i}: {why} ({type(exc).__name__})")
+                if (i, type(exc).__name__) not in self._warned:
+                    self._warned.add((i, type(exc).__name__))
+                    log.warning("NVML: GPU %d cannot be read, %s (%s); left out of the telemetry, the other GPUs "
+                                "are still reported", i, why, type(exc).__name__)
+        return NodeSample(taken_at=taken_at, driver_version=driver, gpus=tuple(gpus), left_out=tuple(left_out))
 
     # --- one GPU ---
 
@@ -390,6 +407,7 @@ def _format(sample: NodeSample) -> str:
                 f"    mig{m.slot} {m.profile or m.name}: mem {num(m.memory_used_gib, '.1f')}/"
                 f"{num(m.memory_total_gib, '.1f')} GiB  {m.uuid}"
             )
+    lines.extend(f"  left out: {why}" for why in sample.left_out)
     return "\n".join(lines)
 
 

@@ -54,6 +54,8 @@ class FakeGpu:
     mig_slots: dict[int, FakeGpu] = field(default_factory=dict)
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
+    handle_error: type[pynvml.NVMLError] | None = None  # nvmlDeviceGetHandleByIndex raises it (NoPermission)
+    read_error: type[pynvml.NVMLError] | None = None  # a read of the device raises it (GpuIsLost mid-sample)
 
 
 def _supported(value):
@@ -99,9 +101,13 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, index):
         self._live()
+        if self.gpus[index].handle_error is not None:
+            raise self.gpus[index].handle_error()
         return self.gpus[index]
 
     def nvmlDeviceGetName(self, handle):
+        if handle.read_error is not None:
+            raise handle.read_error()
         return handle.name
 
     def nvmlDeviceGetUUID(self, handle):
@@ -292,6 +298,23 @@ def test_an_error_other_than_not_supported_fails_the_sample():
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             collector.sample()
         assert len(collector.sample().gpus) == 2
+
+
+@pytest.mark.parametrize(("broken", "why"), [
+    ({"handle_error": pynvml.NVMLError_NoPermission}, "GPU 1: no permission (NVMLError_NoPermission)"),
+    ({"read_error": pynvml.NVMLError_GpuIsLost}, "GPU 1: lost (fallen off the bus) (NVMLError_GpuIsLost)"),
+], ids=["a GPU this process may not use (counted by nvmlDeviceGetCount all the same)",
+        "a GPU that has fallen off the bus"])
+def test_one_gpu_that_cannot_be_read_is_left_out_and_the_others_are_reported(broken, why, caplog):
+    h100 = h100_throttled()
+    fake = FakeNvml([a100_in_mig_mode(), FakeGpu(name="NVIDIA H100 80GB HBM3", uuid="GPU-2", **broken), h100])
+    with NvmlCollector(fake) as collector:
+        first, second = collector.sample(), collector.sample()
+    assert [g.uuid for g in first.gpus] == ["GPU-a100", "GPU-h100"]
+    assert [g.index for g in first.gpus] == [0, 2]
+    assert first.left_out == second.left_out == (why,)
+    assert first.telemetry().temperature_c_max == 83.0
+    assert [r.levelname for r in caplog.records if "GPU 1 cannot be read" in r.message] == ["WARNING"]  # once
 
 
 def test_sampling_needs_open_and_close_shuts_nvml_down():
