@@ -2,20 +2,21 @@
 
 - Capacity: read from the Nodes. Whole GPUs are ``nvidia.com/gpu`` allocatable; MIG slices are the
   ``nvidia.com/mig-<profile>`` allocatable of the device plugin's mixed strategy (a node's MIG GPUs are
-  ``nvidia.com/gpu.count`` minus its whole GPUs, else its slices' compute slices / 7, rounded up). The model
-  comes from NVIDIA GPU feature discovery's ``nvidia.com/gpu.product`` label, mapped to the canonical ids
-  (``broker.ids``); a node whose product is missing or unknown, or that is cordoned or not Ready, is left out
-  (logged). Nodes are grouped into the site's node groups, and :class:`policies.admission.SiteAdmission`
-  is built from them (rebuilt when the Nodes change; the attempts this adapter runs are re-entered).
-- Admission: before it creates a Job the adapter applies ``SiteAdmission`` (its inventory from the Nodes,
-  the site's quotas and fair share), so it refuses what the site's policy refuses. Jobs the site preempts for
-  it are stopped only once the cluster has accepted its Job (a refusal, such as a missing namespace, RBAC or
-  an admission webhook, stops nobody). A job runs as one Pod, so
-  whole GPUs must fit on one node (``topology: node`` is implied). Fractional GPUs (``milli``, ``shared``) are
-  refused: the NVIDIA device plugin hands out whole GPUs or MIG slices. What the cluster still decides: the
-  scheduler places the Pod (on a node the inventory may not have chosen), ResourceQuota admission may refuse
-  it, and the device plugin assigns the devices (a MIG layout is fixed on the node, where the inventory
-  assumes any mix of the offered slices).
+  ``nvidia.com/gpu.count`` minus its whole GPUs, else its slices' compute slices / 7, rounded up). The model comes
+  from NVIDIA GPU feature discovery's ``nvidia.com/gpu.product`` label, mapped to the canonical ids
+  (``broker.ids``); a node whose product is missing or unknown, that is cordoned or not Ready, that lacks a label
+  of ``node_selector``, or that has a NoSchedule or NoExecute taint none of ``tolerations`` tolerates, is left out
+  (``left_out``, with the reason). Nodes are grouped into the site's node groups, and
+  :class:`policies.admission.SiteAdmission` is built from them (rebuilt when the Nodes change; the attempts this
+  adapter runs are re-entered).
+- Admission: before it creates a Job the adapter applies ``SiteAdmission`` (its inventory from the Nodes, the
+  site's quotas and fair share), so it refuses what the site's policy refuses. Jobs the site preempts for it are
+  stopped only once the cluster has accepted its Job (a refusal, such as a missing namespace, RBAC or an admission
+  webhook, stops nobody). A job runs as one Pod, so whole GPUs must fit on one node (``topology: node`` is
+  implied). Fractional GPUs (``milli``, ``shared``) are refused: the NVIDIA device plugin hands out whole GPUs or
+  MIG slices. What the cluster still decides: the scheduler places the Pod (on a node the inventory may not have
+  chosen), ResourceQuota admission may refuse it, and the device plugin assigns the devices (a MIG layout is fixed
+  on the node, where the inventory assumes any mix of the offered slices).
 - What runs already: Pods not of this site (Pending on a node, or Running) that ask for ``nvidia.com/gpu`` or
   MIG slices hold those GPUs of their node in the inventory (not in the quota book); the Pods are re-read with
   the Nodes, at most every ``pods_ttl_s`` (5 s). On start, and whenever the ledgers are rebuilt, this site's
@@ -24,22 +25,22 @@
   is gone counts against its tenant's quota only (logged). One whose Pod is Running has run since the Pod's
   ``status.startTime``: ``running`` is reported once, at that time, and a later stop counts its run from it.
 - Jobs: a batch/v1 Job named ``h-<job id>-<attempt>`` in namespace ``namespace_prefix + tenant`` (which must
-  exist; past 63 characters, the limit of a namespace name, shortened to end in a hash: ``namespace``), one Pod, ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on
-  the product labels of the chosen model, labelled with the site, job id, attempt and tenant. A repeated
-  dispatch of the same attempt finds the existing Job (create answers 409) and admits it once. Cancel
-  deletes the Job (background propagation) and is final for the attempt.
-- Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job
-  with a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with
-  the Job's reason; a Job deleted by someone else → ``lost``. Each watch lists first and watches from the
-  list's resourceVersion; after an error, its 300 s timeout or 410 Gone it lists again, and reconciles: an
-  attempt whose Job is gone from the list (deleted while no watch ran) is ``lost``, a stopping one whose Pods
-  are gone is stopped. A stop
-  (``preempt``, or the site's own preemption) deletes the Job and is reported ``preempted`` once its last
-  Pod has gone (or after ``stop_wait_s``); Pods found at start without their Job are such a stop, begun
+  exist; past 63 characters, the limit of a namespace name, shortened to end in a hash: ``namespace``), one Pod,
+  ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on the product labels of
+  the chosen model, the configured ``tolerations`` and ``node_selector``, labelled with the site, job id, attempt
+  and tenant. A repeated dispatch of the same attempt finds the existing Job (create answers 409) and admits it
+  once. Cancel deletes the Job (background propagation) and is final for the attempt.
+- Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job with
+  a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with the Job's
+  reason; a Job deleted by someone else → ``lost``. Each watch lists first and watches from the list's
+  resourceVersion; after an error, its 300 s timeout or 410 Gone it lists again, and reconciles: an attempt whose
+  Job is gone from the list (deleted while no watch ran) is ``lost``, a stopping one whose Pods are gone is
+  stopped. A stop (``preempt``, or the site's own preemption) deletes the Job and is reported ``preempted`` once
+  its last Pod has gone (or after ``stop_wait_s``); Pods found at start without their Job are such a stop, begun
   before this adapter: known, their GPUs held, reported the same way. Each stop is kept in ``state_dir``
-  (``stops.json``, :class:`adapters.site_state.StopJournal`) until the broker has taken its event, so one
-  whose Pods went while no adapter ran (the broker restarting) is reported by the next adapter, with its run up
-  to the stop, rather than taken for a lost attempt.
+  (``stops.json``, :class:`adapters.site_state.StopJournal`) until the broker has taken its event, so one whose
+  Pods went while no adapter ran (the broker restarting) is reported by the next adapter, with its run up to the
+  stop, rather than taken for a lost attempt.
 - Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
   are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
@@ -317,7 +318,7 @@ class KubernetesSite:
         nodes: list[NodeGpus] = []
         left_out = []
         for item in data.get("items") or []:
-            found = read_node(item)
+            found = read_node(item, self.config.tolerations, self.config.node_selector)
             if isinstance(found, str):
                 left_out.append(found)
             else:
@@ -622,6 +623,10 @@ class KubernetesSite:
             container["command"] = list(self.config.command)
         products = sorted(self._products.get(model, ()))
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        if self.config.tolerations:
+            pod_spec["tolerations"] = [t.manifest() for t in self.config.tolerations]
+        if self.config.node_selector:
+            pod_spec["nodeSelector"] = dict(self.config.node_selector)
         if products:
             pod_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchExpressions": [

@@ -15,13 +15,13 @@ import json
 import logging
 import math
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from broker import ids
-from broker.models import GpuRequest, NodeGroup, mig_slices
+from broker.models import GpuRequest, NodeGroup, Toleration, mig_slices
 from policies.quota import Ask
 from policies.inventory import MIG_SLICES_PER_GPU, MILLI_PER_GPU, Inventory, MigProfile, Placement, Slot
 
@@ -57,8 +57,11 @@ class NodeGpus:
     memory_gib: float | None
 
 
-def read_node(node: dict[str, Any]) -> NodeGpus | str:
-    """A Node's GPUs, or why it is left out."""
+def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
+              node_selector: Mapping[str, str] | None = None) -> NodeGpus | str:
+    """A Node's GPUs, or why it is left out: no GPUs, cordoned, not Ready, without a label of ``node_selector``
+    (the Pods' nodeSelector), a NoSchedule or NoExecute taint none of ``tolerations`` (the Pods') tolerates, or
+    no known GPU product."""
     meta, status = node.get("metadata", {}), node.get("status", {})
     name = meta.get("name", "?")
     labels = meta.get("labels") or {}
@@ -81,6 +84,14 @@ def read_node(node: dict[str, Any]) -> NodeGpus | str:
     ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
     if ready and ready[0].get("status") != "True":
         return f"node {name} is not Ready"
+    for key, value in (node_selector or {}).items():
+        if labels.get(key) != value:
+            return f"node {name} has no label {key}={value} (adapter.node_selector)"
+    for taint in (node.get("spec") or {}).get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not any(t.tolerates(taint) for t in tolerations):
+            shown = f"{taint.get('key')}={taint['value']}" if taint.get("value") else f"{taint.get('key')}"
+            return (f"node {name} is tainted {shown}:{taint.get('effect')}, which no toleration of "
+                    "adapter.tolerations tolerates")
     product = labels.get(PRODUCT_LABEL)
     if not product:
         return f"node {name} has GPUs but no {PRODUCT_LABEL} label (install NVIDIA GPU feature discovery)"

@@ -194,6 +194,47 @@ class SimulatedAdapterConfig(Spec):
                                   "folder for site state, beside its database)")
 
 
+class Toleration(Spec):
+    """A Kubernetes toleration (``spec.tolerations`` of a Pod), as Kubernetes writes it: ``key``, ``operator``
+    (``Equal``: the taint's value must be ``value``; ``Exists``: any value, and with no key any taint),
+    ``effect`` (none: every effect) and ``tolerationSeconds`` (NoExecute only: how long the Pod stays once
+    tainted)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    key: str | None = Field(default=None, min_length=1, max_length=316)
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = Field(default=None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"tolerations: operator Exists takes no value (it tolerates any), but value is "
+                             f"{self.value!r}")
+        if self.key is None and self.operator != "Exists":
+            raise ValueError("tolerations: a toleration without a key must have operator Exists (it tolerates "
+                             "every taint)")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerations: tolerationSeconds needs effect NoExecute (Kubernetes refuses it "
+                             "otherwise)")
+        return self
+
+    def tolerates(self, taint: dict[str, Any]) -> bool:
+        """Whether it tolerates ``taint`` (a Node's ``spec.taints`` entry), as the Kubernetes scheduler
+        decides."""
+        if self.effect is not None and self.effect != taint.get("effect"):
+            return False
+        if self.key is not None and self.key != taint.get("key"):
+            return False
+        return self.operator == "Exists" or (self.value or "") == (taint.get("value") or "")
+
+    def manifest(self) -> dict[str, Any]:
+        """As a Pod's ``spec.tolerations`` entry."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class KubernetesAdapterConfig(Spec):
     """A Kubernetes cluster (``adapters.kubernetes``): GPUs from its Nodes, jobs as batch/v1 Jobs in the tenant's
     namespace (``namespace_prefix`` + tenant), quotas mirrored as ResourceQuota objects."""
@@ -215,6 +256,14 @@ class KubernetesAdapterConfig(Spec):
         description="a job the broker stops to move it, or the site preempts for its quotas, is reported stopped "
                     "once its Pods are gone, or after this long (their terminationGracePeriodSeconds, in which they "
                     "write a checkpoint, should be shorter)")
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        description="copied into each job's Pod; a Node with a NoSchedule or NoExecute taint none of them "
+                    "tolerates is left out of the site's capacity (its Pods could not go there)")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node labels each job's Pod must have (its nodeSelector); Nodes without them are left out of "
+                    "the site's capacity")
 
 
 class MqttSettings(Spec):

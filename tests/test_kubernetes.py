@@ -147,6 +147,52 @@ async def test_capacity_counts_whole_gpus_and_mig_slices_of_usable_nodes(kube: K
     assert "cordoned is cordoned" in left_out
 
 
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(("settings", "counted", "why"), [
+    ({}, 8, "node a100-1 is tainted nvidia.com/gpu=present:NoSchedule, which no toleration of adapter.tolerations"),
+    ({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}, 16, None),
+    ({"tolerations": [{"key": "nvidia.com/gpu", "value": "present"}]}, 16, None),
+    ({"tolerations": [{"key": "nvidia.com/gpu", "value": "absent"}]}, 8, "tainted nvidia.com/gpu=present"),
+    ({"tolerations": [{"operator": "Exists"}], "node_selector": {"pool": "training"}}, 8,
+     "node a100-0 has no label pool=training (adapter.node_selector)"),
+], ids=["a node tainted NoSchedule is left out when nothing tolerates the taint",
+        "an Exists toleration of the key counts it", "an Equal toleration of its value counts it",
+        "a toleration of another value does not",
+        "a node without the node_selector's labels is left out"])
+async def test_tainted_nodes_count_only_when_the_jobs_pods_tolerate_them(
+        cluster: kmock.KubernetesEmulator, settings: dict[str, Any], counted: int, why: str | None) -> None:
+    tainted = node("a100-1", "NVIDIA-A100-SXM4-80GB", gpus=8, taints=[GPU_TAINT])
+    tainted["metadata"]["labels"]["pool"] = "training"
+    cluster.objects[NODES, None, "a100-1"] = tainted
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2, **settings)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    await adapter.start()
+    try:
+        assert (await adapter.snapshot()).capacity[0].free_gpus == counted
+        assert why is None or why in " | ".join(adapter.left_out)
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        pod = jobs(cluster)[("heliotrope-t1", job_name("j-1", 1))]["spec"]["template"]["spec"]
+        assert pod.get("tolerations", []) == [{"operator": "Equal"} | t for t in settings.get("tolerations", [])]
+        assert pod.get("nodeSelector", {}) == settings.get("node_selector", {})
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize(("toleration", "message"), [
+    ({"key": "a", "operator": "Exists", "value": "b"}, "operator Exists takes no value"),
+    ({"value": "b"}, "a toleration without a key must have operator Exists"),
+    ({"key": "a", "effect": "NoSchedule", "tolerationSeconds": 60}, "tolerationSeconds needs effect NoExecute"),
+    ({"key": "a", "effect": "Sometimes"}, "effect"),
+    ({"key": "a", "tolerationseconds": 60}, "tolerationseconds"),
+], ids=["Exists with a value", "no key without Exists", "tolerationSeconds without NoExecute",
+        "an effect Kubernetes does not have", "a misspelt field"])
+def test_a_toleration_kubernetes_would_refuse_is_refused_in_the_config(toleration: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KubernetesAdapterConfig(tolerations=[toleration])
+
+
 async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster: kmock.KubernetesEmulator) -> None:
     for name in ("a100-0", "a100-1", "mig-0"):
         del cluster.objects[NODES, None, name]
