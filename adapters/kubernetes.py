@@ -2,7 +2,10 @@
 
 - Capacity: read from the Nodes. Whole GPUs are ``nvidia.com/gpu`` allocatable; MIG slices are the
   ``nvidia.com/mig-<profile>`` allocatable of the device plugin's mixed strategy (a node's MIG GPUs are
-  ``nvidia.com/gpu.count`` minus its whole GPUs, else its slices' compute slices / 7, rounded up). The model comes
+  ``nvidia.com/gpu.count`` minus its whole GPUs, else its slices' compute slices / 7, rounded up). Under the
+  single strategy (label ``nvidia.com/mig.strategy=single``, product label ``<GPU>-MIG-<profile>``) a Node's
+  ``nvidia.com/gpu`` are MIG slices of that profile, on the fewest GPUs that hold them, and no whole GPUs; a
+  job asking that profile there asks ``nvidia.com/gpu`` for its slices (see ``job_manifest``). The model comes
   from NVIDIA GPU feature discovery's ``nvidia.com/gpu.product`` label, mapped to the canonical ids
   (``broker.ids``); a node whose product is missing or unknown, that is cordoned or not Ready, that lacks a label
   of ``node_selector``, or that has a NoSchedule or NoExecute taint none of ``tolerations`` tolerates, is left out
@@ -191,7 +194,10 @@ class KubernetesSite:
         self._own_api = api_client is None
         self._admission: SiteAdmission | None = None
         self._groups: list[NodeGroup] = []
-        self._products: dict[str, set[str]] = {}  # model -> product label values seen
+        # (model, profile of a single-strategy node or None) -> product label values seen
+        self._products: dict[tuple[str, str | None], set[str]] = {}
+        self._single: dict[str, str] = {}  # Node of the single MIG strategy -> the profile it advertises as GPUs
+        self._single_inv: set[str] = set()  # those Nodes' names in the inventory
         self._node_map: dict[str, list[str]] = {}  # Node -> its names in the inventory
         self._node_model: dict[str, str] = {}
         self._foreign: dict[str, tuple[str, GpuRequest]] = {}  # Pods outside this site: id -> (Node, GPUs)
@@ -326,7 +332,8 @@ class KubernetesSite:
         self.left_out = left_out
         self._products = {}
         for n in nodes:
-            self._products.setdefault(n.model, set()).add(n.product)
+            self._products.setdefault((n.model, n.single), set()).add(n.product)
+        self._single = {n.name: n.single for n in nodes if n.single is not None}
         await self._read_pods()
         groups = node_groups(nodes)
         if groups == self._groups and self._admission is not None:
@@ -334,6 +341,7 @@ class KubernetesSite:
             return
         self._groups = groups
         self._node_map = inventory_nodes(nodes)
+        self._single_inv = {inv for node in self._single for inv in self._node_map.get(node, ())}
         self._node_model = {n.name: n.model for n in nodes}
         self._foreign_held = {}
         if not groups:
@@ -422,6 +430,8 @@ class KubernetesSite:
             model = self._node_model.get(node)
             if pod_id in self._foreign_held or model is None:
                 continue
+            if req.mig_profile is None and node in self._single:  # its nvidia.com/gpu are MIG slices
+                req = GpuRequest(count=req.count, mig_profile=self._single[node])
             placement = place_on(inventory, req, model, self._node_map.get(node, ()), partial=True)
             if placement is None or len(placement.slots) < req.count:
                 log.warning("site %s: Pod %s holds %s on Node %s, where the ledger has %s free", self.name,
@@ -581,7 +591,8 @@ class KubernetesSite:
                     return Admission.rejected(decision.reason)
                 # The Job first: a cluster that refuses it (no namespace, RBAC, an admission webhook) must not
                 # have its victims stopped for nothing. Its Pod waits in the cluster until their GPUs are free.
-                admission = await self._create_job(job, namespace, decision.placement.model)
+                single = any(slot.node in self._single_inv for slot in decision.placement.slots)
+                admission = await self._create_job(job, namespace, decision.placement.model, single)
                 if not admission.admitted:
                     return admission
                 for victim in decision.victims:
@@ -606,13 +617,18 @@ class KubernetesSite:
                 return None
             raise AdapterError(f"site {self.name}: reading Job {namespace}/{name} failed ({e.status})") from e
 
-    def job_manifest(self, job: Job, namespace: str, model: str) -> dict[str, Any]:
+    def job_manifest(self, job: Job, namespace: str, model: str, single: bool = False) -> dict[str, Any]:
+        """The Job for an attempt on GPUs of ``model``. ``single``: its MIG slices are on Nodes of the device
+        plugin's single strategy, which advertise them as ``nvidia.com/gpu`` (its affinity is to those Nodes'
+        product labels); else it asks ``nvidia.com/gpu`` or ``nvidia.com/mig-<profile>`` on Nodes of the
+        model's plain product label."""
         labels = {SITE_LABEL: _label_value(self.name), JOB_LABEL: _label_value(job.id),
                   ATTEMPT_LABEL: str(job.attempt), TENANT_LABEL: job.spec.tenant}
         annotations = {JOB_ANNOTATION: job.id, ASK_ANNOTATION: json.dumps({
             "priority": job.spec.priority, "preemptible": job.spec.preemptible, "min_run_s": job.spec.min_run_s,
             "checkpointable": job.spec.checkpointable})}
-        resources = gpu_resources(job.spec.gpus)
+        profile = job.spec.gpus.mig_profile if single else None
+        resources = {GPU: str(job.spec.gpus.count)} if profile is not None else gpu_resources(job.spec.gpus)
         container: dict[str, Any] = {
             "name": "job", "image": self.config.image,
             "resources": {"limits": resources, "requests": dict(resources)},
@@ -621,7 +637,7 @@ class KubernetesSite:
         }
         if self.config.command:
             container["command"] = list(self.config.command)
-        products = sorted(self._products.get(model, ()))
+        products = sorted(self._products.get((model, profile), ()))
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
         if self.config.tolerations:
             pod_spec["tolerations"] = [t.manifest() for t in self.config.tolerations]
@@ -639,8 +655,8 @@ class KubernetesSite:
                 "metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}},
         }
 
-    async def _create_job(self, job: Job, namespace: str, model: str) -> Admission:
-        manifest = self.job_manifest(job, namespace, model)
+    async def _create_job(self, job: Job, namespace: str, model: str, single: bool = False) -> Admission:
+        manifest = self.job_manifest(job, namespace, model, single)
         try:
             await self._json("creating a Job", self._batch.create_namespaced_job_without_preload_content,
                              namespace, manifest)

@@ -32,6 +32,7 @@ MIG_PREFIX = "nvidia.com/mig-"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 COUNT_LABEL = "nvidia.com/gpu.count"
 MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB
+STRATEGY_LABEL = "nvidia.com/mig.strategy"  # "single": MIG slices of one profile, advertised as nvidia.com/gpu
 JOB_LABEL = "heliotrope.io/job-id"
 ATTEMPT_LABEL = "heliotrope.io/attempt"
 JOB_ANNOTATION = "heliotrope.io/job-id"  # the full id (a label value is at most 63 characters)
@@ -44,9 +45,18 @@ def product_model(product: str) -> str:
     return ids.gpu_model(re.sub(r"-MIG-.*$", "", product, flags=re.IGNORECASE))
 
 
+def single_profile(product: str) -> str | None:
+    """The MIG profile of a product label of the single MIG strategy (``NVIDIA-A100-SXM4-40GB-MIG-1g.5gb``
+    → ``1g.5gb``); None for a whole GPU's label."""
+    match = re.search(r"-MIG-(.+)$", product, flags=re.IGNORECASE)
+    return match.group(1).lower() if match else None
+
+
 @dataclass(frozen=True, slots=True)
 class NodeGpus:
-    """What one Node offers: ``gpus`` whole GPUs, ``mig_gpus`` GPUs in MIG mode serving ``mig`` slices."""
+    """What one Node offers: ``gpus`` whole GPUs, ``mig_gpus`` GPUs in MIG mode serving ``mig`` slices.
+    ``single``: under the device plugin's single MIG strategy, the profile whose slices it advertises as
+    ``nvidia.com/gpu`` (so a Pod asks ``nvidia.com/gpu`` for them); None otherwise."""
 
     name: str
     model: str
@@ -55,6 +65,7 @@ class NodeGpus:
     mig_gpus: int
     mig: dict[str, int]
     memory_gib: float | None
+    single: str | None = None
 
 
 def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
@@ -99,13 +110,28 @@ def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
         model = product_model(product)
     except ids.UnknownIdentifier as e:
         return f"node {name}: {e}"
+    memory_mib = labels.get(MEMORY_LABEL)
+    memory_gib = round(int(memory_mib) / 1024, 1) if memory_mib and memory_mib.isdigit() else None
+    single = single_profile(product)
+    if single is not None or (labels.get(STRATEGY_LABEL) == "single" and gpus):
+        # The single strategy: each nvidia.com/gpu is a MIG slice of the product label's profile, the count
+        # and memory labels are the slices', and the physical GPUs are the fewest that hold those slices.
+        if single is None:
+            return f"node {name} uses the single MIG strategy, but its {PRODUCT_LABEL} label {product} names no profile"
+        try:
+            slices = mig_slices(single)
+        except ValueError:
+            return (f"node {name}: its {PRODUCT_LABEL} label {product} names MIG profile {single}, which "
+                    "heliotrope does not know")
+        if mig:
+            return f"node {name} advertises MIG slices both as {GPU} (single strategy) and as {MIG_PREFIX}*"
+        return NodeGpus(name, model, product, 0, max(math.ceil(slices * gpus / MIG_SLICES_PER_GPU), 1),
+                        {single: gpus}, None, single)
     mig_gpus = 0
     if mig:
         counted = int(labels.get(COUNT_LABEL, "0") or 0) - gpus
         needed = math.ceil(sum(mig_slices(p) * n for p, n in mig.items()) / 7)
         mig_gpus = max(counted, needed, 1)
-    memory_mib = labels.get(MEMORY_LABEL)
-    memory_gib = round(int(memory_mib) / 1024, 1) if memory_mib and memory_mib.isdigit() else None
     return NodeGpus(name, model, product, gpus, mig_gpus, mig, memory_gib)
 
 
@@ -237,6 +263,8 @@ def job_ask(obj: dict[str, Any], key: str, tenant: str) -> tuple[GpuRequest, Ask
     if req is None or model is None:
         return (f"Job {meta.get('namespace')}/{meta.get('name')} has no GPU limits or {PRODUCT_LABEL} affinity "
                 "that heliotrope reads")
+    if req.mig_profile is None and (profile := single_profile(products[0])) is not None:
+        req = GpuRequest(count=req.count, mig_profile=profile)  # slices of a single-strategy node
     try:
         extra = json.loads((meta.get("annotations") or {}).get(ASK_ANNOTATION, "{}"))
     except ValueError:

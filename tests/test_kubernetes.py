@@ -193,6 +193,41 @@ def test_a_toleration_kubernetes_would_refuse_is_refused_in_the_config(toleratio
         KubernetesAdapterConfig(tolerations=[toleration])
 
 
+async def test_slices_of_the_single_mig_strategy_are_counted_and_asked_for_as_slices(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # What GPU feature discovery and the device plugin publish under `migStrategy: single` for one A100-40GB
+    # split into seven 1g.5gb slices: seven nvidia.com/gpu, each a slice, not a whole GPU.
+    single = node("single-mig", "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", gpus=7, gpu_count=7)
+    single["metadata"]["labels"] |= {"nvidia.com/gpu.memory": "4864", "nvidia.com/mig.strategy": "single"}
+    cluster.objects[NODES, None, "single-mig"] = single
+    adapter = make_site(cluster)
+    await adapter.start()
+    try:
+        a100_40 = {c.model: c for c in (await adapter.snapshot()).capacity}["a100-40gb"]
+        assert (a100_40.total_gpus, a100_40.free_gpus, a100_40.mig_free_slices) == (1, 0, {"1g.5gb": 7})
+        whole = await adapter.submit(attempt("j-1", count=1, model="a100-40gb"))
+        assert not whole.admitted  # there is no whole A100-40GB to give
+        whole_80 = await adapter.submit(attempt("j-2", count=1, model="a100-80gb"))
+        assert whole_80.admitted
+        spec = job().model_copy(update={"gpus": GpuRequest(count=2, model="a100-40gb", mig_profile="1g.5gb")})
+        assert (await adapter.submit(Job(id="m-1", spec=spec, attempt=1, created_at=NOW, updated_at=NOW))).admitted
+        for name, resource, product in [("m-1", "nvidia.com/gpu", "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"),
+                                        ("j-2", "nvidia.com/gpu", "NVIDIA-A100-SXM4-80GB")]:
+            pod = jobs(cluster)[("heliotrope-t1", job_name(name, 1))]["spec"]["template"]["spec"]
+            assert pod["containers"][0]["resources"]["limits"] == {resource: "2" if name == "m-1" else "1"}
+            term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == [product]
+    finally:
+        await adapter.close()
+    restarted = make_site(cluster)  # the Job asks nvidia.com/gpu, but it is read back as two slices
+    await restarted.start()
+    try:
+        a100_40 = {c.model: c for c in (await restarted.snapshot()).capacity}["a100-40gb"]
+        assert a100_40.mig_free_slices == {"1g.5gb": 5}
+    finally:
+        await restarted.close()
+
+
 async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster: kmock.KubernetesEmulator) -> None:
     for name in ("a100-0", "a100-1", "mig-0"):
         del cluster.objects[NODES, None, name]
