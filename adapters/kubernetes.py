@@ -35,15 +35,15 @@
   once. Cancel deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job with
   a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with the Job's
-  reason; a Job deleted by someone else → ``lost``. Each watch lists first and watches from the list's
-  resourceVersion; after an error, its 300 s timeout or 410 Gone it lists again, and reconciles: an attempt whose
-  Job is gone from the list (deleted while no watch ran) is ``lost``, a stopping one whose Pods are gone is
-  stopped. A stop (``preempt``, or the site's own preemption) deletes the Job and is reported ``preempted`` once
-  its last Pod has gone (or after ``stop_wait_s``); Pods found at start without their Job are such a stop, begun
-  before this adapter: known, their GPUs held, reported the same way. Each stop is kept in ``state_dir``
-  (``stops.json``, :class:`adapters.site_state.StopJournal`) until the broker has taken its event, so one whose
-  Pods went while no adapter ran (the broker restarting) is reported by the next adapter, with its run up to the
-  stop, rather than taken for a lost attempt.
+  reason; a Job deleted by someone else → ``lost``. Each time a watch (re)connects (after an error, its 300 s
+  timeout or 410 Gone) it lists the Jobs or Pods and reconciles: an attempt whose Job is gone from the list
+  (deleted while no watch ran) is ``lost``, a stopping one whose Pods are gone is stopped. A stop (``preempt``, or
+  the site's own preemption) deletes the Job and is reported ``preempted`` once its last Pod has gone (or after
+  ``stop_wait_s``); Pods found at start without their Job are such a stop, begun before this adapter: known, their
+  GPUs held, reported the same way. Each stop is kept in ``state_dir`` (``stops.json``,
+  :class:`adapters.site_state.StopJournal`) until the broker has taken its event, so one whose Pods went while no
+  adapter ran (the broker restarting) is reported by the next adapter, with its run up to the stop, rather than
+  taken for a lost attempt.
 - Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
   are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
@@ -825,21 +825,23 @@ class KubernetesSite:
             self._journal.remove((event.job_id, event.attempt))
 
     async def _watch(self, kind: str) -> None:
-        """Follow Jobs or Pods of this site. Each (re)connect first lists them and reconciles what it knows
-        with the list (``_resync``): what changed while no watch ran (a Job deleted during an API server
-        restart, a stopped attempt's Pods gone) is reported then. The watch then starts from the list's
-        resourceVersion; when it ends (the server's 300 s timeout, an error, 410 Gone) it lists again."""
+        """Follow Jobs or Pods of this site. Each (re)connect opens the watch, then lists them and reconciles
+        what it knows with the list (``_resync``): what changed while no watch ran (a Job deleted during an API
+        server restart, a stopped attempt's Pods gone) is reported then, and what changes during the list is in
+        the stream, read next (the watch starts with the objects as they are, then their changes; the events
+        are idempotent). When the stream ends (the server's 300 s timeout, an error, an ERROR event such as 410
+        Gone) it reconnects and lists again."""
         watch = (self._batch.list_job_for_all_namespaces_without_preload_content if kind == "jobs"
                  else self._core.list_pod_for_all_namespaces_without_preload_content)
         delay = 0.2
         while True:
             try:
-                version = await self._resync(kind)
                 resp = await watch(watch=True, label_selector=f"{SITE_LABEL}={_label_value(self.name)}",
-                                   resource_version=version, timeout_seconds=300, _request_timeout=330.0)
+                                   timeout_seconds=300, _request_timeout=330.0)
                 try:
                     if resp.status >= 400:
                         raise k8s.ApiException(status=resp.status, reason=(await resp.text())[:300])
+                    await self._resync(kind)
                     delay = 0.2
                     while line := await resp.content.readline():
                         if not line.strip():
@@ -858,11 +860,11 @@ class KubernetesSite:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
 
-    async def _resync(self, kind: str) -> str | None:
+    async def _resync(self, kind: str) -> None:
         """List this site's Jobs or Pods, treat each as the watch would, and reconcile the attempts known here
         with the list: one whose Job has gone (deleted outside heliotrope while no watch ran) is ``lost``; a
         stopping one whose Pods have all gone is stopped. Under the lock that admission holds, so a Job being
-        created is not taken for a gone one. Returns the list's resourceVersion, to watch from."""
+        created is not taken for a gone one."""
         fn = (self._batch.list_job_for_all_namespaces_without_preload_content if kind == "jobs"
               else self._core.list_pod_for_all_namespaces_without_preload_content)
         async with self._lock:
@@ -886,7 +888,6 @@ class KubernetesSite:
                     self._gone(key, known.namespace, job_name(*key))
             for obj in items:
                 self._on_watch_event(kind, {"type": "ADDED", "object": obj})
-        return (data.get("metadata") or {}).get("resourceVersion") or None
 
     def _gone(self, key: tuple[str, int], namespace: str, name: str) -> None:
         """An attempt's Job was deleted, not by heliotrope: ``lost``."""
