@@ -171,7 +171,9 @@ class FairSharePolicy(Spec):
     priority-then-arrival order with quota limits and reclaim of guarantees only."""
 
     mode: Literal["time", "instant", "off"] = "time"
-    window_h: float = Field(default=24.0, gt=0, le=24 * 90, description="usage older than this is forgotten")
+    window_h: float = Field(default=24.0, gt=0, le=24 * 90,
+                            description="usage older than this is forgotten (counted in whole reweight_h "
+                                        "periods; at least the last one)")
     reweight_h: float = Field(default=1.0, gt=0, le=24 * 7, description="how often shares are recomputed")
     half_life_h: float = Field(default=6.0, gt=0, le=24 * 90, description="usage this old counts half")
     k: float = Field(default=1.0, ge=0, le=100, description="how strongly past usage moves a share")

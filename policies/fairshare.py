@@ -148,10 +148,12 @@ class UsageLedger:
                 into[i] = into.get(i, 0.0) + v
 
     def factors(self, epoch: int) -> dict[int, float]:
-        """Decay factor per bucket index counted at the boundary ``epoch × bucket_s``."""
+        """Decay factor per bucket index counted at the boundary ``epoch × bucket_s``: the buckets whose middle
+        lies within the window, and at least the last one (a window shorter than half a bucket would count
+        no usage at all, and keep every bucket)."""
         r = self.bucket_s
         boundary = epoch * r
-        first = math.ceil((boundary - self.window_s) / r - 0.5)
+        first = min(math.ceil((boundary - self.window_s) / r - 0.5), epoch - 1)
         return {i: 0.5 ** ((boundary - (i + 0.5) * r) / self.half_life_s) for i in range(first, epoch)}
 
     def decayed(self, factors: dict[int, float]) -> dict[Hashable, float]:

@@ -221,6 +221,18 @@ def test_the_share_gap_from_yesterday_fades_as_the_window_passes() -> None:
     assert gaps[24] == pytest.approx(0, abs=1e-6) and gaps[25] == pytest.approx(0, abs=1e-6)
 
 
+@pytest.mark.parametrize("window_h", [0.25, 0.5, 1.0])
+def test_a_window_shorter_than_a_reweight_counts_the_last_one(window_h) -> None:
+    # window_h 0.25 with hourly reweights used to count no usage at all (time mode acting as instant) and
+    # keep every hour's usage for ever
+    policy = FairSharePolicy(mode="time", window_h=window_h, reweight_h=1, half_life_h=1)
+    site = Site([quota("a", 0, 16), quota("b", 0, 16)], gpus=16, policy=policy)
+    site.run(ask("a0", "a", 16))
+    site.advance(10 * H)
+    assert site.book.fair_shares(site.now, {"a": 16, "b": 16}) == {"a": 0, "b": 16}  # a had the last hour
+    assert len(site.book._ledger._buckets[("a", None)]) == 1
+
+
 def test_shares_stay_fixed_between_reweights_however_usage_moves() -> None:
     site = Site([quota("a", 0, 64), quota("b", 0, 64)], gpus=64)
     site.run(ask("a0", "a", 64))
