@@ -14,11 +14,12 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 from datetime import datetime
 
 import numpy as np
 
-from adapters.base import QuotaAdmin, SiteAdapter
+from adapters.base import AdapterError, QuotaAdmin, SiteAdapter
 from broker.clock import Clock
 from broker.models import Health, SiteSpec, SiteState
 from broker.providers.prices import PriceProvider
@@ -50,6 +51,26 @@ class Member:
 def not_started(error: Exception) -> str:
     """A site's health reason while its adapter cannot start."""
     return f"its adapter could not start: {error}"
+
+
+class Unbuilt:
+    """Stands for a site's adapter that could not even be made (the adapter's constructor raised: a state
+    folder that cannot be read, say), so that a stored site joins unhealthy like one whose adapter cannot
+    start, and the broker still serves the others. It cannot start; every other call fails as the site's."""
+
+    def __init__(self, site: str, error: Exception) -> None:
+        self.site, self.error = site, error
+
+    async def start(self) -> None:
+        raise self.error
+
+    async def close(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        async def fail(*args: Any, **kwargs: Any) -> Any:
+            raise AdapterError(f"site {self.site}: {not_started(self.error)}")
+        return fail
 
 
 def needs_rebuild(old: SiteSpec, new: SiteSpec) -> bool:
@@ -95,7 +116,12 @@ class Federation:
         every collect tries to start the adapter again."""
         if spec.name in self.members:
             raise KeyError(spec.name)
-        adapter = self._factory(spec)
+        try:
+            adapter = self._factory(spec)
+        except Exception as e:
+            if not tolerate_failure:
+                raise
+            adapter = Unbuilt(spec.name, e)  # (its start fails below, with this error)
         try:
             await adapter.start()
         except Exception as e:
@@ -197,7 +223,10 @@ class Federation:
             member.start_tried_at = now
             with contextlib.suppress(Exception):
                 await member.adapter.close()
-            member.adapter = self._factory(member.spec)  # a fresh one: credentials and clients read anew
+            try:
+                member.adapter = self._factory(member.spec)  # a fresh one: credentials and clients read anew
+            except Exception as e:  # it cannot even be made: unhealthy, and tried again as one that cannot start
+                member.adapter = Unbuilt(member.spec.name, e)
         try:
             async with asyncio.timeout(self.collect_timeout_s):
                 if not member.started:

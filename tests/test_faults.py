@@ -553,3 +553,37 @@ async def test_a_site_whose_adapter_starts_late_runs_jobs_and_its_events_reach_t
         assert len(made) >= 2 and b.federation.get("late").adapter is made[-1]
     finally:
         await b.stop()
+
+
+async def test_a_site_whose_adapter_cannot_even_be_made_leaves_the_broker_serving_and_joins_when_it_can(
+        tmp_path: Path) -> None:
+    """Making the adapter of a stored site fails (its constructor raises: a state folder that cannot be read,
+    say). The broker still starts, serves the other site, shows the failing one unhealthy with the reason,
+    and takes it in once a later collect can make its adapter."""
+    from broker.clock import SystemClock
+
+    tries: list[str] = []
+
+    def factory(spec):  # noqa: ANN001, ANN202
+        if spec.name == "broken":
+            tries.append(spec.name)
+            if len(tries) < 3:
+                raise OSError(f"cannot read {tmp_path / 'sites' / 'broken'}: permission denied")
+        return SimulatedSite(spec, SystemClock(), state_dir=str(tmp_path / "sites"))
+
+    fast = SimulatedAdapterConfig(dispatch_delay_s=0.01)
+    b = Broker(BrokerSettings(db=str(tmp_path / "b.db"), cycle_interval_s=0.05, shutdown_grace_s=0.5), factory=factory)
+    b.federation.restart_after_s = 0.1
+    await b.start([site("ok", adapter=fast), site("broken", adapter=fast)])
+    try:
+        reason = b.federation.get("broken").public_state().reason or ""
+        assert "could not start: cannot read" in reason and "permission denied" in reason
+        j, _ = await b.book.submit(job(count=1, duration_s=0.1))
+        for _ in range(200):
+            if (await b.book.get(j.id)).state == JobState.SUCCEEDED and b.federation.get("broken").started:
+                break
+            await asyncio.sleep(0.05)
+        assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
+        assert b.federation.get("broken").started and len(tries) == 3
+    finally:
+        await b.stop()
