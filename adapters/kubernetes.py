@@ -47,7 +47,9 @@
 - Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
   are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
-  expressible there, and are annotated only).
+  expressible there, and are annotated only). Where Nodes of the single MIG strategy advertise slices as
+  ``nvidia.com/gpu``, one GPU of the limit may be seven such slices, so the mirror's limit is seven times
+  guarantee + burst there (a bound the site's own admission keeps within, not the limit itself).
 - Every API call has a timeout (``request_timeout_s``) and is retried (``retries``, exponential back-off) on
   connection errors, 429 and 5xx; what still fails raises ``AdapterError``.
 
@@ -115,6 +117,7 @@ from broker.models import (
     TenantQuota,
 )
 from policies.admission import Admitted, SiteAdmission
+from policies.inventory import MIG_SLICES_PER_GPU
 from policies.quota import Ask
 
 log = logging.getLogger(__name__)
@@ -600,6 +603,9 @@ class KubernetesSite:
                                                 f"{decision.reason}")
             attempt = self._attempts.setdefault(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
             attempt.job, attempt.has_job = job, True
+            if attempt.done:  # its Job ended while the victims were being stopped (the watch reported it):
+                attempt.admitted = True  # nothing of it is left to hold in the ledgers
+                return Admission.ok()
             if isinstance(decision, Admitted):
                 attempt.req, attempt.ask, attempt.started = _as_pod(job).spec.gpus, decision.ask, now
             if isinstance(decision, Admitted) and (existing is None or not decision.victims):
@@ -989,7 +995,8 @@ class KubernetesSite:
                          "annotations": {"heliotrope.io/guaranteed-gpus": str(quota.guaranteed_gpus),
                                          "heliotrope.io/burst-gpus": str(quota.burst_gpus),
                                          "heliotrope.io/model": quota.model or "any"}},
-            "spec": {"hard": {f"requests.{GPU}": str(quota.guaranteed_gpus + quota.burst_gpus)}},
+            "spec": {"hard": {f"requests.{GPU}": str((quota.guaranteed_gpus + quota.burst_gpus)
+                                                     * (MIG_SLICES_PER_GPU if self._single else 1))}},
         }
 
     async def _mirror_quota(self, quota: TenantQuota) -> None:

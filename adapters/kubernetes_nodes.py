@@ -125,8 +125,12 @@ def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
                     "heliotrope does not know")
         if mig:
             return f"node {name} advertises MIG slices both as {GPU} (single strategy) and as {MIG_PREFIX}*"
-        return NodeGpus(name, model, product, 0, max(math.ceil(slices * gpus / MIG_SLICES_PER_GPU), 1),
-                        {single: gpus}, None, single)
+        # As many of the profile as fit one GPU, in compute slices and in memory, as the inventory places them
+        # (an A100 40GB holds seven 1g.5gb, three 2g.10gb, two 3g.20gb, one 4g.20gb)
+        profile = MigProfile.parse(single)
+        per_gpu = max(min(MIG_SLICES_PER_GPU // slices,
+                          int(ids.GPU_MODEL_BY_ID[model].memory_gib * 1024 * 1024 // profile.memory_kib)), 1)
+        return NodeGpus(name, model, product, 0, max(math.ceil(gpus / per_gpu), 1), {single: gpus}, None, single)
     mig_gpus = 0
     if mig:
         counted = int(labels.get(COUNT_LABEL, "0") or 0) - gpus

@@ -223,8 +223,14 @@ class QuotaBook:
 
     def set_quota(self, quota: TenantQuota, now: float) -> None:
         """An operator's change (or a new tenant). Running jobs keep running, even above a lowered limit.
-        ValueError (:meth:`check`) for a quota asking for GPUs the site does not have."""
-        self.check(quota)
+        Where it asks for GPUs the site does not have now (:meth:`check`, which the API and the simulated site
+        apply before they keep a change), it is logged and its guarantee counts what the site has, as for a
+        stored quota: a cluster's GPUs come and go with its Nodes (a cordoned one), and a change checked
+        against the site's spec must not fail half made."""
+        beyond = quota.beyond(self._capacity)
+        if beyond is not None:
+            log.warning("tenant %s's quota asks for GPUs this site does not have now (%s: %s); its guarantee counts "
+                        "as %s GPUs, what the site has of it", quota.tenant, *beyond, _n(self._pool_gpus(quota.model)))
         now = self._clock(now)
         old = self._quotas.get(quota.tenant)
         self._quotas[quota.tenant] = quota

@@ -21,6 +21,7 @@ from kubernetes.aio import client as k8s
 
 from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
+from adapters.kubernetes_nodes import read_node
 from broker.clock import SystemClock
 from broker.models import GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
 from tests.builders import NOW, job, site
@@ -226,6 +227,35 @@ async def test_slices_of_the_single_mig_strategy_are_counted_and_asked_for_as_sl
         assert a100_40.mig_free_slices == {"1g.5gb": 5}
     finally:
         await restarted.close()
+
+
+@pytest.mark.parametrize(("profile", "slices", "gpus"), [
+    ("1g.5gb", 56, 8), ("2g.10gb", 24, 8), ("3g.20gb", 16, 8), ("4g.20gb", 8, 8), ("7g.40gb", 8, 8), ("2g.10gb", 4, 2),
+])
+def test_a_single_strategy_node_has_as_many_gpus_as_its_slices_need(profile, slices, gpus) -> None:  # noqa: ANN001
+    # An A100 40GB holds seven 1g.5gb, three 2g.10gb, two 3g.20gb (memory: 40 GB), one 4g.20gb (compute), as
+    # the inventory places them; counting compute slices alone gave 7 GPUs for 24 2g.10gb and 5 for 8 4g.20gb.
+    labels_node = node("n", f"NVIDIA-A100-SXM4-40GB-MIG-{profile}", gpus=slices, gpu_count=slices)
+    labels_node["metadata"]["labels"]["nvidia.com/mig.strategy"] = "single"
+    found = read_node(labels_node)
+    assert not isinstance(found, str) and (found.mig_gpus, found.mig) == (gpus, {profile: slices})
+
+
+async def test_a_tenants_resource_quota_counts_slices_where_nodes_advertise_them_as_gpus(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # Under the single MIG strategy a slice job's Pod asks nvidia.com/gpu for each slice; a ResourceQuota of
+    # guarantee + burst whole GPUs would make the cluster refuse Pods the site admitted (the emulator does not
+    # enforce ResourceQuotas, so the test reads the limit the adapter mirrors).
+    single = node("single-mig", "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", gpus=7, gpu_count=7)
+    single["metadata"]["labels"] |= {"nvidia.com/gpu.memory": "4864", "nvidia.com/mig.strategy": "single"}
+    cluster.objects[NODES, None, "single-mig"] = single
+    adapter = make_site(cluster, quotas=[{"tenant": "t1", "guaranteed_gpus": 1, "burst_gpus": 1}])
+    await adapter.start()
+    try:
+        assert cluster.objects[QUOTAS, "heliotrope-t1", "heliotrope-gpus"]["spec"]["hard"] == {
+            "requests.nvidia.com/gpu": "14"}
+    finally:
+        await adapter.close()
 
 
 async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster: kmock.KubernetesEmulator) -> None:
@@ -775,6 +805,35 @@ async def test_a_job_the_cluster_refuses_preempts_nobody(
     assert state.capacity[0].free_gpus == 0 and state.running_jobs == 2  # a-1 and a-2 still hold their GPUs
     with pytest.raises(TimeoutError):  # a-2 is not preempted
         await asyncio.wait_for(anext(stream), 0.5)
+
+
+async def test_a_job_that_ends_while_its_victims_are_being_stopped_holds_nothing_after(
+        borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # b-1's Job is created first, then a-2 is stopped for it; b-1 fails while a-2's delete is in flight, and
+    # the watch reports it. The site must not then book b-1's GPUs for a job that has ended.
+    adapter, stream = borrowing
+    await a2_running(adapter, stream, cluster)
+    real = k8s.BatchV1Api.delete_namespaced_job_without_preload_content
+
+    async def slow_delete(self: Any, name: str, namespace: str, **kwargs: Any) -> Any:
+        if name == job_name("a-2", 1):
+            await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-b/jobs/{job_name('b-1', 1)}",
+                                json={"status": {"failed": 1, "conditions": [
+                                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}})
+            await asyncio.sleep(0.3)  # the watch reads the failure meanwhile
+        return await real(self, name, namespace, **kwargs)
+
+    monkeypatch.setattr(k8s.BatchV1Api, "delete_namespaced_job_without_preload_content", slow_delete)
+    assert (await adapter.submit(attempt("b-1", count=8, tenant="b"))).admitted
+    ended = await next_event(adapter, stream)
+    assert (ended.job_id, ended.kind) == ("b-1", EventKind.FAILED)
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-a/pods/{job_name('a-2', 1)}-abc")  # a-2's Pod goes
+    stopped = await next_event(adapter, stream)
+    assert (stopped.job_id, stopped.kind) == ("a-2", EventKind.PREEMPTED)
+    state = await adapter.snapshot()
+    assert state.capacity[0].free_gpus == 8 and state.running_jobs == 1  # a-1 alone
+    assert {t.tenant: t.in_use_gpus for t in state.quota.tenants} == {"a": 8.0, "b": 0.0}
 
 
 async def test_a_preemption_for_the_sites_quotas_is_reported_once_the_victims_pod_has_gone(
