@@ -92,6 +92,11 @@ RULES_BEYOND_THE_SCHEMA = [
     ("profile", r"may not be chosen by a job here|is not defined"),  # the federation's configured profiles
     ("cursor", r"not a cursor from a previous page"),  # opaque: only the server hands them out
     (r".*", r"is out of range once converted to UTC"),  # a date-time near year 1 or 9999 with an offset
+    # a Kubernetes toleration's fields together (no key needs Exists, Exists no value, seconds need NoExecute)
+    (r"adapter\.tolerations\[\d+\]", r"tolerations: "),
+    # a quota against the site's GPUs (its spec's node groups, or the site's for PUT .../quota/{tenant})
+    (r"(quotas\[\d+\]\.)?model", r"the site has no \S+ GPUs"),
+    (r"(quotas\[\d+\]\.)?guaranteed_gpus", r"is more than the site's"),
 ]
 
 
