@@ -22,9 +22,11 @@ The rules, per tenant (``broker.models.TenantQuota``)
       (capacity C is then that model's GPUs). A listed tenant's job on another model, and any job of a tenant
       the list does not name, follows ``FairSharePolicy.unlisted_tenants``: refused, or best-effort
       (guaranteed nothing, no burst limit, weight 1). A site with no quotas at all admits whatever fits.
-    - A quota naming a model the site lacks, or guaranteeing more GPUs than its pool has, is refused by
-      :meth:`~QuotaBook.set_quota` (and by the API); one the site was built with (stored by an earlier
-      release) is logged and its guarantee counts only the pool's GPUs (none for a model the site lacks).
+    - A quota naming a model the site lacks, or guaranteeing more GPUs than its pool has, is refused where
+      changes come in (the API, the simulated site: :meth:`~QuotaBook.check`); one the site was built with
+      (stored by an earlier release), or one :meth:`~QuotaBook.set_quota` is given while the site lacks those
+      GPUs (a Kubernetes Node cordoned just then), is logged and its guarantee counts only the pool's GPUs
+      (none for a model the site lacks).
 
 Preemption (when the job does not fit as things stand)
     ``policies.preemption`` chooses the victims: by reclaim (the tenant stays within its guarantee) or by
