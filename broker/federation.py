@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 from datetime import datetime
 
@@ -51,6 +52,20 @@ class Member:
 def not_started(error: Exception) -> str:
     """A site's health reason while its adapter cannot start."""
     return f"its adapter could not start: {error}"
+
+
+def without_secrets(spec: SiteSpec, text: str) -> str:
+    """``text`` (an adapter's error, shown as the site's health reason to everyone who may see the site) with
+    the site's secrets (``broker.auth.SECRET_FIELDS``: a Kubernetes site's kubeconfig path) named by their
+    field instead; the broker's log keeps the full text."""
+    from broker.auth import SECRET_FIELDS  # (auth reads the config, which builds federations)
+
+    for name in SECRET_FIELDS.get(spec.adapter.kind, ()):
+        value = getattr(spec.adapter, name, None)
+        if value:
+            for form in {str(value), str(Path(str(value)).expanduser())}:
+                text = text.replace(form, f"<adapter.{name}>")
+    return text
 
 
 class Unbuilt:
@@ -129,7 +144,7 @@ class Federation:
                 raise
             log.error("site %s: its adapter could not start (%s); the site stays unhealthy and the broker tries "
                       "again every %g s", spec.name, e, self.restart_after_s)
-            member = Member(spec, adapter, error=not_started(e), started=False,
+            member = Member(spec, adapter, error=without_secrets(spec, not_started(e)), started=False,
                             start_tried_at=self._clock.now())
             self.members[spec.name] = member
             self._base = self._site_arrays = None
@@ -161,7 +176,7 @@ class Federation:
                     await member.adapter.start()
                     member.started = True
                 except Exception as e:
-                    member.started, member.error, member.state = False, not_started(e), None
+                    member.started, member.error, member.state = False, without_secrets(old, not_started(e)), None
                 raise
             member.adapter, member.started = adapter, True
             member.state = None
@@ -236,13 +251,14 @@ class Federation:
                     self.adapter_started(member.spec.name)
                 state = await member.adapter.snapshot()
         except TimeoutError:
-            member.error = f"no report within {self.collect_timeout_s:g} s"
+            member.error = full = f"no report within {self.collect_timeout_s:g} s"
         except Exception as e:  # an adapter's failure is the site's health, not the broker's crash
-            member.error = f"report failed: {e}" if member.started else not_started(e)
+            full = f"report failed: {e}" if member.started else not_started(e)
+            member.error = without_secrets(member.spec, full)
         else:
             member.state, member.last_heard_at, member.error = state, now, None
             return
-        log.warning("site %s: %s", member.spec.name, member.error)
+        log.warning("site %s: %s", member.spec.name, full)
         # A site that does not answer takes no new work at once; what runs there stays accounted to it.
         if member.state is not None:
             member.state = member.state.model_copy(update={"health": Health.UNHEALTHY, "reason": member.error})

@@ -136,12 +136,6 @@ class Lifecycle:
                            f"({failed} of {job.spec.max_attempts} attempts failed)",
                 )
             case EventKind.PREEMPTED:
-                self.metrics.preemptions.labels(site).inc()
-                if self.book.events is not None:
-                    self.book.events.publish("preemption", {
-                        "job_id": job.id, "tenant": job.spec.tenant, "site": site, "attempt": job.attempt,
-                        "reason": ev.reason, "at": ev.at.isoformat(),
-                    }, tenant=job.spec.tenant, site=site, job_id=job.id)
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
                 # Where this attempt resumed from a checkpoint (earlier ones kept some work), its run began
                 # with a restart: up to the profile's overhead of it added no work.
@@ -151,6 +145,14 @@ class Lifecycle:
                     job.id, JobState.PREEMPTED, run_s=kept, restart_s=restart_s,
                     reason=f"preempted on {site}: {ev.reason or ''}".strip()
                 )
+                # Counted and told once the preemption is stored: a write that fails is tried again with the
+                # whole event (pump), which must not count or tell it twice (a retry finds it preempted).
+                self.metrics.preemptions.labels(site).inc()
+                if self.book.events is not None:
+                    self.book.events.publish("preemption", {
+                        "job_id": job.id, "tenant": job.spec.tenant, "site": site, "attempt": job.attempt,
+                        "reason": ev.reason, "at": ev.at.isoformat(),
+                    }, tenant=job.spec.tenant, site=site, job_id=job.id)
                 return await self.book.transition(
                     job.id, JobState.QUEUED,
                     reason="requeued after preemption" + (" from its checkpoint" if kept else ""),

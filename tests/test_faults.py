@@ -263,6 +263,32 @@ async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(t
     assert (await h.job(j.id)).state == JobState.QUEUED
 
 
+async def test_a_preemption_whose_write_is_retried_is_counted_and_told_once(tmp_path, brokers):
+    from adapters.base import EventKind, JobEvent
+
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    b = h.broker
+    j = await h.submit(duration_s=600, preemptible=True)
+    await h.cycle()
+    await h.step(1.0)
+    assert b.book.events is not None
+    sub, _, _ = b.book.events.subscribe(lambda event: event.type == "preemption")
+    before = b.metrics.preemptions.labels("alpha")._value.get()
+    restore = failing_writes(
+        b.store, lambda job: StoreError("database is locked") if job.state == JobState.PREEMPTED else None
+    )
+    ev = JobEvent(j.id, 1, EventKind.PREEMPTED, T0, reason="higher priority job")
+    with pytest.raises(StoreError):
+        await b.lifecycle.on_event("alpha", ev)  # the write of "preempted" fails: nothing happened yet
+    restore()
+    await b.lifecycle.on_event("alpha", ev)  # what the pump's retry does
+    assert (await h.job(j.id)).state == JobState.QUEUED
+    assert b.metrics.preemptions.labels("alpha")._value.get() - before == 1
+    told = [sub.queue.get_nowait() for _ in range(sub.queue.qsize())]
+    assert [e.data["job_id"] for e in told] == [j.id]
+    sub.close()
+
+
 async def test_when_the_store_can_neither_write_nor_read_memory_keeps_the_last_good_state(tmp_path, brokers):
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
     b = h.broker

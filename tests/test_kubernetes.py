@@ -955,6 +955,25 @@ async def test_a_kubeconfig_that_is_not_one_is_a_clear_error(tmp_path, text, rea
         await adapter.close()
 
 
+async def test_a_bad_kubeconfigs_path_is_not_in_the_reason_everyone_reads(tmp_path) -> None:  # noqa: ANN001
+    # The site's health reason goes to every role that may see the site, submitters included, and to its
+    # site events; the kubeconfig is a secret no one is sent (broker.auth.SECRET_FIELDS), its path included.
+    from broker.federation import Federation
+    from broker.service import adapter_factory
+
+    path = tmp_path / "team-gamma-prod-admin.kubeconfig"
+    path.write_text("- not: a kubeconfig\n")
+    spec = site("gamma", adapter=KubernetesAdapterConfig(kubeconfig=str(path), retries=1).model_dump())
+    fed = Federation(SystemClock(), adapter_factory(SystemClock()))
+    try:
+        member = await fed.add(spec, tolerate_failure=True)
+        reason = member.public_state().reason or ""
+        assert "cannot load Kubernetes credentials (<adapter.kubeconfig> holds no kubeconfig" in reason
+        assert "team-gamma-prod-admin" not in reason
+    finally:
+        await fed.close()
+
+
 # --- a cluster that cannot be reached when the broker starts ---
 
 
