@@ -551,7 +551,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=50)
     for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
         sub.add_parser(name, parents=[common], help=help_text).add_argument("id")
-    s = sub.add_parser("sites", parents=[common], help="list, show, add, remove, cordon or uncordon sites")
+    s = sub.add_parser("sites", parents=[common], help="list, get, add, remove, cordon or uncordon sites")
     acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
     acts.add_parser("list", parents=[common], help="list sites")
     acts.add_parser("get", parents=[common], help="show a site").add_argument("name")
