@@ -14,9 +14,9 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
-from datetime import datetime
 
 import numpy as np
 
