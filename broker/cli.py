@@ -436,6 +436,7 @@ async def _tokens(args: argparse.Namespace) -> str:
                         + f"\nThis is the only time it is shown; the database ({_where(db)}) keeps its SHA-256 digest."
                         + "\nUse it with --token or HELIOTROPE_TOKEN, or as 'Authorization: Bearer TOKEN'.")
             case "list":
+                records.sort(key=lambda r: (r.created_at, r.id))  # oldest first (ids are random)
                 rows = [{"id": r.id, "name": r.name, "role": r.role.value,
                          "scope": ", ".join(r.sites or r.tenants) or "-",
                          "created": f"{r.created_at:%Y-%m-%d %H:%M}",

@@ -81,6 +81,8 @@ class EventHub:
         self.recent: deque[Event] = deque(maxlen=keep)
         self.subscribers: set[Subscription] = set()
         self._next = int(time.time() * 1_000_000)
+        self._start = self._next  # ids below it were handed out before this hub (another replica, a restart)
+        self._dropped: int | None = None  # the newest id no longer held
         self.published = 0
 
     @property
@@ -95,6 +97,8 @@ class EventHub:
         event = Event(self._next, type_, data, tenant, site, job_id)
         self._next += 1
         self.published += 1
+        if len(self.recent) == self.recent.maxlen:
+            self._dropped = self.recent[0].id
         self.recent.append(event)
         for sub in tuple(self.subscribers):
             sub.offer(event)
@@ -113,7 +117,11 @@ class EventHub:
         replay: list[Event] = []
         gap = False
         if after is not None:
-            gap = bool(self.recent) and self.recent[0].id > after + 1 and after < self.last_id
+            # Some events after ``after`` are gone where this hub dropped one, or where ``after`` is an id
+            # handed out before it (they may have had more); ``after`` 0 asks for all that is held. Ids follow
+            # the clock, so a jump between held ids is no gap.
+            gap = bool(self.recent) and after < self.last_id and (
+                (self._dropped is not None and after < self._dropped) or 0 < after < self._start)
             replay = [e for e in self.recent if e.id > after and wants(e)]
         self.subscribers.add(sub)
         return sub, replay, gap

@@ -481,3 +481,14 @@ def test_the_store_keeps_only_a_digest_of_each_token(tmp_path, capsys):
     assert token.startswith(auth.TOKEN_PREFIX) and len(token) > 40
     raw = Path(db).read_bytes() + b"".join(p.read_bytes() for p in tmp_path.glob("t.db-*"))
     assert token.encode() not in raw and auth.digest(token).encode() in raw
+
+
+def test_tokens_are_listed_oldest_first(tmp_path, capsys):
+    # Token ids are random; the list reads in the order the tokens were made, as the README shows it.
+    db = str(tmp_path / "t.db")
+    names = [f"team-{i}" for i in range(6)]
+    for name in names:
+        assert main(["token", "create", "--db", db, "--role", "submitter", "--name", name, "--tenant", "t"]) == 0
+    capsys.readouterr()
+    assert main(["token", "list", "--db", db, "--json"]) == 0
+    assert [t["name"] for t in json.loads(capsys.readouterr()[0])] == names

@@ -184,6 +184,22 @@ async def test_the_held_events_are_bounded_and_a_gap_is_reported():
     assert (await stream.__anext__()).id == published[7].id
 
 
+async def test_no_gap_is_reported_where_nothing_is_gone():
+    # Ids follow the clock, so held ids jump; a client asking for everything held (Last-Event-ID 0), or
+    # resuming after a held event, is told of no gap. One resuming after an id this hub never handed out
+    # (another replica's, an earlier process') is, as events after it may be gone.
+    hub = EventHub(keep=5)
+    published = [hub.publish("site", {"n": i}) for i in range(3)]
+    for after in (0, published[0].id):
+        stream = hub.follow(lambda e: True, after=after, heartbeat_s=5)
+        first = await stream.__anext__()
+        assert first.type == "site" and first.id == (published[0].id if after == 0 else published[1].id)
+        stream.close()
+    stream = hub.follow(lambda e: True, after=hub._start - 10, heartbeat_s=5)
+    assert (await stream.__anext__()).type == "gap"
+    stream.close()
+
+
 async def test_stopping_the_server_ends_open_streams_promptly(tmp_path: Path):
     broker = Broker(BrokerSettings(db=str(tmp_path / "stop.db"), cycle_interval_s=0.05, shutdown_grace_s=1))
     await broker.start([])
