@@ -243,14 +243,19 @@ async def test_a_job_placed_on_a_site_after_it_comes_back_is_not_requeued_by_the
     assert (await h2.job(old.id)).attempt == 2  # the old one was requeued and placed again
 
 
-async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(tmp_path, brokers):
-    from adapters.base import EventKind, JobEvent
-
+async def a_preemptible_job_running(tmp_path, brokers):  # noqa: ANN001, ANN201
+    """A broker with one site running one preemptible job: (harness, broker, job)."""
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
-    b = h.broker
     j = await h.submit(duration_s=600, preemptible=True)
     await h.cycle()
     await h.step(1.0)
+    return h, h.broker, j
+
+
+async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(tmp_path, brokers):
+    from adapters.base import EventKind, JobEvent
+
+    h, b, j = await a_preemptible_job_running(tmp_path, brokers)
     restore = failing_writes(
         b.store, lambda job: StoreError("database is locked") if job.state == JobState.QUEUED else None
     )
@@ -266,11 +271,7 @@ async def test_a_half_applied_preemption_is_requeued_when_the_event_is_retried(t
 async def test_a_preemption_whose_write_is_retried_is_counted_and_told_once(tmp_path, brokers):
     from adapters.base import EventKind, JobEvent
 
-    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
-    b = h.broker
-    j = await h.submit(duration_s=600, preemptible=True)
-    await h.cycle()
-    await h.step(1.0)
+    h, b, j = await a_preemptible_job_running(tmp_path, brokers)
     assert b.book.events is not None
     sub, _, _ = b.book.events.subscribe(lambda event: event.type == "preemption")
     before = b.metrics.preemptions.labels("alpha")._value.get()
