@@ -81,7 +81,7 @@ from kubernetes.aio import config as k8s_config
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
-from adapters.quota_store import QuotaOverrides
+from adapters.quota_store import QuotaOverrides, log_beyond_site
 from adapters.site_state import StopJournal
 from adapters.kubernetes_nodes import (
     ASK_ANNOTATION,
@@ -352,6 +352,7 @@ class KubernetesSite:
             return
         spec = self.spec.model_copy(update={"gpus": groups, "usd_per_gpu_hour": {}})
         self._admission = SiteAdmission(spec, self._overrides.apply(self.spec.quotas))
+        log_beyond_site(self.name, self._admission.book)
         self._sync_foreign()  # first: those GPUs are taken, whatever heliotrope's ledgers say
         live = [a for a in self._attempts.values()
                 if not a.done and not a.released and a.req is not None and a.ask is not None]
@@ -965,6 +966,7 @@ class KubernetesSite:
         now = self._clock.now().timestamp()
         if self._admission is not None:
             self._admission.set_quota(quota, now)
+            log_beyond_site(self.name, self._admission.book)
         await self._mirror_quota(quota)
         return await self.quota()
 

@@ -23,7 +23,7 @@ from typing import Any
 from broker import ids
 from broker.models import GpuRequest, NodeGroup, Toleration, mig_slices
 from policies.quota import Ask
-from policies.inventory import MIG_SLICES_PER_GPU, MILLI_PER_GPU, Inventory, MigProfile, Placement, Slot
+from policies.inventory import KIB_PER_GIB, MIG_SLICES_PER_GPU, MILLI_PER_GPU, Inventory, MigProfile, Placement, Slot
 
 log = logging.getLogger("adapters.kubernetes")
 
@@ -129,7 +129,7 @@ def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
         # (an A100 40GB holds seven 1g.5gb, three 2g.10gb, two 3g.20gb, one 4g.20gb)
         profile = MigProfile.parse(single)
         per_gpu = max(min(MIG_SLICES_PER_GPU // slices,
-                          int(ids.GPU_MODEL_BY_ID[model].memory_gib * 1024 * 1024 // profile.memory_kib)), 1)
+                          int(ids.GPU_MODEL_BY_ID[model].memory_gib * KIB_PER_GIB // profile.memory_kib)), 1)
         return NodeGpus(name, model, product, 0, max(math.ceil(gpus / per_gpu), 1), {single: gpus}, None, single)
     mig_gpus = 0
     if mig:

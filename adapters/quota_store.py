@@ -13,6 +13,7 @@ file: which tenant was meant cannot be told. Without a path the overrides live i
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
@@ -22,6 +23,16 @@ from pydantic import AfterValidator, TypeAdapter
 from adapters.base import AdapterError
 from adapters.site_state import read_or_set_aside, write_atomically
 from broker.models import TenantQuota
+from policies.quota import QuotaBook
+
+log = logging.getLogger(__name__)
+
+
+def log_beyond_site(site: str, book: QuotaBook) -> None:
+    """Log each quota of ``book`` that asks for GPUs the site does not have (``QuotaBook.beyond_site``):
+    after a site's book is built from its quotas, and after a change reaches it."""
+    for text in book.beyond_site():
+        log.warning("site %s: %s", site, text)
 
 def _keys_name_their_tenants(overrides: dict[str, TenantQuota | None]) -> dict[str, TenantQuota | None]:
     for key, quota in overrides.items():

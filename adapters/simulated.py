@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
-from adapters.quota_store import QuotaOverrides
+from adapters.quota_store import QuotaOverrides, log_beyond_site
 from broker import ids
 from broker.clock import Clock
 from broker.models import Health, Job, QuotaState, SimulatedAdapterConfig, SiteSpec, SiteState, Telemetry, TenantQuota
@@ -74,6 +74,7 @@ class SimulatedSite:
         folder = state_dir if state_dir is not None else self.config.state_dir
         self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
         self._admission = SiteAdmission(spec, self._overrides.apply(spec.quotas))
+        log_beyond_site(self.name, self._admission.book)
         self._runs: dict[tuple[str, int], _Run] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Admission]] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}  # tombstones of cancelled attempts -> when

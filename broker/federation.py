@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from adapters.base import AdapterError, QuotaAdmin, SiteAdapter
+from broker.auth import SECRET_FIELDS
 from broker.clock import Clock
 from broker.models import Health, SiteSpec, SiteState
 from broker.providers.prices import PriceProvider
@@ -58,8 +59,6 @@ def without_secrets(spec: SiteSpec, text: str) -> str:
     """``text`` (an adapter's error, shown as the site's health reason to everyone who may see the site) with
     the site's secrets (``broker.auth.SECRET_FIELDS``: a Kubernetes site's kubeconfig path) named by their
     field instead; the broker's log keeps the full text."""
-    from broker.auth import SECRET_FIELDS  # (auth reads the config, which builds federations)
-
     for name in SECRET_FIELDS.get(spec.adapter.kind, ()):
         value = getattr(spec.adapter, name, None)
         if value:

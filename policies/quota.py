@@ -41,7 +41,6 @@ may still preempt lower-priority preemptible work.
 from __future__ import annotations
 
 import heapq
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +51,6 @@ from policies import preemption
 from policies.preemption import Fits
 
 _INF = math.inf
-log = logging.getLogger(__name__)
 
 
 def _n(x: float) -> str:
@@ -183,11 +181,7 @@ class QuotaBook:
         for q in quotas:
             if q.tenant in self._quotas:
                 raise ValueError(f"quotas: tenant {q.tenant} appears twice; give each tenant one quota per site")
-            beyond = q.beyond(self._capacity)
-            if beyond is not None:  # only a stored quota gets here (the API refuses new ones): it must still load
-                log.warning("tenant %s's quota asks for GPUs this site does not have (%s: %s); its guarantee counts "
-                            "as %s GPUs, what the site has of it", q.tenant, *beyond, _n(self._pool_gpus(q.model)))
-            self._quotas[q.tenant] = q
+            self._quotas[q.tenant] = q  # (one beyond the site is a stored one, which must still load: beyond_site)
             self._open(self._listed(q), None)
 
     def has_quota(self, tenant: str) -> bool:
@@ -226,17 +220,26 @@ class QuotaBook:
     def set_quota(self, quota: TenantQuota, now: float) -> None:
         """An operator's change (or a new tenant). Running jobs keep running, even above a lowered limit.
         Where it asks for GPUs the site does not have now (:meth:`check`, which the API and the simulated site
-        apply before they keep a change), it is logged and its guarantee counts what the site has, as for a
-        stored quota: a cluster's GPUs come and go with its Nodes (a cordoned one), and a change checked
-        against the site's spec must not fail half made."""
-        beyond = quota.beyond(self._capacity)
-        if beyond is not None:
-            log.warning("tenant %s's quota asks for GPUs this site does not have now (%s: %s); its guarantee counts "
-                        "as %s GPUs, what the site has of it", quota.tenant, *beyond, _n(self._pool_gpus(quota.model)))
+        apply before they keep a change), it is taken and its guarantee counts what the site has, as for a
+        stored quota (:meth:`beyond_site`): a cluster's GPUs come and go with its Nodes (a cordoned one), and a
+        change checked against the site's spec must not fail half made."""
         now = self._clock(now)
         old = self._quotas.get(quota.tenant)
         self._quotas[quota.tenant] = quota
         self._rehome(quota.tenant, None if old is None else old.model, quota.model, now)
+
+    def beyond_site(self) -> list[str]:
+        """Each quota asking for GPUs the site does not have (``TenantQuota.beyond``: one stored by an earlier
+        release, or set while the GPUs are away), in words; its guarantee counts only what the site has. For
+        the adapters to log: a policy keeps no log."""
+        out = []
+        for q in self._quotas.values():
+            beyond = q.beyond(self._capacity)
+            if beyond is not None:
+                out.append(f"tenant {q.tenant}'s quota asks for GPUs this site does not have ({beyond[0]}: "
+                           f"{beyond[1]}); its guarantee counts as {_n(self._pool_gpus(q.model))} GPUs, what the "
+                           "site has of it")
+        return out
 
     def check(self, quota: TenantQuota) -> None:
         """ValueError, naming the field, where ``quota`` names a model the site lacks or guarantees more GPUs

@@ -403,3 +403,18 @@ def test_in_one_pass_a_low_priority_failure_does_not_fail_an_urgent_job_of_the_s
     assert not getattr(first, "placed", False)  # nothing below priority 0 to preempt
     urgent = decider.decide(JobRequest.from_spec("b1", spec_of("b", 4, priority=5)))
     assert urgent.placed and urgent.site == 0
+
+
+def test_a_site_built_with_a_quota_for_gpus_it_lacks_logs_it_and_starts(caplog):
+    # A spec an earlier release stored (the API now refuses such a quota): the site says so in the log, once,
+    # and counts the guarantee at what it has (the book names it: QuotaBook.beyond_site).
+    from adapters.simulated import SimulatedSite
+    from broker.clock import SystemClock
+    from broker.models import SiteSpec
+
+    spec = SiteSpec.model_validate(site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16},
+                                             quotas=[{"tenant": "nlp", "guaranteed_gpus": 8, "model": "h100-80gb"}]))
+    site = SimulatedSite(spec, SystemClock())
+    assert [(t.tenant, t.guaranteed_gpus) for t in site._admission.report(0).tenants] == [("nlp", 0)]
+    assert caplog.text.count("site berlin: tenant nlp's quota asks for GPUs this site does not have "
+                             "(model: the site has no h100-80gb GPUs") == 1
