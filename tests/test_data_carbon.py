@@ -300,6 +300,34 @@ def test_a_bad_row_is_an_error_naming_the_file_and_the_row(tmp_path: Path, hour:
         load_carbon(folder)
 
 
+def test_a_quote_never_closed_is_an_error_naming_the_file_not_the_csv_modules_bare_one(tmp_path: Path) -> None:
+    # A stray quote at the start of a row runs the rest of the file into one field: in a year's file that
+    # passes the csv module's 128 KiB field limit, whose own error names no file.
+    lines = ["Datetime (UTC),Carbon Intensity gCO₂eq/kWh (direct)", '"2022-06-01 00:00:00,100']
+    lines += [f"2022-06-01 00:00:00,{k}" for k in range(20_000)]
+    folder = tmp_path / "carbon" / "DE-LU"
+    folder.mkdir(parents=True)
+    (folder / "year.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(CarbonDataError, match=r"year\.csv: not a readable CSV \(field larger than field limit"):
+        load_carbon(tmp_path / "carbon")
+
+
+def test_a_quote_never_closed_in_a_short_file_is_one_short_line_naming_the_row(tmp_path: Path) -> None:
+    folder = zone_copy(tmp_path, replace_on(utc(2022, 6, 3, 3), "2022-06-03 03:00:00", '"2022-06-03 03:00:00'))
+    with pytest.raises(CarbonDataError, match=r"DE-LU_2022-slice\.csv, row \d+: only 1 fields: \['2022-06-03 03:00") as err:
+        load_carbon(folder)
+    assert len(str(err.value)) < 300  # the row runs to the end of the file; the message quotes its start
+
+
+def test_a_file_that_is_not_utf8_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    folder = tmp_path / "carbon" / "DE-LU"
+    folder.mkdir(parents=True)
+    (folder / "latin1.csv").write_bytes("Datetime (UTC),Carbon Intensity gCO₂eq/kWh (direct)\n"
+                                        "2022-06-01 00:00:00,100 \xb5\n".encode("latin-1", errors="replace"))
+    with pytest.raises(CarbonDataError, match=r"latin1\.csv: not UTF-8 text"):
+        load_carbon(tmp_path / "carbon")
+
+
 def test_the_bad_row_is_found_in_the_life_cycle_column_when_that_is_asked_for(tmp_path: Path) -> None:
     hour = utc(2022, 6, 3, 3)
     lca = SLICE_LINES[line_of(hour) - 1].split(",")[5]

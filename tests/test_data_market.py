@@ -274,6 +274,17 @@ def test_a_malformed_latency_file_is_refused_naming_file_and_row(
         assert text in str(err.value)
 
 
+def test_a_quote_never_closed_in_a_latency_file_is_refused_naming_the_file(tmp_path: Path) -> None:
+    # The rest of the file runs into one field, past the csv module's 128 KiB limit: its own error names no file.
+    lines = LATENCY_CSV.read_text(encoding="utf-8").splitlines()
+    lines[LATENCY_FIRST_ROW] = '"' + lines[LATENCY_FIRST_ROW]
+    broken = tmp_path / "latency.csv"
+    broken.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(DataFileError) as err:
+        load_latency(broken)
+    assert str(err.value).startswith(f"{broken}: after line {LATENCY_FIRST_ROW}: not a readable CSV")
+
+
 # --- regions ------------------------------------------------------------------------------------------
 
 

@@ -75,6 +75,7 @@ _FLAT_SUFFIX = "_ci.csv"
 _HOUR = timedelta(hours=1)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MAX_LISTED = 5  # items listed per report line before "and N more"
+_MAX_ROW_SHOWN = 120  # characters of a malformed row quoted in an error
 
 # Column names, compared after _col() normalisation (lower case, CO₂ written CO2, spaces collapsed).
 _TIME_COLUMNS = ("datetime (utc)", "time", "datetime")
@@ -307,6 +308,19 @@ class _FileRows:
 
 
 def _read_file(file: Path, lifecycle: bool) -> _FileRows:
+    try:
+        return _parse_file(file, lifecycle)
+    # Neither names the file: a file saved in another encoding, or a quote left open that runs the rest of
+    # the file into one field past the csv module's limit (128 KiB).
+    except UnicodeDecodeError as exc:
+        raise CarbonDataError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8 CSV"
+                              ) from None
+    except csv.Error as exc:
+        raise CarbonDataError(f"{file}: not a readable CSV ({exc}); look for a quote that is never closed"
+                              ) from None
+
+
+def _parse_file(file: Path, lifecycle: bool) -> _FileRows:
     with file.open(newline="", encoding="utf-8-sig") as fh:
         reader = csv.reader(fh)
         header = next(reader, None)
@@ -388,7 +402,10 @@ def _raise_bad_row(file: Path, t_col: int, v_col: int) -> NoReturn:
                 continue
             line = reader.line_num
             if len(row) <= max(t_col, v_col):
-                raise CarbonDataError(f"{file}, row {line}: only {len(row)} fields: {row}")
+                # The row as read, cut short: one whose quote is never closed holds the rest of the file.
+                shown = repr(row)
+                shown = shown if len(shown) <= _MAX_ROW_SHOWN else shown[:_MAX_ROW_SHOWN] + " ..."
+                raise CarbonDataError(f"{file}, row {line}: only {len(row)} fields: {shown}")
             if _parse_one(row[t_col]) is None:
                 raise CarbonDataError(f"{file}, row {line}: {row[t_col]!r} is not a timestamp (YYYY-MM-DD HH:MM:SS)")
             raw = row[v_col]

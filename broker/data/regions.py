@@ -316,18 +316,28 @@ class RegionCarbon:
 
 
 def read_csv_rows(path: Path, required: list[str]) -> Iterator[tuple[int, dict[str, str]]]:
-    """Yield (line number, row) after checking the header has every required column. Shared by the loaders."""
+    """Yield (line number, row) after checking the header has every required column. Shared by the loaders.
+
+    A file that is not UTF-8, or whose quote is never closed (the rest of the file runs into one field past
+    the csv module's limit, 128 KiB), is a :class:`DataFileError` naming it, not the csv module's bare error."""
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        header = reader.fieldnames or []
-        missing = [c for c in required if c not in header]
-        if missing:
-            raise DataFileError(path, "line 1 (header)", f"missing column(s) {', '.join(map(repr, missing))}; "
-                                f"the header has {', '.join(map(repr, header)) or 'nothing'}")
-        for row in reader:
-            if None in row or any(v is None for v in row.values()):
-                raise DataFileError(path, f"line {reader.line_num}", f"expected {len(header)} fields")
-            yield reader.line_num, row
+        try:
+            header = reader.fieldnames or []
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise DataFileError(path, "line 1 (header)", f"missing column(s) {', '.join(map(repr, missing))}; "
+                                    f"the header has {', '.join(map(repr, header)) or 'nothing'}")
+            for row in reader:
+                if None in row or any(v is None for v in row.values()):
+                    raise DataFileError(path, f"line {reader.line_num}", f"expected {len(header)} fields")
+                yield reader.line_num, row
+        except UnicodeDecodeError as e:
+            raise DataFileError(path, f"byte {e.start}", f"not UTF-8 text ({e.reason}); save it as UTF-8 CSV") from None
+        except csv.Error as e:
+            # reader.line_num is still the last row read whole: the bad one starts after it
+            raise DataFileError(path, f"after line {reader.line_num}", f"not a readable CSV ({e}); look for a quote "
+                                "that is never closed") from None
 
 
 def csv_float(path: Path, line: int, row: Mapping[str, str], column: str, *, empty_ok: bool = False) -> float | None:
