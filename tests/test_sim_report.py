@@ -289,3 +289,17 @@ def test_cumulative_carbon_spreads_each_job_and_ends_at_the_total() -> None:
 def test_an_exact_bound_says_it_was_not_coarsened(tmp_path: Path) -> None:
     page = write_html(make_result(bound=BOUND | {"relaxation": "none"}), tmp_path).read_text(encoding="utf-8")
     assert "Relaxation: none beyond the bound" in page and "10.0 t CO2e" in page
+
+
+def test_a_small_runs_page_gives_the_bounds_in_the_tables_kilograms_not_tonnes(tmp_path: Path) -> None:
+    # A few jobs emit kilograms: the table shows them so, and the page's sentences must say the same figures
+    # (they said "0.0 t CO2e" under a table of 1.1 kg).
+    result = make_result(bound=BOUND | {"carbon_kg": 1.1319, "energy_kwh": 58.27},
+                         whole_job=WHOLE_JOB | {"carbon_kg": 1.3196})
+    result.policies["carbon-aware"].metrics |= {"carbon_kg": 2.7, "energy_kwh": 58.27}
+    result.policies["baseline-round-robin"].metrics |= {"carbon_kg": 23.7, "energy_kwh": 58.27}
+    assert row(format_table(result), "offline bound")[1] == "1.1"
+    page = write_html(result, tmp_path).read_text(encoding="utf-8")
+    assert "could emit, 1.1 kg CO2e" in page and "a lower bound on energy, 0.058 MWh" in page
+    assert "site-hour: 1.3 kg CO2e" in page
+    assert "0.0 t CO2e" not in page

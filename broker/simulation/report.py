@@ -19,7 +19,8 @@ Units
     fairness index on 0..1 with three decimals; utilisation in percent of the federation's GPU-hours.
     A figure the run did not produce is shown as "–". In the plots: intensity in g CO2e per kWh, GPUs
     busy as the hourly mean count of GPUs held (a fractional job counts ``milli / 1000``), cumulative
-    carbon in tonnes CO2e, waits in seconds on a log axis. Times are UTC.
+    carbon in the table's unit (tonnes or kilograms CO2e), waits in seconds on a log axis. The sentences of
+    the HTML page give carbon and energy in the table's units too. Times are UTC.
 
 How busy GPUs and cumulative carbon are binned
     :func:`gpus_busy_by_hour` integrates each job's GPUs over the part of each hour it ran, so an hour's
@@ -123,28 +124,41 @@ def _gap(run: PolicyRun, key: str, bound_value: float | None, value: float | Non
     return value / bound_value - 1.0
 
 
+def _runs(result: SimulationResult) -> dict[str, PolicyRun]:
+    """The rows the table shows above the bounds: the policies, then the whole-job oracle when there is one."""
+    runs = dict(result.policies)
+    if result.oracle is not None:
+        runs[result.oracle.name] = result.oracle
+    return runs
+
+
+def _units(result: SimulationResult) -> tuple[float, str, int]:
+    """Kilograms per unit of carbon shown (1000 for tonnes, 1 for kilograms), its name, and the decimals of
+    energy in MWh: one choice for the whole run, so the table, the sentences and the plots of one page agree."""
+    runs = _runs(result)
+    carbons = [_carbon_kg(run) for run in runs.values()]
+    known = [c for c in [*carbons, _num(result.offline_bound, "carbon_kg"), _num(result.whole_job_bound, "carbon_kg")]
+             if c is not None]
+    in_tonnes = bool(known) and min(known) >= 1000.0
+    energies = [_num(run.metrics, "energy_kwh") for run in runs.values()]
+    energies.append(_num(result.offline_bound, "energy_kwh"))
+    known_mwh = [e / 1000.0 for e in energies if e is not None]
+    energy_decimals = 1 if known_mwh and min(known_mwh) >= 10.0 else 3
+    return (1000.0, "t", energy_decimals) if in_tonnes else (1.0, "kg", energy_decimals)
+
+
 def _table_cells(result: SimulationResult) -> tuple[list[str], list[list[str]], str]:
     """Header, rows (policies, the whole-job oracle when there is one, then the bound) and the line under the
     table, as strings; the line compares policies only."""
     bound = result.offline_bound
     bound_carbon = _num(bound, "carbon_kg")
     whole_carbon = _num(result.whole_job_bound, "carbon_kg")
-    runs = dict(result.policies)
-    if result.oracle is not None:
-        runs[result.oracle.name] = result.oracle
+    runs = _runs(result)
     carbons = {name: _carbon_kg(run) for name, run in runs.items()}
-
-    known = [c for c in [*carbons.values(), bound_carbon, whole_carbon] if c is not None]
-    in_tonnes = bool(known) and min(known) >= 1000.0
-    scale, unit = (1000.0, "t") if in_tonnes else (1.0, "kg")
+    scale, unit, energy_decimals = _units(result)
 
     def carbon_cell(kg: float | None) -> str:
         return DASH if kg is None else f"{kg / scale:,.1f}"
-
-    energies = [_num(run.metrics, "energy_kwh") for run in runs.values()]
-    energies.append(_num(bound, "energy_kwh"))
-    known_mwh = [e / 1000.0 for e in energies if e is not None]
-    energy_decimals = 1 if known_mwh and min(known_mwh) >= 10.0 else 3
 
     def energy_cell(kwh: float | None) -> str:
         return DASH if kwh is None else f"{kwh / 1000.0:,.{energy_decimals}f}"
@@ -439,17 +453,18 @@ def _plot_intensity(result: SimulationResult, best: str | None, path: Path) -> N
 def _plot_cumulative(result: SimulationResult, styles: dict[str, dict[str, Any]], path: Path) -> None:
     from matplotlib.figure import Figure
 
+    scale, unit, _ = _units(result)
     fig = Figure(figsize=(11, 5), layout="constrained")
     ax = fig.subplots()
     for name, run in result.policies.items():
         per_hour = _carbon_by_hour(run)
-        y = np.concatenate([[0.0], np.cumsum(per_hour)]) / 1000.0
+        y = np.concatenate([[0.0], np.cumsum(per_hour)]) / scale
         ax.plot(_hour_axis(result.start, y.size), y, label=name, linewidth=1.4, **styles[name])
     bound_kg = _num(result.offline_bound, "carbon_kg")
     if bound_kg is not None:
-        ax.axhline(bound_kg / 1000.0, color="black", linestyle=":", linewidth=1.2,
-                   label=f"offline bound, total ({bound_kg / 1000.0:,.1f} t)")
-    ax.set_ylabel("cumulative carbon (t CO2e)")
+        ax.axhline(bound_kg / scale, color="black", linestyle=":", linewidth=1.2,
+                   label=f"offline bound, total ({bound_kg / scale:,.1f} {unit})")
+    ax.set_ylabel(f"cumulative carbon ({unit} CO2e)")
     ax.set_xlabel("time (UTC)")
     ax.set_title("Carbon emitted so far, per policy (each job's carbon spread over the hours it ran)")
     ax.set_ylim(bottom=0)
@@ -571,20 +586,21 @@ def _utilisation_table(result: SimulationResult) -> str | None:
 
 
 def _bound_paragraph(result: SimulationResult) -> str:
-    """What the offline bound is, its figures, and the relaxation sentence it came with."""
+    """What the offline bound is, its figures (in the table's units), and the relaxation sentence it came with."""
     bound = result.offline_bound
     if not bound:
         return "<p>No offline bound was computed for this run.</p>"
+    scale, unit, energy_decimals = _units(result)
     figures = []
     carbon = _num(bound, "carbon_kg")
     if carbon is not None:
-        figures.append(f"the least carbon any schedule of these jobs could emit, {carbon / 1000.0:,.1f} t CO2e")
+        figures.append(f"the least carbon any schedule of these jobs could emit, {carbon / scale:,.1f} {unit} CO2e")
     cost = _num(bound, "cost_usd")
     if cost is not None:
         figures.append(f"the least cost (found separately), {cost:,.0f} USD")
     energy = _num(bound, "energy_kwh")
     if energy is not None:
-        figures.append(f"a lower bound on energy, {energy / 1000.0:,.1f} MWh")
+        figures.append(f"a lower bound on energy, {energy / 1000.0:,.{energy_decimals}f} MWh")
     text = "The offline bound knows every job and every hour's carbon intensity in advance and gives "
     text += "; ".join(figures) if figures else "no figures"
     solve = _num(bound, "solve_s")
@@ -604,7 +620,7 @@ def _bound_paragraph(result: SimulationResult) -> str:
              "site-hour")
     if whole is not None:
         steps = _num(result.whole_job_bound, "iterations")
-        text += (about + f": {whole / 1000.0:,.1f} t CO2e"
+        text += (about + f": {whole / scale:,.1f} {unit} CO2e"
                  + (f", the best of {steps:,.0f} steps of a subgradient search" if steps is not None else "")
                  + ". Every set of prices gives a valid bound; no whole-job schedule inside the jobs' windows "
                  "emits less. A policy that ran jobs late is held to the higher of this bound on its own, wider, "
@@ -695,8 +711,8 @@ def write_html(result: SimulationResult, directory: str | Path) -> Path:
         + "</p>",
         '<img src="intensity.png" alt="carbon intensity per zone and GPUs busy per site over time">',
         "<h2>Cumulative carbon</h2>",
-        ("<p>The carbon each policy has emitted so far (t CO2e), each job's carbon spread evenly over the "
-        "hours it ran; each curve ends at the policy's total. A lower curve is better; the dotted line is "
+        (f"<p>The carbon each policy has emitted so far ({_units(result)[1]} CO2e), each job's carbon spread "
+        "evenly over the hours it ran; each curve ends at the policy's total. A lower curve is better; the dotted line is "
         "the offline bound's total, which no online policy can get below. Baseline policies are dashed.</p>"),
         '<img src="cumulative_carbon.png" alt="cumulative carbon per policy over time">',
         "<h2>Wait times</h2>",
