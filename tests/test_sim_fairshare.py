@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -252,6 +253,25 @@ def test_the_command_prints_one_row_per_mode_and_writes_the_json(tmp_path: Path)
     assert [line.split()[0] for line in table[1:3]] == ["off", "time"]
     figures = json.loads(out.read_text())
     assert set(figures["modes"]) == {"off", "time"} and figures["site"]["capacity_gpus"] % 8 == 0
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_by_its_flag_before_the_replay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # It was found only after the replay (minutes on the whole trace), as "[Errno 21] Is a directory",
+    # and the table was lost with it.
+    trace = tmp_path / "jobs.csv"
+    trace.write_text("submit,seconds,gpus,team\n2022-06-01T00:00:00,60,1,a\n", encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    fairshare_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate-quotas", "--trace", str(trace), "--columns",
+                              "submit=submit,duration=seconds,gpus=gpus,tenant=team", "--json", str(tmp_path)])
+
+    def no_replay(*_: object, **__: object) -> None:
+        raise AssertionError("the replay ran before --json was checked")
+
+    monkeypatch.setattr(fairshare_cli, "compare", no_replay)
+    with pytest.raises(ValueError, match=rf"^--json {re.escape(str(tmp_path))}: is a folder; give a file name$"):
+        fairshare_cli.run(args)
 
 
 def test_the_command_refuses_a_trace_without_tenants_and_says_what_to_add(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from broker.data.traces import load_trace, parse_columns, resolve_preset
 from broker.errors import problems
 from broker.models import FairSharePolicy
+from broker.simulation.cli import _writable
 from broker.simulation.fairshare import (DEFAULT_CYCLE_S, DEFAULT_MAX_REFUSALS, DEFAULT_MIN_RUN_S,
                                          DEFAULT_STARVATION_H, DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES,
                                          QuotaSimulationError, as_json, compare, format_table,
@@ -88,14 +89,20 @@ def run(args: argparse.Namespace) -> str:
             FairSharePolicy.model_validate({field: value})
         except ValidationError as e:
             raise QuotaSimulationError(f"{flag} {value:g}: {problems(e)[0]['problem']}") from None
+    if args.json_out:  # checked before the replay, which may take minutes, as simulate --json is
+        _writable("--json", Path(args.json_out).parent, Path(args.json_out))
     trace = load_trace(args.trace, mapping, trace_from=args.trace_from, days=args.days)
     info, runs = compare(workload_from_trace(trace), modes, utilisation=args.utilisation,
                          guaranteed_fraction=args.guaranteed_fraction, window_h=args.window_h,
                          half_life_h=args.half_life_h, reweight_h=args.reweight_h, k=args.k,
                          min_run_s=args.min_run_s, max_refusals=args.max_refusals, cycle_s=args.cycle_s,
                          starvation_h=args.starvation_h)
+    table = format_table(info, runs)
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(as_json(info, runs), indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    return format_table(info, runs)
+        try:
+            Path(args.json_out).write_text(json.dumps(as_json(info, runs), indent=2, allow_nan=False) + "\n",
+                                           encoding="utf-8")
+        except OSError as e:  # the results are not lost with the file: the table still goes to stdout
+            print(table, flush=True)
+            raise QuotaSimulationError(f"--json: cannot write {e.filename or ''}: {e.strerror or e}") from None
+    return table
