@@ -177,6 +177,15 @@ def test_a_trace_no_site_can_run_is_an_error_not_a_table_of_zeros(files: dict[st
     assert "no job to replay" in err and "100000 GPUs" in err
 
 
+def test_a_trace_asking_for_a_gpu_model_no_site_has_says_so(files: dict[str, Path],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # It said only "the largest asks 1 GPUs", which is not why no site fits the job.
+    files["trace"].write_text("submit,seconds,gpus,team,m\n2022-06-01T00:00:00,3600,1,x,h100\n")
+    err = _error(capsys, _args(files, "--policy", "green",
+                               columns="submit=submit,duration=seconds,gpus=gpus,tenant=team,model=m"))
+    assert "no job to replay" in err and "jobs ask for h100-80gb, which no site has: the sites have " in err
+
+
 @pytest.mark.parametrize("row, words", [
     ("2022-06-01T00:00:00,1e12,2,x", "column 'seconds' (duration): '1e12' ends the job after 9000-01-01"),
     ("2022-06-01T00:00:00,3600,2,x", None),

@@ -160,7 +160,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
 def run(args: argparse.Namespace) -> str:
     """Run the simulation the arguments ask for; returns the table for stdout."""
     from broker.simulation.report import format_table, write_html
-    from broker.simulation.run import as_json, prepare, simulate
+    from broker.simulation.run import as_json, models_no_site_has, prepare, simulate
     from broker.simulation.workload import dump_workload
 
     spec = spec_from(args)
@@ -176,8 +176,9 @@ def run(args: argparse.Namespace) -> str:
     if prep.left_out.all():  # nothing would be replayed: every figure would be a zero that means nothing
         raise SimulateUsage(
             f"no job to replay: no job of the trace ({prep.left_out.size}) fits a site even when it is empty, or "
-            f"one that meets its latency objective (the largest asks {int(prep.workload.gpus.max())} GPUs); give "
-            f"sites that fit them (--sites, --preset, --utilisation)")
+            f"one that meets its latency objective (the largest asks {int(prep.workload.gpus.max())} GPUs"
+            f"{models_no_site_has(prep.workload, prep.sites, prep.left_out)}); give sites that fit them (--sites, "
+            "--utilisation)")
     if args.dump_workload:
         dump_workload(prep.workload, prep.sites, args.dump_workload)
     result = simulate(spec, progress=sys.stderr.isatty(), prepared=prep)

@@ -179,11 +179,21 @@ def prepare(spec: SimulationSpec) -> Prepared:
     left_out = ~fitting.any(axis=1)
     if left_out.any():
         report.append(f"left out: {int(left_out.sum())} jobs fit no site even when it is empty, or none that "
-                      f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs); "
-                      "no policy runs them")
+                      f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs"
+                      f"{models_no_site_has(workload, sites, left_out)}); no policy runs them")
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
     return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
+
+
+def models_no_site_has(workload: Workload, sites: Sequence[SiteSpec], jobs: np.ndarray) -> str:
+    """A clause naming the GPU models that ``jobs`` (a bool mask) ask for and no site has, or "": the
+    reason such jobs are left out, which their GPU count alone would not say."""
+    held = {m for s in sites for m in s.total_gpus()}
+    asked = sorted({m for m in workload.model[jobs].tolist() if m is not None} - held)
+    if not asked:
+        return ""
+    return f"; jobs ask for {', '.join(asked)}, which no site has: the sites have {', '.join(sorted(held))}"
 
 
 def _busy_window(trace: Trace) -> tuple[datetime, datetime]:
