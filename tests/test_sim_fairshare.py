@@ -274,6 +274,22 @@ def test_a_json_path_that_cannot_be_written_is_refused_by_its_flag_before_the_re
         fairshare_cli.run(args)
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--trace-from", "junk"], "--trace-from 'junk': write an ISO date or time"),
+    (["--days", "0"], "--days 0.0: give a number of days above 0"),
+])
+def test_a_bad_window_is_refused_naming_its_flag(tmp_path: Path, flags: list[str], message: str) -> None:
+    # They were named as load_trace's arguments ("trace_from: ...", "days must be ...").
+    trace = tmp_path / "jobs.csv"
+    trace.write_text("submit,seconds,gpus,team\n2022-06-01T00:00:00,60,1,a\n", encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    fairshare_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate-quotas", "--trace", str(trace), "--columns",
+                              "submit=submit,duration=seconds,gpus=gpus,tenant=team", *flags])
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        fairshare_cli.run(args)
+
+
 def test_the_command_refuses_a_trace_without_tenants_and_says_what_to_add(tmp_path: Path) -> None:
     trace = tmp_path / "jobs.csv"
     trace.write_text("submit,seconds,gpus\n2022-06-01T00:00:00,60,1\n", encoding="utf-8")
