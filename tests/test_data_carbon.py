@@ -314,7 +314,8 @@ def test_a_quote_never_closed_is_an_error_naming_the_file_not_the_csv_modules_ba
 
 def test_a_quote_never_closed_in_a_short_file_is_one_short_line_naming_the_row(tmp_path: Path) -> None:
     folder = zone_copy(tmp_path, replace_on(utc(2022, 6, 3, 3), "2022-06-03 03:00:00", '"2022-06-03 03:00:00'))
-    with pytest.raises(CarbonDataError, match=r"DE-LU_2022-slice\.csv, row \d+: only 1 fields: \['2022-06-03 03:00") as err:
+    with pytest.raises(CarbonDataError,
+                       match=r"DE-LU_2022-slice\.csv, row \d+: only 1 fields: \['2022-06-03 03:00") as err:
         load_carbon(folder)
     assert len(str(err.value)) < 300  # the row runs to the end of the file; the message quotes its start
 

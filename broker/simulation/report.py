@@ -712,8 +712,8 @@ def write_html(result: SimulationResult, directory: str | Path) -> Path:
         '<img src="intensity.png" alt="carbon intensity per zone and GPUs busy per site over time">',
         "<h2>Cumulative carbon</h2>",
         (f"<p>The carbon each policy has emitted so far ({_units(result)[1]} CO2e), each job's carbon spread "
-        "evenly over the hours it ran; each curve ends at the policy's total. A lower curve is better; the dotted line is "
-        "the offline bound's total, which no online policy can get below. Baseline policies are dashed.</p>"),
+        "evenly over the hours it ran; each curve ends at the policy's total. A lower curve is better; the dotted "
+        "line is the offline bound's total, which no online policy can get below. Baseline policies are dashed.</p>"),
         '<img src="cumulative_carbon.png" alt="cumulative carbon per policy over time">',
         "<h2>Wait times</h2>",
         ("<p>For each policy, the fraction of the jobs it ran (y) that waited at most a given time (x, "
