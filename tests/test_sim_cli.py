@@ -218,3 +218,18 @@ def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[st
     err = _error(capsys, ["simulate-quotas", "--trace", str(files["trace"]), "--columns",
                           "submit=submit,duration=seconds,gpus=gpus,tenant=team", flag, value])
     assert words in err
+
+
+def test_what_the_run_assumed_about_its_inputs_is_on_stderr_not_only_in_the_json(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # A job larger than any site is left out of every policy's run: the table alone would not say so.
+    with files["trace"].open("a") as fh:
+        fh.write("2022-06-01T00:40:00,3600,64,z,2022-06-01T09:00:00\n")
+    out = files["tmp"] / "r.json"
+    assert cli.main(_args(files, "--policy", "baseline-spillover", "--json", str(out))) == 0
+    err = capsys.readouterr().err
+    left_out = [line for line in err.splitlines() if line.startswith("note: left out: 1 jobs")]
+    assert len(left_out) == 1, err
+    # every line of the JSON's report is on stderr, once
+    report = json.loads(out.read_text())["report"]
+    assert report and all(err.count(f"note: {line}\n") == 1 for line in report)

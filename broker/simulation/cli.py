@@ -16,9 +16,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from datetime import UTC, date, datetime
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from broker.data.traces import parse_columns, resolve_preset
@@ -179,9 +179,15 @@ def run(args: argparse.Namespace) -> str:
             f"one that meets its latency objective (the largest asks {int(prep.workload.gpus.max())} GPUs"
             f"{models_no_site_has(prep.workload, prep.sites, prep.left_out)}); give sites that fit them (--sites, "
             "--utilisation)")
+    # What the run assumed or changed about its inputs (a zone renamed, a region's RTT borrowed, jobs left out)
+    # goes to stderr as well as into --json and --report, before the replay: a reader of the table alone
+    # should not have to open them to learn that the sites had to be sized or a latitude corrected.
+    _notes(prep.report)
+    noted = len(prep.report)
     if args.dump_workload:
         dump_workload(prep.workload, prep.sites, args.dump_workload)
     result = simulate(spec, progress=sys.stderr.isatty(), prepared=prep)
+    _notes(result.report[noted:])  # what the bounds and the oracle met (not packed, no bound)
     table = format_table(result)
     writes = []
     if args.json_out:
@@ -196,6 +202,12 @@ def run(args: argparse.Namespace) -> str:
             print(table, flush=True)
             raise SimulateUsage(f"{flag}: cannot write {e.filename or ''}: {e.strerror or e}") from None
     return table
+
+
+def _notes(lines: Sequence[str]) -> None:
+    """Each line of a run's report on stderr, as ``note: ...``."""
+    for line in lines:
+        print(f"note: {line}", file=sys.stderr)
 
 
 def _writable(flag: str, folder: Path, file: Path | None = None) -> None:
