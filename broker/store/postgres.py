@@ -481,10 +481,22 @@ class PostgresStore(SqlWriteQueue):
             raise _translate(e, self.server) from None
 
     async def _one(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        if _has_nul(args):
+            return None
         return await self._call("fetchrow", sql, *args)
 
     async def _all(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        if _has_nul(args):
+            return []
         return await self._call("fetch", sql, *args)
+
+
+def _has_nul(args: tuple[Any, ...]) -> bool:
+    """Whether a text argument holds NUL, which PostgreSQL's text cannot store (it refuses the query). Every
+    read matches its text arguments by equality, so such a value (from a request's path or query, as in
+    ``GET /v1/jobs/a%00b``) finds nothing, as on SQLite, rather than failing as a store error: a 503 that no
+    retry cures."""
+    return any(isinstance(a, str) and "\x00" in a for a in args)
 
 
 _WRITE_ERRORS = (StoreError, asyncpg.PostgresError, ValueError)
