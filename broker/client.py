@@ -131,6 +131,9 @@ class Client:
         query = dict(params or {})
         while True:
             page = await self.request("GET", path, params=query)
+            if not isinstance(page.get("items"), list):
+                raise ApiClientError(f"{self.base_url} answered GET {path} without the list of items a heliotrope "
+                                     "broker sends; is --server (or HELIOTROPE_URL) a heliotrope broker?")
             items.extend(page["items"])
             if page.get("next") is None or (limit is not None and len(items) >= limit):
                 return items[:limit] if limit is not None else items
@@ -147,6 +150,13 @@ async def _answer(resp: aiohttp.ClientResponse) -> Any:
         err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
         message = err.get("message") or f"HTTP {resp.status}"
         raise ApiClientError(message, resp.status, err.get("fields"))
+    if not isinstance(data, dict):
+        # Every answer of the API is a JSON object: anything else is another server (a wrong port, a proxy's
+        # login page), which the CLI would otherwise trip over with a traceback.
+        raise ApiClientError(f"{resp.url.origin()} answered {resp.method} {resp.url.path} with "
+                             f"{resp.headers.get('Content-Type') or 'no Content-Type'}, not the JSON object a "
+                             "heliotrope broker sends; is --server (or HELIOTROPE_URL) a heliotrope broker?",
+                             resp.status)
     return data
 
 

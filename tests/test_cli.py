@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -226,6 +228,36 @@ def test_a_broker_url_without_http_is_a_message(capsys, url):
     code = main(["--server", url, "jobs"])
     _, err = capsys.readouterr()
     assert code == 1 and "must look like http://HOST:PORT" in err and "Traceback" not in err
+
+
+class _NotABroker(http.server.BaseHTTPRequestHandler):
+    """Another web server where --server points: a page of HTML, or some other JSON, for every path."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        html = not self.path.startswith("/v1/sites")
+        body = b"<html><body>Sign in</body></html>" if html else b'{"items": 5}'
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html" if html else "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("args", [("jobs",), ("job", "x"), ("explain", "x"), ("sites", "list")])
+def test_a_server_that_is_not_a_broker_is_a_one_line_message(capsys, args):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotABroker)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", *args])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert "is --server (or HELIOTROPE_URL) a heliotrope broker?" in err and "Traceback" not in err
 
 
 def test_a_job_list_with_one_bad_item_sends_nothing(capsys, server, tmp_path):
