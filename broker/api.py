@@ -548,8 +548,16 @@ def _quota_json(member: Member, state: QuotaState, tenant: str | None = None) ->
     return body
 
 
+QUOTA_FILTERS = ("tenant",)
+
+
 async def get_quota(request: web.Request) -> web.Response:
     who = principal(request)
+    unknown = [name for name in request.query if name not in QUOTA_FILTERS]
+    if unknown:  # a misspelt ?tenant= must not answer with every tenant's row, as if they all had matched
+        raise ApiError(400, f"unknown query parameter {unknown[0]!r}; a site's quota state is filtered by "
+                            f"{', '.join(QUOTA_FILTERS)}",
+                       [{"field": name, "problem": "unknown parameter"} for name in unknown])
     member = _member(request)
     if who.role == Role.OPERATOR and not who.operates(member.spec.name):
         raise not_your_site(who, member.spec.name)

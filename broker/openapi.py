@@ -263,7 +263,7 @@ def _paths() -> dict[str, Any]:
             "get": {
                 "summary": "The site's quota state per tenant, as the site reports it",
                 "parameters": [param("tenant")],
-                "responses": _answers(_json_body(_ref("SiteQuota"), "the quota state"), 404, 501),
+                "responses": _answers(_json_body(_ref("SiteQuota"), "the quota state"), 400, 404, 501),
             },
         },
         "/v1/sites/{name}/quota/{tenant}": {

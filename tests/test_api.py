@@ -524,6 +524,16 @@ async def test_nan_and_infinity_are_refused_by_field_and_nothing_of_them_is_stor
     assert (await (await client.get("/v1/jobs")).json())["items"] == []
 
 
+async def test_a_misspelt_quota_filter_is_a_400_not_every_tenants_row(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, quotas=[
+        {"tenant": "t1", "guaranteed_gpus": 2}, {"tenant": "t2", "guaranteed_gpus": 2}]))
+    r = await client.get("/v1/sites/berlin/quota", params={"tenants": "t1"})
+    assert r.status == 400
+    assert (await r.json())["error"]["fields"] == [{"field": "tenants", "problem": "unknown parameter"}]
+    r = await client.get("/v1/sites/berlin/quota", params={"tenant": "t1"})
+    assert r.status == 200 and [t["tenant"] for t in (await r.json())["tenants"]] == ["t1"]
+
+
 async def test_requests_that_could_never_mean_what_they_say_are_refused_by_field(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     job = await (await client.post("/v1/jobs", json=MINIMAL)).json()
