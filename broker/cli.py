@@ -81,8 +81,14 @@ def _job_row(job: dict[str, Any]) -> dict[str, Any]:
         "state": job["state"],
         "site": job["site"],
         "attempt": job["attempt"],
-        "updated": job["updated_at"][:19].replace("T", " "),
+        "updated": _utc_time(job["updated_at"]),
     }
+
+
+def _utc_time(iso: str) -> str:
+    """A time of the API (ISO 8601, UTC) for a table, to the second and saying it is UTC: a bare wall-clock
+    time reads as the reader's own time zone."""
+    return f"{datetime.fromisoformat(iso).astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def _site_row(site: dict[str, Any]) -> dict[str, Any]:
@@ -439,9 +445,9 @@ async def _tokens(args: argparse.Namespace) -> str:
                 records.sort(key=lambda r: (r.created_at, r.id))  # oldest first (ids are random)
                 rows = [{"id": r.id, "name": r.name, "role": r.role.value,
                          "scope": ", ".join(r.sites or r.tenants) or "-",
-                         "created": f"{r.created_at:%Y-%m-%d %H:%M}",
-                         "expires": f"{r.expires_at:%Y-%m-%d %H:%M}" if r.expires_at else "never",
-                         "revoked": f"{r.revoked_at:%Y-%m-%d %H:%M}" if r.revoked_at else "-"} for r in records]
+                         "created": f"{r.created_at:%Y-%m-%d %H:%M} UTC",
+                         "expires": f"{r.expires_at:%Y-%m-%d %H:%M} UTC" if r.expires_at else "never",
+                         "revoked": f"{r.revoked_at:%Y-%m-%d %H:%M} UTC" if r.revoked_at else "-"} for r in records]
                 if args.json:
                     return json.dumps([r.public() for r in records], indent=2)
                 return table(rows, ["id", "name", "role", "scope", "created", "expires", "revoked"])

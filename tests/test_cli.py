@@ -51,6 +51,7 @@ def test_submit_then_list_show_explain_and_cancel_a_job(capsys, server, tmp_path
     header, row = out.splitlines()[:2]
     assert header.split()[:5] == ["ID", "TENANT", "NAME", "GPUS", "STATE"]
     assert row.split()[:5] == [job_id, "t1", "cli-job", "1", "running"]
+    assert row.endswith(" UTC")  # the time says its zone: a bare one reads as the reader's own
 
     code, out, _ = run(capsys, server, "explain", job_id)
     assert code == 0
@@ -346,3 +347,17 @@ def test_an_agent_whose_mqtt_tls_files_cannot_be_used_stops_at_once_naming_the_f
     assert main(["agent", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert f"heliotrope agent: mqtt.ca_file {tmp_path / 'none.pem'}: cannot read" in err and "Traceback" not in err
+
+
+def test_table_times_say_they_are_utc(tmp_path, capsys):
+    from broker.cli import _job_row
+
+    job = {"id": "j", "spec": {"tenant": "t", "name": "n", "gpus": {"count": 1, "milli": 1000}}, "state": "queued",
+           "site": None, "attempt": 0, "updated_at": "2026-11-26T18:25:35.299900+02:00"}
+    assert _job_row(job)["updated"] == "2026-11-26 16:25:35 UTC"
+    db = str(tmp_path / "t.db")
+    assert main(["token", "create", "--db", db, "--role", "admin", "--name", "ops", "--expires-in", "1"]) == 0
+    capsys.readouterr()
+    assert main(["token", "list", "--db", db]) == 0
+    header, row = capsys.readouterr()[0].splitlines()
+    assert header.split()[4:6] == ["CREATED", "EXPIRES"] and row.count(" UTC") == 2
