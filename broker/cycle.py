@@ -1237,7 +1237,7 @@ class SchedulingCycle:
         confirmed = await self.book.transition_if(
             job.id, (JobState.DISPATCHING,), job.attempt, JobState.ADMITTED, reason=f"admitted by {site}"
         )
-        if confirmed is None and not self._holds(job):
+        if confirmed is None and not self._at_site(job):
             await self.lifecycle.withdraw(job, site)  # cancelled or requeued while it was being dispatched
 
     def _current(self, job: Job) -> bool:
@@ -1245,8 +1245,9 @@ class SchedulingCycle:
         current = self.book.active.get(job.id)
         return current is not None and current.attempt == job.attempt and current.state == JobState.DISPATCHING
 
-    def _holds(self, job: Job) -> bool:
-        """Whether the broker still counts ``job``'s attempt as at its site."""
+    def _at_site(self, job: Job) -> bool:
+        """Whether the broker still counts ``job``'s attempt as at its site. (Not ``_holds``: that name is the
+        GPUs kept for moved jobs, and an attribute of that name would hide this method.)"""
         current = self.book.active.get(job.id)
         return (current is not None and current.attempt == job.attempt and current.site == job.site
                 and current.state.on_site)

@@ -252,6 +252,24 @@ async def test_a_job_cancelled_while_dispatching_is_withdrawn_from_the_site_that
     assert h.free("alpha", "a100-80gb") == 8
 
 
+async def test_a_job_cancelled_while_its_site_was_unreachable_is_withdrawn_once_the_site_admits_it(make):
+    """The cancel's withdrawal did not reach the site; the site then admitted the attempt. The dispatch finds
+    the job no longer dispatching and withdraws the attempt at once, so the cancelled job holds no GPUs."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    j = await h.submit(count=8, duration_s=600)
+    await h.cycle()
+    await asyncio.sleep(0.05)  # the dispatch is on its way (the site admits after dispatch_delay_s)
+    adapter = h.broker.federation.get("alpha").adapter
+    adapter.set_reachable(False)
+    await h.broker.lifecycle.cancel(j.id)  # its withdrawal fails: remembered, to be retried
+    adapter.set_reachable(True)
+    await h.step(1.0)  # the site admits the attempt
+    assert (await h.job(j.id)).state == JobState.CANCELLED
+    assert h.broker.lifecycle.withdrawals == {}
+    await h.cycle()
+    assert h.free("alpha", "a100-80gb") == 8
+
+
 async def test_an_unreachable_site_is_marked_unhealthy_and_new_jobs_go_elsewhere(make):
     h = await make(
         site("alpha", gpus={"a100-80gb": 16}, adapter=FAST),
