@@ -148,6 +148,18 @@ def work_done(job: Job, now: datetime, overhead_s: float) -> float:
     return max(job.run_s - job.restart_s, 0.0) + ran
 
 
+def rest_of_run(job: Job, req: JobRequest, overhead_s: float) -> JobRequest:
+    """The request a queued job is decided on: where earlier attempts kept work through their checkpoints
+    (``run_s``), the rest of its run (its estimate less the work done: :func:`work_done`) plus ``overhead_s``
+    for its restart, as the simulator decides a job put back in the queue from its checkpoint and as a move
+    holds its target (``policies.migration.rest_of``); so its scores, the plan's hours and its latest start
+    are those of what it has left to run, not of the whole estimate again. ``req`` itself otherwise."""
+    if job.run_s <= 0:
+        return req
+    rest = max(job.spec.duration_s - work_done(job, job.updated_at, overhead_s), 0.0) + overhead_s
+    return replace(req, duration_s=max(rest, 1.0))  # (a job past its estimate, with no overhead: a second)
+
+
 def _urgency(job: Job) -> float:
     """The queue's order for pipelines that defer jobs (``policies.timeshift.urgency_ts``)."""
     deadline = job.spec.deadline.timestamp() if job.spec.deadline is not None else None
@@ -573,6 +585,7 @@ class SchedulingCycle:
             # Built afresh: a queued job is decided again only when its group's turn comes (no cache per
             # queued job, which would cost more memory than the compact job itself).
             req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
+            req = rest_of_run(job, req, self.restart_overhead_s(job))
             pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
             decider = deciders.get(id(pipeline))
             if decider is None:

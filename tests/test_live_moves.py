@@ -412,3 +412,30 @@ async def test_after_a_restart_only_a_stop_the_site_took_keeps_the_work_of_an_at
             assert requeued.run_s == 0 and "no longer knows attempt 1" in (requeued.reason or "")
     finally:
         await again.stop()
+
+
+async def test_a_job_resumed_from_its_checkpoint_is_placed_for_the_rest_of_its_run(live) -> None:
+    from policies.snapshot import MODEL_INDEX, TDP_KW
+
+    b, clock = live
+    j, _ = await b.book.submit(job(name="long", count=8, duration_s=10 * 3600, checkpointable=True))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    first = await b.book.get(j.id)
+    assert first.state == JobState.RUNNING
+    await step(b, clock, 9 * 3600)
+    # Its site stops it (as for its own quotas) with 9 of its 10 hours done: requeued from its checkpoint.
+    await b.federation.get(first.site).adapter.preempt(j.id, 1, "reclaimed by the site")
+    await step(b, clock, 1.0)
+    queued = await b.book.get(j.id)
+    assert queued.state == JobState.QUEUED and queued.run_s == pytest.approx(9 * 3600, abs=5.0)
+    before = b.cycle.carbon.energy_kwh
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    resumed = await b.book.get(j.id)
+    assert (resumed.state, resumed.attempt) == (JobState.RUNNING, 2)
+    # Placed (and counted in GET /v1/carbon) for the hour left and its restart (green's overhead_s, 600 s),
+    # as the simulator places a job back in the queue from its checkpoint, not for the whole ten hours again.
+    rest_h = (10 * 3600 - queued.run_s + 600) / 3600
+    kw = 8 * float(TDP_KW[MODEL_INDEX[resumed.gpu_model]])
+    assert b.cycle.carbon.energy_kwh - before == pytest.approx(kw * rest_h, rel=1e-6)
