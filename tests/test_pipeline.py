@@ -632,3 +632,19 @@ def test_a_decisions_terms_read_pickle_and_compare_as_the_plain_tuple_of_them() 
     assert all(np.array_equal(a.normalised, b.normalised) and np.array_equal(a.raw, b.raw)
                for a, b in zip(copy, first, strict=True))
     assert terms == tuple(first) and terms != tuple(first[:1])
+
+
+@pytest.mark.parametrize("count,milli", [(1, 1000), (1, 250)], ids=["whole", "fractional"])
+def test_preemptible_work_of_another_model_is_no_room_for_a_job_naming_its_model(count: int, milli: int) -> None:
+    # berlin's A100s are all held by preemptible work of lower priority, which counts as room for an urgent
+    # job (the site would preempt it); but not for a job asking for T4s, which berlin does not have.
+    berlin, tokyo = up("berlin", free={"a100-80gb": 0}), up("tokyo", gpus={"t4": 8}, free={"t4": 0})
+    snap = snapshot(berlin, tokyo)
+    below = np.zeros((snap.n_sites, 2))
+    below[snap.index["berlin"], 1] = 8.0
+    snap = replace(snap, preempt_levels=(0,), preempt_below=below)
+    out = decide([berlin, tokyo], job(count=count, milli=milli, model="t4", priority=10), snap=snap)
+    assert out.site is None
+    assert out.reasons()["berlin"] == ["gpus-do-not-fit: site has no t4"]
+    # An A100 job of that priority still goes where it can preempt.
+    assert decide([berlin, tokyo], job(count=count, milli=milli, model="a100-80gb", priority=10), snap=snap).site == "berlin"

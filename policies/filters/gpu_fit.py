@@ -125,8 +125,11 @@ class Fit:
             self._room, self._sites = room, np.logical_or.reduce(room, axis=1)
             return
         # As fit_column: the filter checks memory only when the job asks for some, and not that the site
-        # has the model (a site without it has no free GPUs of it); the scorers' room also needs the model.
+        # has the model (a site without it has no free GPUs of it), unless GPUs it might preempt count: those
+        # are the site's, of any model; the scorers' room also needs the model.
         fits = capacity[:, 0]
+        if reclaim is not None:
+            fits = fits & usable.mask[:, 0]
         if req.memory_gib:
             j, memory = usable.column_list[0], req.memory_gib
             fits = fits & self.snap.derived(("memory-column", j, memory), _at_least, self.snap.memory_gib, j, memory)
@@ -203,10 +206,13 @@ def fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
 
 def fit_column(req: JobRequest, snap: Snapshot, column: int) -> np.ndarray:
     """bool[n_sites]: where the job fits in one model column."""
+    reclaim = _reclaim(snap, req)
     fits = _room(req, snap.free_gpus[:, column], snap.shared_free_milli[:, column],
-                 _mig_slices(snap, req)[:, column] if req.mig_profile else None, _reclaim(snap, req))
+                 _mig_slices(snap, req)[:, column] if req.mig_profile else None, reclaim)
     if req.memory_gib:
         fits &= snap.memory_gib[:, column] >= req.memory_gib
+    elif reclaim is not None:  # what a site might preempt is of any of its models: not room where it has none
+        fits &= snap.has_model[:, column]
     return fits
 
 
