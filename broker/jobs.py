@@ -282,6 +282,23 @@ class JobBook:
             self.changed.set()
         return new
 
+    async def take_in(self, job_id: str) -> Job | None:
+        """The job ``job_id`` if this book holds it, else taken in now when another replica stored it queued
+        and ``pull_new`` has not taken it in yet (a cancel sent to the leader just after a follower accepted the
+        job must not wait for the next pass, nor take the job for one that is ending). None when the store has
+        no such queued job, or when this book changed the job itself (say, ended it: that write is on its way)."""
+        job = self.active.get(job_id)
+        if job is not None or not self.tracking or job_id in self._changes:
+            return job
+        stored = await self._store.get_job(job_id)
+        if stored is None or stored.state != JobState.QUEUED or job_id in self.active or job_id in self._changes:
+            return self.active.get(job_id)
+        self.announce(stored, None)
+        self.active[job_id] = stored
+        self.fresh.append(job_id)
+        self.changed.set()
+        return stored
+
     # --- reads ---
 
     async def get(self, job_id: str) -> Job:

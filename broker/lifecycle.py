@@ -168,7 +168,7 @@ class Lifecycle:
 
         Raises JobNotFound for an unknown id and AlreadyEnded for a job that has ended (or is ending).
         """
-        job = self.book.active.get(job_id)
+        job = await self.book.take_in(job_id)  # (one another replica accepted may not be taken in yet)
         if job is None:
             raise AlreadyEnded(await self.book.get(job_id))
         cancelled = await self.book.transition(job.id, JobState.CANCELLED, reason="cancelled by request")

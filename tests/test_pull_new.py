@@ -109,3 +109,26 @@ async def test_two_replicas_racing_on_one_idempotency_key_both_answer_with_the_f
     store.find_idempotent = find_late  # type: ignore[method-assign]
     again, created_again = await b.submit(job(name="once"), "key-1")
     assert (again.id, created_again) == (first.id, False)
+
+
+async def test_a_job_a_follower_just_accepted_can_be_cancelled_at_the_leader_before_the_next_pass() -> None:
+    """The leader takes in other replicas' jobs once a pass; a cancel that comes first must not be refused as
+    for a job that is ending (409) while the job goes on to run."""
+    from broker.federation import Federation
+    from broker.lifecycle import AlreadyEnded, Lifecycle
+
+    book, store = await started()
+    follower = JobBook(store, ManualClock(NOW))
+    follower.tracking = False  # a replica that does not lead: it only stores what it is sent
+    accepted, _ = await follower.submit(job(name="changed-my-mind"))
+    lifecycle = Lifecycle(book, Federation(ManualClock(NOW), lambda spec: None))
+    cancelled = await lifecycle.cancel(accepted.id)
+    assert cancelled.state == JobState.CANCELLED
+    assert (await store.get_job(accepted.id)).state == JobState.CANCELLED
+    assert await book.pull_new() == 0 and book.take_fresh() == []  # the next pass has nothing to run
+    try:
+        await lifecycle.cancel(accepted.id)
+    except AlreadyEnded as e:
+        assert "already cancelled" in str(e)
+    else:
+        raise AssertionError("a second cancel must say the job has ended")
