@@ -240,7 +240,22 @@ class JobBook:
     async def _create(self, spec: JobSpec, key: str | None, digest: str | None) -> Job:
         now = self._clock.now()
         job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
-        await self._store.insert_job(job, key, digest)
+        try:
+            await self._store.insert_job(job, key, digest)
+        except DuplicateKey:
+            raise
+        except StoreError as e:
+            # The answer may have been lost after the commit (the connection dropped, the answer timed out). A job
+            # in the store is accepted and will run: answering "not accepted, try again" would have the client
+            # submit it twice. The id is this call's own, so a row that has it is this very job.
+            try:
+                stored = await self._store.get_job(job.id)
+            except StoreError:
+                stored = None
+            if stored is None:
+                raise
+            log.warning("job %s: its insert was reported failed (%s) but is in the store; taken as accepted",
+                        job.id, e)
         if self.tracking:
             self.announce(job, None)
             self.active[job.id] = job

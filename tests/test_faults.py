@@ -14,7 +14,7 @@ from broker.clock import ManualClock
 from broker.config import BrokerSettings
 from broker.models import Job, JobState, ModelCapacity, SimulatedAdapterConfig
 from broker.service import Broker
-from broker.store import StoreError
+from broker.store import JobFilter, StoreError
 from tests.builders import job, site
 from tests.test_cycle import FAST, T0, Harness, fail_first_write, failing_writes
 
@@ -614,3 +614,27 @@ async def test_a_site_whose_adapter_cannot_even_be_made_leaves_the_broker_servin
         assert b.federation.get("broken").started and len(tries) == 3
     finally:
         await b.stop()
+
+
+async def test_a_submission_stored_though_its_write_was_reported_failed_is_accepted_and_runs_once(
+        tmp_path, brokers):
+    # The insert committed, then its answer was lost (the connection dropped, or it timed out). Answering "not
+    # accepted, try again" would have the client submit it again: two jobs where it asked for one, and the
+    # first one unseen by the broker until its next start.
+    h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
+    store = h.broker.store
+    real = store.insert_job
+
+    async def lost_answer(job, idempotency_key=None, digest=None):
+        await real(job, idempotency_key, digest)
+        raise StoreError("connection reset by peer")
+
+    store.insert_job = lost_answer
+    j = await h.submit(duration_s=60)  # accepted: no StoreError for the caller
+    store.insert_job = real
+    assert (await store.get_job(j.id)).state == JobState.QUEUED
+    await h.cycle()
+    await h.step(1.0)
+    assert (await h.job(j.id)).state == JobState.RUNNING
+    page = await store.list_jobs(JobFilter(), 10)
+    assert [x.id for x in page.items] == [j.id]
