@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from broker import ids
 from broker.carbon_ledger import CarbonLedger
@@ -296,6 +297,7 @@ LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bou
 CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger's totals (GET /v1/carbon)
 MOVES_STATE = "moves-in-flight"  # ... and for the moves asked for, the GPUs held for them, the sites that could not stop
 LEDGER_SAVE_S = 10.0  # at most this often the ledger is saved (a crash loses at most that many seconds of it)
+STATE_READ_TRIES = 5  # reads of what the last broker in charge kept, before taking charge fails (about 1.5 s)
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 
@@ -966,17 +968,15 @@ class SchedulingCycle:
         """When this broker takes charge: the carbon ledger's totals, the moves in flight (taken up at the first
         pass, once the active jobs are loaded), and what latency-bound jobs held, hour by hour (saved at the
         first sample of each hour), so the room kept for them is not learned again from nothing. Returns
-        whether a stored demand was taken; a document that cannot be read is ignored, with a warning."""
+        whether a stored demand was taken; a document that cannot be read is ignored, with a warning. A store that
+        cannot be read is tried again, then fails taking charge (StoreError): starting from nothing, this broker
+        would save its own over what the last one kept."""
         await self._restore_ledger()
         if self._migrating:
             await self._restore_moves()
         if self._near is None:
             return False
-        try:
-            doc = await self.store.get_state(LATENCY_DEMAND_STATE)
-        except StoreError as e:
-            log.warning("could not read the stored latency demand (%s); learning it again", e)
-            return False
+        doc = await self._stored_state(LATENCY_DEMAND_STATE, "latency demand")
         if doc is None:
             return False
         try:
@@ -1027,11 +1027,7 @@ class SchedulingCycle:
 
     async def _restore_moves(self) -> None:
         """Read the moves the last leader kept (``keep_moves``), to be taken up at the first pass."""
-        try:
-            doc = await self.store.get_state(MOVES_STATE)
-        except StoreError as e:
-            log.warning("could not read the stored moves in flight (%s); their jobs are placed as any other", e)
-            return
+        doc = await self._stored_state(MOVES_STATE, "moves in flight")
         if doc is None:
             return
         try:
@@ -1125,13 +1121,26 @@ class SchedulingCycle:
             log.info("took up %d moves in flight and %d holds that the last broker in charge left", len(self._moving),
                      held)
 
+    async def _stored_state(self, name: str, what: str) -> str | None:
+        """``Store.get_state(name)``, tried again while the store cannot be read (a connection lost for a moment),
+        each failure logged; after ``STATE_READ_TRIES`` the StoreError goes up and taking charge fails (a replica
+        steps down and tries again later). Never taken for "nothing stored": the first save would then write
+        this broker's fresh state over what the last one kept (the carbon ledger's totals back to 0)."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(StoreError), stop=stop_after_attempt(STATE_READ_TRIES),
+            wait=wait_exponential(multiplier=0.1, max=1.0), reraise=True,
+            before_sleep=lambda rs: log.warning("could not read the stored %s (%s); trying again", what,
+                                                rs.outcome.exception() if rs.outcome else "?"),
+        ):
+            with attempt:
+                return await self.store.get_state(name)
+        return None  # (not reached: the last failure is raised)
+
     async def _restore_ledger(self) -> None:
+        doc = await self._stored_state(CARBON_LEDGER_STATE, "carbon ledger")
         try:
-            doc = await self.store.get_state(CARBON_LEDGER_STATE)
             self.carbon = CarbonLedger() if doc is None else CarbonLedger.restore(json.loads(doc))
             self._carbon_saved = self.carbon.jobs
-        except StoreError as e:
-            log.warning("could not read the stored carbon ledger (%s); its totals start from 0", e)
         except ValueError as e:
             log.warning("ignoring the stored carbon ledger: %s; its totals start from 0", e)
 

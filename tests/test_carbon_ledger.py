@@ -69,3 +69,37 @@ async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp
         assert "ignoring the stored carbon ledger" in caplog.text
         assert (await carbon(b))["jobs"] == 0
 
+
+
+async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_again_from_0(tmp_path, monkeypatch) -> None:
+    """The broker taking charge cannot read the stored ledger at its first try (the connection dropped for a
+    moment): it must not start from 0 and then save that over the totals the last broker left."""
+    from broker.store import StoreError
+    from broker.store.sqlite import SQLiteStore
+
+    b, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        for name in ("a", "b"):
+            await b.book.submit(job(name=name, count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await asyncio.sleep(0.05)
+        before = await carbon(b)
+    finally:
+        await b.stop()
+    real, failed = SQLiteStore.get_state, []
+
+    async def flaky(self, name):  # noqa: ANN001, ANN202
+        if name == CARBON_LEDGER_STATE and not failed:
+            failed.append(name)
+            raise StoreError("cannot use PostgreSQL: ConnectionResetError: connection reset by peer")
+        return await real(self, name)
+
+    monkeypatch.setattr(SQLiteStore, "get_state", flaky)
+    again, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        assert failed and await carbon(again) == before
+        await again.book.submit(job(name="c", count=2, duration_s=3600))
+        await again.cycle.run_once(full=True)
+        assert json.loads(await again.store.get_state(CARBON_LEDGER_STATE))["jobs"] == 5
+    finally:
+        await again.stop()
