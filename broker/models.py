@@ -713,8 +713,8 @@ class Decision(Strict):
 
 def clean_text(value: str, limit: int = 1000) -> str:
     """Free text from elsewhere (a site's reason, an adapter's error) made safe to store: no unpaired
-    surrogates, bounded length."""
-    return value.encode("utf-8", "replace").decode("utf-8")[:limit]
+    surrogates, no NUL (PostgreSQL's text refuses it, where SQLite takes it), bounded length."""
+    return value.encode("utf-8", "replace").decode("utf-8").replace("\x00", "?")[:limit]
 
 
 def utcnow() -> datetime:

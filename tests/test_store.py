@@ -169,6 +169,22 @@ async def test_transitions_are_kept_as_job_events(store: Store):
     assert [(e["state"], e["reason"]) for e in events] == [("queued", "submitted"), ("dispatching", "placed on a")]
 
 
+async def test_a_reason_holding_a_nul_from_a_site_is_stored_on_every_backend(store: Store):
+    """A site's text (a failed attempt's message, a refusal) may hold a NUL. PostgreSQL's text refuses it where
+    SQLite takes it: the site's event was retried for ever, the job stuck running and every later event of
+    that site held up behind it."""
+    job = make_job(1)
+    await store.insert_job(job)
+    r = job.transition(JobState.DISPATCHING, T0, site="a", attempt=1).transition(JobState.ADMITTED, T0)
+    r = r.transition(JobState.RUNNING, T0)
+    await store.update_job(r, job.version)
+    failed = r.transition(JobState.FAILED, T0, reason="attempt 1 on a failed (exit\x00code 1)")
+    await store.update_job(failed, r.version)
+    stored = await store.get_job(job.id)
+    assert stored.state == JobState.FAILED and stored.reason == "attempt 1 on a failed (exit?code 1)"
+    assert (await store.job_events(job.id))[-1]["reason"] == stored.reason
+
+
 async def test_a_job_id_taken_twice_is_a_duplicate_key_and_the_first_job_stands(store: Store):
     job = make_job(1)
     await store.insert_job(job)
