@@ -185,6 +185,21 @@ async def test_a_reason_holding_a_nul_from_a_site_is_stored_on_every_backend(sto
     assert (await store.job_events(job.id))[-1]["reason"] == stored.reason
 
 
+async def test_a_lookup_by_a_name_holding_a_nul_finds_nothing_on_every_backend(store: Store):
+    """``GET /v1/jobs/%00`` or ``?tenant=%00``: SQLite finds no such job (a 404, an empty page); PostgreSQL's
+    text refused the parameter, and the API answered 503, the store's failure, for a client's typo."""
+    job = make_job(1)
+    await store.insert_job(job, "key")
+    assert await store.get_job("job\x0000001") is None
+    assert await store.job_events("job\x0000001") == [] and await store.get_decision("job\x0000001") is None
+    assert await store.find_idempotent("t1", "k\x00") is None
+    for flt in (JobFilter(tenant="t1\x00"), JobFilter(site="a\x00"), JobFilter(tenants=("t\x00",)),
+                JobFilter(sites=("a\x00",))):
+        page = await store.list_jobs(flt, 10)
+        assert page.items == [] and page.next is None
+    assert [j.id for j in (await store.list_jobs(JobFilter(tenants=("t1", "t\x00")), 10)).items] == [job.id]
+
+
 async def test_a_job_id_taken_twice_is_a_duplicate_key_and_the_first_job_stands(store: Store):
     job = make_job(1)
     await store.insert_job(job)
