@@ -145,10 +145,10 @@ def _rowcount(status: str) -> int:
         return -1
 
 
-def _unstorable(*values: str | None) -> bool:
+def _unstorable(value: str) -> bool:
     """Whether a value looked up holds a NUL, which PostgreSQL's text refuses as a parameter, so that no row can
-    hold it: the lookup finds nothing, as on SQLite, instead of failing as if the store were down."""
-    return any(v is not None and "\x00" in v for v in values)
+    hold it: left out of a list of values to match (a lone one is answered by ``_has_nul``: nothing found)."""
+    return "\x00" in value
 
 
 def server_name(dsn: str) -> str:
@@ -344,22 +344,16 @@ class PostgresStore(SqlWriteQueue):
     # --- jobs ---
 
     async def get_job(self, job_id: str) -> Job | None:
-        if _unstorable(job_id):
-            return None
         row = await self._one("SELECT doc FROM jobs WHERE id = $1", job_id)
         return Job.model_validate_json(row[0]) if row else None
 
     async def find_idempotent(self, tenant: str, key: str) -> tuple[Job, str | None] | None:
-        if _unstorable(tenant, key):
-            return None
         row = await self._one(
             "SELECT doc, request_digest FROM jobs WHERE tenant = $1 AND idempotency_key = $2", tenant, key
         )
         return (Job.model_validate_json(row[0]), row[1]) if row else None
 
     async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None = None) -> Page:
-        if _unstorable(flt.tenant, flt.site):
-            return Page([], None)
         where: list[str] = []
         params: list[Any] = []
 
@@ -410,8 +404,6 @@ class PostgresStore(SqlWriteQueue):
                                 LEADER)
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
-        if _unstorable(job_id):
-            return []
         rows = await self._all(
             "SELECT at, state, site, attempt, reason FROM job_events WHERE job_id = $1 ORDER BY seq", job_id
         )
@@ -420,8 +412,6 @@ class PostgresStore(SqlWriteQueue):
     # --- decisions ---
 
     async def get_decision(self, job_id: str) -> StoredDecision | None:
-        if _unstorable(job_id):
-            return None
         row = await self._one("SELECT attempt, doc FROM decisions WHERE job_id = $1", job_id)
         return StoredDecision(row[0], json.loads(row[1])) if row else None
 
