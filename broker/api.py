@@ -117,6 +117,8 @@ async def error_middleware(
         raise
     except StoreError as e:
         log.error("%s %s: store error: %s", request.method, request.path, e)
+        if request.method in ("GET", "HEAD"):  # a read changes nothing: say what failed
+            raise ApiError(503, "the broker could not read its store; try again") from None
         raise ApiError(503, "the broker could not write to its store; nothing was changed, try again") from None
     except Exception:
         log.exception("%s %s failed", request.method, request.path)

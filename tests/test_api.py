@@ -557,3 +557,17 @@ async def test_a_bad_adapter_setting_is_named_by_the_field_a_user_writes(client:
     r = await client.post("/v1/sites", json=body)
     assert r.status == 422
     assert [f["field"] for f in (await r.json())["error"]["fields"]] == ["adapter.request_timeout_s"]
+
+
+async def test_a_store_that_fails_a_read_is_a_503_that_says_it_could_not_read(client: TestClient,
+                                                                             monkeypatch: pytest.MonkeyPatch):
+    """A failed read changes nothing, and its answer said the broker "could not write to its store"."""
+    from broker.store import StoreError
+
+    async def down(*_: Any, **__: Any) -> None:
+        raise StoreError("connection reset by peer")
+
+    monkeypatch.setattr(client.broker.store, "get_job", down)  # type: ignore[attr-defined]
+    r = await client.get("/v1/jobs/no-such-job")
+    body = await r.json()
+    assert r.status == 503 and "could not read its store" in body["error"]["message"], body

@@ -260,6 +260,31 @@ async def test_sites_are_listed_by_name_replaced_in_place_and_deleted(store: Sto
     assert [s.name for s in await store.list_sites()] == ["zeta"]
 
 
+async def test_postgres_lists_sites_in_the_byte_order_sqlite_does_whatever_the_databases_collation(
+        postgres_server: PostgresServer, sqlite_store: SQLiteStore):
+    """A database made with a collation that ignores punctuation (as glibc's en_US does; ICU here, so that the
+    test needs no system locale) sorted "ab" before "a-c": the same sites listed in another order than on
+    SQLite, and `heliotrope sites list` changing with the database."""
+    conn = await asyncpg.connect(postgres_server.dsn(), timeout=30)
+    name = f"icu{os.getpid()}"
+    try:
+        await conn.execute(f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu "
+                           "ICU_LOCALE 'en-u-ka-shifted' LOCALE 'C'")
+    finally:
+        await conn.close()
+    store = PostgresStore(postgres_server.dsn(name))
+    await store.open()
+    try:
+        for each in (store, sqlite_store):
+            for n in ("ab", "a-c", "a-b"):
+                await each.put_site(site(n))
+        assert [s.name for s in await sqlite_store.list_sites()] == ["a-b", "a-c", "ab"]
+        assert [s.name for s in await store.list_sites()] == ["a-b", "a-c", "ab"]
+    finally:
+        await store.close()
+        await postgres_server.drop_database(postgres_server.dsn(name))
+
+
 async def test_a_replica_seeding_a_site_from_its_config_leaves_one_already_stored_as_it_is(store: Store):
     # The leader cordoned zeta after this replica read the site list, and before it seeded it from its config.
     await store.put_site(site("zeta", cordoned=True, cordon_reason="driver upgrade"))

@@ -433,7 +433,8 @@ class PostgresStore(SqlWriteQueue):
         await self._submit(self._new_write([("DELETE FROM sites WHERE name = $1", (name,))], fenced=True))
 
     async def list_sites(self) -> list[SiteSpec]:
-        rows = await self._all("SELECT doc FROM sites ORDER BY name")
+        # Byte order, as SQLite sorts: the database's own collation (en_US, say) would order "a-c" after "ab".
+        rows = await self._all('SELECT doc FROM sites ORDER BY name COLLATE "C"')
         return [site_from_doc(r[0]) for r in rows]
 
     # --- leadership ---
