@@ -1,7 +1,8 @@
 """The carbon the broker's choices saved against a carbon-agnostic baseline (``GET /v1/carbon``, the
 dashboard's headline, ``heliotrope_carbon_*_grams_total``).
 
-For each placement the baseline is the site the same decision would have chosen with its carbon terms
+For each placement its site admitted (counted when the site says so: a placement the site refuses, or
+one whose dispatch fails, is routed again and counted once, where it runs) the baseline is the site the same decision would have chosen with its carbon terms
 (the ``carbon`` and ``carbon_now`` scorers) left out: every other term (price, latency, follow-the-sun,
 free GPUs...) weighted as configured, among the same feasible sites. When the chosen site ties for first
 without the carbon terms, the baseline is the chosen site and nothing is claimed.
@@ -28,6 +29,32 @@ from policies.snapshot import TDP_KW, Snapshot
 CARBON_SCORERS = frozenset({"carbon", "carbon_now"})
 
 
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """What one placement adds to the ledger: kWh, grams at its site and at the baseline's, and whether the
+    two differ."""
+
+    kwh: float
+    grams: float
+    agnostic_grams: float
+    moved: bool
+
+
+def assess(placement: Placement, snap: Snapshot) -> Counted | None:
+    """A placement's figures for the ledger (none counted yet), or None where it is not placed or an
+    intensity is unknown."""
+    if not placement.placed or snap.carbon_g_per_kwh.size == 0:
+        return None
+    chosen = placement.site
+    baseline = agnostic_choice(placement)
+    here, there = float(snap.carbon_g_per_kwh[chosen]), float(snap.carbon_g_per_kwh[baseline])
+    if not (math.isfinite(here) and math.isfinite(there)):
+        return None
+    req = placement.request
+    kwh = req.charge * float(TDP_KW[placement.model]) * req.duration_s / 3600.0
+    return Counted(kwh, kwh * here, kwh * there, baseline != chosen)
+
+
 @dataclass(slots=True)
 class CarbonLedger:
     jobs: int = 0
@@ -38,21 +65,19 @@ class CarbonLedger:
 
     def record(self, placement: Placement, snap: Snapshot) -> tuple[float, float] | None:
         """Count one placement; returns (grams, baseline grams), or None where the intensity is unknown."""
-        if not placement.placed or snap.carbon_g_per_kwh.size == 0:
+        counted = assess(placement, snap)
+        if counted is None:
             return None
-        chosen = placement.site
-        baseline = agnostic_choice(placement)
-        here, there = float(snap.carbon_g_per_kwh[chosen]), float(snap.carbon_g_per_kwh[baseline])
-        if not (math.isfinite(here) and math.isfinite(there)):
-            return None
-        req = placement.request
-        kwh = req.charge * float(TDP_KW[placement.model]) * req.duration_s / 3600.0
+        self.add(counted)
+        return counted.grams, counted.agnostic_grams
+
+    def add(self, counted: Counted) -> None:
+        """Count a placement :func:`assess` valued (when its site admitted it)."""
         self.jobs += 1
-        self.energy_kwh += kwh
-        self.grams += kwh * here
-        self.agnostic_grams += kwh * there
-        self.moved += baseline != chosen
-        return kwh * here, kwh * there
+        self.energy_kwh += counted.kwh
+        self.grams += counted.grams
+        self.agnostic_grams += counted.agnostic_grams
+        self.moved += counted.moved
 
     def state(self) -> dict[str, float | int]:
         """The totals, as the store keeps them (:meth:`restore` reads them back)."""

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from broker import ids
-from broker.carbon_ledger import CarbonLedger
+from broker.carbon_ledger import CarbonLedger, Counted, assess
 from broker.clock import Clock
 from broker.events import EventHub
 from broker.federation import Federation
@@ -501,7 +501,8 @@ class SchedulingCycle:
         if self._holds or self._moving:
             self._debit_holds(snap)  # after the plan, so its hours are held too
         # 3. decide, and assume each placement in memory at once (its store write is queued at once too)
-        assumed: list[tuple[Job, Awaitable[None]]] = []  # (placed job, its store write)
+        # (placed job, its store write, what the carbon ledger counts once its site admits it)
+        assumed: list[tuple[Job, Awaitable[None], Counted | None]] = []
         records: list[tuple[Job, dict[str, Any]]] = []
         decided = 0
         self._stuck = []
@@ -554,7 +555,7 @@ class SchedulingCycle:
         self,
         jobs: list[Job] | None,
         snap: Snapshot,
-        assumed: list[tuple[Job, Awaitable[None]]],
+        assumed: list[tuple[Job, Awaitable[None], Counted | None]],
         records: list[tuple[Job, dict[str, Any]]],
     ) -> int:
         """Step 3: decide each job of ``jobs`` (None: the queue) in order; append placements (assumed in
@@ -650,10 +651,7 @@ class SchedulingCycle:
                 rec["moved"] = (moving.reason if site == moving.site else
                                 f"moved away from {moving.origin} ({moving.reason}); {moving.site}, where the move "
                                 f"would have restarted it, no longer had room for it, so it is placed as any other job")
-            carbon = self.carbon.record(placement, snap)
-            if carbon is not None:
-                metrics.carbon_grams.inc(carbon[0])
-                metrics.carbon_agnostic_grams.inc(carbon[1])
+            counted = assess(placement, snap)  # (counted in the ledger when the site admits it: _dispatch)
             self._announce_decision(job, "decision", "placed", site, rec["model"],
                                     f"placed on {site} ({rec['model']})", snap.now)
             decider.assume(placement)
@@ -665,7 +663,7 @@ class SchedulingCycle:
                                            decision=rec)
             self._in_flight[job.id] = InFlight(site, new.attempt, req, placement.model)
             self._last_seen.pop(job.id, None)
-            assumed.append((new, landing))
+            assumed.append((new, landing, counted))
             order.placed(job.spec.tenant, req.charge)
         return decided
 
@@ -715,19 +713,20 @@ class SchedulingCycle:
         return failure.record
 
     async def _finish(
-        self, assumed: list[tuple[Job, Awaitable[None]]], records: list[tuple[Job, dict[str, Any]]]
+        self, assumed: list[tuple[Job, Awaitable[None], Counted | None]], records: list[tuple[Job, dict[str, Any]]]
     ) -> None:
         """Steps 4 and 5: wait for the placements' writes and the decisions' writes; dispatch what landed."""
         # 4. assume in the store: every placement and changed decision, in one group commit
         results = await asyncio.gather(
-            *(self._persist(new, landing) for new, landing in assumed),
+            *(self._persist(new, landing) for new, landing, _ in assumed),
             *(self.store.save_decision(job.id, job.attempt, rec) for job, rec in records),
             return_exceptions=True,
         )
         # 5. dispatch what is safely on disk
-        for (new, _), ok in zip(assumed, results):
+        for (new, _, counted), ok in zip(assumed, results):
             if ok is True:
-                task = asyncio.get_running_loop().create_task(self._dispatch(new), name=f"dispatch-{new.id}")
+                task = asyncio.get_running_loop().create_task(self._dispatch(new, counted),
+                                                              name=f"dispatch-{new.id}")
                 self._dispatches.add(task)
                 task.add_done_callback(self._dispatches.discard)
         for result in results[len(assumed):]:
@@ -1225,7 +1224,10 @@ class SchedulingCycle:
             else:
                 del self._in_flight[job_id]  # admitted before the report was asked for: the report has it
 
-    async def _dispatch(self, job: Job) -> None:
+    async def _dispatch(self, job: Job, counted: Counted | None = None) -> None:
+        """Send the attempt to its site; confirm it, or undo it. ``counted``: the placement's figures for the
+        carbon ledger, counted when the site admits the attempt (a refused one is placed again and counted
+        there, once)."""
         site = job.site
         assert site is not None
         if not self._current(job):
@@ -1261,6 +1263,10 @@ class SchedulingCycle:
         )
         if confirmed is None and not self._at_site(job):
             await self.lifecycle.withdraw(job, site)  # cancelled or requeued while it was being dispatched
+        elif counted is not None:
+            self.carbon.add(counted)
+            self.metrics.carbon_grams.inc(counted.grams)
+            self.metrics.carbon_agnostic_grams.inc(counted.agnostic_grams)
 
     def _current(self, job: Job) -> bool:
         """Whether ``job``'s attempt is still the one being dispatched."""

@@ -43,23 +43,58 @@ async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
         for name in ("a", "b"):
             await b.book.submit(job(name=name, count=2, duration_s=3600))
         await b.cycle.run_once(full=True)
-        await asyncio.sleep(0.05)
+        await clock.advance(FAST.dispatch_delay_s)
+        await b.cycle.drain()  # both admitted by their site: counted
         before = await carbon(b)
         assert before["jobs"] == 2 and before["moved_jobs"] == 2 and before["saved_grams"] > 0
     finally:
         await b.stop()
-    again, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    again, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
         after = await carbon(again)
         assert after == before
         # It goes on counting from there: a new job, and the two whose attempts the simulated sites lost
-        # with the restart, placed again (a placement counts each time it is made).
+        # with the restart, placed again (a placement counts each time a site admits it).
         await again.book.submit(job(name="c", count=2, duration_s=3600))
         report = await again.cycle.run_once(full=True)
+        await clock.advance(FAST.dispatch_delay_s)
+        await again.cycle.drain()
         assert report.placed == 3 and (await carbon(again))["jobs"] == 5
+        await again.cycle.keep_ledger()
         assert json.loads(await again.store.get_state(CARBON_LEDGER_STATE))["jobs"] == 5
     finally:
         await again.stop()
+
+
+async def test_a_placement_its_site_refuses_is_counted_once_where_it_runs(tmp_path, monkeypatch) -> None:
+    """A site that refuses an attempt (a node draining, its own quota) sends the job back to be placed again:
+    the ledger counted both placements, the one that never ran included."""
+    from adapters.base import Admission
+
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        clean = b.federation.get("clean").adapter
+        admit, refused = clean.submit, []
+
+        async def refuse_once(attempt):
+            if not refused:
+                refused.append(attempt.id)
+                return Admission(False, "node draining")
+            return await admit(attempt)
+
+        monkeypatch.setattr(clean, "submit", refuse_once)
+        await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await b.cycle.drain()  # (refused at once)
+        assert refused and (await carbon(b))["jobs"] == 0
+        await b.cycle.run_once(full=True)
+        await clock.advance(FAST.dispatch_delay_s)
+        await b.cycle.drain()
+        ledger = await carbon(b)
+        assert ledger["jobs"] == 1 and ledger["energy_kwh"] == pytest.approx(2 * 0.4, rel=0.01), ledger
+        assert (await b.book.get(refused[0])).state.on_site
+    finally:
+        await b.stop()
 
 
 @pytest.mark.parametrize("doc", ['{"v": 1, "jobs": -1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, "moved": 0}',
@@ -70,19 +105,19 @@ async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp
         assert (await carbon(b))["jobs"] == 0
 
 
-
 async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_again_from_0(tmp_path, monkeypatch) -> None:
     """The broker taking charge cannot read the stored ledger at its first try (the connection dropped for a
     moment): it must not start from 0 and then save that over the totals the last broker left."""
     from broker.store import StoreError
     from broker.store.sqlite import SQLiteStore
 
-    b, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
         for name in ("a", "b"):
             await b.book.submit(job(name=name, count=2, duration_s=3600))
         await b.cycle.run_once(full=True)
-        await asyncio.sleep(0.05)
+        await clock.advance(FAST.dispatch_delay_s)
+        await b.cycle.drain()  # both admitted by their site: counted
         before = await carbon(b)
     finally:
         await b.stop()
@@ -95,11 +130,14 @@ async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_ag
         return await real(self, name)
 
     monkeypatch.setattr(SQLiteStore, "get_state", flaky)
-    again, _ = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    again, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
         assert failed and await carbon(again) == before
         await again.book.submit(job(name="c", count=2, duration_s=3600))
         await again.cycle.run_once(full=True)
+        await clock.advance(FAST.dispatch_delay_s)
+        await again.cycle.drain()
+        await again.cycle.keep_ledger()
         assert json.loads(await again.store.get_state(CARBON_LEDGER_STATE))["jobs"] == 5
     finally:
         await again.stop()
