@@ -249,17 +249,20 @@ class Broker:
         # Before any site's events are pumped: a job that succeeds from here on is learned once, live.
         await self.lifecycle.learn_run_times(self.store)
         await self.cycle.restore_learned()  # the carbon ledger and the latency demand, as the last leader left them
-        if self.hub is not None:  # only the broker in charge talks to the agents
-            await self.hub.start()  # connects in the background, and reconnects by itself
-            if not await self.hub.wait_connected(self.settings.collect_timeout_s):
-                log.warning("mqtt: not connected to %s:%d yet; agent-run sites stay unhealthy until it is",
-                            self.hub.settings.host, self.hub.settings.port)
         for spec in await self.store.list_sites():
             try:
                 check_supported(spec, self.hub)
             except SiteUnsupported as e:
                 raise ConfigError(str(e)) from None
             await self._join(spec, tolerate_failure=True)
+        if self.hub is not None:  # only the broker in charge talks to the agents
+            # Once its sites have joined: the MQTT broker hands over what it kept for this broker's session
+            # (the agents' heartbeats and events while no broker was in charge) as soon as it connects, and a
+            # message for a site not attached yet would be dropped as one of a site not registered here.
+            await self.hub.start()  # connects in the background, and reconnects by itself
+            if not await self.hub.wait_connected(self.settings.collect_timeout_s):
+                log.warning("mqtt: not connected to %s:%d yet; agent-run sites stay unhealthy until it is",
+                            self.hub.settings.host, self.hub.settings.port)
         await self.book.load()
         self.lifecycle.loaded.set()  # the sites' events flow from here on
         requeued = await self.lifecycle.recover()

@@ -349,3 +349,21 @@ async def test_a_broker_restart_within_the_lease_keeps_the_agents_job_where_it_r
     done = await w.until_state(job_id, {JobState.SUCCEEDED}, 15)
     assert (done.site, done.attempt) == ("edge", 1)
     assert len(w.timeline.of(job_id)) == 1
+
+
+async def test_a_restarted_broker_takes_what_the_mqtt_broker_kept_for_it_as_its_sites_messages(world, caplog) -> None:
+    """While no broker is in charge, the MQTT broker keeps the agents' heartbeats for the broker's session and
+    hands them over the moment a broker connects: they are messages of a registered site, not a stranger's."""
+    w = await world(lease_s=6.0)
+    await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    settings, factory = w.broker.settings, w.broker.federation._factory
+    await w.broker.stop()
+    await asyncio.sleep(1.0)  # about five heartbeats wait in the MQTT broker for the broker's session
+    again = Broker(settings, clock=SystemClock(), factory=factory)
+    w.rebind(again)
+    with caplog.at_level("WARNING", logger="adapters.remote"):
+        await again.start()
+        await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy again")
+    assert again.hub is not None and "edge" not in again.hub.unknown_sites
+    assert not [r for r in caplog.records if "site edge, which is not registered here" in r.getMessage()]
