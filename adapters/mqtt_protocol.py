@@ -356,7 +356,7 @@ def decode(topic_name: str, payload: bytes | bytearray | str) -> Any:
     if doc.get("v") != VERSION:
         raise MalformedMessage("wrong-version", f"v is {doc.get('v')!r}; this side speaks {VERSION}")
     kind = doc.get("kind")
-    if kind not in _CHANNEL_KINDS[channel]:
+    if not isinstance(kind, str) or kind not in _CHANNEL_KINDS[channel]:  # (a list or an object: not hashable)
         raise MalformedMessage("wrong-topic", f"kind {kind!r} does not belong on {channel}")
     try:
         msg = (_DOWN if channel == "down" else _UP).validate_python(doc)

@@ -219,6 +219,13 @@ async def test_the_hub_counts_and_drops_malformed_payloads_and_keeps_serving(edg
     assert (await s.snapshot()).capacity[0].free_gpus == 8
 
 
+async def test_a_kind_that_is_not_a_string_is_malformed_like_any_unknown_kind(edge) -> None:
+    s, hub = edge
+    for kind in ("[]", "{}", "7"):
+        hub._on_message(message(proto.topic("edge", "up"), f'{{"v": 1, "kind": {kind}, "site": "edge"}}'.encode()))
+    assert hub.malformed == {"wrong-topic": 3}
+
+
 async def test_a_payload_nested_too_deeply_for_the_parser_is_one_more_malformed_message(edge) -> None:
     s, hub = edge
     hub._on_message(message(proto.topic("edge", "up"), b"[" * 100_000))
