@@ -30,7 +30,8 @@ What it does
 
 Leases
     The broker answers each heartbeat with a lease grant. The agent counts the lease from when it *sent*
-    that heartbeat (its own monotonic clock), so its view of the lease ends before the broker's. When the
+    that heartbeat (its own monotonic clock), so its view of the lease ends before the broker's; the grant of
+    its latest heartbeat holds, also where it is shorter than an earlier one (``lease_s`` lowered). When the
     lease is within ``stop_margin_s`` of its end with no newer grant (the agent is cut off from the broker),
     the agent stops every attempt it holds and reports it: a checkpointable job as ``preempted`` with the
     seconds it ran (its checkpoint counts), any other as ``lost``; from then until a new grant it refuses
@@ -194,6 +195,7 @@ class SiteAgent:
         self._seq = itertools.count(0)
         self._sent_at: Bounded = Bounded(HEARTBEATS_KEPT)  # heartbeat seq -> monotonic send time
         self._lease_end: float | None = None  # monotonic
+        self._granted_seq = -1  # the heartbeat whose grant set _lease_end
         self._lease_s = DEFAULT_LEASE_S
         self._stop_failed: set[tuple[str, int]] = set()
         self._client: aiomqtt.Client | None = None
@@ -379,7 +381,10 @@ class SiteAgent:
                       "(%.1f s): it would stop every job at once and refuse all work; lower heartbeat_s or "
                       "stop_margin_s, or raise the site's lease_s at the broker", self.site, grant.lease_s,
                       self.config.stop_margin(grant.lease_s))
-        if self._lease_end is None or end > self._lease_end:
+        if grant.seq > self._granted_seq:
+            # The grant of the latest heartbeat holds, even where it ends before an earlier one: the broker counts
+            # only its latest (a site whose lease_s was lowered is requeued after the shorter lease).
+            self._granted_seq = grant.seq
             self._lease_end = end
             self._lease_s = grant.lease_s
 

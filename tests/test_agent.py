@@ -652,3 +652,20 @@ def test_a_dispatch_leaves_out_what_only_the_broker_reads_so_earlier_agents_acce
     assert "deferrable" not in json.loads(payload)["job"]["spec"]
     got = decode(topic("edge", "down"), payload)
     assert got.job.spec == at_once.spec.model_copy(update={"deferrable": True})
+
+
+async def test_a_lease_the_broker_shortens_holds_at_once_so_a_cut_off_agent_stops_in_time(agent_and_broker):
+    """The site's lease_s lowered at the broker: from the next grant the broker requeues a silent site's jobs
+    after the shorter lease, so the agent must count that one, not the longer lease it was granted before."""
+    agent, side = agent_and_broker
+    side.lease_s = 6.0
+    await until(lambda: (agent.lease_remaining_s() or 0) > 5, what="a long lease")
+    await side.send(Dispatch(site=agent.site, msg_id="d1", job=a_job("j1", duration_s=60)))
+    assert (await side.reply("d1")).admitted
+    side.lease_s = 1.0  # the operator lowers the site's lease_s
+    await asyncio.sleep(0.5)
+    side.lease_s = None  # ... and then the broker stops hearing the site
+    _, last_received = side.grants[-1]
+    at, stopped = await side.wait_for(
+        lambda m: isinstance(m, EventMsg) and m.event.job_id == "j1" and m.event.kind == EventKind.LOST, timeout=8)
+    assert at < last_received + 1.0, f"stopped {at - last_received - 1.0:.2f} s after the broker's lease ended"
