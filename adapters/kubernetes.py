@@ -602,6 +602,12 @@ class KubernetesSite:
                 for victim in decision.victims:
                     await self._preempt(victim, f"for job {job.id} of tenant {job.spec.tenant}, which "
                                                 f"{decision.reason}")
+            if key in self._withdrawn:
+                # Withdrawn while its Job was being made (cancel takes no lock, and found no Job to delete then):
+                # admitted, it would run with nobody to stop it, since the broker counts it withdrawn.
+                await self._delete_job(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
+                self._finish(key)
+                return Admission.rejected(f"attempt {job.attempt} was withdrawn while it was being dispatched")
             attempt = self._attempts.setdefault(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
             attempt.job, attempt.has_job = job, True
             if attempt.done:  # its Job ended while the victims were being stopped (the watch reported it):

@@ -361,6 +361,27 @@ async def test_cancel_deletes_the_job_and_is_final(kube: KubernetesSite, cluster
     await kube.cancel("j-never", 1)  # an attempt the cluster never had: nothing to delete, no error
 
 
+async def test_a_cancel_that_comes_while_the_job_is_being_made_is_not_admitted_and_leaves_no_job(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker withdraws an attempt while the site is still making its Job (a cancel, a dispatch that timed
+    out): cancel found no Job to delete, then the Job was made and the attempt admitted, running at a site
+    the broker counts it gone from, with nobody to stop it."""
+    make = kube._create_job
+
+    async def made_then_cancelled(*args: Any, **kwargs: Any) -> Any:
+        answer = await make(*args, **kwargs)
+        assert jobs(cluster)  # made: the cancel below comes in while the submit has not answered
+        await kube.cancel("j-1", 1)
+        return answer
+
+    monkeypatch.setattr(kube, "_create_job", made_then_cancelled)
+    answer = await kube.submit(attempt("j-1", count=8))
+    assert not answer.admitted and "withdrawn" in (answer.reason or "")
+    assert not jobs(cluster)
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
+    assert ("j-1", 1) not in await kube.known_attempts()
+
+
 async def test_the_broker_asking_to_stop_a_job_deletes_it_as_a_preemption_with_its_run_time(
         kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
     # A move (policies.migration): the Job is deleted (its Pods get SIGTERM and their grace period to write a
