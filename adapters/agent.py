@@ -26,7 +26,10 @@ What it does
       becomes ``ok: false`` with the reason; the agent itself never stops on one.
     - Forwards every job event of the site as an ``event`` with its own ``msg_id`` and publishes it again
       every ``resend_s`` until the broker acknowledges it.
-    - Drops (and counts, by reason, in :attr:`SiteAgent.malformed`) any payload that breaks the protocol.
+    - Drops (and counts, by reason, in :attr:`SiteAgent.malformed`) any payload that breaks the protocol,
+      and any retained message on its ``down`` topic (``retained``): the broker never retains a command, a
+      lease or an acknowledgement, so a retained one was left there by hand or by another tool, and would be
+      carried out again, however old, each time the agent connects.
 
 Leases
     The broker answers each heartbeat with a lease grant. The agent counts the lease from when it *sent*
@@ -303,7 +306,7 @@ class SiteAgent:
                     resends = asyncio.create_task(self._resend_loop(client))
                     try:
                         async for message in client.messages:
-                            self._on_message(message.topic.value, message.payload)
+                            self._on_message(message.topic.value, message.payload, bool(message.retain))
                     finally:
                         self._client = None
                         self._connected.clear()
@@ -521,7 +524,13 @@ class SiteAgent:
 
     # --- commands ---
 
-    def _on_message(self, topic_name: str, payload: Any) -> None:
+    def _on_message(self, topic_name: str, payload: Any, retained: bool = False) -> None:
+        if retained:
+            if payload:  # (an empty one is a retained message cleared)
+                self.malformed["retained"] += 1
+                log.warning("site agent %s: dropped a retained message on %s: the broker never retains what it "
+                            "sends a site; clear it with an empty retained publish", self.site, topic_name)
+            return
         try:
             msg = decode(topic_name, payload if isinstance(payload, bytes | bytearray | str) else b"")
         except MalformedMessage as e:

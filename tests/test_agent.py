@@ -669,3 +669,27 @@ async def test_a_lease_the_broker_shortens_holds_at_once_so_a_cut_off_agent_stop
     at, stopped = await side.wait_for(
         lambda m: isinstance(m, EventMsg) and m.event.job_id == "j1" and m.event.kind == EventKind.LOST, timeout=8)
     assert at < last_received + 1.0, f"stopped {at - last_received - 1.0:.2f} s after the broker's lease ended"
+
+
+async def test_a_command_retained_on_the_down_topic_is_not_carried_out_at_each_connect():
+    """A dispatch published with retain (by hand, or by a tool other than the broker) is delivered again to
+    every new subscription: the agent carried it out each time it connected, however old it was."""
+    name = unique_site()
+    async with BrokerSide(name) as side:
+        assert side._client is not None
+        stale = Dispatch(site=name, msg_id="old", job=a_job("j-old", duration_s=30))
+        await side._client.publish(topic(name, "down"), encode(stale), qos=1, retain=True)
+        agent = SiteAgent(agent_config(name))
+        await agent.start()
+        try:
+            await until(lambda: agent.connected, what="the agent to connect")
+            await leased(agent, side)
+            await until(lambda: agent.malformed["retained"] == 1, what="the retained dispatch to be dropped")
+            await side.send(Dispatch(site=name, msg_id="new", job=a_job("j-new", duration_s=0.2)))
+            assert (await side.reply("new")).admitted  # commands sent as the broker sends them are carried out
+            assert not side.seen(lambda m: isinstance(m, Reply) and m.msg_id == "old")
+            assert {a[0] for a in agent.held} <= {"j-new"}
+        finally:
+            await agent.stop()
+            await side._client.publish(topic(name, "down"), b"", qos=1, retain=True)
+    await clear_retained(name)
