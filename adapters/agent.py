@@ -678,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="heliotrope agent", description="Run one site and connect it to the broker "
                                                                      "over MQTT.")
     p.add_argument("--config", required=True, metavar="FILE", help="the agent's YAML config (site, mqtt, ...)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="DEBUG, INFO, WARNING or ERROR, in any case (default %(default)s)")
     args = p.parse_args(argv)
     try:
         config = load_agent_config(args.config)

@@ -606,7 +606,8 @@ def parser() -> argparse.ArgumentParser:
     acts.add_parser("revoke", parents=[where], help="stop accepting a token").add_argument("id")
     s = sub.add_parser("agent", help="run a site agent next to a remote cluster; it reaches the broker over MQTT")
     s.add_argument("--config", required=True, metavar="FILE", help="the agent's YAML: site, mqtt, heartbeat_s, ...")
-    s.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
+    s.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="DEBUG, INFO, WARNING or ERROR, in any case (default %(default)s)")
     simulation_cli.add_parser(sub)
     fairshare_cli.add_parser(sub)
     return p

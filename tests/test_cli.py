@@ -86,6 +86,16 @@ def test_a_remote_site_on_a_broker_without_mqtt_is_refused_with_the_setting_to_f
     assert "lab" not in [line.split()[0] for line in out.splitlines()[1:]]  # nothing half-registered
 
 
+def test_the_agent_takes_its_log_level_in_any_case_and_names_the_levels_it_knows(capsys, tmp_path):
+    bad = tmp_path / "site.yaml"
+    bad.write_text("site: {name: lab}\nheartbeat_s: 0\n")
+    assert main(["agent", "--config", str(bad), "--log-level", "debug"]) == 2  # the config's error, not the level's
+    assert "heartbeat_s" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["agent", "--config", str(bad), "--log-level", "loud"])
+    assert "DEBUG" in capsys.readouterr().err
+
+
 def test_the_agent_command_with_a_bad_config_is_a_one_line_message(capsys, tmp_path):
     bad = tmp_path / "site.yaml"
     bad.write_text("site: {name: lab}\nheartbeat_s: 0\n")
