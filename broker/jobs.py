@@ -6,14 +6,16 @@ whose single writer applies changes in the order they were made. Terminal jobs l
 back to the store.
 
 Idempotency: a submission with an ``Idempotency-Key`` returns the job first created with that key by the
-same tenant (the body must match: a different body with the same key is a conflict). Concurrent duplicates
-wait for the first.
+same tenant (the body must match: a different body with the same key is a conflict). The bodies are
+compared as JSON, not as bytes: a client that sends the same request again with other whitespace or its
+keys in another order is retrying, not changing it. Concurrent duplicates wait for the first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 import os
@@ -63,6 +65,19 @@ GAP_CHECK_S = 1.0
 """How often skipped rows are looked up again (a submission may wait this much longer to be taken in)."""
 LOAD_PAGE = 10_000
 """Jobs read per query when the book loads: the whole queue is never held twice, as documents and as jobs."""
+
+
+def _digests(body: bytes) -> tuple[str, str]:
+    """The digest a new job keeps for its idempotency key, the body's canonical JSON (keys sorted, no
+    whitespace), and the digest of the body's bytes, which releases before 2026-11-29 kept: a retry matches
+    either. A body that is not JSON (a caller's own bytes) is digested as it is, twice."""
+    raw = hashlib.sha256(body).hexdigest()
+    try:
+        canonical = json.dumps(json.loads(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                               allow_nan=False)
+    except ValueError:  # (not JSON, or NaN in it)
+        return raw, raw
+    return hashlib.sha256(canonical.encode()).hexdigest(), raw
 
 
 class IdempotencyConflict(ValueError):
@@ -196,12 +211,12 @@ class JobBook:
         """Store a new job durably; return (job, created). With a repeated key, return the first job."""
         if idempotency_key is None:
             return await self._create(spec, None, None), True
-        digest = hashlib.sha256(body if body is not None else spec.model_dump_json().encode()).hexdigest()
+        digest, also = _digests(body if body is not None else spec.model_dump_json().encode())
         slot = (spec.tenant, idempotency_key)
         pending = self._inflight_keys.get(slot)
         if pending is not None:  # the same key is being submitted right now: share its outcome
             job, first_digest = await asyncio.shield(pending)
-            return self._replay(job, digest, first_digest), False
+            return self._replay(job, (digest, also), first_digest), False
         # Claim the key before the first await, so a concurrent duplicate waits instead of racing.
         fut: asyncio.Future[tuple[Job, str | None]] = asyncio.get_running_loop().create_future()
         self._inflight_keys[slot] = fut
@@ -227,11 +242,11 @@ class JobBook:
             raise
         finally:
             del self._inflight_keys[slot]
-        return self._replay(job, digest, first_digest), created
+        return self._replay(job, (digest, also), first_digest), created
 
     @staticmethod
-    def _replay(job: Job, digest: str, first_digest: str | None) -> Job:
-        if first_digest is not None and first_digest != digest:
+    def _replay(job: Job, digests: tuple[str, str], first_digest: str | None) -> Job:
+        if first_digest is not None and first_digest not in digests:
             raise IdempotencyConflict(
                 f"Idempotency-Key was first used for job {job.id} with a different body; use a new key"
             )

@@ -358,6 +358,38 @@ async def test_concurrent_submissions_with_one_key_create_one_job(client: TestCl
     assert len((await (await client.get("/v1/jobs")).json())["items"]) == 1
 
 
+async def test_a_retry_with_the_same_json_in_another_order_or_spacing_is_a_replay_not_a_conflict(
+        client: TestClient):
+    """A client that builds the body again for its retry (a map with another key order, another JSON
+    library's spacing) was answered 409, "a different body", and could not learn whether its job was taken."""
+    import json as _json
+
+    body = {**MINIMAL, "name": "retried"}
+    first = await client.post("/v1/jobs", data=_json.dumps(body), headers={
+        "Idempotency-Key": "r1", "Content-Type": "application/json"})
+    reordered = _json.dumps(dict(reversed(list(body.items()))), indent=2)
+    again = await client.post("/v1/jobs", data=reordered, headers={
+        "Idempotency-Key": "r1", "Content-Type": "application/json"})
+    assert first.status == again.status == 201, await again.text()
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert (await first.json())["id"] == (await again.json())["id"]
+
+
+async def test_a_key_stored_by_an_earlier_release_still_matches_a_retry_of_the_same_bytes(client: TestClient):
+    """Releases before this one kept the digest of the body's bytes; a retry across the upgrade is a replay."""
+    import hashlib
+    import json as _json
+
+    from broker.models import JobSpec
+
+    raw = _json.dumps({**MINIMAL, "name": "old"}).encode()
+    book = client.broker.book  # type: ignore[attr-defined]
+    old = await book._create(JobSpec.model_validate_json(raw), "k-old", hashlib.sha256(raw).hexdigest())
+    again = await client.post("/v1/jobs", data=raw, headers={"Idempotency-Key": "k-old",
+                                                            "Content-Type": "application/json"})
+    assert again.status == 201 and (await again.json())["id"] == old.id
+
+
 async def test_an_idempotency_key_reused_with_another_body_is_a_conflict(client: TestClient):
     await client.post("/v1/jobs", json=MINIMAL, headers={"Idempotency-Key": "abc"})
     r = await client.post("/v1/jobs", json={**MINIMAL, "name": "other"}, headers={"Idempotency-Key": "abc"})
