@@ -202,6 +202,21 @@ def test_start_maps_the_window_first_instant(tiny: SimulationSpec, tmp_path: Pat
     assert run.carbon_kg[0] == pytest.approx(0.4 * (600 / 3600) * (100 + 200 * 20) / 1000)  # GB hour 20
 
 
+
+@pytest.mark.parametrize("trace_from", [None, datetime(2022, 6, 1, tzinfo=UTC)], ids=["no window", "window from 00:00"])
+def test_utilisation_counts_from_the_first_submit_not_from_the_window_or_the_hour(
+        tiny: SimulationSpec, trace_from: datetime | None) -> None:
+    # The tiny fixture's three jobs, 5 h 30 min later: the run's time 0 is 05:00 (the hour the first job
+    # arrives in) without a window and 00:00 with --trace-from 2022-06-01, but the schedule and the span
+    # from the first submit (05:30) to the last end (07:30) are the same: 5.5 busy GPU-hours over 4 GPUs × 2 h.
+    _trace(tiny, "2022-06-01T05:30:00,3600,2,x,1000,\n2022-06-01T05:30:00,5400,1,y,1000,\n"
+                 "2022-06-01T06:00:00,3600,2,x,1000,\n")
+    tiny.trace_from = trace_from
+    run = simulate(tiny).policies["baseline-spillover"]
+    assert (run.end_s - run.start_s).tolist() == [3600.0, 5400.0, 3600.0]
+    assert run.metrics["utilisation"] == pytest.approx(5.5 / 8)
+    assert run.metrics["utilisation_by_site"] == pytest.approx({"a": 4 / 4, "b": 1.5 / 4})
+
 def test_fractional_jobs_share_a_gpu_and_pay_for_their_share(tiny: SimulationSpec) -> None:
     _trace(tiny, "2022-06-01T00:00:00,3600,1,x,500,\n2022-06-01T00:00:00,3600,1,y,500,\n"
                  "2022-06-01T00:00:00,3600,2,x,1000,\n",

@@ -68,7 +68,9 @@ def policy_metrics(run: PolicyRun, sites: SiteFacts, *, submit_s: np.ndarray, de
     slo = latency_slo_ms[ran]
     has_slo = ~np.isnan(slo)
     rtt = rtt_ms[site[has_slo], origin[ran][has_slo]]
-    span_s = float(end.max() - min(float(sub.min()), 0.0))
+    # The run's length from the first submit, not from time 0: that is the hour the run starts in, or the start of
+    # the --trace-from window, which may come hours or days before the first job (3.4 days in the Evidence).
+    span_s = float(end.max() - sub.min())
     p_job, p_site, p_start, p_end = run.pieces()
     busy = np.bincount(p_site, weights=gpus[p_job] * (p_end - p_start), minlength=sites.n_sites) / 3600.0
     capacity_h = sites.capacity_gpus.astype(np.float64) * span_s / 3600.0
