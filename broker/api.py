@@ -644,6 +644,10 @@ async def list_jobs(request: web.Request) -> web.Response:
     if state is not None and state not in JobState.__members__.values():
         raise ApiError(400, f"unknown state {state!r}",
                        [{"field": "state", "problem": f"must be one of {', '.join(s.value for s in JobState)}"}])
+    for name in ("tenant", "site"):  # (as an empty state is: no tenant or site has an empty name)
+        if request.query.get(name) == "":
+            raise ApiError(400, f"{name} is empty; give a {name}'s name, or leave the parameter out",
+                           [{"field": name, "problem": "empty"}])
     flt = _scoped(principal(request), JobFilter(
         state=JobState(state) if state else None,
         tenant=request.query.get("tenant"),
@@ -654,8 +658,20 @@ async def list_jobs(request: web.Request) -> web.Response:
         page = await broker.store.list_jobs(flt, limit, request.query.get("cursor"))
     except ValueError as e:
         raise ApiError(400, str(e), [{"field": "cursor", "problem": "not a cursor from a previous page"}]) from None
-    items = [broker.book.active.get(j.id, j).model_dump(mode="json") for j in page.items]
+    # Each job as the leader holds it now where it holds it, unless it has moved on since the page was read
+    # (a queued job dispatched meanwhile): it is then left out of a list filtered by what it no longer is.
+    items = []
+    for stored in page.items:
+        job = broker.book.active.get(stored.id, stored)
+        if job is stored or _matches(job, flt):
+            items.append(job.model_dump(mode="json"))
     return _json({"items": items, "next": page.next})
+
+
+def _matches(job: Job, flt: JobFilter) -> bool:
+    """Whether ``job`` is what ``flt`` asks for (state, site; its tenant never changes)."""
+    return ((flt.state is None or job.state == flt.state) and (flt.site is None or job.site == flt.site)
+            and (flt.sites is None or job.site in flt.sites))
 
 
 def _scoped(who: Principal, flt: JobFilter) -> JobFilter:

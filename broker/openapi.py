@@ -296,7 +296,8 @@ def _paths() -> dict[str, Any]:
             "get": {
                 "summary": "List jobs, newest first",
                 "parameters": [
-                    param("state", enum=[s.value for s in JobState]), param("tenant"), param("site"),
+                    param("state", enum=[s.value for s in JobState]), param("tenant", minLength=1),
+                    param("site", minLength=1),
                     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
                                                                 "default": 100}},
                     param("cursor", description="the previous page's next"),

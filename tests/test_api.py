@@ -603,3 +603,22 @@ async def test_a_store_that_fails_a_read_is_a_503_that_says_it_could_not_read(cl
     r = await client.get("/v1/jobs/no-such-job")
     body = await r.json()
     assert r.status == 503 and "could not read its store" in body["error"]["message"], body
+
+
+async def test_a_job_list_filter_holds_for_what_it_shows_and_an_empty_tenant_or_site_is_a_400(client: TestClient):
+    """The page is read from the store and each job shown as the leader holds it now: a job that moved on
+    between the two (a queued job dispatched, cancelled) was shown under a filter it no longer matched."""
+    from broker.models import Job, JobState
+
+    made = await (await client.post("/v1/jobs", json=MINIMAL)).json()
+    book = client.broker.book  # type: ignore[attr-defined]
+    held = book.active[made["id"]]
+    book.active[made["id"]] = held.transition(JobState.DISPATCHING, held.updated_at, site="a", attempt=1)
+    queued = await (await client.get("/v1/jobs?state=queued")).json()
+    assert queued["items"] == []
+    everything = await (await client.get("/v1/jobs")).json()
+    assert [Job.model_validate(j).state for j in everything["items"]] == [JobState.DISPATCHING]
+    book.active[made["id"]] = held
+    for name in ("tenant", "site"):
+        r = await client.get(f"/v1/jobs?{name}=")
+        assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == name
