@@ -37,14 +37,20 @@ async def carbon(b) -> dict:
         return await resp.json()
 
 
-async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
+async def green_broker_with_two_jobs_placed(tmp_path):  # noqa: ANN001, ANN201
+    """A green broker over SITES that has placed two jobs, both admitted by their site (so counted)."""
     b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    for name in ("a", "b"):
+        await b.book.submit(job(name=name, count=2, duration_s=3600))
+    await b.cycle.run_once(full=True)
+    await clock.advance(FAST.dispatch_delay_s)
+    await b.cycle.drain()
+    return b
+
+
+async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
+    b = await green_broker_with_two_jobs_placed(tmp_path)
     try:
-        for name in ("a", "b"):
-            await b.book.submit(job(name=name, count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await clock.advance(FAST.dispatch_delay_s)
-        await b.cycle.drain()  # both admitted by their site: counted
         before = await carbon(b)
         assert before["jobs"] == 2 and before["moved_jobs"] == 2 and before["saved_grams"] > 0
     finally:
@@ -111,13 +117,8 @@ async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_ag
     from broker.store import StoreError
     from broker.store.sqlite import SQLiteStore
 
-    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    b = await green_broker_with_two_jobs_placed(tmp_path)
     try:
-        for name in ("a", "b"):
-            await b.book.submit(job(name=name, count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await clock.advance(FAST.dispatch_delay_s)
-        await b.cycle.drain()  # both admitted by their site: counted
         before = await carbon(b)
     finally:
         await b.stop()
