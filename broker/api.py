@@ -49,7 +49,7 @@ from broker.auth import Principal, Role, TokensUnavailable, Unauthenticated
 from broker.errors import integral_float, is_malformed_json, problems
 from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
-from broker.federation import Member
+from broker.federation import Member, without_secrets
 from broker.ids import GPU_MODEL_IDS
 from broker.jobs import IdempotencyConflict, JobNotFound
 from broker.metrics import ScopedView
@@ -404,11 +404,15 @@ def _site_signals(broker: Broker) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _adapter_failed(e: AdapterError) -> ApiError:
+def _adapter_failed(e: AdapterError, spec: SiteSpec) -> ApiError:
     """A site whose adapter cannot start with its spec (credentials that do not load, a cluster that does not
-    answer): the spec cannot be used as it is."""
-    return ApiError(422, f"the site's adapter could not start: {e}",
-                    [{"field": "adapter", "problem": f"could not start: {e}"}])
+    answer): the spec cannot be used as it is. The error names the site's secrets by their field (a site
+    operator's update keeps a kubeconfig it is never sent, and the adapter's error may name its path); the
+    broker's log keeps the full text."""
+    log.warning("site %s: its adapter could not start with the spec sent: %s", spec.name, e)
+    why = without_secrets(spec, str(e))
+    return ApiError(422, f"the site's adapter could not start: {why}",
+                    [{"field": "adapter", "problem": f"could not start: {why}"}])
 
 
 def _check_quotas(spec: SiteSpec) -> None:
@@ -430,7 +434,7 @@ async def create_site(request: web.Request) -> web.Response:
     except SiteUnsupported as e:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
     except AdapterError as e:
-        raise _adapter_failed(e) from None
+        raise _adapter_failed(e, spec) from None
     return _json(_site_json(member, principal(request)), 201, headers={"Location": f"/v1/sites/{spec.name}"})
 
 
@@ -481,7 +485,7 @@ async def update_site(request: web.Request) -> web.Response:
     except SiteUnsupported as e:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
     except AdapterError as e:
-        raise _adapter_failed(e) from None
+        raise _adapter_failed(e, spec) from None
     return _json(_site_json(member, principal(request)))
 
 

@@ -399,6 +399,31 @@ async def test_a_kubeconfig_is_never_returned_and_an_update_without_it_keeps_it(
     assert stored["gamma"].adapter.kubeconfig == "/etc/secret/gamma.kubeconfig"
 
 
+async def test_an_operators_update_that_cannot_start_the_adapter_does_not_name_the_kubeconfig(tmp_path, capsys):
+    # The operator never reads the kubeconfig (its update keeps the stored one), so the 422 saying the adapter
+    # could not start with the update must not name it either: the adapter's error names its path.
+    kubeconfig = tmp_path / "team-gamma-prod-admin.kubeconfig"
+    kubeconfig.write_text("- not: a kubeconfig\n")  # rotated into something unusable since it was registered
+    db = str(tmp_path / "auth.db")
+    token = await asyncio.to_thread(make_token, db, capsys, "--role", "operator", "--name", "gamma-ops", "--site",
+                                    "gamma")
+    broker = Broker(BrokerSettings(db=db, auth=AuthSettings(enabled=True)))
+    await broker.start([SiteSpec.model_validate({**GAMMA, "adapter": {"kind": "kubernetes", "retries": 1,
+                                                                        "kubeconfig": str(kubeconfig)}})])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as client:
+            headers = {"Authorization": f"Bearer {token}"}
+            site = await (await client.get("/v1/sites/gamma", headers=headers)).json()
+            update = {k: v for k, v in site.items() if k not in ("status", "signals")}
+            update["adapter"]["request_timeout_s"] = 20.0  # a setting the operator may change: the adapter is rebuilt
+            r = await client.put("/v1/sites/gamma", json=update, headers=headers)
+            answer = await r.text()
+    finally:
+        await broker.stop()
+    assert r.status == 422 and "cannot load Kubernetes credentials (<adapter.kubeconfig> holds no kubeconfig" in answer
+    assert "team-gamma-prod-admin" not in answer
+
+
 async def test_a_revoked_token_is_refused_within_the_refresh_interval(fed: Federation, capsys):
     status, _ = await fed.call("vision", "GET", "/v1/jobs")
     assert status == 200
