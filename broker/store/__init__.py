@@ -249,12 +249,15 @@ def describe_db(db: str) -> str:
     if "://" not in db:
         return db
     scheme, rest = db.split("://", 1)
-    authority, slash, path = rest.partition("/")
+    # The authority ends at the first / or ?: a URL with no database path (postgresql://u@host?password=...)
+    # would otherwise print its query's password as part of the host.
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    authority, path = rest[:end], rest[end:]
     if "@" in authority:  # user:password@host: the last @ ends the user's part (a password may hold one)
         user = authority.rsplit("@", 1)[0].split(":", 1)[0]
         authority = f"{user + '@' if user else ''}{authority.rsplit('@', 1)[1]}"
     path = re.sub(r"(?i)(password=)[^&]*", r"\1***", path)
-    return f"{scheme}://{authority}{slash}{path}"
+    return f"{scheme}://{authority}{path}"
 
 
 def open_store(db: str) -> Store:
