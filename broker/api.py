@@ -471,7 +471,8 @@ async def update_site(request: web.Request) -> web.Response:
         changed = auth.credential_changes(current.spec.adapter, spec.adapter)
         if changed:
             # These pick credentials (a kubeconfig, its context, the broker's service account) or where the
-            # broker writes: an operator could aim its site at another's cluster. Platform admins only.
+            # broker writes: an operator could aim its site at another's cluster, or at another site's
+            # namespaces on a shared one. Platform admins only.
             raise ApiError(403, f"{who.name} may change site {name}'s GPUs, prices, quotas, labels and adapter "
                                 f"settings, but not {', '.join('adapter.' + f for f in changed)} (they select "
                                 "credentials or where the broker writes); ask a platform admin",

@@ -241,12 +241,14 @@ the stored value (the spec as read back can be sent back unchanged)."""
 
 CREDENTIAL_FIELDS: dict[str, tuple[str, ...]] = {
     "simulated": ("state_dir",),
-    "kubernetes": ("kubeconfig", "in_cluster", "context", "host", "state_dir"),
+    "kubernetes": ("kubeconfig", "in_cluster", "context", "host", "state_dir", "namespace_prefix"),
     "mqtt": (),
 }
 """Adapter fields that select credentials or where the broker writes, by adapter kind: only a platform admin
 may change them (or the kind itself). A site operator may change the rest of its own site's adapter settings
-(timeouts, retries, the job image, a simulated site's delays)."""
+(timeouts, retries, the job image, a simulated site's delays). ``namespace_prefix`` picks the namespaces the
+broker's credentials write Jobs and ResourceQuotas into: sites sharing a cluster are told apart by it, so an
+operator who could set it to another site's prefix would overwrite or delete that site's quotas there."""
 
 
 def credential_changes(old: Any, new: Any) -> list[str]:
