@@ -71,7 +71,9 @@ class Client:
     async def events(self, params: dict[str, str] | None = None,
                      last_event_id: int | None = None) -> AsyncIterator[dict[str, Any]]:
         """Follow ``GET /v1/events``: each event as ``{"id", "type", "data"}``, until the broker ends the
-        stream. A replica that does not lead redirects to the leader, which this follows (with the token)."""
+        stream. A redirect is followed on the same origin only (scheme, host and port): a replica relays the
+        leader's stream itself, and the bearer token must never go to a server the user did not name (or
+        from https to http), as browsers and aiohttp's own redirects also refuse."""
         assert self._session is not None, "use 'async with Client(...)'"
         url = self.base_url + "/v1/events"
         headers = {**self._auth, "Accept": "text/event-stream"}
@@ -83,7 +85,12 @@ class Client:
                 async with self._session.get(url, params=params, headers=headers, allow_redirects=False,
                                              timeout=stream_timeout) as resp:
                     if resp.status in (301, 302, 307, 308) and resp.headers.get("Location"):
-                        url, params = resp.headers["Location"], None
+                        target = resp.url.join(URL(resp.headers["Location"]))
+                        if target.origin() != resp.url.origin():
+                            raise ApiClientError(f"the event stream at {self.base_url} redirected to another "
+                                                 f"server, {target.origin()}; not following it (the token is "
+                                                 "for this broker only): point --server at that one")
+                        url, params = str(target), None
                         continue
                     if resp.status >= 400:
                         await _answer(resp)

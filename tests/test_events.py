@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import ClientSession
+from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from broker import auth
 from broker import events as events_module
 from broker.api import BROKER, create_app
-from broker.client import Client
+from broker.client import ApiClientError, Client
 from broker.clock import ManualClock
 from broker.config import AuthSettings, BrokerSettings
 from broker.events import EventHub
@@ -254,6 +254,30 @@ async def test_the_client_follows_the_stream_and_reports_a_refusal(client: TestC
         with pytest.raises(Exception, match="unknown event type"):
             async for _ in c.events({"type": "nonsense"}):
                 pass
+
+
+async def test_the_client_never_sends_its_token_to_another_server_a_redirect_names():
+    # A heliotrope replica relays the leader's stream itself; a redirect elsewhere (a proxy, a server that is
+    # not the one the user named, https to http) must not carry the bearer token there.
+    tokens_seen: list[str | None] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        tokens_seen.append(request.headers.get("Authorization"))
+        return web.Response(text="data: {}\n\n", content_type="text/event-stream")
+
+    other = web.Application()
+    other.router.add_get("/v1/events", elsewhere)
+    async with TestServer(other) as there:
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(str(there.make_url("/v1/events")))  # the same host, another port
+
+        app = web.Application()
+        app.router.add_get("/v1/events", redirect)
+        async with TestServer(app) as here, Client(str(here.make_url("")), token="hlt_secret") as c:
+            with pytest.raises(ApiClientError, match="redirected to another server"):
+                async for _ in c.events():
+                    pass
+    assert tokens_seen == []
 
 
 # --- what each role receives, with auth on ------------------------------------------------------------------------
