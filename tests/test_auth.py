@@ -511,6 +511,24 @@ def test_the_store_keeps_only_a_digest_of_each_token(tmp_path, capsys):
     assert token.encode() not in raw and auth.digest(token).encode() in raw
 
 
+def test_a_database_the_cli_or_the_broker_makes_is_readable_by_its_owner_only(tmp_path, capsys):
+    # It holds the tokens' records and every tenant's jobs: no other user of the machine reads it.
+    db = tmp_path / "t.db"
+    make_token(str(db), capsys, "--role", "admin", "--name", "ops")
+    assert db.stat().st_mode & 0o777 == 0o600
+
+    async def serve_briefly() -> list[tuple[str, int]]:
+        broker = Broker(BrokerSettings(db=str(tmp_path / "b.db")))
+        await broker.start([])
+        try:
+            return [(p.name, p.stat().st_mode & 0o777) for p in tmp_path.glob("b.db*")]
+        finally:
+            await broker.stop()
+
+    modes = asyncio.run(serve_briefly())
+    assert {name for name, _ in modes} >= {"b.db", "b.db-wal"} and {mode for _, mode in modes} == {0o600}, modes
+
+
 def test_tokens_are_listed_oldest_first(tmp_path, capsys):
     # Token ids are random; the list reads in the order the tokens were made, as the README shows it.
     db = str(tmp_path / "t.db")

@@ -16,7 +16,9 @@ writer, so no new leader can take over between the check and the commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -157,8 +159,14 @@ class SQLiteStore(SqlWriteQueue):
         self._writer_task = loop.create_task(self._write_loop(), name="sqlite-writer")
 
     def _open_writer(self) -> sqlite3.Connection:
-        """On the writer thread: connect, set durability, apply migrations."""
+        """On the writer thread: connect, set durability, apply migrations. A new database file is made
+        readable by its owner only: it holds every tenant's jobs and the tokens' records, and SQLite gives its
+        write-ahead log and shared-memory files the same mode."""
         try:
+            if str(self.path) != ":memory:" and not str(self.path).startswith("file:"):
+                # An existing file keeps the mode its owner gave it; one that cannot be made is sqlite's to report.
+                with contextlib.suppress(OSError):
+                    os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as e:
             raise StoreError(f"cannot open database {self.path}: {e}") from None
