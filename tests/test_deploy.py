@@ -41,7 +41,7 @@ SECRET_VALUES = {"db-url": "postgresql://heliotrope:" + "9f" * 32 + "@postgres.e
 POD_IP = "10.1.2.3"
 
 EXPECTED_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget",
-                  "ClusterRole", "ClusterRoleBinding", "RoleBinding", "PersistentVolumeClaim"}
+                  "ClusterRole", "ClusterRoleBinding", "RoleBinding", "PersistentVolumeClaim", "NetworkPolicy"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 
 # Every Kubernetes API call of the site's adapter (adapters/kubernetes.py, KubernetesSite), read from the code:
@@ -447,6 +447,24 @@ def test_the_broker_deployment_runs_two_replicas_on_a_shared_database(tmp_path: 
     assert broker.replicas is not None and broker.replicas.advertise_url == f"http://{POD_IP}:{broker.port}"
     assert broker.auth.enabled and env.get(broker.auth.admin_token_env or "") == SECRET_VALUES["admin-token"]
     assert broker.host == "0.0.0.0"
+
+
+def test_the_anonymous_mosquitto_is_reachable_from_the_broker_and_the_agent_only() -> None:
+    # Whoever publishes on a site's topics acts as its agent or as the broker to it; a Service alone is open
+    # to every pod of the cluster.
+    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        return not selector.get("matchExpressions") and selector["matchLabels"].items() <= labels.items()
+
+    mosquitto = find("Deployment", "mosquitto")
+    assert "allow_anonymous true" in find("ConfigMap", "mosquitto")["data"]["mosquitto.conf"]
+    policy = find("NetworkPolicy", "mosquitto")
+    assert selects(policy["spec"]["podSelector"], mosquitto["spec"]["template"]["metadata"]["labels"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert all(set(peer) == {"podSelector"} for peer in peers), "no other namespace or address block"
+    allowed = {d["metadata"]["name"] for d in all_deployments()
+               if any(selects(p["podSelector"], d["spec"]["template"]["metadata"]["labels"]) for p in peers)}
+    assert allowed == {"heliotrope-broker", "heliotrope-agent"}
 
 
 def test_the_pod_ip_is_defined_before_the_advertise_url_that_uses_it() -> None:
