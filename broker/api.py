@@ -249,7 +249,11 @@ async def follower_middleware(
     if session is None or session.closed:
         # Longer than anything the leader may take to answer (a cancel waits up to the dispatch timeout).
         timeout = aiohttp.ClientTimeout(total=2 * broker.settings.dispatch_timeout_s + 10)
-        session = request.app[PROXY] = aiohttp.ClientSession(timeout=timeout)
+        from broker.server import forwarding_tls_context  # (server imports this module)
+
+        tls = forwarding_tls_context(broker.settings.tls)  # None: plain HTTP
+        session = request.app[PROXY] = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(ssl=tls) if tls is not None else None)
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "idempotency-key",
                                                                          "authorization", "accept", "last-event-id")}
     headers[FORWARDED] = broker.leadership.url

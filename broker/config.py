@@ -89,6 +89,9 @@ class ServerTlsSettings(BaseModel):
     key_file: str = Field(min_length=1, description="its private key (PEM)")
     client_ca_file: str | None = Field(
         default=None, description="require client certificates signed by this CA (mutual TLS); unset: none asked")
+    peer_ca_file: str | None = Field(
+        default=None, description="the CA of the other replicas' certificates, trusted when a replica passes a "
+                                  "request on to the leader (unset: the system's CA store)")
 
 
 def is_shared_database(db: str) -> bool:

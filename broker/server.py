@@ -13,6 +13,10 @@ one-line error (:class:`StartupRefused`, printed by the CLI as ``heliotrope: ...
   ``key_file`` (PEM, read once at start); with ``client_ca_file`` every client must present a certificate
   signed by that CA (mutual TLS). A file that cannot be read or is not PEM, an encrypted key, or a key that
   is not the certificate's is named in the error. Leave ``broker.tls`` unset to serve plain HTTP.
+- **Replicas reach their leader over the same TLS** (:func:`forwarding_tls_context`): a replica that does
+  not lead passes requests on to the leader's HTTPS URL trusting ``peer_ca_file`` (else the system's CA
+  store) and, where the replicas ask for client certificates (``client_ca_file``), presenting its own
+  ``cert_file``: the replicas' certificates are then signed by that CA for client use too.
 - **The MQTT connection's TLS files** (``broker.mqtt.ca_file``, ``cert_file``, ``key_file``;
   :func:`adapters.mqtt_protocol.tls_context`) are loaded once too, so a bad one stops the start.
 """
@@ -64,7 +68,11 @@ def check_startup(settings: BrokerSettings) -> ssl.SSLContext | None:
             "broker.auth.enabled: true (and create tokens with `heliotrope token create`) or listen on 127.0.0.1")
     if settings.mqtt is not None:
         mqtt_tls_context(settings.mqtt)  # raises MqttTlsError (a ValueError) naming the file
-    return server_tls_context(settings.tls) if settings.tls is not None else None
+    if settings.tls is None:
+        return None
+    context = server_tls_context(settings.tls)
+    forwarding_tls_context(settings.tls)  # (its files too: a bad one stops the start, not the first request)
+    return context
 
 
 def server_tls_context(tls: ServerTlsSettings) -> ssl.SSLContext:
@@ -104,6 +112,24 @@ def server_tls_context(tls: ServerTlsSettings) -> ssl.SSLContext:
             raise StartupRefused(f"broker.tls.client_ca_file {tls.client_ca_file}: no usable PEM CA certificate "
                                  f"in it ({_ssl_reason(e)})") from None
         context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def forwarding_tls_context(tls: ServerTlsSettings | None) -> ssl.SSLContext | None:
+    """The context a replica passes requests on to the leader with (module docstring); None without
+    ``broker.tls`` (plain HTTP). :class:`StartupRefused` names a file that cannot be used."""
+    if tls is None:
+        return None
+    context = ssl.create_default_context()
+    if tls.peer_ca_file is not None:
+        _read_pem("broker.tls.peer_ca_file", tls.peer_ca_file)
+        try:
+            context.load_verify_locations(cafile=tls.peer_ca_file)
+        except (OSError, ValueError) as e:
+            raise StartupRefused(f"broker.tls.peer_ca_file {tls.peer_ca_file}: no usable PEM CA certificate in it "
+                                 f"({_ssl_reason(e)})") from None
+    if tls.client_ca_file is not None:  # the leader asks every client for a certificate: this replica's own
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=_never_prompt(tls.key_file))
     return context
 
 

@@ -151,6 +151,35 @@ async def test_mutual_tls(tmp_path, pki, client_cert: Callable[[Pki], tuple[Path
                     await c.request("GET", "/healthz")
 
 
+async def test_a_replica_passes_requests_on_to_a_leader_that_asks_for_client_certificates(tmp_path, pki) -> None:
+    """Replicas behind mutual TLS: a follower passed requests on to the leader with aiohttp's defaults, the
+    system's CA store and no certificate of its own, so every forwarded write answered 503. Here the
+    replicas' certificates come from one private CA (``ca``), which the leader also asks clients to be
+    signed by; the follower's connection is the one ``forwarding_tls_context`` makes."""
+    import aiohttp
+
+    from broker.server import forwarding_tls_context
+
+    def replica(**tls: str) -> ServerTlsSettings:
+        return ServerTlsSettings(cert_file=str(pki.server_cert), key_file=str(pki.server_key),
+                                 client_ca_file=str(pki.ca), **tls)
+
+    async def healthz(port: int, tls: ServerTlsSettings) -> str:
+        connector = aiohttp.TCPConnector(ssl=forwarding_tls_context(tls))
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async with session.get(f"https://127.0.0.1:{port}/healthz") as answer:
+                return (await answer.json())["status"]
+
+    leader = BrokerSettings(port=0, db=str(tmp_path / "h.db"), tls=replica())
+    async with serving(leader) as port:
+        assert await healthz(port, replica(peer_ca_file=str(pki.ca))) == "ok"
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):  # the private CA, not in the system's store
+            await healthz(port, replica())
+        with pytest.raises(aiohttp.ClientError):  # a stranger's certificate: refused by the leader
+            await healthz(port, ServerTlsSettings(cert_file=str(pki.stranger_cert), key_file=str(pki.stranger_key),
+                                                  client_ca_file=str(pki.ca), peer_ca_file=str(pki.ca)))
+
+
 # --- files that cannot be used: one line naming the file ---------------------------------------------------
 
 
@@ -189,6 +218,10 @@ BAD_FILES = [
                                     "client_ca_file": str(p.server_key)}},
                  lambda p: f"broker.tls.client_ca_file {p.server_key}: no usable PEM CA certificate in it",
                  id="a client CA file without a certificate names the client CA file"),
+    pytest.param(lambda p: {"tls": {"cert_file": str(p.server_cert), "key_file": str(p.server_key),
+                                    "peer_ca_file": str(p.folder / "missing-peer-ca.pem")}},
+                 lambda p: f"broker.tls.peer_ca_file {p.folder / 'missing-peer-ca.pem'}: cannot read",
+                 id="a missing peer CA file names it"),
     pytest.param(lambda p: {"mqtt": {"ca_file": str(p.folder / "missing-ca.pem")}},
                  lambda p: f"mqtt.ca_file {p.folder / 'missing-ca.pem'}: cannot read",
                  id="a missing MQTT CA file names it"),
