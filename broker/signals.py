@@ -422,10 +422,13 @@ class GridSignals:
     def model_hours(self, zones: Sequence[str], now: datetime) -> int:
         """Hours of :meth:`forecast_rows`' rows (from the hour containing ``now``) that the zones' models made,
         the fewest over the zones with a usable forecast: a forecast made ``k`` hours ago has ``horizon_h -
-        k`` model hours left (the rest: the zone's mean day). 0 when no zone has one."""
+        k`` model hours left (the rest: the zone's mean day). 0 when no zone has one; at least 1 when one has,
+        since 0 tells the snapshot that every hour is the model's (``Snapshot.carbon_forecast_model_h``): a
+        forecast kept past its horizon (``stale_after_s`` above ``horizon_h``) is then judged on its first
+        hour only, not on the mean day that follows."""
         usable = [self._usable(z, now) for z in zones]
         left = [self.settings.horizon_h - u[1] for u in usable if u is not None]
-        return max(min(left), 0) if left else 0
+        return max(min(left), 1) if left else 0
 
     def _usable(self, zone: str, now: datetime) -> tuple[FittedForecast, int] | None:
         """``zone``'s forecast and the hours since its first hour, if it is usable at ``now``: not stale,

@@ -154,6 +154,17 @@ async def test_past_the_models_horizon_each_hour_is_the_mean_of_that_hour_of_the
     np.testing.assert_array_equal(values, got[:48])
 
 
+async def test_a_forecast_kept_past_its_horizon_is_not_taken_as_all_model_hours(carbon, closing) -> None:
+    """A 4-hour horizon kept 6 hours: 5 hours on, no model hour is left, and 0 told the snapshot that every
+    hour of the row was the model's (moves were then judged on the mean day past it as on a forecast)."""
+    clock = ManualClock(NOW)
+    cfg = settings(horizon_h=4, stale_after_s=6 * 3600)
+    fed, signals = await signals_for(closing, FileCarbonProvider(carbon), clock, cfg, LONDON)
+    await signals.refresh()
+    assert fed.freeze(NOW + 2 * H).carbon_forecast_model_h == 2
+    assert fed.freeze(NOW + 5 * H).carbon_forecast_model_h == 1
+
+
 async def test_a_forecast_is_shifted_to_nows_hour_until_it_goes_stale(carbon, closing) -> None:
     clock = ManualClock(NOW)
     cfg = settings(stale_after_s=6 * 3600)
