@@ -232,6 +232,8 @@ def test_write_html_writes_the_page_and_three_pngs(tmp_path: Path) -> None:
     assert "hours &lt;and&gt; sites" in page
     assert "+23.5 %" in page and "1,234,568" in page
     assert "g CO2e / kWh" in page and "t CO2e" in page and "USD / GPU-h" in page
+    # the run's facts count the jobs replayed, as the JSON's "jobs" does, and the one left out apart
+    assert "4 jobs replayed (1 more of the trace left out for every policy" in page
 
 
 def test_write_html_copes_with_no_bound_and_empty_metrics(tmp_path: Path) -> None:

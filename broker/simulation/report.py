@@ -637,7 +637,8 @@ def _run_facts(result: SimulationResult) -> str:
     n_jobs = int(result.submit_s.size)
     left_out = int(np.count_nonzero(result.left_out))
     text = (
-        f"{n_jobs:,} jobs ({left_out:,} left out as larger than the largest site) replayed over "
+        f"{n_jobs - left_out:,} jobs replayed ({left_out:,} more of the trace left out for every policy: no site fits "
+        "them even when empty, in GPUs, GPU model or latency objective) over "
         f"{result.sites.n_sites} sites for {hours:,} hours from {start:%Y-%m-%d %H:%M} UTC, "
         f"under {len(result.policies)} policies: {', '.join(result.policies)}."
     )

@@ -2,7 +2,8 @@
 
 Everything is arrays aligned with the workload's jobs (index ``i`` is job ``i`` of the workload, in submit
 order). Times are float seconds after :attr:`SimulationResult.start` (aware UTC). A job left out of the run
-(larger than the largest site) has ``site == -1`` and NaN times for every policy alike.
+(no site fits it even when empty: too many GPUs, a model no site has, or no site near enough for its
+latency objective) has ``site == -1`` and NaN times for every policy alike.
 
 Units: energy in kWh, carbon in kg CO2e, cost in US dollars, intensity in g CO2e per kWh, GPUs as a float
 count (a fractional job holds ``milli / 1000`` of one GPU).
@@ -95,7 +96,7 @@ class SimulationResult:
     gpus: np.ndarray  # float64[n_jobs]: GPUs held (milli / 1000 for a fractional job)
     tenant: np.ndarray  # int32[n_jobs]
     tenant_names: tuple[str, ...]
-    left_out: np.ndarray  # bool[n_jobs]: larger than the largest site, run by no policy
+    left_out: np.ndarray  # bool[n_jobs]: no site fits it even when empty; run by no policy
     policies: dict[str, PolicyRun] = field(default_factory=dict)
     offline_bound: dict[str, Any] | None = None
     whole_job_bound: dict[str, Any] | None = None  # broker.simulation.whole_job_bound, with the offline bound
