@@ -283,7 +283,7 @@ class QuotaBook:
         p = acct.effective(ask.priority)
         shares = None
         if not over_limit and not reclaim:  # who is over its fair share, this job counted in
-            wants = self._wants(demand or {})
+            wants = self._wants(demand or {}, acct)
             wants[acct] = max(wants.get(acct, acct.in_use), acct.in_use + g)
             shares = self._division(now, wants)
         found = preemption.search(acct, g, model, p, now, fits, reclaim, over_limit, self._accounts.values(), shares,
@@ -571,10 +571,15 @@ class QuotaBook:
             job.priority = acct.effective(job.asked)
             self._record(job, acct, now)
 
-    def _wants(self, demand: Mapping[str, float]) -> dict[_Account, float]:
+    def _wants(self, demand: Mapping[str, float], asking: _Account | None = None) -> dict[_Account, float]:
+        """GPUs each account wants: what it runs, or the tenant's ``demand`` where that is more. ``asking``: the
+        account of a job being admitted; a tenant new here (no account stored yet) is that one account, not a
+        second one for its demand, or the division would count it twice and shrink every other share."""
         wants = {a: a.in_use for a in self._accounts.values()}
         for tenant, d in demand.items():
             acct = self._main(tenant)
+            if asking is not None and (acct.tenant, acct.pool) == (asking.tenant, asking.pool):
+                acct = asking
             wants[acct] = max(float(d), acct.in_use)
         return wants
 
