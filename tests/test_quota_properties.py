@@ -337,3 +337,43 @@ def test_the_broker_serves_the_highest_priority_then_the_tenant_least_served_for
             order.placed(job[0], job[2])
             held[job[0]] = held.get(job[0], 0.0) + job[2]
     assert sorted(served) == sorted(jobs)
+
+
+# --- the site's own queue order -----------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(site_quotas=sites(), running=st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.5, 1, 2])), max_size=10),
+       pending=st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.5, 1, 2]), st.integers(0, 2)), min_size=1,
+                        max_size=12), mode=st.sampled_from(["time", "instant"]))
+def test_the_sites_queue_serves_first_a_tenant_within_its_guarantee_else_the_one_least_served_for_its_share(
+        site_quotas, running, pending, mode) -> None:
+    """``order`` is a permutation of what waits; within a tenant, priority then arrival; the first job is of a
+    tenant within its guarantee if any such job waits, else of the tenant holding least per GPU of the fair
+    share ``fair_shares`` reports for what each runs and waits for."""
+    gpus, quotas = site_quotas
+    site = Site(quotas, gpus, policy=FairSharePolicy(mode=mode))
+    for n, (who, g) in enumerate(running):
+        t = quotas[who % len(quotas)].tenant
+        if site.free() >= g:
+            site.run(ask(f"r{n}", t, g))
+    site.advance(H)
+    asks = [ask(f"p{n}", quotas[who % len(quotas)].tenant, g, priority=p) for n, (who, g, p) in enumerate(pending)]
+    out = site.book.order(asks, site.now)
+    assert sorted(a.job_id for a in out) == sorted(a.job_id for a in asks)
+    for t in {a.tenant for a in asks}:
+        mine = [a for a in out if a.tenant == t]
+        assert mine == sorted(mine, key=lambda a: (-effective({q.tenant: q for q in quotas}, t, a.priority),
+                                                   int(a.job_id[1:])))
+    demand = {t: site.held(t) + sum(a.gpus for a in asks if a.tenant == t) for t in {a.tenant for a in asks}}
+    shares = site.book.fair_shares(site.now, demand)
+    by_name = {q.tenant: q for q in quotas}
+
+    def rank(t: str) -> tuple[int, float]:
+        nxt = next(a for a in out if a.tenant == t).gpus
+        tier = 0 if site.held(t) + nxt <= by_name[t].guaranteed_gpus + EPS else 1
+        return tier, site.held(t) / shares[t] if shares[t] > EPS else math.inf
+
+    first = out[0].tenant
+    for t in demand:
+        assert rank(first) <= (rank(t)[0], rank(t)[1] + 1e-9)
