@@ -165,6 +165,9 @@ class ShiftPolicy(BaseModel):
         if self.max_risk is not None and not self.miss_cost > 0:
             raise ValueError("max_risk needs miss_cost > 0: a deferral's risk to the deadline is judged only where "
                              "it is priced")
+        if self.latency_reserve_price is not None and self.latency_reserve is None:
+            raise ValueError("latency_reserve_price needs latency_reserve: it is the price of taking the room kept "
+                             "for latency-bound jobs, and without latency_reserve none is kept")
         return self
 
     @property

@@ -264,6 +264,8 @@ def test_the_settings_are_validated_with_the_field_named() -> None:
         ShiftPolicy(latency_reserve=0.9, latency_reserve_price=-1.0)
     with pytest.raises(ValueError, match="max_risk needs miss_cost"):
         ShiftPolicy(max_risk=0.05)
+    with pytest.raises(ValueError, match="latency_reserve_price needs latency_reserve"):  # a price of nothing kept
+        ShiftPolicy(latency_reserve_price=0.2)
     profiles = ProfilesConfig.model_validate(
         {"definitions": {"green-near": {"weights": {"carbon": 1.0},
                                         "shift": {"latency_reserve": 0.9, "miss_cost": 30, "max_risk": 0.05}}}})
