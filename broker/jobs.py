@@ -177,6 +177,9 @@ class JobBook:
         self.seq = 0  # counts transitions; orders admissions against site reports
         self.admitted_seq: dict[str, int] = {}  # job id -> seq of its current attempt's admission
         self._changes: dict[str, int] = {}  # job id -> changes made in memory (see mark, undo, resync)
+        # job id -> monotonic time its end reached the store, for GAP_TTL_S: a read pull_new or take_in began
+        # before that write may still answer with the job queued, and must not bring it back
+        self._ended: dict[str, float] = {}
         self.suspect: set[str] = set()  # jobs whose stored state could not be read back after a failed write
         self.tracking = True  # false on a replica that does not lead: it only stores what it is sent
         self.refusals_changed = 0  # counts refusals made and expiries: the sites a job may use changed
@@ -283,8 +286,8 @@ class JobBook:
         returns how many were new to this book.
 
         Only queued jobs this book never touched are taken: every other replica only ever inserts queued
-        jobs, and a job this book changed (say, finished, its write still on the way) must not come back
-        from a read older than that change. Row numbers are handed out when an insert starts, not when it
+        jobs, and a job this book changed (say, finished, its write still on the way, or landed while the read
+        was under way) must not come back from a read older than that change. Row numbers are handed out when an insert starts, not when it
         commits, so a lower one can appear after a higher one was read: the numbers skipped are looked up
         again, apart from the forward read, for :data:`GAP_TTL_S`, longer than any insert may take to
         commit. ``load`` starts the count at the store's last row, with the rows just below it that the
@@ -292,6 +295,8 @@ class JobBook:
         now = time.monotonic()
         for seq in [q for q, noticed in self._gaps.items() if now - noticed > GAP_TTL_S]:
             del self._gaps[seq]
+        for job_id in [j for j, ended in self._ended.items() if now - ended > GAP_TTL_S]:
+            del self._ended[job_id]
         rows = await self._store.active_after(self._pulled_seq, limit)
         if self._gaps and now - self._gaps_checked >= GAP_CHECK_S:
             self._gaps_checked = now
@@ -303,7 +308,8 @@ class JobBook:
                 if seq - self._pulled_seq <= MAX_GAP_ROWS:
                     self._gaps.update(dict.fromkeys(range(self._pulled_seq + 1, seq), now))
                 self._pulled_seq = seq
-            if job.state == JobState.QUEUED and job.id not in self.active and job.id not in self._changes:
+            if (job.state == JobState.QUEUED and job.id not in self.active and job.id not in self._changes
+                    and job.id not in self._ended):
                 self.announce(job, None)
                 self.active[job.id] = job
                 self.fresh.append(job.id)
@@ -321,7 +327,8 @@ class JobBook:
         if job is not None or not self.tracking or job_id in self._changes:
             return job
         stored = await self._store.get_job(job_id)
-        if stored is None or stored.state != JobState.QUEUED or job_id in self.active or job_id in self._changes:
+        if (stored is None or stored.state != JobState.QUEUED or job_id in self.active or job_id in self._changes
+                or job_id in self._ended):
             return self.active.get(job_id)
         self.announce(stored, None)
         self.active[job_id] = stored
@@ -399,7 +406,8 @@ class JobBook:
         assert job_id is not None
         if job is None or job.state.terminal:
             self.active.pop(job_id, None)
-            self._changes.pop(job_id, None)
+            if self._changes.pop(job_id, None) is not None:
+                self._ended[job_id] = time.monotonic()
             self.admitted_seq.pop(job_id, None)
         else:
             self.active[job_id] = job
@@ -497,6 +505,7 @@ class JobBook:
         if new.state.terminal:
             self.metrics.finished.labels(new.state.value, new.spec.tenant).inc()
             self._changes.pop(new.id, None)
+            self._ended[new.id] = time.monotonic()
 
     def announce(self, job: Job, before: Job | None) -> None:
         """Publish a stored transition of ``job`` from ``before`` (None: the broker just took it in). The

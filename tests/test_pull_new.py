@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from broker.clock import ManualClock
 from broker.jobs import JobBook
 from broker.models import Job, JobState
@@ -132,3 +134,34 @@ async def test_a_job_a_follower_just_accepted_can_be_cancelled_at_the_leader_bef
         assert "already cancelled" in str(e)
     else:
         raise AssertionError("a second cancel must say the job has ended")
+
+
+async def test_a_job_whose_end_lands_while_a_read_is_under_way_does_not_come_back_from_it() -> None:
+    """The read began before the cancel's write and answered after it had landed (and the book had let the
+    job go): the job came back as queued, a spurious event, and a placement that then failed on a conflict."""
+
+    class SlowRead(MemoryStore):
+        during: Callable[[], Awaitable[None]] | None = None
+
+        async def active_after(self, seq: int, limit: int):  # noqa: ANN201
+            rows = await super().active_after(seq, limit)
+            if self.during is not None:
+                during, self.during = self.during, None
+                await during()  # the cancel lands now; the rows were read before it
+            return rows
+
+    store = SlowRead()
+    await store.open()
+    book = JobBook(store, ManualClock(NOW))
+    await book.load()
+    for i in (1, 2):
+        await store.insert_job(stored(i))  # as another replica's API does
+
+    async def cancel() -> None:  # the cancel sent to the leader at once (Lifecycle.cancel takes the job in)
+        assert await book.take_in("job-001") is not None
+        await book.transition("job-001", JobState.CANCELLED, reason="cancelled by request")
+
+    store.during = cancel
+    assert await book.pull_new() == 1  # job-002; job-001's queued row was read before its cancel landed
+    assert "job-001" not in book.active and (await store.get_job("job-001")).state == JobState.CANCELLED
+    assert await book.take_in("job-001") is None
