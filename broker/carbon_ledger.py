@@ -11,9 +11,9 @@ Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board pow
 expected duration; emissions = energy x the grid intensity each site had at the moment of the decision.
 Both sites are charged the same energy (the placed model's power). Savings from deferring a job to a
 cleaner hour are not in this figure: it compares sites at the same moment, so it never credits a forecast
-that may not come true. The leader keeps the totals in its database (``broker_state``) after passes that
-placed jobs, at most every 10 s, and when it stops, so they run on across restarts and takeovers (a crash
-loses at most the last 10 s of them); replicas that do not lead pass ``GET /v1/carbon`` on to the leader.
+that may not come true. The leader keeps the totals in its database (``broker_state``) at the end of a
+pass once they changed, at most every 10 s, and when it stops, so they run on across restarts and takeovers
+(a crash loses at most the last 10 s of them); replicas that do not lead pass ``GET /v1/carbon`` on to the leader.
 """
 
 from __future__ import annotations

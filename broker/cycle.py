@@ -488,6 +488,7 @@ class SchedulingCycle:
                     await self._keep_learned()
                 if self._migrating:  # a stop that failed in the background since the last pass
                     await self.keep_moves()
+            await self._keep_ledger_due()  # placements admitted since the pass that made them
             return CycleReport(full=full, decided=0, placed=0, unplaceable=0)
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
@@ -514,8 +515,7 @@ class SchedulingCycle:
             self.federation.remember_pass(snap)
             # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
             await self._finish(assumed, records)
-            if self.carbon.jobs != self._carbon_saved and time.monotonic() - self._carbon_saved_at >= LEDGER_SAVE_S:
-                await self.keep_ledger()
+            await self._keep_ledger_due()
             if self._migrating:
                 await self.keep_moves()
         if full:
@@ -1143,9 +1143,16 @@ class SchedulingCycle:
         except ValueError as e:
             log.warning("ignoring the stored carbon ledger: %s; its totals start from 0", e)
 
+    async def _keep_ledger_due(self) -> None:
+        """``keep_ledger`` at most every ``LEDGER_SAVE_S``, at the end of every pass, quiet ones included: a
+        placement is counted when its site admits it (``_dispatch``), after the pass that made it."""
+        if self.carbon.jobs != self._carbon_saved and time.monotonic() - self._carbon_saved_at >= LEDGER_SAVE_S:
+            await self.keep_ledger()
+
     async def keep_ledger(self, final: bool = False) -> None:
-        """Save the carbon ledger's totals: after a pass that placed jobs, at most every ``LEDGER_SAVE_S``
-        (tried again after the next one), and when the broker stops (``final``: as for ``keep_moves``)."""
+        """Save the carbon ledger's totals: at the end of a pass where they changed, at most every
+        ``LEDGER_SAVE_S`` (tried again after the next one; ``_keep_ledger_due``), and when the broker stops
+        (``final``: as for ``keep_moves``)."""
         if not (final or self.may_act()) or self.carbon.jobs == self._carbon_saved:
             return
         jobs = self.carbon.jobs

@@ -103,6 +103,20 @@ async def test_a_placement_its_site_refuses_is_counted_once_where_it_runs(tmp_pa
         await b.stop()
 
 
+async def test_placements_admitted_after_their_pass_are_saved_by_a_later_pass_with_nothing_to_do(tmp_path) -> None:
+    """The ledger counts a placement when its site admits it, after the pass that made it: a broker with no
+    more work saved it only at its next placement or a clean stop, so a crash or a lost lease lost it."""
+    b = await green_broker_with_two_jobs_placed(tmp_path)
+    try:
+        assert (await carbon(b))["jobs"] == 2
+        assert await b.store.get_state(CARBON_LEDGER_STATE) is None  # admitted after the pass: not saved yet
+        report = await b.cycle.run_once(full=True)  # nothing left to decide
+        assert report.decided == 0
+        assert json.loads(await b.store.get_state(CARBON_LEDGER_STATE))["jobs"] == 2
+    finally:
+        await b.stop()
+
+
 @pytest.mark.parametrize("doc", ['{"v": 1, "jobs": -1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, "moved": 0}',
                                  '{"v": 1, "jobs": 1}', "not json", '{"v": 2}'])
 async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
