@@ -295,8 +295,6 @@ class JobBook:
         now = time.monotonic()
         for seq in [q for q, noticed in self._gaps.items() if now - noticed > GAP_TTL_S]:
             del self._gaps[seq]
-        for job_id in [j for j, ended in self._ended.items() if now - ended > GAP_TTL_S]:
-            del self._ended[job_id]
         rows = await self._store.active_after(self._pulled_seq, limit)
         if self._gaps and now - self._gaps_checked >= GAP_CHECK_S:
             self._gaps_checked = now
@@ -384,6 +382,16 @@ class JobBook:
             self.changed.set()
         return new, job.version
 
+    def _remember_ended(self, job_id: str) -> None:
+        """Note that ``job_id``'s end reached the store (``_ended``), and forget the ends older than
+        ``GAP_TTL_S``: the dict is in the order they were noted, so those are at its front (a lone broker, which
+        never pulls, keeps no more than a minute's worth either)."""
+        now = time.monotonic()
+        self._ended.pop(job_id, None)
+        self._ended[job_id] = now
+        while (oldest := next(iter(self._ended.items()))) and now - oldest[1] > GAP_TTL_S:
+            del self._ended[oldest[0]]
+
     def _touch(self, job_id: str) -> int:
         self._changes[job_id] = self._changes.get(job_id, 0) + 1
         return self._changes[job_id]
@@ -407,7 +415,7 @@ class JobBook:
         if job is None or job.state.terminal:
             self.active.pop(job_id, None)
             if self._changes.pop(job_id, None) is not None:
-                self._ended[job_id] = time.monotonic()
+                self._remember_ended(job_id)
             self.admitted_seq.pop(job_id, None)
         else:
             self.active[job_id] = job
@@ -505,7 +513,7 @@ class JobBook:
         if new.state.terminal:
             self.metrics.finished.labels(new.state.value, new.spec.tenant).inc()
             self._changes.pop(new.id, None)
-            self._ended[new.id] = time.monotonic()
+            self._remember_ended(new.id)
 
     def announce(self, job: Job, before: Job | None) -> None:
         """Publish a stored transition of ``job`` from ``before`` (None: the broker just took it in). The

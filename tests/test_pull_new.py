@@ -165,3 +165,21 @@ async def test_a_job_whose_end_lands_while_a_read_is_under_way_does_not_come_bac
     assert await book.pull_new() == 1  # job-002; job-001's queued row was read before its cancel landed
     assert "job-001" not in book.active and (await store.get_job("job-001")).state == JobState.CANCELLED
     assert await book.take_in("job-001") is None
+
+
+async def test_the_ends_a_book_remembers_are_kept_a_minute_not_for_the_life_of_the_process(monkeypatch) -> None:  # noqa: ANN001
+    """A lone broker never pulls, so nothing else ever let the remembered ends go: one entry per job it ran."""
+    import broker.jobs as jobs_module
+
+    import time
+    from types import SimpleNamespace
+
+    now = [1000.0]  # (the module's clock only: asyncio's stays the real one)
+    monkeypatch.setattr(jobs_module, "time", SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    book, store = await started()
+    for i in range(4):
+        made, _ = await book.submit(job(name=f"j{i}"))
+        if i == 3:
+            now[0] += jobs_module.GAP_TTL_S + 1
+        await book.transition(made.id, JobState.CANCELLED, reason="cancelled")
+    assert len(book._ended) == 1
