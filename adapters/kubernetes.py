@@ -599,15 +599,13 @@ class KubernetesSite:
                 admission = await self._create_job(job, namespace, decision.placement.model, single)
                 if not admission.admitted:
                     return admission
+                if key in self._withdrawn:  # withdrawn while its Job was made: stop nobody for it (see below)
+                    return await self._drop_withdrawn(job, namespace)
                 for victim in decision.victims:
                     await self._preempt(victim, f"for job {job.id} of tenant {job.spec.tenant}, which "
                                                 f"{decision.reason}")
-            if key in self._withdrawn:
-                # Withdrawn while its Job was being made (cancel takes no lock, and found no Job to delete then):
-                # admitted, it would run with nobody to stop it, since the broker counts it withdrawn.
-                await self._delete_job(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
-                self._finish(key)
-                return Admission.rejected(f"attempt {job.attempt} was withdrawn while it was being dispatched")
+            if key in self._withdrawn:  # (while its victims were being stopped)
+                return await self._drop_withdrawn(job, namespace)
             attempt = self._attempts.setdefault(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
             attempt.job, attempt.has_job = job, True
             if attempt.done:  # its Job ended while the victims were being stopped (the watch reported it):
@@ -620,6 +618,15 @@ class KubernetesSite:
             # else the Job exists already (a repeated dispatch): it holds its GPUs whatever the ledgers say
             attempt.admitted = True
             return Admission.ok()
+
+    async def _drop_withdrawn(self, job: Job, namespace: str) -> Admission:
+        """An attempt withdrawn while it was being admitted (cancel takes no lock, and found no Job to delete
+        then): its Job is deleted and the submit refused. Admitted, it would run with nobody to stop it, since
+        the broker counts it withdrawn."""
+        key = (job.id, job.attempt)
+        await self._delete_job(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
+        self._finish(key)
+        return Admission.rejected(f"attempt {job.attempt} was withdrawn while it was being dispatched")
 
     async def _get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

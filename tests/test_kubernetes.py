@@ -799,6 +799,28 @@ async def test_a_tenant_reclaiming_its_guarantee_preempts_the_borrowing_job(
     assert (await adapter.snapshot()).capacity[0].free_gpus == 0
 
 
+async def test_a_job_withdrawn_while_its_job_is_made_preempts_nobody(
+        borrowing: tuple[KubernetesSite, AsyncIterator[JobEvent]], cluster: kmock.KubernetesEmulator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # b-1 would reclaim b's guarantee from a-2, but the broker withdraws b-1 while its Job is being made: a-2
+    # must run on, not lose its Job (and its progress) for a job that was then deleted.
+    adapter, stream = borrowing
+    victim = await a2_running(adapter, stream, cluster)
+    make = adapter._create_job
+
+    async def made_then_cancelled(*args: Any, **kwargs: Any) -> Any:
+        answer = await make(*args, **kwargs)
+        await adapter.cancel("b-1", 1)
+        return answer
+
+    monkeypatch.setattr(adapter, "_create_job", made_then_cancelled)
+    answer = await adapter.submit(attempt("b-1", count=8, tenant="b"))
+    assert not answer.admitted and "withdrawn" in (answer.reason or "")
+    assert ("heliotrope-a", victim) in jobs(cluster) and ("heliotrope-b", job_name("b-1", 1)) not in jobs(cluster)
+    with pytest.raises(TimeoutError):  # a-2 is not preempted
+        await asyncio.wait_for(anext(stream), 0.5)
+
+
 @pytest.mark.parametrize(("status", "why"), [
     (404, 'namespaces "heliotrope-b" not found'),
     (403, 'jobs.batch is forbidden: User "heliotrope" cannot create resource "jobs" in the namespace'),
