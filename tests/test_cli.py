@@ -178,6 +178,8 @@ def test_serve_with_a_broken_config_prints_the_field_and_exits_1(tmp_path):
      "postgresq://u@db.example/h is not a database heliotrope can use"),
     (["--db", "postgress://u@db?password=secret"], {},  # no database path: the password is in the query alone
      "postgress://u@db?password=*** is not a database heliotrope can use"),
+    (["--db", "postgress://u:secret?x@db/h"], {},  # a ? in the password, unencoded: the user's part ends at the @
+     "postgress://u@db/h is not a database heliotrope can use"),
 ])
 def test_serve_checks_its_flags_and_database_url_and_exits_1_at_once(tmp_path, flags, env, words):
     # A mistyped URL would otherwise become an SQLite file of that name, and a bad port a hang.

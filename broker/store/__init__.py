@@ -249,15 +249,14 @@ def describe_db(db: str) -> str:
     if "://" not in db:
         return db
     scheme, rest = db.split("://", 1)
-    # The authority ends at the first / or ?: a URL with no database path (postgresql://u@host?password=...)
-    # would otherwise print its query's password as part of the host.
-    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    authority, path = rest[:end], rest[end:]
-    if "@" in authority:  # user:password@host: the last @ ends the user's part (a password may hold one)
-        user = authority.rsplit("@", 1)[0].split(":", 1)[0]
-        authority = f"{user + '@' if user else ''}{authority.rsplit('@', 1)[1]}"
-    path = re.sub(r"(?i)(password=)[^&]*", r"\1***", path)
-    return f"{scheme}://{authority}{path}"
+    # user:password@host...: the last @ ends the user's part, since a password may hold @, / or ? (unencoded,
+    # as people write them); what is before the first : of that part, and before any / or ?, is the user. A
+    # query's password= is masked too (postgresql://u@host?password=...).
+    if "@" in rest:
+        userinfo, rest = rest.rsplit("@", 1)
+        user = re.split(r"[:/?#]", userinfo, maxsplit=1)[0]
+        rest = f"{user}@{rest}" if user else rest
+    return f"{scheme}://" + re.sub(r"(?i)(password=)[^&]*", r"\1***", rest)
 
 
 def open_store(db: str) -> Store:
