@@ -355,6 +355,22 @@ def test_a_missing_column_names_the_file_and_the_column(tmp_path: Path, lifecycl
         load_carbon(zone_copy(tmp_path, rename), lifecycle=lifecycle)
 
 
+def test_the_current_electricity_maps_header_loads_both_series(tmp_path: Path) -> None:
+    """Electricity Maps' downloads from 2023 on (and its re-issues of earlier years) write "Carbon intensity",
+    "Zone id" and a life-cycle column "(Life cycle)" instead of "(LCA)": the same series, read the same."""
+    def current_header(lines: list[str]) -> list[str]:
+        lines[0] = (lines[0].replace("Carbon Intensity", "Carbon intensity").replace("(LCA)", "(Life cycle)")
+                    .replace("Zone Id", "Zone id"))
+        return lines
+
+    folder = zone_copy(tmp_path, current_header)
+    old = load_carbon(SLICE, zones=["DE-LU"], lifecycle=True)
+    new = load_carbon(folder, lifecycle=True)
+    np.testing.assert_array_equal(new.series("DE-LU", utc(2022, 6, 1), 504), old.series("DE-LU", utc(2022, 6, 1), 504))
+    np.testing.assert_array_equal(load_carbon(folder).series("DE-LU", utc(2022, 6, 1), 504),
+                                  load_carbon(SLICE, zones=["DE-LU"]).series("DE-LU", utc(2022, 6, 1), 504))
+
+
 def test_a_file_without_a_time_column_names_the_file(tmp_path: Path) -> None:
     def rename(lines: list[str]) -> list[str]:
         lines[0] = lines[0].replace("Datetime (UTC)", "When")

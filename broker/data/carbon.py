@@ -5,7 +5,9 @@ What it reads
 
     - one sub-folder per zone holding any number of CSV files (any years), as Electricity Maps ships them:
       ``<ZONE>/<ZONE>_2021_hourly.csv`` with columns ``Datetime (UTC)``, ``Carbon Intensity gCO₂eq/kWh
-      (direct)`` and ``Carbon Intensity gCO₂eq/kWh (LCA)`` (other columns are ignored);
+      (direct)`` and ``Carbon Intensity gCO₂eq/kWh (LCA)`` (other columns are ignored); the files Electricity
+      Maps publishes now (2023 on, and its re-issues of earlier years) name the life-cycle column
+      ``Carbon intensity gCO₂eq/kWh (Life cycle)``, which is read the same;
     - flat files ``<zone>_ci.csv`` with columns ``Time`` and ``Carbon Intensity``, as the Let's Wait Awhile
       data ships them (15- or 30-minute steps, one series only).
 
@@ -80,7 +82,7 @@ _MAX_ROW_SHOWN = 120  # characters of a malformed row quoted in an error
 # Column names, compared after _col() normalisation (lower case, CO₂ written CO2, spaces collapsed).
 _TIME_COLUMNS = ("datetime (utc)", "time", "datetime")
 _DIRECT_COLUMN = "carbon intensity gco2eq/kwh (direct)"
-_LCA_COLUMN = "carbon intensity gco2eq/kwh (lca)"
+_LCA_COLUMNS = ("carbon intensity gco2eq/kwh (lca)", "carbon intensity gco2eq/kwh (life cycle)")
 _SINGLE_COLUMN = "carbon intensity"
 _ZONE_ID_COLUMN = "zone id"
 
@@ -331,13 +333,13 @@ def _parse_file(file: Path, lifecycle: bool) -> _FileRows:
         if t_col is None:
             raise CarbonDataError(f"{file} has no time column 'Datetime (UTC)' or 'Time'; its columns: {header}")
         if lifecycle:
-            v_col = cols.get(_LCA_COLUMN)
+            v_col = next((cols[c] for c in _LCA_COLUMNS if c in cols), None)
             if v_col is None and _SINGLE_COLUMN in cols:
                 raise CarbonDataError(
                     f"{file} has a single series ('Carbon Intensity'), no life-cycle (LCA) one; "
                     "load it with lifecycle=False"
                 )
-            wanted = "Carbon Intensity gCO₂eq/kWh (LCA)"
+            wanted = "Carbon Intensity gCO₂eq/kWh (LCA)' or 'Carbon intensity gCO₂eq/kWh (Life cycle)"
         else:
             v_col = cols.get(_DIRECT_COLUMN, cols.get(_SINGLE_COLUMN))
             wanted = "Carbon Intensity gCO₂eq/kWh (direct)' or 'Carbon Intensity"
