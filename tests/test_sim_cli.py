@@ -111,6 +111,26 @@ def test_trace_deadlines_are_used(files: dict[str, Path]) -> None:
     assert "2022-06-01T06:00:00Z" in rows[1]
 
 
+def test_sites_that_list_no_rtt_from_their_own_region_still_take_its_latency_bound_jobs(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # A broker config lists the RTTs measured from other regions (config/demo.yaml), not a site's own; the
+    # workload draws origins from the sites' regions, so a latency-bound job from one used to fit no site.
+    files["sites"].write_text("sites:\n" + "".join(
+        _site(n, z, r, 1.0).replace(f"rtt_ms: {{'{r}': 1.0}}", "rtt_ms: {}")
+        for n, z, r in (("a", "GB", "gcp:europe-west2"), ("b", "FR", "gcp:europe-west9"))))
+    files["trace"].write_text("submit,seconds,gpus,team\n" + "".join(
+        f"2022-06-01T{i // 4:02d}:{15 * (i % 4):02d}:00,1800,1,t{i % 5}\n" for i in range(40)))
+    out = files["tmp"] / "r.json"
+    assert cli.main(_args(files, "--policy", "baseline-least-loaded", "--no-bound", "--json", str(out),
+                          "--dump-workload", str(files["tmp"] / "w"))) == 0
+    rows = list(csv.DictReader((files["tmp"] / "w" / "jobs.csv").open()))
+    assert any(r["latency_slo_ms"] for r in rows)  # the draw gave some jobs an objective
+    doc = json.loads(out.read_text())
+    assert doc["left_out"] == 0 and doc["policies"]["baseline-least-loaded"]["jobs"] == 40
+    assert doc["policies"]["baseline-least-loaded"]["latency_violations"] == 0
+    assert "note: sites: a, b list no RTT from their own region" in capsys.readouterr().err
+
+
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert cli.main(argv) == 1
     captured = capsys.readouterr()

@@ -149,8 +149,12 @@ def prepare(spec: SimulationSpec) -> Prepared:
     hours = int((data_end - hour0) // timedelta(hours=1))
     intensity = {z: carbon.series(z, hour0, hours) for z in zones}
     if site_file is not None:
-        sites = site_file
+        sites = _with_own_region_rtt(site_file)
         report.append(f"sites: {len(sites)} from {spec.sites}")
+        given = [s.name for s, f in zip(sites, site_file, strict=True) if s is not f]
+        if given:
+            report.append(f"sites: {', '.join(given)} list no RTT from their own region; a job from there reaches "
+                          "them in 0 ms in this run, as in the default federation (jobs come from the sites' regions)")
     else:
         prices = load_gcp_prices(spec.prices)
         latency = load_latency(spec.latency)
@@ -184,6 +188,20 @@ def prepare(spec: SimulationSpec) -> Prepared:
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
     return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
+
+
+def _with_own_region_rtt(sites: Sequence[SiteSpec]) -> list[SiteSpec]:
+    """Each site with an RTT of 0 ms from its own region where its spec gives none (other sites returned as
+    they are, the same objects).
+
+    The workload draws every job's origin from the sites' regions (``WorkloadAssumptions.for_sites``), and a
+    latency objective is met only where an RTT from the origin is given; a broker config lists the RTTs
+    measured from *other* regions (``config/demo.yaml``), so without this every latency-bound job whose
+    origin no site lists would fit no site and be left out of every policy (10 % of a run by default). A job
+    from a site's own region is the one case whose RTT needs no measurement; the default federation gives it
+    0 ms too (``federation._Rtt.between``). An RTT the file gives for its own region is kept."""
+    return [s if s.region in s.rtt_ms else s.model_copy(update={"rtt_ms": {**s.rtt_ms, s.region: 0.0}})
+            for s in sites]
 
 
 def models_no_site_has(workload: Workload, sites: Sequence[SiteSpec], jobs: np.ndarray) -> str:
