@@ -131,6 +131,27 @@ def test_sites_that_list_no_rtt_from_their_own_region_still_take_its_latency_bou
     assert "note: sites: a, b list no RTT from their own region" in capsys.readouterr().err
 
 
+def test_zones_outside_the_default_table_run_once_zone_regions_names_their_regions(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # Carbon data for a zone the default federation's table lacks, and one whose folder is lower case with a
+    # dash: the table's error used to point at a Python argument the command line had no way to give.
+    carbon = _carbon(files["tmp"] / "other", {"PL": [700.0 - h for h in range(72)], "se-se3": [30.0] * 72})
+    argv = ["simulate", "--trace", str(files["trace"]), "--columns", "submit=submit,duration=seconds,gpus=gpus",
+            "--carbon", str(carbon), "--policy", "baseline-carbon-greedy", "--no-bound"]
+    err = _error(capsys, argv)
+    assert "grid zone PL, SE-SE3 has no cloud region" in err and "--zone-regions PL=" in err
+    assert len(err.strip().splitlines()) == 1
+    out = files["tmp"] / "w"
+    assert cli.main([*argv, "--zone-regions", "pl=gcp:europe-central2, SE-SE3=gcp:europe-north1",
+                     "--dump-workload", str(out)]) == 0
+    sites = {s["grid_zone"]: s["region"] for s in json.loads((out / "sites.json").read_text())}
+    assert sites == {"PL": "gcp:europe-central2", "SE-SE3": "gcp:europe-north1"}
+    assert "note: sites: zone PL: mapped to gcp:europe-central2" in capsys.readouterr().err
+    assert "is not ZONE=REGION" in _error(capsys, [*argv, "--zone-regions", "PL"])
+    assert "default federation only" in _error(capsys, [*argv, "--zone-regions", "PL=gcp:europe-central2",
+                                                        "--sites", str(files["sites"])])
+
+
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert cli.main(argv) == 1
     captured = capsys.readouterr()

@@ -1,8 +1,8 @@
 """``heliotrope simulate``: the command line of the simulator (see ``broker.simulation.run`` for the steps).
 
     heliotrope simulate --trace FILE (--preset philly | --columns MAPPING) --carbon DIR [--prices FILE]
-        [--latency FILE] [--sites FILE] [--utilisation FRACTION] [--trace-from ISO-DATE] [--days N]
-        [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
+        [--latency FILE] [--sites FILE | --zone-regions ZONE=REGION,...] [--utilisation FRACTION]
+        [--trace-from ISO-DATE] [--days N] [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
         [--restart-s SECONDS] [--inflexible-undeclared] [--json OUT] [--report DIR]
         [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound]
         [--whole-job-steps N] [--oracle]
@@ -61,6 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    "(default: the copy in data/)")
     s.add_argument("--sites", metavar="FILE", help="sites in the broker's YAML config format (default: one equal "
                    "site per carbon zone)")
+    s.add_argument("--zone-regions", metavar="ZONE=REGION,...",
+                   help="the cloud region each carbon zone outside the default federation's table stands for "
+                        "(e.g. PL=gcp:europe-central2); without --sites every zone needs one")
     s.add_argument("--utilisation", type=float, default=0.5, metavar="FRACTION",
                    help="mean GPU utilisation the default sites are sized for (default %(default)s)")
     s.add_argument("--trace-from", metavar="ISO-DATE", help="first day of the trace window")
@@ -104,6 +107,19 @@ def _date(flag: str, text: str | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def _zone_regions(text: str | None) -> dict[str, str]:
+    """``--zone-regions PL=gcp:europe-central2,...`` as ``{zone: region}`` (checked by the federation)."""
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        zone, sep, region = (part.strip() for part in item.partition("="))
+        if not (sep and zone and region):
+            raise SimulateUsage(f"--zone-regions: {item.strip()!r} is not ZONE=REGION (e.g. PL=gcp:europe-central2)")
+        out[zone] = region
+    return out
+
+
 def spec_from(args: argparse.Namespace) -> SimulationSpec:
     from broker.simulation.run import SimulationSpec
 
@@ -130,6 +146,10 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         raise SimulateUsage(f"--whole-job-steps {args.whole_job_steps}: give a whole number within [0, 100000], "
                             "e.g. 300")
     mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
+    zone_regions = _zone_regions(args.zone_regions)
+    if zone_regions and args.sites:
+        raise SimulateUsage("--zone-regions: applies to the default federation only; a --sites file gives each "
+                            "site's region itself")
     for flag, value in (("--trace", args.trace), ("--carbon", args.carbon)):
         if not Path(value).exists():
             raise SimulateUsage(f"{flag} {value}: no such file or folder")
@@ -151,7 +171,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         latency=Path(args.latency), regions=Path(args.regions), sites=Path(args.sites) if args.sites else None,
         utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
         start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
-        oracle=args.oracle, whole_job_steps=args.whole_job_steps,
+        oracle=args.oracle, whole_job_steps=args.whole_job_steps, zone_regions=zone_regions,
         assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s,
                      "declare_inflexible": not args.inflexible_undeclared},
     )

@@ -282,7 +282,8 @@ def build_default_federation(
         raise UnknownZoneError(
             f"grid zone {', '.join(unknown)} has no cloud region in the default federation's table "
             f"(ZONE_REGIONS knows {', '.join(sorted(ZONE_REGIONS))}); pass zone_regions, e.g. "
-            f"{{'{unknown[0]}': 'gcp:europe-north1'}}, mapping it to the GCP region in or nearest to that grid"
+            f"{{'{unknown[0]}': 'gcp:europe-north1'}} (heliotrope simulate --zone-regions {unknown[0]}=gcp:europe-north1), "
+            "mapping it to the GCP region in or nearest to that grid; or give --sites"
         )
     if not prices.regions_with(model):
         where = f" {prices.path}" if prices.path else ""

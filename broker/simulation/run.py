@@ -86,6 +86,7 @@ class SimulationSpec:
     bound: bool = True
     oracle: bool = False  # also pack the whole-job oracle (broker.simulation.oracle) as a reference row
     whole_job_steps: int = 300  # steps of the whole-job bound's search (with bound; 0: the LP's prices only)
+    zone_regions: dict[str, str] = field(default_factory=dict)  # zone -> cloud region, beyond ZONE_REGIONS
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
 
@@ -161,7 +162,7 @@ def prepare(spec: SimulationSpec) -> Prepared:
         regions = load_gcp_regions(spec.regions)
         default = build_default_federation(
             zones, trace_mean_gpus_busy=trace.mean_gpus_busy(_busy_window(trace)), prices=prices, latency=latency, regions=regions,
-            largest_job_gpus=int(trace.gpus.max()), utilisation=spec.utilisation,
+            largest_job_gpus=int(trace.gpus.max()), utilisation=spec.utilisation, zone_regions=spec.zone_regions,
         )
         sites = default.sites
         report += [f"sites: {r}" for r in default.report]
