@@ -194,6 +194,27 @@ def test_every_preset_and_mapping_prints_back_as_the_columns_text_that_gives_it(
     assert str(PRESETS["philly"]) == "submit=timestamp,duration=duration,gpus=num_gpus,tenant=cluster"
 
 
+# --- GPUs as a percentage of one GPU (the Alibaba PAI trace's plan_gpu) ---------------------------------------
+
+
+def test_a_percentage_of_one_gpu_is_read_as_gpus_and_thousandths_and_sizes_by_what_is_held(tmp_path: Path) -> None:
+    # Alibaba's cluster-trace-gpu-v2020 (pai_job_table): start and end in epoch seconds, plan_gpu in percent.
+    path = write_csv(tmp_path, "job,start_time,end_time,plan_gpu\n"
+                               "a,0,3600,50\nb,0,3600,100\nc,0,3600,150\nd,0,3600,25.5\ne,0,3600,800\n")
+    mapping = parse_columns("submit=start_time,start=start_time,end=end_time,gpu_percent=plan_gpu")
+    trace = load_trace(path, mapping, time_format="seconds", origin=datetime(2020, 7, 1, tzinfo=UTC))
+    assert trace.gpus.tolist() == [1, 1, 2, 1, 8]
+    assert trace.milli.tolist() == [500, 1000, 750, 255, 1000]
+    assert any("3 jobs use part of their GPUs" in r for r in trace.report), trace.report
+    # sized by the GPUs the jobs hold: 0.5 + 1 + 1.5 + 0.255 + 8 over the hour, not 13 whole GPUs
+    hour = (trace.start, trace.start + timedelta(hours=1))
+    assert trace.mean_gpus_busy(hour) == pytest.approx(11.255)
+    for bad, problem in (("0", "is not above 0"), ("", "is empty"), ("-5", "is not above 0")):
+        path = write_csv(tmp_path, f"job,start_time,end_time,plan_gpu\na,0,3600,{bad}\n", name="bad.csv")
+        with pytest.raises(TraceError, match=f"line 2, column 'plan_gpu' \\(gpu_percent\\): '{bad}' {problem}"):
+            load_trace(path, mapping, time_format="seconds", origin=datetime(2020, 7, 1, tzinfo=UTC))
+
+
 # --- mistakes in --columns and --preset --------------------------------------------------------------------
 
 
@@ -210,6 +231,10 @@ def test_every_preset_and_mapping_prints_back_as_the_columns_text_that_gives_it(
         pytest.param("submit=t,start=s,gpus=g", "role 'start' needs role 'end'", id="a start without an end is refused"),
         pytest.param("submit=t,duration=d,gpus=g,gpus=h", "role 'gpus' is given twice",
                      id="a role given twice is named"),
+        pytest.param("submit=t,duration=d,gpus=g,gpu_percent=p", "either gpus=COLUMN or gpu_percent=COLUMN",
+                     id="a GPU count and a percentage together are refused"),
+        pytest.param("submit=t,duration=d,gpu_percent=p,milli=m", "either gpu_percent=COLUMN or milli=COLUMN",
+                     id="a percentage and thousandths together are refused"),
         pytest.param("submit=t,duration,gpus=g", "'duration' is not ROLE=COLUMN", id="an item without = is named"),
         pytest.param("submit=,duration=d,gpus=g", "role 'submit' has no column name",
                      id="a role without a column is named"),

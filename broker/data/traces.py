@@ -5,8 +5,11 @@ which role (the CLI's ``--columns submit=COL,duration=COL,gpus=COL,...`` or ``--
 
 - ``submit``: when the job was submitted (required);
 - ``duration`` (seconds), or ``start`` and ``end`` (times; duration = end - start) — exactly one of the two;
-- ``gpus``: GPUs the job asked for, a whole number >= 1 (required);
+- ``gpus``: GPUs the job asked for, a whole number >= 1 (required, unless ``gpu_percent`` is given);
 - ``milli``: thousandths of a GPU used per GPU, 1..1000 (optional; 1000, a whole GPU, when not mapped);
+- ``gpu_percent``: instead of ``gpus`` (and ``milli``), the GPUs asked for as a percentage of one GPU, as the
+  Alibaba PAI trace's ``plan_gpu`` gives them (50: half a GPU; 200: two; 150: two GPUs at 750 thousandths
+  each): ``ceil(percent / 100)`` GPUs of ``round(10 × percent / GPUs)`` thousandths each;
 - ``model``: GPU model the job asked for (optional; ``None`` = any model, also for an empty cell);
 - ``tenant``: who submitted it, e.g. Philly's virtual cluster (optional; one tenant ``default`` if not mapped).
 - ``deadline``: by when the job must finish, a time like ``submit`` (optional; when mapped it replaces the
@@ -59,7 +62,7 @@ WHOLE_GPU_MILLI = 1000
 DEFAULT_TENANT = "default"
 """The one tenant of a trace whose mapping has no ``tenant`` column."""
 
-ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "model", "tenant", "deadline")
+ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "gpu_percent", "model", "tenant", "deadline")
 """Roles a ``--columns`` mapping may name, in the order they are printed."""
 
 _FIRST_LINES_SHOWN = 5
@@ -78,10 +81,11 @@ class TraceError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ColumnMapping:
-    """Which CSV column plays which role. Give ``duration`` or both ``start`` and ``end``, not both."""
+    """Which CSV column plays which role. Give ``duration`` or both ``start`` and ``end``, not both; and
+    ``gpus`` or ``gpu_percent``, not both."""
 
     submit: str
-    gpus: str
+    gpus: str | None = None
     duration: str | None = None
     start: str | None = None
     end: str | None = None
@@ -89,6 +93,7 @@ class ColumnMapping:
     model: str | None = None
     tenant: str | None = None
     deadline: str | None = None
+    gpu_percent: str | None = None
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -103,6 +108,14 @@ class ColumnMapping:
         if has_span and (self.start is None or self.end is None):
             given, missing = ("start", "end") if self.end is None else ("end", "start")
             raise TraceError(f"role '{given}' needs role '{missing}' too: give start=COLUMN,end=COLUMN")
+        if (self.gpus is None) == (self.gpu_percent is None):
+            raise TraceError("give either gpus=COLUMN or gpu_percent=COLUMN (a percentage of one GPU), not both"
+                             if self.gpus is not None else
+                             "role 'gpus' is missing: give gpus=COLUMN, or gpu_percent=COLUMN (a percentage of one "
+                             "GPU, as Alibaba's plan_gpu)")
+        if self.gpu_percent is not None and self.milli is not None:
+            raise TraceError("give either gpu_percent=COLUMN or milli=COLUMN: a percentage of one GPU already says "
+                             "what part of a GPU the job uses")
 
     def roles(self) -> dict[str, str]:
         """The mapped roles, ``{role: column}``, in :data:`ROLES` order."""
@@ -150,9 +163,8 @@ def parse_columns(text: str) -> ColumnMapping:
         if role in found:
             raise TraceError(f"--columns: role '{role}' is given twice ({role}={found[role]} and {item})")
         found[role] = column
-    for required, what in (("submit", "the submit-time column"), ("gpus", "the GPU-count column")):
-        if required not in found:
-            raise TraceError(f"--columns: role '{required}' is missing; give {required}=COLUMN ({what})")
+    if "submit" not in found:
+        raise TraceError("--columns: role 'submit' is missing; give submit=COLUMN (the submit-time column)")
     try:
         return ColumnMapping(**found)
     except TraceError as exc:
@@ -227,9 +239,10 @@ class Trace:
     def mean_gpus_busy(self, window: tuple[datetime, datetime] | None = None) -> float:
         """Mean number of GPUs in use over ``window`` (default ``span``) if every job ran at its submit time.
 
-        Each job counts GPUs × the part of ``[submit, submit + duration)`` inside the window, so jobs that
-        run past the window's end add only their time inside it; the sum is divided by the window's length
-        in seconds. Jobs submitted outside the window but running into it are only counted if they are in
+        Each job counts the GPUs it holds (GPUs × ``milli`` / 1000: a job on half a GPU holds half of one, as
+        the simulator's utilisation counts it) × the part of ``[submit, submit + duration)`` inside the window,
+        so jobs that run past the window's end add only their time inside it; the sum is divided by the
+        window's length in seconds. Jobs submitted outside the window but running into it are only counted if they are in
         the trace.
         """
         lo_at, hi_at = window if window is not None else self.span
@@ -241,7 +254,8 @@ class Trace:
         lo = (lo_at - self.start).total_seconds()
         hi = lo + length_s
         inside = np.clip(self.submit_s + self.duration_s, lo, hi) - np.clip(self.submit_s, lo, hi)
-        return float(np.dot(self.gpus.astype(np.float64), inside)) / length_s
+        held = self.gpus.astype(np.float64) * (self.milli / float(WHOLE_GPU_MILLI))  # (× 1.0 for whole GPUs)
+        return float(np.dot(held, inside)) / length_s
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,13 +336,24 @@ def load_trace(
         if late:
             report.append(f"{_n(late, 'job')} have a deadline before submit + duration: they miss it however "
                           "they are placed.")
-    gpus = column.whole_numbers("gpus", "a whole number of GPUs")
-    column.reject(gpus < 1, "gpus", "is less than 1; a job asks for at least one GPU")
-    if mapping.milli is not None:
-        milli = column.whole_numbers("milli", "a whole number of thousandths of a GPU")
-        column.reject((milli < 1) | (milli > WHOLE_GPU_MILLI), "milli", "is not within 1..1000 (thousandths of a GPU)")
+    if mapping.gpu_percent is not None:
+        percent = column.numbers("gpu_percent", "a percentage of one GPU")
+        column.reject(~(percent > 0), "gpu_percent", "is not above 0; a job asks for some part of a GPU")
+        column.reject(percent > 100 * (2**31 - 1), "gpu_percent", "is too large")
+        gpus = np.ceil(percent / 100.0).astype(np.int32)
+        milli = np.clip(np.rint(percent * 10.0 / gpus), 1, WHOLE_GPU_MILLI).astype(np.int32)
+        part = int(np.count_nonzero(milli < WHOLE_GPU_MILLI))
+        report.append(f"GPUs read as a percentage of one GPU (column '{mapping.gpu_percent}'): "
+                      f"{_n(part, 'job')} use part of their GPUs.")
     else:
-        milli = np.full(len(rows), WHOLE_GPU_MILLI, dtype=np.int32)
+        gpus = column.whole_numbers("gpus", "a whole number of GPUs")
+        column.reject(gpus < 1, "gpus", "is less than 1; a job asks for at least one GPU")
+        if mapping.milli is not None:
+            milli = column.whole_numbers("milli", "a whole number of thousandths of a GPU")
+            column.reject((milli < 1) | (milli > WHOLE_GPU_MILLI), "milli",
+                          "is not within 1..1000 (thousandths of a GPU)")
+        else:
+            milli = np.full(len(rows), WHOLE_GPU_MILLI, dtype=np.int32)
     model = column.texts("model")
     tenant_text = column.texts("tenant")
 

@@ -44,8 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     how = s.add_mutually_exclusive_group(required=True)
     how.add_argument("--preset", metavar="NAME", help="a built-in column mapping: philly")
     how.add_argument("--columns", metavar="MAPPING",
-                     help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL; optional milli=COL, "
-                          "model=COL, tenant=COL, deadline=COL")
+                     help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL (or gpu_percent=COL: a "
+                          "percentage of one GPU, as Alibaba's plan_gpu); optional milli=COL, model=COL, tenant=COL, "
+                          "deadline=COL")
     s.add_argument("--time-format", choices=("iso", "seconds"), default="iso",
                    help="trace times: ISO 8601 (naive = UTC) or seconds after --origin (default %(default)s)")
     s.add_argument("--origin", metavar="ISO-TIME", help="what 0 s means with --time-format seconds "
