@@ -215,6 +215,16 @@ def test_a_percentage_of_one_gpu_is_read_as_gpus_and_thousandths_and_sizes_by_wh
             load_trace(path, mapping, time_format="seconds", origin=datetime(2020, 7, 1, tzinfo=UTC))
 
 
+def test_a_slurm_sacct_export_separated_by_bars_is_read_and_a_bom_is_skipped(tmp_path: Path) -> None:
+    # sacct --parsable2 --format=JobID,Submit,ElapsedRaw,AllocTRES,Account (a GPU count column made from it)
+    path = tmp_path / "sacct.txt"
+    path.write_text("\ufeffJobID|Submit|ElapsedRaw|GPUs|Account\n"
+                    "101|2024-03-01T10:00:00|3600|4|vision\n102|2024-03-01T10:05:00|60|1|nlp\n", encoding="utf-8")
+    trace = load_trace(path, parse_columns("submit=Submit,duration=ElapsedRaw,gpus=GPUs,tenant=Account"))
+    assert trace.gpus.tolist() == [4, 1] and trace.duration_s.tolist() == [3600.0, 60.0]
+    assert trace.tenant_names == ["nlp", "vision"]
+
+
 # --- mistakes in --columns and --preset --------------------------------------------------------------------
 
 

@@ -1,7 +1,9 @@
 """Job traces for the simulator: a CSV of past GPU jobs read into compact numpy arrays.
 
-What it reads. Any CSV with a header row, through a :class:`ColumnMapping` that says which column plays
-which role (the CLI's ``--columns submit=COL,duration=COL,gpus=COL,...`` or ``--preset philly``):
+What it reads. Any CSV with a header row (comma-separated; ``|``, tab or ``;`` where the header holds no
+comma and one of those, as Slurm's ``sacct --parsable2`` writes ``|``), through a :class:`ColumnMapping` that
+says which column plays which role (the CLI's ``--columns submit=COL,duration=COL,gpus=COL,...`` or
+``--preset philly``):
 
 - ``submit``: when the job was submitted (required);
 - ``duration`` (seconds), or ``start`` and ``end`` (times; duration = end - start) — exactly one of the two;
@@ -49,7 +51,7 @@ from collections.abc import Iterator, Sequence
 from datetime import date, datetime, timedelta, UTC
 from operator import itemgetter
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TextIO
 
 import numpy as np
 
@@ -414,13 +416,29 @@ def load_trace(
     )
 
 
+_OTHER_DELIMITERS = ("|", "\t", ";")
+"""Separators taken instead of a comma when a header holds none of those and only one of these: Slurm's
+``sacct --parsable2`` writes ``|``, spreadsheets in many locales ``;``, and ``\t`` is TSV."""
+
+
+def _delimiter(f: TextIO) -> str:
+    """The file's separator, read off its header line (the file is left at its start): a comma, unless the
+    header holds no comma and exactly one of :data:`_OTHER_DELIMITERS`."""
+    first = f.readline()
+    f.seek(0)
+    if "," in first:
+        return ","
+    found = [d for d in _OTHER_DELIMITERS if d in first]
+    return found[0] if len(found) == 1 else ","
+
+
 def _read_rows(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
     """Header (names stripped), data rows and their line numbers; empty lines skipped."""
     rows: list[list[str]] = []
     lines: list[int] = []
     try:
         with path.open(newline="", encoding="utf-8-sig") as f:
-            reader = csv.reader(f)
+            reader = csv.reader(f, delimiter=_delimiter(f))
             header = next(reader, None)
             if header is None:
                 raise TraceError(f"{path}: the file is empty; expected a header row naming the columns")
