@@ -152,6 +152,25 @@ def test_zones_outside_the_default_table_run_once_zone_regions_names_their_regio
                                                         "--sites", str(files["sites"])])
 
 
+def test_the_default_federations_gpu_model_is_chosen_with_site_model(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # A trace of H100 jobs (or a price table without A100s) had no way to the default federation, which was
+    # A100 80GB only: every job was left out, and only a --sites file could help.
+    carbon = _carbon(files["tmp"] / "gb", {"GB": [100.0 + h for h in range(72)], "DE-LU": [300.0] * 72})
+    trace = files["tmp"] / "h100.csv"
+    trace.write_text("submit,seconds,gpus,model\n2022-06-01T00:00:00,3600,2,H100 80GB\n"
+                     "2022-06-01T00:10:00,5400,1,h100-80gb\n")
+    argv = ["simulate", "--trace", str(trace), "--columns", "submit=submit,duration=seconds,gpus=gpus,model=model",
+            "--carbon", str(carbon), "--policy", "baseline-carbon-greedy", "--no-bound"]
+    assert "h100-80gb" in _error(capsys, argv)  # every job asks for a model no site has
+    out = files["tmp"] / "w"
+    assert cli.main([*argv, "--site-model", "NVIDIA H100 80GB HBM3", "--dump-workload", str(out)]) == 0
+    assert {m for s in json.loads((out / "sites.json").read_text()) for m in s["capacity_gpus"]} == {"h100-80gb"}
+    assert "unknown GPU model 'h1000'" in _error(capsys, [*argv, "--site-model", "h1000"])
+    assert "default federation only" in _error(capsys, [*argv, "--site-model", "h100-80gb", "--sites",
+                                                        str(files["sites"])])
+
+
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert cli.main(argv) == 1
     captured = capsys.readouterr()

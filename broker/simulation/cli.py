@@ -1,7 +1,7 @@
 """``heliotrope simulate``: the command line of the simulator (see ``broker.simulation.run`` for the steps).
 
     heliotrope simulate --trace FILE (--preset philly | --columns MAPPING) --carbon DIR [--prices FILE]
-        [--latency FILE] [--sites FILE | --zone-regions ZONE=REGION,...] [--utilisation FRACTION]
+        [--latency FILE] [--sites FILE | --zone-regions ZONE=REGION,... --site-model MODEL] [--utilisation FRACTION]
         [--trace-from ISO-DATE] [--days N] [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
         [--restart-s SECONDS] [--inflexible-undeclared] [--json OUT] [--report DIR]
         [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound]
@@ -21,6 +21,7 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from broker import ids
 from broker.data.traces import parse_columns, resolve_preset
 from policies.baselines import COMPARED, POLICIES
 
@@ -65,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--zone-regions", metavar="ZONE=REGION,...",
                    help="the cloud region each carbon zone outside the default federation's table stands for "
                         "(e.g. PL=gcp:europe-central2); without --sites every zone needs one")
+    s.add_argument("--site-model", metavar="MODEL",
+                   help="the GPU model of every site of the default federation (default a100-80gb), e.g. h100-80gb "
+                        "for a trace or a price table of other GPUs")
     s.add_argument("--utilisation", type=float, default=0.5, metavar="FRACTION",
                    help="mean GPU utilisation the default sites are sized for (default %(default)s)")
     s.add_argument("--trace-from", metavar="ISO-DATE", help="first day of the trace window")
@@ -151,6 +155,15 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
     if zone_regions and args.sites:
         raise SimulateUsage("--zone-regions: applies to the default federation only; a --sites file gives each "
                             "site's region itself")
+    site_model = None
+    if args.site_model is not None:
+        if args.sites:
+            raise SimulateUsage("--site-model: applies to the default federation only; a --sites file gives each "
+                                "site's GPUs itself")
+        try:
+            site_model = ids.gpu_model(args.site_model)
+        except ValueError as e:
+            raise SimulateUsage(f"--site-model {args.site_model}: {e}") from None
     for flag, value in (("--trace", args.trace), ("--carbon", args.carbon)):
         if not Path(value).exists():
             raise SimulateUsage(f"{flag} {value}: no such file or folder")
@@ -173,6 +186,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
         start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
         oracle=args.oracle, whole_job_steps=args.whole_job_steps, zone_regions=zone_regions,
+        **({"site_model": site_model} if site_model is not None else {}),
         assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s,
                      "declare_inflexible": not args.inflexible_undeclared},
     )

@@ -52,7 +52,7 @@ from broker.models import SiteSpec
 from broker.simulation import engine
 from broker.simulation.bound import BoundInfeasible, offline_bound
 from broker.simulation.defaults import DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS
-from broker.simulation.federation import build_default_federation
+from broker.simulation.federation import DEFAULT_GPU_MODEL, build_default_federation
 from broker.simulation.forecasts import HORIZON_H, forecast_rows
 from broker.simulation.metrics import gap, policy_metrics
 from broker.simulation.oracle import whole_job_oracle
@@ -87,6 +87,7 @@ class SimulationSpec:
     oracle: bool = False  # also pack the whole-job oracle (broker.simulation.oracle) as a reference row
     whole_job_steps: int = 300  # steps of the whole-job bound's search (with bound; 0: the LP's prices only)
     zone_regions: dict[str, str] = field(default_factory=dict)  # zone -> cloud region, beyond ZONE_REGIONS
+    site_model: str = DEFAULT_GPU_MODEL  # the GPU model of every site of the default federation
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
 
@@ -163,6 +164,7 @@ def prepare(spec: SimulationSpec) -> Prepared:
         default = build_default_federation(
             zones, trace_mean_gpus_busy=trace.mean_gpus_busy(_busy_window(trace)), prices=prices, latency=latency, regions=regions,
             largest_job_gpus=int(trace.gpus.max()), utilisation=spec.utilisation, zone_regions=spec.zone_regions,
+            model=spec.site_model,
         )
         sites = default.sites
         report += [f"sites: {r}" for r in default.report]
