@@ -219,7 +219,7 @@ def main() -> int:
                    help="decisions whose explain.record cost is measured (default %(default)s)")
     p.add_argument("--profile", default=None,
                    help="decide with a routing profile (balanced, green, cheap, fast): every scorer it weighs, "
-                        "with a synthetic 48-hour carbon forecast per site; 'every': every routing scorer at once "
+                        "with a week's carbon forecast per site (from --carbon); 'every': every routing scorer at once "
                         "(EVERY below) with green's time-shifting; default: the release's default pipeline")
     p.add_argument("--carbon", type=Path, default=SHARED_CARBON if SHARED_CARBON.exists() else None,
                    help="carbon-intensity folder whose zones the sites take, round robin, with a seasonal-naive "
