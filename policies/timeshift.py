@@ -927,11 +927,17 @@ def warm_up() -> None:
         assert pipeline.shift is not None
         calendar = Calendar(snap.n_sites, snap.total_gpus.shape[1], epoch_hour(now))
         fresh = replace(snap, plan_free=calendar.view(now, snap.free_gpus, snap.total_gpus, pipeline.shift.plan_hours))
+        # And every site booked after this hour: the profile's choice does not fit the plan, so the search walks
+        # the sites in score order (walk_now), compiled for a model named and for one chosen from the fit.
+        booked_free = fresh.plan_free.copy()
+        booked_free[:, :, 1:] = 0.0
+        booked = replace(fresh, plan_free=booked_free)
         for model, memory_gib in ((None, 0.0), ("l4", 0.0), (None, 40.0)):
             req = JobRequest(job_id="warm-up", count=8, milli=1000, model=model, memory_gib=memory_gib,
                              allowed_regions=frozenset(), denied_regions=frozenset(), duration_s=4 * HOUR_S,
                              deadline_ts=(now + timedelta(hours=40)).timestamp(), submitted_ts=now.timestamp())
             plan(req, fresh, pipeline.decide(req, fresh), pipeline.shift, pipeline.filter_codes)
+            plan(req, booked, pipeline.decide(req, booked), pipeline.shift, pipeline.filter_codes)
             default_pipeline().decide(req, fresh)  # the free-GPUs scorer's sum
     # The terms of a decision are normalised in one call over a tuple of read-only float64 arrays, compiled for
     # each number of terms a pipeline may have (one per scorer there is, at most).

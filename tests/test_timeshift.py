@@ -176,6 +176,26 @@ def test_a_start_now_moved_off_the_profiles_choice_names_the_site_turned_away_an
     assert "turned away" not in explained(green(), plain, free, req)[0].summary
 
 
+@pytest.mark.parametrize("profile", ["balanced", "green", "cheap"])
+def test_after_warm_up_a_job_whose_site_is_booked_compiles_nothing_in_the_pass(profile: str) -> None:
+    """warm_up never reached the walk over the profile's sites in score order (the profile's choice booked
+    in the plan): the first such job of a fresh deployment waited about 2 s for Numba in the scheduling pass,
+    once per objective and per named or chosen model (seen as 400 decisions/s in a first benchmark run)."""
+    from policies import _shift_search
+    from policies.profiles import profile_pipeline
+    from policies.timeshift import warm_up
+
+    warm_up()
+    pipeline = profile_pipeline(profile)
+    compiled = len(_shift_search.walk_now.signatures)
+    flat = {"toronto": [300.0] * 48, "ashburn": [500.0] * 48, "frankfurt": [600.0] * 48, "sydney": [600.0] * 48}
+    snap = snapshot(NOON, flat, booked={"toronto": (8, 1, 97)})
+    for kw in ({}, {"model": None}, {"model": None, "milli": 500, "count": 1}, {"milli": 500, "count": 1},
+               {"model": None, "memory_gib": 40.0}):
+        decide(pipeline, request(**kw), snap)
+    assert len(_shift_search.walk_now.signatures) == compiled
+
+
 def test_a_start_now_turned_away_for_the_headroom_says_so() -> None:
     # Toronto, the cleanest, has its 8 A100s free, but a 7-GPU job that could wait would leave fewer than a
     # quarter of them for work that cannot: it starts now at Ashburn (16 free), which keeps its headroom.
