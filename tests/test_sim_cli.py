@@ -290,6 +290,7 @@ def test_what_the_run_assumed_about_its_inputs_is_on_stderr_not_only_in_the_json
     err = capsys.readouterr().err
     left_out = [line for line in err.splitlines() if line.startswith("note: left out: 1 jobs")]
     assert len(left_out) == 1, err
+    assert "largest asks 64 GPUs; " in left_out[0] and " of them have a latency objective" in left_out[0]
     # every line of the JSON's report is on stderr, once
     report = json.loads(out.read_text())["report"]
     assert report and all(err.count(f"note: {line}\n") == 1 for line in report)

@@ -185,9 +185,11 @@ def prepare(spec: SimulationSpec) -> Prepared:
     fitting = engine.sites_fitting(requests, federation)
     left_out = ~fitting.any(axis=1)
     if left_out.any():
+        bound = int(np.count_nonzero(~np.isnan(workload.latency_slo_ms[left_out])))
         report.append(f"left out: {int(left_out.sum())} jobs fit no site even when it is empty, or none that "
-                      f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs"
-                      f"{models_no_site_has(workload, sites, left_out)}); no policy runs them")
+                      f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs; "
+                      f"{bound} of them have a latency objective{models_no_site_has(workload, sites, left_out)}); "
+                      "no policy runs them")
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
     return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
