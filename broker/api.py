@@ -545,6 +545,14 @@ def _quota_admin(member: Member) -> QuotaAdmin:
     return member.adapter
 
 
+def _surely_leads(request: web.Request) -> None:
+    """A quota change is a call to a site, as a dispatch is: among replicas, only while this one surely
+    leads (a leader that lost its lease without knowing yet must not change a site behind the new one)."""
+    if not request.app[BROKER].may_act():
+        raise ApiError(503, "this replica is not sure it still leads (its lease is being renewed or was lost); "
+                            "try again in a few seconds", headers={"Retry-After": "2"})
+
+
 async def _ask_site(member: Member, call: Awaitable[QuotaState]) -> QuotaState:
     try:
         return await call
@@ -593,6 +601,7 @@ async def set_quota(request: web.Request) -> web.Response:
     beyond = quota.beyond(member.spec.total_gpus())
     if beyond is not None:
         raise ApiError(422, f"invalid tenant quota: {beyond[0]}: {beyond[1]}", [{"field": beyond[0], "problem": beyond[1]}])
+    _surely_leads(request)
     state = await _ask_site(member, admin.set_quota(quota))
     return _json(_quota_json(member, state, tenant))
 
@@ -600,8 +609,10 @@ async def set_quota(request: web.Request) -> web.Response:
 async def delete_quota(request: web.Request) -> web.Response:
     member = _member(request)
     tenant = request.match_info["tenant"]
+    admin = _quota_admin(member)
+    _surely_leads(request)
     try:
-        state = await _ask_site(member, _quota_admin(member).remove_quota(tenant))
+        state = await _ask_site(member, admin.remove_quota(tenant))
     except KeyError:
         raise ApiError(404, f"site {member.spec.name} has no quota for tenant {tenant}") from None
     return _json(_quota_json(member, state))

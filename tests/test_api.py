@@ -622,3 +622,18 @@ async def test_a_job_list_filter_holds_for_what_it_shows_and_an_empty_tenant_or_
     for name in ("tenant", "site"):
         r = await client.get(f"/v1/jobs?{name}=")
         assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == name
+
+
+async def test_a_replica_not_sure_it_leads_changes_no_sites_quota(client: TestClient, monkeypatch: pytest.MonkeyPatch):
+    """Dispatches and withdrawals ask whether this replica surely leads; quota changes, also calls to a site,
+    did not: a leader that had lost its lease without knowing yet set a quota behind the new leader."""
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, quotas=[
+        {"tenant": "t1", "guaranteed_gpus": 2}]))
+    broker = client.broker  # type: ignore[attr-defined]
+    monkeypatch.setattr(broker, "may_act", lambda: False)
+    r = await client.put("/v1/sites/berlin/quota/t2", json={"guaranteed_gpus": 2})
+    assert r.status == 503 and r.headers["Retry-After"] == "2"
+    assert (await client.delete("/v1/sites/berlin/quota/t1")).status == 503
+    monkeypatch.setattr(broker, "may_act", lambda: True)
+    state = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert [t["tenant"] for t in state["tenants"] if t["guaranteed_gpus"]] == ["t1"]  # nothing changed
