@@ -140,13 +140,18 @@ def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
 
 
 def _parts(n: NodeGpus) -> list[tuple[str, int, tuple[str, ...], float | None]]:
-    """The node-group keys of a node's whole-GPU part and MIG part (either may be absent)."""
+    """The node-group keys of a node's whole-GPU part and MIG part (either may be absent).
+
+    The memory label (what the driver reports, e.g. 81559 MiB, 79.6 GiB, for an H100 80GB) sizes the whole
+    GPUs only. The MIG part keeps the model's memory: MIG profile names carry nominal memory (an H100 80GB
+    holds a 7g.80gb, or a 4g.40gb beside a 3g.40gb), so sizing its GPUs by the label refused slices the GPU
+    holds, and a 7g.80gb (7g.141gb on an H200) made the node group invalid."""
     memory = n.memory_gib if n.memory_gib and n.memory_gib < ids.GPU_MODEL_BY_ID[n.model].memory_gib else None
     out = []
     if n.gpus:
         out.append((n.model, n.gpus, (), memory))
     if n.mig_gpus:
-        out.append((n.model, n.mig_gpus, tuple(sorted(n.mig)), memory))
+        out.append((n.model, n.mig_gpus, tuple(sorted(n.mig)), None))
     return out
 
 

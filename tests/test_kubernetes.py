@@ -21,9 +21,10 @@ from kubernetes.aio import client as k8s
 
 from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
-from adapters.kubernetes_nodes import read_node
+from adapters.kubernetes_nodes import node_groups, read_node
 from broker.clock import SystemClock
 from broker.models import GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
+from policies.inventory import Inventory, Placement
 from tests.builders import NOW, job, site
 
 JOBS, PODS, NODES, QUOTAS = "batch/v1/jobs", "v1/pods", "v1/nodes", "v1/resourcequotas"
@@ -239,6 +240,28 @@ def test_a_single_strategy_node_has_as_many_gpus_as_its_slices_need(profile, sli
     labels_node["metadata"]["labels"]["nvidia.com/mig.strategy"] = "single"
     found = read_node(labels_node)
     assert not isinstance(found, str) and (found.mig_gpus, found.mig) == (gpus, {profile: slices})
+
+
+@pytest.mark.parametrize(("product", "memory_mib", "mig", "model"), [
+    ("NVIDIA-H100-80GB-HBM3", "81559", {"4g.40gb": 1, "3g.40gb": 1}, "h100-80gb"),
+    ("NVIDIA-H100-80GB-HBM3", "81559", {"7g.80gb": 1}, "h100-80gb"),
+    ("NVIDIA-H200", "143771", {"7g.141gb": 1}, "h200-141gb"),
+], ids=["an H100 80GB split 4g.40gb + 3g.40gb", "an H100 80GB as one 7g.80gb", "an H200 as one 7g.141gb"])
+def test_mig_gpus_of_a_node_whose_memory_label_is_below_the_nominal_hold_the_slices_it_advertises(
+        product: str, memory_mib: str, mig: dict[str, int], model: str) -> None:
+    # GPU feature discovery's nvidia.com/gpu.memory is what the driver reports (79.6 GiB for an H100 80GB),
+    # while MIG profile names carry nominal memory: sizing the MIG GPUs by the label refused the 3g.40gb beside
+    # a 4g.40gb, and made a node group with 7g.80gb invalid (the whole inventory failed to build).
+    labelled = node("mixed", product, gpus=7, mig=mig, gpu_count=8)
+    labelled["metadata"]["labels"]["nvidia.com/gpu.memory"] = memory_mib
+    found = read_node(labelled)
+    assert not isinstance(found, str)
+    inventory = Inventory.from_spec(site("kube").model_copy(update={"gpus": node_groups([found])}))
+    for n, (profile, count) in enumerate(mig.items()):
+        placed = inventory.find(GpuRequest(count=count, mig_profile=profile), model)
+        assert isinstance(placed, Placement), placed
+        inventory.commit(f"j-{n}", placed)
+    assert inventory.free()[model].free_gpus == 7
 
 
 async def test_a_tenants_resource_quota_counts_slices_where_nodes_advertise_them_as_gpus(
