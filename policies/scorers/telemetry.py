@@ -3,7 +3,9 @@
 Raw value: a penalty, lower is better: the hottest GPU's temperature above 60 °C in units of 25 °C
 (0 at or below 60 °C, 1 at 85 °C, where data-centre GPUs begin to throttle their clocks), plus the site's
 queue depth per GPU it has. Sites that report no telemetry score 0 (no penalty). Clock-throttle reasons
-join the penalty when sites report them (the NVML collector). Weight from the profile (``balanced`` 0.1,
+are not in the penalty: a site's report (``SiteState.telemetry``) does not carry them; the NVML collector
+(``adapters.nvml``) reads them per GPU, but no site adapter sends its samples yet, and the hottest GPU's
+temperature stands for the heat that throttles clocks. Weight from the profile (``balanced`` 0.1,
 ``fast`` 0.25); 0 turns it off.
 """
 
