@@ -540,7 +540,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--config", default=str(DEMO_CONFIG) if name == "demo" else None, help="federation YAML")
         s.add_argument("--host", default=None, help="address to listen on (default from config: 127.0.0.1)")
         s.add_argument("--port", type=int, default=None, help="port (default from config: 8080)")
-        s.add_argument("--db", default="var/demo.db" if name == "demo" else None, help="SQLite database file, or a postgresql:// URL (several replicas may share it)")
+        # No default here, not even the demo's: a flag's default would hide HELIOTROPE_BROKER__DB. The demo's
+        # config/demo.yaml names var/demo.db itself.
+        s.add_argument("--db", default=None, help="SQLite database file, or a postgresql:// URL (several replicas "
+                       "may share it; default from config" + (": var/demo.db)" if name == "demo" else ")"))
         s.add_argument("--log-jobs", action="store_true", help="log every job transition (on in the demo)")
         if name == "demo":
             s.add_argument("--rate", type=float, default=0.5, help="sample jobs per second (default %(default)s)")

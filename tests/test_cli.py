@@ -375,3 +375,23 @@ def test_table_times_say_they_are_utc(tmp_path, capsys):
     assert main(["token", "list", "--db", db]) == 0
     header, row = capsys.readouterr()[0].splitlines()
     assert header.split()[4:6] == ["CREATED", "EXPIRES"] and row.count(" UTC") == 2
+
+
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_the_database_named_in_the_environment_is_the_one_the_broker_opens(command, monkeypatch, tmp_path):
+    """``HELIOTROPE_BROKER__DB`` overrides the file's ``db`` for ``demo`` as for ``serve`` (the demo's own
+    default, var/demo.db, is its file's, so it does not hide the environment's); ``--db`` overrides both."""
+    import broker.server
+
+    opened: list[str] = []
+
+    async def fake_run(settings, sites, **kwargs):
+        opened.append(settings.db)
+
+    monkeypatch.setattr(broker.server, "run", fake_run)
+    demo_config = str(ROOT / "config" / "demo.yaml")
+    assert main([command, "--config", demo_config]) == 0
+    monkeypatch.setenv("HELIOTROPE_BROKER__DB", str(tmp_path / "env.db"))
+    assert main([command, "--config", demo_config]) == 0
+    assert main([command, "--config", demo_config, "--db", str(tmp_path / "flag.db")]) == 0
+    assert opened == ["var/demo.db", str(tmp_path / "env.db"), str(tmp_path / "flag.db")]
