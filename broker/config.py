@@ -14,7 +14,8 @@ An error names the file, the field and the problem, for example
 Environment variables override the file (containers, Kubernetes): ``HELIOTROPE_BROKER__<FIELD>``, with
 ``__`` between nested fields, each value read as YAML (``HELIOTROPE_BROKER__PORT=9090``,
 ``HELIOTROPE_BROKER__DB=postgresql://...``, ``HELIOTROPE_BROKER__MQTT__HOST=mosquitto``,
-``HELIOTROPE_BROKER__AUTH__ENABLED=true``). An error in one names the variable.
+``HELIOTROPE_BROKER__AUTH__ENABLED=true``); a setting that is text takes the variable as written where YAML
+would read it as something else (``HELIOTROPE_BROKER__HOST=::``). An error in one names the variable.
 
 Live signals (optional): ``broker.carbon`` names a carbon-intensity provider and ``broker.carbon_forecast``
 how each zone is forecast (:mod:`broker.signals`); ``broker.prices`` names a price provider that overrides
@@ -249,7 +250,15 @@ def with_env(config: FederationConfig, environ: Mapping[str, str] | None = None)
         return config
     data = _merge(config.broker.model_dump(exclude_unset=True), over)
     try:
-        broker = BrokerSettings.model_validate(data)
+        try:
+            broker = BrokerSettings.model_validate(data)
+        except ValidationError as e:
+            # A value YAML reads as a number, a date, a boolean or a mapping where the setting is text (``HOST=::``,
+            # ``MQTT__HOST=10.0``, ``MQTT__USERNAME=1234``, a file name like ``2024-06-01``) is meant as written:
+            # it is taken as the variable's text, and only then is an error reported.
+            if not _as_written(data, over, e, os.environ if environ is None else environ):
+                raise
+            broker = BrokerSettings.model_validate(data)
     except ValidationError as e:
         lines = []
         for d in problems(e):
@@ -257,6 +266,32 @@ def with_env(config: FederationConfig, environ: Mapping[str, str] | None = None)
             lines.append(f"broker.{d['field']} (environment {var} or the file): {d['problem']}")
         raise ConfigError("\n".join(lines)) from None
     return config.model_copy(update={"broker": broker})
+
+
+def _as_written(data: dict[str, Any], over: dict[str, Any], error: ValidationError,
+                environ: Mapping[str, str]) -> bool:
+    """Put back, in ``data``, the variable's own text for each setting that wants a string and got something
+    else from a variable that names exactly that setting (``HOST=::`` reads as a mapping); whether any was."""
+    changed = False
+    for err in error.errors():
+        loc = err["loc"]
+        if err["type"] != "string_type" or not all(isinstance(part, str) for part in loc):
+            continue
+        node: Any = over
+        for part in loc:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None or isinstance(node, str):
+            continue  # the environment did not set it, or set it as text already
+        wanted = ENV_PREFIX + "__".join(str(part) for part in loc).upper()
+        raw = next((v for k, v in environ.items() if k.upper() == wanted), None)
+        if raw is None:
+            continue
+        target = data
+        for part in loc[:-1]:
+            target = target[part]
+        target[loc[-1]] = raw.strip()
+        changed = True
+    return changed
 
 
 def load_config(path: str | Path | None, environ: Mapping[str, str] | None = None) -> FederationConfig:

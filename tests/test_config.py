@@ -237,3 +237,26 @@ def test_the_tagged_settings_errors_leave_out_are_the_models_own() -> None:
                 if "discriminator" in branch:
                     found[name] = set(branch["discriminator"]["mapping"])
     assert found == {name: set(tags) for name, tags in TAGGED_FIELDS.items()}
+
+
+@pytest.mark.parametrize(("name", "value", "field"), [
+    ("HELIOTROPE_BROKER__HOST", "::", ("host",)),  # every IPv6 address; YAML reads it as a mapping
+    ("HELIOTROPE_BROKER__DB", "2024-06-01", ("db",)),  # YAML: a date
+    ("HELIOTROPE_BROKER__MQTT__HOST", "10.0", ("mqtt", "host")),  # YAML: a float
+    ("HELIOTROPE_BROKER__MQTT__USERNAME", "1234", ("mqtt", "username")),  # YAML: an integer
+    ("HELIOTROPE_BROKER__AUTH__ADMIN_TOKEN_ENV", "ON", ("auth", "admin_token_env")),  # YAML 1.1: a boolean
+])
+def test_an_environment_override_of_a_text_setting_is_taken_as_written(name: str, value: str, field: tuple) -> None:
+    """A value that YAML reads as something else is, for a setting that is text, the variable's own text:
+    an operator who sets ``HELIOTROPE_BROKER__HOST=::`` gets ``::``, not "Input should be a valid string"."""
+    env = {name: value}
+    if field[0] == "mqtt" and field[-1] != "host":
+        env["HELIOTROPE_BROKER__MQTT__HOST"] = "mosquitto"
+    got: object = load_config(None, env).broker
+    for part in field:
+        got = getattr(got, part)
+    assert got == value
+    # Numbers and booleans are still read as YAML, and a mistake still names the variable.
+    assert load_config(None, {"HELIOTROPE_BROKER__PORT": "9090"}).broker.port == 9090
+    with pytest.raises(ConfigError, match="HELIOTROPE_BROKER__PORT"):
+        load_config(None, {"HELIOTROPE_BROKER__PORT": "::"})
