@@ -260,3 +260,11 @@ def test_an_environment_override_of_a_text_setting_is_taken_as_written(name: str
     assert load_config(None, {"HELIOTROPE_BROKER__PORT": "9090"}).broker.port == 9090
     with pytest.raises(ConfigError, match="HELIOTROPE_BROKER__PORT"):
         load_config(None, {"HELIOTROPE_BROKER__PORT": "::"})
+
+
+def test_an_empty_database_setting_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """``db: ""`` was taken, and the broker then stopped with "cannot open database ." naming no setting."""
+    with pytest.raises(ConfigError, match=r"broker\.db: empty: name an SQLite file"):
+        load_config(write(tmp_path, 'broker: {db: ""}\n'))
+    with pytest.raises(ConfigError, match=r"broker\.db \(environment HELIOTROPE_BROKER__DB or the file\): empty"):
+        load_config(None, {"HELIOTROPE_BROKER__DB": "' '"})

@@ -237,7 +237,10 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 def check_db(db: str) -> str:
     """``db`` if it names a store: a PostgreSQL URL, or an SQLite file path (or ``:memory:``); a ValueError for
-    another URL (``postgresq://...``, ``mysql://...``), which would otherwise become a file of that name."""
+    another URL (``postgresq://...``, ``mysql://...``), which would otherwise become a file of that name, or
+    for an empty one (``db: ""``), which SQLite would fail to open with a message naming no setting."""
+    if not db.strip():
+        raise ValueError("empty: name an SQLite file (var/heliotrope.db) or a postgresql:// URL")
     if "://" in db and not db.startswith(POSTGRES_SCHEMES):
         raise ValueError(f"{describe_db(db)} is not a database heliotrope can use: a URL must start with "
                          f"postgresql:// (or postgres://); anything else is an SQLite file path, which has no ://")
