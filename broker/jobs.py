@@ -517,7 +517,13 @@ class JobBook:
 
     def announce(self, job: Job, before: Job | None) -> None:
         """Publish a stored transition of ``job`` from ``before`` (None: the broker just took it in). The
-        event's site is the one the job left when it left one, so that site's operator sees it go."""
+        event's site is the one the job left when it left one, so that site's operator sees it go.
+
+        A job taken in (``before`` None) entered ``queued`` without a stored transition, so it is counted in
+        ``heliotrope_job_transitions_total{state="queued"}`` here, as every later change is in ``_landed``: the
+        counter then agrees with the stream's ``transition`` events."""
+        if before is None:
+            self.metrics.transitions.labels(job.state.value).inc()
         if self.events is not None:
             site = job.site or (before.site if before is not None else None)
             self.events.publish("transition", {

@@ -186,3 +186,25 @@ async def test_a_deferral_is_counted_once_per_decision(green):
     await clock.advance(600)  # within the hour a deferred job is not decided again
     await broker.cycle.run_once(full=True)
     assert (await scrape(client))[deferred] == 1
+
+
+async def test_the_transitions_counter_counts_each_submitted_job_entering_queued(running):
+    """Every ``transition`` event is counted in ``heliotrope_job_transitions_total`` by the state entered,
+    the first one (``new -> queued``) too: it was left out, so the counter showed no job ever queued."""
+    broker, clock, client = running
+    seen = broker.events.follow(lambda e: e.type == "transition", after=None)
+    for i in range(3):
+        await broker.book.submit(job(tenant="vision", name=f"train-{i}", count=1, duration_s=600))
+    await broker.cycle.run_once()
+    await asyncio.sleep(0.05)
+    await clock.advance(1.0)
+    await asyncio.sleep(0.05)
+    m = await scrape(client)
+    entered: dict[str, int] = {}
+    while not seen._sub.queue.empty():
+        event = seen._sub.queue.get_nowait()
+        entered[event.data["state"]] = entered.get(event.data["state"], 0) + 1
+    seen.close()
+    assert entered["queued"] == 3
+    for state, n in entered.items():
+        assert m[("heliotrope_job_transitions_total", (("state", state),))] == n, state
