@@ -12,7 +12,8 @@ Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured), ``GET /v1/jobs?
         ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``
 Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
         ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`)
-Other:  ``GET /healthz``, ``GET /openapi.json``, ``GET /metrics``, ``GET /v1/whoami``
+Other:  ``GET /healthz`` (liveness), ``GET /readyz`` (readiness: the store answers), ``GET /openapi.json``,
+        ``GET /metrics``, ``GET /v1/whoami``
 
 Authentication (``broker.auth.enabled``): ``Authorization: Bearer TOKEN`` on every call but ``/healthz``,
 ``/openapi.json`` and the dashboard's static files; 401 without a valid token, 403 for a role that may not
@@ -157,6 +158,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("GET", "/v1/whoami"): ANY,
     ("GET", "/metrics"): OPERATORS,
     ("GET", "/healthz"): OPEN,
+    ("GET", "/readyz"): OPEN,
     ("GET", "/openapi.json"): OPEN,
 }
 """Every route's rule; a route missing here is for admins only. The dashboard's static files are open."""
@@ -210,7 +212,8 @@ async def auth_middleware(
 
 
 ANY_REPLICA: tuple[tuple[str, str], ...] = (
-    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/metrics"),
+    ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/openapi.json"),
+    ("GET", "/metrics"),
     ("GET", "/v1/whoami"),
 )
 """What every replica serves itself: submissions (stored at once; the leader takes them in) and reads of
@@ -859,6 +862,26 @@ async def healthz(request: web.Request) -> web.Response:
     })
 
 
+READY_TIMEOUT_S = 2.0
+"""How long ``/readyz`` waits for the store before it says the replica is not ready."""
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: whether this replica can take requests now, i.e. whether its store answers a read within
+    ``READY_TIMEOUT_S`` (``/healthz`` says only that the process serves: a broker whose database is down looked
+    healthy, and a load balancer kept sending it submissions it could not store). 503 with the reason
+    otherwise, so an orchestrator routes around it until the store is back, without restarting it."""
+    broker = request.app[BROKER]
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            await broker.store.get_state("readyz")
+    except (StoreError, TimeoutError) as e:
+        why = f"no answer within {READY_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else str(e)
+        raise ApiError(503, f"not ready: the store did not answer a read ({why})",
+                       headers={"Retry-After": "5"}) from None
+    return _json({"status": "ready"})
+
+
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus' text format; each replica answers for itself (a replica that does not lead holds no jobs).
     A site operator reads its own sites' figures and the platform's aggregates, never a tenant's
@@ -902,6 +925,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/carbon", carbon)
     r.add_get("/v1/whoami", whoami)
     r.add_get("/healthz", healthz)
+    r.add_get("/readyz", readyz)
     r.add_get("/metrics", metrics)
     r.add_get("/openapi.json", openapi)
     dashboard.add_routes(app)

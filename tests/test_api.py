@@ -637,3 +637,22 @@ async def test_a_replica_not_sure_it_leads_changes_no_sites_quota(client: TestCl
     monkeypatch.setattr(broker, "may_act", lambda: True)
     state = await (await client.get("/v1/sites/berlin/quota")).json()
     assert [t["tenant"] for t in state["tenants"] if t["guaranteed_gpus"]] == ["t1"]  # nothing changed
+
+
+async def test_readyz_says_ready_while_the_store_answers_and_503_while_it_does_not(client: TestClient,
+                                                                                 monkeypatch: pytest.MonkeyPatch):
+    """/healthz says the process serves, whatever its database does: a broker whose store was down looked
+    healthy, and kept being sent submissions it could not store."""
+    from broker.store import StoreError
+
+    r = await client.get("/readyz")
+    assert r.status == 200 and await r.json() == {"status": "ready"}
+
+    async def down(*_: Any) -> None:
+        raise StoreError("connection refused")
+
+    monkeypatch.setattr(client.broker.store, "get_state", down)  # type: ignore[attr-defined]
+    r = await client.get("/readyz")
+    body = await r.json()
+    assert r.status == 503 and "connection refused" in body["error"]["message"] and r.headers["Retry-After"] == "5"
+    assert (await client.get("/healthz")).status == 200  # alive all the same: not a reason to restart it

@@ -278,6 +278,7 @@ TABLE: list[Row] = [
     R("everyone with a token asks who it is", "GET /v1/whoami", (401, 200, 200, 200, 200, 200)),
     R("admins and operators scrape metrics", "GET /metrics", (401, 200, 200, 200, 403, 403)),
     R("liveness needs no token", "GET /healthz", OPEN),
+    R("readiness needs no token", "GET /readyz", OPEN),
     R("the API's description needs no token", "GET /openapi.json", OPEN),
     # the dashboard's static files: open, whatever token is sent
     R("the root redirects to the dashboard", "GET /", (302,) * 6),

@@ -479,9 +479,9 @@ def test_the_broker_container_service_and_probes_use_the_port_the_config_listens
     assert [p["containerPort"] for p in container["ports"]] == [port]
     service = find("Service", "heliotrope")
     assert [container_port(container, p["targetPort"]) for p in service["spec"]["ports"]] == [port]
-    for probe in ("readinessProbe", "livenessProbe"):
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
-        assert (get["path"], container_port(container, get["port"])) == ("/healthz", port), probe
+        assert (get["path"], container_port(container, get["port"])) == (path, port), probe
 
 
 def test_the_broker_pods_get_longer_to_stop_than_the_shutdown_grace(tmp_path: Path) -> None:
