@@ -116,6 +116,9 @@ NO_LEASE = "site agent holds no lease (cut off from the broker)"
 REPLIES_KEPT = 10_000
 HEARTBEATS_KEPT = 1_000
 ATTEMPTS_KEPT = 10_000
+STOP_WAIT_S = 10.0
+"""How long :meth:`SiteAgent.stop` waits for its connection (a connect or a publish under way) and for its
+tasks to end, each, before it goes on without them: an agent told to stop (SIGTERM) stops."""
 TERMINAL = frozenset({EventKind.SUCCEEDED, EventKind.FAILED, EventKind.PREEMPTED, EventKind.LOST})
 
 
@@ -251,18 +254,33 @@ class SiteAgent:
         site runs are left to the lease: the broker requeues them once it runs out."""
         if not self._started or self._done.is_set():
             return
-        async with self._status_lock:
-            self._closing = True  # from here the connection loop publishes no "online"
-            client = self._client
-            if client is not None:
-                try:
-                    await client.publish(topic(self.site, "status"), encode(self._status(False)), qos=1,
-                                         retain=True, timeout=PUBLISH_TIMEOUT_S)
-                except aiomqtt.MqttError as e:
-                    log.warning("site agent %s: could not publish its offline status: %s", self.site, e)
-        for task in [*self._tasks, *self._background]:
+        self._closing = True  # from here the connection loop publishes no "online"
+        try:
+            async with asyncio.timeout(STOP_WAIT_S):  # (a connect that hangs holds the lock)
+                await self._status_lock.acquire()
+        except TimeoutError:
+            log.warning("site agent %s: its MQTT connection did not settle within %.0f s; stopping without "
+                        "saying goodbye (the last will says it)", self.site, STOP_WAIT_S)
+        else:
+            try:
+                client = self._client
+                if client is not None:
+                    try:
+                        await client.publish(topic(self.site, "status"), encode(self._status(False)), qos=1,
+                                             retain=True, timeout=PUBLISH_TIMEOUT_S)
+                    except aiomqtt.MqttError as e:
+                        log.warning("site agent %s: could not publish its offline status: %s", self.site, e)
+            finally:
+                self._status_lock.release()
+        tasks = [*self._tasks, *self._background]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+            if stuck:
+                log.warning("site agent %s: %d of its tasks did not end within %.0f s of being cancelled (%s); "
+                            "stopping without them", self.site, len(stuck), STOP_WAIT_S,
+                            ", ".join(sorted(t.get_name() for t in stuck)))
         self._client = None
         self._connected.clear()
         try:

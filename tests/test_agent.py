@@ -180,7 +180,7 @@ async def clear_retained(site_name: str, port: int | None = None) -> None:
                               clean_session=True,
                               protocol=aiomqtt.ProtocolVersion.V311) as client:
         for channel in ("state", "status"):
-            await client.publish(topic(site_name, channel), b"", qos=1, retain=True)
+            await client.publish(topic(site_name, channel), b"", qos=1, retain=True, timeout=5)
 
 
 async def retained(site_name: str, channel: str, port: int | None = None, timeout: float = 3.0) -> Any:
