@@ -180,12 +180,14 @@ class BrokerSide:
 
 async def clear_retained(site_name: str, port: int | None = None) -> None:
     """Clear the site's retained messages, and the persistent session its agent left in the MQTT broker
-    (connecting with the agent's client id and a clean session ends it)."""
-    async with aiomqtt.Client(MQTT_HOST, port or mqtt_port(), identifier=f"heliotrope-agent-{site_name}",
-                              clean_session=True,
-                              protocol=aiomqtt.ProtocolVersion.V311) as client:
-        for channel in ("state", "status"):
-            await client.publish(topic(site_name, channel), b"", qos=1, retain=True, timeout=5)
+    (connecting with the agent's client id and a clean session ends it). Tidying only (every test's site name
+    is its own), so bounded: aiomqtt waits for a disconnect's answer with no time limit."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(10):
+            async with aiomqtt.Client(MQTT_HOST, port or mqtt_port(), identifier=f"heliotrope-agent-{site_name}",
+                                      clean_session=True, protocol=aiomqtt.ProtocolVersion.V311) as client:
+                for channel in ("state", "status"):
+                    await client.publish(topic(site_name, channel), b"", qos=1, retain=True, timeout=5)
 
 
 async def retained(site_name: str, channel: str, port: int | None = None, timeout: float = 3.0) -> Any:
