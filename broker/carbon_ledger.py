@@ -63,14 +63,6 @@ class CarbonLedger:
     agnostic_grams: float = 0.0
     moved: int = 0  # placements whose site differs from the baseline's
 
-    def record(self, placement: Placement, snap: Snapshot) -> tuple[float, float] | None:
-        """Count one placement; returns (grams, baseline grams), or None where the intensity is unknown."""
-        counted = assess(placement, snap)
-        if counted is None:
-            return None
-        self.add(counted)
-        return counted.grams, counted.agnostic_grams
-
     def add(self, counted: Counted) -> None:
         """Count a placement :func:`assess` valued (when its site admitted it)."""
         self.jobs += 1

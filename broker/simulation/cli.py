@@ -98,7 +98,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "hour's carbon (a reference, not a policy; guided by the bound's prices unless --no-bound)")
 
 
-def _date(flag: str, text: str | None) -> datetime | None:
+def date_flag(flag: str, text: str | None) -> datetime | None:
     if text is None:
         return None
     try:
@@ -181,10 +181,10 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
             raise SimulateUsage(f"{flag} {value}: cannot read: {e.strerror or e}") from None
     return SimulationSpec(
         trace=Path(args.trace), mapping=mapping, carbon=Path(args.carbon), policies=names,
-        time_format=args.time_format, origin=_date("--origin", args.origin), prices=Path(args.prices),
+        time_format=args.time_format, origin=date_flag("--origin", args.origin), prices=Path(args.prices),
         latency=Path(args.latency), regions=Path(args.regions), sites=Path(args.sites) if args.sites else None,
-        utilisation=args.utilisation, trace_from=_date("--trace-from", args.trace_from), days=args.days,
-        start=_date("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
+        utilisation=args.utilisation, trace_from=date_flag("--trace-from", args.trace_from), days=args.days,
+        start=date_flag("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
         oracle=args.oracle, whole_job_steps=args.whole_job_steps, zone_regions=zone_regions,
         **({"site_model": site_model} if site_model is not None else {}),
         assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s,
@@ -203,10 +203,10 @@ def run(args: argparse.Namespace) -> str:
         raise SimulateUsage(f"--report {args.report}: is a file; give a folder (it is created if missing)")
     # Where the results go is checked before the run, which may take minutes.
     if args.json_out:
-        _writable("--json", Path(args.json_out).parent, Path(args.json_out))
+        writable_flag("--json", Path(args.json_out).parent, Path(args.json_out))
     for flag, folder in (("--report", args.report), ("--dump-workload", args.dump_workload)):
         if folder:
-            _writable(flag, Path(folder))
+            writable_flag(flag, Path(folder))
     prep = prepare(spec)
     if prep.left_out.all():  # nothing would be replayed: every figure would be a zero that means nothing
         raise SimulateUsage(
@@ -245,7 +245,7 @@ def _notes(lines: Sequence[str]) -> None:
         print(f"note: {line}", file=sys.stderr)
 
 
-def _writable(flag: str, folder: Path, file: Path | None = None) -> None:
+def writable_flag(flag: str, folder: Path, file: Path | None = None) -> None:
     """``folder`` exists (made if missing) and can be written, and ``file`` (in it) is not a folder; else
     :class:`SimulateUsage` naming the flag."""
     try:

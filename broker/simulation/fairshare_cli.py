@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from broker.data.traces import load_trace, parse_columns, resolve_preset
 from broker.errors import problems
 from broker.models import FairSharePolicy
-from broker.simulation.cli import _date, _writable
+from broker.simulation.cli import date_flag, writable_flag
 from broker.simulation.fairshare import (DEFAULT_CYCLE_S, DEFAULT_MAX_REFUSALS, DEFAULT_MIN_RUN_S,
                                          DEFAULT_STARVATION_H, DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES,
                                          QuotaSimulationError, as_json, compare, format_table,
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> str:
         raise QuotaSimulationError(f"--cycle-s {args.cycle_s}: give a number of seconds above 0")
     if args.days is not None and not 0 < args.days <= 36_600:  # as simulate: the flag named, not load_trace's word
         raise QuotaSimulationError(f"--days {args.days}: give a number of days above 0 and at most 36,600")
-    trace_from = _date("--trace-from", args.trace_from)
+    trace_from = date_flag("--trace-from", args.trace_from)
     if not Path(args.trace).exists():
         raise QuotaSimulationError(f"--trace {args.trace}: no such file")
     mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> str:
         except ValidationError as e:
             raise QuotaSimulationError(f"{flag} {value:g}: {problems(e)[0]['problem']}") from None
     if args.json_out:  # checked before the replay, which may take minutes, as simulate --json is
-        _writable("--json", Path(args.json_out).parent, Path(args.json_out))
+        writable_flag("--json", Path(args.json_out).parent, Path(args.json_out))
     trace = load_trace(args.trace, mapping, trace_from=trace_from, days=args.days)
     info, runs = compare(workload_from_trace(trace), modes, utilisation=args.utilisation,
                          guaranteed_fraction=args.guaranteed_fraction, window_h=args.window_h,
