@@ -207,6 +207,14 @@ class Heartbeat(_Msg):
     state: SiteState
     attempts: list[AttemptReport] = Field(default_factory=list)
 
+    @field_serializer("state", mode="wrap")
+    def _telemetry_as_sent(self, state: SiteState, handler: SerializerFunctionWrapHandler) -> Any:
+        """The site's report with its telemetry as :meth:`Telemetry.wire` writes it: the throttle fields only
+        when the site reports them, so a broker of an earlier release takes the heartbeat of a site without."""
+        data = handler(state)
+        data["telemetry"] = state.telemetry.wire()
+        return data
+
 
 class Status(_Msg):
     kind: Literal["status"] = "status"

@@ -115,7 +115,9 @@ class NodeSample:
 
     def telemetry(self) -> Telemetry:
         """Node-wide telemetry: mean utilisation over the GPUs that report it, summed memory and power,
-        the hottest GPU's temperature. A metric no GPU reports counts as 0."""
+        the hottest GPU's temperature, and the share of GPUs whose clocks heat or power holds down (over the
+        GPUs whose clock-event reasons could be read; unset when none could). A metric no GPU reports counts
+        as 0."""
         util = [g.utilisation_pct for g in self.gpus if g.utilisation_pct is not None]
         temps = [g.temperature_c for g in self.gpus if g.temperature_c is not None]
         return Telemetry(
@@ -124,6 +126,7 @@ class NodeSample:
             memory_total_gib=sum(g.memory_total_gib or 0.0 for g in self.gpus),
             temperature_c_max=max(temps) if temps else 0.0,
             power_w=sum(g.power_w or 0.0 for g in self.gpus),
+            **Telemetry.throttle_of([g.throttle_reasons for g in self.gpus if g.throttle_reasons is not None]),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -408,8 +408,15 @@ class ModelCapacity(Spec):
         return self
 
 
+THROTTLING_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "power_brake"})
+"""Clock-event reasons (NVML's names, as ``adapters.nvml`` decodes them) that mean heat or power holds a GPU's
+clocks down: a job placed there runs slower. The others are not counted: ``idle`` (nothing runs), settings an
+operator chose (``applications_clocks``, ``display_clock``, ``sync_boost``), and reasons NVML adds later."""
+
+
 class Telemetry(Spec):
-    """Site-wide telemetry: means over GPUs for utilisation, sums for memory and power, maximum temperature."""
+    """Site-wide telemetry: means over GPUs for utilisation, sums for memory and power, maximum temperature,
+    and the share of GPUs whose clocks heat or power holds down."""
 
     gpu_utilisation_pct: float = Field(default=0.0, ge=0, le=100)
     memory_used_gib: float = Field(default=0.0, ge=0)
@@ -417,6 +424,37 @@ class Telemetry(Spec):
     temperature_c_max: float = 0.0
     power_w: float = Field(default=0.0, ge=0)
     queue_depth: int = Field(default=0, ge=0)
+    throttled_pct: float | None = Field(
+        default=None, ge=0, le=100,
+        description="share of the GPUs read whose clocks heat or power held down at the last sample (thermal "
+                    "slowdown, power cap, power brake, hardware slowdown); None: the site does not report it")
+    throttle_reasons: dict[Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")], Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, max_length=64,
+        description="GPUs per clock-event reason at the last sample, every reason the GPUs gave (idle too)")
+
+    @classmethod
+    def throttle_of(cls, reasons_per_gpu: list[tuple[str, ...]]) -> dict[str, Any]:
+        """``throttled_pct`` and ``throttle_reasons`` over the GPUs whose reasons were read (each GPU's reason
+        names); both left unset (not reported) when none was."""
+        if not reasons_per_gpu:
+            return {}
+        counts: dict[str, int] = {}
+        for reasons in reasons_per_gpu:
+            for name in set(reasons):
+                counts[name] = counts.get(name, 0) + 1
+        held = sum(1 for reasons in reasons_per_gpu if THROTTLING_REASONS.intersection(reasons))
+        return {"throttled_pct": round(100.0 * held / len(reasons_per_gpu), 2),
+                "throttle_reasons": dict(sorted(counts.items()))}
+
+    def wire(self) -> dict[str, Any]:
+        """As a site agent sends it: the throttle fields only when the site reports them, so that a broker of
+        an earlier release (whose telemetry forbids keys it does not know) still takes a report without them."""
+        data = self.model_dump(mode="json")
+        if self.throttled_pct is None:
+            data.pop("throttled_pct")
+        if not self.throttle_reasons:
+            data.pop("throttle_reasons")
+        return data
 
 
 class TenantQuotaState(Spec):

@@ -251,6 +251,7 @@ class Snapshot:
     carbon_forecast_model_h: int = 0
     temperature_c: np.ndarray = field(default_factory=lambda: np.zeros(0))  # hottest GPU, per site (0 unknown)
     queue_depth: np.ndarray = field(default_factory=lambda: np.zeros(0))  # jobs waiting at the site
+    throttled: np.ndarray = field(default_factory=lambda: np.zeros(0))  # share 0..1 of GPUs held down (0 unknown)
     # float32[n_sites, n_models, hours]: GPUs free in each whole hour from now's (policies.timeshift); empty
     # when no pipeline shifts jobs in time. Debited by assume() and by deferrals, like free_gpus.
     plan_free: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), dtype=np.float32))
@@ -444,11 +445,13 @@ def build_snapshot(
             rtt[i, column[o]] = ms
     temperature = np.zeros(n)
     queue = np.zeros(n)
+    throttled = np.zeros(n)
     for i, spec in enumerate(specs):
         state = states.get(spec.name)
         if state is not None:
             temperature[i] = state.telemetry.temperature_c_max
             queue[i] = state.telemetry.queue_depth
+            throttled[i] = (state.telemetry.throttled_pct or 0.0) / 100.0
     return Snapshot(
         now=now,
         sites=tuple(s.name for s in specs),
@@ -473,6 +476,7 @@ def build_snapshot(
         utc_offset_h=utc_offsets(specs, now),
         temperature_c=temperature,
         queue_depth=queue,
+        throttled=throttled,
         quota=build_quota_view(specs, states),
         mig_free=mig_free,
         **_preemptible(specs, states),

@@ -11,7 +11,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -339,6 +339,9 @@ def test_telemetry_averages_utilisation_sums_memory_and_power_and_keeps_the_hott
     assert telemetry.memory_total_gib == pytest.approx(160.0)
     assert telemetry.temperature_c_max == pytest.approx(83.0)
     assert telemetry.power_w == pytest.approx(940.5)
+    # The H100's power cap, thermal slowdown and power brake hold its clocks down; the A100's run free.
+    assert telemetry.throttled_pct == pytest.approx(50.0)
+    assert telemetry.throttle_reasons == {"hw_thermal": 1, "power_brake": 1, "sw_power_cap": 1}
     assert SiteState(site="lab", telemetry=telemetry).telemetry == telemetry
 
 
@@ -346,6 +349,15 @@ def test_telemetry_of_gpus_reporting_nothing_is_zero():
     old = FakeGpu(name="Tesla K80", uuid="GPU-k80", util_pct=None, mem_used=None, temp_c=None, power_mw=None)
     telemetry = sample_of(FakeNvml([old])).telemetry()
     assert (telemetry.gpu_utilisation_pct, telemetry.memory_used_gib, telemetry.power_w) == (0.0, 0.0, 0.0)
+
+
+def test_a_node_whose_gpus_give_no_clock_event_reasons_reports_no_throttling_rather_than_none_throttled():
+    old = FakeGpu(name="Tesla K80", uuid="GPU-k80", util_pct=None, mem_used=None, temp_c=None, power_mw=None,
+                  clock_reasons=None)
+    telemetry = sample_of(FakeNvml([old])).telemetry()
+    assert telemetry.throttled_pct is None and telemetry.throttle_reasons == {}
+    idle = sample_of(FakeNvml([h100_throttled(), replace(h100_throttled(), uuid="GPU-2", clock_reasons=0)]))
+    assert idle.telemetry().throttled_pct == pytest.approx(50.0)  # one unthrottled GPU counts in the share
 
 
 # --- no driver ----------------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ def _ref_telemetry(req: JobRequest, snap: Snapshot) -> np.ndarray:
     heat = np.maximum(snap.temperature_c - 60.0, 0.0) / 25.0
     gpus = snap.total_gpus.sum(axis=1)
     queue = np.divide(snap.queue_depth, gpus, out=np.zeros(snap.n_sites), where=gpus > 0)
-    return heat + queue
+    return heat + snap.throttled + queue
 
 
 def _ref_carbon_now(req: JobRequest, snap: Snapshot) -> np.ndarray:
@@ -314,7 +314,8 @@ def federation(seed: int) -> Snapshot:
         states[spec.name] = SiteState(
             site=spec.name, health=Health.UNHEALTHY if rng.random() < 0.05 else Health.HEALTHY,
             capacity=capacity,
-            telemetry=Telemetry(temperature_c_max=rng.choice((0.0, 55.0, 70.0, 88.0)), queue_depth=rng.randint(0, 9)))
+            telemetry=Telemetry(temperature_c_max=rng.choice((0.0, 55.0, 70.0, 88.0)), queue_depth=rng.randint(0, 9),
+                                throttled_pct=rng.choice((None, 0.0, 25.0, 100.0))))
     snap = build_snapshot(NOW, specs, states)
     forecast = np.random.default_rng(seed).uniform(50, 700, size=(N_SITES, 48))
     forecast[rng.sample(range(N_SITES), 4)] = np.nan

@@ -16,7 +16,7 @@ from adapters import mqtt_protocol as proto
 from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.remote import MqttHub, RemoteSite
 from broker.clock import SystemClock
-from broker.models import Health, Job, MqttSettings, SiteState
+from broker.models import Health, Job, MqttSettings, SiteState, Telemetry
 from tests.builders import job, site
 
 NOW = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
@@ -299,6 +299,27 @@ async def test_an_agents_report_is_held_to_its_sites_spec(edge) -> None:
     other = state.model_copy(update={"site": "other", "capacity": capacity[:1]})
     s.receive(heartbeat(2, free=3).model_copy(update={"state": other}))
     assert (await s.snapshot()).capacity[0].free_gpus == 8
+
+
+async def test_clock_throttling_reaches_the_broker_and_is_left_off_the_wire_where_a_site_has_none(edge) -> None:
+    """A site whose agent reads clock-event reasons shows the share of its GPUs held down; a site without them
+    sends the telemetry keys of the earlier release only, so an earlier broker (which forbids keys it does not
+    know) still takes its heartbeats."""
+    s, hub = edge
+    plain = json.loads(proto.encode(heartbeat(1)))["state"]["telemetry"]
+    assert set(plain) == {"gpu_utilisation_pct", "memory_used_gib", "memory_total_gib", "temperature_c_max",
+                          "power_w", "queue_depth"}
+    beat = heartbeat(2)
+    measured = Telemetry(temperature_c_max=83.0, **Telemetry.throttle_of([("sw_power_cap", "hw_thermal"), ("idle",)]))
+    beat = beat.model_copy(update={"state": beat.state.model_copy(update={"telemetry": measured})})
+    hub._on_message(message(proto.topic("edge", "state"), proto.encode(beat)))
+    telemetry = (await s.snapshot()).telemetry
+    assert telemetry.throttled_pct == 50.0
+    assert telemetry.throttle_reasons == {"hw_thermal": 1, "idle": 1, "sw_power_cap": 1}
+    doc = json.loads(proto.encode(beat))
+    doc["state"]["telemetry"]["throttle_reasons"] = {"Not A Reason; drop table": 1}
+    hub._on_message(message(proto.topic("edge", "state"), json.dumps(doc).encode()))
+    assert hub.malformed == {"invalid": 1}
 
 
 @pytest.mark.parametrize("body, field", [

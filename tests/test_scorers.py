@@ -33,12 +33,15 @@ CARBON = load_carbon(ROOT / "data" / "carbon")
 FRIDAY_1400 = datetime(2022, 6, 10, 14, tzinfo=UTC)  # 10:00 in Toronto, 15:00 London, 23:00 Tokyo, 00:00 Sydney
 
 
-def snapshot(now: datetime, temperatures: dict[str, float] | None = None):
+def snapshot(now: datetime, temperatures: dict[str, float] | None = None,
+             throttled: dict[str, list[tuple[str, ...]]] | None = None):
+    """The demo sites, all free; ``throttled``: a site's GPUs' clock-event reasons, one tuple per GPU."""
     states = {
         s.name: SiteState(site=s.name, health=Health.HEALTHY, capacity=[
             ModelCapacity(model=m, total_gpus=n, free_gpus=n, used_gpus=0, memory_gib_per_gpu=ids.GPU_MODEL_BY_ID[m].memory_gib)
             for m, n in s.total_gpus().items()],
-            telemetry=Telemetry(temperature_c_max=(temperatures or {}).get(s.name, 0.0)))
+            telemetry=Telemetry(temperature_c_max=(temperatures or {}).get(s.name, 0.0),
+                                **Telemetry.throttle_of((throttled or {}).get(s.name, []))))
         for s in SITES
     }
     snap = build_snapshot(now, list(SITES), states)
@@ -118,6 +121,21 @@ def test_telemetry_penalises_hot_gpus() -> None:
     raw = dict(zip(snap.sites, TelemetryScorer().raw(request(), snap)))
     assert raw["toronto"] == pytest.approx(1.0) and raw["ashburn"] == 0.0
     assert winner({"carbon": 0.5, "telemetry": 1.0}, request(), snap) != "toronto"
+
+
+def test_telemetry_penalises_gpus_held_down_by_heat_or_power_not_idle_ones() -> None:
+    """Two sites at the same temperature: the one whose GPUs report thermal slowdown and a power cap loses to
+    the one whose GPUs are merely idle; a site that reports no reasons at all gets no penalty."""
+    held = [("sw_thermal",), ("sw_power_cap", "hw_slowdown"), (), ()]  # 2 of 4 GPUs held down
+    idle = [("idle",)] * 4  # low clocks because nothing runs: not throttling
+    snap = snapshot(FRIDAY_1400, temperatures={"london": 70.0, "ashburn": 70.0},
+                    throttled={"london": held, "ashburn": idle})
+    raw = dict(zip(snap.sites, TelemetryScorer().raw(request(), snap)))
+    assert raw["london"] == pytest.approx(10 / 25 + 0.5)  # heat 0.4 plus half the GPUs held down
+    assert raw["ashburn"] == pytest.approx(10 / 25)
+    assert raw["toronto"] == 0.0  # reports no temperature and no reasons
+    job = request(model="h100-80gb", count=1, allowed_regions=frozenset({"gcp:europe-west2", "gcp:us-east4"}))
+    assert winner({"telemetry": 1.0}, job, snap) == "ashburn"
 
 
 def test_profiles_rank_the_same_hour_differently() -> None:
