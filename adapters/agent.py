@@ -81,6 +81,7 @@ import aiomqtt
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adapters.base import AttemptLookup, EventKind, EventReceipts, JobEvent, Preempter, QuotaAdmin, SiteAdapter
+from adapters.telemetry import TelemetryFeed, nvml_feed
 from adapters.mqtt_protocol import (
     PUBLISH_TIMEOUT_S,
     Ack,
@@ -106,7 +107,7 @@ from adapters.mqtt_protocol import (
 )
 from broker.clock import Clock, SystemClock
 from broker.config import ConfigError, load_yaml_model
-from broker.models import Health, Job, MqttSettings, SiteSpec, SiteState
+from broker.models import Health, Job, MqttSettings, NvmlTelemetryConfig, SiteSpec, SiteState
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,10 @@ class AgentConfig(BaseModel):
         description="stop the jobs this long before the lease ends (None: max(2 * heartbeat_s, 0.2 * lease_s))")
     state_dir: str | None = Field(
         default=None, description="where the site keeps what must outlive a restart (its operator's quota changes)")
+    telemetry: NvmlTelemetryConfig | None = Field(
+        default=None,
+        description="measure the site's GPUs (temperature, power, utilisation, clock throttling) and send that "
+                    "in each heartbeat instead of the adapter's own telemetry (None: the adapter's)")
 
     @field_validator("site")
     @classmethod
@@ -181,14 +186,19 @@ class _Outgoing:
 
 
 class SiteAgent:
-    def __init__(self, config: AgentConfig, clock: Clock | None = None, adapter: SiteAdapter | None = None) -> None:
-        """``adapter``: an already-built site adapter (tests); by default one is built from ``config.site``."""
+    def __init__(self, config: AgentConfig, clock: Clock | None = None, adapter: SiteAdapter | None = None,
+                 telemetry: TelemetryFeed | None = None) -> None:
+        """``adapter``: an already-built site adapter (tests); by default one is built from ``config.site``.
+        ``telemetry``: a feed of measured GPU telemetry (tests); by default one from ``config.telemetry``."""
         from broker.service import adapter_factory  # the broker's service module only where it is used
 
         self.config = config
         self.site = config.site.name
         self.clock = clock or SystemClock()
         self.inner: SiteAdapter = adapter or adapter_factory(self.clock, config.state_dir)(config.site)
+        self.telemetry = telemetry
+        if telemetry is None and config.telemetry is not None:
+            self.telemetry = nvml_feed(self.site, config.telemetry, self.clock)
         self.boot = uuid.uuid4().hex[:16]
         self.malformed: Counter[str] = Counter()
         self._held: dict[tuple[str, int], _Held] = {}
@@ -241,6 +251,9 @@ class SiteAgent:
         self._started_mono = time.monotonic()
         await self.inner.start()
         await self._adopt()
+        if self.telemetry is not None:
+            await self.telemetry.read_once()  # the first heartbeat carries it already (or logs why not)
+            self.telemetry.start()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._events_loop(), name=f"agent-{self.site}-events"),
@@ -283,6 +296,12 @@ class SiteAgent:
                             ", ".join(sorted(t.get_name() for t in stuck)))
         self._client = None
         self._connected.clear()
+        if self.telemetry is not None:
+            try:
+                async with asyncio.timeout(STOP_WAIT_S):
+                    await self.telemetry.stop()
+            except Exception as e:  # (NVML's shutdown failing must not keep the site open)
+                log.warning("site agent %s: its GPU telemetry did not stop cleanly: %s", self.site, e)
         try:
             await self.inner.close()
         finally:
@@ -371,6 +390,8 @@ class SiteAgent:
                 log.warning("site agent %s: snapshot failed: %s", self.site, e)
                 state = SiteState(site=self.site, health=Health.UNHEALTHY, last_heard_at=self.clock.now(),
                                   reason=f"the site agent cannot reach the site: {e}")
+            if self.telemetry is not None:
+                state = self.telemetry.overlay(state)
             seq = next(self._seq)
             beat = Heartbeat(
                 site=self.site, boot=self.boot, seq=seq, sent_at=self.clock.now(), lease_s=self._lease_s,

@@ -237,6 +237,18 @@ class Toleration(Spec):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+class NvmlTelemetryConfig(Spec):
+    """GPU telemetry read through NVML on the machine the site agent runs on (``adapters.telemetry``): for a
+    site whose GPUs are in the agent's own node. Needs the NVIDIA driver there; the agent starts without it
+    and logs why each reading failed."""
+
+    kind: Literal["nvml"] = "nvml"
+    every_s: float = Field(default=15.0, ge=1, le=3600, description="seconds between readings")
+    stale_after_s: float = Field(
+        default=60.0, gt=0, le=86400,
+        description="a reading older than this is not sent: the site's own telemetry goes out instead")
+
+
 class KubernetesAdapterConfig(Spec):
     """A Kubernetes cluster (``adapters.kubernetes``): GPUs from its Nodes, jobs as batch/v1 Jobs in the tenant's
     namespace (``namespace_prefix`` + tenant), quotas mirrored as ResourceQuota objects."""

@@ -44,11 +44,14 @@ from adapters.mqtt_protocol import (
     topic,
 )
 from broker.config import ConfigError
-from broker.models import Job, MqttSettings, SimulatedAdapterConfig, TenantQuota
+from adapters.nvml import NvmlCollector
+from adapters.telemetry import nvml_feed
+from broker.models import Job, MqttSettings, NvmlTelemetryConfig, SimulatedAdapterConfig, TenantQuota
 from tests.builders import job, site
 from tests.conftest import ROOT
 from tests.mosquitto import Mosquitto, MosquittoMissing, mosquitto_fixture  # noqa: F401
 from tests.services import missing
+from tests.test_nvml import FakeNvml, a100_in_mig_mode, h100_throttled
 
 MQTT_HOST = "127.0.0.1"
 HEARTBEAT_S = 0.2
@@ -264,6 +267,41 @@ async def test_heartbeat_is_retained_with_capacity_and_status_goes_offline_on_st
     finally:
         await agent.stop()
         await clear_retained(name)
+
+
+async def test_heartbeats_carry_the_gpus_the_agent_measures_through_nvml():
+    """An agent on a GPU node (``telemetry: {kind: nvml}``) sends what NVML reads: the hottest GPU and the
+    share held down by heat or power, with its site's own queue depth."""
+    name = unique_site()
+    config = agent_config(name, telemetry=NvmlTelemetryConfig(every_s=1))
+    fake = FakeNvml([h100_throttled(), a100_in_mig_mode()])
+    agent = SiteAgent(config, telemetry=nvml_feed(name, config.telemetry, collector=NvmlCollector(fake)))
+    try:
+        async with BrokerSide(name) as side:
+            await agent.start()
+            _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat))
+            telemetry = beat.state.telemetry
+            assert (telemetry.temperature_c_max, telemetry.throttled_pct) == (83.0, 50.0)
+            assert telemetry.throttle_reasons == {"hw_thermal": 1, "power_brake": 1, "sw_power_cap": 1}
+            assert telemetry.queue_depth == 0
+            await agent.stop()
+        assert not fake.initialised  # NVML shut down with the agent
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
+def test_an_agent_config_asks_for_nvml_telemetry_by_kind(tmp_path):
+    path = tmp_path / "agent.yaml"
+    doc = {"site": json.loads(site_spec("lab").model_dump_json()), "telemetry": {"kind": "nvml", "every_s": 5}}
+    path.write_text(yaml.safe_dump(doc))
+    config = load_agent_config(path)
+    assert config.telemetry == NvmlTelemetryConfig(every_s=5)
+    assert SiteAgent(config).telemetry is not None
+    doc["telemetry"] = {"kind": "nvml", "every_s": 0}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match="every_s"):
+        load_agent_config(path)
 
 
 @pytest.mark.parametrize("stop_after_s", [0.0, 0.002, 0.005, 0.01, 0.02, 0.05])
