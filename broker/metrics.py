@@ -132,6 +132,11 @@ class BrokerCollector(Collector):
                          "from within site_stale_after_s, not being removed, not cordoned)", ["site"])
         age = _gauge("heliotrope_site_telemetry_age_seconds", "Seconds since the site was last heard from",
                      ["site"])
+        hottest = _gauge("heliotrope_site_gpu_temperature_max_celsius", "The site's hottest GPU, as it last "
+                         "reported (sites that report no temperature are left out)", ["site"])
+        throttled = _gauge("heliotrope_site_gpus_throttled_ratio", "Share (0..1) of the site's GPUs whose clocks "
+                           "heat or power held down at its last reading (sites that do not read clock-event "
+                           "reasons are left out)", ["site"])
         carbon = _gauge("heliotrope_site_carbon_intensity_grams_per_kwh", "The site's grid carbon intensity now "
                         "(gCO2e/kWh), as routing sees it", ["site", "zone"])
         price = _gauge("heliotrope_site_price_usd_per_gpu_hour", "Price of one GPU-hour, as routing sees it",
@@ -147,6 +152,10 @@ class BrokerCollector(Collector):
             for cap in state.capacity:
                 free.add_metric([name, cap.model], cap.free_gpus)
                 total.add_metric([name, cap.model], cap.total_gpus)
+            if state.telemetry.temperature_c_max > 0:
+                hottest.add_metric([name], state.telemetry.temperature_c_max)
+            if state.telemetry.throttled_pct is not None:
+                throttled.add_metric([name], state.telemetry.throttled_pct / 100.0)
         snap = b.federation.freeze(now) if b.federation.members else None
         if snap is not None:
             for i, name in enumerate(snap.sites):
@@ -184,5 +193,5 @@ class BrokerCollector(Collector):
                       "hour", ["site", "model", "quantile"])
         for (name, m, q), gpus in sorted(b.cycle.latency_reserve().items()):
             kept.add_metric([name, GPU_MODEL_IDS[m], f"{q:g}"], gpus)
-        yield from (free, total, healthy, age, carbon, price, carbon_rate, cost_rate, kept)
+        yield from (free, total, healthy, age, hottest, throttled, carbon, price, carbon_rate, cost_rate, kept)
 

@@ -16,7 +16,7 @@ from broker.api import create_app
 from broker.clock import ManualClock
 from broker.config import BrokerSettings
 from broker.data.carbon import load_carbon
-from broker.models import JobState, SimulatedAdapterConfig
+from broker.models import JobState, SimulatedAdapterConfig, Telemetry
 from broker.providers import FileCarbonProvider
 from broker.service import Broker
 from tests.builders import job, site
@@ -208,3 +208,16 @@ async def test_the_transitions_counter_counts_each_submitted_job_entering_queued
     assert entered["queued"] == 3
     for state, n in entered.items():
         assert m[("heliotrope_job_transitions_total", (("state", state),))] == n, state
+
+
+async def test_metrics_show_each_sites_hottest_gpu_and_the_share_of_its_gpus_held_down(running):
+    broker, _, client = running
+    await broker.federation.collect()
+    member = broker.federation.members["london"]
+    member.state = member.state.model_copy(update={"telemetry": Telemetry(
+        temperature_c_max=84.0, **Telemetry.throttle_of([("hw_thermal",), ("sw_power_cap",), ("idle",), ()]))})
+    m = await scrape(client)
+    assert m[("heliotrope_site_gpu_temperature_max_celsius", (("site", "london"),))] == 84.0
+    assert m[("heliotrope_site_gpus_throttled_ratio", (("site", "london"),))] == 0.5
+    # tokyo's simulated site reads no clock-event reasons: no sample, rather than a made-up 0
+    assert ("heliotrope_site_gpus_throttled_ratio", (("site", "tokyo"),)) not in m
