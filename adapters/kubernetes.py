@@ -49,7 +49,12 @@
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
   expressible there, and are annotated only). Where Nodes of the single MIG strategy advertise slices as
   ``nvidia.com/gpu``, one GPU of the limit may be seven such slices, so the mirror's limit is seven times
-  guarantee + burst there (a bound the site's own admission keeps within, not the limit itself).
+  guarantee + burst there (a bound the site's own admission keeps within, not the limit itself). The mirror
+  follows the Nodes: at each inventory refresh (every ``snapshot``, so each broker cycle, and each ``submit``)
+  a ResourceQuota whose manifest would change (Nodes relabelled to or from the single strategy, or such Nodes
+  come or gone) is written again; an unchanged layout costs no call. A write that fails is logged with the
+  namespace and status and tried again at the next refresh (the snapshot goes on; ``SiteAdmission`` keeps the
+  quota meanwhile).
 - Every API call has a timeout (``request_timeout_s``) and is retried (``retries``, exponential back-off) on
   connection errors, 429 and 5xx; what still fails raises ``AdapterError``.
 
@@ -205,6 +210,8 @@ class KubernetesSite:
         self._node_model: dict[str, str] = {}
         self._foreign: dict[str, tuple[str, GpuRequest]] = {}  # Pods outside this site: id -> (Node, GPUs)
         self._foreign_held: dict[str, tuple[str, GpuRequest]] = {}  # those entered in the inventory
+        # tenant -> the ResourceQuota last written for its quota, or why the last write failed (``_mirror_quota``)
+        self._mirrored: dict[str, dict[str, Any] | str] = {}
         self._pods_read_at: float | None = None  # time.monotonic()
         self.pods_ttl_s = PODS_TTL_S
         self.left_out: list[str] = []  # nodes left out of the inventory, with the reason
@@ -337,6 +344,7 @@ class KubernetesSite:
         for n in nodes:
             self._products.setdefault((n.model, n.single), set()).add(n.product)
         self._single = {n.name: n.single for n in nodes if n.single is not None}
+        await self._follow_layout()
         await self._read_pods()
         groups = node_groups(nodes)
         if groups == self._groups and self._admission is not None:
@@ -987,6 +995,7 @@ class KubernetesSite:
         if all(q.tenant != tenant for q in self._quotas()):
             raise KeyError(f"site {self.name} has no quota for tenant {tenant}")
         self._overrides.remove(tenant)
+        self._mirrored.pop(tenant, None)
         if self._admission is not None:
             self._admission.remove_quota(tenant, self._clock.now().timestamp())
         try:
@@ -1015,26 +1024,52 @@ class KubernetesSite:
         }
 
     async def _mirror_quota(self, quota: TenantQuota) -> None:
+        """Write the tenant's ResourceQuota (create, else patch) and keep what was written, or why it failed, in
+        ``_mirrored``: ``_follow_layout`` writes it again when the Nodes change its limit, or after a failure."""
         manifest = self.quota_manifest(quota)
         namespace = manifest["metadata"]["namespace"]
         try:
-            try:
-                await self._json("creating a ResourceQuota",
-                                 self._core.create_namespaced_resource_quota_without_preload_content,
-                                 namespace, manifest)
-                return
-            except k8s.ApiException as e:
-                if e.status != 409:
-                    raise
-            patch = {"metadata": {"labels": manifest["metadata"]["labels"],
-                                  "annotations": manifest["metadata"]["annotations"]}, "spec": manifest["spec"]}
-            await self._json("updating a ResourceQuota",
-                             self._core.patch_namespaced_resource_quota_without_preload_content,
-                             QUOTA_NAME, namespace, patch)
+            await self._write_quota(manifest)
+        except (k8s.ApiException, AdapterError) as e:
+            api = isinstance(e, k8s.ApiException)
+            why = f"{e.status}: {e.reason}" if api else str(e).removeprefix(f"site {self.name}: ")
+            hint = f"; does namespace {namespace} exist?" if api else ""
+            error = AdapterError(f"site {self.name}: the quota of {quota.tenant} is kept and enforced by heliotrope, "
+                                 f"but mirroring it as ResourceQuota {namespace}/{QUOTA_NAME} failed ({why}){hint}")
+            self._mirrored[quota.tenant] = str(error)
+            raise error from e
+        self._mirrored[quota.tenant] = manifest
+
+    async def _write_quota(self, manifest: dict[str, Any]) -> None:
+        namespace = manifest["metadata"]["namespace"]
+        try:
+            await self._json("creating a ResourceQuota",
+                             self._core.create_namespaced_resource_quota_without_preload_content,
+                             namespace, manifest)
+            return
         except k8s.ApiException as e:
-            raise AdapterError(f"site {self.name}: the quota of {quota.tenant} is kept and enforced by heliotrope, "
-                               f"but mirroring it as ResourceQuota {namespace}/{QUOTA_NAME} failed ({e.status}: "
-                               f"{e.reason}); does namespace {namespace} exist?") from e
+            if e.status != 409:
+                raise
+        patch = {"metadata": {"labels": manifest["metadata"]["labels"],
+                              "annotations": manifest["metadata"]["annotations"]}, "spec": manifest["spec"]}
+        await self._json("updating a ResourceQuota", self._core.patch_namespaced_resource_quota_without_preload_content,
+                         QUOTA_NAME, namespace, patch)
+
+    async def _follow_layout(self) -> None:
+        """At each inventory refresh: write again each tenant's ResourceQuota whose manifest is no longer the one
+        written (Nodes of the single MIG strategy came or went, so its limit is seven times guarantee + burst, or
+        no longer), or whose last write failed. An unchanged layout makes no call. A failure is logged (a warning
+        when its cause is new) and tried again at the next refresh; the quota itself stands in ``SiteAdmission``.
+        Only tenants mirrored before (by ``start``, ``set_quota``) are followed."""
+        for quota in self._quotas():
+            last = self._mirrored.get(quota.tenant)
+            if last is None or last == self.quota_manifest(quota):
+                continue
+            try:
+                await self._mirror_quota(quota)
+            except AdapterError as e:
+                (log.warning if str(e) != last else log.debug)(
+                    "%s; tried again at the next inventory refresh", e)
 
 
 def _key(job_id: str, attempt: int) -> str:

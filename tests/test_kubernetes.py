@@ -281,6 +281,81 @@ async def test_a_tenants_resource_quota_counts_slices_where_nodes_advertise_them
         await adapter.close()
 
 
+def a100_40(name: str, single: bool) -> dict[str, Any]:
+    """An A100-40GB Node as a whole GPU, or, after the GPU operator's MIG manager has reconfigured it to the
+    single strategy, as seven 1g.5gb slices advertised as nvidia.com/gpu."""
+    if not single:
+        return node(name, "NVIDIA-A100-SXM4-40GB", gpus=1, gpu_count=1)
+    relabelled = node(name, "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", gpus=7, gpu_count=7)
+    relabelled["metadata"]["labels"] |= {"nvidia.com/gpu.memory": "4864", "nvidia.com/mig.strategy": "single"}
+    return relabelled
+
+
+def quota_writes(cluster: kmock.KubernetesEmulator) -> int:
+    """ResourceQuota creations and patches the cluster was sent."""
+    return sum(len(cluster[verb, kmock.resource(QUOTAS)]) for verb in (kmock.action.CREATE, kmock.action.UPDATE))
+
+
+async def test_a_resource_quota_follows_nodes_that_change_mig_strategy(cluster: kmock.KubernetesEmulator) -> None:
+    # A Node relabelled to the single MIG strategy (or back) changes what nvidia.com/gpu counts: the mirrored
+    # limit must follow, or the cluster refuses Pods the site admitted (or lets through more than the quota).
+    cluster.objects[NODES, None, "a100-40"] = a100_40("a100-40", single=False)
+    adapter = make_site(cluster, quotas=[{"tenant": "t1", "guaranteed_gpus": 1, "burst_gpus": 1}])
+    await adapter.start()
+    try:
+        key = (QUOTAS, "heliotrope-t1", "heliotrope-gpus")
+        for single, limit in [(False, "2"), (True, "14"), (False, "2")]:
+            cluster.objects[NODES, None, "a100-40"] = a100_40("a100-40", single)
+            await adapter.snapshot()
+            assert cluster.objects[key]["spec"]["hard"] == {"requests.nvidia.com/gpu": limit}
+        await adapter.set_quota(TenantQuota(tenant="t1", guaranteed_gpus=2, burst_gpus=1))
+        cluster.objects[NODES, None, "a100-40"] = a100_40("a100-40", single=True)
+        assert (await adapter.submit(mig_attempt("m-1", 1, "1g.5gb"))).admitted  # a dispatch refreshes as well
+        assert cluster.objects[key]["spec"]["hard"] == {"requests.nvidia.com/gpu": "21"}
+        assert cluster.objects[key]["metadata"]["annotations"]["heliotrope.io/guaranteed-gpus"] == "2"
+    finally:
+        await adapter.close()
+
+
+async def test_an_unchanged_inventory_does_not_rewrite_the_resource_quotas(kube: KubernetesSite,
+                                                                           cluster: kmock.KubernetesEmulator) -> None:
+    versions = len(cluster.objects[QUOTAS, "heliotrope-t1", "heliotrope-gpus"].history)  # kmock's resourceVersion
+    writes = quota_writes(cluster)
+    cluster.objects[NODES, None, "a100-0"]["metadata"]["labels"]["team"] = "vision"  # no change of MIG strategy
+    for _ in range(3):
+        await kube.snapshot()
+    assert (await kube.submit(attempt("j-1", count=1))).admitted
+    assert quota_writes(cluster) == writes
+    assert len(cluster.objects[QUOTAS, "heliotrope-t1", "heliotrope-gpus"].history) == versions
+
+
+async def test_a_resource_quota_the_cluster_refuses_to_update_is_tried_again_at_the_next_refresh(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    key = (QUOTAS, "heliotrope-t1", "heliotrope-gpus")
+    real = k8s.CoreV1Api.patch_namespaced_resource_quota_without_preload_content
+    refused: list[str] = []
+
+    async def refuse(self: Any, name: str, namespace: str, body: Any, **kwargs: Any) -> Any:
+        refused.append(namespace)
+        raise k8s.ApiException(status=403, reason="resourcequotas is forbidden")
+
+    monkeypatch.setattr(k8s.CoreV1Api, "patch_namespaced_resource_quota_without_preload_content", refuse)
+    cluster.objects[NODES, None, "a100-40"] = a100_40("a100-40", single=True)
+    for _ in range(2):
+        state = await kube.snapshot()  # the snapshot stands, and so does the quota in the site's own admission
+        assert state.health == "healthy" and state.quota is not None and state.quota.tenant("t1") is not None
+    assert refused == ["heliotrope-t1"] * 2 and cluster.objects[key]["spec"]["hard"] == {
+        "requests.nvidia.com/gpu": "8"}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "mirroring" in r.getMessage()]
+    assert len(warnings) == 1 and "heliotrope-t1/heliotrope-gpus" in warnings[0] and "403" in warnings[0]
+    assert (await kube.submit(attempt("j-1", count=8))).admitted
+    assert not (await kube.submit(attempt("j-2", count=1))).admitted  # the site keeps t1 to 4 + 4 GPUs
+    monkeypatch.setattr(k8s.CoreV1Api, "patch_namespaced_resource_quota_without_preload_content", real)
+    await kube.snapshot()
+    assert cluster.objects[key]["spec"]["hard"] == {"requests.nvidia.com/gpu": "56"}
+
+
 async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster: kmock.KubernetesEmulator) -> None:
     for name in ("a100-0", "a100-1", "mig-0"):
         del cluster.objects[NODES, None, name]
