@@ -131,11 +131,12 @@ class TenantQuota(Spec):
     """A tenant's local quota at one site; enforced by the site (see ``policies.quota``).
 
     A tenant holds at most ``guaranteed_gpus + burst_gpus`` GPUs (fractions count as their share). Its
-    guarantee is honoured whenever it asks: work that borrowed it is preempted. One limit: a guarantee for one
-    ``model`` is reclaimed only from tenants above their own guarantee, so where a tenant whose quota counts
-    any model holds that model's GPUs with preemptible work within its own guarantee, those GPUs are not
-    taken back, even while other models sit idle where that guarantee could be held. ``priority_ceiling``
-    caps the priority its jobs are ranked with at this site (a job asking more is ranked at the ceiling)."""
+    guarantee is honoured whenever it asks: work that borrowed it is preempted. A guarantee for one ``model``
+    also takes that model's GPUs back from tenants whose quotas count any model, within their own guarantees,
+    when borrowed work is not enough, but only as far as the site's idle GPUs of other models can hold those
+    guarantees (``policies.preemption``): a guarantee with no ``model`` is one of GPUs, not of a model.
+    ``priority_ceiling`` caps the priority its jobs are ranked with at this site (a job asking more is ranked
+    at the ceiling)."""
 
     tenant: Slug
     guaranteed_gpus: int = Field(default=0, ge=0)

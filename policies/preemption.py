@@ -11,7 +11,8 @@ Preemption (when the job does not fit as things stand)
     another tenant's guarantee longer than the site allows by asking for a long ``min_run_s``), from:
 
     - reclaim: when the tenant would stay within its guarantee (``in_use + gpus <= guaranteed``), other
-      tenants holding more than their guarantee, any priority;
+      tenants holding more than their guarantee, any priority; then, where the asker's quota counts the job's
+      model M only, tenants whose quotas count any model, within their own guarantees (below);
     - priority: jobs of lower effective priority of the tenant itself, and of other tenants over their fair
       share (``policies.fairshare``, with the demand the caller passes, the asking job included).
 
@@ -22,6 +23,17 @@ Preemption (when the job does not fit as things stand)
     never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Without
     one, the refusal says why the job waits ("site full; 6 GPUs could be freed from preemptible jobs over
     their share, 8 needed"). A tenant over its limit may only preempt its own lower-priority jobs.
+
+    The one exception, for a reclaim by a tenant whose quota counts the job's model M only: after the
+    borrowed candidates, the candidates of the tenants whose quotas count any model are walked again in the
+    same order (those not taken yet), and a job may take such a tenant below its guarantee, or further
+    below, as long as, after it, what all those tenants lack of their guarantees (guarantee minus the GPUs of
+    any model they hold) is at most the idle GPUs of the site's other models, each model's less what its own
+    model quotas lack of their guarantees (``QuotaBook._elsewhere``). GPUs other tenants hold there, even
+    borrowed, count for nothing. So such a tenant can hold its guarantee again at once on idle GPUs of the
+    other models that no other model quota's guarantee needs (counted in GPUs: its jobs' shapes are the
+    inventory's to fit); between tenants whose quotas both count any model, and at a one-model site, nothing
+    changes.
 
 Cost: a lazy merge of per-tenant candidate lists kept sorted at start/stop, plus O(log n) ``fits`` calls.
 Units: GPUs (a fractional job counts its share), POSIX seconds. There is no switch: a job that fits never
@@ -55,22 +67,30 @@ def dequeue(queue: list[tuple[int, float, str, _Job]], job: _Job) -> None:
 
 
 def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits, reclaim: bool, over_limit: bool,
-           accounts: Iterable[_Account], shares: Mapping[_Account, float] | None, reclaim_min_run_s: float
-           ) -> tuple[tuple[str, ...] | None, float, float]:
+           accounts: Iterable[_Account], shares: Mapping[_Account, float] | None, reclaim_min_run_s: float,
+           elsewhere: float = 0.0) -> tuple[tuple[str, ...] | None, float, float]:
     """Shortest prefix of the candidates after which the job fits: (ids or None, own GPUs freed, GPUs freed).
     ``accounts``: every account of the book; ``shares``: fair shares (GPUs) with the asking job counted in,
     needed unless ``reclaim`` or ``over_limit``; ``reclaim_min_run_s``: the site policy's ``min_run_s``, the
-    longest a reclaim spares a job."""
+    longest a reclaim spares a job; ``elsewhere``: for a reclaim of a guarantee for ``model``, the GPUs by which
+    the tenants whose quotas count any model may together fall below their guarantees (``QuotaBook._elsewhere``:
+    what the site's other models can hold for them); 0 for none."""
     streams = [_stream(acct.queue, model, now, p)] if acct.queue else []
+    lenders = []
     if not over_limit:
         for o in accounts:
-            if o is acct or not o.queue or o.in_use <= o.guaranteed + EPS:
+            if o is acct or not o.queue:
+                continue
+            if reclaim and elsewhere > EPS and _lends(o):
+                lenders.append(_stream(o.queue, model, now, None, reclaim_min_run_s))
+            if o.in_use <= o.guaranteed + EPS:
                 continue
             if reclaim:
                 streams.append(_stream(o.queue, model, now, None, reclaim_min_run_s))
             elif o.in_use > shares[o] + EPS:
                 streams.append(_stream(o.queue, model, now, p))
-    taken = _capped(acct, heapq.merge(*streams))
+    # borrowed GPUs first; then, in the same order, what the lenders can hold elsewhere
+    taken = _capped(acct, heapq.merge(*streams), heapq.merge(*lenders), elsewhere)
     ids: list[str] = []
     own = [0.0]
     freed = [0.0]
@@ -110,19 +130,28 @@ def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits,
     return tuple(ids[:hi]), own[hi], freed[hi]
 
 
-def removable(accounts: Iterable[_Account], now: float, reclaim_min_run_s: float) -> dict[tuple[_Account, str], float]:
-    """GPUs each account could lose to a reclaim now, per model (for reports); ``reclaim_min_run_s`` as in
-    :func:`search`."""
+def removable(accounts: Iterable[_Account], now: float, reclaim_min_run_s: float
+              ) -> tuple[dict[tuple[_Account, str], float], dict[str, float]]:
+    """For reports: GPUs each account could lose to a reclaim now without falling below its guarantee, per
+    model; and per model, the GPUs of the rest of the candidates of the tenants whose quotas count any model
+    (what a guarantee for that model may also take, as far as ``elsewhere`` in :func:`search` allows; the book
+    caps it). ``reclaim_min_run_s`` as in :func:`search`."""
     out: dict[tuple[_Account, str], float] = {}
+    lend: dict[str, float] = {}
     for o in accounts:
         room = o.in_use - o.guaranteed
+        lends = _lends(o)
         for *_, job in o.queue:
-            if room <= EPS:
+            if room <= EPS and not lends:
                 break
-            if job.gpus <= room + EPS and now - job.start >= min(job.min_run_s, reclaim_min_run_s):
+            if now - job.start < min(job.min_run_s, reclaim_min_run_s):
+                continue
+            if job.gpus <= room + EPS:
                 room -= job.gpus
                 out[(o, job.model)] = out.get((o, job.model), 0.0) + job.gpus
-    return out
+            elif lends:
+                lend[job.model] = lend.get(job.model, 0.0) + job.gpus
+    return out, lend
 
 
 def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float, below: int | None,
@@ -135,15 +164,31 @@ def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float, b
             yield item
 
 
-def _capped(acct: _Account, merged: Iterator[tuple[int, float, str, _Job]]) -> Iterator[_Job]:
-    """Candidates in order, skipping any that would push another tenant below its guarantee."""
+def _lends(o: _Account) -> bool:
+    """Whether a reclaim of a model's guarantee may take ``o`` below its own: a tenant whose quota counts any
+    model, as far as the site's other models can hold its guarantee (``elsewhere`` in :func:`search`)."""
+    return o.listed and o.pool is None
+
+
+def _capped(acct: _Account, merged: Iterator[tuple[int, float, str, _Job]],
+            lenders: Iterator[tuple[int, float, str, _Job]], elsewhere: float) -> Iterator[_Job]:
+    """Candidates in order, skipping any that would push another tenant below its guarantee; then the
+    ``lenders``' candidates (tenants whose quotas count any model; those not taken already), in order, skipping
+    any that would push one further below its guarantee than the ``elsewhere`` left (shared by all of them)."""
     left: dict[_Account, float] = {}
-    for *_, job in merged:
-        o = job.account
-        if o is not acct:
-            room = left.get(o, o.in_use - o.guaranteed)
-            if job.gpus > room + EPS:
-                left[o] = room
+    taken: set[str] = set()
+    for spare, items in ((0.0, merged), (elsewhere, lenders)):
+        for *_, job in items:
+            if job.job_id in taken:
                 continue
-            left[o] = room - job.gpus
-        yield job
+            o = job.account
+            if o is not acct:
+                room = left.get(o, o.in_use - o.guaranteed)
+                below = job.gpus - max(0.0, room)  # how much further below its guarantee taking it leaves o
+                if below > spare + EPS:
+                    left[o] = room
+                    continue
+                spare -= max(0.0, below)
+                left[o] = room - job.gpus
+            taken.add(job.job_id)
+            yield job

@@ -30,10 +30,14 @@ The rules, per tenant (``broker.models.TenantQuota``)
 
 Preemption (when the job does not fit as things stand)
     ``policies.preemption`` chooses the victims: by reclaim (the tenant stays within its guarantee) or by
-    priority, never pushing another tenant below its guarantee; see that module for the candidates and order.
+    priority, never pushing another tenant below its guarantee, but for one exception: a reclaim for a quota
+    that counts the job's model may take tenants whose quotas count any model below theirs, as far as the
+    site's idle GPUs of other models can hold them (:meth:`~QuotaBook._elsewhere` says how far); see that
+    module for the candidates and order.
 
-Cost: admission is O(1) plus, when preemption is needed, one fair-share division (O(tenants)) and the victim
-search of ``policies.preemption``. Units: GPUs (a fractional job counts its share), POSIX seconds. With an
+Cost: admission is O(1) plus, when preemption is needed, one fair-share division (O(tenants)) or, for a
+reclaim of a model's guarantee, one pass over the tenants and models (:meth:`~QuotaBook._elsewhere`), and the
+victim search of ``policies.preemption``. Units: GPUs (a fractional job counts its share), POSIX seconds. With an
 empty quota list there are no limits (everything that fits is admitted) and no reclaim; a higher-priority job
 may still preempt lower-priority preemptible work.
 """
@@ -286,13 +290,14 @@ class QuotaBook:
             wants = self._wants(demand or {}, acct)
             wants[acct] = max(wants.get(acct, acct.in_use), acct.in_use + g)
             shares = self._division(now, wants)
+        elsewhere = self._elsewhere(model) if reclaim and acct.pool == model else 0.0
         found = preemption.search(acct, g, model, p, now, fits, reclaim, over_limit, self._accounts.values(), shares,
-                                  self.policy.min_run_s)
+                                  self.policy.min_run_s, elsewhere)
         victims, own_freed, freed = found
         if victims is not None:
             held = acct.in_use - own_freed + g
             why = (f"reclaims its guarantee ({_n(acct.guaranteed)} GPUs)" if reclaim else f"priority {p}") + \
-                  f": preempts {len(victims)} job{'s' * (len(victims) != 1)}"
+                  f": preempts {len(victims)} job{'s' * (len(victims) != 1)}" + self._lent(acct, victims)
             return Verdict(True, why, victims, held > acct.guaranteed + EPS)
         if over_limit and acct.in_use - own_freed + g > acct.limit + EPS:
             return self._refuse_acct(acct, self._limit_reason(acct, g))
@@ -357,7 +362,8 @@ class QuotaBook:
         now = self._clock(now)
         wants = self._wants(demand or {})
         shares = self._division(now, wants)
-        removable = preemption.removable(self._accounts.values(), now, self.policy.min_run_s)
+        removable, lendable = preemption.removable(self._accounts.values(), now, self.policy.min_run_s)
+        elsewhere = {m: self._elsewhere(m) for m, gpus in lendable.items() if gpus > EPS}
         out = []
         for acct in sorted(self._accounts.values(), key=lambda a: (not a.listed, a.tenant, a.pool or "")):
             room = None if acct.burst is None else max(0.0, acct.limit - acct.in_use)
@@ -368,6 +374,8 @@ class QuotaBook:
             np_room = np_room if room is None else min(np_room, room)
             short = max(0.0, acct.guaranteed - acct.in_use)
             back = sum(v for (o, m), v in removable.items() if o is not acct and (acct.pool is None or m == acct.pool))
+            if acct.pool in elsewhere:  # what tenants counting any model can hold elsewhere (a hint: see search)
+                back += min(lendable[acct.pool], elsewhere[acct.pool])
             usage_s = self._usage_s.get((acct.tenant, acct.pool), 0.0)
             waiting = self._refusals.get((acct.tenant, acct.pool))
             if waiting is None and wants.get(acct, 0.0) > acct.in_use + EPS:
@@ -420,6 +428,31 @@ class QuotaBook:
                         f"{_n(cap)}{kind} GPUs without making another tenant's guarantee unreclaimable; this job "
                         f"needs {_n(g)} (run it preemptible to borrow idle capacity)")
         return None
+
+    def _elsewhere(self, model: str) -> float:
+        """GPUs by which the tenants whose quotas count any model may, all together, fall further below their
+        guarantees when a guarantee for ``model`` is reclaimed from them, and still hold their guarantees on the
+        site's other models: the idle GPUs of each other model that the unheld guarantees of that model's own
+        quotas leave, less the GPUs the any-model tenants already lack of their guarantees; 0 at a one-model
+        site. Idle only: GPUs others hold, even borrowed ones, count for nothing. O(tenants + models)."""
+        lack: dict[str | None, float] = {}
+        for a in self._accounts.values():
+            lack[a.pool] = lack.get(a.pool, 0.0) + max(0.0, a.guaranteed - a.in_use)
+        idle = sum(max(0.0, cap - self._used.get(m, 0.0) - lack.get(m, 0.0))
+                   for m, cap in self._capacity.items() if m != model)
+        return max(0.0, idle - lack.get(None, 0.0))
+
+    def _lent(self, acct: _Account, victims: Sequence[str]) -> str:
+        """The tenants a reclaim leaves below their guarantees (those whose quotas count any model), in words."""
+        taken: dict[_Account, float] = {}
+        for job_id in victims:
+            job = self._jobs[job_id]
+            if job.account is not acct:
+                taken[job.account] = taken.get(job.account, 0.0) + job.gpus
+        left = [f"tenant {o.tenant}, left with {_n(_tidy(o.in_use - t))} of its {_n(o.guaranteed)} guaranteed GPUs, "
+                "can hold them on the site's idle GPUs of other models"
+                for o, t in taken.items() if o.in_use - t < o.guaranteed - EPS]
+        return f" ({'; '.join(left)})" if left else ""
 
     def _limit_reason(self, acct: _Account, g: float) -> str:
         kind = f" {acct.pool}" if acct.pool else ""

@@ -487,6 +487,98 @@ def test_a_model_quota_counts_only_that_model() -> None:
         f"tenant vision's quota here counts {MODEL} GPUs only; this job asks for h100-80gb"
 
 
+# --- a model's guarantee and a tenant whose quota counts any model -------------------------------------
+
+H100 = "h100-80gb"
+
+
+def any_model_lender(quotas: Sequence[TenantQuota], elsewhere: Sequence[Ask] = (), b_min_run_s: float | None = None,
+                     policy: FairSharePolicy | None = None, b_preemptible: bool = True, b_age_s: float = H) -> Site:
+    """8 H100 and 16 A100. ``b`` (any model, guaranteed 16 in ``quotas``) runs two preemptible 4-GPU jobs on the
+    H100s, started ``b_age_s`` ago, after ``elsewhere`` (already running on the A100s)."""
+    site = Site(quotas, capacity={H100: 8, MODEL: 16}, policy=policy, now=T0 - b_age_s - 60)
+    for job in elsewhere:
+        site.run(job)
+    site.now = T0 - b_age_s
+    for i in range(2):
+        site.run(ask(f"b-h{i}", "b", 4, model=H100, preemptible=b_preemptible, min_run_s=b_min_run_s))
+    site.now = T0
+    return site
+
+
+def test_a_model_guarantee_is_reclaimed_from_an_any_model_tenant_that_can_hold_its_own_on_idle_gpus() -> None:
+    """The example of the README: b holds all 8 H100 within its 16-GPU guarantee while the 16 A100 idle; a,
+    guaranteed 8 H100, asks for them and gets them; b's guarantee can still be met on the A100s, and is."""
+    site = any_model_lender([quota("a", 8, model=H100), quota("b", 16)])
+    assert {s.tenant: s.reclaimable_gpus for s in site.book.state(site.now)} == {"a": 8, "b": 0}
+    v = site.submit(ask("a0", "a", 8, model=H100, preemptible=False))
+    assert v.admitted and v.victims == ("b-h0", "b-h1") and not v.borrowed
+    assert v.reason == ("reclaims its guarantee (8 GPUs): preempts 2 jobs (tenant b, left with 0 of its 16 "
+                        "guaranteed GPUs, can hold them on the site's idle GPUs of other models)")
+    assert site.held("b") == 0
+    v = site.submit(ask("b-a0", "b", 16, model=MODEL))  # and b gets its guarantee back at once, elsewhere
+    assert v.admitted and v.victims == () and not v.borrowed
+
+
+RECLAIM_FROM_ANY_MODEL_CASES = [
+    pytest.param([quota("a", 8, model=H100), quota("b", 16), quota("c", 16, model=MODEL)], (), 8, None,
+                 id="not when the idle A100s are another tenant's unheld guarantee"),
+    pytest.param([quota("a", 8, model=H100), quota("b", 16)], [ask("g0", "guest", 12, model=MODEL)], 8, None,
+                 id="not when others' work holds the other models, even borrowed work b could reclaim"),
+    pytest.param([quota("a", 8, model=H100), quota("b", 16)], [ask("g0", "guest", 4, model=MODEL)], 8, None,
+                 id="only as far as the idle GPUs elsewhere cover what b would lack: 12 idle, b lacks 8 already"),
+    pytest.param([quota("a", 8, model=H100), quota("b", 16)], [ask("g0", "guest", 4, model=MODEL)], 4, ("b-h0",),
+                 id="so 4 of b's 8 may go"),
+    pytest.param([quota("a", 8, model=H100), quota("b", 16)], [ask("b-a0", "b", 8, model=MODEL)], 8,
+                 ("b-h0", "b-h1"), id="what b holds elsewhere counts toward its guarantee: 8 held there, 8 idle"),
+    pytest.param([quota("a", 8, model=H100), quota("b", 4), quota("c", 16, model=MODEL)], (), 4, ("b-h0",),
+                 id="b above its own guarantee is reclaimed as before, whatever the other models hold"),
+    pytest.param([quota("a", 8, model=H100), quota("b", 4), quota("c", 16, model=MODEL)], (), 8, None,
+                 id="but not below it when the other models cannot hold it"),
+    pytest.param([quota("a", 8, model=H100), quota("b", 8), quota("d", 16)], (), 8, None,
+                 id="not when another any-model tenant's unheld guarantee needs the idle GPUs"),
+]
+
+
+@pytest.mark.parametrize(("quotas", "elsewhere", "gpus", "victims"), RECLAIM_FROM_ANY_MODEL_CASES)
+def test_reclaim_from_an_any_model_tenant_within_its_guarantee(quotas: list[TenantQuota], elsewhere: list[Ask],
+                                                                gpus: float, victims: tuple[str, ...] | None) -> None:
+    site = any_model_lender(quotas, elsewhere)
+    v = site.verdict(ask("a0", "a", gpus, model=H100))
+    if victims is None:
+        assert not v.admitted and v.reason.startswith("site full; "), v
+    else:
+        assert v.admitted and v.victims == victims and v.reason.startswith("reclaims its guarantee"), v
+
+
+def test_reclaim_from_an_any_model_tenant_never_takes_protected_work() -> None:
+    quotas = [quota("a", 8, model=H100), quota("b", 16)]
+    fixed = any_model_lender(quotas, b_preemptible=False)
+    assert not fixed.verdict(ask("a0", "a", 8, model=H100)).admitted  # never a non-preemptible job
+    young = any_model_lender(quotas, b_min_run_s=600, policy=FairSharePolicy(min_run_s=600), b_age_s=300)
+    assert not young.verdict(ask("a0", "a", 4, model=H100)).admitted  # nor one that ran less than its min_run_s
+    young.advance(300)
+    assert young.verdict(ask("a0", "a", 4, model=H100)).victims == ("b-h0",)
+
+
+def test_a_model_guarantee_is_reclaimed_from_borrowers_before_any_model_tenants_within_their_own() -> None:
+    """Whatever the priorities: what others borrow goes first, a guarantee held elsewhere only when that is not
+    enough."""
+    site = Site([quota("a", 8, model=H100), quota("b", 16)], capacity={H100: 8, MODEL: 16}, now=T0 - H)
+    site.run(ask("b-h0", "b", 4, model=H100, priority=-5))
+    site.run(ask("g-h0", "guest", 4, model=H100, priority=5))
+    site.now = T0
+    assert site.verdict(ask("a0", "a", 4, model=H100)).victims == ("g-h0",)
+    assert site.verdict(ask("a0", "a", 8, model=H100)).victims == ("g-h0", "b-h0")
+
+
+def test_only_a_model_guarantee_reclaims_from_an_any_model_tenant_within_its_own() -> None:
+    """Between tenants whose quotas both count any model nothing changes: the asker may hold its own on the
+    idle A100s as well as b could, so b keeps the H100s."""
+    site = any_model_lender([quota("a", 8), quota("b", 16)])
+    assert not site.verdict(ask("a0", "a", 8, model=H100)).admitted
+
+
 def test_operator_changes_apply_to_new_jobs_and_never_preempt_running_ones() -> None:
     site = Site([quota("vision", 2, 2), quota("nlp", 2)], gpus=8, policy=FairSharePolicy(unlisted_tenants="refuse"))
     for i in range(4):

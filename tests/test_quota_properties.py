@@ -2,10 +2,13 @@
 ``policies.fairshare``, ``policies.fair_order``) that the README and the modules' docstrings promise, checked on
 random sites and histories. ``tests/test_quota.py`` holds the worked cases and the guarantee/limit properties
 on one-GPU jobs; these add the victims of a priority preemption against the fair shares the book reports, the
-shortest prefix, admit-then-release, quota changes, the decay formula, the division and the broker's order."""
+shortest prefix, admit-then-release, quota changes, a model's guarantee reclaimed from tenants whose quotas
+count any model, the decay formula, the division and the broker's order. The sites are of one model but for
+that one: there no tenant can hold its guarantee on another model, so none is ever pushed below it."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -17,7 +20,7 @@ from broker.models import FairSharePolicy, TenantQuota
 from policies.fair_order import FairOrder, Standing
 from policies.fairshare import Claim, divide
 from policies.quota import Ask, Verdict
-from tests.test_quota import EPS, H, Site, ask, quota
+from tests.test_quota import EPS, H, MODEL, Site, ask, quota
 
 SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -89,7 +92,7 @@ def check_verdict(site: Site, job: Ask, v: Verdict, demand: dict[str, float], qu
                 assert prio < p, (victim, prio, p)
                 assert site.held(was.tenant) > shares[was.tenant] + EPS, (victim, shares)  # over its fair share
         taken[was.tenant] = taken.get(was.tenant, 0.0) + was.gpus
-    for tenant, gpus in taken.items():  # never below a guarantee
+    for tenant, gpus in taken.items():  # never below a guarantee (one model: none could hold it elsewhere)
         if tenant != job.tenant:
             g = quotas[tenant].guaranteed_gpus if tenant in quotas else 0
             assert site.held(tenant) - gpus >= g - EPS
@@ -211,6 +214,94 @@ def test_after_any_quota_changes_a_tenant_within_its_guarantee_is_admitted_while
                     check_victims_reclaim = v.reason is None or v.reason.startswith("reclaims")
                     assert check_victims_reclaim, v.reason
                     check_verdict(site, probe, v, {}, current)
+
+
+# --- two models: a model's guarantee reclaimed from tenants whose quotas count any model ------------------
+
+H100 = "h100-80gb"
+
+
+@st.composite
+def two_model_sites(draw: st.DrawFn) -> tuple[dict[str, float], list[TenantQuota]]:
+    """H100s and A100s; t0's quota counts any model, t1's H100s, t2's and t3's (if drawn) either; each guarantee
+    within what it counts (together they may be more than the site); ``guest`` is unlisted."""
+    capacity = {H100: float(draw(st.integers(2, 4))), MODEL: float(draw(st.integers(2, 8)))}
+    models = [None, H100] + draw(st.lists(st.sampled_from([None, H100, MODEL]), max_size=2))
+    quotas = []
+    for i, model in enumerate(models):
+        pool = sum(capacity.values()) if model is None else capacity[model]
+        quotas.append(quota(f"t{i}", draw(st.integers(1 if i < 2 else 0, int(pool))), draw(st.integers(0, 8)),
+                            model=model))
+    return capacity, quotas
+
+
+def lacks(site: Site, quotas: Sequence[TenantQuota]) -> dict[str, float]:
+    """GPUs each listed tenant lacks of its guarantee (one counting a model: of that model's GPUs it holds)."""
+    return {q.tenant: max(0.0, q.guaranteed_gpus - sum(a.gpus for a in site.running.values()
+                                                       if a.tenant == q.tenant and q.model in (None, a.model)))
+            for q in quotas}
+
+
+@settings(max_examples=150, **SLOW)
+@given(site_quotas=two_model_sites(), steps=st.lists(st.tuples(
+    st.sampled_from(["submit", "submit", "submit", "finish"]), st.sampled_from([0, 0, 1, 1, 2, 3, 4]),  # 4: guest
+    st.sampled_from([H100, MODEL]), st.sampled_from([1, 1, 2]), st.booleans(), st.integers(-2, 2),
+    st.sampled_from([0.0, 60.0, 3600.0])),
+    min_size=15, max_size=45), site_min_run=st.sampled_from([0.0, 300.0]))
+def test_a_tenant_counting_any_model_falls_below_its_guarantee_only_to_a_model_guarantee_and_can_hold_it_elsewhere(
+        site_quotas, steps, site_min_run) -> None:
+    """Another tenant falls below its guarantee only through a reclaim by a tenant whose quota counts the job's
+    model, only one whose quota counts any model, only preemptible work past its minimum run time (at most the
+    site's), and afterwards the GPUs the any-model tenants lack of their guarantees fit in the idle GPUs of the
+    other models that those models' own guarantees do not need: once those are held, each of them is admitted
+    one GPU at a time, without preempting anyone, up to its guarantee."""
+    capacity, quotas = site_quotas
+    by_name = {q.tenant: q for q in quotas}
+    site = Site(quotas, capacity=capacity, policy=FairSharePolicy(min_run_s=site_min_run))
+    for i in range(int(capacity[H100])):  # t0 starts on the H100s, t1's model
+        site.submit(ask(f"t0-{i}", "t0", model=H100))
+    for n, (kind, who, model, size, preemptible, priority, dt) in enumerate(steps):
+        site.advance(dt)
+        if kind == "finish":
+            if site.running:
+                site.finish(sorted(site.running)[who % len(site.running)])
+            continue
+        job = ask(f"j{n}", name(who, quotas), size, priority=priority, preemptible=preemptible, model=model)
+        v = site.verdict(job)
+        if not v.admitted:
+            continue
+        before = lacks(site, quotas)
+        for victim in v.victims:
+            was = site.running[victim]
+            min_run = was.min_run_s if was.min_run_s is not None else site_min_run
+            if v.reason.startswith("reclaims"):
+                min_run = min(min_run, site_min_run)
+            assert was.preemptible and was.model == model
+            assert site.now - site.started[victim] >= min_run, victim
+        site.submit(job)
+        after = lacks(site, quotas)
+        below = [t for t in after if t != job.tenant and after[t] > before[t] + EPS]
+        if not below:
+            continue
+        assert v.reason.startswith("reclaims") and by_name[job.tenant].model == model, v
+        assert all(by_name[t].model is None for t in below), (below, v)
+        assert f"tenant {below[0]}, left with" in v.reason
+        idle = {m: site.free(m) - sum(after[q.tenant] for q in quotas if q.model == m) for m in capacity}
+        assert sum(after[q.tenant] for q in quotas if q.model is None) <= sum(
+            max(0.0, g) for m, g in idle.items() if m != model) + EPS
+        # the proof: every other model's own guarantees held first, then each any-model tenant asks for its own
+        fill = copy.deepcopy(site)
+        for q in quotas:
+            for i in range(int(after[q.tenant]) if q.model not in (None, model) else 0):
+                if not fill.submit(ask(f"fill-{q.tenant}-{i}", q.tenant, model=q.model)).admitted:
+                    break
+        for q in quotas:
+            if q.model is None:
+                while lacks(fill, [q])[q.tenant] > EPS:
+                    tries = [fill.verdict(ask(f"back-{len(fill.running)}", q.tenant, model=m)) for m in capacity]
+                    m = next((m for m, t in zip(capacity, tries, strict=True) if t.admitted and not t.victims), None)
+                    assert m is not None, (q, tries)
+                    fill.submit(ask(f"back-{len(fill.running)}", q.tenant, model=m))
 
 
 # --- usage over time -----------------------------------------------------------------------------------
