@@ -11,6 +11,8 @@ opens the only connection, so a site behind NAT or an outgoing-only firewall wor
     resend_s: 2             # how often an unacknowledged event is published again
     stop_margin_s: null     # see "Leases" below
     state_dir: var/sites    # where the site keeps its operator's quota changes
+    telemetry: {kind: prometheus, url: http://prometheus:9090}  # measured GPUs in each heartbeat (adapters.dcgm;
+                            # {kind: nvml} on the GPU node itself); unset: the adapter's own telemetry
 
 What it does
     - Connects with a persistent MQTT session (``clean_session`` false, client id ``heliotrope-agent-SITE``)
@@ -78,10 +80,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aiomqtt
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from adapters.base import AttemptLookup, EventKind, EventReceipts, JobEvent, Preempter, QuotaAdmin, SiteAdapter
-from adapters.telemetry import TelemetryFeed, nvml_feed
+from adapters.telemetry import TelemetryFeed, telemetry_feed
 from adapters.mqtt_protocol import (
     PUBLISH_TIMEOUT_S,
     Ack,
@@ -107,7 +109,7 @@ from adapters.mqtt_protocol import (
 )
 from broker.clock import Clock, SystemClock
 from broker.config import ConfigError, load_yaml_model
-from broker.models import Health, Job, MqttSettings, NvmlTelemetryConfig, SiteSpec, SiteState
+from broker.models import Health, Job, MqttSettings, SiteSpec, SiteState, TelemetrySourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +142,12 @@ class AgentConfig(BaseModel):
         description="stop the jobs this long before the lease ends (None: max(2 * heartbeat_s, 0.2 * lease_s))")
     state_dir: str | None = Field(
         default=None, description="where the site keeps what must outlive a restart (its operator's quota changes)")
-    telemetry: NvmlTelemetryConfig | None = Field(
+    telemetry: TelemetrySourceConfig | None = Field(
         default=None,
         description="measure the site's GPUs (temperature, power, utilisation, clock throttling) and send that "
-                    "in each heartbeat instead of the adapter's own telemetry (None: the adapter's)")
+                    "in each heartbeat instead of the adapter's own telemetry (None: the adapter's): "
+                    "{kind: nvml} reads the GPUs of the node the agent runs on, {kind: prometheus, url: ...} "
+                    "reads what a Prometheus server scrapes from the cluster's dcgm-exporter")
 
     @field_validator("site")
     @classmethod
@@ -156,6 +160,13 @@ class AgentConfig(BaseModel):
         if problems:
             raise ValueError("; ".join(f"{p['field']}: {p['problem']}" for p in problems))
         return site
+
+    @model_validator(mode="after")
+    def _one_telemetry(self) -> AgentConfig:
+        if self.telemetry is not None and getattr(self.site.adapter, "telemetry", None) is not None:
+            raise ValueError("telemetry is set twice, here and in site.adapter.telemetry (both would read the "
+                             "same GPUs, and this one would win): keep one")
+        return self
 
     def stop_margin(self, lease_s: float) -> float:
         if self.stop_margin_s is not None:
@@ -198,7 +209,7 @@ class SiteAgent:
         self.inner: SiteAdapter = adapter or adapter_factory(self.clock, config.state_dir)(config.site)
         self.telemetry = telemetry
         if telemetry is None and config.telemetry is not None:
-            self.telemetry = nvml_feed(self.site, config.telemetry, self.clock)
+            self.telemetry = telemetry_feed(self.site, config.telemetry, self.clock)
         self.boot = uuid.uuid4().hex[:16]
         self.malformed: Counter[str] = Counter()
         self._held: dict[tuple[str, int], _Held] = {}

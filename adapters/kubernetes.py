@@ -57,6 +57,11 @@
   quota meanwhile).
 - Every API call has a timeout (``request_timeout_s``) and is retried (``retries``, exponential back-off) on
   connection errors, 429 and 5xx; what still fails raises ``AdapterError``.
+- Telemetry: the Nodes give only the GPUs' memory. With ``telemetry: {kind: prometheus, url: ...}`` the
+  adapter reads what the cluster's dcgm-exporter measures (temperature, power, utilisation, memory, clock
+  throttling) from the Prometheus server that scrapes it, every ``every_s`` (``adapters.dcgm``), and its
+  snapshots carry the latest reading (the queue depth stays its own); a reading older than ``stale_after_s``
+  is not used.
 
 Credentials: ``in_cluster`` (the Pod's service account), else the kubeconfig (``kubeconfig``, ``context``),
 or ``host`` alone (an unauthenticated URL such as ``kubectl proxy`` or a test emulator). RBAC: list/watch
@@ -88,6 +93,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from adapters.quota_store import QuotaOverrides, log_beyond_site
 from adapters.site_state import StopJournal
+from adapters.telemetry import telemetry_feed
 from adapters.kubernetes_nodes import (
     ASK_ANNOTATION,
     ATTEMPT_LABEL,
@@ -221,6 +227,8 @@ class KubernetesSite:
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._watches: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()  # one admission at a time
+        # GPU telemetry measured by the cluster's dcgm-exporter, read from Prometheus (None: not configured)
+        self.telemetry = telemetry_feed(self.name, cfg.telemetry, clock) if cfg.telemetry is not None else None
 
     # --- life cycle ---
 
@@ -239,12 +247,17 @@ class KubernetesSite:
         loop = asyncio.get_running_loop()
         self._watches = [loop.create_task(self._watch("jobs"), name=f"k8s-{self.name}-jobs"),
                          loop.create_task(self._watch("pods"), name=f"k8s-{self.name}-pods")]
+        if self.telemetry is not None:
+            await self.telemetry.read_once()  # the first snapshot carries it already (or it is logged why not)
+            self.telemetry.start()
 
     async def close(self) -> None:
         for task in (*self._watches, *self._stop_waits):
             task.cancel()
         await asyncio.gather(*self._watches, *self._stop_waits, return_exceptions=True)
         self._watches = []
+        if self.telemetry is not None:
+            await self.telemetry.stop()
         if self._api is not None and self._own_api:
             await self._api.close()
             self._api = None
@@ -569,7 +582,7 @@ class KubernetesSite:
             return SiteState(site=self.name, health=Health.UNHEALTHY, last_heard_at=now, running_jobs=running,
                              reason=f"no usable GPU nodes: {reason}"[:1000])
         inventory = self._admission.inventory
-        return SiteState(
+        state = SiteState(
             site=self.name, health=Health.HEALTHY, last_heard_at=now,
             capacity=[f.capacity() for _, f in sorted(inventory.free().items())],
             telemetry=Telemetry(memory_total_gib=round(sum(g.memory_kib for g in inventory.gpus()) / (1 << 20), 2),
@@ -577,6 +590,7 @@ class KubernetesSite:
             running_jobs=running,
             quota=self._admission.report(now.timestamp()),
         )
+        return self.telemetry.overlay(state) if self.telemetry is not None else state
 
     # --- JobRunner ---
 

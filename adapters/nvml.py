@@ -13,7 +13,8 @@
 - No driver: :meth:`NvmlCollector.open` raises :class:`NvmlUnavailable` with a one-line message that names
   the cause and what to do.
 - :meth:`NodeSample.telemetry` folds the GPUs into :class:`broker.models.Telemetry` (mean utilisation,
-  summed memory and power, hottest GPU), for an adapter's ``SiteState``.
+  summed memory and power, hottest GPU), for an adapter's ``SiteState`` (:func:`telemetry_of`, which
+  ``adapters.dcgm`` uses too).
 - :func:`run_sampler` samples every ``every_s`` seconds of the injected clock, in a worker thread so the
   event loop never blocks; a sample that raises is logged and skipped.
 
@@ -25,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from types import ModuleType
@@ -114,25 +116,31 @@ class NodeSample:
     left_out: tuple[str, ...] = ()  # GPUs not read, with why: "GPU 1: no permission (NVMLError_NoPermission)"
 
     def telemetry(self) -> Telemetry:
-        """Node-wide telemetry: mean utilisation over the GPUs that report it, summed memory and power,
-        the hottest GPU's temperature, and the share of GPUs whose clocks heat or power holds down (over the
-        GPUs whose clock-event reasons could be read; unset when none could). A metric no GPU reports counts
-        as 0."""
-        util = [g.utilisation_pct for g in self.gpus if g.utilisation_pct is not None]
-        temps = [g.temperature_c for g in self.gpus if g.temperature_c is not None]
-        return Telemetry(
-            gpu_utilisation_pct=min(100.0, max(0.0, sum(util) / len(util))) if util else 0.0,
-            memory_used_gib=sum(g.memory_used_gib or 0.0 for g in self.gpus),
-            memory_total_gib=sum(g.memory_total_gib or 0.0 for g in self.gpus),
-            temperature_c_max=max(temps) if temps else 0.0,
-            power_w=sum(g.power_w or 0.0 for g in self.gpus),
-            **Telemetry.throttle_of([g.throttle_reasons for g in self.gpus if g.throttle_reasons is not None]),
-        )
+        """Node-wide telemetry (:func:`telemetry_of` its GPUs)."""
+        return telemetry_of(self.gpus)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["taken_at"] = self.taken_at.isoformat()
         return out
+
+
+def telemetry_of(gpus: Iterable[GpuSample]) -> Telemetry:
+    """The telemetry of ``gpus`` (one node's, or a cluster's as ``adapters.dcgm`` reads them): mean utilisation
+    over the GPUs that report it, summed memory and power, the hottest GPU's temperature, and the share of GPUs
+    whose clocks heat or power holds down (over the GPUs whose clock-event reasons could be read; unset when
+    none could). A metric no GPU reports counts as 0."""
+    gpus = tuple(gpus)
+    util = [g.utilisation_pct for g in gpus if g.utilisation_pct is not None]
+    temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
+    return Telemetry(
+        gpu_utilisation_pct=min(100.0, max(0.0, sum(util) / len(util))) if util else 0.0,
+        memory_used_gib=sum(g.memory_used_gib or 0.0 for g in gpus),
+        memory_total_gib=sum(g.memory_total_gib or 0.0 for g in gpus),
+        temperature_c_max=max(temps) if temps else 0.0,
+        power_w=sum(g.power_w or 0.0 for g in gpus),
+        **Telemetry.throttle_of([g.throttle_reasons for g in gpus if g.throttle_reasons is not None]),
+    )
 
 
 # --- collector ----------------------------------------------------------------------------------------
@@ -321,6 +329,16 @@ def _reason_bits(nv: Any) -> dict[int, str]:
             if isinstance(value, int) and value > 0 and value & (value - 1) == 0:
                 bits.setdefault(value, _REASON_NAMES.get(suffix) or _snake(suffix))
     return bits
+
+
+@functools.cache
+def clock_event_bits() -> dict[int, str]:
+    """Bit value → short name of the clock-event reasons, from the constants of the installed NVML bindings
+    (``pynvml``; importing it needs no driver). DCGM's ``DCGM_FI_DEV_CLOCKS_EVENT_REASONS`` carries the same
+    bits (its ``DCGM_CLOCKS_EVENT_REASON_*`` are NVML's), so ``adapters.dcgm`` decodes with this table too."""
+    import pynvml
+
+    return _reason_bits(pynvml)
 
 
 def decode_reasons(mask: int, bits: dict[int, str]) -> tuple[str, ...]:

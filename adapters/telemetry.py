@@ -10,7 +10,8 @@ A :class:`TelemetryFeed` reads its source every ``every_s`` seconds and keeps th
 - A reading that fails is logged (once per distinct error, then at debug level) and the previous one is kept
   until it is ``stale_after_s`` old; after that the site's own telemetry goes out again, as if no source were
   configured, so a broken exporter never freezes a site's telemetry at an old value.
-- Sources never block the event loop: NVML is read in a worker thread.
+- Sources never block the event loop: NVML is read in a worker thread, Prometheus with aiohttp.
+- :func:`telemetry_feed` builds the feed a config asks for (``kind: nvml`` or ``kind: prometheus``).
 
 Turning it off: leave ``telemetry`` unset in the agent's config (or the Kubernetes adapter's).
 """
@@ -22,8 +23,9 @@ import contextlib
 import logging
 from typing import Protocol
 
+from adapters.dcgm import PrometheusSource
 from broker.clock import Clock, SystemClock
-from broker.models import NvmlTelemetryConfig, SiteState, Telemetry
+from broker.models import NvmlTelemetryConfig, PrometheusTelemetryConfig, SiteState, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +138,12 @@ def nvml_feed(site: str, config: NvmlTelemetryConfig, clock: Clock | None = None
               collector: object | None = None) -> TelemetryFeed:
     """A feed that reads this machine's GPUs through NVML (``collector``: a stand-in, for tests)."""
     return TelemetryFeed(site, NvmlSource(collector), config.every_s, config.stale_after_s, clock)
+
+
+def telemetry_feed(site: str, config: NvmlTelemetryConfig | PrometheusTelemetryConfig,
+                   clock: Clock | None = None) -> TelemetryFeed:
+    """The feed ``config`` asks for: NVML on this machine (``kind: nvml``), or the Prometheus server that
+    scrapes the cluster's dcgm-exporter (``kind: prometheus``, :class:`adapters.dcgm.PrometheusSource`)."""
+    if isinstance(config, PrometheusTelemetryConfig):
+        return TelemetryFeed(site, PrometheusSource(config), config.every_s, config.stale_after_s, clock)
+    return nvml_feed(site, config, clock)

@@ -17,6 +17,7 @@ TAGGED_FIELDS: dict[str, frozenset[str]] = {
     "adapter": frozenset({"simulated", "kubernetes", "mqtt"}),
     "carbon": frozenset({"files", "http"}),
     "prices": frozenset({"static", "files"}),
+    "telemetry": frozenset({"nvml", "prometheus"}),
 }
 
 

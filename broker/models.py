@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
@@ -250,6 +251,95 @@ class NvmlTelemetryConfig(Spec):
         description="a reading older than this is not sent: the site's own telemetry goes out instead")
 
 
+# One PromQL label matcher and the comma after it: a label name, an operator, and a quoted string (PromQL's
+# double or single quotes, with backslash escapes).
+_PROMQL_MATCHER = re.compile(
+    r"""\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')\s*(,|$)""")
+
+
+def _prometheus_url(value: str) -> str:
+    """A Prometheus base URL: http or https, a host, no credentials, no query or fragment; no trailing ``/``."""
+    example = "such as http://prometheus.monitoring.svc:9090"
+    if value != value.strip() or any(c.isspace() for c in value):
+        raise ValueError(f"must be a URL without spaces, {example}")
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        raise ValueError(f"is not a URL ({e}); write one {example}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL of the Prometheus server, {example}")
+    if port == 0:
+        raise ValueError("port 0 is no port; leave it out or name the server's port")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials (user:password@); put a bearer token in an environment "
+                         "variable and name it in token_env")
+    if parts.query or parts.fragment:
+        raise ValueError("must be the server's base URL, without ?query or #fragment (/api/v1/query is added)")
+    return value.rstrip("/")
+
+
+def _promql_selector(value: str) -> str:
+    """PromQL label matchers without braces (``cluster="lon-1", namespace=~"gpu-.*"``), as written, stripped;
+    anything else (braces, a function, an unquoted value) is refused, so nothing but matchers reaches a query."""
+    text = value.strip()
+    pos = 0
+    while pos < len(text):
+        m = _PROMQL_MATCHER.match(text, pos)
+        if m is None:
+            raise ValueError(
+                f"{text!r} is not PromQL label matchers: write them without braces, separated by commas, each a "
+                "label name, one of = != =~ !~ and a quoted value, such as "
+                "cluster=\"lon-1\", namespace=~\"gpu-operator|nvidia\"")
+        if m.group(1) == "__name__":
+            raise ValueError("may not match __name__: the queries name dcgm-exporter's metrics themselves")
+        pos = m.end()
+    return text
+
+
+class PrometheusTelemetryConfig(Spec):
+    """GPU telemetry that NVIDIA's DCGM exporter (dcgm-exporter, part of the GPU Operator) publishes and a
+    Prometheus server scrapes (``adapters.dcgm``): for a Kubernetes cluster, from the broker or a site agent,
+    neither of which needs to run on a GPU node. Clock throttling needs the exporter to export
+    DCGM_FI_DEV_CLOCKS_EVENT_REASONS, which its default counters do not (see the README)."""
+
+    kind: Literal["prometheus"] = "prometheus"
+    url: Annotated[str, AfterValidator(_prometheus_url)] = Field(
+        description="the Prometheus server's base URL (http or https; a path prefix is kept), e.g. "
+                    "http://prometheus.monitoring.svc:9090; /api/v1/query is added")
+    selector: str = Field(
+        default="", max_length=1000,
+        description="PromQL label matchers added to every query, without braces, e.g. cluster=\"lon-1\" or "
+                    "cluster=\"lon-1\", namespace=\"gpu-operator\" (empty: every GPU the server has)")
+    every_s: float = Field(default=30.0, ge=1, le=3600, description="seconds between readings")
+    stale_after_s: float = Field(
+        default=120.0, gt=0, le=86400,
+        description="a reading older than this is not sent: the site's own telemetry goes out instead")
+    timeout_s: float = Field(default=5.0, gt=0, le=120, description="for each query to Prometheus")
+    token_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of the environment variable holding a bearer token for Prometheus (never the token "
+                    "itself)")
+    ca_file: str | None = Field(
+        default=None, min_length=1,
+        description="CA bundle (PEM) that verifies an https Prometheus with a private CA (None: the system's)")
+
+    @field_validator("selector")
+    @classmethod
+    def _selector(cls, value: str) -> str:
+        return _promql_selector(value)
+
+    @model_validator(mode="after")
+    def _ca_needs_https(self) -> PrometheusTelemetryConfig:
+        if self.ca_file is not None and not self.url.startswith("https://"):
+            raise ValueError("ca_file verifies an https server, but url is http://; use https:// or drop ca_file")
+        return self
+
+
+TelemetrySourceConfig = Annotated[NvmlTelemetryConfig | PrometheusTelemetryConfig, Field(discriminator="kind")]
+"""``{kind: nvml, ...}`` (the agent's own node) or ``{kind: prometheus, url, ...}`` (dcgm-exporter)."""
+
+
 class KubernetesAdapterConfig(Spec):
     """A Kubernetes cluster (``adapters.kubernetes``): GPUs from its Nodes, jobs as batch/v1 Jobs in the tenant's
     namespace (``namespace_prefix`` + tenant), quotas mirrored as ResourceQuota objects."""
@@ -279,6 +369,21 @@ class KubernetesAdapterConfig(Spec):
         default_factory=dict,
         description="Node labels each job's Pod must have (its nodeSelector); Nodes without them are left out of "
                     "the site's capacity")
+    telemetry: PrometheusTelemetryConfig | None = Field(
+        default=None,
+        description="measure the cluster's GPUs (temperature, power, utilisation, clock throttling) from the "
+                    "Prometheus server that scrapes its dcgm-exporter, and report that instead of the memory "
+                    "read from the Nodes (None: no measured telemetry). Only kind prometheus: the broker runs "
+                    "this adapter away from the GPU nodes, where NVML sees no GPUs")
+
+    @field_validator("telemetry", mode="before")
+    @classmethod
+    def _not_nvml(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and value.get("kind") == "nvml":
+            raise ValueError("kind nvml would read the GPUs of the machine the broker runs on, not the cluster's: "
+                             "use kind prometheus (the cluster's dcgm-exporter, through Prometheus), or a site "
+                             "agent on a GPU node with its own telemetry: {kind: nvml}")
+        return value
 
 
 class MqttSettings(Spec):

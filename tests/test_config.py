@@ -226,12 +226,13 @@ def test_an_infinite_interval_is_refused_by_name(tmp_path: Path) -> None:
 def test_the_tagged_settings_errors_leave_out_are_the_models_own() -> None:
     # broker.errors.field_path drops the kind pydantic puts in an error's location; its list must follow the
     # models, or a new kind (or a new tagged field) would show up in field names and environment variables.
+    from adapters.agent import AgentConfig
     from broker.config import BrokerSettings
     from broker.errors import TAGGED_FIELDS
     from broker.models import SiteSpec
 
     found: dict[str, set[str]] = {}
-    for model in (SiteSpec, BrokerSettings):
+    for model in (SiteSpec, BrokerSettings, AgentConfig):
         for name, prop in model.model_json_schema()["properties"].items():
             for branch in (prop, *prop.get("anyOf", ())):
                 if "discriminator" in branch:

@@ -94,6 +94,11 @@ RULES_BEYOND_THE_SCHEMA = [
     (r".*", r"is out of range once converted to UTC"),  # a date-time near year 1 or 9999 with an offset
     # a Kubernetes toleration's fields together (no key needs Exists, Exists no value, seconds need NoExecute)
     (r"adapter\.tolerations\[\d+\]", r"tolerations: "),
+    # a Kubernetes site's Prometheus: a base URL without credentials, query or fragment; PromQL label matchers only;
+    # a CA bundle only for https
+    (r"adapter\.telemetry\.url", r"must be|is not a URL|port 0 is no port"),
+    (r"adapter\.telemetry\.selector", r"is not PromQL label matchers|may not match __name__"),
+    (r"adapter\.telemetry", r"ca_file verifies an https server"),
     # a quota against the site's GPUs (its spec's node groups, or the site's for PUT .../quota/{tenant})
     (r"(quotas\[\d+\]\.)?model", r"the site has no \S+ GPUs"),
     (r"(quotas\[\d+\]\.)?guaranteed_gpus", r"is more than the site's"),
