@@ -582,11 +582,11 @@ class KubernetesSite:
             return SiteState(site=self.name, health=Health.UNHEALTHY, last_heard_at=now, running_jobs=running,
                              reason=f"no usable GPU nodes: {reason}"[:1000])
         inventory = self._admission.inventory
+        memory_kib = sum(u.memory_kib for u in inventory.usage().values())
         state = SiteState(
             site=self.name, health=Health.HEALTHY, last_heard_at=now,
             capacity=[f.capacity() for _, f in sorted(inventory.free().items())],
-            telemetry=Telemetry(memory_total_gib=round(sum(g.memory_kib for g in inventory.gpus()) / (1 << 20), 2),
-                                queue_depth=0),
+            telemetry=Telemetry(memory_total_gib=round(memory_kib / (1 << 20), 2), queue_depth=0),
             running_jobs=running,
             quota=self._admission.report(now.timestamp()),
         )

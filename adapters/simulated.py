@@ -109,16 +109,15 @@ class SimulatedSite:
     async def snapshot(self) -> SiteState:
         self._check_reachable()
         now = self._clock.now()
-        busy = 0.0
-        power = mem_used = mem_total = 0.0
-        gpus = self._admission.inventory.gpus()
-        for gpu in gpus:
-            share = gpu.mig_slices / 7 if gpu.mig else gpu.milli / 1000
-            busy += share
-            power += ids.GPU_MODEL_BY_ID[gpu.model].tdp_w * (0.1 + 0.9 * share)
-            mem_total += gpu.memory_kib / (1 << 20)
-            mem_used += gpu.used_kib / (1 << 20) * 0.8
-        util = 100.0 * busy / len(gpus) if gpus else 0.0
+        busy = power = mem_used = mem_total = 0.0
+        gpus = 0
+        for use in self._admission.inventory.usage().values():  # O(node groups), not O(GPUs)
+            gpus += use.gpus
+            busy += use.busy
+            power += ids.GPU_MODEL_BY_ID[use.model].tdp_w * (0.1 * use.gpus + 0.9 * use.busy)
+            mem_total += use.memory_kib / (1 << 20)
+            mem_used += use.used_kib / (1 << 20) * 0.8
+        util = min(100.0, 100.0 * busy / gpus) if gpus else 0.0
         return SiteState(
             site=self.name,
             health=Health.HEALTHY,

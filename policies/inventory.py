@@ -151,13 +151,26 @@ class GpuUse:
     mig_slices: int
 
 
+@dataclass(frozen=True, slots=True)
+class ModelUse:
+    """The GPUs of one model and what they hold in all: ``busy`` in GPUs (a shared GPU counts its compute
+    share, a MIG GPU its slices held over seven), ``used_kib`` of ``memory_kib``."""
+
+    model: str
+    gpus: int
+    memory_kib: int
+    used_kib: int
+    busy: float
+
+
 class _Group:
     """One node group: its nodes ``first_node..end_node-1`` and GPUs ``first_gpu..end_gpu-1``, and the
     summaries kept up to date: free GPUs in all, nodes by free GPUs (``buckets[k]``), partly used GPUs as
     sorted ``(-fullness, gpu)`` keys (``shared``), MIG GPUs by compute slices used (``mig_buckets[s]``)."""
 
     __slots__ = ("index", "model", "per_node", "memory_gib", "mem_kib", "domain", "profiles", "first_node",
-                 "end_node", "first_gpu", "end_gpu", "free", "buckets", "shared", "mig_buckets")
+                 "end_node", "first_gpu", "end_gpu", "free", "buckets", "shared", "mig_buckets", "milli", "slices",
+                 "used_kib")
 
     def __init__(self, index: int, spec_group: NodeGroup, first_node: int, first_gpu: int) -> None:
         self.index, self.model, self.per_node = index, spec_group.model, spec_group.gpus_per_node
@@ -176,6 +189,7 @@ class _Group:
         self.mig_buckets: list[set[int]] = [set() for _ in range(MIG_SLICES_PER_GPU + 1)]
         if self.profiles:
             self.mig_buckets[0] = set(range(self.first_gpu, self.end_gpu))
+        self.milli = self.slices = self.used_kib = 0  # held over all its GPUs: compute, MIG slices, memory
 
 
 class _View:
@@ -307,6 +321,17 @@ class Inventory:
                                      (g.mem_kib - self._kib[gpu]) // p.memory_kib)
                     mig[p.name] = mig.get(p.name, 0) + n
             out[model] = ModelFree(model, total, free, used, shared, self._memory_gib[model], mig)
+        return out
+
+    def usage(self) -> dict[str, ModelUse]:
+        """Per model, what its GPUs hold in all (for telemetry): O(node groups), kept up to date at each
+        change, so a snapshot of a site with a million GPUs costs no more than one with eight."""
+        out: dict[str, ModelUse] = {}
+        for model, groups in self._by_model.items():
+            gpus = sum(g.end_gpu - g.first_gpu for g in groups)
+            busy = sum(g.milli / MILLI_PER_GPU + g.slices / MIG_SLICES_PER_GPU for g in groups)
+            out[model] = ModelUse(model, gpus, sum(g.mem_kib * (g.end_gpu - g.first_gpu) for g in groups),
+                                  sum(g.used_kib for g in groups), busy)
         return out
 
     def gpus(self) -> list[GpuUse]:
@@ -632,6 +657,7 @@ class Inventory:
         """Add (or with negative amounts, remove) use of one GPU and keep the summaries up to date."""
         node = self._gpu_node[gpu]
         g = self._node_group[node]
+        g.milli, g.slices, g.used_kib = g.milli + milli, g.slices + slices, g.used_kib + kib
         if g.profiles:
             g.mig_buckets[self._slices[gpu]].discard(gpu)
             self._slices[gpu] += slices

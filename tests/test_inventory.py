@@ -602,3 +602,37 @@ class InventoryMachine(RuleBasedStateMachine):
 TestInventoryProperties = InventoryMachine.TestCase
 TestInventoryProperties.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_usage_per_model_is_what_every_gpu_holds_summed_and_follows_each_change() -> None:
+    """``usage()`` (kept up to date at each change, for snapshots) agrees with a scan of every GPU: whole,
+    shared and MIG GPUs, after commits and releases."""
+    inv = inventory(group("a100-80gb", per_node=4, nodes=2),
+                    group("a100-80gb", per_node=2, mig_profiles=["1g.10gb", "3g.40gb"]), group("h100-80gb"))
+
+    def scanned() -> dict[str, tuple[int, int, int, float]]:
+        out: dict[str, list[float]] = {}
+        for g in inv.gpus():
+            t = out.setdefault(g.model, [0, 0, 0, 0.0])
+            t[0] += 1
+            t[1] += g.memory_kib
+            t[2] += g.used_kib
+            t[3] += g.mig_slices / 7 if g.mig else g.milli / 1000
+        return {m: (int(a), int(b), int(c), pytest.approx(d)) for m, (a, b, c, d) in out.items()}
+
+    def summed() -> dict[str, tuple[int, int, int, float]]:
+        return {m: (u.gpus, u.memory_kib, u.used_kib, u.busy) for m, u in inv.usage().items()}
+
+    assert summed() == scanned()
+    asks = [("w", GpuRequest(count=3, model="a100-80gb")), ("f", GpuRequest(milli=250, model="h100-80gb")),
+            ("m", GpuRequest(mig_profile="3g.40gb", model="a100-80gb")), ("x", GpuRequest(count=2, model="h100-80gb"))]
+    for job_id, req in asks:
+        placement = inv.find(req)
+        assert isinstance(placement, Placement), placement
+        inv.commit(job_id, placement)
+        assert summed() == scanned()
+    assert inv.usage()["h100-80gb"].busy == pytest.approx(2.25)
+    for job_id in ("f", "w", "m"):
+        inv.release(job_id)
+        assert summed() == scanned()
+    assert inv.usage()["a100-80gb"].busy == 0 and inv.usage()["a100-80gb"].used_kib == 0
