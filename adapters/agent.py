@@ -263,7 +263,8 @@ class SiteAgent:
         await self.inner.start()
         await self._adopt()
         if self.telemetry is not None:
-            await self.telemetry.read_once()  # the first heartbeat carries it already (or logs why not)
+            # Read in the background only: a source that hangs (a Prometheus that drops packets) must not hold
+            # up the start, nor the reports; the first reading goes out with the report after it.
             self.telemetry.start()
         loop = asyncio.get_running_loop()
         self._tasks = [

@@ -248,7 +248,8 @@ class KubernetesSite:
         self._watches = [loop.create_task(self._watch("jobs"), name=f"k8s-{self.name}-jobs"),
                          loop.create_task(self._watch("pods"), name=f"k8s-{self.name}-pods")]
         if self.telemetry is not None:
-            await self.telemetry.read_once()  # the first snapshot carries it already (or it is logged why not)
+            # Read in the background only: a source that hangs (a Prometheus that drops packets) must not hold
+            # up the start, nor the reports; the first reading goes out with the report after it.
             self.telemetry.start()
 
     async def close(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from typing import Protocol
 
 from adapters.dcgm import PrometheusSource
@@ -47,18 +48,28 @@ class NvmlSource:
 
         self._collector = collector if collector is not None else NvmlCollector()
         self._opened = False
+        # NVML is called from worker threads; a reading cancelled on stop may still be running in its thread
+        # when the close comes, so each call holds this lock (the close waits for the reading, never cuts it).
+        self._lock = threading.Lock()
+
+    def _read(self) -> Telemetry:
+        with self._lock:
+            if not self._opened:
+                self._collector.open()  # NvmlUnavailable names the cause
+                self._opened = True
+            return self._collector.sample().telemetry()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._opened:
+                self._opened = False
+                self._collector.close()
 
     async def read(self) -> Telemetry:
-        if not self._opened:
-            await asyncio.to_thread(self._collector.open)  # NvmlUnavailable names the cause
-            self._opened = True
-        sample = await asyncio.to_thread(self._collector.sample)
-        return sample.telemetry()
+        return await asyncio.to_thread(self._read)
 
     async def aclose(self) -> None:
-        if self._opened:
-            self._opened = False
-            await asyncio.to_thread(self._collector.close)
+        await asyncio.to_thread(self._close)
 
 
 class TelemetryFeed:

@@ -526,10 +526,13 @@ class ModelCapacity(Spec):
         return self
 
 
-THROTTLING_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "power_brake"})
-"""Clock-event reasons (NVML's names, as ``adapters.nvml`` decodes them) that mean heat or power holds a GPU's
-clocks down: a job placed there runs slower. The others are not counted: ``idle`` (nothing runs), settings an
-operator chose (``applications_clocks``, ``display_clock``, ``sync_boost``), and reasons NVML adds later."""
+THROTTLING_REASONS = frozenset({"hw_slowdown", "sw_thermal", "hw_thermal", "power_brake"})
+"""Clock-event reasons (NVML's names, as ``adapters.nvml`` decodes them) that mean heat, or the site's power
+supply, holds a GPU's clocks down: thermal slowdown, hardware slowdown, the power brake (an external signal,
+such as a facility's power limit). Not counted: ``sw_power_cap`` (the GPU's own power limit, routinely
+reached by any GPU at full load, so it marks a busy site, not an ailing one), ``idle`` (nothing runs),
+settings an operator chose (``applications_clocks``, ``display_clock``, ``sync_boost``), and reasons NVML adds
+later."""
 
 
 class Telemetry(Spec):
@@ -545,7 +548,8 @@ class Telemetry(Spec):
     throttled_pct: float | None = Field(
         default=None, ge=0, le=100,
         description="share of the GPUs read whose clocks heat or power held down at the last sample (thermal "
-                    "slowdown, power cap, power brake, hardware slowdown); None: the site does not report it")
+                    "slowdown, hardware slowdown, power brake; not the GPU's own power cap, routine at full "
+                    "load); None: the site does not report it")
     throttle_reasons: dict[Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")], Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict, max_length=64,
         description="GPUs per clock-event reason at the last sample, every reason the GPUs gave (idle too)")

@@ -278,8 +278,9 @@ async def test_heartbeats_carry_the_gpus_the_agent_measures_through_nvml():
     agent = SiteAgent(config, telemetry=nvml_feed(name, config.telemetry, collector=NvmlCollector(fake)))
     try:
         async with BrokerSide(name) as side:
-            await agent.start()
-            _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat))
+            await agent.start()  # the first reading goes out with the heartbeat after it
+            _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat) and m.state.telemetry.throttled_pct
+                                          is not None)
             telemetry = beat.state.telemetry
             assert (telemetry.temperature_c_max, telemetry.throttled_pct) == (83.0, 50.0)
             assert telemetry.throttle_reasons == {"hw_thermal": 1, "power_brake": 1, "sw_power_cap": 1}

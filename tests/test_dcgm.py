@@ -206,6 +206,7 @@ async def test_a_mig_gpu_counts_once_with_the_memory_of_its_instances(prometheus
     assert (telemetry.power_w, telemetry.temperature_c_max) == (250.0, 58.0)  # one GPU, not two
     assert telemetry.memory_used_gib == pytest.approx(13_000 / 1024)  # its instances' memory, summed
     assert telemetry.throttle_reasons == {"sw_power_cap": 1}
+    assert telemetry.throttled_pct == 0.0  # at its own power cap: busy, not held down by heat
 
 
 # --- what fails, and how ----------------------------------------------------------------------------------
@@ -333,9 +334,11 @@ async def test_a_kubernetes_site_with_telemetry_reports_what_dcgm_exporter_measu
                                      telemetry={"kind": "prometheus", "url": prometheus.url,
                                                 "selector": 'cluster="lon-1"', "every_s": 30})
     adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
-    await adapter.start()
+    await adapter.start()  # reads in the background: the start does not wait for Prometheus
     try:
-        state = await adapter.snapshot()
+        async with asyncio.timeout(10):
+            while (state := await adapter.snapshot()).telemetry.throttled_pct is None:
+                await asyncio.sleep(0.05)
     finally:
         await adapter.close()
     assert state.telemetry.temperature_c_max == 87.0
@@ -422,3 +425,26 @@ async def test_the_feed_factory_builds_the_source_each_kind_asks_for(prometheus)
     assert await feed.read_once()
     assert feed.fresh() is not None and feed.fresh().temperature_c_max == 95.0  # no selector: both clusters
     await feed.stop()
+
+
+async def test_a_kubernetes_site_starts_and_reports_while_its_prometheus_never_answers(
+        cluster: kmock.KubernetesEmulator) -> None:  # noqa: F811
+    """A Prometheus that takes connections and never answers must not hold up the site's start or its
+    reports (the broker gives a report 2 s): the readings run in the background."""
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3600)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2,
+                                     telemetry={"kind": "prometheus", "url": f"http://127.0.0.1:{port}",
+                                                "timeout_s": 30})
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    try:
+        async with asyncio.timeout(2):
+            await adapter.start()
+            state = await adapter.snapshot()
+        assert state.health == "healthy" and state.telemetry.throttled_pct is None  # its own, for now
+    finally:
+        await adapter.close()
+        server.close()

@@ -4,9 +4,9 @@ Raw value: a penalty, lower is better, the sum of three parts, each 0 when all i
 - heat: the hottest GPU's temperature above 60 °C in units of 25 °C (0 at or below 60 °C, 1 at 85 °C, where
   data-centre GPUs begin to throttle their clocks);
 - throttling: the share (0..1) of the site's GPUs whose clocks heat or power held down at the last sample
-  (``Telemetry.throttled_pct``: thermal slowdown, power cap, power brake or hardware slowdown, as NVML or
-  DCGM reports them; an idle GPU's low clocks are not counted), so a site with every GPU held down weighs as
-  much as one at 85 °C;
+  (``Telemetry.throttled_pct``: thermal slowdown, hardware slowdown or the power brake, as NVML or DCGM
+  reports them; neither an idle GPU's low clocks nor a busy GPU at its own power cap count), so a site with
+  every GPU held down weighs as much as one at 85 °C;
 - congestion: the site's queue depth per GPU it has.
 A site that reports no telemetry, or no clock-event reasons, scores 0 for that part (no penalty: an
 unmeasured site is not ranked below a measured one). Weight from the profile (``balanced`` 0.1, ``fast``
