@@ -21,7 +21,9 @@ instance, or the same GPU scraped twice) count once, with the highest reading an
 any of them gives; its memory is its own series, or where it has none the sum of its MIG instances'.
 
 Each metric is its own query, and the seven go concurrently (``asyncio.gather``): a reading takes one round
-trip, and an error names the metric it is about. One query for all of them (``{__name__=~"..."}``) would
+trip, and an error names the metric it is about. Answers are parsed and folded in worker threads, so a large
+cluster's megabytes of JSON never stall the event loop, and an answer over ``MAX_ANSWER_BYTES`` (64 MiB) fails
+the reading (the selector should narrow it to the site's GPUs). One query for all of them (``{__name__=~"..."}``) would
 save six requests a reading but give one error for all, and its answer would have to be split by name anyway.
 
 Failures (:class:`PrometheusError`, which names the metric; the feed logs it and keeps the last reading):
@@ -68,6 +70,7 @@ from broker.models import MAX_GPU_MEMORY_GIB, PrometheusTelemetryConfig, Telemet
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # per query, on connection errors and HTTP 429/5xx
+MAX_ANSWER_BYTES = 64 << 20  # per query: about 150,000 GPU series with dcgm-exporter's usual labels
 BACKOFF_S = 0.2  # the first wait between them; doubling
 _MIB_PER_GIB = 1024.0
 
@@ -148,13 +151,13 @@ class PrometheusSource:
                 raise answer  # the first failure (every query has ended: each is bounded by timeout_s)
             found[metric] = answer
         reasons = found[REASONS] or found[REASONS_BEFORE_DCGM_3_3]
-        self.gpus = self._fold_series(found, reasons)
+        self.gpus = await asyncio.to_thread(self._fold_series, found, reasons)
         if not self.gpus:
             raise PrometheusError(
                 f"no GPU series: {self.query(TEMPERATURE)} and the other DCGM metrics match nothing at "
                 f"{self.config.url}; check that this Prometheus scrapes dcgm-exporter and that the selector "
                 "matches its labels")
-        return telemetry_of(self.gpus)
+        return await asyncio.to_thread(telemetry_of, self.gpus)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -214,7 +217,12 @@ class PrometheusSource:
     # --- one query ---
 
     async def _series(self, metric: Metric) -> list[Series]:
-        result = await self._query(metric)
+        what, body = await self._query(metric)
+        # Parsed in a worker thread: a large cluster's answer (megabytes of JSON) would stall the event loop.
+        return await asyncio.to_thread(self._parse, metric, what, body)
+
+    def _parse(self, metric: Metric, what: str, body: bytes) -> list[Series]:
+        result = self._vector(metric, what, body)
         out: list[Series] = []
         skipped = 0
         for item in result:
@@ -250,8 +258,9 @@ class PrometheusSource:
                            "skipped", self.config.url, metric.name, skipped)
         return out
 
-    async def _query(self, metric: Metric) -> list[Any]:
-        """The ``result`` list of an instant query of ``metric``, retried on transient failures."""
+    async def _query(self, metric: Metric) -> tuple[str, bytes]:
+        """The HTTP status line and body of an instant query of ``metric`` that Prometheus answered with a
+        success status, retried on transient failures."""
         attempts = 0
         try:
             async for attempt in AsyncRetrying(
@@ -292,12 +301,19 @@ class PrometheusSource:
                 connector=aiohttp.TCPConnector(ssl=ssl_context) if ssl_context is not None else None)
         return self._session
 
-    async def _once(self, metric: Metric) -> list[Any]:
+    async def _once(self, metric: Metric) -> tuple[str, bytes]:
         where = f"{metric.name}: {self.query_url}"
         try:
             async with self._http().get(self.query_url, params={"query": self.query(metric)}) as resp:
                 status, reason = resp.status, resp.reason or ""
-                body = await resp.read()
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > MAX_ANSWER_BYTES:
+                        raise PrometheusError(
+                            f"{where}: the answer is over {MAX_ANSWER_BYTES >> 20} MiB; narrow the selector to "
+                            "this site's GPUs")
+                body = bytes(body)
         except TimeoutError:
             raise PrometheusError(f"{where}: no answer within {self.config.timeout_s:g} s (timeout_s)") from None
         except aiohttp.ClientConnectionError as e:
@@ -318,6 +334,11 @@ class PrometheusSource:
                                   "/api/v1)?")
         if status >= 400:
             raise PrometheusError(f"{where}: {what}: {_message(body)} (query: {self.query(metric)})")
+        return what, body
+
+    def _vector(self, metric: Metric, what: str, body: bytes) -> list[Any]:
+        """The ``result`` list of an instant query's answer; PrometheusError for anything else."""
+        where = f"{metric.name}: {self.query_url}"
         try:
             data = json.loads(body)
         except ValueError:

@@ -448,3 +448,10 @@ async def test_a_kubernetes_site_starts_and_reports_while_its_prometheus_never_a
     finally:
         await adapter.close()
         server.close()
+
+
+async def test_an_answer_too_large_to_be_one_sites_gpus_fails_the_reading_and_names_the_cure(prometheus,
+                                                                                           monkeypatch) -> None:
+    monkeypatch.setattr("adapters.dcgm.MAX_ANSWER_BYTES", 200)  # the recorded answers are larger than this
+    with pytest.raises(PrometheusError, match="the answer is over .* MiB; narrow the selector"):
+        await read(prometheus)
