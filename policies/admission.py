@@ -52,10 +52,17 @@ class SiteAdmission:
         self.inventory = Inventory.from_spec(spec)
         capacity = self.inventory.capacity()
         self.book = QuotaBook(spec.quotas if quotas is None else quotas, spec.fair_share, capacity)
+        self.book.idle_gpus = self._idle_gpus
         memory: dict[str, float] = {}
         for g in spec.gpus:  # a model's memory is its largest node group's, as the inventory counts it
             memory[g.model] = max(memory.get(g.model, 0.0), g.gpu_memory_gib)
         self._models = sorted(capacity, key=lambda m: (memory[m], m))
+
+    def _idle_gpus(self, model: str) -> float:
+        """GPUs of ``model`` nothing holds in the inventory, the work the quota book does not count included (a
+        Kubernetes site's Pods outside heliotrope, ``adapters.kubernetes``)."""
+        use = self.inventory.usage().get(model)
+        return 0.0 if use is None else max(0.0, use.gpus - use.busy)
 
     def admit(self, job_id: str, spec: JobSpec, now: float, model: str | None = None,
               demand: Mapping[str, float] | None = None) -> Admitted | Refused:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.models import FairSharePolicy, JobSpec, QuotaState, TenantQuota, TenantQuotaState
@@ -178,6 +178,9 @@ class QuotaBook:
         self._gap: dict[str | None, float] = {}  # unheld guarantees per pool
         self._ledger = UsageLedger(policy.reweight_h * 3600, policy.window_h * 3600, policy.half_life_h * 3600)
         self._now: float | None = None
+        # GPUs of a model idle in the site's inventory (``SiteAdmission`` sets it): what the book does not see
+        # is taken too (a Kubernetes site's Pods outside heliotrope). None: what the book does not count is idle.
+        self.idle_gpus: Callable[[str], float] | None = None
         self._epoch: int | None = None
         self._usage_s: dict[object, float] = {}
         self._capacity_s: dict[str | None, float] = {}
@@ -434,12 +437,18 @@ class QuotaBook:
         guarantees when a guarantee for ``model`` is reclaimed from them, and still hold their guarantees on the
         site's other models: the idle GPUs of each other model that the unheld guarantees of that model's own
         quotas leave, less the GPUs the any-model tenants already lack of their guarantees; 0 at a one-model
-        site. Idle only: GPUs others hold, even borrowed ones, count for nothing. O(tenants + models)."""
+        site. Idle only: GPUs others hold, even borrowed ones, count for nothing, nor do those the inventory holds
+        for work outside the book (``idle_gpus``). O(tenants + models)."""
         lack: dict[str | None, float] = {}
         for a in self._accounts.values():
             lack[a.pool] = lack.get(a.pool, 0.0) + max(0.0, a.guaranteed - a.in_use)
-        idle = sum(max(0.0, cap - self._used.get(m, 0.0) - lack.get(m, 0.0))
-                   for m, cap in self._capacity.items() if m != model)
+        idle = 0.0
+        for m, cap in self._capacity.items():
+            if m != model:
+                free = cap - self._used.get(m, 0.0)
+                if self.idle_gpus is not None:  # GPUs held outside the book are not idle either
+                    free = min(free, self.idle_gpus(m))
+                idle += max(0.0, free - lack.get(m, 0.0))
         return max(0.0, idle - lack.get(None, 0.0))
 
     def _lent(self, acct: _Account, victims: Sequence[str]) -> str:

@@ -418,3 +418,26 @@ def test_a_site_built_with_a_quota_for_gpus_it_lacks_logs_it_and_starts(caplog):
     assert [(t.tenant, t.guaranteed_gpus) for t in site._admission.report(0).tenants] == [("nlp", 0)]
     assert caplog.text.count("site berlin: tenant nlp's quota asks for GPUs this site does not have "
                              "(model: the site has no h100-80gb GPUs") == 1
+
+
+def test_a_model_guarantee_counts_gpus_held_outside_the_book_as_taken_before_reclaiming_from_any_model_work():
+    """A Kubernetes site holds the GPUs of Pods outside heliotrope in its inventory only, not in the quota
+    book. A model guarantee may take an any-model tenant below its own guarantee only where that tenant could
+    hold it on idle GPUs of other models: GPUs such Pods hold there are not idle."""
+    spec = site("alpha", gpus={"h100-80gb": 8, "a100-80gb": 16},
+                quotas=[TenantQuota(tenant="a", guaranteed_gpus=8, model="h100-80gb"),
+                        TenantQuota(tenant="b", guaranteed_gpus=4)])
+
+    def with_b_on_the_h100s() -> SiteAdmission:
+        admission, _ = running(spec, [("b0", spec_of("b", 4, "h100-80gb", preemptible=True))])
+        return admission
+
+    admission = with_b_on_the_h100s()
+    verdict = admission.admit("a0", spec_of("a", 8, "h100-80gb"), T0 + 3600)
+    assert isinstance(verdict, Admitted) and verdict.victims == ("b0",)  # b can hold its 4 on the idle A100s
+    admission = with_b_on_the_h100s()
+    foreign = admission.inventory.find(GpuRequest(count=8), "a100-80gb")
+    admission.inventory.commit("pod:ml/notebook-0", foreign)  # as adapters.kubernetes holds such Pods' GPUs
+    admission.inventory.commit("pod:ml/notebook-1", admission.inventory.find(GpuRequest(count=8), "a100-80gb"))
+    verdict = admission.admit("a0", spec_of("a", 8, "h100-80gb"), T0 + 3600)
+    assert isinstance(verdict, Refused), verdict  # every A100 is held: b could not get its guarantee back
