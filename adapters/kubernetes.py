@@ -53,8 +53,9 @@
   follows the Nodes: at each inventory refresh (every ``snapshot``, so each broker cycle, and each ``submit``)
   a ResourceQuota whose manifest would change (Nodes relabelled to or from the single strategy, or such Nodes
   come or gone) is written again; an unchanged layout costs no call. A write that fails is logged with the
-  namespace and status and tried again at the next refresh (the snapshot goes on; ``SiteAdmission`` keeps the
-  quota meanwhile).
+  namespace and status and tried again at the first refresh ``quota_retry_s`` (30 s) later, the wait doubling
+  with each failure in a row, to an hour (the snapshot goes on; ``SiteAdmission`` keeps the quota meanwhile).
+  A quota removed while its ResourceQuota is being written stays removed (writes and deletes take turns).
 - Every API call has a timeout (``request_timeout_s``) and is retried (``retries``, exponential back-off) on
   connection errors, 429 and 5xx; what still fails raises ``AdapterError``.
 - Telemetry: the Nodes give only the GPUs' memory. With ``telemetry: {kind: prometheus, url: ...}`` the
@@ -136,6 +137,7 @@ log = logging.getLogger(__name__)
 SITE_LABEL = "heliotrope.io/site"
 TENANT_LABEL = "heliotrope.io/tenant"
 PODS_TTL_S = 5.0  # how long a read of the Pods (GPUs held outside heliotrope) is reused
+QUOTA_RETRY_S = 30.0  # after a ResourceQuota write fails, the wait before the next; doubling, at most an hour
 QUOTA_NAME = "heliotrope-gpus"
 TOMBSTONE_TTL_S = 3600.0
 
@@ -220,6 +222,9 @@ class KubernetesSite:
         self._mirrored: dict[str, dict[str, Any] | str] = {}
         self._pods_read_at: float | None = None  # time.monotonic()
         self.pods_ttl_s = PODS_TTL_S
+        self.quota_retry_s = QUOTA_RETRY_S
+        self._mirror_retry: dict[str, tuple[float, float]] = {}  # tenant -> (time.monotonic() of the next try, wait)
+        self._quota_writes = asyncio.Lock()  # a ResourceQuota's write and its record, or its delete, at a time
         self.left_out: list[str] = []  # nodes left out of the inventory, with the reason
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}
@@ -1010,17 +1015,20 @@ class KubernetesSite:
         if all(q.tenant != tenant for q in self._quotas()):
             raise KeyError(f"site {self.name} has no quota for tenant {tenant}")
         self._overrides.remove(tenant)
-        self._mirrored.pop(tenant, None)
         if self._admission is not None:
             self._admission.remove_quota(tenant, self._clock.now().timestamp())
-        try:
-            await self._json("deleting a ResourceQuota",
-                             self._core.delete_namespaced_resource_quota_without_preload_content,
-                             QUOTA_NAME, self.namespace(tenant))
-        except k8s.ApiException as e:
-            if e.status != 404:
-                raise AdapterError(f"site {self.name}: the quota of {tenant} is removed here, but deleting "
-                                   f"ResourceQuota {self.namespace(tenant)}/{QUOTA_NAME} failed ({e.status})") from e
+        async with self._quota_writes:  # after a write under way (a refresh's), so it cannot bring it back
+            self._mirrored.pop(tenant, None)
+            self._mirror_retry.pop(tenant, None)
+            try:
+                await self._json("deleting a ResourceQuota",
+                                 self._core.delete_namespaced_resource_quota_without_preload_content,
+                                 QUOTA_NAME, self.namespace(tenant))
+            except k8s.ApiException as e:
+                if e.status != 404:
+                    raise AdapterError(f"site {self.name}: the quota of {tenant} is removed here, but deleting "
+                                       f"ResourceQuota {self.namespace(tenant)}/{QUOTA_NAME} failed ({e.status})"
+                                       ) from e
         return await self.quota()
 
     async def forget_quotas(self) -> None:
@@ -1041,19 +1049,27 @@ class KubernetesSite:
     async def _mirror_quota(self, quota: TenantQuota) -> None:
         """Write the tenant's ResourceQuota (create, else patch) and keep what was written, or why it failed, in
         ``_mirrored``: ``_follow_layout`` writes it again when the Nodes change its limit, or after a failure."""
-        manifest = self.quota_manifest(quota)
-        namespace = manifest["metadata"]["namespace"]
-        try:
-            await self._write_quota(manifest)
-        except (k8s.ApiException, AdapterError) as e:
-            api = isinstance(e, k8s.ApiException)
-            why = f"{e.status}: {e.reason}" if api else str(e).removeprefix(f"site {self.name}: ")
-            hint = f"; does namespace {namespace} exist?" if api else ""
-            error = AdapterError(f"site {self.name}: the quota of {quota.tenant} is kept and enforced by heliotrope, "
-                                 f"but mirroring it as ResourceQuota {namespace}/{QUOTA_NAME} failed ({why}){hint}")
-            self._mirrored[quota.tenant] = str(error)
-            raise error from e
-        self._mirrored[quota.tenant] = manifest
+        async with self._quota_writes:
+            if all(q.tenant != quota.tenant for q in self._quotas()):
+                return  # removed while this write waited (its ResourceQuota is deleted)
+            manifest = self.quota_manifest(quota)
+            namespace = manifest["metadata"]["namespace"]
+            try:
+                await self._write_quota(manifest)
+            except (k8s.ApiException, AdapterError) as e:
+                api = isinstance(e, k8s.ApiException)
+                why = f"{e.status}: {e.reason}" if api else str(e).removeprefix(f"site {self.name}: ")
+                hint = f"; does namespace {namespace} exist?" if api else ""
+                error = AdapterError(f"site {self.name}: the quota of {quota.tenant} is kept and enforced by "
+                                     f"heliotrope, but mirroring it as ResourceQuota {namespace}/{QUOTA_NAME} failed "
+                                     f"({why}){hint}")
+                self._mirrored[quota.tenant] = str(error)
+                _, wait = self._mirror_retry.get(quota.tenant, (0.0, 0.0))
+                wait = min(max(2 * wait, self.quota_retry_s), 3600.0)
+                self._mirror_retry[quota.tenant] = (time.monotonic() + wait, wait)
+                raise error from e
+            self._mirrored[quota.tenant] = manifest
+            self._mirror_retry.pop(quota.tenant, None)
 
     async def _write_quota(self, manifest: dict[str, Any]) -> None:
         namespace = manifest["metadata"]["namespace"]
@@ -1074,11 +1090,14 @@ class KubernetesSite:
         """At each inventory refresh: write again each tenant's ResourceQuota whose manifest is no longer the one
         written (Nodes of the single MIG strategy came or went, so its limit is seven times guarantee + burst, or
         no longer), or whose last write failed. An unchanged layout makes no call. A failure is logged (a warning
-        when its cause is new) and tried again at the next refresh; the quota itself stands in ``SiteAdmission``.
-        Only tenants mirrored before (by ``start``, ``set_quota``) are followed."""
+        when its cause is new) and tried again at the first refresh ``quota_retry_s`` later (the wait doubling
+        with each failure in a row, to an hour), so a missing namespace costs no call per cycle; the quota itself
+        stands in ``SiteAdmission``. Only tenants mirrored before (by ``start``, ``set_quota``) are followed."""
         for quota in self._quotas():
             last = self._mirrored.get(quota.tenant)
             if last is None or last == self.quota_manifest(quota):
+                continue
+            if time.monotonic() < self._mirror_retry.get(quota.tenant, (0.0, 0.0))[0]:
                 continue
             try:
                 await self._mirror_quota(quota)

@@ -341,6 +341,7 @@ async def test_a_resource_quota_the_cluster_refuses_to_update_is_tried_again_at_
         raise k8s.ApiException(status=403, reason="resourcequotas is forbidden")
 
     monkeypatch.setattr(k8s.CoreV1Api, "patch_namespaced_resource_quota_without_preload_content", refuse)
+    kube.quota_retry_s = 0.0  # no wait between tries (the default backs off: the test below)
     cluster.objects[NODES, None, "a100-40"] = a100_40("a100-40", single=True)
     for _ in range(2):
         state = await kube.snapshot()  # the snapshot stands, and so does the quota in the site's own admission
@@ -354,6 +355,46 @@ async def test_a_resource_quota_the_cluster_refuses_to_update_is_tried_again_at_
     monkeypatch.setattr(k8s.CoreV1Api, "patch_namespaced_resource_quota_without_preload_content", real)
     await kube.snapshot()
     assert cluster.objects[key]["spec"]["hard"] == {"requests.nvidia.com/gpu": "56"}
+
+
+async def test_a_resource_quota_write_that_fails_is_not_tried_at_every_refresh(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A namespace that does not exist, or RBAC that refuses: the next try waits quota_retry_s (doubling), so
+    the cluster is not asked at every broker cycle, nor is the site's report slowed by it."""
+    refused: list[str] = []
+
+    async def refuse(self: Any, name: str, namespace: str, body: Any, **kwargs: Any) -> Any:
+        refused.append(namespace)
+        raise k8s.ApiException(status=403, reason="resourcequotas is forbidden")
+
+    monkeypatch.setattr(k8s.CoreV1Api, "patch_namespaced_resource_quota_without_preload_content", refuse)
+    cluster.objects[NODES, None, "a100-40"] = a100_40("a100-40", single=True)
+    for _ in range(3):
+        assert (await kube.snapshot()).health == "healthy"
+    assert refused == ["heliotrope-t1"]  # one try; the next waits 30 s
+
+
+async def test_a_quota_removed_while_its_resource_quota_is_being_rewritten_stays_removed(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = k8s.CoreV1Api.create_namespaced_resource_quota_without_preload_content
+    writing = asyncio.Event()
+
+    async def slow(self: Any, *args: Any, **kwargs: Any) -> Any:  # a write is a create first (409: then a patch)
+        writing.set()
+        await asyncio.sleep(0.3)
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(k8s.CoreV1Api, "create_namespaced_resource_quota_without_preload_content", slow)
+    cluster.objects[NODES, None, "a100-40"] = a100_40("a100-40", single=True)  # the refresh rewrites t1's
+    refresh = asyncio.ensure_future(kube.snapshot())
+    await writing.wait()
+    await kube.remove_quota("t1")
+    await refresh
+    await kube.snapshot()
+
+    live = [name for (res, ns, name), obj in cluster.objects.items()
+            if res.plural == "resourcequotas" and ns == "heliotrope-t1" and not obj.deleted]
+    assert live == []  # not brought back by the write that was under way
 
 
 async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster: kmock.KubernetesEmulator) -> None:
