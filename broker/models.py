@@ -374,7 +374,10 @@ class KubernetesAdapterConfig(Spec):
         description="measure the cluster's GPUs (temperature, power, utilisation, clock throttling) from the "
                     "Prometheus server that scrapes its dcgm-exporter, and report that instead of the memory "
                     "read from the Nodes (None: no measured telemetry). Only kind prometheus: the broker runs "
-                    "this adapter away from the GPU nodes, where NVML sees no GPUs")
+                    "this adapter away from the GPU nodes, where NVML sees no GPUs",
+        # Left out where unset: a site that does not use it is stored as before, so brokers of earlier releases
+        # (whose specs forbid unknown keys) sharing the database still read it.
+        exclude_if=lambda telemetry: telemetry is None)
 
     @field_validator("telemetry", mode="before")
     @classmethod

@@ -461,3 +461,14 @@ def test_a_stored_quota_for_gpus_the_site_lacks_still_reads_and_is_named_for_new
     assert [p["field"] for p in spec.quota_problems()] == ["quotas[0].model", "quotas[1].guaranteed_gpus"]
     assert "the site has no h100-80gb GPUs (it has a100-80gb)" in spec.quota_problems()[0]["problem"]
     assert spec.quota_problems()[1]["problem"].startswith("9 is more than the site's 8 GPUs")
+
+
+def test_a_kubernetes_site_without_measured_telemetry_is_stored_as_an_earlier_release_wrote_it() -> None:
+    # Brokers of earlier releases share the database during an upgrade and forbid keys they do not know:
+    # ``telemetry`` is left out of a stored adapter that does not use it, and kept where one does.
+    from broker.models import KubernetesAdapterConfig
+    plain = KubernetesAdapterConfig()
+    assert "telemetry" not in plain.model_dump() and "telemetry" not in plain.model_dump_json()
+    measured = KubernetesAdapterConfig(telemetry={"kind": "prometheus", "url": "http://prometheus:9090"})
+    again = KubernetesAdapterConfig.model_validate_json(measured.model_dump_json())
+    assert again.telemetry is not None and again.telemetry.url == "http://prometheus:9090"
