@@ -47,6 +47,11 @@ def _problem(err: Any) -> str:
         msg = "unknown field (check the spelling)"
     elif err["type"] == "missing":
         msg = "required field is missing"
+    elif err["type"] == "union_tag_not_found":  # pydantic's "Unable to extract tag using discriminator 'kind'"
+        key = str((err.get("ctx") or {}).get("discriminator", "kind")).strip("'\"")
+        names = [p for p in err["loc"] if isinstance(p, str)]
+        tags = TAGGED_FIELDS.get(names[-1], frozenset()) if names else frozenset()
+        msg = f"{key} is missing" + (f": say which, one of {', '.join(sorted(tags))}" if tags else "")
     return msg
 
 

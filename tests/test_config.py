@@ -269,3 +269,25 @@ def test_an_empty_database_setting_is_refused_naming_the_key(tmp_path: Path) -> 
         load_config(write(tmp_path, 'broker: {db: ""}\n'))
     with pytest.raises(ConfigError, match=r"broker\.db \(environment HELIOTROPE_BROKER__DB or the file\): empty"):
         load_config(None, {"HELIOTROPE_BROKER__DB": "' '"})
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"telemetry": {"url": "http://prometheus:9090"}}, "telemetry: kind is missing: say which, one of nvml, prometheus"),
+    ({"site": {"adapter": {"state_dir": "x"}}}, "site.adapter: kind is missing: say which, one of kubernetes, mqtt, "
+                                                "simulated"),
+], ids=["telemetry", "adapter"])
+def test_a_setting_of_several_kinds_without_its_kind_names_the_kinds(tmp_path: Path, doc: dict, message: str) -> None:
+    import json
+
+    import yaml
+
+    from adapters.agent import load_agent_config
+    from tests.builders import site
+
+    spec = json.loads(site("lab").model_dump_json())
+    full = {"site": {**spec, **doc.get("site", {})}, **{k: v for k, v in doc.items() if k != "site"}}
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(full))
+    with pytest.raises(ConfigError) as raised:
+        load_agent_config(path)
+    assert message in str(raised.value)
