@@ -150,13 +150,16 @@ async function errorText(response) {
 
 /** GET a path under the broker's root as JSON (or text); a 401 asks the user for a token. */
 async function api(path, { text = false } = {}) {
+  const sent = token();
   const response = await fetch(new URL(path, BASE), {
     headers: { Accept: text ? "text/plain" : "application/json", ...authHeaders() },
     cache: "no-store",
   });
   if (response.status === 401) {
     const message = await errorText(response);
-    askForToken(message);
+    // Only if the token refused is still the saved one: an answer to a call made with a token the user has
+    // since replaced (a wrong one, then the right one) must not ask again; the refresh after the save redoes it.
+    if (token() === sent) askForToken(message);
     throw new HttpError(401, message);
   }
   if (!response.ok) throw new HttpError(response.status, await errorText(response));
@@ -879,12 +882,14 @@ async function followEvents() {
       watchdog = setTimeout(() => controller.abort(), 45000); // the broker sends a keepalive every 15 s
     };
     try {
+      const sent = token();
       const headers = { Accept: "text/event-stream", ...authHeaders() };
       if (lastEventId) headers["Last-Event-ID"] = lastEventId;
       kick();
       const response = await fetch(new URL("v1/events", BASE), { headers, cache: "no-store", signal: controller.signal });
       if (response.status === 401) {
         clearTimeout(watchdog);
+        if (token() !== sent) continue; // refused a token the user has since replaced: try the new one
         setLive("reconnecting", "needs a token");
         askForToken(await errorText(response));
         await tokenChanged;
