@@ -32,6 +32,9 @@ MIG_PREFIX = "nvidia.com/mig-"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 COUNT_LABEL = "nvidia.com/gpu.count"
 MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB
+# The share of a GPU's nominal memory its driver may keep from what it reports (ECC, reserved pages): a
+# memory label this close below the model's nominal size is that size (``_parts``).
+DRIVER_RESERVED_SHARE = 0.1
 STRATEGY_LABEL = "nvidia.com/mig.strategy"  # "single": MIG slices of one profile, advertised as nvidia.com/gpu
 JOB_LABEL = "heliotrope.io/job-id"
 ATTEMPT_LABEL = "heliotrope.io/attempt"
@@ -145,8 +148,15 @@ def _parts(n: NodeGpus) -> list[tuple[str, int, tuple[str, ...], float | None]]:
     The memory label (what the driver reports, e.g. 81559 MiB, 79.6 GiB, for an H100 80GB) sizes the whole
     GPUs only. The MIG part keeps the model's memory: MIG profile names carry nominal memory (an H100 80GB
     holds a 7g.80gb, or a 4g.40gb beside a 3g.40gb), so sizing its GPUs by the label refused slices the GPU
-    holds, and a 7g.80gb (7g.141gb on an H200) made the node group invalid."""
-    memory = n.memory_gib if n.memory_gib and n.memory_gib < ids.GPU_MODEL_BY_ID[n.model].memory_gib else None
+    holds, and a 7g.80gb (7g.141gb on an H200) made the node group invalid.
+
+    The whole GPUs take the model's nominal memory too where the label is within ``DRIVER_RESERVED_SHARE``
+    of it: the driver keeps a few per cent for itself (81,559 MiB of an H100 80GB, 23,034 of an L4 24GB, 15,109
+    of a T4 16GB with ECC on), and a job that asks ``memory_gib: 80`` of an H100 80GB, as its users say it,
+    was refused. A label further below the nominal (a smaller variant that a product name does not tell
+    apart) sizes them."""
+    nominal = ids.GPU_MODEL_BY_ID[n.model].memory_gib
+    memory = n.memory_gib if n.memory_gib and n.memory_gib < nominal * (1 - DRIVER_RESERVED_SHARE) else None
     out = []
     if n.gpus:
         out.append((n.model, n.gpus, (), memory))

@@ -264,6 +264,36 @@ def test_mig_gpus_of_a_node_whose_memory_label_is_below_the_nominal_hold_the_sli
     assert inventory.free()[model].free_gpus == 7
 
 
+@pytest.mark.parametrize(("product", "memory_mib", "asked", "model"), [
+    ("NVIDIA-H100-80GB-HBM3", "81559", 80, "h100-80gb"),
+    ("NVIDIA-L4", "23034", 24, "l4"),
+    ("Tesla-T4", "15109", 16, "t4"),
+], ids=["an H100 80GB", "an L4", "a T4 with ECC on"])
+def test_a_job_asking_a_gpus_nominal_memory_fits_the_whole_gpus_whose_driver_reports_a_little_less(
+        product: str, memory_mib: str, asked: int, model: str) -> None:
+    # The driver keeps a few per cent of a GPU's memory for itself, and nvidia.com/gpu.memory is what it reports:
+    # sized by that label, an H100 80GB had 79.6 GiB, so a job asking for the 80 GiB it is sold with was refused.
+    labelled = node("whole", product, gpus=8, gpu_count=8)
+    labelled["metadata"]["labels"]["nvidia.com/gpu.memory"] = memory_mib
+    found = read_node(labelled)
+    assert not isinstance(found, str)
+    inventory = Inventory.from_spec(site("kube").model_copy(update={"gpus": node_groups([found])}))
+    assert isinstance(inventory.find(GpuRequest(count=8, memory_gib=asked), model), Placement)
+    assert not isinstance(inventory.find(GpuRequest(count=1, memory_gib=asked + 1), model), Placement)
+
+
+def test_whole_gpus_whose_memory_label_is_well_below_their_models_are_sized_by_the_label() -> None:
+    # A variant with less memory than the model its product name reads as (here a 40 GiB label on a product read
+    # as an H100 80GB) keeps the label: a job asking for more than the GPU has must not be placed there.
+    labelled = node("small", "NVIDIA-H100-80GB-HBM3", gpus=8, gpu_count=8)
+    labelled["metadata"]["labels"]["nvidia.com/gpu.memory"] = "40960"
+    found = read_node(labelled)
+    assert not isinstance(found, str)
+    inventory = Inventory.from_spec(site("kube").model_copy(update={"gpus": node_groups([found])}))
+    assert isinstance(inventory.find(GpuRequest(count=1, memory_gib=40), "h100-80gb"), Placement)
+    assert not isinstance(inventory.find(GpuRequest(count=1, memory_gib=41), "h100-80gb"), Placement)
+
+
 async def test_a_tenants_resource_quota_counts_slices_where_nodes_advertise_them_as_gpus(
         cluster: kmock.KubernetesEmulator) -> None:
     # Under the single MIG strategy a slice job's Pod asks nvidia.com/gpu for each slice; a ResourceQuota of
