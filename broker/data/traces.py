@@ -3,23 +3,43 @@
 What it reads. Any CSV with a header row (comma-separated; ``|``, tab or ``;`` where the header holds no
 comma and one of those, as Slurm's ``sacct --parsable2`` writes ``|``), through a :class:`ColumnMapping` that
 says which column plays which role (the CLI's ``--columns submit=COL,duration=COL,gpus=COL,...`` or
-``--preset philly``):
+``--preset philly`` / ``--preset slurm``):
 
 - ``submit``: when the job was submitted (required);
 - ``duration`` (seconds), or ``start`` and ``end`` (times; duration = end - start) — exactly one of the two;
-- ``gpus``: GPUs the job asked for, a whole number >= 1 (required, unless ``gpu_percent`` is given);
+- ``gpus``: GPUs the job asked for, a whole number >= 1 (required, unless ``gpu_percent`` or ``tres`` is given);
 - ``milli``: thousandths of a GPU used per GPU, 1..1000 (optional; 1000, a whole GPU, when not mapped);
 - ``gpu_percent``: instead of ``gpus`` (and ``milli``), the GPUs asked for as a percentage of one GPU, as the
   Alibaba PAI trace's ``plan_gpu`` gives them (50: half a GPU; 200: two; 150: two GPUs at 750 thousandths
   each): ``ceil(percent / 100)`` GPUs of ``round(10 × percent / GPUs)`` thousandths each;
-- ``model``: GPU model the job asked for (optional; ``None`` = any model, also for an empty cell);
+- ``tres``: instead of ``gpus`` (or ``gpu_percent``), a Slurm TRES list such as sacct's ``AllocTRES`` or
+  ``ReqTRES`` (``billing=8,cpu=8,gres/gpu=2,mem=64G,node=1``, or with a GPU type
+  ``gres/gpu:a100=4,gres/gpu=4``): the GPUs are its ``gres/gpu`` total, or the sum of its typed
+  ``gres/gpu:TYPE`` entries where it lists no total (Slurm lists both when the GPUs have a type; each GPU
+  is counted once); other entries (cpu, mem, ``gres/gpumem``, ``gres/shard``) are not read;
+- ``model``: GPU model the job asked for (optional; ``None`` = any model, also for an empty cell). Mapped to
+  the same column as ``tres`` (``tres=AllocTRES,model=AllocTRES``), the model is the TRES's GPU type, read
+  as a model of :mod:`broker.ids` (``a100_80gb`` → ``a100-80gb``); a type that is no known model, or GPUs of
+  two models in one job, is an error naming the line; a job whose TRES names no type runs on any model.
+  Without a model role the types are not read (and reported);
 - ``tenant``: who submitted it, e.g. Philly's virtual cluster (optional; one tenant ``default`` if not mapped).
 - ``deadline``: by when the job must finish, a time like ``submit`` (optional; when mapped it replaces the
   simulator's slack assumption; a deadline before the job's submit time is an error naming the line).
+- ``job_id``: the job's id (optional): rows whose id is a Slurm job step (``123.batch``, ``123.extern``,
+  ``123.0``, ``123_7.batch``, ``123+1.0``: sacct without ``--allocations``) are skipped and reported, as
+  the job's own row (``123``) already holds what the job was allocated.
+
+The ``slurm`` preset reads ``sacct --parsable2 --allocations
+--format=JobID,User,Submit,Start,End,State,AllocTRES,Timelimit``: ``job_id=JobID``, ``tenant=User``,
+``submit=Submit``, ``start=Start``, ``end=End``, ``tres=AllocTRES``, ``model=AllocTRES``. ``State`` and
+``Timelimit`` are not read: every job that started and ended ran for end - start whatever its state
+(completed, failed, cancelled or timed out while running), and the loader has no role for a run-time
+estimate (the simulator draws its own), so a time limit is not used as one.
 
 Units. Times are UTC. With ``time_format="iso"`` a time without an offset is taken as UTC and one with an
-offset is converted to UTC; with ``time_format="seconds"`` a time is a number of seconds after ``origin``
-(a timezone-aware datetime, required then). In the returned :class:`Trace`, ``submit_s`` is float64 seconds
+offset is converted to UTC (sacct writes the cluster's local times without an offset: they are read as UTC,
+so a dump keeps its wall-clock hours); with ``time_format="seconds"`` a time is a number of seconds after
+``origin`` (a timezone-aware datetime, required then). In the returned :class:`Trace`, ``submit_s`` is float64 seconds
 after the first submit (``Trace.start``), ``duration_s`` float64 seconds, ``gpus`` and ``milli`` int32.
 
 Errors. Nothing is guessed: a file that cannot be read, a header without a mapped column, or a row whose
@@ -29,6 +49,12 @@ header is line 1, so it is the line an editor shows) and the column. Empty lines
 
 What is kept and reported (``Trace.report``, one sentence per note):
 
+- Rows that are not jobs that ran are dropped, each kind counted with its first lines: job steps (with a
+  ``job_id``, above), and, with ``start`` and ``end``, rows whose start or end is ``Unknown`` or ``None``,
+  as Slurm writes them for a job still pending, cancelled before it started, or still running.
+- Rows of 0 GPUs (``gpus`` 0, ``gpu_percent`` 0, a TRES without GPUs: CPU-only jobs) are an error by
+  default, which names the line and ``cpu_jobs="drop"`` (the CLI's ``--cpu-jobs drop``); with it they are
+  dropped and counted.
 - Rows that repeat an earlier row exactly are *kept* by default (``duplicates="drop"`` drops the later
   copies): the trace has no job ids, and two jobs of one tenant submitted in the same second with the same
   size and length are plausible (scripted sweeps), so dropping them would understate the load. Their count
@@ -46,14 +72,17 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import date, datetime, timedelta, UTC
 from operator import itemgetter
 from pathlib import Path
 from typing import Literal, NamedTuple, TextIO
 
 import numpy as np
+
+from broker import ids
 
 MIN_DURATION_S = 1.0
 """Jobs whose duration is 0 s are counted as this long (seconds)."""
@@ -64,12 +93,22 @@ WHOLE_GPU_MILLI = 1000
 DEFAULT_TENANT = "default"
 """The one tenant of a trace whose mapping has no ``tenant`` column."""
 
-ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "gpu_percent", "model", "tenant", "deadline")
+ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "gpu_percent", "tres", "model", "tenant", "deadline",
+         "job_id")
 """Roles a ``--columns`` mapping may name, in the order they are printed."""
 
 _FIRST_LINES_SHOWN = 5
 
 TimeFormat = Literal["iso", "seconds"]
+
+CpuJobs = Literal["error", "drop"]
+
+_CPU_ONLY = ("a CPU-only job: cpu_jobs='drop' (the CLI's --cpu-jobs drop) leaves rows of 0 GPUs out and reports "
+             "how many")
+"""What an error about a row of 0 GPUs says to do."""
+
+_NO_TIME = ("Unknown", "None")
+"""What Slurm writes for a time that is not there: a pending job's start and end, a running job's end."""
 
 
 class TraceError(ValueError):
@@ -84,7 +123,7 @@ class TraceError(ValueError):
 @dataclasses.dataclass(frozen=True, slots=True)
 class ColumnMapping:
     """Which CSV column plays which role. Give ``duration`` or both ``start`` and ``end``, not both; and
-    ``gpus`` or ``gpu_percent``, not both."""
+    one of ``gpus``, ``gpu_percent`` and ``tres``."""
 
     submit: str
     gpus: str | None = None
@@ -96,6 +135,8 @@ class ColumnMapping:
     tenant: str | None = None
     deadline: str | None = None
     gpu_percent: str | None = None
+    tres: str | None = None
+    job_id: str | None = None
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -110,11 +151,15 @@ class ColumnMapping:
         if has_span and (self.start is None or self.end is None):
             given, missing = ("start", "end") if self.end is None else ("end", "start")
             raise TraceError(f"role '{given}' needs role '{missing}' too: give start=COLUMN,end=COLUMN")
-        if (self.gpus is None) == (self.gpu_percent is None):
+        if self.tres is not None and (self.gpus is not None or self.gpu_percent is not None):
+            other = "gpus" if self.gpus is not None else "gpu_percent"
+            raise TraceError(f"give either tres=COLUMN or {other}=COLUMN, not both: a TRES list (as sacct's "
+                             "AllocTRES) already says how many GPUs a job holds")
+        if self.tres is None and (self.gpus is None) == (self.gpu_percent is None):
             raise TraceError("give either gpus=COLUMN or gpu_percent=COLUMN (a percentage of one GPU), not both"
                              if self.gpus is not None else
                              "role 'gpus' is missing: give gpus=COLUMN, or gpu_percent=COLUMN (a percentage of one "
-                             "GPU, as Alibaba's plan_gpu)")
+                             "GPU, as Alibaba's plan_gpu), or tres=COLUMN (a Slurm TRES list, as sacct's AllocTRES)")
         if self.gpu_percent is not None and self.milli is not None:
             raise TraceError("give either gpu_percent=COLUMN or milli=COLUMN: a percentage of one GPU already says "
                              "what part of a GPU the job uses")
@@ -132,7 +177,12 @@ PRESETS: dict[str, ColumnMapping] = {
     # Microsoft Philly, as published with Pollux (petuum/adaptdl, simulator/traces/philly.csv):
     # timestamp,duration,num_gpus,gpu_time,cluster; the virtual cluster is the tenant.
     "philly": ColumnMapping(submit="timestamp", duration="duration", gpus="num_gpus", tenant="cluster"),
+    # Slurm accounting: sacct --parsable2 --allocations --format=JobID,User,Submit,Start,End,State,AllocTRES,Timelimit
+    # (State and Timelimit are not read; see the module docstring). The user is the tenant.
+    "slurm": ColumnMapping(submit="Submit", start="Start", end="End", tres="AllocTRES", model="AllocTRES",
+                           tenant="User", job_id="JobID"),
 }
+
 
 
 def resolve_preset(name: str) -> ColumnMapping:
@@ -274,12 +324,15 @@ def load_trace(
     trace_from: datetime | date | str | None = None,
     days: float | None = None,
     duplicates: Literal["keep", "drop"] = "keep",
+    cpu_jobs: CpuJobs = "error",
 ) -> Trace:
     """Read the CSV at ``path`` through ``mapping``; see the module docstring for units and rules.
 
     ``trace_from`` (a datetime, a date or an ISO text; naive = UTC) and ``days`` keep the jobs submitted in
     ``[trace_from, trace_from + days)``; ``days`` alone counts from the first submit, ``trace_from`` alone
-    runs to the end. Raises :class:`TraceError` with the file, line and column of the first problem.
+    runs to the end. ``cpu_jobs="drop"`` drops rows of 0 GPUs (CPU-only jobs) and reports how many; by
+    default (``"error"``) such a row is an error. Raises :class:`TraceError` with the file, line and column
+    of the first problem.
     """
     path = Path(path)
     if time_format not in ("iso", "seconds"):
@@ -293,6 +346,8 @@ def load_trace(
         raise TraceError("an origin applies only to time format 'seconds'; this trace's times are ISO times")
     if duplicates not in ("keep", "drop"):
         raise TraceError(f"duplicates={duplicates!r} is unknown; use 'keep' or 'drop'")
+    if cpu_jobs not in ("error", "drop"):
+        raise TraceError(f"cpu_jobs={cpu_jobs!r} is unknown; use 'error' or 'drop'")
     window_from = None if trace_from is None else _as_utc(trace_from, "trace_from")
     if days is not None and not 0 < days <= _MAX_DAYS:
         raise TraceError(f"days must be more than 0 and at most {_MAX_DAYS:g} (a hundred years), got {days!r}")
@@ -301,12 +356,30 @@ def load_trace(
     index = _column_index(path, header, mapping)
     report: list[str] = []
 
-    if duplicates == "drop":
-        rows, lines = _find_duplicates(rows, lines, report, drop=True)
-    else:
-        _find_duplicates(rows, lines, report, drop=False)
+    # Rows that are not jobs that ran go first: their other cells need not be readable.
+    if mapping.job_id is not None:
+        rows, lines = _take(rows, lines, _not_steps(rows, lines, index["job_id"], mapping.job_id, report))
+    if mapping.start is not None:
+        rows, lines = _take(rows, lines, _ran(rows, lines, index, mapping, report))
+    if not rows:
+        raise TraceError(f"{path}: no row is a job that ran: {' '.join(report)}")
+    column = _Columns(path, header, rows, np.asarray(lines, dtype=np.int32), index)
+    held = _read_gpus(column, mapping, drop_cpu=cpu_jobs == "drop")
+    cpu = held.gpus == 0  # only where cpu_jobs="drop": otherwise a row of 0 GPUs has raised
+    if cpu.any():
+        report.append(f"{_n(int(cpu.sum()), 'row')} of 0 GPUs (CPU-only jobs) dropped "
+                      f"(lines {_first_lines(np.asarray(lines)[cpu])}).")
+        if cpu.all():
+            raise TraceError(f"{path}: no row asks for a GPU: {' '.join(report)}")
+        rows, lines = _take(rows, lines, ~cpu)
+        held = held.take(~cpu)
+    kept = _find_duplicates(rows, lines, report, drop=duplicates == "drop")
+    if kept is not None:
+        rows, lines = _take(rows, lines, kept)
+        held = held.take(kept)
     line_arr = np.asarray(lines, dtype=np.int32)
     column = _Columns(path, header, rows, line_arr, index)
+    gpus, milli = held.gpus, held.milli
 
     def times(role: str) -> np.ndarray:
         if time_format == "iso":
@@ -339,24 +412,15 @@ def load_trace(
             report.append(f"{_n(late, 'job')} have a deadline before submit + duration: they miss it however "
                           "they are placed.")
     if mapping.gpu_percent is not None:
-        percent = column.numbers("gpu_percent", "a percentage of one GPU")
-        column.reject(~(percent > 0), "gpu_percent", "is not above 0; a job asks for some part of a GPU")
-        column.reject(percent > 100 * (2**31 - 1), "gpu_percent", "is too large")
-        gpus = np.ceil(percent / 100.0).astype(np.int32)
-        milli = np.clip(np.rint(percent * 10.0 / gpus), 1, WHOLE_GPU_MILLI).astype(np.int32)
         part = int(np.count_nonzero(milli < WHOLE_GPU_MILLI))
         report.append(f"GPUs read as a percentage of one GPU (column '{mapping.gpu_percent}'): "
                       f"{_n(part, 'job')} use part of their GPUs.")
-    else:
-        gpus = column.whole_numbers("gpus", "a whole number of GPUs")
-        column.reject(gpus < 1, "gpus", "is less than 1; a job asks for at least one GPU")
-        if mapping.milli is not None:
-            milli = column.whole_numbers("milli", "a whole number of thousandths of a GPU")
-            column.reject((milli < 1) | (milli > WHOLE_GPU_MILLI), "milli",
-                          "is not within 1..1000 (thousandths of a GPU)")
-        else:
-            milli = np.full(len(rows), WHOLE_GPU_MILLI, dtype=np.int32)
-    model = column.texts("model")
+    elif mapping.tres is not None:
+        report.extend(held.tres_notes(mapping, line_arr))
+    if mapping.milli is not None:
+        milli = column.whole_numbers("milli", "a whole number of thousandths of a GPU")
+        column.reject((milli < 1) | (milli > WHOLE_GPU_MILLI), "milli", "is not within 1..1000 (thousandths of a GPU)")
+    model = held.model if held.model is not None else column.texts("model")
     tenant_text = column.texts("tenant")
 
     zero = duration == 0
@@ -478,21 +542,214 @@ def _column_index(path: Path, header: list[str], mapping: ColumnMapping) -> dict
 
 
 def _find_duplicates(rows: list[list[str]], lines: list[int], report: list[str], *, drop: bool
-                     ) -> tuple[list[list[str]], list[int]]:
-    """Note rows that repeat an earlier row exactly; return the rows without them when ``drop``."""
+                     ) -> np.ndarray | None:
+    """Note rows that repeat an earlier row exactly; when ``drop``, the rows to keep (the first copies and the
+    rows without a copy), else ``None``."""
     keys = list(map(tuple, rows))
     first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))  # row -> index of its first copy
     if len(first) == len(keys):
-        return rows, lines
+        return None
     repeats = sorted(set(range(len(keys))).difference(first.values()))
     repeated = {keys[i] for i in repeats}
     what = "dropped (the first copy is kept)" if drop else "kept as separate jobs"
     report.append(f"{_n(len(repeats), 'row')} repeat an earlier row exactly ({_n(len(repeated), 'distinct row')}); "
                   f"{what} (lines {_first_lines([lines[i] for i in repeats])}).")
     if not drop:
+        return None
+    keep = np.ones(len(rows), dtype=bool)
+    keep[repeats] = False
+    return keep
+
+
+def _take(rows: list[list[str]], lines: list[int], keep: np.ndarray) -> tuple[list[list[str]], list[int]]:
+    """The rows (and their line numbers) where ``keep`` is true."""
+    if keep.all():
         return rows, lines
-    gone = set(repeats)
-    return [r for i, r in enumerate(rows) if i not in gone], [n for i, n in enumerate(lines) if i not in gone]
+    at = np.flatnonzero(keep).tolist()
+    return [rows[i] for i in at], [lines[i] for i in at]
+
+
+_SLURM_STEP = re.compile(r"\d+(?:[_+]\d+)?\.(?:batch|extern|interactive|\d+)(?:\+\d+)?")
+"""A Slurm job step's id: the job's id (``123``, an array task ``123_7``, a het job part ``123+1``), a dot
+and the step (``batch``, ``extern``, ``interactive`` or its number, then a het component ``+0``)."""
+
+
+def _not_steps(rows: list[list[str]], lines: list[int], at: int, name: str, report: list[str]) -> np.ndarray:
+    """Rows that are not Slurm job steps (column ``at`` holds the job id); the steps are reported."""
+    ids = np.array([row[at].strip() for row in rows], dtype=str)
+    step = np.char.find(ids, ".") >= 0  # the regex only where a dot is
+    for i in np.flatnonzero(step).tolist():
+        step[i] = _SLURM_STEP.fullmatch(str(ids[i])) is not None
+    if step.any():
+        report.append(f"{_n(int(step.sum()), 'job step row')} skipped (column '{name}': ids such as "
+                      f"{ids[step][0]}, a part of the job on its own row, which holds the job's allocation; "
+                      f"sacct --allocations writes no step rows) (lines {_first_lines(np.asarray(lines)[step])}).")
+    return ~step
+
+
+def _ran(rows: list[list[str]], lines: list[int], index: dict[str, int], mapping: ColumnMapping,
+         report: list[str]) -> np.ndarray:
+    """Rows whose start and end are both there: Slurm writes ``Unknown`` or ``None`` for the start of a job
+    that has not started (pending, or cancelled first) and the end of a running one; those are reported."""
+    def missing(role: str) -> np.ndarray:
+        cells = np.array([row[index[role]].strip() for row in rows], dtype=str)
+        return (cells == _NO_TIME[0]) | (cells == _NO_TIME[1])
+
+    no_start, no_end = missing("start"), missing("end")
+    running = no_end & ~no_start
+    at = np.asarray(lines)
+    if no_start.any():
+        report.append(f"{_n(int(no_start.sum()), 'job')} never started (column '{mapping.start}' is 'Unknown' or "
+                      "'None': pending, or cancelled before it started); dropped "
+                      f"(lines {_first_lines(at[no_start])}).")
+    if running.any():
+        report.append(f"{_n(int(running.sum()), 'job')} had not ended (column '{mapping.end}' is 'Unknown' or "
+                      f"'None': still running when the file was written); dropped (lines {_first_lines(at[running])}).")
+    return ~(no_start | no_end)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Held:
+    """What each row's GPU column(s) say: GPUs (0 for a CPU-only row, where those are dropped), thousandths of
+    each, and, from a TRES column, the model (``None`` unless the model role reads that column) and the GPU
+    types each row names."""
+
+    gpus: np.ndarray
+    milli: np.ndarray
+    model: np.ndarray | None = None
+    types: np.ndarray | None = None  # object: a tuple of the TRES's GPU types per row
+    mismatch: np.ndarray | None = None  # bool: the TRES's gres/gpu total differs from its typed entries' sum
+
+    def take(self, keep: np.ndarray) -> _Held:
+        return _Held(*(None if a is None else a[keep] for a in (self.gpus, self.milli, self.model, self.types,
+                                                                 self.mismatch)))
+
+    def tres_notes(self, mapping: ColumnMapping, lines: np.ndarray) -> list[str]:
+        """What the report says about GPUs read from a TRES column."""
+        assert self.types is not None and self.mismatch is not None
+        notes = []
+        typed = np.fromiter(map(bool, self.types.tolist()), dtype=bool, count=len(self.types))
+        if self.model is not None:
+            named = [m for m in self.model.tolist() if m is not None]
+            counts = ", ".join(f"{m} {named.count(m)}" for m in sorted(set(named)))
+            notes.append(f"GPUs read from the TRES column '{mapping.tres}': {_n(len(named), 'job')} name a GPU type, "
+                         f"read as its model ({counts or 'none'}); {len(self.model) - len(named)} name none and "
+                         "run on any model.")
+        elif typed.any():
+            types = sorted({t for ts in self.types[typed].tolist() for t in ts})
+            shown = ", ".join(types[:_FIRST_LINES_SHOWN]) + (", ..." if len(types) > _FIRST_LINES_SHOWN else "")
+            where = "another column" if mapping.model is not None else "no column"
+            notes.append(f"{_n(int(typed.sum()), 'job')} name a GPU type in the TRES column '{mapping.tres}' "
+                         f"({shown}), "
+                         f"not read as their model: the mapping takes the model from {where} "
+                         f"(model={mapping.tres} would read it).")
+        if self.mismatch.any():
+            notes.append(f"{_n(int(self.mismatch.sum()), 'job')} list a gres/gpu total unlike the sum of their typed "
+                         f"gres/gpu:TYPE entries in column '{mapping.tres}'; the total is their GPUs "
+                         f"(lines {_first_lines(lines[self.mismatch])}).")
+        return notes
+
+
+def _read_gpus(column: _Columns, mapping: ColumnMapping, *, drop_cpu: bool) -> _Held:
+    """Each row's GPUs, from ``gpus``, ``gpu_percent`` or ``tres``; a row of 0 GPUs raises unless
+    ``drop_cpu`` (then its GPUs are 0, for the caller to drop)."""
+    n = len(column.rows)
+    whole = np.full(n, WHOLE_GPU_MILLI, dtype=np.int32)
+
+    def zero_is_cpu(problem: str) -> Callable[[int, str], str]:
+        """``problem``, and for a value of 0 (a CPU-only job) what to do about it."""
+        return lambda row, value: f"{problem} ({_CPU_ONLY})" if float(value) == 0 else problem
+
+    if mapping.gpu_percent is not None:
+        percent = column.numbers("gpu_percent", "a percentage of one GPU")
+        column.reject(percent < 0 if drop_cpu else ~(percent > 0), "gpu_percent",
+                      zero_is_cpu("is not above 0; a job asks for some part of a GPU"))
+        column.reject(percent > 100 * (2**31 - 1), "gpu_percent", "is too large")
+        gpus = np.ceil(percent / 100.0).astype(np.int32)
+        share = np.divide(percent * 10.0, gpus, out=np.full(n, float(WHOLE_GPU_MILLI)), where=gpus > 0)
+        return _Held(gpus, np.clip(np.rint(share), 1, WHOLE_GPU_MILLI).astype(np.int32))
+    if mapping.gpus is not None:
+        gpus = column.whole_numbers("gpus", "a whole number of GPUs")
+        column.reject(gpus < 0 if drop_cpu else gpus < 1, "gpus",
+                      zero_is_cpu("is less than 1; a job asks for at least one GPU"))
+        return _Held(gpus, whole)
+    return _read_tres(column, mapping, whole, drop_cpu=drop_cpu)
+
+
+_TRES_GPU = "gres/gpu"
+_TRES_FORMAT = "a Slurm TRES list (NAME=COUNT,...: e.g. cpu=8,gres/gpu=2,mem=64G)"
+_TRES_NAME = re.compile(r"[\w./:-]+")  # cpu, mem, billing, fs/disk, gres/gpu, gres/gpu:a100, license/x, bb/y
+_TRES_VALUE = re.compile(r"[\w.+-]+")  # 8, 64G, 1.50T (only the GPU counts are read, and must be whole numbers)
+
+
+def _parse_tres(text: str) -> tuple[int, dict[str, int], bool]:
+    """The GPUs of one TRES list (its ``gres/gpu`` total, else the sum of its ``gres/gpu:TYPE`` entries),
+    the typed entries, and whether a total differs from their sum; a problem raises ``ValueError``."""
+    total: int | None = None
+    typed: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not (sep and _TRES_NAME.fullmatch(name) and _TRES_VALUE.fullmatch(value)):
+            raise ValueError(f"is not {_TRES_FORMAT}: {item!r} is not NAME=COUNT")
+        if name != _TRES_GPU and not name.startswith(_TRES_GPU + ":"):
+            continue
+        if not (value.isascii() and value.isdigit()):
+            raise ValueError(f"gives {name} the count {value!r}; expected a whole number of GPUs")
+        count = int(value)
+        if count > 2**31 - 1:
+            raise ValueError(f"gives {name} a count that is too large")
+        if name == _TRES_GPU:
+            if total is not None:
+                raise ValueError(f"lists {_TRES_GPU} twice")
+            total = count
+        else:
+            kind = name[len(_TRES_GPU) + 1:]
+            if not kind:
+                raise ValueError(f"lists {name!r} without a GPU type after the colon")
+            typed[kind] = typed.get(kind, 0) + count
+    typed = {kind: count for kind, count in typed.items() if count > 0}
+    summed = sum(typed.values())
+    if total is None:
+        return summed, typed, False
+    return total, typed, bool(typed) and summed != total
+
+
+def _read_tres(column: _Columns, mapping: ColumnMapping, whole: np.ndarray, *, drop_cpu: bool) -> _Held:
+    """GPUs (and, with ``model`` on the same column, the model) from a Slurm TRES column; each distinct
+    text is parsed once, in the order of first appearance, so the first bad one is the first bad line."""
+    raw = np.array(column._raw("tres"), dtype=str)
+    distinct, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+    with_model = mapping.model == mapping.tres
+    gpus = np.zeros(len(distinct), dtype=np.int64)
+    types = np.empty(len(distinct), dtype=object)
+    model = np.full(len(distinct), None, dtype=object)
+    mismatch = np.zeros(len(distinct), dtype=bool)
+    for k in np.argsort(first).tolist():
+        text, row = str(distinct[k]), int(first[k])
+        try:
+            gpus[k], typed, mismatch[k] = _parse_tres(text)
+        except ValueError as exc:
+            raise column._fail(row, "tres", text, str(exc)) from None
+        if gpus[k] == 0 and not drop_cpu:
+            raise column._fail(row, "tres", text, f"lists no GPUs; a job asks for at least one GPU ({_CPU_ONLY})")
+        types[k] = tuple(typed)
+        if with_model and gpus[k] > 0 and typed:
+            models = {}
+            for kind in typed:
+                try:
+                    models.setdefault(ids.gpu_model(kind), kind)
+                except ids.UnknownIdentifier:
+                    raise column._fail(row, "model", text, f"names the GPU type {kind!r}, which is no known GPU "
+                                       f"model; known models: {', '.join(ids.GPU_MODEL_IDS)} (map the TRES "
+                                       "column as tres only, without model, to read such jobs as running on any "
+                                       "model)") from None
+            if len(models) > 1:
+                raise column._fail(row, "model", text, f"names GPUs of {len(models)} models "
+                                   f"({', '.join(sorted(models))}); a job here runs on one model (map the TRES "
+                                   "column as tres only, without model, to read it as running on any model)")
+            model[k] = next(iter(models))
+    return _Held(gpus[inverse].astype(np.int32), whole, model[inverse] if with_model else None, types[inverse],
+                 mismatch[inverse])
 
 
 class _Columns:
@@ -511,10 +768,12 @@ class _Columns:
         return TraceError(f"{self.path}: line {int(self.lines[row])}, column '{column}' ({role}): "
                           f"{value!r} {problem}")
 
-    def reject(self, bad: np.ndarray, role: str, problem: str) -> None:
+    def reject(self, bad: np.ndarray, role: str, problem: str | Callable[[int, str], str]) -> None:
+        """Raise for the first row where ``bad``; ``problem`` may depend on the row and its value."""
         if bad.any():
             row = int(np.argmax(bad))
-            raise self._fail(row, role, self.rows[row][self.index[role]].strip(), problem)
+            value = self.rows[row][self.index[role]].strip()
+            raise self._fail(row, role, value, problem if isinstance(problem, str) else problem(row, value))
 
     def numbers(self, role: str, what: str) -> np.ndarray:
         raw = self._raw(role, strip=False)  # numpy and float() both allow blanks around a number

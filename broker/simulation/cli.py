@@ -1,6 +1,7 @@
 """``heliotrope simulate``: the command line of the simulator (see ``broker.simulation.run`` for the steps).
 
-    heliotrope simulate --trace FILE (--preset philly | --columns MAPPING) --carbon DIR [--prices FILE]
+    heliotrope simulate --trace FILE (--preset philly|slurm | --columns MAPPING) [--cpu-jobs error|drop]
+        --carbon DIR [--prices FILE]
         [--latency FILE] [--sites FILE | --zone-regions ZONE=REGION,... --site-model MODEL] [--utilisation FRACTION]
         [--trace-from ISO-DATE] [--days N] [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
         [--restart-s SECONDS] [--inflexible-undeclared] [--json OUT] [--report DIR]
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker import ids
-from broker.data.traces import parse_columns, resolve_preset
+from broker.data.traces import PRESETS, parse_columns, resolve_preset
 from policies.baselines import COMPARED, POLICIES
 
 if TYPE_CHECKING:
@@ -43,11 +44,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                        description="Replay a GPU job trace over sites in real grid zones and compare policies.")
     s.add_argument("--trace", required=True, metavar="FILE", help="job trace CSV")
     how = s.add_mutually_exclusive_group(required=True)
-    how.add_argument("--preset", metavar="NAME", help="a built-in column mapping: philly")
+    how.add_argument("--preset", metavar="NAME", help=f"a built-in column mapping: {', '.join(PRESETS)} (slurm: "
+                     "sacct --parsable2 --allocations --format=JobID,User,Submit,Start,End,State,AllocTRES,Timelimit)")
     how.add_argument("--columns", metavar="MAPPING",
                      help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL (or gpu_percent=COL: a "
-                          "percentage of one GPU, as Alibaba's plan_gpu); optional milli=COL, model=COL, tenant=COL, "
-                          "deadline=COL")
+                          "percentage of one GPU, as Alibaba's plan_gpu; or tres=COL: a Slurm TRES list, as sacct's "
+                          "AllocTRES); optional milli=COL, model=COL (model=the tres column: its GPU type), "
+                          "tenant=COL, deadline=COL, job_id=COL (Slurm's job steps skipped)")
+    add_cpu_jobs(s)
     s.add_argument("--time-format", choices=("iso", "seconds"), default="iso",
                    help="trace times: ISO 8601 (naive = UTC) or seconds after --origin (default %(default)s)")
     s.add_argument("--origin", metavar="ISO-TIME", help="what 0 s means with --time-format seconds "
@@ -96,6 +100,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--oracle", action="store_true",
                    help="also pack the whole-job oracle: a schedule that knows every run time and every future "
                         "hour's carbon (a reference, not a policy; guided by the bound's prices unless --no-bound)")
+
+
+def add_cpu_jobs(parser: argparse.ArgumentParser) -> None:
+    """``--cpu-jobs``: what a row of 0 GPUs in the trace does (``load_trace``'s ``cpu_jobs``)."""
+    parser.add_argument("--cpu-jobs", choices=("error", "drop"), default="error",
+                        help="rows of 0 GPUs (CPU-only jobs, as many of a Slurm dump): an error naming the first "
+                             "(default), or drop them and count them in the notes")
 
 
 def date_flag(flag: str, text: str | None) -> datetime | None:
@@ -185,7 +196,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         latency=Path(args.latency), regions=Path(args.regions), sites=Path(args.sites) if args.sites else None,
         utilisation=args.utilisation, trace_from=date_flag("--trace-from", args.trace_from), days=args.days,
         start=date_flag("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
-        oracle=args.oracle, whole_job_steps=args.whole_job_steps, zone_regions=zone_regions,
+        oracle=args.oracle, whole_job_steps=args.whole_job_steps, zone_regions=zone_regions, cpu_jobs=args.cpu_jobs,
         **({"site_model": site_model} if site_model is not None else {}),
         assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s,
                      "declare_inflexible": not args.inflexible_undeclared},

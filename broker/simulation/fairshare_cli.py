@@ -1,6 +1,7 @@
 """``heliotrope simulate-quotas``: one site's quotas and fair share replayed over a job trace, one row per mode.
 
-    heliotrope simulate-quotas --trace FILE (--preset philly | --columns MAPPING) [--utilisation 0.8]
+    heliotrope simulate-quotas --trace FILE (--preset philly|slurm | --columns MAPPING) [--cpu-jobs error|drop]
+        [--utilisation 0.8]
         [--trace-from ISO-DATE] [--days N] [--modes off,instant,time] [--window-h 24] [--half-life-h 6]
         [--reweight-h 1] [--k 1] [--min-run-s 600] [--guaranteed-fraction 0.8] [--max-refusals 64]
         [--cycle-s 300] [--starvation-h 24] [--json OUT]
@@ -16,10 +17,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from broker.data.traces import load_trace, parse_columns, resolve_preset
+from broker.data.traces import PRESETS, load_trace, parse_columns, resolve_preset
 from broker.errors import problems
 from broker.models import FairSharePolicy
-from broker.simulation.cli import date_flag, writable_flag
+from broker.simulation.cli import add_cpu_jobs, date_flag, writable_flag
 from broker.simulation.fairshare import (DEFAULT_CYCLE_S, DEFAULT_MAX_REFUSALS, DEFAULT_MIN_RUN_S,
                                          DEFAULT_STARVATION_H, DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES,
                                          QuotaSimulationError, as_json, compare, format_table,
@@ -35,9 +36,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                                    "utilisation.")
     s.add_argument("--trace", required=True, metavar="FILE", help="job trace CSV")
     how = s.add_mutually_exclusive_group(required=True)
-    how.add_argument("--preset", metavar="NAME", help="a built-in column mapping: philly")
+    how.add_argument("--preset", metavar="NAME", help=f"a built-in column mapping: {', '.join(PRESETS)}")
     how.add_argument("--columns", metavar="MAPPING",
-                     help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL, tenant=COL")
+                     help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL (or gpu_percent=COL, "
+                          "tres=COL), tenant=COL; as simulate's")
+    add_cpu_jobs(s)
     s.add_argument("--utilisation", type=float, default=DEFAULT_UTILISATION, metavar="FRACTION",
                    help="the trace's mean GPUs busy over the site's GPUs the site is sized for "
                         "(default %(default)s)")
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> str:
             raise QuotaSimulationError(f"{flag} {value:g}: {problems(e)[0]['problem']}") from None
     if args.json_out:  # checked before the replay, which may take minutes, as simulate --json is
         writable_flag("--json", Path(args.json_out).parent, Path(args.json_out))
-    trace = load_trace(args.trace, mapping, trace_from=trace_from, days=args.days)
+    trace = load_trace(args.trace, mapping, trace_from=trace_from, days=args.days, cpu_jobs=args.cpu_jobs)
     info, runs = compare(workload_from_trace(trace), modes, utilisation=args.utilisation,
                          guaranteed_fraction=args.guaranteed_fraction, window_h=args.window_h,
                          half_life_h=args.half_life_h, reweight_h=args.reweight_h, k=args.k,

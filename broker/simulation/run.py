@@ -87,6 +87,7 @@ class SimulationSpec:
     oracle: bool = False  # also pack the whole-job oracle (broker.simulation.oracle) as a reference row
     whole_job_steps: int = 300  # steps of the whole-job bound's search (with bound; 0: the LP's prices only)
     zone_regions: dict[str, str] = field(default_factory=dict)  # zone -> cloud region, beyond ZONE_REGIONS
+    cpu_jobs: str = "error"  # rows of 0 GPUs in the trace: an error, or "drop" (reported)
     site_model: str = DEFAULT_GPU_MODEL  # the GPU model of every site of the default federation
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
@@ -120,7 +121,7 @@ def prepare(spec: SimulationSpec) -> Prepared:
         origin = datetime(1970, 1, 1, tzinfo=UTC)
         report.append("trace times are seconds after the Unix epoch (no --origin given)")
     trace = load_trace(spec.trace, spec.mapping, time_format=spec.time_format, origin=origin,  # type: ignore[arg-type]
-                       trace_from=spec.trace_from, days=spec.days)
+                       trace_from=spec.trace_from, days=spec.days, cpu_jobs=spec.cpu_jobs)  # type: ignore[arg-type]
     if len(trace) == 0:
         raise engine.SimulationError(f"{spec.trace}: no jobs in the chosen window; widen --trace-from/--days")
     report += [f"trace: {r}" for r in trace.report]
