@@ -43,7 +43,10 @@
   GPUs held, reported the same way. Each stop is kept in ``state_dir`` (``stops.json``,
   :class:`adapters.site_state.StopJournal`) until the broker has taken its event, so one whose Pods went while no
   adapter ran (the broker restarting) is reported by the next adapter, with its run up to the stop, rather than
-  taken for a lost attempt.
+  taken for a lost attempt. With ``state_namespace`` the stops are kept in the cluster too, in the ConfigMap
+  ``heliotrope-stops-<site>`` there (:mod:`adapters.kubernetes_stops`, written in the background), and joined to
+  the file's at start: the adapter of a broker replica with another ``state_dir`` that takes over reports them
+  the same way. A ConfigMap the cluster refuses is logged, and the adapter goes on with its file.
 - Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
   are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
@@ -66,7 +69,8 @@
 
 Credentials: ``in_cluster`` (the Pod's service account), else the kubeconfig (``kubeconfig``, ``context``),
 or ``host`` alone (an unauthenticated URL such as ``kubectl proxy`` or a test emulator). RBAC: list/watch
-nodes; create/get/list/watch/delete jobs; list/watch pods (all namespaces); create/patch/delete resourcequotas.
+nodes; create/get/list/watch/delete jobs; list/watch pods (all namespaces); create/patch/delete resourcequotas;
+with ``state_namespace``, get/create/patch configmaps in that namespace.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from adapters.quota_store import QuotaOverrides, log_beyond_site
+from adapters.kubernetes_stops import ClusterStops
 from adapters.site_state import StopJournal
 from adapters.telemetry import telemetry_feed
 from adapters.kubernetes_nodes import (
@@ -206,6 +211,10 @@ class KubernetesSite:
         self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
         # The stops begun whose `preempted` the broker has not taken yet (its Pods may go while no adapter runs).
         self._journal = StopJournal(Path(folder) / spec.name / "stops.json" if folder is not None else None)
+        # ... and their copy in the cluster, for a broker replica with another folder (None: not configured)
+        self._cluster_stops = (ClusterStops(self.name, cfg.state_namespace, self._json, lambda: self._core,
+                                            close_timeout_s=cfg.request_timeout_s * 2)
+                               if cfg.state_namespace is not None else None)
         self._api = api_client
         self._own_api = api_client is None
         self._admission: SiteAdmission | None = None
@@ -240,6 +249,7 @@ class KubernetesSite:
     async def start(self) -> None:
         if self._api is None:
             self._api = await self._build_client()
+        await self._join_cluster_stops()
         await self._adopt()
         await self._adopt_pods()
         self._adopt_stops()
@@ -249,6 +259,8 @@ class KubernetesSite:
                 await self._mirror_quota(tenant_quota)
             except AdapterError as e:
                 log.warning("site %s: %s", self.name, e)
+        if self._cluster_stops is not None:
+            self._cluster_stops.start()  # writes what the start changed, then each change
         loop = asyncio.get_running_loop()
         self._watches = [loop.create_task(self._watch("jobs"), name=f"k8s-{self.name}-jobs"),
                          loop.create_task(self._watch("pods"), name=f"k8s-{self.name}-pods")]
@@ -262,6 +274,8 @@ class KubernetesSite:
             task.cancel()
         await asyncio.gather(*self._watches, *self._stop_waits, return_exceptions=True)
         self._watches = []
+        if self._cluster_stops is not None:
+            await self._cluster_stops.close()  # (what is still queued: one last try)
         if self.telemetry is not None:
             await self.telemetry.stop()
         if self._api is not None and self._own_api:
@@ -536,6 +550,26 @@ class KubernetesSite:
         started = _timestamp(status.get("startTime"))
         a.running_since = datetime.fromtimestamp(started, tz=UTC) if started is not None else self._clock.now()
         self._events.put_nowait(JobEvent(a.job_id, a.attempt, EventKind.RUNNING, a.running_since))
+
+    async def _join_cluster_stops(self) -> None:
+        """With ``state_namespace``: the stops kept in the cluster (a broker replica with another state folder
+        may have begun them) are joined to the file's, before ``_adopt_stops``; the file's that the cluster
+        lacks are queued to be written there, and so is each change from now on. A ConfigMap that cannot be
+        read leaves the file's alone (logged by ``ClusterStops.read``)."""
+        if self._cluster_stops is None:
+            return
+        found = await self._cluster_stops.read()
+        if found is not None:
+            joined = self._journal.merge(found)
+            if joined:
+                log.info("site %s: %d stop(s) not yet reported found in %s, begun by another adapter: %s",
+                         self.name, len(joined), self._cluster_stops.where,
+                         ", ".join(f"{s.job_id} attempt {s.attempt}" for s in joined))
+        there = {(s.job_id, s.attempt) for s in found or ()}
+        for key, kept in self._journal.items():
+            if key not in there:
+                self._cluster_stops.put(key, kept)
+        self._journal.listener = self._cluster_stops.put
 
     def _adopt_stops(self) -> None:
         """Stops the adapter before this one began whose ``preempted`` the broker never took (``StopJournal``):

@@ -9,7 +9,10 @@ adapter starts without it: a site must come up.
   whose ``preempted`` event the broker has not yet taken. A stop ends when the job's Pods have gone, which
   may happen while no adapter watches (the broker restarting); the adapter that starts next reports it from
   here, with the run up to the stop, so the job keeps its checkpoint's work rather than starting over as a
-  lost attempt. (:mod:`adapters.quota_store` keeps the operator's quota changes the same way.)
+  lost attempt. (:mod:`adapters.quota_store` keeps the operator's quota changes the same way.) The Kubernetes
+  adapter also keeps a copy in the cluster (``state_namespace``, :mod:`adapters.kubernetes_stops`), for a broker
+  replica with another state folder that takes over: it follows each change through ``StopJournal.listener``,
+  and what it finds there at start is joined to the file's (``StopJournal.merge``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
@@ -83,14 +87,28 @@ class KeptStop(BaseModel):
 _STOPS = TypeAdapter(list[KeptStop])
 
 
+def dump_stops(stops: Iterable[KeptStop]) -> bytes:
+    """Stops as the JSON list ``stops.json`` holds (sorted by job id and attempt)."""
+    return _STOPS.dump_json(sorted(stops, key=lambda s: (s.job_id, s.attempt)), indent=1)
+
+
+def load_stops(data: str | bytes) -> list[KeptStop]:
+    """What :func:`dump_stops` wrote; a ValidationError (a ValueError) when it is not such a list."""
+    return _STOPS.validate_json(data)
+
+
 class StopJournal:
     """The stops of one site not yet taken by the broker, by (job id, attempt); in ``path`` when given (else in
-    memory only). A write that fails is logged and kept in memory: a stop goes ahead without its record."""
+    memory only). A write that fails is logged and kept in memory: a stop goes ahead without its record.
+
+    ``listener``, when set, hears each change after the file is written: the stop added (or replaced), or None
+    for one removed (the Kubernetes adapter's copy in the cluster follows it)."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         found = read_or_set_aside(path, _STOPS, "the stops not yet reported", "reporting none from before") or []
         self._stops: dict[tuple[str, int], KeptStop] = {(s.job_id, s.attempt): s for s in found}
+        self.listener: Callable[[tuple[str, int], KeptStop | None], None] | None = None
 
     def items(self) -> list[tuple[tuple[str, int], KeptStop]]:
         return sorted(self._stops.items())
@@ -99,19 +117,35 @@ class StopJournal:
         return set(self._stops)
 
     def add(self, key: tuple[str, int], reason: str, running_since: datetime | None, at: datetime) -> None:
-        self._stops[key] = KeptStop(job_id=key[0], attempt=key[1], reason=reason, running_since=running_since, at=at)
+        stop = KeptStop(job_id=key[0], attempt=key[1], reason=reason, running_since=running_since, at=at)
+        self._stops[key] = stop
         self._save()
+        if self.listener is not None:
+            self.listener(key, stop)
 
     def remove(self, key: tuple[str, int]) -> None:
         if self._stops.pop(key, None) is not None:
             self._save()
+            if self.listener is not None:
+                self.listener(key, None)
+
+    def merge(self, stops: Iterable[KeptStop]) -> list[KeptStop]:
+        """Join ``stops`` (kept elsewhere: another replica's, through the cluster) to these, by (job id,
+        attempt); one known here already stays as it is. Returns those that were new here (kept in the file;
+        the listener does not hear them: they came from where it writes)."""
+        new = [s for s in stops if (s.job_id, s.attempt) not in self._stops]
+        for s in new:
+            self._stops[(s.job_id, s.attempt)] = s
+        if new:
+            self._save()
+        return new
 
     def _save(self) -> None:
         if self.path is None:
             return
         try:
             if self._stops:
-                write_atomically(self.path, _STOPS.dump_json([s for _, s in self.items()], indent=1))
+                write_atomically(self.path, dump_stops(self._stops.values()))
             else:
                 self.path.unlink(missing_ok=True)
         except OSError as e:

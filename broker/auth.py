@@ -241,7 +241,8 @@ the stored value (the spec as read back can be sent back unchanged)."""
 
 CREDENTIAL_FIELDS: dict[str, tuple[str, ...]] = {
     "simulated": ("state_dir",),
-    "kubernetes": ("kubeconfig", "in_cluster", "context", "host", "state_dir", "namespace_prefix", "telemetry"),
+    "kubernetes": ("kubeconfig", "in_cluster", "context", "host", "state_dir", "namespace_prefix", "state_namespace",
+                   "telemetry"),
     "mqtt": (),
 }
 """Adapter fields that select credentials or where the broker writes, by adapter kind: only a platform admin
@@ -249,6 +250,7 @@ may change them (or the kind itself). A site operator may change the rest of its
 (timeouts, retries, the job image, a simulated site's delays). ``namespace_prefix`` picks the namespaces the
 broker's credentials write Jobs and ResourceQuotas into: sites sharing a cluster are told apart by it, so an
 operator who could set it to another site's prefix would overwrite or delete that site's quotas there.
+``state_namespace`` picks the namespace the broker's credentials write a ConfigMap into.
 ``telemetry`` names an environment variable of the broker's (``token_env``) whose value is sent as a bearer
 token to its ``url``: an operator who could set both could have any of the broker's secrets sent to a server
 of theirs."""

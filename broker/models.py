@@ -355,7 +355,16 @@ class KubernetesAdapterConfig(Spec):
     image: str = Field(default="busybox:1.36", min_length=1, description="container image of each job")
     command: list[str] = Field(default_factory=list, description="its command (empty: the image's entrypoint)")
     state_dir: str | None = Field(
-        default=None, description="where the site keeps its operator's quota changes (default: the broker's)")
+        default=None, description="where the site keeps its operator's quota changes and its stops not yet "
+                                  "reported (default: the broker's)")
+    state_namespace: str | None = Field(
+        default=None, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
+        description="a namespace where the site also keeps its stops not yet reported, in the ConfigMap "
+                    "heliotrope-stops-<site> (its Pods may go while no adapter runs): a broker replica with "
+                    "another state_dir that takes over then reports them as preemptions with their run, not "
+                    "as lost attempts. Needs get, create and patch on configmaps there. None: state_dir only",
+        # Left out where unset, as telemetry below: brokers of earlier releases sharing the database read it.
+        exclude_if=lambda namespace: namespace is None)
     stop_wait_s: float = Field(
         default=300.0, gt=0, le=3600,
         description="a job the broker stops to move it, or the site preempts for its quotas, is reported stopped "

@@ -57,9 +57,13 @@ K8S_CALLS: dict[str, tuple[str, str, frozenset[str]]] = {
     "create_namespaced_resource_quota": ("", "resourcequotas", frozenset({"create"})),  # _mirror_quota
     "patch_namespaced_resource_quota": ("", "resourcequotas", frozenset({"patch"})),    # _mirror_quota (409)
     "delete_namespaced_resource_quota": ("", "resourcequotas", frozenset({"delete"})),  # remove_quota
+    "read_namespaced_config_map": ("", "configmaps", frozenset({"get"})),       # ClusterStops.read, ._write
+    "create_namespaced_config_map": ("", "configmaps", frozenset({"create"})),  # ClusterStops._write
+    "patch_namespaced_config_map": ("", "configmaps", frozenset({"patch"})),    # ClusterStops._write
 }
 WATCHED = {"list_pod_for_all_namespaces", "list_job_for_all_namespaces"}
-ADAPTER_SOURCES = [ROOT / "adapters" / name for name in ("kubernetes.py", "kubernetes_nodes.py", "agent.py")]
+ADAPTER_SOURCES = [ROOT / "adapters" / name
+                   for name in ("kubernetes.py", "kubernetes_nodes.py", "kubernetes_stops.py", "agent.py")]
 EXPECTED_GRANTS = {(group, resource, verb) for group, resource, verbs in K8S_CALLS.values() for verb in verbs}
 READ_VERBS = {"get", "list", "watch"}
 
@@ -627,8 +631,15 @@ def test_the_agent_writes_only_in_tenant_namespaces(tmp_path: Path) -> None:
     assert site.adapter.kind == "kubernetes"
     tenant_namespaces = {site.adapter.namespace_prefix + q.tenant for q in site.quotas}
     writers = [b for b in agent_bindings() if b["kind"] == "RoleBinding"]
-    assert {b["metadata"]["namespace"] for b in writers} == tenant_namespaces
-    assert all(find("Namespace", ns) for ns in tenant_namespaces)
+    state = site.adapter.state_namespace
+    assert state is not None and state not in tenant_namespaces
+    assert {b["metadata"]["namespace"] for b in writers} == tenant_namespaces | {state}
+    assert all(find("Namespace", ns) for ns in tenant_namespaces | {state})
+    # In the state namespace, the ConfigMap of the stops only; a namespace of its own, not the agent's (whose
+    # ConfigMaps configure the agent and the broker).
+    assert set().union(*(grants(role_of(b)) for b in writers if b["metadata"]["namespace"] == state)) == {
+        ("", "configmaps", verb) for verb in ("get", "create", "patch")}
+    assert state != agent_deployment()["metadata"]["namespace"]
 
 
 def rule_comments(path: Path) -> Iterator[str]:

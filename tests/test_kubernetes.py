@@ -8,6 +8,8 @@ tests play the cluster's part: they preload Nodes, and patch Pods and Jobs to mo
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -22,12 +24,14 @@ from kubernetes.aio import client as k8s
 from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
 from adapters.kubernetes_nodes import node_groups, read_node
+from adapters.kubernetes_stops import config_map_name
 from broker.clock import SystemClock
 from broker.models import GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
 from policies.inventory import Inventory, Placement
 from tests.builders import NOW, job, site
 
 JOBS, PODS, NODES, QUOTAS = "batch/v1/jobs", "v1/pods", "v1/nodes", "v1/resourcequotas"
+CONFIG_MAPS = "v1/configmaps"
 
 
 def node(name: str, product: str | None, gpus: int = 0, mig: dict[str, int] | None = None,
@@ -54,7 +58,7 @@ CLUSTER = [
 @pytest.fixture
 async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator):  # a free port of its choosing
-        for resource in (JOBS, PODS, QUOTAS):
+        for resource in (JOBS, PODS, QUOTAS, CONFIG_MAPS):
             emulator.resources[resource] = {}
         for n in CLUSTER:
             emulator.objects[NODES, None, n["metadata"]["name"]] = n
@@ -62,9 +66,9 @@ async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
 
 
 def make_site(cluster: kmock.KubernetesEmulator, stop_wait_s: float = 300.0, state_dir: Path | None = None,
-              **spec: Any) -> KubernetesSite:
+              state_namespace: str | None = None, **spec: Any) -> KubernetesSite:
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2,
-                                     stop_wait_s=stop_wait_s)
+                                     stop_wait_s=stop_wait_s, state_namespace=state_namespace)
     return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), SystemClock(), state_dir=state_dir)
 
 
@@ -805,12 +809,14 @@ async def test_gpus_of_pods_outside_heliotrope_are_not_free(cluster: kmock.Kuber
 # --- preemption ---
 
 
-async def stopped_while_no_adapter_ran(cluster: kmock.KubernetesEmulator, state_dir: Path, stop) -> float:  # noqa: ANN001
+async def stopped_while_no_adapter_ran(cluster: kmock.KubernetesEmulator, state_dir: Path, stop,  # noqa: ANN001
+                                       state_namespace: str | None = None) -> float:
     """Tenant a runs j-0 on its guarantee and j-1 on tenant b's, all 16 GPUs, for half a second; then
     ``stop(adapter)`` stops j-1; the adapter closes, and j-1's Pod goes while none runs. Returns how long j-1
     ran before the stop, at least."""
-    first = make_site(cluster, state_dir=state_dir, quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
-                                                            {"tenant": "b", "guaranteed_gpus": 8}])
+    first = make_site(cluster, state_dir=state_dir, state_namespace=state_namespace,
+                      quotas=[{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8},
+                              {"tenant": "b", "guaranteed_gpus": 8}])
     await first.start()
     stream = first.events()
     try:
@@ -929,6 +935,181 @@ async def test_a_stops_file_that_cannot_be_read_is_set_aside_and_the_site_starts
         assert await adapter.known_attempts() == set()
     finally:
         await adapter.close()
+
+
+# --- the stops kept in the cluster too (state_namespace): a takeover by a replica with another state folder ---
+
+
+def kept_in_cluster(cluster: kmock.KubernetesEmulator, name: str = "heliotrope-stops-kube",
+                    namespace: str = "heliotrope") -> list[tuple[str, int]] | None:
+    """The (job id, attempt) of the stops the ConfigMap holds; None when there is no ConfigMap."""
+    found = [obj for (res, ns, n), obj in cluster.objects.items()
+             if res.plural == "configmaps" and (ns, n) == (namespace, name) and not obj.deleted]
+    if not found:
+        return None
+    return [(s["job_id"], s["attempt"]) for s in json.loads(found[0]["data"]["stops.json"])]
+
+
+async def until_kept(cluster: kmock.KubernetesEmulator, expected: list[tuple[str, int]]) -> None:
+    for _ in range(100):
+        if kept_in_cluster(cluster) == expected:
+            return
+        await asyncio.sleep(0.05)
+    assert kept_in_cluster(cluster) == expected
+
+
+@pytest.mark.parametrize("stop", ["the broker's", "the site's own"])
+async def test_a_stop_whose_pods_go_during_a_takeover_is_reported_by_a_replica_with_another_state_folder(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, stop: str) -> None:
+    # Broker replicas each run their own adapters, each with its own folder. The leader stops j-1 (a move, or
+    # the site's own quotas) and goes; j-1's Pod writes its checkpoint and exits before the other replica's
+    # adapter starts. That adapter finds the stop in the cluster and reports it with the run up to the stop,
+    # so the job goes on from its checkpoint rather than starting over as a lost attempt.
+    async def broker_asks(adapter: KubernetesSite) -> None:
+        await adapter.preempt("j-1", 1, "moved from kube to b from its checkpoint")
+
+    async def site_reclaims(adapter: KubernetesSite) -> None:  # tenant b reclaims its guarantee
+        assert (await adapter.submit(attempt("k-1", count=8, tenant="b"))).admitted
+
+    ran = await stopped_while_no_adapter_ran(cluster, tmp_path / "replica-0",
+                                             broker_asks if stop == "the broker's" else site_reclaims,
+                                             state_namespace="heliotrope")
+    assert kept_in_cluster(cluster) == [("j-1", 1)]  # written before the adapter closed
+    other = make_site(cluster, state_dir=tmp_path / "replica-1", state_namespace="heliotrope")
+    await other.start()
+    try:
+        assert ("j-1", 1) in await other.known_attempts()  # so the new leader does not requeue it as lost
+        events = other.events()
+        stopped = await next_event(other, events)
+        assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
+        if stop == "the broker's":
+            assert stopped.reason == "moved from kube to b from its checkpoint"
+        else:
+            assert "for job k-1" in (stopped.reason or "")
+        assert ran <= stopped.run_s < 5
+        assert (tmp_path / "replica-1" / "kube" / "stops.json").exists()  # kept here too, until the broker has it
+        other.taken(stopped)  # the broker has stored the event: the stop is done with, here and in the cluster
+        assert ("j-1", 1) not in await other.known_attempts()
+        assert not (tmp_path / "replica-1" / "kube" / "stops.json").exists()
+        await until_kept(cluster, [])  # the ConfigMap stays, with no stops
+        with pytest.raises(TimeoutError):  # reported once
+            await asyncio.wait_for(anext(events), 0.5)
+    finally:
+        await other.close()
+
+
+async def test_a_stop_kept_in_the_file_only_is_written_to_the_cluster_at_start(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    # A stop begun before state_namespace was set (or while the ConfigMap could not be written): the next
+    # start writes it there, so a replica with another folder would find it too.
+    first = make_site(cluster, state_dir=tmp_path)
+    await first.start()
+    try:
+        first._journal.add(("j-1", 1), "moved", None, NOW)
+    finally:
+        await first.close()
+    assert kept_in_cluster(cluster) is None
+    second = make_site(cluster, state_dir=tmp_path, state_namespace="heliotrope")
+    await second.start()
+    try:
+        stopped = await next_event(second, second.events())
+        assert (stopped.job_id, stopped.kind, stopped.reason) == ("j-1", EventKind.PREEMPTED, "moved")
+        await until_kept(cluster, [("j-1", 1)])  # until the broker has taken it
+        second.taken(stopped)
+        await until_kept(cluster, [])
+    finally:
+        await second.close()
+
+
+async def test_a_config_map_the_cluster_refuses_leaves_the_site_on_its_file(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # RBAC without configmaps in the state namespace: the site comes up and stops jobs as before, with its
+    # file alone, and says what is missing.
+    refused: list[str] = []
+
+    def refuse(verb: str) -> Any:
+        async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            refused.append(verb)
+            raise k8s.ApiException(status=403, reason=f'configmaps is forbidden: cannot {verb} resource "configmaps"')
+        return call
+
+    for verb in ("read", "create", "patch"):
+        monkeypatch.setattr(k8s.CoreV1Api, f"{verb}_namespaced_config_map_without_preload_content", refuse(verb))
+    first = make_site(cluster, state_dir=tmp_path, state_namespace="heliotrope")
+    await first.start()
+    stream = first.events()
+    try:
+        assert refused == ["read"]
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "cannot read the stops not yet reported from ConfigMap " \
+            "heliotrope/heliotrope-stops-kube (403" in errors[0]
+        assert "get, create and patch on configmaps in namespace heliotrope" in errors[0]
+        name = await j1_running(first, stream, cluster)
+        await first.preempt("j-1", 1, "moved")
+        assert (tmp_path / "kube" / "stops.json").exists()
+        for _ in range(100):
+            if "write" in caplog.text:
+                break
+            await asyncio.sleep(0.05)
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 2 and "cannot write the stops not yet reported to ConfigMap " \
+            "heliotrope/heliotrope-stops-kube (403" in errors[1]
+    finally:
+        await first.close()
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")
+    second = make_site(cluster, state_dir=tmp_path, state_namespace="heliotrope")
+    await second.start()
+    try:
+        stopped = await next_event(second, second.events())  # from the file
+        assert (stopped.job_id, stopped.kind, stopped.reason) == ("j-1", EventKind.PREEMPTED, "moved")
+        assert (await second.snapshot()).health == "healthy"
+    finally:
+        await second.close()
+    assert kept_in_cluster(cluster) is None
+
+
+async def test_replicas_writing_the_config_map_at_once_keep_each_others_stops(
+        cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each write is on condition of the resourceVersion it read; one refused (409: another replica wrote in
+    # between) reads again and applies its change to what the other wrote.
+    other = {"job_id": "x-1", "attempt": 2, "reason": "moved", "running_since": None, "at": NOW.isoformat()}
+    cluster.objects[CONFIG_MAPS, "heliotrope", "heliotrope-stops-kube"] = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "heliotrope-stops-kube", "namespace": "heliotrope", "resourceVersion": "7"},
+        "data": {"stops.json": "[]"}}
+    real = k8s.CoreV1Api.patch_namespaced_config_map_without_preload_content
+    sent: list[dict[str, Any]] = []
+
+    async def racing(self: Any, name: str, namespace: str, body: Any, **kwargs: Any) -> Any:
+        sent.append(body)
+        if len(sent) == 1:  # another replica's write lands first
+            cluster.objects[CONFIG_MAPS, namespace, name].patch(
+                {"metadata": {"resourceVersion": "8"}, "data": {"stops.json": json.dumps([other])}})
+            raise k8s.ApiException(status=409, reason="the object has been modified")
+        return await real(self, name, namespace, body, **kwargs)
+
+    monkeypatch.setattr(k8s.CoreV1Api, "patch_namespaced_config_map_without_preload_content", racing)
+    adapter = make_site(cluster, state_namespace="heliotrope")
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        await j1_running(adapter, stream, cluster)
+        await adapter.preempt("j-1", 1, "moved")
+        await until_kept(cluster, [("j-1", 1), ("x-1", 2)])
+        assert [b["metadata"]["resourceVersion"] for b in sent] == ["7", "8"]
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize(("site_name", "expected"), [
+    ("kube", "heliotrope-stops-kube"),
+    ("a" * 63, "heliotrope-stops-" + "a" * 37 + "-" + hashlib.sha256(b"a" * 63).hexdigest()[:8]),
+    ("Lab_1", "heliotrope-stops-lab-1-" + hashlib.sha256(b"Lab_1").hexdigest()[:8]),
+], ids=["a site name as it is", "a long one shortened with a hash", "one a name may not hold, with a hash"])
+def test_the_config_map_of_a_sites_stops_has_a_name_kubernetes_accepts(site_name: str, expected: str) -> None:
+    name = config_map_name(site_name)
+    assert name == expected and len(name) <= 63 and re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", name)
 
 
 @pytest.fixture
@@ -1276,6 +1457,61 @@ async def test_a_restarted_broker_keeps_the_work_of_a_job_whose_pods_went_while_
         assert not (tmp_path / "state" / "kube" / "stops.json").exists()
     finally:
         await again.stop()
+
+
+async def test_a_broker_replica_with_another_state_folder_keeps_the_work_of_a_job_whose_pods_went_at_takeover(
+        cluster, tmp_path) -> None:  # noqa: ANN001
+    """As above, but the broker that starts next is another replica, whose adapters keep their state in a
+    folder of their own: it hears the stop from the ConfigMap in ``state_namespace``."""
+    from broker.config import BrokerSettings
+    from broker.models import JobState
+    from broker.service import Broker, adapter_factory
+
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=1,
+                                     state_namespace="heliotrope")
+    kube_site = site("kube", adapter=config.model_dump())
+    settings = BrokerSettings(db=str(tmp_path / "b.db"), shutdown_grace_s=0.5)
+
+    def replica(n: int) -> Broker:  # (one database file: the replicas' shared store, one of them at a time)
+        clock = SystemClock()
+        return Broker(settings, clock=clock, factory=adapter_factory(clock, tmp_path / f"replica-{n}"))
+
+    async def until(broker: Broker, job_id: str, state: JobState) -> Job:
+        for _ in range(200):
+            got = await broker.book.get(job_id)
+            if got.state == state:
+                return got
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"job {job_id} is {got.state}, not {state}")
+
+    leader = replica(0)
+    await leader.start([kube_site], run_loop=False)
+    try:
+        submitted, _ = await leader.book.submit(job(count=8, checkpointable=True))
+        await leader.cycle.run_once(full=True)
+        await until(leader, submitted.id, JobState.ADMITTED)
+        await pod_running(cluster, job_name(submitted.id, 1))
+        await until(leader, submitted.id, JobState.RUNNING)
+        await asyncio.sleep(0.5)
+        await leader.federation.get("kube").adapter.preempt(submitted.id, 1, "stopped by its operator")  # type: ignore[union-attr]
+    finally:
+        await leader.stop()
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{job_name(submitted.id, 1)}-abc")
+    assert (tmp_path / "replica-0" / "kube" / "stops.json").exists()
+    assert not (tmp_path / "replica-1").exists()
+
+    taking_over = replica(1)
+    await taking_over.start([], run_loop=False)
+    try:
+        requeued = await until(taking_over, submitted.id, JobState.QUEUED)
+        assert requeued.run_s >= 0.5
+        assert requeued.reason == "requeued after preemption from its checkpoint"
+        history = [e["reason"] for e in await taking_over.store.job_events(submitted.id)]
+        assert "preempted on kube: stopped by its operator" in history
+        assert not any("no longer knows" in (r or "") for r in history)
+        await until_kept(cluster, [])  # the broker has it: the stop is forgotten in the cluster
+    finally:
+        await taking_over.stop()
 
 
 async def test_registering_a_site_whose_adapter_cannot_start_stores_nothing(cluster, tmp_path) -> None:  # noqa: ANN001

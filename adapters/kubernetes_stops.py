@@ -1,0 +1,235 @@
+"""The Kubernetes adapter's stops not yet reported, kept in the cluster too (``state_namespace``).
+
+:class:`adapters.site_state.StopJournal` keeps them in the adapter's ``state_dir``, which only the process
+that wrote it reads. Broker replicas each run their own adapters with their own folder, so a replica that takes
+over would not know a stop the one before began, and would take its attempt for lost once its Pods had gone
+(the job starting over instead of from its checkpoint). With ``state_namespace`` set, the adapter also keeps
+them in the ConfigMap ``heliotrope-stops-<site>`` of that namespace (:func:`config_map_name`), as the same JSON
+list under the key ``stops.json``, so the adapter of whichever replica starts next finds them.
+
+- At start the adapter reads the ConfigMap (:meth:`ClusterStops.read`) and joins what it holds to its file's
+  stops (by job id and attempt) before it adopts them; the file's stops the ConfigMap lacks are written to it.
+- Each change to the journal (a stop begun, one the broker has taken) is queued (:meth:`ClusterStops.put`) and
+  written by one task, in the background: the stop goes ahead at once, and the changes queued meanwhile go out
+  in one write (the latest change of each stop wins). A write reads the ConfigMap, applies the queued changes
+  to the list it holds and writes it back on condition that nobody wrote in between (its ``resourceVersion``;
+  409: read and apply again), so replicas writing at once lose none of each other's stops. A ConfigMap left
+  with no stops stays, with an empty list. Each call has the adapter's timeout and retries (429, 5xx,
+  connection errors).
+- A read or write that fails (RBAC without ``configmaps`` in that namespace, a missing namespace) is logged as
+  an error naming the namespace, the ConfigMap and the rule needed, and the adapter goes on with its file: a
+  site must come up. A failed write is tried again after ``retry_s`` (30 s), doubling to ten minutes, or as
+  soon as another change comes; ``close`` makes one last try at what is still queued.
+
+RBAC, in ``state_namespace``: get, create and patch on configmaps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kubernetes.aio import client as k8s
+from pydantic import ValidationError
+
+from adapters.base import AdapterError
+from adapters.site_state import KeptStop, dump_stops, load_stops
+
+log = logging.getLogger(__name__)
+
+PREFIX = "heliotrope-stops-"
+DATA_KEY = "stops.json"
+RETRY_S = 30.0  # after a write fails, the wait before the next; doubling, at most MAX_RETRY_S
+MAX_RETRY_S = 600.0
+CONFLICTS = 8  # writes refused in a row because another replica wrote in between, before giving up for now
+
+Key = tuple[str, int]
+
+
+def config_map_name(site: str) -> str:
+    """``heliotrope-stops-<site>``: a DNS-1123 name of at most 63 characters; a site name that would not give
+    one as it is (too long, or characters a name may not have) keeps its first characters and ends in ``-``
+    and 8 hex digits of its SHA-256."""
+    slug = re.sub(r"[^a-z0-9-]", "-", site.lower()).strip("-")
+    if slug == site and len(PREFIX + slug) <= 63:
+        return PREFIX + slug
+    digest = hashlib.sha256(site.encode()).hexdigest()[:8]
+    kept = slug[:63 - len(PREFIX) - 9].strip("-")
+    return f"{PREFIX}{kept}-{digest}" if kept else f"{PREFIX}{digest}"
+
+
+class ClusterStops:
+    """The ConfigMap of one site's stops. ``call`` is the adapter's ``_json`` (its timeout and retries, JSON
+    answers, ``k8s.ApiException`` for an error status); ``core`` gives its ``CoreV1Api``."""
+
+    def __init__(self, site: str, namespace: str, call: Callable[..., Awaitable[Any]],
+                 core: Callable[[], k8s.CoreV1Api], close_timeout_s: float = 10.0) -> None:
+        self.site = site
+        self.namespace = namespace
+        self.name = config_map_name(site)
+        self._call = call
+        self._core = core
+        self.close_timeout_s = close_timeout_s
+        self.retry_s = RETRY_S
+        self._pending: dict[Key, KeptStop | None] = {}  # changes not yet written: the stop, or None (removed)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.failing: str | None = None  # why the last write failed, until one succeeds
+
+    @property
+    def where(self) -> str:
+        return f"ConfigMap {self.namespace}/{self.name}"
+
+    def _rbac(self) -> str:
+        return (f"the adapter's service account needs get, create and patch on configmaps in namespace "
+                f"{self.namespace} (a Role bound there), and the namespace must exist")
+
+    # --- reading ---
+
+    async def _get(self) -> dict[str, Any] | None:
+        try:
+            read = self._core().read_namespaced_config_map_without_preload_content
+            return await self._call(f"reading {self.where}", read, self.name, self.namespace)
+        except k8s.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _parse(self, cm: dict[str, Any] | None) -> dict[Key, KeptStop]:
+        """The stops ``cm`` holds; none where there is no ConfigMap or no list in it. One that cannot be read is
+        logged, and replaced at the next write."""
+        data = ((cm or {}).get("data") or {}).get(DATA_KEY)
+        if not data:
+            return {}
+        try:
+            return {(s.job_id, s.attempt): s for s in load_stops(data)}
+        except (ValidationError, ValueError) as e:
+            log.error("site %s: %s holds no list of stops under %s (%s); it is taken for empty and replaced at the "
+                      "next write", self.site, self.where, DATA_KEY, str(e).splitlines()[0])
+            return {}
+
+    async def read(self) -> list[KeptStop] | None:
+        """The stops kept in the cluster (none when there is no ConfigMap yet); None when it cannot be read
+        (logged as an error: the adapter goes on with its file)."""
+        try:
+            cm = await self._get()
+        except (k8s.ApiException, AdapterError) as e:
+            why = f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException) else str(e)
+            log.error("site %s: cannot read the stops not yet reported from %s (%s); going on with those of the "
+                      "adapter's state_dir only, so a stop begun by a broker replica with another state folder "
+                      "whose Pods have gone is taken for a lost attempt. %s", self.site, self.where,
+                      _short(why), self._rbac())
+            return None
+        return sorted(self._parse(cm).values(), key=lambda s: (s.job_id, s.attempt))
+
+    # --- writing ---
+
+    def put(self, key: Key, stop: KeptStop | None) -> None:
+        """Queue a change (``StopJournal.listener``): ``stop`` added or replaced, or None: removed."""
+        self._pending[key] = stop
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"k8s-{self.site}-stops")
+
+    async def close(self) -> None:
+        """Write what is queued (one more try, at most ``close_timeout_s``), then stop the writer."""
+        self._closing = True
+        self._wake.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), self.close_timeout_s)
+        except TimeoutError:
+            log.error("site %s: the stops not yet reported could not be written to %s before the adapter closed; "
+                      "they are kept in its state_dir only", self.site, self.where)
+        finally:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        wait = 0.0
+        while True:
+            if not self._pending:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            ops = dict(self._pending)
+            self._wake.clear()
+            try:
+                await self._write(ops)
+            except Exception as e:  # noqa: BLE001 - the writer must outlive any failure; logged, tried again
+                why = _short(f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException)
+                             else str(e) if isinstance(e, AdapterError) else repr(e))
+                (log.error if why != self.failing else log.debug)(
+                    "site %s: cannot write the stops not yet reported to %s (%s); they are kept in the adapter's "
+                    "state_dir only, so a broker replica with another state folder that takes over would take "
+                    "their attempts for lost. %s. Tried again in %.0f s, or at the next stop", self.site,
+                    self.where, why, self._rbac(), min(max(2 * wait, self.retry_s), MAX_RETRY_S))
+                self.failing = why
+                if self._closing:
+                    return
+                wait = min(max(2 * wait, self.retry_s), MAX_RETRY_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                continue
+            for key, stop in ops.items():
+                if key in self._pending and self._pending[key] is stop:
+                    del self._pending[key]
+            if self.failing is not None:
+                log.info("site %s: the stops not yet reported are written to %s again", self.site, self.where)
+            self.failing, wait = None, 0.0
+
+    async def _write(self, ops: dict[Key, KeptStop | None]) -> None:
+        """Apply ``ops`` to the ConfigMap's list: create it (409: someone did meanwhile), or patch it on
+        condition of the ``resourceVersion`` read (409: someone wrote meanwhile); either way read again."""
+        core = self._core()
+        for _ in range(CONFLICTS):
+            cm = await self._get()
+            stops = self._parse(cm)
+            before = dict(stops)
+            for key, stop in ops.items():
+                if stop is None:
+                    stops.pop(key, None)
+                else:
+                    stops[key] = stop
+            data = {DATA_KEY: dump_stops(stops.values()).decode()}
+            try:
+                if cm is None:
+                    manifest = {"apiVersion": "v1", "kind": "ConfigMap",
+                                "metadata": {"name": self.name, "namespace": self.namespace,
+                                             "labels": {"app.kubernetes.io/part-of": "heliotrope",
+                                                        "heliotrope.io/site": self.site}},
+                                "data": data}
+                    create = core.create_namespaced_config_map_without_preload_content
+                    await self._call(f"creating {self.where}", create, self.namespace, manifest)
+                elif stops != before:
+                    version = (cm.get("metadata") or {}).get("resourceVersion")
+                    patch: dict[str, Any] = {"data": data}
+                    if version:  # the write takes only if the ConfigMap is still the one read
+                        patch["metadata"] = {"resourceVersion": version}
+                    update = core.patch_namespaced_config_map_without_preload_content
+                    await self._call(f"updating {self.where}", update, self.name, self.namespace, patch,
+                                     _content_type="application/merge-patch+json")
+                return
+            except k8s.ApiException as e:
+                if e.status != 409:
+                    raise
+                log.debug("site %s: %s was written by another process meanwhile; applying the changes again",
+                          self.site, self.where)
+        raise AdapterError(f"{self.where} was changed by another process at each of {CONFLICTS} writes")
+
+
+def _short(why: str) -> str:
+    return why.replace("\n", " ")[:300]
