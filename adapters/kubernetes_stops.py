@@ -15,7 +15,10 @@ list under the key ``stops.json``, so the adapter of whichever replica starts ne
   to the list it holds and writes it back on condition that nobody wrote in between (its ``resourceVersion``;
   409: read and apply again), so replicas writing at once lose none of each other's stops. A ConfigMap left
   with no stops stays, with an empty list. Each call has the adapter's timeout and retries (429, 5xx,
-  connection errors).
+  connection errors). Each entry is read on its own, keys this release does not know ignored and kept: a
+  replica of another release may add some, and an entry that is no stop this release reads is logged and
+  written back as it was. A ``stops.json`` that is no JSON list at all is not written over (logged, tried
+  again): an operator must mend or delete it.
 - A read or write that fails (RBAC without ``configmaps`` in that namespace, a missing namespace) is logged as
   an error naming the namespace, the ConfigMap and the rule needed, and the adapter goes on with its file: a
   site must come up. A failed write is tried again after ``retry_s`` (30 s), doubling to ten minutes, or as
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -38,7 +42,7 @@ from kubernetes.aio import client as k8s
 from pydantic import ValidationError
 
 from adapters.base import AdapterError
-from adapters.site_state import KeptStop, dump_stops, load_stops
+from adapters.site_state import KeptStop, dump_stops
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,10 @@ MAX_RETRY_S = 600.0
 CONFLICTS = 8  # writes refused in a row because another replica wrote in between, before giving up for now
 
 Key = tuple[str, int]
+
+
+class Unreadable(ValueError):
+    """The ConfigMap's ``stops.json`` is no JSON list: what wrote it is unknown, so it is not written over."""
 
 
 def config_map_name(site: str) -> str:
@@ -81,6 +89,7 @@ class ClusterStops:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.failing: str | None = None  # why the last write failed, until one succeeds
+        self._unread: set[str] = set()  # entries of the ConfigMap that are no stop this release reads, logged
 
     @property
     def where(self) -> str:
@@ -101,32 +110,55 @@ class ClusterStops:
                 return None
             raise
 
-    def _parse(self, cm: dict[str, Any] | None) -> dict[Key, KeptStop]:
-        """The stops ``cm`` holds; none where there is no ConfigMap or no list in it. One that cannot be read is
-        logged, and replaced at the next write."""
+    def _parse(self, cm: dict[str, Any] | None) -> tuple[dict[Key, KeptStop], dict[Key, Any], list[Any]]:
+        """The stops ``cm`` holds (none where there is no ConfigMap or no list in it), each entry as it was
+        written, by stop, and the entries that are no stop this release reads. Each entry is read on its own,
+        and keys this release does not know are ignored: a replica of another release (a rolling upgrade) may
+        write more, and one entry it cannot read must not cost the others. A ``stops.json`` that is no JSON
+        list raises :class:`Unreadable`: it is not written over."""
         data = ((cm or {}).get("data") or {}).get(DATA_KEY)
         if not data:
-            return {}
+            return {}, {}, []
         try:
-            return {(s.job_id, s.attempt): s for s in load_stops(data)}
-        except (ValidationError, ValueError) as e:
-            log.error("site %s: %s holds no list of stops under %s (%s); it is taken for empty and replaced at the "
-                      "next write", self.site, self.where, DATA_KEY, str(e).splitlines()[0])
-            return {}
+            entries = json.loads(data)
+        except ValueError as e:
+            raise Unreadable(f"{self.where} holds no JSON under {DATA_KEY} ({e})") from None
+        if not isinstance(entries, list):
+            raise Unreadable(f"{self.where} holds no JSON list under {DATA_KEY}")
+        stops: dict[Key, KeptStop] = {}
+        raw: dict[Key, Any] = {}
+        other: list[Any] = []
+        for entry in entries:
+            try:
+                if not isinstance(entry, dict):
+                    raise ValueError("not an object")
+                stop = KeptStop.model_validate({k: v for k, v in entry.items() if k in KeptStop.model_fields})
+            except (ValidationError, ValueError) as e:
+                seen = json.dumps(entry, sort_keys=True)
+                if seen not in self._unread:  # once each, not at every write
+                    self._unread.add(seen)
+                    log.error("site %s: %s holds an entry that is no stop this release reads (%s); it is kept as "
+                              "it is", self.site, self.where, str(e).splitlines()[0])
+                other.append(entry)
+                continue
+            stops[(stop.job_id, stop.attempt)] = stop
+            raw[(stop.job_id, stop.attempt)] = entry
+        return stops, raw, other
 
     async def read(self) -> list[KeptStop] | None:
         """The stops kept in the cluster (none when there is no ConfigMap yet); None when it cannot be read
         (logged as an error: the adapter goes on with its file)."""
         try:
             cm = await self._get()
-        except (k8s.ApiException, AdapterError) as e:
+            stops = self._parse(cm)[0]
+        except (k8s.ApiException, AdapterError, Unreadable) as e:
             why = f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException) else str(e)
             log.error("site %s: cannot read the stops not yet reported from %s (%s); going on with those of the "
                       "adapter's state_dir only, so a stop begun by a broker replica with another state folder "
                       "whose Pods have gone is taken for a lost attempt. %s", self.site, self.where,
                       _short(why), self._rbac())
             return None
-        return sorted(self._parse(cm).values(), key=lambda s: (s.job_id, s.attempt))
+        return sorted(stops.values(), key=lambda s: (s.job_id, s.attempt))
 
     # --- writing ---
 
@@ -171,7 +203,7 @@ class ClusterStops:
                 await self._write(ops)
             except Exception as e:  # noqa: BLE001 - the writer must outlive any failure; logged, tried again
                 why = _short(f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException)
-                             else str(e) if isinstance(e, AdapterError) else repr(e))
+                             else str(e) if isinstance(e, (AdapterError, Unreadable)) else repr(e))
                 (log.error if why != self.failing else log.debug)(
                     "site %s: cannot write the stops not yet reported to %s (%s); they are kept in the adapter's "
                     "state_dir only, so a broker replica with another state folder that takes over would take "
@@ -197,14 +229,18 @@ class ClusterStops:
         core = self._core()
         for _ in range(CONFLICTS):
             cm = await self._get()
-            stops = self._parse(cm)
+            stops, raw, other = self._parse(cm)  # Unreadable: not written over (logged, tried again)
             before = dict(stops)
             for key, stop in ops.items():
                 if stop is None:
                     stops.pop(key, None)
                 else:
                     stops[key] = stop
-            data = {DATA_KEY: dump_stops(stops.values()).decode()}
+            # Each stop as it was written where it is unchanged (with what another release added to it), then
+            # the entries no stop of this release.
+            entries = [raw[key] if key in raw and before.get(key) is stop else json.loads(dump_stops([stop]))[0]
+                       for key, stop in sorted(stops.items())] + other
+            data = {DATA_KEY: json.dumps(entries, indent=1)}
             try:
                 if cm is None:
                     manifest = {"apiVersion": "v1", "kind": "ConfigMap",

@@ -92,11 +92,6 @@ def dump_stops(stops: Iterable[KeptStop]) -> bytes:
     return _STOPS.dump_json(sorted(stops, key=lambda s: (s.job_id, s.attempt)), indent=1)
 
 
-def load_stops(data: str | bytes) -> list[KeptStop]:
-    """What :func:`dump_stops` wrote; a ValidationError (a ValueError) when it is not such a list."""
-    return _STOPS.validate_json(data)
-
-
 class StopJournal:
     """The stops of one site not yet taken by the broker, by (job id, attempt); in ``path`` when given (else in
     memory only). A write that fails is logged and kept in memory: a stop goes ahead without its record.

@@ -130,6 +130,12 @@ def test_a_tres_that_cannot_be_read_names_the_line_and_column(tmp_path: Path, tr
     assert message in str(caught.value)
 
 
+def test_entries_that_are_not_gpus_are_not_read_whatever_their_names(tmp_path: Path) -> None:
+    # A remote license is accounted as license/NAME@SERVER; its '@' stopped the load of the whole dump.
+    path = one_row(tmp_path, "billing=8,cpu=8,gres/gpu=2,license/matlab@flexlm=1,mem=64G,node=1")
+    assert load_trace(path, slurm()).gpus.tolist() == [2]
+
+
 def test_a_gpu_type_that_is_no_known_model_is_an_error_listing_the_models(tmp_path: Path) -> None:
     path = one_row(tmp_path, "cpu=8,gres/gpu:rtx2080ti=2,gres/gpu=2,node=1")
     with pytest.raises(TraceError) as caught:
@@ -310,7 +316,11 @@ def test_simulate_quotas_takes_the_same_preset_and_cpu_jobs_flag(slurm_run: dict
     argv = ["simulate-quotas", "--trace", str(slurm_run["trace"]), "--preset", "slurm", "--modes", "off"]
     assert "--cpu-jobs drop" in _error(capsys, argv)
     assert cli.main([*argv, "--cpu-jobs", "drop"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split()[0] == "off"
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[1].split()[0] == "off"
+    # what the load dropped is said, as simulate says it (it printed nothing before)
+    assert "note: trace: 1 row of 0 GPUs (CPU-only jobs) dropped (lines 4)." in captured.err
+    assert "note: trace: 1 job never started" in captured.err
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

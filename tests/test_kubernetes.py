@@ -947,7 +947,7 @@ def kept_in_cluster(cluster: kmock.KubernetesEmulator, name: str = "heliotrope-s
              if res.plural == "configmaps" and (ns, n) == (namespace, name) and not obj.deleted]
     if not found:
         return None
-    return [(s["job_id"], s["attempt"]) for s in json.loads(found[0]["data"]["stops.json"])]
+    return [(s["job_id"], s["attempt"]) for s in json.loads(found[0]["data"]["stops.json"]) if "job_id" in s]
 
 
 async def until_kept(cluster: kmock.KubernetesEmulator, expected: list[tuple[str, int]]) -> None:
@@ -1098,6 +1098,33 @@ async def test_replicas_writing_the_config_map_at_once_keep_each_others_stops(
         await adapter.preempt("j-1", 1, "moved")
         await until_kept(cluster, [("j-1", 1), ("x-1", 2)])
         assert [b["metadata"]["resourceVersion"] for b in sent] == ["7", "8"]
+    finally:
+        await adapter.close()
+
+
+async def test_entries_of_the_config_map_this_release_cannot_read_cost_no_other_stop(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # A replica of a later release (a rolling upgrade) may write a key this one does not know, or an entry it
+    # cannot read at all: the list was read all or nothing, so one such entry made it empty, and the next write
+    # replaced every other replica's stops with this one's.
+    later = {"job_id": "x-1", "attempt": 2, "reason": "moved", "running_since": None, "at": NOW.isoformat(),
+             "checkpoint": "s3://bucket/x-1"}
+    odd = {"kind": "something a later release keeps"}
+    cluster.objects[CONFIG_MAPS, "heliotrope", "heliotrope-stops-kube"] = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "heliotrope-stops-kube", "namespace": "heliotrope", "resourceVersion": "7"},
+        "data": {"stops.json": json.dumps([later, odd])}}
+    adapter = make_site(cluster, state_namespace="heliotrope")
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        gone = await next_event(adapter, stream)  # x-1's stop, read from the cluster: nothing left of it there
+        assert (gone.job_id, gone.attempt, gone.kind) == ("x-1", 2, EventKind.PREEMPTED)
+        await j1_running(adapter, stream, cluster)
+        await adapter.preempt("j-1", 1, "moved")
+        await until_kept(cluster, [("j-1", 1), ("x-1", 2)])
+        entries = json.loads(cluster.objects[CONFIG_MAPS, "heliotrope", "heliotrope-stops-kube"]["data"]["stops.json"])
+        assert later in entries and odd in entries  # written back as they were
     finally:
         await adapter.close()
 

@@ -679,6 +679,7 @@ def _read_gpus(column: _Columns, mapping: ColumnMapping, *, drop_cpu: bool) -> _
 _TRES_GPU = "gres/gpu"
 _TRES_FORMAT = "a Slurm TRES list (NAME=COUNT,...: e.g. cpu=8,gres/gpu=2,mem=64G)"
 _TRES_NAME = re.compile(r"[\w./:-]+")  # cpu, mem, billing, fs/disk, gres/gpu, gres/gpu:a100, license/x, bb/y
+_TRES_ANY = re.compile(r"[^=\s]+")  # an entry not read: any name and value without '=' or blanks
 _TRES_VALUE = re.compile(r"[\w.+-]+")  # 8, 64G, 1.50T (only the GPU counts are read, and must be whole numbers)
 
 
@@ -689,10 +690,12 @@ def _parse_tres(text: str) -> tuple[int, dict[str, int], bool]:
     typed: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = (part.strip() for part in item.partition("="))
-        if not (sep and _TRES_NAME.fullmatch(name) and _TRES_VALUE.fullmatch(value)):
+        if not (sep and _TRES_ANY.fullmatch(name) and _TRES_ANY.fullmatch(value)):
             raise ValueError(f"is not {_TRES_FORMAT}: {item!r} is not NAME=COUNT")
         if name != _TRES_GPU and not name.startswith(_TRES_GPU + ":"):
-            continue
+            continue  # not read, so not checked beyond NAME=VALUE: a remote license is license/NAME@SERVER=1
+        if not (_TRES_NAME.fullmatch(name) and _TRES_VALUE.fullmatch(value)):
+            raise ValueError(f"is not {_TRES_FORMAT}: {item!r} is not NAME=COUNT")
         if not (value.isascii() and value.isdigit()):
             raise ValueError(f"gives {name} the count {value!r}; expected a whole number of GPUs")
         count = int(value)

@@ -228,12 +228,12 @@ def run(args: argparse.Namespace) -> str:
     # What the run assumed or changed about its inputs (a zone renamed, a region's RTT borrowed, jobs left out)
     # goes to stderr as well as into --json and --report, before the replay: a reader of the table alone
     # should not have to open them to learn that the sites had to be sized or a latitude corrected.
-    _notes(prep.report)
+    notes(prep.report)
     noted = len(prep.report)
     if args.dump_workload:
         dump_workload(prep.workload, prep.sites, args.dump_workload)
     result = simulate(spec, progress=sys.stderr.isatty(), prepared=prep)
-    _notes(result.report[noted:])  # what the bounds and the oracle met (not packed, no bound)
+    notes(result.report[noted:])  # what the bounds and the oracle met (not packed, no bound)
     table = format_table(result)
     writes = []
     if args.json_out:
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> str:
     return table
 
 
-def _notes(lines: Sequence[str]) -> None:
+def notes(lines: Sequence[str]) -> None:
     """Each line of a run's report on stderr, as ``note: ...``."""
     for line in lines:
         print(f"note: {line}", file=sys.stderr)

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from broker.data.traces import PRESETS, load_trace, parse_columns, resolve_preset
 from broker.errors import problems
 from broker.models import FairSharePolicy
-from broker.simulation.cli import add_cpu_jobs, date_flag, writable_flag
+from broker.simulation.cli import add_cpu_jobs, date_flag, notes, writable_flag
 from broker.simulation.fairshare import (DEFAULT_CYCLE_S, DEFAULT_MAX_REFUSALS, DEFAULT_MIN_RUN_S,
                                          DEFAULT_STARVATION_H, DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES,
                                          QuotaSimulationError, as_json, compare, format_table,
@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> str:
     if args.json_out:  # checked before the replay, which may take minutes, as simulate --json is
         writable_flag("--json", Path(args.json_out).parent, Path(args.json_out))
     trace = load_trace(args.trace, mapping, trace_from=trace_from, days=args.days, cpu_jobs=args.cpu_jobs)
+    notes([f"trace: {r}" for r in trace.report])  # what was dropped or kept, as simulate says it
     info, runs = compare(workload_from_trace(trace), modes, utilisation=args.utilisation,
                          guaranteed_fraction=args.guaranteed_fraction, window_h=args.window_h,
                          half_life_h=args.half_life_h, reweight_h=args.reweight_h, k=args.k,

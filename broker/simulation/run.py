@@ -217,7 +217,8 @@ def models_no_site_has(workload: Workload, sites: Sequence[SiteSpec], jobs: np.n
     asked = sorted({m for m in workload.model[jobs].tolist() if m is not None} - held)
     if not asked:
         return ""
-    return f"; jobs ask for {', '.join(asked)}, which no site has: the sites have {', '.join(sorted(held))}"
+    return (f"; jobs ask for {', '.join(asked)}, which no site has: the sites have {', '.join(sorted(held))}"
+            f" (--site-model {asked[0]} makes the default sites of that model)")
 
 
 def _busy_window(trace: Trace) -> tuple[datetime, datetime]:
