@@ -162,13 +162,36 @@ def test_the_default_federations_gpu_model_is_chosen_with_site_model(
                      "2022-06-01T00:10:00,5400,1,h100-80gb\n")
     argv = ["simulate", "--trace", str(trace), "--columns", "submit=submit,duration=seconds,gpus=gpus,model=model",
             "--carbon", str(carbon), "--policy", "baseline-carbon-greedy", "--no-bound"]
-    assert "h100-80gb" in _error(capsys, argv)  # every job asks for a model no site has
     out = files["tmp"] / "w"
     assert cli.main([*argv, "--site-model", "NVIDIA H100 80GB HBM3", "--dump-workload", str(out)]) == 0
     assert {m for s in json.loads((out / "sites.json").read_text()) for m in s["capacity_gpus"]} == {"h100-80gb"}
+    assert cli.main([*argv, "--site-model", "a100-80gb"]) == 1  # every job asks for a model no site has
+    assert "h100-80gb, which no site has" in capsys.readouterr().err
     assert "unknown GPU model 'h1000'" in _error(capsys, [*argv, "--site-model", "h1000"])
     assert "default federation only" in _error(capsys, [*argv, "--site-model", "h100-80gb", "--sites",
                                                         str(files["sites"])])
+
+
+def test_the_default_sites_are_of_the_one_model_the_traces_jobs_name(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # A Slurm dump of one cluster's H100 jobs (gres/gpu:h100) left every job out on the default A100 sites, with
+    # no job to replay; where every job that names a model names one, the default sites are of that model.
+    carbon = _carbon(files["tmp"] / "gb", {"GB": [100.0 + h for h in range(72)], "DE-LU": [300.0] * 72})
+    trace = files["tmp"] / "h100.csv"
+    trace.write_text("submit,seconds,gpus,model\n2022-06-01T00:00:00,3600,2,H100 80GB\n"
+                     "2022-06-01T00:10:00,5400,1,\n2022-06-01T00:20:00,600,1,h100-80gb\n")
+    out = files["tmp"] / "w"
+    argv = ["simulate", "--trace", str(trace), "--columns", "submit=submit,duration=seconds,gpus=gpus,model=model",
+            "--carbon", str(carbon), "--policy", "baseline-carbon-greedy", "--no-bound", "--dump-workload", str(out)]
+    assert cli.main(argv) == 0
+    assert ("note: sites: every job of the trace that names a GPU model names h100-80gb, so the default sites "
+            "are h100-80gb (--site-model chooses another)") in capsys.readouterr().err
+    assert {m for s in json.loads((out / "sites.json").read_text()) for m in s["capacity_gpus"]} == {"h100-80gb"}
+    # jobs of two models: the default sites stay a100-80gb, and both kinds are left out, as the note says
+    trace.write_text("submit,seconds,gpus,model\n2022-06-01T00:00:00,3600,2,h100-80gb\n"
+                     "2022-06-01T00:10:00,5400,1,l4\n")
+    assert cli.main(argv) == 1
+    assert "jobs ask for h100-80gb, l4, which no site has: the sites have a100-80gb" in capsys.readouterr().err
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

@@ -71,8 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="the cloud region each carbon zone outside the default federation's table stands for "
                         "(e.g. PL=gcp:europe-central2); without --sites every zone needs one")
     s.add_argument("--site-model", metavar="MODEL",
-                   help="the GPU model of every site of the default federation (default a100-80gb), e.g. h100-80gb "
-                        "for a trace or a price table of other GPUs")
+                   help="the GPU model of every site of the default federation, e.g. h100-80gb for a trace or a "
+                        "price table of other GPUs (default: the model the trace's jobs name, where every job that "
+                        "names one names the same; else a100-80gb)")
     s.add_argument("--utilisation", type=float, default=0.5, metavar="FRACTION",
                    help="mean GPU utilisation the default sites are sized for (default %(default)s)")
     s.add_argument("--trace-from", metavar="ISO-DATE", help="first day of the trace window")

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from broker import ids
 from broker.config import load_config
 from broker.data.carbon import CarbonData, load_carbon
 from broker.data.latency import load_latency
@@ -88,7 +89,9 @@ class SimulationSpec:
     whole_job_steps: int = 300  # steps of the whole-job bound's search (with bound; 0: the LP's prices only)
     zone_regions: dict[str, str] = field(default_factory=dict)  # zone -> cloud region, beyond ZONE_REGIONS
     cpu_jobs: str = "error"  # rows of 0 GPUs in the trace: an error, or "drop" (reported)
-    site_model: str = DEFAULT_GPU_MODEL  # the GPU model of every site of the default federation
+    # The GPU model of every site of the default federation; None: the one model the trace's jobs name, where
+    # every job that names a model names the same one, else DEFAULT_GPU_MODEL (_default_site_model)
+    site_model: str | None = None
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
 
@@ -165,7 +168,7 @@ def prepare(spec: SimulationSpec) -> Prepared:
         default = build_default_federation(
             zones, trace_mean_gpus_busy=trace.mean_gpus_busy(_busy_window(trace)), prices=prices, latency=latency, regions=regions,
             largest_job_gpus=int(trace.gpus.max()), utilisation=spec.utilisation, zone_regions=spec.zone_regions,
-            model=spec.site_model,
+            model=spec.site_model if spec.site_model is not None else _default_site_model(trace, report),
         )
         sites = default.sites
         report += [f"sites: {r}" for r in default.report]
@@ -194,6 +197,23 @@ def prepare(spec: SimulationSpec) -> Prepared:
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
     return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
+
+
+def _default_site_model(trace: Trace, report: list[str]) -> str:
+    """The default federation's GPU model where ``--site-model`` does not give one: the model the trace's jobs
+    name, where every job that names a model names the same one (a Slurm dump of one cluster's H100 jobs would
+    otherwise be left out whole), else :data:`DEFAULT_GPU_MODEL`; the choice is reported."""
+    named = set()
+    for m in {m for m in trace.model.tolist() if m is not None}:
+        try:
+            named.add(ids.gpu_model(m))
+        except ids.UnknownIdentifier:
+            return DEFAULT_GPU_MODEL  # the workload's build names it, with its line
+    if len(named) != 1 or (only := next(iter(named))) == DEFAULT_GPU_MODEL:
+        return DEFAULT_GPU_MODEL
+    report.append(f"sites: every job of the trace that names a GPU model names {only}, so the default sites are "
+                  f"{only} (--site-model chooses another)")
+    return only
 
 
 def _with_own_region_rtt(sites: Sequence[SiteSpec]) -> list[SiteSpec]:
