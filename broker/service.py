@@ -297,24 +297,37 @@ class Broker:
 
     async def stop(self) -> None:
         if self.leadership is not None:
+            if self.leadership.leading:
+                # While it still leads (a replica that has given up its lease may call no site): let the pass
+                # in progress hand its placements to the sites and the dispatches on their way land, within
+                # the grace, so a rolling restart leaves no attempt dispatching for the next leader to mend.
+                await self._end_loop(grace=True)
+                await self.cycle.drain(self.settings.shutdown_grace_s)
             await self.leadership.stop()  # gives up charge, and the lease, so another replica takes over at once
         else:
             await self._give_up_charge(SHUTTING_DOWN)
         await self.store.close()
 
+    async def _end_loop(self, *, grace: bool) -> None:
+        """Stop the scheduling loop; with ``grace``, a pass whose placements are stored but not yet dispatched
+        first hands them to the sites (within the grace), so a clean stop leaves no attempt stranded as
+        dispatching."""
+        task = self._loop_task
+        if task is None:
+            return
+        if grace and self._in_pass.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.shutdown_grace_s):
+                    await self._pass_over.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if self._loop_task is task:
+            self._loop_task = None
+
     async def _give_up_charge(self, why: str) -> None:
         """Stop the loop, the signals and the sites' event pumps, let dispatches in flight finish, and close
         the sites: what a deposed leader and a stopping broker both do. Jobs stay as the store has them."""
-        if self._loop_task is not None:
-            if why == SHUTTING_DOWN and self._in_pass.is_set():
-                # A pass whose placements are stored but not yet dispatched: let it hand them to the sites
-                # (within the grace), so a clean stop leaves no attempt stranded as dispatching.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.settings.shutdown_grace_s):
-                        await self._pass_over.wait()
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-            self._loop_task = None
+        await self._end_loop(grace=why == SHUTTING_DOWN)
         if self.signals is not None:
             await self.signals.stop()  # cancels a refresh in progress and closes the provider
             self.federation.signals = self.signals = None

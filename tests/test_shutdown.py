@@ -3,6 +3,7 @@ finish (within ``shutdown_grace_s``) and exits 0; an open event stream does not 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import threading
@@ -12,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from broker.config import BrokerSettings, ReplicaSettings
+from broker.service import Broker
+from tests.builders import job, site
 from tests.conftest import TWO_SITES
 
 
@@ -66,3 +70,34 @@ def test_sigterm_lets_a_dispatch_in_flight_finish_within_the_grace(server_factor
     log = srv.log.read_text() if srv.log else ""
     if after != {"dispatching"}:  # (with no grace the cut may come before the dispatch started: no message)
         assert "still in flight at shutdown" not in log
+
+
+async def test_a_leader_that_stops_mid_pass_hands_that_passs_placements_to_the_sites_first(tmp_path) -> None:  # noqa: ANN001
+    # A rolling restart stops each replica in turn. A stopping leader gave up its lease before the grace, and a
+    # replica that no longer leads may call no site: the placements of the pass under way were stored but never
+    # dispatched, left for the next leader to mend. It now stops leading only once they have reached the sites.
+    settings = BrokerSettings(db=str(tmp_path / "b.db"), cycle_interval_s=0.05, shutdown_grace_s=5.0,
+                              replicas=ReplicaSettings(lease_s=3.0))
+    broker = Broker(settings)
+    await broker.start([site("alpha")])
+    broker.elect("http://127.0.0.1:1")
+    writing = asyncio.Event()
+    persist = broker.cycle._persist
+
+    async def slow_persist(*args: Any) -> bool:  # step 4 of the pass: the placement's write
+        writing.set()
+        await asyncio.sleep(0.5)
+        return await persist(*args)
+
+    broker.cycle._persist = slow_persist  # type: ignore[method-assign]
+    try:
+        for _ in range(100):
+            if broker.in_charge:
+                break
+            await asyncio.sleep(0.05)
+        assert broker.in_charge
+        submitted, _ = await broker.book.submit(job(duration_s=600))
+        await asyncio.wait_for(writing.wait(), 5)  # the pass that placed it is writing: not yet dispatched
+    finally:
+        await broker.stop()
+    assert stored_state(tmp_path / "b.db", submitted.id) in {"admitted", "running"}
