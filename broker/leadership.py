@@ -85,9 +85,14 @@ class Leadership:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+            # A step-down under way (a renewal that failed, in the task itself) runs to its end first: cancelled
+            # inside it, the deposed broker would leave its sites, event pumps and MQTT connection open.
+            async with self._lock:
+                task, self._task = self._task, None  # (certain() starts no step-down of its own from now on)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._stepping is not None:  # one that certain() began
+            await asyncio.gather(self._stepping, return_exceptions=True)
         if self.epoch is not None:
             epoch = self.epoch
             await self.step_down(SHUTTING_DOWN)

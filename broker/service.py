@@ -302,8 +302,12 @@ class Broker:
                 # in progress hand its placements to the sites and the dispatches on their way land, within
                 # the grace, so a rolling restart leaves no attempt dispatching for the next leader to mend.
                 await self._end_loop(grace=True)
-                await self.cycle.drain(self.settings.shutdown_grace_s)
+                cut = await self.cycle.drain(self.settings.shutdown_grace_s)
+                if cut:
+                    log.warning("%d dispatches were still in flight at shutdown; the next leader reconciles them", cut)
             await self.leadership.stop()  # gives up charge, and the lease, so another replica takes over at once
+            if self._stepping is not None:  # a step-down the loop began (Fenced) has ended too
+                await asyncio.gather(self._stepping, return_exceptions=True)
         else:
             await self._give_up_charge(SHUTTING_DOWN)
         await self.store.close()

@@ -101,3 +101,67 @@ async def test_a_leader_that_stops_mid_pass_hands_that_passs_placements_to_the_s
     finally:
         await broker.stop()
     assert stored_state(tmp_path / "b.db", submitted.id) in {"admitted", "running"}
+
+
+async def leader(tmp_path, lease_s: float, grace_s: float) -> Broker:  # noqa: ANN001
+    """A broker elected leader among replicas (alone on its database), in charge."""
+    settings = BrokerSettings(db=str(tmp_path / "b.db"), cycle_interval_s=0.05, shutdown_grace_s=grace_s,
+                              replicas=ReplicaSettings(lease_s=lease_s))
+    broker = Broker(settings)
+    await broker.start([site("alpha")])
+    broker.elect("http://127.0.0.1:1")
+    for _ in range(100):
+        if broker.in_charge:
+            return broker
+        await asyncio.sleep(0.05)
+    raise AssertionError("the broker never took charge")
+
+
+def slow_dispatch(broker: Broker, delay_s: float) -> asyncio.Event:
+    """Make the site take ``delay_s`` to admit; the event is set when a dispatch reaches it."""
+    member = broker.federation.get("alpha")
+    assert member is not None
+    submit, reached = member.adapter.submit, asyncio.Event()
+
+    async def slow(j: Any) -> Any:
+        reached.set()
+        await asyncio.sleep(delay_s)
+        return await submit(j)
+
+    member.adapter.submit = slow  # type: ignore[method-assign]
+    return reached
+
+
+async def test_a_lease_lost_while_a_leader_stops_still_closes_its_sites(tmp_path) -> None:  # noqa: ANN001
+    # The leader renews its lease while it waits for its dispatches to land. A renewal that fails then steps it
+    # down from the renewal task; the stop cancelled that task in the middle of the step-down, and the sites,
+    # their event pumps and the MQTT connection were never closed (which can keep the process from exiting).
+    from broker.store import StoreError
+
+    broker = await leader(tmp_path, lease_s=1.5, grace_s=5.0)
+    reached = slow_dispatch(broker, 4.0)
+    clear = broker.federation.clear
+
+    async def slow_clear() -> None:
+        await asyncio.sleep(0.5)
+        await clear()
+
+    broker.federation.clear = slow_clear  # type: ignore[method-assign]
+    await broker.book.submit(job(duration_s=600))
+    await asyncio.wait_for(reached.wait(), 5)
+
+    async def refused(*args: Any) -> Any:
+        raise StoreError("the database did not answer")
+
+    broker.store.renew_leadership = refused  # type: ignore[method-assign]
+    await broker.stop()
+    assert list(broker.federation.members) == [] and broker._pumps == {}
+
+
+async def test_a_leader_whose_dispatches_outlast_the_grace_says_so(tmp_path, caplog) -> None:  # noqa: ANN001
+    broker = await leader(tmp_path, lease_s=3.0, grace_s=0.5)
+    reached = slow_dispatch(broker, 3.0)
+    await broker.book.submit(job(duration_s=600))
+    await asyncio.wait_for(reached.wait(), 5)
+    await broker.stop()
+    assert any("1 dispatches were still in flight at shutdown" in r.getMessage() for r in caplog.records)

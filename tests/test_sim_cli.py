@@ -187,6 +187,12 @@ def test_the_default_sites_are_of_the_one_model_the_traces_jobs_name(
     assert ("note: sites: every job of the trace that names a GPU model names h100-80gb, so the default sites "
             "are h100-80gb (--site-model chooses another)") in capsys.readouterr().err
     assert {m for s in json.loads((out / "sites.json").read_text()) for m in s["capacity_gpus"]} == {"h100-80gb"}
+    # one model the price list does not price: the default sites stay a100-80gb, and the note says why
+    trace.write_text("submit,seconds,gpus,model\n2022-06-01T00:00:00,3600,2,v100-32gb\n")
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "names v100-32gb, which the price list does not price on demand, so the default sites are a100-80gb" in err
+    assert "jobs ask for v100-32gb, which no site has" in err and "Traceback" not in err
     # jobs of two models: the default sites stay a100-80gb, and both kinds are left out, as the note says
     trace.write_text("submit,seconds,gpus,model\n2022-06-01T00:00:00,3600,2,h100-80gb\n"
                      "2022-06-01T00:10:00,5400,1,l4\n")

@@ -220,16 +220,17 @@ def run(args: argparse.Namespace) -> str:
         if folder:
             writable_flag(flag, Path(folder))
     prep = prepare(spec)
+    # What the run assumed or changed about its inputs (a zone renamed, a region's RTT borrowed, jobs left out)
+    # goes to stderr as well as into --json and --report, before the replay: a reader of the table alone
+    # should not have to open them to learn that the sites had to be sized or a latitude corrected (and before
+    # a run with nothing to replay stops, which they may explain).
+    notes(prep.report)
     if prep.left_out.all():  # nothing would be replayed: every figure would be a zero that means nothing
         raise SimulateUsage(
             f"no job to replay: no job of the trace ({prep.left_out.size}) fits a site even when it is empty, or "
             f"one that meets its latency objective (the largest asks {int(prep.workload.gpus.max())} GPUs"
             f"{models_no_site_has(prep.workload, prep.sites, prep.left_out)}); give sites that fit them (--sites, "
             "--utilisation)")
-    # What the run assumed or changed about its inputs (a zone renamed, a region's RTT borrowed, jobs left out)
-    # goes to stderr as well as into --json and --report, before the replay: a reader of the table alone
-    # should not have to open them to learn that the sites had to be sized or a latitude corrected.
-    notes(prep.report)
     noted = len(prep.report)
     if args.dump_workload:
         dump_workload(prep.workload, prep.sites, args.dump_workload)

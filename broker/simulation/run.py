@@ -46,7 +46,7 @@ from broker import ids
 from broker.config import load_config
 from broker.data.carbon import CarbonData, load_carbon
 from broker.data.latency import load_latency
-from broker.data.prices import load_gcp_prices
+from broker.data.prices import PriceTable, load_gcp_prices
 from broker.data.regions import load_gcp_regions
 from broker.data.traces import ColumnMapping, Trace, load_trace
 from broker.models import SiteSpec
@@ -168,7 +168,7 @@ def prepare(spec: SimulationSpec) -> Prepared:
         default = build_default_federation(
             zones, trace_mean_gpus_busy=trace.mean_gpus_busy(_busy_window(trace)), prices=prices, latency=latency, regions=regions,
             largest_job_gpus=int(trace.gpus.max()), utilisation=spec.utilisation, zone_regions=spec.zone_regions,
-            model=spec.site_model if spec.site_model is not None else _default_site_model(trace, report),
+            model=spec.site_model if spec.site_model is not None else _default_site_model(trace, prices, report),
         )
         sites = default.sites
         report += [f"sites: {r}" for r in default.report]
@@ -199,10 +199,11 @@ def prepare(spec: SimulationSpec) -> Prepared:
     return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
 
 
-def _default_site_model(trace: Trace, report: list[str]) -> str:
+def _default_site_model(trace: Trace, prices: PriceTable, report: list[str]) -> str:
     """The default federation's GPU model where ``--site-model`` does not give one: the model the trace's jobs
     name, where every job that names a model names the same one (a Slurm dump of one cluster's H100 jobs would
-    otherwise be left out whole), else :data:`DEFAULT_GPU_MODEL`; the choice is reported."""
+    otherwise be left out whole) and the price list prices it on demand somewhere, else
+    :data:`DEFAULT_GPU_MODEL`; the choice is reported."""
     named = set()
     for m in {m for m in trace.model.tolist() if m is not None}:
         try:
@@ -210,6 +211,11 @@ def _default_site_model(trace: Trace, report: list[str]) -> str:
         except ids.UnknownIdentifier:
             return DEFAULT_GPU_MODEL  # the workload's build names it, with its line
     if len(named) != 1 or (only := next(iter(named))) == DEFAULT_GPU_MODEL:
+        return DEFAULT_GPU_MODEL
+    if not prices.regions_with(only):
+        report.append(f"sites: every job of the trace that names a GPU model names {only}, which the price list "
+                      f"does not price on demand, so the default sites are {DEFAULT_GPU_MODEL} (--site-model "
+                      f"chooses a model it prices: {', '.join(prices.models)}; --sites gives sites of any model)")
         return DEFAULT_GPU_MODEL
     report.append(f"sites: every job of the trace that names a GPU model names {only}, so the default sites are "
                   f"{only} (--site-model chooses another)")
@@ -238,7 +244,7 @@ def models_no_site_has(workload: Workload, sites: Sequence[SiteSpec], jobs: np.n
     if not asked:
         return ""
     return (f"; jobs ask for {', '.join(asked)}, which no site has: the sites have {', '.join(sorted(held))}"
-            f" (--site-model {asked[0]} makes the default sites of that model)")
+            " (--site-model names the default sites' model)")
 
 
 def _busy_window(trace: Trace) -> tuple[datetime, datetime]:
