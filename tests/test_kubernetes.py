@@ -1431,52 +1431,66 @@ async def test_a_stored_site_whose_adapter_cannot_start_leaves_the_broker_servin
         await broker.stop()
 
 
+async def until_state(broker: Any, job_id: str, state: Any) -> Job:
+    for _ in range(200):
+        got = await broker.book.get(job_id)
+        if got.state == state:
+            return got
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"job {job_id} is {got.state}, not {state}")
+
+
+async def stopped_as_its_broker_goes(cluster: kmock.KubernetesEmulator, broker: Any, kube_site: Any) -> str:
+    """Run a checkpointable job at the site ``kube``, stop it there (a preemption) as ``broker`` goes down, and
+    let its Pod go while no broker runs; the job's id."""
+    from broker.models import JobState
+
+    await broker.start([kube_site], run_loop=False)
+    try:
+        submitted, _ = await broker.book.submit(job(count=8, checkpointable=True))
+        await broker.cycle.run_once(full=True)
+        await until_state(broker, submitted.id, JobState.ADMITTED)
+        await pod_running(cluster, job_name(submitted.id, 1))
+        await until_state(broker, submitted.id, JobState.RUNNING)
+        await asyncio.sleep(0.5)
+        await broker.federation.get("kube").adapter.preempt(submitted.id, 1, "stopped by its operator")
+    finally:
+        await broker.stop()
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{job_name(submitted.id, 1)}-abc")
+    return submitted.id
+
+
+async def requeued_from_its_checkpoint(broker: Any, job_id: str) -> None:
+    """``broker``, started next, requeues the job as preempted with the time it ran, not as a lost attempt."""
+    from broker.models import JobState
+
+    requeued = await until_state(broker, job_id, JobState.QUEUED)
+    assert requeued.run_s >= 0.5
+    assert requeued.reason == "requeued after preemption from its checkpoint"
+    history = [e["reason"] for e in await broker.store.job_events(job_id)]
+    assert "preempted on kube: stopped by its operator" in history
+    assert not any("no longer knows" in (r or "") for r in history)
+
+
 async def test_a_restarted_broker_keeps_the_work_of_a_job_whose_pods_went_while_it_was_down(cluster, tmp_path) -> None:  # noqa: ANN001
     """A checkpointable job is being stopped at a Kubernetes site as the broker goes down; its Pod writes its
     checkpoint and exits while no broker runs. The broker that starts next hears the stop from the adapter's
     journal, once its jobs are loaded: the job is requeued from its checkpoint with the time it ran, not taken
     for a lost attempt that starts over."""
     from broker.config import BrokerSettings
-    from broker.models import JobState
     from broker.service import Broker
 
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=1,
                                      state_dir=str(tmp_path / "state"))
     kube_site = site("kube", adapter=config.model_dump())
     settings = BrokerSettings(db=str(tmp_path / "b.db"), shutdown_grace_s=0.5)
-
-    async def until(broker: Broker, job_id: str, state: JobState) -> Job:
-        for _ in range(200):
-            got = await broker.book.get(job_id)
-            if got.state == state:
-                return got
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"job {job_id} is {got.state}, not {state}")
-
-    broker = Broker(settings)
-    await broker.start([kube_site], run_loop=False)
-    try:
-        submitted, _ = await broker.book.submit(job(count=8, checkpointable=True))
-        await broker.cycle.run_once(full=True)
-        await until(broker, submitted.id, JobState.ADMITTED)
-        await pod_running(cluster, job_name(submitted.id, 1))
-        await until(broker, submitted.id, JobState.RUNNING)
-        await asyncio.sleep(0.5)
-        await broker.federation.get("kube").adapter.preempt(submitted.id, 1, "stopped by its operator")  # type: ignore[union-attr]
-    finally:
-        await broker.stop()
-    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{job_name(submitted.id, 1)}-abc")
+    job_id = await stopped_as_its_broker_goes(cluster, Broker(settings), kube_site)
     assert (tmp_path / "state" / "kube" / "stops.json").exists()
 
     again = Broker(settings)
     await again.start([], run_loop=False)
     try:
-        requeued = await until(again, submitted.id, JobState.QUEUED)
-        assert requeued.run_s >= 0.5
-        assert requeued.reason == "requeued after preemption from its checkpoint"
-        history = [e["reason"] for e in await again.store.job_events(submitted.id)]
-        assert "preempted on kube: stopped by its operator" in history
-        assert not any("no longer knows" in (r or "") for r in history)
+        await requeued_from_its_checkpoint(again, job_id)
         for _ in range(100):  # the broker has it: the adapter forgets the stop
             if not (tmp_path / "state" / "kube" / "stops.json").exists():
                 break
@@ -1491,7 +1505,6 @@ async def test_a_broker_replica_with_another_state_folder_keeps_the_work_of_a_jo
     """As above, but the broker that starts next is another replica, whose adapters keep their state in a
     folder of their own: it hears the stop from the ConfigMap in ``state_namespace``."""
     from broker.config import BrokerSettings
-    from broker.models import JobState
     from broker.service import Broker, adapter_factory
 
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=1,
@@ -1503,39 +1516,14 @@ async def test_a_broker_replica_with_another_state_folder_keeps_the_work_of_a_jo
         clock = SystemClock()
         return Broker(settings, clock=clock, factory=adapter_factory(clock, tmp_path / f"replica-{n}"))
 
-    async def until(broker: Broker, job_id: str, state: JobState) -> Job:
-        for _ in range(200):
-            got = await broker.book.get(job_id)
-            if got.state == state:
-                return got
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"job {job_id} is {got.state}, not {state}")
-
-    leader = replica(0)
-    await leader.start([kube_site], run_loop=False)
-    try:
-        submitted, _ = await leader.book.submit(job(count=8, checkpointable=True))
-        await leader.cycle.run_once(full=True)
-        await until(leader, submitted.id, JobState.ADMITTED)
-        await pod_running(cluster, job_name(submitted.id, 1))
-        await until(leader, submitted.id, JobState.RUNNING)
-        await asyncio.sleep(0.5)
-        await leader.federation.get("kube").adapter.preempt(submitted.id, 1, "stopped by its operator")  # type: ignore[union-attr]
-    finally:
-        await leader.stop()
-    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{job_name(submitted.id, 1)}-abc")
+    job_id = await stopped_as_its_broker_goes(cluster, replica(0), kube_site)
     assert (tmp_path / "replica-0" / "kube" / "stops.json").exists()
     assert not (tmp_path / "replica-1").exists()
 
     taking_over = replica(1)
     await taking_over.start([], run_loop=False)
     try:
-        requeued = await until(taking_over, submitted.id, JobState.QUEUED)
-        assert requeued.run_s >= 0.5
-        assert requeued.reason == "requeued after preemption from its checkpoint"
-        history = [e["reason"] for e in await taking_over.store.job_events(submitted.id)]
-        assert "preempted on kube: stopped by its operator" in history
-        assert not any("no longer knows" in (r or "") for r in history)
+        await requeued_from_its_checkpoint(taking_over, job_id)
         await until_kept(cluster, [])  # the broker has it: the stop is forgotten in the cluster
     finally:
         await taking_over.stop()
