@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -81,7 +81,17 @@ class Unbuilt:
     async def close(self) -> None:
         return None
 
+    async def events(self) -> AsyncIterator[Any]:
+        """None: an adapter that was never made has nothing to report (the one made later has its own stream)."""
+        return
+        yield
+
+    def held_attempts(self) -> set[tuple[str, int]]:
+        """None: it holds nothing the broker could take for a stray."""
+        return set()
+
     def __getattr__(self, name: str) -> Any:
+        # Every other call is a coroutine of the adapter's (submit, cancel, snapshot, ...): it fails as the site.
         async def fail(*args: Any, **kwargs: Any) -> Any:
             raise AdapterError(f"site {self.site}: {not_started(self.error)}")
         return fail

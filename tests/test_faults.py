@@ -10,7 +10,7 @@ import pytest
 
 from adapters.base import AdapterError, Admission
 from adapters.simulated import SimulatedSite
-from broker.clock import ManualClock
+from broker.clock import ManualClock, SystemClock
 from broker.config import BrokerSettings
 from broker.models import Job, JobState, ModelCapacity, SimulatedAdapterConfig
 from broker.service import Broker
@@ -612,6 +612,25 @@ async def test_a_site_whose_adapter_cannot_even_be_made_leaves_the_broker_servin
             await asyncio.sleep(0.05)
         assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
         assert b.federation.get("broken").started and len(tries) == 3
+    finally:
+        await b.stop()
+
+
+async def test_a_site_whose_adapter_cannot_be_made_holds_up_no_other_sites_housekeeping(tmp_path: Path) -> None:
+    # The stand-in for an adapter that could not be made answered every call with a coroutine, the sync ones too:
+    # the stray check iterated one (TypeError), and each round of housekeeping (withdrawals, requeues whose
+    # write failed, reconciliations) stopped there, for every site, for as long as that one could not be made.
+    def factory(spec):  # noqa: ANN001, ANN202
+        if spec.name == "broken":
+            raise OSError("cannot read its state folder: permission denied")
+        return SimulatedSite(spec, SystemClock(), state_dir=str(tmp_path / "sites"))
+
+    b = Broker(BrokerSettings(db=str(tmp_path / "b.db"), cycle_interval_s=0.05, shutdown_grace_s=0.5), factory=factory)
+    await b.start([site("ok"), site("broken")], run_loop=False)
+    try:
+        assert b.lifecycle.find_strays() == 0
+        await b.lifecycle.settle(force=True)
+        assert [e async for e in b.federation.get("broken").adapter.events()] == []
     finally:
         await b.stop()
 
