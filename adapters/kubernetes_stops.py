@@ -42,7 +42,7 @@ from kubernetes.aio import client as k8s
 from pydantic import ValidationError
 
 from adapters.base import AdapterError
-from adapters.site_state import KeptStop, dump_stops
+from adapters.site_state import KeptStop
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class ClusterStops:
                     stops[key] = stop
             # Each stop as it was written where it is unchanged (with what another release added to it), then
             # the entries no stop of this release.
-            entries = [raw[key] if key in raw and before.get(key) is stop else json.loads(dump_stops([stop]))[0]
+            entries = [raw[key] if key in raw and before.get(key) is stop else stop.model_dump(mode="json")
                        for key, stop in sorted(stops.items())] + other
             data = {DATA_KEY: json.dumps(entries, indent=1)}
             try:

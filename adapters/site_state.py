@@ -87,11 +87,6 @@ class KeptStop(BaseModel):
 _STOPS = TypeAdapter(list[KeptStop])
 
 
-def dump_stops(stops: Iterable[KeptStop]) -> bytes:
-    """Stops as the JSON list ``stops.json`` holds (sorted by job id and attempt)."""
-    return _STOPS.dump_json(sorted(stops, key=lambda s: (s.job_id, s.attempt)), indent=1)
-
-
 class StopJournal:
     """The stops of one site not yet taken by the broker, by (job id, attempt); in ``path`` when given (else in
     memory only). A write that fails is logged and kept in memory: a stop goes ahead without its record.
@@ -140,7 +135,7 @@ class StopJournal:
             return
         try:
             if self._stops:
-                write_atomically(self.path, dump_stops(self._stops.values()))
+                write_atomically(self.path, _STOPS.dump_json([s for _, s in self.items()], indent=1))
             else:
                 self.path.unlink(missing_ok=True)
         except OSError as e:

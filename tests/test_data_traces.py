@@ -248,6 +248,12 @@ def test_a_slurm_sacct_export_separated_by_bars_is_read_and_a_bom_is_skipped(tmp
         pytest.param("submit=t,duration,gpus=g", "'duration' is not ROLE=COLUMN", id="an item without = is named"),
         pytest.param("submit=,duration=d,gpus=g", "role 'submit' has no column name",
                      id="a role without a column is named"),
+        pytest.param("submit=t,duration=d,gpus=g,tres=r", "either tres=COLUMN or gpus=COLUMN, not both",
+                     id="a GPU count and a TRES together are refused"),
+        pytest.param("submit=t,duration=d,gpu_percent=p,tres=r", "either tres=COLUMN or gpu_percent=COLUMN",
+                     id="a percentage and a TRES together are refused"),
+        pytest.param("submit=t,duration=d", "or tres=COLUMN (a Slurm TRES list, as sacct's AllocTRES)",
+                     id="a mapping without GPUs names the TRES role too"),
     ],
 )
 def test_a_bad_columns_mapping_is_refused_naming_the_role(text: str, message: str) -> None:

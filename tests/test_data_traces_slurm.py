@@ -173,23 +173,6 @@ def test_a_total_unlike_its_typed_entries_is_used_and_reported(tmp_path: Path) -
 # --- the role and the option, outside Slurm's preset ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        pytest.param("submit=t,duration=d,gpus=g,tres=r", "either tres=COLUMN or gpus=COLUMN, not both",
-                     id="a GPU count and a TRES together are refused"),
-        pytest.param("submit=t,duration=d,gpu_percent=p,tres=r", "either tres=COLUMN or gpu_percent=COLUMN",
-                     id="a percentage and a TRES together are refused"),
-        pytest.param("submit=t,duration=d", "or tres=COLUMN (a Slurm TRES list, as sacct's AllocTRES)",
-                     id="a mapping without GPUs names the TRES role too"),
-    ],
-)
-def test_a_tres_mapping_is_checked_like_the_other_gpu_roles(text: str, message: str) -> None:
-    with pytest.raises(TraceError, match="^--columns") as caught:
-        parse_columns(text)
-    assert message in str(caught.value)
-
-
 def test_the_slurm_preset_prints_back_as_its_columns_text() -> None:
     assert str(resolve_preset("slurm")) == ("submit=Submit,start=Start,end=End,tres=AllocTRES,model=AllocTRES,"
                                             "tenant=User,job_id=JobID")

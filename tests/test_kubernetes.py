@@ -833,6 +833,33 @@ async def stopped_while_no_adapter_ran(cluster: kmock.KubernetesEmulator, state_
     return 0.5
 
 
+async def broker_asks(adapter: KubernetesSite) -> None:
+    """The broker's stop of j-1: a move."""
+    await adapter.preempt("j-1", 1, "moved from kube to b from its checkpoint")
+
+
+async def site_reclaims(adapter: KubernetesSite) -> None:
+    """The site's own stop of j-1: tenant b reclaims its guarantee."""
+    assert (await adapter.submit(attempt("k-1", count=8, tenant="b"))).admitted
+
+
+STOPS = {"the broker's": broker_asks, "the site's own": site_reclaims}
+
+
+async def reported_stopped(adapter: KubernetesSite, events: Any, stop: str, ran: float) -> JobEvent:
+    """The adapter that starts after j-1's stop (``STOPS[stop]``) knows the attempt, then reports it on
+    ``events`` preempted, for the reason it was stopped, with its run up to the stop (at least ``ran`` s)."""
+    assert ("j-1", 1) in await adapter.known_attempts()
+    stopped = await next_event(adapter, events)
+    assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
+    if stop == "the broker's":
+        assert stopped.reason == "moved from kube to b from its checkpoint"
+    else:
+        assert "for job k-1" in (stopped.reason or "")
+    assert ran <= stopped.run_s < 5
+    return stopped
+
+
 @pytest.mark.parametrize("stop", ["the broker's", "the site's own"])
 async def test_a_stop_whose_pods_go_while_no_adapter_runs_is_reported_by_the_next_one(
         cluster: kmock.KubernetesEmulator, tmp_path: Path, stop: str) -> None:
@@ -840,26 +867,13 @@ async def test_a_stop_whose_pods_go_while_no_adapter_runs_is_reported_by_the_nex
     # cluster. The next adapter, from the same state folder, still knows the stop and reports it with the run
     # up to the stop, so the broker keeps the checkpoint's work rather than taking the attempt for lost; once
     # the broker has taken the event, it is forgotten.
-    async def broker_asks(adapter: KubernetesSite) -> None:
-        await adapter.preempt("j-1", 1, "moved from kube to b from its checkpoint")
-
-    async def site_reclaims(adapter: KubernetesSite) -> None:  # tenant b reclaims its guarantee
-        assert (await adapter.submit(attempt("k-1", count=8, tenant="b"))).admitted
-
-    ran = await stopped_while_no_adapter_ran(cluster, tmp_path, broker_asks if stop == "the broker's" else site_reclaims)
+    ran = await stopped_while_no_adapter_ran(cluster, tmp_path, STOPS[stop])
     assert (tmp_path / "kube" / "stops.json").exists()
     second = make_site(cluster, state_dir=tmp_path)
     await second.start()
     try:
-        assert ("j-1", 1) in await second.known_attempts()  # so a restarted broker does not requeue it as lost
         events = second.events()
-        stopped = await next_event(second, events)
-        assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
-        if stop == "the broker's":
-            assert stopped.reason == "moved from kube to b from its checkpoint"
-        else:
-            assert "for job k-1" in (stopped.reason or "")
-        assert ran <= stopped.run_s < 5
+        stopped = await reported_stopped(second, events, stop, ran)  # so a restarted broker does not requeue it
         assert ("j-1", 1) in await second.known_attempts()  # until the broker has it
         second.taken(stopped)  # what the broker says once it has stored the event: the stop is done with
         assert ("j-1", 1) not in await second.known_attempts()
@@ -965,28 +979,15 @@ async def test_a_stop_whose_pods_go_during_a_takeover_is_reported_by_a_replica_w
     # the site's own quotas) and goes; j-1's Pod writes its checkpoint and exits before the other replica's
     # adapter starts. That adapter finds the stop in the cluster and reports it with the run up to the stop,
     # so the job goes on from its checkpoint rather than starting over as a lost attempt.
-    async def broker_asks(adapter: KubernetesSite) -> None:
-        await adapter.preempt("j-1", 1, "moved from kube to b from its checkpoint")
-
-    async def site_reclaims(adapter: KubernetesSite) -> None:  # tenant b reclaims its guarantee
-        assert (await adapter.submit(attempt("k-1", count=8, tenant="b"))).admitted
-
     ran = await stopped_while_no_adapter_ran(cluster, tmp_path / "replica-0",
-                                             broker_asks if stop == "the broker's" else site_reclaims,
+                                             STOPS[stop],
                                              state_namespace="heliotrope")
     assert kept_in_cluster(cluster) == [("j-1", 1)]  # written before the adapter closed
     other = make_site(cluster, state_dir=tmp_path / "replica-1", state_namespace="heliotrope")
     await other.start()
     try:
-        assert ("j-1", 1) in await other.known_attempts()  # so the new leader does not requeue it as lost
         events = other.events()
-        stopped = await next_event(other, events)
-        assert (stopped.job_id, stopped.attempt, stopped.kind) == ("j-1", 1, EventKind.PREEMPTED)
-        if stop == "the broker's":
-            assert stopped.reason == "moved from kube to b from its checkpoint"
-        else:
-            assert "for job k-1" in (stopped.reason or "")
-        assert ran <= stopped.run_s < 5
+        stopped = await reported_stopped(other, events, stop, ran)  # so the new leader does not requeue it
         assert (tmp_path / "replica-1" / "kube" / "stops.json").exists()  # kept here too, until the broker has it
         other.taken(stopped)  # the broker has stored the event: the stop is done with, here and in the cluster
         assert ("j-1", 1) not in await other.known_attempts()

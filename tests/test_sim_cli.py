@@ -152,16 +152,23 @@ def test_zones_outside_the_default_table_run_once_zone_regions_names_their_regio
                                                         "--sites", str(files["sites"])])
 
 
+def _models_run(files: dict[str, Path]) -> tuple[Path, list[str]]:
+    """A trace file (to be written) with a model column, and the simulate command line that replays it over
+    the default federation of two zones."""
+    carbon = _carbon(files["tmp"] / "gb", {"GB": [100.0 + h for h in range(72)], "DE-LU": [300.0] * 72})
+    trace = files["tmp"] / "models.csv"
+    return trace, ["simulate", "--trace", str(trace), "--columns",
+                   "submit=submit,duration=seconds,gpus=gpus,model=model", "--carbon", str(carbon),
+                   "--policy", "baseline-carbon-greedy", "--no-bound"]
+
+
 def test_the_default_federations_gpu_model_is_chosen_with_site_model(
         files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     # A trace of H100 jobs (or a price table without A100s) had no way to the default federation, which was
     # A100 80GB only: every job was left out, and only a --sites file could help.
-    carbon = _carbon(files["tmp"] / "gb", {"GB": [100.0 + h for h in range(72)], "DE-LU": [300.0] * 72})
-    trace = files["tmp"] / "h100.csv"
+    trace, argv = _models_run(files)
     trace.write_text("submit,seconds,gpus,model\n2022-06-01T00:00:00,3600,2,H100 80GB\n"
                      "2022-06-01T00:10:00,5400,1,h100-80gb\n")
-    argv = ["simulate", "--trace", str(trace), "--columns", "submit=submit,duration=seconds,gpus=gpus,model=model",
-            "--carbon", str(carbon), "--policy", "baseline-carbon-greedy", "--no-bound"]
     out = files["tmp"] / "w"
     assert cli.main([*argv, "--site-model", "NVIDIA H100 80GB HBM3", "--dump-workload", str(out)]) == 0
     assert {m for s in json.loads((out / "sites.json").read_text()) for m in s["capacity_gpus"]} == {"h100-80gb"}
@@ -176,13 +183,11 @@ def test_the_default_sites_are_of_the_one_model_the_traces_jobs_name(
         files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     # A Slurm dump of one cluster's H100 jobs (gres/gpu:h100) left every job out on the default A100 sites, with
     # no job to replay; where every job that names a model names one, the default sites are of that model.
-    carbon = _carbon(files["tmp"] / "gb", {"GB": [100.0 + h for h in range(72)], "DE-LU": [300.0] * 72})
-    trace = files["tmp"] / "h100.csv"
+    trace, argv = _models_run(files)
     trace.write_text("submit,seconds,gpus,model\n2022-06-01T00:00:00,3600,2,H100 80GB\n"
                      "2022-06-01T00:10:00,5400,1,\n2022-06-01T00:20:00,600,1,h100-80gb\n")
     out = files["tmp"] / "w"
-    argv = ["simulate", "--trace", str(trace), "--columns", "submit=submit,duration=seconds,gpus=gpus,model=model",
-            "--carbon", str(carbon), "--policy", "baseline-carbon-greedy", "--no-bound", "--dump-workload", str(out)]
+    argv = [*argv, "--dump-workload", str(out)]
     assert cli.main(argv) == 0
     assert ("note: sites: every job of the trace that names a GPU model names h100-80gb, so the default sites "
             "are h100-80gb (--site-model chooses another)") in capsys.readouterr().err
