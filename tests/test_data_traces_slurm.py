@@ -4,9 +4,12 @@ the user asks to drop them."""
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from broker import cli
@@ -17,6 +20,7 @@ from broker.data.traces import (
     parse_columns,
     resolve_preset,
 )
+from broker.simulation.workload import WorkloadAssumptions, build_workload
 from tests.test_sim_engine import _carbon, _site
 
 
@@ -86,10 +90,15 @@ def test_the_slurm_preset_reads_a_sacct_dump_with_cpu_jobs_dropped(tmp_path: Pat
         ("1 job had not ended (column 'End' is 'Unknown' or 'None': still running when the file was written); "
          "dropped (lines 10)."),
         "2 rows of 0 GPUs (CPU-only jobs) dropped (lines 6, 15).",
+        # time limits over run times: 4 h / 2 h, 1 d / 30 min, 4 h / 4 h, 1 h / 10 min, 2 h / 1 s, 8 h / 2 h
+        "Run-time estimates read from column 'Timelimit' for 6 jobs (estimate / run time: median 5.00; 0% ran "
+        "past theirs).",
         ("GPUs read from the TRES column 'AllocTRES': 4 jobs name a GPU type, read as its model (a100-40gb 2, "
          "a100-80gb 1, h100-80gb 1); 2 name none and run on any model."),
         "1 job of 0 s counted as 1 s (lines 13).",
     ]
+    assert trace.estimate_s is not None
+    assert trace.estimate_s.tolist() == [4 * 3600.0, 86400.0, 4 * 3600.0, 3600.0, 2 * 3600.0, 8 * 3600.0]
 
 
 def test_a_dump_made_with_allocations_has_no_step_rows_to_report(tmp_path: Path) -> None:
@@ -175,7 +184,7 @@ def test_a_total_unlike_its_typed_entries_is_used_and_reported(tmp_path: Path) -
 
 def test_the_slurm_preset_prints_back_as_its_columns_text() -> None:
     assert str(resolve_preset("slurm")) == ("submit=Submit,start=Start,end=End,tres=AllocTRES,model=AllocTRES,"
-                                            "tenant=User,job_id=JobID")
+                                            "tenant=User,estimate=Timelimit,job_id=JobID")
     assert parse_columns(str(resolve_preset("slurm"))) == resolve_preset("slurm")
 
 
@@ -311,3 +320,118 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return err
+
+
+# --- run-time estimates: a time limit is what the submitter said ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cell", "seconds"),
+    [
+        ("04:00:00", 4 * 3600.0),            # sacct's Timelimit, HH:MM:SS
+        ("1-00:00:00", 86400.0),             # D-HH:MM:SS
+        ("2-12", 2.5 * 86400.0),             # D-HH, as sbatch --time takes it
+        ("2-12:30", 2.5 * 86400.0 + 1800.0),  # D-HH:MM
+        ("30:00", 1800.0),                   # MM:SS: Slurm reads two fields as minutes and seconds
+        ("5400", 5400.0),                    # a plain number is seconds, as every duration of a trace
+        ("90.5", 90.5),
+    ],
+)
+def test_an_estimate_cell_reads_as_seconds_in_each_form_slurm_writes(tmp_path: Path, cell: str,
+                                                                        seconds: float) -> None:
+    path = sacct(tmp_path, HEADER + f"7|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|"
+                                    f"COMPLETED|gres/gpu=1|{cell}\n")
+    assert load_trace(path, slurm()).estimate_s.tolist() == [seconds]
+
+
+def test_jobs_without_a_time_limit_of_their_own_are_counted_and_left_to_the_drawn_estimate(tmp_path: Path) -> None:
+    cells = ["UNLIMITED", "Partition_Limit", "", "00:00:00", "0", "02:00:00"]
+    rows = "".join(f"{7 + i}|ana|2024-03-04T09:0{i}:00|2024-03-04T09:0{i}:00|2024-03-04T10:00:00|COMPLETED|"
+                   f"gres/gpu=1|{cell}\n" for i, cell in enumerate(cells))
+    trace = load_trace(sacct(tmp_path, HEADER + rows), slurm())
+    assert np.isnan(trace.estimate_s[:5]).all() and trace.estimate_s[5] == 7200.0  # 2 h for a run of 55 min
+    assert ("Run-time estimates read from column 'Timelimit' for 1 job (estimate / run time: median 2.18; 0% ran "
+            "past theirs); 5 give none (empty, UNLIMITED, Partition_Limit or 0) and get a drawn estimate."
+            ) in trace.report
+
+
+@pytest.mark.parametrize("cell", ["-5", "soon", "1:2:3:4", "inf", "1-"])
+def test_an_estimate_that_is_no_time_names_the_line_and_the_column(tmp_path: Path, cell: str) -> None:
+    path = sacct(tmp_path, HEADER + "7|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|"
+                                    "gres/gpu=1|01:00:00\n"
+                                    f"8|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|"
+                                    f"gres/gpu=1|{cell}\n")
+    with pytest.raises(TraceError) as caught:
+        load_trace(path, slurm())
+    assert str(caught.value).startswith(f"{path}: line 3, column 'Timelimit' (estimate): {cell!r} is not a "
+                                        "run-time estimate: give seconds, or a Slurm time")
+
+
+def test_the_policies_see_the_time_limit_and_jobs_without_one_keep_their_draw(tmp_path: Path) -> None:
+    rows = ("7|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|gres/gpu=1|03:00:00\n"
+            "8|ben|2024-03-04T09:05:00|2024-03-04T09:05:00|2024-03-04T09:35:00|COMPLETED|gres/gpu=2|UNLIMITED\n")
+    path = sacct(tmp_path, HEADER + rows)
+    assumptions = WorkloadAssumptions(origin_regions=("gcp:europe-west2",))
+    with_limits = build_workload(load_trace(path, slurm()), assumptions)
+    drawn = build_workload(load_trace(path, dataclasses.replace(slurm(), estimate=None)), assumptions)
+    assert with_limits.job_spec(0).duration_s == 3 * 3600.0  # what the submitter wrote, not 1 h × noise
+    assert with_limits.estimated_duration_s[1] == drawn.estimated_duration_s[1]  # no limit: the same draw
+    assert with_limits.estimate_given.tolist() == [True, False]
+    for name in ("deadline_s", "latency_slo_ms", "inflexible", "origin_region"):  # every other draw as it was
+        np.testing.assert_array_equal(getattr(with_limits, name), getattr(drawn, name))
+    assert any("(the trace's own for 1 jobs, drawn for 1)" in line for line in with_limits.report)
+    assert any("Estimated / true duration (drawn)" in line for line in drawn.report)
+
+
+# --- times: sacct writes the cluster's local clock ---------------------------------------------------------
+
+
+def test_a_time_zone_places_local_times_on_utc_and_a_run_across_a_clock_change_keeps_its_length(
+        tmp_path: Path) -> None:
+    # New York's clocks went from 02:00 to 03:00 on 2024-03-10: 01:30 to 03:30 local is one hour of run.
+    path = sacct(tmp_path, HEADER + (
+        "7|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T11:00:00|COMPLETED|gres/gpu=1|04:00:00\n"
+        "8|ana|2024-03-10T01:00:00|2024-03-10T01:30:00|2024-03-10T03:30:00|COMPLETED|gres/gpu=1|04:00:00\n"
+        "9|ana|2024-07-01T12:00:00+00:00|2024-07-01T12:00:00+00:00|2024-07-01T13:00:00+00:00|COMPLETED|"
+        "gres/gpu=1|04:00:00\n"))
+    local = load_trace(path, slurm(), time_zone="America/New_York")
+    jobs = list(local.jobs())
+    assert local.start == datetime(2024, 3, 4, 14, 0, tzinfo=UTC)  # 09:00 EST
+    assert jobs[1].submit == datetime(2024, 3, 10, 6, 0, tzinfo=UTC)
+    assert [j.duration_s for j in jobs] == [7200.0, 3600.0, 3600.0]  # an offset in the cell is kept
+    assert "Times without an offset read as wall-clock times in America/New_York." in local.report
+    as_utc = list(load_trace(path, slurm()).jobs())
+    assert as_utc[1].duration_s == 7200.0  # read as UTC, the skipped hour counts as run
+
+
+def test_an_unknown_time_zone_or_one_with_seconds_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="time zone 'Mars/Olympus' is unknown; give an IANA name"):
+        load_trace(sacct(tmp_path), slurm(), time_zone="Mars/Olympus")
+    with pytest.raises(TraceError, match="a time zone applies only to time format 'iso'"):
+        load_trace(sacct(tmp_path), slurm(), time_format="seconds", origin=datetime(2024, 1, 1, tzinfo=UTC),
+                   time_zone="UTC")
+
+
+def test_simulate_takes_the_time_limits_and_the_clusters_time_zone(slurm_run: dict[str, Path],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = slurm_run["tmp"] / "w"
+    argv = _simulate(slurm_run, "--cpu-jobs", "drop", "--trace-timezone", "America/Sao_Paulo", "--dump-workload",
+                     str(out))
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "note: trace: Run-time estimates read from column 'Timelimit' for 2 jobs" in err
+    assert "note: trace: Times without an offset read as wall-clock times in America/Sao_Paulo." in err
+    with (out / "jobs.csv").open() as f:
+        jobs = list(csv.DictReader(f))
+    assert [float(j["estimated_duration_s"]) for j in jobs] == [7200.0, 4 * 3600.0]
+    assert jobs[0]["submit_utc"].startswith("2022-06-01T03:00:00")  # midnight in São Paulo (UTC-3)
+
+
+def test_both_simulators_name_the_flag_of_an_unknown_time_zone(slurm_run: dict[str, Path],
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(capsys, _simulate(slurm_run, "--cpu-jobs", "drop", "--trace-timezone", "Europe/Atlantis"))
+    assert err.startswith("heliotrope: --trace-timezone: time zone 'Europe/Atlantis' is unknown")
+    quotas = ["simulate-quotas", "--trace", str(slurm_run["trace"]), "--preset", "slurm", "--modes", "off",
+              "--cpu-jobs", "drop"]
+    assert _error(capsys, [*quotas, "--trace-timezone", "Europe/Atlantis"]).startswith("heliotrope: --trace-timezone")
+    assert cli.main([*quotas, "--trace-timezone", "Europe/London"]) == 0

@@ -25,21 +25,30 @@ says which column plays which role (the CLI's ``--columns submit=COL,duration=CO
 - ``tenant``: who submitted it, e.g. Philly's virtual cluster (optional; one tenant ``default`` if not mapped).
 - ``deadline``: by when the job must finish, a time like ``submit`` (optional; when mapped it replaces the
   simulator's slack assumption; a deadline before the job's submit time is an error naming the line).
+- ``estimate``: how long the submitter said the job would run (optional), such as Slurm's time limit
+  (sacct's ``Timelimit``): seconds as a number (as ``duration``), or a Slurm time with a colon or a dash
+  (``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; sacct's ``Timelimit`` is
+  ``[D-]HH:MM:SS``; its ``TimelimitRaw`` is minutes, so map ``Timelimit``). A job without one (an empty
+  cell, ``UNLIMITED``, ``Partition_Limit``, ``NONE``, or 0, which Slurm reads as no limit) gets the
+  simulator's drawn estimate, and their count is reported. Where it is mapped, the policies see these
+  estimates instead of the simulator's log-normal draw, as the live broker sees what a submitter writes.
 - ``job_id``: the job's id (optional): rows whose id is a Slurm job step (``123.batch``, ``123.extern``,
   ``123.0``, ``123_7.batch``, ``123+1.0``: sacct without ``--allocations``) are skipped and reported, as
   the job's own row (``123``) already holds what the job was allocated.
 
 The ``slurm`` preset reads ``sacct --parsable2 --allocations
 --format=JobID,User,Submit,Start,End,State,AllocTRES,Timelimit``: ``job_id=JobID``, ``tenant=User``,
-``submit=Submit``, ``start=Start``, ``end=End``, ``tres=AllocTRES``, ``model=AllocTRES``. ``State`` and
-``Timelimit`` are not read: every job that started and ended ran for end - start whatever its state
-(completed, failed, cancelled or timed out while running), and the loader has no role for a run-time
-estimate (the simulator draws its own), so a time limit is not used as one.
+``submit=Submit``, ``start=Start``, ``end=End``, ``tres=AllocTRES``, ``model=AllocTRES``,
+``estimate=Timelimit``. ``State`` is not read: every job that started and ended ran for end - start whatever
+its state (completed, failed, cancelled or timed out while running).
 
-Units. Times are UTC. With ``time_format="iso"`` a time without an offset is taken as UTC and one with an
-offset is converted to UTC (sacct writes the cluster's local times without an offset: they are read as UTC,
-so a dump keeps its wall-clock hours); with ``time_format="seconds"`` a time is a number of seconds after
-``origin`` (a timezone-aware datetime, required then). In the returned :class:`Trace`, ``submit_s`` is float64 seconds
+Units. Times are UTC. With ``time_format="iso"`` a time with an offset is converted to UTC, and one without
+is taken as UTC, or as a wall-clock time in ``time_zone`` where one is given (an IANA name such as
+``America/New_York``: sacct writes the cluster's local times without an offset, so a dump read without it
+keeps its wall-clock hours but not their place against the carbon data's UTC hours; a time that a change of
+the clock repeats or skips reads with the offset in force before the change); with
+``time_format="seconds"`` a time is a number of seconds after ``origin`` (a timezone-aware datetime,
+required then). In the returned :class:`Trace`, ``submit_s`` is float64 seconds
 after the first submit (``Trace.start``), ``duration_s`` float64 seconds, ``gpus`` and ``milli`` int32.
 
 Errors. Nothing is guessed: a file that cannot be read, a header without a mapped column, or a row whose
@@ -79,6 +88,7 @@ from datetime import date, datetime, timedelta, UTC
 from operator import itemgetter
 from pathlib import Path
 from typing import Literal, NamedTuple, TextIO
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import numpy as np
 
@@ -94,7 +104,7 @@ DEFAULT_TENANT = "default"
 """The one tenant of a trace whose mapping has no ``tenant`` column."""
 
 ROLES = ("submit", "duration", "start", "end", "gpus", "milli", "gpu_percent", "tres", "model", "tenant", "deadline",
-         "job_id")
+         "estimate", "job_id")
 """Roles a ``--columns`` mapping may name, in the order they are printed."""
 
 _FIRST_LINES_SHOWN = 5
@@ -137,6 +147,7 @@ class ColumnMapping:
     gpu_percent: str | None = None
     tres: str | None = None
     job_id: str | None = None
+    estimate: str | None = None
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -178,9 +189,9 @@ PRESETS: dict[str, ColumnMapping] = {
     # timestamp,duration,num_gpus,gpu_time,cluster; the virtual cluster is the tenant.
     "philly": ColumnMapping(submit="timestamp", duration="duration", gpus="num_gpus", tenant="cluster"),
     # Slurm accounting: sacct --parsable2 --allocations --format=JobID,User,Submit,Start,End,State,AllocTRES,Timelimit
-    # (State and Timelimit are not read; see the module docstring). The user is the tenant.
+    # (State is not read; see the module docstring). The user is the tenant, the time limit the estimate.
     "slurm": ColumnMapping(submit="Submit", start="Start", end="End", tres="AllocTRES", model="AllocTRES",
-                           tenant="User", job_id="JobID"),
+                           tenant="User", job_id="JobID", estimate="Timelimit"),
 }
 
 
@@ -267,6 +278,7 @@ class Trace:
     span: tuple[datetime, datetime]
     report: list[str]
     deadline_s: np.ndarray | None = None  # float64 seconds after ``start``, when the trace maps a deadline
+    estimate_s: np.ndarray | None = None  # float64 seconds, NaN for a job without one, when it maps an estimate
 
     def __len__(self) -> int:
         return int(self.submit_s.shape[0])
@@ -325,18 +337,23 @@ def load_trace(
     days: float | None = None,
     duplicates: Literal["keep", "drop"] = "keep",
     cpu_jobs: CpuJobs = "error",
+    time_zone: str | None = None,
 ) -> Trace:
     """Read the CSV at ``path`` through ``mapping``; see the module docstring for units and rules.
 
     ``trace_from`` (a datetime, a date or an ISO text; naive = UTC) and ``days`` keep the jobs submitted in
     ``[trace_from, trace_from + days)``; ``days`` alone counts from the first submit, ``trace_from`` alone
     runs to the end. ``cpu_jobs="drop"`` drops rows of 0 GPUs (CPU-only jobs) and reports how many; by
-    default (``"error"``) such a row is an error. Raises :class:`TraceError` with the file, line and column
-    of the first problem.
+    default (``"error"``) such a row is an error. ``time_zone`` (an IANA name) is where the trace's ISO
+    times without an offset were written. Raises :class:`TraceError` with the file, line and column of the
+    first problem.
     """
     path = Path(path)
     if time_format not in ("iso", "seconds"):
         raise TraceError(f"time format {time_format!r} is unknown; use 'iso' or 'seconds'")
+    zone = None if time_zone is None else time_zone_named(time_zone)
+    if zone is not None and time_format != "iso":
+        raise TraceError("a time zone applies only to time format 'iso'; with 'seconds', the origin says when 0 s is")
     if time_format == "seconds":
         if origin is None:
             raise TraceError(f"{path}: time format 'seconds' needs an origin, the UTC time that 0 s stands "
@@ -383,7 +400,7 @@ def load_trace(
 
     def times(role: str) -> np.ndarray:
         if time_format == "iso":
-            return column.iso_times(role)
+            return column.iso_times(role, zone)
         assert origin is not None
         return column.numbers(role, "a number of seconds") + origin.timestamp()
 
@@ -411,6 +428,12 @@ def load_trace(
         if late:
             report.append(f"{_n(late, 'job')} have a deadline before submit + duration: they miss it however "
                           "they are placed.")
+    estimate = None
+    if mapping.estimate is not None:
+        estimate = _read_estimates(column)
+        report.append(_estimate_note(mapping.estimate, estimate, duration))
+    if zone is not None:
+        report.append(f"Times without an offset read as wall-clock times in {zone.key}.")
     if mapping.gpu_percent is not None:
         part = int(np.count_nonzero(milli < WHOLE_GPU_MILLI))
         report.append(f"GPUs read as a percentage of one GPU (column '{mapping.gpu_percent}'): "
@@ -436,6 +459,8 @@ def load_trace(
     model, tenant_text = model[order], tenant_text[order]
     if deadline_abs is not None:
         deadline_abs = deadline_abs[order]
+    if estimate is not None:
+        estimate = estimate[order]
 
     first_at = _from_epoch(float(submit_abs[0]))
     last_at = _from_epoch(float(submit_abs[-1]))
@@ -458,6 +483,8 @@ def load_trace(
         model, tenant_text = model[keep], tenant_text[keep]
         if deadline_abs is not None:
             deadline_abs = deadline_abs[keep]
+        if estimate is not None:
+            estimate = estimate[keep]
         first_at = _from_epoch(float(submit_abs[0]))
         span = (lo_at, hi_at if hi_at is not None else _from_epoch(float(submit_abs[-1])))
     else:
@@ -477,6 +504,7 @@ def load_trace(
         path=path, start=first_at, submit_s=submit_abs - submit_abs[0], duration_s=duration, gpus=gpus,
         milli=milli, model=model, tenant=tenant, tenant_names=tenant_names, line=line_arr, span=span,
         report=report, deadline_s=None if deadline_abs is None else deadline_abs - submit_abs[0],
+        estimate_s=estimate,
     )
 
 
@@ -802,21 +830,22 @@ class _Columns:
         self.reject(np.abs(out) > 2**31 - 1, role, "is too large")
         return out.astype(np.int32)
 
-    def iso_times(self, role: str) -> np.ndarray:
-        """Seconds since 1970-01-01 UTC; naive times are UTC, others converted."""
+    def iso_times(self, role: str, zone: ZoneInfo | None = None) -> np.ndarray:
+        """Seconds since 1970-01-01 UTC; naive times are wall-clock times in ``zone`` (UTC if none), others
+        converted."""
         fast = _numpy_naive_times(self._raw(role, strip=False))
         if fast is not None:
-            return fast
+            return fast if zone is None else _wall_clock_to_utc(fast, zone)
         raw = self._raw(role)
         out = np.empty(len(raw), dtype=np.float64)
-        parse, utc = datetime.fromisoformat, UTC
+        parse, naive_zone = datetime.fromisoformat, UTC if zone is None else zone
         for row, value in enumerate(raw):
             try:
                 at = parse(value)
             except ValueError:
                 raise self._fail(row, role, value, "is not an ISO 8601 time (like 2017-10-09 07:01:55 or "
                                  "2017-10-09T07:01:55+02:00)") from None
-            out[row] = (at.replace(tzinfo=utc) if at.tzinfo is None else at).timestamp()
+            out[row] = (at.replace(tzinfo=naive_zone) if at.tzinfo is None else at).timestamp()
         return out
 
     def texts(self, role: str) -> np.ndarray:
@@ -824,6 +853,87 @@ class _Columns:
             return np.full(len(self.rows), None, dtype=object)
         interned: dict[str, str] = {}
         return np.array([interned.setdefault(v, v) for v in self._raw(role)], dtype=object)
+
+
+def time_zone_named(name: str) -> ZoneInfo:
+    """The IANA time zone ``name``; an unknown one raises :class:`TraceError` with examples."""
+    try:
+        return ZoneInfo(name.strip())
+    except (ZoneInfoNotFoundError, ValueError):
+        raise TraceError(f"time zone {name!r} is unknown; give an IANA name such as America/New_York, Europe/Berlin "
+                         "or UTC") from None
+
+
+def _wall_clock_to_utc(wall_s: np.ndarray, zone: ZoneInfo) -> np.ndarray:
+    """Seconds since the epoch of wall-clock times in ``zone`` given as if they were UTC (as numpy reads a
+    naive time): each minute's offset is looked up once, with the offset in force before a change for a time
+    the change repeats or skips (``fold=0``). Clocks change on a whole minute everywhere."""
+    minute = np.floor(wall_s / 60.0)
+    distinct, inverse = np.unique(minute, return_inverse=True)
+    offset = np.array([zone.utcoffset(datetime(1970, 1, 1) + timedelta(minutes=float(m))).total_seconds()
+                       for m in distinct.tolist()], dtype=np.float64)
+    return wall_s - offset[inverse]
+
+
+_NO_ESTIMATE = frozenset({"", "unlimited", "partition_limit", "none", "invalid"})
+"""Cells of an ``estimate`` column that give no estimate (case-insensitive): Slurm's words for a job without
+a time limit of its own, and an empty cell."""
+
+_SLURM_TIME = re.compile(r"(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                         r"|(?P<a>\d+):(?P<b>\d+)(?::(?P<c>\d+))?)")
+"""Slurm's time forms with a dash or a colon: D-H, D-H:M, D-H:M:S, M:S, H:M:S (``sbatch --time``)."""
+
+
+def _estimate_seconds(text: str) -> float:
+    """Seconds of one ``estimate`` cell, NaN for none (:data:`_NO_ESTIMATE`, or 0: no limit in Slurm); a cell
+    that is neither a number of seconds nor a Slurm time raises ``ValueError`` saying what is expected."""
+    if text.lower() in _NO_ESTIMATE:
+        return float("nan")
+    match = _SLURM_TIME.fullmatch(text)
+    if match is not None:
+        g = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+        if "d" in g:
+            seconds = ((g["d"] * 24 + g["dh"]) * 60 + g.get("dm", 0)) * 60 + g.get("ds", 0)
+        elif "c" in g:
+            seconds = (g["a"] * 60 + g["b"]) * 60 + g["c"]
+        else:
+            seconds = g["a"] * 60 + g["b"]  # M:S, as Slurm reads two fields
+    else:
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = float("nan")
+        if not (np.isfinite(seconds) and seconds >= 0):
+            raise ValueError("is not a run-time estimate: give seconds, or a Slurm time ([D-]HH:MM:SS, MM:SS, "
+                             "D-HH), or UNLIMITED / an empty cell for none")
+    return float(seconds) if seconds > 0 else float("nan")
+
+
+def _read_estimates(column: _Columns) -> np.ndarray:
+    """float64 seconds of the ``estimate`` column, NaN where a job gives none; each distinct cell is read once,
+    in the order of first appearance, so the first bad one is the first bad line."""
+    raw = np.array(column._raw("estimate"), dtype=str)
+    distinct, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+    seconds = np.empty(len(distinct), dtype=np.float64)
+    for k in np.argsort(first).tolist():
+        try:
+            seconds[k] = _estimate_seconds(str(distinct[k]))
+        except ValueError as exc:
+            raise column._fail(int(first[k]), "estimate", str(distinct[k]), str(exc)) from None
+    return seconds[inverse]
+
+
+def _estimate_note(name: str, estimate: np.ndarray, duration: np.ndarray) -> str:
+    """What the report says about the estimates read from column ``name``."""
+    given = np.isfinite(estimate)
+    note = f"Run-time estimates read from column '{name}' for {_n(int(given.sum()), 'job')}"
+    if given.any():
+        ratio = estimate[given] / np.maximum(duration[given], MIN_DURATION_S)
+        note += (f" (estimate / run time: median {np.median(ratio):.2f}; {np.mean(ratio < 1):.0%} ran past theirs)")
+    missing = int(np.count_nonzero(~given))
+    if missing:
+        note += f"; {missing} give none (empty, UNLIMITED, Partition_Limit or 0) and get a drawn estimate"
+    return note + "."
 
 
 def _numpy_naive_times(raw: list[str]) -> np.ndarray | None:

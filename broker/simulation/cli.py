@@ -1,7 +1,7 @@
 """``heliotrope simulate``: the command line of the simulator (see ``broker.simulation.run`` for the steps).
 
     heliotrope simulate --trace FILE (--preset philly|slurm | --columns MAPPING) [--cpu-jobs error|drop]
-        --carbon DIR [--prices FILE]
+        [--trace-timezone ZONE] --carbon DIR [--prices FILE]
         [--latency FILE] [--sites FILE | --zone-regions ZONE=REGION,... --site-model MODEL] [--utilisation FRACTION]
         [--trace-from ISO-DATE] [--days N] [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
         [--restart-s SECONDS] [--inflexible-undeclared] [--json OUT] [--report DIR]
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker import ids
-from broker.data.traces import PRESETS, parse_columns, resolve_preset
+from broker.data.traces import PRESETS, TraceError, parse_columns, resolve_preset, time_zone_named
 from policies.baselines import COMPARED, POLICIES
 
 if TYPE_CHECKING:
@@ -50,8 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                      help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL (or gpu_percent=COL: a "
                           "percentage of one GPU, as Alibaba's plan_gpu; or tres=COL: a Slurm TRES list, as sacct's "
                           "AllocTRES); optional milli=COL, model=COL (model=the tres column: its GPU type), "
-                          "tenant=COL, deadline=COL, job_id=COL (Slurm's job steps skipped)")
-    add_cpu_jobs(s)
+                          "tenant=COL, deadline=COL, estimate=COL (the submitter's run-time estimate, e.g. Slurm's "
+                          "Timelimit: seconds or [D-]HH:MM:SS), job_id=COL (Slurm's job steps skipped)")
+    add_trace_reading(s)
     s.add_argument("--time-format", choices=("iso", "seconds"), default="iso",
                    help="trace times: ISO 8601 (naive = UTC) or seconds after --origin (default %(default)s)")
     s.add_argument("--origin", metavar="ISO-TIME", help="what 0 s means with --time-format seconds "
@@ -103,11 +104,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "hour's carbon (a reference, not a policy; guided by the bound's prices unless --no-bound)")
 
 
-def add_cpu_jobs(parser: argparse.ArgumentParser) -> None:
-    """``--cpu-jobs``: what a row of 0 GPUs in the trace does (``load_trace``'s ``cpu_jobs``)."""
+def add_trace_reading(parser: argparse.ArgumentParser) -> None:
+    """``--cpu-jobs``: what a row of 0 GPUs in the trace does (``load_trace``'s ``cpu_jobs``); and
+    ``--trace-timezone``: where the trace's times without an offset were written (its ``time_zone``)."""
     parser.add_argument("--cpu-jobs", choices=("error", "drop"), default="error",
                         help="rows of 0 GPUs (CPU-only jobs, as many of a Slurm dump): an error naming the first "
                              "(default), or drop them and count them in the notes")
+    parser.add_argument("--trace-timezone", metavar="ZONE",
+                        help="the IANA time zone (e.g. America/New_York) of the trace's times that have no offset, "
+                             "as sacct writes the cluster's local times (default: UTC)")
+
+
+def trace_timezone(args: argparse.Namespace) -> str | None:
+    """``--trace-timezone``, checked: an unknown zone is a usage error naming the flag."""
+    if args.trace_timezone is None:
+        return None
+    try:
+        return time_zone_named(args.trace_timezone).key
+    except TraceError as e:
+        raise SimulateUsage(f"--trace-timezone: {e}") from None
 
 
 def date_flag(flag: str, text: str | None) -> datetime | None:
@@ -198,6 +213,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         utilisation=args.utilisation, trace_from=date_flag("--trace-from", args.trace_from), days=args.days,
         start=date_flag("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
         oracle=args.oracle, whole_job_steps=args.whole_job_steps, zone_regions=zone_regions, cpu_jobs=args.cpu_jobs,
+        time_zone=trace_timezone(args),
         **({"site_model": site_model} if site_model is not None else {}),
         assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s,
                      "declare_inflexible": not args.inflexible_undeclared},

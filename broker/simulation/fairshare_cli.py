@@ -1,6 +1,7 @@
 """``heliotrope simulate-quotas``: one site's quotas and fair share replayed over a job trace, one row per mode.
 
     heliotrope simulate-quotas --trace FILE (--preset philly|slurm | --columns MAPPING) [--cpu-jobs error|drop]
+        [--trace-timezone ZONE]
         [--utilisation 0.8]
         [--trace-from ISO-DATE] [--days N] [--modes off,instant,time] [--window-h 24] [--half-life-h 6]
         [--reweight-h 1] [--k 1] [--min-run-s 600] [--guaranteed-fraction 0.8] [--max-refusals 64]
@@ -20,7 +21,7 @@ from pydantic import ValidationError
 from broker.data.traces import PRESETS, load_trace, parse_columns, resolve_preset
 from broker.errors import problems
 from broker.models import FairSharePolicy
-from broker.simulation.cli import add_cpu_jobs, date_flag, notes, writable_flag
+from broker.simulation.cli import add_trace_reading, date_flag, notes, trace_timezone, writable_flag
 from broker.simulation.fairshare import (DEFAULT_CYCLE_S, DEFAULT_MAX_REFUSALS, DEFAULT_MIN_RUN_S,
                                          DEFAULT_STARVATION_H, DEFAULT_UTILISATION, GUARANTEED_FRACTION, MODES,
                                          QuotaSimulationError, as_json, compare, format_table,
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     how.add_argument("--columns", metavar="MAPPING",
                      help="submit=COL and duration=COL (or start=COL,end=COL), gpus=COL (or gpu_percent=COL, "
                           "tres=COL), tenant=COL; as simulate's")
-    add_cpu_jobs(s)
+    add_trace_reading(s)
     s.add_argument("--utilisation", type=float, default=DEFAULT_UTILISATION, metavar="FRACTION",
                    help="the trace's mean GPUs busy over the site's GPUs the site is sized for "
                         "(default %(default)s)")
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> str:
             raise QuotaSimulationError(f"{flag} {value:g}: {problems(e)[0]['problem']}") from None
     if args.json_out:  # checked before the replay, which may take minutes, as simulate --json is
         writable_flag("--json", Path(args.json_out).parent, Path(args.json_out))
-    trace = load_trace(args.trace, mapping, trace_from=trace_from, days=args.days, cpu_jobs=args.cpu_jobs)
+    trace = load_trace(args.trace, mapping, trace_from=trace_from, days=args.days, cpu_jobs=args.cpu_jobs,
+                       time_zone=trace_timezone(args))
     notes([f"trace: {r}" for r in trace.report])  # what was dropped or kept, as simulate says it
     info, runs = compare(workload_from_trace(trace), modes, utilisation=args.utilisation,
                          guaranteed_fraction=args.guaranteed_fraction, window_h=args.window_h,

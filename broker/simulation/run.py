@@ -89,6 +89,7 @@ class SimulationSpec:
     whole_job_steps: int = 300  # steps of the whole-job bound's search (with bound; 0: the LP's prices only)
     zone_regions: dict[str, str] = field(default_factory=dict)  # zone -> cloud region, beyond ZONE_REGIONS
     cpu_jobs: str = "error"  # rows of 0 GPUs in the trace: an error, or "drop" (reported)
+    time_zone: str | None = None  # IANA zone of the trace's times without an offset (None: UTC)
     # The GPU model of every site of the default federation; None: the one model the trace's jobs name, where
     # every job that names a model names the same one, else DEFAULT_GPU_MODEL (_default_site_model)
     site_model: str | None = None
@@ -124,7 +125,8 @@ def prepare(spec: SimulationSpec) -> Prepared:
         origin = datetime(1970, 1, 1, tzinfo=UTC)
         report.append("trace times are seconds after the Unix epoch (no --origin given)")
     trace = load_trace(spec.trace, spec.mapping, time_format=spec.time_format, origin=origin,  # type: ignore[arg-type]
-                       trace_from=spec.trace_from, days=spec.days, cpu_jobs=spec.cpu_jobs)  # type: ignore[arg-type]
+                       trace_from=spec.trace_from, days=spec.days, cpu_jobs=spec.cpu_jobs,  # type: ignore[arg-type]
+                       time_zone=spec.time_zone)
     if len(trace) == 0:
         raise engine.SimulationError(f"{spec.trace}: no jobs in the chosen window; widen --trace-from/--days")
     report += [f"trace: {r}" for r in trace.report]

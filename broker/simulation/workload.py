@@ -52,7 +52,10 @@ The assumptions, their defaults and why:
   ``JobSpec`` accepts, and (when sigma is above 0) rounded to whole seconds, at least one, as a user gives
   them. That also takes the last bit of a vectorised ``exp`` out of a replay, short of an estimate that lands
   on a half second to the last bit: NumPy's AVX-512 one may round it differently from another CPU's, and
-  one such bit can move a tie and from there a policy's figures.
+  one such bit can move a tie and from there a policy's figures. A trace that records what its submitters
+  estimated (an ``estimate`` column, such as a Slurm dump's time limits) replaces the draw for every job
+  that gives one (at least 1 s, capped as above); the others keep their draw, so mapping the column leaves
+  every other draw as it was.
 
 - ``checkpointable_fraction`` (default 0) and ``restart_s`` (default 600 s): this share of the jobs that are
   not inflexible, drawn per job, can be stopped and resumed from a checkpoint (``JobSpec.checkpointable``),
@@ -221,6 +224,7 @@ class Workload:
     ``inflexible``: bool, the jobs whose deadline is submit + true duration; ``start_at_once``: bool, those
     of them that ask to start at once (``JobSpec.deferrable`` false: the drawn ones, where the assumptions
     declare them). ``checkpointable``: bool, the jobs that may be stopped and resumed from a checkpoint.
+    ``estimate_given``: bool, the jobs whose estimate is the trace's own (its ``estimate`` column), not drawn.
     """
 
     start: datetime
@@ -241,9 +245,10 @@ class Workload:
     assumptions: WorkloadAssumptions
     checkpointable: np.ndarray | None = None  # None given: no job; always an array once built
     start_at_once: np.ndarray | None = None  # likewise: the jobs that ask to start at once (deferrable false)
+    estimate_given: np.ndarray | None = None  # likewise: the jobs whose estimate is the trace's own, not drawn
 
     def __post_init__(self) -> None:
-        for name in ("checkpointable", "start_at_once"):
+        for name in ("checkpointable", "start_at_once", "estimate_given"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.submit_s), dtype=bool))
 
@@ -316,7 +321,10 @@ class Workload:
             slack_h = self.slack_s[flexible] / 3600.0
             lines.append(f"Flexible jobs may wait {slack_h.mean():.1f} h on average (median "
                          f"{np.median(slack_h):.1f} h) before they must start.")
-        lines.append(f"Estimated / true duration: median {np.median(ratio):.3f}, mean {ratio.mean():.3f}.")
+        own = int(np.count_nonzero(self.estimate_given))
+        source = ("drawn" if not own else "the trace's own" if own == n else
+                  f"the trace's own for {own} jobs, drawn for {n - own}")
+        lines.append(f"Estimated / true duration ({source}): median {np.median(ratio):.3f}, mean {ratio.mean():.3f}.")
         return lines
 
 
@@ -362,6 +370,11 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
     estimate_s = np.minimum(true_s * np.exp(noise), MAX_ESTIMATE_S)
     if a.estimate_sigma > 0:  # whole seconds (docstring); exact estimates stay the true durations
         estimate_s = np.maximum(np.rint(estimate_s), 1.0)
+    given = np.zeros(n, dtype=bool)
+    if trace.estimate_s is not None:  # the trace's own estimates (a time limit) replace the drawn ones
+        own = np.asarray(trace.estimate_s, dtype=np.float64)
+        given = np.isfinite(own)
+        estimate_s = np.where(given, np.clip(own, 1.0, MAX_ESTIMATE_S), estimate_s)
 
     # Deadlines from the true duration: feasible when started at once.
     inflexible = _rng(a.seed, _INFLEXIBLE).random(n) < a.inflexible_fraction
@@ -400,7 +413,7 @@ def build_workload(trace: Trace, assumptions: WorkloadAssumptions, *,
         milli=milli, model=_canonical_models(trace), tenant=tenant, tenant_names=slugs,
         trace_tenant_names=tuple(trace.tenant_names), origin_region=origin, region_names=regions,
         deadline_s=deadline_s, latency_slo_ms=latency_slo_ms, inflexible=inflexible, assumptions=a,
-        checkpointable=checkpointable, start_at_once=start_at_once,
+        checkpointable=checkpointable, start_at_once=start_at_once, estimate_given=given,
     )
 
 
