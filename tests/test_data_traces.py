@@ -355,3 +355,31 @@ def test_a_trace_without_jobs_is_refused(tmp_path: Path, text: str, message: str
 def test_a_file_that_does_not_exist_is_refused_naming_it(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match=r"nowhere\.csv: cannot read the trace"):
         load_trace(tmp_path / "nowhere.csv", SIMPLE)
+
+
+# Alibaba's 2023 GPU trace (cluster-trace-gpu-v2023/csv/openb_pod_list_*.csv): one row per pod, times in
+# seconds from the trace's start, a pending pod's scheduled_time empty, CPU-only pods of 0 GPUs and shared
+# GPUs as gpu_milli. These rows have its columns and its kinds of row; the values are made up.
+OPENB = (
+    "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+    "openb-pod-0001,6000,12288,1,460,,LS,Running,600,7800,600\n"              # 2: 0.46 of a GPU, 2 h
+    "openb-pod-0002,88000,327680,8,1000,,Burstable,Succeeded,900,4560,960\n"  # 3: 8 GPUs, 1 h after a minute
+    "openb-pod-0003,20000,65536,0,0,,LS,Running,1000,9000,1002\n"             # 4: CPU only
+    "openb-pod-0004,11908,47104,1,1000,,BE,Pending,1200,1325,\n"              # 5: never scheduled
+    "openb-pod-0005,3152,5600,1,1000,V100M16|V100M32,BE,Failed,1500,1700,1500\n"  # 6: ran 200 s, then failed
+)
+OPENB_COLUMNS = "submit=creation_time,start=scheduled_time,end=deletion_time,gpus=num_gpu,milli=gpu_milli"
+
+
+def test_alibabas_2023_pod_list_loads_with_its_pending_and_cpu_pods_left_out(tmp_path: Path) -> None:
+    origin = datetime(2023, 3, 1, tzinfo=UTC)
+    trace = load_trace(write_csv(tmp_path, OPENB), parse_columns(OPENB_COLUMNS), time_format="seconds",
+                       origin=origin, cpu_jobs="drop")
+    jobs = list(trace.jobs())
+    assert [j.line for j in jobs] == [2, 3, 6]
+    assert [(j.gpus, j.milli) for j in jobs] == [(1, 460), (8, 1000), (1, 1000)]
+    assert [j.duration_s for j in jobs] == [7200.0, 3600.0, 200.0]
+    assert trace.start == origin + timedelta(seconds=600)
+    assert ("1 job never started (column 'scheduled_time' is empty, 'Unknown' or 'None': pending, or cancelled "
+            "before it started); dropped (lines 5).") in trace.report
+    assert "1 row of 0 GPUs (CPU-only jobs) dropped (lines 4)." in trace.report

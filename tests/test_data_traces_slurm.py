@@ -85,9 +85,9 @@ def test_the_slurm_preset_reads_a_sacct_dump_with_cpu_jobs_dropped(tmp_path: Pat
     assert trace.report == [
         ("3 job step rows skipped (column 'JobID': ids such as 4101.batch, a part of the job on its own row, which "
          "holds the job's allocation; sacct --allocations writes no step rows) (lines 3, 4, 12)."),
-        ("2 jobs never started (column 'Start' is 'Unknown' or 'None': pending, or cancelled before it started); "
+        ("2 jobs never started (column 'Start' is empty, 'Unknown' or 'None': pending, or cancelled before it started); "
          "dropped (lines 8, 9)."),
-        ("1 job had not ended (column 'End' is 'Unknown' or 'None': still running when the file was written); "
+        ("1 job had not ended (column 'End' is empty, 'Unknown' or 'None': still running when the file was written); "
          "dropped (lines 10)."),
         "2 rows of 0 GPUs (CPU-only jobs) dropped (lines 6, 15).",
         # time limits over run times: 4 h / 2 h, 1 d / 30 min, 4 h / 4 h, 1 h / 10 min, 2 h / 1 s, 8 h / 2 h

@@ -60,7 +60,8 @@ What is kept and reported (``Trace.report``, one sentence per note):
 
 - Rows that are not jobs that ran are dropped, each kind counted with its first lines: job steps (with a
   ``job_id``, above), and, with ``start`` and ``end``, rows whose start or end is ``Unknown`` or ``None``,
-  as Slurm writes them for a job still pending, cancelled before it started, or still running.
+  as Slurm writes them for a job still pending, cancelled before it started, or still running, or empty,
+  as other traces leave it (a pending pod's ``scheduled_time`` in Alibaba's 2023 GPU trace).
 - Rows of 0 GPUs (``gpus`` 0, ``gpu_percent`` 0, a TRES without GPUs: CPU-only jobs) are an error by
   default, which names the line and ``cpu_jobs="drop"`` (the CLI's ``--cpu-jobs drop``); with it they are
   dropped and counted.
@@ -117,8 +118,10 @@ _CPU_ONLY = ("a CPU-only job: cpu_jobs='drop' (the CLI's --cpu-jobs drop) leaves
              "how many")
 """What an error about a row of 0 GPUs says to do."""
 
-_NO_TIME = ("Unknown", "None")
-"""What Slurm writes for a time that is not there: a pending job's start and end, a running job's end."""
+_NO_TIME = ("Unknown", "None", "")
+"""What a trace writes for a start or end that is not there: Slurm's words for a pending job's start and end
+and a running job's end, and the empty cell of other traces (Alibaba's 2023 pod list: a pending pod's
+``scheduled_time``)."""
 
 
 class TraceError(ValueError):
@@ -618,20 +621,21 @@ def _not_steps(rows: list[list[str]], lines: list[int], at: int, name: str, repo
 def _ran(rows: list[list[str]], lines: list[int], index: dict[str, int], mapping: ColumnMapping,
          report: list[str]) -> np.ndarray:
     """Rows whose start and end are both there: Slurm writes ``Unknown`` or ``None`` for the start of a job
-    that has not started (pending, or cancelled first) and the end of a running one; those are reported."""
+    that has not started (pending, or cancelled first) and the end of a running one, other traces leave the
+    cell empty; those rows are reported."""
     def missing(role: str) -> np.ndarray:
         cells = np.array([row[index[role]].strip() for row in rows], dtype=str)
-        return (cells == _NO_TIME[0]) | (cells == _NO_TIME[1])
+        return np.isin(cells, _NO_TIME)
 
     no_start, no_end = missing("start"), missing("end")
     running = no_end & ~no_start
     at = np.asarray(lines)
     if no_start.any():
-        report.append(f"{_n(int(no_start.sum()), 'job')} never started (column '{mapping.start}' is 'Unknown' or "
+        report.append(f"{_n(int(no_start.sum()), 'job')} never started (column '{mapping.start}' is empty, 'Unknown' or "
                       "'None': pending, or cancelled before it started); dropped "
                       f"(lines {_first_lines(at[no_start])}).")
     if running.any():
-        report.append(f"{_n(int(running.sum()), 'job')} had not ended (column '{mapping.end}' is 'Unknown' or "
+        report.append(f"{_n(int(running.sum()), 'job')} had not ended (column '{mapping.end}' is empty, 'Unknown' or "
                       f"'None': still running when the file was written); dropped (lines {_first_lines(at[running])}).")
     return ~(no_start | no_end)
 
