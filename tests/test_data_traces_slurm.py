@@ -435,3 +435,11 @@ def test_both_simulators_name_the_flag_of_an_unknown_time_zone(slurm_run: dict[s
               "--cpu-jobs", "drop"]
     assert _error(capsys, [*quotas, "--trace-timezone", "Europe/Atlantis"]).startswith("heliotrope: --trace-timezone")
     assert cli.main([*quotas, "--trace-timezone", "Europe/London"]) == 0
+
+
+def test_a_time_zone_given_for_times_that_all_carry_an_offset_is_said_to_be_unneeded(tmp_path: Path) -> None:
+    path = sacct(tmp_path, HEADER + "7|ana|2024-07-01T12:00:00+02:00|2024-07-01T12:00:00+02:00|"
+                                    "2024-07-01T13:00:00+02:00|COMPLETED|gres/gpu=1|04:00:00\n")
+    trace = load_trace(path, slurm(), time_zone="America/New_York")
+    assert trace.start == datetime(2024, 7, 1, 10, 0, tzinfo=UTC)
+    assert "Every time carries its own offset; the time zone America/New_York was not needed." in trace.report

@@ -436,7 +436,8 @@ def load_trace(
         estimate = _read_estimates(column)
         report.append(_estimate_note(mapping.estimate, estimate, duration))
     if zone is not None:
-        report.append(f"Times without an offset read as wall-clock times in {zone.key}.")
+        report.append(f"Times without an offset read as wall-clock times in {zone.key}." if column.naive_times else
+                      f"Every time carries its own offset; the time zone {zone.key} was not needed.")
     if mapping.gpu_percent is not None:
         part = int(np.count_nonzero(milli < WHOLE_GPU_MILLI))
         report.append(f"GPUs read as a percentage of one GPU (column '{mapping.gpu_percent}'): "
@@ -793,6 +794,7 @@ class _Columns:
     def __init__(self, path: Path, header: list[str], rows: list[list[str]], lines: np.ndarray,
                  index: dict[str, int]) -> None:
         self.path, self.header, self.rows, self.lines, self.index = path, header, rows, lines, index
+        self.naive_times = 0  # cells :meth:`iso_times` read without an offset
 
     def _raw(self, role: str, *, strip: bool = True) -> list[str]:
         values = list(map(itemgetter(self.index[role]), self.rows))
@@ -839,17 +841,23 @@ class _Columns:
         converted."""
         fast = _numpy_naive_times(self._raw(role, strip=False))
         if fast is not None:
+            self.naive_times += len(fast)
             return fast if zone is None else _wall_clock_to_utc(fast, zone)
         raw = self._raw(role)
         out = np.empty(len(raw), dtype=np.float64)
         parse, naive_zone = datetime.fromisoformat, UTC if zone is None else zone
+        naive = 0
         for row, value in enumerate(raw):
             try:
                 at = parse(value)
             except ValueError:
                 raise self._fail(row, role, value, "is not an ISO 8601 time (like 2017-10-09 07:01:55 or "
                                  "2017-10-09T07:01:55+02:00)") from None
-            out[row] = (at.replace(tzinfo=naive_zone) if at.tzinfo is None else at).timestamp()
+            if at.tzinfo is None:
+                naive += 1
+                at = at.replace(tzinfo=naive_zone)
+            out[row] = at.timestamp()
+        self.naive_times += naive
         return out
 
     def texts(self, role: str) -> np.ndarray:
