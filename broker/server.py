@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import logging
+import os
 import re
 import signal
 import ssl
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -153,6 +155,31 @@ def _read_pem(setting: str, path: str) -> str:
         raise StartupRefused(f"{setting} {path}: cannot read: {e.strerror or e}") from None
 
 
+@contextlib.contextmanager
+def serving_database(db: str) -> Iterator[None]:
+    """While a broker serves an SQLite database it holds an advisory lock on the file: one broker serves such
+    a database (replicas share a PostgreSQL one). A second ``heliotrope serve`` on it (the same config run again
+    in another terminal) stops here, before it reconciles: its own simulated sites know none of the first one's
+    attempts, so it would requeue and dispatch again every job the first one runs, behind its back. The
+    token commands, which write the database beside a running broker, do not take the lock."""
+    if "://" in db or db == ":memory:" or db.startswith("file:"):
+        yield
+        return
+    path = Path(db)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # (the mode the store gives a new database)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StartupRefused(f"another broker is serving database {db}; one broker serves an SQLite database "
+                                 "(replicas share a PostgreSQL one): stop that one, or give this one another "
+                                 "--db") from None
+        yield
+    finally:
+        os.close(fd)  # after the store has closed: closing a descriptor of the file drops SQLite's own locks
+
+
 async def run(
     settings: BrokerSettings,
     sites: list[SiteSpec],
@@ -163,6 +190,17 @@ async def run(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("heliotrope.jobs").setLevel(logging.INFO if log_jobs else logging.WARNING)
     tls = check_startup(settings)
+    with serving_database(settings.db):
+        await _serve(settings, sites, tls, feeder, ready)
+
+
+async def _serve(
+    settings: BrokerSettings,
+    sites: list[SiteSpec],
+    tls: ssl.SSLContext | None,
+    feeder: Callable[[str], Awaitable[None]] | None,
+    ready: Callable[[int], None] | None,
+) -> None:
     broker = Broker(settings)
     try:
         await broker.start(sites)

@@ -7,10 +7,14 @@ after a restart every job that got 201 is there, and a repeated idempotency key 
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
+import subprocess
 
 import aiohttp
 import pytest
+
+from tests.conftest import HELIOTROPE, ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -117,3 +121,47 @@ def test_jobs_running_when_the_broker_dies_are_requeued_and_finish_after_restart
     jobs = asyncio.run(wait_succeeded())
     # The attempt lost with the dead broker was requeued, so each job ran a second attempt.
     assert all(j["attempt"] == 2 for j in jobs)
+
+
+@pytest.mark.parametrize("same_port", [True, False], ids=["same-port", "another-port"])
+def test_a_second_broker_on_the_same_database_stops_without_touching_the_running_ones_jobs(server_factory, same_port):
+    # `heliotrope serve` run again by mistake (another terminal, the same config): with SQLite one broker serves
+    # a database. The second must stop before it reconciles: its own simulated sites know nothing, so it
+    # would requeue and dispatch again every job the first one runs, behind that broker's back.
+    srv = server_factory()
+    srv.start()
+
+    async def submit_and_wait_running() -> str:
+        async with aiohttp.ClientSession() as s:
+            body = {"tenant": "t1", "name": "long", "gpus": {"count": 1}, "duration_s": 3600}
+            async with s.post(f"{srv.url}/v1/jobs", json=body) as r:
+                job_id = (await r.json())["id"]
+            for _ in range(100):
+                async with s.get(f"{srv.url}/v1/jobs/{job_id}") as r:
+                    if (await r.json())["state"] == "running":
+                        return job_id
+                await asyncio.sleep(0.05)
+            raise AssertionError("the job did not start")
+
+    job_id = asyncio.run(submit_and_wait_running())
+    port = srv.port if same_port else free_port()
+    second = subprocess.Popen(
+        [*HELIOTROPE, "serve", "--config", str(srv.config), "--db", str(srv.db), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = second.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        second.kill()
+        out, _ = second.communicate()
+    with sqlite3.connect(srv.db) as db:
+        doc = json.loads(db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()[0])
+    assert (doc["state"], doc["attempt"]) == ("running", 1), "the second broker changed the first one's job"
+    assert second.returncode == 1, out.decode()
+    assert "another broker" in out.decode() and str(srv.db) in out.decode()
+
+    async def cancel() -> int:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{srv.url}/v1/jobs/{job_id}/cancel") as r:
+                return r.status
+
+    assert asyncio.run(cancel()) == 200
