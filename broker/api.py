@@ -584,6 +584,9 @@ async def get_quota(request: web.Request) -> web.Response:
     if who.role == Role.OPERATOR and not who.operates(member.spec.name):
         raise not_your_site(who, member.spec.name)
     tenant = request.query.get("tenant")
+    if tenant == "":  # (as on the job list: no tenant has an empty name)
+        raise ApiError(400, "tenant is empty; give a tenant's name, or leave the parameter out",
+                       [{"field": "tenant", "problem": "empty"}])
     if tenant is not None and who.role == Role.SUBMITTER and not who.acts_for(tenant):
         raise not_your_tenant(who, tenant)
     state = await _ask_site(member, _quota_admin(member).quota())

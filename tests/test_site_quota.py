@@ -122,6 +122,17 @@ async def test_a_bad_quota_change_is_a_clear_error_and_changes_nothing(broker_at
     assert [(t["tenant"], t["guaranteed_gpus"]) for t in q["tenants"]] == [("nlp", 8), ("vision", 8)]
 
 
+async def test_an_empty_tenant_filter_on_a_sites_quota_is_a_400_not_an_empty_report(broker_at):
+    # As on the job list: no tenant has an empty name, so ?tenant= (a script's unset variable) is a mistake,
+    # not a filter that matches nobody; a submitter was told it does not act for tenant ''.
+    start, _ = broker_at
+    client = await start()
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
+    r = await client.get("/v1/sites/berlin/quota?tenant=")
+    assert r.status == 400, await r.text()
+    assert (await r.json())["error"]["fields"] == [{"field": "tenant", "problem": "empty"}]
+
+
 @pytest.mark.parametrize(
     ("quota", "field"),
     [
