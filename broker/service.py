@@ -363,6 +363,13 @@ class Broker:
         """Run a pass when work may have changed, at least every ``cycle_interval_s``, and at most one
         every ``min_cycle_gap_s``, so a burst of submissions shares passes instead of starting one each."""
         settings = self.settings
+        if self.signals is not None:
+            # The first pass decides with the forecasts: after a restart it decides every queued job again, and
+            # one seen without them (a job deferred for a cleaner hour) would start at once. Each zone's fetch
+            # ends within fetch_timeout_s, and a zone that fails counts as done.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(settings.carbon_forecast.fetch_timeout_s):
+                    await self.signals.wait_ready()
         while True:
             self.book.changed.clear()
             try:

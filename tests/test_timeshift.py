@@ -448,6 +448,52 @@ async def test_the_live_cycle_defers_a_green_job_says_why_and_starts_it_by_its_l
     assert placed.state == JobState.DISPATCHING and b.cycle.deferred_until(j.id) is None
 
 
+async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its_forecasts_are_fetched(
+        tmp_path) -> None:
+    # The scheduling loop used to start beside the first round of carbon forecasts: its first pass, which after
+    # a restart decides every queued job again, saw no forecast, so a job deferred for a cleaner hour was
+    # started at once (and new jobs were placed carbon-blind).
+    import asyncio
+
+    from broker.clock import ManualClock
+    from broker.config import BrokerSettings
+    from broker.models import JobState
+    from broker.providers.carbon import build_carbon_provider
+    from broker.service import Broker
+    from tests.builders import job
+
+    b, _ = await frankfurt_and_tokyo(tmp_path)
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)
+    assert b.cycle.deferred_until(j.id) is not None
+    sites = list(b.federation.members[name].spec for name in ("frankfurt", "tokyo"))
+    await b.stop()
+
+    clock = ManualClock(GREEN_AT + timedelta(minutes=5))
+    settings = BrokerSettings.model_validate({"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
+                                              "carbon": {"kind": "files", "path": str(CARBON_DIR)},
+                                              "carbon_forecast": {"history_h": 336}})
+    provider = build_carbon_provider(settings.carbon, clock=clock)
+    fetch = provider.history
+
+    async def slow_history(zone, start, end):  # a live provider's first round takes a while
+        await asyncio.sleep(0.3)
+        return await fetch(zone, start, end)
+
+    provider.history = slow_history  # type: ignore[method-assign]
+    again = Broker(settings, clock=clock, carbon=provider)
+    await again.start(sites)
+    try:
+        async with asyncio.timeout(10):
+            while again.cycles < 1:
+                await asyncio.sleep(0.02)
+        assert (await again.book.get(j.id)).state == JobState.QUEUED
+        assert again.cycle.deferred_until(j.id) is not None
+    finally:
+        await again.stop()
+
+
 def test_a_job_naming_no_model_is_checked_for_room_on_the_gpus_it_would_start_on() -> None:
     # Toronto's L4s are busy for two more hours, its A100s idle. A job that names no model and may only run
     # in Toronto's region could start on the A100s now: that is what waiting is weighed against (it may
