@@ -870,6 +870,31 @@ class SiteVerdict(Strict):
                           "latency-bound jobs or as headroom); None: it was not")
 
 
+class DeadlineRisk(Strict):
+    now: float = Field(description="the chance (0..1) of missing the deadline when started now")
+    then: float = Field(description="the chance (0..1) of missing it when started at the planned start")
+
+
+class DeferralPlan(Strict):
+    """The planned start of a deferred job and what it was weighed against (the decision record's
+    ``deferred``)."""
+
+    site: str = Field(description="where the plan starts the job")
+    start: UtcDatetime = Field(description="when the plan starts it (the start of an hour)")
+    objective: Literal["carbon", "cost"] = Field(description="what the plan minimises: carbon (kg CO2e) or cost "
+                                                           "(USD)")
+    value_then: float | None = Field(description="the objective's forecast of the run from the planned start")
+    value_now: float | None = Field(None, description="the same for the best start now (None: none could start "
+                                                      "now)")
+    room_price_now: float | None = Field(
+        None, description="the price of the room kept for latency-bound jobs that a start now would take, in the "
+                          "objective's unit (None: none)")
+    now_site: str | None = Field(None, description="the site of the best start now")
+    deadline_risk: DeadlineRisk | None = Field(
+        None, description="the chance of missing the deadline now and then, from how long recent jobs ran against "
+                          "their estimates (None: not priced)")
+
+
 class Decision(Strict):
     """Why a job went where it went: the pick (or deferral), every site's rejections and score terms."""
 
@@ -881,6 +906,7 @@ class Decision(Strict):
     deferred_until: UtcDatetime | None = None
     summary: str
     sites: list[SiteVerdict]
+    deferral: DeferralPlan | None = Field(None, description="for a deferred job, the plan and what it weighed")
 
 
 def clean_text(value: str, limit: int = 1000) -> str:

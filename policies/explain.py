@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from broker import ids
-from broker.models import Decision, ScoreTerm, SiteVerdict
+from broker.models import DeadlineRisk, Decision, DeferralPlan, ScoreTerm, SiteVerdict
 from policies.filters import Filter
 from policies.pipeline import TIE_EPSILON, Pipeline, Placement
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
@@ -317,4 +317,19 @@ def render(
         deferred_until=deferred_until,
         summary=summary,
         sites=verdicts,
+        deferral=_plan(rec.get("deferred")) if outcome == "deferred" else None,
+    )
+
+
+def _plan(planned: dict[str, Any] | None) -> DeferralPlan | None:
+    """A record's ``deferred`` as the API gives it; records of earlier releases lack the later keys."""
+    if not planned or "site" not in planned or "start" not in planned:
+        return None
+    risk = planned.get("deadline_risk")
+    return DeferralPlan(
+        site=planned["site"], start=datetime.fromisoformat(planned["start"]),
+        objective=planned.get("objective", "carbon"), value_then=planned.get("value_then"),
+        value_now=planned.get("value_now"), room_price_now=planned.get("room_price_now"),
+        now_site=planned.get("now_site"),
+        deadline_risk=DeadlineRisk(now=risk["now"], then=risk["then"]) if risk else None,
     )

@@ -27,7 +27,7 @@ from policies.runtime_risk import MIN_SAMPLES, RunTimeErrors, deferral_penalty, 
 from policies.timeshift import Deferral
 from tests.builders import job, site
 from tests.test_sim_engine import _clean_afternoons
-from tests.test_timeshift import FLAT, NOON, decide, green, request, snapshot
+from tests.test_timeshift import FLAT, NOON, decide, explained, green, request, snapshot
 
 
 def errors_of(ratios: list[float]) -> np.ndarray:
@@ -162,6 +162,8 @@ def test_a_priced_deferral_says_how_its_risk_to_the_deadline_grows() -> None:
     assert outcome.reason(snap.sites).endswith("the chance of missing its deadline, from how long recent jobs "
                                                "ran against their estimates, goes from 0.0% to 30.0%")
     assert outcome.as_dict(snap.sites)["deadline_risk"] == {"now": 0.0, "then": 0.3}
+    decision, _ = explained(green(miss_cost=1.0), outcome, snap, TIGHT)  # what GET /v1/jobs/{id}/decision gives
+    assert decision.model_dump(mode="json")["deferral"]["deadline_risk"] == {"now": 0.0, "then": 0.3}
     unpriced = decide(green(), TIGHT, snap)
     assert math.isnan(unpriced.risk_then) and unpriced.as_dict(snap.sites)["deadline_risk"] is None
     assert "chance of missing" not in unpriced.reason(snap.sites)

@@ -135,6 +135,22 @@ def test_the_deferral_names_both_forecasts_and_the_saving() -> None:
     assert f"({1 - then / now:.0%} less)" in outcome.reason(snap.sites)
 
 
+def test_the_decision_a_user_reads_gives_the_plan_its_forecasts_and_both_chances_of_a_miss() -> None:
+    snap = snapshot(NOON, FLAT)
+    req = request()
+    outcome = decide(green(), req, snap)
+    decision, _ = explained(green(), outcome, snap, req)
+    body = decision.model_dump(mode="json")["deferral"]  # as GET /v1/jobs/{id}/decision answers it
+    kw = 4 * TDP_KW[A100]
+    assert body["site"] == "ashburn" and body["start"] == "2022-06-10T15:00:00Z" and body["objective"] == "carbon"
+    assert body["value_then"] == pytest.approx(kw * 2 * 100.0 / 1000.0)
+    assert body["value_now"] == pytest.approx(kw * 2 * 300.0 / 1000.0) and body["now_site"] == "toronto"
+    assert body["room_price_now"] is None  # no room is kept for latency-bound jobs here
+    assert body["deadline_risk"] is None  # no finished jobs yet to price the risk from
+    placed = decide(green(), request(slack_h=72.0, deferrable=False), snap)
+    assert explained(green(), placed, snap, request(slack_h=72.0, deferrable=False))[0].deferral is None
+
+
 def test_a_plan_full_at_the_clean_hour_sends_the_job_to_the_next_best_start() -> None:
     # Ashburn's A100s are promised from hour 3 to 5 to deferred jobs: the next 2-hour window with room is
     # hours 5-7, still clean.
