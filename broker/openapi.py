@@ -262,7 +262,7 @@ def _paths() -> dict[str, Any]:
             "parameters": [name],
             "get": {
                 "summary": "The site's quota state per tenant, as the site reports it",
-                "parameters": [param("tenant")],
+                "parameters": [param("tenant", minLength=1)],
                 "responses": _answers(_json_body(_ref("SiteQuota"), "the quota state"), 400, 404, 501),
             },
         },
