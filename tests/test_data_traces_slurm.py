@@ -404,6 +404,29 @@ def test_a_time_zone_places_local_times_on_utc_and_a_run_across_a_clock_change_k
     assert as_utc[1].duration_s == 7200.0  # read as UTC, the skipped hour counts as run
 
 
+def test_a_job_that_ends_in_the_hour_the_clocks_repeat_before_its_start_on_the_clock_loads_with_its_real_length(
+        tmp_path: Path) -> None:
+    # New York's clocks went back from 02:00 EDT to 01:00 EST on 2024-11-03: a job started at 01:50 EDT that
+    # ran 20 minutes ended at 01:10 EST, which sacct writes as 01:10, ten minutes "before" its start.
+    path = sacct(tmp_path, HEADER + (
+        "7|ana|2024-11-03T01:40:00|2024-11-03T01:50:00|2024-11-03T01:10:00|COMPLETED|gres/gpu=1|04:00:00\n"
+        "8|ana|2024-11-03T01:20:00|2024-11-03T01:30:00|2024-11-03T01:45:00|COMPLETED|gres/gpu=1|04:00:00\n"
+        # submitted 01:55 EDT, started 01:05 EST (after 70 minutes in the queue), ended 03:00 EST: 1 h 55 min
+        "9|ana|2024-11-03T01:55:00|2024-11-03T01:05:00|2024-11-03T03:00:00|COMPLETED|gres/gpu=1|04:00:00\n"))
+    trace = load_trace(path, slurm(), time_zone="America/New_York")
+    assert [(j.submit, j.duration_s) for j in trace.jobs()] == [
+        (datetime(2024, 11, 3, 5, 20, tzinfo=UTC), 900.0),  # both ends in the first 01:xx, as the rule reads
+        (datetime(2024, 11, 3, 5, 40, tzinfo=UTC), 20 * 60.0),
+        (datetime(2024, 11, 3, 5, 55, tzinfo=UTC), 115 * 60.0)]
+    assert ("1 job ends before its start on the clock, in the hour the change of the clock in America/New_York "
+            "repeats; its end reads with the offset after the change (line 2).") in trace.report
+    assert ("1 job starts before its submit on the clock, in the hour the change of the clock in America/New_York "
+            "repeats; its start reads with the offset after the change (line 4).") in trace.report
+    assert not any("start before submission" in note for note in trace.report)
+    with pytest.raises(TraceError, match="line 2, column 'End' .*is before the start"):
+        load_trace(path, slurm())  # as UTC there is no second 01:10
+
+
 def test_an_unknown_time_zone_or_one_with_seconds_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="time zone 'Mars/Olympus' is unknown; give an IANA name"):
         load_trace(sacct(tmp_path), slurm(), time_zone="Mars/Olympus")

@@ -46,7 +46,9 @@ Units. Times are UTC. With ``time_format="iso"`` a time with an offset is conver
 is taken as UTC, or as a wall-clock time in ``time_zone`` where one is given (an IANA name such as
 ``America/New_York``: sacct writes the cluster's local times without an offset, so a dump read without it
 keeps its wall-clock hours but not their place against the carbon data's UTC hours; a time that a change of
-the clock repeats or skips reads with the offset in force before the change); with
+the clock repeats or skips reads with the offset in force before the change, except an ``end`` that would then
+come before its ``start``, or a ``start`` before its ``submit``, which reads with the offset after it: the
+job ran across the change); with
 ``time_format="seconds"`` a time is a number of seconds after ``origin`` (a timezone-aware datetime,
 required then). In the returned :class:`Trace`, ``submit_s`` is float64 seconds
 after the first submit (``Trace.start``), ``duration_s`` float64 seconds, ``gpus`` and ``milli`` int32.
@@ -407,6 +409,22 @@ def load_trace(
         assert origin is not None
         return column.numbers(role, "a number of seconds") + origin.timestamp()
 
+    def repeated_later(role: str, at: np.ndarray, earlier: np.ndarray, what: str) -> np.ndarray:
+        """``at``, the times of ``role``, where one comes before ``earlier`` (the time of ``what``) on the clock
+        only as the change of the clock that repeats an hour makes it (a job that started 01:50 EDT and ended
+        01:10 EST, which sacct writes as 01:50 and 01:10), read with the offset after the change (reported)."""
+        if zone is None or not (at < earlier).any():
+            return at
+        later = column.iso_times(role, zone, fold=1)
+        repeated = (at < earlier) & (later >= earlier)
+        k = int(repeated.sum())
+        if k:
+            verb, its = (f"{role}s", "its") if k == 1 else (role, "their")
+            report.append(f"{_n(k, 'job')} {verb} before {its} {what} on the clock, in the hour the change of the "
+                          f"clock in {zone.key} repeats; {its} {role} reads with the offset after the change "
+                          f"(line{'s' if k > 1 else ''} {_first_lines(line_arr[repeated])}).")
+        return np.where(repeated, later, at)
+
     submit_abs = times("submit")
     column.reject(~((submit_abs >= _FIRST_S) & (submit_abs <= _LAST_S)), "submit",
                   f"is not a time between {_FIRST:%Y-%m-%d} and {_LAST:%Y-%m-%d}")
@@ -416,7 +434,8 @@ def load_trace(
         column.reject(~(submit_abs + duration <= _LAST_S), "duration",
                       f"ends the job after {_LAST:%Y-%m-%d}; a duration is seconds, and this is too many")
     else:
-        started, ended = times("start"), times("end")
+        started = repeated_later("start", times("start"), submit_abs, "submit")
+        ended = repeated_later("end", times("end"), started, "start")
         column.reject(ended < started, "end", f"is before the start (column '{mapping.start}')")
         duration = ended - started
         early = int(np.count_nonzero(started < submit_abs))
@@ -836,13 +855,14 @@ class _Columns:
         self.reject(np.abs(out) > 2**31 - 1, role, "is too large")
         return out.astype(np.int32)
 
-    def iso_times(self, role: str, zone: ZoneInfo | None = None) -> np.ndarray:
+    def iso_times(self, role: str, zone: ZoneInfo | None = None, fold: int = 0) -> np.ndarray:
         """Seconds since 1970-01-01 UTC; naive times are wall-clock times in ``zone`` (UTC if none), others
-        converted."""
+        converted; a wall-clock time that a change of the clock repeats or skips reads with the offset before
+        the change (``fold`` 0) or after it (1)."""
         fast = _numpy_naive_times(self._raw(role, strip=False))
         if fast is not None:
             self.naive_times += len(fast)
-            return fast if zone is None else _wall_clock_to_utc(fast, zone)
+            return fast if zone is None else _wall_clock_to_utc(fast, zone, fold)
         raw = self._raw(role)
         out = np.empty(len(raw), dtype=np.float64)
         parse, naive_zone = datetime.fromisoformat, UTC if zone is None else zone
@@ -855,7 +875,7 @@ class _Columns:
                                  "2017-10-09T07:01:55+02:00)") from None
             if at.tzinfo is None:
                 naive += 1
-                at = at.replace(tzinfo=naive_zone)
+                at = at.replace(tzinfo=naive_zone, fold=fold)
             out[row] = at.timestamp()
         self.naive_times += naive
         return out
@@ -876,14 +896,15 @@ def time_zone_named(name: str) -> ZoneInfo:
                          "or UTC") from None
 
 
-def _wall_clock_to_utc(wall_s: np.ndarray, zone: ZoneInfo) -> np.ndarray:
+def _wall_clock_to_utc(wall_s: np.ndarray, zone: ZoneInfo, fold: int = 0) -> np.ndarray:
     """Seconds since the epoch of wall-clock times in ``zone`` given as if they were UTC (as numpy reads a
     naive time): each minute's offset is looked up once, with the offset in force before a change for a time
-    the change repeats or skips (``fold=0``). Clocks change on a whole minute everywhere."""
+    the change repeats or skips (``fold=0``), or after it (``fold=1``). Clocks change on a whole minute
+    everywhere."""
     minute = np.floor(wall_s / 60.0)
     distinct, inverse = np.unique(minute, return_inverse=True)
-    offset = np.array([zone.utcoffset(datetime(1970, 1, 1) + timedelta(minutes=float(m))).total_seconds()
-                       for m in distinct.tolist()], dtype=np.float64)
+    offset = np.array([zone.utcoffset((datetime(1970, 1, 1) + timedelta(minutes=float(m))).replace(fold=fold))
+                       .total_seconds() for m in distinct.tolist()], dtype=np.float64)
     return wall_s - offset[inverse]
 
 
