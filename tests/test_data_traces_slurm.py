@@ -367,6 +367,15 @@ def test_an_estimate_that_is_no_time_names_the_line_and_the_column(tmp_path: Pat
                                         "run-time estimate: give seconds, or a Slurm time")
 
 
+@pytest.mark.parametrize("cell", ["9" * 400 + ":00", "9" * 400 + "-00", "9" * 5000 + ":00"])
+def test_a_time_limit_too_large_for_a_number_names_the_line_not_a_traceback(tmp_path: Path, cell: str) -> None:
+    path = sacct(tmp_path, HEADER + "7|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|"
+                                    f"gres/gpu=1|{cell}\n")
+    with pytest.raises(TraceError) as caught:
+        load_trace(path, slurm())
+    assert str(caught.value).startswith(f"{path}: line 2, column 'Timelimit' (estimate): {cell!r} is too large")
+
+
 def test_the_policies_see_the_time_limit_and_jobs_without_one_keep_their_draw(tmp_path: Path) -> None:
     rows = ("7|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|gres/gpu=1|03:00:00\n"
             "8|ben|2024-03-04T09:05:00|2024-03-04T09:05:00|2024-03-04T09:35:00|COMPLETED|gres/gpu=2|UNLIMITED\n")
@@ -425,6 +434,14 @@ def test_a_job_that_ends_in_the_hour_the_clocks_repeat_before_its_start_on_the_c
     assert not any("start before submission" in note for note in trace.report)
     with pytest.raises(TraceError, match="line 2, column 'End' .*is before the start"):
         load_trace(path, slurm())  # as UTC there is no second 01:10
+
+
+def test_a_local_time_past_the_year_9999_names_the_line_as_it_does_without_a_time_zone(tmp_path: Path) -> None:
+    path = sacct(tmp_path, HEADER + "7|ana|10000-01-01T00:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|"
+                                    "gres/gpu=1|01:00:00\n")
+    for zone in (None, "America/New_York"):
+        with pytest.raises(TraceError, match="line 2, column 'Submit' .*is not a time between 1970-01-01 and 9000"):
+            load_trace(path, slurm(), time_zone=zone)
 
 
 def test_an_unknown_time_zone_or_one_with_seconds_is_refused(tmp_path: Path) -> None:

@@ -901,12 +901,18 @@ def _wall_clock_to_utc(wall_s: np.ndarray, zone: ZoneInfo, fold: int = 0) -> np.
     naive time): each minute's offset is looked up once, with the offset in force before a change for a time
     the change repeats or skips (``fold=0``), or after it (``fold=1``). Clocks change on a whole minute
     everywhere."""
-    minute = np.floor(wall_s / 60.0)
+    # A time outside the years a datetime can have (numpy reads 10000-01-01) takes the offset of the nearest
+    # one, as the range check after names it.
+    minute = np.clip(np.floor(wall_s / 60.0), _MIN_WALL_MINUTE, _MAX_WALL_MINUTE)
     distinct, inverse = np.unique(minute, return_inverse=True)
     offset = np.array([zone.utcoffset((datetime(1970, 1, 1) + timedelta(minutes=float(m))).replace(fold=fold))
                        .total_seconds() for m in distinct.tolist()], dtype=np.float64)
     return wall_s - offset[inverse]
 
+
+_MIN_WALL_MINUTE = (datetime(1, 1, 2) - datetime(1970, 1, 1)) // timedelta(minutes=1)
+_MAX_WALL_MINUTE = (datetime(9999, 12, 30) - datetime(1970, 1, 1)) // timedelta(minutes=1)
+"""The first and last minutes whose offset :func:`_wall_clock_to_utc` looks up, as minutes after 1970."""
 
 _NO_ESTIMATE = frozenset({"", "unlimited", "partition_limit", "none", "invalid"})
 """Cells of an ``estimate`` column that give no estimate (case-insensitive): Slurm's words for a job without
@@ -924,13 +930,16 @@ def _estimate_seconds(text: str) -> float:
         return float("nan")
     match = _SLURM_TIME.fullmatch(text)
     if match is not None:
-        g = {k: int(v) for k, v in match.groupdict().items() if v is not None}
-        if "d" in g:
-            seconds = ((g["d"] * 24 + g["dh"]) * 60 + g.get("dm", 0)) * 60 + g.get("ds", 0)
-        elif "c" in g:
-            seconds = (g["a"] * 60 + g["b"]) * 60 + g["c"]
-        else:
-            seconds = g["a"] * 60 + g["b"]  # M:S, as Slurm reads two fields
+        try:
+            g = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+            if "d" in g:
+                seconds = float(((g["d"] * 24 + g["dh"]) * 60 + g.get("dm", 0)) * 60 + g.get("ds", 0))
+            elif "c" in g:
+                seconds = float((g["a"] * 60 + g["b"]) * 60 + g["c"])
+            else:
+                seconds = float(g["a"] * 60 + g["b"])  # M:S, as Slurm reads two fields
+        except (ValueError, OverflowError):  # more digits than int() reads or a float holds
+            raise ValueError("is too large to be a run-time estimate") from None
     else:
         try:
             seconds = float(text)
