@@ -139,6 +139,20 @@ def test_a_tres_that_cannot_be_read_names_the_line_and_column(tmp_path: Path, tr
     assert message in str(caught.value)
 
 
+def test_a_bad_gpu_entry_names_its_first_line_and_cell_among_lists_that_differ_in_memory(tmp_path: Path) -> None:
+    # Lists are read by their GPU entries: the first of the two bad ones in the file is named, with its own cell.
+    rows = "".join(f"{7 + i}|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|{tres}|\n"
+                   for i, tres in enumerate(["cpu=8,gres/gpu=2,mem=64G", "cpu=8,gres/gpu=2,mem=32G",
+                                             "cpu=8,gres/gpu=two,mem=64G", "cpu=4,gres/gpu=two,mem=16G"]))
+    path = sacct(tmp_path, HEADER + rows)
+    with pytest.raises(TraceError) as caught:
+        load_trace(path, slurm())
+    assert str(caught.value).startswith(f"{path}: line 4, column 'AllocTRES' (tres): 'cpu=8,gres/gpu=two,mem=64G' "
+                                        "gives gres/gpu the count 'two'")
+    good = sacct(tmp_path, HEADER + rows.replace("gres/gpu=two", "gres/gpu:a100=3"), name="good.txt")
+    assert load_trace(good, slurm()).gpus.tolist() == [2, 2, 3, 3]
+
+
 def test_entries_that_are_not_gpus_are_not_read_whatever_their_names(tmp_path: Path) -> None:
     # A remote license is accounted as license/NAME@SERVER; its '@' stopped the load of the whole dump.
     path = one_row(tmp_path, "billing=8,cpu=8,gres/gpu=2,license/matlab@flexlm=1,mem=64G,node=1")

@@ -733,6 +733,8 @@ _TRES_FORMAT = "a Slurm TRES list (NAME=COUNT,...: e.g. cpu=8,gres/gpu=2,mem=64G
 _TRES_NAME = re.compile(r"[\w./:-]+")  # cpu, mem, billing, fs/disk, gres/gpu, gres/gpu:a100, license/x, bb/y
 _TRES_ANY = re.compile(r"[^=\s]+")  # an entry not read: any name and value without '=' or blanks
 _TRES_VALUE = re.compile(r"[\w.+-]+")  # 8, 64G, 1.50T (only the GPU counts are read, and must be whole numbers)
+_TRES_PLAIN = re.compile(r"[^=,\s]+=[^=,\s]+(?:,[^=,\s]+=[^=,\s]+)*")  # NAME=VALUE,... as sacct writes it
+_TRES_GPU_ENTRY = re.compile(r"(?:^|(?<=,))gres/gpu(?::[^=,]*)?=[^,]*")  # in such a list, its GPU entries
 
 
 def _parse_tres(text: str) -> tuple[int, dict[str, int], bool]:
@@ -773,16 +775,25 @@ def _read_tres(column: _Columns, mapping: ColumnMapping, whole: np.ndarray, *, d
     """GPUs (and, with ``model`` on the same column, the model) from a Slurm TRES column; each distinct
     text is parsed once, in the order of first appearance, so the first bad one is the first bad line."""
     raw = np.array(column._raw("tres"), dtype=str)
-    distinct, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+    texts, first_text, of_text = np.unique(raw, return_index=True, return_inverse=True)
+    # Only the GPU entries are read, so a list written as sacct writes it (NAME=VALUE,... without blanks) is
+    # parsed as its GPU entries alone: a dump's lists differ job by job in memory and billing, not in GPUs.
+    keys = np.array([",".join(_TRES_GPU_ENTRY.findall(t)) if _TRES_PLAIN.fullmatch(t) else t for t in texts.tolist()],
+                    dtype=str)
+    distinct, of_key = np.unique(keys, return_inverse=True)
+    first = np.full(len(distinct), len(raw), dtype=np.int64)
+    np.minimum.at(first, of_key, first_text)  # each key's first row
+    inverse = of_key[of_text]
     with_model = mapping.model == mapping.tres
     gpus = np.zeros(len(distinct), dtype=np.int64)
     types = np.empty(len(distinct), dtype=object)
     model = np.full(len(distinct), None, dtype=object)
     mismatch = np.zeros(len(distinct), dtype=bool)
     for k in np.argsort(first).tolist():
-        text, row = str(distinct[k]), int(first[k])
+        row = int(first[k])
+        text = str(raw[row])
         try:
-            gpus[k], typed, mismatch[k] = _parse_tres(text)
+            gpus[k], typed, mismatch[k] = _parse_tres(str(distinct[k]))
         except ValueError as exc:
             raise column._fail(row, "tres", text, str(exc)) from None
         if gpus[k] == 0 and not drop_cpu:
