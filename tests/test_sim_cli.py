@@ -247,6 +247,9 @@ def test_start_outside_the_carbon_data(files: dict[str, Path], capsys: pytest.Ca
     (("--compare", "all", "--whole-job-steps", "-1"), "--whole-job-steps -1: give a whole number"),
     (("--compare", "all", "--trace-from", "9999-12-31", "--days", "1"), "ends after the last date there is"),
     (("--compare", "all", "--latency", "/no/such.csv"), "--latency /no/such.csv: no such file"),
+    (("--compare", "all", "--time-format", "seconds", "--trace-timezone", "Europe/London"),
+     "--trace-timezone: applies to ISO times (--time-format iso) only"),
+    (("--compare", "all", "--origin", "2022-06-01T00:00:00+00:00"), "--origin: applies to --time-format seconds only"),
 ])
 def test_bad_flags(files: dict[str, Path], capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str) -> None:
     assert words in _error(capsys, _args(files, *flags))

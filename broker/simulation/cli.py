@@ -177,6 +177,11 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
     if not 0 <= args.whole_job_steps <= 100_000:
         raise SimulateUsage(f"--whole-job-steps {args.whole_job_steps}: give a whole number within [0, 100000], "
                             "e.g. 300")
+    if args.trace_timezone is not None and args.time_format != "iso":
+        raise SimulateUsage("--trace-timezone: applies to ISO times (--time-format iso) only; with --time-format "
+                            "seconds, --origin says when 0 s is")
+    if args.origin is not None and args.time_format != "seconds":
+        raise SimulateUsage("--origin: applies to --time-format seconds only; the trace's ISO times say when they are")
     mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
     zone_regions = _zone_regions(args.zone_regions)
     if zone_regions and args.sites:
