@@ -365,8 +365,12 @@ def test_jobs_without_a_time_limit_of_their_own_are_counted_and_left_to_the_draw
     trace = load_trace(sacct(tmp_path, HEADER + rows), slurm())
     assert np.isnan(trace.estimate_s[:5]).all() and trace.estimate_s[5] == 7200.0  # 2 h for a run of 55 min
     assert ("Run-time estimates read from column 'Timelimit' for 1 job (estimate / run time: median 2.18; 0% ran "
-            "past theirs); 5 give none (empty, UNLIMITED, Partition_Limit or 0) and get a drawn estimate."
-            ) in trace.report
+            "past theirs); 5 give none (empty, UNLIMITED, Partition_Limit, NONE, INVALID or 0) and get a drawn "
+            "estimate.") in trace.report
+    invalid = sacct(tmp_path, HEADER + "7|ana|2024-03-04T09:00:00|2024-03-04T09:00:00|2024-03-04T10:00:00|COMPLETED|"
+                                       "gres/gpu=1|INVALID\n", name="invalid.txt")
+    assert ("Run-time estimates read from column 'Timelimit' for 0 jobs; 1 gives none (empty, UNLIMITED, "
+            "Partition_Limit, NONE, INVALID or 0) and gets a drawn estimate.") in load_trace(invalid, slurm()).report
 
 
 @pytest.mark.parametrize("cell", ["-5", "soon", "1:2:3:4", "inf", "1-"])

@@ -29,7 +29,7 @@ says which column plays which role (the CLI's ``--columns submit=COL,duration=CO
   (sacct's ``Timelimit``): seconds as a number (as ``duration``), or a Slurm time with a colon or a dash
   (``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; sacct's ``Timelimit`` is
   ``[D-]HH:MM:SS``; its ``TimelimitRaw`` is minutes, so map ``Timelimit``). A job without one (an empty
-  cell, ``UNLIMITED``, ``Partition_Limit``, ``NONE``, or 0, which Slurm reads as no limit) gets the
+  cell, ``UNLIMITED``, ``Partition_Limit``, ``NONE``, ``INVALID``, or 0, which Slurm reads as no limit) gets the
   simulator's drawn estimate, and their count is reported. Where it is mapped, the policies see these
   estimates instead of the simulator's log-normal draw, as the live broker sees what a submitter writes.
 - ``job_id``: the job's id (optional): rows whose id is a Slurm job step (``123.batch``, ``123.extern``,
@@ -985,7 +985,9 @@ def _estimate_note(name: str, estimate: np.ndarray, duration: np.ndarray) -> str
         note += (f" (estimate / run time: median {np.median(ratio):.2f}; {np.mean(ratio < 1):.0%} ran past theirs)")
     missing = int(np.count_nonzero(~given))
     if missing:
-        note += f"; {missing} give none (empty, UNLIMITED, Partition_Limit or 0) and get a drawn estimate"
+        one = missing == 1
+        note += (f"; {missing} {'gives' if one else 'give'} none (empty, UNLIMITED, Partition_Limit, NONE, INVALID or "
+                 f"0) and {'gets' if one else 'get'} a drawn estimate")
     return note + "."
 
 
