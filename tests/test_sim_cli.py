@@ -250,6 +250,11 @@ def test_start_outside_the_carbon_data(files: dict[str, Path], capsys: pytest.Ca
     (("--compare", "all", "--time-format", "seconds", "--trace-timezone", "Europe/London"),
      "--trace-timezone: applies to ISO times (--time-format iso) only"),
     (("--compare", "all", "--origin", "2022-06-01T00:00:00+00:00"), "--origin: applies to --time-format seconds only"),
+    (("--compare", "all", "--days", "36550"), "--days 36550.0: give a number of days above 0 and at most 36,525"),
+    (("--compare", "all", "--trace-from", "9999-12-31T23:00:00-05:00"), "--trace-from '9999-12-31T23:00:00-05:00': "
+                                                                         "is after the last date there is"),
+    (("--compare", "all", "--start", "0001-01-01T00:00:00+01:00"), "--start '0001-01-01T00:00:00+01:00': "
+                                                                   "is before the first date there is"),
 ])
 def test_bad_flags(files: dict[str, Path], capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str) -> None:
     assert words in _error(capsys, _args(files, *flags))
@@ -308,6 +313,8 @@ def test_a_file_that_is_not_text_is_named_with_its_flag(files: dict[str, Path], 
     ("--window-h", "0", "--window-h 0: Input should be greater than 0"),
     ("--k", "-1", "--k -1: Input should be greater than or equal to 0"),
     ("--utilisation", "1e-9", "give a larger utilisation"),
+    ("--days", "36550", "--days 36550.0: give a number of days above 0 and at most 36,525"),
+    ("--trace-from", "9999-12-31T23:00:00-05:00", "--trace-from '9999-12-31T23:00:00-05:00': is after the last date"),
 ])
 def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[str, Path],
                                                                   capsys: pytest.CaptureFixture[str],

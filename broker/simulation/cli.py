@@ -136,7 +136,11 @@ def date_flag(flag: str, text: str | None) -> datetime | None:
         except ValueError:
             raise SimulateUsage(f"{flag} {text!r}: write an ISO date or time, e.g. 2017-10-01") from None
         value = datetime(d.year, d.month, d.day)
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:  # 9999-12-31T23:00:00-05:00 is in the year 10000 in UTC
+        where = "after the last" if value.year == datetime.max.year else "before the first"
+        raise SimulateUsage(f"{flag} {text!r}: is {where} date there is, in UTC") from None
 
 
 def _zone_regions(text: str | None) -> dict[str, str]:
@@ -166,8 +170,8 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         raise SimulateUsage(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
     if not 0 < args.utilisation <= 1:
         raise SimulateUsage(f"--utilisation {args.utilisation}: give a fraction above 0 and at most 1, e.g. 0.5")
-    if args.days is not None and not 0 < args.days <= 36_600:
-        raise SimulateUsage(f"--days {args.days}: give a number of days above 0 and at most 36,600")
+    if args.days is not None and not 0 < args.days <= 36_525:  # load_trace's limit, a hundred years
+        raise SimulateUsage(f"--days {args.days}: give a number of days above 0 and at most 36,525")
     if args.seed < 0:
         raise SimulateUsage(f"--seed {args.seed}: give a whole number, 0 or more")
     if not 0 <= args.checkpointable <= 1:

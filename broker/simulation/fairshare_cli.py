@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> str:
         raise QuotaSimulationError(f"--utilisation {args.utilisation}: give a fraction above 0 and at most 1")
     if not args.cycle_s > 0:
         raise QuotaSimulationError(f"--cycle-s {args.cycle_s}: give a number of seconds above 0")
-    if args.days is not None and not 0 < args.days <= 36_600:  # as simulate: the flag named, not load_trace's word
-        raise QuotaSimulationError(f"--days {args.days}: give a number of days above 0 and at most 36,600")
+    if args.days is not None and not 0 < args.days <= 36_525:  # as simulate: the flag named, not load_trace's word
+        raise QuotaSimulationError(f"--days {args.days}: give a number of days above 0 and at most 36,525")
     trace_from = date_flag("--trace-from", args.trace_from)
     if not Path(args.trace).exists():
         raise QuotaSimulationError(f"--trace {args.trace}: no such file")
