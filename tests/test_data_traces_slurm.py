@@ -450,8 +450,13 @@ def test_a_job_that_ends_in_the_hour_the_clocks_repeat_before_its_start_on_the_c
     assert ("1 job starts before its submit on the clock, in the hour the change of the clock in America/New_York "
             "repeats; its start reads with the offset after the change (line 4).") in trace.report
     assert not any("start before submission" in note for note in trace.report)
-    with pytest.raises(TraceError, match="line 2, column 'End' .*is before the start"):
-        load_trace(path, slurm())  # as UTC there is no second 01:10
+    with pytest.raises(TraceError) as caught:
+        load_trace(path, slurm())  # as UTC there is no second 01:10: the error says what to give
+    assert str(caught.value) == (
+        f"{path}: line 2, column 'End' (end): '2024-11-03T01:10:00' is before the start (column 'Start'); if the "
+        "trace's times are local times without an offset (as sacct writes them), a job that ran across the change of "
+        "the clock that repeats an hour ends before its start on the clock: give their time zone (time_zone=, the "
+        "CLI's --trace-timezone)")
 
 
 def test_a_local_time_past_the_year_9999_names_the_line_as_it_does_without_a_time_zone(tmp_path: Path) -> None:

@@ -436,7 +436,12 @@ def load_trace(
     else:
         started = repeated_later("start", times("start"), submit_abs, "submit")
         ended = repeated_later("end", times("end"), started, "start")
-        column.reject(ended < started, "end", f"is before the start (column '{mapping.start}')")
+        before = f"is before the start (column '{mapping.start}')"
+        local = ("; if the trace's times are local times without an offset (as sacct writes them), a job that ran "
+                 "across the change of the clock that repeats an hour ends before its start on the clock: give their "
+                 "time zone (time_zone=, the CLI's --trace-timezone)")
+        column.reject(ended < started, "end", lambda row, _: before + local  # within an hour, read as UTC
+                      if zone is None and time_format == "iso" and started[row] - ended[row] <= 3600 else before)
         duration = ended - started
         early = int(np.count_nonzero(started < submit_abs))
         if early:
