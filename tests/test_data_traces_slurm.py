@@ -506,3 +506,18 @@ def test_a_time_zone_given_for_times_that_all_carry_an_offset_is_said_to_be_unne
     trace = load_trace(path, slurm(), time_zone="America/New_York")
     assert trace.start == datetime(2024, 7, 1, 10, 0, tzinfo=UTC)
     assert "Every time carries its own offset; the time zone America/New_York was not needed." in trace.report
+
+
+def test_start_moves_the_trace_to_another_day_and_keeps_each_jobs_hour_of_the_day(slurm_run: dict[str, Path],
+                                                                                   capsys: pytest.CaptureFixture[str]
+                                                                                   ) -> None:
+    # The first job was submitted at midnight in São Paulo, 03:00 UTC: moved to 2022-06-02, it is submitted at
+    # 03:00 UTC there too, where the carbon data's hours of the day are the trace's (it used to land at 00:00).
+    out = slurm_run["tmp"] / "w"
+    argv = _simulate(slurm_run, "--cpu-jobs", "drop", "--trace-timezone", "America/Sao_Paulo", "--start", "2022-06-02",
+                     "--dump-workload", str(out))
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    with (out / "jobs.csv").open() as f:
+        submits = [j["submit_utc"] for j in csv.DictReader(f)]
+    assert submits[0].startswith("2022-06-02T03:00:00") and submits[1].startswith("2022-06-02T03:20:00")

@@ -79,7 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="mean GPU utilisation the default sites are sized for (default %(default)s)")
     s.add_argument("--trace-from", metavar="ISO-DATE", help="first day of the trace window")
     s.add_argument("--days", type=float, metavar="N", help="length of the trace window in days")
-    s.add_argument("--start", metavar="ISO-DATE", help="the carbon-data date the window's first instant maps to")
+    s.add_argument("--start", metavar="ISO-DATE", help="the carbon-data date the window's first instant (--trace-from, else the UTC "
+                   "midnight before the first submit) maps to")
     which = s.add_mutually_exclusive_group(required=True)
     which.add_argument("--policy", metavar="NAME", help=f"one of: {', '.join(POLICIES)}")
     which.add_argument("--compare", metavar="all", help=f"'all': {', '.join(COMPARED)}; or NAME,NAME,...")

@@ -146,8 +146,16 @@ def prepare(spec: SimulationSpec) -> Prepared:
                                          "or <zone>_ci.csv files)")
     report += [f"carbon: {r}" for r in carbon.report]
 
-    # --start maps the window's first instant (--trace-from, else the first submit); every offset is kept.
-    anchor = trace.span[0] if spec.trace_from is not None else trace.start
+    # --start maps the window's first instant (--trace-from, else the UTC midnight before the first submit, so
+    # that every job keeps its hour of the day against the carbon data's hours); every offset is kept. Without
+    # --start the first submit is the first instant: the trace keeps its dates and times where the carbon data
+    # covers them, else its month, day and time in another year.
+    if spec.trace_from is not None:
+        anchor = trace.span[0]
+    elif spec.start is not None:
+        anchor = trace.start.replace(hour=0, minute=0, second=0, microsecond=0)
+    else:
+        anchor = trace.start
     lead_s = (trace.start - anchor).total_seconds()
     needed_s = lead_s + float((trace.submit_s + trace.duration_s).max())
     mapped = _choose_start(spec.start, anchor, carbon, zones, needed_s, report)
