@@ -406,7 +406,7 @@ def test_the_policies_see_the_time_limit_and_jobs_without_one_keep_their_draw(tm
     assert with_limits.estimate_given.tolist() == [True, False]
     for name in ("deadline_s", "latency_slo_ms", "inflexible", "origin_region"):  # every other draw as it was
         np.testing.assert_array_equal(getattr(with_limits, name), getattr(drawn, name))
-    assert any("(the trace's own for 1 jobs, drawn for 1)" in line for line in with_limits.report)
+    assert any("(the trace's own for 1 job, drawn for 1)" in line for line in with_limits.report)
     assert any("Estimated / true duration (drawn)" in line for line in drawn.report)
 
 

@@ -323,7 +323,7 @@ class Workload:
                          f"{np.median(slack_h):.1f} h) before they must start.")
         own = int(np.count_nonzero(self.estimate_given))
         source = ("drawn" if not own else "the trace's own" if own == n else
-                  f"the trace's own for {own} jobs, drawn for {n - own}")
+                  f"the trace's own for {own} job{'s' * (own != 1)}, drawn for {n - own}")
         lines.append(f"Estimated / true duration ({source}): median {np.median(ratio):.3f}, mean {ratio.mean():.3f}.")
         return lines
 
