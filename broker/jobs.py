@@ -67,17 +67,29 @@ LOAD_PAGE = 10_000
 """Jobs read per query when the book loads: the whole queue is never held twice, as documents and as jobs."""
 
 
-def _digests(body: bytes) -> tuple[str, str]:
-    """The digest a new job keeps for its idempotency key, the body's canonical JSON (keys sorted, no
-    whitespace), and the digest of the body's bytes, which releases before 2026-11-29 kept: a retry matches
-    either. A body that is not JSON (a caller's own bytes) is digested as it is, twice."""
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or an exponent, as the canonical body writes it: a whole one as an integer
+    (``60.0`` and ``6e1`` are the number ``60``), within the integers a float holds exactly."""
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) <= 2**53 else value
+
+
+def _digests(body: bytes) -> tuple[str, ...]:
+    """The digest a new job keeps for its idempotency key first, then the others a retry may match: the body's
+    canonical JSON (keys sorted, no whitespace, each number as its value: ``60.0`` is ``60``), the same
+    without the numbers made so (which releases before 2026-11-30 kept), and the digest of the body's bytes
+    (kept before 2026-11-29). A body that is not JSON (a caller's own bytes) is digested as it is."""
     raw = hashlib.sha256(body).hexdigest()
+
+    def digest(**parse: object) -> str:
+        canonical = json.dumps(json.loads(body, **parse), sort_keys=True, separators=(",", ":"),  # type: ignore[arg-type]
+                               ensure_ascii=False, allow_nan=False)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
     try:
-        canonical = json.dumps(json.loads(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                               allow_nan=False)
+        return digest(parse_float=_number), digest(), raw
     except ValueError:  # (not JSON, or NaN in it)
-        return raw, raw
-    return hashlib.sha256(canonical.encode()).hexdigest(), raw
+        return (raw,)
 
 
 class IdempotencyConflict(ValueError):
@@ -214,12 +226,13 @@ class JobBook:
         """Store a new job durably; return (job, created). With a repeated key, return the first job."""
         if idempotency_key is None:
             return await self._create(spec, None, None), True
-        digest, also = _digests(body if body is not None else spec.model_dump_json().encode())
+        digests = _digests(body if body is not None else spec.model_dump_json().encode())
+        digest = digests[0]
         slot = (spec.tenant, idempotency_key)
         pending = self._inflight_keys.get(slot)
         if pending is not None:  # the same key is being submitted right now: share its outcome
             job, first_digest = await asyncio.shield(pending)
-            return self._replay(job, (digest, also), first_digest), False
+            return self._replay(job, digests, first_digest), False
         # Claim the key before the first await, so a concurrent duplicate waits instead of racing.
         fut: asyncio.Future[tuple[Job, str | None]] = asyncio.get_running_loop().create_future()
         self._inflight_keys[slot] = fut
@@ -245,10 +258,10 @@ class JobBook:
             raise
         finally:
             del self._inflight_keys[slot]
-        return self._replay(job, (digest, also), first_digest), created
+        return self._replay(job, digests, first_digest), created
 
     @staticmethod
-    def _replay(job: Job, digests: tuple[str, str], first_digest: str | None) -> Job:
+    def _replay(job: Job, digests: tuple[str, ...], first_digest: str | None) -> Job:
         if first_digest is not None and first_digest not in digests:
             raise IdempotencyConflict(
                 f"Idempotency-Key was first used for job {job.id} with a different body; use a new key"

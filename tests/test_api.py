@@ -375,6 +375,41 @@ async def test_a_retry_with_the_same_json_in_another_order_or_spacing_is_a_repla
     assert (await first.json())["id"] == (await again.json())["id"]
 
 
+async def test_a_retry_that_writes_a_number_another_way_is_a_replay_not_a_conflict(client: TestClient):
+    """A client whose serialiser writes 60 as 60.0 (or 6e1) on its retry sent the same job, and was answered
+    409; a different number is still a different body."""
+    import json as _json
+
+    def post(duration: str, key: str = "n1"):
+        text = _json.dumps({**MINIMAL, "name": "numbers", "duration_s": 0}).replace('"duration_s": 0',
+                                                                                    f'"duration_s": {duration}')
+        return client.post("/v1/jobs", data=text, headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+
+    first = await post("60")
+    replays = [await post(written) for written in ("60.0", "6e1", "60.00")]
+    assert first.status == 201 and all(r.status == 201 for r in replays), [await r.text() for r in replays]
+    assert {(await r.json())["id"] for r in replays} == {(await first.json())["id"]}
+    assert all(r.headers["Idempotent-Replayed"] == "true" for r in replays)
+    assert (await post("60.5")).status == 409
+
+
+async def test_a_key_stored_by_the_release_before_still_matches_a_retry_of_the_same_json(client: TestClient):
+    """The release before kept the digest of the canonical JSON with its numbers as written."""
+    import hashlib
+    import json as _json
+
+    from broker.models import JobSpec
+
+    raw = _json.dumps({**MINIMAL, "name": "old", "duration_s": 60.0}).encode()
+    canonical = _json.dumps(_json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    book = client.broker.book  # type: ignore[attr-defined]
+    old = await book._create(JobSpec.model_validate_json(raw), "k-before",
+                             hashlib.sha256(canonical.encode()).hexdigest())
+    again = await client.post("/v1/jobs", data=_json.dumps(dict(reversed(_json.loads(raw).items()))),  # reordered
+                              headers={"Idempotency-Key": "k-before", "Content-Type": "application/json"})
+    assert again.status == 201 and (await again.json())["id"] == old.id
+
+
 async def test_a_key_stored_by_an_earlier_release_still_matches_a_retry_of_the_same_bytes(client: TestClient):
     """Releases before this one kept the digest of the body's bytes; a retry across the upgrade is a replay."""
     import hashlib
