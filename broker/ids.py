@@ -28,12 +28,15 @@ class UnknownIdentifier(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class GpuModel:
-    """One canonical GPU model: its id, memory per GPU, board power and every alias it is known by."""
+    """One canonical GPU model: its id, memory per GPU, board power, every alias it is known by, and whether it
+    can be partitioned into MIG slices (NVIDIA's Multi-Instance GPU: A100, H100, H200, B200, RTX PRO 6000
+    Blackwell; not L4, L40S, A10G, T4, V100 or P100)."""
 
     id: str
     memory_gib: int
     tdp_w: int
     aliases: tuple[str, ...]
+    mig: bool = False
 
 
 # One row per canonical model. Aliases are matched after normalisation (lower case, runs of spaces and
@@ -42,19 +45,20 @@ GPU_MODELS: tuple[GpuModel, ...] = (
     GpuModel("a100-40gb", 40, 400, (
         "a100", "nvidia-a100", "nvidia-tesla-a100", "a100-sxm4-40gb", "nvidia-a100-sxm4-40gb",
         "a100-pcie-40gb", "nvidia-a100-pcie-40gb", "a2-highgpu", "a2-megagpu", "p4d",
-    )),
+    ), mig=True),
     GpuModel("a100-80gb", 80, 400, (
         "nvidia-a100-80gb", "a100-sxm4-80gb", "nvidia-a100-sxm4-80gb", "a100-80gb-pcie",
         "nvidia-a100-80gb-pcie", "a2-ultragpu", "p4de",
-    )),
+    ), mig=True),
     GpuModel("h100-80gb", 80, 700, (
         "h100", "nvidia-h100", "nvidia-h100-80gb", "nvidia-h100-80gb-hbm3", "h100-sxm5-80gb",
         "nvidia-h100-sxm5-80gb", "h100-80gb-hbm3", "h100-80gb-mega", "nvidia-h100-mega-80gb",
         "nvidia-h100-pcie", "h100-pcie", "h100-pcie-80gb", "a3-highgpu", "a3-megagpu", "p5",
-    )),
-    GpuModel("h100-94gb", 94, 400, ("h100-nvl", "nvidia-h100-nvl", "nvidia-h100-94gb")),
-    GpuModel("h200-141gb", 141, 700, ("h200", "nvidia-h200", "nvidia-h200-141gb", "a3-ultragpu", "p5e", "p5en")),
-    GpuModel("b200-180gb", 180, 1000, ("b200", "nvidia-b200", "a4-highgpu", "p6-b200")),
+    ), mig=True),
+    GpuModel("h100-94gb", 94, 400, ("h100-nvl", "nvidia-h100-nvl", "nvidia-h100-94gb"), mig=True),
+    GpuModel("h200-141gb", 141, 700, ("h200", "nvidia-h200", "nvidia-h200-141gb", "a3-ultragpu", "p5e", "p5en"),
+             mig=True),
+    GpuModel("b200-180gb", 180, 1000, ("b200", "nvidia-b200", "a4-highgpu", "p6-b200"), mig=True),
     GpuModel("l4", 24, 72, ("nvidia-l4", "l4-24gb", "g2-standard", "g6")),
     GpuModel("l40s-48gb", 48, 350, ("l40s", "nvidia-l40s", "g6e")),
     GpuModel("a10g-24gb", 24, 150, ("a10g", "nvidia-a10g", "g5")),
@@ -67,7 +71,7 @@ GPU_MODELS: tuple[GpuModel, ...] = (
     GpuModel("p100-16gb", 16, 250, ("p100", "tesla-p100", "nvidia-tesla-p100", "tesla-p100-pcie-16gb")),
     GpuModel("rtx-pro-6000", 96, 600, (
         "rtx6000", "rtx-6000", "nvidia-rtx-pro-6000", "nvidia-rtx-pro-6000-blackwell-server-edition", "g4-standard",
-    )),
+    ), mig=True),
 )
 
 _SEP = re.compile(r"[\s_]+")

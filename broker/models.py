@@ -702,6 +702,15 @@ class GpuRequest(Spec):
             if memory > MAX_GPU_MEMORY_GIB:
                 return (f"mig_profile: {self.mig_profile} needs {memory} GiB, more than any GPU a site may have "
                         f"({MAX_GPU_MEMORY_GIB} GiB)")
+            if self.model is not None:
+                gpu = ids.GPU_MODEL_BY_ID[self.model]
+                if not gpu.mig:
+                    capable = ", ".join(m.id for m in ids.GPU_MODELS if m.mig)
+                    return (f"mig_profile: {self.model} GPUs cannot be partitioned into MIG slices; ask for a model "
+                            f"that can ({capable}), or leave model out")
+                if memory > gpu.memory_gib:
+                    return (f"mig_profile: {self.mig_profile} needs {memory} GiB, more than {self.model} GPUs have "
+                            f"({gpu.memory_gib} GiB)")
         return None
 
     @property
