@@ -780,6 +780,10 @@ def _event_filter(request: web.Request) -> Callable[[Event], bool]:
         if name not in EVENT_FILTERS:
             raise ApiError(400, f"unknown query parameter {name!r}; the stream filters by {', '.join(EVENT_FILTERS)}",
                            [{"field": name, "problem": "unknown parameter"}])
+    for name in ("tenant", "site", "job"):  # (as on the job list: an empty one would match no event, for ever)
+        if q.get(name) == "":
+            raise ApiError(400, f"{name} is empty; give a {name}'s name, or leave the parameter out",
+                           [{"field": name, "problem": "empty"}])
     tenant, site, job = q.get("tenant"), q.get("site"), q.get("job")
     types = frozenset(t for t in q.get("type", "").split(",") if t) or None
     if types is not None and not types <= set(EVENT_TYPES):

@@ -286,7 +286,8 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 out = jobs if isinstance(doc, list) else jobs[0]
                 text = table([_job_row(j) for j in jobs], ["id", "tenant", "name", "gpus", "state"])
             case "jobs":
-                params = {k: v for k, v in (("state", args.state), ("tenant", args.tenant), ("site", args.site)) if v}
+                params = {k: v for k, v in (("state", args.state), ("tenant", args.tenant), ("site", args.site))
+                          if v is not None}  # (an empty one is sent: the broker refuses it, naming it)
                 params["limit"] = str(min(args.limit, 1000))
                 out = await c.list_all("/v1/jobs", params, limit=args.limit)
                 text = table([_job_row(j) for j in out], ["id", "tenant", "name", "gpus", "state", "site", "attempt", "updated"])
@@ -338,7 +339,7 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 elif args.remove:
                     out = await c.request("DELETE", f"{path}/{_part(args.remove)}")
                 else:
-                    out = await c.request("GET", path, params={"tenant": args.tenant} if args.tenant else None)
+                    out = await c.request("GET", path, params={"tenant": args.tenant} if args.tenant is not None else None)
                 text = show_quota(out)
             case _:
                 raise CliError(f"unknown command {args.command}")
@@ -349,7 +350,7 @@ async def _watch(c: Client, args: argparse.Namespace) -> None:
     """Print events as they come until interrupted; reconnects (resuming after the last event) when the
     stream breaks, as when the broker restarts or leadership moves."""
     params = {k: v for k, v in (("tenant", args.tenant), ("site", args.site), ("job", args.job),
-                                ("type", args.type)) if v}
+                                ("type", args.type)) if v is not None}
     last: int | None = args.after
     while True:
         try:
@@ -518,6 +519,17 @@ def _seconds_range(text: str) -> tuple[float, float]:
     return low, high
 
 
+
+def _at_least_one(text: str) -> int:
+    """A count flag's value: a whole number, 1 or more (argparse names the flag when this refuses)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="heliotrope", description="Federated multi-cluster GPU job broker")
     p.add_argument("--server", default=os.environ.get("HELIOTROPE_URL", DEFAULT_SERVER),
@@ -558,7 +570,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--state")
     s.add_argument("--tenant")
     s.add_argument("--site")
-    s.add_argument("--limit", type=int, default=50)
+    s.add_argument("--limit", type=_at_least_one, default=50)
     for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
         sub.add_parser(name, parents=[common], help=help_text).add_argument("id")
     s = sub.add_parser("sites", parents=[common], help="list, get, add, remove, cordon or uncordon sites")
@@ -589,7 +601,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--site", help="only this site and the jobs on it")
     s.add_argument("--job", help="only this job")
     s.add_argument("--type", help="only these types, comma-separated: transition,decision,deferral,preemption,site")
-    s.add_argument("--count", type=int, help="stop after this many events")
+    s.add_argument("--count", type=_at_least_one, help="stop after this many events")
     s.add_argument("--after", type=int, metavar="ID", help="start after this event id (0: every event the broker "
                                                            "still holds, up to 10,000); default: from now")
     s = sub.add_parser("token", help="create, list or revoke API tokens (in the broker's database)")

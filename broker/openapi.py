@@ -333,7 +333,7 @@ def _paths() -> dict[str, Any]:
                 "summary": "Live events (server-sent events) until the client leaves; a replica that does not "
                            "lead relays the leader's stream",
                 "parameters": [
-                    param("tenant"), param("site"), param("job"),
+                    param("tenant", minLength=1), param("site", minLength=1), param("job", minLength=1),
                     param("type", description=f"comma-separated, among {', '.join(EVENT_TYPES)}"),
                     param("last_event_id", pattern="^[0-9]+$"), param("Last-Event-ID", "header", pattern="^[0-9]+$"),
                 ],

@@ -134,6 +134,10 @@ def test_an_agent_whose_site_cannot_start_says_why_in_one_line(capsys, tmp_path,
         pytest.param(("cancel", "nope"), "no job with id nope", id="cancelling an unknown job is a message"),
         pytest.param(("sites", "get", "nowhere"), "no site named nowhere", id="an unknown site is a message"),
         pytest.param(("submit", "/does/not/exist.yaml"), "cannot read", id="a missing file is a message"),
+        pytest.param(("jobs", "--tenant", ""), "tenant is empty",
+                     id="an empty tenant filter (an unset variable) is refused, not dropped to list every job"),
+        pytest.param(("watch", "--tenant", ""), "tenant is empty",
+                     id="an empty filter on the stream is refused, not a stream that never shows an event"),
     ],
 )
 def test_errors_are_one_line_messages_not_tracebacks(capsys, server, args, message):
@@ -395,3 +399,13 @@ def test_the_database_named_in_the_environment_is_the_one_the_broker_opens(comma
     assert main([command, "--config", demo_config]) == 0
     assert main([command, "--config", demo_config, "--db", str(tmp_path / "flag.db")]) == 0
     assert opened == ["var/demo.db", str(tmp_path / "env.db"), str(tmp_path / "flag.db")]
+
+
+@pytest.mark.parametrize("argv", [("watch", "--count", "0"), ("jobs", "--limit", "-1")],
+                         ids=["watch --count 0 (it printed one event)", "jobs --limit -1"])
+def test_a_count_below_one_is_a_usage_error_naming_the_flag(capsys, argv):
+    with pytest.raises(SystemExit) as caught:
+        main(list(argv))
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[1]}: {argv[2]} is less than 1" in err and "Traceback" not in err
