@@ -75,7 +75,8 @@ def _if(field: str, holds: dict[str, Any], then: dict[str, Any]) -> dict[str, An
 _BEYOND_THE_SCHEMA = {
     "SiteSpec": "usd_per_gpu_hour prices only models its gpus have; at most 200,000 GPUs in all; each tenant at most "
                 "once in quotas; a node group's mig_profiles fit its GPUs' memory; an mqtt adapter needs broker.mqtt",
-    "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose",
+    "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
+               "a mig_profile no larger than the GPUs of its model",
 }
 
 
@@ -97,6 +98,9 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
         _if("shared", {"const": True},
             {"required": ["memory_gib"], "properties": {"count": {"const": 1}, "memory_gib": {"type": "number"}}}),
         _if("mig_profile", {"type": "string"}, {"properties": {"milli": {"const": 1000}, "shared": {"const": False}}}),
+        {"if": {"required": ["mig_profile", "model"],  # MIG slices of a model name one that has MIG
+                "properties": {"mig_profile": {"type": "string"}, "model": {"type": "string"}}},
+         "then": {"properties": {"model": {"enum": [m.id for m in ids.GPU_MODELS if m.mig]}}}},
     ]
     job["allOf"] = [
         _if("latency_slo_ms", {"type": "number"},
