@@ -256,7 +256,8 @@ def _check_all(docs: list[Any], model: type[BaseModel], what: str) -> None:
             model.model_validate(doc)
         except ValidationError as e:
             where = f"{what} {i + 1} of {len(docs)}" if len(docs) > 1 else what
-            lines += [f"{where}: {p['field']}: {p['problem']}" for p in problems(e)]
+            lines += [f"{where}: {p['problem']}" if p["field"] == "(body)" else f"{where}: {p['field']}: {p['problem']}"
+                      for p in problems(e)]
     if lines:
         raise CliError("nothing was sent; fix these first:\n  " + "\n  ".join(lines))
 

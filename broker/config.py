@@ -201,7 +201,9 @@ def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError("\n".join(f"{p}: {d['field']}: {d['problem']}" for d in problems(e))) from None
+        # (a check of the whole file names its fields in its own words: "(body)", the API's, names nothing here)
+        raise ConfigError("\n".join(f"{p}: {d['problem']}" if d["field"] == "(body)" else
+                                    f"{p}: {d['field']}: {d['problem']}" for d in problems(e))) from None
 
 
 ENV_PREFIX = "HELIOTROPE_BROKER__"

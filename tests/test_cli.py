@@ -332,6 +332,18 @@ def test_a_job_list_refused_part_way_says_which_jobs_went_in(capsys, server, tmp
     assert f"the 1 before it were accepted ({first[0]['id']}); send the rest again from job 2" in err
 
 
+def test_a_site_file_whose_site_does_not_hold_together_names_the_field_without_an_api_placeholder(
+        capsys, server, tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text("name: gamma\nregion: gcp:us-east1\ngrid_zone: DE\ntimezone: Europe/Berlin\nlatitude: 0\n"
+                    "longitude: 0\ngpus: [{model: a100-80gb, gpus_per_node: 8, nodes: 1}]\n"
+                    "usd_per_gpu_hour: {h100-80gb: 3}\n")
+    code, _, err = run(capsys, server, "sites", "add", str(path))
+    assert code == 1
+    assert "  site: usd_per_gpu_hour prices h100-80gb, which no node group of this site has" in err
+    assert "(body)" not in err
+
+
 def test_an_unquoted_yaml_deadline_is_read_as_the_time_it_names(capsys, server, tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("tenant: t1\nname: dated\ngpus: {count: 1}\nduration_s: 60\ndeadline: 2030-01-01T00:00:00Z\n")

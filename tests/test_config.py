@@ -174,6 +174,21 @@ def test_every_problem_in_a_file_is_reported_on_its_own_line(tmp_path: Path) -> 
     assert {line.split(": ")[1] for line in lines} == {"brokers", "sites[0].latitude", "sites[0].gpus[0].model"}
 
 
+def test_a_check_of_the_whole_file_names_the_field_without_an_api_placeholder(tmp_path: Path) -> None:
+    """Two sites of one name, or a quota beyond its site, were reported as ``file: (body): ...``: the API's word
+    for a request body, which names nothing in a file."""
+    quota = "    quotas: [{tenant: vision, guaranteed_gpus: 100}]\n"
+    for text, expected in [
+        ("sites:\n" + site_yaml("ashburn") + site_yaml("ashburn"), "site names must be unique; repeated: ashburn"),
+        ("sites:\n" + site_yaml("ashburn") + quota, "sites[0].quotas[0].guaranteed_gpus: 100 is more than the site's"),
+    ]:
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert str(err.value).startswith(f"{path}: {expected}")
+        assert "(body)" not in str(err.value)
+
+
 def test_invalid_yaml_reports_the_line_and_column(tmp_path: Path) -> None:
     path = write(tmp_path, "broker:\n  port: 8080\nsites: [\n  {name: a,\n")
     with pytest.raises(ConfigError) as err:
