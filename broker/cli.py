@@ -205,7 +205,9 @@ def _load_document(path: str) -> Any:
     except UnicodeDecodeError as e:
         raise CliError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
-        return _plain(yaml.safe_load(text))  # YAML is a superset of JSON
+        from broker.config import UniqueKeyLoader  # (a key written twice is refused, not half dropped)
+
+        return _plain(yaml.load(text, Loader=UniqueKeyLoader))  # noqa: S506 - a SafeLoader; YAML is a superset of JSON
     except yaml.YAMLError as e:
         raise CliError(f"{path}: neither valid YAML nor JSON: {e}") from None
 

@@ -178,6 +178,29 @@ class FederationConfig(BaseModel):
 T = TypeVar("T", bound=BaseModel)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key written twice in one mapping is an error at its line: the plain loader keeps
+    the last and drops the first without a word (a second ``broker:`` at the end of a file threw the first
+    away). A key of a merged anchor (``<<: *base``) may still be written again, to override it."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                repeated = key in seen
+            except TypeError:  # (an unhashable key: the safe loader refuses it itself)
+                continue
+            if repeated:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in the same mapping (YAML would keep only the "
+                                "second); keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
     """A YAML file validated as ``model``. :class:`ConfigError` names the file and, for each problem, the
     field (``top_level`` says what the file's top level must hold when it is not a mapping)."""
@@ -189,7 +212,7 @@ def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -332,6 +332,17 @@ def test_a_job_list_refused_part_way_says_which_jobs_went_in(capsys, server, tmp
     assert f"the 1 before it were accepted ({first[0]['id']}); send the rest again from job 2" in err
 
 
+def test_a_job_file_with_a_key_written_twice_sends_nothing_and_names_the_line(capsys, server, tmp_path):
+    # YAML keeps the second of two equal keys: the job below would have run on 8 GPUs, not the 1 asked first.
+    path = tmp_path / "job.yaml"
+    path.write_text("tenant: t1\nname: twice\ngpus: {count: 1}\nduration_s: 60\ngpus: {count: 8}\n")
+    code, _, err = run(capsys, server, "submit", str(path))
+    assert code == 1 and "Traceback" not in err
+    assert "the key 'gpus' appears twice" in err and "line 5" in err
+    code, out, _ = run(capsys, server, "--json", "jobs")
+    assert json.loads(out) == []
+
+
 def test_a_site_file_whose_site_does_not_hold_together_names_the_field_without_an_api_placeholder(
         capsys, server, tmp_path):
     path = tmp_path / "site.yaml"

@@ -189,6 +189,29 @@ def test_a_check_of_the_whole_file_names_the_field_without_an_api_placeholder(tm
         assert "(body)" not in str(err.value)
 
 
+@pytest.mark.parametrize("text", [
+    pytest.param("broker:\n  port: 8080\n  db: var/a.db\n  port: 9090\n", id="a setting written twice"),
+    pytest.param("broker: {port: 8080}\nsites: []\nbroker: {db: var/b.db}\n", id="a second broker section"),
+    pytest.param("sites:\n" + site_yaml("ashburn") + "    gpus: [{model: h100-80gb, gpus_per_node: 8, nodes: 1}]\n",
+                 id="a site's gpus written twice"),
+])
+def test_a_key_written_twice_is_refused_naming_its_line_not_silently_half_ignored(tmp_path: Path, text: str) -> None:
+    """YAML keeps the last of two equal keys, so the first was dropped without a word: a second ``broker:`` at
+    the end of a file threw away every setting of the first."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"^" + re.escape(f"{path}: not valid YAML (line ") + r"\d+, column \d+\): "
+                                          r"the key '\w+' appears twice"):
+        load_config(path)
+
+
+def test_a_merged_anchor_may_still_be_overridden_by_a_key_of_its_own(tmp_path: Path) -> None:
+    text = "sites:\n" + site_yaml("ashburn").replace("  - name", "  - &first\n    name") + (
+        "  - <<: *first\n    name: boston\n    latitude: 42.4\n")
+    sites = load_config(write(tmp_path, text)).sites
+    assert [(s.name, s.latitude, s.region) for s in sites] == [("ashburn", 33.2, "gcp:us-east1"),
+                                                               ("boston", 42.4, "gcp:us-east1")]
+
+
 def test_invalid_yaml_reports_the_line_and_column(tmp_path: Path) -> None:
     path = write(tmp_path, "broker:\n  port: 8080\nsites: [\n  {name: a,\n")
     with pytest.raises(ConfigError) as err:
