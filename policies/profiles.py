@@ -159,9 +159,10 @@ class ProfilesConfig(BaseModel):
     @model_validator(mode="after")
     def _names_exist(self) -> ProfilesConfig:
         known = set(BUILTIN) | set(self.definitions)
-        for name in [self.default, *self.job_may_choose]:
+        named = [("default", self.default), *((f"job_may_choose[{i}]", n) for i, n in enumerate(self.job_may_choose))]
+        for field, name in named:
             if name is not None and name not in known:
-                raise ValueError(f"profile {name!r} is not defined; profiles are: {', '.join(sorted(known))}")
+                raise ValueError(f"{field}: profile {name!r} is not defined; profiles are: {', '.join(sorted(known))}")
         return self
 
     def weights(self, name: str) -> dict[str, float]:

@@ -145,6 +145,16 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             id="a price list without its path names the path",
         ),
         pytest.param(
+            "broker: {profiles: {default: grean}}\n",
+            ["broker.profiles: default: profile 'grean' is not defined; profiles are: balanced, cheap, fast, green"],
+            id="a misspelt default profile names the default, not only the profiles",
+        ),
+        pytest.param(
+            "broker: {profiles: {default: green, job_may_choose: [green, nearest]}}\n",
+            ["broker.profiles: job_may_choose[1]: profile 'nearest' is not defined"],
+            id="a profile jobs may choose that is not defined names its place in job_may_choose",
+        ),
+        pytest.param(
             "- just\n- a list\n",
             ["the top level must be a mapping with 'broker' and 'sites'"],
             id="a list at the top level is refused with what is expected instead",
