@@ -68,6 +68,23 @@ def test_the_demo_config_forecasts_carbon_from_the_shipped_slice(demo: Federatio
     assert demo.broker.carbon_forecast.replay_day is not None
 
 
+def test_the_readme_green_profile_copied_into_a_config_is_the_built_in_green(tmp_path: Path) -> None:
+    """The README shows ``green`` written out in full under *Configure it per profile*; an operator who starts
+    from that block to tune it must not lose what the built-in does unasked (it lacked ``migrate``, so copying
+    it stopped every move of running work)."""
+    from policies.profiles import ProfilesConfig
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "default: green" in b and "definitions" in b]
+    assert len(blocks) == 1
+    written = load_config(write(tmp_path, blocks[0])).broker.profiles
+    assert "green" in written.definitions
+    built_in = ProfilesConfig()
+    assert written.weights("green") == built_in.weights("green")
+    assert written.shift("green") == built_in.shift("green")
+    assert written.migrate("green") == built_in.migrate("green")
+
+
 def test_provider_paths_are_read_relative_to_the_config_file(tmp_path: Path) -> None:
     path = write(tmp_path, "broker:\n  carbon: {kind: files, path: carbon}\n"
                            "  prices: {kind: files, path: /abs/prices.csv}\n")
