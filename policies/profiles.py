@@ -20,6 +20,7 @@ profile or add one; an unknown scorer or a negative weight is an error naming th
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -144,6 +145,10 @@ class Profile(BaseModel):
         return weights
 
 
+JOB_PROFILE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+"""The names a job spec's ``profile`` may hold (``broker.models.JobSpec.profile``)."""
+
+
 class ProfilesConfig(BaseModel):
     """``profiles:`` in the federation config: the default profile, the ones jobs may ask for, and
     definitions that add profiles or replace built-in ones."""
@@ -163,6 +168,10 @@ class ProfilesConfig(BaseModel):
         for field, name in named:
             if name is not None and name not in known:
                 raise ValueError(f"{field}: profile {name!r} is not defined; profiles are: {', '.join(sorted(known))}")
+        for i, name in enumerate(self.job_may_choose):
+            if not JOB_PROFILE_NAME.fullmatch(name):
+                raise ValueError(f"job_may_choose[{i}]: no job can name profile {name!r}: a job spec's profile is 1-63 "
+                                 "lower-case letters, digits or '-', starting with a letter or digit; rename it")
         return self
 
     def weights(self, name: str) -> dict[str, float]:

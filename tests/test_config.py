@@ -172,6 +172,13 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             id="a profile jobs may choose that is not defined names its place in job_may_choose",
         ),
         pytest.param(
+            "broker: {profiles: {job_may_choose: [green, green_eu],\n"
+            "                    definitions: {green_eu: {weights: {carbon: 1}}}}}\n",
+            ["broker.profiles: job_may_choose[1]: no job can name profile 'green_eu'",
+             "lower-case letters, digits or '-'"],
+            id="a profile jobs may choose under a name no job spec can hold is refused, not left unreachable",
+        ),
+        pytest.param(
             "- just\n- a list\n",
             ["the top level must be a mapping with 'broker' and 'sites'"],
             id="a list at the top level is refused with what is expected instead",
@@ -188,6 +195,28 @@ def test_a_bad_config_is_a_config_error_naming_the_file_and_the_field(
     assert message.startswith(f"{path}: ")
     for part in expected:
         assert part in message
+
+
+@pytest.mark.parametrize("name", ["green", "eu-green-2", "9", "x" * 63, "x" * 64, "Green", "green_eu", "-green", ""])
+def test_a_profile_jobs_may_choose_is_refused_exactly_when_a_job_spec_could_not_name_it(name: str) -> None:
+    from pydantic import ValidationError
+
+    from broker.models import JobSpec
+    from policies.profiles import ProfilesConfig
+
+    job = {"tenant": "t1", "name": "j", "gpus": {"count": 1}, "duration_s": 60, "profile": name}
+    try:
+        JobSpec.model_validate(job)
+        nameable = True
+    except ValidationError:
+        nameable = False
+    definitions = {name: {"weights": {"carbon": 1.0}}}
+    try:
+        ProfilesConfig(job_may_choose=[name], definitions=definitions)
+        accepted = True
+    except ValidationError:
+        accepted = False
+    assert accepted == nameable
 
 
 def test_every_problem_in_a_file_is_reported_on_its_own_line(tmp_path: Path) -> None:
