@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from broker.errors import problems
 from broker.models import MqttSettings, SiteSpec
@@ -161,6 +170,15 @@ class FederationConfig(BaseModel):
 
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
     sites: list[SiteSpec] = Field(default_factory=list)
+
+    @field_validator("broker", "sites", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any, info: ValidationInfo) -> Any:
+        """A section whose every line is commented out (``broker:`` with nothing under it, null to YAML) is
+        its defaults, as an empty file is."""
+        if value is None:
+            return {} if info.field_name == "broker" else []
+        return value
 
     @model_validator(mode="after")
     def _unique_sites(self) -> FederationConfig:

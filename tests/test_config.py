@@ -99,6 +99,15 @@ def test_an_empty_file_is_a_broker_with_default_settings_and_no_sites(tmp_path: 
     assert config.broker.port == 8080
 
 
+def test_a_section_left_empty_is_its_defaults_as_an_empty_file_is(tmp_path: Path) -> None:
+    """Every line of ``broker:`` or of ``sites:`` commented out leaves the key with nothing under it (null to
+    YAML), which was refused as 'Input should be a valid dictionary or instance of BrokerSettings'."""
+    config = load_config(write(tmp_path, "broker:\n  # port: 9090\nsites:\n" + site_yaml("ashburn")))
+    assert config.broker.port == 8080 and [s.name for s in config.sites] == ["ashburn"]
+    config = load_config(write(tmp_path, "broker:\n  port: 9090\nsites:\n  # - name: ashburn\n"))
+    assert config.broker.port == 9090 and config.sites == []
+
+
 def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
     path = write(tmp_path, "sites:\n" + site_yaml("ashburn"))
     assert [s.name for s in load_config(str(path)).sites] == ["ashburn"]
