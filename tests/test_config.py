@@ -188,6 +188,18 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             id="a profile jobs may choose under a name no job spec can hold is refused, not left unreachable",
         ),
         pytest.param(
+            "broker: {prices: {kind: files, path: 'https://cloud.google.com/compute/gpus-pricing.csv'}}\n",
+            ["broker.prices.path: 'https://cloud.google.com/compute/gpus-pricing.csv' is a URL; kind files reads a "
+             "CSV file on this machine"],
+            id="a price list given as a URL is refused at load, not read as a mangled file name at start",
+        ),
+        pytest.param(
+            "broker: {carbon: {kind: files, path: 'https://api.electricitymap.org'}}\n",
+            ["broker.carbon.path: 'https://api.electricitymap.org' is a URL; kind files reads a folder on this "
+             "machine", "kind: http"],
+            id="a carbon folder given as a URL points to kind http",
+        ),
+        pytest.param(
             "- just\n- a list\n",
             ["the top level must be a mapping with 'broker' and 'sites'"],
             id="a list at the top level is refused with what is expected instead",

@@ -91,7 +91,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 import numpy as np
-from pydantic import Field, HttpUrl, TypeAdapter
+from pydantic import Field, HttpUrl, TypeAdapter, field_validator
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from yarl import URL
 
@@ -679,6 +679,14 @@ class FilesCarbonConfig(Spec):
     kind: Literal["files"]
     path: str = Field(min_length=1, description="folder read by broker.data.carbon.load_carbon")
     lifecycle: bool = Field(default=False, description="life-cycle (LCA) intensity instead of direct")
+
+    @field_validator("path")
+    @classmethod
+    def _local(cls, path: str) -> str:
+        if "://" in path:  # (read as a folder name, its // collapsed, it failed at start as no such folder)
+            raise ValueError(f"{path!r} is a URL; kind files reads a folder on this machine: for an Electricity "
+                             "Maps service use kind: http with url")
+        return path
 
 
 class HttpCarbonConfig(Spec):

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, field_validator
 
 from broker import ids
 from broker.data.prices import PriceTable, load_gcp_prices
@@ -125,6 +125,14 @@ class FilesPriceConfig(Spec):
     path: str = Field(
         min_length=1, description="the GCP GPU price list CSV, e.g. data/prices/gcp_gpu_instance_prices.csv",
     )
+
+    @field_validator("path")
+    @classmethod
+    def _local(cls, path: str) -> str:
+        if "://" in path:  # (read as a file name, its // collapsed, it failed at start as no such file)
+            raise ValueError(f"{path!r} is a URL; kind files reads a CSV file on this machine: download it and "
+                             "name the file")
+        return path
 
 
 PriceProviderConfig = Annotated[StaticPriceConfig | FilesPriceConfig, Field(discriminator="kind")]
