@@ -52,6 +52,13 @@ def _problem(err: Any) -> str:
         names = [p for p in err["loc"] if isinstance(p, str)]
         tags = TAGGED_FIELDS.get(names[-1], frozenset()) if names else frozenset()
         msg = f"{key} is missing" + (f": say which, one of {', '.join(sorted(tags))}" if tags else "")
+    elif err["type"] == "literal_error" and isinstance(err["input"], bool):
+        # YAML 1.1 reads an unquoted off, no, on or yes as a boolean: `mode: off` arrives as false.
+        words = {False: ("off", "no", "n", "false"), True: ("on", "yes", "y", "true")}[err["input"]]
+        meant = next((w for w in words if f"'{w}'" in str((err.get("ctx") or {}).get("expected", ""))), None)
+        if meant is not None:
+            got = str(err["input"]).lower()
+            msg += f"; got {got}: YAML reads an unquoted {meant} as {got}: write '{meant}' in quotes"
     return msg
 
 

@@ -200,6 +200,12 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             id="a carbon folder given as a URL points to kind http",
         ),
         pytest.param(
+            "sites:\n" + site_yaml("ashburn") + "    fair_share: {mode: off}\n",
+            ["sites[0].fair_share.mode: Input should be 'time', 'instant' or 'off'",
+             "YAML reads an unquoted off as false: write 'off' in quotes"],
+            id="an unquoted mode off, which YAML reads as false, says to quote it",
+        ),
+        pytest.param(
             "- just\n- a list\n",
             ["the top level must be a mapping with 'broker' and 'sites'"],
             id="a list at the top level is refused with what is expected instead",
