@@ -285,6 +285,14 @@ class KubernetesSite:
     async def _build_client(self) -> k8s.ApiClient:
         cfg = self.config
         configuration = k8s.Configuration()
+        unused = [name for name, value, used in (
+            ("kubeconfig", cfg.kubeconfig, cfg.host is None and not cfg.in_cluster),
+            ("context", cfg.context, cfg.host is None and not cfg.in_cluster),
+            ("in_cluster", cfg.in_cluster or None, cfg.host is None)) if value is not None and not used]
+        if unused:  # (a site spec stored by an earlier release may hold both: warned, not refused)
+            chosen = "adapter.host" if cfg.host is not None else "adapter.in_cluster (the Pod's service account)"
+            log.warning("site %s: %s %s not used: the credentials come from %s", self.name,
+                        ", ".join(f"adapter.{n}" for n in unused), "is" if len(unused) == 1 else "are", chosen)
         try:
             if cfg.host is not None:
                 configuration.host = cfg.host

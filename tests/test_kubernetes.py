@@ -1337,6 +1337,23 @@ async def test_a_kubeconfig_file_and_its_named_context_reach_the_cluster(cluster
         await adapter.close()
 
 
+async def test_credentials_settings_that_another_one_overrides_are_named_in_a_warning(cluster, tmp_path, caplog
+                                                                                     ) -> None:  # noqa: ANN001
+    """`host:` wins over a kubeconfig, as `in_cluster:` does: an operator who set both learns which is used."""
+    path = kubeconfig(tmp_path / "config", str(cluster.url).rstrip("/"))
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), kubeconfig=path, context="lab",
+                                     request_timeout_s=5, retries=2)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    with caplog.at_level("WARNING", logger="adapters.kubernetes"):
+        await adapter.start()
+    try:
+        assert (await adapter.snapshot()).health == "healthy"
+        assert ("site kube: adapter.kubeconfig, adapter.context are not used: the credentials come from adapter.host"
+                in caplog.text)
+    finally:
+        await adapter.close()
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"context": "missing"}, "cannot load Kubernetes credentials"),
     ({"kubeconfig": "/nonexistent/kubeconfig"}, "cannot load Kubernetes credentials"),
