@@ -468,3 +468,87 @@ def test_the_sites_queue_serves_first_a_tenant_within_its_guarantee_else_the_one
     first = out[0].tenant
     for t in demand:
         assert rank(first) <= (rank(t)[0], rank(t)[1] + 1e-9)
+
+
+# --- the site's whole admission: inventory and book together ------------------------------------------
+
+_REQUESTS = st.sampled_from([
+    {"count": 1}, {"count": 2}, {"count": 3}, {"count": 4, "topology": "node"}, {"milli": 500}, {"milli": 250},
+    {"shared": True, "memory_gib": 20}, {"count": 1, "mig_profile": "1g.10gb", "model": "a100-80gb"},
+    {"count": 2, "mig_profile": "3g.40gb", "model": "a100-80gb"}, {"count": 1, "model": "l4"},
+])
+_POOLS = {"t0": None, "t1": "a100-80gb", "t2": "l4"}
+
+
+@settings(max_examples=150, **SLOW)
+@given(guarantees=st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 4)),
+       steps=st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "finish", "set", "remove"]),
+                                st.sampled_from(["t0", "t1", "t2", "guest"]), _REQUESTS, st.booleans(),
+                                st.integers(0, 3), st.sampled_from([None, 0.0, 600.0]), st.integers(0, 40),
+                                st.sampled_from([0, 60, 700, 3600])), max_size=50),
+       mode=st.sampled_from(["time", "instant", "off"]), site_min_run=st.sampled_from([0.0, 300.0]))
+def test_shares_slices_and_models_never_let_the_books_and_the_gpus_disagree(guarantees, steps, mode,
+                                                                              site_min_run) -> None:
+    """On a site of two models, one node group in MIG slices, with jobs of whole GPUs, shares and slices and
+    quota changes between them: every GPU the book counts is one the inventory holds (no GPU double-booked,
+    none lost), each tenant's report adds up to what it runs, a job admitted leaves its tenant within its
+    limit, and every victim is preemptible, on the job's model and past its minimum run time."""
+    from broker.models import GpuRequest, JobSpec, NodeGroup, SiteSpec
+    from policies.admission import Admitted, SiteAdmission
+
+    quotas = {t: quota(t, g, 8, model=_POOLS[t]) for t, g in zip(_POOLS, guarantees, strict=True)}
+    spec = SiteSpec(name="s", region="onprem:s", grid_zone="DE-LU", timezone="UTC", latitude=0, longitude=0,
+                    gpus=[NodeGroup(model="a100-80gb", gpus_per_node=4, nodes=2),
+                          NodeGroup(model="a100-80gb", gpus_per_node=2, nodes=1, mig_profiles=["1g.10gb", "3g.40gb"]),
+                          NodeGroup(model="l4", gpus_per_node=4, nodes=1)],
+                    quotas=list(quotas.values()), fair_share=FairSharePolicy(mode=mode, min_run_s=site_min_run))
+    site = SiteAdmission(spec)
+    now = 1_785_420_000.0
+    running: dict[str, tuple[JobSpec, Ask, float]] = {}
+    for n, (kind, tenant, req, preemptible, priority, min_run, pick, dt) in enumerate(steps):
+        now += dt
+        if kind == "submit":
+            job = JobSpec(tenant=tenant, name=f"j{n}", gpus=GpuRequest(**req), duration_s=3600,
+                          preemptible=preemptible, priority=priority, min_run_s=min_run)
+            d = site.admit(f"j{n}", job, now)
+            if isinstance(d, Admitted):
+                reclaim = d.reason is not None and d.reason.startswith("reclaims")
+                for victim in d.victims:
+                    was, was_ask, started = running.pop(victim)
+                    spared = was.min_run_s if was.min_run_s is not None else site_min_run
+                    assert was.preemptible and was_ask.model == d.ask.model
+                    assert now - started >= (min(spared, site_min_run) if reclaim else spared) - EPS
+                    assert site.stop(victim, now) is not None
+                site.start(f"j{n}", d, now)
+                running[f"j{n}"] = (job, d.ask, now)
+                q = quotas.get(tenant)
+                if q is not None and q.model in (None, d.ask.model):
+                    held = sum(a.gpus for _, a, _ in running.values()
+                               if a.tenant == tenant and q.model in (None, a.model))
+                    assert held <= q.guaranteed_gpus + q.burst_gpus + EPS
+        elif kind == "finish" and running:
+            assert site.stop(sorted(running)[pick % len(running)], now) is not None
+            del running[sorted(running)[pick % len(running)]]
+        elif kind == "set" and tenant != "guest":
+            q = quota(tenant, pick % 7, priority * 2, model=_POOLS[tenant] if pick % 2 else None)
+            try:
+                site.book.check(q)
+            except ValueError:
+                continue
+            site.set_quota(q, now)
+            quotas[tenant] = q
+        elif kind == "remove" and site.book.has_quota(tenant):
+            site.remove_quota(tenant, now)
+            del quotas[tenant]
+        per_model: dict[str, float] = {}
+        for _, a, _ in running.values():
+            per_model[a.model] = per_model.get(a.model, 0.0) + a.gpus
+        for model, use in site.inventory.usage().items():
+            assert use.busy <= use.gpus + EPS
+            assert use.busy == pytest.approx(per_model.get(model, 0.0), abs=1e-6)
+        held_by: dict[str, float] = {}
+        for s in site.book.state(now):
+            held_by[s.tenant] = held_by.get(s.tenant, 0.0) + s.in_use_gpus
+        for t in ("t0", "t1", "t2", "guest"):
+            assert held_by.get(t, 0.0) == pytest.approx(sum(a.gpus for _, a, _ in running.values() if a.tenant == t),
+                                                        abs=1e-6)
