@@ -142,7 +142,9 @@ class TenantQuota(Spec):
     tenant: Slug
     guaranteed_gpus: int = Field(default=0, ge=0)
     burst_gpus: int = Field(default=0, ge=0, description="allowed above the guarantee")
-    fair_share_weight: float = Field(default=1.0, gt=0)
+    fair_share_weight: float = Field(default=1.0, gt=0, le=1e6,
+                                     description="relative weight of the tenant's share (a sum of such weights stays "
+                                                 "finite)")
     priority_ceiling: int | None = Field(default=None, ge=-1000, le=1000)
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
 
@@ -165,6 +167,10 @@ class TenantQuota(Spec):
         return None
 
 
+MAX_REWEIGHT_PERIODS = 10_000
+"""At most this many ``reweight_h`` periods in a fair share's ``window_h``: a recomputation's work."""
+
+
 class FairSharePolicy(Spec):
     """How a site divides what is left once guarantees are met (``policies.fairshare``).
 
@@ -184,6 +190,15 @@ class FairSharePolicy(Spec):
         default="best-effort",
         description="a tenant the quota list does not name: refused, or guaranteed nothing with no burst limit",
     )
+
+    @model_validator(mode="after")
+    def _periods(self) -> FairSharePolicy:
+        periods = self.window_h / self.reweight_h
+        if periods > MAX_REWEIGHT_PERIODS:  # each recomputation walks the window's usage period by period
+            raise ValueError(f"reweight_h: {self.reweight_h:g} h divides window_h ({self.window_h:g} h) into "
+                             f"{periods:,.0f} periods, more than {MAX_REWEIGHT_PERIODS:,}; recompute less often "
+                             f"(reweight_h at least {self.window_h / MAX_REWEIGHT_PERIODS:.3g} h) or shorten the window")
+        return self
 
 
 class SimulatedAdapterConfig(Spec):

@@ -100,6 +100,8 @@ async def test_the_site_reports_its_quotas_and_its_operator_changes_them_across_
                      id="a body naming another tenant than the path is refused"),
         pytest.param("/v1/sites/berlin/quota/vision", {"fair_share_weight": 0}, 422, "fair_share_weight",
                      id="a zero weight names the field"),
+        pytest.param("/v1/sites/berlin/quota/vision", {"fair_share_weight": 1e308}, 422, "fair_share_weight",
+                     id="a weight whose sum with another is no number names the field (every share came out 0)"),
         pytest.param("/v1/sites/berlin/quota/vision", {"guaranteed_gpus": 8, "model": "h100-80gb"}, 422, "model",
                      id="a quota for a GPU model the site does not have names the field"),
         pytest.param("/v1/sites/berlin/quota/speech", {"guaranteed_gpus": 17}, 422, "guaranteed_gpus",
@@ -452,3 +454,17 @@ def test_a_model_guarantee_counts_gpus_held_outside_the_book_as_taken_before_rec
     admission.inventory.commit("pod:ml/notebook-1", admission.inventory.find(GpuRequest(count=8), "a100-80gb"))
     verdict = admission.admit("a0", spec_of("a", 8, "h100-80gb"), T0 + 3600)
     assert isinstance(verdict, Refused), verdict  # every A100 is held: b could not get its guarantee back
+
+
+async def test_a_fair_share_recomputed_so_often_it_would_stall_the_site_is_refused_naming_reweight_h(broker_at):
+    # A recomputation walks the window's usage period by period: 2,160 h in periods of 0.36 s is 21.6 million.
+    start, _ = broker_at
+    client = await start()
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS,
+                     fair_share={"window_h": 2160, "reweight_h": 0.0001})
+    r = await client.post("/v1/sites", json=body)
+    assert r.status == 422
+    problem = (await r.json())["error"]["fields"][0]["problem"]
+    assert "reweight_h: 0.0001 h divides window_h (2160 h) into 21,600,000 periods, more than 10,000" in problem
+    body["fair_share"]["reweight_h"] = 0.25
+    assert (await client.post("/v1/sites", json=body)).status == 201
