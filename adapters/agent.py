@@ -394,24 +394,52 @@ class SiteAgent:
 
     # --- heartbeats and the lease ---
 
+    def _report_wait_s(self) -> float:
+        """How long a heartbeat waits for the site's report: half of what the lease leaves after the stop margin
+        (at least ``heartbeat_s``), so a site that does not answer (an API that drops packets) never holds the
+        heartbeats back until the lease has run out and the agent stops jobs the site still runs."""
+        return max(self.config.heartbeat_s, (self._lease_s - self.config.stop_margin(self._lease_s)) / 2)
+
     async def _heartbeat_loop(self, client: aiomqtt.Client) -> None:
-        while True:
-            try:
-                state = await self.inner.snapshot()
-            except Exception as e:  # the site is unreachable: say so (and keep the lease: its jobs still run)
-                log.warning("site agent %s: snapshot failed: %s", self.site, e)
-                state = SiteState(site=self.site, health=Health.UNHEALTHY, last_heard_at=self.clock.now(),
-                                  reason=f"the site agent cannot reach the site: {e}")
-            if self.telemetry is not None:
-                state = self.telemetry.overlay(state)
-            seq = next(self._seq)
-            beat = Heartbeat(
-                site=self.site, boot=self.boot, seq=seq, sent_at=self.clock.now(), lease_s=self._lease_s,
-                state=state, attempts=self._attempts_listed(),
-            )
-            self._sent_at[seq] = time.monotonic()
-            await self._publish(client, "state", beat, retain=True)
-            await asyncio.sleep(self.config.heartbeat_s)
+        report: asyncio.Task[SiteState] | None = None  # the site's report being taken (kept across heartbeats)
+        asked = time.monotonic()
+        try:
+            while True:
+                if report is None:
+                    report, asked = asyncio.ensure_future(self.inner.snapshot()), time.monotonic()
+                done, _ = await asyncio.wait({report}, timeout=self._report_wait_s())
+                if done:
+                    finished, report = report, None
+                    try:
+                        state = finished.result()
+                    except Exception as e:  # the site is unreachable: say so (and keep the lease: its jobs still run)
+                        log.warning("site agent %s: snapshot failed: %s", self.site, e)
+                        state = SiteState(site=self.site, health=Health.UNHEALTHY, last_heard_at=self.clock.now(),
+                                          reason=f"the site agent cannot reach the site: {e}")
+                else:  # the same: the site does not answer (the report goes on, for the next heartbeat)
+                    waited = time.monotonic() - asked
+                    log.warning("site agent %s: the site has not answered its report for %.0f s", self.site, waited)
+                    state = SiteState(site=self.site, health=Health.UNHEALTHY, last_heard_at=self.clock.now(),
+                                      reason=f"the site agent cannot reach the site: it has not answered for "
+                                             f"{waited:.0f} s")
+                await self._beat(client, state)
+                if done:  # (one that waited for the site has waited long enough already)
+                    await asyncio.sleep(self.config.heartbeat_s)
+        finally:
+            if report is not None:
+                report.cancel()
+
+    async def _beat(self, client: aiomqtt.Client, state: SiteState) -> None:
+        """Publish one heartbeat with ``state``: the site's report, with the attempts it holds."""
+        if self.telemetry is not None:
+            state = self.telemetry.overlay(state)
+        seq = next(self._seq)
+        beat = Heartbeat(
+            site=self.site, boot=self.boot, seq=seq, sent_at=self.clock.now(), lease_s=self._lease_s,
+            state=state, attempts=self._attempts_listed(),
+        )
+        self._sent_at[seq] = time.monotonic()
+        await self._publish(client, "state", beat, retain=True)
 
     def _attempts_listed(self) -> list[AttemptReport]:
         """The attempts the site holds, and those whose end the broker has not acknowledged yet (listed as the

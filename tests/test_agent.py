@@ -46,6 +46,8 @@ from adapters.mqtt_protocol import (
 from broker.config import ConfigError
 from adapters.nvml import NvmlCollector
 from adapters.telemetry import nvml_feed
+from adapters.simulated import SimulatedSite
+from broker.clock import SystemClock
 from broker.models import Job, MqttSettings, NvmlTelemetryConfig, SimulatedAdapterConfig, TenantQuota
 from tests.builders import job, site
 from tests.conftest import ROOT
@@ -545,6 +547,53 @@ async def test_an_adapter_failure_becomes_a_failed_reply():
             agent.inner.set_reachable(True)
             await side.send(Dispatch(site=name, msg_id="d2", job=a_job("j2", duration_s=0.1)))
             assert (await side.reply("d2")).admitted
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
+class HangingSnapshots(SimulatedSite):
+    """A site whose reports hang while ``hang`` is set (a cluster API that stops answering without refusing);
+    everything else, the jobs included, goes on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hang = False
+
+    async def snapshot(self) -> Any:
+        while self.hang:
+            await asyncio.sleep(0.05)
+        return await super().snapshot()
+
+
+async def test_a_site_whose_reports_hang_is_reported_unhealthy_and_its_running_job_keeps_its_lease():
+    """A cluster API that hangs (packets dropped, not refused) held the agent's heartbeat for as long as the
+    report took: the lease ran out and the agent stopped a job the site was still running, for the broker to
+    run it again elsewhere. A site that does not answer is one the agent cannot reach: say so, keep the lease."""
+    name = unique_site()
+    spec = site_spec(name)
+    inner = HangingSnapshots(spec, SystemClock())
+    agent = SiteAgent(agent_config(name), adapter=inner)
+    try:
+        async with BrokerSide(name) as side:
+            await agent.start()
+            await leased(agent, side)
+            await side.send(Dispatch(site=name, msg_id="d1", job=a_job("j1", duration_s=60)))
+            assert (await side.reply("d1")).admitted
+            await side.event("j1", EventKind.RUNNING)
+            inner.hang = True
+            since = time.monotonic()
+            _, beat = await side.wait_for(lambda m: isinstance(m, Heartbeat) and m.state.health == "unhealthy",
+                                          timeout=LEASE_S, since=since)
+            assert "not answered" in beat.state.reason
+            assert [(a.job_id, a.status) for a in beat.attempts] == [("j1", "running")]
+            await asyncio.sleep(LEASE_S * 1.5)  # past the lease: the job would have been stopped by now
+            assert agent.held == {("j1", 1): "running"}
+            assert not side.events_of("j1", EventKind.LOST)
+            inner.hang = False
+            at, _ = await side.wait_for(lambda m: isinstance(m, Heartbeat) and m.state.health == "healthy",
+                                        since=time.monotonic())
+            assert agent.held == {("j1", 1): "running"}
     finally:
         await agent.stop()
         await clear_retained(name)
