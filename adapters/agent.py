@@ -43,7 +43,10 @@ Leases
     every dispatch. The broker requeues a silent site's jobs only once its own, later, end of the lease has
     passed, so a job never runs at two sites at once. ``stop_margin_s`` unset means
     ``max(2 * heartbeat_s, 0.2 * lease_s)``: two missed heartbeats, and a fifth of the lease for stopping
-    jobs. A margin as long as the lease stops jobs as soon as they start: keep it well below ``lease_s``.
+    jobs. A margin as long as the lease stops jobs as soon as they start: keep it well below ``lease_s``. The
+    lease holds for ``lease_s`` less the margin after each heartbeat, so that must be longer than ``heartbeat_s``
+    (``heartbeat_s`` 5 against the default 15 s lease is not: its jobs would stop between two heartbeats); the
+    agent logs an error at the first grant that leaves less.
 
 What survives a crash
     Nothing of the agent's own state is on disk: the event outbox, the replies it remembers and the lease
@@ -457,12 +460,15 @@ class SiteAgent:
         if grant.boot != self.boot or sent is None:
             return
         end = sent + grant.lease_s
-        if self.config.stop_margin(grant.lease_s) >= grant.lease_s and not self._margin_warned:
+        margin = self.config.stop_margin(grant.lease_s)
+        if grant.lease_s - margin <= self.config.heartbeat_s and not self._margin_warned:
+            # The lease holds for lease_s - margin after each heartbeat: the next one's grant must come before that.
             self._margin_warned = True
-            log.error("site agent %s: the broker grants %.1f s leases, no longer than the agent's stop margin "
-                      "(%.1f s): it would stop every job at once and refuse all work; lower heartbeat_s or "
-                      "stop_margin_s, or raise the site's lease_s at the broker", self.site, grant.lease_s,
-                      self.config.stop_margin(grant.lease_s))
+            log.error("site agent %s: the broker grants %.1f s leases, which with the agent's stop margin (%.1f s) "
+                      "hold no longer than heartbeat_s (%.1f s): %s; lower heartbeat_s or stop_margin_s, or raise "
+                      "the site's lease_s at the broker", self.site, grant.lease_s, margin, self.config.heartbeat_s,
+                      "it would stop every job at once and refuse all work" if margin >= grant.lease_s else
+                      "it would stop its jobs between two heartbeats")
         if grant.seq > self._granted_seq:
             # The grant of the latest heartbeat holds, even where it ends before an earlier one: the broker counts
             # only its latest (a site whose lease_s was lowered is requeued after the shorter lease).

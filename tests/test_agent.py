@@ -509,6 +509,27 @@ async def test_a_checkpointable_job_cut_off_is_preempted_with_its_run_time(agent
     assert 0.3 < stopped.event.run_s <= at - started
 
 
+async def test_an_agent_whose_heartbeats_come_too_seldom_for_its_lease_says_so_in_one_error(caplog):
+    """heartbeat_s 5 against the broker's default 15 s lease: the default stop margin (two heartbeats) leaves
+    the lease 5 s after each heartbeat, which the next grant reaches only just after, so the agent stopped its
+    jobs between two heartbeats, the link healthy, and nothing said why (only a margin as long as the lease
+    was named). Here at a fifth of the scale: heartbeat_s 1, lease 3 s."""
+    name = unique_site()
+    agent = SiteAgent(AgentConfig(site=site_spec(name), mqtt=MqttSettings(port=mqtt_port(), reconnect_max_s=0.5),
+                                  heartbeat_s=1.0, resend_s=0.3))
+    try:
+        async with BrokerSide(name, lease_s=3.0) as side:
+            with caplog.at_level("ERROR", logger="adapters.agent"):
+                await agent.start()
+                await until(lambda: len(side.grants) >= 2, what="two grants")
+            errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+            assert len(errors) == 1, errors
+            assert "between two heartbeats" in errors[0] and "lower heartbeat_s or stop_margin_s" in errors[0]
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
 # --- bad input ---------------------------------------------------------------------------------------------
 
 
