@@ -431,6 +431,8 @@ class SiteAgent:
         finally:
             if report is not None:
                 report.cancel()
+                # (one that failed since the last heartbeat: its error was never read, and asyncio would log it)
+                report.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def _beat(self, client: aiomqtt.Client, state: SiteState) -> None:
         """Publish one heartbeat with ``state``: the site's report, with the attempts it holds."""
