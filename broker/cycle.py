@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -614,7 +615,13 @@ class SchedulingCycle:
                 self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
                                                   req.charge, first, first + placement.slots, hour,
                                                   req.latency_slo_ms is not None)
-                signature = f"deferred {snap.sites[placement.site]} {placement.model} {first}".encode()
+                # Recorded again where the plan, the start now it is weighed against (or none) or the sites'
+                # verdicts changed, so the explanation never quotes a start now the broker no longer weighs (a
+                # site since cordoned, full or unhealthy). The verdicts by a digest: kept per deferred job.
+                now_site = snap.sites[placement.now_site] if placement.now_site >= 0 else "-"
+                verdicts = hashlib.blake2b(placement.placement.failures.tobytes(), digest_size=8).hexdigest()
+                signature = (f"deferred {snap.sites[placement.site]} {placement.model} {first} {now_site} "
+                             f"{verdicts}").encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = self._signatures.setdefault(signature, signature)
                     rec = explain.record_deferral(pipeline, placement, snap)

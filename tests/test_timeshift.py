@@ -464,6 +464,36 @@ async def test_the_live_cycle_defers_a_green_job_says_why_and_starts_it_by_its_l
     assert placed.state == JobState.DISPATCHING and b.cycle.deferred_until(j.id) is None
 
 
+async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned_no_longer_quotes_that_site(live) -> None:
+    # The job is deferred to frankfurt's clean hours against a start now on tokyo. Tokyo is then cordoned: at
+    # the next hour the broker decides the job again, against a start now on frankfurt, to the same site and
+    # hour. Its decision used to be recorded only when the planned site, model or hour changed, so GET
+    # /v1/jobs/{id}/decision went on saying it waits to save carbon against starting now on tokyo, a site taken
+    # out of routing (and listed tokyo as feasible).
+    from tests.builders import job
+
+    b, clock = live
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)
+
+    async def decision():
+        stored = await b.decision(await b.book.get(j.id))
+        return explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
+
+    first = await decision()
+    assert first.outcome == "deferred" and first.deferral.site == "frankfurt" and first.deferral.now_site == "tokyo"
+    tokyo = b.federation.get("tokyo")
+    await b.update_site(tokyo.spec.model_copy(update={"cordoned": True}))
+    await clock.advance(3600)
+    await b.cycle.run_once(full=True)
+    assert b.cycle.deferred_until(j.id) == first.deferred_until  # the same plan, decided again
+    again = await decision()
+    assert again.outcome == "deferred" and again.decided_at == clock.now()
+    assert again.deferral.now_site == "frankfurt" and "starting now on tokyo" not in again.summary
+    assert not next(v for v in again.sites if v.site == "tokyo").feasible
+
+
 async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its_forecasts_are_fetched(
         tmp_path) -> None:
     # The scheduling loop used to start beside the first round of carbon forecasts: its first pass, which after
