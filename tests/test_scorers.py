@@ -161,6 +161,14 @@ def test_profiles_config_is_validated() -> None:
         config.choose("fast")
 
 
+@pytest.mark.parametrize("name", ["balanced", "green", "cheap", "fast"])
+def test_a_job_in_a_federation_with_no_sites_is_unplaceable_under_every_built_in_profile(name: str) -> None:
+    # balanced (follow_sun_offpeak) raised "zero-size array to reduction operation minimum": once the last
+    # site was removed, every scheduling pass with a balanced job queued failed instead of leaving it queued.
+    snap = build_snapshot(FRIDAY_1400, [], {})
+    assert not profile_pipeline(name).decide(request(), snap).placed
+
+
 def test_offpeak_counts_the_exact_share_of_the_run_outside_business_hours() -> None:
     # Friday 16:30 UTC is 17:30 in London (BST): a 2-hour job runs 30 minutes of business hours, 75 % outside.
     snap = snapshot(datetime(2022, 6, 10, 16, 30, tzinfo=UTC))

@@ -34,6 +34,8 @@ def offpeak_fraction(snap: Snapshot, span_h: float) -> np.ndarray:
     start = snap.now.timestamp() / 3600.0 + snap.utc_offset_h  # local hours since the epoch, per site
     end = start + span_h
     busy = np.zeros(snap.n_sites)
+    if not snap.n_sites:  # no site registered: nothing to walk (min and max of no hours are undefined)
+        return busy
     for day in range(int(np.floor(start.min() / 24.0)), int(np.floor(end.max() / 24.0)) + 1):
         if (day + 3) % 7 >= 5:  # 1970-01-01 was a Thursday (3): days 5 and 6 of the week are the weekend
             continue
