@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from broker.models import UtcDatetime
+from broker.models import STORED, UtcDatetime
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def read_or_set_aside(path: Path | None, shape: TypeAdapter[T], what: str, start
     if path is None or not path.exists():
         return None
     try:
-        return shape.validate_json(path.read_bytes())
+        return shape.validate_json(path.read_bytes(), context=STORED)  # (what an earlier release wrote loads)
     except (OSError, ValidationError, ValueError) as e:
         aside = path.with_suffix(path.suffix + ".unreadable")
         log.error("cannot read %s in %s (%s); moved to %s, %s", what, path, e, aside, starting)

@@ -9,6 +9,7 @@ default.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -22,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -142,9 +144,7 @@ class TenantQuota(Spec):
     tenant: Slug
     guaranteed_gpus: int = Field(default=0, ge=0)
     burst_gpus: int = Field(default=0, ge=0, description="allowed above the guarantee")
-    fair_share_weight: float = Field(default=1.0, gt=0, le=1e6,
-                                     description="relative weight of the tenant's share (a sum of such weights stays "
-                                                 "finite)")
+    fair_share_weight: float = Field(default=1.0, gt=0)
     priority_ceiling: int | None = Field(default=None, ge=-1000, le=1000)
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
 
@@ -168,7 +168,23 @@ class TenantQuota(Spec):
 
 
 MAX_REWEIGHT_PERIODS = 10_000
-"""At most this many ``reweight_h`` periods in a fair share's ``window_h``: a recomputation's work."""
+"""At most this many ``reweight_h`` periods in a fair share's ``window_h``: a recomputation's work. Checked on
+what comes in (the API, config files), not on what an earlier release stored."""
+
+STORED: dict[str, bool] = {"stored": True}
+"""The validation context of what is read back from the store or a site's state files (``model_validate(...,
+context=STORED)``): checks added since a release accepted the data are skipped there, so it still loads."""
+
+
+def _up(value: float, digits: int = 3) -> float:
+    """``value`` (above 0) rounded up to ``digits`` significant digits, as a bound a message suggests."""
+    step = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return round(math.ceil(value / step - 1e-9) * step, 12)
+
+
+def stored(info: ValidationInfo) -> bool:
+    """Whether a validator runs on stored data (:data:`STORED`) rather than on new input."""
+    return bool(info.context and info.context.get("stored"))
 
 
 class FairSharePolicy(Spec):
@@ -192,12 +208,15 @@ class FairSharePolicy(Spec):
     )
 
     @model_validator(mode="after")
-    def _periods(self) -> FairSharePolicy:
+    def _periods(self, info: ValidationInfo) -> FairSharePolicy:
+        if stored(info):  # (an earlier release accepted more: a site stored so must still start)
+            return self
         periods = self.window_h / self.reweight_h
         if periods > MAX_REWEIGHT_PERIODS:  # each recomputation walks the window's usage period by period
             raise ValueError(f"reweight_h: {self.reweight_h:g} h divides window_h ({self.window_h:g} h) into "
                              f"{periods:,.0f} periods, more than {MAX_REWEIGHT_PERIODS:,}; recompute less often "
-                             f"(reweight_h at least {self.window_h / MAX_REWEIGHT_PERIODS:.3g} h) or shorten the window")
+                             f"(reweight_h at least {_up(self.window_h / MAX_REWEIGHT_PERIODS):g} h) or shorten the "
+                             "window")
         return self
 
 

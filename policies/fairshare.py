@@ -88,14 +88,19 @@ def divide(capacity_gpus: float, claims: Sequence[Claim], k: float, *, by_weight
         return shares
     active = [i for i in range(n) if need[i] > EPS and claims[i].weight > 0]
     while active and remaining > EPS:
-        total_w = sum(claims[i].weight for i in active)
+        weight = [claims[i].weight for i in active]
+        total_w = sum(weight)
+        if not math.isfinite(total_w):  # weights near the largest float: their sum overflows, not their ratios
+            top = max(weight)
+            weight = [w / top for w in weight]
+            total_w = sum(weight)
         portions = []
-        for i in active:
-            w = claims[i].weight / total_w
+        for i, raw in zip(active, weight, strict=True):
+            w = raw / total_w
             portions.append(max(0.0, w + k * (w - claims[i].usage_fraction)) if k else w)
         total_p = sum(portions)
         if total_p <= EPS:  # everyone left used far more than its weight: share by weight alone
-            portions = [claims[i].weight / total_w for i in active]
+            portions = [raw / total_w for raw in weight]
             total_p = 1.0
         satisfied = []
         still = []

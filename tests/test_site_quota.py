@@ -100,8 +100,6 @@ async def test_the_site_reports_its_quotas_and_its_operator_changes_them_across_
                      id="a body naming another tenant than the path is refused"),
         pytest.param("/v1/sites/berlin/quota/vision", {"fair_share_weight": 0}, 422, "fair_share_weight",
                      id="a zero weight names the field"),
-        pytest.param("/v1/sites/berlin/quota/vision", {"fair_share_weight": 1e308}, 422, "fair_share_weight",
-                     id="a weight whose sum with another is no number names the field (every share came out 0)"),
         pytest.param("/v1/sites/berlin/quota/vision", {"guaranteed_gpus": 8, "model": "h100-80gb"}, 422, "model",
                      id="a quota for a GPU model the site does not have names the field"),
         pytest.param("/v1/sites/berlin/quota/speech", {"guaranteed_gpus": 17}, 422, "guaranteed_gpus",
@@ -456,6 +454,34 @@ def test_a_model_guarantee_counts_gpus_held_outside_the_book_as_taken_before_rec
     assert isinstance(verdict, Refused), verdict  # every A100 is held: b could not get its guarantee back
 
 
+def test_weights_whose_sum_is_past_the_largest_number_still_divide_the_site_by_their_ratios() -> None:
+    # Two tenants weighing 1e308 each summed to infinity, so each share beyond the guarantees came out 0.
+    from broker.models import QuotaState
+    from policies.fair_order import standings
+    from policies.fairshare import Claim, divide
+
+    claims = [Claim(0, 16, 1e308, 16), Claim(0, 16, 1e308, 16), Claim(0, 16, 0.5e308, 16)]
+    assert divide(15, claims, k=1.0) == pytest.approx([6.0, 6.0, 3.0])
+    report = QuotaState.model_validate({
+        "enforced": True, "capacity_gpus": 16, "fair_share": {"mode": "time"},
+        "tenants": [{"tenant": t, "fair_share_weight": 1e308} for t in ("nlp", "vision")]})
+    assert {t: s.entitled for t, s in standings([report]).items()} == {"nlp": 8.0, "vision": 8.0}
+
+
+def test_a_site_an_earlier_release_stored_with_a_fair_share_now_refused_still_loads() -> None:
+    # The bound on reweight periods applies to what comes in; the broker must start on what it stored before.
+    import json
+
+    from broker.models import SiteSpec
+    from broker.store import site_from_doc
+
+    doc = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS,
+                    fair_share={"window_h": 720, "reweight_h": 0.05})
+    with pytest.raises(ValueError, match="14,400 periods, more than 10,000"):
+        SiteSpec.model_validate(doc)
+    assert site_from_doc(json.dumps(doc)).fair_share.reweight_h == 0.05
+
+
 async def test_a_fair_share_recomputed_so_often_it_would_stall_the_site_is_refused_naming_reweight_h(broker_at):
     # A recomputation walks the window's usage period by period: 2,160 h in periods of 0.36 s is 21.6 million.
     start, _ = broker_at
@@ -466,5 +492,6 @@ async def test_a_fair_share_recomputed_so_often_it_would_stall_the_site_is_refus
     assert r.status == 422
     problem = (await r.json())["error"]["fields"][0]["problem"]
     assert "reweight_h: 0.0001 h divides window_h (2160 h) into 21,600,000 periods, more than 10,000" in problem
+    assert "(reweight_h at least 0.216 h)" in problem
     body["fair_share"]["reweight_h"] = 0.25
     assert (await client.post("/v1/sites", json=body)).status == 201

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from broker.models import Job, JobState, SiteSpec
+from broker.models import STORED, Job, JobState, SiteSpec
 
 
 class StoreError(RuntimeError):
@@ -45,7 +45,7 @@ class UnreadableSite(StoreError):
 def site_from_doc(doc: str) -> SiteSpec:
     """A stored site spec, or :class:`UnreadableSite` naming the site, each field and its problem."""
     try:
-        return SiteSpec.model_validate_json(doc)
+        return SiteSpec.model_validate_json(doc, context=STORED)
     except ValueError as e:
         try:
             name = json.loads(doc).get("name", "?")
