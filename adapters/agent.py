@@ -398,10 +398,14 @@ class SiteAgent:
     # --- heartbeats and the lease ---
 
     def _report_wait_s(self) -> float:
-        """How long a heartbeat waits for the site's report: half of what the lease leaves after the stop margin
-        (at least ``heartbeat_s``), so a site that does not answer (an API that drops packets) never holds the
-        heartbeats back until the lease has run out and the agent stops jobs the site still runs."""
-        return max(self.config.heartbeat_s, (self._lease_s - self.config.stop_margin(self._lease_s)) / 2)
+        """How long a heartbeat waits for the site's report, so that a site that does not answer (an API that
+        drops packets) never holds the heartbeats back until the lease has run out and the agent stops jobs the
+        site still runs. The lease holds ``lease_s`` less the stop margin after each heartbeat, and a heartbeat
+        after a report that came sleeps ``heartbeat_s`` first: the wait is half of what that leaves (at least a
+        tenth of ``heartbeat_s``, where nothing is left: a setting the agent names in an error at its first
+        lease)."""
+        held = self._lease_s - self.config.stop_margin(self._lease_s)
+        return max(0.1 * self.config.heartbeat_s, (held - self.config.heartbeat_s) / 2)
 
     async def _heartbeat_loop(self, client: aiomqtt.Client) -> None:
         report: asyncio.Task[SiteState] | None = None  # the site's report being taken (kept across heartbeats)
@@ -425,6 +429,10 @@ class SiteAgent:
                     state = SiteState(site=self.site, health=Health.UNHEALTHY, last_heard_at=self.clock.now(),
                                       reason=f"the site agent cannot reach the site: it has not answered for "
                                              f"{waited:.0f} s")
+                    if waited > self._lease_s:  # one that never returns is asked again, not awaited for ever
+                        report.cancel()
+                        report.add_done_callback(lambda task: task.cancelled() or task.exception())
+                        report = None
                 await self._beat(client, state)
                 if done:  # (one that waited for the site has waited long enough already)
                     await asyncio.sleep(self.config.heartbeat_s)

@@ -587,14 +587,19 @@ class HangingSnapshots(SimulatedSite):
         return await super().snapshot()
 
 
-async def test_a_site_whose_reports_hang_is_reported_unhealthy_and_its_running_job_keeps_its_lease():
+@pytest.mark.parametrize("heartbeat_s", [HEARTBEAT_S, 0.55], ids=[
+    "heartbeats well inside the lease",
+    # the lease holds 0.9 s after each heartbeat (2 s less a margin of 2 x 0.55): a wait of heartbeat_s after the
+    # sleep of heartbeat_s let it lapse, with no error at the grant (as heartbeat_s 4 against a 15 s lease)
+    "heartbeats a little more than half of what the lease holds apart"])
+async def test_a_site_whose_reports_hang_is_reported_unhealthy_and_its_running_job_keeps_its_lease(heartbeat_s):
     """A cluster API that hangs (packets dropped, not refused) held the agent's heartbeat for as long as the
     report took: the lease ran out and the agent stopped a job the site was still running, for the broker to
     run it again elsewhere. A site that does not answer is one the agent cannot reach: say so, keep the lease."""
     name = unique_site()
     spec = site_spec(name)
     inner = HangingSnapshots(spec, SystemClock())
-    agent = SiteAgent(agent_config(name), adapter=inner)
+    agent = SiteAgent(agent_config(name).model_copy(update={"heartbeat_s": heartbeat_s}), adapter=inner)
     try:
         async with BrokerSide(name) as side:
             await agent.start()
