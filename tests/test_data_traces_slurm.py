@@ -521,3 +521,24 @@ def test_start_moves_the_trace_to_another_day_and_keeps_each_jobs_hour_of_the_da
     with (out / "jobs.csv").open() as f:
         submits = [j["submit_utc"] for j in csv.DictReader(f)]
     assert submits[0].startswith("2022-06-02T03:00:00") and submits[1].startswith("2022-06-02T03:20:00")
+
+
+def test_a_dump_written_without_time_limits_loads_with_the_preset_and_says_so(tmp_path: Path) -> None:
+    header = HEADER.replace("|Timelimit", "")
+    rows = "".join("|".join(line.split("|")[:-1]) + "\n" for line in SACCT.splitlines()[1:])
+    trace = load_trace(sacct(tmp_path, header + rows), slurm(), cpu_jobs="drop")
+    assert len(trace) == 6 and trace.estimate_s is None
+    assert trace.report[0] == "The header has no column 'Timelimit': estimate not read."
+    with pytest.raises(TraceError, match="the header has no column 'Timelimit'"):  # asked for by name, it must be there
+        load_trace(sacct(tmp_path, header + rows), parse_columns(str(slurm())), cpu_jobs="drop")
+
+
+def test_simulate_quotas_does_not_read_time_limits(slurm_run: dict[str, Path], capsys: pytest.CaptureFixture[str]
+                                                    ) -> None:
+    # A site replays run times: a time limit it cannot read does not stop it, and no note speaks of estimates.
+    text = slurm_run["trace"].read_text().replace("|04:00:00\n", "|soon\n")
+    slurm_run["trace"].write_text(text)
+    argv = ["simulate-quotas", "--trace", str(slurm_run["trace"]), "--preset", "slurm", "--modes", "off",
+            "--cpu-jobs", "drop"]
+    assert cli.main(argv) == 0
+    assert "estimate" not in capsys.readouterr().err

@@ -153,6 +153,9 @@ class ColumnMapping:
     tres: str | None = None
     job_id: str | None = None
     estimate: str | None = None
+    # Roles a preset maps that a file may lack: left out, with a note, where the header has no such column
+    # (a sacct dump written without Timelimit). Not part of the --columns text, nor of equality.
+    optional: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -196,7 +199,7 @@ PRESETS: dict[str, ColumnMapping] = {
     # Slurm accounting: sacct --parsable2 --allocations --format=JobID,User,Submit,Start,End,State,AllocTRES,Timelimit
     # (State is not read; see the module docstring). The user is the tenant, the time limit the estimate.
     "slurm": ColumnMapping(submit="Submit", start="Start", end="End", tres="AllocTRES", model="AllocTRES",
-                           tenant="User", job_id="JobID", estimate="Timelimit"),
+                           tenant="User", job_id="JobID", estimate="Timelimit", optional=frozenset({"estimate"})),
 }
 
 
@@ -375,8 +378,13 @@ def load_trace(
         raise TraceError(f"days must be more than 0 and at most {_MAX_DAYS:g} (a hundred years), got {days!r}")
 
     header, rows, lines = _read_rows(path)
-    index = _column_index(path, header, mapping)
     report: list[str] = []
+    absent = {role: col for role, col in mapping.roles().items() if role in mapping.optional and col not in header}
+    if absent:
+        mapping = dataclasses.replace(mapping, **dict.fromkeys(absent))
+        report.append(f"The header has no column {', '.join(repr(c) for c in absent.values())}: "
+                      f"{', '.join(absent)} not read.")
+    index = _column_index(path, header, mapping)
 
     # Rows that are not jobs that ran go first: their other cells need not be readable.
     if mapping.job_id is not None:

@@ -13,6 +13,7 @@ What is simulated and every assumption: ``broker.simulation.fairshare``. Prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> str:
     if not Path(args.trace).exists():
         raise QuotaSimulationError(f"--trace {args.trace}: no such file")
     mapping = resolve_preset(args.preset) if args.preset else parse_columns(args.columns)
+    mapping = dataclasses.replace(mapping, estimate=None)  # a site replays run times, not estimates: not read
     if mapping.tenant is None:
         raise QuotaSimulationError("the column mapping names no tenant column: add tenant=COL (quotas are "
                                    "per tenant)")
