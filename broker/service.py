@@ -41,6 +41,9 @@ from broker.store import Fenced, Store, StoredDecision, open_store
 
 log = logging.getLogger(__name__)
 
+FIRST_PASS_WAIT_S = 30.0
+"""The longest the first scheduling pass waits for the first round of carbon forecasts (or fetch_timeout_s)."""
+
 
 class SiteConflict(ValueError):
     """A site change that would strand jobs, or a name already taken."""
@@ -365,11 +368,20 @@ class Broker:
         settings = self.settings
         if self.signals is not None:
             # The first pass decides with the forecasts: after a restart it decides every queued job again, and
-            # one seen without them (a job deferred for a cleaner hour) would start at once. Each zone's fetch
-            # ends within fetch_timeout_s, and a zone that fails counts as done.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(settings.carbon_forecast.fetch_timeout_s):
+            # one seen without them (a job deferred for a cleaner hour) would start at once. Not for long: jobs
+            # that must start now wait too (a zone's fetch may take fetch_timeout_s, its fit more).
+            wait_s = min(settings.carbon_forecast.fetch_timeout_s, FIRST_PASS_WAIT_S)
+            started = time.monotonic()
+            try:
+                async with asyncio.timeout(wait_s):
                     await self.signals.wait_ready()
+            except TimeoutError:
+                log.warning("the first carbon forecasts are not in after %g s; scheduling without them until "
+                            "they come (a job deferred before the restart may start now)", wait_s)
+            else:
+                if time.monotonic() - started > 1.0:
+                    log.info("the first scheduling pass waited %.1f s for the first carbon forecasts",
+                             time.monotonic() - started)
         while True:
             self.book.changed.clear()
             try:

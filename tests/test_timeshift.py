@@ -540,6 +540,45 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its
         await again.stop()
 
 
+async def test_a_first_pass_waits_for_forecasts_only_so_long_and_says_it_went_on_without_them(
+        tmp_path, monkeypatch, caplog) -> None:
+    # Jobs that must start at once wait for the first pass too: a carbon service that does not answer must not
+    # hold the queue for the fetch's whole timeout (300 s by default), and the operator is told why it moved.
+    import asyncio
+
+    from broker import service
+    from broker.clock import ManualClock
+    from broker.config import BrokerSettings
+    from broker.models import JobState
+    from broker.providers.carbon import build_carbon_provider
+    from broker.service import Broker
+    from tests.builders import job
+
+    b, _ = await frankfurt_and_tokyo(tmp_path)
+    sites = list(b.federation.members[name].spec for name in ("frankfurt", "tokyo"))
+    await b.stop()
+    monkeypatch.setattr(service, "FIRST_PASS_WAIT_S", 0.3)
+    clock = ManualClock(GREEN_AT + timedelta(minutes=5))
+    settings = BrokerSettings.model_validate({"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
+                                              "carbon": {"kind": "files", "path": str(CARBON_DIR)}})
+    provider = build_carbon_provider(settings.carbon, clock=clock)
+
+    async def silent(zone, start, end):  # a service that takes the connection and never answers
+        await asyncio.sleep(3600)
+
+    provider.history = silent  # type: ignore[method-assign]
+    again = Broker(settings, clock=clock, carbon=provider)
+    await again.start(sites)
+    try:
+        j, _ = await again.book.submit(job(count=1, duration_s=600, deferrable=False))
+        async with asyncio.timeout(10):
+            while (await again.book.get(j.id)).state == JobState.QUEUED:
+                await asyncio.sleep(0.02)
+        assert "the first carbon forecasts are not in after 0.3 s; scheduling without them" in caplog.text
+    finally:
+        await again.stop()
+
+
 def test_a_job_naming_no_model_is_checked_for_room_on_the_gpus_it_would_start_on() -> None:
     # Toronto's L4s are busy for two more hours, its A100s idle. A job that names no model and may only run
     # in Toronto's region could start on the A100s now: that is what waiting is weighed against (it may
