@@ -201,22 +201,27 @@ class UniqueKeyLoader(yaml.SafeLoader):
     the last and drops the first without a word (a second ``broker:`` at the end of a file threw the first
     away). A key of a merged anchor (``<<: *base``) may still be written again, to override it."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                repeated = key in seen
-            except TypeError:  # (an unhashable key: the safe loader refuses it itself)
-                continue
-            if repeated:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} appears twice in the same mapping (YAML would keep only the "
-                                "second); keep one", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # Checked before the merge keys are spliced in (which rewrites node.value in place, and may happen to an
+        # anchored mapping before its own construction): its own keys only, once per mapping.
+        checked: set[int] = self.__dict__.setdefault("_unique_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                except TypeError:  # (an unhashable key: the safe loader refuses it itself)
+                    continue
+                if repeated:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} appears twice in the same mapping (YAML would keep only the "
+                                    "second); keep one", key_node.start_mark)
+                seen.add(key)
+        super().flatten_mapping(node)
 
 
 def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:

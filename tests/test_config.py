@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from broker.config import ConfigError, FederationConfig, load_config
+from broker.config import ConfigError, FederationConfig, UniqueKeyLoader, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "config" / "demo.yaml"
@@ -293,6 +294,19 @@ def test_a_merged_anchor_may_still_be_overridden_by_a_key_of_its_own(tmp_path: P
     sites = load_config(write(tmp_path, text)).sites
     assert [(s.name, s.latitude, s.region) for s in sites] == [("ashburn", 33.2, "gcp:us-east1"),
                                                                ("boston", 42.4, "gcp:us-east1")]
+
+
+def test_an_override_inside_an_anchor_merged_again_elsewhere_is_not_taken_for_a_key_written_twice(
+        tmp_path: Path) -> None:
+    # YAML splices a merged mapping's keys into it in place, and may do so for an anchored mapping merged from a
+    # shallower level before that mapping is built: its own override then looked like a second key.
+    text = ("base: &base {latitude: 10.0, longitude: 20.0}\ntemplates:\n  east: &east\n    <<: *base\n"
+            "    latitude: 33.2\nsite_defaults:\n  <<: *east\n")
+    data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    assert data["templates"]["east"] == data["site_defaults"] == {"latitude": 33.2, "longitude": 20.0}
+    with pytest.raises(yaml.YAMLError, match="the key 'latitude' appears twice"):  # written twice itself: refused
+        yaml.load(text.replace("    latitude: 33.2\n", "    latitude: 33.2\n    latitude: 34.0\n"),
+                  Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
 
 
 def test_invalid_yaml_reports_the_line_and_column(tmp_path: Path) -> None:
