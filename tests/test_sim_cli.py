@@ -315,6 +315,7 @@ def test_a_file_that_is_not_text_is_named_with_its_flag(files: dict[str, Path], 
     ("--utilisation", "1e-9", "give a larger utilisation"),
     ("--days", "36550", "--days 36550.0: give a number of days above 0 and at most 36,525"),
     ("--trace-from", "9999-12-31T23:00:00-05:00", "--trace-from '9999-12-31T23:00:00-05:00': is after the last date"),
+    ("--reweight-h", "0.001", "--reweight-h 0.001: reweight_h: 0.001 h divides window_h (24 h) into 24,000 periods"),
 ])
 def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[str, Path],
                                                                   capsys: pytest.CaptureFixture[str],
@@ -322,6 +323,18 @@ def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[st
     err = _error(capsys, ["simulate-quotas", "--trace", str(files["trace"]), "--columns",
                           "submit=submit,duration=seconds,gpus=gpus,tenant=team", flag, value])
     assert words in err
+
+
+def test_simulate_quotas_names_both_flags_when_only_their_pair_is_out_of_range(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # Each alone is fine against the other's default; together the window holds 21,600 periods. The run used to
+    # load the trace and then stop with pydantic's own text, naming no flag.
+    err = _error(capsys, ["simulate-quotas", "--trace", str(files["trace"]), "--columns",
+                          "submit=submit,duration=seconds,gpus=gpus,tenant=team", "--window-h", "2160",
+                          "--reweight-h", "0.1"])
+    assert err.startswith("heliotrope: --window-h 2160 with --reweight-h 0.1: reweight_h: 0.1 h divides window_h "
+                          "(2160 h) into 21,600 periods, more than 10,000; recompute less often (reweight_h at least "
+                          "0.216 h)")
 
 
 def test_what_the_run_assumed_about_its_inputs_is_on_stderr_not_only_in_the_json(

@@ -915,7 +915,7 @@ def time_zone_named(name: str) -> ZoneInfo:
     """The IANA time zone ``name``; an unknown one raises :class:`TraceError` with examples."""
     try:
         return ZoneInfo(name.strip())
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # (OSError: a folder of zones, such as US or Europe)
         raise TraceError(f"time zone {name!r} is unknown; give an IANA name such as America/New_York, Europe/Berlin "
                          "or UTC") from None
 

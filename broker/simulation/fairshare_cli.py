@@ -98,6 +98,11 @@ def run(args: argparse.Namespace) -> str:
             FairSharePolicy.model_validate({field: value})
         except ValidationError as e:
             raise QuotaSimulationError(f"{flag} {value:g}: {problems(e)[0]['problem']}") from None
+    try:  # and together (the window in periods of the reweight)
+        FairSharePolicy.model_validate({"window_h": args.window_h, "reweight_h": args.reweight_h})
+    except ValidationError as e:
+        raise QuotaSimulationError(f"--window-h {args.window_h:g} with --reweight-h {args.reweight_h:g}: "
+                                   f"{problems(e)[0]['problem'].removeprefix('Value error, ')}") from None
     if args.json_out:  # checked before the replay, which may take minutes, as simulate --json is
         writable_flag("--json", Path(args.json_out).parent, Path(args.json_out))
     trace = load_trace(args.trace, mapping, trace_from=trace_from, days=args.days, cpu_jobs=args.cpu_jobs,
