@@ -105,7 +105,10 @@ class NodeGroup(Spec):
         return profiles
 
     @model_validator(mode="after")
-    def _mig_fits(self) -> NodeGroup:
+    def _mig_fits(self, info: ValidationInfo) -> NodeGroup:
+        if self.mig_profiles and not ids.GPU_MODEL_BY_ID[self.model].mig and not stored(info):
+            raise ValueError(f"mig_profiles: {self.model} GPUs cannot be partitioned into MIG slices (models that "
+                             f"can: {', '.join(m.id for m in ids.GPU_MODELS if m.mig)})")
         for p in self.mig_profiles:
             memory = int(p.split(".")[1][:-2])
             if memory > self.gpu_memory_gib:
@@ -736,15 +739,12 @@ class GpuRequest(Spec):
             if memory > MAX_GPU_MEMORY_GIB:
                 return (f"mig_profile: {self.mig_profile} needs {memory} GiB, more than any GPU a site may have "
                         f"({MAX_GPU_MEMORY_GIB} GiB)")
-            if self.model is not None:
-                gpu = ids.GPU_MODEL_BY_ID[self.model]
-                if not gpu.mig:
-                    capable = ", ".join(m.id for m in ids.GPU_MODELS if m.mig)
-                    return (f"mig_profile: {self.model} GPUs cannot be partitioned into MIG slices; ask for a model "
-                            f"that can ({capable}), or leave model out")
-                if memory > gpu.memory_gib:
-                    return (f"mig_profile: {self.mig_profile} needs {memory} GiB, more than {self.model} GPUs have "
-                            f"({gpu.memory_gib} GiB)")
+            if self.model is not None and not ids.GPU_MODEL_BY_ID[self.model].mig:
+                capable = ", ".join(m.id for m in ids.GPU_MODELS if m.mig)
+                return (f"mig_profile: {self.model} GPUs cannot be partitioned into MIG slices; ask for a model "
+                        f"that can ({capable}), or leave model out")
+            # (a slice larger than the model's nominal memory is not refused: a site may give its GPUs more,
+            # memory_gib_per_gpu, and then offer it)
         return None
 
     @property

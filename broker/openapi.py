@@ -76,8 +76,7 @@ _BEYOND_THE_SCHEMA = {
     "SiteSpec": "usd_per_gpu_hour prices only models its gpus have; at most 200,000 GPUs in all; each tenant at most "
                 "once in quotas; a node group's mig_profiles fit its GPUs' memory; an mqtt adapter needs broker.mqtt; "
                 "fair_share's window_h is at most 10,000 periods of its reweight_h",
-    "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
-               "a mig_profile no larger than the GPUs of its model",
+    "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose",
 }
 
 
@@ -87,6 +86,9 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
     for model, rules in _BEYOND_THE_SCHEMA.items():
         schemas[model]["description"] += f"\n\nAlso checked (a 422 names the field): {rules}."
     node_group["properties"]["mig_profiles"]["items"]["pattern"] = _MIG_PROFILE
+    node_group["allOf"] = [  # MIG slices are offered on models that have MIG
+        {"if": {"required": ["mig_profiles"], "properties": {"mig_profiles": {"minItems": 1}}},
+         "then": {"properties": {"model": {"enum": [m.id for m in ids.GPU_MODELS if m.mig]}}}}]
     gpus["properties"]["mig_profile"]["anyOf"][0]["pattern"] = _MIG_PROFILE
     adapter = site["properties"]["adapter"]["discriminator"]  # the tag picks the variant: it must be there
     for ref in adapter["mapping"].values():

@@ -472,3 +472,15 @@ def test_a_kubernetes_site_without_measured_telemetry_is_stored_as_an_earlier_re
     measured = KubernetesAdapterConfig(telemetry={"kind": "prometheus", "url": "http://prometheus:9090"})
     again = KubernetesAdapterConfig.model_validate_json(measured.model_dump_json())
     assert again.telemetry is not None and again.telemetry.url == "http://prometheus:9090"
+
+
+def test_a_node_group_offering_mig_slices_of_a_model_without_mig_is_refused_but_a_stored_one_loads() -> None:
+    # Jobs asking for MIG slices of such a model are refused at submit; a site offering them would hold capacity
+    # no job could take. A site an earlier release stored so still loads, so the broker still starts.
+    from broker.models import STORED, NodeGroup
+
+    group = {"model": "l4", "gpus_per_node": 8, "nodes": 1, "mig_profiles": ["1g.6gb"]}
+    with pytest.raises(ValueError, match="mig_profiles: l4 GPUs cannot be partitioned into MIG slices"):
+        NodeGroup.model_validate(group)
+    assert NodeGroup.model_validate(group, context=STORED).mig_profiles == ["1g.6gb"]
+    assert NodeGroup.model_validate({**group, "model": "a100-80gb", "mig_profiles": ["1g.10gb"]}).mig_profiles

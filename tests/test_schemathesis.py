@@ -83,7 +83,6 @@ RULES_BEYOND_THE_SCHEMA = [
     (r"\(body\)", r"quotas: each tenant may appear once"),  # unique by one property
     (r"gpus\[\d+\]", r"mig_profiles: .+ needs \d+ GiB, more than a .+ GPU here has"),  # profile vs the model
     (r"\(body\)", r"regions both allowed and denied"),  # two lists disjoint
-    ("gpus.mig_profile", r"needs \d+ GiB, more than \S+ GPUs have"),  # a MIG slice vs its model's memory
     ("fair_share", r"reweight_h: .+ divides window_h .+ periods, more than"),  # the ratio of two fields
     ("name", r"must be '.*'"),  # PUT /v1/sites/{name}: the body's name is the path's
     ("tenant", r"must be '.*'"),  # PUT .../quota/{tenant}: the body's tenant is the path's
