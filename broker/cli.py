@@ -209,7 +209,9 @@ def _load_document(path: str) -> Any:
 
         return _plain(yaml.load(text, Loader=UniqueKeyLoader))  # noqa: S506 - a SafeLoader; YAML is a superset of JSON
     except yaml.YAMLError as e:
-        raise CliError(f"{path}: neither valid YAML nor JSON: {e}") from None
+        from broker.config import yaml_problem
+
+        raise CliError(f"{path}: {yaml_problem(e)}") from None  # (JSON is YAML too)
 
 
 def _plain(value: Any) -> Any:

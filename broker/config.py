@@ -224,6 +224,13 @@ class UniqueKeyLoader(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """What is wrong with a YAML text, in one line: ``not valid YAML (line L, column C): PROBLEM``."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+    return f"not valid YAML{where}: {getattr(e, 'problem', None) or e}"
+
+
 def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
     """A YAML file validated as ``model``. :class:`ConfigError` names the file and, for each problem, the
     field (``top_level`` says what the file's top level must hold when it is not a mapping)."""
@@ -237,9 +244,7 @@ def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
     try:
         data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        raise ConfigError(f"{p}: {yaml_problem(e)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
