@@ -42,7 +42,7 @@ from pydantic import BaseModel, ValidationError
 from broker.client import ApiClientError, Client
 from broker.simulation import cli as simulation_cli
 from broker.simulation import fairshare_cli
-from broker.errors import problems
+from broker.errors import located, problems
 from broker.auth import Role
 from broker.models import JobSpec, SiteSpec
 from broker.store import StoreError
@@ -260,8 +260,7 @@ def _check_all(docs: list[Any], model: type[BaseModel], what: str) -> None:
             model.model_validate(doc)
         except ValidationError as e:
             where = f"{what} {i + 1} of {len(docs)}" if len(docs) > 1 else what
-            lines += [f"{where}: {p['problem']}" if p["field"] == "(body)" else f"{where}: {p['field']}: {p['problem']}"
-                      for p in problems(e)]
+            lines += [f"{where}: {located(p)}" for p in problems(e)]
     if lines:
         raise CliError("nothing was sent; fix these first:\n  " + "\n  ".join(lines))
 
@@ -437,8 +436,7 @@ async def _tokens(args: argparse.Namespace) -> str:
                     token, record = auth.make_record(args.name, args.role, args.site or [], args.tenant or [], now,
                                                      expires)
                 except ValidationError as e:
-                    raise CliError("; ".join(p["problem"] if p["field"] in ("", "(body)") else f"{p['field']}: {p['problem']}"
-                                             for p in problems(e))) from None
+                    raise CliError("; ".join(map(located, problems(e)))) from None
                 await store.put_token(record.id, record.digest, record.model_dump_json())
                 if args.json:
                     return json.dumps({**record.public(), "token": token}, indent=2)

@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from broker.errors import problems
+from broker.errors import located, problems
 from broker.models import MqttSettings, SiteSpec
 from broker.providers.carbon import CarbonProviderConfig, FilesCarbonConfig
 from broker.providers.prices import FilesPriceConfig, PriceProviderConfig
@@ -252,9 +252,7 @@ def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        # (a check of the whole file names its fields in its own words: "(body)", the API's, names nothing here)
-        raise ConfigError("\n".join(f"{p}: {d['problem']}" if d["field"] == "(body)" else
-                                    f"{p}: {d['field']}: {d['problem']}" for d in problems(e))) from None
+        raise ConfigError("\n".join(f"{p}: {located(d)}" for d in problems(e))) from None
 
 
 ENV_PREFIX = "HELIOTROPE_BROKER__"

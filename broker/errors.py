@@ -78,5 +78,13 @@ def problems(error: ValidationError) -> list[dict[str, str]]:
     return out
 
 
+def located(problem: dict[str, str]) -> str:
+    """One of :func:`problems` as a file's or a command's message reads it: ``FIELD: PROBLEM``, or the problem
+    alone for a check of the whole document (``(body)``, the API's word for a request body, names nothing
+    there)."""
+    field = problem["field"]
+    return problem["problem"] if field in ("", "(body)") else f"{field}: {problem['problem']}"
+
+
 def is_malformed_json(error: ValidationError) -> bool:
     return any(e["type"] == "json_invalid" for e in error.errors(include_url=False))
