@@ -443,14 +443,20 @@ class SiteAgent:
                 report.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def _beat(self, client: aiomqtt.Client, state: SiteState) -> None:
-        """Publish one heartbeat with ``state``: the site's report, with the attempts it holds."""
-        if self.telemetry is not None:
-            state = self.telemetry.overlay(state)
-        seq = next(self._seq)
-        beat = Heartbeat(
-            site=self.site, boot=self.boot, seq=seq, sent_at=self.clock.now(), lease_s=self._lease_s,
-            state=state, attempts=self._attempts_listed(),
-        )
+        """Publish one heartbeat with ``state``: the site's report, with the attempts it holds. One that cannot
+        be made is logged and skipped: the loop goes on (a heartbeat task that ended would leave the site
+        silent, its lease running out, with the link up and nothing said)."""
+        try:
+            if self.telemetry is not None:
+                state = self.telemetry.overlay(state)
+            seq = next(self._seq)
+            beat = Heartbeat(
+                site=self.site, boot=self.boot, seq=seq, sent_at=self.clock.now(), lease_s=self._lease_s,
+                state=state, attempts=self._attempts_listed(),
+            )
+        except Exception:
+            log.exception("site agent %s: could not make a heartbeat; trying again at the next one", self.site)
+            return
         self._sent_at[seq] = time.monotonic()
         await self._publish(client, "state", beat, retain=True)
 

@@ -530,6 +530,32 @@ async def test_an_agent_whose_heartbeats_come_too_seldom_for_its_lease_says_so_i
         await clear_retained(name)
 
 
+async def test_a_heartbeat_that_cannot_be_made_is_logged_and_the_next_ones_go_out(caplog):
+    """A heartbeat that failed to be made (a state it could not carry) ended the heartbeat task without a word:
+    the MQTT link stayed up, the site went quiet and its lease ran out."""
+    name = unique_site()
+    agent = SiteAgent(agent_config(name))
+    listed = agent._attempts_listed
+    failures = [RuntimeError("a state no heartbeat can carry")]
+
+    def once_broken() -> Any:
+        if failures:
+            raise failures.pop()
+        return listed()
+
+    agent._attempts_listed = once_broken  # type: ignore[method-assign]
+    try:
+        async with BrokerSide(name) as side:
+            with caplog.at_level("ERROR", logger="adapters.agent"):
+                await agent.start()
+                await until(lambda: len(side.grants) >= 3, what="heartbeats after the one that failed")
+            assert not failures
+            assert "could not make a heartbeat; trying again at the next one" in caplog.text
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
 # --- bad input ---------------------------------------------------------------------------------------------
 
 
