@@ -185,6 +185,18 @@ def _up(value: float, digits: int = 3) -> float:
     return round(math.ceil(value / step - 1e-9) * step, 12)
 
 
+def on_this_machine(what: str, instead: str) -> AfterValidator:
+    """A ``path`` setting read on this machine: a URL there is refused, saying ``instead`` what to write (read
+    as a file name, its ``//`` collapsed, it failed at start as no such ``what``)."""
+
+    def check(path: str) -> str:
+        if "://" in path:
+            raise ValueError(f"{path!r} is a URL; kind files reads {what} on this machine: {instead}")
+        return path
+
+    return AfterValidator(check)
+
+
 def stored(info: ValidationInfo) -> bool:
     """Whether a validator runs on stored data (:data:`STORED`) rather than on new input."""
     return bool(info.context and info.context.get("stored"))

@@ -91,14 +91,14 @@ from urllib.parse import urlencode
 
 import aiohttp
 import numpy as np
-from pydantic import Field, HttpUrl, TypeAdapter, field_validator
+from pydantic import Field, HttpUrl, TypeAdapter
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from yarl import URL
 
 from broker.clock import Clock, SystemClock
 from broker.data.carbon import MAX_GAP_HOURS, CarbonData, CarbonDataError, load_carbon
 from broker.ids import UnknownIdentifier, grid_zone
-from broker.models import GridZoneId, Spec
+from broker.models import GridZoneId, Spec, on_this_machine
 
 __all__ = [
     "HISTORY_PATH",
@@ -677,16 +677,9 @@ class FilesCarbonConfig(Spec):
     """Carbon intensity from files: the shipped slice ``data/carbon`` or the shared Electricity Maps folder."""
 
     kind: Literal["files"]
-    path: str = Field(min_length=1, description="folder read by broker.data.carbon.load_carbon")
+    path: Annotated[str, on_this_machine("a folder", "for an Electricity Maps service use kind: http with url")] = (
+        Field(min_length=1, description="folder read by broker.data.carbon.load_carbon"))
     lifecycle: bool = Field(default=False, description="life-cycle (LCA) intensity instead of direct")
-
-    @field_validator("path")
-    @classmethod
-    def _local(cls, path: str) -> str:
-        if "://" in path:  # (read as a folder name, its // collapsed, it failed at start as no such folder)
-            raise ValueError(f"{path!r} is a URL; kind files reads a folder on this machine: for an Electricity "
-                             "Maps service use kind: http with url")
-        return path
 
 
 class HttpCarbonConfig(Spec):

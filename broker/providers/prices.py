@@ -32,11 +32,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import Field, TypeAdapter, field_validator
+from pydantic import Field, TypeAdapter
 
 from broker import ids
 from broker.data.prices import PriceTable, load_gcp_prices
-from broker.models import SiteSpec, Spec
+from broker.models import SiteSpec, Spec, on_this_machine
 
 __all__ = [
     "FilePriceProvider",
@@ -122,17 +122,9 @@ class FilesPriceConfig(Spec):
     """Prices from the GCP price list by the site's region, falling back to the site spec."""
 
     kind: Literal["files"]
-    path: str = Field(
+    path: Annotated[str, on_this_machine("a CSV file", "download it and name the file")] = Field(
         min_length=1, description="the GCP GPU price list CSV, e.g. data/prices/gcp_gpu_instance_prices.csv",
     )
-
-    @field_validator("path")
-    @classmethod
-    def _local(cls, path: str) -> str:
-        if "://" in path:  # (read as a file name, its // collapsed, it failed at start as no such file)
-            raise ValueError(f"{path!r} is a URL; kind files reads a CSV file on this machine: download it and "
-                             "name the file")
-        return path
 
 
 PriceProviderConfig = Annotated[StaticPriceConfig | FilesPriceConfig, Field(discriminator="kind")]
