@@ -105,6 +105,7 @@ from adapters.mqtt_protocol import (
     Status,
     WireEvent,
     client_options,
+    connection_hint,
     decode,
     encode,
     tls_context,
@@ -366,8 +367,8 @@ class SiteAgent:
                         resends.cancel()
                         await asyncio.gather(beats, resends, return_exceptions=True)
             except aiomqtt.MqttError as e:
-                log.warning("site agent %s: MQTT broker %s:%d: %s; connecting again in %.1f s", self.site,
-                            mqtt.host, mqtt.port, e, wait)
+                log.warning("site agent %s: MQTT broker %s:%d: %s%s; connecting again in %.1f s", self.site,
+                            mqtt.host, mqtt.port, e, connection_hint(e, mqtt), wait)
             except Exception:  # never give up on the connection
                 log.exception("site agent %s: MQTT connection failed; connecting again in %.1f s", self.site, wait)
             if self._closing:

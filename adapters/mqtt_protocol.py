@@ -157,6 +157,25 @@ PUBLISH_TIMEOUT_S = 5.0
 """How long one publish or subscribe may wait for the MQTT broker."""
 
 
+_REFUSED_CREDENTIALS = frozenset({4, 5, 134, 135})
+"""CONNACK codes of credentials refused: MQTT 3.1.1's bad username or password (4) and not authorised (5), and
+MQTT 5's (134, 135)."""
+
+
+def connection_hint(e: BaseException, settings: MqttSettings) -> str:
+    """What to check for an MQTT connection that failed with ``e``, as text to put after it ("" for none): the
+    settings that a refusal of credentials, or a TLS client and a plain listener meeting, point at."""
+    rc = getattr(e, "rc", None)
+    code = getattr(rc, "value", rc)
+    if isinstance(code, int) and code in _REFUSED_CREDENTIALS:
+        return ("; the MQTT broker refused the credentials: check mqtt.username and the password in the variable "
+                f"mqtt.password_env names ({settings.password_env or 'unset: no password sent'})")
+    text = str(e)
+    if settings.uses_tls and ("reset by peer" in text or "WRONG_VERSION_NUMBER" in text or "EOF occurred" in text):
+        return f"; mqtt.tls is on: is port {settings.port} a TLS listener (Mosquitto's usual one is 8883)?"
+    return ""
+
+
 def topic(site: str, channel: Literal["state", "status", "up", "down"]) -> str:
     return f"{ROOT}/{site}/{channel}"
 

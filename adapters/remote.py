@@ -130,8 +130,8 @@ class MqttHub:
                     async for message in client.messages:
                         self._on_message(message)
             except aiomqtt.MqttError as e:
-                log.warning("mqtt: connection to %s:%d lost or refused (%s); reconnecting in %.1f s",
-                            self.settings.host, self.settings.port, e, delay)
+                log.warning("mqtt: connection to %s:%d lost or refused (%s%s); reconnecting in %.1f s",
+                            self.settings.host, self.settings.port, e, proto.connection_hint(e, self.settings), delay)
             except Exception:  # whatever it was, the connection must come back
                 log.exception("mqtt: the connection failed; reconnecting in %.1f s", delay)
             finally:

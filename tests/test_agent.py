@@ -840,3 +840,32 @@ async def test_a_command_retained_on_the_down_topic_is_not_carried_out_at_each_c
             await agent.stop()
             await side._client.publish(topic(name, "down"), b"", qos=1, retain=True)
     await clear_retained(name)
+
+
+async def test_credentials_the_mqtt_broker_refuses_are_named_with_the_settings_to_check(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """A wrong password gave only '[code:135] Not authorized' (or 'Connection refused: Not authorised'), naming
+    no setting; the warning now says which to check."""
+    import shutil
+    import subprocess
+
+    from tests.mosquitto import Mosquitto
+
+    passwd = shutil.which("mosquitto_passwd")
+    assert passwd, "mosquitto_passwd comes with mosquitto"
+    users = tmp_path / "passwd"
+    subprocess.run([passwd, "-b", "-c", str(users), "agent", "right"], check=True, capture_output=True)
+    users.chmod(0o600)
+    monkeypatch.setenv("HELIOTROPE_TEST_MQTT_PASSWORD", "wrong")
+    name = unique_site()
+    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"password_file {users}"]) as server:
+        mqtt = server.settings(username="agent", password_env="HELIOTROPE_TEST_MQTT_PASSWORD", reconnect_max_s=0.5)
+        agent = SiteAgent(AgentConfig(site=site_spec(name), mqtt=mqtt, heartbeat_s=HEARTBEAT_S))
+        try:
+            with caplog.at_level("WARNING", logger="adapters.agent"):
+                await agent.start()
+                await until(lambda: "refused the credentials" in caplog.text, what="the refusal, named")
+            assert ("check mqtt.username and the password in the variable mqtt.password_env names "
+                    "(HELIOTROPE_TEST_MQTT_PASSWORD)") in caplog.text
+        finally:
+            await agent.stop()
