@@ -288,7 +288,20 @@ class Toleration(Spec):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class NvmlTelemetryConfig(Spec):
+class _Readings(Spec):
+    """What the telemetry sources share: a reading must stay fresh until the next one is taken."""
+
+    @model_validator(mode="after")
+    def _fresh_until_the_next(self, info: ValidationInfo) -> _Readings:
+        every, stale = getattr(self, "every_s"), getattr(self, "stale_after_s")
+        if stale <= every and not stored(info):  # (a site an earlier release stored still loads)
+            raise ValueError(f"stale_after_s ({stale:g} s) is not longer than every_s ({every:g} s): each reading "
+                             "would go stale before the next is taken, and the measured telemetry would come and go; "
+                             "make stale_after_s a few readings long")
+        return self
+
+
+class NvmlTelemetryConfig(_Readings):
     """GPU telemetry read through NVML on the machine the site agent runs on (``adapters.telemetry``): for a
     site whose GPUs are in the agent's own node. Needs the NVIDIA driver there; the agent starts without it
     and logs why each reading failed."""
@@ -346,7 +359,7 @@ def _promql_selector(value: str) -> str:
     return text
 
 
-class PrometheusTelemetryConfig(Spec):
+class PrometheusTelemetryConfig(_Readings):
     """GPU telemetry that NVIDIA's DCGM exporter (dcgm-exporter, part of the GPU Operator) publishes and a
     Prometheus server scrapes (``adapters.dcgm``): for a Kubernetes cluster, from the broker or a site agent,
     neither of which needs to run on a GPU node. Clock throttling needs the exporter to export

@@ -75,7 +75,8 @@ def _if(field: str, holds: dict[str, Any], then: dict[str, Any]) -> dict[str, An
 _BEYOND_THE_SCHEMA = {
     "SiteSpec": "usd_per_gpu_hour prices only models its gpus have; at most 200,000 GPUs in all; each tenant at most "
                 "once in quotas; a node group's mig_profiles fit its GPUs' memory; an mqtt adapter needs broker.mqtt; "
-                "fair_share's window_h is at most 10,000 periods of its reweight_h",
+                "fair_share's window_h is at most 10,000 periods of its reweight_h; a telemetry source's "
+                "stale_after_s is longer than its every_s",
     "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose",
 }
 

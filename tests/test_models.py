@@ -484,3 +484,15 @@ def test_a_node_group_offering_mig_slices_of_a_model_without_mig_is_refused_but_
         NodeGroup.model_validate(group)
     assert NodeGroup.model_validate(group, context=STORED).mig_profiles == ["1g.6gb"]
     assert NodeGroup.model_validate({**group, "model": "a100-80gb", "mig_profiles": ["1g.10gb"]}).mig_profiles
+
+
+def test_telemetry_that_would_go_stale_between_two_readings_is_refused_but_a_stored_one_loads() -> None:
+    # Readings every 60 s that are stale after 30 s: the measured telemetry would come and go between readings.
+    from broker.models import STORED, NvmlTelemetryConfig, PrometheusTelemetryConfig
+
+    with pytest.raises(ValueError, match=r"stale_after_s \(30 s\) is not longer than every_s \(60 s\)"):
+        NvmlTelemetryConfig(every_s=60, stale_after_s=30)
+    with pytest.raises(ValueError, match="is not longer than every_s"):
+        PrometheusTelemetryConfig(url="http://prometheus:9090", every_s=60, stale_after_s=60)
+    assert NvmlTelemetryConfig.model_validate({"every_s": 60, "stale_after_s": 30}, context=STORED).every_s == 60
+    assert PrometheusTelemetryConfig(url="http://prometheus:9090").stale_after_s == 120  # the defaults hold

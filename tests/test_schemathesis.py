@@ -84,6 +84,7 @@ RULES_BEYOND_THE_SCHEMA = [
     (r"gpus\[\d+\]", r"mig_profiles: .+ needs \d+ GiB, more than a .+ GPU here has"),  # profile vs the model
     (r"\(body\)", r"regions both allowed and denied"),  # two lists disjoint
     ("fair_share", r"reweight_h: .+ divides window_h .+ periods, more than"),  # the ratio of two fields
+    (r"adapter\.telemetry", r"stale_after_s .+ is not longer than every_s"),  # two fields compared
     ("name", r"must be '.*'"),  # PUT /v1/sites/{name}: the body's name is the path's
     ("tenant", r"must be '.*'"),  # PUT .../quota/{tenant}: the body's tenant is the path's
     ("adapter.kind", r"needs broker.mqtt"),  # a site run by an agent, on a broker configured without MQTT
