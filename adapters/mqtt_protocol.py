@@ -167,7 +167,8 @@ def connection_hint(e: BaseException, settings: MqttSettings) -> str:
     settings that a refusal of credentials, or a TLS client and a plain listener meeting, point at."""
     rc = getattr(e, "rc", None)
     code = getattr(rc, "value", rc)
-    if isinstance(code, int) and code in _REFUSED_CREDENTIALS:
+    # (only a CONNACK's code: paho's other error codes reuse the small numbers, 4 for no connection)
+    if isinstance(e, aiomqtt.exceptions.MqttConnectError) and isinstance(code, int) and code in _REFUSED_CREDENTIALS:
         return ("; the MQTT broker refused the credentials: check mqtt.username and the password in the variable "
                 f"mqtt.password_env names ({settings.password_env or 'unset: no password sent'})")
     text = str(e)
