@@ -41,7 +41,8 @@ def _slug(value: str) -> str:
     return value
 
 
-def _timezone(value: str) -> str:
+def iana_time_zone(value: str) -> str:
+    """``value`` if it names an IANA time zone (``Europe/Berlin``), else ``ValueError``."""
     try:
         ZoneInfo(value)
     except (ZoneInfoNotFoundError, ValueError, OSError):  # an area such as 'Europe' is a directory
@@ -62,7 +63,7 @@ Slug = Annotated[str, AfterValidator(_slug)]
 GpuModelId = Annotated[str, AfterValidator(ids.gpu_model)]
 RegionId = Annotated[str, AfterValidator(ids.region)]
 GridZoneId = Annotated[str, AfterValidator(ids.grid_zone)]
-TimeZoneName = Annotated[str, AfterValidator(_timezone)]
+TimeZoneName = Annotated[str, AfterValidator(iana_time_zone)]
 UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
 
 

@@ -37,7 +37,7 @@ _REGION = (
 # What each validating function of ``broker.models`` accepts, as JSON Schema (besides the type pydantic states).
 _CHECKED_BY: dict[Any, dict[str, Any]] = {
     models._slug: {"pattern": f"^{models._NAME.pattern}$"},
-    models._timezone: {"enum": sorted(available_timezones()), "description": "an IANA time zone"},
+    models.iana_time_zone: {"enum": sorted(available_timezones()), "description": "an IANA time zone"},
     ids.gpu_model: {"enum": list(ids.GPU_MODEL_IDS),
                     "description": "a GPU model id (its product names and cloud SKUs are accepted and canonicalised)"},
     ids.region: {"pattern": _REGION,

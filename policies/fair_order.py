@@ -20,11 +20,11 @@ the plain one (priority, then the caller's key). Units: GPUs. Pure: no I/O, no c
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 from broker.models import QuotaState
+from policies.fairshare import weight_fractions
 
 T = TypeVar("T")
 
@@ -53,17 +53,12 @@ def standings(reports: Sequence[QuotaState]) -> dict[str, Standing]:
         if not q.enforced or q.fair_share.mode == "off":
             continue
         listed = [t for t in q.tenants if t.listed]
-        scale = 1.0
-        weights = sum(t.fair_share_weight for t in listed)
-        if not math.isfinite(weights):  # weights near the largest float: their sum overflows, not their ratios
-            scale = max(t.fair_share_weight for t in listed)
-            weights = sum(t.fair_share_weight / scale for t in listed)
+        fractions = weight_fractions([t.fair_share_weight for t in listed])
         usage = sum(t.decayed_usage_gpu_h for t in listed)
-        if weights <= 0:
+        if not fractions:
             continue
         p = {}
-        for t in listed:
-            w = t.fair_share_weight / scale / weights
+        for t, w in zip(listed, fractions, strict=True):
             u = t.decayed_usage_gpu_h / usage if usage > 0 else w
             p[t.tenant] = max(0.0, w + q.fair_share.k * (w - u)) if q.fair_share.mode == "time" else w
         total = sum(p.values()) or 1.0

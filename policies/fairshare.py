@@ -71,6 +71,17 @@ class Claim:
     usage_fraction: float = 0.0  # U': decayed usage over decayed capacity, 0..1
 
 
+def weight_fractions(weights: Sequence[float]) -> list[float]:
+    """Each weight over their sum (none where the sum is not above 0). Weights near the largest float are taken
+    over the largest first: their sum overflows, their ratios do not."""
+    total = sum(weights)
+    if not math.isfinite(total):
+        top = max(weights)
+        weights = [w / top for w in weights]
+        total = sum(weights)
+    return [w / total for w in weights] if total > 0 else []
+
+
 def divide(capacity_gpus: float, claims: Sequence[Claim], k: float, *, by_weight: bool = True) -> list[float]:
     """Fair share in GPUs of each claim, in order. ``k`` = 0 ignores usage; ``by_weight`` False stops after
     phase 1 (mode ``off``)."""
@@ -88,19 +99,12 @@ def divide(capacity_gpus: float, claims: Sequence[Claim], k: float, *, by_weight
         return shares
     active = [i for i in range(n) if need[i] > EPS and claims[i].weight > 0]
     while active and remaining > EPS:
-        weight = [claims[i].weight for i in active]
-        total_w = sum(weight)
-        if not math.isfinite(total_w):  # weights near the largest float: their sum overflows, not their ratios
-            top = max(weight)
-            weight = [w / top for w in weight]
-            total_w = sum(weight)
-        portions = []
-        for i, raw in zip(active, weight, strict=True):
-            w = raw / total_w
-            portions.append(max(0.0, w + k * (w - claims[i].usage_fraction)) if k else w)
+        fractions = weight_fractions([claims[i].weight for i in active])
+        portions = [max(0.0, w + k * (w - claims[i].usage_fraction)) if k else w
+                    for i, w in zip(active, fractions, strict=True)]
         total_p = sum(portions)
         if total_p <= EPS:  # everyone left used far more than its weight: share by weight alone
-            portions = [raw / total_w for raw in weight]
+            portions = fractions
             total_p = 1.0
         satisfied = []
         still = []

@@ -91,11 +91,12 @@ from datetime import date, datetime, timedelta, UTC
 from operator import itemgetter
 from pathlib import Path
 from typing import Literal, NamedTuple, TextIO
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo
 
 import numpy as np
 
 from broker import ids
+from broker.models import iana_time_zone
 
 MIN_DURATION_S = 1.0
 """Jobs whose duration is 0 s are counted as this long (seconds)."""
@@ -914,8 +915,8 @@ class _Columns:
 def time_zone_named(name: str) -> ZoneInfo:
     """The IANA time zone ``name``; an unknown one raises :class:`TraceError` with examples."""
     try:
-        return ZoneInfo(name.strip())
-    except (ZoneInfoNotFoundError, ValueError, OSError):  # (OSError: a folder of zones, such as US or Europe)
+        return ZoneInfo(iana_time_zone(name.strip()))
+    except ValueError:
         raise TraceError(f"time zone {name!r} is unknown; give an IANA name such as America/New_York, Europe/Berlin "
                          "or UTC") from None
 
