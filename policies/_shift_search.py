@@ -282,14 +282,6 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
     return True, value, best_value, best_site, -1, 0
 
 
-WALK_SELECT = 16
-"""Sites :func:`walk_now` picks in its first scan over the scores, best first; each further scan picks twice as
-many, from those after the last picked, up to :data:`WALK_SCANS` scans; a walk that goes further sorts the rest
-once. Most walks end within a few sites, where a full sort of a thousand scores costs more than the walk, and a
-third of them within a few dozen more (a scan costs a few µs, a sort of a thousand scores about 30)."""
-WALK_SCANS = 4  # 16 + 32 + 64 + 128 sites before the rest are sorted
-
-
 @_jit(inline="always")
 def _precedes(totals: np.ndarray, i: int, j: int) -> bool:
     """Whether site ``i`` comes before site ``j`` in descending order of ``totals``: a higher score, NaN after
@@ -298,26 +290,6 @@ def _precedes(totals: np.ndarray, i: int, j: int) -> bool:
     if a != a:
         return b != b and i < j
     return b != b or a > b or (a == b and i < j)
-
-
-@_jit()
-def _select(totals: np.ndarray, after: int, top: np.ndarray) -> int:
-    """Fill ``top`` with the first sites, in :func:`_precedes` order, of those that come after site ``after``
-    (-1: of all), best first; how many it holds (fewer than its size where fewer are left)."""
-    n_top = 0
-    size = top.shape[0]
-    for i in range(totals.shape[0]):
-        if after >= 0 and not _precedes(totals, after, i):
-            continue
-        if n_top == size and not _precedes(totals, i, top[size - 1]):
-            continue
-        j = min(n_top, size - 1)
-        while j > 0 and _precedes(totals, i, top[j - 1]):
-            top[j] = top[j - 1]
-            j -= 1
-        top[j] = i
-        n_top = min(n_top + 1, size)
-    return n_top
 
 
 @_jit()
@@ -339,40 +311,26 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
     anywhere; the first ``keep`` sites turned away before it, int64[keep, 4] rows of site, ``why``, ``hour``
     (as :func:`start_now` gives them; ``why`` 3: not ``ok``, the plan cannot check it) and model, -1 past the
     last; how many were turned away). One call instead of one per site: a profile whose best sites are
-    turned away for the room kept for latency-bound jobs tries several. The order comes from scans that pick
-    the best :data:`WALK_SELECT`, then twice as many each time (:func:`_select`, :data:`WALK_SCANS` scans), and
-    past them from one stable sort of the rest."""
+    turned away for the room kept for latency-bound jobs tries several, and a third of ``green``'s walks turn
+    away more than fifty.
+
+    Each site's answer depends on that site alone, so the site chosen is the first in score order of those the
+    plan allows, and the walk needs no order: one pass in index order tries a site only where it comes before
+    the best allowed so far (:func:`_precedes`). Every site before the one chosen is tried and turned away
+    (it came before every earlier best), and the few others tried are those that came before a passing best
+    (about ln(n) / the share allowed). The sites turned away before the one chosen are then counted and their
+    first ``keep`` put in order from that short list. An earlier walk took the sites in order, from scans that
+    picked the best 16, then 32, 64 and 128: a scan of a thousand scores costs as much as trying a dozen sites,
+    and a long walk made four of them."""
     n = totals.shape[0]
-    passed = np.full((keep, 4), -1, dtype=np.int64)
-    n_passed = 0
     given = models.shape[0] > 0
-    top = np.empty(min(WALK_SELECT, n), dtype=np.int64)
-    n_top = _select(totals, -1, top)
-    batches = 1
-    step = 0
-    for _ in range(n):
-        if step == n_top:  # this batch tried: the next, from those after its last
-            if n_top < top.shape[0] or n_top == 0 or batches > WALK_SCANS:
-                break
-            last = top[n_top - 1]
-            if batches < WALK_SCANS:  # twice as many, in one more scan
-                top = np.empty(min(WALK_SELECT << batches, n), dtype=np.int64)
-                n_top = _select(totals, last, top)
-            else:  # all the rest, in one stable sort (NaN last, equals in index order)
-                rest = np.empty(n, dtype=np.int64)
-                n_top = 0
-                for i in range(n):
-                    if _precedes(totals, last, i):
-                        rest[n_top] = i
-                        n_top += 1
-                rest = rest[:n_top]
-                top = rest[np.argsort(-totals[rest], kind="mergesort")]
-            batches += 1
-            step = 0
-            if n_top == 0:
-                break
-        k = top[step]
-        step += 1
+    tried = np.empty((n, 4), dtype=np.int64)  # the sites tried and turned away: index in feasible, why, hour, model
+    n_tried = 0
+    chosen, chosen_model = -1, -1
+    chosen_value, best_value, best_site = np.inf, np.inf, -1
+    for k in range(n):
+        if chosen >= 0 and not _precedes(totals, k, chosen):
+            continue
         site = feasible[k]
         if given:
             model = models[k if models.shape[0] > 1 else 0]
@@ -385,32 +343,51 @@ def walk_now(totals: np.ndarray, models: np.ndarray, room: np.ndarray, free: np.
                     model, best_memory, best_free = columns[i], memory[i], free[site, i]
             if model < 0:
                 model = col[site]
-        if not ok[site]:
-            if n_passed < keep:
-                passed[n_passed, 0], passed[n_passed, 1], passed[n_passed, 2], passed[n_passed, 3] = site, 3, 0, model
-            n_passed += 1
+        why, hour = 3, 0
+        if ok[site]:
+            why = 1
+            if carbon:
+                rate = float(tdp[model])
+            else:
+                rate = usd[site, model]
+                if not rate == rate:
+                    rate = np.inf
+            if _priced_taken(site, model, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first,
+                             now_hours, kept_price, other, at, floor) >= 0.0:
+                fits, value, best, best_at, why, hour = start_now(
+                    site, model, rate, ok, feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
+                    col, reserve, kept, near, first, now_hours, kept_price, other, at, floor)
+                if fits:
+                    chosen, chosen_model, chosen_value, best_value, best_site = k, model, value, best, best_at
+                    continue
+        tried[n_tried, 0], tried[n_tried, 1], tried[n_tried, 2], tried[n_tried, 3] = k, why, hour, model
+        n_tried += 1
+    # The sites turned away before the one chosen (all of them where none was), the first ``keep`` in order.
+    passed = np.full((keep, 4), -1, dtype=np.int64)
+    order = np.empty(keep, dtype=np.int64)  # their indices in feasible, in order
+    n_passed = 0
+    for t in range(n_tried):
+        k = tried[t, 0]
+        if chosen >= 0 and not _precedes(totals, k, chosen):
             continue
-        if carbon:
-            rate = float(tdp[model])
-        else:
-            rate = usd[site, model]
-            if not rate == rate:
-                rate = np.inf
-        if _priced_taken(site, model, feasible, need, d_h, into_h, plan_free, reserve, kept, near, first,
-                         now_hours, kept_price, other, at, floor) < 0.0:
-            if n_passed < keep:
-                passed[n_passed, 0], passed[n_passed, 1], passed[n_passed, 2], passed[n_passed, 3] = site, 1, 0, model
-            n_passed += 1
-            continue
-        fits, value, best_value, best_site, why, hour = start_now(
-            site, model, rate, ok, feasible, per_gpu, need, d_h, into_h, forecast, cum, carbon, plan_free,
-            col, reserve, kept, near, first, now_hours, kept_price, other, at, floor)
-        if fits:
-            return site, model, value, best_value, best_site, passed, n_passed
-        if n_passed < keep:
-            passed[n_passed, 0], passed[n_passed, 1], passed[n_passed, 2], passed[n_passed, 3] = site, why, hour, model
         n_passed += 1
-    return -1, -1, np.inf, np.inf, -1, passed, n_passed
+        if keep == 0:
+            continue
+        j = min(n_passed, keep) - 1
+        if n_passed > keep and not _precedes(totals, k, order[j]):
+            continue  # (the first ``keep`` are already before it)
+        while j > 0 and _precedes(totals, k, order[j - 1]):
+            order[j] = order[j - 1]
+            passed[j, 0], passed[j, 1], passed[j, 2], passed[j, 3] = (passed[j - 1, 0], passed[j - 1, 1],
+                                                                      passed[j - 1, 2], passed[j - 1, 3])
+            j -= 1
+        order[j] = k
+        passed[j, 0], passed[j, 1], passed[j, 2], passed[j, 3] = feasible[k], tried[t, 1], tried[t, 2], tried[t, 3]
+    if chosen < 0:
+        return -1, -1, np.inf, np.inf, -1, passed, n_passed
+    return feasible[chosen], chosen_model, chosen_value, best_value, best_site, passed, n_passed
+
+
 
 
 @_jit()

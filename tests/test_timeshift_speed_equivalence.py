@@ -320,10 +320,10 @@ def test_the_compiled_search_decides_as_the_numpy_one(seed: int, profile: str, s
 @given(totals=st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -1.0, math.nan]), min_size=2, max_size=320),
        rank=st.integers(0, 319))
 def test_the_walk_tries_sites_in_the_order_of_a_stable_sort_of_their_scores(totals: list[float], rank: int):
-    """walk_now picks the best scores one scan at a time and sorts the rest only when it gets that far: the
-    sites it turns away, and the one it stops at, come in the order np.argsort(-totals, kind="stable") gives
-    (NaN last, equals by index), whether the walk ends in its first scan, a later one, or past them all
-    (16 + 32 + 64 + 128 sites), among the sorted rest."""
+    """walk_now tries the sites in index order, skipping those after the best it has allowed, and orders the
+    ones it turned away afterwards: the sites it reports turned away, and the one it stops at, come in the
+    order np.argsort(-totals, kind="stable") gives (NaN last, equals by index), wherever the one the plan
+    allows lies in that order."""
     from policies import _shift_search as search
 
     n = len(totals)
@@ -397,6 +397,62 @@ def test_a_start_priced_out_early_is_turned_away_as_a_start_valued_in_full_would
         assert full[:5] == early[:5] and full[6] == early[6] and (full[5] == early[5]).all(), seed
     assert taken_and_cheapest > 5, taken_and_cheapest  # the case the early test must leave alone was met
 
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3, 8])
+def test_the_walk_chooses_and_turns_away_as_a_site_by_site_walk_in_score_order(keep: int):
+    """The compiled walk tries sites in index order, skipping those after the best it has allowed so far, and
+    puts the ones it turned away in order afterwards: on 400 random plans (scores with ties and NaN, sites the
+    plan cannot check, room kept for latency-bound jobs priced, models named or chosen from the fit), its site,
+    model, values, the first ``keep`` sites turned away (site, why, hour, model) and how many there were are
+    those of the site-by-site walk in stable score order (``_slow_walk``)."""
+    from policies import _shift_search as search
+
+    models = len(TDP_KW)
+    kinds = np.array([ids.GPU_MODEL_IDS.index("b200-180gb"), ids.GPU_MODEL_IDS.index("t4")])
+    memory = np.array([180.0, 16.0])
+    chose = walked = 0
+    for seed in range(400):
+        rng = np.random.default_rng(1000 + seed)
+        n, hours = int(rng.integers(1, 300)), int(rng.integers(1, 6))
+        price, need = float(rng.choice([0.01, 0.5, 5.0, math.inf])), float(rng.choice([0.25, 1.0, 2.0, 4.0]))
+        d_h, into_h = float(rng.choice([0.1, 0.5, 1.0, 2.5])), float(rng.uniform(0.0, 1.0))
+        plan_free = rng.choice([0.0, 0.5, 1.0, 2.0, 4.0, 8.0], size=(n, models, hours)).astype(np.float32)
+        kept = np.where(rng.random((n, models)) < 0.5, rng.choice([1.0, 2.0, 4.0], size=(n, models)),
+                        0.0).astype(np.float32)
+        near = rng.choice([0.0, 0.5, 1.0, 2.0], size=(n, models, hours))
+        forecast = rng.uniform(0.0, 600.0, size=(n, hours))
+        cum = np.concatenate([np.zeros((n, 1)), np.cumsum(forecast, axis=1)], axis=1)
+        feasible = np.sort(rng.permutation(n + 5)[:n]).astype(np.int64)  # not every site is feasible
+        width = int(feasible[-1]) + 1
+        ok = rng.random(width) < float(rng.choice([0.3, 0.9]))
+        col = rng.choice(kinds, size=width).astype(np.int64)
+        per_gpu, reserve = TDP_KW[col].astype(np.float64), np.zeros(width, dtype=np.float32)
+        plan_free = np.concatenate([plan_free, np.zeros((width - n, models, hours), dtype=np.float32)])
+        kept = np.concatenate([kept, np.zeros((width - n, models), dtype=np.float32)])
+        near = np.concatenate([near, np.zeros((width - n, models, hours))])
+        forecast = np.concatenate([forecast, np.zeros((width - n, hours))])
+        cum = np.concatenate([cum, np.zeros((width - n, hours + 1))])
+        now_hours = min(max(math.ceil(into_h + d_h - 1e-9), 1), hours)
+        other, at = search.cheapest_fitting_now(feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, True,
+                                                plan_free, col, reserve, kept, near, 0, now_hours, price)
+        scores = rng.choice([0.0, 0.25, 0.5, 1.0, math.nan], size=n) if seed % 2 else rng.normal(size=n)
+        if seed % 3:  # the model each start takes: named, or chosen from the fit's columns with room
+            given, room = rng.choice(kinds, size=n if seed % 3 == 1 else 1).astype(np.int64), np.zeros((0, 0), bool)
+            free = np.zeros((0, 0), dtype=np.int32)
+        else:
+            given, room = np.zeros(0, dtype=np.int64), rng.random((width, 2)) < 0.5
+            free = rng.integers(0, 4, size=(width, 2)).astype(np.int32)
+        args = (scores, given, room, free, kinds, memory, TDP_KW, np.ones((width, models)), ok, feasible, per_gpu,
+                need, d_h, into_h, forecast, cum, True, plan_free, col, reserve, kept, near, 0, now_hours, price,
+                other, at)
+        fast = search.walk_now(*args, 0.0, keep)
+        slow = _slow_walk(*args, 0.0, keep)
+        assert fast[:5] == slow[:5] and fast[6] == slow[6], seed
+        assert fast[5].tolist() == slow[5].tolist(), seed
+        chose += fast[0] >= 0
+        walked += fast[6] > 8
+    assert chose > 100 and walked > 50, (chose, walked)  # walks that chose, and long ones, were both met
 
 def _slow_walk(totals, models, room, free, columns, memory, tdp, usd, ok, feasible, per_gpu, need, d_h, into_h,
                forecast, cum, carbon, plan_free, col, reserve, kept, near, first, now_hours, kept_price, other, at,
