@@ -144,7 +144,7 @@ class BrokerCollector(Collector):
         carbon_rate = _gauge("heliotrope_running_carbon_grams_per_hour", "Estimated emissions of the work running "
                              "on the site: GPUs held x board power x the grid's intensity now", ["site"])
         cost_rate = _gauge("heliotrope_running_cost_usd_per_hour", "Estimated cost of the work running on the "
-                           "site: GPUs held x price", ["site"])
+                           "site: GPUs held x price (sites running GPUs that have no price are left out)", ["site"])
         for name, member in sorted(b.federation.members.items()):
             state = member.public_state()
             if member.last_heard_at is not None:
@@ -172,6 +172,7 @@ class BrokerCollector(Collector):
                         price.add_metric([name, GPU_MODEL_IDS[m]], usd)
             grams: Tally[str] = Tally()
             usd_h: Tally[str] = Tally()
+            unpriced: set[str] = set()  # sites running work whose GPUs have no price: their cost is unknown
             for job in running:
                 i, m = snap.index.get(job.site), MODEL_INDEX.get(job.gpu_model or "")
                 if i is None or m is None:
@@ -183,10 +184,13 @@ class BrokerCollector(Collector):
                 usd = float(snap.usd_per_gpu_hour[i, m])
                 if math.isfinite(usd):
                     usd_h[job.site] += gpus * usd
+                else:
+                    unpriced.add(job.site)
             for name in snap.sites:
                 if snap.carbon_g_per_kwh.size and math.isfinite(float(snap.carbon_g_per_kwh[snap.index[name]])):
                     carbon_rate.add_metric([name], grams[name])
-                cost_rate.add_metric([name], usd_h[name])
+                if name not in unpriced:  # (0 where nothing runs: that costs nothing, priced or not)
+                    cost_rate.add_metric([name], usd_h[name])
         kept = _gauge("heliotrope_site_latency_reserve_gpus", "Protection level for jobs with a latency objective "
                       "(ShiftPolicy.latency_reserve: this quantile of the GPUs they held at the site, hour by hour "
                       "over the last week); deferred work without one leaves it free less what they hold in each "

@@ -99,6 +99,25 @@ async def test_metrics_show_jobs_decisions_sites_and_the_cost_and_carbon_of_runn
     assert m[("heliotrope_running_cost_usd_per_hour", (("site", "tokyo"),))] == 0
 
 
+async def test_a_site_running_gpus_it_has_no_price_for_has_no_running_cost(running):
+    """Tokyo has no price for its H100s: with work running there, its running cost is unknown, and has no
+    sample, rather than 0 USD an hour (which read as free GPUs). Nothing running costs 0, priced or not."""
+    broker, clock, client = running
+    assert (await scrape(client))[("heliotrope_running_cost_usd_per_hour", (("site", "tokyo"),))] == 0
+    await broker.book.submit(job(tenant="vision", name="unpriced", count=4, model="h100-80gb", duration_s=600))
+    await broker.cycle.run_once()
+    await asyncio.sleep(0.05)
+    await clock.advance(1.0)
+    await asyncio.sleep(0.05)
+    m = await scrape(client)
+    assert m[("heliotrope_jobs", (("state", "running"), ("tenant", "vision")))] == 1
+    assert ("heliotrope_running_cost_usd_per_hour", (("site", "tokyo"),)) not in m
+    assert m[("heliotrope_running_cost_usd_per_hour", (("site", "london"),))] == 0
+    snap = broker.federation.freeze(clock.now())
+    jp = float(snap.carbon_g_per_kwh[snap.index["tokyo"]])  # its carbon is known: 4 H100s (700 W each)
+    assert m[("heliotrope_running_carbon_grams_per_hour", (("site", "tokyo"),))] == pytest.approx(4 * 0.7 * jp)
+
+
 async def test_finished_jobs_are_counted_by_state_and_tenant_and_leave_the_levels(running):
     broker, clock, client = running
     done, _ = await broker.book.submit(job(tenant="vision", name="short", count=1, duration_s=30))
