@@ -919,7 +919,10 @@ class Job(BaseModel):
 
 class ScoreTerm(Strict):
     scorer: str
-    raw: float | None = Field(description="the scorer's value in its own units (None: not a finite number)")
+    raw: float | None = Field(description="the scorer's value in its own units (None: not a finite number, or "
+                                          "unknown: a zone with no forecast, a site with no price for a model with "
+                                          "room, an unmeasured round trip; the scorer ranks such a site after every "
+                                          "known one)")
     normalised: float | None = Field(
         description="0..1 over the sites that passed the filters; 1 is best (None: the site was rejected, so "
                     "it was not ranked)")

@@ -9,7 +9,9 @@ the normalised values and totals out again from them with the same arithmetic as
 pass (:func:`normalise`), so they are the decision's to the bit; the regions are each site's index into the
 distinct region names. That is a third less than version 2, which stored the normalised values and totals
 as well, and every region name once per site (156 KiB at a thousand sites and seven scorers, against 104).
-``render`` reads both versions: records already stored keep their explanations. A change to how the
+``render`` reads both versions: records already stored keep their explanations. A term may also name the sites
+whose raw value only stood in for an unknown one (``unknown``: a zone with no forecast, a site with no price),
+which ``render`` gives no raw value; records without it (earlier releases') show the stand-ins as they did. A change to how the
 pipeline normalises (``policies.pipeline.TIE_EPSILON`` included) needs a new record version, so that the
 records already stored are read as they were decided.
 """
@@ -28,6 +30,7 @@ import numpy as np
 from broker import ids
 from broker.models import DeadlineRisk, Decision, DeferralPlan, ScoreTerm, SiteVerdict
 from policies.filters import Filter
+from policies.filters.gpu_fit import Fit
 from policies.pipeline import TIE_EPSILON, Pipeline, Placement
 from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies.timeshift import Deferral, passed_over_text
@@ -83,6 +86,7 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
     lower = pipeline.lower_is_better
     terms = placement.terms
     exact = all(_normalised_again(t.raw) for t in terms)
+    unknown = _unknown_record(pipeline, placement, snap)
     return {
         "v": RECORD_VERSION,
         "decided_at": snap.now.isoformat(),
@@ -95,7 +99,8 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         "excluded": sorted(req.excluded_sites),
         "terms": [
             {"scorer": t.scorer, "weight": t.weight, "lower": lower[t.scorer], "raw": pack(t.raw, "f8"),
-             **({} if exact else {"normalised": pack(t.normalised, "f8")})}
+             **({} if exact else {"normalised": pack(t.normalised, "f8")}),
+             **({"unknown": unknown[t.scorer]} if t.scorer in unknown else {})}
             for t in terms
         ],
         **({} if exact else {"totals": pack(placement.totals, "f8")}),
@@ -105,6 +110,31 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         **_passed_over_record(placement.passed_over, placement.n_passed_over, snap),
         **({"over_plan": True} if placement.over_plan else {}),
     }
+
+
+def _unknown_record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str, str]:
+    """Scorer name -> the sites whose raw value stands in for an unknown one (``Scorer.unknown_fit``: a zone
+    with no forecast, a site with no price), as packed bits (``numpy.packbits``, little-endian bit order), for
+    the terms that have any. The stand-in only ranks such a site after the known ones; it is no value in the
+    scorer's units, so an explanation gives none there."""
+    asks = [(w.scorer.name, w.scorer.unknown_fit) for w in pipeline.scorers if hasattr(w.scorer, "unknown_fit")]
+    if not asks:
+        return {}
+    fit = placement.fit if placement.fit is not None else Fit(placement.request, snap)
+    out = {}
+    for name, unknown_fit in asks:
+        mask = np.asarray(unknown_fit(fit), dtype=bool)
+        if mask.any():
+            out[name] = pack(np.packbits(mask, bitorder="little"), "u1")
+    return out
+
+
+def _unknown_sites(term: dict[str, Any], n_sites: int) -> np.ndarray:
+    """bool[n_sites]: a recorded term's sites whose raw value stood in for an unknown one (none in records
+    that say nothing of it: those of earlier releases)."""
+    if "unknown" not in term:
+        return np.zeros(n_sites, dtype=bool)
+    return np.unpackbits(unpack(term["unknown"], "u1"), count=n_sites, bitorder="little").astype(bool)
 
 
 def _normalised_again(raw: np.ndarray) -> bool:
@@ -240,7 +270,8 @@ def render(
         sites,
     )
     raws, norms, totals_array = scores(rec, failures_array)
-    terms = [(t["scorer"], t["weight"], raw.tolist(), norm.tolist())
+    # A stand-in for an unknown raw value (it only ranked the site last) is shown as no value, as a NaN is.
+    terms = [(t["scorer"], t["weight"], np.where(_unknown_sites(t, len(sites)), np.nan, raw).tolist(), norm.tolist())
              for t, raw, norm in zip(rec["terms"], raws, norms, strict=True)]
     totals = totals_array.tolist()
     codes: list[str] = rec["filters"]

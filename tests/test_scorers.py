@@ -178,6 +178,40 @@ def test_offpeak_counts_the_exact_share_of_the_run_outside_business_hours() -> N
     assert raw["tokyo"] == pytest.approx(1.0)
 
 
+def test_an_explanation_gives_no_raw_value_where_the_scorer_only_stood_in_for_an_unknown_one() -> None:
+    """Toronto has no price and its zone no forecast: the carbon and cost scorers rank it after every known site
+    with a stand-in (one more than the worst known value), which is no value in kg CO2e or USD. Its explanation
+    gave that stand-in as the raw value; it gives none, as for a value that is not finite, and still ranks it
+    last. So does a rejected site with no room (no power, no price: every site but those with A100-80GBs)."""
+    sites = [s.model_copy(update={"usd_per_gpu_hour": {}}) if s.name == "toronto" else s for s in SITES]
+    states = {s.name: SiteState(site=s.name, health=Health.HEALTHY, capacity=[
+        ModelCapacity(model=m, total_gpus=n, free_gpus=n, used_gpus=0,
+                      memory_gib_per_gpu=ids.GPU_MODEL_BY_ID[m].memory_gib) for m, n in s.total_gpus().items()])
+        for s in sites}
+    snap = build_snapshot(FRIDAY_1400, sites, states)
+    forecast = np.vstack([np.full(48, np.nan) if n == "toronto" else
+                          CARBON.series(next(s for s in SITES if s.name == n).grid_zone, FRIDAY_1400, 48)
+                          for n in snap.sites])
+    snap = replace_forecast(snap, forecast)
+    req = request(count=2, model="a100-80gb")
+    pipeline = pipeline_for({"carbon": 1.0, "cost": 0.5})
+    placement = pipeline.decide(req, snap)
+    decision = explain.render(explain.record(pipeline, placement, snap), req, {f.code: f for f in pipeline.filters}, 1)
+    verdicts = {v.site: v for v in decision.sites}
+    assert {v.site for v in decision.sites if v.feasible} == {"ashburn", "frankfurt", "sydney", "toronto"}
+    toronto = verdicts["toronto"]
+    assert [(t.scorer, t.raw, t.normalised) for t in toronto.terms] == [("carbon", None, 0.0), ("cost", None, 0.0)]
+    assert toronto.score == min(v.score for v in decision.sites if v.feasible)
+    raw = {t.scorer: dict(zip(snap.sites, t.raw.tolist())) for t in placement.terms}
+    for name in ("ashburn", "frankfurt", "sydney"):  # the known values, as the scorers gave them
+        terms = {t.scorer: t for t in verdicts[name].terms}
+        assert terms["carbon"].raw == raw["carbon"][name] and terms["cost"].raw == raw["cost"][name]
+        assert terms["carbon"].raw < 10 and terms["cost"].raw < 100
+    assert verdicts["ashburn"].score == pytest.approx(sum(t.weighted for t in verdicts["ashburn"].terms))
+    assert [(t.scorer, t.raw) for t in verdicts["london"].terms] == [("carbon", None), ("cost", None)]
+    assert not verdicts["london"].feasible
+
+
 def test_a_decision_recorded_by_the_release_before_explains_it_as_this_release_does() -> None:
     """A job's explanation is kept with it, so records an earlier broker stored must still read. That release
     kept version 2 (``tests/data/decision-record-v2.json``, written by 649430b for this decision: the
@@ -195,7 +229,16 @@ def test_a_decision_recorded_by_the_release_before_explains_it_as_this_release_d
     assert "totals" not in rec and not any("normalised" in t for t in rec["terms"])
     assert len(json.dumps(rec)) < len(json.dumps(stored))
     before, now = explain.render(stored, req, filters, 1), explain.render(rec, req, filters, 1)
-    assert before == now
+    # The same explanation, but for the raw values that only stood in for unknown ones: london and toronto have
+    # no room for 16 GPUs, so no power and no price; version 2 kept no word of it and shows the stand-ins.
+    unknown = {(v.site, t.scorer) for v in now.sites for t in v.terms if t.raw is None}
+    assert unknown == {(site, scorer) for site in ("london", "toronto") for scorer in ("carbon", "cost")}
+    as_then = before.model_dump()
+    for v in as_then["sites"]:
+        for t in v["terms"]:
+            if (v["site"], t["scorer"]) in unknown:
+                t["raw"] = None
+    assert now.model_dump() == as_then
     assert now.site == "losangeles" and now.summary.startswith("placed on losangeles")
     feasible = [v for v in now.sites if v.feasible]
     assert len(feasible) == 5 and len(now.sites) == 8

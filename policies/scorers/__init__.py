@@ -7,6 +7,11 @@ A scorer that looks at free capacity may also offer ``raw_fit(fit)``, the same v
 shared :class:`~policies.filters.gpu_fit.Fit` (where the job fits, worked out once per decision); the
 pipeline calls it instead of ``raw``. Values that depend only on the snapshot's fixed facts (telemetry, an
 origin's RTTs, a run length's forecast intensity) are cached with ``Snapshot.derived``.
+
+A scorer that ranks a site it knows nothing about (no forecast, no price, no measurement) after every known
+one, by a stand-in raw value, says where with ``unknown_fit(fit)`` (bool per site), so that an explanation
+(``policies.explain``) gives no raw value there rather than the stand-in, which is no value in the scorer's
+units.
 """
 
 from __future__ import annotations

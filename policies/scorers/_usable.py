@@ -29,6 +29,13 @@ def unknown_last(raw: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(raw), float(worst) + 1.0 if worst == worst else 0.0, raw)
 
 
+def unknown_with_room(fit: Fit, values: np.ndarray) -> np.ndarray:
+    """bool[n_sites]: where no model the job could use with room now has a known value among ``values``
+    (float64[c], or [n_sites, c], over ``fit``'s usable columns): the sites whose raw value
+    ``least_scaled`` or ``unknown_last`` made up as a stand-in (``Scorer.unknown_fit``)."""
+    return np.isnan(least_where(fit.room, values))
+
+
 def cheapest_with_room(req: JobRequest, snap: Snapshot) -> np.ndarray:
     """USD per GPU-hour per site of the cheapest model the job could use that has room for it now (NaN:
     none is priced)."""
@@ -54,6 +61,11 @@ def _usable_prices(fit: Fit) -> np.ndarray:
         j = usable.column_list[0]
         return snap.usd_per_gpu_hour[:, j:j + 1]
     return snap.derived(("usd-per-gpu-hour", usable.key), usable.of, snap.usd_per_gpu_hour)
+
+
+def unknown_price(fit: Fit) -> np.ndarray:
+    """bool[n_sites]: where ``cheapest_known_last`` stands in for an unknown price (no model with room priced)."""
+    return unknown_with_room(fit, _usable_prices(fit))
 
 
 def cheapest_known_last(fit: Fit, factors: tuple[float, ...] = (), divisor: float = 1.0) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from policies import _scores
 from policies.filters.gpu_fit import Fit, fit_matrix
-from policies.scorers._usable import least_where, unknown_last, usable_models
+from policies.scorers._usable import least_where, unknown_last, unknown_with_room, usable_models
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, running_sums
 
 
@@ -94,3 +94,10 @@ class CarbonScorer:
         kg *= intensity
         kg /= 1000.0
         return unknown_last(kg)
+
+    def unknown_fit(self, fit: Fit) -> np.ndarray:
+        """Where the raw value stands in for an unknown one: the zone has neither a forecast nor an intensity
+        now, or no model the job could use has room (so its power is unknown)."""
+        req, snap = fit.req, fit.snap
+        intensity = snap.derived(("run-intensity", req.duration_s), run_intensity, req, snap)
+        return unknown_with_room(fit, np.array([fit.usable.tdp_kw], dtype=np.float64)) | np.isnan(intensity)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from policies.filters.gpu_fit import Fit
 from policies.scorers._usable import unknown_last
 from policies.snapshot import JobRequest, Snapshot
 
@@ -25,3 +26,10 @@ class CarbonNowScorer:
         if snap.carbon_g_per_kwh.size != snap.n_sites:
             return snap.zeros()  # every site alike
         return snap.derived(("carbon-now",), unknown_last, snap.carbon_g_per_kwh)
+
+    def unknown_fit(self, fit: Fit) -> np.ndarray:
+        """Where the raw value stands in for an unknown intensity now."""
+        snap = fit.snap
+        if snap.carbon_g_per_kwh.size != snap.n_sites:
+            return np.zeros(snap.n_sites, dtype=bool)
+        return np.isnan(snap.carbon_g_per_kwh)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.filters.gpu_fit import Fit
-from policies.scorers._usable import cheapest_known_last
+from policies.scorers._usable import cheapest_known_last, unknown_price
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -25,3 +25,7 @@ class CheapestScorer:
 
     def raw_fit(self, fit: Fit) -> np.ndarray:
         return cheapest_known_last(fit)
+
+    def unknown_fit(self, fit: Fit) -> np.ndarray:
+        """Where the raw value stands in for an unknown price (no priced model with room)."""
+        return unknown_price(fit)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from policies.filters.gpu_fit import Fit
-from policies.scorers._usable import cheapest_known_last
+from policies.scorers._usable import cheapest_known_last, unknown_price
 from policies.snapshot import JobRequest, Snapshot
 
 
@@ -26,3 +26,7 @@ class CostScorer:
     def raw_fit(self, fit: Fit) -> np.ndarray:
         # In the order of ``cheapest_with_room(req, snap) * req.charge * duration_s / 3600``, unknown last.
         return cheapest_known_last(fit, (fit.req.charge, fit.req.duration_s), 3600.0)
+
+    def unknown_fit(self, fit: Fit) -> np.ndarray:
+        """Where the raw value stands in for an unknown price (no priced model with room)."""
+        return unknown_price(fit)

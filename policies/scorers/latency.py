@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from policies.filters.gpu_fit import Fit
 from policies.scorers._usable import unknown_last
 from policies.snapshot import JobRequest, Snapshot
 
@@ -24,6 +25,13 @@ class LatencyScorer:
         if column is None:
             return snap.zeros()  # every site alike
         return snap.derived(("latency", column), _from_origin, snap.rtt_ms, column)
+
+    def unknown_fit(self, fit: Fit) -> np.ndarray:
+        """Where the raw value stands in for an unmeasured round trip from the job's origin."""
+        column = fit.snap.origin_index.get(fit.req.origin_region or "")
+        if column is None:
+            return np.zeros(fit.snap.n_sites, dtype=bool)
+        return np.isnan(fit.snap.rtt_ms[:, column])
 
 
 def _from_origin(rtt_ms: np.ndarray, column: int) -> np.ndarray:
