@@ -1,5 +1,6 @@
 """The carbon the broker's choices saved against a carbon-agnostic baseline (``GET /v1/carbon``, the
-dashboard's headline, ``heliotrope_carbon_*_grams_total``).
+dashboard's headline, ``heliotrope_placed_carbon_grams_total`` and
+``heliotrope_placed_carbon_agnostic_grams_total``).
 
 For each placement its site admitted (counted when the site says so: a placement the site refuses, or
 one whose dispatch fails, is routed again and counted once, where it runs) the baseline is the site the same decision would have chosen with its carbon terms
@@ -9,7 +10,10 @@ without the carbon terms, the baseline is the chosen site and nothing is claimed
 
 Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board power (TDP) x the job's
 expected duration; emissions = energy x the grid intensity each site had at the moment of the decision.
-Both sites are charged the same energy (the placed model's power). Savings from deferring a job to a
+Both sites are charged the same energy (the placed model's power). What is counted is each admission, for its
+whole expected run (of a job resumed from a checkpoint, the rest of it): an attempt that ends early is not
+taken back, so a job preempted, moved, lost with its site or failed with attempts left, and admitted again, is
+counted again (``jobs`` counts admissions, not distinct jobs). Savings from deferring a job to a
 cleaner hour are not in this figure: it compares sites at the same moment, so it never credits a forecast
 that may not come true. The leader keeps the totals in its database (``broker_state``) at the end of a
 pass once they changed, at most every 10 s, and when it stops, so they run on across restarts and takeovers
