@@ -32,8 +32,9 @@ def unknown_last(raw: np.ndarray) -> np.ndarray:
 def unknown_with_room(fit: Fit, values: np.ndarray) -> np.ndarray:
     """bool[n_sites]: where no model the job could use with room now has a known value among ``values``
     (float64[c], or [n_sites, c], over ``fit``'s usable columns): the sites whose raw value
-    ``least_scaled`` or ``unknown_last`` made up as a stand-in (``Scorer.unknown_fit``)."""
-    return np.isnan(least_where(fit.room, values))
+    ``least_scaled`` or ``unknown_last`` made up as a stand-in (``Scorer.unknown_fit``): where
+    ``least_where(fit.room, values)`` is NaN, without working out the least."""
+    return ~np.logical_and(fit.room, ~np.isnan(values)).any(axis=1)
 
 
 def cheapest_with_room(req: JobRequest, snap: Snapshot) -> np.ndarray:

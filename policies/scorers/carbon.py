@@ -15,7 +15,7 @@ import numpy as np
 
 from policies import _scores
 from policies.filters.gpu_fit import Fit, fit_matrix
-from policies.scorers._usable import least_where, unknown_last, unknown_with_room, usable_models
+from policies.scorers._usable import least_where, unknown_last, usable_models
 from policies.snapshot import TDP_KW, JobRequest, Snapshot, running_sums
 
 
@@ -100,4 +100,4 @@ class CarbonScorer:
         now, or no model the job could use has room (so its power is unknown)."""
         req, snap = fit.req, fit.snap
         intensity = snap.derived(("run-intensity", req.duration_s), run_intensity, req, snap)
-        return unknown_with_room(fit, np.array([fit.usable.tdp_kw], dtype=np.float64)) | np.isnan(intensity)
+        return ~fit.room.any(axis=1) | np.isnan(intensity)  # (every model's power is known: room is all it needs)
