@@ -52,7 +52,7 @@ from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
 from broker.federation import Member, without_secrets
 from broker.ids import GPU_MODEL_IDS
-from broker.jobs import IdempotencyConflict, JobNotFound
+from broker.jobs import IdempotencyConflict, JobNotFound, PastDeadline
 from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from broker.lifecycle import AlreadyEnded
@@ -648,6 +648,8 @@ async def submit_job(request: web.Request) -> web.Response:
         job, created = await broker.book.submit(spec, key, raw)
     except IdempotencyConflict as e:
         raise ApiError(409, str(e), [{"field": "Idempotency-Key", "problem": "reused with a different body"}]) from None
+    except PastDeadline as e:
+        raise ApiError(422, f"invalid job spec: {e}", [{"field": "deadline", "problem": "in the past"}]) from None
     except StoreError as e:
         log.error("could not store a job: %s", e)
         raise ApiError(503, "the job could not be stored; it was not accepted, try again") from None

@@ -96,6 +96,11 @@ class IdempotencyConflict(ValueError):
     """The idempotency key was used before with a different request body."""
 
 
+class PastDeadline(ValueError):
+    """A new job's deadline has already passed: no placement could meet it, and the broker would only record
+    a miss. (A replay of a job accepted earlier, whose deadline has passed since, is no new job: it replays.)"""
+
+
 class JobNotFound(KeyError):
     pass
 
@@ -270,6 +275,9 @@ class JobBook:
 
     async def _create(self, spec: JobSpec, key: str | None, digest: str | None) -> Job:
         now = self._clock.now()
+        if spec.deadline is not None and spec.deadline < now:
+            raise PastDeadline(f"deadline {spec.deadline.isoformat()} has passed: it is {now.isoformat()} at the "
+                               "broker; give a later deadline, or none")
         job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
         try:
             await self._store.insert_job(job, key, digest)

@@ -77,7 +77,8 @@ _BEYOND_THE_SCHEMA = {
                 "once in quotas; a node group's mig_profiles fit its GPUs' memory; an mqtt adapter needs broker.mqtt; "
                 "fair_share's window_h is at most 10,000 periods of its reweight_h; a telemetry source's "
                 "stale_after_s is longer than its every_s",
-    "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose",
+    "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
+               "a new job's deadline, not in the past",
 }
 
 

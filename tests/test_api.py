@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -510,6 +511,30 @@ async def test_a_cursor_beyond_any_row_is_a_400(client: TestClient):
     cursor = base64.urlsafe_b64encode(b"s" + str(10**20).encode()).decode().rstrip("=")
     r = await client.get(f"/v1/jobs?cursor={cursor}")
     assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == "cursor"
+
+
+async def test_a_deadline_already_past_is_a_422_naming_deadline_and_nothing_is_stored(client: TestClient):
+    past = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
+    r = await client.post("/v1/jobs", json={**MINIMAL, "deadline": past})
+    body = await r.json()
+    assert r.status == 422, body
+    assert body["error"]["fields"] == [{"field": "deadline", "problem": "in the past"}]
+    assert "has passed" in body["error"]["message"]
+    assert (await (await client.get("/v1/jobs")).json())["items"] == []
+
+
+async def test_a_retry_of_a_job_accepted_before_its_deadline_passed_replays_it(client: TestClient):
+    """The deadline is checked for new jobs only: a client retrying a submission the broker accepted (its answer
+    lost) gets that job back, though the deadline has passed since."""
+    spec = {**MINIMAL, "deadline": (datetime.now(UTC) + timedelta(seconds=1)).isoformat()}
+    first = await client.post("/v1/jobs", json=spec, headers={"Idempotency-Key": "retry-1"})
+    assert first.status == 201
+    await asyncio.sleep(1.2)
+    again = await client.post("/v1/jobs", json=spec, headers={"Idempotency-Key": "retry-1"})
+    assert again.status == 201 and again.headers.get("Idempotent-Replayed") == "true"
+    assert (await again.json())["id"] == (await first.json())["id"]
+    fresh = await client.post("/v1/jobs", json=spec, headers={"Idempotency-Key": "retry-2"})
+    assert fresh.status == 422
 
 
 async def test_an_idempotency_key_that_is_not_printable_ascii_is_a_400(client: TestClient):

@@ -93,6 +93,7 @@ RULES_BEYOND_THE_SCHEMA = [
     ("adapter", r"could not start: site \S+: "),
     ("profile", r"may not be chosen by a job here|is not defined"),  # the federation's configured profiles
     ("cursor", r"not a cursor from a previous page"),  # opaque: only the server hands them out
+    ("deadline", r"in the past"),  # a new job's deadline against the broker's clock
     (r".*", r"is out of range once converted to UTC"),  # a date-time near year 1 or 9999 with an offset
     # a Kubernetes toleration's fields together (no key needs Exists, Exists no value, seconds need NoExecute)
     (r"adapter\.tolerations\[\d+\]", r"tolerations: "),
