@@ -487,7 +487,7 @@ class SchedulingCycle:
                     # once an hour all the same: what latency-bound jobs hold is learned from every hour
                     self._with_plan(self.federation.freeze(now))
                     await self._keep_learned()
-                if self._migrating:  # a stop that failed in the background since the last pass
+                if self._keeps_moves:  # a stop that failed in the background since the last pass
                     await self.keep_moves()
             await self._keep_ledger_due()  # placements admitted since the pass that made them
             return CycleReport(full=full, decided=0, placed=0, unplaceable=0)
@@ -517,7 +517,7 @@ class SchedulingCycle:
             # Steps 4 and 5 run for every placement made, even if deciding failed part-way.
             await self._finish(assumed, records)
             await self._keep_ledger_due()
-            if self._migrating:
+            if self._keeps_moves:
                 await self.keep_moves()
         if full:
             self._quiet = quiet_key if quiet_key is not None and not assumed and self.book.seq == quiet_key[1] else None
@@ -827,6 +827,13 @@ class SchedulingCycle:
             if job.id not in not_asked:
                 self._holds[job.id] = _Hold(site, model, req, job.attempt, until_ts)
 
+    @property
+    def _keeps_moves(self) -> bool:
+        """Whether passes save the moves in flight: where a profile moves running work, or where the last broker
+        in charge left moves (taken up by this one, whose own profiles may move none: a configuration changed
+        across a restart), so the store does not keep offering them to the next one once they are over."""
+        return self._migrating or self._moves_saved is not None
+
     def restart_overhead_s(self, job: Job) -> float:
         """Seconds an attempt of ``job`` resumed from a checkpoint spends restarting before it adds work: its
         profile's move overhead (``MigrationPolicy.overhead_s``), 0 for a profile that moves nothing."""
@@ -978,8 +985,10 @@ class SchedulingCycle:
         cannot be read is tried again, then fails taking charge (StoreError): starting from nothing, this broker
         would save its own over what the last one kept."""
         await self._restore_ledger()
-        if self._migrating:
-            await self._restore_moves()
+        # Whether or not this broker's profiles move running work: the last one's may have, and a stop it asked
+        # for is still one that a site took (its job keeps its run up to the stop, and restarts where the move
+        # chose), even where the configuration it restarted with no longer moves jobs.
+        await self._restore_moves()
         if self._near is None:
             return False
         doc = await self._stored_state(LATENCY_DEMAND_STATE, "latency demand")

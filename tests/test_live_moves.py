@@ -439,3 +439,44 @@ async def test_a_job_resumed_from_its_checkpoint_is_placed_for_the_rest_of_its_r
     rest_h = (10 * 3600 - queued.run_s + 600) / 3600
     kw = 8 * float(TDP_KW[MODEL_INDEX[resumed.gpu_model]])
     assert b.cycle.carbon.energy_kwh - before == pytest.approx(kw * rest_h, rel=1e-6)
+
+
+async def test_a_stop_the_last_broker_asked_for_keeps_its_work_after_a_restart_with_profiles_that_move_nothing(
+        tmp_path) -> None:
+    # The last broker (green, which moves running work) asked the clean site to stop the filler, and the site took
+    # the request; the broker went down before the `preempted` event reached it. Restarted with a configuration
+    # whose profiles move nothing, the broker still takes that stop for done, keeping the hour the filler ran,
+    # restarts it where the move chose, and then clears the moves in flight it took up from the store.
+    b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 3600.0)
+        assert ((await b.book.get(filler.id)).state, (await b.book.get(filler.id)).site) == (JobState.RUNNING, "clean")
+        now = clock.now().timestamp()
+        await b.store.put_state(MOVES_STATE, json.dumps({
+            "moving": {filler.id: {"origin": "clean", "attempt": 1, "site": "dirty", "model": "a100-80gb",
+                                   "reason": "to save carbon", "for_job": None, "asked_ts": now}},
+            "holds": {filler.id: {"site": "dirty", "model": "a100-80gb", "duration_s": 33000.0, "attempt": 1,
+                                  "until_ts": now + 1800}},
+            "cannot_stop": {}, "delivered": [filler.id]}))
+    finally:
+        await b.stop()
+    again, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "balanced", "job_may_choose": []})
+    try:
+        assert not again.cycle._migrating
+        requeued = await again.book.get(filler.id)
+        assert requeued.state == JobState.QUEUED
+        assert 3590 < requeued.run_s <= 3600 and requeued.reason == "requeued after preemption from its checkpoint"
+        await clock.advance(2.0)
+        await again.cycle.run_once(full=True)
+        await step(again, clock, 2.0)
+        moved = await again.book.get(filler.id)
+        assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "dirty", 2)
+        assert moved.run_s == requeued.run_s
+        await again.book.submit(job(name="next", count=1, duration_s=3600))
+        await again.cycle.run_once(full=True)  # the next pass that decides anything finds the move over
+        assert json.loads(await again.store.get_state(MOVES_STATE)) == {"moving": {}, "holds": {}, "cannot_stop": {},
+                                                                       "delivered": []}
+    finally:
+        await again.stop()
