@@ -673,6 +673,13 @@ class TenantQuotaState(Spec):
     nonpreemptible_room_gpus: float | None = Field(
         default=None, description="more GPUs its non-preemptible jobs may hold without making a guarantee unreclaimable")
     reclaimable_gpus: float = Field(default=0.0, description="GPUs it would get back now by reclaiming its guarantee")
+    preemptible_gpus_by_priority: dict[int, float] = Field(
+        default_factory=dict,
+        description="GPUs its own preemptible jobs past their minimum run time hold, by priority (capped by its "
+                    "ceiling): what a job of its own of higher priority may preempt, even at its limit",
+        # Left out where empty: a report without it is sent as before, so brokers of earlier releases (whose
+        # reports forbid unknown keys) still take a site agent's heartbeat where the tenant runs no such job.
+        exclude_if=lambda held: not held)
 
 
 class QuotaState(Spec):

@@ -118,6 +118,9 @@ class TenantState:
     room_gpus: float | None  # more GPUs it may hold (None: no limit)
     nonpreemptible_room_gpus: float | None
     reclaimable_gpus: float  # GPUs it would get back now by reclaiming its guarantee
+    # GPUs its own preemptible jobs past their minimum run time hold, by effective priority: what a job of its own
+    # of higher priority may take even at its limit (guarantee + burst), where it may preempt only its own jobs
+    preemptible_gpus_by_priority: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -386,8 +389,18 @@ class QuotaBook:
             out.append(TenantState(
                 acct.tenant, acct.listed, acct.pool, acct.guaranteed, acct.burst, acct.weight, acct.ceiling,
                 acct.in_use, max(0.0, acct.in_use - acct.guaranteed), acct.nonpre, shares.get(acct, 0.0),
-                usage_s / 3600, waiting, room, np_room, min(short, back)))
+                usage_s / 3600, waiting, room, np_room, min(short, back), self._own_preemptible(acct, now)))
         return out
+
+    @staticmethod
+    def _own_preemptible(acct: _Account, now: float) -> dict[int, float]:
+        """GPUs ``acct``'s preemptible jobs past their minimum run time hold, by effective priority: what its own
+        jobs of higher priority may preempt when it is at its limit (``preemption.search`` with ``over_limit``)."""
+        out: dict[int, float] = {}
+        for priority, _, _, job in acct.queue:
+            if now - job.start >= job.min_run_s:
+                out[priority] = out.get(priority, 0.0) + job.gpus
+        return {p: _tidy(g) for p, g in sorted(out.items())}
 
     def report(self, now: float, demand: Mapping[str, float] | None = None) -> QuotaState:
         """What the site reports to the broker (``GET /v1/sites/{name}/quota``)."""
@@ -400,6 +413,7 @@ class QuotaBook:
             in_use_gpus=s.in_use_gpus, borrowed_gpus=s.borrowed_gpus, fair_share_gpus=s.fair_share_gpus,
             decayed_usage_gpu_h=s.decayed_usage_gpu_h, waiting_reason=s.waiting_reason, room_gpus=s.room_gpus,
             nonpreemptible_room_gpus=s.nonpreemptible_room_gpus, reclaimable_gpus=s.reclaimable_gpus,
+            preemptible_gpus_by_priority=s.preemptible_gpus_by_priority,
         ) for s in self.state(now, demand)]
         return QuotaState(
             enforced=enforced, fair_share=self.policy, capacity_gpus=self._total, tenants=tenants,

@@ -130,6 +130,23 @@ def _broker_milli(g: GpuRequest) -> int:
     return max(1, min(1000, math.ceil(1000 * (g.memory_gib or 0.0) / memory)))
 
 
+@dataclass(frozen=True, slots=True)
+class OwnPreemptible:
+    """One tenant's preemptible GPUs past their minimum run time, by priority, per site, as the sites reported
+    them (``TenantQuotaState.preemptible_gpus_by_priority``): what a job of its own of higher priority may take
+    back at a site where the tenant is at its limit (the site preempts only the tenant's own jobs then)."""
+
+    levels: np.ndarray  # int64[L]: the priorities reported anywhere, ascending
+    below: np.ndarray  # float64[n_sites, L + 1]: column k, GPUs held at the k lowest levels
+    ceiling: np.ndarray  # float64[n_sites]: the tenant's priority ceiling at each site (inf: none)
+
+    def held_below(self, priority: int) -> np.ndarray:
+        """float64[n_sites]: GPUs of the tenant's preemptible jobs below ``priority`` (capped by each site's
+        ceiling for the tenant, as the site caps it), per site."""
+        k = np.searchsorted(self.levels, np.minimum(float(priority), self.ceiling), side="left")
+        return self.below[np.arange(self.below.shape[0]), k]
+
+
 @dataclass(slots=True)
 class QuotaView:
     """What the sites' quotas let each tenant add, per site (``policies.filters.quota``), as the sites
@@ -147,6 +164,7 @@ class QuotaView:
     model: dict[str, np.ndarray] = field(default_factory=dict)  # tenant -> model column its quota counts (-1: any)
     # tenant -> (GPUs held, GPUs entitled by fair share) over the sites (policies.fair_order); fixed per pass
     standing: dict[str, Standing] = field(default_factory=dict)
+    own: dict[str, OwnPreemptible] = field(default_factory=dict)  # only tenants some site reports any for
 
     def rooms(self, tenant: str | None) -> tuple[np.ndarray, np.ndarray]:
         if tenant is None:
@@ -167,7 +185,7 @@ class QuotaView:
     def copy(self) -> QuotaView:
         return QuotaView({t: a.copy() for t, a in self.room.items()}, {t: a.copy() for t, a in self.np_room.items()},
                          self.reclaim, {t: a.copy() for t, a in self.shortfall.items()}, self.unlisted_room.copy(),
-                         self.unlisted_np_room.copy(), self.model, self.standing)
+                         self.unlisted_np_room.copy(), self.model, self.standing, self.own)
 
     def debit(self, site: int, req: JobRequest) -> None:
         """A placement of ``req`` at ``site``: its tenant's room (and guarantee not held) shrink by its charge."""
@@ -216,7 +234,31 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
                 reclaim[t.tenant][i] = t.reclaimable_gpus
                 shortfall[t.tenant][i] = max(t.guaranteed_gpus - t.in_use_gpus, 0.0)
     return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model,
-                     standings([q for _, q in reports]))
+                     standings([q for _, q in reports]), _own_preemptible(n, reports))
+
+
+def _own_preemptible(n: int, reports: list[tuple[int, object]]) -> dict[str, OwnPreemptible]:
+    """Per listed tenant that some site reports preemptible GPUs for, by priority: :class:`OwnPreemptible`."""
+    held: dict[str, list[tuple[int, dict[int, float], int | None]]] = {}
+    for i, q in reports:
+        for t in q.tenants:  # type: ignore[attr-defined]
+            if t.listed and t.preemptible_gpus_by_priority:
+                held.setdefault(t.tenant, []).append((i, t.preemptible_gpus_by_priority, t.priority_ceiling))
+    out: dict[str, OwnPreemptible] = {}
+    for tenant, rows in held.items():
+        levels = sorted({p for _, by, _ in rows for p in by})
+        at = {p: k for k, p in enumerate(levels)}
+        gpus = np.zeros((n, len(levels)))
+        ceiling = np.full(n, math.inf)
+        for i, by, cap in rows:
+            for p, g in by.items():
+                gpus[i, at[p]] += g
+            if cap is not None:
+                ceiling[i] = cap
+        below = np.zeros((n, len(levels) + 1))
+        np.cumsum(gpus, axis=1, out=below[:, 1:])
+        out[tenant] = OwnPreemptible(np.array(levels, dtype=np.int64), below, ceiling)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -568,6 +568,62 @@ async def test_a_checkpointed_job_reclaimed_by_the_guarantees_owner_resumes_with
     assert done.run_s == pytest.approx(2 * 3600, abs=5)
 
 
+@pytest.mark.parametrize("quotas", [[{"tenant": "a", "guaranteed_gpus": 8}], [{"tenant": "a", "burst_gpus": 8}],
+                                    [{"tenant": "a", "guaranteed_gpus": 4, "burst_gpus": 4},
+                                     {"tenant": "b", "guaranteed_gpus": 4}]],
+                         ids=["all guaranteed", "all burst", "half and half"])
+@pytest.mark.parametrize("preemptible", [True, False], ids=["preemptible", "not preemptible"])
+async def test_a_job_of_higher_priority_is_routed_to_where_its_tenant_at_its_limit_preempts_its_own(
+        make, quotas, preemptible):
+    """A tenant whose preemptible job of low priority holds all it may hold at the only site: a job of its own of
+    higher priority is placed there, and the site preempts the low one for it (a tenant at its limit may preempt
+    its own jobs of lower priority). The broker used to skip the site (its quota "may hold 0 more GPUs"), and the
+    urgent job waited for the low one to end. The low one is not checkpointable: it starts again from zero."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas,
+                        fair_share={"mode": "time", "min_run_s": 600}))
+    low = await h.submit(tenant="a", name="low", count=8, duration_s=2 * 3600, preemptible=True)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(1800)
+    urgent = await h.submit(tenant="a", name="urgent", count=4, duration_s=3600, priority=10, preemptible=preemptible)
+    await h.cycle()
+    await h.step(1.0)
+    assert ((await h.job(urgent.id)).state, (await h.job(urgent.id)).site) == (JobState.RUNNING, "alpha")
+    preempted = await h.job(low.id)
+    assert (preempted.state, preempted.attempt, preempted.run_s) == (JobState.QUEUED, 1, 0.0)
+    events = await h.broker.store.job_events(low.id)
+    assert any(e["state"] == "preempted" and "priority 10: preempts 1 job" in e["reason"] for e in events)
+    # Once the urgent job is done, the low one runs its two hours again, from the start.
+    await h.step(3600)
+    await h.cycle()
+    await h.step(1.0)
+    again = await h.job(low.id)
+    assert (again.state, again.attempt) == (JobState.RUNNING, 2)
+    await h.step(2 * 3600 - 10)
+    assert (await h.job(low.id)).state == JobState.RUNNING
+    await h.step(20)
+    done = await h.job(low.id)
+    assert done.state == JobState.SUCCEEDED and done.run_s == pytest.approx(2 * 3600, abs=5)
+
+
+async def test_a_job_of_higher_priority_is_not_routed_to_preempt_what_its_tenants_ceiling_keeps_it_from(make):
+    """The same, with the tenant's priority ceiling at the low job's priority: the site would not preempt (both
+    count as priority 5 there), so the broker does not route the job there to be refused."""
+    quotas = [{"tenant": "a", "guaranteed_gpus": 8, "priority_ceiling": 5}]
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas))
+    low = await h.submit(tenant="a", name="low", count=8, duration_s=2 * 3600, preemptible=True, priority=5)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(1800)
+    urgent = await h.submit(tenant="a", name="urgent", count=4, duration_s=3600, priority=10)
+    await h.cycle()
+    await h.step(1.0)
+    assert (await h.job(urgent.id)).state == JobState.QUEUED
+    assert (await h.job(low.id)).state == JobState.RUNNING
+    verdict = (await h.decision(urgent.id)).sites[0]
+    assert verdict.reasons == ["quota-refuses: tenant a may hold 0 more GPUs here; the job needs 4"]
+
+
 @pytest.mark.parametrize("second_run_s", [3600.0, 200.0])
 async def test_a_job_checkpointed_twice_counts_the_restart_it_spent_in_its_second_attempt_as_no_work(
         make, second_run_s):

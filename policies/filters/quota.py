@@ -27,6 +27,9 @@ class QuotaFilter:
         if quota is None:
             return None
         room, np_room = quota.rooms(req.tenant)
+        own = quota.own.get(req.tenant) if req.tenant is not None else None
+        if own is not None:
+            room, np_room = self._beyond_limit(room, np_room, own.held_below(req.priority))
         ok = self._fits(req, room, np_room)
         counted = quota.model.get(req.tenant) if req.tenant is not None else None
         if counted is not None:  # where its quota counts one model only, other models are not limited by it
@@ -37,6 +40,16 @@ class QuotaFilter:
                 elsewhere &= counted != MODEL_INDEX[req.model]
                 ok = np.where(elsewhere, self._fits(req, quota.unlisted_room, quota.unlisted_np_room), ok)
         return ok
+
+    @staticmethod
+    def _beyond_limit(room: np.ndarray, np_room: np.ndarray, below: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tenant's rooms counting the GPUs its own preemptible jobs of lower priority hold (``below``), which
+        a site preempts for a job of its own of higher priority even where the tenant is at its limit. A site
+        reports the non-preemptible room capped by the room: where it is below the room, the guarantees bound it,
+        and preempting preemptible jobs frees none of what they reserve, so it stays; where the room bound it, it
+        grows with the room (a hint: the guarantees may bound it in between, and the site decides)."""
+        more = room + below
+        return more, np.where(np_room < room - EPS, np_room, more)
 
     @staticmethod
     def _fits(req: JobRequest, room: np.ndarray, np_room: np.ndarray) -> np.ndarray:
