@@ -430,6 +430,8 @@ class SchedulingCycle:
         # The stops the last leader asked for, by (job id, attempt, site): (when, POSIX s; why). Kept after the
         # take-up, for a site that only answers later (stop_asked).
         self._stops_kept: dict[tuple[str, int, str], tuple[float, str]] = {}
+        # Attempts that ended otherwise than stopped before those moves were taken up (move_over): theirs are over.
+        self._over_before_take_up: set[tuple[str, int]] = set()
         self._stuck: list[tuple[Job, JobRequest, Pipeline]] = []  # this pass's urgent jobs that found no room
         if self._plan_hours:  # some profile defers jobs: the queue goes in urgency order
             book.active.queue.reorder(_by_urgency, book.active.get)
@@ -1078,6 +1080,25 @@ class SchedulingCycle:
             return m.asked_ts, m.reason
         return self._stops_kept.get((job_id, attempt, site))
 
+    def move_over(self, job_id: str, attempt: int) -> None:
+        """``job_id``'s ``attempt`` ended otherwise than stopped (it succeeded, failed, or was lost or withdrawn;
+        ``Lifecycle.ended_unstopped``): a move asking its site to stop it is over, and with it the GPUs held at
+        its target, since nothing was checkpointed to restart there; the job is placed as any other (and not
+        kept off the site it was leaving, which the move would have done). The room it was making for a job near
+        its users is made all the same: the attempt has left its site."""
+        if self._moves_kept is not None:  # not taken up yet: the take-up leaves it out
+            self._over_before_take_up.add((job_id, attempt))
+        moving = self._moving.get(job_id)
+        if moving is None or moving.attempt != attempt:
+            return
+        del self._moving[job_id]
+        hold = self._holds.get(job_id)
+        if hold is not None and hold.attempt == attempt:
+            del self._holds[job_id]
+        self.book.forgive(job_id, moving.origin)
+        log.info("job %s: attempt %d ended on %s before its move was done; the move is over", job_id, attempt,
+                 moving.origin)
+
     def _take_up_moves(self, now_ts: float) -> None:
         """The moves the last leader left (``_restore_moves``), for jobs still active at the same attempt and
         within their time: asked-for stops, the GPUs held, the moved jobs kept off the sites they left, the
@@ -1085,6 +1106,7 @@ class SchedulingCycle:
         reached its site) is left to the next search, with the room its move was making. An entry that cannot
         be read is dropped, with a warning."""
         kept, self._moves_kept = self._moves_kept or {}, None
+        over, self._over_before_take_up = self._over_before_take_up, set()
         dropped: set[str] = set()  # jobs whose room is no longer being made
         for job_id, entry in kept["moving"].items():
             try:
@@ -1099,6 +1121,9 @@ class SchedulingCycle:
             job = self.book.active.get(job_id)
             left_s = min(moving.asked_ts + MOVE_TIMEOUT_S - now_ts, MOVE_TIMEOUT_S)
             if job is None or job.attempt != moving.attempt or left_s <= 0:
+                continue
+            if (job_id, moving.attempt) in over:  # it ended otherwise than stopped: nothing to restart elsewhere
+                dropped.add(job_id)
                 continue
             # Kept off the site it left either way: a stop on its way there may still come.
             self.book.refuse(job_id, moving.origin, f"moved away: {moving.reason}", ttl_s=left_s)

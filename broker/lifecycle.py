@@ -71,6 +71,10 @@ class Lifecycle:
         # (POSIX seconds, reason), or None), by this broker or the last one in charge: the broker sets this
         # from its cycle's moves in flight.
         self.stop_asked: Callable[[str, int, str], tuple[float, str] | None] = lambda job_id, attempt, site: None
+        # Told of each attempt that ended otherwise than stopped (it succeeded, failed, was lost or withdrawn): a
+        # move that was asking its site to stop it is over, with nothing checkpointed to restart elsewhere (the
+        # broker sets this from its cycle's moves in flight).
+        self.ended_unstopped: Callable[[str, int], None] = lambda job_id, attempt: None
         # Set once the active jobs are loaded (the broker in charge): events wait for it, since one applied to a
         # book that does not hold its job yet would be dropped as stale.
         self.loaded = asyncio.Event()
@@ -120,21 +124,25 @@ class Lifecycle:
                     finished_at=ev.at,
                 )
                 self.run_times.add(job.spec.duration_s, actual_run_s(done))
+                self.ended_unstopped(job.id, job.attempt)
                 return done
             case EventKind.FAILED:
                 failed = job.failed_attempts + 1
                 why = ev.reason or "failed"
                 if failed >= job.spec.max_attempts:
-                    return await self.book.transition(
+                    ended = await self.book.transition(
                         job.id, JobState.FAILED, failed_attempts=failed, finished_at=ev.at,
                         reason=f"attempt {job.attempt} on {site} failed ({why}); {failed} of "
                                f"{job.spec.max_attempts} attempts failed, giving up",
                     )
-                return await self.book.transition(
-                    job.id, JobState.QUEUED, failed_attempts=failed,
-                    reason=f"attempt {job.attempt} on {site} failed ({why}); requeued "
-                           f"({failed} of {job.spec.max_attempts} attempts failed)",
-                )
+                else:
+                    ended = await self.book.transition(
+                        job.id, JobState.QUEUED, failed_attempts=failed,
+                        reason=f"attempt {job.attempt} on {site} failed ({why}); requeued "
+                               f"({failed} of {job.spec.max_attempts} attempts failed)",
+                    )
+                self.ended_unstopped(job.id, job.attempt)
+                return ended
             case EventKind.PREEMPTED:
                 kept = job.run_s + ev.run_s if job.spec.checkpointable else 0.0
                 # Where this attempt resumed from a checkpoint (earlier ones kept some work), its run began
@@ -158,9 +166,11 @@ class Lifecycle:
                     reason="requeued after preemption" + (" from its checkpoint" if kept else ""),
                 )
             case EventKind.LOST:
-                return await self.book.transition(
+                lost = await self.book.transition(
                     job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {ev.reason or ''}"
                 )
+                self.ended_unstopped(job.id, job.attempt)
+                return lost
         return None
 
     async def cancel(self, job_id: str) -> Job:
@@ -203,6 +213,7 @@ class Lifecycle:
             self._requeues[(job_id, attempt)] = (site, why)
             return None
         self._requeues.pop((job_id, attempt), None)
+        self.ended_unstopped(job_id, attempt)
         return job
 
     async def settle(self, force: bool = False) -> None:
@@ -387,10 +398,13 @@ class Lifecycle:
         if current is None or current.version != job.version:
             return None  # moved on meanwhile
         try:
-            return await self.book.transition(job.id, JobState.QUEUED, reason=reason)
+            requeued = await self.book.transition(job.id, JobState.QUEUED, reason=reason)
         except (IllegalTransition, JobNotFound, StoreError) as e:
             log.error("job %s: cannot requeue: %s", job.id, e)
             return None
+        if current.state != JobState.PREEMPTED:  # (a preemption's requeue, stored half-way, is the stop's)
+            self.ended_unstopped(job.id, job.attempt)
+        return requeued
 
 
 class AlreadyEnded(Exception):

@@ -185,6 +185,7 @@ class Broker:
         self.cycle.may_act = self.lifecycle.may_act = self.may_act
         self.lifecycle.restart_overhead_s = self.cycle.restart_overhead_s
         self.lifecycle.stop_asked = self.cycle.stop_asked
+        self.lifecycle.ended_unstopped = self.cycle.move_over
         self.book.metrics = self.cycle.metrics = self.lifecycle.metrics = self.metrics
         self.book.events = self.cycle.events = self.events
 

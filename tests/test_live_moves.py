@@ -480,3 +480,70 @@ async def test_a_stop_the_last_broker_asked_for_keeps_its_work_after_a_restart_w
                                                                        "delivered": []}
     finally:
         await again.stop()
+
+
+async def test_a_move_whose_job_fails_on_its_own_meanwhile_is_over_and_its_restart_is_not_called_a_move(live) -> None:
+    # The dirty site takes its time to checkpoint the mover, and the job fails there meanwhile (its own error).
+    # Nothing was checkpointed for the move: the job is placed again as any other job (it may go back to dirty),
+    # from the work it had kept (none), and its decision does not say it was moved from its checkpoint.
+    from adapters.base import EventKind, JobEvent
+
+    b, clock = live
+    _, mover = await started_at_the_dirty_site(b, clock)
+    dirty = b.federation.get("dirty").adapter
+    stop_now = dirty.preempt
+    slow = asyncio.Event()
+
+    async def checkpoint_slowly(job_id: str, attempt: int, reason: str) -> None:
+        await slow.wait()
+        await stop_now(job_id, attempt, reason)
+
+    dirty.preempt = checkpoint_slowly
+    await step(b, clock, 3600)
+    await b.cycle.run_once(full=True)  # the hour's moves: the mover is asked to move to the clean site
+    assert b.cycle._moving[mover.id].site == "clean" and mover.id in b.cycle._holds
+    await dirty.cancel(mover.id, 1)
+    dirty._emit(JobEvent(mover.id, 1, EventKind.FAILED, clock.now(), reason="out of memory", run_s=3600.0))
+    await asyncio.sleep(0.1)
+    failed = await b.book.get(mover.id)
+    assert (failed.state, failed.failed_attempts, failed.run_s) == (JobState.QUEUED, 1, 0.0)
+    assert mover.id not in b.cycle._moving and mover.id not in b.cycle._holds
+    assert "dirty" not in b.book.refused_sites(mover.id)
+    slow.set()
+    await b.cycle.run_once(full=True)
+    await step(b, clock, 2.0)
+    again = await b.book.get(mover.id)
+    assert (again.state, again.attempt, again.run_s) == (JobState.RUNNING, 2, 0.0)
+    assert "moved from" not in (await decision(b, mover.id)).summary
+
+
+async def test_a_stored_move_whose_attempt_was_lost_rather_than_stopped_is_not_taken_up(tmp_path) -> None:
+    # The last broker asked the clean site to stop the filler, but the request never reached it; after the restart
+    # the site no longer knows the attempt (lost, with nothing checkpointed): the job starts over, placed as any
+    # other, and its decision does not say it was moved from its checkpoint.
+    b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        filler, _ = await b.book.submit(job(name="filler", count=8, duration_s=10 * 3600, checkpointable=True))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 3600.0)
+        now = clock.now().timestamp()
+        await b.store.put_state(MOVES_STATE, json.dumps({
+            "moving": {filler.id: {"origin": "clean", "attempt": 1, "site": "dirty", "model": "a100-80gb",
+                                   "reason": "moved from clean to dirty from its checkpoint to save carbon", "for_job": None, "asked_ts": now}},
+            "holds": {filler.id: {"site": "dirty", "model": "a100-80gb", "duration_s": 33000.0, "attempt": 1,
+                                  "until_ts": now + 1800}},
+            "cannot_stop": {}, "delivered": []}))
+    finally:
+        await b.stop()
+    again, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})
+    try:
+        lost = await again.book.get(filler.id)
+        assert (lost.state, lost.run_s) == (JobState.QUEUED, 0.0)
+        await clock.advance(2.0)
+        await again.cycle.run_once(full=True)
+        await step(again, clock, 2.0)
+        placed = await again.book.get(filler.id)
+        assert (placed.state, placed.attempt, placed.run_s) == (JobState.RUNNING, 2, 0.0)
+        assert "moved from" not in (await decision(again, filler.id)).summary
+    finally:
+        await again.stop()
