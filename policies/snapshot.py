@@ -165,6 +165,9 @@ class QuotaView:
     # tenant -> (GPUs held, GPUs entitled by fair share) over the sites (policies.fair_order); fixed per pass
     standing: dict[str, Standing] = field(default_factory=dict)
     own: dict[str, OwnPreemptible] = field(default_factory=dict)  # only tenants some site reports any for
+    # tenant -> its priority ceiling at each site (inf: none); only tenants some site caps: a job's priority
+    # there is at most that, for what the site may preempt for it (Snapshot.preemptible_below)
+    ceiling: dict[str, np.ndarray] = field(default_factory=dict)
 
     def rooms(self, tenant: str | None) -> tuple[np.ndarray, np.ndarray]:
         if tenant is None:
@@ -185,7 +188,7 @@ class QuotaView:
     def copy(self) -> QuotaView:
         return QuotaView({t: a.copy() for t, a in self.room.items()}, {t: a.copy() for t, a in self.np_room.items()},
                          self.reclaim, {t: a.copy() for t, a in self.shortfall.items()}, self.unlisted_room.copy(),
-                         self.unlisted_np_room.copy(), self.model, self.standing, self.own)
+                         self.unlisted_np_room.copy(), self.model, self.standing, self.own, self.ceiling)
 
     def debit(self, site: int, req: JobRequest) -> None:
         """A placement of ``req`` at ``site``: its tenant's room (and guarantee not held) shrink by its charge."""
@@ -217,10 +220,13 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
     reclaim: dict[str, np.ndarray] = {}
     shortfall: dict[str, np.ndarray] = {}
     model: dict[str, np.ndarray] = {}
+    ceiling: dict[str, np.ndarray] = {}
     for i, q in reports:
         for t in q.tenants:
             if not t.listed:
                 continue
+            if t.priority_ceiling is not None:
+                ceiling.setdefault(t.tenant, np.full(n, inf))[i] = t.priority_ceiling
             if t.tenant not in room:
                 room[t.tenant] = unlisted_room.copy()
                 np_room[t.tenant] = unlisted_np_room.copy()
@@ -234,7 +240,7 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
                 reclaim[t.tenant][i] = t.reclaimable_gpus
                 shortfall[t.tenant][i] = max(t.guaranteed_gpus - t.in_use_gpus, 0.0)
     return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model,
-                     standings([q for _, q in reports]), _own_preemptible(n, reports))
+                     standings([q for _, q in reports]), _own_preemptible(n, reports), ceiling)
 
 
 def _own_preemptible(n: int, reports: list[tuple[int, object]]) -> dict[str, OwnPreemptible]:
@@ -353,11 +359,18 @@ class Snapshot:
             cache[key] = value
         return value  # type: ignore[return-value]
 
-    def preemptible_below(self, priority: int) -> np.ndarray | None:
+    def preemptible_below(self, priority: int, tenant: str | None = None) -> np.ndarray | None:
         """float64[n_sites]: GPUs of preemptible work below ``priority`` a site might preempt for a job of that
-        priority (None: none anywhere)."""
+        priority (None: none anywhere). A site that caps ``tenant``'s priority (``priority_ceiling``) preempts
+        for it only what is below its ceiling there, as the site's own search does."""
         k = bisect.bisect_left(self.preempt_levels, priority)
-        return self.preempt_below[:, k] if k else None
+        if not k:
+            return None
+        ceiling = self.quota.ceiling.get(tenant) if self.quota is not None and tenant is not None else None
+        if ceiling is None:
+            return self.preempt_below[:, k]
+        capped = np.searchsorted(np.asarray(self.preempt_levels), np.minimum(float(priority), ceiling), side="left")
+        return self.preempt_below[np.arange(self.n_sites), capped]
 
     def zeros(self) -> np.ndarray:
         """float64[n_sites] of 0, read-only: the raw value of a scorer that has nothing to tell sites apart."""

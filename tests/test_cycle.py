@@ -621,7 +621,9 @@ async def test_a_job_of_higher_priority_is_not_routed_to_preempt_what_its_tenant
     assert (await h.job(urgent.id)).state == JobState.QUEUED
     assert (await h.job(low.id)).state == JobState.RUNNING
     verdict = (await h.decision(urgent.id)).sites[0]
-    assert verdict.reasons == ["quota-refuses: tenant a may hold 0 more GPUs here; the job needs 4"]
+    # Nor do its GPUs count as free for it: what the site may preempt for it is below its ceiling there.
+    assert verdict.reasons == ["quota-refuses: tenant a may hold 0 more GPUs here; the job needs 4",
+                               "gpus-do-not-fit: job needs 4 GPUs of any model; 0 free"]
 
 
 @pytest.mark.parametrize("second_run_s", [3600.0, 200.0])

@@ -634,6 +634,27 @@ def test_a_decisions_terms_read_pickle_and_compare_as_the_plain_tuple_of_them() 
     assert terms == tuple(first) and terms != tuple(first[:1])
 
 
+@pytest.mark.parametrize("ceiling,where", [(None, "berlin"), (10, "berlin"), (0, None), (-5, None)])
+def test_preemptible_work_counts_as_room_only_below_the_priority_a_site_lets_the_tenant_have(ceiling, where) -> None:
+    # berlin's A100s are all held by preemptible work of priority 0. A job of priority 10 may have them
+    # preempted, unless berlin caps its tenant's priority (priority_ceiling) at 0 or below: the site's own
+    # search then preempts nothing for it, and would refuse it.
+    from policies.snapshot import QuotaView
+
+    berlin = up("berlin", free={"a100-80gb": 0})
+    snap = snapshot(berlin)
+    below = np.zeros((snap.n_sites, 2))
+    below[snap.index["berlin"], 1] = 8.0
+    inf = np.full(snap.n_sites, np.inf)
+    caps = {} if ceiling is None else {"t1": np.full(snap.n_sites, float(ceiling))}
+    quota = QuotaView({}, {}, {}, {}, inf, inf.copy(), ceiling=caps)
+    snap = replace(snap, preempt_levels=(0,), preempt_below=below, quota=quota)
+    out = decide([berlin], job(model="a100-80gb", priority=10), snap=snap)
+    assert out.site == where
+    # Another tenant, whose priority berlin does not cap, still has them preempted.
+    assert decide([berlin], job(tenant="t2", model="a100-80gb", priority=10), snap=snap).site == "berlin"
+
+
 @pytest.mark.parametrize("count,milli", [(1, 1000), (1, 250)], ids=["whole", "fractional"])
 def test_preemptible_work_of_another_model_is_no_room_for_a_job_naming_its_model(count: int, milli: int) -> None:
     # berlin's A100s are all held by preemptible work of lower priority, which counts as room for an urgent

@@ -158,7 +158,7 @@ def _reclaim(snap: Snapshot, req: JobRequest) -> np.ndarray | None:
     if req.mig_profile is not None:
         return None
     reclaim = snap.quota.extra(req) if snap.quota is not None else None
-    lower = snap.preemptible_below(req.priority)
+    lower = snap.preemptible_below(req.priority, req.tenant)
     if lower is None:
         return reclaim
     return lower if reclaim is None else np.maximum(reclaim, lower)
