@@ -8,22 +8,38 @@ one whose dispatch fails, is routed again and counted once, where it runs) the b
 free GPUs...) weighted as configured, among the same feasible sites. When the chosen site ties for first
 without the carbon terms, the baseline is the chosen site and nothing is claimed.
 
-Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board power (TDP) x the job's
-expected duration; emissions = energy x the grid intensity each site had at the moment of the decision.
-Both sites are charged the same energy (the placed model's power). What is counted is each admission, for its
-whole expected run (of a job resumed from a checkpoint, the rest of it): an attempt that ends early is not
-taken back, so a job preempted, moved, lost with its site or failed with attempts left, and admitted again, is
-counted again (``jobs`` counts admissions, not distinct jobs). Savings from deferring a job to a
-cleaner hour are not in this figure: it compares sites at the same moment, so it never credits a forecast
-that may not come true. The leader keeps the totals in its database (``broker_state``) at the end of a
-pass once they changed, at most every 10 s, and when it stops, so they run on across restarts and takeovers
-(a crash loses at most the last 10 s of them); replicas that do not lead pass ``GET /v1/carbon`` on to the leader.
+Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board power (TDP) x the time the
+attempt held its GPUs; emissions = energy x the grid intensity each site had at the moment of the decision.
+Both sites are charged the same energy (the placed model's power). An admitted attempt is counted at once
+for its expected run (of a job resumed from a checkpoint, what it has left to run), and remembered until it
+ends, however it ends (succeeded, failed, cancelled, preempted, moved, lost with its site, withdrawn,
+requeued after a broker restart): its figures are then corrected to the time it held its GPUs, from its
+admission to its end as the broker recorded them (the site's reported end for one that succeeded or failed
+for good), at the intensities of its decision. So an attempt that ended early is taken back down to what it
+ran, one that overran is charged its overrun, and a job preempted halfway and resumed from its checkpoint is
+counted once in full; an attempt still running stays counted for its whole expected run until it ends
+(``open_attempts`` says how many). ``jobs`` counts distinct jobs placed (a job admitted again is not counted
+again; ``moved_jobs`` likewise counts the jobs one of whose attempts was placed away from the baseline's
+site), ``admissions`` every admission.
+
+The two Prometheus counters never go down: each admission adds its estimate, and an attempt that overran
+adds its overrun when it ends; one that ended early is not taken back there. They count the estimates of
+admissions (at least), where ``GET /v1/carbon`` is the corrected figure.
+
+Savings from deferring a job to a cleaner hour are not in this figure: it compares sites at the same moment,
+so it never credits a forecast that may not come true. The leader keeps the totals, with the attempts still
+open and the jobs between two counted attempts, in its database (``broker_state``) at the end of a pass once
+they changed, at most every 10 s, and when it stops, so they run on across restarts and takeovers (a crash
+loses at most the last 10 s of them; an attempt that ended after the last save, unheard by the broker that
+takes over, is ended by it as of the job's end or last change: ``SchedulingCycle.settle_ledger``). A document
+of version 1 (before attempts were remembered: its ``jobs`` counted admissions) is read with nothing open.
+Replicas that do not lead pass ``GET /v1/carbon`` on to the leader.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,17 +47,25 @@ from policies.pipeline import TIE_EPSILON, Placement
 from policies.snapshot import TDP_KW, Snapshot
 
 CARBON_SCORERS = frozenset({"carbon", "carbon_now"})
+LEDGER_VERSION = 2
+"""The version of the ledger document :meth:`CarbonLedger.state` writes (1: totals only, no open attempts)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Counted:
-    """What one placement adds to the ledger: kWh, grams at its site and at the baseline's, and whether the
-    two differ."""
+    """What one placement adds to the ledger at its admission: kWh, grams at its site and at the baseline's,
+    whether the two differ, and the run they were estimated for (seconds)."""
 
     kwh: float
     grams: float
     agnostic_grams: float
     moved: bool
+    expected_s: float
+
+    def scaled(self, factor: float) -> Counted:
+        """These figures times ``factor`` (for the same expected run)."""
+        return Counted(self.kwh * factor, self.grams * factor, self.agnostic_grams * factor, self.moved,
+                       self.expected_s)
 
 
 def assess(placement: Placement, snap: Snapshot) -> Counted | None:
@@ -56,43 +80,127 @@ def assess(placement: Placement, snap: Snapshot) -> Counted | None:
         return None
     req = placement.request
     kwh = req.charge * float(TDP_KW[placement.model]) * req.duration_s / 3600.0
-    return Counted(kwh, kwh * here, kwh * there, baseline != chosen)
+    return Counted(kwh, kwh * here, kwh * there, baseline != chosen, float(req.duration_s))
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAttempt:
+    """An admitted attempt the ledger counted for its expected run, until it ends (:meth:`CarbonLedger.end`).
+    ``counted.moved``: whether this attempt or an earlier counted one of its job was placed away from the
+    baseline's site (the job is then counted once in ``moved``)."""
+
+    attempt: int
+    counted: Counted
+    admitted_ts: float  # POSIX seconds, the broker's clock
+
+    def doc(self) -> list[float | int | bool]:
+        c = self.counted
+        return [self.attempt, c.kwh, c.grams, c.agnostic_grams, c.expected_s, self.admitted_ts, c.moved]
+
+    @classmethod
+    def from_doc(cls, doc: object) -> OpenAttempt:
+        if not (isinstance(doc, list) and len(doc) == 7 and isinstance(doc[6], bool)
+                and type(doc[0]) is int and doc[0] >= 0
+                and all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in doc[1:6])
+                and min(doc[1:4]) >= 0 and doc[4] > 0):
+            raise ValueError(f"an open attempt that cannot be read: {str(doc)[:80]}")
+        attempt, kwh, grams, agnostic, expected_s, admitted_ts, moved = doc
+        return cls(attempt, Counted(float(kwh), float(grams), float(agnostic), moved, float(expected_s)),
+                   float(admitted_ts))
 
 
 @dataclass(slots=True)
 class CarbonLedger:
-    jobs: int = 0
+    jobs: int = 0  # distinct jobs counted
     energy_kwh: float = 0.0
     grams: float = 0.0
     agnostic_grams: float = 0.0
-    moved: int = 0  # placements whose site differs from the baseline's
+    moved: int = 0  # jobs one of whose counted attempts went to another site than the baseline's
+    admissions: int = 0  # attempts counted (a job admitted again counts again here)
+    open: dict[str, OpenAttempt] = field(default_factory=dict)  # job id -> its attempt counted, not ended yet
+    # Jobs between two attempts that an earlier counted attempt already counted (requeued, preempted): job id ->
+    # whether one of them was moved. Admitted again, such a job is not counted again in ``jobs``.
+    returning: dict[str, bool] = field(default_factory=dict)
+    revision: int = field(default=0, compare=False)  # counts changes: the broker saves the ledger when it changed
 
-    def add(self, counted: Counted) -> None:
-        """Count a placement :func:`assess` valued (when its site admitted it)."""
-        self.jobs += 1
-        self.energy_kwh += counted.kwh
-        self.grams += counted.grams
-        self.agnostic_grams += counted.agnostic_grams
-        self.moved += counted.moved
+    def add(self, job_id: str, attempt: int, counted: Counted, admitted_ts: float) -> None:
+        """Count an attempt :func:`assess` valued when its site admitted it (at ``admitted_ts``), for its
+        expected run, and remember it until it ends (:meth:`end`)."""
+        held = self.open.get(job_id)
+        if held is not None:  # an end this ledger did not hear of: that attempt ended before this admission
+            self.end(job_id, held.attempt, admitted_ts, requeued=True)
+        moved_before = self.returning.pop(job_id, None)
+        self.jobs += moved_before is None
+        self.moved += counted.moved and not moved_before
+        self.admissions += 1
+        self._count(counted)
+        self.open[job_id] = OpenAttempt(attempt, Counted(counted.kwh, counted.grams, counted.agnostic_grams,
+                                                         bool(counted.moved or moved_before), counted.expected_s),
+                                        admitted_ts)
+        self.revision += 1
 
-    def state(self) -> dict[str, float | int]:
-        """The totals, as the store keeps them (:meth:`restore` reads them back)."""
-        return {"v": 1, "jobs": self.jobs, "energy_kwh": self.energy_kwh, "grams": self.grams,
-                "agnostic_grams": self.agnostic_grams, "moved": self.moved}
+    def end(self, job_id: str, attempt: int, ended_ts: float, requeued: bool) -> Counted | None:
+        """``job_id``'s ``attempt`` ended at ``ended_ts`` (POSIX seconds): if the ledger counted it, correct its
+        figures to the time it held its GPUs (counted x ran / expected: the unrun part taken back, an overrun
+        charged), and remember the job as counted while it is ``requeued`` (it may be admitted again). An
+        earlier counted attempt whose end was not heard (a later one, not counted, is ending) is taken as ended
+        by then. Returns the overrun added (what the Prometheus counters, which never go down, add), or None."""
+        held = self.open.get(job_id)
+        if held is None or held.attempt > attempt:
+            return None
+        del self.open[job_id]
+        if requeued:
+            self.returning[job_id] = held.counted.moved
+        ran_s = max(ended_ts - held.admitted_ts, 0.0)
+        factor = ran_s / held.counted.expected_s - 1.0 if held.counted.expected_s > 0 else 0.0
+        self._count(held.counted.scaled(factor))
+        self.revision += 1
+        return held.counted.scaled(factor) if factor > 0 else None
+
+    def forget(self, job_id: str) -> None:
+        """``job_id`` ended for good (cancelled or failed while in the queue): it will not be admitted again."""
+        if self.returning.pop(job_id, None) is not None:
+            self.revision += 1
+
+    def _count(self, c: Counted) -> None:
+        # (a correction that takes a whole attempt back may leave a rounding error below 0)
+        self.energy_kwh = max(self.energy_kwh + c.kwh, 0.0)
+        self.grams = max(self.grams + c.grams, 0.0)
+        self.agnostic_grams = max(self.agnostic_grams + c.agnostic_grams, 0.0)
+
+    def state(self) -> dict[str, object]:
+        """The totals, the open attempts and the jobs between attempts, as the store keeps them
+        (:meth:`restore` reads them back). An open attempt is a list: attempt, kWh, grams, agnostic grams,
+        expected seconds, admitted at (POSIX seconds), moved."""
+        return {"v": LEDGER_VERSION, "jobs": self.jobs, "admissions": self.admissions,
+                "energy_kwh": self.energy_kwh, "grams": self.grams, "agnostic_grams": self.agnostic_grams,
+                "moved": self.moved, "open": {job_id: a.doc() for job_id, a in self.open.items()},
+                "returning": self.returning}
 
     @classmethod
     def restore(cls, doc: object) -> CarbonLedger:
-        """Totals from :meth:`state`'s document; ValueError when it is not one (a count below 0, a total
-        that is not a finite number)."""
-        if not isinstance(doc, dict) or doc.get("v") != 1:
-            raise ValueError("not a carbon ledger document of version 1")
+        """The ledger from :meth:`state`'s document, or from one of version 1 (totals only, where ``jobs``
+        counted admissions; it had no open attempts, so there is nothing to correct); ValueError when it is
+        not one (a count below 0, a total that is not a finite number, an open attempt that cannot be read)."""
+        if not isinstance(doc, dict) or doc.get("v") not in (1, LEDGER_VERSION):
+            raise ValueError(f"not a carbon ledger document of version 1 or {LEDGER_VERSION}")
         try:
             ledger = cls(int(doc["jobs"]), float(doc["energy_kwh"]), float(doc["grams"]),
                          float(doc["agnostic_grams"]), int(doc["moved"]))
+            if doc["v"] == 1:
+                ledger.admissions = ledger.jobs
+            else:
+                ledger.admissions = int(doc["admissions"])
+                opened, returning = doc["open"], doc["returning"]
+                if not (isinstance(opened, dict) and isinstance(returning, dict)
+                        and all(isinstance(m, bool) for m in returning.values())):
+                    raise ValueError("open or returning is not an object of jobs")
+                ledger.open = {job_id: OpenAttempt.from_doc(a) for job_id, a in opened.items()}
+                ledger.returning = dict(returning)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a carbon ledger document that cannot be read: {e}") from None
         totals = (ledger.energy_kwh, ledger.grams, ledger.agnostic_grams)
-        if min(ledger.jobs, ledger.moved) < 0 or not all(math.isfinite(t) and t >= 0 for t in totals):
+        if min(ledger.jobs, ledger.moved, ledger.admissions) < 0 or not all(math.isfinite(t) and t >= 0 for t in totals):
             raise ValueError("a carbon ledger document with a negative or non-finite total")
         return ledger
 
@@ -102,7 +210,7 @@ class CarbonLedger:
             "jobs": self.jobs, "energy_kwh": round(self.energy_kwh, 6), "grams": round(self.grams, 3),
             "agnostic_grams": round(self.agnostic_grams, 3), "saved_grams": round(saved, 3),
             "saved_fraction": round(saved / self.agnostic_grams, 6) if self.agnostic_grams > 0 else 0.0,
-            "moved_jobs": self.moved,
+            "moved_jobs": self.moved, "admissions": self.admissions, "open_attempts": len(self.open),
         }
 
 

@@ -295,7 +295,7 @@ class PassDecider:
 
 
 LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bound jobs held (put_state)
-CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger's totals (GET /v1/carbon)
+CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger (GET /v1/carbon): totals, attempts open
 MOVES_STATE = "moves-in-flight"  # ... and for the moves asked for, the GPUs held for them, the sites that could not stop
 LEDGER_SAVE_S = 10.0  # at most this often the ledger is saved (a crash loses at most that many seconds of it)
 STATE_READ_TRIES = 5  # reads of what the last broker in charge kept, before taking charge fails (about 1.5 s)
@@ -396,8 +396,9 @@ class SchedulingCycle:
         self.metrics = Metrics()  # the broker passes its own
         self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
         self.carbon = CarbonLedger()  # carbon of placements against a carbon-agnostic choice
-        self._carbon_saved = 0  # the ledger's job count the store holds
+        self._carbon_saved = 0  # the ledger's revision the store holds
         self._carbon_saved_at = -math.inf  # when it was saved (time.monotonic)
+        book.on_attempt_end = self._attempt_ended  # every attempt's end, for the ledger
         self._site_health: dict[str, str] = {}  # site -> health last published
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
@@ -1180,29 +1181,71 @@ class SchedulingCycle:
         doc = await self._stored_state(CARBON_LEDGER_STATE, "carbon ledger")
         try:
             self.carbon = CarbonLedger() if doc is None else CarbonLedger.restore(json.loads(doc))
-            self._carbon_saved = self.carbon.jobs
+            self._carbon_saved = self.carbon.revision
         except ValueError as e:
             log.warning("ignoring the stored carbon ledger: %s; its totals start from 0", e)
 
+    async def settle_ledger(self) -> int:
+        """Once the active jobs are loaded, when this broker takes charge: end the ledger's open attempts that are
+        no longer on their site (their end reached the store after the last broker in charge last saved the
+        ledger, or while it stopped), as of the job's end, or else its last change (the attempt ended by then),
+        and forget the jobs between attempts that have ended. The jobs no longer active are read from the store;
+        one that cannot be read now stays open, for the next broker in charge. Returns how many were ended."""
+        ended = 0
+        for job_id, held in list(self.carbon.open.items()):
+            job = self.book.active.get(job_id)
+            if job is not None and job.attempt == held.attempt and job.state.on_site:
+                continue
+            if job is None:
+                try:
+                    job = await self.store.get_job(job_id)
+                except StoreError as e:
+                    log.warning("job %s: cannot read it to end its attempt in the carbon ledger: %s", job_id, e)
+                    continue
+            if job is None:  # (not in the store: nothing tells when it ended; left as counted)
+                self.carbon.end(job_id, held.attempt, held.admitted_ts + held.counted.expected_s, requeued=False)
+                continue
+            self._attempt_ended(job.model_copy(update={"state": JobState.RUNNING, "attempt": held.attempt}), job)
+            ended += 1
+        for job_id in [j for j in self.carbon.returning if j not in self.book.active]:
+            self.carbon.forget(job_id)
+        return ended
+
+    def _attempt_ended(self, before: Job, job: Job) -> None:
+        """The book's hook (``JobBook.on_attempt_end``): ``before``'s attempt left its site, or the job ended;
+        the ledger corrects the attempt's figures to the time it held its GPUs, from its admission to this end
+        (the site's reported end where the job succeeded or failed for good, the broker's time of the change
+        otherwise), and an overrun is added to the counters too (they never go down)."""
+        if before.state.on_site:
+            end = job.finished_at if job.state.terminal and job.finished_at is not None else job.updated_at
+            over = self.carbon.end(job.id, before.attempt, end.timestamp(), requeued=not job.state.terminal)
+            if over is not None:
+                self.metrics.carbon_grams.inc(over.grams)
+                self.metrics.carbon_agnostic_grams.inc(over.agnostic_grams)
+        if job.state.terminal:
+            self.carbon.forget(job.id)
+
     async def _keep_ledger_due(self) -> None:
         """``keep_ledger`` at most every ``LEDGER_SAVE_S``, at the end of every pass, quiet ones included: a
-        placement is counted when its site admits it (``_dispatch``), after the pass that made it."""
-        if self.carbon.jobs != self._carbon_saved and time.monotonic() - self._carbon_saved_at >= LEDGER_SAVE_S:
+        placement is counted when its site admits it (``_dispatch``), after the pass that made it, and corrected
+        when its attempt ends (``_attempt_ended``), between passes."""
+        if self.carbon.revision != self._carbon_saved and time.monotonic() - self._carbon_saved_at >= LEDGER_SAVE_S:
             await self.keep_ledger()
 
     async def keep_ledger(self, final: bool = False) -> None:
-        """Save the carbon ledger's totals: at the end of a pass where they changed, at most every
+        """Save the carbon ledger (its totals, the attempts it counted that are still running, the jobs between
+        two attempts): at the end of a pass where it changed, at most every
         ``LEDGER_SAVE_S`` (tried again after the next one; ``_keep_ledger_due``), and when the broker stops
         (``final``: as for ``keep_moves``)."""
-        if not (final or self.may_act()) or self.carbon.jobs == self._carbon_saved:
+        if not (final or self.may_act()) or self.carbon.revision == self._carbon_saved:
             return
-        jobs = self.carbon.jobs
+        revision = self.carbon.revision
         try:
             await self.store.put_state(CARBON_LEDGER_STATE, json.dumps(self.carbon.state()))
         except StoreError as e:
             log.warning("could not save the carbon ledger: %s", e)
             return
-        self._carbon_saved, self._carbon_saved_at = jobs, time.monotonic()
+        self._carbon_saved, self._carbon_saved_at = revision, time.monotonic()
 
     async def _keep_learned(self) -> None:
         """Save the latency demand once an hour, at its first sample of the hour (the hour before is complete)."""
@@ -1312,7 +1355,11 @@ class SchedulingCycle:
         if confirmed is None and not self._at_site(job):
             await self.lifecycle.withdraw(job, site)  # cancelled or requeued while it was being dispatched
         elif counted is not None:
-            self.carbon.add(counted)
+            # Opened as the admission's write lands, before the end of the attempt can land (the store lands
+            # writes in order, and this task wakes first): the ledger hears of its end (_attempt_ended).
+            admitted = confirmed if confirmed is not None else self.book.active.get(job.id)
+            at = admitted.updated_at if admitted is not None else self.clock.now()
+            self.carbon.add(job.id, job.attempt, counted, at.timestamp())
             self.metrics.carbon_grams.inc(counted.grams)
             self.metrics.carbon_agnostic_grams.inc(counted.agnostic_grams)
 

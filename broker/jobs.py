@@ -205,6 +205,11 @@ class JobBook:
         self._gaps_checked = -math.inf  # monotonic time they were last looked up
         self.metrics = Metrics()  # the broker passes its own
         self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
+        # Called with (before, after) once a change that takes an attempt off its site (from an on-site state to
+        # any other: succeeded, failed, cancelled, preempted, requeued however) or ends a job has reached the
+        # store: every end of an attempt passes through here (the carbon ledger corrects its figures to the
+        # time it ran). Not called for a change that did not land.
+        self.on_attempt_end: Callable[[Job, Job], None] | None = None
 
     async def load(self) -> int:
         """Load every non-terminal job from the store (at start-up), a page at a time; returns how many."""
@@ -531,6 +536,12 @@ class JobBook:
         self.metrics.transitions.labels(new.state.value).inc()
         if not announced:
             self.announce(new, before)
+        if (self.on_attempt_end is not None and before is not None
+                and (before.state.on_site and not new.state.on_site or new.state.terminal)):
+            try:
+                self.on_attempt_end(before, new)
+            except Exception:  # the change is stored all the same: its caller must not take it for failed
+                log.exception("job %s: the end of attempt %d was not accounted", new.id, before.attempt)
         if new.state.terminal:
             self.metrics.finished.labels(new.state.value, new.spec.tenant).inc()
             self._changes.pop(new.id, None)

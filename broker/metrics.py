@@ -57,10 +57,12 @@ class Metrics:
                                 ["state", "tenant"], registry=r)
         self.carbon_grams = Counter("heliotrope_placed_carbon_grams", "Estimated emissions of the jobs placed "
                                     "(GPUs x board power x expected duration x the chosen site's grid intensity "
-                                    "at the decision)", registry=r)
+                                    "at the decision), for each admission, plus the overrun of an attempt that "
+                                    "ran past its estimate; never taken back for one that ended early (GET "
+                                    "/v1/carbon is)", registry=r)
         self.carbon_agnostic_grams = Counter("heliotrope_placed_carbon_agnostic_grams", "What the same jobs "
-                                             "would have emitted where a carbon-agnostic choice put them "
-                                             "(broker.carbon_ledger)", registry=r)
+                                             "would have emitted where a carbon-agnostic choice put them, counted "
+                                             "likewise (broker.carbon_ledger)", registry=r)
         self.preemptions = Counter("heliotrope_preemptions", "Attempts a site preempted, by site", ["site"],
                                    registry=r)
         self.moves = Counter("heliotrope_moves", "Running jobs the cycle asked their site to checkpoint and stop, "

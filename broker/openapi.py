@@ -186,8 +186,13 @@ def _components() -> dict[str, Any]:
                                      state={"enum": [s.value for s in JobState]}, site=_NULLABLE_STR,
                                      attempt=_INT, reason=_NULLABLE_STR)
     components["Carbon"] = _object(
-        jobs=_INT, energy_kwh=_NUM, grams=_NUM, agnostic_grams=_NUM, saved_grams=_NUM, saved_fraction=_NUM,
-        moved_jobs=_INT, baseline=_STR)
+        jobs={**_INT, "description": "distinct jobs placed (a job admitted again is not counted again)"},
+        energy_kwh=_NUM, grams=_NUM, agnostic_grams=_NUM, saved_grams=_NUM, saved_fraction=_NUM,
+        moved_jobs={**_INT, "description": "of those jobs, the ones an attempt put elsewhere than the baseline's site"},
+        admissions={**_INT, "description": "attempts counted: each admission by a site"},
+        open_attempts={**_INT, "description": "attempts still running, counted for their expected run until they end "
+                                              "(then for the time they ran)"},
+        baseline=_STR)
     components["WhoAmI"] = _object(name=_STR, role={"enum": [r.value for r in Role]},
                                    sites={"type": "array", "items": _STR}, tenants={"type": "array", "items": _STR},
                                    token_id=_NULLABLE_STR, auth=_BOOL)

@@ -268,6 +268,7 @@ class Broker:
                 log.warning("mqtt: not connected to %s:%d yet; agent-run sites stay unhealthy until it is",
                             self.hub.settings.host, self.hub.settings.port)
         await self.book.load()
+        await self.cycle.settle_ledger()  # attempts the ledger holds open whose end it did not hear of
         self.lifecycle.loaded.set()  # the sites' events flow from here on
         requeued = await self.lifecycle.recover()
         if requeued:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 
 import pytest
 
+from broker.carbon_ledger import CarbonLedger, Counted
 from broker.cycle import CARBON_LEDGER_STATE
-from broker.models import SimulatedAdapterConfig
+from broker.models import JobState, SimulatedAdapterConfig
 from tests.builders import job, site
-from tests.test_timeshift import green_broker, restoring
+from tests.test_timeshift import GREEN_AT, green_broker, restoring
 
 FAST = SimulatedAdapterConfig(dispatch_delay_s=1.0)
 SITES = [site("clean", region="gcp:northamerica-northeast2", grid_zone="CA-ON", timezone="America/Toronto",
@@ -48,28 +50,200 @@ async def green_broker_with_two_jobs_placed(tmp_path):  # noqa: ANN001, ANN201
     return b
 
 
+KWH = 2 * 0.4  # a job of 2 A100s (0.4 kW each) for its hour's estimate
+
+
+async def step(b, clock, seconds: float) -> None:  # noqa: ANN001
+    """The clock, then the sites' events and the store's writes (as tests/test_live_moves.py's)."""
+    await clock.advance(seconds)
+    for _ in range(3):
+        await asyncio.sleep(0.05)
+        await b.cycle.drain()
+
+
 async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
     b = await green_broker_with_two_jobs_placed(tmp_path)
     try:
         before = await carbon(b)
         assert before["jobs"] == 2 and before["moved_jobs"] == 2 and before["saved_grams"] > 0
+        assert before["admissions"] == 2 and before["open_attempts"] == 2
     finally:
         await b.stop()
-    again, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    # The broker comes back 15 minutes after it admitted them (at GREEN_AT + 1 s); the simulated sites forgot
+    # the two attempts, which it requeues: each is counted for the quarter of its hour it ran, not for its hour.
+    again, clock = await green_broker(tmp_path, SITES, at=GREEN_AT + timedelta(seconds=901),
+                                      profiles={"default": "green"})
     try:
         after = await carbon(again)
-        assert after == before
-        # It goes on counting from there: a new job, and the two whose attempts the simulated sites lost
-        # with the restart, placed again (a placement counts each time a site admits it).
+        quarter = {k: pytest.approx(before[k] / 4, abs=1e-3) for k in ("energy_kwh", "grams", "agnostic_grams")}
+        assert after == {**before, **quarter, "saved_grams": pytest.approx(before["saved_grams"] / 4, abs=1e-3),
+                         "open_attempts": 0}
+        # It goes on counting from there: a new job, and the two whose attempts the simulated sites lost with
+        # the restart, placed again: three jobs (five admissions), not five.
         await again.book.submit(job(name="c", count=2, duration_s=3600))
         report = await again.cycle.run_once(full=True)
         await clock.advance(FAST.dispatch_delay_s)
         await again.cycle.drain()
-        assert report.placed == 3 and (await carbon(again))["jobs"] == 5
+        assert report.placed == 3
+        ledger = await carbon(again)
+        assert (ledger["jobs"], ledger["admissions"], ledger["moved_jobs"]) == (3, 5, 3), ledger
+        assert ledger["energy_kwh"] == pytest.approx(2 * KWH / 4 + 3 * KWH, abs=1e-6)
         await again.cycle.keep_ledger()
-        assert json.loads(await again.store.get_state(CARBON_LEDGER_STATE))["jobs"] == 5
+        stored = json.loads(await again.store.get_state(CARBON_LEDGER_STATE))
+        assert (stored["v"], stored["jobs"], stored["admissions"], len(stored["open"])) == (2, 3, 5, 3)
     finally:
         await again.stop()
+
+
+async def test_a_job_preempted_halfway_and_resumed_is_counted_once_in_full(tmp_path) -> None:
+    """Its site stops a checkpointable job halfway; placed again for the rest of its run, it is counted once,
+    for the hour it ran in all: the first attempt's unrun half is taken back when it ends."""
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600, checkpointable=True))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        first = await b.book.get(j.id)
+        assert first.state == JobState.RUNNING and (await carbon(b))["energy_kwh"] == pytest.approx(KWH)
+        await step(b, clock, 1800)
+        grams = b.metrics.carbon_grams._value.get()
+        await b.federation.get(first.site).adapter.preempt(j.id, 1, "reclaimed by the site")
+        await step(b, clock, 0)
+        assert (await b.book.get(j.id)).state == JobState.QUEUED
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 2, rel=1e-3) and ledger["open_attempts"] == 0
+        assert b.metrics.carbon_grams._value.get() == grams  # (the counter never goes down)
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        assert (await b.book.get(j.id)).attempt == 2
+        await step(b, clock, 3600)
+        done = await b.book.get(j.id)
+        assert done.state == JobState.SUCCEEDED
+        ledger = await carbon(b)
+        assert (ledger["jobs"], ledger["admissions"], ledger["open_attempts"]) == (1, 2, 0), ledger
+        assert ledger["energy_kwh"] == pytest.approx(KWH, rel=1e-3)
+    finally:
+        await b.stop()
+
+
+async def test_a_job_that_ran_a_quarter_of_its_estimate_counts_a_quarter(tmp_path) -> None:
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        for name in ("clean", "cheap"):  # the job is done in a quarter of the hour it asked for
+            b.federation.get(name).adapter._run_seconds = lambda j: j.spec.duration_s / 4
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        full = await carbon(b)
+        await step(b, clock, 900)
+        assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 4)
+        assert ledger["grams"] == pytest.approx(full["grams"] / 4, abs=1e-3)
+        assert ledger["agnostic_grams"] == pytest.approx(full["agnostic_grams"] / 4, abs=1e-3)
+        assert (ledger["jobs"], ledger["moved_jobs"], ledger["open_attempts"]) == (1, 1, 0)
+    finally:
+        await b.stop()
+
+
+async def test_an_attempt_that_overran_is_charged_its_overrun_in_the_counters_too(tmp_path) -> None:
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        for name in ("clean", "cheap"):  # the job runs half as long again as it said
+            b.federation.get(name).adapter._run_seconds = lambda j: j.spec.duration_s * 1.5
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        grams = b.metrics.carbon_grams._value.get()
+        await step(b, clock, 5400)
+        assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
+        assert (await carbon(b))["energy_kwh"] == pytest.approx(1.5 * KWH)
+        assert b.metrics.carbon_grams._value.get() == pytest.approx(1.5 * grams)
+    finally:
+        await b.stop()
+
+
+@pytest.mark.parametrize("end", ["failed", "lost", "cancelled", "withdrawn"])
+async def test_an_attempt_that_ends_early_any_way_is_counted_for_the_time_it_ran(tmp_path, end) -> None:
+    """Failed with attempts left, lost with its site, cancelled while running, or withdrawn by the broker
+    (``requeue_from``): ended 15 minutes into its hour, the attempt counts a quarter of it."""
+    from adapters.base import EventKind, JobEvent
+
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600, max_attempts=3))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        await step(b, clock, 900)
+        running = await b.book.get(j.id)
+        if end == "cancelled":
+            await b.lifecycle.cancel(j.id)
+        elif end == "withdrawn":
+            await b.lifecycle.requeue_from(running.site, j.id, running.attempt, "dropped the attempt")
+        else:
+            kind = EventKind.FAILED if end == "failed" else EventKind.LOST
+            await b.lifecycle.on_event(running.site, JobEvent(j.id, running.attempt, kind, clock.now()))
+        ended = await b.book.get(j.id)
+        assert ended.state == (JobState.CANCELLED if end == "cancelled" else JobState.QUEUED)
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 4) and ledger["open_attempts"] == 0
+        assert b.cycle.carbon.returning == ({} if end == "cancelled" else {j.id: True})
+    finally:
+        await b.stop()
+
+
+async def test_an_attempt_that_ended_unheard_by_the_ledger_is_ended_when_a_broker_takes_charge(tmp_path) -> None:
+    """The job was cancelled after the ledger was last saved (a crash, or a lost lease, lost the correction):
+    the broker taking charge finds the attempt open in the stored ledger and ends it as of the job's end."""
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        await b.cycle.keep_ledger()
+        await step(b, clock, 1800)
+        hook, b.book.on_attempt_end = b.book.on_attempt_end, None  # (unheard)
+        await b.lifecycle.cancel(j.id)
+        b.book.on_attempt_end = hook
+        assert (await carbon(b))["open_attempts"] == 1
+        await b.cycle.restore_learned()  # as the broker taking charge: the ledger as last saved
+        assert await b.cycle.settle_ledger() == 1
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 2) and ledger["open_attempts"] == 0
+    finally:
+        await b.stop()
+
+
+def test_a_version_1_ledger_still_loads_with_nothing_open() -> None:
+    """Saved before attempts were remembered: its ``jobs`` counted admissions, and nothing is left to correct."""
+    doc = {"v": 1, "jobs": 4, "energy_kwh": 3.2, "grams": 100.0, "agnostic_grams": 400.0, "moved": 3}
+    ledger = CarbonLedger.restore(doc)
+    assert ledger.as_dict() == {"jobs": 4, "admissions": 4, "open_attempts": 0, "energy_kwh": 3.2, "grams": 100.0,
+                                "agnostic_grams": 400.0, "saved_grams": 300.0, "saved_fraction": 0.75,
+                                "moved_jobs": 3}
+    again = CarbonLedger.restore(json.loads(json.dumps(ledger.state())))
+    assert again.state() == {**doc, "v": 2, "admissions": 4, "open": {}, "returning": {}}
+
+
+async def test_a_version_1_ledger_in_the_store_is_taken_up(tmp_path) -> None:
+    doc = '{"v": 1, "jobs": 4, "energy_kwh": 3.2, "grams": 100, "agnostic_grams": 400, "moved": 3}'
+    async with restoring(tmp_path, SITES, CARBON_LEDGER_STATE, doc) as b:
+        ledger = await carbon(b)
+        assert (ledger["jobs"], ledger["admissions"], ledger["open_attempts"]) == (4, 4, 0)
+        assert ledger["energy_kwh"] == 3.2
+
+
+def test_open_attempts_and_jobs_between_attempts_are_kept_in_the_document() -> None:
+    ledger = CarbonLedger()
+    ledger.add("j1", 1, Counted(1.0, 100.0, 400.0, True, 3600.0), 1000.0)
+    ledger.add("j2", 1, Counted(2.0, 50.0, 50.0, False, 7200.0), 1000.0)
+    ledger.end("j2", 1, 1000.0 + 1800.0, requeued=True)  # a quarter of it ran; back in the queue
+    again = CarbonLedger.restore(json.loads(json.dumps(ledger.state())))
+    assert again == ledger and again.returning == {"j2": False}
+    again.add("j2", 2, Counted(1.5, 37.5, 37.5, True, 5400.0), 5000.0)  # the same job again, placed elsewhere
+    assert (again.jobs, again.admissions, again.moved) == (2, 3, 2)
+    assert again.end("j1", 1, 1000.0 + 7200.0, requeued=False).kwh == pytest.approx(1.0)  # its overrun
+    assert again.energy_kwh == pytest.approx(2.0 + 0.5 + 1.5)
 
 
 async def test_a_placement_its_site_refuses_is_counted_once_where_it_runs(tmp_path, monkeypatch) -> None:
@@ -117,8 +291,13 @@ async def test_placements_admitted_after_their_pass_are_saved_by_a_later_pass_wi
         await b.stop()
 
 
+V2 = '{"v": 2, "jobs": 1, "admissions": 1, "energy_kwh": 1, "grams": 1, "agnostic_grams": 1, "moved": 0, '
+
+
 @pytest.mark.parametrize("doc", ['{"v": 1, "jobs": -1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, "moved": 0}',
-                                 '{"v": 1, "jobs": 1}', "not json", '{"v": 2}'])
+                                 '{"v": 1, "jobs": 1}', "not json", '{"v": 2}', '{"v": 3}',
+                                 V2 + '"open": {"j": [1, 1, 1, 1, 0, 0, false]}, "returning": {}}',  # (expected 0 s)
+                                 V2 + '"open": {}, "returning": {"j": 1}}'])
 async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
     async with restoring(tmp_path, SITES, CARBON_LEDGER_STATE, doc) as b:
         assert "ignoring the stored carbon ledger" in caplog.text
@@ -145,14 +324,19 @@ async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_ag
         return await real(self, name)
 
     monkeypatch.setattr(SQLiteStore, "get_state", flaky)
-    again, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    # (back half an hour after the two were admitted: the sites lost them, so they are counted for that half hour)
+    again, clock = await green_broker(tmp_path, SITES, at=GREEN_AT + timedelta(seconds=1801),
+                                      profiles={"default": "green"})
     try:
-        assert failed and await carbon(again) == before
+        after = await carbon(again)
+        assert failed and (after["jobs"], after["admissions"]) == (2, 2)
+        assert after["energy_kwh"] == pytest.approx(before["energy_kwh"] / 2)
         await again.book.submit(job(name="c", count=2, duration_s=3600))
         await again.cycle.run_once(full=True)
         await clock.advance(FAST.dispatch_delay_s)
         await again.cycle.drain()
         await again.cycle.keep_ledger()
-        assert json.loads(await again.store.get_state(CARBON_LEDGER_STATE))["jobs"] == 5
+        stored = json.loads(await again.store.get_state(CARBON_LEDGER_STATE))
+        assert (stored["jobs"], stored["admissions"]) == (3, 5)
     finally:
         await again.stop()

@@ -313,16 +313,16 @@ async def frankfurt_and_tokyo(tmp_path, site_extra: dict | None = None, **settin
     return await green_broker(tmp_path, sites, **settings)
 
 
-async def green_broker(tmp_path, sites, **settings):
-    """A started broker over ``sites`` on a manual clock at GREEN_AT, with the shipped carbon data and its
-    forecasts ready; ``settings`` adds broker settings."""
+async def green_broker(tmp_path, sites, at=GREEN_AT, **settings):
+    """A started broker over ``sites`` on a manual clock at ``at`` (GREEN_AT), with the shipped carbon data and
+    its forecasts ready; ``settings`` adds broker settings."""
     from broker.clock import ManualClock
     from broker.config import BrokerSettings
     from broker.service import Broker
 
     cfg = {"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
            "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336}, **settings}
-    clock = ManualClock(GREEN_AT)
+    clock = ManualClock(at)
     b = Broker(BrokerSettings.model_validate(cfg), clock=clock)
     await b.start(sites, run_loop=False)
     await b.signals.wait_ready()
