@@ -3,8 +3,9 @@
 Start-up: open the store; register the sites of the configuration (the configuration is the starting
 point: a site in it is written to the store) and those registered earlier over the API; load active jobs;
 requeue attempts that the sites no longer know; start the live signals (carbon forecasts, when
-``broker.carbon`` is set; prices, when ``broker.prices`` is set); then run the cycle whenever work may have
-changed, and at least every ``cycle_interval_s``. A provider that cannot be built (a missing folder, an unset
+``broker.carbon`` is set, from those the store kept until the provider answers; prices, when
+``broker.prices`` is set); then run the cycle whenever work may have changed, and at least every
+``cycle_interval_s``. A provider that cannot be built (a missing folder, an unset
 token variable) stops the start with a :class:`~broker.config.ConfigError` naming the setting.
 """
 
@@ -275,7 +276,9 @@ class Broker:
             log.warning("requeued %d jobs whose attempts were lost while the broker was down", len(requeued))
         self.federation.set_prices(prices)
         if carbon is not None:
-            self.signals = GridSignals(carbon, self.settings.carbon_forecast, self.clock, zones=self._grid_zones)
+            # (start() takes up the forecasts the store keeps: a provider that is down now is not a blind start)
+            self.signals = GridSignals(carbon, self.settings.carbon_forecast, self.clock, zones=self._grid_zones,
+                                       store=self.store, may_act=self.may_act)
             self.federation.signals = self.signals
             await self.signals.start()
         if self._run_loop:
@@ -338,7 +341,8 @@ class Broker:
         the sites: what a deposed leader and a stopping broker both do. Jobs stay as the store has them."""
         await self._end_loop(grace=why == SHUTTING_DOWN)
         if self.signals is not None:
-            await self.signals.stop()  # cancels a refresh in progress and closes the provider
+            # cancels a refresh in progress, keeps the forecasts in the store (when stopping) and closes the provider
+            await self.signals.stop(keep=why == SHUTTING_DOWN)
             self.federation.signals = self.signals = None
         if self._housekeeping is not None:
             self._housekeeping.cancel()
@@ -371,15 +375,21 @@ class Broker:
         if self.signals is not None:
             # The first pass decides with the forecasts: after a restart it decides every queued job again, and
             # one seen without them (a job deferred for a cleaner hour) would start at once. Not for long: jobs
-            # that must start now wait too (a zone's fetch may take fetch_timeout_s, its fit more).
+            # that must start now wait too (a zone's fetch may take fetch_timeout_s, its fit more). Meanwhile,
+            # and while the provider is down, the forecasts the store kept stand in (GridSignals.restore).
             wait_s = min(settings.carbon_forecast.fetch_timeout_s, FIRST_PASS_WAIT_S)
             started = time.monotonic()
             try:
                 async with asyncio.timeout(wait_s):
                     await self.signals.wait_ready()
             except TimeoutError:
-                log.warning("the first carbon forecasts are not in after %g s; scheduling without them until "
-                            "they come (a job deferred before the restart may start now)", wait_s)
+                kept = self.signals.kept_in_use(self.clock.now())
+                if kept:
+                    log.warning("the first carbon forecasts are not in after %g s; scheduling with those the "
+                                "store kept (%d zones) until they come", wait_s, kept)
+                else:
+                    log.warning("the first carbon forecasts are not in after %g s; scheduling without them until "
+                                "they come (a job deferred before the restart may start now)", wait_s)
             else:
                 if time.monotonic() - started > 1.0:
                     log.info("the first scheduling pass waited %.1f s for the first carbon forecasts",

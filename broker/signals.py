@@ -46,6 +46,28 @@ Carbon forecasts (:class:`GridSignals`)
     date, time of day kept, so a files provider on an old slice answers as if it were live; the mapping is
     fixed when the signals start.
 
+Forecasts kept in the store (:data:`FORECASTS_STATE`)
+    Given the broker's store, the signals save every zone's last good forecast there (``Store.put_state``,
+    table ``broker_state``): after a round that made a new one, at most every :data:`FORECASTS_SAVE_S`, and
+    when the broker stops. :meth:`GridSignals.start` (a broker starting, or a replica taking over) reads them
+    back before its first round, so a broker that starts while its provider is down forecasts from them as a
+    running broker does from its last forecast: shifted to ``now``'s hour, and no longer than
+    ``stale_after_s`` after they were *made* (fetched), not after the restart. A zone's first good round
+    replaces its kept forecast.
+
+    What is kept is each zone's forecast row as made (its ``reach_h`` values, 168 by default, its first hour
+    and when it was made: about 3.4 KB of JSON a zone), not the history the forecaster fits on: that is
+    ``history_h`` values (672 by default, four times as many), and the row is exactly what a running broker
+    would go on using after a failed round, where the history would have to be fitted again (the round's one
+    CPU-bound step) to give that same row back. The row is all that a correct forecast needs within
+    ``stale_after_s``: between rounds a running broker shifts it and never refits it. Kept history would
+    only shorten the fetch of the first round that succeeds; without it that round asks for the whole
+    window, as after a first start. The document holds the zones wanted when it was saved, only their forecasts not yet
+    stale. A document that cannot be read, from another release, or made with another ``horizon_h`` or
+    ``reach_h`` is ignored with a WARNING (a zone's entry that cannot be read: that zone alone); nothing is
+    saved over it until a round has made a forecast, so a broker that restarts with its provider down leaves
+    it as it was.
+
 Prices (:func:`price_matrix`)
     The snapshot's ``usd_per_gpu_hour`` from a :class:`~broker.providers.prices.PriceProvider`, one row per
     site (name order), NaN where nothing prices a model; the federation computes it once per change of the
@@ -59,14 +81,15 @@ scorer); to turn the price override off leave ``broker.prices`` unset or set ``{
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.clock import Clock
 from broker.forecast import (
@@ -87,9 +110,12 @@ from broker.ids import UnknownIdentifier, grid_zone
 from broker.models import SiteSpec, Strict
 from broker.providers.carbon import CarbonProvider, ProviderError
 from broker.providers.prices import PriceProvider
+from broker.store import Store, StoreError
 from policies.snapshot import MODEL_INDEX, N_MODELS
 
 __all__ = [
+    "FORECASTS_SAVE_S",
+    "FORECASTS_STATE",
     "REFETCH_H",
     "CarbonForecastSettings",
     "FittedForecast",
@@ -107,6 +133,17 @@ REFETCH_H = 23
 """Hours before the forecast's first hour that each round asks for again (revisions of recent hours): the
 hours before the current one that the HTTP provider's ``history`` endpoint answers with (its last 24 hours
 include the current one), so that a round that follows a good one makes that one request."""
+
+FORECASTS_STATE = "carbon-forecasts"
+"""The store's name (``Store.put_state``) for the zones' last forecasts, read back by a broker that starts or
+takes over (see the module docstring)."""
+
+FORECASTS_SAVE_S = 300.0
+"""At most this often (broker clock) the forecasts are saved after a round that changed them, and when the
+broker stops: a crash loses at most that many seconds of them (a round is hourly by default)."""
+
+FORECASTS_VERSION = 1
+"""The kept document's format; a document of another is ignored, with a warning."""
 
 ModelChoice = Literal["seasonal_naive", "holt_winters", "auto"]
 
@@ -226,12 +263,50 @@ def fit_forecast(history: np.ndarray, settings: CarbonForecastSettings, zone: st
 @dataclass(slots=True)
 class ZoneState:
     """What the broker knows of one zone: the last good forecast, and the last failure if the latest round
-    failed (``error`` is None after a success)."""
+    failed (``error`` is None after a success). ``kept``: the forecast was read from the store at start (made
+    by this broker before a restart, or by the last leader), not made by a round of this one."""
 
     forecast: FittedForecast | None = None
     error: str | None = None
     failed_at: datetime | None = None
     history: np.ndarray | None = None  # the history the forecast was fitted on (ends at forecast.history_end)
+    kept: bool = False
+
+
+class _KeptForecast(BaseModel):
+    """One zone's forecast as the store keeps it (:data:`FORECASTS_STATE`): a :class:`FittedForecast`, times
+    as ISO 8601 with their offset."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    first_hour: AwareDatetime
+    made_at: AwareDatetime
+    history_end: AwareDatetime
+    model: str
+    params: dict[str, float]
+    mae: dict[str, float] = Field(default_factory=dict)
+    values: list[float] = Field(min_length=1)
+
+
+class _KeptForecasts(BaseModel):
+    """The whole document: the settings its rows were made with, and one entry per zone (each checked on its
+    own: one that cannot be read costs that zone only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int
+    horizon_h: int
+    reach_h: int
+    zones: dict[str, Any]
+
+
+def _why(e: ValueError) -> str:
+    """A one-line reason: pydantic's first error (where, what), or the message."""
+    if isinstance(e, ValidationError) and e.errors():
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        return f"{where}: {err['msg']}" if where else err["msg"]
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 class ForecastRows(Protocol):
@@ -258,11 +333,19 @@ class GridSignals:
     """
 
     def __init__(self, provider: CarbonProvider, settings: CarbonForecastSettings, clock: Clock,
-                 zones: Callable[[], Iterable[str]]) -> None:
+                 zones: Callable[[], Iterable[str]], store: Store | None = None,
+                 may_act: Callable[[], bool] | None = None) -> None:
+        """``store``: where the forecasts are kept across restarts and takeovers (None: nowhere);
+        ``may_act``: whether this broker may write to it now (a replica: while it surely leads)."""
         self.provider = provider
         self.settings = settings
         self._clock = clock
         self._zones = zones
+        self._store = store
+        self._may_act = may_act or (lambda: True)
+        self._changes = 0  # good forecasts made since start (each one changes what the store should keep)
+        self._saved_changes = 0  # ... of which the store holds the latest
+        self._save_tried_at: datetime | None = None  # when a save was last tried (broker clock)
         self.zones: dict[str, ZoneState] = {}
         self._offset: timedelta | None = None  # data time - broker time (whole days), fixed at the first round
         self._task: asyncio.Task[None] | None = None
@@ -276,17 +359,139 @@ class GridSignals:
     # --- life cycle ---
 
     async def start(self) -> None:
-        """Start the refresh task: a round at once, then one every ``refresh_s``."""
+        """Take up the forecasts kept in the store (if given one), then start the refresh task: a round at
+        once, then one every ``refresh_s``."""
         if self._task is None:
+            if self._store is not None:
+                await self.restore()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="grid-signals")
 
-    async def stop(self) -> None:
-        """Cancel the refresh task (a round in progress is abandoned) and close the provider."""
+    async def stop(self, keep: bool = False) -> None:
+        """Cancel the refresh task (a round in progress is abandoned), save the forecasts not saved yet if
+        ``keep`` (a broker that stops; not a deposed leader, whose writes the store refuses), and close the
+        provider."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if keep:
+            await self.keep(final=True)
         await self.provider.close()
+
+    # --- the forecasts kept in the store ---
+
+    def _kept_doc(self, now: datetime) -> str:
+        """The document to keep: every zone's forecast that is not stale at ``now`` (see the module doc)."""
+        zones: dict[str, Any] = {}
+        for zone, state in sorted(self.zones.items()):
+            f = state.forecast
+            if f is None or (now - f.made_at).total_seconds() > self.settings.stale_after_s:
+                continue
+            zones[zone] = {"first_hour": f.first_hour.isoformat(), "made_at": f.made_at.isoformat(),
+                           "history_end": f.history_end.isoformat(), "model": f.model, "params": f.params,
+                           "mae": f.mae, "values": [float(v) for v in f.values]}
+        return json.dumps({"version": FORECASTS_VERSION, "horizon_h": self.settings.horizon_h,
+                           "reach_h": self.settings.reach_h, "zones": zones}, separators=(",", ":"))
+
+    async def keep(self, final: bool = False) -> None:
+        """Save the forecasts if a round made a new one since the last save, and this broker may write
+        (``final``: it stops; a replica that has already given up leading still holds the lease, and the
+        store's fence refuses the write if another has taken over). A failure is logged and tried again
+        :data:`FORECASTS_SAVE_S` later."""
+        changes = self._changes
+        if self._store is None or changes == self._saved_changes:
+            return
+        now = self._clock.now()
+        self._save_tried_at = now
+        if not (final or self._may_act()):
+            return
+        try:
+            await self._store.put_state(FORECASTS_STATE, self._kept_doc(now))
+        except StoreError as e:
+            log.warning("carbon forecast: could not save the forecasts in the store: %s", e)
+            return
+        self._saved_changes = changes
+
+    def _save_due(self) -> datetime | None:
+        """When the forecasts not saved yet are next saved (None: nothing to save)."""
+        if self._store is None or self._changes == self._saved_changes:
+            return None
+        now = self._clock.now()
+        if self._save_tried_at is None or self._save_tried_at > now:  # (never tried, or the clock went back)
+            return now
+        return self._save_tried_at + timedelta(seconds=FORECASTS_SAVE_S)
+
+    async def _keep_due(self) -> None:
+        due = self._save_due()
+        if due is not None and due <= self._clock.now():
+            try:
+                await self.keep()
+            except Exception:  # a bug here must not end the rounds
+                log.exception("carbon forecast: saving the forecasts failed")
+
+    async def restore(self) -> int:
+        """Take up the forecasts the store keeps, for the zones wanted now, as each zone's last forecast
+        (until a round replaces it, and no longer than ``stale_after_s`` after it was made). Returns how many
+        zones got one. Never raises for what the store holds: a document or entry that cannot be read is
+        ignored with a WARNING, as is a store that cannot be read."""
+        assert self._store is not None
+        try:
+            doc = await self._store.get_state(FORECASTS_STATE)
+        except StoreError as e:
+            log.warning("carbon forecast: could not read the forecasts kept in the store (%s); the zones have "
+                        "none until a round succeeds", e)
+            return 0
+        if doc is None:
+            return 0
+        s = self.settings
+        try:
+            raw = json.loads(doc)
+            if not isinstance(raw, dict) or raw.get("version") != FORECASTS_VERSION:
+                found = raw.get("version") if isinstance(raw, dict) else None
+                raise ValueError(f"format {found!r}, where this release reads {FORECASTS_VERSION}")
+            kept = _KeptForecasts.model_validate(raw)
+            if (kept.horizon_h, kept.reach_h) != (s.horizon_h, s.reach_h):
+                raise ValueError(f"made with horizon_h {kept.horizon_h} and reach_h {kept.reach_h}, where "
+                                 f"{s.horizon_h} and {s.reach_h} are configured")
+        except ValueError as e:  # json's and pydantic's errors included
+            log.warning("carbon forecast: ignoring the forecasts kept in the store: %s", _why(e))
+            return 0
+        now = self._clock.now()
+        length = max(s.reach_h, s.horizon_h)
+        wanted = set(self._wanted())
+        taken: list[str] = []
+        for zone, entry in sorted(kept.zones.items()):
+            if zone not in wanted:
+                continue  # no site is in that zone now
+            try:
+                k = _KeptForecast.model_validate(entry)
+                if len(k.values) != length:
+                    raise ValueError(f"{len(k.values)} values, not {length}")
+                if k.first_hour != _floor_hour(k.first_hour) or _floor_hour(k.made_at) != k.first_hour:
+                    raise ValueError("its first hour is not the hour it was made in")
+            except ValueError as e:
+                log.warning("carbon forecast: zone %s: ignoring its forecast kept in the store: %s", zone, _why(e))
+                continue
+            age_s = (now - k.made_at).total_seconds()
+            if age_s > s.stale_after_s:
+                log.info("carbon forecast: zone %s: its forecast kept in the store (made %s) is older than "
+                         "stale_after_s (%g s): not used", zone, _fmt(k.made_at), s.stale_after_s)
+                continue
+            values = np.array(k.values, dtype=np.float64)
+            values.setflags(write=False)
+            forecast = FittedForecast(zone, k.first_hour.astimezone(UTC), k.made_at.astimezone(UTC),
+                                      k.history_end.astimezone(UTC), k.model, dict(k.params), values, dict(k.mae))
+            self.zones[zone] = ZoneState(forecast=forecast, kept=True)
+            taken.append(f"{zone} (made {_fmt(k.made_at)})")
+        if taken:
+            log.info("carbon forecast: took up the forecasts kept in the store for %s; each is used until a round "
+                     "succeeds for its zone, for at most stale_after_s (%g s) after it was made",
+                     ", ".join(taken), s.stale_after_s)
+        return len(taken)
+
+    def kept_in_use(self, now: datetime) -> int:
+        """Zones whose usable forecast at ``now`` is one read from the store (no round has replaced it)."""
+        return sum(1 for z, st in self.zones.items() if st.kept and self._usable(z, now) is not None)
 
     async def wait_ready(self) -> None:
         """Return once the first round has finished (each zone succeeded or failed)."""
@@ -300,12 +505,17 @@ class GridSignals:
             except Exception:  # each zone's failure is handled in its round; this is a bug, not an outage
                 log.exception("carbon forecast: the refresh round failed; trying again in refresh_s")
             self._ready.set()
+            await self._keep_due()
             await self._wait_until(started + timedelta(seconds=self.settings.refresh_s))
 
     async def _wait_until(self, when: datetime) -> None:
         """Sleep on the clock until ``when``; meanwhile fetch any zone a snapshot asks for that was never
-        fetched."""
+        fetched, and save the forecasts when a save is due."""
         while (remaining := (when - self._clock.now()).total_seconds()) > 0:
+            await self._keep_due()
+            due = self._save_due()
+            if due is not None:  # wake for it (a failed save is tried again FORECASTS_SAVE_S later)
+                remaining = min(remaining, max((due - self._clock.now()).total_seconds(), 0.0))
             sleep = asyncio.ensure_future(self._clock.sleep(remaining))
             woken = asyncio.ensure_future(self._new_zone.wait())
             try:
@@ -315,7 +525,7 @@ class GridSignals:
                     t.cancel()
                 await asyncio.gather(sleep, woken, return_exceptions=True)
             if woken not in done:
-                return
+                continue  # ``when`` has come, or a save is due
             self._new_zone.clear()
             await self.refresh(only_new=True)
 
@@ -373,6 +583,8 @@ class GridSignals:
             state.forecast = FittedForecast(zone, hour, now, end, model.name, model.params(), values, scores)
             state.history = history
             state.error = state.failed_at = None
+            state.kept = False
+            self._changes += 1
             chosen = f"{model.name}" + (
                 " (in-sample MAE " + ", ".join(f"{n} {v:.1f}" for n, v in scores.items()) + " gCO2e/kWh)"
                 if scores else "")
@@ -389,7 +601,8 @@ class GridSignals:
             kept = (f"its last forecast (made {_fmt(last.made_at)}) is older than stale_after_s "
                     f"({s.stale_after_s:g} s): no forecast for this zone until a refresh succeeds")
         else:
-            kept = f"keeping the forecast made {_fmt(last.made_at)} (stale after {s.stale_after_s:g} s)"
+            kept = (f"keeping the forecast made {_fmt(last.made_at)}{' (kept in the store)' if state.kept else ''} "
+                    f"(stale after {s.stale_after_s:g} s)")
         log.warning("carbon forecast: %s; %s", reason, kept)
 
     async def _history(self, zone: str, end: datetime) -> np.ndarray:

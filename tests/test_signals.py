@@ -24,6 +24,7 @@ from broker.data.carbon import CarbonData, load_carbon
 from broker.federation import Federation
 from broker.models import JobState, SimulatedAdapterConfig, SiteSpec
 from broker.providers import FileCarbonProvider, FilePriceProvider, HttpCarbonProvider, build_price_provider
+from broker.providers.carbon import ProviderError
 from broker.service import Broker, adapter_factory
 from broker.signals import CarbonForecastSettings, GridSignals, fit_forecast
 from policies import explain
@@ -513,3 +514,246 @@ async def test_a_provider_that_cannot_be_built_stops_the_start_with_a_config_err
     with pytest.raises(ConfigError) as err:
         await b.start([LONDON], run_loop=False)
     assert str(err.value).startswith(message)
+
+
+# --- the forecasts kept in the store: a broker that starts while its provider is down -------------------------------
+
+
+class DownCarbon:
+    """A carbon provider whose service is down: every request fails at once."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def history(self, zone: str, start: datetime, end: datetime) -> np.ndarray:
+        self.asked += 1
+        raise ProviderError("connection refused (scripted outage)", zone=zone, where="http://127.0.0.1:9")
+
+    async def latest(self, zone: str, now: datetime) -> float:
+        raise ProviderError("connection refused (scripted outage)", zone=zone, where="http://127.0.0.1:9")
+
+    async def close(self) -> None:
+        pass
+
+
+async def fetched_and_stopped(carbon: CarbonData, make_broker: Callable[..., Broker], at: datetime = NOW,
+                              **cfg: Any) -> np.ndarray:
+    """A broker on the files that fetches its forecasts at ``at`` and stops: what london's row was then."""
+    b = make_broker(FileCarbonProvider(carbon), ManualClock(at), **cfg)
+    await b.start([LONDON, FRANKFURT], run_loop=False)
+    try:
+        await asyncio.wait_for(b.signals.wait_ready(), 10)
+        made = row(b.federation.freeze(at), "london").copy()
+        assert np.isfinite(made).all()
+    finally:
+        await b.stop()
+    return made
+
+
+async def started_down(make_broker: Callable[..., Broker], clock: ManualClock, **cfg: Any) -> Broker:
+    """A broker on the same database whose carbon provider is down, its first round over (failed)."""
+    b = make_broker(DownCarbon(), clock, **cfg)
+    await b.start([LONDON, FRANKFURT], run_loop=False)
+    await asyncio.wait_for(b.signals.wait_ready(), 10)
+    return b
+
+
+async def test_a_broker_restarted_with_its_provider_down_forecasts_from_what_it_kept_until_6_h_after_the_fetch(
+        carbon, make_broker, caplog) -> None:
+    # A running broker keeps its last forecast 6 h when its provider fails; a restarted one had none at all, so
+    # its first pass decided every deferred job carbon-blind. The kept forecast lapses 6 h after it was
+    # fetched, not 6 h after the restart; the provider's data, once it answers, replaces it.
+    made = await fetched_and_stopped(carbon, make_broker)
+    clock = ManualClock(NOW + 5 * H)
+    with caplog.at_level(logging.INFO, logger="broker.signals"):
+        b = await started_down(make_broker, clock)
+    try:
+        snap = b.federation.freeze(clock.now())
+        np.testing.assert_array_equal(row(snap, "london")[:-5], made[5:])  # as the running broker shifts it
+        assert snap.carbon_forecast_model_h == 43
+        assert "took up the forecasts kept in the store for DE-LU (made 2022-06-15 12:20 UTC), GB (made" in caplog.text
+        assert "keeping the forecast made 2022-06-15 12:20 UTC (kept in the store)" in caplog.text
+        assert b.signals.kept_in_use(clock.now()) == 2
+        await clock.advance(3600)  # 6 h after the fetch, to the second
+        assert np.isfinite(b.federation.freeze(clock.now()).carbon_forecast).all()
+        await clock.advance(1)
+        assert np.isnan(b.federation.freeze(clock.now()).carbon_forecast).all(), "stale 6 h after the fetch"
+        # the provider is back: its data replaces the kept forecasts
+        b.signals.provider = FileCarbonProvider(carbon)
+        await b.signals.refresh()
+        assert b.signals.kept_in_use(clock.now()) == 0
+        assert b.signals.zones["GB"].forecast.made_at == clock.now()
+        assert np.isfinite(b.federation.freeze(clock.now()).carbon_forecast).all()
+    finally:
+        await b.stop()
+
+
+async def test_kept_forecasts_older_than_stale_after_s_are_not_used(carbon, make_broker, caplog) -> None:
+    await fetched_and_stopped(carbon, make_broker)
+    clock = ManualClock(NOW + 6 * H + timedelta(seconds=1))
+    with caplog.at_level(logging.INFO, logger="broker.signals"):
+        b = await started_down(make_broker, clock)
+    try:
+        assert ("zone GB: its forecast kept in the store (made 2022-06-15 12:20 UTC) is older than stale_after_s "
+                "(21600 s): not used") in caplog.text
+        assert np.isnan(b.federation.freeze(clock.now()).carbon_forecast).all()
+        assert b.signals.zones["GB"].forecast is None
+    finally:
+        await b.stop()
+    # and the stop saved nothing over them: a broker with its provider down has nothing new to keep
+    again = await started_down(make_broker, ManualClock(NOW + 5 * H))
+    try:
+        assert again.signals.kept_in_use(again.clock.now()) == 2
+    finally:
+        await again.stop()
+
+
+def _doc(**edit: Any) -> Callable[[dict[str, Any]], Any]:
+    def apply(doc: dict[str, Any]) -> Any:
+        return doc | edit
+    return apply
+
+
+def _zone_entry(zone: str, **edit: Any) -> Callable[[dict[str, Any]], Any]:
+    def apply(doc: dict[str, Any]) -> Any:
+        doc["zones"][zone] = doc["zones"][zone] | edit
+        return doc
+    return apply
+
+
+CORRUPT = [
+    pytest.param(lambda doc: "{not json", "ignoring the forecasts kept in the store: Expecting property name",
+                 2, id="not JSON"),
+    pytest.param(lambda doc: [1, 2, 3], "ignoring the forecasts kept in the store: format None, where this "
+                 "release reads 1", 2, id="not an object"),
+    pytest.param(lambda doc: {"GB": doc["zones"]["GB"]["values"]}, "ignoring the forecasts kept in the store: "
+                 "format None, where this release reads 1", 2, id="an older format with no version"),
+    pytest.param(_doc(version=2), "ignoring the forecasts kept in the store: format 2, where this release reads 1",
+                 2, id="a later format"),
+    pytest.param(_doc(zones=[]), "ignoring the forecasts kept in the store: zones: Input should be a valid "
+                 "dictionary", 2, id="zones not an object"),
+    pytest.param(_doc(horizon_h=24), "ignoring the forecasts kept in the store: made with horizon_h 24 and "
+                 "reach_h 168, where 48 and 168 are configured", 2, id="made with another horizon"),
+    pytest.param(_zone_entry("GB", values=[1.0, 2.0]), "zone GB: ignoring its forecast kept in the store: "
+                 "2 values, not 168", 1, id="a zone's row of the wrong length: that zone only"),
+    pytest.param(_zone_entry("GB", made_at="yesterday"), "zone GB: ignoring its forecast kept in the store: "
+                 "made_at: Input should be a valid datetime", 1, id="a zone's time that is not one"),
+    pytest.param(_zone_entry("GB", made_at="2022-06-15T12:20:00"), "zone GB: ignoring its forecast kept in the "
+                 "store: made_at: Input should have timezone info", 1, id="a zone's time with no offset"),
+    pytest.param(_zone_entry("GB", first_hour="2022-06-15T11:00:00+00:00"), "zone GB: ignoring its forecast kept "
+                 "in the store: its first hour is not the hour it was made in", 1, id="a zone's row shifted"),
+    pytest.param(_zone_entry("GB", values="NaN"), "zone GB: ignoring its forecast kept in the store: values: "
+                 "Input should be a valid list", 1, id="a zone's values not a list"),
+    pytest.param(_zone_entry("GB", surprise=1), "zone GB: ignoring its forecast kept in the store: surprise: "
+                 "Extra inputs are not permitted", 1, id="a zone's entry with a field it does not know"),
+]
+
+
+@pytest.mark.parametrize(("corrupt", "warning", "broken"), CORRUPT)
+async def test_a_kept_document_that_cannot_be_read_is_ignored_with_a_warning(carbon, make_broker, tmp_path, caplog,
+                                                                             corrupt, warning, broken) -> None:
+    import json
+
+    from broker.signals import FORECASTS_STATE
+    from broker.store import open_store
+
+    await fetched_and_stopped(carbon, make_broker)
+    store = open_store(str(tmp_path / "s.db"))
+    await store.open()
+    try:
+        doc = json.loads(await store.get_state(FORECASTS_STATE))
+        bad = corrupt(doc)
+        await store.put_state(FORECASTS_STATE, bad if isinstance(bad, str) else json.dumps(bad))
+    finally:
+        await store.close()
+    clock = ManualClock(NOW + H)
+    with caplog.at_level(logging.WARNING, logger="broker.signals"):
+        b = await started_down(make_broker, clock)
+    try:
+        assert warning in caplog.text
+        snap = b.federation.freeze(clock.now())
+        assert np.isnan(row(snap, "london")).all()
+        assert np.isnan(row(snap, "frankfurt")).all() == (broken == 2), "one zone's bad entry costs that zone only"
+    finally:
+        await b.stop()
+
+
+async def test_forecasts_kept_with_nan_values_are_ignored(carbon, make_broker, tmp_path, caplog) -> None:
+    # (Python's json writes and reads NaN; a kept row with one would rank the zone's sites as unknown hours.)
+    import json
+
+    from broker.signals import FORECASTS_STATE
+    from broker.store import open_store
+
+    await fetched_and_stopped(carbon, make_broker)
+    store = open_store(str(tmp_path / "s.db"))
+    await store.open()
+    try:
+        doc = json.loads(await store.get_state(FORECASTS_STATE))
+        doc["zones"]["GB"]["values"][3] = float("nan")
+        await store.put_state(FORECASTS_STATE, json.dumps(doc))
+    finally:
+        await store.close()
+    with caplog.at_level(logging.WARNING, logger="broker.signals"):
+        b = await started_down(make_broker, ManualClock(NOW + H))
+    try:
+        assert "zone GB: ignoring its forecast kept in the store: values.3: Input should be a finite number" \
+            in caplog.text
+        assert b.signals.zones["GB"].forecast is None and b.signals.zones["DE-LU"].forecast is not None
+    finally:
+        await b.stop()
+
+
+async def test_the_kept_document_holds_only_the_wanted_zones_fresh_rows(carbon, make_broker, tmp_path) -> None:
+    import json
+
+    from broker.signals import FORECASTS_STATE
+    from broker.store import open_store
+
+    await fetched_and_stopped(carbon, make_broker)
+    store = open_store(str(tmp_path / "s.db"))
+    await store.open()
+    try:
+        doc = json.loads(await store.get_state(FORECASTS_STATE))
+    finally:
+        await store.close()
+    assert doc["version"] == 1 and (doc["horizon_h"], doc["reach_h"]) == (48, 168)
+    assert sorted(doc["zones"]) == ["DE-LU", "GB"]
+    assert {len(z["values"]) for z in doc["zones"].values()} == {168}
+    assert len(json.dumps(doc)) < 2 * 168 * 25  # a row of reach_h numbers a zone, not history_h hours of history
+
+
+async def test_a_replica_that_takes_over_with_its_provider_down_forecasts_from_what_the_last_leader_kept(
+        carbon, tmp_path, caplog) -> None:
+    # The leader keeps its forecasts in the shared store as it makes them, not only when it stops: a leader that
+    # dies leaves them for the next one too.
+    from broker.config import ReplicaSettings
+    from broker.signals import FORECASTS_STATE
+
+    def replica(provider: Any, clock: ManualClock) -> Broker:
+        s = BrokerSettings.model_validate({"db": str(tmp_path / "r.db"), "shutdown_grace_s": 0.1,
+                                           "carbon_forecast": {"history_h": 336}})
+        return Broker(s.model_copy(update={"replicas": ReplicaSettings(lease_s=1.0)}), clock=clock,
+                      carbon=provider)
+
+    first = replica(FileCarbonProvider(carbon), ManualClock(NOW))
+    await first.start([LONDON, FRANKFURT], run_loop=False)
+    try:
+        first.elect("http://127.0.0.1:1")
+        await eventually(lambda: first.in_charge and first.signals is not None and first.signals.rounds == 1)
+        made = row(first.federation.freeze(NOW), "london").copy()
+        await eventually(lambda: first.signals._saved_changes == 2)
+        assert await first.store.get_state(FORECASTS_STATE) is not None, "kept while it leads"
+    finally:
+        await first.stop()
+    clock = ManualClock(NOW + 2 * H)
+    second = replica(DownCarbon(), clock)
+    await second.start([LONDON, FRANKFURT], run_loop=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="broker.signals"):
+            second.elect("http://127.0.0.1:1")
+            await eventually(lambda: second.in_charge and second.signals is not None and second.signals.rounds == 1)
+        assert "took up the forecasts kept in the store" in caplog.text
+        np.testing.assert_array_equal(row(second.federation.freeze(clock.now()), "london")[:-2], made[2:])
+    finally:
+        await second.stop()

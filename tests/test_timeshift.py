@@ -540,10 +540,65 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its
         await again.stop()
 
 
+async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_with_its_carbon_provider_down(
+        tmp_path, caplog) -> None:
+    # A restarted broker whose carbon provider was down had no forecast at all (a running one keeps its last
+    # for 6 h): its first pass, which decides every queued job again, started a job deferred for a cleaner hour
+    # at once. It now forecasts from what it kept in its store, and defers the job to the same hour as before.
+    import asyncio
+    import logging
+
+    from broker.clock import ManualClock
+    from broker.config import BrokerSettings
+    from broker.models import JobState
+    from broker.providers.carbon import ProviderError, build_carbon_provider
+    from broker.service import Broker
+    from tests.builders import job
+
+    b, _ = await frankfurt_and_tokyo(tmp_path)
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)
+    deferred_until = b.cycle.deferred_until(j.id)
+    assert deferred_until is not None
+    sites = list(b.federation.members[name].spec for name in ("frankfurt", "tokyo"))
+    await b.stop()
+
+    clock = ManualClock(GREEN_AT + timedelta(minutes=20))
+    settings = BrokerSettings.model_validate({"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
+                                              "carbon": {"kind": "files", "path": str(CARBON_DIR)},
+                                              "carbon_forecast": {"history_h": 336}})
+    provider = build_carbon_provider(settings.carbon, clock=clock)
+
+    async def down(zone, start, end):  # the carbon service refuses every connection
+        raise ProviderError("connection refused", zone=zone, where="https://carbon.example")
+
+    provider.history = down  # type: ignore[method-assign]
+    again = Broker(settings, clock=clock, carbon=provider)
+    with caplog.at_level(logging.INFO):
+        await again.start(sites)
+        try:
+            async with asyncio.timeout(10):
+                while again.cycles < 1:
+                    await asyncio.sleep(0.02)
+            assert (await again.book.get(j.id)).state == JobState.QUEUED
+            assert again.cycle.deferred_until(j.id) == deferred_until
+            assert "took up the forecasts kept in the store for DE-LU" in caplog.text
+        finally:
+            await again.stop()
+
+
+@pytest.mark.parametrize(("later", "said"), [
+    pytest.param(timedelta(minutes=5), "scheduling with those the store kept (2 zones) until they come",
+                 id="with the forecasts the store kept"),
+    pytest.param(timedelta(hours=7), "scheduling without them",
+                 id="without them, those the store kept being older than stale_after_s"),
+])
 async def test_a_first_pass_waits_for_forecasts_only_so_long_and_says_it_went_on_without_them(
-        tmp_path, monkeypatch, caplog) -> None:
+        tmp_path, monkeypatch, caplog, later, said) -> None:
     # Jobs that must start at once wait for the first pass too: a carbon service that does not answer must not
-    # hold the queue for the fetch's whole timeout (300 s by default), and the operator is told why it moved.
+    # hold the queue for the fetch's whole timeout (300 s by default), and the operator is told why it moved,
+    # and whether on the forecasts the store kept.
     import asyncio
 
     from broker import service
@@ -558,7 +613,7 @@ async def test_a_first_pass_waits_for_forecasts_only_so_long_and_says_it_went_on
     sites = list(b.federation.members[name].spec for name in ("frankfurt", "tokyo"))
     await b.stop()
     monkeypatch.setattr(service, "FIRST_PASS_WAIT_S", 0.3)
-    clock = ManualClock(GREEN_AT + timedelta(minutes=5))
+    clock = ManualClock(GREEN_AT + later)
     settings = BrokerSettings.model_validate({"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
                                               "carbon": {"kind": "files", "path": str(CARBON_DIR)}})
     provider = build_carbon_provider(settings.carbon, clock=clock)
@@ -574,7 +629,7 @@ async def test_a_first_pass_waits_for_forecasts_only_so_long_and_says_it_went_on
         async with asyncio.timeout(10):
             while (await again.book.get(j.id)).state == JobState.QUEUED:
                 await asyncio.sleep(0.02)
-        assert "the first carbon forecasts are not in after 0.3 s; scheduling without them" in caplog.text
+        assert f"the first carbon forecasts are not in after 0.3 s; {said}" in caplog.text
     finally:
         await again.stop()
 
