@@ -757,3 +757,41 @@ async def test_a_replica_that_takes_over_with_its_provider_down_forecasts_from_w
         np.testing.assert_array_equal(row(second.federation.freeze(clock.now()), "london")[:-2], made[2:])
     finally:
         await second.stop()
+
+
+async def test_forecasts_are_kept_as_rounds_make_them_at_most_every_five_minutes_and_at_stop(carbon,
+                                                                                             make_broker) -> None:
+    import json
+
+    from broker.signals import FORECASTS_SAVE_S, FORECASTS_STATE
+
+    clock = ManualClock(NOW)
+    b = make_broker(FileCarbonProvider(carbon), clock, refresh_s=60, stale_after_s=3600)
+    await b.start([LONDON], run_loop=False)
+
+    async def kept_made_at() -> str:
+        return json.loads(await b.store.get_state(FORECASTS_STATE))["zones"]["GB"]["made_at"]
+
+    try:
+        await asyncio.wait_for(b.signals.wait_ready(), 10)
+        await eventually(lambda: b.signals._saved_changes == 1)
+        assert await kept_made_at() == NOW.isoformat(), "the first round's, at once"
+        assert FORECASTS_SAVE_S == 300
+        for _ in range(4):  # rounds at +1 .. +4 minutes: not kept yet
+            rounds = b.signals.rounds
+            await clock.advance(60)
+            await eventually(lambda: b.signals.rounds == rounds + 1)
+            assert await kept_made_at() == NOW.isoformat()
+        await clock.advance(60)  # five minutes after the last save: the round's forecast is kept
+        await eventually(lambda: b.signals._saved_changes == 6)
+        assert await kept_made_at() == (NOW + timedelta(minutes=5)).isoformat()
+        await clock.advance(60)
+        await eventually(lambda: b.signals.rounds == 7)
+    finally:
+        await b.stop()
+    reopened = make_broker(DownCarbon(), clock, refresh_s=60, stale_after_s=3600)
+    await reopened.start([LONDON], run_loop=False)
+    try:
+        assert reopened.signals.zones["GB"].forecast.made_at == NOW + timedelta(minutes=6), "and when it stops"
+    finally:
+        await reopened.stop()
