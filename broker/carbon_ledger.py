@@ -32,7 +32,9 @@ open and the jobs between two counted attempts, in its database (``broker_state`
 they changed, at most every 10 s, and when it stops, so they run on across restarts and takeovers (a crash
 loses at most the last 10 s of them; an attempt that ended after the last save, unheard by the broker that
 takes over, is ended by it as of the job's end or last change: ``SchedulingCycle.settle_ledger``). A document
-of version 1 (before attempts were remembered: its ``jobs`` counted admissions) is read with nothing open.
+of version 1 (before attempts were remembered: its ``jobs`` counted admissions) is read with nothing open. The
+document is written as version 1 with the rest beside the totals (``format`` 2: :data:`LEDGER_VERSION`), so that a
+broker of an earlier release taking over goes on from the totals.
 Replicas that do not lead pass ``GET /v1/carbon`` on to the leader.
 """
 
@@ -48,7 +50,11 @@ from policies.snapshot import TDP_KW, Snapshot
 
 CARBON_SCORERS = frozenset({"carbon", "carbon_now"})
 LEDGER_VERSION = 2
-"""The version of the ledger document :meth:`CarbonLedger.state` writes (1: totals only, no open attempts)."""
+"""The format of the ledger document :meth:`CarbonLedger.state` writes (1: totals only, no open attempts). It is
+written as key ``format``, beside ``"v": 1``: a broker of an earlier release reads documents of version 1 only,
+and only their totals (it reads past the rest), so one that takes over from this release (replicas of two
+releases sharing a database, or a rollback) goes on from the totals rather than start from 0 and save that over
+them. What it saves back has no ``format``: this release reads it as version 1, with nothing open."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,22 +178,28 @@ class CarbonLedger:
         """The totals, the open attempts and the jobs between attempts, as the store keeps them
         (:meth:`restore` reads them back). An open attempt is a list: attempt, kWh, grams, agnostic grams,
         expected seconds, admitted at (POSIX seconds), moved."""
-        return {"v": LEDGER_VERSION, "jobs": self.jobs, "admissions": self.admissions,
+        return {"v": 1, "format": LEDGER_VERSION, "jobs": self.jobs, "admissions": self.admissions,
                 "energy_kwh": self.energy_kwh, "grams": self.grams, "agnostic_grams": self.agnostic_grams,
                 "moved": self.moved, "open": {job_id: a.doc() for job_id, a in self.open.items()},
                 "returning": self.returning}
 
     @classmethod
     def restore(cls, doc: object) -> CarbonLedger:
-        """The ledger from :meth:`state`'s document, or from one of version 1 (totals only, where ``jobs``
-        counted admissions; it had no open attempts, so there is nothing to correct); ValueError when it is
-        not one (a count below 0, a total that is not a finite number, an open attempt that cannot be read)."""
+        """The ledger from :meth:`state`'s document (``"v": 1`` with ``format`` 2, or ``"v": 2``), or from one of
+        version 1 without ``format`` (totals only, where ``jobs`` counted admissions; it had no open attempts, so
+        there is nothing to correct); ValueError when it is not one (a count below 0, a total that is not a finite
+        number, an open attempt that cannot be read)."""
         if not isinstance(doc, dict) or doc.get("v") not in (1, LEDGER_VERSION):
             raise ValueError(f"not a carbon ledger document of version 1 or {LEDGER_VERSION}")
+        # (``"v": 2`` alone: written by this release before it wrote ``format``, which earlier releases cannot read)
+        version = LEDGER_VERSION if doc["v"] == LEDGER_VERSION else doc.get("format", 1)
+        if version not in (1, LEDGER_VERSION):
+            raise ValueError(f"a carbon ledger document of format {str(version)[:20]}, where this release reads 1 "
+                             f"or {LEDGER_VERSION}")
         try:
             ledger = cls(int(doc["jobs"]), float(doc["energy_kwh"]), float(doc["grams"]),
                          float(doc["agnostic_grams"]), int(doc["moved"]))
-            if doc["v"] == 1:
+            if version == 1:
                 ledger.admissions = ledger.jobs
             else:
                 ledger.admissions = int(doc["admissions"])

@@ -90,7 +90,8 @@ async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
         assert ledger["energy_kwh"] == pytest.approx(2 * KWH / 4 + 3 * KWH, abs=1e-6)
         await again.cycle.keep_ledger()
         stored = json.loads(await again.store.get_state(CARBON_LEDGER_STATE))
-        assert (stored["v"], stored["jobs"], stored["admissions"], len(stored["open"])) == (2, 3, 5, 3)
+        assert (stored["v"], stored["format"], stored["jobs"], stored["admissions"]) == (1, 2, 3, 5)
+        assert len(stored["open"]) == 3
     finally:
         await again.stop()
 
@@ -222,7 +223,42 @@ def test_a_version_1_ledger_still_loads_with_nothing_open() -> None:
                                 "agnostic_grams": 400.0, "saved_grams": 300.0, "saved_fraction": 0.75,
                                 "moved_jobs": 3}
     again = CarbonLedger.restore(json.loads(json.dumps(ledger.state())))
-    assert again.state() == {**doc, "v": 2, "admissions": 4, "open": {}, "returning": {}}
+    assert again.state() == {**doc, "format": 2, "admissions": 4, "open": {}, "returning": {}}
+
+
+def _earlier_release_restore(doc: object) -> tuple[int, float, float, float, int]:
+    """``CarbonLedger.restore`` of the release before open attempts were kept (80437f2), as it reads a document:
+    version 1 only, its totals (jobs, kWh, grams, agnostic grams, moved), anything else read past."""
+    if not isinstance(doc, dict) or doc.get("v") != 1:
+        raise ValueError("not a carbon ledger document of version 1")
+    return (int(doc["jobs"]), float(doc["energy_kwh"]), float(doc["grams"]), float(doc["agnostic_grams"]),
+            int(doc["moved"]))
+
+
+def test_a_broker_of_the_earlier_release_taking_over_goes_on_from_the_totals() -> None:
+    """Replicas of two releases share the database (a rolling upgrade, or a rollback): a broker of the release
+    before open attempts were kept reads version 1 only; given a document it cannot read, it starts its totals
+    from 0 and saves that over them. It reads this release's document, and this release reads back what it
+    saves (its totals, nothing open)."""
+    ledger = CarbonLedger()
+    ledger.add("j1", 1, Counted(1.0, 100.0, 400.0, True, 3600.0), 1000.0)
+    ledger.add("j2", 1, Counted(2.0, 50.0, 50.0, False, 7200.0), 1000.0)
+    ledger.end("j2", 1, 1000.0 + 1800.0, requeued=True)
+    doc = json.loads(json.dumps(ledger.state()))
+    assert _earlier_release_restore(doc) == (2, pytest.approx(1.5), pytest.approx(112.5), pytest.approx(412.5), 1)
+    assert CarbonLedger.restore(doc) == ledger  # (and this release still reads all of it)
+    jobs, kwh, grams, agnostic, moved = _earlier_release_restore(doc)
+    saved_back = {"v": 1, "jobs": jobs, "energy_kwh": kwh, "grams": grams, "agnostic_grams": agnostic, "moved": moved}
+    back = CarbonLedger.restore(saved_back)
+    assert (back.jobs, back.admissions, back.open, back.grams) == (2, 2, {}, pytest.approx(112.5))
+
+
+def test_a_version_2_document_written_before_format_is_still_read() -> None:
+    ledger = CarbonLedger()
+    ledger.add("j1", 1, Counted(1.0, 100.0, 400.0, True, 3600.0), 1000.0)
+    doc = {**json.loads(json.dumps(ledger.state())), "v": 2}
+    del doc["format"]
+    assert CarbonLedger.restore(doc) == ledger
 
 
 async def test_a_version_1_ledger_in_the_store_is_taken_up(tmp_path) -> None:
@@ -296,6 +332,8 @@ V2 = '{"v": 2, "jobs": 1, "admissions": 1, "energy_kwh": 1, "grams": 1, "agnosti
 
 @pytest.mark.parametrize("doc", ['{"v": 1, "jobs": -1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, "moved": 0}',
                                  '{"v": 1, "jobs": 1}', "not json", '{"v": 2}', '{"v": 3}',
+                                 '{"v": 1, "format": 3, "jobs": 1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, '
+                                 '"moved": 0}',
                                  V2 + '"open": {"j": [1, 1, 1, 1, 0, 0, false]}, "returning": {}}',  # (expected 0 s)
                                  V2 + '"open": {}, "returning": {"j": 1}}'])
 async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
