@@ -93,6 +93,7 @@ import aiohttp
 import yaml
 from kubernetes.aio import client as k8s
 from kubernetes.aio import config as k8s_config
+from kubernetes.aio.config import kube_config as kube_config_module
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
@@ -217,6 +218,7 @@ class KubernetesSite:
                                if cfg.state_namespace is not None else None)
         self._api = api_client
         self._own_api = api_client is None
+        self._no_client: str | None = None  # why start could not make an API client (its error), if it could not
         self._admission: SiteAdmission | None = None
         self._groups: list[NodeGroup] = []
         # (model, profile of a single-strategy node or None) -> product label values seen
@@ -248,7 +250,12 @@ class KubernetesSite:
 
     async def start(self) -> None:
         if self._api is None:
-            self._api = await self._build_client()
+            try:
+                self._api = await self._build_client()
+            except AdapterError as e:
+                self._no_client = str(e)
+                raise
+            self._no_client = None
         await self._join_cluster_stops()
         await self._adopt()
         await self._adopt_pods()
@@ -300,7 +307,8 @@ class KubernetesSite:
                 k8s_config.load_incluster_config(client_configuration=configuration)
             else:
                 path = str(Path(cfg.kubeconfig).expanduser()) if cfg.kubeconfig else None
-                if path is not None and Path(path).is_file():
+                _check_kubeconfig_exists(path)
+                if path is not None:
                     _check_kubeconfig(path)
                 await k8s_config.load_kube_config(config_file=path, context=cfg.context,
                                                   client_configuration=configuration, persist_config=False)
@@ -341,12 +349,22 @@ class KubernetesSite:
         return await self._call(what, call, *args, **kwargs)
 
     @property
+    def _client(self) -> k8s.ApiClient:
+        """The API client :meth:`start` made. Without one (credentials that could not be loaded, or a closed
+        adapter) every call fails with the reason, rather than go out through the library's default client:
+        that one points at no cluster, fails with a bare invalid-URL error and leaves its HTTP session open."""
+        if self._api is None:
+            raise AdapterError(self._no_client or f"site {self.name}: the adapter has no connection to the "
+                                                  "cluster (not started, or closed)")
+        return self._api
+
+    @property
     def _core(self) -> k8s.CoreV1Api:
-        return k8s.CoreV1Api(self._api)
+        return k8s.CoreV1Api(self._client)
 
     @property
     def _batch(self) -> k8s.BatchV1Api:
-        return k8s.BatchV1Api(self._api)
+        return k8s.BatchV1Api(self._client)
 
     def namespace(self, tenant: str) -> str:
         """The tenant's namespace: ``namespace_prefix`` + tenant. A namespace name is at most 63 characters (an
@@ -1158,6 +1176,23 @@ def _as_pod(job: Job) -> Job:
         gpus = job.spec.gpus.model_copy(update={"topology": "node"})
         return job.model_copy(update={"spec": job.spec.model_copy(update={"gpus": gpus})})
     return job
+
+
+def _check_kubeconfig_exists(path: str | None) -> None:
+    """Refuse a kubeconfig that is not there, in words: the client's loader only logs that it found no file and
+    then fails as if the file had no ``current-context``, which sends an operator looking inside a file that
+    does not exist. ``path`` None: the client's default, ``$KUBECONFIG`` (a list of files, any of which may be
+    missing) or else ``~/.kube/config``."""
+    if path is not None:
+        if not Path(path).is_file():
+            raise k8s_config.ConfigException(f"{path}: no such file")
+        return
+    default = kube_config_module.KUBE_CONFIG_DEFAULT_LOCATION
+    candidates = [Path(p).expanduser() for p in default.split(kube_config_module.ENV_KUBECONFIG_PATH_SEPARATOR) if p]
+    if not any(p.is_file() for p in candidates):
+        raise k8s_config.ConfigException(
+            f"no kubeconfig: adapter.kubeconfig is unset and {', '.join(map(str, candidates)) or default} "
+            f"{'does' if len(candidates) == 1 else 'do'} not exist")
 
 
 def _check_kubeconfig(path: str) -> None:

@@ -1393,6 +1393,47 @@ async def test_a_kubeconfig_that_is_not_one_is_a_clear_error(tmp_path, text, rea
         await adapter.close()
 
 
+@pytest.mark.parametrize("where", ["named", "default"],
+                         ids=["adapter.kubeconfig names a file that is not there",
+                              "no adapter.kubeconfig, and no file at the client's default location"])
+async def test_a_kubeconfig_that_is_not_there_is_named_as_missing(tmp_path, monkeypatch, where) -> None:  # noqa: ANN001
+    # The README's example says `kubeconfig: ~/.kube/config`; where there is no such file, the client's loader
+    # fails as if the file had no current-context, which sends the operator looking inside a file that is not there.
+    from kubernetes.aio.config import kube_config
+
+    missing = tmp_path / "kube" / "config"
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(missing))
+    settings = {"kubeconfig": str(missing)} if where == "named" else {}
+    config = KubernetesAdapterConfig(**settings, request_timeout_s=5, retries=1)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    try:
+        with pytest.raises(AdapterError) as err:
+            await adapter.start()
+        assert f"{missing}: no such file" in str(err.value) if where == "named" else \
+            f"adapter.kubeconfig is unset and {missing} does not exist" in str(err.value)
+        assert "current-context" not in str(err.value)
+    finally:
+        await adapter.close()
+
+
+async def test_an_adapter_without_credentials_calls_nothing_and_says_why(tmp_path) -> None:  # noqa: ANN001
+    # A stored site whose credentials cannot be loaded still joins (unhealthy), and the broker asks its adapter
+    # which attempts it holds and for its quota report: those calls must fail with the start's reason, not go
+    # out through the client library's default client (no cluster: an invalid-URL error, and an HTTP session
+    # left open, which asyncio logs as an ERROR).
+    config = KubernetesAdapterConfig(kubeconfig=str(tmp_path / "absent"), request_timeout_s=5, retries=1)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    try:
+        with pytest.raises(AdapterError) as started:
+            await adapter.start()
+        for call in (adapter.known_attempts, adapter.snapshot):
+            with pytest.raises(AdapterError) as err:
+                await call()
+            assert str(err.value) == str(started.value), call.__name__
+    finally:
+        await adapter.close()
+
+
 async def test_a_bad_kubeconfigs_path_is_not_in_the_reason_everyone_reads(tmp_path) -> None:  # noqa: ANN001
     # The site's health reason goes to every role that may see the site, submitters included, and to its
     # site events; the kubeconfig is a secret no one is sent (broker.auth.SECRET_FIELDS), its path included.
