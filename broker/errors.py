@@ -39,12 +39,16 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out or "(body)"
 
 
+# A key the model does not have: the problem of every such field, which callers that know better may replace.
+UNKNOWN_FIELD = "unknown field (check the spelling)"
+
+
 def _problem(err: Any) -> str:
     msg: str = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     if err["type"] == "extra_forbidden":
-        msg = "unknown field (check the spelling)"
+        msg = UNKNOWN_FIELD
     elif err["type"] == "missing":
         msg = "required field is missing"
     elif err["type"] == "union_tag_not_found":  # pydantic's "Unable to extract tag using discriminator 'kind'"

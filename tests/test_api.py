@@ -85,6 +85,23 @@ async def test_a_site_is_registered_listed_updated_and_removed(client: TestClien
     assert gone.status == 404 and "no site named berlin" in (await gone.json())["error"]["message"]
 
 
+async def test_a_site_sent_back_as_read_is_refused_naming_the_brokers_keys_not_as_misspellings(client: TestClient):
+    # The README: PUT takes "a site as read, less its status and signals, which are the broker's and refused in
+    # a spec". Whoever sends the whole site back must learn to leave those out, not to check their spelling.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}))
+    read = await (await client.get("/v1/sites/berlin")).json()
+    for method in (client.put, client.post):
+        r = await method("/v1/sites/berlin" if method == client.put else "/v1/sites", json={**read, "typo": 1})
+        assert r.status == 422
+        problems = {f["field"]: f["problem"] for f in (await r.json())["error"]["fields"]}
+        assert set(problems) == {"status", "signals", "typo"}
+        assert problems["typo"] == "unknown field (check the spelling)"
+        for key in ("status", "signals"):
+            assert "the broker's: leave it out of a spec" in problems[key] and "spelling" not in problems[key]
+    spec = {k: v for k, v in read.items() if k not in ("status", "signals")}
+    assert (await client.put("/v1/sites/berlin", json=spec)).status == 200
+
+
 async def test_a_site_with_active_jobs_cannot_be_removed(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 600})).json()
