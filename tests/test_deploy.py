@@ -9,6 +9,7 @@ same code that reads them at start, the Kubernetes objects are checked against t
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import ipaddress
 import re
 import shlex
@@ -23,6 +24,7 @@ import yaml
 from kubernetes import client as k8s
 
 from adapters.agent import AgentConfig
+from broker.cli import parser as cli_parser
 from broker.config import FederationConfig, is_shared_database, load_config
 from broker.models import SiteSpec
 
@@ -326,6 +328,65 @@ def test_the_build_copies_what_the_wheel_needs_from_the_context(path: str) -> No
                          ids=lambda p: f"the build context leaves out {p}")
 def test_the_build_context_leaves_out_local_state_and_secrets(path: str) -> None:
     assert dockerignore_excludes(path)
+
+
+def build_python_snippets() -> list[str]:
+    """The ``python -c "..."`` programs the builder stage runs."""
+    runs = " ".join(rest for w, rest in dockerfile_stages()[1] if w == "RUN")
+    return re.findall(r'python -c "((?:[^"\\]|\\.)*)"', runs)
+
+
+def test_the_build_compiles_the_decision_kernels_with_code_that_exists() -> None:
+    # `docker build` is the only place these run; a renamed function would break the image and nothing else.
+    imports = [m for snippet in build_python_snippets() for m in re.findall(r"from ([\w.]+) import (\w+)", snippet)]
+    assert ("policies.timeshift", "warm_up") in imports, "the build compiles what a broker compiles at start"
+    for module, name in imports:
+        assert hasattr(importlib.import_module(module), name), f"deploy/Dockerfile imports {name} from {module}"
+    # ... and the broker's start compiles the same kernels (broker.service), so the image's cache is the one used.
+    assert "from policies.timeshift import warm_up" in (ROOT / "broker" / "service.py").read_text()
+
+
+def test_the_numba_cache_the_build_fills_is_the_one_the_image_reads() -> None:
+    runs = " ".join(rest for w, rest in dockerfile_stages()[1] if w == "RUN")
+    [built] = re.findall(r"NUMBA_CACHE_DIR=(\S+) python", runs)
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(r for w, r in dockerfile_stages()[-1] if w == "ENV")))
+    copies = [rest.split()[-2:] for w, rest in dockerfile_stages()[-1] if w == "COPY" and "--from=builder" in rest]
+    assert env["NUMBA_CACHE_DIR"] == built and [built, built] in copies
+
+
+def readme_deploy_section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return text[text.index("\n## Deploy\n"):text.index("\n## Development\n")]
+
+
+def test_the_readme_builds_and_runs_the_image_the_deploy_files_name() -> None:
+    section = readme_deploy_section()
+    [(dockerfile, tag)] = re.findall(r"docker build -f (\S+) -t (\S+) \.", section)
+    assert (ROOT / dockerfile).resolve() == DEPLOY / "Dockerfile" and tag == IMAGE
+    assert f"-t {IMAGE} ." in (DEPLOY / "Dockerfile").read_text(), "the Dockerfile's own build line"
+    for compose_file in re.findall(r"docker compose -f (\S+)", section):
+        assert (ROOT / compose_file).resolve() == DEPLOY / "compose.yaml"
+    [(example, env_file)] = re.findall(r"cp (deploy/example\.env) (deploy/\.env)", section)
+    assert (ROOT / example).is_file() and dockerignore_excludes(env_file)
+    named = set(re.findall(r"fill in (\w+) and (\w+)", section)[0])
+    assert named == set(COMPOSE_ENV), "the README names every secret compose requires"
+
+
+def test_the_readmes_token_command_runs_in_a_broker_service_on_the_file_it_mounts() -> None:
+    [(service, args)] = re.findall(r"docker compose -f \S+ exec (\S+) heliotrope (token create [^`]+)`",
+                                   readme_deploy_section())
+    assert service in broker_services()
+    parsed = cli_parser().parse_args(shlex.split(args))
+    assert f"./config/heliotrope.yaml:{parsed.config}:ro" in compose()["services"][service]["volumes"]
+
+
+def test_the_readmes_kubernetes_secret_has_the_keys_the_broker_reads() -> None:
+    keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in containers(broker_deployment())[0]["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    section = readme_deploy_section()
+    assert set(re.findall(r"--from-literal=([\w-]+)=", section)) == keys
+    for path in re.findall(r"kubectl apply -f (\S+)", section):
+        assert (ROOT / path).exists(), path
 
 
 # --- compose --------------------------------------------------------------------------------------------
