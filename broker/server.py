@@ -223,8 +223,11 @@ async def _serve(
     port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else settings.port  # type: ignore[union-attr]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     url = f"{'https' if tls else 'http'}://{host}:{port}"
-    print(f"heliotrope serving on {url}  (db {describe_db(settings.db)}, {len(broker.federation.members)} sites)",
-          flush=True)
+    # A replica runs no site until it leads (then the database's sites, which the config's only add to): a count
+    # now would read 0 whatever the config and the database hold.
+    sites_run = ("sites run by whichever replica leads" if broker.replicas is not None
+                 else f"{len(broker.federation.members)} sites")
+    print(f"heliotrope serving on {url}  (db {describe_db(settings.db)}, {sites_run})", flush=True)
     if not settings.auth.enabled:  # only on loopback: check_startup refused it elsewhere
         log.warning("the API is open to anyone on this machine: authentication is off (broker.auth.enabled); "
                     "it listens on %s only", settings.host)

@@ -118,6 +118,10 @@ def test_a_follower_stores_submissions_for_the_leader_and_passes_on_the_rest(rep
     status, sites = call(follower.url + "/v1/sites")  # the sites' live state is the leader's
     assert status == 200 and [s["name"] for s in sites["items"]] == ["alpha", "beta"]
     assert all(s["status"]["health"] == "healthy" for s in sites["items"])
+    # Each replica's first line says who runs the sites; it prints before any leads, so a count would read 0.
+    for srv in (leader, follower):
+        [serving] = [line for line in srv.log.read_text().splitlines() if line.startswith("heliotrope serving on")]  # type: ignore[union-attr]
+        assert serving.endswith(", sites run by whichever replica leads)") and "0 sites" not in serving, serving
     status, long = call(follower.url + "/v1/jobs", "POST", job("cancel-me", 600))
     until(lambda: call(f"{leader.url}/v1/jobs/{long['id']}")[1]["state"] == "running", 15, "it runs")
     status, cancelled = call(f"{follower.url}/v1/jobs/{long['id']}/cancel", "POST")
