@@ -41,6 +41,9 @@ COMPOSE_ENV = {"POSTGRES_PASSWORD": "9f" * 32, "HELIOTROPE_ADMIN_TOKEN": "a1" * 
 SECRET_VALUES = {"db-url": "postgresql://heliotrope:" + "9f" * 32 + "@postgres.example.internal:5432/heliotrope",
                  "admin-token": "a1" * 32}
 POD_IP = "10.1.2.3"
+# How long a broker pod may take to first answer /healthz: it compiles its decision kernels before it listens
+# (62 s measured on a busy 2-CPU machine; a pod's CPU request is a quarter of one), with room to spare.
+STARTUP_ALLOWANCE_S = 240
 
 EXPECTED_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget",
                   "ClusterRole", "ClusterRoleBinding", "RoleBinding", "PersistentVolumeClaim", "NetworkPolicy"}
@@ -547,6 +550,25 @@ def test_the_broker_container_service_and_probes_use_the_port_the_config_listens
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
         get = container[probe]["httpGet"]
         assert (get["path"], container_port(container, get["port"])) == (path, port), probe
+
+
+def probe_allowance_s(probe: dict[str, Any]) -> float:
+    """How long a probe lets a container go unanswered from its start before the kubelet acts (its defaults:
+    period 10 s, 3 failures)."""
+    return probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+
+
+def test_a_broker_pod_compiling_its_kernels_is_not_restarted_before_it_listens(tmp_path: Path) -> None:
+    # The broker compiles its Numba kernels before it listens, and under the read-only root file system each new
+    # pod compiles them again (README, Deploy): 62 s were measured on a busy 2-CPU machine. A liveness probe that
+    # fires first restarts the container, which compiles again: a crash loop on a busy node.
+    container = containers(broker_deployment())[0]
+    path, env = config_map_file(broker_deployment(), tmp_path)
+    port = load_config(path, env).broker.port
+    startup = container.get("startupProbe")
+    assert startup is not None, "a startup probe holds the liveness probe back until the broker first answers"
+    assert (startup["httpGet"]["path"], container_port(container, startup["httpGet"]["port"])) == ("/healthz", port)
+    assert probe_allowance_s(startup) >= STARTUP_ALLOWANCE_S
 
 
 def test_the_broker_pods_get_longer_to_stop_than_the_shutdown_grace(tmp_path: Path) -> None:
