@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from broker import auth
 from broker import dashboard
 from broker.auth import Principal, Role, TokensUnavailable, Unauthenticated
-from broker.errors import UNKNOWN_FIELD, integral_float, is_malformed_json, problems
+from broker.errors import integral_float, is_malformed_json, problems
 from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
 from broker.federation import Member, without_secrets
@@ -57,7 +57,7 @@ from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, QuotaAdmin
-from broker.models import Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
+from broker.models import SITE_READ_ONLY_KEYS, Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
@@ -329,16 +329,6 @@ def _validated(model: type[BaseModel], data: Any) -> Any:
     return validate(data)
 
 
-# The keys a site has as read (``GET /v1/sites/NAME``) that are the broker's, not its spec's: a body that carries
-# them (a site read, edited and sent back whole) is refused naming them so, not as a misspelling.
-SITE_READ_ONLY = {
-    "status": "the site's last report, which is the broker's: leave it out of a spec (a site as read, less "
-              "status and signals)",
-    "signals": "what routing reads of the site now, which is the broker's: leave it out of a spec (a site as "
-               "read, less status and signals)",
-}
-
-
 async def _body(request: web.Request, model: type[BaseModel], what: str,
                 defaults: dict[str, Any] | None = None,
                 read_only: dict[str, str] | None = None) -> tuple[Any, bytes]:
@@ -367,8 +357,7 @@ async def _body(request: web.Request, model: type[BaseModel], what: str,
         if is_malformed_json(e):
             detail = e.errors(include_url=False)[0]["msg"]
             raise ApiError(400, f"malformed JSON: {detail}", [{"field": "(body)", "problem": detail}]) from None
-        fields = [{**f, "problem": (read_only or {}).get(f["field"], f["problem"])}
-                  if f["problem"] == UNKNOWN_FIELD else f for f in problems(e)]
+        fields = problems(e, read_only)
         raise ApiError(422, f"invalid {what}: " + "; ".join(f"{f['field']}: {f['problem']}" for f in fields),
                        fields) from None
 
@@ -445,7 +434,7 @@ def _check_quotas(spec: SiteSpec) -> None:
 
 async def create_site(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    spec, _ = await _body(request, SiteSpec, "site spec", read_only=SITE_READ_ONLY)
+    spec, _ = await _body(request, SiteSpec, "site spec", read_only=SITE_READ_ONLY_KEYS)
     _check_quotas(spec)
     try:
         member = await broker.register_site(spec)
@@ -479,7 +468,7 @@ async def get_site(request: web.Request) -> web.Response:
 
 async def update_site(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    spec, _ = await _body(request, SiteSpec, "site spec", read_only=SITE_READ_ONLY)
+    spec, _ = await _body(request, SiteSpec, "site spec", read_only=SITE_READ_ONLY_KEYS)
     if spec.name != name:
         raise ApiError(422, f"the body names site {spec.name!r} but the path names {name!r}",
                        [{"field": "name", "problem": f"must be {name!r}"}])

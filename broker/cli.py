@@ -44,7 +44,7 @@ from broker.simulation import cli as simulation_cli
 from broker.simulation import fairshare_cli
 from broker.errors import located, problems
 from broker.auth import Role
-from broker.models import JobSpec, SiteSpec
+from broker.models import SITE_READ_ONLY_KEYS, JobSpec, SiteSpec
 from broker.store import StoreError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
@@ -252,15 +252,17 @@ async def _send_each(c: Client, path: str, docs: list[Any], what: str,
     return sent
 
 
-def _check_all(docs: list[Any], model: type[BaseModel], what: str) -> None:
-    """Validate every document before any is sent, naming each bad one by its position."""
+def _check_all(docs: list[Any], model: type[BaseModel], what: str,
+               read_only: dict[str, str] | None = None) -> None:
+    """Validate every document before any is sent, naming each bad one by its position; ``read_only`` as
+    :func:`broker.errors.problems` takes it."""
     lines = []
     for i, doc in enumerate(docs):
         try:
             model.model_validate(doc)
         except ValidationError as e:
             where = f"{what} {i + 1} of {len(docs)}" if len(docs) > 1 else what
-            lines += [f"{where}: {located(p)}" for p in problems(e)]
+            lines += [f"{where}: {located(p)}" for p in problems(e, read_only)]
     if lines:
         raise CliError("nothing was sent; fix these first:\n  " + "\n  ".join(lines))
 
@@ -315,7 +317,7 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                     case "add":
                         doc = _load_document(args.file)
                         specs = doc if isinstance(doc, list) else [doc]
-                        _check_all(specs, SiteSpec, "site")
+                        _check_all(specs, SiteSpec, "site", SITE_READ_ONLY_KEYS)
                         added = await _send_each(c, "/v1/sites", specs, "site")
                         out = added if isinstance(doc, list) else added[0]
                         text = table([_site_row(s) for s in added], SITE_COLUMNS)

@@ -6,6 +6,7 @@ meets the same wording in both places.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -71,14 +72,20 @@ def integral_float(err: Any) -> bool:
     return err["type"] == "int_type" and isinstance(err["input"], float) and err["input"].is_integer()
 
 
-def problems(error: ValidationError) -> list[dict[str, str]]:
-    """One ``{"field", "problem"}`` entry per error pydantic found (but :func:`integral_float`)."""
+def problems(error: ValidationError, read_only: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """One ``{"field", "problem"}`` entry per error pydantic found (but :func:`integral_float`). ``read_only``:
+    fields the resource has as read but a document may not carry (a site's ``status``), each with the problem
+    to name instead of a misspelling."""
     out = []
     for err in error.errors(include_url=False):
         if integral_float(err):
             continue
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        out.append({"field": field_path(loc), "problem": _problem(err)})
+        field = field_path(loc)
+        problem = _problem(err)
+        if problem == UNKNOWN_FIELD and read_only and field in read_only:
+            problem = read_only[field]
+        out.append({"field": field, "problem": problem})
     return out
 
 

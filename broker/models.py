@@ -511,6 +511,17 @@ AdapterConfig = Annotated[SimulatedAdapterConfig | KubernetesAdapterConfig | Rem
                           Field(discriminator="kind")]
 
 
+# The keys a site has as read (``GET /v1/sites/NAME``, ``heliotrope sites get``) that are the broker's, not its
+# spec's: a document that carries them (a site read, edited and sent back whole) is refused naming them so
+# (``broker.errors.problems``), not as a misspelling.
+SITE_READ_ONLY_KEYS = {
+    "status": "the site's last report, which is the broker's: leave it out of a spec (a site as read, less "
+              "status and signals)",
+    "signals": "what routing reads of the site now, which is the broker's: leave it out of a spec (a site as "
+               "read, less status and signals)",
+}
+
+
 class SiteSpec(Spec):
     """What a platform team registers: where a site is, what GPUs it has, what they cost, who may use them."""
 

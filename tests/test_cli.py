@@ -75,6 +75,14 @@ def test_sites_are_added_listed_shown_and_removed(capsys, server, tmp_path):
     assert "l4 8/8" in out  # "NVIDIA L4" in the file was canonicalised
     code, out, _ = run(capsys, server, "sites", "get", "singapore")
     assert yaml.safe_load(out)["grid_zone"] == "SG"
+    # What `sites get` printed, sent back whole: its status and signals are the broker's, named as such (not
+    # as misspellings), and nothing is sent.
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(out)
+    code, _, err = run(capsys, server, "sites", "add", str(shown))
+    assert code == 1 and "nothing was sent" in err and "spelling" not in err
+    assert "site: status: the site's last report, which is the broker's: leave it out of a spec" in err
+    assert "site: signals: what routing reads of the site now, which is the broker's" in err
     code, out, _ = run(capsys, server, "sites", "remove", "singapore")
     assert code == 0 and out.strip() == "site singapore removed"
 
