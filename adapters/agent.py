@@ -178,9 +178,14 @@ class AgentConfig(BaseModel):
         return max(2 * self.heartbeat_s, 0.2 * lease_s)
 
 
+# What a site's spec given as the agent's config is told.
+SITE_SPEC_FOR_AGENT = ("this is one site's spec, not an agent config: an agent's config holds the site under "
+                       "'site:', beside 'mqtt:' and its timings (config/agent-example.yaml)")
+
+
 def load_agent_config(path: str | Path) -> AgentConfig:
     """The agent's YAML config; :class:`ConfigError` names the file, the field and the problem."""
-    return load_yaml_model(path, AgentConfig, "'site' (and 'mqtt', 'heartbeat_s', ...)")
+    return load_yaml_model(path, AgentConfig, "'site' (and 'mqtt', 'heartbeat_s', ...)", SITE_SPEC_FOR_AGENT)
 
 
 # --- the agent ---------------------------------------------------------------------------------------------

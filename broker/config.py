@@ -231,9 +231,18 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     return f"not valid YAML{where}: {getattr(e, 'problem', None) or e}"
 
 
-def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
+def is_site_spec(data: Mapping[str, Any], model: type[BaseModel]) -> bool:
+    """Whether ``data``, read for ``model``, is one site's spec instead (a file for ``heliotrope sites add``
+    given where a config is asked for): a site's name and GPUs, and no key but a site spec's."""
+    keys = set(data)
+    return {"name", "gpus"} <= keys <= set(SiteSpec.model_fields) and not keys & set(model.model_fields)
+
+
+def load_yaml_model(path: str | Path, model: type[T], top_level: str, site_spec_given: str | None = None) -> T:
     """A YAML file validated as ``model``. :class:`ConfigError` names the file and, for each problem, the
-    field (``top_level`` says what the file's top level must hold when it is not a mapping)."""
+    field (``top_level`` says what the file's top level must hold when it is not a mapping). A file that is
+    one site's spec (:func:`is_site_spec`) is refused with ``site_spec_given``, where given, in one line, rather
+    than with each of its keys as an unknown field."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -249,11 +258,18 @@ def load_yaml_model(path: str | Path, model: type[T], top_level: str) -> T:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping with {top_level}")
+    if site_spec_given is not None and is_site_spec(data, model):
+        raise ConfigError(f"{p}: {site_spec_given.format(path=p)}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError("\n".join(f"{p}: {located(d)}" for d in problems(e))) from None
 
+
+# What a site's spec given as the broker's config is told (README, Configuration).
+SITE_SPEC_FOR_CONFIG = ("this is one site's spec, not a broker config: a config lists its sites under 'sites:' "
+                        "(and its settings under 'broker:', as config/demo.yaml does); register this site with "
+                        "'heliotrope sites add {path}'")
 
 ENV_PREFIX = "HELIOTROPE_BROKER__"
 
@@ -350,7 +366,7 @@ def load_config(path: str | Path | None, environ: Mapping[str, str] | None = Non
     ``HELIOTROPE_BROKER__*`` overrides."""
     if path is None:
         return with_env(FederationConfig(), environ)
-    config = load_yaml_model(path, FederationConfig, "'broker' and 'sites'")
+    config = load_yaml_model(path, FederationConfig, "'broker' and 'sites'", SITE_SPEC_FOR_CONFIG)
     return with_env(_relative_to(config, Path(path).parent), environ)
 
 

@@ -426,3 +426,35 @@ def test_a_setting_of_several_kinds_without_its_kind_names_the_kinds(tmp_path: P
     with pytest.raises(ConfigError) as raised:
         load_agent_config(path)
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("example", ["site-example.yaml", "remote-site-example.yaml"])
+def test_a_site_spec_given_as_the_broker_config_is_named_as_such_in_one_line(example: str) -> None:
+    # `serve --config`, `token ... --config` and `simulate --sites` take the broker's config; a site's spec (what
+    # `sites add` takes) there used to give one "unknown field (check the spelling)" per key, every one correct.
+    path = REPO / "config" / example
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message == (f"{path}: this is one site's spec, not a broker config: a config lists its sites under "
+                       f"'sites:' (and its settings under 'broker:', as config/demo.yaml does); register this site "
+                       f"with 'heliotrope sites add {path}'")
+
+
+def test_a_site_spec_given_as_the_agents_config_is_named_as_such_in_one_line() -> None:
+    from adapters.agent import load_agent_config
+
+    path = REPO / "config" / "site-example.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_agent_config(path)
+    assert str(err.value).splitlines() == [
+        f"{path}: this is one site's spec, not an agent config: an agent's config holds the site under 'site:', "
+        "beside 'mqtt:' and its timings (config/agent-example.yaml)"]
+
+
+def test_a_config_with_a_misspelt_key_beside_a_sites_keys_is_not_taken_for_a_site_spec(tmp_path: Path) -> None:
+    # Only a file with nothing but a site's keys is one: a broker config with a stray `name:` still names it.
+    path = tmp_path / "broker.yaml"
+    path.write_text("broker: {port: 9000}\nname: x\ngpus: []\n")
+    with pytest.raises(ConfigError, match="name: unknown field"):
+        load_config(path)
