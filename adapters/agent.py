@@ -105,7 +105,7 @@ from adapters.mqtt_protocol import (
     Status,
     WireEvent,
     client_options,
-    connection_hint,
+    connection_advice,
     decode,
     encode,
     tls_context,
@@ -373,7 +373,7 @@ class SiteAgent:
                         await asyncio.gather(beats, resends, return_exceptions=True)
             except aiomqtt.MqttError as e:
                 log.warning("site agent %s: MQTT broker %s:%d: %s%s; connecting again in %.1f s", self.site,
-                            mqtt.host, mqtt.port, e, connection_hint(e, mqtt), wait)
+                            mqtt.host, mqtt.port, e, await connection_advice(e, mqtt), wait)
             except Exception:  # never give up on the connection
                 log.exception("site agent %s: MQTT connection failed; connecting again in %.1f s", self.site, wait)
             if self._closing:

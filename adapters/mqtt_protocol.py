@@ -67,6 +67,8 @@ Reconciliation
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -175,6 +177,45 @@ def connection_hint(e: BaseException, settings: MqttSettings) -> str:
     if settings.uses_tls and ("reset by peer" in text or "WRONG_VERSION_NUMBER" in text or "EOF occurred" in text):
         return f"; mqtt.tls is on: is port {settings.port} a TLS listener (Mosquitto's usual one is 8883)?"
     return ""
+
+
+TLS_PROBE_TIMEOUT_S = 2.0
+"""How long :func:`speaks_tls` waits for a TLS handshake."""
+
+
+async def connection_advice(e: BaseException, settings: MqttSettings) -> str:
+    """:func:`connection_hint`, and for a plain client (no TLS setting) whose connect timed out, whether the
+    port speaks TLS (:func:`speaks_tls`): a TLS listener drops a plain client's CONNECT, and the client, which
+    is not told why, says only that the operation timed out. Used by the reconnect loops of the hub and the
+    agent, for the line they log."""
+    hint = connection_hint(e, settings)
+    if hint or settings.uses_tls or "timed out" not in str(e):
+        return hint
+    if not await speaks_tls(settings.host, settings.port):
+        return ""
+    return (f"; no MQTT answer within {PUBLISH_TIMEOUT_S:g} s, and {settings.host}:{settings.port} is a TLS "
+            "listener (it completed a TLS handshake): set mqtt.tls: true (and mqtt.ca_file for a private CA), or "
+            "use the MQTT broker's plain port (Mosquitto's usual one is 1883)")
+
+
+async def speaks_tls(host: str, port: int, timeout_s: float = TLS_PROBE_TIMEOUT_S) -> bool:
+    """Whether ``host:port`` answers a TLS handshake: it completes (the certificate is not checked: only the
+    protocol is asked), or the server ends it with a TLS alert (one that wants a client certificate). A plain
+    MQTT listener closes the connection or waits for more bytes, and anything else is False too."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(host, port, ssl=context)
+    except ssl.SSLError as e:
+        return "ALERT" in str(e).upper()  # the server speaks TLS, and refused this handshake
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return True
 
 
 def topic(site: str, channel: Literal["state", "status", "up", "down"]) -> str:

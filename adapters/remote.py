@@ -118,6 +118,7 @@ class MqttHub:
     async def _run(self) -> None:
         delay = 0.1
         while not self._closed:
+            failed: aiomqtt.MqttError | None = None
             try:
                 async with aiomqtt.Client(**proto.client_options(self.settings, self.identifier)) as client:
                     for sub in proto.UP_SUBSCRIPTIONS:
@@ -130,13 +131,16 @@ class MqttHub:
                     async for message in client.messages:
                         self._on_message(message)
             except aiomqtt.MqttError as e:
-                log.warning("mqtt: connection to %s:%d lost or refused (%s%s); reconnecting in %.1f s",
-                            self.settings.host, self.settings.port, e, proto.connection_hint(e, self.settings), delay)
+                failed = e
             except Exception:  # whatever it was, the connection must come back
                 log.exception("mqtt: the connection failed; reconnecting in %.1f s", delay)
             finally:
                 self._client = None
                 self.connected.clear()
+            if failed is not None:  # (said once the connection is marked down: the advice may take a probe)
+                advice = await proto.connection_advice(failed, self.settings)
+                log.warning("mqtt: connection to %s:%d lost or refused (%s%s); reconnecting in %.1f s",
+                            self.settings.host, self.settings.port, failed, advice, delay)
             await asyncio.sleep(delay)
             delay = min(self.settings.reconnect_max_s, delay * 2)
 

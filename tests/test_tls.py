@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 
 from adapters import mqtt_protocol as proto
 from adapters.agent import AgentConfig, SiteAgent
+from adapters.remote import MqttHub
 from adapters.simulated import SimulatedSite
 from broker import cli
 from broker.client import ApiClientError, Client
@@ -370,3 +371,35 @@ def test_an_unreadable_mqtt_ca_file_is_an_mqtt_error_naming_it(tmp_path) -> None
     """The hub's and the agent's reconnect loops log an MqttError in one line and try again."""
     with pytest.raises(proto.MqttTlsError, match=f"mqtt.ca_file {tmp_path / 'nope.pem'}: cannot read"):
         proto.client_options(MqttSettings(ca_file=str(tmp_path / "nope.pem")), "x")
+
+
+async def test_a_plain_client_meeting_a_tls_listener_is_told_to_set_mqtt_tls(tmp_path, pki, caplog,
+                                                                             monkeypatch) -> None:
+    """A TLS listener drops a plain client's CONNECT, and the client hears only that its operation timed out:
+    the hub's and the agent's reconnect lines say the port is a TLS listener and name the setting. The
+    plain listener of the same Mosquitto is not taken for one."""
+    monkeypatch.setattr(proto, "PUBLISH_TIMEOUT_S", 1.0)  # the connect's wait for CONNACK
+    async with tls_mosquitto(tmp_path, pki) as mosq:
+        plain = over_tls(mosq)  # the TLS port, without any TLS setting
+        assert not plain.uses_tls
+        hub = MqttHub(plain)
+        spec = site("edge", adapter={"kind": "simulated"})
+        agent = SiteAgent(AgentConfig(site=spec, mqtt=plain), adapter=SimulatedSite(spec, SystemClock()))
+        with caplog.at_level(logging.WARNING):
+            await hub.start()
+            await agent.start()
+            try:
+                deadline = time.monotonic() + 15
+                while len([r for r in caplog.records if "is a TLS listener" in r.getMessage()]) < 2:
+                    assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+                    await asyncio.sleep(0.1)
+            finally:
+                await agent.stop()
+                await hub.close()
+        said = [r.getMessage() for r in caplog.records if "is a TLS listener" in r.getMessage()]
+        assert any(s.startswith("mqtt: connection to") for s in said), said
+        assert any(s.startswith("site agent edge: MQTT broker") for s in said), said
+        for s in said:
+            assert f"127.0.0.1:{mosq.tls_port} is a TLS listener" in s and "set mqtt.tls: true" in s, s
+        assert await proto.speaks_tls("127.0.0.1", mosq.tls_port)
+        assert not await proto.speaks_tls("127.0.0.1", mosq.port)  # the plain listener: no such hint there
