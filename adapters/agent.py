@@ -21,8 +21,9 @@ What it does
       reconnects with exponential backoff up to ``mqtt.reconnect_max_s``, for ever; everything below keeps
       going meanwhile, and the events it could not deliver go out once it is back.
     - Every ``heartbeat_s`` publishes a retained ``heartbeat``: the site's snapshot (capacity, telemetry,
-      quotas) and the attempts it holds (``admitted``, or ``running`` once the site said so). A site the
-      agent cannot reach is reported unhealthy, with the reason.
+      quotas) and the attempts it holds (``admitted``, or ``running`` once the site said so); a list too
+      long for one message (over 4 MiB) follows in ``attempts`` parts. A site the agent cannot reach is
+      reported unhealthy, with the reason.
     - Answers every command (``dispatch``, ``cancel``, ``quota``) with a ``reply``, and a repeated command
       (the same ``msg_id``) with the same reply, without doing the work again. A failure inside the site
       becomes ``ok: false`` with the reason; the agent itself never stops on one.
@@ -88,6 +89,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from adapters.base import AttemptLookup, EventKind, EventReceipts, JobEvent, Preempter, QuotaAdmin, SiteAdapter
 from adapters.telemetry import TelemetryFeed, telemetry_feed
 from adapters.mqtt_protocol import (
+    MAX_PAYLOAD_BYTES,
     PUBLISH_TIMEOUT_S,
     Ack,
     AttemptReport,
@@ -108,6 +110,7 @@ from adapters.mqtt_protocol import (
     connection_advice,
     decode,
     encode,
+    split_attempts,
     tls_context,
     topic,
 )
@@ -383,10 +386,14 @@ class SiteAgent:
 
     async def _publish(self, client: aiomqtt.Client | None, channel: Literal["state", "up"], msg: BaseModel,
                        retain: bool = False) -> bool:
+        return await self._publish_payload(client, channel, encode(msg), retain)
+
+    async def _publish_payload(self, client: aiomqtt.Client | None, channel: Literal["state", "up"],
+                               payload: bytes, retain: bool = False) -> bool:
         if client is None:
             return False
         try:
-            await client.publish(topic(self.site, channel), encode(msg), qos=1, retain=retain,
+            await client.publish(topic(self.site, channel), payload, qos=1, retain=retain,
                                  timeout=PUBLISH_TIMEOUT_S)
             return True
         except aiomqtt.MqttError as e:
@@ -464,7 +471,19 @@ class SiteAgent:
             log.exception("site agent %s: could not make a heartbeat; trying again at the next one", self.site)
             return
         self._sent_at[seq] = time.monotonic()
-        await self._publish(client, "state", beat, retain=True)
+        payload = encode(beat)
+        if len(payload) <= MAX_PAYLOAD_BYTES:
+            await self._publish_payload(client, "state", payload, retain=True)
+            return
+        # Too large for any receiver (a broker drops it, and the lease would run out with the site at work): the
+        # attempts go in parts after it (mqtt_protocol, "Long lists of attempts"); the heartbeat alone renews
+        # the lease, and a part that does not go out is sent afresh with the next heartbeat's list.
+        head, parts = split_attempts(beat)
+        if not await self._publish(client, "state", head, retain=True):
+            return
+        for part in parts:
+            if not await self._publish(client, "state", part):
+                return
 
     def _attempts_listed(self) -> list[AttemptReport]:
         """The attempts the site holds, and those whose end the broker has not acknowledged yet (listed as the

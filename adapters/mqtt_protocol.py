@@ -15,7 +15,9 @@ topic                               direction    retained messages
 =================================== ============ ======== ================================================
 ``heliotrope/v1/sites/{site}/state``  agent→broker yes      ``heartbeat``: capacity, telemetry, quotas, the
                                                           attempts the site holds (and those whose end
-                                                          event is not acknowledged yet); renews the lease
+                                                          event is not acknowledged yet); renews the lease.
+                                                 no       ``attempts``: a part of a heartbeat's list of
+                                                          attempts too long for the heartbeat itself
 ``heliotrope/v1/sites/{site}/status`` agent→broker yes      ``status``: online, or offline (the last will,
                                                           published by the MQTT broker when the agent's
                                                           connection dies, so the broker sees the site
@@ -63,6 +65,18 @@ Leases
 Reconciliation
     Each heartbeat lists the attempts the site holds. The broker cancels an attempt it no longer has at that
     site (requeued after a lease ran out, withdrawn, finished), and keeps those that are still current.
+
+Long lists of attempts
+    A heartbeat whose payload would be over ``MAX_PAYLOAD_BYTES`` (4 MiB, about 65,000 attempts), which every
+    receiver drops, lists its attempts in ``attempts`` messages instead: the heartbeat says how many
+    (``attempt_parts``) and carries none, and each part (``boot``, ``seq`` of that heartbeat, ``part`` of
+    ``parts``) about ``ATTEMPT_PART_BYTES`` of them, published right after it on the same topic, not retained.
+    The heartbeat renews the lease on its own, whatever becomes of its parts. The broker takes the list once
+    every part of one heartbeat has come, in any order and however often (a part of an older heartbeat than
+    the list it holds, or of a replaced agent process, is dropped); until then it keeps the list it had. A list
+    lost in part is replaced by the next heartbeat's. A heartbeat that fits is sent as before, without
+    ``attempt_parts``, so a broker of an earlier release takes it; such a broker refuses a split one (a key it
+    does not know), as it dropped the oversize heartbeat before.
 """
 
 from __future__ import annotations
@@ -85,6 +99,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_serializer,
+    model_serializer,
 )
 
 from adapters.base import EventKind, JobEvent
@@ -97,6 +112,9 @@ log = logging.getLogger(__name__)
 VERSION = 1
 ROOT = f"heliotrope/v{VERSION}/sites"
 MAX_PAYLOAD_BYTES = 4 << 20
+ATTEMPT_PART_BYTES = 1 << 20
+"""About how much of a split list of attempts one ``attempts`` message carries (see "Long lists of attempts")."""
+MAX_ATTEMPT_PARTS = 10_000
 
 
 class MqttTlsError(aiomqtt.MqttError, ValueError):
@@ -267,6 +285,9 @@ class Heartbeat(_Msg):
     lease_s: float = Field(gt=0, le=3600)
     state: SiteState
     attempts: list[AttemptReport] = Field(default_factory=list)
+    attempt_parts: int | None = Field(
+        default=None, ge=1, le=MAX_ATTEMPT_PARTS,
+        description="the attempts are listed in this many ``attempts`` messages, not here (None: here)")
 
     @field_serializer("state", mode="wrap")
     def _telemetry_as_sent(self, state: SiteState, handler: SerializerFunctionWrapHandler) -> Any:
@@ -275,6 +296,47 @@ class Heartbeat(_Msg):
         data = handler(state)
         data["telemetry"] = state.telemetry.wire()
         return data
+
+    @model_serializer(mode="wrap")
+    def _as_sent(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Without ``attempt_parts`` where the heartbeat lists its attempts itself, so a broker of an earlier
+        release (which refuses keys it does not know) takes it."""
+        data = handler(self)
+        if data.get("attempt_parts", 0) is None:
+            del data["attempt_parts"]
+        return data
+
+
+class AttemptsPart(_Msg):
+    """One part of the attempts a heartbeat (``boot``, ``seq``) with ``attempt_parts`` lists."""
+
+    kind: Literal["attempts"] = "attempts"
+    boot: str = Field(min_length=1, max_length=64)
+    seq: int = Field(ge=0, description="the heartbeat whose list this is a part of")
+    part: int = Field(ge=0, lt=MAX_ATTEMPT_PARTS)
+    parts: int = Field(ge=1, le=MAX_ATTEMPT_PARTS)
+    attempts: list[AttemptReport]
+
+
+def split_attempts(beat: Heartbeat) -> tuple[Heartbeat, list[AttemptsPart]]:
+    """``beat`` as it goes out where it is too large to go whole: without its attempts, which go in parts of
+    about ``ATTEMPT_PART_BYTES`` each (by their length in JSON; one part at least)."""
+    chunks: list[list[AttemptReport]] = [[]]
+    size = 0
+    for report in beat.attempts:
+        length = len(json.dumps(report.job_id)) + len(str(report.attempt)) + len(report.status) + _REPORT_FRAME
+        if size + length > ATTEMPT_PART_BYTES and chunks[-1]:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(report)
+        size += length
+    head = beat.model_copy(update={"attempts": [], "attempt_parts": len(chunks)})
+    parts = [AttemptsPart(site=beat.site, boot=beat.boot, seq=beat.seq, part=i, parts=len(chunks), attempts=chunk)
+             for i, chunk in enumerate(chunks)]
+    return head, parts
+
+
+_REPORT_FRAME = len('{"job_id":,"attempt":,"status":""},')
 
 
 class Status(_Msg):
@@ -377,12 +439,12 @@ class LeaseGrant(_Msg):
     lease_s: float = Field(gt=0, le=3600)
 
 
-UpMessage = Annotated[Heartbeat | Status | EventMsg | Reply, Field(discriminator="kind")]
+UpMessage = Annotated[Heartbeat | AttemptsPart | Status | EventMsg | Reply, Field(discriminator="kind")]
 DownMessage = Annotated[Dispatch | Cancel | Preempt | QuotaCommand | Ack | LeaseGrant, Field(discriminator="kind")]
 Command = Dispatch | Cancel | Preempt | QuotaCommand
 _UP: TypeAdapter[Any] = TypeAdapter(UpMessage)
 _DOWN: TypeAdapter[Any] = TypeAdapter(DownMessage)
-_CHANNEL_KINDS = {"state": {"heartbeat"}, "status": {"status"}, "up": {"event", "reply"},
+_CHANNEL_KINDS = {"state": {"heartbeat", "attempts"}, "status": {"status"}, "up": {"event", "reply"},
                   "down": {"dispatch", "cancel", "preempt", "quota", "ack", "lease"}}
 
 

@@ -22,7 +22,9 @@ lifecycle treat it as they treat a local site:
   not renew its lease has stopped its jobs by then (the protocol's promise), and refuses new ones until it
   holds a lease again.
 - ``known_attempts`` is what the latest live heartbeat listed: the lifecycle cancels the attempts a site
-  holds that the broker no longer has there (a site back from a partition, an agent restarted).
+  holds that the broker no longer has there (a site back from a partition, an agent restarted). A list too
+  long for the heartbeat comes in parts (``mqtt_protocol``, "Long lists of attempts") and counts once all
+  have come; until then the site cannot tell (an ``AdapterError``: a restarted broker asks again).
 
 A retained heartbeat delivered when the broker subscribes is the site's last known state, not a sign of
 life: it fills in capacity for display but renews no lease.
@@ -51,6 +53,10 @@ from broker.clock import Clock
 from broker.models import Health, Job, MqttSettings, QuotaState, RemoteAdapterConfig, SiteSpec, SiteState, TenantQuota
 
 log = logging.getLogger(__name__)
+
+PARTS_KEPT = 4
+"""Split lists of attempts (of as many heartbeats) a site keeps while their parts come in; an older one is
+dropped, and a later heartbeat's list stands in for it."""
 
 
 class MqttHub:
@@ -207,6 +213,14 @@ class RemoteSite:
         self._lease_end = math.inf
         self._lapsed = False  # the lease ran out and its attempts were given up; a heartbeat renews it
         self._attempts: set[tuple[str, int]] = set()  # what the latest live heartbeat listed
+        # Whose list _attempts is: (boot, seq) of its heartbeat (a list split in parts is taken in seq order);
+        # _list_held: the list is of the agent process now heard, and no lease ran out since.
+        self._listed_by: tuple[str, int] | None = None
+        self._list_held = False
+        self._parts: proto.Bounded = proto.Bounded(PARTS_KEPT)  # (boot, seq) -> (parts, {part: [(job, attempt)]})
+        # What a replaced agent process may have held: given up, less what its successor lists, once that list
+        # is in (at once where it comes whole with the heartbeat).
+        self._orphans: set[tuple[str, int]] = set()
         self._ours: set[tuple[str, int]] = set()  # attempts admitted, being dispatched, or listed; not ended
         # Attempts whose end the broker has read: an agent lists one until the broker acknowledges its end, and
         # such a listing must not make it ours again.
@@ -238,6 +252,9 @@ class RemoteSite:
         match msg:
             case proto.Heartbeat():
                 self._on_heartbeat(msg, retained)
+            case proto.AttemptsPart():
+                if not retained:  # (the agent never retains one; one left there by hand says nothing of now)
+                    self._on_part(msg)
             case proto.Status():
                 if retained and msg.online:
                     return  # an old "online" says nothing about now
@@ -270,11 +287,10 @@ class RemoteSite:
             log.warning("site %s: dropped a heartbeat older than one already taken (boot %s, seq %d, sent %s): a "
                         "replay or a duplicate", self.name, hb.boot, hb.seq, hb.sent_at.isoformat())
             return
-        listed = {(a.job_id, a.attempt) for a in hb.attempts}
         if self._boot is not None and hb.boot != self._boot:
             # A new agent process holds only what it found still running at its site: whatever else the old
             # one ran is gone (and the new one refuses work until this broker grants it a lease).
-            self._give_up(self._ours - listed, f"the site's agent restarted (boot {hb.boot}) without it")
+            self._orphans |= self._ours
             self._replaced[self._boot] = True
         self._state = state
         self._boot = hb.boot
@@ -282,13 +298,59 @@ class RemoteSite:
         self._heard_mono = time.monotonic()
         self._heard_at = self._clock.now()
         self._lease_end = self._heard_mono + self.config.lease_s
-        self._attempts = listed
-        self._ours |= {key for key in listed if key not in self._ended}
         self._offline_at = None
         if self._lapsed:
             log.info("site %s: heard from its agent (boot %s); it holds a lease again", self.name, hb.boot)
         self._lapsed = False
+        if hb.attempt_parts is None:
+            self._take_list(hb.boot, hb.seq, {(a.job_id, a.attempt) for a in hb.attempts})
+        else:
+            self._take_parts(hb.boot)  # where its parts came first
         self._send(proto.LeaseGrant(site=self.name, boot=hb.boot, seq=hb.seq, lease_s=self.config.lease_s))
+
+    def _on_part(self, part: proto.AttemptsPart) -> None:
+        """Keep one part of a split list of attempts, and take the list once all its parts are in. A part of a
+        replaced agent process, or of a heartbeat no newer than the list held, is dropped; a repeated part
+        replaces itself."""
+        if part.boot in self._replaced or part.part >= part.parts:
+            return
+        if self._listed_by is not None and part.boot == self._listed_by[0] and part.seq <= self._listed_by[1]:
+            return
+        key = (part.boot, part.seq)
+        entry = self._parts.get(key)
+        if entry is None or entry[0] != part.parts:
+            entry = (part.parts, {})
+        entry[1][part.part] = [(a.job_id, a.attempt) for a in part.attempts]
+        self._parts[key] = entry
+        if part.boot == self._boot:
+            self._take_parts(part.boot)
+
+    def _take_parts(self, boot: str) -> None:
+        """Take the newest list of ``boot`` (the agent process heard live) whose parts are all in, if it is newer
+        than the one held. Nothing while the lease has run out: the heartbeat that renews it takes it."""
+        if self._lapsed or self._expired:
+            return
+        complete = [seq for (b, seq), (parts, got) in self._parts.items() if b == boot and len(got) == parts]
+        if not complete:
+            return
+        seq = max(complete)
+        if self._listed_by is not None and self._listed_by[0] == boot and seq <= self._listed_by[1]:
+            return
+        parts, got = self._parts[(boot, seq)]
+        self._take_list(boot, seq, {key for i in range(parts) for key in got[i]})
+
+    def _take_list(self, boot: str, seq: int, listed: set[tuple[str, int]]) -> None:
+        """The attempts the agent process ``boot`` listed with its heartbeat ``seq``: what the site holds now."""
+        if self._orphans:
+            why = f"the site's agent restarted (boot {boot}) without it"
+            self._give_up((self._orphans & self._ours) - listed, why)
+            self._orphans = set()
+        self._listed_by = (boot, seq)
+        self._list_held = True
+        self._attempts = listed
+        self._ours |= {key for key in listed if key not in self._ended}
+        for key in [k for k in self._parts if k[0] != boot or k[1] <= seq]:
+            del self._parts[key]
 
     def _stale(self, hb: proto.Heartbeat) -> bool:
         """Whether a live heartbeat is older than one already taken: of the same agent process with no higher
@@ -365,6 +427,8 @@ class RemoteSite:
                         len(self._ours))
             self._give_up(set(self._ours), f"the site's lease ran out ({self.config.lease_s:g} s without a heartbeat)")
             self._attempts.clear()
+            self._list_held = False
+            self._orphans = set()
 
     # --- SiteAdapter ---
 
@@ -487,12 +551,23 @@ class RemoteSite:
             return set()  # an agent without a lease holds nothing that runs
         if self._heard_mono is None:
             raise AdapterError(f"site {self.name}: its agent is not heard from yet; it cannot list its attempts")
+        if not self._listing_now:
+            raise AdapterError(f"site {self.name}: its agent's list of attempts has not all come yet (sent in "
+                               "parts, it is too long for one message)")
         return set(self._attempts)
 
+    @property
+    def _listing_now(self) -> bool:
+        """Whether ``_attempts`` is a list of the agent process heard now, taken since the lease last ran out."""
+        return self._list_held and self._listed_by is not None and self._listed_by[0] == self._boot
+
     def held_attempts(self) -> set[tuple[str, int]]:
-        """What the latest live heartbeat listed (empty while the site holds no lease), less the attempts whose
-        end the broker has read: the agent lists those until it has the broker's acknowledgement."""
-        return set() if self._expired else {key for key in self._attempts if key not in self._ended}
+        """What the latest live heartbeat listed (empty while the site holds no lease, or while the list of a
+        restarted agent's process has not all come), less the attempts whose end the broker has read: the agent
+        lists those until it has the broker's acknowledgement."""
+        if self._expired or not self._listing_now:
+            return set()
+        return {key for key in self._attempts if key not in self._ended}
 
     # --- QuotaAdmin ---
 

@@ -6,6 +6,7 @@ really ran, that no job ever ran two attempts at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,8 +22,9 @@ import pytest
 import yaml
 
 from adapters import mqtt_protocol as proto
+from adapters.base import AdapterError
 from adapters.agent import AgentConfig, SiteAgent
-from adapters.remote import RemoteSite
+from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
 from broker.api import _site_json
 from broker.auth import ANONYMOUS_ADMIN
@@ -367,3 +369,41 @@ async def test_a_restarted_broker_takes_what_the_mqtt_broker_kept_for_it_as_its_
         await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy again")
     assert again.hub is not None and "edge" not in again.hub.unknown_sites
     assert not [r for r in caplog.records if "site edge, which is not registered here" in r.getMessage()]
+
+
+async def test_a_site_holding_70000_attempts_keeps_its_lease_and_the_broker_takes_its_whole_list(mosquitto) -> None:  # noqa: F811
+    """70,000 attempts make a heartbeat of about 4.4 MB, over the 4 MiB every receiver drops: sent whole, the
+    site would go unhealthy and its jobs be taken for lost while they run. Its list goes in parts, and the broker
+    holds the whole of it while the lease is renewed."""
+    held = {(f"{i:018d}", 1) for i in range(70_000)}  # ids as long as the broker's
+
+    class Crowded(SimulatedSite):
+        async def known_attempts(self) -> set[tuple[str, int]]:
+            return set(held)
+
+    hub = MqttHub(mosquitto.settings())
+    remote = RemoteSite(site("edge", gpus={"a100-80gb": 16}, adapter={"kind": "mqtt", "lease_s": 10}),
+                        SystemClock(), hub)
+    spec = edge_spec(FAST)
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.5),
+                      adapter=Crowded(spec, SystemClock()))
+    await hub.start()
+    await remote.start()
+    await agent.start()
+    try:
+        assert len(agent.held) == 70_000  # adopted: its heartbeats list them all
+        deadline = time.monotonic() + 8
+        while True:  # after two heartbeats at least, the broker holds the whole list
+            with contextlib.suppress(AdapterError):
+                if remote._seq >= 2 and await remote.known_attempts() == held:
+                    break
+            assert time.monotonic() < deadline, f"no whole list; dropped: {dict(hub.malformed)}\n{mosquitto.log_tail()}"
+            await asyncio.sleep(0.05)
+        assert (await remote.snapshot()).health == Health.HEALTHY
+        assert hub.malformed == {}
+        remaining = agent.lease_remaining_s()
+        assert remaining is not None and remaining > 0 and len(agent.held) == 70_000
+    finally:
+        await agent.stop()
+        await remote.close()
+        await hub.close()

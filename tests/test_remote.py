@@ -375,3 +375,95 @@ async def test_a_site_not_registered_is_named_at_its_first_live_message_even_aft
     hub._on_message(message(proto.topic("ghost", "state"), ghost))
     assert hub.unknown_sites == {"ghost": 3}
     assert len([r for r in caplog.records if "ghost" in r.getMessage()]) == 1
+
+
+# --- a list of attempts too long for one heartbeat, in parts ---
+
+
+def split(beat: proto.Heartbeat, per_part: int) -> tuple[proto.Heartbeat, list[proto.AttemptsPart]]:
+    """``beat`` as the agent sends a list too long for it: the heartbeat without it, and the list in parts."""
+    chunks = [beat.attempts[i:i + per_part] for i in range(0, len(beat.attempts), per_part)]
+    head = beat.model_copy(update={"attempts": [], "attempt_parts": len(chunks)})
+    return head, [proto.AttemptsPart(site="edge", boot=beat.boot, seq=beat.seq, part=i, parts=len(chunks),
+                                     attempts=chunk) for i, chunk in enumerate(chunks)]
+
+
+@pytest.fixture
+async def patient():
+    """A site whose lease does not run out during a test."""
+    site_, hub = remote(lease_s=30)
+    await site_.start()
+    yield site_, hub
+    await site_.close()
+
+
+async def test_a_list_of_attempts_in_parts_counts_once_every_part_has_come_in_any_order(patient) -> None:
+    s, hub = patient
+    attempts = tuple((f"j{i}", 1) for i in range(7))
+    head, parts = split(heartbeat(1, attempts=attempts), per_part=3)
+    s.receive(parts[2])  # before its heartbeat
+    s.receive(head)
+    await settle()
+    assert hub.of(proto.LeaseGrant)[-1].seq == 1  # the heartbeat renews the lease on its own
+    with pytest.raises(AdapterError, match="list of attempts has not all come yet"):
+        await s.known_attempts()  # a broker restarted now must not take the site's jobs for lost
+    assert s.held_attempts() == set()
+    s.receive(parts[0])
+    s.receive(parts[0])  # a duplicate
+    assert s.held_attempts() == set()
+    s.receive(parts[1])
+    assert await s.known_attempts() == set(attempts) == s.held_attempts()
+    # A later list lost in part leaves the one held; an older one's late part changes nothing; the next whole
+    # list (here one that came in the heartbeat itself) replaces it.
+    head2, parts2 = split(heartbeat(2, attempts=attempts[:4]), per_part=3)
+    s.receive(head2)
+    s.receive(parts2[0])
+    s.receive(parts[1])
+    assert await s.known_attempts() == set(attempts)
+    s.receive(heartbeat(3, attempts=attempts[:2]))
+    assert await s.known_attempts() == set(attempts[:2])
+    s.receive(parts2[1])  # seq 2 completes after seq 3 was taken: older, dropped
+    assert await s.known_attempts() == set(attempts[:2])
+
+
+async def test_a_restarted_agents_list_in_parts_gives_up_only_what_its_old_process_held(patient) -> None:
+    """The old process's attempts that the new one does not list are lost, once its whole list is in, and not
+    one dispatched to the new process meanwhile, which a list made before it cannot name."""
+    s, hub = patient
+    s.receive(heartbeat(1, attempts=(("old", 1), ("kept", 1)), boot="b1"))
+    head, parts = split(heartbeat(0, attempts=(("kept", 1), ("adopted", 1)), boot="b2"), per_part=1)
+    s.receive(head)
+    await settle()
+    dispatch = asyncio.create_task(s.submit(a_job("new")))
+    await asyncio.sleep(0.05)
+    s.receive(proto.Reply(site="edge", msg_id=hub.of(proto.Dispatch)[-1].msg_id, ok=True, admitted=True))
+    assert (await dispatch).admitted
+    assert s._events.empty()  # nothing given up before the new process's list is in
+    for part in parts:
+        s.receive(part)
+    lost = await asyncio.wait_for(anext(s.events()), 1)
+    assert (lost.job_id, lost.kind) == ("old", EventKind.LOST) and "restarted" in lost.reason
+    assert s._events.empty()
+    assert await s.known_attempts() == {("kept", 1), ("adopted", 1)}
+    s.receive(proto.AttemptsPart(site="edge", boot="b1", seq=2, part=0, parts=1, attempts=[]))  # the replaced one
+    assert await s.known_attempts() == {("kept", 1), ("adopted", 1)}
+
+
+async def test_a_heartbeat_that_lists_its_attempts_itself_is_written_as_an_earlier_release_reads_it() -> None:
+    """A broker of an earlier release refuses keys it does not know: only a split heartbeat says
+    ``attempt_parts``, and a part is a kind such a broker drops on its own."""
+    beat = heartbeat(1, attempts=(("j1", 1),))
+    assert "attempt_parts" not in json.loads(proto.encode(beat))
+    head, parts = proto.split_attempts(beat)
+    assert json.loads(proto.encode(head))["attempt_parts"] == 1 and head.attempts == []
+    assert proto.decode(proto.topic("edge", "state"), proto.encode(parts[0])) == parts[0]
+
+
+def test_a_long_list_is_split_into_parts_each_well_under_the_payload_limit() -> None:
+    attempts = tuple((f"{i:018d}", 1) for i in range(70_000))  # ids as long as the broker's
+    beat = heartbeat(4, attempts=attempts)
+    assert len(proto.encode(beat)) > proto.MAX_PAYLOAD_BYTES
+    head, parts = proto.split_attempts(beat)
+    sizes = [len(proto.encode(p)) for p in parts]
+    assert len(parts) == head.attempt_parts > 1 and max(sizes) <= proto.ATTEMPT_PART_BYTES + 1024
+    assert [a for p in parts for a in p.attempts] == beat.attempts
