@@ -129,6 +129,10 @@ ATTEMPTS_KEPT = 10_000
 STOP_WAIT_S = 10.0
 """How long :meth:`SiteAgent.stop` waits for its connection (a connect or a publish under way) and for its
 tasks to end, each, before it goes on without them: an agent told to stop (SIGTERM) stops."""
+STOP_GRACE_S = 2.0
+"""How long :meth:`SiteAgent.stop` waits for its cancelled tasks before it cancels again those still running (then
+up to :data:`STOP_WAIT_S` more): leaving an MQTT connection, aiomqtt waits for the broker's answer to DISCONNECT
+without a bound, and only a second cancel ends that wait."""
 TERMINAL = frozenset({EventKind.SUCCEEDED, EventKind.FAILED, EventKind.PREEMPTED, EventKind.LOST})
 
 
@@ -313,10 +317,14 @@ class SiteAgent:
         for task in tasks:
             task.cancel()
         if tasks:
-            _, stuck = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_GRACE_S)
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                _, stuck = await asyncio.wait(stuck, timeout=STOP_WAIT_S)
             if stuck:
                 log.warning("site agent %s: %d of its tasks did not end within %.0f s of being cancelled (%s); "
-                            "stopping without them", self.site, len(stuck), STOP_WAIT_S,
+                            "stopping without them", self.site, len(stuck), STOP_GRACE_S + STOP_WAIT_S,
                             ", ".join(sorted(t.get_name() for t in stuck)))
         self._client = None
         self._connected.clear()

@@ -324,6 +324,37 @@ async def test_an_agent_stopped_while_it_connects_is_never_left_online(stop_afte
         await clear_retained(name)
 
 
+async def test_a_task_that_holds_on_through_its_first_cancel_is_cancelled_again_and_the_agent_stops(monkeypatch, caplog):
+    """Leaving an MQTT connection, aiomqtt waits for the broker's answer to DISCONNECT without a bound: a task
+    cancelled there holds on. The agent cancels what is still running after STOP_GRACE_S once more, so SIGTERM
+    ends it at once rather than after STOP_WAIT_S (and without leaving the task behind)."""
+    from adapters import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "STOP_GRACE_S", 0.05)
+    monkeypatch.setattr(agent_module, "STOP_WAIT_S", 0.5)
+    name = unique_site()
+    agent = SiteAgent(agent_config(name))
+    never = asyncio.get_running_loop().create_future()
+
+    async def holds_on() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await never  # as aiomqtt's __aexit__ waits for the DISCONNECT answer
+
+    try:
+        await agent.start()
+        stubborn = asyncio.get_running_loop().create_task(holds_on())
+        agent._background.add(stubborn)
+        await asyncio.sleep(0)
+        await agent.stop()
+        assert stubborn.cancelled()
+        assert "did not end" not in caplog.text
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
 # --- dispatch, events, acks ------------------------------------------------------------------------------------
 
 
