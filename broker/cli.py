@@ -131,6 +131,23 @@ def _ago(iso: str | None) -> str:
     return "-" if left is None else f"{max(0.0, -left):.0f} s ago"
 
 
+def _run_text(job: dict[str, Any]) -> str:
+    """How long the job has run: ``run_s`` counts only attempts that ended (kept across checkpoints), so a
+    running job says since when it runs (its first attempt) or what earlier attempts ran, and an ended one how
+    long it ran from its first start to its end, as ``broker.lifecycle.actual_run_s`` takes it (a job
+    cancelled while it ran has no ``run_s``)."""
+    run_s = float(job["run_s"])
+    started, finished = job.get("started_at"), job.get("finished_at")
+    if job["state"] == "running":
+        if job["attempt"] <= 1 and started:  # (started_at is the first attempt's start)
+            return f"running since {started}"
+        return f"running, {run_s:g} s run by earlier attempts"
+    if started and finished:
+        span = (datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds()
+        return f"{max(run_s, span):g} s run"
+    return f"{run_s:g} s run"
+
+
 def show_job(job: dict[str, Any]) -> str:
     spec = job["spec"]
     lines = [
@@ -138,7 +155,7 @@ def show_job(job: dict[str, Any]) -> str:
         f"  state     {job['state']}" + (f" on {job['site']}" if job["site"] else ""),
         f"  reason    {job.get('reason') or '-'}",
         f"  gpus      {_job_row(job)['gpus']}" + (f", >= {spec['gpus']['memory_gib']} GiB" if spec["gpus"].get("memory_gib") else ""),
-        f"  duration  {spec['duration_s']:g} s expected, {job['run_s']:g} s run",
+        f"  duration  {spec['duration_s']:g} s expected, {_run_text(job)}",
         f"  attempt   {job['attempt']} ({job['failed_attempts']} failed, at most {spec['max_attempts']})",
         f"  priority  {spec['priority']}",
         f"  created   {job['created_at']}",

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from broker import cli
 from broker.cli import main
 from tests.conftest import ROOT, free_port
 
@@ -64,6 +65,24 @@ def test_submit_then_list_show_explain_and_cancel_a_job(capsys, server, tmp_path
 
     code, out, _ = run(capsys, server, "cancel", job_id)
     assert code == 0 and out.strip() == f"job {job_id} cancelled"
+
+
+@pytest.mark.parametrize("state,attempt,run_s,started,finished,shown", [
+    ("running", 1, 0.0, "2026-11-26T16:25:40Z", None, "running since 2026-11-26T16:25:40Z"),
+    ("running", 2, 600.0, "2026-11-26T16:25:40Z", None, "running, 600 s run by earlier attempts"),
+    ("cancelled", 1, 0.0, "2026-11-26T16:25:40Z", "2026-11-26T16:25:53.5Z", "13.5 s run"),
+    ("succeeded", 1, 120.0, "2026-11-26T16:25:40Z", "2026-11-26T16:27:40Z", "120 s run"),
+    ("queued", 0, 0.0, None, None, "0 s run"),
+])
+def test_a_job_shows_how_long_it_has_run_while_it_runs_and_once_cancelled(state, attempt, run_s, started, finished,
+                                                                           shown):
+    """run_s counts attempts that ended: a running job, or one cancelled while it ran, showed "0 s run"."""
+    job = {"id": "j1", "spec": {"tenant": "t1", "name": "n", "gpus": {"count": 1, "milli": 1000}, "duration_s": 120,
+                                "max_attempts": 3, "priority": 0},
+           "state": state, "site": "ashburn" if started else None, "reason": None, "attempt": attempt,
+           "failed_attempts": 0, "run_s": run_s, "started_at": started, "finished_at": finished,
+           "created_at": "2026-11-26T16:25:35Z", "updated_at": "2026-11-26T16:25:53.5Z"}
+    assert f"  duration  120 s expected, {shown}\n" in cli.show_job(job)
 
 
 def test_sites_are_added_listed_shown_and_removed(capsys, server, tmp_path):
