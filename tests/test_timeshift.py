@@ -494,6 +494,30 @@ async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned
     assert not next(v for v in again.sites if v.site == "tokyo").feasible
 
 
+async def _deferred_then_restarting(tmp_path, after: timedelta):
+    """A green job deferred by a broker on frankfurt and tokyo, that broker stopped; then what a restart ``after``
+    the decision needs: (the job, when it was deferred until, the sites, a clock, settings on the same database,
+    a files carbon provider on that clock)."""
+    from broker.clock import ManualClock
+    from broker.config import BrokerSettings
+    from broker.providers.carbon import build_carbon_provider
+    from tests.builders import job
+
+    b, _ = await frankfurt_and_tokyo(tmp_path)
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)
+    deferred_until = b.cycle.deferred_until(j.id)
+    assert deferred_until is not None
+    sites = list(b.federation.members[name].spec for name in ("frankfurt", "tokyo"))
+    await b.stop()
+    clock = ManualClock(GREEN_AT + after)
+    settings = BrokerSettings.model_validate({"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
+                                              "carbon": {"kind": "files", "path": str(CARBON_DIR)},
+                                              "carbon_forecast": {"history_h": 336}})
+    return j, deferred_until, sites, clock, settings, build_carbon_provider(settings.carbon, clock=clock)
+
+
 async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its_forecasts_are_fetched(
         tmp_path) -> None:
     # The scheduling loop used to start beside the first round of carbon forecasts: its first pass, which after
@@ -501,26 +525,10 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its
     # started at once (and new jobs were placed carbon-blind).
     import asyncio
 
-    from broker.clock import ManualClock
-    from broker.config import BrokerSettings
     from broker.models import JobState
-    from broker.providers.carbon import build_carbon_provider
     from broker.service import Broker
-    from tests.builders import job
 
-    b, _ = await frankfurt_and_tokyo(tmp_path)
-    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
-                                   deadline=GREEN_AT + timedelta(hours=30)))
-    await b.cycle.run_once(full=True)
-    assert b.cycle.deferred_until(j.id) is not None
-    sites = list(b.federation.members[name].spec for name in ("frankfurt", "tokyo"))
-    await b.stop()
-
-    clock = ManualClock(GREEN_AT + timedelta(minutes=5))
-    settings = BrokerSettings.model_validate({"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
-                                              "carbon": {"kind": "files", "path": str(CARBON_DIR)},
-                                              "carbon_forecast": {"history_h": 336}})
-    provider = build_carbon_provider(settings.carbon, clock=clock)
+    j, _, sites, clock, settings, provider = await _deferred_then_restarting(tmp_path, timedelta(minutes=5))
     fetch = provider.history
 
     async def slow_history(zone, start, end):  # a live provider's first round takes a while
@@ -548,27 +556,12 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_with_its_c
     import asyncio
     import logging
 
-    from broker.clock import ManualClock
-    from broker.config import BrokerSettings
     from broker.models import JobState
-    from broker.providers.carbon import ProviderError, build_carbon_provider
+    from broker.providers.carbon import ProviderError
     from broker.service import Broker
-    from tests.builders import job
 
-    b, _ = await frankfurt_and_tokyo(tmp_path)
-    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
-                                   deadline=GREEN_AT + timedelta(hours=30)))
-    await b.cycle.run_once(full=True)
-    deferred_until = b.cycle.deferred_until(j.id)
-    assert deferred_until is not None
-    sites = list(b.federation.members[name].spec for name in ("frankfurt", "tokyo"))
-    await b.stop()
-
-    clock = ManualClock(GREEN_AT + timedelta(minutes=20))
-    settings = BrokerSettings.model_validate({"db": str(tmp_path / "t.db"), "shutdown_grace_s": 0.1,
-                                              "carbon": {"kind": "files", "path": str(CARBON_DIR)},
-                                              "carbon_forecast": {"history_h": 336}})
-    provider = build_carbon_provider(settings.carbon, clock=clock)
+    j, deferred_until, sites, clock, settings, provider = await _deferred_then_restarting(
+        tmp_path, timedelta(minutes=20))
 
     async def down(zone, start, end):  # the carbon service refuses every connection
         raise ProviderError("connection refused", zone=zone, where="https://carbon.example")

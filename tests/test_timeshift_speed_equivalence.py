@@ -347,6 +347,18 @@ def test_the_walk_tries_sites_in_the_order_of_a_stable_sort_of_their_scores(tota
 
 
 
+def _random_plan(rng: np.random.Generator, n: int, models: int, hours: int) -> tuple[np.ndarray, ...]:
+    """A plan for the compiled search's tests, room, kept room and what latency-bound jobs hold varying hour by
+    hour: plan_free, kept, near, a forecast and its running sums."""
+    plan_free = rng.choice([0.0, 0.5, 1.0, 2.0, 4.0, 8.0], size=(n, models, hours)).astype(np.float32)
+    kept = np.where(rng.random((n, models)) < 0.5, rng.choice([1.0, 2.0, 4.0], size=(n, models)),
+                    0.0).astype(np.float32)
+    near = rng.choice([0.0, 0.5, 1.0, 2.0], size=(n, models, hours))
+    forecast = rng.uniform(0.0, 600.0, size=(n, hours))
+    cum = np.concatenate([np.zeros((n, 1)), np.cumsum(forecast, axis=1)], axis=1)
+    return plan_free, kept, near, forecast, cum
+
+
 def test_a_start_priced_out_early_is_turned_away_as_a_start_valued_in_full_would_be():
     """With the room kept for latency-bound jobs priced, a site whose price for that room alone is above the
     best start elsewhere is turned away before the start's value is read (``floor`` 0: no negative forecast).
@@ -366,12 +378,7 @@ def test_a_start_priced_out_early_is_turned_away_as_a_start_valued_in_full_would
         n, hours = int(rng.integers(2, 40)), int(rng.integers(1, 6))
         price, need = float(rng.choice([0.01, 0.5, 5.0])), float(rng.choice([0.25, 1.0, 2.0, 4.0]))
         d_h, into_h = float(rng.choice([0.1, 0.5, 1.0, 2.5])), float(rng.uniform(0.0, 1.0))
-        plan_free = rng.choice([0.0, 0.5, 1.0, 2.0, 4.0, 8.0], size=(n, models, hours)).astype(np.float32)
-        kept = np.where(rng.random((n, models)) < 0.5, rng.choice([1.0, 2.0, 4.0], size=(n, models)),
-                        0.0).astype(np.float32)
-        near = rng.choice([0.0, 0.5, 1.0, 2.0], size=(n, models, hours))
-        forecast = rng.uniform(0.0, 600.0, size=(n, hours))
-        cum = np.concatenate([np.zeros((n, 1)), np.cumsum(forecast, axis=1)], axis=1)
+        plan_free, kept, near, forecast, cum = _random_plan(rng, n, models, hours)
         feasible, ok = np.arange(n, dtype=np.int64), rng.random(n) < 0.9
         col = rng.choice(kinds, size=n).astype(np.int64)
         start_on = rng.choice(kinds, size=n).astype(np.int64)  # the model a start now takes: not always col's
@@ -417,12 +424,7 @@ def test_the_walk_chooses_and_turns_away_as_a_site_by_site_walk_in_score_order(k
         n, hours = int(rng.integers(1, 300)), int(rng.integers(1, 6))
         price, need = float(rng.choice([0.01, 0.5, 5.0, math.inf])), float(rng.choice([0.25, 1.0, 2.0, 4.0]))
         d_h, into_h = float(rng.choice([0.1, 0.5, 1.0, 2.5])), float(rng.uniform(0.0, 1.0))
-        plan_free = rng.choice([0.0, 0.5, 1.0, 2.0, 4.0, 8.0], size=(n, models, hours)).astype(np.float32)
-        kept = np.where(rng.random((n, models)) < 0.5, rng.choice([1.0, 2.0, 4.0], size=(n, models)),
-                        0.0).astype(np.float32)
-        near = rng.choice([0.0, 0.5, 1.0, 2.0], size=(n, models, hours))
-        forecast = rng.uniform(0.0, 600.0, size=(n, hours))
-        cum = np.concatenate([np.zeros((n, 1)), np.cumsum(forecast, axis=1)], axis=1)
+        plan_free, kept, near, forecast, cum = _random_plan(rng, n, models, hours)
         feasible = np.sort(rng.permutation(n + 5)[:n]).astype(np.int64)  # not every site is feasible
         width = int(feasible[-1]) + 1
         ok = rng.random(width) < float(rng.choice([0.3, 0.9]))
