@@ -202,8 +202,15 @@ def test_a_deposed_leader_that_wakes_up_cannot_change_a_job(replicas, tmp_path: 
     ids = [call(new.url + "/v1/jobs", "POST", job(f"after-{i}", 0.5))[1]["id"] for i in range(20)]
     old.proc.send_signal(signal.SIGCONT)  # it wakes past its lease, with its cycle mid-flight
     until(lambda: leading(old) is False, 10, "the old leader notices it was deposed")
-    until(lambda: all(call(f"{new.url}/v1/jobs/{j}")[1]["state"] == "succeeded" for j in ids + before), 60,
-          "every job runs to the end under the new leader")
+    try:
+        until(lambda: all(call(f"{new.url}/v1/jobs/{j}")[1]["state"] == "succeeded" for j in ids + before), 60,
+              "every job runs to the end under the new leader")
+    except AssertionError as e:  # (what is left, and what both replicas logged, to tell why)
+        left = {j: (call(f"{new.url}/v1/jobs/{j}")[1].get("state"), call(f"{new.url}/v1/jobs/{j}")[1].get("reason"))
+                for j in ids + before}
+        left = {j: v for j, v in left.items() if v[0] != "succeeded"}
+        logs = "\n".join(f"--- {s.log}:\n{Path(str(s.log)).read_text()[-3000:]}" for s in (old, new))
+        raise AssertionError(f"{e}; not succeeded: {left}\n{logs}") from None
     assert all(n == 1 for n in dispatch_counts(new, ids + before).values())
     assert leading(new) is True
     log = Path(str(old.log)).read_text()
