@@ -31,7 +31,8 @@ so it never credits a forecast that may not come true. The leader keeps the tota
 open and the jobs between two counted attempts, in its database (``broker_state``) at the end of a pass once
 they changed, at most every 10 s, and when it stops, so they run on across restarts and takeovers (a crash
 loses at most the last 10 s of them; an attempt that ended after the last save, unheard by the broker that
-takes over, is ended by it as of the job's end or last change: ``SchedulingCycle.settle_ledger``). A document
+takes over, is ended by it as of the job's end or last change, or when it left its site where the job has
+had a later attempt since: ``SchedulingCycle.settle_ledger``). A document
 of version 1 (before attempts were remembered: its ``jobs`` counted admissions) is read with nothing open. The
 document is written as version 1 with the rest beside the totals (``format`` 2: :data:`LEDGER_VERSION`), so that a
 broker of an earlier release taking over goes on from the totals.

@@ -1188,8 +1188,9 @@ class SchedulingCycle:
     async def settle_ledger(self) -> int:
         """Once the active jobs are loaded, when this broker takes charge: end the ledger's open attempts that are
         no longer on their site (their end reached the store after the last broker in charge last saved the
-        ledger, or while it stopped), as of the job's end, or else its last change (the attempt ended by then),
-        and forget the jobs between attempts that have ended. The jobs no longer active are read from the store;
+        ledger, or while it stopped), as of the job's end, or else its last change (the attempt ended by then;
+        for a job on a later attempt since, when that one left its site, as its stored transitions say), and
+        forget the jobs between attempts that have ended. The jobs no longer active are read from the store;
         one that cannot be read now stays open, for the next broker in charge. Returns how many were ended."""
         ended = 0
         for job_id, held in list(self.carbon.open.items()):
@@ -1205,11 +1206,31 @@ class SchedulingCycle:
             if job is None:  # (not in the store: nothing tells when it ended; left as counted)
                 self.carbon.end(job_id, held.attempt, held.admitted_ts + held.counted.expected_s, requeued=False)
                 continue
-            self._attempt_ended(job.model_copy(update={"state": JobState.RUNNING, "attempt": held.attempt}), job)
+            before = job.model_copy(update={"state": JobState.RUNNING, "attempt": held.attempt})
+            if job.attempt > held.attempt:  # a later attempt's changes since: when this one left, as stored
+                left = await self._left_site_at(job_id, held.attempt)
+                if left is not None:
+                    job = job.model_copy(update={"state": JobState.QUEUED, "updated_at": left, "finished_at": None})
+            self._attempt_ended(before, job)
             ended += 1
         for job_id in [j for j in self.carbon.returning if j not in self.book.active]:
             self.carbon.forget(job_id)
         return ended
+
+    async def _left_site_at(self, job_id: str, attempt: int) -> datetime | None:
+        """When ``job_id``'s ``attempt`` left its site, from its stored transitions: its first change of that
+        attempt to a state off the site (None: none stored, or they cannot be read)."""
+        try:
+            events = await self.store.job_events(job_id)
+        except StoreError as e:
+            log.warning("job %s: cannot read its transitions to end attempt %d in the carbon ledger: %s", job_id,
+                        attempt, e)
+            return None
+        for ev in events:
+            if ev["attempt"] == attempt and not JobState(ev["state"]).on_site:
+                at = datetime.fromisoformat(ev["at"])
+                return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+        return None
 
     def _attempt_ended(self, before: Job, job: Job) -> None:
         """The book's hook (``JobBook.on_attempt_end``): ``before``'s attempt left its site, or the job ended;

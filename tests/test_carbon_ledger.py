@@ -215,6 +215,34 @@ async def test_an_attempt_that_ended_unheard_by_the_ledger_is_ended_when_a_broke
         await b.stop()
 
 
+async def test_an_unheard_attempt_of_a_job_on_a_later_one_is_ended_when_it_left_its_site(tmp_path) -> None:
+    """Its first attempt was lost a quarter of the way through, unheard by the ledger as last saved; the job ran
+    again two hours later. The broker taking charge ends that attempt when it left its site (its stored
+    transitions say), not at the job's last change, which would charge it two hours past its estimate."""
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        site = (await b.book.get(j.id)).site
+        await b.cycle.keep_ledger()  # attempt 1 open, as saved
+        await step(b, clock, 900)
+        assert await b.lifecycle.requeue_from(site, j.id, 1, "the site lost it") is not None
+        await step(b, clock, 7200)
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        await step(b, clock, 60)
+        again = await b.book.get(j.id)
+        assert again.attempt == 2 and again.state == JobState.RUNNING
+        await b.cycle.restore_learned()  # as the broker taking charge: the ledger as last saved
+        assert (await carbon(b))["open_attempts"] == 1
+        assert await b.cycle.settle_ledger() == 1
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH * 900 / 3600, rel=0.01) and ledger["open_attempts"] == 0
+    finally:
+        await b.stop()
+
+
 def test_a_version_1_ledger_still_loads_with_nothing_open() -> None:
     """Saved before attempts were remembered: its ``jobs`` counted admissions, and nothing is left to correct."""
     doc = {"v": 1, "jobs": 4, "energy_kwh": 3.2, "grams": 100.0, "agnostic_grams": 400.0, "moved": 3}
