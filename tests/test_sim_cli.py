@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 from datetime import datetime, timedelta
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from broker import cli
+from broker.simulation import cli as sim_cli
+from broker.simulation.fairshare import MODES
 from tests.test_sim_engine import _carbon, _site
 
 
@@ -316,6 +319,10 @@ def test_a_file_that_is_not_text_is_named_with_its_flag(files: dict[str, Path], 
     ("--days", "36550", "--days 36550.0: give a number of days above 0 and at most 36,525"),
     ("--trace-from", "9999-12-31T23:00:00-05:00", "--trace-from '9999-12-31T23:00:00-05:00': is after the last date"),
     ("--reweight-h", "0.001", "--reweight-h 0.001: reweight_h: 0.001 h divides window_h (24 h) into 24,000 periods"),
+    # these three were named in the words of fairshare.compare ("guaranteed fraction 2.0"), not by their flags
+    ("--guaranteed-fraction", "2", "heliotrope: --guaranteed-fraction 2: give a fraction from 0 to 1"),
+    ("--max-refusals", "0", "heliotrope: --max-refusals 0: give 1 or more"),
+    ("--starvation-h", "-1", "heliotrope: --starvation-h -1: give 0 (no guard) or more hours"),
 ])
 def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[str, Path],
                                                                   capsys: pytest.CaptureFixture[str],
@@ -323,6 +330,22 @@ def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[st
     err = _error(capsys, ["simulate-quotas", "--trace", str(files["trace"]), "--columns",
                           "submit=submit,duration=seconds,gpus=gpus,tenant=team", flag, value])
     assert words in err
+
+
+def test_a_mode_or_policy_named_twice_is_replayed_and_shown_once(files: dict[str, Path],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # simulate-quotas --modes time,fifo,time printed two rows for time and wrote one (the JSON is keyed by mode);
+    # simulate --compare green,green replayed green twice to show it once.
+    out = files["tmp"] / "q.json"
+    assert cli.main(["simulate-quotas", "--trace", str(files["trace"]), "--columns",
+                     "submit=submit,duration=seconds,gpus=gpus,tenant=team", "--modes", "time,fifo,time",
+                     "--json", str(out)]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:] if line.split()[0] in MODES]
+    assert rows == ["time", "fifo"] == list(json.loads(out.read_text())["modes"])
+    parser = argparse.ArgumentParser()
+    sim_cli.add_parser(parser.add_subparsers())
+    spec = sim_cli.spec_from(parser.parse_args(_args(files, "--compare", "green, cheap,green")))
+    assert list(spec.policies) == ["green", "cheap"]
 
 
 def test_simulate_quotas_names_both_flags_when_only_their_pair_is_out_of_range(

@@ -161,7 +161,9 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
     from broker.simulation.run import SimulationSpec
 
     if args.compare is not None:
-        names = list(COMPARED) if args.compare == "all" else [n.strip() for n in args.compare.split(",") if n.strip()]
+        # A policy named twice is replayed once (the results are keyed by name).
+        names = list(COMPARED) if args.compare == "all" else list(dict.fromkeys(
+            n.strip() for n in args.compare.split(",") if n.strip()))
         if not names:
             raise SimulateUsage("--compare: give 'all' or a comma-separated list of policies")
     else:

@@ -72,7 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def run(args: argparse.Namespace) -> str:
     """Run the comparison the arguments ask for; returns the table for stdout."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    # A mode named twice is replayed once: the table had a row per name and the JSON (keyed by mode) one.
+    modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     unknown = [m for m in modes if m not in MODES]
     if not modes or unknown:
         raise QuotaSimulationError(f"--modes {args.modes!r}: give modes from {', '.join(MODES)}, comma-separated")
@@ -80,6 +81,13 @@ def run(args: argparse.Namespace) -> str:
         raise QuotaSimulationError(f"--utilisation {args.utilisation}: give a fraction above 0 and at most 1")
     if not args.cycle_s > 0:
         raise QuotaSimulationError(f"--cycle-s {args.cycle_s}: give a number of seconds above 0")
+    # The site's settings that fairshare.compare checks too, named here by their flags.
+    if not 0 <= args.guaranteed_fraction <= 1:
+        raise QuotaSimulationError(f"--guaranteed-fraction {args.guaranteed_fraction:g}: give a fraction from 0 to 1")
+    if args.max_refusals < 1:
+        raise QuotaSimulationError(f"--max-refusals {args.max_refusals}: give 1 or more")
+    if not args.starvation_h >= 0:
+        raise QuotaSimulationError(f"--starvation-h {args.starvation_h:g}: give 0 (no guard) or more hours")
     if args.days is not None and not 0 < args.days <= 36_525:  # as simulate: the flag named, not load_trace's word
         raise QuotaSimulationError(f"--days {args.days}: give a number of days above 0 and at most 36,525")
     trace_from = date_flag("--trace-from", args.trace_from)
