@@ -13,7 +13,9 @@ What it writes
 
 Units
     In the table: carbon in tonnes CO2e with one decimal (kilograms, one decimal, when any value of the
-    column is under a tonne); "vs bound" in percent above the offline bound's carbon, "vs whole-job" above
+    column is under a tonne); "vs bound" in percent above the offline bound that holds for the policy (the
+    bound row's, or for a policy that ended jobs past their deadlines, the same LP on its wider windows:
+    ``bound_carbon_kg`` in its metrics), "vs whole-job" above
     the whole-job bound that holds for the policy (no job split); cost in US dollars
     with thousands separators; energy in MWh; wait p95 in seconds, minutes or hours as fits; Jain's
     fairness index on 0..1 with three decimals; utilisation in percent of the federation's GPU-hours.
@@ -606,7 +608,10 @@ def _bound_paragraph(result: SimulationResult) -> str:
     solve = _num(bound, "solve_s")
     if solve is not None:
         text += f" (computed in {solve:,.1f} s)"
-    text += ". No policy can do better than it on carbon or on cost."
+    text += (". No schedule that ends every job by its deadline can do better than it on carbon or on cost. A "
+             "policy that ended jobs after their deadlines is measured (“vs bound”) against the same LP with "
+             "those jobs' windows reaching their actual ends, lower than this row (its bound_carbon_kg in the "
+             "JSON), so that running late cannot beat the bound.")
     relaxation = str(bound.get("relaxation") or "").strip()
     if relaxation.lower() == "none":
         text += " Relaxation: none beyond the bound's own (the hour-slot model was solved exactly)."
@@ -690,7 +695,8 @@ def write_html(result: SimulationResult, directory: str | Path) -> Path:
         "<h2>Results per policy</h2>",
         ("<p class=\"note\">Carbon and energy are totals over the jobs each policy ran; “vs bound” is how much "
         "more carbon than the offline bound the policy emitted, and “vs whole-job” than the whole-job bound "
-        "(the last rows, below); wait p95 is the 95th percentile of "
+        "(the last rows, below; a policy that ended jobs after their deadlines against each bound on its own, "
+        "wider, windows, as the paragraph under the table says); wait p95 is the 95th percentile of "
         "the time from submission to start; utilisation is the share of the federation's GPU-hours in use. "
         f"“{_e(DASH)}” marks a figure the run did not produce.</p>"),
         _html_table(header, rows, row_classes=classes),
