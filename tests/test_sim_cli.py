@@ -323,6 +323,7 @@ def test_a_file_that_is_not_text_is_named_with_its_flag(files: dict[str, Path], 
     ("--guaranteed-fraction", "2", "heliotrope: --guaranteed-fraction 2: give a fraction from 0 to 1"),
     ("--max-refusals", "0", "heliotrope: --max-refusals 0: give 1 or more"),
     ("--starvation-h", "-1", "heliotrope: --starvation-h -1: give 0 (no guard) or more hours"),
+    ("--cycle-s", "1e-9", "heliotrope: --cycle-s 1e-09: give 1 s or more"),  # (it replayed for ever)
 ])
 def test_simulate_quotas_names_the_flag_of_a_setting_out_of_range(files: dict[str, Path],
                                                                   capsys: pytest.CaptureFixture[str],

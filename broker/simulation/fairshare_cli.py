@@ -70,6 +70,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--json", dest="json_out", metavar="OUT", help="write the figures as JSON to OUT")
 
 
+MIN_CYCLE_S = 1.0
+"""The shortest ``--cycle-s``: the replay steps through every cycle while jobs wait (a live site's cycle runs
+at most about once a second, and a nanosecond's cycles made a short trace replay for ever)."""
+
+
 def run(args: argparse.Namespace) -> str:
     """Run the comparison the arguments ask for; returns the table for stdout."""
     # A mode named twice is replayed once: the table had a row per name and the JSON (keyed by mode) one.
@@ -79,8 +84,8 @@ def run(args: argparse.Namespace) -> str:
         raise QuotaSimulationError(f"--modes {args.modes!r}: give modes from {', '.join(MODES)}, comma-separated")
     if not 0 < args.utilisation <= 1:
         raise QuotaSimulationError(f"--utilisation {args.utilisation}: give a fraction above 0 and at most 1")
-    if not args.cycle_s > 0:
-        raise QuotaSimulationError(f"--cycle-s {args.cycle_s}: give a number of seconds above 0")
+    if not args.cycle_s >= MIN_CYCLE_S:  # (a cycle every nanosecond while jobs wait: a replay that never ends)
+        raise QuotaSimulationError(f"--cycle-s {args.cycle_s:g}: give {MIN_CYCLE_S:g} s or more")
     # The site's settings that fairshare.compare checks too, named here by their flags.
     if not 0 <= args.guaranteed_fraction <= 1:
         raise QuotaSimulationError(f"--guaranteed-fraction {args.guaranteed_fraction:g}: give a fraction from 0 to 1")
