@@ -50,7 +50,7 @@ from broker.auth import Principal, Role, TokensUnavailable, Unauthenticated
 from broker.errors import integral_float, is_malformed_json, problems
 from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
-from broker.federation import Member, without_secrets
+from broker.federation import Member, QuotaNotTaken, without_secrets
 from broker.ids import GPU_MODEL_IDS
 from broker.jobs import IdempotencyConflict, JobNotFound, PastDeadline
 from broker.metrics import ScopedView
@@ -466,6 +466,17 @@ async def get_site(request: web.Request) -> web.Response:
     return _json(_site_json(_member(request), principal(request), _site_signals(request.app[BROKER])))
 
 
+REBUILD_FIELDS = ("gpus", "adapter", "fair_share")  # a change to these rebuilds the site's adapter (needs_rebuild)
+
+
+def _rebuild_fields(old: SiteSpec | None, new: SiteSpec) -> list[dict[str, str]]:
+    """The fields of a refused update that would rebuild the site's adapter under its active jobs."""
+    if old is None:
+        return []
+    return [{"field": f, "problem": "cannot change while jobs are active on the site"}
+            for f in REBUILD_FIELDS if getattr(old, f) != getattr(new, f)]
+
+
 async def update_site(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     spec, _ = await _body(request, SiteSpec, "site spec", read_only=SITE_READ_ONLY_KEYS)
@@ -491,9 +502,15 @@ async def update_site(request: web.Request) -> web.Response:
     except KeyError:
         raise ApiError(404, f"no site named {name}") from None
     except SiteConflict as e:
-        raise ApiError(409, str(e)) from None
+        raise ApiError(409, str(e), _rebuild_fields(current.spec if current is not None else None, spec)) from None
     except SiteUnsupported as e:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
+    except QuotaNotTaken as e:
+        # The site did not answer: its spec is as it was, and the change may be sent again.
+        log.warning("site %s: %s", name, e)
+        raise ApiError(503, f"{without_secrets(spec, str(e))}; the site's spec is unchanged, send it again once "
+                            "the site answers", [{"field": "quotas", "problem": "the site did not take them"}],
+                       headers={"Retry-After": "5"}) from None
     except AdapterError as e:
         raise _adapter_failed(e, spec) from None
     return _json(_site_json(member, principal(request)))

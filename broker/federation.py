@@ -97,6 +97,17 @@ class Unbuilt:
         return fail
 
 
+class QuotaNotTaken(AdapterError):
+    """A spec's changed quotas could not be passed to its site (it did not answer): the spec is not taken.
+    ``taken``: the tenants whose change the site took before it stopped answering."""
+
+    def __init__(self, site: str, taken: list[str], why: str) -> None:
+        self.site, self.taken, self.why = site, taken, why
+        kept = (f"; it took the changes for {', '.join(taken)} before that (the site keeps them)"
+                if taken else "")
+        super().__init__(f"site {site} did not take the spec's quota changes ({why}){kept}")
+
+
 def needs_rebuild(old: SiteSpec, new: SiteSpec) -> bool:
     """A spec change the running adapter cannot take: its GPUs, its adapter settings, its fair-share policy."""
     return old.gpus != new.gpus or old.adapter != new.adapter or old.fair_share != new.fair_share
@@ -169,7 +180,9 @@ class Federation:
     async def replace(self, spec: SiteSpec) -> Member:
         """Swap a site's spec; the adapter is rebuilt when its inventory, adapter settings or fair-share policy
         change. Changed quotas are passed to the site as its operator's changes would be (the latest change
-        wins, whether made through the spec or through the quota API)."""
+        wins, whether made through the spec or through the quota API). Either the whole spec is taken or the
+        site keeps its old one: an adapter that cannot start raises, and a site that does not take the quota
+        changes raises QuotaNotTaken, with the spec unchanged (and a rebuilt adapter given up again)."""
         member = self.members[spec.name]
         old = member.spec
         if needs_rebuild(old, spec):
@@ -177,9 +190,12 @@ class Federation:
             adapter = self._factory(spec)
             try:
                 await adapter.start()
+                await self._pass_quotas(adapter, old, spec)
             except Exception:
                 # The new settings do not work: the site goes on with its old adapter (or, if even that
                 # cannot start again now, joins the sites whose adapter each collect tries to start).
+                with contextlib.suppress(Exception):
+                    await adapter.close()
                 member.adapter = self._factory(old)
                 try:
                     await member.adapter.start()
@@ -189,20 +205,35 @@ class Federation:
                 raise
             member.adapter, member.started = adapter, True
             member.state = None
-        if spec.quotas != old.quotas and isinstance(member.adapter, QuotaAdmin):
-            before = {q.tenant: q for q in old.quotas}
-            after = {q.tenant: q for q in spec.quotas}
-            for tenant, quota in after.items():
-                if before.get(tenant) != quota:
-                    await member.adapter.set_quota(quota)
-            for tenant in before.keys() - after.keys():
-                with contextlib.suppress(KeyError):  # the operator removed it already
-                    await member.adapter.remove_quota(tenant)
+        else:
+            await self._pass_quotas(member.adapter, old, spec)
         member.spec = spec
         self._base = self._site_arrays = None
         self.membership_changed = True
         await self._collect_one(member)
         return member
+
+    @staticmethod
+    async def _pass_quotas(adapter: SiteAdapter, old: SiteSpec, spec: SiteSpec) -> None:
+        """Pass the quotas that changed from ``old`` to ``spec`` to the site. A site that does not answer
+        raises QuotaNotTaken, naming the changes it took before it stopped answering (those stay: the site's
+        quota state is its own, ``GET /v1/sites/{name}/quota``)."""
+        if spec.quotas == old.quotas or not isinstance(adapter, QuotaAdmin):
+            return
+        before = {q.tenant: q for q in old.quotas}
+        after = {q.tenant: q for q in spec.quotas}
+        taken: list[str] = []
+        try:
+            for tenant, quota in after.items():
+                if before.get(tenant) != quota:
+                    await adapter.set_quota(quota)
+                    taken.append(tenant)
+            for tenant in before.keys() - after.keys():
+                with contextlib.suppress(KeyError):  # the operator removed it already
+                    await adapter.remove_quota(tenant)
+                taken.append(tenant)
+        except AdapterError as e:
+            raise QuotaNotTaken(spec.name, taken, str(e)) from e
 
     def set_leaving(self, name: str, leaving: bool) -> None:
         """Stop (or resume) offering a site to jobs while it is being removed or rebuilt."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from datetime import datetime
 from collections.abc import AsyncIterator, Callable
 
-from adapters.base import SiteAdapter
+from adapters.base import AdapterError, SiteAdapter
 from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
 from broker.clock import Clock, SystemClock
@@ -497,8 +497,16 @@ class Broker:
             raise KeyError(spec.name)
         check_supported(spec, self.hub)
         if not needs_rebuild(member.spec, spec):
-            await self.store.put_site(spec)
+            # The site takes the changed quotas first (a site that does not answer raises QuotaNotTaken and
+            # nothing is stored: a spec refused must not come back at the next start), then the store.
+            old = member.spec
             member = await self.federation.replace(spec)
+            try:
+                await self.store.put_site(spec)
+            except BaseException:
+                with contextlib.suppress(AdapterError):
+                    await self.federation.replace(old)
+                raise
             self.wake()
             return member
         async with self._site_leaving(spec.name, "its GPU inventory, adapter and fair-share policy can change only "

@@ -110,6 +110,49 @@ async def test_a_site_with_active_jobs_cannot_be_removed(client: TestClient):
     assert r.status == 409 and "1 active jobs" in (await r.json())["error"]["message"]
 
 
+async def test_a_site_update_that_would_rebuild_under_running_jobs_is_refused_naming_the_fields(client: TestClient):
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16})
+    await register(client, body)
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 600, "gpus": {"count": 8}})).json()
+    await wait_for(client, job["id"], {"running"})
+    fewer = {**site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}),
+             "fair_share": {"mode": "instant"}}
+    r = await client.put("/v1/sites/berlin", json=fewer)
+    assert r.status == 409
+    assert [f["field"] for f in (await r.json())["error"]["fields"]] == ["gpus", "fair_share"]
+    # what routing alone reads changes under running jobs; the job runs on where it ran
+    moved = {**body, "region": "gcp:europe-west4", "grid_zone": "NL", "timezone": "Europe/Amsterdam",
+             "usd_per_gpu_hour": {"a100-80gb": 2.0}}
+    assert (await client.put("/v1/sites/berlin", json=moved)).status == 200
+    again = await (await client.get(f"/v1/jobs/{job['id']}")).json()
+    assert (again["state"], again["site"], again["attempt"]) == ("running", "berlin", 1)
+
+
+async def test_a_site_update_whose_quotas_the_site_does_not_take_changes_nothing(client: TestClient):
+    """A site that does not answer the quota changes of a PUT: 503 naming ``quotas``, and neither the broker
+    nor its store takes the spec (a refused spec must not come back at the next start); sent again once the
+    site answers, it is taken."""
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=[{"tenant": "t1", "guaranteed_gpus": 4}])
+    await register(client, body)
+    member = client.broker.federation.get("berlin")
+    member.adapter.set_reachable(False)
+    changed = {**body, "quotas": [{"tenant": "t1", "guaranteed_gpus": 8}], "usd_per_gpu_hour": {"a100-80gb": 3.0}}
+    r = await client.put("/v1/sites/berlin", json=changed)
+    assert r.status == 503, await r.text()
+    error = (await r.json())["error"]
+    assert error["fields"] == [{"field": "quotas", "problem": "the site did not take them"}]
+    assert "the site's spec is unchanged" in error["message"] and "adapter could not start" not in error["message"]
+    stored = {s.name: s for s in await client.broker.store.list_sites()}["berlin"]
+    for spec in (member.spec, stored):
+        assert [q.guaranteed_gpus for q in spec.quotas] == [4] and spec.usd_per_gpu_hour == {}
+
+    member.adapter.set_reachable(True)
+    r = await client.put("/v1/sites/berlin", json=changed)
+    assert r.status == 200 and (await r.json())["quotas"][0]["guaranteed_gpus"] == 8
+    stored = {s.name: s for s in await client.broker.store.list_sites()}["berlin"]
+    assert [q.guaranteed_gpus for q in stored.quotas] == [4 * 2] and stored.usd_per_gpu_hour == {"a100-80gb": 3.0}
+
+
 async def test_a_cordoned_site_takes_no_new_job_keeps_what_runs_and_takes_work_again_when_uncordoned(
         client: TestClient, tmp_path: Path):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
