@@ -57,7 +57,7 @@ from broker.jobs import JobBook
 from broker.queue import Entry, QueueWalk
 from broker.lifecycle import Lifecycle
 from broker.metrics import Metrics
-from broker.models import GpuModelId, Job, JobState
+from broker.models import GpuModelId, Job, JobState, SiteSpec
 from adapters.base import AdapterError, Preempter
 from broker.store import Store, StoreError
 from policies import explain, runtime_risk, timeshift
@@ -103,6 +103,9 @@ class _Planned:
     end: int
     decided_h: int
     near: bool = False  # the job has a latency objective (policies.latency_reserve)
+    # The planned site's spec when the plan was made: a site changed since (cordoned, re-zoned, re-priced,
+    # its quotas or GPUs changed) is not what the plan weighed, so the job is decided again at the next pass.
+    spec: SiteSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -615,9 +618,11 @@ class SchedulingCycle:
                 metrics.deferred.inc()
                 decider.reserve(placement)
                 first = hour + placement.slot
+                planned_at = self.federation.get(snap.sites[placement.site])
                 self._deferred[job.id] = _Planned(snap.sites[placement.site], placement.model,
                                                   req.charge, first, first + placement.slots, hour,
-                                                  req.latency_slo_ms is not None)
+                                                  req.latency_slo_ms is not None,
+                                                  planned_at.spec if planned_at is not None else None)
                 # Recorded again where the plan, the start now it is weighed against (or none) or the sites'
                 # verdicts changed, so the explanation never quotes a start now the broker no longer weighs (a
                 # site since cordoned, full or unhealthy). The verdicts by a digest: kept per deferred job.
@@ -967,6 +972,12 @@ class SchedulingCycle:
             site = snap.index.get(planned.site)
             if job is None or job.state != JobState.QUEUED or site is None:
                 del self._deferred[job_id]  # placed, cancelled, or its site left: nothing to hold
+                continue
+            member = self.federation.get(planned.site)
+            if member is not None and member.spec is not planned.spec:
+                # its site changed since the plan was made (cordoned, moved to another grid zone, re-priced):
+                # the plan no longer holds, and the job is decided again in this pass, not at the next hour
+                del self._deferred[job_id]
                 continue
             calendar.book(site, planned.model, planned.gpus, planned.first, min(planned.end, h0 + hours),
                           near=planned.near)

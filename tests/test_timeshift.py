@@ -494,6 +494,29 @@ async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned
     assert not next(v for v in again.sites if v.site == "tokyo").feasible
 
 
+async def test_a_deferred_job_whose_planned_site_is_cordoned_is_decided_again_at_once(live) -> None:
+    # The job is deferred to frankfurt's clean hours; frankfurt is then cordoned. A deferred job is decided
+    # again each whole hour, and the plan used to stand until then: for up to an hour the job stayed planned on
+    # a site taken out of routing, its GPUs there booked, its decision saying it waits for frankfurt. A change
+    # to the planned site's spec ends the plan: the next pass decides the job again, without frankfurt.
+    from broker.models import JobState
+    from tests.builders import job
+
+    b, clock = live
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)
+    assert (await b.decision(await b.book.get(j.id))).record["deferred"]["site"] == "frankfurt"
+    frankfurt = b.federation.get("frankfurt")
+    await b.update_site(frankfurt.spec.model_copy(update={"cordoned": True, "cordon_reason": "maintenance"}))
+    await clock.advance(60)  # the same hour
+    await b.cycle.run_once(full=True)
+    assert b.cycle.deferred_until(j.id) is None
+    placed = await b.book.get(j.id)
+    assert (placed.state, placed.site) == (JobState.DISPATCHING, "tokyo")
+    assert (await b.decision(placed)).record.get("deferred") is None
+
+
 async def _deferred_then_restarting(tmp_path, after: timedelta):
     """A green job deferred by a broker on frankfurt and tokyo, that broker stopped; then what a restart ``after``
     the decision needs: (the job, when it was deferred until, the sites, a clock, settings on the same database,
