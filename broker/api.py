@@ -532,14 +532,10 @@ async def cordon_site(request: web.Request) -> web.Response:
     if cordon and (await request.read()).strip():
         reason = (await _body(request, CordonRequest, "cordon request"))[0].reason
     broker = request.app[BROKER]
-    current = broker.federation.get(name)
-    if current is None:
-        raise ApiError(404, f"no site named {name}")
-    if cordon and reason is None and current.spec.cordoned:  # cordoned again with no reason: the first one stands
-        reason = current.spec.cordon_reason
-    spec = current.spec.model_copy(update={"cordoned": cordon, "cordon_reason": reason if cordon else None})
     try:
-        member = await broker.update_site(spec)
+        # (the spec is read when the change is made: a PUT under way is not undone by a copy from before it;
+        # cordoned again with no reason, the first one stands)
+        member = await broker.cordon_site(name, cordon, reason)
     except KeyError:
         raise ApiError(404, f"no site named {name}") from None
     log.info("site %s %s by %s%s", name, "cordoned" if cordon else "uncordoned", principal(request).name,

@@ -491,6 +491,19 @@ class Broker:
         async with self._sites_lock:
             return await self._update_site(spec)
 
+    async def cordon_site(self, name: str, cordon: bool, reason: str | None = None) -> Member:
+        """Cordon (or uncordon) a site, its spec otherwise as it is when the change is made: read under the
+        lock, so an update under way is not undone by a cordon made from the spec before it. Cordoned again
+        with no reason, the first reason stands. KeyError: no such site."""
+        async with self._sites_lock:
+            member = self.federation.get(name)
+            if member is None:
+                raise KeyError(name)
+            if cordon and reason is None and member.spec.cordoned:
+                reason = member.spec.cordon_reason
+            spec = member.spec.model_copy(update={"cordoned": cordon, "cordon_reason": reason if cordon else None})
+            return await self._update_site(spec)
+
     async def _update_site(self, spec: SiteSpec) -> Member:
         member = self.federation.get(spec.name)
         if member is None:

@@ -153,6 +153,37 @@ async def test_a_site_update_whose_quotas_the_site_does_not_take_changes_nothing
     assert [q.guaranteed_gpus for q in stored.quotas] == [4 * 2] and stored.usd_per_gpu_hour == {"a100-80gb": 3.0}
 
 
+async def test_a_cordon_made_while_an_update_is_under_way_keeps_the_update(client: TestClient):
+    """A cordon copied the site's spec before it waited for an update under way (here the site takes its time
+    over the quota change), then wrote that copy back: the update was answered 200 and then undone, its
+    prices gone and the old quota passed to the site again."""
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=[{"tenant": "t1", "guaranteed_gpus": 4}])
+    await register(client, body)
+    adapter = client.broker.federation.get("berlin").adapter
+    release = asyncio.Event()
+    set_quota = adapter.set_quota
+
+    async def slow_set_quota(quota):
+        await release.wait()
+        return await set_quota(quota)
+
+    adapter.set_quota = slow_set_quota
+    changed = {**body, "usd_per_gpu_hour": {"a100-80gb": 3.0}, "quotas": [{"tenant": "t1", "guaranteed_gpus": 8}]}
+    update = asyncio.ensure_future(client.put("/v1/sites/berlin", json=changed))
+    while not client.broker._sites_lock.locked():
+        await asyncio.sleep(0)
+    cordon = asyncio.ensure_future(client.post("/v1/sites/berlin/cordon", json={"reason": "driver upgrade"}))
+    while not client.broker._sites_lock._waiters:  # the cordon's request reaches the broker and waits for the update
+        await asyncio.sleep(0)
+    release.set()
+    assert (await update).status == 200 and (await cordon).status == 200
+    site = await (await client.get("/v1/sites/berlin")).json()
+    assert site["cordoned"] is True and site["cordon_reason"] == "driver upgrade"
+    assert site["usd_per_gpu_hour"] == {"a100-80gb": 3.0} and site["quotas"][0]["guaranteed_gpus"] == 8
+    quota = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert {t["tenant"]: t["guaranteed_gpus"] for t in quota["tenants"]}["t1"] == 8
+
+
 async def test_a_cordoned_site_takes_no_new_job_keeps_what_runs_and_takes_work_again_when_uncordoned(
         client: TestClient, tmp_path: Path):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
