@@ -974,9 +974,10 @@ class SchedulingCycle:
                 del self._deferred[job_id]  # placed, cancelled, or its site left: nothing to hold
                 continue
             member = self.federation.get(planned.site)
-            if member is not None and member.spec is not planned.spec:
+            if member is not None and member.spec is not planned.spec and member.spec != planned.spec:
                 # its site changed since the plan was made (cordoned, moved to another grid zone, re-priced):
-                # the plan no longer holds, and the job is decided again in this pass, not at the next hour
+                # the plan no longer holds, and the job is decided again in this pass, not at the next hour (a
+                # spec sent again unchanged, as a tool that keeps a site as declared does, changes nothing)
                 del self._deferred[job_id]
                 continue
             calendar.book(site, planned.model, planned.gpus, planned.first, min(planned.end, h0 + hours),
