@@ -484,32 +484,43 @@ async def update_site(request: web.Request) -> web.Response:
         raise ApiError(422, f"the body names site {spec.name!r} but the path names {name!r}",
                        [{"field": "name", "problem": f"must be {name!r}"}])
     _check_quotas(spec)
-    current = request.app[BROKER].federation.get(name)
-    spec = auth.keep_secrets(spec, current.spec if current is not None else None)
     who = principal(request)
-    if not who.admin and current is not None:
-        changed = auth.credential_changes(current.spec.adapter, spec.adapter)
-        if changed:
-            # These pick credentials (a kubeconfig, its context, the broker's service account) or where the
-            # broker writes: an operator could aim its site at another's cluster, or at another site's
-            # namespaces on a shared one. Platform admins only.
-            raise ApiError(403, f"{who.name} may change site {name}'s GPUs, prices, quotas, labels and adapter "
-                                f"settings, but not {', '.join('adapter.' + f for f in changed)} (they select "
-                                "credentials or where the broker writes); ask a platform admin",
-                           [{"field": f"adapter.{f}", "problem": "only an admin may change it"} for f in changed])
+    # The stored spec the update replaces is read under the broker's site lock, when the change is made: read
+    # before, an update under way (another admin's new kubeconfig) would be undone by the secrets kept from
+    # the copy, and an operator's PUT checked against a spec that is no longer the site's.
+    replaced: SiteSpec | None = None
+
+    def prepare(sent: SiteSpec, current: SiteSpec) -> SiteSpec:
+        nonlocal spec, replaced
+        replaced = current
+        kept = auth.keep_secrets(sent, current)
+        if not who.admin:
+            changed = auth.credential_changes(current.adapter, kept.adapter)
+            if changed:
+                # These pick credentials (a kubeconfig, its context, the broker's service account) or where the
+                # broker writes: an operator could aim its site at another's cluster, or at another site's
+                # namespaces on a shared one. Platform admins only.
+                raise ApiError(403, f"{who.name} may change site {name}'s GPUs, prices, quotas, labels and adapter "
+                                    f"settings, but not {', '.join('adapter.' + f for f in changed)} (they select "
+                                    "credentials or where the broker writes); ask a platform admin",
+                               [{"field": f"adapter.{f}", "problem": "only an admin may change it"}
+                                for f in changed])
+        spec = kept  # what the errors below name (without its secrets)
+        return kept
+
     try:
-        member = await request.app[BROKER].update_site(spec)
+        member = await request.app[BROKER].update_site(spec, prepare)
     except KeyError:
         raise ApiError(404, f"no site named {name}") from None
     except SiteConflict as e:
-        raise ApiError(409, str(e), _rebuild_fields(current.spec if current is not None else None, spec)) from None
+        raise ApiError(409, str(e), _rebuild_fields(replaced, spec)) from None
     except SiteUnsupported as e:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
     except QuotaNotTaken as e:
         # The site did not answer: its spec is as it was, and the change may be sent again.
         log.warning("site %s: %s", name, e)
-        raise ApiError(503, f"{without_secrets(spec, str(e))}; the site's spec is unchanged, send it again once "
-                            "the site answers", [{"field": "quotas", "problem": "the site did not take them"}],
+        raise ApiError(503, f"{without_secrets(spec, str(e))}; the site's spec is unchanged, send it "
+                            "again once the site answers", [{"field": "quotas", "problem": "the site did not take them"}],
                        headers={"Retry-After": "5"}) from None
     except AdapterError as e:
         raise _adapter_failed(e, spec) from None

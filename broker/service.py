@@ -487,8 +487,18 @@ class Broker:
         self.wake()
         return member
 
-    async def update_site(self, spec: SiteSpec) -> Member:
+    async def update_site(self, spec: SiteSpec,
+                          prepare: Callable[[SiteSpec, SiteSpec], SiteSpec] | None = None) -> Member:
+        """Take a site's new spec. ``prepare(spec, current)``, called under the lock with the spec the site has
+        when the change is made, gives the spec to write (or raises to refuse it): the API keeps the secrets a
+        PUT leaves out and checks who may change credentials there, so an update under way is neither undone
+        by a copy of the spec from before it nor let through as no change. KeyError: no such site."""
         async with self._sites_lock:
+            if prepare is not None:
+                member = self.federation.get(spec.name)
+                if member is None:
+                    raise KeyError(spec.name)
+                spec = prepare(spec, member.spec)
             return await self._update_site(spec)
 
     async def cordon_site(self, name: str, cordon: bool, reason: str | None = None) -> Member:

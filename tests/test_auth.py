@@ -410,6 +410,58 @@ async def test_a_kubeconfig_is_never_returned_and_an_update_without_it_keeps_it(
     assert stored["gamma"].adapter.kubeconfig == "/etc/secret/gamma.kubeconfig"
 
 
+async def test_an_update_that_waits_for_a_credential_change_keeps_it_and_is_checked_against_it(fed: Federation):
+    """A PUT that leaves the kubeconfig out keeps the stored one, and an operator may not change it: both were
+    worked out from the spec read before the PUT waited its turn. Behind an admin's update that moved the site
+    to another kubeconfig, an operator's price change put the old kubeconfig back (the admin's 200 undone, and
+    an operator had changed a credential); behind one that changed its context, an operator's PUT that sends
+    the old context was let through as no change."""
+    status, _ = await fed.call("admin", "POST", "/v1/sites", KUBE_GAMMA)
+    assert status == 201
+    broker = fed.client.server.app[BROKER]
+    release = asyncio.Event()
+
+    async def one_behind_another(first: tuple[str, Any], then: tuple[str, Any]) -> tuple[Any, Any]:
+        """``first``'s PUT (who, body) holds the site (its old adapter takes its time to close) while
+        ``then``'s arrives and waits its turn."""
+        adapter = broker.federation.get("gamma").adapter
+        close = adapter.close
+
+        async def slow_close():
+            await release.wait()
+            await close()
+
+        adapter.close = slow_close
+        release.clear()
+        a = asyncio.ensure_future(fed.call(first[0], "PUT", "/v1/sites/gamma", first[1]))
+        try:
+            while not broker._sites_lock.locked():
+                await asyncio.sleep(0.001)
+            b = asyncio.ensure_future(fed.call(then[0], "PUT", "/v1/sites/gamma", then[1]))
+            while not broker._sites_lock._waiters and not b.done():  # it reaches the broker and waits
+                await asyncio.sleep(0.001)
+        finally:
+            release.set()
+        return await a, await b
+
+    moved = {**KUBE_GAMMA, "adapter": {**KUBE_GAMMA["adapter"], "kubeconfig": "/etc/secret/gamma-2.kubeconfig"}}
+    priced = {**with_adapter(KUBE_GAMMA), "usd_per_gpu_hour": {"l4": 0.9}}  # as the operator read it
+    (admin, _), (operator, body) = await one_behind_another(("admin", moved), ("gamma-ops", priced))
+    assert admin == 200 and operator == 200, body
+    for spec in (broker.federation.get("gamma").spec, {s.name: s for s in await broker.store.list_sites()}["gamma"]):
+        assert spec.adapter.kubeconfig == "/etc/secret/gamma-2.kubeconfig" and spec.usd_per_gpu_hour == {"l4": 0.9}
+
+    # An operator's PUT that would put back a credential an admin changed meanwhile is refused.
+    (admin, _), (operator, body) = await one_behind_another(
+        ("admin", {**moved, "usd_per_gpu_hour": {"l4": 0.9}, "adapter": {**moved["adapter"], "context": "gamma-new"}}),
+        ("gamma-ops", {**priced, "usd_per_gpu_hour": {"l4": 1.1}}))
+    assert admin == 200
+    assert operator == 403 and body["error"]["fields"] == [{"field": "adapter.context",
+                                                            "problem": "only an admin may change it"}], body
+    spec = broker.federation.get("gamma").spec
+    assert (spec.adapter.context, spec.usd_per_gpu_hour) == ("gamma-new", {"l4": 0.9})
+
+
 async def test_an_operators_update_that_cannot_start_the_adapter_does_not_name_the_kubeconfig(tmp_path, capsys):
     # The operator never reads the kubeconfig (its update keeps the stored one), so the 422 saying the adapter
     # could not start with the update must not name it either: the adapter's error names its path.
