@@ -815,3 +815,47 @@ async def test_readyz_says_ready_while_the_store_answers_and_503_while_it_does_n
     body = await r.json()
     assert r.status == 503 and "connection refused" in body["error"]["message"] and r.headers["Retry-After"] == "5"
     assert (await client.get("/healthz")).status == 200  # alive all the same: not a reason to restart it
+
+
+async def test_a_site_update_made_while_a_job_is_dispatched_there_neither_loses_nor_doubles_the_job(
+        client: TestClient):
+    """A PUT made while the site is slow to admit a job: what routing alone reads (prices, quotas, a cordon)
+    changes at once and the job goes on to run there, dispatched once; a change that would rebuild the site's
+    adapter is refused (409 naming the fields) rather than made under the attempt being admitted."""
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=[{"tenant": "t1", "guaranteed_gpus": 4}])
+    await register(client, body)
+    adapter = client.broker.federation.get("berlin").adapter
+    release, submitted = asyncio.Event(), []
+    submit = adapter.submit
+
+    async def slow_submit(job):
+        submitted.append((job.id, job.attempt))
+        await release.wait()
+        return await submit(job)
+
+    adapter.submit = slow_submit
+    try:
+        job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 600})).json()
+        await wait_for(client, job["id"], {"dispatching"})
+        while not submitted:
+            await asyncio.sleep(0.01)
+        changed = {**body, "usd_per_gpu_hour": {"a100-80gb": 3.0}, "quotas": [{"tenant": "t1", "guaranteed_gpus": 8}],
+                   "cordoned": True, "cordon_reason": "driver upgrade"}
+        r = await client.put("/v1/sites/berlin", json=changed)
+        assert r.status == 200, await r.text()
+        for rebuild, fields in (({"gpus": [{"model": "a100-80gb", "gpus_per_node": 8, "nodes": 1}]}, ["gpus"]),
+                                ({"adapter": {"kind": "simulated", "dispatch_delay_s": 0.01}}, ["adapter"])):
+            r = await client.put("/v1/sites/berlin", json={**changed, **rebuild})
+            assert r.status == 409, await r.text()
+            error = (await r.json())["error"]
+            assert "1 active jobs" in error["message"] and [f["field"] for f in error["fields"]] == fields
+        assert client.broker.federation.get("berlin").adapter is adapter
+        assert "berlin" not in client.broker.federation.leaving
+    finally:
+        release.set()
+    running = await wait_for(client, job["id"], {"running"})
+    assert (running["site"], running["attempt"]) == ("berlin", 1) and submitted == [(job["id"], 1)]
+    site = await (await client.get("/v1/sites/berlin")).json()
+    assert site["cordoned"] is True and site["usd_per_gpu_hour"] == {"a100-80gb": 3.0}
+    assert [(g["gpus_per_node"], g["nodes"]) for g in site["gpus"]] == [(8, 2)]
+    assert site["adapter"]["dispatch_delay_s"] == 0.005
