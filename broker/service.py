@@ -493,26 +493,30 @@ class Broker:
         when the change is made, gives the spec to write (or raises to refuse it): the API keeps the secrets a
         PUT leaves out and checks who may change credentials there, so an update under way is neither undone
         by a copy of the spec from before it nor let through as no change. KeyError: no such site."""
-        async with self._sites_lock:
-            if prepare is not None:
-                member = self.federation.get(spec.name)
-                if member is None:
-                    raise KeyError(spec.name)
-                spec = prepare(spec, member.spec)
-            return await self._update_site(spec)
+        if prepare is None:
+            async with self._sites_lock:
+                return await self._update_site(spec)
+        return await self._change_site(spec.name, lambda current: prepare(spec, current))
 
     async def cordon_site(self, name: str, cordon: bool, reason: str | None = None) -> Member:
-        """Cordon (or uncordon) a site, its spec otherwise as it is when the change is made: read under the
-        lock, so an update under way is not undone by a cordon made from the spec before it. Cordoned again
-        with no reason, the first reason stands. KeyError: no such site."""
+        """Cordon (or uncordon) a site, its spec otherwise as it is when the change is made (``_change_site``).
+        Cordoned again with no reason, the first reason stands. KeyError: no such site."""
+
+        def cordoned(current: SiteSpec) -> SiteSpec:
+            why = current.cordon_reason if cordon and reason is None and current.cordoned else reason
+            return current.model_copy(update={"cordoned": cordon, "cordon_reason": why if cordon else None})
+
+        return await self._change_site(name, cordoned)
+
+    async def _change_site(self, name: str, change: Callable[[SiteSpec], SiteSpec]) -> Member:
+        """Site ``name``'s spec made by ``change`` from the one it has when the change is made: read under the
+        lock that orders site changes, so an update under way is not undone by a spec copied before it.
+        KeyError: no such site."""
         async with self._sites_lock:
             member = self.federation.get(name)
             if member is None:
                 raise KeyError(name)
-            if cordon and reason is None and member.spec.cordoned:
-                reason = member.spec.cordon_reason
-            spec = member.spec.model_copy(update={"cordoned": cordon, "cordon_reason": reason if cordon else None})
-            return await self._update_site(spec)
+            return await self._update_site(change(member.spec))
 
     async def _update_site(self, spec: SiteSpec) -> Member:
         member = self.federation.get(spec.name)

@@ -92,6 +92,7 @@ import numpy as np
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.clock import Clock
+from broker.errors import located, problems
 from broker.forecast import (
     PROFILE_DAYS,
     REACH_H,
@@ -301,11 +302,10 @@ class _KeptForecasts(BaseModel):
 
 
 def _why(e: ValueError) -> str:
-    """A one-line reason: pydantic's first error (where, what), or the message."""
-    if isinstance(e, ValidationError) and e.errors():
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        return f"{where}: {err['msg']}" if where else err["msg"]
+    """A one-line reason: pydantic's first error, worded as a config file's (``broker.errors``), or the message."""
+    found = problems(e) if isinstance(e, ValidationError) else []
+    if found:
+        return located(found[0])
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 

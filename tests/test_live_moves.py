@@ -441,6 +441,18 @@ async def test_a_job_resumed_from_its_checkpoint_is_placed_for_the_rest_of_its_r
     assert b.cycle.carbon.energy_kwh - before == pytest.approx(kw * rest_h, rel=1e-6)
 
 
+async def _a_stored_move(b: Broker, job_id: str, now: float, reason: str, delivered: bool) -> None:
+    """The moves in flight as a broker going down leaves them in the store: ``job_id``'s attempt 1 asked to stop at
+    clean and move to dirty at ``now`` (POSIX s), its GPUs held there for half an hour; ``delivered``: the stop
+    reached the site."""
+    await b.store.put_state(MOVES_STATE, json.dumps({
+        "moving": {job_id: {"origin": "clean", "attempt": 1, "site": "dirty", "model": "a100-80gb",
+                            "reason": reason, "for_job": None, "asked_ts": now}},
+        "holds": {job_id: {"site": "dirty", "model": "a100-80gb", "duration_s": 33000.0, "attempt": 1,
+                           "until_ts": now + 1800}},
+        "cannot_stop": {}, "delivered": [job_id] if delivered else []}))
+
+
 async def test_a_stop_the_last_broker_asked_for_keeps_its_work_after_a_restart_with_profiles_that_move_nothing(
         tmp_path) -> None:
     # The last broker (green, which moves running work) asked the clean site to stop the filler, and the site took
@@ -454,12 +466,7 @@ async def test_a_stop_the_last_broker_asked_for_keeps_its_work_after_a_restart_w
         await step(b, clock, 3600.0)
         assert ((await b.book.get(filler.id)).state, (await b.book.get(filler.id)).site) == (JobState.RUNNING, "clean")
         now = clock.now().timestamp()
-        await b.store.put_state(MOVES_STATE, json.dumps({
-            "moving": {filler.id: {"origin": "clean", "attempt": 1, "site": "dirty", "model": "a100-80gb",
-                                   "reason": "to save carbon", "for_job": None, "asked_ts": now}},
-            "holds": {filler.id: {"site": "dirty", "model": "a100-80gb", "duration_s": 33000.0, "attempt": 1,
-                                  "until_ts": now + 1800}},
-            "cannot_stop": {}, "delivered": [filler.id]}))
+        await _a_stored_move(b, filler.id, now, "to save carbon", delivered=True)
     finally:
         await b.stop()
     again, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "balanced", "job_may_choose": []})
@@ -527,12 +534,8 @@ async def test_a_stored_move_whose_attempt_was_lost_rather_than_stopped_is_not_t
         await b.cycle.run_once(full=True)
         await step(b, clock, 3600.0)
         now = clock.now().timestamp()
-        await b.store.put_state(MOVES_STATE, json.dumps({
-            "moving": {filler.id: {"origin": "clean", "attempt": 1, "site": "dirty", "model": "a100-80gb",
-                                   "reason": "moved from clean to dirty from its checkpoint to save carbon", "for_job": None, "asked_ts": now}},
-            "holds": {filler.id: {"site": "dirty", "model": "a100-80gb", "duration_s": 33000.0, "attempt": 1,
-                                  "until_ts": now + 1800}},
-            "cannot_stop": {}, "delivered": []}))
+        await _a_stored_move(b, filler.id, now, "moved from clean to dirty from its checkpoint to save carbon",
+                             delivered=False)
     finally:
         await b.stop()
     again, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"})

@@ -541,6 +541,21 @@ async def _deferred_then_restarting(tmp_path, after: timedelta):
     return j, deferred_until, sites, clock, settings, build_carbon_provider(settings.carbon, clock=clock)
 
 
+async def _first_pass_after_restart(settings, clock, provider, sites):  # noqa: ANN001, ANN202
+    """The broker started again on ``settings`` with ``provider``, once its first scheduling pass is done (the
+    caller stops it)."""
+    import asyncio
+
+    from broker.service import Broker
+
+    again = Broker(settings, clock=clock, carbon=provider)
+    await again.start(sites)
+    async with asyncio.timeout(10):
+        while again.cycles < 1:
+            await asyncio.sleep(0.02)
+    return again
+
+
 async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its_forecasts_are_fetched(
         tmp_path) -> None:
     # The scheduling loop used to start beside the first round of carbon forecasts: its first pass, which after
@@ -549,7 +564,6 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its
     import asyncio
 
     from broker.models import JobState
-    from broker.service import Broker
 
     j, _, sites, clock, settings, provider = await _deferred_then_restarting(tmp_path, timedelta(minutes=5))
     fetch = provider.history
@@ -559,12 +573,8 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_before_its
         return await fetch(zone, start, end)
 
     provider.history = slow_history  # type: ignore[method-assign]
-    again = Broker(settings, clock=clock, carbon=provider)
-    await again.start(sites)
+    again = await _first_pass_after_restart(settings, clock, provider, sites)
     try:
-        async with asyncio.timeout(10):
-            while again.cycles < 1:
-                await asyncio.sleep(0.02)
         assert (await again.book.get(j.id)).state == JobState.QUEUED
         assert again.cycle.deferred_until(j.id) is not None
     finally:
@@ -576,12 +586,10 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_with_its_c
     # A restarted broker whose carbon provider was down had no forecast at all (a running one keeps its last
     # for 6 h): its first pass, which decides every queued job again, started a job deferred for a cleaner hour
     # at once. It now forecasts from what it kept in its store, and defers the job to the same hour as before.
-    import asyncio
     import logging
 
     from broker.models import JobState
     from broker.providers.carbon import ProviderError
-    from broker.service import Broker
 
     j, deferred_until, sites, clock, settings, provider = await _deferred_then_restarting(
         tmp_path, timedelta(minutes=20))
@@ -590,13 +598,9 @@ async def test_a_deferred_job_stays_deferred_when_the_broker_restarts_with_its_c
         raise ProviderError("connection refused", zone=zone, where="https://carbon.example")
 
     provider.history = down  # type: ignore[method-assign]
-    again = Broker(settings, clock=clock, carbon=provider)
     with caplog.at_level(logging.INFO):
-        await again.start(sites)
+        again = await _first_pass_after_restart(settings, clock, provider, sites)
         try:
-            async with asyncio.timeout(10):
-                while again.cycles < 1:
-                    await asyncio.sleep(0.02)
             assert (await again.book.get(j.id)).state == JobState.QUEUED
             assert again.cycle.deferred_until(j.id) == deferred_until
             assert "took up the forecasts kept in the store for DE-LU" in caplog.text
