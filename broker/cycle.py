@@ -395,6 +395,8 @@ class SchedulingCycle:
         self.filters = {f.code: f for p in (self.pipeline, *self.profiles.values()) for f in p.filters}
         self.dispatch_timeout_s = dispatch_timeout_s
         self._dispatches: set[asyncio.Task[None]] = set()
+        # site -> its dispatches under way, until each is confirmed or undone (dispatches_to)
+        self._submits: dict[str, set[asyncio.Task[None]]] = {}
         self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
         self.metrics = Metrics()  # the broker passes its own
         self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
@@ -1356,6 +1358,29 @@ class SchedulingCycle:
         assert site is not None
         if not self._current(job):
             return  # cancelled before the site heard of it
+        task = asyncio.current_task()
+        assert task is not None
+        under_way = self._submits.setdefault(site, set())
+        under_way.add(task)
+        try:
+            await self._send(job, site, counted)
+        finally:
+            under_way.discard(task)
+            if not under_way and self._submits.get(site) is under_way:
+                del self._submits[site]
+
+    async def dispatches_to(self, site: str, timeout_s: float) -> int:
+        """Wait, at most ``timeout_s``, for the dispatches to ``site`` under way to be confirmed or undone; how
+        many are still under way. A site is rebuilt or removed only once none are: the attempt of a job cancelled
+        while its site was slow to admit it is withdrawn through the adapter that sent it, not through a new one
+        that may not see it (another kubeconfig or namespace) or, for a removed site, not at all."""
+        under_way = self._submits.get(site)
+        if not under_way:
+            return 0
+        _, pending = await asyncio.wait(list(under_way), timeout=timeout_s)
+        return len(pending)
+
+    async def _send(self, job: Job, site: str, counted: Counted | None) -> None:
         member = self.federation.get(site)
         if member is None:
             return await self._requeue(job, "site was removed")

@@ -562,6 +562,11 @@ class Broker:
             busy = self.book.on_site(name)
             if busy:
                 raise SiteConflict(f"site {name} has {len(busy)} active jobs; {what} (cancel them or wait)")
+            # Jobs cancelled while the site was still admitting them: their attempts are withdrawn through the
+            # adapter that sent them (a dispatch is bounded by dispatch_timeout_s, its withdrawal by as much).
+            left = await self.cycle.dispatches_to(name, 2 * self.settings.dispatch_timeout_s + 5)
+            if left:
+                raise SiteConflict(f"site {name} is still being sent {left} cancelled jobs; {what} (wait)")
             yield
         finally:
             self.federation.set_leaving(name, False)

@@ -859,3 +859,45 @@ async def test_a_site_update_made_while_a_job_is_dispatched_there_neither_loses_
     assert site["cordoned"] is True and site["usd_per_gpu_hour"] == {"a100-80gb": 3.0}
     assert [(g["gpus_per_node"], g["nodes"]) for g in site["gpus"]] == [(8, 2)]
     assert site["adapter"]["dispatch_delay_s"] == 0.005
+
+
+@pytest.mark.parametrize("change", ["rebuild", "remove"])
+async def test_a_site_rebuilt_or_removed_after_a_job_was_cancelled_mid_dispatch_takes_the_late_attempt_back(
+        client: TestClient, change: str):
+    """A job cancelled while its site is slow to admit it, then a PUT that rebuilds the site's adapter (or a
+    DELETE): the withdrawal may reach the site before the attempt does (a Kubernetes delete that finds nothing,
+    then the create lands). The attempt that lands late is taken back through the adapter that sent it, before
+    that adapter is replaced or dropped, so nothing is left running at the site that no broker knows of."""
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16})
+    await register(client, body)
+    adapter = client.broker.federation.get("berlin").adapter
+    release, submitted, withdrawn = asyncio.Event(), asyncio.Event(), []
+    submit, cancel = adapter.submit, adapter.cancel
+
+    async def slow_submit(job):
+        submitted.set()
+        await release.wait()
+        return await submit(job)
+
+    async def cancel_that_can_come_first(job_id, attempt):
+        withdrawn.append((job_id, attempt, release.is_set()))
+        if release.is_set():  # before the attempt lands, the site has nothing to withdraw (as a 404 would say)
+            await cancel(job_id, attempt)
+
+    adapter.submit, adapter.cancel = slow_submit, cancel_that_can_come_first
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 600})).json()
+    await asyncio.wait_for(submitted.wait(), 10)
+    assert (await client.post(f"/v1/jobs/{job['id']}/cancel")).status == 200
+    if change == "rebuild":
+        made = asyncio.ensure_future(client.put("/v1/sites/berlin", json={
+            **body, "gpus": [{"model": "a100-80gb", "gpus_per_node": 8, "nodes": 1}]}))
+    else:
+        made = asyncio.ensure_future(client.delete("/v1/sites/berlin"))
+    await asyncio.sleep(0.2)
+    assert not made.done()  # waiting for the dispatch under way to be answered
+    release.set()
+    r = await asyncio.wait_for(made, 10)
+    assert r.status == (200 if change == "rebuild" else 204), await r.text()
+    assert (job["id"], 1, True) in withdrawn  # taken back from the old adapter once it had landed
+    assert not adapter._runs  # nothing left running there
+    assert (await (await client.get(f"/v1/jobs/{job['id']}")).json())["state"] == "cancelled"
