@@ -89,7 +89,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from adapters.base import AttemptLookup, EventKind, EventReceipts, JobEvent, Preempter, QuotaAdmin, SiteAdapter
 from adapters.telemetry import TelemetryFeed, telemetry_feed
 from adapters.mqtt_protocol import (
-    MAX_PAYLOAD_BYTES,
     PUBLISH_TIMEOUT_S,
     Ack,
     AttemptReport,
@@ -112,7 +111,9 @@ from adapters.mqtt_protocol import (
     encode,
     split_attempts,
     tls_context,
+    too_large,
     topic,
+    with_short_reason,
 )
 from broker.clock import Clock, SystemClock
 from broker.config import ConfigError, load_yaml_model
@@ -251,6 +252,7 @@ class SiteAgent:
         # a stop that lands mid-connect never leaves a retained "online" behind (or skips the "offline").
         self._status_lock = asyncio.Lock()
         self._margin_warned = False
+        self._oversize_said: str | None = None  # why the heartbeat could not be sent, as logged
         self._started_mono = time.monotonic()
         self._done = asyncio.Event()
 
@@ -480,14 +482,26 @@ class SiteAgent:
             return
         self._sent_at[seq] = time.monotonic()
         payload = encode(beat)
-        if len(payload) <= MAX_PAYLOAD_BYTES:
+        cap = self.config.mqtt.max_payload_bytes
+        if len(payload) <= cap:
+            self._oversize_said = None
             await self._publish_payload(client, "state", payload, retain=True)
             return
-        # Too large for any receiver (a broker drops it, and the lease would run out with the site at work): the
-        # attempts go in parts after it (mqtt_protocol, "Long lists of attempts"); the heartbeat alone renews
-        # the lease, and a part that does not go out is sent afresh with the next heartbeat's list.
-        head, parts = split_attempts(beat)
-        if not await self._publish(client, "state", head, retain=True):
+        # Too large for the MQTT broker or the receiver (either drops it, and the lease would run out with the
+        # site at work): the attempts go in parts after it (mqtt_protocol, "Long lists of attempts"); the
+        # heartbeat alone renews the lease, and a part that does not go out is sent afresh with the next list.
+        head, parts = split_attempts(beat, cap)
+        head_payload = encode(head)
+        why = too_large(head_payload, cap, "its heartbeat without its attempts (capacity, telemetry, quota state)")
+        if why is not None:  # sent, the MQTT broker would drop it, or close the connection for it
+            if self._oversize_said is None:  # (said once, until one fits again)
+                self._oversize_said = why
+                log.error("site agent %s: %s: not sent, so its lease runs out and its jobs are stopped; raise "
+                          "mqtt.max_payload_bytes here and at the broker as far as the MQTT broker allows", self.site,
+                          why)
+            return
+        self._oversize_said = None
+        if not await self._publish_payload(client, "state", head_payload, retain=True):
             return
         for part in parts:
             if not await self._publish(client, "state", part):
@@ -640,6 +654,9 @@ class SiteAgent:
 
     def _emit(self, event: JobEvent) -> None:
         msg = EventMsg(site=self.site, boot=self.boot, msg_id=next(self._event_ids), event=WireEvent.of(event))
+        # A reason too long for one message is cut short: sent whole, the event would be dropped at every resend
+        # and the job never end at the broker.
+        msg = with_short_reason(msg, self.config.mqtt.max_payload_bytes)
         out = _Outgoing(msg, event)
         self._outbox[msg.msg_id] = out
         if self._client is not None:
@@ -666,7 +683,8 @@ class SiteAgent:
                             "sends a site; clear it with an empty retained publish", self.site, topic_name)
             return
         try:
-            msg = decode(topic_name, payload if isinstance(payload, bytes | bytearray | str) else b"")
+            msg = decode(topic_name, payload if isinstance(payload, bytes | bytearray | str) else b"",
+                         self.config.mqtt.max_payload_bytes)
         except MalformedMessage as e:
             self.malformed[e.reason] += 1
             log.warning("site agent %s: dropped a malformed message on %s: %s", self.site, topic_name, e)
@@ -706,9 +724,24 @@ class SiteAgent:
                     raise
                 finally:
                     self._working.pop(cmd.msg_id, None)
+                reply = self._fitted(reply)
                 self._replies[cmd.msg_id] = reply
                 working.set_result(reply)
         await self._publish(self._client, "up", reply)
+
+    def _fitted(self, reply: Reply) -> Reply:
+        """``reply`` as it can go out under ``mqtt.max_payload_bytes``: its reason cut short, or, where it is still
+        too large (a quota state of very many tenants), a failed reply that says so: the broker hears why at
+        once, not the silence of a command that times out."""
+        cap = self.config.mqtt.max_payload_bytes
+        fitted = with_short_reason(reply, cap)
+        assert isinstance(fitted, Reply)
+        why = too_large(encode(fitted), cap, "the site's reply")
+        if why is None:
+            return fitted
+        log.error("site agent %s: %s: answered not ok instead", self.site, why)
+        return Reply(site=self.site, msg_id=reply.msg_id, ok=False, admitted=reply.admitted,
+                     reason=f"{why}: raise mqtt.max_payload_bytes at the site agent and the broker")
 
     async def _carry_out(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand) -> Reply:
         match cmd:

@@ -67,16 +67,28 @@ Reconciliation
     site (requeued after a lease ran out, withdrawn, finished), and keeps those that are still current.
 
 Long lists of attempts
-    A heartbeat whose payload would be over ``MAX_PAYLOAD_BYTES`` (4 MiB, about 65,000 attempts), which every
+    A heartbeat whose payload would be over ``mqtt.max_payload_bytes`` (``MAX_PAYLOAD_BYTES``, 4 MiB or about
+    65,000 attempts, unless set lower for an MQTT broker with a smaller cap), which the MQTT broker or the
     receiver drops, lists its attempts in ``attempts`` messages instead: the heartbeat says how many
     (``attempt_parts``) and carries none, and each part (``boot``, ``seq`` of that heartbeat, ``part`` of
-    ``parts``) about ``ATTEMPT_PART_BYTES`` of them, published right after it on the same topic, not retained.
+    ``parts``) about ``ATTEMPT_PART_BYTES`` of them (less, to fit under ``mqtt.max_payload_bytes``), published
+    right after it on the same topic, not retained.
     The heartbeat renews the lease on its own, whatever becomes of its parts. The broker takes the list once
     every part of one heartbeat has come, in any order and however often (a part of an older heartbeat than
     the list it holds, or of a replaced agent process, is dropped); until then it keeps the list it had. A list
     lost in part is replaced by the next heartbeat's. A heartbeat that fits is sent as before, without
     ``attempt_parts``, so a broker of an earlier release takes it; such a broker refuses a split one (a key it
     does not know), as it dropped the oversize heartbeat before.
+
+The size of a message
+    Neither side sends a payload over its ``mqtt.max_payload_bytes`` (default ``MAX_PAYLOAD_BYTES``), nor takes
+    one (dropped as ``too-large``): an MQTT broker with a smaller cap drops what is over it without a word
+    (Mosquitto's ``message_size_limit``), or closes the connection that sent it (a cap on packets). Beyond the
+    split list of attempts: an event's or a reply's ``reason`` (a site's own words) is cut short to fit
+    (:func:`with_short_reason`); a reply still too large (a quota state of very many tenants) goes as a failed
+    one saying so; a heartbeat too large without its attempts is not sent (an error, logged once), and the
+    broker refuses a job whose dispatch would be too large at once, naming the setting. The client speaks
+    MQTT 3.1.1, whose CONNACK announces no cap: it is not learnt from the MQTT broker, it is set.
 """
 
 from __future__ import annotations
@@ -103,7 +115,7 @@ from pydantic import (
 )
 
 from adapters.base import EventKind, JobEvent
-from broker.models import Job, MqttSettings, QuotaState, SiteState, TenantQuota, UtcDatetime
+from broker.models import MQTT_MAX_PAYLOAD_BYTES, Job, MqttSettings, QuotaState, SiteState, TenantQuota, UtcDatetime
 
 MAX_RUN_S = 10 * 366 * 86400.0  # ten years: more than any attempt runs, less than a float that breaks a date
 
@@ -111,7 +123,8 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 ROOT = f"heliotrope/v{VERSION}/sites"
-MAX_PAYLOAD_BYTES = 4 << 20
+MAX_PAYLOAD_BYTES = MQTT_MAX_PAYLOAD_BYTES
+"""The largest payload either side sends or takes where ``mqtt.max_payload_bytes`` is not set."""
 ATTEMPT_PART_BYTES = 1 << 20
 """About how much of a split list of attempts one ``attempts`` message carries (see "Long lists of attempts")."""
 MAX_ATTEMPT_PARTS = 10_000
@@ -318,14 +331,19 @@ class AttemptsPart(_Msg):
     attempts: list[AttemptReport]
 
 
-def split_attempts(beat: Heartbeat) -> tuple[Heartbeat, list[AttemptsPart]]:
+def split_attempts(beat: Heartbeat, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> tuple[Heartbeat, list[AttemptsPart]]:
     """``beat`` as it goes out where it is too large to go whole: without its attempts, which go in parts of
-    about ``ATTEMPT_PART_BYTES`` each (by their length in JSON; one part at least)."""
+    about ``ATTEMPT_PART_BYTES`` each, or less where each would be over ``max_payload_bytes`` (by their length
+    in JSON; one part at least)."""
+    frame = len(encode(AttemptsPart(site=beat.site, boot=beat.boot, seq=beat.seq, part=MAX_ATTEMPT_PARTS - 1,
+                                    parts=MAX_ATTEMPT_PARTS, attempts=[])))
+    budget = max(1, min(ATTEMPT_PART_BYTES, max_payload_bytes - frame))
     chunks: list[list[AttemptReport]] = [[]]
     size = 0
     for report in beat.attempts:
+        # (json.dumps writes every character outside ASCII as \uXXXX: never shorter than the UTF-8 sent)
         length = len(json.dumps(report.job_id)) + len(str(report.attempt)) + len(report.status) + _REPORT_FRAME
-        if size + length > ATTEMPT_PART_BYTES and chunks[-1]:
+        if size + length > budget and chunks[-1]:
             chunks.append([])
             size = 0
         chunks[-1].append(report)
@@ -461,6 +479,39 @@ def encode(msg: BaseModel) -> bytes:
     return msg.model_dump_json(exclude_none=False).encode()
 
 
+def too_large(payload: bytes, max_payload_bytes: int, what: str) -> str | None:
+    """Why ``payload`` (``what`` it is) cannot go out under ``max_payload_bytes``, or None where it fits. The
+    MQTT broker would drop it (or close the connection that sent it), and the other side would refuse it."""
+    if len(payload) <= max_payload_bytes:
+        return None
+    return (f"{what} is {len(payload)} bytes, more than mqtt.max_payload_bytes ({max_payload_bytes}), which the "
+            "MQTT broker and the other side take")
+
+
+_ELLIPSIS = " [...]"
+
+
+def with_short_reason(msg: EventMsg | Reply, max_payload_bytes: int) -> EventMsg | Reply:
+    """``msg`` with its ``reason`` (a site's own words, of any length) cut short so that it fits under
+    ``max_payload_bytes`` where it is the reason that does not; ``msg`` itself where it fits, or has no reason
+    to cut."""
+    excess = len(encode(msg)) - max_payload_bytes
+    reason = msg.event.reason if isinstance(msg, EventMsg) else msg.reason
+    if excess <= 0 or not reason:
+        return msg
+    # Cut by characters, the excess counted in bytes as JSON writes them (at most 6 per character: \uXXXX).
+    keep = max(0, len(reason) - excess - len(_ELLIPSIS))
+    while True:
+        short = reason[:keep] + _ELLIPSIS
+        if isinstance(msg, EventMsg):
+            cut: EventMsg | Reply = msg.model_copy(update={"event": msg.event.model_copy(update={"reason": short})})
+        else:
+            cut = msg.model_copy(update={"reason": short})
+        if len(encode(cut)) <= max_payload_bytes or keep == 0:
+            return cut
+        keep = max(0, keep - max(1, (len(encode(cut)) - max_payload_bytes)))
+
+
 def parse_topic(name: str) -> tuple[str, str]:
     """(site, channel) of a protocol topic; MalformedMessage for any other topic."""
     parts = name.split("/")
@@ -469,15 +520,16 @@ def parse_topic(name: str) -> tuple[str, str]:
     return parts[3], parts[4]
 
 
-def decode(topic_name: str, payload: bytes | bytearray | str) -> Any:
+def decode(topic_name: str, payload: bytes | bytearray | str, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> Any:
     """The message a payload carries on ``topic_name``, checked against the topic's site and channel.
-    Raises :class:`MalformedMessage` for anything else; an empty payload (a retained message cleared)
-    decodes to None."""
+    Raises :class:`MalformedMessage` for anything else (a payload over ``max_payload_bytes``, this side's
+    ``mqtt.max_payload_bytes``, too); an empty payload (a retained message cleared) decodes to None."""
     site, channel = parse_topic(topic_name)
     if not payload:
         return None
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise MalformedMessage("too-large", f"{len(payload)} bytes is more than {MAX_PAYLOAD_BYTES}")
+    if len(payload) > max_payload_bytes:
+        raise MalformedMessage("too-large", f"{len(payload)} bytes is more than mqtt.max_payload_bytes "
+                                            f"({max_payload_bytes})")
     try:
         doc = json.loads(payload)
     except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, or nested too deep to parse

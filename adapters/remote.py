@@ -109,13 +109,26 @@ class MqttHub:
             self._task = None
         self.connected.clear()
 
+    def oversize(self, msg: BaseModel) -> str | None:
+        """Why ``msg`` cannot go down to an agent (its payload is over ``mqtt.max_payload_bytes``), or None."""
+        kind = getattr(msg, "kind", "message")
+        return proto.too_large(proto.encode(msg), self.settings.max_payload_bytes, f"the {kind}")
+
     async def publish(self, site: str, msg: BaseModel, qos: int = 1) -> bool:
-        """Send ``msg`` down to ``site``'s agent. False when not connected: the caller's resend covers it."""
+        """Send ``msg`` down to ``site``'s agent. False when not connected (the caller's resend covers it), or
+        when ``msg`` is over ``mqtt.max_payload_bytes`` (logged: the MQTT broker would drop it, or close the
+        connection for it; :meth:`RemoteSite.submit` refuses such a job before it comes to that)."""
         client = self._client
         if client is None or not self.connected.is_set():
             return False
+        payload = proto.encode(msg)
+        kind = getattr(msg, "kind", "message")
+        why = proto.too_large(payload, self.settings.max_payload_bytes, f"a {kind} for site {site}")
+        if why is not None:
+            log.error("mqtt: %s: not sent", why)
+            return False
         try:
-            await client.publish(proto.topic(site, "down"), proto.encode(msg), qos=qos)
+            await client.publish(proto.topic(site, "down"), payload, qos=qos)
             return True
         except aiomqtt.MqttError as e:
             log.debug("mqtt: publish to %s failed: %s", site, e)
@@ -154,7 +167,8 @@ class MqttHub:
         self.received += 1
         name = str(message.topic)
         try:
-            msg = proto.decode(name, message.payload if isinstance(message.payload, bytes | bytearray) else b"")
+            msg = proto.decode(name, message.payload if isinstance(message.payload, bytes | bytearray) else b"",
+                               self.settings.max_payload_bytes)
         except proto.MalformedMessage as e:
             self.malformed[e.reason] += 1
             log.warning("mqtt: dropped a malformed message on %s: %s", name, e)
@@ -470,6 +484,11 @@ class RemoteSite:
     async def submit(self, job: Job) -> Admission:
         if self._expired or self._heard_mono is None:
             return Admission.rejected("the site holds no lease (its agent is not heard from)")
+        why = self._hub.oversize(proto.Dispatch(site=self.name, msg_id=f"{self._prefix}-{10**12}", job=job))
+        if why is not None:  # the MQTT broker would drop it, and the dispatch time out: refused at once, saying why
+            return Admission.rejected(f"{why}: the job is too large to send to a site agent; raise "
+                                      "mqtt.max_payload_bytes at the broker and the agents as far as the MQTT "
+                                      "broker allows")
         key = (job.id, job.attempt)
         self._ours.add(key)  # from now: a lease that runs out during the dispatch gives this attempt up too
         try:

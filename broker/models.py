@@ -461,6 +461,16 @@ class KubernetesAdapterConfig(Spec):
         return value
 
 
+MQTT_MAX_PAYLOAD_BYTES = 4 << 20
+"""``mqtt.max_payload_bytes`` unset: 4 MiB, more than any heartbeat of 65,000 attempts needs whole."""
+MQTT_MIN_PAYLOAD_BYTES = 16 << 10
+"""The least ``mqtt.max_payload_bytes`` takes: a heartbeat's report (capacity, telemetry, a quota state of
+some forty tenants) must fit in one message, and each part of a split list of attempts must hold some."""
+MQTT_LARGEST_PAYLOAD_BYTES = (256 << 20) - (1 << 10)
+"""The most ``mqtt.max_payload_bytes`` takes: MQTT's own limit on a packet (256 MiB less one byte, topic and
+header included), less room for the topic and header."""
+
+
 class MqttSettings(Spec):
     """How to reach the MQTT broker (Mosquitto or any MQTT 3.1.1 broker) that carries the site protocol."""
 
@@ -480,6 +490,24 @@ class MqttSettings(Spec):
     keepalive_s: int = Field(default=10, ge=2, le=3600, description="MQTT keepalive; the last will fires after 1.5x")
     reconnect_max_s: float = Field(default=5.0, gt=0, le=300, description="longest wait between reconnect attempts")
     client_id: str | None = Field(default=None, description="None: heliotrope-broker, or heliotrope-agent-SITE")
+    max_payload_bytes: int = Field(
+        default=MQTT_MAX_PAYLOAD_BYTES,
+        description="the largest message payload this side sends and takes: set it to the MQTT broker's cap "
+                    "(Mosquitto's message_size_limit, AWS IoT's 128 KB), or to a cap on whole packets (EMQX's "
+                    "and Mosquitto's max_packet_size) less 512 bytes for the topic and header. The same on the "
+                    "broker and every agent; a site agent sends a longer list of attempts in parts that fit")
+
+    @field_validator("max_payload_bytes")
+    @classmethod
+    def _payload_cap(cls, value: int) -> int:
+        if value < MQTT_MIN_PAYLOAD_BYTES:
+            raise ValueError(f"{value} bytes is less than {MQTT_MIN_PAYLOAD_BYTES} (16 KiB), the least a heartbeat's "
+                             "report needs in one message: give the MQTT broker's cap on a message (for AWS IoT, "
+                             "131072), or raise that cap")
+        if value > MQTT_LARGEST_PAYLOAD_BYTES:
+            raise ValueError(f"{value} bytes is more than {MQTT_LARGEST_PAYLOAD_BYTES}, the most an MQTT packet holds "
+                             "with its topic (256 MiB)")
+        return value
 
     @model_validator(mode="after")
     def _client_cert_pair(self) -> MqttSettings:

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from adapters.agent import NO_LEASE, AgentConfig, SiteAgent, load_agent_config, main
-from adapters.base import EventKind
+from adapters.base import EventKind, JobEvent
 from adapters.mqtt_protocol import (
     Ack,
     Cancel,
@@ -898,5 +898,63 @@ async def test_credentials_the_mqtt_broker_refuses_are_named_with_the_settings_t
                 await until(lambda: "refused the credentials" in caplog.text, what="the refusal, named")
             assert ("check mqtt.username and the password in the variable mqtt.password_env names "
                     "(HELIOTROPE_TEST_MQTT_PASSWORD)") in caplog.text
+        finally:
+            await agent.stop()
+
+
+SMALL_CAP = 16 << 10
+
+
+async def test_a_reply_or_event_reason_too_long_for_the_mqtt_brokers_cap_is_cut_short_and_still_arrives(tmp_path):
+    """A site's own words (an adapter's error, a failed job's reason) can be of any length: sent whole over an
+    MQTT broker with a 16 KiB cap, the reply would be dropped (the broker's command times out, not saying why)
+    and the event dropped at every resend (the job never ends at the broker). Cut to fit, both arrive."""
+    name = unique_site()
+    words = "the site said: " + "x" * 50_000
+
+    class Wordy(SimulatedSite):
+        async def cancel(self, job_id: str, attempt: int) -> None:
+            raise RuntimeError(words)
+
+    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"message_size_limit {SMALL_CAP}"]) as mosq:
+        spec = site_spec(name)
+        agent = SiteAgent(AgentConfig(site=spec, mqtt=MqttSettings(port=mosq.port, reconnect_max_s=0.5,
+                                                                   max_payload_bytes=SMALL_CAP),
+                                      heartbeat_s=HEARTBEAT_S, resend_s=0.3),
+                          adapter=Wordy(spec, SystemClock()))
+        try:
+            async with BrokerSide(name, port=mosq.port) as side:
+                await agent.start()
+                await side.wait_for(lambda m: isinstance(m, Heartbeat))
+                await side.send(Cancel(site=name, msg_id="c1", job_id="j1", attempt=1))
+                reply = await side.reply("c1")
+                assert not reply.ok and reply.reason is not None
+                assert reply.reason.startswith("the site said: xxx") and reply.reason.endswith(" [...]")
+                assert len(encode(reply)) <= SMALL_CAP
+                agent._on_event(JobEvent("j2", 1, EventKind.FAILED, datetime.now(UTC), reason=words))
+                _, event = await side.event("j2", EventKind.FAILED)
+                assert event.event.reason.startswith("the site said: xxx") and event.event.reason.endswith(" [...]")
+        finally:
+            await agent.stop()
+
+
+async def test_a_quota_reply_too_large_for_the_cap_is_answered_not_ok_saying_so(tmp_path):
+    """A site's quota state of very many tenants cannot be cut short: the agent answers not ok, naming the
+    setting, so the broker's quota command fails at once with the reason, not after its time-out."""
+    name = unique_site()
+    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"message_size_limit {SMALL_CAP}"]) as mosq:
+        spec = site(name, gpus={"a100-80gb": 8}, adapter=SimulatedAdapterConfig(dispatch_delay_s=0.01).model_dump(),
+                    quotas=[{"tenant": f"tenant-{i:04d}", "guaranteed_gpus": 0, "burst_gpus": 1} for i in range(300)])
+        agent = SiteAgent(AgentConfig(site=spec, mqtt=MqttSettings(port=mosq.port, reconnect_max_s=0.5,
+                                                                   max_payload_bytes=SMALL_CAP),
+                                      heartbeat_s=HEARTBEAT_S, resend_s=0.3))
+        try:
+            async with BrokerSide(name, port=mosq.port) as side:
+                await agent.start()
+                await side.wait_for(lambda m: isinstance(m, Status) and m.online)  # (subscribed by then)
+                await side.send(QuotaCommand(site=name, msg_id="q1", op="get"))
+                reply = await side.reply("q1")
+                assert not reply.ok and reply.quota is None
+                assert "mqtt.max_payload_bytes" in (reply.reason or "") and f"({SMALL_CAP})" in reply.reason
         finally:
             await agent.stop()

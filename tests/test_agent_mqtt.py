@@ -31,7 +31,7 @@ from broker.auth import ANONYMOUS_ADMIN
 from broker.cli import _site_row
 from broker.clock import Clock, SystemClock
 from broker.config import BrokerSettings
-from broker.models import Health, Job, JobState
+from broker.models import Health, Job, JobState, SiteState
 from broker.service import Broker
 from tests.builders import job, site
 from tests.conftest import ROOT
@@ -407,3 +407,60 @@ async def test_a_site_holding_70000_attempts_keeps_its_lease_and_the_broker_take
         await agent.stop()
         await remote.close()
         await hub.close()
+
+
+CAP = 64 << 10
+"""The MQTT broker's cap on a message in the tests below (Mosquitto's ``message_size_limit``)."""
+
+
+@pytest.mark.parametrize(("told", "heard"), [
+    pytest.param(True, True, id="an agent told the MQTT broker's cap splits its heartbeat to fit and keeps its lease"),
+    pytest.param(False, False, id="an agent not told the cap sends its heartbeat whole, and the MQTT broker drops it"),
+])
+async def test_a_heartbeat_over_the_mqtt_brokers_cap_on_a_message_is_split_to_fit_when_the_cap_is_set(
+        tmp_path, told: bool, heard: bool) -> None:
+    """An MQTT broker with a smaller cap than 4 MiB (EMQX's 1 MB, AWS IoT's 128 KB, Mosquitto's
+    message_size_limit) drops a heartbeat over it without a word: the site would go unhealthy and its jobs be
+    taken for lost while they run. With ``mqtt.max_payload_bytes`` set to the cap, the list of 3,000 attempts
+    (about 170 KB) goes in parts that fit, and the broker holds the whole of it."""
+    held = {(f"{i:018d}", 1) for i in range(3_000)}  # ids as long as the broker's
+
+    class Crowded(SimulatedSite):
+        async def known_attempts(self) -> set[tuple[str, int]]:
+            return set(held)
+
+    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"message_size_limit {CAP}"]) as mosq:
+        settings = mosq.settings(max_payload_bytes=CAP) if told else mosq.settings()
+        hub = MqttHub(settings)
+        remote = RemoteSite(site("edge", gpus={"a100-80gb": 16}, adapter={"kind": "mqtt", "lease_s": 10}),
+                            SystemClock(), hub)
+        spec = edge_spec(FAST)
+        agent = SiteAgent(AgentConfig(site=spec, mqtt=settings, heartbeat_s=0.2), adapter=Crowded(spec, SystemClock()))
+        await hub.start()
+        await remote.start()
+        await agent.start()
+        try:
+            assert len(agent.held) == 3_000
+            assert len(proto.encode(proto.Heartbeat(  # the list alone is over the cap
+                site="edge", boot="b", seq=1, sent_at=SystemClock().now(), lease_s=10, state=SiteState(site="edge"),
+                attempts=[proto.AttemptReport(job_id=j, attempt=a, status="running") for j, a in held]))) > CAP
+            deadline = time.monotonic() + (8 if heard else 2)
+            got = None
+            while time.monotonic() < deadline:  # after two heartbeats at least, the broker holds the whole list
+                with contextlib.suppress(AdapterError):
+                    if remote._seq >= 2 and (got := await remote.known_attempts()) == held:
+                        break
+                await asyncio.sleep(0.05)
+            if heard:
+                assert got == held, f"no whole list; dropped: {dict(hub.malformed)}\n{mosq.log_tail()}"
+                assert (await remote.snapshot()).health == Health.HEALTHY
+                remaining = agent.lease_remaining_s()
+                assert remaining is not None and remaining > 0 and hub.malformed == {}
+            else:
+                assert remote._seq == -1 and got is None  # not one heartbeat came through
+                with pytest.raises(AdapterError, match="no heartbeat"):
+                    await remote.snapshot()
+        finally:
+            await agent.stop()
+            await remote.close()
+            await hub.close()

@@ -141,6 +141,12 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             id="a port out of range names broker.port",
         ),
         pytest.param(
+            "broker: {mqtt: {max_payload_bytes: 1000}}\n",
+            ["broker.mqtt.max_payload_bytes: 1000 bytes is less than 16384 (16 KiB), the least a heartbeat's report "
+             "needs in one message"],
+            id="a cap on MQTT messages too small for a heartbeat names broker.mqtt.max_payload_bytes and the least",
+        ),
+        pytest.param(
             "sites:\n" + site_yaml("ashburn").replace("latitude: 33.2", "latitude: 133.2"),
             ["sites[0].latitude: Input should be less than or equal to 90"],
             id="a latitude out of range names the site's latitude",

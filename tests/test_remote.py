@@ -467,3 +467,48 @@ def test_a_long_list_is_split_into_parts_each_well_under_the_payload_limit() -> 
     sizes = [len(proto.encode(p)) for p in parts]
     assert len(parts) == head.attempt_parts > 1 and max(sizes) <= proto.ATTEMPT_PART_BYTES + 1024
     assert [a for p in parts for a in p.attempts] == beat.attempts
+
+
+@pytest.mark.parametrize("cap", [16 << 10, 64 << 10, 128_000], ids=lambda cap: f"under a cap of {cap} bytes")
+def test_a_long_list_is_split_into_parts_that_each_fit_under_the_payload_cap_set(cap: int) -> None:
+    attempts = tuple((f"{i:018d}", 1) for i in range(5_000))
+    beat = heartbeat(4, attempts=attempts)
+    head, parts = proto.split_attempts(beat, cap)
+    sizes = [len(proto.encode(p)) for p in [head, *parts]]
+    assert max(sizes) <= cap and len(parts) == head.attempt_parts > 1
+    assert max(sizes[1:]) > cap * 0.9  # not needlessly many parts
+    assert [a for p in parts for a in p.attempts] == beat.attempts
+
+
+async def test_the_hub_drops_a_payload_over_its_own_cap_as_too_large() -> None:
+    hub = MqttHub(MqttSettings(max_payload_bytes=16 << 10))
+    edge_ = RemoteSite(site("edge", adapter={"kind": "mqtt"}), SystemClock(), hub)
+    await edge_.start()
+    try:
+        hub._on_message(message(proto.topic("edge", "state"),
+                                proto.encode(heartbeat(1, attempts=tuple((f"{i:018d}", 1) for i in range(500))))))
+        assert hub.malformed == {"too-large": 1}
+        hub._on_message(message(proto.topic("edge", "state"), proto.encode(heartbeat(2))))
+        await settle()
+        assert (await edge_.snapshot()).health == Health.HEALTHY
+    finally:
+        await edge_.close()
+
+
+async def test_a_job_too_large_for_the_payload_cap_is_refused_at_once_saying_why(edge) -> None:
+    """Sent, the dispatch would be dropped by the MQTT broker at every resend, and the job wait out the command
+    time-out for nothing: the site refuses it at once, naming the setting."""
+    s, hub = edge
+    hub.settings = MqttSettings(max_payload_bytes=16 << 10)
+    s.receive(heartbeat(1))
+    big = Job(id="big", spec=job(labels={f"k{i}": "v" * 100 for i in range(200)}), attempt=1, created_at=NOW,
+              updated_at=NOW, site="edge")
+    started = time.monotonic()
+    admission = await s.submit(big)
+    assert time.monotonic() - started < 0.1
+    assert not admission.admitted and "mqtt.max_payload_bytes (16384)" in (admission.reason or "")
+    assert hub.of(proto.Dispatch) == []
+    small = asyncio.create_task(s.submit(a_job("small")))  # a job that fits still goes
+    await asyncio.sleep(0.05)
+    s.receive(proto.Reply(site="edge", msg_id=hub.of(proto.Dispatch)[-1].msg_id, ok=True, admitted=True))
+    assert (await small).admitted
