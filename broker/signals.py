@@ -53,7 +53,10 @@ Forecasts kept in the store (:data:`FORECASTS_STATE`)
     back before its first round, so a broker that starts while its provider is down forecasts from them as a
     running broker does from its last forecast: shifted to ``now``'s hour, and no longer than
     ``stale_after_s`` after they were *made* (fetched), not after the restart. A zone's first good round
-    replaces its kept forecast.
+    replaces its kept forecast. A store that cannot be read then (PostgreSQL restarting) is read again in the
+    background while the first round runs (tenacity, backing off, for at most :data:`RESTORE_RETRY_S`): the
+    start does not wait for it, :meth:`GridSignals.wait_ready` (the first pass) does, and nothing is saved
+    over the kept forecasts meanwhile.
 
     What is kept is each zone's forecast row as made (its ``reach_h`` values, 168 by default, its first hour
     and when it was made: about 3.4 KB of JSON a zone), not the history the forecaster fits on: that is
@@ -90,6 +93,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from broker.clock import Clock
 from broker.errors import located, problems
@@ -145,6 +149,16 @@ broker stops: a crash loses at most that many seconds of them (a round is hourly
 
 FORECASTS_VERSION = 1
 """The kept document's format; a document of another is ignored, with a warning."""
+
+RESTORE_RETRY_S = 20.0
+"""For how long at most, after the read at start failed (a store briefly away: PostgreSQL restarting), the
+forecasts kept in the store are read again in the background while the first round runs: within the broker's
+wait for its first forecasts before its first pass (``FIRST_PASS_WAIT_S``, 30 s)."""
+
+_RESTORE_FIRST_WAIT_S = 0.25
+"""The wait before the first of those reads; each later wait doubles, up to :data:`_RESTORE_WAIT_MAX_S`."""
+_RESTORE_WAIT_MAX_S = 4.0
+"""The longest wait between two of those reads."""
 
 ModelChoice = Literal["seasonal_naive", "holt_winters", "auto"]
 
@@ -351,6 +365,8 @@ class GridSignals:
         self._task: asyncio.Task[None] | None = None
         self._new_zone = asyncio.Event()  # a snapshot asked for a zone never fetched
         self._ready = asyncio.Event()  # the first round is done
+        self._restoring: asyncio.Task[int] | None = None  # reading the kept forecasts again after a failed read
+        self.restore_retry_s = RESTORE_RETRY_S
         self.rounds = 0
 
     def __repr__(self) -> str:
@@ -360,20 +376,28 @@ class GridSignals:
 
     async def start(self) -> None:
         """Take up the forecasts kept in the store (if given one), then start the refresh task: a round at
-        once, then one every ``refresh_s``."""
+        once, then one every ``refresh_s``. Where the store cannot be read, it is read again in the background
+        (:meth:`_restore_retrying`) while the first round runs."""
         if self._task is None:
+            loop = asyncio.get_running_loop()
             if self._store is not None:
-                await self.restore()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="grid-signals")
+                try:
+                    await self.restore(raise_unreadable=True)
+                except StoreError as e:
+                    log.warning("carbon forecast: could not read the forecasts kept in the store (%s); reading "
+                                "them again for up to %g s while the first round runs", e, self.restore_retry_s)
+                    self._restoring = loop.create_task(self._restore_retrying(), name="grid-signals-restore")
+            self._task = loop.create_task(self._run(), name="grid-signals")
 
     async def stop(self, keep: bool = False) -> None:
         """Cancel the refresh task (a round in progress is abandoned), save the forecasts not saved yet if
         ``keep`` (a broker that stops; not a deposed leader, whose writes the store refuses), and close the
         provider."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._restoring):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = None
         if keep:
             await self.keep(final=True)
         await self.provider.close()
@@ -399,8 +423,8 @@ class GridSignals:
         store's fence refuses the write if another has taken over). A failure is logged and tried again
         :data:`FORECASTS_SAVE_S` later."""
         changes = self._changes
-        if self._store is None or changes == self._saved_changes:
-            return
+        if self._store is None or changes == self._saved_changes or self._restore_pending():
+            return  # (nothing saved over the kept forecasts while they are still being read)
         now = self._clock.now()
         self._save_tried_at = now
         if not (final or self._may_act()):
@@ -429,15 +453,51 @@ class GridSignals:
             except Exception:  # a bug here must not end the rounds
                 log.exception("carbon forecast: saving the forecasts failed")
 
-    async def restore(self) -> int:
+    def _restore_pending(self) -> bool:
+        """Whether the kept forecasts are still being read again (nothing is saved over them meanwhile)."""
+        return self._restoring is not None and not self._restoring.done()
+
+    async def _restore_retrying(self) -> int:
+        """Read the kept forecasts again after a failed read, backing off, for at most ``restore_retry_s``
+        (tenacity); each failure is a WARNING, and the last one says the zones go without them."""
+
+        def failed(state: RetryCallState) -> None:
+            assert state.outcome is not None
+            log.warning("carbon forecast: reading the forecasts kept in the store failed again (%s); trying "
+                        "again in %.1f s", state.outcome.exception(), state.upcoming_sleep)
+
+        tries = 1  # the read at start
+        try:
+            async with asyncio.timeout(self.restore_retry_s):  # (a read that hangs counts too)
+                async for attempt in AsyncRetrying(
+                        retry=retry_if_exception_type(StoreError), stop=stop_after_delay(self.restore_retry_s),
+                        wait=wait_exponential(multiplier=_RESTORE_FIRST_WAIT_S, max=_RESTORE_WAIT_MAX_S),
+                        before_sleep=failed, reraise=True):
+                    with attempt:
+                        if tries == 1:  # not at once again: the read at start has just failed
+                            await asyncio.sleep(_RESTORE_FIRST_WAIT_S)
+                        tries += 1
+                        taken = await self.restore(raise_unreadable=True)
+        except (StoreError, TimeoutError) as e:
+            log.warning("carbon forecast: could not read the forecasts kept in the store in %d tries within %g s "
+                        "(%s); the zones have none until a round succeeds", tries, self.restore_retry_s,
+                        e if isinstance(e, StoreError) else "the last read did not answer in time")
+            return 0
+        log.info("carbon forecast: read the forecasts kept in the store at try %d", tries)
+        return taken
+
+    async def restore(self, raise_unreadable: bool = False) -> int:
         """Take up the forecasts the store keeps, for the zones wanted now, as each zone's last forecast
-        (until a round replaces it, and no longer than ``stale_after_s`` after it was made). Returns how many
-        zones got one. Never raises for what the store holds: a document or entry that cannot be read is
-        ignored with a WARNING, as is a store that cannot be read."""
+        (until a round replaces it, and no longer than ``stale_after_s`` after it was made); a zone a round
+        has made a forecast for already keeps that one. Returns how many zones got one. Never raises for what
+        the store holds: a document or entry that cannot be read is ignored with a WARNING, as is a store that
+        cannot be read, unless ``raise_unreadable`` (then its StoreError is raised)."""
         assert self._store is not None
         try:
             doc = await self._store.get_state(FORECASTS_STATE)
         except StoreError as e:
+            if raise_unreadable:
+                raise
             log.warning("carbon forecast: could not read the forecasts kept in the store (%s); the zones have "
                         "none until a round succeeds", e)
             return 0
@@ -463,6 +523,9 @@ class GridSignals:
         for zone, entry in sorted(kept.zones.items()):
             if zone not in wanted:
                 continue  # no site is in that zone now
+            made = self.zones.get(zone)
+            if made is not None and made.forecast is not None:
+                continue  # a round has made one (read again after a failed read, while the first round ran)
             try:
                 k = _KeptForecast.model_validate(entry)
                 if len(k.values) != length:
@@ -481,7 +544,8 @@ class GridSignals:
             values.setflags(write=False)
             forecast = FittedForecast(zone, k.first_hour.astimezone(UTC), k.made_at.astimezone(UTC),
                                       k.history_end.astimezone(UTC), k.model, dict(k.params), values, dict(k.mae))
-            self.zones[zone] = ZoneState(forecast=forecast, kept=True)
+            state = self.zones.setdefault(zone, ZoneState())
+            state.forecast, state.kept = forecast, True
             taken.append(f"{zone} (made {_fmt(k.made_at)})")
         if taken:
             log.info("carbon forecast: took up the forecasts kept in the store for %s; each is used until a round "
@@ -494,7 +558,8 @@ class GridSignals:
         return sum(1 for z, st in self.zones.items() if st.kept and self._usable(z, now) is not None)
 
     async def wait_ready(self) -> None:
-        """Return once the first round has finished (each zone succeeded or failed)."""
+        """Return once the first round has finished (each zone succeeded or failed), and the kept forecasts
+        a failed read at start left out are read again, or given up on (at most ``restore_retry_s``)."""
         await self._ready.wait()
 
     async def _run(self) -> None:
@@ -504,6 +569,9 @@ class GridSignals:
                 await self.refresh()
             except Exception:  # each zone's failure is handled in its round; this is a bug, not an outage
                 log.exception("carbon forecast: the refresh round failed; trying again in refresh_s")
+            if self._restoring is not None and not self._ready.is_set():
+                # ready once the kept forecasts are in too, or given up (bounded by restore_retry_s)
+                await asyncio.gather(self._restoring, return_exceptions=True)
             self._ready.set()
             await self._keep_due()
             await self._wait_until(started + timedelta(seconds=self.settings.refresh_s))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -26,7 +27,8 @@ from broker.models import JobState, SimulatedAdapterConfig, SiteSpec
 from broker.providers import FileCarbonProvider, FilePriceProvider, HttpCarbonProvider, build_price_provider
 from broker.providers.carbon import ProviderError
 from broker.service import Broker, adapter_factory
-from broker.signals import CarbonForecastSettings, GridSignals, fit_forecast
+from broker.store import StoreError
+from broker.signals import FORECASTS_STATE, CarbonForecastSettings, GridSignals, fit_forecast
 from policies import explain
 from policies.snapshot import MODEL_INDEX, JobRequest
 from tests.builders import job, site
@@ -601,6 +603,74 @@ async def test_kept_forecasts_older_than_stale_after_s_are_not_used(carbon, make
     finally:
         await b.stop()
     # and the stop saved nothing over them: a broker with its provider down has nothing new to keep
+    again = await started_down(make_broker, ManualClock(NOW + 5 * H))
+    try:
+        assert again.signals.kept_in_use(again.clock.now()) == 2
+    finally:
+        await again.stop()
+
+
+def reads_failing(monkeypatch: pytest.MonkeyPatch, b: Broker, failures: int | None) -> list[float]:
+    """Make ``b``'s store fail its first ``failures`` reads of the kept forecasts (None: every read), as a
+    PostgreSQL that is restarting does; returns when each read came (monotonic)."""
+    store_type = type(b.store)
+    real = store_type.get_state
+    reads: list[float] = []
+
+    async def flaky(self: Any, name: str) -> str | None:
+        if name == FORECASTS_STATE:
+            reads.append(time.monotonic())
+            if failures is None or len(reads) <= failures:
+                raise StoreError("connection refused (the database is restarting)")
+        return await real(self, name)
+
+    monkeypatch.setattr(store_type, "get_state", flaky)
+    return reads
+
+
+@pytest.mark.parametrize("failures", [1, 3], ids=["the first read fails", "the first three reads fail"])
+async def test_kept_forecasts_a_store_could_not_read_at_first_are_read_again_before_the_first_pass(
+        carbon, make_broker, monkeypatch, caplog, failures: int) -> None:
+    # A store briefly away at the start (PostgreSQL restarting with the broker) left the zones without their kept
+    # forecasts until a round succeeded, with the provider down: the first pass decided every deferred job
+    # carbon-blind. The reads go on in the background (the start is not held up), and the first pass waits for them.
+    made = await fetched_and_stopped(carbon, make_broker)
+    clock = ManualClock(NOW + 5 * H)
+    b = make_broker(DownCarbon(), clock)
+    reads = reads_failing(monkeypatch, b, failures)
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="broker.signals"):
+        await b.start([LONDON, FRANKFURT], run_loop=False)
+        assert time.monotonic() - started < 1.0, "the start waits for no second read"
+        try:
+            await asyncio.wait_for(b.signals.wait_ready(), 10)
+            assert len(reads) == failures + 1 and b.signals.kept_in_use(clock.now()) == 2
+            np.testing.assert_array_equal(row(b.federation.freeze(clock.now()), "london")[:-5], made[5:])
+            assert "could not read the forecasts kept in the store (connection refused" in caplog.text
+            assert f"read the forecasts kept in the store at try {failures + 1}" in caplog.text
+        finally:
+            await b.stop()
+
+
+async def test_a_store_that_stays_away_is_given_up_within_its_bound_and_the_zones_go_without(
+        carbon, make_broker, monkeypatch, caplog) -> None:
+    await fetched_and_stopped(carbon, make_broker)
+    monkeypatch.setattr("broker.signals.RESTORE_RETRY_S", 1.0)
+    clock = ManualClock(NOW + 5 * H)
+    b = make_broker(DownCarbon(), clock)
+    reads = reads_failing(monkeypatch, b, None)
+    with caplog.at_level(logging.WARNING, logger="broker.signals"):
+        await b.start([LONDON, FRANKFURT], run_loop=False)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(b.signals.wait_ready(), 10)
+            assert time.monotonic() - started < 2.0 and len(reads) >= 3
+            assert b.signals.kept_in_use(clock.now()) == 0
+            assert f"could not read the forecasts kept in the store in {len(reads)} tries within 1 s" in caplog.text
+        finally:
+            await b.stop()
+    # the stop saved nothing over them (no round made a forecast): once the store answers, they are there
+    monkeypatch.undo()
     again = await started_down(make_broker, ManualClock(NOW + 5 * H))
     try:
         assert again.signals.kept_in_use(again.clock.now()) == 2
