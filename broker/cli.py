@@ -45,10 +45,11 @@ from broker.simulation import fairshare_cli
 from broker.errors import located, problems
 from broker.auth import Role
 from broker.models import SITE_READ_ONLY_KEYS, JobSpec, SiteSpec
+from broker.shipped import CONFIG
 from broker.store import StoreError
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.yaml"
+DEMO_CONFIG = CONFIG / "demo.yaml"
 
 
 class CliError(RuntimeError):

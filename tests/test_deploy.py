@@ -11,9 +11,16 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import ipaddress
+import json
+import os
+import posixpath
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -314,9 +321,13 @@ def test_the_image_health_check_asks_healthz_on_the_exposed_port_and_stops_on_si
 
 
 def wheel_inputs() -> list[str]:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = {p.split(".")[0] for p in project["tool"]["setuptools"]["packages"]}
-    return ["pyproject.toml", project["project"]["readme"], *sorted(packages)]
+    """What building the wheel reads: pyproject.toml, the long description, the top-level package folders and
+    the folders pyproject.toml maps into packages (config/ and data/, as package data)."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setuptools.get("package-dir", {})
+    packages = {p.split(".")[0] for p in setuptools["packages"] if p not in mapped} | set(mapped.values())
+    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
+    return ["pyproject.toml", readme, *sorted(packages)]
 
 
 @pytest.mark.parametrize("path", wheel_inputs(), ids=lambda p: f"the image build copies {p}, which the wheel needs")
@@ -325,6 +336,80 @@ def test_the_build_copies_what_the_wheel_needs_from_the_context(path: str) -> No
     assert path in sources or f"./{path}" in sources or "." in sources
     assert (ROOT / path).exists()
     assert not dockerignore_excludes(path), f".dockerignore leaves {path} out of the build context"
+
+
+# --- the wheel the image installs ---------------------------------------------------------------------
+
+DEMO_AND_SIMULATE_PROBE = """
+import json
+from broker.cli import parser
+from broker.config import load_config
+from broker.data.carbon import load_carbon
+
+demo = parser().parse_args(["demo"])
+config = load_config(demo.config)
+carbon = load_carbon(config.broker.carbon.path, zones=[site.grid_zone for site in config.sites])
+simulate = parser().parse_args(["simulate", "--trace", "jobs.csv", "--preset", "philly", "--policy", "green"])
+print(json.dumps({"demo --config": demo.config, "demo carbon": config.broker.carbon.path,
+                  "demo zones": list(carbon.zones()),
+                  **{f"simulate --{flag}": getattr(simulate, flag) for flag in ("carbon", "prices", "latency", "regions")}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def image_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel as the image's builder stage makes it: ``pip wheel --no-deps`` on what the stage copies from
+    the build context (and nothing that .dockerignore leaves out)."""
+    context = tmp_path_factory.mktemp("context")
+    ignored = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for source in sorted({src for w, rest in dockerfile_stages()[1] if w == "COPY" for src in rest.split()[:-1]}):
+        if (ROOT / source).is_dir():
+            shutil.copytree(ROOT / source, context / source, ignore=ignored)
+        else:
+            shutil.copy2(ROOT / source, context / source)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), str(context)],
+                   check=True, capture_output=True, timeout=180)
+    [wheel] = out.glob("heliotrope-*.whl")
+    return wheel
+
+
+def test_the_wheel_ships_the_demo_config_and_every_data_slice(image_wheel: Path) -> None:
+    with zipfile.ZipFile(image_wheel) as whl:
+        names = set(whl.namelist())
+    shipped = {f"broker/shipped/{p.relative_to(ROOT).as_posix()}"
+               for folder in ("config", "data") for p in (ROOT / folder).rglob("*") if p.is_file()}
+    assert "broker/shipped/config/demo.yaml" in shipped and "broker/shipped/data/SOURCES.md" in shipped
+    assert not shipped - names, f"left out of the wheel: {sorted(shipped - names)}"
+
+
+def test_the_installed_wheel_runs_the_demo_and_simulate_defaults_from_its_own_files(image_wheel: Path,
+                                                                                    tmp_path: Path) -> None:
+    # Installed as in the image: the wheel's files on the path (the test environment's dependencies), and
+    # run from a folder with no config/ or data/, as the image's /var/lib/heliotrope.
+    site, work = tmp_path / "site-packages", tmp_path / "work"
+    with zipfile.ZipFile(image_wheel) as whl:
+        whl.extractall(site)
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site), "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    probe = subprocess.run([sys.executable, "-c", DEMO_AND_SIMULATE_PROBE], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    found = json.loads(probe.stdout)
+    for what, path in found.items():
+        if what != "demo zones":
+            assert Path(path).is_relative_to(site) and Path(path).exists(), f"{what}: {path}"
+    assert len(found["demo zones"]) == 8
+
+    shutil.copy2(ROOT / "tests" / "data" / "tiny-trace.csv", work / "jobs.csv")
+    simulate = ["simulate", "--trace", "jobs.csv", "--columns", "submit=submit,duration=seconds,gpus=gpus,tenant=team",
+                "--start", "2022-06-01", "--policy", "baseline-carbon-greedy", "--no-bound", "--json", "out.json"]
+    run = subprocess.run([sys.executable, "-m", "broker.cli", *simulate],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    figures = json.loads((work / "out.json").read_text())
+    jobs = len((work / "jobs.csv").read_text().splitlines()) - 1
+    assert figures["jobs"] == jobs and figures["policies"]["baseline-carbon-greedy"]["carbon_kg"] > 0
 
 
 @pytest.mark.parametrize("path", [".venv", ".git", "var/heliotrope.db", "deploy/.env", "broker/__pycache__/x.pyc"],
@@ -355,6 +440,19 @@ def test_the_numba_cache_the_build_fills_is_the_one_the_image_reads() -> None:
     env = dict(re.findall(r"(\w+)=(\S+)", " ".join(r for w, r in dockerfile_stages()[-1] if w == "ENV")))
     copies = [rest.split()[-2:] for w, rest in dockerfile_stages()[-1] if w == "COPY" and "--from=builder" in rest]
     assert env["NUMBA_CACHE_DIR"] == built and [built, built] in copies
+
+
+def test_the_build_compiles_the_kernels_of_the_installed_package_not_of_the_copied_sources() -> None:
+    # Numba keys its cache by the folder of the source file. `python -c` imports from its working directory
+    # first, so run where the sources were copied (the builder's WORKDIR) it would compile /src/policies, and
+    # the image, which runs /opt/venv's copy, would compile the kernels again at every container's start.
+    builder = dockerfile_stages()[1]
+    workdir = [rest for w, rest in builder if w == "WORKDIR"][-1]
+    [run] = [rest for w, rest in builder if w == "RUN" and "warm_up" in rest]
+    cwd = (re.findall(r"\bcd (\S+)", run[:run.index("warm_up")]) or [workdir])[-1]
+    copied = {posixpath.normpath(posixpath.join(workdir, rest.split()[-1]))
+              for w, rest in builder if w == "COPY" and rest.split()[0] == "policies"}
+    assert copied and posixpath.join(posixpath.normpath(posixpath.join(workdir, cwd)), "policies") not in copied
 
 
 def readme_deploy_section() -> str:

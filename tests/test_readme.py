@@ -22,9 +22,11 @@ from broker.cli import parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-# How a command starts: the console script on the PATH or in the virtualenv, after a pipe (`echo ... |`), or
-# run in a compose service (`docker compose ... exec SERVICE`).
-COMMAND = re.compile(r"^(?:.*\|\s*|docker compose .*? exec \S+ )?(?:\.venv/bin/)?heliotrope (?P<args>.*)$")
+# How a command starts: the console script on the PATH or in the virtualenv, after a pipe (`echo ... |`),
+# run in a compose service (`docker compose ... exec SERVICE`), or the image's entrypoint (`docker run ...
+# ghcr.io/heliotrope/heliotrope:TAG`).
+COMMAND = re.compile(r"^(?:.*\|\s*|docker compose .*? exec \S+ |docker run .*? \S+/(?=heliotrope:))?(?:\.venv/bin/)?"
+                     r"heliotrope(?::\S+)? (?P<args>.*)$")
 SYNOPSIS = re.compile(r"[\[(]|\.\.\.")  # optional parts, alternatives, elisions: a synopsis, not a command
 REPO_FOLDERS = ("config/", "data/", "tests/", "deploy/")
 

@@ -1,7 +1,7 @@
 """``heliotrope simulate``: the command line of the simulator (see ``broker.simulation.run`` for the steps).
 
     heliotrope simulate --trace FILE (--preset philly|slurm | --columns MAPPING) [--cpu-jobs error|drop]
-        [--trace-timezone ZONE] --carbon DIR [--prices FILE]
+        [--trace-timezone ZONE] [--carbon DIR] [--prices FILE]
         [--latency FILE] [--sites FILE | --zone-regions ZONE=REGION,... --site-model MODEL] [--utilisation FRACTION]
         [--trace-from ISO-DATE] [--days N] [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
         [--restart-s SECONDS] [--inflexible-undeclared] [--json OUT] [--report DIR]
@@ -29,7 +29,7 @@ from policies.baselines import COMPARED, POLICIES
 if TYPE_CHECKING:
     from broker.simulation.run import SimulationSpec
 
-from broker.simulation.defaults import DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS
+from broker.simulation.defaults import DEFAULT_CARBON, DEFAULT_LATENCY, DEFAULT_PRICES, DEFAULT_REGIONS
 
 # The simulator itself (SciPy, Matplotlib) is imported when a simulation runs, so that the CLI's other
 # commands start without it.
@@ -57,8 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="trace times: ISO 8601 (naive = UTC) or seconds after --origin (default %(default)s)")
     s.add_argument("--origin", metavar="ISO-TIME", help="what 0 s means with --time-format seconds "
                    "(default the Unix epoch)")
-    s.add_argument("--carbon", required=True, metavar="DIR", help="hourly carbon intensity: <ZONE>/*.csv folders "
-                   "or <zone>_ci.csv files")
+    s.add_argument("--carbon", default=str(DEFAULT_CARBON), metavar="DIR", help="hourly carbon intensity: "
+                   "<ZONE>/*.csv folders or <zone>_ci.csv files (default: the slice shipped in data/carbon: eight "
+                   "zones, 2022-06-01 to 2022-06-21; give --start a day in it)")
     s.add_argument("--lifecycle", action="store_true", help="life-cycle intensity instead of direct (operational)")
     s.add_argument("--prices", default=str(DEFAULT_PRICES), metavar="FILE", help="GCP GPU price CSV "
                    "(default: the copy in data/)")
