@@ -4,6 +4,7 @@ site could refuse on random small federations."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from broker import cli
 from broker.data.traces import parse_columns
 from broker.simulation.oracle import NAME, whole_job_oracle
+from broker.simulation.report import write_html
 from broker.simulation.run import SimulationSpec, capacity_prices, prepare, simulate
 from policies.snapshot import MODEL_INDEX
 from tests.test_sim_engine import START, _carbon, _site, tiny  # noqa: F401 - the fixture
@@ -280,3 +282,23 @@ def test_capacity_prices_are_the_prices_the_oracle_packs_by(tiny: SimulationSpec
                               shadow_kg_per_gpu_hour=prices)
     assert packed.site.tolist() == oracle.site.tolist()
     assert packed.start_s.tolist() == oracle.start_s.tolist()
+
+
+def test_the_reports_run_facts_count_the_hours_until_the_oracles_last_job_ends(tmp_path: Path) -> None:
+    """One site whose carbon falls every hour and one job of an hour at 0 s (its deadline 3 h later):
+    baseline-spillover runs it at once, to 1 h; the oracle at its latest start, 2 h, to 3 h. The report's
+    facts say the run lasted 3 hours, not the policies' span."""
+    carbon = _carbon(tmp_path / "carbon", {"FR": [500.0 - 100 * h if h < 5 else 50.0 for h in range(48)]})
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("b", "FR", "gcp:europe-west9", 1.0))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n2022-06-01T00:00:00,3600,1,x\n")
+    result = simulate(SimulationSpec(
+        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=carbon,
+        policies=["baseline-spillover"], sites=sites, oracle=True,
+        assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0},
+    ))
+    assert result.policies["baseline-spillover"].end_s.tolist() == [3600.0]
+    assert result.oracle is not None and result.oracle.end_s.tolist() == [10800.0]
+    page = write_html(result, tmp_path / "report").read_text()
+    assert re.findall(r"over 1 sites for (\d+) hours from 2022-06-01 00:00 UTC", page) == ["3"]

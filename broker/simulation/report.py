@@ -636,8 +636,17 @@ def _bound_paragraph(result: SimulationResult) -> str:
     return f"<p>{_e(text)}</p>"
 
 
+def _run_hours(result: SimulationResult) -> int:
+    """Whole hours from the start to the last end of any run the page shows: the policies and the whole-job
+    oracle, which may run jobs later than every policy (``result.sites`` is cut to the policies' hours, the
+    ones the plots draw). The carbon data's hours when no job ran."""
+    runs = [*result.policies.values(), *([result.oracle] if result.oracle is not None else [])]
+    ends = [float(np.nanmax(run.end_s)) for run in runs if np.isfinite(run.end_s).any()]
+    return int(np.ceil(max(ends) / 3600.0)) if ends else result.sites.hours
+
+
 def _run_facts(result: SimulationResult) -> str:
-    hours = result.sites.hours
+    hours = _run_hours(result)
     start = result.start.astimezone(UTC)
     n_jobs = int(result.submit_s.size)
     left_out = int(np.count_nonzero(result.left_out))
