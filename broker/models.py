@@ -719,6 +719,12 @@ class TenantQuotaState(Spec):
         # Left out where empty: a report without it is sent as before, so brokers of earlier releases (whose
         # reports forbid unknown keys) still take a site agent's heartbeat where the tenant runs no such job.
         exclude_if=lambda held: not held)
+    preemptible_gpus_by_model: dict[GpuModelId, dict[int, float]] = Field(
+        default_factory=dict,
+        description="the same GPUs per GPU model, then by priority: a site preempts for a job only jobs on the model "
+                    "it gives it (absent from a site of an earlier release: the broker then counts those of every "
+                    "model)",
+        exclude_if=lambda held: not held)  # left out where empty, as preemptible_gpus_by_priority
 
 
 class QuotaState(Spec):
@@ -734,6 +740,11 @@ class QuotaState(Spec):
         default=None, description="what such a tenant's non-preemptible jobs may hold (capacity nobody is guaranteed)")
     preemptible_gpus_by_priority: dict[int, float] = Field(
         default_factory=dict, description="GPUs held by preemptible jobs past their minimum run time, by priority")
+    preemptible_gpus_by_model: dict[GpuModelId, dict[int, float]] = Field(
+        default_factory=dict,
+        description="the same GPUs per GPU model, then by priority (absent from a site of an earlier release)",
+        # Left out where empty, so brokers of earlier releases still take a heartbeat where no such job runs.
+        exclude_if=lambda held: not held)
 
     def tenant(self, name: str) -> TenantQuotaState | None:
         for t in self.tenants:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.models import FairSharePolicy, JobSpec, QuotaState, TenantQuota, TenantQuotaState
@@ -121,6 +121,8 @@ class TenantState:
     # GPUs its own preemptible jobs past their minimum run time hold, by effective priority: what a job of its own
     # of higher priority may take even at its limit (guarantee + burst), where it may preempt only its own jobs
     preemptible_gpus_by_priority: dict[int, float] = field(default_factory=dict)
+    # The same per GPU model, then by priority: the site preempts for a job only jobs on the model it gives it
+    preemptible_gpus_by_model: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -389,18 +391,10 @@ class QuotaBook:
             out.append(TenantState(
                 acct.tenant, acct.listed, acct.pool, acct.guaranteed, acct.burst, acct.weight, acct.ceiling,
                 acct.in_use, max(0.0, acct.in_use - acct.guaranteed), acct.nonpre, shares.get(acct, 0.0),
-                usage_s / 3600, waiting, room, np_room, min(short, back), self._own_preemptible(acct, now)))
+                usage_s / 3600, waiting, room, np_room, min(short, back),
+                *_by_priority_and_model((priority, job) for priority, _, _, job in acct.queue
+                                        if now - job.start >= job.min_run_s)))
         return out
-
-    @staticmethod
-    def _own_preemptible(acct: _Account, now: float) -> dict[int, float]:
-        """GPUs ``acct``'s preemptible jobs past their minimum run time hold, by effective priority: what its own
-        jobs of higher priority may preempt when it is at its limit (``preemption.search`` with ``over_limit``)."""
-        out: dict[int, float] = {}
-        for priority, _, _, job in acct.queue:
-            if now - job.start >= job.min_run_s:
-                out[priority] = out.get(priority, 0.0) + job.gpus
-        return {p: _tidy(g) for p, g in sorted(out.items())}
 
     def report(self, now: float, demand: Mapping[str, float] | None = None) -> QuotaState:
         """What the site reports to the broker (``GET /v1/sites/{name}/quota``)."""
@@ -414,21 +408,15 @@ class QuotaBook:
             decayed_usage_gpu_h=s.decayed_usage_gpu_h, waiting_reason=s.waiting_reason, room_gpus=s.room_gpus,
             nonpreemptible_room_gpus=s.nonpreemptible_room_gpus, reclaimable_gpus=s.reclaimable_gpus,
             preemptible_gpus_by_priority=s.preemptible_gpus_by_priority,
+            preemptible_gpus_by_model=s.preemptible_gpus_by_model,
         ) for s in self.state(now, demand)]
+        by_priority, by_model = _by_priority_and_model(
+            (job.priority, job) for job in self._jobs.values() if job.preemptible and now - job.start >= job.min_run_s)
         return QuotaState(
             enforced=enforced, fair_share=self.policy, capacity_gpus=self._total, tenants=tenants,
             unlisted_room_gpus=0.0 if refuse else None,
             unlisted_nonpreemptible_room_gpus=(0.0 if refuse else free_of_guarantees) if enforced else None,
-            preemptible_gpus_by_priority=self._preemptible_by_priority(now))
-
-    def _preemptible_by_priority(self, now: float) -> dict[int, float]:
-        """GPUs held by preemptible jobs past their minimum run time, by effective priority: what a job of
-        higher priority might take (the broker's hint; the victim search decides)."""
-        out: dict[int, float] = {}
-        for job in self._jobs.values():
-            if job.preemptible and now - job.start >= job.min_run_s:
-                out[job.priority] = out.get(job.priority, 0.0) + job.gpus
-        return {p: _tidy(g) for p, g in sorted(out.items())}
+            preemptible_gpus_by_priority=by_priority, preemptible_gpus_by_model=by_model)
 
     # --- rules and reasons ----------------------------------------------------------------------------
 
@@ -687,3 +675,16 @@ def _np_room(cap: float, np_now: float, gap: float, own_gap: float) -> float:
 def _tidy(x: float) -> float:
     """Clear float dust from sums of fractions (0.1 + 0.2 - 0.3)."""
     return 0.0 if abs(x) < EPS else x
+
+
+def _by_priority_and_model(jobs: Iterable[tuple[int, _Job]]) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+    """GPUs ``jobs`` (each with its effective priority) hold, by priority, and per GPU model by priority: what a
+    job of higher priority might take (the broker's hint; the victim search decides, on the job's model only)."""
+    by_priority: dict[int, float] = {}
+    by_model: dict[str, dict[int, float]] = {}
+    for priority, job in jobs:
+        by_priority[priority] = by_priority.get(priority, 0.0) + job.gpus
+        on = by_model.setdefault(job.model, {})
+        on[priority] = on.get(priority, 0.0) + job.gpus
+    return ({p: _tidy(g) for p, g in sorted(by_priority.items())},
+            {m: {p: _tidy(g) for p, g in sorted(on.items())} for m, on in sorted(by_model.items())})

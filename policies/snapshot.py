@@ -23,9 +23,9 @@ import numpy as np
 from broker import ids
 from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState, mig_slices
 from policies.fair_order import Standing, standings
+from policies.preemptible import MODEL_INDEX, N_MODELS, OwnPreemptible, own_preemptible, preemptible_arrays
 
-MODEL_INDEX: dict[str, int] = {m: i for i, m in enumerate(ids.GPU_MODEL_IDS)}
-N_MODELS = len(ids.GPU_MODEL_IDS)
+# MODEL_INDEX (model id -> column) and N_MODELS come from policies.preemptible, which lays its arrays out the same.
 TDP_KW: np.ndarray = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in ids.GPU_MODEL_IDS], dtype=np.float64)
 """Board power per model column, in kW (the energy the scorers estimate and the simulator charges)."""
 DERIVED_MAX = 4096
@@ -130,23 +130,6 @@ def _broker_milli(g: GpuRequest) -> int:
     return max(1, min(1000, math.ceil(1000 * (g.memory_gib or 0.0) / memory)))
 
 
-@dataclass(frozen=True, slots=True)
-class OwnPreemptible:
-    """One tenant's preemptible GPUs past their minimum run time, by priority, per site, as the sites reported
-    them (``TenantQuotaState.preemptible_gpus_by_priority``): what a job of its own of higher priority may take
-    back at a site where the tenant is at its limit (the site preempts only the tenant's own jobs then)."""
-
-    levels: np.ndarray  # int64[L]: the priorities reported anywhere, ascending
-    below: np.ndarray  # float64[n_sites, L + 1]: column k, GPUs held at the k lowest levels
-    ceiling: np.ndarray  # float64[n_sites]: the tenant's priority ceiling at each site (inf: none)
-
-    def held_below(self, priority: int) -> np.ndarray:
-        """float64[n_sites]: GPUs of the tenant's preemptible jobs below ``priority`` (capped by each site's
-        ceiling for the tenant, as the site caps it), per site."""
-        k = np.searchsorted(self.levels, np.minimum(float(priority), self.ceiling), side="left")
-        return self.below[np.arange(self.below.shape[0]), k]
-
-
 @dataclass(slots=True)
 class QuotaView:
     """What the sites' quotas let each tenant add, per site (``policies.filters.quota``), as the sites
@@ -168,6 +151,21 @@ class QuotaView:
     # tenant -> its priority ceiling at each site (inf: none); only tenants some site caps: a job's priority
     # there is at most that, for what the site may preempt for it (Snapshot.preemptible_below)
     ceiling: dict[str, np.ndarray] = field(default_factory=dict)
+    # tenant -> float64[n_sites, n_models]: GPUs of its own preemptible jobs per model that this pass's
+    # placements of its jobs rely on the sites preempting (only tenants in ``own`` that some placement
+    # needed them for). Its room already counts those placements: this tells which model they came from.
+    own_used: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def own_below(self, req: JobRequest, column: int | None) -> np.ndarray | None:
+        """float64[n_sites]: GPUs of ``req``'s tenant's own preemptible jobs of lower priority that a site may
+        preempt for it on model ``column`` (None: the site picks) beyond what it holds now, as a job's room
+        counts them (None: none anywhere). What this pass's earlier placements took of them on another model is
+        given back to the room (which they were all debited from), as those were not this model's."""
+        own = self.own.get(req.tenant) if req.tenant is not None else None
+        if own is None:
+            return None
+        used = self.own_used.get(req.tenant)  # type: ignore[arg-type]
+        return own.held_below(req.priority, column, None if used is None else used.sum(axis=1)[:, None] - used)
 
     def rooms(self, tenant: str | None) -> tuple[np.ndarray, np.ndarray]:
         if tenant is None:
@@ -188,12 +186,24 @@ class QuotaView:
     def copy(self) -> QuotaView:
         return QuotaView({t: a.copy() for t, a in self.room.items()}, {t: a.copy() for t, a in self.np_room.items()},
                          self.reclaim, {t: a.copy() for t, a in self.shortfall.items()}, self.unlisted_room.copy(),
-                         self.unlisted_np_room.copy(), self.model, self.standing, self.own, self.ceiling)
+                         self.unlisted_np_room.copy(), self.model, self.standing, self.own, self.ceiling,
+                         {t: a.copy() for t, a in self.own_used.items()})
 
-    def debit(self, site: int, req: JobRequest) -> None:
-        """A placement of ``req`` at ``site``: its tenant's room (and guarantee not held) shrink by its charge."""
+    def debit(self, site: int, req: JobRequest, model: int | None = None) -> None:
+        """A placement of ``req`` at ``site`` (on model column ``model``): its tenant's room (and guarantee not
+        held) shrink by its charge; what of it its room did not hold, it takes from its own preemptible jobs of
+        lower priority on that model (``own_used``)."""
         charge = req.charge
         room, np_room = self.rooms(req.tenant)  # an unlisted tenant's figures are shared by all unlisted
+        own = self.own.get(req.tenant) if req.tenant is not None and model is not None else None
+        if own is not None and own.by_site is not None and own.by_site[site]:
+            used = self.own_used.get(req.tenant)  # type: ignore[arg-type]
+            held = room[site] + (used[site].sum() if used is not None else 0.0)  # its room before any preemption
+            taken = charge - max(held, 0.0)
+            if taken > 1e-9:
+                if used is None:
+                    used = self.own_used[req.tenant] = np.zeros((len(room), N_MODELS))  # type: ignore[index]
+                used[site, model] += taken
         room[site] -= charge
         if not req.preemptible:
             np_room[site] -= charge
@@ -240,31 +250,7 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
                 reclaim[t.tenant][i] = t.reclaimable_gpus
                 shortfall[t.tenant][i] = max(t.guaranteed_gpus - t.in_use_gpus, 0.0)
     return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model,
-                     standings([q for _, q in reports]), _own_preemptible(n, reports), ceiling)
-
-
-def _own_preemptible(n: int, reports: list[tuple[int, object]]) -> dict[str, OwnPreemptible]:
-    """Per listed tenant that some site reports preemptible GPUs for, by priority: :class:`OwnPreemptible`."""
-    held: dict[str, list[tuple[int, dict[int, float], int | None]]] = {}
-    for i, q in reports:
-        for t in q.tenants:  # type: ignore[attr-defined]
-            if t.listed and t.preemptible_gpus_by_priority:
-                held.setdefault(t.tenant, []).append((i, t.preemptible_gpus_by_priority, t.priority_ceiling))
-    out: dict[str, OwnPreemptible] = {}
-    for tenant, rows in held.items():
-        levels = sorted({p for _, by, _ in rows for p in by})
-        at = {p: k for k, p in enumerate(levels)}
-        gpus = np.zeros((n, len(levels)))
-        ceiling = np.full(n, math.inf)
-        for i, by, cap in rows:
-            for p, g in by.items():
-                gpus[i, at[p]] += g
-            if cap is not None:
-                ceiling[i] = cap
-        below = np.zeros((n, len(levels) + 1))
-        np.cumsum(gpus, axis=1, out=below[:, 1:])
-        out[tenant] = OwnPreemptible(np.array(levels, dtype=np.int64), below, ceiling)
-    return out
+                     standings([q for _, q in reports]), own_preemptible(n, reports), ceiling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +311,15 @@ class Snapshot:
     # priority below levels[k]; the last column: all of them).
     preempt_levels: tuple[int, ...] = ()
     preempt_below: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    # The same per model ([n_sites, n_models, levels + 1]) at the sites that report it per model
+    # (``preempt_by_site``); empty where none does. A site of an earlier release reports only preempt_below,
+    # GPUs of any of its models: what this pass's placements there took beyond free GPUs on one model is not
+    # there for another (``preemptible_room``).
+    preempt_by_model: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))
+    preempt_by_site: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # int64[n_sites]: GPUs below 0 in free_gpus, over each site's models, kept up by assume, hold and release
+    # where some site reports preempt_below only (empty otherwise: preemptible_room then sums free_gpus itself).
+    preempt_taken: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Values the policies derive from the fixed site facts and ``now`` (never from free capacity, which
     # assume changes), built on first use by ``derived``. Not an argument: every new snapshot (``replace``,
     # ``working_copy``) starts with an empty one.
@@ -372,6 +367,34 @@ class Snapshot:
         capped = np.searchsorted(np.asarray(self.preempt_levels), np.minimum(float(priority), ceiling), side="left")
         return self.preempt_below[np.arange(self.n_sites), capped]
 
+    def preemptible_room(self, priority: int, tenant: str | None, columns: np.ndarray) -> np.ndarray | None:
+        """float64[n_sites, len(columns)] (or [n_sites, 1], the same for every column): GPUs of preemptible work
+        below ``priority`` a site might preempt for a job of that priority on each model of ``columns`` (None:
+        none anywhere), capped as :meth:`preemptible_below`. Added to free GPUs: a placement that relies on them
+        drives free GPUs below 0, so later jobs of the pass find them taken. A site that reports them per model
+        gives each model its own; one that does not (an earlier release) gives every model all of them, less
+        what placements of this pass took beyond the free GPUs of its other models."""
+        k = bisect.bisect_left(self.preempt_levels, priority)
+        if not k:
+            return None
+        ceiling = self.quota.ceiling.get(tenant) if self.quota is not None and tenant is not None else None
+        if ceiling is not None:
+            k = np.searchsorted(np.asarray(self.preempt_levels), np.minimum(float(priority), ceiling), side="left")
+            rows = np.arange(self.n_sites)
+        per_model = None
+        if self.preempt_by_site.size:
+            per_model = (self.preempt_by_model[rows[:, None], columns[None, :], k[:, None]]
+                         if ceiling is not None else self.preempt_by_model[:, columns, k])
+            if self.preempt_by_site.all():
+                return per_model
+        pooled = (self.preempt_below[rows, k] if ceiling is not None else self.preempt_below[:, k])[:, None]
+        # GPUs placements took beyond free ones, per site over its models, less those on the job's own models
+        # (free_gpus there counts them already): what they took on the site's other models
+        total = self.preempt_taken if self.preempt_taken.size else np.maximum(-self.free_gpus, 0).sum(axis=1)
+        if total.any():
+            pooled = np.maximum(pooled - (total[:, None] - np.maximum(-self.free_gpus[:, columns], 0)), 0.0)
+        return pooled if per_model is None else np.where(self.preempt_by_site[:, None], per_model, pooled)
+
     def zeros(self) -> np.ndarray:
         """float64[n_sites] of 0, read-only: the raw value of a scorer that has nothing to tell sites apart."""
         return self.derived(("zeros",), np.zeros, self.n_sites)
@@ -394,6 +417,7 @@ class Snapshot:
             near_booked=self.near_booked.copy(),
             quota=self.quota.copy() if self.quota is not None else None,
             mig_free={p: a.copy(order="F") for p, a in self.mig_free.items()},
+            preempt_taken=self.preempt_taken.copy(),
         )
 
     def release(self, site: int, req: JobRequest, model: int) -> None:
@@ -412,12 +436,20 @@ class Snapshot:
     def _whole(self, site: int, req: JobRequest, model: int, sign: float) -> None:
         if req.fractional or req.mig_profile is not None:
             raise ValueError(f"job {req.job_id}: only a job on whole GPUs can be released or held")
-        self.free_gpus[site, model] += int(sign) * req.count
+        self._free_less(site, model, -int(sign) * req.count)
         if self.plan_free.size:
             end = self._plan_end(req)
             self.plan_free[site, model, 1:max(end, 1)] += sign * req.charge
             self.plan_free[site, model, 0] = self.free_gpus[site, model]
             self._near(site, req, model, end, -sign)
+
+    def _free_less(self, site: int, model: int, gpus: int) -> None:
+        """``gpus`` fewer free GPUs of ``model`` at ``site`` (more where negative), below 0 counted in
+        ``preempt_taken`` where it is kept."""
+        before = int(self.free_gpus[site, model])
+        self.free_gpus[site, model] = before - gpus
+        if self.preempt_taken.size:
+            self.preempt_taken[site] += max(gpus - before, 0) - max(-before, 0)
 
     def _near(self, site: int, req: JobRequest, model: int, end: int, sign: float) -> None:
         """What a latency-bound job starting (``sign`` 1) or leaving (-1) now holds in hours [0, ``end``) of
@@ -439,12 +471,14 @@ class Snapshot:
             if self.shared_free_milli[site, model] >= req.milli:
                 self.shared_free_milli[site, model] -= req.milli
             else:
-                self.free_gpus[site, model] -= 1
+                self._free_less(site, model, 1)
                 self.shared_free_milli[site, model] = max(self.shared_free_milli[site, model], 1000 - req.milli)
+        elif self.preempt_taken.size:
+            self._free_less(site, model, req.count)
         else:
             self.free_gpus[site, model] -= req.count
         if self.quota is not None:
-            self.quota.debit(site, req)
+            self.quota.debit(site, req, model)
         if self.plan_free.size:  # the run's later hours in the time-shift plan; hour 0 is free_gpus itself
             end = self._plan_end(req)
             self.plan_free[site, model, 1:max(end, 1)] -= req.charge
@@ -534,22 +568,8 @@ def build_snapshot(
         throttled=throttled,
         quota=build_quota_view(specs, states),
         mig_free=mig_free,
-        **_preemptible(specs, states),
+        **preemptible_arrays(specs, states),
     )
-
-
-def _preemptible(specs: list[SiteSpec], states: dict[str, SiteState | None]) -> dict[str, object]:
-    reports = [(i, st.quota.preemptible_gpus_by_priority) for i, st in enumerate(states.get(s.name) for s in specs)
-               if st is not None and st.quota is not None and st.quota.preemptible_gpus_by_priority]
-    if not reports:
-        return {}
-    levels = sorted({p for _, by in reports for p in by})
-    column = {p: k for k, p in enumerate(levels)}
-    held = np.zeros((len(specs), len(levels) + 1))
-    for i, by in reports:
-        for p, gpus in by.items():
-            held[i, column[p] + 1] = gpus
-    return {"preempt_levels": tuple(levels), "preempt_below": np.cumsum(held, axis=1)}
 
 
 def utc_offsets(specs: list[SiteSpec], when: datetime) -> np.ndarray:

@@ -606,6 +606,30 @@ async def test_a_job_of_higher_priority_is_routed_to_where_its_tenant_at_its_lim
     assert done.state == JobState.SUCCEEDED and done.run_s == pytest.approx(2 * 3600, abs=5)
 
 
+@pytest.mark.parametrize("model,routed", [("a100-80gb", False), ("h100-80gb", True)],
+                         ids=["not for a job on another model", "for a job on that model"])
+async def test_a_tenant_at_its_limit_is_sent_a_job_to_preempt_its_own_only_on_their_model(make, model, routed):
+    """Tenant a holds all its quota lets it at alpha in one preemptible job on the H100s; the A100s are free. The site
+    preempts for a job only jobs on the model it gives it, so an urgent A100 job of a's would be refused there: the
+    broker, which used to count a's preemptible GPUs over every model and send it, keeps it queued, quoting the
+    quota. An urgent H100 job is sent, and preempts the low one."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8, "h100-80gb": 8}, adapter=FAST,
+                        quotas=[{"tenant": "a", "guaranteed_gpus": 8}]))
+    low = await h.submit(tenant="a", name="low", count=8, model="h100-80gb", duration_s=2 * 3600, preemptible=True)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(1800)
+    urgent = await h.submit(tenant="a", name="urgent", count=4, model=model, duration_s=3600, priority=10)
+    await h.cycle()
+    await h.step(1.0)
+    if routed:
+        assert ((await h.job(urgent.id)).state, (await h.job(low.id)).state) == (JobState.RUNNING, JobState.QUEUED)
+        return
+    assert ((await h.job(urgent.id)).state, (await h.job(low.id)).state) == (JobState.QUEUED, JobState.RUNNING)
+    verdict = (await h.decision(urgent.id)).sites[0]
+    assert verdict.reasons == ["quota-refuses: tenant a may hold 0 more GPUs here; the job needs 4"]
+
+
 async def test_a_job_of_higher_priority_is_not_routed_to_preempt_what_its_tenants_ceiling_keeps_it_from(make):
     """The same, with the tenant's priority ceiling at the low job's priority: the site would not preempt (both
     count as priority 5 there), so the broker does not route the job there to be refused."""

@@ -609,6 +609,23 @@ def test_the_report_tells_the_broker_where_each_tenant_stands() -> None:
     assert report.unlisted_room_gpus is None and report.unlisted_nonpreemptible_room_gpus == 4
 
 
+def test_the_report_gives_preemptible_gpus_per_model_and_leaves_the_key_out_where_there_are_none() -> None:
+    # A site preempts for a job only jobs on the model it gives it: the broker needs them per model. Brokers of
+    # earlier releases refuse a report with keys they do not know, so the key is left out where it is empty.
+    site = Site([quota("vision", 8, 8)], capacity={MODEL: 8, "h100-80gb": 8})
+    site.submit(ask("v1", "vision", 4, min_run_s=0))
+    site.submit(ask("v2", "vision", 8, priority=3, min_run_s=0, model="h100-80gb"))
+    report = site.book.report(site.now + 1)
+    sent = report.model_dump(mode="json")
+    assert sent["preemptible_gpus_by_priority"] == {"0": 4, "3": 8}  # as before, over every model
+    assert sent["preemptible_gpus_by_model"] == {MODEL: {"0": 4}, "h100-80gb": {"3": 8}}
+    vision = sent["tenants"][0]
+    assert vision["preemptible_gpus_by_model"] == {MODEL: {"0": 4}, "h100-80gb": {"3": 8}}
+    assert QuotaState.model_validate_json(report.model_dump_json()) == report  # the broker reads it back
+    idle = Site([quota("vision", 8, 8)]).book.report(T0).model_dump(mode="json")
+    assert "preemptible_gpus_by_model" not in idle and "preemptible_gpus_by_model" not in idle["tenants"][0]
+
+
 def test_the_queue_order_puts_tenants_below_their_share_first_or_priority_when_fair_share_is_off() -> None:
     site = Site([quota("a", 0, 8), quota("b", 0, 8)], gpus=8)
     for i in range(6):

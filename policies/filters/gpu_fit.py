@@ -3,7 +3,8 @@ requested memory, and enough of it is free: ``count`` whole GPUs, or for a fract
 1000) a shared GPU with that share free or one whole free GPU. Units: GPUs, thousandths of a GPU, GiB.
 
 GPUs a site reports its tenant could reclaim from borrowers of its guarantee (``Snapshot.quota``), or that
-preemptible work of lower priority holds there (``Snapshot.preemptible_below``), count as free for the job:
+preemptible work of lower priority holds there on the model (``Snapshot.preemptible_room``), count as free for
+the job (a placement that relies on them drives free GPUs below 0, so a later job of the pass finds them taken):
 the site preempts to admit it (its victim search decides exactly whom, and may refuse). Node and NVLink
 topology, MIG slices and shared-GPU memory are checked exactly by the site itself (``policies.inventory``);
 here a MIG
@@ -118,8 +119,8 @@ class Fit:
             shared = self.snap.shared_free_milli
             shared = shared[:, cols[0]:cols[0] + 1] if usable.named else shared[:, cols]
         mig = _mig_slices(self.snap, req)[:, cols] if req.mig_profile is not None else None
-        reclaim = _reclaim(self.snap, req)
-        capacity = _room(req, self.free, shared, mig, reclaim[:, None] if reclaim is not None else None)
+        reclaim = _reclaim(self.snap, req, cols)
+        capacity = _room(req, self.free, shared, mig, reclaim)
         if not usable.named:
             room = np.logical_and(capacity, usable.mask, out=capacity)
             self._room, self._sites = room, np.logical_or.reduce(room, axis=1)
@@ -152,16 +153,22 @@ def _at_least(memory_gib: np.ndarray, column: int, memory: float) -> np.ndarray:
     return memory_gib[:, column] >= memory
 
 
-def _reclaim(snap: Snapshot, req: JobRequest) -> np.ndarray | None:
-    """float64[n_sites]: GPUs a site might preempt for the job (None: none anywhere): those its tenant could
-    reclaim of its guarantee, or those held by preemptible work of lower priority, whichever is more."""
+def _reclaim(snap: Snapshot, req: JobRequest, columns: np.ndarray | None = None) -> np.ndarray | None:
+    """float64[n_sites, len(columns)]: GPUs a site might preempt for the job on each model of ``columns`` (all:
+    None) (None: none anywhere): those its tenant could reclaim of its guarantee, or those held by preemptible
+    work of lower priority on that model (``Snapshot.preemptible_room``), whichever is more."""
     if req.mig_profile is not None:
         return None
     reclaim = snap.quota.extra(req) if snap.quota is not None else None
-    lower = snap.preemptible_below(req.priority, req.tenant)
+    if not snap.preempt_levels:
+        return reclaim[:, None] if reclaim is not None else None
+    lower = snap.preemptible_room(req.priority, req.tenant, _ALL_COLUMNS if columns is None else columns)
     if lower is None:
-        return reclaim
-    return lower if reclaim is None else np.maximum(reclaim, lower)
+        return reclaim[:, None] if reclaim is not None else None
+    return lower if reclaim is None else np.maximum(reclaim[:, None], lower)
+
+
+_ALL_COLUMNS = np.arange(len(MODEL_INDEX))
 
 
 def _room(req: JobRequest, free: np.ndarray, shared: np.ndarray | None, mig: np.ndarray | None,
@@ -173,7 +180,8 @@ def _room(req: JobRequest, free: np.ndarray, shared: np.ndarray | None, mig: np.
         return mig >= req.count
     if req.fractional:
         fits = (free > 0) | (shared >= req.milli)
-        return fits if extra is None else fits | (extra >= req.charge)
+        # A GPU it opens where none is free drives free GPUs below 0: what may be preempted is that much less.
+        return fits if extra is None else fits | (free + extra >= req.charge)
     return free >= req.count if extra is None else free + extra >= req.count
 
 
@@ -185,9 +193,8 @@ def _mig_slices(snap: Snapshot, req: JobRequest) -> np.ndarray:
 
 def fit_matrix(req: JobRequest, snap: Snapshot) -> np.ndarray:
     """bool[n_sites, n_models]: where the job would fit, per model column."""
-    reclaim = _reclaim(snap, req)
     fits = _room(req, snap.free_gpus, snap.shared_free_milli, _mig_slices(snap, req) if req.mig_profile else None,
-                 reclaim[:, None] if reclaim is not None else None)
+                 _reclaim(snap, req))
     if req.memory_gib:
         fits &= snap.memory_gib >= req.memory_gib
     else:
@@ -200,15 +207,16 @@ def fit_row(req: JobRequest, snap: Snapshot, site: int) -> np.ndarray:
     reclaim = _reclaim(snap, req)
     fits = _room(req, snap.free_gpus[site], snap.shared_free_milli[site],
                  _mig_slices(snap, req)[site] if req.mig_profile else None,
-                 float(reclaim[site]) if reclaim is not None else None)
+                 reclaim[site] if reclaim is not None else None)
     return fits & (snap.memory_gib[site] >= req.memory_gib if req.memory_gib else snap.memory_gib[site] > 0)
 
 
 def fit_column(req: JobRequest, snap: Snapshot, column: int) -> np.ndarray:
     """bool[n_sites]: where the job fits in one model column."""
-    reclaim = _reclaim(snap, req)
+    reclaim = _reclaim(snap, req, np.array([column]))
     fits = _room(req, snap.free_gpus[:, column], snap.shared_free_milli[:, column],
-                 _mig_slices(snap, req)[:, column] if req.mig_profile else None, reclaim)
+                 _mig_slices(snap, req)[:, column] if req.mig_profile else None,
+                 reclaim[:, 0] if reclaim is not None else None)
     if req.memory_gib:
         fits &= snap.memory_gib[:, column] >= req.memory_gib
     elif reclaim is not None:  # what a site might preempt is of any of its models: not room where it has none

@@ -27,9 +27,9 @@ class QuotaFilter:
         if quota is None:
             return None
         room, np_room = quota.rooms(req.tenant)
-        own = quota.own.get(req.tenant) if req.tenant is not None else None
-        if own is not None:
-            room, np_room = self._beyond_limit(room, np_room, own.held_below(req.priority))
+        below = quota.own_below(req, MODEL_INDEX[req.model] if req.model is not None else None)
+        if below is not None:
+            room, np_room = self._beyond_limit(room, np_room, below)
         ok = self._fits(req, room, np_room)
         counted = quota.model.get(req.tenant) if req.tenant is not None else None
         if counted is not None:  # where its quota counts one model only, other models are not limited by it
