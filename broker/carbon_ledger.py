@@ -3,41 +3,45 @@ dashboard's headline, ``heliotrope_placed_carbon_grams_total`` and
 ``heliotrope_placed_carbon_agnostic_grams_total``).
 
 For each placement its site admitted (counted when the site says so: a placement the site refuses, or
-one whose dispatch fails, is routed again and counted once, where it runs) the baseline is the site the same decision would have chosen with its carbon terms
+one whose dispatch fails, is routed again and counted once, where it runs; one whose admission the broker learns
+of from the site's reports of it running or done, which overtook the answer to its dispatch, or came after a
+restart cut the dispatch off, is counted from when the site says it began, at its end where that came first:
+:attr:`CarbonLedger.dispatching`) the baseline is the site the same decision would have chosen with its carbon terms
 (the ``carbon`` and ``carbon_now`` scorers) left out: every other term (price, latency, follow-the-sun,
 free GPUs...) weighted as configured, among the same feasible sites. When the chosen site ties for first
 without the carbon terms, the baseline is the chosen site and nothing is claimed.
 
-Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board power (TDP) x the time the
-attempt held its GPUs; emissions = energy x the grid intensity each site had at the moment of the decision.
-Both sites are charged the same energy (the placed model's power). An admitted attempt is counted at once
-for its expected run (of a job resumed from a checkpoint, what it has left to run), and remembered until it
-ends, however it ends (succeeded, failed, cancelled, preempted, moved, lost with its site, withdrawn,
-requeued after a broker restart): its figures are then corrected to the time it held its GPUs, from its
-admission to its end as the broker recorded them (the site's reported end for one that succeeded or failed
-for good), at the intensities of its decision. So an attempt that ended early is taken back down to what it
-ran, one that overran is charged its overrun, and a job preempted halfway and resumed from its checkpoint is
-counted once in full; an attempt still running stays counted for its whole expected run until it ends
-(``open_attempts`` says how many). ``jobs`` counts distinct jobs placed (a job admitted again is not counted
-again; ``moved_jobs`` likewise counts the jobs one of whose attempts was placed away from the baseline's
-site), ``admissions`` every admission.
+Estimate, in grams of CO2e: energy = GPUs charged x the placed model's board power (TDP) x the time the attempt held
+its GPUs; emissions = energy x the grid intensity each site had at the moment of the decision. Both sites are
+charged the same energy (the placed model's power). An admitted attempt is counted at once for its expected run (of
+a job resumed from a checkpoint, what it has left to run), and remembered until it ends, however it ends (succeeded,
+failed, cancelled, preempted, moved, lost with its site, withdrawn, requeued after a broker restart): its figures
+are then corrected to the time it held its GPUs, from its admission to its end as the broker recorded them (the
+site's reported end for one that succeeded or failed for good, or whose report of it stopped, lost or failed came
+late; for one its site forgot while no broker was in charge, the last time one knew it there:
+:attr:`CarbonLedger.seen_ts`), at the intensities of its decision. So an attempt that ended early is taken back down
+to what it ran, one that overran is charged its overrun, and a job preempted halfway and resumed from its checkpoint
+is counted once in full; an attempt still running stays counted for its whole expected run until it ends
+(``open_attempts`` says how many). ``jobs`` counts distinct jobs placed (a job admitted again is not counted again;
+``moved_jobs`` likewise counts the jobs one of whose attempts was placed away from the baseline's site),
+``admissions`` every admission.
 
 The two Prometheus counters never go down: each admission adds its estimate, and an attempt that overran
 adds its overrun when it ends; one that ended early is not taken back there. They count the estimates of
 admissions (at least), where ``GET /v1/carbon`` is the corrected figure.
 
-Savings from deferring a job to a cleaner hour are not in this figure: it compares sites at the same moment,
-so it never credits a forecast that may not come true. The leader keeps the totals, with the attempts still
-open and the jobs between two counted attempts, in its database (``broker_state``) at the end of a pass once
-they changed, at most every 10 s, and when it stops, so they run on across restarts and takeovers (a crash
-loses at most the last 10 s of them; an attempt that ended after the last save, unheard by the broker that
-takes over, is ended by it as of the job's end or last change, or when it left its site where the job has
-had a later attempt since: ``SchedulingCycle.settle_ledger``). A document
-of version 1 (before attempts were remembered: its ``jobs`` counted admissions) is read with nothing open. The
-document is written as version 1 with the rest beside the totals (``format`` 2: :data:`LEDGER_VERSION`), so that a
-broker of an earlier release taking over goes on from the totals.
-Replicas that do not lead pass ``GET /v1/carbon`` on to the leader.
-"""
+Savings from deferring a job to a cleaner hour are not in this figure: it compares sites at the same moment, so it
+never credits a forecast that may not come true. The leader keeps the totals, with the attempts still open, those
+being dispatched and the jobs between two counted attempts, in its database (``broker_state``) at the end of a pass
+once they changed, at most every 10 s, and while attempts are open at least every minute, and when it stops (when it
+saved them is the last time it knew those attempts on their sites), so they run on across restarts and takeovers (a
+crash loses at most the last 10 s of them; an attempt that ended after the last save, unheard by the broker that
+takes over, is ended by it as of the job's end or last change, or when it left its site where the job has had a
+later attempt since: ``SchedulingCycle.settle_ledger``). A document of version 1 (before attempts were remembered:
+its ``jobs`` counted admissions) is read with nothing open. The document is written as version 1 with the rest
+beside the totals (``format`` 2: :data:`LEDGER_VERSION`), so that a broker of an earlier release taking over goes on
+from the totals; the attempts being dispatched and when it was saved (``dispatching``, ``seen_at``) are keys beside
+them, which earlier releases read past. Replicas that do not lead pass ``GET /v1/carbon`` on to the leader."""
 
 from __future__ import annotations
 
@@ -125,10 +129,17 @@ class CarbonLedger:
     moved: int = 0  # jobs one of whose counted attempts went to another site than the baseline's
     admissions: int = 0  # attempts counted (a job admitted again counts again here)
     open: dict[str, OpenAttempt] = field(default_factory=dict)  # job id -> its attempt counted, not ended yet
+    # Job id -> its attempt sent to its site, valued, not counted yet (its ``admitted_ts``: when it was sent): counted
+    # once the broker records its admission (:meth:`admit`), or at its end where that came first (a site's report
+    # of it running, or done, that overtook the answer to the dispatch).
+    dispatching: dict[str, OpenAttempt] = field(default_factory=dict)
     # Jobs between two attempts that an earlier counted attempt already counted (requeued, preempted): job id ->
     # whether one of them was moved. Admitted again, such a job is not counted again in ``jobs``.
     returning: dict[str, bool] = field(default_factory=dict)
     revision: int = field(default=0, compare=False)  # counts changes: the broker saves the ledger when it changed
+    # When the broker in charge last saved the ledger (POSIX seconds, its clock; None: a document without it): it
+    # had heard of no end of the attempts open in it by then (:meth:`state`'s ``seen_at``).
+    seen_ts: float | None = field(default=None, compare=False)
 
     def add(self, job_id: str, attempt: int, counted: Counted, admitted_ts: float) -> None:
         """Count an attempt :func:`assess` valued when its site admitted it (at ``admitted_ts``), for its
@@ -145,6 +156,30 @@ class CarbonLedger:
                                                          bool(counted.moved or moved_before), counted.expected_s),
                                         admitted_ts)
         self.revision += 1
+
+    def dispatch(self, job_id: str, attempt: int, counted: Counted, sent_ts: float) -> None:
+        """``job_id``'s ``attempt``, valued ``counted``, is being sent to its site (at ``sent_ts``): counted once
+        the site admits it (:meth:`admit`)."""
+        self.dispatching[job_id] = OpenAttempt(attempt, counted, sent_ts)
+        self.revision += 1
+
+    def admit(self, job_id: str, attempt: int, admitted_ts: float) -> Counted | None:
+        """Count ``job_id``'s ``attempt``, dispatched (:meth:`dispatch`), as admitted at ``admitted_ts``
+        (:meth:`add`). Returns what it added, or None where it was not being dispatched (not valued, or counted
+        already)."""
+        sent = self.dispatching.get(job_id)
+        if sent is None or sent.attempt != attempt:
+            return None
+        del self.dispatching[job_id]
+        self.add(job_id, attempt, sent.counted, admitted_ts)
+        return sent.counted
+
+    def undispatch(self, job_id: str, attempt: int) -> None:
+        """``job_id``'s ``attempt`` left its site before its admission was recorded or heard of: not counted."""
+        sent = self.dispatching.get(job_id)
+        if sent is not None and sent.attempt <= attempt:
+            del self.dispatching[job_id]
+            self.revision += 1
 
     def end(self, job_id: str, attempt: int, ended_ts: float, requeued: bool) -> Counted | None:
         """``job_id``'s ``attempt`` ended at ``ended_ts`` (POSIX seconds): if the ledger counted it, correct its
@@ -175,14 +210,23 @@ class CarbonLedger:
         self.grams = max(self.grams + c.grams, 0.0)
         self.agnostic_grams = max(self.agnostic_grams + c.agnostic_grams, 0.0)
 
-    def state(self) -> dict[str, object]:
+    def state(self, seen_ts: float | None = None) -> dict[str, object]:
         """The totals, the open attempts and the jobs between attempts, as the store keeps them
         (:meth:`restore` reads them back). An open attempt is a list: attempt, kWh, grams, agnostic grams,
-        expected seconds, admitted at (POSIX seconds), moved."""
-        return {"v": 1, "format": LEDGER_VERSION, "jobs": self.jobs, "admissions": self.admissions,
-                "energy_kwh": self.energy_kwh, "grams": self.grams, "agnostic_grams": self.agnostic_grams,
-                "moved": self.moved, "open": {job_id: a.doc() for job_id, a in self.open.items()},
-                "returning": self.returning}
+        expected seconds, admitted at (POSIX seconds), moved. Beside them, keys that earlier releases read past:
+        ``dispatching`` (attempts sent to their site, not counted yet, as open ones, sent at for admitted at) where
+        there are any, and ``seen_at`` (``seen_ts``: POSIX seconds, when the broker in charge saves it) where
+        given."""
+        doc: dict[str, object] = {
+            "v": 1, "format": LEDGER_VERSION, "jobs": self.jobs, "admissions": self.admissions,
+            "energy_kwh": self.energy_kwh, "grams": self.grams, "agnostic_grams": self.agnostic_grams,
+            "moved": self.moved, "open": {job_id: a.doc() for job_id, a in self.open.items()},
+            "returning": self.returning}
+        if self.dispatching:
+            doc["dispatching"] = {job_id: a.doc() for job_id, a in self.dispatching.items()}
+        if seen_ts is not None:
+            doc["seen_at"] = seen_ts
+        return doc
 
     @classmethod
     def restore(cls, doc: object) -> CarbonLedger:
@@ -210,6 +254,14 @@ class CarbonLedger:
                     raise ValueError("open or returning is not an object of jobs")
                 ledger.open = {job_id: OpenAttempt.from_doc(a) for job_id, a in opened.items()}
                 ledger.returning = dict(returning)
+                sent, seen = doc.get("dispatching", {}), doc.get("seen_at")
+                if not isinstance(sent, dict):
+                    raise ValueError("dispatching is not an object of jobs")
+                ledger.dispatching = {job_id: OpenAttempt.from_doc(a) for job_id, a in sent.items()}
+                if seen is not None:
+                    if not (isinstance(seen, int | float) and not isinstance(seen, bool) and math.isfinite(seen)):
+                        raise ValueError(f"seen_at is not a number of seconds: {str(seen)[:40]}")
+                    ledger.seen_ts = float(seen)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a carbon ledger document that cannot be read: {e}") from None
         totals = (ledger.energy_kwh, ledger.grams, ledger.agnostic_grams)

@@ -40,7 +40,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -143,6 +143,19 @@ and the room made for a job near its users, held meanwhile) before it is forgott
 any other; also how long the moved job keeps off the site it left."""
 CANNOT_STOP_S = 3600.0
 """Seconds a site that failed to stop a job on request is left out of moves."""
+
+
+def held_since(job: Job, end: datetime | None = None, ran_s: float = 0.0) -> datetime:
+    """When ``job``'s attempt, admitted or running at its site, began to hold its GPUs, as far as the broker knows:
+    its admission or start as the broker recorded it (``updated_at``), or earlier where its site says so: the
+    start the site reported (``started_at``, while it runs), or its end ``end`` less the run ``ran_s`` the site
+    reported with it (a broker that heard of the attempt late, or restarted meanwhile, recorded it late)."""
+    since = job.updated_at
+    if job.state == JobState.RUNNING and job.started_at is not None:
+        since = min(since, job.started_at)
+    if end is not None and ran_s > 0:
+        since = min(since, end - timedelta(seconds=ran_s))
+    return since
 
 
 def work_done(job: Job, now: datetime, overhead_s: float) -> float:
@@ -301,6 +314,7 @@ LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bou
 CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger (GET /v1/carbon): totals, attempts open
 MOVES_STATE = "moves-in-flight"  # ... and for the moves asked for, the GPUs held for them, the sites that could not stop
 LEDGER_SAVE_S = 10.0  # at most this often the ledger is saved (a crash loses at most that many seconds of it)
+LEDGER_SEEN_S = 60.0  # ... and at least this often while it holds attempts open (keep_ledger's ``seen``)
 STATE_READ_TRIES = 5  # reads of what the last broker in charge kept, before taking charge fails (about 1.5 s)
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
@@ -1198,6 +1212,10 @@ class SchedulingCycle:
             self._carbon_saved = self.carbon.revision
         except ValueError as e:
             log.warning("ignoring the stored carbon ledger: %s; its totals start from 0", e)
+        # The last time the broker then in charge knew the ledger's open attempts on their sites: one that a site
+        # no longer knows now ended after that, while no broker heard (Lifecycle.recover).
+        seen = self.carbon.seen_ts
+        self.lifecycle.unheard_since = datetime.fromtimestamp(seen, UTC) if seen is not None else None
 
     async def settle_ledger(self) -> int:
         """Once the active jobs are loaded, when this broker takes charge: end the ledger's open attempts that are
@@ -1206,6 +1224,7 @@ class SchedulingCycle:
         for a job on a later attempt since, when that one left its site, as its stored transitions say), and
         forget the jobs between attempts that have ended. The jobs no longer active are read from the store;
         one that cannot be read now stays open, for the next broker in charge. Returns how many were ended."""
+        await self._settle_dispatching()
         ended = 0
         for job_id, held in list(self.carbon.open.items()):
             job = self.book.active.get(job_id)
@@ -1231,6 +1250,34 @@ class SchedulingCycle:
             self.carbon.forget(job_id)
         return ended
 
+    async def _settle_dispatching(self) -> None:
+        """Of the attempts the ledger holds sent to their site and not counted yet: count those the site admitted
+        (the job is on it, admitted or running, or its stored transitions say it was), as of when it began to
+        hold its GPUs as the broker knows it (:func:`held_since`; the first stored change of that attempt that
+        says so, for one that has left its site since: ``settle_ledger`` then ends it), and drop those that
+        left their site before any admission was heard. Those still being dispatched wait for their answer or
+        their site's report (``_attempt_ended``)."""
+        for job_id, sent in list(self.carbon.dispatching.items()):
+            job = self.book.active.get(job_id)
+            if job is not None and job.attempt == sent.attempt and job.state.on_site:
+                if job.state != JobState.DISPATCHING:
+                    self._count_admitted(job_id, sent.attempt, held_since(job).timestamp())
+                continue
+            try:
+                events = await self.store.job_events(job_id)
+            except StoreError as e:
+                log.warning("job %s: cannot read its transitions to count attempt %d in the carbon ledger: %s",
+                            job_id, sent.attempt, e)
+                continue
+            admitted = [ev["at"] for ev in events if ev["attempt"] == sent.attempt
+                        and ev["state"] in (JobState.ADMITTED, JobState.RUNNING)]
+            if not admitted:
+                self.carbon.undispatch(job_id, sent.attempt)
+                continue
+            at = datetime.fromisoformat(admitted[0])
+            at = at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+            self._count_admitted(job_id, sent.attempt, at.timestamp())
+
     async def _left_site_at(self, job_id: str, attempt: int) -> datetime | None:
         """When ``job_id``'s ``attempt`` left its site, from its stored transitions: its first change of that
         attempt to a state off the site (None: none stored, or they cannot be read)."""
@@ -1246,13 +1293,33 @@ class SchedulingCycle:
                 return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
         return None
 
+    def _count_admitted(self, job_id: str, attempt: int, admitted_ts: float) -> None:
+        """Count ``job_id``'s ``attempt``, being dispatched, as admitted at ``admitted_ts`` (the counters too)."""
+        added = self.carbon.admit(job_id, attempt, admitted_ts)
+        if added is not None:
+            self.metrics.carbon_grams.inc(added.grams)
+            self.metrics.carbon_agnostic_grams.inc(added.agnostic_grams)
+
     def _attempt_ended(self, before: Job, job: Job) -> None:
         """The book's hook (``JobBook.on_attempt_end``): ``before``'s attempt left its site, or the job ended;
         the ledger corrects the attempt's figures to the time it held its GPUs, from its admission to this end
-        (the site's reported end where the job succeeded or failed for good, the broker's time of the change
-        otherwise), and an overrun is added to the counters too (they never go down)."""
+        (the site's reported end where the job succeeded or failed for good, or where a site's report of it
+        stopping or lost, or a restart's finding that its site forgot it, came after it ended:
+        ``Lifecycle.left_at``; the broker's time of the change otherwise), and an overrun is added to the
+        counters too (they never go down). An attempt whose site admitted it (its reports say so: it was
+        admitted or running) but whose end came before the broker recorded that admission (the site's report
+        of it done overtook its answer to the dispatch, or a restart cut the dispatch off) is counted here,
+        from when the site's reports say it began (:func:`held_since`)."""
+        left = self.lifecycle.left_at.pop((job.id, before.attempt), None)
         if before.state.on_site:
             end = job.finished_at if job.state.terminal and job.finished_at is not None else job.updated_at
+            if left is not None and left < end:
+                end = left
+            if before.state == JobState.DISPATCHING:
+                self.carbon.undispatch(job.id, before.attempt)  # (never admitted, as far as anyone heard)
+            else:  # (this attempt's run as its site reported it at its end, where it did: added to run_s)
+                since = held_since(before, end, job.run_s - before.run_s)
+                self._count_admitted(job.id, before.attempt, since.timestamp())
             over = self.carbon.end(job.id, before.attempt, end.timestamp(), requeued=not job.state.terminal)
             if over is not None:
                 self.metrics.carbon_grams.inc(over.grams)
@@ -1264,19 +1331,28 @@ class SchedulingCycle:
         """``keep_ledger`` at most every ``LEDGER_SAVE_S``, at the end of every pass, quiet ones included: a
         placement is counted when its site admits it (``_dispatch``), after the pass that made it, and corrected
         when its attempt ends (``_attempt_ended``), between passes."""
-        if self.carbon.revision != self._carbon_saved and time.monotonic() - self._carbon_saved_at >= LEDGER_SAVE_S:
+        since = time.monotonic() - self._carbon_saved_at
+        if self.carbon.revision != self._carbon_saved and since >= LEDGER_SAVE_S:
             await self.keep_ledger()
+        elif self.carbon.open and since >= LEDGER_SEEN_S:
+            await self.keep_ledger(seen=True)
 
-    async def keep_ledger(self, final: bool = False) -> None:
+    async def keep_ledger(self, final: bool = False, seen: bool = False) -> None:
         """Save the carbon ledger (its totals, the attempts it counted that are still running, the jobs between
-        two attempts): at the end of a pass where it changed, at most every
+        two attempts, when it was saved): at the end of a pass where it changed, at most every
         ``LEDGER_SAVE_S`` (tried again after the next one; ``_keep_ledger_due``), and when the broker stops
-        (``final``: as for ``keep_moves``)."""
-        if not (final or self.may_act()) or self.carbon.revision == self._carbon_saved:
+        (``final``: as for ``keep_moves``). While attempts are open, also unchanged (``seen``) every
+        ``LEDGER_SEEN_S`` and when the broker stops: when it was saved is the last time the broker in charge
+        knew them on their sites, which a broker that takes charge after a stop or a crash goes by for an attempt
+        its site forgot meanwhile (``Lifecycle.recover``)."""
+        if not (final or self.may_act()):
+            return
+        if self.carbon.revision == self._carbon_saved and not ((final or seen) and self.carbon.open):
             return
         revision = self.carbon.revision
         try:
-            await self.store.put_state(CARBON_LEDGER_STATE, json.dumps(self.carbon.state()))
+            await self.store.put_state(CARBON_LEDGER_STATE,
+                                       json.dumps(self.carbon.state(seen_ts=self.clock.now().timestamp())))
         except StoreError as e:
             log.warning("could not save the carbon ledger: %s", e)
             return
@@ -1381,6 +1457,8 @@ class SchedulingCycle:
         return len(pending)
 
     async def _send(self, job: Job, site: str, counted: Counted | None) -> None:
+        if counted is not None:  # (counted once the site admits it: below, or where its end is heard first)
+            self.carbon.dispatch(job.id, job.attempt, counted, self.clock.now().timestamp())
         member = self.federation.get(site)
         if member is None:
             return await self._requeue(job, "site was removed")
@@ -1414,12 +1492,13 @@ class SchedulingCycle:
             await self.lifecycle.withdraw(job, site)  # cancelled or requeued while it was being dispatched
         elif counted is not None:
             # Opened as the admission's write lands, before the end of the attempt can land (the store lands
-            # writes in order, and this task wakes first): the ledger hears of its end (_attempt_ended).
+            # writes in order, and this task wakes first): the ledger hears of its end (_attempt_ended). Where
+            # the site's report of the attempt running overtook this answer, as of the site's start.
             admitted = confirmed if confirmed is not None else self.book.active.get(job.id)
-            at = admitted.updated_at if admitted is not None else self.clock.now()
-            self.carbon.add(job.id, job.attempt, counted, at.timestamp())
-            self.metrics.carbon_grams.inc(counted.grams)
-            self.metrics.carbon_agnostic_grams.inc(counted.agnostic_grams)
+            at = held_since(admitted) if admitted is not None else self.clock.now()
+            self._count_admitted(job.id, job.attempt, at.timestamp())
+        # (one that ended before this answer, the site's report overtaking it, was counted at its end, where the
+        # site's report said it began: _attempt_ended)
 
     def _current(self, job: Job) -> bool:
         """Whether ``job``'s attempt is still the one being dispatched."""

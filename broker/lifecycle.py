@@ -75,6 +75,15 @@ class Lifecycle:
         # move that was asking its site to stop it is over, with nothing checkpointed to restart elsewhere (the
         # broker sets this from its cycle's moves in flight).
         self.ended_unstopped: Callable[[str, int], None] = lambda job_id, attempt: None
+        # (job id, attempt) -> when the attempt left its site, where that is known to be earlier than the change
+        # that records it: the time of a site's report of it stopped, lost or failed (which may come long after,
+        # sent again until a broker takes it), or, for an attempt its site forgot while no broker was in charge,
+        # ``unheard_since``. Read (and removed) by the carbon ledger as the change lands (JobBook.on_attempt_end).
+        self.left_at: dict[tuple[str, int], datetime] = {}
+        # When this broker took charge: the last time the broker then in charge knew the attempts on their sites
+        # (when it last saved the carbon ledger; None: not known). An attempt a site no longer knows at start-up
+        # (``recover``) ended after that, unheard; nothing says when, so it is taken as ended then.
+        self.unheard_since: datetime | None = None
         # Set once the active jobs are loaded (the broker in charge): events wait for it, since one applied to a
         # book that does not hold its job yet would be dropped as stale.
         self.loaded = asyncio.Event()
@@ -113,6 +122,8 @@ class Lifecycle:
         if job.state == D and ev.kind != EventKind.LOST:
             # The site's event overtook its answer to the dispatch: the event itself shows admission.
             job = await self.book.transition(job.id, A, reason=f"admitted by {site}")
+        if ev.kind in (EventKind.FAILED, EventKind.PREEMPTED, EventKind.LOST):
+            self.left_at[(job.id, job.attempt)] = ev.at  # (its change is stored at the broker's time of it)
         match ev.kind:
             case EventKind.RUNNING:
                 if job.state == R:
@@ -319,7 +330,8 @@ class Lifecycle:
             name: {j.id: j.version for j in self.book.active.unqueued() if j.site == name and j.state in ON_SITE}
             for name in names
         }
-        outcomes = await asyncio.gather(*(self.reconcile(name, snapshots[name]) for name in names))
+        outcomes = await asyncio.gather(*(self.reconcile(name, snapshots[name], self.unheard_since)
+                                          for name in names))
         for name, outcome in zip(names, outcomes):
             if outcome is None:
                 self.pending_sites[name] = snapshots[name]
@@ -327,13 +339,16 @@ class Lifecycle:
                 requeued += outcome
         return [j for j in requeued if j is not None]
 
-    async def reconcile(self, site: str, jobs: dict[str, int]) -> list[Job | None] | None:
+    async def reconcile(self, site: str, jobs: dict[str, int],
+                        unheard_since: datetime | None = None) -> list[Job | None] | None:
         """Requeue those of ``jobs`` (id -> version at start-up) that ``site`` no longer has, if they have
         not moved since. None when the site cannot tell now.
 
         A site that can list its attempts (AttemptLookup) is asked; any attempt it does not know is
-        requeued. One the site had been asked to stop, to move it (``stop_asked``), is taken for stopped then,
-        as its lost ``preempted`` event would have said: a checkpointable job keeps its run up to the stop.
+        requeued, as having left the site at ``unheard_since`` where given (``left_at``: at start-up, the last
+        time a broker knew it there; a site that answers only later may have run it meanwhile, and is not given
+        one). One the site had been asked to stop, to move it (``stop_asked``), is taken for stopped then, as
+        its lost ``preempted`` event would have said: a checkpointable job keeps its run up to the stop.
         A site that cannot list them is asked to withdraw the attempts still being dispatched; admitted and
         running ones are settled by its events.
         """
@@ -356,6 +371,8 @@ class Lifecycle:
                     if asked is not None:
                         requeued.append(await self._stopped_unheard(site, job, *asked))
                         continue
+                    if unheard_since is not None:
+                        self.left_at[(job.id, job.attempt)] = unheard_since
                     requeued.append(await self._requeue(
                         job, f"{site} no longer knows attempt {job.attempt} after a broker restart; requeued"))
             return requeued

@@ -67,16 +67,18 @@ async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
         before = await carbon(b)
         assert before["jobs"] == 2 and before["moved_jobs"] == 2 and before["saved_grams"] > 0
         assert before["admissions"] == 2 and before["open_attempts"] == 2
+        await b.clock.advance(600)  # (admitted at GREEN_AT + 1 s: the broker stops ten minutes into their hour)
     finally:
         await b.stop()
-    # The broker comes back 15 minutes after it admitted them (at GREEN_AT + 1 s); the simulated sites forgot
-    # the two attempts, which it requeues: each is counted for the quarter of its hour it ran, not for its hour.
-    again, clock = await green_broker(tmp_path, SITES, at=GREEN_AT + timedelta(seconds=901),
+    # The broker comes back half an hour after it admitted them; the simulated sites, which ran in the broker's
+    # process, forgot the two attempts when it stopped, and it requeues them: each is counted for the sixth of its
+    # hour it ran until the broker that stopped last knew it on its site, not for its hour, nor up to the restart.
+    again, clock = await green_broker(tmp_path, SITES, at=GREEN_AT + timedelta(seconds=1801),
                                       profiles={"default": "green"})
     try:
         after = await carbon(again)
-        quarter = {k: pytest.approx(before[k] / 4, abs=1e-3) for k in ("energy_kwh", "grams", "agnostic_grams")}
-        assert after == {**before, **quarter, "saved_grams": pytest.approx(before["saved_grams"] / 4, abs=1e-3),
+        sixth = {k: pytest.approx(before[k] / 6, abs=1e-3) for k in ("energy_kwh", "grams", "agnostic_grams")}
+        assert after == {**before, **sixth, "saved_grams": pytest.approx(before["saved_grams"] / 6, abs=1e-3),
                          "open_attempts": 0}
         # It goes on counting from there: a new job, and the two whose attempts the simulated sites lost with
         # the restart, placed again: three jobs (five admissions), not five.
@@ -87,7 +89,7 @@ async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
         assert report.placed == 3
         ledger = await carbon(again)
         assert (ledger["jobs"], ledger["admissions"], ledger["moved_jobs"]) == (3, 5, 3), ledger
-        assert ledger["energy_kwh"] == pytest.approx(2 * KWH / 4 + 3 * KWH, abs=1e-6)
+        assert ledger["energy_kwh"] == pytest.approx(2 * KWH / 6 + 3 * KWH, abs=1e-6)
         await again.cycle.keep_ledger()
         stored = json.loads(await again.store.get_state(CARBON_LEDGER_STATE))
         assert (stored["v"], stored["format"], stored["jobs"], stored["admissions"]) == (1, 2, 3, 5)
@@ -281,6 +283,26 @@ def test_a_broker_of_the_earlier_release_taking_over_goes_on_from_the_totals() -
     assert (back.jobs, back.admissions, back.open, back.grams) == (2, 2, {}, pytest.approx(112.5))
 
 
+def test_attempts_being_dispatched_and_the_last_save_are_kept_where_earlier_releases_read_past_them() -> None:
+    """The attempts sent to their site and not counted yet, and when the broker in charge saved the document, are
+    keys beside the rest: the document stays version 1, format 2, its totals and open attempts as before (the
+    release before this one reads exactly those, the one before that the totals), and what either saves back,
+    without them, is read as nothing being dispatched and no last save known."""
+    ledger = CarbonLedger()
+    ledger.add("j1", 1, Counted(1.0, 100.0, 400.0, True, 3600.0), 1000.0)
+    before = json.loads(json.dumps(ledger.state()))
+    ledger.dispatch("j2", 1, Counted(2.0, 50.0, 50.0, False, 7200.0), 1500.0)
+    doc = json.loads(json.dumps(ledger.state(seen_ts=2000.0)))
+    assert {k: v for k, v in doc.items() if k not in ("dispatching", "seen_at")} == before
+    assert doc["dispatching"] == {"j2": [1, 2.0, 50.0, 50.0, 7200.0, 1500.0, False]} and doc["seen_at"] == 2000.0
+    assert _earlier_release_restore(doc) == (1, 1.0, 100.0, 400.0, 1)
+    again = CarbonLedger.restore(doc)
+    assert again == ledger and again.seen_ts == 2000.0
+    assert again.admit("j2", 1, 1600.0) is not None and (again.jobs, again.admissions) == (2, 2)
+    back = CarbonLedger.restore(before)
+    assert (back.dispatching, back.seen_ts, back.open) == ({}, None, ledger.open)
+
+
 def test_a_version_2_document_written_before_format_is_still_read() -> None:
     ledger = CarbonLedger()
     ledger.add("j1", 1, Counted(1.0, 100.0, 400.0, True, 3600.0), 1000.0)
@@ -363,7 +385,9 @@ V2 = '{"v": 2, "jobs": 1, "admissions": 1, "energy_kwh": 1, "grams": 1, "agnosti
                                  '{"v": 1, "format": 3, "jobs": 1, "energy_kwh": 0, "grams": 0, "agnostic_grams": 0, '
                                  '"moved": 0}',
                                  V2 + '"open": {"j": [1, 1, 1, 1, 0, 0, false]}, "returning": {}}',  # (expected 0 s)
-                                 V2 + '"open": {}, "returning": {"j": 1}}'])
+                                 V2 + '"open": {}, "returning": {"j": 1}}',
+                                 V2 + '"open": {}, "returning": {}, "dispatching": []}',
+                                 V2 + '"open": {}, "returning": {}, "seen_at": "yesterday"}'])
 async def test_a_stored_ledger_that_cannot_be_read_is_ignored_with_a_warning(tmp_path, caplog, doc) -> None:
     async with restoring(tmp_path, SITES, CARBON_LEDGER_STATE, doc) as b:
         assert "ignoring the stored carbon ledger" in caplog.text
@@ -379,6 +403,7 @@ async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_ag
     b = await green_broker_with_two_jobs_placed(tmp_path)
     try:
         before = await carbon(b)
+        await b.clock.advance(1800)
     finally:
         await b.stop()
     real, failed = SQLiteStore.get_state, []
@@ -390,8 +415,9 @@ async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_ag
         return await real(self, name)
 
     monkeypatch.setattr(SQLiteStore, "get_state", flaky)
-    # (back half an hour after the two were admitted: the sites lost them, so they are counted for that half hour)
-    again, clock = await green_broker(tmp_path, SITES, at=GREEN_AT + timedelta(seconds=1801),
+    # (stopped half an hour after the two were admitted, back an hour after: the sites lost them with the broker
+    # that stopped, so they are counted for that half hour)
+    again, clock = await green_broker(tmp_path, SITES, at=GREEN_AT + timedelta(seconds=3601),
                                       profiles={"default": "green"})
     try:
         after = await carbon(again)
@@ -406,3 +432,140 @@ async def test_a_ledger_the_store_could_not_read_at_first_is_kept_not_counted_ag
         assert (stored["jobs"], stored["admissions"]) == (3, 5)
     finally:
         await again.stop()
+
+
+async def settle(b) -> None:  # noqa: ANN001
+    """The sites' events and the store's writes, without waiting for dispatches in flight (``step`` does)."""
+    for _ in range(5):
+        await asyncio.sleep(0.02)
+
+
+def hold_answers(monkeypatch, b):  # noqa: ANN001, ANN201
+    """Both sites admit an attempt as usual but answer the dispatch only once the returned event is set."""
+    answer = asyncio.Event()
+    for name in ("clean", "cheap"):
+        adapter = b.federation.get(name).adapter
+
+        async def held(attempt, admit=adapter.submit):  # noqa: ANN001, ANN202
+            admission = await admit(attempt)
+            await answer.wait()
+            return admission
+
+        monkeypatch.setattr(adapter, "submit", held)
+    return answer
+
+
+@pytest.mark.parametrize("report", ["running then succeeded", "succeeded alone"])
+async def test_an_attempt_whose_site_reports_it_done_before_its_admission_is_recorded_is_counted(
+        tmp_path, monkeypatch, report) -> None:
+    """The site's answer to the dispatch is slow (or lost and sent again): its reports of the attempt running and
+    done, or of it done alone (an agent whose admission and end went out in one heartbeat), come first. The
+    attempt ran ten minutes of its hour: counted once, for those ten minutes, from when the site said it began
+    (it was never counted at all)."""
+    from adapters.base import EventKind, JobEvent
+
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        answer = hold_answers(monkeypatch, b)
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        site = (await b.book.get(j.id)).site
+        if report == "running then succeeded":
+            b.federation.get(site).adapter._run_seconds = lambda j: 600.0
+            await clock.advance(FAST.dispatch_delay_s)  # admitted and running: the answer is held
+            await settle(b)
+            assert (await b.book.get(j.id)).state == JobState.RUNNING and (await carbon(b))["jobs"] == 0
+            await clock.advance(600)
+            await settle(b)
+        else:
+            await clock.advance(FAST.dispatch_delay_s + 600)
+            b.federation.get(site).adapter._runs.clear()  # (the site's own run is left out: its report stands for it)
+            await b.lifecycle.on_event(site, JobEvent(j.id, 1, EventKind.SUCCEEDED, clock.now(), run_s=600.0))
+        assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
+        answer.set()
+        await b.cycle.drain()
+        ledger = await carbon(b)
+        assert (ledger["jobs"], ledger["admissions"], ledger["open_attempts"]) == (1, 1, 0), ledger
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 6, rel=1e-3)
+        assert ledger["moved_jobs"] == 1 and ledger["saved_grams"] > 0
+    finally:
+        answer.set()
+        await b.stop()
+
+
+async def test_an_attempt_admitted_unheard_before_a_restart_is_counted_when_its_site_reports_it(
+        tmp_path, monkeypatch) -> None:
+    """The broker stopped while it dispatched the attempt (its answer never came): the broker taking charge finds
+    the job still dispatching, and the site, which had admitted it, reports it running, then done twenty minutes
+    later. It is counted for those twenty minutes (it was never counted)."""
+    from adapters.base import EventKind, JobEvent
+
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        hold_answers(monkeypatch, b)
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await settle(b)
+        await b.cycle.keep_ledger()  # the placement, sent, as saved
+        assert await b.cycle.drain(0) == 1  # (cut off: the job stays dispatching)
+        site = (await b.book.get(j.id)).site
+        assert (await b.book.get(j.id)).state == JobState.DISPATCHING
+        await b.cycle.restore_learned()  # as the broker taking charge: the ledger as last saved
+        await b.cycle.settle_ledger()
+        start = clock.now()
+        await b.lifecycle.on_event(site, JobEvent(j.id, 1, EventKind.RUNNING, start))
+        await clock.advance(1200)
+        await b.lifecycle.on_event(site, JobEvent(j.id, 1, EventKind.SUCCEEDED, clock.now(), run_s=1200.0))
+        ledger = await carbon(b)
+        assert (ledger["jobs"], ledger["admissions"], ledger["open_attempts"]) == (1, 1, 0), ledger
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 3, rel=1e-3)
+    finally:
+        await b.stop()
+
+
+async def test_an_attempt_its_site_reports_stopped_while_no_broker_heard_is_counted_up_to_the_stop(tmp_path) -> None:
+    """The site stopped the attempt (its own preemption, or its agent's lease running out) twenty minutes into its
+    hour, while no broker heard; its report reaches the broker an hour later, sent again until one takes it. The
+    attempt is counted for the twenty minutes it ran, not up to when the report came."""
+    from adapters.base import EventKind, JobEvent
+
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        running = await b.book.get(j.id)
+        stopped = clock.now() + timedelta(seconds=1200)
+        await b.federation.get(running.site).adapter.cancel(j.id, 1)  # (its own run is left out: the report stands)
+        await clock.advance(3600)
+        await b.lifecycle.on_event(running.site, JobEvent(j.id, 1, EventKind.PREEMPTED, stopped, run_s=1200.0,
+                                                          reason="reclaimed by the site"))
+        assert (await b.book.get(j.id)).state == JobState.QUEUED
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 3, rel=1e-3) and ledger["open_attempts"] == 0
+    finally:
+        await b.stop()
+
+
+async def test_a_crashed_broker_s_last_sight_of_its_attempts_is_saved_every_minute(tmp_path) -> None:
+    """A broker with attempts running and nothing else changing saves the ledger every minute all the same, so
+    a broker taking charge after it crashed ends an attempt its site forgot meanwhile as of the last of those
+    saves (the last time a broker knew it on its site), not when it took charge."""
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        for _ in range(15):  # quiet passes, a minute apart, for a quarter of an hour
+            await clock.advance(60)
+            b.cycle._carbon_saved_at -= 60  # (the monotonic clock, as it would have run)
+            await b.cycle.run_once(full=True)
+        # The broker crashes there; the next one takes charge an hour later, and the site has forgotten the attempt.
+        await b.federation.get((await b.book.get(j.id)).site).adapter.cancel(j.id, 1)  # (silently)
+        await clock.advance(3600)
+        await b.cycle.restore_learned()
+        assert await b.lifecycle.recover()
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 4, rel=1e-3) and ledger["open_attempts"] == 0
+    finally:
+        await b.stop()
