@@ -181,19 +181,21 @@ class CarbonLedger:
             del self.dispatching[job_id]
             self.revision += 1
 
-    def end(self, job_id: str, attempt: int, ended_ts: float, requeued: bool) -> Counted | None:
+    def end(self, job_id: str, attempt: int, ended_ts: float, requeued: bool,
+            ran_s: float = 0.0) -> Counted | None:
         """``job_id``'s ``attempt`` ended at ``ended_ts`` (POSIX seconds): if the ledger counted it, correct its
         figures to the time it held its GPUs (counted x ran / expected: the unrun part taken back, an overrun
-        charged), and remember the job as counted while it is ``requeued`` (it may be admitted again). An
-        earlier counted attempt whose end was not heard (a later one, not counted, is ending) is taken as ended
-        by then. Returns the overrun added (what the Prometheus counters, which never go down, add), or None."""
+        charged; ran: from its admission to ``ended_ts``, or ``ran_s``, the run its site reported, where longer:
+        an admission the broker recorded late), and remember the job as counted while it is ``requeued`` (it may
+        be admitted again). An earlier counted attempt whose end was not heard (a later one, not counted, is
+        ending) is taken as ended by then. Returns the overrun added (what the Prometheus counters, which never go down, add), or None."""
         held = self.open.get(job_id)
         if held is None or held.attempt > attempt:
             return None
         del self.open[job_id]
         if requeued:
             self.returning[job_id] = held.counted.moved
-        ran_s = max(ended_ts - held.admitted_ts, 0.0)
+        ran_s = max(ended_ts - held.admitted_ts, ran_s if held.attempt == attempt else 0.0, 0.0)
         factor = ran_s / held.counted.expected_s - 1.0 if held.counted.expected_s > 0 else 0.0
         self._count(held.counted.scaled(factor))
         self.revision += 1

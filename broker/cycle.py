@@ -418,6 +418,7 @@ class SchedulingCycle:
         self._carbon_saved = 0  # the ledger's revision the store holds
         self._carbon_saved_at = -math.inf  # when it was saved (time.monotonic)
         book.on_attempt_end = self._attempt_ended  # every attempt's end, for the ledger
+        lifecycle.admitted_by_report = self._admitted_by_report  # admissions a site's report showed, likewise
         self._site_health: dict[str, str] = {}  # site -> health last published
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
@@ -1300,6 +1301,12 @@ class SchedulingCycle:
             self.metrics.carbon_grams.inc(added.grams)
             self.metrics.carbon_agnostic_grams.inc(added.agnostic_grams)
 
+    def _admitted_by_report(self, job: Job) -> None:
+        """The lifecycle's hook (``Lifecycle.admitted_by_report``): the site's report of ``job``'s attempt running
+        or done showed it admitted, stored now; counted as of then, where it is being dispatched (its answer,
+        when it comes, finds it counted), and corrected at its end to the run the site reports, where longer."""
+        self._count_admitted(job.id, job.attempt, held_since(job).timestamp())
+
     def _attempt_ended(self, before: Job, job: Job) -> None:
         """The book's hook (``JobBook.on_attempt_end``): ``before``'s attempt left its site, or the job ended;
         the ledger corrects the attempt's figures to the time it held its GPUs, from its admission to this end
@@ -1315,12 +1322,14 @@ class SchedulingCycle:
             end = job.finished_at if job.state.terminal and job.finished_at is not None else job.updated_at
             if left is not None and left < end:
                 end = left
+            # (this attempt's run as its site reported it at its end, where it did: added to run_s)
+            reported_s = max(job.run_s - before.run_s, 0.0)
             if before.state == JobState.DISPATCHING:
                 self.carbon.undispatch(job.id, before.attempt)  # (never admitted, as far as anyone heard)
-            else:  # (this attempt's run as its site reported it at its end, where it did: added to run_s)
-                since = held_since(before, end, job.run_s - before.run_s)
-                self._count_admitted(job.id, before.attempt, since.timestamp())
-            over = self.carbon.end(job.id, before.attempt, end.timestamp(), requeued=not job.state.terminal)
+            else:
+                self._count_admitted(job.id, before.attempt, held_since(before, end, reported_s).timestamp())
+            over = self.carbon.end(job.id, before.attempt, end.timestamp(), requeued=not job.state.terminal,
+                                   ran_s=reported_s)
             if over is not None:
                 self.metrics.carbon_grams.inc(over.grams)
                 self.metrics.carbon_agnostic_grams.inc(over.agnostic_grams)

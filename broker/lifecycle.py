@@ -75,6 +75,10 @@ class Lifecycle:
         # move that was asking its site to stop it is over, with nothing checkpointed to restart elsewhere (the
         # broker sets this from its cycle's moves in flight).
         self.ended_unstopped: Callable[[str, int], None] = lambda job_id, attempt: None
+        # Told of an attempt its site's report showed admitted (its report of it running or done overtook the
+        # answer to its dispatch, or came after a restart cut the dispatch off), once that admission is stored:
+        # the carbon ledger counts it (the cycle sets this).
+        self.admitted_by_report: Callable[[Job], None] = lambda job: None
         # (job id, attempt) -> when the attempt left its site, where that is known to be earlier than the change
         # that records it: the time of a site's report of it stopped, lost or failed (which may come long after,
         # sent again until a broker takes it), or, for an attempt its site forgot while no broker was in charge,
@@ -122,6 +126,7 @@ class Lifecycle:
         if job.state == D and ev.kind != EventKind.LOST:
             # The site's event overtook its answer to the dispatch: the event itself shows admission.
             job = await self.book.transition(job.id, A, reason=f"admitted by {site}")
+            self.admitted_by_report(job)
         if ev.kind in (EventKind.FAILED, EventKind.PREEMPTED, EventKind.LOST):
             self.left_at[(job.id, job.attempt)] = ev.at  # (its change is stored at the broker's time of it)
         match ev.kind:

@@ -474,7 +474,9 @@ async def test_an_attempt_whose_site_reports_it_done_before_its_admission_is_rec
             b.federation.get(site).adapter._run_seconds = lambda j: 600.0
             await clock.advance(FAST.dispatch_delay_s)  # admitted and running: the answer is held
             await settle(b)
-            assert (await b.book.get(j.id)).state == JobState.RUNNING and (await carbon(b))["jobs"] == 0
+            assert (await b.book.get(j.id)).state == JobState.RUNNING
+            running = await carbon(b)  # (counted while it runs, for its expected run)
+            assert (running["jobs"], running["open_attempts"], running["energy_kwh"]) == (1, 1, pytest.approx(KWH))
             await clock.advance(600)
             await settle(b)
         else:
@@ -514,6 +516,7 @@ async def test_an_attempt_admitted_unheard_before_a_restart_is_counted_when_its_
         await b.cycle.settle_ledger()
         start = clock.now()
         await b.lifecycle.on_event(site, JobEvent(j.id, 1, EventKind.RUNNING, start))
+        assert (await carbon(b))["open_attempts"] == 1  # (counted while it runs)
         await clock.advance(1200)
         await b.lifecycle.on_event(site, JobEvent(j.id, 1, EventKind.SUCCEEDED, clock.now(), run_s=1200.0))
         ledger = await carbon(b)
