@@ -725,6 +725,12 @@ class TenantQuotaState(Spec):
                     "it gives it (absent from a site of an earlier release: the broker then counts those of every "
                     "model)",
         exclude_if=lambda held: not held)  # left out where empty, as preemptible_gpus_by_priority
+    reclaimable_gpus_by_model: dict[GpuModelId, float] = Field(
+        default_factory=dict,
+        description="reclaimable_gpus per GPU model (models with none left out): a reclaim preempts only borrowers' "
+                    "jobs on the model the site gives the job (absent from a site of an earlier release: the broker "
+                    "then counts reclaimable_gpus for every model its quota counts)",
+        exclude_if=lambda held: not held)  # left out where empty, as preemptible_gpus_by_priority
 
 
 class QuotaState(Spec):

@@ -123,6 +123,9 @@ class TenantState:
     preemptible_gpus_by_priority: dict[int, float] = field(default_factory=dict)
     # The same per GPU model, then by priority: the site preempts for a job only jobs on the model it gives it
     preemptible_gpus_by_model: dict[str, dict[int, float]] = field(default_factory=dict)
+    # reclaimable_gpus per GPU model (models with none left out): a reclaim takes only borrowers' jobs on the
+    # model the site gives the job, so a guarantee counting any model is reclaimed on one model at a time
+    reclaimable_gpus_by_model: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -382,8 +385,14 @@ class QuotaBook:
             np_room = np_room if room is None else min(np_room, room)
             short = max(0.0, acct.guaranteed - acct.in_use)
             back = sum(v for (o, m), v in removable.items() if o is not acct and (acct.pool is None or m == acct.pool))
+            on: dict[str, float] = {}  # the same per model: the victim search takes only the job's model's
+            for (o, m), v in removable.items():
+                if o is not acct and (acct.pool is None or m == acct.pool):
+                    on[m] = on.get(m, 0.0) + v
             if acct.pool in elsewhere:  # what tenants counting any model can hold elsewhere (a hint: see search)
-                back += min(lendable[acct.pool], elsewhere[acct.pool])
+                lent = min(lendable[acct.pool], elsewhere[acct.pool])
+                back += lent
+                on[acct.pool] = on.get(acct.pool, 0.0) + lent
             usage_s = self._usage_s.get((acct.tenant, acct.pool), 0.0)
             waiting = self._refusals.get((acct.tenant, acct.pool))
             if waiting is None and wants.get(acct, 0.0) > acct.in_use + EPS:
@@ -393,7 +402,8 @@ class QuotaBook:
                 acct.in_use, max(0.0, acct.in_use - acct.guaranteed), acct.nonpre, shares.get(acct, 0.0),
                 usage_s / 3600, waiting, room, np_room, min(short, back),
                 *_by_priority_and_model((priority, job) for priority, _, _, job in acct.queue
-                                        if now - job.start >= job.min_run_s)))
+                                        if now - job.start >= job.min_run_s),
+                {m: _tidy(min(short, g)) for m, g in sorted(on.items()) if min(short, g) > EPS}))
         return out
 
     def report(self, now: float, demand: Mapping[str, float] | None = None) -> QuotaState:
@@ -409,6 +419,7 @@ class QuotaBook:
             nonpreemptible_room_gpus=s.nonpreemptible_room_gpus, reclaimable_gpus=s.reclaimable_gpus,
             preemptible_gpus_by_priority=s.preemptible_gpus_by_priority,
             preemptible_gpus_by_model=s.preemptible_gpus_by_model,
+            reclaimable_gpus_by_model=s.reclaimable_gpus_by_model,
         ) for s in self.state(now, demand)]
         by_priority, by_model = _by_priority_and_model(
             (job.priority, job) for job in self._jobs.values() if job.preemptible and now - job.start >= job.min_run_s)

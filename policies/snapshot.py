@@ -138,8 +138,11 @@ class QuotaView:
 
     room: dict[str, np.ndarray]  # tenant -> more GPUs its preemptible jobs may hold
     np_room: dict[str, np.ndarray]  # tenant -> more GPUs its non-preemptible jobs may hold
-    # tenant -> GPUs it would get back now by reclaiming its guarantee, and how much of its guarantee it
-    # does not hold (a job reclaims only if it fits in that); only tenants some site could reclaim for
+    # tenant -> GPUs it would get back now by reclaiming its guarantee, per model (float64[n_sites, n_models]:
+    # a site reclaims only borrowers' jobs on the model it gives the job), and how much of its guarantee it does
+    # not hold (float64[n_sites]: a job reclaims only if it fits in that); only tenants some site could reclaim
+    # for. A site of an earlier release reports them over every model: its row has them in each column its
+    # quota counts, and ``reclaim_pooled`` marks it.
     reclaim: dict[str, np.ndarray]
     shortfall: dict[str, np.ndarray]
     unlisted_room: np.ndarray
@@ -155,6 +158,9 @@ class QuotaView:
     # placements of its jobs rely on the sites preempting (only tenants in ``own`` that some placement
     # needed them for). Its room already counts those placements: this tells which model they came from.
     own_used: dict[str, np.ndarray] = field(default_factory=dict)
+    # tenant -> bool[n_sites]: the sites that report its reclaimable GPUs over every model only (an earlier
+    # release's report, a quota counting any model); only tenants with some such site. Fixed per pass.
+    reclaim_pooled: dict[str, np.ndarray] = field(default_factory=dict)
 
     def own_below(self, req: JobRequest, column: int | None) -> np.ndarray | None:
         """float64[n_sites]: GPUs of ``req``'s tenant's own preemptible jobs of lower priority that a site may
@@ -175,19 +181,29 @@ class QuotaView:
             return self.unlisted_room, self.unlisted_np_room
         return room, self.np_room[tenant]
 
-    def extra(self, req: JobRequest) -> np.ndarray | None:
-        """float64[n_sites]: GPUs the job could take by reclaiming its tenant's guarantee, per site (None:
-        none anywhere). Counted on top of free GPUs; a placement that uses them drives free below 0."""
+    def extra(self, req: JobRequest, columns: np.ndarray, free_gpus: np.ndarray) -> np.ndarray | None:
+        """float64[n_sites, len(columns)]: GPUs the job could take by reclaiming its tenant's guarantee, per
+        site, on each model of ``columns`` (None: none anywhere). Counted on top of free GPUs (``free_gpus``,
+        int[n_sites, n_models], as the pass has debited them): a placement that uses them drives free GPUs of
+        its model below 0, so a later job of the pass finds them taken. Where a site reports them over every
+        model only (``reclaim_pooled``), each model gets them less what the pass's placements there took beyond
+        the free GPUs of the site's other models."""
         reclaim = self.reclaim.get(req.tenant) if req.tenant is not None and req.mig_profile is None else None
         if reclaim is None:
             return None
-        return np.where(self.shortfall[req.tenant] >= req.charge - 1e-9, reclaim, 0.0)
+        out = np.where((self.shortfall[req.tenant] >= req.charge - 1e-9)[:, None], reclaim[:, columns], 0.0)
+        pooled = self.reclaim_pooled.get(req.tenant)  # type: ignore[arg-type]
+        if pooled is not None:
+            taken = np.maximum(-free_gpus[pooled], 0)
+            elsewhere = taken.sum(axis=1)[:, None] - taken[:, columns]
+            out[pooled] = np.maximum(out[pooled] - elsewhere, 0.0)
+        return out
 
     def copy(self) -> QuotaView:
         return QuotaView({t: a.copy() for t, a in self.room.items()}, {t: a.copy() for t, a in self.np_room.items()},
                          self.reclaim, {t: a.copy() for t, a in self.shortfall.items()}, self.unlisted_room.copy(),
                          self.unlisted_np_room.copy(), self.model, self.standing, self.own, self.ceiling,
-                         {t: a.copy() for t, a in self.own_used.items()})
+                         {t: a.copy() for t, a in self.own_used.items()}, self.reclaim_pooled)
 
     def debit(self, site: int, req: JobRequest, model: int | None = None) -> None:
         """A placement of ``req`` at ``site`` (on model column ``model``): its tenant's room (and guarantee not
@@ -231,6 +247,7 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
     shortfall: dict[str, np.ndarray] = {}
     model: dict[str, np.ndarray] = {}
     ceiling: dict[str, np.ndarray] = {}
+    pooled: dict[str, np.ndarray] = {}
     for i, q in reports:
         for t in q.tenants:
             if not t.listed:
@@ -246,11 +263,18 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
                 model.setdefault(t.tenant, np.full(n, -1, dtype=np.int32))[i] = MODEL_INDEX[t.model]
             if t.reclaimable_gpus > 0:
                 if t.tenant not in reclaim:
-                    reclaim[t.tenant], shortfall[t.tenant] = np.zeros(n), np.zeros(n)
-                reclaim[t.tenant][i] = t.reclaimable_gpus
+                    reclaim[t.tenant], shortfall[t.tenant] = np.zeros((n, N_MODELS)), np.zeros(n)
+                if t.reclaimable_gpus_by_model:  # the site reclaims on the model it gives the job only
+                    for m, gpus in t.reclaimable_gpus_by_model.items():
+                        reclaim[t.tenant][i, MODEL_INDEX[m]] = gpus
+                elif t.model is not None:  # an earlier release's report: a quota counting one model reclaims it
+                    reclaim[t.tenant][i, MODEL_INDEX[t.model]] = t.reclaimable_gpus
+                else:  # ... and one counting any model, of any: the broker cannot tell which
+                    reclaim[t.tenant][i] = t.reclaimable_gpus
+                    pooled.setdefault(t.tenant, np.zeros(n, dtype=bool))[i] = True
                 shortfall[t.tenant][i] = max(t.guaranteed_gpus - t.in_use_gpus, 0.0)
     return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model,
-                     standings([q for _, q in reports]), own_preemptible(n, reports), ceiling)
+                     standings([q for _, q in reports]), own_preemptible(n, reports), ceiling, reclaim_pooled=pooled)
 
 
 @dataclass(frozen=True, slots=True)

@@ -630,6 +630,37 @@ async def test_a_tenant_at_its_limit_is_sent_a_job_to_preempt_its_own_only_on_th
     assert verdict.reasons == ["quota-refuses: tenant a may hold 0 more GPUs here; the job needs 4"]
 
 
+@pytest.mark.parametrize("model,routed", [("a100-80gb", False), ("h100-80gb", True)],
+                         ids=["not for a job on another model", "for a job on that model"])
+async def test_a_tenant_is_sent_a_job_to_reclaim_its_guarantee_only_on_the_model_borrowers_hold(make, model, routed):
+    """Tenant a holds its 8 guaranteed GPUs on alpha's A100s and borrows the 8 H100s with preemptible work; b,
+    guaranteed 8 GPUs of any model, holds none. The site reclaims for a job only borrowers' jobs on the model it
+    gives it, so a job of b's on the A100s would be refused there: the broker, which used to count b's 8
+    reclaimable GPUs for every model and send it, keeps it queued. A job of b's on the H100s is sent, and
+    reclaims b's guarantee from a's borrowed work."""
+    quotas = [{"tenant": "a", "guaranteed_gpus": 8, "burst_gpus": 8}, {"tenant": "b", "guaranteed_gpus": 8}]
+    h = await make(site("alpha", gpus={"a100-80gb": 8, "h100-80gb": 8}, adapter=FAST, quotas=quotas))
+    held = await h.submit(tenant="a", name="held", count=8, model="a100-80gb", duration_s=2 * 3600)
+    borrowed = await h.submit(tenant="a", name="borrowed", count=8, model="h100-80gb", duration_s=2 * 3600,
+                              preemptible=True)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(1800)
+    owner = await h.submit(tenant="b", name="owner", count=4, model=model, duration_s=3600)
+    await h.cycle()
+    await h.step(1.0)
+    states = [(await h.job(j.id)).state for j in (owner, held, borrowed)]
+    if routed:
+        assert states == [JobState.RUNNING, JobState.RUNNING, JobState.QUEUED]
+        events = await h.broker.store.job_events(borrowed.id)
+        assert any(e["state"] == "preempted" and "reclaims its guarantee (8 GPUs)" in e["reason"] for e in events)
+        return
+    assert states == [JobState.QUEUED, JobState.RUNNING, JobState.RUNNING]
+    verdict = (await h.decision(owner.id)).sites[0]
+    assert verdict.reasons == ["gpus-do-not-fit: job needs 4 a100-80gb; 0 free"]
+    assert [e["state"] for e in await h.broker.store.job_events(owner.id)] == ["queued"]  # never sent, never refused
+
+
 async def test_a_job_of_higher_priority_is_not_routed_to_preempt_what_its_tenants_ceiling_keeps_it_from(make):
     """The same, with the tenant's priority ceiling at the low job's priority: the site would not preempt (both
     count as priority 5 there), so the broker does not route the job there to be refused."""

@@ -626,6 +626,23 @@ def test_the_report_gives_preemptible_gpus_per_model_and_leaves_the_key_out_wher
     assert "preemptible_gpus_by_model" not in idle and "preemptible_gpus_by_model" not in idle["tenants"][0]
 
 
+def test_the_report_gives_reclaimable_gpus_per_model_and_leaves_the_key_out_where_there_are_none() -> None:
+    # A reclaim preempts only borrowers' jobs on the model the site gives the job: b, guaranteed 12 GPUs of any
+    # model, could reclaim 4 on the A100s and 8 on the H100s, 12 in all. The broker needs them per model; brokers
+    # of earlier releases refuse a report with keys they do not know, so the key is left out where it is empty.
+    site = Site([quota("a", 0, 16), quota("b", 12), quota("c", 4, model="h100-80gb")],
+                capacity={MODEL: 8, "h100-80gb": 8})
+    site.submit(ask("a1", "a", 4))
+    site.submit(ask("a2", "a", 8, model="h100-80gb"))
+    report = site.book.report(site.now + 1)
+    sent = {t["tenant"]: t for t in report.model_dump(mode="json")["tenants"]}
+    assert (sent["b"]["reclaimable_gpus"], sent["b"]["reclaimable_gpus_by_model"]) == (12, {MODEL: 4, "h100-80gb": 8})
+    # c's quota counts the H100s only: what it could reclaim there, and nothing on the A100s
+    assert (sent["c"]["reclaimable_gpus"], sent["c"]["reclaimable_gpus_by_model"]) == (4, {"h100-80gb": 4})
+    assert sent["a"]["reclaimable_gpus"] == 0 and "reclaimable_gpus_by_model" not in sent["a"]
+    assert QuotaState.model_validate_json(report.model_dump_json()) == report  # the broker reads it back
+
+
 def test_the_queue_order_puts_tenants_below_their_share_first_or_priority_when_fair_share_is_off() -> None:
     site = Site([quota("a", 0, 8), quota("b", 0, 8)], gpus=8)
     for i in range(6):

@@ -2,13 +2,12 @@
 requested memory, and enough of it is free: ``count`` whole GPUs, or for a fractional job (``milli`` below
 1000) a shared GPU with that share free or one whole free GPU. Units: GPUs, thousandths of a GPU, GiB.
 
-GPUs a site reports its tenant could reclaim from borrowers of its guarantee (``Snapshot.quota``), or that
-preemptible work of lower priority holds there on the model (``Snapshot.preemptible_room``), count as free for
-the job (a placement that relies on them drives free GPUs below 0, so a later job of the pass finds them taken):
-the site preempts to admit it (its victim search decides exactly whom, and may refuse). Node and NVLink
-topology, MIG slices and shared-GPU memory are checked exactly by the site itself (``policies.inventory``);
-here a MIG
-request fits where the site reports that many slices of its profile could still be made
+GPUs a site reports its tenant could reclaim from borrowers of its guarantee on the model (``QuotaView.extra``),
+or that preemptible work of lower priority holds there on the model (``Snapshot.preemptible_room``), count as
+free for the job (a placement that relies on them drives free GPUs below 0, so a later job of the pass finds
+them taken): the site preempts to admit it (its victim search decides exactly whom, and may refuse). Node
+and NVLink topology, MIG slices and shared-GPU memory are checked exactly by the site itself
+(``policies.inventory``); here a MIG request fits where the site reports that many slices of its profile could still be made
 (``ModelCapacity.mig_free_slices``), and a GPU shared by memory is sized as ``JobRequest`` explains.
 
 :class:`Fit` works out where one request fits once per decision, over only the model columns it could use,
@@ -154,18 +153,20 @@ def _at_least(memory_gib: np.ndarray, column: int, memory: float) -> np.ndarray:
 
 
 def _reclaim(snap: Snapshot, req: JobRequest, columns: np.ndarray | None = None) -> np.ndarray | None:
-    """float64[n_sites, len(columns)]: GPUs a site might preempt for the job on each model of ``columns`` (all:
-    None) (None: none anywhere): those its tenant could reclaim of its guarantee, or those held by preemptible
-    work of lower priority on that model (``Snapshot.preemptible_room``), whichever is more."""
-    if req.mig_profile is not None:
+    """float64[n_sites, len(columns)] (or [n_sites, 1], the same for every column): GPUs a site might preempt
+    for the job on each model of ``columns`` (all: None) (None: none anywhere): those its tenant could reclaim of
+    its guarantee from borrowers on that model (``QuotaView.extra``), or those held by preemptible work of lower
+    priority on that model (``Snapshot.preemptible_room``), whichever is more."""
+    if req.mig_profile is not None or (snap.quota is None and not snap.preempt_levels):
         return None
-    reclaim = snap.quota.extra(req) if snap.quota is not None else None
+    columns = _ALL_COLUMNS if columns is None else columns
+    reclaim = snap.quota.extra(req, columns, snap.free_gpus) if snap.quota is not None else None
     if not snap.preempt_levels:
-        return reclaim[:, None] if reclaim is not None else None
-    lower = snap.preemptible_room(req.priority, req.tenant, _ALL_COLUMNS if columns is None else columns)
+        return reclaim
+    lower = snap.preemptible_room(req.priority, req.tenant, columns)
     if lower is None:
-        return reclaim[:, None] if reclaim is not None else None
-    return lower if reclaim is None else np.maximum(reclaim[:, None], lower)
+        return reclaim
+    return lower if reclaim is None else np.maximum(reclaim, lower)
 
 
 _ALL_COLUMNS = np.arange(len(MODEL_INDEX))
