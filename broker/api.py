@@ -775,11 +775,15 @@ async def job_decision(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     job = await _job(request)
     stored = await broker.decision(job)
+    ended = (f"{job.state}" + (f": {job.reason}" if job.reason else "")) if job.state.terminal else None
     if stored is None:
+        if ended is not None:  # cancelled (or failed) before any pass decided it: none ever will
+            raise ApiError(404, f"job {job.id} was never decided: it ended before a scheduling cycle reached it "
+                                f"({ended})")
         raise ApiError(404, f"job {job.id} has not been decided yet; the next scheduling cycle decides it")
     req = JobRequest.from_spec(job.id, job.spec, frozenset(stored.record.get("excluded", ())))
     try:
-        decision = explain.render(stored.record, req, broker.cycle.filters, stored.attempt)
+        decision = explain.render(stored.record, req, broker.cycle.filters, stored.attempt, ended=ended)
     except explain.RecordVersionError as e:  # e.g. a later release's replica decided it: this one cannot read it
         version = stored.record.get("v")
         later = ("; a later release of heliotrope recorded it (upgrade this replica)"

@@ -250,8 +250,12 @@ def render(
     filters: dict[str, Filter],
     attempt: int,
     deferred_until: datetime | None = None,
+    ended: str | None = None,
 ) -> Decision:
-    """Explain a record: every site with its rejection reasons, or its score terms and total."""
+    """Explain a record: every site with its rejection reasons, or its score terms and total. ``ended``: how
+    the job ended since, where it ended while queued (e.g. ``"cancelled: cancelled by request"``): a deferral
+    or a wait the record describes then says that it was cut short, not that the job starts later or is
+    decided again."""
     if rec.get("v") not in READABLE_VERSIONS:
         raise RecordVersionError(f"decision record version {rec.get('v')} is not one this release reads "
                                  f"({', '.join(map(str, READABLE_VERSIONS))})")
@@ -332,13 +336,17 @@ def render(
         if deferred_until is None:
             deferred_until = datetime.fromisoformat(planned["start"])
         summary = planned.get("reason") or f"deferred until {deferred_until.isoformat()}"
+        if ended is not None:
+            summary += f"; the job ended before that start ({ended}), so it will not start"
     else:
         outcome = "unplaceable"
         if not verdicts:
             summary = "no site is registered"
         else:
             counts = ", ".join(f"{n} {code}" for code, n in sorted(rejected_by.items(), key=lambda kv: -kv[1]))
-            summary = f"no site can take the job now ({counts}); it stays queued and is decided again"
+            summary = f"no site can take the job now ({counts}); " + (
+                "it stays queued and is decided again" if ended is None
+                else f"it waited, and then ended ({ended}): it is decided no more")
     return Decision(
         job_id=req.job_id,
         attempt=attempt,

@@ -304,6 +304,40 @@ async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_s
     }
 
 
+async def test_a_job_cancelled_while_no_site_could_take_it_is_not_explained_as_still_queued(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 4, "model": "h100-80gb"}})).json()
+    for _ in range(200):
+        if (await client.get(f"/v1/jobs/{job['id']}/decision")).status == 200:
+            break
+        await asyncio.sleep(0.02)
+    assert (await client.post(f"/v1/jobs/{job['id']}/cancel")).status == 200
+    decision = await (await client.get(f"/v1/jobs/{job['id']}/decision")).json()
+    assert decision["outcome"] == "unplaceable"
+    assert decision["summary"] == ("no site can take the job now (1 gpus-do-not-fit); it waited, and then ended "
+                                   "(cancelled: cancelled by request): it is decided no more")
+
+
+async def test_a_job_cancelled_before_any_cycle_decided_it_is_not_promised_a_decision(tmp_path: Path):
+    # Its 404 used to say that the next scheduling cycle decides it: no cycle decides a cancelled job.
+    broker = Broker(BrokerSettings(db=str(tmp_path / "api.db"), shutdown_grace_s=1))
+    await broker.start([], run_loop=False)
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            job = await (await c.post("/v1/jobs", json=MINIMAL)).json()
+            r = await c.get(f"/v1/jobs/{job['id']}/decision")
+            assert r.status == 404
+            assert "the next scheduling cycle decides it" in (await r.json())["error"]["message"]
+            assert (await c.post(f"/v1/jobs/{job['id']}/cancel")).status == 200
+            r = await c.get(f"/v1/jobs/{job['id']}/decision")
+            assert r.status == 404
+            assert (await r.json())["error"]["message"] == (
+                f"job {job['id']} was never decided: it ended before a scheduling cycle reached it "
+                "(cancelled: cancelled by request)")
+    finally:
+        await broker.stop()
+
+
 async def test_a_decision_a_later_release_recorded_is_refused_by_name_not_with_a_server_error(client: TestClient):
     # Replicas share the database, so during an upgrade an older one may read a record a newer one wrote.
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))

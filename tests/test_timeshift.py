@@ -464,6 +464,28 @@ async def test_the_live_cycle_defers_a_green_job_says_why_and_starts_it_by_its_l
     assert placed.state == JobState.DISPATCHING and b.cycle.deferred_until(j.id) is None
 
 
+async def test_a_deferred_job_cancelled_before_its_start_is_not_explained_as_still_waiting_for_it(live) -> None:
+    # GET /v1/jobs/{id}/decision of a job cancelled while deferred used to give the deferral as it was recorded,
+    # "deferred until T because ...", as if the job were still to start then.
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.api import create_app
+    from tests.builders import job
+
+    b, _ = live
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)
+    async with TestClient(TestServer(create_app(b))) as client:
+        before = await (await client.get(f"/v1/jobs/{j.id}/decision")).json()
+        assert before["outcome"] == "deferred" and "ended" not in before["summary"]
+        await b.lifecycle.cancel(j.id)
+        after = await (await client.get(f"/v1/jobs/{j.id}/decision")).json()
+    assert after["outcome"] == "deferred" and after["deferred_until"] == before["deferred_until"]  # what was decided
+    assert after["summary"] == (before["summary"] + "; the job ended before that start (cancelled: cancelled by "
+                                                   "request), so it will not start")
+
+
 async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned_no_longer_quotes_that_site(live) -> None:
     # The job is deferred to frankfurt's clean hours against a start now on tokyo. Tokyo is then cordoned: at
     # the next hour the broker decides the job again, against a start now on frankfurt, to the same site and
