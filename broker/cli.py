@@ -196,6 +196,7 @@ def _num(value: float | None) -> str:
 def show_decision(d: dict[str, Any]) -> str:
     lines = [f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}", f"  {d['summary']}", ""]
     feasible = sorted((s for s in d["sites"] if s["feasible"]), key=lambda s: -(s["score"] or 0))
+    width = max([20, *(len(s["site"]) for s in d["sites"])])  # site names may be long: the columns still line up
     if feasible:
         lines.append("  feasible sites (best first):")
         for s in feasible:
@@ -204,14 +205,14 @@ def show_decision(d: dict[str, Any]) -> str:
                 f"{t['scorer']} raw {_num(t['raw'])} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
                 for t in s["terms"]
             )
-            lines.append(f"  {mark} {s['site']:<20} score {s['score']:.3f}  [{terms}]")
+            lines.append(f"  {mark} {s['site']:<{width}} score {s['score']:.3f}  [{terms}]")
             if s.get("passed_over"):
                 lines.append(f"      turned away now: {s['passed_over']}")
     rejected = [s for s in d["sites"] if not s["feasible"]]
     if rejected:
         lines.append("  rejected sites:")
         for s in rejected:
-            lines.append(f"    {s['site']:<20} " + "; ".join(s["reasons"]))  # raw terms: in --json
+            lines.append(f"    {s['site']:<{width}} " + "; ".join(s["reasons"]))  # raw terms: in --json
     return "\n".join(lines)
 
 

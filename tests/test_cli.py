@@ -459,3 +459,30 @@ def test_a_count_below_one_is_a_usage_error_naming_the_flag(capsys, argv):
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {argv[1]}: {argv[2]} is less than 1" in err and "Traceback" not in err
+
+
+def test_explain_lines_up_its_columns_when_a_site_name_is_longer_than_twenty_characters():
+    from broker.cli import show_decision
+
+    def term(raw: float | None, norm: float | None) -> dict:
+        return {"scorer": "cost", "raw": raw, "normalised": norm, "weight": 1.0,
+                "weighted": None if norm is None else norm}
+
+    long_name = "frankfurt-gpu-cluster-b.example"  # 31 characters: names may have up to 253
+    decision = {
+        "job_id": "01m8catea3mnc54j9v", "attempt": 1, "decided_at": "2026-11-26T16:25:35Z", "outcome": "placed",
+        "site": "ashburn", "deferred_until": None, "summary": "placed on ashburn", "deferral": None,
+        "sites": [
+            {"site": "ashburn", "feasible": True, "reasons": [], "terms": [term(3.0, 1.0)], "score": 1.0},
+            {"site": long_name, "feasible": True, "reasons": [], "terms": [term(5.0, 0.0)], "score": 0.0},
+            {"site": "tokyo", "feasible": False, "reasons": ["gpus-do-not-fit: site has no l4"],
+             "terms": [term(None, None)], "score": None},
+            {"site": long_name + "-2", "feasible": False, "reasons": ["site-cordoned: cordoned"],
+             "terms": [term(None, None)], "score": None},
+        ],
+    }
+    lines = show_decision(decision).splitlines()
+    ranked = [line for line in lines if " score " in line]
+    assert len(ranked) == 2 and len({line.index(" score ") for line in ranked}) == 1, ranked
+    rejected = [line for line in lines if ": " in line and line.startswith("    ") and "score" not in line]
+    assert len(rejected) == 2 and len({line.index(line.split()[1]) for line in rejected}) == 1, rejected
