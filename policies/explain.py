@@ -11,7 +11,9 @@ distinct region names. That is a third less than version 2, which stored the nor
 as well, and every region name once per site (156 KiB at a thousand sites and seven scorers, against 104).
 ``render`` reads both versions: records already stored keep their explanations. A term may also name the sites
 whose raw value only stood in for an unknown one (``unknown``: a zone with no forecast, a site with no price),
-which ``render`` gives no raw value; records without it (earlier releases') show the stand-ins as they did. A change to how the
+which ``render`` gives no raw value; records without it (earlier releases') show the stand-ins as they did. The
+record of a job with a latency objective keeps the round-trip time from its origin to each site (``rtt_ms``), which
+the latency filter's reasons quote; records without it (earlier releases') give those reasons without the figure. A change to how the
 pipeline normalises (``policies.pipeline.TIE_EPSILON`` included) needs a new record version, so that the
 records already stored are read as they were decided.
 """
@@ -107,6 +109,7 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         "site": snap.sites[placement.site] if placement.placed else None,
         "model": ids.GPU_MODEL_IDS[placement.model] if placement.placed else None,
         **_quota_record(req, snap),
+        **_rtt_record(req, snap),
         **_passed_over_record(placement.passed_over, placement.n_passed_over, snap),
         **({"over_plan": True} if placement.over_plan else {}),
     }
@@ -203,6 +206,16 @@ def _quota_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
             "quota_listed": req.tenant in snap.quota.room}
 
 
+def _rtt_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
+    """For a job with a latency objective, the round-trip time in ms from its origin to each site (NaN: not
+    measured), which the latency filter's reasons quote."""
+    if req.latency_slo_ms is None:
+        return {}
+    column = snap.origin_index.get(req.origin_region or "")
+    rtt = snap.rtt_ms[:, column] if column is not None else np.full(snap.n_sites, np.nan)
+    return {"rtt_ms": pack(rtt, "f8")}
+
+
 @dataclass(frozen=True, slots=True)
 class _View:
     free: list[int]
@@ -214,6 +227,7 @@ class _View:
     quota_listed: bool = True
     refusals: dict[str, str] | None = None  # site -> why it refused the job's attempt (RefusedFilter)
     sites: list[str] | None = None  # site names, in row order
+    rtt_ms: list[float] | None = None  # the RTT from the job's origin per site (NaN: not measured); None: not recorded
 
 
 def scores(rec: dict[str, Any], failures: np.ndarray | None = None
@@ -272,6 +286,7 @@ def render(
         rec.get("quota_listed", True),
         rec.get("refusals"),
         sites,
+        unpack(rec["rtt_ms"], "f8").tolist() if "rtt_ms" in rec else None,
     )
     raws, norms, totals_array = scores(rec, failures_array)
     # A stand-in for an unknown raw value (it only ranked the site last) is shown as no value, as a NaN is.

@@ -304,6 +304,26 @@ async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_s
     }
 
 
+async def test_a_job_whose_latency_objective_no_site_meets_is_told_each_sites_round_trip(client: TestClient):
+    # The reason used to be the same at every site, "the RTT from gcp:us-east1 is over the job's latency objective
+    # of 5 ms (or not measured)": neither how far over, nor whether it was measured at all.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, rtt_ms={"gcp:us-east1": 96.3}))
+    await register(client, site_body("oregon", "gcp:us-west1", {"a100-80gb": 8}))
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "latency_slo_ms": 5,
+                                                     "origin_region": "gcp:us-east1"})).json()
+    for _ in range(200):
+        if (d := await client.get(f"/v1/jobs/{job['id']}/decision")).status == 200:
+            break
+        await asyncio.sleep(0.02)
+    decision = await d.json()
+    assert decision["outcome"] == "unplaceable"
+    assert {s["site"]: s["reasons"] for s in decision["sites"]} == {
+        "berlin": ["latency-objective: the RTT from gcp:us-east1 is 96.3 ms, over the job's latency objective of 5 ms"],
+        "oregon": ["latency-objective: no RTT from gcp:us-east1 to this site is measured, so it cannot show that it "
+                   "meets the job's latency objective of 5 ms"],
+    }
+
+
 async def test_a_job_cancelled_while_no_site_could_take_it_is_not_explained_as_still_queued(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     job = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 4, "model": "h100-80gb"}})).json()

@@ -5,6 +5,8 @@ Turn it off by leaving it out of the pipeline's filters."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from policies.filters import FitView
@@ -24,8 +26,15 @@ class LatencyFilter:
                             req.latency_slo_ms)
 
     def describe(self, req: JobRequest, view: FitView, site: int) -> str:
-        return (f"the RTT from {req.origin_region} is over the job's latency objective of "
-                f"{req.latency_slo_ms:g} ms (or not measured)")
+        rtt = getattr(view, "rtt_ms", None)  # None: a record of an earlier release, which kept no RTT
+        if rtt is None:
+            return (f"the RTT from {req.origin_region} is over the job's latency objective of "
+                    f"{req.latency_slo_ms:g} ms (or not measured)")
+        if not math.isfinite(rtt[site]):
+            return (f"no RTT from {req.origin_region} to this site is measured, so it cannot show that it meets "
+                    f"the job's latency objective of {req.latency_slo_ms:g} ms")
+        return (f"the RTT from {req.origin_region} is {rtt[site]:g} ms, over the job's latency objective of "
+                f"{req.latency_slo_ms:g} ms")
 
 
 def _within(rtt_ms: np.ndarray, slo_ms: float) -> np.ndarray:
