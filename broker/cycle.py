@@ -640,13 +640,16 @@ class SchedulingCycle:
                                                   req.charge, first, first + placement.slots, hour,
                                                   req.latency_slo_ms is not None,
                                                   planned_at.spec if planned_at is not None else None)
-                # Recorded again where the plan, the start now it is weighed against (or none) or the sites'
-                # verdicts changed, so the explanation never quotes a start now the broker no longer weighs (a
-                # site since cordoned, full or unhealthy). The verdicts by a digest: kept per deferred job.
+                # Recorded again where the plan, the start now it is weighed against (or none), the sites'
+                # verdicts or the words of its reason (the forecasts it quotes, to their three figures: a start
+                # now an hour later is another run) changed, so the explanation never quotes a start now the
+                # broker no longer weighs (a site since cordoned, full or unhealthy), nor figures of an earlier
+                # hour's plan. The verdicts and the words by a digest: kept per deferred job.
                 now_site = snap.sites[placement.now_site] if placement.now_site >= 0 else "-"
-                verdicts = hashlib.blake2b(placement.placement.failures.tobytes(), digest_size=8).hexdigest()
+                digest = hashlib.blake2b(placement.placement.failures.tobytes(), digest_size=8)
+                digest.update(placement.reason(snap.sites).encode())
                 signature = (f"deferred {snap.sites[placement.site]} {placement.model} {first} {now_site} "
-                             f"{verdicts}").encode()
+                             f"{digest.hexdigest()}").encode()
                 if self._last_seen.get(job.id) != signature:
                     self._last_seen[job.id] = self._signatures.setdefault(signature, signature)
                     rec = explain.record_deferral(pipeline, placement, snap)

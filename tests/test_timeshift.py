@@ -516,6 +516,33 @@ async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned
     assert not next(v for v in again.sites if v.site == "tokyo").feasible
 
 
+async def test_a_deferred_job_decided_again_an_hour_later_to_the_same_plan_quotes_that_hours_forecasts(live) -> None:
+    # Decided again each whole hour to the same site and start against a start now on the same site, its
+    # decision was recorded only when the plan, that site or the verdicts changed: GET /v1/jobs/{id}/decision
+    # went on giving the first hour's decision time and "against 4.77 kg CO2e starting now on tokyo", a start
+    # now that the broker no longer weighed (an hour later it is another run, of 5.04 kg).
+    from tests.builders import job
+
+    b, clock = live
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)
+
+    async def decision():
+        stored = await b.decision(await b.book.get(j.id))
+        return explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
+
+    first = await decision()
+    assert first.outcome == "deferred" and first.deferral.now_site == "tokyo"
+    await clock.advance(3600)
+    await b.cycle.run_once(full=True)
+    assert b.cycle.deferred_until(j.id) == first.deferred_until  # the same plan, decided again
+    again = await decision()
+    assert again.outcome == "deferred" and again.deferral.now_site == "tokyo" and again.decided_at == clock.now()
+    assert again.deferral.value_now != first.deferral.value_now
+    assert f"against {again.deferral.value_now:.3g} kg CO2e starting now on tokyo" in again.summary
+
+
 async def test_a_deferred_job_whose_planned_site_is_cordoned_is_decided_again_at_once(live) -> None:
     # The job is deferred to frankfurt's clean hours; frankfurt is then cordoned. A deferred job is decided
     # again each whole hour, and the plan used to stand until then: for up to an hour the job stayed planned on
