@@ -981,7 +981,7 @@ class Job(BaseModel):
 
 
 class ScoreTerm(Strict):
-    scorer: str
+    scorer: str = Field(description="the scorer's name (policies/scorers/), as the profile weights it")
     raw: float | None = Field(description="the scorer's value in its own units (None: not a finite number, or "
                                           "unknown: a zone with no forecast, a site with no price for a model with "
                                           "room, an unmeasured round trip; the scorer ranks such a site after every "
@@ -989,16 +989,19 @@ class ScoreTerm(Strict):
     normalised: float | None = Field(
         description="0..1 over the sites that passed the filters; 1 is best (None: the site was rejected, so "
                     "it was not ranked)")
-    weight: float
-    weighted: float | None
+    weight: float = Field(description="the profile's weight of the scorer")
+    weighted: float | None = Field(description="normalised × weight, the term's part of the site's score (None: the "
+                                               "site was rejected)")
 
 
 class SiteVerdict(Strict):
-    site: str
-    feasible: bool
+    site: str = Field(description="the site's name")
+    feasible: bool = Field(description="whether the site passed every filter (false: see reasons)")
     reasons: list[str] = Field(default_factory=list, description="every filter that rejected the site")
-    terms: list[ScoreTerm] = Field(default_factory=list)
-    score: float | None = None
+    terms: list[ScoreTerm] = Field(default_factory=list, description="every scorer's term at the site, in the "
+                                                                       "profile's order")
+    score: float | None = Field(None, description="the sum of the terms' weighted values; the highest is chosen, "
+                                                  "ties going to the first site by name (None: the site was rejected)")
     passed_over: str | None = Field(
         None, description="why a time-shifting profile's plan turned this site away now although it scored "
                           "higher than the site chosen (its GPUs are booked within the run, or kept for "
@@ -1033,14 +1036,19 @@ class DeferralPlan(Strict):
 class Decision(Strict):
     """Why a job went where it went: the pick (or deferral), every site's rejections and score terms."""
 
-    job_id: str
-    attempt: int
-    decided_at: UtcDatetime
-    outcome: Literal["placed", "deferred", "unplaceable"]
-    site: str | None = None
-    deferred_until: UtcDatetime | None = None
-    summary: str
-    sites: list[SiteVerdict]
+    job_id: str = Field(description="the job's id")
+    attempt: int = Field(description="placed: the attempt the placement started; deferred or unplaceable: the "
+                                     "attempts made before the decision (0: none yet)")
+    decided_at: UtcDatetime = Field(description="when the decision was taken (one that keeps a job waiting is "
+                                                "taken again at later passes and recorded again when it changes)")
+    outcome: Literal["placed", "deferred", "unplaceable"] = Field(
+        description="placed: sent to the site; deferred: planned to start later (deferral); unplaceable: no site "
+                    "could take it then, and it waited in the queue")
+    site: str | None = Field(None, description="the site chosen (None: not placed)")
+    deferred_until: UtcDatetime | None = Field(None, description="the planned start of a deferred job")
+    summary: str = Field(description="the decision in words: why this site, or why it waits")
+    sites: list[SiteVerdict] = Field(description="every site the decision saw, by name: its rejections or its "
+                                                 "score terms")
     deferral: DeferralPlan | None = Field(None, description="for a deferred job, the plan and what it weighed")
 
 

@@ -613,6 +613,17 @@ async def test_the_openapi_document_describes_the_jobs_api_from_the_models(clien
     assert "borrowed_gpus" in doc["components"]["schemas"]["TenantQuotaState"]["properties"]
 
 
+async def test_the_openapi_document_says_what_every_field_of_a_decision_means(client: TestClient):
+    # A script reading GET /v1/jobs/{id}/decision had no word on what attempt means for a job that waits, nor
+    # that a site's score is the sum of its terms' weighted values (normalised × weight).
+    schemas = (await (await client.get("/openapi.json")).json())["components"]["schemas"]
+    undescribed = [f"{name}.{field}" for name in ("Decision", "SiteVerdict", "ScoreTerm", "DeferralPlan", "DeadlineRisk")
+                   for field, prop in schemas[name]["properties"].items() if not prop.get("description")]
+    assert undescribed == []
+    assert "sum of the terms' weighted values" in schemas["SiteVerdict"]["properties"]["score"]["description"]
+    assert set(schemas["Decision"]["required"]) == {"job_id", "attempt", "decided_at", "outcome", "summary", "sites"}
+
+
 # --- regressions from review: races and hostile input never give a 500 ---
 
 
