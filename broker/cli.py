@@ -193,6 +193,17 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
+RAW_UNITS = {"carbon": "kg CO2e", "cost": "USD", "latency": "ms", "free_gpus": "GPUs", "carbon_now": "g CO2e/kWh",
+             "cheapest": "USD/GPU-h"}
+"""The units of the scorers' raw values (policies/scorers/); the others' are fractions, penalties or positions."""
+
+
+def _raw(scorer: str, value: float | None) -> str:
+    """A term's raw value with its scorer's unit ('-' where the broker did not know it)."""
+    unit = RAW_UNITS.get(scorer)
+    return _num(value) if value is None or unit is None else f"{_num(value)} {unit}"
+
+
 def show_decision(d: dict[str, Any]) -> str:
     lines = [f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}", f"  {d['summary']}", ""]
     feasible = sorted((s for s in d["sites"] if s["feasible"]), key=lambda s: -(s["score"] or 0))
@@ -202,7 +213,7 @@ def show_decision(d: dict[str, Any]) -> str:
         for s in feasible:
             mark = "*" if s["site"] == d["site"] else " "
             terms = ", ".join(
-                f"{t['scorer']} raw {_num(t['raw'])} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
+                f"{t['scorer']} raw {_raw(t['scorer'], t['raw'])} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
                 for t in s["terms"]
             )
             lines.append(f"  {mark} {s['site']:<{width}} score {s['score']:.3f}  [{terms}]")

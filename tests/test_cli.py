@@ -486,3 +486,21 @@ def test_explain_lines_up_its_columns_when_a_site_name_is_longer_than_twenty_cha
     assert len(ranked) == 2 and len({line.index(" score ") for line in ranked}) == 1, ranked
     rejected = [line for line in lines if ": " in line and line.startswith("    ") and "score" not in line]
     assert len(rejected) == 2 and len({line.index(line.split()[1]) for line in rejected}) == 1, rejected
+
+
+def test_explain_gives_each_raw_value_in_its_scorers_unit_and_an_unknown_one_as_a_dash():
+    from broker.cli import show_decision
+
+    def term(scorer: str, raw: float | None) -> dict:
+        return {"scorer": scorer, "raw": raw, "normalised": 0.5, "weight": 1.0, "weighted": 0.5}
+
+    out = show_decision({
+        "job_id": "01m8catea3mnc54j9v", "attempt": 1, "decided_at": "2026-11-26T16:25:35Z", "outcome": "placed",
+        "site": "ashburn", "deferred_until": None, "summary": "placed on ashburn", "deferral": None,
+        "sites": [{"site": "ashburn", "feasible": True, "reasons": [], "score": 2.5, "terms": [
+            term("carbon", 3.56852), term("cost", 208.864), term("latency", 12.5), term("free_gpus", 16.0),
+            term("follow_sun_offpeak", 0.25), term("carbon", None)]}],
+    })
+    assert ("[carbon raw 3.56852 kg CO2e -> 0.500 x 1 = 0.500, cost raw 208.864 USD -> 0.500 x 1 = 0.500, "
+            "latency raw 12.5 ms -> 0.500 x 1 = 0.500, free_gpus raw 16 GPUs -> 0.500 x 1 = 0.500, "
+            "follow_sun_offpeak raw 0.25 -> 0.500 x 1 = 0.500, carbon raw - -> 0.500 x 1 = 0.500]") in out
