@@ -198,10 +198,13 @@ RAW_UNITS = {"carbon": "kg CO2e", "cost": "USD", "latency": "ms", "free_gpus": "
 """The units of the scorers' raw values (policies/scorers/); the others' are fractions, penalties or positions."""
 
 
-def _raw(scorer: str, value: float | None) -> str:
-    """A term's raw value with its scorer's unit ('-' where the broker did not know it)."""
+def _raw(scorer: str, value: float | None, ranked_as: float | None = None) -> str:
+    """A term's raw value with its scorer's unit ('-' where the broker did not know it, with the value the
+    decision ranked the site as, which the normalised values are worked out with)."""
     unit = RAW_UNITS.get(scorer)
-    return _num(value) if value is None or unit is None else f"{_num(value)} {unit}"
+    if value is None:
+        return "-" if ranked_as is None else f"- (ranked as {_raw(scorer, ranked_as)})"
+    return _num(value) if unit is None else f"{_num(value)} {unit}"
 
 
 def show_decision(d: dict[str, Any]) -> str:
@@ -213,7 +216,7 @@ def show_decision(d: dict[str, Any]) -> str:
         for s in feasible:
             mark = "*" if s["site"] == d["site"] else " "
             terms = ", ".join(
-                f"{t['scorer']} raw {_raw(t['scorer'], t['raw'])} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
+                f"{t['scorer']} raw {_raw(t['scorer'], t['raw'], t.get('ranked_as'))} -> {t['normalised']:.3f} x {t['weight']:g} = {t['weighted']:.3f}"
                 for t in s["terms"]
             )
             lines.append(f"  {mark} {s['site']:<{width}} score {s['score']:.3f}  [{terms}]")

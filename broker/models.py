@@ -989,6 +989,11 @@ class ScoreTerm(Strict):
     normalised: float | None = Field(
         description="0..1 over the sites that passed the filters; 1 is best (None: the site was rejected, so "
                     "it was not ranked)")
+    ranked_as: float | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="where raw is unknown at a site that passed the filters, the value the decision ranked it as "
+                    "(in the scorer's units: one more than the worst known value, so the site ranks after every "
+                    "known one); the sites' normalised values are worked out with it. Absent where raw is known")
     weight: float = Field(description="the profile's weight of the scorer")
     weighted: float | None = Field(description="normalised × weight, the term's part of the site's score (None: the "
                                                "site was rejected)")

@@ -290,8 +290,12 @@ def render(
     )
     raws, norms, totals_array = scores(rec, failures_array)
     # A stand-in for an unknown raw value (it only ranked the site last) is shown as no value, as a NaN is.
-    terms = [(t["scorer"], t["weight"], np.where(_unknown_sites(t, len(sites)), np.nan, raw).tolist(), norm.tolist())
-             for t, raw, norm in zip(rec["terms"], raws, norms, strict=True)]
+    # The stand-in itself is given as what the site was ranked as (``ranked_as``): the normalised values of every
+    # feasible site are worked out with it, so without it they could not be worked out again from the raw values.
+    unknowns = [_unknown_sites(t, len(sites)) for t in rec["terms"]]
+    terms = [(t["scorer"], t["weight"], np.where(unknown, np.nan, raw).tolist(), norm.tolist(),
+              np.where(unknown, raw, np.nan).tolist())
+             for t, raw, norm, unknown in zip(rec["terms"], raws, norms, unknowns, strict=True)]
     totals = totals_array.tolist()
     codes: list[str] = rec["filters"]
     passed: dict[str, str] = rec.get("passed_over") or {}
@@ -309,12 +313,13 @@ def render(
                     reasons.append(f"{code}: {text}")
                     rejected_by[code] = rejected_by.get(code, 0) + 1
             unranked = [ScoreTerm(scorer=name, raw=_finite(raw[i]), normalised=None, weight=weight, weighted=None)
-                        for name, weight, raw, _ in terms]
+                        for name, weight, raw, _, _ in terms]
             verdicts.append(SiteVerdict(site=site, feasible=False, reasons=reasons, terms=unranked))
             continue
         site_terms = [
-            ScoreTerm(scorer=name, raw=_finite(raw[i]), normalised=norm[k], weight=weight, weighted=weight * norm[k])
-            for name, weight, raw, norm in terms
+            ScoreTerm(scorer=name, raw=_finite(raw[i]), normalised=norm[k], weight=weight, weighted=weight * norm[k],
+                      ranked_as=_finite(stand_in[i]))
+            for name, weight, raw, norm, stand_in in terms
         ]
         verdicts.append(SiteVerdict(site=site, feasible=True, terms=site_terms, score=totals[k],
                                     passed_over=passed.get(site)))

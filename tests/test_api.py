@@ -324,6 +324,26 @@ async def test_a_job_whose_latency_objective_no_site_meets_is_told_each_sites_ro
     }
 
 
+async def test_a_site_with_no_price_is_explained_with_what_it_was_ranked_as_so_the_normalised_values_add_up(
+        client: TestClient):
+    # An unknown raw value is given as null, but the decision ranked the site as one more than the worst known
+    # value, and normalised every site's value with it: from the raw values given (3 and 5 USD), berlin's 1 and
+    # paris's 0.333 could not be worked out again.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, usd_per_gpu_hour={"a100-80gb": 3.0}))
+    await register(client, site_body("oslo", "gcp:europe-north1", {"a100-80gb": 8}))
+    await register(client, site_body("paris", "gcp:europe-west9", {"a100-80gb": 8}, usd_per_gpu_hour={"a100-80gb": 5.0}))
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 3600, "profile": "cheap"})).json()
+    await wait_for(client, job["id"], {"dispatching", "admitted", "running"})
+    decision = await (await client.get(f"/v1/jobs/{job['id']}/decision")).json()
+    cost = {s["site"]: next(t for t in s["terms"] if t["scorer"] == "cost") for s in decision["sites"]}
+    assert {site: (t["raw"], t.get("ranked_as")) for site, t in cost.items()} == {
+        "berlin": (3.0, None), "oslo": (None, 6.0), "paris": (5.0, None)}
+    ranked = {site: t["raw"] if t["raw"] is not None else t["ranked_as"] for site, t in cost.items()}
+    for site, t in cost.items():  # lower is better: (worst - value) / (worst - best)
+        assert t["normalised"] == pytest.approx((6.0 - ranked[site]) / (6.0 - 3.0))
+    assert "ranked_as" not in next(t for t in cost.values() if t["raw"] is not None)  # only where it was unknown
+
+
 async def test_a_job_cancelled_while_no_site_could_take_it_is_not_explained_as_still_queued(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     job = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 4, "model": "h100-80gb"}})).json()

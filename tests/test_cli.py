@@ -504,3 +504,15 @@ def test_explain_gives_each_raw_value_in_its_scorers_unit_and_an_unknown_one_as_
     assert ("[carbon raw 3.56852 kg CO2e -> 0.500 x 1 = 0.500, cost raw 208.864 USD -> 0.500 x 1 = 0.500, "
             "latency raw 12.5 ms -> 0.500 x 1 = 0.500, free_gpus raw 16 GPUs -> 0.500 x 1 = 0.500, "
             "follow_sun_offpeak raw 0.25 -> 0.500 x 1 = 0.500, carbon raw - -> 0.500 x 1 = 0.500]") in out
+
+
+def test_explain_gives_an_unknown_raw_value_with_what_the_decision_ranked_it_as():
+    from broker.cli import show_decision
+
+    out = show_decision({
+        "job_id": "01m8catea3mnc54j9v", "attempt": 1, "decided_at": "2026-11-26T16:25:35Z", "outcome": "placed",
+        "site": "berlin", "deferred_until": None, "summary": "placed on berlin", "deferral": None,
+        "sites": [{"site": "oslo", "feasible": True, "reasons": [], "score": 0.0, "terms": [
+            {"scorer": "cost", "raw": None, "ranked_as": 6.0, "normalised": 0.0, "weight": 1.0, "weighted": 0.0}]}],
+    })
+    assert "[cost raw - (ranked as 6 USD) -> 0.000 x 1 = 0.000]" in out
