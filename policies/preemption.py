@@ -20,8 +20,10 @@ Preemption (when the job does not fit as things stand)
     guarantee are taken (walking the order, a job that would cross the line is skipped). Order: effective
     priority ascending, start descending (newest first), job id. The caller's ``fits(victim_ids)`` says
     whether the job fits once those are gone (its inventory knows nodes, fractions, topology); releasing more
-    never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Without
-    one, the refusal says why the job waits ("site full; 6 GPUs could be freed from preemptible jobs over
+    never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Of that
+    prefix, each job the others can do without is then spared (one on another node than where the job fits, a
+    small one taken before a large one that alone makes room), trying the last but one back to the first (one
+    call each), so no job is stopped for nothing. Without one, the refusal says why the job waits ("site full; 6 GPUs could be freed from preemptible jobs over
     their share, 8 needed"). A tenant over its limit may only preempt its own lower-priority jobs.
 
     The one exception, for a reclaim by a tenant whose quota counts the job's model M only: after the
@@ -35,7 +37,8 @@ Preemption (when the job does not fit as things stand)
     inventory's to fit); between tenants whose quotas both count any model, and at a one-model site, nothing
     changes.
 
-Cost: a lazy merge of per-tenant candidate lists kept sorted at start/stop, plus O(log n) ``fits`` calls.
+Cost: a lazy merge of per-tenant candidate lists kept sorted at start/stop, plus O(log n) ``fits`` calls and
+one per victim.
 Units: GPUs (a fractional job counts its share), POSIX seconds. There is no switch: a job that fits never
 searches, and a site with only non-preemptible work has no candidates.
 """
@@ -69,7 +72,8 @@ def dequeue(queue: list[tuple[int, float, str, _Job]], job: _Job) -> None:
 def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits, reclaim: bool, over_limit: bool,
            accounts: Iterable[_Account], shares: Mapping[_Account, float] | None, reclaim_min_run_s: float,
            elsewhere: float = 0.0) -> tuple[tuple[str, ...] | None, float, float]:
-    """Shortest prefix of the candidates after which the job fits: (ids or None, own GPUs freed, GPUs freed).
+    """Shortest prefix of the candidates after which the job fits, less the jobs of it the rest can do without
+    (:func:`_spare`): (ids or None, own GPUs freed, GPUs freed).
     ``accounts``: every account of the book; ``shares``: fair shares (GPUs) with the asking job counted in,
     needed unless ``reclaim`` or ``over_limit``; ``reclaim_min_run_s``: the site policy's ``min_run_s``, the
     longest a reclaim spares a job; ``elsewhere``: for a reclaim of a guarantee for ``model``, the GPUs by which
@@ -92,6 +96,7 @@ def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits,
     # borrowed GPUs first; then, in the same order, what the lenders can hold elsewhere
     taken = _capped(acct, heapq.merge(*streams), heapq.merge(*lenders), elsewhere)
     ids: list[str] = []
+    jobs: list[_Job] = []
     own = [0.0]
     freed = [0.0]
 
@@ -101,6 +106,7 @@ def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits,
             if job is None:
                 return False
             ids.append(job.job_id)
+            jobs.append(job)
             own.append(own[-1] + (job.gpus if job.account is acct else 0.0))
             freed.append(freed[-1] + job.gpus)
         return True
@@ -127,7 +133,23 @@ def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits,
             hi = mid
         else:
             lo = mid
-    return tuple(ids[:hi]), own[hi], freed[hi]
+    return _spare(acct, g, fits, jobs[:hi])
+
+
+def _spare(acct: _Account, g: float, fits: Fits, victims: list[_Job]) -> tuple[tuple[str, ...], float, float]:
+    """The prefix ``victims`` less each job the others can do without (a job on another node than the one the
+    new job gets, a small one taken before the large one that alone makes room), tried from the last but one
+    back to the first, so the most protected of them are spared first (Kueue's fill-back). The last one stays:
+    the prefix without it did not fit. Taking fewer never pushes anyone further below a guarantee. One ``fits``
+    call per victim."""
+    kept = list(victims)
+    for j in range(len(kept) - 2, -1, -1):
+        trial = kept[:j] + kept[j + 1:]
+        own = sum(v.gpus for v in trial if v.account is acct)
+        if acct.in_use - own + g <= acct.limit + EPS and fits(tuple(v.job_id for v in trial)):
+            kept = trial
+    return (tuple(v.job_id for v in kept), sum(v.gpus for v in kept if v.account is acct),
+            sum(v.gpus for v in kept))
 
 
 def removable(accounts: Iterable[_Account], now: float, reclaim_min_run_s: float

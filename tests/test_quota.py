@@ -314,6 +314,8 @@ RECLAIM_CASES = [
                  ("s1", "s2"), id="two small jobs of low priority go before one big job of higher priority"),
     pytest.param([Job("x1", "x", 2), Job("x2", "x", 2, age_s=2 * H)], 3, ("x1", "x2"),
                  id="the shortest prefix that frees enough, and no more"),
+    pytest.param([Job("x4", "x", 4, age_s=2 * H), Job("y1", "y", 1, age_s=H)], 4, ("x4",),
+                 id="a small job taken before the one that alone makes room is spared"),
 ]
 
 
@@ -374,9 +376,11 @@ def test_the_inventory_decides_what_fits_not_the_gpu_count() -> None:
         return max(freed.values()) >= 4
 
     v = site.book.admit(ask("new", "owner", 4), site.now, one_node)
-    assert v.victims == ("a1", "b1", "b2")
-    # without victims, then galloping over 1, 2 and 4 candidates, then one bisection step; not one per candidate
-    assert calls == [(), ("a1",), ("a1", "b1"), ("a1", "b1", "b2", "a2"), ("a1", "b1", "b2")]
+    assert v.victims == ("b1", "b2")  # a1, on the other node, is spared: it freed nothing the job uses
+    # without victims, then galloping over 1, 2 and 4 candidates, then one bisection step; not one per candidate;
+    # then one call per victim but the last, to spare those the rest can do without
+    assert calls == [(), ("a1",), ("a1", "b1"), ("a1", "b1", "b2", "a2"), ("a1", "b1", "b2"), ("a1", "b2"),
+                     ("b1", "b2")]
 
 
 PRIORITY_CASES = [

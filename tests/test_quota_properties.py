@@ -100,11 +100,11 @@ def check_verdict(site: Site, job: Ask, v: Verdict, demand: dict[str, float], qu
     assert fits(v.victims)
     assert held - taken.get(job.tenant, 0.0) + job.gpus <= limit + EPS
     assert v.borrowed == (held - taken.get(job.tenant, 0.0) + job.gpus > guaranteed + EPS)
-    # ... and the shortest prefix of the candidates: one victim fewer would not do
-    if v.victims:
-        fewer = v.victims[:-1]
+    # ... and no more of them than needed: without any one of them the job would not fit
+    for spared in v.victims:
+        fewer = tuple(x for x in v.victims if x != spared)
         own = sum(site.running[x].gpus for x in fewer if site.running[x].tenant == job.tenant)
-        assert not (fits(fewer) and held - own + job.gpus <= limit + EPS), v
+        assert not (fits(fewer) and held - own + job.gpus <= limit + EPS), (spared, v)
 
 
 def books(site: Site) -> list[tuple]:
