@@ -25,7 +25,8 @@
   the Nodes, at most every ``pods_ttl_s`` (5 s). On start, and whenever the ledgers are rebuilt, this site's
   active Jobs are re-entered (GPUs from the container limits, on their Pod's node or any node of their model,
   tenant from the labels, priority/preemptible from an annotation, since ``status.startTime``); one whose node
-  is gone counts against its tenant's quota only (logged). One whose Pod is Running has run since the Pod's
+  is gone counts against its tenant's quota only (logged). A rebuild keeps the tenants' usage history (the fair
+  share's sliding window); a restart of the adapter starts it afresh. One whose Pod is Running has run since the Pod's
   ``status.startTime``: ``running`` is reported once, at that time, and a later stop counts its run from it.
 - Jobs: a batch/v1 Job named ``h-<job id>-<attempt>`` in namespace ``namespace_prefix + tenant`` (which must
   exist; past 63 characters, the limit of a namespace name, shortened to end in a hash: ``namespace``), one Pod,
@@ -136,7 +137,7 @@ from broker.models import (
 )
 from policies.admission import Admitted, SiteAdmission
 from policies.inventory import MIG_SLICES_PER_GPU
-from policies.quota import Ask
+from policies.quota import Ask, QuotaBook
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ class KubernetesSite:
         self._own_api = api_client is None
         self._no_client: str | None = None  # why start could not make an API client (its error), if it could not
         self._admission: SiteAdmission | None = None
+        self._history: QuotaBook | None = None  # the last ledgers' book, whose usage history a rebuild takes on
         self._groups: list[NodeGroup] = []
         # (model, profile of a single-strategy node or None) -> product label values seen
         self._products: dict[tuple[str, str | None], set[str]] = {}
@@ -414,6 +416,8 @@ class KubernetesSite:
         self._single_inv = {inv for node in self._single for inv in self._node_map.get(node, ())}
         self._node_model = {n.name: n.model for n in nodes}
         self._foreign_held = {}
+        if self._admission is not None:
+            self._history = self._admission.book
         if not groups:
             self._admission = None
             return
@@ -427,6 +431,8 @@ class KubernetesSite:
             a.admitted = False
         for a in sorted(live, key=lambda a: a.started or 0.0):
             self._reenter(a)
+        if self._history is not None:  # the tenants' past usage, not only what runs now, decides their fair shares
+            self._admission.book.take_usage(self._history, self._clock.now().timestamp())
 
     def _reenter(self, a: _Attempt) -> None:
         """Enter a running attempt into fresh ledgers: on its Pod's Node, else anywhere on its model. One the

@@ -156,6 +156,11 @@ class UsageLedger:
             for i, v in moved.items():
                 into[i] = into.get(i, 0.0) + v
 
+    def take(self, other: UsageLedger) -> None:
+        """``other``'s history (and first moment) in place of this one's (a book rebuilt takes its predecessor's)."""
+        self.origin = other.origin
+        self._buckets = {key: dict(buckets) for key, buckets in other._buckets.items()}
+
     def factors(self, epoch: int) -> dict[int, float]:
         """Decay factor per bucket index counted at the boundary ``epoch × bucket_s``: the buckets whose middle
         lies within the window, and at least the last one (a window shorter than half a bucket would count

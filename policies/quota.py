@@ -243,6 +243,23 @@ class QuotaBook:
         self._quotas[quota.tenant] = quota
         self._rehome(quota.tenant, None if old is None else old.model, quota.model, now)
 
+    def take_usage(self, old: QuotaBook, now: float) -> None:
+        """Carry ``old``'s usage history over to this book, which replaces it (a site's ledgers rebuilt when its
+        GPUs changed: a Kubernetes Node came or went), with its running jobs already re-entered here. Usage is
+        the old book's up to ``now`` and accrues here from ``now``: what re-entering the jobs at their starts
+        counted is dropped, or it would count twice. Without this a rebuild forgets every tenant's past usage,
+        and the fair share with it. A history kept in periods of another length is not taken (a changed
+        ``fair_share`` rebuilds the site without it)."""
+        if old._ledger.bucket_s != self._ledger.bucket_s:
+            return
+        now = self._clock(old._clock(now))
+        for acct in old._accounts.values():  # close its open intervals: its history up to now
+            old._accrue(acct, now)
+        self._ledger.take(old._ledger)
+        for acct in self._accounts.values():
+            acct.since = now
+        self._epoch = None
+
     def beyond_site(self) -> list[str]:
         """Each quota asking for GPUs the site does not have (``TenantQuota.beyond``: one stored by an earlier
         release, or set while the GPUs are away), in words; its guarantee counts only what the site has. For

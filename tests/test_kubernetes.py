@@ -25,7 +25,7 @@ from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
 from adapters.kubernetes_nodes import node_groups, read_node
 from adapters.kubernetes_stops import config_map_name
-from broker.clock import SystemClock
+from broker.clock import ManualClock, SystemClock
 from broker.models import GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
 from policies.inventory import Inventory, Placement
 from tests.builders import NOW, job, site
@@ -440,6 +440,35 @@ async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster
         state = await adapter.snapshot()
         assert state.health == "unhealthy" and "no usable GPU nodes" in (state.reason or "")
         assert not (await adapter.submit(attempt())).admitted
+    finally:
+        await adapter.close()
+
+
+async def test_a_node_that_comes_or_goes_leaves_the_tenants_usage_history_and_fair_shares_as_they_were(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # The ledgers are rebuilt whenever the Nodes change (a Node added, drained, NotReady): the tenant that used
+    # the site all night must not count as fresh, nor the usage of its jobs still running count twice.
+    clock = ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump(), quotas=[
+        {"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 12}]), clock)
+    await adapter.start()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        assert (await adapter.submit(attempt("j-2", count=4))).admitted
+        await clock.advance(3 * 3600)
+        await adapter.cancel("j-1", 1)  # ended: only the history knows it ran
+        await clock.advance(3600)
+
+        def usage(state) -> float:  # noqa: ANN001
+            return next(t.decayed_usage_gpu_h for t in state.quota.tenants if t.tenant == "t1")
+
+        before = usage(await adapter.snapshot())
+        assert before > 20
+        cluster.objects[NODES, None, "a100-2"] = node("a100-2", "NVIDIA-A100-SXM4-80GB", gpus=8)
+        after = await adapter.snapshot()
+        assert after.capacity[0].total_gpus == 27  # 16 + 3 MIG GPUs before: the ledgers were rebuilt with the new Node
+        assert usage(after) == pytest.approx(before)
     finally:
         await adapter.close()
 

@@ -692,6 +692,35 @@ def test_a_clock_stepped_back_holds_the_books_time_and_loses_no_usage() -> None:
     assert state.in_use_gpus == 0 and state.decayed_usage_gpu_h == pytest.approx(used)
 
 
+def test_a_book_rebuilt_with_the_running_jobs_keeps_the_usage_history_and_counts_none_of_it_twice() -> None:
+    """A site rebuilds its ledgers when its GPUs change (a Kubernetes Node comes or goes), re-entering its running
+    jobs at their starts: the tenant that used the site overnight must still count as having used it."""
+    quotas = [quota("vision", 4, 12), quota("nlp", 4, 12)]
+    site = Site(quotas, gpus=16)
+    site.submit(ask("v-done", "vision", 8))
+    site.advance(3 * H)
+    site.finish("v-done")  # ended before the rebuild: only the history knows it
+    site.submit(ask("v-run", "vision", 4))
+    site.advance(2 * H)
+    before = {s.tenant: s.decayed_usage_gpu_h for s in site.book.state(site.now)}
+    assert before["vision"] > 20
+
+    rebuilt = QuotaBook(quotas, FairSharePolicy(), {MODEL: 24})  # a Node of 8 GPUs came
+    rebuilt.start(ask("v-run", "vision", 4), site.now - 2 * H)  # re-entered at its start
+    rebuilt.take_usage(site.book, site.now)
+    site.book = rebuilt
+    assert {s.tenant: s.decayed_usage_gpu_h for s in rebuilt.state(site.now)} == pytest.approx(before)
+    site.advance(H)  # and on from there, as if nothing had been rebuilt
+    fresh = Site(quotas, gpus=16)
+    fresh.submit(ask("v-done", "vision", 8))
+    fresh.advance(3 * H)
+    fresh.finish("v-done")
+    fresh.submit(ask("v-run", "vision", 4))
+    fresh.advance(3 * H)
+    assert rebuilt.state(site.now)[1].decayed_usage_gpu_h == pytest.approx(
+        fresh.book.state(fresh.now)[1].decayed_usage_gpu_h)
+
+
 # --- properties ---------------------------------------------------------------------------------------
 
 
