@@ -18,7 +18,9 @@ Preemption (when the job does not fit as things stand)
 
     Another tenant is never pushed below its guarantee: of each, only jobs that fit in what it holds above its
     guarantee are taken (walking the order, a job that would cross the line is skipped). Order: effective
-    priority ascending, start descending (newest first), job id. The caller's ``fits(victim_ids)`` says
+    priority ascending, start descending (newest first), job id; for a reclaim, the borrowers' jobs in that
+    order before the tenant's own (of lower priority), since stopping its own would leave it no nearer its
+    guarantee. The caller's ``fits(victim_ids)`` says
     whether the job fits once those are gone (its inventory knows nodes, fractions, topology); releasing more
     never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Of that
     prefix, each job the others can do without is then spared (one on another node than where the job fits, a
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -79,7 +82,8 @@ def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits,
     longest a reclaim spares a job; ``elsewhere``: for a reclaim of a guarantee for ``model``, the GPUs by which
     the tenants whose quotas count any model may together fall below their guarantees (``QuotaBook._elsewhere``:
     what the site's other models can hold for them); 0 for none."""
-    streams = [_stream(acct.queue, model, now, p)] if acct.queue else []
+    mine = _stream(acct.queue, model, now, p) if acct.queue else iter(())
+    streams = [] if reclaim else [mine]
     lenders = []
     if not over_limit:
         for o in accounts:
@@ -93,8 +97,10 @@ def search(acct: _Account, g: float, model: str, p: int, now: float, fits: Fits,
                 streams.append(_stream(o.queue, model, now, None, reclaim_min_run_s))
             elif o.in_use > shares[o] + EPS:
                 streams.append(_stream(o.queue, model, now, p))
-    # borrowed GPUs first; then, in the same order, what the lenders can hold elsewhere
-    taken = _capped(acct, heapq.merge(*streams), heapq.merge(*lenders), elsewhere)
+    # borrowed GPUs first (a reclaim takes them before the tenant's own jobs of lower priority, which it would
+    # otherwise stop to hold no more than before); then, in the same order, what the lenders can hold elsewhere
+    merged = itertools.chain(heapq.merge(*streams), mine) if reclaim else heapq.merge(*streams)
+    taken = _capped(acct, merged, heapq.merge(*lenders), elsewhere)
     ids: list[str] = []
     jobs: list[_Job] = []
     own = [0.0]

@@ -326,6 +326,19 @@ def test_reclaim_victims(jobs: list[Job], gpus: float, victims: tuple[str, ...])
     assert v.admitted and v.victims == victims
 
 
+def test_a_reclaim_takes_borrowed_gpus_before_the_tenants_own_jobs_of_lower_priority() -> None:
+    # a holds 4 of its 8 guaranteed GPUs with a low-priority job; b borrows the other 12. a's next job reclaims
+    # from b: stopping a's own job would leave a at 4 of its 8 GPUs, and b borrowing on.
+    site = site_running([quota("a", 8, 8), quota("b", 0, 16)], [
+        Job("a-low", "a", 4, priority=-5), Job("b1", "b", 4), Job("b2", "b", 8, age_s=2 * H)], gpus=16)
+    v = site.submit(ask("a-new", "a", 4))
+    assert v.admitted and v.reason.startswith("reclaims its guarantee") and v.victims == ("b1",)
+    assert site.held("a") == 8
+    # once nobody borrows what it needs, its own jobs of lower priority still make room
+    site.submit(ask("a-more", "a", 4, priority=1))
+    assert set(site.running) == {"a-new", "a-more", "b2"}
+
+
 def test_a_job_own_min_run_time_overrides_the_sites() -> None:
     jobs = [Job("x1", "x", age_s=600, min_run_s=0), Job("y1", "y", age_s=1800)]
     site = site_running([OWNER, *BORROWERS], jobs, gpus=2, policy=FairSharePolicy(min_run_s=H))
