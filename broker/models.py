@@ -589,9 +589,12 @@ class SiteSpec(Spec):
         total = sum(g.gpus for g in self.gpus)
         if total > MAX_GPUS_PER_SITE:
             raise ValueError(f"gpus: {total} GPUs in all is more than {MAX_GPUS_PER_SITE:,} a site may have")
-        tenants = [q.tenant for q in self.quotas]
-        if len(tenants) != len(set(tenants)):
-            raise ValueError("quotas: each tenant may appear once")
+        seen: dict[str, int] = {}
+        for i, q in enumerate(self.quotas):
+            if q.tenant in seen:  # named, with both places: a long list is hard to search by eye
+                raise ValueError(f"quotas: each tenant may appear once; {q.tenant} appears at "
+                                 f"quotas[{seen[q.tenant]}] and quotas[{i}] (merge them into one)")
+            seen[q.tenant] = i
         return self
 
     def quota_problems(self) -> list[dict[str, str]]:

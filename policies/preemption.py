@@ -25,8 +25,8 @@ Preemption (when the job does not fit as things stand)
     never hurts, so the shortest prefix is found by galloping then binary search (O(log n) calls). Of that
     prefix, each job the others can do without is then spared (one on another node than where the job fits, a
     small one taken before a large one that alone makes room), trying the last but one back to the first (one
-    call each), so no job is stopped for nothing. Without one, the refusal says why the job waits ("site full; 6 GPUs could be freed from preemptible jobs over
-    their share, 8 needed"). A tenant over its limit may only preempt its own lower-priority jobs.
+    call each), so no job is stopped for nothing. Without one, the refusal says why the job waits ("site full;
+    6 GPUs could be freed from preemptible jobs over their share, 8 needed"). A tenant over its limit may only preempt its own lower-priority jobs.
 
     The one exception, for a reclaim by a tenant whose quota counts the job's model M only: after the
     borrowed candidates, the candidates of the tenants whose quotas count any model are walked again in the

@@ -206,7 +206,7 @@ def test_a_valid_site_spec_is_accepted_and_canonicalised() -> None:
         ),
         pytest.param(
             site_body(quotas=[{"tenant": "vision", "guaranteed_gpus": 4}, {"tenant": "vision", "burst_gpus": 8}]),
-            "(body)", "each tenant may appear once",
+            "(body)", "each tenant may appear once; vision appears at quotas[0] and quotas[1]",
             id="a tenant with two quotas at one site is refused",
         ),
         pytest.param(
