@@ -213,6 +213,13 @@ class Federation:
         await self._collect_one(member)
         return member
 
+    async def pass_quotas(self, name: str, old: SiteSpec) -> None:
+        """Pass the site's quotas that differ from ``old``'s (the spec it had before) to it, as :meth:`replace`
+        does: the site's spec changed while the broker was down (its config file edited). Raises QuotaNotTaken
+        as :meth:`replace` does."""
+        member = self.members[name]
+        await self._pass_quotas(member.adapter, old, member.spec)
+
     @staticmethod
     async def _pass_quotas(adapter: SiteAdapter, old: SiteSpec, spec: SiteSpec) -> None:
         """Pass the quotas that changed from ``old`` to ``spec`` to the site. A site that does not answer

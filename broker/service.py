@@ -164,6 +164,8 @@ class Broker:
         self.cycles = 0
         self.leadership: Leadership | None = None  # set by elect(), among replicas
         self._terms = 0  # terms this replica has led
+        # per site, its spec as stored before the config file's replaced it, where their quotas differ
+        self._quotas_before_file: dict[str, SiteSpec] = {}
         self._run_loop = True
         self._in_pass = asyncio.Event()  # set while the loop runs a scheduling pass
         self._pass_over = asyncio.Event()  # set when that pass has ended
@@ -222,6 +224,8 @@ class Broker:
                 was = stored.get(spec.name)
                 if was is not None and was.cordoned and not spec.cordoned:
                     spec = spec.model_copy(update={"cordoned": True, "cordon_reason": was.cordon_reason})
+                if was is not None and was.quotas != spec.quotas:  # passed to the site once it has joined
+                    self._quotas_before_file[spec.name] = was
                 await self.store.put_site(spec)
         else:  # the shared store's sites are the truth (the leader changes them); the config only seeds it
             known = {s.name for s in await self.store.list_sites()}
@@ -259,7 +263,9 @@ class Broker:
                 check_supported(spec, self.hub)
             except SiteUnsupported as e:
                 raise ConfigError(str(e)) from None
-            await self._join(spec, tolerate_failure=True)
+            member = await self._join(spec, tolerate_failure=True)
+            if (was := self._quotas_before_file.pop(spec.name, None)) is not None:
+                await self._pass_file_quotas(member, was)
         if self.hub is not None:  # only the broker in charge talks to the agents
             # Once its sites have joined: the MQTT broker hands over what it kept for this broker's session
             # (the agents' heartbeats and events while no broker was in charge) as soon as it connects, and a
@@ -448,6 +454,22 @@ class Broker:
         self.book.changed.set()
 
     # --- sites ---
+
+    async def _pass_file_quotas(self, member: Member, was: SiteSpec) -> None:
+        """The config file changed the site's quotas since the broker last ran: the changes go to the site as a
+        PUT of the spec would pass them (the latest change wins), or the site would go on enforcing an older
+        change made through the quota API while its spec says otherwise. A site that cannot take them now keeps
+        what it had, logged; an agent-run site's agent is not connected yet: its operator passes them."""
+        name = member.spec.name
+        if not member.started or member.spec.adapter.kind == "mqtt":
+            log.warning("site %s: its quotas changed in the config file, but the site cannot take them now; it keeps "
+                        "the quotas it had until they are set again (heliotrope quota %s --set, or PUT "
+                        "/v1/sites/%s)", name, name, name)
+            return
+        try:
+            await self.federation.pass_quotas(name, was)
+        except AdapterError as e:
+            log.warning("site %s: %s; it keeps the quotas it had until they are set again", name, e)
 
     async def _join(self, spec: SiteSpec, tolerate_failure: bool = False) -> Member:
         member = await self.federation.add(spec, tolerate_failure)

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from broker.api import create_app
 from broker.cli import show_quota
 from broker.config import BrokerSettings
+from broker.models import SiteSpec
 from broker.service import Broker
 from tests.test_api import register, site_body, wait_for
 
@@ -382,6 +383,38 @@ async def test_quotas_changed_in_the_site_spec_apply_at_once_and_a_removed_site_
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
     q = await (await client.get("/v1/sites/berlin/quota")).json()
     assert [(t["tenant"], t["guaranteed_gpus"]) for t in q["tenants"]] == [("nlp", 8), ("vision", 8)]
+
+
+async def test_quotas_changed_in_the_config_file_while_the_broker_was_down_win_over_older_api_changes(tmp_path):
+    async def start(vision: int, nlp: int) -> tuple[Broker, TestClient]:
+        broker = Broker(BrokerSettings(db=str(tmp_path / "quota.db"), cycle_interval_s=0.05, shutdown_grace_s=1))
+        await broker.start([SiteSpec.model_validate(site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=[
+            {"tenant": "vision", "guaranteed_gpus": vision}, {"tenant": "nlp", "guaranteed_gpus": nlp}]))])
+        client = TestClient(TestServer(create_app(broker)))
+        await client.start_server()
+        return broker, client
+
+    async def guarantees(client: TestClient) -> dict[str, float]:
+        q = await (await client.get("/v1/sites/berlin/quota")).json()
+        return {t["tenant"]: t["guaranteed_gpus"] for t in q["tenants"]}
+
+    broker, client = await start(vision=4, nlp=4)
+    for tenant in ("vision", "nlp"):  # the operator's changes through the API, kept by the site
+        assert (await client.put(f"/v1/sites/berlin/quota/{tenant}", json={"guaranteed_gpus": 6})).status == 200
+    await client.close()
+    await broker.stop()
+    broker, client = await start(vision=4, nlp=4)  # the file as it was: the API's changes stay
+    assert await guarantees(client) == {"nlp": 6, "vision": 6}
+    await client.close()
+    await broker.stop()
+    broker, client = await start(vision=10, nlp=4)  # vision's edited in the file since: the latest change wins
+    try:
+        assert await guarantees(client) == {"nlp": 6, "vision": 10}
+        spec = await (await client.get("/v1/sites/berlin")).json()
+        assert {q["tenant"]: q["guaranteed_gpus"] for q in spec["quotas"]} == {"nlp": 4, "vision": 10}
+    finally:
+        await client.close()
+        await broker.stop()
 
 
 async def test_an_urgent_job_is_sent_to_a_full_site_where_it_preempts_lower_priority_work(broker_at):
