@@ -175,7 +175,8 @@ def show_quota(q: dict[str, Any]) -> str:
                 f"unlisted tenants: {fs['unlisted_tenants']}")
     rows = [{
         "tenant": t["tenant"] + ("" if t["listed"] else " (unlisted)"),
-        "guaranteed": _num(t["guaranteed_gpus"]),
+        "guaranteed": _num(t["guaranteed_gpus"]) + ("" if t.get("configured_guaranteed_gpus") is None
+                                                    else f" of {_num(t['configured_guaranteed_gpus'])}"),
         "burst": "no limit" if t["burst_gpus"] is None else _num(t["burst_gpus"]),
         "weight": f"{t['fair_share_weight']:g}",
         "in use": _num(t["in_use_gpus"]),
@@ -371,6 +372,9 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                     listed = [t for t in now["tenants"] if t["tenant"] == args.set and t["listed"]]
                     body = {k: listed[0][k] for k in ("guaranteed_gpus", "burst_gpus", "fair_share_weight",
                                                       "priority_ceiling", "model")} if listed else {}
+                    if listed and listed[0].get("configured_guaranteed_gpus") is not None:
+                        # the guarantee as configured, not the part of it the site can count now (a Node away)
+                        body["guaranteed_gpus"] = listed[0]["configured_guaranteed_gpus"]
                     body.update({k: v for k, v in (("guaranteed_gpus", args.guaranteed), ("burst_gpus", args.burst),
                                                    ("fair_share_weight", args.weight), ("priority_ceiling", args.ceiling),
                                                    ("model", args.model)) if v is not None})

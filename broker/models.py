@@ -734,6 +734,11 @@ class TenantQuotaState(Spec):
                     "jobs on the model the site gives the job (absent from a site of an earlier release: the broker "
                     "then counts reclaimable_gpus for every model its quota counts)",
         exclude_if=lambda held: not held)  # left out where empty, as preemptible_gpus_by_priority
+    configured_guaranteed_gpus: float | None = Field(
+        default=None,
+        description="the guarantee as configured, where the site counts less of it now (guaranteed_gpus is at most "
+                    "the GPUs of its model the site has: a Node away, a model gone); absent where it counts it whole",
+        exclude_if=lambda v: v is None)  # left out where absent, as preemptible_gpus_by_priority
 
 
 class QuotaState(Spec):

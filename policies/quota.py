@@ -126,6 +126,9 @@ class TenantState:
     # reclaimable_gpus per GPU model (models with none left out): a reclaim takes only borrowers' jobs on the
     # model the site gives the job, so a guarantee counting any model is reclaimed on one model at a time
     reclaimable_gpus_by_model: dict[str, float] = field(default_factory=dict)
+    # The guarantee as configured, where the site counts less of it (``guaranteed_gpus``: at most the GPUs its
+    # pool has now, a Node away or a model gone); None where it counts it whole
+    configured_guaranteed_gpus: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -420,8 +423,16 @@ class QuotaBook:
                 usage_s / 3600, waiting, room, np_room, min(short, back),
                 *_by_priority_and_model((priority, job) for priority, _, _, job in acct.queue
                                         if now - job.start >= job.min_run_s),
-                {m: _tidy(min(short, g)) for m, g in sorted(on.items()) if min(short, g) > EPS}))
+                {m: _tidy(min(short, g)) for m, g in sorted(on.items()) if min(short, g) > EPS},
+                self._configured(acct)))
         return out
+
+    def _configured(self, acct: _Account) -> float | None:
+        """A listed tenant's guarantee as configured, where its account counts less of it (``_listed``)."""
+        q = self._quotas.get(acct.tenant) if acct.listed else None
+        if q is None or q.model != acct.pool or not q.guaranteed_gpus > acct.guaranteed:
+            return None
+        return float(q.guaranteed_gpus)
 
     def report(self, now: float, demand: Mapping[str, float] | None = None) -> QuotaState:
         """What the site reports to the broker (``GET /v1/sites/{name}/quota``)."""
@@ -437,6 +448,7 @@ class QuotaBook:
             preemptible_gpus_by_priority=s.preemptible_gpus_by_priority,
             preemptible_gpus_by_model=s.preemptible_gpus_by_model,
             reclaimable_gpus_by_model=s.reclaimable_gpus_by_model,
+            configured_guaranteed_gpus=s.configured_guaranteed_gpus,
         ) for s in self.state(now, demand)]
         by_priority, by_model = _by_priority_and_model(
             (job.priority, job) for job in self._jobs.values() if job.preemptible and now - job.start >= job.min_run_s)

@@ -17,6 +17,7 @@ import yaml
 
 from broker import cli
 from broker.cli import main
+from broker.models import QuotaState, TenantQuotaState
 from tests.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.slow
@@ -516,3 +517,48 @@ def test_explain_gives_an_unknown_raw_value_with_what_the_decision_ranked_it_as(
             {"scorer": "cost", "raw": None, "ranked_as": 6.0, "normalised": 0.0, "weight": 1.0, "weighted": 0.0}]}],
     })
     assert "[cost raw - (ranked as 6 USD) -> 0.000 x 1 = 0.000]" in out
+
+
+class _SiteWithANodeAway(http.server.BaseHTTPRequestHandler):
+    """A broker whose site counts tenant vision's 10-GPU guarantee as the 8 GPUs it has now; records PUTs."""
+
+    puts: list[dict] = []
+
+    def _send(self, doc: object) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _state(self, guaranteed: float, burst: float) -> dict:
+        vision = TenantQuotaState(tenant="vision", guaranteed_gpus=8.0, burst_gpus=burst,
+                                  configured_guaranteed_gpus=guaranteed)
+        return QuotaState(enforced=True, capacity_gpus=8.0, tenants=[vision]).model_dump(mode="json") | {"site": "alpha"}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._send(self._state(10.0, 2.0))
+
+    def do_PUT(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).puts.append(body)
+        self._send(self._state(body["guaranteed_gpus"], body["burst_gpus"]))
+
+    def log_message(self, *args: object) -> None:
+        """Quiet, as _NotABroker."""
+
+
+def test_quota_set_of_one_field_keeps_the_guarantee_as_configured_not_as_the_site_counts_it_now(capsys):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SiteWithANodeAway)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", "quota", "alpha", "--set", "vision",
+                     "--burst", "8"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert [(p["guaranteed_gpus"], p["burst_gpus"]) for p in _SiteWithANodeAway.puts] == [(10.0, 8)]
+    assert out.splitlines()[2].split()[:5] == ["vision", "8", "of", "10", "8"]  # counted now, of configured

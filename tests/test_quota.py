@@ -834,3 +834,16 @@ def test_limits_hold_and_no_protected_job_is_preempted(site_quotas, ops, sizes, 
                            for t in [*by_name, "guest"]}
         reserved = sum(max(by_name[t].guaranteed_gpus if t in by_name else 0, n) for t, n in non_preemptible.items())
         assert reserved <= gpus + EPS  # every guarantee stays reclaimable
+
+
+def test_a_guarantee_the_site_counts_only_in_part_reports_the_configured_one_beside_it() -> None:
+    """A Node away: the site counts a 10-GPU guarantee as the 8 GPUs it has, and says what was configured, so a
+    client changing one field of the quota (``heliotrope quota SITE --set T --burst N``) writes 10 back, not 8."""
+    quotas = [quota("vision", 10, 4), quota("nlp", 2, 4)]
+    report = QuotaBook(quotas, FairSharePolicy(), {MODEL: 8}).report(0.0)
+    vision, nlp = (next(t for t in report.tenants if t.tenant == name) for name in ("vision", "nlp"))
+    assert (vision.guaranteed_gpus, vision.configured_guaranteed_gpus) == (8, 10)
+    assert (nlp.guaranteed_gpus, nlp.configured_guaranteed_gpus) == (2, None)
+    assert "configured_guaranteed_gpus" not in nlp.model_dump(mode="json")  # left out: earlier brokers read it
+    whole = QuotaBook(quotas, FairSharePolicy(), {MODEL: 16}).report(0.0)
+    assert all(t.configured_guaranteed_gpus is None for t in whole.tenants)
