@@ -147,6 +147,13 @@ PODS_TTL_S = 5.0  # how long a read of the Pods (GPUs held outside heliotrope) i
 QUOTA_RETRY_S = 30.0  # after a ResourceQuota write fails, the wait before the next; doubling, at most an hour
 QUOTA_NAME = "heliotrope-gpus"
 TOMBSTONE_TTL_S = 3600.0
+# A container waiting for one of these will not start without someone changing the image or the Pod's config
+# (the kubelet retries for ever, the Job waits for ever): the attempt fails, its Job is deleted.
+STUCK_REASONS = frozenset({"ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
+# The Job fails at once when the cluster disrupts its Pod (an eviction, a drain, its Node lost, the scheduler's
+# preemption), with this rule's reason in its Failed condition: the adapter reports such a failure ``lost``.
+POD_FAILURE_POLICY = {"rules": [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget",
+                                                                           "status": "True"}]}]}
 
 T = TypeVar("T")
 
@@ -190,6 +197,7 @@ class _Attempt:
     released: bool = False  # its GPUs and quota already given to the job that preempted it, ahead of its Pods
     orphan: bool = False  # found at start as Pods without their Job: a stop under way before this adapter
     has_job: bool = False  # its Job was made or seen: one that is gone from a list of the Jobs was deleted
+    disrupted: str | None = None  # why the cluster took its Pod away (an eviction, its Node lost): not its failure
 
 
 def _transient(e: BaseException) -> bool:
@@ -312,8 +320,9 @@ class KubernetesSite:
                 _check_kubeconfig_exists(path)
                 if path is not None:
                     _check_kubeconfig(path)
-                await k8s_config.load_kube_config(config_file=path, context=cfg.context,
-                                                  client_configuration=configuration, persist_config=False)
+                loader = await k8s_config.load_kube_config(config_file=path, context=cfg.context,
+                                                           client_configuration=configuration, persist_config=False)
+                configuration.refresh_api_key_hook = _token_refresher(loader)
         except Exception as e:  # noqa: BLE001 (the loader's own errors, and YAML, type and base64 ones from a bad file)
             why = str(e) if isinstance(e, k8s_config.ConfigException | OSError) else f"{type(e).__name__}: {e}"
             raise AdapterError(f"site {self.name}: cannot load Kubernetes credentials ({why}); set adapter.kubeconfig "
@@ -765,7 +774,7 @@ class KubernetesSite:
             "apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": job_name(job.id, job.attempt), "namespace": namespace, "labels": labels,
                          "annotations": annotations},
-            "spec": {"backoffLimit": 0, "template": {
+            "spec": {"backoffLimit": 0, "podFailurePolicy": POD_FAILURE_POLICY, "template": {
                 "metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}},
         }
 
@@ -1003,6 +1012,25 @@ class KubernetesSite:
             for obj in items:
                 self._on_watch_event(kind, {"type": "ADDED", "object": obj})
 
+    def _stuck(self, key: tuple[str, int], known: _Attempt, why: str) -> None:
+        """Its Pod cannot start (its image cannot be pulled, its config refers to what is not there): the attempt
+        fails now, rather than hold its GPUs while the kubelet retries for ever, and its Job is deleted."""
+        if not self._finish(key):
+            return
+        now = self._clock.now()
+        self._withdrawn[key] = now
+        self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, reason=(
+            f"its Pod cannot start ({why}); check adapter.image and the Pod's configuration")))
+
+        async def delete() -> None:
+            try:
+                await self._delete_job(key, known)
+            except AdapterError as e:
+                log.warning("%s; it stays, waiting", e)
+        task = asyncio.get_running_loop().create_task(delete(), name=f"k8s-stuck-{key[0]}")
+        self._stop_waits.add(task)
+        task.add_done_callback(self._stop_waits.discard)
+
     def _gone(self, key: tuple[str, int], namespace: str, name: str) -> None:
         """An attempt's Job was deleted, not by heliotrope: ``lost``."""
         known = self._attempts.get(key)
@@ -1037,6 +1065,17 @@ class KubernetesSite:
             known.pods.add(meta.get("name", ""))
             if node := (obj.get("spec") or {}).get("nodeName"):
                 known.node = node
+            disruption = next((c for c in status.get("conditions") or []
+                               if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), None)
+            if disruption is not None or status.get("reason") == "Evicted":
+                why = disruption or status
+                known.disrupted = ": ".join(x for x in (why.get("reason"), why.get("message")) if x) or "disrupted"
+            stuck = next((w for c in (*(status.get("initContainerStatuses") or []),
+                                      *(status.get("containerStatuses") or []))
+                          if (w := (c.get("state") or {}).get("waiting") or {}).get("reason") in STUCK_REASONS), None)
+            if stuck is not None and known.stopping is None and key not in self._withdrawn:
+                self._stuck(key, known, ": ".join(x for x in (stuck.get("reason"), stuck.get("message")) if x))
+                return
             if status.get("phase") == "Running" and known.running_since is None and event.get("type") != "DELETED":
                 known.running_since = now
                 self._events.put_nowait(JobEvent(key[0], key[1], EventKind.RUNNING, now))
@@ -1049,7 +1088,13 @@ class KubernetesSite:
         elif "Failed" in conditions or (status.get("failed") or 0) > 0:
             failed = conditions.get("Failed") or {}
             reason = ": ".join(x for x in (failed.get("reason"), failed.get("message")) if x) or "the Job's Pod failed"
-            if self._finish(key):
+            if known.disrupted is not None or (failed.get("reason") == "PodFailurePolicy"
+                                               and "DisruptionTarget" in (failed.get("message") or "")):
+                # not the job's failure (a drain, an eviction, its Node lost): no failed attempt of its own
+                if self._finish(key):
+                    self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, run_s=run_s, reason=(
+                        f"the cluster took its Pod away ({known.disrupted or reason})")))
+            elif self._finish(key):
                 self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, reason=reason, run_s=run_s))
         elif event.get("type") == "DELETED" and key not in self._withdrawn:
             self._gone(key, meta.get("namespace", ""), meta.get("name", ""))
@@ -1182,6 +1227,33 @@ def _as_pod(job: Job) -> Job:
         gpus = job.spec.gpus.model_copy(update={"topology": "node"})
         return job.model_copy(update={"spec": job.spec.model_copy(update={"gpus": gpus})})
     return job
+
+
+def _token_refresher(loader: Any) -> Callable[[k8s.Configuration], Awaitable[None]] | None:
+    """A hook the client awaits before each request that renews a kubeconfig credential that expires (an exec
+    plugin's token with an ``expirationTimestamp``: EKS, GKE's gke-gcloud-auth-plugin, kubelogin; the ``gcp`` and
+    ``oidc`` auth providers), as kubectl does, within five minutes of its expiry. The client's loader reads it
+    once; without this every call failed with 401 Unauthorized once the first token expired (on EKS after 15
+    minutes), until the broker restarted. None for credentials that do not expire (a token, a certificate)."""
+    user = loader._user  # noqa: SLF001 - the loader keeps what it refreshes from here only
+    if not user or not ("exec" in user or loader.provider in ("gcp", "oidc")):
+        return None
+    lock = asyncio.Lock()  # one renewal at a time (an exec plugin is a process)
+
+    async def refresh(configuration: k8s.Configuration) -> None:
+        async with lock:
+            if loader.provider == "gcp":
+                await loader.load_gcp_token()  # (renews an expired token only)
+            elif loader.provider == "oidc":
+                await loader._load_oid_token()  # noqa: SLF001 (renews an expired id-token only)
+            else:
+                expiry = getattr(loader, "exec_plugin_expiry", None)
+                if expiry is None or not kube_config_module._is_expired(expiry):  # noqa: SLF001
+                    return  # valid yet, or a plugin's token without an expiry: kept, as kubectl keeps it
+                await loader.load_from_exec_plugin()  # (logs a plugin that fails; the old token is sent)
+            if getattr(loader, "token", None):
+                configuration.api_key["BearerToken"] = loader.token
+    return refresh
 
 
 def _check_kubeconfig_exists(path: str | None) -> None:

@@ -691,6 +691,85 @@ async def test_the_watch_reports_a_failed_job_with_its_reason(
     assert failed.kind == EventKind.FAILED and "BackoffLimitExceeded" in (failed.reason or "")
 
 
+async def job_failed_for(cluster: kmock.KubernetesEmulator, name: str, pod_condition: str) -> None:
+    """What the Job controller does when the Job's Pod failed with ``pod_condition`` True: a rule of the Job's
+    podFailurePolicy that matches it fails the Job naming the rule, else backoffLimit 0 is exceeded."""
+    job_spec = jobs(cluster)[("heliotrope-t1", name)]["spec"]
+    rules = (job_spec.get("podFailurePolicy") or {}).get("rules") or []
+    index = next((i for i, r in enumerate(rules) if r.get("action") == "FailJob" and any(
+        c.get("type") == pod_condition for c in r.get("onPodConditions") or [])), None)
+    failed = ({"reason": "PodFailurePolicy", "message": f"Pod heliotrope-t1/{name}-abc has condition "
+                                                        f"{pod_condition} matching FailJob rule at index {index}"}
+              if index is not None else
+              {"reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"})
+    await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {
+        "failed": 1, "conditions": [{"type": "Failed", "status": "True"} | failed]}})
+
+
+@pytest.mark.parametrize("pod_status", [
+    None,
+    {"phase": "Failed", "conditions": [{"type": "DisruptionTarget", "status": "True",
+                                        "reason": "EvictionByEvictionAPI", "message": "Eviction API: evicting"}]},
+    {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."},
+], ids=["a drain: the Job's failure arrives before its Pod's",
+        "a drain: the Pod's eviction arrives first",
+        "the kubelet evicting the Pod under memory pressure"])
+async def test_a_pod_the_cluster_takes_away_is_lost_not_a_failed_attempt(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, pod_status: dict[str, Any] | None) -> None:
+    # `kubectl drain` for maintenance, a Node gone, the kubelet short of memory: the job did not fail, and
+    # must not use up one of its max_attempts (which counts failures only, not the loss of a site's GPUs).
+    stream = kube.events()
+    name = await j1_running(kube, stream, cluster)
+    if pod_status is not None:
+        await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": pod_status})
+    await job_failed_for(cluster, name, "DisruptionTarget")
+    lost = await next_event(kube, stream)
+    assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
+    assert "the cluster took its Pod away" in (lost.reason or "")
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
+
+
+async def test_a_job_whose_pod_fails_on_its_own_is_a_failed_attempt(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+    stream = kube.events()
+    name = await j1_running(kube, stream, cluster)
+    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": {"phase": "Failed"}})
+    await job_failed_for(cluster, name, "Ready")
+    failed = await next_event(kube, stream)
+    assert failed.kind == EventKind.FAILED and "BackoffLimitExceeded" in (failed.reason or "")
+
+
+@pytest.mark.parametrize("waiting", [
+    {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/nvidia/pytorhc:24.05-py3"'},
+    {"reason": "InvalidImageName", "message": 'couldn\'t parse image name "nvcr.io//pytorch"'},
+    {"reason": "CreateContainerConfigError", "message": 'secret "wandb" not found'},
+], ids=["an image that cannot be pulled", "an image name that is none", "a secret the Pod needs is not there"])
+async def test_a_pod_that_cannot_start_fails_its_attempt_and_frees_its_gpus(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, waiting: dict[str, str]) -> None:
+    # The kubelet retries for ever and the Job waits for ever: without this the attempt held its GPUs for ever,
+    # and the broker never heard why the job does not run.
+    stream = kube.events()
+    assert (await kube.submit(attempt("j-1", count=8))).admitted
+    name = job_name("j-1", 1)
+    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
+           "spec": {"nodeName": "a100-0", "containers": [{"name": "job", "image": "x"}]},
+           "status": {"phase": "Pending", "containerStatuses": [{"name": "job", "state": {"waiting": waiting}}]}}
+    assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
+    failed = await next_event(kube, stream)
+    assert (failed.job_id, failed.kind) == ("j-1", EventKind.FAILED)
+    assert waiting["reason"] in (failed.reason or "") and waiting["message"] in (failed.reason or "")
+    for _ in range(50):
+        if ("heliotrope-t1", name) not in jobs(cluster):
+            break
+        await asyncio.sleep(0.05)
+    assert ("heliotrope-t1", name) not in jobs(cluster)
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # (the garbage collector)
+    await asyncio.sleep(0.2)
+    assert kube._events.empty()  # nothing more of it: no `lost` for the Job it deleted itself
+
+
 async def test_a_job_deleted_outside_heliotrope_is_lost(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
     stream = kube.events()
     assert (await kube.submit(attempt("j-1"))).admitted
@@ -1360,6 +1439,42 @@ async def test_a_kubeconfig_file_and_its_named_context_reach_the_cluster(cluster
     adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
     await adapter.start()
     try:
+        state = await adapter.snapshot()
+        assert state.health == "healthy" and state.capacity[0].total_gpus == 19
+    finally:
+        await adapter.close()
+
+
+async def test_a_token_from_an_exec_plugin_is_renewed_before_it_expires(cluster, tmp_path) -> None:  # noqa: ANN001
+    """EKS (`aws eks get-token`, 15 minutes), GKE (gke-gcloud-auth-plugin, an hour) and kubelogin give
+    kubeconfigs whose token comes from a plugin and expires. The adapter must run the plugin again as the token
+    expires, as kubectl does: before, every call failed with 401 Unauthorized from then on, until a restart."""
+    token_file = tmp_path / "token.json"
+    plugin = tmp_path / "get-token"
+    plugin.write_text(f"#!/bin/sh\nexec cat {token_file}\n")
+    plugin.chmod(0o755)
+
+    def issue(token: str, valid_s: float) -> None:
+        expiry = (datetime.now(UTC) + timedelta(seconds=valid_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        token_file.write_text(json.dumps({"apiVersion": "client.authentication.k8s.io/v1beta1",
+                                          "kind": "ExecCredential",
+                                          "status": {"token": token, "expirationTimestamp": expiry}}))
+
+    accepted = ["tok-1"]  # what the API server takes now: an expired token is refused
+    cluster[lambda req: req.headers.get("Authorization") != f"Bearer {accepted[0]}"] << 401
+    path = Path(kubeconfig(tmp_path / "config", str(cluster.url).rstrip("/")))
+    path.write_text(path.read_text().replace(
+        "user: {token: not-checked-by-the-emulator}",
+        f"user: {{exec: {{apiVersion: client.authentication.k8s.io/v1beta1, command: {plugin}}}}}"))
+    issue("tok-1", 300 + 2)  # renewed five minutes before it expires, as kubectl does: here in 2 s
+    config = KubernetesAdapterConfig(kubeconfig=str(path), context="lab", request_timeout_s=5, retries=1)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    await adapter.start()
+    try:
+        assert (await adapter.snapshot()).health == "healthy"
+        issue("tok-2", 3600)
+        await asyncio.sleep(2.5)
+        accepted[0] = "tok-2"  # tok-1 has expired
         state = await adapter.snapshot()
         assert state.health == "healthy" and state.capacity[0].total_gpus == 19
     finally:
