@@ -943,9 +943,26 @@ class KubernetesSite:
 
     def taken(self, event: JobEvent) -> None:
         """``EventReceipts``: the attempt's end is kept by the broker (or the agent's broker); a stop of it kept
-        in the journal is done with."""
-        if event.kind != EventKind.RUNNING:
-            self._journal.remove((event.job_id, event.attempt))
+        in the journal is done with, and its Job, if the cluster keeps it (one that succeeded or failed), is
+        deleted in the background with its Pods: nothing reads it any more, and the Jobs and Pods of every
+        attempt ever run would otherwise pile up in the tenants' namespaces and in each list of the Jobs."""
+        if event.kind == EventKind.RUNNING:
+            return
+        key = (event.job_id, event.attempt)
+        self._journal.remove(key)
+        known = self._attempts.get(key)
+        if known is None or not known.has_job or not known.namespace:
+            return
+
+        async def delete() -> None:
+            try:
+                await self._delete_job(key, known)
+            except AdapterError as e:
+                log.warning("%s; it stays (delete it by hand: it holds no GPUs)", e)
+        with contextlib.suppress(RuntimeError):  # (no running loop: nothing to clean up from)
+            task = asyncio.get_running_loop().create_task(delete(), name=f"k8s-clean-{key[0]}")
+            self._stop_waits.add(task)
+            task.add_done_callback(self._stop_waits.discard)
 
     async def _watch(self, kind: str) -> None:
         """Follow Jobs or Pods of this site. Each (re)connect opens the watch, then lists them and reconciles

@@ -691,6 +691,34 @@ async def test_the_watch_reports_a_failed_job_with_its_reason(
     assert failed.kind == EventKind.FAILED and "BackoffLimitExceeded" in (failed.reason or "")
 
 
+async def gone(cluster: kmock.KubernetesEmulator, name: str, namespace: str = "heliotrope-t1") -> bool:
+    """Whether Job ``name`` is deleted within a second (the adapter deletes some in the background)."""
+    for _ in range(20):
+        if (namespace, name) not in jobs(cluster):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed"], ids=["a Job that succeeded", "a Job that failed"])
+async def test_a_finished_job_is_deleted_once_the_broker_has_its_outcome(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, outcome: str) -> None:
+    # The Jobs (and Pods) of every attempt ever run piled up in the tenants' namespaces, and in every list
+    # of the Jobs the adapter makes; once the broker has stored the outcome nothing needs them.
+    stream = kube.events()
+    name = await j1_running(kube, stream, cluster)
+    condition = "Complete" if outcome == "succeeded" else "Failed"
+    await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {
+        outcome: 1, "conditions": [{"type": condition, "status": "True"}]}})
+    done = await next_event(kube, stream)
+    assert done.kind == EventKind(outcome)
+    assert not await gone(cluster, name)  # kept until the broker has the outcome (a restart reads it again)
+    kube.taken(done)
+    assert await gone(cluster, name)
+    await asyncio.sleep(0.2)
+    assert kube._events.empty()  # its deletion is no `lost`
+
+
 async def job_failed_for(cluster: kmock.KubernetesEmulator, name: str, pod_condition: str) -> None:
     """What the Job controller does when the Job's Pod failed with ``pod_condition`` True: a rule of the Job's
     podFailurePolicy that matches it fails the Job naming the rule, else backoffLimit 0 is exceeded."""
@@ -759,11 +787,7 @@ async def test_a_pod_that_cannot_start_fails_its_attempt_and_frees_its_gpus(
     failed = await next_event(kube, stream)
     assert (failed.job_id, failed.kind) == ("j-1", EventKind.FAILED)
     assert waiting["reason"] in (failed.reason or "") and waiting["message"] in (failed.reason or "")
-    for _ in range(50):
-        if ("heliotrope-t1", name) not in jobs(cluster):
-            break
-        await asyncio.sleep(0.05)
-    assert ("heliotrope-t1", name) not in jobs(cluster)
+    assert await gone(cluster, name)
     assert (await kube.snapshot()).capacity[0].free_gpus == 16
     await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # (the garbage collector)
     await asyncio.sleep(0.2)
