@@ -30,13 +30,18 @@
   ``status.startTime``: ``running`` is reported once, at that time, and a later stop counts its run from it.
 - Jobs: a batch/v1 Job named ``h-<job id>-<attempt>`` in namespace ``namespace_prefix + tenant`` (which must
   exist; past 63 characters, the limit of a namespace name, shortened to end in a hash: ``namespace``), one Pod,
-  ``backoffLimit: 0`` (the broker retries), its GPUs as container limits, a node affinity on the product labels of
+  ``backoffLimit: 0`` (the broker retries) and a ``podFailurePolicy`` that fails it at once when the cluster
+  disrupts its Pod, its GPUs as container limits, a node affinity on the product labels of
   the chosen model, the configured ``tolerations`` and ``node_selector``, labelled with the site, job id, attempt
   and tenant. A repeated dispatch of the same attempt finds the existing Job (create answers 409) and admits it
   once. Cancel deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job with
   a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with the Job's
-  reason; a Job deleted by someone else → ``lost``. Each time a watch (re)connects (after an error, its 300 s
+  reason, but ``lost`` where the cluster took the Pod away (its ``DisruptionTarget`` condition: a drain, an
+  eviction, its Node lost), which is no failure of the job's; a Pod whose container waits for what will not come
+  (``STUCK_REASONS``: an image that cannot be pulled, a missing Secret) → ``failed``, its Job deleted; a Job
+  deleted by someone else → ``lost``. A Job that succeeded or failed is deleted once the broker has taken its
+  outcome (``taken``). Each time a watch (re)connects (after an error, its 300 s
   timeout or 410 Gone) it lists the Jobs or Pods and reconciles: an attempt whose Job is gone from the list
   (deleted while no watch ran) is ``lost``, a stopping one whose Pods are gone is stopped. A stop (``preempt``, or
   the site's own preemption) deletes the Job and is reported ``preempted`` once its last Pod has gone (or after
@@ -68,7 +73,8 @@
   snapshots carry the latest reading (the queue depth stays its own); a reading older than ``stale_after_s``
   is not used.
 
-Credentials: ``in_cluster`` (the Pod's service account), else the kubeconfig (``kubeconfig``, ``context``),
+Credentials: ``in_cluster`` (the Pod's service account, its token re-read as the kubelet rotates it), else the
+kubeconfig (``kubeconfig``, ``context``; a token of an exec plugin, ``gcp`` or ``oidc`` renewed as it expires),
 or ``host`` alone (an unauthenticated URL such as ``kubectl proxy`` or a test emulator). RBAC: list/watch
 nodes; create/get/list/watch/delete jobs; list/watch pods (all namespaces); create/patch/delete resourcequotas;
 with ``state_namespace``, get/create/patch configmaps in that namespace.
