@@ -957,8 +957,8 @@ class KubernetesSite:
         key = (event.job_id, event.attempt)
         self._journal.remove(key)
         known = self._attempts.get(key)
-        if known is None or not known.has_job or not known.namespace:
-            return
+        if known is None or not known.has_job or not known.namespace or known.stopping is not None:
+            return  # (a stopped attempt's Job was deleted to stop it)
 
         async def delete() -> None:
             try:
@@ -1058,6 +1058,8 @@ class KubernetesSite:
         """An attempt's Job was deleted, not by heliotrope: ``lost``."""
         known = self._attempts.get(key)
         since = known.running_since if known is not None else None
+        if known is not None:
+            known.has_job = False  # (none left to delete)
         now = self._clock.now()
         run_s = max((now - since).total_seconds(), 0.0) if since is not None else 0.0
         if self._finish(key):
