@@ -35,6 +35,7 @@ MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB
 # The share of a GPU's nominal memory its driver may keep from what it reports (ECC, reserved pages): a
 # memory label this close below the model's nominal size is that size (``_parts``).
 DRIVER_RESERVED_SHARE = 0.1
+REPLICAS_LABEL = "nvidia.com/gpu.replicas"  # > 1: each GPU shared by that many Pods (time-slicing, MPS)
 STRATEGY_LABEL = "nvidia.com/mig.strategy"  # "single": MIG slices of one profile, advertised as nvidia.com/gpu
 JOB_LABEL = "heliotrope.io/job-id"
 ATTEMPT_LABEL = "heliotrope.io/attempt"
@@ -74,8 +75,9 @@ class NodeGpus:
 def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
               node_selector: Mapping[str, str] | None = None) -> NodeGpus | str:
     """A Node's GPUs, or why it is left out: no GPUs, cordoned, not Ready, without a label of ``node_selector``
-    (the Pods' nodeSelector), a NoSchedule or NoExecute taint none of ``tolerations`` (the Pods') tolerates, or
-    no known GPU product."""
+    (the Pods' nodeSelector), a NoSchedule or NoExecute taint none of ``tolerations`` (the Pods') tolerates, GPUs
+    shared by time-slicing or MPS (GPU feature discovery's ``nvidia.com/gpu.replicas`` above 1, or a product
+    label ending ``-SHARED``: its ``nvidia.com/gpu`` are shares, not GPUs), or no known GPU product."""
     meta, status = node.get("metadata", {}), node.get("status", {})
     name = meta.get("name", "?")
     labels = meta.get("labels") or {}
@@ -109,6 +111,11 @@ def read_node(node: dict[str, Any], tolerations: Sequence[Toleration] = (),
     product = labels.get(PRODUCT_LABEL)
     if not product:
         return f"node {name} has GPUs but no {PRODUCT_LABEL} label (install NVIDIA GPU feature discovery)"
+    replicas = labels.get(REPLICAS_LABEL, "1")
+    if (replicas.isdigit() and int(replicas) > 1) or product.upper().endswith("-SHARED"):
+        # The device plugin's time-slicing or MPS: each nvidia.com/gpu is a share of a GPU, not a GPU
+        return (f"node {name} shares each GPU among {replicas} Pods (the device plugin's time-slicing or MPS, "
+                f"{PRODUCT_LABEL}={product}); heliotrope hands out whole GPUs or MIG slices only")
     try:
         model = product_model(product)
     except ids.UnknownIdentifier as e:

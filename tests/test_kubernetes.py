@@ -431,6 +431,20 @@ async def test_a_quota_removed_while_its_resource_quota_is_being_rewritten_stays
     assert live == []  # not brought back by the write that was under way
 
 
+@pytest.mark.parametrize("labels", [
+    {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB-SHARED", "nvidia.com/gpu.replicas": "4"},
+    {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.replicas": "4"},
+], ids=["GPU feature discovery marks the product shared", "only the replicas label tells"])
+def test_a_node_whose_gpus_are_time_sliced_is_left_out_as_shared(labels: dict[str, str]) -> None:
+    # The device plugin's time-slicing advertises each GPU 4 times as nvidia.com/gpu: 8 GPUs are 32 there.
+    # Such a node was either counted as 32 whole GPUs or left out as a GPU model heliotrope does not know.
+    shared = node("ts-0", None, gpus=32)
+    shared["metadata"]["labels"] = labels
+    why = read_node(shared)
+    assert isinstance(why, str), why
+    assert "node ts-0 shares each GPU among 4 Pods" in why and "unknown GPU model" not in why
+
+
 async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster: kmock.KubernetesEmulator) -> None:
     for name in ("a100-0", "a100-1", "mig-0"):
         del cluster.objects[NODES, None, name]
