@@ -37,7 +37,8 @@
   once. Cancel deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job with
   a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with the Job's
-  reason, but ``lost`` where the cluster took the Pod away (its ``DisruptionTarget`` condition: a drain, an
+  reason and how its container ended (``OOMKilled``, the exit code, which the ``podFailurePolicy`` also puts in
+  the Job's reason), but ``lost`` where the cluster took the Pod away (its ``DisruptionTarget`` condition: a drain, an
   eviction, its Node lost), which is no failure of the job's; a Pod whose container waits for what will not come
   (``STUCK_REASONS``: an image that cannot be pulled, a missing Secret) → ``failed``, its Job deleted; a Job
   deleted by someone else → ``lost``. A Job that succeeded or failed is deleted once the broker has taken its
@@ -158,8 +159,10 @@ TOMBSTONE_TTL_S = 3600.0
 STUCK_REASONS = frozenset({"ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
 # The Job fails at once when the cluster disrupts its Pod (an eviction, a drain, its Node lost, the scheduler's
 # preemption), with this rule's reason in its Failed condition: the adapter reports such a failure ``lost``.
-POD_FAILURE_POLICY = {"rules": [{"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget",
-                                                                           "status": "True"}]}]}
+# Else, where the container exits non-zero, the Failed condition names its exit code.
+POD_FAILURE_POLICY = {"rules": [
+    {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    {"action": "FailJob", "onExitCodes": {"containerName": "job", "operator": "NotIn", "values": [0]}}]}
 
 T = TypeVar("T")
 
@@ -204,6 +207,7 @@ class _Attempt:
     orphan: bool = False  # found at start as Pods without their Job: a stop under way before this adapter
     has_job: bool = False  # its Job was made or seen: one that is gone from a list of the Jobs was deleted
     disrupted: str | None = None  # why the cluster took its Pod away (an eviction, its Node lost): not its failure
+    exited: str | None = None  # how its container ended, where it failed (OOMKilled, its exit code)
 
 
 def _transient(e: BaseException) -> bool:
@@ -1095,6 +1099,11 @@ class KubernetesSite:
             if disruption is not None or status.get("reason") == "Evicted":
                 why = disruption or status
                 known.disrupted = ": ".join(x for x in (why.get("reason"), why.get("message")) if x) or "disrupted"
+            ended = next((t for c in status.get("containerStatuses") or []
+                          if (t := (c.get("state") or {}).get("terminated") or {}).get("exitCode")), None)
+            if ended is not None:
+                known.exited = ", ".join(x for x in (ended.get("reason"), f"exit code {ended['exitCode']}",
+                                                     (ended.get("message") or "").strip()[:200]) if x)
             stuck = next((w for c in (*(status.get("initContainerStatuses") or []),
                                       *(status.get("containerStatuses") or []))
                           if (w := (c.get("state") or {}).get("waiting") or {}).get("reason") in STUCK_REASONS), None)
@@ -1113,6 +1122,8 @@ class KubernetesSite:
         elif "Failed" in conditions or (status.get("failed") or 0) > 0:
             failed = conditions.get("Failed") or {}
             reason = ": ".join(x for x in (failed.get("reason"), failed.get("message")) if x) or "the Job's Pod failed"
+            if known.exited is not None:
+                reason = f"its container ended {known.exited} ({reason})"
             if known.disrupted is not None or (failed.get("reason") == "PodFailurePolicy"
                                                and "DisruptionTarget" in (failed.get("message") or "")):
                 # not the job's failure (a drain, an eviction, its Node lost): no failed attempt of its own

@@ -733,17 +733,26 @@ async def test_a_finished_job_is_deleted_once_the_broker_has_its_outcome(
     assert kube._events.empty()  # its deletion is no `lost`
 
 
-async def job_failed_for(cluster: kmock.KubernetesEmulator, name: str, pod_condition: str) -> None:
-    """What the Job controller does when the Job's Pod failed with ``pod_condition`` True: a rule of the Job's
-    podFailurePolicy that matches it fails the Job naming the rule, else backoffLimit 0 is exceeded."""
+async def job_failed_for(cluster: kmock.KubernetesEmulator, name: str, pod_condition: str | None,
+                         exit_code: int | None = None) -> None:
+    """What the Job controller does when the Job's Pod failed with ``pod_condition`` True, its container ending
+    with ``exit_code``: the first FailJob rule of the Job's podFailurePolicy that matches fails the Job naming
+    the rule, else backoffLimit 0 is exceeded."""
     job_spec = jobs(cluster)[("heliotrope-t1", name)]["spec"]
-    rules = (job_spec.get("podFailurePolicy") or {}).get("rules") or []
-    index = next((i for i, r in enumerate(rules) if r.get("action") == "FailJob" and any(
-        c.get("type") == pod_condition for c in r.get("onPodConditions") or [])), None)
-    failed = ({"reason": "PodFailurePolicy", "message": f"Pod heliotrope-t1/{name}-abc has condition "
-                                                        f"{pod_condition} matching FailJob rule at index {index}"}
-              if index is not None else
-              {"reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"})
+    failed = {"reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}
+    for i, rule in enumerate((job_spec.get("podFailurePolicy") or {}).get("rules") or []):
+        codes = rule.get("onExitCodes") or {}
+        if rule.get("action") == "FailJob" and any(
+                c.get("type") == pod_condition for c in rule.get("onPodConditions") or []):
+            failed = {"reason": "PodFailurePolicy", "message": f"Pod heliotrope-t1/{name}-abc has condition "
+                                                               f"{pod_condition} matching FailJob rule at index {i}"}
+            break
+        if rule.get("action") == "FailJob" and exit_code is not None and codes.get("containerName") == "job" and (
+                (exit_code in codes["values"]) == (codes["operator"] == "In")):
+            failed = {"reason": "PodFailurePolicy", "message": f"Container job for pod heliotrope-t1/{name}-abc "
+                                                               f"failed with exit code {exit_code} matching FailJob "
+                                                               f"rule at index {i}"}
+            break
     await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {
         "failed": 1, "conditions": [{"type": "Failed", "status": "True"} | failed]}})
 
@@ -771,14 +780,22 @@ async def test_a_pod_the_cluster_takes_away_is_lost_not_a_failed_attempt(
     assert (await kube.snapshot()).capacity[0].free_gpus == 16
 
 
-async def test_a_job_whose_pod_fails_on_its_own_is_a_failed_attempt(
-        kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
+@pytest.mark.parametrize("pod_first", [True, False],
+                         ids=["the Pod's end arrives first", "the Job's failure arrives before its Pod's"])
+async def test_a_job_whose_pod_fails_on_its_own_is_a_failed_attempt_that_says_how(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, pod_first: bool) -> None:
+    # "BackoffLimitExceeded: Job has reached the specified backoff limit" was all a user learnt of a job that
+    # ran out of memory: the container's end says why.
     stream = kube.events()
     name = await j1_running(kube, stream, cluster)
-    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": {"phase": "Failed"}})
-    await job_failed_for(cluster, name, "Ready")
+    if pod_first:
+        await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": {
+            "phase": "Failed", "containerStatuses": [{"name": "job", "state": {"terminated": {
+                "exitCode": 137, "reason": "OOMKilled"}}}]}})
+    await job_failed_for(cluster, name, None, exit_code=137)
     failed = await next_event(kube, stream)
-    assert failed.kind == EventKind.FAILED and "BackoffLimitExceeded" in (failed.reason or "")
+    assert failed.kind == EventKind.FAILED and "exit code 137" in (failed.reason or "")
+    assert not pod_first or "its container ended OOMKilled, exit code 137" in (failed.reason or "")
 
 
 @pytest.mark.parametrize("waiting", [
