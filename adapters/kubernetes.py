@@ -67,7 +67,8 @@
   with each failure in a row, to an hour (the snapshot goes on; ``SiteAdmission`` keeps the quota meanwhile).
   A quota removed while its ResourceQuota is being written stays removed (writes and deletes take turns).
 - Every API call has a timeout (``request_timeout_s``) and is retried (``retries``, exponential back-off) on
-  connection errors, 429 and 5xx; what still fails raises ``AdapterError``.
+  connection errors, 429 and 5xx; what still fails raises ``AdapterError`` with the API server's message (a
+  401 names the credentials' settings to check: ``_refusal``).
 - Telemetry: the Nodes give only the GPUs' memory. With ``telemetry: {kind: prometheus, url: ...}`` the
   adapter reads what the cluster's dcgm-exporter measures (temperature, power, utilisation, memory, clock
   throttling) from the Prometheus server that scrapes it, every ``every_s`` (``adapters.dcgm``), and its
@@ -363,7 +364,7 @@ class KubernetesSite:
             resp = await fn(*a, **kw)
             try:
                 if resp.status >= 400:
-                    raise k8s.ApiException(status=resp.status, reason=(await resp.text())[:500])
+                    raise k8s.ApiException(status=resp.status, reason=_refusal(resp.status, await resp.text()))
                 return await resp.json()
             finally:
                 resp.release()
@@ -990,7 +991,7 @@ class KubernetesSite:
                                    timeout_seconds=300, _request_timeout=330.0)
                 try:
                     if resp.status >= 400:
-                        raise k8s.ApiException(status=resp.status, reason=(await resp.text())[:300])
+                        raise k8s.ApiException(status=resp.status, reason=_refusal(resp.status, await resp.text()))
                     await self._resync(kind)
                     delay = 0.2
                     while line := await resp.content.readline():
@@ -1251,6 +1252,21 @@ class KubernetesSite:
             except AdapterError as e:
                 (log.warning if str(e) != last else log.debug)(
                     "%s; tried again at the next inventory refresh", e)
+
+
+def _refusal(status: int, body: str) -> str:
+    """What the API server said, in words: the ``message`` of its Status answer, else the start of its body; a
+    401 says what to check (an expired token says no more than ``Unauthorized``)."""
+    try:
+        said = json.loads(body).get("message") or body
+    except (ValueError, AttributeError):
+        said = body
+    said = str(said).strip()[:500]
+    if status == 401:
+        return (f"{said or 'Unauthorized'}: the cluster refused the site's credentials (an expired or revoked "
+                "token, or those of another cluster); check adapter.kubeconfig and adapter.context, or the "
+                "service account")
+    return said
 
 
 def _key(job_id: str, attempt: int) -> str:

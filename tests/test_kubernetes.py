@@ -1536,6 +1536,24 @@ async def test_a_token_from_an_exec_plugin_is_renewed_before_it_expires(cluster,
         await adapter.close()
 
 
+@pytest.mark.parametrize("body", [
+    None, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "Unauthorized",
+           "reason": "Unauthorized", "code": 401}], ids=["an empty answer", "the API server's Status"])
+async def test_credentials_the_cluster_refuses_are_a_clear_error(cluster, body) -> None:  # noqa: ANN001
+    # An expired or revoked token: the error said "listing Jobs failed (401: )", or quoted the JSON answer.
+    refusal = cluster[kmock.path(re.compile(".*"))] << 401
+    if body is not None:
+        refusal << body
+    adapter = make_site(cluster)
+    try:
+        with pytest.raises(AdapterError) as err:
+            await adapter.start()
+        assert "401: Unauthorized: the cluster refused the site's credentials" in str(err.value)
+        assert "adapter.kubeconfig" in str(err.value) and '"kind"' not in str(err.value)
+    finally:
+        await adapter.close()
+
+
 async def test_credentials_settings_that_another_one_overrides_are_named_in_a_warning(cluster, tmp_path, caplog
                                                                                      ) -> None:  # noqa: ANN001
     """`host:` wins over a kubeconfig, as `in_cluster:` does: an operator who set both learns which is used."""
