@@ -428,11 +428,14 @@ class KubernetesSite:
         await self._follow_layout()
         await self._read_pods()
         groups = node_groups(nodes)
-        if groups == self._groups and self._admission is not None:
+        node_map = inventory_nodes(nodes)
+        # (the same groups of other Nodes, one replacing another alike, is a new inventory: the Pods on the new
+        # ones are placed by their Nodes' names)
+        if groups == self._groups and node_map == self._node_map and self._admission is not None:
             self._sync_foreign()
             return
         self._groups = groups
-        self._node_map = inventory_nodes(nodes)
+        self._node_map = node_map
         self._single_inv = {inv for node in self._single for inv in self._node_map.get(node, ())}
         self._node_model = {n.name: n.model for n in nodes}
         self._foreign_held = {}

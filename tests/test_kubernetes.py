@@ -969,6 +969,25 @@ async def test_gpus_of_pods_outside_heliotrope_are_not_free(cluster: kmock.Kuber
         await adapter.close()
 
 
+async def test_gpus_of_pods_outside_heliotrope_on_a_node_that_replaced_another_of_its_shape_are_not_free(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # A node pool upgrade or the autoscaler replaces a100-1 by a100-2, alike: the node groups are unchanged, but
+    # the adapter still knew the Nodes by their old names, so it did not count what other Pods take on a100-2.
+    adapter = make_site(cluster)
+    adapter.pods_ttl_s = 0.0
+    await adapter.start()
+    try:
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 16
+        del cluster.objects[NODES, None, "a100-1"]
+        cluster.objects[NODES, None, "a100-2"] = node("a100-2", "NVIDIA-A100-SXM4-80GB", gpus=8)
+        cluster.objects[PODS, "other", "train"] = foreign_pod("train", "a100-2", 8)
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 8
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted  # on a100-0
+        assert not (await adapter.submit(attempt("j-2", count=8))).admitted  # a100-2's GPUs are taken
+    finally:
+        await adapter.close()
+
+
 # --- preemption ---
 
 
