@@ -32,7 +32,8 @@
   exist; past 63 characters, the limit of a namespace name, shortened to end in a hash: ``namespace``), one Pod,
   ``backoffLimit: 0`` (the broker retries) and a ``podFailurePolicy`` that fails it at once when the cluster
   disrupts its Pod, its GPUs as container limits, a node affinity on the product labels of
-  the chosen model, the configured ``tolerations`` and ``node_selector``, labelled with the site, job id, attempt
+  the chosen model, the configured ``tolerations`` and ``node_selector``, for a checkpointable job
+  ``terminationGracePeriodSeconds`` = ``stop_wait_s`` (the time a stop waits for it to write its checkpoint), labelled with the site, job id, attempt
   and tenant. A repeated dispatch of the same attempt finds the existing Job (create answers 409) and admits it
   once. Cancel deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job with
@@ -776,6 +777,10 @@ class KubernetesSite:
             container["command"] = list(self.config.command)
         products = sorted(self._products.get((model, profile), ()))
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        if job.spec.checkpointable:
+            # A stop waits up to stop_wait_s for its Pods to write their checkpoint and go: the kubelet's
+            # default of 30 s killed a checkpoint being written, while the broker kept the run as saved.
+            pod_spec["terminationGracePeriodSeconds"] = int(self.config.stop_wait_s)
         if self.config.tolerations:
             pod_spec["tolerations"] = [t.manifest() for t in self.config.tolerations]
         if self.config.node_selector:

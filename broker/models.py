@@ -431,8 +431,8 @@ class KubernetesAdapterConfig(Spec):
     stop_wait_s: float = Field(
         default=300.0, gt=0, le=3600,
         description="a job the broker stops to move it, or the site preempts for its quotas, is reported stopped "
-                    "once its Pods are gone, or after this long (their terminationGracePeriodSeconds, in which they "
-                    "write a checkpoint, should be shorter)")
+                    "once its Pods are gone, or after this long (a checkpointable job's Pod has this as its "
+                    "terminationGracePeriodSeconds, in which it writes its checkpoint)")
     tolerations: list[Toleration] = Field(
         default_factory=list,
         description="copied into each job's Pod; a Node with a NoSchedule or NoExecute taint none of them "

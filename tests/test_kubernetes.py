@@ -505,6 +505,24 @@ async def test_a_job_becomes_a_batch_job_with_its_gpus_labels_and_model_affinity
     assert (await kube.snapshot()).capacity[0].free_gpus == 12
 
 
+@pytest.mark.parametrize("checkpointable", [True, False],
+                         ids=["a checkpointable job's Pod has stop_wait_s to write its checkpoint",
+                              "another job's Pod has the cluster's default"])
+async def test_a_checkpointable_jobs_pod_has_as_long_to_stop_as_the_site_waits_for_it(
+        cluster: kmock.KubernetesEmulator, checkpointable: bool) -> None:
+    # A stop (a move, a preemption) deletes the Job; the kubelet sends SIGTERM, then SIGKILL after the Pod's
+    # terminationGracePeriodSeconds, 30 s unless set, while the adapter waits stop_wait_s (here 600 s) for it
+    # and the broker then keeps the run as checkpointed: a checkpoint that takes a minute was killed half-written.
+    adapter = make_site(cluster, stop_wait_s=600)
+    await adapter.start()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8, checkpointable=checkpointable))).admitted
+        pod = jobs(cluster)[("heliotrope-t1", job_name("j-1", 1))]["spec"]["template"]["spec"]
+        assert pod.get("terminationGracePeriodSeconds") == (600 if checkpointable else None)
+    finally:
+        await adapter.close()
+
+
 async def test_a_long_tenant_name_gives_a_namespace_kubernetes_accepts(
         kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
     # A tenant may be 63 characters, but "heliotrope-" + tenant may not: Kubernetes refuses a namespace name
