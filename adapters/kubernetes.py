@@ -77,7 +77,8 @@
   is not used.
 
 Credentials: ``in_cluster`` (the Pod's service account, its token re-read as the kubelet rotates it), else the
-kubeconfig (``kubeconfig``, ``context``; a token of an exec plugin, ``gcp`` or ``oidc`` renewed as it expires),
+kubeconfig (``kubeconfig``, ``context``; a token of an exec plugin, ``gcp`` or ``oidc`` renewed as it expires,
+a ``tokenFile`` read again every minute),
 or ``host`` alone (an unauthenticated URL such as ``kubectl proxy`` or a test emulator). RBAC: list/watch
 nodes; create/get/list/watch/delete jobs; list/watch pods (all namespaces); create/patch/delete resourcequotas;
 with ``state_namespace``, get/create/patch configmaps in that namespace.
@@ -156,6 +157,7 @@ PODS_TTL_S = 5.0  # how long a read of the Pods (GPUs held outside heliotrope) i
 QUOTA_RETRY_S = 30.0  # after a ResourceQuota write fails, the wait before the next; doubling, at most an hour
 QUOTA_NAME = "heliotrope-gpus"
 TOMBSTONE_TTL_S = 3600.0
+TOKEN_FILE_REREAD_S = 60.0  # a kubeconfig's tokenFile is read again this often (client-go: a minute)
 # A container waiting for one of these will not start without someone changing the image or the Pod's config
 # (the kubelet retries for ever, the Job waits for ever): the attempt fails, its Job is deleted.
 STUCK_REASONS = frozenset({"ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
@@ -1294,15 +1296,24 @@ def _token_refresher(loader: Any) -> Callable[[k8s.Configuration], Awaitable[Non
     plugin's token with an ``expirationTimestamp``: EKS, GKE's gke-gcloud-auth-plugin, kubelogin; the ``gcp`` and
     ``oidc`` auth providers), as kubectl does, within five minutes of its expiry. The client's loader reads it
     once; without this every call failed with 401 Unauthorized once the first token expired (on EKS after 15
-    minutes), until the broker restarted. None for credentials that do not expire (a token, a certificate)."""
+    minutes), until the broker restarted. A ``tokenFile`` (a projected service account token, rotated by whoever
+    writes it) is read again every ``TOKEN_FILE_REREAD_S``, as client-go does. None for credentials that do not
+    expire (a token in the file, a certificate)."""
     user = loader._user  # noqa: SLF001 - the loader keeps what it refreshes from here only
-    if not user or not ("exec" in user or loader.provider in ("gcp", "oidc")):
+    if not user or not ("exec" in user or "tokenFile" in user or loader.provider in ("gcp", "oidc")):
         return None
     lock = asyncio.Lock()  # one renewal at a time (an exec plugin is a process)
+    read_at = [time.monotonic()]
 
     async def refresh(configuration: k8s.Configuration) -> None:
         async with lock:
-            if loader.provider == "gcp":
+            if "exec" not in user and loader.provider not in ("gcp", "oidc"):  # a tokenFile
+                if time.monotonic() - read_at[0] < TOKEN_FILE_REREAD_S:
+                    return
+                read_at[0] = time.monotonic()
+                with contextlib.suppress(Exception):  # (gone for a moment while rewritten: the old one is sent)
+                    loader._load_user_token()  # noqa: SLF001
+            elif loader.provider == "gcp":
                 await loader.load_gcp_token()  # (renews an expired token only)
             elif loader.provider == "oidc":
                 await loader._load_oid_token()  # noqa: SLF001 (renews an expired id-token only)

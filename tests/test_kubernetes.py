@@ -1591,6 +1591,32 @@ async def test_credentials_the_cluster_refuses_are_a_clear_error(cluster, body) 
         await adapter.close()
 
 
+async def test_a_kubeconfigs_token_file_is_read_again_as_it_is_rotated(cluster, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A kubeconfig whose user names a `tokenFile` (a projected service account token for an agent outside the
+    cluster, rotated hourly): read once, the token expired and every call failed with 401 from then on."""
+    from adapters import kubernetes as adapter_module
+
+    token = tmp_path / "token"
+    token.write_text("tok-1")
+    accepted = ["tok-1"]
+    cluster[lambda req: req.headers.get("Authorization") != f"Bearer {accepted[0]}"] << 401
+    path = Path(kubeconfig(tmp_path / "config", str(cluster.url).rstrip("/")))
+    path.write_text(path.read_text().replace("user: {token: not-checked-by-the-emulator}",
+                                             f"user: {{tokenFile: {token}}}"))
+    monkeypatch.setattr(adapter_module, "TOKEN_FILE_REREAD_S", 0.5)
+    config = KubernetesAdapterConfig(kubeconfig=str(path), context="lab", request_timeout_s=5, retries=1)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    await adapter.start()
+    try:
+        assert (await adapter.snapshot()).health == "healthy"
+        token.write_text("tok-2")  # rotated; tok-1 expires
+        accepted[0] = "tok-2"
+        await asyncio.sleep(0.6)
+        assert (await adapter.snapshot()).health == "healthy"
+    finally:
+        await adapter.close()
+
+
 async def test_credentials_settings_that_another_one_overrides_are_named_in_a_warning(cluster, tmp_path, caplog
                                                                                      ) -> None:  # noqa: ANN001
     """`host:` wins over a kubeconfig, as `in_cluster:` does: an operator who set both learns which is used."""
