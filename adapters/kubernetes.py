@@ -212,6 +212,7 @@ class _Attempt:
     has_job: bool = False  # its Job was made or seen: one that is gone from a list of the Jobs was deleted
     disrupted: str | None = None  # why the cluster took its Pod away (an eviction, its Node lost): not its failure
     exited: str | None = None  # how its container ended, where it failed (OOMKilled, its exit code)
+    unschedulable: str | None = None  # the scheduler's last word on why its Pod cannot be placed (logged once each)
 
 
 def _transient(e: BaseException) -> bool:
@@ -1110,6 +1111,14 @@ class KubernetesSite:
             if disruption is not None or status.get("reason") == "Evicted":
                 why = disruption or status
                 known.disrupted = ": ".join(x for x in (why.get("reason"), why.get("message")) if x) or "disrupted"
+            unplaced = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"
+                             and c.get("status") == "False" and c.get("reason") == "Unschedulable"), None)
+            if unplaced is not None and unplaced.get("message") != known.unschedulable:
+                known.unschedulable = unplaced.get("message")
+                log.warning("site %s: the Pod %s/%s of %s attempt %d cannot be scheduled (%s); it waits in the "
+                            "cluster, holding its GPUs in the site's books, until it can be or is cancelled",
+                            self.name, meta.get("namespace") or known.namespace, meta.get("name"), key[0], key[1],
+                            known.unschedulable or "Unschedulable")
             ended = next((t for c in status.get("containerStatuses") or []
                           if (t := (c.get("state") or {}).get("terminated") or {}).get("exitCode")), None)
             if ended is not None:

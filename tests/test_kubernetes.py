@@ -816,6 +816,27 @@ async def test_a_job_whose_pod_fails_on_its_own_is_a_failed_attempt_that_says_ho
     assert not pod_first or "its container ended OOMKilled, exit code 137" in (failed.reason or "")
 
 
+async def test_a_pod_the_scheduler_cannot_place_is_named_in_a_warning_with_the_schedulers_reason(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, caplog: pytest.LogCaptureFixture) -> None:
+    # The inventory placed it, the scheduler does not (GPUs it did not know were taken, a constraint it does not
+    # model): the job waited with no word anywhere of why.
+    assert (await kube.submit(attempt("j-1", count=8))).admitted
+    name = job_name("j-1", 1)
+    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
+           "spec": {"containers": [{"name": "job", "image": "x"}]},
+           "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                          "reason": "Unschedulable", "message": why}]}}
+    with caplog.at_level("WARNING", logger="adapters.kubernetes"):
+        assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
+        await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"metadata": {
+            "annotations": {"touched": "1"}}})  # another update, the same reason: not logged again
+        await asyncio.sleep(0.3)
+    said = [r.getMessage() for r in caplog.records if "cannot be scheduled" in r.getMessage()]
+    assert len(said) == 1 and f"heliotrope-t1/{name}-abc of j-1 attempt 1" in said[0] and why in said[0]
+
+
 @pytest.mark.parametrize("waiting", [
     {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/nvidia/pytorhc:24.05-py3"'},
     {"reason": "InvalidImageName", "message": 'couldn\'t parse image name "nvcr.io//pytorch"'},
