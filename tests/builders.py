@@ -133,3 +133,21 @@ def job(
     return JobSpec.model_validate(
         {"tenant": tenant, "name": name, "gpus": gpus, "duration_s": duration_s, **more}
     )
+
+
+def placed_in_one_pass(spec: SiteSpec, state: SiteState, jobs: Sequence[JobSpec]) -> list[Any]:
+    """``jobs`` decided in order in one pass of the default pipeline at ``spec``'s site, each placement assumed
+    before the next job is decided, as the broker's pass does: each job's placement, or None where it was not
+    placed."""
+    from broker.cycle import PassDecider
+    from policies.pipeline import default_pipeline
+    from policies.snapshot import JobRequest, build_snapshot
+
+    decider = PassDecider(default_pipeline(), build_snapshot(NOW, [spec], {spec.name: state}).working_copy(NOW))
+    out: list[Any] = []
+    for i, spec_ in enumerate(jobs):
+        placement = decider.decide(JobRequest.from_spec(f"job-{i}", spec_))
+        if placement.placed:
+            decider.assume(placement)  # type: ignore[arg-type]
+        out.append(placement if placement.placed else None)
+    return out

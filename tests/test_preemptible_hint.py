@@ -10,11 +10,8 @@ from typing import Any
 
 import pytest
 
-from broker.cycle import PassDecider
 from broker.models import JobSpec, QuotaState, SiteSpec, SiteState
-from policies.pipeline import default_pipeline
-from policies.snapshot import JobRequest, build_snapshot
-from tests.builders import NOW, job, site, site_state
+from tests.builders import NOW, job, placed_in_one_pass, site, site_state
 
 A100, H100 = "a100-80gb", "h100-80gb"
 
@@ -49,14 +46,7 @@ def alpha(free: dict[str, int], held: dict[str, dict[int, float]], *, per_model:
 def one_pass(where: tuple[SiteSpec, SiteState], *jobs: JobSpec) -> list[str | None]:
     """The site each of ``jobs`` is routed to (None: none), deciding them in order in one pass."""
     spec, state = where
-    decider = PassDecider(default_pipeline(), build_snapshot(NOW, [spec], {spec.name: state}).working_copy(NOW))
-    out = []
-    for i, spec_ in enumerate(jobs):
-        placement = decider.decide(JobRequest.from_spec(f"job-{i}", spec_))
-        if placement.placed:
-            decider.assume(placement)  # type: ignore[arg-type]
-        out.append(decider.snap.sites[placement.site] if placement.placed else None)  # type: ignore[union-attr]
-    return out
+    return [spec.name if p is not None else None for p in placed_in_one_pass(spec, state, jobs)]
 
 
 def urgent(model: str | None = None, count: int = 8, milli: int = 1000, name: str = "urgent") -> JobSpec:

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from broker.cycle import PassDecider
 from broker.ids import GPU_MODEL_IDS
 from broker.models import GpuRequest, JobSpec, QuotaState, SiteSpec, SiteState, TenantQuota
 from policies.admission import Admitted, Refused, SiteAdmission
-from policies.pipeline import default_pipeline
-from policies.snapshot import JobRequest, build_snapshot
-from tests.builders import NOW, site
+from tests.builders import NOW, placed_in_one_pass, site
 
 A100, H100 = "a100-80gb", "h100-80gb"
 T0 = NOW.timestamp()
@@ -50,14 +47,7 @@ def alpha(running: list[JobSpec], *, per_model: bool = True, quotas: list[Tenant
 def one_pass(where: tuple[SiteAdmission, SiteSpec, SiteState], *jobs: JobSpec) -> list[str | None]:
     """The model each of ``jobs`` is routed to at alpha (None: not routed), deciding them in order in one pass."""
     _, spec, state = where
-    decider = PassDecider(default_pipeline(), build_snapshot(NOW, [spec], {spec.name: state}).working_copy(NOW))
-    out = []
-    for i, spec_ in enumerate(jobs):
-        placement = decider.decide(JobRequest.from_spec(f"job-{i}", spec_))
-        if placement.placed:
-            decider.assume(placement)  # type: ignore[arg-type]
-        out.append(GPU_MODEL_IDS[placement.model] if placement.placed else None)  # type: ignore[index]
-    return out
+    return [GPU_MODEL_IDS[p.model] if p is not None else None for p in placed_in_one_pass(spec, state, jobs)]
 
 
 @pytest.mark.parametrize("model,routed", [(A100, None), (H100, H100), (None, H100)],

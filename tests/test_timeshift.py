@@ -486,15 +486,11 @@ async def test_a_deferred_job_cancelled_before_its_start_is_not_explained_as_sti
                                                    "request), so it will not start")
 
 
-async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned_no_longer_quotes_that_site(live) -> None:
-    # The job is deferred to frankfurt's clean hours against a start now on tokyo. Tokyo is then cordoned: at
-    # the next hour the broker decides the job again, against a start now on frankfurt, to the same site and
-    # hour. Its decision used to be recorded only when the planned site, model or hour changed, so GET
-    # /v1/jobs/{id}/decision went on saying it waits to save carbon against starting now on tokyo, a site taken
-    # out of routing (and listed tokyo as feasible).
+async def _a_deferred_green_job(b):
+    """An 8-GPU, 4-hour green job with 30 hours to its deadline, submitted and decided (deferred to frankfurt's
+    clean hours), and a call that reads its decision as GET /v1/jobs/{id}/decision gives it."""
     from tests.builders import job
 
-    b, clock = live
     j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
                                    deadline=GREEN_AT + timedelta(hours=30)))
     await b.cycle.run_once(full=True)
@@ -503,6 +499,17 @@ async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned
         stored = await b.decision(await b.book.get(j.id))
         return explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
 
+    return j, decision
+
+
+async def test_a_deferred_job_decided_again_after_its_start_now_site_is_cordoned_no_longer_quotes_that_site(live) -> None:
+    # The job is deferred to frankfurt's clean hours against a start now on tokyo. Tokyo is then cordoned: at
+    # the next hour the broker decides the job again, against a start now on frankfurt, to the same site and
+    # hour. Its decision used to be recorded only when the planned site, model or hour changed, so GET
+    # /v1/jobs/{id}/decision went on saying it waits to save carbon against starting now on tokyo, a site taken
+    # out of routing (and listed tokyo as feasible).
+    b, clock = live
+    j, decision = await _a_deferred_green_job(b)
     first = await decision()
     assert first.outcome == "deferred" and first.deferral.site == "frankfurt" and first.deferral.now_site == "tokyo"
     tokyo = b.federation.get("tokyo")
@@ -521,17 +528,8 @@ async def test_a_deferred_job_decided_again_an_hour_later_to_the_same_plan_quote
     # decision was recorded only when the plan, that site or the verdicts changed: GET /v1/jobs/{id}/decision
     # went on giving the first hour's decision time and "against 4.77 kg CO2e starting now on tokyo", a start
     # now that the broker no longer weighed (an hour later it is another run, of 5.04 kg).
-    from tests.builders import job
-
     b, clock = live
-    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
-                                   deadline=GREEN_AT + timedelta(hours=30)))
-    await b.cycle.run_once(full=True)
-
-    async def decision():
-        stored = await b.decision(await b.book.get(j.id))
-        return explain.render(stored.record, JobRequest.from_spec(j.id, j.spec), b.cycle.filters, stored.attempt)
-
+    j, decision = await _a_deferred_green_job(b)
     first = await decision()
     assert first.outcome == "deferred" and first.deferral.now_site == "tokyo"
     await clock.advance(3600)
