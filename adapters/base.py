@@ -2,7 +2,9 @@
 
 - ``CapacityReporter``: a snapshot of capacity and telemetry.
 - ``JobRunner``: submit an attempt (admitted, or rejected with a reason) and cancel one.
-- ``EventSource``: a stream of job events (running, succeeded, failed, preempted, lost).
+- ``EventSource``: a stream of job events (running, succeeded, failed, preempted, lost). ``lost`` is no failure of
+  the job's; an attempt lost before it was reported running is one the site admitted but could not start (a
+  Kubernetes Pod its scheduler finds no room for), and the broker skips the site for the job a while.
 - ``QuotaAdmin`` (optional): the site's quota state, and its operator's changes to it, which the site keeps
   across restarts. The broker only relays them: the site owns its quotas.
 - ``AttemptLookup`` (optional): which attempts the site still knows, for reconciliation after a broker

@@ -41,9 +41,12 @@
   reason and how its container ended (``OOMKilled``, the exit code, which the ``podFailurePolicy`` also puts in
   the Job's reason), but ``lost`` where the cluster took the Pod away (its ``DisruptionTarget`` condition: a drain, an
   eviction, its Node lost), which is no failure of the job's; a Pod whose container waits for what will not come
-  (``STUCK_REASONS``: an image that cannot be pulled, a missing Secret) → ``failed``, its Job deleted; a Job
-  deleted by someone else → ``lost``. A Job that succeeded or failed is deleted once the broker has taken its
-  outcome (``taken``). Each time a watch (re)connects (after an error, its 300 s
+  (``STUCK_REASONS``: an image that cannot be pulled, a missing Secret) → ``failed``, its Job deleted; a Pod the
+  scheduler has found no room for (PodScheduled False, Unschedulable) for ``unschedulable_after_s``, counted from
+  the condition's lastTransitionTime, → ``lost`` (before it ran: the broker routes the job elsewhere, no failure
+  of the job's), its Job deleted, but not while Pods of a stop here are still going (a preemption making room for
+  it) nor in the ``AFTER_STOP_GRACE_S`` after (0 or None: it waits); a Job deleted by someone else → ``lost``.
+  A Job that succeeded or failed is deleted once the broker has taken its outcome (``taken``). Each time a watch (re)connects (after an error, its 300 s
   timeout or 410 Gone) it lists the Jobs or Pods and reconciles: an attempt whose Job is gone from the list
   (deleted while no watch ran) is ``lost``, a stopping one whose Pods are gone is stopped. A stop (``preempt``, or
   the site's own preemption) deletes the Job and is reported ``preempted`` once its last Pod has gone (or after
@@ -161,6 +164,10 @@ TOKEN_FILE_REREAD_S = 60.0  # a kubeconfig's tokenFile is read again this often 
 # A container waiting for one of these will not start without someone changing the image or the Pod's config
 # (the kubelet retries for ever, the Job waits for ever): the attempt fails, its Job is deleted.
 STUCK_REASONS = frozenset({"ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
+# After a stop's Pods have gone (a preemption making room), the scheduler is given this long to place a Pod that
+# waited for their GPUs before ``unschedulable_after_s`` may withdraw it (it retries such Pods within seconds).
+AFTER_STOP_GRACE_S = 60.0
+UNPLACED_RECHECK_S = 30.0  # the longest a waiting Pod's deadline sleeps before it looks again
 # The Job fails at once when the cluster disrupts its Pod (an eviction, a drain, its Node lost, the scheduler's
 # preemption), with this rule's reason in its Failed condition: the adapter reports such a failure ``lost``.
 # Else, where the container exits non-zero, the Failed condition names its exit code.
@@ -213,6 +220,9 @@ class _Attempt:
     disrupted: str | None = None  # why the cluster took its Pod away (an eviction, its Node lost): not its failure
     exited: str | None = None  # how its container ended, where it failed (OOMKilled, its exit code)
     unschedulable: str | None = None  # the scheduler's last word on why its Pod cannot be placed (logged once each)
+    # since when its Pod has been unschedulable (the condition's lastTransitionTime), while it is: withdrawn once
+    # that is ``unschedulable_after_s`` ago (``_unplaced_deadline``)
+    unplaced_since: datetime | None = None
 
 
 def _transient(e: BaseException) -> bool:
@@ -265,6 +275,8 @@ class KubernetesSite:
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}
         self._stop_waits: set[asyncio.Task[None]] = set()  # stopping attempts awaiting the end of their Pods
+        self._unplaced: dict[tuple[str, int], asyncio.Task[None]] = {}  # deadlines of unschedulable Pods
+        self._stop_ended: datetime | None = None  # when a stop's Pods last went (GPUs freed for a waiting Pod)
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._watches: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()  # one admission at a time
@@ -922,6 +934,8 @@ class KubernetesSite:
             return False
         if known is not None:
             known.done = True
+            if known.stopping is not None:
+                self._stop_ended = self._clock.now()
             if known.released:  # its ledgers were freed when it was preempted
                 return True
         self._release(key)
@@ -1043,6 +1057,8 @@ class KubernetesSite:
                     continue
                 if kind == "pods":
                     known.pods &= listed.get(key, set())
+                    if not known.pods:
+                        known.unplaced_since = None  # (its Pod went while no watch ran)
                     if known.stopping is not None and not known.pods:
                         self._stopped(key)  # its last Pod went while no watch ran
                 elif (key not in listed and known.has_job and known.stopping is None and not known.orphan
@@ -1060,13 +1076,75 @@ class KubernetesSite:
         self._withdrawn[key] = now
         self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, reason=(
             f"its Pod cannot start ({why}); check adapter.image and the Pod's configuration")))
+        self._delete_later(key, known, "it stays, waiting")
 
+    def _follow_unplaced(self, key: tuple[str, int], known: _Attempt, unplaced: dict[str, Any] | None,
+                         pod: str) -> None:
+        """Keep ``unplaced_since`` from the Pod's PodScheduled condition (its lastTransitionTime, so a list after a
+        watch reconnects, or the first list of an adapter started since, gives the same time; where the cluster
+        gives none, when this adapter first saw it), and start the deadline that withdraws it."""
+        if unplaced is None:
+            known.unplaced_since = None
+            return
+        if known.unplaced_since is None:
+            at = _timestamp(unplaced.get("lastTransitionTime"))
+            known.unplaced_since = datetime.fromtimestamp(at, tz=UTC) if at is not None else self._clock.now()
+        if (not self.config.unschedulable_after_s or known.stopping is not None or key in self._withdrawn
+                or key in self._unplaced):
+            return
+        task = asyncio.get_running_loop().create_task(self._unplaced_deadline(key, pod),
+                                                      name=f"k8s-unplaced-{key[0]}")
+        self._unplaced[key] = task
+        self._stop_waits.add(task)  # (cancelled at close)
+        task.add_done_callback(self._stop_waits.discard)
+        task.add_done_callback(lambda t: self._unplaced.pop(key, None) if self._unplaced.get(key) is t else None)
+
+    async def _unplaced_deadline(self, key: tuple[str, int], pod: str) -> None:
+        """Withdraw the attempt once its Pod has been unschedulable for ``unschedulable_after_s``: not while
+        Pods of a stop here are still going, nor in the ``AFTER_STOP_GRACE_S`` after the last went (a
+        preemption's victims free the GPUs the Pod waits for, and the scheduler places it then)."""
+        after = timedelta(seconds=self.config.unschedulable_after_s or 0.0)
+        while True:
+            known = self._attempts.get(key)
+            if (known is None or known.done or known.unplaced_since is None or known.stopping is not None
+                    or key in self._withdrawn):
+                return
+            now = self._clock.now()
+            due = known.unplaced_since + after
+            if self._stop_ended is not None:
+                due = max(due, self._stop_ended + timedelta(seconds=AFTER_STOP_GRACE_S))
+            wait_s = (due - now).total_seconds()
+            if any(a.stopping is not None and not a.done for a in self._attempts.values()):
+                wait_s = max(wait_s, 1.0)  # (look again soon: the stop may end any moment)
+            if wait_s <= 0:
+                self._unplaceable(key, known, pod, (now - known.unplaced_since).total_seconds())
+                return
+            await asyncio.sleep(min(wait_s, UNPLACED_RECHECK_S))
+
+    def _unplaceable(self, key: tuple[str, int], known: _Attempt, pod: str, waited_s: float) -> None:
+        """The scheduler has found no room for the attempt's Pod for too long: its GPUs are freed, the broker
+        hears ``lost`` (no failure of the job's: it routes it again, elsewhere for a while) and its Job is
+        deleted, with its Pod."""
+        if not self._finish(key):
+            return
+        now = self._clock.now()
+        self._withdrawn[key] = now  # final: the Job's deletion is not taken for a loss, a late submit is refused
+        known.has_job = False  # (deleted here: none left for ``taken`` to delete)
+        log.warning("site %s: the Pod %s/%s of %s attempt %d could not be scheduled for %.0f s; the attempt is "
+                    "withdrawn, its Job deleted", self.name, known.namespace, pod, key[0], key[1], waited_s)
+        self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, reason=(
+            f"the cluster's scheduler found no room for its Pod for {waited_s:.0f} s "
+            f"({known.unschedulable or 'Unschedulable'}); withdrawn after adapter.unschedulable_after_s")))
+        self._delete_later(key, known, "it stays, waiting")
+
+    def _delete_later(self, key: tuple[str, int], known: _Attempt, otherwise: str) -> None:
+        """Delete the attempt's Job in the background; a failure is logged with ``otherwise``."""
         async def delete() -> None:
             try:
                 await self._delete_job(key, known)
             except AdapterError as e:
-                log.warning("%s; it stays, waiting", e)
-        task = asyncio.get_running_loop().create_task(delete(), name=f"k8s-stuck-{key[0]}")
+                log.warning("%s; %s", e, otherwise)
+        task = asyncio.get_running_loop().create_task(delete(), name=f"k8s-delete-{key[0]}")
         self._stop_waits.add(task)
         task.add_done_callback(self._stop_waits.discard)
 
@@ -1100,6 +1178,8 @@ class KubernetesSite:
         if kind == "pods":
             if event.get("type") == "DELETED":
                 known.pods.discard(meta.get("name", ""))
+                if not known.pods:
+                    known.unplaced_since = None  # (a Pod of its Job made again starts afresh)
                 if known.stopping is not None and not known.pods:
                     self._stopped(key)  # its last Pod has exited: stopped, as the broker asked
                 return
@@ -1115,10 +1195,14 @@ class KubernetesSite:
                              and c.get("status") == "False" and c.get("reason") == "Unschedulable"), None)
             if unplaced is not None and unplaced.get("message") != known.unschedulable:
                 known.unschedulable = unplaced.get("message")
+                after_s = self.config.unschedulable_after_s
                 log.warning("site %s: the Pod %s/%s of %s attempt %d cannot be scheduled (%s); it waits in the "
-                            "cluster, holding its GPUs in the site's books, until it can be or is cancelled",
-                            self.name, meta.get("namespace") or known.namespace, meta.get("name"), key[0], key[1],
-                            known.unschedulable or "Unschedulable")
+                            "cluster, holding its GPUs in the site's books, %s", self.name,
+                            meta.get("namespace") or known.namespace, meta.get("name"), key[0], key[1],
+                            known.unschedulable or "Unschedulable",
+                            f"and is withdrawn if it still cannot be {after_s:.0f} s after it first could not"
+                            if after_s else "until it can be or is cancelled (unschedulable_after_s: 0)")
+            self._follow_unplaced(key, known, unplaced, meta.get("name", ""))
             ended = next((t for c in status.get("containerStatuses") or []
                           if (t := (c.get("state") or {}).get("terminated") or {}).get("exitCode")), None)
             if ended is not None:

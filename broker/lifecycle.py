@@ -4,7 +4,9 @@
   against its estimate (:mod:`policies.runtime_risk`), seeded at start-up from the store (``learn_run_times``).
 - ``failed``: the job is requeued while it has failed attempts left (``max_attempts``), else it fails.
 - ``preempted``: recorded, then the job is requeued; a checkpointable job keeps its progress (``run_s``).
-- ``lost``: the site no longer has the attempt; the job is requeued (a loss is not the job's failure).
+- ``lost``: the site no longer has the attempt; the job is requeued (a loss is not the job's failure). One lost
+  before it ran (the site admitted it but could not start it: a Kubernetes Pod its scheduler found no room for)
+  also has the site skipped for the job for ``refusal_ttl_s``, as a refusal at dispatch would.
 Events for an attempt that is no longer current are ignored, so a late or repeated event never moves a
 job twice.
 """
@@ -182,6 +184,11 @@ class Lifecycle:
                     reason="requeued after preemption" + (" from its checkpoint" if kept else ""),
                 )
             case EventKind.LOST:
+                if job.state != R:
+                    # Lost before it ran: the site took the attempt but could not start it (its cluster's
+                    # scheduler found no room, its agent gave it up): skipped for a while, as a site that refuses
+                    # a dispatch, so the job goes elsewhere rather than straight back.
+                    self.book.refuse(job.id, site, f"lost attempt {job.attempt} before it ran: {ev.reason or ''}")
                 lost = await self.book.transition(
                     job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {ev.reason or ''}"
                 )

@@ -403,6 +403,10 @@ TelemetrySourceConfig = Annotated[NvmlTelemetryConfig | PrometheusTelemetryConfi
 """``{kind: nvml, ...}`` (the agent's own node) or ``{kind: prometheus, url, ...}`` (dcgm-exporter)."""
 
 
+UNSCHEDULABLE_AFTER_S = 300.0
+"""``adapter.unschedulable_after_s`` unset: how long a Kubernetes site's Pod may wait for the scheduler."""
+
+
 class KubernetesAdapterConfig(Spec):
     """A Kubernetes cluster (``adapters.kubernetes``): GPUs from its Nodes, jobs as batch/v1 Jobs in the tenant's
     namespace (``namespace_prefix`` + tenant), quotas mirrored as ResourceQuota objects."""
@@ -433,6 +437,16 @@ class KubernetesAdapterConfig(Spec):
         description="a job the broker stops to move it, or the site preempts for its quotas, is reported stopped "
                     "once its Pods are gone, or after this long (a checkpointable job's Pod has this as its "
                     "terminationGracePeriodSeconds, in which it writes its checkpoint)")
+    unschedulable_after_s: float | None = Field(
+        default=UNSCHEDULABLE_AFTER_S, ge=0, le=86400,
+        description="an attempt whose Pod the cluster's scheduler has found no room for (PodScheduled False, "
+                    "Unschedulable) this long, from the condition's lastTransitionTime, is withdrawn: its Job is "
+                    "deleted and the broker hears it lost, so it routes the job again, skipping this site for "
+                    "refusal_ttl_s, with none of its max_attempts spent. The wait does not end while Pods this "
+                    "site stops (a preemption making room) are still going, nor in the 60 s after. 0 or null: "
+                    "such a Pod waits in the cluster for as long as it takes",
+        # Left out where it is the default: brokers of earlier releases sharing the database still read the site.
+        exclude_if=lambda after_s: after_s == UNSCHEDULABLE_AFTER_S)
     tolerations: list[Toleration] = Field(
         default_factory=list,
         description="copied into each job's Pod; a Node with a NoSchedule or NoExecute taint none of them "

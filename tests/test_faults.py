@@ -657,3 +657,44 @@ async def test_a_submission_stored_though_its_write_was_reported_failed_is_accep
     assert (await h.job(j.id)).state == JobState.RUNNING
     page = await store.list_jobs(JobFilter(), 10)
     assert [x.id for x in page.items] == [j.id]
+
+
+class UnplacedSite(SimulatedSite):
+    """Admits attempts whose Pods then never start (a Kubernetes site whose scheduler finds no room for them),
+    until ``give_up`` withdraws one as the Kubernetes adapter does after ``unschedulable_after_s``."""
+
+    async def _run(self, run) -> None:  # noqa: ANN001 - never running: no `running` event
+        await asyncio.Event().wait()
+
+    def give_up(self, job_id: str, attempt: int) -> None:
+        from adapters.base import EventKind, JobEvent
+
+        run = self._runs.pop((job_id, attempt))
+        if run.task is not None:
+            run.task.cancel()
+        self._admission.stop(f"{job_id}/{attempt}", self._clock.now().timestamp())
+        self._emit(JobEvent(job_id, attempt, EventKind.LOST, self._clock.now(),
+                            reason="the cluster's scheduler found no room for its Pod for 300 s"))
+
+
+async def test_an_attempt_a_site_admitted_but_lost_before_it_ran_is_routed_elsewhere_without_a_failure(
+        tmp_path, brokers):
+    # A Kubernetes site admitted the job, then its scheduler found no room for the Pod (a taint, fragmentation,
+    # another scheduler's Pods) and the adapter gave the attempt up: the job went straight back to the same site,
+    # whose inventory still showed the GPUs free, and waited there again.
+    sites = [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST), site("beta", gpus={"a100-80gb": 8}, adapter=FAST)]
+    h = await started(tmp_path, brokers, sites, factory=lambda spec, clock: UnplacedSite(spec, clock))
+    j = await h.submit(count=8, duration_s=600, max_attempts=1)
+    await h.cycle()
+    await h.step(1.0)
+    first = await h.job(j.id)
+    assert first.state == JobState.ADMITTED
+    h.broker.federation.get(first.site).adapter.give_up(j.id, 1)
+    await h.quiet()
+    await h.step(1.0)
+    assert (await h.job(j.id)).state == JobState.QUEUED
+    await h.cycle()
+    await h.step(1.0)
+    again = await h.job(j.id)
+    other = ({"alpha", "beta"} - {first.site}).pop()
+    assert (again.state, again.site, again.attempt, again.failed_attempts) == (JobState.ADMITTED, other, 2, 0)

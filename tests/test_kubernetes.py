@@ -66,9 +66,11 @@ async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
 
 
 def make_site(cluster: kmock.KubernetesEmulator, stop_wait_s: float = 300.0, state_dir: Path | None = None,
-              state_namespace: str | None = None, **spec: Any) -> KubernetesSite:
+              state_namespace: str | None = None, unschedulable_after_s: float | None = 300.0,
+              **spec: Any) -> KubernetesSite:
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2,
-                                     stop_wait_s=stop_wait_s, state_namespace=state_namespace)
+                                     stop_wait_s=stop_wait_s, state_namespace=state_namespace,
+                                     unschedulable_after_s=unschedulable_after_s)
     return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), SystemClock(), state_dir=state_dir)
 
 
@@ -835,6 +837,146 @@ async def test_a_pod_the_scheduler_cannot_place_is_named_in_a_warning_with_the_s
         await asyncio.sleep(0.3)
     said = [r.getMessage() for r in caplog.records if "cannot be scheduled" in r.getMessage()]
     assert len(said) == 1 and f"heliotrope-t1/{name}-abc of j-1 attempt 1" in said[0] and why in said[0]
+
+
+UNPLACED = "0/3 nodes are available: 1 node(s) had untolerated taint {dedicated: infer}, 2 Insufficient nvidia.com/gpu."
+
+
+async def unschedulable_pod(cluster: kmock.KubernetesEmulator, name: str, since: datetime,
+                            namespace: str = "heliotrope-t1") -> None:
+    """What the cluster's Job controller and scheduler would do for Job ``name`` where no Node has room: a
+    Pending Pod whose PodScheduled condition is False, Unschedulable, since ``since``."""
+    labels = dict(jobs(cluster)[(namespace, name)]["spec"]["template"]["metadata"]["labels"])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
+           "spec": {"containers": [{"name": "job", "image": "x"}]},
+           "status": {"phase": "Pending", "conditions": [{
+               "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": UNPLACED,
+               "lastTransitionTime": since.strftime("%Y-%m-%dT%H:%M:%SZ")}]}}
+    assert (await cluster.post(f"/api/v1/namespaces/{namespace}/pods", json=pod)).status == 200
+
+
+async def test_a_pod_unschedulable_past_the_limit_has_its_attempt_withdrawn_and_reported_lost(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # The site's scheduler disagrees with the adapter's inventory (a taint it did not see, fragmentation):
+    # the Pod waited for ever, its GPUs held in the site's books, and the broker never moved the job.
+    adapter = make_site(cluster, unschedulable_after_s=600)
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        name = job_name("j-1", 1)
+        await unschedulable_pod(cluster, name, datetime.now(UTC) - timedelta(seconds=601))
+        lost = await next_event(adapter, stream)
+        assert (lost.job_id, lost.attempt, lost.kind) == ("j-1", 1, EventKind.LOST)
+        assert UNPLACED in (lost.reason or "") and "unschedulable_after_s" in (lost.reason or "")
+        assert await gone(cluster, name)
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 16  # its 8 GPUs are free again
+        assert not (await adapter.submit(attempt("j-1", count=8))).admitted  # withdrawn: final for the attempt
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize("after_s", [0, None], ids=["unschedulable_after_s: 0", "unschedulable_after_s: null"])
+async def test_an_unschedulable_pod_may_be_left_waiting_for_ever(cluster: kmock.KubernetesEmulator,
+                                                                  after_s: float | None) -> None:
+    adapter = make_site(cluster, unschedulable_after_s=after_s)
+    await adapter.start()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        name = job_name("j-1", 1)
+        await unschedulable_pod(cluster, name, datetime.now(UTC) - timedelta(days=1))
+        await asyncio.sleep(0.5)
+        assert adapter._events.empty() and ("heliotrope-t1", name) in jobs(cluster)
+    finally:
+        await adapter.close()
+
+
+def test_unschedulable_after_s_is_checked_and_stored_only_where_set() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="unschedulable_after_s"):
+        KubernetesAdapterConfig(unschedulable_after_s=-1)
+    assert KubernetesAdapterConfig.model_validate({"unschedulable_after_s": 120}).model_dump()[
+        "unschedulable_after_s"] == 120
+    # The default is left out, so brokers of earlier releases sharing the database still read the site.
+    assert "unschedulable_after_s" not in KubernetesAdapterConfig().model_dump()
+
+
+async def test_a_pod_briefly_unschedulable_is_left_to_the_scheduler(cluster: kmock.KubernetesEmulator) -> None:
+    # During a preemption, or while the autoscaler adds a Node, a Pod is unschedulable for a while and then
+    # placed: it must not be withdrawn meanwhile.
+    adapter = make_site(cluster, unschedulable_after_s=2)
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        name = job_name("j-1", 1)
+        await unschedulable_pod(cluster, name, datetime.now(UTC))  # (to the second: up to 1 s ago)
+        await asyncio.sleep(0.5)
+        await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"spec": {
+            "nodeName": "a100-0"}, "status": {"phase": "Running", "conditions": [
+                {"type": "PodScheduled", "status": "True"}]}})
+        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+        await asyncio.sleep(2.0)
+        assert adapter._events.empty() and ("heliotrope-t1", name) in jobs(cluster)
+    finally:
+        await adapter.close()
+
+
+async def test_a_pod_unschedulable_while_a_stop_makes_room_waits_for_it(cluster: kmock.KubernetesEmulator) -> None:
+    # The site preempted a job to make room for this one: the new Pod is unschedulable until the victim's Pod,
+    # writing its checkpoint, has gone. Withdrawing it meanwhile would stop one job for nothing.
+    adapter = make_site(cluster, unschedulable_after_s=1, quotas=[{"tenant": "t1", "guaranteed_gpus": 16}])
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        name = await j1_running(adapter, stream, cluster)
+        await adapter.preempt("j-1", 1, "moved to a cleaner site")  # its Pod goes on writing its checkpoint
+        assert (await adapter.submit(attempt("j-2", count=8))).admitted
+        await unschedulable_pod(cluster, job_name("j-2", 1), datetime.now(UTC) - timedelta(seconds=5))
+        await asyncio.sleep(1.5)
+        assert adapter._events.empty() and ("heliotrope-t1", job_name("j-2", 1)) in jobs(cluster)
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # its checkpoint written
+        assert (await next_event(adapter, stream)).kind == EventKind.PREEMPTED
+        await asyncio.sleep(0.5)
+        assert adapter._events.empty()  # the scheduler has its grace to place the Pod now
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["the Pod watch reconnects", "a new adapter takes over"])
+async def test_the_time_a_pod_has_been_unschedulable_outlives_a_reconnect(
+        cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch, restart: bool) -> None:
+    # Measured from the PodScheduled condition's lastTransitionTime, not from when this watch or this adapter
+    # first saw it: a watch that ends every 300 s (or a broker restarting) must not put the withdrawal off for ever.
+    real = k8s.CoreV1Api.list_pod_for_all_namespaces_without_preload_content
+    streams = []
+
+    async def kept(self: Any, *args: Any, **kwargs: Any) -> Any:
+        resp = await real(self, *args, **kwargs)
+        if kwargs.get("watch"):
+            streams.append(resp)
+        return resp
+
+    monkeypatch.setattr(k8s.CoreV1Api, "list_pod_for_all_namespaces_without_preload_content", kept)
+    adapter = make_site(cluster, unschedulable_after_s=4)
+    await adapter.start()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        since = datetime.now(UTC).replace(microsecond=0)
+        await unschedulable_pod(cluster, job_name("j-1", 1), since)
+        await asyncio.sleep(2.5)
+        if restart:
+            await adapter.close()
+            adapter = make_site(cluster, unschedulable_after_s=4)
+            await adapter.start()
+        else:
+            streams[-1].close()  # the watch ends (its 300 s timeout); the adapter lists the Pods again
+        lost = await next_event(adapter, adapter.events())
+        assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
+        assert (lost.at - since).total_seconds() < 5.5  # (from when it was first seen again: 6.5 s or more)
+    finally:
+        await adapter.close()
 
 
 @pytest.mark.parametrize("waiting", [
