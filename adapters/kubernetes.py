@@ -45,7 +45,11 @@
   scheduler has found no room for (PodScheduled False, Unschedulable) for ``unschedulable_after_s``, counted from
   the condition's lastTransitionTime, → ``lost`` (before it ran: the broker routes the job elsewhere, no failure
   of the job's), its Job deleted, but not while Pods of a stop here are still going (a preemption making room for
-  it) nor in the ``AFTER_STOP_GRACE_S`` after (0 or None: it waits); a Job deleted by someone else → ``lost``.
+  it) nor in the ``AFTER_STOP_GRACE_S`` after (0 or None: it waits); a Job the cluster has made no Pod for in
+  ``unschedulable_after_s`` from its creationTimestamp (it refuses it: Pod Security admission, a LimitRange, a
+  ResourceQuota; only a FailedCreate Event says so) the same, with ``PODLESS_AFTER_STOP_GRACE_S`` after a stop
+  (the site's own ResourceQuota refuses a preemptor's Pod until its victims have gone); a Job deleted by someone
+  else → ``lost``.
   A Job that succeeded or failed is deleted once the broker has taken its outcome (``taken``). Each time a watch (re)connects (after an error, its 300 s
   timeout or 410 Gone) it lists the Jobs or Pods and reconciles: an attempt whose Job is gone from the list
   (deleted while no watch ran) is ``lost``, a stopping one whose Pods are gone is stopped. A stop (``preempt``, or
@@ -167,6 +171,9 @@ STUCK_REASONS = frozenset({"ImagePullBackOff", "ErrImageNeverPull", "InvalidImag
 # After a stop's Pods have gone (a preemption making room), the scheduler is given this long to place a Pod that
 # waited for their GPUs before ``unschedulable_after_s`` may withdraw it (it retries such Pods within seconds).
 AFTER_STOP_GRACE_S = 60.0
+# ... and this long to create the Pod of a Job whose Pods it refused meanwhile (the site's own ResourceQuota, full
+# until the victims' Pods have gone): the Job controller tries again with a back-off of up to 6 minutes.
+PODLESS_AFTER_STOP_GRACE_S = 360.0
 UNPLACED_RECHECK_S = 30.0  # the longest a waiting Pod's deadline sleeps before it looks again
 # The Job fails at once when the cluster disrupts its Pod (an eviction, a drain, its Node lost, the scheduler's
 # preemption), with this rule's reason in its Failed condition: the adapter reports such a failure ``lost``.
@@ -223,6 +230,8 @@ class _Attempt:
     # since when its Pod has been unschedulable (the condition's lastTransitionTime), while it is: withdrawn once
     # that is ``unschedulable_after_s`` ago (``_unplaced_deadline``)
     unplaced_since: datetime | None = None
+    had_pod: bool = False  # a Pod of its Job was seen (else, once its Job is that old, the cluster refuses them)
+    created: datetime | None = None  # its Job's creationTimestamp (or when this adapter first saw the Job)
 
 
 def _transient(e: BaseException) -> bool:
@@ -277,6 +286,7 @@ class KubernetesSite:
         self._stop_waits: set[asyncio.Task[None]] = set()  # stopping attempts awaiting the end of their Pods
         self._unplaced: dict[tuple[str, int], asyncio.Task[None]] = {}  # deadlines of unschedulable Pods
         self._stop_ended: datetime | None = None  # when a stop's Pods last went (GPUs freed for a waiting Pod)
+        self._pods_listed = False  # the Pods watch has listed them once: a Job without a Pod seen has none
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._watches: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()  # one admission at a time
@@ -614,6 +624,7 @@ class KubernetesSite:
         if a.done or a.orphan:
             return
         a.pods.add(meta.get("name", ""))
+        a.had_pod = True
         if node := (pod.get("spec") or {}).get("nodeName"):
             a.node = node
         if status.get("phase") != "Running" or a.running_since is not None:
@@ -1066,6 +1077,8 @@ class KubernetesSite:
                     self._gone(key, known.namespace, job_name(*key))
             for obj in items:
                 self._on_watch_event(kind, {"type": "ADDED", "object": obj})
+            if kind == "pods":
+                self._pods_listed = True
 
     def _stuck(self, key: tuple[str, int], known: _Attempt, why: str) -> None:
         """Its Pod cannot start (its image cannot be pulled, its config refers to what is not there): the attempt
@@ -1086,9 +1099,17 @@ class KubernetesSite:
         if unplaced is None:
             known.unplaced_since = None
             return
-        if known.unplaced_since is None:
+        fresh = known.unplaced_since is None
+        if fresh:
             at = _timestamp(unplaced.get("lastTransitionTime"))
             known.unplaced_since = datetime.fromtimestamp(at, tz=UTC) if at is not None else self._clock.now()
+        self._arm_unplaced(key, known, pod, fresh)
+
+    def _arm_unplaced(self, key: tuple[str, int], known: _Attempt, pod: str, fresh: bool = False) -> None:
+        """Start the deadline of an attempt whose Pod cannot be scheduled, or whose Job has no Pod yet; ``fresh``:
+        started again, from the time its Pod became unschedulable (one kept for its Job without a Pod sleeps on)."""
+        if fresh and (old := self._unplaced.pop(key, None)) is not None:
+            old.cancel()
         if (not self.config.unschedulable_after_s or known.stopping is not None or key in self._withdrawn
                 or key in self._unplaced):
             return
@@ -1106,35 +1127,47 @@ class KubernetesSite:
         after = timedelta(seconds=self.config.unschedulable_after_s or 0.0)
         while True:
             known = self._attempts.get(key)
-            if (known is None or known.done or known.unplaced_since is None or known.stopping is not None
-                    or key in self._withdrawn):
+            if known is None or known.done or known.stopping is not None or key in self._withdrawn:
                 return
+            podless = known.unplaced_since is None and not known.had_pod and known.created is not None
+            since = known.unplaced_since if not podless else known.created
+            if since is None:
+                return  # placed (its Pod scheduled), or gone
             now = self._clock.now()
-            due = known.unplaced_since + after
+            due = since + after
             if self._stop_ended is not None:
-                due = max(due, self._stop_ended + timedelta(seconds=AFTER_STOP_GRACE_S))
+                grace_s = PODLESS_AFTER_STOP_GRACE_S if podless else AFTER_STOP_GRACE_S
+                due = max(due, self._stop_ended + timedelta(seconds=grace_s))
             wait_s = (due - now).total_seconds()
-            if any(a.stopping is not None and not a.done for a in self._attempts.values()):
-                wait_s = max(wait_s, 1.0)  # (look again soon: the stop may end any moment)
+            if any(a.stopping is not None and not a.done for a in self._attempts.values()) or (
+                    podless and not self._pods_listed):
+                wait_s = max(wait_s, 1.0)  # (look again soon: the stop may end, the Pods be listed, any moment)
             if wait_s <= 0:
-                self._unplaceable(key, known, pod, (now - known.unplaced_since).total_seconds())
+                self._unplaceable(key, known, pod, (now - since).total_seconds(), podless)
                 return
             await asyncio.sleep(min(wait_s, UNPLACED_RECHECK_S))
 
-    def _unplaceable(self, key: tuple[str, int], known: _Attempt, pod: str, waited_s: float) -> None:
-        """The scheduler has found no room for the attempt's Pod for too long: its GPUs are freed, the broker
-        hears ``lost`` (no failure of the job's: it routes it again, elsewhere for a while) and its Job is
-        deleted, with its Pod."""
+    def _unplaceable(self, key: tuple[str, int], known: _Attempt, pod: str, waited_s: float,
+                     podless: bool = False) -> None:
+        """The scheduler has found no room for the attempt's Pod for too long (or, ``podless``, the cluster has
+        made none for its Job): its GPUs are freed, the broker hears ``lost`` (no failure of the job's: it routes
+        it again, elsewhere for a while) and its Job is deleted, with its Pod."""
         if not self._finish(key):
             return
         now = self._clock.now()
         self._withdrawn[key] = now  # final: the Job's deletion is not taken for a loss, a late submit is refused
         known.has_job = False  # (deleted here: none left for ``taken`` to delete)
-        log.warning("site %s: the Pod %s/%s of %s attempt %d could not be scheduled for %.0f s; the attempt is "
-                    "withdrawn, its Job deleted", self.name, known.namespace, pod, key[0], key[1], waited_s)
+        if podless:
+            what = (f"the cluster made no Pod for its Job {known.namespace}/{job_name(*key)} in {waited_s:.0f} s (it "
+                    "refuses to create it: Pod Security admission, a LimitRange or a ResourceQuota; `kubectl "
+                    "describe job` shows its FailedCreate events)")
+        else:
+            what = (f"the cluster's scheduler found no room for its Pod {known.namespace}/{pod} for {waited_s:.0f} s "
+                    f"({known.unschedulable or 'Unschedulable'})")
+        log.warning("site %s: %s attempt %d: %s; the attempt is withdrawn, its Job deleted", self.name, key[0],
+                    key[1], what)
         self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, reason=(
-            f"the cluster's scheduler found no room for its Pod for {waited_s:.0f} s "
-            f"({known.unschedulable or 'Unschedulable'}); withdrawn after adapter.unschedulable_after_s")))
+            f"{what}; withdrawn after adapter.unschedulable_after_s")))
         self._delete_later(key, known, "it stays, waiting")
 
     def _delete_later(self, key: tuple[str, int], known: _Attempt, otherwise: str) -> None:
@@ -1184,6 +1217,7 @@ class KubernetesSite:
                     self._stopped(key)  # its last Pod has exited: stopped, as the broker asked
                 return
             known.pods.add(meta.get("name", ""))
+            known.had_pod = True
             if node := (obj.get("spec") or {}).get("nodeName"):
                 known.node = node
             disruption = next((c for c in status.get("conditions") or []
@@ -1240,6 +1274,13 @@ class KubernetesSite:
             self._gone(key, meta.get("namespace", ""), meta.get("name", ""))
         else:
             known.has_job = True
+            was = known.created
+            if (at := _timestamp(meta.get("creationTimestamp"))) is not None:
+                known.created = datetime.fromtimestamp(at, tz=UTC)
+            elif known.created is None:
+                known.created = now
+            if not known.had_pod:
+                self._arm_unplaced(key, known, "", fresh=known.created != was)
 
     # --- QuotaAdmin ---
 

@@ -442,9 +442,11 @@ class KubernetesAdapterConfig(Spec):
         description="an attempt whose Pod the cluster's scheduler has found no room for (PodScheduled False, "
                     "Unschedulable) this long, from the condition's lastTransitionTime, is withdrawn: its Job is "
                     "deleted and the broker hears it lost, so it routes the job again, skipping this site for "
-                    "refusal_ttl_s, with none of its max_attempts spent. The wait does not end while Pods this "
-                    "site stops (a preemption making room) are still going, nor in the 60 s after. 0 or null: "
-                    "such a Pod waits in the cluster for as long as it takes",
+                    "refusal_ttl_s, with none of its max_attempts spent; so is one whose Job the cluster has made "
+                    "no Pod for this long from its creationTimestamp (Pod Security admission, a LimitRange or a "
+                    "ResourceQuota refuses it). The wait does not end while Pods this site stops (a preemption "
+                    "making room) are still going, nor in the 60 s (for a Job without a Pod, 6 minutes) after. "
+                    "0 or null: such Pods and Jobs wait in the cluster for as long as it takes",
         # Left out where it is the default: brokers of earlier releases sharing the database still read the site.
         exclude_if=lambda after_s: after_s == UNSCHEDULABLE_AFTER_S)
     tolerations: list[Toleration] = Field(

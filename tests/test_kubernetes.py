@@ -902,6 +902,43 @@ def test_unschedulable_after_s_is_checked_and_stored_only_where_set() -> None:
     assert "unschedulable_after_s" not in KubernetesAdapterConfig().model_dump()
 
 
+async def test_a_job_whose_pods_the_cluster_refuses_to_create_has_its_attempt_withdrawn(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # Pod Security admission, a LimitRange or a ResourceQuota of the cluster's own refuses the Job's Pod: the Job
+    # controller records a FailedCreate Event and no condition, and the Job stays without Pods. It waited for ever.
+    adapter = make_site(cluster, unschedulable_after_s=600)
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        name = job_name("j-1", 1)
+        made = (datetime.now(UTC) - timedelta(seconds=601)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        # (what the API server writes at creation; the emulator writes none)
+        await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"metadata": {
+            "creationTimestamp": made}})
+        lost = await next_event(adapter, stream)
+        assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
+        assert f"made no Pod for its Job heliotrope-t1/{name}" in (lost.reason or "")
+        assert await gone(cluster, name)
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 16
+    finally:
+        await adapter.close()
+
+
+async def test_a_job_whose_pod_came_is_not_taken_for_one_without(cluster: kmock.KubernetesEmulator) -> None:
+    adapter = make_site(cluster, unschedulable_after_s=600)
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        name = await j1_running(adapter, stream, cluster)
+        await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"metadata": {
+            "creationTimestamp": (datetime.now(UTC) - timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")}})
+        await asyncio.sleep(0.5)
+        assert adapter._events.empty() and ("heliotrope-t1", name) in jobs(cluster)
+    finally:
+        await adapter.close()
+
+
 async def test_a_pod_briefly_unschedulable_is_left_to_the_scheduler(cluster: kmock.KubernetesEmulator) -> None:
     # During a preemption, or while the autoscaler adds a Node, a Pod is unschedulable for a while and then
     # placed: it must not be withdrawn meanwhile.
