@@ -383,10 +383,12 @@ class Lifecycle:
                     if asked is not None:
                         requeued.append(await self._stopped_unheard(site, job, *asked))
                         continue
-                    if unheard_since is not None:
+                    if unheard_since is not None:  # (read as the requeue lands: JobBook.on_attempt_end)
                         self.left_at[(job.id, job.attempt)] = unheard_since
                     requeued.append(await self._requeue(
                         job, f"{site} no longer knows attempt {job.attempt} after a broker restart; requeued"))
+                    if requeued[-1] is None:  # not requeued (the store refused it): the attempt has not left
+                        self.left_at.pop((job.id, job.attempt), None)
             return requeued
         for job in todo:
             if job.state != D:

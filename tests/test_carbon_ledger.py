@@ -572,3 +572,34 @@ async def test_a_crashed_broker_s_last_sight_of_its_attempts_is_saved_every_minu
         assert ledger["energy_kwh"] == pytest.approx(KWH / 4, rel=1e-3) and ledger["open_attempts"] == 0
     finally:
         await b.stop()
+
+
+async def test_a_restart_s_requeue_that_fails_does_not_cut_the_attempt_s_count_short_later(tmp_path) -> None:
+    """At a restart, the site no longer knows an attempt, but the store refuses its requeue for the moment: the
+    attempt stays where it was, and is requeued later, when the site answers again (with no time it was last
+    seen). The ledger counts it up to that requeue, not up to the failed one's time, which nothing remembers."""
+    from broker.store import StoreError
+
+    b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
+    try:
+        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, FAST.dispatch_delay_s)
+        running = await b.book.get(j.id)
+        await b.federation.get(running.site).adapter.cancel(j.id, 1)  # (silently: the site forgets it)
+        await clock.advance(600)
+        transition = b.book.transition
+
+        async def refused(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            raise StoreError("the database is restarting")
+        b.book.transition = refused
+        assert await b.lifecycle.reconcile(running.site, {j.id: running.version}, clock.now()) == [None]
+        b.book.transition = transition
+        assert b.lifecycle.left_at == {}  # (nothing left behind for an attempt that did not leave)
+        await clock.advance(1200)
+        [requeued] = await b.lifecycle.reconcile(running.site, {j.id: running.version})
+        assert requeued is not None and requeued.state == JobState.QUEUED
+        ledger = await carbon(b)
+        assert ledger["energy_kwh"] == pytest.approx(KWH / 2, rel=1e-2) and ledger["open_attempts"] == 0
+    finally:
+        await b.stop()
