@@ -497,8 +497,8 @@ class SchedulingCycle:
             else:
                 self.book.fresh.clear()
                 jobs = None  # the whole queue, walked group by group
-                if len(self._last_seen) + len(self._requests) >= self._sweep_at:
-                    self._forget_gone()
+                if len(self._last_seen) + len(self._requests) + len(self._signatures) >= self._sweep_at:
+                    self._forget_gone()  # (signatures too: a job decided again keeps a new one each time)
         else:
             jobs = self.book.take_fresh()
         moves_due = full and self._migrating and self._moves_h != timeshift.epoch_hour(now)
@@ -1404,14 +1404,15 @@ class SchedulingCycle:
         return None if planned is None else datetime.fromtimestamp(planned.first * timeshift.HOUR_S, tz=UTC)
 
     def _forget_gone(self) -> None:
-        """Drop the cached requests and decision signatures of jobs that have ended. Run when the caches
-        have doubled since the last sweep, so their upkeep costs a constant per entry, not a walk per pass."""
+        """Drop the cached requests and decision signatures of jobs that have ended, and the signatures no job
+        has any more (a job whose decision was recorded again has a new one). Run when the caches have doubled
+        since the last sweep, so their upkeep costs a constant per entry, not a walk per pass."""
         active = self.book.active
         for cache in (self._requests, self._last_seen):
             for job_id in [j for j in cache if j not in active]:
                 del cache[job_id]
         self._signatures = {sig: sig for sig in self._last_seen.values()}
-        self._sweep_at = max(SWEEP_MIN, 2 * (len(self._last_seen) + len(self._requests)))
+        self._sweep_at = max(SWEEP_MIN, 2 * (len(self._last_seen) + len(self._requests) + len(self._signatures)))
 
     async def _persist(self, new: Job, landing: Awaitable[None]) -> bool:
         """Wait for an assumed placement's write (queued when it was decided, with its decision); if it

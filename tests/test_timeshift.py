@@ -832,3 +832,25 @@ def test_a_deferral_reports_the_forecast_of_starting_now_and_the_price_of_the_ro
     plain = decide(green(), request(), snapshot(NOON, FLAT))
     assert plain.forecast_now == plain.value_now and "priced at" not in plain.reason(snap.sites)
     assert "room_price_now" not in plain.as_dict(snap.sites)
+
+
+async def test_a_deferred_job_decided_again_hour_after_hour_leaves_no_pile_of_old_decision_signatures(
+        live, monkeypatch) -> None:  # noqa: ANN001
+    # Its decision is recorded again each hour (the figures its reason quotes change), each time under a new
+    # signature: the copies kept of the old ones were swept only when the number of jobs doubled, so with as many
+    # jobs waiting as ever they piled up, one for each job and hour, for as long as the broker ran.
+    from tests.builders import job
+
+    b, clock = live
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600,
+                                   deadline=GREEN_AT + timedelta(hours=30)))
+    monkeypatch.setattr("broker.cycle.SWEEP_MIN", 3)  # (4096, scaled down to one job)
+    b.cycle._sweep_at = 3
+    sizes, deferred_h = [], 0
+    for _ in range(16):
+        await b.cycle.run_once(full=True)
+        sizes.append(len(b.cycle._signatures))
+        deferred_h += b.cycle.deferred_until(j.id) is not None
+        await clock.advance(3600)
+    assert deferred_h >= 4  # (a new signature each of those hours)
+    assert max(sizes) <= 3, sizes
