@@ -953,12 +953,17 @@ class KubernetesSite:
         return True
 
     def _release(self, key: tuple[str, int]) -> None:
-        """Free an attempt's GPUs and quota in the site's ledgers."""
+        """Free an attempt's GPUs and quota in the site's ledgers. While there are none (every Node away), its end
+        is told to the last ledgers' book, whose usage history the next ledgers take (``_history``): it ran until
+        now, not until the Nodes come back."""
+        now = self._clock.now().timestamp()
         if self._admission is not None:
-            now = self._clock.now().timestamp()
             if self._admission.stop(_key(*key), now) is None:
                 with contextlib.suppress(KeyError):  # counted by quota only (its Node had gone), or not at all
                     self._admission.book.stop(_key(*key), now)
+        elif self._history is not None:
+            with contextlib.suppress(KeyError):  # (not in that book: entered after it, or ended already)
+                self._history.stop(_key(*key), now)
 
     def _forget_old_tombstones(self) -> None:
         if len(self._withdrawn) < 1024:

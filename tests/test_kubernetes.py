@@ -489,6 +489,40 @@ async def test_a_node_that_comes_or_goes_leaves_the_tenants_usage_history_and_fa
         await adapter.close()
 
 
+
+async def test_jobs_that_end_while_every_node_is_away_add_no_usage_for_the_time_away(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # Every GPU Node gone from the inventory (cordoned for maintenance, NotReady, a zone down): the site has no
+    # ledgers, and what ends then is not taken off them. The history the ledgers had went on counting those jobs
+    # as running, and the Nodes' return charged their tenant the whole time away as usage; a job that runs on
+    # all the while is charged for it.
+    clock = ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump(), quotas=[
+        {"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 12}]), clock)
+    await adapter.start()
+    try:
+        def usage(state) -> float:  # noqa: ANN001
+            return next(t.decayed_usage_gpu_h for t in state.quota.tenants if t.tenant == "t1")
+
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        assert (await adapter.submit(attempt("j-2", count=4))).admitted  # runs on all the while
+        await clock.advance(3600)
+        before = usage(await adapter.snapshot())
+        for n in CLUSTER:
+            del cluster.objects[NODES, None, n["metadata"]["name"]]
+        cluster.resources[NODES] = {}  # (declared, with none left)
+        assert (await adapter.snapshot()).capacity == []
+        await adapter.cancel("j-1", 1)  # ended while the Nodes were away
+        await clock.advance(10 * 3600)
+        for n in CLUSTER:
+            cluster.objects[NODES, None, n["metadata"]["name"]] = n
+        after = usage(await adapter.snapshot())
+        assert before < after <= before + 4 * 10  # j-2's ten hours at most (j-1's were 8 x 10 more)
+    finally:
+        await adapter.close()
+
+
 # --- Jobs: creation, idempotent re-dispatch, refusal, cancel ---
 
 
