@@ -454,8 +454,9 @@ class GridSignals:
                 log.exception("carbon forecast: saving the forecasts failed")
 
     def _restore_pending(self) -> bool:
-        """Whether the kept forecasts are still being read again (nothing is saved over them meanwhile)."""
-        return self._restoring is not None and not self._restoring.done()
+        """Whether the kept forecasts are still being read again (nothing is saved over them meanwhile), or
+        were being read when the broker stopped (its final save would write over them what the rounds made)."""
+        return self._restoring is not None and (not self._restoring.done() or self._restoring.cancelled())
 
     async def _restore_retrying(self) -> int:
         """Read the kept forecasts again after a failed read, backing off, for at most ``restore_retry_s``

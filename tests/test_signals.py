@@ -865,3 +865,49 @@ async def test_forecasts_are_kept_as_rounds_make_them_at_most_every_five_minutes
         assert reopened.signals.zones["GB"].forecast.made_at == NOW + timedelta(minutes=6), "and when it stops"
     finally:
         await reopened.stop()
+
+
+class HalfDownCarbon:
+    """The files, with Germany's zone down: a round makes london's forecast only."""
+
+    def __init__(self, inner: FileCarbonProvider) -> None:
+        self.inner = inner
+
+    async def history(self, zone: str, start: datetime, end: datetime) -> np.ndarray:
+        if zone == "DE-LU":
+            raise ProviderError("connection refused (scripted outage)", zone=zone, where="http://127.0.0.1:9")
+        return await self.inner.history(zone, start, end)
+
+    async def latest(self, zone: str, now: datetime) -> float:
+        if zone == "DE-LU":
+            raise ProviderError("connection refused (scripted outage)", zone=zone, where="http://127.0.0.1:9")
+        return await self.inner.latest(zone, now)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_a_broker_stopped_while_it_still_reads_its_kept_forecasts_again_saves_nothing_over_them(
+        carbon, make_broker, monkeypatch) -> None:  # noqa: ANN001
+    # The store could not be read at the start, and the broker stops before a read again succeeds (or gives up):
+    # its final save wrote what its first round made (london's, Germany's service being down) as the whole
+    # of the kept forecasts, and frankfurt's kept forecast was gone for the next start.
+    await fetched_and_stopped(carbon, make_broker)
+    clock = ManualClock(NOW + 5 * H)
+    b = make_broker(HalfDownCarbon(FileCarbonProvider(carbon)), clock)
+    reads_failing(monkeypatch, b, None)
+    await b.start([LONDON, FRANKFURT], run_loop=False)
+    try:
+        for _ in range(200):  # the first round made london's
+            if (z := b.signals.zones.get("GB")) is not None and z.forecast is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert b.signals._restore_pending()
+    finally:
+        await b.stop()
+    monkeypatch.undo()
+    again = await started_down(make_broker, ManualClock(NOW + 5 * H))
+    try:
+        assert again.signals.kept_in_use(again.clock.now()) == 2
+    finally:
+        await again.stop()
