@@ -1,9 +1,9 @@
 """The loops of the time-shift search (:func:`policies.timeshift.plan`), compiled with Numba.
 
-They do what the NumPy and Python code they replaced did, in the same floating-point operations and the
-same order, so they find the same site, hour and value, bit for bit (``tests/test_timeshift_speed_equivalence.py``
-holds that code as the reference and checks it): only the per-call overhead of some forty NumPy calls over
-a thousand sites is gone.
+They do what the NumPy and Python code they replaced did (with values within the tie tolerance,
+:data:`TIE_REL`, equal in both), in the same floating-point operations and the same order, so they find the
+same site, hour and value, bit for bit (``tests/test_timeshift_speed_equivalence.py`` holds that code as the
+reference and checks it): only the per-call overhead of some forty NumPy calls over a thousand sites is gone.
 
 - :func:`start_now`: whether the plan allows a start now at one site, its value, and the best start now
   at any site (:func:`cheapest_fitting_now`), in one call; where the plan has no room, why.
@@ -11,9 +11,10 @@ a thousand sites is gone.
 - :func:`cheapest_fitting_now`: of the sites that could take the job now, the one whose objective for a
   start now is lowest (ties: the earlier in ``feasible``), among those the plan has room for over the hours
   the run holds.
-- :func:`search_later`: the best later start (value, then hour, then site, least first) among candidate
-  sites, visited in batches of :data:`BATCH` from the lowest lower bound up, stopping at the first batch
-  whose lower bound is above the best value found.
+- :func:`search_later`: the best later start (value, then hour, then site, least first; values within the
+  tie tolerance :data:`TIE_REL` are equal) among candidate sites, visited in batches of :data:`BATCH` from
+  the lowest lower bound up, stopping at the first batch whose lower bound is above the best value found
+  by more than that tolerance.
 
 Units as in :mod:`policies.timeshift`: values in kg CO2e (``per_gpu`` in kW) or USD (``per_gpu`` in USD
 per GPU-hour), hours counted from the hour containing ``now``, capacity in GPUs (float32, as the plan).
@@ -64,6 +65,33 @@ def _jit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
 
 BATCH = 32  # sites whose later starts are searched at once (the NumPy code's batch size)
 EPS32 = np.float32(1e-6)  # the plan's tolerance, in the plan's own precision
+TIE_REL = 1e-9
+"""Values (kg CO2e or USD) of two starts that differ by at most this share of the larger, plus :data:`TIE_ABS`,
+are equal: a start's value is a difference of running sums of the forecast, so two hours the forecast makes
+equally clean (a flat stretch, the zone's mean day repeated past the model's hours) differ in their last
+bits, and without it the search would take the later one, or a site further down the list, for nothing."""
+TIE_ABS = 1e-12
+"""The absolute part of the tie tolerance (kg CO2e or USD), for values at or near 0."""
+
+
+@_jit(inline="always")
+def _lower(a: float, b: float) -> bool:
+    """Whether value ``a`` is below ``b`` by more than the tie tolerance (:data:`TIE_REL` of the larger
+    magnitude, plus :data:`TIE_ABS`); False where either is NaN. A finite value is lower than inf."""
+    if not a < b:
+        return False
+    if b == np.inf or a == -np.inf:
+        return True
+    return b - a > TIE_REL * max(abs(a), abs(b)) + TIE_ABS
+
+
+def lower(a: float, b: float) -> bool:
+    """:func:`_lower` for Python callers (the same test, not compiled)."""
+    if not a < b:
+        return False
+    if b == np.inf or a == -np.inf:
+        return True
+    return b - a > TIE_REL * max(abs(a), abs(b)) + TIE_ABS
 
 
 @_jit(inline="always")
@@ -158,7 +186,8 @@ def _priced_taken(site: int, column: int, feasible: np.ndarray, need: float, d_h
     """The GPU-hours a start now at an ``ok`` site would take from the room kept for latency-bound jobs, where
     priced (:func:`_taken`; 0 where none is kept above the bar, or the plan has no room for the run: start_now
     says why); -1 where :func:`start_now` turns it away for that room (``why`` 1) before it reads the start's
-    value: its price for the room alone (plus ``floor``) is above the best start now elsewhere (``other``,
+    value: its price for the room alone (plus ``floor``) is above the best start now elsewhere (by more than
+    the tie tolerance) (``other``,
     at ``at``). Inline in the walk too, the same test with the same values without a call: compiled code pays
     for each call's array arguments, and a walk may turn away dozens of sites this way."""
     if not (kept.shape[0] > 0 and kept_price < np.inf) or not kept[site, column] > reserve[site]:
@@ -167,7 +196,7 @@ def _priced_taken(site: int, column: int, feasible: np.ndarray, need: float, d_h
         return 0.0
     taken = _taken(plan_free, site, column, first, now_hours, into_h, into_h + d_h, need, reserve[site], kept, near)
     if (taken > 0.0 and feasible.shape[0] > 1 and at >= 0 and at != site
-            and floor + kept_price * taken > other):
+            and _lower(other, floor + kept_price * taken)):
         return -1.0
     return taken
 
@@ -185,7 +214,7 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
                          plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray,
                          near: np.ndarray, first: int, now_hours: int, kept_price: float) -> tuple[float, int]:
     """(value, site) of the first site of ``feasible`` in ascending order of its value now (a stable
-    order) that is ``ok`` and whose plan column has room for ``need`` plus its ``reserve`` in hours
+    order; values within the tie tolerance, :func:`_lower`, are equal) that is ``ok`` and whose plan column has room for ``need`` plus its ``reserve`` in hours
     ``[first, now_hours)``; (inf, -1) when none has. With a finite ``kept_price`` the room kept for
     latency-bound jobs is not a bar: a start that takes some of it pays ``kept_price`` per GPU-hour taken
     (:func:`_taken`), added to its value."""
@@ -202,18 +231,18 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
         else:
             value = rate * d_h
         if soft:
-            if not value < best_value:  # the price only adds
+            if not _lower(value, best_value):  # the price only adds
                 continue
             if not _room(plan_free, site, col[site], first, now_hours, need, reserve[site], kept[:0], near):
                 continue
             value = value + kept_price * _taken(plan_free, site, col[site], first, now_hours, into_h, into_h + d_h,
                                                 need, reserve[site], kept, near)
-            if not value < best_value:
+            if not _lower(value, best_value):
                 continue
             best_value = value
             best_site = site
             continue
-        if not value < best_value:  # NaN never wins; a tie keeps the earlier site
+        if not _lower(value, best_value):  # NaN never wins; a tie (within the tolerance) keeps the earlier site
             continue
         if _room(plan_free, site, col[site], first, now_hours, need, reserve[site], kept, near):
             best_value = value
@@ -232,7 +261,8 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
     included, and -1, 0). A site that is not ``ok`` cannot be checked by the plan: it is allowed, valued 0.
     The best start anywhere is :func:`cheapest_fitting_now`'s (``other``, ``at``: the caller's, computed once
     for all the sites it tries; ``at`` -2 where not yet computed, when this computes it) when there is more
-    than one feasible site, taken over this one's only where lower (a tie: the lower index).
+    than one feasible site, taken over this one's only where lower (a tie, within the tolerance of
+    :func:`_lower`: the lower index).
 
     Where the plan has no room: (False, inf, inf, -1, why, hour), for the explanation: ``why`` 0 where the
     run itself does not fit, from ``hour`` on (the first hour of ``[first, now_hours)`` short of ``need``;
@@ -274,8 +304,8 @@ def start_now(site: int, column: int, rate: float, ok: np.ndarray, feasible: np.
         if at == -2:
             other, at = cheapest_fitting_now(feasible, ok, per_gpu, need, d_h, into_h, forecast, cum, carbon,
                                              plan_free, col, reserve, kept, near, first, now_hours, kept_price)
-        # min((other, at), (value, site)) as Python compares tuples
-        if at >= 0 and not (value < other or (value == other and site < at)):
+        # min((other, at), (value, site)) as Python compares tuples, values within the tie tolerance equal
+        if at >= 0 and not (_lower(value, other) or (not _lower(other, value) and site < at)):
             best_value, best_site = other, at
     if soft and ok[site] and taken > 0.0 and best_site != site:
         return False, np.inf, np.inf, -1, 1, 0  # it takes priced room where a start elsewhere costs less
@@ -401,7 +431,8 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
     checked); (inf, 0, 0, 0, inf) when none has.
     The candidates are the ``ok`` sites whose lower bound (the run at ``cleanest``, each site's cleanest
     forecast hour ahead, or its price) is below ``threshold``, visited from the lowest bound up in batches;
-    within a batch, a site whose bound is above the best start found so far is passed over. ``penalty``
+    within a batch, a site whose bound is above the best start found so far is passed over. Values within the
+    tie tolerance (:func:`_lower`) are equal: the earlier hour wins, then the lower site index. ``penalty``
     (float64[last_slot + 1], or empty: none) is added to the value of a start at hour ``k``: the price of the
     risk it adds to the deadline (policies.runtime_risk); at least 0, so the lower bounds still hold. With a
     finite ``kept_price`` the room kept for latency-bound jobs is not a bar: a start pays ``kept_price`` per
@@ -426,15 +457,17 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
     part = d_h - full_hours
     priced = penalty.shape[0] > last_slot
     for lo in range(0, n, BATCH):
-        if floor_value[candidates[lo]] > best_value:
+        # (a site whose bound is within the tie tolerance of the best may still tie it at an earlier hour)
+        if _lower(best_value, floor_value[candidates[lo]]):
             break
         sites = np.sort(candidates[lo:lo + BATCH])
-        # The batch's least (value, slot, site): the earliest hour wins a tie, then the lower site index.
+        # The batch's least (value, slot, site): the earliest hour wins a tie (values within the tolerance of
+        # _lower), then the lower site index.
         b_value, b_slot, b_site, b_col, b_pure = np.inf, 0, 0, 0, np.inf
         found = False
         for i in range(sites.shape[0]):
             site = sites[i]
-            if floor_value[site] > best_value or (found and floor_value[site] > b_value):
+            if _lower(best_value, floor_value[site]) or (found and _lower(b_value, floor_value[site])):
                 continue  # every start here is worth more than one found already (its bound is above it)
             c = col[site]
             bar = _bar(need, reserve[site])
@@ -467,11 +500,12 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
                     value = value + kept_price * (taken[whole_end] - taken[k])
                     if part > 0.0 and whole_end < span:
                         value = value + kept_price * part * (taken[whole_end + 1] - taken[whole_end])
-                if (not found or value < b_value or (value == b_value and (k < b_slot or (k == b_slot and site < b_site)))):
+                if (not found or _lower(value, b_value)
+                        or (not _lower(b_value, value) and (k < b_slot or (k == b_slot and site < b_site)))):
                     if value == value:  # NaN never wins (np.argmin would pick it; the plan's values are finite)
                         b_value, b_slot, b_site, b_col, b_pure = value, k, site, c, pure
                         found = True
-        if found and (b_value < best_value or (b_value == best_value and (
+        if found and (_lower(b_value, best_value) or (not _lower(best_value, b_value) and (
                 b_slot < best_slot or (b_slot == best_slot and b_site < best_site)))):
             best_value, best_slot, best_site, best_col, best_pure = b_value, b_slot, b_site, b_col, b_pure
     return best_value, best_slot, best_site, best_col, best_pure

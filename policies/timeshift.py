@@ -62,8 +62,10 @@ The search (:func:`plan`)
     The job is deferred to the best later (site, hour) when that is at least ``min_saving`` (a fraction)
     and ``min_saving_abs`` (kg CO2e or USD) below starting now: every deferral risks the deadline a little
     (the estimate may be short), which a job's few grams are not worth; with no room now, to the best later start with room (a reservation, so it is not
-    overtaken); otherwise it starts now. Ties go to the earlier hour, then the first site by name (values
-    equal to the bit: equally clean hours whose values differ by rounding are not ties; README, Evidence).
+    overtaken); otherwise it starts now. Ties go to the earlier hour, then the first site by name: values
+    within a billionth of each other (``policies._shift_search.TIE_REL``, plus ``TIE_ABS`` near 0) are ties,
+    so two hours the forecast makes equally clean, whose values differ by rounding, go to the earlier; and a
+    later start no lower than starting now by more than that is not taken over it, whatever ``min_saving``.
 
 Units: times are POSIX seconds or aware datetimes, hours are whole UTC hours, capacity is GPUs (a
 fractional job holds ``milli / 1000`` of one). Turning it off: a profile without ``shift`` (or ``fast``)
@@ -714,7 +716,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
         last_slot, run_hours, min(hours, last_slot + run_hours), penalty, kept_price)
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
-    if math.isfinite(value) and value < threshold:
+    # (a later start only as good as starting now, within the tie tolerance, is not worth a wait: min_saving 0)
+    if math.isfinite(value) and value < threshold and _search.lower(value, anywhere_now):
         return Deferral(
             request=req, site=site, model=best_col, slot=slot,
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,

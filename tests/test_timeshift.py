@@ -854,3 +854,52 @@ async def test_a_deferred_job_decided_again_hour_after_hour_leaves_no_pile_of_ol
         await clock.advance(3600)
     assert deferred_h >= 4  # (a new signature each of those hours)
     assert max(sizes) <= 3, sizes
+# A day of hourly intensities whose cleanest four hours are its 6th to 9th (22.9-28.3 g/kWh), repeated as a
+# forecast repeats the zone's mean day past its model's hours: the same window a day later is as clean, but
+# its value, a difference of running sums, comes out a few bits lower (0.32511999999999974 kg against
+# 0.32512000000000013 for 8 A100s), as does the same window after another first hour (450.25 g/kWh, not 400).
+DAY = [74.5, 80.7, 168.4, 45.6, 132.0, 22.9, 28.3, 24.2, 26.2, 141.8, 125.6, 55.5, 103.5, 143.8, 101.9, 137.6,
+       194.5, 146.1, 96.6, 61.8, 88.8, 116.9, 181.5, 161.8]
+
+
+@pytest.mark.parametrize(("case", "rows", "tied"), [
+    ("an hour a day later, as clean, does not win by rounding", [[400.0] + DAY * 2], [(6, 0), (30, 0)]),
+    ("a site further down the list, as clean at the same hour, does not win by rounding",
+     [[400.0] + DAY + [600.0] * 24, [450.25] + DAY + [600.0] * 24], [(6, 0), (6, 1)]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_starts_whose_values_differ_by_rounding_alone_go_to_the_earlier_hour_then_the_first_site(
+        case, rows, tied) -> None:
+    """search_later: of two starts (hour, site) as clean but for rounding, the later one a few bits lower,
+    the earlier hour wins, then the first site, as the search's rule says."""
+    from policies import _shift_search as search
+    from policies.snapshot import running_sums
+    from policies.timeshift import _cleanest_ahead
+
+    forecast = np.array(rows)
+    cum = running_sums(forecast)
+    n, hours = forecast.shape
+    kw = np.full(n, TDP_KW[A100])
+    values = {(k, s): 8 * kw[s] * (cum[s, k + 4] - cum[s, k]) / 1000.0 for k, s in tied}
+    assert values[tied[1]] < values[tied[0]] < values[tied[1]] + 1e-15  # the later a few bits lower: rounding
+    value, slot, site, _, _ = search.search_later(
+        np.ones(n, dtype=bool), _cleanest_ahead(forecast), math.inf, kw, 8.0, 4.0, forecast, cum, True,
+        np.full((n, len(TDP_KW), hours), 8.0, dtype=np.float32), np.full(n, A100, dtype=np.int64),
+        np.zeros(n, dtype=np.float32), np.zeros((0, 0), dtype=np.float32), np.zeros((0, 0, 0)), hours - 5, 4,
+        hours, np.zeros(0), math.inf)
+    assert (slot, site) == tied[0], case
+    assert value == values[tied[0]]
+
+
+def test_balanced_does_not_defer_a_job_a_day_longer_for_an_hour_as_clean_but_for_rounding() -> None:
+    """The demo's case: ``balanced`` deferred an 8×A100 4 h job to toronto 25 h away (0.04307199999999994 kg)
+    rather than 1.3 h away (0.043072000000000006): a day's wait for 6e-17 kg. Toronto's forecast here repeats
+    its day, whose cleanest four hours come again a day later, a few bits lower: the job waits for the first."""
+    from policies.profiles import profile_pipeline
+
+    dirty = [600.0] * 48
+    snap = snapshot(NOON, {"toronto": [400.0] + DAY + DAY[:23], "ashburn": dirty, "frankfurt": dirty,
+                           "sydney": dirty})
+    outcome = decide(profile_pipeline("balanced"), request(hours=4.0, slack_h=40.0, count=8), snap)
+    assert isinstance(outcome, Deferral)
+    assert (snap.sites[outcome.site], outcome.start) == ("toronto", datetime(2022, 6, 10, 18, tzinfo=UTC))
+    assert outcome.value_then == pytest.approx(8 * TDP_KW[A100] * sum(DAY[5:9]) / 1000.0)

@@ -1,7 +1,9 @@
 """The compiled time-shift search (``policies._shift_search``) decides exactly as the NumPy code it replaced.
 
 The reference below is :func:`policies.timeshift.plan` as it was before its two loops were compiled (as of
-commit 7dd3aaf), with the helpers it used then. Streams of distinct flexible requests are decided, one at
+commit 7dd3aaf), with the helpers it used then, and with the rule for ties its docstring states since made
+exact: values within the tie tolerance (``policies._shift_search.TIE_REL``) are equal, and the earlier hour,
+then the lower site index, wins. Streams of distinct flexible requests are decided, one at
 a time, on seeded federations with a plan already partly booked (some hours short of room), forecasts
 that vary by site and hour, shared and whole GPUs, headroom and both objectives; every outcome is applied
 to the snapshot before the next request (a placement assumed, a deferral debited from the plan), so later
@@ -47,6 +49,20 @@ def _moved(placement: Placement, snap: Snapshot, site: int) -> Placement:
 
 _BATCH = 32
 _EPS = 1e-6
+
+
+def _lower(a: float, b: float) -> bool:
+    """``a`` below ``b`` by more than the tie tolerance: a billionth of the larger magnitude, plus 1e-12."""
+    if not a < b:
+        return False
+    return b == math.inf or b - a > 1e-9 * max(abs(a), abs(b)) + 1e-12
+
+
+def _least(values: list[tuple[float, int, int]]) -> tuple[float, int, int]:
+    """The least (value, hour, site), values within the tie tolerance of the least equal: of those, the earliest
+    hour, then the lowest site."""
+    least = min(value for value, _, _ in values)
+    return min((item for item in values if not _lower(least, item[0])), key=lambda item: item[1:])
 
 
 def _integral(cum: np.ndarray, forecast: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -143,11 +159,11 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
     if now_site >= 0 and placement.feasible.size > 1:
         feasible = placement.feasible
         now_values = _values_now(feasible, per_gpu[feasible], need, d_h, into_h, forecast, cum, policy.objective)
-        for site in feasible[np.argsort(now_values, kind="stable")]:
-            site = int(site)
-            if ok[site] and fits_now(site):
-                anywhere_now, anywhere_site = min((value_now(site), site), (best_now, now_site))
-                break
+        fitting = [(float(now_values[k]), k, site) for k, site in enumerate(feasible.tolist())
+                   if ok[site] and fits_now(site)]
+        if fitting:  # the least start now that fits (ties: the earlier in feasible), against the one chosen
+            _, _, other = _least(fitting)
+            anywhere_now, _, anywhere_site = _least([(value_now(other), 0, other), (best_now, 0, now_site)])
     threshold = anywhere_now * (1.0 - policy.min_saving) - 1e-12
 
     # Later starts, at the sites that could beat the threshold at all (a lower bound: the run at the
@@ -170,7 +186,7 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
     best_col = 0
     best_pure = math.inf
     for lo in range(0, candidates.size, _BATCH):
-        if floor_value[candidates[lo]] > best[0]:
+        if _lower(best[0], floor_value[candidates[lo]]):
             break
         sites = np.sort(candidates[lo:lo + _BATCH])
         cols = col[sites]
@@ -190,17 +206,20 @@ def reference_plan(req: JobRequest, snap: Snapshot, placement: Placement, policy
         if penalty.size:  # (added since 7dd3aaf) the priced risk to the deadline of each later start
             then = then + penalty[ks][None, :]
         masked = np.where(fits_later, then, np.inf)
-        flat = int(np.argmin(masked.T))  # k-major: the earliest hour wins a tie, then the first site
-        k, i = divmod(flat, sites.size)
-        found = (float(masked[i, k]), int(ks[k]), int(sites[i]))
-        if found < best:
+        at = {(int(ks[k]), int(sites[i])): (i, k) for i, k in zip(*np.nonzero(np.isfinite(masked)), strict=True)}
+        if not at:
+            continue
+        # the earliest hour wins a tie (values within the tolerance), then the first site
+        found = _least([(float(masked[i, k]), slot, site) for (slot, site), (i, k) in at.items()])
+        if found == _least([found, best]):
             best = found
+            i, k = at[found[1:]]
             best_col = int(cols[i])
             best_pure = float(pure[i, k])
     value, slot, site = best
     if now_site >= 0 and math.isfinite(value) and anywhere_now - value < policy.min_saving_abs:
         value = math.inf  # too little saved for the risk a wait puts on the deadline: start now
-    if math.isfinite(value) and value < threshold:
+    if math.isfinite(value) and value < threshold and _lower(value, anywhere_now):
         return Deferral(
             request=req, site=site, model=best_col, slot=slot,
             start=datetime.fromtimestamp(hour0 + slot * HOUR_S, tz=UTC), objective=policy.objective,
