@@ -464,6 +464,7 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
         # The batch's least (value, slot, site): the earliest hour wins a tie (values within the tolerance of
         # _lower), then the lower site index.
         b_value, b_slot, b_site, b_col, b_pure = np.inf, 0, 0, 0, np.inf
+        b_above = np.inf  # every value above this is above b_value by more than the tie tolerance (a cheap test)
         found = False
         for i in range(sites.shape[0]):
             site = sites[i]
@@ -500,10 +501,13 @@ def search_later(ok: np.ndarray, cleanest: np.ndarray, threshold: float, per_gpu
                     value = value + kept_price * (taken[whole_end] - taken[k])
                     if part > 0.0 and whole_end < span:
                         value = value + kept_price * part * (taken[whole_end + 1] - taken[whole_end])
+                if value > b_above:
+                    continue  # (the common case: no better, and no tie)
                 if (not found or _lower(value, b_value)
                         or (not _lower(b_value, value) and (k < b_slot or (k == b_slot and site < b_site)))):
                     if value == value:  # NaN never wins (np.argmin would pick it; the plan's values are finite)
                         b_value, b_slot, b_site, b_col, b_pure = value, k, site, c, pure
+                        b_above = value + 2.0 * (TIE_REL * abs(value) + TIE_ABS)
                         found = True
         if found and (_lower(b_value, best_value) or (not _lower(best_value, b_value) and (
                 b_slot < best_slot or (b_slot == best_slot and b_site < best_site)))):
