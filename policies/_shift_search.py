@@ -214,8 +214,8 @@ def cheapest_fitting_now(feasible: np.ndarray, ok: np.ndarray, per_gpu: np.ndarr
                          plan_free: np.ndarray, col: np.ndarray, reserve: np.ndarray, kept: np.ndarray,
                          near: np.ndarray, first: int, now_hours: int, kept_price: float) -> tuple[float, int]:
     """(value, site) of the first site of ``feasible`` in ascending order of its value now (a stable
-    order; values within the tie tolerance, :func:`_lower`, are equal) that is ``ok`` and whose plan column has room for ``need`` plus its ``reserve`` in hours
-    ``[first, now_hours)``; (inf, -1) when none has. With a finite ``kept_price`` the room kept for
+    order; values within the tie tolerance, :func:`_lower`, are equal) that is ``ok`` and whose plan column
+    has room for ``need`` plus its ``reserve`` in hours ``[first, now_hours)``; (inf, -1) when none has. With a finite ``kept_price`` the room kept for
     latency-bound jobs is not a bar: a start that takes some of it pays ``kept_price`` per GPU-hour taken
     (:func:`_taken`), added to its value."""
     soft = kept.shape[0] > 0 and kept_price < np.inf

@@ -854,6 +854,8 @@ async def test_a_deferred_job_decided_again_hour_after_hour_leaves_no_pile_of_ol
         await clock.advance(3600)
     assert deferred_h >= 4  # (a new signature each of those hours)
     assert max(sizes) <= 3, sizes
+
+
 # A day of hourly intensities whose cleanest four hours are its 6th to 9th (22.9-28.3 g/kWh), repeated as a
 # forecast repeats the zone's mean day past its model's hours: the same window a day later is as clean, but
 # its value, a difference of running sums, comes out a few bits lower (0.32511999999999974 kg against
