@@ -33,7 +33,8 @@
   ``backoffLimit: 0`` (the broker retries) and a ``podFailurePolicy`` that fails it at once when the cluster
   disrupts its Pod, its GPUs as container limits, a node affinity on the product labels of
   the chosen model, the configured ``tolerations`` and ``node_selector``, for a checkpointable job
-  ``terminationGracePeriodSeconds`` = ``stop_wait_s`` (the time a stop waits for it to write its checkpoint), labelled with the site, job id, attempt
+  ``terminationGracePeriodSeconds`` a little under ``stop_wait_s``, the time a stop waits for it to write its
+  checkpoint (less 10 % of it or 5 s, whichever is smaller, at least 1 s: ``grace_period_s``), labelled with the site, job id, attempt
   and tenant. A repeated dispatch of the same attempt finds the existing Job (create answers 409) and admits it
   once. Cancel deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job with
@@ -99,6 +100,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -174,6 +176,9 @@ AFTER_STOP_GRACE_S = 60.0
 # ... and this long to create the Pod of a Job whose Pods it refused meanwhile (the site's own ResourceQuota, full
 # until the victims' Pods have gone): the Job controller tries again with a back-off of up to 6 minutes.
 PODLESS_AFTER_STOP_GRACE_S = 360.0
+# A checkpointable Pod's grace period ends this much before the stop's wait (``grace_period_s``): 10 % of it, at
+# most 5 s, time for the delete to reach the kubelet.
+GRACE_MARGIN, GRACE_MARGIN_S = 0.1, 5.0
 UNPLACED_RECHECK_S = 30.0  # the longest a waiting Pod's deadline sleeps before it looks again
 # The Job fails at once when the cluster disrupts its Pod (an eviction, a drain, its Node lost, the scheduler's
 # preemption), with this rule's reason in its Failed condition: the adapter reports such a failure ``lost``.
@@ -196,6 +201,15 @@ def job_name(job_id: str, attempt: int) -> str:
     slug = re.sub(r"[^a-z0-9-]", "-", job_id.lower()).strip("-")[:36].strip("-")
     digest = hashlib.sha256(job_id.encode()).hexdigest()[:8]
     return f"h-{slug}-{digest}-{attempt}" if slug else f"h-{digest}-{attempt}"
+
+
+def grace_period_s(stop_wait_s: float) -> int:
+    """A checkpointable job's ``terminationGracePeriodSeconds``: strictly inside the stop's wait, which starts at
+    the Job's delete, a little before the kubelet's SIGTERM (the Job controller and the kubelet see the delete
+    later): ``stop_wait_s`` less ``GRACE_MARGIN`` of it or ``GRACE_MARGIN_S``, whichever is smaller, rounded
+    down, so the kubelet's SIGKILL comes before the stop is reported; at least 1 s (0 would kill at once)."""
+    margin = min(stop_wait_s * GRACE_MARGIN, GRACE_MARGIN_S)
+    return max(1, math.floor(stop_wait_s - margin))
 
 
 def gpu_resources(req: GpuRequest) -> dict[str, str]:
@@ -806,7 +820,7 @@ class KubernetesSite:
         if job.spec.checkpointable:
             # A stop waits up to stop_wait_s for its Pods to write their checkpoint and go: the kubelet's
             # default of 30 s killed a checkpoint being written, while the broker kept the run as saved.
-            pod_spec["terminationGracePeriodSeconds"] = int(self.config.stop_wait_s)
+            pod_spec["terminationGracePeriodSeconds"] = grace_period_s(self.config.stop_wait_s)
         if self.config.tolerations:
             pod_spec["tolerations"] = [t.manifest() for t in self.config.tolerations]
         if self.config.node_selector:

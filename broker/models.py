@@ -435,8 +435,9 @@ class KubernetesAdapterConfig(Spec):
     stop_wait_s: float = Field(
         default=300.0, gt=0, le=3600,
         description="a job the broker stops to move it, or the site preempts for its quotas, is reported stopped "
-                    "once its Pods are gone, or after this long (a checkpointable job's Pod has this as its "
-                    "terminationGracePeriodSeconds, in which it writes its checkpoint)")
+                    "once its Pods are gone, or after this long (a checkpointable job's Pod has this less 10 % or 5 s, "
+                    "whichever is smaller, at least 1 s, as its terminationGracePeriodSeconds, in which it writes "
+                    "its checkpoint)")
     unschedulable_after_s: float | None = Field(
         default=UNSCHEDULABLE_AFTER_S, ge=0, le=86400,
         description="an attempt whose Pod the cluster's scheduler has found no room for (PodScheduled False, "

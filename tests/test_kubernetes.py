@@ -541,20 +541,26 @@ async def test_a_job_becomes_a_batch_job_with_its_gpus_labels_and_model_affinity
     assert (await kube.snapshot()).capacity[0].free_gpus == 12
 
 
-@pytest.mark.parametrize("checkpointable", [True, False],
-                         ids=["a checkpointable job's Pod has stop_wait_s to write its checkpoint",
-                              "another job's Pod has the cluster's default"])
+@pytest.mark.parametrize(("checkpointable", "stop_wait_s", "grace_s"), [
+    (True, 600, 595), (True, 20, 18), (True, 1.5, 1), (True, 0.5, 1), (False, 600, None)],
+    ids=["a checkpointable job's Pod has all but 5 s of stop_wait_s to write its checkpoint",
+         "or all but 10 % of a short one",
+         "a stop_wait_s of a second or two leaves it a second",
+         "a stop_wait_s under a second leaves it a second, not an immediate kill",
+         "another job's Pod has the cluster's default"])
 async def test_a_checkpointable_jobs_pod_has_as_long_to_stop_as_the_site_waits_for_it(
-        cluster: kmock.KubernetesEmulator, checkpointable: bool) -> None:
+        cluster: kmock.KubernetesEmulator, checkpointable: bool, stop_wait_s: float, grace_s: int | None) -> None:
     # A stop (a move, a preemption) deletes the Job; the kubelet sends SIGTERM, then SIGKILL after the Pod's
-    # terminationGracePeriodSeconds, 30 s unless set, while the adapter waits stop_wait_s (here 600 s) for it
-    # and the broker then keeps the run as checkpointed: a checkpoint that takes a minute was killed half-written.
-    adapter = make_site(cluster, stop_wait_s=600)
+    # terminationGracePeriodSeconds, 30 s unless set, while the adapter waits stop_wait_s for it and the broker
+    # then keeps the run as checkpointed: a checkpoint that takes a minute was killed half-written. The wait
+    # starts at the Job's delete, a little before the kubelet's SIGTERM: a grace of all of stop_wait_s let the
+    # stop be reported while the checkpoint was still being written; one of 0 (stop_wait_s < 1) killed at once.
+    adapter = make_site(cluster, stop_wait_s=stop_wait_s)
     await adapter.start()
     try:
         assert (await adapter.submit(attempt("j-1", count=8, checkpointable=checkpointable))).admitted
         pod = jobs(cluster)[("heliotrope-t1", job_name("j-1", 1))]["spec"]["template"]["spec"]
-        assert pod.get("terminationGracePeriodSeconds") == (600 if checkpointable else None)
+        assert pod.get("terminationGracePeriodSeconds") == grace_s
     finally:
         await adapter.close()
 
