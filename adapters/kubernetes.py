@@ -41,7 +41,9 @@
   a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with the Job's
   reason and how its container ended (``OOMKilled``, the exit code, which the ``podFailurePolicy`` also puts in
   the Job's reason), but ``lost`` where the cluster took the Pod away (its ``DisruptionTarget`` condition: a drain, an
-  eviction, its Node lost), which is no failure of the job's; a Pod whose container waits for what will not come
+  eviction, its Node lost), which is no failure of the job's, unless the kubelet evicted it for its own usage
+  (``own_eviction``: over its ephemeral-storage limits, or over its requests under node pressure) → ``failed``,
+  else it would be requeued and evicted again for ever; a Pod whose container waits for what will not come
   (``STUCK_REASONS``: an image that cannot be pulled, a missing Secret) → ``failed``, its Job deleted; a Pod the
   scheduler has found no room for (PodScheduled False, Unschedulable) for ``unschedulable_after_s``, counted from
   the condition's lastTransitionTime, → ``lost`` (before it ran: the broker routes the job elsewhere, no failure
@@ -103,7 +105,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -190,6 +192,32 @@ POD_FAILURE_POLICY = {"rules": [
 T = TypeVar("T")
 
 
+# The kubelet's eviction messages (pkg/kubelet/eviction/helpers.go) that blame the Pod's own usage: over its
+# ephemeral-storage limits (a container's, the Pod's total, an emptyDir's sizeLimit), or, under node pressure, a
+# container of it using more than it requested (the kubelet names only such containers).
+OWN_USAGE = re.compile(r"exceeds the total limit of containers|exceeded its local ephemeral storage limit|"
+                       r"Usage of EmptyDir volume .* exceeds the limit|Container \S+ was using \S+, request is")
+# The Job controller's message when a podFailurePolicy rule on DisruptionTarget failed the Job: the Pod's name
+DISRUPTED_POD = re.compile(r"Pod ([^/\s]+)/(\S+) has condition DisruptionTarget")
+# DisruptionTarget reasons of the cluster's own doing, whatever the message: a drain or the descheduler (the
+# Eviction API), a NoExecute taint, the scheduler preempting it for a Pod of higher priority, its Node gone.
+CLUSTER_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "DeletionByTaintManager", "PreemptionByScheduler",
+                                 "PreemptionByKubeScheduler", "DeletionByPodGC"})
+
+
+def own_eviction(reason: str | None, message: str | None) -> str | None:
+    """Where the kubelet evicted a Pod for its own usage, why (its message): the job's failure, to count against
+    its ``max_attempts`` (it would be evicted again wherever it ran); else None, a loss that is no fault of the
+    job's. The kubelet's evictions (the DisruptionTarget reason ``TerminationByKubelet``, or the Pod's status
+    reason ``Evicted`` on clusters without the condition) are decided by their message: one over the Pod's own
+    limits, or naming a container of it that used more than it requested under node pressure (heliotrope's Pods
+    request no memory or disk, so any use of the resource the node ran short of), is the job's; a node shutdown,
+    node pressure naming none of its containers, and every other reason are not."""
+    if reason in CLUSTER_DISRUPTIONS or not message:
+        return None
+    return message.strip()[:300] if OWN_USAGE.search(message) else None
+
+
 def _label_value(value: str) -> str:
     """A label value: at most 63 of [A-Za-z0-9-_.], starting and ending alphanumeric."""
     clean = re.sub(r"[^A-Za-z0-9._-]", "-", value)[:63].strip("-_.")
@@ -239,6 +267,8 @@ class _Attempt:
     orphan: bool = False  # found at start as Pods without their Job: a stop under way before this adapter
     has_job: bool = False  # its Job was made or seen: one that is gone from a list of the Jobs was deleted
     disrupted: str | None = None  # why the cluster took its Pod away (an eviction, its Node lost): not its failure
+    reading_pod: bool = False  # its Job failed as its Pod was disrupted, and the Pod is being read (whose fault?)
+    own_eviction: str | None = None  # ... unless the kubelet evicted it for its own usage (``own_eviction``): why
     exited: str | None = None  # how its container ended, where it failed (OOMKilled, its exit code)
     unschedulable: str | None = None  # the scheduler's last word on why its Pod cannot be placed (logged once each)
     # since when its Pod has been unschedulable (the condition's lastTransitionTime), while it is: withdrawn once
@@ -1200,6 +1230,44 @@ class KubernetesSite:
         self._stop_waits.add(task)
         task.add_done_callback(self._stop_waits.discard)
 
+    def _background(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._stop_waits.add(task)  # (cancelled at close)
+        task.add_done_callback(self._stop_waits.discard)
+
+    async def _read_disrupted(self, key: tuple[str, int], known: _Attempt, namespace: str, pod: str, reason: str,
+                              run_s: float) -> None:
+        """The Job failed as the cluster disrupted its Pod, whose own update has not come yet: the Pod (if it is
+        still there) says whether the kubelet evicted it for its own usage, a failure, or the cluster took it
+        away, a loss."""
+        try:
+            obj = await self._json("reading a Pod", self._core.read_namespaced_pod_without_preload_content, pod,
+                                   namespace)
+        except (k8s.ApiException, AdapterError) as e:
+            log.debug("site %s: reading Pod %s/%s failed (%r): taken as a loss", self.name, namespace, pod, e)
+            obj = {}
+        status = obj.get("status") or {}
+        why = next((c for c in status.get("conditions") or []
+                    if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), status)
+        if known.own_eviction is None and known.disrupted is None:
+            known.own_eviction = own_eviction(why.get("reason"), why.get("message") or status.get("message"))
+        self._disrupted(key, known, run_s, reason)
+
+    def _disrupted(self, key: tuple[str, int], known: _Attempt, run_s: float, reason: str) -> None:
+        """Its Pod was disrupted: by the kubelet for its own usage, a failed attempt (an eviction as much the job's
+        as an OOMKill: as a loss it would be requeued and evicted again for ever); else by the cluster (a drain,
+        a taint, the scheduler's preemption, its Node lost or short of what others use), a loss, no failure of
+        the job's."""
+        now = self._clock.now()
+        if not self._finish(key):
+            return
+        if known.own_eviction is not None:
+            self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, run_s=run_s, reason=(
+                f"the kubelet evicted its Pod for its own usage ({known.own_eviction})")))
+        else:
+            self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, run_s=run_s, reason=(
+                f"the cluster took its Pod away ({known.disrupted or reason})")))
+
     def _gone(self, key: tuple[str, int], namespace: str, name: str) -> None:
         """An attempt's Job was deleted, not by heliotrope: ``lost``."""
         known = self._attempts.get(key)
@@ -1244,6 +1312,7 @@ class KubernetesSite:
             if disruption is not None or status.get("reason") == "Evicted":
                 why = disruption or status
                 known.disrupted = ": ".join(x for x in (why.get("reason"), why.get("message")) if x) or "disrupted"
+                known.own_eviction = own_eviction(why.get("reason"), why.get("message") or status.get("message"))
             unplaced = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"
                              and c.get("status") == "False" and c.get("reason") == "Unschedulable"), None)
             if unplaced is not None and unplaced.get("message") != known.unschedulable:
@@ -1281,12 +1350,16 @@ class KubernetesSite:
             reason = ": ".join(x for x in (failed.get("reason"), failed.get("message")) if x) or "the Job's Pod failed"
             if known.exited is not None:
                 reason = f"its container ended {known.exited} ({reason})"
-            if known.disrupted is not None or (failed.get("reason") == "PodFailurePolicy"
-                                               and "DisruptionTarget" in (failed.get("message") or "")):
-                # not the job's failure (a drain, an eviction, its Node lost): no failed attempt of its own
-                if self._finish(key):
-                    self._events.put_nowait(JobEvent(key[0], key[1], EventKind.LOST, now, run_s=run_s, reason=(
-                        f"the cluster took its Pod away ({known.disrupted or reason})")))
+            pod = DISRUPTED_POD.search(failed.get("message") or "")
+            if known.disrupted is None and pod is not None:
+                # the Job's failure came before its Pod's: the Pod says whose fault it was (read it first)
+                if not known.reading_pod:
+                    known.reading_pod = True
+                    self._background(self._read_disrupted(key, known, pod[1], pod[2], reason, run_s),
+                                     f"k8s-disrupted-{key[0]}")
+            elif known.disrupted is not None or (failed.get("reason") == "PodFailurePolicy"
+                                                 and "DisruptionTarget" in (failed.get("message") or "")):
+                self._disrupted(key, known, run_s, reason)
             elif self._finish(key):
                 self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, reason=reason, run_s=run_s))
         elif event.get("type") == "DELETED" and key not in self._withdrawn:

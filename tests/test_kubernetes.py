@@ -840,6 +840,72 @@ async def test_a_pod_the_cluster_takes_away_is_lost_not_a_failed_attempt(
     assert (await kube.snapshot()).capacity[0].free_gpus == 16
 
 
+def evicted(reason: str | None, message: str) -> dict[str, Any]:
+    """A Pod's status as the kubelet (``reason`` TerminationByKubelet) or the cluster leaves it when it takes the
+    Pod away: phase Failed, the DisruptionTarget condition (none where ``reason`` is None: an older cluster, whose
+    kubelet sets the status reason ``Evicted`` only)."""
+    status: dict[str, Any] = {"phase": "Failed", "message": message}
+    if reason is None:
+        return status | {"reason": "Evicted"}
+    return status | {"reason": "Evicted" if reason == "TerminationByKubelet" else None, "conditions": [
+        {"type": "DisruptionTarget", "status": "True", "reason": reason, "message": message}]}
+
+
+@pytest.mark.parametrize(("reason", "message"), [
+    ("TerminationByKubelet", "Pod ephemeral local storage usage exceeds the total limit of containers 10Gi. "),
+    ("TerminationByKubelet", 'Container job exceeded its local ephemeral storage limit "10Gi". '),
+    (None, 'Usage of EmptyDir volume "scratch" exceeds the limit "1Gi". '),
+    ("TerminationByKubelet", "The node was low on resource: memory. Threshold quantity: 100Mi, available: 50Mi. "
+                             "Container job was using 250Gi, request is 0, has larger consumption of memory. "),
+], ids=["over its Pod's ephemeral-storage limit", "over its container's ephemeral-storage limit",
+        "over its emptyDir's size limit (a cluster without DisruptionTarget)",
+        "its container using memory it did not request while the node ran short"])
+@pytest.mark.parametrize("pod_first", [True, False],
+                         ids=["the Pod's eviction arrives first", "the Job's failure arrives before its Pod's"])
+async def test_a_pod_the_kubelet_evicts_for_its_own_usage_is_a_failed_attempt(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, reason: str | None, message: str,
+        pod_first: bool) -> None:
+    # Reported lost, such a job was requeued, ran out of its disk or memory again, was evicted again, and so on
+    # for ever: a loss never counts against max_attempts. It is the job's doing, as an OOMKill is.
+    stream = kube.events()
+    name = await j1_running(kube, stream, cluster)
+    if pod_first:
+        await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": evicted(
+            reason, message)})
+        await asyncio.sleep(0.1)
+    else:  # (the Pod's update is in the cluster, but the Pods' watch has not brought it yet)
+        cluster.objects[PODS, "heliotrope-t1", f"{name}-abc"]["status"] = evicted(reason, message)
+    await job_failed_for(cluster, name, "DisruptionTarget")
+    failed = await next_event(kube, stream)
+    assert (failed.job_id, failed.kind) == ("j-1", EventKind.FAILED)
+    assert failed.reason == f"the kubelet evicted its Pod for its own usage ({message.strip()})"
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
+
+
+@pytest.mark.parametrize(("reason", "message"), [
+    ("EvictionByEvictionAPI", "Eviction API: evicting"),
+    ("DeletionByTaintManager", "Taint manager: deleting due to NoExecute taint"),
+    ("PreemptionByScheduler", "default-scheduler: preempting to accommodate a higher priority pod"),
+    ("DeletionByPodGC", "PodGC: node no longer exists"),
+    ("TerminationByKubelet", "Pod was terminated in response to imminent node shutdown."),
+    ("TerminationByKubelet", "The node was low on resource: memory. Threshold quantity: 100Mi, available: 50Mi. "),
+    # (a drain of a node whose own kubelet had named the Pod's usage earlier is still the drain's)
+    ("EvictionByEvictionAPI", "Container job was using 250Gi, request is 0, has larger consumption of memory."),
+], ids=["a drain", "a NoExecute taint", "the scheduler's preemption", "its Node gone", "a node shutdown",
+        "node pressure naming none of its containers", "the Eviction API, whatever its message"])
+async def test_a_pod_the_cluster_evicts_for_its_own_reasons_stays_lost(
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, reason: str, message: str) -> None:
+    stream = kube.events()
+    name = await j1_running(kube, stream, cluster)
+    await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"status": evicted(
+        reason, message)})
+    await asyncio.sleep(0.1)
+    await job_failed_for(cluster, name, "DisruptionTarget")
+    lost = await next_event(kube, stream)
+    assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
+    assert lost.reason == f"the cluster took its Pod away ({reason}: {message})"
+
+
 @pytest.mark.parametrize("pod_first", [True, False],
                          ids=["the Pod's end arrives first", "the Job's failure arrives before its Pod's"])
 async def test_a_job_whose_pod_fails_on_its_own_is_a_failed_attempt_that_says_how(
