@@ -44,7 +44,9 @@
   eviction, its Node lost), which is no failure of the job's, unless the kubelet evicted it for its own usage
   (``own_eviction``: over its ephemeral-storage limits, or over its requests under node pressure) → ``failed``,
   else it would be requeued and evicted again for ever; a Pod whose container waits for what will not come
-  (``STUCK_REASONS``: an image that cannot be pulled, a missing Secret) → ``failed``, its Job deleted; a Pod the
+  (``NEVER_STARTS``: an image name that is none, or never pulled) → ``failed`` at once, its Job deleted, and so
+  one that waits for what may yet come (``STUCK_AFTER``: an image pull failing, a missing Secret) once it has
+  waited ``unschedulable_after_s`` from its Pod's startTime (0 or None: it waits); a Pod the
   scheduler has found no room for (PodScheduled False, Unschedulable) for ``unschedulable_after_s``, counted from
   the condition's lastTransitionTime, → ``lost`` (before it ran: the broker routes the job elsewhere, no failure
   of the job's), its Job deleted, but not while Pods of a stop here are still going (a preemption making room for
@@ -170,8 +172,12 @@ QUOTA_NAME = "heliotrope-gpus"
 TOMBSTONE_TTL_S = 3600.0
 TOKEN_FILE_REREAD_S = 60.0  # a kubeconfig's tokenFile is read again this often (client-go: a minute)
 # A container waiting for one of these will not start without someone changing the image or the Pod's config
-# (the kubelet retries for ever, the Job waits for ever): the attempt fails, its Job is deleted.
-STUCK_REASONS = frozenset({"ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"})
+# (the kubelet retries for ever, the Job waits for ever): the attempt fails at once, its Job is deleted.
+NEVER_STARTS = frozenset({"ErrImageNeverPull", "InvalidImageName"})
+# ... and for one of these, once it has lasted ``unschedulable_after_s`` from the Pod's startTime: a registry's
+# outage or rate limit, a Secret or ConfigMap made just after the Pod, pass, and the kubelet's retries start it.
+STUCK_AFTER = frozenset({"ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError"})
+STUCK_REASONS = NEVER_STARTS | STUCK_AFTER
 # After a stop's Pods have gone (a preemption making room), the scheduler is given this long to place a Pod that
 # waited for their GPUs before ``unschedulable_after_s`` may withdraw it (it retries such Pods within seconds).
 AFTER_STOP_GRACE_S = 60.0
@@ -274,6 +280,10 @@ class _Attempt:
     # since when its Pod has been unschedulable (the condition's lastTransitionTime), while it is: withdrawn once
     # that is ``unschedulable_after_s`` ago (``_unplaced_deadline``)
     unplaced_since: datetime | None = None
+    # since when its container has been waiting for one of ``STUCK_AFTER`` (its Pod's startTime), while it is, and
+    # the kubelet's last word on it: the attempt fails once that is ``unschedulable_after_s`` ago
+    stuck_since: datetime | None = None
+    stuck: str | None = None
     had_pod: bool = False  # a Pod of its Job was seen (else, once its Job is that old, the cluster refuses them)
     created: datetime | None = None  # its Job's creationTimestamp (or when this adapter first saw the Job)
 
@@ -1118,7 +1128,7 @@ class KubernetesSite:
                 if kind == "pods":
                     known.pods &= listed.get(key, set())
                     if not known.pods:
-                        known.unplaced_since = None  # (its Pod went while no watch ran)
+                        known.unplaced_since = known.stuck_since = None  # (its Pod went while no watch ran)
                     if known.stopping is not None and not known.pods:
                         self._stopped(key)  # its last Pod went while no watch ran
                 elif (key not in listed and known.has_job and known.stopping is None and not known.orphan
@@ -1129,15 +1139,17 @@ class KubernetesSite:
             if kind == "pods":
                 self._pods_listed = True
 
-    def _stuck(self, key: tuple[str, int], known: _Attempt, why: str) -> None:
-        """Its Pod cannot start (its image cannot be pulled, its config refers to what is not there): the attempt
-        fails now, rather than hold its GPUs while the kubelet retries for ever, and its Job is deleted."""
+    def _stuck(self, key: tuple[str, int], known: _Attempt, why: str, waited_s: float | None = None) -> None:
+        """Its Pod cannot start (its image cannot be pulled, its config refers to what is not there; ``waited_s``:
+        for that long, of a cause that may pass): the attempt fails, rather than hold its GPUs while the kubelet
+        retries for ever, and its Job is deleted."""
         if not self._finish(key):
             return
         now = self._clock.now()
         self._withdrawn[key] = now
+        waited = f" for {waited_s:.0f} s" if waited_s is not None else ""
         self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, reason=(
-            f"its Pod cannot start ({why}); check adapter.image and the Pod's configuration")))
+            f"its Pod cannot start{waited} ({why}); check adapter.image and the Pod's configuration")))
         self._delete_later(key, known, "it stays, waiting")
 
     def _follow_unplaced(self, key: tuple[str, int], known: _Attempt, unplaced: dict[str, Any] | None,
@@ -1178,21 +1190,25 @@ class KubernetesSite:
             known = self._attempts.get(key)
             if known is None or known.done or known.stopping is not None or key in self._withdrawn:
                 return
-            podless = known.unplaced_since is None and not known.had_pod and known.created is not None
-            since = known.unplaced_since if not podless else known.created
+            stuck = known.stuck_since is not None and known.stuck is not None  # (its Pod was placed)
+            podless = not stuck and known.unplaced_since is None and not known.had_pod and known.created is not None
+            since = known.stuck_since if stuck else known.unplaced_since if not podless else known.created
             if since is None:
-                return  # placed (its Pod scheduled), or gone
+                return  # placed (its Pod scheduled) and starting, or gone
             now = self._clock.now()
             due = since + after
-            if self._stop_ended is not None:
+            if self._stop_ended is not None and not stuck:
                 grace_s = PODLESS_AFTER_STOP_GRACE_S if podless else AFTER_STOP_GRACE_S
                 due = max(due, self._stop_ended + timedelta(seconds=grace_s))
             wait_s = (due - now).total_seconds()
-            if any(a.stopping is not None and not a.done for a in self._attempts.values()) or (
-                    podless and not self._pods_listed):
+            if not stuck and (any(a.stopping is not None and not a.done for a in self._attempts.values()) or (
+                    podless and not self._pods_listed)):
                 wait_s = max(wait_s, 1.0)  # (look again soon: the stop may end, the Pods be listed, any moment)
             if wait_s <= 0:
-                self._unplaceable(key, known, pod, (now - since).total_seconds(), podless)
+                if stuck:
+                    self._stuck(key, known, known.stuck or "", (now - since).total_seconds())
+                else:
+                    self._unplaceable(key, known, pod, (now - since).total_seconds(), podless)
                 return
             await asyncio.sleep(min(wait_s, UNPLACED_RECHECK_S))
 
@@ -1299,7 +1315,7 @@ class KubernetesSite:
             if event.get("type") == "DELETED":
                 known.pods.discard(meta.get("name", ""))
                 if not known.pods:
-                    known.unplaced_since = None  # (a Pod of its Job made again starts afresh)
+                    known.unplaced_since = known.stuck_since = None  # (a Pod of its Job made again starts afresh)
                 if known.stopping is not None and not known.pods:
                     self._stopped(key)  # its last Pod has exited: stopped, as the broker asked
                 return
@@ -1334,8 +1350,17 @@ class KubernetesSite:
                                       *(status.get("containerStatuses") or []))
                           if (w := (c.get("state") or {}).get("waiting") or {}).get("reason") in STUCK_REASONS), None)
             if stuck is not None and known.stopping is None and key not in self._withdrawn:
-                self._stuck(key, known, ": ".join(x for x in (stuck.get("reason"), stuck.get("message")) if x))
-                return
+                why = ": ".join(x for x in (stuck.get("reason"), stuck.get("message")) if x)
+                if stuck.get("reason") in NEVER_STARTS:
+                    self._stuck(key, known, why)
+                    return
+                known.stuck = why
+                if known.stuck_since is None:  # (from the Pod's startTime: the same after a watch reconnects)
+                    at = _timestamp(status.get("startTime"))
+                    known.stuck_since = datetime.fromtimestamp(at, tz=UTC) if at is not None else now
+                    self._arm_unplaced(key, known, meta.get("name", ""), fresh=True)
+            else:
+                known.stuck_since = None
             if status.get("phase") == "Running" and known.running_since is None and event.get("type") != "DELETED":
                 known.running_since = now
                 self._events.put_nowait(JobEvent(key[0], key[1], EventKind.RUNNING, now))

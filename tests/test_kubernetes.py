@@ -1122,23 +1122,40 @@ async def test_the_time_a_pod_has_been_unschedulable_outlives_a_reconnect(
         await adapter.close()
 
 
-@pytest.mark.parametrize("waiting", [
-    {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/nvidia/pytorhc:24.05-py3"'},
-    {"reason": "InvalidImageName", "message": 'couldn\'t parse image name "nvcr.io//pytorch"'},
-    {"reason": "CreateContainerConfigError", "message": 'secret "wandb" not found'},
-], ids=["an image that cannot be pulled", "an image name that is none", "a secret the Pod needs is not there"])
+async def waiting_pod(cluster: kmock.KubernetesEmulator, name: str, waiting: dict[str, str],
+                      started: datetime | None = None) -> None:
+    """Job ``name``'s Pod, placed on a100-0 and started by the kubelet at ``started`` (now), its container
+    waiting for ``waiting``."""
+    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
+    started = started or datetime.now(UTC)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
+           "spec": {"nodeName": "a100-0", "containers": [{"name": "job", "image": "x"}]},
+           "status": {"phase": "Pending", "startTime": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                      "containerStatuses": [{"name": "job", "state": {"waiting": waiting}}]}}
+    assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
+
+
+PULL_BACKOFF = {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nvcr.io/nvidia/pytorhc:24.05-py3"'}
+PULL_FAILED = {"reason": "ErrImagePull", "message": "429 Too Many Requests: toomanyrequests: rate limit exceeded"}
+NO_SECRET = {"reason": "CreateContainerConfigError", "message": 'secret "wandb" not found'}
+
+
+@pytest.mark.parametrize(("waiting", "started_s_ago"), [
+    ({"reason": "InvalidImageName", "message": 'couldn\'t parse image name "nvcr.io//pytorch"'}, 0),
+    ({"reason": "ErrImageNeverPull", "message": 'Container image "pytorch:x" is not present with pull policy of '
+                                                "Never"}, 0),
+    (PULL_BACKOFF, 301), (NO_SECRET, 600),
+], ids=["an image name that is none", "an image never pulled that is not there",
+        "an image that could not be pulled for unschedulable_after_s", "a Secret missing for longer"])
 async def test_a_pod_that_cannot_start_fails_its_attempt_and_frees_its_gpus(
-        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, waiting: dict[str, str]) -> None:
+        kube: KubernetesSite, cluster: kmock.KubernetesEmulator, waiting: dict[str, str], started_s_ago: int) -> None:
     # The kubelet retries for ever and the Job waits for ever: without this the attempt held its GPUs for ever,
-    # and the broker never heard why the job does not run.
+    # and the broker never heard why the job does not run. (An adapter that restarts, or a watch that reconnects,
+    # finds the Pod waiting since its startTime, and does not wait unschedulable_after_s (300 s here) again.)
     stream = kube.events()
     assert (await kube.submit(attempt("j-1", count=8))).admitted
     name = job_name("j-1", 1)
-    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-abc", "labels": labels},
-           "spec": {"nodeName": "a100-0", "containers": [{"name": "job", "image": "x"}]},
-           "status": {"phase": "Pending", "containerStatuses": [{"name": "job", "state": {"waiting": waiting}}]}}
-    assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
+    await waiting_pod(cluster, name, waiting, datetime.now(UTC) - timedelta(seconds=started_s_ago))
     failed = await next_event(kube, stream)
     assert (failed.job_id, failed.kind) == ("j-1", EventKind.FAILED)
     assert waiting["reason"] in (failed.reason or "") and waiting["message"] in (failed.reason or "")
@@ -1147,6 +1164,37 @@ async def test_a_pod_that_cannot_start_fails_its_attempt_and_frees_its_gpus(
     await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # (the garbage collector)
     await asyncio.sleep(0.2)
     assert kube._events.empty()  # nothing more of it: no `lost` for the Job it deleted itself
+
+
+@pytest.mark.parametrize("waiting", [PULL_FAILED, PULL_BACKOFF, NO_SECRET],
+                         ids=["a registry's rate limit", "an image pull backing off", "a Secret made after the Pod"])
+async def test_a_pod_waiting_for_what_may_yet_come_fails_only_after_unschedulable_after_s(
+        cluster: kmock.KubernetesEmulator, waiting: dict[str, str]) -> None:
+    # A registry down for a minute, Docker Hub's rate limit, a Secret created just after the Job: the first
+    # ErrImagePull failed the attempt for good, where the kubelet's next try would have started it.
+    adapter = make_site(cluster, unschedulable_after_s=3)
+    await adapter.start()
+    try:
+        stream = adapter.events()
+        for job_id in ("j-1", "j-2"):
+            assert (await adapter.submit(attempt(job_id, count=8))).admitted
+            await waiting_pod(cluster, job_name(job_id, 1), waiting)
+        await asyncio.sleep(1.0)  # (its startTime, in whole seconds, may be a second before)
+        assert adapter._events.empty()  # not yet: the kubelet tries again
+        # j-1's image comes (the registry is back): it runs
+        await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{job_name('j-1', 1)}-abc", json={"status": {
+            "phase": "Running", "containerStatuses": [{"name": "job", "state": {"running": {}}}]}})
+        running = await next_event(adapter, stream)
+        assert (running.job_id, running.kind) == ("j-1", EventKind.RUNNING)
+        failed = await next_event(adapter, stream)  # j-2's does not: it fails, its GPUs freed
+        assert (failed.job_id, failed.kind) == ("j-2", EventKind.FAILED)
+        assert waiting["message"] in (failed.reason or "") and "cannot start for " in (failed.reason or "")
+        assert await gone(cluster, job_name("j-2", 1))
+        await asyncio.sleep(1.0)
+        assert adapter._events.empty()  # j-1 runs on
+        assert (await adapter.snapshot()).capacity[0].free_gpus == 8
+    finally:
+        await adapter.close()
 
 
 async def test_a_job_deleted_outside_heliotrope_is_lost(kube: KubernetesSite, cluster: kmock.KubernetesEmulator) -> None:
