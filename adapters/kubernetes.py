@@ -774,7 +774,8 @@ class KubernetesSite:
         key = (job.id, job.attempt)
         async with self._lock:
             if key in self._withdrawn:
-                return Admission.rejected(f"attempt {job.attempt} was withdrawn")
+                return Admission.rejected(f"attempt {job.attempt} was withdrawn" if key in self._attempts
+                                          else f"attempt {job.attempt} was withdrawn or has ended")
             known = self._attempts.get(key)
             if known is not None and known.admitted:
                 return Admission.ok()
@@ -824,6 +825,7 @@ class KubernetesSite:
         key = (job.id, job.attempt)
         await self._delete_job(key, _Attempt(job.id, job.attempt, job.spec.tenant, namespace))
         self._finish(key)
+        self._forget(key)
         return Admission.rejected(f"attempt {job.attempt} was withdrawn while it was being dispatched")
 
     async def _get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -904,6 +906,7 @@ class KubernetesSite:
         await self._delete_job(key, known)
         self._finish(key)
         self._journal.remove(key)  # cancelled: no stop of it is reported any more
+        self._forget(key)  # (an event of it not yet taken finds its Job deleted already)
 
     async def _delete_job(self, key: tuple[str, int], known: _Attempt | None) -> None:
         namespaces = [known.namespace] if known is not None and known.namespace else []
@@ -1019,6 +1022,19 @@ class KubernetesSite:
             with contextlib.suppress(KeyError):  # (not in that book: entered after it, or ended already)
                 self._history.stop(_key(*key), now)
 
+    def _forget(self, key: tuple[str, int]) -> None:
+        """An attempt that is over, its outcome taken (or cancelled) and its Job deleted, is no longer kept: a
+        tombstone in ``_withdrawn`` refuses a repeated dispatch of it and has the watch ignore its Job's and Pods'
+        last events (``TOMBSTONE_TTL_S``), so the attempts known here do not grow with each attempt ever run."""
+        known = self._attempts.get(key)
+        if known is None or not known.done:
+            return
+        self._withdrawn.setdefault(key, self._clock.now())
+        del self._attempts[key]
+        if (task := self._unplaced.pop(key, None)) is not None:
+            task.cancel()
+        self._forget_old_tombstones()
+
     def _forget_old_tombstones(self) -> None:
         if len(self._withdrawn) < 1024:
             return
@@ -1057,14 +1073,19 @@ class KubernetesSite:
         key = (event.job_id, event.attempt)
         self._journal.remove(key)
         known = self._attempts.get(key)
-        if known is None or not known.has_job or not known.namespace or known.stopping is not None:
-            return  # (a stopped attempt's Job was deleted to stop it)
+        if known is None or not known.done:
+            return
+        if not known.has_job or not known.namespace or known.stopping is not None:
+            self._forget(key)  # (a stopped or lost attempt's Job was deleted already, to stop it or by others)
+            return
 
         async def delete() -> None:
             try:
                 await self._delete_job(key, known)
             except AdapterError as e:
                 log.warning("%s; it stays (delete it by hand: it holds no GPUs)", e)
+                return  # (known, and done, its Job's events are ignored meanwhile)
+            self._forget(key)
         with contextlib.suppress(RuntimeError):  # (no running loop: nothing to clean up from)
             task = asyncio.get_running_loop().create_task(delete(), name=f"k8s-clean-{key[0]}")
             self._stop_waits.add(task)
@@ -1275,8 +1296,8 @@ class KubernetesSite:
         a taint, the scheduler's preemption, its Node lost or short of what others use), a loss, no failure of
         the job's."""
         now = self._clock.now()
-        if not self._finish(key):
-            return
+        if self._attempts.get(key) is not known or not self._finish(key):
+            return  # (cancelled, and forgotten, while its Pod was read)
         if known.own_eviction is not None:
             self._events.put_nowait(JobEvent(key[0], key[1], EventKind.FAILED, now, run_s=run_s, reason=(
                 f"the kubelet evicted its Pod for its own usage ({known.own_eviction})")))
@@ -1303,8 +1324,8 @@ class KubernetesSite:
         meta = obj.get("metadata") or {}
         labels = meta.get("labels") or {}
         key = attempt_key(meta)
-        if key is None:
-            return
+        if key is None or (key not in self._attempts and key in self._withdrawn):
+            return  # (over and forgotten, or withdrawn before this adapter knew it: its Job is being deleted)
         known = self._attempts.setdefault(key, _Attempt(key[0], key[1], labels.get(TENANT_LABEL, ""),
                                                         meta.get("namespace", "")))
         if known.done:

@@ -793,6 +793,47 @@ async def test_a_finished_job_is_deleted_once_the_broker_has_its_outcome(
     assert kube._events.empty()  # its deletion is no `lost`
 
 
+async def test_the_attempts_that_ended_are_not_kept_for_ever(kube: KubernetesSite,
+                                                              cluster: kmock.KubernetesEmulator) -> None:
+    # Each attempt ever run stayed in the adapter's map for as long as it ran: a broker that runs for months
+    # grew by one entry a job.
+    stream = kube.events()
+    ends: list[JobEvent] = []
+    for round_ in range(3):
+        for n, outcome in enumerate(("succeeded", "failed", "lost", "stopped", "cancelled")):
+            job_id = f"j-{round_}-{n}"
+            assert (await kube.submit(attempt(job_id))).admitted
+            name = job_name(job_id, 1)
+            await pod_running(cluster, name)
+            assert (await next_event(kube, stream)).kind == EventKind.RUNNING
+            if outcome in ("succeeded", "failed"):
+                condition = "Complete" if outcome == "succeeded" else "Failed"
+                await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {
+                    outcome: 1, "conditions": [{"type": condition, "status": "True"}]}})
+            elif outcome == "lost":
+                await cluster.delete(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}")
+            elif outcome == "stopped":
+                await kube.preempt(job_id, 1, "moved")
+                await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # (the kubelet)
+            else:
+                await kube.cancel(job_id, 1)
+                await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")
+                continue  # (no event: the broker withdrew it)
+            end = await next_event(kube, stream)
+            assert end.kind == {"succeeded": EventKind.SUCCEEDED, "failed": EventKind.FAILED,
+                                "lost": EventKind.LOST, "stopped": EventKind.PREEMPTED}[outcome]
+            kube.taken(end)
+            ends.append(end)
+    for end in ends:
+        assert await gone(cluster, job_name(end.job_id, end.attempt))
+    await asyncio.sleep(0.3)  # (the last watch events of their Jobs and Pods)
+    assert kube._attempts == {}
+    assert kube._events.empty() and await kube.known_attempts() == set()
+    again = await kube.submit(attempt("j-0-0"))  # a repeated dispatch of an attempt that ended starts nothing
+    assert not again.admitted and not jobs(cluster)
+    assert (await kube.snapshot()).capacity[0].free_gpus == 16
+
+
 async def job_failed_for(cluster: kmock.KubernetesEmulator, name: str, pod_condition: str | None,
                          exit_code: int | None = None) -> None:
     """What the Job controller does when the Job's Pod failed with ``pod_condition`` True, its container ending
