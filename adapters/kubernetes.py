@@ -1277,12 +1277,14 @@ class KubernetesSite:
         """The Job failed as the cluster disrupted its Pod, whose own update has not come yet: the Pod (if it is
         still there) says whether the kubelet evicted it for its own usage, a failure, or the cluster took it
         away, a loss."""
-        try:
-            obj = await self._json("reading a Pod", self._core.read_namespaced_pod_without_preload_content, pod,
-                                   namespace)
+        obj: dict[str, Any] = {}
+        try:  # (a list, which the site's RBAC grants cluster-wide, where a get would need more)
+            data = await self._json("reading a Pod", self._core.list_pod_for_all_namespaces_without_preload_content,
+                                    field_selector=f"metadata.namespace={namespace},metadata.name={pod}")
+            obj = next((o for o in data.get("items") or [] if (o.get("metadata") or {}).get("name") == pod
+                        and (o.get("metadata") or {}).get("namespace", namespace) == namespace), {})
         except (k8s.ApiException, AdapterError) as e:
             log.debug("site %s: reading Pod %s/%s failed (%r): taken as a loss", self.name, namespace, pod, e)
-            obj = {}
         status = obj.get("status") or {}
         why = next((c for c in status.get("conditions") or []
                     if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), status)
