@@ -34,8 +34,8 @@
   disrupts its Pod, its GPUs as container limits, a node affinity on the product labels of
   the chosen model, the configured ``tolerations`` and ``node_selector``, for a checkpointable job
   ``terminationGracePeriodSeconds`` a little under ``stop_wait_s``, the time a stop waits for it to write its
-  checkpoint (less 10 % of it or 5 s, whichever is smaller, at least 1 s: ``grace_period_s``), labelled with the site, job id, attempt
-  and tenant. A repeated dispatch of the same attempt finds the existing Job (create answers 409) and admits it
+  checkpoint (less 10 % of it or 5 s, whichever is smaller, at least 1 s: ``grace_period_s``), labelled with the
+  site, job id, attempt and tenant. A repeated dispatch of the same attempt finds the existing Job (create answers 409) and admits it
   once. Cancel deletes the Job (background propagation) and is final for the attempt.
 - Events: a watch on Jobs and one on Pods (label ``heliotrope.io/site``): a Running Pod → ``running``; a Job with
   a ``Complete`` condition or ``succeeded`` → ``succeeded``; ``Failed`` or ``failed`` → ``failed`` with the Job's

@@ -447,8 +447,9 @@ class KubernetesAdapterConfig(Spec):
                     "no Pod for this long from its creationTimestamp (Pod Security admission, a LimitRange or a "
                     "ResourceQuota refuses it). The wait does not end while Pods this site stops (a preemption "
                     "making room) are still going, nor in the 60 s (for a Job without a Pod, 6 minutes) after. "
-                    "A Pod whose container has waited this long, from its startTime, on ImagePullBackOff, ErrImagePull or "
-                    "CreateContainerConfigError fails its attempt (InvalidImageName, ErrImageNeverPull: at once). "
+                    "A Pod whose container has waited this long, from its startTime, on ImagePullBackOff, "
+                    "ErrImagePull or CreateContainerConfigError fails its attempt (InvalidImageName, "
+                    "ErrImageNeverPull: at once). "
                     "0 or null: such Pods and Jobs wait in the cluster for as long as it takes",
         # Left out where it is the default: brokers of earlier releases sharing the database still read the site.
         exclude_if=lambda after_s: after_s == UNSCHEDULABLE_AFTER_S)
