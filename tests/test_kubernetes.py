@@ -460,34 +460,40 @@ async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster
         await adapter.close()
 
 
-async def test_a_node_that_comes_or_goes_leaves_the_tenants_usage_history_and_fair_shares_as_they_were(
-        cluster: kmock.KubernetesEmulator) -> None:
-    # The ledgers are rebuilt whenever the Nodes change (a Node added, drained, NotReady): the tenant that used
-    # the site all night must not count as fresh, nor the usage of its jobs still running count twice.
+async def _a_site_with_a_quota_for_t1(cluster: kmock.KubernetesEmulator) -> tuple[KubernetesSite, ManualClock]:
+    """A started Kubernetes site on the emulator, on a manual clock, with tenant t1 guaranteed 4 GPUs and 12 more."""
     clock = ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
     adapter = KubernetesSite(site("kube", adapter=config.model_dump(), quotas=[
         {"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 12}]), clock)
     await adapter.start()
+    return adapter, clock
+
+
+def _t1_usage(state) -> float:  # noqa: ANN001
+    """Tenant t1's decayed usage (GPU-hours) in a site's state."""
+    return next(t.decayed_usage_gpu_h for t in state.quota.tenants if t.tenant == "t1")
+
+
+async def test_a_node_that_comes_or_goes_leaves_the_tenants_usage_history_and_fair_shares_as_they_were(
+        cluster: kmock.KubernetesEmulator) -> None:
+    # The ledgers are rebuilt whenever the Nodes change (a Node added, drained, NotReady): the tenant that used
+    # the site all night must not count as fresh, nor the usage of its jobs still running count twice.
+    adapter, clock = await _a_site_with_a_quota_for_t1(cluster)
     try:
         assert (await adapter.submit(attempt("j-1", count=8))).admitted
         assert (await adapter.submit(attempt("j-2", count=4))).admitted
         await clock.advance(3 * 3600)
         await adapter.cancel("j-1", 1)  # ended: only the history knows it ran
         await clock.advance(3600)
-
-        def usage(state) -> float:  # noqa: ANN001
-            return next(t.decayed_usage_gpu_h for t in state.quota.tenants if t.tenant == "t1")
-
-        before = usage(await adapter.snapshot())
+        before = _t1_usage(await adapter.snapshot())
         assert before > 20
         cluster.objects[NODES, None, "a100-2"] = node("a100-2", "NVIDIA-A100-SXM4-80GB", gpus=8)
         after = await adapter.snapshot()
         assert after.capacity[0].total_gpus == 27  # 16 + 3 MIG GPUs before: the ledgers were rebuilt with the new Node
-        assert usage(after) == pytest.approx(before)
+        assert _t1_usage(after) == pytest.approx(before)
     finally:
         await adapter.close()
-
 
 
 async def test_jobs_that_end_while_every_node_is_away_add_no_usage_for_the_time_away(
@@ -496,19 +502,12 @@ async def test_jobs_that_end_while_every_node_is_away_add_no_usage_for_the_time_
     # ledgers, and what ends then is not taken off them. The history the ledgers had went on counting those jobs
     # as running, and the Nodes' return charged their tenant the whole time away as usage; a job that runs on
     # all the while is charged for it.
-    clock = ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
-    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
-    adapter = KubernetesSite(site("kube", adapter=config.model_dump(), quotas=[
-        {"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 12}]), clock)
-    await adapter.start()
+    adapter, clock = await _a_site_with_a_quota_for_t1(cluster)
     try:
-        def usage(state) -> float:  # noqa: ANN001
-            return next(t.decayed_usage_gpu_h for t in state.quota.tenants if t.tenant == "t1")
-
         assert (await adapter.submit(attempt("j-1", count=8))).admitted
         assert (await adapter.submit(attempt("j-2", count=4))).admitted  # runs on all the while
         await clock.advance(3600)
-        before = usage(await adapter.snapshot())
+        before = _t1_usage(await adapter.snapshot())
         for n in CLUSTER:
             del cluster.objects[NODES, None, n["metadata"]["name"]]
         cluster.resources[NODES] = {}  # (declared, with none left)
@@ -517,7 +516,7 @@ async def test_jobs_that_end_while_every_node_is_away_add_no_usage_for_the_time_
         await clock.advance(10 * 3600)
         for n in CLUSTER:
             cluster.objects[NODES, None, n["metadata"]["name"]] = n
-        after = usage(await adapter.snapshot())
+        after = _t1_usage(await adapter.snapshot())
         assert before < after <= before + 4 * 10  # j-2's ten hours at most (j-1's were 8 x 10 more)
     finally:
         await adapter.close()

@@ -552,6 +552,15 @@ async def fetched_and_stopped(carbon: CarbonData, make_broker: Callable[..., Bro
     return made
 
 
+async def _both_forecasts_still_kept(make_broker) -> None:  # noqa: ANN001
+    """A broker started later, its provider still down and its store answering, finds both zones' kept forecasts."""
+    again = await started_down(make_broker, ManualClock(NOW + 5 * H))
+    try:
+        assert again.signals.kept_in_use(again.clock.now()) == 2
+    finally:
+        await again.stop()
+
+
 async def started_down(make_broker: Callable[..., Broker], clock: ManualClock, **cfg: Any) -> Broker:
     """A broker on the same database whose carbon provider is down, its first round over (failed)."""
     b = make_broker(DownCarbon(), clock, **cfg)
@@ -671,11 +680,7 @@ async def test_a_store_that_stays_away_is_given_up_within_its_bound_and_the_zone
             await b.stop()
     # the stop saved nothing over them (no round made a forecast): once the store answers, they are there
     monkeypatch.undo()
-    again = await started_down(make_broker, ManualClock(NOW + 5 * H))
-    try:
-        assert again.signals.kept_in_use(again.clock.now()) == 2
-    finally:
-        await again.stop()
+    await _both_forecasts_still_kept(make_broker)
 
 
 def _doc(**edit: Any) -> Callable[[dict[str, Any]], Any]:
@@ -906,8 +911,4 @@ async def test_a_broker_stopped_while_it_still_reads_its_kept_forecasts_again_sa
     finally:
         await b.stop()
     monkeypatch.undo()
-    again = await started_down(make_broker, ManualClock(NOW + 5 * H))
-    try:
-        assert again.signals.kept_in_use(again.clock.now()) == 2
-    finally:
-        await again.stop()
+    await _both_forecasts_still_kept(make_broker)
