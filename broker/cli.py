@@ -165,6 +165,30 @@ def show_job(job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+async def _decision_of(c: Client, job_id: str) -> dict[str, Any] | None:
+    """The job's decision, or None where it has none yet (404)."""
+    try:
+        return await c.request("GET", f"/v1/jobs/{_part(job_id)}/decision")
+    except ApiClientError as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def _waiting_line(decision: dict[str, Any] | None, job_id: str) -> str:
+    """For a queued job: when it is planned to start and why it waits, from its decision ('' where none)."""
+    if decision is None:
+        return ""
+    if decision["outcome"] == "deferred" and decision.get("deferred_until"):
+        plan = decision.get("deferral") or {}
+        where = f" on {plan['site']}" if plan.get("site") else ""
+        return (f"\n  deferred  until {decision['deferred_until']}{where} "
+                f"(why: heliotrope explain {job_id})")
+    if decision["outcome"] == "unplaceable":
+        return f"\n  waiting   {decision['summary']}"
+    return ""
+
+
 def show_quota(q: dict[str, Any]) -> str:
     if not q["enforced"]:
         head = f"site {q['site']}: no quotas; it admits whatever fits"
@@ -334,6 +358,8 @@ async def _client_command(args: argparse.Namespace) -> str | None:
             case "job":
                 out = await c.request("GET", f"/v1/jobs/{_part(args.id)}")
                 text = show_job(out)
+                if out["state"] == "queued":  # deferred, or waiting for room: say so, as explain does
+                    text += _waiting_line(await _decision_of(c, out["id"]), out["id"])
             case "explain":
                 out = await c.request("GET", f"/v1/jobs/{_part(args.id)}/decision")
                 text = show_decision(out)

@@ -562,3 +562,27 @@ def test_quota_set_of_one_field_keeps_the_guarantee_as_configured_not_as_the_sit
     assert code == 0
     assert [(p["guaranteed_gpus"], p["burst_gpus"]) for p in _SiteWithANodeAway.puts] == [(10.0, 8)]
     assert out.splitlines()[2].split()[:5] == ["vision", "8", "of", "10", "8"]  # counted now, of configured
+
+
+def test_job_says_why_a_queued_job_waits(capsys, server, tmp_path):
+    """A job no site can take shows its wait under `heliotrope job`, not only `queued` (it used to take an
+    `explain` to learn it)."""
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, gpus={"count": 64})))
+    job_id = json.loads(out)["id"]
+    for _ in range(100):
+        code, out, _ = run(capsys, server, "job", job_id)
+        if "waiting" in out:
+            break
+        time.sleep(0.05)
+    assert code == 0 and "  state     queued" in out
+    assert "  waiting   no site can take the job now (" in out
+    code, out, _ = run(capsys, server, "--json", "job", job_id)
+    assert "waiting" not in json.loads(out)  # --json is the job as the API gives it
+
+
+def test_a_deferred_job_shows_when_and_where_it_is_planned_to_start():
+    decision = {"outcome": "deferred", "deferred_until": "2026-12-01T12:00:00Z", "summary": "deferred until ...",
+                "deferral": {"site": "toronto"}}
+    assert cli._waiting_line(decision, "j1") == ("\n  deferred  until 2026-12-01T12:00:00Z on toronto "
+                                                 "(why: heliotrope explain j1)")
+    assert cli._waiting_line({"outcome": "placed"}, "j1") == cli._waiting_line(None, "j1") == ""
