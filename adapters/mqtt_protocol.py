@@ -411,10 +411,12 @@ class Dispatch(_Msg):
 
     @field_serializer("job", mode="wrap")
     def _without_routing(self, job: Job, handler: SerializerFunctionWrapHandler) -> Any:
-        """The job without ``spec.deferrable``: it is the broker's to honour (no site defers a job), and an
-        agent of an earlier release, whose spec forbids keys it does not know, would refuse the dispatch."""
+        """The job without ``spec.deferrable`` and ``spec.max_lost_attempts``: they are the broker's to honour
+        (no site defers a job or counts its losses), and an agent of an earlier release, whose spec forbids keys
+        it does not know, would refuse the dispatch."""
         data = handler(job)
         data["spec"].pop("deferrable", None)
+        data["spec"].pop("max_lost_attempts", None)
         return data
 
 

@@ -123,6 +123,12 @@ class BrokerSettings(BaseModel):
     site_stale_after_s: float = Field(default=15.0, gt=0, description="a site silent this long is unhealthy")
     dispatch_timeout_s: float = Field(default=30.0, gt=0, description="how long a site may take to admit")
     refusal_ttl_s: float = Field(default=30.0, ge=0, description="a site that refused a job is skipped this long")
+    max_lost_attempts: int | None = Field(
+        default=10, ge=0, le=1000,
+        description="lost attempts a job is allowed where its spec does not say (max_lost_attempts): at this many "
+                    "losses (its site went away, a drain or eviction, a Pod the cluster could not place, a remote "
+                    "site's lease run out) it fails rather than be requeued again; 0 or null: no bound",
+    )
     shutdown_grace_s: float = Field(default=5.0, ge=0, description="how long shutdown waits for dispatches")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     profiles: ProfilesConfig = Field(default_factory=ProfilesConfig,

@@ -370,6 +370,9 @@ class JobBook:
             raise JobNotFound(job_id)
         return job
 
+    async def history(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's stored transitions, oldest first (``Store.job_events``); raises StoreError."""
+        return await self._store.job_events(job_id)
 
     def take_fresh(self) -> list[Job]:
         """The jobs submitted since the last call that are still queued, in scheduling order."""

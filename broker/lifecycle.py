@@ -6,7 +6,13 @@
 - ``preempted``: recorded, then the job is requeued; a checkpointable job keeps its progress (``run_s``).
 - ``lost``: the site no longer has the attempt; the job is requeued (a loss is not the job's failure). One lost
   before it ran (the site admitted it but could not start it: a Kubernetes Pod its scheduler found no room for)
-  also has the site skipped for the job for ``refusal_ttl_s``, as a refusal at dispatch would.
+  also has the site skipped for the job for ``refusal_ttl_s``, as a refusal at dispatch would. Losses are
+  bounded apart from failures: at its ``max_lost_attempts``-th loss (the spec's, else the broker's; 0: no
+  bound) the job fails, its reason naming the losses and their sites, rather than loop for ever (a job that
+  brings its node down, or is evicted wherever it runs). So are the attempts a site no longer knows after a
+  restart, or left on a site no longer registered. Preemptions, moves and refusals at dispatch do not count.
+  The losses are counted from the job's stored transitions (``lost_attempts``), so the count holds across
+  restarts and takeovers, and takes in those stored by earlier releases.
 Events for an attempt that is no longer current are ignored, so a late or repeated event never moves a
 job twice.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -48,13 +55,50 @@ def actual_run_s(job: Job) -> float:
 R, D, A = JobState.RUNNING, JobState.DISPATCHING, JobState.ADMITTED
 ON_SITE = (D, A, R)
 
+_LOST = re.compile(r"(?:(?P<site>\S+) (?:lost|no longer knows) attempt \d+|site (?P<gone>\S+) is no longer registered)")
+"""A stored transition that tells a loss (its reason, as ``lost_reason`` writes it, or as an earlier release wrote
+the requeue of an attempt its site forgot across a restart or of one on a site no longer registered)."""
+
+
+def lost_reason(site: str, attempt: int, why: str) -> str:
+    """The reason of the requeue of an attempt ``site`` lost: how ``lost_attempts`` tells it in the history."""
+    return f"{site} lost attempt {attempt}: {why}"
+
+
+def lost_attempts(history: list[dict[str, object]]) -> dict[int, str]:
+    """The attempts a job lost (attempt -> the site that lost it), from its stored transitions (oldest first,
+    ``Store.job_events``): each requeue whose reason tells a loss."""
+    lost: dict[int, str] = {}
+    for ev in history:
+        if ev["state"] != JobState.QUEUED or not isinstance(ev["reason"], str):
+            continue
+        m = _LOST.match(ev["reason"])
+        if m is not None:
+            lost[int(str(ev["attempt"]))] = m["site"] or m["gone"]
+    return lost
+
+
+def losses_told(lost: dict[int, str], cap: int) -> str:
+    """Why a job lost ``cap`` times fails: how many, where, and what to do."""
+    by_site: dict[str, list[int]] = {}
+    for attempt, site in sorted(lost.items()):
+        by_site.setdefault(site, []).append(attempt)
+    where = ", ".join(f"{len(a)} at {site} (attempt{'s' if len(a) > 1 else ''} {', '.join(map(str, a))})"
+                      for site, a in sorted(by_site.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+    return (f"{len(lost)} attempt{'s' if len(lost) > 1 else ''} lost, the most max_lost_attempts allows ({cap}): {where}; giving up, as it "
+            f"would likely be lost again (a larger max_lost_attempts, or 0, lets it go on)")
+
 
 class Lifecycle:
     def __init__(
-        self, book: JobBook, federation: Federation, cancel_timeout_s: float = 10.0, max_backoff_s: float = 60.0
+        self, book: JobBook, federation: Federation, cancel_timeout_s: float = 10.0, max_backoff_s: float = 60.0,
+        max_lost_attempts: int | None = None,
     ) -> None:
         self.book = book
         self.federation = federation
+        # Lost attempts a job is allowed where its spec does not say (BrokerSettings.max_lost_attempts; 0 or
+        # None: no bound).
+        self.max_lost_attempts = max_lost_attempts
         self.cancel_timeout_s = cancel_timeout_s
         self.pending_sites: dict[str, dict[str, int]] = {}  # site -> its jobs at start-up, to reconcile
         self._withdrawals: dict[tuple[str, int], str] = {}  # (job id, attempt) -> site yet to confirm
@@ -189,12 +233,47 @@ class Lifecycle:
                     # scheduler found no room, its agent gave it up): skipped for a while, as a site that refuses
                     # a dispatch, so the job goes elsewhere rather than straight back.
                     self.book.refuse(job.id, site, f"lost attempt {job.attempt} before it ran: {ev.reason or ''}")
-                lost = await self.book.transition(
-                    job.id, JobState.QUEUED, reason=f"{site} lost attempt {job.attempt}: {ev.reason or ''}"
-                )
+                lost = await self.lose(job, site, ev.reason or "", at=ev.at)
+                if lost is None:  # it moved on while its losses were read: the event is stale
+                    self.left_at.pop((job.id, job.attempt), None)
+                    return None
                 self.ended_unstopped(job.id, job.attempt)
                 return lost
         return None
+
+    def lost_cap(self, job: Job) -> int:
+        """How many lost attempts end ``job`` (0: no bound): its spec's ``max_lost_attempts``, else the broker's."""
+        cap = job.spec.max_lost_attempts if job.spec.max_lost_attempts is not None else self.max_lost_attempts
+        return cap or 0
+
+    async def lose(self, job: Job, site: str, why: str, at: datetime | None = None) -> Job | None:
+        """``site`` lost ``job``'s current attempt: requeue the job (none of its ``max_attempts`` spent), or, at
+        its ``lost_cap``-th loss, fail it with a reason that names the losses and their sites. The losses are
+        read from its stored transitions, so they count across restarts. None if the job moved on meanwhile
+        (nothing changed). Raises as ``JobBook.transition`` does, and StoreError when the history cannot be read
+        (nothing changed)."""
+        reason = lost_reason(site, job.attempt, why)
+        cap = self.lost_cap(job)
+        if cap:
+            lost = lost_attempts(await self.book.history(job.id))
+            current = self.book.active.get(job.id)
+            if current is None or current.version != job.version:
+                return None
+            lost[job.attempt] = site
+            if len(lost) >= cap:
+                told = losses_told(lost, cap)
+                log.warning("job %s: %s; %s", job.id, reason, told)
+                ended = {} if at is None else {"finished_at": at}
+                if job.state != D:
+                    return await self.book.transition(job.id, JobState.FAILED, reason=f"{told} (the last: {reason})",
+                                                      **ended)
+                # A dispatching job cannot fail where it is: the loss is stored as such, then the job fails from
+                # the queue (should a pass place it again in between, it fails at its next loss).
+                await self.book.transition(job.id, JobState.QUEUED, reason=reason)
+                failed = await self.book.transition_if(job.id, (JobState.QUEUED,), job.attempt, JobState.FAILED,
+                                                       reason=told, **ended)
+                return failed or self.book.active.get(job.id)
+        return await self.book.transition(job.id, JobState.QUEUED, reason=reason)
 
     async def cancel(self, job_id: str) -> Job:
         """Cancel a job; if it holds GPUs at a site, withdraw it there (retried until the site confirms).
@@ -336,7 +415,8 @@ class Lifecycle:
             if job.state == JobState.PREEMPTED:
                 requeued.append(await self._requeue(job, "requeued after preemption"))
             elif job.state in ON_SITE and job.site not in self.federation:
-                requeued.append(await self._requeue(job, f"site {job.site} is no longer registered; requeued"))
+                requeued.append(await self._requeue(job, "the site is no longer registered; requeued",
+                                                    lost_at=job.site))
         names = list(self.federation.members)
         snapshots = {
             name: {j.id: j.version for j in self.book.active.unqueued() if j.site == name and j.state in ON_SITE}
@@ -386,7 +466,7 @@ class Lifecycle:
                     if unheard_since is not None:  # (read as the requeue lands: JobBook.on_attempt_end)
                         self.left_at[(job.id, job.attempt)] = unheard_since
                     requeued.append(await self._requeue(
-                        job, f"{site} no longer knows attempt {job.attempt} after a broker restart; requeued"))
+                        job, "the site no longer knows it after a broker restart; requeued", lost_at=site))
                     if requeued[-1] is None:  # not requeued (the store refused it): the attempt has not left
                         self.left_at.pop((job.id, job.attempt), None)
             return requeued
@@ -424,12 +504,19 @@ class Lifecycle:
         current = self.book.active.get(job.id)
         return current is not None and current.version == job.version
 
-    async def _requeue(self, job: Job, reason: str) -> Job | None:
+    async def _requeue(self, job: Job, reason: str, lost_at: str | None = None) -> Job | None:
+        """Requeue ``job`` unless it moved on meanwhile; as a loss (``lose``, which may fail it) where ``lost_at``
+        names the site that lost its attempt."""
         current = self.book.active.get(job.id)
         if current is None or current.version != job.version:
             return None  # moved on meanwhile
         try:
-            requeued = await self.book.transition(job.id, JobState.QUEUED, reason=reason)
+            if lost_at is not None:
+                requeued = await self.lose(current, lost_at, reason)
+                if requeued is None:
+                    return None
+            else:
+                requeued = await self.book.transition(job.id, JobState.QUEUED, reason=reason)
         except (IllegalTransition, JobNotFound, StoreError) as e:
             log.error("job %s: cannot requeue: %s", job.id, e)
             return None

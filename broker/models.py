@@ -893,6 +893,16 @@ class JobSpec(Spec):
     max_attempts: int = Field(
         default=3, ge=1, le=100, description="failed attempts allowed; preemption and site loss do not count"
     )
+    max_lost_attempts: int | None = Field(
+        default=None, ge=0, le=1000,
+        description="lost attempts allowed (a site that went away, a drain or eviction, a Pod the cluster could "
+                    "not place, a remote site's lease run out): the job fails at this many losses, told apart "
+                    "from failures, preemptions and refusals; 0: no bound; none: the broker's max_lost_attempts",
+        # Left out where unset: a spec that does not use it is sent and stored as before, so brokers of earlier
+        # releases (whose specs forbid unknown keys) still read it; dispatches to site agents never carry it
+        # (adapters.mqtt_protocol.Dispatch).
+        exclude_if=lambda n: n is None,
+    )
     labels: dict[str, str] = Field(default_factory=dict)
     profile: str | None = Field(
         default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",

@@ -177,7 +177,8 @@ class Broker:
         replica is elected after having led before (nothing of the earlier term's memory is trusted)."""
         self.book = JobBook(self.store, self.clock, refusal_ttl_s=self.settings.refusal_ttl_s,
                             **({"new_id": self._new_id} if self._new_id else {}))
-        self.lifecycle = Lifecycle(self.book, self.federation, cancel_timeout_s=self.settings.dispatch_timeout_s)
+        self.lifecycle = Lifecycle(self.book, self.federation, cancel_timeout_s=self.settings.dispatch_timeout_s,
+                                   max_lost_attempts=self.settings.max_lost_attempts)
         self.cycle = SchedulingCycle(
             self.clock, self.federation, self.book, self.store, self.lifecycle,
             dispatch_timeout_s=self.settings.dispatch_timeout_s, full_pass_interval_s=self.settings.cycle_interval_s,

@@ -148,7 +148,7 @@ async def test_jobs_on_a_site_that_cannot_answer_after_a_restart_are_requeued_on
     second.federation.get("alpha").adapter.set_reachable(True)
     await second.lifecycle.settle(force=True)
     requeued = await h2.job(j.id)
-    assert requeued.state == JobState.QUEUED and "no longer knows attempt 1" in requeued.reason
+    assert requeued.state == JobState.QUEUED and "alpha lost attempt 1: the site no longer knows it" in requeued.reason
     assert not second.lifecycle.pending_sites
 
 

@@ -409,7 +409,7 @@ async def test_after_a_restart_only_a_stop_the_site_took_keeps_the_work_of_an_at
         if delivered:
             assert 3590 < requeued.run_s <= 3600 and requeued.reason == "requeued after preemption from its checkpoint"
         else:
-            assert requeued.run_s == 0 and "no longer knows attempt 1" in (requeued.reason or "")
+            assert requeued.run_s == 0 and "lost attempt 1: the site no longer knows it" in (requeued.reason or "")
     finally:
         await again.stop()
 
