@@ -823,13 +823,14 @@ def test_main_with_a_bad_config_exits_2_with_one_line(tmp_path, capsys):
 
 
 def test_a_dispatch_leaves_out_what_only_the_broker_reads_so_earlier_agents_accept_it():
-    # deferrable is the broker's to honour; an agent of an earlier release forbids keys it does not know
-    at_once = Job(id="j1", spec=job(deferrable=False), created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    # deferrable and max_lost_attempts are the broker's to honour; an agent of an earlier release forbids keys it
+    # does not know
+    at_once = Job(id="j1", spec=job(deferrable=False, max_lost_attempts=2), created_at=datetime(2026, 1, 1, tzinfo=UTC),
                   updated_at=datetime(2026, 1, 1, tzinfo=UTC))
     payload = encode(Dispatch(site="edge", msg_id="m1", job=at_once))
-    assert "deferrable" not in json.loads(payload)["job"]["spec"]
+    assert {"deferrable", "max_lost_attempts"}.isdisjoint(json.loads(payload)["job"]["spec"])
     got = decode(topic("edge", "down"), payload)
-    assert got.job.spec == at_once.spec.model_copy(update={"deferrable": True})
+    assert got.job.spec == at_once.spec.model_copy(update={"deferrable": True, "max_lost_attempts": None})
 
 
 async def test_a_lease_the_broker_shortens_holds_at_once_so_a_cut_off_agent_stops_in_time(agent_and_broker):

@@ -452,6 +452,12 @@ async def test_a_job_that_asks_to_start_at_once_keeps_saying_so(client: TestClie
                      id="a list instead of one job is refused"),
         pytest.param({**MINIMAL, "deferrable": "later"}, 422, "deferrable", "valid boolean",
                      id="a deferrable that is not true or false is refused"),
+        pytest.param({**MINIMAL, "max_lost_attempts": -1}, 422, "max_lost_attempts", "greater than or equal to 0",
+                     id="a negative bound on lost attempts is refused"),
+        pytest.param({**MINIMAL, "max_lost_attempts": 1001}, 422, "max_lost_attempts", "less than or equal to 1000",
+                     id="a bound on lost attempts over 1000 is refused"),
+        pytest.param({**MINIMAL, "max_lost_attempts": "ten"}, 422, "max_lost_attempts", "valid integer",
+                     id="a bound on lost attempts that is not a number is refused"),
     ],
 )
 async def test_an_invalid_job_spec_gets_a_4xx_naming_the_field(client, body, status, field, problem):

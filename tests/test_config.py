@@ -141,6 +141,11 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             id="a port out of range names broker.port",
         ),
         pytest.param(
+            "broker: {max_lost_attempts: -1}\n",
+            ["broker.max_lost_attempts: Input should be greater than or equal to 0"],
+            id="a negative bound on lost attempts names broker.max_lost_attempts",
+        ),
+        pytest.param(
             "broker: {mqtt: {max_payload_bytes: 1000}}\n",
             ["broker.mqtt.max_payload_bytes: 1000 bytes is less than 16384 (16 KiB), the least a heartbeat's report "
              "needs in one message"],

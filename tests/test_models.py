@@ -64,6 +64,16 @@ def test_deferrable_is_sent_only_where_a_job_asks_to_start_at_once() -> None:
     assert JobSpec.model_validate_json(at_once.model_dump_json()).deferrable is False
 
 
+def test_max_lost_attempts_is_sent_only_where_a_job_sets_it() -> None:
+    # A spec of an earlier release (no ``max_lost_attempts``) reads as leaving it to the broker, and is written
+    # again without the key, so brokers of that release, whose specs forbid unknown keys, read it.
+    plain = JobSpec.model_validate(MINIMAL_JOB)
+    assert plain.max_lost_attempts is None
+    assert "max_lost_attempts" not in plain.model_dump() and "max_lost_attempts" not in plain.model_dump_json()
+    bounded = JobSpec.model_validate({**MINIMAL_JOB, "max_lost_attempts": 0})
+    assert JobSpec.model_validate_json(bounded.model_dump_json()).max_lost_attempts == 0
+
+
 @pytest.mark.parametrize(
     ("body", "field", "problem"),
     [
