@@ -11,7 +11,7 @@
   bound) the job fails, its reason naming the losses and their sites, rather than loop for ever (a job that
   brings its node down, or is evicted wherever it runs). So are the attempts a site no longer knows after a
   restart, or left on a site no longer registered. Preemptions, moves and refusals at dispatch do not count.
-  The losses are counted from the job's stored transitions (``lost_attempts``), so the count holds across
+  The losses are counted from the job's stored transitions (:mod:`broker.losses`), so the count holds across
   restarts and takeovers, and takes in those stored by earlier releases.
 Events for an attempt that is no longer current are ignored, so a late or repeated event never moves a
 job twice.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -31,6 +30,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 from adapters.base import AttemptLookup, EventKind, EventReceipts, HeldAttempts, JobEvent
 from broker.federation import Federation, Member
 from broker.jobs import JobBook, JobNotFound
+from broker.losses import lost_attempts, lost_reason, losses_told
 from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobState
 from broker.store import JobFilter, Store, StoreError
@@ -54,39 +54,6 @@ def actual_run_s(job: Job) -> float:
 
 R, D, A = JobState.RUNNING, JobState.DISPATCHING, JobState.ADMITTED
 ON_SITE = (D, A, R)
-
-_LOST = re.compile(r"(?:(?P<site>\S+) (?:lost|no longer knows) attempt \d+|site (?P<gone>\S+) is no longer registered)")
-"""A stored transition that tells a loss (its reason, as ``lost_reason`` writes it, or as an earlier release wrote
-the requeue of an attempt its site forgot across a restart or of one on a site no longer registered)."""
-
-
-def lost_reason(site: str, attempt: int, why: str) -> str:
-    """The reason of the requeue of an attempt ``site`` lost: how ``lost_attempts`` tells it in the history."""
-    return f"{site} lost attempt {attempt}: {why}"
-
-
-def lost_attempts(history: list[dict[str, object]]) -> dict[int, str]:
-    """The attempts a job lost (attempt -> the site that lost it), from its stored transitions (oldest first,
-    ``Store.job_events``): each requeue whose reason tells a loss."""
-    lost: dict[int, str] = {}
-    for ev in history:
-        if ev["state"] != JobState.QUEUED or not isinstance(ev["reason"], str):
-            continue
-        m = _LOST.match(ev["reason"])
-        if m is not None:
-            lost[int(str(ev["attempt"]))] = m["site"] or m["gone"]
-    return lost
-
-
-def losses_told(lost: dict[int, str], cap: int) -> str:
-    """Why a job lost ``cap`` times fails: how many, where, and what to do."""
-    by_site: dict[str, list[int]] = {}
-    for attempt, site in sorted(lost.items()):
-        by_site.setdefault(site, []).append(attempt)
-    where = ", ".join(f"{len(a)} at {site} (attempt{'s' if len(a) > 1 else ''} {', '.join(map(str, a))})"
-                      for site, a in sorted(by_site.items(), key=lambda kv: (-len(kv[1]), kv[0])))
-    return (f"{len(lost)} attempt{'s' if len(lost) > 1 else ''} lost, the most max_lost_attempts allows ({cap}): {where}; giving up, as it "
-            f"would likely be lost again (a larger max_lost_attempts, or 0, lets it go on)")
 
 
 class Lifecycle:

@@ -12,7 +12,7 @@ from adapters.base import EventKind, JobEvent
 from adapters.simulated import SimulatedSite
 from broker.clock import ManualClock
 from broker.config import BrokerSettings
-from broker.lifecycle import lost_attempts
+from broker.losses import lost_attempts
 from broker.models import Job, JobState
 from broker.service import Broker
 from tests.builders import site
@@ -157,7 +157,8 @@ async def test_the_losses_are_counted_across_a_restart_with_those_a_site_forgot_
         await second.stop()
 
 
-async def test_a_job_lost_while_dispatching_at_its_last_allowed_loss_fails_from_the_queue(tmp_path, brokers):  # noqa: F811
+async def test_a_job_lost_while_dispatching_at_its_last_allowed_loss_fails_from_the_queue(
+        tmp_path, brokers):  # noqa: F811
     # The site's report of the loss overtook its answer to the dispatch. A dispatching job has no edge to failed:
     # the loss is stored as a requeue, then the job fails; the site's late answer finds it gone.
     h = await started(tmp_path, brokers, [site("alpha", gpus={"a100-80gb": 8}, adapter=FAST)])
