@@ -219,6 +219,12 @@ class Lifecycle:
         read from its stored transitions, so they count across restarts. None if the job moved on meanwhile
         (nothing changed). Raises as ``JobBook.transition`` does, and StoreError when the history cannot be read
         (nothing changed)."""
+        lost = await self._lose(job, site, why, at)
+        if lost is not None:
+            self.metrics.lost.labels(site).inc()
+        return lost
+
+    async def _lose(self, job: Job, site: str, why: str, at: datetime | None) -> Job | None:
         reason = lost_reason(site, job.attempt, why)
         cap = self.lost_cap(job)
         if cap:

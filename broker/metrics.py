@@ -65,6 +65,9 @@ class Metrics:
                                              "likewise (broker.carbon_ledger)", registry=r)
         self.preemptions = Counter("heliotrope_preemptions", "Attempts a site preempted, by site", ["site"],
                                    registry=r)
+        self.lost = Counter("heliotrope_lost_attempts", "Attempts a site lost (a site gone, a node drained or "
+                            "lost, an eviction, a Pod it could not place, an attempt it forgot across a restart), "
+                            "by site; a job fails at its max_lost_attempts-th loss", ["site"], registry=r)
         self.moves = Counter("heliotrope_moves", "Running jobs the cycle asked their site to checkpoint and stop, "
                              "by site and why: to restart where the rest of the run saves (saving), or to make "
                              "room for a job near its users (room)", ["site", "why"], registry=r)

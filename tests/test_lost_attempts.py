@@ -66,6 +66,9 @@ async def test_a_job_lost_at_every_site_fails_at_its_max_lost_attempts_naming_th
         f"on) (the last: {other} lost attempt 3: its node was drained)")
     assert (await h.states(j.id))[-1] == "failed"
     assert h.free("alpha", "a100-80gb") == 8 and h.free("beta", "a100-80gb") == 8
+    lost = {s: h.broker.metrics.registry.get_sample_value("heliotrope_lost_attempts_total", {"site": s})
+            for s in (first, other)}
+    assert lost == {first: 2.0, other: 1.0}  # /metrics counts them by site
     await h.cycle()
     await h.step(1.0)
     assert (await h.job(j.id)).state == JobState.FAILED  # not placed again
