@@ -61,6 +61,14 @@ async def step(b, clock, seconds: float) -> None:  # noqa: ANN001
         await b.cycle.drain()
 
 
+async def admitted_job(b, clock):  # noqa: ANN001, ANN201
+    """A 2-GPU, one-hour job submitted, placed by a full pass and admitted by its site (as submitted)."""
+    j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
+    await b.cycle.run_once(full=True)
+    await step(b, clock, FAST.dispatch_delay_s)
+    return j
+
+
 async def test_the_carbon_saved_runs_on_across_a_restart(tmp_path) -> None:
     b = await green_broker_with_two_jobs_placed(tmp_path)
     try:
@@ -134,9 +142,7 @@ async def test_a_job_that_ran_a_quarter_of_its_estimate_counts_a_quarter(tmp_pat
     try:
         for name in ("clean", "cheap"):  # the job is done in a quarter of the hour it asked for
             b.federation.get(name).adapter._run_seconds = lambda j: j.spec.duration_s / 4
-        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await step(b, clock, FAST.dispatch_delay_s)
+        j = await admitted_job(b, clock)
         full = await carbon(b)
         await step(b, clock, 900)
         assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
@@ -154,9 +160,7 @@ async def test_an_attempt_that_overran_is_charged_its_overrun_in_the_counters_to
     try:
         for name in ("clean", "cheap"):  # the job runs half as long again as it said
             b.federation.get(name).adapter._run_seconds = lambda j: j.spec.duration_s * 1.5
-        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await step(b, clock, FAST.dispatch_delay_s)
+        j = await admitted_job(b, clock)
         grams = b.metrics.carbon_grams._value.get()
         await step(b, clock, 5400)
         assert (await b.book.get(j.id)).state == JobState.SUCCEEDED
@@ -200,9 +204,7 @@ async def test_an_attempt_that_ended_unheard_by_the_ledger_is_ended_when_a_broke
     the broker taking charge finds the attempt open in the stored ledger and ends it as of the job's end."""
     b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
-        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await step(b, clock, FAST.dispatch_delay_s)
+        j = await admitted_job(b, clock)
         await b.cycle.keep_ledger()
         await step(b, clock, 1800)
         hook, b.book.on_attempt_end = b.book.on_attempt_end, None  # (unheard)
@@ -223,9 +225,7 @@ async def test_an_unheard_attempt_of_a_job_on_a_later_one_is_ended_when_it_left_
     transitions say), not at the job's last change, which would charge it two hours past its estimate."""
     b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
-        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await step(b, clock, FAST.dispatch_delay_s)
+        j = await admitted_job(b, clock)
         site = (await b.book.get(j.id)).site
         await b.cycle.keep_ledger()  # attempt 1 open, as saved
         await step(b, clock, 900)
@@ -534,9 +534,7 @@ async def test_an_attempt_its_site_reports_stopped_while_no_broker_heard_is_coun
 
     b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
-        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await step(b, clock, FAST.dispatch_delay_s)
+        j = await admitted_job(b, clock)
         running = await b.book.get(j.id)
         stopped = clock.now() + timedelta(seconds=1200)
         await b.federation.get(running.site).adapter.cancel(j.id, 1)  # (its own run is left out: the report stands)
@@ -556,9 +554,7 @@ async def test_a_crashed_broker_s_last_sight_of_its_attempts_is_saved_every_minu
     saves (the last time a broker knew it on its site), not when it took charge."""
     b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
-        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await step(b, clock, FAST.dispatch_delay_s)
+        j = await admitted_job(b, clock)
         for _ in range(15):  # quiet passes, a minute apart, for a quarter of an hour
             await clock.advance(60)
             b.cycle._carbon_saved_at -= 60  # (the monotonic clock, as it would have run)
@@ -582,9 +578,7 @@ async def test_a_restart_s_requeue_that_fails_does_not_cut_the_attempt_s_count_s
 
     b, clock = await green_broker(tmp_path, SITES, profiles={"default": "green"})
     try:
-        j, _ = await b.book.submit(job(name="a", count=2, duration_s=3600))
-        await b.cycle.run_once(full=True)
-        await step(b, clock, FAST.dispatch_delay_s)
+        j = await admitted_job(b, clock)
         running = await b.book.get(j.id)
         await b.federation.get(running.site).adapter.cancel(j.id, 1)  # (silently: the site forgets it)
         await clock.advance(600)

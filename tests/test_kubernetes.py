@@ -110,12 +110,17 @@ async def pod_running(cluster: kmock.KubernetesEmulator, name: str, namespace: s
     await cluster.patch(f"/api/v1/namespaces/{namespace}/pods/{name}-abc", json={"status": {"phase": "Running"}})
 
 
+async def j1_sent(adapter: KubernetesSite) -> str:
+    """j-1 (8 GPUs, tenant t1) admitted by the adapter; returns its Job's name."""
+    assert (await adapter.submit(attempt("j-1", count=8))).admitted
+    return job_name("j-1", 1)
+
+
 async def j1_running(adapter: KubernetesSite, stream: AsyncIterator[JobEvent],
                      cluster: kmock.KubernetesEmulator) -> str:
     """j-1 (8 GPUs, tenant t1) admitted, its Pod running, and the adapter's ``running`` read from ``stream``;
     returns its Job's name."""
-    assert (await adapter.submit(attempt("j-1", count=8))).admitted
-    name = job_name("j-1", 1)
+    name = await j1_sent(adapter)
     await pod_running(cluster, name)
     assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
     return name
@@ -1009,8 +1014,7 @@ async def test_a_pod_unschedulable_past_the_limit_has_its_attempt_withdrawn_and_
     await adapter.start()
     stream = adapter.events()
     try:
-        assert (await adapter.submit(attempt("j-1", count=8))).admitted
-        name = job_name("j-1", 1)
+        name = await j1_sent(adapter)
         await unschedulable_pod(cluster, name, datetime.now(UTC) - timedelta(seconds=601))
         lost = await next_event(adapter, stream)
         assert (lost.job_id, lost.attempt, lost.kind) == ("j-1", 1, EventKind.LOST)
@@ -1028,8 +1032,7 @@ async def test_an_unschedulable_pod_may_be_left_waiting_for_ever(cluster: kmock.
     adapter = make_site(cluster, unschedulable_after_s=after_s)
     await adapter.start()
     try:
-        assert (await adapter.submit(attempt("j-1", count=8))).admitted
-        name = job_name("j-1", 1)
+        name = await j1_sent(adapter)
         await unschedulable_pod(cluster, name, datetime.now(UTC) - timedelta(days=1))
         await asyncio.sleep(0.5)
         assert adapter._events.empty() and ("heliotrope-t1", name) in jobs(cluster)
@@ -1056,8 +1059,7 @@ async def test_a_job_whose_pods_the_cluster_refuses_to_create_has_its_attempt_wi
     await adapter.start()
     stream = adapter.events()
     try:
-        assert (await adapter.submit(attempt("j-1", count=8))).admitted
-        name = job_name("j-1", 1)
+        name = await j1_sent(adapter)
         made = (datetime.now(UTC) - timedelta(seconds=601)).strftime("%Y-%m-%dT%H:%M:%SZ")
         # (what the API server writes at creation; the emulator writes none)
         await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"metadata": {
@@ -1092,8 +1094,7 @@ async def test_a_pod_briefly_unschedulable_is_left_to_the_scheduler(cluster: kmo
     await adapter.start()
     stream = adapter.events()
     try:
-        assert (await adapter.submit(attempt("j-1", count=8))).admitted
-        name = job_name("j-1", 1)
+        name = await j1_sent(adapter)
         await unschedulable_pod(cluster, name, datetime.now(UTC))  # (to the second: up to 1 s ago)
         await asyncio.sleep(0.5)
         await cluster.patch(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc", json={"spec": {
