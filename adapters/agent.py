@@ -153,7 +153,8 @@ class AgentConfig(BaseModel):
         default=None, ge=0, le=3600,
         description="stop the jobs this long before the lease ends (None: max(2 * heartbeat_s, 0.2 * lease_s))")
     state_dir: str | None = Field(
-        default=None, description="where the site keeps what must outlive a restart (its operator's quota changes)")
+        default=None, description="where the site keeps what must outlive a restart (its operator's quota changes, "
+                                  "the usage history its fair share weighs)")
     telemetry: TelemetrySourceConfig | None = Field(
         default=None,
         description="measure the site's GPUs (temperature, power, utilisation, clock throttling) and send that "

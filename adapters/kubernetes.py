@@ -67,8 +67,9 @@
   ``heliotrope-stops-<site>`` there (:mod:`adapters.kubernetes_stops`, written in the background), and joined to
   the file's at start: the adapter of a broker replica with another ``state_dir`` that takes over reports them
   the same way. A ConfigMap the cluster refuses is logged, and the adapter goes on with its file.
-- Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`)
-  are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
+- Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`;
+  the usage history their fair share weighs too, :class:`adapters.site_state.UsageJournal`, taken by the first
+  ledgers built after a start) are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
   namespace: ``requests.nvidia.com/gpu`` = guarantee + burst (MIG slices and per-model limits are not
   expressible there, and are annotated only). Where Nodes of the single MIG strategy advertise slices as
   ``nvidia.com/gpu``, one GPU of the limit may be seven such slices, so the mirror's limit is seven times
@@ -123,7 +124,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from adapters.quota_store import QuotaOverrides, log_beyond_site
 from adapters.kubernetes_stops import ClusterStops
-from adapters.site_state import StopJournal
+from adapters.site_state import StopJournal, UsageJournal
 from adapters.telemetry import telemetry_feed
 from adapters.kubernetes_nodes import (
     ASK_ANNOTATION,
@@ -309,6 +310,9 @@ class KubernetesSite:
         self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
         # The stops begun whose `preempted` the broker has not taken yet (its Pods may go while no adapter runs).
         self._journal = StopJournal(Path(folder) / spec.name / "stops.json" if folder is not None else None)
+        # The usage history the fair share weighs, taken by the first ledgers built after the start
+        self._usage = UsageJournal(Path(folder) / spec.name / "usage.json" if folder is not None else None, self.name)
+        self._usage_restored = False
         # ... and their copy in the cluster, for a broker replica with another folder (None: not configured)
         self._cluster_stops = (ClusterStops(self.name, cfg.state_namespace, self._json, lambda: self._core,
                                             close_timeout_s=cfg.request_timeout_s * 2)
@@ -378,6 +382,9 @@ class KubernetesSite:
             self.telemetry.start()
 
     async def close(self) -> None:
+        book = self._admission.book if self._admission is not None else self._history
+        if book is not None and self._usage_restored:
+            self._usage.save(book, self._clock.now().timestamp(), force=True)
         for task in (*self._watches, *self._stop_waits):
             task.cancel()
         await asyncio.gather(*self._watches, *self._stop_waits, return_exceptions=True)
@@ -534,8 +541,13 @@ class KubernetesSite:
             a.admitted = False
         for a in sorted(live, key=lambda a: a.started or 0.0):
             self._reenter(a)
-        if self._history is not None:  # the tenants' past usage, not only what runs now, decides their fair shares
+        # the tenants' past usage, not only what runs now, decides their fair shares: the last ledgers', or (the
+        # first since the start) what the site kept before its restart
+        if self._history is not None:
             self._admission.book.take_usage(self._history, self._clock.now().timestamp())
+        elif not self._usage_restored:
+            self._usage.restore(self._admission.book, self._clock.now().timestamp())
+        self._usage_restored = True
 
     def _reenter(self, a: _Attempt) -> None:
         """Enter a running attempt into fresh ledgers: on its Pod's Node, else anywhere on its model. One the
@@ -766,6 +778,7 @@ class KubernetesSite:
             running_jobs=running,
             quota=self._admission.report(now.timestamp()),
         )
+        self._usage.save(self._admission.book, now.timestamp())
         return self.telemetry.overlay(state) if self.telemetry is not None else state
 
     # --- JobRunner ---
@@ -1465,6 +1478,7 @@ class KubernetesSite:
 
     async def forget_quotas(self) -> None:
         self._overrides.forget()
+        self._usage.forget()
 
     def quota_manifest(self, quota: TenantQuota) -> dict[str, Any]:
         return {

@@ -10,7 +10,8 @@ clock) drive it the same way.
   attempt) is admitted once.
 - Quotas: the spec's ``quotas`` and ``fair_share`` are the starting point; the operator's changes
   (``set_quota``, ``remove_quota``) are kept in ``state_dir``/``NAME``/quota.json, so the site has them
-  again after a restart (:mod:`adapters.quota_store`).
+  again after a restart (:mod:`adapters.quota_store`); so is the usage history its fair share weighs
+  (``usage.json``, :class:`adapters.site_state.UsageJournal`).
 - Failures: each attempt fails with probability ``failure_rate`` at a uniformly random point of its run,
   from a generator seeded by ``seed``, so runs repeat exactly.
 - Telemetry is modelled from allocation: utilisation follows the share of GPU in use, power goes from
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from adapters.quota_store import QuotaOverrides, log_beyond_site
+from adapters.site_state import UsageJournal
 from broker import ids
 from broker.clock import Clock
 from broker.models import Health, Job, QuotaState, SimulatedAdapterConfig, SiteSpec, SiteState, Telemetry, TenantQuota
@@ -75,6 +77,8 @@ class SimulatedSite:
         self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
         self._admission = SiteAdmission(spec, self._overrides.apply(spec.quotas))
         log_beyond_site(self.name, self._admission.book)
+        self._usage = UsageJournal(Path(folder) / spec.name / "usage.json" if folder is not None else None, self.name)
+        self._usage.restore(self._admission.book, clock.now().timestamp())
         self._runs: dict[tuple[str, int], _Run] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Admission]] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}  # tombstones of cancelled attempts -> when
@@ -90,6 +94,8 @@ class SimulatedSite:
         self._closed = False
 
     async def close(self) -> None:
+        if not self._closed:
+            self._usage.save(self._admission.book, self._clock.now().timestamp(), force=True)
         self._closed = True
         for run in list(self._runs.values()):
             if run.task is not None:
@@ -118,7 +124,7 @@ class SimulatedSite:
             mem_total += use.memory_kib / (1 << 20)
             mem_used += use.used_kib / (1 << 20) * 0.8
         util = min(100.0, 100.0 * busy / gpus) if gpus else 0.0
-        return SiteState(
+        state = SiteState(
             site=self.name,
             health=Health.HEALTHY,
             last_heard_at=now,
@@ -134,6 +140,8 @@ class SimulatedSite:
             running_jobs=len(self._runs),
             quota=self._admission.report(now.timestamp()),
         )
+        self._usage.save(self._admission.book, now.timestamp())
+        return state
 
     # --- QuotaAdmin ---
 
@@ -160,6 +168,7 @@ class SimulatedSite:
 
     async def forget_quotas(self) -> None:
         self._overrides.forget()
+        self._usage.forget()
 
     # --- JobRunner ---
 

@@ -13,6 +13,11 @@ adapter starts without it: a site must come up.
   adapter also keeps a copy in the cluster (``state_namespace``, :mod:`adapters.kubernetes_stops`), for a broker
   replica with another state folder that takes over: it follows each change through ``StopJournal.listener``,
   and what it finds there at start is joined to the file's (``StopJournal.merge``).
+- :class:`UsageJournal`: the site's usage history, which its time-based fair share weighs (the decayed
+  GPU-hours of each tenant over the window, :class:`policies.quota.QuotaBook`). Saved at most once a minute
+  (``every_s``) as the broker or agent reads the site's state, and when the adapter closes; taken by the
+  site's ledgers at start, with the jobs still running counted from the save on, so a restart does not give
+  every tenant a clean slate.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker.models import STORED, UtcDatetime
+from policies.quota import QuotaBook, UsageHistory
 
 log = logging.getLogger(__name__)
 
@@ -141,3 +147,87 @@ class StopJournal:
         except OSError as e:
             log.warning("cannot write the stops not yet reported to %s (%s); a restart before they are "
                         "reported takes their attempts for lost", self.path, e)
+
+
+class _KeptAccount(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    tenant: str = Field(min_length=1)
+    pool: str | None  # the model the tenant's quota counts, None for any
+    gpu_s: dict[int, float]  # GPU-seconds per period index
+
+
+class KeptUsage(BaseModel):
+    """A site's usage history as kept in ``usage.json`` (:meth:`policies.quota.QuotaBook.history`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)  # (what a later release adds is read past)
+
+    v: int = 1
+    bucket_s: float = Field(gt=0)
+    origin: float | None
+    saved_at: float
+    accounts: list[_KeptAccount]
+
+    @classmethod
+    def of(cls, history: UsageHistory) -> KeptUsage:
+        return cls(bucket_s=history.bucket_s, origin=history.origin, saved_at=history.saved_at,
+                   accounts=[_KeptAccount(tenant=t, pool=p, gpu_s=dict(b)) for (t, p), b in
+                             sorted(history.usage.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))])
+
+    def history(self) -> UsageHistory:
+        return UsageHistory(self.bucket_s, self.origin, self.saved_at,
+                            {(a.tenant, a.pool): a.gpu_s for a in self.accounts})
+
+
+_USAGE = TypeAdapter(KeptUsage)
+
+USAGE_SAVE_EVERY_S = 60.0
+"""How often, at most, a site writes its usage history: a crash forgets at most this much of it."""
+
+
+class UsageJournal:
+    """A site's usage history in ``path`` (None: kept nowhere, and :meth:`restore` takes nothing). A write
+    that fails is logged; the site goes on (its fair share then forgets the history at its next restart)."""
+
+    def __init__(self, path: Path | None, site: str, every_s: float = USAGE_SAVE_EVERY_S) -> None:
+        self.path = path
+        self.site = site
+        self.every_s = every_s
+        self._saved_at: float | None = None
+        self._forgotten = False
+
+    def restore(self, book: QuotaBook, now: float) -> bool:
+        """Give ``book`` (a site's first ledgers since its start, its running jobs entered) the kept history;
+        whether there was one it took."""
+        kept = read_or_set_aside(self.path, _USAGE, "the usage history", "counting usage from now")
+        if kept is None:
+            return False
+        why_not = book.restore(kept.history(), now)
+        if why_not is not None:
+            log.warning("site %s: the usage history in %s is not taken: %s; the fair share counts usage from now",
+                        self.site, self.path, why_not)
+            return False
+        log.info("site %s: usage history restored from %s (saved %.0f s ago)", self.site, self.path,
+                 max(0.0, now - kept.saved_at))
+        return True
+
+    def save(self, book: QuotaBook, now: float, force: bool = False) -> None:
+        """Write ``book``'s history, unless one was written less than ``every_s`` ago (``force``: at close)."""
+        if self.path is None or self._forgotten or (not force and self._saved_at is not None and now - self._saved_at < self.every_s):
+            return
+        self._saved_at = now
+        try:
+            write_atomically(self.path, _USAGE.dump_json(KeptUsage.of(book.history(now))))
+        except OSError as e:
+            log.warning("site %s: cannot write the usage history to %s (%s); a restart would forget it",
+                        self.site, self.path, e)
+
+    def forget(self) -> None:
+        """The site leaves the federation: drop the kept history, and keep none from now on (so a new site of
+        its name starts afresh)."""
+        self._forgotten = True
+        if self.path is not None:
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("site %s: cannot remove the usage history %s (%s)", self.site, self.path, e)

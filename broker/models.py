@@ -244,8 +244,9 @@ class SimulatedAdapterConfig(Spec):
     failure_rate: float = Field(default=0.0, ge=0, le=1, description="chance that an attempt fails")
     seed: int = 0
     state_dir: str | None = Field(
-        default=None, description="where the site keeps its operator's quota changes (default: the broker's "
-                                  "folder for site state, beside its database)")
+        default=None, description="where the site keeps its operator's quota changes and the usage history its "
+                                  "fair share weighs (default: the broker's folder for site state, beside its "
+                                  "database)")
 
 
 class Toleration(Spec):
@@ -422,8 +423,8 @@ class KubernetesAdapterConfig(Spec):
     image: str = Field(default="busybox:1.36", min_length=1, description="container image of each job")
     command: list[str] = Field(default_factory=list, description="its command (empty: the image's entrypoint)")
     state_dir: str | None = Field(
-        default=None, description="where the site keeps its operator's quota changes and its stops not yet "
-                                  "reported (default: the broker's)")
+        default=None, description="where the site keeps its operator's quota changes, the usage history its fair "
+                                  "share weighs and its stops not yet reported (default: the broker's)")
     state_namespace: str | None = Field(
         default=None, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
         description="a namespace where the site also keeps its stops not yet reported, in the ConfigMap "

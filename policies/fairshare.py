@@ -54,7 +54,7 @@ Units: GPUs (fractions count as their share), GPU-seconds, POSIX seconds. Turn i
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 EPS = 1e-9
@@ -160,6 +160,15 @@ class UsageLedger:
         """``other``'s history (and first moment) in place of this one's (a book rebuilt takes its predecessor's)."""
         self.origin = other.origin
         self._buckets = {key: dict(buckets) for key, buckets in other._buckets.items()}
+
+    def buckets(self) -> dict[Hashable, dict[int, float]]:
+        """A copy of the GPU-seconds per account per period index."""
+        return {key: dict(buckets) for key, buckets in self._buckets.items()}
+
+    def replace(self, buckets: Mapping[Hashable, Mapping[int, float]], origin: float | None) -> None:
+        """``buckets`` (as :meth:`buckets` gives them) and ``origin`` in place of this ledger's history."""
+        self.origin = origin
+        self._buckets = {key: {int(i): float(v) for i, v in b.items() if v > 0} for key, b in buckets.items() if b}
 
     def factors(self, epoch: int) -> dict[int, float]:
         """Decay factor per bucket index counted at the boundary ``epoch × bucket_s``: the buckets whose middle

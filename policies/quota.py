@@ -131,6 +131,20 @@ class TenantState:
     configured_guaranteed_gpus: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class UsageHistory:
+    """A book's usage history, for a site to keep across its restarts (:meth:`QuotaBook.history`,
+    :meth:`QuotaBook.restore`): GPU-seconds per account ((tenant, pool): the model its quota counts, or None
+    for any) per period index (periods of ``bucket_s`` seconds, index ``floor(t / bucket_s)``), counted up to
+    ``saved_at`` (POSIX seconds); ``origin``: the first moment the book saw, from which the site's own capacity
+    over the window is counted."""
+
+    bucket_s: float
+    origin: float | None
+    saved_at: float
+    usage: Mapping[tuple[str, str | None], Mapping[int, float]]
+
+
 @dataclass(slots=True, eq=False)
 class _Job:
     job_id: str
@@ -262,6 +276,43 @@ class QuotaBook:
         for acct in self._accounts.values():
             acct.since = now
         self._epoch = None
+
+    def history(self, now: float) -> UsageHistory:
+        """The usage history up to ``now`` (each account's open interval counted to it), periods older than the
+        window left out: what a site keeps so that a restart does not forget every tenant's past usage."""
+        now = self._clock(now)
+        for acct in self._accounts.values():
+            self._accrue(acct, now)
+        first = math.floor((now - self._ledger.window_s) / self._ledger.bucket_s) - 1
+        usage = {key: {i: v for i, v in buckets.items() if i >= first}
+                 for key, buckets in self._ledger.buckets().items()}
+        return UsageHistory(self._ledger.bucket_s, self._ledger.origin, now, {k: b for k, b in usage.items() if b})
+
+    def restore(self, kept: UsageHistory, now: float) -> str | None:
+        """Take ``kept`` (:meth:`history`, saved before a restart) as this book's usage history; this book's
+        running jobs, re-entered at their starts, count from ``kept.saved_at`` on (what re-entering them
+        counted before it is dropped, or it would count twice), so their run while no one watched counts too.
+        A tenant whose quota now counts another model than its kept history's account takes that history.
+        Returns why ``kept`` was not taken (periods of another length: the site's ``fair_share`` changed), else
+        None."""
+        if kept.bucket_s != self._ledger.bucket_s:
+            return (f"it was kept in periods of {kept.bucket_s:g} s and the site's fair share now reweighs every "
+                    f"{self._ledger.bucket_s:g} s")
+        now = self._clock(now)
+        usage = {key: dict(buckets) for key, buckets in kept.usage.items()}
+        for tenant, q in self._quotas.items():  # its quota changed model meanwhile (as _rehome renames)
+            keys = [key for key in usage if key[0] == tenant]
+            if len(keys) == 1 and keys[0][1] != q.model:
+                usage[(tenant, q.model)] = usage.pop(keys[0])
+        origin = self._ledger.origin
+        self._ledger.replace(usage, kept.origin if origin is None or kept.origin is None else min(origin, kept.origin))
+        for job in self._jobs.values():
+            acct = job.account
+            self._ledger.add((acct.tenant, acct.pool), job.gpus, max(job.start, kept.saved_at), now)
+        for acct in self._accounts.values():
+            acct.since = now
+        self._epoch = None
+        return None
 
     def beyond_site(self) -> list[str]:
         """Each quota asking for GPUs the site does not have (``TenantQuota.beyond``: one stored by an earlier

@@ -26,8 +26,9 @@ from adapters.kubernetes import KubernetesSite, job_name, product_model
 from adapters.kubernetes_nodes import node_groups, read_node
 from adapters.kubernetes_stops import config_map_name
 from broker.clock import ManualClock, SystemClock
-from broker.models import GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
+from broker.models import FairSharePolicy, GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
 from policies.inventory import Inventory, Placement
+from policies.quota import Ask, QuotaBook
 from tests.builders import NOW, job, site
 
 JOBS, PODS, NODES, QUOTAS = "batch/v1/jobs", "v1/pods", "v1/nodes", "v1/resourcequotas"
@@ -465,12 +466,13 @@ async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster
         await adapter.close()
 
 
-async def _a_site_with_a_quota_for_t1(cluster: kmock.KubernetesEmulator) -> tuple[KubernetesSite, ManualClock]:
+async def _a_site_with_a_quota_for_t1(cluster: kmock.KubernetesEmulator, clock: ManualClock | None = None,
+                                      state_dir: Path | None = None) -> tuple[KubernetesSite, ManualClock]:
     """A started Kubernetes site on the emulator, on a manual clock, with tenant t1 guaranteed 4 GPUs and 12 more."""
-    clock = ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
+    clock = clock or ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
     adapter = KubernetesSite(site("kube", adapter=config.model_dump(), quotas=[
-        {"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 12}]), clock)
+        {"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 12}]), clock, state_dir=state_dir)
     await adapter.start()
     return adapter, clock
 
@@ -499,6 +501,46 @@ async def test_a_node_that_comes_or_goes_leaves_the_tenants_usage_history_and_fa
         assert _t1_usage(after) == pytest.approx(before)
     finally:
         await adapter.close()
+
+
+async def test_a_restarted_adapter_keeps_the_tenants_usage_history_and_charges_the_run_while_it_was_down_once(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    # A broker restart (or a site agent's) built the ledgers afresh: only the jobs still running counted, from their
+    # starts, so the tenant that used the site all night came back with a clean slate.
+    t0 = datetime(2026, 11, 30, tzinfo=UTC)
+    adapter, clock = await _a_site_with_a_quota_for_t1(cluster, ManualClock(t0), state_dir=tmp_path)
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        assert (await adapter.submit(attempt("j-2", count=4))).admitted  # runs on through the restart
+        await clock.advance(3 * 3600)
+        await adapter.cancel("j-1", 1)  # ended before the restart: only the history knows it ran
+        await clock.advance(3600)
+        before = _t1_usage(await adapter.snapshot())
+        assert before > 20
+    finally:
+        await adapter.close()
+    await clock.advance(2 * 3600)  # down for two hours; j-2 runs on in the cluster
+    # (the adapter re-enters j-2 at its Job's creationTimestamp, which the API server writes at creation; the
+    # emulator writes none)
+    await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{job_name('j-2', 1)}", json={"metadata": {
+        "creationTimestamp": t0.strftime("%Y-%m-%dT%H:%M:%SZ")}})
+    again, _ = await _a_site_with_a_quota_for_t1(cluster, clock, state_dir=tmp_path)
+    try:
+        after = _t1_usage(await again.snapshot())
+    finally:
+        await again.close()
+    # what a site that never restarted reports: the same ledgers, the same runs (j-2's time away counted once)
+    book = QuotaBook([TenantQuota(tenant="t1", guaranteed_gpus=4, burst_gpus=12)], FairSharePolicy(),
+                     {"a100-80gb": 16})
+    for job_id, gpus in (("j-1", 8), ("j-2", 4)):
+        book.start(Ask(job_id, "t1", gpus, "a100-80gb", 0, False, None), t0.timestamp())
+    book.stop("j-1", t0.timestamp() + 3 * 3600)
+    uninterrupted = book.state(clock.now().timestamp())[0].decayed_usage_gpu_h
+    assert after == pytest.approx(uninterrupted, rel=1e-3)
+    fresh = QuotaBook([TenantQuota(tenant="t1", guaranteed_gpus=4, burst_gpus=12)], FairSharePolicy(),
+                      {"a100-80gb": 16})  # without the history: j-2 alone
+    fresh.start(Ask("j-2", "t1", 4, "a100-80gb", 0, False, None), t0.timestamp())
+    assert after > 1.5 * fresh.state(clock.now().timestamp())[0].decayed_usage_gpu_h
 
 
 async def test_jobs_that_end_while_every_node_is_away_add_no_usage_for_the_time_away(

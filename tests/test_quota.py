@@ -734,6 +734,58 @@ def test_a_book_rebuilt_with_the_running_jobs_keeps_the_usage_history_and_counts
         fresh.book.state(fresh.now)[1].decayed_usage_gpu_h)
 
 
+def test_a_restarted_site_takes_its_kept_usage_history_and_counts_the_run_while_it_was_down_once() -> None:
+    """A site that restarts (its broker or agent) builds its ledgers afresh: with the history it kept
+    (``history``, ``restore``) the tenant that used the site all night still counts as having used it, and a job
+    that ran on while no one watched is charged for that time, once."""
+    quotas = [quota("vision", 4, 12), quota("nlp", 4, 12)]
+    site = Site(quotas, gpus=16)
+    site.submit(ask("v-done", "vision", 8))
+    site.advance(3 * H)
+    site.finish("v-done")
+    site.submit(ask("v-run", "vision", 4))
+    site.submit(ask("n-run", "nlp", 2))
+    site.advance(2 * H)
+    kept = site.book.history(site.now)  # the last save before the restart
+    site.advance(1.5 * H)  # down for an hour and a half; both jobs run on
+    uninterrupted = {s.tenant: s.decayed_usage_gpu_h for s in site.book.state(site.now)}
+    assert uninterrupted["vision"] > 20
+
+    restarted = QuotaBook(quotas, FairSharePolicy(), {MODEL: 16})
+    restarted.start(ask("v-run", "vision", 4), site.now - 3.5 * H)  # re-entered at their starts
+    restarted.start(ask("n-run", "nlp", 2), site.now - 3.5 * H)
+    assert restarted.restore(kept, site.now) is None
+    assert {s.tenant: s.decayed_usage_gpu_h for s in restarted.state(site.now)} == pytest.approx(uninterrupted)
+    fresh = QuotaBook(quotas, FairSharePolicy(), {MODEL: 16})  # without it: only what still runs counts
+    fresh.start(ask("v-run", "vision", 4), site.now - 3.5 * H)
+    assert fresh.state(site.now)[1].decayed_usage_gpu_h < uninterrupted["vision"] / 2
+
+    for book in (site.book, restarted):  # the same job ends at the same time in both books
+        book.stop("v-run", site.now + H)
+    later = site.now + 4 * H
+    assert restarted.state(later)[1].decayed_usage_gpu_h == pytest.approx(site.book.state(later)[1].decayed_usage_gpu_h)
+
+
+def test_a_kept_usage_history_follows_a_quota_that_changed_model_and_is_refused_in_other_periods() -> None:
+    site = Site([quota("vision", 4, 12, model=MODEL)], gpus=16)
+    site.submit(ask("v-done", "vision", 8))
+    site.advance(3 * H)
+    site.finish("v-done")
+    site.advance(H)
+    kept = site.book.history(site.now)
+    used = site.book.state(site.now)[0].decayed_usage_gpu_h
+    assert used > 10
+    # the operator moved vision's quota to count any model while the site was down
+    any_model = QuotaBook([quota("vision", 4, 12, model=None)], FairSharePolicy(), {MODEL: 16})
+    assert any_model.restore(kept, site.now) is None
+    assert any_model.state(site.now)[0].decayed_usage_gpu_h == pytest.approx(used)
+    # the site's fair share now reweighs every 2 hours: periods of another length cannot be taken
+    other = QuotaBook([quota("vision", 4, 12)], FairSharePolicy(reweight_h=2), {MODEL: 16})
+    why = other.restore(kept, site.now)
+    assert why is not None and "7200" in why and "3600" in why
+    assert other.state(site.now)[0].decayed_usage_gpu_h == 0
+
+
 # --- properties ---------------------------------------------------------------------------------------
 
 

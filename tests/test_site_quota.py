@@ -528,3 +528,48 @@ async def test_a_fair_share_recomputed_so_often_it_would_stall_the_site_is_refus
     assert "(reweight_h at least 0.216 h)" in problem
     body["fair_share"]["reweight_h"] = 0.25
     assert (await client.post("/v1/sites", json=body)).status == 201
+
+
+async def test_a_restarted_site_still_counts_the_usage_its_tenants_had_before(tmp_path, caplog):
+    """The time-based fair share weighs each tenant's past usage: a restart of the broker (or of the site's
+    agent) must not give the tenant that used the site all night a clean slate over the one that waited."""
+    from datetime import UTC, datetime
+
+    from adapters.simulated import SimulatedSite
+    from broker.clock import ManualClock
+    from broker.models import Job, SimulatedAdapterConfig
+    from tests.builders import job, site
+
+    clock = ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
+    spec = site("berlin", gpus={"a100-80gb": 16}, quotas=QUOTAS, adapter=SimulatedAdapterConfig(dispatch_delay_s=0))
+
+    def vision(tenant: str, job_id: str, hours: float) -> Job:
+        now = clock.now()
+        return Job(id=job_id, spec=job(tenant=tenant, count=8, duration_s=hours * 3600), attempt=1, created_at=now,
+                   updated_at=now)
+
+    def usage(state) -> dict[str, float]:  # noqa: ANN001
+        return {t.tenant: t.decayed_usage_gpu_h for t in state.quota.tenants}
+
+    first = SimulatedSite(spec, clock, state_dir=tmp_path)
+    await first.start()
+    assert (await first.submit(vision("vision", "v-night", 6))).admitted
+    await clock.advance(6 * 3600 + 60)
+    assert (await first.submit(vision("vision", "v-morning", 4))).admitted
+    await clock.advance(1800)
+    before = usage(await first.snapshot())
+    assert before["vision"] > 30 and before["nlp"] == 0
+    await first.close()  # the broker stops (its running job is lost with the process, as a simulated site's is)
+
+    second = SimulatedSite(spec, clock, state_dir=tmp_path)
+    await second.start()
+    assert usage(await second.snapshot()) == pytest.approx(before)
+    await second.forget_quotas()  # the site leaves the federation: a new site of its name starts afresh
+    await second.close()
+    third = SimulatedSite(spec, clock, state_dir=tmp_path)
+    assert usage(await third.snapshot()) == {"nlp": 0, "vision": 0}
+
+    (tmp_path / "berlin" / "usage.json").write_text("{not json")  # edited by hand: set aside, the site starts
+    fourth = SimulatedSite(spec, clock, state_dir=tmp_path)
+    assert usage(await fourth.snapshot())["vision"] == 0
+    assert (tmp_path / "berlin" / "usage.json.unreadable").exists() and "cannot read the usage history" in caplog.text
