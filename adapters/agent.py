@@ -10,7 +10,7 @@ opens the only connection, so a site behind NAT or an outgoing-only firewall wor
     heartbeat_s: 2          # how often the agent publishes its state (and asks for its lease to be renewed)
     resend_s: 2             # how often an unacknowledged event is published again
     stop_margin_s: null     # see "Leases" below
-    state_dir: var/sites    # where the site keeps its operator's quota changes
+    state_dir: var/sites    # where the site keeps its operator's quota changes and its usage history
     telemetry: {kind: prometheus, url: http://prometheus:9090}  # measured GPUs in each heartbeat (adapters.dcgm;
                             # {kind: nvml} on the GPU node itself); unset: the adapter's own telemetry
 
