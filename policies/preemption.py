@@ -18,7 +18,9 @@ Preemption (when the job does not fit as things stand)
 
     Another tenant is never pushed below its guarantee: of each, only jobs that fit in what it holds above its
     guarantee are taken (walking the order, a job that would cross the line is skipped). Order: effective
-    priority ascending, start descending (newest first), job id; for a reclaim, the borrowers' jobs in that
+    priority ascending, checkpointable jobs first (each writes its checkpoint as it stops and loses little of
+    its run; any other job loses all of it, so the newest loses least), start descending (newest first), job
+    id; for a reclaim, the borrowers' jobs in that
     order before the tenant's own (of lower priority), since stopping its own would leave it no nearer its
     guarantee. The caller's ``fits(victim_ids)`` says
     whether the job fits once those are gone (its inventory knows nodes, fractions, topology); releasing more
@@ -61,14 +63,19 @@ if TYPE_CHECKING:
 Fits = Callable[[Sequence[str]], bool]
 
 
-def enqueue(queue: list[tuple[int, float, str, _Job]], job: _Job) -> None:
+def _order(job: _Job) -> tuple[int, int, float, str]:
+    """A candidate's place in victim order: lowest priority, checkpointable first, newest, job id."""
+    return job.priority, 0 if job.checkpointable else 1, -job.start, job.job_id
+
+
+def enqueue(queue: list[tuple[int, int, float, str, _Job]], job: _Job) -> None:
     """Add a preemptible job to its account's candidates, kept in victim order."""
-    bisect.insort(queue, (job.priority, -job.start, job.job_id, job))
+    bisect.insort(queue, (*_order(job), job))
 
 
-def dequeue(queue: list[tuple[int, float, str, _Job]], job: _Job) -> None:
+def dequeue(queue: list[tuple[int, int, float, str, _Job]], job: _Job) -> None:
     """Remove a preemptible job from its account's candidates."""
-    i = bisect.bisect_left(queue, (job.priority, -job.start, job.job_id))
+    i = bisect.bisect_left(queue, _order(job))
     del queue[i]
 
 
@@ -182,12 +189,12 @@ def removable(accounts: Iterable[_Account], now: float, reclaim_min_run_s: float
     return out, lend
 
 
-def _stream(queue: list[tuple[int, float, str, _Job]], model: str, now: float, below: int | None,
-            min_run_cap_s: float = float("inf")) -> Iterator[tuple[int, float, str, _Job]]:
+def _stream(queue: list[tuple[int, int, float, str, _Job]], model: str, now: float, below: int | None,
+            min_run_cap_s: float = float("inf")) -> Iterator[tuple[int, int, float, str, _Job]]:
     for item in queue:
         if below is not None and item[0] >= below:
             return
-        job = item[3]
+        job = item[4]
         if job.model == model and now - job.start >= min(job.min_run_s, min_run_cap_s):
             yield item
 
@@ -198,8 +205,8 @@ def _lends(o: _Account) -> bool:
     return o.listed and o.pool is None
 
 
-def _capped(acct: _Account, merged: Iterator[tuple[int, float, str, _Job]],
-            lenders: Iterator[tuple[int, float, str, _Job]], elsewhere: float) -> Iterator[_Job]:
+def _capped(acct: _Account, merged: Iterator[tuple[int, int, float, str, _Job]],
+            lenders: Iterator[tuple[int, int, float, str, _Job]], elsewhere: float) -> Iterator[_Job]:
     """Candidates in order, skipping any that would push another tenant below its guarantee; then the
     ``lenders``' candidates (tenants whose quotas count any model; those not taken already), in order, skipping
     any that would push one further below its guarantee than the ``elsewhere`` left (shared by all of them)."""

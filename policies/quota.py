@@ -156,6 +156,7 @@ class _Job:
     preemptible: bool
     min_run_s: float
     start: float
+    checkpointable: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -173,7 +174,7 @@ class _Account:
     in_use: float = 0.0
     nonpre: float = 0.0
     jobs: dict[str, _Job] = field(default_factory=dict)
-    queue: list[tuple[int, float, str, _Job]] = field(default_factory=list)  # preemptible, in victim order
+    queue: list[tuple[int, int, float, str, _Job]] = field(default_factory=list)  # preemptible, in victim order
 
     @property
     def limit(self) -> float:
@@ -235,7 +236,7 @@ class QuotaBook:
             raise ValueError(f"job {ask.job_id} cannot start here: {acct}")
         min_run = ask.min_run_s if ask.min_run_s is not None else self.policy.min_run_s
         job = _Job(ask.job_id, acct, ask.gpus, ask.model, ask.priority, acct.effective(ask.priority), ask.preemptible,
-                   min_run, now)
+                   min_run, now, ask.checkpointable)
         self._record(job, acct, now)
 
     def stop(self, job_id: str, now: float) -> None:
@@ -472,7 +473,7 @@ class QuotaBook:
                 acct.tenant, acct.listed, acct.pool, acct.guaranteed, acct.burst, acct.weight, acct.ceiling,
                 acct.in_use, max(0.0, acct.in_use - acct.guaranteed), acct.nonpre, shares.get(acct, 0.0),
                 usage_s / 3600, waiting, room, np_room, min(short, back),
-                *_by_priority_and_model((priority, job) for priority, _, _, job in acct.queue
+                *_by_priority_and_model((priority, job) for priority, _, _, _, job in acct.queue
                                         if now - job.start >= job.min_run_s),
                 {m: _tidy(min(short, g)) for m, g in sorted(on.items()) if min(short, g) > EPS},
                 self._configured(acct)))

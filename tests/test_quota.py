@@ -31,8 +31,8 @@ def quota(tenant: str, g: int = 0, burst: int = 0, **more) -> TenantQuota:
 
 
 def ask(job_id: str, tenant: str, gpus: float = 1, *, priority: int = 0, preemptible: bool = True,
-        min_run_s: float | None = None, model: str = MODEL) -> Ask:
-    return Ask(job_id, tenant, gpus, model, priority, preemptible, min_run_s)
+        min_run_s: float | None = None, model: str = MODEL, checkpointable: bool = False) -> Ask:
+    return Ask(job_id, tenant, gpus, model, priority, preemptible, min_run_s, checkpointable)
 
 
 class Site:
@@ -92,6 +92,7 @@ class Job:
     preemptible: bool = True
     age_s: float = H
     min_run_s: float | None = None
+    checkpointable: bool = False
 
 
 def site_running(quotas: Sequence[TenantQuota], jobs: Sequence[Job], gpus: float,
@@ -100,7 +101,7 @@ def site_running(quotas: Sequence[TenantQuota], jobs: Sequence[Job], gpus: float
     for j in sorted(jobs, key=lambda j: -j.age_s):
         site.now = T0 - j.age_s
         site.run(ask(j.job_id, j.tenant, j.gpus, priority=j.priority, preemptible=j.preemptible,
-                     min_run_s=j.min_run_s))
+                     min_run_s=j.min_run_s, checkpointable=j.checkpointable))
     site.now = T0
     return site
 
@@ -306,6 +307,10 @@ RECLAIM_CASES = [
                  id="among equal priorities the newest goes first"),
     pytest.param([Job("x-b", "x"), Job("x-a", "x")], 1, ("x-a",),
                  id="equal priority and start: the job id decides"),
+    pytest.param([Job("x-ckpt", "x", age_s=8 * H, checkpointable=True), Job("y-new", "y", age_s=600)], 1,
+                 ("x-ckpt",), id="among equal priorities a checkpointable job goes first: it loses little of its run"),
+    pytest.param([Job("x-ckpt", "x", priority=1, checkpointable=True), Job("y1", "y", age_s=8 * H)], 1, ("y1",),
+                 id="a checkpointable job of higher priority still goes after the lower priority"),
     pytest.param([Job("x1", "x", priority=-5, preemptible=False), Job("y1", "y")], 1, ("y1",),
                  id="a non-preemptible job is never taken, even at the lowest priority"),
     pytest.param([Job("x1", "x", age_s=60, min_run_s=600), Job("y1", "y", age_s=H)], 1, ("x1",),
@@ -403,6 +408,11 @@ PRIORITY_CASES = [
     pytest.param([quota("a", 0, 8), quota("b", 0, 8)], [Job(f"a{i}", "a", age_s=H + i) for i in range(4)]
                  + [Job(f"b{i}", "b", age_s=H + i) for i in range(4)], ask("new", "b", 2, priority=5), ("b0", "b1"),
                  id="a tenant within its fair share is spared; the asker's own lower-priority jobs make room"),
+    pytest.param([quota("a", 0, 8), quota("b", 0, 8)], [Job(f"a{i}", "a", age_s=H + i) for i in range(5)]
+                 + [Job("a-ckpt", "a", age_s=9 * H, checkpointable=True)]
+                 + [Job("b0", "b", priority=5), Job("b1", "b", priority=5)], ask("new", "b", 2, priority=5),
+                 ("a-ckpt", "a0"),
+                 id="a checkpointable job is preempted before newer work that would lose its whole run"),
     pytest.param([quota("a", 0, 8), quota("b", 0, 8)], [Job(f"a{i}", "a") for i in range(6)]
                  + [Job("b0", "b"), Job("b1", "b")], ask("new", "b", 2, priority=0), None,
                  id="equal priority preempts nobody outside a reclaim"),

@@ -573,3 +573,22 @@ async def test_a_restarted_site_still_counts_the_usage_its_tenants_had_before(tm
     fourth = SimulatedSite(spec, clock, state_dir=tmp_path)
     assert usage(await fourth.snapshot())["vision"] == 0
     assert (tmp_path / "berlin" / "usage.json.unreadable").exists() and "cannot read the usage history" in caplog.text
+
+
+def test_a_site_preempts_a_checkpointable_job_before_newer_work_that_would_lose_its_whole_run():
+    """Site admission hands the job spec's ``checkpointable`` to the quota book: of two preemptible jobs of the
+    same priority, the one that writes a checkpoint as it stops goes, though it is the older."""
+    from broker.models import SiteSpec
+    from policies.admission import SiteAdmission
+    from tests.builders import job
+
+    spec = SiteSpec.model_validate(site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, quotas=[
+        {"tenant": "vision", "guaranteed_gpus": 0, "burst_gpus": 8}, {"tenant": "nlp", "guaranteed_gpus": 4}]))
+    site = SiteAdmission(spec)
+    t0 = 1_800_000_000.0
+    for job_id, spec_, at in (("v-ckpt", job(tenant="vision", count=4, preemptible=True, checkpointable=True), t0),
+                              ("v-plain", job(tenant="vision", count=4, preemptible=True), t0 + 3600)):
+        admitted = site.admit(job_id, spec_, at)
+        site.start(job_id, admitted, at)
+    verdict = site.admit("n-1", job(tenant="nlp", count=4), t0 + 7200)
+    assert verdict.victims == ("v-ckpt",) and verdict.reason.startswith("reclaims its guarantee")
