@@ -52,7 +52,7 @@
   of the job's), its Job deleted, but not while Pods of a stop here are still going (a preemption making room for
   it) nor in the ``AFTER_STOP_GRACE_S`` after (0 or None: it waits); a Job the cluster has made no Pod for in
   ``unschedulable_after_s`` from its creationTimestamp (it refuses it: Pod Security admission, a LimitRange, a
-  ResourceQuota; only a FailedCreate Event says so) the same, with ``PODLESS_AFTER_STOP_GRACE_S`` after a stop
+  ResourceQuota; only a FailedCreate Event says so, and its message is the reason given) the same, with ``PODLESS_AFTER_STOP_GRACE_S`` after a stop
   (the site's own ResourceQuota refuses a preemptor's Pod until its victims have gone); a Job deleted by someone
   else → ``lost``.
   A Job that succeeded or failed is deleted once the broker has taken its outcome (``taken``). Each time a watch (re)connects (after an error, its 300 s
@@ -322,6 +322,7 @@ class KubernetesSite:
         self._no_client: str | None = None  # why start could not make an API client (its error), if it could not
         self._admission: SiteAdmission | None = None
         self._history: QuotaBook | None = None  # the last ledgers' book, whose usage history a rebuild takes on
+        self._events_unread = False  # whether a read of Events has failed (logged once)
         self._groups: list[NodeGroup] = []
         # (model, profile of a single-strategy node or None) -> product label values seen
         self._products: dict[tuple[str, str | None], set[str]] = {}
@@ -474,6 +475,29 @@ class KubernetesSite:
     @property
     def _batch(self) -> k8s.BatchV1Api:
         return k8s.BatchV1Api(self._client)
+
+    async def _refused_why(self, namespace: str, job: str) -> str | None:
+        """The message of the Job's latest ``FailedCreate`` Event (the Job controller's: Pod Security admission,
+        a LimitRange or a ResourceQuota refused its Pod), or None: none recorded, or the Events cannot be read (the
+        site's RBAC without ``list`` on events, logged once)."""
+        try:
+            data = await self._json("reading a Job's Events", self._core.list_namespaced_event_without_preload_content,
+                                    namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name={job}")
+        except (k8s.ApiException, AdapterError) as e:
+            if not self._events_unread:
+                self._events_unread = True
+                log.warning("site %s: cannot read the Events of Job %s/%s (%s); a Job the cluster makes no Pod for is "
+                            "withdrawn without the cluster's reason (grant list on events)", self.name, namespace,
+                            job, e.reason if isinstance(e, k8s.ApiException) else e)
+            return None
+        failed = [e for e in data.get("items") or [] if e.get("reason") == "FailedCreate" and e.get("message")
+                  and (e.get("involvedObject") or {}).get("name") == job
+                  and (e.get("involvedObject") or {}).get("kind", "Job") == "Job"]
+        if not failed:
+            return None
+        latest = max(failed, key=lambda e: _timestamp(e.get("lastTimestamp") or e.get("eventTime")
+                                                      or (e.get("metadata") or {}).get("creationTimestamp")) or 0.0)
+        return _short_message(str(latest["message"]))
 
     def namespace(self, tenant: str) -> str:
         """The tenant's namespace: ``namespace_prefix`` + tenant. A namespace name is at most 63 characters (an
@@ -1242,21 +1266,27 @@ class KubernetesSite:
                 if stuck:
                     self._stuck(key, known, known.stuck or "", (now - since).total_seconds())
                 else:
-                    self._unplaceable(key, known, pod, (now - since).total_seconds(), podless)
+                    # (why the cluster makes no Pod is in the Job's Events; read before its Job is deleted)
+                    why = await self._refused_why(known.namespace, job_name(*key)) if podless else None
+                    self._unplaceable(key, known, pod, (now - since).total_seconds(), podless, why)
                 return
             await asyncio.sleep(min(wait_s, UNPLACED_RECHECK_S))
 
     def _unplaceable(self, key: tuple[str, int], known: _Attempt, pod: str, waited_s: float,
-                     podless: bool = False) -> None:
+                     podless: bool = False, why: str | None = None) -> None:
         """The scheduler has found no room for the attempt's Pod for too long (or, ``podless``, the cluster has
-        made none for its Job): its GPUs are freed, the broker hears ``lost`` (no failure of the job's: it routes
-        it again, elsewhere for a while) and its Job is deleted, with its Pod."""
+        made none for its Job, ``why`` its latest FailedCreate Event's message where one could be read): its GPUs
+        are freed, the broker hears ``lost`` (no failure of the job's: it routes it again, elsewhere for a while)
+        and its Job is deleted, with its Pod."""
         if not self._finish(key):
             return
         now = self._clock.now()
         self._withdrawn[key] = now  # final: the Job's deletion is not taken for a loss, a late submit is refused
         known.has_job = False  # (deleted here: none left for ``taken`` to delete)
-        if podless:
+        if podless and why is not None:
+            what = (f"the cluster made no Pod for its Job {known.namespace}/{job_name(*key)} in {waited_s:.0f} s: "
+                    f"{why}")
+        elif podless:
             what = (f"the cluster made no Pod for its Job {known.namespace}/{job_name(*key)} in {waited_s:.0f} s (it "
                     "refuses to create it: Pod Security admission, a LimitRange or a ResourceQuota; `kubectl "
                     "describe job` shows its FailedCreate events)")
@@ -1550,6 +1580,12 @@ class KubernetesSite:
             except AdapterError as e:
                 (log.warning if str(e) != last else log.debug)(
                     "%s; tried again at the next inventory refresh", e)
+
+
+def _short_message(text: str, most: int = 400) -> str:
+    """A cluster's message on one line, cut to ``most`` characters (a Pod Security refusal lists every check)."""
+    line = " ".join(text.split())
+    return line if len(line) <= most else line[:most - 1] + "…"
 
 
 def _refusal(status: int, body: str) -> str:

@@ -69,6 +69,7 @@ K8S_CALLS: dict[str, tuple[str, str, frozenset[str]]] = {
     "create_namespaced_resource_quota": ("", "resourcequotas", frozenset({"create"})),  # _mirror_quota
     "patch_namespaced_resource_quota": ("", "resourcequotas", frozenset({"patch"})),    # _mirror_quota (409)
     "delete_namespaced_resource_quota": ("", "resourcequotas", frozenset({"delete"})),  # remove_quota
+    "list_namespaced_event": ("", "events", frozenset({"list"})),               # _refused_why
     "read_namespaced_config_map": ("", "configmaps", frozenset({"get"})),       # ClusterStops.read, ._write
     "create_namespaced_config_map": ("", "configmaps", frozenset({"create"})),  # ClusterStops._write
     "patch_namespaced_config_map": ("", "configmaps", frozenset({"patch"})),    # ClusterStops._write

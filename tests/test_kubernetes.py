@@ -32,7 +32,7 @@ from policies.quota import Ask, QuotaBook
 from tests.builders import NOW, job, site
 
 JOBS, PODS, NODES, QUOTAS = "batch/v1/jobs", "v1/pods", "v1/nodes", "v1/resourcequotas"
-CONFIG_MAPS = "v1/configmaps"
+CONFIG_MAPS, EVENTS = "v1/configmaps", "v1/events"
 
 
 def node(name: str, product: str | None, gpus: int = 0, mig: dict[str, int] | None = None,
@@ -59,7 +59,7 @@ CLUSTER = [
 @pytest.fixture
 async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator):  # a free port of its choosing
-        for resource in (JOBS, PODS, QUOTAS, CONFIG_MAPS):
+        for resource in (JOBS, PODS, QUOTAS, CONFIG_MAPS, EVENTS):
             emulator.resources[resource] = {}
         for n in CLUSTER:
             emulator.objects[NODES, None, n["metadata"]["name"]] = n
@@ -1109,8 +1109,57 @@ async def test_a_job_whose_pods_the_cluster_refuses_to_create_has_its_attempt_wi
         lost = await next_event(adapter, stream)
         assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
         assert f"made no Pod for its Job heliotrope-t1/{name}" in (lost.reason or "")
+        assert "kubectl describe job" in (lost.reason or "")  # (no Event says why)
         assert await gone(cluster, name)
         assert (await adapter.snapshot()).capacity[0].free_gpus == 16
+    finally:
+        await adapter.close()
+
+
+def failed_create(job: str, message: str, at: datetime, name: str, kind: str = "Job") -> dict[str, Any]:
+    """A core/v1 Event as the Job controller records it when the API server refuses the Job's Pod."""
+    return {"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": "heliotrope-t1"},
+            "involvedObject": {"kind": kind, "name": job, "namespace": "heliotrope-t1"}, "reason": "FailedCreate",
+            "type": "Warning", "message": message, "lastTimestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+@pytest.mark.parametrize("events_readable", [True, False], ids=["its latest FailedCreate Event says why",
+                                                                  "Events it may not read"])
+async def test_a_job_the_cluster_makes_no_pod_for_is_withdrawn_with_the_clusters_reason(
+        cluster: kmock.KubernetesEmulator, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        events_readable: bool) -> None:
+    # Only the Job's Events say why the cluster refuses its Pod; the submitter read "Pod Security admission, a
+    # LimitRange or a ResourceQuota" and had to ask the cluster's operator which.
+    adapter = make_site(cluster, unschedulable_after_s=600)
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        name = await j1_sent(adapter)
+        now = datetime.now(UTC)
+        psa = ('pods "{0}-x7k2p" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation '
+               '!= false (container "job" must set securityContext.allowPrivilegeEscalation=false), unrestricted '
+               'capabilities (container "job" must set securityContext.capabilities.drop=["ALL"])').format(name)
+        for event in (failed_create(name, "an older refusal", now - timedelta(seconds=500), "e1"),
+                      failed_create(name, psa, now - timedelta(seconds=30), "e2"),
+                      failed_create("another-job", "not this Job's", now, "e3"),
+                      failed_create(name, "not the Job's own", now, "e4", kind="Pod")):
+            cluster.objects[EVENTS, "heliotrope-t1", event["metadata"]["name"]] = event
+        if not events_readable:  # RBAC without list on events: the API server answers 403
+
+            async def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+                raise k8s.ApiException(status=403, reason='events is forbidden: cannot list resource "events"')
+
+            monkeypatch.setattr(k8s.CoreV1Api, "list_namespaced_event_without_preload_content", refuse)
+        await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"metadata": {
+            "creationTimestamp": (now - timedelta(seconds=601)).strftime("%Y-%m-%dT%H:%M:%SZ")}})
+        lost = await next_event(adapter, stream)
+        assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
+        if events_readable:
+            assert f"made no Pod for its Job heliotrope-t1/{name} in " in lost.reason and psa in lost.reason
+            assert "older" not in lost.reason and "not this" not in lost.reason and "own" not in lost.reason
+        else:
+            assert "Pod Security admission, a LimitRange or a ResourceQuota" in lost.reason
+            assert "cannot read the Events of Job" in caplog.text and "grant list on events" in caplog.text
     finally:
         await adapter.close()
 
