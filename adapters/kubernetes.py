@@ -32,7 +32,9 @@
   exist; past 63 characters, the limit of a namespace name, shortened to end in a hash: ``namespace``), one Pod,
   ``backoffLimit: 0`` (the broker retries) and a ``podFailurePolicy`` that fails it at once when the cluster
   disrupts its Pod, its GPUs as container limits, a node affinity on the product labels of
-  the chosen model, the configured ``tolerations`` and ``node_selector``, for a checkpointable job
+  the chosen model, the configured ``tolerations`` and ``node_selector``, the securityContexts of
+  ``pod_security`` (restricted: what the Pod Security Standards' restricted profile asks) and
+  ``pod_security_context`` (none where neither is set), for a checkpointable job
   ``terminationGracePeriodSeconds`` a little under ``stop_wait_s``, the time a stop waits for it to write its
   checkpoint (less 10 % of it or 5 s, whichever is smaller, at least 1 s: ``grace_period_s``), labelled with the
   site, job id, attempt and tenant. A repeated dispatch of the same attempt finds the existing Job (create answers 409) and admits it
@@ -894,8 +896,13 @@ class KubernetesSite:
         }
         if self.config.command:
             container["command"] = list(self.config.command)
+        pod_security, container_security = self.config.security_contexts()
+        if container_security:
+            container["securityContext"] = container_security
         products = sorted(self._products.get((model, profile), ()))
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        if pod_security:  # pod_security, pod_security_context: a namespace enforcing Pod Security admits it
+            pod_spec["securityContext"] = pod_security
         if job.spec.checkpointable:
             # A stop waits up to stop_wait_s for its Pods to write their checkpoint and go: the kubelet's
             # default of 30 s killed a checkpoint being written, while the broker kept the run as saved.
@@ -1283,12 +1290,16 @@ class KubernetesSite:
         now = self._clock.now()
         self._withdrawn[key] = now  # final: the Job's deletion is not taken for a loss, a late submit is refused
         known.has_job = False  # (deleted here: none left for ``taken`` to delete)
+        # (A namespace enforcing Pod Security restricted, the commonest of these, takes Pods that adapter
+        # pod_security: restricted makes.)
+        hint = "" if self.config.pod_security == "restricted" else (
+            " (a namespace that enforces restricted takes the Pods of adapter.pod_security: restricted)")
         if podless and why is not None:
             what = (f"the cluster made no Pod for its Job {known.namespace}/{job_name(*key)} in {waited_s:.0f} s: "
-                    f"{why}")
+                    f"{why}{hint if 'PodSecurity' in why else ''}")
         elif podless:
             what = (f"the cluster made no Pod for its Job {known.namespace}/{job_name(*key)} in {waited_s:.0f} s (it "
-                    "refuses to create it: Pod Security admission, a LimitRange or a ResourceQuota; `kubectl "
+                    f"refuses to create it: Pod Security admission{hint}, a LimitRange or a ResourceQuota; `kubectl "
                     "describe job` shows its FailedCreate events)")
         else:
             what = (f"the cluster's scheduler found no room for its Pod {known.namespace}/{pod} for {waited_s:.0f} s "

@@ -290,6 +290,60 @@ class Toleration(Spec):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+RESTRICTED_RUN_AS_USER = 65534
+"""The user each job's container runs as under ``pod_security: restricted`` where ``pod_security_context`` names
+none: ``nobody``, which most images have. The restricted profile asks ``runAsNonRoot``, which the kubelet checks
+against the user the container would run as only when it starts it: an image whose user is root (busybox, the
+adapter's default image, and most CUDA and PyTorch images) or a name rather than a number then fails with
+CreateContainerConfigError, a Pod the cluster admitted that never starts. A numeric non-root user set in the Pod
+passes both the admission and the kubelet's check, whatever the image says."""
+
+MAX_POSIX_ID = 2**31 - 1
+"""The largest user or group id Kubernetes takes in a securityContext."""
+
+_SECURITY_CONTEXT_KEYS_NOT_TAKEN = frozenset({
+    "privileged", "allowPrivilegeEscalation", "capabilities", "runAsNonRoot", "seccompProfile", "seLinuxOptions",
+    "seLinuxChangePolicy", "appArmorProfile", "readOnlyRootFilesystem", "procMount", "sysctls", "supplementalGroups",
+    "supplementalGroupsPolicy", "fsGroupChangePolicy", "windowsOptions"})
+"""Kubernetes securityContext keys (of a Pod or a container) a ``pod_security_context`` does not take: refused
+naming them, as settings heliotrope does not copy, not as misspellings."""
+
+
+class PodSecurityContext(Spec):
+    """The user and groups of each job's Pod (its ``spec.securityContext``), as Kubernetes writes them:
+    ``runAsUser`` (the user its processes run as; unset: the image's, or under ``pod_security: restricted``
+    65534, nobody), ``runAsGroup`` (their primary group; unset: the image's) and ``fsGroup`` (a supplementary
+    group of theirs that owns the Pod's volumes). Ids from 0 to 2^31 - 1."""
+
+    # Read and written as Kubernetes spells them (what a user reads back is what they wrote); the Python names
+    # are also read.
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    run_as_user: int | None = Field(default=None, ge=0, le=MAX_POSIX_ID, alias="runAsUser",
+                                    exclude_if=lambda uid: uid is None)
+    run_as_group: int | None = Field(default=None, ge=0, le=MAX_POSIX_ID, alias="runAsGroup",
+                                     exclude_if=lambda gid: gid is None)
+    fs_group: int | None = Field(default=None, ge=0, le=MAX_POSIX_ID, alias="fsGroup",
+                                 exclude_if=lambda gid: gid is None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_and_groups_only(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            other = sorted(str(k) for k in value if k in _SECURITY_CONTEXT_KEYS_NOT_TAKEN)
+            if other:
+                raise ValueError(
+                    f"{', '.join(other)}: not taken here: pod_security_context sets only runAsUser, runAsGroup and "
+                    "fsGroup of each job's Pod; pod_security: restricted sets what the Pod Security Standards' "
+                    "restricted profile asks (runAsNonRoot, seccompProfile RuntimeDefault, no privilege "
+                    "escalation, every capability dropped)")
+        return value
+
+    def manifest(self) -> dict[str, Any]:
+        """As a Pod's ``spec.securityContext`` (the keys set)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class _Readings(Spec):
     """What the telemetry sources share: a reading must stay fresh until the next one is taken."""
 
@@ -462,6 +516,21 @@ class KubernetesAdapterConfig(Spec):
         default_factory=dict,
         description="Node labels each job's Pod must have (its nodeSelector); Nodes without them are left out of "
                     "the site's capacity")
+    pod_security: Literal["restricted"] | None = Field(
+        default=None,
+        description="restricted: each job's Pod meets the Kubernetes Pod Security Standards' restricted profile, "
+                    "so a namespace labelled pod-security.kubernetes.io/enforce: restricted admits it: the Pod runs "
+                    "as a non-root user (runAsNonRoot, runAsUser 65534 unless pod_security_context names one: "
+                    "the kubelet refuses to start an image whose user is root, as busybox's is) with the "
+                    "RuntimeDefault seccomp profile, its container without privilege escalation and with every "
+                    "capability dropped. None: the Pod sets no securityContext beyond pod_security_context",
+        # Left out where unset, as telemetry below: brokers of earlier releases sharing the database read it.
+        exclude_if=lambda level: level is None)
+    pod_security_context: PodSecurityContext | None = Field(
+        default=None,
+        description="runAsUser, runAsGroup and fsGroup of each job's Pod (its securityContext), as Kubernetes "
+                    "writes them; with pod_security restricted, runAsUser may not be 0. None: the image's user",
+        exclude_if=lambda context: context is None)
     telemetry: PrometheusTelemetryConfig | None = Field(
         default=None,
         description="measure the cluster's GPUs (temperature, power, utilisation, clock throttling) from the "
@@ -471,6 +540,45 @@ class KubernetesAdapterConfig(Spec):
         # Left out where unset: a site that does not use it is stored as before, so brokers of earlier releases
         # (whose specs forbid unknown keys) sharing the database still read it.
         exclude_if=lambda telemetry: telemetry is None)
+
+    @field_validator("pod_security", mode="before")
+    @classmethod
+    def _profile(cls, value: Any) -> Any:
+        if value in ("privileged", "baseline"):
+            raise ValueError(f"{value}: each job's Pod meets the {value} profile as it is (it asks for no host "
+                             "namespace, port or path, and no privilege): leave pod_security out; restricted is "
+                             "the one profile it is set for")
+        return value
+
+    @field_validator("pod_security_context", mode="before")
+    @classmethod
+    def _a_mapping(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, Mapping | PodSecurityContext):
+            raise ValueError(f"must be a mapping of runAsUser, runAsGroup and fsGroup, such as {{runAsUser: 1000, "
+                             f"fsGroup: 1000}}, not a {type(value).__name__}")
+        return value
+
+    @field_validator("pod_security_context")
+    @classmethod
+    def _non_root_when_restricted(cls, value: PodSecurityContext | None,
+                                  info: ValidationInfo) -> PodSecurityContext | None:
+        if value is not None and value.run_as_user == 0 and info.data.get("pod_security") == "restricted":
+            raise ValueError("runAsUser 0 is root, which pod_security restricted forbids (the admission refuses "
+                             "the Pod, or the kubelet its container): name a non-root user, or leave runAsUser out "
+                             f"for {RESTRICTED_RUN_AS_USER} (nobody)")
+        return value
+
+    def security_contexts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The ``securityContext`` of each job's Pod and of its container, as manifests (empty: none is set):
+        ``pod_security_context``'s keys, and under ``pod_security: restricted`` what the restricted profile
+        asks, with ``runAsUser`` :data:`RESTRICTED_RUN_AS_USER` where none is named."""
+        pod = {} if self.pod_security_context is None else self.pod_security_context.manifest()
+        container: dict[str, Any] = {}
+        if self.pod_security == "restricted":
+            pod = {"runAsNonRoot": True, "runAsUser": RESTRICTED_RUN_AS_USER, **pod,
+                   "seccompProfile": {"type": "RuntimeDefault"}}
+            container = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        return pod, container
 
     @field_validator("telemetry", mode="before")
     @classmethod

@@ -76,7 +76,8 @@ _BEYOND_THE_SCHEMA = {
     "SiteSpec": "usd_per_gpu_hour prices only models its gpus have; at most 200,000 GPUs in all; each tenant at most "
                 "once in quotas; a node group's mig_profiles fit its GPUs' memory; an mqtt adapter needs broker.mqtt; "
                 "fair_share's window_h is at most 10,000 periods of its reweight_h; a telemetry source's "
-                "stale_after_s is longer than its every_s",
+                "stale_after_s is longer than its every_s; a kubernetes adapter's pod_security_context.runAsUser "
+                "is not 0 where its pod_security is restricted",
     "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
                "a new job's deadline, not in the past",
 }

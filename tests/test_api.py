@@ -841,6 +841,23 @@ async def test_a_bad_adapter_setting_is_named_by_the_field_a_user_writes(client:
     assert [f["field"] for f in (await r.json())["error"]["fields"]] == ["adapter.request_timeout_s"]
 
 
+@pytest.mark.parametrize(("adapter", "field", "problem"), [
+    ({"pod_security": "restricted", "pod_security_context": {"runAsUser": 0}}, "adapter.pod_security_context",
+     "runAsUser 0 is root, which pod_security restricted forbids"),
+    ({"pod_security_context": {"privileged": True}}, "adapter.pod_security_context", "privileged: not taken here"),
+    ({"pod_security": "baseline"}, "adapter.pod_security", "meets the baseline profile as it is"),
+], ids=["runAsUser 0 under restricted", "a securityContext key not taken", "a profile that needs nothing"])
+async def test_a_kubernetes_sites_pod_security_the_profile_forbids_is_a_422_naming_the_field(
+        client: TestClient, adapter: dict[str, Any], field: str, problem: str):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, adapter={"kind": "kubernetes", **adapter})
+    for r in (await client.post("/v1/sites", json={**body, "name": "paris"}),
+              await client.put("/v1/sites/berlin", json=body)):
+        assert r.status == 422
+        [found] = (await r.json())["error"]["fields"]
+        assert found["field"] == field and problem in found["problem"], found
+
+
 async def test_a_store_that_fails_a_read_is_a_503_that_says_it_could_not_read(client: TestClient,
                                                                              monkeypatch: pytest.MonkeyPatch):
     """A failed read changes nothing, and its answer said the broker "could not write to its store"."""

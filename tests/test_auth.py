@@ -218,6 +218,11 @@ TABLE: list[Row] = [
       fresh=idle_gamma(KUBE_GAMMA)),
     R("a site's operator changes a kubernetes adapter's image", "PUT /v1/sites/gamma", (401, 200, 200, 403, 403, 403),
       with_adapter(KUBE_GAMMA, image="pytorch/pytorch:2.3.0"), site="gamma", fresh=idle_gamma(KUBE_GAMMA)),
+    # The operator picks the image, and so the user it runs as: the Pod's user and Pod Security are theirs too.
+    R("a site's operator makes a kubernetes adapter's Pods meet Pod Security restricted", "PUT /v1/sites/gamma",
+      (401, 200, 200, 403, 403, 403),
+      with_adapter(KUBE_GAMMA, pod_security="restricted", pod_security_context={"runAsUser": 1000, "fsGroup": 1000}),
+      site="gamma", fresh=idle_gamma(KUBE_GAMMA)),
     R("only an admin changes a kubernetes adapter's kubeconfig", "PUT /v1/sites/gamma",
       (401, 200, 403, 403, 403, 403), with_adapter(KUBE_GAMMA, kubeconfig="/home/ops/beta.kubeconfig"),
       site="gamma", fresh=idle_gamma(KUBE_GAMMA)),

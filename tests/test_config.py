@@ -439,6 +439,18 @@ def test_a_setting_of_several_kinds_without_its_kind_names_the_kinds(tmp_path: P
     assert message in str(raised.value)
 
 
+def test_a_kubernetes_sites_pod_security_the_profile_forbids_is_refused_naming_the_site_and_field(
+        tmp_path: Path) -> None:
+    import json
+
+    from tests.builders import site
+
+    spec = json.loads(site("lab").model_dump_json())
+    spec["adapter"] = {"kind": "kubernetes", "pod_security": "restricted", "pod_security_context": {"runAsUser": 0}}
+    with pytest.raises(ConfigError, match=r"sites\[0\]\.adapter\.pod_security_context: runAsUser 0 is root"):
+        load_config(write(tmp_path, yaml.safe_dump({"sites": [spec]})))
+
+
 @pytest.mark.parametrize("example", ["site-example.yaml", "remote-site-example.yaml"])
 def test_a_site_spec_given_as_the_broker_config_is_named_as_such_in_one_line(example: str) -> None:
     # `serve --config`, `token ... --config` and `simulate --sites` take the broker's config; a site's spec (what

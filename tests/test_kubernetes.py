@@ -30,6 +30,7 @@ from broker.models import FairSharePolicy, GpuRequest, Job, KubernetesAdapterCon
 from policies.inventory import Inventory, Placement
 from policies.quota import Ask, QuotaBook
 from tests.builders import NOW, job, site
+from tests.pod_security import restricted_violations
 
 JOBS, PODS, NODES, QUOTAS = "batch/v1/jobs", "v1/pods", "v1/nodes", "v1/resourcequotas"
 CONFIG_MAPS, EVENTS = "v1/configmaps", "v1/events"
@@ -205,6 +206,78 @@ async def test_tainted_nodes_count_only_when_the_jobs_pods_tolerate_them(
 def test_a_toleration_kubernetes_would_refuse_is_refused_in_the_config(toleration: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KubernetesAdapterConfig(tolerations=[toleration])
+
+
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 65534, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+@pytest.mark.parametrize(("settings", "pod_context", "container_context"), [
+    ({}, None, None),
+    ({"pod_security": "restricted"}, RESTRICTED_POD, RESTRICTED_CONTAINER),
+    ({"pod_security": "restricted", "pod_security_context": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000}},
+     RESTRICTED_POD | {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 2000}, RESTRICTED_CONTAINER),
+    ({"pod_security_context": {"fsGroup": 2000}}, {"fsGroup": 2000}, None),
+], ids=["without pod_security the Pod sets no securityContext, as before",
+        "pod_security restricted: the Pod runs as nobody, non-root, RuntimeDefault seccomp, no capabilities",
+        "with restricted, the user and groups the operator names",
+        "pod_security_context alone sets its keys and nothing else"])
+async def test_a_jobs_pod_meets_the_restricted_pod_security_profile_where_the_site_asks_for_it(
+        cluster: kmock.KubernetesEmulator, settings: dict[str, Any], pod_context: dict[str, Any] | None,
+        container_context: dict[str, Any] | None) -> None:
+    # A namespace labelled pod-security.kubernetes.io/enforce: restricted (OpenShift, GKE Autopilot-like policies)
+    # accepts the Job but refuses its Pod, and the attempt waited unschedulable_after_s to be withdrawn. The
+    # emulator runs no Pod Security admission: the profile's checks are made on the Pod template here.
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2, **settings)
+    adapter = KubernetesSite(site("kube", adapter=config.model_dump()), SystemClock())
+    await adapter.start()
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        pod = jobs(cluster)[("heliotrope-t1", job_name("j-1", 1))]["spec"]["template"]["spec"]
+        assert pod.get("securityContext") == pod_context
+        assert pod["containers"][0].get("securityContext") == container_context
+        violations = restricted_violations(pod)
+        if settings.get("pod_security") == "restricted":
+            assert violations == []
+        else:
+            assert any(v.startswith("container job does not run as non-root") for v in violations)
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize(("settings", "field", "message"), [
+    ({"pod_security": "restricted", "pod_security_context": {"runAsUser": 0}}, "pod_security_context",
+     "runAsUser 0 is root, which pod_security restricted forbids"),
+    ({"pod_security_context": {"runAsUser": 1000, "privileged": True}}, "pod_security_context",
+     "privileged: not taken here: pod_security_context sets only runAsUser, runAsGroup and fsGroup"),
+    ({"pod_security_context": {"runAsUser": -1}}, "pod_security_context.runAsUser", "greater than or equal to 0"),
+    ({"pod_security_context": {"runAsUser": 2**31}}, "pod_security_context.runAsUser", "less than or equal to"),
+    ({"pod_security_context": {"fsgroup": 1000}}, "pod_security_context.fsgroup", "Extra inputs"),
+    ({"pod_security_context": "restricted"}, "pod_security_context", "must be a mapping of runAsUser"),
+    ({"pod_security": "baseline"}, "pod_security", "meets the baseline profile as it is"),
+    ({"pod_security": "Restricted"}, "pod_security", "Input should be 'restricted'"),
+], ids=["runAsUser 0 under restricted", "a securityContext key heliotrope does not copy", "a negative user id",
+        "a user id past 2^31 - 1", "a misspelt key", "not a mapping", "the baseline profile, which needs nothing",
+        "a profile misspelt"])
+def test_a_pod_security_setting_kubernetes_or_the_profile_would_refuse_is_refused_naming_the_field(
+        settings: dict[str, Any], field: str, message: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as refused:
+        KubernetesAdapterConfig.model_validate(settings)
+    [error] = refused.value.errors()
+    assert ".".join(map(str, error["loc"])) == field and message in error["msg"]
+
+
+def test_pod_security_is_stored_only_where_set_and_read_back_as_written() -> None:
+    # Left out where unset, so brokers of earlier releases (whose specs forbid keys they do not know) sharing the
+    # database still read the site; where set, read back in Kubernetes' spelling, as the operator wrote it.
+    plain = KubernetesAdapterConfig().model_dump()
+    assert "pod_security" not in plain and "pod_security_context" not in plain
+    written = {"pod_security": "restricted", "pod_security_context": {"runAsUser": 1000, "fsGroup": 2000}}
+    stored = KubernetesAdapterConfig.model_validate(written)
+    assert {k: stored.model_dump(mode="json")[k] for k in written} == written
+    assert KubernetesAdapterConfig.model_validate_json(stored.model_dump_json()) == stored
 
 
 async def test_slices_of_the_single_mig_strategy_are_counted_and_asked_for_as_slices(
@@ -1110,6 +1183,9 @@ async def test_a_job_whose_pods_the_cluster_refuses_to_create_has_its_attempt_wi
         assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
         assert f"made no Pod for its Job heliotrope-t1/{name}" in (lost.reason or "")
         assert "kubectl describe job" in (lost.reason or "")  # (no Event says why)
+        # The commonest refusal, and what the site's operator can do about it:
+        assert "a namespace that enforces restricted takes the Pods of adapter.pod_security: restricted" in (
+            lost.reason or "")
         assert await gone(cluster, name)
         assert (await adapter.snapshot()).capacity[0].free_gpus == 16
     finally:
@@ -1157,6 +1233,7 @@ async def test_a_job_the_cluster_makes_no_pod_for_is_withdrawn_with_the_clusters
         if events_readable:
             assert f"made no Pod for its Job heliotrope-t1/{name} in " in lost.reason and psa in lost.reason
             assert "older" not in lost.reason and "not this" not in lost.reason and "own" not in lost.reason
+            assert "takes the Pods of adapter.pod_security: restricted" in lost.reason  # (what the operator can do)
         else:
             assert "Pod Security admission, a LimitRange or a ResourceQuota" in lost.reason
             assert "cannot read the Events of Job" in caplog.text and "grant list on events" in caplog.text

@@ -97,6 +97,8 @@ RULES_BEYOND_THE_SCHEMA = [
     (r".*", r"is out of range once converted to UTC"),  # a date-time near year 1 or 9999 with an offset
     # a Kubernetes toleration's fields together (no key needs Exists, Exists no value, seconds need NoExecute)
     (r"adapter\.tolerations\[\d+\]", r"tolerations: "),
+    # a Kubernetes Pod's user against its Pod Security profile (restricted: not root)
+    (r"adapter\.pod_security_context", r"runAsUser 0 is root, which pod_security restricted forbids"),
     # a Kubernetes site's Prometheus: a base URL without credentials, query or fragment; PromQL label matchers only;
     # a CA bundle only for https
     (r"adapter\.telemetry\.url", r"must be|is not a URL|port 0 is no port"),
