@@ -34,6 +34,7 @@ from adapters.agent import AgentConfig
 from broker.cli import parser as cli_parser
 from broker.config import FederationConfig, is_shared_database, load_config
 from broker.models import SiteSpec
+from tests.pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -686,6 +687,18 @@ def test_every_deployment_is_locked_down(deployment: dict[str, Any]) -> None:
         assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
         assert ctx["capabilities"]["drop"] == ["ALL"] and "add" not in ctx["capabilities"]
         assert "resources" in container and "memory" in container["resources"]["limits"]
+
+
+@pytest.mark.parametrize("deployment", all_deployments(),
+                         ids=lambda d: f"{d['metadata']['name']} meets the Pod Security profile of its namespace")
+def test_every_deployments_pods_meet_the_restricted_profile_their_namespace_enforces(
+        deployment: dict[str, Any]) -> None:
+    # 00-namespace.yaml labels heliotrope pod-security.kubernetes.io/enforce: restricted: a Pod that breaks the
+    # profile would be refused there, its Deployment never ready. No cluster runs here, so the checks are made here.
+    namespaces = {o["metadata"]["name"]: o for _, o in k8s_objects() if o["kind"] == "Namespace"}
+    labels = namespaces[deployment["metadata"]["namespace"]]["metadata"].get("labels", {})
+    assert labels.get("pod-security.kubernetes.io/enforce") == "restricted"
+    assert restricted_violations(deployment["spec"]["template"]["spec"]) == []
 
 
 @pytest.mark.parametrize("deployment", heliotrope_deployments(),
