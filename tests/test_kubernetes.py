@@ -1235,7 +1235,7 @@ async def test_a_job_the_cluster_makes_no_pod_for_is_withdrawn_with_the_clusters
             assert "older" not in lost.reason and "not this" not in lost.reason and "own" not in lost.reason
             assert "takes the Pods of adapter.pod_security: restricted" in lost.reason  # (what the operator can do)
         else:
-            assert "Pod Security admission, a LimitRange or a ResourceQuota" in lost.reason
+            assert "Pod Security admission" in lost.reason and "a LimitRange or a ResourceQuota" in lost.reason
             assert "cannot read the Events of Job" in caplog.text and "grant list on events" in caplog.text
     finally:
         await adapter.close()
