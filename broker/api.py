@@ -635,6 +635,7 @@ async def set_quota(request: web.Request) -> web.Response:
         raise ApiError(422, f"invalid tenant quota: {beyond[0]}: {beyond[1]}", [{"field": beyond[0], "problem": beyond[1]}])
     _surely_leads(request)
     state = await _ask_site(member, admin.set_quota(quota))
+    await request.app[BROKER].quota_set_by_operator(member.spec.name, tenant)
     return _json(_quota_json(member, state, tenant))
 
 
@@ -647,6 +648,7 @@ async def delete_quota(request: web.Request) -> web.Response:
         state = await _ask_site(member, admin.remove_quota(tenant))
     except KeyError:
         raise ApiError(404, f"site {member.spec.name} has no quota for tenant {tenant}") from None
+    await request.app[BROKER].quota_set_by_operator(member.spec.name, tenant)
     return _json(_quota_json(member, state))
 
 

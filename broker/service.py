@@ -20,6 +20,8 @@ from pathlib import Path
 from datetime import datetime
 from collections.abc import AsyncIterator, Callable
 
+from pydantic import TypeAdapter
+
 from adapters.base import AdapterError, SiteAdapter
 from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
@@ -34,7 +36,7 @@ from broker.lifecycle import Lifecycle
 from broker.auth import TokenBook
 from broker.events import EventHub
 from broker.metrics import Metrics
-from broker.models import Job, SiteSpec
+from broker.models import Health, Job, SiteSpec, TenantQuota
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
 from broker.providers.prices import PriceProvider, build_price_provider
 from broker.signals import GridSignals
@@ -43,6 +45,9 @@ from broker.store import Fenced, Store, StoredDecision, open_store
 log = logging.getLogger(__name__)
 
 FIRST_PASS_WAIT_S = 30.0
+QUOTA_PASSES_STATE = "file-quota-passes"
+"""The store's name (``Store.put_state``) for the quotas the config file changed that a site has not taken yet."""
+_QUOTA_PASSES = TypeAdapter(dict[str, dict[str, TenantQuota | None]])
 """The longest the first scheduling pass waits for the first round of carbon forecasts (or fetch_timeout_s)."""
 
 
@@ -164,8 +169,10 @@ class Broker:
         self.cycles = 0
         self.leadership: Leadership | None = None  # set by elect(), among replicas
         self._terms = 0  # terms this replica has led
-        # per site, its spec as stored before the config file's replaced it, where their quotas differ
-        self._quotas_before_file: dict[str, SiteSpec] = {}
+        # per site, the quotas the config file changed while the broker was down and the site has not taken yet:
+        # tenant -> its quota before the change (None: it had none); kept in the store (QUOTA_PASSES_STATE)
+        self._quota_passes: dict[str, dict[str, TenantQuota | None]] = {}
+        self._quota_passes_warned: set[str] = set()
         self._run_loop = True
         self._in_pass = asyncio.Event()  # set while the loop runs a scheduling pass
         self._pass_over = asyncio.Event()  # set when that pass has ended
@@ -221,13 +228,15 @@ class Broker:
             # The file's spec wins, but not over a cordon: taking a site out of routing is its operator's act
             # (``sites cordon``), undone by ``uncordon``, and a restart must not send jobs to it meanwhile.
             stored = {s.name: s for s in await self.store.list_sites()}
+            self._quota_passes = await self._kept_quota_passes()
             for spec in sites or []:
                 was = stored.get(spec.name)
                 if was is not None and was.cordoned and not spec.cordoned:
                     spec = spec.model_copy(update={"cordoned": True, "cordon_reason": was.cordon_reason})
-                if was is not None and was.quotas != spec.quotas:  # passed to the site once it has joined
-                    self._quotas_before_file[spec.name] = was
+                if was is not None:  # the quotas the file changed are passed to the site once it can take them
+                    self._note_quota_pass(was, spec)
                 await self.store.put_site(spec)
+            await self._save_quota_passes()
         else:  # the shared store's sites are the truth (the leader changes them); the config only seeds it
             known = {s.name for s in await self.store.list_sites()}
             for spec in sites or []:
@@ -265,8 +274,8 @@ class Broker:
             except SiteUnsupported as e:
                 raise ConfigError(str(e)) from None
             member = await self._join(spec, tolerate_failure=True)
-            if (was := self._quotas_before_file.pop(spec.name, None)) is not None:
-                await self._pass_file_quotas(member, was)
+            if spec.name in self._quota_passes:
+                await self._pass_file_quotas(member)
         if self.hub is not None:  # only the broker in charge talks to the agents
             # Once its sites have joined: the MQTT broker hands over what it kept for this broker's session
             # (the agents' heartbeats and events while no broker was in charge) as soon as it connects, and a
@@ -439,6 +448,13 @@ class Broker:
             await self.lifecycle.settle()
         except Exception:
             log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
+        for name in list(self._quota_passes):  # a site that could not take its file's quotas before: again
+            member = self.federation.get(name)
+            if member is not None:
+                try:
+                    await self._pass_file_quotas(member)
+                except Exception:
+                    log.exception("site %s: passing the quotas of the config file failed; trying again", name)
 
     async def decision(self, job: Job) -> StoredDecision | None:
         """The decision that explains ``job`` now: its own last recorded one, or, if newer, the one its
@@ -456,21 +472,79 @@ class Broker:
 
     # --- sites ---
 
-    async def _pass_file_quotas(self, member: Member, was: SiteSpec) -> None:
-        """The config file changed the site's quotas since the broker last ran: the changes go to the site as a
-        PUT of the spec would pass them (the latest change wins), or the site would go on enforcing an older
-        change made through the quota API while its spec says otherwise. A site that cannot take them now keeps
-        what it had, logged; an agent-run site's agent is not connected yet: its operator passes them."""
-        name = member.spec.name
-        if not member.started or member.spec.adapter.kind == "mqtt":
-            log.warning("site %s: its quotas changed in the config file, but the site cannot take them now; it keeps "
-                        "the quotas it had until they are set again (heliotrope quota %s --set, or PUT "
-                        "/v1/sites/%s)", name, name, name)
+    async def _kept_quota_passes(self) -> dict[str, dict[str, TenantQuota | None]]:
+        raw = await self.store.get_state(QUOTA_PASSES_STATE)
+        if not raw:
+            return {}
+        try:
+            return _QUOTA_PASSES.validate_json(raw)
+        except ValueError as e:
+            log.error("the quota changes of the config file not yet passed to their sites cannot be read (%s); "
+                      "set them again with heliotrope quota SITE --set where a site did not take them", e)
+            return {}
+
+    async def _save_quota_passes(self) -> None:
+        await self.store.put_state(QUOTA_PASSES_STATE, _QUOTA_PASSES.dump_json(self._quota_passes).decode())
+
+    def _note_quota_pass(self, was: SiteSpec, spec: SiteSpec) -> None:
+        """The config file's ``spec`` replaces the stored ``was``: each tenant whose quota it changes is to be
+        passed to the site (added to what an earlier start noted and the site has not taken yet, whose quota
+        before stays the one the site last took); a tenant changed back to what the site has needs nothing."""
+        pending = self._quota_passes.get(spec.name, {})
+        before = {q.tenant: q for q in was.quotas}
+        after = {q.tenant: q for q in spec.quotas}
+        for tenant in before.keys() | after.keys():
+            if tenant not in pending and before.get(tenant) != after.get(tenant):
+                pending[tenant] = before.get(tenant)
+        pending = {t: q for t, q in pending.items() if q != after.get(t)}
+        if pending:
+            self._quota_passes[spec.name] = pending
+        else:
+            self._quota_passes.pop(spec.name, None)
+
+    async def quota_set_by_operator(self, site: str, tenant: str) -> None:
+        """The site's operator set or removed ``tenant``'s quota through the API: that change is the latest, so
+        the config file's older one for the tenant, not passed yet, is not passed over it."""
+        pending = self._quota_passes.get(site)
+        if pending is None or tenant not in pending:
             return
+        del pending[tenant]
+        if not pending:
+            self._quota_passes.pop(site)
+        await self._save_quota_passes()
+
+    async def _pass_file_quotas(self, member: Member) -> None:
+        """The config file changed the site's quotas while the broker was down: the changes go to the site as a
+        PUT of the spec would pass them (the latest change wins), or the site would go on enforcing an older
+        change made through the quota API while its spec says otherwise. A site that cannot take them now (its
+        adapter not started; an agent-run site whose agent has not reported yet) gets them once it can: the
+        housekeeping after each pass tries again, and the store keeps them across restarts."""
+        name = member.spec.name
+        pending = self._quota_passes.get(name)
+        if not pending:
+            return
+        ready = member.started and (member.spec.adapter.kind != "mqtt" or (
+            member.state is not None and member.state.health != Health.UNKNOWN))
+        if not ready:
+            if name not in self._quota_passes_warned:
+                self._quota_passes_warned.add(name)
+                log.warning("site %s: its quotas changed in the config file (%s); the site cannot take them now and "
+                            "keeps those it had until it can: they are passed then", name, ", ".join(sorted(pending)))
+            return
+        kept = {q.tenant: q for q in member.spec.quotas if q.tenant not in pending}
+        was = member.spec.model_copy(update={"quotas": [*kept.values(), *(q for q in pending.values() if q)]})
         try:
             await self.federation.pass_quotas(name, was)
         except AdapterError as e:
-            log.warning("site %s: %s; it keeps the quotas it had until they are set again", name, e)
+            if name not in self._quota_passes_warned:
+                self._quota_passes_warned.add(name)
+                log.warning("site %s: %s; it keeps the quotas it had until it takes them (tried again after each "
+                            "pass)", name, e)
+            return
+        self._quota_passes.pop(name, None)
+        self._quota_passes_warned.discard(name)
+        await self._save_quota_passes()
+        log.info("site %s: the quotas its config file changed are passed to it (%s)", name, ", ".join(sorted(pending)))
 
     async def _join(self, spec: SiteSpec, tolerate_failure: bool = False) -> Member:
         member = await self.federation.add(spec, tolerate_failure)
@@ -603,6 +677,8 @@ class Broker:
             raise KeyError(name)
         async with self._site_leaving(name, "a site can be removed only when none run there"):
             await self.store.delete_site(name)
+            if self._quota_passes.pop(name, None) is not None:  # (a new site of its name starts afresh)
+                await self._save_quota_passes()
             await self._stop_pump(name)
             await self.federation.remove(name)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -464,3 +465,103 @@ async def test_a_heartbeat_over_the_mqtt_brokers_cap_on_a_message_is_split_to_fi
             await agent.stop()
             await remote.close()
             await hub.close()
+
+
+async def test_quotas_the_config_file_changed_reach_an_agents_site_once_its_agent_reports(
+        tmp_path: Path, mosquitto: Mosquitto, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """The operator raised vision's guarantee in the broker's config file while the broker was down, and the
+    site's agent was not connected when the broker started again (or started after it): the change was logged
+    and dropped, and the site went on enforcing the old guarantee while the broker's spec said the new one."""
+    caplog.set_level(logging.INFO, logger="broker.service")
+    remote = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
+    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
+                              collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
+
+    def edge(vision: int, kind: dict) -> object:
+        return site("edge", gpus={"a100-80gb": 16}, adapter=kind, quotas=[
+            {"tenant": "vision", "guaranteed_gpus": vision}, {"tenant": "nlp", "guaranteed_gpus": 4}])
+
+    async def broker(vision: int) -> Broker:
+        holder: dict[str, Broker] = {}
+        b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))
+        holder["b"] = b
+        await b.start([edge(vision, remote)])
+        return b
+
+    async def guarantees(b: Broker) -> dict[str, float]:
+        member = b.federation.get("edge")
+        return {t.tenant: t.guaranteed_gpus for t in (await member.adapter.quota()).tenants}
+
+    b = await broker(vision=4)  # the site as it was
+    await b.stop()
+    b = await broker(vision=8)  # the file edited while the broker was down; no agent yet
+    assert "its quotas changed in the config file (vision)" in caplog.text
+    await b.stop()
+    b = await broker(vision=8)  # started again before the agent came: the change is still to be passed
+    spec = edge(4, FAST)  # the agent's site, with the quotas it had
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.2, resend_s=0.3),
+                      adapter=SimulatedSite(spec, SystemClock()))
+    await agent.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (got := await guarantees(b) if b.federation.get("edge").started and
+               b.federation.get("edge").public_state().health == Health.HEALTHY else None) != {"nlp": 4, "vision": 8}:
+            assert time.monotonic() < deadline, f"the site enforces {got}, not the file's vision 8"
+            await asyncio.sleep(0.1)
+        while "the quotas its config file changed are passed to it (vision)" not in caplog.text:  # (its answer)
+            assert time.monotonic() < deadline, "the broker did not hear the site take them"
+            await asyncio.sleep(0.05)
+    finally:
+        await agent.stop()
+        await b.stop()
+    b = await broker(vision=8)  # passed once: nothing is left to pass
+    try:
+        assert b._quota_passes == {}
+    finally:
+        await b.stop()
+
+
+async def test_an_operators_quota_change_after_the_restart_wins_over_the_files_change_not_yet_passed(
+        tmp_path: Path, mosquitto: Mosquitto) -> None:  # noqa: F811
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.api import create_app
+
+    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
+                              collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
+    remote = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
+
+    def edge(vision: int, kind: dict) -> object:
+        return site("edge", gpus={"a100-80gb": 16}, adapter=kind, quotas=[{"tenant": "vision", "guaranteed_gpus": vision}])
+
+    async def broker(vision: int) -> Broker:
+        holder: dict[str, Broker] = {}
+        b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))
+        holder["b"] = b
+        await b.start([edge(vision, remote)], run_loop=False)  # (no housekeeping but what the test runs)
+        return b
+
+    await (await broker(vision=4)).stop()
+    b = await broker(vision=8)  # the file's change, not passed: no agent yet
+    spec = edge(4, FAST)
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.2, resend_s=0.3),
+                      adapter=SimulatedSite(spec, SystemClock()))
+    await agent.start()
+    client = TestClient(TestServer(create_app(b)))
+    await client.start_server()
+    try:
+        deadline = time.monotonic() + 10
+        while b.federation.get("edge").public_state().health != Health.HEALTHY:
+            assert time.monotonic() < deadline, "the agent's site did not report"
+            await b.federation.collect()
+            await asyncio.sleep(0.1)
+        # the operator sets vision's guarantee before the housekeeping passes the file's: theirs is the latest
+        r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6})
+        assert r.status == 200, await r.text()
+        await b._settle()
+        state = await b.federation.get("edge").adapter.quota()
+        assert [(t.tenant, t.guaranteed_gpus) for t in state.tenants] == [("vision", 6)]
+    finally:
+        await client.close()
+        await agent.stop()
+        await b.stop()
