@@ -88,6 +88,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from adapters.base import AttemptLookup, EventKind, EventReceipts, JobEvent, Preempter, QuotaAdmin, SiteAdapter
 from adapters.telemetry import TelemetryFeed, telemetry_feed
+from policies.quota import QuotaBeyondSite
 from adapters.mqtt_protocol import (
     PUBLISH_TIMEOUT_S,
     Ack,
@@ -797,7 +798,10 @@ class SiteAgent:
             case "set":
                 if cmd.quota is None:
                     return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, reason="quota set needs a quota")
-                state = await inner.set_quota(cmd.quota)
+                try:
+                    state = await inner.set_quota(cmd.quota)
+                except QuotaBeyondSite as e:  # (the broker answers 422 naming the field, not 503)
+                    return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, reason=e.problem, refused=e.field)
             case "remove":
                 if cmd.tenant is None:
                     return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, reason="quota remove needs a tenant")

@@ -399,6 +399,11 @@ class Reply(_Msg):
     reason: str | None = None
     quota: QuotaState | None = Field(default=None, description="quota commands: the site's quota state after it")
     not_found: bool = Field(default=False, description="quota remove: the tenant had no quota there")
+    refused: str | None = Field(
+        default=None, description="quota set: the field of the quota the site refuses (it asks for GPUs the site "
+                                  "does not have; ``reason`` says which)",
+        # Left out where unset: a broker of an earlier release, whose Reply forbids keys it does not know, reads it.
+        exclude_if=lambda field: field is None)
 
 
 # --- broker -> agent ---------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from pydantic import BaseModel
 
 from adapters.base import Admission, AdapterError, EventKind, JobEvent
 from adapters import mqtt_protocol as proto
+from policies.quota import QuotaBeyondSite
 from broker.clock import Clock
 from broker.models import Health, Job, MqttSettings, QuotaState, RemoteAdapterConfig, SiteSpec, SiteState, TenantQuota
 
@@ -593,6 +594,8 @@ class RemoteSite:
     async def _quota(self, op: str, quota: TenantQuota | None = None, tenant: str | None = None) -> QuotaState:
         reply = await self._command(lambda i: proto.QuotaCommand(site=self.name, msg_id=i, op=op, quota=quota,
                                                                  tenant=tenant))
+        if reply.refused is not None and quota is not None:  # the site's own GPUs refuse it, not a failure
+            raise QuotaBeyondSite(quota.tenant, reply.refused, reply.reason or "the site refuses it")
         if not reply.ok or reply.quota is None:
             raise AdapterError(f"site {self.name}: {reply.reason or 'quota command failed'}")
         if reply.not_found:

@@ -50,11 +50,12 @@ from broker.auth import Principal, Role, TokensUnavailable, Unauthenticated
 from broker.errors import integral_float, is_malformed_json, problems
 from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
-from broker.federation import Member, QuotaNotTaken, without_secrets
+from broker.federation import Member, QuotaNotTaken, QuotaRefused, without_secrets
 from broker.ids import GPU_MODEL_IDS
 from broker.jobs import IdempotencyConflict, JobNotFound, PastDeadline
 from broker.metrics import ScopedView
 from policies.profiles import ProfileError
+from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, QuotaAdmin
 from broker.models import SITE_READ_ONLY_KEYS, Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
@@ -516,6 +517,10 @@ async def update_site(request: web.Request) -> web.Response:
         raise ApiError(409, str(e), _rebuild_fields(replaced, spec)) from None
     except SiteUnsupported as e:
         raise ApiError(422, str(e), [{"field": "adapter.kind", "problem": "needs broker.mqtt"}]) from None
+    except QuotaRefused as e:  # the site's own GPUs are fewer than the spec says: no retry will change that
+        i = next((i for i, q in enumerate(spec.quotas) if q.tenant == e.tenant), 0)
+        raise ApiError(422, f"{without_secrets(spec, str(e))}; the site's spec is unchanged",
+                       [{"field": f"quotas[{i}].{e.field}", "problem": e.problem}]) from None
     except QuotaNotTaken as e:
         # The site did not answer: its spec is as it was, and the change may be sent again.
         log.warning("site %s: %s", name, e)
@@ -634,7 +639,11 @@ async def set_quota(request: web.Request) -> web.Response:
     if beyond is not None:
         raise ApiError(422, f"invalid tenant quota: {beyond[0]}: {beyond[1]}", [{"field": beyond[0], "problem": beyond[1]}])
     _surely_leads(request)
-    state = await _ask_site(member, admin.set_quota(quota))
+    try:
+        state = await _ask_site(member, admin.set_quota(quota))
+    except QuotaBeyondSite as e:  # the site has fewer GPUs than its spec says (an agent's, a cluster's Nodes)
+        raise ApiError(422, f"invalid tenant quota: site {member.spec.name} refuses it: {e.field}: {e.problem}",
+                       [{"field": e.field, "problem": e.problem}]) from None
     await request.app[BROKER].quota_set_by_operator(member.spec.name, tenant)
     return _json(_quota_json(member, state, tenant))
 

@@ -26,6 +26,7 @@ from broker.clock import Clock
 from broker.models import Health, SiteSpec, SiteState
 from broker.providers.prices import PriceProvider
 from broker.signals import ForecastRows, price_matrix
+from policies.quota import QuotaBeyondSite
 from policies.snapshot import Snapshot, build_snapshot, replace_forecast
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,15 @@ class QuotaNotTaken(AdapterError):
         kept = (f"; it took the changes for {', '.join(taken)} before that (the site keeps them)"
                 if taken else "")
         super().__init__(f"site {site} did not take the spec's quota changes ({why}){kept}")
+
+
+class QuotaRefused(QuotaNotTaken):
+    """The site refuses one of the spec's changed quotas for its own GPUs (an agent's site with fewer than the
+    spec says: ``policies.quota.QuotaBeyondSite``): ``tenant``'s ``field``, with the ``problem``."""
+
+    def __init__(self, site: str, taken: list[str], refused: QuotaBeyondSite) -> None:
+        super().__init__(site, taken, f"it refuses tenant {refused.tenant}'s quota: {refused.field}: {refused.problem}")
+        self.tenant, self.field, self.problem = refused.tenant, refused.field, refused.problem
 
 
 def needs_rebuild(old: SiteSpec, new: SiteSpec) -> bool:
@@ -239,6 +249,8 @@ class Federation:
                 with contextlib.suppress(KeyError):  # the operator removed it already
                     await adapter.remove_quota(tenant)
                 taken.append(tenant)
+        except QuotaBeyondSite as e:
+            raise QuotaRefused(spec.name, taken, e) from e
         except AdapterError as e:
             raise QuotaNotTaken(spec.name, taken, str(e)) from e
 

@@ -29,7 +29,7 @@ from broker.clock import Clock, SystemClock
 from broker.config import BrokerSettings, ConfigError, ReplicaSettings, is_shared_database
 from broker.cycle import SchedulingCycle
 from policies.profiles import profile_pipeline
-from broker.federation import Federation, Member, needs_rebuild
+from broker.federation import Federation, Member, QuotaRefused, needs_rebuild
 from broker.jobs import JobBook
 from broker.leadership import SHUTTING_DOWN, Leadership
 from broker.lifecycle import Lifecycle
@@ -535,6 +535,16 @@ class Broker:
         was = member.spec.model_copy(update={"quotas": [*kept.values(), *(q for q in pending.values() if q)]})
         try:
             await self.federation.pass_quotas(name, was)
+        except QuotaRefused as e:  # (the site's own GPUs: asking again will not change its answer)
+            log.error("site %s: %s; it keeps the quota it had for %s (set one it can give with heliotrope quota)",
+                      name, e, e.tenant)
+            pending.pop(e.tenant, None)
+            for tenant in e.taken:
+                pending.pop(tenant, None)
+            if not pending:
+                self._quota_passes.pop(name, None)
+            await self._save_quota_passes()
+            return
         except AdapterError as e:
             if name not in self._quota_passes_warned:
                 self._quota_passes_warned.add(name)

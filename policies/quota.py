@@ -131,6 +131,15 @@ class TenantState:
     configured_guaranteed_gpus: float | None = None
 
 
+class QuotaBeyondSite(ValueError):
+    """A site refuses a tenant's quota: its ``field`` (``model``, ``guaranteed_gpus``) asks for GPUs the site
+    does not have (``problem`` says which)."""
+
+    def __init__(self, tenant: str, field: str, problem: str) -> None:
+        super().__init__(f"tenant {tenant}'s quota: {field}: {problem}")
+        self.tenant, self.field, self.problem = tenant, field, problem
+
+
 @dataclass(frozen=True, slots=True)
 class UsageHistory:
     """A book's usage history, for a site to keep across its restarts (:meth:`QuotaBook.history`,
@@ -329,11 +338,11 @@ class QuotaBook:
         return out
 
     def check(self, quota: TenantQuota) -> None:
-        """ValueError, naming the field, where ``quota`` names a model the site lacks or guarantees more GPUs
-        than the site (or that model) has (``TenantQuota.beyond``)."""
+        """:class:`QuotaBeyondSite` (a ValueError naming the field) where ``quota`` names a model the site lacks or
+        guarantees more GPUs than the site (or that model) has (``TenantQuota.beyond``)."""
         beyond = quota.beyond(self._capacity)
         if beyond is not None:
-            raise ValueError(f"tenant {quota.tenant}'s quota: {beyond[0]}: {beyond[1]}")
+            raise QuotaBeyondSite(quota.tenant, *beyond)
 
     def remove_quota(self, tenant: str, now: float) -> None:
         """The tenant becomes unlisted; its running jobs stay (as best-effort) whatever ``unlisted_tenants`` says."""

@@ -565,3 +565,51 @@ async def test_an_operators_quota_change_after_the_restart_wins_over_the_files_c
         await client.close()
         await agent.stop()
         await b.stop()
+
+
+async def test_a_quota_the_agents_site_refuses_for_its_own_gpus_is_a_422_naming_the_field(
+        tmp_path: Path, mosquitto: Mosquitto) -> None:  # noqa: F811
+    # The broker's spec says 16 GPUs; the agent's site has 8 (its config is its own). A guarantee of 12 passes the
+    # broker's check, and the site refused it: the operator read "503: the site did not answer".
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.api import create_app
+
+    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
+                              collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
+    remote = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
+    holder: dict[str, Broker] = {}
+    b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))
+    holder["b"] = b
+    await b.start([site("edge", gpus={"a100-80gb": 16}, adapter=remote)])
+    spec = site("edge", gpus={"a100-80gb": 8}, adapter=FAST)
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.2, resend_s=0.3),
+                      adapter=SimulatedSite(spec, SystemClock()))
+    await agent.start()
+    client = TestClient(TestServer(create_app(b)))
+    await client.start_server()
+    try:
+        deadline = time.monotonic() + 10
+        while b.federation.get("edge").public_state().health != Health.HEALTHY:
+            assert time.monotonic() < deadline, "the agent's site did not report"
+            await asyncio.sleep(0.1)
+        r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 12})
+        error = (await r.json())["error"]
+        assert r.status == 422, error
+        assert [f["field"] for f in error["fields"]] == ["guaranteed_gpus"]
+        assert "12 is more than the site's 8 GPUs" in error["fields"][0]["problem"]
+        assert "site edge refuses it" in error["message"]
+        r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6})  # one it can give
+        assert r.status == 200, await r.text()
+        # the same through the site's spec: refused, naming the quota's field; the spec is not taken
+        body = b.federation.get("edge").spec.model_dump(mode="json") | {"quotas": [
+            {"tenant": "nlp", "guaranteed_gpus": 2}, {"tenant": "vision", "guaranteed_gpus": 12}]}
+        r = await client.put("/v1/sites/edge", json=body)
+        error = (await r.json())["error"]
+        assert r.status == 422, error
+        assert [f["field"] for f in error["fields"]] == ["quotas[1].guaranteed_gpus"]
+        assert b.federation.get("edge").spec.quotas == []
+    finally:
+        await client.close()
+        await agent.stop()
+        await b.stop()
