@@ -163,7 +163,9 @@ class Broker:
         self._carbon_provider, self._price_provider = carbon, prices
         self.signals: GridSignals | None = None  # carbon forecasts per zone; None without a carbon provider
         self._pumps: dict[str, asyncio.Task[None]] = {}
-        self._sites_lock = asyncio.Lock()  # one site change at a time: check and write stay together
+        # one change of a site at a time, check and write together; a site's own lock, so a change that waits
+        # (a rebuild waiting for a cancelled job's dispatch) holds up no other site's (a cordon in an incident)
+        self._site_locks: dict[str, asyncio.Lock] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self.cycles = 0
@@ -576,8 +578,12 @@ class Broker:
         self._pumps[member.spec.name] = asyncio.get_running_loop().create_task(
             self.lifecycle.pump(member), name=f"events-{member.spec.name}")
 
+    def _site_lock(self, name: str) -> asyncio.Lock:
+        """The lock that orders the changes of site ``name`` (its registration and removal included)."""
+        return self._site_locks.setdefault(name, asyncio.Lock())
+
     async def register_site(self, spec: SiteSpec) -> Member:
-        async with self._sites_lock:
+        async with self._site_lock(spec.name):
             return await self._register_site(spec)
 
     async def _register_site(self, spec: SiteSpec) -> Member:
@@ -601,7 +607,7 @@ class Broker:
         PUT leaves out and checks who may change credentials there, so an update under way is neither undone
         by a copy of the spec from before it nor let through as no change. KeyError: no such site."""
         if prepare is None:
-            async with self._sites_lock:
+            async with self._site_lock(spec.name):
                 return await self._update_site(spec)
         return await self._change_site(spec.name, lambda current: prepare(spec, current))
 
@@ -617,9 +623,9 @@ class Broker:
 
     async def _change_site(self, name: str, change: Callable[[SiteSpec], SiteSpec]) -> Member:
         """Site ``name``'s spec made by ``change`` from the one it has when the change is made: read under the
-        lock that orders site changes, so an update under way is not undone by a spec copied before it.
+        lock that orders the site's changes, so an update under way is not undone by a spec copied before it.
         KeyError: no such site."""
-        async with self._sites_lock:
+        async with self._site_lock(name):
             member = self.federation.get(name)
             if member is None:
                 raise KeyError(name)
@@ -679,7 +685,7 @@ class Broker:
             self.federation.set_leaving(name, False)
 
     async def remove_site(self, name: str) -> None:
-        async with self._sites_lock:
+        async with self._site_lock(name):
             await self._remove_site(name)
 
     async def _remove_site(self, name: str) -> None:

@@ -170,10 +170,10 @@ async def test_a_cordon_made_while_an_update_is_under_way_keeps_the_update(clien
     adapter.set_quota = slow_set_quota
     changed = {**body, "usd_per_gpu_hour": {"a100-80gb": 3.0}, "quotas": [{"tenant": "t1", "guaranteed_gpus": 8}]}
     update = asyncio.ensure_future(client.put("/v1/sites/berlin", json=changed))
-    while not client.broker._sites_lock.locked():
+    while not client.broker._site_lock("berlin").locked():
         await asyncio.sleep(0)
     cordon = asyncio.ensure_future(client.post("/v1/sites/berlin/cordon", json={"reason": "driver upgrade"}))
-    while not client.broker._sites_lock._waiters:  # the cordon's request reaches the broker and waits for the update
+    while not client.broker._site_lock("berlin")._waiters:  # the cordon's request reaches the broker and waits for the update
         await asyncio.sleep(0)
     release.set()
     assert (await update).status == 200 and (await cordon).status == 200
@@ -1003,6 +1003,10 @@ async def test_a_site_rebuilt_or_removed_after_a_job_was_cancelled_mid_dispatch_
         made = asyncio.ensure_future(client.delete("/v1/sites/berlin"))
     await asyncio.sleep(0.2)
     assert not made.done()  # waiting for the dispatch under way to be answered
+    # ... which holds up no other site's change: paris is registered and cordoned meanwhile
+    await register(client, site_body("paris", "gcp:europe-west9", {"a100-80gb": 8}))
+    r = await asyncio.wait_for(client.post("/v1/sites/paris/cordon", json={"reason": "an incident"}), 5)
+    assert r.status == 200 and not made.done()
     release.set()
     r = await asyncio.wait_for(made, 10)
     assert r.status == (200 if change == "rebuild" else 204), await r.text()
