@@ -318,6 +318,9 @@ LEDGER_SEEN_S = 60.0  # ... and at least this often while it holds attempts open
 STATE_READ_TRIES = 5  # reads of what the last broker in charge kept, before taking charge fails (about 1.5 s)
 YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
+UNPLACEABLE_REFRESH_S = 60.0
+"""A waiting job's decision is recorded again when which filters turned which sites away changes, and at least
+this often while it waits (the figures its reasons quote, "8 free", move without changing which filters fail)."""
 
 
 def _plan_moves(
@@ -662,11 +665,16 @@ class SchedulingCycle:
                 if pipeline.migrate is not None and pipeline.migrate.make_room and urgent(
                         req, snap.now.timestamp(), pipeline.migrate):
                     self._stuck.append((job, req, pipeline))
-                if self._last_seen.get(job.id) != placement.signature:  # record only decisions that changed
-                    self._last_seen[job.id] = self._signatures.setdefault(placement.signature, placement.signature)
+                # record only decisions that changed, or whose figures may have (a minute on)
+                signature = placement.signature + int(snap.now.timestamp() // UNPLACEABLE_REFRESH_S).to_bytes(
+                    8, "little", signed=True)
+                seen = self._last_seen.get(job.id)
+                if seen != signature:
+                    self._last_seen[job.id] = self._signatures.setdefault(signature, signature)
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
-                    self._announce_decision(job, "decision", "unplaceable", None, None,
-                                            "no site can run it now; it waits in the queue", snap.now)
+                    if seen is None or seen[:-8] != placement.signature:  # (announced once per change, not a minute)
+                        self._announce_decision(job, "decision", "unplaceable", None, None,
+                                                "no site can run it now; it waits in the queue", snap.now)
                 if (jobs is None and not req.excluded_sites and not self._holds
                         and (pipeline.shift is None or req.deadline_ts is None or not req.deferrable)):
                     # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.

@@ -789,3 +789,25 @@ async def test_a_broker_says_at_start_which_profiles_move_running_jobs(tmp_path,
         assert "cheap" not in caplog.text.split("move running")[0].split("profiles")[-1]
     finally:
         await b.stop()
+
+
+async def test_a_waiting_jobs_explanation_quotes_figures_at_most_a_minute_old(make):
+    # Its decision was recorded again only when which filters turned which sites away changed: the GPUs freed
+    # since did not change that, and `heliotrope explain` quoted the free GPUs of when it first waited, for hours.
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    blocker = await h.submit(name="blocker", count=4, duration_s=100)
+    await h.cycle()
+    await h.step(1.0)
+    big = await h.submit(name="big", count=16)
+    await h.cycle()
+    assert (await h.decision(big.id)).sites[0].reasons == ["gpus-do-not-fit: job needs 16 GPUs of any model; 4 free"]
+    await h.step(100)  # the blocker ends: 8 free, the same filter fails at the same site
+    assert (await h.job(blocker.id)).state == JobState.SUCCEEDED
+    await h.clock.advance(60)
+    await h.broker.cycle.run_once(full=True)
+    d = await h.decision(big.id)
+    assert d.sites[0].reasons == ["gpus-do-not-fit: job needs 16 GPUs of any model; 8 free"]
+    assert d.decided_at == h.clock.now()
+    # ... while the event stream heard that it waits once, not once a minute
+    told = [e for e in h.broker.events.recent if e.type == "decision" and e.job_id == big.id]
+    assert [e.data["outcome"] for e in told] == ["unplaceable"]
