@@ -58,7 +58,7 @@ from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, QuotaAdmin
-from broker.models import SITE_READ_ONLY_KEYS, Job, JobSpec, JobState, QuotaState, SiteSpec, TenantQuota
+from broker.models import SITE_READ_ONLY_KEYS, Job, JobSpec, JobState, Preview, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
@@ -148,6 +148,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("PUT", "/v1/sites/{name}/quota/{tenant}"): SITE,
     ("DELETE", "/v1/sites/{name}/quota/{tenant}"): SITE,
     ("POST", "/v1/jobs"): SUBMITTERS,  # for a tenant the token acts for
+    ("POST", "/v1/preview"): SUBMITTERS,  # likewise
     ("GET", "/v1/jobs"): ANY,  # submitters: their tenants' jobs; operators: jobs on their sites
     ("GET", "/v1/jobs/{id}"): ANY,  # 404 for a job the caller may not see
     ("POST", "/v1/jobs/{id}/cancel"): SUBMITTERS,
@@ -664,7 +665,8 @@ async def delete_quota(request: web.Request) -> web.Response:
 # --- jobs ---
 
 
-async def submit_job(request: web.Request) -> web.Response:
+async def _job_spec(request: web.Request) -> tuple[JobSpec, bytes]:
+    """The request's job spec, checked as a submission is (422 naming the field; 403 for another tenant)."""
     broker = request.app[BROKER]
     spec, raw = await _body(request, JobSpec, "job spec")
     never = spec.gpus.never_fits()
@@ -677,6 +679,31 @@ async def submit_job(request: web.Request) -> web.Response:
         broker.settings.profiles.choose(spec.profile)
     except ProfileError as e:
         raise ApiError(422, f"invalid job spec: profile: {e}", [{"field": "profile", "problem": str(e)}]) from None
+    return spec, raw
+
+
+PREVIEW_NOTE = ("what the broker would decide for this job now, were it first in the queue: jobs queued before it "
+                "may take the room first, and the sites' reports and forecasts move on; nothing was submitted")
+
+
+async def preview_job(request: web.Request) -> web.Response:
+    """``POST /v1/preview``: the decision a job would get now (as Slurm's ``sbatch --test-only``), nothing
+    stored: its site, or its deferral, or why it would wait, with every site's terms, as ``GET
+    /v1/jobs/{id}/decision`` gives them."""
+    broker = request.app[BROKER]
+    spec, _ = await _job_spec(request)
+    now = broker.clock.now()
+    if spec.deadline is not None and spec.deadline < now:  # (as a submission is refused: broker.jobs.PastDeadline)
+        raise ApiError(422, f"invalid job spec: deadline {spec.deadline.isoformat()} has passed: it is "
+                            f"{now.isoformat()} at the broker; give a later deadline, or none",
+                       [{"field": "deadline", "problem": "in the past"}])
+    req, record = broker.cycle.preview("preview", spec)
+    return _json(Preview(note=PREVIEW_NOTE, decision=explain.render(record, req, broker.cycle.filters, 0)))
+
+
+async def submit_job(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    spec, raw = await _job_spec(request)
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (1 <= len(key) <= 255 and key.isascii() and key.isprintable()):
         raise ApiError(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",
@@ -965,6 +992,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_put("/v1/sites/{name}/quota/{tenant}", set_quota)
     r.add_delete("/v1/sites/{name}/quota/{tenant}", delete_quota)
     r.add_post("/v1/jobs", submit_job)
+    r.add_post("/v1/preview", preview_job)
     r.add_get("/v1/jobs", list_jobs)
     r.add_get("/v1/jobs/{id}", get_job)
     r.add_post("/v1/jobs/{id}/cancel", cancel_job)

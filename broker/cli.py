@@ -232,8 +232,12 @@ def _raw(scorer: str, value: float | None, ranked_as: float | None = None) -> st
     return _num(value) if unit is None else f"{_num(value)} {unit}"
 
 
-def show_decision(d: dict[str, Any]) -> str:
-    lines = [f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}", f"  {d['summary']}", ""]
+def show_decision(d: dict[str, Any], preview: bool = False) -> str:
+    """A decision as ``heliotrope explain`` prints it; ``preview``: one ``submit --dry-run`` asked for, of a job
+    not submitted (no id, no attempt)."""
+    head = (f"would be decided so at {d['decided_at']}" if preview
+            else f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}")
+    lines = [head, f"  {d['summary']}", ""]
     feasible = sorted((s for s in d["sites"] if s["feasible"]), key=lambda s: -(s["score"] or 0))
     width = max([20, *(len(s["site"]) for s in d["sites"])])  # site names may be long: the columns still line up
     if feasible:
@@ -340,6 +344,14 @@ async def _client_command(args: argparse.Namespace) -> str | None:
         match args.command:
             case "watch":
                 return await _watch(c, args)
+            case "submit" if args.dry_run:
+                doc = _load_document(args.file)
+                specs = doc if isinstance(doc, list) else [doc]
+                _check_all(specs, JobSpec, "job")
+                previews = [await c.request("POST", "/v1/preview", spec) for spec in specs]
+                out = previews if isinstance(doc, list) else previews[0]
+                text = "\n\n".join(show_decision(p["decision"], preview=True) for p in previews)
+                text += f"\n\n(dry run: {previews[0]['note']})" if previews else ""
             case "submit":
                 doc = _load_document(args.file)
                 specs = doc if isinstance(doc, list) else [doc]
@@ -634,6 +646,9 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("submit", parents=[common], help="submit a job spec (YAML or JSON; a list submits several)")
     s.add_argument("file", help="path, or - for standard input")
     s.add_argument("--idempotency-key", help="resubmitting with the same key returns the first job")
+    s.add_argument("--dry-run", action="store_true",
+                   help="submit nothing: show what the broker would decide for each job now (its site, or its "
+                        "deferral, or why it would wait), as heliotrope explain shows a decision")
     s = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
     s.add_argument("--state")
     s.add_argument("--tenant")

@@ -57,7 +57,7 @@ from broker.jobs import JobBook
 from broker.queue import Entry, QueueWalk
 from broker.lifecycle import Lifecycle
 from broker.metrics import Metrics
-from broker.models import GpuModelId, Job, JobState, SiteSpec
+from broker.models import GpuModelId, Job, JobSpec, JobState, SiteSpec
 from adapters.base import AdapterError, Preempter
 from broker.store import Store, StoreError
 from policies import explain, runtime_risk, timeshift
@@ -960,10 +960,31 @@ class SchedulingCycle:
             req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, frozenset(), job.created_at)
         return req
 
-    def _with_plan(self, snap: Snapshot) -> Snapshot:
+    def preview(self, job_id: str, spec: JobSpec) -> tuple[JobRequest, dict[str, Any]]:
+        """The decision a job of ``spec`` would get now, as if it were first in the queue: on the sites' latest
+        reports, less what is placed but not reported yet and what is kept for moves, with the time-shift plan of
+        the jobs running and deferred, by the job's profile. Nothing is stored, assumed, planned or announced.
+        Returns the request it was decided for and the decision's record (``policies.explain``)."""
+        snap = self.federation.freeze(self.clock.now())
+        self._debit_in_flight(snap, self._asked_at)
+        if self._plan_hours:
+            snap = self._with_plan(snap, observe=False)
+        if self._holds or self._moving:
+            self._debit_holds(snap)
+        req = JobRequest.from_spec(job_id, spec, frozenset(), snap.now)
+        pipeline = self.profiles.get(spec.profile, self.pipeline) if spec.profile else self.pipeline
+        outcome = PassDecider(pipeline, snap).decide(req)
+        if isinstance(outcome, Deferral):
+            return req, explain.record_deferral(pipeline, outcome, snap)
+        if isinstance(outcome, _Failure):
+            return req, outcome.record(pipeline, snap)
+        return req, explain.record(pipeline, outcome, snap)
+
+    def _with_plan(self, snap: Snapshot, observe: bool = True) -> Snapshot:
         """``snap`` with the time-shift plan: hour by hour, the GPUs that jobs on sites (until their expected
         end: ``duration_s`` less the work earlier attempts kept, from when this attempt started or was placed)
-        and deferred jobs (from their planned start) leave free."""
+        and deferred jobs (from their planned start) leave free. ``observe``: take what latency-bound jobs hold
+        as this hour's sample of their demand (a pass does; a preview does not)."""
         hours = self._plan_hours
         h0 = timeshift.epoch_hour(snap.now)
         calendar = timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
@@ -1013,7 +1034,8 @@ class SchedulingCycle:
         near: dict[str, Any] = {}
         if self._near is not None:  # what latency-bound jobs hold now is this hour's sample
             near["near_booked"] = booked = calendar.near_view(snap.now, hours)
-            self._near.observe(h0, snap.sites, booked[:, :, 0])
+            if observe:
+                self._near.observe(h0, snap.sites, booked[:, :, 0])
             near["near_samples"] = self._near.samples(snap.sites, booked.shape[1])
         if overruns is not None:
             near["plan_overrun"] = overruns.booked_view(snap.now, hours)

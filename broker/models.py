@@ -1192,7 +1192,8 @@ class Decision(Strict):
     attempt: int = Field(description="placed: the attempt the placement started; deferred or unplaceable: the "
                                      "attempts made before the decision (0: none yet)")
     decided_at: UtcDatetime = Field(description="when the decision was taken (one that keeps a job waiting is "
-                                                "taken again at later passes and recorded again when it changes)")
+                                                "taken again at later passes and recorded again when it changes, "
+                                                "and at least once a minute)")
     outcome: Literal["placed", "deferred", "unplaceable"] = Field(
         description="placed: sent to the site; deferred: planned to start later (deferral); unplaceable: no site "
                     "could take it then, and it waited in the queue")
@@ -1202,6 +1203,14 @@ class Decision(Strict):
     sites: list[SiteVerdict] = Field(description="every site the decision saw, by name: its rejections or its "
                                                  "score terms")
     deferral: DeferralPlan | None = Field(None, description="for a deferred job, the plan and what it weighed")
+
+
+class Preview(Strict):
+    """What the broker would decide for a job now (``POST /v1/preview``); nothing is submitted."""
+
+    note: str = Field(description="what the preview is, and what it cannot know")
+    decision: Decision = Field(description="the decision, as GET /v1/jobs/{id}/decision gives one (job_id "
+                                           "'preview')")
 
 
 def clean_text(value: str, limit: int = 1000) -> str:

@@ -17,7 +17,7 @@ from pydantic_core import core_schema
 from broker import ids, models
 from broker.auth import Role
 from broker.events import TYPES as EVENT_TYPES
-from broker.models import Decision, Job, JobSpec, JobState, QuotaState, SiteSpec, SiteState, TenantQuota
+from broker.models import Decision, Job, JobSpec, JobState, Preview, QuotaState, SiteSpec, SiteState, TenantQuota
 
 _REF = "#/components/schemas/{model}"
 
@@ -158,7 +158,7 @@ _NULLABLE_STR, _NULLABLE_NUM = {"type": ["string", "null"]}, {"type": ["number",
 
 def _components() -> dict[str, Any]:
     models = [(m, "validation") for m in (JobSpec, SiteSpec, TenantQuota)] + [
-        (m, "serialization") for m in (Job, Decision, SiteState, QuotaState)
+        (m, "serialization") for m in (Job, Decision, Preview, SiteState, QuotaState)
     ]
     _, schemas = models_json_schema(models, ref_template=_REF, schema_generator=_Generator)
     components = dict(schemas.get("$defs", {}))
@@ -318,6 +318,14 @@ def _paths() -> dict[str, Any]:
                     param("cursor", description="the previous page's next"),
                 ],
                 "responses": _answers(_json_body(_page(_ref("Job")), "a page of jobs"), 400),
+            },
+        },
+        "/v1/preview": {
+            "post": {
+                "summary": "What the broker would decide for a job now, were it first in the queue: its site, its "
+                           "deferral or why it would wait, with every site's terms; nothing is submitted",
+                "requestBody": _request(_ref("JobSpec"), "the job"),
+                "responses": _answers(_json_body(_ref("Preview"), "the decision it would get"), 400, 413, 422),
             },
         },
         "/v1/jobs/{id}": {

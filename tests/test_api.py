@@ -1013,3 +1013,37 @@ async def test_a_site_rebuilt_or_removed_after_a_job_was_cancelled_mid_dispatch_
     assert (job["id"], 1, True) in withdrawn  # taken back from the old adapter once it had landed
     assert not adapter._runs  # nothing left running there
     assert (await (await client.get(f"/v1/jobs/{job['id']}")).json())["state"] == "cancelled"
+
+
+async def test_a_preview_tells_where_a_job_would_go_and_why_and_submits_nothing(client: TestClient):
+    """``POST /v1/preview`` (``heliotrope submit --dry-run``): what the broker would decide for the job now,
+    as ``GET /v1/jobs/{id}/decision`` explains a decision, with nothing stored: the submitter sees the site, or
+    why it would wait, before sending it."""
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}))
+    await register(client, site_body("paris", "gcp:europe-west9", {"a100-80gb": 8}))
+    r = await client.post("/v1/preview", json={**MINIMAL, "gpus": {"count": 4}})
+    assert r.status == 200, await r.text()
+    preview = await r.json()
+    d = preview["decision"]
+    assert d["outcome"] == "placed" and d["site"] == "berlin" and d["job_id"] == "preview"
+    assert sorted(s["site"] for s in d["sites"]) == ["berlin", "paris"] and "first in the queue" in preview["note"]
+    assert (await (await client.get("/v1/jobs")).json())["items"] == []  # nothing was submitted
+
+    # the GPUs a running job holds are not offered: 16 held at berlin, so paris
+    blocker = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "blocker", "gpus": {"count": 16},
+                                                         "duration_s": 600})).json()
+    await wait_for(client, blocker["id"], {"running"})
+    d = (await (await client.post("/v1/preview", json={**MINIMAL, "gpus": {"count": 4}})).json())["decision"]
+    assert d["outcome"] == "placed" and d["site"] == "paris"
+    d = (await (await client.post("/v1/preview", json={**MINIMAL, "gpus": {"count": 12}})).json())["decision"]
+    assert d["outcome"] == "unplaceable" and d["site"] is None
+    assert {s["site"]: s["reasons"] for s in d["sites"]} == {
+        "berlin": ["gpus-do-not-fit: job needs 12 GPUs of any model; 0 free"],
+        "paris": ["gpus-do-not-fit: job needs 12 GPUs of any model; 8 free"]}
+
+    # a spec a submission would refuse is refused the same way, naming the field
+    r = await client.post("/v1/preview", json={**MINIMAL, "gpus": {"count": 0}})
+    assert r.status == 422 and (await r.json())["error"]["fields"][0]["field"] == "gpus.count"
+    r = await client.post("/v1/preview", json={**MINIMAL, "deadline": "2020-01-01T00:00:00Z"})
+    assert r.status == 422 and (await r.json())["error"]["fields"] == [{"field": "deadline", "problem": "in the past"}]
+    assert [j["id"] for j in (await (await client.get("/v1/jobs")).json())["items"]] == [blocker["id"]]

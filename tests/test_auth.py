@@ -268,6 +268,8 @@ TABLE: list[Row] = [
     # jobs
     R("a submitter submits for its own tenant only", "POST /v1/jobs", (401, 201, 403, 403, 201, 403),
       job("vision", "l4")),
+    R("a submitter previews a job of its own tenant only", "POST /v1/preview", (401, 200, 403, 403, 200, 403),
+      job("vision", "l4")),
     R("everyone with a token lists jobs (scoped)", "GET /v1/jobs", (401, 200, 200, 200, 200, 200)),
     R("a submitter cannot list another tenant's jobs", "GET /v1/jobs?tenant=vision", (401, 200, 200, 200, 200, 403)),
     R("an operator cannot list another site's jobs", "GET /v1/jobs?site=alpha", (401, 200, 200, 403, 200, 200)),

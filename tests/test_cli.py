@@ -68,6 +68,17 @@ def test_submit_then_list_show_explain_and_cancel_a_job(capsys, server, tmp_path
     assert code == 0 and out.strip() == f"job {job_id} cancelled"
 
 
+def test_submit_dry_run_shows_where_the_job_would_go_and_submits_nothing(capsys, server, tmp_path):
+    code, out, err = run(capsys, server, "submit", "--dry-run", str(submit_file(tmp_path, name="dry")))
+    assert code == 0, err
+    assert out.startswith("would be decided so at ") and "placed on alpha" in out and "beta" in out
+    assert "(dry run: what the broker would decide for this job now" in out
+    code, out, _ = run(capsys, server, "--json", "jobs")
+    assert "dry" not in [j["name"] for j in json.loads(out)]  # nothing was submitted
+    code, out, _ = run(capsys, server, "--json", "submit", "--dry-run", str(submit_file(tmp_path, gpus={"count": 64})))
+    assert code == 0 and json.loads(out)["decision"]["outcome"] == "unplaceable"
+
+
 @pytest.mark.parametrize("state,attempt,run_s,started,finished,shown", [
     ("running", 1, 0.0, "2026-11-26T16:25:40Z", None, "running since 2026-11-26T16:25:40Z"),
     ("running", 2, 600.0, "2026-11-26T16:25:40Z", None, "running, 600 s run by earlier attempts"),

@@ -905,3 +905,21 @@ def test_balanced_does_not_defer_a_job_a_day_longer_for_an_hour_as_clean_but_for
     assert isinstance(outcome, Deferral)
     assert (snap.sites[outcome.site], outcome.start) == ("toronto", datetime(2022, 6, 10, 18, tzinfo=UTC))
     assert outcome.value_then == pytest.approx(8 * TDP_KW[A100] * sum(DAY[5:9]) / 1000.0)
+
+
+async def test_a_preview_of_a_flexible_job_gives_the_deferral_a_submission_then_gets_and_books_nothing(live) -> None:
+    # POST /v1/preview (heliotrope submit --dry-run) of a green job: deferred to frankfurt's clean hours, as
+    # the job then submitted is; the preview held none of those hours, so two previews agree.
+    from tests.builders import job
+
+    b, clock = live
+    spec = job(count=8, profile="green", duration_s=4 * 3600, deadline=GREEN_AT + timedelta(hours=30))
+    req, record = b.cycle.preview("preview", spec)
+    previewed = explain.render(record, req, b.cycle.filters, 0)
+    assert previewed.outcome == "deferred" and previewed.deferral.site == "frankfurt"
+    assert explain.render(*reversed(b.cycle.preview("preview", spec)), b.cycle.filters, 0) == previewed
+    assert b.cycle.deferred_until("preview") is None
+    j, decision = await _a_deferred_green_job(b)
+    decided = await decision()
+    assert (decided.outcome, decided.site, decided.deferred_until, decided.summary) == (
+        previewed.outcome, previewed.site, previewed.deferred_until, previewed.summary)
