@@ -1251,6 +1251,8 @@ class KubernetesSite:
         Pods of a stop here are still going, nor in the ``AFTER_STOP_GRACE_S`` after the last went (a
         preemption's victims free the GPUs the Pod waits for, and the scheduler places it then)."""
         after = timedelta(seconds=self.config.unschedulable_after_s or 0.0)
+        why: str | None = None
+        events_read = False  # (the Job's Events read since the deadline was last found passed)
         while True:
             known = self._attempts.get(key)
             if known is None or known.done or known.stopping is not None or key in self._withdrawn:
@@ -1272,11 +1274,17 @@ class KubernetesSite:
             if wait_s <= 0:
                 if stuck:
                     self._stuck(key, known, known.stuck or "", (now - since).total_seconds())
+                elif podless and not events_read:
+                    # (why the cluster makes no Pod is in the Job's Events; read before its Job is deleted, and
+                    # then look again: its Pod may have come, or a stop begun, while they were read)
+                    why = await self._refused_why(known.namespace, job_name(*key))
+                    events_read = True
+                    continue
                 else:
-                    # (why the cluster makes no Pod is in the Job's Events; read before its Job is deleted)
-                    why = await self._refused_why(known.namespace, job_name(*key)) if podless else None
-                    self._unplaceable(key, known, pod, (now - since).total_seconds(), podless, why)
+                    self._unplaceable(key, known, pod, (now - since).total_seconds(), podless,
+                                      why if podless else None)
                 return
+            events_read = False
             await asyncio.sleep(min(wait_s, UNPLACED_RECHECK_S))
 
     def _unplaceable(self, key: tuple[str, int], known: _Attempt, pod: str, waited_s: float,

@@ -2456,3 +2456,34 @@ async def test_registering_a_site_whose_adapter_cannot_start_stores_nothing(clus
         assert broker.federation.get("kube").public_state().health == "healthy"  # type: ignore[union-attr]
     finally:
         await broker.stop()
+
+
+async def test_a_pod_that_comes_while_the_jobs_events_are_read_keeps_its_attempt(
+        cluster: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The deadline of a Job without Pods reads its Events before it withdraws it; the Job controller may make its
+    # Pod meanwhile (the ResourceQuota that refused it freed). The attempt was withdrawn with a running Pod.
+    adapter = make_site(cluster, unschedulable_after_s=600)
+    await adapter.start()
+    stream = adapter.events()
+    reading, go_on = asyncio.Event(), asyncio.Event()
+    real = k8s.CoreV1Api.list_namespaced_event_without_preload_content
+
+    async def slow(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reading.set()
+        await go_on.wait()
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(k8s.CoreV1Api, "list_namespaced_event_without_preload_content", slow)
+    try:
+        name = await j1_sent(adapter)
+        await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"metadata": {
+            "creationTimestamp": (datetime.now(UTC) - timedelta(seconds=601)).strftime("%Y-%m-%dT%H:%M:%SZ")}})
+        await asyncio.wait_for(reading.wait(), 5)
+        await pod_running(cluster, name)  # the Pod comes while the Events are read
+        assert (await next_event(adapter, stream)).kind == EventKind.RUNNING
+        go_on.set()
+        await asyncio.sleep(0.5)
+        assert adapter._events.empty() and ("heliotrope-t1", name) in jobs(cluster)
+    finally:
+        go_on.set()
+        await adapter.close()
