@@ -303,12 +303,19 @@ class QuotaBook:
         running jobs, re-entered at their starts, count from ``kept.saved_at`` on (what re-entering them
         counted before it is dropped, or it would count twice), so their run while no one watched counts too.
         A tenant whose quota now counts another model than its kept history's account takes that history.
-        Returns why ``kept`` was not taken (periods of another length: the site's ``fair_share`` changed), else
-        None."""
+        Saved after ``now`` (the clock stepped back across the restart), the book holds its time at
+        ``kept.saved_at`` until the clock catches up, as :meth:`_clock` does, or the kept run would count again;
+        saved more than a period after ``now``, it is not taken (a clock that far off would stop the book's usage).
+        Returns why ``kept`` was not taken (periods of another length: the site's ``fair_share`` changed; saved
+        that far ahead), else None."""
         if kept.bucket_s != self._ledger.bucket_s:
             return (f"it was kept in periods of {kept.bucket_s:g} s and the site's fair share now reweighs every "
                     f"{self._ledger.bucket_s:g} s")
-        now = self._clock(now)
+        if kept.saved_at > self._clock(now) + self._ledger.bucket_s:
+            return (f"it was saved {kept.saved_at - self._clock(now):.0f} s after the site's clock reads now (more "
+                    f"than one period of {self._ledger.bucket_s:g} s): the clock was stepped back, or the file "
+                    "came from a host whose clock is ahead")
+        now = self._clock(max(now, kept.saved_at))
         usage = {key: dict(buckets) for key, buckets in kept.usage.items()}
         for tenant, q in self._quotas.items():  # its quota changed model meanwhile (as _rehome renames)
             keys = [key for key in usage if key[0] == tenant]

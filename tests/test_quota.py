@@ -776,6 +776,28 @@ def test_a_restarted_site_takes_its_kept_usage_history_and_counts_the_run_while_
     assert restarted.state(later)[1].decayed_usage_gpu_h == pytest.approx(site.book.state(later)[1].decayed_usage_gpu_h)
 
 
+def test_a_kept_usage_history_saved_after_the_restarted_sites_now_counts_no_run_twice() -> None:
+    """The restarted site's clock reads earlier than the save (NTP stepped it back, the agent moved to a host whose
+    clock is behind): the kept history already counts the running job up to the save, and the book holds its time
+    until the clock catches up, as it does for a clock stepped back while it runs."""
+    quotas = [quota("vision", 4, 12)]
+    site = Site(quotas, gpus=16)
+    site.submit(ask("v-run", "vision", 4))
+    site.advance(2 * H)
+    kept = site.book.history(site.now)
+    behind = site.now - 0.5 * H  # the clock after the restart: half an hour behind
+    restarted = QuotaBook(quotas, FairSharePolicy(), {MODEL: 16})
+    restarted.start(ask("v-run", "vision", 4), site.now - 2 * H)
+    assert restarted.restore(kept, behind) is None
+    site.book.state(behind)  # (the book that never restarted sees the same clock)
+    later = site.now + H
+    assert restarted.state(later)[0].decayed_usage_gpu_h == pytest.approx(site.book.state(later)[0].decayed_usage_gpu_h)
+    # a clock far behind the save would hold the book's time (and every tenant's usage) for as long: not taken
+    far = QuotaBook(quotas, FairSharePolicy(), {MODEL: 16})
+    why = far.restore(kept, site.now - 3 * H)
+    assert why is not None and "saved 10800 s after" in why
+
+
 def test_a_kept_usage_history_follows_a_quota_that_changed_model_and_is_refused_in_other_periods() -> None:
     site = Site([quota("vision", 4, 12, model=MODEL)], gpus=16)
     site.submit(ask("v-done", "vision", 8))
