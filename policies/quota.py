@@ -317,10 +317,19 @@ class QuotaBook:
                     "came from a host whose clock is ahead")
         now = self._clock(max(now, kept.saved_at))
         usage = {key: dict(buckets) for key, buckets in kept.usage.items()}
-        for tenant, q in self._quotas.items():  # its quota changed model meanwhile (as _rehome renames)
+        # its quota changed model, or was set or removed, meanwhile: its history moves as _rehome moves it. A kept
+        # account of a model was its quota's; one of any model too where it had no other, else its best-effort one.
+        for tenant in {t for t, _ in kept.usage}:
+            q = self._quotas.get(tenant)
+            main = q.model if q is not None else None
             keys = [key for key in usage if key[0] == tenant]
-            if len(keys) == 1 and keys[0][1] != q.model:
-                usage[(tenant, q.model)] = usage.pop(keys[0])
+            moved = [key for key in keys if key[1] is not None and key[1] != main]
+            if main is not None and keys == [(tenant, None)]:
+                moved = keys
+            for key in moved:
+                into = usage.setdefault((tenant, main), {})
+                for i, v in usage.pop(key).items():
+                    into[i] = into.get(i, 0.0) + v
         origin = self._ledger.origin
         self._ledger.replace(usage, kept.origin if origin is None or kept.origin is None else min(origin, kept.origin))
         for job in self._jobs.values():

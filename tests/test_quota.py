@@ -798,6 +798,35 @@ def test_a_kept_usage_history_saved_after_the_restarted_sites_now_counts_no_run_
     assert why is not None and "saved 10800 s after" in why
 
 
+@pytest.mark.parametrize("after", [None, quota("vision", 4, 12, model=None)],
+                         ids=["its quota removed: it runs best-effort", "its quota moved to any model"])
+def test_a_kept_usage_history_follows_a_tenant_whose_quota_changed_while_the_site_was_down(after) -> None:
+    """As ``set_quota`` and ``remove_quota`` carry a tenant's history to its new account, so does a restart that
+    finds its quota changed: the tenant with a quota for one model (and best-effort jobs on another) that used the
+    site all night does not come back with a clean slate."""
+    capacity = {MODEL: 16, "h100-80gb": 8}
+    before = [quota("vision", 4, 12, model=MODEL)]
+    site = Site(before, capacity=capacity)
+    site.submit(ask("v-a100", "vision", 8))
+    site.submit(ask("v-h100", "vision", 2, model="h100-80gb"))  # best-effort: its quota counts a100s only
+    site.advance(3 * H)
+    site.finish("v-a100")
+    site.finish("v-h100")
+    site.advance(H)
+    kept = site.book.history(site.now)
+    if after is None:
+        site.book.remove_quota("vision", site.now)  # what the site does when the change comes while it runs
+    else:
+        site.book.set_quota(after, site.now)
+    for book in (site.book, restarted := QuotaBook([after] if after else [], FairSharePolicy(), capacity)):
+        book.start(ask("v-next", "vision", 1), site.now)
+    assert restarted.restore(kept, site.now) is None
+    later = site.now + H
+    expected = {(s.tenant, s.model): s.decayed_usage_gpu_h for s in site.book.state(later)}
+    assert expected[("vision", None)] > 20
+    assert {(s.tenant, s.model): s.decayed_usage_gpu_h for s in restarted.state(later)} == pytest.approx(expected)
+
+
 def test_a_kept_usage_history_follows_a_quota_that_changed_model_and_is_refused_in_other_periods() -> None:
     site = Site([quota("vision", 4, 12, model=MODEL)], gpus=16)
     site.submit(ask("v-done", "vision", 8))
