@@ -277,7 +277,8 @@ class Broker:
                 raise ConfigError(str(e)) from None
             member = await self._join(spec, tolerate_failure=True)
             if spec.name in self._quota_passes:
-                await self._pass_file_quotas(member)
+                async with self._site_lock(spec.name):
+                    await self._pass_file_quotas(member)
         if self.hub is not None:  # only the broker in charge talks to the agents
             # Once its sites have joined: the MQTT broker hands over what it kept for this broker's session
             # (the agents' heartbeats and events while no broker was in charge) as soon as it connects, and a
@@ -451,12 +452,15 @@ class Broker:
         except Exception:
             log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
         for name in list(self._quota_passes):  # a site that could not take its file's quotas before: again
-            member = self.federation.get(name)
-            if member is not None:
-                try:
-                    await self._pass_file_quotas(member)
-                except Exception:
-                    log.exception("site %s: passing the quotas of the config file failed; trying again", name)
+            # (under the site's lock: a change of the site made meanwhile, its quotas passed, must not be followed
+            # by the file's older ones)
+            async with self._site_lock(name):
+                member = self.federation.get(name)
+                if member is not None:
+                    try:
+                        await self._pass_file_quotas(member)
+                    except Exception:
+                        log.exception("site %s: passing the quotas of the config file failed; trying again", name)
 
     async def decision(self, job: Job) -> StoredDecision | None:
         """The decision that explains ``job`` now: its own last recorded one, or, if newer, the one its

@@ -184,6 +184,42 @@ async def test_a_cordon_made_while_an_update_is_under_way_keeps_the_update(clien
     assert {t["tenant"]: t["guaranteed_gpus"] for t in quota["tenants"]}["t1"] == 8
 
 
+async def test_a_site_change_made_while_the_files_quotas_are_passed_is_not_undone_by_them(client: TestClient):
+    """The housekeeping passes the quotas the config file changed while the broker was down (the site could not
+    take them at start) beside the API: a PUT made while it waited on the site was answered 200, and then the
+    file's older quota for the same tenant reached the site after it, which enforced that while its spec said
+    the PUT's."""
+    from broker.models import TenantQuota
+
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=[
+        {"tenant": "t1", "guaranteed_gpus": 4}, {"tenant": "t2", "guaranteed_gpus": 4}])
+    await register(client, body)
+    broker = client.broker
+    adapter = broker.federation.get("berlin").adapter
+    entered, release = asyncio.Event(), asyncio.Event()
+    set_quota = adapter.set_quota
+
+    async def slow_set_quota(quota):
+        if not entered.is_set():  # (the first: the file's change, which the site takes its time over)
+            entered.set()
+            await release.wait()
+        return await set_quota(quota)
+
+    adapter.set_quota = slow_set_quota
+    # the file raised both guarantees from 2 while the broker was down, and the site has not taken them yet
+    broker._quota_passes = {"berlin": {t: TenantQuota(tenant=t, guaranteed_gpus=2) for t in ("t1", "t2")}}
+    passing = asyncio.ensure_future(broker._settle())
+    await asyncio.wait_for(entered.wait(), 5)
+    changed = {**body, "quotas": [{"tenant": "t1", "guaranteed_gpus": 4}, {"tenant": "t2", "guaranteed_gpus": 8}]}
+    update = asyncio.ensure_future(client.put("/v1/sites/berlin", json=changed))
+    await asyncio.sleep(0.2)
+    release.set()
+    assert (await asyncio.wait_for(update, 10)).status == 200
+    await asyncio.wait_for(passing, 10)
+    quota = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert {t["tenant"]: t["guaranteed_gpus"] for t in quota["tenants"]} == {"t1": 4, "t2": 8}
+
+
 async def test_a_cordoned_site_takes_no_new_job_keeps_what_runs_and_takes_work_again_when_uncordoned(
         client: TestClient, tmp_path: Path):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
