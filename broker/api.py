@@ -640,12 +640,14 @@ async def set_quota(request: web.Request) -> web.Response:
     if beyond is not None:
         raise ApiError(422, f"invalid tenant quota: {beyond[0]}: {beyond[1]}", [{"field": beyond[0], "problem": beyond[1]}])
     _surely_leads(request)
-    try:
-        state = await _ask_site(member, admin.set_quota(quota))
-    except QuotaBeyondSite as e:  # the site has fewer GPUs than its spec says (an agent's, a cluster's Nodes)
-        raise ApiError(422, f"invalid tenant quota: site {member.spec.name} refuses it: {e.field}: {e.problem}",
-                       [{"field": e.field, "problem": e.problem}]) from None
-    await request.app[BROKER].quota_set_by_operator(member.spec.name, tenant)
+    broker = request.app[BROKER]
+    async with broker.site_lock(member.spec.name):  # (ordered with the site's other changes)
+        try:
+            state = await _ask_site(member, admin.set_quota(quota))
+        except QuotaBeyondSite as e:  # the site has fewer GPUs than its spec says (an agent's, a cluster's Nodes)
+            raise ApiError(422, f"invalid tenant quota: site {member.spec.name} refuses it: {e.field}: {e.problem}",
+                           [{"field": e.field, "problem": e.problem}]) from None
+        await broker.quota_set_by_operator(member.spec.name, tenant)
     return _json(_quota_json(member, state, tenant))
 
 
@@ -654,11 +656,13 @@ async def delete_quota(request: web.Request) -> web.Response:
     tenant = request.match_info["tenant"]
     admin = _quota_admin(member)
     _surely_leads(request)
-    try:
-        state = await _ask_site(member, admin.remove_quota(tenant))
-    except KeyError:
-        raise ApiError(404, f"site {member.spec.name} has no quota for tenant {tenant}") from None
-    await request.app[BROKER].quota_set_by_operator(member.spec.name, tenant)
+    broker = request.app[BROKER]
+    async with broker.site_lock(member.spec.name):  # (ordered with the site's other changes)
+        try:
+            state = await _ask_site(member, admin.remove_quota(tenant))
+        except KeyError:
+            raise ApiError(404, f"site {member.spec.name} has no quota for tenant {tenant}") from None
+        await broker.quota_set_by_operator(member.spec.name, tenant)
     return _json(_quota_json(member, state))
 
 

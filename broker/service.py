@@ -231,14 +231,17 @@ class Broker:
             # (``sites cordon``), undone by ``uncordon``, and a restart must not send jobs to it meanwhile.
             stored = {s.name: s for s in await self.store.list_sites()}
             self._quota_passes = await self._kept_quota_passes()
+            specs = []
             for spec in sites or []:
                 was = stored.get(spec.name)
                 if was is not None and was.cordoned and not spec.cordoned:
                     spec = spec.model_copy(update={"cordoned": True, "cordon_reason": was.cordon_reason})
                 if was is not None:  # the quotas the file changed are passed to the site once it can take them
                     self._note_quota_pass(was, spec)
+                specs.append(spec)
+            await self._save_quota_passes()  # (first: once the file's specs are stored, only this tells the changes)
+            for spec in specs:
                 await self.store.put_site(spec)
-            await self._save_quota_passes()
         else:  # the shared store's sites are the truth (the leader changes them); the config only seeds it
             known = {s.name for s in await self.store.list_sites()}
             for spec in sites or []:
@@ -277,7 +280,7 @@ class Broker:
                 raise ConfigError(str(e)) from None
             member = await self._join(spec, tolerate_failure=True)
             if spec.name in self._quota_passes:
-                async with self._site_lock(spec.name):
+                async with self.site_lock(spec.name):
                     await self._pass_file_quotas(member)
         if self.hub is not None:  # only the broker in charge talks to the agents
             # Once its sites have joined: the MQTT broker hands over what it kept for this broker's session
@@ -454,7 +457,7 @@ class Broker:
         for name in list(self._quota_passes):  # a site that could not take its file's quotas before: again
             # (under the site's lock: a change of the site made meanwhile, its quotas passed, must not be followed
             # by the file's older ones)
-            async with self._site_lock(name):
+            async with self.site_lock(name):
                 member = self.federation.get(name)
                 if member is not None:
                     try:
@@ -529,8 +532,8 @@ class Broker:
         pending = self._quota_passes.get(name)
         if not pending:
             return
-        ready = member.started and (member.spec.adapter.kind != "mqtt" or (
-            member.state is not None and member.state.health != Health.UNKNOWN))
+        ready = member.started and (member.spec.adapter.kind != "mqtt" or (  # (its agent answers now)
+            member.error is None and member.state is not None and member.state.health == Health.HEALTHY))
         if not ready:
             if name not in self._quota_passes_warned:
                 self._quota_passes_warned.add(name)
@@ -582,12 +585,12 @@ class Broker:
         self._pumps[member.spec.name] = asyncio.get_running_loop().create_task(
             self.lifecycle.pump(member), name=f"events-{member.spec.name}")
 
-    def _site_lock(self, name: str) -> asyncio.Lock:
+    def site_lock(self, name: str) -> asyncio.Lock:
         """The lock that orders the changes of site ``name`` (its registration and removal included)."""
         return self._site_locks.setdefault(name, asyncio.Lock())
 
     async def register_site(self, spec: SiteSpec) -> Member:
-        async with self._site_lock(spec.name):
+        async with self.site_lock(spec.name):
             return await self._register_site(spec)
 
     async def _register_site(self, spec: SiteSpec) -> Member:
@@ -611,7 +614,7 @@ class Broker:
         PUT leaves out and checks who may change credentials there, so an update under way is neither undone
         by a copy of the spec from before it nor let through as no change. KeyError: no such site."""
         if prepare is None:
-            async with self._site_lock(spec.name):
+            async with self.site_lock(spec.name):
                 return await self._update_site(spec)
         return await self._change_site(spec.name, lambda current: prepare(spec, current))
 
@@ -629,7 +632,7 @@ class Broker:
         """Site ``name``'s spec made by ``change`` from the one it has when the change is made: read under the
         lock that orders the site's changes, so an update under way is not undone by a spec copied before it.
         KeyError: no such site."""
-        async with self._site_lock(name):
+        async with self.site_lock(name):
             member = self.federation.get(name)
             if member is None:
                 raise KeyError(name)
@@ -689,7 +692,7 @@ class Broker:
             self.federation.set_leaving(name, False)
 
     async def remove_site(self, name: str) -> None:
-        async with self._site_lock(name):
+        async with self.site_lock(name):
             await self._remove_site(name)
 
     async def _remove_site(self, name: str) -> None:

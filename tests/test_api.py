@@ -170,10 +170,10 @@ async def test_a_cordon_made_while_an_update_is_under_way_keeps_the_update(clien
     adapter.set_quota = slow_set_quota
     changed = {**body, "usd_per_gpu_hour": {"a100-80gb": 3.0}, "quotas": [{"tenant": "t1", "guaranteed_gpus": 8}]}
     update = asyncio.ensure_future(client.put("/v1/sites/berlin", json=changed))
-    while not client.broker._site_lock("berlin").locked():
+    while not client.broker.site_lock("berlin").locked():
         await asyncio.sleep(0)
     cordon = asyncio.ensure_future(client.post("/v1/sites/berlin/cordon", json={"reason": "driver upgrade"}))
-    while not client.broker._site_lock("berlin")._waiters:  # the cordon's request reaches the broker and waits for the update
+    while not client.broker.site_lock("berlin")._waiters:  # the cordon's request reaches the broker and waits for the update
         await asyncio.sleep(0)
     release.set()
     assert (await update).status == 200 and (await cordon).status == 200

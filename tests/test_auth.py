@@ -442,10 +442,10 @@ async def test_an_update_that_waits_for_a_credential_change_keeps_it_and_is_chec
         release.clear()
         a = asyncio.ensure_future(fed.call(first[0], "PUT", "/v1/sites/gamma", first[1]))
         try:
-            while not broker._site_lock("gamma").locked():
+            while not broker.site_lock("gamma").locked():
                 await asyncio.sleep(0.001)
             b = asyncio.ensure_future(fed.call(then[0], "PUT", "/v1/sites/gamma", then[1]))
-            while not broker._site_lock("gamma")._waiters and not b.done():  # it reaches the broker and waits
+            while not broker.site_lock("gamma")._waiters and not b.done():  # it reaches the broker and waits
                 await asyncio.sleep(0.001)
         finally:
             release.set()

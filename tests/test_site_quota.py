@@ -592,3 +592,29 @@ def test_a_site_preempts_a_checkpointable_job_before_newer_work_that_would_lose_
         site.start(job_id, admitted, at)
     verdict = site.admit("n-1", job(tenant="nlp", count=4), t0 + 7200)
     assert verdict.victims == ("v-ckpt",) and verdict.reason.startswith("reclaims its guarantee")
+
+
+async def test_the_files_quota_changes_wait_for_an_agents_site_that_answers_not_one_gone_silent(tmp_path):
+    """An agent's site that reported once and then went silent was taken as able to take the config file's quota
+    changes: each round of housekeeping then waited out the quota command's timeout for it."""
+    from broker.federation import Member
+    from broker.models import Health, SiteState, TenantQuota
+    from tests.builders import site
+
+    broker = Broker(BrokerSettings(db=str(tmp_path / "b.db")))
+    spec = site("edge", adapter={"kind": "mqtt"}, quotas=[{"tenant": "vision", "guaranteed_gpus": 8}])
+    broker._quota_passes = {"edge": {"vision": TenantQuota(tenant="vision", guaranteed_gpus=4)}}
+    asked: list[str] = []
+
+    async def pass_quotas(name, was):  # noqa: ANN001, ANN202
+        asked.append(name)
+
+    broker.federation.pass_quotas = pass_quotas
+    broker._save_quota_passes = lambda: asyncio.sleep(0)
+    heard = SiteState(site="edge", health=Health.HEALTHY)
+    member = Member(spec=spec, adapter=None, state=heard, error="report failed: no heartbeat from the site's agent")
+    await broker._pass_file_quotas(member)  # silent since its last report: not asked
+    assert asked == [] and "edge" in broker._quota_passes
+    member.error = None
+    await broker._pass_file_quotas(member)  # it answers again
+    assert asked == ["edge"] and broker._quota_passes == {}
