@@ -52,13 +52,13 @@ from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
 from broker.federation import Member, QuotaNotTaken, QuotaRefused, without_secrets
 from broker.ids import GPU_MODEL_IDS
-from broker.jobs import IdempotencyConflict, JobNotFound, PastDeadline
+from broker.jobs import IdempotencyConflict, JobNotFound, NotQueued, PastDeadline
 from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, QuotaAdmin
-from broker.models import SITE_READ_ONLY_KEYS, Job, JobSpec, JobState, Preview, QuotaState, SiteSpec, TenantQuota
+from broker.models import SITE_READ_ONLY_KEYS, Job, JobChange, JobSpec, JobState, Preview, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
@@ -152,6 +152,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("GET", "/v1/jobs"): ANY,  # submitters: their tenants' jobs; operators: jobs on their sites
     ("GET", "/v1/jobs/{id}"): ANY,  # 404 for a job the caller may not see
     ("POST", "/v1/jobs/{id}/cancel"): SUBMITTERS,
+    ("PATCH", "/v1/jobs/{id}"): SUBMITTERS,
     ("DELETE", "/v1/jobs/{id}"): SUBMITTERS,
     ("GET", "/v1/jobs/{id}/decision"): ANY,
     ("GET", "/v1/jobs/{id}/events"): ANY,
@@ -813,6 +814,38 @@ async def cancel_job(request: web.Request) -> web.Response:
     return _json(cancelled)
 
 
+async def change_job(request: web.Request) -> web.Response:
+    """``PATCH /v1/jobs/{id}``: a queued job's priority, deadline or profile (as Armada's reprioritize and
+    Slurm's ``scontrol update``); its transitions record what changed."""
+    broker = request.app[BROKER]
+    job_id = request.match_info["id"]
+    job = await _job(request)
+    if not principal(request).acts_for(job.spec.tenant):
+        raise ApiError(403, f"only tenant {job.spec.tenant}'s submitters and admins may change job {job_id}")
+    change, _ = await _body(request, JobChange, "job change")
+    if "profile" in change.model_fields_set:
+        try:
+            broker.settings.profiles.choose(change.profile)
+        except ProfileError as e:
+            raise ApiError(422, f"invalid job change: profile: {e}", [{"field": "profile", "problem": str(e)}]) from None
+    try:
+        changed = await broker.change_job(job_id, change)
+    except (JobNotFound, NotQueued) as e:  # (JobNotFound: it ended meanwhile)
+        now = await broker.book.get(job_id)
+        raise ApiError(409, str(e) if isinstance(e, NotQueued) else f"job {job_id} is {now.state}: only a queued "
+                       "job's priority, deadline or profile can change") from None
+    except PastDeadline as e:
+        raise ApiError(422, f"invalid job change: {e}", [{"field": "deadline", "problem": "in the past"}]) from None
+    except ValidationError as e:  # the spec with the change is no valid spec
+        fields = problems(e)
+        raise ApiError(422, "invalid job change: " + "; ".join(f"{f['field']}: {f['problem']}" for f in fields),
+                       fields) from None
+    except StoreError as e:
+        log.error("could not store a change of job %s: %s", job_id, e)
+        raise ApiError(503, f"the change of job {job_id} could not be stored; nothing changed, try again") from None
+    return _json(changed)
+
+
 async def job_decision(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     job = await _job(request)
@@ -997,6 +1030,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_delete("/v1/sites/{name}/quota/{tenant}", delete_quota)
     r.add_post("/v1/jobs", submit_job)
     r.add_post("/v1/preview", preview_job)
+    r.add_patch("/v1/jobs/{id}", change_job)
     r.add_get("/v1/jobs", list_jobs)
     r.add_get("/v1/jobs/{id}", get_job)
     r.add_post("/v1/jobs/{id}/cancel", cancel_job)

@@ -378,6 +378,18 @@ async def _client_command(args: argparse.Namespace) -> str | None:
             case "cancel":
                 out = await c.request("POST", f"/v1/jobs/{_part(args.id)}/cancel")
                 text = f"job {out['id']} {out['state']}"
+            case "update":
+                change: dict[str, Any] = {}
+                if args.priority is not None:
+                    change["priority"] = args.priority
+                for name in ("deadline", "profile"):
+                    value = getattr(args, name)
+                    if value is not None:
+                        change[name] = None if value == "none" else value
+                if not change:
+                    raise CliError("give --priority, --deadline or --profile (none of them: nothing to change)")
+                out = await c.request("PATCH", f"/v1/jobs/{_part(args.id)}", change)
+                text = show_job(out)
             case "sites":
                 match args.action:
                     case "list":
@@ -656,6 +668,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=_at_least_one, default=50)
     for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
         sub.add_parser(name, parents=[common], help=help_text).add_argument("id")
+    s = sub.add_parser("update", parents=[common], help="change a queued job's priority, deadline or profile")
+    s.add_argument("id")
+    s.add_argument("--priority", type=int, help="its new priority (-1000 to 1000)")
+    s.add_argument("--deadline", metavar="ISO-TIME|none", help="its new deadline (with its time zone), or none")
+    s.add_argument("--profile", metavar="NAME|none", help="its new routing profile, or none for the federation's")
     s = sub.add_parser("sites", parents=[common], help="list, get, add, remove, cordon or uncordon sites")
     acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
     acts.add_parser("list", parents=[common], help="list sites")

@@ -960,6 +960,12 @@ class SchedulingCycle:
             req = self._requests[job.id] = JobRequest.from_spec(job.id, job.spec, frozenset(), job.created_at)
         return req
 
+    def replan(self, job_id: str) -> None:
+        """A queued job's spec changed: its deferral (and the hours it booked) is dropped, and it is decided and
+        recorded again at the next pass."""
+        self._deferred.pop(job_id, None)
+        self._last_seen.pop(job_id, None)
+
     def preview(self, job_id: str, spec: JobSpec) -> tuple[JobRequest, dict[str, Any]]:
         """The decision a job of ``spec`` would get now, as if it were first in the queue: on the sites' latest
         reports, less what is placed but not reported yet and what is kept for moves, with the time-shift plan of

@@ -27,7 +27,7 @@ from typing import Any
 
 from broker.clock import Clock
 from broker.metrics import Metrics
-from broker.models import IllegalTransition, Job, JobSpec, JobState
+from broker.models import IllegalTransition, Job, JobChange, JobSpec, JobState
 from broker.queue import QueueIndex
 from broker.events import EventHub
 from broker.store import Conflict, DuplicateKey, Fenced, Store, StoreError
@@ -103,6 +103,10 @@ class PastDeadline(ValueError):
 
 class JobNotFound(KeyError):
     pass
+
+
+class NotQueued(ValueError):
+    """A change asked of a job that is no longer queued (placed, running or ended)."""
 
 
 class ActiveJobs(MutableMapping[str, Job]):
@@ -495,6 +499,36 @@ class JobBook:
         await self.write_soon(before, new, version)
         return new
 
+    async def amend(self, job_id: str, change: JobChange) -> tuple[Job, str | None]:
+        """Apply ``change`` to a queued job's spec and wait until it is on disk (its transitions record it,
+        state ``queued``, with what changed as the reason). Returns the job and what changed in words (None:
+        nothing did). NotQueued once it has left the queue; PastDeadline for a new deadline already passed."""
+        job = self.active.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        if job.state != JobState.QUEUED:
+            raise NotQueued(f"job {job_id} is {job.state}: only a queued job's priority, deadline or profile can "
+                            "change (cancel it and submit it again)")
+        spec = change.applied_to(job.spec)
+        now = self._clock.now()
+        if spec.deadline is not None and spec.deadline != job.spec.deadline and spec.deadline < now:
+            raise PastDeadline(f"deadline {spec.deadline.isoformat()} has passed: it is {now.isoformat()} at the "
+                               "broker; give a later deadline, or none")
+        said = [f"{k} {_said(getattr(job.spec, k))} -> {_said(getattr(spec, k))}" for k in sorted(change.model_fields_set)
+                if getattr(job.spec, k) != getattr(spec, k)]
+        if not said:
+            return job, None
+        what = "changed by request: " + ", ".join(said)
+        new = job.model_copy(update={"spec": spec, "version": job.version + 1, "updated_at": now})
+        transitions_log.info("%s %s/%s: %s", job_id, job.spec.tenant, job.spec.name, what)
+        self.seq += 1
+        self._touch(job_id)
+        self.active[job_id] = new  # (in its new queue group: priority first)
+        self.fresh.append(job_id)  # decided at the next pass, as a new job is
+        self.changed.set()
+        await self.write_soon(job, new, job.version, event_reason=what)
+        return new, what
+
     def write_soon(self, before: Job | None, new: Job, version: int, **extra: Any) -> Awaitable[None]:
         """Queue the store write of ``new`` (applied in memory over ``before``) right now, so the store
         applies changes in the order memory made them; await the result to learn whether it landed. On
@@ -621,3 +655,10 @@ class JobBook:
             return NO_SITES
         now = self._clock.now()
         return frozenset(site for site, r in refusals.items() if r.until > now)
+
+
+def _said(value: Any) -> str:
+    """A spec field's value in a change's words."""
+    if value is None:
+        return "none"
+    return value.isoformat() if isinstance(value, datetime) else str(value)

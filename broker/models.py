@@ -1039,6 +1039,31 @@ class JobSpec(Spec):
         return self
 
 
+class JobChange(Strict):
+    """A change to a queued job (``PATCH /v1/jobs/{id}``): its ``priority``, its ``deadline`` (null removes it) or
+    its routing ``profile`` (null: the federation's default). Keys left out stay as they are; no other may change
+    (cancel the job and submit it again)."""
+
+    priority: int | None = Field(default=None, ge=-1000, le=1000, description="the job's new priority")
+    deadline: UtcDatetime | None = Field(default=None, description="the job's new deadline; null: none")
+    profile: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",
+        description="the job's new routing profile; null: the federation's default")
+
+    @model_validator(mode="after")
+    def _some_change(self) -> JobChange:
+        if not self.model_fields_set:
+            raise ValueError("give at least one of priority, deadline, profile")
+        if "priority" in self.model_fields_set and self.priority is None:
+            raise ValueError("priority: a job has a priority (0 by default); give a number")
+        return self
+
+    def applied_to(self, spec: JobSpec) -> JobSpec:
+        """``spec`` with these changes (checked as a spec is)."""
+        changed = {k: getattr(self, k) for k in self.model_fields_set}
+        return JobSpec.model_validate({**spec.model_dump(), **changed})
+
+
 class JobState(enum.StrEnum):
     QUEUED = "queued"
     DISPATCHING = "dispatching"

@@ -17,7 +17,7 @@ from pydantic_core import core_schema
 from broker import ids, models
 from broker.auth import Role
 from broker.events import TYPES as EVENT_TYPES
-from broker.models import Decision, Job, JobSpec, JobState, Preview, QuotaState, SiteSpec, SiteState, TenantQuota
+from broker.models import Decision, Job, JobChange, JobSpec, JobState, Preview, QuotaState, SiteSpec, SiteState, TenantQuota
 
 _REF = "#/components/schemas/{model}"
 
@@ -80,6 +80,8 @@ _BEYOND_THE_SCHEMA = {
                 "is not 0 where its pod_security is restricted",
     "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
                "a new job's deadline, not in the past",
+    "JobChange": "profile, one the federation lets jobs choose; a new deadline, not in the past; the job's spec "
+                 "with the change, valid as a job spec",
 }
 
 
@@ -112,6 +114,11 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
         _if("latency_slo_ms", {"type": "number"},
             {"required": ["origin_region"], "properties": {"origin_region": {"type": "string"}}}),
     ]
+    change = schemas["JobChange"]  # at least one key; a priority is a number (null: only deadline and profile)
+    change["minProperties"] = 1
+    priority = change["properties"]["priority"]
+    change["properties"]["priority"] = {**{k: v for k, v in priority.items() if k not in ("anyOf", "default")},
+                                        "type": "integer", "minimum": -1000, "maximum": 1000}
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -157,7 +164,7 @@ _NULLABLE_STR, _NULLABLE_NUM = {"type": ["string", "null"]}, {"type": ["number",
 
 
 def _components() -> dict[str, Any]:
-    models = [(m, "validation") for m in (JobSpec, SiteSpec, TenantQuota)] + [
+    models = [(m, "validation") for m in (JobSpec, JobChange, SiteSpec, TenantQuota)] + [
         (m, "serialization") for m in (Job, Decision, Preview, SiteState, QuotaState)
     ]
     _, schemas = models_json_schema(models, ref_template=_REF, schema_generator=_Generator)
@@ -331,6 +338,11 @@ def _paths() -> dict[str, Any]:
         "/v1/jobs/{id}": {
             "parameters": [job_id],
             "get": {"summary": "Get a job", "responses": _answers(job, 404)},
+            "patch": {
+                "summary": "Change a queued job's priority, deadline or profile (409 once it has left the queue)",
+                "requestBody": _request(_ref("JobChange"), "what changes"),
+                "responses": _answers(job, 400, 404, 409, 413, 422),
+            },
             "delete": {"summary": "Cancel a job", "responses": _answers(job, 404, 409)},
         },
         "/v1/jobs/{id}/cancel": {

@@ -36,7 +36,7 @@ from broker.lifecycle import Lifecycle
 from broker.auth import TokenBook
 from broker.events import EventHub
 from broker.metrics import Metrics
-from broker.models import Health, Job, SiteSpec, TenantQuota
+from broker.models import Health, Job, JobChange, SiteSpec, TenantQuota
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
 from broker.providers.prices import PriceProvider, build_price_provider
 from broker.signals import GridSignals
@@ -478,6 +478,16 @@ class Broker:
 
     def wake(self) -> None:
         self.book.changed.set()
+
+    async def change_job(self, job_id: str, change: JobChange) -> Job:
+        """A queued job's priority, deadline or profile changed (``PATCH /v1/jobs/{id}``): stored, then decided
+        again at the next pass as a new job would be (a deferral planned for it is dropped: its new deadline or
+        profile may not allow it)."""
+        job, what = await self.book.amend(job_id, change)
+        if what is not None:
+            self.cycle.replan(job_id)
+            self.wake()
+        return job
 
     # --- sites ---
 

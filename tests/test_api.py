@@ -1083,3 +1083,41 @@ async def test_a_preview_tells_where_a_job_would_go_and_why_and_submits_nothing(
     r = await client.post("/v1/preview", json={**MINIMAL, "deadline": "2020-01-01T00:00:00Z"})
     assert r.status == 422 and (await r.json())["error"]["fields"] == [{"field": "deadline", "problem": "in the past"}]
     assert [j["id"] for j in (await (await client.get("/v1/jobs")).json())["items"]] == [blocker["id"]]
+
+
+async def test_a_queued_jobs_priority_deadline_and_profile_change_and_it_is_placed_by_its_new_priority(
+        client: TestClient):
+    """``PATCH /v1/jobs/{id}`` (as Armada's reprioritize, Slurm's ``scontrol update``): a queued job moves up the
+    queue; the change is stored and in its transitions; a job that left the queue, or a key that cannot change,
+    is refused naming why."""
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    blocker = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "blocker", "gpus": {"count": 8},
+                                                         "duration_s": 1.5})).json()
+    await wait_for(client, blocker["id"], {"running"})
+    older = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "older", "gpus": {"count": 8}})).json()
+    newer = await (await client.post("/v1/jobs", json={**MINIMAL, "name": "newer", "gpus": {"count": 8}})).json()
+    r = await client.patch(f"/v1/jobs/{newer['id']}", json={"priority": 5, "deadline": "2099-01-01T00:00:00Z"})
+    assert r.status == 200, await r.text()
+    changed = await r.json()
+    assert changed["spec"]["priority"] == 5 and changed["spec"]["deadline"] == "2099-01-01T00:00:00Z"
+    assert changed["state"] == "queued"
+    await wait_for(client, newer["id"], {"running"})  # the blocker ends: the newer job goes first now
+    assert (await (await client.get(f"/v1/jobs/{older['id']}")).json())["state"] == "queued"
+    history = (await (await client.get(f"/v1/jobs/{newer['id']}/events")).json())["items"]
+    assert any(e["state"] == "queued" and e["reason"] == "changed by request: deadline none -> 2099-01-01T00:00:00+00:00, "
+               "priority 0 -> 5" for e in history), history
+    stored = await client.broker.store.get_job(newer["id"])
+    assert stored.spec.priority == 5  # on disk
+
+    r = await client.patch(f"/v1/jobs/{older['id']}", json={"deadline": None, "profile": "green"})
+    assert r.status == 200 and (await r.json())["spec"]["profile"] == "green"
+    r = await client.patch(f"/v1/jobs/{newer['id']}", json={"priority": 6})  # running: no longer queued
+    assert r.status == 409 and "is running: only a queued job" in (await r.json())["error"]["message"]
+    for body, field in (({"gpus": {"count": 1}}, "gpus"), ({}, "(body)"), ({"priority": 5000}, "priority"),
+                        ({"deadline": "2020-01-01T00:00:00Z"}, "deadline"), ({"profile": "nope"}, "profile")):
+        r = await client.patch(f"/v1/jobs/{older['id']}", json=body)
+        error = (await r.json())["error"]
+        assert r.status == 422, (body, error)
+        assert field in [f["field"] for f in error["fields"]] or (body == {} and "give at least one of priority"
+                                                                  in error["message"]), (body, error)
+    assert (await (await client.get(f"/v1/jobs/{older['id']}")).json())["spec"]["priority"] == 0

@@ -141,6 +141,16 @@ async def running_vision_job(f: Federation) -> AsyncIterator[dict[str, str]]:
     await f.call("admin", "POST", f"/v1/jobs/{created['id']}/cancel")  # 409 if the row cancelled it
 
 
+@contextlib.asynccontextmanager
+async def queued_vision_job(f: Federation) -> AsyncIterator[dict[str, str]]:
+    """``{fresh}``: a vision job no site can take (it stays queued), cancelled afterwards."""
+    status, created = await f.call("admin", "POST", "/v1/jobs", {**job("vision", "a100-80gb", "queued"),
+                                                                  "gpus": {"count": 512, "model": "a100-80gb"}})
+    assert status == 201, created
+    yield {"fresh": created["id"]}
+    await f.call("admin", "POST", f"/v1/jobs/{created['id']}/cancel")
+
+
 def idle_gamma(spec: dict[str, Any]) -> Fresh:
     """gamma registered afresh with ``spec``, nothing on it (so its adapter may be rebuilt or it removed)."""
 
@@ -283,6 +293,8 @@ TABLE: list[Row] = [
       (401, 200, 403, 403, 200, 404), fresh=running_vision_job),
     R("the tenant's submitters and admins delete (cancel) its job", "DELETE /v1/jobs/{fresh}",
       (401, 200, 403, 403, 200, 404), fresh=running_vision_job),
+    R("the tenant's submitters and admins change its queued job", "PATCH /v1/jobs/{fresh}",
+      (401, 200, 403, 403, 200, 404), {"priority": 3}, fresh=queued_vision_job),
     # live and other
     R("everyone with a token follows the event stream", "GET /v1/events", (401, 200, 200, 200, 200, 200)),
     R("a submitter cannot follow another tenant's events", "GET /v1/events?tenant=vision",

@@ -79,6 +79,20 @@ def test_submit_dry_run_shows_where_the_job_would_go_and_submits_nothing(capsys,
     assert code == 0 and json.loads(out)["decision"]["outcome"] == "unplaceable"
 
 
+def test_update_changes_a_queued_jobs_priority_and_refuses_what_cannot_change(capsys, server, tmp_path):
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, name="waits",
+                                                                          gpus={"count": 64})))
+    job_id = json.loads(out)["id"]
+    code, out, err = run(capsys, server, "--json", "update", job_id, "--priority", "7", "--deadline", "none")
+    assert code == 0, err
+    assert json.loads(out)["spec"]["priority"] == 7
+    code, out, err = run(capsys, server, "update", job_id)
+    assert code != 0 and "give --priority, --deadline or --profile" in err
+    code, out, err = run(capsys, server, "update", job_id, "--deadline", "2020-01-01T00:00:00Z")
+    assert code != 0 and "deadline" in err and "Traceback" not in err
+    run(capsys, server, "cancel", job_id)
+
+
 @pytest.mark.parametrize("state,attempt,run_s,started,finished,shown", [
     ("running", 1, 0.0, "2026-11-26T16:25:40Z", None, "running since 2026-11-26T16:25:40Z"),
     ("running", 2, 600.0, "2026-11-26T16:25:40Z", None, "running, 600 s run by earlier attempts"),

@@ -923,3 +923,18 @@ async def test_a_preview_of_a_flexible_job_gives_the_deferral_a_submission_then_
     decided = await decision()
     assert (decided.outcome, decided.site, decided.deferred_until, decided.summary) == (
         previewed.outcome, previewed.site, previewed.deferred_until, previewed.summary)
+
+
+async def test_a_deferred_job_whose_deadline_is_brought_forward_is_decided_again_at_once(live) -> None:
+    # PATCH /v1/jobs/{id} with a deadline 5 h away for a 4-hour job deferred by 20 hours: the plan it had would
+    # miss the new deadline; kept until the next hour, the job would not be decided again until then.
+    from broker.models import JobChange
+
+    b, clock = live
+    j, decision = await _a_deferred_green_job(b)
+    assert (await decision()).outcome == "deferred" and b.cycle.deferred_until(j.id) is not None
+    await b.change_job(j.id, JobChange(deadline=clock.now() + timedelta(hours=5)))
+    await b.cycle.run_once()  # the next pass, in the same hour
+    again = await decision()
+    assert again.decided_at == clock.now()
+    assert again.outcome == "placed" or again.deferred_until <= clock.now() + timedelta(hours=1)

@@ -106,7 +106,7 @@ _INSERT_JOB = (
     "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)"
     " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 )
-_UPDATE_JOB = "UPDATE jobs SET state = $1, site = $2, version = $3, doc = $4 WHERE id = $5 AND version = $6"
+_UPDATE_JOB = "UPDATE jobs SET state = $1, site = $2, version = $3, doc = $4, priority = $5 WHERE id = $6 AND version = $7"
 _INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES ($1, $2, $3, $4, $5, $6)"
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES ($1, $2, $3)"

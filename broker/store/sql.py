@@ -32,7 +32,7 @@ class SqlWriteQueue(QueuedUpdates):
     the subclass's SQL."""
 
     INSERT_JOB: ClassVar[str]  # (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)
-    UPDATE_JOB: ClassVar[str]  # (state, site, version, doc, id, expected version)
+    UPDATE_JOB: ClassVar[str]  # (state, site, version, doc, priority, id, expected version)
     INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason)
     UPSERT_DECISION: ClassVar[str]  # (job_id, attempt, doc)
 
@@ -75,8 +75,8 @@ class SqlWriteQueue(QueuedUpdates):
         """Queue the update now, in the caller's order; the future resolves once it is committed."""
         self._check_writable()
         statements = [
-            (self.UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.id,
-                               expected_version)),
+            (self.UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.spec.priority,
+                               job.id, expected_version)),
             (self.INSERT_EVENT, event_row(job, event_reason)),
         ]
         if decision is not None:

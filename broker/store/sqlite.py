@@ -102,7 +102,7 @@ _INSERT_JOB = (
     "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_UPDATE_JOB = "UPDATE jobs SET state = ?, site = ?, version = ?, doc = ? WHERE id = ? AND version = ?"
+_UPDATE_JOB = "UPDATE jobs SET state = ?, site = ?, version = ?, doc = ?, priority = ? WHERE id = ? AND version = ?"
 _INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES (?, ?, ?, ?, ?, ?)"
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
