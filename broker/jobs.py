@@ -519,7 +519,7 @@ class JobBook:
         if not said:
             return job, None
         what = "changed by request: " + ", ".join(said)
-        new = job.model_copy(update={"spec": spec, "version": job.version + 1, "updated_at": now})
+        new = job.model_copy(update={"spec": spec, "version": job.version + 1, "updated_at": now, "reason": what})
         transitions_log.info("%s %s/%s: %s", job_id, job.spec.tenant, job.spec.name, what)
         self.seq += 1
         self._touch(job_id)

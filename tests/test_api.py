@@ -1100,7 +1100,9 @@ async def test_a_queued_jobs_priority_deadline_and_profile_change_and_it_is_plac
     assert r.status == 200, await r.text()
     changed = await r.json()
     assert changed["spec"]["priority"] == 5 and changed["spec"]["deadline"] == "2099-01-01T00:00:00Z"
-    assert changed["state"] == "queued"
+    assert changed["state"] == "queued" and changed["reason"].startswith("changed by request: ")
+    told = [e for e in client.broker.events.recent if e.type == "transition" and e.job_id == newer["id"]]
+    assert told[-1].data["reason"] == changed["reason"]  # the event stream hears what changed
     await wait_for(client, newer["id"], {"running"})  # the blocker ends: the newer job goes first now
     assert (await (await client.get(f"/v1/jobs/{older['id']}")).json())["state"] == "queued"
     history = (await (await client.get(f"/v1/jobs/{newer['id']}/events")).json())["items"]
