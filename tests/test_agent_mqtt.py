@@ -467,26 +467,51 @@ async def test_a_heartbeat_over_the_mqtt_brokers_cap_on_a_message_is_split_to_fi
             await hub.close()
 
 
+REMOTE = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
+
+
+async def remote_broker(tmp_path: Path, mosquitto: Mosquitto, sites: list, run_loop: bool = True) -> Broker:  # noqa: F811
+    """A broker on ``tmp_path``'s database whose ``mqtt`` sites go through its hub to their agents."""
+    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
+                              collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
+    holder: dict[str, Broker] = {}
+    b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))
+    holder["b"] = b
+    await b.start(sites, run_loop=run_loop)
+    return b
+
+
+async def started_agent(mosquitto: Mosquitto, spec: object) -> SiteAgent:  # noqa: F811
+    """The agent of the simulated site ``spec``, started."""
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.2, resend_s=0.3),
+                      adapter=SimulatedSite(spec, SystemClock()))
+    await agent.start()
+    return agent
+
+
+async def until_edge_reports(b: Broker, collect: bool = False) -> None:
+    """Until the broker has a healthy report of site edge (``collect``: asking for it, with no loop running)."""
+    deadline = time.monotonic() + 10
+    while b.federation.get("edge").public_state().health != Health.HEALTHY:
+        assert time.monotonic() < deadline, "the agent's site did not report"
+        if collect:
+            await b.federation.collect()
+        await asyncio.sleep(0.1)
+
+
 async def test_quotas_the_config_file_changed_reach_an_agents_site_once_its_agent_reports(
         tmp_path: Path, mosquitto: Mosquitto, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     """The operator raised vision's guarantee in the broker's config file while the broker was down, and the
     site's agent was not connected when the broker started again (or started after it): the change was logged
     and dropped, and the site went on enforcing the old guarantee while the broker's spec said the new one."""
     caplog.set_level(logging.INFO, logger="broker.service")
-    remote = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
-    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
-                              collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
 
     def edge(vision: int, kind: dict) -> object:
         return site("edge", gpus={"a100-80gb": 16}, adapter=kind, quotas=[
             {"tenant": "vision", "guaranteed_gpus": vision}, {"tenant": "nlp", "guaranteed_gpus": 4}])
 
     async def broker(vision: int) -> Broker:
-        holder: dict[str, Broker] = {}
-        b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))
-        holder["b"] = b
-        await b.start([edge(vision, remote)])
-        return b
+        return await remote_broker(tmp_path, mosquitto, [edge(vision, REMOTE)])
 
     async def guarantees(b: Broker) -> dict[str, float]:
         member = b.federation.get("edge")
@@ -498,10 +523,7 @@ async def test_quotas_the_config_file_changed_reach_an_agents_site_once_its_agen
     assert "its quotas changed in the config file (vision)" in caplog.text
     await b.stop()
     b = await broker(vision=8)  # started again before the agent came: the change is still to be passed
-    spec = edge(4, FAST)  # the agent's site, with the quotas it had
-    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.2, resend_s=0.3),
-                      adapter=SimulatedSite(spec, SystemClock()))
-    await agent.start()
+    agent = await started_agent(mosquitto, edge(4, FAST))  # the agent's site, with the quotas it had
     try:
         deadline = time.monotonic() + 10
         while (got := await guarantees(b) if b.federation.get("edge").started and
@@ -527,34 +549,19 @@ async def test_an_operators_quota_change_after_the_restart_wins_over_the_files_c
 
     from broker.api import create_app
 
-    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
-                              collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
-    remote = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
-
     def edge(vision: int, kind: dict) -> object:
         return site("edge", gpus={"a100-80gb": 16}, adapter=kind, quotas=[{"tenant": "vision", "guaranteed_gpus": vision}])
 
-    async def broker(vision: int) -> Broker:
-        holder: dict[str, Broker] = {}
-        b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))
-        holder["b"] = b
-        await b.start([edge(vision, remote)], run_loop=False)  # (no housekeeping but what the test runs)
-        return b
+    async def broker(vision: int) -> Broker:  # (no housekeeping but what the test runs)
+        return await remote_broker(tmp_path, mosquitto, [edge(vision, REMOTE)], run_loop=False)
 
     await (await broker(vision=4)).stop()
     b = await broker(vision=8)  # the file's change, not passed: no agent yet
-    spec = edge(4, FAST)
-    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.2, resend_s=0.3),
-                      adapter=SimulatedSite(spec, SystemClock()))
-    await agent.start()
+    agent = await started_agent(mosquitto, edge(4, FAST))
     client = TestClient(TestServer(create_app(b)))
     await client.start_server()
     try:
-        deadline = time.monotonic() + 10
-        while b.federation.get("edge").public_state().health != Health.HEALTHY:
-            assert time.monotonic() < deadline, "the agent's site did not report"
-            await b.federation.collect()
-            await asyncio.sleep(0.1)
+        await until_edge_reports(b, collect=True)
         # the operator sets vision's guarantee before the housekeeping passes the file's: theirs is the latest
         r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6})
         assert r.status == 200, await r.text()
@@ -575,24 +582,12 @@ async def test_a_quota_the_agents_site_refuses_for_its_own_gpus_is_a_422_naming_
 
     from broker.api import create_app
 
-    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
-                              collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
-    remote = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
-    holder: dict[str, Broker] = {}
-    b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))
-    holder["b"] = b
-    await b.start([site("edge", gpus={"a100-80gb": 16}, adapter=remote)])
-    spec = site("edge", gpus={"a100-80gb": 8}, adapter=FAST)
-    agent = SiteAgent(AgentConfig(site=spec, mqtt=mosquitto.settings(), heartbeat_s=0.2, resend_s=0.3),
-                      adapter=SimulatedSite(spec, SystemClock()))
-    await agent.start()
+    b = await remote_broker(tmp_path, mosquitto, [site("edge", gpus={"a100-80gb": 16}, adapter=REMOTE)])
+    agent = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 8}, adapter=FAST))
     client = TestClient(TestServer(create_app(b)))
     await client.start_server()
     try:
-        deadline = time.monotonic() + 10
-        while b.federation.get("edge").public_state().health != Health.HEALTHY:
-            assert time.monotonic() < deadline, "the agent's site did not report"
-            await asyncio.sleep(0.1)
+        await until_edge_reports(b)
         r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 12})
         error = (await r.json())["error"]
         assert r.status == 422, error
