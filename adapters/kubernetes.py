@@ -125,7 +125,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
 from adapters.quota_store import QuotaOverrides, log_beyond_site
-from adapters.kubernetes_stops import ClusterStops
+from adapters.kubernetes_stops import ClusterUsage, ClusterStops
 from adapters.site_state import StopJournal, UsageJournal
 from adapters.telemetry import telemetry_feed
 from adapters.kubernetes_nodes import (
@@ -315,6 +315,13 @@ class KubernetesSite:
         # The usage history the fair share weighs, taken by the first ledgers built after the start
         self._usage = UsageJournal(Path(folder) / spec.name / "usage.json" if folder is not None else None, self.name)
         self._usage_restored = False
+        # ... and its copy in the cluster, for a broker replica with another folder (read at start)
+        self._cluster_usage = (ClusterUsage(self.name, cfg.state_namespace, self._json, lambda: self._core,
+                                            close_timeout_s=cfg.request_timeout_s * 2)
+                               if cfg.state_namespace is not None else None)
+        self._usage_in_cluster: bytes | None = None
+        if self._cluster_usage is not None:
+            self._usage.mirror = self._cluster_usage.put
         # ... and their copy in the cluster, for a broker replica with another folder (None: not configured)
         self._cluster_stops = (ClusterStops(self.name, cfg.state_namespace, self._json, lambda: self._core,
                                             close_timeout_s=cfg.request_timeout_s * 2)
@@ -365,6 +372,8 @@ class KubernetesSite:
                 raise
             self._no_client = None
         await self._join_cluster_stops()
+        if self._cluster_usage is not None and not self._usage_restored:
+            self._usage_in_cluster = await self._cluster_usage.read()
         await self._adopt()
         await self._adopt_pods()
         self._adopt_stops()
@@ -394,6 +403,8 @@ class KubernetesSite:
         self._watches = []
         if self._cluster_stops is not None:
             await self._cluster_stops.close()  # (what is still queued: one last try)
+        if self._cluster_usage is not None:
+            await self._cluster_usage.close()
         if self.telemetry is not None:
             await self.telemetry.stop()
         if self._api is not None and self._own_api:
@@ -572,7 +583,9 @@ class KubernetesSite:
         if self._history is not None:
             self._admission.book.take_usage(self._history, self._clock.now().timestamp())
         elif not self._usage_restored:
-            self._usage.restore(self._admission.book, self._clock.now().timestamp())
+            self._usage.restore(self._admission.book, self._clock.now().timestamp(), self._usage_in_cluster,
+                                self._cluster_usage.where if self._cluster_usage is not None else "")
+            self._usage_in_cluster = None
         self._usage_restored = True
 
     def _reenter(self, a: _Attempt) -> None:

@@ -59,16 +59,16 @@ class Unreadable(ValueError):
     """The ConfigMap's ``stops.json`` is no JSON list: what wrote it is unknown, so it is not written over."""
 
 
-def config_map_name(site: str) -> str:
-    """``heliotrope-stops-<site>``: a DNS-1123 name of at most 63 characters; a site name that would not give
-    one as it is (too long, or characters a name may not have) keeps its first characters and ends in ``-``
-    and 8 hex digits of its SHA-256."""
+def config_map_name(site: str, prefix: str = PREFIX) -> str:
+    """``heliotrope-stops-<site>`` (or ``prefix`` + site): a DNS-1123 name of at most 63 characters; a site name
+    that would not give one as it is (too long, or characters a name may not have) keeps its first characters
+    and ends in ``-`` and 8 hex digits of its SHA-256."""
     slug = re.sub(r"[^a-z0-9-]", "-", site.lower()).strip("-")
-    if slug == site and len(PREFIX + slug) <= 63:
-        return PREFIX + slug
+    if slug == site and len(prefix + slug) <= 63:
+        return prefix + slug
     digest = hashlib.sha256(site.encode()).hexdigest()[:8]
-    kept = slug[:63 - len(PREFIX) - 9].strip("-")
-    return f"{PREFIX}{kept}-{digest}" if kept else f"{PREFIX}{digest}"
+    kept = slug[:63 - len(prefix) - 9].strip("-")
+    return f"{prefix}{kept}-{digest}" if kept else f"{prefix}{digest}"
 
 
 class ClusterStops:
@@ -269,3 +269,128 @@ class ClusterStops:
 
 def _short(why: str) -> str:
     return why.replace("\n", " ")[:300]
+
+
+USAGE_PREFIX = "heliotrope-usage-"
+USAGE_KEY = "usage.json"
+
+
+class ClusterUsage:
+    """The site's usage history (:class:`adapters.site_state.UsageJournal`) kept in the cluster too, in the
+    ConfigMap ``heliotrope-usage-<site>`` of ``state_namespace``, key ``usage.json``, the same JSON as the file:
+    a broker replica with another state folder that takes over the site reads it at start and takes whichever
+    of the two was saved last. Written whole, in the background, the latest save only (one adapter runs a site at
+    a time: the leader's); a write that fails is logged once and tried again at the next save. Same RBAC as
+    :class:`ClusterStops`."""
+
+    def __init__(self, site: str, namespace: str, call: Callable[..., Awaitable[Any]],
+                 core: Callable[[], k8s.CoreV1Api], close_timeout_s: float = 10.0) -> None:
+        self.site, self.namespace = site, namespace
+        self.name = config_map_name(site, USAGE_PREFIX)
+        self._call, self._core = call, core
+        self.close_timeout_s = close_timeout_s
+        self._latest: bytes | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._exists: bool | None = None
+        self._closing = False
+        self.failing: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"ConfigMap {self.namespace}/{self.name}"
+
+    async def read(self) -> bytes | None:
+        """The history kept in the cluster, as written (None: none yet, or unreadable: logged)."""
+        try:
+            read = self._core().read_namespaced_config_map_without_preload_content
+            cm = await self._call(f"reading {self.where}", read, self.name, self.namespace)
+        except k8s.ApiException as e:
+            if e.status == 404:
+                self._exists = False
+                return None
+            log.error("site %s: cannot read the usage history from %s (%s: %s); going on with the state_dir's",
+                      self.site, self.where, e.status, _short(str(e.reason)))
+            return None
+        except AdapterError as e:
+            log.error("site %s: cannot read the usage history from %s (%s); going on with the state_dir's",
+                      self.site, self.where, _short(str(e)))
+            return None
+        self._exists = True
+        data = ((cm or {}).get("data") or {}).get(USAGE_KEY)
+        return data.encode() if data else None
+
+    def put(self, data: bytes) -> None:
+        """Queue ``data`` (a save of the history) for the ConfigMap: only the latest queued is written."""
+        self._latest = data
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"k8s-{self.site}-usage")
+
+    async def close(self) -> None:
+        """Let the writer finish what is queued (at most ``close_timeout_s``), then stop it."""
+        if self._task is None:
+            return
+        self._closing = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), self.close_timeout_s)
+        except TimeoutError:
+            log.error("site %s: the usage history could not be written to %s before the adapter closed; it is kept "
+                      "in its state_dir only", self.site, self.where)
+        finally:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._write_latest()
+            if self._closing and self._latest is None:
+                return
+
+    async def _write_latest(self) -> None:
+        data, self._latest = self._latest, None
+        if data is None:
+            return
+        core = self._core()
+        body = {"data": {USAGE_KEY: data.decode()}}
+        patch = core.patch_namespaced_config_map_without_preload_content
+        try:
+            if self._exists is not False:  # (written over: none yet, found at start or by the last write, is made)
+                try:
+                    await self._call(f"updating {self.where}", patch, self.name, self.namespace, body,
+                                     _content_type="application/merge-patch+json")
+                except k8s.ApiException as e:
+                    if e.status != 404:
+                        raise
+                    self._exists = False
+            if self._exists is False:
+                manifest = {"apiVersion": "v1", "kind": "ConfigMap",
+                            "metadata": {"name": self.name, "namespace": self.namespace,
+                                         "labels": {"app.kubernetes.io/part-of": "heliotrope",
+                                                    "heliotrope.io/site": self.site}}, **body}
+                try:
+                    await self._call(f"creating {self.where}",
+                                     core.create_namespaced_config_map_without_preload_content, self.namespace, manifest)
+                except k8s.ApiException as e:
+                    if e.status != 409:
+                        raise
+                    await self._call(f"updating {self.where}", patch, self.name, self.namespace, body,
+                                     _content_type="application/merge-patch+json")  # made meanwhile
+            self._exists = True
+        except (k8s.ApiException, AdapterError) as e:
+            why = _short(f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException) else str(e))
+            (log.error if why != self.failing else log.debug)(
+                "site %s: cannot write the usage history to %s (%s); it is kept in the adapter's state_dir only, so "
+                "a broker replica with another state folder that takes over starts the fair share's window afresh; "
+                "the adapter's service account needs get, create and patch on configmaps in namespace %s. Tried "
+                "again at the next save", self.site, self.where, why, self.namespace)
+            self.failing = why
+            return
+        if self.failing is not None:
+            log.info("site %s: the usage history is written to %s again", self.site, self.where)
+        self.failing = None

@@ -186,38 +186,56 @@ USAGE_SAVE_EVERY_S = 60.0
 
 
 class UsageJournal:
-    """A site's usage history in ``path`` (None: kept nowhere, and :meth:`restore` takes nothing). A write
-    that fails is logged; the site goes on (its fair share then forgets the history at its next restart)."""
+    """A site's usage history in ``path`` (None: kept nowhere, and :meth:`restore` takes nothing but what it is
+    handed). A write that fails is logged; the site goes on (its fair share then forgets the history at its next
+    restart). ``mirror``, when set, gets each save's document too (the Kubernetes adapter's copy in the cluster,
+    :class:`adapters.kubernetes_stops.ClusterUsage`)."""
 
     def __init__(self, path: Path | None, site: str, every_s: float = USAGE_SAVE_EVERY_S) -> None:
         self.path = path
         self.site = site
         self.every_s = every_s
+        self.mirror: Callable[[bytes], None] | None = None
         self._saved_at: float | None = None
         self._forgotten = False
 
-    def restore(self, book: QuotaBook, now: float) -> bool:
-        """Give ``book`` (a site's first ledgers since its start, its running jobs entered) the kept history;
-        whether there was one it took."""
-        kept = read_or_set_aside(self.path, _USAGE, "the usage history", "counting usage from now")
+    def restore(self, book: QuotaBook, now: float, also: bytes | None = None, where: str = "") -> bool:
+        """Give ``book`` (a site's first ledgers since its start, its running jobs entered) the kept history, or
+        ``also`` (a copy kept ``where`` else, as written) where that one was saved later; whether it took one."""
+        kept, source = read_or_set_aside(self.path, _USAGE, "the usage history", "counting usage from now"), self.path
+        if also is not None:
+            try:
+                other = _USAGE.validate_json(also, context=STORED)
+            except (ValidationError, ValueError) as e:
+                log.error("site %s: the usage history in %s cannot be read (%s); not taken", self.site, where,
+                          str(e).splitlines()[0])
+            else:
+                if kept is None or other.saved_at > kept.saved_at:
+                    kept, source = other, where
         if kept is None:
             return False
         why_not = book.restore(kept.history(), now)
         if why_not is not None:
             log.warning("site %s: the usage history in %s is not taken: %s; the fair share counts usage from now",
-                        self.site, self.path, why_not)
+                        self.site, source, why_not)
             return False
-        log.info("site %s: usage history restored from %s (saved %.0f s ago)", self.site, self.path,
+        log.info("site %s: usage history restored from %s (saved %.0f s ago)", self.site, source,
                  max(0.0, now - kept.saved_at))
         return True
 
     def save(self, book: QuotaBook, now: float, force: bool = False) -> None:
         """Write ``book``'s history, unless one was written less than ``every_s`` ago (``force``: at close)."""
-        if self.path is None or self._forgotten or (not force and self._saved_at is not None and now - self._saved_at < self.every_s):
+        if (self.path is None and self.mirror is None) or self._forgotten or (
+                not force and self._saved_at is not None and now - self._saved_at < self.every_s):
             return
         self._saved_at = now
+        data = _USAGE.dump_json(KeptUsage.of(book.history(now)))
+        if self.mirror is not None:
+            self.mirror(data)
+        if self.path is None:
+            return
         try:
-            write_atomically(self.path, _USAGE.dump_json(KeptUsage.of(book.history(now))))
+            write_atomically(self.path, data)
         except OSError as e:
             log.warning("site %s: cannot write the usage history to %s (%s); a restart would forget it",
                         self.site, self.path, e)

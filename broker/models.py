@@ -482,9 +482,11 @@ class KubernetesAdapterConfig(Spec):
     state_namespace: str | None = Field(
         default=None, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
         description="a namespace where the site also keeps its stops not yet reported, in the ConfigMap "
-                    "heliotrope-stops-<site> (its Pods may go while no adapter runs): a broker replica with "
-                    "another state_dir that takes over then reports them as preemptions with their run, not "
-                    "as lost attempts. Needs get, create and patch on configmaps there. None: state_dir only",
+                    "heliotrope-stops-<site> (its Pods may go while no adapter runs), and the usage history its "
+                    "fair share weighs, in heliotrope-usage-<site>: a broker replica with another state_dir that "
+                    "takes over then reports those stops as preemptions with their run, not as lost attempts, and "
+                    "goes on with the tenants' past usage. Needs get, create and patch on configmaps there. None: "
+                    "state_dir only",
         # Left out where unset, as telemetry below: brokers of earlier releases sharing the database read it.
         exclude_if=lambda namespace: namespace is None)
     stop_wait_s: float = Field(

@@ -540,10 +540,12 @@ async def test_a_cluster_without_gpu_nodes_is_unhealthy_and_refuses_jobs(cluster
 
 
 async def _a_site_with_a_quota_for_t1(cluster: kmock.KubernetesEmulator, clock: ManualClock | None = None,
-                                      state_dir: Path | None = None) -> tuple[KubernetesSite, ManualClock]:
+                                      state_dir: Path | None = None,
+                                      state_namespace: str | None = None) -> tuple[KubernetesSite, ManualClock]:
     """A started Kubernetes site on the emulator, on a manual clock, with tenant t1 guaranteed 4 GPUs and 12 more."""
     clock = clock or ManualClock(datetime(2026, 11, 30, tzinfo=UTC))
-    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2)
+    config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2,
+                                     state_namespace=state_namespace)
     adapter = KubernetesSite(site("kube", adapter=config.model_dump(), quotas=[
         {"tenant": "t1", "guaranteed_gpus": 4, "burst_gpus": 12}]), clock, state_dir=state_dir)
     await adapter.start()
@@ -614,6 +616,33 @@ async def test_a_restarted_adapter_keeps_the_tenants_usage_history_and_charges_t
                       {"a100-80gb": 16})  # without the history: j-2 alone
     fresh.start(Ask("j-2", "t1", 4, "a100-80gb", 0, False, None), t0.timestamp())
     assert after > 1.5 * fresh.state(clock.now().timestamp())[0].decayed_usage_gpu_h
+
+
+async def test_a_replica_with_another_state_folder_takes_the_usage_history_kept_in_the_cluster(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    # Broker replicas each run the site's adapter with their own folder: the one that took over started the fair
+    # share's window afresh. With state_namespace the history is kept in a ConfigMap too, and the later of the two
+    # copies is taken.
+    first, clock = await _a_site_with_a_quota_for_t1(cluster, state_dir=tmp_path / "a", state_namespace="hs")
+    try:
+        assert (await first.submit(attempt("j-1", count=8))).admitted
+        await clock.advance(3 * 3600)
+        await first.cancel("j-1", 1)
+        await clock.advance(3600)
+        before = _t1_usage(await first.snapshot())
+        assert before > 10
+    finally:
+        await first.close()
+    kept = cluster.objects[CONFIG_MAPS, "hs", "heliotrope-usage-kube"]["data"]["usage.json"]
+    assert json.loads(kept)["accounts"][0]["tenant"] == "t1"
+    (tmp_path / "b" / "kube").mkdir(parents=True)  # the other replica's folder, with an older save of its own
+    (tmp_path / "b" / "kube" / "usage.json").write_text(json.dumps(
+        {**json.loads(kept), "saved_at": json.loads(kept)["saved_at"] - 7200, "accounts": []}))
+    second, _ = await _a_site_with_a_quota_for_t1(cluster, clock, state_dir=tmp_path / "b", state_namespace="hs")
+    try:
+        assert _t1_usage(await second.snapshot()) == pytest.approx(before)
+    finally:
+        await second.close()
 
 
 async def test_jobs_that_end_while_every_node_is_away_add_no_usage_for_the_time_away(
@@ -1803,12 +1832,15 @@ async def test_a_config_map_the_cluster_refuses_leaves_the_site_on_its_file(
     first = make_site(cluster, state_dir=tmp_path, state_namespace="heliotrope")
     await first.start()
     stream = first.events()
+    def errors() -> list[str]:  # (about the stops; those about the usage history, its own ConfigMap, below)
+        return [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "usage history" not in r.getMessage()]
+
     try:
-        assert refused == ["read"]
-        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert len(errors) == 1 and "cannot read the stops not yet reported from ConfigMap " \
-            "heliotrope/heliotrope-stops-kube (403" in errors[0]
-        assert "get, create and patch on configmaps in namespace heliotrope" in errors[0]
+        assert refused == ["read", "read"]  # the stops' ConfigMap, the usage history's
+        assert len(errors()) == 1 and "cannot read the stops not yet reported from ConfigMap " \
+            "heliotrope/heliotrope-stops-kube (403" in errors()[0]
+        assert "get, create and patch on configmaps in namespace heliotrope" in errors()[0]
+        assert "cannot read the usage history from ConfigMap heliotrope/heliotrope-usage-kube (403" in caplog.text
         name = await j1_running(first, stream, cluster)
         await first.preempt("j-1", 1, "moved")
         assert (tmp_path / "kube" / "stops.json").exists()
@@ -1816,9 +1848,8 @@ async def test_a_config_map_the_cluster_refuses_leaves_the_site_on_its_file(
             if "write" in caplog.text:
                 break
             await asyncio.sleep(0.05)
-        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert len(errors) == 2 and "cannot write the stops not yet reported to ConfigMap " \
-            "heliotrope/heliotrope-stops-kube (403" in errors[1]
+        assert len(errors()) == 2 and "cannot write the stops not yet reported to ConfigMap " \
+            "heliotrope/heliotrope-stops-kube (403" in errors()[1]
     finally:
         await first.close()
     await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")
