@@ -483,6 +483,7 @@ class Broker:
         """A queued job's priority, deadline or profile changed (``PATCH /v1/jobs/{id}``): stored, then decided
         again at the next pass as a new job would be (a deferral planned for it is dropped: its new deadline or
         profile may not allow it)."""
+        await self.book.take_in(job_id)  # (one another replica accepted may not be taken in yet, as a cancel)
         job, what = await self.book.amend(job_id, change)
         if what is not None:
             self.cycle.replan(job_id)

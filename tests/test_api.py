@@ -1123,3 +1123,19 @@ async def test_a_queued_jobs_priority_deadline_and_profile_change_and_it_is_plac
         assert field in [f["field"] for f in error["fields"]] or (body == {} and "give at least one of priority"
                                                                   in error["message"]), (body, error)
     assert (await (await client.get(f"/v1/jobs/{older['id']}")).json())["spec"]["priority"] == 0
+
+
+async def test_a_job_another_replica_just_accepted_can_be_changed_at_once(client: TestClient):
+    # Stored by another replica's API, not taken in by this (leading) one's book yet: a cancel takes it in
+    # (Lifecycle.cancel), a change answered 409 "job ... is queued: only a queued job's priority ... can change".
+    from broker.models import Job, JobSpec
+
+    now = client.broker.clock.now()
+    job = Job(id="job-elsewhere", spec=JobSpec.model_validate(MINIMAL), created_at=now, updated_at=now,
+              reason="waiting for a placement")
+    await client.broker.store.insert_job(job)
+    r = await client.patch(f"/v1/jobs/{job.id}", json={"priority": 7})
+    assert r.status == 200, await r.text()
+    assert (await r.json())["spec"]["priority"] == 7
+    assert (await client.broker.store.get_job(job.id)).spec.priority == 7
+
