@@ -938,3 +938,30 @@ async def test_a_deferred_job_whose_deadline_is_brought_forward_is_decided_again
     again = await decision()
     assert again.decided_at == clock.now()
     assert again.outcome == "placed" or again.deferred_until <= clock.now() + timedelta(hours=1)
+
+
+async def test_a_queue_of_waiting_flexible_jobs_records_one_decision_a_minute_not_one_per_job(live) -> None:
+    # Flexible jobs (a deadline, deferrable) of a profile that defers are decided one by one (their queue group
+    # is not dropped at its first failure); a waiting job's decision is recorded again once a minute so its
+    # figures stay current, and that came to one store write per waiting job per minute: a queue of ten
+    # thousand such jobs that cannot run wrote ten thousand decisions a minute. One a queue group is the aim.
+    from tests.builders import job
+
+    b, clock = live
+    for i in range(6):  # more GPUs than any site has, now or in the plan: they wait, undeferred
+        await b.book.submit(job(name=f"wide-{i}", count=64, profile="green", duration_s=3600,
+                                deadline=GREEN_AT + timedelta(hours=30)))
+    await b.cycle.run_once(full=True)  # each decided and recorded once
+    saved: list[str] = []
+    real = b.store.save_decision
+
+    async def counting(job_id, attempt, record):  # noqa: ANN001, ANN202
+        saved.append(job_id)
+        return await real(job_id, attempt, record)
+
+    b.store.save_decision = counting
+    for _ in range(3):
+        await clock.advance(60)
+        b.book.capacity_freed = True  # (a job ended somewhere: the pass is no quiet one)
+        await b.cycle.run_once(full=True)
+    assert len(saved) <= 3, saved  # one group, three minutes
