@@ -643,6 +643,14 @@ async def set_quota(request: web.Request) -> web.Response:
     _surely_leads(request)
     broker = request.app[BROKER]
     async with broker.site_lock(member.spec.name):  # (ordered with the site's other changes)
+        # read again: the site may have been rebuilt (a new adapter) or removed while this change waited
+        member = _member(request)
+        admin = _quota_admin(member)
+        beyond = quota.beyond(member.spec.total_gpus())
+        if beyond is not None:
+            raise ApiError(422, f"invalid tenant quota: {beyond[0]}: {beyond[1]}",
+                           [{"field": beyond[0], "problem": beyond[1]}])
+        _surely_leads(request)
         try:
             state = await _ask_site(member, admin.set_quota(quota))
         except QuotaBeyondSite as e:  # the site has fewer GPUs than its spec says (an agent's, a cluster's Nodes)
@@ -659,6 +667,9 @@ async def delete_quota(request: web.Request) -> web.Response:
     _surely_leads(request)
     broker = request.app[BROKER]
     async with broker.site_lock(member.spec.name):  # (ordered with the site's other changes)
+        member = _member(request)  # (read again, as in set_quota)
+        admin = _quota_admin(member)
+        _surely_leads(request)
         try:
             state = await _ask_site(member, admin.remove_quota(tenant))
         except KeyError:

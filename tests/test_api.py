@@ -1139,3 +1139,55 @@ async def test_a_job_another_replica_just_accepted_can_be_changed_at_once(client
     assert (await r.json())["spec"]["priority"] == 7
     assert (await client.broker.store.get_job(job.id)).spec.priority == 7
 
+
+
+async def test_a_quota_set_while_the_site_is_rebuilt_reaches_the_rebuilt_site(client: TestClient):
+    # The quota PUT waits for the site's lock while a PUT of the site rebuilds its adapter (more GPUs); it then
+    # asked the adapter it had read before waiting, the one the rebuild closed: answered 200 with the quota,
+    # which the site (its new adapter) never had.
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16})
+    await register(client, body)
+    federation = client.broker.federation
+    factory = federation._factory
+    release = asyncio.Event()
+
+    def slow_factory(spec):  # noqa: ANN001, ANN202
+        adapter = factory(spec)
+        start = adapter.start
+
+        async def slow_start() -> None:
+            await release.wait()
+            await start()
+
+        adapter.start = slow_start
+        return adapter
+
+    federation._factory = slow_factory
+    rebuild = asyncio.ensure_future(client.put("/v1/sites/berlin", json=site_body("berlin", "gcp:europe-west3", {"a100-80gb": 24})))
+    while not client.broker.site_lock("berlin").locked() and not rebuild.done():
+        await asyncio.sleep(0)
+    quota = asyncio.ensure_future(client.put("/v1/sites/berlin/quota/t2", json={"guaranteed_gpus": 4}))
+    while not client.broker.site_lock("berlin")._waiters and not quota.done():
+        await asyncio.sleep(0)
+    release.set()
+    assert (await rebuild).status == 200, await (await rebuild).text()
+    r = await quota
+    assert r.status == 200, await r.text()
+    now = await (await client.get("/v1/sites/berlin/quota")).json()
+    assert {t["tenant"]: t["guaranteed_gpus"] for t in now["tenants"]}.get("t2") == 4, now
+
+
+async def test_a_quota_set_while_the_site_is_removed_is_not_answered_as_set(client: TestClient):
+    body = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16})
+    await register(client, body)
+    lock = client.broker.site_lock("berlin")
+    await lock.acquire()  # (as a removal waiting for a cancelled job's dispatch holds it)
+    try:
+        quota = asyncio.ensure_future(client.put("/v1/sites/berlin/quota/t2", json={"guaranteed_gpus": 4}))
+        while not lock._waiters:
+            await asyncio.sleep(0)
+        await client.broker._remove_site("berlin")
+    finally:
+        lock.release()
+    r = await quota
+    assert r.status == 404, await r.text()
