@@ -40,7 +40,7 @@ from broker.models import Health, Job, JobChange, SiteSpec, TenantQuota
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
 from broker.providers.prices import PriceProvider, build_price_provider
 from broker.signals import GridSignals
-from broker.store import Fenced, Store, StoredDecision, open_store
+from broker.store import Fenced, Store, StoredDecision, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
@@ -484,7 +484,12 @@ class Broker:
         again at the next pass as a new job would be (a deferral planned for it is dropped: its new deadline or
         profile may not allow it)."""
         await self.book.take_in(job_id)  # (one another replica accepted may not be taken in yet, as a cancel)
-        job, what = await self.book.amend(job_id, change)
+        try:
+            job, what = await self.book.amend(job_id, change)
+        except StoreError:  # memory went back; a pass may have planned for the change meanwhile: not kept
+            self.cycle.replan(job_id)
+            self.wake()
+            raise
         if what is not None:
             self.cycle.replan(job_id)
             self.wake()

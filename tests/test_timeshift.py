@@ -7,6 +7,7 @@ Electricity Maps slice (data/carbon, June 2022) or stated here, so the expected 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from dataclasses import replace
@@ -965,3 +966,36 @@ async def test_a_queue_of_waiting_flexible_jobs_records_one_decision_a_minute_no
         b.book.capacity_freed = True  # (a job ended somewhere: the pass is no quiet one)
         await b.cycle.run_once(full=True)
     assert len(saved) <= 3, saved  # one group, three minutes
+
+
+async def test_a_change_the_store_did_not_take_leaves_no_deferral_planned_for_it(live) -> None:
+    # A deadline given to a waiting job is planned for by a pass that runs while its write is on the way (the
+    # job deferred to frankfurt's clean hours); the write fails, and the job is back without a deadline (503,
+    # "nothing changed"). The deferral made for the deadline it does not have stayed, and kept it out of every
+    # pass until the next hour, though a job without a deadline starts as soon as a site has room.
+    from broker.models import JobChange, JobState
+    from broker.store import StoreError
+    from tests.builders import job
+
+    b, clock = live
+    j, _ = await b.book.submit(job(count=8, profile="green", duration_s=4 * 3600))
+    real = b.store.enqueue_update
+    landed = asyncio.get_running_loop().create_future()
+
+    def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        b.store.enqueue_update = real
+        return landed
+
+    b.store.enqueue_update = slow
+    change = asyncio.ensure_future(b.change_job(j.id, JobChange(deadline=GREEN_AT + timedelta(hours=30))))
+    while b.book.active[j.id].spec.deadline is None:
+        await asyncio.sleep(0)
+    await b.cycle.run_once(full=True)  # meanwhile: the job, with the deadline, is deferred
+    assert b.cycle.deferred_until(j.id) is not None
+    landed.set_exception(StoreError("disk full"))
+    with pytest.raises(StoreError):
+        await change
+    assert (await b.book.get(j.id)).spec.deadline is None
+    await clock.advance(5)
+    await b.cycle.run_once(full=True)
+    assert (await b.book.get(j.id)).state == JobState.DISPATCHING
