@@ -320,7 +320,8 @@ YIELD_EVERY = 256  # decisions between trips round the event loop in a long pass
 SWEEP_MIN = 4096  # cache entries below which ended jobs' entries are not swept
 UNPLACEABLE_REFRESH_S = 60.0
 """A waiting job's decision is recorded again when which filters turned which sites away changes, and at least
-this often while it waits (the figures its reasons quote, "8 free", move without changing which filters fail)."""
+this often while it waits (the figures its reasons quote, "8 free", move without changing which filters fail): one
+job of each queue group, the first a pass decides, so a group decided job by job costs a write a minute, not one a job."""
 
 
 def _plan_moves(
@@ -426,6 +427,8 @@ class SchedulingCycle:
         self._quiet: tuple[Any, ...] | None = None  # the key of the last full pass that placed nothing
         self._last_seen: dict[str, bytes] = {}  # job id -> what its last recorded decision looked like
         self._signatures: dict[bytes, bytes] = {}  # one copy of each signature in _last_seen (2 bytes a site)
+        # (minute, the queue groups one of whose waiting jobs was recorded again in it: UNPLACEABLE_REFRESH_S)
+        self._refreshed: tuple[int, set[tuple[Any, ...]]] = (0, set())
         self._sweep_at = SWEEP_MIN  # cache entries at which _forget_gone next runs
         self._in_flight: dict[str, InFlight] = {}
         self._requests: dict[str, JobRequest] = {}
@@ -665,10 +668,20 @@ class SchedulingCycle:
                 if pipeline.migrate is not None and pipeline.migrate.make_room and urgent(
                         req, snap.now.timestamp(), pipeline.migrate):
                     self._stuck.append((job, req, pipeline))
-                # record only decisions that changed, or whose figures may have (a minute on)
-                signature = placement.signature + int(snap.now.timestamp() // UNPLACEABLE_REFRESH_S).to_bytes(
-                    8, "little", signed=True)
+                # record only decisions that changed, or whose figures may have (a minute on: once a minute
+                # for each queue group, its first job decided, so a group decided job by job, which no failure
+                # drops, is not written job by job every minute)
+                minute = int(snap.now.timestamp() // UNPLACEABLE_REFRESH_S)
+                signature = placement.signature + minute.to_bytes(8, "little", signed=True)
                 seen = self._last_seen.get(job.id)
+                if seen is not None and seen != signature and seen[:-8] == placement.signature:
+                    where = queue.position(job.id)
+                    if self._refreshed[0] != minute:
+                        self._refreshed = (minute, set())
+                    if where is not None and where[0] in self._refreshed[1]:
+                        seen = signature  # another job of its group was recorded again this minute
+                    elif where is not None:
+                        self._refreshed[1].add(where[0])
                 if seen != signature:
                     self._last_seen[job.id] = self._signatures.setdefault(signature, signature)
                     records.append((job, self._with_refusals(req, placement.record(pipeline, snap))))
