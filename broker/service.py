@@ -456,7 +456,10 @@ class Broker:
             log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
         for name in list(self._quota_passes):  # a site that could not take its file's quotas before: again
             # (under the site's lock: a change of the site made meanwhile, its quotas passed, must not be followed
-            # by the file's older ones)
+            # by the file's older ones; a site whose lock is held, a rebuild waiting out a dispatch, is tried at the
+            # next round rather than hold up the others' and the next round's retries)
+            if self.site_lock(name).locked():
+                continue
             async with self.site_lock(name):
                 member = self.federation.get(name)
                 if member is not None:
