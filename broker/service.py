@@ -45,10 +45,10 @@ from broker.store import Fenced, Store, StoredDecision, StoreError, open_store
 log = logging.getLogger(__name__)
 
 FIRST_PASS_WAIT_S = 30.0
+"""The longest the first scheduling pass waits for the first round of carbon forecasts (or fetch_timeout_s)."""
 QUOTA_PASSES_STATE = "file-quota-passes"
 """The store's name (``Store.put_state``) for the quotas the config file changed that a site has not taken yet."""
 _QUOTA_PASSES = TypeAdapter(dict[str, dict[str, TenantQuota | None]])
-"""The longest the first scheduling pass waits for the first round of carbon forecasts (or fetch_timeout_s)."""
 
 
 class SiteConflict(ValueError):
