@@ -1541,6 +1541,8 @@ class KubernetesSite:
     async def forget_quotas(self) -> None:
         self._overrides.forget()
         self._usage.forget()
+        if self._cluster_usage is not None:
+            await self._cluster_usage.forget()  # (its copy in the cluster too: a new site of its name starts afresh)
 
     def quota_manifest(self, quota: TenantQuota) -> dict[str, Any]:
         return {

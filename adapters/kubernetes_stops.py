@@ -280,8 +280,9 @@ class ClusterUsage:
     ConfigMap ``heliotrope-usage-<site>`` of ``state_namespace``, key ``usage.json``, the same JSON as the file:
     a broker replica with another state folder that takes over the site reads it at start and takes whichever
     of the two was saved last. Written whole, in the background, the latest save only (one adapter runs a site at
-    a time: the leader's); a write that fails is logged once and tried again at the next save. Same RBAC as
-    :class:`ClusterStops`."""
+    a time: the leader's); a write that fails is logged once and tried again at the next save. A site removed
+    from the federation (:meth:`forget`) takes its history out of the ConfigMap, so a new site of its name starts
+    afresh. Same RBAC as :class:`ClusterStops`."""
 
     def __init__(self, site: str, namespace: str, call: Callable[..., Awaitable[Any]],
                  core: Callable[[], k8s.CoreV1Api], close_timeout_s: float = 10.0) -> None:
@@ -294,6 +295,7 @@ class ClusterUsage:
         self._task: asyncio.Task[None] | None = None
         self._exists: bool | None = None
         self._closing = False
+        self._forgotten = False
         self.failing: str | None = None
 
     @property
@@ -321,7 +323,10 @@ class ClusterUsage:
         return data.encode() if data else None
 
     def put(self, data: bytes) -> None:
-        """Queue ``data`` (a save of the history) for the ConfigMap: only the latest queued is written."""
+        """Queue ``data`` (a save of the history) for the ConfigMap: only the latest queued is written. Ignored
+        once closed or forgotten."""
+        if self._closing or self._forgotten:
+            return
         self._latest = data
         self._wake.set()
         if self._task is None:
@@ -329,9 +334,9 @@ class ClusterUsage:
 
     async def close(self) -> None:
         """Let the writer finish what is queued (at most ``close_timeout_s``), then stop it."""
+        self._closing = True
         if self._task is None:
             return
-        self._closing = True
         self._wake.set()
         try:
             await asyncio.wait_for(asyncio.shield(self._task), self.close_timeout_s)
@@ -343,6 +348,28 @@ class ClusterUsage:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+
+    async def forget(self) -> None:
+        """The site leaves the federation: write nothing more (what is in flight lands first), and take the
+        history out of the ConfigMap (a merge patch: ``patch`` alone, the ConfigMap stays), so a new site of its
+        name starts afresh. A failure is logged: the new site would take the old history."""
+        self._forgotten = True
+        self._latest = None
+        await self.close()
+        if self._exists is False:
+            return
+        try:
+            await self._call(f"updating {self.where}", self._core().patch_namespaced_config_map_without_preload_content,
+                             self.name, self.namespace, {"data": {USAGE_KEY: None}},
+                             _content_type="application/merge-patch+json")
+        except k8s.ApiException as e:
+            if e.status != 404:
+                log.error("site %s: cannot take the usage history out of %s (%s: %s); a new site of its name would "
+                          "start from it: delete the ConfigMap", self.site, self.where, e.status, _short(str(e.reason)))
+        except Exception as e:  # noqa: BLE001 - the site is removed all the same; logged
+            log.error("site %s: cannot take the usage history out of %s (%s); a new site of its name would start "
+                      "from it: delete the ConfigMap", self.site, self.where,
+                      _short(str(e) if isinstance(e, AdapterError) else repr(e)))
 
     async def _run(self) -> None:
         while True:
@@ -356,10 +383,10 @@ class ClusterUsage:
         data, self._latest = self._latest, None
         if data is None:
             return
-        core = self._core()
         body = {"data": {USAGE_KEY: data.decode()}}
-        patch = core.patch_namespaced_config_map_without_preload_content
         try:
+            core = self._core()
+            patch = core.patch_namespaced_config_map_without_preload_content
             if self._exists is not False:  # (written over: none yet, found at start or by the last write, is made)
                 try:
                     await self._call(f"updating {self.where}", patch, self.name, self.namespace, body,
@@ -382,8 +409,9 @@ class ClusterUsage:
                     await self._call(f"updating {self.where}", patch, self.name, self.namespace, body,
                                      _content_type="application/merge-patch+json")  # made meanwhile
             self._exists = True
-        except (k8s.ApiException, AdapterError) as e:
-            why = _short(f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException) else str(e))
+        except Exception as e:  # noqa: BLE001 - the writer must outlive any failure (later saves go on); logged
+            why = _short(f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException)
+                         else str(e) if isinstance(e, AdapterError) else repr(e))
             (log.error if why != self.failing else log.debug)(
                 "site %s: cannot write the usage history to %s (%s); it is kept in the adapter's state_dir only, so "
                 "a broker replica with another state folder that takes over starts the fair share's window afresh; "

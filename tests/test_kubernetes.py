@@ -24,7 +24,7 @@ from kubernetes.aio import client as k8s
 from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
 from adapters.kubernetes_nodes import node_groups, read_node
-from adapters.kubernetes_stops import config_map_name
+from adapters.kubernetes_stops import ClusterUsage, config_map_name
 from broker.clock import ManualClock, SystemClock
 from broker.models import FairSharePolicy, GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
 from policies.inventory import Inventory, Placement
@@ -643,6 +643,99 @@ async def test_a_replica_with_another_state_folder_takes_the_usage_history_kept_
         assert _t1_usage(await second.snapshot()) == pytest.approx(before)
     finally:
         await second.close()
+
+
+async def test_a_site_removed_leaves_no_usage_history_in_the_cluster_for_a_new_site_of_its_name(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path) -> None:
+    # A site removed from the federation drops its usage history, so a new site of its name starts afresh: its
+    # copy in the ConfigMap went on, and the new site took the old one's tenants' usage from it.
+    first, clock = await _a_site_with_a_quota_for_t1(cluster, state_dir=tmp_path, state_namespace="hs")
+    try:
+        assert (await first.submit(attempt("j-1", count=8))).admitted
+        await clock.advance(3 * 3600)
+        await first.cancel("j-1", 1)
+        assert _t1_usage(await first.snapshot()) > 10  # (saved, and queued for the ConfigMap)
+    finally:
+        await first.forget_quotas()  # the site leaves the federation
+        await first.close()
+    second, _ = await _a_site_with_a_quota_for_t1(cluster, clock, state_dir=tmp_path, state_namespace="hs")
+    try:
+        assert _t1_usage(await second.snapshot()) == 0
+    finally:
+        await second.close()
+
+
+async def test_a_usage_history_write_that_fails_unexpectedly_leaves_later_saves_reaching_the_cluster(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A write that fails with what the writer does not expect (here a body that is no JSON) ended its task: no
+    # later save reached the ConfigMap, and the adapter's close raised it (its API client left open).
+    create = k8s.CoreV1Api.create_namespaced_config_map_without_preload_content
+    calls: list[str] = []
+
+    async def once_no_json(self: Any, namespace: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        calls.append(body["metadata"]["name"])
+        if body["metadata"]["name"] == "heliotrope-usage-kube" and calls.count("heliotrope-usage-kube") == 1:
+            raise ValueError("Expecting value: line 1 column 1 (char 0)")
+        return await create(self, namespace, body, **kwargs)
+
+    monkeypatch.setattr(k8s.CoreV1Api, "create_namespaced_config_map_without_preload_content", once_no_json)
+    adapter, clock = await _a_site_with_a_quota_for_t1(cluster, state_dir=tmp_path, state_namespace="hs")
+    try:
+        assert (await adapter.submit(attempt("j-1", count=8))).admitted
+        await adapter.snapshot()  # the first save: its write fails
+        for _ in range(100):
+            if "heliotrope-usage-kube" in calls:
+                break
+            await asyncio.sleep(0.02)
+        await clock.advance(3600)
+        await adapter.snapshot()  # the next save
+        for _ in range(100):
+            if (CONFIG_MAPS, "hs", "heliotrope-usage-kube") in cluster.objects:
+                break
+            await asyncio.sleep(0.02)
+        kept = cluster.objects[CONFIG_MAPS, "hs", "heliotrope-usage-kube"]["data"]["usage.json"]
+        assert json.loads(kept)["accounts"][0]["tenant"] == "t1"
+    finally:
+        await adapter.close()
+    assert adapter._api is None  # (closed)
+
+
+async def test_a_usage_history_the_cluster_holds_in_another_format_is_logged_and_the_file_taken(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # What another release or an operator left under usage.json must not keep the site from starting.
+    first, clock = await _a_site_with_a_quota_for_t1(cluster, state_dir=tmp_path, state_namespace="hs")
+    try:
+        assert (await first.submit(attempt("j-1", count=8))).admitted
+        await clock.advance(3 * 3600)
+        await first.cancel("j-1", 1)
+        before = _t1_usage(await first.snapshot())
+    finally:
+        await first.close()
+    for garbage in ("no json", "[]", json.dumps({"v": 9, "saved_at": "later"})):
+        await cluster.patch("/api/v1/namespaces/hs/configmaps/heliotrope-usage-kube",
+                            json={"data": {"usage.json": garbage}})
+        second, _ = await _a_site_with_a_quota_for_t1(cluster, clock, state_dir=tmp_path, state_namespace="hs")
+        try:
+            assert _t1_usage(await second.snapshot()) == pytest.approx(before)
+        finally:
+            await second.close()
+        assert "the usage history in ConfigMap hs/heliotrope-usage-kube cannot be read" in caplog.text
+        caplog.clear()
+
+
+async def test_a_usage_history_saved_after_the_adapter_closed_is_not_written() -> None:
+    # The writer is made at the first save; one after the close (none before it) would have been left running.
+    calls: list[str] = []
+
+    async def call(what: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(what)
+        return {}
+
+    kept = ClusterUsage("kube", "hs", call, lambda: k8s.CoreV1Api(k8s.ApiClient()))
+    await kept.close()
+    kept.put(b"{}")
+    await asyncio.sleep(0.05)
+    assert calls == [] and kept._task is None
 
 
 async def test_jobs_that_end_while_every_node_is_away_add_no_usage_for_the_time_away(
