@@ -151,7 +151,7 @@ class ClusterStops:
         try:
             cm = await self._get()
             stops = self._parse(cm)[0]
-        except (k8s.ApiException, AdapterError, Unreadable) as e:
+        except (k8s.ApiException, AdapterError, ValueError) as e:  # (ValueError: Unreadable, or an answer no JSON)
             why = f"{e.status}: {e.reason}" if isinstance(e, k8s.ApiException) else str(e)
             log.error("site %s: cannot read the stops not yet reported from %s (%s); going on with those of the "
                       "adapter's state_dir only, so a stop begun by a broker replica with another state folder "
@@ -314,7 +314,7 @@ class ClusterUsage:
             log.error("site %s: cannot read the usage history from %s (%s: %s); going on with the state_dir's",
                       self.site, self.where, e.status, _short(str(e.reason)))
             return None
-        except AdapterError as e:
+        except (AdapterError, ValueError) as e:  # (ValueError: an answer that is no JSON)
             log.error("site %s: cannot read the usage history from %s (%s); going on with the state_dir's",
                       self.site, self.where, _short(str(e)))
             return None

@@ -2611,3 +2611,22 @@ async def test_a_pod_that_comes_while_the_jobs_events_are_read_keeps_its_attempt
     finally:
         go_on.set()
         await adapter.close()
+
+
+async def test_a_state_config_map_read_answered_with_no_json_leaves_the_site_starting_on_its_file(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A proxy in the way answering 200 with a page that is no JSON: the read raised past the adapter's start,
+    # and the site did not come up.
+    async def not_json(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    monkeypatch.setattr(k8s.CoreV1Api, "read_namespaced_config_map_without_preload_content", not_json)
+    adapter = make_site(cluster, state_dir=tmp_path, state_namespace="heliotrope")
+    await adapter.start()
+    try:
+        assert (await adapter.snapshot()).health == "healthy"
+        assert "cannot read the stops not yet reported from ConfigMap heliotrope/heliotrope-stops-kube" in caplog.text
+        assert "cannot read the usage history from ConfigMap heliotrope/heliotrope-usage-kube" in caplog.text
+    finally:
+        await adapter.close()
