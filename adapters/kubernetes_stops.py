@@ -177,16 +177,10 @@ class ClusterStops:
         self._wake.set()
         if self._task is None:
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), self.close_timeout_s)
-        except TimeoutError:
+        task, self._task = self._task, None
+        if not await _finish(task, self.close_timeout_s):
             log.error("site %s: the stops not yet reported could not be written to %s before the adapter closed; "
                       "they are kept in its state_dir only", self.site, self.where)
-        finally:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
 
     async def _run(self) -> None:
         wait = 0.0
@@ -267,6 +261,21 @@ class ClusterStops:
         raise AdapterError(f"{self.where} was changed by another process at each of {CONFLICTS} writes")
 
 
+async def _finish(task: asyncio.Task[None], timeout_s: float) -> bool:
+    """Let a writer ``task`` finish what is queued, at most ``timeout_s``, then stop it; whether it finished."""
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        return True
+    except TimeoutError:
+        return False
+    except Exception:  # noqa: BLE001 - (a writer logs its own failures; close goes on)
+        return True
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
 def _short(why: str) -> str:
     return why.replace("\n", " ")[:300]
 
@@ -338,16 +347,10 @@ class ClusterUsage:
         if self._task is None:
             return
         self._wake.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), self.close_timeout_s)
-        except TimeoutError:
+        task, self._task = self._task, None
+        if not await _finish(task, self.close_timeout_s):
             log.error("site %s: the usage history could not be written to %s before the adapter closed; it is kept "
                       "in its state_dir only", self.site, self.where)
-        finally:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
 
     async def forget(self) -> None:
         """The site leaves the federation: write nothing more (what is in flight lands first), and take the
