@@ -52,7 +52,7 @@ from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
 from broker.federation import Member, QuotaNotTaken, QuotaRefused, without_secrets
 from broker.ids import GPU_MODEL_IDS
-from broker.jobs import IdempotencyConflict, JobNotFound, NotQueued, PastDeadline
+from broker.jobs import IdempotencyConflict, JobNotFound, NotQueued, PastDeadline, check_deadline
 from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
@@ -708,11 +708,10 @@ async def preview_job(request: web.Request) -> web.Response:
     /v1/jobs/{id}/decision`` gives them."""
     broker = request.app[BROKER]
     spec, _ = await _job_spec(request)
-    now = broker.clock.now()
-    if spec.deadline is not None and spec.deadline < now:  # (as a submission is refused: broker.jobs.PastDeadline)
-        raise ApiError(422, f"invalid job spec: deadline {spec.deadline.isoformat()} has passed: it is "
-                            f"{now.isoformat()} at the broker; give a later deadline, or none",
-                       [{"field": "deadline", "problem": "in the past"}])
+    try:
+        check_deadline(spec.deadline, broker.clock.now())  # (as a submission is refused)
+    except PastDeadline as e:
+        raise ApiError(422, f"invalid job spec: {e}", [{"field": "deadline", "problem": "in the past"}]) from None
     req, record = broker.cycle.preview("preview", spec)
     return _json(Preview(note=PREVIEW_NOTE, decision=explain.render(record, req, broker.cycle.filters, 0)))
 

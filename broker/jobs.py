@@ -101,6 +101,13 @@ class PastDeadline(ValueError):
     a miss. (A replay of a job accepted earlier, whose deadline has passed since, is no new job: it replays.)"""
 
 
+def check_deadline(deadline: datetime | None, now: datetime) -> None:
+    """PastDeadline where ``deadline`` (a new job's, a preview's or a changed one) has passed at ``now``."""
+    if deadline is not None and deadline < now:
+        raise PastDeadline(f"deadline {deadline.isoformat()} has passed: it is {now.isoformat()} at the broker; give "
+                           "a later deadline, or none")
+
+
 class JobNotFound(KeyError):
     pass
 
@@ -284,9 +291,7 @@ class JobBook:
 
     async def _create(self, spec: JobSpec, key: str | None, digest: str | None) -> Job:
         now = self._clock.now()
-        if spec.deadline is not None and spec.deadline < now:
-            raise PastDeadline(f"deadline {spec.deadline.isoformat()} has passed: it is {now.isoformat()} at the "
-                               "broker; give a later deadline, or none")
+        check_deadline(spec.deadline, now)
         job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
         try:
             await self._store.insert_job(job, key, digest)
@@ -511,9 +516,8 @@ class JobBook:
                             "change (cancel it and submit it again)")
         spec = change.applied_to(job.spec)
         now = self._clock.now()
-        if spec.deadline is not None and spec.deadline != job.spec.deadline and spec.deadline < now:
-            raise PastDeadline(f"deadline {spec.deadline.isoformat()} has passed: it is {now.isoformat()} at the "
-                               "broker; give a later deadline, or none")
+        if spec.deadline != job.spec.deadline:  # (one kept as it was may have passed since: it stays)
+            check_deadline(spec.deadline, now)
         said = [f"{k} {_said(getattr(job.spec, k))} -> {_said(getattr(spec, k))}" for k in sorted(change.model_fields_set)
                 if getattr(job.spec, k) != getattr(spec, k)]
         if not said:
