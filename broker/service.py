@@ -606,7 +606,20 @@ class Broker:
 
     def site_lock(self, name: str) -> asyncio.Lock:
         """The lock that orders the changes of site ``name`` (its registration and removal included)."""
-        return self._site_locks.setdefault(name, asyncio.Lock())
+        lock = self._site_locks.get(name)
+        if lock is None:
+            if len(self._site_locks) >= 2 * len(self.federation.members) + 16:
+                self._drop_idle_site_locks()
+            lock = self._site_locks[name] = asyncio.Lock()
+        return lock
+
+    def _drop_idle_site_locks(self) -> None:
+        """Forget the locks of names no site has now (removed sites, registrations refused) that nobody holds or
+        waits for, so names tried and gone do not pile up. Safe without a lock of its own: a caller takes the
+        lock :meth:`site_lock` returns before it yields to another task."""
+        for name, lock in list(self._site_locks.items()):
+            if name not in self.federation and not lock.locked() and not getattr(lock, "_waiters", None):
+                del self._site_locks[name]
 
     async def register_site(self, spec: SiteSpec) -> Member:
         async with self.site_lock(spec.name):

@@ -85,6 +85,21 @@ async def test_a_site_is_registered_listed_updated_and_removed(client: TestClien
     assert gone.status == 404 and "no site named berlin" in (await gone.json())["error"]["message"]
 
 
+async def test_names_of_sites_registered_and_removed_do_not_pile_up_in_the_brokers_site_locks(client: TestClient):
+    # One lock per site orders its changes; a platform that registers and removes short-lived sites (or a
+    # script that retries refused registrations under fresh names) must not grow the broker's table for ever.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}))
+    for i in range(60):
+        await register(client, site_body(f"burst-{i}", "gcp:europe-west3", {"a100-80gb": 8}))
+        assert (await client.delete(f"/v1/sites/burst-{i}")).status == 204
+        refused = await client.post("/v1/sites", json=site_body(f"bad-{i}", "nowhere:region", {"a100-80gb": 8}))
+        assert refused.status == 422
+    locks = client.broker._site_locks
+    assert len(locks) <= 2 * 1 + 16 and "berlin" in locks
+    # the site still there keeps its lock, and its changes still work
+    assert (await client.put("/v1/sites/berlin", json=site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))).status == 200
+
+
 async def test_a_site_sent_back_as_read_is_refused_naming_the_brokers_keys_not_as_misspellings(client: TestClient):
     # The README: PUT takes "a site as read, less its status and signals, which are the broker's and refused in
     # a spec". Whoever sends the whole site back must learn to leave those out, not to check their spelling.
