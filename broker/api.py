@@ -797,10 +797,13 @@ def _scoped(who: Principal, flt: JobFilter) -> JobFilter:
 async def _job(request: web.Request) -> Job:
     """The path's job, if the caller may see it (404 otherwise, as for a job that does not exist)."""
     job_id = request.match_info["id"]
+    broker = request.app[BROKER]
     try:
-        job = await request.app[BROKER].book.get(job_id)
+        job = await broker.book.get(job_id)
     except JobNotFound:
-        raise ApiError(404, f"no job with id {job_id}") from None
+        kept = broker.settings.job_retention_h
+        raise ApiError(404, f"no job with id {job_id}" + (
+            f" (a finished job is deleted {kept:g} h after it ended: broker.job_retention_h)" if kept else "")) from None
     if not principal(request).sees_job(job):
         raise ApiError(404, f"no job with id {job_id}")
     return job

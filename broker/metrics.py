@@ -55,6 +55,8 @@ class Metrics:
                                    ["state"], registry=r)
         self.finished = Counter("heliotrope_jobs_finished", "Jobs that ended, by final state and tenant",
                                 ["state", "tenant"], registry=r)
+        self.pruned = Counter("heliotrope_jobs_pruned", "Finished jobs deleted, with their transitions and decision, "
+                              "job_retention_h after they ended", registry=r)
         self.carbon_grams = Counter("heliotrope_placed_carbon_grams", "Estimated emissions of the jobs placed "
                                     "(GPUs x board power x expected duration x the chosen site's grid intensity "
                                     "at the decision), for each admission, plus the overrun of an attempt that "

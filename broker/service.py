@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from collections.abc import AsyncIterator, Callable
 
 from pydantic import TypeAdapter
@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 FIRST_PASS_WAIT_S = 30.0
 """The longest the first scheduling pass waits for the first round of carbon forecasts (or fetch_timeout_s)."""
 QUOTA_PASSES_STATE = "file-quota-passes"
+PRUNE_BATCH = 1000
+"""Finished jobs deleted at most per housekeeping round (``Broker.prune_ended``)."""
+PRUNE_EVERY_S = 300.0
+"""How often housekeeping looks for finished jobs past ``job_retention_h``, once a round found fewer than
+``PRUNE_BATCH`` (a full one is followed by another at the next round)."""
 """The store's name (``Store.put_state``) for the quotas the config file changed that a site has not taken yet."""
 _QUOTA_PASSES = TypeAdapter(dict[str, dict[str, TenantQuota | None]])
 
@@ -175,6 +180,7 @@ class Broker:
         # tenant -> its quota before the change (None: it had none); kept in the store (QUOTA_PASSES_STATE)
         self._quota_passes: dict[str, dict[str, TenantQuota | None]] = {}
         self._quota_passes_warned: set[str] = set()
+        self._prune_due = datetime.min.replace(tzinfo=UTC)  # when housekeeping next looks for jobs to delete
         self._run_loop = True
         self._in_pass = asyncio.Event()  # set while the loop runs a scheduling pass
         self._pass_over = asyncio.Event()  # set when that pass has ended
@@ -454,6 +460,16 @@ class Broker:
             await self.lifecycle.settle()
         except Exception:
             log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
+        if self.settings.job_retention_h and self.clock.now() >= self._prune_due:
+            try:
+                pruned = await self.prune_ended()
+            except Fenced:
+                return  # another replica leads now: the loop steps down at its next write
+            except Exception:
+                log.exception("deleting finished jobs past broker.job_retention_h failed; trying again")
+            else:
+                if pruned < PRUNE_BATCH:
+                    self._prune_due = self.clock.now() + timedelta(seconds=PRUNE_EVERY_S)
         for name in list(self._quota_passes):  # a site that could not take its file's quotas before: again
             # (under the site's lock: a change of the site made meanwhile, its quotas passed, must not be followed
             # by the file's older ones; a site whose lock is held, a rebuild waiting out a dispatch, is tried at the
@@ -467,6 +483,19 @@ class Broker:
                         await self._pass_file_quotas(member)
                     except Exception:
                         log.exception("site %s: passing the quotas of the config file failed; trying again", name)
+
+    async def prune_ended(self) -> int:
+        """Delete up to ``PRUNE_BATCH`` jobs that ended more than ``job_retention_h`` ago, with their transitions
+        and decisions (as Armada's Lookout pruner and Slurm's ``MinJobAge``: the store holds what runs and what
+        ended lately, not every job ever sent). Returns how many; none where the retention is 0 or null."""
+        kept = self.settings.job_retention_h
+        if not kept:
+            return 0
+        ids = await self.store.prune_ended(self.clock.now() - timedelta(hours=kept), PRUNE_BATCH)
+        if ids:
+            self.metrics.pruned.inc(len(ids))
+            log.info("deleted %d finished job(s) that ended more than %g h ago (broker.job_retention_h)", len(ids), kept)
+        return len(ids)
 
     async def decision(self, job: Job) -> StoredDecision | None:
         """The decision that explains ``job`` now: its own last recorded one, or, if newer, the one its

@@ -100,6 +100,21 @@ async def test_names_of_sites_registered_and_removed_do_not_pile_up_in_the_broke
     assert (await client.put("/v1/sites/berlin", json=site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))).status == 200
 
 
+async def test_a_finished_job_past_the_retention_is_gone_and_its_404_says_why(client: TestClient):
+    from broker.models import Job, JobSpec, JobState
+    long_ago = datetime.now(UTC) - timedelta(days=31)
+    old = Job(id="01old0000000000000", spec=JobSpec(tenant="t1", name="old", gpus={"count": 1}, duration_s=60),
+              created_at=long_ago, updated_at=long_ago)
+    await client.broker.store.insert_job(old)
+    await client.broker.store.update_job(old.transition(JobState.CANCELLED, long_ago), old.version)
+    assert (await client.get(f"/v1/jobs/{old.id}")).status == 200
+    assert await client.broker.prune_ended() == 1  # ended 31 days ago; the default keeps 30
+    r = await client.get(f"/v1/jobs/{old.id}")
+    assert r.status == 404
+    assert "deleted 720 h after it ended: broker.job_retention_h" in (await r.json())["error"]["message"]
+    assert (await client.get("/v1/jobs")).status == 200 and (await (await client.get("/v1/jobs")).json())["items"] == []
+
+
 async def test_a_site_sent_back_as_read_is_refused_naming_the_brokers_keys_not_as_misspellings(client: TestClient):
     # The README: PUT takes "a site as read, less its status and signals, which are the broker's and refused in
     # a spec". Whoever sends the whole site back must learn to leave those out, not to check their spelling.

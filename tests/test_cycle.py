@@ -20,6 +20,7 @@ from broker.config import BrokerSettings
 from broker.cycle import work_done
 from broker.models import Job, JobState, SimulatedAdapterConfig, SiteSpec, SiteState
 from broker.service import Broker
+from broker.jobs import JobNotFound
 from broker.store import StoreError
 from policies import explain
 from policies.snapshot import MODEL_INDEX, JobRequest
@@ -144,6 +145,51 @@ async def test_a_job_goes_from_queued_to_succeeded_through_every_state(make):
     assert await h.states(j.id) == ["queued", "dispatching", "admitted", "running", "succeeded"]
     await h.cycle()
     assert h.free("alpha", "a100-80gb") == 8
+
+
+async def test_finished_jobs_are_deleted_job_retention_h_after_they_ended_and_nothing_active_is(make):
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST), job_retention_h=24)
+    done = await h.submit(count=1, duration_s=600)
+    cancelled = await h.submit(count=1, duration_s=600)
+    waiting = await h.submit(count=16, duration_s=600)  # more than the site has: queued for ever
+    await h.broker.lifecycle.cancel(cancelled.id)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(600)
+    assert (await h.job(done.id)).state == JobState.SUCCEEDED
+    long = await h.submit(count=1, duration_s=3 * 86400)  # runs past the retention
+    await h.cycle()
+    await h.step(1.0)
+
+    # `cancelled` ended at T0, `done` at T0 + 601 s
+    await h.broker._settle()  # housekeeping looks, finds nothing, and looks again 5 minutes on
+    await h.step(86400 - 700)
+    await h.broker._settle()  # a day less 700 s: nothing is a day old
+    assert (await h.job(cancelled.id)).state == JobState.CANCELLED
+    await h.step(200)
+    await h.broker._settle()  # `cancelled` is a day old, but housekeeping looked less than 5 minutes ago
+    assert (await h.job(cancelled.id)).state == JobState.CANCELLED
+    await h.step(200)
+    await h.broker._settle()
+    with pytest.raises(JobNotFound):
+        await h.job(cancelled.id)
+    assert (await h.job(done.id)).state == JobState.SUCCEEDED  # ended 601 s later: not a day old yet
+    await h.step(400)
+    await h.broker._settle()
+    for gone in (done, cancelled):
+        with pytest.raises(JobNotFound):
+            await h.job(gone.id)
+        assert await h.broker.store.job_events(gone.id) == []
+    assert (await h.job(waiting.id)).state == JobState.QUEUED
+    assert (await h.job(long.id)).state == JobState.RUNNING
+    assert h.broker.metrics.registry.get_sample_value("heliotrope_jobs_pruned_total") == 2
+
+    kept = await make(site("beta", gpus={"a100-80gb": 8}, adapter=FAST), job_retention_h=0)
+    j = await kept.submit(count=1, duration_s=60)
+    await kept.broker.lifecycle.cancel(j.id)
+    await kept.step(365 * 86400)
+    await kept.broker._settle()
+    assert (await kept.job(j.id)).state == JobState.CANCELLED
 
 
 async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_sites_reason(make):

@@ -236,6 +236,47 @@ async def test_active_jobs_are_the_unfinished_ones_oldest_first(store: Store):
     assert (await store.get_job("job00002")) == running
 
 
+async def test_jobs_that_ended_before_the_cutoff_go_with_their_transitions_and_decision_first_ended_first(
+        store: Store):
+    # six jobs: four end at T0+10 min .. T0+40 min (succeeded, failed, cancelled, succeeded), one runs, one waits
+    jobs = [make_job(i) for i in range(6)]
+    for job in jobs:
+        await store.insert_job(job, idempotency_key=f"key-{job.id}")
+    ends = {0: (JobState.SUCCEEDED, 40), 1: (JobState.FAILED, 10), 2: (JobState.CANCELLED, 20),
+            3: (JobState.SUCCEEDED, 30)}
+    for i, (state, minutes) in ends.items():
+        at = T0 + timedelta(minutes=minutes)
+        running = jobs[i].transition(JobState.DISPATCHING, T0, site="a", attempt=1)
+        await store.update_job(running, jobs[i].version, decision={"outcome": "placed", "site": "a"})
+        if state == JobState.CANCELLED:
+            await store.update_job(running.transition(state, at), running.version)
+            continue
+        admitted = running.transition(JobState.ADMITTED, T0)
+        await store.update_job(admitted, running.version)
+        on = admitted.transition(JobState.RUNNING, T0)
+        await store.update_job(on, admitted.version)
+        await store.update_job(on.transition(state, at), on.version)
+    running = jobs[4].transition(JobState.DISPATCHING, T0, site="a", attempt=1)
+    await store.update_job(running, jobs[4].version)
+
+    # ended before T0+35 min: jobs 1, 2, 3, first ended first; at most 2 a call
+    cutoff = T0 + timedelta(minutes=35)
+    assert await store.prune_ended(cutoff, 2) == ["job00001", "job00002"]
+    assert await store.prune_ended(cutoff, 2) == ["job00003"]
+    assert await store.prune_ended(cutoff, 2) == []
+    for gone in ("job00001", "job00002", "job00003"):
+        assert await store.get_job(gone) is None
+        assert await store.job_events(gone) == [] and await store.get_decision(gone) is None
+        assert await store.find_idempotent("t1", f"key-{gone}") is None
+    # what ended later, what runs and what waits are all there, listed as before
+    assert await store.get_job("job00000") is not None and await store.get_decision("job00000") is not None
+    assert [j.id for j in (await store.list_jobs(JobFilter(), 10)).items] == ["job00005", "job00004", "job00000"]
+    assert [j.id for j in await store.active_jobs()] == ["job00004", "job00005"]
+    # a key of a deleted job can be used again
+    await store.insert_job(make_job(7), idempotency_key="key-job00001")
+    assert await store.prune_ended(T0 + timedelta(days=1), 10) == ["job00000"]
+
+
 async def test_a_cursor_keeps_the_filter_and_a_full_last_page_has_no_next(store: Store):
     for i in range(12):
         await store.insert_job(make_job(i, tenant="a" if i % 2 else "b"))
@@ -480,6 +521,29 @@ async def test_reopening_applies_no_migration_twice(tmp_path: Path):
         await s.close()
     with sqlite3.connect(tmp_path / "h.db") as db:
         assert db.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == len(sq.MIGRATIONS)
+
+
+async def test_jobs_that_ended_before_the_end_date_was_kept_are_dated_from_their_documents_and_pruned(
+        tmp_path: Path):
+    """Rows of jobs that ended before the release that keeps ``ended_at`` (or that a replica of an earlier release
+    ended, which does not write it) have none: they are dated from their documents and pruned in their turn."""
+    s = SQLiteStore(tmp_path / "h.db")
+    await s.open()
+    old, recent = make_job(1), make_job(2)
+    for job in (old, recent):
+        await s.insert_job(job)
+        await s.update_job(job.transition(JobState.CANCELLED, T0 + timedelta(hours=job is recent and 48 or 1)),
+                           job.version)
+    await s.close()
+    with sqlite3.connect(tmp_path / "h.db") as db:  # as an earlier release left them
+        db.execute("UPDATE jobs SET ended_at = NULL")
+    s = SQLiteStore(tmp_path / "h.db")
+    await s.open()
+    try:
+        assert await s.prune_ended(T0 + timedelta(hours=24), 10) == ["job00001"]
+        assert await s.get_job("job00002") is not None
+    finally:
+        await s.close()
 
 
 def test_a_write_that_returned_is_on_disk_when_the_process_is_killed(tmp_path: Path):

@@ -20,6 +20,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from collections.abc import Awaitable
+from datetime import datetime
 from typing import Any, Protocol
 
 from broker.models import STORED, Job, JobState, SiteSpec
@@ -122,6 +123,13 @@ def decode_cursor(cursor: str) -> int:
         raise ValueError(f"{cursor!r} is not a cursor from a previous page") from None
 
 
+def ended_at(job: Job) -> float | None:
+    """When ``job`` ended, in seconds since the epoch (the ``ended_at`` column); None while it is active."""
+    if not job.state.terminal:
+        return None
+    return (job.finished_at or job.updated_at).timestamp()
+
+
 class QueuedUpdates(ABC):
     """``update_job`` for a store that implements ``enqueue_update``: queue now, then wait."""
 
@@ -169,6 +177,11 @@ class Store(Protocol):
     async def active_jobs(self) -> list[Job]: ...
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]: ...
+
+    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
+        """Delete up to ``limit`` jobs that ended (a final state) before ``before``, those that ended first first,
+        with their transitions and decision; return their ids. The leader's (fenced), as a scheduling write."""
+        ...
 
     # decisions
     async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None: ...

@@ -21,6 +21,7 @@ import asyncio
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from broker.models import Job, SiteSpec
@@ -34,6 +35,7 @@ from broker.store import (
     StoreError,
     decode_cursor,
     encode_cursor,
+    ended_at,
     fence_error,
 )
 
@@ -59,7 +61,7 @@ class MemoryStore(QueuedUpdates):
         self._open = False
         self._seq = 0
         self._rows: dict[str, _Row] = {}  # job id -> row; insertion order is seq order
-        self._by_seq: list[_Row] = []  # the same rows, ascending seq (rows are never removed)
+        self._by_seq: list[_Row] = []  # the same rows, ascending seq (rows of pruned jobs are taken out)
         self._keys: dict[tuple[str, str], str] = {}  # (tenant, idempotency key) -> job id
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._decisions: dict[str, StoredDecision] = {}
@@ -236,6 +238,21 @@ class MemoryStore(QueuedUpdates):
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         self._check_open()
         return [dict(e) for e in self._events.get(job_id, ())]
+
+    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
+        self._check_open()
+        self._check_fence()
+        ended = sorted((ended_at(r.job), r.job.id) for r in self._by_seq if r.job.state.terminal)
+        ids = [job_id for at, job_id in ended if at is not None and at < before.timestamp()][:limit]
+        for job_id in ids:
+            row = self._rows.pop(job_id)
+            if row.idempotency_key is not None:
+                self._keys.pop((row.tenant, row.idempotency_key), None)
+            self._events.pop(job_id, None)
+            self._decisions.pop(job_id, None)
+        if ids:
+            self._by_seq = list(self._rows.values())
+        return ids
 
     # --- decisions ---
 

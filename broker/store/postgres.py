@@ -97,16 +97,25 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE broker_state (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
     """,
+    # 5: when a job ended (seconds since the epoch; null while it is active), for the retention of finished jobs
+    # (Store.prune_ended); rows of jobs that ended before it, or that a replica of an earlier release ended, are
+    # dated from their documents as they are found
+    """
+    ALTER TABLE jobs ADD COLUMN ended_at DOUBLE PRECISION;
+    CREATE INDEX jobs_ended ON jobs(ended_at) WHERE ended_at IS NOT NULL;
+    """,
 )
 
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
 
 _ACTIVE = [s.value for s in JobState if not s.terminal]
+_TERMINAL = ",".join(f"'{s.value}'" for s in JobState if s.terminal)
 _INSERT_JOB = (
-    "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)"
-    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+    "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc, ended_at)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
 )
-_UPDATE_JOB = "UPDATE jobs SET state = $1, site = $2, version = $3, doc = $4, priority = $5 WHERE id = $6 AND version = $7"
+_UPDATE_JOB = ("UPDATE jobs SET state = $1, site = $2, version = $3, doc = $4, priority = $5, ended_at = $6"
+               " WHERE id = $7 AND version = $8")
 _INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES ($1, $2, $3, $4, $5, $6)"
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES ($1, $2, $3)"
@@ -165,6 +174,14 @@ def server_name(dsn: str) -> str:
 
 class PostgresStore(SqlWriteQueue):
     INSERT_JOB, UPDATE_JOB, INSERT_EVENT, UPSERT_DECISION = _INSERT_JOB, _UPDATE_JOB, _INSERT_EVENT, _UPSERT_DECISION
+    UNDATED_ENDED = f"SELECT id, doc FROM jobs WHERE ended_at IS NULL AND state IN ({_TERMINAL}) ORDER BY seq LIMIT $1"
+    DATE_ENDED = "UPDATE jobs SET ended_at = $1 WHERE id = $2 AND ended_at IS NULL"
+    ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < $1 ORDER BY ended_at, id LIMIT $2"
+    DELETE_ENDED = (
+        "DELETE FROM job_events WHERE job_id = $1",
+        "DELETE FROM decisions WHERE job_id = $1",
+        f"DELETE FROM jobs WHERE id = $1 AND ended_at IS NOT NULL AND state IN ({_TERMINAL})",
+    )
 
     def __init__(self, dsn: str, *, max_batch: int = 2048, min_connections: int = 1, max_connections: int = 8,
                  timeout_s: float = 10.0) -> None:
@@ -496,6 +513,9 @@ class PostgresStore(SqlWriteQueue):
         if _has_nul(args):
             return []
         return await self._call("fetch", sql, *args)
+
+    async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in await self._all(sql, *params)]
 
 
 def _has_nul(args: tuple[Any, ...]) -> bool:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, ClassVar
 
 from broker.models import Job
-from broker.store import QueuedUpdates, StoreError
+from broker.store import QueuedUpdates, StoreError, ended_at
 
 
 @dataclass(slots=True)
@@ -31,10 +32,15 @@ class SqlWriteQueue(QueuedUpdates):
     """Writes queued in the callers' order for the subclass's writer task (``_queue``); the statements in
     the subclass's SQL."""
 
-    INSERT_JOB: ClassVar[str]  # (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)
-    UPDATE_JOB: ClassVar[str]  # (state, site, version, doc, priority, id, expected version)
+    INSERT_JOB: ClassVar[str]  # (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc,
+    #                             ended_at)
+    UPDATE_JOB: ClassVar[str]  # (state, site, version, doc, priority, ended_at, id, expected version)
     INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason)
     UPSERT_DECISION: ClassVar[str]  # (job_id, attempt, doc)
+    UNDATED_ENDED: ClassVar[str]  # (limit) -> (id, doc) of jobs in a final state with no ended_at, oldest first
+    DATE_ENDED: ClassVar[str]  # (ended_at, id)
+    ENDED_BEFORE: ClassVar[str]  # (before, limit) -> (id,) of jobs that ended before, first ended first
+    DELETE_ENDED: ClassVar[tuple[str, ...]]  # (id) each: its transitions, its decision, the job (if it ended)
 
     _queue: asyncio.Queue[Write | None]
     _fence: int | None
@@ -64,7 +70,7 @@ class SqlWriteQueue(QueuedUpdates):
     async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
         await self._submit(self._new_write([
             (self.INSERT_JOB, (job.id, job.spec.tenant, job.state.value, job.site, job.spec.priority,
-                               idempotency_key, digest, job.version, job.model_dump_json())),
+                               idempotency_key, digest, job.version, job.model_dump_json(), ended_at(job))),
             (self.INSERT_EVENT, event_row(job, "submitted")),
         ], bulk=True))
 
@@ -76,7 +82,7 @@ class SqlWriteQueue(QueuedUpdates):
         self._check_writable()
         statements = [
             (self.UPDATE_JOB, (job.state.value, job.site, job.version, job.model_dump_json(), job.spec.priority,
-                               job.id, expected_version)),
+                               ended_at(job), job.id, expected_version)),
             (self.INSERT_EVENT, event_row(job, event_reason)),
         ]
         if decision is not None:
@@ -87,3 +93,19 @@ class SqlWriteQueue(QueuedUpdates):
 
     async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
         await self._submit(self._new_write([self._decision_row(job_id, attempt, record)], fenced=True))
+
+    async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
+        # first date the rows of jobs that ended with no ended_at (before this release, or ended by a replica of an
+        # earlier one), a batch a call, so that they are pruned in their turn
+        undated = await self._read(self.UNDATED_ENDED, (limit,))
+        if undated:
+            dates = [(self.DATE_ENDED, (ended_at(Job.model_validate_json(doc)), job_id)) for job_id, doc in undated]
+            await self._submit(self._new_write(dates, fenced=True))
+        ids = [r[0] for r in await self._read(self.ENDED_BEFORE, (before.timestamp(), limit))]
+        if ids:
+            await self._submit(self._new_write(
+                [(sql, (job_id,)) for job_id in ids for sql in self.DELETE_ENDED], fenced=True))
+        return ids

@@ -95,14 +95,23 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE broker_state (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
     """,
+    # 5: when a job ended (seconds since the epoch; null while it is active), for the retention of finished jobs
+    # (Store.prune_ended); rows of jobs that ended before it, or that a replica of an earlier release ended, are
+    # dated from their documents as they are found
+    """
+    ALTER TABLE jobs ADD COLUMN ended_at REAL;
+    CREATE INDEX jobs_ended ON jobs(ended_at) WHERE ended_at IS NOT NULL;
+    """,
 )
 
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
+_TERMINAL = ",".join(f"'{s.value}'" for s in JobState if s.terminal)
 _INSERT_JOB = (
-    "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc, ended_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_UPDATE_JOB = "UPDATE jobs SET state = ?, site = ?, version = ?, doc = ?, priority = ? WHERE id = ? AND version = ?"
+_UPDATE_JOB = ("UPDATE jobs SET state = ?, site = ?, version = ?, doc = ?, priority = ?, ended_at = ?"
+               " WHERE id = ? AND version = ?")
 _INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES (?, ?, ?, ?, ?, ?)"
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
@@ -128,6 +137,14 @@ def _translate(error: BaseException) -> StoreError:
 
 class SQLiteStore(SqlWriteQueue):
     INSERT_JOB, UPDATE_JOB, INSERT_EVENT, UPSERT_DECISION = _INSERT_JOB, _UPDATE_JOB, _INSERT_EVENT, _UPSERT_DECISION
+    UNDATED_ENDED = f"SELECT id, doc FROM jobs WHERE ended_at IS NULL AND state IN ({_TERMINAL}) ORDER BY seq LIMIT ?"
+    DATE_ENDED = "UPDATE jobs SET ended_at = ? WHERE id = ? AND ended_at IS NULL"
+    ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < ? ORDER BY ended_at, id LIMIT ?"
+    DELETE_ENDED = (
+        "DELETE FROM job_events WHERE job_id = ?",
+        "DELETE FROM decisions WHERE job_id = ?",
+        f"DELETE FROM jobs WHERE id = ? AND ended_at IS NOT NULL AND state IN ({_TERMINAL})",
+    )
 
     def __init__(self, path: str | Path, max_batch: int = 2048) -> None:
         self.path = Path(path)
@@ -472,3 +489,6 @@ class SQLiteStore(SqlWriteQueue):
             raise StoreError("store is not open")
         async with self._reader.execute(sql, params) as cur:
             return list(await cur.fetchall())
+
+    async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        return await self._all(sql, params)
