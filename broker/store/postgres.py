@@ -99,10 +99,12 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 5: when a job ended (seconds since the epoch; null while it is active), for the retention of finished jobs
     # (Store.prune_ended); rows of jobs that ended before it, or that a replica of an earlier release ended, are
-    # dated from their documents as they are found
+    # dated from their documents as they are found (jobs_undated: the active jobs and those, so finding them reads
+    # no row of a job already dated)
     """
     ALTER TABLE jobs ADD COLUMN ended_at DOUBLE PRECISION;
     CREATE INDEX jobs_ended ON jobs(ended_at) WHERE ended_at IS NOT NULL;
+    CREATE INDEX jobs_undated ON jobs(seq) WHERE ended_at IS NULL;
     """,
 )
 

@@ -97,10 +97,12 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 5: when a job ended (seconds since the epoch; null while it is active), for the retention of finished jobs
     # (Store.prune_ended); rows of jobs that ended before it, or that a replica of an earlier release ended, are
-    # dated from their documents as they are found
+    # dated from their documents as they are found (jobs_undated: the active jobs and those, so finding them reads
+    # no row of a job already dated)
     """
     ALTER TABLE jobs ADD COLUMN ended_at REAL;
     CREATE INDEX jobs_ended ON jobs(ended_at) WHERE ended_at IS NOT NULL;
+    CREATE INDEX jobs_undated ON jobs(seq) WHERE ended_at IS NULL;
     """,
 )
 
@@ -137,7 +139,8 @@ def _translate(error: BaseException) -> StoreError:
 
 class SQLiteStore(SqlWriteQueue):
     INSERT_JOB, UPDATE_JOB, INSERT_EVENT, UPSERT_DECISION = _INSERT_JOB, _UPDATE_JOB, _INSERT_EVENT, _UPSERT_DECISION
-    UNDATED_ENDED = f"SELECT id, doc FROM jobs WHERE ended_at IS NULL AND state IN ({_TERMINAL}) ORDER BY seq LIMIT ?"
+    UNDATED_ENDED = (f"SELECT id, doc FROM jobs INDEXED BY jobs_undated WHERE ended_at IS NULL"
+                     f" AND state IN ({_TERMINAL}) ORDER BY seq LIMIT ?")
     DATE_ENDED = "UPDATE jobs SET ended_at = ? WHERE id = ? AND ended_at IS NULL"
     ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < ? ORDER BY ended_at, id LIMIT ?"
     DELETE_ENDED = (
