@@ -878,6 +878,13 @@ class QuotaState(Spec):
     enforced: bool = Field(description="false: the site lists no quotas and admits whatever fits")
     fair_share: FairSharePolicy = Field(default_factory=FairSharePolicy)
     capacity_gpus: float = 0.0
+    capacity_gpus_by_model: dict[GpuModelId, float] = Field(
+        default_factory=dict,
+        description="the site's GPUs per model: what it divides by fair share among the tenants whose quotas count "
+                    "that model (absent from a site of an earlier release: the broker then divides capacity_gpus "
+                    "among every listed tenant, whatever model its quota counts)",
+        # Left out where empty, so brokers of earlier releases (whose reports forbid unknown keys) still take it.
+        exclude_if=lambda gpus: not gpus)
     tenants: list[TenantQuotaState] = Field(default_factory=list)
     unlisted_room_gpus: float | None = Field(
         default=None, description="what a tenant the list does not name may hold: 0 if refused, None: no limit")

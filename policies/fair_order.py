@@ -2,19 +2,33 @@
 
 Sites with quotas divide their GPUs by fair share (``policies.quota``, ``policies.fairshare``): in mode
 ``time`` each tenant's weight is moved by its decayed usage, ``P = max(0, W + k·(W − U))`` with W its share
-of the site's weights and U its share of the site's decayed GPU-hours (KAI-scheduler's time-aware
-fairness); in mode ``instant`` ``P = W``. The broker holds the queue, so it is the broker that must offer
-jobs in that order, or a site can only act on fairness by preempting:
+of the pool's weights and U its decayed usage (here: its share of the decayed GPU-hours the pool's listed
+tenants report; KAI-scheduler's time-aware fairness); in mode ``instant`` ``P = W``. A site divides pool by
+pool: the tenants whose quotas count any model share all its GPUs, those whose quotas count one model share
+that model's GPUs (``QuotaState.capacity_gpus_by_model``). The broker holds the queue, so it is the broker
+that must offer jobs in that order, or a site can only act on fairness by preempting:
 
-- a tenant's *entitlement* is the sum over sites of ``capacity × P / ΣP`` (GPUs);
-- it *holds* the sum of the GPUs it runs there;
+- a tenant's *entitlement* is the sum over sites of ``pool GPUs × P / ΣP``, ΣP over the listed tenants of
+  its pool there: a tenant whose quota counts a site's 8 H100 is entitled to a share of those 8, not of
+  the site's every GPU, and it does not shrink the shares of the tenants counting any model (nor they its);
+- it *holds* the sum of the GPUs it runs there, of any model (best-effort jobs beyond its quota's model too);
 - within one priority, the queue goes to the tenant with the least held per entitled GPU first, re-ranked
   as each of its jobs is placed (the placement's GPUs count at once), then to its oldest job; a tenant no
   site lists is entitled to nothing and comes after every listed one, even one whose usage brought its
   entitlement to 0 (it still gets what they leave).
 
-Sites whose mode is ``off`` and sites without quotas add nothing; with no entitlement anywhere the order is
-the plain one (priority, then the caller's key). Units: GPUs. Pure: no I/O, no clock.
+Why ``held`` counts every GPU and the rank ignores the job's model: the order is one per tenant, decided
+before placement, and most jobs do not name a model (a site may give them any), so a rank per model would
+have no model to use for them; the queue's walk (``broker.queue``) ranks groups by tenant too. With one
+number per tenant, both sides are the tenant's whole: what its quotas entitle it to, against everything it
+holds at those sites. GPUs it holds beyond its pool (best-effort jobs on another model) then move it back,
+as they should: it already has more than its quotas count. A tenant with a one-model quota at one site and
+an any-model quota at another adds both entitlements, as before.
+
+A report without ``capacity_gpus_by_model`` (a site of an earlier release) is read as before: every listed
+tenant shares ``capacity_gpus``, whatever model its quota counts. Sites whose mode is ``off`` and sites
+without quotas add nothing; with no entitlement anywhere the order is the plain one (priority, then the
+caller's key). Units: GPUs. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ import heapq
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
-from broker.models import QuotaState
+from broker.models import QuotaState, TenantQuotaState
 from policies.fairshare import weight_fractions
 
 T = TypeVar("T")
@@ -52,23 +66,48 @@ def standings(reports: Sequence[QuotaState]) -> dict[str, Standing]:
     for q in reports:
         if not q.enforced or q.fair_share.mode == "off":
             continue
-        listed = [t for t in q.tenants if t.listed]
-        fractions = weight_fractions([t.fair_share_weight for t in listed])
-        usage = sum(t.decayed_usage_gpu_h for t in listed)
-        if not fractions:
+        entitled: dict[str, float] = {}
+        for cap, listed in _pools(q):
+            entitled.update(_divide(q, cap, listed))
+        if not entitled:  # no listed tenant weighs anything here
             continue
-        p = {}
-        for t, w in zip(listed, fractions, strict=True):
-            u = t.decayed_usage_gpu_h / usage if usage > 0 else w
-            p[t.tenant] = max(0.0, w + q.fair_share.k * (w - u)) if q.fair_share.mode == "time" else w
-        total = sum(p.values()) or 1.0
         for t in q.tenants:
             entry = out.setdefault(t.tenant, [0.0, 0.0, False])
             entry[0] += t.in_use_gpus
-            if t.listed:
-                entry[1] += q.capacity_gpus * p[t.tenant] / total
+            if t.listed and t.tenant in entitled:
+                entry[1] += entitled[t.tenant]
                 entry[2] = True
     return {t: Standing(held, entitled, listed) for t, (held, entitled, listed) in out.items()}
+
+
+def _pools(q: QuotaState) -> list[tuple[float, list[TenantQuotaState]]]:
+    """The pools a site divides by fair share, as ``policies.quota`` does: (its GPUs, the listed tenants whose
+    quotas count it), one pool per model a quota counts and one for quotas counting any model. A report
+    without ``capacity_gpus_by_model`` (a site of an earlier release) is one pool of ``capacity_gpus`` with
+    every listed tenant, as the broker read it before."""
+    listed = [t for t in q.tenants if t.listed]
+    if not q.capacity_gpus_by_model:
+        return [(q.capacity_gpus, listed)]
+    pools: dict[str | None, list[TenantQuotaState]] = {}
+    for t in listed:
+        pools.setdefault(t.model, []).append(t)
+    return [(q.capacity_gpus if pool is None else q.capacity_gpus_by_model.get(pool, 0.0), tenants)
+            for pool, tenants in pools.items()]
+
+
+def _divide(q: QuotaState, capacity_gpus: float, listed: Sequence[TenantQuotaState]) -> dict[str, float]:
+    """GPUs each of ``listed`` (one pool's tenants) is entitled to of the pool's ``capacity_gpus``: its share
+    ``P / ΣP``, U its share of the pool's decayed usage."""
+    fractions = weight_fractions([t.fair_share_weight for t in listed])
+    if not fractions:
+        return {}
+    usage = sum(t.decayed_usage_gpu_h for t in listed)
+    p = {}
+    for t, w in zip(listed, fractions, strict=True):
+        u = t.decayed_usage_gpu_h / usage if usage > 0 else w
+        p[t.tenant] = max(0.0, w + q.fair_share.k * (w - u)) if q.fair_share.mode == "time" else w
+    total = sum(p.values()) or 1.0
+    return {t: capacity_gpus * share / total for t, share in p.items()}
 
 
 class FairOrder(Generic[T]):

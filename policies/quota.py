@@ -530,7 +530,8 @@ class QuotaBook:
         by_priority, by_model = _by_priority_and_model(
             (job.priority, job) for job in self._jobs.values() if job.preemptible and now - job.start >= job.min_run_s)
         return QuotaState(
-            enforced=enforced, fair_share=self.policy, capacity_gpus=self._total, tenants=tenants,
+            enforced=enforced, fair_share=self.policy, capacity_gpus=self._total,
+            capacity_gpus_by_model=dict(sorted(self._capacity.items())), tenants=tenants,
             unlisted_room_gpus=0.0 if refuse else None,
             unlisted_nonpreemptible_room_gpus=(0.0 if refuse else free_of_guarantees) if enforced else None,
             preemptible_gpus_by_priority=by_priority, preemptible_gpus_by_model=by_model)

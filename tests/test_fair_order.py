@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from broker.models import FairSharePolicy, QuotaState, TenantQuotaState
+from broker.models import FairSharePolicy, QuotaState, TenantQuota, TenantQuotaState
 from policies.fair_order import FairOrder, Standing, standings
+from policies.quota import Ask, QuotaBook
 
 
 def report(mode: str, capacity: float, *tenants: tuple[str, float, float, float], listed: bool = True) -> QuotaState:
@@ -53,3 +54,43 @@ def test_a_listed_tenant_whose_usage_took_its_entitlement_still_comes_before_one
     jobs = [("speech", 0, 1), ("vision", 0, 2), ("nlp", 0, 3)]  # speech waited longest
     order = FairOrder(jobs, lambda j: j[0], lambda j: j[1], lambda j: j[2], standing)
     assert [j[0] for j in order] == ["nlp", "vision", "speech"]
+
+
+# --- a site whose quotas count different pools ------------------------------------------------------------
+
+H100, A100 = "h100-80gb", "a100-80gb"
+T0 = 1_785_420_000.0
+
+
+def mixed_site() -> QuotaState:
+    """8 H100 and 56 A100. vision's quota counts the H100s only and it runs on all 8 of them; nlp's counts any
+    model and it runs on 24 A100s. Each has a weight of 1 (instant: shares by weight alone)."""
+    quotas = [TenantQuota(tenant="vision", burst_gpus=8, model=H100), TenantQuota(tenant="nlp", burst_gpus=64)]
+    book = QuotaBook(quotas, FairSharePolicy(mode="instant"), {H100: 8, A100: 56})
+    book.start(Ask("v1", "vision", 8, H100, preemptible=True), T0)
+    book.start(Ask("n1", "nlp", 24, A100, preemptible=True), T0)
+    return QuotaState.model_validate_json(book.report(T0 + 60).model_dump_json())  # as the broker receives it
+
+
+def test_a_one_model_quota_is_entitled_to_a_share_of_that_model_as_its_site_divides_it():
+    # The site divides its 8 H100 among the tenants counting H100 (vision alone) and its 64 GPUs among those
+    # counting any model (nlp alone). Counting vision against all 64 entitled each tenant to 32, and put
+    # vision, whose every H100 is taken, first: 8/32 held against nlp's 24/32.
+    standing = standings([mixed_site()])
+    assert standing["vision"] == pytest.approx((8, 8, True)) and standing["nlp"] == pytest.approx((24, 64, True))
+    jobs = [("vision", 0, 1), ("nlp", 0, 2)]  # vision's job waited longer
+    order = FairOrder(jobs, lambda j: j[0], lambda j: j[1], lambda j: j[2], standing)
+    assert [j[0] for j in order] == ["nlp", "vision"]  # nlp holds 24 of 64 entitled, vision 8 of 8
+
+
+def test_a_report_from_a_site_of_an_earlier_release_is_ordered_as_before():
+    # Without capacity_gpus_by_model the broker cannot size the H100 pool: every listed tenant shares the site.
+    sent = mixed_site().model_dump(mode="json")
+    del sent["capacity_gpus_by_model"]
+    standing = standings([QuotaState.model_validate(sent)])
+    assert standing["vision"] == pytest.approx((8, 32, True)) and standing["nlp"] == pytest.approx((24, 32, True))
+    jobs = [("vision", 0, 1), ("nlp", 0, 2)]
+    order = FairOrder(jobs, lambda j: j[0], lambda j: j[1], lambda j: j[2], standing)
+    assert [j[0] for j in order] == ["vision", "nlp"]
+    # ... and a report with nothing to say per model leaves the key out, for brokers of earlier releases
+    assert "capacity_gpus_by_model" not in QuotaState(enforced=True, capacity_gpus=8).model_dump(mode="json")
