@@ -25,8 +25,9 @@ holds at those sites. GPUs it holds beyond its pool (best-effort jobs on another
 as they should: it already has more than its quotas count. A tenant with a one-model quota at one site and
 an any-model quota at another adds both entitlements, as before.
 
-A report without ``capacity_gpus_by_model`` (a site of an earlier release) is read as before: every listed
-tenant shares ``capacity_gpus``, whatever model its quota counts. Sites whose mode is ``off`` and sites
+A report without ``capacity_gpus_by_model`` (a site where every quota counts any model, which leaves it out,
+or a site of an earlier release) is read as before: every listed tenant shares ``capacity_gpus``, whatever
+model its quota counts. Sites whose mode is ``off`` and sites
 without quotas add nothing; with no entitlement anywhere the order is the plain one (priority, then the
 caller's key). Units: GPUs. Pure: no I/O, no clock.
 """

@@ -92,5 +92,11 @@ def test_a_report_from_a_site_of_an_earlier_release_is_ordered_as_before():
     jobs = [("vision", 0, 1), ("nlp", 0, 2)]
     order = FairOrder(jobs, lambda j: j[0], lambda j: j[1], lambda j: j[2], standing)
     assert [j[0] for j in order] == ["vision", "nlp"]
-    # ... and a report with nothing to say per model leaves the key out, for brokers of earlier releases
-    assert "capacity_gpus_by_model" not in QuotaState(enforced=True, capacity_gpus=8).model_dump(mode="json")
+
+
+def test_a_site_whose_quotas_all_count_any_model_leaves_the_pools_out_of_its_report():
+    # Brokers of earlier releases refuse a heartbeat with keys they do not know: only a site with a one-model
+    # quota needs to send its pools (every tenant shares the whole site otherwise, as before).
+    book = QuotaBook([TenantQuota(tenant="vision"), TenantQuota(tenant="nlp")], FairSharePolicy(), {H100: 8, A100: 56})
+    assert "capacity_gpus_by_model" not in book.report(T0).model_dump(mode="json")
+    assert mixed_site().capacity_gpus_by_model == {H100: 8}  # the pool vision's quota counts, and only that
