@@ -878,14 +878,6 @@ class QuotaState(Spec):
     enforced: bool = Field(description="false: the site lists no quotas and admits whatever fits")
     fair_share: FairSharePolicy = Field(default_factory=FairSharePolicy)
     capacity_gpus: float = 0.0
-    capacity_gpus_by_model: dict[GpuModelId, float] = Field(
-        default_factory=dict,
-        description="the site's GPUs of each model a quota counts: what it divides by fair share among the tenants "
-                    "whose quotas count that model (absent where every quota counts any model, and from a site of "
-                    "an earlier release: the broker then divides capacity_gpus among every listed tenant)",
-        # Left out where empty (no quota counts one model), so brokers of earlier releases (whose reports forbid
-        # unknown keys) still take the heartbeats of the sites that do not need it.
-        exclude_if=lambda gpus: not gpus)
     tenants: list[TenantQuotaState] = Field(default_factory=list)
     unlisted_room_gpus: float | None = Field(
         default=None, description="what a tenant the list does not name may hold: 0 if refused, None: no limit")

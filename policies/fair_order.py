@@ -5,7 +5,7 @@ Sites with quotas divide their GPUs by fair share (``policies.quota``, ``policie
 of the pool's weights and U its decayed usage (here: its share of the decayed GPU-hours the pool's listed
 tenants report; KAI-scheduler's time-aware fairness); in mode ``instant`` ``P = W``. A site divides pool by
 pool: the tenants whose quotas count any model share all its GPUs, those whose quotas count one model share
-that model's GPUs (``QuotaState.capacity_gpus_by_model``). The broker holds the queue, so it is the broker
+that model's GPUs (the site's capacity report says how many). The broker holds the queue, so it is the broker
 that must offer jobs in that order, or a site can only act on fairness by preempting:
 
 - a tenant's *entitlement* is the sum over sites of ``pool GPUs × P / ΣP``, ΣP over the listed tenants of
@@ -25,9 +25,7 @@ holds at those sites. GPUs it holds beyond its pool (best-effort jobs on another
 as they should: it already has more than its quotas count. A tenant with a one-model quota at one site and
 an any-model quota at another adds both entitlements, as before.
 
-A report without ``capacity_gpus_by_model`` (a site where every quota counts any model, which leaves it out,
-or a site of an earlier release) is read as before: every listed tenant shares ``capacity_gpus``, whatever
-model its quota counts. Sites whose mode is ``off`` and sites
+Sites whose mode is ``off`` and sites
 without quotas add nothing; with no entitlement anywhere the order is the plain one (priority, then the
 caller's key). Units: GPUs. Pure: no I/O, no clock.
 """
@@ -61,14 +59,17 @@ def rank(standing: Mapping[str, Standing], held: Mapping[str, float], tenant: st
     return (s is None or not s.listed), ratio
 
 
-def standings(reports: Sequence[QuotaState]) -> dict[str, Standing]:
-    """Per tenant: GPUs held, GPUs entitled and whether it is listed, over the sites' quota reports."""
+def standings(reports: Sequence[QuotaState],
+              capacities: Sequence[Mapping[str, float] | None] | None = None) -> dict[str, Standing]:
+    """Per tenant: GPUs held, GPUs entitled and whether it is listed, over the sites' quota reports.
+    ``capacities[i]``: the GPUs of each model at the site of ``reports[i]`` (its capacity report), which sizes
+    the pools of its one-model quotas; None (or left out): every listed tenant there shares ``capacity_gpus``."""
     out: dict[str, list[float]] = {}
-    for q in reports:
+    for i, q in enumerate(reports):
         if not q.enforced or q.fair_share.mode == "off":
             continue
         entitled: dict[str, float] = {}
-        for cap, listed in _pools(q):
+        for cap, listed in _pools(q, capacities[i] if capacities is not None else None):
             entitled.update(_divide(q, cap, listed))
         if not entitled:  # no listed tenant weighs anything here
             continue
@@ -81,19 +82,17 @@ def standings(reports: Sequence[QuotaState]) -> dict[str, Standing]:
     return {t: Standing(held, entitled, listed) for t, (held, entitled, listed) in out.items()}
 
 
-def _pools(q: QuotaState) -> list[tuple[float, list[TenantQuotaState]]]:
+def _pools(q: QuotaState, by_model: Mapping[str, float] | None) -> list[tuple[float, list[TenantQuotaState]]]:
     """The pools a site divides by fair share, as ``policies.quota`` does: (its GPUs, the listed tenants whose
-    quotas count it), one pool per model a quota counts and one for quotas counting any model. A report
-    without ``capacity_gpus_by_model`` (a site of an earlier release) is one pool of ``capacity_gpus`` with
-    every listed tenant, as the broker read it before."""
+    quotas count it), one pool per model a quota counts (that model's GPUs in ``by_model``) and one of
+    ``capacity_gpus`` for quotas counting any model. Without ``by_model``, one pool of every listed tenant."""
     listed = [t for t in q.tenants if t.listed]
-    if not q.capacity_gpus_by_model:
+    if by_model is None:
         return [(q.capacity_gpus, listed)]
     pools: dict[str | None, list[TenantQuotaState]] = {}
     for t in listed:
         pools.setdefault(t.model, []).append(t)
-    return [(q.capacity_gpus if pool is None else q.capacity_gpus_by_model.get(pool, 0.0), tenants)
-            for pool, tenants in pools.items()]
+    return [(q.capacity_gpus if pool is None else by_model.get(pool, 0.0), tenants) for pool, tenants in pools.items()]
 
 
 def _divide(q: QuotaState, capacity_gpus: float, listed: Sequence[TenantQuotaState]) -> dict[str, float]:

@@ -529,10 +529,8 @@ class QuotaBook:
         ) for s in self.state(now, demand)]
         by_priority, by_model = _by_priority_and_model(
             (job.priority, job) for job in self._jobs.values() if job.preemptible and now - job.start >= job.min_run_s)
-        pools = sorted({q.model for q in self._quotas.values() if q.model is not None})  # one-model quotas' pools
         return QuotaState(
-            enforced=enforced, fair_share=self.policy, capacity_gpus=self._total,
-            capacity_gpus_by_model={m: self._pool_gpus(m) for m in pools}, tenants=tenants,
+            enforced=enforced, fair_share=self.policy, capacity_gpus=self._total, tenants=tenants,
             unlisted_room_gpus=0.0 if refuse else None,
             unlisted_nonpreemptible_room_gpus=(0.0 if refuse else free_of_guarantees) if enforced else None,
             preemptible_gpus_by_priority=by_priority, preemptible_gpus_by_model=by_model)

@@ -230,8 +230,9 @@ class QuotaView:
 
 def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None]) -> QuotaView | None:
     """The quota figures of ``specs`` (in name order) from their states; None when no site enforces quotas."""
-    reports = [(i, st.quota) for i, st in enumerate(states.get(s.name) for s in specs)
-               if st is not None and st.quota is not None and st.quota.enforced]
+    reported = [(i, st) for i, st in enumerate(states.get(s.name) for s in specs)
+                if st is not None and st.quota is not None and st.quota.enforced]
+    reports = [(i, st.quota) for i, st in reported]
     if not reports:
         return None
     n = len(specs)
@@ -274,7 +275,9 @@ def build_quota_view(specs: list[SiteSpec], states: dict[str, SiteState | None])
                     pooled.setdefault(t.tenant, np.zeros(n, dtype=bool))[i] = True
                 shortfall[t.tenant][i] = max(t.guaranteed_gpus - t.in_use_gpus, 0.0)
     return QuotaView(room, np_room, reclaim, shortfall, unlisted_room, unlisted_np_room, model,
-                     standings([q for _, q in reports]), own_preemptible(n, reports), ceiling, reclaim_pooled=pooled)
+                     standings([q for _, q in reports],
+                               [{c.model: float(c.total_gpus) for c in st.capacity} for _, st in reported]),
+                     own_preemptible(n, reports), ceiling, reclaim_pooled=pooled)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,8 @@ import pytest
 from broker.models import FairSharePolicy, QuotaState, TenantQuota, TenantQuotaState
 from policies.fair_order import FairOrder, Standing, standings
 from policies.quota import Ask, QuotaBook
+from policies.snapshot import build_quota_view
+from tests.builders import site, site_state
 
 
 def report(mode: str, capacity: float, *tenants: tuple[str, float, float, float], listed: bool = True) -> QuotaState:
@@ -76,27 +78,19 @@ def test_a_one_model_quota_is_entitled_to_a_share_of_that_model_as_its_site_divi
     # The site divides its 8 H100 among the tenants counting H100 (vision alone) and its 64 GPUs among those
     # counting any model (nlp alone). Counting vision against all 64 entitled each tenant to 32, and put
     # vision, whose every H100 is taken, first: 8/32 held against nlp's 24/32.
-    standing = standings([mixed_site()])
+    standing = standings([mixed_site()], [{H100: 8, A100: 56}])
     assert standing["vision"] == pytest.approx((8, 8, True)) and standing["nlp"] == pytest.approx((24, 64, True))
     jobs = [("vision", 0, 1), ("nlp", 0, 2)]  # vision's job waited longer
     order = FairOrder(jobs, lambda j: j[0], lambda j: j[1], lambda j: j[2], standing)
     assert [j[0] for j in order] == ["nlp", "vision"]  # nlp holds 24 of 64 entitled, vision 8 of 8
 
 
-def test_a_report_from_a_site_of_an_earlier_release_is_ordered_as_before():
-    # Without capacity_gpus_by_model the broker cannot size the H100 pool: every listed tenant shares the site.
-    sent = mixed_site().model_dump(mode="json")
-    del sent["capacity_gpus_by_model"]
-    standing = standings([QuotaState.model_validate(sent)])
-    assert standing["vision"] == pytest.approx((8, 32, True)) and standing["nlp"] == pytest.approx((24, 32, True))
-    jobs = [("vision", 0, 1), ("nlp", 0, 2)]
-    order = FairOrder(jobs, lambda j: j[0], lambda j: j[1], lambda j: j[2], standing)
-    assert [j[0] for j in order] == ["vision", "nlp"]
-
-
-def test_a_site_whose_quotas_all_count_any_model_leaves_the_pools_out_of_its_report():
-    # Brokers of earlier releases refuse a heartbeat with keys they do not know: only a site with a one-model
-    # quota needs to send its pools (every tenant shares the whole site otherwise, as before).
-    book = QuotaBook([TenantQuota(tenant="vision"), TenantQuota(tenant="nlp")], FairSharePolicy(), {H100: 8, A100: 56})
-    assert "capacity_gpus_by_model" not in book.report(T0).model_dump(mode="json")
-    assert mixed_site().capacity_gpus_by_model == {H100: 8}  # the pool vision's quota counts, and only that
+def test_the_broker_sizes_a_one_model_pool_from_the_sites_capacity_report_whatever_its_release():
+    # The pools come from what every site already reports (its GPUs by model), so a site agent of any release
+    # is read so, and the quota report carries nothing new that a broker of an earlier release would refuse.
+    spec = site("mixed", gpus={H100: 8, A100: 56})
+    state = site_state(spec, free={H100: 0, A100: 32}).model_copy(update={"quota": mixed_site()})
+    view = build_quota_view([spec], {"mixed": state})
+    assert view is not None
+    assert view.standing["vision"] == pytest.approx((8, 8, True))
+    assert view.standing["nlp"] == pytest.approx((24, 64, True))
