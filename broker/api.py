@@ -802,8 +802,8 @@ async def _job(request: web.Request) -> Job:
         job = await broker.book.get(job_id)
     except JobNotFound:
         kept = broker.settings.job_retention_h
-        raise ApiError(404, f"no job with id {job_id}" + (
-            f" (a finished job is deleted {kept:g} h after it ended: broker.job_retention_h)" if kept else "")) from None
+        why = f" (a finished job is deleted {kept:g} h after it ended: broker.job_retention_h)" if kept else ""
+        raise ApiError(404, f"no job with id {job_id}{why}") from None
     if not principal(request).sees_job(job):
         raise ApiError(404, f"no job with id {job_id}")
     return job

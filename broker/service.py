@@ -494,7 +494,8 @@ class Broker:
         ids = await self.store.prune_ended(self.clock.now() - timedelta(hours=kept), PRUNE_BATCH)
         if ids:
             self.metrics.pruned.inc(len(ids))
-            log.info("deleted %d finished job(s) that ended more than %g h ago (broker.job_retention_h)", len(ids), kept)
+            log.info("deleted %d finished job(s) that ended more than %g h ago (broker.job_retention_h)",
+                     len(ids), kept)
         return len(ids)
 
     async def decision(self, job: Job) -> StoredDecision | None:
