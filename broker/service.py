@@ -181,6 +181,7 @@ class Broker:
         self._quota_passes: dict[str, dict[str, TenantQuota | None]] = {}
         self._quota_passes_warned: set[str] = set()
         self._prune_due = datetime.min.replace(tzinfo=UTC)  # when housekeeping next looks for jobs to delete
+        self._pruning = asyncio.Lock()
         self._run_loop = True
         self._in_pass = asyncio.Event()  # set while the loop runs a scheduling pass
         self._pass_over = asyncio.Event()  # set when that pass has ended
@@ -491,7 +492,8 @@ class Broker:
         kept = self.settings.job_retention_h
         if not kept:
             return 0
-        ids = await self.store.prune_ended(self.clock.now() - timedelta(hours=kept), PRUNE_BATCH)
+        async with self._pruning:  # one round at a time, so that no two count the same jobs
+            ids = await self.store.prune_ended(self.clock.now() - timedelta(hours=kept), PRUNE_BATCH)
         if ids:
             self.metrics.pruned.inc(len(ids))
             log.info("deleted %d finished job(s) that ended more than %g h ago (broker.job_retention_h)",
