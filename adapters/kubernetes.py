@@ -56,7 +56,9 @@
   ``unschedulable_after_s`` from its creationTimestamp (it refuses it: Pod Security admission, a LimitRange, a
   ResourceQuota; only a FailedCreate Event says so, and its message is the reason given) the same, with ``PODLESS_AFTER_STOP_GRACE_S`` after a stop
   (the site's own ResourceQuota refuses a preemptor's Pod until its victims have gone); a Job deleted by someone
-  else → ``lost``.
+  else → ``lost``. These waits are counted on the cluster's clock, as the timestamps they start from: the
+  adapter's clock plus the skew the ``Date`` header of the API server's answers shows
+  (:mod:`adapters.cluster_clock`).
   A Job that succeeded or failed is deleted once the broker has taken its outcome (``taken``). Each time a watch (re)connects (after an error, its 300 s
   timeout or 410 Gone) it lists the Jobs or Pods and reconciles: an attempt whose Job is gone from the list
   (deleted while no watch ran) is ``lost``, a stopping one whose Pods are gone is stopped. A stop (``preempt``, or
@@ -124,6 +126,7 @@ from kubernetes.aio.config import kube_config as kube_config_module
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from adapters.base import AdapterError, Admission, EventKind, JobEvent
+from adapters.cluster_clock import ClusterClock
 from adapters.quota_store import QuotaOverrides, log_beyond_site
 from adapters.kubernetes_stops import ClusterUsage, ClusterStops
 from adapters.site_state import StopJournal, UsageJournal
@@ -280,8 +283,9 @@ class _Attempt:
     own_eviction: str | None = None  # ... unless the kubelet evicted it for its own usage (``own_eviction``): why
     exited: str | None = None  # how its container ended, where it failed (OOMKilled, its exit code)
     unschedulable: str | None = None  # the scheduler's last word on why its Pod cannot be placed (logged once each)
-    # since when its Pod has been unschedulable (the condition's lastTransitionTime), while it is: withdrawn once
-    # that is ``unschedulable_after_s`` ago (``_unplaced_deadline``)
+    # (These three times are the cluster's, by its clock: ``_unplaced_deadline`` compares them with the
+    # cluster's time, ``_cluster_time``.) Since when its Pod has been unschedulable (the condition's
+    # lastTransitionTime), while it is: withdrawn once that is ``unschedulable_after_s`` ago (``_unplaced_deadline``)
     unplaced_since: datetime | None = None
     # since when its container has been waiting for one of ``STUCK_AFTER`` (its Pod's startTime), while it is, and
     # the kubelet's last word on it: the attempt fails once that is ``unschedulable_after_s`` ago
@@ -308,6 +312,9 @@ class KubernetesSite:
             raise ValueError(f"site {spec.name}: adapter kind {cfg.kind!r} is not kubernetes")
         self.config = cfg
         self._clock = clock
+        # The cluster's time (the adapter's clock plus the skew the API server's answers show): what the cluster's
+        # timestamps (lastTransitionTime, startTime, creationTimestamp) are compared with
+        self._cluster_time = ClusterClock(clock, spec.name)
         folder = state_dir if state_dir is not None else cfg.state_dir
         self._overrides = QuotaOverrides(Path(folder) / spec.name / "quota.json" if folder is not None else None)
         # The stops begun whose `preempted` the broker has not taken yet (its Pods may go while no adapter runs).
@@ -353,7 +360,8 @@ class KubernetesSite:
         self._withdrawn: dict[tuple[str, int], datetime] = {}
         self._stop_waits: set[asyncio.Task[None]] = set()  # stopping attempts awaiting the end of their Pods
         self._unplaced: dict[tuple[str, int], asyncio.Task[None]] = {}  # deadlines of unschedulable Pods
-        self._stop_ended: datetime | None = None  # when a stop's Pods last went (GPUs freed for a waiting Pod)
+        # when a stop's Pods last went (GPUs freed for a waiting Pod), by the cluster's clock
+        self._stop_ended: datetime | None = None
         self._pods_listed = False  # the Pods watch has listed them once: a Job without a Pod seen has none
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._watches: list[asyncio.Task[None]] = []
@@ -460,10 +468,15 @@ class KubernetesSite:
         raise AssertionError("unreachable")
 
     async def _json(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-        """Call a ``*_without_preload_content`` method and decode its JSON (no client-side model checks)."""
+        """Call a ``*_without_preload_content`` method and decode its JSON (no client-side model checks). The
+        answer's ``Date`` header tells how far the API server's clock is from the adapter's (``_cluster_time``)."""
         async def call(*a: Any, **kw: Any) -> Any:
+            sent = self._clock.now()
             resp = await fn(*a, **kw)
             try:
+                headers = getattr(resp, "headers", None)
+                self._cluster_time.observe(headers.get("Date") if headers is not None else None, sent,
+                                           self._clock.now())
                 if resp.status >= 400:
                     raise k8s.ApiException(status=resp.status, reason=_refusal(resp.status, await resp.text()))
                 return await resp.json()
@@ -1060,7 +1073,7 @@ class KubernetesSite:
         if known is not None:
             known.done = True
             if known.stopping is not None:
-                self._stop_ended = self._clock.now()
+                self._stop_ended = self._cluster_time.now()
             if known.released:  # its ledgers were freed when it was preempted
                 return True
         self._release(key)
@@ -1241,7 +1254,8 @@ class KubernetesSite:
         fresh = known.unplaced_since is None
         if fresh:
             at = _timestamp(unplaced.get("lastTransitionTime"))
-            known.unplaced_since = datetime.fromtimestamp(at, tz=UTC) if at is not None else self._clock.now()
+            known.unplaced_since = (datetime.fromtimestamp(at, tz=UTC) if at is not None
+                                    else self._cluster_time.now())
         self._arm_unplaced(key, known, pod, fresh)
 
     def _arm_unplaced(self, key: tuple[str, int], known: _Attempt, pod: str, fresh: bool = False) -> None:
@@ -1262,7 +1276,9 @@ class KubernetesSite:
     async def _unplaced_deadline(self, key: tuple[str, int], pod: str) -> None:
         """Withdraw the attempt once its Pod has been unschedulable for ``unschedulable_after_s``: not while
         Pods of a stop here are still going, nor in the ``AFTER_STOP_GRACE_S`` after the last went (a
-        preemption's victims free the GPUs the Pod waits for, and the scheduler places it then)."""
+        preemption's victims free the GPUs the Pod waits for, and the scheduler places it then). Counted on the
+        cluster's clock (``_cluster_time``), as the timestamps it starts from: a broker's host clock ahead of the
+        API server's would withdraw the Pod early, one behind late."""
         after = timedelta(seconds=self.config.unschedulable_after_s or 0.0)
         why: str | None = None
         events_read = False  # (the Job's Events read since the deadline was last found passed)
@@ -1275,7 +1291,7 @@ class KubernetesSite:
             since = known.stuck_since if stuck else known.unplaced_since if not podless else known.created
             if since is None:
                 return  # placed (its Pod scheduled) and starting, or gone
-            now = self._clock.now()
+            now = self._cluster_time.now()  # (the cluster's timestamps are compared with the cluster's time)
             due = since + after
             if self._stop_ended is not None and not stuck:
                 grace_s = PODLESS_AFTER_STOP_GRACE_S if podless else AFTER_STOP_GRACE_S
@@ -1455,7 +1471,8 @@ class KubernetesSite:
                 known.stuck = why
                 if known.stuck_since is None:  # (from the Pod's startTime: the same after a watch reconnects)
                     at = _timestamp(status.get("startTime"))
-                    known.stuck_since = datetime.fromtimestamp(at, tz=UTC) if at is not None else now
+                    known.stuck_since = (datetime.fromtimestamp(at, tz=UTC) if at is not None
+                                         else self._cluster_time.now())
                     self._arm_unplaced(key, known, meta.get("name", ""), fresh=True)
             else:
                 known.stuck_since = None
@@ -1493,7 +1510,7 @@ class KubernetesSite:
             if (at := _timestamp(meta.get("creationTimestamp"))) is not None:
                 known.created = datetime.fromtimestamp(at, tz=UTC)
             elif known.created is None:
-                known.created = now
+                known.created = self._cluster_time.now()
             if not known.had_pod:
                 self._arm_unplaced(key, known, "", fresh=known.created != was)
 

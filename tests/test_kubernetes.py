@@ -25,7 +25,7 @@ from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.kubernetes import KubernetesSite, job_name, product_model
 from adapters.kubernetes_nodes import node_groups, read_node
 from adapters.kubernetes_stops import ClusterUsage, config_map_name
-from broker.clock import ManualClock, SystemClock
+from broker.clock import Clock, ManualClock, SystemClock
 from broker.models import FairSharePolicy, GpuRequest, Job, KubernetesAdapterConfig, TenantQuota
 from policies.inventory import Inventory, Placement
 from policies.quota import Ask, QuotaBook
@@ -69,11 +69,12 @@ async def cluster() -> AsyncIterator[kmock.KubernetesEmulator]:
 
 def make_site(cluster: kmock.KubernetesEmulator, stop_wait_s: float = 300.0, state_dir: Path | None = None,
               state_namespace: str | None = None, unschedulable_after_s: float | None = 300.0,
-              **spec: Any) -> KubernetesSite:
+              clock: Clock | None = None, **spec: Any) -> KubernetesSite:
     config = KubernetesAdapterConfig(host=str(cluster.url).rstrip("/"), request_timeout_s=5, retries=2,
                                      stop_wait_s=stop_wait_s, state_namespace=state_namespace,
                                      unschedulable_after_s=unschedulable_after_s)
-    return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), SystemClock(), state_dir=state_dir)
+    return KubernetesSite(site("kube", adapter=config.model_dump(), **spec), clock or SystemClock(),
+                          state_dir=state_dir)
 
 
 @pytest.fixture
@@ -1259,6 +1260,53 @@ async def test_a_pod_unschedulable_past_the_limit_has_its_attempt_withdrawn_and_
         assert await gone(cluster, name)
         assert (await adapter.snapshot()).capacity[0].free_gpus == 16  # its 8 GPUs are free again
         assert not (await adapter.submit(attempt("j-1", count=8))).admitted  # withdrawn: final for the attempt
+    finally:
+        await adapter.close()
+
+
+class SkewedClock(SystemClock):
+    """The broker's host clock, ``ahead_s`` ahead of the true time (and of the emulator's, which is the true one;
+    negative: behind)."""
+
+    def __init__(self, ahead_s: float) -> None:
+        self.ahead = timedelta(seconds=ahead_s)
+
+    def now(self) -> datetime:
+        return super().now() + self.ahead
+
+
+@pytest.mark.parametrize(("ahead_s", "podless"), [(600, False), (-600, False), (600, True)], ids=[
+    "a Pod unschedulable, the broker's clock 10 minutes ahead of the cluster's",
+    "a Pod unschedulable, the broker's clock 10 minutes behind",
+    "a Job the cluster makes no Pod for, the broker's clock 10 minutes ahead"])
+async def test_the_unschedulable_wait_is_counted_on_the_clusters_clock(
+        cluster: kmock.KubernetesEmulator, caplog: pytest.LogCaptureFixture, ahead_s: float, podless: bool) -> None:
+    # The wait starts from the cluster's timestamps (lastTransitionTime, creationTimestamp), written by the API
+    # server's clock, and was counted on the broker's: a broker host 10 minutes ahead withdrew every Pod the
+    # scheduler had not placed at once, one 10 minutes behind only 10 minutes late. The adapter reads the skew
+    # from the Date header of the API server's answers and counts the wait on the cluster's clock.
+    adapter = make_site(cluster, unschedulable_after_s=300, clock=SkewedClock(ahead_s))
+    await adapter.start()
+    stream = adapter.events()
+    try:
+        name = await j1_sent(adapter)
+        # Waiting for 296 s of the cluster's time (to the second: up to 297 s), else for 302 s (303 s)
+        since = datetime.now(UTC) - timedelta(seconds=296 if ahead_s > 0 else 302)
+        if podless:
+            await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"metadata": {
+                "creationTimestamp": since.strftime("%Y-%m-%dT%H:%M:%SZ")}})
+        else:
+            await unschedulable_pod(cluster, name, since)
+        if ahead_s > 0:  # 896 s by the broker's clock: not withdrawn before its 300 s have passed on the cluster's
+            await asyncio.sleep(1.5)
+            assert adapter._events.empty() and ("heliotrope-t1", name) in jobs(cluster)
+        lost = await asyncio.wait_for(anext(stream), 8)  # (302 s: at once, not after 10 more minutes)
+        assert (lost.job_id, lost.kind) == ("j-1", EventKind.LOST)
+        waited_s = float(re.search(r" (\d+) s", lost.reason or "")[1])
+        assert 299 <= waited_s <= 310, lost.reason  # as the cluster counts it (896 s by the broker's clock ahead)
+        assert await gone(cluster, name)
+        said = [r.getMessage() for r in caplog.records if "the API server's clock is" in r.getMessage()]
+        assert len(said) == 1 and f"10.0 minutes {'behind' if ahead_s > 0 else 'ahead of'} the broker's" in said[0]
     finally:
         await adapter.close()
 
