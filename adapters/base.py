@@ -121,7 +121,8 @@ class QuotaAdmin(Protocol):
     async def remove_quota(self, tenant: str) -> QuotaState: ...
 
     async def forget_quotas(self) -> None:
-        """The site leaves the federation: drop the changes it kept, so a new site of its name starts afresh."""
+        """The site leaves the federation: drop what it kept of its own (its quota changes, and where it keeps them
+        its usage history and stops not yet reported), so a new site of its name starts afresh."""
         ...
 
 

@@ -70,7 +70,8 @@
   taken for a lost attempt. With ``state_namespace`` the stops are kept in the cluster too, in the ConfigMap
   ``heliotrope-stops-<site>`` there (:mod:`adapters.kubernetes_stops`, written in the background), and joined to
   the file's at start: the adapter of a broker replica with another ``state_dir`` that takes over reports them
-  the same way. A ConfigMap the cluster refuses is logged, and the adapter goes on with its file.
+  the same way. A ConfigMap the cluster refuses is logged, and the adapter goes on with its file. A site removed
+  from the federation (``forget_quotas``) drops its stops from both, so a new site of its name takes none up.
 - Quotas: the spec's quotas with the operator's changes (kept in ``state_dir``, :mod:`adapters.quota_store`;
   the usage history their fair share weighs too, :class:`adapters.site_state.UsageJournal`, taken by the first
   ledgers built after a start) are enforced by ``SiteAdmission`` and mirrored as a ResourceQuota ``heliotrope-gpus`` in each tenant's
@@ -1556,10 +1557,16 @@ class KubernetesSite:
         return await self.quota()
 
     async def forget_quotas(self) -> None:
+        """The site leaves the federation: its quota changes, usage history and stops not yet reported are dropped,
+        in its state folder and in the cluster, so a new site of its name starts afresh (and does not report the
+        old one's stops as its own)."""
         self._overrides.forget()
         self._usage.forget()
+        self._journal.forget()
         if self._cluster_usage is not None:
             await self._cluster_usage.forget()  # (its copy in the cluster too: a new site of its name starts afresh)
+        if self._cluster_stops is not None:
+            await self._cluster_stops.forget()
 
     def quota_manifest(self, quota: TenantQuota) -> dict[str, Any]:
         return {

@@ -19,6 +19,8 @@ list under the key ``stops.json``, so the adapter of whichever replica starts ne
   replica of another release may add some, and an entry that is no stop this release reads is logged and
   written back as it was. A ``stops.json`` that is no JSON list at all is not written over (logged, tried
   again): an operator must mend or delete it.
+- A site removed from the federation (:meth:`ClusterStops.forget`) leaves the ConfigMap with an empty list, so
+  a new site of its name takes up none of its stops.
 - A read or write that fails (RBAC without ``configmaps`` in that namespace, a missing namespace) is logged as
   an error naming the namespace, the ConfigMap and the rule needed, and the adapter goes on with its file: a
   site must come up. A failed write is tried again after ``retry_s`` (30 s), doubling to ten minutes, or as
@@ -88,6 +90,7 @@ class ClusterStops:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._forgotten = False  # the site left the federation: nothing more is written
         self.failing: str | None = None  # why the last write failed, until one succeeds
         self._unread: set[str] = set()  # entries of the ConfigMap that are no stop this release reads, logged
 
@@ -163,12 +166,15 @@ class ClusterStops:
     # --- writing ---
 
     def put(self, key: Key, stop: KeptStop | None) -> None:
-        """Queue a change (``StopJournal.listener``): ``stop`` added or replaced, or None: removed."""
+        """Queue a change (``StopJournal.listener``): ``stop`` added or replaced, or None: removed. Ignored once
+        forgotten."""
+        if self._forgotten:
+            return
         self._pending[key] = stop
         self._wake.set()
 
     def start(self) -> None:
-        if self._task is None:
+        if self._task is None and not self._forgotten:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"k8s-{self.site}-stops")
 
     async def close(self) -> None:
@@ -181,6 +187,28 @@ class ClusterStops:
         if not await _finish(task, self.close_timeout_s):
             log.error("site %s: the stops not yet reported could not be written to %s before the adapter closed; "
                       "they are kept in its state_dir only", self.site, self.where)
+
+    async def forget(self) -> None:
+        """The site leaves the federation: drop the changes still queued, stop the writer (a write under way
+        lands first), and leave the ConfigMap with an empty list (a merge patch: the ConfigMap stays, and so do the
+        rights it needs), so a new site of its name takes up none of these stops as its own. A failure is logged:
+        the new site would report them."""
+        self._forgotten = True
+        self._pending.clear()
+        await self.close()
+        try:
+            update = self._core().patch_namespaced_config_map_without_preload_content
+            await self._call(f"updating {self.where}", update, self.name, self.namespace, {"data": {DATA_KEY: "[]"}},
+                             _content_type="application/merge-patch+json")
+        except k8s.ApiException as e:
+            if e.status != 404:  # (none: nothing to take up)
+                log.error("site %s: cannot take the stops not yet reported out of %s (%s: %s); a new site of its "
+                          "name would report them as its own: delete the ConfigMap", self.site, self.where, e.status,
+                          _short(str(e.reason)))
+        except Exception as e:  # noqa: BLE001 - the site is removed all the same; logged
+            log.error("site %s: cannot take the stops not yet reported out of %s (%s); a new site of its name "
+                      "would report them as its own: delete the ConfigMap", self.site, self.where,
+                      _short(str(e) if isinstance(e, AdapterError) else repr(e)))
 
     async def _run(self) -> None:
         wait = 0.0

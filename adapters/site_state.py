@@ -136,6 +136,19 @@ class StopJournal:
             self._save()
         return new
 
+    def forget(self) -> None:
+        """The site leaves the federation: drop the stops kept, and their file, and keep none in it from now on
+        (so a new site of its name takes up none of them as its own). The listener hears nothing more."""
+        self._stops.clear()
+        self.listener = None
+        path, self.path = self.path, None
+        if path is not None:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("cannot remove the stops not yet reported %s (%s); a new site of its name would report "
+                            "them as its own: delete it", path, e)
+
     def _save(self) -> None:
         if self.path is None:
             return

@@ -1932,6 +1932,36 @@ async def test_a_stop_whose_pods_go_during_a_takeover_is_reported_by_a_replica_w
         await other.close()
 
 
+@pytest.mark.parametrize("same_folder", [True, False], ids=["by the same broker (its state folder)",
+                                                         "by a broker replica with another state folder"])
+async def test_a_site_removed_leaves_no_stops_for_a_new_site_of_its_name(
+        cluster: kmock.KubernetesEmulator, tmp_path: Path, same_folder: bool) -> None:
+    # A site removed while a stop of it was not yet reported: its usage history was cleared, but its stops stayed
+    # in the ConfigMap heliotrope-stops-<site> (and its state folder), and a new site of its name later added on
+    # the same namespace took them up as its own, reporting the old site's attempt preempted.
+    first = make_site(cluster, state_dir=tmp_path / "a", state_namespace="heliotrope")
+    await first.start()
+    try:
+        name = await j1_running(first, first.events(), cluster)
+        await first.preempt("j-1", 1, "moved from kube to b from its checkpoint")  # its Pod writes its checkpoint
+        await until_kept(cluster, [("j-1", 1)])
+        await first.forget_quotas()  # the site leaves the federation (and its adapter closes)
+    finally:
+        await first.close()
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # (gone while no adapter ran)
+    assert kept_in_cluster(cluster) == []  # the ConfigMap stays, with no stops
+    assert not (tmp_path / "a" / "kube" / "stops.json").exists()
+    second = make_site(cluster, state_dir=tmp_path / ("a" if same_folder else "b"), state_namespace="heliotrope")
+    await second.start()
+    try:
+        assert ("j-1", 1) not in await second.known_attempts()
+        with pytest.raises(TimeoutError):  # no preempted for an attempt the new site never ran
+            await asyncio.wait_for(anext(second.events()), 0.5)
+        assert kept_in_cluster(cluster) == []
+    finally:
+        await second.close()
+
+
 async def test_a_stop_kept_in_the_file_only_is_written_to_the_cluster_at_start(
         cluster: kmock.KubernetesEmulator, tmp_path: Path) -> None:
     # A stop begun before state_namespace was set (or while the ConfigMap could not be written): the next
