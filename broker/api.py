@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from broker import auth
 from broker import dashboard
 from broker.auth import Principal, Role, TokensUnavailable, Unauthenticated
+from broker.cycle import Ahead
 from broker.errors import integral_float, is_malformed_json, problems
 from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
@@ -698,8 +699,17 @@ async def _job_spec(request: web.Request) -> tuple[JobSpec, bytes]:
     return spec, raw
 
 
-PREVIEW_NOTE = ("what the broker would decide for this job now, were it first in the queue: jobs queued before it "
-                "may take the room first, and the sites' reports and forecasts move on; nothing was submitted")
+PREVIEW_NOTE = ("what the broker would decide for this job now, at its place in the queue: the queued jobs the next "
+                "pass would decide before it were decided first, and took their room; jobs submitted or changed "
+                "meanwhile may still come first, and the sites' reports and forecasts move on; nothing was submitted")
+
+
+def preview_note(ahead: Ahead) -> str:
+    """The note of a preview that decided ``ahead`` before its job."""
+    if not ahead.capped:
+        return PREVIEW_NOTE
+    return (f"{PREVIEW_NOTE}; only the first {ahead.decided} jobs ahead of it were decided (the most a preview "
+            "decides): those further ahead were not weighed, and may take room it was shown")
 
 
 async def preview_job(request: web.Request) -> web.Response:
@@ -712,8 +722,9 @@ async def preview_job(request: web.Request) -> web.Response:
         check_deadline(spec.deadline, broker.clock.now())  # (as a submission is refused)
     except PastDeadline as e:
         raise ApiError(422, f"invalid job spec: {e}", [{"field": "deadline", "problem": "in the past"}]) from None
-    req, record = broker.cycle.preview("preview", spec)
-    return _json(Preview(note=PREVIEW_NOTE, decision=explain.render(record, req, broker.cycle.filters, 0)))
+    req, record, ahead = broker.cycle.preview("preview", spec)
+    return _json(Preview(note=preview_note(ahead), decision=explain.render(record, req, broker.cycle.filters, 0),
+                         ahead=ahead.decided))
 
 
 async def submit_job(request: web.Request) -> web.Response:

@@ -232,11 +232,14 @@ def _raw(scorer: str, value: float | None, ranked_as: float | None = None) -> st
     return _num(value) if unit is None else f"{_num(value)} {unit}"
 
 
-def show_decision(d: dict[str, Any], preview: bool = False) -> str:
+def show_decision(d: dict[str, Any], preview: bool = False, ahead: int | None = None) -> str:
     """A decision as ``heliotrope explain`` prints it; ``preview``: one ``submit --dry-run`` asked for, of a job
-    not submitted (no id, no attempt)."""
+    not submitted (no id, no attempt), decided after ``ahead`` queued jobs (None: a broker that said not)."""
     head = (f"would be decided so at {d['decided_at']}" if preview
             else f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}")
+    if preview and ahead is not None:
+        head += (", with no queued job decided before it" if ahead == 0 else
+                 f", after the {ahead} queued job{'' if ahead == 1 else 's'} the next pass would decide before it")
     lines = [head, f"  {d['summary']}", ""]
     feasible = sorted((s for s in d["sites"] if s["feasible"]), key=lambda s: -(s["score"] or 0))
     width = max([20, *(len(s["site"]) for s in d["sites"])])  # site names may be long: the columns still line up
@@ -350,7 +353,8 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 _check_all(specs, JobSpec, "job")
                 previews = [await c.request("POST", "/v1/preview", spec) for spec in specs]
                 out = previews if isinstance(doc, list) else previews[0]
-                text = "\n\n".join(show_decision(p["decision"], preview=True) for p in previews)
+                text = "\n\n".join(show_decision(p["decision"], preview=True, ahead=p.get("ahead"))
+                                   for p in previews)
                 text += f"\n\n(dry run: {previews[0]['note']})" if previews else ""
             case "submit":
                 doc = _load_document(args.file)

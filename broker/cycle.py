@@ -310,6 +310,41 @@ class PassDecider:
                         deferral.slot, deferral.slot + deferral.slots, deferral.request.latency_slo_ms is not None)
 
 
+def _replan(planned: _Planned, snap: Snapshot, deciders: Mapping[int, PassDecider]) -> None:
+    """A job deferred in an earlier hour comes up again in a pass: its planned hours go back to the pass's plan,
+    where later jobs may plan on them."""
+    site = snap.index.get(planned.site)
+    if site is not None:
+        timeshift.credit(snap, timeshift.Booking(site, planned.model, planned.gpus, planned.first, planned.end,
+                                                 planned.near))
+        for other in deciders.values():
+            other.unplanned.clear()
+
+
+def _group_fails(req: JobRequest, pipeline: Pipeline, holds: Mapping[str, _Hold]) -> bool:
+    """Whether the rest of the queue group of a job that found no site in a full pass finds none either: it asks
+    for the same, with no fewer sites (no site refused this job), cannot be deferred, and no hold is given back
+    to a job later in the pass."""
+    return (not req.excluded_sites and not holds
+            and (pipeline.shift is None or req.deadline_ts is None or not req.deferrable))
+
+
+PREVIEW_AHEAD_MAX = 2000
+"""Queued jobs a preview decides ahead of the job it previews, at most; past them it decides the job on what they
+left (``SchedulingCycle.preview``), and says so."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """What a preview decided before its job (``SchedulingCycle.preview``): how many queued jobs, of which how many
+    took room now (placed) or hours of the plan (deferred), and whether ``PREVIEW_AHEAD_MAX`` cut it short."""
+
+    decided: int = 0
+    placed: int = 0
+    deferred: int = 0
+    capped: bool = False
+
+
 LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bound jobs held (put_state)
 CARBON_LEDGER_STATE = "carbon-ledger"  # ... and for the carbon ledger (GET /v1/carbon): totals, attempts open
 MOVES_STATE = "moves-in-flight"  # ... and for the moves asked for, the GPUs held for them, the sites that could not stop
@@ -564,16 +599,17 @@ class SchedulingCycle:
         return (timeshift.epoch_hour(now), self.book.seq, self.book.refusals_changed,
                 tuple(sorted(self.federation.leaving)), reports)
 
-    def _order(self, jobs: list[Job] | None, snap: Snapshot) -> QueueWalk | _Listed:
+    def _order(self, jobs: list[Job] | None, snap: Snapshot, until: Job | None = None) -> QueueWalk | _Listed:
         """The pass's order over ``jobs`` (None: the whole queue): priority, then, where sites divide by
         fair share, the tenant furthest below its share (``policies.fair_order``), then urgency when some
-        profile defers jobs (as the simulator replays it), then age."""
+        profile defers jobs (as the simulator replays it), then age. ``until``: a job not queued (a preview's);
+        the walk over the queue ends where its turn would come."""
         standing = None
         if snap.quota is not None and any(s.entitled > 0 for s in snap.quota.standing.values()):
             standing = snap.quota.standing
         if jobs is None:
-            self._group_failures = {}
-            return self.book.active.queue.walk(standing)
+            queue = self.book.active.queue
+            return queue.walk(standing, None if until is None else queue.place_of(until))
         within: Callable[[Job], Any] = _by_urgency if self._plan_hours else (lambda j: j.created_at)
         jobs = sorted(jobs, key=lambda j: (-j.spec.priority, within(j)))
         fair = None
@@ -597,6 +633,8 @@ class SchedulingCycle:
         queue = self.book.active.queue
         metrics = self.metrics
         metrics.passes.labels("full" if jobs is None else "new").inc()
+        if jobs is None:
+            self._group_failures = {}
         for n, job_id in enumerate(order):
             if n and n % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let the API breathe during a long pass
@@ -608,35 +646,13 @@ class SchedulingCycle:
                 if planned.decided_h == hour:
                     continue  # deferred this hour; decided again when the forecast moves on
                 del self._deferred[job.id]
-                site = snap.index.get(planned.site)
-                if site is not None:  # its hours are free to plan anew
-                    timeshift.credit(snap, timeshift.Booking(site, planned.model, planned.gpus, planned.first,
-                                                             planned.end, planned.near))
-                    for other in deciders.values():
-                        other.unplanned.clear()
+                _replan(planned, snap, deciders)  # its hours are free to plan anew
             decided += 1
-            # Built afresh: a queued job is decided again only when its group's turn comes (no cache per
-            # queued job, which would cost more memory than the compact job itself).
-            req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
-            req = rest_of_run(job, req, self.restart_overhead_s(job))
-            pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
-            decider = deciders.get(id(pipeline))
-            if decider is None:
-                decider = deciders[id(pipeline)] = PassDecider(pipeline, snap)
+            req, pipeline = self._queued_request(job)
             started = time.perf_counter()
-            moving = self._moving.pop(job.id, None) if self._moving else None
-            if moving is not None and moving.attempt != job.attempt:
-                moving = None  # a move of an earlier attempt
-            if self._holds:
-                self._take_hold(job, snap, deciders)
-            placement = self._moved_to(moving, pipeline, req, snap) if moving is not None else None
-            if placement is None:
-                if moving is not None:
-                    self._holds.pop(job.id, None)  # its target had no room left: nothing more to keep there
-                placement = decider.decide(req)
+            decider, placement, moving = self._decide_queued(job, req, pipeline, snap, deciders, self._holds,
+                                                             self._moving, self._released)
             metrics.decision_seconds.observe(time.perf_counter() - started)
-            if job.id in self._released and not isinstance(placement, Placement):
-                self._hold_again(job.id, snap)  # not placed this pass: what is kept for it stays kept
             if isinstance(placement, Deferral):
                 metrics.deferred.inc()
                 decider.reserve(placement)
@@ -688,9 +704,7 @@ class SchedulingCycle:
                     if seen is None or seen[:-8] != placement.signature:  # (announced once per change, not a minute)
                         self._announce_decision(job, "decision", "unplaceable", None, None,
                                                 "no site can run it now; it waits in the queue", snap.now)
-                if (jobs is None and not req.excluded_sites and not self._holds
-                        and (pipeline.shift is None or req.deadline_ts is None or not req.deferrable)):
-                    # The rest of its group asks for the same, with no fewer sites, and cannot be deferred.
+                if jobs is None and _group_fails(req, pipeline, self._holds):
                     order.fail_group()
                     metrics.groups_skipped.inc()
                     where = queue.position(job.id)
@@ -791,12 +805,13 @@ class SchedulingCycle:
 
     # --- moving running work (policies.migration) ---
 
-    def _moved_to(self, moving: _Moving, pipeline: Pipeline, req: JobRequest, snap: Snapshot) -> Placement | None:
+    def _moved_to(self, moving: _Moving, pipeline: Pipeline, req: JobRequest, snap: Snapshot,
+                  holds: Mapping[str, _Hold]) -> Placement | None:
         """The restart of a moved job at the site its move chose (its hold there already given back to the
         pass), when that still passes every filter and has room now and in the plan for the rest of its run;
         None: decide it as any other job."""
         site = snap.index.get(moving.site) if moving.site is not None else None
-        hold = self._holds.get(req.job_id)
+        hold = holds.get(req.job_id)
         if site is None or hold is None:
             return None
         placement = pipeline.decide(req, snap)  # every site's terms, for the explanation
@@ -805,42 +820,50 @@ class SchedulingCycle:
             return None
         return replace(placement, site=site, model=hold.model)
 
-    def _debit_holds(self, snap: Snapshot) -> None:
+    def _debit_holds(self, snap: Snapshot, holds: dict[str, _Hold] | None = None,
+                     moving: dict[str, _Moving] | None = None) -> None:
         """Debit the GPUs kept for moved jobs at their targets and for jobs room was made for, as placements
-        in flight are; forget holds whose job was placed again, has gone, or waited too long."""
+        in flight are; forget holds whose job was placed again, has gone, or waited too long. ``holds``,
+        ``moving``: a preview's copies, forgotten from instead of the broker's own."""
         now_ts = snap.now.timestamp()
-        for job_id, hold in list(self._holds.items()):
+        own = holds is None
+        holds = self._holds if holds is None else holds
+        moving = self._moving if moving is None else moving
+        for job_id, hold in list(holds.items()):
             job = self.book.active.get(job_id)
             if job is None or job.attempt != hold.attempt or now_ts > hold.until_ts:
-                del self._holds[job_id]
+                del holds[job_id]
                 continue
             site = snap.index.get(hold.site)
             if site is not None:
                 snap.hold(site, hold.request, hold.model)
-        for job_id, moving in list(self._moving.items()):  # moves whose event or restart never came
-            if now_ts > moving.asked_ts + MOVE_TIMEOUT_S:
-                del self._moving[job_id]
-        for site in [s for s, until in self._cannot_stop.items() if until <= now_ts]:
+        for job_id, move in list(moving.items()):  # moves whose event or restart never came
+            if now_ts > move.asked_ts + MOVE_TIMEOUT_S:
+                del moving[job_id]
+        for site in [s for s, until in self._cannot_stop.items() if until <= now_ts] if own else ():
             del self._cannot_stop[site]
 
-    def _take_hold(self, job: Job, snap: Snapshot, deciders: dict[int, PassDecider]) -> None:
+    @staticmethod
+    def _take_hold(job: Job, snap: Snapshot, deciders: dict[int, PassDecider], holds: Mapping[str, _Hold],
+                   released: set[str]) -> None:
         """Before ``job`` is decided: give the pass back what is held for it, so it may take it."""
-        hold = self._holds.get(job.id)
+        hold = holds.get(job.id)
         site = snap.index.get(hold.site) if hold is not None else None
-        if hold is None or site is None or job.id in self._released:
+        if hold is None or site is None or job.id in released:
             return
         snap.release(site, hold.request, hold.model)
-        self._released.add(job.id)
+        released.add(job.id)
         for decider in deciders.values():  # capacity grew: failures met earlier in the pass may not hold
             decider.failed.clear()
             decider.unplanned.clear()
 
-    def _hold_again(self, job_id: str, snap: Snapshot) -> None:
-        hold = self._holds.get(job_id)
+    @staticmethod
+    def _hold_again(job_id: str, snap: Snapshot, holds: Mapping[str, _Hold], released: set[str]) -> None:
+        hold = holds.get(job_id)
         site = snap.index.get(hold.site) if hold is not None else None
         if hold is not None and site is not None:
             snap.hold(site, hold.request, hold.model)
-        self._released.discard(job_id)
+        released.discard(job_id)
 
     async def _move_running(self, snap: Snapshot, saving: bool) -> None:
         """Step 3b, at full passes of a broker with ``migrate`` profiles: room made for this pass's urgent
@@ -966,6 +989,40 @@ class SchedulingCycle:
             return rec
         return {**rec, "refusals": self.book.refusal_reasons(req.job_id)}
 
+    def _queued_request(self, job: Job) -> tuple[JobRequest, Pipeline]:
+        """A queued job's request, as a pass decides it (the rest of its run: :func:`rest_of_run`), and its
+        profile's pipeline. Built afresh: a queued job is decided again only when its group's turn comes (no
+        cache per queued job, which would cost more memory than the compact job itself)."""
+        req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
+        req = rest_of_run(job, req, self.restart_overhead_s(job))
+        return req, self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
+
+    def _decide_queued(
+        self, job: Job, req: JobRequest, pipeline: Pipeline, snap: Snapshot, deciders: dict[int, PassDecider],
+        holds: dict[str, _Hold], moving: dict[str, _Moving], released: set[str],
+    ) -> tuple[PassDecider, Placement | _Failure | Deferral, _Moving | None]:
+        """Step 3 for one queued job, the part a preview runs too: what is held for it given back to the pass
+        (``released``), then its restart where its move chose, else its pipeline's decision (placed, deferred or
+        not placed); a job not placed keeps its hold. Changes ``snap``, ``deciders`` and the given ``holds``,
+        ``moving`` (its move, taken: returned) and ``released`` only: a pass gives the broker's own, a preview
+        copies. Nothing is assumed: the caller takes what it keeps."""
+        decider = deciders.get(id(pipeline))
+        if decider is None:
+            decider = deciders[id(pipeline)] = PassDecider(pipeline, snap)
+        move = moving.pop(job.id, None) if moving else None
+        if move is not None and move.attempt != job.attempt:
+            move = None  # a move of an earlier attempt
+        if holds:
+            self._take_hold(job, snap, deciders, holds, released)
+        placement = self._moved_to(move, pipeline, req, snap, holds) if move is not None else None
+        if placement is None:
+            if move is not None:
+                holds.pop(job.id, None)  # its target had no room left: nothing more to keep there
+            placement = decider.decide(req)
+        if job.id in released and not isinstance(placement, Placement):
+            self._hold_again(job.id, snap, holds, released)  # not placed this pass: what is kept for it stays kept
+        return decider, placement, move
+
     def _on_site_request(self, job: Job) -> JobRequest:
         """The placement request of a job on a site (what the plan books for it), cached while it is there."""
         req = self._requests.get(job.id)
@@ -979,31 +1036,81 @@ class SchedulingCycle:
         self._deferred.pop(job_id, None)
         self._last_seen.pop(job_id, None)
 
-    def preview(self, job_id: str, spec: JobSpec) -> tuple[JobRequest, dict[str, Any]]:
-        """The decision a job of ``spec`` would get now, as if it were first in the queue: on the sites' latest
-        reports, less what is placed but not reported yet and what is kept for moves, with the time-shift plan of
-        the jobs running and deferred, by the job's profile. Nothing is stored, assumed, planned or announced.
-        Returns the request it was decided for and the decision's record (``policies.explain``)."""
+    def preview(self, job_id: str, spec: JobSpec) -> tuple[JobRequest, dict[str, Any], Ahead]:
+        """The decision a job of ``spec`` would get now, at the place the queue would give it (as Slurm's ``sbatch
+        --test-only``): on the sites' latest reports, less what is placed but not reported yet and what is kept for
+        moves, with the time-shift plan of the jobs running and deferred, the queued jobs a pass would decide before
+        it are decided first (:meth:`_decide_ahead`), taking their room, and then it is, by its profile. All of it
+        on a scratch snapshot and copies: nothing is stored, assumed, planned, observed or announced, and what the
+        broker keeps (deferrals, holds, moves, placements in flight) is not even pruned. Returns the request it was
+        decided for, the decision's record (``policies.explain``) and what was decided ahead of it."""
         snap = self.federation.freeze(self.clock.now())
-        self._debit_in_flight(snap, self._asked_at)
+        self._debit_in_flight(snap, self._asked_at, forget=False)
+        deferred = dict(self._deferred)
         if self._plan_hours:
-            snap = self._with_plan(snap, observe=False)
-        if self._holds or self._moving:
-            self._debit_holds(snap)
+            snap = self._with_plan(snap, observe=False, deferred=deferred)
+        holds, moving = dict(self._holds), dict(self._moving)
+        if holds or moving:
+            self._debit_holds(snap, holds, moving)
+        job = Job(id=job_id, spec=spec, created_at=snap.now, updated_at=snap.now)
+        ahead = self._decide_ahead(job, snap, deferred, holds, moving)
         req = JobRequest.from_spec(job_id, spec, frozenset(), snap.now)
         pipeline = self.profiles.get(spec.profile, self.pipeline) if spec.profile else self.pipeline
-        outcome = PassDecider(pipeline, snap).decide(req)
+        # (a decider of its own: one the jobs ahead used would answer a failure of theirs, figures of then)
+        _, outcome, _ = self._decide_queued(job, req, pipeline, snap, {}, holds, moving, set())
         if isinstance(outcome, Deferral):
-            return req, explain.record_deferral(pipeline, outcome, snap)
+            return req, explain.record_deferral(pipeline, outcome, snap), ahead
         if isinstance(outcome, _Failure):
-            return req, outcome.record(pipeline, snap)
-        return req, explain.record(pipeline, outcome, snap)
+            return req, outcome.record(pipeline, snap), ahead
+        return req, explain.record(pipeline, outcome, snap), ahead
 
-    def _with_plan(self, snap: Snapshot, observe: bool = True) -> Snapshot:
+    def _decide_ahead(self, job: Job, snap: Snapshot, deferred: dict[str, _Planned], holds: dict[str, _Hold],
+                      moving: dict[str, _Moving]) -> Ahead:
+        """Step 3 of a full pass as far as ``job``'s turn (a job not queued: a preview's), on a preview's scratch
+        ``snap`` and copies of the broker's deferrals, holds and moves: the queued jobs in the pass's order
+        (``_order``), each decided as the pass decides it (``_decide_queued``), a placement or deferral taken from
+        ``snap``, a queue group that found no site dropped. Nothing else is written, booked or announced. At most
+        ``PREVIEW_AHEAD_MAX`` jobs are decided (``capped`` past them)."""
+        hour = timeshift.epoch_hour(snap.now)
+        order = self._order(None, snap, until=job)
+        deciders: dict[int, PassDecider] = {}
+        released: set[str] = set()
+        decided = placed = deferrals = 0
+        for job_id in order:
+            queued = self.book.active.get(job_id)
+            if queued is None or queued.state != JobState.QUEUED:
+                continue
+            planned = deferred.get(queued.id)
+            if planned is not None and planned.decided_h == hour:
+                continue  # deferred this hour: its hours are in the plan already
+            if decided == PREVIEW_AHEAD_MAX:
+                return Ahead(decided, placed, deferrals, capped=True)
+            if planned is not None:
+                del deferred[queued.id]
+                _replan(planned, snap, deciders)
+            decided += 1
+            req, pipeline = self._queued_request(queued)
+            decider, outcome, _ = self._decide_queued(queued, req, pipeline, snap, deciders, holds, moving, released)
+            if isinstance(outcome, Deferral):
+                decider.reserve(outcome)
+                deferrals += 1
+            elif isinstance(outcome, _Failure):
+                if _group_fails(req, pipeline, holds):
+                    order.fail_group()
+            elif snap.sites[outcome.site] not in self.federation.leaving:
+                decider.assume(outcome)
+                order.placed(queued.spec.tenant, req.charge)
+                placed += 1
+        return Ahead(decided, placed, deferrals)
+
+    def _with_plan(self, snap: Snapshot, observe: bool = True,
+                   deferred: dict[str, _Planned] | None = None) -> Snapshot:
         """``snap`` with the time-shift plan: hour by hour, the GPUs that jobs on sites (until their expected
         end: ``duration_s`` less the work earlier attempts kept, from when this attempt started or was placed)
         and deferred jobs (from their planned start) leave free. ``observe``: take what latency-bound jobs hold
-        as this hour's sample of their demand (a pass does; a preview does not)."""
+        as this hour's sample of their demand (a pass does; a preview does not). ``deferred``: a preview's copy
+        of the deferred jobs, whose plans that no longer hold are forgotten from it instead of the broker's own."""
+        deferrals = self._deferred if deferred is None else deferred
         hours = self._plan_hours
         h0 = timeshift.epoch_hour(snap.now)
         calendar = timeshift.Calendar(snap.n_sites, snap.total_gpus.shape[1], h0, span_h=hours + 1)
@@ -1035,18 +1142,18 @@ class SchedulingCycle:
                 if ratio is not None:
                     over_h = math.ceil((snap.now.timestamp() + job.spec.duration_s * ratio - done) / timeshift.HOUR_S)
                     overruns.book(site, MODEL_INDEX[job.gpu_model], req.charge, h0 + 1, min(over_h, h0 + hours))
-        for job_id, planned in list(self._deferred.items()):
+        for job_id, planned in list(deferrals.items()):
             job = self.book.active.get(job_id)
             site = snap.index.get(planned.site)
             if job is None or job.state != JobState.QUEUED or site is None:
-                del self._deferred[job_id]  # placed, cancelled, or its site left: nothing to hold
+                del deferrals[job_id]  # placed, cancelled, or its site left: nothing to hold
                 continue
             member = self.federation.get(planned.site)
             if member is not None and member.spec is not planned.spec and member.spec != planned.spec:
                 # its site changed since the plan was made (cordoned, moved to another grid zone, re-priced):
                 # the plan no longer holds, and the job is decided again in this pass, not at the next hour (a
                 # spec sent again unchanged, as a tool that keeps a site as declared does, changes nothing)
-                del self._deferred[job_id]
+                del deferrals[job_id]
                 continue
             calendar.book(site, planned.model, planned.gpus, planned.first, min(planned.end, h0 + hours),
                           near=planned.near)
@@ -1474,18 +1581,20 @@ class SchedulingCycle:
             self._in_flight.pop(new.id, None)
             return False
 
-    def _debit_in_flight(self, snap: Snapshot, asked_at: int) -> None:
-        """Debit placements the reports cannot show yet; forget those a report has caught up with."""
+    def _debit_in_flight(self, snap: Snapshot, asked_at: int, forget: bool = True) -> None:
+        """Debit placements the reports cannot show yet; forget those a report has caught up with (``forget``:
+        a pass does; a preview changes nothing)."""
         for job_id, f in list(self._in_flight.items()):
             job = self.book.active.get(job_id)
             if job is None or job.site != f.site or job.attempt != f.attempt or not job.state.on_site:
-                del self._in_flight[job_id]  # refused, requeued, cancelled or finished
+                if forget:
+                    del self._in_flight[job_id]  # refused, requeued, cancelled or finished
                 continue
             if job.state == JobState.DISPATCHING or self.book.admitted_seq.get(job_id, asked_at) >= asked_at:
                 site = snap.index.get(f.site)
                 if site is not None:
                     snap.assume(site, f.request, f.model, placed_now=False)
-            else:
+            elif forget:
                 del self._in_flight[job_id]  # admitted before the report was asked for: the report has it
 
     async def _dispatch(self, job: Job, counted: Counted | None = None) -> None:

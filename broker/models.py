@@ -1238,6 +1238,9 @@ class Preview(Strict):
     note: str = Field(description="what the preview is, and what it cannot know")
     decision: Decision = Field(description="the decision, as GET /v1/jobs/{id}/decision gives one (job_id "
                                            "'preview')")
+    ahead: int | None = Field(None, ge=0, exclude_if=lambda n: n is None, description=(
+        "queued jobs decided before it, as the next pass would decide them, their placements and deferrals taking "
+        "their room first (left out by releases that decided it as if first in the queue)"))
 
 
 def clean_text(value: str, limit: int = 1000) -> str:

@@ -107,18 +107,29 @@ class QueueIndex:
         """Every queued job's id, in no particular order."""
         return iter(self._where)
 
-    def walk(self, standing: Mapping[str, Standing] | None = None) -> QueueWalk:
-        return QueueWalk(self, standing)
+    def place_of(self, job: Job) -> tuple[tuple[Any, ...], Entry]:
+        """(group, entry) ``job`` would have were it queued now; it is not added (a preview's job)."""
+        return group_key(job), (*self._order(job), job.id)
+
+    def walk(self, standing: Mapping[str, Standing] | None = None,
+             until: tuple[tuple[Any, ...], Entry] | None = None) -> QueueWalk:
+        return QueueWalk(self, standing, until)
 
 
 class QueueWalk:
     """One pass's walk over the queue, in scheduling order. After each job it yields, the caller may say
     ``placed(tenant, gpus)`` (fair order moves that tenant back) or ``fail_group()`` (the job found no site
     and neither will the rest of its group in this pass). Jobs added to a group behind the walk's position
-    in it during the pass are left to the next pass (the cycle decides new jobs on their own anyway)."""
+    in it during the pass are left to the next pass (the cycle decides new jobs on their own anyway).
 
-    def __init__(self, index: QueueIndex, standing: Mapping[str, Standing] | None) -> None:
+    ``until``: the place (``QueueIndex.place_of``) of a job not in the queue; the walk ends where that job's
+    turn would come, yielding only the jobs a pass would decide before it (a queued job level with it in every
+    term of the order was queued first, and goes first)."""
+
+    def __init__(self, index: QueueIndex, standing: Mapping[str, Standing] | None,
+                 until: tuple[tuple[Any, ...], Entry] | None = None) -> None:
         self._index = index
+        self._until = until
         self._fair = standing is not None
         self._standing = standing or {}
         self._held = {t: s.held for t, s in self._standing.items()}
@@ -134,6 +145,12 @@ class QueueWalk:
     def _rank(self, key: tuple[Any, ...], entry: Entry) -> tuple[Any, ...]:
         fair = rank(self._standing, self._held, key[1]) if self._fair else (False, 0.0)
         return (-key[0], *fair, entry, key)
+
+    def _order_of(self, key: tuple[Any, ...], entry: Entry) -> tuple[Any, ...]:
+        """A job's rank in the walk without its tie-breaks (its id, its group): what a job not queued is
+        compared by."""
+        ranked = self._rank(key, entry)
+        return (*ranked[:-2], entry[:-1])
 
     def _next_entry(self, key: tuple[Any, ...]) -> Entry | None:
         group = self._index.groups.get(key)
@@ -172,6 +189,8 @@ class QueueWalk:
             if now > ranked:  # its tenant was placed since, or its head left: take its turn when it comes
                 heapq.heappush(heap, now)
                 continue
+            if self._until is not None and self._order_of(*self._until) < self._order_of(key, entry):
+                return  # the job not queued would be decided now, before this one
             self._cursor[key] = entry
             self._current = key
             self.visited += 1
