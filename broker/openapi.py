@@ -329,8 +329,9 @@ def _paths() -> dict[str, Any]:
         },
         "/v1/preview": {
             "post": {
-                "summary": "What the broker would decide for a job now, were it first in the queue: its site, its "
-                           "deferral or why it would wait, with every site's terms; nothing is submitted",
+                "summary": "What the broker would decide for a job now, at its place in the queue (after the queued "
+                           "jobs the next pass would decide before it): its site, its deferral or why it would wait, "
+                           "with every site's terms; nothing is submitted",
                 "requestBody": _request(_ref("JobSpec"), "the job"),
                 "responses": _answers(_json_body(_ref("Preview"), "the decision it would get"), 400, 413, 422),
             },

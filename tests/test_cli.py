@@ -72,6 +72,7 @@ def test_submit_dry_run_shows_where_the_job_would_go_and_submits_nothing(capsys,
     code, out, err = run(capsys, server, "submit", "--dry-run", str(submit_file(tmp_path, name="dry")))
     assert code == 0, err
     assert out.startswith("would be decided so at ") and "placed on alpha" in out and "beta" in out
+    assert out.splitlines()[0].endswith(", with no queued job decided before it")
     assert "(dry run: what the broker would decide for this job now" in out
     code, out, _ = run(capsys, server, "--json", "jobs")
     assert "dry" not in [j["name"] for j in json.loads(out)]  # nothing was submitted

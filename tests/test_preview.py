@@ -58,6 +58,24 @@ async def test_a_preview_decides_the_job_after_the_queued_jobs_a_pass_decides_be
     assert not ahead.capped
 
 
+async def test_a_tenant_below_its_fair_share_is_previewed_before_the_queued_jobs_of_one_above_it(make):
+    """The pass's order across tenants (``policies.fair_order``): tenant a used the site all yesterday, b not at
+    all; b's job is decided before a's older queued one, and gets the room, where a's new one comes after it."""
+    quotas = [{"tenant": "a", "burst_gpus": 8}, {"tenant": "b", "burst_gpus": 8}]  # equal weights, no guarantee
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST, quotas=quotas))
+    await h.submit(tenant="a", name="burst", count=8, duration_s=10 * 3600)
+    await h.cycle()
+    await h.step(1.0)
+    await h.step(10 * 3600)
+    await h.step(3600)  # the site re-weights usage hourly
+    await h.broker.cycle.run_once(full=True)  # its report with the usage
+    await h.submit(tenant="a", name="a0", count=8, duration_s=600)
+    d, ahead = previewed(h, tenant="b", count=8, duration_s=600)
+    assert (d.outcome, d.site, ahead.decided) == ("placed", "alpha", 0)
+    d, ahead = previewed(h, tenant="a", count=8, duration_s=600)
+    assert (d.outcome, d.site, ahead.decided) == ("unplaceable", None, 1)
+
+
 async def test_the_next_pass_does_what_the_preview_said_and_the_preview_changed_nothing(make):
     """The queue's head takes alpha's room at the next pass, as the preview said; before it, nothing the broker
     keeps moved: the queue, the decisions stored, the job events, the live events, the metrics, the placements in

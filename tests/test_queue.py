@@ -41,6 +41,22 @@ def test_a_walk_that_fails_nothing_visits_every_job_in_the_plain_order(jobs):
     assert list(index.walk()) == plain_order(jobs)
 
 
+@given(job_lists, st.sampled_from(["a", "e"]), st.sampled_from([1, 3]), st.sampled_from([0, 5, 10, 20]),
+       st.integers(0, 50))
+@settings(max_examples=60, deadline=None)
+def test_a_walk_until_a_job_not_queued_visits_the_jobs_before_its_place_and_stops(jobs, tenant, count, priority, age):
+    """A preview's walk (``until``): the queued jobs the plain order puts before the job, a queued job of the same
+    priority and age (queued first) among them; the job itself is not added."""
+    index = QueueIndex()
+    for j in jobs:
+        index.add(j)
+    mine = queued(99999, tenant, count, priority, float(age))
+    mine = mine.model_copy(update={"id": "preview"})
+    ahead = [j for j in jobs if (-j.spec.priority, j.created_at) <= (-priority, mine.created_at)]
+    assert list(index.walk(until=index.place_of(mine))) == plain_order(ahead)
+    assert "preview" not in index and len(index) == len(jobs)
+
+
 @given(job_lists, st.data())
 @settings(max_examples=60, deadline=None)
 def test_a_failed_group_is_skipped_for_the_rest_of_the_walk_and_nothing_else_is(jobs, data):

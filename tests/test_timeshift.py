@@ -915,15 +915,41 @@ async def test_a_preview_of_a_flexible_job_gives_the_deferral_a_submission_then_
 
     b, clock = live
     spec = job(count=8, profile="green", duration_s=4 * 3600, deadline=GREEN_AT + timedelta(hours=30))
-    req, record = b.cycle.preview("preview", spec)
+    req, record, _ = b.cycle.preview("preview", spec)
     previewed = explain.render(record, req, b.cycle.filters, 0)
     assert previewed.outcome == "deferred" and previewed.deferral.site == "frankfurt"
-    assert explain.render(*reversed(b.cycle.preview("preview", spec)), b.cycle.filters, 0) == previewed
+    req, record, _ = b.cycle.preview("preview", spec)
+    assert explain.render(record, req, b.cycle.filters, 0) == previewed
     assert b.cycle.deferred_until("preview") is None
     j, decision = await _a_deferred_green_job(b)
     decided = await decision()
     assert (decided.outcome, decided.site, decided.deferred_until, decided.summary) == (
         previewed.outcome, previewed.site, previewed.deferred_until, previewed.summary)
+
+
+async def test_a_preview_behind_a_deferred_job_plans_around_it_and_leaves_its_deferral_as_it_was(live) -> None:
+    # A green job deferred this hour is not decided again before a preview (its hours are in the plan); an hour
+    # on, the pass would decide it again first, so the preview does, on its scratch plan, and the broker's
+    # deferral of it (its planned hours, the hour it was decided in) is left as it was.
+    from tests.builders import job
+
+    b, clock = live
+    j, _ = await _a_deferred_green_job(b)
+    spec = job(count=8, profile="green", duration_s=4 * 3600, deadline=GREEN_AT + timedelta(hours=30))
+    kept = dict(b.cycle._deferred)
+    assert j.id in kept
+    _, _, ahead = b.cycle.preview("preview", spec)
+    assert (ahead.decided, ahead.deferred) == (0, 0)
+    await clock.advance(3600)
+    req, record, ahead = b.cycle.preview("preview", spec)
+    assert (ahead.decided, ahead.deferred) == (1, 1)
+    previewed = explain.render(record, req, b.cycle.filters, 0)
+    planned = kept[j.id]
+    kept_start = datetime.fromtimestamp(planned.first * 3600, tz=UTC)  # the 8 GPUs it holds there, 4 hours
+    assert previewed.outcome == "deferred"
+    assert (previewed.deferral.site != planned.site
+            or abs(previewed.deferred_until - kept_start) >= timedelta(hours=4))  # planned around it
+    assert b.cycle._deferred == kept and b.cycle.deferred_until("preview") is None
 
 
 async def test_a_deferred_job_whose_deadline_is_brought_forward_is_decided_again_at_once(live) -> None:
