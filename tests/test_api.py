@@ -1093,7 +1093,8 @@ async def test_a_preview_tells_where_a_job_would_go_and_why_and_submits_nothing(
     preview = await r.json()
     d = preview["decision"]
     assert d["outcome"] == "placed" and d["site"] == "berlin" and d["job_id"] == "preview"
-    assert sorted(s["site"] for s in d["sites"]) == ["berlin", "paris"] and "at its place in the queue" in preview["note"]
+    assert sorted(s["site"] for s in d["sites"]) == ["berlin", "paris"]
+    assert "at its place in the queue" in preview["note"]
     assert preview["ahead"] == 0  # no job queued before it
     assert (await (await client.get("/v1/jobs")).json())["items"] == []  # nothing was submitted
 
