@@ -47,8 +47,7 @@ CASES = [
 async def test_a_preview_decides_the_job_after_the_queued_jobs_a_pass_decides_before_it(make, queued, spec, expected):
     sites = [site("alpha", region=EAST, gpus={"a100-80gb": 8}, adapter=FAST)]
     if any(j.get("allowed_regions") for j in queued):
-        sites.append(site("beta", region=WEST, gpus={"a100-80gb": 8}, adapter=FAST,
-                          usd_per_gpu_hour={"a100-80gb": 100.0}))  # dearer: alpha is the first choice
+        sites.append(site("beta", region=WEST, gpus={"a100-80gb": 8}, adapter=FAST))
     h = await make(*sites)
     await h.cycle()  # the sites' reports
     for kw in queued:
