@@ -60,7 +60,7 @@ class ClusterClock:
             return
         try:
             server = parsedate_to_datetime(date)
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, IndexError, OverflowError):  # (a zone too large for a C int overflows)
             return
         if server.tzinfo is None:  # (an HTTP date is GMT; one without a zone is no HTTP date)
             return
