@@ -709,7 +709,8 @@ def preview_note(ahead: Ahead) -> str:
     if not ahead.capped:
         return PREVIEW_NOTE
     return (f"{PREVIEW_NOTE}; only the first {ahead.decided} jobs ahead of it were decided (the most a preview "
-            "decides): those further ahead were not weighed, and may take room it was shown")
+            "decides, or walks past with those deferred this hour): those further ahead were not weighed, and may "
+            "take room it was shown")
 
 
 async def preview_job(request: web.Request) -> web.Response:

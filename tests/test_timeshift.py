@@ -952,6 +952,31 @@ async def test_a_preview_behind_a_deferred_job_plans_around_it_and_leaves_its_de
     assert b.cycle._deferred == kept and b.cycle.deferred_until("preview") is None
 
 
+async def test_a_preview_behind_many_jobs_deferred_this_hour_walks_past_a_bounded_number_and_says_so(
+        live, monkeypatch) -> None:
+    # Jobs deferred this hour are passed over, not decided, so PREVIEW_AHEAD_MAX does not bound them: a preview
+    # behind a queue of a few hundred thousand of them used to walk them all, holding the broker's event loop for
+    # seconds (the API, the leader's lease). It walks past at most PREVIEW_WALK_MAX, and says it was cut short.
+    from broker import cycle as cycle_module
+    from broker.api import preview_note
+    from tests.builders import job
+
+    b, _ = live
+    spec = job(count=8, profile="green", duration_s=4 * 3600, deadline=GREEN_AT + timedelta(hours=30))
+    for _ in range(3):
+        await b.book.submit(spec)
+    await b.cycle.run_once(full=True)
+    deferred = len(b.cycle._deferred)  # (the first placed at once, or not: the others are deferred)
+    assert deferred >= 2 and len(b.book.active.queue) == deferred
+    monkeypatch.setattr(cycle_module, "PREVIEW_WALK_MAX", deferred - 1)
+    _, _, ahead = b.cycle.preview("preview", spec)
+    assert (ahead.decided, ahead.capped) == (0, True)
+    assert "those further ahead were not weighed" in preview_note(ahead)
+    monkeypatch.setattr(cycle_module, "PREVIEW_WALK_MAX", deferred)
+    _, _, ahead = b.cycle.preview("preview", spec)
+    assert (ahead.decided, ahead.capped) == (0, False)
+
+
 async def test_a_deferred_job_whose_deadline_is_brought_forward_is_decided_again_at_once(live) -> None:
     # PATCH /v1/jobs/{id} with a deadline 5 h away for a 4-hour job deferred by 20 hours: the plan it had would
     # miss the new deadline; kept until the next hour, the job would not be decided again until then.
