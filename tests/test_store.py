@@ -277,6 +277,21 @@ async def test_jobs_that_ended_before_the_cutoff_go_with_their_transitions_and_d
     assert await store.prune_ended(T0 + timedelta(days=1), 10) == ["job00000"]
 
 
+async def test_a_job_is_dated_by_when_the_broker_stored_its_end_not_by_its_sites_clock(store: Store):
+    """A job's ``finished_at`` is the time its site reported (``JobEvent.at``, by the site's clock); a site whose
+    clock is 40 days behind must not have the job it just ended deleted at the next round of a 30-day retention."""
+    job = make_job(1)
+    await store.insert_job(job)
+    running = job.transition(JobState.DISPATCHING, T0, site="a", attempt=1)
+    await store.update_job(running, job.version)
+    now = T0 + timedelta(days=40)
+    ended = running.transition(JobState.CANCELLED, now, finished_at=T0)  # (as the site's clock said)
+    await store.update_job(ended, running.version)
+    assert await store.prune_ended(now - timedelta(days=30), 10) == []
+    assert await store.get_job(job.id) is not None
+    assert await store.prune_ended(now + timedelta(seconds=1), 10) == [job.id]
+
+
 async def test_a_cursor_keeps_the_filter_and_a_full_last_page_has_no_next(store: Store):
     for i in range(12):
         await store.insert_job(make_job(i, tenant="a" if i % 2 else "b"))

@@ -124,10 +124,13 @@ def decode_cursor(cursor: str) -> int:
 
 
 def ended_at(job: Job) -> float | None:
-    """When ``job`` ended, in seconds since the epoch (the ``ended_at`` column); None while it is active."""
+    """When ``job`` ended, in seconds since the epoch (the ``ended_at`` column); None while it is active. By the
+    broker's clock: the time its end was stored (``updated_at``; a final state changes no more), not its
+    ``finished_at``, which is the site's word (``JobEvent.at``, by the site's clock: one far behind would have a job
+    that just ended deleted at once)."""
     if not job.state.terminal:
         return None
-    return (job.finished_at or job.updated_at).timestamp()
+    return job.updated_at.timestamp()
 
 
 class QueuedUpdates(ABC):
