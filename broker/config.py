@@ -130,9 +130,9 @@ class BrokerSettings(BaseModel):
                     "site's lease run out) it fails rather than be requeued again; 0 or null: no bound",
     )
     job_retention_h: float | None = Field(
-        default=720.0, ge=0,
+        default=720.0, ge=0, le=1_000_000,  # (a century and more; past about two millennia the cutoff overflows)
         description="finished jobs (succeeded, failed, cancelled) are deleted with their transitions and decision "
-                    "this many hours after they ended (720: 30 days); 0 or null: kept for ever")
+                    "this many hours after they ended (720: 30 days; at most 1,000,000); 0 or null: kept for ever")
     shutdown_grace_s: float = Field(default=5.0, ge=0, description="how long shutdown waits for dispatches")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     profiles: ProfilesConfig = Field(default_factory=ProfilesConfig,

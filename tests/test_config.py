@@ -218,6 +218,11 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
             id="an unquoted mode off, which YAML reads as false, says to quote it",
         ),
         pytest.param(
+            "broker: {job_retention_h: 1.0e+9}\n",
+            ["broker.job_retention_h: Input should be less than or equal to 1000000"],
+            id="a retention beyond a century is refused at load, not an overflow at every round of housekeeping",
+        ),
+        pytest.param(
             "- just\n- a list\n",
             ["the top level must be a mapping with 'broker' and 'sites'"],
             id="a list at the top level is refused with what is expected instead",
