@@ -177,12 +177,15 @@ def server_name(dsn: str) -> str:
 class PostgresStore(SqlWriteQueue):
     INSERT_JOB, UPDATE_JOB, INSERT_EVENT, UPSERT_DECISION = _INSERT_JOB, _UPDATE_JOB, _INSERT_EVENT, _UPSERT_DECISION
     UNDATED_ENDED = f"SELECT id, doc FROM jobs WHERE ended_at IS NULL AND state IN ({_TERMINAL}) ORDER BY seq LIMIT $1"
-    DATE_ENDED = "UPDATE jobs SET ended_at = $1 WHERE id = $2 AND ended_at IS NULL"
+    # (Each statement is a round trip, and the writer's batch waits for it: a round's dates and deletions are one
+    # statement per table, over arrays, not one per job.)
+    DATE_ENDED = ("UPDATE jobs SET ended_at = d.ended_at FROM unnest($1::double precision[], $2::text[])"
+                  " AS d(ended_at, id) WHERE jobs.id = d.id AND jobs.ended_at IS NULL")
     ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < $1 ORDER BY ended_at, id LIMIT $2"
     DELETE_ENDED = (
-        "DELETE FROM job_events WHERE job_id = $1",
-        "DELETE FROM decisions WHERE job_id = $1",
-        f"DELETE FROM jobs WHERE id = $1 AND ended_at IS NOT NULL AND state IN ({_TERMINAL})",
+        "DELETE FROM job_events WHERE job_id = ANY($1::text[])",
+        "DELETE FROM decisions WHERE job_id = ANY($1::text[])",
+        f"DELETE FROM jobs WHERE id = ANY($1::text[]) AND ended_at IS NOT NULL AND state IN ({_TERMINAL})",
     )
 
     def __init__(self, dsn: str, *, max_batch: int = 2048, min_connections: int = 1, max_connections: int = 8,
@@ -518,6 +521,12 @@ class PostgresStore(SqlWriteQueue):
 
     async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in await self._all(sql, *params)]
+
+    def _date_ended(self, dates: list[tuple[float | None, str]]) -> list[tuple[str, tuple[Any, ...]]]:
+        return [(self.DATE_ENDED, ([at for at, _ in dates], [job_id for _, job_id in dates]))]
+
+    def _delete_ended(self, ids: list[str]) -> list[tuple[str, tuple[Any, ...]]]:
+        return [(sql, (ids,)) for sql in self.DELETE_ENDED]
 
 
 def _has_nul(args: tuple[Any, ...]) -> bool:

@@ -38,9 +38,10 @@ class SqlWriteQueue(QueuedUpdates):
     INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason)
     UPSERT_DECISION: ClassVar[str]  # (job_id, attempt, doc)
     UNDATED_ENDED: ClassVar[str]  # (limit) -> (id, doc) of jobs in a final state with no ended_at, oldest first
-    DATE_ENDED: ClassVar[str]  # (ended_at, id)
+    DATE_ENDED: ClassVar[str]  # (ended_at, id); see _date_ended
     ENDED_BEFORE: ClassVar[str]  # (before, limit) -> (id,) of jobs that ended before, first ended first
-    DELETE_ENDED: ClassVar[tuple[str, ...]]  # (id) each: its transitions, its decision, the job (if it ended)
+    DELETE_ENDED: ClassVar[tuple[str, ...]]  # (id) each: its transitions, its decision, the job (if it ended);
+    #                                           see _delete_ended
 
     _queue: asyncio.Queue[Write | None]
     _fence: int | None
@@ -97,15 +98,24 @@ class SqlWriteQueue(QueuedUpdates):
     async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         raise NotImplementedError
 
+    def _date_ended(self, dates: list[tuple[float | None, str]]) -> list[tuple[str, tuple[Any, ...]]]:
+        """The statements that write ``dates`` ((ended_at, id) each): one each (a store that sends one statement
+        for them all, where each is a round trip, overrides it)."""
+        return [(self.DATE_ENDED, d) for d in dates]
+
+    def _delete_ended(self, ids: list[str]) -> list[tuple[str, tuple[Any, ...]]]:
+        """The statements that delete the jobs ``ids`` with their transitions and decisions: ``DELETE_ENDED`` for
+        each (a store that sends one statement per table for them all overrides it)."""
+        return [(sql, (job_id,)) for job_id in ids for sql in self.DELETE_ENDED]
+
     async def prune_ended(self, before: datetime, limit: int) -> list[str]:
         # first date the rows of jobs that ended with no ended_at (before this release, or ended by a replica of an
         # earlier one), a batch a call, so that they are pruned in their turn
         undated = await self._read(self.UNDATED_ENDED, (limit,))
         if undated:
-            dates = [(self.DATE_ENDED, (ended_at(Job.model_validate_json(doc)), job_id)) for job_id, doc in undated]
-            await self._submit(self._new_write(dates, fenced=True))
+            dates = [(ended_at(Job.model_validate_json(doc)), job_id) for job_id, doc in undated]
+            await self._submit(self._new_write(self._date_ended(dates), fenced=True))
         ids = [r[0] for r in await self._read(self.ENDED_BEFORE, (before.timestamp(), limit))]
         if ids:
-            await self._submit(self._new_write(
-                [(sql, (job_id,)) for job_id in ids for sql in self.DELETE_ENDED], fenced=True))
+            await self._submit(self._new_write(self._delete_ended(ids), fenced=True))
         return ids
