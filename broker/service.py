@@ -462,15 +462,17 @@ class Broker:
         except Exception:
             log.exception("retrying withdrawals and reconciliations failed; trying again next cycle")
         if self.settings.job_retention_h and self.clock.now() >= self._prune_due:
+            later = self.clock.now() + timedelta(seconds=PRUNE_EVERY_S)
             try:
-                pruned = await self.prune_ended()
+                more, _ = await self._prune_round()
             except Fenced:
                 return  # another replica leads now: the loop steps down at its next write
             except Exception:
-                log.exception("deleting finished jobs past broker.job_retention_h failed; trying again")
-            else:
-                if pruned < PRUNE_BATCH:
-                    self._prune_due = self.clock.now() + timedelta(seconds=PRUNE_EVERY_S)
+                log.exception("deleting finished jobs past broker.job_retention_h failed; trying again in %.0f "
+                              "minutes", PRUNE_EVERY_S / 60)
+                more = False
+            if not more:  # (a full round: the next one at the next housekeeping)
+                self._prune_due = later
         for name in list(self._quota_passes):  # a site that could not take its file's quotas before: again
             # (under the site's lock: a change of the site made meanwhile, its quotas passed, must not be followed
             # by the file's older ones; a site whose lock is held, a rebuild waiting out a dispatch, is tried at the
@@ -489,16 +491,21 @@ class Broker:
         """Delete up to ``PRUNE_BATCH`` jobs that ended more than ``job_retention_h`` ago, with their transitions
         and decisions (as Armada's Lookout pruner and Slurm's ``MinJobAge``: the store holds what runs and what
         ended lately, not every job ever sent). Returns how many; none where the retention is 0 or null."""
-        kept = self.settings.job_retention_h
-        if not kept:
-            return 0
+        return (await self._prune_round())[1] if self.settings.job_retention_h else 0
+
+    async def _prune_round(self) -> tuple[bool, int]:
+        """One round of :meth:`prune_ended`: first up to ``PRUNE_BATCH`` rows that ended undated are dated (before
+        the release that dates them, or by a replica of an earlier one), then up to ``PRUNE_BATCH`` jobs deleted.
+        Returns whether either batch was full (more to do at once), and how many jobs were deleted."""
+        kept = self.settings.job_retention_h or 0.0
         async with self._pruning:  # one round at a time, so that no two count the same jobs
+            dated = await self.store.date_ended(PRUNE_BATCH)
             ids = await self.store.prune_ended(self.clock.now() - timedelta(hours=kept), PRUNE_BATCH)
         if ids:
             self.metrics.pruned.inc(len(ids))
             log.info("deleted %d finished job(s) that ended more than %g h ago (broker.job_retention_h)",
                      len(ids), kept)
-        return len(ids)
+        return dated == PRUNE_BATCH or len(ids) == PRUNE_BATCH, len(ids)
 
     async def decision(self, job: Job) -> StoredDecision | None:
         """The decision that explains ``job`` now: its own last recorded one, or, if newer, the one its

@@ -192,6 +192,36 @@ async def test_finished_jobs_are_deleted_job_retention_h_after_they_ended_and_no
     assert (await kept.job(j.id)).state == JobState.CANCELLED
 
 
+async def test_deleting_finished_jobs_goes_on_at_once_after_a_full_round_and_waits_after_a_failed_one(
+        make, monkeypatch: pytest.MonkeyPatch):
+    import broker.service as service
+    monkeypatch.setattr(service, "PRUNE_BATCH", 2)
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST), job_retention_h=1)
+    jobs = [await h.submit(count=1, duration_s=60) for _ in range(5)]
+    for j in jobs:
+        await h.broker.lifecycle.cancel(j.id)
+    await h.step(2 * 3600)
+    for expected_left in (3, 1, 0):  # two a round, and the next round at the next housekeeping while rounds are full
+        await h.broker._settle()
+        left = [j for j in jobs if await h.broker.store.get_job(j.id) is not None]
+        assert len(left) == expected_left
+
+    calls = []
+
+    async def failing(before, limit):
+        calls.append(before)
+        raise StoreError("database is locked")
+
+    monkeypatch.setattr(h.broker.store, "prune_ended", failing)
+    await h.step(300)
+    for _ in range(3):  # one failure is logged, then the next try 5 minutes on, not at every housekeeping
+        await h.broker._settle()
+    assert len(calls) == 1
+    await h.step(301)
+    await h.broker._settle()
+    assert len(calls) == 2
+
+
 async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_sites_reason(make):
     h = await make(
         site("alpha", gpus={"a100-80gb": 8}, adapter=FAST),

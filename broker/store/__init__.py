@@ -181,6 +181,12 @@ class Store(Protocol):
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]: ...
 
+    async def date_ended(self, limit: int) -> int:
+        """Write when they ended into up to ``limit`` rows of jobs in a final state that have no ``ended_at`` (they
+        ended before the release that keeps it, or a replica of an earlier release ended them), from their
+        documents, so that :meth:`prune_ended` finds them in their turn; return how many. The leader's (fenced)."""
+        ...
+
     async def prune_ended(self, before: datetime, limit: int) -> list[str]:
         """Delete up to ``limit`` jobs that ended (a final state) before ``before``, those that ended first first,
         with their transitions and decision; return their ids. The leader's (fenced), as a scheduling write."""

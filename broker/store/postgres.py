@@ -99,19 +99,20 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 5: when a job ended (seconds since the epoch; null while it is active), for the retention of finished jobs
     # (Store.prune_ended); rows of jobs that ended before it, or that a replica of an earlier release ended, are
-    # dated from their documents as they are found (jobs_undated: the active jobs and those, so finding them reads
-    # no row of a job already dated)
+    # dated from their documents as they are found (jobs_undated: those rows alone, so finding them reads no other).
+    # Building the two indexes reads the whole table once, and writes wait for it (seconds a million jobs).
     """
     ALTER TABLE jobs ADD COLUMN ended_at DOUBLE PRECISION;
     CREATE INDEX jobs_ended ON jobs(ended_at) WHERE ended_at IS NOT NULL;
-    CREATE INDEX jobs_undated ON jobs(seq) WHERE ended_at IS NULL;
+    CREATE INDEX jobs_undated ON jobs(seq) WHERE ended_at IS NULL AND state IN ('succeeded', 'failed', 'cancelled');
     """,
 )
 
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
 
 _ACTIVE = [s.value for s in JobState if not s.terminal]
-_TERMINAL = ",".join(f"'{s.value}'" for s in JobState if s.terminal)
+# the final states, as SQL (as migration 5's jobs_undated lists them: a query must name them alike to use it)
+_TERMINAL = ", ".join(f"'{s.value}'" for s in JobState if s.terminal)
 _INSERT_JOB = (
     "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc, ended_at)"
     " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"

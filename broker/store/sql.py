@@ -108,13 +108,14 @@ class SqlWriteQueue(QueuedUpdates):
         each (a store that sends one statement per table for them all overrides it)."""
         return [(sql, (job_id,)) for job_id in ids for sql in self.DELETE_ENDED]
 
-    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
-        # first date the rows of jobs that ended with no ended_at (before this release, or ended by a replica of an
-        # earlier one), a batch a call, so that they are pruned in their turn
+    async def date_ended(self, limit: int) -> int:
         undated = await self._read(self.UNDATED_ENDED, (limit,))
         if undated:
             dates = [(ended_at(Job.model_validate_json(doc)), job_id) for job_id, doc in undated]
             await self._submit(self._new_write(self._date_ended(dates), fenced=True))
+        return len(undated)
+
+    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
         ids = [r[0] for r in await self._read(self.ENDED_BEFORE, (before.timestamp(), limit))]
         if ids:
             await self._submit(self._new_write(self._delete_ended(ids), fenced=True))
