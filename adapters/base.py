@@ -17,6 +17,10 @@
 - ``Preempter`` (optional): checkpoint and stop a running attempt when the broker asks, as the site's own
   preemption does, so a checkpointable job can move to a cleaner or cheaper site, or make room for a job
   that must run near its users (``policies.migration``). Sites without it never have a job moved away.
+- ``LogReader`` (optional): what an attempt printed (the end of it: ``tail_lines``, ``limit_bytes``), for
+  ``GET /v1/jobs/{id}/logs``. It raises :class:`LogsUnsupported` where the site cannot give logs at all,
+  :class:`LogsNotFound` where it has none for the attempt (not started yet, or gone), and ``AdapterError``
+  where it cannot answer now.
 
 Submissions are keyed by (job id, attempt): submitting the same attempt twice must not run it twice.
 A cancel is final for its attempt: the site drops it if it has it, and refuses it if its submission
@@ -112,6 +116,26 @@ class Preempter(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class JobLogs:
+    """What an attempt printed, as a site gives it: ``text`` (UTF-8, invalid bytes replaced), whether lines or
+    bytes before it were left out (``truncated``: by ``tail_lines``, ``limit_bytes`` or a message size), and
+    where it came from (``source``: a Pod and its container, or the simulated run)."""
+
+    text: str
+    truncated: bool = False
+    source: str | None = None
+
+
+@runtime_checkable
+class LogReader(Protocol):
+    async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
+        """The last ``tail_lines`` lines (None: all) of what attempt ``attempt`` of job ``job_id`` printed, at
+        most its last ``limit_bytes`` bytes. :class:`LogsNotFound` where the site has nothing for that attempt,
+        :class:`LogsUnsupported` where it cannot give logs, ``AdapterError`` where it cannot answer now."""
+        ...
+
+
 @runtime_checkable
 class QuotaAdmin(Protocol):
     async def quota(self) -> QuotaState: ...
@@ -137,3 +161,26 @@ class SiteAdapter(CapacityReporter, JobRunner, EventSource, Protocol):
 
 class AdapterError(RuntimeError):
     """A site could not be reached or answered nonsense; the broker treats the call as failed."""
+
+
+class LogsUnsupported(AdapterError):
+    """The site cannot give logs: its adapter has no ``LogReader``, or its agent is of an earlier release."""
+
+
+class LogsNotFound(AdapterError):
+    """The site has no logs of the attempt: it has not started there, or what it ran is gone (the message
+    says which)."""
+
+
+def tail_text(text: str, tail_lines: int | None, limit_bytes: int) -> tuple[str, bool]:
+    """The end of ``text``: its last ``tail_lines`` lines (None: all), then at most its last ``limit_bytes``
+    bytes of UTF-8 (a character cut in two is dropped); and whether anything was left out."""
+    cut = False
+    if tail_lines is not None:
+        lines = text.splitlines(keepends=True)
+        if len(lines) > tail_lines:
+            text, cut = "".join(lines[len(lines) - tail_lines:]) if tail_lines else "", True
+    data = text.encode()
+    if len(data) > limit_bytes:
+        text, cut = data[len(data) - limit_bytes:].decode(errors="ignore") if limit_bytes > 0 else "", True
+    return text, cut

@@ -16,6 +16,11 @@ clock) drive it the same way.
   from a generator seeded by ``seed``, so runs repeat exactly.
 - Telemetry is modelled from allocation: utilisation follows the share of GPU in use, power goes from
   10% of board power idle to 100% busy, temperature from 35 °C idle to 80 °C busy.
+- Logs (``LogReader``): the site runs no container, so what an attempt "printed" is made up from its simulated
+  run, the same each time: a line when it started (and, for a checkpointed job, from where it resumed), one
+  at each tenth of its planned run that has passed on the clock, and one for how it ended (succeeded, failed
+  with the reason, preempted, or withdrawn). The logs of the latest ``LOGS_KEPT`` attempts that ended are kept,
+  in memory only.
 - ``set_reachable(False)`` makes the site unreachable (every call raises ``AdapterError`` and events are
   held back until it is reachable again), for fault tests; its running jobs keep running, as a real
   partitioned site's would.
@@ -27,11 +32,12 @@ import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from collections import OrderedDict
+from datetime import UTC, datetime, timedelta
 
 from pathlib import Path
 
-from adapters.base import AdapterError, Admission, EventKind, JobEvent
+from adapters.base import AdapterError, Admission, EventKind, JobEvent, JobLogs, LogsNotFound, tail_text
 from adapters.quota_store import QuotaOverrides, log_beyond_site
 from adapters.site_state import UsageJournal
 from broker import ids
@@ -41,6 +47,9 @@ from policies.admission import Admitted, SiteAdmission
 
 
 TOMBSTONE_TTL_S = 3600.0  # far longer than any dispatch timeout
+LOGS_KEPT = 10_000
+"""How many ended attempts' logs a simulated site keeps (the oldest go first)."""
+PROGRESS_STEPS = 10  # a simulated log's progress lines: one per tenth of the planned run
 
 
 @dataclass(slots=True)
@@ -48,6 +57,36 @@ class _Run:
     job: Job
     started: float  # POSIX seconds
     task: asyncio.Task[None] | None = None
+    planned_s: float | None = None  # what the attempt has left to run, once it runs
+    ended: float | None = None  # POSIX seconds
+    outcome: str | None = None  # how it ended, as its log's last line says
+
+
+def _stamp(posix_s: float) -> str:
+    return datetime.fromtimestamp(posix_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def simulated_log(site: str, run: _Run, now: float) -> str:
+    """The log of a simulated attempt as of ``now`` (POSIX seconds): deterministic, from its run alone."""
+    job = run.job
+    gpus = job.spec.gpus
+    what = f"{gpus.count} x {job.gpu_model or 'GPU'}" + (f" ({gpus.mig_profile} slices)" if gpus.mig_profile else "")
+    lines = [f"{_stamp(run.started)} heliotrope simulated site {site}: attempt {job.attempt} of job {job.id} "
+             f"(tenant {job.spec.tenant}) started on {what}; no container runs here, this log is simulated"]
+    if job.spec.checkpointable and job.run_s > 0:
+        lines.append(f"{_stamp(run.started)} resumed from its checkpoint at {job.run_s:.0f} s of work")
+    until = min(now, run.ended) if run.ended is not None else now
+    planned = run.planned_s
+    if planned is not None and planned > 0:
+        for step in range(1, PROGRESS_STEPS):
+            at = run.started + planned * step / PROGRESS_STEPS
+            if at > until:
+                break
+            lines.append(f"{_stamp(at)} progress {100 * step // PROGRESS_STEPS}%: {planned * step / PROGRESS_STEPS:.0f} s "
+                         f"of {planned:.0f} s")
+    if run.ended is not None and run.outcome is not None:
+        lines.append(f"{_stamp(run.ended)} attempt {job.attempt} {run.outcome} after {run.ended - run.started:.0f} s")
+    return "".join(line + "\n" for line in lines)
 
 
 def _admission_key(job_id: str, attempt: int) -> str:
@@ -80,6 +119,7 @@ class SimulatedSite:
         self._usage = UsageJournal(Path(folder) / spec.name / "usage.json" if folder is not None else None, self.name)
         self._usage.restore(self._admission.book, clock.now().timestamp())
         self._runs: dict[tuple[str, int], _Run] = {}
+        self._ended: OrderedDict[tuple[str, int], _Run] = OrderedDict()  # for their logs: the latest LOGS_KEPT
         self._pending: dict[tuple[str, int], asyncio.Future[Admission]] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}  # tombstones of cancelled attempts -> when
         self._events: asyncio.Queue[JobEvent] = asyncio.Queue()
@@ -208,6 +248,7 @@ class SimulatedSite:
         if run is None:
             return
         self._admission.stop(_admission_key(job_id, attempt), self._clock.now().timestamp())
+        self._ended_run(run, "was withdrawn by the broker")
         if run.task is not None and run.task is not asyncio.current_task():
             run.task.cancel()
 
@@ -217,6 +258,21 @@ class SimulatedSite:
         self._check_reachable()
         if (job_id, attempt) in self._runs:
             self._preempt(_admission_key(job_id, attempt), reason, self._clock.now().timestamp())
+
+    # --- LogReader ---
+
+    async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
+        """The simulated log of an attempt (see the module doc); ``LogsNotFound`` for one the site has not
+        started, or whose log is no longer kept."""
+        self._check_reachable()
+        key = (job_id, attempt)
+        run = self._runs.get(key) or self._ended.get(key)
+        if run is None:
+            why = "it is being admitted" if key in self._pending else \
+                f"it never started here, or ended before the latest {LOGS_KEPT} whose logs the site keeps"
+            raise LogsNotFound(f"site {self.name} has no log of attempt {attempt} of job {job_id}: {why}")
+        text, cut = tail_text(simulated_log(self.name, run, self._clock.now().timestamp()), tail_lines, limit_bytes)
+        return JobLogs(text, cut, f"simulated run at site {self.name}")
 
     # --- EventSource / AttemptLookup ---
 
@@ -266,6 +322,7 @@ class SimulatedSite:
             return
         if run.task is not None:
             run.task.cancel()
+        self._ended_run(run, f"was preempted ({reason})")
         self._emit(JobEvent(job_id, int(attempt), EventKind.PREEMPTED, self._clock.now(), reason=reason,
                             run_s=max(now - run.started, 0.0)))
 
@@ -276,6 +333,7 @@ class SimulatedSite:
         remaining = max(remaining, 0.0)
         fails = self._rng.random() < self.config.failure_rate
         run_for = remaining * self._rng.random() if fails else remaining
+        run.planned_s = remaining
         self._emit(JobEvent(job.id, job.attempt, EventKind.RUNNING, self._clock.now()))
         try:
             await self._clock.sleep(run_for)
@@ -284,11 +342,18 @@ class SimulatedSite:
         if self._runs.pop(key, None) is None:
             return  # cancelled while finishing
         self._admission.stop(_admission_key(job.id, job.attempt), self._clock.now().timestamp())
+        self._ended_run(run, "failed (simulated failure)" if fails else "succeeded")
         if fails:
             self._emit(JobEvent(job.id, job.attempt, EventKind.FAILED, self._clock.now(),
                                 reason="simulated failure (failure_rate)", run_s=run_for))
         else:
             self._emit(JobEvent(job.id, job.attempt, EventKind.SUCCEEDED, self._clock.now(), run_s=run_for))
+
+    def _ended_run(self, run: _Run, outcome: str) -> None:
+        run.ended, run.outcome = self._clock.now().timestamp(), outcome
+        self._ended[(run.job.id, run.job.attempt)] = run
+        while len(self._ended) > LOGS_KEPT:
+            self._ended.popitem(last=False)
 
     def _emit(self, event: JobEvent) -> None:
         self._events.put_nowait(event)

@@ -9,7 +9,8 @@ Quotas: ``GET /v1/sites/{name}/quota[?tenant=T]`` (the site's own report: per te
         taken from the path)
 Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured), ``GET /v1/jobs?state=&tenant=&site=&limit=&cursor=``,
         ``GET /v1/jobs/{id}``, ``POST /v1/jobs/{id}/cancel`` (and ``DELETE /v1/jobs/{id}``),
-        ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``
+        ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``,
+        ``GET /v1/jobs/{id}/logs?attempt=&tail=`` (what an attempt printed, as its site gives it; text/plain)
 Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
         ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`)
 Other:  ``GET /healthz`` (liveness), ``GET /readyz`` (readiness: the store answers), ``GET /openapi.json``,
@@ -58,7 +59,7 @@ from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
-from adapters.base import AdapterError, QuotaAdmin
+from adapters.base import AdapterError, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
 from broker.models import SITE_READ_ONLY_KEYS, Job, JobChange, JobSpec, JobState, Preview, QuotaState, SiteSpec, TenantQuota
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict, SiteUnsupported
@@ -157,6 +158,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("DELETE", "/v1/jobs/{id}"): SUBMITTERS,
     ("GET", "/v1/jobs/{id}/decision"): ANY,
     ("GET", "/v1/jobs/{id}/events"): ANY,
+    ("GET", "/v1/jobs/{id}/logs"): ANY,  # 404 for a job the caller may not see
     ("GET", "/v1/events"): ANY,  # filtered to what the caller may see
     ("GET", "/v1/carbon"): ANY,
     ("GET", "/v1/whoami"): ANY,
@@ -215,6 +217,10 @@ async def auth_middleware(
     return await handler(request)
 
 
+LOG_HEADERS = ("X-Heliotrope-Site", "X-Heliotrope-Attempt", "X-Heliotrope-Log-Truncated", "X-Heliotrope-Log-Source")
+"""What ``GET /v1/jobs/{id}/logs`` says about its text in headers (the body is the text itself)."""
+
+
 ANY_REPLICA: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/openapi.json"),
     ("GET", "/metrics"),
@@ -226,7 +232,7 @@ holds in memory, and a replica that does not lead passes it on to the leader."""
 
 
 FORWARDED = "X-Heliotrope-Forwarded-By"  # set on a request one replica passes on to another: never passed on again
-PASSED_BACK = ("content-type", "location", "retry-after", "idempotent-replayed")
+PASSED_BACK = ("content-type", "location", "retry-after", "idempotent-replayed", *(h.lower() for h in LOG_HEADERS))
 
 
 def _any_replica(request: web.Request) -> bool:
@@ -235,7 +241,8 @@ def _any_replica(request: web.Request) -> bool:
         return True
     if request.method in ("GET", "HEAD") and (path == "" or path.startswith("/dashboard")):
         return True  # the dashboard's static files: every replica has them
-    return request.method == "GET" and path.startswith("/v1/jobs/")
+    # (a job's logs come from its site, through the adapters only the leader runs)
+    return request.method == "GET" and path.startswith("/v1/jobs/") and not path.endswith("/logs")
 
 
 @web.middleware
@@ -897,6 +904,85 @@ async def job_events(request: web.Request) -> web.Response:
     return _json({"items": await request.app[BROKER].store.job_events(job.id), "next": None})
 
 
+LOG_PARAMS = ("attempt", "tail")
+DEFAULT_TAIL_LINES = 1000
+MAX_TAIL_LINES = 1_000_000
+MAX_LOG_BYTES = 1 << 20  # what one answer carries at most: the end of the log
+LOGS_TIMEOUT_S = 30.0  # how long the broker waits for a site's logs
+REACHED = frozenset({JobState.ADMITTED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.PREEMPTED})
+
+
+def _log_param(request: web.Request, name: str, hi: int) -> int | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= hi:
+        raise ApiError(422, f"query parameter {name} must be an integer from 1 to {hi}, got {raw[:40]!r}",
+                       [{"field": name, "problem": f"must be an integer from 1 to {hi}"}])
+    return value
+
+
+async def _sites_reached(broker: Broker, job: Job) -> dict[int, str]:
+    """Attempt -> site, for each attempt of ``job`` that a site admitted (its history says so)."""
+    reached: dict[int, str] = {}
+    for event in await broker.store.job_events(job.id):
+        attempt, site = event.get("attempt"), event.get("site")
+        if isinstance(attempt, int) and site and event.get("state") in REACHED:
+            reached[attempt] = site
+    if job.site is not None and job.state in REACHED:
+        reached.setdefault(job.attempt, job.site)
+    return reached
+
+
+async def job_logs(request: web.Request) -> web.Response:
+    """``GET /v1/jobs/{id}/logs``: what an attempt printed (the latest attempt a site admitted unless
+    ``attempt`` is given), its last ``tail`` lines (1000) and at most ``MAX_LOG_BYTES``, as its site gives it."""
+    unknown = [name for name in request.query if name not in LOG_PARAMS]
+    if unknown:
+        raise ApiError(400, f"unknown query parameter {unknown[0]!r}; logs take {', '.join(LOG_PARAMS)}",
+                       [{"field": name, "problem": "unknown parameter"} for name in unknown])
+    attempt = _log_param(request, "attempt", 1_000_000)
+    tail = _log_param(request, "tail", MAX_TAIL_LINES) or DEFAULT_TAIL_LINES
+    broker = request.app[BROKER]
+    job = await _job(request)
+    reached = await _sites_reached(broker, job)
+    if not reached:
+        raise ApiError(409, f"job {job.id} has not reached a site yet (it is {job.state}): there are no logs until "
+                            "a site admits it")
+    if attempt is None:
+        attempt = max(reached)
+    elif attempt not in reached:
+        raise ApiError(409, f"attempt {attempt} of job {job.id} never reached a site; the attempts that did: "
+                            f"{', '.join(str(a) for a in sorted(reached))}",
+                       [{"field": "attempt", "problem": "not an attempt a site admitted"}])
+    site = reached[attempt]
+    member = broker.federation.get(site)
+    if member is None:
+        raise ApiError(409, f"site {site}, where attempt {attempt} of job {job.id} ran, is no longer in the "
+                            "federation: its logs cannot be read through the broker")
+    if not isinstance(member.adapter, LogReader):
+        raise ApiError(501, f"site {site}'s adapter ({member.spec.adapter.kind}) cannot give logs")
+    try:
+        async with asyncio.timeout(LOGS_TIMEOUT_S):
+            logs = await member.adapter.logs(job.id, attempt, tail, MAX_LOG_BYTES)
+    except LogsUnsupported as e:
+        raise ApiError(501, f"site {site} cannot give logs: {e}") from None
+    except LogsNotFound as e:
+        raise ApiError(409, str(e)) from None
+    except TimeoutError:
+        raise ApiError(503, f"site {site} did not give the logs of attempt {attempt} within {LOGS_TIMEOUT_S:g} s; "
+                            "try again", headers={"Retry-After": "5"}) from None
+    except AdapterError as e:
+        raise ApiError(503, f"site {site} did not answer: {e}", headers={"Retry-After": "5"}) from None
+    headers = dict(zip(LOG_HEADERS, (site, str(attempt), "true" if logs.truncated else "false",
+                                     (logs.source or "")[:200]), strict=True))
+    return web.Response(text=logs.text, content_type="text/plain", charset="utf-8", headers=headers)
+
+
 # --- live ---
 
 EVENT_FILTERS = ("tenant", "site", "job", "type", "last_event_id")
@@ -1062,6 +1148,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_delete("/v1/jobs/{id}", cancel_job)
     r.add_get("/v1/jobs/{id}/decision", job_decision)
     r.add_get("/v1/jobs/{id}/events", job_events)
+    r.add_get("/v1/jobs/{id}/logs", job_logs)
     r.add_get("/v1/events", events, allow_head=False)  # a stream has no HEAD: it never ends
     r.add_get("/v1/carbon", carbon)
     r.add_get("/v1/whoami", whoami)

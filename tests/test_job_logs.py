@@ -1,0 +1,195 @@
+"""``GET /v1/jobs/{id}/logs`` against a live broker with simulated sites, and the simulated site's log itself."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from adapters.base import AdapterError, JobLogs, LogsUnsupported, tail_text
+from adapters.simulated import SimulatedSite
+from broker.api import create_app
+from broker.clock import ManualClock
+from broker.config import BrokerSettings
+from broker.models import Job
+from broker.service import Broker
+from tests.builders import NOW, job, site
+from tests.test_api import register, site_body, wait_for
+
+JOB = {"tenant": "t1", "name": "train-1", "gpus": {"count": 1}, "duration_s": 3600}
+
+
+@pytest.fixture
+async def client(tmp_path: Path):
+    settings = BrokerSettings(db=str(tmp_path / "api.db"), cycle_interval_s=0.05, shutdown_grace_s=1)
+    broker = Broker(settings)
+    await broker.start([])
+    async with TestClient(TestServer(create_app(broker))) as c:
+        c.broker = broker  # type: ignore[attr-defined]
+        await register(c, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+        yield c
+    await broker.stop()
+
+
+async def submitted(client: TestClient, **spec: Any) -> str:
+    r = await client.post("/v1/jobs", json={**JOB, **spec})
+    assert r.status == 201, await r.text()
+    return (await r.json())["id"]
+
+
+async def error(r: Any) -> dict[str, Any]:
+    assert r.content_type == "application/json", await r.text()
+    return (await r.json())["error"]
+
+
+async def test_a_running_jobs_log_is_read_as_plain_text_from_its_site(client: TestClient):
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    r = await client.get(f"/v1/jobs/{job_id}/logs")
+    assert r.status == 200 and r.content_type == "text/plain" and r.charset == "utf-8"
+    text = await r.text()
+    assert f"attempt 1 of job {job_id} (tenant t1) started on 1 x a100-80gb" in text
+    assert "this log is simulated" in text
+    assert r.headers["X-Heliotrope-Site"] == "berlin" and r.headers["X-Heliotrope-Attempt"] == "1"
+    assert r.headers["X-Heliotrope-Log-Truncated"] == "false"
+
+
+async def test_a_finished_jobs_log_ends_with_its_outcome(client: TestClient):
+    job_id = await submitted(client, duration_s=0.2)
+    await wait_for(client, job_id, {"succeeded"})
+    text = await (await client.get(f"/v1/jobs/{job_id}/logs")).text()
+    lines = text.splitlines()
+    assert "started on" in lines[0] and "attempt 1 succeeded after 0 s" in lines[-1]
+    assert [line.split(" ", 2)[1] for line in lines[1:-1]] == ["progress"] * 9
+
+
+async def test_tail_keeps_the_last_lines_and_says_it_cut(client: TestClient):
+    job_id = await submitted(client, duration_s=0.2)
+    await wait_for(client, job_id, {"succeeded"})
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"tail": "2"})
+    lines = (await r.text()).splitlines()
+    assert len(lines) == 2 and "progress 90%" in lines[0] and "succeeded" in lines[1]
+    assert r.headers["X-Heliotrope-Log-Truncated"] == "true"
+
+
+async def test_a_job_not_yet_at_a_site_has_no_logs_and_409_says_so(client: TestClient):
+    job_id = await submitted(client, gpus={"count": 1, "model": "h100-80gb"})  # no site has one: it stays queued
+    r = await client.get(f"/v1/jobs/{job_id}/logs")
+    assert r.status == 409
+    assert f"job {job_id} has not reached a site yet (it is queued)" in (await error(r))["message"]
+
+
+async def test_an_attempt_that_never_reached_a_site_is_a_409_naming_the_attempts_that_did(client: TestClient):
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"attempt": "2"})
+    assert r.status == 409
+    body = await error(r)
+    assert "attempt 2 of job" in body["message"] and "the attempts that did: 1" in body["message"]
+    assert body["fields"][0]["field"] == "attempt"
+    assert (await client.get(f"/v1/jobs/{job_id}/logs", params={"attempt": "1"})).status == 200
+
+
+@pytest.mark.parametrize("query, field", [
+    ({"tail": "0"}, "tail"), ({"tail": "ten"}, "tail"), ({"tail": "-5"}, "tail"), ({"tail": "1000001"}, "tail"),
+    ({"attempt": "0"}, "attempt"), ({"attempt": "first"}, "attempt"),
+], ids=["tail zero", "tail not a number", "tail negative", "tail too large", "attempt zero",
+        "attempt not a number"])
+async def test_a_bad_tail_or_attempt_is_a_422_naming_the_parameter(client: TestClient, query: dict[str, str],
+                                                                   field: str):
+    job_id = await submitted(client)
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params=query)
+    assert r.status == 422
+    assert (await error(r))["fields"][0]["field"] == field
+
+
+async def test_an_unknown_parameter_is_a_400_naming_it(client: TestClient):
+    job_id = await submitted(client)
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+    assert r.status == 400 and (await error(r))["fields"][0]["field"] == "follow"
+
+
+async def test_logs_of_an_unknown_job_are_a_json_404(client: TestClient):
+    r = await client.get("/v1/jobs/01nosuchjob0000000/logs")
+    assert r.status == 404 and "no job with id 01nosuchjob0000000" in (await error(r))["message"]
+
+
+async def test_a_site_that_does_not_answer_is_a_503_with_retry_after(client: TestClient):
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    client.broker.federation.get("berlin").adapter.set_reachable(False)
+    r = await client.get(f"/v1/jobs/{job_id}/logs")
+    assert r.status == 503 and r.headers["Retry-After"]
+    assert "site berlin did not answer: site berlin is unreachable" in (await error(r))["message"]
+
+
+class _NoLogs:
+    """A site adapter without the capability (as a custom adapter may be)."""
+
+    def __init__(self, inner: SimulatedSite) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "logs":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class _Refuses:
+    def __init__(self, inner: SimulatedSite, error: AdapterError) -> None:
+        self.inner, self.error = inner, error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def logs(self, *args: Any) -> JobLogs:
+        raise self.error
+
+
+@pytest.mark.parametrize("wrap, status, says", [
+    (_NoLogs, 501, "site berlin's adapter (simulated) cannot give logs"),
+    (lambda inner: _Refuses(inner, LogsUnsupported("its agent is of an earlier release")), 501,
+     "site berlin cannot give logs: its agent is of an earlier release"),
+], ids=["an adapter without logs", "an adapter that says it cannot give logs"])
+async def test_a_site_that_cannot_give_logs_is_a_501_saying_so(client: TestClient, wrap: Any, status: int, says: str):
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    member = client.broker.federation.get("berlin")
+    member.adapter = wrap(member.adapter)
+    r = await client.get(f"/v1/jobs/{job_id}/logs")
+    assert r.status == status and says in (await error(r))["message"]
+
+
+# --- the simulated site's log, on a manual clock ---
+
+
+async def test_a_simulated_log_grows_with_the_run_and_is_the_same_each_time():
+    clock = ManualClock(NOW)
+    sim = SimulatedSite(site("sim", adapter={"kind": "simulated", "dispatch_delay_s": 0}), clock)
+    await sim.start()
+    try:
+        attempt = Job(id="j-1", spec=job(duration_s=1000), attempt=1, created_at=NOW, updated_at=NOW,
+                      gpu_model="a100-80gb")
+        assert (await sim.submit(attempt)).admitted
+        await asyncio.sleep(0)
+        first = (await sim.logs("j-1", 1, None, 1 << 20)).text
+        assert len(first.splitlines()) == 1
+        await clock.advance(350)
+        later = (await sim.logs("j-1", 1, None, 1 << 20)).text
+        assert later.startswith(first) and [line.split(" ")[2] for line in later.splitlines()[1:]] == [
+            "10%:", "20%:", "30%:"]
+        assert later == (await sim.logs("j-1", 1, None, 1 << 20)).text
+        await sim.cancel("j-1", 1)
+        ended = (await sim.logs("j-1", 1, None, 1 << 20)).text
+        assert ended.splitlines()[-1].endswith("attempt 1 was withdrawn by the broker after 350 s")
+    finally:
+        await sim.close()
+
+
+def test_tail_text_keeps_the_end_in_lines_then_bytes_without_half_a_character():
+    assert tail_text("a\nb\nc\n", 2, 100) == ("b\nc\n", True)
+    assert tail_text("a\nb\n", 5, 100) == ("a\nb\n", False)
+    assert tail_text("xé\n", None, 2) == ("\n", True)  # é is two bytes: the one left of it is dropped
