@@ -376,6 +376,8 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 text = show_job(out)
                 if out["state"] == "queued":  # deferred, or waiting for room: say so, as explain does
                     text += _waiting_line(await _decision_of(c, out["id"]), out["id"])
+            case "logs":
+                return await _logs(c, args)
             case "explain":
                 out = await c.request("GET", f"/v1/jobs/{_part(args.id)}/decision")
                 text = show_decision(out)
@@ -441,6 +443,25 @@ async def _client_command(args: argparse.Namespace) -> str | None:
             case _:
                 raise CliError(f"unknown command {args.command}")
     return json.dumps(out, indent=2) if args.json else text
+
+
+async def _logs(c: Client, args: argparse.Namespace) -> str | None:
+    """``heliotrope logs ID``: the text as the site gave it, written as is (no newline added); a note on standard
+    error where its start was left out. With --json, the text and what the broker says of it."""
+    params = {name: str(value) for name, value in (("attempt", args.attempt), ("tail", args.tail)) if value is not None}
+    text, headers = await c.text(f"/v1/jobs/{_part(args.id)}/logs", params)
+    truncated = headers.get("X-Heliotrope-Log-Truncated") == "true"
+    if args.json:
+        return json.dumps({"job": args.id, "site": headers.get("X-Heliotrope-Site"),
+                           "attempt": int(headers.get("X-Heliotrope-Attempt") or 0) or None,
+                           "truncated": truncated, "source": headers.get("X-Heliotrope-Log-Source") or None,
+                           "text": text}, indent=2)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    if truncated:
+        print(f"heliotrope: the start of the log was left out (attempt {headers.get('X-Heliotrope-Attempt')} at "
+              f"site {headers.get('X-Heliotrope-Site')}); --tail N shows more lines, up to 1 MiB", file=sys.stderr)
+    return None
 
 
 async def _watch(c: Client, args: argparse.Namespace) -> None:
@@ -672,6 +693,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=_at_least_one, default=50)
     for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
         sub.add_parser(name, parents=[common], help=help_text).add_argument("id")
+    s = sub.add_parser("logs", parents=[common], help="what a job printed: the last lines of its latest attempt at a "
+                                                      "site (a simulated site's log is simulated)")
+    s.add_argument("id")
+    s.add_argument("--attempt", type=_at_least_one, help="which attempt (default: the latest a site admitted)")
+    s.add_argument("--tail", type=_at_least_one, help="how many of the last lines (default 1000; at most 1 MiB)")
     s = sub.add_parser("update", parents=[common], help="change a queued job's priority, deadline or profile")
     s.add_argument("id")
     s.add_argument("--priority", type=int, help="its new priority (-1000 to 1000)")

@@ -68,6 +68,25 @@ class Client:
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise self._failed(e, url) from None
 
+    async def text(self, path: str, params: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+        """``GET path`` answered in ``text/plain`` (a job's logs): the text and the answer's headers;
+        :class:`ApiClientError` with the broker's message for an error status."""
+        assert self._session is not None, "use 'async with Client(...)'"
+        url = self.base_url + path
+        try:
+            async with self._session.get(url, params=params, headers=self._auth) as resp:
+                if resp.status >= 400:
+                    await _answer(resp)
+                if resp.content_type != "text/plain":
+                    raise ApiClientError(f"{resp.url.origin()} answered GET {resp.url.path} with "
+                                         f"{resp.headers.get('Content-Type') or 'no Content-Type'}, not the text a "
+                                         "heliotrope broker sends; is --server (or HELIOTROPE_URL) a heliotrope "
+                                         "broker?", resp.status)
+                body = await resp.read()
+                return body.decode(resp.charset or "utf-8", errors="replace"), dict(resp.headers)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise self._failed(e, url) from None
+
     async def events(self, params: dict[str, str] | None = None,
                      last_event_id: int | None = None) -> AsyncIterator[dict[str, Any]]:
         """Follow ``GET /v1/events``: each event as ``{"id", "type", "data"}``, until the broker ends the

@@ -364,6 +364,38 @@ def _paths() -> dict[str, Any]:
             "get": {"summary": "The job's transitions, oldest first",
                     "responses": _answers(_json_body(_page(_ref("JobEvent")), "transitions"), 404)},
         },
+        "/v1/jobs/{id}/logs": {
+            "parameters": [job_id],
+            "get": {
+                "summary": "What an attempt printed (its last lines, at most 1 MiB), as its site gives it: a Kubernetes "
+                           "site the container's log while its Pod exists, a simulated site a simulated log",
+                "parameters": [
+                    {"name": "attempt", "in": "query", "description": "the attempt (default: the latest a site admitted)",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1_000_000}},
+                    {"name": "tail", "in": "query", "description": "how many of the last lines",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1_000_000, "default": 1000}},
+                ],
+                "responses": {
+                    **_answers({"description": "the log's text", "content": {
+                        "text/plain": {"schema": {"type": "string"}}}, "headers": {
+                        "X-Heliotrope-Site": {"description": "the site the attempt ran at", "schema": _STR},
+                        "X-Heliotrope-Attempt": {"description": "the attempt", "schema": _STR},
+                        "X-Heliotrope-Log-Truncated": {"description": "true: lines or bytes before the text were "
+                                                                      "left out", "schema": {"enum": ["true", "false"]}},
+                        "X-Heliotrope-Log-Source": {"description": "where the site read it (a Pod and container)",
+                                                    "schema": _STR}}},
+                        400, 404, 409, 422),
+                    "409": _json_body(_ref("Error"), "the job has not reached a site, the attempt never did, or the "
+                                                     "site has no log of it (not started yet, or gone)"),
+                    "422": _json_body(_ref("Error"), "attempt or tail not an integer in range: the field names it"),
+                    "501": _json_body(_ref("Error"), "the site cannot give logs (its adapter has none, or its agent "
+                                                     "is of an earlier release)"),
+                    "503": {**_json_body(_ref("Error"), "the site did not answer (or the store, or the leader); try "
+                                                        "again"),
+                            "headers": {"Retry-After": {"description": "seconds", "schema": _STR}}},
+                },
+            },
+        },
         "/v1/events": {
             "get": {
                 "summary": "Live events (server-sent events) until the client leaves; a replica that does not "

@@ -289,6 +289,7 @@ TABLE: list[Row] = [
       site="beta", tenant="nlp"),
     R("a decision is visible as its job is", "GET /v1/jobs/{vision_job}/decision", (401, 200, 200, 404, 200, 404)),
     R("a job's history is visible as its job is", "GET /v1/jobs/{vision_job}/events", (401, 200, 200, 404, 200, 404)),
+    R("a job's logs are readable as its job is", "GET /v1/jobs/{vision_job}/logs", (401, 200, 200, 404, 200, 404)),
     R("the tenant's submitters and admins cancel its job", "POST /v1/jobs/{fresh}/cancel",
       (401, 200, 403, 403, 200, 404), fresh=running_vision_job),
     R("the tenant's submitters and admins delete (cancel) its job", "DELETE /v1/jobs/{fresh}",

@@ -68,6 +68,44 @@ def test_submit_then_list_show_explain_and_cancel_a_job(capsys, server, tmp_path
     assert code == 0 and out.strip() == f"job {job_id} cancelled"
 
 
+def test_logs_prints_what_the_job_printed_as_is_and_says_when_the_start_was_left_out(capsys, server, tmp_path):
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=0.3)))
+    job_id = json.loads(out)["id"]
+    for _ in range(200):
+        code, out, _ = run(capsys, server, "--json", "job", job_id)
+        if json.loads(out)["state"] == "succeeded":
+            break
+        time.sleep(0.05)
+    code, out, err = run(capsys, server, "logs", job_id)
+    assert code == 0 and err == ""
+    lines = out.split("\n")
+    assert f"attempt 1 of job {job_id} (tenant t1) started on" in lines[0]
+    assert "attempt 1 succeeded after" in lines[-2] and lines[-1] == ""  # as the site wrote it: no newline added
+    code, out, err = run(capsys, server, "logs", job_id, "--tail", "1", "--attempt", "1")
+    assert code == 0 and out.count("\n") == 1 and "succeeded" in out
+    assert "the start of the log was left out (attempt 1 at site alpha); --tail N shows more lines" in err
+    code, out, _ = run(capsys, server, "logs", job_id, "--json")
+    doc = json.loads(out)
+    assert (doc["site"], doc["attempt"], doc["truncated"]) == ("alpha", 1, False) and "succeeded" in doc["text"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    pytest.param(("logs", "nope"), "no job with id nope", id="the logs of an unknown job"),
+    pytest.param(("logs", "JOB", "--attempt", "5"), "attempt 5 of job JOB never reached a site; the attempts that "
+                 "did: 1", id="the logs of an attempt that never reached a site"),
+])
+def test_logs_errors_are_one_line_messages(capsys, server, tmp_path, args, message):
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=600)))
+    job_id = json.loads(out)["id"]
+    for _ in range(200):
+        if json.loads(run(capsys, server, "--json", "job", job_id)[1])["state"] == "running":
+            break
+        time.sleep(0.05)
+    code, out, err = run(capsys, server, *(a.replace("JOB", job_id) for a in args))
+    assert code == 1 and out == ""
+    assert message.replace("JOB", job_id) in err and "Traceback" not in err and err.count("\n") == 1
+
+
 def test_submit_dry_run_shows_where_the_job_would_go_and_submits_nothing(capsys, server, tmp_path):
     code, out, err = run(capsys, server, "submit", "--dry-run", str(submit_file(tmp_path, name="dry")))
     assert code == 0, err
@@ -319,7 +357,7 @@ class _NotABroker(http.server.BaseHTTPRequestHandler):
         """Quiet: http.server would write every request to stderr, which the CLI's checks read."""
 
 
-@pytest.mark.parametrize("args", [("jobs",), ("job", "x"), ("explain", "x"), ("sites", "list")])
+@pytest.mark.parametrize("args", [("jobs",), ("job", "x"), ("explain", "x"), ("sites", "list"), ("logs", "x")])
 def test_a_server_that_is_not_a_broker_is_a_one_line_message(capsys, args):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotABroker)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -478,8 +516,8 @@ def test_the_database_named_in_the_environment_is_the_one_the_broker_opens(comma
     assert opened == ["var/demo.db", str(tmp_path / "env.db"), str(tmp_path / "flag.db")]
 
 
-@pytest.mark.parametrize("argv", [("watch", "--count", "0"), ("jobs", "--limit", "-1")],
-                         ids=["watch --count 0 (it printed one event)", "jobs --limit -1"])
+@pytest.mark.parametrize("argv", [("watch", "--count", "0"), ("jobs", "--limit", "-1"), ("logs", "--tail", "0", "x")],
+                         ids=["watch --count 0 (it printed one event)", "jobs --limit -1", "logs --tail 0"])
 def test_a_count_below_one_is_a_usage_error_naming_the_flag(capsys, argv):
     with pytest.raises(SystemExit) as caught:
         main(list(argv))
