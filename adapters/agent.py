@@ -24,7 +24,7 @@ What it does
       quotas) and the attempts it holds (``admitted``, or ``running`` once the site said so); a list too
       long for one message (over 4 MiB) follows in ``attempts`` parts. A site the agent cannot reach is
       reported unhealthy, with the reason.
-    - Answers every command (``dispatch``, ``cancel``, ``quota``) with a ``reply``, and a repeated command
+    - Answers every command (``dispatch``, ``cancel``, ``preempt``, ``quota``, ``logs``) with a ``reply``, and a repeated command
       (the same ``msg_id``) with the same reply, without doing the work again. A failure inside the site
       becomes ``ok: false`` with the reason; the agent itself never stops on one.
     - Forwards every job event of the site as an ``event`` with its own ``msg_id`` and publishes it again
@@ -86,7 +86,18 @@ from typing import Any, Literal
 import aiomqtt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from adapters.base import AttemptLookup, EventKind, EventReceipts, JobEvent, Preempter, QuotaAdmin, SiteAdapter
+from adapters.base import (
+    AttemptLookup,
+    EventKind,
+    EventReceipts,
+    JobEvent,
+    LogReader,
+    LogsNotFound,
+    LogsUnsupported,
+    Preempter,
+    QuotaAdmin,
+    SiteAdapter,
+)
 from adapters.telemetry import TelemetryFeed, telemetry_feed
 from policies.quota import QuotaBeyondSite
 from adapters.mqtt_protocol import (
@@ -99,13 +110,16 @@ from adapters.mqtt_protocol import (
     Dispatch,
     EventMsg,
     Heartbeat,
+    LOGS_ANSWER_S,
     LeaseGrant,
+    LogsRequest,
     MalformedMessage,
     MqttTlsError,
     QuotaCommand,
     Reply,
     Status,
     WireEvent,
+    WireLogs,
     client_options,
     connection_advice,
     decode,
@@ -114,6 +128,7 @@ from adapters.mqtt_protocol import (
     tls_context,
     too_large,
     topic,
+    with_short_logs,
     with_short_reason,
 )
 from broker.clock import Clock, SystemClock
@@ -705,10 +720,10 @@ class SiteAgent:
                             self._taken(out.event)
             case LeaseGrant():
                 self._on_lease(msg)
-            case Dispatch() | Cancel() | Preempt() | QuotaCommand():
+            case Dispatch() | Cancel() | Preempt() | QuotaCommand() | LogsRequest():
                 self._spawn(self._answer(msg))
 
-    async def _answer(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand) -> None:
+    async def _answer(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest) -> None:
         reply = self._replies.get(cmd.msg_id)
         if reply is None:
             working = self._working.get(cmd.msg_id)
@@ -727,7 +742,8 @@ class SiteAgent:
                 finally:
                     self._working.pop(cmd.msg_id, None)
                 reply = self._fitted(reply)
-                self._replies[cmd.msg_id] = reply
+                if not isinstance(cmd, LogsRequest):  # (a read: a repeat reads again, and megabytes of logs are
+                    self._replies[cmd.msg_id] = reply  # not kept for 10,000 replies)
                 working.set_result(reply)
         await self._publish(self._client, "up", reply)
 
@@ -736,7 +752,7 @@ class SiteAgent:
         too large (a quota state of very many tenants), a failed reply that says so: the broker hears why at
         once, not the silence of a command that times out."""
         cap = self.config.mqtt.max_payload_bytes
-        fitted = with_short_reason(reply, cap)
+        fitted = with_short_reason(with_short_logs(reply, cap), cap)
         assert isinstance(fitted, Reply)
         why = too_large(encode(fitted), cap, "the site's reply")
         if why is None:
@@ -745,7 +761,7 @@ class SiteAgent:
         return Reply(site=self.site, msg_id=reply.msg_id, ok=False, admitted=reply.admitted,
                      reason=f"{why}: raise mqtt.max_payload_bytes at the site agent and the broker")
 
-    async def _carry_out(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand) -> Reply:
+    async def _carry_out(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest) -> Reply:
         match cmd:
             case Dispatch():
                 return await self._dispatch(cmd)
@@ -761,6 +777,27 @@ class SiteAgent:
                 return Reply(site=self.site, msg_id=cmd.msg_id, ok=True)
             case QuotaCommand():
                 return await self._quota(cmd)
+            case LogsRequest():
+                return await self._logs(cmd)
+
+    async def _logs(self, cmd: LogsRequest) -> Reply:
+        """What the attempt printed, as the site gives it within ``LOGS_ANSWER_S`` (the broker waits longer, so
+        it hears this answer, not silence: silence it takes for an agent of an earlier release)."""
+        inner = self.inner
+        if not isinstance(inner, LogReader):
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported",
+                         reason=f"the site's adapter ({getattr(self.config.site.adapter, 'kind', '?')}) cannot give logs")
+        try:
+            async with asyncio.timeout(LOGS_ANSWER_S):
+                logs = await inner.logs(cmd.job_id, cmd.attempt, cmd.tail_lines, cmd.limit_bytes)
+        except LogsUnsupported as e:
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported", reason=str(e))
+        except LogsNotFound as e:
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="not-found", reason=str(e))
+        except TimeoutError:
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
+                         reason=f"the site did not give the logs within {LOGS_ANSWER_S:g} s")
+        return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, logs=WireLogs.of(logs))
 
     async def _dispatch(self, cmd: Dispatch) -> Reply:
         if not self._lease_valid():

@@ -24,9 +24,9 @@ topic                               direction    retained messages
                                                           go dark at once)
 ``heliotrope/v1/sites/{site}/up``     agent→broker no       ``event`` (a job event, resent until ``ack``),
                                                           ``reply`` (the answer to a command)
-``heliotrope/v1/sites/{site}/down``   broker→agent no       ``dispatch``, ``cancel``, ``preempt``, ``quota``
-                                                          (commands, resent until the ``reply``), ``ack``,
-                                                          ``lease``
+``heliotrope/v1/sites/{site}/down``   broker→agent no       ``dispatch``, ``cancel``, ``preempt``, ``quota``,
+                                                          ``logs`` (commands, resent until the ``reply``),
+                                                          ``ack``, ``lease``
 =================================== ============ ======== ================================================
 
 The agent opens the only connection (to the MQTT broker), so a site behind NAT or a firewall that allows
@@ -45,6 +45,15 @@ Commands and replies
     (its dispatch timeout). The agent keeps the replies it sent recently and answers a repeated ``msg_id``
     with the same reply without doing the work again; a dispatch is also keyed by (job id, attempt) in the
     adapter below, so the same attempt never runs twice.
+
+Logs
+    ``logs`` asks for what an attempt printed (``adapters.base.LogReader``): the agent asks its site (for at most
+    ``LOGS_ANSWER_S``) and answers with a ``reply`` whose ``logs`` carries the text, cut from its start (the
+    tail is kept, ``truncated`` says so) to fit under ``mqtt.max_payload_bytes``; or not ok with ``no_logs``
+    (``unsupported``: its site's adapter has none; ``not-found``: none of that attempt). An agent of an earlier
+    release does not know the kind: it drops the request as malformed and never answers, and the broker, whose
+    wait for the reply outlasts ``LOGS_ANSWER_S``, takes silence from an agent whose heartbeats keep coming for
+    that (``adapters.remote``).
 
 Events and acknowledgements
     The agent gives each job event a ``msg_id`` (unique per agent boot) and resends it until the broker
@@ -114,7 +123,7 @@ from pydantic import (
     model_serializer,
 )
 
-from adapters.base import EventKind, JobEvent
+from adapters.base import EventKind, JobEvent, JobLogs
 from broker.models import MQTT_MAX_PAYLOAD_BYTES, Job, MqttSettings, QuotaState, SiteState, TenantQuota, UtcDatetime
 
 MAX_RUN_S = 10 * 366 * 86400.0  # ten years: more than any attempt runs, less than a float that breaks a date
@@ -391,6 +400,25 @@ class EventMsg(_Msg):
     event: WireEvent
 
 
+LOGS_ANSWER_S = 8.0
+"""How long an agent waits for its site's logs before it answers that the site did not give them."""
+
+
+class WireLogs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str
+    truncated: bool = Field(description="lines or bytes before the text were left out")
+    source: str | None = Field(default=None, max_length=500, description="where the site read it")
+
+    @classmethod
+    def of(cls, logs: JobLogs) -> WireLogs:
+        return cls(text=logs.text, truncated=logs.truncated, source=(logs.source or "")[:500] or None)
+
+    def job_logs(self) -> JobLogs:
+        return JobLogs(self.text, self.truncated, self.source)
+
+
 class Reply(_Msg):
     kind: Literal["reply"] = "reply"
     msg_id: str = Field(min_length=1, max_length=128)
@@ -404,6 +432,12 @@ class Reply(_Msg):
                                   "does not have; ``reason`` says which)",
         # Left out where unset: a broker of an earlier release, whose Reply forbids keys it does not know, reads it.
         exclude_if=lambda field: field is None)
+    # (Both left out where unset, as ``refused``: only an answer to ``logs``, which only this release sends, has them.)
+    logs: WireLogs | None = Field(default=None, description="logs: what the attempt printed",
+                                  exclude_if=lambda field: field is None)
+    no_logs: Literal["unsupported", "not-found"] | None = Field(
+        default=None, description="logs: why there are none (``reason`` says more): the site cannot give logs, or "
+                                  "has none of the attempt", exclude_if=lambda field: field is None)
 
 
 # --- broker -> agent ---------------------------------------------------------------------------------------
@@ -443,6 +477,18 @@ class Preempt(_Msg):
     reason: str = Field(max_length=1000)
 
 
+class LogsRequest(_Msg):
+    """What an attempt printed (see "Logs" above): its last ``tail_lines`` lines (None: all), at most its last
+    ``limit_bytes`` bytes."""
+
+    kind: Literal["logs"] = "logs"
+    msg_id: str = Field(min_length=1, max_length=128)
+    job_id: str
+    attempt: int = Field(ge=1)
+    tail_lines: int | None = Field(default=None, ge=1)
+    limit_bytes: int = Field(ge=0)
+
+
 class QuotaCommand(_Msg):
     kind: Literal["quota"] = "quota"
     msg_id: str = Field(min_length=1, max_length=128)
@@ -465,12 +511,13 @@ class LeaseGrant(_Msg):
 
 
 UpMessage = Annotated[Heartbeat | AttemptsPart | Status | EventMsg | Reply, Field(discriminator="kind")]
-DownMessage = Annotated[Dispatch | Cancel | Preempt | QuotaCommand | Ack | LeaseGrant, Field(discriminator="kind")]
-Command = Dispatch | Cancel | Preempt | QuotaCommand
+DownMessage = Annotated[Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest | Ack | LeaseGrant,
+                        Field(discriminator="kind")]
+Command = Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest
 _UP: TypeAdapter[Any] = TypeAdapter(UpMessage)
 _DOWN: TypeAdapter[Any] = TypeAdapter(DownMessage)
 _CHANNEL_KINDS = {"state": {"heartbeat", "attempts"}, "status": {"status"}, "up": {"event", "reply"},
-                  "down": {"dispatch", "cancel", "preempt", "quota", "ack", "lease"}}
+                  "down": {"dispatch", "cancel", "preempt", "quota", "logs", "ack", "lease"}}
 
 
 class MalformedMessage(ValueError):
@@ -517,6 +564,28 @@ def with_short_reason(msg: EventMsg | Reply, max_payload_bytes: int) -> EventMsg
         if len(encode(cut)) <= max_payload_bytes or keep == 0:
             return cut
         keep = max(0, keep - max(1, (len(encode(cut)) - max_payload_bytes)))
+
+
+def with_short_logs(reply: Reply, max_payload_bytes: int) -> Reply:
+    """``reply`` with its logs' text cut from the start (the tail kept, from a line's start where one is in
+    what is kept, and ``truncated`` set) so that it fits under ``max_payload_bytes``; ``reply`` itself where it
+    fits or has no logs."""
+    logs = reply.logs
+    excess = len(encode(reply)) - max_payload_bytes
+    if excess <= 0 or logs is None:
+        return reply
+    text = logs.text
+    drop = excess
+    while True:
+        kept = text[drop:]
+        newline = kept.find("\n")
+        if 0 <= newline < len(kept) - 1:
+            kept = kept[newline + 1:]
+        cut = reply.model_copy(update={"logs": logs.model_copy(update={"text": kept, "truncated": True})})
+        over = len(encode(cut)) - max_payload_bytes
+        if over <= 0 or not kept:
+            return cut
+        drop = len(text) - len(kept) + over  # (JSON may write a character in up to 6 bytes: cut again)
 
 
 def parse_topic(name: str) -> tuple[str, str]:

@@ -26,6 +26,11 @@ lifecycle treat it as they treat a local site:
   long for the heartbeat comes in parts (``mqtt_protocol``, "Long lists of attempts") and counts once all
   have come; until then the site cannot tell (an ``AdapterError``: a restarted broker asks again).
 
+- ``logs`` is a command too (``mqtt_protocol``, "Logs"), waited for ``LOGS_WAIT_S`` (longer than the agent's own
+  wait for its site, so a current agent always answers). No answer while the agent's heartbeats kept coming is an
+  agent of an earlier release, which drops the request it does not know: :class:`~adapters.base.LogsUnsupported`,
+  saying so; no answer and no heartbeat either is an ``AdapterError`` (the site is not heard from).
+
 A retained heartbeat delivered when the broker subscribes is the site's last known state, not a sign of
 life: it fills in capacity for display but renews no lease.
 """
@@ -47,13 +52,16 @@ from typing import Any
 import aiomqtt
 from pydantic import BaseModel
 
-from adapters.base import Admission, AdapterError, EventKind, JobEvent
+from adapters.base import Admission, AdapterError, EventKind, JobEvent, JobLogs, LogsNotFound, LogsUnsupported
 from adapters import mqtt_protocol as proto
 from policies.quota import QuotaBeyondSite
 from broker.clock import Clock
 from broker.models import Health, Job, MqttSettings, QuotaState, RemoteAdapterConfig, SiteSpec, SiteState, TenantQuota
 
 log = logging.getLogger(__name__)
+
+LOGS_WAIT_S = proto.LOGS_ANSWER_S + 4.0
+"""How long the broker waits for an agent's answer to ``logs``: the agent's own wait for its site, and a margin."""
 
 PARTS_KEPT = 4
 """Split lists of attempts (of as many heartbeats) a site keeps while their parts come in; an older one is
@@ -462,20 +470,21 @@ class RemoteSite:
                                  f"jobs move elsewhere if it is not back by {expires.isoformat(timespec='seconds')}"}
         return self._state.model_copy(update=update)
 
-    async def _command(self, make: Any) -> proto.Reply:
-        """Send a command (``make(msg_id)``), resending until the reply comes; AdapterError on timeout."""
+    async def _command(self, make: Any, timeout_s: float | None = None) -> proto.Reply:
+        """Send a command (``make(msg_id)``), resending until the reply comes; AdapterError after ``timeout_s``
+        (None: the site's ``command_timeout_s``)."""
         msg_id = f"{self._prefix}-{next(self._ids)}"
         msg = make(msg_id)
         fut: asyncio.Future[proto.Reply] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
-        deadline = time.monotonic() + self.config.command_timeout_s
+        wait_s = self.config.command_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
         try:
             while True:
                 await self._hub.publish(self.name, msg)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AdapterError(f"site {self.name}: its agent did not answer {msg.kind} within "
-                                       f"{self.config.command_timeout_s:g} s")
+                    raise AdapterError(f"site {self.name}: its agent did not answer {msg.kind} within {wait_s:g} s")
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(self.config.resend_s, left)):
                         return await asyncio.shield(fut)
@@ -530,6 +539,30 @@ class RemoteSite:
                                                             reason=reason[:1000]))
         if not reply.ok:
             raise AdapterError(f"site {self.name}: preempt failed: {reply.reason}")
+
+    async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
+        """What the attempt printed, from the agent's site (``LogReader``; see the module doc for an agent of an
+        earlier release). The agent cuts the text from its start to fit a message: ``truncated`` says so."""
+        if self._expired or self._heard_mono is None:
+            raise AdapterError(f"site {self.name}: its agent is not heard from (no lease); its logs cannot be read")
+        asked = time.monotonic()
+        try:
+            reply = await self._command(lambda i: proto.LogsRequest(
+                site=self.name, msg_id=i, job_id=job_id, attempt=attempt, tail_lines=tail_lines,
+                limit_bytes=limit_bytes), timeout_s=LOGS_WAIT_S)
+        except AdapterError:
+            if self._heard_mono is not None and self._heard_mono > asked and not self._expired:
+                raise LogsUnsupported(
+                    f"its agent did not answer the request for logs within {LOGS_WAIT_S:g} s while its heartbeats "
+                    "kept coming: the agent is of an earlier release, which cannot give logs (upgrade it)") from None
+            raise
+        if reply.no_logs == "unsupported":
+            raise LogsUnsupported(reply.reason or "the site cannot give logs")
+        if reply.no_logs == "not-found":
+            raise LogsNotFound(reply.reason or f"site {self.name} has no log of attempt {attempt} of job {job_id}")
+        if not reply.ok or reply.logs is None:
+            raise AdapterError(f"site {self.name}: {reply.reason or 'reading the logs failed'}")
+        return reply.logs.job_logs()
 
     async def events(self) -> AsyncIterator[JobEvent]:
         """The agent's events, each acknowledged to it once the consumer says it is kept (:meth:`taken`); one the

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from adapters import mqtt_protocol as proto
-from adapters.base import AdapterError
+from adapters.base import AdapterError, JobLogs, LogsNotFound, LogsUnsupported
 from adapters.agent import AgentConfig, SiteAgent
 from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
@@ -608,3 +608,109 @@ async def test_a_quota_the_agents_site_refuses_for_its_own_gpus_is_a_422_naming_
         await client.close()
         await agent.stop()
         await b.stop()
+
+
+# --- logs ---
+
+
+async def test_a_jobs_logs_come_from_the_agents_site_through_the_api(world) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.api import create_app
+
+    w = await world(lease_s=6.0)
+    await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "printing", 30.0)
+    running = await w.until_state(job_id, {JobState.RUNNING}, 10)
+    assert (running.site, running.attempt) == ("edge", 1)
+    async with TestClient(TestServer(create_app(w.broker))) as client:
+        r = await client.get(f"/v1/jobs/{job_id}/logs", params={"tail": "5"})
+        assert r.status == 200, await r.text()
+        assert f"attempt 1 of job {job_id} (tenant t1) started on" in await r.text()
+        assert r.headers["X-Heliotrope-Site"] == "edge" and r.headers["X-Heliotrope-Log-Source"] == (
+            "simulated run at site edge")
+    with pytest.raises(LogsNotFound, match="site edge has no log of attempt 1 of job nobody"):
+        await w.broker.federation.get("edge").adapter.logs("nobody", 1, None, 1000)
+
+
+async def test_logs_too_large_for_one_message_keep_their_tail_and_say_they_were_cut(tmp_path) -> None:
+    """An MQTT broker's cap on a message (here 64 KiB, set as ``mqtt.max_payload_bytes`` on both sides) bounds a
+    reply: the agent cuts a long log from its start, at a line, so the newest lines come through."""
+    lines = [f"line {i:06d} " + "x" * 80 for i in range(5_000)]  # about 450 KB
+
+    class Chatty(SimulatedSite):
+        async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
+            return JobLogs("".join(line + "\n" for line in lines), False, "pod heliotrope-t1/p container job")
+
+    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"message_size_limit {CAP}"]) as mosq:
+        settings = mosq.settings(max_payload_bytes=CAP)
+        hub = MqttHub(settings)
+        remote = RemoteSite(site("edge", gpus={"a100-80gb": 16}, adapter={"kind": "mqtt", "lease_s": 10}),
+                            SystemClock(), hub)
+        spec = edge_spec(FAST)
+        agent = SiteAgent(AgentConfig(site=spec, mqtt=settings, heartbeat_s=0.2), adapter=Chatty(spec, SystemClock()))
+        await hub.start()
+        await remote.start()
+        await agent.start()
+        try:
+            deadline = time.monotonic() + 8
+            while remote._heard_mono is None:
+                assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
+                await asyncio.sleep(0.05)
+            got = await remote.logs("j-1", 1, None, 1 << 20)
+            assert got.truncated and got.source == "pod heliotrope-t1/p container job"
+            kept = got.text.splitlines()
+            assert kept[-1] == lines[-1] and kept == lines[-len(kept):]  # the tail, whole lines
+            assert 40_000 < len(got.text) < CAP and hub.malformed == {}
+        finally:
+            await agent.stop()
+            await remote.close()
+            await hub.close()
+
+
+async def test_an_agent_of_an_earlier_release_that_drops_the_logs_request_is_a_501_saying_so(
+        world, monkeypatch) -> None:
+    # An agent of the release before this one decodes a "logs" command as a kind it does not know on its down
+    # topic: it drops it (counted as wrong-topic) and never answers, while its heartbeats go on.
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from adapters import remote as remote_module
+    from broker.api import create_app
+
+    monkeypatch.setitem(proto._CHANNEL_KINDS, "down", proto._CHANNEL_KINDS["down"] - {"logs"})
+    monkeypatch.setattr(remote_module, "LOGS_WAIT_S", 1.5)
+    w = await world(lease_s=6.0)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "older", 30.0)
+    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    async with TestClient(TestServer(create_app(w.broker))) as client:
+        r = await client.get(f"/v1/jobs/{job_id}/logs")
+        assert r.status == 501, await r.text()
+        message = (await r.json())["error"]["message"]
+    assert "site edge cannot give logs: its agent did not answer the request for logs within 1.5 s while its " \
+           "heartbeats kept coming: the agent is of an earlier release, which cannot give logs (upgrade it)" in message
+    assert agent.malformed["wrong-topic"] >= 1
+
+
+async def test_an_agent_whose_site_cannot_give_logs_says_so(world) -> None:
+    w = await world(lease_s=6.0)
+    spec = edge_spec(FAST)
+
+    class NoLogs:
+        def __init__(self, inner: SimulatedSite) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            if name == "logs":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=w.mosq.settings(), heartbeat_s=0.2, resend_s=0.3),
+                      adapter=NoLogs(RecordingSite(spec, SystemClock(), w.timeline)))
+    await agent.start()
+    w.agents.append(agent)
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    with pytest.raises(LogsUnsupported, match=r"the site's adapter \(simulated\) cannot give logs"):
+        await w.broker.federation.get("edge").adapter.logs("j-1", 1, None, 1000)
