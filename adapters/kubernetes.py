@@ -98,8 +98,9 @@ Credentials: ``in_cluster`` (the Pod's service account, its token re-read as the
 kubeconfig (``kubeconfig``, ``context``; a token of an exec plugin, ``gcp`` or ``oidc`` renewed as it expires,
 a ``tokenFile`` read again every minute),
 or ``host`` alone (an unauthenticated URL such as ``kubectl proxy`` or a test emulator). RBAC: list/watch
-nodes; create/get/list/watch/delete jobs; list/watch pods (all namespaces); create/patch/delete resourcequotas;
-with ``state_namespace``, get/create/patch configmaps in that namespace.
+nodes; create/get/list/watch/delete jobs; list/watch pods (all namespaces); get pods/log (a job's logs:
+:mod:`adapters.kubernetes_logs`); create/patch/delete resourcequotas; with ``state_namespace``, get/create/patch
+configmaps in that namespace.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ from kubernetes.aio import config as k8s_config
 from kubernetes.aio.config import kube_config as kube_config_module
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from adapters.base import AdapterError, Admission, EventKind, JobEvent
+from adapters.base import AdapterError, Admission, EventKind, JobEvent, JobLogs, LogsNotFound, LogsUnsupported
+from adapters import kubernetes_logs
 from adapters.cluster_clock import ClusterClock
 from adapters.quota_store import QuotaOverrides, log_beyond_site
 from adapters.kubernetes_stops import ClusterUsage, ClusterStops
@@ -481,6 +483,18 @@ class KubernetesSite:
                 if resp.status >= 400:
                     raise k8s.ApiException(status=resp.status, reason=_refusal(resp.status, await resp.text()))
                 return await resp.json()
+            finally:
+                resp.release()
+        return await self._call(what, call, *args, **kwargs)
+
+    async def _text(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> bytes:
+        """As :meth:`_json`, for an answer that is text (a Pod's log): its raw bytes."""
+        async def call(*a: Any, **kw: Any) -> bytes:
+            resp = await fn(*a, **kw)
+            try:
+                if resp.status >= 400:
+                    raise k8s.ApiException(status=resp.status, reason=_refusal(resp.status, await resp.text()))
+                return await resp.read()
             finally:
                 resp.release()
         return await self._call(what, call, *args, **kwargs)
@@ -1112,6 +1126,40 @@ class KubernetesSite:
         cutoff = self._clock.now() - timedelta(seconds=TOMBSTONE_TTL_S)
         for key in [k for k, at in self._withdrawn.items() if at < cutoff]:
             del self._withdrawn[key]
+
+    # --- LogReader ---
+
+    async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
+        """The log of the attempt's newest Pod's container (:mod:`adapters.kubernetes_logs`)."""
+        site, job_label = _label_value(self.name), _label_value(job_id)
+        what = f"attempt {attempt} of job {job_id}"
+        try:
+            data = await self._json("listing an attempt's Pods", self._core.list_pod_for_all_namespaces_without_preload_content,
+                                    label_selector=kubernetes_logs.attempt_selector(site, job_label, attempt))
+        except k8s.ApiException as e:
+            raise AdapterError(f"site {self.name}: listing the Pods of {what} failed ({e.status}: {e.reason})") from e
+        pod = kubernetes_logs.newest_pod(data.get("items") or [], site, job_id, job_label, attempt)
+        if pod is None:
+            raise LogsNotFound(f"site {self.name} has no Pod of {what}: it has not been made yet, or it was deleted "
+                               "(the Job of an attempt that ended is deleted, with its Pods, once the broker has its "
+                               "outcome)")
+        meta = pod.get("metadata") or {}
+        tenant = (meta.get("labels") or {}).get(TENANT_LABEL, "")
+        name, namespace = meta.get("name") or "", meta.get("namespace") or self.namespace(tenant)
+        container = kubernetes_logs.container_of(pod)
+        source = f"pod {namespace}/{name}" + (f" container {container}" if container else "")
+        try:
+            raw = await self._text("reading a Pod's log", self._core.read_namespaced_pod_log_without_preload_content,
+                                   name, namespace, container=container, tail_lines=tail_lines,
+                                   limit_bytes=limit_bytes or None)
+        except k8s.ApiException as e:
+            if e.status in (400, 404):  # the container waits to start, or the Pod has just gone
+                raise LogsNotFound(f"site {self.name}: {source} has no log ({e.reason})") from e
+            if e.status == 403:
+                raise LogsUnsupported(f"the cluster refused to give the log of {source} ({e.reason}): grant the "
+                                      "site's credentials get on pods/log") from e
+            raise AdapterError(f"site {self.name}: reading the log of {source} failed ({e.status}: {e.reason})") from e
+        return kubernetes_logs.as_logs(raw, tail_lines, limit_bytes, source)
 
     # --- AttemptLookup ---
 

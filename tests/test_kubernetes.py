@@ -21,7 +21,7 @@ import kmock
 import pytest
 from kubernetes.aio import client as k8s
 
-from adapters.base import AdapterError, EventKind, JobEvent
+from adapters.base import AdapterError, EventKind, JobEvent, LogsNotFound, LogsUnsupported
 from adapters.kubernetes import KubernetesSite, job_name, product_model
 from adapters.kubernetes_nodes import node_groups, read_node
 from adapters.kubernetes_stops import ClusterUsage, config_map_name
@@ -2708,3 +2708,57 @@ async def test_a_state_config_map_read_answered_with_no_json_leaves_the_site_sta
         assert "cannot read the usage history from ConfigMap heliotrope/heliotrope-usage-kube" in caplog.text
     finally:
         await adapter.close()
+
+
+# --- logs (kmock stores Pods but runs no container: it has no log to serve, and answers a Pod's log
+# subresource with the Pod itself; each test routes the log subresource to what a kubelet would answer) ---
+
+
+async def test_a_running_attempts_logs_are_its_pods_job_container_log_as_the_api_server_cuts_it(cluster, kube) -> None:  # noqa: ANN001
+    name = await j1_sent(kube)
+    await pod_running(cluster, name)
+    cluster[kmock.subresource("log")] << b"epoch 9 loss 0.31\nepoch 10 loss 0.30\n"
+    got = await kube.logs("j-1", 1, 2, 1 << 20)
+    assert got.text == "epoch 9 loss 0.31\nepoch 10 loss 0.30\n"
+    assert got.source == f"pod heliotrope-t1/{name}-abc container job"
+    assert got.truncated  # as long as the tail asked for: lines before it may have been left out
+    (asked,) = cluster[kmock.subresource("log")]
+    assert asked.params == {"container": "job", "tailLines": "2", "limitBytes": str(1 << 20)}
+    assert str(asked.url.path) == f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc/log"
+    shorter = await kube.logs("j-1", 1, 10, 1 << 20)
+    assert not shorter.truncated and shorter.text == got.text
+
+
+async def test_the_newest_pod_of_the_attempt_is_read_and_no_other_attempts(cluster, kube) -> None:  # noqa: ANN001
+    name = await j1_sent(kube)
+    labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
+    for pod_name, created, attempt in (("old", "2026-01-01T00:00:00Z", "1"), ("new", "2026-01-01T00:05:00Z", "1"),
+                                       ("other", "2026-01-01T00:09:00Z", "2")):
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": pod_name, "namespace": "heliotrope-t1", "creationTimestamp": created,
+                            "labels": {**labels, "heliotrope.io/attempt": attempt}},
+               "spec": {"containers": [{"name": "istio-proxy", "image": "x"}, {"name": "job", "image": "x"}]}}
+        assert (await cluster.post("/api/v1/namespaces/heliotrope-t1/pods", json=pod)).status == 200
+    cluster[kmock.subresource("log")] << b"hello\n"
+    got = await kube.logs("j-1", 1, None, 4096)
+    assert got.source == "pod heliotrope-t1/new container job" and not got.truncated
+    (asked,) = cluster[kmock.subresource("log")]
+    assert str(asked.url.path).endswith("/pods/new/log") and "tailLines" not in asked.params
+
+
+@pytest.mark.parametrize("answer, error, says", [
+    (None, LogsNotFound, "site kube has no Pod of attempt 1 of job j-1: it has not been made yet, or it was deleted"),
+    (400, LogsNotFound, 'has no log (container "job" in pod "p" is waiting to start: ContainerCreating)'),
+    (403, LogsUnsupported, "grant the site's credentials get on pods/log"),
+], ids=["no Pod (gone, or not made yet)", "a Pod whose container waits to start", "RBAC without pods/log"])
+async def test_an_attempt_without_a_log_to_read_says_why(cluster, kube, answer, error, says) -> None:  # noqa: ANN001
+    name = await j1_sent(kube)
+    if answer is not None:
+        await pod_running(cluster, name)
+        message = ('container "job" in pod "p" is waiting to start: ContainerCreating' if answer == 400 else
+                   'pods "p" is forbidden: User "heliotrope" cannot get resource "pods/log"')
+        cluster[kmock.subresource("log")] << answer << {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                         "message": message, "code": answer}
+    with pytest.raises(error) as caught:
+        await kube.logs("j-1", 1, 10, 4096)
+    assert says in str(caught.value)
