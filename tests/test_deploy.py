@@ -71,13 +71,15 @@ K8S_CALLS: dict[str, tuple[str, str, frozenset[str]]] = {
     "patch_namespaced_resource_quota": ("", "resourcequotas", frozenset({"patch"})),    # _mirror_quota (409)
     "delete_namespaced_resource_quota": ("", "resourcequotas", frozenset({"delete"})),  # remove_quota
     "list_namespaced_event": ("", "events", frozenset({"list"})),               # _refused_why
+    "read_namespaced_pod_log": ("", "pods/log", frozenset({"get"})),            # logs
     "read_namespaced_config_map": ("", "configmaps", frozenset({"get"})),       # ClusterStops.read, ._write
     "create_namespaced_config_map": ("", "configmaps", frozenset({"create"})),  # ClusterStops._write
     "patch_namespaced_config_map": ("", "configmaps", frozenset({"patch"})),    # ClusterStops._write
 }
 WATCHED = {"list_pod_for_all_namespaces", "list_job_for_all_namespaces"}
 ADAPTER_SOURCES = [ROOT / "adapters" / name
-                   for name in ("kubernetes.py", "kubernetes_nodes.py", "kubernetes_stops.py", "agent.py")]
+                   for name in ("kubernetes.py", "kubernetes_nodes.py", "kubernetes_stops.py", "kubernetes_logs.py",
+                                "agent.py")]
 EXPECTED_GRANTS = {(group, resource, verb) for group, resource, verbs in K8S_CALLS.values() for verb in verbs}
 READ_VERBS = {"get", "list", "watch"}
 
