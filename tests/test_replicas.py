@@ -115,6 +115,12 @@ def test_a_follower_stores_submissions_for_the_leader_and_passes_on_the_rest(rep
     assert status == 201
     until(lambda: call(f"{follower.url}/v1/jobs/{created['id']}")[1]["state"] == "succeeded", 15,
           "the leader runs a job submitted to the follower")
+    # Its logs come from its site, whose adapter the leader runs: the follower passes the call on, headers and all.
+    with urllib.request.urlopen(f"{follower.url}/v1/jobs/{created['id']}/logs", timeout=10) as r:
+        text = r.read().decode()
+        assert r.headers["Content-Type"] == "text/plain; charset=utf-8" and r.headers["X-Heliotrope-Attempt"] == "1"
+        assert r.headers["X-Heliotrope-Site"] in ("alpha", "beta") and r.headers["X-Heliotrope-Leader"] == leader.url
+    assert f"attempt 1 of job {created['id']}" in text and "attempt 1 succeeded after" in text
     status, sites = call(follower.url + "/v1/sites")  # the sites' live state is the leader's
     assert status == 200 and [s["name"] for s in sites["items"]] == ["alpha", "beta"]
     assert all(s["status"]["health"] == "healthy" for s in sites["items"])
