@@ -978,8 +978,8 @@ async def job_logs(request: web.Request) -> web.Response:
                             "try again", headers={"Retry-After": "5"}) from None
     except AdapterError as e:
         raise ApiError(503, f"site {site} did not answer: {e}", headers={"Retry-After": "5"}) from None
-    headers = dict(zip(LOG_HEADERS, (site, str(attempt), "true" if logs.truncated else "false",
-                                     (logs.source or "")[:200]), strict=True))
+    source = "".join(c if " " <= c <= "~" else "?" for c in (logs.source or "")[:200])  # (a header is ASCII)
+    headers = dict(zip(LOG_HEADERS, (site, str(attempt), "true" if logs.truncated else "false", source), strict=True))
     return web.Response(text=logs.text, content_type="text/plain", charset="utf-8", headers=headers)
 
 
