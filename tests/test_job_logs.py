@@ -193,3 +193,19 @@ def test_tail_text_keeps_the_end_in_lines_then_bytes_without_half_a_character():
     assert tail_text("a\nb\nc\n", 2, 100) == ("b\nc\n", True)
     assert tail_text("a\nb\n", 5, 100) == ("a\nb\n", False)
     assert tail_text("xé\n", None, 2) == ("\n", True)  # é is two bytes: the one left of it is dropped
+
+
+# --- on the wire to a site agent ---
+
+
+def test_a_reply_without_logs_is_written_as_an_earlier_release_reads_it():
+    # A broker of an earlier release forbids keys it does not know in a reply: only an answer to "logs", which
+    # only this release asks for, carries the new ones.
+    from adapters import mqtt_protocol as proto
+
+    plain = proto.encode(proto.Reply(site="edge", msg_id="m1", ok=True))
+    assert b"logs" not in plain
+    asked = proto.LogsRequest(site="edge", msg_id="m2", job_id="j-1", attempt=2, tail_lines=10, limit_bytes=4096)
+    assert proto.decode(proto.topic("edge", "down"), proto.encode(asked)) == asked
+    answer = proto.Reply(site="edge", msg_id="m2", ok=False, no_logs="not-found", reason="no Pod")
+    assert proto.decode(proto.topic("edge", "up"), proto.encode(answer)) == answer
