@@ -2729,7 +2729,7 @@ async def test_a_running_attempts_logs_are_its_pods_job_container_log_as_the_api
     assert not shorter.truncated and shorter.text == got.text
 
 
-async def test_the_newest_pod_of_the_attempt_is_read_and_no_other_attempts(cluster, kube) -> None:  # noqa: ANN001
+async def test_logs_come_from_the_newest_pod_of_the_attempt_and_no_other_attempts(cluster, kube) -> None:  # noqa: ANN001
     name = await j1_sent(kube)
     labels = dict(jobs(cluster)[("heliotrope-t1", name)]["spec"]["template"]["metadata"]["labels"])
     for pod_name, created, attempt in (("old", "2026-01-01T00:00:00Z", "1"), ("new", "2026-01-01T00:05:00Z", "1"),
@@ -2751,7 +2751,7 @@ async def test_the_newest_pod_of_the_attempt_is_read_and_no_other_attempts(clust
     (400, LogsNotFound, 'has no log (container "job" in pod "p" is waiting to start: ContainerCreating)'),
     (403, LogsUnsupported, "grant the site's credentials get on pods/log"),
 ], ids=["no Pod (gone, or not made yet)", "a Pod whose container waits to start", "RBAC without pods/log"])
-async def test_an_attempt_without_a_log_to_read_says_why(cluster, kube, answer, error, says) -> None:  # noqa: ANN001
+async def test_logs_of_an_attempt_without_a_log_to_read_say_why(cluster, kube, answer, error, says) -> None:  # noqa: ANN001
     name = await j1_sent(kube)
     if answer is not None:
         await pod_running(cluster, name)
