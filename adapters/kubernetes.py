@@ -106,6 +106,7 @@ configmaps in that namespace.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -127,7 +128,9 @@ from kubernetes.aio import config as k8s_config
 from kubernetes.aio.config import kube_config as kube_config_module
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from adapters.base import AdapterError, Admission, EventKind, JobEvent, JobLogs, LogsNotFound, LogsUnsupported
+from adapters.base import (
+    AdapterError, Admission, EventKind, JobEvent, JobLogs, LogsNotFound, LogsUnsupported, tail_text,
+)
 from adapters import kubernetes_logs
 from adapters.cluster_clock import ClusterClock
 from adapters.quota_store import QuotaOverrides, log_beyond_site
@@ -178,6 +181,10 @@ TENANT_LABEL = "heliotrope.io/tenant"
 PODS_TTL_S = 5.0  # how long a read of the Pods (GPUs held outside heliotrope) is reused
 QUOTA_RETRY_S = 30.0  # after a ResourceQuota write fails, the wait before the next; doubling, at most an hour
 QUOTA_NAME = "heliotrope-gpus"
+ENDED_LOG_LINES = 1000  # of an ended attempt's log, the end kept when its Job is deleted: at most these lines
+ENDED_LOG_BYTES = 256 * 1024  # ... and bytes
+ENDED_LOGS_BYTES = 32 * 1024 * 1024  # the ended attempts' logs kept in all (the oldest go first)
+ENDED_LOG_READ_S = 10.0  # how long the read of one may take before its Job is deleted without it
 TOMBSTONE_TTL_S = 3600.0
 TOKEN_FILE_REREAD_S = 60.0  # a kubeconfig's tokenFile is read again this often (client-go: a minute)
 # A container waiting for one of these will not start without someone changing the image or the Pod's config
@@ -362,6 +369,9 @@ class KubernetesSite:
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}
         self._stop_waits: set[asyncio.Task[None]] = set()  # stopping attempts awaiting the end of their Pods
+        # the end of the log of the latest attempts that ended, kept as their Jobs are deleted (_keep_log)
+        self._ended_logs: collections.OrderedDict[tuple[str, int], JobLogs] = collections.OrderedDict()
+        self._ended_logs_bytes = 0
         self._unplaced: dict[tuple[str, int], asyncio.Task[None]] = {}  # deadlines of unschedulable Pods
         # when a stop's Pods last went (GPUs freed for a waiting Pod), by the cluster's clock
         self._stop_ended: datetime | None = None
@@ -1129,8 +1139,32 @@ class KubernetesSite:
 
     # --- LogReader ---
 
+    async def _keep_log(self, key: tuple[str, int]) -> None:
+        """Before an ended attempt's Job and Pods are deleted: keep the end of its log (``ENDED_LOG_LINES``, at
+        most ``ENDED_LOG_BYTES``) among the latest ended attempts' (``ENDED_LOGS_BYTES`` in all), so its logs can
+        still be read, from this adapter's memory. A log that cannot be read now is not kept (logged at debug)."""
+        try:
+            async with asyncio.timeout(ENDED_LOG_READ_S):
+                kept = await self.logs(key[0], key[1], ENDED_LOG_LINES, ENDED_LOG_BYTES)
+        except (AdapterError, TimeoutError) as e:
+            log.debug("site %s: the log of attempt %d of job %s was not kept before its Job was deleted: %s",
+                      self.name, key[1], key[0], e)
+            return
+        old = self._ended_logs.pop(key, None)
+        self._ended_logs_bytes -= len(old.text.encode()) if old is not None else 0
+        self._ended_logs[key] = kept
+        self._ended_logs_bytes += len(kept.text.encode())
+        while self._ended_logs and self._ended_logs_bytes > ENDED_LOGS_BYTES:
+            _, gone = self._ended_logs.popitem(last=False)
+            self._ended_logs_bytes -= len(gone.text.encode())
+
     async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
-        """The log of the attempt's newest Pod's container (:mod:`adapters.kubernetes_logs`)."""
+        """The log of the attempt's newest Pod's container (:mod:`adapters.kubernetes_logs`); for an attempt that
+        ended and whose Job was deleted, the end of it this adapter kept (``_keep_log``)."""
+        ended = self._ended_logs.get((job_id, attempt))
+        if ended is not None:
+            text, cut = tail_text(ended.text, tail_lines, limit_bytes)
+            return JobLogs(text, ended.truncated or cut, f"{ended.source} (kept when its Job was deleted)")
         site, job_label = _label_value(self.name), _label_value(job_id)
         what = f"attempt {attempt} of job {job_id}"
         try:
@@ -1142,7 +1176,8 @@ class KubernetesSite:
         if pod is None:
             raise LogsNotFound(f"site {self.name} has no Pod of {what}: it has not been made yet, or it was deleted "
                                "(the Job of an attempt that ended is deleted, with its Pods, once the broker has its "
-                               "outcome)")
+                               "outcome; the end of its log is kept then, unless it could not be read, the attempt "
+                               "was stopped or lost, or the adapter restarted since)")
         meta = pod.get("metadata") or {}
         tenant = (meta.get("labels") or {}).get(TENANT_LABEL, "")
         name, namespace = meta.get("name") or "", meta.get("namespace") or self.namespace(tenant)
@@ -1199,6 +1234,7 @@ class KubernetesSite:
             return
 
         async def delete() -> None:
+            await self._keep_log(key)  # (its Pods go with it: what it printed last is kept here)
             try:
                 await self._delete_job(key, known)
             except AdapterError as e:
@@ -1399,6 +1435,7 @@ class KubernetesSite:
     def _delete_later(self, key: tuple[str, int], known: _Attempt, otherwise: str) -> None:
         """Delete the attempt's Job in the background; a failure is logged with ``otherwise``."""
         async def delete() -> None:
+            await self._keep_log(key)  # (its Pods go with it: what it printed last is kept here)
             try:
                 await self._delete_job(key, known)
             except AdapterError as e:

@@ -10,8 +10,9 @@ injected, such as a service mesh's proxy, is not read), else the Pod's only or f
 The API server answers ``tailLines`` and ``limitBytes`` itself (the kubelet reads the container's log file);
 the text is cut again here to be sure, and ``truncated`` is set where it may have been cut (a log as long as
 either limit). A Pod not started yet has no log (the API server answers 400: the container waits), nor one
-deleted: a Job that ended is deleted with its Pods once the broker has taken its outcome, so a Kubernetes site
-gives the logs of running attempts, and of ended ones only until then. RBAC: ``get`` on ``pods/log``.
+deleted: a Job that ended is deleted with its Pods once the broker has taken its outcome, so the adapter reads the
+end of its log just before and keeps it in memory (``KubernetesSite._keep_log``: the latest ended attempts',
+32 MiB in all; not across its restarts, nor for attempts stopped or lost). RBAC: ``get`` on ``pods/log``.
 """
 
 from __future__ import annotations

@@ -2762,3 +2762,25 @@ async def test_logs_of_an_attempt_without_a_log_to_read_say_why(cluster, kube, a
     with pytest.raises(error) as caught:
         await kube.logs("j-1", 1, 10, 4096)
     assert says in str(caught.value)
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed"], ids=["a Job that succeeded", "a Job that failed"])
+async def test_an_ended_attempts_log_is_kept_when_its_job_and_pods_are_deleted(cluster, kube, outcome) -> None:  # noqa: ANN001
+    # The adapter deletes an ended attempt's Job with its Pods once the broker has its outcome; the log of a job
+    # that failed, the one its owner most wants to read, went with them.
+    stream = kube.events()
+    name = await j1_running(kube, stream, cluster)
+    cluster[kmock.subresource("log")] << b"epoch 1\nTraceback (most recent call last):\nCUDA out of memory\n"
+    condition = "Complete" if outcome == "succeeded" else "Failed"
+    await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {
+        outcome: 1, "conditions": [{"type": condition, "status": "True"}]}})
+    done = await next_event(kube, stream)
+    kube.taken(done)
+    assert await gone(cluster, name)
+    await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")  # (the cluster's cascade)
+    got = await kube.logs("j-1", 1, 2, 1 << 20)
+    assert got.text == "Traceback (most recent call last):\nCUDA out of memory\n" and got.truncated
+    assert got.source == f"pod heliotrope-t1/{name}-abc container job (kept when its Job was deleted)"
+    assert (await kube.logs("j-1", 1, None, 1 << 20)).text.startswith("epoch 1\n")
+    with pytest.raises(LogsNotFound):  # another attempt's is not made up from it
+        await kube.logs("j-1", 2, None, 1 << 20)
