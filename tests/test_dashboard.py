@@ -288,6 +288,12 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
     expect(rejected).to_contain_text("gpus-do-not-fit")
     expect(page.locator('#map g.label.chosen')).to_have_attribute("data-site", decision["site"])
 
+    # Its log, read from its site when the panel is opened (the demo's sites simulate one).
+    page.locator("#decision-log summary").click()
+    log = page.locator("#decision-log-text")
+    expect(log).to_have_attribute("data-state", "ok")
+    expect(log).to_contain_text(f"heliotrope simulated site {decision['site']}")
+
     # The carbon headline, from /v1/carbon.
     expect(page.locator("#carbon")).to_have_attribute("data-state", "ok")
     expect(page.locator("#carbon-saved")).to_have_text(re.compile(r"^-?\d"))

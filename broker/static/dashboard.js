@@ -1,7 +1,8 @@
 // heliotrope dashboard: the sites on a world map, the queue, each job's decision term by term, the carbon
 // saved, and a live event log. Plain JavaScript, no dependencies, nothing fetched from outside the broker.
 //
-// Data: GET /v1/sites, /v1/jobs?state=..., /v1/jobs/{id}/decision, /v1/carbon (each JSON), and the live
+// Data: GET /v1/sites, /v1/jobs?state=..., /v1/jobs/{id}/decision, /v1/carbon (each JSON), a job's log
+// (GET /v1/jobs/{id}/logs, text, when its panel is opened), and the live
 // stream GET /v1/events (server-sent events, read with fetch() so that it can carry the bearer token).
 // Whatever the broker does not offer (a 404) is shown as unavailable and the rest works without it.
 //
@@ -688,7 +689,32 @@ function renderDecision(job, d, problem) {
           return h("div", { class: "reason" }, i > 0 ? [h("code", {}, r.slice(0, i)), ` ${r.slice(i + 2)}`] : r);
         })))))));
   }
+  if (job && job.attempt > 0) parts.push(logPanel(job));
   body.replaceChildren(...parts);
+}
+
+const LOG_TAIL = 200; // lines of a job's log the panel shows
+
+/** A job's log (GET /v1/jobs/{id}/logs: of its latest attempt a site admitted), read when the panel is opened,
+ * and again each time it is opened: a closed panel fetches nothing. */
+function logPanel(job) {
+  const pre = h("pre", { class: "log", id: "decision-log-text" }, "");
+  const panel = h("details", { class: "log-panel", id: "decision-log" },
+    h("summary", {}, `log: its last ${LOG_TAIL} lines, as its site gives them`), pre);
+  panel.addEventListener("toggle", async () => {
+    if (!panel.open) return;
+    pre.textContent = "reading the log…";
+    pre.dataset.state = "loading";
+    try {
+      const text = await api(`v1/jobs/${encodeURIComponent(job.id)}/logs?tail=${LOG_TAIL}`, { text: true });
+      pre.textContent = text || "(the log is empty)";
+      pre.dataset.state = "ok";
+    } catch (e) {
+      pre.textContent = e.message;
+      pre.dataset.state = "error";
+    }
+  });
+  return panel;
 }
 
 /** In follow mode, show the newest placed job's decision (at most every 8 s, so a busy wall stays readable). */
