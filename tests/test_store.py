@@ -133,6 +133,35 @@ async def test_a_scoped_listing_keeps_only_the_tenants_or_sites_named(store: Sto
     assert (await store.list_jobs(JobFilter(tenants=()), limit=100)).items == []
 
 
+async def test_a_listing_by_labels_keeps_the_jobs_carrying_them_all_and_pages_by_cursor(store: Store):
+    """``GET /v1/jobs?label=...``: every label named must be on the job (a key alone: any value); keys with dots,
+    slashes, quotes and spaces are matched as written, not read as a JSON path."""
+    odd = {"sweep.id": "s1", "team/x": 'a "b"', "it's odd": "y"}
+    for i in range(30):
+        labels = {**odd, "lr": "0.1" if i % 2 else "0.01"} if i % 3 == 0 else {"sweep": "s1", "lr": "0.1"}
+        job = make_job(i, state=JobState.RUNNING if i % 4 == 0 else JobState.QUEUED, site="s1" if i % 4 == 0 else None)
+        await store.insert_job(job.model_copy(update={"spec": job.spec.model_copy(update={"labels": labels})}))
+
+    async def ids(*labels: tuple[str, str | None], **kw: object) -> list[int]:
+        return [int(j.id[3:]) for j in (await store.list_jobs(JobFilter(labels=labels, **kw), 100)).items]
+
+    assert await ids(("sweep.id", "s1")) == [i for i in reversed(range(30)) if i % 3 == 0]
+    assert await ids(("sweep", "s1")) == [i for i in reversed(range(30)) if i % 3]  # not sweep.id's "s1"
+    assert await ids(("sweep.id", "s1"), ("lr", "0.1")) == [27, 21, 15, 9, 3]
+    assert await ids(("team/x", 'a "b"'), ("it's odd", None)) == await ids(("sweep.id", None))
+    assert await ids(("sweep.id", "s2")) == [] and await ids(("lr", None), ("nope", None)) == []
+    assert await ids(("sweep.id", None), states=(JobState.RUNNING,)) == [24, 12, 0]
+    assert await ids(("sweep.id", None), states=(JobState.QUEUED, JobState.RUNNING), tenant="t2") == []
+    seen, cursor = [], None
+    while True:
+        page = await store.list_jobs(JobFilter(labels=(("lr", "0.1"),)), limit=4, cursor=cursor)
+        seen += [int(j.id[3:]) for j in page.items]
+        if page.next is None:
+            break
+        cursor = page.next
+    assert seen == [i for i in reversed(range(30)) if i % 3 or i % 2]
+
+
 async def test_tokens_are_kept_by_id_listed_and_updated(store: Store):
     await store.put_token("tok-2", "d" * 64, '{"id": "tok-2", "v": 1}')
     await store.put_token("tok-1", "e" * 64, '{"id": "tok-1"}')

@@ -91,6 +91,14 @@ class JobFilter:
     site: str | None = None
     tenants: tuple[str, ...] | None = None  # any of these (a submitter's scope)
     sites: tuple[str, ...] | None = None  # any of these (an operator's scope)
+    states: tuple[JobState, ...] | None = None  # any of these (a bulk cancel's: the active states)
+    labels: tuple[tuple[str, str | None], ...] = ()  # each (key, value) must be in ``spec.labels``; value None: the
+    #                                                   key is there, with any value
+
+    def has_labels(self, job: Job) -> bool:
+        """Whether ``job``'s spec carries every label of ``labels``."""
+        mine = job.spec.labels
+        return all(key in mine and (value is None or mine[key] == value) for key, value in self.labels)
 
 
 @dataclass(frozen=True, slots=True)

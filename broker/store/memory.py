@@ -204,6 +204,10 @@ class MemoryStore(QueuedUpdates):
                 continue
             if flt.sites is not None and job.site not in flt.sites:
                 continue
+            if flt.states is not None and job.state not in flt.states:
+                continue
+            if flt.labels and not flt.has_labels(job):
+                continue
             if len(items) == limit:
                 more = True
                 break

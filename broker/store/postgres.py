@@ -394,6 +394,13 @@ class PostgresStore(SqlWriteQueue):
             where.append(f"tenant = ANY({param([t for t in flt.tenants if not _unstorable(t)])}::text[])")
         if flt.sites is not None:
             where.append(f"site = ANY({param([t for t in flt.sites if not _unstorable(t)])}::text[])")
+        if flt.states is not None:
+            where.append(f"state = ANY({param([s.value for s in flt.states])}::text[])")
+        for key, value in flt.labels:
+            # json, not jsonb: jsonb refuses a document holding an escaped NUL (which a spec's text may), json
+            # only a value holding one that is taken out as text
+            label = f"(doc::json -> 'spec' -> 'labels' ->> {param(key)})"
+            where.append(f"{label} IS NOT NULL" if value is None else f"{label} = {param(value)}")
         if cursor is not None:
             where.append(f"seq < {param(decode_cursor(cursor))}")
         sql = "SELECT seq, doc FROM jobs"

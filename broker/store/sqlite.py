@@ -377,10 +377,18 @@ class SQLiteStore(SqlWriteQueue):
         if flt.site is not None:
             where.append("site = ?")
             params.append(flt.site)
-        for column, values in (("tenant", flt.tenants), ("site", flt.sites)):
+        for column, values in (("tenant", flt.tenants), ("site", flt.sites),
+                               ("state", None if flt.states is None else [s.value for s in flt.states])):
             if values is not None:
                 where.append(f"{column} IN ({','.join('?' * len(values))})" if values else "0")
                 params.extend(values)
+        for key, value in flt.labels:  # (the key bound as a value, not spliced into a JSON path: any key is safe)
+            if value is None:
+                where.append("EXISTS (SELECT 1 FROM json_each(jobs.doc, '$.spec.labels') WHERE key = ?)")
+                params.append(key)
+            else:
+                where.append("EXISTS (SELECT 1 FROM json_each(jobs.doc, '$.spec.labels') WHERE key = ? AND value = ?)")
+                params.extend((key, value))
         if cursor is not None:
             where.append("seq < ?")
             params.append(decode_cursor(cursor))
