@@ -7,8 +7,10 @@ Quotas: ``GET /v1/sites/{name}/quota[?tenant=T]`` (the site's own report: per te
         borrowed, fair share now, decayed usage, why its jobs wait), ``PUT|DELETE /v1/sites/{name}/quota/{tenant}``
         (the site operator's change, kept by the site across restarts; the body is a TenantQuota, ``tenant``
         taken from the path)
-Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured), ``GET /v1/jobs?state=&tenant=&site=&limit=&cursor=``,
+Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured),
+        ``GET /v1/jobs?state=&tenant=&site=&label=KEY=VALUE&label=KEY&limit=&cursor=``,
         ``GET /v1/jobs/{id}``, ``POST /v1/jobs/{id}/cancel`` (and ``DELETE /v1/jobs/{id}``),
+        ``POST /v1/cancellations`` (many jobs at once, by tenant, labels, state and site),
         ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``,
         ``GET /v1/jobs/{id}/logs?attempt=&tail=`` (what an attempt printed, as its site gives it; text/plain)
 Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
@@ -60,7 +62,8 @@ from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
-from broker.models import SITE_READ_ONLY_KEYS, Job, JobChange, JobSpec, JobState, Preview, QuotaState, SiteSpec, TenantQuota
+from broker.models import (SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec, JobState, Preview, QuotaState,
+                           SiteSpec, TenantQuota, clean_text)
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
@@ -156,6 +159,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("POST", "/v1/jobs/{id}/cancel"): SUBMITTERS,
     ("PATCH", "/v1/jobs/{id}"): SUBMITTERS,
     ("DELETE", "/v1/jobs/{id}"): SUBMITTERS,
+    ("POST", "/v1/cancellations"): SUBMITTERS,  # of the tenants the token acts for; others' jobs are not matched
     ("GET", "/v1/jobs/{id}/decision"): ANY,
     ("GET", "/v1/jobs/{id}/events"): ANY,
     ("GET", "/v1/jobs/{id}/logs"): ANY,  # 404 for a job the caller may not see
@@ -757,7 +761,21 @@ async def submit_job(request: web.Request) -> web.Response:
     return _json(job, 201, headers=headers)
 
 
-JOB_FILTERS = ("state", "tenant", "site", "limit", "cursor")
+JOB_FILTERS = ("state", "tenant", "site", "label", "limit", "cursor")
+
+
+def _labels(request: web.Request) -> tuple[tuple[str, str | None], ...]:
+    """The ``label`` parameters, each ``KEY=VALUE`` (the job carries the label with that value) or ``KEY`` (with
+    any value); all must match. A key is any text but empty and without ``=`` (a job's labels are not checked
+    further)."""
+    out = []
+    for raw in request.query.getall("label", []):
+        key, eq, value = raw.partition("=")
+        if not key:
+            raise ApiError(400, f"label {raw!r} names no key; write label=KEY=VALUE (that value) or label=KEY (any)",
+                           [{"field": "label", "problem": f"no key before '=' in {raw[:80]!r}"}])
+        out.append((key, value if eq else None))
+    return tuple(out)
 
 
 async def list_jobs(request: web.Request) -> web.Response:
@@ -778,6 +796,7 @@ async def list_jobs(request: web.Request) -> web.Response:
         state=JobState(state) if state else None,
         tenant=request.query.get("tenant"),
         site=request.query.get("site"),
+        labels=_labels(request),
     ))
     limit = _query_int(request, "limit", 100, 1, MAX_PAGE)
     try:
@@ -795,9 +814,9 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 
 def _matches(job: Job, flt: JobFilter) -> bool:
-    """Whether ``job`` is what ``flt`` asks for (state, site; its tenant never changes)."""
-    return ((flt.state is None or job.state == flt.state) and (flt.site is None or job.site == flt.site)
-            and (flt.sites is None or job.site in flt.sites))
+    """Whether ``job`` is what ``flt`` asks for (state, site; its tenant and labels never change)."""
+    return ((flt.state is None or job.state == flt.state) and (flt.states is None or job.state in flt.states)
+            and (flt.site is None or job.site == flt.site) and (flt.sites is None or job.site in flt.sites))
 
 
 def _scoped(who: Principal, flt: JobFilter) -> JobFilter:
@@ -844,6 +863,70 @@ async def cancel_job(request: web.Request) -> web.Response:
     except AlreadyEnded as e:
         raise ApiError(409, str(e)) from None
     return _json(cancelled)
+
+
+ACTIVE_STATES = tuple(s for s in JobState if not s.terminal)
+CANCEL_AT_MOST = 10_000
+"""Jobs one ``POST /v1/cancellations`` cancels at most; it answers ``"more": true`` when more match (call again)."""
+CANCEL_TOGETHER = 32  # cancels under way at once (each may wait on its site to withdraw the job, up to its timeout)
+CANCEL_FOR_AT_MOST_S = 20.0  # then it answers with what is done, and "more": true (a follower waits for the leader)
+
+
+async def cancel_many(request: web.Request) -> web.Response:
+    """``POST /v1/cancellations``: cancel every job the body's selector matches and the caller may cancel, each as
+    ``POST /v1/jobs/{id}/cancel`` would (running ones withdrawn from their sites); one that ends meanwhile is
+    skipped. Answers ``{"cancelled": [ids], "skipped": [{"id", "reason"}], "matched": n, "more": bool}``."""
+    broker = request.app[BROKER]
+    who = principal(request)
+    sel, _ = await _body(request, Cancellation, "cancellation")
+    if sel.tenant is None and not sel.labels:
+        problem = "give a tenant, labels or both: one request may not cancel every job"
+        raise ApiError(422, f"invalid cancellation: {problem}",
+                       [{"field": "tenant", "problem": problem}, {"field": "labels", "problem": problem}])
+    flt = _scoped(who, JobFilter(tenant=sel.tenant, site=sel.site, labels=tuple(sel.labels.items()),
+                                 states=(JobState(sel.state),) if sel.state else ACTIVE_STATES))
+    why = clean_text(sel.reason, 500) if sel.reason else None
+    cancelled: list[str] = []
+    skipped: list[dict[str, str]] = []
+
+    async def cancel(job_id: str) -> None:
+        try:
+            cancelled.append((await broker.lifecycle.cancel(job_id, why)).id)
+        except AlreadyEnded as e:  # it ended (or began to) since it was listed
+            skipped.append({"id": job_id, "reason": str(e)})
+        except JobNotFound:
+            skipped.append({"id": job_id, "reason": f"job {job_id} no longer exists"})
+        except StoreError as e:  # (not the middleware's 503: the jobs cancelled before it stay cancelled)
+            log.error("could not store the cancel of job %s: %s", job_id, e)
+            skipped.append({"id": job_id, "reason": "the store could not record the cancel; call again"})
+            failed.append(job_id)
+
+    failed: list[str] = []
+    until = asyncio.get_running_loop().time() + min(CANCEL_FOR_AT_MOST_S, broker.settings.dispatch_timeout_s)
+    cursor: str | None = None
+    more = False
+    while True:
+        page = await broker.store.list_jobs(flt, MAX_PAGE, cursor)
+        # As the leader holds each job now: one that has moved on since it was stored (to a state not asked for)
+        # is left alone.
+        jobs = [job for stored in page.items if (job := broker.book.active.get(stored.id, stored)) is stored
+                or _matches(job, flt)]
+        jobs = [job for job in jobs if who.acts_for(job.spec.tenant)]
+        i = 0
+        while i < len(jobs):
+            room = CANCEL_AT_MOST - len(cancelled) - len(skipped)
+            if room <= 0 or failed or asyncio.get_running_loop().time() >= until:
+                more = True
+                break
+            batch = jobs[i:i + min(CANCEL_TOGETHER, room)]
+            await asyncio.gather(*(cancel(job.id) for job in batch))
+            i += len(batch)
+            await asyncio.sleep(0)  # (each cancel awaits its write; other requests are served between batches)
+        if more or page.next is None:
+            break
+        cursor = page.next
+    return _json({"cancelled": cancelled, "skipped": skipped, "matched": len(cancelled) + len(skipped),
+                  "more": more or bool(failed)})
 
 
 async def change_job(request: web.Request) -> web.Response:
@@ -1146,6 +1229,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/jobs/{id}", get_job)
     r.add_post("/v1/jobs/{id}/cancel", cancel_job)
     r.add_delete("/v1/jobs/{id}", cancel_job)
+    r.add_post("/v1/cancellations", cancel_many)
     r.add_get("/v1/jobs/{id}/decision", job_decision)
     r.add_get("/v1/jobs/{id}/events", job_events)
     r.add_get("/v1/jobs/{id}/logs", job_logs)

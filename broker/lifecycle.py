@@ -248,15 +248,17 @@ class Lifecycle:
                 return failed or self.book.active.get(job.id)
         return await self.book.transition(job.id, JobState.QUEUED, reason=reason)
 
-    async def cancel(self, job_id: str) -> Job:
+    async def cancel(self, job_id: str, why: str | None = None) -> Job:
         """Cancel a job; if it holds GPUs at a site, withdraw it there (retried until the site confirms).
+        ``why``: the caller's words, recorded after "cancelled by request".
 
         Raises JobNotFound for an unknown id and AlreadyEnded for a job that has ended (or is ending).
         """
         job = await self.book.take_in(job_id)  # (one another replica accepted may not be taken in yet)
         if job is None:
             raise AlreadyEnded(await self.book.get(job_id))
-        cancelled = await self.book.transition(job.id, JobState.CANCELLED, reason="cancelled by request")
+        reason = "cancelled by request" + (f": {why}" if why else "")
+        cancelled = await self.book.transition(job.id, JobState.CANCELLED, reason=reason)
         if job.state in ON_SITE and job.site:
             await self.withdraw(job, job.site)
         return cancelled

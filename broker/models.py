@@ -1243,6 +1243,23 @@ class Preview(Strict):
         "their room first (left out by releases that decided it as if first in the queue)"))
 
 
+ActiveState = Literal["queued", "dispatching", "admitted", "running", "preempted"]  # the states a job can leave
+LabelKey = Annotated[str, Field(min_length=1)]
+
+
+class Cancellation(Strict):
+    """Which jobs to cancel at once (``POST /v1/cancellations``, ``heliotrope cancel --tenant T --label k=v``): every
+    job of ``tenant`` carrying all of ``labels``, in ``state`` (none: any state a job can still leave), at ``site``,
+    that the caller may cancel. A tenant or labels must be named, so that one request cannot cancel every job."""
+
+    tenant: Slug | None = Field(default=None, description="the tenant whose jobs to cancel")
+    labels: dict[LabelKey, str] = Field(default_factory=dict, max_length=64,
+                                        description="labels each job must carry (every one, with that value)")
+    state: ActiveState | None = Field(default=None, description="only jobs in this state; none: every active state")
+    site: Slug | None = Field(default=None, description="only jobs at this site")
+    reason: str | None = Field(default=None, max_length=500, description="why, recorded on each job cancelled")
+
+
 def clean_text(value: str, limit: int = 1000) -> str:
     """Free text from elsewhere (a site's reason, an adapter's error) made safe to store: no unpaired
     surrogates, no NUL (PostgreSQL's text refuses it, where SQLite takes it), bounded length."""

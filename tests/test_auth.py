@@ -151,6 +151,18 @@ async def queued_vision_job(f: Federation) -> AsyncIterator[dict[str, str]]:
     await f.call("admin", "POST", f"/v1/jobs/{created['id']}/cancel")
 
 
+@contextlib.asynccontextmanager
+async def labelled_vision_job(f: Federation) -> AsyncIterator[dict[str, str]]:
+    """A vision job labelled sweep=fresh running on alpha, for the rows that cancel by labels (the fixture's jobs
+    carry no labels, so those rows leave them running), cancelled afterwards."""
+    status, created = await f.call("admin", "POST", "/v1/jobs", {**job("vision", "a100-80gb", "fresh"),
+                                                                  "labels": {"sweep": "fresh"}})
+    assert status == 201, created
+    await f.running(created["id"], "alpha")
+    yield {}
+    await f.call("admin", "POST", f"/v1/jobs/{created['id']}/cancel")
+
+
 def idle_gamma(spec: dict[str, Any]) -> Fresh:
     """gamma registered afresh with ``spec``, nothing on it (so its adapter may be rebuilt or it removed)."""
 
@@ -294,6 +306,10 @@ TABLE: list[Row] = [
       (401, 200, 403, 403, 200, 404), fresh=running_vision_job),
     R("the tenant's submitters and admins delete (cancel) its job", "DELETE /v1/jobs/{fresh}",
       (401, 200, 403, 403, 200, 404), fresh=running_vision_job),
+    R("the tenant's submitters and admins cancel its jobs by labels", "POST /v1/cancellations",
+      (401, 200, 403, 403, 200, 403), {"tenant": "vision", "labels": {"sweep": "fresh"}}, fresh=labelled_vision_job),
+    R("a cancel by labels alone matches only the caller's tenants' jobs", "POST /v1/cancellations",
+      (401, 200, 403, 403, 200, 200), {"labels": {"sweep": "fresh"}}, fresh=labelled_vision_job),
     R("the tenant's submitters and admins change its queued job", "PATCH /v1/jobs/{fresh}",
       (401, 200, 403, 403, 200, 404), {"priority": 3}, fresh=queued_vision_job),
     # live and other
