@@ -1244,20 +1244,24 @@ class Preview(Strict):
 
 
 ActiveState = Literal["queued", "dispatching", "admitted", "running", "preempted"]  # the states a job can leave
-LabelKey = Annotated[str, Field(min_length=1)]
-
-
 class Cancellation(Strict):
     """Which jobs to cancel at once (``POST /v1/cancellations``, ``heliotrope cancel --tenant T --label k=v``): every
     job of ``tenant`` carrying all of ``labels``, in ``state`` (none: any state a job can still leave), at ``site``,
     that the caller may cancel. A tenant or labels must be named, so that one request cannot cancel every job."""
 
     tenant: Slug | None = Field(default=None, description="the tenant whose jobs to cancel")
-    labels: dict[LabelKey, str] = Field(default_factory=dict, max_length=64,
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64,
                                         description="labels each job must carry (every one, with that value)")
     state: ActiveState | None = Field(default=None, description="only jobs in this state; none: every active state")
     site: Slug | None = Field(default=None, description="only jobs at this site")
     reason: str | None = Field(default=None, max_length=500, description="why, recorded on each job cancelled")
+
+    @field_validator("labels")
+    @classmethod
+    def _keys_named(cls, labels: dict[str, str]) -> dict[str, str]:
+        if "" in labels:
+            raise ValueError("a label's key may not be empty")
+        return labels
 
 
 def clean_text(value: str, limit: int = 1000) -> str:

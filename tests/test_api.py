@@ -1224,3 +1224,136 @@ async def test_a_quota_set_while_the_site_is_removed_is_not_answered_as_set(clie
         lock.release()
     r = await quota
     assert r.status == 404, await r.text()
+
+
+# --- by label: listing, and cancelling many at once ---
+
+
+async def submit(client: TestClient, **more: Any) -> str:
+    r = await client.post("/v1/jobs", json={**MINIMAL, **more})
+    assert r.status == 201, await r.text()
+    return (await r.json())["id"]
+
+
+async def test_jobs_are_listed_by_label_every_one_named_must_match_and_a_key_alone_matches_any_value(
+        client: TestClient):
+    s1 = [await submit(client, name=f"s1-{i}", labels={"sweep.id": "s1", "lr": f"0.{i}"}) for i in range(3)]
+    s2 = await submit(client, name="s2", labels={"sweep.id": "s2", "lr": "0.1"})
+    await submit(client, name="plain")
+
+    async def listed(query: str) -> list[str]:
+        r = await client.get(f"/v1/jobs?{query}")
+        assert r.status == 200, await r.text()
+        return [j["id"] for j in (await r.json())["items"]]
+
+    assert await listed("label=sweep.id=s1") == s1[::-1]
+    assert await listed("label=sweep.id=s1&label=lr=0.1") == [s1[1]]
+    assert await listed("label=lr=0.1") == [s2, s1[1]]
+    assert await listed("label=sweep.id") == [s2, *s1[::-1]]
+    assert await listed("label=sweep.id=s3") == [] and await listed("label=sweep.id=s1&tenant=t2") == []
+    first = await (await client.get("/v1/jobs?label=sweep.id=s1&limit=2")).json()
+    rest = await (await client.get(f"/v1/jobs?label=sweep.id=s1&limit=2&cursor={first['next']}")).json()
+    assert [j["id"] for j in first["items"] + rest["items"]] == s1[::-1] and rest["next"] is None
+    r = await client.get("/v1/jobs?label==s1")
+    body = await r.json()
+    assert r.status == 400 and body["error"]["fields"][0]["field"] == "label", body
+    assert "names no key" in body["error"]["message"]
+
+
+async def test_a_cancel_by_labels_stops_the_sweeps_queued_and_running_jobs_and_leaves_the_rest(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    sweep = {"sweep": "lr-search"}
+    done = await submit(client, name="done", labels=sweep, duration_s=0.05)
+    await wait_for(client, done, {"succeeded"})
+    running = [await submit(client, name=f"run-{i}", labels=sweep, gpus={"count": 4}, duration_s=600)
+               for i in range(2)]
+    for job_id in running:
+        await wait_for(client, job_id, {"running"})
+    queued = [await submit(client, name=f"wait-{i}", labels=sweep, gpus={"count": 4}) for i in range(2)]
+    other_sweep = await submit(client, name="other", labels={"sweep": "other"}, gpus={"count": 8})
+    other_tenant = await submit(client, tenant="t2", name="theirs", labels=sweep, gpus={"count": 8})
+    berlin = client.broker.federation.get("berlin").adapter  # type: ignore[attr-defined]
+    assert {job_id for job_id, _ in await berlin.known_attempts()} == set(running)
+
+    r = await client.post("/v1/cancellations", json={"tenant": "t1", "labels": sweep, "reason": "wrong learning rate"})
+    assert r.status == 200, await r.text()
+    answer = await r.json()
+    assert sorted(answer["cancelled"]) == sorted(running + queued)
+    assert answer["skipped"] == [] and answer["matched"] == 4 and answer["more"] is False
+    for job_id in running + queued:
+        job = await (await client.get(f"/v1/jobs/{job_id}")).json()
+        assert job["state"] == "cancelled" and job["reason"] == "cancelled by request: wrong learning rate", job
+    assert (await (await client.get(f"/v1/jobs/{done}")).json())["state"] == "succeeded"
+    assert await berlin.known_attempts() == set()  # the running ones were withdrawn from the site
+    # Their GPUs are free: the other sweep's 8-GPU job runs there (and t2's, the same labels, was not touched).
+    assert (await wait_for(client, other_sweep, {"running"}))["site"] == "berlin"
+    assert (await (await client.get(f"/v1/jobs/{other_tenant}")).json())["state"] == "queued"
+    again = await (await client.post("/v1/cancellations", json={"tenant": "t1", "labels": sweep})).json()
+    assert again == {"cancelled": [], "skipped": [], "matched": 0, "more": False}
+
+
+async def test_a_cancel_by_tenant_and_state_cancels_only_that_tenants_jobs_in_that_state(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    running = await submit(client, tenant="t2", name="running", gpus={"count": 8}, duration_s=600)
+    await wait_for(client, running, {"running"})
+    queued = [await submit(client, tenant="t2", name=f"q{i}") for i in range(3)]
+    mine = await submit(client, name="mine")
+    r = await client.post("/v1/cancellations", json={"tenant": "t2", "state": "queued"})
+    answer = await r.json()
+    assert r.status == 200 and sorted(answer["cancelled"]) == sorted(queued), answer
+    assert (await (await client.get(f"/v1/jobs/{running}")).json())["state"] == "running"
+    assert (await (await client.get(f"/v1/jobs/{mine}")).json())["state"] == "queued"
+    answer = await (await client.post("/v1/cancellations", json={"tenant": "t2"})).json()
+    assert answer["cancelled"] == [running]
+
+
+async def test_a_cancel_of_many_answers_at_most_its_bound_and_says_there_is_more(client: TestClient,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    from broker import api
+
+    monkeypatch.setattr(api, "CANCEL_AT_MOST", 3)
+    monkeypatch.setattr(api, "CANCEL_TOGETHER", 2)
+    ids = [await submit(client, name=f"j{i}", labels={"batch": "b"}) for i in range(5)]
+    first = await (await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})).json()
+    assert first["cancelled"] == ids[:1:-1] and first["matched"] == 3 and first["more"] is True, first
+    second = await (await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})).json()
+    assert second["cancelled"] == ids[1::-1] and second["more"] is False, second
+
+
+async def test_a_job_ending_while_it_is_cancelled_with_others_is_skipped_not_an_error(client: TestClient,
+                                                                                    monkeypatch: pytest.MonkeyPatch):
+    from broker.lifecycle import AlreadyEnded
+
+    ids = [await submit(client, name=f"j{i}", labels={"batch": "b"}) for i in range(3)]
+    lifecycle = client.broker.lifecycle  # type: ignore[attr-defined]
+    cancel = lifecycle.cancel
+
+    async def ended_meanwhile(job_id: str, why: str | None = None):
+        if job_id == ids[1]:
+            job = await cancel(job_id)  # as if its site had just reported its end
+            raise AlreadyEnded(job)
+        return await cancel(job_id, why)
+
+    monkeypatch.setattr(lifecycle, "cancel", ended_meanwhile)
+    r = await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})
+    answer = await r.json()
+    assert r.status == 200 and answer["cancelled"] == [ids[2], ids[0]] and answer["matched"] == 3, answer
+    assert answer["skipped"] == [{"id": ids[1], "reason": f"job {ids[1]} is already cancelled; it cannot be cancelled"}]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "tenant"),
+    ({"state": "queued", "site": "berlin"}, "tenant"),
+    ({"labels": {}, "reason": "oops"}, "labels"),
+    ({"tenant": "t1", "state": "succeeded"}, "state"),
+    ({"labels": {"": "x"}}, "labels"),
+    ({"tenant": "t1", "everything": True}, "everything"),
+], ids=["an empty selector", "a state and a site without a tenant or labels", "empty labels",
+        "a final state", "an empty label key", "an unknown key"])
+async def test_a_cancel_of_many_that_names_no_tenant_or_labels_or_a_bad_field_is_refused(
+        client: TestClient, body: dict[str, Any], field: str):
+    job_id = await submit(client)
+    r = await client.post("/v1/cancellations", json=body)
+    answer = await r.json()
+    assert r.status == 422 and field in [f["field"] for f in answer["error"]["fields"]], answer
+    assert (await (await client.get(f"/v1/jobs/{job_id}")).json())["state"] == "queued"

@@ -370,6 +370,24 @@ def test_every_route_has_a_rule_and_a_row():
         assert ACCESS.get((m, p)) == "site operator", f"{m} {p}: admins and the site's operators only"
 
 
+async def test_a_submitters_cancel_by_labels_leaves_another_tenants_jobs_with_those_labels_alone(fed: Federation):
+    sweep = {"sweep": "shared-name"}
+    ids = {}
+    for tenant, model in (("vision", "a100-80gb"), ("nlp", "l4")):
+        status, created = await fed.call(tenant, "POST", "/v1/jobs", {**job(tenant, model, "swept"), "labels": sweep})
+        assert status == 201, created
+        ids[tenant] = created["id"]
+    status, answer = await fed.call("nlp", "POST", "/v1/cancellations", {"labels": sweep})
+    assert status == 200 and answer["cancelled"] == [ids["nlp"]] and answer["matched"] == 1, answer
+    _, theirs = await fed.call("admin", "GET", f"/v1/jobs/{ids['vision']}")
+    assert theirs["state"] != "cancelled", theirs
+    status, answer = await fed.call("nlp", "POST", "/v1/cancellations", {"tenant": "vision", "labels": sweep})
+    assert status == 403 and answer["error"]["fields"] == [
+        {"field": "tenant", "problem": "not a tenant this token acts for"}], answer
+    status, answer = await fed.call("admin", "POST", "/v1/cancellations", {"labels": sweep})
+    assert status == 200 and answer["cancelled"] == [ids["vision"]], answer
+
+
 async def test_an_operator_scrapes_only_its_own_sites_metrics_and_no_tenants(fed: Federation):
     async def labels(who: str) -> list[tuple[str, dict[str, str]]]:
         r = await fed.client.get("/metrics", headers=fed.headers(who))
