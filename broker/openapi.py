@@ -17,7 +17,8 @@ from pydantic_core import core_schema
 from broker import ids, models
 from broker.auth import Role
 from broker.events import TYPES as EVENT_TYPES
-from broker.models import Decision, Job, JobChange, JobSpec, JobState, Preview, QuotaState, SiteSpec, SiteState, TenantQuota
+from broker.models import (Cancellation, Decision, Job, JobChange, JobSpec, JobState, Preview, QuotaState, SiteSpec,
+                           SiteState, TenantQuota)
 
 _REF = "#/components/schemas/{model}"
 
@@ -82,6 +83,7 @@ _BEYOND_THE_SCHEMA = {
                "a new job's deadline, not in the past",
     "JobChange": "profile, one the federation lets jobs choose; a new deadline, not in the past; the job's spec "
                  "with the change, valid as a job spec",
+    "Cancellation": "a tenant, labels or both (an empty selector would cancel every job)",
 }
 
 
@@ -113,6 +115,11 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
     job["allOf"] = [
         _if("latency_slo_ms", {"type": "number"},
             {"required": ["origin_region"], "properties": {"origin_region": {"type": "string"}}}),
+    ]
+    schemas["Cancellation"]["properties"]["labels"]["propertyNames"] = {"minLength": 1}
+    schemas["Cancellation"]["anyOf"] = [  # a tenant or some labels: never every job at once
+        {"required": ["tenant"], "properties": {"tenant": {"type": "string"}}},
+        {"required": ["labels"], "properties": {"labels": {"type": "object", "minProperties": 1}}},
     ]
     change = schemas["JobChange"]  # at least one key; a priority is a number (null: only deadline and profile)
     change["minProperties"] = 1
@@ -164,7 +171,7 @@ _NULLABLE_STR, _NULLABLE_NUM = {"type": ["string", "null"]}, {"type": ["number",
 
 
 def _components() -> dict[str, Any]:
-    models = [(m, "validation") for m in (JobSpec, JobChange, SiteSpec, TenantQuota)] + [
+    models = [(m, "validation") for m in (JobSpec, JobChange, SiteSpec, TenantQuota, Cancellation)] + [
         (m, "serialization") for m in (Job, Decision, Preview, SiteState, QuotaState)
     ]
     _, schemas = models_json_schema(models, ref_template=_REF, schema_generator=_Generator)
@@ -204,6 +211,12 @@ def _components() -> dict[str, Any]:
     components["WhoAmI"] = _object(name=_STR, role={"enum": [r.value for r in Role]},
                                    sites={"type": "array", "items": _STR}, tenants={"type": "array", "items": _STR},
                                    token_id=_NULLABLE_STR, auth=_BOOL)
+    components["Cancelled"] = _object(
+        cancelled={"type": "array", "items": _STR, "description": "the jobs cancelled, newest first"},
+        skipped={"type": "array", "items": _object(id=_STR, reason=_STR),
+                 "description": "matched jobs not cancelled: each ended meanwhile, or its cancel could not be stored"},
+        matched={**_INT, "description": "the jobs this call dealt with: cancelled and skipped"},
+        more={**_BOOL, "description": "more jobs match than one call deals with: call again"})
     components["Healthz"] = {
         **_object(status={"const": "ok"}, sites=_INT, active_jobs=_INT, cycles=_INT),
         "additionalProperties": True,  # and mqtt, replica: the broker's links, when it has them
@@ -320,6 +333,10 @@ def _paths() -> dict[str, Any]:
                 "parameters": [
                     param("state", enum=[s.value for s in JobState]), param("tenant", minLength=1),
                     param("site", minLength=1),
+                    {"name": "label", "in": "query", "required": False, "style": "form", "explode": True,
+                     "description": "KEY=VALUE: the job carries the label with that value; KEY: with any value; "
+                                    "repeated: every one must match",
+                     "schema": {"type": "array", "items": {"type": "string", "pattern": "^[^=]"}}},
                     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
                                                                 "default": 100}},
                     param("cursor", description="the previous page's next"),
@@ -349,6 +366,14 @@ def _paths() -> dict[str, Any]:
         "/v1/jobs/{id}/cancel": {
             "parameters": [job_id],
             "post": {"summary": "Cancel a job", "responses": _answers(job, 404, 409)},
+        },
+        "/v1/cancellations": {
+            "post": {
+                "summary": "Cancel many jobs at once: a tenant's, those carrying labels, in a state, at a site (each as "
+                           "POST /v1/jobs/{id}/cancel would); at most 10,000 a call ('more': call again)",
+                "requestBody": _request(_ref("Cancellation"), "which jobs, and why"),
+                "responses": _answers(_json_body(_ref("Cancelled"), "what was cancelled and skipped"), 400, 413, 422),
+            },
         },
         "/v1/jobs/{id}/decision": {
             "parameters": [job_id],
