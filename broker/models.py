@@ -1250,15 +1250,15 @@ class Cancellation(Strict):
     that the caller may cancel. A tenant or labels must be named, so that one request cannot cancel every job."""
 
     tenant: Slug | None = Field(default=None, description="the tenant whose jobs to cancel")
-    labels: dict[str, str] = Field(default_factory=dict, max_length=64,
-                                        description="labels each job must carry (every one, with that value)")
+    labels: dict[str, str | None] = Field(default_factory=dict, max_length=64,
+                                          description="labels each job must carry, every one (null: with any value)")
     state: ActiveState | None = Field(default=None, description="only jobs in this state; none: every active state")
     site: Slug | None = Field(default=None, description="only jobs at this site")
     reason: str | None = Field(default=None, max_length=500, description="why, recorded on each job cancelled")
 
     @field_validator("labels")
     @classmethod
-    def _keys_named(cls, labels: dict[str, str]) -> dict[str, str]:
+    def _keys_named(cls, labels: dict[str, str | None]) -> dict[str, str | None]:
         if "" in labels:
             raise ValueError("a label's key may not be empty")
         return labels
