@@ -3,8 +3,9 @@
     heliotrope serve --config FILE --host H --port P --db PATH|postgresql://...   (replicas elect a leader)
     heliotrope demo                    serve config/demo.yaml and feed it sample jobs
     heliotrope submit FILE             a job spec in YAML or JSON ('-' reads standard input)
-    heliotrope jobs [--state S] [--tenant T] [--site S] [--limit N]
-    heliotrope job ID | explain ID | cancel ID
+    heliotrope jobs [--state S] [--tenant T] [--site S] [--label K=V|K ...] [--limit N]
+    heliotrope job ID | explain ID | cancel ID [ID ...]
+    heliotrope cancel --tenant T | --label K=V|K ... [--state S] [--site S] [--reason TEXT] [--dry-run]
     heliotrope sites list | get NAME | add FILE | remove NAME   (list: health, lease and last-heard time)
     heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
@@ -44,7 +45,7 @@ from broker.simulation import cli as simulation_cli
 from broker.simulation import fairshare_cli
 from broker.errors import located, problems
 from broker.auth import Role
-from broker.models import SITE_READ_ONLY_KEYS, JobSpec, SiteSpec
+from broker.models import SITE_READ_ONLY_KEYS, JobSpec, JobState, SiteSpec
 from broker.shipped import CONFIG
 from broker.store import StoreError
 
@@ -338,6 +339,79 @@ def _api_message(e: ApiClientError) -> str:
     return str(e)
 
 
+# --- jobs by filter; cancelling many ---
+
+JOB_COLUMNS = ["id", "tenant", "name", "gpus", "state", "site", "attempt", "updated"]
+ACTIVE_STATES = [s.value for s in JobState if not s.terminal]
+
+
+def _job_filters(args: argparse.Namespace, state: str | None) -> list[tuple[str, str]]:
+    """The query of ``GET /v1/jobs`` for ``--tenant``, ``--site``, ``--label`` (repeated) and ``state``. An empty
+    value is sent: the broker refuses it, naming it, rather than list every job."""
+    pairs = [(k, v) for k, v in (("state", state), ("tenant", args.tenant), ("site", args.site)) if v is not None]
+    return pairs + [("label", label) for label in args.label or []]
+
+
+def _selector(args: argparse.Namespace) -> dict[str, Any]:
+    """The body of ``POST /v1/cancellations`` for ``heliotrope cancel --tenant/--label/--state/--site``."""
+    body: dict[str, Any] = {k: v for k, v in (("tenant", args.tenant), ("state", args.state), ("site", args.site),
+                                              ("reason", args.reason)) if v is not None}
+    if args.label:
+        body["labels"] = {key: value if eq else None for key, eq, value in (lb.partition("=") for lb in args.label)}
+    return body
+
+
+async def _cancellable(c: Client, args: argparse.Namespace) -> list[Any]:
+    """``--dry-run``: the jobs the selector matches now, newest first, listed state by state (the list filters by
+    one state at a time; a finished job is never cancelled)."""
+    found: list[Any] = []
+    for state in [args.state] if args.state else ACTIVE_STATES:
+        found += await c.list_all("/v1/jobs", [*_job_filters(args, state), ("limit", "1000")])
+    return sorted(found, key=lambda j: (j["created_at"], j["id"]), reverse=True)
+
+
+async def _cancel_many(c: Client, args: argparse.Namespace) -> dict[str, Any]:
+    """``POST /v1/cancellations`` until the broker says no more match (it cancels a bounded number per call)."""
+    body = _selector(args)
+    total: dict[str, Any] = {"cancelled": [], "skipped": [], "matched": 0, "more": False}
+    while True:
+        got = await c.request("POST", "/v1/cancellations", body)
+        for key in ("cancelled", "skipped"):
+            total[key] += got[key]
+        total["matched"] += got["matched"]
+        if not got["more"] or not got["cancelled"]:  # (nothing cancelled: calling again would do no better)
+            total["more"] = got["more"]
+            return total
+
+
+async def _cancel_each(c: Client, ids: list[str]) -> list[Any]:
+    """``heliotrope cancel ID [ID ...]``: each in turn; where one is refused after others were cancelled, say which
+    were."""
+    done: list[Any] = []
+    for job_id in ids:
+        try:
+            done.append(await c.request("POST", f"/v1/jobs/{_part(job_id)}/cancel"))
+        except ApiClientError as e:
+            if not done:
+                raise
+            raise CliError(f"{_api_message(e)}\nthe {len(done)} before it were cancelled: "
+                           f"{', '.join(j['id'] for j in done)}") from None
+    return done
+
+
+def _check_cancel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``heliotrope cancel`` takes job ids or a selector, not both, and not neither."""
+    selector = [f for f, v in (("--tenant", args.tenant), ("--label", args.label), ("--state", args.state),
+                               ("--site", args.site)) if v]
+    if args.id and (selector or args.reason is not None or args.dry_run):
+        extra = selector + [f for f, v in (("--reason", args.reason), ("--dry-run", args.dry_run)) if v]
+        p.error(f"cancel: give job ids or --tenant/--label, not both (got ids and {', '.join(extra)})")
+    if not args.id and not (args.tenant is not None or args.label):
+        p.error("cancel: give job ids, or --tenant and/or --label to cancel every job they match (--state and "
+                "--site narrow it)")
+
+
+# --- client commands ---
 # --- client commands ---
 
 
@@ -366,11 +440,10 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 out = jobs if isinstance(doc, list) else jobs[0]
                 text = table([_job_row(j) for j in jobs], ["id", "tenant", "name", "gpus", "state"])
             case "jobs":
-                params = {k: v for k, v in (("state", args.state), ("tenant", args.tenant), ("site", args.site))
-                          if v is not None}  # (an empty one is sent: the broker refuses it, naming it)
-                params["limit"] = str(min(args.limit, 1000))
+                params = _job_filters(args, args.state)
+                params.append(("limit", str(min(args.limit, 1000))))
                 out = await c.list_all("/v1/jobs", params, limit=args.limit)
-                text = table([_job_row(j) for j in out], ["id", "tenant", "name", "gpus", "state", "site", "attempt", "updated"])
+                text = table([_job_row(j) for j in out], JOB_COLUMNS)
             case "job":
                 out = await c.request("GET", f"/v1/jobs/{_part(args.id)}")
                 text = show_job(out)
@@ -381,9 +454,19 @@ async def _client_command(args: argparse.Namespace) -> str | None:
             case "explain":
                 out = await c.request("GET", f"/v1/jobs/{_part(args.id)}/decision")
                 text = show_decision(out)
+            case "cancel" if args.id:
+                done = await _cancel_each(c, args.id)
+                out = done[0] if len(done) == 1 else done
+                text = "\n".join(f"job {j['id']} {j['state']}" for j in done)
+            case "cancel" if args.dry_run:
+                out = await _cancellable(c, args)
+                text = table([_job_row(j) for j in out], JOB_COLUMNS)
+                text += f"\n\n(dry run: {len(out)} job{'' if len(out) == 1 else 's'} would be cancelled; nothing was)"
             case "cancel":
-                out = await c.request("POST", f"/v1/jobs/{_part(args.id)}/cancel")
-                text = f"job {out['id']} {out['state']}"
+                out = await _cancel_many(c, args)
+                text = (f"{len(out['cancelled'])} job{'' if len(out['cancelled']) == 1 else 's'} cancelled, "
+                        f"{len(out['skipped'])} skipped")
+                text += "".join(f"\n  {s['id']}: {s['reason']}" for s in out["skipped"])
             case "update":
                 change: dict[str, Any] = {}
                 if args.priority is not None:
@@ -690,14 +773,26 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--state")
     s.add_argument("--tenant")
     s.add_argument("--site")
+    s.add_argument("--label", action="append", metavar="KEY=VALUE|KEY",
+                   help="jobs carrying this label (KEY alone: with any value); repeat it: every one must match")
     s.add_argument("--limit", type=_at_least_one, default=50)
-    for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went"), ("cancel", "cancel a job")):
+    for name, help_text in (("job", "show a job"), ("explain", "why a job went where it went")):
         sub.add_parser(name, parents=[common], help=help_text).add_argument("id")
     s = sub.add_parser("logs", parents=[common], help="what a job printed: the last lines of its latest attempt at a "
                                                       "site (a simulated site's log is simulated)")
     s.add_argument("id")
     s.add_argument("--attempt", type=_at_least_one, help="which attempt (default: the latest a site admitted)")
     s.add_argument("--tail", type=_at_least_one, help="how many of the last lines (default 1000; at most 1 MiB)")
+    s = sub.add_parser("cancel", parents=[common], help="cancel jobs: by id, or every one --tenant and --label match")
+    s.add_argument("id", nargs="*", help="the jobs to cancel (or a selector instead: --tenant, --label)")
+    s.add_argument("--tenant", help="every active job of this tenant (narrowed by the flags below)")
+    s.add_argument("--label", action="append", metavar="KEY=VALUE|KEY",
+                   help="every active job carrying this label (KEY alone: with any value); repeat it: every one "
+                        "must match")
+    s.add_argument("--state", help="only jobs in this state (queued, dispatching, admitted, running, preempted)")
+    s.add_argument("--site", help="only jobs at this site")
+    s.add_argument("--reason", help="why, recorded on each job cancelled")
+    s.add_argument("--dry-run", action="store_true", help="cancel nothing: list the jobs that would be cancelled")
     s = sub.add_parser("update", parents=[common], help="change a queued job's priority, deadline or profile")
     s.add_argument("id")
     s.add_argument("--priority", type=int, help="its new priority (-1000 to 1000)")
@@ -759,7 +854,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "cancel":
+        _check_cancel(p, args)
     try:
         if args.command in ("serve", "demo"):
             _serve(args)

@@ -54,7 +54,7 @@ class Client:
         method: str,
         path: str,
         body: Any = None,
-        params: dict[str, str] | None = None,
+        params: dict[str, str] | list[tuple[str, str]] | None = None,
         headers: dict[str, str] | None = None,
     ) -> Any:
         assert self._session is not None, "use 'async with Client(...)'"
@@ -151,11 +151,15 @@ class Client:
         except BaseException as e:
             return ApiClientError(f"request to {url} failed: {e.__class__.__name__}: {e}")
 
-    async def list_all(self, path: str, params: dict[str, str] | None = None, limit: int | None = None) -> list[Any]:
-        """Follow ``next`` cursors; stop after ``limit`` items if given."""
+    async def list_all(self, path: str, params: dict[str, str] | list[tuple[str, str]] | None = None,
+                       limit: int | None = None) -> list[Any]:
+        """Follow ``next`` cursors; stop after ``limit`` items if given. ``params``: a dict, or pairs where a
+        parameter is repeated (``label``)."""
         items: list[Any] = []
-        query = dict(params or {})
+        pairs = list(params.items()) if isinstance(params, dict) else list(params or [])
+        cursor: str | None = None
         while True:
+            query = pairs + ([("cursor", cursor)] if cursor else [])
             page = await self.request("GET", path, params=query)
             if not isinstance(page.get("items"), list):
                 raise ApiClientError(f"{self.base_url} answered GET {path} without the list of items a heliotrope "
@@ -163,7 +167,7 @@ class Client:
             items.extend(page["items"])
             if page.get("next") is None or (limit is not None and len(items) >= limit):
                 return items[:limit] if limit is not None else items
-            query["cursor"] = page["next"]
+            cursor = page["next"]
 
 
 async def _answer(resp: aiohttp.ClientResponse) -> Any:

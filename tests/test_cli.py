@@ -132,6 +132,59 @@ def test_update_changes_a_queued_jobs_priority_and_refuses_what_cannot_change(ca
     run(capsys, server, "cancel", job_id)
 
 
+def test_jobs_are_listed_by_label_and_a_sweep_is_cancelled_at_once_after_a_dry_run(capsys, server, tmp_path):
+    def submit(**spec) -> str:
+        code, out, err = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, **spec)))
+        assert code == 0, err
+        return json.loads(out)["id"]
+
+    sweep = [submit(name=f"lr-{i}", labels={"sweep.id": "lr", "lr": f"0.{i}"}, duration_s=600) for i in range(3)]
+    done = submit(name="done", labels={"sweep.id": "lr"}, duration_s=0.05)
+    other = submit(name="other", labels={"sweep.id": "batch"}, duration_s=600)
+    for _ in range(200):
+        code, out, _ = run(capsys, server, "--json", "job", done)
+        if json.loads(out)["state"] == "succeeded":
+            break
+        time.sleep(0.05)
+    assert json.loads(out)["state"] == "succeeded"
+
+    code, out, _ = run(capsys, server, "--json", "jobs", "--label", "sweep.id=lr", "--label", "lr")
+    assert code == 0 and [j["id"] for j in json.loads(out)] == sweep[::-1]
+    code, out, _ = run(capsys, server, "jobs", "--label", "lr=0.1")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == [sweep[1]]
+
+    code, out, err = run(capsys, server, "cancel", "--tenant", "t1", "--label", "sweep.id=lr", "--dry-run")
+    assert code == 0, err
+    assert [line.split()[0] for line in out.splitlines()[1:4]] == sweep[::-1]  # not the finished one
+    assert out.rstrip().endswith("(dry run: 3 jobs would be cancelled; nothing was)")
+    code, out, _ = run(capsys, server, "--json", "jobs", "--label", "sweep.id=lr", "--state", "cancelled")
+    assert json.loads(out) == []
+
+    code, out, err = run(capsys, server, "cancel", "--tenant", "t1", "--label", "sweep.id=lr", "--reason", "bad lr")
+    assert code == 0 and out.strip() == "3 jobs cancelled, 0 skipped", err
+    code, out, _ = run(capsys, server, "--json", "jobs", "--label", "sweep.id")
+    states = {j["id"]: (j["state"], j["reason"]) for j in json.loads(out)}
+    assert {i: states[i] for i in sweep} == {i: ("cancelled", "cancelled by request: bad lr") for i in sweep}
+    assert states[done][0] == "succeeded" and states[other][0] in ("queued", "dispatching", "admitted", "running")
+
+    code, out, err = run(capsys, server, "cancel", other, sweep[0])  # several ids, as one by one
+    assert code == 1 and f"job {sweep[0]} is already cancelled" in err and f"were cancelled: {other}" in err
+    code, out, _ = run(capsys, server, "--json", "job", other)
+    assert json.loads(out)["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("cancel", "some-id", "--tenant", "t1"), "give job ids or --tenant/--label, not both (got ids and --tenant)"),
+    (("cancel", "some-id", "--dry-run"), "not both (got ids and --dry-run)"),
+    (("cancel",), "give job ids, or --tenant and/or --label"),
+    (("cancel", "--state", "queued", "--site", "alpha"), "give job ids, or --tenant and/or --label"),
+], ids=["ids and a selector", "ids and a dry run", "nothing to cancel", "a state and a site alone (every job)"])
+def test_cancel_takes_ids_or_a_selector_and_says_so_as_a_usage_error(capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["--server", "http://127.0.0.1:9", *args])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("state,attempt,run_s,started,finished,shown", [
     ("running", 1, 0.0, "2026-11-26T16:25:40Z", None, "running since 2026-11-26T16:25:40Z"),
     ("running", 2, 600.0, "2026-11-26T16:25:40Z", None, "running, 600 s run by earlier attempts"),
