@@ -132,6 +132,13 @@ def test_a_follower_stores_submissions_for_the_leader_and_passes_on_the_rest(rep
     until(lambda: call(f"{leader.url}/v1/jobs/{long['id']}")[1]["state"] == "running", 15, "it runs")
     status, cancelled = call(f"{follower.url}/v1/jobs/{long['id']}/cancel", "POST")
     assert status == 200 and cancelled["state"] == "cancelled"
+    # Many at once, by label: the follower passes it on; the leader cancels them, running or not yet taken in.
+    swept = [call(follower.url + "/v1/jobs", "POST", {**job(f"swept-{i}", 600), "labels": {"sweep": "s"}})[1]["id"]
+             for i in range(2)]
+    until(lambda: call(f"{leader.url}/v1/jobs/{swept[0]}")[1]["state"] == "running", 15, "the first runs")
+    status, answer = call(follower.url + "/v1/cancellations", "POST", {"labels": {"sweep": "s"}})
+    assert status == 200 and sorted(answer["cancelled"]) == sorted(swept) and answer["more"] is False, answer
+    assert {call(f"{follower.url}/v1/jobs/{i}")[1]["state"] for i in swept} == {"cancelled"}
 
 
 def test_the_event_stream_asked_of_a_follower_comes_from_the_leader(replicas) -> None:
