@@ -888,25 +888,34 @@ async def cancel_many(request: web.Request) -> web.Response:
     why = clean_text(sel.reason, 500) if sel.reason else None
     cancelled: list[str] = []
     skipped: list[dict[str, str]] = []
+    failed: list[str] = []  # cancels the store did not take: the rest waits for the next call
 
-    async def cancel(job_id: str) -> None:
+    async def cancel(job_id: str) -> str | None:
+        """Cancel one: None once cancelled, else why it was skipped."""
         try:
-            cancelled.append((await broker.lifecycle.cancel(job_id, why)).id)
+            await broker.lifecycle.cancel(job_id, why)
+            return None
         except AlreadyEnded as e:  # it ended (or began to) since it was listed
-            skipped.append({"id": job_id, "reason": str(e)})
+            return str(e)
         except JobNotFound:
-            skipped.append({"id": job_id, "reason": f"job {job_id} no longer exists"})
+            return f"job {job_id} no longer exists"
         except StoreError as e:  # (not the middleware's 503: the jobs cancelled before it stay cancelled)
             log.error("could not store the cancel of job %s: %s", job_id, e)
-            skipped.append({"id": job_id, "reason": "the store could not record the cancel; call again"})
             failed.append(job_id)
+            return "the store could not record the cancel; call again"
 
-    failed: list[str] = []
     until = asyncio.get_running_loop().time() + min(CANCEL_FOR_AT_MOST_S, broker.settings.dispatch_timeout_s)
     cursor: str | None = None
     more = False
     while True:
-        page = await broker.store.list_jobs(flt, MAX_PAGE, cursor)
+        try:
+            page = await broker.store.list_jobs(flt, MAX_PAGE, cursor)
+        except StoreError as e:
+            if not cancelled and not skipped:
+                raise  # (nothing done yet: the middleware's 503)
+            log.error("could not list the jobs a cancel of many matches: %s", e)
+            more = True
+            break
         # As the leader holds each job now: one that has moved on since it was stored (to a state not asked for)
         # is left alone.
         jobs = [job for stored in page.items if (job := broker.book.active.get(stored.id, stored)) is stored
@@ -919,7 +928,11 @@ async def cancel_many(request: web.Request) -> web.Response:
                 more = True
                 break
             batch = jobs[i:i + min(CANCEL_TOGETHER, room)]
-            await asyncio.gather(*(cancel(job.id) for job in batch))
+            for job, skip in zip(batch, await asyncio.gather(*(cancel(job.id) for job in batch))):
+                if skip is None:
+                    cancelled.append(job.id)
+                else:
+                    skipped.append({"id": job.id, "reason": skip})
             i += len(batch)
             await asyncio.sleep(0)  # (each cancel awaits its write; other requests are served between batches)
         if more or page.next is None:

@@ -1357,3 +1357,30 @@ async def test_a_cancel_of_many_that_names_no_tenant_or_labels_or_a_bad_field_is
     answer = await r.json()
     assert r.status == 422 and field in [f["field"] for f in answer["error"]["fields"]], answer
     assert (await (await client.get(f"/v1/jobs/{job_id}")).json())["state"] == "queued"
+
+
+async def test_a_cancel_of_many_that_the_store_fails_part_way_says_what_it_did_and_that_there_is_more(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch):
+    """A 503 saying "nothing was changed" would be untrue once some jobs are cancelled: the answer lists them, the
+    one whose write failed is skipped with the reason, and ``more`` says to call again."""
+    from broker import api
+    from broker.store import StoreError
+
+    monkeypatch.setattr(api, "CANCEL_TOGETHER", 1)
+    ids = [await submit(client, name=f"j{i}", labels={"batch": "b"}) for i in range(3)]
+    lifecycle = client.broker.lifecycle  # type: ignore[attr-defined]
+    cancel = lifecycle.cancel
+
+    async def store_fails_at_the_second(job_id: str, why: str | None = None):
+        if job_id == ids[1]:
+            raise StoreError("connection reset by peer")
+        return await cancel(job_id, why)
+
+    monkeypatch.setattr(lifecycle, "cancel", store_fails_at_the_second)
+    r = await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})
+    answer = await r.json()
+    assert r.status == 200 and answer["cancelled"] == [ids[2]] and answer["more"] is True, answer
+    assert answer["skipped"] == [{"id": ids[1], "reason": "the store could not record the cancel; call again"}]
+    monkeypatch.setattr(lifecycle, "cancel", cancel)
+    again = await (await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})).json()
+    assert again["cancelled"] == [ids[1], ids[0]] and again["more"] is False, again
