@@ -569,23 +569,31 @@ def with_short_reason(msg: EventMsg | Reply, max_payload_bytes: int) -> EventMsg
 def with_short_logs(reply: Reply, max_payload_bytes: int) -> Reply:
     """``reply`` with its logs' text cut from the start (the tail kept, from a line's start where one is in
     what is kept, and ``truncated`` set) so that it fits under ``max_payload_bytes``; ``reply`` itself where it
-    fits or has no logs."""
+    fits or has no logs.
+
+    A character takes 1 to 4 bytes of UTF-8, and JSON writes some as more (a quote or a newline as 2 bytes, a
+    control character as 6), so no count of bytes says how many characters to leave out: the longest tail that
+    fits is searched for (about 20 encodings of the reply for a 1 MiB log)."""
     logs = reply.logs
-    excess = len(encode(reply)) - max_payload_bytes
-    if excess <= 0 or logs is None:
+    if logs is None or len(encode(reply)) <= max_payload_bytes:
         return reply
     text = logs.text
-    drop = excess
-    while True:
-        kept = text[drop:]
-        newline = kept.find("\n")
-        if 0 <= newline < len(kept) - 1:
-            kept = kept[newline + 1:]
-        cut = reply.model_copy(update={"logs": logs.model_copy(update={"text": kept, "truncated": True})})
-        over = len(encode(cut)) - max_payload_bytes
-        if over <= 0 or not kept:
-            return cut
-        drop = len(text) - len(kept) + over  # (JSON may write a character in up to 6 bytes: cut again)
+
+    def cut_at(start: int) -> Reply:
+        return reply.model_copy(update={"logs": logs.model_copy(update={"text": text[start:], "truncated": True})})
+
+    fits, too_long = len(text), 0  # text[fits:] fits (or is empty: nothing shorter could), text[too_long:] does not
+    while fits - too_long > 1:
+        mid = (fits + too_long) // 2
+        if len(encode(cut_at(mid))) <= max_payload_bytes:
+            fits = mid
+        else:
+            too_long = mid
+    if text[fits - 1:fits] != "\n":  # (inside a line: from the next line's start, where one begins in what is kept)
+        newline = text.find("\n", fits)
+        if 0 <= newline < len(text) - 1:
+            fits = newline + 1
+    return cut_at(fits)
 
 
 def parse_topic(name: str) -> tuple[str, str]:

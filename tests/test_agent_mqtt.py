@@ -714,3 +714,24 @@ async def test_an_agent_whose_site_cannot_give_logs_says_so(world) -> None:
     await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
     with pytest.raises(LogsUnsupported, match=r"the site's adapter \(simulated\) cannot give logs"):
         await w.broker.federation.get("edge").adapter.logs("j-1", 1, None, 1000)
+
+
+@pytest.mark.parametrize("line", [
+    "日本語のログ行です。" * 4,
+    "é" * 40,
+    '\x1b[32mok\x1b[0m "quoted" ' * 4,
+    "x" * 40,
+], ids=["Japanese (3 bytes a character)", "accented (2 bytes a character)",
+        "colour codes and quotes (JSON writes them longer)", "plain ASCII"])
+def test_a_long_log_is_cut_to_the_longest_tail_of_whole_lines_that_fits_a_message_logs(line: str) -> None:
+    # A 1 MiB log cut to fit a 64 KiB message: the excess, counted in bytes, was dropped as as many characters,
+    # so a log of characters wider than a byte lost its whole text, and an ASCII one a third of what fits.
+    text = "".join(f"{i:05d} {line}\n" for i in range(20_000))
+    reply = proto.Reply(site="edge", msg_id="m1", ok=True, logs=proto.WireLogs(text=text, truncated=False))
+    cap = 64 * 1024
+    cut = proto.with_short_logs(reply, cap)
+    assert cut.logs is not None and cut.logs.truncated
+    size = len(proto.encode(cut))
+    assert cap - 2 * len(proto.encode(proto.WireLogs(text=line + "\n", truncated=True))) < size <= cap
+    assert text.endswith(cut.logs.text) and cut.logs.text[:5].isdigit()  # its end, from a line's start
+    assert proto.decode(proto.topic("edge", "up"), proto.encode(cut)) == cut
