@@ -497,14 +497,25 @@ class KubernetesSite:
                 resp.release()
         return await self._call(what, call, *args, **kwargs)
 
-    async def _text(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> bytes:
-        """As :meth:`_json`, for an answer that is text (a Pod's log): its raw bytes."""
-        async def call(*a: Any, **kw: Any) -> bytes:
+    async def _text(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, last_bytes: int,
+                    **kwargs: Any) -> tuple[bytes, bool]:
+        """As :meth:`_json`, for an answer that is text (a Pod's log): its last ``last_bytes`` bytes, read as it
+        comes (no more than twice that held at once), and whether bytes before them were left out."""
+        async def call(*a: Any, **kw: Any) -> tuple[bytes, bool]:
             resp = await fn(*a, **kw)
             try:
                 if resp.status >= 400:
                     raise k8s.ApiException(status=resp.status, reason=_refusal(resp.status, await resp.text()))
-                return await resp.read()
+                kept, dropped = bytearray(), False
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    kept += chunk
+                    if len(kept) > 2 * last_bytes + (1 << 16):
+                        del kept[:len(kept) - last_bytes]
+                        dropped = True
+                if len(kept) > last_bytes:
+                    del kept[:len(kept) - last_bytes]
+                    dropped = True
+                return bytes(kept), dropped
             finally:
                 resp.release()
         return await self._call(what, call, *args, **kwargs)
@@ -1184,9 +1195,12 @@ class KubernetesSite:
         container = kubernetes_logs.container_of(pod)
         source = f"pod {namespace}/{name}" + (f" container {container}" if container else "")
         try:
-            raw = await self._text("reading a Pod's log", self._core.read_namespaced_pod_log_without_preload_content,
-                                   name, namespace, container=container, tail_lines=tail_lines,
-                                   limit_bytes=limit_bytes or None)
+            # (not the API server's limitBytes: it stops its answer after that many bytes, so it would keep the start
+            # of the tail, not its end)
+            raw, dropped = await self._text("reading a Pod's log",
+                                            self._core.read_namespaced_pod_log_without_preload_content, name,
+                                            namespace, container=container, tail_lines=tail_lines,
+                                            last_bytes=max(limit_bytes, 0))
         except k8s.ApiException as e:
             if e.status in (400, 404):  # the container waits to start, or the Pod has just gone
                 raise LogsNotFound(f"site {self.name}: {source} has no log ({e.reason})") from e
@@ -1194,7 +1208,7 @@ class KubernetesSite:
                 raise LogsUnsupported(f"the cluster refused to give the log of {source} ({e.reason}): grant the "
                                       "site's credentials get on pods/log") from e
             raise AdapterError(f"site {self.name}: reading the log of {source} failed ({e.status}: {e.reason})") from e
-        return kubernetes_logs.as_logs(raw, tail_lines, limit_bytes, source)
+        return kubernetes_logs.as_logs(raw, dropped, tail_lines, limit_bytes, source)
 
     # --- AttemptLookup ---
 

@@ -7,9 +7,11 @@ newest one (by ``creationTimestamp``) is read: a Job of ``backoffLimit: 0`` has 
 another after a disruption. Its container is ``job`` (the one the adapter's manifest makes; another a webhook
 injected, such as a service mesh's proxy, is not read), else the Pod's only or first container.
 
-The API server answers ``tailLines`` and ``limitBytes`` itself (the kubelet reads the container's log file);
-the text is cut again here to be sure, and ``truncated`` is set where it may have been cut (a log as long as
-either limit). A Pod not started yet has no log (the API server answers 400: the container waits), nor one
+The API server answers ``tailLines`` itself (the kubelet reads the container's log file); the bytes are cut
+here, the last ``limit_bytes`` of the answer kept as it streams in, since the API server's ``limitBytes`` stops
+its answer after that many (it would keep the start of the tail, and leave out the newest lines). The text is cut
+again to the lines to be sure, and ``truncated`` is set where it may have been cut (a log as long as the tail, or
+longer than the bytes). A Pod not started yet has no log (the API server answers 400: the container waits), nor one
 deleted: a Job that ended is deleted with its Pods once the broker has taken its outcome, so the adapter reads the
 end of its log just before and keeps it in memory (``KubernetesSite._keep_log``: the latest ended attempts',
 32 MiB in all; not across its restarts, nor for attempts stopped or lost). RBAC: ``get`` on ``pods/log``.
@@ -53,11 +55,17 @@ def container_of(pod: dict[str, Any]) -> str | None:
     return names[0] if names else None
 
 
-def as_logs(raw: bytes, tail_lines: int | None, limit_bytes: int, source: str) -> JobLogs:
-    """The API server's answer as :class:`JobLogs`: decoded (bytes that are no UTF-8 replaced), cut again to the
-    limits, and ``truncated`` where either limit may have cut it."""
+def as_logs(raw: bytes, dropped: bool, tail_lines: int | None, limit_bytes: int, source: str) -> JobLogs:
+    """The API server's answer (``raw``: its end, ``dropped`` where bytes before it were left out) as
+    :class:`JobLogs`: decoded (bytes that are no UTF-8 replaced, a character cut in two at the start dropped), cut
+    again to the limits, and ``truncated`` where anything may have been left out (a log as long as the tail)."""
+    if dropped:  # (the cut may have split a character: the rest of it goes)
+        start = 0
+        while start < min(3, len(raw)) and 0x80 <= raw[start] < 0xC0:
+            start += 1
+        raw = raw[start:]
     text = raw.decode("utf-8", errors="replace")
     kept, cut = tail_text(text, tail_lines, limit_bytes)
     lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
-    full = cut or len(raw) >= limit_bytes or (tail_lines is not None and lines >= tail_lines)
+    full = cut or dropped or (tail_lines is not None and lines >= tail_lines)
     return JobLogs(kept, full, source)

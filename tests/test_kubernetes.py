@@ -21,7 +21,8 @@ import kmock
 import pytest
 from kubernetes.aio import client as k8s
 
-from adapters.base import AdapterError, EventKind, JobEvent, LogsNotFound, LogsUnsupported
+from adapters import kubernetes_logs
+from adapters.base import AdapterError, EventKind, JobEvent, JobLogs, LogsNotFound, LogsUnsupported
 from adapters.kubernetes import KubernetesSite, job_name, product_model
 from adapters.kubernetes_nodes import node_groups, read_node
 from adapters.kubernetes_stops import ClusterUsage, config_map_name
@@ -2723,7 +2724,7 @@ async def test_a_running_attempts_logs_are_its_pods_job_container_log_as_the_api
     assert got.source == f"pod heliotrope-t1/{name}-abc container job"
     assert got.truncated  # as long as the tail asked for: lines before it may have been left out
     (asked,) = cluster[kmock.subresource("log")]
-    assert asked.params == {"container": "job", "tailLines": "2", "limitBytes": str(1 << 20)}
+    assert asked.params == {"container": "job", "tailLines": "2"}  # (the bytes are cut here: see below)
     assert str(asked.url.path) == f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc/log"
     shorter = await kube.logs("j-1", 1, 10, 1 << 20)
     assert not shorter.truncated and shorter.text == got.text
@@ -2784,3 +2785,32 @@ async def test_an_ended_attempts_log_is_kept_when_its_job_and_pods_are_deleted(c
     assert (await kube.logs("j-1", 1, None, 1 << 20)).text.startswith("epoch 1\n")
     with pytest.raises(LogsNotFound):  # another attempt's is not made up from it
         await kube.logs("j-1", 2, None, 1 << 20)
+
+
+def kubelet_log(text: bytes) -> Any:
+    """What a kubelet answers for a container whose log is ``text``: its last ``tailLines`` lines, then, as
+    ``limitBytes`` says, only the first that many bytes of them (it stops writing there)."""
+    def answer(request: kmock.Request) -> bytes:
+        out = text
+        if "tailLines" in request.params:
+            lines = text.splitlines(keepends=True)
+            out = b"".join(lines[len(lines) - int(request.params["tailLines"]):])
+        if "limitBytes" in request.params:
+            out = out[:int(request.params["limitBytes"])]
+        return out
+    return answer
+
+
+async def test_a_log_longer_than_the_bytes_asked_for_keeps_its_end_not_the_start_of_its_tail_logs(cluster, kube) -> None:  # noqa: ANN001
+    # The API server's limitBytes stops the answer after that many bytes: asked for the last 3 lines and at most
+    # 150 bytes, a kubelet writes the first 150 bytes of those lines, and the newest ones never came.
+    name = await j1_sent(kube)
+    await pod_running(cluster, name)
+    lines = [f"step {i} ".encode() + b"x" * 90 + b"\n" for i in range(1, 6)]
+    cluster[kmock.subresource("log")] << kubelet_log(b"".join(lines))
+    got = await kube.logs("j-1", 1, 3, 150)
+    assert got.truncated and got.text.endswith(lines[-1].decode()) and len(got.text.encode()) <= 150
+    (asked,) = cluster[kmock.subresource("log")]
+    assert asked.params.get("tailLines") == "3"
+    # a character cut in two where the bytes kept begin is left out, not shown as a replacement character
+    assert kubernetes_logs.as_logs("né\n".encode()[2:], True, None, 100, "p") == JobLogs("\n", True, "p")
