@@ -174,12 +174,14 @@ class LogsNotFound(AdapterError):
 
 def tail_text(text: str, tail_lines: int | None, limit_bytes: int) -> tuple[str, bool]:
     """The end of ``text``: its last ``tail_lines`` lines (None: all), then at most its last ``limit_bytes``
-    bytes of UTF-8 (a character cut in two is dropped); and whether anything was left out."""
+    bytes of UTF-8 (a character cut in two is dropped); and whether anything was left out. Lines end at ``\n``
+    only, as a kubelet's ``tailLines`` counts them (a progress bar redrawn with ``\r`` is one line)."""
     cut = False
     if tail_lines is not None:
-        lines = text.splitlines(keepends=True)
-        if len(lines) > tail_lines:
-            text, cut = "".join(lines[len(lines) - tail_lines:]) if tail_lines else "", True
+        lines = text.split("\n")
+        count = len(lines) - 1 if lines[-1] == "" else len(lines)  # (a last newline starts no line)
+        if count > tail_lines:
+            text, cut = "\n".join(lines[count - tail_lines:]) if tail_lines else "", True
     data = text.encode()
     if len(data) > limit_bytes:
         text, cut = data[len(data) - limit_bytes:].decode(errors="ignore") if limit_bytes > 0 else "", True

@@ -195,6 +195,20 @@ def test_tail_text_keeps_the_end_in_lines_then_bytes_without_half_a_character():
     assert tail_text("xé\n", None, 2) == ("\n", True)  # é is two bytes: the one left of it is dropped
 
 
+@pytest.mark.parametrize("text", [
+    "epoch 1\r 10%|#   |\r 50%|##  |\r100%|####|\nloss 0.31\n",
+    "page 1\x0cpage 2\nend\n",
+    "record\x1efield\x1dunit\x1c\nend\n",
+    "línea\u2028otra\x85más\nend\n",
+], ids=["a progress bar redrawn with carriage returns", "a form feed", "ASCII separators",
+        "Unicode line and paragraph separators"])
+def test_tail_lines_are_counted_at_newlines_only_as_a_kubelet_counts_them(text: str):
+    # str.splitlines also splits at \r, \f, \x1c-\x1e, \x85, \u2028: a progress bar's redraws counted as lines, so
+    # --tail 2 of a training log showed the bar's last frames and not the line before them.
+    assert tail_text(text, 2, 1 << 20) == (text, False)
+    assert tail_text(text, 1, 1 << 20) == ("end\n" if text.endswith("end\n") else "loss 0.31\n", True)
+
+
 # --- on the wire to a site agent ---
 
 
