@@ -1049,12 +1049,21 @@ async def job_logs(request: web.Request) -> web.Response:
     if not reached:
         raise ApiError(409, f"job {job.id} has not reached a site yet (it is {job.state}): there are no logs until "
                             "a site admits it")
+    # What an attempt printed is its site's to show: a site's operator, who sees the job while it is at that site,
+    # reads the logs of the attempts at the sites it operates, not those of one that ran elsewhere before.
+    who = principal(request)
+    readable = reached if who.acts_for(job.spec.tenant) else {a: s for a, s in reached.items() if who.operates(s)}
     if attempt is None:
-        attempt = max(reached)
+        if not readable:
+            raise ApiError(409, f"no attempt of job {job.id} has reached a site this token operates yet")
+        attempt = max(readable)
     elif attempt not in reached:
         raise ApiError(409, f"attempt {attempt} of job {job.id} never reached a site; the attempts that did: "
                             f"{', '.join(str(a) for a in sorted(reached))}",
                        [{"field": "attempt", "problem": "not an attempt a site admitted"}])
+    elif attempt not in readable:
+        raise ApiError(403, f"attempt {attempt} of job {job.id} ran at site {reached[attempt]}: its logs are for "
+                            f"tenant {job.spec.tenant}'s submitters, admins and site {reached[attempt]}'s operators")
     site = reached[attempt]
     member = broker.federation.get(site)
     if member is None:

@@ -410,8 +410,11 @@ def _paths() -> dict[str, Any]:
                         "X-Heliotrope-Log-Source": {"description": "where the site read it (a Pod and container)",
                                                     "schema": _STR}}},
                         400, 404, 409, 422),
-                    "409": _json_body(_ref("Error"), "the job has not reached a site, the attempt never did, or the "
-                                                     "site has no log of it (not started yet, or gone)"),
+                    "409": _json_body(_ref("Error"), "the job has not reached a site (for a site's operator: one it "
+                                                     "operates), the attempt never did, or the site has no log of it "
+                                                     "(not started yet, or gone)"),
+                    "403": _json_body(_ref("Error"), "a site's operator asked for an attempt that ran at a site it "
+                                                     "does not operate"),
                     "422": _json_body(_ref("Error"), "attempt or tail not an integer in range: the field names it"),
                     "501": _json_body(_ref("Error"), "the site cannot give logs (its adapter has none, or its agent "
                                                      "is of an earlier release)"),

@@ -652,3 +652,28 @@ def test_tokens_are_listed_oldest_first(tmp_path, capsys):
     capsys.readouterr()
     assert main(["token", "list", "--db", db, "--json"]) == 0
     assert [t["name"] for t in json.loads(capsys.readouterr()[0])] == names
+
+
+async def test_an_operator_reads_the_logs_of_attempts_at_its_own_sites_only(fed: Federation):
+    # A job that ran at alpha and then moved to beta: beta's operator sees the job (it runs there now), but what
+    # its attempt printed at alpha is alpha's to show (its tenant's, an admin's), as alpha's cluster is not beta's.
+    assert (await fed.call("admin", "POST", "/v1/sites/beta/cordon", {"reason": "the job starts at alpha"}))[0] == 200
+    status, created = await fed.call("vision", "POST", "/v1/jobs", {**job("vision", "l4", "moves"),
+                                                                     "gpus": {"count": 1}})
+    assert status == 201, created
+    job_id = created["id"]
+    await fed.running(job_id, "alpha")
+    assert (await fed.call("admin", "POST", "/v1/sites/beta/uncordon"))[0] == 200
+    assert (await fed.call("admin", "POST", "/v1/sites/alpha/cordon", {"reason": "the job moves"}))[0] == 200
+    await fed.client.app[BROKER].federation.get("alpha").adapter.preempt(job_id, 1, "moved for the test")
+    await fed.running(job_id, "beta")
+    status, text = await fed.call("beta-ops", "GET", f"/v1/jobs/{job_id}/logs")
+    assert status == 200 and f"attempt 2 of job {job_id}" in text, text
+    status, refused = await fed.call("beta-ops", "GET", f"/v1/jobs/{job_id}/logs?attempt=1")
+    assert status == 403, refused
+    assert refused["error"]["message"] == (
+        f"attempt 1 of job {job_id} ran at site alpha: its logs are for tenant vision's submitters, admins and "
+        "site alpha's operators")
+    for who in ("vision", "admin"):
+        status, text = await fed.call(who, "GET", f"/v1/jobs/{job_id}/logs?attempt=1")
+        assert status == 200 and f"attempt 1 of job {job_id}" in text, (who, text)
