@@ -311,6 +311,16 @@ def _transient(e: BaseException) -> bool:
     return isinstance(e, aiohttp.ClientError | asyncio.TimeoutError | ConnectionError)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _KeptLog:
+    """The end of an ended attempt's log, kept as its Job is deleted (``KubernetesSite._keep_log``): as UTF-8, the
+    bytes its bound counts (a str takes up to 4 bytes for each character: all of them, where one is an emoji)."""
+
+    data: bytes
+    truncated: bool
+    source: str | None
+
+
 class KubernetesSite:
     def __init__(self, spec: SiteSpec, clock: Clock, config: KubernetesAdapterConfig | None = None,
                  state_dir: str | Path | None = None, api_client: k8s.ApiClient | None = None) -> None:
@@ -370,7 +380,7 @@ class KubernetesSite:
         self._withdrawn: dict[tuple[str, int], datetime] = {}
         self._stop_waits: set[asyncio.Task[None]] = set()  # stopping attempts awaiting the end of their Pods
         # the end of the log of the latest attempts that ended, kept as their Jobs are deleted (_keep_log)
-        self._ended_logs: collections.OrderedDict[tuple[str, int], JobLogs] = collections.OrderedDict()
+        self._ended_logs: collections.OrderedDict[tuple[str, int], _KeptLog] = collections.OrderedDict()
         self._ended_logs_bytes = 0
         self._unplaced: dict[tuple[str, int], asyncio.Task[None]] = {}  # deadlines of unschedulable Pods
         # when a stop's Pods last went (GPUs freed for a waiting Pod), by the cluster's clock
@@ -1162,19 +1172,19 @@ class KubernetesSite:
                       self.name, key[1], key[0], e)
             return
         old = self._ended_logs.pop(key, None)
-        self._ended_logs_bytes -= len(old.text.encode()) if old is not None else 0
-        self._ended_logs[key] = kept
-        self._ended_logs_bytes += len(kept.text.encode())
+        self._ended_logs_bytes -= len(old.data) if old is not None else 0
+        self._ended_logs[key] = _KeptLog(kept.text.encode(), kept.truncated, kept.source)
+        self._ended_logs_bytes += len(self._ended_logs[key].data)
         while self._ended_logs and self._ended_logs_bytes > ENDED_LOGS_BYTES:
             _, gone = self._ended_logs.popitem(last=False)
-            self._ended_logs_bytes -= len(gone.text.encode())
+            self._ended_logs_bytes -= len(gone.data)
 
     async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
         """The log of the attempt's newest Pod's container (:mod:`adapters.kubernetes_logs`); for an attempt that
         ended and whose Job was deleted, the end of it this adapter kept (``_keep_log``)."""
         ended = self._ended_logs.get((job_id, attempt))
         if ended is not None:
-            text, cut = tail_text(ended.text, tail_lines, limit_bytes)
+            text, cut = tail_text(ended.data.decode(), tail_lines, limit_bytes)
             return JobLogs(text, ended.truncated or cut, f"{ended.source} (kept when its Job was deleted)")
         site, job_label = _label_value(self.name), _label_value(job_id)
         what = f"attempt {attempt} of job {job_id}"

@@ -2814,3 +2814,35 @@ async def test_a_log_longer_than_the_bytes_asked_for_keeps_its_end_not_the_start
     assert asked.params.get("tailLines") == "3"
     # a character cut in two where the bytes kept begin is left out, not shown as a replacement character
     assert kubernetes_logs.as_logs("né\n".encode()[2:], True, None, 100, "p") == JobLogs("\n", True, "p")
+
+
+async def test_the_ended_logs_kept_hold_no_more_memory_than_their_bound_logs(kube, monkeypatch) -> None:  # noqa: ANN001
+    # A Python str with one character beyond U+FFFF (an emoji) takes 4 bytes for each of its characters: the
+    # bound on the logs kept counted their bytes of UTF-8, so logs of ASCII and an emoji held four times as much.
+    import gc
+    import tracemalloc
+
+    from adapters import kubernetes as kubernetes_module
+
+    monkeypatch.setattr(kubernetes_module, "ENDED_LOGS_BYTES", 1 << 20)
+
+    async def logs(job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
+        return JobLogs("\U0001f680 launched\n" + "x" * (64 * 1024 - 20) + f" {attempt:03d}\n", False, "pod p")
+
+    monkeypatch.setattr(kube, "logs", logs)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for attempt in range(1, 33):  # 2 MiB of logs, twice the bound
+            await kube._keep_log(("j-1", attempt))
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1.25 * (1 << 20), f"{held} bytes held for logs kept to 1 MiB"
+    newest = await KubernetesSite.logs(kube, "j-1", 32, None, 1 << 20)
+    assert newest.text.startswith("\U0001f680 launched\n") and newest.text.endswith(" 032\n")
+    assert newest.source == "pod p (kept when its Job was deleted)"
+    with pytest.raises(LogsNotFound):  # the oldest went
+        await KubernetesSite.logs(kube, "j-1", 1, None, 1 << 20)
