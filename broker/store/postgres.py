@@ -157,6 +157,11 @@ def _rowcount(status: str) -> int:
         return -1
 
 
+_NUL_READABLE = r"replace(replace(replace(doc, '\\', chr(1)), '\u0000', '\ufffd'), chr(1), '\\')::json"
+"""A job's document as json, each escaped NUL (which json cannot take out as text) read as U+FFFD; chr(1) cannot
+be in a JSON document unescaped, so it holds each escaped backslash's place meanwhile."""
+
+
 def _unstorable(value: str) -> bool:
     """Whether a value looked up holds a NUL, which PostgreSQL's text refuses as a parameter, so that no row can
     hold it: left out of a list of values to match (a lone one is answered by ``_has_nul``: nothing found)."""
@@ -397,9 +402,10 @@ class PostgresStore(SqlWriteQueue):
         if flt.states is not None:
             where.append(f"state = ANY({param([s.value for s in flt.states])}::text[])")
         for key, value in flt.labels:
-            # json, not jsonb: jsonb refuses a document holding an escaped NUL (which a spec's text may), json
-            # only a value holding one that is taken out as text
-            label = f"(doc::json -> 'spec' -> 'labels' ->> {param(key)})"
+            # json, not jsonb: jsonb refuses a document holding an escaped NUL (which a spec's text may). json
+            # refuses one too as soon as anything is taken out of the document, so each \u0000 escape is read as
+            # U+FFFD first (an escaped backslash, \\, set aside meanwhile: "\\u0000" is no NUL).
+            label = f"({_NUL_READABLE} -> 'spec' -> 'labels' ->> {param(key)})"
             where.append(f"{label} IS NOT NULL" if value is None else f"{label} = {param(value)}")
         if cursor is not None:
             where.append(f"seq < {param(decode_cursor(cursor))}")
