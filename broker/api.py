@@ -893,7 +893,8 @@ async def cancel_many(request: web.Request) -> web.Response:
     async def cancel(job_id: str) -> str | None:
         """Cancel one: None once cancelled, else why it was skipped."""
         try:
-            await broker.lifecycle.cancel(job_id, why)
+            # (a site slow to confirm a withdrawal does not hold the answer past the bound: settle retries it)
+            await broker.lifecycle.cancel(job_id, why, withdraw_within_s=max(0.0, until - loop.time()))
             return None
         except AlreadyEnded as e:  # it ended (or began to) since it was listed
             return str(e)
@@ -904,7 +905,8 @@ async def cancel_many(request: web.Request) -> web.Response:
             failed.append(job_id)
             return "the store could not record the cancel; call again"
 
-    until = asyncio.get_running_loop().time() + min(CANCEL_FOR_AT_MOST_S, broker.settings.dispatch_timeout_s)
+    loop = asyncio.get_running_loop()
+    until = loop.time() + min(CANCEL_FOR_AT_MOST_S, broker.settings.dispatch_timeout_s)
     cursor: str | None = None
     more = False
     while True:
@@ -924,7 +926,7 @@ async def cancel_many(request: web.Request) -> web.Response:
         i = 0
         while i < len(jobs):
             room = CANCEL_AT_MOST - len(cancelled) - len(skipped)
-            if room <= 0 or failed or asyncio.get_running_loop().time() >= until:
+            if room <= 0 or failed or loop.time() >= until:
                 more = True
                 break
             batch = jobs[i:i + min(CANCEL_TOGETHER, room)]

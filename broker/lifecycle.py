@@ -248,9 +248,10 @@ class Lifecycle:
                 return failed or self.book.active.get(job.id)
         return await self.book.transition(job.id, JobState.QUEUED, reason=reason)
 
-    async def cancel(self, job_id: str, why: str | None = None) -> Job:
+    async def cancel(self, job_id: str, why: str | None = None, withdraw_within_s: float | None = None) -> Job:
         """Cancel a job; if it holds GPUs at a site, withdraw it there (retried until the site confirms).
-        ``why``: the caller's words, recorded after "cancelled by request".
+        ``why``: the caller's words, recorded after "cancelled by request". ``withdraw_within_s``: wait at most
+        this long (and never beyond ``cancel_timeout_s``) for the site to confirm; then ``settle`` retries.
 
         Raises JobNotFound for an unknown id and AlreadyEnded for a job that has ended (or is ending).
         """
@@ -260,15 +261,16 @@ class Lifecycle:
         reason = "cancelled by request" + (f": {why}" if why else "")
         cancelled = await self.book.transition(job.id, JobState.CANCELLED, reason=reason)
         if job.state in ON_SITE and job.site:
-            await self.withdraw(job, job.site)
+            await self.withdraw(job, job.site, withdraw_within_s)
         return cancelled
 
     # --- withdrawals: an attempt a site must drop, retried until it confirms ---
 
-    async def withdraw(self, job: Job, site: str) -> bool:
-        """Ask ``site`` to drop ``job``'s attempt. True once it confirms (or the site is gone); otherwise
-        the withdrawal is remembered and ``settle`` retries it."""
-        if await self._cancel_at(site, job.id, job.attempt):
+    async def withdraw(self, job: Job, site: str, within_s: float | None = None) -> bool:
+        """Ask ``site`` to drop ``job``'s attempt, waiting ``cancel_timeout_s`` at most (or ``within_s``, if
+        shorter). True once it confirms (or the site is gone); otherwise the withdrawal is remembered and
+        ``settle`` retries it."""
+        if await self._cancel_at(site, job.id, job.attempt, within_s):
             self._withdrawals.pop((job.id, job.attempt), None)
             return True
         self._withdrawals[(job.id, job.attempt)] = site
@@ -350,14 +352,15 @@ class Lifecycle:
                 log.warning("site %s does not answer; asking again in %.0f s, then less and less often", site, delay)
             self._backoff[site] = (time.monotonic() + delay, delay)
 
-    async def _cancel_at(self, site: str, job_id: str, attempt: int) -> bool:
+    async def _cancel_at(self, site: str, job_id: str, attempt: int, within_s: float | None = None) -> bool:
         member = self.federation.get(site)
         if member is None:
             return True  # the site is gone, and its attempts with it
         if not self.may_act():
             return False  # no longer sure it leads: the withdrawal waits (for this replica's next term)
         try:
-            async with asyncio.timeout(self.cancel_timeout_s):
+            async with asyncio.timeout(self.cancel_timeout_s if within_s is None else min(within_s,
+                                                                                          self.cancel_timeout_s)):
                 await member.adapter.cancel(job_id, attempt)
             return True
         except Exception as e:

@@ -1328,17 +1328,47 @@ async def test_a_job_ending_while_it_is_cancelled_with_others_is_skipped_not_an_
     lifecycle = client.broker.lifecycle  # type: ignore[attr-defined]
     cancel = lifecycle.cancel
 
-    async def ended_meanwhile(job_id: str, why: str | None = None):
+    async def ended_meanwhile(job_id: str, why: str | None = None, **kw: Any):
         if job_id == ids[1]:
             job = await cancel(job_id)  # as if its site had just reported its end
             raise AlreadyEnded(job)
-        return await cancel(job_id, why)
+        return await cancel(job_id, why, **kw)
 
     monkeypatch.setattr(lifecycle, "cancel", ended_meanwhile)
     r = await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})
     answer = await r.json()
     assert r.status == 200 and answer["cancelled"] == [ids[2], ids[0]] and answer["matched"] == 3, answer
     assert answer["skipped"] == [{"id": ids[1], "reason": f"job {ids[1]} is already cancelled; it cannot be cancelled"}]
+
+
+async def test_a_cancel_of_many_answers_within_its_bound_when_a_site_is_slow_to_confirm_withdrawals(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch):
+    """A site that does not answer (the usual reason to cancel its jobs in bulk) must not hold the answer for a
+    withdrawal's timeout after the bound: the jobs are cancelled, and their withdrawals retried later."""
+    from broker import api
+
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    running = [await submit(client, name=f"run-{i}", labels={"batch": "b"}, gpus={"count": 4}, duration_s=600)
+               for i in range(2)]
+    for job_id in running:
+        await wait_for(client, job_id, {"running"})
+    berlin = client.broker.federation.get("berlin").adapter  # type: ignore[attr-defined]
+
+    async def unanswered(job_id: str, attempt: int) -> None:
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(berlin, "cancel", unanswered)
+    monkeypatch.setattr(client.broker.lifecycle, "cancel_timeout_s", 5.0)  # type: ignore[attr-defined]
+    monkeypatch.setattr(api, "CANCEL_FOR_AT_MOST_S", 0.5)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    r = await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})
+    took = loop.time() - began
+    answer = await r.json()
+    assert r.status == 200 and sorted(answer["cancelled"]) == sorted(running), answer
+    assert took < 2.5, f"answered after {took:.1f} s, beyond its bound of 0.5 s"
+    withdrawals = client.broker.lifecycle.withdrawals  # type: ignore[attr-defined]
+    assert {job_id for job_id, _ in withdrawals} == set(running)  # to be retried until berlin confirms
 
 
 @pytest.mark.parametrize("body, field", [
@@ -1371,10 +1401,10 @@ async def test_a_cancel_of_many_that_the_store_fails_part_way_says_what_it_did_a
     lifecycle = client.broker.lifecycle  # type: ignore[attr-defined]
     cancel = lifecycle.cancel
 
-    async def store_fails_at_the_second(job_id: str, why: str | None = None):
+    async def store_fails_at_the_second(job_id: str, why: str | None = None, **kw: Any):
         if job_id == ids[1]:
             raise StoreError("connection reset by peer")
-        return await cancel(job_id, why)
+        return await cancel(job_id, why, **kw)
 
     monkeypatch.setattr(lifecycle, "cancel", store_fails_at_the_second)
     r = await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})
