@@ -357,7 +357,11 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {k: v for k, v in (("tenant", args.tenant), ("state", args.state), ("site", args.site),
                                               ("reason", args.reason)) if v is not None}
     if args.label:
-        body["labels"] = {key: value if eq else None for key, eq, value in (lb.partition("=") for lb in args.label)}
+        labels: dict[str, str | None] = {}
+        for key, eq, value in (lb.partition("=") for lb in args.label):
+            if eq or key not in labels:  # (KEY=VALUE narrows KEY alone, in any order, as the listing does)
+                labels[key] = value if eq else None
+        body["labels"] = labels
     return body
 
 
@@ -409,6 +413,14 @@ def _check_cancel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.id and not (args.tenant is not None or args.label):
         p.error("cancel: give job ids, or --tenant and/or --label to cancel every job they match (--state and "
                 "--site narrow it)")
+    values: dict[str, set[str]] = {}
+    for key, eq, value in (lb.partition("=") for lb in args.label or []):
+        if eq:
+            values.setdefault(key, set()).add(value)
+    for key, seen in values.items():
+        if len(seen) > 1:  # (no job carries both: the broker's body holds one value a key)
+            p.error(f"cancel: --label {key} is given {len(seen)} values ({', '.join(sorted(seen))}); a job carries one "
+                    "value for a key: cancel one value at a time")
 
 
 # --- client commands ---

@@ -173,12 +173,32 @@ def test_jobs_are_listed_by_label_and_a_sweep_is_cancelled_at_once_after_a_dry_r
     assert json.loads(out)["state"] == "cancelled"
 
 
+def test_a_cancel_by_a_label_and_its_key_alone_cancels_what_the_dry_run_lists(capsys, server, tmp_path):
+    """``--label lr=0.1 --label lr`` means lr=0.1 (as the listing reads it), whatever the order: not every job
+    carrying lr, with any value."""
+    ids = {}
+    for lr in ("0.1", "0.2"):
+        code, out, err = run(capsys, server, "--json", "submit",
+                             str(submit_file(tmp_path, name=f"lr-{lr[-1]}", labels={"lr": lr}, duration_s=600)))
+        assert code == 0, err
+        ids[lr] = json.loads(out)["id"]
+    selector = ("--tenant", "t1", "--label", "lr=0.1", "--label", "lr")
+    code, out, err = run(capsys, server, "--json", "cancel", *selector, "--dry-run")
+    assert code == 0 and [j["id"] for j in json.loads(out)] == [ids["0.1"]], err
+    code, out, err = run(capsys, server, "--json", "cancel", *selector)
+    assert code == 0 and json.loads(out)["cancelled"] == [ids["0.1"]], err
+    code, out, _ = run(capsys, server, "--json", "job", ids["0.2"])
+    assert json.loads(out)["state"] != "cancelled"
+
+
 @pytest.mark.parametrize("args, message", [
     (("cancel", "some-id", "--tenant", "t1"), "give job ids or --tenant/--label, not both (got ids and --tenant)"),
     (("cancel", "some-id", "--dry-run"), "not both (got ids and --dry-run)"),
     (("cancel",), "give job ids, or --tenant and/or --label"),
     (("cancel", "--state", "queued", "--site", "alpha"), "give job ids, or --tenant and/or --label"),
-], ids=["ids and a selector", "ids and a dry run", "nothing to cancel", "a state and a site alone (every job)"])
+    (("cancel", "--label", "sweep=a", "--label", "sweep=b"), "--label sweep is given 2 values (a, b)"),
+], ids=["ids and a selector", "ids and a dry run", "nothing to cancel", "a state and a site alone (every job)",
+        "one label key with two values (the last one alone would be cancelled)"])
 def test_cancel_takes_ids_or_a_selector_and_says_so_as_a_usage_error(capsys, args, message):
     with pytest.raises(SystemExit) as exited:
         main(["--server", "http://127.0.0.1:9", *args])
