@@ -479,6 +479,9 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 text = (f"{len(out['cancelled'])} job{'' if len(out['cancelled']) == 1 else 's'} cancelled, "
                         f"{len(out['skipped'])} skipped")
                 text += "".join(f"\n  {s['id']}: {s['reason']}" for s in out["skipped"])
+                if out["more"]:
+                    text += ("\nmore jobs match that were not cancelled (the broker stopped at its bound or could "
+                             "not record a cancel): run the command again")
             case "update":
                 change: dict[str, Any] = {}
                 if args.priority is not None:

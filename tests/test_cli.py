@@ -686,6 +686,51 @@ class _SiteWithANodeAway(http.server.BaseHTTPRequestHandler):
         """Quiet, as _NotABroker."""
 
 
+class _CancelsInPieces(http.server.BaseHTTPRequestHandler):
+    """A broker that answers each ``POST /v1/cancellations`` with the next of ``answers``; records the bodies."""
+
+    answers: list[dict] = []
+    bodies: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        body = json.dumps(type(self).answers.pop(0)).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        """Quiet, as _NotABroker."""
+
+
+def cancel_against(capsys, answers: list[dict], *args: str) -> tuple[int, str]:
+    _CancelsInPieces.answers, _CancelsInPieces.bodies = list(answers), []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CancelsInPieces)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", *args, "cancel", "--label", "b=1"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    out, err = capsys.readouterr()
+    assert _CancelsInPieces.answers == [], "the CLI stopped calling before the broker said no more match"
+    return code, out + err
+
+
+def test_a_cancel_of_many_that_stops_while_more_match_says_so(capsys):
+    """The CLI calls again while each call cancels some; where one cancels none and more still match (jobs
+    ending that are skipped, past the broker's bound), it stops, and must not read as if every job was cancelled."""
+    stuck = [{"id": f"j{i}", "reason": f"job j{i} is ending"} for i in range(3)]
+    code, out = cancel_against(capsys, [
+        {"cancelled": ["a"], "skipped": stuck, "matched": 4, "more": True},
+        {"cancelled": [], "skipped": stuck, "matched": 3, "more": True},
+    ])
+    assert code == 0 and out.startswith("1 job cancelled, ")
+    assert "more jobs match that were not cancelled" in out and "run the command again" in out
+
+
 def test_quota_set_of_one_field_keeps_the_guarantee_as_configured_not_as_the_site_counts_it_now(capsys):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SiteWithANodeAway)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
