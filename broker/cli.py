@@ -377,15 +377,18 @@ async def _cancellable(c: Client, args: argparse.Namespace) -> list[Any]:
 async def _cancel_many(c: Client, args: argparse.Namespace) -> dict[str, Any]:
     """``POST /v1/cancellations`` until the broker says no more match (it cancels a bounded number per call)."""
     body = _selector(args)
-    total: dict[str, Any] = {"cancelled": [], "skipped": [], "matched": 0, "more": False}
+    cancelled: list[str] = []
+    skipped: dict[str, dict[str, str]] = {}  # by id, the latest call's reason: one skipped by a call and cancelled
+    #                                          by the next (a store write that failed) is cancelled, not skipped
     while True:
         got = await c.request("POST", "/v1/cancellations", body)
-        for key in ("cancelled", "skipped"):
-            total[key] += got[key]
-        total["matched"] += got["matched"]
+        cancelled += got["cancelled"]
+        for job_id in got["cancelled"]:
+            skipped.pop(job_id, None)
+        skipped.update((s["id"], s) for s in got["skipped"])
         if not got["more"] or not got["cancelled"]:  # (nothing cancelled: calling again would do no better)
-            total["more"] = got["more"]
-            return total
+            return {"cancelled": cancelled, "skipped": list(skipped.values()),
+                    "matched": len(cancelled) + len(skipped), "more": got["more"]}
 
 
 async def _cancel_each(c: Client, ids: list[str]) -> list[Any]:

@@ -731,6 +731,19 @@ def test_a_cancel_of_many_that_stops_while_more_match_says_so(capsys):
     assert "more jobs match that were not cancelled" in out and "run the command again" in out
 
 
+def test_a_cancel_of_many_over_several_calls_counts_each_job_once_as_it_ended(capsys):
+    """A job skipped by one call (the store could not record its cancel, or it is ending) and cancelled or skipped
+    again by the next is told once, as the last call left it."""
+    failed = {"id": "b", "reason": "the store could not record the cancel; call again"}
+    ending = {"id": "c", "reason": "job c is ending"}
+    code, out = cancel_against(capsys, [
+        {"cancelled": ["a"], "skipped": [failed, ending], "matched": 3, "more": True},
+        {"cancelled": ["b", "d"], "skipped": [ending], "matched": 3, "more": False},
+    ], "--json")
+    assert code == 0 and json.loads(out) == {"cancelled": ["a", "b", "d"], "skipped": [ending], "matched": 4,
+                                             "more": False}
+
+
 def test_quota_set_of_one_field_keeps_the_guarantee_as_configured_not_as_the_site_counts_it_now(capsys):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SiteWithANodeAway)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
