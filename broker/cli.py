@@ -368,10 +368,12 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
 async def _cancellable(c: Client, args: argparse.Namespace) -> list[Any]:
     """``--dry-run``: the jobs the selector matches now, newest first, listed state by state (the list filters by
     one state at a time; a finished job is never cancelled)."""
-    found: list[Any] = []
+    found: dict[str, Any] = {}  # by id: a job that moved on between two listings (queued, then running) is told
+    #                             once, as the later listing saw it
     for state in [args.state] if args.state else ACTIVE_STATES:
-        found += await c.list_all("/v1/jobs", [*_job_filters(args, state), ("limit", "1000")])
-    return sorted(found, key=lambda j: (j["created_at"], j["id"]), reverse=True)
+        listed = await c.list_all("/v1/jobs", [*_job_filters(args, state), ("limit", "1000")])
+        found.update((j["id"], j) for j in listed)
+    return sorted(found.values(), key=lambda j: (j["created_at"], j["id"]), reverse=True)
 
 
 async def _cancel_many(c: Client, args: argparse.Namespace) -> dict[str, Any]:

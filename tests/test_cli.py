@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -692,25 +693,37 @@ class _CancelsInPieces(http.server.BaseHTTPRequestHandler):
     answers: list[dict] = []
     bodies: list[dict] = []
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        body = json.dumps(type(self).answers.pop(0)).encode()
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        """``GET /v1/jobs?state=S``: one job, seen queued, then running by the next listing (it moved on)."""
+        state = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query)).get("state")
+        job = {"id": "j1", "state": state, "site": None if state == "queued" else "alpha", "attempt": 1,
+               "spec": {"tenant": "t1", "name": "n", "gpus": {"count": 1, "milli": 1000}},
+               "created_at": "2026-11-30T10:00:00Z", "updated_at": "2026-11-30T10:00:01Z"}
+        self._send({"items": [job] if state in ("queued", "running") else [], "next": None})
+
+    def _send(self, doc: object) -> None:
+        body = json.dumps(doc).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self._send(type(self).answers.pop(0))
+
     def log_message(self, *args: object) -> None:
         """Quiet, as _NotABroker."""
 
 
-def cancel_against(capsys, answers: list[dict], *args: str) -> tuple[int, str]:
+def cancel_against(capsys, answers: list[dict], *args: str, dry_run: bool = False) -> tuple[int, str]:
     _CancelsInPieces.answers, _CancelsInPieces.bodies = list(answers), []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CancelsInPieces)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", *args, "cancel", "--label", "b=1"])
+        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", *args, "cancel", "--label", "b=1",
+                     *(["--dry-run"] if dry_run else [])])
     finally:
         srv.shutdown()
         srv.server_close()
@@ -742,6 +755,12 @@ def test_a_cancel_of_many_over_several_calls_counts_each_job_once_as_it_ended(ca
     ], "--json")
     assert code == 0 and json.loads(out) == {"cancelled": ["a", "b", "d"], "skipped": [ending], "matched": 4,
                                              "more": False}
+
+
+def test_a_dry_run_lists_a_job_that_moves_on_while_it_is_listed_once(capsys):
+    """--dry-run lists state by state; a job dispatched between two of the listings is one job to cancel."""
+    code, out = cancel_against(capsys, [], "--json", dry_run=True)
+    assert code == 0 and [(j["id"], j["state"]) for j in json.loads(out)] == [("j1", "running")]
 
 
 def test_quota_set_of_one_field_keeps_the_guarantee_as_configured_not_as_the_site_counts_it_now(capsys):
