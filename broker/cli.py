@@ -418,6 +418,9 @@ def _check_cancel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.id and not (args.tenant is not None or args.label):
         p.error("cancel: give job ids, or --tenant and/or --label to cancel every job they match (--state and "
                 "--site narrow it)")
+    if args.state is not None and args.state not in ACTIVE_STATES:  # (so --dry-run lists none the broker refuses)
+        p.error(f"cancel: --state {args.state!r} is not one a job can still leave; give one of "
+                f"{', '.join(ACTIVE_STATES)}")
     values: dict[str, set[str]] = {}
     for key, eq, value in (lb.partition("=") for lb in args.label or []):
         if eq:

@@ -198,8 +198,11 @@ def test_a_cancel_by_a_label_and_its_key_alone_cancels_what_the_dry_run_lists(ca
     (("cancel",), "give job ids, or --tenant and/or --label"),
     (("cancel", "--state", "queued", "--site", "alpha"), "give job ids, or --tenant and/or --label"),
     (("cancel", "--label", "sweep=a", "--label", "sweep=b"), "--label sweep is given 2 values (a, b)"),
+    (("cancel", "--tenant", "t1", "--state", "succeeded", "--dry-run"),
+     "--state 'succeeded' is not one a job can still leave; give one of queued, dispatching"),
 ], ids=["ids and a selector", "ids and a dry run", "nothing to cancel", "a state and a site alone (every job)",
-        "one label key with two values (the last one alone would be cancelled)"])
+        "one label key with two values (the last one alone would be cancelled)",
+        "a dry run in a final state (it listed finished jobs as if they would be cancelled)"])
 def test_cancel_takes_ids_or_a_selector_and_says_so_as_a_usage_error(capsys, args, message):
     with pytest.raises(SystemExit) as exited:
         main(["--server", "http://127.0.0.1:9", *args])
