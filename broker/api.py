@@ -39,13 +39,13 @@ import logging
 import math
 from dataclasses import replace
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker import auth
 from broker import dashboard
@@ -62,8 +62,8 @@ from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
-from broker.models import (SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec, JobState, Preview, QuotaState,
-                           SiteSpec, TenantQuota, clean_text)
+from broker.models import (PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec, JobState,
+                           Preview, QuotaState, SiteSpec, TenantQuota, clean_text)
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
@@ -176,9 +176,10 @@ ACCESS: dict[tuple[str, str], Any] = {
 UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="heliotrope"'}
 
 
-def not_your_tenant(who: Principal, tenant: str) -> ApiError:
-    return ApiError(403, f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, not {tenant}",
-                    [{"field": "tenant", "problem": "not a tenant this token acts for"}])
+def not_your_tenant(who: Principal, tenant: str, at: str = "") -> ApiError:
+    """403 for ``tenant``, named where ``at`` says (a spec's place in a list: ``[1].``)."""
+    return ApiError(403, f"{at}tenant: " * bool(at) + f"{who.name} acts for tenants {', '.join(sorted(who.tenants))}, "
+                    f"not {tenant}", [{"field": f"{at}tenant", "problem": "not a tenant this token acts for"}])
 
 
 def not_your_site(who: Principal, site: str) -> ApiError:
@@ -332,10 +333,13 @@ async def _close_proxy(app: web.Application) -> None:
         await session.close()
 
 
-def _validated(model: type[BaseModel], data: Any) -> Any:
+def _validated(model: type[BaseModel] | TypeAdapter[Any], data: Any) -> Any:
     """``data`` (JSON bytes, or parsed JSON) as ``model``, strictly: the JSON types the OpenAPI document states
     (no "3" or true for a number), though 2.0 is an integer, as JSON Schema has it."""
-    validate = model.model_validate_json if isinstance(data, bytes) else model.model_validate
+    if isinstance(model, TypeAdapter):
+        validate = model.validate_json if isinstance(data, bytes) else model.validate_python
+    else:
+        validate = model.model_validate_json if isinstance(data, bytes) else model.model_validate
     try:
         return validate(data, strict=True)
     except ValidationError as e:
@@ -344,18 +348,23 @@ def _validated(model: type[BaseModel], data: Any) -> Any:
     return validate(data)
 
 
-async def _body(request: web.Request, model: type[BaseModel], what: str,
-                defaults: dict[str, Any] | None = None,
-                read_only: dict[str, str] | None = None) -> tuple[Any, bytes]:
-    """The body validated as ``model``; ``defaults`` fill fields a JSON object body leaves out (the path's);
-    ``read_only``: top-level keys that the resource has as read but a body may not carry, each with its problem."""
+async def _read(request: web.Request) -> bytes:
+    """The request's body (read once: aiohttp keeps it for the next read)."""
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPException:
         raise
     except Exception as e:  # a body that cannot be read: bad encoding, cut-off chunks
         raise ApiError(400, f"the request body could not be read: {e}",
                        [{"field": "(body)", "problem": "unreadable"}]) from None
+
+
+async def _body(request: web.Request, model: type[BaseModel], what: str,
+                defaults: dict[str, Any] | None = None,
+                read_only: dict[str, str] | None = None) -> tuple[Any, bytes]:
+    """The body validated as ``model``; ``defaults`` fill fields a JSON object body leaves out (the path's);
+    ``read_only``: top-level keys that the resource has as read but a body may not carry, each with its problem."""
+    raw = await _read(request)
     if not raw.strip():
         raise ApiError(400, f"the request body must be a JSON {what}", [{"field": "(body)", "problem": "empty"}])
     try:
@@ -695,31 +704,71 @@ async def delete_quota(request: web.Request) -> web.Response:
 
 async def _job_spec(request: web.Request) -> tuple[JobSpec, bytes]:
     """The request's job spec, checked as a submission is (422 naming the field; 403 for another tenant)."""
-    broker = request.app[BROKER]
     spec, raw = await _body(request, JobSpec, "job spec")
+    _check_job_spec(request, spec)
+    return spec, raw
+
+
+def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "") -> None:
+    """What a submission checks of a valid spec beyond its schema; ``at``: the spec's place in a list (``[1].``),
+    which the fields named start with."""
+    broker = request.app[BROKER]
     never = spec.gpus.never_fits()
     if never is not None:  # it would wait in the queue for ever
-        raise ApiError(422, f"invalid job spec: gpus: {never}", [{"field": "gpus.mig_profile", "problem": never}])
+        raise ApiError(422, f"invalid job spec: {at}gpus: {never}",
+                       [{"field": f"{at}gpus.mig_profile", "problem": never}])
     who = principal(request)
     if not who.acts_for(spec.tenant):
-        raise not_your_tenant(who, spec.tenant)
+        raise not_your_tenant(who, spec.tenant, at)
     try:
         broker.settings.profiles.choose(spec.profile)
     except ProfileError as e:
-        raise ApiError(422, f"invalid job spec: profile: {e}", [{"field": "profile", "problem": str(e)}]) from None
-    return spec, raw
+        raise ApiError(422, f"invalid job spec: {at}profile: {e}",
+                       [{"field": f"{at}profile", "problem": str(e)}]) from None
+
+
+_JOB_SPECS: TypeAdapter[list[JobSpec]] = TypeAdapter(Annotated[list[JobSpec], Field(max_length=PREVIEW_LIST_MAX)])
+
+
+def _job_specs(request: web.Request, raw: bytes) -> list[JobSpec]:
+    """A JSON array of job specs (``POST /v1/preview``), each checked as a submission is, a problem named by the
+    spec's place: ``[1].gpus.count`` (422); 422 for none or more than ``PREVIEW_LIST_MAX``."""
+    try:
+        specs: list[JobSpec] = _validated(_JOB_SPECS, raw)
+    except ValidationError as e:
+        if is_malformed_json(e):
+            detail = e.errors(include_url=False)[0]["msg"]
+            raise ApiError(400, f"malformed JSON: {detail}", [{"field": "(body)", "problem": detail}]) from None
+        if any(err["type"] == "too_long" for err in e.errors(include_url=False)):
+            problem = f"at most {PREVIEW_LIST_MAX} job specs in one preview: preview the rest in another"
+            raise ApiError(422, f"invalid job specs: {problem}", [{"field": "(body)", "problem": problem}]) from None
+        fields = problems(e)
+        raise ApiError(422, "invalid job spec: " + "; ".join(f"{f['field']}: {f['problem']}" for f in fields),
+                       fields) from None
+    if not specs:
+        problem = "an empty list: give at least one job spec"
+        raise ApiError(422, f"invalid job specs: {problem}", [{"field": "(body)", "problem": problem}])
+    for i, spec in enumerate(specs):
+        _check_job_spec(request, spec, f"[{i}].")
+    return specs
 
 
 PREVIEW_NOTE = ("what the broker would decide for this job now, at its place in the queue: the queued jobs the next "
                 "pass would decide before it were decided first, and took their room; jobs submitted or changed "
                 "meanwhile may still come first, and the sites' reports and forecasts move on; nothing was submitted")
+PREVIEW_LIST_NOTE = ("what the broker would decide for these jobs now, were they submitted together one after another "
+                     "in the list's order, each at its place in the queue: the queued jobs and the jobs of the list "
+                     "the next pass would decide before each were decided first, and took their room; jobs submitted "
+                     "or changed meanwhile may still come first, and the sites' reports and forecasts move on; "
+                     "nothing was submitted")
 
 
-def preview_note(ahead: Ahead) -> str:
-    """The note of a preview that decided ``ahead`` before its job."""
+def preview_note(ahead: Ahead, listed: bool = False) -> str:
+    """The note of a preview that decided ``ahead`` before its job; ``listed``: one of a list previewed together."""
+    note = PREVIEW_LIST_NOTE if listed else PREVIEW_NOTE
     if not ahead.capped:
-        return PREVIEW_NOTE
-    return (f"{PREVIEW_NOTE}; only the first {ahead.decided} jobs ahead of it were decided (the most a preview "
+        return note
+    return (f"{note}; only the first {ahead.decided} jobs ahead of it were decided (the most a preview "
             "decides, or walks past with those deferred this hour): those further ahead were not weighed, and may "
             "take room it was shown")
 
@@ -727,16 +776,24 @@ def preview_note(ahead: Ahead) -> str:
 async def preview_job(request: web.Request) -> web.Response:
     """``POST /v1/preview``: the decision a job would get now (as Slurm's ``sbatch --test-only``), nothing
     stored: its site, or its deferral, or why it would wait, with every site's terms, as ``GET
-    /v1/jobs/{id}/decision`` gives them."""
+    /v1/jobs/{id}/decision`` gives them. A JSON array of specs: the decisions the jobs would get submitted together
+    in the array's order (``{"items": [...]}``, in that order), each taking the room of those decided before it."""
     broker = request.app[BROKER]
-    spec, _ = await _job_spec(request)
-    try:
-        check_deadline(spec.deadline, broker.clock.now())  # (as a submission is refused)
-    except PastDeadline as e:
-        raise ApiError(422, f"invalid job spec: {e}", [{"field": "deadline", "problem": "in the past"}]) from None
-    req, record, ahead = broker.cycle.preview("preview", spec)
-    return _json(Preview(note=preview_note(ahead), decision=explain.render(record, req, broker.cycle.filters, 0),
-                         ahead=ahead.decided))
+    raw = await _read(request)
+    listed = raw.lstrip().startswith(b"[")
+    specs = _job_specs(request, raw) if listed else [(await _job_spec(request))[0]]
+    now = broker.clock.now()
+    for i, spec in enumerate(specs):
+        try:
+            check_deadline(spec.deadline, now)  # (as a submission is refused)
+        except PastDeadline as e:
+            at = f"[{i}]." if listed else ""
+            raise ApiError(422, f"invalid job spec: {at}{e}",
+                           [{"field": f"{at}deadline", "problem": "in the past"}]) from None
+    previews = [Preview(note=preview_note(ahead, listed), decision=explain.render(record, req, broker.cycle.filters, 0),
+                        ahead=ahead.decided, listed_ahead=ahead.listed if listed else None)
+                for req, record, ahead in broker.cycle.previews(specs)]
+    return _json({"items": [p.model_dump(mode="json") for p in previews]} if listed else previews[0])
 
 
 async def submit_job(request: web.Request) -> web.Response:

@@ -233,14 +233,21 @@ def _raw(scorer: str, value: float | None, ranked_as: float | None = None) -> st
     return _num(value) if unit is None else f"{_num(value)} {unit}"
 
 
-def show_decision(d: dict[str, Any], preview: bool = False, ahead: int | None = None) -> str:
+def show_decision(d: dict[str, Any], preview: bool = False, ahead: int | None = None,
+                  listed: int | None = None) -> str:
     """A decision as ``heliotrope explain`` prints it; ``preview``: one ``submit --dry-run`` asked for, of a job
-    not submitted (no id, no attempt), decided after ``ahead`` queued jobs (None: a broker that said not)."""
+    not submitted (no id, no attempt), decided after ``ahead`` queued jobs (None: a broker that said not) and
+    ``listed`` jobs of the same file (None: a file of one job, or a broker that said not)."""
     head = (f"would be decided so at {d['decided_at']}" if preview
             else f"job {d['job_id']} attempt {d['attempt']}, decided {d['decided_at']}")
     if preview and ahead is not None:
-        head += (", with no queued job decided before it" if ahead == 0 else
-                 f", after the {ahead} queued job{'' if ahead == 1 else 's'} the next pass would decide before it")
+        queued = f"the {ahead} queued job{'' if ahead == 1 else 's'}"
+        mine = f"{listed} job{'' if listed == 1 else 's'} of this file"
+        if not listed:
+            head += (", with no queued job decided before it" if ahead == 0 else
+                     f", after {queued} the next pass would decide before it")
+        else:
+            head += f", after {mine if ahead == 0 else f'{queued} and {mine}'} the next pass would decide before it"
     lines = [head, f"  {d['summary']}", ""]
     feasible = sorted((s for s in d["sites"] if s["feasible"]), key=lambda s: -(s["score"] or 0))
     width = max([20, *(len(s["site"]) for s in d["sites"])])  # site names may be long: the columns still line up
@@ -316,6 +323,26 @@ async def _send_each(c: Client, path: str, docs: list[Any], what: str,
                            f"the {len(sent)} before it were accepted ({names}); send the rest again from {what} "
                            f"{i + 1}") from None
     return sent
+
+
+async def _preview(c: Client, doc: Any) -> tuple[list[Any], str]:
+    """``heliotrope submit --dry-run``: the broker's previews of a spec, or of a list of them together (one
+    request, each taking the room of those the queue puts before it), and the note to print under them. A broker
+    of an earlier release, which takes one spec a request, previews each of a list alone, and the note says so."""
+    if not isinstance(doc, list):
+        preview = await c.request("POST", "/v1/preview", doc)
+        return [preview], preview["note"]
+    if not doc:
+        return [], ""
+    try:
+        previews = (await c.request("POST", "/v1/preview", doc))["items"]
+    except ApiClientError as e:
+        if e.status != 422 or [f["field"] for f in e.fields] != ["(body)"] or "object" not in e.fields[0]["problem"]:
+            raise
+        previews = [await c.request("POST", "/v1/preview", spec) for spec in doc]  # (an earlier release)
+        return previews, (f"{previews[0]['note']}. This broker previews each job alone: together they may need "
+                          "more room than each was shown")
+    return previews, previews[0]["note"]
 
 
 def _check_all(docs: list[Any], model: type[BaseModel], what: str,
@@ -445,11 +472,11 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 doc = _load_document(args.file)
                 specs = doc if isinstance(doc, list) else [doc]
                 _check_all(specs, JobSpec, "job")
-                previews = [await c.request("POST", "/v1/preview", spec) for spec in specs]
+                previews, note = await _preview(c, doc)
                 out = previews if isinstance(doc, list) else previews[0]
-                text = "\n\n".join(show_decision(p["decision"], preview=True, ahead=p.get("ahead"))
-                                   for p in previews)
-                text += f"\n\n(dry run: {previews[0]['note']})" if previews else ""
+                text = "\n\n".join(show_decision(p["decision"], preview=True, ahead=p.get("ahead"),
+                                                   listed=p.get("listed_ahead")) for p in previews)
+                text += f"\n\n(dry run: {note})" if previews else ""
             case "submit":
                 doc = _load_document(args.file)
                 specs = doc if isinstance(doc, list) else [doc]

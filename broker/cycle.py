@@ -41,7 +41,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -340,13 +340,15 @@ preview holds the event loop); past them it stops as at ``PREVIEW_AHEAD_MAX``.""
 
 @dataclass(frozen=True, slots=True)
 class Ahead:
-    """What a preview decided before its job (``SchedulingCycle.preview``): how many queued jobs, of which how many
-    took room now (placed) or hours of the plan (deferred), and whether ``PREVIEW_AHEAD_MAX`` cut it short."""
+    """What a preview decided before its job (``SchedulingCycle.previews``): how many queued jobs, of which how many
+    took room now (placed) or hours of the plan (deferred), whether ``PREVIEW_AHEAD_MAX`` cut it short, and how
+    many of the specs previewed with it (``listed``)."""
 
     decided: int = 0
     placed: int = 0
     deferred: int = 0
     capped: bool = False
+    listed: int = 0
 
 
 LATENCY_DEMAND_STATE = "latency-demand"  # the store's name for what latency-bound jobs held (put_state)
@@ -603,17 +605,17 @@ class SchedulingCycle:
         return (timeshift.epoch_hour(now), self.book.seq, self.book.refusals_changed,
                 tuple(sorted(self.federation.leaving)), reports)
 
-    def _order(self, jobs: list[Job] | None, snap: Snapshot, until: Job | None = None) -> QueueWalk | _Listed:
+    def _order(self, jobs: list[Job] | None, snap: Snapshot, extra: Sequence[Job] = ()) -> QueueWalk | _Listed:
         """The pass's order over ``jobs`` (None: the whole queue): priority, then, where sites divide by
         fair share, the tenant furthest below its share (``policies.fair_order``), then urgency when some
-        profile defers jobs (as the simulator replays it), then age. ``until``: a job not queued (a preview's);
-        the walk over the queue ends where its turn would come."""
+        profile defers jobs (as the simulator replays it), then age. ``extra``: jobs not queued (a preview's),
+        which the walk over the queue yields at the turns they would have were they queued, in that order."""
         standing = None
         if snap.quota is not None and any(s.entitled > 0 for s in snap.quota.standing.values()):
             standing = snap.quota.standing
         if jobs is None:
             queue = self.book.active.queue
-            return queue.walk(standing, None if until is None else queue.place_of(until))
+            return queue.walk(standing, [queue.place_of(job) for job in extra])
         within: Callable[[Job], Any] = _by_urgency if self._plan_hours else (lambda j: j.created_at)
         jobs = sorted(jobs, key=lambda j: (-j.spec.priority, within(j)))
         fair = None
@@ -1041,13 +1043,20 @@ class SchedulingCycle:
         self._last_seen.pop(job_id, None)
 
     def preview(self, job_id: str, spec: JobSpec) -> tuple[JobRequest, dict[str, Any], Ahead]:
-        """The decision a job of ``spec`` would get now, at the place the queue would give it (as Slurm's ``sbatch
-        --test-only``): on the sites' latest reports, less what is placed but not reported yet and what is kept for
-        moves, with the time-shift plan of the jobs running and deferred, the queued jobs a pass would decide before
-        it are decided first (:meth:`_decide_ahead`), taking their room, and then it is, by its profile. All of it
-        on a scratch snapshot and copies: nothing is stored, assumed, planned, observed or announced, and what the
-        broker keeps (deferrals, holds, moves, placements in flight) is not even pruned. Returns the request it was
-        decided for, the decision's record (``policies.explain``) and what was decided ahead of it."""
+        """The decision a job of ``spec`` would get now: :meth:`previews` of it alone."""
+        return self.previews([spec], job_id)[0]
+
+    def previews(self, specs: Sequence[JobSpec],
+                 job_id: str = "preview") -> list[tuple[JobRequest, dict[str, Any], Ahead]]:
+        """The decisions jobs of ``specs`` would get now, submitted together one after another in the list's order,
+        each at the place the queue would give it (as Slurm's ``sbatch --test-only``): on the sites' latest
+        reports, less what is placed but not reported yet and what is kept for moves, with the time-shift plan of
+        the jobs running and deferred, the queued jobs and the specs a pass would decide before each are decided
+        first (:meth:`_decide_previewed`), taking their room, and then it is, by its profile. All of it on a
+        scratch snapshot and copies: nothing is stored, assumed, planned, observed or announced, and what the
+        broker keeps (deferrals, holds, moves, placements in flight) is not even pruned. Returns, in the list's
+        order, the request each was decided for (``job_id``), the decision's record (``policies.explain``) and
+        what was decided ahead of it."""
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at, forget=False)
         deferred = dict(self._deferred)
@@ -1056,44 +1065,77 @@ class SchedulingCycle:
         holds, moving = dict(self._holds), dict(self._moving)
         if holds or moving:
             self._debit_holds(snap, holds, moving)
-        job = Job(id=job_id, spec=spec, created_at=snap.now, updated_at=snap.now)
-        ahead = self._decide_ahead(job, snap, deferred, holds, moving)
-        req = JobRequest.from_spec(job_id, spec, frozenset(), snap.now)
-        pipeline = self.profiles.get(spec.profile, self.pipeline) if spec.profile else self.pipeline
-        # (a decider of its own: one the jobs ahead used would answer a failure of theirs, figures of then)
-        _, outcome, _ = self._decide_queued(job, req, pipeline, snap, {}, holds, moving, set())
-        if isinstance(outcome, Deferral):
-            return req, explain.record_deferral(pipeline, outcome, snap), ahead
-        if isinstance(outcome, _Failure):
-            return req, outcome.record(pipeline, snap), ahead
-        return req, explain.record(pipeline, outcome, snap), ahead
+        # (ids no queued job has, for the walk: each decision is rendered with ``job_id``)
+        jobs = [Job(id=f"{job_id} {n}", spec=spec, created_at=snap.now, updated_at=snap.now)
+                for n, spec in enumerate(specs)]
+        out = []
+        for job, (outcome, pipeline, ahead) in zip(jobs, self._decide_previewed(jobs, snap, deferred, holds, moving),
+                                                   strict=True):
+            req = JobRequest.from_spec(job_id, job.spec, frozenset(), snap.now)
+            if isinstance(outcome, Deferral):
+                out.append((req, explain.record_deferral(pipeline, outcome, snap), ahead))
+            elif isinstance(outcome, _Failure):
+                out.append((req, outcome.record(pipeline, snap), ahead))
+            else:
+                out.append((req, explain.record(pipeline, outcome, snap), ahead))
+        return out
 
-    def _decide_ahead(self, job: Job, snap: Snapshot, deferred: dict[str, _Planned], holds: dict[str, _Hold],
-                      moving: dict[str, _Moving]) -> Ahead:
-        """Step 3 of a full pass as far as ``job``'s turn (a job not queued: a preview's), on a preview's scratch
-        ``snap`` and copies of the broker's deferrals, holds and moves: the queued jobs in the pass's order
-        (``_order``), each decided as the pass decides it (``_decide_queued``), a placement or deferral taken from
-        ``snap``, a queue group that found no site dropped. Nothing else is written, booked or announced. At most
-        ``PREVIEW_AHEAD_MAX`` jobs are decided, and ``PREVIEW_WALK_MAX`` walked past, decided or not (``capped`` past
-        either): a group that found no site costs one decision, so that many are reached only where room is left for
-        most of them (about 0.1 s for 2,000 placements)."""
+    def _decide_previewed(
+        self, jobs: list[Job], snap: Snapshot, deferred: dict[str, _Planned], holds: dict[str, _Hold],
+        moving: dict[str, _Moving],
+    ) -> list[tuple[Placement | _Failure | Deferral, Pipeline, Ahead]]:
+        """Step 3 of a full pass as far as the last of ``jobs``' turns (jobs not queued: a preview's, as if queued
+        in the list's order), on a preview's scratch ``snap`` and copies of the broker's deferrals, holds and moves:
+        the queued jobs and ``jobs`` in the pass's order (``_order``), each decided as the pass decides it
+        (``_decide_queued``), a placement or deferral taken from ``snap``, a queue group that found no site dropped.
+        Nothing else is written, booked or announced. Each of ``jobs`` is decided by a decider of its own (one the
+        jobs before it used would answer a failure of theirs, figures of then), and comes back with what was decided
+        before it: the queued jobs, and ``listed``, those of ``jobs``. At most ``PREVIEW_AHEAD_MAX`` queued jobs are
+        decided, and ``PREVIEW_WALK_MAX`` walked past, decided or not (``capped`` past either; the rest of ``jobs``
+        are then decided in their order on what those left): a group that found no site costs one decision, so that
+        many are reached only where room is left for most of them (about 0.1 s for 2,000 placements)."""
         hour = timeshift.epoch_hour(snap.now)
-        order = self._order(None, snap, until=job)
+        order = self._order(None, snap, extra=jobs)
+        previewed = {job.id: n for n, job in enumerate(jobs)}
+        out: list[tuple[Placement | _Failure | Deferral, Pipeline, Ahead] | None] = [None] * len(jobs)
         deciders: dict[int, PassDecider] = {}
         released: set[str] = set()
-        decided = placed = deferrals = walked = 0
+        decided = placed = deferrals = walked = listed = 0
+        capped = False
         for job_id in order:
+            n = previewed.get(job_id)
+            if n is not None:
+                job = jobs[n]
+                req = JobRequest.from_spec(job.id, job.spec, frozenset(), snap.now)
+                pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
+                decider, outcome, _ = self._decide_queued(job, req, pipeline, snap, {}, holds, moving, released)
+                out[n] = (outcome, pipeline, Ahead(decided, placed, deferrals, capped, listed))
+                listed += 1
+                if listed == len(jobs):
+                    break
+                if isinstance(outcome, Deferral):
+                    decider.reserve(outcome)
+                elif isinstance(outcome, Placement) and snap.sites[outcome.site] not in self.federation.leaving:
+                    decider.assume(outcome)
+                    order.placed(job.spec.tenant, req.charge)
+                continue
+            if capped:
+                continue
             queued = self.book.active.get(job_id)
             if queued is None or queued.state != JobState.QUEUED:
                 continue
             if walked == PREVIEW_WALK_MAX:
-                return Ahead(decided, placed, deferrals, capped=True)
+                capped = True
+                order.only_extra()
+                continue
             walked += 1
             planned = deferred.get(queued.id)
             if planned is not None and planned.decided_h == hour:
                 continue  # deferred this hour: its hours are in the plan already
             if decided == PREVIEW_AHEAD_MAX:
-                return Ahead(decided, placed, deferrals, capped=True)
+                capped = True
+                order.only_extra()
+                continue
             if planned is not None:
                 del deferred[queued.id]
                 _replan(planned, snap, deciders)
@@ -1110,7 +1152,7 @@ class SchedulingCycle:
                 decider.assume(outcome)
                 order.placed(queued.spec.tenant, req.charge)
                 placed += 1
-        return Ahead(decided, placed, deferrals)
+        return [o for o in out if o is not None]
 
     def _with_plan(self, snap: Snapshot, observe: bool = True,
                    deferred: dict[str, _Planned] | None = None) -> Snapshot:

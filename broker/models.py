@@ -1232,6 +1232,10 @@ class Decision(Strict):
     deferral: DeferralPlan | None = Field(None, description="for a deferred job, the plan and what it weighed")
 
 
+PREVIEW_LIST_MAX = 1000
+"""Job specs one ``POST /v1/preview`` decides together, at most."""
+
+
 class Preview(Strict):
     """What the broker would decide for a job now (``POST /v1/preview``); nothing is submitted."""
 
@@ -1241,6 +1245,10 @@ class Preview(Strict):
     ahead: int | None = Field(None, ge=0, exclude_if=lambda n: n is None, description=(
         "queued jobs decided before it, as the next pass would decide them, their placements and deferrals taking "
         "their room first (left out by releases that decided it as if first in the queue)"))
+    listed_ahead: int | None = Field(None, ge=0, exclude_if=lambda n: n is None, description=(
+        "for a list of specs previewed together: the specs of the list decided before it, as the queue would order "
+        "them submitted one after another in the list's order, their placements and deferrals taking their room "
+        "first"))
 
 
 ActiveState = Literal["queued", "dispatching", "admitted", "running", "preempted"]  # the states a job can leave

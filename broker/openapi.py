@@ -17,8 +17,8 @@ from pydantic_core import core_schema
 from broker import ids, models
 from broker.auth import Role
 from broker.events import TYPES as EVENT_TYPES
-from broker.models import (Cancellation, Decision, Job, JobChange, JobSpec, JobState, Preview, QuotaState, SiteSpec,
-                           SiteState, TenantQuota)
+from broker.models import (PREVIEW_LIST_MAX, Cancellation, Decision, Job, JobChange, JobSpec, JobState, Preview,
+                           QuotaState, SiteSpec, SiteState, TenantQuota)
 
 _REF = "#/components/schemas/{model}"
 
@@ -348,9 +348,21 @@ def _paths() -> dict[str, Any]:
             "post": {
                 "summary": "What the broker would decide for a job now, at its place in the queue (after the queued "
                            "jobs the next pass would decide before it): its site, its deferral or why it would wait, "
-                           "with every site's terms; nothing is submitted",
-                "requestBody": _request(_ref("JobSpec"), "the job"),
-                "responses": _answers(_json_body(_ref("Preview"), "the decision it would get"), 400, 413, 422),
+                           "with every site's terms; nothing is submitted. An array of specs: the jobs as if "
+                           "submitted together one after another in its order, each decided at its place in the "
+                           "queue after the queued jobs and the array's jobs the next pass would decide before it, "
+                           "which take their room; answered in the array's order (a 422 names a spec's field by its "
+                           "index, [1].gpus.count)",
+                "requestBody": _request({"oneOf": [
+                    _ref("JobSpec"),
+                    {"type": "array", "items": _ref("JobSpec"), "minItems": 1, "maxItems": PREVIEW_LIST_MAX,
+                     "description": "jobs submitted together, in this order"},
+                ]}, "the job, or the jobs"),
+                "responses": _answers(_json_body({"oneOf": [
+                    _ref("Preview"),
+                    _object(items={"type": "array", "items": _ref("Preview"),
+                                   "description": "one per spec, in the array's order"}),
+                ]}, "the decision it would get, or each one's"), 400, 413, 422),
             },
         },
         "/v1/jobs/{id}": {

@@ -20,7 +20,7 @@ O(log n)) and one in a dict from id to (group, entry).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from sortedcontainers import SortedList
@@ -112,8 +112,8 @@ class QueueIndex:
         return group_key(job), (*self._order(job), job.id)
 
     def walk(self, standing: Mapping[str, Standing] | None = None,
-             until: tuple[tuple[Any, ...], Entry] | None = None) -> QueueWalk:
-        return QueueWalk(self, standing, until)
+             extra: Sequence[tuple[tuple[Any, ...], Entry]] = ()) -> QueueWalk:
+        return QueueWalk(self, standing, extra)
 
 
 class QueueWalk:
@@ -122,37 +122,38 @@ class QueueWalk:
     and neither will the rest of its group in this pass). Jobs added to a group behind the walk's position
     in it during the pass are left to the next pass (the cycle decides new jobs on their own anyway).
 
-    ``until``: the place (``QueueIndex.place_of``) of a job not in the queue; the walk ends where that job's
-    turn would come, yielding only the jobs a pass would decide before it (a queued job level with it in every
-    term of the order was queued first, and goes first)."""
+    ``extra``: the places (``QueueIndex.place_of``) of jobs not in the queue (a preview's), each yielded at the
+    turn it would have were it queued, as a group of its own (a failure drops no other): a queued job level with
+    it in every term of the order was queued first, and goes first; extras level with each other go in the order
+    given, as jobs submitted one after another would. ``only_extra()`` passes over the rest of the queue."""
 
     def __init__(self, index: QueueIndex, standing: Mapping[str, Standing] | None,
-                 until: tuple[tuple[Any, ...], Entry] | None = None) -> None:
+                 extra: Sequence[tuple[tuple[Any, ...], Entry]] = ()) -> None:
         self._index = index
-        self._until = until
         self._fair = standing is not None
         self._standing = standing or {}
         self._held = {t: s.held for t, s in self._standing.items()}
         self._cursor: dict[tuple[Any, ...], Entry] = {}
         self._current: tuple[Any, ...] | None = None
+        # each extra's group: its own key (a queued group's, with its place in ``extra``) and its one entry
+        self._extra = {(*key, _Extra(n)): entry for n, (key, entry) in enumerate(extra, start=1)}
         self._heap: list[tuple[Any, ...]] = []
         for key, group in index.groups.items():
             self._heap.append(self._rank(key, group[0]))
+        for key, entry in self._extra.items():
+            self._heap.append(self._rank(key, entry))
         heapq.heapify(self._heap)
         self.visited = 0  # jobs yielded
         self.groups_failed = 0
 
     def _rank(self, key: tuple[Any, ...], entry: Entry) -> tuple[Any, ...]:
         fair = rank(self._standing, self._held, key[1]) if self._fair else (False, 0.0)
-        return (-key[0], *fair, entry, key)
-
-    def _order_of(self, key: tuple[Any, ...], entry: Entry) -> tuple[Any, ...]:
-        """A job's rank in the walk without its tie-breaks (its id, its group): what a job not queued is
-        compared by."""
-        ranked = self._rank(key, entry)
-        return (*ranked[:-2], entry[:-1])
+        extra = key[-1] if type(key[-1]) is _Extra else 0  # level in the order: queued jobs first
+        return (-key[0], *fair, entry[:-1], extra, entry[-1], key)
 
     def _next_entry(self, key: tuple[Any, ...]) -> Entry | None:
+        if type(key[-1]) is _Extra:
+            return None if key in self._cursor else self._extra[key]
         group = self._index.groups.get(key)
         if not group:
             return None
@@ -166,13 +167,20 @@ class QueueWalk:
     def fail_group(self) -> None:
         """The last job's group finds no site for the rest of this pass."""
         if self._current is not None:
-            self._cursor.pop(self._current, None)
+            if type(self._current[-1]) is not _Extra:  # (an extra's group is done once yielded)
+                self._cursor.pop(self._current, None)
             self._current = None
             self.groups_failed += 1
 
+    def only_extra(self) -> None:
+        """Yield only the extras not yet yielded from now on, at their turns among themselves."""
+        self._current = None  # (an extra's group is done once yielded)
+        self._heap = [ranked for ranked in self._heap if type(ranked[-1][-1]) is _Extra]
+        heapq.heapify(self._heap)
+
     def __iter__(self) -> Iterator[str]:
-        heap = self._heap
         while True:
+            heap = self._heap
             if self._current is not None:  # the last job's group goes on from after it
                 entry = self._next_entry(self._current)
                 if entry is not None:
@@ -189,9 +197,13 @@ class QueueWalk:
             if now > ranked:  # its tenant was placed since, or its head left: take its turn when it comes
                 heapq.heappush(heap, now)
                 continue
-            if self._until is not None and self._order_of(*self._until) < self._order_of(key, entry):
-                return  # the job not queued would be decided now, before this one
             self._cursor[key] = entry
             self._current = key
             self.visited += 1
             yield entry[-1]
+
+
+class _Extra(int):
+    """The place of a job not queued in a walk's ``extra`` (from 1), which ends its group's key."""
+
+    __slots__ = ()

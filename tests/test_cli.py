@@ -119,6 +119,69 @@ def test_submit_dry_run_shows_where_the_job_would_go_and_submits_nothing(capsys,
     assert code == 0 and json.loads(out)["decision"]["outcome"] == "unplaceable"
 
 
+def test_submit_dry_run_of_a_sweep_decides_its_jobs_together_in_the_files_order(capsys, server, tmp_path):
+    """A sweep of two jobs that each fit alpha's 8 free A100s alone but not together: the second is shown waiting,
+    as it would if the file were submitted (one after another, in its order), not placed on the same GPUs; a job
+    of higher priority later in the file comes first in the queue, as it would."""
+    path = tmp_path / "sweep.yaml"
+    spec = {"tenant": "t1", "gpus": {"count": 8, "model": "a100-80gb"}, "duration_s": 600}
+    path.write_text(yaml.safe_dump([{**spec, "name": "lr-1"}, {**spec, "name": "lr-2"}]))
+    code, out, err = run(capsys, server, "submit", "--dry-run", str(path))
+    assert code == 0, err
+    first, second = out.split("\n\nwould be decided so at ")
+    assert first.splitlines()[0].endswith(", with no queued job decided before it") and "placed on alpha" in first
+    assert second.splitlines()[0].endswith(", after 1 job of this file the next pass would decide before it")
+    assert "placed on" not in second and "gpus-do-not-fit" in second
+    assert "(dry run: what the broker would decide for these jobs now, were they submitted together" in out
+    path.write_text(yaml.safe_dump([{**spec, "name": "lr-1"}, {**spec, "name": "lr-2", "priority": 10}]))
+    code, out, _ = run(capsys, server, "--json", "submit", "--dry-run", str(path))
+    assert [(p["decision"]["outcome"], p["listed_ahead"]) for p in json.loads(out)] == [
+        ("unplaceable", 1), ("placed", 0)]
+    code, out, _ = run(capsys, server, "--json", "jobs")
+    assert json.loads(out) == []  # nothing was submitted
+
+
+class _EarlierBroker(http.server.BaseHTTPRequestHandler):
+    """A broker of an earlier release: ``POST /v1/preview`` takes one spec, and refuses a list as pydantic does."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if isinstance(doc, list):
+            problem = {"field": "(body)", "problem": "Input should be an object"}
+            status, answer = 422, {"error": {"status": 422, "message": "invalid job spec: (body): Input should be an "
+                                             "object", "fields": [problem]}}
+        else:
+            decision = {"job_id": "preview", "attempt": 0, "decided_at": "2026-01-01T00:00:00Z", "outcome": "placed",
+                        "site": "alpha", "summary": f"placed on alpha ({doc['name']})", "sites": []}
+            status, answer = 200, {"note": "what the broker would decide", "decision": decision, "ahead": 0}
+        body = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        """Quiet, as _NotABroker."""
+
+
+def test_submit_dry_run_of_a_sweep_against_an_earlier_broker_previews_each_job_alone_and_says_so(capsys, tmp_path):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EarlierBroker)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    path = tmp_path / "sweep.yaml"
+    spec = {"tenant": "t1", "gpus": {"count": 8}, "duration_s": 600}
+    path.write_text(yaml.safe_dump([{**spec, "name": "lr-1"}, {**spec, "name": "lr-2"}]))
+    try:
+        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", "submit", "--dry-run", str(path)])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "placed on alpha (lr-1)" in out and "placed on alpha (lr-2)" in out
+    assert "This broker previews each job alone: together they may need more room than each was shown" in out
+
+
 def test_update_changes_a_queued_jobs_priority_and_refuses_what_cannot_change(capsys, server, tmp_path):
     code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, name="waits",
                                                                           gpus={"count": 64})))

@@ -41,20 +41,44 @@ def test_a_walk_that_fails_nothing_visits_every_job_in_the_plain_order(jobs):
     assert list(index.walk()) == plain_order(jobs)
 
 
-@given(job_lists, st.sampled_from(["a", "e"]), st.sampled_from([1, 3]), st.sampled_from([0, 5, 10, 20]),
-       st.integers(0, 50))
+@given(job_lists, st.lists(st.tuples(st.sampled_from(["a", "e"]), st.sampled_from([1, 3]),
+                                     st.sampled_from([0, 5, 10, 20]), st.integers(0, 50)), min_size=1, max_size=4))
 @settings(max_examples=60, deadline=None)
-def test_a_walk_until_a_job_not_queued_visits_the_jobs_before_its_place_and_stops(jobs, tenant, count, priority, age):
-    """A preview's walk (``until``): the queued jobs the plain order puts before the job, a queued job of the same
-    priority and age (queued first) among them; the job itself is not added."""
+def test_jobs_not_queued_are_walked_at_their_turns_queued_jobs_first_on_a_tie_and_each_other_in_order(jobs, mine):
+    """A preview's walk (``extra``): each job not queued comes where the plain order puts it, after a queued job
+    of the same priority and age (queued first), and after the extras before it of the same priority and age
+    (submitted first); none is added to the queue, and one that finds no site drops no other."""
     index = QueueIndex()
     for j in jobs:
         index.add(j)
-    mine = queued(99999, tenant, count, priority, float(age))
-    mine = mine.model_copy(update={"id": "preview"})
-    ahead = [j for j in jobs if (-j.spec.priority, j.created_at) <= (-priority, mine.created_at)]
-    assert list(index.walk(until=index.place_of(mine))) == plain_order(ahead)
-    assert "preview" not in index and len(index) == len(jobs)
+    extra = [queued(99990 + n, t, c, p, float(age)).model_copy(update={"id": f"preview {n}"})
+             for n, (t, c, p, age) in enumerate(mine)]
+    walk = index.walk(extra=[index.place_of(j) for j in extra])
+    seen = []
+    for job_id in walk:
+        seen.append(job_id)
+        if job_id.startswith("preview"):
+            walk.fail_group()
+    level = {j.id: (0, n) for n, j in enumerate(jobs)} | {j.id: (1, n) for n, j in enumerate(extra)}
+    expected = sorted(jobs + extra, key=lambda j: (-j.spec.priority, j.created_at, *level[j.id]))
+    assert seen == [j.id for j in expected]
+    assert not any(j.id in index for j in extra) and len(index) == len(jobs)
+
+
+def test_a_walk_told_to_pass_over_the_queue_yields_only_the_jobs_not_queued_left():
+    index = QueueIndex()
+    jobs = [queued(i, age_s=100 - i) for i in range(4)]
+    for j in jobs:
+        index.add(j)
+    extra = [queued(10 + n, priority=p, age_s=0).model_copy(update={"id": f"preview {n}"})
+             for n, p in enumerate([0, 5, 0])]
+    walk = index.walk(extra=[index.place_of(j) for j in extra])
+    seen = []
+    for job_id in walk:
+        seen.append(job_id)
+        if job_id == "j00000":
+            walk.only_extra()
+    assert seen == ["preview 1", "j00000", "preview 0", "preview 2"]
 
 
 @given(job_lists, st.data())
