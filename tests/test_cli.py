@@ -723,10 +723,8 @@ def test_explain_gives_an_unknown_raw_value_with_what_the_decision_ranked_it_as(
     assert "[cost raw - (ranked as 6 USD) -> 0.000 x 1 = 0.000]" in out
 
 
-class _SiteWithANodeAway(http.server.BaseHTTPRequestHandler):
-    """A broker whose site counts tenant vision's 10-GPU guarantee as the 8 GPUs it has now; records PUTs."""
-
-    puts: list[dict] = []
+class _JsonAnswers(http.server.BaseHTTPRequestHandler):
+    """A fake broker's handler: ``_send`` answers 200 with a JSON document; quiet, as _NotABroker."""
 
     def _send(self, doc: object) -> None:
         body = json.dumps(doc).encode()
@@ -735,6 +733,15 @@ class _SiteWithANodeAway(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        """Quiet."""
+
+
+class _SiteWithANodeAway(_JsonAnswers):
+    """A broker whose site counts tenant vision's 10-GPU guarantee as the 8 GPUs it has now; records PUTs."""
+
+    puts: list[dict] = []
 
     def _state(self, guaranteed: float, burst: float) -> dict:
         vision = TenantQuotaState(tenant="vision", guaranteed_gpus=8.0, burst_gpus=burst,
@@ -749,11 +756,8 @@ class _SiteWithANodeAway(http.server.BaseHTTPRequestHandler):
         type(self).puts.append(body)
         self._send(self._state(body["guaranteed_gpus"], body["burst_gpus"]))
 
-    def log_message(self, *args: object) -> None:
-        """Quiet, as _NotABroker."""
 
-
-class _CancelsInPieces(http.server.BaseHTTPRequestHandler):
+class _CancelsInPieces(_JsonAnswers):
     """A broker that answers each ``POST /v1/cancellations`` with the next of ``answers``; records the bodies."""
 
     answers: list[dict] = []
@@ -767,20 +771,9 @@ class _CancelsInPieces(http.server.BaseHTTPRequestHandler):
                "created_at": "2026-11-30T10:00:00Z", "updated_at": "2026-11-30T10:00:01Z"}
         self._send({"items": [job] if state in ("queued", "running") else [], "next": None})
 
-    def _send(self, doc: object) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
         self._send(type(self).answers.pop(0))
-
-    def log_message(self, *args: object) -> None:
-        """Quiet, as _NotABroker."""
 
 
 def cancel_against(capsys, answers: list[dict], *args: str, dry_run: bool = False) -> tuple[int, str]:
