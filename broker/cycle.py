@@ -1068,36 +1068,30 @@ class SchedulingCycle:
         # (ids no queued job has, for the walk: each decision is rendered with ``job_id``)
         jobs = [Job(id=f"{job_id} {n}", spec=spec, created_at=snap.now, updated_at=snap.now)
                 for n, spec in enumerate(specs)]
-        out = []
-        for job, (outcome, pipeline, ahead) in zip(jobs, self._decide_previewed(jobs, snap, deferred, holds, moving),
-                                                   strict=True):
-            req = JobRequest.from_spec(job_id, job.spec, frozenset(), snap.now)
-            if isinstance(outcome, Deferral):
-                out.append((req, explain.record_deferral(pipeline, outcome, snap), ahead))
-            elif isinstance(outcome, _Failure):
-                out.append((req, outcome.record(pipeline, snap), ahead))
-            else:
-                out.append((req, explain.record(pipeline, outcome, snap), ahead))
-        return out
+        return [(JobRequest.from_spec(job_id, job.spec, frozenset(), snap.now), record, ahead)
+                for job, (record, ahead) in zip(jobs, self._decide_previewed(jobs, snap, deferred, holds, moving),
+                                                strict=True)]
 
     def _decide_previewed(
         self, jobs: list[Job], snap: Snapshot, deferred: dict[str, _Planned], holds: dict[str, _Hold],
         moving: dict[str, _Moving],
-    ) -> list[tuple[Placement | _Failure | Deferral, Pipeline, Ahead]]:
+    ) -> list[tuple[dict[str, Any], Ahead]]:
         """Step 3 of a full pass as far as the last of ``jobs``' turns (jobs not queued: a preview's, as if queued
         in the list's order), on a preview's scratch ``snap`` and copies of the broker's deferrals, holds and moves:
         the queued jobs and ``jobs`` in the pass's order (``_order``), each decided as the pass decides it
         (``_decide_queued``), a placement or deferral taken from ``snap``, a queue group that found no site dropped.
         Nothing else is written, booked or announced. Each of ``jobs`` is decided by a decider of its own (one the
-        jobs before it used would answer a failure of theirs, figures of then), and comes back with what was decided
-        before it: the queued jobs, and ``listed``, those of ``jobs``. At most ``PREVIEW_AHEAD_MAX`` queued jobs are
-        decided, and ``PREVIEW_WALK_MAX`` walked past, decided or not (``capped`` past either; the rest of ``jobs``
-        are then decided in their order on what those left): a group that found no site costs one decision, so that
-        many are reached only where room is left for most of them (about 0.1 s for 2,000 placements)."""
+        jobs before it used would answer a failure of theirs, figures of then), and comes back as its decision's record
+        (``policies.explain``), made at once, on the sites as they were at its turn (not as the jobs decided after it
+        left them), with what was decided before it: the queued jobs, and ``listed``, those of ``jobs``. At most
+        ``PREVIEW_AHEAD_MAX`` queued jobs are decided, and ``PREVIEW_WALK_MAX`` walked past, decided or not (``capped``
+        past either; the rest of ``jobs`` are then decided in their order on what those left): a group that found no
+        site costs one decision, so that many are reached only where room is left for most of them (about 0.1 s for
+        2,000 placements)."""
         hour = timeshift.epoch_hour(snap.now)
         order = self._order(None, snap, extra=jobs)
         previewed = {job.id: n for n, job in enumerate(jobs)}
-        out: list[tuple[Placement | _Failure | Deferral, Pipeline, Ahead] | None] = [None] * len(jobs)
+        out: list[tuple[dict[str, Any], Ahead] | None] = [None] * len(jobs)
         deciders: dict[int, PassDecider] = {}
         released: set[str] = set()
         decided = placed = deferrals = walked = listed = 0
@@ -1109,7 +1103,13 @@ class SchedulingCycle:
                 req = JobRequest.from_spec(job.id, job.spec, frozenset(), snap.now)
                 pipeline = self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
                 decider, outcome, _ = self._decide_queued(job, req, pipeline, snap, {}, holds, moving, released)
-                out[n] = (outcome, pipeline, Ahead(decided, placed, deferrals, capped, listed))
+                if isinstance(outcome, Deferral):
+                    record = explain.record_deferral(pipeline, outcome, snap)
+                elif isinstance(outcome, _Failure):
+                    record = outcome.record(pipeline, snap)
+                else:
+                    record = explain.record(pipeline, outcome, snap)
+                out[n] = (record, Ahead(decided, placed, deferrals, capped, listed))
                 listed += 1
                 if listed == len(jobs):
                     break

@@ -124,6 +124,19 @@ async def test_a_list_past_the_cap_decides_the_rest_of_its_jobs_in_their_order_o
         ("placed", 3, True, 1), ("unplaceable", 3, True, 2), ("placed", 0, False, 0)]
 
 
+async def test_each_decision_of_a_list_shows_the_sites_as_they_were_when_it_was_decided(make):
+    """A job of the list that fits nowhere is shown why with the GPUs free at its turn, not with what the list's
+    later jobs took after it: 8 free at alpha for the first, which needs 16; the second takes them, the third
+    finds none."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    await h.cycle()
+    got = [explain.render(record, req, h.broker.cycle.filters, 0) for req, record, _ in h.broker.cycle.previews(
+        [job(name=n, count=c, duration_s=600) for n, c in (("big", 16), ("fits", 8), ("late", 8))])]
+    assert [d.outcome for d in got] == ["unplaceable", "placed", "unplaceable"]
+    assert [v.reasons for v in got[0].sites] == [["gpus-do-not-fit: job needs 16 GPUs of any model; 8 free"]]
+    assert [v.reasons for v in got[2].sites] == [["gpus-do-not-fit: job needs 8 GPUs of any model; 0 free"]]
+
+
 async def test_a_tenant_below_its_fair_share_is_previewed_before_the_queued_jobs_of_one_above_it(make):
     """The pass's order across tenants (``policies.fair_order``): tenant a used the site all yesterday, b not at
     all; b's job is decided before a's older queued one, and gets the room, where a's new one comes after it."""
