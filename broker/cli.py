@@ -45,7 +45,7 @@ from broker.simulation import cli as simulation_cli
 from broker.simulation import fairshare_cli
 from broker.errors import located, problems
 from broker.auth import Role
-from broker.models import SITE_READ_ONLY_KEYS, JobSpec, JobState, SiteSpec
+from broker.models import PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, JobSpec, JobState, SiteSpec
 from broker.shipped import CONFIG
 from broker.store import StoreError
 
@@ -328,21 +328,31 @@ async def _send_each(c: Client, path: str, docs: list[Any], what: str,
 async def _preview(c: Client, doc: Any) -> tuple[list[Any], str]:
     """``heliotrope submit --dry-run``: the broker's previews of a spec, or of a list of them together (one
     request, each taking the room of those the queue puts before it), and the note to print under them. A broker
-    of an earlier release, which takes one spec a request, previews each of a list alone, and the note says so."""
+    of an earlier release, which takes one spec a request, previews each of a list alone, and the note says so; so
+    does a list longer than one preview takes (``PREVIEW_LIST_MAX``, or the broker's limit on a body's bytes: 413),
+    which ``submit`` queues all the same."""
     if not isinstance(doc, list):
         preview = await c.request("POST", "/v1/preview", doc)
         return [preview], preview["note"]
     if not doc:
         return [], ""
-    try:
-        previews = (await c.request("POST", "/v1/preview", doc))["items"]
-    except ApiClientError as e:
-        if e.status != 422 or [f["field"] for f in e.fields] != ["(body)"] or "object" not in e.fields[0]["problem"]:
-            raise
-        previews = [await c.request("POST", "/v1/preview", spec) for spec in doc]  # (an earlier release)
-        return previews, (f"{previews[0]['note']}. This broker previews each job alone: together they may need "
-                          "more room than each was shown")
-    return previews, previews[0]["note"]
+    too_many = (f"The file holds more jobs than one preview decides together (at most {PREVIEW_LIST_MAX}, within the "
+                "broker's limit on a request's size): each was previewed alone")
+    alone = too_many if len(doc) > PREVIEW_LIST_MAX else None
+    if alone is None:
+        try:
+            previews = (await c.request("POST", "/v1/preview", doc))["items"]
+            return previews, previews[0]["note"]
+        except ApiClientError as e:
+            problem = e.fields[0]["problem"] if [f["field"] for f in e.fields] == ["(body)"] else ""
+            if e.status == 413 or (e.status == 422 and problem.startswith("at most ")):  # (the broker's limits)
+                alone = too_many
+            elif e.status == 422 and "object" in problem:
+                alone = "This broker previews each job alone"  # (an earlier release)
+            else:
+                raise
+    previews = [await c.request("POST", "/v1/preview", spec) for spec in doc]
+    return previews, f"{previews[0]['note']}. {alone}: together they may need more room than each was shown"
 
 
 def _check_all(docs: list[Any], model: type[BaseModel], what: str,

@@ -141,6 +141,27 @@ def test_submit_dry_run_of_a_sweep_decides_its_jobs_together_in_the_files_order(
     assert json.loads(out) == []  # nothing was submitted
 
 
+def test_submit_dry_run_of_a_sweep_larger_than_one_preview_takes_previews_each_job_alone_and_says_so(
+        capsys, server, tmp_path):
+    """A sweep of more jobs than one preview decides together (1,000), which ``submit`` queues all the same: the dry
+    run previews each alone, as it did before lists were previewed together, and says so, rather than failing."""
+    path = tmp_path / "sweep.yaml"
+    spec = {"tenant": "t1", "gpus": {"count": 1}, "duration_s": 600}
+    path.write_text(yaml.safe_dump([{**spec, "name": f"lr-{i}"} for i in range(1001)]))
+    code, out, err = run(capsys, server, "submit", "--dry-run", str(path))
+    assert code == 0, err
+    assert out.count("would be decided so at ") == 1001
+    assert "more jobs than one preview decides together" in out and "each was previewed alone" in out
+    # fewer, but over the broker's limit on a request's bytes (1 MiB) together: a 413, then each alone as well
+    labels = {f"k{n}": "v" * 60 for n in range(100)}
+    path.write_text(yaml.safe_dump([{**spec, "name": f"lr-{i}", "labels": labels} for i in range(200)]))
+    code, out, err = run(capsys, server, "submit", "--dry-run", str(path))
+    assert code == 0, err
+    assert out.count("would be decided so at ") == 200 and "each was previewed alone" in out
+    code, out, _ = run(capsys, server, "--json", "jobs")
+    assert json.loads(out) == []  # nothing was submitted
+
+
 class _EarlierBroker(http.server.BaseHTTPRequestHandler):
     """A broker of an earlier release: ``POST /v1/preview`` takes one spec, and refuses a list as pydantic does."""
 
