@@ -447,6 +447,7 @@ class Lifecycle:
                         job, "the site no longer knows it after a broker restart; requeued", lost_at=site))
                     if requeued[-1] is None:  # not requeued (the store refused it): the attempt has not left
                         self.left_at.pop((job.id, job.attempt), None)
+            await self._withdraw_ended(site, known)
             return requeued
         for job in todo:
             if job.state != D:
@@ -456,6 +457,23 @@ class Lifecycle:
             if self._unmoved(job):
                 requeued.append(await self._requeue(job, f"dispatch to {site} was cut off by a restart; requeued"))
         return requeued
+
+    async def _withdraw_ended(self, site: str, known: set[tuple[str, int]]) -> None:
+        """After a restart: the attempts ``site`` still holds of jobs that have ended (a cancel whose withdrawal the
+        site had not confirmed when the broker stopped: settle's retries are kept in memory) become withdrawals,
+        which ``settle`` sends until the site confirms, so their GPUs are not held for ever. An attempt of a job the
+        store does not have (another broker's) is left alone, as is one the store cannot be asked about now."""
+        for job_id, attempt in known:
+            if job_id in self.book.active or (job_id, attempt) in self._withdrawals:
+                continue
+            try:
+                job = await self.book.get(job_id)
+            except (JobNotFound, StoreError):
+                continue
+            if job.state.terminal:
+                log.warning("site %s holds attempt %d of job %s, which is %s; cancelling it", site, attempt,
+                            job_id, job.state.value)
+                self._withdrawals[(job_id, attempt)] = site
 
     async def _stopped_unheard(self, site: str, job: Job, asked_ts: float, why: str) -> Job | None:
         """``job``'s attempt, which ``site`` was asked at ``asked_ts`` to checkpoint and stop, is gone from the

@@ -323,6 +323,46 @@ async def test_a_cancel_the_site_cannot_hear_is_retried_until_the_site_drops_the
     assert await alpha.known_attempts() == set()  # its 8 GPUs are free again
 
 
+async def test_a_withdrawal_left_to_settle_is_sent_by_the_broker_that_restarts_before_the_site_confirmed_it(
+        tmp_path, brokers):
+    """A cancel of many waits for a site only until its bound, and settle retries the rest from memory: a broker
+    that restarts meanwhile still has the site drop the cancelled job's attempt (whose 8 GPUs it held for ever),
+    and leaves the attempts of jobs it has still there, and those of jobs it never had, alone."""
+    clock = ManualClock(T0)
+    kept: dict[str, SimulatedSite] = {}
+
+    class KeptSite(SimulatedSite):
+        async def close(self) -> None:
+            """The site runs on while its broker restarts."""
+
+    def factory(spec, c):
+        return kept.setdefault(spec.name, KeptSite(spec, c))
+
+    first = broker_at(tmp_path, clock, factory)
+    await first.start([site("alpha", gpus={"a100-80gb": 16}, adapter=FAST)], run_loop=False)
+    h = Harness(first, clock)
+    gone, stays = await h.submit(name="gone", count=8, duration_s=86400), await h.submit(name="stays", count=4,
+                                                                                          duration_s=86400)
+    await h.cycle()
+    await h.step(1.0)
+    alpha = kept["alpha"]
+    alpha.set_reachable(False)
+    assert (await first.lifecycle.cancel(gone.id, withdraw_within_s=0.0)).state == JobState.CANCELLED
+    assert first.lifecycle.withdrawals == {(gone.id, 1): "alpha"}
+    await first.stop()
+    alpha.set_reachable(True)
+    theirs = asyncio.create_task(alpha.submit(Job(id="another-brokers", spec=job(count=2), created_at=T0,
+                                                  updated_at=T0, attempt=1)))
+    await clock.advance(1.0)
+    assert (await theirs).admitted
+    second = broker_at(tmp_path, clock, factory)
+    await second.start(run_loop=False)
+    brokers.append(second)
+    await second.lifecycle.settle(force=True)
+    assert await alpha.known_attempts() == {(stays.id, 1), ("another-brokers", 1)}  # gone's 8 GPUs are free
+    assert (await Harness(second, clock).job(stays.id)).state == JobState.RUNNING
+
+
 async def test_a_site_that_never_answers_does_not_hold_up_start_up(tmp_path, brokers):
     class HangingSite(SimulatedSite):
         async def known_attempts(self):
