@@ -47,12 +47,12 @@ log = logging.getLogger(__name__)
 FIRST_PASS_WAIT_S = 30.0
 """The longest the first scheduling pass waits for the first round of carbon forecasts (or fetch_timeout_s)."""
 QUOTA_PASSES_STATE = "file-quota-passes"
+"""The store's name (``Store.put_state``) for the quotas the config file changed that a site has not taken yet."""
 PRUNE_BATCH = 1000
 """Finished jobs deleted at most per housekeeping round (``Broker.prune_ended``)."""
 PRUNE_EVERY_S = 300.0
 """How often housekeeping looks for finished jobs past ``job_retention_h``, once a round found fewer than
 ``PRUNE_BATCH`` (a full one is followed by another at the next round)."""
-"""The store's name (``Store.put_state``) for the quotas the config file changed that a site has not taken yet."""
 _QUOTA_PASSES = TypeAdapter(dict[str, dict[str, TenantQuota | None]])
 
 
@@ -471,7 +471,7 @@ class Broker:
                 log.exception("deleting finished jobs past broker.job_retention_h failed; trying again in %.0f "
                               "minutes", PRUNE_EVERY_S / 60)
                 more = False
-            if not more:  # (a full round: the next one at the next housekeeping)
+            if not more:  # (after a full round the next comes at the next housekeeping, not 5 minutes on)
                 self._prune_due = later
         for name in list(self._quota_passes):  # a site that could not take its file's quotas before: again
             # (under the site's lock: a change of the site made meanwhile, its quotas passed, must not be followed
