@@ -414,6 +414,29 @@ CAP = 64 << 10
 """The MQTT broker's cap on a message in the tests below (Mosquitto's ``message_size_limit``)."""
 
 
+@contextlib.asynccontextmanager
+async def capped_edge(tmp_path, adapter: type[SimulatedSite], told: bool):  # noqa: ANN201
+    """A Mosquitto that caps messages at ``CAP``, and site ``edge``'s agent (its inner site an ``adapter``) with
+    the broker's side of it, both told the cap where ``told`` (``mqtt.max_payload_bytes``); yields (mosquitto,
+    hub, remote site, agent), all started, and stops them after."""
+    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"message_size_limit {CAP}"]) as mosq:
+        settings = mosq.settings(max_payload_bytes=CAP) if told else mosq.settings()
+        hub = MqttHub(settings)
+        remote = RemoteSite(site("edge", gpus={"a100-80gb": 16}, adapter={"kind": "mqtt", "lease_s": 10}),
+                            SystemClock(), hub)
+        spec = edge_spec(FAST)
+        agent = SiteAgent(AgentConfig(site=spec, mqtt=settings, heartbeat_s=0.2), adapter=adapter(spec, SystemClock()))
+        await hub.start()
+        await remote.start()
+        await agent.start()
+        try:
+            yield mosq, hub, remote, agent
+        finally:
+            await agent.stop()
+            await remote.close()
+            await hub.close()
+
+
 @pytest.mark.parametrize(("told", "heard"), [
     pytest.param(True, True, id="an agent told the MQTT broker's cap splits its heartbeat to fit and keeps its lease"),
     pytest.param(False, False, id="an agent not told the cap sends its heartbeat whole, and the MQTT broker drops it"),
@@ -430,41 +453,27 @@ async def test_a_heartbeat_over_the_mqtt_brokers_cap_on_a_message_is_split_to_fi
         async def known_attempts(self) -> set[tuple[str, int]]:
             return set(held)
 
-    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"message_size_limit {CAP}"]) as mosq:
-        settings = mosq.settings(max_payload_bytes=CAP) if told else mosq.settings()
-        hub = MqttHub(settings)
-        remote = RemoteSite(site("edge", gpus={"a100-80gb": 16}, adapter={"kind": "mqtt", "lease_s": 10}),
-                            SystemClock(), hub)
-        spec = edge_spec(FAST)
-        agent = SiteAgent(AgentConfig(site=spec, mqtt=settings, heartbeat_s=0.2), adapter=Crowded(spec, SystemClock()))
-        await hub.start()
-        await remote.start()
-        await agent.start()
-        try:
-            assert len(agent.held) == 3_000
-            assert len(proto.encode(proto.Heartbeat(  # the list alone is over the cap
-                site="edge", boot="b", seq=1, sent_at=SystemClock().now(), lease_s=10, state=SiteState(site="edge"),
-                attempts=[proto.AttemptReport(job_id=j, attempt=a, status="running") for j, a in held]))) > CAP
-            deadline = time.monotonic() + (8 if heard else 2)
-            got = None
-            while time.monotonic() < deadline:  # after two heartbeats at least, the broker holds the whole list
-                with contextlib.suppress(AdapterError):
-                    if remote._seq >= 2 and (got := await remote.known_attempts()) == held:
-                        break
-                await asyncio.sleep(0.05)
-            if heard:
-                assert got == held, f"no whole list; dropped: {dict(hub.malformed)}\n{mosq.log_tail()}"
-                assert (await remote.snapshot()).health == Health.HEALTHY
-                remaining = agent.lease_remaining_s()
-                assert remaining is not None and remaining > 0 and hub.malformed == {}
-            else:
-                assert remote._seq == -1 and got is None  # not one heartbeat came through
-                with pytest.raises(AdapterError, match="no heartbeat"):
-                    await remote.snapshot()
-        finally:
-            await agent.stop()
-            await remote.close()
-            await hub.close()
+    async with capped_edge(tmp_path, Crowded, told=told) as (mosq, hub, remote, agent):
+        assert len(agent.held) == 3_000
+        assert len(proto.encode(proto.Heartbeat(  # the list alone is over the cap
+            site="edge", boot="b", seq=1, sent_at=SystemClock().now(), lease_s=10, state=SiteState(site="edge"),
+            attempts=[proto.AttemptReport(job_id=j, attempt=a, status="running") for j, a in held]))) > CAP
+        deadline = time.monotonic() + (8 if heard else 2)
+        got = None
+        while time.monotonic() < deadline:  # after two heartbeats at least, the broker holds the whole list
+            with contextlib.suppress(AdapterError):
+                if remote._seq >= 2 and (got := await remote.known_attempts()) == held:
+                    break
+            await asyncio.sleep(0.05)
+        if heard:
+            assert got == held, f"no whole list; dropped: {dict(hub.malformed)}\n{mosq.log_tail()}"
+            assert (await remote.snapshot()).health == Health.HEALTHY
+            remaining = agent.lease_remaining_s()
+            assert remaining is not None and remaining > 0 and hub.malformed == {}
+        else:
+            assert remote._seq == -1 and got is None  # not one heartbeat came through
+            with pytest.raises(AdapterError, match="no heartbeat"):
+                await remote.snapshot()
 
 
 REMOTE = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
@@ -643,30 +652,16 @@ async def test_logs_too_large_for_one_message_keep_their_tail_and_say_they_were_
         async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
             return JobLogs("".join(line + "\n" for line in lines), False, "pod heliotrope-t1/p container job")
 
-    with Mosquitto(tmp_path / "mosquitto", extra_config=[f"message_size_limit {CAP}"]) as mosq:
-        settings = mosq.settings(max_payload_bytes=CAP)
-        hub = MqttHub(settings)
-        remote = RemoteSite(site("edge", gpus={"a100-80gb": 16}, adapter={"kind": "mqtt", "lease_s": 10}),
-                            SystemClock(), hub)
-        spec = edge_spec(FAST)
-        agent = SiteAgent(AgentConfig(site=spec, mqtt=settings, heartbeat_s=0.2), adapter=Chatty(spec, SystemClock()))
-        await hub.start()
-        await remote.start()
-        await agent.start()
-        try:
-            deadline = time.monotonic() + 8
-            while remote._heard_mono is None:
-                assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
-                await asyncio.sleep(0.05)
-            got = await remote.logs("j-1", 1, None, 1 << 20)
-            assert got.truncated and got.source == "pod heliotrope-t1/p container job"
-            kept = got.text.splitlines()
-            assert kept[-1] == lines[-1] and kept == lines[-len(kept):]  # the tail, whole lines
-            assert 40_000 < len(got.text) < CAP and hub.malformed == {}
-        finally:
-            await agent.stop()
-            await remote.close()
-            await hub.close()
+    async with capped_edge(tmp_path, Chatty, told=True) as (mosq, hub, remote, agent):
+        deadline = time.monotonic() + 8
+        while remote._heard_mono is None:
+            assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
+            await asyncio.sleep(0.05)
+        got = await remote.logs("j-1", 1, None, 1 << 20)
+        assert got.truncated and got.source == "pod heliotrope-t1/p container job"
+        kept = got.text.splitlines()
+        assert kept[-1] == lines[-1] and kept == lines[-len(kept):]  # the tail, whole lines
+        assert 40_000 < len(got.text) < CAP and hub.malformed == {}
 
 
 async def test_an_agent_of_an_earlier_release_that_drops_the_logs_request_is_a_501_saying_so(

@@ -37,17 +37,20 @@ def submit_file(tmp_path: Path, **spec) -> Path:
     return path
 
 
+def wait_for_state(capsys, server, job_id: str, state: str, within_s: float = 10.0) -> None:
+    """Poll ``heliotrope job ID`` until the job is in ``state`` (fails if it is not within ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while (seen := json.loads(run(capsys, server, "--json", "job", job_id)[1])["state"]) != state:
+        assert time.monotonic() < deadline, f"job {job_id} is {seen}, not {state}, after {within_s:g} s"
+        time.sleep(0.05)
+
+
 def test_submit_then_list_show_explain_and_cancel_a_job(capsys, server, tmp_path):
     code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=600)))
     assert code == 0
     job_id = json.loads(out)["id"]
 
-    for _ in range(100):
-        code, out, _ = run(capsys, server, "--json", "job", job_id)
-        if json.loads(out)["state"] == "running":
-            break
-        time.sleep(0.05)
-    assert json.loads(out)["state"] == "running"
+    wait_for_state(capsys, server, job_id, "running")
 
     code, out, _ = run(capsys, server, "jobs")
     assert code == 0
@@ -72,11 +75,7 @@ def test_submit_then_list_show_explain_and_cancel_a_job(capsys, server, tmp_path
 def test_logs_prints_what_the_job_printed_as_is_and_says_when_the_start_was_left_out(capsys, server, tmp_path):
     code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=0.3)))
     job_id = json.loads(out)["id"]
-    for _ in range(200):
-        code, out, _ = run(capsys, server, "--json", "job", job_id)
-        if json.loads(out)["state"] == "succeeded":
-            break
-        time.sleep(0.05)
+    wait_for_state(capsys, server, job_id, "succeeded")
     code, out, err = run(capsys, server, "logs", job_id)
     assert code == 0 and err == ""
     lines = out.split("\n")
@@ -98,10 +97,7 @@ def test_logs_prints_what_the_job_printed_as_is_and_says_when_the_start_was_left
 def test_logs_errors_are_one_line_messages(capsys, server, tmp_path, args, message):
     code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=600)))
     job_id = json.loads(out)["id"]
-    for _ in range(200):
-        if json.loads(run(capsys, server, "--json", "job", job_id)[1])["state"] == "running":
-            break
-        time.sleep(0.05)
+    wait_for_state(capsys, server, job_id, "running")
     code, out, err = run(capsys, server, *(a.replace("JOB", job_id) for a in args))
     assert code == 1 and out == ""
     assert message.replace("JOB", job_id) in err and "Traceback" not in err and err.count("\n") == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
@@ -95,8 +96,9 @@ class SqlWriteQueue(QueuedUpdates):
     async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None:
         await self._submit(self._new_write([self._decision_row(job_id, attempt, record)], fenced=True))
 
+    @abstractmethod
     async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        raise NotImplementedError
+        """The rows ``sql`` selects, read in the subclass's dialect (``params`` bound in order)."""
 
     def _date_ended(self, dates: list[tuple[float | None, str]]) -> list[tuple[str, tuple[Any, ...]]]:
         """The statements that write ``dates`` ((ended_at, id) each): one each (a store that sends one statement
