@@ -46,7 +46,7 @@ from broker.store import (
     fence_error,
     site_from_doc,
 )
-from broker.store.sql import SqlWriteQueue, Write
+from broker.store.sql import TERMINAL_SQL as _TERMINAL, SqlWriteQueue, Write
 
 MIGRATIONS: tuple[str, ...] = (
     # 1: jobs, their transitions, decisions, sites
@@ -111,8 +111,6 @@ MIGRATIONS: tuple[str, ...] = (
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
 
 _ACTIVE = [s.value for s in JobState if not s.terminal]
-# the final states, as SQL (as migration 5's jobs_undated lists them: a query must name them alike to use it)
-_TERMINAL = ", ".join(f"'{s.value}'" for s in JobState if s.terminal)
 _INSERT_JOB = (
     "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc, ended_at)"
     " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"

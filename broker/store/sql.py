@@ -10,8 +10,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
-from broker.models import Job
+from broker.models import Job, JobState
 from broker.store import QueuedUpdates, StoreError, ended_at
+
+
+TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in JobState if s.terminal)
+"""The final states as an SQL list, as migration 5's partial index ``jobs_undated`` names them (a query must name
+them alike for SQLite to use it)."""
 
 
 @dataclass(slots=True)

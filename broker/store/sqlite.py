@@ -42,7 +42,7 @@ from broker.store import (
     site_from_doc,
     LEADER,
 )
-from broker.store.sql import SqlWriteQueue, Write
+from broker.store.sql import TERMINAL_SQL as _TERMINAL, SqlWriteQueue, Write
 
 T = TypeVar("T")
 
@@ -107,8 +107,6 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
-# the final states, as SQL (as migration 5's jobs_undated lists them: a query must name them alike to use it)
-_TERMINAL = ", ".join(f"'{s.value}'" for s in JobState if s.terminal)
 _INSERT_JOB = (
     "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc, ended_at)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
