@@ -309,12 +309,20 @@ class JobBook:
                 raise
             log.warning("job %s: its insert was reported failed (%s) but is in the store; taken as accepted",
                         job.id, e)
-        if self.tracking:
+        # Not when the job is already known: while this call waited for the insert's answer, a pass of the leader
+        # may have taken the committed row in (``pull_new``, ``take_in``) and changed the job; putting the queued
+        # copy back over that would have the next pass place it again, and leave its first placement undispatched.
+        if self.tracking and not self._known(job.id):
             self.announce(job, None)
             self.active[job.id] = job
             self.fresh.append(job.id)
             self.changed.set()
         return job
+
+    def _known(self, job_id: str) -> bool:
+        """Whether this book holds the job, or changed it (its end or change may still be on its way to the store):
+        a queued copy of it read from the store, or made before it was stored, must not be taken in."""
+        return job_id in self.active or job_id in self._changes or job_id in self._ended
 
     async def pull_new(self, limit: int = 10_000) -> int:
         """Take in the jobs other replicas stored since the last call (the leader calls this every cycle);
@@ -341,8 +349,7 @@ class JobBook:
                 if seq - self._pulled_seq <= MAX_GAP_ROWS:
                     self._gaps.update(dict.fromkeys(range(self._pulled_seq + 1, seq), now))
                 self._pulled_seq = seq
-            if (job.state == JobState.QUEUED and job.id not in self.active and job.id not in self._changes
-                    and job.id not in self._ended):
+            if job.state == JobState.QUEUED and not self._known(job.id):
                 self.announce(job, None)
                 self.active[job.id] = job
                 self.fresh.append(job.id)
@@ -360,8 +367,7 @@ class JobBook:
         if job is not None or not self.tracking or job_id in self._changes:
             return job
         stored = await self._store.get_job(job_id)
-        if (stored is None or stored.state != JobState.QUEUED or job_id in self.active or job_id in self._changes
-                or job_id in self._ended):
+        if stored is None or stored.state != JobState.QUEUED or self._known(job_id):
             return self.active.get(job_id)
         self.announce(stored, None)
         self.active[job_id] = stored

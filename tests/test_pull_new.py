@@ -183,3 +183,69 @@ async def test_the_ends_a_book_remembers_are_kept_a_minute_not_for_the_life_of_t
             now[0] += jobs_module.GAP_TTL_S + 1
         await book.transition(made.id, JobState.CANCELLED, reason="cancelled")
     assert len(book._ended) == 1
+
+
+async def test_a_leaders_own_submission_taken_in_by_a_pull_before_its_insert_returned_keeps_its_placement() -> None:
+    """The insert committed; before the submitting call resumed, the leader's pass pulled the row in and placed
+    the job. The submission must not put its queued copy back over the placement: the next pass placed the job
+    again, that write failed on a conflict, and the job was left dispatching with no dispatch on its way (seen in
+    CI: a new leader, taking submissions at once, kept a job in 'dispatching' for ever)."""
+
+    class SlowAnswer(MemoryStore):
+        during: Callable[[], Awaitable[None]] | None = None
+
+        async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
+            await super().insert_job(job, idempotency_key, digest)
+            if self.during is not None:
+                during, self.during = self.during, None
+                await during()  # committed; the caller has not heard yet
+
+    store = SlowAnswer()
+    await store.open()
+    book = JobBook(store, ManualClock(NOW))
+    await book.load()
+    placed: list[Job] = []
+
+    async def pass_meanwhile() -> None:
+        assert await book.pull_new() == 1
+        (fresh,) = book.take_fresh()
+        new, version = book.apply(fresh.id, JobState.DISPATCHING, site="a", attempt=1, reason="placed on a")
+        await book.write_soon(fresh, new, version)
+        placed.append(new)
+
+    store.during = pass_meanwhile
+    submitted, created = await book.submit(job(name="mine"))
+    assert created and placed and placed[0].id == submitted.id
+    assert book.active[submitted.id].state == JobState.DISPATCHING  # the placement stands, in memory as stored
+    assert (await store.get_job(submitted.id)).state == JobState.DISPATCHING
+    assert book.take_fresh() == []  # and no pass is offered it again as a queued job
+
+
+async def test_a_job_cancelled_before_its_submission_call_returned_stays_cancelled() -> None:
+    """A cancel that reached the leader between the insert's commit and the submitting call's resumption (a client
+    that learned the id from the event stream) ended the job; the submission must not bring it back queued."""
+    from broker.federation import Federation
+    from broker.lifecycle import Lifecycle
+
+    class SlowAnswer(MemoryStore):
+        during: Callable[[str], Awaitable[None]] | None = None
+
+        async def insert_job(self, job: Job, idempotency_key: str | None = None, digest: str | None = None) -> None:
+            await super().insert_job(job, idempotency_key, digest)
+            if self.during is not None:
+                during, self.during = self.during, None
+                await during(job.id)
+
+    store = SlowAnswer()
+    await store.open()
+    book = JobBook(store, ManualClock(NOW))
+    await book.load()
+    lifecycle = Lifecycle(book, Federation(ManualClock(NOW), lambda spec: None))
+
+    async def cancel(job_id: str) -> None:
+        assert (await lifecycle.cancel(job_id)).state == JobState.CANCELLED
+
+    store.during = cancel
+    submitted, _ = await book.submit(job(name="changed-my-mind"))
+    assert submitted.id not in book.active and book.take_fresh() == []
+    assert (await store.get_job(submitted.id)).state == JobState.CANCELLED

@@ -4,6 +4,7 @@ no job attempt is ever dispatched twice. Each replica is a real ``heliotrope ser
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import subprocess
@@ -74,7 +75,10 @@ def replicas(tmp_path: Path, postgres_dsn: str):  # noqa: F811
     def make(n: int) -> list[ServerProcess]:
         for i in range(n):
             cfg = tmp_path / f"replica-{i}.yaml"
-            cfg.write_text(yaml.safe_dump(CONFIG))
+            config = copy.deepcopy(CONFIG)  # each replica keeps its sites' state in its own folder, not the checkout
+            for site in config["sites"]:
+                site["adapter"]["state_dir"] = str(tmp_path / f"replica-{i}-sites")
+            cfg.write_text(yaml.safe_dump(config))
             port = free_port()
             srv = ServerProcess(f"http://127.0.0.1:{port}", port, postgres_dsn, cfg,  # type: ignore[arg-type]
                                 log=tmp_path / f"replica-{i}.log")
