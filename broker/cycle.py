@@ -456,6 +456,7 @@ class SchedulingCycle:
         self._dispatches: set[asyncio.Task[None]] = set()
         # site -> its dispatches under way, until each is confirmed or undone (dispatches_to)
         self._submits: dict[str, set[asyncio.Task[None]]] = {}
+        self._sending: set[tuple[str, int]] = set()  # (job id, attempt) of the dispatches under way
         self.may_act: Callable[[], bool] = lambda: True  # among replicas: whether this one surely still leads
         self.metrics = Metrics()  # the broker passes its own
         self.events: EventHub | None = None  # live events (broker.events); the broker passes its own
@@ -1660,9 +1661,11 @@ class SchedulingCycle:
         assert task is not None
         under_way = self._submits.setdefault(site, set())
         under_way.add(task)
+        self._sending.add((job.id, job.attempt))
         try:
             await self._send(job, site, counted)
         finally:
+            self._sending.discard((job.id, job.attempt))
             under_way.discard(task)
             if not under_way and self._submits.get(site) is under_way:
                 del self._submits[site]
@@ -1721,6 +1724,10 @@ class SchedulingCycle:
             self._count_admitted(job.id, job.attempt, at.timestamp())
         # (one that ended before this answer, the site's report overtaking it, was counted at its end, where the
         # site's report said it began: _attempt_ended)
+
+    def dispatching(self, job_id: str, attempt: int) -> bool:
+        """Whether a dispatch of that attempt is under way (``Lifecycle.find_stranded``)."""
+        return (job_id, attempt) in self._sending
 
     def _current(self, job: Job) -> bool:
         """Whether ``job``'s attempt is still the one being dispatched."""

@@ -43,6 +43,9 @@ LEARN_FROM = 5 * runtime_risk.KEEP
 """Successes read at start-up to find the latest to finish: the store lists jobs by submission, and a long job
 submitted before thousands of short ones may be among the last to finish."""
 
+STRANDED_SWEEP_S = 10.0
+"""How often ``find_stranded`` looks for dispatching jobs that no dispatch is sending (monotonic seconds)."""
+
 
 def actual_run_s(job: Job) -> float:
     """How long a succeeded job ran: what its attempts reported (``run_s``), or, when more, the time from its
@@ -104,6 +107,15 @@ class Lifecycle:
         # Set once the active jobs are loaded (the broker in charge): events wait for it, since one applied to a
         # book that does not hold its job yet would be dropped as stale.
         self.loaded = asyncio.Event()
+        # Whether the cycle is sending attempt (job id, attempt) to its site now: the broker sets this from its cycle.
+        # None: not known, and ``find_stranded`` takes no job for stranded.
+        self.dispatching_now: Callable[[str, int], bool] | None = None
+        # How long a job may be held as dispatching with nothing sending it before its site is asked whether it
+        # holds the attempt (the broker sets it from its dispatch timeout: two of them, and a withdrawal's).
+        self.stranded_after_s = 3 * cancel_timeout_s
+        self._stranded_since: dict[tuple[str, int], float] = {}  # -> monotonic time first seen so
+        self._stranded: set[tuple[str, int]] = set()  # handed to the site's reconciliation (for its reason)
+        self._swept_at = -float("inf")
 
     async def pump(self, member: Member) -> None:
         """Follow one site's event stream until the site is removed. An event whose write fails is retried
@@ -304,6 +316,7 @@ class Lifecycle:
         for (job_id, attempt), (site, why) in list(self._requeues.items()):
             await self.requeue_from(site, job_id, attempt, why)
         self.find_strays()
+        self.find_stranded()
         sites = set(self._withdrawals.values()) | set(self.pending_sites)
         now = time.monotonic()
         due = [s for s in sites if force or self._backoff.get(s, (0.0, 0.0))[0] <= now]
@@ -327,6 +340,41 @@ class Lifecycle:
                                 "cancelling it", name, attempt, job_id)
                     self._withdrawals[(job_id, attempt)] = name
                     found += 1
+        return found
+
+    def find_stranded(self) -> int:
+        """Jobs held as dispatching that nothing sends to their site, for ``stranded_after_s``: no dispatch is
+        under way, no withdrawal or requeue of the attempt is pending, and no reconciliation is planned. A dispatch
+        cut short (its leader unsure of its lease for a moment, then sure again), or a fault that left a job so,
+        must not keep it there for ever: its site is asked, as after a restart (``reconcile``), and an attempt the
+        site does not hold is requeued; one it holds goes on as its events say. Looked for every
+        :data:`STRANDED_SWEEP_S`; a job counts as stranded once seen so twice that far apart. Returns how many
+        were found now."""
+        if self.dispatching_now is None:
+            return 0
+        now = time.monotonic()
+        if now - self._swept_at < STRANDED_SWEEP_S:
+            return 0
+        self._swept_at = now
+        seen: dict[tuple[str, int], float] = {}
+        found = 0
+        for job in self.book.active.unqueued():
+            if job.state != D or job.site is None:
+                continue
+            key = (job.id, job.attempt)
+            if (self.dispatching_now(*key) or key in self._withdrawals or key in self._requeues
+                    or job.id in self.pending_sites.get(job.site, ())):
+                continue
+            since = seen[key] = self._stranded_since.get(key, now)
+            if now - since >= self.stranded_after_s:
+                log.warning("job %s: dispatching to %s for %.0f s with no dispatch under way; asking the site whether "
+                            "it holds attempt %d", job.id, job.site, now - since, job.attempt)
+                self.pending_sites.setdefault(job.site, {})[job.id] = job.version
+                self._stranded.add(key)
+                del seen[key]
+                found += 1
+        self._stranded_since = seen
+        self._stranded &= {(j.id, j.attempt) for j in self.book.active.unqueued() if j.state == D}
         return found
 
     async def _settle_site(self, site: str) -> None:
@@ -443,8 +491,10 @@ class Lifecycle:
                         continue
                     if unheard_since is not None:  # (read as the requeue lands: JobBook.on_attempt_end)
                         self.left_at[(job.id, job.attempt)] = unheard_since
-                    requeued.append(await self._requeue(
-                        job, "the site no longer knows it after a broker restart; requeued", lost_at=site))
+                    why = ("its dispatch was cut short, and the site does not hold it; requeued"
+                           if (job.id, job.attempt) in self._stranded else
+                           "the site no longer knows it after a broker restart; requeued")
+                    requeued.append(await self._requeue(job, why, lost_at=site))
                     if requeued[-1] is None:  # not requeued (the store refused it): the attempt has not left
                         self.left_at.pop((job.id, job.attempt), None)
             await self._withdraw_ended(site, known)
@@ -455,7 +505,8 @@ class Lifecycle:
             if not await self._cancel_at(site, job.id, job.attempt):
                 return None
             if self._unmoved(job):
-                requeued.append(await self._requeue(job, f"dispatch to {site} was cut off by a restart; requeued"))
+                cut = "cut short" if (job.id, job.attempt) in self._stranded else "cut off by a restart"
+                requeued.append(await self._requeue(job, f"dispatch to {site} was {cut}; requeued"))
         return requeued
 
     async def _withdraw_ended(self, site: str, known: set[tuple[str, int]]) -> None:

@@ -206,6 +206,7 @@ class Broker:
         self.lifecycle.restart_overhead_s = self.cycle.restart_overhead_s
         self.lifecycle.stop_asked = self.cycle.stop_asked
         self.lifecycle.ended_unstopped = self.cycle.move_over
+        self.lifecycle.dispatching_now = self.cycle.dispatching
         self.book.metrics = self.cycle.metrics = self.lifecycle.metrics = self.metrics
         self.book.events = self.cycle.events = self.events
 

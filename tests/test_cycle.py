@@ -346,6 +346,54 @@ async def test_a_job_cancelled_while_its_site_was_unreachable_is_withdrawn_once_
     assert h.free("alpha", "a100-80gb") == 8
 
 
+async def test_a_job_whose_dispatch_was_cut_short_is_requeued_once_its_site_says_it_does_not_hold_it(
+        make, monkeypatch):
+    """A leader unsure of its lease for a moment calls no site: the dispatch under way gave up, and the job, stored
+    as dispatching, was left so for ever once the leader was sure again. The housekeeping asks the site after
+    ``stranded_after_s`` and routes the job again."""
+    import broker.lifecycle as lifecycle_module
+
+    monkeypatch.setattr(lifecycle_module, "STRANDED_SWEEP_S", 0.0)
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    sure = True
+    h.broker.cycle.may_act = lambda: sure
+    j = await h.submit(count=1, duration_s=600)
+    sure = False
+    await h.cycle()
+    await h.step(1.0)
+    sure = True
+    lifecycle = h.broker.lifecycle
+    lifecycle.stranded_after_s = 0.2
+    await lifecycle.settle()  # first seen stranded
+    assert (await h.job(j.id)).state == JobState.DISPATCHING
+    await asyncio.sleep(0.25)
+    await lifecycle.settle()  # still: the site is asked, and does not hold it
+    requeued = await h.job(j.id)
+    assert requeued.state == JobState.QUEUED and "dispatch was cut short" in requeued.reason
+    await h.cycle()
+    await h.step(1.0)
+    again = await h.job(j.id)
+    assert again.state == JobState.RUNNING and again.attempt == 2 and again.site == "alpha"
+
+
+async def test_a_job_being_dispatched_is_not_taken_for_stranded(make, monkeypatch):
+    """A slow site: the dispatch is still waiting for its answer when the sweep looks twice."""
+    import broker.lifecycle as lifecycle_module
+
+    monkeypatch.setattr(lifecycle_module, "STRANDED_SWEEP_S", 0.0)
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))  # (admits 1 s later, on the harness clock)
+    j = await h.submit(count=1, duration_s=600)
+    await h.cycle()
+    lifecycle = h.broker.lifecycle
+    lifecycle.stranded_after_s = 0.1
+    await asyncio.sleep(0.05)
+    assert lifecycle.find_stranded() == 0
+    await asyncio.sleep(0.2)
+    assert lifecycle.find_stranded() == 0 and lifecycle.pending_sites == {}
+    await h.step(1.0)
+    assert (await h.job(j.id)).state == JobState.RUNNING
+
+
 async def test_an_unreachable_site_is_marked_unhealthy_and_new_jobs_go_elsewhere(make):
     h = await make(
         site("alpha", gpus={"a100-80gb": 16}, adapter=FAST),
