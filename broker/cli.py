@@ -20,7 +20,8 @@
 Client commands talk to ``--server`` (default ``$HELIOTROPE_URL`` or http://127.0.0.1:8080) with the bearer
 token ``--token`` (default ``$HELIOTROPE_TOKEN``) where the broker requires one, print
 tables, or JSON with ``--json``. Errors are one-line messages on standard error and exit status 1 (2 for
-wrong usage); never a traceback.
+wrong usage; 3 for a command that did only part of its work, such as a cancel of many that left some); never a
+traceback.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ DEMO_CONFIG = CONFIG / "demo.yaml"
 
 class CliError(RuntimeError):
     pass
+
+
+class Incomplete(RuntimeError):
+    """A command did part of what it was asked: ``output`` is what it did (printed as usual), the message what it
+    left undone (on standard error); the exit status is 3, so a script does not take it for done."""
+
+    def __init__(self, output: str, message: str) -> None:
+        super().__init__(message)
+        self.output = output
 
 
 # --- output ---
@@ -525,8 +535,9 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                         f"{len(out['skipped'])} skipped")
                 text += "".join(f"\n  {s['id']}: {s['reason']}" for s in out["skipped"])
                 if out["more"]:
-                    text += ("\nmore jobs match that were not cancelled (the broker stopped at its bound or could "
-                             "not record a cancel): run the command again")
+                    raise Incomplete(json.dumps(out, indent=2) if args.json else text,
+                                     "more jobs match that were not cancelled (the broker stopped at its bound or "
+                                     "could not record a cancel): run the command again")
             case "update":
                 change: dict[str, Any] = {}
                 if args.priority is not None:
@@ -939,6 +950,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if text is not None:
             print(text)
         return 0
+    except Incomplete as e:
+        print(e.output)
+        print(f"heliotrope: {e}", file=sys.stderr)
+        return 3
     except ApiClientError as e:
         print(f"heliotrope: {_api_message(e)}", file=sys.stderr)
     except BrokenPipeError:

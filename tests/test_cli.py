@@ -816,8 +816,16 @@ def test_a_cancel_of_many_that_stops_while_more_match_says_so(capsys):
         {"cancelled": ["a"], "skipped": stuck, "matched": 4, "more": True},
         {"cancelled": [], "skipped": stuck, "matched": 3, "more": True},
     ])
-    assert code == 0 and out.startswith("1 job cancelled, ")
+    assert code == 3 and out.startswith("1 job cancelled, ")  # (a script must not take it for done)
     assert "more jobs match that were not cancelled" in out and "run the command again" in out
+
+
+def test_a_cancel_of_many_that_stops_while_more_match_prints_its_json_and_exits_3(capsys):
+    stuck = [{"id": "j1", "reason": "job j1 is ending"}]
+    code, out = cancel_against(capsys, [{"cancelled": [], "skipped": stuck, "matched": 1, "more": True}], "--json")
+    printed, said = out.split("\nheliotrope: ", 1)
+    assert code == 3 and json.loads(printed) == {"cancelled": [], "skipped": stuck, "matched": 1, "more": True}
+    assert said.startswith("more jobs match that were not cancelled")
 
 
 def test_a_cancel_of_many_over_several_calls_counts_each_job_once_as_it_ended(capsys):
