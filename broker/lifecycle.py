@@ -348,8 +348,8 @@ class Lifecycle:
         cut short (its leader unsure of its lease for a moment, then sure again), or a fault that left a job so,
         must not keep it there for ever: its site is asked, as after a restart (``reconcile``), and an attempt the
         site does not hold is requeued; one it holds goes on as its events say. Looked for every
-        :data:`STRANDED_SWEEP_S`; a job counts as stranded once seen so twice that far apart. Returns how many
-        were found now."""
+        :data:`STRANDED_SWEEP_S`; a job counts as stranded once two looks at least ``stranded_after_s`` apart found
+        it so. Returns how many were found now."""
         if self.dispatching_now is None:
             return 0
         now = time.monotonic()
@@ -357,11 +357,13 @@ class Lifecycle:
             return 0
         self._swept_at = now
         seen: dict[tuple[str, int], float] = {}
+        dispatching: set[tuple[str, int]] = set()
         found = 0
         for job in self.book.active.unqueued():
             if job.state != D or job.site is None:
                 continue
             key = (job.id, job.attempt)
+            dispatching.add(key)
             if (self.dispatching_now(*key) or key in self._withdrawals or key in self._requeues
                     or job.id in self.pending_sites.get(job.site, ())):
                 continue
@@ -374,7 +376,7 @@ class Lifecycle:
                 del seen[key]
                 found += 1
         self._stranded_since = seen
-        self._stranded &= {(j.id, j.attempt) for j in self.book.active.unqueued() if j.state == D}
+        self._stranded &= dispatching
         return found
 
     async def _settle_site(self, site: str) -> None:
