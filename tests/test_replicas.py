@@ -95,6 +95,11 @@ def replicas(tmp_path: Path, postgres_dsn: str):  # noqa: F811
         srv.stop()
 
 
+def logged(srv: ServerProcess, chars: int = 3000) -> str:
+    """The end of what a replica logged, for a failure's message."""
+    return f"--- {srv.log}:\n{Path(str(srv.log)).read_text()[-chars:]}"
+
+
 def the_leader(servers: list[ServerProcess]) -> tuple[ServerProcess, ServerProcess]:
     lead = [s for s in servers if leading(s)]
     assert len(lead) == 1, "exactly one replica leads"
@@ -185,7 +190,11 @@ def test_kill_9_of_the_leader_mid_burst_loses_no_job_and_dispatches_no_attempt_t
         t.start()
     time.sleep(2.0)
     leader.kill9()
-    took_over = until(lambda: leading(follower) is True, 15, "the follower takes over")
+    try:
+        took_over = until(lambda: leading(follower) is True, 15, "the follower takes over")
+    except AssertionError as e:  # (what the follower logged, to tell why)
+        stop.set()
+        raise AssertionError(f"{e}\n{logged(follower)}") from None
     time.sleep(1.0)
     stop.set()
     for t in threads:
@@ -226,7 +235,7 @@ def test_a_deposed_leader_that_wakes_up_cannot_change_a_job(replicas, tmp_path: 
         left = {j: (call(f"{new.url}/v1/jobs/{j}")[1].get("state"), call(f"{new.url}/v1/jobs/{j}")[1].get("reason"))
                 for j in ids + before}
         left = {j: v for j, v in left.items() if v[0] != "succeeded"}
-        logs = "\n".join(f"--- {s.log}:\n{Path(str(s.log)).read_text()[-3000:]}" for s in (old, new))
+        logs = "\n".join(logged(s) for s in (old, new))
         raise AssertionError(f"{e}; not succeeded: {left}\n{logs}") from None
     assert all(n == 1 for n in dispatch_counts(new, ids + before).values())
     assert leading(new) is True
