@@ -931,8 +931,8 @@ CANCEL_FOR_AT_MOST_S = 20.0  # then it answers with what is done, and "more": tr
 
 async def cancel_many(request: web.Request) -> web.Response:
     """``POST /v1/cancellations``: cancel every job the body's selector matches and the caller may cancel, each as
-    ``POST /v1/jobs/{id}/cancel`` would (running ones withdrawn from their sites); one that ends meanwhile is
-    skipped. Answers ``{"cancelled": [ids], "skipped": [{"id", "reason"}], "matched": n, "more": bool}``."""
+    ``POST /v1/jobs/{id}/cancel`` would (running ones withdrawn from their sites); one that ends, or leaves the
+    state or site asked for, meanwhile is skipped. Answers ``{"cancelled": [ids], "skipped": [{"id", "reason"}], "matched": n, "more": bool}``."""
     broker = request.app[BROKER]
     who = principal(request)
     sel, _ = await _body(request, Cancellation, "cancellation")
@@ -949,6 +949,13 @@ async def cancel_many(request: web.Request) -> web.Response:
 
     async def cancel(job_id: str) -> str | None:
         """Cancel one: None once cancelled, else why it was skipped."""
+        # As the leader holds it now, not as listed: the batches before it awaited their writes and withdrawals, and
+        # a job that has moved out of the state or site asked for meanwhile (placed, when queued ones were asked
+        # for) is left alone, as the listing leaves one. (Nothing is awaited from here to its cancel in memory.)
+        now = broker.book.active.get(job_id)
+        if now is not None and not _matches(now, flt):
+            on = f" on {now.site}" if now.site else ""
+            return f"job {job_id} is {now.state.value}{on} now, which the cancellation does not select"
         try:
             # (a site slow to confirm a withdrawal does not hold the answer past the bound: settle retries it)
             await broker.lifecycle.cancel(job_id, why, withdraw_within_s=max(0.0, until - loop.time()))

@@ -214,7 +214,8 @@ def _components() -> dict[str, Any]:
     components["Cancelled"] = _object(
         cancelled={"type": "array", "items": _STR, "description": "the jobs cancelled, newest first"},
         skipped={"type": "array", "items": _object(id=_STR, reason=_STR),
-                 "description": "matched jobs not cancelled: each ended meanwhile, or its cancel could not be stored"},
+                 "description": ("matched jobs not cancelled: each ended, or left the state or site asked "
+                                 "for, meanwhile, or its cancel could not be stored")},
         matched={**_INT, "description": "the jobs this call dealt with: cancelled and skipped"},
         more={**_BOOL, "description": "more jobs match than one call deals with: call again"})
     components["Healthz"] = {

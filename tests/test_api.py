@@ -1307,6 +1307,34 @@ async def test_a_cancel_by_tenant_and_state_cancels_only_that_tenants_jobs_in_th
     assert answer["cancelled"] == [running]
 
 
+async def test_a_cancel_of_queued_jobs_leaves_alone_a_job_placed_while_the_ones_before_it_were_cancelled(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch):
+    """The jobs are listed first and cancelled a batch at a time, each batch waiting for its writes (and its sites'
+    withdrawals): a job the pass placed meanwhile is no longer what the request asked for, and must not be cancelled
+    (it was: a tenant that cancelled its waiting jobs lost one that had started, its attempt withdrawn)."""
+    from broker import api
+    from broker.models import JobState
+
+    monkeypatch.setattr(api, "CANCEL_TOGETHER", 1)
+    older, newer = [await submit(client, tenant="t2", name=f"q{i}") for i in range(2)]  # listed newest first
+    broker = client.broker  # type: ignore[attr-defined]
+    cancel = broker.lifecycle.cancel
+
+    async def placed_meanwhile(job_id: str, why: str | None = None, **kw: Any):
+        done = await cancel(job_id, why, **kw)
+        if job_id == newer:  # while the first batch's cancel was being stored, a pass placed the other job
+            await broker.book.transition(older, JobState.DISPATCHING, site="berlin", attempt=1, reason="placed")
+        return done
+
+    monkeypatch.setattr(broker.lifecycle, "cancel", placed_meanwhile)
+    r = await client.post("/v1/cancellations", json={"tenant": "t2", "state": "queued"})
+    answer = await r.json()
+    assert r.status == 200 and answer["cancelled"] == [newer], answer
+    assert answer["skipped"] == [{"id": older, "reason": f"job {older} is dispatching on berlin now, which the "
+                                                         "cancellation does not select"}], answer
+    assert (await (await client.get(f"/v1/jobs/{older}")).json())["state"] == "dispatching"
+
+
 async def test_a_cancel_of_many_answers_at_most_its_bound_and_says_there_is_more(client: TestClient,
                                                                               monkeypatch: pytest.MonkeyPatch):
     from broker import api
