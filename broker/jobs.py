@@ -454,6 +454,11 @@ class JobBook:
 
     def _settle_memory(self, job: Job | None, job_id: str | None = None) -> None:
         """Make ``job`` (what is durable) the job in memory, with the bookkeeping that follows from it."""
+        if not self.tracking:
+            # Its replica stopped leading while the write that failed was on its way, and emptied the book: a
+            # follower reads jobs from the store, which the new leader keeps current, and a copy put back now would
+            # be what this replica answers with, unchanged, for as long as it follows.
+            return
         job_id = job.id if job is not None else job_id
         assert job_id is not None
         if job is None or job.state.terminal:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from broker.leadership import Leadership
 from broker.store.memory import MemoryStore
 
@@ -85,3 +87,49 @@ async def test_a_replica_whose_takeover_fails_lets_another_take_over() -> None:
     assert any("taking over failed" in line for line in log)
     await a.stop()
     await b.stop()
+
+
+async def test_a_cancel_refused_after_its_leader_stepped_down_leaves_no_copy_of_the_job_on_the_follower() -> None:
+    """A follower reads jobs from the store, which the new leader keeps current: its book is emptied when it stops
+    leading. A cancel whose write was on its way then, and was refused (a newer leader fenced it), put the job back
+    in that book, where it stayed: the replica answered with that copy ('queued') for as long as it followed,
+    whatever the new leader did with the job."""
+    from broker.config import BrokerSettings, ReplicaSettings
+    from broker.models import JobState
+    from broker.service import Broker
+    from broker.store import Fenced, StoreError
+    from tests.builders import job
+
+    s = await store()
+    broker = Broker(BrokerSettings(db=":memory:", cycle_interval_s=0.05, replicas=ReplicaSettings(lease_s=30.0)),
+                    store=s)
+    await broker.start([])
+    broker.elect("http://127.0.0.1:1")
+    try:
+        for _ in range(100):
+            if broker.in_charge:
+                break
+            await asyncio.sleep(0.05)
+        assert broker.in_charge and broker.leadership is not None
+        submitted, _ = await broker.book.submit(job())  # queued: there is no site
+        leadership, enqueue = broker.leadership, s.enqueue_update
+
+        def refused_after_the_step_down(*args: object, **kw: object) -> asyncio.Future[None]:
+            async def answer() -> None:
+                await leadership.step_down("another replica holds the lease now")
+                raise Fenced("another replica leads now (epoch 2)")
+            return asyncio.ensure_future(answer())
+
+        s.enqueue_update = refused_after_the_step_down  # type: ignore[method-assign]
+        with pytest.raises(StoreError):
+            await broker.lifecycle.cancel(submitted.id)
+        s.enqueue_update = enqueue  # type: ignore[method-assign]
+        assert not broker.in_charge
+        # The new leader runs the job; this replica answers for it as the store has it.
+        stored = await s.get_job(submitted.id)
+        assert stored is not None
+        placed = stored.transition(JobState.DISPATCHING, stored.updated_at, site="alpha", attempt=1, reason="placed")
+        await s.enqueue_update(placed, stored.version)
+        assert (await broker.book.get(submitted.id)).state == JobState.DISPATCHING
+    finally:
+        await broker.stop()
