@@ -932,7 +932,8 @@ CANCEL_FOR_AT_MOST_S = 20.0  # then it answers with what is done, and "more": tr
 async def cancel_many(request: web.Request) -> web.Response:
     """``POST /v1/cancellations``: cancel every job the body's selector matches and the caller may cancel, each as
     ``POST /v1/jobs/{id}/cancel`` would (running ones withdrawn from their sites); one that ends, or leaves the
-    state or site asked for, meanwhile is skipped. Answers ``{"cancelled": [ids], "skipped": [{"id", "reason"}], "matched": n, "more": bool}``."""
+    state or site asked for, meanwhile is skipped. Answers ``{"cancelled": [ids], "skipped": [{"id", "reason"}],
+    "matched": n, "more": bool}``."""
     broker = request.app[BROKER]
     who = principal(request)
     sel, _ = await _body(request, Cancellation, "cancellation")

@@ -362,12 +362,14 @@ class JobBook:
         """The job ``job_id`` if this book holds it, else taken in now when another replica stored it queued
         and ``pull_new`` has not taken it in yet (a cancel sent to the leader just after a follower accepted the
         job must not wait for the next pass, nor take the job for one that is ending). None when the store has
-        no such queued job, or when this book changed the job itself (say, ended it: that write is on its way)."""
+        no such queued job, when this book changed the job itself (say, ended it: that write is on its way), or
+        when its replica stopped leading meanwhile."""
         job = self.active.get(job_id)
         if job is not None or not self.tracking or job_id in self._changes:
             return job
         stored = await self._store.get_job(job_id)
-        if stored is None or stored.state != JobState.QUEUED or self._known(job_id):
+        # (no longer tracking: its replica stopped leading during the read, and emptied the book, as it must stay)
+        if stored is None or stored.state != JobState.QUEUED or self._known(job_id) or not self.tracking:
             return self.active.get(job_id)
         self.announce(stored, None)
         self.active[job_id] = stored
