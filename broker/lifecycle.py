@@ -152,6 +152,11 @@ class Lifecycle:
             # The site's event overtook its answer to the dispatch: the event itself shows admission.
             job = await self.book.transition(job.id, A, reason=f"admitted by {site}")
             self.admitted_by_report(job)
+            if not self._unmoved(job):
+                # While the admission was stored, another task moved the job on (cancelled it, or requeued the
+                # attempt, which a pass may have placed again): the rest of the event is of an attempt that is no
+                # longer the job's, and must not move it a second time.
+                return None
         if ev.kind in (EventKind.FAILED, EventKind.PREEMPTED, EventKind.LOST):
             self.left_at[(job.id, job.attempt)] = ev.at  # (its change is stored at the broker's time of it)
         match ev.kind:

@@ -738,3 +738,53 @@ async def test_an_attempt_a_site_admitted_but_lost_before_it_ran_is_routed_elsew
     again = await h.job(j.id)
     other = ({"alpha", "beta"} - {first.site}).pop()
     assert (again.state, again.site, again.attempt, again.failed_attempts) == (JobState.ADMITTED, other, 2, 0)
+
+
+async def test_a_sites_late_report_of_an_attempt_requeued_while_its_admission_was_stored_leaves_the_next_alone():
+    """A site's report that overtook its answer to the dispatch is applied in two writes: the admission it shows,
+    then what it reports. While the first was on its way, the dispatch's own path requeued the attempt (its site
+    had confirmed it dropped it) and the next pass placed the job elsewhere. The report, of an attempt that is no
+    longer the job's, must move it no further (it requeued the new placement, as a failure of the old attempt, and
+    its site then had the new attempt withdrawn)."""
+    from datetime import timedelta
+
+    from adapters.base import EventKind, JobEvent
+    from broker.federation import Federation
+    from broker.jobs import JobBook
+    from broker.lifecycle import Lifecycle
+    from broker.store.memory import MemoryStore
+
+    class SlowAnswer(MemoryStore):
+        during = None
+
+        def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
+            landed = super().enqueue_update(job, expected_version, **extra)
+            if self.during is None or job.state != JobState.ADMITTED:
+                return landed
+            during, self.during = self.during, None
+
+            async def answer() -> None:
+                await during()  # stored; the caller has not heard yet
+                await landed
+
+            return asyncio.ensure_future(answer())
+
+    store = SlowAnswer()
+    await store.open()
+    clock = ManualClock(T0)
+    book = JobBook(store, clock)
+    await book.load()
+    lifecycle = Lifecycle(book, Federation(clock, lambda spec: None))
+    submitted, _ = await book.submit(job(max_attempts=3))
+    await book.transition(submitted.id, JobState.DISPATCHING, site="a", attempt=1, reason="placed on a")
+
+    async def requeued_and_placed_again() -> None:
+        await lifecycle.requeue_from("a", submitted.id, 1, "dispatch failed (no answer in time); withdrawn")
+        await book.transition(submitted.id, JobState.DISPATCHING, site="b", attempt=2, reason="placed on b")
+
+    store.during = requeued_and_placed_again
+    report = JobEvent(submitted.id, 1, EventKind.FAILED, T0 + timedelta(seconds=5), reason="exit code 1")
+    await lifecycle.on_event("a", report)
+    now = book.active[submitted.id]
+    assert (now.state, now.site, now.attempt, now.failed_attempts) == (JobState.DISPATCHING, "b", 2, 0), now
+    assert (await store.get_job(submitted.id)) == now
