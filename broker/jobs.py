@@ -209,6 +209,7 @@ class JobBook:
         # before that write may still answer with the job queued, and must not bring it back
         self._ended: dict[str, float] = {}
         self.suspect: set[str] = set()  # jobs whose stored state could not be read back after a failed write
+        self._writing: dict[str, set[asyncio.Future[None]]] = {}  # job id -> its writes queued (see resync)
         self.tracking = True  # false on a replica that does not lead: it only stores what it is sent
         self.refusals_changed = 0  # counts refusals made and expiries: the sites a job may use changed
         self._pulled_seq = 0  # the newest job row this book has seen in the store (see pull_new)
@@ -484,9 +485,13 @@ class JobBook:
 
         Writes queued behind the failed one carry versions the store no longer expects; they fail too,
         and resync again, so memory settles on what is durable. If the store cannot be read either, the
-        ``undo`` already made stands.
+        ``undo`` already made stands. While a write of the job is on its way, memory is left to its answer
+        (the job as read is returned all the same, to tell whether the failed write landed).
         """
         mark = self.mark(job_id)
+        # A write queued before the read (behind the failed one, whose answer was lost after its commit, say) may
+        # commit after it: memory, which holds that change, must not be set to what the store held before it.
+        on_its_way = any(not w.done() for w in self._writing.get(job_id, ()))
         try:
             stored = await self._store.get_job(job_id)
         except Exception as e:
@@ -496,6 +501,8 @@ class JobBook:
         self.suspect.discard(job_id)
         if self.mark(job_id) != mark:
             return None  # changed while we read: that change's own write settles the job
+        if on_its_way:
+            return stored
         self._settle_memory(stored, job_id)
         log.warning("job %s: a write failed; memory now holds the stored state %s", job_id,
                     stored.state if stored else "(none)")
@@ -558,6 +565,9 @@ class JobBook:
             landed.set_exception(e)
         announced = isinstance(landed, asyncio.Future)
         if isinstance(landed, asyncio.Future):
+            # On its way until the store answers, whoever awaits the answer (resync reads the job meanwhile).
+            self._writing.setdefault(new.id, set()).add(landed)
+            landed.add_done_callback(lambda f: self._answered(new.id, f))
             # Whoever awaits the result sees a failure; if nobody does (a pass cut short when its broker
             # stopped leading), the failure is not reported again as "never retrieved".
             landed.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -566,6 +576,14 @@ class JobBook:
             landed.add_done_callback(
                 lambda f: None if f.cancelled() or f.exception() is not None else self.announce(new, before))
         return self._landed(landed, before, new, mark, announced)
+
+    def _answered(self, job_id: str, landed: asyncio.Future[None]) -> None:
+        """The store answered one of the job's writes (``write_soon``)."""
+        writes = self._writing.get(job_id)
+        if writes is not None:
+            writes.discard(landed)
+            if not writes:
+                del self._writing[job_id]
 
     async def _landed(self, landed: Awaitable[None], before: Job | None, new: Job, mark: int,
                       announced: bool = False) -> None:

@@ -788,3 +788,108 @@ async def test_a_sites_late_report_of_an_attempt_requeued_while_its_admission_wa
     now = book.active[submitted.id]
     assert (now.state, now.site, now.attempt, now.failed_attempts) == (JobState.DISPATCHING, "b", 2, 0), now
     assert (await store.get_job(submitted.id)) == now
+
+
+async def test_a_write_whose_answer_was_lost_leaves_memory_to_the_change_queued_behind_it():
+    """The site's report of the job running was stored, then its answer was lost (the connection dropped); a cancel,
+    made meanwhile, was queued behind it. Reading the job back to learn whether the first write landed found it
+    running (the cancel had not committed yet), and memory was set to that: the job was shown running for as long
+    as the broker ran, though it was cancelled and withdrawn from its site (which could not be removed, busy)."""
+    from broker.jobs import JobBook
+    from broker.store.memory import MemoryStore
+
+    class Writer(MemoryStore):
+        """Commits the 'running' write at once, its answer held; holds the 'cancelled' write (behind it)."""
+
+        answer: asyncio.Future[None] | None = None
+        behind: tuple[Job, int, asyncio.Future[None]] | None = None
+
+        def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
+            if job.state == JobState.RUNNING:
+                super().enqueue_update(job, expected_version, **extra)  # committed
+                self.answer = asyncio.get_running_loop().create_future()
+                return self.answer
+            if job.state == JobState.CANCELLED:
+                self.behind = (job, expected_version, asyncio.get_running_loop().create_future())
+                return self.behind[2]
+            return super().enqueue_update(job, expected_version, **extra)
+
+        def commit_behind(self) -> None:
+            assert self.behind is not None
+            job, version, fut = self.behind
+            self._update(job, version, None, None)
+            fut.set_result(None)
+
+    store = Writer()
+    await store.open()
+    book = JobBook(store, ManualClock(T0))
+    await book.load()
+    submitted, _ = await book.submit(job())
+    await book.transition(submitted.id, JobState.DISPATCHING, site="a", attempt=1, reason="placed on a")
+    await book.transition(submitted.id, JobState.ADMITTED, reason="admitted by a")
+    running = asyncio.ensure_future(book.transition(submitted.id, JobState.RUNNING, reason="running on a"))
+    await asyncio.sleep(0)
+    cancel = asyncio.ensure_future(book.transition(submitted.id, JobState.CANCELLED, reason="cancelled by request"))
+    await asyncio.sleep(0)
+    assert store.answer is not None and store.behind is not None
+    store.answer.set_exception(StoreError("connection reset by peer"))  # after the commit
+    assert (await running).state == JobState.RUNNING  # it landed: taken as written
+    store.commit_behind()
+    await cancel
+    assert (await book.get(submitted.id)).state == JobState.CANCELLED
+    assert book.on_site("a") == []
+
+
+async def test_a_job_read_again_after_the_store_came_back_keeps_the_change_still_on_its_way():
+    """Housekeeping reads again a job whose state could not be read back after a failed write; a cancel of it, made
+    meanwhile, was still on its way to the store. The read found the job as it was before the cancel, and memory was
+    set to that: the job was shown running for as long as the broker ran, though it was cancelled."""
+    from broker.jobs import JobBook
+    from broker.store.memory import MemoryStore
+
+    class Flaky(MemoryStore):
+        """Fails the next update and the read after it; holds a 'cancelled' write until told to commit it."""
+
+        failing = False
+        behind: tuple[Job, int, asyncio.Future[None]] | None = None
+
+        def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
+            if job.state == JobState.CANCELLED:
+                self.behind = (job, expected_version, asyncio.get_running_loop().create_future())
+                return self.behind[2]
+            if self.failing:
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(StoreError("connection reset by peer"))
+                return failed
+            return super().enqueue_update(job, expected_version, **extra)
+
+        async def get_job(self, job_id: str) -> Job | None:
+            if self.failing:
+                self.failing = False
+                raise StoreError("connection refused")
+            return await super().get_job(job_id)
+
+        def commit_behind(self) -> None:
+            assert self.behind is not None
+            job, version, fut = self.behind
+            self._update(job, version, None, None)
+            fut.set_result(None)
+
+    store = Flaky()
+    await store.open()
+    book = JobBook(store, ManualClock(T0))
+    await book.load()
+    submitted, _ = await book.submit(job())
+    await book.transition(submitted.id, JobState.DISPATCHING, site="a", attempt=1, reason="placed on a")
+    await book.transition(submitted.id, JobState.ADMITTED, reason="admitted by a")
+    await book.transition(submitted.id, JobState.RUNNING, reason="running on a")
+    store.failing = True
+    with pytest.raises(StoreError):
+        await book.transition(submitted.id, JobState.SUCCEEDED, reason="succeeded on a")
+    assert submitted.id in book.suspect
+    cancel = asyncio.ensure_future(book.transition(submitted.id, JobState.CANCELLED, reason="cancelled by request"))
+    await asyncio.sleep(0)
+    await book.resync_suspects()  # the store answers reads again; the cancel is still on its way
+    store.commit_behind()
+    await cancel
+    assert (await book.get(submitted.id)).state == JobState.CANCELLED
