@@ -245,8 +245,8 @@ class RemoteSite:
         # is in (at once where it comes whole with the heartbeat).
         self._orphans: set[tuple[str, int]] = set()
         self._ours: set[tuple[str, int]] = set()  # attempts admitted, being dispatched, or listed; not ended
-        # Attempts whose end the broker has read: an agent lists one until the broker acknowledges its end, and
-        # such a listing must not make it ours again.
+        # Attempts whose end, as their agent reported it, the broker has read: an agent lists one until the broker
+        # acknowledges its end, and such a listing must not make it ours again.
         self._ended: proto.Bounded = proto.Bounded(100_000)
         self._offline_at: datetime | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -571,7 +571,11 @@ class RemoteSite:
             boot, msg_id, event = await self._events.get()
             if event.kind not in (EventKind.RUNNING,):
                 self._ours.discard((event.job_id, event.attempt))
-                self._ended[(event.job_id, event.attempt)] = None
+                if boot:
+                    # Only an end the agent reported: this side's own "lost" at the end of a lease says nothing of
+                    # the site, whose agent may still run the attempt (its stop failed, or a restarted agent adopted
+                    # a Kubernetes Job that outlived it), and must find it a stray when it is listed again.
+                    self._ended[(event.job_id, event.attempt)] = None
             self._current = (boot, msg_id, event)
             resumed = False
             try:

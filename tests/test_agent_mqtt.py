@@ -336,6 +336,41 @@ async def test_a_restarted_agent_reports_what_its_site_still_runs_and_the_broker
     assert span[4] is not None and span[4] - span[3] < 5
 
 
+async def test_an_attempt_the_broker_gave_up_at_its_lease_and_a_restarted_agent_still_runs_is_cancelled(world) -> None:
+    """A Kubernetes site's Job outlives its killed agent (a simulated site kept across the two agents stands in):
+    the lease runs out, the broker moves the job home, and the agent started again over the site adopts the old
+    attempt. The broker read its own "lost" for that attempt, not an end the site reported: it must have the
+    attempt cancelled, not leave it running beside the job's new attempt (which it does for a while: the
+    site's own timeline, as the world's would fail its check that no job runs twice at once)."""
+    w = await world(lease_s=2.0, command_timeout_s=1.5)
+    spec = edge_spec(FAST)
+    edge_ran = Timeline()
+    inner = RecordingSite(spec, SystemClock(), edge_ran)
+    config = AgentConfig(site=spec, mqtt=w.mosq.settings(), heartbeat_s=0.2, resend_s=0.3)
+    first = SiteAgent(config, adapter=inner)
+    await first.start()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "outlives-its-agent", 60.0)
+    running = await w.until_state(job_id, {JobState.RUNNING}, 10)
+    assert (running.site, running.attempt) == ("edge", 1)
+    # kill -9 of the agent: its tasks end where they are, and the site's run goes on without it
+    tasks = [*first._tasks, *first._background]
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks, timeout=5)
+    await w.until(lambda: (j := w.broker.book.active[job_id]).site == "home" and j.state == JobState.RUNNING, 10,
+                  "the job runs at home once the lease has run out")
+    assert edge_ran.of(job_id)[0][4] is None  # attempt 1 still runs at edge
+    again = SiteAgent(config, adapter=inner)
+    await again.start()
+    w.agents.append(again)
+    assert (job_id, 1) in again.held  # adopted, so its heartbeats list it
+    await w.until(lambda: (job_id, 1) not in again.held and edge_ran.of(job_id)[0][4] is not None, 5,
+                  "the broker has the attempt it gave up cancelled at edge")
+    now = w.broker.book.active[job_id]
+    assert (now.site, now.attempt, now.state) == ("home", 2, JobState.RUNNING)  # the cancel moved nothing
+
+
 async def test_a_broker_restart_within_the_lease_keeps_the_agents_job_where_it_runs(world) -> None:
     """The broker goes down and comes back (same database, a new process's state) while a job runs at the
     agent's site: the retained heartbeat is no sign of life, the first live one is, the restart's
