@@ -178,6 +178,18 @@ async def test_an_attempt_whose_end_was_read_is_not_taken_for_a_stray_while_the_
     s.taken(got)
 
 
+async def test_an_attempt_given_up_when_the_lease_ran_out_is_a_stray_when_the_site_lists_it_again(edge) -> None:
+    # The broker's own "lost" at the end of a lease is no end the site reported: an agent back over the site (a
+    # Kubernetes Job that outlived it, or a stop that failed) that lists the attempt must have it cancelled.
+    s, _ = edge  # lease 0.5 s
+    s.receive(heartbeat(1, attempts=(("j1", 1),)))
+    lost = await asyncio.wait_for(anext(s.events()), 2)
+    assert (lost.job_id, lost.kind) == ("j1", EventKind.LOST)
+    s.taken(lost)
+    s.receive(heartbeat(0, attempts=(("j1", 1),), boot="b2"))  # a restarted agent adopted it: it still runs
+    assert s.held_attempts() == {("j1", 1)}
+
+
 async def test_a_command_is_resent_until_answered_and_times_out_with_a_clear_error() -> None:
     s, hub = remote(lease_s=30, command_timeout_s=0.5, resend_s=0.1)
     await s.start()
