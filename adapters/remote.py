@@ -479,11 +479,18 @@ class RemoteSite:
         self._pending[msg_id] = fut
         wait_s = self.config.command_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
+        sent = False
         try:
             while True:
-                await self._hub.publish(self.name, msg)
+                sent = await self._hub.publish(self.name, msg) or sent
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if not sent and not self._hub.connected.is_set():
+                        # The agent was never asked: "it did not answer" would send the operator to the agent.
+                        settings = self._hub.settings
+                        raise AdapterError(f"site {self.name}: the {msg.kind} could not be sent within {wait_s:g} s: "
+                                           f"the broker is not connected to the MQTT broker {settings.host}:"
+                                           f"{settings.port} (it connects again by itself)")
                     raise AdapterError(f"site {self.name}: its agent did not answer {msg.kind} within {wait_s:g} s")
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(self.config.resend_s, left)):

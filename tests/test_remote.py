@@ -209,6 +209,21 @@ async def test_a_command_is_resent_until_answered_and_times_out_with_a_clear_err
         await s.close()
 
 
+async def test_a_command_the_broker_could_not_send_says_so_not_that_the_agent_did_not_answer() -> None:
+    # The broker's own MQTT connection is down: the agent was never asked, and its operator is not sent to it.
+    spec = site("edge", adapter={"kind": "mqtt", "lease_s": 30, "command_timeout_s": 0.3, "resend_s": 0.1})
+    s = RemoteSite(spec, SystemClock(), MqttHub(MqttSettings(host="127.0.0.1", port=1)))  # never connected
+    await s.start()
+    try:
+        with pytest.raises(AdapterError) as caught:
+            await s.quota()
+        assert "did not answer" not in str(caught.value)
+        assert "could not be sent within 0.3 s: the broker is not connected to the MQTT broker 127.0.0.1:1" in str(
+            caught.value)
+    finally:
+        await s.close()
+
+
 def message(topic: str, payload: bytes, retain: bool = False) -> SimpleNamespace:
     return SimpleNamespace(topic=topic, payload=payload, retain=retain)
 
