@@ -43,8 +43,8 @@ Commands and replies
     A command carries a ``msg_id`` (unique per broker process and command). The agent answers each with a
     ``reply`` naming that ``msg_id``; the broker resends a command until it has the reply or gives up
     (its dispatch timeout). The agent keeps the replies it sent recently and answers a repeated ``msg_id``
-    with the same reply without doing the work again; a dispatch is also keyed by (job id, attempt) in the
-    adapter below, so the same attempt never runs twice.
+    with the same reply without doing the work again (a read, ``logs`` or a quota ``get``, is read again); a
+    dispatch is also keyed by (job id, attempt) in the adapter below, so the same attempt never runs twice.
 
 Logs
     ``logs`` asks for what an attempt printed (``adapters.base.LogReader``): the agent asks its site (for at most

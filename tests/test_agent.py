@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import tracemalloc
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
@@ -486,6 +488,33 @@ async def test_quota_commands_are_answered(agent_and_broker):
     await side.send(QuotaCommand(site=agent.site, msg_id="q3", op="get"))
     got = await side.reply("q3")
     assert got.ok and got.quota.enforced
+
+
+async def test_an_agent_asked_for_its_quotas_again_and_again_keeps_no_copy_of_each_answer():
+    # A quota read answers with the site's whole quota state (tens of kilobytes in memory for some forty tenants):
+    # an agent whose quotas a dashboard polls must not keep one per request for the last 10,000 of them.
+    name = unique_site()
+    spec = site(name, gpus={"a100-80gb": 64}, adapter=SimulatedAdapterConfig(dispatch_delay_s=0.01).model_dump())
+    agent = SiteAgent(AgentConfig(site=spec, mqtt=MqttSettings(port=mqtt_port()), heartbeat_s=HEARTBEAT_S))
+    await agent.inner.start()  # (not connected: its answers go nowhere, as those of a link that is down)
+    try:
+        for i in range(40):
+            await agent.inner.set_quota(TenantQuota(tenant=f"tenant-{i}", guaranteed_gpus=1))
+        first = QuotaCommand(site=name, msg_id="q-first", op="get")
+        await agent._answer(first)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(200):
+                await agent._answer(QuotaCommand(site=name, msg_id=f"q{i}", op="get"))
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 2_000_000, f"200 quota reads left {grown / 1e6:.1f} MB behind"
+    finally:
+        await agent.inner.close()
 
 
 # --- leases ------------------------------------------------------------------------------------------------
