@@ -826,7 +826,10 @@ class SiteAgent:
             # The site took a while and the lease is ending meanwhile: the broker may move the job any moment,
             # so it must not run here.
             await self._stop(key, self._held[key])
-            return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, admitted=False, reason=NO_LEASE)
+            if key not in self._held:
+                return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, admitted=False, reason=NO_LEASE)
+            # Its stop failed: the site runs it. Refused, the broker would run it elsewhere at once; admitted, it
+            # stays the site's until the watchdog's next try stops it and reports that (or the broker's lease ends).
         return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, admitted=admission.admitted, reason=admission.reason)
 
     async def _quota(self, cmd: QuotaCommand) -> Reply:

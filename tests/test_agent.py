@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from adapters.agent import NO_LEASE, AgentConfig, SiteAgent, load_agent_config, main
-from adapters.base import EventKind, JobEvent
+from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.mqtt_protocol import (
     Ack,
     Cancel,
@@ -706,6 +706,45 @@ async def test_a_site_whose_reports_hang_is_reported_unhealthy_and_its_running_j
             at, _ = await side.wait_for(lambda m: isinstance(m, Heartbeat) and m.state.health == "healthy",
                                         since=time.monotonic())
             assert agent.held == {("j1", 1): "running"}
+    finally:
+        await agent.stop()
+        await clear_retained(name)
+
+
+class UnstoppableSite(SimulatedSite):
+    """A site whose cancel fails while ``stuck`` is set (a cluster API that refuses the delete)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stuck = True
+
+    async def cancel(self, job_id: str, attempt: int) -> None:
+        if self.stuck:
+            raise AdapterError("the cluster's API refused the delete")
+        await super().cancel(job_id, attempt)
+
+
+async def test_a_dispatch_admitted_as_the_lease_ends_that_cannot_be_stopped_is_not_answered_as_refused():
+    """The site admits a job slowly, the lease ends meanwhile, and the agent cannot stop it: the site runs it. The
+    reply must not say it was refused (the broker would run it elsewhere at once); it is admitted, and its stop
+    is reported, as any stop for the lease, once the site lets the agent make it."""
+    name = unique_site()
+    spec = site(name, gpus={"a100-80gb": 8}, adapter=SimulatedAdapterConfig(dispatch_delay_s=2.5).model_dump())
+    inner = UnstoppableSite(spec, SystemClock())
+    agent = SiteAgent(agent_config(name), adapter=inner)
+    try:
+        async with BrokerSide(name) as side:
+            await agent.start()
+            await leased(agent, side)
+            await side.send(Dispatch(site=name, msg_id="d1", job=a_job("j1", duration_s=60)))
+            side.lease_s = None  # cut off while the site admits it
+            reply = await side.reply("d1", timeout=5)
+            assert agent.held.get(("j1", 1)) is not None  # the site runs it: the agent could not stop it
+            assert reply.ok and reply.admitted, reply.reason
+            inner.stuck = False
+            _, lost = await side.event("j1", EventKind.LOST, timeout=3)
+            assert "lease running out" in lost.event.reason
+            assert agent.held == {}
     finally:
         await agent.stop()
         await clear_retained(name)
