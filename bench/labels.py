@@ -2,19 +2,22 @@
 
 1. **Fill:** ``--jobs`` N (default 1,000,000) jobs are written into a new store in transactions of 20,000 jobs
    with ``executemany``: the rows ``insert_job`` writes (the store's own statements: the job row with its JSON
-   document and ``ended_at``, its ``submitted`` event, and whatever else the store writes with a job), after the
-   store's own migrations made the schema. Jobs come from 50 tenants (``t-000`` .. ``t-049``, in turn); 90 %
-   have succeeded (ended an hour before the listing: kept by the retention of finished jobs), 10 % are queued.
-   Labels: every 100th job carries ``sweep=lr-search`` (1 %: the sweep a user lists or cancels), a third of the
-   others carry ``sweep=s-K`` (200 other sweeps) and ``team=TENANT``, a third ``team=TENANT`` alone, and the rest
-   none. Each job's document is its template's (one per tenant, label set and state, made by ``Job`` and
-   ``model_dump_json``, as the store writes it) with its own id put in. Timed.
+   document and ``ended_at``, and its ``submitted`` event; the schema's triggers, if any, write the rest: from
+   migration 6, the job's labels), after the store's own migrations made the schema. Jobs come from 50 tenants
+   (``t-000`` .. ``t-049``, in turn); 90 % have succeeded (ended an hour before the listing: kept by the
+   retention of finished jobs), 10 % are queued. Labels: every 100th job carries ``sweep=lr-search`` (1 %: the
+   sweep a user lists or cancels), a third of the others carry ``sweep=s-K`` (200 other sweeps) and
+   ``team=TENANT``, a third ``team=TENANT`` alone, and the rest none. Each job's document is its template's (one
+   per tenant, label set and state, made by ``Job`` and ``model_dump_json``, as the store writes it) with its own
+   id put in. Timed.
 2. **Queries**, through ``store.list_jobs`` as the API calls it (newest first, ``limit`` 100): the first page, and
    the whole listing (every page, by cursor; the cancellations endpoint walks them so), for
    ``sweep=lr-search`` (10,000 jobs of 1M); ``sweep=lr-search`` with ``tenant=t-007`` (200); ``sweep=lr-search``
    with ``team=t-007`` (two labels: 200); ``sweep`` with any value (34 %: the first page is quick, the listing
    is long); and ``sweep=nothing-matches`` (none: the whole table is looked at, the worst case). Median of
-   ``--repeat`` runs (default 3) each. ``--plan`` prints the database's plan for the first page of each.
+   ``--repeat`` runs (default 3) each, fewer where they take more than ``--budget`` seconds (default 60)
+   together; a whole listing still going after ``--budget`` seconds is cut short and shown as ``>``. ``--plan``
+   prints the database's plan for the first page of each.
 
 ``--store sqlite`` (default) writes a new file in a temporary folder (``--path`` to keep it, and reuse it when it
 exists: the fill is skipped). ``--store postgres`` uses ``--dsn`` (a database it may fill: it makes a new one,
@@ -24,7 +27,7 @@ start theirs (``tests/postgres.py``: initdb into a temporary folder).
 This prints figures; it asserts nothing about timing. Usage::
 
     .venv/bin/python bench/labels.py [--store sqlite|postgres] [--jobs 1000000] [--dsn URL] [--path FILE]
-                                     [--repeat 3] [--plan]
+                                     [--repeat 3] [--budget 60] [--plan]
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from broker.models import Job, JobSpec, JobState  # noqa: E402
 from broker.store import JobFilter, ended_at  # noqa: E402
-from broker.store.sql import SqlWriteQueue, event_row  # noqa: E402
+from broker.store.sql import event_row  # noqa: E402
 
 BATCH = 20_000
 TENANTS = [f"t-{k:03d}" for k in range(50)]
@@ -111,24 +114,17 @@ class Templates:
         return self._docs[key]
 
 
-def rows(store: SqlWriteQueue, start: int, end: int, tmpl: Templates) -> list[list[tuple[Any, ...]]]:
-    """The parameters of each statement ``insert_job`` sends, for jobs ``start`` .. ``end``: one list per
-    statement, in the store's order (``statements``)."""
-    out: list[list[tuple[Any, ...]]] = [[], []] + ([[]] if hasattr(store, "INSERT_LABELS") else [])
+def rows(start: int, end: int, tmpl: Templates) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The parameters of the job rows and event rows ``insert_job`` writes, for jobs ``start`` .. ``end``."""
+    jobs, events = [], []
     for i in range(start, end):
         job, doc = tmpl.job(i)
         jid = job_id(i)
         doc = doc.replace(PLACEHOLDER, jid).replace('"s-*"', f'"s-{i % 200}"')
-        out[0].append((jid, job.spec.tenant, job.state.value, job.site, job.spec.priority, None, None, job.version,
-                       doc, ended_at(job)))
-        out[1].append((jid, *event_row(job, "submitted")[1:]))
-        if len(out) > 2:
-            out[2].append(store.labels_row(jid, dict(labels_of(i)))[1])
-    return out
-
-
-def statements(store: SqlWriteQueue) -> list[str]:
-    return [store.INSERT_JOB, store.INSERT_EVENT] + ([store.INSERT_LABELS] if hasattr(store, "INSERT_LABELS") else [])
+        jobs.append((jid, job.spec.tenant, job.state.value, job.site, job.spec.priority, None, None, job.version,
+                     doc, ended_at(job)))
+        events.append((jid, *event_row(job, "submitted")[1:]))
+    return jobs, events
 
 
 def batches(n: int) -> Iterator[tuple[int, int]]:
@@ -141,12 +137,11 @@ def batches(n: int) -> Iterator[tuple[int, int]]:
 
 def fill_sqlite(store: Any, path: Path, n: int) -> None:
     tmpl = Templates()
-    sqls = statements(store)
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     for start, end in batches(n):
         conn.execute("BEGIN IMMEDIATE")
-        for sql, params in zip(sqls, rows(store, start, end, tmpl)):
+        for sql, params in zip((store.INSERT_JOB, store.INSERT_EVENT), rows(start, end, tmpl)):
             conn.executemany(sql, params)
         conn.execute("COMMIT")
     conn.execute("ANALYZE")
@@ -156,11 +151,10 @@ def fill_sqlite(store: Any, path: Path, n: int) -> None:
 
 async def fill_postgres(store: Any, n: int) -> None:
     tmpl = Templates()
-    sqls = statements(store)
     async with store._connection() as conn:
         for start, end in batches(n):
             async with conn.transaction():
-                for sql, params in zip(sqls, rows(store, start, end, tmpl)):
+                for sql, params in zip((store.INSERT_JOB, store.INSERT_EVENT), rows(start, end, tmpl)):
                     await conn.executemany(sql, params)
         await conn.execute("VACUUM ANALYZE")
 
@@ -168,16 +162,19 @@ async def fill_postgres(store: Any, n: int) -> None:
 # --- queries -------------------------------------------------------------------------------------------------
 
 
-async def listing(store: Any, flt: JobFilter) -> tuple[float, float, int]:
-    """Seconds to the first page, seconds to the last, jobs listed."""
+async def listing(store: Any, flt: JobFilter, budget_s: float) -> tuple[float, float, int, bool]:
+    """Seconds to the first page, seconds to the last (or to the page that ran past ``budget_s``), jobs listed,
+    whether the listing was cut short."""
     t = time.perf_counter()
     page = await store.list_jobs(flt, 100)
     first = time.perf_counter() - t
     count = len(page.items)
     while page.next is not None:
+        if time.perf_counter() - t > budget_s:
+            return first, time.perf_counter() - t, count, True
         page = await store.list_jobs(flt, 100, page.next)
         count += len(page.items)
-    return first, time.perf_counter() - t, count
+    return first, time.perf_counter() - t, count, False
 
 
 async def plan(store: Any, flt: JobFilter) -> str:
@@ -204,13 +201,17 @@ async def plan(store: Any, flt: JobFilter) -> str:
     return "\n".join(str(r[-1]) for r in out)
 
 
-async def measure(store: Any, repeat: int, show_plan: bool) -> None:
+async def measure(store: Any, repeat: int, budget_s: float, show_plan: bool) -> None:
     print(f"{'query':34} {'matched':>8} {'first page ms':>14} {'whole listing ms':>17}")
     for name, flt in QUERIES:
-        runs = [await listing(store, flt) for _ in range(repeat)]
+        runs = [await listing(store, flt, budget_s)]
+        while len(runs) < repeat and not runs[0][3] and sum(r[1] for r in runs) < budget_s:
+            runs.append(await listing(store, flt, budget_s))
         first = statistics.median(r[0] for r in runs) * 1000
         whole = statistics.median(r[1] for r in runs) * 1000
-        print(f"{name:34} {runs[0][2]:>8} {first:>14.1f} {whole:>17.1f}", flush=True)
+        count, cut = runs[0][2], runs[0][3]
+        print(f"{name:34} {count:>8}{'+' if cut else ' '}{first:>14.1f} {'>' if cut else ' '}{whole:>16.1f}"
+              + (f"   (cut short: {count} listed in {budget_s:.0f} s)" if cut else ""), flush=True)
         if show_plan:
             print("    " + (await plan(store, flt)).replace("\n", "\n    "))
 
@@ -235,7 +236,7 @@ async def run_sqlite(args: argparse.Namespace) -> None:
             await asyncio.get_running_loop().run_in_executor(None, fill_sqlite, store, path, args.jobs)
             print(f"fill: {args.jobs} jobs in {time.perf_counter() - t:.1f} s, "
                   f"{path.stat().st_size / 2**20:.0f} MiB")
-        await measure(store, args.repeat, args.plan)
+        await measure(store, args.repeat, args.budget, args.plan)
     finally:
         await store.close()
         if folder is not None:
@@ -266,7 +267,7 @@ async def run_postgres(args: argparse.Namespace) -> None:
         await fill_postgres(store, args.jobs)
         size = await store._call("fetchval", "SELECT pg_database_size(current_database())")
         print(f"fill: {args.jobs} jobs in {time.perf_counter() - t:.1f} s, {size / 2**20:.0f} MiB")
-        await measure(store, args.repeat, args.plan)
+        await measure(store, args.repeat, args.budget, args.plan)
     finally:
         await store.close()
         conn = await asyncpg.connect(admin)
@@ -283,6 +284,8 @@ def main() -> None:
     parser.add_argument("--dsn", help="PostgreSQL server URL (a database there is made and dropped)")
     parser.add_argument("--path", help="SQLite file to fill (kept; an existing one is not filled again)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=60.0,
+                        help="seconds a whole listing may take (then cut short; repeats stop past it too)")
     parser.add_argument("--plan", action="store_true", help="print the plan of each first page's query")
     args = parser.parse_args()
     print(f"{args.store}, {args.jobs} jobs; {platform.python_version()}, sqlite {sqlite3.sqlite_version}")

@@ -18,7 +18,9 @@ import asyncpg
 import pytest
 
 from broker.models import Job, JobSpec, JobState
-from broker.store import Conflict, DuplicateKey, Fenced, JobFilter, Store, StoreError, decode_cursor, open_store
+from broker.store import (
+    Conflict, DuplicateKey, Fenced, JobFilter, Store, StoreError, decode_cursor, ended_at, open_store,
+)
 from broker.store import postgres as pg
 from broker.store import sqlite as sq
 from broker.store.memory import MemoryStore
@@ -178,6 +180,113 @@ async def test_a_listing_by_labels_is_not_broken_by_a_job_whose_labels_hold_a_nu
     assert await ids(("lr", None)) == [2]
     assert await ids(("lr", None), ("sweep", "s1")) == [2]
     assert await ids(("dir", "C:\\u0000")) == [0]  # (a backslash, then "u0000": no NUL)
+
+
+LABELLED = [{"sweep": "s1", "team": "a"}, {"sweep": "s2"}, {}, {"sweep": "s1", "dir": "C:\\u0000", "k\x00": "v\x00"}]
+"""Labels of jobs 0 .. 3 (one with none; one with an escaped backslash and a NUL, which PostgreSQL's json refuses to
+take out as text unless read as the listing reads it)."""
+
+
+def labelled_job(i: int, state: JobState = JobState.QUEUED) -> Job:
+    job = make_job(i)
+    at = job.updated_at + timedelta(hours=1)
+    job = job.model_copy(update={"spec": job.spec.model_copy(update={"labels": LABELLED[i % len(LABELLED)]})})
+    return job if state is JobState.QUEUED else job.transition(state, at)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def sql_at_migration_5(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A database of each SQL store as the release before the labels' table (migration 6) left it, with jobs 0 .. 3
+    of ``LABELLED`` (1 and 2 ended) as that release wrote them; a function that opens a store on it."""
+    module = sq if request.param == "sqlite" else pg
+    if module is sq:
+        place = str(tmp_path / "h.db")
+    else:
+        place = await request.getfixturevalue("postgres_server").create_database()
+
+    def opener() -> Store:
+        return SQLiteStore(place) if module is sq else PostgresStore(place)
+
+    with monkeypatch.context() as m:
+        m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:5])
+        s = opener()
+        await s.open()
+        await s.close()
+    await write_as_an_earlier_release(place, [labelled_job(i, JobState.CANCELLED if i in (1, 2) else JobState.QUEUED)
+                                              for i in range(4)])
+    return opener
+
+
+async def write_as_an_earlier_release(place: str, jobs: list[Job]) -> None:
+    """Insert ``jobs``'s rows as a release before migration 6 does (the row alone: it knows no labels' table)."""
+    rows = [(j.id, j.spec.tenant, j.state.value, j.site, j.spec.priority, None, None, j.version, j.model_dump_json(),
+             ended_at(j)) for j in jobs]
+    if not place.startswith("postgresql://"):
+        with sqlite3.connect(place) as db:
+            db.executemany(sq._INSERT_JOB, rows)
+        return
+    conn = await asyncpg.connect(place)
+    try:
+        await conn.executemany(pg._INSERT_JOB, rows)
+    finally:
+        await conn.close()
+
+
+async def test_jobs_stored_before_the_labels_table_are_listed_by_label_once_migrated(sql_at_migration_5):
+    """Migration 6 fills the labels' table from the jobs already stored: a listing by label finds them (and one
+    submitted since, first), as it did before the upgrade."""
+    s = sql_at_migration_5()
+    await s.open()
+    try:
+        await s.insert_job(labelled_job(4))  # {"sweep": "s1", "team": "a"}
+        # and one that a replica of the earlier release, still running, submits after the upgrade
+        await write_as_an_earlier_release(str(s.path) if isinstance(s, SQLiteStore) else s.dsn, [labelled_job(7)])
+
+        async def ids(*labels: tuple[str, str | None], **kw: object) -> list[int]:
+            return [int(j.id[3:]) for j in (await s.list_jobs(JobFilter(labels=labels, **kw), 100)).items]
+
+        assert await ids(("sweep", "s1")) == [7, 4, 3, 0]  # (7: {"sweep": "s1", "dir": ...})
+        assert await ids(("sweep", None)) == [7, 4, 3, 1, 0]
+        assert await ids(("team", "a"), ("sweep", None)) == [4, 0]
+        assert await ids(("dir", "C:\\u0000")) == [7, 3]
+        assert await ids(("sweep", "s2"), state=JobState.CANCELLED) == [1]
+        assert await ids(("sweep", None), tenant="t2") == []
+        page = await s.list_jobs(JobFilter(labels=(("sweep", "s1"),)), 2)
+        rest = await s.list_jobs(JobFilter(labels=(("sweep", "s1"),)), 2, page.next)
+        assert [j.id for j in page.items] == ["job00007", "job00004"]
+        assert [j.id for j in rest.items] == ["job00003", "job00000"] and rest.next is None
+    finally:
+        await s.close()
+
+
+async def test_pruning_a_finished_job_removes_its_labels_with_it(sql_at_migration_5):
+    """A job deleted by the retention of finished jobs leaves no labels behind (the labels' table would grow by
+    every job ever submitted); an active job's stay."""
+    s = sql_at_migration_5()
+    await s.open()
+    try:
+        ended = labelled_job(5, JobState.CANCELLED)  # {"sweep": "s2"}, submitted since the upgrade
+        await s.insert_job(ended)
+        assert sorted(await s.prune_ended(T0 + timedelta(days=1), 10)) == ["job00001", "job00002", "job00005"]
+        assert await labels_stored(s) == [("job00000", "sweep", "s1"), ("job00000", "team", "a"),
+                                          ("job00003", "dir", "C:\\u0000"), ("job00003", "sweep", "s1")]
+        assert [j.id for j in (await s.list_jobs(JobFilter(labels=(("sweep", None),)), 100)).items] == [
+            "job00003", "job00000"]
+    finally:
+        await s.close()
+
+
+async def labels_stored(s: Store) -> list[tuple[str, str, str]]:
+    """Every row of the labels' table, by job id (the NUL-holding label left out: stored as each store can)."""
+    sql = "SELECT jobs.id, l.key, l.value FROM job_labels AS l JOIN jobs ON jobs.seq = l.seq ORDER BY 1, 2"
+    count = "SELECT COUNT(*) FROM job_labels"
+    if isinstance(s, SQLiteStore):
+        rows, total = await s._all(sql, ()), (await s._one(count, ()))[0]
+    else:
+        rows, total = await s._all(sql), (await s._one(count))[0]
+    kept = [tuple(r) for r in rows if not r[1].startswith("k")]
+    assert total == len(rows)  # no row of a job that is gone
+    return kept
 
 
 async def test_tokens_are_kept_by_id_listed_and_updated(store: Store):

@@ -106,6 +106,35 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX jobs_ended ON jobs(ended_at) WHERE ended_at IS NOT NULL;
     CREATE INDEX jobs_undated ON jobs(seq) WHERE ended_at IS NULL AND state IN ('succeeded', 'failed', 'cancelled');
     """,
+    # 6: each job's labels (spec.labels, which never change), by the job's seq, so that a listing by label reads
+    # the jobs carrying it, newest first, and not every job's document. A trigger writes a job's labels in its
+    # insert's transaction and deletes them with it, whoever writes the row (a replica of an earlier release still
+    # running too). Filled from the documents of the jobs stored: a full read of the table, seconds a million
+    # jobs, and writes wait for it. A document is read as json, not jsonb, which refuses one holding an escaped NUL
+    # (as a spec's text may); json refuses it too as soon as anything is taken out of it, so each \u0000 escape is
+    # read as U+FFFD (an escaped backslash, \\, set aside as chr(1) meanwhile: "\\u0000" is no NUL; chr(1) cannot
+    # be in a JSON document unescaped), as the listing read labels before.
+    r"""
+    CREATE TABLE job_labels (seq BIGINT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL, PRIMARY KEY (seq, key));
+    CREATE FUNCTION job_labels_of(doc TEXT) RETURNS TABLE (key TEXT, value TEXT) LANGUAGE sql IMMUTABLE AS $$
+        SELECT * FROM json_each_text(
+            replace(replace(replace(doc, '\\', chr(1)), '\u0000', '\ufffd'), chr(1), '\\')::json -> 'spec' -> 'labels')
+    $$;
+    INSERT INTO job_labels (seq, key, value) SELECT jobs.seq, l.key, l.value FROM jobs, job_labels_of(jobs.doc) AS l;
+    CREATE INDEX job_labels_value ON job_labels(key, value, seq);
+    CREATE INDEX job_labels_key ON job_labels(key, seq);
+    CREATE FUNCTION job_labels_kept() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'INSERT' THEN
+            INSERT INTO job_labels (seq, key, value) SELECT NEW.seq, l.key, l.value FROM job_labels_of(NEW.doc) AS l;
+            RETURN NEW;
+        END IF;
+        DELETE FROM job_labels WHERE seq = OLD.seq;
+        RETURN OLD;
+    END
+    $$;
+    CREATE TRIGGER job_labels_kept AFTER INSERT OR DELETE ON jobs FOR EACH ROW EXECUTE FUNCTION job_labels_kept();
+    """,
 )
 
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
@@ -153,11 +182,6 @@ def _rowcount(status: str) -> int:
         return int(status.rsplit(" ", 1)[-1])
     except ValueError:
         return -1
-
-
-_NUL_READABLE = r"replace(replace(replace(doc, '\\', chr(1)), '\u0000', '\ufffd'), chr(1), '\\')::json"
-"""A job's document as json, each escaped NUL (which json cannot take out as text) read as U+FFFD; chr(1) cannot
-be in a JSON document unescaped, so it holds each escaped backslash's place meanwhile."""
 
 
 def _unstorable(value: str) -> bool:
@@ -399,18 +423,28 @@ class PostgresStore(SqlWriteQueue):
             where.append(f"site = ANY({param([t for t in flt.sites if not _unstorable(t)])}::text[])")
         if flt.states is not None:
             where.append(f"state = ANY({param([s.value for s in flt.states])}::text[])")
-        for key, value in flt.labels:
-            # json, not jsonb: jsonb refuses a document holding an escaped NUL (which a spec's text may). json
-            # refuses one too as soon as anything is taken out of the document, so each \u0000 escape is read as
-            # U+FFFD first (an escaped backslash, \\, set aside meanwhile: "\\u0000" is no NUL).
-            label = f"({_NUL_READABLE} -> 'spec' -> 'labels' ->> {param(key)})"
-            where.append(f"{label} IS NOT NULL" if value is None else f"{label} = {param(value)}")
+        order = "jobs.seq"
+        sql = "SELECT jobs.seq, jobs.doc FROM jobs"
+        if flt.labels:
+            # The jobs carrying one of the labels, newest first, read from its index (one with a value, if any:
+            # the fewer rows), the other labels looked up by the job's seq; never a job's document. A value
+            # holding a NUL matches nothing (_has_nul): no row holds one (migration 6).
+            first = next((k for k, (_, value) in enumerate(flt.labels) if value is not None), 0)
+            sql = "SELECT jobs.seq, jobs.doc FROM job_labels AS l JOIN jobs ON jobs.seq = l.seq"
+            order = "l.seq"
+            for k, (key, value) in enumerate(flt.labels):
+                alias = "l" if k == first else "m"
+                match = f"{alias}.key = {param(key)}"
+                match += "" if value is None else f" AND {alias}.value = {param(value)}"
+                where.append(match if k == first else
+                             f"EXISTS (SELECT 1 FROM job_labels AS m WHERE m.seq = jobs.seq AND {match})")
         if cursor is not None:
-            where.append(f"seq < {param(decode_cursor(cursor))}")
-        sql = "SELECT seq, doc FROM jobs"
+            # (on the jobs' side of a join too: a merge join's scan of jobs would otherwise start at the newest job)
+            below = param(decode_cursor(cursor))
+            where += [f"{order} < {below}"] + (["jobs.seq < " + below] if flt.labels else [])
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += f" ORDER BY seq DESC LIMIT {param(limit + 1)}"
+        sql += f" ORDER BY {order} DESC LIMIT {param(limit + 1)}"
         rows = await self._all(sql, *params)
         items = [Job.model_validate_json(r[1]) for r in rows[:limit]]
         nxt = encode_cursor(rows[limit - 1][0]) if len(rows) > limit else None

@@ -104,6 +104,24 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX jobs_ended ON jobs(ended_at) WHERE ended_at IS NOT NULL;
     CREATE INDEX jobs_undated ON jobs(seq) WHERE ended_at IS NULL AND state IN ('succeeded', 'failed', 'cancelled');
     """,
+    # 6: each job's labels (spec.labels, which never change), by the job's seq, so that a listing by label reads
+    # the jobs carrying it, newest first, and not every job's document. Triggers write a job's labels in its
+    # insert's transaction and delete them with it, whoever writes the row (a replica of an earlier release too).
+    # Filled from the documents of the jobs stored: a full read of the table, seconds a million jobs, and writes
+    # wait for it.
+    """
+    CREATE TABLE job_labels (seq INTEGER NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL, PRIMARY KEY (seq, key));
+    INSERT INTO job_labels (seq, key, value)
+        SELECT jobs.seq, l.key, l.value FROM jobs, json_each(jobs.doc, '$.spec.labels') AS l;
+    CREATE INDEX job_labels_value ON job_labels(key, value, seq);
+    CREATE INDEX job_labels_key ON job_labels(key, seq);
+    CREATE TRIGGER job_labels_written AFTER INSERT ON jobs BEGIN
+        INSERT INTO job_labels (seq, key, value) SELECT NEW.seq, key, value FROM json_each(NEW.doc, '$.spec.labels');
+    END;
+    CREATE TRIGGER job_labels_deleted AFTER DELETE ON jobs BEGIN
+        DELETE FROM job_labels WHERE seq = OLD.seq;
+    END;
+    """,
 )
 
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
@@ -380,20 +398,29 @@ class SQLiteStore(SqlWriteQueue):
             if values is not None:
                 where.append(f"{column} IN ({','.join('?' * len(values))})" if values else "0")
                 params.extend(values)
-        for key, value in flt.labels:  # (the key bound as a value, not spliced into a JSON path: any key is safe)
-            if value is None:
-                where.append("EXISTS (SELECT 1 FROM json_each(jobs.doc, '$.spec.labels') WHERE key = ?)")
-                params.append(key)
-            else:
-                where.append("EXISTS (SELECT 1 FROM json_each(jobs.doc, '$.spec.labels') WHERE key = ? AND value = ?)")
-                params.extend((key, value))
+        order = "jobs.seq"
+        sql = "SELECT jobs.seq, jobs.doc FROM jobs"
+        if flt.labels:
+            # The jobs carrying one of the labels, newest first, read from its index (one with a value, if any:
+            # the fewer rows), each job then found by its seq (CROSS JOIN: in that order) and the other labels
+            # looked up alike; never a job's document.
+            first = next((k for k, (_, value) in enumerate(flt.labels) if value is not None), 0)
+            index = "job_labels_key" if flt.labels[first][1] is None else "job_labels_value"
+            sql = (f"SELECT jobs.seq, jobs.doc FROM job_labels AS l INDEXED BY {index}"
+                   " CROSS JOIN jobs ON jobs.seq = l.seq")
+            order = "l.seq"
+            for k, (key, value) in enumerate(flt.labels):
+                alias = "l" if k == first else "m"
+                match = f"{alias}.key = ?" + ("" if value is None else f" AND {alias}.value = ?")
+                where.append(match if k == first else
+                             f"EXISTS (SELECT 1 FROM job_labels AS m WHERE m.seq = jobs.seq AND {match})")
+                params.extend([key] if value is None else [key, value])
         if cursor is not None:
-            where.append("seq < ?")
+            where.append(f"{order} < ?")
             params.append(decode_cursor(cursor))
-        sql = "SELECT seq, doc FROM jobs"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY seq DESC LIMIT ?"
+        sql += f" ORDER BY {order} DESC LIMIT ?"
         params.append(limit + 1)
         rows = await self._all(sql, tuple(params))
         items = [Job.model_validate_json(doc) for _, doc in rows[:limit]]
