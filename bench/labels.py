@@ -2,8 +2,8 @@
 
 1. **Fill:** ``--jobs`` N (default 1,000,000) jobs are written into a new store in transactions of 20,000 jobs
    with ``executemany``: the rows ``insert_job`` writes (the store's own statements: the job row with its JSON
-   document and ``ended_at``, and its ``submitted`` event; the schema's triggers, if any, write the rest: from
-   migration 6, the job's labels), after the store's own migrations made the schema. Jobs come from 50 tenants
+   document and ``ended_at``, and its ``submitted`` event, and from migration 6 its labels: on SQLite by the insert's
+   own statement, on PostgreSQL by the schema's trigger), after the store's own migrations made the schema. Jobs come from 50 tenants
    (``t-000`` .. ``t-049``, in turn); 90 % have succeeded (ended an hour before the listing: kept by the
    retention of finished jobs), 10 % are queued. Labels: every 100th job carries ``sweep=lr-search`` (1 %: the
    sweep a user lists or cancels), a third of the others carry ``sweep=s-K`` (200 other sweeps) and
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import sqlite3
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from broker.models import Job, JobSpec, JobState  # noqa: E402
 from broker.store import JobFilter, ended_at  # noqa: E402
 from broker.store.sql import event_row  # noqa: E402
+from broker.store.sqlite import _INSERT_LABELS as INSERT_LABELS  # noqa: E402
 
 BATCH = 20_000
 TENANTS = [f"t-{k:03d}" for k in range(50)]
@@ -114,9 +116,11 @@ class Templates:
         return self._docs[key]
 
 
-def rows(start: int, end: int, tmpl: Templates) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """The parameters of the job rows and event rows ``insert_job`` writes, for jobs ``start`` .. ``end``."""
-    jobs, events = [], []
+def rows(start: int, end: int, tmpl: Templates) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]],
+                                                         list[tuple[Any, ...]]]:
+    """The parameters of the job rows, event rows and (on SQLite, where the insert writes them) label rows
+    ``insert_job`` writes, for jobs ``start`` .. ``end``."""
+    jobs, events, labels = [], [], []
     for i in range(start, end):
         job, doc = tmpl.job(i)
         jid = job_id(i)
@@ -124,7 +128,10 @@ def rows(start: int, end: int, tmpl: Templates) -> tuple[list[tuple[Any, ...]], 
         jobs.append((jid, job.spec.tenant, job.state.value, job.site, job.spec.priority, None, None, job.version,
                      doc, ended_at(job)))
         events.append((jid, *event_row(job, "submitted")[1:]))
-    return jobs, events
+        if job.spec.labels:
+            labels.append((json.dumps({k: f"s-{i % 200}" if v == "s-*" else v for k, v in job.spec.labels.items()}),
+                           jid))
+    return jobs, events, labels
 
 
 def batches(n: int) -> Iterator[tuple[int, int]]:
@@ -141,7 +148,7 @@ def fill_sqlite(store: Any, path: Path, n: int) -> None:
     conn.execute("PRAGMA journal_mode=WAL")
     for start, end in batches(n):
         conn.execute("BEGIN IMMEDIATE")
-        for sql, params in zip((store.INSERT_JOB, store.INSERT_EVENT), rows(start, end, tmpl)):
+        for sql, params in zip((store.INSERT_JOB, store.INSERT_EVENT, INSERT_LABELS), rows(start, end, tmpl)):
             conn.executemany(sql, params)
         conn.execute("COMMIT")
     conn.execute("ANALYZE")
@@ -154,8 +161,8 @@ async def fill_postgres(store: Any, n: int) -> None:
     async with store._connection() as conn:
         for start, end in batches(n):
             async with conn.transaction():
-                for sql, params in zip((store.INSERT_JOB, store.INSERT_EVENT), rows(start, end, tmpl)):
-                    await conn.executemany(sql, params)
+                for sql, params in zip((store.INSERT_JOB, store.INSERT_EVENT), rows(start, end, tmpl)[:2]):
+                    await conn.executemany(sql, params)  # (the labels: by the database's trigger)
         await conn.execute("VACUUM ANALYZE")
 
 
