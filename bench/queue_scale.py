@@ -75,10 +75,10 @@ from broker.clock import ManualClock  # noqa: E402
 from broker.config import BrokerSettings  # noqa: E402
 from broker.models import Job, JobSpec, JobState, SimulatedAdapterConfig  # noqa: E402
 from broker.service import Broker  # noqa: E402
-from broker.store import JobFilter, encode_cursor  # noqa: E402
+from broker.store import JobFilter, encode_cursor, ended_at  # noqa: E402
 from broker.store.memory import MemoryStore  # noqa: E402
 from broker.store.sql import event_row  # noqa: E402
-from broker.store.sqlite import _INSERT_EVENT, _INSERT_JOB, SQLiteStore  # noqa: E402
+from broker.store.sqlite import _INSERT_EVENT, _INSERT_JOB, _INSERT_LABELS, SQLiteStore  # noqa: E402
 from tests.builders import site  # noqa: E402
 
 T0 = datetime(2026, 7, 30, 12, tzinfo=UTC)
@@ -163,8 +163,10 @@ def insert_sqlite(path: Path, n: int) -> dict[str, Any]:
         jobs = [queued_job(i, n, tmpl) for i in range(start, min(n, start + BATCH))]
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(_INSERT_JOB, [
-            (j.id, j.spec.tenant, j.state.value, j.site, j.spec.priority, None, None, j.version, j.model_dump_json())
+            (j.id, j.spec.tenant, j.state.value, j.site, j.spec.priority, None, None, j.version, j.model_dump_json(),
+             ended_at(j))
             for j in jobs])
+        conn.executemany(_INSERT_LABELS, [(json.dumps(j.spec.labels), j.id) for j in jobs if j.spec.labels])
         conn.executemany(_INSERT_EVENT, [event_row(j, "submitted") for j in jobs])
         conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
