@@ -15,6 +15,7 @@ from broker.config import BrokerSettings
 from broker.models import Job, JobState, ModelCapacity, SimulatedAdapterConfig
 from broker.service import Broker
 from broker.store import JobFilter, StoreError
+from broker.store.memory import MemoryStore
 from tests.builders import job, site
 from tests.test_cycle import FAST, T0, Harness, fail_first_write, failing_writes
 
@@ -790,43 +791,56 @@ async def test_a_sites_late_report_of_an_attempt_requeued_while_its_admission_wa
     assert (await store.get_job(submitted.id)) == now
 
 
-async def test_a_write_whose_answer_was_lost_leaves_memory_to_the_change_queued_behind_it():
-    """The site's report of the job running was stored, then its answer was lost (the connection dropped); a cancel,
-    made meanwhile, was queued behind it. Reading the job back to learn whether the first write landed found it
-    running (the cancel had not committed yet), and memory was set to that: the job was shown running for as long
-    as the broker ran, though it was cancelled and withdrawn from its site (which could not be removed, busy)."""
+
+class HoldsCancels(MemoryStore):
+    """A store that holds each 'cancelled' write, unanswered and not committed, until ``commit_behind``."""
+
+    behind: tuple[Job, int, asyncio.Future[None]] | None = None
+
+    def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
+        if job.state == JobState.CANCELLED:
+            self.behind = (job, expected_version, asyncio.get_running_loop().create_future())
+            return self.behind[2]
+        return super().enqueue_update(job, expected_version, **extra)
+
+    def commit_behind(self) -> None:
+        assert self.behind is not None
+        job, version, fut = self.behind
+        self._update(job, version, None, None)
+        fut.set_result(None)
+
+
+async def admitted_at_a(store: MemoryStore):  # noqa: ANN201
+    """A job book on ``store`` (opened here) holding one job, admitted at site a."""
     from broker.jobs import JobBook
-    from broker.store.memory import MemoryStore
 
-    class Writer(MemoryStore):
-        """Commits the 'running' write at once, its answer held; holds the 'cancelled' write (behind it)."""
-
-        answer: asyncio.Future[None] | None = None
-        behind: tuple[Job, int, asyncio.Future[None]] | None = None
-
-        def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
-            if job.state == JobState.RUNNING:
-                super().enqueue_update(job, expected_version, **extra)  # committed
-                self.answer = asyncio.get_running_loop().create_future()
-                return self.answer
-            if job.state == JobState.CANCELLED:
-                self.behind = (job, expected_version, asyncio.get_running_loop().create_future())
-                return self.behind[2]
-            return super().enqueue_update(job, expected_version, **extra)
-
-        def commit_behind(self) -> None:
-            assert self.behind is not None
-            job, version, fut = self.behind
-            self._update(job, version, None, None)
-            fut.set_result(None)
-
-    store = Writer()
     await store.open()
     book = JobBook(store, ManualClock(T0))
     await book.load()
     submitted, _ = await book.submit(job())
     await book.transition(submitted.id, JobState.DISPATCHING, site="a", attempt=1, reason="placed on a")
     await book.transition(submitted.id, JobState.ADMITTED, reason="admitted by a")
+    return book, submitted
+
+async def test_a_write_whose_answer_was_lost_leaves_memory_to_the_change_queued_behind_it():
+    """The site's report of the job running was stored, then its answer was lost (the connection dropped); a cancel,
+    made meanwhile, was queued behind it. Reading the job back to learn whether the first write landed found it
+    running (the cancel had not committed yet), and memory was set to that: the job was shown running for as long
+    as the broker ran, though it was cancelled and withdrawn from its site (which could not be removed, busy)."""
+    class Writer(HoldsCancels):
+        """Commits the 'running' write at once, its answer held; holds the 'cancelled' write (behind it)."""
+
+        answer: asyncio.Future[None] | None = None
+
+        def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
+            if job.state == JobState.RUNNING:
+                super().enqueue_update(job, expected_version, **extra)  # committed
+                self.answer = asyncio.get_running_loop().create_future()
+                return self.answer
+            return super().enqueue_update(job, expected_version, **extra)
+
+    store = Writer()
+    book, submitted = await admitted_at_a(store)
     running = asyncio.ensure_future(book.transition(submitted.id, JobState.RUNNING, reason="running on a"))
     await asyncio.sleep(0)
     cancel = asyncio.ensure_future(book.transition(submitted.id, JobState.CANCELLED, reason="cancelled by request"))
@@ -844,20 +858,13 @@ async def test_a_job_read_again_after_the_store_came_back_keeps_the_change_still
     """Housekeeping reads again a job whose state could not be read back after a failed write; a cancel of it, made
     meanwhile, was still on its way to the store. The read found the job as it was before the cancel, and memory was
     set to that: the job was shown running for as long as the broker ran, though it was cancelled."""
-    from broker.jobs import JobBook
-    from broker.store.memory import MemoryStore
-
-    class Flaky(MemoryStore):
+    class Flaky(HoldsCancels):
         """Fails the next update and the read after it; holds a 'cancelled' write until told to commit it."""
 
         failing = False
-        behind: tuple[Job, int, asyncio.Future[None]] | None = None
 
         def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
-            if job.state == JobState.CANCELLED:
-                self.behind = (job, expected_version, asyncio.get_running_loop().create_future())
-                return self.behind[2]
-            if self.failing:
+            if self.failing and job.state != JobState.CANCELLED:
                 failed = asyncio.get_running_loop().create_future()
                 failed.set_exception(StoreError("connection reset by peer"))
                 return failed
@@ -869,19 +876,8 @@ async def test_a_job_read_again_after_the_store_came_back_keeps_the_change_still
                 raise StoreError("connection refused")
             return await super().get_job(job_id)
 
-        def commit_behind(self) -> None:
-            assert self.behind is not None
-            job, version, fut = self.behind
-            self._update(job, version, None, None)
-            fut.set_result(None)
-
     store = Flaky()
-    await store.open()
-    book = JobBook(store, ManualClock(T0))
-    await book.load()
-    submitted, _ = await book.submit(job())
-    await book.transition(submitted.id, JobState.DISPATCHING, site="a", attempt=1, reason="placed on a")
-    await book.transition(submitted.id, JobState.ADMITTED, reason="admitted by a")
+    book, submitted = await admitted_at_a(store)
     await book.transition(submitted.id, JobState.RUNNING, reason="running on a")
     store.failing = True
     with pytest.raises(StoreError):
