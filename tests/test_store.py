@@ -280,6 +280,43 @@ async def test_pruning_a_finished_job_removes_its_labels_with_it(sql_at_migratio
         await s.close()
 
 
+async def test_postgres_a_job_an_earlier_release_submits_while_migration_6_runs_is_listed_by_its_labels(
+        postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch):
+    """A replica of the earlier release still submitting while this one migrates: a job it inserted as the labels'
+    table was being filled (committed before the trigger could be made) is listed by its labels all the same."""
+    place = await postgres_server.create_database()
+    with monkeypatch.context() as m:
+        m.setattr(pg, "MIGRATIONS", pg.MIGRATIONS[:5])
+        s = PostgresStore(place)
+        await s.open()
+        await s.close()
+    earlier = await asyncpg.connect(place)
+    try:
+        submitting = earlier.transaction()  # the earlier release's insert, not yet committed as the upgrade starts
+        await submitting.start()
+        job = labelled_job(0)
+        await earlier.execute(pg._INSERT_JOB, job.id, job.spec.tenant, job.state.value, job.site, job.spec.priority,
+                              None, None, job.version, job.model_dump_json(), ended_at(job))
+        s = PostgresStore(place)
+        opening = asyncio.create_task(s.open())
+        for _ in range(200):  # until the migration waits for the earlier release's transaction
+            waiting = await earlier.fetchval(  # (a transaction's view of the activity is read once: clear it)
+                "SELECT pg_stat_clear_snapshot(), count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'", column=1)
+            if waiting:
+                break
+            await asyncio.sleep(0.05)
+        assert waiting
+        await submitting.commit()
+        await opening
+    finally:
+        await earlier.close()
+    try:
+        assert [j.id for j in (await s.list_jobs(JobFilter(labels=(("sweep", "s1"),)), 10)).items] == ["job00000"]
+    finally:
+        await s.close()
+
+
 async def labels_stored(s: Store) -> list[tuple[str, str, str]]:
     """Every row of the labels' table, by job id (the NUL-holding label left out: stored as each store can)."""
     sql = "SELECT jobs.id, l.key, l.value FROM job_labels AS l JOIN jobs ON jobs.seq = l.seq ORDER BY 1, 2"

@@ -110,11 +110,14 @@ MIGRATIONS: tuple[str, ...] = (
     # the jobs carrying it, newest first, and not every job's document. A trigger writes a job's labels in its
     # insert's transaction and deletes them with it, whoever writes the row (a replica of an earlier release still
     # running too). Filled from the documents of the jobs stored: a full read of the table, seconds a million
-    # jobs, and writes wait for it. A document is read as json, not jsonb, which refuses one holding an escaped NUL
-    # (as a spec's text may); json refuses it too as soon as anything is taken out of it, so each \u0000 escape is
-    # read as U+FFFD (an escaped backslash, \\, set aside as chr(1) meanwhile: "\\u0000" is no NUL; chr(1) cannot
-    # be in a JSON document unescaped), as the listing read labels before.
+    # jobs, and writes wait for it: the table is locked against them first (a job such a replica inserted during
+    # the fill, committed before the trigger was made, would otherwise have no labels). A document is read as
+    # json, not jsonb, which refuses one holding an escaped NUL (as a spec's text may); json refuses it too as soon
+    # as anything is taken out of it, so each \u0000 escape is read as U+FFFD (an escaped backslash, \\, set aside
+    # as chr(1) meanwhile: "\\u0000" is no NUL; chr(1) cannot be in a JSON document unescaped), as the listing
+    # read labels before.
     r"""
+    LOCK TABLE jobs IN SHARE ROW EXCLUSIVE MODE;
     CREATE TABLE job_labels (seq BIGINT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL, PRIMARY KEY (seq, key));
     CREATE FUNCTION job_labels_of(doc TEXT) RETURNS TABLE (key TEXT, value TEXT) LANGUAGE sql IMMUTABLE AS $$
         SELECT * FROM json_each_text(
