@@ -207,10 +207,13 @@ class Lifecycle:
                         "job_id": job.id, "tenant": job.spec.tenant, "site": site, "attempt": job.attempt,
                         "reason": ev.reason, "at": ev.at.isoformat(),
                     }, tenant=job.spec.tenant, site=site, job_id=job.id)
-                return await self.book.transition(
-                    job.id, JobState.QUEUED,
-                    reason="requeued after preemption" + (" from its checkpoint" if kept else ""),
-                )
+                try:
+                    return await self.book.transition(
+                        job.id, JobState.QUEUED,
+                        reason="requeued after preemption" + (" from its checkpoint" if kept else ""),
+                    )
+                except (JobNotFound, IllegalTransition):
+                    return None  # cancelled, or moved on, between the two writes: that change settles the job
             case EventKind.LOST:
                 if job.state != R:
                     # Lost before it ran: the site took the attempt but could not start it (its cluster's

@@ -889,3 +889,39 @@ async def test_a_job_read_again_after_the_store_came_back_keeps_the_change_still
     store.commit_behind()
     await cancel
     assert (await book.get(submitted.id)).state == JobState.CANCELLED
+
+
+async def test_a_cancel_between_a_preemptions_two_writes_leaves_the_job_cancelled_and_the_report_taken():
+    """A site's report of a preemption is stored in two writes: the job preempted, then requeued. A cancel that lands
+    between them ended the job; the requeue then raised (the job was gone), the report was logged as one that could
+    not be applied, with a traceback, and left unacknowledged, to be sent again."""
+    from adapters.base import EventKind, JobEvent
+    from broker.federation import Federation
+    from broker.lifecycle import Lifecycle
+
+    class CancelsAfterPreemption(MemoryStore):
+        lifecycle: Lifecycle | None = None
+        cancelling: asyncio.Future | None = None
+
+        def enqueue_update(self, job: Job, expected_version: int, **extra):  # noqa: ANN003, ANN201
+            landed = super().enqueue_update(job, expected_version, **extra)
+            if job.state != JobState.PREEMPTED or self.lifecycle is None:
+                return landed
+            lifecycle, self.lifecycle = self.lifecycle, None
+            loop = asyncio.get_running_loop()
+            self.cancelling = asyncio.ensure_future(lifecycle.cancel(job.id))  # made in memory before the answer
+            answer = loop.create_future()
+            loop.call_soon(answer.set_result, None)
+            return answer
+
+    store = CancelsAfterPreemption()
+    book, submitted = await admitted_at_a(store)
+    await book.transition(submitted.id, JobState.RUNNING, reason="running on a")
+    lifecycle = Lifecycle(book, Federation(ManualClock(T0), lambda spec: None))
+    store.lifecycle = lifecycle
+    preempted = JobEvent(submitted.id, 1, EventKind.PREEMPTED, T0, reason="a higher priority job", run_s=60.0)
+    assert await lifecycle.on_event("a", preempted) is None  # taken: the cancel settles the job
+    assert store.cancelling is not None
+    await store.cancelling
+    assert (await store.get_job(submitted.id)).state == JobState.CANCELLED
+    assert submitted.id not in book.active
