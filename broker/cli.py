@@ -485,6 +485,7 @@ def _check_cancel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 async def _client_command(args: argparse.Namespace) -> str | None:
     async with Client(args.server, ca_file=args.ca_file, token=args.token) as c:
         out: Any
+        left: str | None = None  # what the command did not do (Incomplete), after its output
         match args.command:
             case "watch":
                 return await _watch(c, args)
@@ -535,9 +536,8 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                         f"{len(out['skipped'])} skipped")
                 text += "".join(f"\n  {s['id']}: {s['reason']}" for s in out["skipped"])
                 if out["more"]:
-                    raise Incomplete(json.dumps(out, indent=2) if args.json else text,
-                                     "more jobs match that were not cancelled (the broker stopped at its bound or "
-                                     "could not record a cancel): run the command again")
+                    left = ("more jobs match that were not cancelled (the broker stopped at its bound or could not "
+                            "record a cancel): run the command again")
             case "update":
                 change: dict[str, Any] = {}
                 if args.priority is not None:
@@ -596,7 +596,10 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 text = show_quota(out)
             case _:
                 raise CliError(f"unknown command {args.command}")
-    return json.dumps(out, indent=2) if args.json else text
+    rendered = json.dumps(out, indent=2) if args.json else text
+    if left is not None:
+        raise Incomplete(rendered, left)
+    return rendered
 
 
 async def _logs(c: Client, args: argparse.Namespace) -> str | None:

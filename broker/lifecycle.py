@@ -111,7 +111,8 @@ class Lifecycle:
         # None: not known, and ``find_stranded`` takes no job for stranded.
         self.dispatching_now: Callable[[str, int], bool] | None = None
         # How long a job may be held as dispatching with nothing sending it before its site is asked whether it
-        # holds the attempt (the broker sets it from its dispatch timeout: two of them, and a withdrawal's).
+        # holds the attempt: two dispatch timeouts and a withdrawal's (the broker gives its dispatch timeout as
+        # ``cancel_timeout_s``).
         self.stranded_after_s = 3 * cancel_timeout_s
         self._stranded_since: dict[tuple[str, int], float] = {}  # -> monotonic time first seen so
         self._stranded: set[tuple[str, int]] = set()  # handed to the site's reconciliation (for its reason)
