@@ -1041,6 +1041,30 @@ class JobSpec(Spec):
         return self
 
 
+LABELS_MAX = 64  # labels a job may carry
+LABEL_MAX_CHARS = 256  # characters of a label's key, and of its value
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """What is wrong with one of a submitted job's labels, or None. Checked at submission (``POST /v1/jobs``, the
+    preview), not where a stored job is read, so jobs an earlier release accepted still load: a key is 1 to
+    ``LABEL_MAX_CHARS`` characters without ``=`` (``label=KEY=VALUE`` could not name it); a value at most that;
+    neither holds a control character (U+0000-U+001F, U+007F: the stores disagree on a NUL, and a listing's query
+    could not carry one). The bound keeps a label within a row of PostgreSQL's labels index (a value of 3,000
+    characters that do not compress failed the insert there: "index row requires 9024 bytes")."""
+    if not key:
+        return "a label's key may not be empty"
+    for part, text in (("key", key), ("value", value)):
+        if len(text) > LABEL_MAX_CHARS:
+            return f"{part} of label {key[:40]!r} is {len(text)} characters; at most {LABEL_MAX_CHARS}"
+        bad = next((c for c in text if c < " " or c == "\x7f"), None)
+        if bad is not None:
+            return f"{part} of label {key[:40]!r} holds the control character {bad!r}"
+    if "=" in key:
+        return f"key of label {key[:40]!r} holds '='; a listing by label=KEY=VALUE could not name it"
+    return None
+
+
 class JobChange(Strict):
     """A change to a queued job (``PATCH /v1/jobs/{id}``): its ``priority``, its ``deadline`` (null removes it) or
     its routing ``profile`` (null: the federation's default). Keys left out stay as they are; no other may change

@@ -17,8 +17,8 @@ from pydantic_core import core_schema
 from broker import ids, models
 from broker.auth import Role
 from broker.events import TYPES as EVENT_TYPES
-from broker.models import (PREVIEW_LIST_MAX, Cancellation, Decision, Job, JobChange, JobSpec, JobState, Preview,
-                           QuotaState, SiteSpec, SiteState, TenantQuota)
+from broker.models import (LABEL_MAX_CHARS, LABELS_MAX, PREVIEW_LIST_MAX, Cancellation, Decision, Job, JobChange,
+                           JobSpec, JobState, Preview, QuotaState, SiteSpec, SiteState, TenantQuota)
 
 _REF = "#/components/schemas/{model}"
 
@@ -116,6 +116,10 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
         _if("latency_slo_ms", {"type": "number"},
             {"required": ["origin_region"], "properties": {"origin_region": {"type": "string"}}}),
     ]
+    text = {"maxLength": LABEL_MAX_CHARS, "pattern": "^[^\\u0000-\\u001f\\u007f]*$"}  # no control characters
+    job["properties"]["labels"].update({  # (checked at submission: label_problem)
+        "maxProperties": LABELS_MAX, "additionalProperties": {"type": "string", **text},
+        "propertyNames": {**text, "minLength": 1, "pattern": "^[^=\\u0000-\\u001f\\u007f]*$"}})
     schemas["Cancellation"]["properties"]["labels"]["propertyNames"] = {"minLength": 1}
     schemas["Cancellation"]["anyOf"] = [  # a tenant or some labels: never every job at once
         {"required": ["tenant"], "properties": {"tenant": {"type": "string"}}},

@@ -7,6 +7,7 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -1258,6 +1259,31 @@ async def test_jobs_are_listed_by_label_every_one_named_must_match_and_a_key_alo
     body = await r.json()
     assert r.status == 400 and body["error"]["fields"][0]["field"] == "label", body
     assert "names no key" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("labels, words", [
+    ({"run": "a" * 257}, "value of label 'run' is 257 characters; at most 256"),
+    ({"k" * 257: "v"}, "is 257 characters; at most 256"),
+    ({"dir": "C:\x00"}, "value of label 'dir' holds the control character '\\x00'"),
+    ({"a\nb": "v"}, "key of label 'a\\nb' holds the control character '\\n'"),
+    ({"a=b": "v"}, "holds '='"),
+    ({"": "v"}, "may not be empty"),
+    ({f"k{i}": "v" for i in range(65)}, "65 labels; a job carries at most 64"),
+])
+async def test_labels_a_listing_could_not_name_or_an_index_could_not_hold_are_refused_and_nothing_stored(
+        client: TestClient, labels: dict[str, str], words: str):
+    """A label is checked at submission and in a preview: a value of 3,000 characters that do not compress failed
+    PostgreSQL's insert into the labels' index (so the job was not stored, with a store error for an answer); a NUL
+    was read back differently by each store; a key holding '=' could never be listed by ``label=KEY=VALUE``."""
+    for path, body in (("/v1/jobs", {**MINIMAL, "labels": labels}), ("/v1/preview", [{**MINIMAL, "labels": labels}])):
+        r = await client.post(path, json=body)
+        error = (await r.json())["error"]
+        at = "[0]." if path == "/v1/preview" else ""
+        assert r.status == 422 and error["fields"] == [{"field": f"{at}labels", "problem": ANY}], error
+        assert words in error["fields"][0]["problem"], error
+    assert (await (await client.get("/v1/jobs")).json())["items"] == []
+    longest = {"k" * 256: "\u00e9" * 256, **{f"k{i}": "v" for i in range(63)}}  # at the bounds: taken
+    assert (await (await client.get(f"/v1/jobs/{await submit(client, labels=longest)}")).json())["spec"]["labels"] == longest
 
 
 async def test_a_cancel_by_labels_stops_the_sweeps_queued_and_running_jobs_and_leaves_the_rest(client: TestClient):
