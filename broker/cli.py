@@ -414,7 +414,16 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _cancellable(c: Client, args: argparse.Namespace) -> list[Any]:
     """``--dry-run``: the jobs the selector matches now, newest first, listed state by state (the list filters by
-    one state at a time; a finished job is never cancelled)."""
+    one state at a time; a finished job is never cancelled). A token whose cancel the broker would refuse (403: a
+    viewer's, an operator's, or a submitter's for another tenant) is told so, as the cancel would be, rather than
+    shown jobs it may read but not cancel."""
+    me = await c.request("GET", "/v1/whoami")
+    if me.get("role") not in ("admin", "submitter"):
+        raise CliError(f"a cancel would be refused: {me.get('name')} is a token of role {me.get('role')}, and only "
+                       "admins and submitters cancel jobs")
+    if me["role"] == "submitter" and args.tenant is not None and args.tenant not in me.get("tenants", []):
+        raise CliError(f"a cancel would be refused: {me.get('name')} acts for tenants "
+                       f"{', '.join(me.get('tenants', []))}, not {args.tenant}")
     found: dict[str, Any] = {}  # by id: a job that moved on between two listings (queued, then running) is told
     #                             once, as the later listing saw it
     for state in [args.state] if args.state else ACTIVE_STATES:

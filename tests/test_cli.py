@@ -254,6 +254,53 @@ def test_jobs_are_listed_by_label_and_a_sweep_is_cancelled_at_once_after_a_dry_r
     assert json.loads(out)["state"] == "cancelled"
 
 
+class _ScopedBroker(http.server.BaseHTTPRequestHandler):
+    """A broker as a token of role ``WHO`` sees it: ``GET /v1/whoami`` says who, every listing holds one job."""
+
+    WHO: dict = {}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        job = {"id": "01jobjobjobjobjobj", "state": "queued", "site": None, "attempt": 0,
+               "created_at": "2026-11-30T10:00:00Z", "updated_at": "2026-11-30T10:00:00Z",
+               "spec": {"tenant": "t1", "name": "n", "gpus": {"count": 1, "milli": 1000}}}
+        doc = self.WHO if self.path == "/v1/whoami" else {"items": [job], "next": None}
+        body = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        """Quiet: the CLI's checks read stderr."""
+
+
+@pytest.mark.parametrize("who, args, words", [
+    ({"name": "grafana", "role": "viewer", "tenants": [], "sites": []}, ("--tenant", "t1"),
+     "grafana is a token of role viewer, and only admins and submitters cancel jobs"),
+    ({"name": "ops-a", "role": "operator", "tenants": [], "sites": ["a"]}, ("--label", "sweep=1"),
+     "ops-a is a token of role operator"),
+    ({"name": "alice", "role": "submitter", "tenants": ["t2"], "sites": []}, ("--tenant", "t1"),
+     "alice acts for tenants t2, not t1"),
+    ({"name": "bob", "role": "submitter", "tenants": ["t1"], "sites": []}, ("--tenant", "t1"), None),
+])
+def test_a_dry_run_of_a_cancel_the_broker_would_refuse_says_so_rather_than_list_jobs(capsys, who, args, words):
+    """A viewer or an operator may read the jobs a cancel would match, but its cancel is refused (403): the dry run
+    listed them as "would be cancelled" all the same."""
+    handler = type("Scoped", (_ScopedBroker,), {"WHO": who})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", "cancel", *args, "--dry-run"])
+    finally:
+        srv.shutdown()
+    out, err = capsys.readouterr()
+    if words is None:
+        assert code == 0 and "(dry run: 1 job would be cancelled; nothing was)" in out, err
+    else:
+        assert code == 1 and f"a cancel would be refused: {words}" in err and out == "" and "Traceback" not in err
+
+
 def test_a_cancel_by_a_label_and_its_key_alone_cancels_what_the_dry_run_lists(capsys, server, tmp_path):
     """``--label lr=0.1 --label lr`` means lr=0.1 (as the listing reads it), whatever the order: not every job
     carrying lr, with any value."""
