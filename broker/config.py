@@ -43,7 +43,7 @@ from pydantic import (
 )
 
 from broker.errors import located, problems
-from broker.models import MqttSettings, SiteSpec
+from broker.models import MqttSettings, SiteSpec, Slug
 from broker.providers.carbon import CarbonProviderConfig, FilesCarbonConfig
 from broker.providers.prices import FilesPriceConfig, PriceProviderConfig
 from broker.signals import CarbonForecastSettings
@@ -55,6 +55,7 @@ class ConfigError(ValueError):
 
 
 from policies.profiles import ProfilesConfig  # noqa: E402 - after the imports above, for readability
+from policies.tenant_limit import TenantLimits  # noqa: E402
 
 
 class ReplicaSettings(BaseModel):
@@ -109,6 +110,16 @@ def is_shared_database(db: str) -> bool:
     return db.startswith(("postgresql://", "postgres://"))
 
 
+class TenantLimit(BaseModel):
+    """How many GPUs one tenant's jobs may hold at once across every site of the federation together
+    (:mod:`policies.tenant_limit`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    gpus: float = Field(ge=0, le=10_000_000, description="GPUs the tenant's jobs on sites (dispatching, admitted, "
+                        "running) may hold together, a fractional job counting its share; 0: none start")
+
+
 class BrokerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # (an .inf interval would stop the loop)
 
@@ -133,6 +144,13 @@ class BrokerSettings(BaseModel):
         default=720.0, ge=0, le=1_000_000,  # (a century and more; past about two millennia the cutoff overflows)
         description="finished jobs (succeeded, failed, cancelled) are deleted with their transitions and decision "
                     "this many hours after they ended (720: 30 days; at most 1,000,000); 0 or null: kept for ever")
+    tenant_limits: dict[Slug, TenantLimit] = Field(
+        default_factory=dict,
+        description="per tenant, the GPUs its jobs may hold at once across the whole federation; a job that would "
+                    "take its tenant past it waits in the queue (as Armada's queue limits, Kueue's ClusterQueue "
+                    "quotas), whatever each site's own quota allows")
+    default_tenant_limit: TenantLimit | None = Field(
+        default=None, description="the limit of every tenant tenant_limits does not name; none: unlimited")
     shutdown_grace_s: float = Field(default=5.0, ge=0, description="how long shutdown waits for dispatches")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     profiles: ProfilesConfig = Field(default_factory=ProfilesConfig,
@@ -391,3 +409,9 @@ def _relative_to(config: FederationConfig, folder: Path) -> FederationConfig:
     if update:
         config.broker = b.model_copy(update=update)
     return config
+
+
+def tenant_limits(settings: BrokerSettings) -> TenantLimits:
+    """The settings' federation-wide tenant limits as the scheduling pass reads them."""
+    return TenantLimits({t: lim.gpus for t, lim in settings.tenant_limits.items()},
+                        settings.default_tenant_limit.gpus if settings.default_tenant_limit is not None else None)

@@ -63,7 +63,8 @@ from broker.store import Store, StoreError
 from policies import explain, runtime_risk, timeshift
 from policies.fair_order import FairOrder
 from policies.pipeline import Pipeline, Placement, default_pipeline
-from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, gpus_charged
+from policies.tenant_limit import TenantLimits, TenantRoom
 from policies import latency_reserve
 from policies.latency_reserve import LatencyDemand
 from policies import migration
@@ -264,6 +265,8 @@ class PassDecider:
         key = req.shape if shape is None else shape
         if self.snap.quota is not None:  # the sites' quotas tell tenants apart
             key = (key, req.tenant, req.preemptible)
+        elif self.snap.tenant_room is not None:  # so do limits across the federation
+            key = (key, req.tenant)
         if self.snap.preempt_levels:  # so does what a job's priority lets a site preempt for it
             key = (key, bisect.bisect_left(self.snap.preempt_levels, req.priority))
         failure = self.failed.get(key)
@@ -441,9 +444,11 @@ class SchedulingCycle:
         dispatch_timeout_s: float = 30.0,
         full_pass_interval_s: float = 1.0,
         profiles: Mapping[str, Pipeline] | None = None,
+        tenant_limits: TenantLimits | None = None,
     ) -> None:
         """``pipeline`` places jobs that name no profile; ``profiles`` holds the pipelines of the profiles
-        jobs may name (a job naming another one, after a configuration change, gets ``pipeline``)."""
+        jobs may name (a job naming another one, after a configuration change, gets ``pipeline``);
+        ``tenant_limits``: the GPUs each tenant may hold across the federation (``broker.tenant_limits``)."""
         self.lifecycle = lifecycle
         self.clock = clock
         self.federation = federation
@@ -453,6 +458,7 @@ class SchedulingCycle:
         self.profiles: dict[str, Pipeline] = dict(profiles or {})
         self.filters = {f.code: f for p in (self.pipeline, *self.profiles.values()) for f in p.filters}
         self.dispatch_timeout_s = dispatch_timeout_s
+        self.tenant_limits = tenant_limits if tenant_limits else None
         self._dispatches: set[asyncio.Task[None]] = set()
         # site -> its dispatches under way, until each is confirmed or undone (dispatches_to)
         self._submits: dict[str, set[asyncio.Task[None]]] = {}
@@ -565,6 +571,7 @@ class SchedulingCycle:
         # 2. snapshot
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at)
+        snap = self._count_tenants(snap)
         if self._plan_hours:
             snap = self._with_plan(snap)
             await self._keep_learned()
@@ -1060,6 +1067,7 @@ class SchedulingCycle:
         what was decided ahead of it."""
         snap = self.federation.freeze(self.clock.now())
         self._debit_in_flight(snap, self._asked_at, forget=False)
+        snap = self._count_tenants(snap)
         deferred = dict(self._deferred)
         if self._plan_hours:
             snap = self._with_plan(snap, observe=False, deferred=deferred)
@@ -1632,6 +1640,20 @@ class SchedulingCycle:
             log.error("job %s: could not store its placement on %s (%s); it stays queued", new.id, new.site, e)
             self._in_flight.pop(new.id, None)
             return False
+
+    def _count_tenants(self, snap: Snapshot) -> Snapshot:
+        """``snap`` with, under federation-wide tenant limits, what each limited tenant holds now (its jobs on sites
+        or on their way to one, and preempted ones not back in the queue yet), for the pass to debit its placements
+        from."""
+        limits = self.tenant_limits
+        if limits is None:
+            return snap
+        held: dict[str, float] = {}
+        for job in self.book.active.unqueued():
+            tenant = job.spec.tenant
+            if limits.of(tenant) is not None:
+                held[tenant] = held.get(tenant, 0.0) + gpus_charged(job.spec.gpus)
+        return replace(snap, tenant_room=TenantRoom(limits, held))
 
     def _debit_in_flight(self, snap: Snapshot, asked_at: int, forget: bool = True) -> None:
         """Debit placements the reports cannot show yet; forget those a report has caught up with (``forget``:

@@ -26,7 +26,7 @@ from adapters.base import AdapterError, SiteAdapter
 from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
 from broker.clock import Clock, SystemClock
-from broker.config import BrokerSettings, ConfigError, ReplicaSettings, is_shared_database
+from broker.config import BrokerSettings, ConfigError, ReplicaSettings, is_shared_database, tenant_limits
 from broker.cycle import SchedulingCycle
 from policies.profiles import profile_pipeline
 from broker.federation import Federation, Member, QuotaRefused, needs_rebuild
@@ -201,6 +201,7 @@ class Broker:
             pipeline=profile_pipeline(self.settings.profiles.default, self.settings.profiles),
             profiles={name: profile_pipeline(name, self.settings.profiles)
                       for name in self.settings.profiles.job_may_choose},
+            tenant_limits=tenant_limits(self.settings),
         )
         self.cycle.may_act = self.lifecycle.may_act = self.may_act
         self.lifecycle.restart_overhead_s = self.cycle.restart_overhead_s

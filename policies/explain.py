@@ -109,6 +109,7 @@ def record(pipeline: Pipeline, placement: Placement, snap: Snapshot) -> dict[str
         "site": snap.sites[placement.site] if placement.placed else None,
         "model": ids.GPU_MODEL_IDS[placement.model] if placement.placed else None,
         **_quota_record(req, snap),
+        **_tenant_record(req, snap),
         **_rtt_record(req, snap),
         **_passed_over_record(placement.passed_over, placement.n_passed_over, snap),
         **({"over_plan": True} if placement.over_plan else {}),
@@ -206,6 +207,16 @@ def _quota_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
             "quota_listed": req.tenant in snap.quota.room}
 
 
+def _tenant_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
+    """The tenant's federation-wide limit and what it held then, [GPUs, GPUs] (what the tenant-limit filter's reason
+    quotes), for a tenant that has a limit."""
+    room = snap.tenant_room
+    limit = room.limits.of(req.tenant) if room is not None else None
+    if room is None or limit is None:
+        return {}
+    return {"tenant_limit": [limit, round(room.held.get(req.tenant or "", 0.0), 6)]}
+
+
 def _rtt_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
     """For a job with a latency objective, the round-trip time in ms from its origin to each site (NaN: not
     measured), which the latency filter's reasons quote."""
@@ -228,6 +239,7 @@ class _View:
     refusals: dict[str, str] | None = None  # site -> why it refused the job's attempt (RefusedFilter)
     sites: list[str] | None = None  # site names, in row order
     rtt_ms: list[float] | None = None  # the RTT from the job's origin per site (NaN: not measured); None: not recorded
+    tenant_limit: list[float] | None = None  # [limit, held], GPUs (policies.filters.tenant_limit); None: no limit
 
 
 def scores(rec: dict[str, Any], failures: np.ndarray | None = None
@@ -287,6 +299,7 @@ def render(
         rec.get("refusals"),
         sites,
         unpack(rec["rtt_ms"], "f8").tolist() if "rtt_ms" in rec else None,
+        rec.get("tenant_limit"),
     )
     raws, norms, totals_array = scores(rec, failures_array)
     # A stand-in for an unknown raw value (it only ranked the site last) is shown as no value, as a NaN is.

@@ -1,7 +1,8 @@
 """Profiles: named weightings of the scorers, chosen per federation and overridable per job within limits.
 
 A profile is a set of scorer weights (each finite and >= 0; 0 or absent turns a scorer off). Every profile
-runs the same filters: health, cordon, region, latency objective, refused, site quota, GPU fit. The built-in profiles:
+runs the same filters: health, cordon, region, latency objective, refused, site quota, GPU fit, tenant limit. The
+built-in profiles:
 
 - ``balanced``: carbon 0.5, cost 0.5, latency 0.25, free GPUs 0.1, off-peak 0.1, telemetry 0.1 — a bit of
   everything, carbon and money first.

@@ -24,6 +24,7 @@ from broker import ids
 from broker.models import GpuRequest, Health, JobSpec, SiteSpec, SiteState, mig_slices
 from policies.fair_order import Standing, standings
 from policies.preemptible import MODEL_INDEX, N_MODELS, OwnPreemptible, own_preemptible, preemptible_arrays
+from policies.tenant_limit import TenantRoom
 
 # MODEL_INDEX (model id -> column) and N_MODELS come from policies.preemptible, which lays its arrays out the same.
 TDP_KW: np.ndarray = np.array([ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 for m in ids.GPU_MODEL_IDS], dtype=np.float64)
@@ -46,6 +47,15 @@ def region_set(regions: list[str] | tuple[str, ...]) -> frozenset[str]:
 @functools.lru_cache(maxsize=4096)
 def _shared_set(regions: tuple[str, ...]) -> frozenset[str]:
     return frozenset(regions)
+
+
+def charge(count: int, milli: int, mig_profile: str | None) -> float:
+    """GPUs a job of ``count`` GPUs (``milli`` thousandths of one each, ``mig_profile`` slices) counts against its
+    tenant's quota and holds: a share of one for a fractional job, N/7 of a GPU per slice of an ``Ng.Mgb`` MIG
+    profile."""
+    if mig_profile is not None:
+        return count * mig_slices(mig_profile) / 7.0
+    return milli / 1000.0 if milli < 1000 else float(count)
 
 @dataclass(frozen=True, slots=True)
 class JobRequest:
@@ -103,11 +113,8 @@ class JobRequest:
 
     @property
     def charge(self) -> float:
-        """GPUs the job counts against its tenant's quota and holds: a share of one for a fractional job,
-        N/7 of a GPU per slice of an ``Ng.Mgb`` MIG profile."""
-        if self.mig_profile is not None:
-            return self.count * mig_slices(self.mig_profile) / 7.0
-        return self.milli / 1000.0 if self.milli < 1000 else float(self.count)
+        """GPUs the job counts against its tenant's quota and holds (:func:`charge`)."""
+        return charge(self.count, self.milli, self.mig_profile)
 
     @property
     def shape(self) -> tuple[object, ...]:
@@ -118,6 +125,11 @@ class JobRequest:
 
 
 _LARGEST_GPU_GIB = max(m.memory_gib for m in ids.GPU_MODELS)
+
+
+def gpus_charged(g: GpuRequest) -> float:
+    """:func:`charge` of a spec's GPU request, as :meth:`JobRequest.from_spec` reads it."""
+    return charge(g.count, _broker_milli(g), g.mig_profile)
 
 
 def _broker_milli(g: GpuRequest) -> int:
@@ -331,6 +343,9 @@ class Snapshot:
     run_time_errors: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # The sites' quota figures per tenant (None: no site enforces quotas). Debited by assume().
     quota: QuotaView | None = None
+    # What each tenant holds across the federation against its limit (policies.tenant_limit; None: no limits).
+    # Debited by assume() for a placement of this pass.
+    tenant_room: TenantRoom | None = None
     # MIG slices of each profile that could still be made, int32[n_sites, n_models]. Debited by assume().
     mig_free: dict[str, np.ndarray] = field(default_factory=dict)
     # GPUs held by preemptible jobs past their minimum run time, by priority, as the sites report them:
@@ -443,6 +458,7 @@ class Snapshot:
             plan_free=self.plan_free.copy(),
             near_booked=self.near_booked.copy(),
             quota=self.quota.copy() if self.quota is not None else None,
+            tenant_room=self.tenant_room.copy() if self.tenant_room is not None else None,
             mig_free={p: a.copy(order="F") for p, a in self.mig_free.items()},
             preempt_taken=self.preempt_taken.copy(),
         )
@@ -506,6 +522,8 @@ class Snapshot:
             self.free_gpus[site, model] -= req.count
         if self.quota is not None:
             self.quota.debit(site, req, model)
+        if placed_now and self.tenant_room is not None:  # (one re-debited from an earlier pass is counted held)
+            self.tenant_room.debit(req.tenant, req.charge)
         if self.plan_free.size:  # the run's later hours in the time-shift plan; hour 0 is free_gpus itself
             end = self._plan_end(req)
             self.plan_free[site, model, 1:max(end, 1)] -= req.charge

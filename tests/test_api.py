@@ -1286,6 +1286,28 @@ async def test_labels_a_listing_could_not_name_or_an_index_could_not_hold_are_re
     assert (await (await client.get(f"/v1/jobs/{await submit(client, labels=longest)}")).json())["spec"]["labels"] == longest
 
 
+async def test_a_job_larger_than_its_tenants_federation_limit_is_refused_naming_gpus(tmp_path: Path):
+    """It could never start (``broker.tenant_limits``): refused at submission and in a preview, rather than queued
+    for ever; within the limit, or for a tenant without one, it is taken."""
+    settings = BrokerSettings(db=str(tmp_path / "api.db"), shutdown_grace_s=1, tenant_limits={"t1": {"gpus": 4}})
+    broker = Broker(settings)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            problem = ("the job holds 5 GPUs, and tenant t1 may hold at most 4 across the federation "
+                       "(broker.tenant_limits)")
+            for path, body, at in (("/v1/jobs", {**MINIMAL, "gpus": {"count": 5}}, ""),
+                                   ("/v1/preview", [{**MINIMAL, "gpus": {"count": 5}}], "[0].")):
+                r = await c.post(path, json=body)
+                error = (await r.json())["error"]
+                assert r.status == 422 and error["fields"] == [{"field": f"{at}gpus", "problem": problem}], error
+            assert (await c.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 4}})).status == 201
+            assert (await c.post("/v1/jobs", json={**MINIMAL, "tenant": "t2", "gpus": {"count": 5}})).status == 201
+            assert len((await (await c.get("/v1/jobs")).json())["items"]) == 2
+    finally:
+        await broker.stop()
+
+
 async def test_a_cancel_by_labels_stops_the_sweeps_queued_and_running_jobs_and_leaves_the_rest(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     sweep = {"sweep": "lr-search"}

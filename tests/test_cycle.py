@@ -239,6 +239,41 @@ async def test_a_job_no_site_can_fit_stays_queued_and_its_decision_names_every_s
     assert reasons["beta"] == ["gpus-do-not-fit: site has no a100-80gb"]
 
 
+async def test_a_tenant_at_its_federation_limit_waits_while_others_run_and_starts_when_its_jobs_end(make):
+    """``broker.tenant_limits``: t1 may hold 4 GPUs across both sites together (each site alone would take more);
+    its third job waits, saying why at every site, while t2's job (no limit named; the default, 8) starts, and it
+    starts once one of t1's jobs ends. A fractional job counts its share."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST),
+                   site("beta", gpus={"a100-80gb": 8}, region="gcp:europe-west3", adapter=FAST),
+                   tenant_limits={"t1": {"gpus": 4}}, default_tenant_limit={"gpus": 8})
+    short = await h.submit(tenant="t1", name="short", count=2, duration_s=600)
+    long = await h.submit(tenant="t1", name="long", count=1, duration_s=7200)
+    share = await h.submit(tenant="t1", name="share", milli=500, duration_s=7200)
+    third = await h.submit(tenant="t1", name="third", count=1, duration_s=600)
+    other = await h.submit(tenant="t2", name="other", count=4, duration_s=600)
+    await h.cycle()
+    await h.step(1.0)
+    await h.cycle()
+    states = {j.id: (await h.job(j.id)).state for j in (short, long, share, third, other)}
+    assert states == {short.id: JobState.RUNNING, long.id: JobState.RUNNING, share.id: JobState.RUNNING,
+                      third.id: JobState.QUEUED, other.id: JobState.RUNNING}
+    d = await h.decision(third.id)
+    assert d.outcome == "unplaceable"
+    why = ("tenant-limit: tenant t1 holds 3.5 GPUs across the federation and may hold at most 4 "
+           "(broker.tenant_limits); the job needs 1")
+    assert {v.site: v.reasons for v in d.sites} == {"alpha": [why], "beta": [why]}
+    [(req, record, _)] = h.broker.cycle.previews([job(tenant="t1", name="more", count=1)])  # as a submission
+    assert record["site"] is None and record["tenant_limit"] == [4.0, 3.5]
+    assert explain.render(record, req, h.broker.cycle.filters, 0).sites[0].reasons == [why]
+    [(_, record, _)] = h.broker.cycle.previews([job(tenant="t1", name="half", milli=500)])  # its share fits
+    assert record["site"] is not None
+    await h.step(600)  # the 2-GPU job ends
+    await h.cycle()
+    await h.step(1.0)
+    assert (await h.job(third.id)).state == JobState.RUNNING
+    assert (await h.job(short.id)).state == JobState.SUCCEEDED
+
+
 async def test_the_higher_priority_job_gets_scarce_gpus_first(make):
     h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
     low = await h.submit(name="low", count=8, priority=0)

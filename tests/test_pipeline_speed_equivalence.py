@@ -246,6 +246,7 @@ REF_FILTER: dict[str, Callable[[JobRequest, Snapshot], np.ndarray | None]] = {
     "region-not-allowed": _ref_region,
     "latency-objective": _ref_latency_objective, "site-refused": _ref_refused, "gpus-do-not-fit": _ref_gpu_fit,
     "quota-refuses": lambda req, snap: None,  # these federations report no quotas (the filter passes every site)
+    "tenant-limit": lambda req, snap: None,  # nor are tenants limited (the filter passes every site)
 }
 
 _MEMORY_ORDER = np.array([ids.GPU_MODEL_BY_ID[m].memory_gib for m in ids.GPU_MODEL_IDS], dtype=np.float64)

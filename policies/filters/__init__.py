@@ -36,13 +36,15 @@ class Filter(Protocol):
 
 def standard_filters() -> tuple:
     """Every filter of this release, in the order a decision records them: health, cordon, region, latency
-    objective, refused, site quota, GPU fit (each profile and baseline runs all of them)."""
+    objective, refused, site quota, GPU fit, tenant limit (each profile and baseline runs all of them; the tenant
+    limit last, so that the filters before it keep the bits they have in records of earlier releases)."""
     from policies.filters.cordon import CordonFilter
     from policies.filters.gpu_fit import GpuFitFilter
     from policies.filters.health import HealthyFilter
     from policies.filters.latency import LatencyFilter
     from policies.filters.quota import QuotaFilter
     from policies.filters.region import RefusedFilter, RegionFilter
+    from policies.filters.tenant_limit import TenantLimitFilter
 
     return (HealthyFilter(), CordonFilter(), RegionFilter(), LatencyFilter(), RefusedFilter(), QuotaFilter(),
-            GpuFitFilter())
+            GpuFitFilter(), TenantLimitFilter())
