@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from broker.ids import GPU_MODEL_IDS
 from broker.models import JobState
-from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, gpus_charged
 
 if TYPE_CHECKING:
     from broker.service import Broker
@@ -120,13 +120,28 @@ class BrokerCollector(Collector):
         for key, group in queue.groups.items():
             tally[(JobState.QUEUED.value, key[1])] += len(group)
         running: list = []
+        held: Tally[str] = Tally()
         for job in b.book.active.unqueued():
             tally[(job.state.value, job.spec.tenant)] += 1
+            held[job.spec.tenant] += gpus_charged(job.spec.gpus)
             if job.state in (JobState.ADMITTED, JobState.RUNNING) and job.site is not None:
                 running.append(job)
         for (state, tenant), n in sorted(tally.items()):
             jobs.add_metric([state, tenant], n)
         yield jobs
+        holding = _gauge("heliotrope_tenant_gpus_held", "GPUs the tenant's jobs hold across the federation "
+                         "(dispatching, admitted, running, preempted until requeued; a fractional job its share), "
+                         "as broker.tenant_limits counts them", ["tenant"])
+        for tenant, gpus in sorted(held.items()):
+            holding.add_metric([tenant], gpus)
+        limit = _gauge("heliotrope_tenant_gpus_limit", "The GPUs broker.tenant_limits lets the tenant hold across "
+                       "the federation (tenants it names; broker.default_tenant_limit for the rest is not listed)",
+                       ["tenant"])
+        limits = b.cycle.tenant_limits
+        for tenant, gpus in sorted(limits.limits.items() if limits is not None else ()):
+            limit.add_metric([tenant], gpus)
+        yield holding
+        yield limit
         yield from self._sites(running)
 
     def _sites(self, running: list) -> Iterator[Metric]:

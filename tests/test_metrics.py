@@ -44,7 +44,8 @@ async def running(tmp_path: Path):
     clock = ManualClock(NOW)
     carbon = FileCarbonProvider(load_carbon(ROOT / "data" / "carbon"))
     settings = BrokerSettings.model_validate({"db": str(tmp_path / "m.db"), "shutdown_grace_s": 0.1,
-                                              "carbon_forecast": {"history_h": 336}})  # the slice holds 3 weeks
+                                              "carbon_forecast": {"history_h": 336},  # the slice holds 3 weeks
+                                              "tenant_limits": {"vision": {"gpus": 100}}})
     broker = Broker(settings, clock=clock, carbon=carbon)
     await broker.start([LONDON, TOKYO], run_loop=False)
     await asyncio.wait_for(broker.signals.wait_ready(), 10)
@@ -74,6 +75,11 @@ async def test_metrics_show_jobs_decisions_sites_and_the_cost_and_carbon_of_runn
 
     assert m[("heliotrope_jobs", (("state", "running"), ("tenant", "vision")))] == 3
     assert m[("heliotrope_jobs", (("state", "queued"), ("tenant", "nlp")))] == 2
+    assert m[("heliotrope_tenant_gpus_held", (("tenant", "vision"),))] == 6  # (nlp's jobs hold none: queued)
+    assert m[("heliotrope_tenant_gpus_limit", (("tenant", "vision"),))] == 100
+    assert [k for k in m if k[0].startswith("heliotrope_tenant_gpus")] == [
+        ("heliotrope_tenant_gpus_held", (("tenant", "vision"),)),
+        ("heliotrope_tenant_gpus_limit", (("tenant", "vision"),))]
     assert m[("heliotrope_decisions_total", (("outcome", "placed"),))] == 3
     # one of the two huge jobs was decided: the other, of the same group, could not run either
     assert m[("heliotrope_decisions_total", (("outcome", "unplaceable"),))] == 1
