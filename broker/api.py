@@ -14,7 +14,8 @@ Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured),
         ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``,
         ``GET /v1/jobs/{id}/logs?attempt=&tail=`` (what an attempt printed, as its site gives it; text/plain)
 Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
-        ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`)
+        ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`),
+        ``GET /v1/tenants`` (each tenant's jobs and the GPUs it holds against its federation-wide limit)
 Other:  ``GET /healthz`` (liveness), ``GET /readyz`` (readiness: the store answers), ``GET /openapi.json``,
         ``GET /metrics``, ``GET /v1/whoami``
 
@@ -165,6 +166,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("GET", "/v1/jobs/{id}/logs"): ANY,  # 404 for a job the caller may not see
     ("GET", "/v1/events"): ANY,  # filtered to what the caller may see
     ("GET", "/v1/carbon"): ANY,
+    ("GET", "/v1/tenants"): SUBMITTERS,  # a submitter reads its own tenants' (operators: tenants' figures are not theirs)
     ("GET", "/v1/whoami"): ANY,
     ("GET", "/metrics"): OPERATORS,
     ("GET", "/healthz"): OPEN,
@@ -1248,6 +1250,40 @@ async def carbon(request: web.Request) -> web.Response:
                   "decision without its carbon terms, at the same moment (broker.carbon_ledger)"})
 
 
+async def tenants(request: web.Request) -> web.Response:
+    """``GET /v1/tenants[?tenant=T]``: per tenant with unfinished jobs or a federation-wide limit, its jobs by state
+    and the GPUs they hold across the federation against its limit (``broker.tenant_limits``), as Kueue's
+    ClusterQueue status shows usage against quota. A submitter reads its own tenants'."""
+    broker = request.app[BROKER]
+    who = principal(request)
+    unknown = sorted(set(request.query) - {"tenant"})
+    if unknown:
+        raise ApiError(400, f"unknown query parameter {unknown[0]!r}; tenants take tenant",
+                       [{"field": unknown[0], "problem": "unknown query parameter"}])
+    asked = request.query.get("tenant")
+    if asked == "":
+        raise ApiError(400, "query parameter tenant names no tenant", [{"field": "tenant", "problem": "empty"}])
+    if asked is not None and who.role == Role.SUBMITTER and not who.acts_for(asked):
+        raise not_your_tenant(who, asked)
+    limits = broker.cycle.tenant_limits
+    usage = broker.book.active.by_tenant()
+    names = set(usage) | set(limits.limits if limits is not None else ())
+    if asked is not None:
+        names = {asked}
+    if who.role == Role.SUBMITTER:
+        names = {t for t in names if who.acts_for(t)}
+    items = []
+    for name in sorted(names):
+        held = usage.get(name)
+        limit = limits.of(name) if limits is not None else None
+        item: dict[str, Any] = {"tenant": name, "gpus_held": round(held.gpus_held, 6) if held else 0.0,
+                                "jobs": dict(sorted(held.jobs.items())) if held else {}}
+        if limit is not None:
+            item["gpus_limit"] = limit
+        items.append(item)
+    return _json({"items": items})
+
+
 async def whoami(request: web.Request) -> web.Response:
     who = principal(request)
     return _json({"name": who.name, "role": who.role.value, "sites": sorted(who.sites),
@@ -1338,6 +1374,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/jobs/{id}/logs", job_logs)
     r.add_get("/v1/events", events, allow_head=False)  # a stream has no HEAD: it never ends
     r.add_get("/v1/carbon", carbon)
+    r.add_get("/v1/tenants", tenants)
     r.add_get("/v1/whoami", whoami)
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)

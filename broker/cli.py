@@ -8,6 +8,7 @@
     heliotrope cancel --tenant T | --label K=V|K ... [--state S] [--site S] [--reason TEXT] [--dry-run]
     heliotrope sites list | get NAME | add FILE | remove NAME   (list: health, lease and last-heard time)
     heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
+    heliotrope tenants [--tenant T]          each tenant's jobs and GPUs held across the federation, against its limit
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
     heliotrope quota SITE --set T [--guaranteed N] [--burst N] [--weight W] [--ceiling P] [--model M] | --remove T
     heliotrope watch [--tenant T] [--site S] [--job ID] [--type T,...]   follow live events (GET /v1/events)
@@ -414,9 +415,9 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _cancellable(c: Client, args: argparse.Namespace) -> list[Any]:
     """``--dry-run``: the jobs the selector matches now, newest first, listed state by state (the list filters by
-    one state at a time; a finished job is never cancelled). A token whose cancel the broker would refuse (403: a
-    viewer's, an operator's, or a submitter's for another tenant) is told so, as the cancel would be, rather than
-    shown jobs it may read but not cancel."""
+    one state at a time; a finished job is never cancelled). A token whose cancel the broker would refuse (403: an
+    operator's, or a submitter's for another tenant) is told so, as the cancel would be, rather than shown jobs it
+    may read but not cancel."""
     me = await c.request("GET", "/v1/whoami")
     if me.get("role") not in ("admin", "submitter"):
         raise CliError(f"a cancel would be refused: {me.get('name')} is a token of role {me.get('role')}, and only "
@@ -603,12 +604,28 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 else:
                     out = await c.request("GET", path, params={"tenant": args.tenant} if args.tenant is not None else None)
                 text = show_quota(out)
+            case "tenants":
+                out = await c.request("GET", "/v1/tenants", params={"tenant": args.tenant} if args.tenant else None)
+                out = out["items"]
+                text = table([_tenant_row(t) for t in out], TENANT_COLUMNS)
             case _:
                 raise CliError(f"unknown command {args.command}")
     rendered = json.dumps(out, indent=2) if args.json else text
     if left is not None:
         raise Incomplete(rendered, left)
     return rendered
+
+
+TENANT_COLUMNS = ("tenant", "gpus", "limit", "queued", "on_sites")
+
+
+def _tenant_row(t: dict[str, Any]) -> dict[str, Any]:
+    """One tenant of ``GET /v1/tenants``: the GPUs it holds, its limit across the federation (- for none), its queued
+    jobs and those on sites or on their way to one."""
+    jobs = t.get("jobs", {})
+    return {"tenant": t["tenant"], "gpus": f"{t['gpus_held']:g}",
+            "limit": f"{t['gpus_limit']:g}" if t.get("gpus_limit") is not None else None,
+            "queued": jobs.get("queued", 0), "on_sites": sum(n for state, n in jobs.items() if state != "queued")}
 
 
 async def _logs(c: Client, args: argparse.Namespace) -> str | None:
@@ -891,6 +908,9 @@ def parser() -> argparse.ArgumentParser:
     cordon.add_argument("name")
     cordon.add_argument("--reason", help="why, for the site's readers (at most 500 characters)")
     acts.add_parser("uncordon", parents=[common], help="give a cordoned site back to routing").add_argument("name")
+    s = sub.add_parser("tenants", parents=[common],
+                       help="each tenant's jobs and the GPUs they hold across the federation, against its limit")
+    s.add_argument("--tenant", help="show only this tenant")
     s = sub.add_parser("quota", parents=[common], help="a site's quota state per tenant; --set or --remove changes it")
     s.add_argument("site")
     s.add_argument("--tenant", help="show only this tenant")

@@ -63,7 +63,7 @@ from broker.store import Store, StoreError
 from policies import explain, runtime_risk, timeshift
 from policies.fair_order import FairOrder
 from policies.pipeline import Pipeline, Placement, default_pipeline
-from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot, gpus_charged
+from policies.snapshot import MODEL_INDEX, JobRequest, Snapshot
 from policies.tenant_limit import TenantLimits, TenantRoom
 from policies import latency_reserve
 from policies.latency_reserve import LatencyDemand
@@ -1648,11 +1648,8 @@ class SchedulingCycle:
         limits = self.tenant_limits
         if limits is None:
             return snap
-        held: dict[str, float] = {}
-        for job in self.book.active.unqueued():
-            tenant = job.spec.tenant
-            if limits.of(tenant) is not None:
-                held[tenant] = held.get(tenant, 0.0) + gpus_charged(job.spec.gpus)
+        held = {tenant: usage.gpus_held for tenant, usage in self.book.active.by_tenant().items()
+                if limits.of(tenant) is not None}
         return replace(snap, tenant_room=TenantRoom(limits, held))
 
     def _debit_in_flight(self, snap: Snapshot, asked_at: int, forget: bool = True) -> None:

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -31,7 +31,7 @@ from broker.models import IllegalTransition, Job, JobChange, JobSpec, JobState
 from broker.queue import QueueIndex
 from broker.events import EventHub
 from broker.store import Conflict, DuplicateKey, Fenced, Store, StoreError
-from policies.snapshot import NO_SITES
+from policies.snapshot import NO_SITES, gpus_charged
 
 log = logging.getLogger(__name__)
 transitions_log = logging.getLogger("heliotrope.jobs")  # one line per transition; `heliotrope demo` shows it
@@ -174,6 +174,28 @@ class ActiveJobs(MutableMapping[str, Job]):
 
     def queued_count(self) -> int:
         return len(self._queued)
+
+    def by_tenant(self) -> dict[str, TenantUsage]:
+        """Per tenant with unfinished jobs: how many are in each state, and the GPUs those on sites or on their way
+        to one hold (:func:`policies.snapshot.gpus_charged`: a fractional job its share), as federation-wide tenant
+        limits count them (preempted ones too, until they are back in the queue)."""
+        out: dict[str, TenantUsage] = {}
+        for key, group in self.queue.groups.items():  # (priority, tenant, ...): queued jobs are not parsed
+            usage = out.setdefault(key[1], TenantUsage())
+            usage.jobs[JobState.QUEUED.value] = usage.jobs.get(JobState.QUEUED.value, 0) + len(group)
+        for job in self._jobs.values():
+            usage = out.setdefault(job.spec.tenant, TenantUsage())
+            usage.jobs[job.state.value] = usage.jobs.get(job.state.value, 0) + 1
+            usage.gpus_held += gpus_charged(job.spec.gpus)
+        return out
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    """One tenant's unfinished jobs by state, and the GPUs they hold across the federation."""
+
+    jobs: dict[str, int] = field(default_factory=dict)
+    gpus_held: float = 0.0
 
 
 _COMPACT = Job.__pydantic_serializer__.to_json

@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from broker.ids import GPU_MODEL_IDS
 from broker.models import JobState
-from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, gpus_charged
+from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest
 
 if TYPE_CHECKING:
     from broker.service import Broker
@@ -115,25 +115,19 @@ class BrokerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         b = self.broker
         jobs = _gauge("heliotrope_jobs", "Unfinished jobs by state and tenant", ["state", "tenant"])
-        tally: Tally[tuple[str, str]] = Tally()
-        queue = b.book.active.queue
-        for key, group in queue.groups.items():
-            tally[(JobState.QUEUED.value, key[1])] += len(group)
-        running: list = []
-        held: Tally[str] = Tally()
-        for job in b.book.active.unqueued():
-            tally[(job.state.value, job.spec.tenant)] += 1
-            held[job.spec.tenant] += gpus_charged(job.spec.gpus)
-            if job.state in (JobState.ADMITTED, JobState.RUNNING) and job.site is not None:
-                running.append(job)
-        for (state, tenant), n in sorted(tally.items()):
-            jobs.add_metric([state, tenant], n)
+        usage = b.book.active.by_tenant()
+        for tenant, tenant_usage in sorted(usage.items()):
+            for state, n in sorted(tenant_usage.jobs.items()):
+                jobs.add_metric([state, tenant], n)
+        running = [job for job in b.book.active.unqueued()
+                   if job.state in (JobState.ADMITTED, JobState.RUNNING) and job.site is not None]
         yield jobs
         holding = _gauge("heliotrope_tenant_gpus_held", "GPUs the tenant's jobs hold across the federation "
                          "(dispatching, admitted, running, preempted until requeued; a fractional job its share), "
                          "as broker.tenant_limits counts them", ["tenant"])
-        for tenant, gpus in sorted(held.items()):
-            holding.add_metric([tenant], gpus)
+        for tenant, tenant_usage in sorted(usage.items()):
+            if tenant_usage.gpus_held or any(state != JobState.QUEUED.value for state in tenant_usage.jobs):
+                holding.add_metric([tenant], tenant_usage.gpus_held)
         limit = _gauge("heliotrope_tenant_gpus_limit", "The GPUs broker.tenant_limits lets the tenant hold across "
                        "the federation (tenants it names; broker.default_tenant_limit for the rest is not listed)",
                        ["tenant"])

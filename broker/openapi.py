@@ -212,6 +212,15 @@ def _components() -> dict[str, Any]:
         open_attempts={**_INT, "description": "attempts still running, counted for their expected run until they end "
                                               "(then for the time they ran)"},
         baseline=_STR)
+    components["TenantUsage"] = {
+        **_object(required=False, tenant=_STR,
+                  gpus_held={**_NUM, "description": "GPUs its jobs on sites or on their way to one hold (a fractional "
+                                                    "job its share)"},
+                  gpus_limit={**_NUM, "description": "the GPUs broker.tenant_limits lets it hold (absent: no limit)"},
+                  jobs={"type": "object", "additionalProperties": _INT,
+                        "propertyNames": {"enum": [s.value for s in JobState if not s.terminal]},
+                        "description": "its unfinished jobs by state"}),
+        "required": ["tenant", "gpus_held", "jobs"]}
     components["WhoAmI"] = _object(name=_STR, role={"enum": [r.value for r in Role]},
                                    sites={"type": "array", "items": _STR}, tenants={"type": "array", "items": _STR},
                                    token_id=_NULLABLE_STR, auth=_BOOL)
@@ -456,6 +465,12 @@ def _paths() -> dict[str, Any]:
         },
         "/v1/carbon": {"get": {"summary": "Carbon of the placements made, against a carbon-agnostic choice",
                                "responses": _answers(_json_body(_ref("Carbon"), "the ledger"))}},
+        "/v1/tenants": {"get": {
+            "summary": "Each tenant's unfinished jobs by state and the GPUs they hold across the federation, against "
+                       "its limit (broker.tenant_limits); a submitter reads its own tenants'",
+            "parameters": [param("tenant", minLength=1)],
+            "responses": _answers(_json_body(_object(items={"type": "array", "items": _ref("TenantUsage")}),
+                                             "the tenants"), 400)}},
         "/v1/whoami": {"get": {"summary": "Who the token is: name, role and scope",
                                "responses": _answers(_json_body(_ref("WhoAmI"), "the caller"))}},
         "/healthz": {"get": {"summary": "Liveness", "security": [],

@@ -1304,6 +1304,14 @@ async def test_a_job_larger_than_its_tenants_federation_limit_is_refused_naming_
             assert (await c.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 4}})).status == 201
             assert (await c.post("/v1/jobs", json={**MINIMAL, "tenant": "t2", "gpus": {"count": 5}})).status == 201
             assert len((await (await c.get("/v1/jobs")).json())["items"]) == 2
+            r = await c.get("/v1/tenants")  # (no site: both queued, holding nothing)
+            assert r.status == 200 and (await r.json())["items"] == [
+                {"tenant": "t1", "gpus_held": 0.0, "jobs": {"queued": 1}, "gpus_limit": 4.0},
+                {"tenant": "t2", "gpus_held": 0.0, "jobs": {"queued": 1}}]
+            r = await c.get("/v1/tenants?tenant=t3")  # named, though it has nothing
+            assert (await r.json())["items"] == [{"tenant": "t3", "gpus_held": 0.0, "jobs": {}}]
+            r = await c.get("/v1/tenants?state=queued")
+            assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == "state"
     finally:
         await broker.stop()
 

@@ -19,7 +19,7 @@ import yaml
 from broker import cli
 from broker.cli import main
 from broker.models import QuotaState, TenantQuotaState
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, TWO_SITES, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_submit_dry_run_of_a_sweep_larger_than_one_preview_takes_previews_each_j
     assert out.count("would be decided so at ") == 1001
     assert "more jobs than one preview decides together" in out and "each was previewed alone" in out
     # fewer, but over the broker's limit on a request's bytes (1 MiB) together: a 413, then each alone as well
-    labels = {f"k{n}": "v" * 60 for n in range(100)}
+    labels = {f"k{n}": "v" * 100 for n in range(60)}
     path.write_text(yaml.safe_dump([{**spec, "name": f"lr-{i}", "labels": labels} for i in range(200)]))
     code, out, err = run(capsys, server, "submit", "--dry-run", str(path))
     assert code == 0, err
@@ -211,6 +211,39 @@ def test_update_changes_a_queued_jobs_priority_and_refuses_what_cannot_change(ca
     code, out, err = run(capsys, server, "update", job_id, "--deadline", "2020-01-01T00:00:00Z")
     assert code != 0 and "deadline" in err and "Traceback" not in err
     run(capsys, server, "cancel", job_id)
+
+
+def test_tenants_shows_what_each_tenant_holds_against_its_limit_and_a_job_past_it_waits(capsys, server_factory,
+                                                                                         tmp_path):
+    """A broker started with ``broker.tenant_limits`` (from its YAML file): t1 may hold 2 GPUs across the federation;
+    its second 2-GPU job waits with the limit for a reason, and ``heliotrope tenants`` shows both tenants."""
+    srv = server_factory({**TWO_SITES, "broker": {**TWO_SITES["broker"], "tenant_limits": {"t1": {"gpus": 2}}}})
+    srv.start()
+
+    def submit(**spec) -> str:
+        code, out, err = run(capsys, srv, "--json", "submit", str(submit_file(tmp_path, **spec)))
+        assert code == 0, err
+        return json.loads(out)["id"]
+
+    first = submit(name="a", gpus={"count": 2}, duration_s=600)
+    second = submit(name="b", gpus={"count": 2}, duration_s=600)
+    submit(tenant="t2", name="c", gpus={"count": 1}, duration_s=600)
+    for _ in range(200):
+        states = [json.loads(run(capsys, srv, "--json", "job", i)[1])["state"] for i in (first, second)]
+        if states[0] == "running":
+            break
+        time.sleep(0.05)
+    assert states == ["running", "queued"]
+    code, out, err = run(capsys, srv, "explain", second)
+    assert code == 0 and "tenant-limit: tenant t1 holds 2 GPUs across the federation and may hold at most 2" in out
+    code, out, err = run(capsys, srv, "tenants")
+    assert code == 0, err
+    assert [line.split() for line in out.splitlines()] == [
+        ["TENANT", "GPUS", "LIMIT", "QUEUED", "ON_SITES"], ["t1", "2", "2", "1", "1"], ["t2", "1", "-", "0", "1"]]
+    code, out, err = run(capsys, srv, "--json", "tenants", "--tenant", "t2")
+    assert code == 0 and [t["tenant"] for t in json.loads(out)] == ["t2"]
+    code, out, err = run(capsys, srv, "submit", str(submit_file(tmp_path, name="big", gpus={"count": 3})))
+    assert code == 1 and "tenant t1 may hold at most 2 across the federation" in err and "Traceback" not in err
 
 
 def test_jobs_are_listed_by_label_and_a_sweep_is_cancelled_at_once_after_a_dry_run(capsys, server, tmp_path):
@@ -276,17 +309,15 @@ class _ScopedBroker(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize("who, args, words", [
-    ({"name": "grafana", "role": "viewer", "tenants": [], "sites": []}, ("--tenant", "t1"),
-     "grafana is a token of role viewer, and only admins and submitters cancel jobs"),
     ({"name": "ops-a", "role": "operator", "tenants": [], "sites": ["a"]}, ("--label", "sweep=1"),
-     "ops-a is a token of role operator"),
+     "ops-a is a token of role operator, and only admins and submitters cancel jobs"),
     ({"name": "alice", "role": "submitter", "tenants": ["t2"], "sites": []}, ("--tenant", "t1"),
      "alice acts for tenants t2, not t1"),
     ({"name": "bob", "role": "submitter", "tenants": ["t1"], "sites": []}, ("--tenant", "t1"), None),
 ])
 def test_a_dry_run_of_a_cancel_the_broker_would_refuse_says_so_rather_than_list_jobs(capsys, who, args, words):
-    """A viewer or an operator may read the jobs a cancel would match, but its cancel is refused (403): the dry run
-    listed them as "would be cancelled" all the same."""
+    """An operator may read the jobs on its sites a cancel would match, but its cancel is refused (403), as is a
+    submitter's for another tenant: the dry run listed them as "would be cancelled" all the same."""
     handler = type("Scoped", (_ScopedBroker,), {"WHO": who})
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -828,7 +859,10 @@ class _CancelsInPieces(_JsonAnswers):
     bodies: list[dict] = []
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        """``GET /v1/jobs?state=S``: one job, seen queued, then running by the next listing (it moved on)."""
+        """``GET /v1/jobs?state=S``: one job, seen queued, then running by the next listing (it moved on); ``GET
+        /v1/whoami``: an admin."""
+        if self.path == "/v1/whoami":
+            return self._send({"name": "root", "role": "admin", "tenants": [], "sites": []})
         state = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query)).get("state")
         job = {"id": "j1", "state": state, "site": None if state == "queued" else "alpha", "attempt": 1,
                "spec": {"tenant": "t1", "name": "n", "gpus": {"count": 1, "milli": 1000}},

@@ -267,6 +267,9 @@ async def test_a_tenant_at_its_federation_limit_waits_while_others_run_and_start
     assert explain.render(record, req, h.broker.cycle.filters, 0).sites[0].reasons == [why]
     [(_, record, _)] = h.broker.cycle.previews([job(tenant="t1", name="half", milli=500)])  # its share fits
     assert record["site"] is not None
+    usage = h.broker.book.active.by_tenant()  # what GET /v1/tenants and the metrics read
+    assert {t: (u.jobs, u.gpus_held) for t, u in usage.items()} == {
+        "t1": ({"queued": 1, "running": 3}, 3.5), "t2": ({"running": 1}, 4.0)}
     await h.step(600)  # the 2-GPU job ends
     await h.cycle()
     await h.step(1.0)
