@@ -106,12 +106,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import ssl
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -178,21 +181,69 @@ def _reason(e: BaseException) -> str:
     return str(e)
 
 
-def client_options(settings: MqttSettings, identifier: str) -> dict[str, Any]:
-    """``aiomqtt.Client`` arguments for either side: MQTT 3.1.1, a persistent session (``clean_session``
-    false) under a fixed client id, the password from ``settings.password_env``, and TLS (:func:`tls_context`)
-    when ``settings.tls``, ``ca_file`` or ``cert_file`` is set. Used by the broker's hub
-    (:mod:`adapters.remote`) and the site agent (:mod:`adapters.agent`)."""
+def client_options(settings: MqttSettings, identifier: str,
+                   protocol: aiomqtt.ProtocolVersion = aiomqtt.ProtocolVersion.V311) -> dict[str, Any]:
+    """``aiomqtt.Client`` arguments for either side: ``protocol`` (the agent speaks MQTT 3.1.1; the broker's hub
+    MQTT 5 where the MQTT broker takes it, for :func:`expiry_interval_s`), a persistent session under a fixed
+    client id (3.1.1: ``clean_session`` false; 5: ``clean_start`` false and a session that never expires, as
+    3.1.1's does), the password from ``settings.password_env``, and TLS (:func:`tls_context`) when
+    ``settings.tls``, ``ca_file`` or ``cert_file`` is set. Used by the broker's hub (:mod:`adapters.remote`) and
+    the site agent (:mod:`adapters.agent`)."""
     password = os.environ.get(settings.password_env) if settings.password_env else None
     if settings.password_env and password is None:
         log.warning("mqtt: environment variable %s (the MQTT password) is not set; connecting without one",
                     settings.password_env)
-    return {
-        "hostname": settings.host, "port": settings.port, "identifier": identifier, "clean_session": False,
-        "protocol": aiomqtt.ProtocolVersion.V311, "keepalive": settings.keepalive_s,
+    options: dict[str, Any] = {
+        "hostname": settings.host, "port": settings.port, "identifier": identifier,
+        "protocol": protocol, "keepalive": settings.keepalive_s,
         "username": settings.username, "password": password,
         "tls_context": tls_context(settings), "timeout": PUBLISH_TIMEOUT_S,
     }
+    if protocol == aiomqtt.ProtocolVersion.V5:
+        connect = Properties(PacketTypes.CONNECT)
+        connect.SessionExpiryInterval = SESSION_NEVER_EXPIRES
+        options |= {"clean_start": False, "properties": connect}
+    else:
+        options["clean_session"] = False
+    return options
+
+
+SESSION_NEVER_EXPIRES = 0xFFFFFFFF
+"""MQTT 5's Session Expiry Interval for a session kept until the client ends it (3.1.1's persistent session)."""
+
+EXPIRY_SLACK_S = 1.5
+"""What a command's Message Expiry Interval leaves of the broker's wait: 1 s for the MQTT broker counting whole
+seconds (Mosquitto still delivers a message in the second its interval ends), and 0.5 s for the publish's way to
+the MQTT broker, which starts the count when it has the message."""
+
+
+def expiry_interval_s(within_s: float) -> int:
+    """The Message Expiry Interval (whole seconds, at least 1: MQTT has no shorter one, and 0 is none) that has
+    the MQTT broker drop a command it still holds before ``within_s`` seconds from now have passed: what is left
+    of the broker's wait for the reply, less :data:`EXPIRY_SLACK_S`. That holds where ``within_s`` is at least
+    ``EXPIRY_SLACK_S + 1``; from a shorter one, the command may still be delivered up to that long after it was
+    published (see "Commands and replies")."""
+    return max(1, math.floor(within_s - EXPIRY_SLACK_S))
+
+
+def expiring(interval_s: int) -> Properties:
+    """PUBLISH properties with the Message Expiry Interval ``interval_s`` (MQTT 5)."""
+    properties = Properties(PacketTypes.PUBLISH)
+    properties.MessageExpiryInterval = interval_s
+    return properties
+
+
+_REFUSED_VERSION = frozenset({1, 132})
+"""CONNACK codes of a protocol version refused: MQTT 3.1.1's (1, which paho reads as MQTT 5's 132 when it asked
+for 5) and MQTT 5's (132)."""
+
+
+def refuses_mqtt5(e: BaseException) -> bool:
+    """Whether ``e`` is the MQTT broker refusing the connection for its protocol version (one that speaks 3.1.1
+    only, asked for MQTT 5)."""
+    rc = getattr(e, "rc", None)
+    code = getattr(rc, "value", rc)
+    return isinstance(e, aiomqtt.exceptions.MqttConnectError) and isinstance(code, int) and code in _REFUSED_VERSION
 
 
 PUBLISH_TIMEOUT_S = 5.0

@@ -87,6 +87,10 @@ class MqttHub:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.connects = 0
+        # MQTT 5 until the MQTT broker refuses it (then 3.1.1 for as long as this process runs): only an MQTT 5
+        # publish carries the Message Expiry Interval that keeps a command from outliving the wait for it.
+        self.protocol = aiomqtt.ProtocolVersion.V5
+        self.skipped_late = 0  # resends not sent: too late in the wait for any whole-second expiry to hold
 
     def attach(self, site: RemoteSite) -> None:
         self._sites[site.name] = site
@@ -123,10 +127,21 @@ class MqttHub:
         kind = getattr(msg, "kind", "message")
         return proto.too_large(proto.encode(msg), self.settings.max_payload_bytes, f"the {kind}")
 
-    async def publish(self, site: str, msg: BaseModel, qos: int = 1) -> bool:
+    @property
+    def commands_expire(self) -> bool:
+        """Whether the connection is MQTT 5, whose commands the MQTT broker drops once their wait is over."""
+        return self.protocol == aiomqtt.ProtocolVersion.V5
+
+    async def publish(self, site: str, msg: BaseModel, qos: int = 1, *, within_s: float | None = None,
+                      resend: bool = False) -> bool:
         """Send ``msg`` down to ``site``'s agent. False when not connected (the caller's resend covers it), or
         when ``msg`` is over ``mqtt.max_payload_bytes`` (logged: the MQTT broker would drop it, or close the
-        connection for it; :meth:`RemoteSite.submit` refuses such a job before it comes to that)."""
+        connection for it; :meth:`RemoteSite.submit` refuses such a job before it comes to that).
+
+        ``within_s``: seconds from now after which the message must not reach the agent (what is left of the wait
+        for its reply). Over MQTT 5 it goes with a Message Expiry Interval (:func:`proto.expiry_interval_s`), so
+        the MQTT broker drops it where it still holds it for an agent that is away; a ``resend`` (a copy went out
+        already) too late in the wait for that to hold is not sent (False). Over MQTT 3.1.1 it cannot expire."""
         client = self._client
         if client is None or not self.connected.is_set():
             return False
@@ -136,8 +151,14 @@ class MqttHub:
         if why is not None:
             log.error("mqtt: %s: not sent", why)
             return False
+        properties = None
+        if within_s is not None and self.commands_expire:
+            if resend and within_s < proto.EXPIRY_SLACK_S + 1:
+                self.skipped_late += 1
+                return False
+            properties = proto.expiring(proto.expiry_interval_s(within_s))
         try:
-            await client.publish(proto.topic(site, "down"), payload, qos=qos)
+            await client.publish(proto.topic(site, "down"), payload, qos=qos, properties=properties)
             return True
         except aiomqtt.MqttError as e:
             log.debug("mqtt: publish to %s failed: %s", site, e)
@@ -148,17 +169,27 @@ class MqttHub:
         while not self._closed:
             failed: aiomqtt.MqttError | None = None
             try:
-                async with aiomqtt.Client(**proto.client_options(self.settings, self.identifier)) as client:
+                options = proto.client_options(self.settings, self.identifier, self.protocol)
+                async with aiomqtt.Client(**options) as client:
                     for sub in proto.UP_SUBSCRIPTIONS:
                         await client.subscribe(sub, qos=1)
                     self._client = client
                     self.connected.set()
                     self.connects += 1
                     delay = 0.1
-                    log.info("mqtt: connected to %s:%d", self.settings.host, self.settings.port)
+                    log.info("mqtt: connected to %s:%d (MQTT %s)", self.settings.host, self.settings.port,
+                             "5" if self.commands_expire else "3.1.1")
                     async for message in client.messages:
                         self._on_message(message)
             except aiomqtt.MqttError as e:
+                if self.commands_expire and proto.refuses_mqtt5(e):
+                    self.protocol = aiomqtt.ProtocolVersion.V311
+                    log.warning("mqtt: the MQTT broker %s:%d refuses MQTT 5 (%s); connecting with MQTT 3.1.1, over "
+                                "which commands cannot expire at the MQTT broker: one an agent receives after the "
+                                "broker stopped waiting for it (the agent was away) is still carried out. Use an "
+                                "MQTT broker that speaks MQTT 5 (Mosquitto 1.6 or later)", self.settings.host,
+                                self.settings.port, e)
+                    continue  # (at once: the MQTT broker answered)
                 failed = e
             except Exception:  # whatever it was, the connection must come back
                 log.exception("mqtt: the connection failed; reconnecting in %.1f s", delay)
@@ -470,9 +501,12 @@ class RemoteSite:
                                  f"jobs move elsewhere if it is not back by {expires.isoformat(timespec='seconds')}"}
         return self._state.model_copy(update=update)
 
-    async def _command(self, make: Any, timeout_s: float | None = None) -> proto.Reply:
+    async def _command(self, make: Any, timeout_s: float | None = None, expires: bool = True) -> proto.Reply:
         """Send a command (``make(msg_id)``), resending until the reply comes; AdapterError after ``timeout_s``
-        (None: the site's ``command_timeout_s``)."""
+        (None: the site's ``command_timeout_s``). ``expires``: each copy goes with what is left of that wait, so
+        that the MQTT broker drops one it still holds for an agent that is away once the wait is over
+        (:meth:`MqttHub.publish`): the broker has told its caller the command failed, and an agent that came back
+        must not carry it out then."""
         msg_id = f"{self._prefix}-{next(self._ids)}"
         msg = make(msg_id)
         fut: asyncio.Future[proto.Reply] = asyncio.get_running_loop().create_future()
@@ -482,7 +516,8 @@ class RemoteSite:
         sent = False
         try:
             while True:
-                sent = await self._hub.publish(self.name, msg) or sent
+                within_s = deadline - time.monotonic() if expires else None
+                sent = await self._hub.publish(self.name, msg, within_s=within_s, resend=sent) or sent
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if not sent and not self._hub.connected.is_set():
@@ -532,7 +567,12 @@ class RemoteSite:
             self._send(proto.Cancel(site=self.name, msg_id=f"{self._prefix}-{next(self._ids)}", job_id=job_id,
                                     attempt=attempt))
             return
-        reply = await self._command(lambda i: proto.Cancel(site=self.name, msg_id=i, job_id=job_id, attempt=attempt))
+        # The one command that does not expire: it stops exactly this attempt, which the broker wants gone for good
+        # (no attempt is dispatched twice: a new one has a new number), and where the wait for it ends first the
+        # broker keeps asking (Lifecycle.withdraw, then settle; a heartbeat listing it makes it a stray). So a cancel
+        # carried out late does what the broker still asks for, the sooner the better.
+        reply = await self._command(lambda i: proto.Cancel(site=self.name, msg_id=i, job_id=job_id, attempt=attempt),
+                                    expires=False)
         if not reply.ok:
             raise AdapterError(f"site {self.name}: cancel failed: {reply.reason}")
 

@@ -1303,7 +1303,10 @@ async def healthz(request: web.Request) -> web.Response:
         "cycles": broker.cycles,
         **({"mqtt": {"connected": broker.hub.connected.is_set(), "messages": broker.hub.received,
                      "malformed": dict(broker.hub.malformed),
-                     "unknown_sites": sum(broker.hub.unknown_sites.values())}} if broker.hub is not None else {}),
+                     "unknown_sites": sum(broker.hub.unknown_sites.values()),
+                     # (once connected: whether the MQTT broker took MQTT 5, so that commands expire there)
+                     **({"commands_expire": broker.hub.commands_expire} if broker.hub.connects else {})}}
+            if broker.hub is not None else {}),
         **({"replica": {"name": broker.leadership.holder, "leading": broker.leadership.leading,
                         "epoch": broker.leadership.epoch}} if broker.leadership is not None else {}),
     })

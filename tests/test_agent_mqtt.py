@@ -32,7 +32,7 @@ from broker.auth import ANONYMOUS_ADMIN
 from broker.cli import _site_row
 from broker.clock import Clock, SystemClock
 from broker.config import BrokerSettings
-from broker.models import Health, Job, JobState, SiteState
+from broker.models import Health, Job, JobState, MqttSettings, SiteState
 from broker.service import Broker
 from tests.builders import job, site
 from tests.conftest import ROOT
@@ -516,9 +516,11 @@ async def test_a_heartbeat_over_the_mqtt_brokers_cap_on_a_message_is_split_to_fi
 REMOTE = {"kind": "mqtt", "lease_s": 2.0, "command_timeout_s": 5.0, "resend_s": 0.3}
 
 
-async def remote_broker(tmp_path: Path, mosquitto: Mosquitto, sites: list, run_loop: bool = True) -> Broker:  # noqa: F811
-    """A broker on ``tmp_path``'s database whose ``mqtt`` sites go through its hub to their agents."""
-    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mosquitto.settings(), cycle_interval_s=0.1,
+async def remote_broker(tmp_path: Path, mosquitto: Mosquitto, sites: list, run_loop: bool = True,  # noqa: F811
+                        mqtt: MqttSettings | None = None) -> Broker:
+    """A broker on ``tmp_path``'s database whose ``mqtt`` sites go through its hub to their agents (through
+    ``mqtt``, where given, rather than straight to ``mosquitto``)."""
+    settings = BrokerSettings(db=str(tmp_path / "h.db"), mqtt=mqtt or mosquitto.settings(), cycle_interval_s=0.1,
                               collect_timeout_s=1.0, dispatch_timeout_s=6.0, shutdown_grace_s=0.2)
     holder: dict[str, Broker] = {}
     b = Broker(settings, factory=lambda spec: RemoteSite(spec, SystemClock(), holder["b"].hub))

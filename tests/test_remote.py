@@ -10,13 +10,14 @@ import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
+import aiomqtt
 import pytest
 
 from adapters import mqtt_protocol as proto
 from adapters.base import AdapterError, EventKind, JobEvent
 from adapters.remote import MqttHub, RemoteSite
 from broker.clock import SystemClock
-from broker.models import Health, Job, MqttSettings, SiteState, Telemetry
+from broker.models import Health, Job, MqttSettings, SiteState, Telemetry, TenantQuota
 from tests.builders import job, site
 
 NOW = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
@@ -28,10 +29,14 @@ class RecordingHub(MqttHub):
     def __init__(self) -> None:
         super().__init__(MqttSettings())
         self.sent: list[object] = []
+        self.within: list[tuple[str, float | None]] = []  # (kind, what was left of the wait) of each command sent
         self.connected.set()
 
-    async def publish(self, site: str, msg, qos: int = 1) -> bool:  # noqa: ANN001
+    async def publish(self, site: str, msg, qos: int = 1, *, within_s: float | None = None,  # noqa: ANN001
+                      resend: bool = False) -> bool:
         self.sent.append(msg)
+        if qos == 1:
+            self.within.append((msg.kind, within_s))
         return True
 
     def of(self, kind: type) -> list:
@@ -539,3 +544,68 @@ async def test_a_job_too_large_for_the_payload_cap_is_refused_at_once_saying_why
     await asyncio.sleep(0.05)
     s.receive(proto.Reply(site="edge", msg_id=hub.of(proto.Dispatch)[-1].msg_id, ok=True, admitted=True))
     assert (await small).admitted
+
+
+# --- commands expire with the wait for them (MQTT 5) ---
+
+
+@pytest.mark.parametrize(("within_s", "interval_s"), [
+    pytest.param(10.0, 8, id="a 10 s wait expires after 8 whole seconds, gone at the MQTT broker within 9"),
+    pytest.param(12.0, 10, id="the wait for logs, 12 s, after 10"),
+    pytest.param(3.0, 1, id="3 s left expire after 1 s, gone within 2"),
+    pytest.param(2.5, 1, id="2.5 s left are the least that 1 s, the shortest interval, fits"),
+    pytest.param(0.6, 1, id="less than that still goes with 1 s, the shortest there is"),
+])
+def test_a_commands_expiry_ends_within_what_is_left_of_its_wait(within_s: float, interval_s: int) -> None:
+    assert proto.expiry_interval_s(within_s) == interval_s
+    if within_s >= proto.EXPIRY_SLACK_S + 1:  # Mosquitto delivers until the end of the second the interval ends in
+        assert interval_s + 1 <= within_s - 0.5
+
+
+class FakeClient:
+    """What an aiomqtt client was asked to publish."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, object]] = []
+
+    async def publish(self, topic: str, payload: bytes, qos: int = 0, properties=None) -> None:  # noqa: ANN001
+        self.published.append((json.loads(payload)["kind"], properties))
+
+
+@pytest.mark.parametrize("protocol", [aiomqtt.ProtocolVersion.V5, aiomqtt.ProtocolVersion.V311],
+                         ids=["mqtt 5", "mqtt 3.1.1"])
+async def test_over_mqtt_5_a_command_goes_with_its_expiry_and_a_resend_too_late_for_one_is_not_sent(protocol) -> None:
+    hub = MqttHub(MqttSettings())
+    hub._client = client = FakeClient()  # type: ignore[assignment]
+    hub.connected.set()
+    hub.protocol = protocol
+    quota = proto.QuotaCommand(site="edge", msg_id="m-1", op="get")
+    assert await hub.publish("edge", quota, within_s=10.0)
+    assert await hub.publish("edge", quota, within_s=2.6, resend=True)
+    late = await hub.publish("edge", quota, within_s=2.4, resend=True)
+    assert await hub.publish("edge", quota, within_s=0.5)  # the first copy of a short wait goes all the same
+    assert await hub.publish("edge", proto.Cancel(site="edge", msg_id="m-2", job_id="j1", attempt=1))
+    intervals = [(kind, getattr(props, "MessageExpiryInterval", None)) for kind, props in client.published]
+    if protocol == aiomqtt.ProtocolVersion.V5:
+        assert not late and hub.skipped_late == 1
+        assert intervals == [("quota", 8), ("quota", 1), ("quota", 1), ("cancel", None)]
+    else:  # no expiry to give: every copy goes, as before
+        assert late and hub.skipped_late == 0
+        assert intervals == [("quota", None)] * 4 + [("cancel", None)]
+
+
+async def test_every_command_but_cancel_goes_with_what_is_left_of_the_wait_for_it() -> None:
+    s, hub = remote(lease_s=30, command_timeout_s=0.5, resend_s=0.1)
+    await s.start()
+    try:
+        s.receive(heartbeat(1))
+        with pytest.raises(AdapterError, match="did not answer quota within 0.5 s"):
+            await s.set_quota(TenantQuota(tenant="vision", guaranteed_gpus=2))
+        with pytest.raises(AdapterError, match="did not answer cancel within 0.5 s"):
+            await s.cancel("j1", 1)
+        quota = [within for kind, within in hub.within if kind == "quota"]
+        assert len(quota) >= 3 and quota[0] is not None and 0.45 < quota[0] <= 0.5
+        assert all(later is not None and later < earlier for earlier, later in zip(quota, quota[1:]))
+        assert {within for kind, within in hub.within if kind == "cancel"} == {None}
+    finally:
+        await s.close()

@@ -1,0 +1,196 @@
+"""A command the broker stopped waiting for is never carried out by an agent that comes back later, over a real
+Mosquitto of the test's own: the broker's commands go with an MQTT 5 Message Expiry Interval that ends within the
+wait for their reply, and Mosquitto drops one it still holds for an agent that is away (an agent of 3.1.1, as every
+agent is, included). A command the agent takes in time is carried out as before. An MQTT broker that refuses
+MQTT 5 is spoken to in 3.1.1, with a warning that commands cannot expire there."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import aiomqtt
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from adapters.agent import SiteAgent
+from broker.api import create_app
+from broker.service import Broker
+from tests.builders import site
+from tests.mosquitto import Mosquitto, mosquitto_fixture  # noqa: F401 - the fixture
+from tests.test_agent_mqtt import FAST, remote_broker, started_agent, until_edge_reports
+
+pytestmark = pytest.mark.slow
+
+
+def edge(command_timeout_s: float) -> object:
+    return site("edge", gpus={"a100-80gb": 16},
+                adapter={"kind": "mqtt", "lease_s": 30.0, "command_timeout_s": command_timeout_s, "resend_s": 0.3})
+
+
+def published_event(b: Broker, kind: str) -> asyncio.Event:
+    """Set once the broker's hub has published a command of ``kind`` (to an agent that is away, Mosquitto holds
+    it)."""
+    assert b.hub is not None
+    event = asyncio.Event()
+    publish = b.hub.publish
+
+    async def recording(site: str, msg, qos: int = 1, **more) -> bool:  # noqa: ANN001, ANN003
+        sent = await publish(site, msg, qos, **more)
+        if sent and getattr(msg, "kind", None) == kind:
+            event.set()
+        return sent
+
+    b.hub.publish = recording  # type: ignore[method-assign]
+    return event
+
+
+async def vision_quota(agent: SiteAgent) -> float | None:
+    """The guarantee the agent's site enforces for tenant vision (None: it has no quota for vision)."""
+    state = await agent.inner.quota()  # type: ignore[attr-defined]
+    return next((t.guaranteed_gpus for t in state.tenants if t.tenant == "vision"), None)
+
+
+async def test_a_quota_set_the_broker_gave_up_on_is_not_applied_when_the_agent_comes_back(
+        tmp_path: Path, mosquitto: Mosquitto) -> None:  # noqa: F811
+    # The operator set a quota while the site's agent was away: 503, "did not answer". Mosquitto kept the command
+    # in the agent's persistent session, and the agent carried it out when it came back, minutes later, against
+    # what the operator was told.
+    b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=3.0)], run_loop=False)
+    assert b.hub is not None and await b.hub.wait_connected(5) and b.hub.commands_expire
+    agent = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))
+    client = TestClient(TestServer(create_app(b)))
+    await client.start_server()
+    back: SiteAgent | None = None
+    try:
+        await until_edge_reports(b, collect=True)  # (its persistent session is there: it subscribed)
+        await agent.stop()  # away: its session, and what is sent to it, stay at Mosquitto
+        r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6})
+        assert r.status == 503, await r.text()
+        assert "did not answer quota within 3 s" in (await r.json())["error"]["message"]
+        back = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))  # the same session
+        # Mosquitto hands a session what it holds for it before anything published after the agent is back: the
+        # answer to this read comes after the quota set, had it still been there.
+        r = await client.get("/v1/sites/edge/quota")
+        assert r.status == 200, await r.text()
+        assert [t["tenant"] for t in (await r.json())["tenants"]] == []
+        assert await vision_quota(back) is None
+        assert (await (await client.get("/healthz")).json())["mqtt"]["commands_expire"] is True
+    finally:
+        await client.close()
+        if back is not None:
+            await back.stop()
+        await b.stop()
+
+
+async def test_a_command_the_agent_takes_within_the_wait_is_carried_out(
+        tmp_path: Path, mosquitto: Mosquitto) -> None:  # noqa: F811
+    # Expiry must not drop a command in time: the agent, away when the operator set the quota, is back within the
+    # wait; Mosquitto hands it the command it held, the agent carries it out, and the operator reads 200.
+    b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=8.0)], run_loop=False)
+    agent = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))
+    client = TestClient(TestServer(create_app(b)))
+    await client.start_server()
+    back: SiteAgent | None = None
+    try:
+        await until_edge_reports(b, collect=True)
+        await agent.stop()
+        published = published_event(b, "quota")
+        asked = asyncio.create_task(client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6}))
+        await asyncio.wait_for(published.wait(), 5)  # held at Mosquitto for the agent, which is away
+        back = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))
+        r = await asked
+        assert r.status == 200, await r.text()
+        assert await vision_quota(back) == 6
+    finally:
+        await client.close()
+        if back is not None:
+            await back.stop()
+        await b.stop()
+
+
+class Mqtt311Only:
+    """A TCP proxy in front of Mosquitto that speaks for an MQTT broker of 3.1.1 only: a CONNECT of MQTT 5 is
+    answered "unacceptable protocol version" (CONNACK code 1) and closed, any other is passed through."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.refused = 0
+        self.server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readexactly(2)  # the CONNECT's type and (the first byte of) its length
+            length, shift, more = head[1] & 0x7F, 7, head[1] & 0x80
+            while more:
+                byte = (await reader.readexactly(1))[0]
+                head += bytes([byte])
+                length, shift, more = length | (byte & 0x7F) << shift, shift + 7, byte & 0x80
+            body = await reader.readexactly(length)
+            if body[6] == 5:  # (after the protocol name "MQTT", with its 2-byte length: the protocol level)
+                self.refused += 1
+                writer.write(b"\x20\x02\x00\x01")
+                await writer.drain()
+                return
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+            up_writer.write(head + body)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    @staticmethod
+    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.close()
+
+
+async def test_an_mqtt_broker_that_refuses_mqtt_5_is_spoken_to_in_3_1_1_with_a_warning(
+        tmp_path: Path, mosquitto: Mosquitto, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    caplog.set_level(logging.WARNING, logger="adapters.remote")
+    proxy = Mqtt311Only(mosquitto.port)
+    await proxy.start()
+    settings = mosquitto.settings().model_copy(update={"port": proxy.port})
+    agent = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))  # (3.1.1 as ever)
+    b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=5.0)], run_loop=False, mqtt=settings)
+    client = TestClient(TestServer(create_app(b)))
+    await client.start_server()
+    try:
+        assert b.hub is not None and await b.hub.wait_connected(5)
+        assert proxy.refused == 1 and b.hub.protocol == aiomqtt.ProtocolVersion.V311 and not b.hub.commands_expire
+        assert [r.levelname for r in caplog.records if "refuses MQTT 5" in r.getMessage()] == ["WARNING"]
+        assert "commands cannot expire at the MQTT broker" in caplog.text
+        await until_edge_reports(b, collect=True)
+        r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6})  # commands work as before
+        assert r.status == 200, await r.text()
+        assert await vision_quota(agent) == 6
+        r = await client.get("/healthz")
+        assert (await r.json())["mqtt"]["commands_expire"] is False
+    finally:
+        await client.close()
+        await agent.stop()
+        await b.stop()
+        await proxy.close()
