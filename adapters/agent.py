@@ -15,7 +15,8 @@ opens the only connection, so a site behind NAT or an outgoing-only firewall wor
                             # {kind: nvml} on the GPU node itself); unset: the adapter's own telemetry
 
 What it does
-    - Connects with a persistent MQTT session (``clean_session`` false, client id ``heliotrope-agent-SITE``)
+    - Connects with a persistent MQTT session (MQTT 5, or 3.1.1 where the MQTT broker refuses 5, with a
+      warning; ``clean_session`` false or a session that never expires, client id ``heliotrope-agent-SITE``)
       and a retained last will ``status: offline``, publishes ``status: online`` (retained) and subscribes
       to its ``down`` topic. When the MQTT connection dies (the MQTT broker restarts, the network drops) it
       reconnects with exponential backoff up to ``mqtt.reconnect_max_s``, for ever; everything below keeps
@@ -27,7 +28,9 @@ What it does
     - Answers every command (``dispatch``, ``cancel``, ``preempt``, ``quota``, ``logs``) with a ``reply``, and a repeated command
       (the same ``msg_id``) with the same reply, without doing the work again (a read, ``logs`` or a quota
       ``get``, is read again). A failure inside the site
-      becomes ``ok: false`` with the reason; the agent itself never stops on one.
+      becomes ``ok: false`` with the reason; the agent itself never stops on one. A command that comes after
+      the broker's wait for it ended (its MQTT 5 deadline: ``mqtt_protocol``, "Commands expire") is dropped
+      unanswered and counted in :attr:`SiteAgent.expired`: the broker has told its caller it failed.
     - Forwards every job event of the site as an ``event`` with its own ``msg_id`` and publishes it again
       every ``resend_s`` until the broker acknowledges it.
     - Drops (and counts, by reason, in :attr:`SiteAgent.malformed`) any payload that breaks the protocol,
@@ -122,9 +125,11 @@ from adapters.mqtt_protocol import (
     WireEvent,
     WireLogs,
     client_options,
+    command_deadline,
     connection_advice,
     decode,
     encode,
+    refuses_mqtt5,
     split_attempts,
     tls_context,
     too_large,
@@ -247,6 +252,9 @@ class SiteAgent:
             self.telemetry = telemetry_feed(self.site, config.telemetry, self.clock)
         self.boot = uuid.uuid4().hex[:16]
         self.malformed: Counter[str] = Counter()
+        self.expired = 0  # commands dropped as come after the broker's wait for them ended (see _too_late)
+        # MQTT 5 until the MQTT broker refuses it: only then do commands carry the end of the broker's wait
+        self.protocol = aiomqtt.ProtocolVersion.V5
         self._held: dict[tuple[str, int], _Held] = {}
         self._last_event: Bounded = Bounded(ATTEMPTS_KEPT)  # (job id, attempt) -> last EventKind seen
         self._stopped: Bounded = Bounded(ATTEMPTS_KEPT)  # attempts the agent stopped itself (lease) -> True
@@ -368,7 +376,8 @@ class SiteAgent:
     # --- MQTT connection ---
 
     def _make_client(self) -> aiomqtt.Client:
-        options = client_options(self.config.mqtt, self.config.mqtt.client_id or f"heliotrope-agent-{self.site}")
+        options = client_options(self.config.mqtt, self.config.mqtt.client_id or f"heliotrope-agent-{self.site}",
+                                 self.protocol)
         will = aiomqtt.Will(topic(self.site, "status"), encode(self._status(False)), qos=1, retain=True)
         return aiomqtt.Client(**options, will=will)
 
@@ -395,7 +404,8 @@ class SiteAgent:
                     resends = asyncio.create_task(self._resend_loop(client))
                     try:
                         async for message in client.messages:
-                            self._on_message(message.topic.value, message.payload, bool(message.retain))
+                            self._on_message(message.topic.value, message.payload, bool(message.retain),
+                                             message.properties)
                     finally:
                         self._client = None
                         self._connected.clear()
@@ -403,6 +413,13 @@ class SiteAgent:
                         resends.cancel()
                         await asyncio.gather(beats, resends, return_exceptions=True)
             except aiomqtt.MqttError as e:
+                if self.protocol == aiomqtt.ProtocolVersion.V5 and refuses_mqtt5(e):
+                    self.protocol = aiomqtt.ProtocolVersion.V311
+                    log.warning("site agent %s: the MQTT broker %s:%d refuses MQTT 5 (%s); connecting with MQTT 3.1.1, "
+                                "over which commands cannot expire: one the broker stopped waiting for is carried out "
+                                "when it comes. Use an MQTT broker that speaks MQTT 5 (Mosquitto 1.6 or later)",
+                                self.site, mqtt.host, mqtt.port, e)
+                    continue  # (at once: the MQTT broker answered)
                 log.warning("site agent %s: MQTT broker %s:%d: %s%s; connecting again in %.1f s", self.site,
                             mqtt.host, mqtt.port, e, await connection_advice(e, mqtt), wait)
             except Exception:  # never give up on the connection
@@ -693,7 +710,8 @@ class SiteAgent:
 
     # --- commands ---
 
-    def _on_message(self, topic_name: str, payload: Any, retained: bool = False) -> None:
+    def _on_message(self, topic_name: str, payload: Any, retained: bool = False, properties: Any = None) -> None:
+        """Take one message from the ``down`` topic; ``properties``: its MQTT 5 properties (None over 3.1.1)."""
         if retained:
             if payload:  # (an empty one is a retained message cleared)
                 self.malformed["retained"] += 1
@@ -722,7 +740,32 @@ class SiteAgent:
             case LeaseGrant():
                 self._on_lease(msg)
             case Dispatch() | Cancel() | Preempt() | QuotaCommand() | LogsRequest():
-                self._spawn(self._answer(msg))
+                if not self._too_late(msg, properties):
+                    self._spawn(self._answer(msg))
+
+    def _too_late(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest, properties: Any) -> bool:
+        """Whether ``cmd`` came after the broker's wait for its reply ended (``mqtt_protocol``, "Commands expire"):
+        the broker has told its caller it failed, so carrying it out now would do the opposite. Counted from when
+        this agent *sent* the heartbeat the deadline names, on its own monotonic clock: earlier than when the
+        broker received it, so this end of the wait comes first, whatever the two clocks say the time is. A
+        command without a deadline (a broker of an earlier release, or of MQTT 3.1.1), or naming another process
+        of this agent or a heartbeat it no longer remembers, is carried out as before (the MQTT broker's expiry
+        still holds for it)."""
+        deadline = command_deadline(properties)
+        if deadline is None:
+            return False
+        boot, seq, after_s = deadline
+        sent = self._sent_at.get(seq) if boot == self.boot else None
+        if sent is None:
+            return False
+        late_s = time.monotonic() - (sent + after_s)
+        if late_s < 0:
+            return False
+        self.expired += 1
+        log.warning("site agent %s: dropped a %s (msg_id %s) that came %.1f s after the broker's wait for it ended "
+                    "(as this agent counts it); not carried out: the broker has given it up", self.site, cmd.kind,
+                    cmd.msg_id, late_s)
+        return True
 
     async def _answer(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest) -> None:
         reply = self._replies.get(cmd.msg_id)

@@ -31,7 +31,9 @@ topic                               direction    retained messages
 
 The agent opens the only connection (to the MQTT broker), so a site behind NAT or a firewall that allows
 outgoing connections only works. It connects with a persistent session (``clean_session`` false, a fixed
-client id per site), so QoS 1 messages published to it while it is briefly away are kept for it.
+client id per site), so QoS 1 messages published to it while it is briefly away are kept for it, commands until
+the broker's wait for them ends ("Commands expire"). Both sides speak MQTT 5 where the MQTT broker takes it, and
+3.1.1 otherwise (the payloads are the same).
 
 Both sides connect with the same options (:func:`client_options`). Over TLS (:func:`tls_context`) when
 ``mqtt.tls`` is true (the MQTT broker's certificate verified by the system's CA store), when ``mqtt.ca_file``
@@ -45,6 +47,31 @@ Commands and replies
     (its dispatch timeout). The agent keeps the replies it sent recently and answers a repeated ``msg_id``
     with the same reply without doing the work again (a read, ``logs`` or a quota ``get``, is read again); a
     dispatch is also keyed by (job id, attempt) in the adapter below, so the same attempt never runs twice.
+
+Commands expire
+    Every command but ``cancel`` is good only while the broker waits for its reply: the broker has told its
+    caller it failed once the wait is over (a quota set answered 503), and it must not be carried out then by an
+    agent that was away while its persistent session kept it. So, over MQTT 5 (the broker's hub speaks it where
+    the MQTT broker takes it, :func:`client_options`), each copy of a command goes with:
+
+    - a Message Expiry Interval (:func:`expiry_interval_s`) that ends within what is left of the wait, so the MQTT
+      broker drops a copy it still holds for an agent that is away; it does so for an agent of MQTT 3.1.1 too (the
+      interval is the MQTT broker's to honour; tested with Mosquitto 2.0). It counts whole seconds: a wait shorter
+      than ``EXPIRY_SLACK_S + 1`` (2.5 s) is not matched, and a resend later in the wait than that is not sent;
+    - the user property :data:`DEADLINE_PROPERTY`, ``"BOOT SEQ AFTER_S"``: the wait ends ``AFTER_S`` seconds after
+      the broker received the heartbeat ``SEQ`` of the agent process ``BOOT``. An agent that speaks MQTT 5 (a user
+      property never reaches a client of 3.1.1) and sent that heartbeat counts from when it *sent* it, on its own
+      monotonic clock, so its end of the wait comes first, as with leases, with no need for the two clocks to
+      agree on the time; it drops a command that comes after that end (counted in ``SiteAgent.expired``, logged)
+      and carries out one naming another process or a heartbeat it no longer remembers as before (the expiry
+      interval still holds for it).
+
+    Neither touches the payload: an agent of an earlier release reads every command as before, and a broker of an
+    earlier release sends them without either. A ``cancel`` does not expire: it stops exactly one attempt, which
+    the broker wants gone for good and keeps asking for until the site confirms, so one carried out late does what
+    the broker still wants. Over MQTT 3.1.1 (an MQTT broker that refuses 5; the hub logs a warning) no command
+    expires. What remains: a command the agent takes just before the end of the wait, whose reply comes too late,
+    is carried out while the broker answers that the site did not answer (as with any request with a timeout).
 
 Logs
     ``logs`` asks for what an attempt printed (``adapters.base.LogReader``): the agent asks its site (for at most
@@ -96,8 +123,8 @@ The size of a message
     split list of attempts: an event's or a reply's ``reason`` (a site's own words) is cut short to fit
     (:func:`with_short_reason`); a reply still too large (a quota state of very many tenants) goes as a failed
     one saying so; a heartbeat too large without its attempts is not sent (an error, logged once), and the
-    broker refuses a job whose dispatch would be too large at once, naming the setting. The client speaks
-    MQTT 3.1.1, whose CONNACK announces no cap: it is not learnt from the MQTT broker, it is set.
+    broker refuses a job whose dispatch would be too large at once, naming the setting. The cap is set, not
+    learnt from the MQTT broker (MQTT 3.1.1's CONNACK announces none, and the agent may speak it).
 """
 
 from __future__ import annotations
@@ -183,8 +210,8 @@ def _reason(e: BaseException) -> str:
 
 def client_options(settings: MqttSettings, identifier: str,
                    protocol: aiomqtt.ProtocolVersion = aiomqtt.ProtocolVersion.V311) -> dict[str, Any]:
-    """``aiomqtt.Client`` arguments for either side: ``protocol`` (the agent speaks MQTT 3.1.1; the broker's hub
-    MQTT 5 where the MQTT broker takes it, for :func:`expiry_interval_s`), a persistent session under a fixed
+    """``aiomqtt.Client`` arguments for either side: ``protocol`` (both sides ask for MQTT 5, whose commands expire,
+    and speak 3.1.1 where the MQTT broker refuses it: :func:`refuses_mqtt5`), a persistent session under a fixed
     client id (3.1.1: ``clean_session`` false; 5: ``clean_start`` false and a session that never expires, as
     3.1.1's does), the password from ``settings.password_env``, and TLS (:func:`tls_context`) when
     ``settings.tls``, ``ca_file`` or ``cert_file`` is set. Used by the broker's hub (:mod:`adapters.remote`) and
@@ -226,11 +253,35 @@ def expiry_interval_s(within_s: float) -> int:
     return max(1, math.floor(within_s - EXPIRY_SLACK_S))
 
 
-def expiring(interval_s: int) -> Properties:
-    """PUBLISH properties with the Message Expiry Interval ``interval_s`` (MQTT 5)."""
+DEADLINE_PROPERTY = "heliotrope-deadline"
+"""The MQTT 5 user property of a command that says when the broker's wait for it ends (see "Commands expire")."""
+
+
+def expiring(interval_s: int, deadline: tuple[str, int, float] | None = None) -> Properties:
+    """PUBLISH properties with the Message Expiry Interval ``interval_s`` (MQTT 5), and with ``deadline``
+    (``boot``, ``seq``, ``after_s``: the broker's wait ends ``after_s`` seconds after it received the heartbeat
+    ``seq`` of the agent process ``boot``) as the user property :data:`DEADLINE_PROPERTY`."""
     properties = Properties(PacketTypes.PUBLISH)
     properties.MessageExpiryInterval = interval_s
+    if deadline is not None:
+        boot, seq, after_s = deadline
+        properties.UserProperty = [(DEADLINE_PROPERTY, f"{boot} {seq} {after_s:.3f}")]
     return properties
+
+
+def command_deadline(properties: Any) -> tuple[str, int, float] | None:
+    """The (``boot``, ``seq``, ``after_s``) a command's :data:`DEADLINE_PROPERTY` says, or None where it has none
+    (a broker of an earlier release, or one that speaks MQTT 3.1.1) or one that cannot be read."""
+    for name, value in getattr(properties, "UserProperty", None) or []:
+        if name != DEADLINE_PROPERTY:
+            continue
+        try:
+            boot, seq, after_s = str(value).split(" ")
+            after = float(after_s)
+            return (boot, int(seq), after) if math.isfinite(after) else None
+        except ValueError:
+            return None
+    return None
 
 
 _REFUSED_VERSION = frozenset({1, 132})

@@ -133,7 +133,7 @@ class MqttHub:
         return self.protocol == aiomqtt.ProtocolVersion.V5
 
     async def publish(self, site: str, msg: BaseModel, qos: int = 1, *, within_s: float | None = None,
-                      resend: bool = False) -> bool:
+                      resend: bool = False, deadline: tuple[str, int, float] | None = None) -> bool:
         """Send ``msg`` down to ``site``'s agent. False when not connected (the caller's resend covers it), or
         when ``msg`` is over ``mqtt.max_payload_bytes`` (logged: the MQTT broker would drop it, or close the
         connection for it; :meth:`RemoteSite.submit` refuses such a job before it comes to that).
@@ -141,7 +141,8 @@ class MqttHub:
         ``within_s``: seconds from now after which the message must not reach the agent (what is left of the wait
         for its reply). Over MQTT 5 it goes with a Message Expiry Interval (:func:`proto.expiry_interval_s`), so
         the MQTT broker drops it where it still holds it for an agent that is away; a ``resend`` (a copy went out
-        already) too late in the wait for that to hold is not sent (False). Over MQTT 3.1.1 it cannot expire."""
+        already) too late in the wait for that to hold is not sent (False); ``deadline`` goes with it as the
+        user property an agent of MQTT 5 judges (``proto.expiring``). Over MQTT 3.1.1 it cannot expire."""
         client = self._client
         if client is None or not self.connected.is_set():
             return False
@@ -156,7 +157,7 @@ class MqttHub:
             if resend and within_s < proto.EXPIRY_SLACK_S + 1:
                 self.skipped_late += 1
                 return False
-            properties = proto.expiring(proto.expiry_interval_s(within_s))
+            properties = proto.expiring(proto.expiry_interval_s(within_s), deadline)
         try:
             await client.publish(proto.topic(site, "down"), payload, qos=qos, properties=properties)
             return True
@@ -517,7 +518,8 @@ class RemoteSite:
         try:
             while True:
                 within_s = deadline - time.monotonic() if expires else None
-                sent = await self._hub.publish(self.name, msg, within_s=within_s, resend=sent) or sent
+                sent = await self._hub.publish(self.name, msg, within_s=within_s, resend=sent,
+                                               deadline=self._deadline(deadline) if expires else None) or sent
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if not sent and not self._hub.connected.is_set():
@@ -532,6 +534,14 @@ class RemoteSite:
                         return await asyncio.shield(fut)
         finally:
             self._pending.pop(msg_id, None)
+
+    def _deadline(self, deadline_mono: float) -> tuple[str, int, float] | None:
+        """``deadline_mono`` (this side's monotonic clock) as the agent can judge it: seconds after this side
+        received the latest live heartbeat, named by its agent process and ``seq`` (``mqtt_protocol``, "Commands
+        expire"). None before the first live heartbeat: the MQTT broker's expiry alone holds then."""
+        if self._boot is None or self._heard_mono is None:
+            return None
+        return self._boot, self._seq, deadline_mono - self._heard_mono
 
     async def submit(self, job: Job) -> Admission:
         if self._expired or self._heard_mono is None:

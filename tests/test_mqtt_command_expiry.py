@@ -7,16 +7,21 @@ MQTT 5 is spoken to in 3.1.1, with a warning that commands cannot expire there."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiomqtt
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from adapters.agent import SiteAgent
+from adapters import mqtt_protocol as proto
+from adapters.agent import AgentConfig, SiteAgent
+from adapters.simulated import SimulatedSite
 from broker.api import create_app
+from broker.clock import SystemClock
+from broker.models import MqttSettings
 from broker.service import Broker
 from tests.builders import site
 from tests.mosquitto import Mosquitto, mosquitto_fixture  # noqa: F401 - the fixture
@@ -111,14 +116,18 @@ async def test_a_command_the_agent_takes_within_the_wait_is_carried_out(
         await b.stop()
 
 
-class Mqtt311Only:
-    """A TCP proxy in front of Mosquitto that speaks for an MQTT broker of 3.1.1 only: a CONNECT of MQTT 5 is
-    answered "unacceptable protocol version" (CONNACK code 1) and closed, any other is passed through."""
+class Proxy:
+    """A TCP proxy in front of Mosquitto. ``mqtt5=False``: it speaks for an MQTT broker of 3.1.1 only (a CONNECT of
+    MQTT 5 is answered "unacceptable protocol version", CONNACK code 1, and closed). :meth:`cut` closes what
+    goes through it and refuses new connections until :meth:`mend`: a network that drops one client."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, mqtt5: bool = True) -> None:
         self.upstream = port
+        self.mqtt5 = mqtt5
         self.refused = 0
+        self.open = True
         self.server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
     @property
     def port(self) -> int:
@@ -128,12 +137,25 @@ class Mqtt311Only:
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
 
+    def cut(self) -> None:
+        self.open = False
+        for writer in self._writers:
+            writer.close()
+
+    def mend(self) -> None:
+        self.open = True
+
     async def close(self) -> None:
+        self.cut()
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.open:
+            writer.close()
+            return
+        self._writers.add(writer)
         try:
             head = await reader.readexactly(2)  # the CONNECT's type and (the first byte of) its length
             length, shift, more = head[1] & 0x7F, 7, head[1] & 0x80
@@ -142,12 +164,13 @@ class Mqtt311Only:
                 head += bytes([byte])
                 length, shift, more = length | (byte & 0x7F) << shift, shift + 7, byte & 0x80
             body = await reader.readexactly(length)
-            if body[6] == 5:  # (after the protocol name "MQTT", with its 2-byte length: the protocol level)
+            if body[6] == 5 and not self.mqtt5:  # (after the protocol name "MQTT" and its length: the level)
                 self.refused += 1
                 writer.write(b"\x20\x02\x00\x01")
                 await writer.drain()
                 return
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+            self._writers.add(up_writer)
             up_writer.write(head + body)
             await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
         except (OSError, asyncio.IncompleteReadError):
@@ -164,24 +187,26 @@ class Mqtt311Only:
         except OSError:
             pass
         finally:
-            with contextlib.suppress(OSError):
-                sink.close()
+            sink.close()
 
 
 async def test_an_mqtt_broker_that_refuses_mqtt_5_is_spoken_to_in_3_1_1_with_a_warning(
         tmp_path: Path, mosquitto: Mosquitto, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
-    caplog.set_level(logging.WARNING, logger="adapters.remote")
-    proxy = Mqtt311Only(mosquitto.port)
+    caplog.set_level(logging.WARNING)
+    proxy = Proxy(mosquitto.port, mqtt5=False)
     await proxy.start()
     settings = mosquitto.settings().model_copy(update={"port": proxy.port})
-    agent = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))  # (3.1.1 as ever)
+    agent = await agent_through(settings, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))
     b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=5.0)], run_loop=False, mqtt=settings)
     client = TestClient(TestServer(create_app(b)))
     await client.start_server()
     try:
         assert b.hub is not None and await b.hub.wait_connected(5)
-        assert proxy.refused == 1 and b.hub.protocol == aiomqtt.ProtocolVersion.V311 and not b.hub.commands_expire
-        assert [r.levelname for r in caplog.records if "refuses MQTT 5" in r.getMessage()] == ["WARNING"]
+        await until(lambda: agent.connected, "the agent connects")
+        assert proxy.refused == 2  # the broker's hub and the agent asked for MQTT 5 once each
+        assert b.hub.protocol == agent.protocol == aiomqtt.ProtocolVersion.V311 and not b.hub.commands_expire
+        said = [(r.name, r.levelname) for r in caplog.records if "refuses MQTT 5" in r.getMessage()]
+        assert sorted(said) == [("adapters.agent", "WARNING"), ("adapters.remote", "WARNING")]
         assert "commands cannot expire at the MQTT broker" in caplog.text
         await until_edge_reports(b, collect=True)
         r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6})  # commands work as before
@@ -194,3 +219,55 @@ async def test_an_mqtt_broker_that_refuses_mqtt_5_is_spoken_to_in_3_1_1_with_a_w
         await agent.stop()
         await b.stop()
         await proxy.close()
+
+
+async def test_a_command_that_reaches_the_agent_after_the_wait_is_dropped_by_the_agent_itself(
+        tmp_path: Path, mosquitto: Mosquitto, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    # Mosquitto still holds the command when the agent comes back: it counts whole seconds (a wait of 1 s is not
+    # matched), or an MQTT broker keeps it longer than its expiry says; here its interval is a minute. The agent,
+    # the same process whose connection dropped, judges it by the deadline it names, against its own heartbeat.
+    monkeypatch.setattr(proto, "expiry_interval_s", lambda within_s: 60)
+    proxy = Proxy(mosquitto.port)
+    await proxy.start()
+    b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=1.0)], run_loop=False)
+    spec = site("edge", gpus={"a100-80gb": 16}, adapter=FAST)
+    agent = await agent_through(mosquitto.settings().model_copy(update={"port": proxy.port}), spec)
+    client = TestClient(TestServer(create_app(b)))
+    await client.start_server()
+    try:
+        await until_edge_reports(b, collect=True)
+        assert agent.protocol == aiomqtt.ProtocolVersion.V5
+        r = await client.put("/v1/sites/edge/quota/nlp", json={"guaranteed_gpus": 2})  # in time: carried out
+        assert r.status == 200, await r.text()
+        proxy.cut()  # the agent's network drops; its session, and what is sent to it, stay at Mosquitto
+        await until(lambda: not agent.connected, "the agent sees its connection go")
+        r = await client.put("/v1/sites/edge/quota/vision", json={"guaranteed_gpus": 6})
+        assert r.status == 503, await r.text()
+        proxy.mend()
+        await until(lambda: agent.connected, "the agent connects again")
+        r = await client.get("/v1/sites/edge/quota")  # (answered after what Mosquitto held for the agent)
+        assert r.status == 200, await r.text()
+        assert [t["tenant"] for t in (await r.json())["tenants"]] == ["nlp"]
+        assert await vision_quota(agent) is None and agent.expired == 1
+    finally:
+        await client.close()
+        await agent.stop()
+        await b.stop()
+        await proxy.close()
+
+
+async def agent_through(mqtt: MqttSettings, spec: object) -> SiteAgent:
+    """The agent of the simulated site ``spec``, started, reaching the MQTT broker through ``mqtt`` (it connects
+    again 0.2 s after its connection drops)."""
+    config = AgentConfig(site=spec, mqtt=mqtt.model_copy(update={"reconnect_max_s": 0.2}), heartbeat_s=0.2,
+                         resend_s=0.3)
+    agent = SiteAgent(config, adapter=SimulatedSite(spec, SystemClock()))
+    await agent.start()
+    return agent
+
+
+async def until(what: Callable[[], bool], why: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {why}"
+        await asyncio.sleep(0.02)

@@ -30,13 +30,15 @@ class RecordingHub(MqttHub):
         super().__init__(MqttSettings())
         self.sent: list[object] = []
         self.within: list[tuple[str, float | None]] = []  # (kind, what was left of the wait) of each command sent
+        self.deadlines: list[tuple[str, tuple[str, int, float] | None]] = []  # (kind, the deadline it named)
         self.connected.set()
 
     async def publish(self, site: str, msg, qos: int = 1, *, within_s: float | None = None,  # noqa: ANN001
-                      resend: bool = False) -> bool:
+                      resend: bool = False, deadline: tuple[str, int, float] | None = None) -> bool:
         self.sent.append(msg)
         if qos == 1:
             self.within.append((msg.kind, within_s))
+            self.deadlines.append((msg.kind, deadline))
         return True
 
     def of(self, kind: type) -> list:
@@ -580,7 +582,7 @@ async def test_over_mqtt_5_a_command_goes_with_its_expiry_and_a_resend_too_late_
     hub.connected.set()
     hub.protocol = protocol
     quota = proto.QuotaCommand(site="edge", msg_id="m-1", op="get")
-    assert await hub.publish("edge", quota, within_s=10.0)
+    assert await hub.publish("edge", quota, within_s=10.0, deadline=("b1", 4, 9.75))
     assert await hub.publish("edge", quota, within_s=2.6, resend=True)
     late = await hub.publish("edge", quota, within_s=2.4, resend=True)
     assert await hub.publish("edge", quota, within_s=0.5)  # the first copy of a short wait goes all the same
@@ -589,6 +591,7 @@ async def test_over_mqtt_5_a_command_goes_with_its_expiry_and_a_resend_too_late_
     if protocol == aiomqtt.ProtocolVersion.V5:
         assert not late and hub.skipped_late == 1
         assert intervals == [("quota", 8), ("quota", 1), ("quota", 1), ("cancel", None)]
+        assert proto.command_deadline(client.published[0][1]) == ("b1", 4, 9.75)
     else:  # no expiry to give: every copy goes, as before
         assert late and hub.skipped_late == 0
         assert intervals == [("quota", None)] * 4 + [("cancel", None)]
@@ -607,5 +610,40 @@ async def test_every_command_but_cancel_goes_with_what_is_left_of_the_wait_for_i
         assert len(quota) >= 3 and quota[0] is not None and 0.45 < quota[0] <= 0.5
         assert all(later is not None and later < earlier for earlier, later in zip(quota, quota[1:]))
         assert {within for kind, within in hub.within if kind == "cancel"} == {None}
+        # and with the deadline the agent judges: the wait's end, counted from the heartbeat it received last
+        named = [deadline for kind, deadline in hub.deadlines if kind == "quota"]
+        assert {(boot, seq) for boot, seq, _ in named} == {("b1", 1)}
+        assert all(0.45 < after <= 0.5 + 1.0 for _, _, after in named)  # (the heartbeat came moments before)
+        assert {deadline for kind, deadline in hub.deadlines if kind == "cancel"} == {None}
     finally:
         await s.close()
+
+
+async def test_a_command_before_the_first_heartbeat_names_no_deadline() -> None:
+    # Nothing the agent could count from: the MQTT broker's expiry alone holds.
+    s, hub = remote(lease_s=30, command_timeout_s=0.3, resend_s=0.1)
+    await s.start()
+    try:
+        with pytest.raises(AdapterError, match="did not answer quota"):
+            await s.quota()
+        assert {deadline for _, deadline in hub.deadlines} == {None}
+    finally:
+        await s.close()
+
+
+@pytest.mark.parametrize(("value", "read"), [
+    pytest.param("b1 7 9.500", ("b1", 7, 9.5), id="the boot, the heartbeat and the seconds after it are read"),
+    pytest.param("b1 7", None, id="one without its seconds is none"),
+    pytest.param("b1 seven 9.5", None, id="one whose heartbeat is not a number is none"),
+    pytest.param("b1 7 nan", None, id="one whose seconds are not finite is none"),
+])
+def test_a_commands_deadline_is_read_from_its_user_property_or_is_none(value: str, read: object) -> None:
+    properties = proto.expiring(5)
+    properties.UserProperty = [("other", "x"), (proto.DEADLINE_PROPERTY, value)]
+    assert proto.command_deadline(properties) == read
+
+
+def test_a_command_without_properties_or_a_deadline_has_none() -> None:
+    assert proto.command_deadline(None) is None  # MQTT 3.1.1
+    assert proto.command_deadline(proto.expiring(5)) is None  # (a broker that names none)
+    assert proto.command_deadline(proto.expiring(5, ("b1", 3, 1.25))) == ("b1", 3, 1.25)
