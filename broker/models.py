@@ -603,7 +603,8 @@ header included), less room for the topic and header."""
 
 
 class MqttSettings(Spec):
-    """How to reach the MQTT broker (Mosquitto or any MQTT 3.1.1 broker) that carries the site protocol."""
+    """How to reach the MQTT broker that carries the site protocol: Mosquitto 1.6 or later, or any MQTT 5 broker
+    (one of MQTT 3.1.1 only works, without command expiry: ``adapters.mqtt_protocol``)."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=1883, ge=1, le=65535)
