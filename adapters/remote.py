@@ -12,7 +12,9 @@ lifecycle treat it as they treat a local site:
   an error (the federation marks it unhealthy); a site whose agent's connection died (the last will) but
   whose lease still runs is reported unhealthy: it takes no new work, and its jobs stay where they are.
 - ``submit``, ``cancel`` and the quota calls are commands, resent every ``resend_s`` until the agent's reply
-  arrives or ``command_timeout_s`` passes (then :class:`~adapters.base.AdapterError`).
+  arrives or ``command_timeout_s`` passes (then :class:`~adapters.base.AdapterError`). Every one but ``cancel``
+  expires with that wait (``mqtt_protocol``, "Commands expire"): the hub speaks MQTT 5 where the MQTT broker
+  takes it, and an agent that was away never carries out what the broker told its caller had failed.
 - ``events`` yields the agent's job events; each is acknowledged to the agent once the broker has applied
   it (when the consumer asks for the next one), so an event is resent until the broker has it. A repeated
   event is acknowledged again and not applied twice.
