@@ -141,6 +141,29 @@ def test_left_out_jobs_are_reported_and_run_by_no_policy(tiny: SimulationSpec) -
     assert np.isnan(result.policies["baseline-spillover"].start_s[3])
 
 
+def test_a_tenant_limit_holds_each_tenant_to_its_gpus_in_every_replay_as_the_broker_would(tiny: SimulationSpec):
+    """``--tenant-limit 2``: tenant x's second 2-GPU job waits for its first to end although the other site is empty
+    (without the limit both start at once); y, under the same limit, is not held back by x; a job larger than the
+    limit is left out, as a broker refuses it."""
+    tiny.trace.write_text("submit,seconds,gpus,team\n"
+                          "2022-06-01T00:00:00,3600,2,x\n"
+                          "2022-06-01T00:00:00,3600,2,x\n"
+                          "2022-06-01T00:10:00,600,1,y\n")
+    tiny.policies = ["baseline-spillover", "green"]
+    free = simulate(tiny)
+    tiny.tenant_limit = 2
+    limited = simulate(tiny)
+    for name in tiny.policies:
+        assert free.policies[name].start_s.tolist()[:2] == [0.0, 0.0], name
+        starts = limited.policies[name].start_s.tolist()
+        assert sorted(starts[:2]) == [0.0, 3600.0] and starts[2] < 3600.0, (name, starts)
+    assert any("tenant limit: every tenant's jobs hold at most 2 GPUs" in line for line in limited.report)
+    tiny.tenant_limit = 1.5
+    result = simulate(tiny)
+    assert result.left_out.tolist() == [True, True, False]
+    assert any("left out: 2 jobs ask more GPUs than --tenant-limit 1.5" in line for line in result.report)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     jobs=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=12),

@@ -4,7 +4,7 @@
         [--trace-timezone ZONE] [--carbon DIR] [--prices FILE]
         [--latency FILE] [--sites FILE | --zone-regions ZONE=REGION,... --site-model MODEL] [--utilisation FRACTION]
         [--trace-from ISO-DATE] [--days N] [--start ISO-DATE] (--policy NAME | --compare all) [--seed N] [--checkpointable FRACTION]
-        [--restart-s SECONDS] [--inflexible-undeclared] [--json OUT] [--report DIR]
+        [--restart-s SECONDS] [--inflexible-undeclared] [--tenant-limit GPUS] [--json OUT] [--report DIR]
         [--dump-workload DIR] [--time-format iso|seconds] [--origin ISO-TIME] [--lifecycle] [--no-bound]
         [--whole-job-steps N] [--oracle]
 
@@ -91,6 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "that moves running work (green) may move them (default %(default)s: none)")
     s.add_argument("--restart-s", type=float, default=600.0, metavar="SECONDS",
                    help="GPU time a move costs the moved job at its new site (default %(default)s)")
+    s.add_argument("--tenant-limit", type=float, metavar="GPUS",
+                   help="every tenant's jobs hold at most this many GPUs at once across the federation, as "
+                        "broker.default_tenant_limit holds them live (default: no limit)")
     s.add_argument("--inflexible-undeclared", action="store_true",
                    help="the inflexible (interactive) jobs give only their deadline, not deferrable: false, as "
                         "releases before 2026-11-29 replayed them")
@@ -180,6 +183,8 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         raise SimulateUsage(f"--seed {args.seed}: give a whole number, 0 or more")
     if not 0 <= args.checkpointable <= 1:
         raise SimulateUsage(f"--checkpointable {args.checkpointable}: give a share of jobs within [0, 1], e.g. 0.9")
+    if args.tenant_limit is not None and not 0 < args.tenant_limit <= 10_000_000:
+        raise SimulateUsage(f"--tenant-limit {args.tenant_limit}: give GPUs above 0 and at most 10,000,000, e.g. 64")
     if not 0 <= args.restart_s <= 86400:
         raise SimulateUsage(f"--restart-s {args.restart_s}: give seconds within [0, 86400], e.g. 600")
     if not 0 <= args.whole_job_steps <= 100_000:
@@ -226,7 +231,7 @@ def spec_from(args: argparse.Namespace) -> SimulationSpec:
         utilisation=args.utilisation, trace_from=date_flag("--trace-from", args.trace_from), days=args.days,
         start=date_flag("--start", args.start), seed=args.seed, lifecycle=args.lifecycle, bound=not args.no_bound,
         oracle=args.oracle, whole_job_steps=args.whole_job_steps, zone_regions=zone_regions, cpu_jobs=args.cpu_jobs,
-        time_zone=trace_timezone(args),
+        time_zone=trace_timezone(args), tenant_limit=args.tenant_limit,
         **({"site_model": site_model} if site_model is not None else {}),
         assumptions={"checkpointable_fraction": args.checkpointable, "restart_s": args.restart_s,
                      "declare_inflexible": not args.inflexible_undeclared},

@@ -63,6 +63,7 @@ from policies.migration import Move, Running, make_room, plan_moves, urgent
 from policies.latency_reserve import LatencyDemand
 from policies.runtime_risk import RunTimeErrors, expected_ratio
 from policies.snapshot import MODEL_INDEX, TDP_KW, JobRequest, Snapshot, _offset_hour, build_snapshot
+from policies.tenant_limit import TenantLimits, TenantRoom
 from policies.timeshift import Booking, Calendar, Deferral, epoch_hour, run_slots
 
 from broker.simulation.results import PolicyRun, SiteFacts
@@ -160,15 +161,17 @@ def requests_of(workload: Workload) -> list[JobRequest]:
     regions = workload.region_names
     start_ts = workload.start.timestamp()
     deferrable = workload.deferrable.tolist()
-    for i, (count, milli, model, estimate, origin, slo, deadline, submitted) in enumerate(zip(
+    tenants = workload.tenant_names
+    for i, (count, milli, model, estimate, origin, slo, deadline, submitted, tenant) in enumerate(zip(
             workload.gpus.tolist(), workload.milli.tolist(), workload.model.tolist(),
             workload.estimated_duration_s.tolist(), workload.origin_region.tolist(), workload.latency_slo_ms.tolist(),
-            workload.deadline_s.tolist(), workload.submit_s.tolist(), strict=True)):
+            workload.deadline_s.tolist(), workload.submit_s.tolist(), workload.tenant.tolist(), strict=True)):
         out.append(JobRequest(job_id=str(i), count=count, milli=milli, model=model, memory_gib=0.0,
                               allowed_regions=empty, denied_regions=empty, duration_s=estimate,
                               origin_region=regions[origin], latency_slo_ms=None if slo != slo else slo,
                               deadline_ts=start_ts + deadline, submitted_ts=start_ts + submitted,
-                              checkpointable=bool(workload.checkpointable[i]), deferrable=deferrable[i]))
+                              checkpointable=bool(workload.checkpointable[i]), deferrable=deferrable[i],
+                              tenant=tenants[tenant]))
     return out
 
 
@@ -208,8 +211,12 @@ def replay(
     requests: Sequence[JobRequest],
     left_out: np.ndarray,
     progress: Callable[[int], None] | None = None,
+    tenant_limits: TenantLimits | None = None,
 ) -> PolicyRun:
-    """Run every job of ``workload`` (except ``left_out``) to completion under ``pipeline``."""
+    """Run every job of ``workload`` (except ``left_out``) to completion under ``pipeline``; ``tenant_limits``: the
+    GPUs each tenant's jobs may hold at once across the federation (``broker.tenant_limits``), as the live cycle
+    holds them (a job that would take its tenant past it waits; the caller leaves out any job larger than its
+    limit, which would wait for ever)."""
     began = time.perf_counter()
     n = len(workload)
     submit = workload.submit_s
@@ -290,6 +297,15 @@ def replay(
     requests = list(requests)  # a stopped job's entry becomes the rest of its run (the caller's list is kept)
     moved: list[tuple[float, float, float, float, float]] = []  # earlier pieces: job, site, model, start, end
 
+    # What each limited tenant's running jobs hold now (GPUs), as the live cycle counts it at each pass.
+    limited = [tenant_limits is not None and tenant_limits.of(r.tenant) is not None for r in requests]
+    held_by: dict[str, float] = {}
+
+    def hold(j: int, sign: float) -> None:
+        if limited[j]:
+            tenant = requests[j].tenant or ""
+            held_by[tenant] = held_by.get(tenant, 0.0) + sign * gpus_held[j]
+
     def start(j: int, outcome: Placement, decider: PassDecider, t: float) -> None:
         """Start job ``j`` now where ``outcome`` places it, debited from the pass's snapshot."""
         s, m = outcome.site, outcome.model
@@ -325,6 +341,7 @@ def replay(
             _past_the_data(j, float(end_s[j]), federation, workload, s)
         heapq.heappush(completions, (end_s[j], j))
         running.add(j)
+        hold(j, 1.0)
 
     def work_done(j: int, t: float, seen: bool = False) -> tuple[float, float]:
         """(when job ``j``'s current piece started, seconds of work it has done by ``t``: in truth, or as the
@@ -361,6 +378,7 @@ def replay(
         if move.site < 0:
             suspensions += 1
             running.discard(j)
+            hold(j, -1.0)
             resumed[j] = True
             end_s[j] = np.nan  # its queued completion is stale
             booking = bookings.pop(j, None)
@@ -451,6 +469,7 @@ def replay(
             if t_end != end_s[j] or j not in running:  # the job moved: it ends later, elsewhere
                 continue
             running.discard(j)
+            hold(j, -1.0)
             s, m = int(site_of[j]), int(model_of[j])
             if near[j]:
                 near_now[s, m] -= gpus_held[j]
@@ -503,6 +522,8 @@ def replay(
                 booked[:, :, 0] = near_now  # as plan_free's hour 0 is the real free capacity
                 demand.observe(epoch_hour(now), base.sites, near_now)
                 hourly["near_samples"] = demand.samples(base.sites, booked.shape[1])
+        if tenant_limits is not None:
+            hourly["tenant_room"] = TenantRoom(tenant_limits, dict(held_by))
         snap = replace(base, now=now, free_gpus=free, shared_free_milli=shared_free,
                        carbon_g_per_kwh=federation.intensity[:, h], last_placed=cursor,
                        run_time_errors=errors.sorted(), **hourly)

@@ -62,6 +62,7 @@ from broker.simulation.whole_job_bound import WholeJobBoundError, lagrangian_val
 from broker.simulation.workload import Workload, WorkloadAssumptions, build_workload
 from policies.baselines import policy
 from policies.profiles import BUILTIN as PROFILES
+from policies.tenant_limit import TenantLimits
 
 
 @dataclass
@@ -95,6 +96,8 @@ class SimulationSpec:
     site_model: str | None = None
     workers: int | None = None  # processes replaying policies side by side (default: one per core)
     assumptions: dict[str, object] = field(default_factory=dict)  # WorkloadAssumptions overrides
+    # GPUs each tenant's jobs may hold at once across the federation (broker.default_tenant_limit); None: no limit
+    tenant_limit: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.whole_job_steps, bool) or not isinstance(self.whole_job_steps, int) \
@@ -114,6 +117,7 @@ class Prepared:
     rtt_ms: np.ndarray  # [n_sites (name order), n_origin_regions]
     report: list[str]
     fitting: np.ndarray  # bool[n_jobs, n_sites]: where each job fits and meets its latency objective
+    tenant_limits: TenantLimits | None = None  # what every policy holds tenants to (SimulationSpec.tenant_limit)
 
 
 def prepare(spec: SimulationSpec) -> Prepared:
@@ -204,9 +208,21 @@ def prepare(spec: SimulationSpec) -> Prepared:
                       f"meets their latency objective (largest asks {int(workload.gpus[left_out].max())} GPUs; "
                       f"{bound} of them have a latency objective{models_no_site_has(workload, sites, left_out)}); "
                       "no policy runs them")
+    limits = None
+    if spec.tenant_limit is not None:
+        limits = TenantLimits(default=spec.tenant_limit)
+        larger = ~left_out & (np.array([r.charge for r in requests]) > spec.tenant_limit + 1e-9)
+        if larger.any():
+            report.append(f"left out: {int(larger.sum())} jobs ask more GPUs than --tenant-limit "
+                          f"{spec.tenant_limit:g} lets a tenant hold (a broker refuses them at submission); no "
+                          "policy runs them")
+            left_out = left_out | larger
+        report.append(f"tenant limit: every tenant's jobs hold at most {spec.tenant_limit:g} GPUs at once across "
+                      "the federation, in every policy's replay (broker.default_tenant_limit); the bounds and the "
+                      "whole-job oracle do not hold tenants to it")
     rtt = np.array([[s.rtt_ms.get(r, np.nan) for r in workload.region_names] for s in federation.specs],
                    dtype=np.float64).reshape(len(federation.specs), len(workload.region_names))
-    return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting)
+    return Prepared(workload, sites, federation, requests, left_out, rtt, report, fitting, limits)
 
 
 def _default_site_model(trace: Trace, prices: PriceTable, report: list[str]) -> str:
@@ -331,7 +347,8 @@ def simulate(spec: SimulationSpec, *, progress: bool = False, prepared: Prepared
             bar = _bar(name, int((~prep.left_out).sum())) if progress else None
             try:
                 run = engine.replay(name, policy(name), w, prep.federation, prep.requests, prep.left_out,
-                                    progress=None if bar is None else (lambda n, b=bar: b.update(n - b.n)))
+                                    progress=None if bar is None else (lambda n, b=bar: b.update(n - b.n)),
+                                    tenant_limits=prep.tenant_limits)
             finally:
                 if bar is not None:
                     bar.close()
@@ -396,7 +413,8 @@ def _worker_init(prep: Prepared) -> None:
 def _replay_one(name: str) -> engine.PolicyRun:
     assert _SHARED is not None
     p = _SHARED
-    return engine.replay(name, policy(name), p.workload, p.federation, p.requests, p.left_out)
+    return engine.replay(name, policy(name), p.workload, p.federation, p.requests, p.left_out,
+                         tenant_limits=p.tenant_limits)
 
 
 def _replay_in_parallel(prep: Prepared, names: list[str], workers: int, progress: bool) -> dict[str, engine.PolicyRun]:
