@@ -69,6 +69,11 @@ UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
 
 MAX_GPUS_PER_SITE = 200_000  # larger than any single cluster today; bounds what one request can ask of us
 MAX_GPU_MEMORY_GIB = 4096  # the most memory a site may say one of its GPUs has
+# The most a site spec may charge for one GPU-hour, in USD: no GPU rents for anything near it, so a larger number is
+# a slip of the keyboard. It also keeps a job's cost finite: the cost scorer multiplies the price by the GPUs held
+# and the run's seconds (up to ~1.3e11 together), and a price past ~1e297 made that infinite, every site's score
+# NaN and the placement arbitrary.
+MAX_USD_PER_GPU_HOUR = 1_000_000
 
 
 class Strict(BaseModel):
@@ -704,10 +709,13 @@ class SiteSpec(Spec):
 
     @field_validator("usd_per_gpu_hour", "rtt_ms")
     @classmethod
-    def _non_negative(cls, values: dict[str, float]) -> dict[str, float]:
+    def _non_negative(cls, values: dict[str, float], info: ValidationInfo) -> dict[str, float]:
         for key, v in values.items():
             if v < 0:
                 raise ValueError(f"{key}: must be zero or more, got {v}")
+            if info.field_name == "usd_per_gpu_hour" and v > MAX_USD_PER_GPU_HOUR and not stored(info):
+                raise ValueError(f"{key}: {v:g} USD per GPU-hour is more than the {MAX_USD_PER_GPU_HOUR:,} a site "
+                                 "may charge; give the price of one GPU for one hour")
         return values
 
     @model_validator(mode="after")

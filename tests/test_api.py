@@ -412,6 +412,26 @@ async def test_a_site_with_no_price_is_explained_with_what_it_was_ranked_as_so_t
     assert "ranked_as" not in next(t for t in cost.values() if t["raw"] is not None)  # only where it was unknown
 
 
+
+async def test_a_price_no_gpu_could_cost_is_refused_naming_it_rather_than_make_every_score_nan(client: TestClient):
+    # 1e308 USD per GPU-hour was taken: a job's cost there (price x GPUs x seconds) came out infinite, every
+    # site's score NaN ("placed on london (h100-80gb, score nan)"), and the job went to whichever site came first.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, usd_per_gpu_hour={"a100-80gb": 3.0}))
+    huge = site_body("paris", "gcp:europe-west9", {"a100-80gb": 8}, usd_per_gpu_hour={"a100-80gb": 1e308})
+    r = await client.post("/v1/sites", json=huge)
+    assert r.status == 422, await r.text()
+    fields = (await r.json())["error"]["fields"]
+    assert fields[0]["field"] == "usd_per_gpu_hour" and "a100-80gb: 1e+308 USD per GPU-hour is more than" in \
+        fields[0]["problem"], fields
+    r = await client.put("/v1/sites/berlin", json={**huge, "name": "berlin"})
+    assert r.status == 422 and (await r.json())["error"]["fields"][0]["field"] == "usd_per_gpu_hour"
+    assert (await (await client.get("/v1/sites/berlin")).json())["usd_per_gpu_hour"] == {"a100-80gb": 3.0}
+    await register(client, site_body("paris", "gcp:europe-west9", {"a100-80gb": 8},
+                                     usd_per_gpu_hour={"a100-80gb": 1_000_000.0}))  # the most a site may charge
+    preview = await (await client.post("/v1/preview", json={**MINIMAL, "duration_s": 3600, "profile": "cheap"})).json()
+    assert preview["decision"]["site"] == "berlin", preview["decision"]["summary"]
+    assert all(s["score"] is not None for s in preview["decision"]["sites"] if s["feasible"])
+
 async def test_a_job_cancelled_while_no_site_could_take_it_is_not_explained_as_still_queued(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     job = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 4, "model": "h100-80gb"}})).json()
