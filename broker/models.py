@@ -1085,12 +1085,18 @@ class JobChange(Strict):
         default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9-]*$",
         description="the job's new routing profile; null: the federation's default")
 
+    @field_validator("priority")
+    @classmethod
+    def _priority_is_a_number(cls, value: int | None) -> int | None:
+        # (run only for a priority the body gives: null is refused naming the key, not the whole body)
+        if value is None:
+            raise ValueError("a job has a priority (0 by default); give a number")
+        return value
+
     @model_validator(mode="after")
     def _some_change(self) -> JobChange:
         if not self.model_fields_set:
             raise ValueError("give at least one of priority, deadline, profile")
-        if "priority" in self.model_fields_set and self.priority is None:
-            raise ValueError("priority: a job has a priority (0 by default); give a number")
         return self
 
     def applied_to(self, spec: JobSpec) -> JobSpec:

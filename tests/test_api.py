@@ -1170,6 +1170,7 @@ async def test_a_queued_jobs_priority_deadline_and_profile_change_and_it_is_plac
     r = await client.patch(f"/v1/jobs/{newer['id']}", json={"priority": 6})  # running: no longer queued
     assert r.status == 409 and "is running: only a queued job" in (await r.json())["error"]["message"]
     for body, field in (({"gpus": {"count": 1}}, "gpus"), ({}, "(body)"), ({"priority": 5000}, "priority"),
+                        ({"priority": None}, "priority"),  # (was named "(body)": the key a client must mend is this)
                         ({"deadline": "2020-01-01T00:00:00Z"}, "deadline"), ({"profile": "nope"}, "profile")):
         r = await client.patch(f"/v1/jobs/{older['id']}", json=body)
         error = (await r.json())["error"]
