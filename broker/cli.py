@@ -298,6 +298,16 @@ def _load_document(path: str) -> Any:
         raise CliError(f"{path}: {yaml_problem(e)}") from None  # (JSON is YAML too)
 
 
+def _specs_of(doc: Any, path: str, what: str) -> list[Any]:
+    """The specs a file holds: the one it is, or each of its list. An empty file or an empty list is an error,
+    not a command that does nothing and exits 0 (a sweep whose generator wrote nothing would pass for sent)."""
+    if doc is None:
+        raise CliError(f"{path}: empty: write a {what} spec, or a list of them")
+    if doc == []:
+        raise CliError(f"{path}: an empty list: nothing to send; give at least one {what} spec")
+    return doc if isinstance(doc, list) else [doc]
+
+
 def _plain(value: Any) -> Any:
     """A YAML document as JSON has it: an unquoted timestamp (``deadline: 2030-01-01T00:00:00Z``), which YAML
     reads as a date or time, becomes its ISO text again, so that the API reads it as it would the quoted one."""
@@ -345,8 +355,6 @@ async def _preview(c: Client, doc: Any) -> tuple[list[Any], str]:
     if not isinstance(doc, list):
         preview = await c.request("POST", "/v1/preview", doc)
         return [preview], preview["note"]
-    if not doc:
-        return [], ""
     too_many = (f"The file holds more jobs than one preview decides together (at most {PREVIEW_LIST_MAX}, within the "
                 "broker's limit on a request's size): each was previewed alone")
     alone = too_many if len(doc) > PREVIEW_LIST_MAX else None
@@ -501,16 +509,16 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 return await _watch(c, args)
             case "submit" if args.dry_run:
                 doc = _load_document(args.file)
-                specs = doc if isinstance(doc, list) else [doc]
+                specs = _specs_of(doc, args.file, "job")
                 _check_all(specs, JobSpec, "job")
                 previews, note = await _preview(c, doc)
                 out = previews if isinstance(doc, list) else previews[0]
                 text = "\n\n".join(show_decision(p["decision"], preview=True, ahead=p.get("ahead"),
                                                    listed=p.get("listed_ahead")) for p in previews)
-                text += f"\n\n(dry run: {note})" if previews else ""
+                text += f"\n\n(dry run: {note})"
             case "submit":
                 doc = _load_document(args.file)
-                specs = doc if isinstance(doc, list) else [doc]
+                specs = _specs_of(doc, args.file, "job")
                 _check_all(specs, JobSpec, "job")  # all or nothing: no job is sent if one is invalid
                 key = args.idempotency_key
                 jobs = await _send_each(c, "/v1/jobs", specs, "job", lambda i: (
@@ -570,7 +578,7 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                         text = yaml.safe_dump(out, sort_keys=False).rstrip()
                     case "add":
                         doc = _load_document(args.file)
-                        specs = doc if isinstance(doc, list) else [doc]
+                        specs = _specs_of(doc, args.file, "site")
                         _check_all(specs, SiteSpec, "site", SITE_READ_ONLY_KEYS)
                         added = await _send_each(c, "/v1/sites", specs, "site")
                         out = added if isinstance(doc, list) else added[0]

@@ -416,7 +416,8 @@ async def test_a_site_with_no_price_is_explained_with_what_it_was_ranked_as_so_t
 async def test_a_price_no_gpu_could_cost_is_refused_naming_it_rather_than_make_every_score_nan(client: TestClient):
     # 1e308 USD per GPU-hour was taken: a job's cost there (price x GPUs x seconds) came out infinite, every
     # site's score NaN ("placed on london (h100-80gb, score nan)"), and the job went to whichever site came first.
-    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, usd_per_gpu_hour={"a100-80gb": 3.0}))
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8},
+                                     usd_per_gpu_hour={"a100-80gb": 3.0}))
     huge = site_body("paris", "gcp:europe-west9", {"a100-80gb": 8}, usd_per_gpu_hour={"a100-80gb": 1e308})
     r = await client.post("/v1/sites", json=huge)
     assert r.status == 422, await r.text()

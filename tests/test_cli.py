@@ -474,6 +474,24 @@ def test_errors_are_one_line_messages_not_tracebacks(capsys, server, args, messa
     assert out == ""
 
 
+def test_an_empty_file_or_an_empty_list_is_an_error_not_a_command_that_did_nothing(capsys, server, tmp_path):
+    """`submit` of `[]` printed "(none)" and `submit --dry-run` of it a blank line, both with status 0, so an empty
+    sweep (its generator wrote nothing) passed for one sent; an empty file got pydantic's "Input should be a valid
+    dictionary or instance of JobSpec"."""
+    (tmp_path / "empty-list.yaml").write_text("[]\n")
+    (tmp_path / "empty.yaml").write_text("")
+    for args, words in [(("submit", "empty-list.yaml"), "an empty list: nothing to send; give at least one job spec"),
+                        (("submit", "--dry-run", "empty-list.yaml"), "an empty list: nothing to send"),
+                        (("sites", "add", "empty-list.yaml"),
+                         "an empty list: nothing to send; give at least one site spec"),
+                        (("submit", "empty.yaml"), "empty: write a job spec, or a list of them"),
+                        (("sites", "add", "empty.yaml"), "empty: write a site spec")]:
+        code, out, err = run(capsys, server, *args[:-1], str(tmp_path / args[-1]))
+        assert (code, out) == (1, ""), (args, code, out, err)
+        assert f"{tmp_path / args[-1]}: {words}" in err and "JobSpec" not in err, (args, err)
+    assert json.loads(run(capsys, server, "--json", "jobs")[1]) == []
+
+
 def test_an_invalid_job_file_names_every_bad_field(capsys, server, tmp_path):
     path = submit_file(tmp_path, gpus={"count": -2, "model": "a1000"})
     code, _, err = run(capsys, server, "submit", str(path))
