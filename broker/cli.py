@@ -144,6 +144,12 @@ def _ago(iso: str | None) -> str:
     return "-" if left is None else f"{max(0.0, -left):.0f} s ago"
 
 
+def _seconds(value: float) -> str:
+    """Seconds to a tenth, with no trailing zeros (``41.6``, ``120``, ``2419200``): ``:g`` gave six significant
+    digits, ``41.5508`` (timer noise), and ``2.4192e+06`` for a four-week job."""
+    return f"{value:.1f}".rstrip("0").rstrip(".")
+
+
 def _run_text(job: dict[str, Any]) -> str:
     """How long the job has run: ``run_s`` counts only attempts that ended (kept across checkpoints), so a
     running job says since when it runs (its first attempt) or what earlier attempts ran, and an ended one how
@@ -154,11 +160,11 @@ def _run_text(job: dict[str, Any]) -> str:
     if job["state"] == "running":
         if job["attempt"] <= 1 and started:  # (started_at is the first attempt's start)
             return f"running since {started}"
-        return f"running, {run_s:g} s run by earlier attempts"
+        return f"running, {_seconds(run_s)} s run by earlier attempts"
     if started and finished:
         span = (datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds()
-        return f"{max(run_s, span):g} s run"
-    return f"{run_s:g} s run"
+        return f"{_seconds(max(run_s, span))} s run"
+    return f"{_seconds(run_s)} s run"
 
 
 def show_job(job: dict[str, Any]) -> str:
@@ -168,7 +174,7 @@ def show_job(job: dict[str, Any]) -> str:
         f"  state     {job['state']}" + (f" on {job['site']}" if job["site"] else ""),
         f"  reason    {job.get('reason') or '-'}",
         f"  gpus      {_job_row(job)['gpus']}" + (f", >= {spec['gpus']['memory_gib']} GiB" if spec["gpus"].get("memory_gib") else ""),
-        f"  duration  {spec['duration_s']:g} s expected, {_run_text(job)}",
+        f"  duration  {_seconds(spec['duration_s'])} s expected, {_run_text(job)}",
         f"  attempt   {job['attempt']} ({job['failed_attempts']} failed, at most {spec['max_attempts']})",
         f"  priority  {spec['priority']}",
         f"  created   {job['created_at']}",
@@ -905,7 +911,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("id")
     s.add_argument("--priority", type=int, help="its new priority (-1000 to 1000)")
     s.add_argument("--deadline", metavar="ISO-TIME|none", help="its new deadline (with its time zone), or none")
-    s.add_argument("--profile", metavar="NAME|none", help="its new routing profile, or none for the federation's")
+    s.add_argument("--profile", metavar="NAME|none", help="its new routing profile, or none for the federation's default")
     s = sub.add_parser("sites", parents=[common], help="list, get, add, remove, cordon or uncordon sites")
     acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
     acts.add_parser("list", parents=[common], help="list sites")

@@ -372,6 +372,9 @@ def test_cancel_takes_ids_or_a_selector_and_says_so_as_a_usage_error(capsys, arg
     ("running", 2, 600.0, "2026-11-26T16:25:40Z", None, "running, 600 s run by earlier attempts"),
     ("cancelled", 1, 0.0, "2026-11-26T16:25:40Z", "2026-11-26T16:25:53.5Z", "13.5 s run"),
     ("succeeded", 1, 120.0, "2026-11-26T16:25:40Z", "2026-11-26T16:27:40Z", "120 s run"),
+    # to a tenth of a second, as the README shows it: ":g" printed "41.5508 s run", and a long run as "1.2096e+06"
+    ("cancelled", 1, 0.0, "2026-11-26T16:25:40Z", "2026-11-26T16:26:21.550800Z", "41.6 s run"),
+    ("succeeded", 1, 1209600.0, "2026-11-12T16:25:40Z", "2026-11-26T16:25:40Z", "1209600 s run"),
     ("queued", 0, 0.0, None, None, "0 s run"),
 ])
 def test_a_job_shows_how_long_it_has_run_while_it_runs_and_once_cancelled(state, attempt, run_s, started, finished,
@@ -383,6 +386,13 @@ def test_a_job_shows_how_long_it_has_run_while_it_runs_and_once_cancelled(state,
            "failed_attempts": 0, "run_s": run_s, "started_at": started, "finished_at": finished,
            "created_at": "2026-11-26T16:25:35Z", "updated_at": "2026-11-26T16:25:53.5Z"}
     assert f"  duration  120 s expected, {shown}\n" in cli.show_job(job)
+
+
+def test_update_help_says_what_profile_none_means(capsys):
+    """The help ended mid-phrase: "its new routing profile, or none for the federation's"."""
+    with pytest.raises(SystemExit):
+        main(["update", "--help"])
+    assert "or none for the federation's default" in " ".join(capsys.readouterr().out.split())
 
 
 def test_sites_are_added_listed_shown_and_removed(capsys, server, tmp_path):
