@@ -565,13 +565,27 @@ class CordonRequest(BaseModel):
     reason: str | None = Field(default=None, max_length=500, description="why, in the operator's words")
 
 
+class UncordonRequest(BaseModel):
+    """The body of ``POST /v1/sites/{name}/uncordon``, best left out: it has no fields (``{}`` is taken)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# (a reason sent to uncordon was dropped without a word, as was a body that is no JSON at all)
+UNCORDON_TAKES_NO_REASON = {"reason": "an uncordon takes no reason (the cordon's reason is cleared): leave the "
+                                      "body out"}
+
+
 async def cordon_site(request: web.Request) -> web.Response:
-    """Take a site out of routing (no new placements; what runs there runs on) or give it back."""
+    """Take a site out of routing (no new placements; what runs there runs on) or give it back. A body that is
+    sent is checked either way: malformed JSON is a 400, a key the request does not take a 422 naming it."""
     name = request.match_info["name"]
     cordon = request.path.rstrip("/").endswith("/cordon")
     reason = None
     if cordon and (await request.read()).strip():
         reason = (await _body(request, CordonRequest, "cordon request"))[0].reason
+    elif not cordon and (await request.read()).strip():
+        await _body(request, UncordonRequest, "uncordon request", read_only=UNCORDON_TAKES_NO_REASON)
     broker = request.app[BROKER]
     try:
         # (the spec is read when the change is made: a PUT under way is not undone by a copy from before it;

@@ -304,8 +304,9 @@ def _paths() -> dict[str, Any]:
         },
         "/v1/sites/{name}/uncordon": {
             "parameters": [name],
-            "post": {"summary": "Give a cordoned site back to routing",
-                     "responses": _answers(_json_body(_ref("Site"), "the site, uncordoned"), 404)},
+            "post": {"summary": "Give a cordoned site back to routing (no body; {} is taken)",
+                     "requestBody": {**_json_body(_object(False), "none: leave it out"), "required": False},
+                     "responses": _answers(_json_body(_ref("Site"), "the site, uncordoned"), 400, 404, 413, 422)},
         },
         "/v1/sites/{name}/quota": {
             "parameters": [name],

@@ -285,6 +285,25 @@ async def test_a_cordoned_site_takes_no_new_job_keeps_what_runs_and_takes_work_a
     assert bad.status == 422 and (await bad.json())["error"]["fields"][0]["field"] == "reason"
 
 
+@pytest.mark.parametrize(("raw", "status", "field", "problem"), [
+    pytest.param(b'{"reason": "upgrade done"}', 422, "reason", "an uncordon takes no reason",
+                 id="a reason sent to uncordon is refused by name, not dropped without a word"),
+    pytest.param(b'{"reasn": "x"}', 422, "reasn", "unknown field", id="a misspelt key is named"),
+    pytest.param(b'{x', 400, "(body)", "", id="a body that is no JSON is a 400, as for every other route"),
+])
+async def test_an_uncordon_with_a_body_it_does_not_take_changes_nothing_and_says_why(
+        client: TestClient, raw: bytes, status: int, field: str, problem: str):
+    # Uncordon never read its body: '{x' and {"reason": ...} answered 200 and uncordoned the site.
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    assert (await client.post("/v1/sites/berlin/cordon", json={"reason": "driver upgrade"})).status == 200
+    r = await client.post("/v1/sites/berlin/uncordon", data=raw, headers={"Content-Type": "application/json"})
+    error = (await r.json())["error"]
+    assert r.status == status and error["fields"][0]["field"] == field and problem in error["fields"][0]["problem"]
+    assert (await (await client.get("/v1/sites/berlin")).json())["cordoned"] is True  # still cordoned
+    r = await client.post("/v1/sites/berlin/uncordon", json={})  # an empty object is no change of meaning
+    assert r.status == 200 and (await r.json())["cordoned"] is False
+
+
 async def test_a_site_from_the_configuration_file_stays_cordoned_across_a_restart(tmp_path: Path):
     # The file's spec is written to the store at each start, but a cordon is the operator's act: a broker that
     # restarts must not send jobs to a site under maintenance. The file's other settings still win.
