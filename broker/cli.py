@@ -911,7 +911,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("id")
     s.add_argument("--priority", type=int, help="its new priority (-1000 to 1000)")
     s.add_argument("--deadline", metavar="ISO-TIME|none", help="its new deadline (with its time zone), or none")
-    s.add_argument("--profile", metavar="NAME|none", help="its new routing profile, or none for the federation's default")
+    s.add_argument("--profile", metavar="NAME|none",
+                   help="its new routing profile, or none for the federation's default")
     s = sub.add_parser("sites", parents=[common], help="list, get, add, remove, cordon or uncordon sites")
     acts = s.add_subparsers(dest="action", required=True, metavar="ACTION")
     acts.add_parser("list", parents=[common], help="list sites")
