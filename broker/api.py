@@ -871,16 +871,22 @@ async def list_jobs(request: web.Request) -> web.Response:
     if unknown:  # a misspelt filter must not list every job as if it had matched
         raise ApiError(400, f"unknown query parameter {unknown[0]!r}; jobs are listed by {', '.join(JOB_FILTERS)}",
                        [{"field": name, "problem": "unknown parameter"} for name in unknown])
-    state = request.query.get("state")
-    if state is not None and state not in JobState.__members__.values():
-        raise ApiError(400, f"unknown state {state!r}",
-                       [{"field": "state", "problem": f"must be one of {', '.join(s.value for s in JobState)}"}])
+    for name in ("tenant", "site", "limit", "cursor"):  # (one of each: the second was dropped without a word)
+        if len(request.query.getall(name, [])) > 1:
+            raise ApiError(400, f"{name} is given {len(request.query.getall(name))} times; give it once",
+                           [{"field": name, "problem": "given more than once"}])
+    states = list(dict.fromkeys(request.query.getall("state", [])))  # state=S&state=S2: in any of them
+    for state in states:
+        if state not in JobState.__members__.values():
+            raise ApiError(400, f"unknown state {state!r}",
+                           [{"field": "state", "problem": f"must be one of {', '.join(s.value for s in JobState)}"}])
     for name in ("tenant", "site"):  # (as an empty state is: no tenant or site has an empty name)
         if request.query.get(name) == "":
             raise ApiError(400, f"{name} is empty; give a {name}'s name, or leave the parameter out",
                            [{"field": name, "problem": "empty"}])
     flt = _scoped(principal(request), JobFilter(
-        state=JobState(state) if state else None,
+        state=JobState(states[0]) if len(states) == 1 else None,
+        states=tuple(JobState(s) for s in states) if len(states) > 1 else None,
         tenant=request.query.get("tenant"),
         site=request.query.get("site"),
         labels=_labels(request),

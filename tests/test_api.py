@@ -1277,6 +1277,25 @@ async def submit(client: TestClient, **more: Any) -> str:
     return (await r.json())["id"]
 
 
+async def test_jobs_are_listed_in_any_of_the_states_named_and_a_filter_given_twice_is_refused(client: TestClient):
+    """``state=queued&state=cancelled`` lists the jobs in either (only the last was read); ``tenant=a&tenant=b``
+    read one of them and listed its jobs as if that were all that was asked: now a 400 naming it."""
+    queued, cancelled = await submit(client, name="q"), await submit(client, name="c")
+    assert (await client.post(f"/v1/jobs/{cancelled}/cancel")).status == 200
+
+    async def listed(query: str) -> list[str]:
+        r = await client.get(f"/v1/jobs?{query}")
+        assert r.status == 200, await r.text()
+        return [j["id"] for j in (await r.json())["items"]]
+
+    assert await listed("state=cancelled&state=queued") == [cancelled, queued]
+    assert await listed("state=cancelled&state=cancelled") == [cancelled]
+    for query, field in (("tenant=t1&tenant=t2", "tenant"), ("limit=1&limit=5", "limit"), ("state=queued&state=x",
+                                                                                            "state")):
+        r = await client.get(f"/v1/jobs?{query}")
+        assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == field, await r.text()
+
+
 async def test_jobs_are_listed_by_label_every_one_named_must_match_and_a_key_alone_matches_any_value(
         client: TestClient):
     s1 = [await submit(client, name=f"s1-{i}", labels={"sweep.id": "s1", "lr": f"0.{i}"}) for i in range(3)]
