@@ -21,6 +21,9 @@
   ``GET /v1/jobs/{id}/logs``. It raises :class:`LogsUnsupported` where the site cannot give logs at all,
   :class:`LogsNotFound` where it has none for the attempt (not started yet, or gone), and ``AdapterError``
   where it cannot answer now.
+- ``LogFollower`` (optional): the same tail, then what the attempt prints after it as it prints it, until the
+  attempt ends, for ``GET /v1/jobs/{id}/logs?follow=true``. Sites without it answer that with 501 (their logs can
+  still be read, and polled, with ``tail``).
 
 Submissions are keyed by (job id, attempt): submitting the same attempt twice must not run it twice.
 A cancel is final for its attempt: the site drops it if it has it, and refuses it if its submission
@@ -30,7 +33,7 @@ arrives later (it may still be on its way), so a withdrawn attempt can never sta
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, runtime_checkable
@@ -133,6 +136,29 @@ class LogReader(Protocol):
         """The last ``tail_lines`` lines (None: all) of what attempt ``attempt`` of job ``job_id`` printed, at
         most its last ``limit_bytes`` bytes. :class:`LogsNotFound` where the site has nothing for that attempt,
         :class:`LogsUnsupported` where it cannot give logs, ``AdapterError`` where it cannot answer now."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LogFollow:
+    """A log being followed: whether lines or bytes before its start were left out (``truncated``, as
+    :class:`JobLogs` says it), where it comes from (``source``), and ``chunks``: the tail first, then the text the
+    attempt prints as it prints it (UTF-8 decoded, in pieces of any size, not split at lines), until the attempt
+    ends. Closing ``chunks`` early (``aclose``: the reader left) ends what it reads from the site."""
+
+    truncated: bool
+    source: str | None
+    chunks: AsyncGenerator[str, None]
+
+
+@runtime_checkable
+class LogFollower(Protocol):
+    async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+        """Follow what attempt ``attempt`` of job ``job_id`` prints: first its last ``tail_lines`` lines (None:
+        all), at most about ``limit_bytes`` bytes of them, as :meth:`LogReader.logs` gives them, then more as it is
+        written, until the attempt ends (an attempt that has ended: its tail, then the end). Raises as
+        :meth:`LogReader.logs` does before the first chunk; ``AdapterError`` from ``chunks`` where the site stops
+        answering on the way. The adapter holds no more than a chunk of the text at once."""
         ...
 
 

@@ -106,6 +106,7 @@ configmaps in that namespace.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import contextlib
 import dataclasses
@@ -115,7 +116,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -129,7 +130,7 @@ from kubernetes.aio.config import kube_config as kube_config_module
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from adapters.base import (
-    AdapterError, Admission, EventKind, JobEvent, JobLogs, LogsNotFound, LogsUnsupported, tail_text,
+    AdapterError, Admission, EventKind, JobEvent, JobLogs, LogFollow, LogsNotFound, LogsUnsupported, tail_text,
 )
 from adapters import kubernetes_logs
 from adapters.cluster_clock import ClusterClock
@@ -184,6 +185,9 @@ QUOTA_NAME = "heliotrope-gpus"
 ENDED_LOG_LINES = 1000  # of an ended attempt's log, the end kept when its Job is deleted: at most these lines
 ENDED_LOG_BYTES = 256 * 1024  # ... and bytes
 ENDED_LOGS_BYTES = 32 * 1024 * 1024  # the ended attempts' logs kept in all (the oldest go first)
+# A followed log (``follow_logs``) may be quiet for as long as its job prints nothing: no read timeout, only this bound
+# on the whole stream (the client takes one number, a total), as long as the broker's (broker.api.LOG_FOLLOW_MAX_S).
+FOLLOW_MAX_S = 24 * 3600.0
 ENDED_LOG_READ_S = 10.0  # how long the read of one may take before its Job is deleted without it
 TOMBSTONE_TTL_S = 3600.0
 TOKEN_FILE_REREAD_S = 60.0  # a kubeconfig's tokenFile is read again this often (client-go: a minute)
@@ -1186,6 +1190,12 @@ class KubernetesSite:
         if ended is not None:
             text, cut = tail_text(ended.data.decode(), tail_lines, limit_bytes)
             return JobLogs(text, ended.truncated or cut, f"{ended.source} (kept when its Job was deleted)")
+        name, namespace, container, source = await self._attempt_pod(job_id, attempt)
+        raw, dropped = await self._read_log(name, namespace, container, source, tail_lines, limit_bytes)
+        return kubernetes_logs.as_logs(raw, dropped, tail_lines, limit_bytes, source)
+
+    async def _attempt_pod(self, job_id: str, attempt: int) -> tuple[str, str, str | None, str]:
+        """The attempt's newest Pod: its name, namespace, the container whose log is read, and those in words."""
         site, job_label = _label_value(self.name), _label_value(job_id)
         what = f"attempt {attempt} of job {job_id}"
         try:
@@ -1203,22 +1213,80 @@ class KubernetesSite:
         tenant = (meta.get("labels") or {}).get(TENANT_LABEL, "")
         name, namespace = meta.get("name") or "", meta.get("namespace") or self.namespace(tenant)
         container = kubernetes_logs.container_of(pod)
-        source = f"pod {namespace}/{name}" + (f" container {container}" if container else "")
+        return name, namespace, container, f"pod {namespace}/{name}" + (f" container {container}" if container else "")
+
+    async def _read_log(self, name: str, namespace: str, container: str | None, source: str, tail_lines: int | None,
+                        limit_bytes: int) -> tuple[bytes, bool]:
+        """The end of a Pod's log: its last ``limit_bytes`` of the last ``tail_lines`` lines, and whether bytes before
+        them were left out."""
         try:
             # (not the API server's limitBytes: it stops its answer after that many bytes, so it would keep the start
             # of the tail, not its end)
-            raw, dropped = await self._text("reading a Pod's log",
-                                            self._core.read_namespaced_pod_log_without_preload_content, name,
-                                            namespace, container=container, tail_lines=tail_lines,
-                                            last_bytes=max(limit_bytes, 0))
+            return await self._text("reading a Pod's log", self._core.read_namespaced_pod_log_without_preload_content,
+                                    name, namespace, container=container, tail_lines=tail_lines,
+                                    last_bytes=max(limit_bytes, 0))
         except k8s.ApiException as e:
-            if e.status in (400, 404):  # the container waits to start, or the Pod has just gone
-                raise LogsNotFound(f"site {self.name}: {source} has no log ({e.reason})") from e
-            if e.status == 403:
-                raise LogsUnsupported(f"the cluster refused to give the log of {source} ({e.reason}): grant the "
-                                      "site's credentials get on pods/log") from e
-            raise AdapterError(f"site {self.name}: reading the log of {source} failed ({e.status}: {e.reason})") from e
-        return kubernetes_logs.as_logs(raw, dropped, tail_lines, limit_bytes, source)
+            raise self._log_refused(e, source) from e
+
+    def _log_refused(self, e: k8s.ApiException, source: str) -> AdapterError:
+        if e.status in (400, 404):  # the container waits to start, or the Pod has just gone
+            return LogsNotFound(f"site {self.name}: {source} has no log ({e.reason})")
+        if e.status == 403:
+            return LogsUnsupported(f"the cluster refused to give the log of {source} ({e.reason}): grant the "
+                                   "site's credentials get on pods/log")
+        return AdapterError(f"site {self.name}: reading the log of {source} failed ({e.status}: {e.reason})")
+
+    # --- LogFollower ---
+
+    async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+        """The log of the attempt's newest Pod's container followed, as ``kubectl logs -f`` does: the API server's
+        ``follow`` read, relayed as it comes until the kubelet ends it (the container has ended, or the Pod gone).
+        It is read once without ``follow`` first, as :meth:`logs` reads it: that says whether lines before the tail
+        were left out, and, where the tail is longer than ``limit_bytes``, how many of its lines fit them, which the
+        followed read then asks for (``tailLines``; the API server's ``limitBytes`` would end the stream). An
+        attempt whose Job was deleted: the end of its log kept then, and the end."""
+        ended = self._ended_logs.get((job_id, attempt))
+        if ended is not None:
+            kept = await self.logs(job_id, attempt, tail_lines, limit_bytes)
+            return LogFollow(kept.truncated, kept.source, kubernetes_logs.once(kept.text))
+        name, namespace, container, source = await self._attempt_pod(job_id, attempt)
+        raw, dropped = await self._read_log(name, namespace, container, source, tail_lines, limit_bytes)
+        truncated = kubernetes_logs.as_logs(raw, dropped, tail_lines, limit_bytes, source).truncated
+        follow_lines = kubernetes_logs.lines_within(raw) if dropped else tail_lines
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s + 1):
+                resp = await self._core.read_namespaced_pod_log_without_preload_content(
+                    name, namespace, container=container, tail_lines=follow_lines, follow=True,
+                    _request_timeout=FOLLOW_MAX_S)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            raise AdapterError(f"site {self.name}: following the log of {source} failed: {e!r}") from e
+        if resp.status >= 400:
+            try:
+                refusal = k8s.ApiException(status=resp.status, reason=_refusal(resp.status, await resp.text()))
+            finally:
+                resp.release()
+            raise self._log_refused(refusal, source)
+        chunks = self._relay_log(resp, source)
+        await anext(chunks)  # (started: closing it now closes the response)
+        return LogFollow(truncated, source, chunks)
+
+    async def _relay_log(self, resp: Any, source: str) -> AsyncGenerator[str, None]:
+        """A followed log's bytes as text, chunk by chunk as they come (aiohttp's buffer bounds what is held: it
+        stops reading from the API server while its buffer is full); the response is closed at the end."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            yield ""
+            async for data in resp.content.iter_any():
+                text = decoder.decode(data)
+                if text:
+                    yield text
+            rest = decoder.decode(b"", final=True)
+            if rest:
+                yield rest
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise AdapterError(f"site {self.name}: following the log of {source} failed: {e!r}") from e
+        finally:
+            resp.close()
 
     # --- AttemptLookup ---
 

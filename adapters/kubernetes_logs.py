@@ -15,10 +15,16 @@ longer than the bytes). A Pod not started yet has no log (the API server answers
 deleted: a Job that ended is deleted with its Pods once the broker has taken its outcome, so the adapter reads the
 end of its log just before and keeps it in memory (``KubernetesSite._keep_log``: the latest ended attempts',
 32 MiB in all; not across its restarts, nor for attempts stopped or lost). RBAC: ``get`` on ``pods/log``.
+
+Followed (``follow_logs``, ``kubectl logs -f``): the API server's ``follow`` read of the same container, relayed as it
+comes until the kubelet ends it (the container ended, or the Pod went). Its tail is what a read without ``follow``
+would give: where that was cut to ``limit_bytes``, the followed read asks for as many lines as fit them
+(:func:`lines_within`), since ``limitBytes`` would end the stream there.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from adapters.base import JobLogs, tail_text
@@ -69,3 +75,15 @@ def as_logs(raw: bytes, dropped: bool, tail_lines: int | None, limit_bytes: int,
     lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
     full = cut or dropped or (tail_lines is not None and lines >= tail_lines)
     return JobLogs(kept, full, source)
+
+
+def lines_within(raw: bytes) -> int:
+    """How many whole lines the end of a log cut to its last bytes (``raw``) holds, as ``tailLines`` counts them: all
+    but the first, which the cut split (a last line without its newline yet counts)."""
+    return max(raw.count(b"\n") - 1 + (0 if raw.endswith(b"\n") or not raw else 1), 0)
+
+
+async def once(text: str) -> AsyncGenerator[str, None]:
+    """A followed log that has ended: ``text``, then the end."""
+    if text:
+        yield text

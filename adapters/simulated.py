@@ -20,7 +20,8 @@ clock) drive it the same way.
   run, the same each time: a line when it started (and, for a checkpointed job, from where it resumed), one
   at each tenth of its planned run that has passed on the clock, and one for how it ended (succeeded, failed
   with the reason, preempted, or withdrawn). The logs of the latest ``LOGS_KEPT`` attempts that ended are kept,
-  in memory only.
+  in memory only. ``LogFollower``: the same log followed, each line sent when its time comes on the clock, until
+  the attempt ends.
 - ``set_reachable(False)`` makes the site unreachable (every call raises ``AdapterError`` and events are
   held back until it is reachable again), for fault tests; its running jobs keep running, as a real
   partitioned site's would.
@@ -30,14 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
 from collections import OrderedDict
 from datetime import UTC, datetime, timedelta
 
 from pathlib import Path
 
-from adapters.base import AdapterError, Admission, EventKind, JobEvent, JobLogs, LogsNotFound, tail_text
+from adapters.base import (AdapterError, Admission, EventKind, JobEvent, JobLogs, LogFollow, LogsNotFound,
+                           tail_text)
 from adapters.quota_store import QuotaOverrides, log_beyond_site
 from adapters.site_state import UsageJournal
 from broker import ids
@@ -60,6 +62,7 @@ class _Run:
     planned_s: float | None = None  # what the attempt has left to run, once it runs
     ended: float | None = None  # POSIX seconds
     outcome: str | None = None  # how it ended, as its log's last line says
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # set once it has ended (for those following its log)
 
 
 def _stamp(posix_s: float) -> str:
@@ -264,6 +267,55 @@ class SimulatedSite:
     async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
         """The simulated log of an attempt (see the module doc); ``LogsNotFound`` for one the site has not
         started, or whose log is no longer kept."""
+        run = self._run_of(job_id, attempt)
+        text, cut = tail_text(simulated_log(self.name, run, self._clock.now().timestamp()), tail_lines, limit_bytes)
+        return JobLogs(text, cut, f"simulated run at site {self.name}")
+
+    # --- LogFollower ---
+
+    async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+        """The simulated log's tail, then each later line when its time comes on the clock (a progress line at
+        each tenth of the planned run, the outcome when it ends), until the attempt ends."""
+        run = self._run_of(job_id, attempt)
+        text = simulated_log(self.name, run, self._clock.now().timestamp())
+        tail, cut = tail_text(text, tail_lines, limit_bytes)
+        return LogFollow(cut, f"simulated run at site {self.name}", self._follow(run, tail, len(text)))
+
+    async def _follow(self, run: _Run, tail: str, sent: int) -> AsyncGenerator[str, None]:
+        """``tail``, then what the log gains (it only grows: its first ``sent`` characters are out) as the clock
+        passes each next line's time, or the run ends, whichever is first."""
+        if tail:
+            yield tail
+        while True:
+            over = run.over.is_set()
+            text = simulated_log(self.name, run, self._clock.now().timestamp())
+            if len(text) > sent:
+                yield text[sent:]
+                sent = len(text)
+            if over:
+                return
+            due = self._next_line_s(run)
+            ended = asyncio.ensure_future(run.over.wait())
+            ticks = [ended] + ([asyncio.ensure_future(self._clock.sleep(due))] if due is not None else [])
+            try:
+                await asyncio.wait(ticks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for tick in ticks:
+                    tick.cancel()
+
+    def _next_line_s(self, run: _Run) -> float | None:
+        """Seconds on the clock until the run's next progress line is due (None: none is, before it ends)."""
+        planned = run.planned_s
+        if planned is None or planned <= 0:
+            return None if planned is not None else 0.0  # (its task starts at the next turn of the loop)
+        now = self._clock.now().timestamp()
+        for step in range(1, PROGRESS_STEPS):
+            at = run.started + planned * step / PROGRESS_STEPS
+            if at > now:
+                return at - now + 0.001  # (a clock's sleep may round to the microsecond: not before the line)
+        return None
+
+    def _run_of(self, job_id: str, attempt: int) -> _Run:
         self._check_reachable()
         key = (job_id, attempt)
         run = self._runs.get(key) or self._ended.get(key)
@@ -271,8 +323,7 @@ class SimulatedSite:
             why = "it is being admitted" if key in self._pending else \
                 f"it never started here, or ended before the latest {LOGS_KEPT} whose logs the site keeps"
             raise LogsNotFound(f"site {self.name} has no log of attempt {attempt} of job {job_id}: {why}")
-        text, cut = tail_text(simulated_log(self.name, run, self._clock.now().timestamp()), tail_lines, limit_bytes)
-        return JobLogs(text, cut, f"simulated run at site {self.name}")
+        return run
 
     # --- EventSource / AttemptLookup ---
 
@@ -351,6 +402,7 @@ class SimulatedSite:
 
     def _ended_run(self, run: _Run, outcome: str) -> None:
         run.ended, run.outcome = self._clock.now().timestamp(), outcome
+        run.over.set()
         self._ended[(run.job.id, run.job.attempt)] = run
         while len(self._ended) > LOGS_KEPT:
             self._ended.popitem(last=False)

@@ -12,7 +12,8 @@ Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured),
         ``GET /v1/jobs/{id}``, ``POST /v1/jobs/{id}/cancel`` (and ``DELETE /v1/jobs/{id}``),
         ``POST /v1/cancellations`` (many jobs at once, by tenant, labels, state and site),
         ``GET /v1/jobs/{id}/decision``, ``GET /v1/jobs/{id}/events``,
-        ``GET /v1/jobs/{id}/logs?attempt=&tail=`` (what an attempt printed, as its site gives it; text/plain)
+        ``GET /v1/jobs/{id}/logs?attempt=&tail=&follow=`` (what an attempt printed, as its site gives it;
+        text/plain; ``follow=true``: then what it prints, streamed, until it ends)
 Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
         ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`),
         ``GET /v1/tenants`` (each tenant's jobs and the GPUs it holds against its federation-wide limit)
@@ -39,7 +40,7 @@ import json
 import logging
 import math
 from dataclasses import replace
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Annotated, Any
 
 import aiohttp
@@ -62,7 +63,7 @@ from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
-from adapters.base import AdapterError, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
+from adapters.base import AdapterError, LogFollow, LogFollower, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
 from broker.models import (LABELS_MAX, PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec,
                            JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, label_problem)
 from broker.openapi import openapi_document
@@ -77,6 +78,7 @@ BROKER = web.AppKey("broker", Broker)
 PRINCIPAL = web.RequestKey("heliotrope.principal", Principal)  # who is calling (broker.auth)
 PROXY = web.AppKey("proxy", aiohttp.ClientSession)
 RELAYS = web.AppKey("relays", set)  # tasks relaying the leader's event stream (ended at shutdown)
+FOLLOWS = web.AppKey("follows", set)  # tasks following a job's log (ended at shutdown; at most MAX_LOG_FOLLOWS)
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)  # a follower's connection to the leader, made on first use
 MAX_PAGE = 1000
 
@@ -278,7 +280,8 @@ async def follower_middleware(
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "idempotency-key",
                                                                          "authorization", "accept", "last-event-id")}
     headers[FORWARDED] = broker.leadership.url
-    if request.path.rstrip("/") == "/v1/events":
+    if request.path.rstrip("/") == "/v1/events" or (request.path.rstrip("/").endswith("/logs")
+                                                     and request.query.get("follow", "").lower() in FOLLOW_TRUE):
         return await _relay_stream(request, session, leader, headers)
     try:
         async with session.request(request.method, leader.rstrip("/") + request.path_qs, headers=headers,
@@ -292,9 +295,9 @@ async def follower_middleware(
 
 async def _relay_stream(request: web.Request, session: aiohttp.ClientSession, leader: str,
                         headers: dict[str, str]) -> web.StreamResponse:
-    """The leader's event stream, passed through as it comes: a client of any replica (behind one Service
-    address) follows the leader's events. It ends when the leader's ends (the leader stopped or stepped
-    down: the client reconnects, with Last-Event-ID, to whoever leads next) or when this replica stops."""
+    """The leader's event stream (or a job's log it follows), passed through as it comes: a client of any replica
+    (behind one Service address) follows the leader's events. It ends when the leader's ends (the leader stopped or
+    stepped down: the client reconnects, with Last-Event-ID, to whoever leads next) or when this replica stops."""
     relays: set[asyncio.Task[Any]] = request.app[RELAYS]
     task = asyncio.current_task()
     assert task is not None
@@ -306,7 +309,8 @@ async def _relay_stream(request: web.Request, session: aiohttp.ClientSession, le
                 body = await up.read()
                 kept = {k: v for k, v in up.headers.items() if k.lower() in PASSED_BACK}
                 return web.Response(status=up.status, body=body, headers={**kept, "X-Heliotrope-Leader": leader})
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            kept = {k: v for k, v in up.headers.items() if k.lower() in PASSED_BACK}
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **kept, "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no", "X-Heliotrope-Leader": leader})
             await resp.prepare(request)
             async for chunk in up.content.iter_any():
@@ -325,7 +329,7 @@ async def _end_streams(app: web.Application) -> None:
     """At shutdown: end every event stream (this replica's, and those it relays from the leader), so that
     requests in flight, not streams, are what it waits for."""
     app[BROKER].events.end_streams()
-    for task in tuple(app[RELAYS]):
+    for task in (*app[RELAYS], *app[FOLLOWS]):
         task.cancel()
 
 
@@ -1103,11 +1107,15 @@ async def job_events(request: web.Request) -> web.Response:
     return _json({"items": await request.app[BROKER].store.job_events(job.id), "next": None})
 
 
-LOG_PARAMS = ("attempt", "tail")
+LOG_PARAMS = ("attempt", "tail", "follow")
 DEFAULT_TAIL_LINES = 1000
 MAX_TAIL_LINES = 1_000_000
 MAX_LOG_BYTES = 1 << 20  # what one answer carries at most: the end of the log
 LOGS_TIMEOUT_S = 30.0  # how long the broker waits for a site's logs
+FOLLOW_TRUE, FOLLOW_FALSE = ("true", "1"), ("false", "0")
+MAX_LOG_FOLLOWS = 256  # logs followed at once through this replica: each holds a connection to its site
+LOG_FOLLOW_MAX_S = 24 * 3600.0  # how long a follow stays open at most (a client that wants more asks again)
+LOG_FOLLOW_CHECK_S = 5.0  # how often a quiet follow looks whether its client is still there
 REACHED = frozenset({JobState.ADMITTED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.PREEMPTED})
 
 
@@ -1137,15 +1145,27 @@ async def _sites_reached(broker: Broker, job: Job) -> dict[int, str]:
     return reached
 
 
-async def job_logs(request: web.Request) -> web.Response:
+def _follow_param(request: web.Request) -> bool:
+    raw = request.query.get("follow")
+    if raw is None or raw.lower() in FOLLOW_FALSE:
+        return False
+    if raw.lower() in FOLLOW_TRUE:
+        return True
+    raise ApiError(400, f"query parameter follow must be true or false, got {raw[:40]!r}",
+                   [{"field": "follow", "problem": "must be true or false (or 1 or 0)"}])
+
+
+async def job_logs(request: web.Request) -> web.StreamResponse:
     """``GET /v1/jobs/{id}/logs``: what an attempt printed (the latest attempt a site admitted unless
-    ``attempt`` is given), its last ``tail`` lines (1000) and at most ``MAX_LOG_BYTES``, as its site gives it."""
+    ``attempt`` is given), its last ``tail`` lines (1000) and at most ``MAX_LOG_BYTES``, as its site gives it;
+    with ``follow``, then what it prints, streamed (:func:`_follow_logs`)."""
     unknown = [name for name in request.query if name not in LOG_PARAMS]
     if unknown:
         raise ApiError(400, f"unknown query parameter {unknown[0]!r}; logs take {', '.join(LOG_PARAMS)}",
                        [{"field": name, "problem": "unknown parameter"} for name in unknown])
     attempt = _log_param(request, "attempt", 1_000_000)
     tail = _log_param(request, "tail", MAX_TAIL_LINES) or DEFAULT_TAIL_LINES
+    follow = _follow_param(request)
     broker = request.app[BROKER]
     job = await _job(request)
     reached = await _sites_reached(broker, job)
@@ -1172,11 +1192,21 @@ async def job_logs(request: web.Request) -> web.Response:
     if member is None:
         raise ApiError(409, f"site {site}, where attempt {attempt} of job {job.id} ran, is no longer in the "
                             "federation: its logs cannot be read through the broker")
-    if not isinstance(member.adapter, LogReader):
+    if follow and not isinstance(member.adapter, LogFollower):
+        raise ApiError(501, f"site {site}'s adapter ({member.spec.adapter.kind}) cannot follow logs; read them "
+                            "without follow, again as often as needed (tail=N gives the last N lines)",
+                       [{"field": "follow", "problem": f"site {site} cannot follow logs"}])
+    if not follow and not isinstance(member.adapter, LogReader):
         raise ApiError(501, f"site {site}'s adapter ({member.spec.adapter.kind}) cannot give logs")
+    if follow and len(request.app[FOLLOWS]) >= MAX_LOG_FOLLOWS:
+        raise ApiError(503, f"{MAX_LOG_FOLLOWS} logs are being followed through this broker already; try again "
+                            "later, or read the log without follow", headers={"Retry-After": "30"})
     try:
         async with asyncio.timeout(LOGS_TIMEOUT_S):
-            logs = await member.adapter.logs(job.id, attempt, tail, MAX_LOG_BYTES)
+            if follow:
+                followed = await member.adapter.follow_logs(job.id, attempt, tail, MAX_LOG_BYTES)
+            else:
+                logs = await member.adapter.logs(job.id, attempt, tail, MAX_LOG_BYTES)
     except LogsUnsupported as e:
         raise ApiError(501, f"site {site} cannot give logs: {e}") from None
     except LogsNotFound as e:
@@ -1186,9 +1216,65 @@ async def job_logs(request: web.Request) -> web.Response:
                             "try again", headers={"Retry-After": "5"}) from None
     except AdapterError as e:
         raise ApiError(503, f"site {site} did not answer: {e}", headers={"Retry-After": "5"}) from None
-    source = "".join(c if " " <= c <= "~" else "?" for c in (logs.source or "")[:200])  # (a header is ASCII)
-    headers = dict(zip(LOG_HEADERS, (site, str(attempt), "true" if logs.truncated else "false", source), strict=True))
-    return web.Response(text=logs.text, content_type="text/plain", charset="utf-8", headers=headers)
+    if follow:
+        return await _follow_logs(request, followed, _log_headers(site, attempt, followed.truncated, followed.source))
+    return web.Response(text=logs.text, content_type="text/plain", charset="utf-8",
+                        headers=_log_headers(site, attempt, logs.truncated, logs.source))
+
+
+async def _next_chunk(chunks: AsyncGenerator[str, None]) -> str | None:
+    """The next chunk of a followed log; None once it has ended."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
+def _log_headers(site: str, attempt: int, truncated: bool, source: str | None) -> dict[str, str]:
+    source = "".join(c if " " <= c <= "~" else "?" for c in (source or "")[:200])  # (a header is ASCII)
+    return dict(zip(LOG_HEADERS, (site, str(attempt), "true" if truncated else "false", source), strict=True))
+
+
+async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[str, str]) -> web.StreamResponse:
+    """Stream a followed log (chunked ``text/plain``), each chunk written as the site gives it (nothing held
+    beyond it), until the attempt ends, the client leaves (looked at every ``LOG_FOLLOW_CHECK_S`` while the log is
+    quiet, so a quiet log does not hold the site's stream for a client long gone), its token is revoked,
+    ``LOG_FOLLOW_MAX_S`` have passed, or the broker stops. The site's stream is closed in every case."""
+    broker, who = request.app[BROKER], principal(request)
+    follows: set[asyncio.Task[Any]] = request.app[FOLLOWS]
+    task = asyncio.current_task()
+    assert task is not None
+    follows.add(task)
+    resp = web.StreamResponse(headers={**headers, "Content-Type": "text/plain; charset=utf-8",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    chunks, pending = followed.chunks, None
+    try:
+        await resp.prepare(request)
+        async with asyncio.timeout(LOG_FOLLOW_MAX_S):
+            while True:
+                pending = pending or asyncio.ensure_future(_next_chunk(chunks))
+                done, _ = await asyncio.wait({pending}, timeout=LOG_FOLLOW_CHECK_S)
+                if not done:
+                    if request.transport is None or request.transport.is_closing():
+                        break  # the client left while the log was quiet
+                    continue
+                chunk, pending = pending.result(), None
+                if chunk is None:
+                    break  # the attempt ended
+                if not await broker.tokens.still_valid(who):
+                    break  # revoked or expired since the follow began
+                await resp.write(chunk.encode())
+    except (TimeoutError, ConnectionResetError, asyncio.CancelledError):
+        pass  # the follow had its time, the client left, or the broker is stopping
+    except AdapterError as e:  # (the status has gone out: all that is left is to end the stream)
+        log.warning("following the log (%s) ended early: %s", headers.get("X-Heliotrope-Log-Source"), e)
+    finally:
+        follows.discard(task)
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await chunks.aclose()
+    return resp
 
 
 # --- live ---
@@ -1371,6 +1457,7 @@ def create_app(broker: Broker) -> web.Application:
                           client_max_size=broker.settings.max_body_bytes)
     app[BROKER] = broker
     app[RELAYS] = set()
+    app[FOLLOWS] = set()
     app.on_cleanup.append(_close_proxy)
     app.on_shutdown.append(_end_streams)
     r = app.router

@@ -5,6 +5,7 @@
     heliotrope submit FILE             a job spec in YAML or JSON ('-' reads standard input)
     heliotrope jobs [--state S] [--tenant T] [--site S] [--label K=V|K ...] [--limit N]
     heliotrope job ID | explain ID | cancel ID [ID ...]
+    heliotrope logs ID [--attempt N] [--tail N] [-f|--follow]   what a job printed (-f: then as it prints it)
     heliotrope cancel --tenant T | --label K=V|K ... [--state S] [--site S] [--reason TEXT] [--dry-run]
     heliotrope sites list | get NAME | add FILE | remove NAME   (list: health, lease and last-heard time)
     heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
@@ -646,6 +647,15 @@ async def _logs(c: Client, args: argparse.Namespace) -> str | None:
     """``heliotrope logs ID``: the text as the site gave it, written as is (no newline added); a note on standard
     error where its start was left out. With --json, the text and what the broker says of it."""
     params = {name: str(value) for name, value in (("attempt", args.attempt), ("tail", args.tail)) if value is not None}
+    if args.follow:
+        if args.json:
+            raise CliError("logs: --json gives the log whole, --follow as it is written; use one of them")
+        async with c.text_stream(f"/v1/jobs/{_part(args.id)}/logs", {**params, "follow": "true"}) as (headers, text):
+            _left_out(headers)
+            async for chunk in text:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        return None
     text, headers = await c.text(f"/v1/jobs/{_part(args.id)}/logs", params)
     truncated = headers.get("X-Heliotrope-Log-Truncated") == "true"
     if args.json:
@@ -655,10 +665,15 @@ async def _logs(c: Client, args: argparse.Namespace) -> str | None:
                            "text": text}, indent=2)
     sys.stdout.write(text)
     sys.stdout.flush()
-    if truncated:
+    _left_out(headers)
+    return None
+
+
+def _left_out(headers: dict[str, str]) -> None:
+    """Say on standard error where the start of a log was left out."""
+    if headers.get("X-Heliotrope-Log-Truncated") == "true":
         print(f"heliotrope: the start of the log was left out (attempt {headers.get('X-Heliotrope-Attempt')} at "
               f"site {headers.get('X-Heliotrope-Site')}); --tail N shows more lines, up to 1 MiB", file=sys.stderr)
-    return None
 
 
 async def _watch(c: Client, args: argparse.Namespace) -> None:
@@ -897,6 +912,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("id")
     s.add_argument("--attempt", type=_at_least_one, help="which attempt (default: the latest a site admitted)")
     s.add_argument("--tail", type=_at_least_one, help="how many of the last lines (default 1000; at most 1 MiB)")
+    s.add_argument("-f", "--follow", action="store_true",
+                   help="then print what it prints as it prints it, until the attempt ends (Ctrl-C stops)")
     s = sub.add_parser("cancel", parents=[common], help="cancel jobs: by id, or every one --tenant and --label match")
     s.add_argument("id", nargs="*", help="the jobs to cancel (or a selector instead: --tenant, --label)")
     s.add_argument("--tenant", help="every active job of this tenant (narrowed by the flags below)")

@@ -6,6 +6,8 @@ certificate to a broker that requires one (``broker.tls.client_ca_file``)."""
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import json
 import ssl
 from collections.abc import AsyncIterator
@@ -84,6 +86,34 @@ class Client:
                                          "broker?", resp.status)
                 body = await resp.read()
                 return body.decode(resp.charset or "utf-8", errors="replace"), dict(resp.headers)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise self._failed(e, url) from None
+
+    @contextlib.asynccontextmanager
+    async def text_stream(self, path: str, params: dict[str, str] | None = None
+                          ) -> AsyncIterator[tuple[dict[str, str], AsyncIterator[str]]]:
+        """``GET path`` answered with streamed ``text/plain`` (a job's log followed): the answer's headers, and its
+        text as it comes (decoded chunk by chunk, a character split between chunks kept whole); no time limit once
+        it has begun. :class:`ApiClientError` with the broker's message for an error status."""
+        assert self._session is not None, "use 'async with Client(...)'"
+        url = self.base_url + path
+        stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=None)
+        try:
+            async with self._session.get(url, params=params, headers=self._auth, timeout=stream_timeout) as resp:
+                if resp.status >= 400:
+                    await _answer(resp)
+                if resp.content_type != "text/plain":
+                    raise ApiClientError(f"{resp.url.origin()} answered GET {resp.url.path} with "
+                                         f"{resp.headers.get('Content-Type') or 'no Content-Type'}, not the text a "
+                                         "heliotrope broker sends; is --server (or HELIOTROPE_URL) a heliotrope "
+                                         "broker?", resp.status)
+
+                async def chunks() -> AsyncIterator[str]:
+                    decoder = codecs.getincrementaldecoder(resp.charset or "utf-8")(errors="replace")
+                    async for data in resp.content.iter_any():
+                        yield decoder.decode(data)
+                    yield decoder.decode(b"", final=True)
+                yield dict(resp.headers), chunks()
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise self._failed(e, url) from None
 

@@ -682,6 +682,8 @@ async def test_an_operator_reads_the_logs_of_attempts_at_its_own_sites_only(fed:
     assert refused["error"]["message"] == (
         f"attempt 1 of job {job_id} ran at site alpha: its logs are for tenant vision's submitters, admins and "
         "site alpha's operators")
+    status, refused = await fed.call("beta-ops", "GET", f"/v1/jobs/{job_id}/logs?attempt=1&follow=true")
+    assert status == 403, refused  # following a log is reading it: the same rules
     for who in ("vision", "admin"):
         status, text = await fed.call(who, "GET", f"/v1/jobs/{job_id}/logs?attempt=1")
         assert status == 200 and f"attempt 1 of job {job_id}" in text, (who, text)

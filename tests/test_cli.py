@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -87,6 +88,46 @@ def test_logs_prints_what_the_job_printed_as_is_and_says_when_the_start_was_left
     code, out, _ = run(capsys, server, "logs", job_id, "--json")
     doc = json.loads(out)
     assert (doc["site"], doc["attempt"], doc["truncated"]) == ("alpha", 1, False) and "succeeded" in doc["text"]
+
+
+def follow(server, job_id: str, *flags: str) -> subprocess.Popen:
+    """``heliotrope logs ID -f`` in a process of its own, its output read as it comes."""
+    return subprocess.Popen([sys.executable, "-m", "broker.cli", "--server", server.url, "logs", job_id, *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_logs_follow_prints_each_line_as_the_job_prints_it_and_exits_0_when_it_ends(capsys, server, tmp_path):
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=4)))
+    job_id = json.loads(out)["id"]
+    wait_for_state(capsys, server, job_id, "running")
+    proc = follow(server, job_id, "--follow", "--tail", "1")
+    try:
+        first = proc.stdout.readline()
+        # printed while the job still runs: the command streams, it does not wait for the end
+        assert json.loads(run(capsys, server, "--json", "job", job_id)[1])["state"] == "running"
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "started on" in first or " progress " in first
+    assert rest.splitlines()[-1].endswith("attempt 1 succeeded after 4 s") and " progress 90%" in rest
+    assert "the start of the log was left out (attempt 1 at site alpha)" in err  # (--tail 1 of more lines)
+
+
+def test_logs_follow_stops_quietly_at_ctrl_c(capsys, server, tmp_path):
+    code, out, _ = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, duration_s=600)))
+    job_id = json.loads(out)["id"]
+    wait_for_state(capsys, server, job_id, "running")
+    proc = follow(server, job_id, "-f")
+    try:
+        assert "started on" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == ""
+    code, out, err = run(capsys, server, "logs", job_id, "-f", "--json")
+    assert code == 1 and "--json gives the log whole, --follow as it is written; use one of them" in err
 
 
 @pytest.mark.parametrize(("args", "message"), [

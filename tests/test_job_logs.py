@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from adapters.base import AdapterError, JobLogs, LogsUnsupported, tail_text
+from adapters.base import AdapterError, JobLogs, LogFollow, LogsUnsupported, tail_text
 from adapters.simulated import SimulatedSite
+from broker import api
 from broker.api import create_app
 from broker.clock import ManualClock
 from broker.config import BrokerSettings
 from broker.models import Job
 from broker.service import Broker
 from tests.builders import NOW, job, site
+from tests.conftest import free_port
 from tests.test_api import register, site_body, wait_for
 
 JOB = {"tenant": "t1", "name": "train-1", "gpus": {"count": 1}, "duration_s": 3600}
@@ -108,8 +113,8 @@ async def test_a_bad_tail_or_attempt_is_a_422_naming_the_parameter(client: TestC
 
 async def test_an_unknown_parameter_is_a_400_naming_it(client: TestClient):
     job_id = await submitted(client)
-    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
-    assert r.status == 400 and (await error(r))["fields"][0]["field"] == "follow"
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"since": "10m"})
+    assert r.status == 400 and (await error(r))["fields"][0]["field"] == "since"
 
 
 async def test_logs_of_an_unknown_job_are_a_json_404(client: TestClient):
@@ -163,6 +168,137 @@ async def test_a_site_that_cannot_give_logs_is_a_501_saying_so(client: TestClien
     assert r.status == status and says in (await error(r))["message"]
 
 
+# --- following a log (follow=true) ---
+
+
+async def test_a_followed_log_sends_its_tail_then_each_line_as_it_is_written_and_ends_with_the_attempt(
+        client: TestClient):
+    job_id = await submitted(client, duration_s=3)
+    await wait_for(client, job_id, {"running"})
+    async with client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true", "tail": "1"}) as r:
+        assert r.status == 200 and r.content_type == "text/plain" and r.charset == "utf-8"
+        assert r.headers["X-Heliotrope-Site"] == "berlin" and r.headers["X-Heliotrope-Attempt"] == "1"
+        assert r.headers["X-Heliotrope-Log-Source"] == "simulated run at site berlin"
+        first = (await r.content.readline()).decode()
+        # it came while the job still runs: the answer is streamed, not held until the end
+        assert (await (await client.get(f"/v1/jobs/{job_id}")).json())["state"] == "running"
+        rest = (await r.content.read()).decode()  # to the end of the stream: the attempt's end
+    assert "started on" in first or "progress" in first
+    lines = rest.splitlines()
+    assert lines[-1].split(" ", 1)[1] == "attempt 1 succeeded after 3 s"
+    steps = [int(line.split()[2].rstrip("%:")) for line in [first, *lines[:-1]] if " progress " in line]
+    assert steps == list(range(steps[0] if steps else 10, 100, 10))  # each tenth once, in order, to 90%
+    whole = await (await client.get(f"/v1/jobs/{job_id}/logs")).text()
+    assert whole.endswith(first + rest)  # what was streamed is the log as it stands at the end
+
+
+async def test_following_the_log_of_an_attempt_that_ended_sends_it_and_ends(client: TestClient):
+    job_id = await submitted(client, duration_s=0.2)
+    await wait_for(client, job_id, {"succeeded"})
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "1"})
+    assert r.status == 200 and await r.text() == await (await client.get(f"/v1/jobs/{job_id}/logs")).text()
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "", "truee"], ids=["yes", "2", "empty", "a typo"])
+async def test_a_bad_follow_is_a_400_naming_it(client: TestClient, value: str):
+    job_id = await submitted(client)
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": value})
+    assert r.status == 400
+    body = await error(r)
+    assert body["fields"][0]["field"] == "follow" and "follow must be true or false" in body["message"]
+
+
+class _CannotFollow:
+    """A site adapter that reads logs but cannot follow them (a site agent over MQTT, a custom adapter)."""
+
+    def __init__(self, inner: SimulatedSite) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "follow_logs":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+async def test_following_at_a_site_that_cannot_is_a_501_and_reading_still_works(client: TestClient):
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    member = client.broker.federation.get("berlin")
+    member.adapter = _CannotFollow(member.adapter)
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+    assert r.status == 501
+    body = await error(r)
+    assert "site berlin's adapter (simulated) cannot follow logs" in body["message"] and "tail=N" in body["message"]
+    assert body["fields"][0]["field"] == "follow"
+    assert (await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "false"})).status == 200
+
+
+class _Quiet:
+    """A site whose followed log says one line, then nothing, and notes when its stream is closed."""
+
+    def __init__(self, inner: SimulatedSite) -> None:
+        self.inner, self.closed = inner, asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+        async def chunks() -> AsyncGenerator[str, None]:
+            try:
+                yield "loading the dataset\n"
+                await asyncio.Event().wait()  # a job that prints nothing for hours
+            finally:
+                self.closed.set()
+        return LogFollow(False, "pod p", chunks())
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[aiohttp.ClientSession, Broker]]:
+    """A broker served as ``broker.server`` serves it (aiohttp does not cancel a handler whose client left, as the
+    test server does), and a session to it."""
+    broker = Broker(BrokerSettings(db=str(tmp_path / "api.db"), cycle_interval_s=0.05, shutdown_grace_s=1))
+    await broker.start([])
+    runner = web.AppRunner(create_app(broker), access_log=None, handle_signals=False)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+            await register(session, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))  # type: ignore[arg-type]
+            yield session, broker
+    finally:
+        await runner.cleanup()
+        await broker.stop()
+
+
+async def test_a_client_that_leaves_a_quiet_follow_has_the_sites_stream_closed(served, monkeypatch):
+    monkeypatch.setattr(api, "LOG_FOLLOW_CHECK_S", 0.05)
+    session, broker = served
+    job_id = await submitted(session, duration_s=3600)  # type: ignore[arg-type]
+    await wait_for(session, job_id, {"running"})  # type: ignore[arg-type]
+    member = broker.federation.get("berlin")
+    member.adapter = quiet = _Quiet(member.adapter)
+    r = await session.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+    assert await r.content.readline() == b"loading the dataset\n"
+    r.close()  # the client goes away (Ctrl-C) while the log is quiet
+    await asyncio.wait_for(quiet.closed.wait(), 5)
+
+
+async def test_follows_beyond_the_bound_are_a_503_with_retry_after(client: TestClient, monkeypatch):
+    monkeypatch.setattr(api, "MAX_LOG_FOLLOWS", 1)
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    member = client.broker.federation.get("berlin")
+    member.adapter = _Quiet(member.adapter)
+    held = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+    assert await held.content.readline() == b"loading the dataset\n"
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+    assert r.status == 503 and r.headers["Retry-After"]
+    assert "1 logs are being followed through this broker already" in (await error(r))["message"]
+    assert (await client.get(f"/v1/jobs/{job_id}/logs")).status == 200  # reading without follow is not bounded
+    held.close()
+
+
 # --- the simulated site's log, on a manual clock ---
 
 
@@ -185,6 +321,33 @@ async def test_a_simulated_log_grows_with_the_run_and_is_the_same_each_time():
         await sim.cancel("j-1", 1)
         ended = (await sim.logs("j-1", 1, None, 1 << 20)).text
         assert ended.splitlines()[-1].endswith("attempt 1 was withdrawn by the broker after 350 s")
+    finally:
+        await sim.close()
+
+
+async def test_a_followed_simulated_log_sends_each_line_when_its_time_comes_and_ends_with_the_run():
+    clock = ManualClock(NOW)
+    sim = SimulatedSite(site("sim", adapter={"kind": "simulated", "dispatch_delay_s": 0}), clock)
+    await sim.start()
+    try:
+        attempt = Job(id="j-1", spec=job(duration_s=1000), attempt=1, created_at=NOW, updated_at=NOW,
+                      gpu_model="a100-80gb")
+        assert (await sim.submit(attempt)).admitted
+        await clock.advance(150)
+        followed = await sim.follow_logs("j-1", 1, 1, 1 << 20)
+        assert followed.truncated  # the tail is the last of two lines
+        assert (await anext(followed.chunks)).split(" ", 2)[1:] == ["progress", "10%: 100 s of 1000 s\n"]
+        later = asyncio.ensure_future(anext(followed.chunks))
+        await clock.advance(49)
+        assert not later.done()  # 20% is due at 200 s: nothing before
+        await clock.advance(2)
+        assert " progress 20%: 200 s of 1000 s\n" in await later
+        await clock.advance(100)
+        await sim.cancel("j-1", 1)
+        rest = "".join([chunk async for chunk in followed.chunks])
+        assert rest.splitlines()[0].endswith("progress 30%: 300 s of 1000 s")
+        assert rest.splitlines()[-1].endswith("attempt 1 was withdrawn by the broker after 301 s")
+        assert (await sim.logs("j-1", 1, None, 1 << 20)).text.endswith(rest)
     finally:
         await sim.close()
 

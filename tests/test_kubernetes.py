@@ -2846,3 +2846,111 @@ async def test_the_ended_logs_kept_hold_no_more_memory_than_their_bound_logs(kub
     assert newest.source == "pod p (kept when its Job was deleted)"
     with pytest.raises(LogsNotFound):  # the oldest went
         await KubernetesSite.logs(kube, "j-1", 1, None, 1 << 20)
+
+
+class FollowedKubelet:
+    """What a kubelet answers for a container that is still writing its log: a read without ``follow`` as
+    :func:`kubelet_log` does, and one with ``follow=true`` streamed, its last ``tailLines`` lines, then each
+    :meth:`write` as it comes, until :meth:`exit` (the container ended). ``closed`` is set once a followed read's
+    stream has been let go of (the reader left, or it ended)."""
+
+    def __init__(self, text: bytes) -> None:
+        self.text, self.wrote, self.ended, self.closed = text, asyncio.Event(), False, asyncio.Event()
+
+    def write(self, data: bytes) -> None:
+        self.text += data
+        self.wrote.set()
+
+    def exit(self) -> None:
+        self.ended = True
+        self.wrote.set()
+
+    def __call__(self, request: kmock.Request) -> Any:
+        if request.params.get("follow") != "true":
+            return kubelet_log(self.text)(request)
+        return self._follow(kubelet_log(self.text)(request))
+
+    async def _follow(self, tail: bytes) -> AsyncIterator[bytes]:
+        sent = len(self.text)
+        try:
+            yield tail
+            while not self.ended:
+                await self.wrote.wait()
+                self.wrote.clear()
+                if len(self.text) > sent:
+                    yield self.text[sent:]
+                    sent = len(self.text)
+        finally:
+            self.closed.set()
+
+
+async def test_a_followed_log_is_the_tail_then_what_the_container_writes_until_it_ends_logs(cluster, kube) -> None:  # noqa: ANN001
+    name = await j1_sent(kube)
+    await pod_running(cluster, name)
+    kubelet = FollowedKubelet(b"epoch 1 loss 0.9\nepoch 2 loss 0.5\nepoch 3 loss 0.4\n")
+    cluster[kmock.subresource("log")] << kubelet
+    followed = await kube.follow_logs("j-1", 1, 2, 1 << 20)
+    assert followed.truncated and followed.source == f"pod heliotrope-t1/{name}-abc container job"
+    assert await anext(followed.chunks) == "epoch 2 loss 0.5\nepoch 3 loss 0.4\n"
+    kubelet.write("epoch 4 loss 0.3 \u2713\n".encode()[:-3])  # a character split between two writes
+    kubelet.write("epoch 4 loss 0.3 \u2713\n".encode()[-3:])
+    got = await anext(followed.chunks)
+    while not got.endswith("\n"):
+        got += await anext(followed.chunks)
+    assert got == "epoch 4 loss 0.3 \u2713\n"
+    kubelet.exit()  # the container ended: the kubelet ends the stream, and so does the follow
+    assert [chunk async for chunk in followed.chunks] == []
+    asked = [r for r in cluster[kmock.subresource("log")] if r.params.get("follow") == "true"]
+    assert [r.params for r in asked] == [{"container": "job", "tailLines": "2", "follow": "true"}]
+    assert str(asked[0].url.path) == f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc/log"
+
+
+async def test_a_followed_log_longer_than_the_bytes_starts_at_the_first_whole_line_that_fits_logs(cluster, kube) -> None:  # noqa: ANN001
+    # The API server's limitBytes would end the stream after that many bytes: the followed read asks for as many
+    # lines as the bytes hold instead.
+    name = await j1_sent(kube)
+    await pod_running(cluster, name)
+    lines = [f"step {i} ".encode() + b"x" * 90 + b"\n" for i in range(1, 6)]  # 98 or 99 bytes each
+    kubelet = FollowedKubelet(b"".join(lines))
+    cluster[kmock.subresource("log")] << kubelet
+    followed = await kube.follow_logs("j-1", 1, None, 250)
+    assert followed.truncated
+    assert await anext(followed.chunks) == (lines[3] + lines[4]).decode()
+    asked = [r for r in cluster[kmock.subresource("log")] if r.params.get("follow") == "true"]
+    assert asked[0].params["tailLines"] == "2"
+    await followed.chunks.aclose()
+
+
+async def test_a_follow_let_go_of_closes_its_stream_from_the_cluster_logs(cluster, kube) -> None:  # noqa: ANN001
+    name = await j1_sent(kube)
+    await pod_running(cluster, name)
+    kubelet = FollowedKubelet(b"loading\n")
+    cluster[kmock.subresource("log")] << kubelet
+    followed = await kube.follow_logs("j-1", 1, 10, 1 << 20)
+    assert await anext(followed.chunks) == "loading\n"
+    await followed.chunks.aclose()  # the reader left (the broker's client went away)
+    kubelet.write(b"epoch 1\n")  # the kubelet's next write finds the connection gone
+    await asyncio.wait_for(kubelet.closed.wait(), 5)
+
+
+@pytest.mark.parametrize("answer, error", [(400, LogsNotFound), (403, LogsUnsupported)],
+                         ids=["a container that waits to start", "RBAC without pods/log"])
+async def test_following_a_log_that_cannot_be_read_says_why_before_any_text_logs(cluster, kube, answer, error) -> None:  # noqa: ANN001
+    name = await j1_sent(kube)
+    await pod_running(cluster, name)
+    cluster[kmock.subresource("log")] << answer << {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                     "message": "no", "code": answer}
+    with pytest.raises(error):
+        await kube.follow_logs("j-1", 1, 10, 4096)
+
+
+async def test_following_an_ended_attempts_kept_log_sends_it_and_ends_logs(kube, monkeypatch) -> None:  # noqa: ANN001
+    async def logs(job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
+        return JobLogs("epoch 1\nCUDA out of memory\n", False, "pod p")
+
+    monkeypatch.setattr(kube, "logs", logs)
+    await kube._keep_log(("j-1", 1))
+    monkeypatch.undo()
+    followed = await kube.follow_logs("j-1", 1, 1, 1 << 20)
+    assert followed.truncated and followed.source == "pod p (kept when its Job was deleted)"
+    assert [chunk async for chunk in followed.chunks] == ["CUDA out of memory\n"]

@@ -139,8 +139,15 @@ def test_a_follower_stores_submissions_for_the_leader_and_passes_on_the_rest(rep
         assert serving.endswith(", sites run by whichever replica leads)") and "0 sites" not in serving, serving
     status, long = call(follower.url + "/v1/jobs", "POST", job("cancel-me", 600))
     until(lambda: call(f"{leader.url}/v1/jobs/{long['id']}")[1]["state"] == "running", 15, "it runs")
-    status, cancelled = call(f"{follower.url}/v1/jobs/{long['id']}/cancel", "POST")
-    assert status == 200 and cancelled["state"] == "cancelled"
+    # Its log followed through the follower: relayed as the leader streams it, not held until it ends.
+    with urllib.request.urlopen(f"{follower.url}/v1/jobs/{long['id']}/logs?follow=true", timeout=10) as followed:
+        assert followed.headers["X-Heliotrope-Attempt"] == "1" and followed.headers["X-Heliotrope-Leader"] == leader.url
+        assert followed.headers["Content-Type"] == "text/plain; charset=utf-8"
+        assert f"attempt 1 of job {long['id']}" in followed.readline().decode()
+        status, cancelled = call(f"{follower.url}/v1/jobs/{long['id']}/cancel", "POST")
+        assert status == 200 and cancelled["state"] == "cancelled"
+        last = followed.read().decode().splitlines()[-1]  # its end
+        assert last.split(" ", 1)[1].startswith("attempt 1 was withdrawn by the broker after ")
     # Many at once, by label: the follower passes it on; the leader cancels them, running or not yet taken in.
     swept = [call(follower.url + "/v1/jobs", "POST", {**job(f"swept-{i}", 600), "labels": {"sweep": "s"}})[1]["id"]
              for i in range(2)]
