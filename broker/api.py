@@ -281,7 +281,7 @@ async def follower_middleware(
                                                                          "authorization", "accept", "last-event-id")}
     headers[FORWARDED] = broker.leadership.url
     if request.path.rstrip("/") == "/v1/events" or (request.path.rstrip("/").endswith("/logs")
-                                                     and request.query.get("follow", "").lower() in FOLLOW_TRUE):
+                                                     and request.query.get("follow") in FOLLOW_TRUE):
         return await _relay_stream(request, session, leader, headers)
     try:
         async with session.request(request.method, leader.rstrip("/") + request.path_qs, headers=headers,
@@ -1147,9 +1147,9 @@ async def _sites_reached(broker: Broker, job: Job) -> dict[int, str]:
 
 def _follow_param(request: web.Request) -> bool:
     raw = request.query.get("follow")
-    if raw is None or raw.lower() in FOLLOW_FALSE:
+    if raw is None or raw in FOLLOW_FALSE:
         return False
-    if raw.lower() in FOLLOW_TRUE:
+    if raw in FOLLOW_TRUE:
         return True
     raise ApiError(400, f"query parameter follow must be true or false, got {raw[:40]!r}",
                    [{"field": "follow", "problem": "must be true or false (or 1 or 0)"}])

@@ -420,15 +420,21 @@ def _paths() -> dict[str, Any]:
             "parameters": [job_id],
             "get": {
                 "summary": "What an attempt printed (its last lines, at most 1 MiB), as its site gives it: a Kubernetes "
-                           "site the container's log while its Pod exists, a simulated site a simulated log",
+                           "site the container's log while its Pod exists, a simulated site a simulated log; with "
+                           "follow, then what it prints, streamed until it ends",
                 "parameters": [
                     {"name": "attempt", "in": "query", "description": "the attempt (default: the latest a site admitted)",
                      "schema": {"type": "integer", "minimum": 1, "maximum": 1_000_000}},
                     {"name": "tail", "in": "query", "description": "how many of the last lines",
                      "schema": {"type": "integer", "minimum": 1, "maximum": 1_000_000, "default": 1000}},
+                    {"name": "follow", "in": "query", "description": (
+                        "true (or 1): the tail, then what the attempt prints as it prints it, streamed (chunked) until "
+                        "the attempt ends, the client leaves, or 24 hours have passed; 501 where the site cannot "
+                        "follow logs, 503 where this replica follows as many as it may (256)"),
+                     "schema": {"type": "string", "enum": ["true", "false", "1", "0"], "default": "false"}},
                 ],
                 "responses": {
-                    **_answers({"description": "the log's text", "content": {
+                    **_answers({"description": "the log's text (with follow: streamed as it comes)", "content": {
                         "text/plain": {"schema": {"type": "string"}}}, "headers": {
                         "X-Heliotrope-Site": {"description": "the site the attempt ran at", "schema": _STR},
                         "X-Heliotrope-Attempt": {"description": "the attempt", "schema": _STR},
@@ -444,9 +450,10 @@ def _paths() -> dict[str, Any]:
                                                      "does not operate"),
                     "422": _json_body(_ref("Error"), "attempt or tail not an integer in range: the field names it"),
                     "501": _json_body(_ref("Error"), "the site cannot give logs (its adapter has none, or its agent "
-                                                     "is of an earlier release)"),
-                    "503": {**_json_body(_ref("Error"), "the site did not answer (or the store, or the leader); try "
-                                                        "again"),
+                                                     "is of an earlier release), or, with follow, cannot follow them "
+                                                     "(a site agent's; the field names follow)"),
+                    "503": {**_json_body(_ref("Error"), "the site did not answer (or the store, or the leader), or "
+                                                        "this replica follows as many logs as it may; try again"),
                             "headers": {"Retry-After": {"description": "seconds", "schema": _STR}}},
                 },
             },

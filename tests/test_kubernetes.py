@@ -2884,7 +2884,8 @@ class FollowedKubelet:
             self.closed.set()
 
 
-async def test_a_followed_log_is_the_tail_then_what_the_container_writes_until_it_ends_logs(cluster, kube) -> None:  # noqa: ANN001
+async def test_a_followed_log_is_the_tail_then_what_the_container_writes_until_it_ends_logs(
+        cluster, kube) -> None:  # noqa: ANN001
     name = await j1_sent(kube)
     await pod_running(cluster, name)
     kubelet = FollowedKubelet(b"epoch 1 loss 0.9\nepoch 2 loss 0.5\nepoch 3 loss 0.4\n")
@@ -2905,7 +2906,8 @@ async def test_a_followed_log_is_the_tail_then_what_the_container_writes_until_i
     assert str(asked[0].url.path) == f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc/log"
 
 
-async def test_a_followed_log_longer_than_the_bytes_starts_at_the_first_whole_line_that_fits_logs(cluster, kube) -> None:  # noqa: ANN001
+async def test_a_followed_log_longer_than_the_bytes_starts_at_the_first_whole_line_that_fits_logs(
+        cluster, kube) -> None:  # noqa: ANN001
     # The API server's limitBytes would end the stream after that many bytes: the followed read asks for as many
     # lines as the bytes hold instead.
     name = await j1_sent(kube)
@@ -2935,7 +2937,8 @@ async def test_a_follow_let_go_of_closes_its_stream_from_the_cluster_logs(cluste
 
 @pytest.mark.parametrize("answer, error", [(400, LogsNotFound), (403, LogsUnsupported)],
                          ids=["a container that waits to start", "RBAC without pods/log"])
-async def test_following_a_log_that_cannot_be_read_says_why_before_any_text_logs(cluster, kube, answer, error) -> None:  # noqa: ANN001
+async def test_following_a_log_that_cannot_be_read_says_why_before_any_text_logs(
+        cluster, kube, answer, error) -> None:  # noqa: ANN001
     name = await j1_sent(kube)
     await pod_running(cluster, name)
     cluster[kmock.subresource("log")] << answer << {"kind": "Status", "apiVersion": "v1", "status": "Failure",

@@ -166,6 +166,15 @@ def _over_the_byte_limit(response: Any) -> bool:
 
 
 @schema.hook
+def map_query(context: Any, query: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A log followed (``follow=true``) streams until its attempt ends, an hour for the running jobs here: it is read
+    without follow instead (the stream itself is tested in tests/test_job_logs.py). Other values are left alone."""
+    if query and context.operation.path == "/v1/jobs/{id}/logs" and query.get("follow") in ("true", "1"):
+        return {**query, "follow": "false"}
+    return query
+
+
+@schema.hook
 def flatmap_path_parameters(context: Any, path_parameters: dict[str, Any] | None) -> st.SearchStrategy[Any]:
     """Each drawn path parameter, or one of the resources that exist; but a value the document says is invalid
     is left alone (a negative case's), so that no invalid request is made valid behind schemathesis' back."""
