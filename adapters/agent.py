@@ -27,10 +27,13 @@ What it does
       reported unhealthy, with the reason.
     - Answers every command (``dispatch``, ``cancel``, ``preempt``, ``quota``, ``logs``) with a ``reply``, and a repeated command
       (the same ``msg_id``) with the same reply, without doing the work again (a read, ``logs`` or a quota
-      ``get``, is read again). A failure inside the site
+      ``get``, is read again; a followed ``logs`` is not begun again). A failure inside the site
       becomes ``ok: false`` with the reason; the agent itself never stops on one. A command that comes after
       the broker's wait for it ended (its MQTT 5 deadline: ``mqtt_protocol``, "Commands expire") is dropped
       unanswered and counted in :attr:`SiteAgent.expired`: the broker has told its caller it failed.
+    - Follows a log where the broker asks (``logs`` with ``follow``): its site's ``LogFollower``, relayed in
+      ``log_chunk`` messages until the attempt ends or the broker sends ``logs_stop`` (``mqtt_protocol``, "Logs";
+      at most ``FOLLOWS_MAX`` at once, each for ``FOLLOW_MAX_S`` at most).
     - Forwards every job event of the site as an ``event`` with its own ``msg_id`` and publishes it again
       every ``resend_s`` until the broker acknowledges it.
     - Drops (and counts, by reason, in :attr:`SiteAgent.malformed`) any payload that breaks the protocol,
@@ -91,10 +94,13 @@ import aiomqtt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from adapters.base import (
+    AdapterError,
     AttemptLookup,
     EventKind,
     EventReceipts,
     JobEvent,
+    LogFollow,
+    LogFollower,
     LogReader,
     LogsNotFound,
     LogsUnsupported,
@@ -114,9 +120,14 @@ from adapters.mqtt_protocol import (
     Dispatch,
     EventMsg,
     Heartbeat,
+    FOLLOW_MAX_S,
+    FOLLOWS_MAX,
+    LOG_CHUNK_WAIT_S,
     LOGS_ANSWER_S,
     LeaseGrant,
+    LogChunk,
     LogsRequest,
+    LogsStop,
     MalformedMessage,
     MqttTlsError,
     QuotaCommand,
@@ -129,6 +140,7 @@ from adapters.mqtt_protocol import (
     connection_advice,
     decode,
     encode,
+    log_chunk_chars,
     refuses_mqtt5,
     split_attempts,
     tls_context,
@@ -260,6 +272,8 @@ class SiteAgent:
         self._stopped: Bounded = Bounded(ATTEMPTS_KEPT)  # attempts the agent stopped itself (lease) -> True
         self._replies: Bounded = Bounded(REPLIES_KEPT)  # msg_id -> Reply
         self._working: dict[str, asyncio.Future[Reply]] = {}  # commands being carried out, by msg_id
+        self._follows: dict[str, asyncio.Task[None]] = {}  # logs being followed, by the request's msg_id
+        self._followed: Bounded = Bounded(1000)  # msg_id of a follow begun -> its reply (a repeat is answered so)
         self._outbox: dict[int, _Outgoing] = {}
         self._event_ids = itertools.count(1)
         self._seq = itertools.count(0)
@@ -739,6 +753,10 @@ class SiteAgent:
                             self._taken(out.event)
             case LeaseGrant():
                 self._on_lease(msg)
+            case LogsStop():
+                task = self._follows.get(msg.follow)
+                if task is not None:
+                    task.cancel()
             case Dispatch() | Cancel() | Preempt() | QuotaCommand() | LogsRequest():
                 if not self._too_late(msg, properties):
                     self._spawn(self._answer(msg))
@@ -768,7 +786,7 @@ class SiteAgent:
         return True
 
     async def _answer(self, cmd: Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest) -> None:
-        reply = self._replies.get(cmd.msg_id)
+        reply = self._replies.get(cmd.msg_id) or self._followed.get(cmd.msg_id)
         if reply is None:
             working = self._working.get(cmd.msg_id)
             if working is not None:  # the same command again while we carry it out: the same answer
@@ -831,6 +849,8 @@ class SiteAgent:
         """What the attempt printed, as the site gives it within ``LOGS_ANSWER_S`` (the broker waits longer, so
         it hears this answer, not silence: silence it takes for an agent of an earlier release)."""
         inner = self.inner
+        if cmd.follow:
+            return await self._follow(cmd)
         if not isinstance(inner, LogReader):
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported",
                          reason=f"the site's adapter ({getattr(self.config.site.adapter, 'kind', '?')}) cannot give logs")
@@ -845,6 +865,87 @@ class SiteAgent:
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
                          reason=f"the site did not give the logs within {LOGS_ANSWER_S:g} s")
         return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, logs=WireLogs.of(logs))
+
+    async def _follow(self, cmd: LogsRequest) -> Reply:
+        """Begin following the attempt's log (``mqtt_protocol``, "Logs"): the reply says whether its start was left
+        out and where it comes from; the text goes in ``log_chunk`` messages (:meth:`_pump`)."""
+        inner = self.inner
+        if not isinstance(inner, LogFollower):
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported",
+                         reason=f"the site's adapter ({getattr(self.config.site.adapter, 'kind', '?')}) cannot "
+                                "follow logs")
+        if len(self._follows) >= FOLLOWS_MAX:
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
+                         reason=f"the site's agent follows {FOLLOWS_MAX} logs already; try again later")
+        try:
+            async with asyncio.timeout(LOGS_ANSWER_S):
+                followed = await inner.follow_logs(cmd.job_id, cmd.attempt, cmd.tail_lines, cmd.limit_bytes)
+        except LogsUnsupported as e:
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported", reason=str(e))
+        except LogsNotFound as e:
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="not-found", reason=str(e))
+        except TimeoutError:
+            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
+                         reason=f"the site did not give the logs within {LOGS_ANSWER_S:g} s")
+        source = (followed.source or "")[:500] or None
+        reply = Reply(site=self.site, msg_id=cmd.msg_id, ok=True,
+                      logs=WireLogs(text="", truncated=followed.truncated, source=source))
+        self._followed[cmd.msg_id] = reply
+        task = asyncio.get_running_loop().create_task(self._pump(cmd.msg_id, followed), name=f"follow-{cmd.msg_id}")
+        self._follows[cmd.msg_id] = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda _: self._follows.pop(cmd.msg_id, None))
+        return reply
+
+    async def _pump(self, follow: str, followed: LogFollow) -> None:
+        """Send a followed log's text as it comes, in ``log_chunk`` messages (what comes within ``LOG_CHUNK_WAIT_S``
+        together, at most ``log_chunk_chars`` characters each), until it ends, the broker says stop (the task is
+        cancelled), or ``FOLLOW_MAX_S`` have passed. A chunk that cannot go out (the connection is down) is sent
+        again once it is back; the site's stream waits meanwhile, so no more than a chunk is held."""
+        limit = log_chunk_chars(self.config.mqtt.max_payload_bytes)
+        seq, text, pending, reason = 0, "", None, None
+        chunks = followed.chunks
+
+        async def send(part: str, end: bool = False) -> None:
+            nonlocal seq
+            seq += 1
+            msg = LogChunk(site=self.site, follow=follow, seq=seq, text=part, end=end, reason=reason if end else None)
+            while not await self._publish(self._client, "up", msg):
+                await self._connected.wait()
+                await asyncio.sleep(0.1)  # (the client is set just after the event)
+
+        loop = asyncio.get_running_loop()
+        since = 0.0  # loop time of the first text not sent yet
+        try:
+            async with asyncio.timeout(FOLLOW_MAX_S):
+                while True:
+                    pending = pending or asyncio.ensure_future(anext(chunks, None))
+                    wait = None if not text else max(0.0, since + LOG_CHUNK_WAIT_S - loop.time())
+                    done, _ = await asyncio.wait({pending}, timeout=wait)
+                    if done:
+                        chunk, pending = pending.result(), None
+                        if chunk is None:
+                            break
+                        if chunk and not text:
+                            since = loop.time()
+                        text += chunk
+                    while len(text) >= limit:
+                        await send(text[:limit])
+                        text, since = text[limit:], loop.time()
+                    if text and loop.time() >= since + LOG_CHUNK_WAIT_S:
+                        await send(text)
+                        text = ""
+        except TimeoutError:
+            reason = f"the agent follows a log for {FOLLOW_MAX_S:g} s at most"
+        except AdapterError as e:
+            reason = f"the site stopped giving the log: {e}"
+        finally:
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await chunks.aclose()
+        await send(text, end=True)
 
     async def _dispatch(self, cmd: Dispatch) -> Reply:
         if not self._lease_valid():

@@ -23,10 +23,11 @@ topic                               direction    retained messages
                                                           connection dies, so the broker sees the site
                                                           go dark at once)
 ``heliotrope/v1/sites/{site}/up``     agent→broker no       ``event`` (a job event, resent until ``ack``),
-                                                          ``reply`` (the answer to a command)
+                                                          ``reply`` (the answer to a command),
+                                                          ``log_chunk`` (a part of a followed log)
 ``heliotrope/v1/sites/{site}/down``   broker→agent no       ``dispatch``, ``cancel``, ``preempt``, ``quota``,
                                                           ``logs`` (commands, resent until the ``reply``),
-                                                          ``ack``, ``lease``
+                                                          ``ack``, ``lease``, ``logs_stop``
 =================================== ============ ======== ================================================
 
 The agent opens the only connection (to the MQTT broker), so a site behind NAT or a firewall that allows
@@ -81,6 +82,16 @@ Logs
     release does not know the kind: it drops the request as malformed and never answers, and the broker, whose
     wait for the reply outlasts ``LOGS_ANSWER_S``, takes silence from an agent whose heartbeats keep coming for
     that (``adapters.remote``).
+
+    Followed (``logs`` with ``follow: true``, ``adapters.base.LogFollower``): the ``reply`` carries no text, only
+    whether lines before the tail were left out and where the log comes from; the text follows in ``log_chunk``
+    messages named by the request's ``msg_id`` (``follow``) and numbered from 1 (``seq``), each under
+    ``mqtt.max_payload_bytes`` and about ``LOG_CHUNK_CHARS`` characters at most (what the site wrote within
+    ``LOG_CHUNK_WAIT_S`` goes together), until the attempt ends (the last says ``end``, with ``reason`` where the
+    agent ended it sooner: its bound ``FOLLOW_MAX_S``). The broker drops a repeat (a ``seq`` it has) and ends the
+    follow at a gap; it sends ``logs_stop`` when its reader leaves, and the agent stops reading its site. An agent
+    follows at most ``FOLLOWS_MAX`` logs at once (more are answered not ok). The request's ``follow`` key is sent
+    only when true: an agent of an earlier release refuses it as malformed and stays silent, as above.
 
 Events and acknowledgements
     The agent gives each job event a ``msg_id`` (unique per agent boot) and resends it until the broker
@@ -521,6 +532,29 @@ class WireLogs(BaseModel):
         return JobLogs(self.text, self.truncated, self.source)
 
 
+LOG_CHUNK_CHARS = 8192
+"""At most this many characters of a followed log go in one ``log_chunk`` (and fewer where ``mqtt.max_payload_bytes``
+is small: a character takes at most 6 bytes of JSON)."""
+LOG_CHUNK_WAIT_S = 0.2
+"""What a site writes within this long of the first unsent text goes in one ``log_chunk`` (fewer messages for a
+job that prints many short lines)."""
+FOLLOW_MAX_S = 24 * 3600.0
+"""How long an agent follows one log at most (as long as the broker's own bound)."""
+FOLLOWS_MAX = 32
+"""How many logs one agent follows at once at most."""
+
+
+class LogChunk(_Msg):
+    """A part of a followed log (see "Logs" above)."""
+
+    kind: Literal["log_chunk"] = "log_chunk"
+    follow: str = Field(min_length=1, max_length=128, description="the msg_id of the logs request it answers")
+    seq: int = Field(ge=1)
+    text: str = ""
+    end: bool = Field(default=False, description="the last: the attempt ended, or the agent stopped following")
+    reason: str | None = Field(default=None, max_length=1000, description="why the agent stopped it sooner")
+
+
 class Reply(_Msg):
     kind: Literal["reply"] = "reply"
     msg_id: str = Field(min_length=1, max_length=128)
@@ -589,6 +623,16 @@ class LogsRequest(_Msg):
     attempt: int = Field(ge=1)
     tail_lines: int | None = Field(default=None, ge=1)
     limit_bytes: int = Field(ge=0)
+    # (Left out where false: an agent of an earlier release reads a plain request as before, and refuses a follow.)
+    follow: bool = Field(default=False, description="then the text as it is written, in log_chunk messages",
+                         exclude_if=lambda field: not field)
+
+
+class LogsStop(_Msg):
+    """The broker's reader of a followed log has left: the agent stops following it."""
+
+    kind: Literal["logs_stop"] = "logs_stop"
+    follow: str = Field(min_length=1, max_length=128, description="the msg_id of the logs request")
 
 
 class QuotaCommand(_Msg):
@@ -612,14 +656,14 @@ class LeaseGrant(_Msg):
     lease_s: float = Field(gt=0, le=3600)
 
 
-UpMessage = Annotated[Heartbeat | AttemptsPart | Status | EventMsg | Reply, Field(discriminator="kind")]
-DownMessage = Annotated[Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest | Ack | LeaseGrant,
+UpMessage = Annotated[Heartbeat | AttemptsPart | Status | EventMsg | Reply | LogChunk, Field(discriminator="kind")]
+DownMessage = Annotated[Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest | Ack | LeaseGrant | LogsStop,
                         Field(discriminator="kind")]
 Command = Dispatch | Cancel | Preempt | QuotaCommand | LogsRequest
 _UP: TypeAdapter[Any] = TypeAdapter(UpMessage)
 _DOWN: TypeAdapter[Any] = TypeAdapter(DownMessage)
-_CHANNEL_KINDS = {"state": {"heartbeat", "attempts"}, "status": {"status"}, "up": {"event", "reply"},
-                  "down": {"dispatch", "cancel", "preempt", "quota", "logs", "ack", "lease"}}
+_CHANNEL_KINDS = {"state": {"heartbeat", "attempts"}, "status": {"status"}, "up": {"event", "reply", "log_chunk"},
+                  "down": {"dispatch", "cancel", "preempt", "quota", "logs", "ack", "lease", "logs_stop"}}
 
 
 class MalformedMessage(ValueError):
@@ -696,6 +740,12 @@ def with_short_logs(reply: Reply, max_payload_bytes: int) -> Reply:
         if 0 <= newline < len(text) - 1:
             fits = newline + 1
     return cut_at(fits)
+
+
+def log_chunk_chars(max_payload_bytes: int) -> int:
+    """How many characters of a followed log one ``log_chunk`` carries at most under ``max_payload_bytes`` (JSON
+    writes a character as 6 bytes at most; the rest of the message takes under 512)."""
+    return max(1, min(LOG_CHUNK_CHARS, (max_payload_bytes - 512) // 6))
 
 
 def parse_topic(name: str) -> tuple[str, str]:

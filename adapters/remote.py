@@ -32,6 +32,10 @@ lifecycle treat it as they treat a local site:
   wait for its site, so a current agent always answers). No answer while the agent's heartbeats kept coming is an
   agent of an earlier release, which drops the request it does not know: :class:`~adapters.base.LogsUnsupported`,
   saying so; no answer and no heartbeat either is an ``AdapterError`` (the site is not heard from).
+  ``follow_logs`` (``LogFollower``) asks the same with ``follow``, and relays the agent's ``log_chunk`` messages as
+  they come, holding at most ``FOLLOW_BUFFER_BYTES`` of them (a reader slower than that ends the follow), until the
+  last; it ends with an ``AdapterError`` at a lost chunk, or where the agent restarted or is no longer heard from;
+  it sends ``logs_stop`` when its reader leaves first.
 
 A retained heartbeat delivered when the broker subscribes is the site's last known state, not a sign of
 life: it fills in capacity for display but renews no lease.
@@ -40,6 +44,7 @@ life: it fills in capacity for display but renews no lease.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -47,14 +52,15 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
 
 import aiomqtt
 from pydantic import BaseModel
 
-from adapters.base import Admission, AdapterError, EventKind, JobEvent, JobLogs, LogsNotFound, LogsUnsupported
+from adapters.base import (Admission, AdapterError, EventKind, JobEvent, JobLogs, LogFollow, LogsNotFound,
+                           LogsUnsupported)
 from adapters import mqtt_protocol as proto
 from policies.quota import QuotaBeyondSite
 from broker.clock import Clock
@@ -64,6 +70,11 @@ log = logging.getLogger(__name__)
 
 LOGS_WAIT_S = proto.LOGS_ANSWER_S + 4.0
 """How long the broker waits for an agent's answer to ``logs``: the agent's own wait for its site, and a margin."""
+
+FOLLOW_BUFFER_BYTES = 4 << 20
+"""How much of a followed log (characters of its ``log_chunk`` messages) the broker holds for a reader at most."""
+FOLLOW_CHECK_S = 5.0
+"""How often a quiet followed log looks whether its agent is still heard from (and the same process)."""
 
 PARTS_KEPT = 4
 """Split lists of attempts (of as many heartbeats) a site keeps while their parts come in; an older one is
@@ -239,6 +250,48 @@ class MqttHub:
             log.exception("mqtt: site %s could not take a %s message", msg.site, msg.kind)
 
 
+class _Follow:
+    """The chunks of one followed log as they come (``RemoteSite.receive``), in order: a repeat dropped, a gap or an
+    overflow of ``FOLLOW_BUFFER_BYTES`` ending it with an error."""
+
+    def __init__(self) -> None:
+        self._chunks: collections.deque[str] = collections.deque()
+        self._held = 0  # characters in _chunks
+        self._seq = 0  # the latest taken
+        self._came = asyncio.Event()
+        self.ended = False  # the last chunk came (or the follow broke): nothing to stop at the agent
+        self._error: str | None = None
+
+    def take(self, msg: proto.LogChunk) -> None:
+        if msg.seq <= self._seq or self.ended:
+            return  # a repeat (QoS 1 delivers at least once)
+        if msg.seq != self._seq + 1:
+            self._error = f"part {self._seq + 1} of the log was lost on the way (part {msg.seq} came)"
+        elif self._held + len(msg.text) > FOLLOW_BUFFER_BYTES:
+            self._error = f"the reader took the log slower than the site wrote it ({FOLLOW_BUFFER_BYTES} held)"
+        else:
+            self._chunks.append(msg.text)
+            self._held += len(msg.text)
+            if msg.end and msg.reason:
+                self._error = msg.reason
+        self._seq = msg.seq
+        self.ended = msg.end or self._error is not None
+        self._came.set()
+
+    async def next(self) -> str | None:
+        """The next chunk; None after the last. AdapterError where the follow broke."""
+        while not self._chunks and not self.ended:
+            self._came.clear()
+            await self._came.wait()
+        if self._chunks:
+            text = self._chunks.popleft()
+            self._held -= len(text)
+            return text
+        if self._error is not None:
+            raise AdapterError(self._error)
+        return None
+
+
 class RemoteSite:
     """A :class:`~adapters.base.SiteAdapter` whose site is run by an agent over MQTT (see the module doc)."""
 
@@ -252,6 +305,7 @@ class RemoteSite:
         self._ids = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:12]
         self._pending: dict[str, asyncio.Future[proto.Reply]] = {}
+        self._follows: dict[str, _Follow] = {}  # logs followed, by the msg_id of their request
         self._events: asyncio.Queue[tuple[str, int, JobEvent]] = asyncio.Queue()
         self._queued: set[tuple[str, int]] = set()  # (boot, msg id) waiting in _events
         self._applied: proto.Bounded = proto.Bounded(100_000)  # recently acknowledged events
@@ -330,6 +384,10 @@ class RemoteSite:
                 fut = self._pending.get(msg.msg_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            case proto.LogChunk():
+                follow = self._follows.get(msg.follow)
+                if follow is not None:  # (none: one this broker has stopped, or another process began)
+                    follow.take(msg)
 
     def _on_heartbeat(self, hb: proto.Heartbeat, retained: bool) -> None:
         state = self._checked(hb.state)
@@ -504,13 +562,14 @@ class RemoteSite:
                                  f"jobs move elsewhere if it is not back by {expires.isoformat(timespec='seconds')}"}
         return self._state.model_copy(update=update)
 
-    async def _command(self, make: Any, timeout_s: float | None = None, expires: bool = True) -> proto.Reply:
+    async def _command(self, make: Any, timeout_s: float | None = None, expires: bool = True,
+                       msg_id: str | None = None) -> proto.Reply:
         """Send a command (``make(msg_id)``), resending until the reply comes; AdapterError after ``timeout_s``
         (None: the site's ``command_timeout_s``). ``expires``: each copy goes with what is left of that wait, so
         that the MQTT broker drops one it still holds for an agent that is away once the wait is over
         (:meth:`MqttHub.publish`): the broker has told its caller the command failed, and an agent that came back
         must not carry it out then."""
-        msg_id = f"{self._prefix}-{next(self._ids)}"
+        msg_id = msg_id or self._msg_id()
         msg = make(msg_id)
         fut: asyncio.Future[proto.Reply] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
@@ -599,21 +658,71 @@ class RemoteSite:
         if not reply.ok:
             raise AdapterError(f"site {self.name}: preempt failed: {reply.reason}")
 
+    def _msg_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
     async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
         """What the attempt printed, from the agent's site (``LogReader``; see the module doc for an agent of an
         earlier release). The agent cuts the text from its start to fit a message: ``truncated`` says so."""
+        reply = await self._logs_request(self._msg_id(), job_id, attempt, tail_lines, limit_bytes, False)
+        assert reply.logs is not None
+        return reply.logs.job_logs()
+
+    async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+        """The attempt's log followed at the agent's site (``LogFollower``; ``mqtt_protocol``, "Logs"): the tail,
+        then what the attempt prints, as the agent's ``log_chunk`` messages bring it."""
+        msg_id = self._msg_id()
+        follow = self._follows[msg_id] = _Follow()  # (before the request: a chunk may come before the reply)
+        try:
+            reply = await self._logs_request(msg_id, job_id, attempt, tail_lines, limit_bytes, True)
+        except BaseException:
+            del self._follows[msg_id]
+            raise
+        assert reply.logs is not None
+        chunks = self._relay(msg_id, follow)
+        await anext(chunks)  # (started: closing it now tells the agent to stop)
+        return LogFollow(reply.logs.truncated, reply.logs.source, chunks)
+
+    async def _relay(self, msg_id: str, follow: _Follow) -> AsyncGenerator[str, None]:
+        """A followed log's chunks as they come, until the last; ``logs_stop`` to the agent if its reader leaves
+        first. AdapterError where a chunk was lost, the buffer overflowed, or the agent is gone or restarted."""
+        boot = self._boot
+        try:
+            yield ""
+            while True:
+                try:
+                    async with asyncio.timeout(FOLLOW_CHECK_S):
+                        chunk = await follow.next()
+                except TimeoutError:
+                    if self._expired or self._boot != boot:
+                        raise AdapterError(f"site {self.name}: its agent is no longer heard from, or was restarted; "
+                                           "the log is no longer followed") from None
+                    continue
+                if chunk is None:
+                    return
+                if chunk:
+                    yield chunk
+        finally:
+            del self._follows[msg_id]
+            if not follow.ended:
+                await self._hub.publish(self.name, proto.LogsStop(site=self.name, follow=msg_id))
+
+    async def _logs_request(self, msg_id: str, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int,
+                            follow: bool) -> proto.Reply:
+        """The agent's ok reply to ``logs`` (followed or not); the errors of :class:`~adapters.base.LogReader`."""
         if self._expired or self._heard_mono is None:
             raise AdapterError(f"site {self.name}: its agent is not heard from (no lease); its logs cannot be read")
         asked = time.monotonic()
         try:
             reply = await self._command(lambda i: proto.LogsRequest(
                 site=self.name, msg_id=i, job_id=job_id, attempt=attempt, tail_lines=tail_lines,
-                limit_bytes=limit_bytes), timeout_s=LOGS_WAIT_S)
+                limit_bytes=limit_bytes, follow=follow), timeout_s=LOGS_WAIT_S, msg_id=msg_id)
         except AdapterError:
             if self._heard_mono is not None and self._heard_mono > asked and not self._expired:
+                what = "follow logs" if follow else "give logs"
                 raise LogsUnsupported(
                     f"its agent did not answer the request for logs within {LOGS_WAIT_S:g} s while its heartbeats "
-                    "kept coming: the agent is of an earlier release, which cannot give logs (upgrade it)") from None
+                    f"kept coming: the agent is of an earlier release, which cannot {what} (upgrade it)") from None
             raise
         if reply.no_logs == "unsupported":
             raise LogsUnsupported(reply.reason or "the site cannot give logs")
@@ -621,7 +730,7 @@ class RemoteSite:
             raise LogsNotFound(reply.reason or f"site {self.name} has no log of attempt {attempt} of job {job_id}")
         if not reply.ok or reply.logs is None:
             raise AdapterError(f"site {self.name}: {reply.reason or 'reading the logs failed'}")
-        return reply.logs.job_logs()
+        return reply
 
     async def events(self) -> AsyncIterator[JobEvent]:
         """The agent's events, each acknowledged to it once the consumer says it is kept (:meth:`taken`); one the

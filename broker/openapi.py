@@ -451,7 +451,7 @@ def _paths() -> dict[str, Any]:
                     "422": _json_body(_ref("Error"), "attempt or tail not an integer in range: the field names it"),
                     "501": _json_body(_ref("Error"), "the site cannot give logs (its adapter has none, or its agent "
                                                      "is of an earlier release), or, with follow, cannot follow them "
-                                                     "(a site agent's; the field names follow)"),
+                                                     "(the field names follow)"),
                     "503": {**_json_body(_ref("Error"), "the site did not answer (or the store, or the leader), or "
                                                         "this replica follows as many logs as it may; try again"),
                             "headers": {"Retry-After": {"description": "seconds", "schema": _STR}}},

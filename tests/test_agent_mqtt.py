@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from adapters import mqtt_protocol as proto
-from adapters.base import AdapterError, JobLogs, LogsNotFound, LogsUnsupported
+from adapters.base import AdapterError, JobLogs, LogFollow, LogsNotFound, LogsUnsupported
 from adapters.agent import AgentConfig, SiteAgent
 from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
@@ -682,6 +682,70 @@ async def test_a_jobs_logs_come_from_the_agents_site_through_the_api(world) -> N
         await w.broker.federation.get("edge").adapter.logs("nobody", 1, None, 1000)
 
 
+async def test_a_jobs_log_is_followed_at_an_agents_site_through_the_api_until_it_ends(world) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.api import create_app
+
+    w = await world(lease_s=6.0)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "printing", 3.0)
+    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    async with TestClient(TestServer(create_app(w.broker))) as client:
+        async with client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true", "tail": "1"}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Heliotrope-Site"] == "edge" and r.headers["X-Heliotrope-Log-Source"] == (
+                "simulated run at site edge")
+            first = (await r.content.readline()).decode()
+            assert (await w.state(job_id)).state == JobState.RUNNING  # streamed, not held to the end
+            rest = (await r.content.read()).decode()
+        whole = await (await client.get(f"/v1/jobs/{job_id}/logs")).text()
+    assert "started on" in first or " progress " in first
+    assert rest.splitlines()[-1].split(" ", 1)[1] == "attempt 1 succeeded after 3 s" and " progress 90%" in rest
+    assert whole.endswith(first + rest)
+    await w.until(lambda: not agent._follows, 5, "the agent lets go of the follow once its last part is out")
+
+
+async def test_a_reader_that_leaves_a_followed_log_stops_the_agents_follow(world) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.api import create_app
+
+    w = await world(lease_s=6.0)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "long", 600.0)
+    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    async with TestClient(TestServer(create_app(w.broker))) as client:
+        r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+        assert "started on" in (await r.content.readline()).decode()
+        assert len(agent._follows) == 1
+        r.close()  # the reader leaves while the job runs on
+        await w.until(lambda: not agent._follows, 5, "the agent stops following the log")
+    assert not w.broker.federation.get("edge").adapter._follows
+
+
+def test_a_followed_logs_chunks_are_taken_once_in_order_and_a_gap_ends_it() -> None:
+    from adapters.remote import _Follow
+
+    def chunk(seq: int, text: str, end: bool = False) -> proto.LogChunk:
+        return proto.LogChunk(site="edge", follow="m1", seq=seq, text=text, end=end)
+
+    async def read(follow: _Follow) -> list[str | None]:
+        return [await follow.next() for _ in range(2)]
+
+    follow = _Follow()
+    for msg in (chunk(1, "a\n"), chunk(1, "a\n"), chunk(2, "b\n", end=True)):  # (QoS 1: a repeat)
+        follow.take(msg)
+    assert asyncio.run(read(follow)) == ["a\n", "b\n"] and follow.ended
+    broken = _Follow()
+    broken.take(chunk(1, "a\n"))
+    broken.take(chunk(3, "c\n"))  # part 2 was lost
+    with pytest.raises(AdapterError, match="part 2 of the log was lost on the way"):
+        asyncio.run(read(broken))
+
+
 async def test_logs_too_large_for_one_message_keep_their_tail_and_say_they_were_cut(tmp_path) -> None:
     """An MQTT broker's cap on a message (here 64 KiB, set as ``mqtt.max_payload_bytes`` on both sides) bounds a
     reply: the agent cuts a long log from its start, at a line, so the newest lines come through."""
@@ -701,6 +765,35 @@ async def test_logs_too_large_for_one_message_keep_their_tail_and_say_they_were_
         kept = got.text.splitlines()
         assert kept[-1] == lines[-1] and kept == lines[-len(kept):]  # the tail, whole lines
         assert 40_000 < len(got.text) < CAP and hub.malformed == {}
+
+
+async def test_a_followed_log_longer_than_a_message_comes_whole_in_parts_that_fit(tmp_path) -> None:
+    """A site that writes far more at once than a message may carry (64 KiB here): the agent sends it in parts
+    under the cap, and the broker gives them back whole and in order, then the end."""
+    lines = [f"line {i:06d} " + "\u00e9" * 80 for i in range(3_000)]  # about 500 KB of UTF-8
+    written = "".join(line + "\n" for line in lines)
+
+    class Chatty(SimulatedSite):
+        async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+            async def chunks() -> AsyncIterator[str]:
+                yield written[:1000]
+                yield written[1000:]
+            return LogFollow(True, "pod heliotrope-t1/p container job", chunks())
+
+    async with capped_edge(tmp_path, Chatty, told=True) as (mosq, hub, remote, agent):
+        deadline = time.monotonic() + 8
+        while remote._heard_mono is None:
+            assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
+            await asyncio.sleep(0.05)
+        followed = await remote.follow_logs("j-1", 1, None, 1 << 20)
+        assert followed.truncated and followed.source == "pod heliotrope-t1/p container job"
+        parts = [chunk async for chunk in followed.chunks]
+        assert "".join(parts) == written and len(parts) > len(written.encode()) // CAP
+        assert hub.malformed == {}
+        deadline = time.monotonic() + 5
+        while agent._follows:  # (the agent lets go of it once its last part is out)
+            assert time.monotonic() < deadline, "the agent still follows the log"
+            await asyncio.sleep(0.05)
 
 
 async def test_an_agent_of_an_earlier_release_that_drops_the_logs_request_is_a_501_saying_so(
@@ -726,6 +819,37 @@ async def test_an_agent_of_an_earlier_release_that_drops_the_logs_request_is_a_5
     assert "site edge cannot give logs: its agent did not answer the request for logs within 1.5 s while its " \
            "heartbeats kept coming: the agent is of an earlier release, which cannot give logs (upgrade it)" in message
     assert agent.malformed["wrong-topic"] >= 1
+
+
+async def test_an_agent_of_an_earlier_release_asked_to_follow_a_log_is_a_501_naming_follow(world, monkeypatch) -> None:
+    # An agent of the release before this one knows "logs" but not its "follow" key, which its message forbids: it
+    # drops the request as invalid and never answers, while its heartbeats go on.
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from adapters import agent as agent_module
+    from adapters import remote as remote_module
+    from broker.api import create_app
+
+    def earlier(topic_name: str, payload: bytes | bytearray | str, max_payload_bytes: int) -> object:
+        if b'"follow":true' in bytes(payload if not isinstance(payload, str) else payload.encode()):
+            raise proto.MalformedMessage("invalid", "logs: follow: Extra inputs are not permitted")
+        return proto.decode(topic_name, payload, max_payload_bytes)
+
+    monkeypatch.setattr(agent_module, "decode", earlier)
+    monkeypatch.setattr(remote_module, "LOGS_WAIT_S", 1.5)
+    w = await world(lease_s=6.0)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "older", 30.0)
+    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    async with TestClient(TestServer(create_app(w.broker))) as client:
+        r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+        assert r.status == 501, await r.text()
+        body = (await r.json())["error"]
+        assert (await client.get(f"/v1/jobs/{job_id}/logs")).status == 200  # reading it still works
+    assert "the agent is of an earlier release, which cannot follow logs (upgrade it)" in body["message"]
+    assert body["fields"] == [{"field": "follow", "problem": "site edge cannot follow logs"}]
+    assert agent.malformed["invalid"] >= 1
 
 
 async def test_an_agent_whose_site_cannot_give_logs_says_so(world) -> None:
