@@ -1208,8 +1208,8 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
             else:
                 logs = await member.adapter.logs(job.id, attempt, tail, MAX_LOG_BYTES)
     except LogsUnsupported as e:
-        raise ApiError(501, f"site {site} cannot give logs: {e}",
-                       [{"field": "follow", "problem": f"site {site} cannot follow logs"}] if follow else None) from None
+        refused = [{"field": "follow", "problem": f"site {site} cannot follow logs"}] if follow else None
+        raise ApiError(501, f"site {site} cannot give logs: {e}", refused) from None
     except LogsNotFound as e:
         raise ApiError(409, str(e)) from None
     except TimeoutError:
