@@ -103,6 +103,7 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
         variant["required"] = [adapter["propertyName"], *variant.get("required", [])]
     for field in ("usd_per_gpu_hour", "rtt_ms"):
         site["properties"][field]["additionalProperties"]["minimum"] = 0
+    site["properties"]["usd_per_gpu_hour"]["additionalProperties"]["maximum"] = models.MAX_USD_PER_GPU_HOUR
     gpus["allOf"] = [
         _if("milli", {"maximum": 999}, {"properties": {"count": {"const": 1}}}),
         _if("shared", {"const": True},
