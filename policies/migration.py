@@ -68,7 +68,7 @@ from policies.snapshot import TDP_KW, JobRequest, Snapshot
 from policies.timeshift import ShiftPolicy, held_back_for
 
 if TYPE_CHECKING:
-    from policies.pipeline import Pipeline
+    from policies.pipeline import Pipeline, Placement
 
 HOUR_S = 3600.0
 
@@ -261,7 +261,7 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
     for _, i, remaining, stay, judged_h, move_rates, usable in candidates:
         run = running[i]
         rest = rest_of(run, remaining, policy)
-        placement = pipeline.decide(rest, snap)
+        placement = _decide_moving(pipeline, snap, rest)
         bar = stay - max(policy.min_saving * stay, policy.min_saving_abs)
         # The least value at each feasible site over the models the job could use there and would fit now
         # (free, or GPUs the site would preempt for it) bounds the value of the model it would get
@@ -377,6 +377,21 @@ def _may_wait(run: Running, remaining: float, at: _Clock, policy: MigrationPolic
         at.now_ts + 2 * (policy.overhead_s + policy.duration_safety * remaining) <= deadline)
 
 
+def _decide_moving(pipeline: Pipeline, snap: Snapshot, rest: JobRequest) -> Placement:
+    """The pipeline's decision for the rest of a running job's run elsewhere: as for a job that starts, but with the
+    GPUs it holds now given back to its tenant's federation-wide limit (``Snapshot.tenant_room``) while it is
+    decided, since a move hands them over rather than adding to them (the limit would turn every site away from a
+    job whose tenant is at its limit)."""
+    room = snap.tenant_room
+    if room is None:
+        return pipeline.decide(rest, snap)
+    room.credit(rest.tenant, rest.charge)
+    try:
+        return pipeline.decide(rest, snap)
+    finally:
+        room.debit(rest.tenant, rest.charge)
+
+
 def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, at: _Clock,
             policy: MigrationPolicy, for_job: str) -> Move | None:
     """Move ``run`` out of its site to the profile's best other site with room now and in the plan, debited
@@ -384,7 +399,7 @@ def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, 
     from policies.pipeline import choose_model  # imported here: policies.pipeline imports this module
 
     rest = rest_of(run, remaining, policy)
-    placement = pipeline.decide(rest, snap)
+    placement = _decide_moving(pipeline, snap, rest)
     values = _values(snap, policy, at, remaining)
     for k in np.argsort(-placement.totals, kind="stable").tolist():
         site = int(placement.feasible[k])

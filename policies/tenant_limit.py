@@ -59,5 +59,9 @@ class TenantRoom:
         if tenant is not None and self.limits.of(tenant) is not None:
             self.held[tenant] = self.held.get(tenant, 0.0) + charge
 
+    def credit(self, tenant: str | None, charge: float) -> None:
+        """A job of ``tenant`` holding ``charge`` GPUs gives them back (:meth:`debit` undone)."""
+        self.debit(tenant, -charge)
+
     def copy(self) -> TenantRoom:
         return TenantRoom(self.limits, dict(self.held))

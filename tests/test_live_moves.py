@@ -550,3 +550,33 @@ async def test_a_stored_move_whose_attempt_was_lost_rather_than_stopped_is_not_t
         assert "moved from" not in (await decision(again, filler.id)).summary
     finally:
         await again.stop()
+
+
+async def test_a_job_of_a_tenant_at_its_federation_limit_still_moves_to_the_clean_site(tmp_path) -> None:
+    """``broker.tenant_limits``: the mover's tenant holds as many GPUs as its limit allows, all of them the mover's
+    own, which it gives back as it moves: the move takes it no further past the limit, so it is made as without
+    one (the limit judged the move as a job more of the tenant's starting: it held every running job of a tenant
+    at its limit where it was)."""
+    b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"},
+                                  tenant_limits={"t1": {"gpus": 8}})
+    try:
+        blocker, _ = await b.book.submit(job(tenant="t2", name="blocker", count=8, duration_s=1800))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        mover, _ = await b.book.submit(job(name="mover", count=8, duration_s=10 * 3600, checkpointable=True))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        assert (await b.book.get(mover.id)).site == "dirty"
+        await step(b, clock, 1800)
+        await b.cycle.run_once(full=True)
+        assert (await b.book.get(blocker.id)).state == JobState.SUCCEEDED
+        await step(b, clock, 3600 - (clock.now() - GREEN_AT.replace(minute=0)).total_seconds() % 3600)
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 1.0)
+        assert (await b.book.get(mover.id)).state == JobState.QUEUED  # stopped at the dirty site to move
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        moved = await b.book.get(mover.id)
+        assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "clean", 2)
+    finally:
+        await b.stop()
