@@ -745,15 +745,16 @@ def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "") -> None:
     if never is not None:  # it would wait in the queue for ever
         raise ApiError(422, f"invalid job spec: {at}gpus: {never}",
                        [{"field": f"{at}gpus.mig_profile", "problem": never}])
-    limits = broker.cycle.tenant_limits
-    limit = limits.of(spec.tenant) if limits is not None else None
-    if limit is not None and gpus_charged(spec.gpus) > limit + 1e-9:  # so would this one
-        problem = (f"the job holds {gpus_charged(spec.gpus):g} GPUs, and tenant {spec.tenant} may hold at most "
-                   f"{limit:g} across the federation (broker.tenant_limits)")
-        raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
     who = principal(request)
     if not who.acts_for(spec.tenant):
         raise not_your_tenant(who, spec.tenant, at)
+    limits = broker.cycle.tenant_limits
+    limit = limits.of(spec.tenant) if limits is not None else None
+    if limit is not None and gpus_charged(spec.gpus) > limit + 1e-9:  # it would wait for ever (after the
+        # tenant check: the limit is told only to those who act for the tenant)
+        problem = (f"the job holds {gpus_charged(spec.gpus):g} GPUs, and tenant {spec.tenant} may hold at most "
+                   f"{limit:g} across the federation (broker.tenant_limits)")
+        raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
     try:
         broker.settings.profiles.choose(spec.profile)
     except ProfileError as e:

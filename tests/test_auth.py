@@ -687,3 +687,26 @@ async def test_an_operator_reads_the_logs_of_attempts_at_its_own_sites_only(fed:
     for who in ("vision", "admin"):
         status, text = await fed.call(who, "GET", f"/v1/jobs/{job_id}/logs?attempt=1")
         assert status == 200 and f"attempt 1 of job {job_id}" in text, (who, text)
+
+
+async def test_a_submitter_sending_another_tenants_job_is_refused_as_such_and_not_told_that_tenants_limit(
+        made: tuple[str, dict[str, str]]):
+    """``broker.tenant_limits``: a job of a tenant the token does not act for is refused with 403 whatever its size,
+    submitted or previewed; a 422 quoting that tenant's limit told a submitter what the platform allows another
+    tenant (its own tenant's job past its own limit is still refused with 422 naming ``gpus``)."""
+    db, tokens = made
+    settings = BrokerSettings(db=db, shutdown_grace_s=1, auth=AuthSettings(enabled=True),
+                              tenant_limits={"vision": {"gpus": 2}, "nlp": {"gpus": 2}})
+    broker = Broker(settings)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as client:
+            f = Federation(client, tokens, {}, db)
+            big = {**job("vision", "a100-80gb"), "gpus": {"count": 3}}
+            for path, body in (("/v1/jobs", big), ("/v1/preview", big), ("/v1/preview", [big])):
+                status, answer = await f.call("nlp", "POST", path, body)
+                assert status == 403 and "may hold" not in json.dumps(answer), (path, answer)
+            status, answer = await f.call("vision", "POST", "/v1/jobs", big)
+            assert status == 422 and answer["error"]["fields"][0]["field"] == "gpus", answer
+    finally:
+        await broker.stop()
