@@ -64,8 +64,8 @@ from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, LogFollow, LogFollower, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
-from broker.models import (LABELS_MAX, PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec,
-                           JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, label_problem)
+from broker.models import (PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec,
+                           JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, labels_problem)
 from broker.openapi import openapi_document
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
@@ -733,14 +733,9 @@ def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "") -> None:
     """What a submission checks of a valid spec beyond its schema; ``at``: the spec's place in a list (``[1].``),
     which the fields named start with."""
     broker = request.app[BROKER]
-    if len(spec.labels) > LABELS_MAX:
-        problem = f"{len(spec.labels)} labels; a job carries at most {LABELS_MAX}"
+    problem = labels_problem(spec.labels)
+    if problem is not None:
         raise ApiError(422, f"invalid job spec: {at}labels: {problem}", [{"field": f"{at}labels", "problem": problem}])
-    for key, value in spec.labels.items():
-        problem = label_problem(key, value)
-        if problem is not None:
-            raise ApiError(422, f"invalid job spec: {at}labels: {problem}",
-                           [{"field": f"{at}labels", "problem": problem}])
     never = spec.gpus.never_fits()
     if never is not None:  # it would wait in the queue for ever
         raise ApiError(422, f"invalid job spec: {at}gpus: {never}",

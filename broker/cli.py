@@ -48,7 +48,7 @@ from broker.simulation import cli as simulation_cli
 from broker.simulation import fairshare_cli
 from broker.errors import located, problems
 from broker.auth import Role
-from broker.models import PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, JobSpec, JobState, SiteSpec
+from broker.models import PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, JobSpec, JobState, SiteSpec, labels_problem
 from broker.shipped import CONFIG
 from broker.store import StoreError
 
@@ -387,11 +387,15 @@ def _check_all(docs: list[Any], model: type[BaseModel], what: str,
     :func:`broker.errors.problems` takes it."""
     lines = []
     for i, doc in enumerate(docs):
+        where = f"{what} {i + 1} of {len(docs)}" if len(docs) > 1 else what
         try:
-            model.model_validate(doc)
+            valid = model.model_validate(doc)
         except ValidationError as e:
-            where = f"{what} {i + 1} of {len(docs)}" if len(docs) > 1 else what
             lines += [f"{where}: {located(p)}" for p in problems(e, read_only)]
+            continue
+        problem = labels_problem(valid.labels) if isinstance(valid, JobSpec) else None
+        if problem is not None:  # (the broker checks them at submission only, not where a stored job is read)
+            lines.append(f"{where}: labels: {problem}")
     if lines:
         raise CliError("nothing was sent; fix these first:\n  " + "\n  ".join(lines))
 

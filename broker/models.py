@@ -1074,6 +1074,15 @@ def label_problem(key: str, value: str) -> str | None:
     return None
 
 
+def labels_problem(labels: Mapping[str, str]) -> str | None:
+    """What is wrong with a submitted job's labels (too many, or the first bad one: :func:`label_problem`), or None;
+    what the broker answers 422 naming ``labels`` for, and what ``heliotrope submit`` checks before it sends any job
+    of a list."""
+    if len(labels) > LABELS_MAX:
+        return f"{len(labels)} labels; a job carries at most {LABELS_MAX}"
+    return next((p for key, value in labels.items() if (p := label_problem(key, value)) is not None), None)
+
+
 class JobChange(Strict):
     """A change to a queued job (``PATCH /v1/jobs/{id}``): its ``priority``, its ``deadline`` (null removes it) or
     its routing ``profile`` (null: the federation's default). Keys left out stay as they are; no other may change

@@ -686,6 +686,19 @@ def test_a_job_list_with_one_bad_item_sends_nothing(capsys, server, tmp_path):
     assert json.loads(out) == []
 
 
+def test_a_job_list_with_one_bad_label_sends_nothing(capsys, server, tmp_path):
+    """A label the broker refuses (here a YAML block scalar's trailing newline, a control character) is found before
+    any job is sent, as a spec the schema refuses is: the broker took the jobs before it and refused it alone."""
+    path = tmp_path / "jobs.yaml"
+    good = {"tenant": "t1", "name": "ok", "gpus": {"count": 1}, "duration_s": 60}
+    path.write_text(yaml.safe_dump([good, {**good, "name": "ok2", "labels": {"note": "two\nlines\n"}}]))
+    code, _, err = run(capsys, server, "submit", str(path))
+    assert code == 1
+    assert "nothing was sent" in err and "job 2 of 2: labels: value of label 'note' holds the control character" in err
+    code, out, _ = run(capsys, server, "--json", "jobs")
+    assert json.loads(out) == []
+
+
 def test_json_and_server_may_follow_the_command(capsys, server, tmp_path):
     code = main(["jobs", "--json", "--server", server.url])
     out, _ = capsys.readouterr()
