@@ -80,7 +80,8 @@ _BEYOND_THE_SCHEMA = {
                 "stale_after_s is longer than its every_s; a kubernetes adapter's pod_security_context.runAsUser "
                 "is not 0 where its pod_security is restricted",
     "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
-               "a new job's deadline, not in the past",
+               "a new job's deadline, not in the past; its GPUs within its tenant's federation-wide limit "
+               "(broker.tenant_limits)",
     "JobChange": "profile, one the federation lets jobs choose; a new deadline, not in the past; the job's spec "
                  "with the change, valid as a job spec",
     "Cancellation": "a tenant, labels or both (an empty selector would cancel every job)",

@@ -741,6 +741,8 @@ async def test_the_openapi_document_describes_the_jobs_api_from_the_models(clien
     assert {"/v1/jobs", "/v1/jobs/{id}", "/v1/jobs/{id}/decision", "/v1/sites", "/v1/sites/{name}"} <= set(doc["paths"])
     spec = doc["components"]["schemas"]["JobSpec"]
     assert set(spec["required"]) == {"tenant", "name", "gpus", "duration_s"}
+    # a rule a 422 answers for that the schema cannot state is named (a client told only the schema would send it)
+    assert "within its tenant's federation-wide limit (broker.tenant_limits)" in spec["description"]
     assert "milli" in doc["components"]["schemas"]["GpuRequest"]["properties"]
     quota = doc["paths"]["/v1/sites/{name}/quota/{tenant}"]
     assert set(quota) >= {"put", "delete"} and "guaranteed_gpus" in doc["components"]["schemas"]["TenantQuota"]["properties"]
