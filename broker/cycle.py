@@ -837,7 +837,7 @@ class SchedulingCycle:
     def _debit_holds(self, snap: Snapshot, holds: dict[str, _Hold] | None = None,
                      moving: dict[str, _Moving] | None = None) -> None:
         """Debit the GPUs kept for moved jobs at their targets and for jobs room was made for, as placements
-        in flight are; forget holds whose job was placed again, has gone, or waited too long. ``holds``,
+        in flight are (and, under federation-wide tenant limits, the room they take under their tenant's); forget holds whose job was placed again, has gone, or waited too long. ``holds``,
         ``moving``: a preview's copies, forgotten from instead of the broker's own."""
         now_ts = snap.now.timestamp()
         own = holds is None
@@ -851,6 +851,9 @@ class SchedulingCycle:
             site = snap.index.get(hold.site)
             if site is not None:
                 snap.hold(site, hold.request, hold.model)
+                if snap.tenant_room is not None and job.state == JobState.QUEUED:  # its tenant's room too (one
+                    # not back in the queue yet is counted held: _count_tenants); _take_hold gives both back
+                    snap.tenant_room.debit(hold.request.tenant, hold.request.charge)
         for job_id, move in list(moving.items()):  # moves whose event or restart never came
             if now_ts > move.asked_ts + MOVE_TIMEOUT_S:
                 del moving[job_id]
@@ -866,6 +869,8 @@ class SchedulingCycle:
         if hold is None or site is None or job.id in released:
             return
         snap.release(site, hold.request, hold.model)
+        if snap.tenant_room is not None:  # (held for it by _debit_holds, or counted while it was not queued)
+            snap.tenant_room.credit(hold.request.tenant, hold.request.charge)
         released.add(job.id)
         for decider in deciders.values():  # capacity grew: failures met earlier in the pass may not hold
             decider.failed.clear()
@@ -877,6 +882,8 @@ class SchedulingCycle:
         site = snap.index.get(hold.site) if hold is not None else None
         if hold is not None and site is not None:
             snap.hold(site, hold.request, hold.model)
+            if snap.tenant_room is not None:
+                snap.tenant_room.debit(hold.request.tenant, hold.request.charge)
         released.discard(job_id)
 
     async def _move_running(self, snap: Snapshot, saving: bool) -> None:

@@ -580,3 +580,36 @@ async def test_a_job_of_a_tenant_at_its_federation_limit_still_moves_to_the_clea
         assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "clean", 2)
     finally:
         await b.stop()
+
+
+async def test_a_moved_job_keeps_its_tenants_room_until_it_restarts_where_its_move_chose(tmp_path) -> None:
+    """``broker.tenant_limits``: the mover's tenant is at its limit with the mover alone, and another of its jobs
+    (of a higher priority: decided first) waits for room. Stopped to move, the mover is back in the queue; the room
+    under its tenant's limit is kept for it with the GPUs at its target, so it restarts there: the waiting job took
+    that room, and the move, made to save carbon, left the mover waiting in the queue instead."""
+    b, clock = await green_broker(tmp_path, LIVE_SITES, profiles={"default": "green"},
+                                  tenant_limits={"t1": {"gpus": 8}})
+    try:
+        blocker, _ = await b.book.submit(job(tenant="t2", name="blocker", count=8, duration_s=1800))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        mover, _ = await b.book.submit(job(name="mover", count=8, duration_s=10 * 3600, checkpointable=True))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        waiting, _ = await b.book.submit(job(name="waiting", count=8, duration_s=600, priority=1))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 1800)
+        await b.cycle.run_once(full=True)
+        assert (await b.book.get(blocker.id)).state == JobState.SUCCEEDED
+        assert (await b.book.get(waiting.id)).state == JobState.QUEUED  # t1 holds 8: the mover's
+        await step(b, clock, 3600 - (clock.now() - GREEN_AT.replace(minute=0)).total_seconds() % 3600)
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 1.0)
+        assert (await b.book.get(mover.id)).state == JobState.QUEUED  # stopped at the dirty site to move
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        moved = await b.book.get(mover.id)
+        assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "clean", 2)
+        assert (await b.book.get(waiting.id)).state == JobState.QUEUED
+    finally:
+        await b.stop()
