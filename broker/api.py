@@ -168,7 +168,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("GET", "/v1/jobs/{id}/logs"): ANY,  # 404 for a job the caller may not see
     ("GET", "/v1/events"): ANY,  # filtered to what the caller may see
     ("GET", "/v1/carbon"): ANY,
-    ("GET", "/v1/tenants"): SUBMITTERS,  # a submitter reads its own tenants' (operators: tenants' figures are not theirs)
+    ("GET", "/v1/tenants"): SUBMITTERS,  # a submitter its own tenants' (a tenant's figures are not an operator's)
     ("GET", "/v1/whoami"): ANY,
     ("GET", "/metrics"): OPERATORS,
     ("GET", "/healthz"): OPEN,

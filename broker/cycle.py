@@ -837,7 +837,8 @@ class SchedulingCycle:
     def _debit_holds(self, snap: Snapshot, holds: dict[str, _Hold] | None = None,
                      moving: dict[str, _Moving] | None = None) -> None:
         """Debit the GPUs kept for moved jobs at their targets and for jobs room was made for, as placements
-        in flight are (and, under federation-wide tenant limits, the room they take under their tenant's); forget holds whose job was placed again, has gone, or waited too long. ``holds``,
+        in flight are (and, under federation-wide tenant limits, the room they take under their tenant's); forget
+        holds whose job was placed again, has gone, or waited too long. ``holds``,
         ``moving``: a preview's copies, forgotten from instead of the broker's own."""
         now_ts = snap.now.timestamp()
         own = holds is None

@@ -1345,7 +1345,8 @@ async def test_labels_a_listing_could_not_name_or_an_index_could_not_hold_are_re
         assert words in error["fields"][0]["problem"], error
     assert (await (await client.get("/v1/jobs")).json())["items"] == []
     longest = {"k" * 256: "\u00e9" * 256, **{f"k{i}": "v" for i in range(63)}}  # at the bounds: taken
-    assert (await (await client.get(f"/v1/jobs/{await submit(client, labels=longest)}")).json())["spec"]["labels"] == longest
+    taken = await submit(client, labels=longest)
+    assert (await (await client.get(f"/v1/jobs/{taken}")).json())["spec"]["labels"] == longest
 
 
 async def test_a_job_larger_than_its_tenants_federation_limit_is_refused_naming_gpus(tmp_path: Path):
