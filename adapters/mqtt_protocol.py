@@ -89,7 +89,8 @@ Logs
     ``mqtt.max_payload_bytes`` and about ``LOG_CHUNK_CHARS`` characters at most (what the site wrote within
     ``LOG_CHUNK_WAIT_S`` goes together), until the attempt ends (the last says ``end``, with ``reason`` where the
     agent ended it sooner: its bound ``FOLLOW_MAX_S``). The broker drops a repeat (a ``seq`` it has) and ends the
-    follow at a gap; it sends ``logs_stop`` when its reader leaves, and the agent stops reading its site. An agent
+    follow at a gap; it sends ``logs_stop`` when its reader leaves, and for a part of a follow it has no reader
+    for (one a broker process before it began), and the agent stops reading its site. An agent
     follows at most ``FOLLOWS_MAX`` logs at once (more are answered not ok). The request's ``follow`` key is sent
     only when true: an agent of an earlier release refuses it as malformed and stays silent, as above.
 

@@ -35,7 +35,8 @@ lifecycle treat it as they treat a local site:
   ``follow_logs`` (``LogFollower``) asks the same with ``follow``, and relays the agent's ``log_chunk`` messages as
   they come, holding at most ``FOLLOW_BUFFER_BYTES`` of them (a reader slower than that ends the follow), until the
   last; it ends with an ``AdapterError`` at a lost chunk, or where the agent restarted or is no longer heard from;
-  it sends ``logs_stop`` when its reader leaves first.
+  it sends ``logs_stop`` when its reader leaves first, and for a ``log_chunk`` it has no reader for (of a follow
+  begun by a broker process before this one, which stopped without saying so).
 
 A retained heartbeat delivered when the broker subscribes is the site's last known state, not a sign of
 life: it fills in capacity for display but renews no lease.
@@ -306,6 +307,7 @@ class RemoteSite:
         self._prefix = uuid.uuid4().hex[:12]
         self._pending: dict[str, asyncio.Future[proto.Reply]] = {}
         self._follows: dict[str, _Follow] = {}  # logs followed, by the msg_id of their request
+        self._unread: proto.Bounded = proto.Bounded(1000)  # follows told to stop with no reader here -> monotonic s
         self._events: asyncio.Queue[tuple[str, int, JobEvent]] = asyncio.Queue()
         self._queued: set[tuple[str, int]] = set()  # (boot, msg id) waiting in _events
         self._applied: proto.Bounded = proto.Bounded(100_000)  # recently acknowledged events
@@ -386,8 +388,10 @@ class RemoteSite:
                     fut.set_result(msg)
             case proto.LogChunk():
                 follow = self._follows.get(msg.follow)
-                if follow is not None:  # (none: one this broker has stopped, or another process began)
+                if follow is not None:
                     follow.take(msg)
+                elif not msg.end:
+                    self._stop_unread(msg.follow)
 
     def _on_heartbeat(self, hb: proto.Heartbeat, retained: bool) -> None:
         state = self._checked(hb.state)
@@ -509,10 +513,22 @@ class RemoteSite:
             self._said.add(text)
             log.warning("%s", text)
 
-    def _send(self, msg: BaseModel) -> None:
-        """Publish at QoS 0 without waiting: acknowledgements and lease grants, whose loss the agent's
+    def _stop_unread(self, follow: str) -> None:
+        """A part of a followed log no reader here waits for: one this broker stopped (its ``logs_stop`` crossed
+        it), or one a broker process before this one began (it stopped, or lost the lead, with the follow open).
+        The agent is told to stop it (again at most every ``FOLLOW_CHECK_S`` while its parts keep coming), so it
+        does not read its site's log for nobody, holding one of its ``FOLLOWS_MAX``, until the attempt ends."""
+        now = time.monotonic()
+        told = self._unread.get(follow)
+        if told is not None and now - told < FOLLOW_CHECK_S:
+            return
+        self._unread[follow] = now
+        self._send(proto.LogsStop(site=self.name, follow=follow), qos=1)
+
+    def _send(self, msg: BaseModel, qos: int = 0) -> None:
+        """Publish without waiting, at QoS 0 by default: acknowledgements and lease grants, whose loss the agent's
         resends and next heartbeat cover (half the MQTT round trips of QoS 1, at 1,000 sites that counts)."""
-        task = asyncio.get_running_loop().create_task(self._hub.publish(self.name, msg, qos=0))
+        task = asyncio.get_running_loop().create_task(self._hub.publish(self.name, msg, qos=qos))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
@@ -705,6 +721,7 @@ class RemoteSite:
         finally:
             del self._follows[msg_id]
             if not follow.ended:
+                self._unread[msg_id] = time.monotonic()  # (parts already on their way need no stop of their own)
                 await self._hub.publish(self.name, proto.LogsStop(site=self.name, follow=msg_id))
 
     async def _logs_request(self, msg_id: str, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int,

@@ -726,6 +726,28 @@ async def test_a_reader_that_leaves_a_followed_log_stops_the_agents_follow(world
     assert not w.broker.federation.get("edge").adapter._follows
 
 
+async def test_a_follow_a_restarted_broker_knows_nothing_of_is_stopped_at_the_agent(world) -> None:
+    """The broker stops while it follows a log at the agent's site, its reader never closing the follow (a crash,
+    or a leader that lost its lease). The broker that comes back has no reader for it: at the next part the agent
+    sends, it tells the agent to stop, so the agent does not read its site's log, send it to nobody and hold one of
+    its FOLLOWS_MAX follows until the job ends."""
+    w = await world(lease_s=6.0)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "followed-across-a-restart", 30.0)  # (a line every 3 s)
+    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    followed = await w.broker.federation.get("edge").adapter.follow_logs(job_id, 1, None, 1 << 20)
+    assert "started on" in await anext(followed.chunks)
+    assert len(agent._follows) == 1
+    settings, factory = w.broker.settings, w.broker.federation._factory
+    await w.broker.stop()
+    again = Broker(settings, clock=SystemClock(), factory=factory)
+    w.rebind(again)
+    await again.start()
+    await w.until(lambda: not agent._follows, 10, "the agent stops following a log nobody reads")
+    assert (await w.state(job_id)).state == JobState.RUNNING  # (the job itself runs on)
+
+
 def test_a_followed_logs_chunks_are_taken_once_in_order_and_a_gap_ends_it() -> None:
     from adapters.remote import _Follow
 
