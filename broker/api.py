@@ -297,7 +297,9 @@ async def _relay_stream(request: web.Request, session: aiohttp.ClientSession, le
                         headers: dict[str, str]) -> web.StreamResponse:
     """The leader's event stream (or a job's log it follows), passed through as it comes: a client of any replica
     (behind one Service address) follows the leader's events. It ends when the leader's ends (the leader stopped or
-    stepped down: the client reconnects, with Last-Event-ID, to whoever leads next) or when this replica stops."""
+    stepped down: the client reconnects, with Last-Event-ID, to whoever leads next), when this replica stops, or
+    when the client has left (looked at every ``LOG_FOLLOW_CHECK_S`` while the stream is quiet: a quiet log writes
+    nothing that would fail, and the leader holds the site's stream for as long as this relay's connection)."""
     relays: set[asyncio.Task[Any]] = request.app[RELAYS]
     task = asyncio.current_task()
     assert task is not None
@@ -313,7 +315,16 @@ async def _relay_stream(request: web.Request, session: aiohttp.ClientSession, le
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **kept, "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no", "X-Heliotrope-Leader": leader})
             await resp.prepare(request)
-            async for chunk in up.content.iter_any():
+            while True:
+                try:
+                    async with asyncio.timeout(LOG_FOLLOW_CHECK_S):
+                        chunk = await up.content.readany()
+                except TimeoutError:
+                    if request.transport is None or request.transport.is_closing():
+                        break  # the client left while the stream was quiet: closing ours tells the leader
+                    continue
+                if not chunk:
+                    break
                 await resp.write(chunk)
     except (aiohttp.ClientError, TimeoutError) as e:
         if resp is None:

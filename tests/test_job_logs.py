@@ -284,6 +284,43 @@ async def test_a_client_that_leaves_a_quiet_follow_has_the_sites_stream_closed(s
     await asyncio.wait_for(quiet.closed.wait(), 5)
 
 
+async def test_a_client_that_leaves_a_quiet_follow_through_a_replica_that_does_not_lead_frees_the_sites_stream(
+        served, monkeypatch):
+    """A replica that does not lead relays the leader's followed log (``broker.api._relay_stream``, as
+    ``follower_middleware`` calls it). Its client leaving a quiet log must close the relay's connection to the
+    leader, which then closes the site's stream: a quiet log has nothing to write, so neither would learn of it by
+    a failed write, and the site's stream and one of the leader's ``MAX_LOG_FOLLOWS`` would be held for hours."""
+    monkeypatch.setattr(api, "LOG_FOLLOW_CHECK_S", 0.05)
+    session, broker = served
+    job_id = await submitted(session, duration_s=3600)  # type: ignore[arg-type]
+    await wait_for(session, job_id, {"running"})  # type: ignore[arg-type]
+    member = broker.federation.get("berlin")
+    member.adapter = quiet = _Quiet(member.adapter)
+    async with aiohttp.ClientSession() as to_leader:
+        leader = str(session._base_url).rstrip("/")
+
+        async def relay(request: web.Request) -> web.StreamResponse:
+            return await api._relay_stream(request, to_leader, leader, {})
+
+        replica = web.Application()
+        replica[api.RELAYS] = set()
+        replica.router.add_get("/{path:.*}", relay)
+        runner = web.AppRunner(replica, access_log=None, handle_signals=False)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as via_replica:
+                r = await via_replica.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+                assert r.headers["X-Heliotrope-Leader"] == leader
+                assert await r.content.readline() == b"loading the dataset\n"
+                r.close()  # the client goes away (Ctrl-C) while the log is quiet
+                await asyncio.wait_for(quiet.closed.wait(), 5)
+                assert not replica[api.RELAYS]
+        finally:
+            await runner.cleanup()
+
+
 async def test_follows_beyond_the_bound_are_a_503_with_retry_after(client: TestClient, monkeypatch):
     monkeypatch.setattr(api, "MAX_LOG_FOLLOWS", 1)
     job_id = await submitted(client)
