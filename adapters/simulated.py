@@ -21,7 +21,7 @@ clock) drive it the same way.
   at each tenth of its planned run that has passed on the clock, and one for how it ended (succeeded, failed
   with the reason, preempted, or withdrawn). The logs of the latest ``LOGS_KEPT`` attempts that ended are kept,
   in memory only. ``LogFollower``: the same log followed, each line sent when its time comes on the clock, until
-  the attempt ends.
+  the attempt ends or the site is closed (removed from the federation, or the broker stops).
 - ``set_reachable(False)`` makes the site unreachable (every call raises ``AdapterError`` and events are
   held back until it is reachable again), for fault tests; its running jobs keep running, as a real
   partitioned site's would.
@@ -144,6 +144,8 @@ class SimulatedSite:
             if run.task is not None:
                 run.task.cancel()
         await asyncio.gather(*(r.task for r in self._runs.values() if r.task), return_exceptions=True)
+        for run in self._runs.values():
+            run.over.set()  # (their logs' follows end: no line comes any more)
         self._runs.clear()
 
     def set_reachable(self, reachable: bool) -> None:

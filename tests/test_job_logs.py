@@ -389,6 +389,24 @@ async def test_a_followed_simulated_log_sends_each_line_when_its_time_comes_and_
         await sim.close()
 
 
+async def test_a_followed_simulated_log_ends_when_its_site_is_closed():
+    """A simulated site removed from the federation (or stopped with the broker) is closed: its runs stop, and so
+    must the follows of their logs, which would otherwise wait for an end that never comes (for 24 hours, the
+    broker's bound), holding one of the broker's follows."""
+    clock = ManualClock(NOW)
+    sim = SimulatedSite(site("sim", adapter={"kind": "simulated", "dispatch_delay_s": 0}), clock)
+    await sim.start()
+    attempt = Job(id="j-1", spec=job(duration_s=1000), attempt=1, created_at=NOW, updated_at=NOW,
+                  gpu_model="a100-80gb")
+    assert (await sim.submit(attempt)).admitted
+    await clock.advance(950)  # (past the last progress line: nothing more is due before the end)
+    followed = await sim.follow_logs("j-1", 1, 1, 1 << 20)
+    assert " progress 90%" in await anext(followed.chunks)
+    later = asyncio.ensure_future(anext(followed.chunks, None))
+    await sim.close()
+    assert await asyncio.wait_for(later, 5) is None
+
+
 def test_tail_text_keeps_the_end_in_lines_then_bytes_without_half_a_character():
     assert tail_text("a\nb\nc\n", 2, 100) == ("b\nc\n", True)
     assert tail_text("a\nb\n", 5, 100) == ("a\nb\n", False)
