@@ -1205,15 +1205,30 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
                        [{"field": "follow", "problem": f"site {site} cannot follow logs"}])
     if not follow and not isinstance(member.adapter, LogReader):
         raise ApiError(501, f"site {site}'s adapter ({member.spec.adapter.kind}) cannot give logs")
-    if follow and len(request.app[FOLLOWS]) >= MAX_LOG_FOLLOWS:
+    follows: set[asyncio.Task[Any]] = request.app[FOLLOWS]
+    if follow and len(follows) >= MAX_LOG_FOLLOWS:
         raise ApiError(503, f"{MAX_LOG_FOLLOWS} logs are being followed through this broker already; try again "
                             "later, or read the log without follow", headers={"Retry-After": "30"})
+    task = asyncio.current_task()
+    assert task is not None
+    if follow:  # (counted from here: one whose site has not answered yet holds its place, and ends at shutdown)
+        follows.add(task)
+    try:
+        return await _site_logs(request, member.adapter, site, job.id, attempt, tail, follow)
+    finally:
+        follows.discard(task)
+
+
+async def _site_logs(request: web.Request, adapter: Any, site: str, job_id: str, attempt: int, tail: int,
+                     follow: bool) -> web.StreamResponse:
+    """The answer to ``GET /v1/jobs/{id}/logs`` once the site and attempt are known: the site's logs, or its
+    followed log streamed (:func:`_follow_logs`); the site's failures as the API's errors."""
     try:
         async with asyncio.timeout(LOGS_TIMEOUT_S):
             if follow:
-                followed = await member.adapter.follow_logs(job.id, attempt, tail, MAX_LOG_BYTES)
+                followed = await adapter.follow_logs(job_id, attempt, tail, MAX_LOG_BYTES)
             else:
-                logs = await member.adapter.logs(job.id, attempt, tail, MAX_LOG_BYTES)
+                logs = await adapter.logs(job_id, attempt, tail, MAX_LOG_BYTES)
     except LogsUnsupported as e:
         refused = [{"field": "follow", "problem": f"site {site} cannot follow logs"}] if follow else None
         raise ApiError(501, f"site {site} cannot give logs: {e}", refused) from None
@@ -1249,10 +1264,6 @@ async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[
     quiet, so a quiet log does not hold the site's stream for a client long gone), its token is revoked,
     ``LOG_FOLLOW_MAX_S`` have passed, or the broker stops. The site's stream is closed in every case."""
     broker, who = request.app[BROKER], principal(request)
-    follows: set[asyncio.Task[Any]] = request.app[FOLLOWS]
-    task = asyncio.current_task()
-    assert task is not None
-    follows.add(task)
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/plain; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     chunks, pending = followed.chunks, None
@@ -1277,7 +1288,6 @@ async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[
     except AdapterError as e:  # (the status has gone out: all that is left is to end the stream)
         log.warning("following the log (%s) ended early: %s", headers.get("X-Heliotrope-Log-Source"), e)
     finally:
-        follows.discard(task)
         if pending is not None:
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)

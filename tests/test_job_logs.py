@@ -336,6 +336,40 @@ async def test_follows_beyond_the_bound_are_a_503_with_retry_after(client: TestC
     held.close()
 
 
+async def test_follows_being_begun_count_against_the_bound(client: TestClient, monkeypatch):
+    """The bound holds for follows whose site has not answered yet (an agent's takes a round trip over MQTT, up
+    to 12 s): a burst of requests must not all pass it while the first ones wait."""
+    monkeypatch.setattr(api, "MAX_LOG_FOLLOWS", 1)
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    member = client.broker.federation.get("berlin")
+    member.adapter = slow = _SlowToFollow(_Quiet(member.adapter))
+    first = asyncio.ensure_future(client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"}))
+    await asyncio.wait_for(slow.asked.wait(), 5)  # the first waits for its site
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+    assert r.status == 503 and "1 logs are being followed" in (await error(r))["message"]
+    slow.answer.set()
+    held = await first
+    assert held.status == 200 and await held.content.readline() == b"loading the dataset\n"
+    held.close()
+
+
+class _SlowToFollow:
+    """A site whose first follow is answered only once ``answer`` is set (the others at once)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.asked, self.answer = inner, asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+        if not self.asked.is_set():
+            self.asked.set()
+            await self.answer.wait()
+        return await self.inner.follow_logs(job_id, attempt, tail_lines, limit_bytes)
+
+
 # --- the simulated site's log, on a manual clock ---
 
 
