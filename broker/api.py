@@ -1260,9 +1260,10 @@ def _log_headers(site: str, attempt: int, truncated: bool, source: str | None) -
 
 async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[str, str]) -> web.StreamResponse:
     """Stream a followed log (chunked ``text/plain``), each chunk written as the site gives it (nothing held
-    beyond it), until the attempt ends, the client leaves (looked at every ``LOG_FOLLOW_CHECK_S`` while the log is
-    quiet, so a quiet log does not hold the site's stream for a client long gone), its token is revoked,
-    ``LOG_FOLLOW_MAX_S`` have passed, or the broker stops. The site's stream is closed in every case."""
+    beyond it), until the attempt ends, the client leaves, its token is revoked or expires (the token looked at
+    before each chunk, and both every ``LOG_FOLLOW_CHECK_S`` while the log is quiet, so a quiet log does not hold
+    the site's stream for a client long gone or no longer let in), ``LOG_FOLLOW_MAX_S`` have passed, or the broker
+    stops. The site's stream is closed in every case."""
     broker, who = request.app[BROKER], principal(request)
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/plain; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -1276,6 +1277,8 @@ async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[
                 if not done:
                     if request.transport is None or request.transport.is_closing():
                         break  # the client left while the log was quiet
+                    if not await broker.tokens.still_valid(who):
+                        break  # revoked or expired while the log was quiet
                     continue
                 chunk, pending = pending.result(), None
                 if chunk is None:

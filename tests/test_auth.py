@@ -579,6 +579,24 @@ async def test_an_open_event_stream_ends_when_its_token_is_revoked(fed: Federati
     assert b"event: transition" not in rest
 
 
+async def test_a_followed_log_ends_when_its_token_is_revoked_while_the_log_is_quiet(fed: Federation, monkeypatch):
+    # A job that prints nothing for a long while (its simulated progress lines are 6 minutes apart): the follow must
+    # not go on, holding the site's stream, for hours after its token was revoked, waiting for a line to check it at.
+    from broker import api
+
+    monkeypatch.setattr(api, "LOG_FOLLOW_CHECK_S", 0.05)
+    path = f"/v1/jobs/{fed.jobs['vision_job']}/logs"
+    async with fed.client.get(path, params={"follow": "true"}, headers=fed.headers("vision")) as stream:
+        assert stream.status == 200
+        assert b"started on" in await asyncio.wait_for(stream.content.readline(), 5)
+        broker = fed.client.server.app[BROKER]
+        record = next(r for r in broker.tokens._by_digest.values() if r.name == "vision-team")
+        await broker.store.update_token(record.id, record.model_copy(
+            update={"revoked_at": datetime.now(UTC)}).model_dump_json())
+        assert await asyncio.wait_for(stream.content.read(), 5) == b""  # it ends, with nothing more
+    assert not fed.client.server.app[api.FOLLOWS]
+
+
 async def test_an_expired_token_is_refused_and_the_environments_admin_token_is_accepted(fed: Federation):
     token, record = auth.make_record("old", "admin", [], [], datetime.now(UTC) - timedelta(days=2),
                                      expires_at=datetime.now(UTC) - timedelta(seconds=1))
