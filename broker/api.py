@@ -329,6 +329,8 @@ async def _relay_stream(request: web.Request, session: aiohttp.ClientSession, le
     except (aiohttp.ClientError, TimeoutError) as e:
         if resp is None:
             raise ApiError(503, f"the leader at {leader} did not answer ({e}); try again in a few seconds") from None
+        if request.path.rstrip("/").endswith("/logs"):
+            _cut(request)  # the leader cut the followed log short (_follow_logs): so is it here
     except (ConnectionResetError, asyncio.CancelledError):
         pass  # the client left, or this replica is stopping
     finally:
@@ -1263,11 +1265,13 @@ async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[
     beyond it), until the attempt ends, the client leaves, its token is revoked or expires (the token looked at
     before each chunk, and both every ``LOG_FOLLOW_CHECK_S`` while the log is quiet, so a quiet log does not hold
     the site's stream for a client long gone or no longer let in), ``LOG_FOLLOW_MAX_S`` have passed, or the broker
-    stops. The site's stream is closed in every case."""
+    stops. The site's stream is closed in every case. Only the attempt's end ends the answer as a whole: in every
+    other case the connection is cut before the answer's last (empty) chunk, so that the client (``heliotrope logs
+    -f``, a replica relaying it) learns that the attempt may still run and the follow must be asked for again."""
     broker, who = request.app[BROKER], principal(request)
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/plain; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    chunks, pending = followed.chunks, None
+    chunks, pending, ended = followed.chunks, None, False
     try:
         await resp.prepare(request)
         async with asyncio.timeout(LOG_FOLLOW_MAX_S):
@@ -1282,6 +1286,7 @@ async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[
                     continue
                 chunk, pending = pending.result(), None
                 if chunk is None:
+                    ended = True
                     break  # the attempt ended
                 if not await broker.tokens.still_valid(who):
                     break  # revoked or expired since the follow began
@@ -1295,7 +1300,16 @@ async def _follow_logs(request: web.Request, followed: LogFollow, headers: dict[
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
         await chunks.aclose()
+        if not ended:
+            _cut(request)
     return resp
+
+
+def _cut(request: web.Request) -> None:
+    """End a streamed answer without its last chunk (what was written still goes out first): the client reads it
+    as cut short (aiohttp: ``ClientPayloadError``; curl: exit 18), not as whole."""
+    if request.transport is not None:
+        request.transport.close()
 
 
 # --- live ---

@@ -94,7 +94,8 @@ class Client:
                           ) -> AsyncIterator[tuple[dict[str, str], AsyncIterator[str]]]:
         """``GET path`` answered with streamed ``text/plain`` (a job's log followed): the answer's headers, and its
         text as it comes (decoded chunk by chunk, a character split between chunks kept whole); no time limit once
-        it has begun. :class:`ApiClientError` with the broker's message for an error status."""
+        it has begun. :class:`ApiClientError` with the broker's message for an error status, and saying so where
+        the broker cut the answer short (the log ended before the attempt did)."""
         assert self._session is not None, "use 'async with Client(...)'"
         url = self.base_url + path
         stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=None)
@@ -110,8 +111,14 @@ class Client:
 
                 async def chunks() -> AsyncIterator[str]:
                     decoder = codecs.getincrementaldecoder(resp.charset or "utf-8")(errors="replace")
-                    async for data in resp.content.iter_any():
-                        yield decoder.decode(data)
+                    try:
+                        async for data in resp.content.iter_any():
+                            yield decoder.decode(data)
+                    except aiohttp.ClientPayloadError:  # (cut before its last chunk: the broker's way to say so)
+                        raise ApiClientError(
+                            "the broker broke off the log before the attempt ended (its site stopped answering, the "
+                            "broker stopped, the token was revoked, or it was followed for 24 hours); run the command "
+                            "again to follow it on (--tail N for how far back to start)") from None
                     yield decoder.decode(b"", final=True)
                 yield dict(resp.headers), chunks()
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:

@@ -431,8 +431,10 @@ def _paths() -> dict[str, Any]:
                      "schema": {"type": "integer", "minimum": 1, "maximum": 1_000_000, "default": 1000}},
                     {"name": "follow", "in": "query", "description": (
                         "true (or 1): the tail, then what the attempt prints as it prints it, streamed (chunked) until "
-                        "the attempt ends, the client leaves, or 24 hours have passed; 501 where the site cannot "
-                        "follow logs, 503 where this replica follows as many as it may (256)"),
+                        "the attempt ends; a follow that ends sooner (24 hours have passed, the site stopped "
+                        "answering, the token was revoked, the broker stopped) is cut off before its last chunk, "
+                        "so the client can tell; 501 where the site cannot follow logs, 503 where this replica "
+                        "follows as many as it may (256)"),
                      "schema": {"type": "string", "enum": ["true", "false", "1", "0"], "default": "false"}},
                 ],
                 "responses": {

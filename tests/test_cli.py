@@ -130,6 +130,40 @@ def test_logs_follow_stops_quietly_at_ctrl_c(capsys, server, tmp_path):
     assert code == 1 and "--json gives the log whole, --follow as it is written; use one of them" in err
 
 
+class _CutShort(http.server.BaseHTTPRequestHandler):
+    """A broker whose followed log breaks off while the attempt runs (its site stopped answering): a line, then the
+    connection closed before the answer's last chunk."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        for name, value in (("Content-Type", "text/plain; charset=utf-8"), ("Transfer-Encoding", "chunked"),
+                            ("X-Heliotrope-Site", "alpha"), ("X-Heliotrope-Attempt", "1"),
+                            ("X-Heliotrope-Log-Truncated", "false")):
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(b"8\r\nepoch 1\n\r\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        """Quiet: http.server would write every request to stderr, which the CLI's checks read."""
+
+
+def test_logs_follow_cut_short_by_the_broker_says_so_and_exits_1(capsys):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutShort)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        code = main(["--server", f"http://127.0.0.1:{srv.server_address[1]}", "logs", "j-1", "-f"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    out, err = capsys.readouterr()
+    assert out == "epoch 1\n" and code == 1 and "Traceback" not in err
+    assert "the broker broke off the log before the attempt ended" in err and "run the command again" in err
+
+
 @pytest.mark.parametrize(("args", "message"), [
     pytest.param(("logs", "nope"), "no job with id nope", id="the logs of an unknown job"),
     pytest.param(("logs", "JOB", "--attempt", "5"), "attempt 5 of job JOB never reached a site; the attempts that "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,36 @@ async def test_a_followed_log_sends_its_tail_then_each_line_as_it_is_written_and
     assert whole.endswith(first + rest)  # what was streamed is the log as it stands at the end
 
 
+class _Breaks:
+    """A site whose followed log says one line, then stops answering (an agent gone silent, a chunk lost)."""
+
+    def __init__(self, inner: SimulatedSite) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+        async def chunks() -> AsyncGenerator[str, None]:
+            yield "epoch 1\n"
+            raise AdapterError("its agent is no longer heard from")
+        return LogFollow(False, "pod p", chunks())
+
+
+async def test_a_follow_that_breaks_while_the_attempt_runs_does_not_end_as_if_the_attempt_had_ended(
+        client: TestClient):
+    """A clean end of the stream says the attempt ended: one the broker cannot carry on (its site stopped answering,
+    its 24 hours, its token revoked, the broker stopping) is cut off instead, so the client knows to ask again."""
+    job_id = await submitted(client)
+    await wait_for(client, job_id, {"running"})
+    member = client.broker.federation.get("berlin")
+    member.adapter = _Breaks(member.adapter)
+    async with client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"}) as r:
+        assert r.status == 200 and await r.content.readline() == b"epoch 1\n"
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await r.content.read()
+
+
 async def test_following_the_log_of_an_attempt_that_ended_sends_it_and_ends(client: TestClient):
     job_id = await submitted(client, duration_s=0.2)
     await wait_for(client, job_id, {"succeeded"})
@@ -284,21 +315,11 @@ async def test_a_client_that_leaves_a_quiet_follow_has_the_sites_stream_closed(s
     await asyncio.wait_for(quiet.closed.wait(), 5)
 
 
-async def test_a_client_that_leaves_a_quiet_follow_through_a_replica_that_does_not_lead_frees_the_sites_stream(
-        served, monkeypatch):
-    """A replica that does not lead relays the leader's followed log (``broker.api._relay_stream``, as
-    ``follower_middleware`` calls it). Its client leaving a quiet log must close the relay's connection to the
-    leader, which then closes the site's stream: a quiet log has nothing to write, so neither would learn of it by
-    a failed write, and the site's stream and one of the leader's ``MAX_LOG_FOLLOWS`` would be held for hours."""
-    monkeypatch.setattr(api, "LOG_FOLLOW_CHECK_S", 0.05)
-    session, broker = served
-    job_id = await submitted(session, duration_s=3600)  # type: ignore[arg-type]
-    await wait_for(session, job_id, {"running"})  # type: ignore[arg-type]
-    member = broker.federation.get("berlin")
-    member.adapter = quiet = _Quiet(member.adapter)
+@contextlib.asynccontextmanager
+async def replica_relaying_to(leader: str) -> AsyncIterator[tuple[aiohttp.ClientSession, web.Application]]:
+    """A replica that does not lead, as far as a followed log goes: it relays it from ``leader``
+    (``broker.api._relay_stream``, as ``follower_middleware`` calls it); a session to it, and its app."""
     async with aiohttp.ClientSession() as to_leader:
-        leader = str(session._base_url).rstrip("/")
-
         async def relay(request: web.Request) -> web.StreamResponse:
             return await api._relay_stream(request, to_leader, leader, {})
 
@@ -311,14 +332,44 @@ async def test_a_client_that_leaves_a_quiet_follow_through_a_replica_that_does_n
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as via_replica:
-                r = await via_replica.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
-                assert r.headers["X-Heliotrope-Leader"] == leader
-                assert await r.content.readline() == b"loading the dataset\n"
-                r.close()  # the client goes away (Ctrl-C) while the log is quiet
-                await asyncio.wait_for(quiet.closed.wait(), 5)
-                assert not replica[api.RELAYS]
+                yield via_replica, replica
         finally:
             await runner.cleanup()
+
+
+async def test_a_client_that_leaves_a_quiet_follow_through_a_replica_that_does_not_lead_frees_the_sites_stream(
+        served, monkeypatch):
+    """A replica that does not lead relays the leader's followed log. Its client leaving a quiet log must close the
+    relay's connection to the leader, which then closes the site's stream: a quiet log has nothing to write, so
+    neither would learn of it by a failed write, and the site's stream and one of the leader's
+    ``MAX_LOG_FOLLOWS`` would be held for hours."""
+    monkeypatch.setattr(api, "LOG_FOLLOW_CHECK_S", 0.05)
+    session, broker = served
+    job_id = await submitted(session, duration_s=3600)  # type: ignore[arg-type]
+    await wait_for(session, job_id, {"running"})  # type: ignore[arg-type]
+    member = broker.federation.get("berlin")
+    member.adapter = quiet = _Quiet(member.adapter)
+    leader = str(session._base_url).rstrip("/")
+    async with replica_relaying_to(leader) as (via_replica, replica):
+        r = await via_replica.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
+        assert r.headers["X-Heliotrope-Leader"] == leader
+        assert await r.content.readline() == b"loading the dataset\n"
+        r.close()  # the client goes away (Ctrl-C) while the log is quiet
+        await asyncio.wait_for(quiet.closed.wait(), 5)
+        assert not replica[api.RELAYS]
+
+
+async def test_a_follow_cut_short_at_the_leader_is_cut_short_through_a_replica_that_does_not_lead(served):
+    session, broker = served
+    job_id = await submitted(session)  # type: ignore[arg-type]
+    await wait_for(session, job_id, {"running"})  # type: ignore[arg-type]
+    member = broker.federation.get("berlin")
+    member.adapter = _Breaks(member.adapter)
+    async with replica_relaying_to(str(session._base_url).rstrip("/")) as (via_replica, _):
+        async with via_replica.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"}) as r:
+            assert r.status == 200 and await r.content.readline() == b"epoch 1\n"
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.content.read()
 
 
 async def test_follows_beyond_the_bound_are_a_503_with_retry_after(client: TestClient, monkeypatch):
