@@ -273,6 +273,7 @@ class SiteAgent:
         self._replies: Bounded = Bounded(REPLIES_KEPT)  # msg_id -> Reply
         self._working: dict[str, asyncio.Future[Reply]] = {}  # commands being carried out, by msg_id
         self._follows: dict[str, asyncio.Task[None]] = {}  # logs being followed, by the request's msg_id
+        self._beginning = 0  # follows asked of the site, not answered yet (they count against FOLLOWS_MAX)
         self._followed: Bounded = Bounded(1000)  # msg_id of a follow begun -> its reply (a repeat is answered so)
         self._outbox: dict[int, _Outgoing] = {}
         self._event_ids = itertools.count(1)
@@ -874,9 +875,10 @@ class SiteAgent:
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported",
                          reason=f"the site's adapter ({getattr(self.config.site.adapter, 'kind', '?')}) cannot "
                                 "follow logs")
-        if len(self._follows) >= FOLLOWS_MAX:
+        if len(self._follows) + self._beginning >= FOLLOWS_MAX:  # (those whose site has not answered yet count)
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
                          reason=f"the site's agent follows {FOLLOWS_MAX} logs already; try again later")
+        self._beginning += 1
         try:
             async with asyncio.timeout(LOGS_ANSWER_S):
                 followed = await inner.follow_logs(cmd.job_id, cmd.attempt, cmd.tail_lines, cmd.limit_bytes)
@@ -887,6 +889,8 @@ class SiteAgent:
         except TimeoutError:
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
                          reason=f"the site did not give the logs within {LOGS_ANSWER_S:g} s")
+        finally:
+            self._beginning -= 1
         source = (followed.source or "")[:500] or None
         reply = Reply(site=self.site, msg_id=cmd.msg_id, ok=True,
                       logs=WireLogs(text="", truncated=followed.truncated, source=source))

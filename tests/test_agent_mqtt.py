@@ -818,6 +818,37 @@ async def test_a_followed_log_longer_than_a_message_comes_whole_in_parts_that_fi
             await asyncio.sleep(0.05)
 
 
+async def test_an_agents_follows_being_begun_count_against_its_bound(tmp_path, monkeypatch) -> None:
+    """The agent's bound on the logs it follows holds for those whose site has not answered yet (up to 8 s): two
+    requests at once for an agent with room for one must not both begin."""
+    from adapters import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "FOLLOWS_MAX", 1)
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    class Slow(SimulatedSite):
+        async def follow_logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> LogFollow:
+            async def chunks() -> AsyncIterator[str]:
+                yield "epoch 1\n"
+            if not asked.is_set():
+                asked.set()
+                await answer.wait()
+            return LogFollow(False, "pod p", chunks())
+
+    async with capped_edge(tmp_path, Slow, told=True) as (mosq, hub, remote, agent):
+        deadline = time.monotonic() + 8
+        while remote._heard_mono is None:
+            assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
+            await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(remote.follow_logs("j-1", 1, None, 1 << 20))
+        await asyncio.wait_for(asked.wait(), 5)
+        with pytest.raises(AdapterError, match="the site's agent follows 1 logs already"):
+            await remote.follow_logs("j-2", 1, None, 1 << 20)
+        answer.set()
+        followed = await first
+        assert [chunk async for chunk in followed.chunks] == ["epoch 1\n"]
+
+
 async def test_an_agent_of_an_earlier_release_that_drops_the_logs_request_is_a_501_saying_so(
         world, monkeypatch) -> None:
     # An agent of the release before this one decodes a "logs" command as a kind it does not know on its down
