@@ -86,9 +86,10 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiomqtt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -153,6 +154,7 @@ from broker.clock import Clock, SystemClock
 from broker.config import ConfigError, load_yaml_model
 from broker.models import Health, Job, MqttSettings, SiteSpec, SiteState, TelemetrySourceConfig
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 15.0
@@ -855,9 +857,17 @@ class SiteAgent:
         if not isinstance(inner, LogReader):
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported",
                          reason=f"the site's adapter ({getattr(self.config.site.adapter, 'kind', '?')}) cannot give logs")
+        logs = await self._site_logs(cmd, inner.logs(cmd.job_id, cmd.attempt, cmd.tail_lines, cmd.limit_bytes))
+        if isinstance(logs, Reply):
+            return logs
+        return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, logs=WireLogs.of(logs))
+
+    async def _site_logs(self, cmd: LogsRequest, read: Awaitable[T]) -> T | Reply:
+        """What the site's ``read`` of an attempt's log gives within ``LOGS_ANSWER_S``, or the failed reply that says
+        why it gave none (the site cannot give logs, has none for the attempt, or did not answer in time)."""
         try:
             async with asyncio.timeout(LOGS_ANSWER_S):
-                logs = await inner.logs(cmd.job_id, cmd.attempt, cmd.tail_lines, cmd.limit_bytes)
+                return await read
         except LogsUnsupported as e:
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported", reason=str(e))
         except LogsNotFound as e:
@@ -865,7 +875,6 @@ class SiteAgent:
         except TimeoutError:
             return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
                          reason=f"the site did not give the logs within {LOGS_ANSWER_S:g} s")
-        return Reply(site=self.site, msg_id=cmd.msg_id, ok=True, logs=WireLogs.of(logs))
 
     async def _follow(self, cmd: LogsRequest) -> Reply:
         """Begin following the attempt's log (``mqtt_protocol``, "Logs"): the reply says whether its start was left
@@ -880,17 +889,12 @@ class SiteAgent:
                          reason=f"the site's agent follows {FOLLOWS_MAX} logs already; try again later")
         self._beginning += 1
         try:
-            async with asyncio.timeout(LOGS_ANSWER_S):
-                followed = await inner.follow_logs(cmd.job_id, cmd.attempt, cmd.tail_lines, cmd.limit_bytes)
-        except LogsUnsupported as e:
-            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="unsupported", reason=str(e))
-        except LogsNotFound as e:
-            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False, no_logs="not-found", reason=str(e))
-        except TimeoutError:
-            return Reply(site=self.site, msg_id=cmd.msg_id, ok=False,
-                         reason=f"the site did not give the logs within {LOGS_ANSWER_S:g} s")
+            followed = await self._site_logs(
+                cmd, inner.follow_logs(cmd.job_id, cmd.attempt, cmd.tail_lines, cmd.limit_bytes))
         finally:
             self._beginning -= 1
+        if isinstance(followed, Reply):
+            return followed
         source = (followed.source or "")[:500] or None
         reply = Reply(site=self.site, msg_id=cmd.msg_id, ok=True,
                       logs=WireLogs(text="", truncated=followed.truncated, source=source))

@@ -77,13 +77,7 @@ class Client:
         url = self.base_url + path
         try:
             async with self._session.get(url, params=params, headers=self._auth) as resp:
-                if resp.status >= 400:
-                    await _answer(resp)
-                if resp.content_type != "text/plain":
-                    raise ApiClientError(f"{resp.url.origin()} answered GET {resp.url.path} with "
-                                         f"{resp.headers.get('Content-Type') or 'no Content-Type'}, not the text a "
-                                         "heliotrope broker sends; is --server (or HELIOTROPE_URL) a heliotrope "
-                                         "broker?", resp.status)
+                await _text_answer(resp)
                 body = await resp.read()
                 return body.decode(resp.charset or "utf-8", errors="replace"), dict(resp.headers)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
@@ -101,13 +95,7 @@ class Client:
         stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout.total, sock_read=None)
         try:
             async with self._session.get(url, params=params, headers=self._auth, timeout=stream_timeout) as resp:
-                if resp.status >= 400:
-                    await _answer(resp)
-                if resp.content_type != "text/plain":
-                    raise ApiClientError(f"{resp.url.origin()} answered GET {resp.url.path} with "
-                                         f"{resp.headers.get('Content-Type') or 'no Content-Type'}, not the text a "
-                                         "heliotrope broker sends; is --server (or HELIOTROPE_URL) a heliotrope "
-                                         "broker?", resp.status)
+                await _text_answer(resp)
 
                 async def chunks() -> AsyncIterator[str]:
                     decoder = codecs.getincrementaldecoder(resp.charset or "utf-8")(errors="replace")
@@ -205,6 +193,17 @@ class Client:
             if page.get("next") is None or (limit is not None and len(items) >= limit):
                 return items[:limit] if limit is not None else items
             cursor = page["next"]
+
+
+async def _text_answer(resp: aiohttp.ClientResponse) -> None:
+    """Raise for an answer that is not the text a broker sends for a log: :class:`ApiClientError` with the broker's
+    message for an error status, or saying what came instead of ``text/plain`` (another server at --server)."""
+    if resp.status >= 400:
+        await _answer(resp)
+    if resp.content_type != "text/plain":
+        raise ApiClientError(f"{resp.url.origin()} answered GET {resp.url.path} with "
+                             f"{resp.headers.get('Content-Type') or 'no Content-Type'}, not the text a heliotrope "
+                             "broker sends; is --server (or HELIOTROPE_URL) a heliotrope broker?", resp.status)
 
 
 async def _answer(resp: aiohttp.ClientResponse) -> Any:
