@@ -490,7 +490,17 @@ async def create_site(request: web.Request) -> web.Response:
     return _json(_site_json(member, principal(request)), 201, headers={"Location": f"/v1/sites/{spec.name}"})
 
 
+def _takes_no_query(request: web.Request) -> None:
+    """400 naming the parameter for a query on a route that takes none: a misspelt filter (``/v1/sites?region=``)
+    must not answer as if it had been applied, as the routes that take parameters refuse one they do not know."""
+    if request.query:
+        name = next(iter(request.query))
+        raise ApiError(400, f"unknown query parameter {name[:80]!r}; {request.method} {request.path} takes none",
+                       [{"field": name[:80], "problem": "unknown parameter"}])
+
+
 async def list_sites(request: web.Request) -> web.Response:
+    _takes_no_query(request)
     broker = request.app[BROKER]
     members = sorted(broker.federation.members.values(), key=lambda m: m.spec.name)
     signals = _site_signals(broker)
@@ -506,6 +516,7 @@ def _member(request: web.Request) -> Member:
 
 
 async def get_site(request: web.Request) -> web.Response:
+    _takes_no_query(request)
     return _json(_site_json(_member(request), principal(request), _site_signals(request.app[BROKER])))
 
 
@@ -954,6 +965,7 @@ async def _job(request: web.Request) -> Job:
 
 
 async def get_job(request: web.Request) -> web.Response:
+    _takes_no_query(request)
     return _json(await _job(request))
 
 
@@ -1091,6 +1103,7 @@ async def change_job(request: web.Request) -> web.Response:
 
 
 async def job_decision(request: web.Request) -> web.Response:
+    _takes_no_query(request)
     broker = request.app[BROKER]
     job = await _job(request)
     stored = await broker.decision(job)
@@ -1112,6 +1125,7 @@ async def job_decision(request: web.Request) -> web.Response:
 
 
 async def job_events(request: web.Request) -> web.Response:
+    _takes_no_query(request)
     job = await _job(request)
     return _json({"items": await request.app[BROKER].store.job_events(job.id), "next": None})
 
@@ -1387,6 +1401,7 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def carbon(request: web.Request) -> web.Response:
+    _takes_no_query(request)
     return _json({**request.app[BROKER].cycle.carbon.as_dict(), "baseline": "carbon-agnostic: the same "
                   "decision without its carbon terms, at the same moment (broker.carbon_ledger)"})
 
@@ -1426,6 +1441,7 @@ async def tenants(request: web.Request) -> web.Response:
 
 
 async def whoami(request: web.Request) -> web.Response:
+    _takes_no_query(request)
     who = principal(request)
     return _json({"name": who.name, "role": who.role.value, "sites": sorted(who.sites),
                   "tenants": sorted(who.tenants), "token_id": who.token_id,

@@ -1279,6 +1279,21 @@ async def submit(client: TestClient, **more: Any) -> str:
     return (await r.json())["id"]
 
 
+async def test_a_query_on_a_route_that_takes_none_is_refused_naming_it(client: TestClient):
+    """``GET /v1/sites?region=gcp:us-east4`` listed every site, as if the filter had been applied (the routes that take
+    parameters refuse one they do not know)."""
+    await register(client, site_body("london", "gcp:europe-west2", {"a100-80gb": 8}))
+    job = await submit(client)
+    await wait_for(client, job, {"running"})  # (decided: its decision is there)
+    for path in ("/v1/sites", "/v1/sites/london", f"/v1/jobs/{job}", f"/v1/jobs/{job}/decision",
+                 f"/v1/jobs/{job}/events", "/v1/carbon", "/v1/whoami"):
+        r = await client.get(f"{path}?region=gcp:us-east4")
+        body = await r.json()
+        assert r.status == 400 and body["error"]["fields"] == [{"field": "region", "problem": "unknown parameter"}], \
+            (path, body)
+        assert (await client.get(path)).status == 200, path
+
+
 async def test_jobs_are_listed_in_any_of_the_states_named_and_a_filter_given_twice_is_refused(client: TestClient):
     """``state=queued&state=cancelled`` lists the jobs in either (only the last was read); ``tenant=a&tenant=b``
     read one of them and listed its jobs as if that were all that was asked: now a 400 naming it."""
