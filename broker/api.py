@@ -769,9 +769,10 @@ def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "") -> None:
         raise not_your_tenant(who, spec.tenant, at)
     limits = broker.cycle.tenant_limits
     limit = limits.of(spec.tenant) if limits is not None else None
-    if limit is not None and gpus_charged(spec.gpus) > limit + 1e-9:  # it would wait for ever (after the
+    gpus = gpus_charged(spec.gpus)
+    if limit is not None and gpus > limit + 1e-9:  # it would wait for ever (after the
         # tenant check: the limit is told only to those who act for the tenant)
-        problem = (f"the job holds {gpus_charged(spec.gpus):g} GPUs, and tenant {spec.tenant} may hold at most "
+        problem = (f"the job holds {gpus:g} GPUs, and tenant {spec.tenant} may hold at most "
                    f"{limit:g} across the federation (broker.tenant_limits)")
         raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
     try:

@@ -366,16 +366,10 @@ def test_jobs_are_listed_by_label_and_a_sweep_is_cancelled_at_once_after_a_dry_r
     assert json.loads(out)["state"] == "cancelled"
 
 
-class _ScopedBroker(http.server.BaseHTTPRequestHandler):
-    """A broker as a token of role ``WHO`` sees it: ``GET /v1/whoami`` says who, every listing holds one job."""
+class _JsonAnswers(http.server.BaseHTTPRequestHandler):
+    """A fake broker's handler: ``_send`` answers 200 with a JSON document; quiet, as _NotABroker."""
 
-    WHO: dict = {}
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        job = {"id": "01jobjobjobjobjobj", "state": "queued", "site": None, "attempt": 0,
-               "created_at": "2026-11-30T10:00:00Z", "updated_at": "2026-11-30T10:00:00Z",
-               "spec": {"tenant": "t1", "name": "n", "gpus": {"count": 1, "milli": 1000}}}
-        doc = self.WHO if self.path == "/v1/whoami" else {"items": [job], "next": None}
+    def _send(self, doc: object) -> None:
         body = json.dumps(doc).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -384,7 +378,19 @@ class _ScopedBroker(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
-        """Quiet: the CLI's checks read stderr."""
+        """Quiet."""
+
+
+class _ScopedBroker(_JsonAnswers):
+    """A broker as a token of role ``WHO`` sees it: ``GET /v1/whoami`` says who, every listing holds one job."""
+
+    WHO: dict = {}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        job = {"id": "01jobjobjobjobjobj", "state": "queued", "site": None, "attempt": 0,
+               "created_at": "2026-11-30T10:00:00Z", "updated_at": "2026-11-30T10:00:00Z",
+               "spec": {"tenant": "t1", "name": "n", "gpus": {"count": 1, "milli": 1000}}}
+        self._send(self.WHO if self.path == "/v1/whoami" else {"items": [job], "next": None})
 
 
 @pytest.mark.parametrize("who, args, words", [
@@ -936,21 +942,6 @@ def test_explain_gives_an_unknown_raw_value_with_what_the_decision_ranked_it_as(
             {"scorer": "cost", "raw": None, "ranked_as": 6.0, "normalised": 0.0, "weight": 1.0, "weighted": 0.0}]}],
     })
     assert "[cost raw - (ranked as 6 USD) -> 0.000 x 1 = 0.000]" in out
-
-
-class _JsonAnswers(http.server.BaseHTTPRequestHandler):
-    """A fake broker's handler: ``_send`` answers 200 with a JSON document; quiet, as _NotABroker."""
-
-    def _send(self, doc: object) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        """Quiet."""
 
 
 class _SiteWithANodeAway(_JsonAnswers):

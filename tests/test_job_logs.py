@@ -132,14 +132,15 @@ async def test_a_site_that_does_not_answer_is_a_503_with_retry_after(client: Tes
     assert "site berlin did not answer: site berlin is unreachable" in (await error(r))["message"]
 
 
-class _NoLogs:
-    """A site adapter without the capability (as a custom adapter may be)."""
+class _Without:
+    """A site adapter without one capability's method (``hidden``), as a custom adapter, or a site agent that reads
+    logs but cannot follow them, may be."""
 
-    def __init__(self, inner: SimulatedSite) -> None:
-        self.inner = inner
+    def __init__(self, inner: SimulatedSite, hidden: str) -> None:
+        self.inner, self.hidden = inner, hidden
 
     def __getattr__(self, name: str) -> Any:
-        if name == "logs":
+        if name == self.hidden:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -156,7 +157,7 @@ class _Refuses:
 
 
 @pytest.mark.parametrize("wrap, status, says", [
-    (_NoLogs, 501, "site berlin's adapter (simulated) cannot give logs"),
+    (lambda inner: _Without(inner, "logs"), 501, "site berlin's adapter (simulated) cannot give logs"),
     (lambda inner: _Refuses(inner, LogsUnsupported("its agent is of an earlier release")), 501,
      "site berlin cannot give logs: its agent is of an earlier release"),
 ], ids=["an adapter without logs", "an adapter that says it cannot give logs"])
@@ -239,23 +240,11 @@ async def test_a_bad_follow_is_a_400_naming_it(client: TestClient, value: str):
     assert body["fields"][0]["field"] == "follow" and "follow must be true or false" in body["message"]
 
 
-class _CannotFollow:
-    """A site adapter that reads logs but cannot follow them (a site agent over MQTT, a custom adapter)."""
-
-    def __init__(self, inner: SimulatedSite) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "follow_logs":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
 async def test_following_at_a_site_that_cannot_is_a_501_and_reading_still_works(client: TestClient):
     job_id = await submitted(client)
     await wait_for(client, job_id, {"running"})
     member = client.broker.federation.get("berlin")
-    member.adapter = _CannotFollow(member.adapter)
+    member.adapter = _Without(member.adapter, "follow_logs")
     r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
     assert r.status == 501
     body = await error(r)

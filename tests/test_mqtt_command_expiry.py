@@ -7,6 +7,7 @@ MQTT 5 is spoken to in 3.1.1, with a warning that commands cannot expire there."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from tests.mosquitto import Mosquitto, mosquitto_fixture  # noqa: F401 - the fix
 from tests.test_agent_mqtt import FAST, remote_broker, started_agent, until_edge_reports
 
 pytestmark = pytest.mark.slow
+
+log = logging.getLogger(__name__)
 
 
 def edge(command_timeout_s: float) -> object:
@@ -156,6 +159,8 @@ class Proxy:
             writer.close()
             return
         self._writers.add(writer)
+        # A side hanging up (the test cutting the connection, Mosquitto or the client closing) ends this connection:
+        # what is left is to close the client's side, in ``finally``.
         try:
             head = await reader.readexactly(2)  # the CONNECT's type and (the first byte of) its length
             length, shift, more = head[1] & 0x7F, 7, head[1] & 0x80
@@ -174,19 +179,19 @@ class Proxy:
             up_writer.write(head + body)
             await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
         except (OSError, asyncio.IncompleteReadError):
-            pass
+            log.debug("proxy: a connection ended (a side hung up)")
         finally:
             writer.close()
 
     @staticmethod
     async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        """Copy ``source`` to ``sink`` until ``source`` ends or either side fails; then close ``sink``."""
         try:
-            while data := await source.read(65536):
-                sink.write(data)
-                await sink.drain()
-        except OSError:
-            pass
-        finally:
+            with contextlib.suppress(OSError):  # (a side hung up: the copy is over either way)
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+        finally:  # (also when the test cancels it)
             sink.close()
 
 
