@@ -16,7 +16,9 @@ Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured),
         text/plain; ``follow=true``: then what it prints, streamed, until it ends)
 Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
         ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`),
-        ``GET /v1/tenants`` (each tenant's jobs and the GPUs it holds against its federation-wide limit)
+        ``GET /v1/tenants`` (each tenant's jobs and the GPUs it holds against its federation-wide limit),
+        ``GET /v1/usage?from=&to=&by=&tenant=&site=`` (GPU-hours, energy and cost per tenant, site or model over
+        whole hours, for chargeback: :mod:`broker.usage`)
 Other:  ``GET /healthz`` (liveness), ``GET /readyz`` (readiness: the store answers), ``GET /openapi.json``,
         ``GET /metrics``, ``GET /v1/whoami``
 
@@ -40,6 +42,7 @@ import json
 import logging
 import math
 from dataclasses import replace
+from datetime import UTC, datetime
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Annotated, Any
 
@@ -51,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker import auth
 from broker import dashboard
+from broker import usage
 from broker.auth import Principal, Role, TokensUnavailable, Unauthenticated
 from broker.cycle import Ahead
 from broker.errors import integral_float, is_malformed_json, problems
@@ -168,6 +172,7 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("GET", "/v1/jobs/{id}/logs"): ANY,  # 404 for a job the caller may not see
     ("GET", "/v1/events"): ANY,  # filtered to what the caller may see
     ("GET", "/v1/carbon"): ANY,
+    ("GET", "/v1/usage"): SUBMITTERS,  # a submitter its own tenants' (as /v1/tenants)
     ("GET", "/v1/tenants"): SUBMITTERS,  # a submitter its own tenants' (a tenant's figures are not an operator's)
     ("GET", "/v1/whoami"): ANY,
     ("GET", "/metrics"): OPERATORS,
@@ -1441,6 +1446,68 @@ async def tenants(request: web.Request) -> web.Response:
     return _json({"items": items})
 
 
+USAGE_PARAMS = ("from", "to", "by", "tenant", "site")
+
+
+def _usage_time(request: web.Request, name: str) -> datetime | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    try:
+        at = datetime.fromisoformat(raw)
+    except ValueError:
+        raise ApiError(400, f"{name}: {raw[:40]!r} is not a time (ISO 8601, e.g. 2026-11-01 or "
+                            f"2026-11-01T09:00:00Z)", [{"field": name, "problem": "not an ISO 8601 time"}]) from None
+    if at.tzinfo is None and len(raw) == 10:  # a date alone: its midnight, UTC
+        at = at.replace(tzinfo=UTC)
+    if at.tzinfo is None:
+        raise ApiError(400, f"{name}: {raw[:40]!r} has no time zone; add Z for UTC or an offset such as +01:00",
+                       [{"field": name, "problem": "no time zone"}])
+    try:
+        return at.astimezone(UTC)
+    except OverflowError:
+        raise ApiError(400, f"{name}: {raw[:40]!r} is out of range once converted to UTC",
+                       [{"field": name, "problem": "is out of range once converted to UTC"}]) from None
+
+
+async def usage_report(request: web.Request) -> web.Response:
+    """``GET /v1/usage?from=&to=&by=&tenant=&site=``: GPU-hours, attempts, energy and an estimate of cost per
+    tenant (or site, GPU model, or any of them together: ``by=tenant,site``) over a window of whole hours
+    (:mod:`broker.usage`), for chargeback. A submitter reads its own tenants'."""
+    broker = request.app[BROKER]
+    who = principal(request)
+    unknown = sorted(set(request.query) - set(USAGE_PARAMS))
+    if unknown:
+        raise ApiError(400, f"unknown query parameter {unknown[0]!r}; usage takes {', '.join(USAGE_PARAMS)}",
+                       [{"field": unknown[0], "problem": "unknown query parameter"}])
+    for name in USAGE_PARAMS:
+        if len(request.query.getall(name, ())) > 1:
+            raise ApiError(400, f"{name} given more than once", [{"field": name, "problem": "given more than once"}])
+        if request.query.get(name) == "":
+            raise ApiError(400, f"query parameter {name} is empty", [{"field": name, "problem": "empty"}])
+    by = tuple(request.query.get("by", "tenant").split(","))
+    wrong = [k for k in by if k not in usage.GROUP_KEYS]
+    if wrong or len(set(by)) != len(by):
+        problem = f"{wrong[0]!r} is not one of" if wrong else "names a key twice; give each of"
+        raise ApiError(400, f"by: {problem} {', '.join(usage.GROUP_KEYS)} (comma-separated)",
+                       [{"field": "by", "problem": f"{problem} {', '.join(usage.GROUP_KEYS)}"}])
+    tenant, site = request.query.get("tenant"), request.query.get("site")
+    if tenant is not None and who.role == Role.SUBMITTER and not who.acts_for(tenant):
+        raise not_your_tenant(who, tenant)
+    now = broker.clock.now()
+    try:
+        start, end = usage.window(_usage_time(request, "from"), _usage_time(request, "to"), now)
+    except ValueError as e:
+        field, _, problem = str(e).partition(": ")
+        raise ApiError(400, str(e), [{"field": field, "problem": problem}]) from None
+    records = await broker.store.usage_records(start.timestamp(), end.timestamp())
+    tenants = ({tenant} if tenant is not None else set(who.tenants)) if who.role == Role.SUBMITTER else (
+        None if tenant is None else {tenant})
+    prices = {name: dict(m.spec.usd_per_gpu_hour) for name, m in broker.federation.members.items()}
+    body = await asyncio.to_thread(usage.report, records, start, end, now, by, prices, tenants, site)
+    return _json(body)
+
+
 async def whoami(request: web.Request) -> web.Response:
     _takes_no_query(request)
     who = principal(request)
@@ -1537,6 +1604,7 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/events", events, allow_head=False)  # a stream has no HEAD: it never ends
     r.add_get("/v1/carbon", carbon)
     r.add_get("/v1/tenants", tenants)
+    r.add_get("/v1/usage", usage_report)
     r.add_get("/v1/whoami", whoami)
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)

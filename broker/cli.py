@@ -10,6 +10,8 @@
     heliotrope sites list | get NAME | add FILE | remove NAME   (list: health, lease and last-heard time)
     heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
     heliotrope tenants [--tenant T]          each tenant's jobs and GPUs held across the federation, against its limit
+    heliotrope usage [--from T] [--to T] [--by tenant,site,gpu_model] [--tenant T] [--site S]   GPU-hours, energy
+                     and cost per tenant (site, model) over whole hours, for chargeback (GET /v1/usage)
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
     heliotrope quota SITE --set T [--guaranteed N] [--burst N] [--weight W] [--ceiling P] [--model M] | --remove T
     heliotrope watch [--tenant T] [--site S] [--job ID] [--type T,...]   follow live events (GET /v1/events)
@@ -627,6 +629,11 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 out = await c.request("GET", "/v1/tenants", params={"tenant": args.tenant} if args.tenant else None)
                 out = out["items"]
                 text = table([_tenant_row(t) for t in out], TENANT_COLUMNS)
+            case "usage":
+                params = {name: value for name, value in (("from", args.start), ("to", args.end), ("by", args.by),
+                                                          ("tenant", args.tenant), ("site", args.site)) if value}
+                out = await c.request("GET", "/v1/usage", params=params or None)
+                text = show_usage(out)
             case _:
                 raise CliError(f"unknown command {args.command}")
     rendered = json.dumps(out, indent=2) if args.json else text
@@ -645,6 +652,25 @@ def _tenant_row(t: dict[str, Any]) -> dict[str, Any]:
     return {"tenant": t["tenant"], "gpus": f"{t['gpus_held']:g}",
             "limit": f"{t['gpus_limit']:g}" if t.get("gpus_limit") is not None else None,
             "queued": jobs.get("queued", 0), "on_sites": sum(n for state, n in jobs.items() if state != "queued")}
+
+
+def show_usage(report: dict[str, Any]) -> str:
+    """``GET /v1/usage`` as a table, a row per group and the total, under the window it covers."""
+    by = report["by"]
+
+    def row(item: dict[str, Any]) -> dict[str, Any]:
+        cost = item.get("cost_usd")
+        return {**{k: item.get(k, "") for k in by}, "gpu_hours": f"{item['gpu_hours']:,.2f}",
+                "attempts": f"{item['attempts']:,}", "energy_kwh": f"{item['energy_kwh']:,.1f}",
+                "cost_usd": f"{cost:,.2f}" if cost is not None else None}
+
+    total = {**{k: "" for k in by}, **row(report["total"])}
+    total[by[0]] = "total"
+    head = f"usage from {report['from']} to {report['to']}"
+    return f"{head}\n{table([row(i) for i in report['items']] + [total], (*by, *USAGE_COLUMNS))}"
+
+
+USAGE_COLUMNS = ("gpu_hours", "attempts", "energy_kwh", "cost_usd")
 
 
 async def _logs(c: Client, args: argparse.Namespace) -> str | None:
@@ -947,6 +973,17 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tenants", parents=[common],
                        help="each tenant's jobs and the GPUs they hold across the federation, against its limit")
     s.add_argument("--tenant", help="show only this tenant")
+    s = sub.add_parser("usage", parents=[common],
+                       help="GPU-hours, attempts, energy and an estimate of cost per tenant (or site, GPU model) over "
+                            "a window of whole hours, for chargeback")
+    s.add_argument("--from", dest="start", metavar="TIME",
+                   help="start: an ISO 8601 time with a zone, or a date (UTC); taken back to the start of its hour "
+                        "(default: 30 days before --to)")
+    s.add_argument("--to", dest="end", metavar="TIME", help="end, taken on to the end of its hour (default: now)")
+    s.add_argument("--by", metavar="KEYS", help="group by tenant, site, gpu_model or several, comma-separated "
+                                                "(default: tenant)")
+    s.add_argument("--tenant", help="only this tenant's usage")
+    s.add_argument("--site", help="only the usage at this site")
     s = sub.add_parser("quota", parents=[common], help="a site's quota state per tenant; --set or --remove changes it")
     s.add_argument("site")
     s.add_argument("--tenant", help="show only this tenant")

@@ -14,7 +14,7 @@ from zoneinfo import available_timezones
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
 from pydantic_core import core_schema
 
-from broker import ids, models
+from broker import ids, models, usage
 from broker.auth import Role
 from broker.events import TYPES as EVENT_TYPES
 from broker.models import (LABEL_MAX_CHARS, LABELS_MAX, PREVIEW_LIST_MAX, Cancellation, Decision, Job, JobChange,
@@ -223,6 +223,22 @@ def _components() -> dict[str, Any]:
                         "propertyNames": {"enum": [s.value for s in JobState if not s.terminal]},
                         "description": "its unfinished jobs by state"}),
         "required": ["tenant", "gpus_held", "jobs"]}
+    figures = dict(
+        gpu_hours={**_NUM, "description": "GPU-hours held in the window: each attempt from its admission to its end "
+                                          "(a share of a GPU, N/7 of one per MIG slice of Ng)"},
+        attempts={**_INT, "description": "attempts that began to hold GPUs in the window"},
+        energy_kwh={**_NUM, "description": "GPU-hours x the model's board power (TDP): an upper estimate"},
+        cost_usd={**_NUM, "description": "GPU-hours x each site's usd_per_gpu_hour for the model in its spec now; "
+                                         "absent where a part has no such price"})
+    components["UsageReport"] = _object(
+        **{"from": {**_STR, "format": "date-time", "description": "the window's start (the start of an hour)"},
+           "to": {**_STR, "format": "date-time", "description": "its end (the end of an hour)"}},
+        by={"type": "array", "items": {"enum": list(usage.GROUP_KEYS)}},
+        items={"type": "array", "items": {
+            **_object(required=False, tenant=_STR, site=_STR, gpu_model=_STR, **figures),
+            "required": ["gpu_hours", "attempts", "energy_kwh"]},
+            "description": "a row per group, largest GPU-hours first"},
+        total={**_object(required=False, **figures), "required": ["gpu_hours", "attempts", "energy_kwh"]})
     components["WhoAmI"] = _object(name=_STR, role={"enum": [r.value for r in Role]},
                                    sites={"type": "array", "items": _STR}, tenants={"type": "array", "items": _STR},
                                    token_id=_NULLABLE_STR, auth=_BOOL)
@@ -264,6 +280,12 @@ def _answers(ok: dict[str, Any], *errors: int, ok_status: int = 200, open_: bool
         if code == 401:
             out["401"]["headers"] = {"WWW-Authenticate": {"description": "Bearer realm", "schema": _STR}}
     return out
+
+
+# GET /v1/usage's window: a date, or a time with a zone; its grouping keys
+_TIME_OR_DATE = (r"^[0-9]{4}-[0-9]{2}-[0-9]{2}"
+                 r"([T ][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,6})?)?(Z|[+-][0-9]{2}:[0-9]{2}))?$")
+_KEY = f"({'|'.join(usage.GROUP_KEYS)})"
 
 
 def _paths() -> dict[str, Any]:
@@ -483,6 +505,19 @@ def _paths() -> dict[str, Any]:
             "parameters": [param("tenant", minLength=1)],
             "responses": _answers(_json_body(_object(items={"type": "array", "items": _ref("TenantUsage")}),
                                              "the tenants"), 400)}},
+        "/v1/usage": {"get": {
+            "summary": "GPU-hours, attempts, energy and an estimate of cost per tenant, site or GPU model over a "
+                       "window of whole hours (UTC), for chargeback, kept after finished jobs are deleted; a "
+                       "submitter reads its own tenants'",
+            "parameters": [
+                param("from", pattern=_TIME_OR_DATE, description="an ISO 8601 time with a zone, or a date (midnight "
+                                                                  "UTC); taken back to the start of its hour (default: "
+                                                                  "30 days before to)"),
+                param("to", pattern=_TIME_OR_DATE, description="taken on to the end of its hour (default: now)"),
+                param("by", pattern=f"^{_KEY}(,{_KEY}){{0,2}}$",
+                      description=f"comma-separated, among {', '.join(usage.GROUP_KEYS)} (default: tenant)"),
+                param("tenant", minLength=1), param("site", minLength=1)],
+            "responses": _answers(_json_body(_ref("UsageReport"), "the report"), 400)}},
         "/v1/whoami": {"get": {"summary": "Who the token is: name, role and scope",
                                "responses": _answers(_json_body(_ref("WhoAmI"), "the caller"))}},
         "/healthz": {"get": {"summary": "Liveness", "security": [],

@@ -21,9 +21,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from collections.abc import Awaitable
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.models import STORED, Job, JobState, SiteSpec
+
+if TYPE_CHECKING:
+    from broker.usage import UsageRecords
 
 
 class StoreError(RuntimeError):
@@ -201,6 +204,12 @@ class Store(Protocol):
         ...
 
     # decisions
+    async def usage_records(self, start: float, end: float) -> UsageRecords:
+        """For a usage report over [``start``, ``end``) (POSIX seconds, whole hours; :mod:`broker.usage`): the jobs
+        kept that may have held GPUs since ``start``, their transitions, and the hours rolled up from jobs deleted
+        since, read as one snapshot."""
+        ...
+
     async def save_decision(self, job_id: str, attempt: int, record: dict[str, Any]) -> None: ...
 
     async def get_decision(self, job_id: str) -> StoredDecision | None: ...

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from broker import usage
 from broker.models import Job, JobState, SiteSpec
 from broker.store import (
     LEADER,
@@ -138,7 +139,42 @@ MIGRATIONS: tuple[str, ...] = (
     $$;
     CREATE TRIGGER job_labels_kept AFTER INSERT OR DELETE ON jobs FOR EACH ROW EXECUTE FUNCTION job_labels_kept();
     """,
+    # 7: GPU usage (broker.usage): the GPU model of each transition's attempt, and the GPU-seconds of the jobs that
+    # retention deletes, per hour (POSIX seconds of its start), tenant, site and model, added up in the deletion's
+    # transaction. Transitions stored before it, or by a replica of an earlier release, have no model (null).
+    """
+    ALTER TABLE job_events ADD COLUMN gpu_model TEXT;
+    CREATE TABLE usage_hours (
+        hour BIGINT NOT NULL,
+        tenant TEXT NOT NULL,
+        site TEXT NOT NULL,
+        gpu_model TEXT NOT NULL,
+        gpu_seconds DOUBLE PRECISION NOT NULL,
+        attempts BIGINT NOT NULL,
+        PRIMARY KEY (hour, tenant, site, gpu_model)
+    );
+    """,
 )
+
+# A document read as json with each \u0000 escape read as U+FFFD, as migration 6 reads labels (json refuses one as
+# soon as anything is taken out of the document), and the GPU request and current attempt's model taken out of it.
+_DOC_JSON = r"replace(replace(replace(doc, '\\', chr(1)), '\u0000', '\ufffd'), chr(1), '\\')::json"
+
+
+def _usage_jobs(where: str) -> str:
+    """The jobs ``where`` selects as usage reads them: id, tenant, the GPU request's JSON, the current attempt's
+    model (each document parsed once)."""
+    return (f"SELECT id, tenant, (d -> 'spec' -> 'gpus')::text, d ->> 'gpu_model'"
+            f" FROM (SELECT id, tenant, {_DOC_JSON} AS d FROM jobs WHERE {where}) AS j")
+
+
+_USAGE_PIECE = 10_000  # rows a usage report reads at a time
+_USAGE_KEPT = "SELECT id FROM jobs WHERE ended_at IS NULL OR ended_at >= $1"
+_USAGE_JOBS = _usage_jobs("ended_at IS NULL OR ended_at >= $1")
+_USAGE_EVENTS = (f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events WHERE job_id IN ({_USAGE_KEPT})"
+                 " ORDER BY job_id, seq")
+_USAGE_HOURS = ("SELECT hour, tenant, site, gpu_model, gpu_seconds, attempts FROM usage_hours"
+                " WHERE hour >= $1 AND hour < $2")
 
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
 
@@ -149,7 +185,8 @@ _INSERT_JOB = (
 )
 _UPDATE_JOB = ("UPDATE jobs SET state = $1, site = $2, version = $3, doc = $4, priority = $5, ended_at = $6"
                " WHERE id = $7 AND version = $8")
-_INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES ($1, $2, $3, $4, $5, $6)"
+_INSERT_EVENT = ("INSERT INTO job_events (job_id, at, state, site, attempt, reason, gpu_model)"
+                 " VALUES ($1, $2, $3, $4, $5, $6, $7)")
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES ($1, $2, $3)"
     " ON CONFLICT (job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc"
@@ -213,6 +250,10 @@ class PostgresStore(SqlWriteQueue):
     DATE_ENDED = ("UPDATE jobs SET ended_at = d.ended_at FROM unnest($1::double precision[], $2::text[])"
                   " AS d(ended_at, id) WHERE jobs.id = d.id AND jobs.ended_at IS NULL")
     ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < $1 ORDER BY ended_at, id LIMIT $2"
+    ADD_USAGE = ("INSERT INTO usage_hours AS u (hour, tenant, site, gpu_model, gpu_seconds, attempts)"
+                 " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::double precision[],"
+                 " $6::bigint[]) ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
+                 " gpu_seconds = u.gpu_seconds + excluded.gpu_seconds, attempts = u.attempts + excluded.attempts")
     DELETE_ENDED = (
         "DELETE FROM job_events WHERE job_id = ANY($1::text[])",
         "DELETE FROM decisions WHERE job_id = ANY($1::text[])",
@@ -479,6 +520,42 @@ class PostgresStore(SqlWriteQueue):
             "SELECT at, state, site, attempt, reason FROM job_events WHERE job_id = $1 ORDER BY seq", job_id
         )
         return [dict(zip(("at", "state", "site", "attempt", "reason"), r)) for r in rows]
+
+    # --- usage ---
+
+    async def usage_records(self, start: float, end: float) -> usage.UsageRecords:
+        """As :meth:`broker.store.sqlite.SQLiteStore.usage_records`: the reads in one read-only transaction that
+        sees one snapshot (repeatable read), so a deletion of jobs is seen wholly or not at all; the transitions
+        streamed through a cursor."""
+        if self._pool is None:
+            raise StoreError("store is not open")
+        since = start - 86400
+        reader = usage.Holds()
+        try:
+            async with self._pool.acquire(timeout=self.timeout_s) as conn, conn.transaction(
+                    isolation="repeatable_read", readonly=True):
+                async for job_id, tenant, gpus, model in conn.cursor(_USAGE_JOBS, since, prefetch=_USAGE_PIECE):
+                    reader.job(job_id, tenant, gpus, model)
+                piece: list[tuple[Any, ...]] = []
+                async for row in conn.cursor(_USAGE_EVENTS, since, prefetch=_USAGE_PIECE):
+                    piece.append(tuple(row))
+                    if len(piece) == _USAGE_PIECE:
+                        reader.feed(piece)
+                        piece = []
+                reader.feed(piece)
+                hours = await conn.fetch(_USAGE_HOURS, int(start), int(end), timeout=self.timeout_s)
+        except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            raise _translate(e, self.server) from None
+        return usage.UsageRecords(reader.done(), [tuple(r) for r in hours])
+
+    async def _usage_of(self, ids: list[str]) -> list[usage.Held]:
+        jobs = await self._all(_usage_jobs("id = ANY($1::text[])"), ids)
+        events = await self._all("SELECT job_id, at, state, site, attempt, gpu_model FROM job_events"
+                                 " WHERE job_id = ANY($1::text[]) ORDER BY job_id, seq", ids)
+        return usage.holds({r[0]: (r[1], r[2], r[3]) for r in jobs}, [tuple(r) for r in events])
+
+    def _usage_added(self, rows: list[tuple[int, str, str, str, float, int]]) -> list[tuple[str, tuple[Any, ...]]]:
+        return [(self.ADD_USAGE, tuple(list(column) for column in zip(*rows)))] if rows else []
 
     # --- decisions ---
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
+from broker import usage
 from broker.models import Job, JobState
 from broker.store import QueuedUpdates, StoreError, ended_at
 
@@ -31,7 +32,8 @@ class Write:
 
 
 def event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
-    return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason)
+    return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason,
+            job.gpu_model)
 
 
 class SqlWriteQueue(QueuedUpdates):
@@ -41,11 +43,12 @@ class SqlWriteQueue(QueuedUpdates):
     INSERT_JOB: ClassVar[str]  # (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc,
     #                             ended_at)
     UPDATE_JOB: ClassVar[str]  # (state, site, version, doc, priority, ended_at, id, expected version)
-    INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason)
+    INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason, gpu_model)
     UPSERT_DECISION: ClassVar[str]  # (job_id, attempt, doc)
     UNDATED_ENDED: ClassVar[str]  # (limit) -> (id, doc) of jobs in a final state with no ended_at, oldest first
     DATE_ENDED: ClassVar[str]  # (ended_at, id); see _date_ended
     ENDED_BEFORE: ClassVar[str]  # (before, limit) -> (id,) of jobs that ended before, first ended first
+    ADD_USAGE: ClassVar[str]  # (hour, tenant, site, gpu_model, gpu_seconds, attempts): added into usage_hours' row
     DELETE_ENDED: ClassVar[tuple[str, ...]]  # (id) each: its transitions, its decision, the job (if it ended);
     #                                           see _delete_ended
 
@@ -109,6 +112,10 @@ class SqlWriteQueue(QueuedUpdates):
         await self._submit(self._new_write([self._decision_row(job_id, attempt, record)], fenced=True))
 
     @abstractmethod
+    async def _usage_of(self, ids: list[str]) -> list[usage.Held]:
+        """The attempts of the jobs ``ids`` that held GPUs, from their transitions (:func:`broker.usage.holds`)."""
+
+    @abstractmethod
     async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         """The rows ``sql`` selects, read in the subclass's dialect (``params`` bound in order)."""
 
@@ -122,6 +129,11 @@ class SqlWriteQueue(QueuedUpdates):
         each (a store that sends one statement per table for them all overrides it)."""
         return [(sql, (job_id,)) for job_id in ids for sql in self.DELETE_ENDED]
 
+    def _usage_added(self, rows: list[tuple[int, str, str, str, float, int]]) -> list[tuple[str, tuple[Any, ...]]]:
+        """The statements that add ``rows`` (hour, tenant, site, model, GPU-seconds, attempts) into
+        ``usage_hours``: one each (a store that sends one statement for them all overrides it)."""
+        return [(self.ADD_USAGE, row) for row in rows]
+
     async def date_ended(self, limit: int) -> int:
         undated = await self._read(self.UNDATED_ENDED, (limit,))
         if undated:
@@ -130,7 +142,11 @@ class SqlWriteQueue(QueuedUpdates):
         return len(undated)
 
     async def prune_ended(self, before: datetime, limit: int) -> list[str]:
+        """Delete up to ``limit`` jobs that ended before ``before``, their attempts' GPU-seconds added into
+        ``usage_hours`` first, in the same transaction (:mod:`broker.usage`)."""
         ids = [r[0] for r in await self._read(self.ENDED_BEFORE, (before.timestamp(), limit))]
         if ids:
-            await self._submit(self._new_write(self._delete_ended(ids), fenced=True))
+            hours = usage.roll_up(await self._usage_of(ids))
+            added = self._usage_added([(*key, gpu_s, attempts) for key, (gpu_s, attempts) in sorted(hours.items())])
+            await self._submit(self._new_write(added + self._delete_ended(ids), fenced=True))
         return ids

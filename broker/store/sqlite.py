@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from broker import usage
 from broker.models import Job, JobState, SiteSpec
 from broker.store import (
     Conflict,
@@ -120,8 +121,31 @@ MIGRATIONS: tuple[str, ...] = (
         DELETE FROM job_labels WHERE seq = OLD.seq;
     END;
     """,
+    # 7: GPU usage (broker.usage): the GPU model of each transition's attempt, and the GPU-seconds of the jobs that
+    # retention deletes, per hour (POSIX seconds of its start), tenant, site and model, added up in the deletion's
+    # transaction. Transitions stored before it, or by a replica of an earlier release, have no model (null).
+    """
+    ALTER TABLE job_events ADD COLUMN gpu_model TEXT;
+    CREATE TABLE usage_hours (
+        hour INTEGER NOT NULL,
+        tenant TEXT NOT NULL,
+        site TEXT NOT NULL,
+        gpu_model TEXT NOT NULL,
+        gpu_seconds REAL NOT NULL,
+        attempts INTEGER NOT NULL,
+        PRIMARY KEY (hour, tenant, site, gpu_model)
+    );
+    """,
 )
 
+_USAGE_PIECE = 10_000  # rows a usage report reads at a time
+_USAGE_KEPT = "SELECT id FROM jobs WHERE ended_at IS NULL OR ended_at >= ?"
+_USAGE_JOBS = ("SELECT id, tenant, json_extract(doc, '$.spec.gpus'), json_extract(doc, '$.gpu_model') FROM jobs"
+               " WHERE ended_at IS NULL OR ended_at >= ?")
+_USAGE_EVENTS = (f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events WHERE job_id IN ({_USAGE_KEPT})"
+                 " ORDER BY job_id, seq")
+_USAGE_HOURS = ("SELECT hour, tenant, site, gpu_model, gpu_seconds, attempts FROM usage_hours"
+                " WHERE hour >= ? AND hour < ?")
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
 _INSERT_JOB = (
     "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc, ended_at)"
@@ -131,7 +155,8 @@ _UPDATE_JOB = ("UPDATE jobs SET state = ?, site = ?, version = ?, doc = ?, prior
                " WHERE id = ? AND version = ?")
 _INSERT_LABELS = ("INSERT INTO job_labels (seq, key, value) SELECT jobs.seq, l.key, l.value FROM jobs, json_each(?) AS l"
                   " WHERE jobs.id = ?")
-_INSERT_EVENT = "INSERT INTO job_events (job_id, at, state, site, attempt, reason) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT_EVENT = ("INSERT INTO job_events (job_id, at, state, site, attempt, reason, gpu_model)"
+                 " VALUES (?, ?, ?, ?, ?, ?, ?)")
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
     " ON CONFLICT(job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc"
@@ -164,6 +189,9 @@ class SQLiteStore(SqlWriteQueue):
                      f" AND state IN ({_TERMINAL}) ORDER BY seq LIMIT ?")
     DATE_ENDED = "UPDATE jobs SET ended_at = ? WHERE id = ? AND ended_at IS NULL"
     ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < ? ORDER BY ended_at, id LIMIT ?"
+    ADD_USAGE = ("INSERT INTO usage_hours (hour, tenant, site, gpu_model, gpu_seconds, attempts)"
+                 " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
+                 " gpu_seconds = gpu_seconds + excluded.gpu_seconds, attempts = attempts + excluded.attempts")
     DELETE_ENDED = (
         "DELETE FROM job_events WHERE job_id = ?",
         "DELETE FROM decisions WHERE job_id = ?",
@@ -465,6 +493,41 @@ class SQLiteStore(SqlWriteQueue):
             "SELECT at, state, site, attempt, reason FROM job_events WHERE job_id = ? ORDER BY seq", (job_id,)
         )
         return [dict(zip(("at", "state", "site", "attempt", "reason"), r)) for r in rows]
+
+    # --- usage ---
+
+    async def usage_records(self, start: float, end: float) -> usage.UsageRecords:
+        """Of the jobs kept that were active at or after ``start`` (POSIX seconds; a day before it, since a job's end
+        is dated by the broker's clock and its transitions by the same), the attempts, and the hours rolled up in
+        [``start``, ``end``): read in one transaction, on a connection of its own, so that a deletion of jobs (which
+        rolls them up) is seen either wholly or not at all; the transitions streamed, in pieces, into the attempts
+        they make (:class:`broker.usage.Holds`)."""
+        if self._reader is None:
+            raise StoreError("store is not open")
+        since = (start - 86400,)
+        reader = usage.Holds()
+        async with aiosqlite.connect(self.path, isolation_level=None) as db:
+            await db.execute("BEGIN")
+            try:
+                async with db.execute(_USAGE_JOBS, since) as cur:
+                    while rows := await cur.fetchmany(_USAGE_PIECE):
+                        for job_id, tenant, gpus, model in rows:
+                            reader.job(job_id, tenant, gpus, model)
+                async with db.execute(_USAGE_EVENTS, since) as cur:
+                    while rows := await cur.fetchmany(_USAGE_PIECE):
+                        reader.feed(rows)
+                hours = await db.execute_fetchall(_USAGE_HOURS, (start, end))
+            finally:
+                await db.execute("COMMIT")
+        return usage.UsageRecords(reader.done(), list(hours))
+
+    async def _usage_of(self, ids: list[str]) -> list[usage.Held]:
+        marks = ",".join("?" * len(ids))
+        jobs = await self._all(f"SELECT id, tenant, json_extract(doc, '$.spec.gpus'), json_extract(doc, '$.gpu_model')"
+                               f" FROM jobs WHERE id IN ({marks})", tuple(ids))
+        events = await self._all(f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events"
+                                 f" WHERE job_id IN ({marks}) ORDER BY job_id, seq", tuple(ids))
+        return usage.holds({r[0]: (r[1], r[2], r[3]) for r in jobs}, events)
 
     # --- decisions ---
 

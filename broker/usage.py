@@ -1,0 +1,254 @@
+"""GPU usage by tenant, site and GPU model over a window of time (``GET /v1/usage``, ``heliotrope usage``): what
+a platform team charges its tenants back for, as SkyPilot's cost report or a Slurm ``sreport`` does.
+
+An *attempt holds* its GPUs from the first transition the broker stored of it being admitted or running at its
+site until the next transition of another state (it succeeded, failed, was cancelled, preempted, requeued): the
+times the broker recorded them (``GET /v1/jobs/{id}/events``). A job's attempt still admitted or running holds them
+until now. It holds the GPUs its request charges (:func:`policies.snapshot.gpus_charged`: whole GPUs, a share of
+one, N/7 of a GPU per MIG slice of ``Ng``), as tenant limits and site quotas count them.
+
+Finished jobs are deleted with their transitions ``broker.job_retention_h`` after they ended; before the store
+deletes them it adds their attempts' GPU-seconds, cut at the hours (UTC), into ``usage_hours`` (one row per hour,
+tenant, site and GPU model, written in the deletion's transaction), so a report over months goes on counting them.
+Windows are therefore whole hours: a report's ``from`` is taken back to the start of its hour and its ``to``
+forward to the end of its own (the answer says which).
+
+Figures per row: ``gpu_hours``; ``attempts`` that began to hold GPUs in the window (an attempt across the window's
+start is in ``gpu_hours``, not in ``attempts``); ``energy_kwh`` (GPU-hours x the model's board power, TDP: an upper
+estimate, as the carbon ledger's); and ``cost_usd`` (GPU-hours x the site's ``usd_per_gpu_hour`` for the model in
+its spec *now*, left out where the site has no such price, as a site removed since, or one priced only by a price
+provider: an estimate for chargeback, not a bill).
+
+This module is pure: the stores read the transitions and rolled-up hours (``Store.usage_records``), and the API
+puts the report together here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from broker import ids
+from broker.models import STORED, GpuRequest, JobState
+from policies.snapshot import charge
+
+HOUR_S = 3600
+UNKNOWN_MODEL = "unknown"  # an attempt whose GPU model nobody recorded (a transition of an earlier release)
+GROUP_KEYS = ("tenant", "site", "gpu_model")
+MAX_WINDOW_DAYS = 400  # a report spans at most this: over a year, with room for a calendar year's edges
+_HOLDING = frozenset({JobState.ADMITTED.value, JobState.RUNNING.value})
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One attempt's hold on GPUs: from ``start`` to ``end`` (POSIX seconds; ``end`` None: holding them still)."""
+
+    tenant: str
+    site: str
+    gpu_model: str
+    gpus: float
+    start: float
+    end: float | None
+
+
+Event = tuple[str, str, str, "str | None", int, "str | None"]  # (job id, at, state, site, attempt, GPU model)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecords:
+    """What a store gives a report: the attempts of the jobs it still keeps that may have held GPUs in the window
+    (:class:`Holds`), and the hours rolled up from the jobs it deleted ((hour start, tenant, site, GPU model,
+    GPU-seconds, attempts begun))."""
+
+    held: Sequence[Held]
+    hours: Sequence[tuple[int, str, str, str, float, int]]
+
+
+def request_charge(gpus: str, model: str | None) -> float:
+    """The GPUs a stored request (``spec.gpus``, its JSON) charges on ``model``: a GPU shared by memory
+    (``shared``) is the share of that model's memory it takes (of the largest GPU's where the model is unknown)."""
+    g = GpuRequest.model_validate(json.loads(gpus), context=STORED)
+    milli = g.milli
+    if g.shared and milli >= 1000:
+        memory = ids.GPU_MODEL_BY_ID[model].memory_gib if model in ids.GPU_MODEL_BY_ID else max(
+            m.memory_gib for m in ids.GPU_MODELS)
+        milli = max(1, min(1000, math.ceil(1000 * (g.memory_gib or 0.0) / memory)))
+    return charge(g.count, milli, g.mig_profile)
+
+
+class Holds:
+    """The attempts that held GPUs, read from jobs' transitions as a store streams them (:meth:`feed`, the events
+    of each job together, in the order stored, in as many pieces as it likes), so that a report over many jobs
+    keeps their attempts, not their transitions. ``jobs``: job id -> (tenant, its GPU request's JSON, the model of
+    its current attempt) for the jobs whose transitions count (:meth:`job` adds one); others' are passed over."""
+
+    def __init__(self) -> None:
+        self.held: list[Held] = []
+        self._jobs: dict[str, tuple[str, str, str | None]] = {}
+        self._texts: dict[str, str] = {}  # one copy of each tenant's name and GPU request's JSON
+        self._charges: dict[tuple[str, str], float] = {}
+        self._job: str | None = None
+        self._open: tuple[int, str, str | None, float] | None = None  # (attempt, site, model, start) of the hold
+
+    def job(self, job_id: str, tenant: str, gpus: str, model: str | None) -> None:
+        texts = self._texts
+        self._jobs[job_id] = (texts.setdefault(tenant, tenant), texts.setdefault(gpus, gpus), model)
+
+    def feed(self, events: Iterable[Event]) -> None:
+        for job_id, at, state, site, attempt, model in events:
+            if job_id != self._job:
+                self._close(None)
+                self._job = job_id if job_id in self._jobs else None
+            if self._job is None:
+                continue
+            ts = datetime.fromisoformat(at).timestamp()
+            if self._open is not None and (state not in _HOLDING or attempt != self._open[0]):
+                self._close(ts)
+            if self._open is None and state in _HOLDING and site is not None:
+                self._open = (attempt, site, model, ts)
+
+    def done(self) -> list[Held]:
+        """The attempts read (one still holding its GPUs at the last transition read: ``end`` None)."""
+        self._close(None)
+        self._job = None
+        return self.held
+
+    def _close(self, end: float | None) -> None:
+        if self._open is None or self._job is None:
+            self._open = None
+            return
+        tenant, gpus, job_model = self._jobs[self._job]
+        attempt, site, model, start = self._open
+        model = model or job_model or UNKNOWN_MODEL
+        key = (gpus, model)
+        if key not in self._charges:
+            self._charges[key] = request_charge(gpus, model)
+        self.held.append(Held(tenant, site, model, self._charges[key], start, end))
+        self._open = None
+
+
+def holds(jobs: Mapping[str, tuple[str, str, str | None]], events: Iterable[Event]) -> list[Held]:
+    """:class:`Holds` of ``jobs`` from ``events`` read at once."""
+    reader = Holds()
+    for job_id, (tenant, gpus, model) in jobs.items():
+        reader.job(job_id, tenant, gpus, model)
+    reader.feed(events)
+    return reader.done()
+
+
+def by_hour(hold: Held, until: float) -> Iterator[tuple[int, float]]:
+    """``hold``'s GPU-seconds in each hour (UTC) it spans: (hour start, GPU-seconds), up to ``until`` where it
+    has not ended."""
+    end = hold.end if hold.end is not None else until
+    t = hold.start
+    while t < end:
+        hour = int(t // HOUR_S) * HOUR_S
+        step = min(end, hour + HOUR_S)
+        yield hour, (step - t) * hold.gpus
+        t = step
+
+
+def roll_up(held: Iterable[Held]) -> dict[tuple[int, str, str, str], tuple[float, int]]:
+    """Ended holds (of jobs about to be deleted) added up per (hour start, tenant, site, GPU model): GPU-seconds
+    and the attempts begun that hour (:data:`UsageRecords.hours`)."""
+    out: dict[tuple[int, str, str, str], tuple[float, int]] = {}
+    for h in held:
+        if h.end is None:
+            continue
+        first = int(h.start // HOUR_S) * HOUR_S
+        for hour, gpu_s in by_hour(h, h.end):
+            key = (hour, h.tenant, h.site, h.gpu_model)
+            seconds, attempts = out.get(key, (0.0, 0))
+            out[key] = (seconds + gpu_s, attempts + (hour == first))
+        if h.end <= h.start:  # (held no time: still an attempt begun)
+            key = (first, h.tenant, h.site, h.gpu_model)
+            seconds, attempts = out.get(key, (0.0, 0))
+            out[key] = (seconds, attempts + 1)
+    return out
+
+
+def window(frm: datetime | None, to: datetime | None, now: datetime) -> tuple[datetime, datetime]:
+    """A report's window in whole hours (UTC): ``from`` back to the start of its hour, ``to`` on to the end of
+    its own; by default the 30 days up to the end of the current hour. Raises ValueError (naming the parameter)
+    for a window that ends before it starts or spans more than :data:`MAX_WINDOW_DAYS`."""
+    def floor(t: datetime) -> datetime:
+        return datetime.fromtimestamp(int(t.timestamp() // HOUR_S) * HOUR_S, UTC)
+
+    end = to if to is not None else now
+    field = "to"
+    try:
+        end_h = floor(end)
+        if end_h < end:
+            end_h += timedelta(hours=1)
+        field = "from"
+        start_h = floor(frm) if frm is not None else end_h - timedelta(days=30)
+    except (OverflowError, OSError, ValueError):  # (an hour or 30 days beyond year 9999 or before year 1)
+        raise ValueError(f"{field}: the window reaches past the dates a report can name (years 1 to 9999)") from None
+    if end_h <= start_h:
+        raise ValueError("to: the window must end after it starts (from)")
+    if end_h - start_h > timedelta(days=MAX_WINDOW_DAYS):
+        raise ValueError(f"to: a report spans at most {MAX_WINDOW_DAYS} days; ask for several")
+    return start_h, end_h
+
+
+@dataclass(slots=True)
+class Row:
+    gpu_s: float = 0.0
+    attempts: int = 0
+    parts: dict[tuple[str, str], float] = field(default_factory=dict)  # (site, model) -> GPU-seconds
+
+
+def report(records: UsageRecords, start: datetime, end: datetime, now: datetime, by: Sequence[str],
+           prices: Mapping[str, Mapping[str, float]], tenants: Iterable[str] | None = None,
+           site: str | None = None) -> dict[str, Any]:
+    """The usage report over [``start``, ``end``) (whole hours): one row per distinct value of the ``by`` keys
+    (of :data:`GROUP_KEYS`), largest GPU-hours first, and the totals. ``prices``: site -> model -> USD per
+    GPU-hour (the specs' now); ``tenants``: only these (a submitter's own); ``site``: only this one."""
+    lo, hi, until = start.timestamp(), end.timestamp(), min(now.timestamp(), end.timestamp())
+    wanted = None if tenants is None else frozenset(tenants)
+    rows: dict[tuple[str, ...], Row] = {}
+
+    def add(tenant: str, at_site: str, model: str, gpu_s: float, attempts: int) -> None:
+        if (wanted is not None and tenant not in wanted) or (site is not None and at_site != site):
+            return
+        values = {"tenant": tenant, "site": at_site, "gpu_model": model}
+        row = rows.setdefault(tuple(values[k] for k in by), Row())
+        row.gpu_s += gpu_s
+        row.attempts += attempts
+        row.parts[(at_site, model)] = row.parts.get((at_site, model), 0.0) + gpu_s
+
+    for hour, tenant, at_site, model, gpu_s, attempts in records.hours:
+        if lo <= hour < hi:
+            add(tenant, at_site, model, gpu_s, attempts)
+    for h in records.held:
+        stop = h.end if h.end is not None else until
+        began = lo <= h.start < hi
+        gpu_s = max(min(stop, hi) - max(h.start, lo), 0.0) * h.gpus
+        if gpu_s > 0 or began:
+            add(h.tenant, h.site, h.gpu_model, gpu_s, int(began))
+
+    def figures(gpu_s: float, attempts: int, parts: Mapping[tuple[str, str], float]) -> dict[str, Any]:
+        kwh = sum(s / HOUR_S * (ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 if m in ids.GPU_MODEL_BY_ID else 0.0)
+                  for (_, m), s in parts.items())
+        out: dict[str, Any] = {"gpu_hours": round(gpu_s / HOUR_S, 6), "attempts": attempts,
+                               "energy_kwh": round(kwh, 6)}
+        priced = [s / HOUR_S * prices[st][m] for (st, m), s in parts.items() if m in prices.get(st, {})]
+        if len(priced) == len(parts):
+            out["cost_usd"] = round(sum(priced), 2)
+        return out
+
+    items = []
+    for key, row in sorted(rows.items(), key=lambda kv: (-kv[1].gpu_s, kv[0])):
+        items.append({**dict(zip(by, key)), **figures(row.gpu_s, row.attempts, row.parts)})
+    total = Row()
+    for row in rows.values():
+        total.gpu_s += row.gpu_s
+        total.attempts += row.attempts
+        for k, s in row.parts.items():
+            total.parts[k] = total.parts.get(k, 0.0) + s
+    return {"from": start.isoformat(), "to": end.isoformat(), "by": list(by), "items": items,
+            "total": figures(total.gpu_s, total.attempts, total.parts)}

@@ -1,0 +1,354 @@
+"""GPU usage for chargeback (``GET /v1/usage``, ``heliotrope usage``, :mod:`broker.usage`): what each attempt held,
+cut at the window's hours, kept across the deletion of finished jobs, on every store."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings, strategies as st
+
+from broker import usage
+from broker.api import create_app
+from broker.config import BrokerSettings
+from broker.models import Job, JobSpec, JobState
+from broker.service import Broker
+from broker.store import Store
+from broker.store.memory import MemoryStore
+from broker.store.postgres import PostgresStore
+from broker.store.sqlite import SQLiteStore
+from tests import postgres as postgres_fixtures
+from tests.test_api import MINIMAL, register, site_body, wait_for
+
+postgres_server = postgres_fixtures.postgres_server
+
+T0 = datetime(2022, 3, 1, 12, 30, tzinfo=UTC)  # half past an hour: attempts straddle hours
+A100 = "a100-80gb"
+H100 = "h100-80gb"
+EVERYTHING = ("tenant", "site", "gpu_model")
+
+
+def near(x: float, abs: float = 2e-6) -> Any:
+    """``x`` as a report gives it (rounded to 6 decimals)."""
+    return pytest.approx(x, abs=abs)
+
+
+def at(minutes: float) -> datetime:
+    return T0 + timedelta(minutes=minutes)
+
+
+async def run_job(store: Store, job_id: str, tenant: str, gpus: dict[str, Any],
+                  steps: list[tuple[float, JobState, dict[str, Any]]]) -> Job:
+    """Store a job submitted at T0 and its transitions at the minutes given (the broker's records)."""
+    job = Job(id=job_id, spec=JobSpec(tenant=tenant, name=job_id, gpus=gpus, duration_s=3600),
+              created_at=T0, updated_at=T0)
+    await store.insert_job(job)
+    for minute, state, changes in steps:
+        new = job.transition(state, at(minute), **changes)
+        await store.update_job(new, job.version)
+        job = new
+    return job
+
+
+def dispatch(site: str, attempt: int, model: str) -> dict[str, Any]:
+    return {"site": site, "attempt": attempt, "gpu_model": model}
+
+
+async def history(store: Store) -> None:
+    """Three tenants' jobs: one preempted at s1 and finished at s2 on another model; a MIG job; a job still running
+    (at 'now', T0 + 5 h); one refused at dispatch (never held GPUs); one cancelled while admitted."""
+    D, A, R, P, Q = JobState.DISPATCHING, JobState.ADMITTED, JobState.RUNNING, JobState.PREEMPTED, JobState.QUEUED
+    await run_job(store, "moved", "vision", {"count": 4}, [
+        (1, D, dispatch("s1", 1, A100)), (2, A, {}), (3, R, {}), (93, P, {}), (94, Q, {}),
+        (100, D, dispatch("s2", 2, H100)), (101, A, {}), (102, R, {}), (162, JobState.SUCCEEDED, {})])
+    await run_job(store, "mig", "nlp", {"count": 2, "mig_profile": "3g.40gb"}, [
+        (0, D, dispatch("s1", 1, A100)), (1, A, {}), (2, R, {}), (242, JobState.FAILED, {})])
+    await run_job(store, "running", "nlp", {"count": 1}, [(200, D, dispatch("s2", 1, H100)), (201, A, {}),
+                                                          (210, R, {})])
+    await run_job(store, "refused", "audio", {"count": 8}, [(5, D, dispatch("s1", 1, A100)), (6, Q, {})])
+    await run_job(store, "cancelled", "audio", {"count": 1, "milli": 250}, [
+        (10, D, dispatch("s2", 1, H100)), (20, A, {}), (50, JobState.CANCELLED, {})])
+
+
+NOW = at(300)
+PRICES = {"s1": {A100: 2.0}, "s2": {H100: 4.0}}
+
+
+async def report(store: Store, start: datetime, end: datetime, by: tuple[str, ...] = EVERYTHING,
+                 **kw: Any) -> dict[str, Any]:
+    records = await store.usage_records(start.timestamp(), end.timestamp())
+    return usage.report(records, start, end, NOW, by, PRICES, **kw)
+
+
+def rows(body: dict[str, Any]) -> dict[tuple[str, ...], tuple[float, int]]:
+    return {tuple(i[k] for k in body["by"]): (i["gpu_hours"], i["attempts"]) for i in body["items"]}
+
+
+@pytest.fixture(params=["sqlite", "memory", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path):
+    s: Store
+    if request.param == "postgres":
+        s = PostgresStore(await request.getfixturevalue("postgres_server").create_database())
+    else:
+        s = SQLiteStore(tmp_path / "h.db") if request.param == "sqlite" else MemoryStore()
+    await s.open()
+    yield s
+    await s.close()
+
+
+async def test_each_attempt_is_charged_from_its_admission_to_its_end_at_its_own_site_and_model(store: Store):
+    await history(store)
+    day = await report(store, datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC))
+    assert rows(day) == {
+        # 4 GPUs for 91 min at s1 (admitted at 2, preempted at 93), then 61 min at s2 on the other model
+        ("vision", "s1", A100): (near(4 * 91 / 60), 1),
+        ("vision", "s2", H100): (near(4 * 61 / 60), 1),
+        # two 3g slices: 6/7 of a GPU for 241 minutes
+        ("nlp", "s1", A100): (near(6 / 7 * 241 / 60), 1),
+        # admitted at 201, running at 'now' (300)
+        ("nlp", "s2", H100): (near(99 / 60), 1),
+        # a quarter of a GPU from its admission (20) to its cancel (50); the refused dispatch held nothing
+        ("audio", "s2", H100): (near(0.25 * 30 / 60), 1),
+    }
+    assert day["total"]["attempts"] == 5
+    assert day["total"]["gpu_hours"] == near(sum(h for h, _ in rows(day).values()))
+    by_tenant = rows(await report(store, datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC),
+                                  by=("tenant",)))
+    assert by_tenant[("vision",)] == (near(4 * 152 / 60), 2)
+    first = day["items"][0]  # largest first: vision at s1, 6.07 GPU-hours of A100 at 2 USD, 0.4 kW each
+    assert (first["tenant"], first["site"]) == ("vision", "s1")
+    assert first["cost_usd"] == near(2.0 * 4 * 91 / 60, abs=0.01)
+    assert first["energy_kwh"] == near(0.4 * 4 * 91 / 60)
+
+
+async def test_a_window_counts_only_its_own_hours_and_the_attempts_begun_in_it(store: Store):
+    await history(store)
+    # 13:00-14:00 (minutes 30 to 90 after T0): vision at s1 and mig all hour, the cancelled job's last 20 minutes
+    # (admitted 12:50, cancelled 13:20); nothing began then
+    hour = await report(store, datetime(2022, 3, 1, 13, tzinfo=UTC), datetime(2022, 3, 1, 14, tzinfo=UTC))
+    assert rows(hour) == {("vision", "s1", A100): (near(4.0), 0),
+                          ("nlp", "s1", A100): (near(6 / 7), 0),
+                          ("audio", "s2", H100): (near(0.25 * 20 / 60), 0)}
+    # A window given inside hours is widened to them, and says so
+    widened = await report(store, *usage.window(datetime(2022, 3, 1, 13, 20, tzinfo=UTC),
+                                                datetime(2022, 3, 1, 13, 40, tzinfo=UTC), NOW))
+    assert (widened["from"], widened["to"]) == ("2022-03-01T13:00:00+00:00", "2022-03-01T14:00:00+00:00")
+    assert rows(widened) == rows(hour)
+
+
+async def test_jobs_deleted_after_their_retention_are_still_in_every_report(store: Store):
+    """The retention deletes finished jobs with their transitions; what they held is added up per hour first, so
+    no report over whole hours changes, whatever its window and grouping."""
+    await history(store)
+    windows = [(datetime(2022, 3, 1, h0, tzinfo=UTC), datetime(2022, 3, 1, h1, tzinfo=UTC))
+               for h0, h1 in ((0, 23), (12, 13), (13, 14), (14, 16), (15, 18))]
+    groupings = [EVERYTHING, ("tenant",), ("site",), ("gpu_model", "tenant")]
+    before = [await report(store, *w, by=g) for w in windows for g in groupings]
+    deleted = await store.prune_ended(at(290), 100)
+    assert sorted(deleted) == ["cancelled", "mig", "moved"]  # the running job and the requeued one are kept
+    after = [await report(store, *w, by=g) for w in windows for g in groupings]
+    for b, a in zip(before, after):
+        assert rows(a) == {k: (near(h), n) for k, (h, n) in rows(b).items()}
+        assert a["total"]["cost_usd"] == near(b["total"]["cost_usd"], abs=0.011)
+    # ... and a second deletion round adds nothing twice
+    assert await store.prune_ended(at(290), 100) == []
+    assert rows(await report(store, *windows[0])) == rows(after[0])
+
+
+async def test_a_report_narrowed_to_tenants_or_a_site_leaves_the_others_out(store: Store):
+    await history(store)
+    day = (datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC))
+    mine = await report(store, *day, by=("tenant", "site"), tenants={"nlp", "audio"})
+    assert set(rows(mine)) == {("nlp", "s1"), ("nlp", "s2"), ("audio", "s2")}
+    at_s1 = await report(store, *day, by=("tenant",), site="s1")
+    assert rows(at_s1) == {("vision",): (near(4 * 91 / 60), 1), ("nlp",): (near(6 / 7 * 241 / 60), 1)}
+
+
+def test_a_site_without_a_price_for_the_model_gives_no_cost_rather_than_a_wrong_one():
+    records = usage.UsageRecords(usage.holds(
+        {"j": ("t", '{"count": 1}', A100), "k": ("t", '{"count": 1}', H100)},
+        [("j", at(0).isoformat(), "admitted", "s1", 1, A100), ("j", at(60).isoformat(), "succeeded", "s1", 1, A100),
+         ("k", at(0).isoformat(), "admitted", "gone", 1, H100), ("k", at(60).isoformat(), "succeeded", "gone", 1, H100)]),
+        [])
+    body = usage.report(records, *usage.window(at(0), at(120), NOW), NOW, ("site",), PRICES)
+    by_site = {i["site"]: i for i in body["items"]}
+    assert by_site["s1"]["cost_usd"] == near(2.0) and "cost_usd" not in by_site["gone"]
+    assert "cost_usd" not in body["total"]  # (part of it unpriced: no total that looks whole)
+
+
+def test_a_transition_of_an_earlier_release_without_a_model_is_charged_to_the_jobs_model_or_unknown():
+    records = usage.UsageRecords(usage.holds(
+        {"j": ("t", '{"count": 2}', H100), "k": ("t", '{"count": 1, "shared": true, "memory_gib": 20}', None)},
+        [("j", at(0).isoformat(), "running", "s2", 1, None), ("j", at(30).isoformat(), "succeeded", "s2", 1, None),
+         ("k", at(0).isoformat(), "running", "s1", 1, None), ("k", at(30).isoformat(), "succeeded", "s1", 1, None)]),
+        [])
+    body = usage.report(records, *usage.window(at(0), at(60), NOW), NOW, ("gpu_model",), PRICES)
+    got = {i["gpu_model"]: i["gpu_hours"] for i in body["items"]}
+    # a GPU shared by memory is charged its share of the largest GPU's memory where its model is unknown
+    largest = max(m.memory_gib for m in usage.ids.GPU_MODELS)
+    assert got == {H100: near(1.0), usage.UNKNOWN_MODEL: near(0.5 * math.ceil(1000 * 20 / largest) / 1000)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.floats(0, 30 * 3600), st.floats(0, 20 * 3600),
+                          st.sampled_from([0.25, 1.0, 8.0])), min_size=1, max_size=12),
+       st.integers(0, 40), st.integers(1, 40))
+def test_hours_rolled_up_report_what_the_attempts_themselves_report(attempts, first_hour, hours):
+    """For any set of ended attempts and any window of whole hours, the report from their rolled-up hours equals
+    the report from the attempts, and the attempts read from transitions streamed in two pieces are those read at
+    once."""
+    base = 1_646_000_000 // 3600 * 3600
+    held = [usage.Held(f"t{t}", f"s{s}", A100, gpus, base + start, base + start + length)
+            for t, s, start, length, gpus in attempts]
+    jobs, events = {}, []
+    for i, h in enumerate(held):
+        jobs[f"j{i:02d}"] = (h.tenant, f'{{"count": {int(h.gpus)}}}' if h.gpus >= 1 else '{"count": 1, "milli": 250}',
+                             A100)
+        events += [(f"j{i:02d}", datetime.fromtimestamp(h.start, UTC).isoformat(), "running", h.site, 1, A100),
+                   (f"j{i:02d}", datetime.fromtimestamp(h.end, UTC).isoformat(), "succeeded", h.site, 1, A100)]
+    live = usage.UsageRecords(usage.holds(jobs, events), [])
+    for cut in range(len(events) + 1):  # a store streams the transitions in pieces: any cut reads the same
+        reader = usage.Holds()
+        for job_id, (tenant, gpus, model) in jobs.items():
+            reader.job(job_id, tenant, gpus, model)
+        reader.feed(events[:cut])
+        reader.feed(events[cut:])
+        assert reader.done() == live.held
+    rolled = usage.UsageRecords([], [(*k, s, n) for k, (s, n) in usage.roll_up(live.held).items()])
+    start = datetime.fromtimestamp(base + first_hour * 3600, UTC)
+    end = start + timedelta(hours=hours)
+    now = datetime.fromtimestamp(base + 100 * 3600, UTC)
+    for by in (EVERYTHING, ("tenant",), ("site",)):
+        a = usage.report(live, start, end, now, by, {})
+        b = usage.report(rolled, start, end, now, by, {})
+        assert rows(b) == {k: (near(h, abs=1e-5), n) for k, (h, n) in rows(a).items()}
+
+
+# --- over HTTP and the CLI ---
+
+
+@pytest.fixture
+async def client(tmp_path: Path):
+    settings = BrokerSettings(db=str(tmp_path / "api.db"), cycle_interval_s=0.05, shutdown_grace_s=1)
+    broker = Broker(settings)
+    await broker.start([])
+    async with TestClient(TestServer(create_app(broker))) as c:
+        c.broker = broker  # type: ignore[attr-defined]
+        yield c
+    await broker.stop()
+
+
+async def test_a_tenants_jobs_run_at_sites_show_in_its_usage_with_the_sites_price(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {A100: 8}, usd_per_gpu_hour={A100: 3.0}))
+    done = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 2}, "duration_s": 1})).json()
+    other = await (await client.post("/v1/jobs", json={**MINIMAL, "tenant": "t2", "duration_s": 600})).json()
+    await wait_for(client, done["id"], {"succeeded"})
+    await wait_for(client, other["id"], {"running"})
+    events = (await (await client.get(f"/v1/jobs/{done['id']}/events")).json())["items"]
+    held_s = (datetime.fromisoformat(events[-1]["at"])
+              - datetime.fromisoformat(next(e["at"] for e in events if e["state"] == "admitted"))).total_seconds()
+    r = await client.get("/v1/usage", params={"by": "tenant,site,gpu_model"})
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    mine = next(i for i in body["items"] if i["tenant"] == "t1")
+    assert (mine["site"], mine["gpu_model"], mine["attempts"]) == ("berlin", A100, 1)
+    assert mine["gpu_hours"] == near(2 * held_s / 3600, abs=1e-5)
+    assert mine["cost_usd"] == near(3.0 * mine["gpu_hours"], abs=0.01)
+    running = next(i for i in body["items"] if i["tenant"] == "t2")
+    assert running["gpu_hours"] > 0  # still running: counted up to now
+    end = datetime.fromisoformat(body["to"])
+    assert end - datetime.fromisoformat(body["from"]) == timedelta(days=30) and end.minute == end.second == 0
+    only = await (await client.get("/v1/usage", params={"tenant": "t2"})).json()
+    assert [i["tenant"] for i in only["items"]] == ["t2"]
+
+
+@pytest.mark.parametrize("query, field, words", [
+    ({"from": "yesterday"}, "from", "is not a time"),
+    ({"to": "2026-11-01T00:00:00"}, "to", "no time zone"),
+    ({"from": "2026-11-02", "to": "2026-11-01"}, "to", "must end after it starts"),
+    ({"from": "2024-01-01", "to": "2026-01-01"}, "to", "at most 400 days"),
+    ({"by": "tenant,region"}, "by", "'region' is not one of tenant, site, gpu_model"),
+    ({"by": "site,site"}, "by", "names a key twice"),
+    ({"tenant": ""}, "tenant", "is empty"),
+    ({"month": "11"}, "month", "unknown query parameter"),
+])
+async def test_a_bad_usage_query_gets_a_400_naming_the_parameter(client: TestClient, query, field, words):
+    r = await client.get("/v1/usage", params=query)
+    assert r.status == 400
+    error = (await r.json())["error"]
+    assert error["fields"][0]["field"] == field and words in error["message"]
+
+
+async def test_a_usage_query_repeating_a_parameter_is_refused(client: TestClient):
+    r = await client.get("/v1/usage?tenant=a&tenant=b")
+    assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == "tenant"
+
+
+async def test_heliotrope_usage_prints_a_row_per_tenant_and_the_total(client: TestClient, capsys):
+    from broker import cli
+    await register(client, site_body("berlin", "gcp:europe-west3", {A100: 8}, usd_per_gpu_hour={A100: 3.0}))
+    job = await (await client.post("/v1/jobs", json={**MINIMAL, "duration_s": 1})).json()
+    await wait_for(client, job["id"], {"succeeded"})
+    server = str(client.make_url("")).rstrip("/")
+    code = await asyncio.to_thread(cli.main, ["usage", "--server", server, "--by", "tenant,site"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    assert lines[0].startswith("usage from ") and lines[1].split() == ["TENANT", "SITE", "GPU_HOURS", "ATTEMPTS",
+                                                                        "ENERGY_KWH", "COST_USD"]
+    assert lines[2].split()[:2] == ["t1", "berlin"] and lines[-1].split()[0] == "total"
+    code = await asyncio.to_thread(cli.main, ["usage", "--server", server, "--from", "last week"])
+    out = capsys.readouterr()
+    assert code == 1 and "from: 'last week' is not a time" in out.err and "Traceback" not in out.err
+
+
+@pytest.mark.parametrize("query, field", [
+    ({"to": "9999-12-31T23:30:00Z"}, "to"),  # its hour ends in year 10000
+    ({"to": "0001-01-05"}, "from"),  # 30 days before it is before year 1
+    ({"to": "9999-12-31T23:00-10:00"}, "to"),  # in UTC, year 10000
+])
+async def test_a_window_at_the_ends_of_the_calendar_is_a_400_not_a_server_error(client: TestClient, query, field):
+    r = await client.get("/v1/usage", params=query)
+    assert r.status == 400
+    assert (await r.json())["error"]["fields"][0]["field"] == field
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_transitions_an_earlier_release_stored_are_charged_once_the_store_is_migrated(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A database of the release before usage (migration 6, transitions without a GPU model) opens, and its jobs'
+    attempts are charged to each job's model; deleting them rolls them up."""
+    from broker.store import postgres as pg, sql, sqlite as sq
+    module = sq if kind == "sqlite" else pg
+    place = str(tmp_path / "h.db") if kind == "sqlite" else await request.getfixturevalue(
+        "postgres_server").create_database()
+
+    def opener() -> Store:
+        return SQLiteStore(place) if kind == "sqlite" else PostgresStore(place)
+
+    old_event = module._INSERT_EVENT.replace(", gpu_model)", ")").replace(", ?)", ")").replace(", $7)", ")")
+    with monkeypatch.context() as m:
+        m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:6])
+        m.setattr(type(opener()), "INSERT_EVENT", old_event)
+        m.setattr(sql, "event_row", lambda job, reason: (job.id, job.updated_at.isoformat(), job.state.value,
+                                                         job.site, job.attempt, reason or job.reason))
+        s = opener()
+        await s.open()
+        await run_job(s, "old", "vision", {"count": 2}, [
+            (0, JobState.DISPATCHING, dispatch("s1", 1, A100)), (1, JobState.ADMITTED, {}),
+            (31, JobState.SUCCEEDED, {})])
+        await s.close()
+    s = opener()
+    await s.open()
+    try:
+        day = (datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC))
+        assert rows(await report(s, *day)) == {("vision", "s1", A100): (near(1.0), 1)}
+        assert await s.prune_ended(at(100), 10) == ["old"]
+        assert rows(await report(s, *day)) == {("vision", "s1", A100): (near(1.0), 1)}
+    finally:
+        await s.close()
