@@ -71,6 +71,7 @@ from adapters.base import AdapterError, LogFollow, LogFollower, LogReader, LogsN
 from broker.models import (PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec,
                            JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, labels_problem)
 from broker.openapi import openapi_document
+from broker.providers.carbon import ProviderError
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
 from policies import explain
@@ -1503,9 +1504,46 @@ async def usage_report(request: web.Request) -> web.Response:
     records = await broker.store.usage_records(start.timestamp(), end.timestamp())
     tenants = ({tenant} if tenant is not None else set(who.tenants)) if who.role == Role.SUBMITTER else (
         None if tenant is None else {tenant})
-    prices = {name: dict(m.spec.usd_per_gpu_hour) for name, m in broker.federation.members.items()}
-    body = await asyncio.to_thread(usage.report, records, start, end, now, by, prices, tenants, site)
+    members = broker.federation.members
+    prices = {name: dict(m.spec.usd_per_gpu_hour) for name, m in members.items()}
+    intensity, notes = await _usage_intensity(broker, start, end, now)
+    body = await asyncio.to_thread(usage.report, records, start, end, now, by, prices, tenants, site, intensity)
+    if notes:
+        body["notes"] = notes
     return _json(body)
+
+
+async def _usage_intensity(broker: Broker, start: datetime, end: datetime,
+                           now: datetime) -> tuple[dict[str, dict[int, float]] | None, list[str]]:
+    """Each site's grid intensity per hour of [``start``, ``end``) for a usage report's ``co2e_kg``: the past hours
+    as the carbon provider measured them, the hour under way at its forecast (None without a provider), and
+    a note per zone that could not be had."""
+    signals = broker.signals
+    if signals is None:
+        return None, []
+    hour_s = usage.HOUR_S
+    done = min(end.timestamp(), now.timestamp() // hour_s * hour_s)  # (the hours wholly past)
+    zones = {name: m.spec.grid_zone for name, m in broker.federation.members.items()}
+    notes: list[str] = []
+
+    async def zone_hours(zone: str) -> dict[int, float]:
+        out: dict[int, float] = {}
+        if done > start.timestamp():
+            try:
+                values = await signals.measured(zone, start, datetime.fromtimestamp(done, UTC))
+            except (ProviderError, ValueError, TimeoutError) as e:
+                notes.append(f"co2e_kg: zone {zone}: {str(e) or 'no answer in time'}"[:300])
+            else:
+                out.update({int(start.timestamp()) + i * hour_s: float(v) for i, v in enumerate(values)})
+        if done < end.timestamp():  # the hour under way: its forecast
+            row = signals.forecast_rows([zone], now)
+            if row.size and math.isfinite(row[0][0]):
+                out[int(done)] = float(row[0][0])
+        return out
+
+    unique = sorted(set(zones.values()))
+    by_zone = dict(zip(unique, await asyncio.gather(*(zone_hours(z) for z in unique))))
+    return {name: by_zone[zone] for name, zone in zones.items()}, sorted(notes)
 
 
 async def whoami(request: web.Request) -> web.Response:

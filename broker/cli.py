@@ -659,15 +659,21 @@ def show_usage(report: dict[str, Any]) -> str:
     by = report["by"]
 
     def row(item: dict[str, Any]) -> dict[str, Any]:
-        cost = item.get("cost_usd")
+        cost, co2e = item.get("cost_usd"), item.get("co2e_kg")
         return {**{k: item.get(k, "") for k in by}, "gpu_hours": f"{item['gpu_hours']:,.2f}",
                 "attempts": f"{item['attempts']:,}", "energy_kwh": f"{item['energy_kwh']:,.1f}",
-                "cost_usd": f"{cost:,.2f}" if cost is not None else None}
+                "cost_usd": f"{cost:,.2f}" if cost is not None else None,
+                "co2e_kg": f"{co2e:,.1f}" if co2e is not None else None}
 
     total = {**{k: "" for k in by}, **row(report["total"])}
     total[by[0]] = "total"
-    head = f"usage from {report['from']} to {report['to']}"
-    return f"{head}\n{table([row(i) for i in report['items']] + [total], (*by, *USAGE_COLUMNS))}"
+    items = report["items"]
+    # (the carbon column where the broker has a carbon provider: some figure, or a note on why there is none)
+    carbon = ("co2e_kg",) if report.get("notes") or any("co2e_kg" in i for i in [*items, report["total"]]) else ()
+    lines = [f"usage from {report['from']} to {report['to']}",
+             table([row(i) for i in items] + [total], (*by, *USAGE_COLUMNS, *carbon))]
+    lines += [f"note: {n}" for n in report.get("notes", [])]
+    return "\n".join(lines)
 
 
 USAGE_COLUMNS = ("gpu_hours", "attempts", "energy_kwh", "cost_usd")

@@ -229,7 +229,10 @@ def _components() -> dict[str, Any]:
         attempts={**_INT, "description": "attempts that began to hold GPUs in the window"},
         energy_kwh={**_NUM, "description": "GPU-hours x the model's board power (TDP): an upper estimate"},
         cost_usd={**_NUM, "description": "GPU-hours x each site's usd_per_gpu_hour for the model in its spec now; "
-                                         "absent where a part has no such price"})
+                                         "absent where a part has no such price"},
+        co2e_kg={**_NUM, "description": "the energy, hour by hour, x its site's grid intensity then, as the carbon "
+                                        "provider measured it (the hour under way: its forecast); absent without a "
+                                        "carbon provider, or where an hour's intensity cannot be had (notes)"})
     components["UsageReport"] = _object(
         **{"from": {**_STR, "format": "date-time", "description": "the window's start (the start of an hour)"},
            "to": {**_STR, "format": "date-time", "description": "its end (the end of an hour)"}},
@@ -238,7 +241,9 @@ def _components() -> dict[str, Any]:
             **_object(required=False, tenant=_STR, site=_STR, gpu_model=_STR, **figures),
             "required": ["gpu_hours", "attempts", "energy_kwh"]},
             "description": "a row per group, largest GPU-hours first"},
-        total={**_object(required=False, **figures), "required": ["gpu_hours", "attempts", "energy_kwh"]})
+        total={**_object(required=False, **figures), "required": ["gpu_hours", "attempts", "energy_kwh"]},
+        notes={"type": "array", "items": _STR, "description": "why a figure is left out (absent: nothing to say)"})
+    components["UsageReport"]["required"].remove("notes")
     components["WhoAmI"] = _object(name=_STR, role={"enum": [r.value for r in Role]},
                                    sites={"type": "array", "items": _STR}, tenants={"type": "array", "items": _STR},
                                    token_id=_NULLABLE_STR, auth=_BOOL)

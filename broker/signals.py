@@ -699,6 +699,15 @@ class GridSignals:
         older = kept[(start - kept_start) // _HOUR:(ask_from - kept_start) // _HOUR]
         return np.concatenate([older, fresh])
 
+    async def measured(self, zone: str, start: datetime, end: datetime) -> np.ndarray:
+        """The provider's hourly intensity of ``zone`` over [``start``, ``end``) (whole hours of the broker's clock,
+        read from the data as the forecasts read it: on the replayed day where ``replay_day`` is set), within
+        ``fetch_timeout_s``: what a usage report charges past hours at (:mod:`broker.usage`). Raises
+        ProviderError, ValueError (the files' data) or TimeoutError."""
+        offset = self._offset or timedelta(0)
+        async with asyncio.timeout(self.settings.fetch_timeout_s):
+            return await self.provider.history(zone, start + offset, end + offset)
+
     # --- what the snapshot reads ---
 
     def model_hours(self, zones: Sequence[str], now: datetime) -> int:

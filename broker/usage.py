@@ -17,7 +17,9 @@ Figures per row: ``gpu_hours``; ``attempts`` that began to hold GPUs in the wind
 start is in ``gpu_hours``, not in ``attempts``); ``energy_kwh`` (GPU-hours x the model's board power, TDP: an upper
 estimate, as the carbon ledger's); and ``cost_usd`` (GPU-hours x the site's ``usd_per_gpu_hour`` for the model in
 its spec *now*, left out where the site has no such price, as a site removed since, or one priced only by a price
-provider: an estimate for chargeback, not a bill).
+provider: an estimate for chargeback, not a bill); and where the broker has a carbon provider, ``co2e_kg`` (that
+energy, hour by hour, x its site's grid intensity in that hour as the provider measured it; the hour under way at its
+forecast for it; left out of a row with energy at an hour or site whose intensity cannot be had).
 
 This module is pure: the stores read the transitions and rolled-up hours (``Store.usage_records``), and the API
 puts the report together here.
@@ -200,55 +202,86 @@ class Row:
     gpu_s: float = 0.0
     attempts: int = 0
     parts: dict[tuple[str, str], float] = field(default_factory=dict)  # (site, model) -> GPU-seconds
+    kwh: dict[tuple[str, int], float] = field(default_factory=dict)  # (site, hour start) -> kWh (with intensities)
+
+    def add(self, other: Row) -> None:
+        self.gpu_s += other.gpu_s
+        self.attempts += other.attempts
+        for k, s in other.parts.items():
+            self.parts[k] = self.parts.get(k, 0.0) + s
+        for k, e in other.kwh.items():
+            self.kwh[k] = self.kwh.get(k, 0.0) + e
+
+
+def _tdp_kw(model: str) -> float:
+    return ids.GPU_MODEL_BY_ID[model].tdp_w / 1000.0 if model in ids.GPU_MODEL_BY_ID else 0.0
 
 
 def report(records: UsageRecords, start: datetime, end: datetime, now: datetime, by: Sequence[str],
            prices: Mapping[str, Mapping[str, float]], tenants: Iterable[str] | None = None,
-           site: str | None = None) -> dict[str, Any]:
+           site: str | None = None, intensity: Mapping[str, Mapping[int, float]] | None = None) -> dict[str, Any]:
     """The usage report over [``start``, ``end``) (whole hours): one row per distinct value of the ``by`` keys
     (of :data:`GROUP_KEYS`), largest GPU-hours first, and the totals. ``prices``: site -> model -> USD per
-    GPU-hour (the specs' now); ``tenants``: only these (a submitter's own); ``site``: only this one."""
+    GPU-hour (the specs' now); ``tenants``: only these (a submitter's own); ``site``: only this one;
+    ``intensity``: site -> hour start -> gCO2e/kWh of its grid, for ``co2e_kg`` (None: no carbon figures; a row
+    with energy at an hour or site it lacks gets none either)."""
     lo, hi, until = start.timestamp(), end.timestamp(), min(now.timestamp(), end.timestamp())
     wanted = None if tenants is None else frozenset(tenants)
     rows: dict[tuple[str, ...], Row] = {}
 
-    def add(tenant: str, at_site: str, model: str, gpu_s: float, attempts: int) -> None:
+    def row_of(tenant: str, at_site: str, model: str) -> Row | None:
         if (wanted is not None and tenant not in wanted) or (site is not None and at_site != site):
-            return
+            return None
         values = {"tenant": tenant, "site": at_site, "gpu_model": model}
-        row = rows.setdefault(tuple(values[k] for k in by), Row())
+        return rows.setdefault(tuple(values[k] for k in by), Row())
+
+    def add(row: Row, at_site: str, model: str, hour: int, gpu_s: float) -> None:
         row.gpu_s += gpu_s
-        row.attempts += attempts
         row.parts[(at_site, model)] = row.parts.get((at_site, model), 0.0) + gpu_s
+        if intensity is not None:
+            row.kwh[(at_site, hour)] = row.kwh.get((at_site, hour), 0.0) + gpu_s / HOUR_S * _tdp_kw(model)
 
     for hour, tenant, at_site, model, gpu_s, attempts in records.hours:
-        if lo <= hour < hi:
-            add(tenant, at_site, model, gpu_s, attempts)
+        if lo <= hour < hi and (row := row_of(tenant, at_site, model)) is not None:
+            add(row, at_site, model, hour, gpu_s)
+            row.attempts += attempts
     for h in records.held:
         stop = h.end if h.end is not None else until
         began = lo <= h.start < hi
-        gpu_s = max(min(stop, hi) - max(h.start, lo), 0.0) * h.gpus
-        if gpu_s > 0 or began:
-            add(h.tenant, h.site, h.gpu_model, gpu_s, int(began))
+        if not (began or (h.start < hi and stop > lo)) or (row := row_of(h.tenant, h.site, h.gpu_model)) is None:
+            continue
+        row.attempts += began
+        clipped = Held(h.tenant, h.site, h.gpu_model, h.gpus, max(h.start, lo), min(stop, hi))
+        if intensity is None:
+            add(row, h.site, h.gpu_model, 0, max(clipped.end - clipped.start, 0.0) * h.gpus)  # type: ignore[operator]
+        else:
+            for hour, gpu_s in by_hour(clipped, hi):
+                add(row, h.site, h.gpu_model, hour, gpu_s)
 
-    def figures(gpu_s: float, attempts: int, parts: Mapping[tuple[str, str], float]) -> dict[str, Any]:
-        kwh = sum(s / HOUR_S * (ids.GPU_MODEL_BY_ID[m].tdp_w / 1000.0 if m in ids.GPU_MODEL_BY_ID else 0.0)
-                  for (_, m), s in parts.items())
-        out: dict[str, Any] = {"gpu_hours": round(gpu_s / HOUR_S, 6), "attempts": attempts,
+    def figures(row: Row) -> dict[str, Any]:
+        kwh = sum(s / HOUR_S * _tdp_kw(m) for (_, m), s in row.parts.items())
+        out: dict[str, Any] = {"gpu_hours": round(row.gpu_s / HOUR_S, 6), "attempts": row.attempts,
                                "energy_kwh": round(kwh, 6)}
-        priced = [s / HOUR_S * prices[st][m] for (st, m), s in parts.items() if m in prices.get(st, {})]
-        if len(priced) == len(parts):
+        priced = [s / HOUR_S * prices[st][m] for (st, m), s in row.parts.items() if m in prices.get(st, {})]
+        if len(priced) == len(row.parts):
             out["cost_usd"] = round(sum(priced), 2)
+        if intensity is not None:
+            grams, known = 0.0, True
+            for (st, hour), e in row.kwh.items():
+                g = intensity.get(st, {}).get(hour, math.nan)
+                if math.isfinite(g):
+                    grams += e * g
+                elif e > 0:
+                    known = False
+            if known:
+                out["co2e_kg"] = round(grams / 1000.0, 6)
         return out
 
     items = []
     for key, row in sorted(rows.items(), key=lambda kv: (-kv[1].gpu_s, kv[0])):
-        items.append({**dict(zip(by, key)), **figures(row.gpu_s, row.attempts, row.parts)})
+        items.append({**dict(zip(by, key)), **figures(row)})
     total = Row()
     for row in rows.values():
-        total.gpu_s += row.gpu_s
-        total.attempts += row.attempts
-        for k, s in row.parts.items():
-            total.parts[k] = total.parts.get(k, 0.0) + s
+        total.add(row)
     return {"from": start.isoformat(), "to": end.isoformat(), "by": list(by), "items": items,
-            "total": figures(total.gpu_s, total.attempts, total.parts)}
+            "total": figures(total)}

@@ -43,13 +43,13 @@ def at(minutes: float) -> datetime:
 
 
 async def run_job(store: Store, job_id: str, tenant: str, gpus: dict[str, Any],
-                  steps: list[tuple[float, JobState, dict[str, Any]]]) -> Job:
-    """Store a job submitted at T0 and its transitions at the minutes given (the broker's records)."""
+                  steps: list[tuple[float, JobState, dict[str, Any]]], t0: datetime = T0) -> Job:
+    """Store a job submitted at ``t0`` and its transitions at the minutes after it given (the broker's records)."""
     job = Job(id=job_id, spec=JobSpec(tenant=tenant, name=job_id, gpus=gpus, duration_s=3600),
-              created_at=T0, updated_at=T0)
+              created_at=t0, updated_at=t0)
     await store.insert_job(job)
     for minute, state, changes in steps:
-        new = job.transition(state, at(minute), **changes)
+        new = job.transition(state, t0 + timedelta(minutes=minute), **changes)
         await store.update_job(new, job.version)
         job = new
     return job
@@ -352,3 +352,83 @@ async def test_transitions_an_earlier_release_stored_are_charged_once_the_store_
         assert rows(await report(s, *day)) == {("vision", "s1", A100): (near(1.0), 1)}
     finally:
         await s.close()
+
+
+# --- carbon: the grid's measured intensity where and when the GPUs were held ---
+
+SLICE_NOW = datetime(2022, 6, 15, 12, 20, tzinfo=UTC)  # inside the shipped carbon slice (2022-06-01 .. 06-21)
+CARBON_DIR = Path(__file__).resolve().parent.parent / "data" / "carbon"
+
+
+@pytest.fixture
+async def green_client(tmp_path: Path):
+    from broker.clock import ManualClock
+    from tests.builders import site
+    sites = [site("frankfurt", region="gcp:europe-west3", grid_zone="DE-LU", timezone="Europe/Berlin",
+                  usd_per_gpu_hour={A100: 2.0}),
+             site("tokyo", region="gcp:asia-northeast1", grid_zone="JP-TK", timezone="Asia/Tokyo"),
+             site("paris", region="gcp:europe-west9", grid_zone="FR", timezone="Europe/Paris")]  # (no data for FR)
+    settings = BrokerSettings.model_validate({
+        "db": str(tmp_path / "g.db"), "shutdown_grace_s": 0.1,
+        "carbon": {"kind": "files", "path": str(CARBON_DIR)}, "carbon_forecast": {"history_h": 336}})
+    broker = Broker(settings, clock=ManualClock(SLICE_NOW))
+    await broker.start(sites, run_loop=False)
+    await asyncio.wait_for(broker.signals.wait_ready(), 30)
+    async with TestClient(TestServer(create_app(broker))) as c:
+        c.broker = broker  # type: ignore[attr-defined]
+        yield c
+    await broker.stop()
+
+
+async def test_a_tenants_carbon_is_its_energy_hour_by_hour_at_the_grids_measured_intensity(green_client):
+    from broker.data.carbon import load_carbon
+    broker = green_client.broker
+    D, A, R, S = JobState.DISPATCHING, JobState.ADMITTED, JobState.RUNNING, JobState.SUCCEEDED
+    morning = SLICE_NOW.replace(hour=8, minute=30)
+    # 2 A100s at frankfurt 08:30 -> 10:30; 1 A100 at tokyo from 11:30, running now (12:20)
+    await run_job(broker.store, "fra", "vision", {"count": 2}, [
+        (0, D, dispatch("frankfurt", 1, A100)), (0, A, {}), (1, R, {}), (120, S, {})], t0=morning)
+    await run_job(broker.store, "tyo", "nlp", {"count": 1}, [
+        (180, D, dispatch("tokyo", 1, A100)), (180, A, {}), (181, R, {})], t0=morning)
+    r = await green_client.get("/v1/usage", params={"from": "2022-06-15", "to": "2022-06-16", "by": "tenant"})
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    data = load_carbon(CARBON_DIR)
+
+    def measured(zone: str, hour: int) -> float:
+        return data.intensity(zone, SLICE_NOW.replace(hour=hour, minute=0))
+
+    kw = 0.4  # an A100 80GB's board power
+    fra_g = 2 * kw * (0.5 * measured("DE-LU", 8) + measured("DE-LU", 9) + 0.5 * measured("DE-LU", 10))
+    forecast_now = float(broker.signals.forecast_rows(["JP-TK"], SLICE_NOW)[0][0])
+    tyo_g = kw * (0.5 * measured("JP-TK", 11) + (20 / 60) * forecast_now)
+    got = {i["tenant"]: i for i in body["items"]}
+    assert got["vision"]["co2e_kg"] == near(fra_g / 1000)
+    assert got["nlp"]["co2e_kg"] == near(tyo_g / 1000)
+    assert body["total"]["co2e_kg"] == near((fra_g + tyo_g) / 1000)
+    # a zone with no data: the note says why, and the rows with energy there have no carbon figure
+    assert any(n.startswith("co2e_kg: zone FR:") for n in body["notes"])
+    await run_job(broker.store, "par", "vision", {"count": 1}, [
+        (0, D, dispatch("paris", 1, A100)), (0, A, {}), (60, S, {})], t0=morning)
+    again = await (await green_client.get("/v1/usage", params={"from": "2022-06-15", "by": "tenant,site"})).json()
+    by_site = {(i["tenant"], i["site"]): i for i in again["items"]}
+    assert "co2e_kg" not in by_site[("vision", "paris")] and by_site[("vision", "frankfurt")]["co2e_kg"] > 0
+    assert "co2e_kg" not in again["total"]
+
+
+def test_the_cli_table_shows_carbon_where_the_broker_has_it_and_says_why_it_does_not():
+    from broker.cli import show_usage
+    report = {"from": "2022-06-15T00:00:00+00:00", "to": "2022-06-16T00:00:00+00:00", "by": ["tenant"],
+              "items": [{"tenant": "vision", "gpu_hours": 5.0, "attempts": 2, "energy_kwh": 2.0, "cost_usd": 10.0,
+                         "co2e_kg": 0.9},
+                        {"tenant": "nlp", "gpu_hours": 1.0, "attempts": 1, "energy_kwh": 0.4}],
+              "total": {"gpu_hours": 6.0, "attempts": 3, "energy_kwh": 2.4},
+              "notes": ["co2e_kg: zone FR: carbon provider: no data"]}
+    lines = show_usage(report).splitlines()
+    assert lines[1].split() == ["TENANT", "GPU_HOURS", "ATTEMPTS", "ENERGY_KWH", "COST_USD", "CO2E_KG"]
+    assert lines[2].split() == ["vision", "5.00", "2", "2.0", "10.00", "0.9"]
+    assert lines[3].split() == ["nlp", "1.00", "1", "0.4", "-", "-"]
+    assert lines[4].split() == ["total", "6.00", "3", "2.4", "-", "-"]
+    assert lines[5] == "note: co2e_kg: zone FR: carbon provider: no data"
+    del report["notes"], report["items"][0]["co2e_kg"]
+    assert "CO2E_KG" not in show_usage(report)  # a broker without a carbon provider
