@@ -436,7 +436,10 @@ class JobBook:
         transitions_log.info("%s %s/%s: %s -> %s (%s)", job_id, job.spec.tenant, job.spec.name, job.state, dst, new.reason)
         self.seq += 1
         self._touch(job_id)
-        if job.state.on_site and not new.state.on_site:
+        if job.state.on_site and not new.state.on_site or job.state == JobState.PREEMPTED:
+            # (a preempted job leaving that state gives its tenant's room under its limit back, and one back in the
+            # queue is to be decided again: a pass run between the preemption and the requeue must not leave both
+            # to the next full pass, up to cycle_interval_s later)
             self.capacity_freed = True
         if job.state == JobState.DISPATCHING and dst == JobState.ADMITTED:
             self.admitted_seq[job_id] = self.seq

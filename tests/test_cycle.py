@@ -973,3 +973,20 @@ async def test_a_waiting_jobs_explanation_quotes_figures_at_most_a_minute_old(ma
     # ... while the event stream heard that it waits once, not once a minute
     told = [e for e in h.broker.events.recent if e.type == "decision" and e.job_id == big.id]
     assert [e.data["outcome"] for e in told] == ["unplaceable"]
+
+
+async def test_a_preempted_job_back_in_the_queue_is_decided_at_the_next_pass_not_the_next_full_one(make):
+    """A pass that runs between a preemption and its requeue (the site's report of the stop comes in two stored
+    steps) must not leave the requeued job, and the tenant's room it gave back, to a full pass up to
+    cycle_interval_s later."""
+    h = await make(site("alpha", gpus={"a100-80gb": 8}, adapter=FAST))
+    job = await h.submit(tenant="a", name="long", count=8, duration_s=3600, preemptible=True)
+    await h.cycle()
+    await h.step(1.0)
+    assert (await h.job(job.id)).state == JobState.RUNNING
+    book, cycle = h.broker.book, h.broker.cycle
+    await book.transition(job.id, JobState.PREEMPTED, reason="preempted on alpha: test")
+    await h.cycle()  # a full pass: the preemption freed the site
+    assert not cycle.full_pass_due(h.clock.now())
+    await book.transition(job.id, JobState.QUEUED, reason="requeued after preemption")
+    assert cycle.full_pass_due(h.clock.now())
