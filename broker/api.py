@@ -752,16 +752,17 @@ async def delete_quota(request: web.Request) -> web.Response:
 # --- jobs ---
 
 
-async def _job_spec(request: web.Request) -> tuple[JobSpec, bytes]:
-    """The request's job spec, checked as a submission is (422 naming the field; 403 for another tenant)."""
+async def _job_spec(request: web.Request, limit: bool = True) -> tuple[JobSpec, bytes]:
+    """The request's job spec, checked as a submission is (422 naming the field; 403 for another tenant; the
+    tenant's limit unless ``limit`` is false: :func:`_check_tenant_limit`)."""
     spec, raw = await _body(request, JobSpec, "job spec")
-    _check_job_spec(request, spec)
+    _check_job_spec(request, spec, limit=limit)
     return spec, raw
 
 
-def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "") -> None:
+def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "", limit: bool = True) -> None:
     """What a submission checks of a valid spec beyond its schema; ``at``: the spec's place in a list (``[1].``),
-    which the fields named start with."""
+    which the fields named start with; ``limit``: the tenant's limit too (:func:`_check_tenant_limit`)."""
     broker = request.app[BROKER]
     problem = labels_problem(spec.labels)
     if problem is not None:
@@ -773,19 +774,26 @@ def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "") -> None:
     who = principal(request)
     if not who.acts_for(spec.tenant):
         raise not_your_tenant(who, spec.tenant, at)
-    limits = broker.cycle.tenant_limits
-    limit = limits.of(spec.tenant) if limits is not None else None
-    gpus = gpus_charged(spec.gpus)
-    if limit is not None and gpus > limit + 1e-9:  # it would wait for ever (after the
-        # tenant check: the limit is told only to those who act for the tenant)
-        problem = (f"the job holds {gpus:g} GPUs, and tenant {spec.tenant} may hold at most "
-                   f"{limit:g} across the federation (broker.tenant_limits)")
-        raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
+    if limit:  # (after the tenant check: the limit is told only to those who act for the tenant)
+        _check_tenant_limit(broker, spec, at)
     try:
         broker.settings.profiles.choose(spec.profile)
     except ProfileError as e:
         raise ApiError(422, f"invalid job spec: {at}profile: {e}",
                        [{"field": f"{at}profile", "problem": str(e)}]) from None
+
+
+def _check_tenant_limit(broker: Broker, spec: JobSpec, at: str = "") -> None:
+    """422 naming ``gpus`` for a job larger than its tenant's limit across the federation: it would wait for ever.
+    A submission checks it only of a new job, as the deadline: a retry with the ``Idempotency-Key`` of a job
+    accepted before the limit was lowered gets that job back."""
+    limits = broker.cycle.tenant_limits
+    limit = limits.of(spec.tenant) if limits is not None else None
+    gpus = gpus_charged(spec.gpus)
+    if limit is not None and gpus > limit + 1e-9:
+        problem = (f"the job holds {gpus:g} GPUs, and tenant {spec.tenant} may hold at most "
+                   f"{limit:g} across the federation (broker.tenant_limits)")
+        raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
 
 
 _JOB_SPECS: TypeAdapter[list[JobSpec]] = TypeAdapter(Annotated[list[JobSpec], Field(max_length=PREVIEW_LIST_MAX)])
@@ -859,13 +867,13 @@ async def preview_job(request: web.Request) -> web.Response:
 
 async def submit_job(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    spec, raw = await _job_spec(request)
+    spec, raw = await _job_spec(request, limit=False)
     key = request.headers.get("Idempotency-Key")
     if key is not None and not (1 <= len(key) <= 255 and key.isascii() and key.isprintable()):
         raise ApiError(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",
                        [{"field": "Idempotency-Key", "problem": "must be 1 to 255 printable ASCII characters"}])
     try:
-        job, created = await broker.book.submit(spec, key, raw)
+        job, created = await broker.book.submit(spec, key, raw, check=lambda: _check_tenant_limit(broker, spec))
     except IdempotencyConflict as e:
         raise ApiError(409, str(e), [{"field": "Idempotency-Key", "problem": "reused with a different body"}]) from None
     except PastDeadline as e:

@@ -266,10 +266,12 @@ class JobBook:
 
     # --- submit ---
 
-    async def submit(self, spec: JobSpec, idempotency_key: str | None = None, body: bytes | None = None) -> tuple[Job, bool]:
-        """Store a new job durably; return (job, created). With a repeated key, return the first job."""
+    async def submit(self, spec: JobSpec, idempotency_key: str | None = None, body: bytes | None = None,
+                     check: Callable[[], None] | None = None) -> tuple[Job, bool]:
+        """Store a new job durably; return (job, created). With a repeated key, return the first job. ``check``
+        is called before a new job is made (not for a replay), and may raise to refuse it."""
         if idempotency_key is None:
-            return await self._create(spec, None, None), True
+            return await self._create(spec, None, None, check), True
         digests = _digests(body if body is not None else spec.model_dump_json().encode())
         digest = digests[0]
         slot = (spec.tenant, idempotency_key)
@@ -287,7 +289,7 @@ class JobBook:
                 created = False
             else:
                 try:
-                    job, first_digest = await self._create(spec, idempotency_key, digest), digest
+                    job, first_digest = await self._create(spec, idempotency_key, digest, check), digest
                     created = True
                 except DuplicateKey:
                     # Another replica stored a job under this key between the lookup and the insert.
@@ -312,9 +314,12 @@ class JobBook:
             )
         return job
 
-    async def _create(self, spec: JobSpec, key: str | None, digest: str | None) -> Job:
+    async def _create(self, spec: JobSpec, key: str | None, digest: str | None,
+                      check: Callable[[], None] | None = None) -> Job:
         now = self._clock.now()
         check_deadline(spec.deadline, now)
+        if check is not None:
+            check()
         job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
         try:
             await self._store.insert_job(job, key, digest)

@@ -1576,3 +1576,25 @@ async def test_a_cancel_of_many_that_the_store_fails_part_way_says_what_it_did_a
     monkeypatch.setattr(lifecycle, "cancel", cancel)
     again = await (await client.post("/v1/cancellations", json={"labels": {"batch": "b"}})).json()
     assert again["cancelled"] == [ids[1], ids[0]] and again["more"] is False, again
+
+
+async def test_a_retry_of_a_job_accepted_before_its_tenants_limit_was_lowered_gets_that_job_back(tmp_path: Path):
+    """As with a deadline passed since: the limit is checked of a new job, not of the replay of one accepted (a
+    retry after a restart that lowered broker.tenant_limits); a new job over the limit is still refused."""
+    big = {**MINIMAL, "gpus": {"count": 5}}
+    for limit in (None, 4):
+        limits = {"t1": {"gpus": limit}} if limit is not None else {}
+        broker = Broker(BrokerSettings(db=str(tmp_path / "api.db"), shutdown_grace_s=1, tenant_limits=limits))
+        await broker.start([])
+        try:
+            async with TestClient(TestServer(create_app(broker))) as c:
+                r = await c.post("/v1/jobs", json=big, headers={"Idempotency-Key": "k1"})
+                assert r.status == 201, await r.text()
+                if limit is None:
+                    first = (await r.json())["id"]
+                else:
+                    assert (await r.json())["id"] == first and r.headers["Idempotent-Replayed"] == "true"
+                    r = await c.post("/v1/jobs", json=big, headers={"Idempotency-Key": "k2"})
+                    assert r.status == 422 and (await r.json())["error"]["fields"][0]["field"] == "gpus"
+        finally:
+            await broker.stop()
