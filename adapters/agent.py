@@ -267,8 +267,10 @@ class SiteAgent:
         self.boot = uuid.uuid4().hex[:16]
         self.malformed: Counter[str] = Counter()
         self.expired = 0  # commands dropped as come after the broker's wait for them ended (see _too_late)
-        # MQTT 5 until the MQTT broker refuses it: only then do commands carry the end of the broker's wait
+        # Each connection asks for MQTT 5, and falls back to 3.1.1 where the MQTT broker refuses it: only over 5 do
+        # commands carry the end of the broker's wait
         self.protocol = aiomqtt.ProtocolVersion.V5
+        self._refused_mqtt5 = False  # an MQTT broker refused MQTT 5 once (the warning is then said once)
         self._held: dict[tuple[str, int], _Held] = {}
         self._last_event: Bounded = Bounded(ATTEMPTS_KEPT)  # (job id, attempt) -> last EventKind seen
         self._stopped: Bounded = Bounded(ATTEMPTS_KEPT)  # attempts the agent stopped itself (lease) -> True
@@ -432,10 +434,13 @@ class SiteAgent:
             except aiomqtt.MqttError as e:
                 if self.protocol == aiomqtt.ProtocolVersion.V5 and refuses_mqtt5(e):
                     self.protocol = aiomqtt.ProtocolVersion.V311
-                    log.warning("site agent %s: the MQTT broker %s:%d refuses MQTT 5 (%s); connecting with MQTT 3.1.1, "
-                                "over which commands cannot expire: one the broker stopped waiting for is carried out "
-                                "when it comes. Use an MQTT broker that speaks MQTT 5 (Mosquitto 1.6 or later)",
-                                self.site, mqtt.host, mqtt.port, e)
+                    # (said at WARNING the first time; again at INFO, as each later connection asks for 5 first)
+                    log.log(logging.INFO if self._refused_mqtt5 else logging.WARNING,
+                            "site agent %s: the MQTT broker %s:%d refuses MQTT 5 (%s); connecting with MQTT 3.1.1, "
+                            "over which commands cannot expire: one the broker stopped waiting for is carried out "
+                            "when it comes. Use an MQTT broker that speaks MQTT 5 (Mosquitto 1.6 or later)",
+                            self.site, mqtt.host, mqtt.port, e)
+                    self._refused_mqtt5 = True
                     continue  # (at once: the MQTT broker answered)
                 log.warning("site agent %s: MQTT broker %s:%d: %s%s; connecting again in %.1f s", self.site,
                             mqtt.host, mqtt.port, e, await connection_advice(e, mqtt), wait)
@@ -443,6 +448,8 @@ class SiteAgent:
                 log.exception("site agent %s: MQTT connection failed; connecting again in %.1f s", self.site, wait)
             if self._closing:
                 break
+            # (a connection of 3.1.1 that ended: the next asks for MQTT 5 again, the MQTT broker may have been upgraded)
+            self.protocol = aiomqtt.ProtocolVersion.V5
             await asyncio.sleep(wait)
             wait = min(wait * 2, mqtt.reconnect_max_s)
 

@@ -34,7 +34,7 @@ The agent opens the only connection (to the MQTT broker), so a site behind NAT o
 outgoing connections only works. It connects with a persistent session (``clean_session`` false, a fixed
 client id per site), so QoS 1 messages published to it while it is briefly away are kept for it, commands until
 the broker's wait for them ends ("Commands expire"). Both sides speak MQTT 5 where the MQTT broker takes it, and
-3.1.1 otherwise (the payloads are the same).
+3.1.1 otherwise (the payloads are the same); each new connection asks for 5 first.
 
 Both sides connect with the same options (:func:`client_options`). Over TLS (:func:`tls_context`) when
 ``mqtt.tls`` is true (the MQTT broker's certificate verified by the system's CA store), when ``mqtt.ca_file``

@@ -101,9 +101,11 @@ class MqttHub:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.connects = 0
-        # MQTT 5 until the MQTT broker refuses it (then 3.1.1 for as long as this process runs): only an MQTT 5
+        # Each connection asks for MQTT 5, and falls back to 3.1.1 where the MQTT broker refuses it: only an MQTT 5
         # publish carries the Message Expiry Interval that keeps a command from outliving the wait for it.
-        self.protocol = aiomqtt.ProtocolVersion.V5
+        self.protocol = aiomqtt.ProtocolVersion.V5  # what the next (or current) connection asks for
+        self._speaking = aiomqtt.ProtocolVersion.V5  # what the current (or last) connection speaks
+        self._refused_mqtt5 = False  # an MQTT broker refused MQTT 5 once (the warning is then said once)
         self.skipped_late = 0  # resends not sent: too late in the wait for any whole-second expiry to hold
 
     def attach(self, site: RemoteSite) -> None:
@@ -143,8 +145,9 @@ class MqttHub:
 
     @property
     def commands_expire(self) -> bool:
-        """Whether the connection is MQTT 5, whose commands the MQTT broker drops once their wait is over."""
-        return self.protocol == aiomqtt.ProtocolVersion.V5
+        """Whether the connection is MQTT 5, whose commands the MQTT broker drops once their wait is over (the
+        last connection's, while none is up)."""
+        return self._speaking == aiomqtt.ProtocolVersion.V5
 
     async def publish(self, site: str, msg: BaseModel, qos: int = 1, *, within_s: float | None = None,
                       resend: bool = False, deadline: tuple[str, int, float] | None = None) -> bool:
@@ -189,6 +192,7 @@ class MqttHub:
                     for sub in proto.UP_SUBSCRIPTIONS:
                         await client.subscribe(sub, qos=1)
                     self._client = client
+                    self._speaking = self.protocol
                     self.connected.set()
                     self.connects += 1
                     delay = 0.1
@@ -197,13 +201,16 @@ class MqttHub:
                     async for message in client.messages:
                         self._on_message(message)
             except aiomqtt.MqttError as e:
-                if self.commands_expire and proto.refuses_mqtt5(e):
+                if self.protocol == aiomqtt.ProtocolVersion.V5 and proto.refuses_mqtt5(e):
                     self.protocol = aiomqtt.ProtocolVersion.V311
-                    log.warning("mqtt: the MQTT broker %s:%d refuses MQTT 5 (%s); connecting with MQTT 3.1.1, over "
-                                "which commands cannot expire at the MQTT broker: one an agent receives after the "
-                                "broker stopped waiting for it (the agent was away) is still carried out. Use an "
-                                "MQTT broker that speaks MQTT 5 (Mosquitto 1.6 or later)", self.settings.host,
-                                self.settings.port, e)
+                    # (said at WARNING the first time; again at INFO, as each later connection asks for 5 first)
+                    log.log(logging.INFO if self._refused_mqtt5 else logging.WARNING,
+                            "mqtt: the MQTT broker %s:%d refuses MQTT 5 (%s); connecting with MQTT 3.1.1, over "
+                            "which commands cannot expire at the MQTT broker: one an agent receives after the "
+                            "broker stopped waiting for it (the agent was away) is still carried out. Use an "
+                            "MQTT broker that speaks MQTT 5 (Mosquitto 1.6 or later)", self.settings.host,
+                            self.settings.port, e)
+                    self._refused_mqtt5 = True
                     continue  # (at once: the MQTT broker answered)
                 failed = e
             except Exception:  # whatever it was, the connection must come back
@@ -211,6 +218,9 @@ class MqttHub:
             finally:
                 self._client = None
                 self.connected.clear()
+            # A connection of 3.1.1 that ended: the next one asks for MQTT 5 again (the MQTT broker may have been
+            # upgraded or replaced meanwhile), and falls back at once where it is still refused.
+            self.protocol = aiomqtt.ProtocolVersion.V5
             if failed is not None:  # (said once the connection is marked down: the advice may take a probe)
                 advice = await proto.connection_advice(failed, self.settings)
                 log.warning("mqtt: connection to %s:%d lost or refused (%s%s); reconnecting in %.1f s",

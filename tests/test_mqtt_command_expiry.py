@@ -276,3 +276,39 @@ async def until(what: Callable[[], bool], why: str, timeout_s: float = 10.0) -> 
     while not what():
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {why}"
         await asyncio.sleep(0.02)
+
+
+async def test_after_falling_back_to_3_1_1_each_new_connection_asks_for_mqtt_5_again(
+        tmp_path: Path, mosquitto: Mosquitto, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """The MQTT broker upgraded (or replaced) behind the same address: the broker's hub and the agent speak MQTT 5
+    again once their connection of 3.1.1 ends, and commands expire again; while it still refuses 5, each
+    reconnection falls back at once, warned about once."""
+    caplog.set_level(logging.INFO)
+    proxy = Proxy(mosquitto.port, mqtt5=False)
+    await proxy.start()
+    settings = mosquitto.settings().model_copy(update={"port": proxy.port})
+    agent = await agent_through(settings, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))
+    b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=5.0)], run_loop=False, mqtt=settings)
+    try:
+        assert b.hub is not None and await b.hub.wait_connected(5)
+        await until(lambda: agent.connected, "the agent connects")
+        assert not b.hub.commands_expire and agent.protocol == aiomqtt.ProtocolVersion.V311
+        connects = b.hub.connects
+        proxy.cut()  # the connections drop; the MQTT broker still refuses 5
+        proxy.mend()
+        await until(lambda: b.hub.connects > connects and agent.connected and proxy.refused >= 4,
+                    "both reconnect, asking for 5 first")
+        assert not b.hub.commands_expire and agent.protocol == aiomqtt.ProtocolVersion.V311
+        refusals = [r.levelname for r in caplog.records if "refuses MQTT 5" in r.getMessage()]
+        assert refusals.count("WARNING") == 2 and refusals.count("INFO") >= 2  # (warned once each)
+        proxy.mqtt5 = True  # the MQTT broker now speaks 5
+        connects = b.hub.connects
+        proxy.cut()
+        proxy.mend()
+        await until(lambda: b.hub.connects > connects and b.hub.commands_expire and agent.connected
+                    and agent.protocol == aiomqtt.ProtocolVersion.V5, "both speak MQTT 5 again")
+        await until_edge_reports(b, collect=True)
+    finally:
+        await agent.stop()
+        await b.stop()
+        await proxy.close()

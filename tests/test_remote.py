@@ -580,7 +580,7 @@ async def test_over_mqtt_5_a_command_goes_with_its_expiry_and_a_resend_too_late_
     hub = MqttHub(MqttSettings())
     hub._client = client = FakeClient()  # type: ignore[assignment]
     hub.connected.set()
-    hub.protocol = protocol
+    hub.protocol = hub._speaking = protocol  # (a connection of that protocol)
     quota = proto.QuotaCommand(site="edge", msg_id="m-1", op="get")
     assert await hub.publish("edge", quota, within_s=10.0, deadline=("b1", 4, 9.75))
     assert await hub.publish("edge", quota, within_s=2.6, resend=True)
