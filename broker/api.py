@@ -1512,13 +1512,23 @@ async def usage_report(request: web.Request) -> web.Response:
     records = await broker.store.usage_records(start.timestamp(), end.timestamp())
     tenants = ({tenant} if tenant is not None else set(who.tenants)) if who.role == Role.SUBMITTER else (
         None if tenant is None else {tenant})
-    members = broker.federation.members
-    prices = {name: dict(m.spec.usd_per_gpu_hour) for name, m in members.items()}
+    prices = _prices_now(broker, now)
     intensity, notes = await _usage_intensity(broker, start, end, now)
     body = await asyncio.to_thread(usage.report, records, start, end, now, by, prices, tenants, site, intensity)
     if notes:
         body["notes"] = notes
     return _json(body)
+
+
+def _prices_now(broker: Broker, now: datetime) -> dict[str, dict[str, float]]:
+    """Each site's price per GPU-hour of each model it has, as routing sees it now (a price provider's over the
+    spec's), for a usage report's ``cost_usd``."""
+    if not broker.federation.members:
+        return {}
+    snap = broker.federation.freeze(now)
+    return {name: {GPU_MODEL_IDS[m]: float(snap.usd_per_gpu_hour[i, m])
+                   for m in np.flatnonzero(np.isfinite(snap.usd_per_gpu_hour[i]))}
+            for i, name in enumerate(snap.sites)}
 
 
 async def _usage_intensity(broker: Broker, start: datetime, end: datetime,

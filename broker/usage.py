@@ -15,9 +15,9 @@ forward to the end of its own (the answer says which).
 
 Figures per row: ``gpu_hours``; ``attempts`` that began to hold GPUs in the window (an attempt across the window's
 start is in ``gpu_hours``, not in ``attempts``); ``energy_kwh`` (GPU-hours x the model's board power, TDP: an upper
-estimate, as the carbon ledger's); and ``cost_usd`` (GPU-hours x the site's ``usd_per_gpu_hour`` for the model in
-its spec *now*, left out where the site has no such price, as a site removed since, or one priced only by a price
-provider: an estimate for chargeback, not a bill); and where the broker has a carbon provider, ``co2e_kg`` (that
+estimate, as the carbon ledger's); and ``cost_usd`` (GPU-hours x the site's price per GPU-hour of the model as
+routing sees it *now*: a price provider's where one is configured, else its spec's ``usd_per_gpu_hour``; left out
+where the site has no such price, as a site removed since: an estimate for chargeback, not a bill); and where the broker has a carbon provider, ``co2e_kg`` (that
 energy, hour by hour, x its site's grid intensity in that hour as the provider measured it; the hour under way at its
 forecast for it; left out of a row with energy at an hour or site whose intensity cannot be had).
 

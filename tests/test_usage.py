@@ -432,3 +432,27 @@ def test_the_cli_table_shows_carbon_where_the_broker_has_it_and_says_why_it_does
     assert lines[5] == "note: co2e_kg: zone FR: carbon provider: no data"
     del report["notes"], report["items"][0]["co2e_kg"]
     assert "CO2E_KG" not in show_usage(report)  # a broker without a carbon provider
+
+
+async def test_with_a_price_provider_the_cost_is_at_the_price_routing_sees(tmp_path: Path):
+    """A site priced by the broker's price provider alone (no usd_per_gpu_hour in its spec) is costed at that
+    price, as GET /v1/sites' signals give it, not left out."""
+    prices = Path(__file__).resolve().parent.parent / "data" / "prices" / "gcp_gpu_instance_prices.csv"
+    settings = BrokerSettings.model_validate({"db": str(tmp_path / "p.db"), "shutdown_grace_s": 0.1,
+                                              "prices": {"kind": "files", "path": str(prices)}})
+    broker = Broker(settings)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            await register(c, site_body("iowa", "gcp:us-central1", {A100: 8}))
+            site = await (await c.get("/v1/sites/iowa")).json()
+            price = site["signals"]["usd_per_gpu_hour"][A100]
+            assert price > 0
+            D, A, S = JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED
+            await run_job(broker.store, "ran", "t1", {"count": 2}, [
+                (0, D, dispatch("iowa", 1, A100)), (0, A, {}), (90, S, {})], t0=datetime.now(UTC) - timedelta(hours=3))
+            body = await (await c.get("/v1/usage")).json()
+            assert body["items"] == [{"tenant": "t1", "gpu_hours": near(3.0), "attempts": 1, "energy_kwh": near(1.2),
+                                      "cost_usd": near(3.0 * price, abs=0.006)}]
+    finally:
+        await broker.stop()
