@@ -1513,7 +1513,7 @@ async def usage_report(request: web.Request) -> web.Response:
     tenants = ({tenant} if tenant is not None else set(who.tenants)) if who.role == Role.SUBMITTER else (
         None if tenant is None else {tenant})
     prices = _prices_now(broker, now)
-    intensity, notes = await _usage_intensity(broker, start, end, now)
+    intensity, notes = await _usage_intensity(broker, records, start, end, now)
     body = await asyncio.to_thread(usage.report, records, start, end, now, by, prices, tenants, site, intensity)
     if notes:
         body["notes"] = notes
@@ -1531,37 +1531,47 @@ def _prices_now(broker: Broker, now: datetime) -> dict[str, dict[str, float]]:
             for i, name in enumerate(snap.sites)}
 
 
-async def _usage_intensity(broker: Broker, start: datetime, end: datetime,
+async def _usage_intensity(broker: Broker, records: usage.UsageRecords, start: datetime, end: datetime,
                            now: datetime) -> tuple[dict[str, dict[int, float]] | None, list[str]]:
-    """Each site's grid intensity per hour of [``start``, ``end``) for a usage report's ``co2e_kg``: the past hours
-    as the carbon provider measured them, the hour under way at its forecast (None without a provider), and
-    a note per zone that could not be had."""
+    """Each site's grid intensity per hour for a usage report's ``co2e_kg``, over the hours its GPUs were held
+    (:func:`broker.usage.hours_used`): the hours wholly past as the carbon provider measured them, the hour under
+    way at its forecast (None without a provider), and a note per zone that could not be had."""
     signals = broker.signals
     if signals is None:
         return None, []
     hour_s = usage.HOUR_S
-    done = min(end.timestamp(), now.timestamp() // hour_s * hour_s)  # (the hours wholly past)
-    zones = {name: m.spec.grid_zone for name, m in broker.federation.members.items()}
+    current = int(now.timestamp() // hour_s * hour_s)  # (the hour under way: not measured yet)
+    members = broker.federation.members
+    spans: dict[str, tuple[int, int]] = {}  # zone -> first and last hour wanted
+    for site, (first, last) in usage.hours_used(records, start, end, now).items():
+        if site in members:
+            zone = members[site].spec.grid_zone
+            old = spans.get(zone, (first, last))
+            spans[zone] = (min(first, old[0]), max(last, old[1]))
     notes: list[str] = []
 
-    async def zone_hours(zone: str) -> dict[int, float]:
+    async def zone_hours(zone: str, first: int, last: int) -> dict[int, float]:
         out: dict[int, float] = {}
-        if done > start.timestamp():
+        past_end = min(last + hour_s, current)
+        if past_end > first:
             try:
-                values = await signals.measured(zone, start, datetime.fromtimestamp(done, UTC))
+                values = await signals.measured(zone, datetime.fromtimestamp(first, UTC),
+                                                datetime.fromtimestamp(past_end, UTC))
             except (ProviderError, ValueError, TimeoutError) as e:
                 notes.append(f"co2e_kg: zone {zone}: {str(e) or 'no answer in time'}"[:300])
             else:
-                out.update({int(start.timestamp()) + i * hour_s: float(v) for i, v in enumerate(values)})
-        if done < end.timestamp():  # the hour under way: its forecast
+                out.update({first + i * hour_s: float(v) for i, v in enumerate(values)})
+        if last >= current:  # the hour under way: its forecast
             row = signals.forecast_rows([zone], now)
             if row.size and math.isfinite(row[0][0]):
-                out[int(done)] = float(row[0][0])
+                out[current] = float(row[0][0])
+            else:
+                notes.append(f"co2e_kg: zone {zone}: no forecast for the hour under way")
         return out
 
-    unique = sorted(set(zones.values()))
-    by_zone = dict(zip(unique, await asyncio.gather(*(zone_hours(z) for z in unique))))
-    return {name: by_zone[zone] for name, zone in zones.items()}, sorted(notes)
+    zones = sorted(spans)
+    found = dict(zip(zones, await asyncio.gather(*(zone_hours(z, *spans[z]) for z in zones))))
+    return {name: found.get(m.spec.grid_zone, {}) for name, m in members.items()}, sorted(notes)
 
 
 async def whoami(request: web.Request) -> web.Response:

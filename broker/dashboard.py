@@ -3,8 +3,8 @@
 The page itself (``broker/static/``: ``index.html``, ``dashboard.css``, ``dashboard.js``, ``world.svg``) is
 hand-written HTML, CSS and JavaScript with no build step and nothing fetched from elsewhere: it reads the
 same JSON API as every other client (``/v1/sites``, ``/v1/jobs``, ``/v1/jobs/{id}/decision``,
-``/v1/carbon``) and follows ``/v1/events`` for live updates, sending the user's bearer token when the broker
-asks for one. The files hold no data, so they are served to anyone who can reach the broker.
+``/v1/carbon``, ``/v1/usage``) and follows ``/v1/events`` for live updates, sending the user's bearer token
+when the broker asks for one. The files hold no data, so they are served to anyone who can reach the broker.
 
 Only the files in ``broker/static/`` whose type is listed in :data:`CONTENT_TYPES` are served, by name, one
 level deep: anything else under ``/dashboard/`` (other names, other folders, ``..``) is a 404. Every answer

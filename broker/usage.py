@@ -197,6 +197,27 @@ def window(frm: datetime | None, to: datetime | None, now: datetime) -> tuple[da
     return start_h, end_h
 
 
+def hours_used(records: UsageRecords, start: datetime, end: datetime, now: datetime) -> dict[str, tuple[int, int]]:
+    """Per site, the first and the last hour start (POSIX seconds) of [``start``, ``end``) in which GPUs were held
+    there, up to ``now``: the intensities a report's ``co2e_kg`` needs (those of the hours between, too)."""
+    lo, hi, until = start.timestamp(), end.timestamp(), min(now.timestamp(), end.timestamp())
+    out: dict[str, tuple[int, int]] = {}
+
+    def add(site: str, first: int, last: int) -> None:
+        if site in out:
+            first, last = min(first, out[site][0]), max(last, out[site][1])
+        out[site] = (first, last)
+
+    for hour, _, site, _, gpu_s, _ in records.hours:
+        if lo <= hour < hi and gpu_s > 0:
+            add(site, int(hour), int(hour))
+    for h in records.held:
+        a, b = max(h.start, lo), min(h.end if h.end is not None else until, hi)
+        if b > a:
+            add(h.site, int(a // HOUR_S) * HOUR_S, int(math.ceil(b / HOUR_S) - 1) * HOUR_S)
+    return out
+
+
 @dataclass(slots=True)
 class Row:
     gpu_s: float = 0.0

@@ -243,6 +243,11 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
     explained = srv.jobs["explained"]
     decision = http(f"{srv.url}/v1/jobs/{explained}/decision")
     assert decision["outcome"] == "placed"
+    placed = {"vision", "nlp", "speech", "research"}  # the tenants of the jobs placed (not of the one too big)
+    deadline = time.monotonic() + 10
+    while {i["tenant"] for i in http(f"{srv.url}/v1/usage?by=tenant")["items"]} != placed:
+        assert time.monotonic() < deadline, "the placed jobs' sites did not admit them within 10 s"
+        time.sleep(0.1)
     w = Watched(browser)
     page = w.page
 
@@ -297,6 +302,16 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
     # The carbon headline, from /v1/carbon.
     expect(page.locator("#carbon")).to_have_attribute("data-state", "ok")
     expect(page.locator("#carbon-saved")).to_have_text(re.compile(r"^-?\d"))
+
+    # Usage by tenant, from /v1/usage: a row per tenant whose jobs hold GPUs, costed at the demo sites' prices,
+    # and the total.
+    expect(page.locator("#usage")).to_have_attribute("data-state", "ok")
+    usage = page.locator("#usage-table tbody tr")
+    expect(usage).to_have_count(len(placed) + 1)
+    for tenant in [*placed, "total"]:
+        cells = page.locator(f'#usage-table tr[data-tenant="{tenant}"] td')
+        expect(cells.nth(1)).to_have_text(re.compile(r"^\d[\d.e+-]*$"))  # GPU-hours
+        expect(cells.nth(4)).to_have_text(re.compile(r"^\d+\.\d\d$"))  # cost
 
     # Live: a job submitted now shows up in the queue and the log, without a reload (the page polls the
     # queue only every 30 s while the stream is live).

@@ -1,7 +1,7 @@
 // heliotrope dashboard: the sites on a world map, the queue, each job's decision term by term, the carbon
 // saved, and a live event log. Plain JavaScript, no dependencies, nothing fetched from outside the broker.
 //
-// Data: GET /v1/sites, /v1/jobs?state=..., /v1/jobs/{id}/decision, /v1/carbon (each JSON), a job's log
+// Data: GET /v1/sites, /v1/jobs?state=..., /v1/jobs/{id}/decision, /v1/carbon, /v1/usage (each JSON), a job's log
 // (GET /v1/jobs/{id}/logs, text, when its panel is opened), and the live
 // stream GET /v1/events (server-sent events, read with fetch() so that it can carry the bearer token).
 // Whatever the broker does not offer (a 404) is shown as unavailable and the rest works without it.
@@ -760,6 +760,41 @@ async function refreshCarbon() {
   box.title = c.baseline || box.title;
 }
 
+// --- usage by tenant ---------------------------------------------------------------------------------
+
+/** GPU-hours, energy, cost and emissions per tenant over the last 30 days (GET /v1/usage), for chargeback. A
+ * broker of an earlier release (404) or a token that may not read it (403: an operator's) hides the card. */
+async function refreshUsage() {
+  const card = $("usage");
+  let u;
+  try {
+    u = await api("v1/usage?by=tenant");
+  } catch (e) {
+    if (e.status === 401) return;
+    card.dataset.state = "unavailable";
+    card.hidden = e.status === 404 || e.status === 403;
+    $("usage-note").textContent = e.message;
+    return;
+  }
+  card.hidden = false;
+  card.dataset.state = "ok";
+  const when = (t) => t.slice(0, 16).replace("T", " ");
+  $("usage-window").textContent = `${when(u.from)} to ${when(u.to)} UTC`;
+  const cell = (v, digits) => h("td", { class: "num" }, v === undefined || v === null ? "–" : num(v, digits));
+  const row = (item, name, cls) => h("tr", { "data-tenant": name, class: cls },
+    h("td", {}, name), cell(item.gpu_hours), cell(item.attempts, 0), cell(item.energy_kwh),
+    cell(item.cost_usd, 2), cell(item.co2e_kg));
+  const body = $("usage-table").querySelector("tbody");
+  body.replaceChildren(...u.items.map((i) => row(i, i.tenant, "")),
+    ...(u.items.length ? [row(u.total, "total", "total")] : []));
+  // (each note names a zone whose intensity could not be had: the zones here, the whole notes in the title)
+  const zones = (u.notes || []).map((n) => (n.match(/zone ([^:]+):/) || [])[1]).filter(Boolean);
+  const note = $("usage-note");
+  note.textContent = !u.items.length ? "no GPU time used in the window"
+    : zones.length ? `kg CO₂e unknown where GPUs ran in ${zones.join(", ")}: no intensity for those hours` : "";
+  note.title = (u.notes || []).join("\n");
+}
+
 // --- events log -------------------------------------------------------------------------------------
 
 const MAX_EVENTS = 150;
@@ -978,6 +1013,7 @@ function refreshAll() {
     refreshSites().catch(noteError),
     refreshJobs().catch(noteError),
     refreshCarbon(),
+    refreshUsage().catch(noteError),
     state.selected ? loadDecision() : null,
   ]);
 }
@@ -1015,6 +1051,7 @@ async function boot() {
   every(refreshSites, 10000, 30000);
   every(refreshJobs, 5000, 30000);
   every(refreshCarbon, 15000, 30000);
+  every(refreshUsage, 60000);
   setInterval(() => { renderMap(); renderSitesTable(); }, 30000); // local times and the night side move on
   followEvents();
 }
