@@ -10,8 +10,8 @@
     heliotrope sites list | get NAME | add FILE | remove NAME   (list: health, lease and last-heard time)
     heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
     heliotrope tenants [--tenant T]          each tenant's jobs and GPUs held across the federation, against its limit
-    heliotrope usage [--from T] [--to T] [--by tenant,site,gpu_model] [--tenant T] [--site S]   GPU-hours, energy
-                     and cost per tenant (site, model) over whole hours, for chargeback (GET /v1/usage)
+    heliotrope usage [--from T] [--to T] [--by tenant,site,gpu_model] [--tenant T] [--site S] [--csv]   GPU-hours,
+                     energy, cost and CO2e per tenant (site, model) over whole hours, for chargeback (GET /v1/usage)
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
     heliotrope quota SITE --set T [--guaranteed N] [--burst N] [--weight W] [--ceiling P] [--model M] | --remove T
     heliotrope watch [--tenant T] [--site S] [--job ID] [--type T,...]   follow live events (GET /v1/events)
@@ -632,8 +632,10 @@ async def _client_command(args: argparse.Namespace) -> str | None:
             case "usage":
                 params = {name: value for name, value in (("from", args.start), ("to", args.end), ("by", args.by),
                                                           ("tenant", args.tenant), ("site", args.site)) if value}
+                if args.csv and args.json:
+                    raise CliError("usage: --csv and --json each give the whole report; use one of them")
                 out = await c.request("GET", "/v1/usage", params=params or None)
-                text = show_usage(out)
+                text = usage_csv(out) if args.csv else show_usage(out)
             case _:
                 raise CliError(f"unknown command {args.command}")
     rendered = json.dumps(out, indent=2) if args.json else text
@@ -677,6 +679,21 @@ def show_usage(report: dict[str, Any]) -> str:
 
 
 USAGE_COLUMNS = ("gpu_hours", "attempts", "energy_kwh", "cost_usd")
+
+
+def usage_csv(report: dict[str, Any]) -> str:
+    """``GET /v1/usage`` as CSV for a spreadsheet: a header, a row per group with the window's start and end, the
+    figures unrounded as the broker gives them (empty where one is left out), no total row (a sum of the column)."""
+    import csv
+    import io
+
+    columns = ["from", "to", *report["by"], *USAGE_COLUMNS, "co2e_kg"]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for item in report["items"]:
+        writer.writerow({"from": report["from"], "to": report["to"], **item})
+    return out.getvalue().rstrip("\n")
 
 
 async def _logs(c: Client, args: argparse.Namespace) -> str | None:
@@ -990,6 +1007,7 @@ def parser() -> argparse.ArgumentParser:
                                                 "(default: tenant)")
     s.add_argument("--tenant", help="only this tenant's usage")
     s.add_argument("--site", help="only the usage at this site")
+    s.add_argument("--csv", action="store_true", help="print CSV (a row per group, for a spreadsheet)")
     s = sub.add_parser("quota", parents=[common], help="a site's quota state per tenant; --set or --remove changes it")
     s.add_argument("site")
     s.add_argument("--tenant", help="show only this tenant")

@@ -461,3 +461,21 @@ async def test_with_a_price_provider_the_cost_is_at_the_price_routing_sees(tmp_p
                                       "cost_usd": near(3.0 * price, abs=0.006)}]
     finally:
         await broker.stop()
+
+
+def test_the_cli_gives_the_report_as_csv_for_a_spreadsheet():
+    import csv
+    from broker.cli import usage_csv
+    report = {"from": "2026-11-01T00:00:00+00:00", "to": "2026-12-01T00:00:00+00:00", "by": ["tenant", "site"],
+              "items": [{"tenant": "vision", "site": "berlin", "gpu_hours": 12480.123456, "attempts": 311,
+                         "energy_kwh": 4992.05, "cost_usd": 37440.37, "co2e_kg": 1497.6},
+                        {"tenant": "nlp, team \"b\"", "site": "oregon", "gpu_hours": 3.5, "attempts": 2,
+                         "energy_kwh": 1.4}],
+              "total": {"gpu_hours": 12483.623456, "attempts": 313, "energy_kwh": 4993.45}}
+    rows = list(csv.DictReader(usage_csv(report).splitlines()))
+    assert rows == [
+        {"from": "2026-11-01T00:00:00+00:00", "to": "2026-12-01T00:00:00+00:00", "tenant": "vision",
+         "site": "berlin", "gpu_hours": "12480.123456", "attempts": "311", "energy_kwh": "4992.05",
+         "cost_usd": "37440.37", "co2e_kg": "1497.6"},
+        {"from": "2026-11-01T00:00:00+00:00", "to": "2026-12-01T00:00:00+00:00", "tenant": 'nlp, team "b"',
+         "site": "oregon", "gpu_hours": "3.5", "attempts": "2", "energy_kwh": "1.4", "cost_usd": "", "co2e_kg": ""}]
