@@ -28,6 +28,7 @@ puts the report together here.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from typing import Any
 from broker import ids
 from broker.models import STORED, GpuRequest, JobState
 from policies.snapshot import charge
+
+log = logging.getLogger(__name__)
 
 HOUR_S = 3600
 UNKNOWN_MODEL = "unknown"  # an attempt whose GPU model nobody recorded (a transition of an earlier release)
@@ -128,9 +131,24 @@ class Holds:
         model = model or job_model or UNKNOWN_MODEL
         key = (gpus, model)
         if key not in self._charges:
-            self._charges[key] = request_charge(gpus, model)
+            try:
+                self._charges[key] = request_charge(gpus, model)
+            except ValueError as e:  # (a stored request this release cannot read: counted, not in the way)
+                count = _count_of(gpus)
+                log.warning("usage: job %s: its GPU request cannot be read (%s); counted as %g GPUs", self._job,
+                            str(e).splitlines()[0], count)
+                self._charges[key] = count
         self.held.append(Held(tenant, site, model, self._charges[key], start, end))
         self._open = None
+
+
+def _count_of(gpus: str) -> float:
+    """A GPU request's ``count`` where it has a readable one, else 1."""
+    try:
+        count = json.loads(gpus).get("count", 1)
+    except (ValueError, AttributeError):
+        return 1.0
+    return float(count) if isinstance(count, int | float) and count > 0 else 1.0
 
 
 def holds(jobs: Mapping[str, tuple[str, str, str | None]], events: Iterable[Event]) -> list[Held]:

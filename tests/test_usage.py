@@ -479,3 +479,13 @@ def test_the_cli_gives_the_report_as_csv_for_a_spreadsheet():
          "cost_usd": "37440.37", "co2e_kg": "1497.6"},
         {"from": "2026-11-01T00:00:00+00:00", "to": "2026-12-01T00:00:00+00:00", "tenant": 'nlp, team "b"',
          "site": "oregon", "gpu_hours": "3.5", "attempts": "2", "energy_kwh": "1.4", "cost_usd": "", "co2e_kg": ""}]
+
+
+def test_a_stored_request_this_release_cannot_read_is_counted_by_its_count_not_in_the_retentions_way(caplog):
+    """The roll-up runs before the retention deletes jobs: a request it cannot read must not stop the deletion."""
+    jobs = {"odd": ("t", '{"count": 3, "milli": 5000}', A100), "junk": ("t", "not json", A100)}
+    events = [(j, at(m).isoformat(), state, "s1", 1, A100) for j in ("odd", "junk")
+              for m, state in ((0, "running"), (60, "succeeded"))]
+    held = usage.holds(jobs, events)
+    assert sorted(h.gpus for h in held) == [1.0, 3.0]
+    assert "its GPU request cannot be read" in caplog.text
