@@ -15,14 +15,16 @@ forward to the end of its own (the answer says which).
 
 Figures per row: ``gpu_hours``; ``attempts`` that began to hold GPUs in the window (an attempt across the window's
 start is in ``gpu_hours``, not in ``attempts``); ``energy_kwh`` (GPU-hours x the model's board power, TDP: an upper
-estimate, as the carbon ledger's); and ``cost_usd`` (GPU-hours x the site's price per GPU-hour of the model as
-routing sees it *now*: a price provider's where one is configured, else its spec's ``usd_per_gpu_hour``; left out
-where the site has no such price, as a site removed since: an estimate for chargeback, not a bill); and where the broker has a carbon provider, ``co2e_kg`` (that
-energy, hour by hour, x its site's grid intensity in that hour as the provider measured it; the hour under way at its
-forecast for it; left out of a row with energy at an hour or site whose intensity cannot be had).
+estimate, as the carbon ledger's); ``cost_usd`` (GPU-hours x the site's price per GPU-hour of the model as routing
+sees it *now*: a price provider's where one is configured, else its spec's ``usd_per_gpu_hour``; left out where the
+site has no such price, as a site removed since: an estimate for chargeback, not a bill); and where the broker has a
+carbon provider, ``co2e_kg`` (that energy, hour by hour, x its site's grid intensity in that hour as the provider
+measured it, the hour under way at its forecast; left out of a row with energy at an hour or site whose intensity
+cannot be had, which the answer's ``notes`` name).
 
-This module is pure: the stores read the transitions and rolled-up hours (``Store.usage_records``), and the API
-puts the report together here.
+This module does no I/O: the stores read the transitions (streamed into :class:`Holds`) and the rolled-up hours
+(``Store.usage_records``), the API the intensities (only of the hours used: :func:`hours_used`), and
+:func:`report` puts the report together.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def request_charge(gpus: str, model: str | None) -> float:
 class Holds:
     """The attempts that held GPUs, read from jobs' transitions as a store streams them (:meth:`feed`, the events
     of each job together, in the order stored, in as many pieces as it likes), so that a report over many jobs
-    keeps their attempts, not their transitions. ``jobs``: job id -> (tenant, its GPU request's JSON, the model of
-    its current attempt) for the jobs whose transitions count (:meth:`job` adds one); others' are passed over."""
+    keeps their attempts, not their transitions. :meth:`job` names each job whose transitions count (its tenant,
+    its GPU request's JSON, the model of its current attempt), first; others' transitions are passed over."""
 
     def __init__(self) -> None:
         self.held: list[Held] = []
