@@ -91,7 +91,11 @@ class Holds:
     """The attempts that held GPUs, read from jobs' transitions as a store streams them (:meth:`feed`, the events
     of each job together, in the order stored, in as many pieces as it likes), so that a report over many jobs
     keeps their attempts, not their transitions. :meth:`job` names each job whose transitions count (its tenant,
-    its GPU request's JSON, the model of its current attempt), first; others' transitions are passed over."""
+    its GPU request's JSON, the model of its current attempt), first; others' transitions are passed over.
+
+    A transition stored before this release names no model: its attempt is charged to the job's model only where
+    it is the job's current attempt (the last its transitions name), the one that model is of; an earlier one,
+    perhaps at another site, to ``unknown``. So a job's attempts are kept until its last transition is read."""
 
     def __init__(self) -> None:
         self.held: list[Held] = []
@@ -100,6 +104,8 @@ class Holds:
         self._charges: dict[tuple[str, str], float] = {}
         self._job: str | None = None
         self._open: tuple[int, str, str | None, float] | None = None  # (attempt, site, model, start) of the hold
+        self._last_attempt = 0  # of the job being read: the attempt its last transition read names
+        self._ended: list[tuple[int, str, str | None, float, float | None]] = []  # its holds read, as _open + end
 
     def job(self, job_id: str, tenant: str, gpus: str, model: str | None) -> None:
         texts = self._texts
@@ -109,9 +115,11 @@ class Holds:
         for job_id, at, state, site, attempt, model in events:
             if job_id != self._job:
                 self._close(None)
+                self._flush()
                 self._job = job_id if job_id in self._jobs else None
             if self._job is None:
                 continue
+            self._last_attempt = attempt
             ts = datetime.fromisoformat(at).timestamp()
             if self._open is not None and (state not in _HOLDING or attempt != self._open[0]):
                 self._close(ts)
@@ -121,27 +129,32 @@ class Holds:
     def done(self) -> list[Held]:
         """The attempts read (one still holding its GPUs at the last transition read: ``end`` None)."""
         self._close(None)
+        self._flush()
         self._job = None
         return self.held
 
     def _close(self, end: float | None) -> None:
-        if self._open is None or self._job is None:
-            self._open = None
-            return
-        tenant, gpus, job_model = self._jobs[self._job]
-        attempt, site, model, start = self._open
-        model = model or job_model or UNKNOWN_MODEL
-        key = (gpus, model)
-        if key not in self._charges:
-            try:
-                self._charges[key] = request_charge(gpus, model)
-            except ValueError as e:  # (a stored request this release cannot read: counted, not in the way)
-                count = _count_of(gpus)
-                log.warning("usage: job %s: its GPU request cannot be read (%s); counted as %g GPUs", self._job,
-                            str(e).splitlines()[0], count)
-                self._charges[key] = count
-        self.held.append(Held(tenant, site, model, self._charges[key], start, end))
+        if self._open is not None and self._job is not None:
+            self._ended.append((*self._open, end))
         self._open = None
+
+    def _flush(self) -> None:
+        """The job being read is read whole: its holds, each on its model."""
+        if self._job is not None:
+            tenant, gpus, job_model = self._jobs[self._job]
+            for attempt, site, model, start, end in self._ended:
+                model = model or (job_model if attempt == self._last_attempt else None) or UNKNOWN_MODEL
+                key = (gpus, model)
+                if key not in self._charges:
+                    try:
+                        self._charges[key] = request_charge(gpus, model)
+                    except ValueError as e:  # (a stored request this release cannot read: counted, not in the way)
+                        count = _count_of(gpus)
+                        log.warning("usage: job %s: its GPU request cannot be read (%s); counted as %g GPUs",
+                                    self._job, str(e).splitlines()[0], count)
+                        self._charges[key] = count
+                self.held.append(Held(tenant, site, model, self._charges[key], start, end))
+        self._ended = []
 
 
 def _count_of(gpus: str) -> float:
@@ -195,8 +208,9 @@ def roll_up(held: Iterable[Held]) -> dict[tuple[int, str, str, str], tuple[float
 
 def window(frm: datetime | None, to: datetime | None, now: datetime) -> tuple[datetime, datetime]:
     """A report's window in whole hours (UTC): ``from`` back to the start of its hour, ``to`` on to the end of
-    its own; by default the 30 days up to the end of the current hour. Raises ValueError (naming the parameter)
-    for a window that ends before it starts or spans more than :data:`MAX_WINDOW_DAYS`."""
+    its own; by default the 30 days up to the end of the current hour. Raises ValueError (naming the parameter:
+    ``to``, or ``from`` where it alone is given) for a window that ends before it starts or spans more than
+    :data:`MAX_WINDOW_DAYS`."""
     def floor(t: datetime) -> datetime:
         return datetime.fromtimestamp(int(t.timestamp() // HOUR_S) * HOUR_S, UTC)
 
@@ -210,10 +224,12 @@ def window(frm: datetime | None, to: datetime | None, now: datetime) -> tuple[da
         start_h = floor(frm) if frm is not None else end_h - timedelta(days=30)
     except (OverflowError, OSError, ValueError):  # (an hour or 30 days beyond year 9999 or before year 1)
         raise ValueError(f"{field}: the window reaches past the dates a report can name (years 1 to 9999)") from None
+    given = "to" if to is not None else "from"  # (the end named where given; a from alone is what is wrong)
     if end_h <= start_h:
-        raise ValueError("to: the window must end after it starts (from)")
+        raise ValueError(f"{given}: the window must end after it starts (from)"
+                         + ("" if to is not None else "; with no to it ends at the end of the current hour"))
     if end_h - start_h > timedelta(days=MAX_WINDOW_DAYS):
-        raise ValueError(f"to: a report spans at most {MAX_WINDOW_DAYS} days; ask for several")
+        raise ValueError(f"{given}: a report spans at most {MAX_WINDOW_DAYS} days; ask for several")
     return start_h, end_h
 
 

@@ -109,7 +109,7 @@ RULES_BEYOND_THE_SCHEMA = [
     (r"(quotas\[\d+\]\.)?guaranteed_gpus", r"is more than the site's"),
     # GET /v1/usage: a date or time of the right shape that is no date (month 13), and a window's two ends together
     ("from|to", r"not an ISO 8601 time"),
-    ("to", r"must end after it starts|spans at most"),
+    ("from|to", r"must end after it starts|spans at most"),
     ("from|to", r"reaches past the dates a report can name"),  # an end of hour or 30 days past year 9999 or before 1
     ("by", r"names a key twice"),
 ]

@@ -272,6 +272,9 @@ async def test_a_tenants_jobs_run_at_sites_show_in_its_usage_with_the_sites_pric
     ({"to": "2026-11-01T00:00:00"}, "to", "no time zone"),
     ({"from": "2026-11-02", "to": "2026-11-01"}, "to", "must end after it starts"),
     ({"from": "2024-01-01", "to": "2026-01-01"}, "to", "at most 400 days"),
+    # a from alone: the window ends at the end of the current hour, and from is what is wrong
+    ({"from": "9000-01-01"}, "from", "must end after it starts"),
+    ({"from": "2001-01-01"}, "from", "at most 400 days"),
     ({"by": "tenant,region"}, "by", "'region' is not one of tenant, site, gpu_model"),
     ({"by": "site,site"}, "by", "names a key twice"),
     ({"tenant": ""}, "tenant", "is empty"),
@@ -489,3 +492,59 @@ def test_a_stored_request_this_release_cannot_read_is_counted_by_its_count_not_i
     held = usage.holds(jobs, events)
     assert sorted(h.gpus for h in held) == [1.0, 3.0]
     assert "its GPU request cannot be read" in caplog.text
+
+# --- found in review ---
+
+
+async def test_a_job_stored_with_a_nul_in_a_label_is_still_charged(store: Store):
+    """An earlier release accepted a NUL in a label; the job's document holds it escaped (\\u0000), which
+    PostgreSQL's json refuses to take anything out of: the report must still read the job."""
+    job = Job(id="nul", spec=JobSpec(tenant="t", name="nul", gpus={"count": 1}, duration_s=60,
+                                     labels={"k": "a\x00b", "path": "C:\\u0000"}), created_at=T0, updated_at=T0)
+    await store.insert_job(job)
+    for minute, state, changes in [(0, JobState.DISPATCHING, dispatch("s1", 1, A100)), (0, JobState.ADMITTED, {}),
+                                   (60, JobState.SUCCEEDED, {})]:
+        new = job.transition(state, at(minute), **changes)
+        await store.update_job(new, job.version)
+        job = new
+    day = (datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC))
+    assert rows(await report(store, *day)) == {("t", "s1", A100): (near(1.0), 1)}
+    assert await store.prune_ended(at(100), 10) == ["nul"]
+    assert rows(await report(store, *day)) == {("t", "s1", A100): (near(1.0), 1)}
+
+
+async def test_a_full_deletion_round_rolls_up_on_an_sqlite_that_binds_at_most_999_variables(tmp_path: Path):
+    """SQLite before 3.32 binds at most 999 variables in a statement; the retention deletes up to
+    PRUNE_BATCH (1000) jobs a round, whose attempts it reads first."""
+    import sqlite3
+    from broker.service import PRUNE_BATCH
+    s = SQLiteStore(tmp_path / "h.db")
+    await s.open()
+    try:
+        reader = s._reader
+        assert reader is not None
+        await reader._execute(reader._conn.setlimit, sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+
+        async def one(i: int) -> None:
+            await run_job(s, f"j{i:05d}", "t", {"count": 1}, [
+                (0, JobState.DISPATCHING, dispatch("s1", 1, A100)), (0, JobState.ADMITTED, {}),
+                (6, JobState.SUCCEEDED, {})])
+
+        await asyncio.gather(*(one(i) for i in range(PRUNE_BATCH)))
+        assert len(await s.prune_ended(at(100), PRUNE_BATCH)) == PRUNE_BATCH
+        day = (datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC))
+        assert rows(await report(s, *day)) == {("t", "s1", A100): (near(PRUNE_BATCH * 0.1, abs=1e-4), PRUNE_BATCH)}
+    finally:
+        await s.close()
+
+
+def test_an_earlier_releases_attempt_on_another_site_is_charged_to_an_unknown_model_not_the_jobs_last():
+    """Transitions stored before usage carry no model; only the job's current attempt is known to be on the job's
+    model (README: ``unknown`` for an attempt placed before this release, where the job has moved on since)."""
+    records = usage.UsageRecords(usage.holds(
+        {"j": ("t", '{"count": 1}', H100)},
+        [("j", at(0).isoformat(), "running", "s1", 1, None), ("j", at(30).isoformat(), "queued", None, 1, None),
+         ("j", at(30).isoformat(), "dispatching", "s2", 2, None), ("j", at(30).isoformat(), "running", "s2", 2, None),
+         ("j", at(60).isoformat(), "succeeded", "s2", 2, None)]), [])
+    body = usage.report(records, *usage.window(at(0), at(60), NOW), NOW, ("site", "gpu_model"), PRICES)
+    assert rows(body) == {("s1", usage.UNKNOWN_MODEL): (near(0.5), 1), ("s2", H100): (near(0.5), 1)}

@@ -139,6 +139,7 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 _USAGE_PIECE = 10_000  # rows a usage report reads at a time
+_USAGE_IDS = 500  # jobs read at a time by id (an SQLite before 3.32 binds at most 999 variables a statement)
 _USAGE_KEPT = "SELECT id FROM jobs WHERE ended_at IS NULL OR ended_at >= ?"
 _USAGE_JOBS = ("SELECT id, tenant, json_extract(doc, '$.spec.gpus'), json_extract(doc, '$.gpu_model') FROM jobs"
                " WHERE ended_at IS NULL OR ended_at >= ?")
@@ -522,12 +523,19 @@ class SQLiteStore(SqlWriteQueue):
         return usage.UsageRecords(reader.done(), list(hours))
 
     async def _usage_of(self, ids: list[str]) -> list[usage.Held]:
-        marks = ",".join("?" * len(ids))
-        jobs = await self._all(f"SELECT id, tenant, json_extract(doc, '$.spec.gpus'), json_extract(doc, '$.gpu_model')"
-                               f" FROM jobs WHERE id IN ({marks})", tuple(ids))
-        events = await self._all(f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events"
-                                 f" WHERE job_id IN ({marks}) ORDER BY job_id, seq", tuple(ids))
-        return usage.holds({r[0]: (r[1], r[2], r[3]) for r in jobs}, events)
+        """As the base class says, read ``_USAGE_IDS`` jobs at a time: an SQLite before 3.32 binds at most 999
+        variables in a statement, fewer than the retention's round of deletions (``PRUNE_BATCH``)."""
+        jobs: dict[str, tuple[str, str, str | None]] = {}
+        events: list[tuple[Any, ...]] = []
+        for k in range(0, len(ids), _USAGE_IDS):
+            chunk = tuple(ids[k:k + _USAGE_IDS])
+            marks = ",".join("?" * len(chunk))
+            jobs.update((r[0], (r[1], r[2], r[3])) for r in await self._all(
+                f"SELECT id, tenant, json_extract(doc, '$.spec.gpus'), json_extract(doc, '$.gpu_model')"
+                f" FROM jobs WHERE id IN ({marks})", chunk))
+            events += await self._all(f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events"
+                                      f" WHERE job_id IN ({marks}) ORDER BY job_id, seq", chunk)
+        return usage.holds(jobs, events)
 
     # --- decisions ---
 
