@@ -1458,6 +1458,14 @@ async def tenants(request: web.Request) -> web.Response:
 USAGE_PARAMS = ("from", "to", "by", "tenant", "site")
 
 
+def _is_time(text: str) -> bool:
+    try:
+        datetime.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _usage_time(request: web.Request, name: str) -> datetime | None:
     raw = request.query.get(name)
     if raw is None:
@@ -1465,8 +1473,12 @@ def _usage_time(request: web.Request, name: str) -> datetime | None:
     try:
         at = datetime.fromisoformat(raw)
     except ValueError:
+        # (a '+' of an offset written as is in a URL's query reads as a space: ...T09:00:00 01:00)
+        plus = " " in raw and _is_time(raw[::-1].replace(" ", "+", 1)[::-1])
         raise ApiError(400, f"{name}: {raw[:40]!r} is not a time (ISO 8601, e.g. 2026-11-01 or "
-                            f"2026-11-01T09:00:00Z)", [{"field": name, "problem": "not an ISO 8601 time"}]) from None
+                            f"2026-11-01T09:00:00Z)" + ("; a + in a URL's query reads as a space: write it %2B"
+                                                        if plus else ""),
+                       [{"field": name, "problem": "not an ISO 8601 time"}]) from None
     if at.tzinfo is None and len(raw) == 10:  # a date alone: its midnight, UTC
         at = at.replace(tzinfo=UTC)
     if at.tzinfo is None:

@@ -270,6 +270,9 @@ async def test_a_tenants_jobs_run_at_sites_show_in_its_usage_with_the_sites_pric
 @pytest.mark.parametrize("query, field, words", [
     ({"from": "yesterday"}, "from", "is not a time"),
     ({"to": "2026-11-01T00:00:00"}, "to", "no time zone"),
+    # an offset's + written as is in the URL, which the query reads as a space
+    ({"from": "2026-11-01T00:00:00 01:00"}, "from", "is not a time (ISO 8601, e.g. 2026-11-01 or "
+                                                    "2026-11-01T09:00:00Z); a + in a URL's query reads as a space"),
     ({"from": "2026-11-02", "to": "2026-11-01"}, "to", "must end after it starts"),
     ({"from": "2024-01-01", "to": "2026-01-01"}, "to", "at most 400 days"),
     # a from alone: the window ends at the end of the current hour, and from is what is wrong
@@ -548,3 +551,12 @@ def test_an_earlier_releases_attempt_on_another_site_is_charged_to_an_unknown_mo
          ("j", at(60).isoformat(), "succeeded", "s2", 2, None)]), [])
     body = usage.report(records, *usage.window(at(0), at(60), NOW), NOW, ("site", "gpu_model"), PRICES)
     assert rows(body) == {("s1", usage.UNKNOWN_MODEL): (near(0.5), 1), ("s2", H100): (near(0.5), 1)}
+
+
+async def test_an_offset_whose_plus_the_url_turned_into_a_space_gets_a_400_that_says_so(client: TestClient):
+    r = await client.get("/v1/usage?from=2026-11-01T00:00:00+01:00")  # (as curl sends it, unencoded)
+    assert r.status == 400
+    error = (await r.json())["error"]
+    assert error["fields"][0]["field"] == "from" and "write it %2B" in error["message"]
+    r = await client.get("/v1/usage?from=2026-11-01T00:00:00%2B01:00&to=2026-11-02T00:00:00%2B01:00")
+    assert r.status == 200 and (await r.json())["from"] == "2026-10-31T23:00:00+00:00"
