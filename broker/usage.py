@@ -93,9 +93,10 @@ class Holds:
     keeps their attempts, not their transitions. :meth:`job` names each job whose transitions count (its tenant,
     its GPU request's JSON, the model of its current attempt), first; others' transitions are passed over.
 
-    A transition stored before this release names no model: its attempt is charged to the job's model only where
-    it is the job's current attempt (the last its transitions name), the one that model is of; an earlier one,
-    perhaps at another site, to ``unknown``. So a job's attempts are kept until its last transition is read."""
+    A transition stored before this release names no model: its attempt is charged to the model a later transition
+    of the same attempt names (stored since), else to the job's model where it is the job's current attempt (the
+    last its transitions name), the one that model is of; else (an earlier one, perhaps at another site)
+    to ``unknown``. So a job's attempts are kept until its last transition is read."""
 
     def __init__(self) -> None:
         self.held: list[Held] = []
@@ -121,6 +122,9 @@ class Holds:
                 continue
             self._last_attempt = attempt
             ts = datetime.fromisoformat(at).timestamp()
+            if self._open is not None and self._open[2] is None and model is not None and attempt == self._open[0]:
+                # (a hold begun before this release: a later transition of its attempt, stored since, names it)
+                self._open = (attempt, self._open[1], model, self._open[3])
             if self._open is not None and (state not in _HOLDING or attempt != self._open[0]):
                 self._close(ts)
             if self._open is None and state in _HOLDING and site is not None:

@@ -553,6 +553,19 @@ def test_an_earlier_releases_attempt_on_another_site_is_charged_to_an_unknown_mo
     assert rows(body) == {("s1", usage.UNKNOWN_MODEL): (near(0.5), 1), ("s2", H100): (near(0.5), 1)}
 
 
+def test_an_attempt_begun_before_the_upgrade_takes_the_model_a_later_transition_of_it_names():
+    """Admitted before migration 7 (no model), preempted after it (the transition names the model): the attempt was
+    on that model, though the job has moved on since."""
+    records = usage.UsageRecords(usage.holds(
+        {"j": ("t", '{"count": 1}', H100)},
+        [("j", at(0).isoformat(), "running", "s1", 1, None), ("j", at(30).isoformat(), "preempted", "s1", 1, A100),
+         ("j", at(30).isoformat(), "queued", None, 1, None), ("j", at(30).isoformat(), "dispatching", "s2", 2, H100),
+         ("j", at(30).isoformat(), "running", "s2", 2, H100), ("j", at(60).isoformat(), "succeeded", "s2", 2, H100)]),
+        [])
+    body = usage.report(records, *usage.window(at(0), at(60), NOW), NOW, ("site", "gpu_model"), PRICES)
+    assert rows(body) == {("s1", A100): (near(0.5), 1), ("s2", H100): (near(0.5), 1)}
+
+
 async def test_an_offset_whose_plus_the_url_turned_into_a_space_gets_a_400_that_says_so(client: TestClient):
     r = await client.get("/v1/usage?from=2026-11-01T00:00:00+01:00")  # (as curl sends it, unencoded)
     assert r.status == 400
