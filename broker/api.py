@@ -42,7 +42,7 @@ import json
 import logging
 import math
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Annotated, Any
 
@@ -1466,6 +1466,14 @@ def _is_time(text: str) -> bool:
     return True
 
 
+def _is_date(text: str) -> bool:
+    try:
+        date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _usage_time(request: web.Request, name: str) -> datetime | None:
     raw = request.query.get(name)
     if raw is None:
@@ -1479,7 +1487,7 @@ def _usage_time(request: web.Request, name: str) -> datetime | None:
                             f"2026-11-01T09:00:00Z)" + ("; a + in a URL's query reads as a space: write it %2B"
                                                         if plus else ""),
                        [{"field": name, "problem": "not an ISO 8601 time"}]) from None
-    if at.tzinfo is None and len(raw) == 10:  # a date alone: its midnight, UTC
+    if at.tzinfo is None and _is_date(raw):  # a date alone (2026-11-01, 20261101, 2026-W44-7): its midnight, UTC
         at = at.replace(tzinfo=UTC)
     if at.tzinfo is None:
         raise ApiError(400, f"{name}: {raw[:40]!r} has no time zone; add Z for UTC or an offset such as +01:00",

@@ -573,3 +573,13 @@ async def test_an_offset_whose_plus_the_url_turned_into_a_space_gets_a_400_that_
     assert error["fields"][0]["field"] == "from" and "write it %2B" in error["message"]
     r = await client.get("/v1/usage?from=2026-11-01T00:00:00%2B01:00&to=2026-11-02T00:00:00%2B01:00")
     assert r.status == 200 and (await r.json())["from"] == "2026-10-31T23:00:00+00:00"
+
+
+@pytest.mark.parametrize("start, end", [("20261101", "20261102"), ("2026-W44-7", "2026-W45-1")])
+async def test_a_date_in_iso_8601s_other_forms_is_its_midnight_utc_too(client: TestClient, start: str, end: str):
+    """A date in ISO 8601's basic or week form is a date too (it was refused as a time without a zone, and adding
+    the Z the answer asked for made it no time at all)."""
+    r = await client.get("/v1/usage", params={"from": start, "to": end})
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    assert (body["from"], body["to"]) == ("2026-11-01T00:00:00+00:00", "2026-11-02T00:00:00+00:00")
