@@ -1536,7 +1536,7 @@ async def usage_report(request: web.Request) -> web.Response:
     intensity, notes = await _usage_intensity(broker, records, start, end, now)
     body = await asyncio.to_thread(usage.report, records, start, end, now, by, prices, tenants, site, intensity)
     if notes:
-        body["notes"] = notes
+        body["notes"] = [*body.get("notes", []), *notes]
     return _json(body)
 
 

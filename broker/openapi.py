@@ -243,7 +243,8 @@ def _components() -> dict[str, Any]:
             "required": ["gpu_hours", "attempts", "energy_kwh"]},
             "description": "a row per group, largest GPU-hours first"},
         total={**_object(required=False, **figures), "required": ["gpu_hours", "attempts", "energy_kwh"]},
-        notes={"type": "array", "items": _STR, "description": "why a figure is left out (absent: nothing to say)"})
+        notes={"type": "array", "items": _STR, "description": "why a figure is left out or counts less than it "
+                                                              "might (absent: nothing to say)"})
     components["UsageReport"]["required"].remove("notes")
     components["WhoAmI"] = _object(name=_STR, role={"enum": [r.value for r in Role]},
                                    sites={"type": "array", "items": _STR}, tenants={"type": "array", "items": _STR},

@@ -323,8 +323,9 @@ def report(records: UsageRecords, start: datetime, end: datetime, now: datetime,
         kwh = sum(s / HOUR_S * _tdp_kw(m) for (_, m), s in row.parts.items())
         out: dict[str, Any] = {"gpu_hours": round(row.gpu_s / HOUR_S, 6), "attempts": row.attempts,
                                "energy_kwh": round(kwh, 6)}
-        priced = [s / HOUR_S * prices[st][m] for (st, m), s in row.parts.items() if m in prices.get(st, {})]
-        if len(priced) == len(row.parts):
+        used = [(st, m, s) for (st, m), s in row.parts.items() if s > 0]  # (a part that held no time costs nothing)
+        priced = [s / HOUR_S * prices[st][m] for st, m, s in used if m in prices.get(st, {})]
+        if len(priced) == len(used):
             out["cost_usd"] = round(sum(priced), 2)
         if intensity is not None:
             grams, known = 0.0, True
@@ -344,5 +345,9 @@ def report(records: UsageRecords, start: datetime, end: datetime, now: datetime,
     total = Row()
     for row in rows.values():
         total.add(row)
-    return {"from": start.isoformat(), "to": end.isoformat(), "by": list(by), "items": items,
-            "total": figures(total)}
+    out = {"from": start.isoformat(), "to": end.isoformat(), "by": list(by), "items": items, "total": figures(total)}
+    unknown = sum(s for (_, m), s in total.parts.items() if m not in ids.GPU_MODEL_BY_ID) / HOUR_S
+    if unknown > 0:
+        out["notes"] = [f"energy_kwh, co2e_kg: {unknown:.6g} GPU-hours were held on a GPU model nobody recorded "
+                        f"(gpu_model {UNKNOWN_MODEL}: placed before this release) and count no energy"]
+    return out

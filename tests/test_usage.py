@@ -583,3 +583,19 @@ async def test_a_date_in_iso_8601s_other_forms_is_its_midnight_utc_too(client: T
     assert r.status == 200, await r.text()
     body = await r.json()
     assert (body["from"], body["to"]) == ("2026-11-01T00:00:00+00:00", "2026-11-02T00:00:00+00:00")
+
+
+def test_gpu_hours_on_an_unrecorded_model_are_said_to_count_no_energy_and_a_part_that_held_no_time_costs_nothing():
+    held = [usage.Held("t", "s1", A100, 1.0, at(0).timestamp(), at(60).timestamp()),
+            usage.Held("t", "s1", usage.UNKNOWN_MODEL, 2.0, at(0).timestamp(), at(30).timestamp()),
+            usage.Held("t", "gone", H100, 4.0, at(10).timestamp(), at(10).timestamp())]  # (no time held)
+    body = usage.report(usage.UsageRecords(held, []), *usage.window(at(0), at(120), NOW), NOW, ("tenant",),
+                        PRICES)
+    row = body["items"][0]
+    assert row["gpu_hours"] == near(2.0) and row["energy_kwh"] == near(0.4) and row["attempts"] == 3
+    assert body["notes"] == ["energy_kwh, co2e_kg: 1 GPU-hours were held on a GPU model nobody recorded "
+                             "(gpu_model unknown: placed before this release) and count no energy"]
+    assert "cost_usd" not in row  # (the unknown model has no price at s1)
+    priced = usage.report(usage.UsageRecords([held[0], held[2]], []), *usage.window(at(0), at(120), NOW), NOW,
+                          ("tenant",), PRICES)
+    assert priced["items"][0]["cost_usd"] == near(2.0) and "notes" not in priced  # ('gone' held nothing)
