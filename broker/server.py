@@ -42,6 +42,7 @@ from adapters.mqtt_protocol import tls_context as mqtt_tls_context
 from broker.api import create_app
 from broker.config import BrokerSettings, ServerTlsSettings
 from broker.models import SiteSpec
+from broker.protocol_errors import BrokerRunner
 from broker.service import Broker
 from broker.store import describe_db
 
@@ -209,7 +210,7 @@ async def _serve(
         with contextlib.suppress(Exception):
             await broker.stop()
         raise
-    runner = web.AppRunner(create_app(broker), access_log=None, handle_signals=False)
+    runner = BrokerRunner(create_app(broker), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, ssl_context=tls)
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -10,10 +12,12 @@ from typing import Any
 from unittest.mock import ANY
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from broker.api import create_app
 from broker.config import BrokerSettings
+from broker.protocol_errors import BrokerRunner
 from broker.service import Broker
 
 MINIMAL = {"tenant": "t1", "name": "train-1", "gpus": {"count": 1}, "duration_s": 60}
@@ -592,6 +596,74 @@ async def test_a_body_that_is_not_a_job_gets_a_clear_error_and_the_server_keeps_
     assert (await client.get("/healthz")).status == 200
     ok = await client.post("/v1/jobs", json=MINIMAL)
     assert ok.status == 201
+
+
+async def raw_exchange(port: int, request: bytes) -> tuple[int, str, bytes]:
+    """``request`` sent as bytes to the server on ``port``: its status, content type and body (the connection
+    ends after it: every request here asks for that or is refused)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers.get("Content-Type", ""), body
+
+
+def with_header(name: bytes, value: bytes) -> bytes:
+    return b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + name + b": " + value + b"\r\n\r\n"
+
+
+TOKEN = b"Bearer hlt_" + b"s3cret" * 1500  # 9,011 bytes, over aiohttp's 8,190 a header value
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "field", "problem"),
+    [
+        pytest.param(with_header(b"Authorization", TOKEN), "Authorization", "value longer than the limit of 8190 bytes",
+                     id="an over-long bearer token is a JSON 400 naming Authorization"),
+        pytest.param(with_header(b"X-Foo", b"x" * 9000), "X-Foo", "value longer than the limit of 8190 bytes",
+                     id="any over-long header value is a JSON 400 naming its header"),
+        pytest.param(with_header(b"X-" + b"F" * 9000, b"1"), "X-" + "F" * 62 + "...",
+                     "name longer than the limit of 8190 bytes",
+                     id="an over-long header name is a JSON 400 showing the start of the name"),
+        pytest.param(b"GET /healthz?" + b"q" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "(request line)",
+                     "longer than the limit of 8190 bytes", id="an over-long path and query is a JSON 400"),
+        pytest.param(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200))
+                     + b"\r\n", "(headers)", "more than 128 headers", id="too many headers is a JSON 400"),
+    ],
+)
+async def test_a_request_head_over_aiohttps_limits_gets_a_json_400_naming_the_header_and_one_log_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, request_bytes: bytes, field: str, problem: str):
+    broker = Broker(BrokerSettings(db=str(tmp_path / "api.db"), cycle_interval_s=0.05, shutdown_grace_s=1))
+    await broker.start([])
+    runner = BrokerRunner(create_app(broker), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            status, content_type, body = await raw_exchange(port, request_bytes)
+        assert (status, content_type) == (400, "application/json; charset=utf-8"), body[:200]
+        error = json.loads(body)["error"]
+        assert error["status"] == 400
+        assert error["fields"] == [{"field": field, "problem": ANY}]
+        assert problem in error["fields"][0]["problem"] and problem in error["message"]
+        refused = [r for r in caplog.records if "refused a request" in r.getMessage() or r.name == "aiohttp.server"]
+        assert len(refused) == 1 and refused[0].exc_info is None and "\n" not in refused[0].getMessage(), refused
+        assert b"s3cret" not in body and "s3cret" not in caplog.text  # the token is neither echoed nor logged
+        # aiohttp's limits stay as they were: a header value of 8,190 bytes is taken
+        status, _, _ = await raw_exchange(port, with_header(b"X-Foo", b"x" * 8190))
+        assert status == 200
+    finally:
+        await runner.cleanup()
+        await broker.stop()
 
 
 @pytest.mark.parametrize(
