@@ -58,6 +58,10 @@ from policies.profiles import ProfilesConfig  # noqa: E402 - after the imports a
 from policies.tenant_limit import TenantLimits  # noqa: E402
 
 
+HOUR_S = 3600.0
+DAY_S = 86_400.0
+
+
 class ReplicaSettings(BaseModel):
     """Several broker replicas on one shared database (``broker.leadership``): one leads, the rest serve the API."""
 
@@ -126,14 +130,23 @@ class BrokerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     db: Annotated[str, AfterValidator(check_db)] = "var/heliotrope.db"
+    # Each duration has a ceiling past which it is surely a slip (1e308 parses as a number, and a cycle that far
+    # apart never comes): an hour for the waits and timeouts of one cycle or call, a day for how long a site's
+    # silence or refusal is borne.
     cycle_interval_s: float = Field(
-        default=1.0, gt=0, description="longest wait between scheduling cycles, and between full passes"
+        default=1.0, gt=0, le=HOUR_S,
+        description="longest wait between scheduling cycles, and between full passes (at most 3600)"
     )
-    min_cycle_gap_s: float = Field(default=0.05, ge=0, description="shortest wait between scheduling cycles")
-    collect_timeout_s: float = Field(default=2.0, gt=0, description="how long a site may take to report")
-    site_stale_after_s: float = Field(default=15.0, gt=0, description="a site silent this long is unhealthy")
-    dispatch_timeout_s: float = Field(default=30.0, gt=0, description="how long a site may take to admit")
-    refusal_ttl_s: float = Field(default=30.0, ge=0, description="a site that refused a job is skipped this long")
+    min_cycle_gap_s: float = Field(default=0.05, ge=0, le=HOUR_S,
+                                   description="shortest wait between scheduling cycles (at most 3600)")
+    collect_timeout_s: float = Field(default=2.0, gt=0, le=HOUR_S,
+                                     description="how long a site may take to report (at most 3600)")
+    site_stale_after_s: float = Field(default=15.0, gt=0, le=DAY_S,
+                                      description="a site silent this long is unhealthy (at most 86400)")
+    dispatch_timeout_s: float = Field(default=30.0, gt=0, le=HOUR_S,
+                                      description="how long a site may take to admit (at most 3600)")
+    refusal_ttl_s: float = Field(default=30.0, ge=0, le=DAY_S,
+                                 description="a site that refused a job is skipped this long (at most 86400)")
     max_lost_attempts: int | None = Field(
         default=10, ge=0, le=1000,
         description="lost attempts a job is allowed where its spec does not say (max_lost_attempts): at this many "
@@ -151,8 +164,10 @@ class BrokerSettings(BaseModel):
                     "quotas), whatever each site's own quota allows")
     default_tenant_limit: TenantLimit | None = Field(
         default=None, description="the limit of every tenant tenant_limits does not name; none: unlimited")
-    shutdown_grace_s: float = Field(default=5.0, ge=0, description="how long shutdown waits for dispatches")
-    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    shutdown_grace_s: float = Field(default=5.0, ge=0, le=HOUR_S,
+                                    description="how long shutdown waits for dispatches (at most 3600)")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30,
+                                description="the largest request body the API reads (at most 1 GiB)")
     profiles: ProfilesConfig = Field(default_factory=ProfilesConfig,
                                      description="routing profiles: the default, and which ones a job may choose")
     carbon: CarbonProviderConfig | None = Field(

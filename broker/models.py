@@ -74,6 +74,10 @@ MAX_GPU_MEMORY_GIB = 4096  # the most memory a site may say one of its GPUs has
 # and the run's seconds (up to ~1.3e11 together), and a price past ~1e297 made that infinite, every site's score
 # NaN and the placement arbitrary.
 MAX_USD_PER_GPU_HOUR = 1_000_000
+# The most GPUs a tenant's quota may guarantee or let it burst by: five times the largest site, so that a burst meant
+# as "no limit" fits (any number of the site's size or more already lets the tenant take the whole site), while a
+# number such as 1e12 is refused as the slip it is.
+MAX_QUOTA_GPUS = 1_000_000
 
 
 class Strict(BaseModel):
@@ -151,11 +155,24 @@ class TenantQuota(Spec):
     at the ceiling)."""
 
     tenant: Slug
-    guaranteed_gpus: int = Field(default=0, ge=0)
-    burst_gpus: int = Field(default=0, ge=0, description="allowed above the guarantee")
+    guaranteed_gpus: int = Field(default=0, ge=0, json_schema_extra={"maximum": MAX_QUOTA_GPUS},
+                                 description=f"at most {MAX_QUOTA_GPUS:,}, and at most the site's GPUs")
+    burst_gpus: int = Field(default=0, ge=0, json_schema_extra={"maximum": MAX_QUOTA_GPUS},
+                            description=f"allowed above the guarantee; at most {MAX_QUOTA_GPUS:,} (the site's GPUs "
+                                        "or more: no limit but the site)")
     fair_share_weight: float = Field(default=1.0, gt=0)
     priority_ceiling: int | None = Field(default=None, ge=-1000, le=1000)
     model: GpuModelId | None = Field(default=None, description="None: counts GPUs of any model")
+
+    @field_validator("guaranteed_gpus", "burst_gpus")
+    @classmethod
+    def _at_most(cls, gpus: int, info: ValidationInfo) -> int:
+        """Not a ``le=``: a quota an earlier release stored (which took any number) still loads."""
+        if gpus > MAX_QUOTA_GPUS and not stored(info):
+            raise ValueError(f"{gpus:,} GPUs is more than the {MAX_QUOTA_GPUS:,} a quota may give; "
+                             + ("a guarantee is at most the site's GPUs" if info.field_name == "guaranteed_gpus"
+                                else "a burst of the site's GPUs or more already sets no limit but the site"))
+        return gpus
 
     def beyond(self, capacity: Mapping[str, float]) -> tuple[str, str] | None:
         """(field, problem) where this quota asks for what a site of ``capacity`` (GPUs per model) cannot give:

@@ -88,8 +88,8 @@ class JsonErrorHandler(web.RequestHandler):
             log.debug("refused a request from %s: %s: %s", request.remote, problem["field"], problem["problem"])
         else:
             log.warning("refused a request from %s: %s: %s", request.remote, problem["field"], problem["problem"])
-        body: dict[str, Any] = {"status": status, "message": f"bad request: {problem['field'].strip('()')}: {problem['problem']}",
-                                "fields": [problem]}
+        said = f"bad request: {problem['field'].strip('()')}: {problem['problem']}"
+        body: dict[str, Any] = {"status": status, "message": said, "fields": [problem]}
         response = web.Response(status=status, text=json.dumps({"error": body}), content_type="application/json")
         response.force_close()  # (the parser's state is lost: as aiohttp does, the connection ends)
         return response

@@ -182,10 +182,10 @@ class CarbonForecastSettings(Strict):
                                "the lower in-sample MAE over the history")
     season_h: Literal[24, 168] = Field(default=24, description="the seasonal-naive model's season: 24 (daily) "
                                        "or 168 (weekly)")
-    stale_after_s: float = Field(default=6 * 3600.0, gt=0, description="a zone whose refreshes fail keeps its "
-                                 "last forecast this long, then has none")
-    fetch_timeout_s: float = Field(default=300.0, gt=0, description="longest one zone's fetch may take (retries "
-                                   "included) before that zone's round counts as failed")
+    stale_after_s: float = Field(default=6 * 3600.0, gt=0, le=7 * 86_400, description="a zone whose refreshes fail "
+                                 "keeps its last forecast this long, then has none (at most a week, 604800)")
+    fetch_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="longest one zone's fetch may take "
+                                   "(retries included) before that zone's round counts as failed (at most 3600)")
     replay_day: date | None = Field(default=None, description="demos on past files data: the broker's current "
                                     "day is read from the data as this date (time of day kept)")
 

@@ -87,8 +87,9 @@ class MigrationPolicy(BaseModel):
     overhead_s: float = Field(default=600.0, ge=0.0, le=86400.0,
                               description="GPU seconds a move is assumed to cost at the target: save, copy and "
                                           "restore the checkpoint, warm up")
-    min_remaining_s: float = Field(default=2 * HOUR_S, ge=0.0,
-                                   description="a job expected to end sooner than this stays where it is")
+    min_remaining_s: float = Field(default=2 * HOUR_S, ge=0.0, le=366 * 24 * HOUR_S,
+                                   description="a job expected to end sooner than this stays where it is (at most "
+                                               "366 days, the longest a job may say it runs)")
     duration_safety: float = Field(default=1.5, ge=1.0, le=100.0,
                                    description="a move keeps this many times the expected remaining run (plus the "
                                                "overhead) before the deadline")

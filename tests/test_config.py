@@ -374,6 +374,57 @@ def test_an_infinite_interval_is_refused_by_name(tmp_path: Path) -> None:
         load_config(write(tmp_path, "broker: {cycle_interval_s: .inf}\n"))
 
 
+@pytest.mark.parametrize(
+    ("setting", "maximum", "absurd"),
+    [
+        pytest.param("cycle_interval_s", 3600, 1e308, id="the scheduling cycle's interval is at most an hour"),
+        pytest.param("min_cycle_gap_s", 3600, 1e308, id="the shortest gap between cycles is at most an hour"),
+        pytest.param("collect_timeout_s", 3600, 1e308, id="a site's report is waited for an hour at most"),
+        pytest.param("site_stale_after_s", 86400, 1e308, id="a site may be silent a day at most till unhealthy"),
+        pytest.param("dispatch_timeout_s", 3600, 1e308, id="a dispatch is waited for an hour at most"),
+        pytest.param("refusal_ttl_s", 86400, 1e308, id="a refusal is remembered a day at most"),
+        pytest.param("shutdown_grace_s", 3600, 1e308, id="shutdown waits an hour at most"),
+        pytest.param("carbon_forecast.stale_after_s", 604800, 1e308,
+                     id="a failing zone keeps its forecast a week at most"),
+        pytest.param("carbon_forecast.fetch_timeout_s", 3600, 1e308, id="a zone's fetch may take an hour at most"),
+        pytest.param("profiles.definitions.slow.migrate.min_remaining_s", 366 * 86400, 1e308,
+                     id="a move's least remaining run is at most the longest run a job may say"),
+        pytest.param("max_body_bytes", 1 << 30, 1 << 50, id="a request body may be a GiB at most"),
+    ],
+)
+def test_a_broker_setting_past_its_ceiling_is_refused_naming_it_in_the_file_and_the_environment(
+    tmp_path: Path, setting: str, maximum: int, absurd: float
+) -> None:
+    """1e308 parses as a number of seconds; a cycle that far apart would never come. The ceiling itself is taken."""
+
+    def doc(value: float) -> dict:
+        node: dict = {}
+        out = {"broker": node}
+        parts = setting.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {"weights": {"carbon": 1}} if part == "slow" else {})
+        node[parts[-1]] = value
+        return out
+
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, yaml.safe_dump(doc(absurd))))
+    assert f"broker.{setting}: Input should be less than or equal to {maximum}" in str(err.value)
+    load_config(write(tmp_path, yaml.safe_dump(doc(maximum)), "at-most.yaml"))
+    if "." not in setting:  # one setting of its own: an environment variable can set it
+        variable = "HELIOTROPE_BROKER__" + setting.upper()
+        with pytest.raises(ConfigError, match=f"broker.{setting} \\(environment {variable} or the file\\): Input "
+                                              f"should be less than or equal to {maximum}"):
+            load_config(None, {variable: yaml.safe_dump(absurd)})
+
+
+@pytest.mark.parametrize("field", ["burst_gpus", "guaranteed_gpus"])
+def test_a_site_quota_of_absurdly_many_gpus_is_refused_at_load_naming_it(tmp_path: Path, field: str) -> None:
+    text = "sites:\n" + site_yaml("ashburn") + f"    quotas: [{{tenant: t1, {field}: 1000000000000}}]\n"
+    with pytest.raises(ConfigError, match=rf"sites\[0\]\.quotas\[0\]\.{field}: 1,000,000,000,000 GPUs is more than "
+                                          r"the 1,000,000 a quota may give"):
+        load_config(write(tmp_path, text))
+
+
 def test_the_tagged_settings_errors_leave_out_are_the_models_own() -> None:
     # broker.errors.field_path drops the kind pydantic puts in an error's location; its list must follow the
     # models, or a new kind (or a new tagged field) would show up in field names and environment variables.

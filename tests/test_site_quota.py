@@ -105,6 +105,10 @@ async def test_the_site_reports_its_quotas_and_its_operator_changes_them_across_
                      id="a quota for a GPU model the site does not have names the field"),
         pytest.param("/v1/sites/berlin/quota/speech", {"guaranteed_gpus": 17}, 422, "guaranteed_gpus",
                      id="a guarantee larger than the site names the field"),
+        pytest.param("/v1/sites/berlin/quota/vision", {"burst_gpus": 1e12}, 422, "burst_gpus",
+                     id="a burst of absurdly many GPUs names the field"),
+        pytest.param("/v1/sites/berlin/quota/vision", {"guaranteed_gpus": 1e12}, 422, "guaranteed_gpus",
+                     id="a guarantee of absurdly many GPUs names the field"),
         pytest.param("/v1/sites/nowhere/quota/vision", {}, 404, None, id="an unknown site is 404"),
         pytest.param("/v1/sites/berlin/quota/speech", None, 404, None,
                      id="removing the quota of a tenant the site does not list is 404"),
@@ -141,6 +145,8 @@ async def test_an_empty_tenant_filter_on_a_sites_quota_is_a_400_not_an_empty_rep
                      id="a quota for a GPU model the site does not have"),
         pytest.param({"tenant": "nlp", "guaranteed_gpus": 20}, "quotas[1].guaranteed_gpus",
                      id="a guarantee larger than the site"),
+        pytest.param({"tenant": "nlp", "burst_gpus": 10**12}, "quotas[1].burst_gpus",
+                     id="a burst of absurdly many GPUs"),
     ],
 )
 async def test_a_site_spec_whose_quota_asks_for_gpus_the_site_lacks_is_refused(broker_at, quota, field):
@@ -513,6 +519,33 @@ def test_a_site_an_earlier_release_stored_with_a_fair_share_now_refused_still_lo
     with pytest.raises(ValueError, match="14,400 periods, more than 10,000"):
         SiteSpec.model_validate(doc)
     assert site_from_doc(json.dumps(doc)).fair_share.reweight_h == 0.05
+
+
+async def test_a_quotas_gpus_are_bounded_in_the_api_schema_and_an_earlier_releases_stored_burst_still_loads(
+        broker_at) -> None:
+    import json
+
+    from broker.models import SiteSpec
+    from broker.store import site_from_doc
+
+    start, _ = broker_at
+    client = await start()
+    schema = (await (await client.get("/openapi.json")).json())["components"]["schemas"]["TenantQuota"]
+    assert schema["properties"]["burst_gpus"]["maximum"] == 1_000_000
+    assert schema["properties"]["guaranteed_gpus"]["maximum"] == 1_000_000
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16}, quotas=QUOTAS))
+    r = await client.put("/v1/sites/berlin/quota/vision", json={"burst_gpus": 1_000_001})
+    assert r.status == 422
+    assert (await r.json())["error"]["fields"] == [
+        {"field": "burst_gpus", "problem": "1,000,001 GPUs is more than the 1,000,000 a quota may give; a burst of the "
+                                          "site's GPUs or more already sets no limit but the site"}]
+    r = await client.put("/v1/sites/berlin/quota/vision", json={"burst_gpus": 1_000_000})
+    assert r.status == 200, await r.text()
+    doc = site_body("berlin", "gcp:europe-west3", {"a100-80gb": 16},
+                    quotas=[{"tenant": "vision", "burst_gpus": 10**12}])
+    with pytest.raises(ValueError, match="more than the 1,000,000 a quota may give"):
+        SiteSpec.model_validate(doc)
+    assert site_from_doc(json.dumps(doc)).quotas[0].burst_gpus == 10**12
 
 
 async def test_a_fair_share_recomputed_so_often_it_would_stall_the_site_is_refused_naming_reweight_h(broker_at):
