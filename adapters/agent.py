@@ -152,6 +152,7 @@ from adapters.mqtt_protocol import (
 )
 from broker.clock import Clock, SystemClock
 from broker.config import ConfigError, load_yaml_model
+from broker.errors import at
 from broker.models import Health, Job, MqttSettings, SiteSpec, SiteState, TelemetrySourceConfig
 
 T = TypeVar("T")
@@ -202,10 +203,11 @@ class AgentConfig(BaseModel):
     @classmethod
     def _runs_a_site(cls, site: SiteSpec) -> SiteSpec:
         if site.adapter.kind not in ("simulated", "kubernetes"):
-            raise ValueError(
-                f"adapter.kind: {site.adapter.kind!r} is how the broker reaches a site through an agent; the agent "
-                "runs the site itself: use simulated or kubernetes")
+            raise at(("adapter", "kind"), f"{site.adapter.kind!r} is how the broker reaches a site through an "
+                                          "agent; the agent runs the site itself: use simulated or kubernetes")
         problems = site.quota_problems()
+        if len(problems) == 1:  # (its field, e.g. quotas[1].model, below site)
+            raise at(problems[0]["field"], problems[0]["problem"])
         if problems:
             raise ValueError("; ".join(f"{p['field']}: {p['problem']}" for p in problems))
         return site
@@ -213,7 +215,7 @@ class AgentConfig(BaseModel):
     @model_validator(mode="after")
     def _one_telemetry(self) -> AgentConfig:
         if self.telemetry is not None and getattr(self.site.adapter, "telemetry", None) is not None:
-            raise ValueError("telemetry is set twice, here and in site.adapter.telemetry (both would read the "
+            raise at("telemetry", "telemetry is set twice, here and in site.adapter.telemetry (both would read the "
                              "same GPUs, and this one would win): keep one")
         return self
 

@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from broker.errors import located, problems
+from broker.errors import at, located, problems
 from broker.models import MqttSettings, SiteSpec, Slug
 from broker.providers.carbon import CarbonProviderConfig, FilesCarbonConfig
 from broker.providers.prices import FilesPriceConfig, PriceProviderConfig
@@ -228,9 +228,12 @@ class FederationConfig(BaseModel):
         names = [s.name for s in self.sites]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"site names must be unique; repeated: {', '.join(dupes)}")
+            raise at(("sites", names.index(dupes[0], names.index(dupes[0]) + 1), "name"),
+                     f"site names must be unique; repeated: {', '.join(dupes)}")
         for i, site in enumerate(self.sites):
             problems = site.quota_problems()
+            if len(problems) == 1:  # (its field, e.g. quotas[1].model, below the site)
+                raise at(("sites", i, problems[0]["field"]), problems[0]["problem"])
             if problems:
                 raise ValueError("; ".join(f"sites[{i}].{p['field']}: {p['problem']}" for p in problems))
         return self

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import PydanticCustomError
 
 
 # The fields that hold one of several kinds of settings (``kind:`` says which): pydantic puts the kind in
@@ -20,6 +21,19 @@ TAGGED_FIELDS: dict[str, frozenset[str]] = {
     "prices": frozenset({"static", "files"}),
     "telemetry": frozenset({"nvml", "prometheus"}),
 }
+
+
+# The context key of :func:`at`'s errors: where, below the model that raised it, the error belongs.
+_AT = "heliotrope_at"
+
+
+def at(field: str | tuple[int | str, ...], problem: str) -> PydanticCustomError:
+    """An error a model validator raises about one of its fields, to be reported at that field (``gpus.count``)
+    rather than at the model (the API's ``(body)``, for a job spec or a site spec): a check that compares two
+    fields, which only the model's validator sees together, names the one to change. ``field``: a field name (its
+    alias where it has one: the name the user writes), or a path below the model (``("quotas", 1, "tenant")``)."""
+    # (the problem is pydantic's message template: only "{heliotrope_at}" in it would be replaced)
+    return PydanticCustomError("value_error", problem, {_AT: (field,) if isinstance(field, str) else tuple(field)})
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
@@ -81,6 +95,7 @@ def problems(error: ValidationError, read_only: Mapping[str, str] | None = None)
         if integral_float(err):
             continue
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc += tuple((err.get("ctx") or {}).get(_AT, ()))  # (an error raised with at(): below the model)
         field = field_path(loc)
         problem = _problem(err)
         if problem == UNKNOWN_FIELD and read_only and field in read_only:

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from broker import ids
+from broker.errors import at
 
 _NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
@@ -117,13 +118,13 @@ class NodeGroup(Spec):
     @model_validator(mode="after")
     def _mig_fits(self, info: ValidationInfo) -> NodeGroup:
         if self.mig_profiles and not ids.GPU_MODEL_BY_ID[self.model].mig and not stored(info):
-            raise ValueError(f"mig_profiles: {self.model} GPUs cannot be partitioned into MIG slices (models that "
-                             f"can: {', '.join(m.id for m in ids.GPU_MODELS if m.mig)})")
+            raise at("mig_profiles", f"{self.model} GPUs cannot be partitioned into MIG slices (models that "
+                                     f"can: {', '.join(m.id for m in ids.GPU_MODELS if m.mig)})")
         for p in self.mig_profiles:
             memory = int(p.split(".")[1][:-2])
             if memory > self.gpu_memory_gib:
-                raise ValueError(f"mig_profiles: {p} needs {memory} GiB, more than a {self.model} GPU here has "
-                                 f"({self.gpu_memory_gib:g} GiB)")
+                raise at("mig_profiles", f"{p} needs {memory} GiB, more than a {self.model} GPU here has "
+                                         f"({self.gpu_memory_gib:g} GiB)")
         return self
 
     @property
@@ -251,7 +252,7 @@ class FairSharePolicy(Spec):
             return self
         periods = self.window_h / self.reweight_h
         if periods > MAX_REWEIGHT_PERIODS:  # each recomputation walks the window's usage period by period
-            raise ValueError(f"reweight_h: {self.reweight_h:g} h divides window_h ({self.window_h:g} h) into "
+            raise at("reweight_h", f"{self.reweight_h:g} h divides window_h ({self.window_h:g} h) into "
                              f"{periods:,.0f} periods, more than {MAX_REWEIGHT_PERIODS:,}; recompute less often "
                              f"(reweight_h at least {_up(self.window_h / MAX_REWEIGHT_PERIODS):g} h) or shorten the "
                              "window")
@@ -288,14 +289,12 @@ class Toleration(Spec):
     @model_validator(mode="after")
     def _consistent(self) -> Toleration:
         if self.operator == "Exists" and self.value:
-            raise ValueError(f"tolerations: operator Exists takes no value (it tolerates any), but value is "
-                             f"{self.value!r}")
+            raise at("value", f"operator Exists takes no value (it tolerates any), but value is {self.value!r}")
         if self.key is None and self.operator != "Exists":
-            raise ValueError("tolerations: a toleration without a key must have operator Exists (it tolerates "
-                             "every taint)")
+            raise at("operator", "a toleration without a key must have operator Exists (it tolerates every taint)")
         if self.toleration_seconds is not None and self.effect != "NoExecute":
-            raise ValueError("tolerations: tolerationSeconds needs effect NoExecute (Kubernetes refuses it "
-                             "otherwise)")
+            raise at("tolerationSeconds", "tolerationSeconds needs effect NoExecute (Kubernetes refuses it "
+                                          "otherwise)")
         return self
 
     def tolerates(self, taint: dict[str, Any]) -> bool:
@@ -373,9 +372,9 @@ class _Readings(Spec):
     def _fresh_until_the_next(self, info: ValidationInfo) -> _Readings:
         every, stale = getattr(self, "every_s"), getattr(self, "stale_after_s")
         if stale <= every and not stored(info):  # (a site an earlier release stored still loads)
-            raise ValueError(f"stale_after_s ({stale:g} s) is not longer than every_s ({every:g} s): each reading "
-                             "would go stale before the next is taken, and the measured telemetry would come and go; "
-                             "make stale_after_s a few readings long")
+            raise at("stale_after_s", f"stale_after_s ({stale:g} s) is not longer than every_s ({every:g} s): each "
+                                      "reading would go stale before the next is taken, and the measured telemetry "
+                                      "would come and go; make stale_after_s a few readings long")
         return self
 
 
@@ -472,7 +471,7 @@ class PrometheusTelemetryConfig(_Readings):
     @model_validator(mode="after")
     def _ca_needs_https(self) -> PrometheusTelemetryConfig:
         if self.ca_file is not None and not self.url.startswith("https://"):
-            raise ValueError("ca_file verifies an https server, but url is http://; use https:// or drop ca_file")
+            raise at("ca_file", "ca_file verifies an https server, but url is http://; use https:// or drop ca_file")
         return self
 
 
@@ -666,8 +665,9 @@ class MqttSettings(Spec):
     @model_validator(mode="after")
     def _client_cert_pair(self) -> MqttSettings:
         if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("cert_file and key_file go together (a client certificate and its private key): "
-                             "set both, or neither")
+            raise at("key_file" if self.key_file is None else "cert_file",
+                     "cert_file and key_file go together (a client certificate and its private key): set both, or "
+                     "neither")
         return self
 
     @property
@@ -740,17 +740,15 @@ class SiteSpec(Spec):
         owned = {g.model for g in self.gpus}
         stray = sorted(set(self.usd_per_gpu_hour) - owned)
         if stray:
-            raise ValueError(
-                f"usd_per_gpu_hour prices {', '.join(stray)}, which no node group of this site has"
-            )
+            raise at("usd_per_gpu_hour", f"prices {', '.join(stray)}, which no node group of this site has")
         total = sum(g.gpus for g in self.gpus)
         if total > MAX_GPUS_PER_SITE:
-            raise ValueError(f"gpus: {total} GPUs in all is more than {MAX_GPUS_PER_SITE:,} a site may have")
+            raise at("gpus", f"{total} GPUs in all is more than {MAX_GPUS_PER_SITE:,} a site may have")
         seen: dict[str, int] = {}
         for i, q in enumerate(self.quotas):
             if q.tenant in seen:  # named, with both places: a long list is hard to search by eye
-                raise ValueError(f"quotas: each tenant may appear once; {q.tenant} appears at "
-                                 f"quotas[{seen[q.tenant]}] and quotas[{i}] (merge them into one)")
+                raise at(("quotas", i, "tenant"), f"each tenant may appear once; {q.tenant} appears at "
+                                                  f"quotas[{seen[q.tenant]}] and quotas[{i}] (merge them into one)")
             seen[q.tenant] = i
         return self
 
@@ -796,7 +794,7 @@ class ModelCapacity(Spec):
     @model_validator(mode="after")
     def _within_total(self) -> ModelCapacity:
         if self.free_gpus > self.total_gpus:
-            raise ValueError(f"free_gpus: {self.free_gpus} {self.model} free of {self.total_gpus} in all")
+            raise at("free_gpus", f"{self.free_gpus} {self.model} free of {self.total_gpus} in all")
         return self
 
 
@@ -973,16 +971,19 @@ class GpuRequest(Spec):
     @model_validator(mode="after")
     def _fraction_of_one(self) -> GpuRequest:
         if self.milli < 1000 and self.count != 1:
-            raise ValueError("a fractional job (milli below 1000) asks for part of one GPU: count must be 1")
+            raise at("count", "a fractional job (milli below 1000) asks for part of one GPU: count must be 1")
         if self.shared:
             if self.count != 1:
-                raise ValueError("shared: a job sharing a GPU asks for part of one GPU: count must be 1")
+                raise at("count", "a job sharing a GPU (shared) asks for part of one GPU: count must be 1")
             if self.memory_gib is None:
-                raise ValueError("shared: needs memory_gib, the memory the job takes on the shared GPU")
+                raise at("memory_gib", "shared needs memory_gib, the memory the job takes on the shared GPU")
         if self.mig_profile is not None:
-            mig_slices(self.mig_profile)
+            try:
+                mig_slices(self.mig_profile)
+            except ValueError as e:
+                raise at("mig_profile", str(e)) from None
             if self.milli < 1000 or self.shared:
-                raise ValueError("mig_profile: a MIG slice is a fixed partition; do not combine it with milli or shared")
+                raise at("mig_profile", "a MIG slice is a fixed partition; do not combine it with milli or shared")
         return self
 
     def never_fits(self) -> str | None:
@@ -1060,10 +1061,10 @@ class JobSpec(Spec):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         if self.latency_slo_ms is not None and self.origin_region is None:
-            raise ValueError("latency_slo_ms needs origin_region: the RTT is measured from there")
+            raise at("origin_region", "latency_slo_ms needs origin_region: the RTT is measured from there")
         both = set(self.allowed_regions) & set(self.denied_regions)
         if both:
-            raise ValueError(f"regions both allowed and denied: {', '.join(sorted(both))}")
+            raise at("denied_regions", f"regions both allowed and denied: {', '.join(sorted(both))}")
         return self
 
 

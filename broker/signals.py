@@ -96,7 +96,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationErro
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from broker.clock import Clock
-from broker.errors import located, problems
+from broker.errors import at, located, problems
 from broker.forecast import (
     PROFILE_DAYS,
     REACH_H,
@@ -202,10 +202,10 @@ class CarbonForecastSettings(Strict):
         if self.history_h < self.min_history_h:
             why = (f"one {self.season_h} h season" if self.model == "seasonal_naive"
                    else f"{WARMUP_H} h of warm-up + the {self.horizon_h} h horizon, to fit and score")
-            raise ValueError(f"history_h {self.history_h} is too short for model {self.model}: it needs at least "
+            raise at("history_h", f"history_h {self.history_h} is too short for model {self.model}: it needs at least "
                              f"{self.min_history_h} hours ({why}); raise history_h or lower horizon_h")
         if self.stale_after_s < self.refresh_s:
-            raise ValueError(f"stale_after_s ({self.stale_after_s:g}) must be at least refresh_s "
+            raise at("stale_after_s", f"stale_after_s ({self.stale_after_s:g}) must be at least refresh_s "
                              f"({self.refresh_s:g}), or every forecast would go stale before the next round")
         return self
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from broker.errors import at
 from policies.filters import standard_filters
 from policies.pipeline import Pipeline, Weighted, default_pipeline
 from policies.scorers import Scorer
@@ -165,14 +166,16 @@ class ProfilesConfig(BaseModel):
     @model_validator(mode="after")
     def _names_exist(self) -> ProfilesConfig:
         known = set(BUILTIN) | set(self.definitions)
-        named = [("default", self.default), *((f"job_may_choose[{i}]", n) for i, n in enumerate(self.job_may_choose))]
+        named: list[tuple[tuple[str | int, ...], str | None]] = [
+            (("default",), self.default), *((("job_may_choose", i), n) for i, n in enumerate(self.job_may_choose))]
         for field, name in named:
             if name is not None and name not in known:
-                raise ValueError(f"{field}: profile {name!r} is not defined; profiles are: {', '.join(sorted(known))}")
+                raise at(field, f"profile {name!r} is not defined; profiles are: {', '.join(sorted(known))}")
         for i, name in enumerate(self.job_may_choose):
             if not JOB_PROFILE_NAME.fullmatch(name):
-                raise ValueError(f"job_may_choose[{i}]: no job can name profile {name!r}: a job spec's profile is 1-63 "
-                                 "lower-case letters, digits or '-', starting with a letter or digit; rename it")
+                raise at(("job_may_choose", i), f"no job can name profile {name!r}: a job spec's profile is 1-63 "
+                                                "lower-case letters, digits or '-', starting with a letter or digit; "
+                                                "rename it")
         return self
 
     def weights(self, name: str) -> dict[str, float]:

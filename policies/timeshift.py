@@ -84,6 +84,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker import ids
+from broker.errors import at
 from policies import _shift_search as _search
 from policies import latency_reserve, runtime_risk
 from policies._lazy import LazyTuple
@@ -165,11 +166,12 @@ class ShiftPolicy(BaseModel):
     @model_validator(mode="after")
     def _risk_is_judged(self) -> ShiftPolicy:
         if self.max_risk is not None and not self.miss_cost > 0:
-            raise ValueError("max_risk needs miss_cost > 0: a deferral's risk to the deadline is judged only where "
-                             "it is priced")
+            raise at("max_risk", "max_risk needs miss_cost > 0: a deferral's risk to the deadline is judged only "
+                                 "where it is priced")
         if self.latency_reserve_price is not None and self.latency_reserve is None:
-            raise ValueError("latency_reserve_price needs latency_reserve: it is the price of taking the room kept "
-                             "for latency-bound jobs, and without latency_reserve none is kept")
+            raise at("latency_reserve_price", "latency_reserve_price needs latency_reserve: it is the price of taking "
+                                              "the room kept for latency-bound jobs, and without latency_reserve none "
+                                              "is kept")
         return self
 
     @property

@@ -858,7 +858,7 @@ def test_a_good_config_loads_with_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("doc, field, problem", [
-    ({"site": _site_doc(kind="mqtt")}, "site", "simulated or kubernetes"),
+    ({"site": _site_doc(kind="mqtt")}, "site.adapter.kind", "simulated or kubernetes"),
     ({"site": _site_doc(), "heartbeat_s": 0}, "heartbeat_s", "greater than 0"),
     ({"site": _site_doc(), "mqtt": {"port": 0}}, "mqtt.port", "greater than or equal to 1"),
     ({"site": _site_doc(), "heartbeat": 2}, "heartbeat", "unknown field"),
@@ -885,7 +885,7 @@ def test_main_with_a_bad_config_exits_2_with_one_line(tmp_path, capsys):
     path = _write_config(tmp_path, {"site": _site_doc(kind="mqtt")})
     assert main(["--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"heliotrope agent: {path}: site: ") and err.count("\n") == 1
+    assert err.startswith(f"heliotrope agent: {path}: site.adapter.kind: ") and err.count("\n") == 1
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
 

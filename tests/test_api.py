@@ -570,6 +570,19 @@ async def test_a_job_that_asks_to_start_at_once_keeps_saying_so(client: TestClie
                      id="a bound on lost attempts over 1000 is refused"),
         pytest.param({**MINIMAL, "max_lost_attempts": "ten"}, 422, "max_lost_attempts", "valid integer",
                      id="a bound on lost attempts that is not a number is refused"),
+        # Checks of two fields together (the model's own validator) name the field to change, not "(body)"
+        pytest.param({**MINIMAL, "latency_slo_ms": 50}, 422, "origin_region", "latency_slo_ms needs origin_region",
+                     id="a latency objective without its origin region names origin_region"),
+        pytest.param({**MINIMAL, "allowed_regions": ["gcp:us-east1"], "denied_regions": ["gcp:us-east1"]}, 422,
+                     "denied_regions", "regions both allowed and denied: gcp:us-east1",
+                     id="a region both allowed and denied names denied_regions"),
+        pytest.param({**MINIMAL, "gpus": {"count": 2, "milli": 500}}, 422, "gpus.count", "count must be 1",
+                     id="a fraction of a GPU asked of two GPUs names gpus.count"),
+        pytest.param({**MINIMAL, "gpus": {"count": 1, "shared": True}}, 422, "gpus.memory_gib",
+                     "shared needs memory_gib", id="a shared GPU without the memory it takes names gpus.memory_gib"),
+        pytest.param({**MINIMAL, "gpus": {"count": 1, "milli": 500, "mig_profile": "1g.10gb"}}, 422,
+                     "gpus.mig_profile", "do not combine it with milli",
+                     id="a MIG slice with a fraction names gpus.mig_profile"),
     ],
 )
 async def test_an_invalid_job_spec_gets_a_4xx_naming_the_field(client, body, status, field, problem):
@@ -578,6 +591,36 @@ async def test_an_invalid_job_spec_gets_a_4xx_naming_the_field(client, body, sta
     err = (await r.json())["error"]
     assert err["status"] == status
     assert any(f["field"] == field and problem in f["problem"] for f in err["fields"]), err
+
+
+@pytest.mark.parametrize(
+    ("more", "field", "problem"),
+    [
+        pytest.param({"quotas": [{"tenant": "t1"}, {"tenant": "t1"}]}, "quotas[1].tenant",
+                     "each tenant may appear once; t1 appears at quotas[0] and quotas[1]",
+                     id="a tenant's second quota names quotas[1].tenant"),
+        pytest.param({"usd_per_gpu_hour": {"h100-80gb": 3.0}}, "usd_per_gpu_hour",
+                     "prices h100-80gb, which no node group of this site has",
+                     id="a price of a model the site lacks names usd_per_gpu_hour"),
+        pytest.param({"fair_share": {"window_h": 2000, "reweight_h": 0.001}}, "fair_share.reweight_h",
+                     "divides window_h (2000 h) into 2,000,000 periods", id="a reweight too often names reweight_h"),
+        pytest.param({"adapter": {"kind": "kubernetes", "tolerations": [{"key": "a", "operator": "Exists",
+                                                                         "value": "b"}]}},
+                     "adapter.tolerations[0].value", "operator Exists takes no value",
+                     id="a toleration's value with operator Exists names its value"),
+        pytest.param({"adapter": {"kind": "kubernetes",
+                                  "telemetry": {"kind": "prometheus", "url": "http://p:9090", "every_s": 60,
+                                                "stale_after_s": 30}}},
+                     "adapter.telemetry.stale_after_s", "is not longer than every_s",
+                     id="telemetry stale before its next reading names stale_after_s"),
+    ],
+)
+async def test_a_site_spec_whose_fields_disagree_gets_a_422_naming_the_field_to_change(client, more, field, problem):
+    r = await client.post("/v1/sites", json=site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}, **more))
+    assert r.status == 422, await r.text()
+    err = (await r.json())["error"]
+    assert [f["field"] for f in err["fields"]] == [field], err
+    assert problem in err["fields"][0]["problem"] and f"{field}: " in err["message"]
 
 
 @pytest.mark.parametrize(

@@ -804,7 +804,7 @@ def test_a_site_file_whose_site_does_not_hold_together_names_the_field_without_a
                     "usd_per_gpu_hour: {h100-80gb: 3}\n")
     code, _, err = run(capsys, server, "sites", "add", str(path))
     assert code == 1
-    assert "  site: usd_per_gpu_hour prices h100-80gb, which no node group of this site has" in err
+    assert "  site: usd_per_gpu_hour: prices h100-80gb, which no node group of this site has" in err
     assert "(body)" not in err
 
 

@@ -174,7 +174,8 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
         ),
         pytest.param(
             "broker: {carbon_forecast: {history_h: 100}}\n",
-            ["broker.carbon_forecast: history_h 100 is too short for model auto: it needs at least 216 hours"],
+            ["broker.carbon_forecast.history_h: history_h 100 is too short for model auto: it needs at least 216 "
+             "hours"],
             id="too little forecast history for the model says how much it needs",
         ),
         pytest.param(
@@ -184,18 +185,18 @@ def test_a_path_may_be_given_as_a_string(tmp_path: Path) -> None:
         ),
         pytest.param(
             "broker: {profiles: {default: grean}}\n",
-            ["broker.profiles: default: profile 'grean' is not defined; profiles are: balanced, cheap, fast, green"],
+            ["broker.profiles.default: profile 'grean' is not defined; profiles are: balanced, cheap, fast, green"],
             id="a misspelt default profile names the default, not only the profiles",
         ),
         pytest.param(
             "broker: {profiles: {default: green, job_may_choose: [green, nearest]}}\n",
-            ["broker.profiles: job_may_choose[1]: profile 'nearest' is not defined"],
+            ["broker.profiles.job_may_choose[1]: profile 'nearest' is not defined"],
             id="a profile jobs may choose that is not defined names its place in job_may_choose",
         ),
         pytest.param(
             "broker: {profiles: {job_may_choose: [green, green_eu],\n"
             "                    definitions: {green_eu: {weights: {carbon: 1}}}}}\n",
-            ["broker.profiles: job_may_choose[1]: no job can name profile 'green_eu'",
+            ["broker.profiles.job_may_choose[1]: no job can name profile 'green_eu'",
              "lower-case letters, digits or '-'"],
             id="a profile jobs may choose under a name no job spec can hold is refused, not left unreachable",
         ),
@@ -279,7 +280,8 @@ def test_a_check_of_the_whole_file_names_the_field_without_an_api_placeholder(tm
     for a request body, which names nothing in a file."""
     quota = "    quotas: [{tenant: vision, guaranteed_gpus: 100}]\n"
     for text, expected in [
-        ("sites:\n" + site_yaml("ashburn") + site_yaml("ashburn"), "site names must be unique; repeated: ashburn"),
+        ("sites:\n" + site_yaml("ashburn") + site_yaml("ashburn"),
+         "sites[1].name: site names must be unique; repeated: ashburn"),
         ("sites:\n" + site_yaml("ashburn") + quota, "sites[0].quotas[0].guaranteed_gpus: 100 is more than the site's"),
     ]:
         path = write(tmp_path, text)

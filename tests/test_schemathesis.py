@@ -78,13 +78,13 @@ JOBS = [
 # its 4xx is not a "valid data rejected" failure when its error body names only such rules, field by field.
 # Every other rejection of valid data still fails the test, as does any 5xx or off-schema answer.
 RULES_BEYOND_THE_SCHEMA = [
-    (r"\(body\)", r"usd_per_gpu_hour prices .+, which no node group of this site has"),  # keys among gpus[].model
-    (r"\(body\)", r"gpus: \d+ GPUs in all is more than"),  # a sum over the node groups
-    (r"\(body\)", r"quotas: each tenant may appear once"),  # unique by one property
-    (r"gpus\[\d+\]", r"mig_profiles: .+ needs \d+ GiB, more than a .+ GPU here has"),  # profile vs the model
-    (r"\(body\)", r"regions both allowed and denied"),  # two lists disjoint
-    ("fair_share", r"reweight_h: .+ divides window_h .+ periods, more than"),  # the ratio of two fields
-    (r"adapter\.telemetry", r"stale_after_s .+ is not longer than every_s"),  # two fields compared
+    ("usd_per_gpu_hour", r"prices .+, which no node group of this site has"),  # keys among gpus[].model
+    ("gpus", r"\d+ GPUs in all is more than"),  # a sum over the node groups
+    (r"quotas\[\d+\]\.tenant", r"each tenant may appear once"),  # unique by one property
+    (r"gpus\[\d+\]\.mig_profiles", r".+ needs \d+ GiB, more than a .+ GPU here has"),  # profile vs the model
+    ("denied_regions", r"regions both allowed and denied"),  # two lists disjoint
+    (r"fair_share\.reweight_h", r".+ divides window_h .+ periods, more than"),  # the ratio of two fields
+    (r"adapter\.telemetry\.stale_after_s", r"stale_after_s .+ is not longer than every_s"),  # two fields compared
     ("name", r"must be '.*'"),  # PUT /v1/sites/{name}: the body's name is the path's
     ("tenant", r"must be '.*'"),  # PUT .../quota/{tenant}: the body's tenant is the path's
     ("adapter.kind", r"needs broker.mqtt"),  # a site run by an agent, on a broker configured without MQTT
@@ -96,14 +96,15 @@ RULES_BEYOND_THE_SCHEMA = [
     ("deadline", r"in the past"),  # a new job's deadline against the broker's clock
     (r".*", r"is out of range once converted to UTC"),  # a date-time near year 1 or 9999 with an offset
     # a Kubernetes toleration's fields together (no key needs Exists, Exists no value, seconds need NoExecute)
-    (r"adapter\.tolerations\[\d+\]", r"tolerations: "),
+    (r"adapter\.tolerations\[\d+\]\.(value|operator|tolerationSeconds)",
+     r"takes no value|must have operator Exists|needs effect NoExecute"),
     # a Kubernetes Pod's user against its Pod Security profile (restricted: not root)
     (r"adapter\.pod_security_context", r"runAsUser 0 is root, which pod_security restricted forbids"),
     # a Kubernetes site's Prometheus: a base URL without credentials, query or fragment; PromQL label matchers only;
     # a CA bundle only for https
     (r"adapter\.telemetry\.url", r"must be|is not a URL|port 0 is no port"),
     (r"adapter\.telemetry\.selector", r"is not PromQL label matchers|may not match __name__"),
-    (r"adapter\.telemetry", r"ca_file verifies an https server"),
+    (r"adapter\.telemetry\.ca_file", r"ca_file verifies an https server"),
     # a quota against the site's GPUs (its spec's node groups, or the site's for PUT .../quota/{tenant})
     (r"(quotas\[\d+\]\.)?model", r"the site has no \S+ GPUs"),
     (r"(quotas\[\d+\]\.)?guaranteed_gpus", r"is more than the site's"),

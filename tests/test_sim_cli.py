@@ -318,7 +318,7 @@ def test_a_file_that_is_not_text_is_named_with_its_flag(files: dict[str, Path], 
     ("--utilisation", "1e-9", "give a larger utilisation"),
     ("--days", "36550", "--days 36550.0: give a number of days above 0 and at most 36,525"),
     ("--trace-from", "9999-12-31T23:00:00-05:00", "--trace-from '9999-12-31T23:00:00-05:00': is after the last date"),
-    ("--reweight-h", "0.001", "--reweight-h 0.001: reweight_h: 0.001 h divides window_h (24 h) into 24,000 periods"),
+    ("--reweight-h", "0.001", "--reweight-h 0.001: 0.001 h divides window_h (24 h) into 24,000 periods"),
     # these three were named in the words of fairshare.compare ("guaranteed fraction 2.0"), not by their flags
     ("--guaranteed-fraction", "2", "heliotrope: --guaranteed-fraction 2: give a fraction from 0 to 1"),
     ("--max-refusals", "0", "heliotrope: --max-refusals 0: give 1 or more"),
@@ -356,7 +356,7 @@ def test_simulate_quotas_names_both_flags_when_only_their_pair_is_out_of_range(
     err = _error(capsys, ["simulate-quotas", "--trace", str(files["trace"]), "--columns",
                           "submit=submit,duration=seconds,gpus=gpus,tenant=team", "--window-h", "2160",
                           "--reweight-h", "0.1"])
-    assert err.startswith("heliotrope: --window-h 2160 with --reweight-h 0.1: reweight_h: 0.1 h divides window_h "
+    assert err.startswith("heliotrope: --window-h 2160 with --reweight-h 0.1: 0.1 h divides window_h "
                           "(2160 h) into 21,600 periods, more than 10,000; recompute less often (reweight_h at least "
                           "0.216 h)")
 

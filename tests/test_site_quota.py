@@ -556,8 +556,10 @@ async def test_a_fair_share_recomputed_so_often_it_would_stall_the_site_is_refus
                      fair_share={"window_h": 2160, "reweight_h": 0.0001})
     r = await client.post("/v1/sites", json=body)
     assert r.status == 422
-    problem = (await r.json())["error"]["fields"][0]["problem"]
-    assert "reweight_h: 0.0001 h divides window_h (2160 h) into 21,600,000 periods, more than 10,000" in problem
+    (field,) = (await r.json())["error"]["fields"]
+    assert field["field"] == "fair_share.reweight_h"  # (was fair_share: the model's check of its two fields)
+    problem = field["problem"]
+    assert "0.0001 h divides window_h (2160 h) into 21,600,000 periods, more than 10,000" in problem
     assert "(reweight_h at least 0.216 h)" in problem
     body["fair_share"]["reweight_h"] = 0.25
     assert (await client.post("/v1/sites", json=body)).status == 201
