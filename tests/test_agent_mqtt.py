@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from aiohttp.test_utils import TestClient, TestServer
 
 from adapters import mqtt_protocol as proto
 from adapters.base import AdapterError, JobLogs, LogFollow, LogsNotFound, LogsUnsupported
 from adapters.agent import AgentConfig, SiteAgent
 from adapters.remote import MqttHub, RemoteSite
 from adapters.simulated import SimulatedSite
-from broker.api import _site_json
+from broker.api import _site_json, create_app
 from broker.auth import ANONYMOUS_ADMIN
 from broker.cli import _site_row
 from broker.clock import Clock, SystemClock
@@ -176,6 +177,17 @@ async def submit(w: World, name: str, duration_s: float, **more) -> str:  # noqa
     j, _ = await w.broker.book.submit(job(name=name, duration_s=duration_s, **more))
     w.broker.wake()
     return j.id
+
+
+async def running_at_edge(world: Callable, name: str, duration_s: float) -> tuple[World, SiteAgent, Job]:
+    """The log tests' set-up: a world whose site edge is run by an agent and healthy, and a job of tenant t1
+    (``name``, ``duration_s`` seconds long) running; the world, the agent and the job as running."""
+    w = await world(lease_s=6.0)
+    agent = await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, name, duration_s)
+    running = await w.until_state(job_id, {JobState.RUNNING}, 10)
+    return w, agent, running
 
 
 async def test_telemetry_reaches_the_broker_and_a_job_runs_on_the_agents_site(world) -> None:
@@ -451,6 +463,14 @@ CAP = 64 << 10
 """The MQTT broker's cap on a message in the tests below (Mosquitto's ``message_size_limit``)."""
 
 
+async def heard(mosq: Mosquitto, remote: RemoteSite, timeout_s: float = 8) -> None:
+    """Until the broker's side of site edge has heard the agent's first heartbeat (then it may ask for logs)."""
+    deadline = time.monotonic() + timeout_s
+    while remote._heard_mono is None:
+        assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
+        await asyncio.sleep(0.05)
+
+
 @contextlib.asynccontextmanager
 async def capped_edge(tmp_path, adapter: type[SimulatedSite], told: bool):  # noqa: ANN201
     """A Mosquitto that caps messages at ``CAP``, and site ``edge``'s agent (its inner site an ``adapter``) with
@@ -593,10 +613,6 @@ async def test_quotas_the_config_file_changed_reach_an_agents_site_once_its_agen
 
 async def test_an_operators_quota_change_after_the_restart_wins_over_the_files_change_not_yet_passed(
         tmp_path: Path, mosquitto: Mosquitto) -> None:  # noqa: F811
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from broker.api import create_app
-
     def edge(vision: int, kind: dict) -> object:
         return site("edge", gpus={"a100-80gb": 16}, adapter=kind, quotas=[{"tenant": "vision", "guaranteed_gpus": vision}])
 
@@ -626,10 +642,6 @@ async def test_a_quota_the_agents_site_refuses_for_its_own_gpus_is_a_422_naming_
         tmp_path: Path, mosquitto: Mosquitto) -> None:  # noqa: F811
     # The broker's spec says 16 GPUs; the agent's site has 8 (its config is its own). A guarantee of 12 passes the
     # broker's check, and the site refused it: the operator read "503: the site did not answer".
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from broker.api import create_app
-
     b = await remote_broker(tmp_path, mosquitto, [site("edge", gpus={"a100-80gb": 16}, adapter=REMOTE)])
     agent = await started_agent(mosquitto, site("edge", gpus={"a100-80gb": 8}, adapter=FAST))
     client = TestClient(TestServer(create_app(b)))
@@ -662,15 +674,8 @@ async def test_a_quota_the_agents_site_refuses_for_its_own_gpus_is_a_422_naming_
 
 
 async def test_a_jobs_logs_come_from_the_agents_site_through_the_api(world) -> None:
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from broker.api import create_app
-
-    w = await world(lease_s=6.0)
-    await w.agent()
-    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
-    job_id = await submit(w, "printing", 30.0)
-    running = await w.until_state(job_id, {JobState.RUNNING}, 10)
+    w, _, running = await running_at_edge(world, "printing", 30.0)
+    job_id = running.id
     assert (running.site, running.attempt) == ("edge", 1)
     async with TestClient(TestServer(create_app(w.broker))) as client:
         r = await client.get(f"/v1/jobs/{job_id}/logs", params={"tail": "5"})
@@ -683,15 +688,8 @@ async def test_a_jobs_logs_come_from_the_agents_site_through_the_api(world) -> N
 
 
 async def test_a_jobs_log_is_followed_at_an_agents_site_through_the_api_until_it_ends(world) -> None:
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from broker.api import create_app
-
-    w = await world(lease_s=6.0)
-    agent = await w.agent()
-    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
-    job_id = await submit(w, "printing", 3.0)
-    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    w, agent, running = await running_at_edge(world, "printing", 3.0)
+    job_id = running.id
     async with TestClient(TestServer(create_app(w.broker))) as client:
         async with client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true", "tail": "1"}) as r:
             assert r.status == 200, await r.text()
@@ -708,15 +706,8 @@ async def test_a_jobs_log_is_followed_at_an_agents_site_through_the_api_until_it
 
 
 async def test_a_reader_that_leaves_a_followed_log_stops_the_agents_follow(world) -> None:
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from broker.api import create_app
-
-    w = await world(lease_s=6.0)
-    agent = await w.agent()
-    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
-    job_id = await submit(w, "long", 600.0)
-    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    w, agent, running = await running_at_edge(world, "long", 600.0)
+    job_id = running.id
     async with TestClient(TestServer(create_app(w.broker))) as client:
         r = await client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"})
         assert "started on" in (await r.content.readline()).decode()
@@ -731,11 +722,8 @@ async def test_a_follow_a_restarted_broker_knows_nothing_of_is_stopped_at_the_ag
     or a leader that lost its lease). The broker that comes back has no reader for it: at the next part the agent
     sends, it tells the agent to stop, so the agent does not read its site's log, send it to nobody and hold one of
     its FOLLOWS_MAX follows until the job ends."""
-    w = await world(lease_s=6.0)
-    agent = await w.agent()
-    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
-    job_id = await submit(w, "followed-across-a-restart", 30.0)  # (a line every 3 s)
-    await w.until_state(job_id, {JobState.RUNNING}, 10)
+    w, agent, running = await running_at_edge(world, "followed-across-a-restart", 30.0)  # (a line every 3 s)
+    job_id = running.id
     followed = await w.broker.federation.get("edge").adapter.follow_logs(job_id, 1, None, 1 << 20)
     assert "started on" in await anext(followed.chunks)
     assert len(agent._follows) == 1
@@ -778,10 +766,7 @@ async def test_logs_too_large_for_one_message_keep_their_tail_and_say_they_were_
             return JobLogs("".join(line + "\n" for line in lines), False, "pod heliotrope-t1/p container job")
 
     async with capped_edge(tmp_path, Chatty, told=True) as (mosq, hub, remote, agent):
-        deadline = time.monotonic() + 8
-        while remote._heard_mono is None:
-            assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
-            await asyncio.sleep(0.05)
+        await heard(mosq, remote)
         got = await remote.logs("j-1", 1, None, 1 << 20)
         assert got.truncated and got.source == "pod heliotrope-t1/p container job"
         kept = got.text.splitlines()
@@ -803,10 +788,7 @@ async def test_a_followed_log_longer_than_a_message_comes_whole_in_parts_that_fi
             return LogFollow(True, "pod heliotrope-t1/p container job", chunks())
 
     async with capped_edge(tmp_path, Chatty, told=True) as (mosq, hub, remote, agent):
-        deadline = time.monotonic() + 8
-        while remote._heard_mono is None:
-            assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
-            await asyncio.sleep(0.05)
+        await heard(mosq, remote)
         followed = await remote.follow_logs("j-1", 1, None, 1 << 20)
         assert followed.truncated and followed.source == "pod heliotrope-t1/p container job"
         parts = [chunk async for chunk in followed.chunks]
@@ -836,10 +818,7 @@ async def test_an_agents_follows_being_begun_count_against_its_bound(tmp_path, m
             return LogFollow(False, "pod p", chunks())
 
     async with capped_edge(tmp_path, Slow, told=True) as (mosq, hub, remote, agent):
-        deadline = time.monotonic() + 8
-        while remote._heard_mono is None:
-            assert time.monotonic() < deadline, f"no heartbeat\n{mosq.log_tail()}"
-            await asyncio.sleep(0.05)
+        await heard(mosq, remote)
         first = asyncio.ensure_future(remote.follow_logs("j-1", 1, None, 1 << 20))
         await asyncio.wait_for(asked.wait(), 5)
         with pytest.raises(AdapterError, match="the site's agent follows 1 logs already"):
@@ -853,10 +832,7 @@ async def test_an_agent_of_an_earlier_release_that_drops_the_logs_request_is_a_5
         world, monkeypatch) -> None:
     # An agent of the release before this one decodes a "logs" command as a kind it does not know on its down
     # topic: it drops it (counted as wrong-topic) and never answers, while its heartbeats go on.
-    from aiohttp.test_utils import TestClient, TestServer
-
     from adapters import remote as remote_module
-    from broker.api import create_app
 
     monkeypatch.setitem(proto._CHANNEL_KINDS, "down", proto._CHANNEL_KINDS["down"] - {"logs"})
     monkeypatch.setattr(remote_module, "LOGS_WAIT_S", 1.5)
@@ -877,11 +853,8 @@ async def test_an_agent_of_an_earlier_release_that_drops_the_logs_request_is_a_5
 async def test_an_agent_of_an_earlier_release_asked_to_follow_a_log_is_a_501_naming_follow(world, monkeypatch) -> None:
     # An agent of the release before this one knows "logs" but not its "follow" key, which its message forbids: it
     # drops the request as invalid and never answers, while its heartbeats go on.
-    from aiohttp.test_utils import TestClient, TestServer
-
     from adapters import agent as agent_module
     from adapters import remote as remote_module
-    from broker.api import create_app
 
     def earlier(topic_name: str, payload: bytes | bytearray | str, max_payload_bytes: int) -> object:
         if b'"follow":true' in bytes(payload if not isinstance(payload, str) else payload.encode()):
