@@ -1526,9 +1526,8 @@ async def usage_report(request: web.Request) -> web.Response:
     now = broker.clock.now()
     try:
         start, end = usage.window(_usage_time(request, "from"), _usage_time(request, "to"), now)
-    except ValueError as e:
-        field, _, problem = str(e).partition(": ")
-        raise ApiError(400, str(e), [{"field": field, "problem": problem}]) from None
+    except usage.WindowError as e:
+        raise ApiError(400, str(e), [{"field": e.field, "problem": e.problem}]) from None
     records = await broker.store.usage_records(start.timestamp(), end.timestamp())
     tenants = ({tenant} if tenant is not None else set(who.tenants)) if who.role == Role.SUBMITTER else (
         None if tenant is None else {tenant})

@@ -210,9 +210,17 @@ def roll_up(held: Iterable[Held]) -> dict[tuple[int, str, str, str], tuple[float
     return out
 
 
+class WindowError(ValueError):
+    """A report's window that cannot be: ``field`` (``from`` or ``to``) names the parameter to change."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
 def window(frm: datetime | None, to: datetime | None, now: datetime) -> tuple[datetime, datetime]:
     """A report's window in whole hours (UTC): ``from`` back to the start of its hour, ``to`` on to the end of
-    its own; by default the 30 days up to the end of the current hour. Raises ValueError (naming the parameter:
+    its own; by default the 30 days up to the end of the current hour. Raises WindowError (naming the parameter:
     ``to``, or ``from`` where it alone is given) for a window that ends before it starts or spans more than
     :data:`MAX_WINDOW_DAYS`."""
     def floor(t: datetime) -> datetime:
@@ -227,13 +235,13 @@ def window(frm: datetime | None, to: datetime | None, now: datetime) -> tuple[da
         field = "from"
         start_h = floor(frm) if frm is not None else end_h - timedelta(days=30)
     except (OverflowError, OSError, ValueError):  # (an hour or 30 days beyond year 9999 or before year 1)
-        raise ValueError(f"{field}: the window reaches past the dates a report can name (years 1 to 9999)") from None
+        raise WindowError(field, "the window reaches past the dates a report can name (years 1 to 9999)") from None
     given = "to" if to is not None else "from"  # (the end named where given; a from alone is what is wrong)
     if end_h <= start_h:
-        raise ValueError(f"{given}: the window must end after it starts (from)"
+        raise WindowError(given, "the window must end after it starts (from)"
                          + ("" if to is not None else "; with no to it ends at the end of the current hour"))
     if end_h - start_h > timedelta(days=MAX_WINDOW_DAYS):
-        raise ValueError(f"{given}: a report spans at most {MAX_WINDOW_DAYS} days; ask for several")
+        raise WindowError(given, f"a report spans at most {MAX_WINDOW_DAYS} days; ask for several")
     return start_h, end_h
 
 
