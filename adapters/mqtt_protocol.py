@@ -587,12 +587,14 @@ class Dispatch(_Msg):
 
     @field_serializer("job", mode="wrap")
     def _without_routing(self, job: Job, handler: SerializerFunctionWrapHandler) -> Any:
-        """The job without ``spec.deferrable`` and ``spec.max_lost_attempts``: they are the broker's to honour
-        (no site defers a job or counts its losses), and an agent of an earlier release, whose spec forbids keys
-        it does not know, would refuse the dispatch."""
+        """The job without ``spec.deferrable``, ``spec.max_lost_attempts`` and ``spec.after`` (and ``waiting``): they
+        are the broker's to honour (no site defers a job, counts its losses or holds it for others), and an agent
+        of an earlier release, whose spec forbids keys it does not know, would refuse the dispatch."""
         data = handler(job)
         data["spec"].pop("deferrable", None)
         data["spec"].pop("max_lost_attempts", None)
+        data["spec"].pop("after", None)
+        data.pop("waiting", None)
         return data
 
 

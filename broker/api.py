@@ -62,13 +62,14 @@ from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
 from broker.federation import Member, QuotaNotTaken, QuotaRefused, without_secrets
 from broker.ids import GPU_MODEL_IDS
+from broker.after import never_reason, waiting_reason
 from broker.jobs import IdempotencyConflict, JobNotFound, NotQueued, PastDeadline, check_deadline
 from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, LogFollow, LogFollower, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
-from broker.models import (PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Job, JobChange, JobSpec,
+from broker.models import (PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Decision, Job, JobChange, JobSpec,
                            JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, labels_problem)
 from broker.openapi import openapi_document
 from broker.providers.carbon import ProviderError
@@ -796,6 +797,40 @@ def _check_tenant_limit(broker: Broker, spec: JobSpec, at: str = "") -> None:
         raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
 
 
+async def _unmet_after(request: web.Request, spec: JobSpec, at: str = "") -> tuple[list[str], dict[str, JobState]]:
+    """Check a submitted (or previewed) spec's ``after``: each id a job the caller may see (422 naming ``after[i]``
+    where it is not, worded as ``GET /v1/jobs/{id}`` answers 404 for it: another tenant's job is not told to exist),
+    named once, and not already failed or cancelled (it would never run). Returns the jobs that have not succeeded
+    yet, in order, and the state of each job named."""
+    broker = request.app[BROKER]
+    who = principal(request)
+    states: dict[str, JobState] = {}
+    first: dict[str, int] = {}
+    for i, dep in enumerate(spec.after):
+        field, problem = f"{at}after[{i}]", None
+        if dep in first:
+            problem = f"job {dep} is named twice (also {at}after[{first[dep]}]); name each job once"
+        else:
+            first[dep] = i
+            try:
+                job = await broker.book.get(dep)
+            except JobNotFound:
+                job = None
+            except StoreError as e:
+                log.error("could not read job %s that a job runs after: %s", dep, e)
+                raise ApiError(503, f"job {dep} ({field}) could not be read; nothing was accepted, try again") from None
+            if job is None or not who.sees_job(job):
+                problem = f"no job with id {dep}"
+            elif never_reason(dep, job.state) is not None:
+                problem = f"job {dep} has {'failed' if job.state == JobState.FAILED else 'been cancelled'}: a job " \
+                          "that runs after it would never run"
+            else:
+                states[dep] = job.state
+        if problem is not None:
+            raise ApiError(422, f"invalid job spec: {field}: {problem}", [{"field": field, "problem": problem}])
+    return [dep for dep in spec.after if states[dep] != JobState.SUCCEEDED], states
+
+
 _JOB_SPECS: TypeAdapter[list[JobSpec]] = TypeAdapter(Annotated[list[JobSpec], Field(max_length=PREVIEW_LIST_MAX)])
 
 
@@ -859,10 +894,39 @@ async def preview_job(request: web.Request) -> web.Response:
             at = f"[{i}]." if listed else ""
             raise ApiError(422, f"invalid job spec: {at}{e}",
                            [{"field": f"{at}deadline", "problem": "in the past"}]) from None
-    previews = [Preview(note=preview_note(ahead, listed), decision=explain.render(record, req, broker.cycle.filters, 0),
-                        ahead=ahead.decided, listed_ahead=ahead.listed if listed else None)
-                for req, record, ahead in broker.cycle.previews(specs)]
+    waits: list[Preview | None] = []
+    for i, spec in enumerate(specs):
+        unmet, states = await _unmet_after(request, spec, f"[{i}]." if listed else "")
+        waits.append(_waiting_preview(unmet, states, now) if unmet else None)
+    # (a spec that would wait is not decided, and takes no room from those after it)
+    decided = iter(broker.cycle.previews([spec for spec, wait in zip(specs, waits) if wait is None]))
+    previews = [wait or next(Preview(note=preview_note(ahead, listed),
+                                     decision=explain.render(record, req, broker.cycle.filters, 0),
+                                     ahead=ahead.decided, listed_ahead=ahead.listed if listed else None)
+                                for req, record, ahead in decided)
+                for wait in waits]
     return _json({"items": [p.model_dump(mode="json") for p in previews]} if listed else previews[0])
+
+
+async def _first_with_key(broker: Broker, tenant: str, key: str) -> object | None:
+    """The job first submitted with the Idempotency-Key ``key`` by ``tenant``, if any (503 where it cannot be read)."""
+    try:
+        return await broker.store.find_idempotent(tenant, key)
+    except StoreError as e:
+        log.error("could not look up an Idempotency-Key: %s", e)
+        raise ApiError(503, "the job could not be stored; it was not accepted, try again") from None
+
+
+WAITING_NOTE = ("the job would wait in the queue, out of the scheduling queue, until every job in its after has "
+                "succeeded (and fail if one fails or is cancelled); only then is it decided as any new job, so no "
+                "site was weighed; nothing was submitted")
+
+
+def _waiting_preview(unmet: list[str], states: dict[str, JobState], now: datetime) -> Preview:
+    """The preview of a spec whose ``after`` names jobs that have not succeeded yet: it would wait for them."""
+    summary = "would be " + waiting_reason(unmet, states)  # type: ignore[arg-type]
+    return Preview(note=WAITING_NOTE, waiting_for=unmet, decision=Decision(
+        job_id="preview", attempt=0, decided_at=now, outcome="unplaceable", summary=summary, sites=[]))
 
 
 async def submit_job(request: web.Request) -> web.Response:
@@ -872,6 +936,9 @@ async def submit_job(request: web.Request) -> web.Response:
     if key is not None and not (1 <= len(key) <= 255 and key.isascii() and key.isprintable()):
         raise ApiError(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",
                        [{"field": "Idempotency-Key", "problem": "must be 1 to 255 printable ASCII characters"}])
+    # (a retry of a job accepted before one it runs after failed gets that job back, as one past its deadline does)
+    if spec.after and (key is None or await _first_with_key(broker, spec.tenant, key) is None):
+        await _unmet_after(request, spec)
     try:
         job, created = await broker.book.submit(spec, key, raw, check=lambda: _check_tenant_limit(broker, spec))
     except IdempotencyConflict as e:
@@ -979,9 +1046,22 @@ async def _job(request: web.Request) -> Job:
     return job
 
 
+async def _waiting_now(broker: Broker, job: Job) -> Job:
+    """A waiting job with its reason as of now: the jobs it still waits for, each in the state it is in now (the
+    stored reason names them as they were when it last changed). Unchanged where a state cannot be read."""
+    if not job.waiting or job.state != JobState.QUEUED:
+        return job
+    try:
+        states = {dep: await broker.book.state_of(dep) for dep in job.spec.after}
+    except StoreError:
+        return job
+    unmet = [dep for dep in job.spec.after if states[dep] != JobState.SUCCEEDED]
+    return job.model_copy(update={"reason": waiting_reason(unmet, states)}) if unmet else job
+
+
 async def get_job(request: web.Request) -> web.Response:
     _takes_no_query(request)
-    return _json(await _job(request))
+    return _json(await _waiting_now(request.app[BROKER], await _job(request)))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
@@ -1127,6 +1207,10 @@ async def job_decision(request: web.Request) -> web.Response:
         if ended is not None:  # cancelled (or failed) before any pass decided it: none ever will
             raise ApiError(404, f"job {job.id} was never decided: it ended before a scheduling cycle reached it "
                                 f"({ended})")
+        if job.waiting:
+            reason = (await _waiting_now(broker, job)).reason
+            raise ApiError(404, f"job {job.id} has not been decided: it is {reason}; the first scheduling cycle after "
+                                "they have decides it")
         raise ApiError(404, f"job {job.id} has not been decided yet; the next scheduling cycle decides it")
     req = JobRequest.from_spec(job.id, job.spec, frozenset(stored.record.get("excluded", ())))
     try:

@@ -180,6 +180,8 @@ def show_job(job: dict[str, Any]) -> str:
         f"  duration  {_seconds(spec['duration_s'])} s expected, {_run_text(job)}",
         f"  attempt   {job['attempt']} ({job['failed_attempts']} failed, at most {spec['max_attempts']})",
         f"  priority  {spec['priority']}",
+        *([f"  after     {', '.join(spec['after'])}" + (" (waiting for them to succeed)" if job.get("waiting") else "")]
+          if spec.get("after") else []),
         f"  created   {job['created_at']}",
         f"  updated   {job['updated_at']}",
     ]
@@ -546,7 +548,7 @@ async def _client_command(args: argparse.Namespace) -> str | None:
             case "job":
                 out = await c.request("GET", f"/v1/jobs/{_part(args.id)}")
                 text = show_job(out)
-                if out["state"] == "queued":  # deferred, or waiting for room: say so, as explain does
+                if out["state"] == "queued" and not out.get("waiting"):  # deferred, or waiting for room: say so
                     text += _waiting_line(await _decision_of(c, out["id"]), out["id"])
             case "logs":
                 return await _logs(c, args)

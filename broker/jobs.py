@@ -20,11 +20,12 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from broker.after import never_reason, released_reason, waiting_reason
 from broker.clock import Clock
 from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobChange, JobSpec, JobState
@@ -123,14 +124,37 @@ class ActiveJobs(MutableMapping[str, Job]):
     pass walks. Jobs on sites, or on their way to one, are kept as they are.
 
     Reading a queued job costs a parse (some 15 µs): hot paths over many jobs go through :attr:`queue`
-    (queued) or :meth:`unqueued` (the rest) instead of :meth:`values`."""
+    (queued) or :meth:`unqueued` (the rest) instead of :meth:`values`.
 
-    __slots__ = ("_jobs", "_queued", "queue")
+    A queued job that waits for the jobs it runs after (``Job.waiting``, ``JobSpec.after``) is kept as the other
+    queued jobs are, but out of :attr:`queue`: no scheduling pass walks it, so a pass pays nothing for the jobs
+    that wait. :attr:`dependents` indexes them by the jobs they wait for, which is how the end of one finds them."""
+
+    __slots__ = ("_jobs", "_queued", "queue", "_waiting", "dependents")
 
     def __init__(self) -> None:
         self._jobs: dict[str, Job] = {}
         self._queued: dict[str, bytes] = {}
         self.queue = QueueIndex()
+        self._waiting: dict[str, tuple[str, tuple[str, ...]]] = {}  # waiting job id -> (its tenant, what it waits for)
+        self.dependents: dict[str, set[str]] = {}  # job id -> the waiting jobs that run after it
+
+    def _hold(self, job: Job) -> None:
+        self._unhold(job.id)
+        self._waiting[job.id] = (job.spec.tenant, tuple(job.spec.after))
+        for dep in job.spec.after:
+            self.dependents.setdefault(dep, set()).add(job.id)
+
+    def _unhold(self, job_id: str) -> None:
+        held = self._waiting.pop(job_id, None)
+        if held is None:
+            return
+        for dep in held[1]:
+            waiters = self.dependents.get(dep)
+            if waiters is not None:
+                waiters.discard(job_id)
+                if not waiters:
+                    del self.dependents[dep]
 
     def __getitem__(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)
@@ -142,15 +166,22 @@ class ActiveJobs(MutableMapping[str, Job]):
         if job.state == JobState.QUEUED:
             self._jobs.pop(job_id, None)
             self._queued[job_id] = _COMPACT(job, exclude_defaults=True)
-            self.queue.add(job)
+            if job.waiting:
+                self.queue.discard(job_id)
+                self._hold(job)
+            else:
+                self._unhold(job_id)
+                self.queue.add(job)
         else:
             if self._queued.pop(job_id, None) is not None:
                 self.queue.discard(job_id)
+                self._unhold(job_id)
             self._jobs[job_id] = job
 
     def __delitem__(self, job_id: str) -> None:
         if self._queued.pop(job_id, None) is not None:
             self.queue.discard(job_id)
+            self._unhold(job_id)
         else:
             del self._jobs[job_id]
 
@@ -167,6 +198,8 @@ class ActiveJobs(MutableMapping[str, Job]):
         self._jobs.clear()
         self._queued.clear()
         self.queue.clear()
+        self._waiting.clear()
+        self.dependents.clear()
 
     def unqueued(self) -> Iterator[Job]:
         """The jobs that are not queued (on a site, on the way to one, or preempted), without reading the queue."""
@@ -174,6 +207,10 @@ class ActiveJobs(MutableMapping[str, Job]):
 
     def queued_count(self) -> int:
         return len(self._queued)
+
+    def waiting_ids(self) -> list[str]:
+        """The queued jobs that wait for the jobs they run after (out of :attr:`queue`)."""
+        return list(self._waiting)
 
     def by_tenant(self) -> dict[str, TenantUsage]:
         """Per tenant with unfinished jobs: how many are in each state, and the GPUs those on sites or on their way
@@ -183,6 +220,9 @@ class ActiveJobs(MutableMapping[str, Job]):
         for key, group in self.queue.groups.items():  # (priority, tenant, ...): queued jobs are not parsed
             usage = out.setdefault(key[1], TenantUsage())
             usage.jobs[JobState.QUEUED.value] = usage.jobs.get(JobState.QUEUED.value, 0) + len(group)
+        for tenant, _ in self._waiting.values():  # queued too, though out of the queue: they hold nothing
+            usage = out.setdefault(tenant, TenantUsage())
+            usage.jobs[JobState.QUEUED.value] = usage.jobs.get(JobState.QUEUED.value, 0) + 1
         for job in self._jobs.values():
             usage = out.setdefault(job.spec.tenant, TenantUsage())
             usage.jobs[job.state.value] = usage.jobs.get(job.state.value, 0) + 1
@@ -244,6 +284,8 @@ class JobBook:
         # store: every end of an attempt passes through here (the carbon ledger corrects its figures to the
         # time it ran). Not called for a change that did not land.
         self.on_attempt_end: Callable[[Job, Job], None] | None = None
+        # Jobs that waiting jobs run after whose end (or stored state) is still to be acted on: settle_waiting.
+        self._to_settle: set[str] = set()
 
     async def load(self) -> int:
         """Load every non-terminal job from the store (at start-up), a page at a time; returns how many."""
@@ -259,6 +301,9 @@ class JobBook:
                 break
             after = rows[-1][0]
         self._pulled_seq = last
+        # Jobs waited for that are not active ended before the load (perhaps while no broker ran, or under the
+        # leader before): settle_waiting reads how they ended.
+        self._to_settle = {dep for dep in self.active.dependents if dep not in self.active}
         # Inserts that took a row number below ``last`` but had not committed: looked up for a while.
         noticed = time.monotonic()
         self._gaps = dict.fromkeys(range(max(1, last - TAKEOVER_GAP_ROWS + 1), last + 1), noticed)
@@ -320,7 +365,13 @@ class JobBook:
         check_deadline(spec.deadline, now)
         if check is not None:
             check()
-        job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason="waiting for a placement")
+        waiting, reason = False, "waiting for a placement"
+        if spec.after:
+            states = {dep: await self.state_of(dep) for dep in spec.after}
+            unmet = [dep for dep in spec.after if states[dep] != JobState.SUCCEEDED]
+            if unmet:  # (one that ended otherwise since it was checked: settle_waiting fails the job)
+                waiting, reason = True, waiting_reason(unmet, states)
+        job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason=reason, waiting=waiting)
         try:
             await self._store.insert_job(job, key, digest)
         except DuplicateKey:
@@ -341,11 +392,17 @@ class JobBook:
         # may have taken the committed row in (``pull_new``, ``take_in``) and changed the job; putting the queued
         # copy back over that would have the next pass place it again, and leave its first placement undispatched.
         if self.tracking and not self._known(job.id):
-            self.announce(job, None)
-            self.active[job.id] = job
-            self.fresh.append(job.id)
+            self._take(job)
             self.changed.set()
         return job
+
+    def _take(self, job: Job) -> None:
+        """Take in a new queued job (submitted here or through another replica)."""
+        self.announce(job, None)
+        self.active[job.id] = job
+        self.fresh.append(job.id)
+        if job.waiting:  # one it waits for may have ended before it was taken in: nothing else would tell
+            self._to_settle.update(dep for dep in job.spec.after if dep not in self.active)
 
     def _known(self, job_id: str) -> bool:
         """Whether this book holds the job, or changed it (its end or change may still be on its way to the store):
@@ -378,9 +435,7 @@ class JobBook:
                     self._gaps.update(dict.fromkeys(range(self._pulled_seq + 1, seq), now))
                 self._pulled_seq = seq
             if job.state == JobState.QUEUED and not self._known(job.id):
-                self.announce(job, None)
-                self.active[job.id] = job
-                self.fresh.append(job.id)
+                self._take(job)
                 new += 1
         if new:
             self.changed.set()
@@ -399,11 +454,80 @@ class JobBook:
         # (no longer tracking: its replica stopped leading during the read, and emptied the book, as it must stay)
         if stored is None or stored.state != JobState.QUEUED or self._known(job_id) or not self.tracking:
             return self.active.get(job_id)
-        self.announce(stored, None)
-        self.active[job_id] = stored
-        self.fresh.append(job_id)
+        self._take(stored)
         self.changed.set()
         return stored
+
+    # --- dependencies (broker.after) ---
+
+    async def state_of(self, job_id: str) -> JobState | None:
+        """A job's state as this book holds it, else as stored; None where the store has no such job."""
+        job = self.active.get(job_id)
+        if job is None:
+            job = await self._store.get_job(job_id)
+        return None if job is None else job.state
+
+    async def settle_waiting(self) -> int:
+        """Act on the ends of the jobs that waiting jobs run after (noted as they land, at a load and as waiting
+        jobs are taken in): release each waiting job all of whose dependencies succeeded into the queue, fail each
+        one a dependency of which failed, was cancelled or is gone from the store (``broker.after.never_reason``),
+        and, down a chain, those waiting for it. The leader's loop calls this before each pass; it costs nothing
+        while no such end is pending. Returns how many jobs it released or failed. A write that fails leaves
+        its job waiting, and the end is acted on again at the next call; StoreError where a state cannot be read."""
+        done = 0
+        while self._to_settle and self.tracking:
+            todo, self._to_settle = self._to_settle, set()
+            states: dict[str, JobState | None] = {}
+            writes: list[tuple[str, Awaitable[None]]] = []
+            try:
+                for dep in sorted(todo):
+                    for waiter in sorted(self.active.dependents.get(dep, ())):
+                        job = self.active.get(waiter)
+                        if job is None or not job.waiting:
+                            continue
+                        for other in job.spec.after:
+                            if other not in states:
+                                states[other] = await self.state_of(other)
+                        write = self._settle_one(waiter, states)
+                        if write is not None:
+                            writes.append((dep, write))
+            except BaseException:
+                self._to_settle |= todo
+                raise
+            results = await asyncio.gather(*(w for _, w in writes), return_exceptions=True)
+            for (dep, _), result in zip(writes, results):
+                if isinstance(result, BaseException):
+                    log.warning("a job waiting for job %s was not released or failed (%s); trying again", dep, result)
+                    self._to_settle.add(dep)
+                else:
+                    done += 1
+            if any(isinstance(r, BaseException) for r in results):
+                break  # (at the next call: not in a loop against a store that refuses)
+        return done
+
+    def _settle_one(self, job_id: str, states: Mapping[str, JobState | None]) -> Awaitable[None] | None:
+        """Release or fail one waiting job by its dependencies' ``states`` (in memory now; the write is returned);
+        None while one of them may still succeed."""
+        job = self.active[job_id]
+        for dep in job.spec.after:
+            never = never_reason(dep, states[dep])
+            if never is not None:
+                new, version = self.apply(job_id, JobState.FAILED, reason=never)
+                return self.write_soon(job, new, version)
+        unmet = [dep for dep in job.spec.after if states[dep] != JobState.SUCCEEDED]
+        reason = waiting_reason(unmet, states) if unmet else released_reason(job.spec.after)
+        if unmet and reason == job.reason:
+            return None
+        new = job.model_copy(update={"waiting": bool(unmet), "version": job.version + 1,
+                                     "updated_at": self._clock.now(), "reason": reason})
+        transitions_log.info("%s %s/%s: %s", job_id, job.spec.tenant, job.spec.name, reason)
+        self.seq += 1
+        self._touch(job_id)
+        self.active[job_id] = new  # (released: in the queue now, as a new job)
+        if not unmet:
+            self.fresh.append(job_id)
+            self.changed.set()
+        return self.write_soon(job, new, job.version, event_reason=reason)
 
     # --- reads ---
 
@@ -422,7 +546,8 @@ class JobBook:
     def take_fresh(self) -> list[Job]:
         """The jobs submitted since the last call that are still queued, in scheduling order."""
         fresh, self.fresh = self.fresh, []
-        return _in_order(j for j in map(self.active.get, fresh) if j is not None and j.state == JobState.QUEUED)
+        return _in_order(j for j in map(self.active.get, fresh)
+                         if j is not None and j.state == JobState.QUEUED and not j.waiting)
 
     def on_site(self, site: str) -> list[Job]:
         return [j for j in self.active.unqueued() if j.site == site and j.state.on_site]
@@ -499,6 +624,8 @@ class JobBook:
             if self._changes.pop(job_id, None) is not None:
                 self._remember_ended(job_id)
             self.admitted_seq.pop(job_id, None)
+            if job_id in self.active.dependents:
+                self._to_settle.add(job_id)
         else:
             self.active[job_id] = job
             self._touch(job_id)
@@ -573,7 +700,9 @@ class JobBook:
         if not said:
             return job, None
         what = "changed by request: " + ", ".join(said)
-        new = job.model_copy(update={"spec": spec, "version": job.version + 1, "updated_at": now, "reason": what})
+        # (a waiting job keeps saying what it waits for: the change is in its transitions, and it is not released)
+        new = job.model_copy(update={"spec": spec, "version": job.version + 1, "updated_at": now,
+                                     "reason": job.reason if job.waiting else what})
         transitions_log.info("%s %s/%s: %s", job_id, job.spec.tenant, job.spec.name, what)
         self.seq += 1
         self._touch(job_id)
@@ -648,6 +777,9 @@ class JobBook:
             self.metrics.finished.labels(new.state.value, new.spec.tenant).inc()
             self._changes.pop(new.id, None)
             self._remember_ended(new.id)
+            if self.tracking and new.id in self.active.dependents:  # jobs wait for it: the next pass settles them
+                self._to_settle.add(new.id)
+                self.changed.set()
 
     def announce(self, job: Job, before: Job | None) -> None:
         """Publish a stored transition of ``job`` from ``before`` (None: the broker just took it in). The

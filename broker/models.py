@@ -1008,6 +1008,10 @@ class GpuRequest(Spec):
         return self.milli < 1000 or self.shared
 
 
+AFTER_MAX = 64
+"""Jobs one job may run after (``JobSpec.after``)."""
+
+
 class JobSpec(Spec):
     """What a submitter sends. Only ``tenant``, ``name``, ``gpus`` and ``duration_s`` are required."""
 
@@ -1056,6 +1060,16 @@ class JobSpec(Spec):
         # of earlier releases (whose specs forbid unknown keys) still read it; dispatches to site agents never
         # carry it (adapters.mqtt_protocol.Dispatch).
         exclude_if=lambda deferrable: deferrable,
+    )
+    after: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=AFTER_MAX,
+        description="ids of jobs that must succeed before this one is queued for placement (as Slurm's "
+                    "--dependency=afterok): it waits in state queued, out of the scheduling queue, until every one "
+                    f"has succeeded, and fails at once if one fails or is cancelled; at most {AFTER_MAX}, no "
+                    "duplicates, each an existing job (so there are no cycles)",
+        # Left out where empty, for the reason deferrable is: brokers of earlier releases still read the specs of
+        # jobs without dependencies; dispatches to site agents never carry it (adapters.mqtt_protocol.Dispatch).
+        exclude_if=lambda after: not after,
     )
 
     @model_validator(mode="after")
@@ -1200,6 +1214,14 @@ class Job(BaseModel):
         "seconds of run_s that preempted attempts resumed from a checkpoint spent restarting (each one's run, "
         "up to its profile's restart overhead) rather than adding work: the work kept is run_s less this"))
     version: int = Field(default=0, description="bumped by every stored change (optimistic concurrency)")
+    waiting: bool = Field(
+        default=False,
+        description="true while the job waits for the jobs in spec.after to succeed: it is queued but out of the "
+                    "scheduling queue (never placed, previewed as placeable, deferred or counted against a limit) "
+                    "until they have; left out where false",
+        # Left out where false: a job without dependencies is stored as before (brokers of earlier releases read it).
+        exclude_if=lambda waiting: not waiting,
+    )
 
     def transition(self, dst: JobState, now: datetime, **changes: Any) -> Job:
         """Return a copy of this job in state ``dst``; raise IllegalTransition if the machine forbids it."""
@@ -1210,6 +1232,8 @@ class Job(BaseModel):
             update["reason"] = clean_text(update["reason"])
         if dst == JobState.QUEUED:  # back in line: no site holds the job any more
             update.update(site=None, gpu_model=None)
+        else:  # (a job waiting for others leaves the queue only by ending: it waits no more)
+            update.setdefault("waiting", False)
         if dst == JobState.RUNNING and self.started_at is None:
             update.setdefault("started_at", now)
         if dst.terminal:
@@ -1315,6 +1339,10 @@ class Preview(Strict):
         "for a list of specs previewed together: the specs of the list decided before it, as the queue would order "
         "them submitted one after another in the list's order, their placements and deferrals taking their room "
         "first"))
+    waiting_for: list[str] | None = Field(None, exclude_if=lambda ids: not ids, description=(
+        "the jobs of the spec's after that have not succeeded: the job would wait for them, out of the scheduling "
+        "queue, and no site was weighed (the decision's outcome is unplaceable, its summary says so); left out "
+        "where it would not wait"))
 
 
 ActiveState = Literal["queued", "dispatching", "admitted", "running", "preempted"]  # the states a job can leave

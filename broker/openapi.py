@@ -81,7 +81,8 @@ _BEYOND_THE_SCHEMA = {
                 "is not 0 where its pod_security is restricted",
     "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
                "a new job's deadline, not in the past; its GPUs within its tenant's federation-wide limit "
-               "(broker.tenant_limits)",
+               "(broker.tenant_limits); each job in after, one the submitter may see (a job it may not see is "
+               "answered as one that does not exist), named once, and not failed or cancelled (422 naming after[i])",
     "JobChange": "profile, one the federation lets jobs choose; a new deadline, not in the past; the job's spec "
                  "with the change, valid as a job spec",
     "Cancellation": "a tenant, labels or both (an empty selector would cancel every job)",
@@ -118,6 +119,7 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
         _if("latency_slo_ms", {"type": "number"},
             {"required": ["origin_region"], "properties": {"origin_region": {"type": "string"}}}),
     ]
+    job["properties"]["after"]["uniqueItems"] = True  # (checked at submission, naming the second one: after[i])
     text = {"maxLength": LABEL_MAX_CHARS, "pattern": "^[^\\u0000-\\u001f\\u007f]*$"}  # no control characters
     job["properties"]["labels"].update({  # (checked at submission: label_problem)
         "maxProperties": LABELS_MAX, "additionalProperties": {"type": "string", **text},

@@ -430,6 +430,12 @@ class Broker:
             try:
                 if self.leadership is not None:
                     await self.book.pull_new()  # jobs the other replicas took in
+                try:
+                    await self.book.settle_waiting()  # jobs whose dependencies ended (broker.after)
+                except StoreError as e:  # (Fenced passes: this replica no longer leads)
+                    if isinstance(e, Fenced):
+                        raise
+                    log.error("jobs waiting for others could not be settled (%s); trying again next cycle", e)
                 self._pass_over.clear()
                 self._in_pass.set()
                 try:

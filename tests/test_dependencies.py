@@ -1,0 +1,379 @@
+"""Job dependencies (``after``, as Slurm's ``--dependency=afterok``) against a live broker with simulated sites:
+a pipeline runs in order, a failed or cancelled step fails the steps after it, submissions naming jobs that cannot
+be waited for are refused, and waiting jobs keep waiting (and are released) across a restart of the broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from adapters.mqtt_protocol import Dispatch
+from broker.api import create_app
+from broker.clock import ManualClock
+from broker.config import BrokerSettings
+from broker.jobs import JobBook
+from broker.models import Job, JobSpec, JobState
+from broker.service import Broker
+from broker.store import open_store
+from broker.store.memory import MemoryStore
+from tests.builders import NOW
+from tests.test_api import register, site_body, wait_for
+from tests.test_auth import fed, made  # noqa: F401 (fixtures: a broker with auth on, and its tokens)
+from tests.test_auth import Federation
+from tests.test_cli import run, submit_file
+
+JOB = {"tenant": "t1", "gpus": {"count": 1}, "duration_s": 0.3}
+
+
+def spec(**more: Any) -> JobSpec:
+    return JobSpec.model_validate({**JOB, **more})
+
+
+def _settings(db: Path) -> BrokerSettings:
+    return BrokerSettings(db=str(db), cycle_interval_s=0.05, shutdown_grace_s=1)
+
+
+@pytest.fixture
+async def client(tmp_path: Path):
+    broker = Broker(_settings(tmp_path / "deps.db"))
+    await broker.start([])
+    async with TestClient(TestServer(create_app(broker))) as c:
+        c.broker = broker  # type: ignore[attr-defined]
+        yield c
+    await broker.stop()
+
+
+async def submit(client: TestClient, name: str, **more: Any) -> dict[str, Any]:
+    r = await client.post("/v1/jobs", json={**JOB, "name": name, **more})
+    assert r.status == 201, await r.text()
+    return await r.json()
+
+
+async def get(client: TestClient, job_id: str) -> dict[str, Any]:
+    r = await client.get(f"/v1/jobs/{job_id}")
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+async def refused(client: TestClient, body: dict[str, Any], path: str = "/v1/jobs", **kw: Any) -> dict[str, Any]:
+    r = await client.post(path, json=body, **kw)
+    assert r.status == 422, await r.text()
+    return (await r.json())["error"]
+
+
+async def test_a_pipeline_runs_in_order_each_step_waiting_for_the_one_before(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    a = await submit(client, "preprocess", duration_s=1.0)
+    b = await submit(client, "train", after=[a["id"]])
+    c = await submit(client, "eval", after=[b["id"]])
+    assert b["state"] == "queued" and b["waiting"] is True and b["spec"]["after"] == [a["id"]]
+    assert b["reason"].startswith(f"waiting for job {a['id']} (") and b["reason"].endswith("to succeed (after)")
+    assert "after" not in a["spec"] and "waiting" not in a  # (left out where unused)
+    running = await wait_for(client, a["id"], {"running"})
+    shown = await get(client, b["id"])
+    assert shown["state"] == "queued" and shown["reason"] == f"waiting for job {a['id']} (running) to succeed (after)"
+    assert (await get(client, c["id"]))["reason"] == f"waiting for job {b['id']} (queued) to succeed (after)"
+    r = await client.get(f"/v1/jobs/{b['id']}/decision")  # no pass decided it: the answer says why
+    assert r.status == 404 and f"waiting for job {a['id']} (running)" in (await r.json())["error"]["message"]
+
+    ended = [await wait_for(client, j["id"], {"succeeded"}, timeout_s=20) for j in (a, b, c)]
+    assert [e["state"] for e in ended] == ["succeeded"] * 3
+    # each started only once the one before had succeeded
+    assert ended[1]["started_at"] >= ended[0]["finished_at"] and ended[2]["started_at"] >= ended[1]["finished_at"]
+    assert running["started_at"] < ended[1]["started_at"]
+    assert "waiting" not in ended[1]
+
+
+@pytest.mark.parametrize("end", ["cancelled", "failed"])
+async def test_a_step_that_fails_or_is_cancelled_fails_every_step_after_it_down_the_chain(client: TestClient, end: str):
+    # flaky's only GPUs are L4s, and each attempt there fails: a job asking for an L4 fails at its one attempt
+    await register(client, site_body("flaky", "gcp:europe-west3", {"l4": 8},
+                                     adapter={"kind": "simulated", "dispatch_delay_s": 0.005, "failure_rate": 1.0}))
+    first = {"gpus": {"count": 1, "model": "l4"}, "max_attempts": 1, "duration_s": 5} if end == "failed" else {
+        "gpus": {"count": 1, "model": "h100-80gb"}}  # (no site has one: it stays queued until cancelled)
+    a = await submit(client, "preprocess", **first)
+    b = await submit(client, "train", after=[a["id"]])
+    c = await submit(client, "eval", after=[b["id"]])
+    other = await submit(client, "unrelated", gpus={"count": 1, "model": "h100-80gb"})
+    if end == "cancelled":
+        assert (await client.delete(f"/v1/jobs/{a['id']}")).status == 200
+    assert (await wait_for(client, a["id"], {end}, timeout_s=20))["state"] == end
+    b_now = await wait_for(client, b["id"], {"failed"})
+    assert b_now["reason"] == f"job {a['id']} it runs after was {end}; it will never run (after)"
+    c_now = await wait_for(client, c["id"], {"failed"})
+    assert c_now["reason"] == f"job {b['id']} it runs after was failed; it will never run (after)"
+    assert b_now["attempt"] == 0 and c_now["attempt"] == 0  # never placed
+    assert (await get(client, other["id"]))["state"] == "queued"  # nothing else touched
+
+    # and a job after one that failed or was cancelled is refused at once
+    error = await refused(client, {**JOB, "name": "late", "after": [a["id"]]})
+    assert error["fields"] == [{"field": "after[0]", "problem": f"job {a['id']} has "
+                                f"{'failed' if end == 'failed' else 'been cancelled'}: a job that runs after it would "
+                                "never run"}]
+
+
+async def test_a_submission_naming_jobs_it_cannot_wait_for_is_refused_naming_each(client: TestClient):
+    a = await submit(client, "a", gpus={"count": 1, "model": "h100-80gb"})
+    error = await refused(client, {**JOB, "name": "x", "after": [a["id"], "01nosuchjob0000000"]})
+    assert error["fields"] == [{"field": "after[1]", "problem": "no job with id 01nosuchjob0000000"}]
+    error = await refused(client, {**JOB, "name": "x", "after": [a["id"], a["id"]]})
+    assert error["fields"][0]["field"] == "after[1]" and "named twice" in error["fields"][0]["problem"]
+    error = await refused(client, {**JOB, "name": "x", "after": [a["id"]] * 65})
+    assert error["fields"][0]["field"] == "after" and "64" in error["fields"][0]["problem"]
+    error = await refused(client, {**JOB, "name": "x", "after": [""]})
+    assert error["fields"][0]["field"].startswith("after")
+    # a preview checks them too, and a list's specs are named by their place
+    error = await refused(client, [JOB | {"name": "ok"}, {**JOB, "name": "x", "after": ["01nosuchjob0000000"]}],
+                          "/v1/preview")
+    assert error["fields"] == [{"field": "[1].after[0]", "problem": "no job with id 01nosuchjob0000000"}]
+    listed = await (await client.get("/v1/jobs")).json()
+    assert [j["id"] for j in listed["items"]] == [a["id"]]  # nothing was stored
+
+
+async def test_a_job_after_one_that_already_succeeded_is_queued_at_once_and_runs(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    a = await submit(client, "a")
+    await wait_for(client, a["id"], {"succeeded"})
+    b = await submit(client, "b", after=[a["id"]])
+    assert "waiting" not in b and b["reason"] == "waiting for a placement"
+    assert (await wait_for(client, b["id"], {"succeeded"}))["spec"]["after"] == [a["id"]]
+
+
+async def test_a_preview_of_a_job_after_unfinished_ones_says_it_would_wait_for_them(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    a = await submit(client, "a", gpus={"count": 1, "model": "h100-80gb"})  # (no site has one: it stays queued)
+    r = await client.post("/v1/preview", json={**JOB, "name": "b", "after": [a["id"]]})
+    assert r.status == 200, await r.text()
+    preview = await r.json()
+    assert preview["waiting_for"] == [a["id"]] and preview["decision"]["site"] is None
+    assert preview["decision"]["summary"] == f"would be waiting for job {a['id']} (queued) to succeed (after)"
+    assert preview["decision"]["sites"] == []
+    # in a list, it takes no room from the specs after it, which are decided as usual
+    r = await client.post("/v1/preview", json=[{**JOB, "name": "b", "after": [a["id"]]}, {**JOB, "name": "c"}])
+    first, second = (await r.json())["items"]
+    assert first["waiting_for"] == [a["id"]] and "waiting_for" not in second
+    assert second["decision"]["site"] == "berlin"
+
+
+async def test_a_waiting_job_can_be_changed_without_being_released_and_cancelled(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    a = await submit(client, "a", gpus={"count": 1, "model": "h100-80gb"})
+    b = await submit(client, "b", after=[a["id"]])
+    r = await client.patch(f"/v1/jobs/{b['id']}", json={"priority": 50})
+    assert r.status == 200, await r.text()
+    changed = await r.json()
+    assert changed["spec"]["priority"] == 50 and changed["waiting"] is True and changed["state"] == "queued"
+    r = await client.patch(f"/v1/jobs/{b['id']}", json={"after": []})
+    assert r.status == 422 and (await r.json())["error"]["fields"][0]["field"] == "after"
+    await asyncio.sleep(0.5)  # passes run meanwhile: it stays waiting, and never reaches a site
+    held = await get(client, b["id"])
+    assert held["state"] == "queued" and held["waiting"] is True and held["attempt"] == 0
+    assert held["reason"] == f"waiting for job {a['id']} (queued) to succeed (after)"
+    r = await client.delete(f"/v1/jobs/{b['id']}")
+    assert r.status == 200 and (await r.json())["state"] == "cancelled"
+    assert client.broker.book.active.dependents == {}  # (the index forgets it)
+
+
+async def test_a_waiting_job_does_not_hold_up_the_jobs_queued_behind_it(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    a = await submit(client, "a", gpus={"count": 1, "model": "h100-80gb"})
+    b = await submit(client, "b", priority=100, gpus={"count": 8}, after=[a["id"]])  # would take the whole site
+    c = await submit(client, "c", gpus={"count": 8})
+    assert (await wait_for(client, c["id"], {"running", "succeeded"}))["site"] == "berlin"
+    assert (await get(client, b["id"]))["attempt"] == 0
+    tenants = await (await client.get("/v1/tenants")).json()  # it is queued, and holds nothing
+    assert tenants["items"][0]["jobs"]["queued"] == 2
+
+
+async def test_another_tenants_job_is_not_found_for_a_submitter_naming_it_in_after(fed: Federation):  # noqa: F811
+    status, error = await fed.call("nlp", "POST", "/v1/jobs", {
+        "tenant": "nlp", "name": "x", "gpus": {"count": 1}, "duration_s": 60, "after": [fed.jobs["vision_job"]]})
+    assert status == 422
+    assert error["error"]["fields"] == [{"field": "after[0]", "problem": f"no job with id {fed.jobs['vision_job']}"}]
+    status, _ = await fed.call("nlp", "GET", "/v1/jobs/{vision_job}")
+    assert status == 404  # as the job itself is answered
+    status, created = await fed.call("vision", "POST", "/v1/jobs", {
+        "tenant": "vision", "name": "x", "gpus": {"count": 1}, "duration_s": 60, "after": [fed.jobs["vision_job"]]})
+    assert status == 201 and created["waiting"] is True
+    status, created = await fed.call("admin", "POST", "/v1/jobs", {
+        "tenant": "nlp", "name": "x", "gpus": {"count": 1}, "duration_s": 60, "after": [fed.jobs["vision_job"]]})
+    assert status == 201 and created["waiting"] is True  # (an admin sees every job)
+
+
+async def test_waiting_jobs_keep_waiting_across_a_restart_and_are_released_when_their_dependency_succeeds(
+        tmp_path: Path):
+    settings = _settings(tmp_path / "restart.db")
+    broker = Broker(settings)
+    await broker.start([])
+    async with TestClient(TestServer(create_app(broker))) as c:
+        a = await submit(c, "a")  # (no site yet: it stays queued)
+        b = await submit(c, "b", after=[a["id"]])
+        d = await submit(c, "d", after=[b["id"]])
+    await broker.stop()
+
+    broker = Broker(settings)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            for job in (b, d):
+                again = await get(c, job["id"])
+                assert again["state"] == "queued" and again["waiting"] is True
+            assert b["id"] not in broker.book.active.queue and b["id"] in broker.book.active.dependents[a["id"]]
+            await register(c, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+            ended = [await wait_for(c, j["id"], {"succeeded"}, timeout_s=20) for j in (a, b, d)]
+            assert ended[1]["started_at"] >= ended[0]["finished_at"]
+            assert ended[2]["started_at"] >= ended[1]["finished_at"]
+    finally:
+        await broker.stop()
+
+
+@pytest.mark.parametrize("end", ["succeeded", "cancelled", "deleted"])
+async def test_a_dependency_that_ended_while_no_broker_ran_is_acted_on_at_the_start(tmp_path: Path, end: str):
+    settings = _settings(tmp_path / "down.db")
+    broker = Broker(settings)
+    await broker.start([])
+    async with TestClient(TestServer(create_app(broker))) as c:
+        a = await submit(c, "a")
+        b = await submit(c, "b", after=[a["id"]])
+    await broker.stop()
+
+    # Meanwhile another broker sharing the database ended it (or the retention deleted it once it had ended)
+    store = open_store(settings.db)
+    await store.open()
+    try:
+        job = await store.get_job(a["id"])
+        assert job is not None
+        state = JobState.SUCCEEDED if end == "deleted" else JobState(end)
+        await store.update_job(job.model_copy(update={"state": state, "version": job.version + 1,
+                                                      "finished_at": job.created_at}), job.version)
+        if end == "deleted":  # (as broker.job_retention_h deletes a job: this one succeeded)
+            assert await store.prune_ended(datetime.now(UTC), 10) == [a["id"]]
+    finally:
+        await store.close()
+
+    broker = Broker(settings)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            if end == "succeeded":
+                released = await _until(c, b["id"], lambda j: "waiting" not in j)
+                assert released["reason"] == f"waiting for a placement: job {a['id']} it runs after succeeded (after)"
+                await register(c, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+                await wait_for(c, b["id"], {"succeeded"})
+            else:
+                failed = await wait_for(c, b["id"], {"failed"})
+                if end == "cancelled":
+                    assert failed["reason"] == f"job {a['id']} it runs after was cancelled; it will never run (after)"
+                else:
+                    assert failed["reason"].startswith(f"job {a['id']} it runs after is no longer in the store")
+    finally:
+        await broker.stop()
+
+
+async def _until(client: TestClient, job_id: str, ok: Any, timeout_s: float = 10) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        job = await get(client, job_id)
+        if ok(job):
+            return job
+        assert loop.time() < deadline, f"job {job_id} stayed {job}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_waiting_job_another_replica_accepted_is_held_by_the_leader_and_released_when_its_dependency_ends(
+        ) -> None:
+    # A replica that does not lead only stores what it is sent; the leader takes it in by pull_new (or take_in)
+    store = MemoryStore()
+    await store.open()
+    follower, leader = JobBook(store, ManualClock(NOW)), JobBook(store, ManualClock(NOW))
+    follower.tracking = False
+    await leader.load()
+    a, _ = await leader.submit(spec(name="a"))
+    b, _ = await follower.submit(spec(name="b", after=[a.id]))
+    c, _ = await follower.submit(spec(name="c", after=[b.id]))
+    assert b.waiting and b.reason == f"waiting for job {a.id} (queued) to succeed (after)"
+    assert await leader.pull_new() == 2
+    assert [j.id for j in leader.take_fresh()] == [a.id]  # the waiting ones are no work for a pass
+    assert a.id in leader.active.queue and b.id not in leader.active.queue and c.id not in leader.active.queue
+    assert leader.active.dependents == {a.id: {b.id}, b.id: {c.id}}
+
+    await leader.transition(a.id, JobState.DISPATCHING, site="s")
+    await leader.transition(a.id, JobState.ADMITTED)
+    await leader.transition(a.id, JobState.SUCCEEDED)
+    assert await leader.settle_waiting() == 1
+    assert b.id in leader.active.queue and c.id not in leader.active.queue
+    assert [j.id for j in leader.take_fresh()] == [b.id]
+    stored_b = await store.get_job(b.id)
+    assert stored_b is not None and not stored_b.waiting  # released durably: a new leader will not hold it again
+    await leader.transition(b.id, JobState.CANCELLED)
+    assert await leader.settle_waiting() == 1
+    stored_c = await store.get_job(c.id)
+    assert stored_c is not None and stored_c.state == JobState.FAILED
+    assert stored_c.reason == f"job {b.id} it runs after was cancelled; it will never run (after)"
+    assert leader.active.dependents == {} and await leader.settle_waiting() == 0
+
+
+async def test_a_new_leader_releases_a_job_whose_dependency_the_old_one_saw_succeed_just_before_it_stopped() -> None:
+    store = MemoryStore()
+    await store.open()
+    old = JobBook(store, ManualClock(NOW))
+    await old.load()
+    a, _ = await old.submit(spec(name="a"))
+    b, _ = await old.submit(spec(name="b", after=[a.id]))
+    await old.transition(a.id, JobState.DISPATCHING, site="s")
+    await old.transition(a.id, JobState.ADMITTED)
+    await old.transition(a.id, JobState.SUCCEEDED)  # ... and it stopped leading before it settled b
+    new = JobBook(store, ManualClock(NOW))
+    await new.load()
+    assert b.id not in new.active.queue
+    assert await new.settle_waiting() == 1
+    assert b.id in new.active.queue and not new.active[b.id].waiting
+
+
+async def test_a_retry_with_its_idempotency_key_gets_the_job_back_after_its_dependency_was_cancelled(
+        client: TestClient):
+    a = await submit(client, "a", gpus={"count": 1, "model": "h100-80gb"})
+    body = {**JOB, "name": "b", "after": [a["id"]]}
+    first = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "pipeline-b"})
+    assert first.status == 201
+    b = await first.json()
+    assert (await client.delete(f"/v1/jobs/{a['id']}")).status == 200
+    await wait_for(client, b["id"], {"failed"})
+    again = await client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "pipeline-b"})
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert (await again.json())["id"] == b["id"]
+    assert (await refused(client, body))["fields"][0]["field"] == "after[0]"  # without the key: a new job, refused
+
+
+def test_the_cli_submits_after_from_the_yaml_and_shows_what_a_job_waits_for(capsys, server, tmp_path: Path):
+    code, out, err = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, name="pre", duration_s=600)))
+    assert code == 0, err
+    first = json.loads(out)["id"]
+    code, out, err = run(capsys, server, "submit", "--dry-run", str(submit_file(tmp_path, name="train", after=[first])))
+    assert code == 0, err
+    assert f"would be waiting for job {first} (" in out
+    code, out, err = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, name="train", after=[first])))
+    assert code == 0, err
+    second = json.loads(out)
+    assert second["spec"]["after"] == [first] and second["waiting"] is True
+    code, out, err = run(capsys, server, "job", second["id"])
+    assert code == 0, err
+    assert f"  after     {first} (waiting for them to succeed)" in out
+    assert f"  reason    waiting for job {first} (" in out
+    code, out, err = run(capsys, server, "submit", str(submit_file(tmp_path, name="x", after=["01nosuchjob0000000"])))
+    assert code != 0 and "after[0]" in err and "no job with id 01nosuchjob0000000" in err and "Traceback" not in err
+
+
+def test_a_dispatch_to_a_site_agent_carries_neither_after_nor_waiting() -> None:
+    # (an agent of an earlier release, whose spec forbids keys it does not know, would refuse the dispatch)
+    job = Job(id="01b", spec=spec(name="b", after=["01a"]), created_at=NOW, updated_at=NOW, waiting=True)
+    sent = json.loads(Dispatch(msg_id="m1", site="s", job=job).model_dump_json())
+    assert "after" not in sent["job"]["spec"] and "waiting" not in sent["job"]
+    assert json.loads(job.model_dump_json())["spec"]["after"] == ["01a"]  # (the broker's own copy keeps them)
