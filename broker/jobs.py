@@ -492,9 +492,10 @@ class JobBook:
                         if write is not None:
                             writes.append((dep, write))
             except BaseException:
-                self._to_settle |= todo
+                self._to_settle |= todo  # (acted on again at the next call; those settled already are not waiting)
                 raise
-            results = await asyncio.gather(*(w for _, w in writes), return_exceptions=True)
+            finally:  # the changes made are on their way to the store: their answers are awaited, whatever came
+                results = await asyncio.gather(*(w for _, w in writes), return_exceptions=True)
             for (dep, _), result in zip(writes, results):
                 if isinstance(result, BaseException):
                     log.warning("a job waiting for job %s was not released or failed (%s); trying again", dep, result)

@@ -377,3 +377,26 @@ def test_a_dispatch_to_a_site_agent_carries_neither_after_nor_waiting() -> None:
     sent = json.loads(Dispatch(msg_id="m1", site="s", job=job).model_dump_json())
     assert "after" not in sent["job"]["spec"] and "waiting" not in sent["job"]
     assert json.loads(job.model_dump_json())["spec"]["after"] == ["01a"]  # (the broker's own copy keeps them)
+
+
+async def test_a_job_after_two_is_released_only_once_both_succeeded_and_says_which_it_still_waits_for() -> None:
+    store = MemoryStore()
+    await store.open()
+    book = JobBook(store, ManualClock(NOW))
+    await book.load()
+    a, _ = await book.submit(spec(name="a"))
+    b, _ = await book.submit(spec(name="b"))
+    c, _ = await book.submit(spec(name="c", after=[a.id, b.id]))
+    assert c.reason == f"waiting for jobs {a.id} (queued), {b.id} (queued) to succeed (after)"
+    for state in (JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED):
+        await book.transition(a.id, state, site="s")
+    await book.settle_waiting()
+    stored = await store.get_job(c.id)
+    assert stored is not None and stored.waiting
+    assert stored.reason == f"waiting for job {b.id} (queued) to succeed (after)"
+    assert c.id not in book.active.queue
+    for state in (JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED):
+        await book.transition(b.id, state, site="s")
+    assert await book.settle_waiting() == 1
+    assert c.id in book.active.queue
+    assert book.active[c.id].reason == f"waiting for a placement: jobs {a.id}, {b.id} it runs after succeeded (after)"
