@@ -1209,8 +1209,8 @@ async def job_decision(request: web.Request) -> web.Response:
                                 f"({ended})")
         if job.waiting:
             reason = (await _waiting_now(broker, job)).reason
-            raise ApiError(404, f"job {job.id} has not been decided: it is {reason}; the first scheduling cycle after "
-                                "they have decides it")
+            raise ApiError(404, f"job {job.id} has not been decided: it is {reason}; once they have, the next "
+                                "scheduling cycle decides it")
         raise ApiError(404, f"job {job.id} has not been decided yet; the next scheduling cycle decides it")
     req = JobRequest.from_spec(job.id, job.spec, frozenset(stored.record.get("excluded", ())))
     try:
