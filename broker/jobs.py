@@ -737,6 +737,10 @@ class JobBook:
                 lambda f: None if f.cancelled() or f.exception() is not None else self.announce(new, before))
         return self._landed(landed, before, new, mark, announced)
 
+    def writes_pending(self) -> int:
+        """Writes queued (``write_soon``) whose store answer has not come yet."""
+        return sum(len(writes) for writes in self._writing.values())
+
     def _answered(self, job_id: str, landed: asyncio.Future[None]) -> None:
         """The store answered one of the job's writes (``write_soon``)."""
         writes = self._writing.get(job_id)

@@ -85,7 +85,14 @@ class Harness:
         await self.broker.cycle.run_once()
 
     async def step(self, seconds: float) -> None:
-        """Let dispatches start, move the clock, and wait for the resulting writes."""
+        """Let dispatches start, move the clock, and wait for the resulting writes. A dispatch begins once its
+        placement's write lands (on the store's thread, in real time): the clock moves only after, so its wait at
+        the site starts at the time it was placed, however slow the machine (it started after the jump, under
+        load, and a job then ran a step late)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while self.broker.book.writes_pending() and loop.time() < deadline:
+            await asyncio.sleep(0.005)
         await self.clock.advance(seconds)
         await self.quiet()
 
