@@ -23,7 +23,7 @@ from broker.store.memory import MemoryStore
 from broker.store.postgres import PostgresStore
 from broker.store.sqlite import SQLiteStore
 from tests import postgres as postgres_fixtures
-from tests.test_api import MINIMAL, register, site_body, wait_for
+from tests.test_api import MINIMAL, client, register, site_body, wait_for  # noqa: F401 (client: a fixture)
 
 postgres_server = postgres_fixtures.postgres_server
 
@@ -230,17 +230,6 @@ def test_hours_rolled_up_report_what_the_attempts_themselves_report(attempts, fi
 
 
 # --- over HTTP and the CLI ---
-
-
-@pytest.fixture
-async def client(tmp_path: Path):
-    settings = BrokerSettings(db=str(tmp_path / "api.db"), cycle_interval_s=0.05, shutdown_grace_s=1)
-    broker = Broker(settings)
-    await broker.start([])
-    async with TestClient(TestServer(create_app(broker))) as c:
-        c.broker = broker  # type: ignore[attr-defined]
-        yield c
-    await broker.stop()
 
 
 async def test_a_tenants_jobs_run_at_sites_show_in_its_usage_with_the_sites_price(client: TestClient):
