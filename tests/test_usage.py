@@ -173,7 +173,8 @@ def test_a_site_without_a_price_for_the_model_gives_no_cost_rather_than_a_wrong_
     records = usage.UsageRecords(usage.holds(
         {"j": ("t", '{"count": 1}', A100), "k": ("t", '{"count": 1}', H100)},
         [("j", at(0).isoformat(), "admitted", "s1", 1, A100), ("j", at(60).isoformat(), "succeeded", "s1", 1, A100),
-         ("k", at(0).isoformat(), "admitted", "gone", 1, H100), ("k", at(60).isoformat(), "succeeded", "gone", 1, H100)]),
+         ("k", at(0).isoformat(), "admitted", "gone", 1, H100),
+         ("k", at(60).isoformat(), "succeeded", "gone", 1, H100)]),
         [])
     body = usage.report(records, *usage.window(at(0), at(120), NOW), NOW, ("site",), PRICES)
     by_site = {i["site"]: i for i in body["items"]}
