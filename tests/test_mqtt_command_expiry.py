@@ -195,14 +195,22 @@ class Proxy:
             sink.close()
 
 
-async def test_an_mqtt_broker_that_refuses_mqtt_5_is_spoken_to_in_3_1_1_with_a_warning(
-        tmp_path: Path, mosquitto: Mosquitto, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
-    caplog.set_level(logging.WARNING)
+async def behind_an_mqtt_3_1_1_server(
+        tmp_path: Path, mosquitto: Mosquitto) -> tuple[Proxy, SiteAgent, Broker]:  # noqa: F811
+    """Mosquitto behind a proxy that speaks for an MQTT broker of 3.1.1 only, and the site edge's agent and a broker
+    (its loop not run) connected through it."""
     proxy = Proxy(mosquitto.port, mqtt5=False)
     await proxy.start()
     settings = mosquitto.settings().model_copy(update={"port": proxy.port})
     agent = await agent_through(settings, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))
     b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=5.0)], run_loop=False, mqtt=settings)
+    return proxy, agent, b
+
+
+async def test_an_mqtt_broker_that_refuses_mqtt_5_is_spoken_to_in_3_1_1_with_a_warning(
+        tmp_path: Path, mosquitto: Mosquitto, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    caplog.set_level(logging.WARNING)
+    proxy, agent, b = await behind_an_mqtt_3_1_1_server(tmp_path, mosquitto)
     client = TestClient(TestServer(create_app(b)))
     await client.start_server()
     try:
@@ -284,11 +292,7 @@ async def test_after_falling_back_to_3_1_1_each_new_connection_asks_for_mqtt_5_a
     again once their connection of 3.1.1 ends, and commands expire again; while it still refuses 5, each
     reconnection falls back at once, warned about once."""
     caplog.set_level(logging.INFO)
-    proxy = Proxy(mosquitto.port, mqtt5=False)
-    await proxy.start()
-    settings = mosquitto.settings().model_copy(update={"port": proxy.port})
-    agent = await agent_through(settings, site("edge", gpus={"a100-80gb": 16}, adapter=FAST))
-    b = await remote_broker(tmp_path, mosquitto, [edge(command_timeout_s=5.0)], run_loop=False, mqtt=settings)
+    proxy, agent, b = await behind_an_mqtt_3_1_1_server(tmp_path, mosquitto)
     try:
         assert b.hub is not None and await b.hub.wait_connected(5)
         await until(lambda: agent.connected, "the agent connects")
