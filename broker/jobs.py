@@ -508,8 +508,10 @@ class JobBook:
 
     def _settle_one(self, job_id: str, states: Mapping[str, JobState | None]) -> Awaitable[None] | None:
         """Release or fail one waiting job by its dependencies' ``states`` (in memory now; the write is returned);
-        None while one of them may still succeed."""
-        job = self.active[job_id]
+        None while one of them may still succeed, or where it no longer waits."""
+        job = self.active.get(job_id)
+        if job is None or not job.waiting:  # cancelled while its dependencies' states were read (a cancel of many)
+            return None
         for dep in job.spec.after:
             never = never_reason(dep, states[dep])
             if never is not None:

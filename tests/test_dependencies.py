@@ -400,3 +400,35 @@ async def test_a_job_after_two_is_released_only_once_both_succeeded_and_says_whi
     assert await book.settle_waiting() == 1
     assert c.id in book.active.queue
     assert book.active[c.id].reason == f"waiting for a placement: jobs {a.id}, {b.id} it runs after succeeded (after)"
+
+
+async def test_a_waiting_job_cancelled_while_the_leader_reads_what_it_waits_for_does_not_cut_the_pass_short() -> None:
+    # As `heliotrope cancel --label pipeline=x` does: the first step's end is being settled, and the cancel of the
+    # steps after it lands while the leader reads their dependencies' states from the store. That raised a KeyError
+    # out of settle_waiting, and the scheduling cycle it ran in was skipped ("scheduling cycle failed").
+    class SlowRead(MemoryStore):
+        during: Any = None
+
+        async def get_job(self, job_id: str) -> Job | None:
+            if self.during is not None:
+                during, self.during = self.during, None
+                await during()
+            return await super().get_job(job_id)
+
+    store = SlowRead()
+    await store.open()
+    book = JobBook(store, ManualClock(NOW))
+    await book.load()
+    a, _ = await book.submit(spec(name="a"))
+    b, _ = await book.submit(spec(name="b"))
+    c, _ = await book.submit(spec(name="c", after=[a.id, b.id]))
+    for state in (JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED):
+        await book.transition(a.id, state, site="s")
+
+    async def cancel() -> None:
+        await book.transition(c.id, JobState.CANCELLED, reason="cancelled by request")
+
+    store.during = cancel  # (a's state is read from the store: it ended, so the book no longer holds it)
+    assert await book.settle_waiting() == 0  # c, cancelled meanwhile, is left as it is
+    assert store.during is None and (await store.get_job(c.id)).state == JobState.CANCELLED  # type: ignore[union-attr]
+    assert book.active.dependents == {} and await book.settle_waiting() == 0
