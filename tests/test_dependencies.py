@@ -432,3 +432,12 @@ async def test_a_waiting_job_cancelled_while_the_leader_reads_what_it_waits_for_
     assert await book.settle_waiting() == 0  # c, cancelled meanwhile, is left as it is
     assert store.during is None and (await store.get_job(c.id)).state == JobState.CANCELLED  # type: ignore[union-attr]
     assert book.active.dependents == {} and await book.settle_waiting() == 0
+
+
+async def test_a_spec_of_a_previewed_list_naming_more_than_64_jobs_is_refused_naming_its_after(client: TestClient):
+    # (it was answered as a list of more than 1,000 specs, naming the body: the list's own bound)
+    too_many = {**JOB, "name": "x", "after": [f"job{i}" for i in range(65)]}
+    error = await refused(client, [{**JOB, "name": "first"}, too_many], path="/v1/preview")
+    assert [f["field"] for f in error["fields"]] == ["[1].after"]
+    assert "64" in error["fields"][0]["problem"]
+    assert [f["field"] for f in (await refused(client, too_many))["fields"]] == ["after"]  # as a submission is
