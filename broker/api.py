@@ -909,15 +909,6 @@ async def preview_job(request: web.Request) -> web.Response:
     return _json({"items": [p.model_dump(mode="json") for p in previews]} if listed else previews[0])
 
 
-async def _first_with_key(broker: Broker, tenant: str, key: str) -> object | None:
-    """The job first submitted with the Idempotency-Key ``key`` by ``tenant``, if any (503 where it cannot be read)."""
-    try:
-        return await broker.store.find_idempotent(tenant, key)
-    except StoreError as e:
-        log.error("could not look up an Idempotency-Key: %s", e)
-        raise ApiError(503, "the job could not be stored; it was not accepted, try again") from None
-
-
 WAITING_NOTE = ("the job would wait in the queue, out of the scheduling queue, until every job in its after has "
                 "succeeded (and fail if one fails or is cancelled); only then is it decided as any new job, so no "
                 "site was weighed; nothing was submitted")
@@ -937,11 +928,16 @@ async def submit_job(request: web.Request) -> web.Response:
     if key is not None and not (1 <= len(key) <= 255 and key.isascii() and key.isprintable()):
         raise ApiError(400, "Idempotency-Key must be 1 to 255 printable ASCII characters",
                        [{"field": "Idempotency-Key", "problem": "must be 1 to 255 printable ASCII characters"}])
-    # (a retry of a job accepted before one it runs after failed gets that job back, as one past its deadline does)
-    if spec.after and (key is None or await _first_with_key(broker, spec.tenant, key) is None):
-        await _unmet_after(request, spec)
+
+    async def check() -> None:
+        """Of a new job only: a retry of one accepted before one it runs after failed gets that job back (as one
+        past its deadline does), and so does one sent while the first is still on its way to the store."""
+        _check_tenant_limit(broker, spec)
+        if spec.after:
+            await _unmet_after(request, spec)
+
     try:
-        job, created = await broker.book.submit(spec, key, raw, check=lambda: _check_tenant_limit(broker, spec))
+        job, created = await broker.book.submit(spec, key, raw, check=check)
     except IdempotencyConflict as e:
         raise ApiError(409, str(e), [{"field": "Idempotency-Key", "problem": "reused with a different body"}]) from None
     except PastDeadline as e:

@@ -312,9 +312,11 @@ class JobBook:
     # --- submit ---
 
     async def submit(self, spec: JobSpec, idempotency_key: str | None = None, body: bytes | None = None,
-                     check: Callable[[], None] | None = None) -> tuple[Job, bool]:
+                     check: Callable[[], Awaitable[None] | None] | None = None) -> tuple[Job, bool]:
         """Store a new job durably; return (job, created). With a repeated key, return the first job. ``check``
-        is called before a new job is made (not for a replay), and may raise to refuse it."""
+        is called (and awaited, where it returns an awaitable) before a new job is made (not for a replay, nor
+        for a duplicate sent while the first is being stored, which waits for its outcome), and may raise to
+        refuse it."""
         if idempotency_key is None:
             return await self._create(spec, None, None, check), True
         digests = _digests(body if body is not None else spec.model_dump_json().encode())
@@ -360,11 +362,11 @@ class JobBook:
         return job
 
     async def _create(self, spec: JobSpec, key: str | None, digest: str | None,
-                      check: Callable[[], None] | None = None) -> Job:
+                      check: Callable[[], Awaitable[None] | None] | None = None) -> Job:
         now = self._clock.now()
         check_deadline(spec.deadline, now)
-        if check is not None:
-            check()
+        if check is not None and (checking := check()) is not None:
+            await checking
         waiting, reason = False, "waiting for a placement"
         if spec.after:
             states = {dep: await self.state_of(dep) for dep in spec.after}

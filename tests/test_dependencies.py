@@ -441,3 +441,34 @@ async def test_a_spec_of_a_previewed_list_naming_more_than_64_jobs_is_refused_na
     assert [f["field"] for f in error["fields"]] == ["[1].after"]
     assert "64" in error["fields"][0]["problem"]
     assert [f["field"] for f in (await refused(client, too_many))["fields"]] == ["after"]  # as a submission is
+
+
+async def test_a_retry_sent_while_the_first_submission_is_being_stored_gets_the_job_even_if_a_dependency_failed_since(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch):
+    # The client timed out and sent the job again with its key while the first request was still on its way to the
+    # store, and the job it runs after was cancelled meanwhile: the retry got a 422 (it would never run) for a job
+    # that was accepted, where a retry gets the first job back (it waited for the first request's outcome).
+    a = await submit(client, "a", gpus={"count": 1, "model": "h100-80gb"})  # (no site: it stays queued)
+    store = client.broker.book._store  # type: ignore[attr-defined]
+    inserting, go_on = asyncio.Event(), asyncio.Event()
+    insert = store.insert_job
+
+    async def slow_insert(*args: Any, **kw: Any) -> Any:
+        inserting.set()
+        await go_on.wait()
+        return await insert(*args, **kw)
+
+    monkeypatch.setattr(store, "insert_job", slow_insert)
+    body = {**JOB, "name": "b", "after": [a["id"]]}
+    headers = {"Idempotency-Key": "pipeline-b"}
+    first = asyncio.ensure_future(client.post("/v1/jobs", json=body, headers=headers))
+    await asyncio.wait_for(inserting.wait(), 5)
+    assert (await client.delete(f"/v1/jobs/{a['id']}")).status == 200
+    retry = asyncio.ensure_future(client.post("/v1/jobs", json=body, headers=headers))
+    await asyncio.sleep(0.2)
+    go_on.set()
+    r1, r2 = await first, await retry
+    assert r1.status == 201, await r1.text()
+    assert r2.status == 201, await r2.text()
+    assert r2.headers["Idempotent-Replayed"] == "true" and (await r2.json())["id"] == (await r1.json())["id"]
+    assert (await wait_for(client, (await r1.json())["id"], {"failed"}))["reason"].endswith("will never run (after)")
