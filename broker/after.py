@@ -4,9 +4,10 @@ and the rule for what a dependency's state means.
 A job that runs after others is stored ``queued`` with ``Job.waiting`` set, and held out of the scheduling queue
 (``jobs.ActiveJobs``) until every job it names has succeeded; the leader's book then releases it
 (``JobBook.settle_waiting``) into the queue as any new job. Should one of them fail or be cancelled, it fails at
-once, and so do the jobs waiting for it, down the chain. A dependency that is no longer in the store (deleted by
-``broker.job_retention_h`` after it ended, before the job waiting for it was released) cannot be told to have
-succeeded: the job fails, saying so. Dependencies name existing jobs only, so they form no cycle.
+once, and so do the jobs waiting for it, down the chain. The retention (``broker.job_retention_h``) keeps a
+finished job that a waiting job runs after (``Broker._prune_round``); one no longer in the store all the same
+(deleted by a leader of an earlier release) cannot be told to have succeeded: the job fails, saying so.
+Dependencies name existing jobs only, so they form no cycle.
 
 Its age in the queue counts from its submission (``created_at``), not from its release: a pipeline submitted at
 once keeps its place against work submitted after it (priority and fair share order the queue first, as for any

@@ -508,7 +508,9 @@ class Broker:
         kept = self.settings.job_retention_h or 0.0
         async with self._pruning:  # one round at a time, so that no two count the same jobs
             dated = await self.store.date_ended(PRUNE_BATCH)
-            ids = await self.store.prune_ended(self.clock.now() - timedelta(hours=kept), PRUNE_BATCH)
+            # (not a job that waiting jobs run after: its end, which the store holds, decides them: broker.after)
+            waited_for = set(self.book.active.dependents)
+            ids = await self.store.prune_ended(self.clock.now() - timedelta(hours=kept), PRUNE_BATCH, waited_for)
         if ids:
             self.metrics.pruned.inc(len(ids))
             log.info("deleted %d finished job(s) that ended more than %g h ago (broker.job_retention_h)",

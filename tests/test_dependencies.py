@@ -472,3 +472,37 @@ async def test_a_retry_sent_while_the_first_submission_is_being_stored_gets_the_
     assert r2.status == 201, await r2.text()
     assert r2.headers["Idempotent-Replayed"] == "true" and (await r2.json())["id"] == (await r1.json())["id"]
     assert (await wait_for(client, (await r1.json())["id"], {"failed"}))["reason"].endswith("will never run (after)")
+
+
+async def test_the_retention_keeps_a_job_that_a_waiting_job_runs_after_until_the_waiting_job_is_decided(
+        tmp_path: Path):
+    """C runs after A and B; A succeeded past the retention, B still runs: the retention does not delete A (C
+    would then fail as after a job no longer in the store, though A succeeded), and deletes it once C no longer
+    waits."""
+    broker = Broker(BrokerSettings(db=str(tmp_path / "keep.db"), cycle_interval_s=0.05, shutdown_grace_s=1,
+                                   job_retention_h=1 / 3600))  # (a second)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            await register(c, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+            a = await submit(c, "a", duration_s=0.05)
+            b = await submit(c, "b", duration_s=600)
+            await wait_for(c, a["id"], {"succeeded"})
+            await wait_for(c, b["id"], {"running"})
+            waiting = await submit(c, "c", after=[a["id"], b["id"]])
+            await asyncio.sleep(1.2)  # a ended more than the retention ago
+            await broker.prune_ended()
+            assert (await c.get(f"/v1/jobs/{a['id']}")).status == 200  # kept: c waits for it
+            b_done = await c.post(f"/v1/jobs/{b['id']}/cancel")
+            assert b_done.status == 200
+            job = await get(c, waiting["id"])
+            for _ in range(100):  # until the leader's next pass settles it
+                if job["state"] != "queued":
+                    break
+                await asyncio.sleep(0.02)
+                job = await get(c, waiting["id"])
+            assert job["state"] == "failed" and f"job {b['id']} it runs after was cancelled" in job["reason"]
+            await broker.prune_ended()
+            assert (await c.get(f"/v1/jobs/{a['id']}")).status == 404  # no job waits for it any more
+    finally:
+        await broker.stop()

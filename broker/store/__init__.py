@@ -19,7 +19,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Collection
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -198,9 +198,10 @@ class Store(Protocol):
         documents, so that :meth:`prune_ended` finds them in their turn; return how many. The leader's (fenced)."""
         ...
 
-    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
+    async def prune_ended(self, before: datetime, limit: int, keep: Collection[str] = ()) -> list[str]:
         """Delete up to ``limit`` jobs that ended (a final state) before ``before``, those that ended first first,
-        with their transitions and decision; return their ids. The leader's (fenced), as a scheduling write."""
+        with their transitions and decision, but those in ``keep`` (jobs that waiting jobs run after: their end
+        decides those); return their ids. The leader's (fenced), as a scheduling write."""
         ...
 
     # decisions

@@ -21,7 +21,7 @@ import asyncio
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -270,11 +270,12 @@ class MemoryStore(QueuedUpdates):
         self._check_open()
         return 0  # (every row is dated as it is written: when it ended is read from the job itself)
 
-    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
+    async def prune_ended(self, before: datetime, limit: int, keep: Collection[str] = ()) -> list[str]:
         self._check_open()
         self._check_fence()
         ended = sorted((ended_at(r.job), r.job.id) for r in self._by_seq if r.job.state.terminal)
-        ids = [job_id for at, job_id in ended if at is not None and at < before.timestamp()][:limit]
+        ids = [job_id for at, job_id in ended if at is not None and at < before.timestamp()
+               and job_id not in keep][:limit]
         for key, (gpu_s, attempts) in usage.roll_up(self._usage_of(ids)).items():
             seconds, begun = self._hours.get(key, (0.0, 0))
             self._hours[key] = (seconds + gpu_s, begun + attempts)

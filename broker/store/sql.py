@@ -8,6 +8,7 @@ import json
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from datetime import datetime
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 from broker import usage
@@ -141,10 +142,12 @@ class SqlWriteQueue(QueuedUpdates):
             await self._submit(self._new_write(self._date_ended(dates), fenced=True))
         return len(undated)
 
-    async def prune_ended(self, before: datetime, limit: int) -> list[str]:
-        """Delete up to ``limit`` jobs that ended before ``before``, their attempts' GPU-seconds added into
+    async def prune_ended(self, before: datetime, limit: int, keep: Collection[str] = ()) -> list[str]:
+        """Delete up to ``limit`` jobs that ended before ``before`` (but those in ``keep``: as many more rows are
+        read, so that kept ones at the front hold up no other), their attempts' GPU-seconds added into
         ``usage_hours`` first, in the same transaction (:mod:`broker.usage`)."""
-        ids = [r[0] for r in await self._read(self.ENDED_BEFORE, (before.timestamp(), limit))]
+        rows = await self._read(self.ENDED_BEFORE, (before.timestamp(), limit + len(keep)))
+        ids = [r[0] for r in rows if r[0] not in keep][:limit]
         if ids:
             hours = usage.roll_up(await self._usage_of(ids))
             added = self._usage_added([(*key, gpu_s, attempts) for key, (gpu_s, attempts) in sorted(hours.items())])
