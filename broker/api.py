@@ -1518,15 +1518,15 @@ async def tenants(request: web.Request) -> web.Response:
     if asked is not None and who.role == Role.SUBMITTER and not who.acts_for(asked):
         raise not_your_tenant(who, asked)
     limits = broker.cycle.tenant_limits
-    usage = broker.book.active.by_tenant()
-    names = set(usage) | set(limits.limits if limits is not None else ())
+    holding = broker.book.active.by_tenant()
+    names = set(holding) | set(limits.limits if limits is not None else ())
     if asked is not None:
         names = {asked}
     if who.role == Role.SUBMITTER:
         names = {t for t in names if who.acts_for(t)}
     items = []
     for name in sorted(names):
-        held = usage.get(name)
+        held = holding.get(name)
         limit = limits.of(name) if limits is not None else None
         item: dict[str, Any] = {"tenant": name, "gpus_held": round(held.gpus_held, 6) if held else 0.0,
                                 "jobs": dict(sorted(held.jobs.items())) if held else {}}
