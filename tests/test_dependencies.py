@@ -379,24 +379,33 @@ def test_a_dispatch_to_a_site_agent_carries_neither_after_nor_waiting() -> None:
     assert json.loads(job.model_dump_json())["spec"]["after"] == ["01a"]  # (the broker's own copy keeps them)
 
 
-async def test_a_job_after_two_is_released_only_once_both_succeeded_and_says_which_it_still_waits_for() -> None:
-    store = MemoryStore()
+async def c_after_a_and_b(store: MemoryStore) -> tuple[JobBook, Job, Job, Job]:
+    """A leader's book on ``store`` (opened here) holding jobs a and b, queued, and c, which runs after both."""
     await store.open()
     book = JobBook(store, ManualClock(NOW))
     await book.load()
     a, _ = await book.submit(spec(name="a"))
     b, _ = await book.submit(spec(name="b"))
     c, _ = await book.submit(spec(name="c", after=[a.id, b.id]))
-    assert c.reason == f"waiting for jobs {a.id} (queued), {b.id} (queued) to succeed (after)"
+    return book, a, b, c
+
+
+async def succeed(book: JobBook, job_id: str) -> None:
     for state in (JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED):
-        await book.transition(a.id, state, site="s")
+        await book.transition(job_id, state, site="s")
+
+
+async def test_a_job_after_two_is_released_only_once_both_succeeded_and_says_which_it_still_waits_for() -> None:
+    store = MemoryStore()
+    book, a, b, c = await c_after_a_and_b(store)
+    assert c.reason == f"waiting for jobs {a.id} (queued), {b.id} (queued) to succeed (after)"
+    await succeed(book, a.id)
     await book.settle_waiting()
     stored = await store.get_job(c.id)
     assert stored is not None and stored.waiting
     assert stored.reason == f"waiting for job {b.id} (queued) to succeed (after)"
     assert c.id not in book.active.queue
-    for state in (JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED):
-        await book.transition(b.id, state, site="s")
+    await succeed(book, b.id)
     assert await book.settle_waiting() == 1
     assert c.id in book.active.queue
     assert book.active[c.id].reason == f"waiting for a placement: jobs {a.id}, {b.id} it runs after succeeded (after)"
@@ -416,14 +425,8 @@ async def test_a_waiting_job_cancelled_while_the_leader_reads_what_it_waits_for_
             return await super().get_job(job_id)
 
     store = SlowRead()
-    await store.open()
-    book = JobBook(store, ManualClock(NOW))
-    await book.load()
-    a, _ = await book.submit(spec(name="a"))
-    b, _ = await book.submit(spec(name="b"))
-    c, _ = await book.submit(spec(name="c", after=[a.id, b.id]))
-    for state in (JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED):
-        await book.transition(a.id, state, site="s")
+    book, a, b, c = await c_after_a_and_b(store)
+    await succeed(book, a.id)
 
     async def cancel() -> None:
         await book.transition(c.id, JobState.CANCELLED, reason="cancelled by request")
