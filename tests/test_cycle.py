@@ -215,7 +215,7 @@ async def test_deleting_finished_jobs_goes_on_at_once_after_a_full_round_and_wai
 
     calls = []
 
-    async def failing(before, limit):
+    async def failing(before, limit, keep=()):
         calls.append(before)
         raise StoreError("database is locked")
 
