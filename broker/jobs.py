@@ -40,9 +40,20 @@ transitions_log = logging.getLogger("heliotrope.jobs")  # one line per transitio
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 
 
+_last_id = 0  # the last id new_job_id made in this process, as a number
+
+
 def new_job_id() -> str:
-    """A sortable id: 48 bits of milliseconds then 40 random bits, in Crockford base32 (18 characters)."""
+    """A sortable id: 48 bits of milliseconds then 40 random bits, in Crockford base32 (18 characters). Monotonic
+    within the process, as ULID's monotonic generator is: an id made within the same millisecond as the last one
+    (or while the clock stepped back) is the last one plus one, so ids sort in the order they were made. The
+    queue orders jobs of the same priority and age by id, so jobs submitted within one millisecond keep their
+    order rather than take a random one."""
+    global _last_id
     value = (int(time.time() * 1000) << 40) | int.from_bytes(os.urandom(5), "big")
+    if value >> 40 <= _last_id >> 40:
+        value = _last_id + 1
+    _last_id = value
     out = []
     for _ in range(18):
         out.append(_CROCKFORD[value & 31])

@@ -185,3 +185,21 @@ def test_garbage_grid_zones_are_rejected_with_an_example(garbage: str) -> None:
     message = str(err.value)
     assert "is not a grid zone id" in message
     assert "DE-LU" in message
+
+
+def test_job_ids_made_within_one_millisecond_or_as_the_clock_steps_back_sort_in_the_order_they_were_made(
+        monkeypatch):
+    """The queue orders jobs of one priority and age by id: jobs submitted within a millisecond keep their order
+    (their ids' random part used to order them at random)."""
+    import time
+
+    from broker import jobs
+    now = [1_764_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    made = [jobs.new_job_id() for _ in range(500)]  # one millisecond
+    now[0] -= 5.0  # the clock steps back
+    made += [jobs.new_job_id() for _ in range(10)]
+    now[0] += 60.0
+    made += [jobs.new_job_id() for _ in range(10)]
+    assert made == sorted(made) and len(set(made)) == len(made)
+    assert all(len(i) == 18 for i in made)
