@@ -1539,17 +1539,10 @@ async def tenants(request: web.Request) -> web.Response:
 USAGE_PARAMS = ("from", "to", "by", "tenant", "site")
 
 
-def _is_time(text: str) -> bool:
+def _parses(kind: type[date], text: str) -> bool:
+    """Whether ``text`` is an ISO 8601 ``kind`` (a date, or a datetime)."""
     try:
-        datetime.fromisoformat(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_date(text: str) -> bool:
-    try:
-        date.fromisoformat(text)
+        kind.fromisoformat(text)
     except ValueError:
         return False
     return True
@@ -1563,12 +1556,12 @@ def _usage_time(request: web.Request, name: str) -> datetime | None:
         at = datetime.fromisoformat(raw)
     except ValueError:
         # (a '+' of an offset written as is in a URL's query reads as a space: ...T09:00:00 01:00)
-        plus = " " in raw and _is_time(raw[::-1].replace(" ", "+", 1)[::-1])
+        plus = " " in raw and _parses(datetime, raw[::-1].replace(" ", "+", 1)[::-1])
         raise ApiError(400, f"{name}: {raw[:40]!r} is not a time (ISO 8601, e.g. 2026-11-01 or "
                             f"2026-11-01T09:00:00Z)" + ("; a + in a URL's query reads as a space: write it %2B"
                                                         if plus else ""),
                        [{"field": name, "problem": "not an ISO 8601 time"}]) from None
-    if at.tzinfo is None and _is_date(raw):  # a date alone (2026-11-01, 20261101, 2026-W44-7): its midnight, UTC
+    if at.tzinfo is None and _parses(date, raw):  # a date alone (2026-11-01, 20261101, 2026-W44-7): its midnight, UTC
         at = at.replace(tzinfo=UTC)
     if at.tzinfo is None:
         raise ApiError(400, f"{name}: {raw[:40]!r} has no time zone; add Z for UTC or an offset such as +01:00",

@@ -39,7 +39,7 @@ from typing import Any
 
 from broker import ids
 from broker.models import STORED, GpuRequest, JobState
-from policies.snapshot import charge
+from policies.snapshot import gpus_charged
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +76,10 @@ class UsageRecords:
 
 
 def request_charge(gpus: str, model: str | None) -> float:
-    """The GPUs a stored request (``spec.gpus``, its JSON) charges on ``model``: a GPU shared by memory
-    (``shared``) is the share of that model's memory it takes (of the largest GPU's where the model is unknown)."""
+    """The GPUs a stored request (``spec.gpus``, its JSON) charges on ``model``, as routing charges it
+    (:func:`policies.snapshot.gpus_charged`), a GPU shared by memory sized on ``model`` where it is known."""
     g = GpuRequest.model_validate(json.loads(gpus), context=STORED)
-    milli = g.milli
-    if g.shared and milli >= 1000:
-        memory = ids.GPU_MODEL_BY_ID[model].memory_gib if model in ids.GPU_MODEL_BY_ID else max(
-            m.memory_gib for m in ids.GPU_MODELS)
-        milli = max(1, min(1000, math.ceil(1000 * (g.memory_gib or 0.0) / memory)))
-    return charge(g.count, milli, g.mig_profile)
+    return gpus_charged(g.model_copy(update={"model": model}) if model in ids.GPU_MODEL_BY_ID else g)
 
 
 class Holds:
