@@ -30,7 +30,8 @@ Philly trace (one year, one utilisation), ``green`` and ``baseline-carbon-greedy
   (``policies.migration``): to a site where the rest of the run is cleaner, and out of the sites near the
   users of a latency-bound job that can wait no longer (to another site, or stopped and requeued from its
   checkpoint when none has room); ``-no-room`` and ``-room-only``: one of the two; ``-no-suspend``: room is
-  made only by moving jobs to another site;
+  made only by moving jobs to another site; ``-pause``: also paused through the hours its grid is dirtier
+  than the cleanest hours its deadline leaves it (``pause``);
 - ``perfect forecast``: the policies read each zone's true intensity for the next week instead of the
   forecast: how much of the gap is the forecasts' error;
 - ``full knowledge``: exact estimates, the true intensity for the next week, and ``green`` without the
@@ -193,6 +194,8 @@ VARIANTS: dict[str, Variant] = {
                                       {"checkpointable_fraction": 0.9}, moving(make_room=False)),
     "checkpointable-room-only": Variant("green, 90 % checkpointable, moves to make room only",
                                         {"checkpointable_fraction": 0.9}, moving(min_saving_abs=1e12)),
+    "checkpointable-pause": Variant("green, 90 % checkpointable, jobs paused through dirty hours too",
+                                    {"checkpointable_fraction": 0.9}, moving(pause=True)),
     "perfect-forecast": Variant("green, perfect forecast", {}, lambda: policy("green"), True),
     "full-knowledge": Variant("green, full knowledge", {"estimate_sigma": 0.0},
                               green(duration_safety=1.0, min_saving=0.0, max_wait_factor=None, min_saving_abs=0.0),

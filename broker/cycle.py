@@ -176,7 +176,8 @@ def rest_of_run(job: Job, req: JobRequest, overhead_s: float) -> JobRequest:
     if job.run_s <= 0:
         return req
     rest = max(job.spec.duration_s - work_done(job, job.updated_at, overhead_s), 0.0) + overhead_s
-    return replace(req, duration_s=max(rest, 1.0))  # (a job past its estimate, with no overhead: a second)
+    # (a job past its estimate, with no overhead: a second)
+    return replace(req, duration_s=max(rest, 1.0), estimate_s=job.spec.duration_s)
 
 
 def _urgency(job: Job) -> float:
@@ -496,6 +497,9 @@ class SchedulingCycle:
         # the last pass that looked for moves that save.
         self._migrating = any(p.migrate is not None for p in (self.pipeline, *self.profiles.values()))
         self._moving: dict[str, _Moving] = {}
+        # Jobs paused through dirty hours (MigrationPolicy.pause): job -> (the attempt stopped, POSIX seconds it
+        # may restart from), read as the queued job's ``not_before_ts``; forgotten once it restarts or ends
+        self._paused_until: dict[str, tuple[int, float]] = {}
         self._holds: dict[str, _Hold] = {}  # job id -> GPUs kept for it until it is placed
         self._released: set[str] = set()  # jobs whose hold this pass gave back to them
         self._cannot_stop: dict[str, float] = {}  # site -> until when no job is moved away from it
@@ -895,6 +899,9 @@ class SchedulingCycle:
         jobs are placed there."""
         if saving:
             self._moves_h = timeshift.epoch_hour(snap.now)
+            for job_id, (_, until_ts) in list(self._paused_until.items()):  # pauses of jobs gone, or over
+                if until_ts <= snap.now.timestamp() or job_id not in self.book.active:
+                    del self._paused_until[job_id]
         waiting = {m.for_job for m in self._moving.values() if m.for_job is not None}
         stuck = [(job, req, pipeline) for job, req, pipeline in self._stuck  # the most urgent first
                  if job.id not in waiting and job.id not in self._holds]  # else room is being made already
@@ -969,6 +976,8 @@ class SchedulingCycle:
             return False
         target = snap.sites[move.site] if move.site >= 0 else None
         self._moving[job.id] = _Moving(origin, job.attempt, target, move.model, reason, move.for_job, now_ts)
+        if target is None and move.for_job is None and move.not_before_ts is not None:  # paused
+            self._paused_until[job.id] = (job.attempt, move.not_before_ts)
         if target is not None:
             assert pipeline.migrate is not None
             self._holds[job.id] = _Hold(target, move.model, migration.rest_of(move.running, move.remaining_s,
@@ -988,18 +997,22 @@ class SchedulingCycle:
                 if self._moving.get(job.id) is not None and self._moving[job.id].attempt == job.attempt:
                     del self._moving[job.id]
                     self._holds.pop(job.id, None)
+                    self._paused_until.pop(job.id, None)
                 if move.for_job is not None:  # room is not being made: the job near its users may ask again
                     self._holds.pop(move.for_job, None)
                 self.book.forgive(job.id, origin)  # it runs on there: nothing keeps it off that site
                 return
-            self.metrics.moves.labels(origin, "room" if move.for_job is not None else "saving").inc()
+            why = "room" if move.for_job is not None else "pause" if move.site < 0 else "saving"
+            self.metrics.moves.labels(origin, why).inc()
             asked = self._moving.get(job.id)
             if asked is not None and asked.attempt == job.attempt:  # the site has it: kept so (keep_moves)
                 self._moving[job.id] = replace(asked, delivered=True)
 
         # Off the site it leaves until the move's time is up: a job put back in the queue to make room must
-        # not take that room, nor a moved one go back where it was moved from.
-        self.book.refuse(job.id, origin, f"moved away: {reason}", ttl_s=MOVE_TIMEOUT_S)
+        # not take that room, nor a moved one go back where it was moved from. A paused one may: its rest is
+        # planned there, later, as often as not.
+        if move.site >= 0 or move.for_job is not None:
+            self.book.refuse(job.id, origin, f"moved away: {reason}", ttl_s=MOVE_TIMEOUT_S)
         task = asyncio.get_running_loop().create_task(ask(), name=f"move-{job.id}")
         self._dispatches.add(task)
         task.add_done_callback(self._dispatches.discard)
@@ -1017,6 +1030,12 @@ class SchedulingCycle:
         cache per queued job, which would cost more memory than the compact job itself)."""
         req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
         req = rest_of_run(job, req, self.restart_overhead_s(job))
+        paused = self._paused_until.get(job.id)
+        if paused is not None:
+            if paused[0] == job.attempt and paused[1] > self.clock.now().timestamp():
+                req = replace(req, not_before_ts=paused[1])
+            else:  # it restarted since, or its pause is over
+                del self._paused_until[job.id]
         return req, self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
 
     def _decide_queued(

@@ -71,8 +71,9 @@ class Metrics:
                             "lost, an eviction, a Pod it could not place, an attempt it forgot across a restart), "
                             "by site; a job fails at its max_lost_attempts-th loss", ["site"], registry=r)
         self.moves = Counter("heliotrope_moves", "Running jobs the cycle asked their site to checkpoint and stop, "
-                             "by site and why: to restart where the rest of the run saves (saving), or to make "
-                             "room for a job near its users (room)", ["site", "why"], registry=r)
+                             "by site and why: to restart where the rest of the run saves (saving), to make "
+                             "room for a job near its users (room), or to wait for cleaner hours (pause)",
+                             ["site", "why"], registry=r)
 
     def bind(self, broker: Broker) -> None:
         """Read the broker's levels at every scrape."""

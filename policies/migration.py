@@ -39,6 +39,25 @@ Making room (``make_room``)
     ``duration_safety`` times over, and as long again to wait (``site`` -1 in the :class:`Move`). Nothing is
     moved unless the job then fits.
 
+Pausing (``pause``; carbon only)
+    Moving chases a cleaner *site*; a pause waits for a cleaner *hour* where the job runs, as a
+    checkpointable job that runs only in the cleanest hours its deadline leaves it ("Let's Wait Awhile",
+    Wiesner et al., Middleware 2021, on interruptible workloads). At each whole hour, a job that could move
+    at all (above), does not ask to start at once, and has a deadline, is judged on its own site's forecast
+    rows up to its deadline: it needs ``duration_safety`` × its expected remaining run, plus the restart,
+    in whole hours, and the ``need``-th cleanest of those hours is its bar. When the current hour is above
+    the bar and a later one is not, stopping now puts off the work of the hours until then; the pause is made
+    when that work's forecast, as dirty as it is now, beats the same work and the restart at the bar by
+    ``min_saving`` and ``min_saving_abs`` -- and the time-shift search, asked for the rest of the run with
+    no start before that hour (``JobRequest.not_before_ts``), plans a start with room at some site before
+    its latest start (the deadline less ``duration_safety`` × the rest), which keeps the deadline as any
+    deferral does. The job goes back to the queue from its checkpoint (a :class:`Move` to ``site`` -1 with
+    ``resume_at`` and ``not_before_ts``); until that hour the search only plans its later starts (it
+    starts at once only if none has room), and after it the job is decided as any deferred one, hour by
+    hour. A long job is paused again at each dirty stretch: each pause must pay for its own restart. The
+    bar reads the forecast's rows as far as they go (the model's 48 hours, then the zone's mean day), so a
+    job needing more hours than the rows hold, or whose deadline leaves no hour to spare, runs on.
+
 Order: the jobs that could save the most (against the best site for them anywhere) are decided first, so
 they get the clean capacity; each move is debited from the snapshot at once (the source's GPUs freed, the
 target's taken, the plan's hours moved), so later moves see it.
@@ -48,8 +67,8 @@ Who acts on it: the simulator (``broker.simulation.engine``) and the live schedu
 on until the job restarts) call the same functions.
 
 Units: seconds, POSIX seconds, kg CO2e or USD. Pure: a function of the snapshot and the running jobs handed
-in; no clock, no I/O. How to turn it off: a profile without ``migrate`` (the default) never moves a job, and
-a job that is not checkpointable is never moved.
+in; no clock, no I/O. How to turn it off: a profile without ``migrate`` (the default) never moves a job, one
+with ``pause: false`` never pauses one, and a job that is not checkpointable is never moved or paused.
 """
 
 from __future__ import annotations
@@ -57,14 +76,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies import _shift_search as _search
+from policies import timeshift
 from policies._scores import window_mean_rows
 from policies.snapshot import TDP_KW, JobRequest, Snapshot
+from policies.scorers._usable import usable_models
 from policies.timeshift import ShiftPolicy, held_back_for
 
 if TYPE_CHECKING:
@@ -98,6 +120,11 @@ class MigrationPolicy(BaseModel):
     suspend: bool = Field(default=True, description="when making room, a job in the way that no other site has room "
                                                     "for may go back to the queue from its checkpoint, if its deadline "
                                                     "leaves it as long again to wait")
+    pause: bool = Field(default=False, description="stop a job whose rest of run would emit (or cost) min_saving and "
+                                                   "min_saving_abs less from a later start than where it runs, and put "
+                                                   "it back in the queue from its checkpoint, where the profile's "
+                                                   "time-shift search defers it to that start (its deadline kept as a "
+                                                   "deferral keeps it); needs the profile's shift")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +152,31 @@ class Move:
     objective: str
     for_job: str | None = None  # the job it made room for (make_room), else None: moved for a saving
     judged_s: float = math.nan  # how much of the rest of the run the values cover (the forecast's reach)
+    # Paused (site -1, for_job None): where the search plans its rest and from when, the hour it may restart
+    # from (POSIX s), and the intensity (g/kWh) an hour must be under for it to run then
+    resume_site: int = -1
+    resume_at: datetime | None = None
+    not_before_ts: float | None = None
+    clean_bar: float = math.nan
 
     def reason(self, sites: tuple[str, ...]) -> str:
         unit = "kg CO2e" if self.objective == "carbon" else "USD"
         span = (f"the rest of its run (~{self.remaining_s / HOUR_S:.1f} h)"
                 if not self.judged_s < self.remaining_s else
                 f"the next {self.judged_s / HOUR_S:.1f} h of the ~{self.remaining_s / HOUR_S:.1f} h left of its run")
+        if self.site < 0 and self.for_job is None:
+            saving = 1.0 - self.value_move / self.value_stay if self.value_stay > 0 else 0.0
+            until = (f" until {datetime.fromtimestamp(self.not_before_ts, tz=UTC):%Y-%m-%dT%H:%MZ}"
+                     if self.not_before_ts is not None else "")
+            plan = ""
+            if self.resume_at is not None and self.resume_site >= 0:
+                plan = f"; planned to resume on {sites[self.resume_site]} from {self.resume_at:%Y-%m-%dT%H:%MZ}"
+            return (f"paused on {sites[self.running.site]}{until} and requeued from its checkpoint: the next "
+                    f"{self.judged_s / HOUR_S:.1f} h there are forecast above {self.clean_bar:.0f} g/kWh, the "
+                    f"cleanest hours its deadline leaves for the ~{self.remaining_s / HOUR_S:.1f} h left of its run "
+                    f"are at or below it, and running that work then, restart included, is forecast at "
+                    f"{self.value_move:.3g} {unit} against {self.value_stay:.3g} {unit} now ({saving:.0%} less)"
+                    + plan)
         if self.site < 0:
             return (f"stopped on {sites[self.running.site]} and requeued from its checkpoint to make room for "
                     f"{self.for_job}, which must run near its users and can wait no longer; no other site has room "
@@ -204,7 +250,8 @@ def _values(snap: Snapshot, policy: MigrationPolicy, at: _Clock, remaining: floa
 
 def rest_of(run: Running, remaining: float, policy: MigrationPolicy) -> JobRequest:
     """The request of the rest of a moving job's run: its expected remaining run plus the overhead."""
-    return replace(run.request, duration_s=remaining + policy.overhead_s)
+    whole = run.request.estimate_s if run.request.estimate_s is not None else run.request.duration_s
+    return replace(run.request, duration_s=remaining + policy.overhead_s, estimate_s=whole)
 
 
 def _has_room(snap: Snapshot, site: int, model: int, rest: JobRequest, at: _Clock,
@@ -239,7 +286,6 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
     """The moves to make now, in the order made; each is already debited from ``snap`` (free GPUs, the plan)."""
     from policies.filters.gpu_fit import fit_matrix
     from policies.pipeline import choose_model  # imported here: policies.pipeline imports this module
-    from policies.scorers._usable import usable_models
 
     at = _Clock(snap)
     candidates: list[tuple[float, int, float, float, float, np.ndarray, np.ndarray]] = []
@@ -297,7 +343,87 @@ def plan_moves(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], p
             value, site, model = best
             _debit(snap, run, rest, site, model)
             moves.append(Move(run, site, model, remaining, stay, value, policy.objective, judged_s=judged_h * HOUR_S))
+    if policy.pause and pipeline.shift is not None:
+        moved = {m.running.request.job_id for m in moves}
+        moves += _plan_pauses(pipeline, snap, [r for r in running if r.request.job_id not in moved], policy, at)
     return moves
+
+
+def _plan_pauses(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running], policy: MigrationPolicy,
+                 at: _Clock) -> list[Move]:
+    """``pause``: the running jobs to stop now and put back in the queue until the grid where they run is
+    clean again (see the module docstring, *Pausing*). Each pause is debited from ``snap``: the job's GPUs
+    freed, the hours of its planned restart taken, so later decisions see them. The most to save first."""
+    shift = pipeline.shift
+    assert shift is not None
+    if not snap.plan_free.size or policy.objective != "carbon":
+        return []
+    forecast, cum, known = snap.derived(("shift-forecast",), timeshift._forecast, snap)
+    if forecast.shape[0] != snap.n_sites or forecast.shape[1] < 2:
+        return []
+    hour0 = math.floor(at.now_ts / HOUR_S) * HOUR_S
+    overhead_h = policy.overhead_s / HOUR_S
+    candidates: list[tuple[float, int, float, float, float, int, float]] = []
+    for i, run in enumerate(running):
+        req = run.request
+        remaining = movable(run, at.now_ts, policy)
+        if remaining is None or not req.deferrable or req.deadline_ts is None or not known[run.site]:
+            continue
+        # The hours the rest of its run needs (duration_safety times over, and the restart), and the hours its
+        # deadline leaves, as far as the forecast reaches; the need-th cleanest of them is the bar an hour
+        # worth running in must be under.
+        need = int(math.ceil(policy.duration_safety * remaining / HOUR_S + overhead_h - 1e-9))
+        window = min(int((req.deadline_ts - hour0) // HOUR_S), forecast.shape[1])
+        if window <= need:
+            continue  # no hour to spare
+        row = forecast[run.site, :window]
+        bar = float(np.partition(row, need - 1)[need - 1])
+        if not row[0] > bar:
+            continue  # this hour is among the cleanest its deadline leaves: it runs on
+        later = np.flatnonzero(row[1:] <= bar)
+        if not later.size:
+            continue
+        k = int(later[0]) + 1  # the first whole hour clean enough to run in again
+        postponed_h = min(k - at.into_h, remaining / HOUR_S)  # work the pause puts off
+        kw_g = float(TDP_KW[run.model]) * req.charge / 1000.0
+        dirty = kw_g * (_search._integral(cum, forecast, run.site, at.into_h + postponed_h)
+                        - _search._integral(cum, forecast, run.site, at.into_h))
+        clean = kw_g * (postponed_h + overhead_h) * bar  # that work, and the restart, in hours at most as dirty
+        if dirty - clean >= max(policy.min_saving * dirty, policy.min_saving_abs):
+            candidates.append((clean - dirty, i, remaining, dirty, clean, k, bar))
+    candidates.sort(key=lambda c: c[:2])
+    pauses: list[Move] = []
+    for _, i, remaining, dirty, clean, k, bar in candidates:
+        run = running[i]
+        here = replace(run.request, duration_s=remaining)
+        snap.release(run.site, here, run.model)  # as if it stopped: its rest may restart where it was
+        rest = replace(rest_of(run, remaining, policy), not_before_ts=hour0 + k * HOUR_S)
+        outcome = None
+        if timeshift.shiftable(rest, snap, shift):
+            outcome = _with_own_room(snap, rest, lambda: timeshift.plan(
+                rest, snap, pipeline.decide(rest, snap), shift, pipeline.filter_codes))
+        if not isinstance(outcome, timeshift.Deferral):  # no room later that its deadline allows: it runs on
+            snap.hold(run.site, here, run.model)
+            continue
+        timeshift.debit(snap, outcome.site, outcome.model, rest.charge, outcome.slot, outcome.slot + outcome.slots,
+                        near=rest.latency_slo_ms is not None)
+        pauses.append(Move(run, -1, -1, remaining, dirty, clean, policy.objective, judged_s=(k - at.into_h) * HOUR_S,
+                           resume_site=outcome.site, resume_at=outcome.start, not_before_ts=rest.not_before_ts,
+                           clean_bar=bar))
+    return pauses
+
+
+def _with_own_room(snap: Snapshot, rest: JobRequest, decide):  # noqa: ANN001, ANN202 - a thunk
+    """``decide()`` with the GPUs the job holds given back to its tenant's federation-wide limit, as
+    :func:`_decide_moving` does."""
+    room = snap.tenant_room
+    if room is None:
+        return decide()
+    room.credit(rest.tenant, rest.charge)
+    try:
+        return decide()
+    finally:
+        room.debit(rest.tenant, rest.charge)
 
 
 def urgent(req: JobRequest, now_ts: float, policy: MigrationPolicy) -> bool:
@@ -313,7 +439,6 @@ def make_room(pipeline: Pipeline, snap: Snapshot, req: JobRequest, running: Sequ
     """The moves that make room for ``req`` (see the module docstring), already debited from ``snap`` (the
     moved jobs' GPUs freed and taken at their new sites), or [] with ``snap`` untouched."""
     from policies.filters.gpu_fit import GpuFitFilter
-    from policies.scorers._usable import usable_models
 
     at = _Clock(snap)
     placement = pipeline.decide(req, snap)
@@ -383,14 +508,7 @@ def _decide_moving(pipeline: Pipeline, snap: Snapshot, rest: JobRequest) -> Plac
     GPUs it holds now given back to its tenant's federation-wide limit (``Snapshot.tenant_room``) while it is
     decided, since a move hands them over rather than adding to them (the limit would turn every site away from a
     job whose tenant is at its limit)."""
-    room = snap.tenant_room
-    if room is None:
-        return pipeline.decide(rest, snap)
-    room.credit(rest.tenant, rest.charge)
-    try:
-        return pipeline.decide(rest, snap)
-    finally:
-        room.debit(rest.tenant, rest.charge)
+    return _with_own_room(snap, rest, lambda: pipeline.decide(rest, snap))
 
 
 def _rehome(pipeline: Pipeline, snap: Snapshot, run: Running, remaining: float, at: _Clock,

@@ -146,6 +146,13 @@ class Profile(BaseModel):
             raise ValueError("at least one scorer needs a weight above 0")
         return weights
 
+    @model_validator(mode="after")
+    def _pause_needs_shift(self) -> Profile:
+        if self.migrate is not None and self.migrate.pause and self.shift is None:
+            raise at(("migrate", "pause"), "pause needs shift: a paused job is put back in the queue for the "
+                                           "profile's time-shift search to defer, and this profile has none")
+        return self
+
 
 JOB_PROFILE_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 """The names a job spec's ``profile`` may hold (``broker.models.JobSpec.profile``)."""

@@ -80,6 +80,12 @@ class JobRequest:
     preemptible: bool = False  # a site lends burst capacity to preemptible work only beyond unguaranteed GPUs
     checkpointable: bool = False  # may be stopped and resumed from a checkpoint (policies.migration moves only these)
     deferrable: bool = True  # False: must start as soon as a site has room; never deferred (policies.timeshift)
+    # POSIX seconds before which a job paused through dirty hours may not restart (policies.migration's pause;
+    # the time-shift search plans its rest from then); None: any time
+    not_before_ts: float | None = None
+    # The whole run's estimate where ``duration_s`` is the rest of it (a job resumed from its checkpoint): what
+    # ShiftPolicy.max_wait_factor bounds its wait by; None: ``duration_s`` is the whole estimate
+    estimate_s: float | None = None
 
     @classmethod
     def from_spec(cls, job_id: str, spec: JobSpec, excluded_sites: frozenset[str] = frozenset(),

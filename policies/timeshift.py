@@ -206,7 +206,8 @@ def latest_start_ts(req: JobRequest, policy: ShiftPolicy) -> float | None:
     if req.submitted_ts is not None:
         latest = min(latest, req.submitted_ts + policy.max_wait_h * HOUR_S)
         if policy.max_wait_factor is not None:
-            latest = min(latest, req.submitted_ts + policy.max_wait_factor * req.duration_s)
+            whole = req.estimate_s if req.estimate_s is not None else req.duration_s
+            latest = min(latest, req.submitted_ts + policy.max_wait_factor * whole)
     return latest
 
 
@@ -250,6 +251,12 @@ class Deferral:
     def reason(self, sites: tuple[str, ...]) -> str:
         unit = "kg CO2e" if self.objective == "carbon" else "USD"
         then = f"{sites[self.site]} from {self.start:%Y-%m-%dT%H:%MZ}"
+        if self.now_site < 0 and self.request.not_before_ts is not None and self.decided_at.timestamp() \
+                < self.request.not_before_ts:
+            return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ}: paused through dirty hours, it restarts no sooner "
+                    f"than {datetime.fromtimestamp(self.request.not_before_ts, tz=UTC):%Y-%m-%dT%H:%MZ}; planned "
+                    f"on {then} ({self.value_then:.3g} {unit} forecast for the rest of its run)"
+                    + self._risk_text())
         if self.now_site < 0 or not math.isfinite(self.value_now):
             return (f"deferred until {self.start:%Y-%m-%dT%H:%MZ} because no site can take it now without "
                     f"breaking a plan; reserved on {then} ({self.value_then:.3g} {unit} forecast)"
@@ -660,7 +667,11 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     anywhere_site = -1
     passed: Sequence[tuple[int, str]] = ()  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
     n_passed = 0
-    if placement.placed:
+    # A job paused through dirty hours (policies.migration) does not start again before its pause ends: only
+    # later starts from then are searched, and it starts now only where none has room.
+    paused_slots = (int(math.ceil((req.not_before_ts - hour0) / HOUR_S - 1e-9))
+                    if req.not_before_ts is not None and req.not_before_ts > now_ts and not now_only else 0)
+    if placement.placed and not paused_slots:
         # The best start now at any site the plan allows, (value, site) (policies._shift_search.
         # cheapest_fitting_now); (inf, -2) where there is one feasible site: never compared.
         other, at = (_search.cheapest_fitting_now(placement.feasible, ok, per_gpu, need, d_h, into_h, forecast, cum,
@@ -713,6 +724,9 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                                                       policy.miss_cost)
     if policy.max_risk is not None and risk.size:  # a start riskier than that is not planned at all
         penalty = np.where(risk[1:] > policy.max_risk, np.inf, penalty)
+    if paused_slots > 1:  # no start before the pause ends
+        penalty = (penalty if penalty.shape[0] > last_slot else np.zeros(last_slot + 1)).copy()
+        penalty[:min(paused_slots, last_slot + 1)] = np.inf
     value, slot, site, best_col, value_then = _search.search_later(
         ok, cleanest, bar, per_gpu, need, d_h, forecast, cum, carbon, plan_free, col, reserve_all, kept, near,
         last_slot, run_hours, min(hours, last_slot + run_hours), penalty, kept_price)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from prometheus_client import generate_latest
@@ -611,5 +611,67 @@ async def test_a_moved_job_keeps_its_tenants_room_until_it_restarts_where_its_mo
         moved = await b.book.get(mover.id)
         assert (moved.state, moved.site, moved.attempt) == (JobState.RUNNING, "clean", 2)
         assert (await b.book.get(waiting.id)).state == JobState.QUEUED
+    finally:
+        await b.stop()
+
+
+async def test_a_job_running_into_dirty_hours_is_paused_and_resumed_from_its_checkpoint_when_the_grid_is_clean(
+        tmp_path) -> None:
+    """One site on California's grid (CAISO: ~110 g/kWh under the afternoon sun, ~190 through the night, in the
+    shipped June 2022 data). A 20-hour checkpointable job with three days of slack starts at 14:10 UTC, in the
+    clean hours; as the night comes, the rest of its run is forecast far dirtier than from the next afternoon,
+    so green pauses it: the site checkpoints and stops it, it goes back to the queue with its work kept, is
+    deferred to the clean hours, and restarts there for the rest of its run."""
+    sun = [site("cal", region="gcp:us-west2", grid_zone="US-CAL-CISO", timezone="America/Los_Angeles", adapter=FAST)]
+    from policies.profiles import BUILTIN, SHIFTS
+
+    pausing = {"weights": BUILTIN["green"], "shift": SHIFTS["green"].model_dump(), "migrate": {"pause": True}}
+    b, clock = await green_broker(tmp_path, sun, at=GREEN_AT.replace(hour=14),
+                                  profiles={"default": "pausing", "definitions": {"pausing": pausing}})
+    try:
+        long, _ = await b.book.submit(job(name="long", count=8, duration_s=20 * 3600, checkpointable=True,
+                                          deadline=clock.now() + timedelta(hours=72)))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        first = await b.book.get(long.id)
+        assert (first.state, first.attempt) == (JobState.RUNNING, 1)
+        paused = None
+        for _ in range(20):  # hour by hour, the first full pass of each
+            await step(b, clock, 3600 - clock.now().timestamp() % 3600 + 1)
+            await b.cycle.run_once(full=True)
+            await step(b, clock, 1.0)
+            paused = await b.book.get(long.id)
+            if paused.state != JobState.RUNNING:
+                break
+        assert paused is not None and paused.state == JobState.QUEUED, "never paused"
+        ran_s = paused.run_s
+        assert 3600 < ran_s < 20 * 3600 - 2 * 3600  # paused with more than the 2 h a pause needs left
+        history = [e["reason"] or "" for e in await b.store.job_events(long.id)]
+        paused_why = next((r for r in history if r.startswith("preempted on cal: paused on cal until ")), None)
+        assert paused_why is not None, history
+        until = datetime.fromisoformat(paused_why.split()[7])
+        assert "and requeued from its checkpoint: the next " in paused_why and until > clock.now()
+        assert 'heliotrope_moves_total{site="cal",why="pause"} 1.0' in generate_latest(b.metrics.registry).decode()
+        # The next pass defers the rest of its run to the clean hours it was paused for.
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 1.0)
+        assert (await b.book.get(long.id)).state == JobState.QUEUED
+        why = await decision(b, long.id)
+        assert why.outcome == "deferred" and why.summary.startswith("deferred until "), why.summary
+        resume_at = why.deferred_until
+        assert resume_at >= until and why.summary.startswith(
+            f"deferred until {resume_at:%Y-%m-%dT%H:%MZ}: paused through dirty hours, it restarts no sooner than "
+            f"{until:%Y-%m-%dT%H:%MZ}; planned on cal from "), why.summary
+        # Decided again each hour as the forecast moves on, it restarts at a later hour, for the rest of its run.
+        paused_at = clock.now()
+        resumed = await b.book.get(long.id)
+        while resumed.state == JobState.QUEUED and clock.now() < resume_at + timedelta(minutes=1):
+            await step(b, clock, 3600 - clock.now().timestamp() % 3600 + 1)
+            await b.cycle.run_once(full=True)
+            await step(b, clock, 2.0)
+            resumed = await b.book.get(long.id)
+        assert (resumed.state, resumed.attempt, resumed.site) == (JobState.RUNNING, 2, "cal")
+        assert clock.now() >= until and clock.now() - paused_at > timedelta(hours=1)
+        assert resumed.run_s == pytest.approx(ran_s, abs=5.0)  # the work done before the pause is kept
     finally:
         await b.stop()

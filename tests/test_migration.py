@@ -486,3 +486,100 @@ def test_the_search_for_moves_finds_what_trying_every_site_finds(seed: int, plan
     assert found == _plan_moves_by_trying_every_site(GREEN, b, jobs, policy)
     assert len(found) >= 10, found  # the comparison covered real moves
     assert np.array_equal(a.free_gpus, b.free_gpus) and np.array_equal(a.plan_free, b.plan_free)
+
+
+# Pausing (MigrationPolicy.pause): Frankfurt, where the job runs, is dirty for the next six hours and clean after;
+# every other site is dirtier still, so no site is better now and only a later start saves.
+PAUSE = MigrationPolicy(pause=True)
+DIRTY_THEN_CLEAN = {"frankfurt": [600.0] * 6 + [100.0] * 42, "toronto": [700.0] * 48, "ashburn": [700.0] * 48,
+                    "sydney": [700.0] * 48}
+
+
+def test_a_job_through_dirty_hours_is_paused_and_planned_to_resume_when_the_grid_is_clean() -> None:
+    snap = snapshot(NOON, DIRTY_THEN_CLEAN, free={"frankfurt": 8}, booked={"frankfurt": (8, 0, 5)})
+    fra = snap.index["frankfurt"]
+    job = at(snap, running(hours=5.0, done_h=1.0), "frankfurt")
+    assert plan_moves(GREEN, snap, [job], MigrationPolicy()) == []  # without pause it runs on
+    move, = plan_moves(GREEN, snap, [job], PAUSE)
+    kw = 8 * TDP_KW[A100]
+    assert move.site == -1 and move.for_job is None and move.remaining_s == 4 * H
+    assert snap.sites[move.resume_site] == "frankfurt" and move.resume_at == datetime(2022, 6, 10, 18, tzinfo=UTC)
+    # Running on: 4 h from 12:20, all at 600 g/kWh; resumed at 18:00: 4 h 10 min (the restart) at 100.
+    assert move.value_stay == pytest.approx(kw * 600 * 4 / 1000)
+    assert move.value_move == pytest.approx(kw * 100 * (4 + 1 / 6) / 1000)
+    reason = move.reason(snap.sites)
+    assert reason == ("paused on frankfurt until 2022-06-10T18:00Z and requeued from its checkpoint: the next 5.7 h "
+                      "there are forecast above 100 g/kWh, the cleanest hours its deadline leaves for the ~4.0 h left "
+                      "of its run are at or below it, and running that work then, restart included, is forecast at "
+                      "1.33 kg CO2e against 7.68 kg CO2e now (83% less); planned to resume on frankfurt from "
+                      "2022-06-10T18:00Z")
+    assert move.not_before_ts == datetime(2022, 6, 10, 18, tzinfo=UTC).timestamp()
+    # Debited at once: its GPUs free now, the planned hours (18:00 to 23:00) taken.
+    assert snap.free_gpus[fra, A100] == 16
+    assert (snap.plan_free[fra, A100, 1:6] == 16).all() and (snap.plan_free[fra, A100, 6:11] == 8).all()
+
+
+@pytest.mark.parametrize("case, job", [
+    ("not checkpointable", running(hours=5.0, checkpointable=False)),
+    ("it asked to start at once", running(hours=5.0, deferrable=False)),
+    ("the deadline comes before the clean hours", running(hours=5.0, slack_h=3.0)),
+    ("under 2 h left", running(hours=2.5)),
+])
+def test_what_keeps_a_job_running_through_dirty_hours(case, job) -> None:
+    snap = snapshot(NOON, DIRTY_THEN_CLEAN, free={"frankfurt": 8}, booked={"frankfurt": (8, 0, 5)})
+    free, plan = snap.free_gpus.copy(), snap.plan_free.copy()
+    assert plan_moves(GREEN, snap, [at(snap, job, "frankfurt")], PAUSE) == [], case
+    assert (snap.free_gpus == free).all() and (snap.plan_free == plan).all(), case
+
+
+def test_a_pause_that_saves_too_little_is_not_made() -> None:
+    forecast = DIRTY_THEN_CLEAN | {"frankfurt": [600.0] * 6 + [520.0] * 42}  # 13 % cleaner later: under 20 %
+    snap = snapshot(NOON, forecast, free={"frankfurt": 8}, booked={"frankfurt": (8, 0, 5)})
+    plan = snap.plan_free.copy()
+    assert plan_moves(GREEN, snap, [at(snap, running(hours=5.0), "frankfurt")], PAUSE) == []
+    assert (snap.plan_free == plan).all()
+
+
+def test_pause_needs_the_profiles_shift() -> None:
+    with pytest.raises(ValidationError, match="pause needs shift"):
+        Profile(weights={"carbon": 1.0}, migrate={"pause": True})
+    assert Profile(weights={"carbon": 1.0}, shift={}, migrate={"pause": True}).migrate.pause
+
+
+def test_a_replayed_job_is_paused_through_each_night_and_emits_less_for_a_later_end(tmp_path: Path) -> None:
+    """One site on a grid at 100 g/kWh from 08:00 to 20:00 UTC and 400 through the night (as a solar grid),
+    its forecast the day before (seasonal-naive sees it exactly). A checkpointable 4-GPU job of 30 hours
+    submitted at 08:00 with three days to spare: run through, 12 of its hours fall in the night; paused at
+    each nightfall and resumed each morning, none does, for a restart each time, and it still ends by its
+    deadline."""
+    from broker.simulation import engine
+    from broker.simulation.run import prepare
+
+    first = datetime(2022, 6, 1, tzinfo=UTC)
+    root = _hourly(tmp_path / "carbon", first, 12, {"GB": lambda t: 100.0 if 8 <= t.hour < 20 else 400.0})
+    sites = tmp_path / "sites.yaml"
+    sites.write_text("sites:\n" + _site("a", "GB", "gcp:europe-west2", 2.0, gpus=4))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("submit,seconds,gpus,team\n2022-06-05T08:00:00,108000,4,x\n")
+    prep = prepare(SimulationSpec(
+        trace=trace, mapping=parse_columns("submit=submit,duration=seconds,gpus=gpus,tenant=team"), carbon=root,
+        policies=["green"], sites=sites, bound=False,
+        assumptions={"inflexible_fraction": 0.0, "latency_fraction": 0.0, "estimate_sigma": 0.0,
+                     "checkpointable_fraction": 1.0}))
+    w = prep.workload
+    runs = {}
+    for pause in (False, True):
+        pipeline = pipeline_for(BUILTIN["green"], SHIFTS["green"], MigrationPolicy(pause=pause))
+        runs[pause] = engine.replay("green", pipeline, w, prep.federation, engine.requests_of(w), np.zeros(1, bool))
+    through, paused = runs[False], runs[True]
+    kw = 4 * TDP_KW[prep.federation.base.total_gpus.argmax(axis=1)[0]]
+    assert through.preemptions == 0 and through.carbon_kg[0] == pytest.approx(kw * (18 * 100 + 12 * 400) / 1000)
+    # Paused at 20:00 on both nights (the work left, 18 and then 6 hours, has day hours enough before its
+    # deadline), resumed at 08:00, each restart 10 minutes of the day's GPU time.
+    assert paused.preemptions == 2
+    clock = lambda s: (w.start + timedelta(seconds=s)).strftime("%d %H:%M")  # noqa: E731 - UTC day and time
+    pieces = sorted((clock(a), clock(b)) for _, _, _, a, b in paused.moved.tolist())
+    assert pieces == [("05 08:00", "05 20:00"), ("06 08:00", "06 20:00")]
+    assert clock(paused.last_start_s[0]) == "07 08:00" and clock(paused.end_s[0]) == "07 14:20"
+    assert paused.carbon_kg[0] == pytest.approx(kw * (30 + 2 * 600 / H) * 100 / 1000)
+    assert paused.end_s[0] <= w.deadline_s[0]

@@ -386,7 +386,8 @@ def replay(
                 calendar.release(booking)
             if book_late:
                 forget_overrun(j)
-            requests[j] = replace(requests[j], duration_s=move.remaining_s + (migrate.overhead_s if migrate else 0.0))
+            requests[j] = replace(requests[j], duration_s=move.remaining_s + (migrate.overhead_s if migrate else 0.0),
+                                  not_before_ts=move.not_before_ts, estimate_s=whole[j].duration_s)
             requeued.append(j)
             return
         site_of[j], model_of[j] = move.site, move.model
