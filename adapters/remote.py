@@ -751,6 +751,14 @@ class RemoteSite:
                     f"its agent did not answer the request for logs within {LOGS_WAIT_S:g} s while its heartbeats "
                     f"kept coming: the agent is of an earlier release, which cannot {what} (upgrade it)") from None
             raise
+        except asyncio.CancelledError:
+            # The wait was cancelled with this adapter (the site removed, or its adapter rebuilt), not the reader's
+            # own task: the reader is told so, rather than its connection dropped.
+            task = asyncio.current_task()
+            if self._closed and not (task is not None and task.cancelling()):
+                raise LogsNotFound(f"site {self.name} was removed, or its adapter rebuilt by a change, while its logs "
+                                   "were being read; ask again if the site is still registered") from None
+            raise
         if reply.no_logs == "unsupported":
             raise LogsUnsupported(reply.reason or "the site cannot give logs")
         if reply.no_logs == "not-found":

@@ -919,3 +919,28 @@ def test_a_long_log_is_cut_to_the_longest_tail_of_whole_lines_that_fits_a_messag
     assert cap - 2 * len(proto.encode(proto.WireLogs(text=line + "\n", truncated=True))) < size <= cap
     assert text.endswith(cut.logs.text) and cut.logs.text[:5].isdigit()  # its end, from a line's start
     assert proto.decode(proto.topic("edge", "up"), proto.encode(cut)) == cut
+
+
+async def test_a_logs_request_in_flight_when_its_site_is_removed_is_a_409_saying_so(world, monkeypatch) -> None:
+    # The agent drops the request for logs (as one of an earlier release does), so the request is still waiting for
+    # its answer when the site, whose job has ended, is removed: the reader gets the house JSON error, not a dropped
+    # connection (the request's wait was cancelled with the site's adapter).
+    from adapters import remote as remote_module
+
+    monkeypatch.setitem(proto._CHANNEL_KINDS, "down", proto._CHANNEL_KINDS["down"] - {"logs"})
+    monkeypatch.setattr(remote_module, "LOGS_WAIT_S", 30.0)
+    w = await world(lease_s=6.0)
+    await w.agent()
+    await w.until(lambda: w.edge_health() == Health.HEALTHY, 5, "edge healthy")
+    job_id = await submit(w, "short", 0.5)
+    await w.until_state(job_id, {JobState.SUCCEEDED}, 10)
+    remote = w.broker.federation.get("edge").adapter
+    async with TestClient(TestServer(create_app(w.broker))) as client:
+        reading = asyncio.ensure_future(client.get(f"/v1/jobs/{job_id}/logs"))
+        await w.until(lambda: bool(remote._pending), 5, "the request for logs sent")
+        assert (await client.delete("/v1/sites/edge")).status == 204
+        r = await asyncio.wait_for(reading, 10)
+        assert r.status == 409, await r.text()
+        message = (await r.json())["error"]["message"]
+    assert message == ("site edge was removed, or its adapter rebuilt by a change, while its logs were being read; "
+                       "ask again if the site is still registered")
