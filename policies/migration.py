@@ -402,8 +402,9 @@ def _plan_pauses(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running],
         if timeshift.shiftable(rest, snap, shift):
             outcome = _with_own_room(snap, rest, lambda: timeshift.plan(
                 rest, snap, pipeline.decide(rest, snap), shift, pipeline.filter_codes))
-        if not isinstance(outcome, timeshift.Deferral):  # no room later that its deadline allows: it runs on
-            snap.hold(run.site, here, run.model)
+        if not isinstance(outcome, timeshift.Deferral) or not _pause_pays(outcome, run, remaining, rest, policy,
+                                                                              cum, forecast, at):
+            snap.hold(run.site, here, run.model)  # no room later that its deadline allows, or none that saves
             continue
         timeshift.debit(snap, outcome.site, outcome.model, rest.charge, outcome.slot, outcome.slot + outcome.slots,
                         near=rest.latency_slo_ms is not None)
@@ -411,6 +412,23 @@ def _plan_pauses(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running],
                            resume_site=outcome.site, resume_at=outcome.start, not_before_ts=rest.not_before_ts,
                            clean_bar=bar))
     return pauses
+
+
+def _pause_pays(planned: timeshift.Deferral, run: Running, remaining: float, rest: JobRequest,
+                policy: MigrationPolicy, cum: np.ndarray, forecast: np.ndarray, at: _Clock) -> bool:
+    """Whether the restart the search planned (its site, model and hour) is forecast to emit ``min_saving``
+    and ``min_saving_abs`` less, restart included, than running the rest of the run on where it is (kg CO2e):
+    the bar is only where the job's own site is clean enough, and that site's clean hours may be promised to
+    others, leaving room only at a dirtier site or hour. (The plan's own values may be in USD: a cost shift.)"""
+    hours = remaining / HOUR_S
+    stay = float(TDP_KW[run.model]) * run.request.charge / 1000.0 * (
+        _search._integral(cum, forecast, run.site, at.into_h + hours) - _search._integral(cum, forecast, run.site,
+                                                                                          at.into_h))
+    then_h = float(planned.slot) + rest.duration_s / HOUR_S
+    then = float(TDP_KW[planned.model]) * rest.charge / 1000.0 * (
+        _search._integral(cum, forecast, planned.site, then_h) - _search._integral(cum, forecast, planned.site,
+                                                                                   float(planned.slot)))
+    return stay - then >= max(policy.min_saving * stay, policy.min_saving_abs)
 
 
 def _with_own_room(snap: Snapshot, rest: JobRequest, decide):  # noqa: ANN001, ANN202 - a thunk

@@ -583,3 +583,17 @@ def test_a_replayed_job_is_paused_through_each_night_and_emits_less_for_a_later_
     assert clock(paused.last_start_s[0]) == "07 08:00" and clock(paused.end_s[0]) == "07 14:20"
     assert paused.carbon_kg[0] == pytest.approx(kw * (30 + 2 * 600 / H) * 100 / 1000)
     assert paused.end_s[0] <= w.deadline_s[0]
+
+
+def test_no_pause_is_made_when_the_only_restart_planned_is_dirtier_than_running_on() -> None:
+    """Frankfurt's clean hours from 18:00 are all promised to other deferred jobs, and every other site is at
+    700 g/kWh: the only restart the plan has room for after the dirty hours is at one of those, dirtier than the
+    600 the job runs at now. Pausing would emit more (and pay a restart): it runs on, the snapshot untouched."""
+    from policies import timeshift
+
+    snap = snapshot(NOON, DIRTY_THEN_CLEAN, free={"frankfurt": 8}, booked={"frankfurt": (8, 0, 5)})
+    fra = snap.index["frankfurt"]
+    timeshift.debit(snap, fra, A100, 16, 5, 97, near=False)
+    free, plan = snap.free_gpus.copy(), snap.plan_free.copy()
+    assert plan_moves(GREEN, snap, [at(snap, running(hours=5.0, done_h=1.0), "frankfurt")], PAUSE) == []
+    assert (snap.free_gpus == free).all() and (snap.plan_free == plan).all()
