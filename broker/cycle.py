@@ -286,6 +286,8 @@ class PassDecider:
                 plan_key = (key, *timeshift.window(req, self.snap, shift))
                 if shift.max_risk is not None:  # which starts it may take depends on its own deadline and run
                     plan_key = (*plan_key, req.deadline_ts, req.duration_s)
+                if req.not_before_ts is not None and req.not_before_ts > self.snap.now.timestamp():
+                    plan_key = (*plan_key, req.not_before_ts)  # paused: fewer starts than its shape's (none before)
                 if plan_key in self.unplanned:
                     return failure
             outcome = timeshift.plan(req, self.snap, placement, shift, self.pipeline.filter_codes)

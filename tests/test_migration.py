@@ -597,3 +597,22 @@ def test_no_pause_is_made_when_the_only_restart_planned_is_dirtier_than_running_
     free, plan = snap.free_gpus.copy(), snap.plan_free.copy()
     assert plan_moves(GREEN, snap, [at(snap, running(hours=5.0, done_h=1.0), "frankfurt")], PAUSE) == []
     assert (snap.free_gpus == free).all() and (snap.plan_free == plan).all()
+
+
+def test_a_paused_job_that_finds_no_start_does_not_keep_a_job_of_its_shape_from_the_starts_before_its_pause() -> None:
+    """No A100 is free now anywhere, and the plan has room only for the next four hours. A job paused until
+    18:00 finds no start (all of them are before its pause ends); a job of the same shape and deadline decided
+    after it in the same pass, which was not paused, still finds its start in those four hours."""
+    from dataclasses import replace
+
+    from broker.cycle import PassDecider
+    from policies.timeshift import Deferral
+
+    names = ("frankfurt", "toronto", "ashburn", "sydney")
+    snap = snapshot(NOON, free={n: 0 for n in names}, booked={n: (16, 5, 97) for n in names})
+    req = request(hours=2.0, slack_h=24.0, count=4)
+    paused = replace(req, job_id="paused", not_before_ts=datetime(2022, 6, 10, 18, tzinfo=UTC).timestamp())
+    decider = PassDecider(GREEN, snap)
+    assert not isinstance(decider.decide(paused), Deferral)
+    deferral = decider.decide(req)
+    assert isinstance(deferral, Deferral) and deferral.start < datetime(2022, 6, 10, 17, tzinfo=UTC)
