@@ -433,6 +433,8 @@ class _KeptHold(BaseModel):
 
 
 _KEPT_UNTIL: TypeAdapter[float] = TypeAdapter(float, config=ConfigDict(strict=True, allow_inf_nan=False))
+# A paused job as the store keeps it: [the attempt stopped, POSIX seconds it may restart from]
+_KEPT_PAUSE: TypeAdapter[tuple[int, float]] = TypeAdapter(tuple[int, float], config=ConfigDict(allow_inf_nan=False))
 
 
 class SchedulingCycle:
@@ -1299,6 +1301,10 @@ class SchedulingCycle:
                                         attempt=h.attempt, until_ts=h.until_ts).model_dump()
                       for job_id, h in sorted(self._holds.items())},
             "cannot_stop": dict(sorted(self._cannot_stop.items())),
+            # the jobs paused through dirty hours: (the attempt stopped, POSIX s it may restart from); only where
+            # there are any, so the document is as an older release writes it otherwise
+            **({"paused": {job_id: list(p) for job_id, p in sorted(self._paused_until.items())}}
+               if self._paused_until else {}),
         }, separators=(",", ":"))
 
     async def keep_moves(self, final: bool = False) -> None:
@@ -1308,7 +1314,7 @@ class SchedulingCycle:
         chose and keeps holding the room made."""
         if not (final or self.may_act()) or self._moves_kept is not None:  # (what the last leader left: not read yet)
             return
-        if self._moves_saved is None and not (self._moving or self._holds or self._cannot_stop):
+        if self._moves_saved is None and not (self._moving or self._holds or self._cannot_stop or self._paused_until):
             return
         doc = self._moves_doc()
         if doc == self._moves_saved:
@@ -1403,8 +1409,10 @@ class SchedulingCycle:
             if (job_id, moving.attempt) in over:  # it ended otherwise than stopped: nothing to restart elsewhere
                 dropped.add(job_id)
                 continue
-            # Kept off the site it left either way: a stop on its way there may still come.
-            self.book.refuse(job_id, moving.origin, f"moved away: {moving.reason}", ttl_s=left_s)
+            # Kept off the site it left either way: a stop on its way there may still come. (Not a paused job:
+            # its rest is planned there, later, as often as not.)
+            if moving.site is not None or moving.for_job is not None:
+                self.book.refuse(job_id, moving.origin, f"moved away: {moving.reason}", ttl_s=left_s)
             if job.state != JobState.QUEUED:  # not stopped (yet), and nothing tells it will be
                 dropped.add(job_id)
                 if moving.for_job is not None:
@@ -1428,6 +1436,15 @@ class SchedulingCycle:
                           duration_s=h.duration_s)
             self._holds[job_id] = _Hold(h.site, MODEL_INDEX[h.model], req, job.attempt, until_ts)
             held += 1
+        paused = kept.get("paused")
+        for job_id, entry in (paused.items() if isinstance(paused, dict) else ()):
+            job = self.book.active.get(job_id)
+            try:
+                attempt, until = _KEPT_PAUSE.validate_python(entry)
+            except ValueError:
+                continue
+            if job is not None and job.attempt == attempt and until > now_ts:
+                self._paused_until[job_id] = (attempt, until)
         for site, until in kept["cannot_stop"].items():
             try:
                 until = _KEPT_UNTIL.validate_python(until)

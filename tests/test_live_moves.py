@@ -675,3 +675,45 @@ async def test_a_job_running_into_dirty_hours_is_paused_and_resumed_from_its_che
         assert resumed.run_s == pytest.approx(ran_s, abs=5.0)  # the work done before the pause is kept
     finally:
         await b.stop()
+
+
+async def test_a_broker_that_takes_charge_keeps_a_pause_and_the_paused_job_on_its_own_site(tmp_path) -> None:
+    """The broker in charge pauses the 20-hour job on California's grid (as above), then stops before any pass
+    decides it again. The broker that takes charge from the same database still holds it to its pause: it is
+    deferred, no sooner than the hour it was paused until, on the site it was paused on (a pause, unlike a move,
+    does not keep the job off that site)."""
+    sun = [site("cal", region="gcp:us-west2", grid_zone="US-CAL-CISO", timezone="America/Los_Angeles", adapter=FAST)]
+    from policies.profiles import BUILTIN, SHIFTS
+
+    pausing = {"weights": BUILTIN["green"], "shift": SHIFTS["green"].model_dump(), "migrate": {"pause": True}}
+    profiles = {"default": "pausing", "definitions": {"pausing": pausing}}
+    b, clock = await green_broker(tmp_path, sun, at=GREEN_AT.replace(hour=14), profiles=profiles)
+    try:
+        long, _ = await b.book.submit(job(name="long", count=8, duration_s=20 * 3600, checkpointable=True,
+                                          deadline=clock.now() + timedelta(hours=72)))
+        await b.cycle.run_once(full=True)
+        await step(b, clock, 2.0)
+        for _ in range(20):
+            await step(b, clock, 3600 - clock.now().timestamp() % 3600 + 1)
+            await b.cycle.run_once(full=True)
+            await step(b, clock, 1.0)
+            if (await b.book.get(long.id)).state != JobState.RUNNING:
+                break
+        assert (await b.book.get(long.id)).state == JobState.QUEUED, "never paused"
+        history = [e["reason"] or "" for e in await b.store.job_events(long.id)]
+        paused_why = next(r for r in history if r.startswith("preempted on cal: paused on cal until "))
+        until = datetime.fromisoformat(paused_why.split()[7])
+        now = clock.now()
+    finally:
+        await b.stop()
+    again, clock = await green_broker(tmp_path, sun, at=now + timedelta(seconds=1), profiles=profiles)
+    try:
+        await again.cycle.run_once(full=True)
+        await step(again, clock, 1.0)
+        assert (await again.book.get(long.id)).state == JobState.QUEUED
+        why = await decision(again, long.id)
+        assert why.outcome == "deferred" and why.summary.startswith(
+            f"deferred until {why.deferred_until:%Y-%m-%dT%H:%MZ}: paused through dirty hours, it restarts no sooner "
+            f"than {until:%Y-%m-%dT%H:%MZ}; planned on cal from "), why.summary
+    finally:
+        await again.stop()
