@@ -120,11 +120,12 @@ class MigrationPolicy(BaseModel):
     suspend: bool = Field(default=True, description="when making room, a job in the way that no other site has room "
                                                     "for may go back to the queue from its checkpoint, if its deadline "
                                                     "leaves it as long again to wait")
-    pause: bool = Field(default=False, description="stop a job whose rest of run would emit (or cost) min_saving and "
+    pause: bool = Field(default=False, description="stop a job whose rest of run would emit min_saving and "
                                                    "min_saving_abs less from a later start than where it runs, and put "
                                                    "it back in the queue from its checkpoint, where the profile's "
                                                    "time-shift search defers it to that start (its deadline kept as a "
-                                                   "deferral keeps it); needs the profile's shift")
+                                                   "deferral keeps it); needs the profile's shift and the carbon "
+                                                   "objective")
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,9 @@ class Profile(BaseModel):
         if self.migrate is not None and self.migrate.pause and self.shift is None:
             raise at(("migrate", "pause"), "pause needs shift: a paused job is put back in the queue for the "
                                            "profile's time-shift search to defer, and this profile has none")
+        if self.migrate is not None and self.migrate.pause and self.migrate.objective != "carbon":
+            raise at(("migrate", "pause"), "pause is for the carbon objective: it waits for cleaner hours of the "
+                                           "grid, and a migrate objective of cost would never pause a job")
         return self
 
 

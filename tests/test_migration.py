@@ -544,6 +544,9 @@ def test_pause_needs_the_profiles_shift() -> None:
     with pytest.raises(ValidationError, match="pause needs shift"):
         Profile(weights={"carbon": 1.0}, migrate={"pause": True})
     assert Profile(weights={"carbon": 1.0}, shift={}, migrate={"pause": True}).migrate.pause
+    # A pause weighs the grid's hours (carbon only): a cost objective would never pause, whatever it said.
+    with pytest.raises(ValidationError, match="pause is for the carbon objective"):
+        Profile(weights={"carbon": 1.0}, shift={}, migrate={"pause": True, "objective": "cost"})
 
 
 def test_a_replayed_job_is_paused_through_each_night_and_emits_less_for_a_later_end(tmp_path: Path) -> None:
