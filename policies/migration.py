@@ -51,7 +51,8 @@ Pausing (``pause``; carbon only)
     ``min_saving`` and ``min_saving_abs`` -- and the time-shift search, asked for the rest of the run with
     no start before that hour (``JobRequest.not_before_ts``), plans a start with room at some site before
     its latest start (the deadline less ``duration_safety`` × the rest), which keeps the deadline as any
-    deferral does. The job goes back to the queue from its checkpoint (a :class:`Move` to ``site`` -1 with
+    deferral does, and that start (its site, model and hour) is forecast to save as much against running the
+    rest on where it is. The job goes back to the queue from its checkpoint (a :class:`Move` to ``site`` -1 with
     ``resume_at`` and ``not_before_ts``); until that hour the search only plans its later starts (it
     starts at once only if none has room), and after it the job is decided as any deferred one, hour by
     hour. A long job is paused again at each dirty stretch: each pause must pay for its own restart. The
