@@ -53,8 +53,8 @@ Pausing (``pause``; carbon only)
     its latest start (the deadline less ``duration_safety`` × the rest), which keeps the deadline as any
     deferral does, and that start (its site, model and hour) is forecast to save as much against running the
     rest on where it is. The job goes back to the queue from its checkpoint (a :class:`Move` to ``site`` -1 with
-    ``resume_at`` and ``not_before_ts``); until that hour the search only plans its later starts (it
-    starts at once only if none has room), and after it the job is decided as any deferred one, hour by
+    ``resume_at`` and ``not_before_ts``); until that hour the search only plans its later starts (where
+    none has room that its deadline allows, it is decided as if not paused), and after it the job is decided as any deferred one, hour by
     hour. A long job is paused again at each dirty stretch: each pause must pay for its own restart. The
     bar reads the forecast's rows as far as they go (the model's 48 hours, then the zone's mean day), so a
     job needing more hours than the rows hold, or whose deadline leaves no hour to spare, runs on.

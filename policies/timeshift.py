@@ -668,7 +668,7 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     passed: Sequence[tuple[int, str]] = ()  # better-scoring sites turned away, and why (the first PASSED_OVER_KEPT)
     n_passed = 0
     # A job paused through dirty hours (policies.migration) does not start again before its pause ends: only
-    # later starts from then are searched, and it starts now only where none has room.
+    # later starts from then are searched; where none has room, it is decided as if not paused (_unpaused).
     paused_slots = (int(math.ceil((req.not_before_ts - hour0) / HOUR_S - 1e-9))
                     if req.not_before_ts is not None and req.not_before_ts > now_ts and not now_only else 0)
     if placement.placed and not paused_slots:
@@ -715,6 +715,8 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
     # min_saving_abs, so the search looks no higher than that either (_later_bar).
     bar = _later_bar(threshold, now_site, anywhere_now, policy.min_saving_abs)
     if last_slot < 1 or not threshold > 0 or not bar > facts.least:
+        if paused_slots:
+            return _unpaused(req, snap, placement, policy, filter_codes)
         return chosen if now_site >= 0 else _over_plan(placement, passed, n_passed)
     cleanest = snap.derived(("shift-cleanest",), _cleanest_ahead, forecast) if carbon else per_gpu
     # The least (value, hour, site) of a start at a whole hour 1 .. last_slot with room in the plan, from
@@ -749,9 +751,19 @@ def plan(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPol
                                              forecast, cum, carbon, anywhere_now) if anywhere_site >= 0
                                and ok[anywhere_site] else anywhere_now),
         )
+    if paused_slots:
+        return _unpaused(req, snap, placement, policy, filter_codes)
     if now_site >= 0:
         return chosen
     return _over_plan(placement, passed, n_passed)
+
+
+def _unpaused(req: JobRequest, snap: Snapshot, placement: Placement, policy: ShiftPolicy,
+              filter_codes: tuple[str, ...]) -> Placement | Deferral | None:
+    """A paused job with no start after its pause that its deadline and the plan allow: decided as if it had
+    not been paused, so a start now (or sooner) keeps the plan's promises as any other job's does, rather than
+    taking the profile's choice over GPUs promised to deferred jobs."""
+    return plan(replace(req, not_before_ts=None), snap, placement, policy, filter_codes)
 
 
 def _rate_at(snap: Snapshot, column: int, site: int, carbon: bool) -> float:

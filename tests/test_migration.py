@@ -602,10 +602,10 @@ def test_no_pause_is_made_when_the_only_restart_planned_is_dirtier_than_running_
     assert (snap.free_gpus == free).all() and (snap.plan_free == plan).all()
 
 
-def test_a_paused_job_that_finds_no_start_does_not_keep_a_job_of_its_shape_from_the_starts_before_its_pause() -> None:
+def test_a_paused_job_that_finds_no_start_after_its_pause_keeps_no_job_of_its_shape_from_the_starts_before() -> None:
     """No A100 is free now anywhere, and the plan has room only for the next four hours. A job paused until
-    18:00 finds no start (all of them are before its pause ends); a job of the same shape and deadline decided
-    after it in the same pass, which was not paused, still finds its start in those four hours."""
+    18:00 finds no start after its pause: it is decided as if it had not been paused (a start in those four
+    hours); a job of the same shape and deadline decided after it in the same pass still finds its start there."""
     from dataclasses import replace
 
     from broker.cycle import PassDecider
@@ -616,6 +616,26 @@ def test_a_paused_job_that_finds_no_start_does_not_keep_a_job_of_its_shape_from_
     req = request(hours=2.0, slack_h=24.0, count=4)
     paused = replace(req, job_id="paused", not_before_ts=datetime(2022, 6, 10, 18, tzinfo=UTC).timestamp())
     decider = PassDecider(GREEN, snap)
-    assert not isinstance(decider.decide(paused), Deferral)
-    deferral = decider.decide(req)
-    assert isinstance(deferral, Deferral) and deferral.start < datetime(2022, 6, 10, 17, tzinfo=UTC)
+    for r in (paused, req):
+        deferral = decider.decide(r)
+        assert isinstance(deferral, Deferral) and deferral.start < datetime(2022, 6, 10, 17, tzinfo=UTC), r
+        decider.reserve(deferral)
+
+
+def test_a_paused_job_whose_deadline_cannot_wait_for_its_pause_starts_around_the_plans_promises() -> None:
+    """Frankfurt (the cleanest site, the profile's choice) has 8 A100s free now, promised to deferred jobs from
+    13:00; Toronto has 8 free and promised to none. A job paused until 18:00 whose deadline needs it started by
+    14:20 cannot wait for its pause: it starts now, where a job that was not paused would (Toronto), not over
+    Frankfurt's promises."""
+    from dataclasses import replace
+
+    from broker.cycle import PassDecider
+
+    flat = {"frankfurt": [100.0] * 48, "toronto": [300.0] * 48, "ashburn": [700.0] * 48, "sydney": [700.0] * 48}
+    req = request(hours=2.0, slack_h=3.0, count=4)
+    paused = replace(req, not_before_ts=datetime(2022, 6, 10, 18, tzinfo=UTC).timestamp())
+    for r in (req, paused):
+        snap = snapshot(NOON, flat, free={"frankfurt": 8, "toronto": 8, "ashburn": 0, "sydney": 0},
+                        booked={"frankfurt": (16, 1, 97)})
+        placed = PassDecider(GREEN, snap).decide(r)
+        assert placed.placed and snap.sites[placed.site] == "toronto", r
