@@ -399,14 +399,17 @@ def _plan_pauses(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running],
         run = running[i]
         here = replace(run.request, duration_s=remaining)
         snap.release(run.site, here, run.model)  # as if it stopped: its rest may restart where it was
-        rest = replace(rest_of(run, remaining, policy), not_before_ts=hour0 + k * HOUR_S)
+        until = hour0 + k * HOUR_S
+        rest = replace(rest_of(run, remaining, policy), not_before_ts=until)
         outcome = None
         if timeshift.shiftable(rest, snap, shift):
             outcome = _with_own_room(snap, rest, lambda: timeshift.plan(
                 rest, snap, pipeline.decide(rest, snap), shift, pipeline.filter_codes))
-        if not isinstance(outcome, timeshift.Deferral) or not _pause_pays(outcome, run, remaining, rest, policy,
-                                                                              cum, forecast, at):
-            snap.hold(run.site, here, run.model)  # no room later that its deadline allows, or none that saves
+        if (not isinstance(outcome, timeshift.Deferral) or outcome.start.timestamp() < until
+                or not _pause_pays(outcome, run, remaining, rest, policy, cum, forecast, at)):
+            # no room after the dirty hours that its deadline allows (the search then plans it as if not paused,
+            # maybe sooner: no pause), or none that saves on running on
+            snap.hold(run.site, here, run.model)
             continue
         timeshift.debit(snap, outcome.site, outcome.model, rest.charge, outcome.slot, outcome.slot + outcome.slots,
                         near=rest.latency_slo_ms is not None)

@@ -639,3 +639,19 @@ def test_a_paused_job_whose_deadline_cannot_wait_for_its_pause_starts_around_the
                         booked={"frankfurt": (16, 1, 97)})
         placed = PassDecider(GREEN, snap).decide(r)
         assert placed.placed and snap.sites[placed.site] == "toronto", r
+
+
+def test_no_pause_is_made_when_the_plan_has_room_only_before_the_clean_hours() -> None:
+    """Frankfurt is at 600 g/kWh for two hours, 300 for four, then 100; every site's GPUs are promised from
+    20:00. The clean hours from 18:00 leave no room for the 4 h 10 min the job's rest needs, and the search's only
+    start is at 15:00, within the hours the pause was to wait out: no pause is made."""
+    from policies import timeshift
+
+    forecast = DIRTY_THEN_CLEAN | {"frankfurt": [600.0] * 2 + [300.0] * 4 + [100.0] * 42}
+    snap = snapshot(NOON, forecast, free={"frankfurt": 8}, booked={"frankfurt": (8, 0, 5)})
+    for name in snap.sites:
+        timeshift.debit(snap, snap.index[name], A100, float(snap.total_gpus[snap.index[name], A100]), 8, 97,
+                        near=False)
+    free, plan = snap.free_gpus.copy(), snap.plan_free.copy()
+    assert plan_moves(GREEN, snap, [at(snap, running(hours=5.0, done_h=1.0), "frankfurt")], PAUSE) == []
+    assert (snap.free_gpus == free).all() and (snap.plan_free == plan).all()
