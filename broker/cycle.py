@@ -903,8 +903,9 @@ class SchedulingCycle:
         jobs are placed there."""
         if saving:
             self._moves_h = timeshift.epoch_hour(snap.now)
-            for job_id, (_, until_ts) in list(self._paused_until.items()):  # pauses of jobs gone, or over
-                if until_ts <= snap.now.timestamp() or job_id not in self.book.active:
+            for job_id, (attempt, until_ts) in list(self._paused_until.items()):  # pauses over, or of jobs gone
+                job = self.book.active.get(job_id)
+                if until_ts <= snap.now.timestamp() or job is None or job.attempt != attempt:
                     del self._paused_until[job_id]
         waiting = {m.for_job for m in self._moving.values() if m.for_job is not None}
         stuck = [(job, req, pipeline) for job, req, pipeline in self._stuck  # the most urgent first
@@ -1034,12 +1035,9 @@ class SchedulingCycle:
         cache per queued job, which would cost more memory than the compact job itself)."""
         req = JobRequest.from_spec(job.id, job.spec, self.book.refused_sites(job.id), job.created_at)
         req = rest_of_run(job, req, self.restart_overhead_s(job))
-        paused = self._paused_until.get(job.id)
-        if paused is not None:
-            if paused[0] == job.attempt and paused[1] > self.clock.now().timestamp():
-                req = replace(req, not_before_ts=paused[1])
-            else:  # it restarted since, or its pause is over
-                del self._paused_until[job.id]
+        paused = self._paused_until.get(job.id)  # (one over, or of an attempt gone, is forgotten hourly)
+        if paused is not None and paused[0] == job.attempt and paused[1] > self.clock.now().timestamp():
+            req = replace(req, not_before_ts=paused[1])
         return req, self.profiles.get(job.spec.profile, self.pipeline) if job.spec.profile else self.pipeline
 
     def _decide_queued(
@@ -1372,6 +1370,9 @@ class SchedulingCycle:
         its users is made all the same: the attempt has left its site."""
         if self._moves_kept is not None:  # not taken up yet: the take-up leaves it out
             self._over_before_take_up.add((job_id, attempt))
+        paused = self._paused_until.get(job_id)
+        if paused is not None and paused[0] == attempt:  # nothing was stopped: the job is decided as any other
+            del self._paused_until[job_id]
         moving = self._moving.get(job_id)
         if moving is None or moving.attempt != attempt:
             return

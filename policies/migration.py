@@ -40,23 +40,23 @@ Making room (``make_room``)
     moved unless the job then fits.
 
 Pausing (``pause``; carbon only)
-    Moving chases a cleaner *site*; a pause waits for a cleaner *hour* where the job runs, as a
-    checkpointable job that runs only in the cleanest hours its deadline leaves it ("Let's Wait Awhile",
-    Wiesner et al., Middleware 2021, on interruptible workloads). At each whole hour, a job that could move
-    at all (above), does not ask to start at once, and has a deadline, is judged on its own site's forecast
-    rows up to its deadline: it needs ``duration_safety`` × its expected remaining run, plus the restart,
-    in whole hours, and the ``need``-th cleanest of those hours is its bar. When the current hour is above
-    the bar and a later one is not, stopping now puts off the work of the hours until then; the pause is made
-    when that work's forecast, as dirty as it is now, beats the same work and the restart at the bar by
-    ``min_saving`` and ``min_saving_abs`` -- and the time-shift search, asked for the rest of the run with
-    no start before that hour (``JobRequest.not_before_ts``), plans a start with room at some site before
-    its latest start (the deadline less ``duration_safety`` × the rest), which keeps the deadline as any
-    deferral does, and that start (its site, model and hour) is forecast to save as much against running the
-    rest on where it is. The job goes back to the queue from its checkpoint (a :class:`Move` to ``site`` -1 with
-    ``resume_at`` and ``not_before_ts``); until that hour the search only plans its later starts (where
-    none has room that its deadline allows, it is decided as if not paused), and after it the job is decided as any deferred one, hour by
-    hour. A long job is paused again at each dirty stretch: each pause must pay for its own restart. The
-    bar reads the forecast's rows as far as they go (the model's 48 hours, then the zone's mean day), so a
+    Moving chases a cleaner *site*; a pause waits for a cleaner *hour* where the job runs, as a checkpointable
+    job that runs only in the cleanest hours its deadline leaves it ("Let's Wait Awhile", Wiesner et al.,
+    Middleware 2021, on interruptible workloads). At each whole hour, a job that could move at all (above),
+    does not ask to start at once, and has a deadline, is judged on its own site's forecast rows up to its
+    deadline: it needs ``duration_safety`` × its expected remaining run, plus the restart, in whole hours, and
+    the ``need``-th cleanest of those hours is its bar. When the current hour is above the bar and a later one
+    is not, stopping now puts off the work of the hours until then; the pause is made when that work's
+    forecast, as dirty as it is now, beats the same work and the restart at the bar by ``min_saving`` and
+    ``min_saving_abs`` -- and the time-shift search, asked for the rest of the run with no start before that
+    hour (``JobRequest.not_before_ts``), plans a start with room at some site before its latest start (the
+    deadline less ``duration_safety`` × the rest), which keeps the deadline as any deferral does, and that
+    start (its site, model and hour) is forecast to save as much against running the rest on where it is. The
+    job goes back to the queue from its checkpoint (a :class:`Move` to ``site`` -1 with ``resume_at`` and
+    ``not_before_ts``); until that hour the search only plans its later starts (where none has room that its
+    deadline allows, it is decided as if not paused), and after it the job is decided as any deferred one,
+    hour by hour. A long job is paused again at each dirty stretch: each pause must pay for its own restart.
+    The bar reads the forecast's rows as far as they go (the model's 48 hours, then the zone's mean day), so a
     job needing more hours than the rows hold, or whose deadline leaves no hour to spare, runs on.
 
 Order: the jobs that could save the most (against the best site for them anywhere) are decided first, so
