@@ -157,16 +157,6 @@ class PostgresServer:
             await conn.close()
         return self.dsn(name)
 
-    async def drop_database(self, dsn: str) -> None:
-        import asyncpg
-
-        name = dsn.rsplit("/", 1)[1]
-        conn = await asyncpg.connect(self.dsn(), timeout=30)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
-
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) or "(the log is empty)"
