@@ -587,13 +587,15 @@ class Dispatch(_Msg):
 
     @field_serializer("job", mode="wrap")
     def _without_routing(self, job: Job, handler: SerializerFunctionWrapHandler) -> Any:
-        """The job without ``spec.deferrable``, ``spec.max_lost_attempts`` and ``spec.after`` (and ``waiting``): they
-        are the broker's to honour (no site defers a job, counts its losses or holds it for others), and an agent
-        of an earlier release, whose spec forbids keys it does not know, would refuse the dispatch."""
+        """The job without ``spec.deferrable``, ``spec.max_lost_attempts`` and its dependencies (``spec.after``,
+        ``spec.after_any``, ``spec.after_failed``, and ``waiting``): they are the broker's to honour (no site defers
+        a job, counts its losses or holds it for others), and an agent of an earlier release, whose spec forbids keys
+        it does not know, would refuse the dispatch."""
         data = handler(job)
         data["spec"].pop("deferrable", None)
         data["spec"].pop("max_lost_attempts", None)
-        data["spec"].pop("after", None)
+        for kind in ("after", "after_any", "after_failed"):
+            data["spec"].pop(kind, None)
         data.pop("waiting", None)
         return data
 

@@ -62,15 +62,15 @@ from broker.events import TYPES as EVENT_TYPES
 from broker.events import Event, frame
 from broker.federation import Member, QuotaNotTaken, QuotaRefused, without_secrets
 from broker.ids import GPU_MODEL_IDS
-from broker.after import never_reason, waiting_reason
+from broker.after import KINDS, Kind, dependencies, never_reason, unmet, waiting_reason
 from broker.jobs import IdempotencyConflict, JobNotFound, NotQueued, PastDeadline, check_deadline
 from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, LogFollow, LogFollower, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
-from broker.models import (PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Decision, Job, JobChange, JobSpec,
-                           JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, labels_problem)
+from broker.models import (AFTER_MAX, PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Decision, Job, JobChange,
+                           JobSpec, JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, labels_problem)
 from broker.openapi import openapi_document
 from broker.providers.carbon import ProviderError
 from broker.service import Broker, SiteConflict, SiteUnsupported
@@ -797,21 +797,30 @@ def _check_tenant_limit(broker: Broker, spec: JobSpec, at: str = "") -> None:
         raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
 
 
-async def _unmet_after(request: web.Request, spec: JobSpec, at: str = "") -> tuple[list[str], dict[str, JobState]]:
-    """Check a submitted (or previewed) spec's ``after``: each id a job the caller may see (422 naming ``after[i]``
-    where it is not, worded as ``GET /v1/jobs/{id}`` answers 404 for it: another tenant's job is not told to exist),
-    named once, and not already failed or cancelled (it would never run). Returns the jobs that have not succeeded
-    yet, in order, and the state of each job named."""
+async def _unmet_after(request: web.Request, spec: JobSpec,
+                       at: str = "") -> tuple[list[tuple[str, Kind]], dict[str, JobState]]:
+    """Check a submitted (or previewed) spec's dependencies (``after``, ``after_any``, ``after_failed``: each id a
+    job the caller may see (422 naming ``after[i]``, ``after_any[i]`` or ``after_failed[i]`` where it is not, worded
+    as ``GET /v1/jobs/{id}`` answers 404 for it: another tenant's job is not told to exist), named once across the
+    three lists, at most ``AFTER_MAX`` of them together, and none whose state means the job would never run (one in
+    ``after`` already failed or cancelled, one in ``after_failed`` already succeeded). Returns the conditions that
+    do not hold yet (``broker.after.unmet``), in order, and the state of each job named."""
     broker = request.app[BROKER]
     who = principal(request)
     states: dict[str, JobState] = {}
-    first: dict[str, int] = {}
-    for i, dep in enumerate(spec.after):
-        field, problem = f"{at}after[{i}]", None
+    named = [(f"{at}{kind}[{i}]", dep, kind) for kind in KINDS for i, dep in enumerate(getattr(spec, kind))]
+    if len(named) > AFTER_MAX:  # (each list alone is bounded by the spec's schema; this is their sum)
+        field = named[AFTER_MAX][0]
+        problem = (f"more than {AFTER_MAX} jobs in after, after_any and after_failed together ({len(named)}); a job "
+                   f"runs after at most {AFTER_MAX}")
+        raise ApiError(422, f"invalid job spec: {field}: {problem}", [{"field": field, "problem": problem}])
+    first: dict[str, str] = {}
+    for field, dep, kind in named:
+        problem = None
         if dep in first:
-            problem = f"job {dep} is named twice (also {at}after[{first[dep]}]); name each job once"
+            problem = f"job {dep} is named twice (also {first[dep]}); name each job once"
         else:
-            first[dep] = i
+            first[dep] = field
             try:
                 job = await broker.book.get(dep)
             except JobNotFound:
@@ -821,14 +830,17 @@ async def _unmet_after(request: web.Request, spec: JobSpec, at: str = "") -> tup
                 raise ApiError(503, f"job {dep} ({field}) could not be read; nothing was accepted, try again") from None
             if job is None or not who.sees_job(job):
                 problem = f"no job with id {dep}"
-            elif never_reason(dep, job.state) is not None:
-                problem = f"job {dep} has {'failed' if job.state == JobState.FAILED else 'been cancelled'}: a job " \
-                          "that runs after it would never run"
+            elif never_reason(dep, job.state, kind) is not None:
+                if kind == "after_failed":
+                    problem = f"job {dep} has succeeded: a job that runs after it fails would never run"
+                else:
+                    problem = f"job {dep} has {'failed' if job.state == JobState.FAILED else 'been cancelled'}: a " \
+                              "job that runs after it would never run"
             else:
                 states[dep] = job.state
         if problem is not None:
             raise ApiError(422, f"invalid job spec: {field}: {problem}", [{"field": field, "problem": problem}])
-    return [dep for dep in spec.after if states[dep] != JobState.SUCCEEDED], states
+    return unmet(spec, states), states
 
 
 _JOB_SPECS: TypeAdapter[list[JobSpec]] = TypeAdapter(Annotated[list[JobSpec], Field(max_length=PREVIEW_LIST_MAX)])
@@ -897,8 +909,8 @@ async def preview_job(request: web.Request) -> web.Response:
                            [{"field": f"{at}deadline", "problem": "in the past"}]) from None
     waits: list[Preview | None] = []
     for i, spec in enumerate(specs):
-        unmet, states = await _unmet_after(request, spec, f"[{i}]." if listed else "")
-        waits.append(_waiting_preview(unmet, states, now) if unmet else None)
+        left, states = await _unmet_after(request, spec, f"[{i}]." if listed else "")
+        waits.append(_waiting_preview(left, states, now) if left else None)
     # (a spec that would wait is not decided, and takes no room from those after it)
     decided = iter(broker.cycle.previews([spec for spec, wait in zip(specs, waits) if wait is None]))
     previews = [wait or next(Preview(note=preview_note(ahead, listed),
@@ -910,14 +922,16 @@ async def preview_job(request: web.Request) -> web.Response:
 
 
 WAITING_NOTE = ("the job would wait in the queue, out of the scheduling queue, until every job in its after has "
-                "succeeded (and fail if one fails or is cancelled); only then is it decided as any new job, so no "
-                "site was weighed; nothing was submitted")
+                "succeeded, every one in its after_any ended and every one in its after_failed failed or been "
+                "cancelled (and fail if one of after fails or is cancelled, or one of after_failed succeeds); only "
+                "then is it decided as any new job, so no site was weighed; nothing was submitted")
 
 
-def _waiting_preview(unmet: list[str], states: dict[str, JobState], now: datetime) -> Preview:
-    """The preview of a spec whose ``after`` names jobs that have not succeeded yet: it would wait for them."""
-    summary = "would be " + waiting_reason(unmet, states)  # type: ignore[arg-type]
-    return Preview(note=WAITING_NOTE, waiting_for=unmet, decision=Decision(
+def _waiting_preview(waits: list[tuple[str, Kind]], states: dict[str, JobState], now: datetime) -> Preview:
+    """The preview of a spec some of whose dependencies' conditions do not hold yet (``after`` names jobs that have
+    not succeeded, say): it would wait for them."""
+    summary = "would be " + waiting_reason(waits, states)  # type: ignore[arg-type]
+    return Preview(note=WAITING_NOTE, waiting_for=[dep for dep, _ in waits], decision=Decision(
         job_id="preview", attempt=0, decided_at=now, outcome="unplaceable", summary=summary, sites=[]))
 
 
@@ -933,7 +947,7 @@ async def submit_job(request: web.Request) -> web.Response:
         """Of a new job only: a retry of one accepted before one it runs after failed gets that job back (as one
         past its deadline does), and so does one sent while the first is still on its way to the store."""
         _check_tenant_limit(broker, spec)
-        if spec.after:
+        if dependencies(spec):
             await _unmet_after(request, spec)
 
     try:
@@ -1049,11 +1063,11 @@ async def _waiting_now(broker: Broker, job: Job) -> Job:
     if not job.waiting or job.state != JobState.QUEUED:
         return job
     try:
-        states = {dep: await broker.book.state_of(dep) for dep in job.spec.after}
+        states = {dep: await broker.book.state_of(dep) for dep in dependencies(job.spec)}
     except StoreError:
         return job
-    unmet = [dep for dep in job.spec.after if states[dep] != JobState.SUCCEEDED]
-    return job.model_copy(update={"reason": waiting_reason(unmet, states)}) if unmet else job
+    waits = unmet(job.spec, states)
+    return job.model_copy(update={"reason": waiting_reason(waits, states)}) if waits else job
 
 
 async def get_job(request: web.Request) -> web.Response:

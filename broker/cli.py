@@ -170,6 +170,10 @@ def _run_text(job: dict[str, Any]) -> str:
     return f"{_seconds(run_s)} s run"
 
 
+DEPENDENCY_WORDS = (("after", "succeed"), ("after_any", "end"), ("after_failed", "fail or be cancelled"))
+"""A job's lists of dependencies (``broker.after``), and what it waits for the jobs of each to do."""
+
+
 def show_job(job: dict[str, Any]) -> str:
     spec = job["spec"]
     lines = [
@@ -180,8 +184,8 @@ def show_job(job: dict[str, Any]) -> str:
         f"  duration  {_seconds(spec['duration_s'])} s expected, {_run_text(job)}",
         f"  attempt   {job['attempt']} ({job['failed_attempts']} failed, at most {spec['max_attempts']})",
         f"  priority  {spec['priority']}",
-        *([f"  after     {', '.join(spec['after'])}" + (" (waiting for them to succeed)" if job.get("waiting") else "")]
-          if spec.get("after") else []),
+        *(f"  {kind:<9} {', '.join(spec[kind])}" + (f" (waiting for them to {to})" if job.get("waiting") else "")
+          for kind, to in DEPENDENCY_WORDS if spec.get(kind)),
         f"  created   {job['created_at']}",
         f"  updated   {job['updated_at']}",
     ]

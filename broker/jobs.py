@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from broker.after import never_reason, released_reason, waiting_reason
+from broker.after import conditions, dependencies, never_reason, released_reason, unmet, waiting_reason
 from broker.clock import Clock
 from broker.metrics import Metrics
 from broker.models import IllegalTransition, Job, JobChange, JobSpec, JobState
@@ -137,9 +137,10 @@ class ActiveJobs(MutableMapping[str, Job]):
     Reading a queued job costs a parse (some 15 µs): hot paths over many jobs go through :attr:`queue`
     (queued) or :meth:`unqueued` (the rest) instead of :meth:`values`.
 
-    A queued job that waits for the jobs it runs after (``Job.waiting``, ``JobSpec.after``) is kept as the other
-    queued jobs are, but out of :attr:`queue`: no scheduling pass walks it, so a pass pays nothing for the jobs
-    that wait. :attr:`dependents` indexes them by the jobs they wait for, which is how the end of one finds them."""
+    A queued job that waits for the jobs it runs after (``Job.waiting``; ``JobSpec.after``, ``after_any``,
+    ``after_failed``: ``broker.after``) is kept as the other queued jobs are, but out of :attr:`queue`: no
+    scheduling pass walks it, so a pass pays nothing for the jobs that wait. :attr:`dependents` indexes them by
+    the jobs they wait for (in any of the three lists), which is how the end of one finds them."""
 
     __slots__ = ("_jobs", "_queued", "queue", "_waiting", "dependents")
 
@@ -152,8 +153,8 @@ class ActiveJobs(MutableMapping[str, Job]):
 
     def _hold(self, job: Job) -> None:
         self._unhold(job.id)
-        self._waiting[job.id] = (job.spec.tenant, tuple(job.spec.after))
-        for dep in job.spec.after:
+        self._waiting[job.id] = (job.spec.tenant, deps := tuple(dependencies(job.spec)))
+        for dep in deps:
             self.dependents.setdefault(dep, set()).add(job.id)
 
     def _unhold(self, job_id: str) -> None:
@@ -379,11 +380,11 @@ class JobBook:
         if check is not None and (checking := check()) is not None:
             await checking
         waiting, reason = False, "waiting for a placement"
-        if spec.after:
-            states = {dep: await self.state_of(dep) for dep in spec.after}
-            unmet = [dep for dep in spec.after if states[dep] != JobState.SUCCEEDED]
-            if unmet:  # (one that ended otherwise since it was checked: settle_waiting fails the job)
-                waiting, reason = True, waiting_reason(unmet, states)
+        if deps := dependencies(spec):
+            states = {dep: await self.state_of(dep) for dep in deps}
+            waits = unmet(spec, states)
+            if waits:  # (one that can no longer be met since it was checked: settle_waiting fails the job)
+                waiting, reason = True, waiting_reason(waits, states)
         job = Job(id=self._new_id(), spec=spec, created_at=now, updated_at=now, reason=reason, waiting=waiting)
         try:
             await self._store.insert_job(job, key, digest)
@@ -415,7 +416,7 @@ class JobBook:
         self.active[job.id] = job
         self.fresh.append(job.id)
         if job.waiting:  # one it waits for may have ended before it was taken in: nothing else would tell
-            self._to_settle.update(dep for dep in job.spec.after if dep not in self.active)
+            self._to_settle.update(dep for dep in dependencies(job.spec) if dep not in self.active)
 
     def _known(self, job_id: str) -> bool:
         """Whether this book holds the job, or changed it (its end or change may still be on its way to the store):
@@ -482,10 +483,11 @@ class JobBook:
 
     async def settle_waiting(self) -> int:
         """Act on the ends of the jobs that waiting jobs run after (noted as they land, at a load and as waiting
-        jobs are taken in): release each waiting job all of whose dependencies succeeded into the queue, fail each
-        one a dependency of which failed, was cancelled or is gone from the store (``broker.after.never_reason``),
-        and, down a chain, those waiting for it. The leader's loop calls this before each pass; it costs nothing
-        while no such end is pending. Returns how many jobs it released or failed. A write that fails leaves
+        jobs are taken in): release each waiting job all of whose conditions hold (``broker.after.met``) into the
+        queue, fail each one that can no longer run (a dependency in its ``after`` failed, was cancelled or is gone
+        from the store, one in its ``after_failed`` succeeded or is gone: ``broker.after.never_reason``), and, down a
+        chain, those waiting for it. The leader's loop calls this before each pass; it costs nothing while no such
+        end is pending. Returns how many jobs it released or failed. A write that fails leaves
         its job waiting, and the end is acted on again at the next call; StoreError where a state cannot be read."""
         done = 0
         while self._to_settle and self.tracking:
@@ -498,7 +500,7 @@ class JobBook:
                         job = self.active.get(waiter)
                         if job is None or not job.waiting:
                             continue
-                        for other in job.spec.after:
+                        for other in dependencies(job.spec):
                             if other not in states:
                                 states[other] = await self.state_of(other)
                         write = self._settle_one(waiter, states)
@@ -525,22 +527,22 @@ class JobBook:
         job = self.active.get(job_id)
         if job is None or not job.waiting:  # cancelled while its dependencies' states were read (a cancel of many)
             return None
-        for dep in job.spec.after:
-            never = never_reason(dep, states[dep])
+        for dep, kind in conditions(job.spec):
+            never = never_reason(dep, states[dep], kind)
             if never is not None:
                 new, version = self.apply(job_id, JobState.FAILED, reason=never)
                 return self.write_soon(job, new, version)
-        unmet = [dep for dep in job.spec.after if states[dep] != JobState.SUCCEEDED]
-        reason = waiting_reason(unmet, states) if unmet else released_reason(job.spec.after)
-        if unmet and reason == job.reason:
+        waits = unmet(job.spec, states)
+        reason = waiting_reason(waits, states) if waits else released_reason(job.spec)
+        if waits and reason == job.reason:
             return None
-        new = job.model_copy(update={"waiting": bool(unmet), "version": job.version + 1,
+        new = job.model_copy(update={"waiting": bool(waits), "version": job.version + 1,
                                      "updated_at": self._clock.now(), "reason": reason})
         transitions_log.info("%s %s/%s: %s", job_id, job.spec.tenant, job.spec.name, reason)
         self.seq += 1
         self._touch(job_id)
         self.active[job_id] = new  # (released: in the queue now, as a new job)
-        if not unmet:
+        if not waits:
             self.fresh.append(job_id)
             self.changed.set()
         return self.write_soon(job, new, job.version, event_reason=reason)

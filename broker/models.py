@@ -1009,7 +1009,7 @@ class GpuRequest(Spec):
 
 
 AFTER_MAX = 64
-"""Jobs one job may run after (``JobSpec.after``)."""
+"""Jobs one job may run after (``JobSpec.after``, ``after_any`` and ``after_failed`` together)."""
 
 
 class JobSpec(Spec):
@@ -1070,6 +1070,23 @@ class JobSpec(Spec):
         # Left out where empty, for the reason deferrable is: brokers of earlier releases still read the specs of
         # jobs without dependencies; dispatches to site agents never carry it (adapters.mqtt_protocol.Dispatch).
         exclude_if=lambda after: not after,
+    )
+    after_any: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=AFTER_MAX,
+        description="ids of jobs that must end, however (succeeded, failed or cancelled), before this one is queued "
+                    "for placement (as Slurm's --dependency=afterany): it waits in state queued, out of the "
+                    f"scheduling queue, until every one has ended; at most {AFTER_MAX} across after, after_any and "
+                    "after_failed, each job in one of them once, each an existing job",
+        exclude_if=lambda after: not after,  # (as after is)
+    )
+    after_failed: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=list, max_length=AFTER_MAX,
+        description="ids of jobs that must fail or be cancelled before this one is queued for placement (as Slurm's "
+                    "--dependency=afternotok: a clean-up or fallback step): it waits in state queued, out of the "
+                    "scheduling queue, until every one has, and fails at once if one succeeds; at most "
+                    f"{AFTER_MAX} across after, after_any and after_failed, each job in one of them once, each an "
+                    "existing job",
+        exclude_if=lambda after: not after,  # (as after is)
     )
 
     @model_validator(mode="after")
@@ -1216,9 +1233,10 @@ class Job(BaseModel):
     version: int = Field(default=0, description="bumped by every stored change (optimistic concurrency)")
     waiting: bool = Field(
         default=False,
-        description="true while the job waits for the jobs in spec.after to succeed: it is queued but out of the "
-                    "scheduling queue (never placed, previewed as placeable, deferred or counted against a limit) "
-                    "until they have; left out where false",
+        description="true while the job waits for the jobs it runs after (spec.after to succeed, spec.after_any "
+                    "to end, spec.after_failed to fail or be cancelled): it is queued but out of the scheduling queue "
+                    "(never placed, previewed as placeable, deferred or counted against a limit) until they have; "
+                    "left out where false",
         # Left out where false: a job without dependencies is stored as before (brokers of earlier releases read it).
         exclude_if=lambda waiting: not waiting,
     )
@@ -1340,8 +1358,10 @@ class Preview(Strict):
         "them submitted one after another in the list's order, their placements and deferrals taking their room "
         "first"))
     waiting_for: list[str] | None = Field(None, exclude_if=lambda ids: not ids, description=(
-        "the jobs of the spec's after that have not succeeded: the job would wait for them, out of the scheduling "
-        "queue, and no site was weighed (the decision's outcome is unplaceable, its summary says so); left out "
+        "the jobs the spec runs after whose condition does not hold yet (those of after that have not succeeded, "
+        "of after_any that have not ended, of after_failed that have not failed or been cancelled): the job would "
+        "wait for them, out of the scheduling queue, and no site was weighed (the decision's outcome is "
+        "unplaceable, its summary says so); left out "
         "where it would not wait"))
 
 

@@ -119,7 +119,8 @@ def _state_model_rules(schemas: dict[str, Any]) -> None:
         _if("latency_slo_ms", {"type": "number"},
             {"required": ["origin_region"], "properties": {"origin_region": {"type": "string"}}}),
     ]
-    job["properties"]["after"]["uniqueItems"] = True  # (checked at submission, naming the second one: after[i])
+    for kind in ("after", "after_any", "after_failed"):  # (checked at submission, naming the second one: after[i])
+        job["properties"][kind]["uniqueItems"] = True
     text = {"maxLength": LABEL_MAX_CHARS, "pattern": "^[^\\u0000-\\u001f\\u007f]*$"}  # no control characters
     job["properties"]["labels"].update({  # (checked at submission: label_problem)
         "maxProperties": LABELS_MAX, "additionalProperties": {"type": "string", **text},

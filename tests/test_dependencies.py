@@ -1,6 +1,8 @@
-"""Job dependencies (``after``, as Slurm's ``--dependency=afterok``) against a live broker with simulated sites:
-a pipeline runs in order, a failed or cancelled step fails the steps after it, submissions naming jobs that cannot
-be waited for are refused, and waiting jobs keep waiting (and are released) across a restart of the broker."""
+"""Job dependencies (``after``, ``after_any`` and ``after_failed``, as Slurm's ``--dependency=afterok``,
+``afterany`` and ``afternotok``) against a live broker with simulated sites: a pipeline runs in order, a failed or
+cancelled step fails the steps after it, a step after any end runs however the one before ended, a fallback after a
+failure runs only if it failed (and fails if it succeeded), submissions naming jobs that cannot be waited for are
+refused, and waiting jobs keep waiting (and are released) across a restart of the broker."""
 
 from __future__ import annotations
 
@@ -509,3 +511,312 @@ async def test_the_retention_keeps_a_job_that_a_waiting_job_runs_after_until_the
             assert (await c.get(f"/v1/jobs/{a['id']}")).status == 404  # no job waits for it any more
     finally:
         await broker.stop()
+
+
+# --- after_any (Slurm's afterany) and after_failed (afternotok) ---
+
+
+async def _end(client: TestClient, job: dict[str, Any], end: str) -> None:
+    """End ``job`` (asking for an L4 when ``end`` is failed, else for an H100, which no site here has) as ``end``."""
+    if end == "cancelled":
+        assert (await client.delete(f"/v1/jobs/{job['id']}")).status == 200
+    assert (await wait_for(client, job["id"], {end}, timeout_s=20))["state"] == end
+
+
+async def _flaky_and_berlin(client: TestClient) -> None:
+    """flaky: only L4s, and each attempt there fails; berlin: A100s, where every job succeeds."""
+    await register(client, site_body("flaky", "gcp:europe-west3", {"l4": 8},
+                                     adapter={"kind": "simulated", "dispatch_delay_s": 0.005, "failure_rate": 1.0}))
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+
+
+FIRST = {  # the first job, as it is to end
+    "succeeded": {"gpus": {"count": 1, "model": "a100-80gb"}, "duration_s": 1.0},
+    "failed": {"gpus": {"count": 1, "model": "l4"}, "max_attempts": 1, "duration_s": 1.0},
+    "cancelled": {"gpus": {"count": 1, "model": "h100-80gb"}},  # (no site has one: it stays queued until cancelled)
+}
+ON_BERLIN = {"gpus": {"count": 1, "model": "a100-80gb"}}
+
+
+@pytest.mark.parametrize("end", ["succeeded", "failed", "cancelled"])
+async def test_a_job_after_any_runs_once_the_job_it_names_ended_however_it_ended(client: TestClient, end: str):
+    await _flaky_and_berlin(client)
+    a = await submit(client, "train", **FIRST[end])
+    b = await submit(client, "report", after_any=[a["id"]], **ON_BERLIN)
+    assert b["waiting"] is True and b["spec"]["after_any"] == [a["id"]] and "after" not in b["spec"]
+    assert b["reason"] == f"waiting for job {a['id']} (queued) to end (after_any)"
+    if end != "cancelled":  # GET gives the dependency's state as it is now
+        await wait_for(client, a["id"], {"running"})
+        assert (await get(client, b["id"]))["reason"] == f"waiting for job {a['id']} (running) to end (after_any)"
+    await _end(client, a, end)
+    released = await wait_for(client, b["id"], {"succeeded"}, timeout_s=20)
+    assert released["attempt"] == 1 and "after_failed" not in released["spec"]
+
+
+@pytest.mark.parametrize("end", ["failed", "cancelled"])
+async def test_a_job_after_failed_runs_once_the_job_it_names_failed_or_was_cancelled(client: TestClient, end: str):
+    await _flaky_and_berlin(client)
+    a = await submit(client, "train", **FIRST[end])
+    cleanup = await submit(client, "cleanup", after_failed=[a["id"]], **ON_BERLIN)
+    assert cleanup["waiting"] is True and cleanup["spec"]["after_failed"] == [a["id"]]
+    assert cleanup["reason"] == f"waiting for job {a['id']} (queued) to fail or be cancelled (after_failed)"
+    await _end(client, a, end)
+    assert (await wait_for(client, cleanup["id"], {"succeeded"}, timeout_s=20))["attempt"] == 1
+
+
+async def test_a_job_after_failed_fails_when_the_job_it_names_succeeds_and_so_down_the_chain(client: TestClient):
+    a = await submit(client, "train")  # (no site yet: every job below is submitted while it is queued)
+    cleanup = await submit(client, "cleanup", after_failed=[a["id"]])
+    after_cleanup = await submit(client, "after-cleanup", after=[cleanup["id"]])
+    if_cleanup_fails = await submit(client, "if-cleanup-fails", after_failed=[cleanup["id"]])
+    anyway = await submit(client, "anyway", after_any=[cleanup["id"]])
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    await wait_for(client, a["id"], {"succeeded"})
+    failed = await wait_for(client, cleanup["id"], {"failed"})
+    assert failed["reason"] == (f"job {a['id']} it runs after succeeded, and it runs only if that job fails or is "
+                                "cancelled; it will never run (after_failed)")
+    assert failed["attempt"] == 0  # never placed
+    down = await wait_for(client, after_cleanup["id"], {"failed"})
+    assert down["reason"] == f"job {cleanup['id']} it runs after was failed; it will never run (after)"
+    # the failure meets the conditions of the jobs waiting for it to fail, or to end
+    for job in (if_cleanup_fails, anyway):
+        assert (await wait_for(client, job["id"], {"succeeded"}, timeout_s=20))["attempt"] == 1
+
+
+async def test_a_job_combining_the_three_lists_is_released_only_once_every_condition_holds() -> None:
+    # (submitted through a replica that does not lead: the leader takes it in and holds it)
+    store = MemoryStore()
+    await store.open()
+    follower, leader = JobBook(store, ManualClock(NOW)), JobBook(store, ManualClock(NOW))
+    follower.tracking = False
+    await leader.load()
+    a, _ = await leader.submit(spec(name="a"))
+    b, _ = await leader.submit(spec(name="b"))
+    x, _ = await leader.submit(spec(name="x"))
+    c, _ = await follower.submit(spec(name="c", after=[a.id], after_any=[b.id], after_failed=[x.id]))
+    assert c.waiting and c.reason == (f"waiting for job {a.id} (queued) to succeed (after); job {b.id} (queued) to "
+                                      f"end (after_any); job {x.id} (queued) to fail or be cancelled (after_failed)")
+    assert await leader.take_in(c.id) is not None
+    assert leader.active.dependents == {a.id: {c.id}, b.id: {c.id}, x.id: {c.id}}
+    assert c.id not in leader.active.queue and [j.id for j in leader.take_fresh()] == [a.id, b.id, x.id]
+
+    await leader.transition(x.id, JobState.CANCELLED)
+    await leader.transition(b.id, JobState.FAILED)
+    await leader.settle_waiting()
+    held = await store.get_job(c.id)
+    assert held is not None and held.waiting and held.state == JobState.QUEUED
+    assert held.reason == f"waiting for job {a.id} (queued) to succeed (after)"
+    assert c.id not in leader.active.queue
+    await succeed(leader, a.id)
+    assert await leader.settle_waiting() == 1
+    assert c.id in leader.active.queue and [j.id for j in leader.take_fresh()][-1:] == [c.id]
+    assert leader.active[c.id].reason == (
+        f"waiting for a placement: job {a.id} it runs after succeeded (after); job {b.id} it runs after ended "
+        f"(after_any); job {x.id} it runs after failed or was cancelled (after_failed)")
+    assert leader.active.dependents == {}
+
+
+async def test_a_submission_naming_jobs_in_after_any_or_after_failed_it_cannot_wait_for_is_refused_naming_each(
+        client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    a = await submit(client, "a", gpus={"count": 1, "model": "h100-80gb"})  # (no site has one: it stays queued)
+    done = await submit(client, "done")
+    await wait_for(client, done["id"], {"succeeded"})
+    nosuch = "01nosuchjob0000000"
+    cases = [
+        ({"after_any": [a["id"], done["id"], nosuch]}, "after_any[2]", f"no job with id {nosuch}"),
+        ({"after_failed": [nosuch]}, "after_failed[0]", f"no job with id {nosuch}"),
+        ({"after_failed": [a["id"], a["id"]]}, "after_failed[1]",
+         f"job {a['id']} is named twice (also after_failed[0]); name each job once"),
+        ({"after": [a["id"]], "after_any": [done["id"]], "after_failed": [a["id"]]}, "after_failed[0]",
+         f"job {a['id']} is named twice (also after[0]); name each job once"),
+        ({"after_failed": [done["id"]]}, "after_failed[0]",
+         f"job {done['id']} has succeeded: a job that runs after it fails would never run"),
+        ({"after": [f"j{i}" for i in range(30)], "after_any": [f"k{i}" for i in range(30)],
+          "after_failed": [f"m{i}" for i in range(5)]}, "after_failed[4]",
+         "more than 64 jobs in after, after_any and after_failed together (65); a job runs after at most 64"),
+    ]
+    for more, field, problem in cases:
+        error = await refused(client, {**JOB, "name": "x", **more})
+        assert error["fields"] == [{"field": field, "problem": problem}], more
+        assert error["message"] == f"invalid job spec: {field}: {problem}"
+    for kind in ("after_any", "after_failed"):  # each list alone, by the spec's own bounds
+        error = await refused(client, {**JOB, "name": "x", kind: [f"j{i}" for i in range(65)]})
+        assert error["fields"][0]["field"] == kind and "64" in error["fields"][0]["problem"]
+        error = await refused(client, {**JOB, "name": "x", kind: [""]})
+        assert error["fields"][0]["field"] == f"{kind}[0]"
+    error = await refused(client, [JOB | {"name": "ok"}, {**JOB, "name": "x", "after_failed": [done["id"]]}],
+                          "/v1/preview")
+    assert [f["field"] for f in error["fields"]] == ["[1].after_failed[0]"]
+    listed = await (await client.get("/v1/jobs")).json()
+    assert sorted(j["id"] for j in listed["items"]) == sorted([a["id"], done["id"]])  # nothing else was stored
+
+
+async def test_another_tenants_job_is_not_found_for_a_submitter_naming_it_in_after_any_or_after_failed(
+        fed: Federation):  # noqa: F811
+    for kind in ("after_any", "after_failed"):
+        status, error = await fed.call("nlp", "POST", "/v1/jobs", {
+            "tenant": "nlp", "name": "x", "gpus": {"count": 1}, "duration_s": 60, kind: [fed.jobs["vision_job"]]})
+        assert status == 422
+        assert error["error"]["fields"] == [{"field": f"{kind}[0]",
+                                             "problem": f"no job with id {fed.jobs['vision_job']}"}]
+
+
+async def test_conditions_already_met_at_submission_do_not_make_a_job_wait(client: TestClient):
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    done = await submit(client, "done")
+    gone = await submit(client, "gone", gpus={"count": 1, "model": "h100-80gb"})
+    await wait_for(client, done["id"], {"succeeded"})
+    await _end(client, gone, "cancelled")
+    r = await client.post("/v1/preview", json={**JOB, "name": "p", "after_any": [done["id"]],
+                                               "after_failed": [gone["id"]]})
+    assert r.status == 200 and "waiting_for" not in (preview := await r.json())
+    assert preview["decision"]["site"] == "berlin"
+    b = await submit(client, "b", after_any=[done["id"], gone["id"]])
+    c = await submit(client, "c", after=[done["id"]], after_failed=[gone["id"]])
+    for job in (b, c):
+        assert "waiting" not in job and job["reason"] == "waiting for a placement"
+        assert (await wait_for(client, job["id"], {"succeeded"}))["attempt"] == 1
+
+
+async def test_a_preview_of_a_job_after_any_or_after_failed_unfinished_ones_says_it_would_wait(client: TestClient):
+    a = await submit(client, "a")  # (no site: it stays queued)
+    b = await submit(client, "b")
+    r = await client.post("/v1/preview", json={**JOB, "name": "p", "after_any": [a["id"]], "after_failed": [b["id"]]})
+    assert r.status == 200, await r.text()
+    preview = await r.json()
+    assert preview["waiting_for"] == [a["id"], b["id"]] and preview["decision"]["sites"] == []
+    assert preview["decision"]["summary"] == (f"would be waiting for job {a['id']} (queued) to end (after_any); job "
+                                              f"{b['id']} (queued) to fail or be cancelled (after_failed)")
+
+
+async def test_a_job_waiting_with_after_any_can_be_changed_without_being_released_and_cancelled(client: TestClient):
+    a = await submit(client, "a")  # (no site: it stays queued)
+    b = await submit(client, "b", after_any=[a["id"]], after_failed=[(await submit(client, "x"))["id"]])
+    r = await client.patch(f"/v1/jobs/{b['id']}", json={"priority": 50})
+    assert r.status == 200, await r.text()
+    changed = await r.json()
+    assert changed["waiting"] is True and changed["spec"]["priority"] == 50
+    assert changed["spec"]["after_any"] == [a["id"]]
+    r = await client.patch(f"/v1/jobs/{b['id']}", json={"after_any": []})
+    assert r.status == 422 and (await r.json())["error"]["fields"][0]["field"] == "after_any"
+    await asyncio.sleep(0.3)
+    held = await get(client, b["id"])
+    assert held["waiting"] is True and held["attempt"] == 0
+    assert held["reason"].startswith(f"waiting for job {a['id']} (queued) to end (after_any); job ")
+    r = await client.delete(f"/v1/jobs/{b['id']}")
+    assert r.status == 200 and (await r.json())["state"] == "cancelled"
+    assert client.broker.book.active.dependents == {}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("kind", "end", "outcome"), [
+    ("after_any", "succeeded", "released"), ("after_any", "failed", "released"), ("after_any", "deleted", "released"),
+    ("after_failed", "cancelled", "released"), ("after_failed", "succeeded", "failed"),
+    ("after_failed", "deleted", "failed"),
+])
+async def test_a_dependency_in_after_any_or_after_failed_that_ended_while_no_broker_ran_is_acted_on_at_the_start(
+        tmp_path: Path, kind: str, end: str, outcome: str):
+    settings = _settings(tmp_path / "down.db")
+    broker = Broker(settings)
+    await broker.start([])
+    async with TestClient(TestServer(create_app(broker))) as c:
+        a = await submit(c, "a")
+        still = await submit(c, "still")
+        b = await submit(c, "b", **{kind: [a["id"]]})
+        d = await submit(c, "d", **{kind: [still["id"]]})  # whose dependency does not end: it keeps waiting
+    await broker.stop()
+
+    store = open_store(settings.db)  # another broker sharing the database ended a (or the retention deleted it)
+    await store.open()
+    try:
+        job = await store.get_job(a["id"])
+        assert job is not None
+        state = JobState.SUCCEEDED if end == "deleted" else JobState(end)
+        await store.update_job(job.model_copy(update={"state": state, "version": job.version + 1,
+                                                      "finished_at": job.created_at}), job.version)
+        if end == "deleted":
+            assert await store.prune_ended(datetime.now(UTC), 10) == [a["id"]]
+    finally:
+        await store.close()
+
+    broker = Broker(settings)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            if outcome == "released":
+                released = await _until(c, b["id"], lambda j: "waiting" not in j)
+                assert released["state"] == "queued"
+                assert released["reason"].startswith(f"waiting for a placement: job {a['id']} it runs after ")
+            else:
+                failed = await wait_for(c, b["id"], {"failed"})
+                assert failed["reason"].startswith(f"job {a['id']} it runs after ")
+                assert failed["reason"].endswith("it will never run (after_failed)")
+                assert ("cannot be told to have failed" in failed["reason"]) == (end == "deleted")
+            await asyncio.sleep(0.2)  # passes ran: d still waits, held out of the queue
+            kept = await get(c, d["id"])
+            assert kept["state"] == "queued" and kept["waiting"] is True
+            assert kept["reason"].endswith(f"({kind})") and d["id"] in broker.book.active.dependents[still["id"]]
+    finally:
+        await broker.stop()
+
+
+async def test_the_retention_keeps_the_jobs_that_a_job_waits_for_in_after_any_or_after_failed(tmp_path: Path):
+    """W1 runs after A and B end (after_any), W2 after Y fails and B succeeds; A succeeded and Y was cancelled
+    past the retention, B still runs: the retention deletes neither A nor Y (W2 would then fail, Y's end no
+    longer to be told), and deletes both once no job waits for them."""
+    broker = Broker(BrokerSettings(db=str(tmp_path / "keep.db"), cycle_interval_s=0.05, shutdown_grace_s=1,
+                                   job_retention_h=1 / 3600))  # (a second)
+    await broker.start([])
+    try:
+        async with TestClient(TestServer(create_app(broker))) as c:
+            await register(c, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+            a = await submit(c, "a", duration_s=0.05)
+            y = await submit(c, "y", gpus={"count": 1, "model": "h100-80gb"})
+            b = await submit(c, "b", duration_s=600)
+            await wait_for(c, a["id"], {"succeeded"})
+            await _end(c, y, "cancelled")
+            await wait_for(c, b["id"], {"running"})
+            w1 = await submit(c, "w1", after_any=[a["id"], b["id"]])
+            w2 = await submit(c, "w2", after=[b["id"]], after_failed=[y["id"]])
+            assert w1["waiting"] is True and w2["waiting"] is True
+            await asyncio.sleep(1.2)  # a and y ended more than the retention ago
+            await broker.prune_ended()
+            for kept in (a, y):
+                assert (await c.get(f"/v1/jobs/{kept['id']}")).status == 200  # kept: w1 and w2 wait for them
+            assert (await c.post(f"/v1/jobs/{b['id']}/cancel")).status == 200
+            await wait_for(c, w1["id"], {"succeeded"})  # any end: released
+            failed = await wait_for(c, w2["id"], {"failed"})
+            assert failed["reason"] == f"job {b['id']} it runs after was cancelled; it will never run (after)"
+            await broker.prune_ended()
+            for gone in (a, y):
+                assert (await c.get(f"/v1/jobs/{gone['id']}")).status == 404  # no job waits for them any more
+    finally:
+        await broker.stop()
+
+
+def test_the_cli_submits_after_any_and_after_failed_from_the_yaml_and_shows_them(capsys, server, tmp_path: Path):
+    code, out, err = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, name="pre", duration_s=600)))
+    assert code == 0, err
+    first = json.loads(out)["id"]
+    code, out, err = run(capsys, server, "--json", "submit", str(submit_file(tmp_path, name="other", duration_s=600)))
+    other = json.loads(out)["id"]
+    both = submit_file(tmp_path, name="fallback", after_any=[first], after_failed=[other])
+    code, out, err = run(capsys, server, "submit", "--dry-run", str(both))
+    assert code == 0, err
+    assert f"would be waiting for job {first} (" in out and "(after_failed)" in out
+    code, out, err = run(capsys, server, "--json", "submit", str(both))
+    assert code == 0, err
+    job = json.loads(out)
+    assert job["spec"]["after_any"] == [first] and job["spec"]["after_failed"] == [other] and job["waiting"] is True
+    code, out, err = run(capsys, server, "job", job["id"])
+    assert code == 0, err
+    assert f"  after_any {first} (waiting for them to end)" in out
+    assert f"  after_failed {other} (waiting for them to fail or be cancelled)" in out
+    assert "  after     " not in out  # (no after)
+
+
+def test_a_dispatch_to_a_site_agent_carries_neither_after_any_nor_after_failed() -> None:
+    job = Job(id="01b", spec=spec(name="b", after_any=["01a"], after_failed=["01x"]), created_at=NOW, updated_at=NOW)
+    sent = json.loads(Dispatch(msg_id="m1", site="s", job=job).model_dump_json())
+    assert "after_any" not in sent["job"]["spec"] and "after_failed" not in sent["job"]["spec"]
+    assert json.loads(job.model_dump_json())["spec"]["after_failed"] == ["01x"]  # (the broker's own copy keeps them)

@@ -94,8 +94,11 @@ RULES_BEYOND_THE_SCHEMA = [
     ("profile", r"may not be chosen by a job here|is not defined"),  # the federation's configured profiles
     ("cursor", r"not a cursor from a previous page"),  # opaque: only the server hands them out
     ("deadline", r"in the past"),  # a new job's deadline against the broker's clock
-    (r"after\[\d+\]", r"no job with id"),  # a job it runs after: one that exists (and the caller may see)
+    (r"after(_any|_failed)?\[\d+\]", r"no job with id"),  # a job it runs after: one that exists (and the caller sees)
     (r"after\[\d+\]", r"has (failed|been cancelled): a job that runs after it would never run"),
+    (r"after_failed\[\d+\]", r"has succeeded: a job that runs after it fails would never run"),
+    (r"after(_any|_failed)?\[\d+\]", r"is named twice \(also after"),  # one job in two of the lists
+    (r"after(_any|_failed)?\[\d+\]", r"in after, after_any and after_failed together"),  # the three lists' sum
     (r".*", r"is out of range once converted to UTC"),  # a date-time near year 1 or 9999 with an offset
     # a Kubernetes toleration's fields together (no key needs Exists, Exists no value, seconds need NoExecute)
     (r"adapter\.tolerations\[\d+\]\.(value|operator|tolerationSeconds)",
