@@ -235,6 +235,23 @@ async def test_waiting_jobs_keep_waiting_across_a_restart_and_are_released_when_
         await broker.stop()
 
 
+async def _end_while_no_broker_runs(settings, job_id: str, end: str) -> None:
+    """End ``job_id`` in the store as another broker sharing the database would (``end``: its state), or, with
+    "deleted", succeed it and delete it as ``broker.job_retention_h`` does."""
+    store = open_store(settings.db)
+    await store.open()
+    try:
+        job = await store.get_job(job_id)
+        assert job is not None
+        state = JobState.SUCCEEDED if end == "deleted" else JobState(end)
+        await store.update_job(job.model_copy(update={"state": state, "version": job.version + 1,
+                                                      "finished_at": job.created_at}), job.version)
+        if end == "deleted":
+            assert await store.prune_ended(datetime.now(UTC), 10) == [job_id]
+    finally:
+        await store.close()
+
+
 @pytest.mark.parametrize("end", ["succeeded", "cancelled", "deleted"])
 async def test_a_dependency_that_ended_while_no_broker_ran_is_acted_on_at_the_start(tmp_path: Path, end: str):
     settings = _settings(tmp_path / "down.db")
@@ -246,18 +263,7 @@ async def test_a_dependency_that_ended_while_no_broker_ran_is_acted_on_at_the_st
     await broker.stop()
 
     # Meanwhile another broker sharing the database ended it (or the retention deleted it once it had ended)
-    store = open_store(settings.db)
-    await store.open()
-    try:
-        job = await store.get_job(a["id"])
-        assert job is not None
-        state = JobState.SUCCEEDED if end == "deleted" else JobState(end)
-        await store.update_job(job.model_copy(update={"state": state, "version": job.version + 1,
-                                                      "finished_at": job.created_at}), job.version)
-        if end == "deleted":  # (as broker.job_retention_h deletes a job: this one succeeded)
-            assert await store.prune_ended(datetime.now(UTC), 10) == [a["id"]]
-    finally:
-        await store.close()
+    await _end_while_no_broker_runs(settings, a["id"], end)
 
     broker = Broker(settings)
     await broker.start([])
@@ -726,18 +732,7 @@ async def test_a_dependency_in_after_any_or_after_failed_that_ended_while_no_bro
         d = await submit(c, "d", **{kind: [still["id"]]})  # whose dependency does not end: it keeps waiting
     await broker.stop()
 
-    store = open_store(settings.db)  # another broker sharing the database ended a (or the retention deleted it)
-    await store.open()
-    try:
-        job = await store.get_job(a["id"])
-        assert job is not None
-        state = JobState.SUCCEEDED if end == "deleted" else JobState(end)
-        await store.update_job(job.model_copy(update={"state": state, "version": job.version + 1,
-                                                      "finished_at": job.created_at}), job.version)
-        if end == "deleted":
-            assert await store.prune_ended(datetime.now(UTC), 10) == [a["id"]]
-    finally:
-        await store.close()
+    await _end_while_no_broker_runs(settings, a["id"], end)  # (another broker sharing the database)
 
     broker = Broker(settings)
     await broker.start([])
