@@ -81,8 +81,11 @@ _BEYOND_THE_SCHEMA = {
                 "is not 0 where its pod_security is restricted",
     "JobSpec": "no region both in allowed_regions and denied_regions; profile, one the federation lets jobs choose; "
                "a new job's deadline, not in the past; its GPUs within its tenant's federation-wide limit "
-               "(broker.tenant_limits); each job in after, one the submitter may see (a job it may not see is "
-               "answered as one that does not exist), named once, and not failed or cancelled (422 naming after[i])",
+               "(broker.tenant_limits); each job in after, after_any and after_failed, one the submitter may see (a "
+               "job it may not see is answered as one that does not exist), named once across the three lists, at "
+               f"most {models.AFTER_MAX} across after, after_any and after_failed together; in after, not already "
+               "failed or cancelled, in after_failed, not already succeeded (422 naming after[i], after_any[i] or "
+               "after_failed[i])",
     "JobChange": "profile, one the federation lets jobs choose; a new deadline, not in the past; the job's spec "
                  "with the change, valid as a job spec",
     "Cancellation": "a tenant, labels or both (an empty selector would cancel every job)",

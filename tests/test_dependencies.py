@@ -815,3 +815,14 @@ def test_a_dispatch_to_a_site_agent_carries_neither_after_any_nor_after_failed()
     sent = json.loads(Dispatch(msg_id="m1", site="s", job=job).model_dump_json())
     assert "after_any" not in sent["job"]["spec"] and "after_failed" not in sent["job"]["spec"]
     assert json.loads(job.model_dump_json())["spec"]["after_failed"] == ["01x"]  # (the broker's own copy keeps them)
+
+
+async def test_the_openapi_document_names_the_rules_a_submission_checks_of_after_any_and_after_failed(
+        client: TestClient):
+    # (a client generated from the document is told every 422 a valid-looking spec may get, not only after's)
+    described = (await (await client.get("/openapi.json")).json())["components"]["schemas"]["JobSpec"]["description"]
+    rules = described.split("Also checked (a 422 names the field): ")[1]
+    assert "after_any" in rules and "after_failed" in rules
+    assert "at most 64 across after, after_any and after_failed" in rules
+    assert "once across the three lists" in rules
+    assert "in after_failed, not already succeeded" in rules
