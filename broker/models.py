@@ -1011,6 +1011,14 @@ class GpuRequest(Spec):
 AFTER_MAX = 64
 """Jobs one job may run after (``JobSpec.after``, ``after_any`` and ``after_failed`` together)."""
 
+JobIds = list[Annotated[str, Field(min_length=1, max_length=64)]]
+"""A spec's list of the jobs it runs after (``JobSpec.after``, ``after_any``, ``after_failed``)."""
+
+
+def _none(ids: list[str]) -> bool:
+    """Left out where empty: brokers of earlier releases still read the specs of jobs without dependencies."""
+    return not ids
+
 
 class JobSpec(Spec):
     """What a submitter sends. Only ``tenant``, ``name``, ``gpus`` and ``duration_s`` are required."""
@@ -1061,32 +1069,32 @@ class JobSpec(Spec):
         # carry it (adapters.mqtt_protocol.Dispatch).
         exclude_if=lambda deferrable: deferrable,
     )
-    after: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+    after: JobIds = Field(
         default_factory=list, max_length=AFTER_MAX,
         description="ids of jobs that must succeed before this one is queued for placement (as Slurm's "
                     "--dependency=afterok): it waits in state queued, out of the scheduling queue, until every one "
                     f"has succeeded, and fails at once if one fails or is cancelled; at most {AFTER_MAX}, no "
                     "duplicates, each an existing job (so there are no cycles)",
-        # Left out where empty, for the reason deferrable is: brokers of earlier releases still read the specs of
-        # jobs without dependencies; dispatches to site agents never carry it (adapters.mqtt_protocol.Dispatch).
-        exclude_if=lambda after: not after,
+        # Left out where empty, for the reason deferrable is (_none); dispatches to site agents never carry it
+        # (adapters.mqtt_protocol.Dispatch).
+        exclude_if=_none,
     )
-    after_any: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+    after_any: JobIds = Field(
         default_factory=list, max_length=AFTER_MAX,
         description="ids of jobs that must end, however (succeeded, failed or cancelled), before this one is queued "
                     "for placement (as Slurm's --dependency=afterany): it waits in state queued, out of the "
                     f"scheduling queue, until every one has ended; at most {AFTER_MAX} across after, after_any and "
                     "after_failed, each job in one of them once, each an existing job",
-        exclude_if=lambda after: not after,  # (as after is)
+        exclude_if=_none,
     )
-    after_failed: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+    after_failed: JobIds = Field(
         default_factory=list, max_length=AFTER_MAX,
         description="ids of jobs that must fail or be cancelled before this one is queued for placement (as Slurm's "
                     "--dependency=afternotok: a clean-up or fallback step): it waits in state queued, out of the "
                     "scheduling queue, until every one has, and fails at once if one succeeds; at most "
                     f"{AFTER_MAX} across after, after_any and after_failed, each job in one of them once, each an "
                     "existing job",
-        exclude_if=lambda after: not after,  # (as after is)
+        exclude_if=_none,
     )
 
     @model_validator(mode="after")

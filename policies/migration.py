@@ -387,10 +387,8 @@ def _plan_pauses(pipeline: Pipeline, snap: Snapshot, running: Sequence[Running],
             continue
         k = int(later[0]) + 1  # the first whole hour clean enough to run in again
         postponed_h = min(k - at.into_h, remaining / HOUR_S)  # work the pause puts off
-        kw_g = float(TDP_KW[run.model]) * req.charge / 1000.0
-        dirty = kw_g * (_search._integral(cum, forecast, run.site, at.into_h + postponed_h)
-                        - _search._integral(cum, forecast, run.site, at.into_h))
-        clean = kw_g * (postponed_h + overhead_h) * bar  # that work, and the restart, in hours at most as dirty
+        dirty = _run_kg(forecast, cum, run.site, run.model, req.charge, at.into_h, postponed_h)
+        clean = float(TDP_KW[run.model]) * req.charge / 1000.0 * (postponed_h + overhead_h) * bar  # (the restart too)
         if dirty - clean >= max(policy.min_saving * dirty, policy.min_saving_abs):
             candidates.append((clean - dirty, i, remaining, dirty, clean, k, bar))
     candidates.sort(key=lambda c: c[:2])
@@ -425,15 +423,17 @@ def _pause_pays(planned: timeshift.Deferral, run: Running, remaining: float, res
     and ``min_saving_abs`` less, restart included, than running the rest of the run on where it is (kg CO2e):
     the bar is only where the job's own site is clean enough, and that site's clean hours may be promised to
     others, leaving room only at a dirtier site or hour. (The plan's own values may be in USD: a cost shift.)"""
-    hours = remaining / HOUR_S
-    stay = float(TDP_KW[run.model]) * run.request.charge / 1000.0 * (
-        _search._integral(cum, forecast, run.site, at.into_h + hours) - _search._integral(cum, forecast, run.site,
-                                                                                          at.into_h))
-    then_h = float(planned.slot) + rest.duration_s / HOUR_S
-    then = float(TDP_KW[planned.model]) * rest.charge / 1000.0 * (
-        _search._integral(cum, forecast, planned.site, then_h) - _search._integral(cum, forecast, planned.site,
-                                                                                   float(planned.slot)))
+    stay = _run_kg(forecast, cum, run.site, run.model, run.request.charge, at.into_h, remaining / HOUR_S)
+    then = _run_kg(forecast, cum, planned.site, planned.model, rest.charge, float(planned.slot),
+                   rest.duration_s / HOUR_S)
     return stay - then >= max(policy.min_saving * stay, policy.min_saving_abs)
+
+
+def _run_kg(forecast: np.ndarray, cum: np.ndarray, site: int, model: int, gpus: float, from_h: float,
+            hours: float) -> float:
+    """kg CO2e of ``gpus`` GPUs of ``model`` at ``site`` for ``hours`` from ``from_h`` hours after the start of
+    the current hour, on the forecast rows the time-shift search reads (as it values a start)."""
+    return timeshift._forecast_now(site, float(TDP_KW[model]), gpus, hours, from_h, forecast, cum, True, math.nan)
 
 
 def _with_own_room(snap: Snapshot, rest: JobRequest, decide):  # noqa: ANN001, ANN202 - a thunk

@@ -295,14 +295,21 @@ async def _until(client: TestClient, job_id: str, ok: Any, timeout_s: float = 10
         await asyncio.sleep(0.02)
 
 
-async def test_a_waiting_job_another_replica_accepted_is_held_by_the_leader_and_released_when_its_dependency_ends(
-        ) -> None:
-    # A replica that does not lead only stores what it is sent; the leader takes it in by pull_new (or take_in)
+async def _follower_and_leader() -> tuple[MemoryStore, JobBook, JobBook]:
+    """A store and two books on it: a replica that does not lead (it only stores what it is sent) and the
+    leader."""
     store = MemoryStore()
     await store.open()
     follower, leader = JobBook(store, ManualClock(NOW)), JobBook(store, ManualClock(NOW))
     follower.tracking = False
     await leader.load()
+    return store, follower, leader
+
+
+async def test_a_waiting_job_another_replica_accepted_is_held_by_the_leader_and_released_when_its_dependency_ends(
+        ) -> None:
+    # A replica that does not lead only stores what it is sent; the leader takes it in by pull_new (or take_in)
+    store, follower, leader = await _follower_and_leader()
     a, _ = await leader.submit(spec(name="a"))
     b, _ = await follower.submit(spec(name="b", after=[a.id]))
     c, _ = await follower.submit(spec(name="c", after=[b.id]))
@@ -485,14 +492,20 @@ async def test_a_retry_sent_while_the_first_submission_is_being_stored_gets_the_
     assert (await wait_for(client, (await r1.json())["id"], {"failed"}))["reason"].endswith("will never run (after)")
 
 
+async def _retaining_a_second(tmp_path: Path) -> Broker:
+    """A started broker that deletes a finished job a second after it ended (``broker.job_retention_h``)."""
+    broker = Broker(BrokerSettings(db=str(tmp_path / "keep.db"), cycle_interval_s=0.05, shutdown_grace_s=1,
+                                   job_retention_h=1 / 3600))
+    await broker.start([])
+    return broker
+
+
 async def test_the_retention_keeps_a_job_that_a_waiting_job_runs_after_until_the_waiting_job_is_decided(
         tmp_path: Path):
     """C runs after A and B; A succeeded past the retention, B still runs: the retention does not delete A (C
     would then fail as after a job no longer in the store, though A succeeded), and deletes it once C no longer
     waits."""
-    broker = Broker(BrokerSettings(db=str(tmp_path / "keep.db"), cycle_interval_s=0.05, shutdown_grace_s=1,
-                                   job_retention_h=1 / 3600))  # (a second)
-    await broker.start([])
+    broker = await _retaining_a_second(tmp_path)
     try:
         async with TestClient(TestServer(create_app(broker))) as c:
             await register(c, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
@@ -591,11 +604,7 @@ async def test_a_job_after_failed_fails_when_the_job_it_names_succeeds_and_so_do
 
 async def test_a_job_combining_the_three_lists_is_released_only_once_every_condition_holds() -> None:
     # (submitted through a replica that does not lead: the leader takes it in and holds it)
-    store = MemoryStore()
-    await store.open()
-    follower, leader = JobBook(store, ManualClock(NOW)), JobBook(store, ManualClock(NOW))
-    follower.tracking = False
-    await leader.load()
+    store, follower, leader = await _follower_and_leader()
     a, _ = await leader.submit(spec(name="a"))
     b, _ = await leader.submit(spec(name="b"))
     x, _ = await leader.submit(spec(name="x"))
@@ -759,9 +768,7 @@ async def test_the_retention_keeps_the_jobs_that_a_job_waits_for_in_after_any_or
     """W1 runs after A and B end (after_any), W2 after Y fails and B succeeds; A succeeded and Y was cancelled
     past the retention, B still runs: the retention deletes neither A nor Y (W2 would then fail, Y's end no
     longer to be told), and deletes both once no job waits for them."""
-    broker = Broker(BrokerSettings(db=str(tmp_path / "keep.db"), cycle_interval_s=0.05, shutdown_grace_s=1,
-                                   job_retention_h=1 / 3600))  # (a second)
-    await broker.start([])
+    broker = await _retaining_a_second(tmp_path)
     try:
         async with TestClient(TestServer(create_app(broker))) as c:
             await register(c, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
