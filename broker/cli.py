@@ -171,7 +171,8 @@ def _run_text(job: dict[str, Any]) -> str:
 
 
 DEPENDENCY_WORDS = (("after", "succeed"), ("after_any", "end"), ("after_failed", "fail or be cancelled"))
-"""A job's lists of dependencies (``broker.after``), and what it waits for the jobs of each to do."""
+"""A job's lists of dependencies (``broker.after``), and what it waits for the jobs of each to do: ``heliotrope job``
+shows them on one ``after`` line, each list by its key (whether the job still waits, and for which, is its reason)."""
 
 
 def show_job(job: dict[str, Any]) -> str:
@@ -184,8 +185,9 @@ def show_job(job: dict[str, Any]) -> str:
         f"  duration  {_seconds(spec['duration_s'])} s expected, {_run_text(job)}",
         f"  attempt   {job['attempt']} ({job['failed_attempts']} failed, at most {spec['max_attempts']})",
         f"  priority  {spec['priority']}",
-        *(f"  {kind:<9} {', '.join(spec[kind])}" + (f" (waiting for them to {to})" if job.get("waiting") else "")
-          for kind, to in DEPENDENCY_WORDS if spec.get(kind)),
+        *([f"  after     " + "; ".join(f"{', '.join(spec[kind])} to {to} ({kind})"
+                                        for kind, to in DEPENDENCY_WORDS if spec.get(kind))]
+          if any(spec.get(kind) for kind, _ in DEPENDENCY_WORDS) else []),
         f"  created   {job['created_at']}",
         f"  updated   {job['updated_at']}",
     ]
