@@ -90,7 +90,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -297,9 +297,12 @@ def why_missed(prep: Prepared, run: engine.PolicyRun) -> str:
         origins[req.origin_region or "?"] += 1
     wait_h = (run.start_s[missed] - w.submit_s[missed]) / 3600.0
     where = ", ".join(f"{origin} {n:,d}" for origin, n in origins.most_common())
+    days = Counter((w.start + timedelta(seconds=float(w.submit_s[j]))).date().isoformat() for j in missed.tolist())
+    busiest = ", ".join(f"{day} {n:,d}" for day, n in days.most_common(3))
     return (f"    latency-bound misses by origin: {where}; {full:,d} of {missed.size:,d} found no site near them "
             f"with room when they arrived; they waited {np.median(wait_h):.2f} h at the median "
-            f"(90th percentile {np.percentile(wait_h, 90):.2f} h)")
+            f"(90th percentile {np.percentile(wait_h, 90):.2f} h); submitted on {len(days):,d} days, the most on "
+            f"{busiest}")
 
 
 def main() -> int:
