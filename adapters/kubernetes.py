@@ -107,7 +107,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -135,6 +134,7 @@ from adapters.base import (
 from adapters import kubernetes_logs
 from adapters.cluster_clock import ClusterClock
 from adapters.quota_store import QuotaOverrides, log_beyond_site
+from adapters.kept_logs import KeptLog, KeptLogs
 from adapters.kubernetes_stops import ClusterUsage, ClusterStops
 from adapters.site_state import StopJournal, UsageJournal
 from adapters.telemetry import telemetry_feed
@@ -315,16 +315,6 @@ def _transient(e: BaseException) -> bool:
     return isinstance(e, aiohttp.ClientError | asyncio.TimeoutError | ConnectionError)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _KeptLog:
-    """The end of an ended attempt's log, kept as its Job is deleted (``KubernetesSite._keep_log``): as UTF-8, the
-    bytes its bound counts (a str takes up to 4 bytes for each character: all of them, where one is an emoji)."""
-
-    data: bytes
-    truncated: bool
-    source: str | None
-
-
 class KubernetesSite:
     def __init__(self, spec: SiteSpec, clock: Clock, config: KubernetesAdapterConfig | None = None,
                  state_dir: str | Path | None = None, api_client: k8s.ApiClient | None = None) -> None:
@@ -383,9 +373,9 @@ class KubernetesSite:
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._withdrawn: dict[tuple[str, int], datetime] = {}
         self._stop_waits: set[asyncio.Task[None]] = set()  # stopping attempts awaiting the end of their Pods
-        # the end of the log of the latest attempts that ended, kept as their Jobs are deleted (_keep_log)
-        self._ended_logs: collections.OrderedDict[tuple[str, int], _KeptLog] = collections.OrderedDict()
-        self._ended_logs_bytes = 0
+        # the end of the log of the latest attempts that ended, kept as their Jobs are deleted (_keep_log), in the
+        # state folder too, so that they outlive a restart
+        self._ended_logs = KeptLogs(Path(folder) / spec.name / "logs" if folder is not None else None, spec.name)
         self._unplaced: dict[tuple[str, int], asyncio.Task[None]] = {}  # deadlines of unschedulable Pods
         # when a stop's Pods last went (GPUs freed for a waiting Pod), by the cluster's clock
         self._stop_ended: datetime | None = None
@@ -1167,7 +1157,8 @@ class KubernetesSite:
     async def _keep_log(self, key: tuple[str, int]) -> None:
         """Before an ended attempt's Job and Pods are deleted: keep the end of its log (``ENDED_LOG_LINES``, at
         most ``ENDED_LOG_BYTES``) among the latest ended attempts' (``ENDED_LOGS_BYTES`` in all), so its logs can
-        still be read, from this adapter's memory. A log that cannot be read now is not kept (logged at debug)."""
+        still be read, from this adapter's memory and its state folder (:mod:`adapters.kept_logs`). A log that
+        cannot be read now is not kept (logged at debug)."""
         try:
             async with asyncio.timeout(ENDED_LOG_READ_S):
                 kept = await self.logs(key[0], key[1], ENDED_LOG_LINES, ENDED_LOG_BYTES)
@@ -1175,13 +1166,7 @@ class KubernetesSite:
             log.debug("site %s: the log of attempt %d of job %s was not kept before its Job was deleted: %s",
                       self.name, key[1], key[0], e)
             return
-        old = self._ended_logs.pop(key, None)
-        self._ended_logs_bytes -= len(old.data) if old is not None else 0
-        self._ended_logs[key] = _KeptLog(kept.text.encode(), kept.truncated, kept.source)
-        self._ended_logs_bytes += len(self._ended_logs[key].data)
-        while self._ended_logs and self._ended_logs_bytes > ENDED_LOGS_BYTES:
-            _, gone = self._ended_logs.popitem(last=False)
-            self._ended_logs_bytes -= len(gone.data)
+        await self._ended_logs.put(key, KeptLog(kept.text.encode(), kept.truncated, kept.source), ENDED_LOGS_BYTES)
 
     async def logs(self, job_id: str, attempt: int, tail_lines: int | None, limit_bytes: int) -> JobLogs:
         """The log of the attempt's newest Pod's container (:mod:`adapters.kubernetes_logs`); for an attempt that
@@ -1208,7 +1193,7 @@ class KubernetesSite:
             raise LogsNotFound(f"site {self.name} has no Pod of {what}: it has not been made yet, or it was deleted "
                                "(the Job of an attempt that ended is deleted, with its Pods, once the broker has its "
                                "outcome; the end of its log is kept then, unless it could not be read, the attempt "
-                               "was stopped or lost, or the adapter restarted since)")
+                               "was stopped or lost, or the adapter restarted since without a state_dir)")
         meta = pod.get("metadata") or {}
         tenant = (meta.get("labels") or {}).get(TENANT_LABEL, "")
         name, namespace = meta.get("name") or "", meta.get("namespace") or self.namespace(tenant)
@@ -1740,6 +1725,7 @@ class KubernetesSite:
         self._overrides.forget()
         self._usage.forget()
         self._journal.forget()
+        self._ended_logs.forget()
         if self._cluster_usage is not None:
             await self._cluster_usage.forget()  # (its copy in the cluster too: a new site of its name starts afresh)
         if self._cluster_stops is not None:

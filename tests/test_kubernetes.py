@@ -2787,6 +2787,65 @@ async def test_an_ended_attempts_log_is_kept_when_its_job_and_pods_are_deleted(c
         await kube.logs("j-1", 2, None, 1 << 20)
 
 
+
+async def test_an_ended_attempts_kept_log_outlives_a_restart_of_the_adapter_with_a_state_dir(cluster, tmp_path) -> None:  # noqa: ANN001
+    # Kept in memory only, the log of a job that failed was gone after the broker restarted (an upgrade): its Job and
+    # Pods had been deleted, so nothing could be read any more.
+    kube = make_site(cluster, state_dir=tmp_path)
+    await kube.start()
+    try:
+        stream = kube.events()
+        name = await j1_running(kube, stream, cluster)
+        cluster[kmock.subresource("log")] << b"epoch 1\nTraceback (most recent call last):\nCUDA out of memory\n"
+        await cluster.patch(f"/apis/batch/v1/namespaces/heliotrope-t1/jobs/{name}", json={"status": {
+            "failed": 1, "conditions": [{"type": "Failed", "status": "True"}]}})
+        kube.taken(await next_event(kube, stream))
+        assert await gone(cluster, name)
+        await cluster.delete(f"/api/v1/namespaces/heliotrope-t1/pods/{name}-abc")
+    finally:
+        await kube.close()
+    again = make_site(cluster, state_dir=tmp_path)  # the adapter of the broker that started next
+    await again.start()
+    try:
+        got = await again.logs("j-1", 1, 2, 1 << 20)
+        assert got.text == "Traceback (most recent call last):\nCUDA out of memory\n" and got.truncated
+        assert got.source == f"pod heliotrope-t1/{name}-abc container job (kept when its Job was deleted)"
+        followed = await again.follow_logs("j-1", 1, None, 1 << 20)
+        assert "".join([chunk async for chunk in followed.chunks]).startswith("epoch 1\n")
+        with pytest.raises(LogsNotFound):
+            await again.logs("j-1", 2, None, 1 << 20)
+        # The site leaves the federation: a new site of its name reads none of them.
+        await again.forget_quotas()
+        with pytest.raises(LogsNotFound):
+            await again.logs("j-1", 1, None, 1 << 20)
+    finally:
+        await again.close()
+    assert not (tmp_path / "kube" / "logs").exists()
+
+
+async def test_the_logs_kept_in_the_state_dir_keep_their_bound_and_a_damaged_index_is_set_aside(tmp_path, caplog) -> None:  # noqa: ANN001
+    from adapters.kept_logs import KeptLog, KeptLogs, file_name
+
+    folder = tmp_path / "kube" / "logs"
+    kept = KeptLogs(folder, "kube")
+    for attempt in range(1, 6):  # 5 logs of 400 bytes, kept to 1,000 bytes: the two newest stay
+        await kept.put(("j/../1", attempt), KeptLog(b"x" * 399 + b"\n", attempt == 5, f"pod p{attempt}"), 1000)
+    assert kept.bytes == 800
+    assert sorted(p.name for p in folder.glob("*.log")) == sorted(file_name(("j/../1", a)) for a in (4, 5))
+    again = KeptLogs(folder, "kube")  # a restart: the same two, in the same order, as they were
+    assert [again.get(("j/../1", a)) for a in (4, 5)] == [kept.get(("j/../1", a)) for a in (4, 5)]
+    assert again.get(("j/../1", 3)) is None and again.get(("j/../1", 5)).truncated
+    (folder / file_name(("j/../1", 4))).unlink()  # one file lost: the other is still read
+    (folder / "stray.log").write_bytes(b"left by a crash")  # a file no index names is cleared away
+    third = KeptLogs(folder, "kube")
+    assert third.get(("j/../1", 4)) is None and third.get(("j/../1", 5)) is not None
+    assert not (folder / "stray.log").exists()
+    (folder / "index.json").write_text("{not json")
+    with caplog.at_level("ERROR"):
+        fourth = KeptLogs(folder, "kube")
+    assert len(fourth) == 0 and (folder / "index.json.unreadable").exists()
+    assert "kept logs" in caplog.text
+
 def kubelet_log(text: bytes) -> Any:
     """What a kubelet answers for a container whose log is ``text``: its last ``tailLines`` lines, then, as
     ``limitBytes`` says, only the first that many bytes of them (it stops writing there)."""
