@@ -499,7 +499,8 @@ class KubernetesAdapterConfig(Spec):
     command: list[str] = Field(default_factory=list, description="its command (empty: the image's entrypoint)")
     state_dir: str | None = Field(
         default=None, description="where the site keeps its operator's quota changes, the usage history its fair "
-                                  "share weighs and its stops not yet reported (default: the broker's)")
+                                  "share weighs, its stops not yet reported and the ends of its ended attempts' "
+                                  "logs (default: the broker's)")
     state_namespace: str | None = Field(
         default=None, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$",
         description="a namespace where the site also keeps its stops not yet reported, in the ConfigMap "
