@@ -3,8 +3,8 @@ jobs that rolls their usage up.
 
 1. **Fill:** ``--jobs`` N (default 100,000) jobs are written into a new SQLite store (the store's own statements
    and schema: each job's row with its JSON document, and its transitions as ``update_job`` writes them:
-   submitted, dispatching, admitted, running, and succeeded, or for every 20th job still running), in
-   transactions of 20,000 jobs. Jobs come from 50 tenants and run at 20 sites on two GPU models, 1 to 8 GPUs
+   submitted, dispatching (with the price of its site and model), admitted, running, and succeeded, or for every
+   20th job still running), in transactions of 20,000 jobs. Jobs come from 50 tenants and run at 20 sites on two GPU models, 1 to 8 GPUs
    each (every 10th a MIG job of two 3g slices), submitted evenly over the 30 days before the report, each running
    a few minutes to a few hours. Timed.
 2. **Report** over the 30 days, by tenant and by tenant, site and model (what ``GET /v1/usage`` does: the store's
@@ -12,7 +12,7 @@ jobs that rolls their usage up.
    of ``--repeat`` runs (default 3), and the peak memory Python allocated for one more (``tracemalloc``, apart).
 3. **Deletion:** the finished jobs are deleted as the retention does (``prune_ended``, 1,000 per round), each
    round adding their usage into ``usage_hours`` first; timed. The report is timed again (now from the hours
-   rolled up, and the running jobs), and its total is checked to be the one before (printed).
+   rolled up, and the running jobs), and its total GPU-hours and cost are checked to be the ones before (printed).
 
 This prints figures; it asserts nothing about timing. Usage::
 
@@ -56,7 +56,8 @@ def job_rows(i: int, span_s: float, n: int) -> tuple[tuple, list[tuple]]:
     events = [event_row(job, "submitted")]
     site, model = f"site-{i % 20:02d}", MODELS[i % 2]
     run_s = 300 + (i * 7919) % (4 * 3600)
-    steps = [(JobState.DISPATCHING, 5, {"site": site, "attempt": 1, "gpu_model": model}),
+    steps = [(JobState.DISPATCHING, 5, {"site": site, "attempt": 1, "gpu_model": model,
+                                        "usd_per_gpu_hour": PRICES[site][model]}),
              (JobState.ADMITTED, 6, {}), (JobState.RUNNING, 30, {})]
     if i % 20:
         steps.append((JobState.SUCCEEDED, 30 + run_s, {}))
@@ -129,9 +130,11 @@ async def main() -> None:
                   f"({deleted / took:,.0f} jobs/s)")
             for by, before in zip((("tenant",), usage.GROUP_KEYS), totals):
                 took, peak, body = await report(store, by, args.repeat)
-                same = abs(body["total"]["gpu_hours"] - before["gpu_hours"]) < 1e-3 * max(1.0, before["gpu_hours"])
+                same = all(abs(body["total"][k] - before[k]) < 1e-3 * max(1.0, before[k])
+                           for k in ("gpu_hours", "cost_usd"))
                 print(f"report by {','.join(by)} after: {len(body['items'])} rows in {took:.2f} s, peak {peak:.0f} "
-                      f"MiB; total {body['total']['gpu_hours']:,.1f} GPU-hours ({'the same' if same else 'DIFFERS'})")
+                      f"MiB; total {body['total']['gpu_hours']:,.1f} GPU-hours, {body['total']['cost_usd']:,.2f} USD "
+                      f"({'the same' if same else 'DIFFERS'})")
         finally:
             await store.close()
 

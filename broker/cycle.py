@@ -747,9 +747,10 @@ class SchedulingCycle:
             self._announce_decision(job, "decision", "placed", site, rec["model"],
                                     f"placed on {site} ({rec['model']})", snap.now)
             decider.assume(placement)
+            usd = float(snap.usd_per_gpu_hour[placement.site, placement.model])  # (the price the usage charges)
             new, version = self.book.apply(
                 job.id, JobState.DISPATCHING, site=site, attempt=job.attempt + 1, gpu_model=rec["model"],
-                reason=f"placed on {site}; dispatching",
+                usd_per_gpu_hour=usd if math.isfinite(usd) else None, reason=f"placed on {site}; dispatching",
             )
             landing = self.book.write_soon(job, new, version, event_reason=f"placed on {site} ({rec['model']})",
                                            decision=rec)

@@ -1228,6 +1228,15 @@ class Job(BaseModel):
     state: JobState = JobState.QUEUED
     site: str | None = None
     gpu_model: str | None = Field(default=None, description="GPU model the current attempt was placed on")
+    usd_per_gpu_hour: float | None = Field(
+        default=None, exclude=True,
+        description="the USD per GPU-hour of gpu_model at its site that routing saw when the current attempt was "
+                    "placed (None where unpriced, or placed by an earlier release or before the job was read back "
+                    "from the store); the usage report charges the attempt at it",
+        # Never in the job's document: brokers of earlier releases sharing the database refuse keys they do not
+        # know, and nearly every placed job has a price. Its stored copy is the transitions' (job_events'
+        # usd_per_gpu_hour, migration 8), which the usage report reads.
+    )
     attempt: int = Field(default=0, description="dispatches so far; each dispatch is a new attempt")
     failed_attempts: int = Field(default=0, description="attempts that failed; max_attempts bounds these")
     created_at: UtcDatetime
@@ -1258,7 +1267,7 @@ class Job(BaseModel):
         if update.get("reason") is not None:
             update["reason"] = clean_text(update["reason"])
         if dst == JobState.QUEUED:  # back in line: no site holds the job any more
-            update.update(site=None, gpu_model=None)
+            update.update(site=None, gpu_model=None, usd_per_gpu_hour=None)
         else:  # (a job waiting for others leaves the queue only by ending: it waits no more)
             update.setdefault("waiting", False)
         if dst == JobState.RUNNING and self.started_at is None:

@@ -234,9 +234,11 @@ def _components() -> dict[str, Any]:
                                           "(a share of a GPU, N/7 of one per MIG slice of Ng)"},
         attempts={**_INT, "description": "attempts that began to hold GPUs in the window"},
         energy_kwh={**_NUM, "description": "GPU-hours x the model's board power (TDP): an upper estimate"},
-        cost_usd={**_NUM, "description": "GPU-hours x each site's price per GPU-hour of the model as routing sees "
-                                         "it now (a price provider's, else the spec's); absent where a part has no "
-                                         "such price"},
+        cost_usd={**_NUM, "description": "each attempt's GPU-hours x the price per GPU-hour of its model at its "
+                                         "site that routing saw when it was placed (a price provider's, else the "
+                                         "spec's); GPU-hours with no price recorded (placed before prices were "
+                                         "recorded) at the price routing sees now, which notes then says; absent "
+                                         "where some GPU-hours have neither"},
         co2e_kg={**_NUM, "description": "the energy, hour by hour, x its site's grid intensity then, as the carbon "
                                         "provider measured it (the hour under way: its forecast); absent without a "
                                         "carbon provider, or where an hour's intensity cannot be had (notes)"})

@@ -15,12 +15,17 @@ forward to the end of its own (the answer says which).
 
 Figures per row: ``gpu_hours``; ``attempts`` that began to hold GPUs in the window (an attempt across the window's
 start is in ``gpu_hours``, not in ``attempts``); ``energy_kwh`` (GPU-hours x the model's board power, TDP: an upper
-estimate, as the carbon ledger's); ``cost_usd`` (GPU-hours x the site's price per GPU-hour of the model as routing
-sees it *now*: a price provider's where one is configured, else its spec's ``usd_per_gpu_hour``; left out where the
-site has no such price, as a site removed since: an estimate for chargeback, not a bill); and where the broker has a
-carbon provider, ``co2e_kg`` (that energy, hour by hour, x its site's grid intensity in that hour as the provider
-measured it, the hour under way at its forecast; left out of a row with energy at an hour or site whose intensity
-cannot be had, which the answer's ``notes`` name).
+estimate, as the carbon ledger's); ``cost_usd`` (each attempt's GPU-hours x the price per GPU-hour of its model at
+its site that routing saw when the attempt was placed, as SkyPilot's cost report charges the price at launch, so a
+price changed since, by a price provider or a site's ``usd_per_gpu_hour``, does not change past bills; the cycle
+records it on the attempt's transitions (``job_events.usd_per_gpu_hour``, migration 8) and the roll-up keeps its
+cost (``usage_hours.cost_usd`` over ``priced_gpu_seconds``). GPU-hours with no price recorded, placed before this
+release, by a replica of an earlier one, or where the site had no price then, are charged at the price routing
+sees *now*, a price provider's where one is configured, else the spec's, and ``notes`` says how many; a row with
+such GPU-hours at a site without a price now, as a site removed since, is left without ``cost_usd``: an estimate
+for chargeback, not a bill); and where the broker has a carbon provider, ``co2e_kg`` (that energy, hour by hour,
+x its site's grid intensity in that hour as the provider measured it, the hour under way at its forecast; left out
+of a row with energy at an hour or site whose intensity cannot be had, which the answer's ``notes`` name).
 
 This module does no I/O: the stores read the transitions (streamed into :class:`Holds`) and the rolled-up hours
 (``Store.usage_records``), the API the intensities (only of the hours used: :func:`hours_used`), and
@@ -60,19 +65,27 @@ class Held:
     gpus: float
     start: float
     end: float | None
+    usd_per_gpu_hour: float | None = None  # the price routing saw when it was placed (None: none was recorded)
 
 
-Event = tuple[str, str, str, "str | None", int, "str | None"]  # (job id, at, state, site, attempt, GPU model)
+UNPRICED_SLACK = 1e-9  # a rolled-up row's unpriced GPU-seconds (its whole less its priced) below this share: none
+Event = tuple[str, str, str, "str | None", int, "str | None", "float | None"]
+"""A job's transition as stored: (job id, at, state, site, attempt, GPU model, USD per GPU-hour at placement)."""
+HourFigures = tuple[float, int, float, float]
+"""A rolled-up hour's figures: (GPU-seconds, attempts begun, GPU-seconds with a price recorded, their USD cost at
+it). The GPU-seconds without one are the first less the third (``usage_hours`` is so: a replica of an earlier release
+adds GPU-seconds alone, which are then unpriced)."""
+HourRow = tuple[int, str, str, str, float, int, float, float]
+"""A ``usage_hours`` row: (hour start, tenant, site, GPU model, *HourFigures)."""
 
 
 @dataclass(frozen=True, slots=True)
 class UsageRecords:
     """What a store gives a report: the attempts of the jobs it still keeps that may have held GPUs in the window
-    (:class:`Holds`), and the hours rolled up from the jobs it deleted ((hour start, tenant, site, GPU model,
-    GPU-seconds, attempts begun))."""
+    (:class:`Holds`), and the hours rolled up from the jobs it deleted (:data:`HourRow`)."""
 
     held: Sequence[Held]
-    hours: Sequence[tuple[int, str, str, str, float, int]]
+    hours: Sequence[HourRow]
 
 
 def request_charge(gpus: str, model: str | None) -> float:
@@ -91,7 +104,10 @@ class Holds:
     A transition stored before this release names no model: its attempt is charged to the model a later transition
     of the same attempt names (stored since), else to the job's model where it is the job's current attempt (the
     last its transitions name), the one that model is of; else (an earlier one, perhaps at another site)
-    to ``unknown``. So a job's attempts are kept until its last transition is read."""
+    to ``unknown``. So a job's attempts are kept until its last transition is read.
+
+    An attempt's price is the one a transition of it names (the placement's does, and those after it while the
+    leader that placed it keeps it in memory); none where none does (placed before this release, or unpriced)."""
 
     def __init__(self) -> None:
         self.held: list[Held] = []
@@ -99,31 +115,40 @@ class Holds:
         self._texts: dict[str, str] = {}  # one copy of each tenant's name and GPU request's JSON
         self._charges: dict[tuple[str, str], float] = {}
         self._job: str | None = None
-        self._open: tuple[int, str, str | None, float] | None = None  # (attempt, site, model, start) of the hold
+        # (attempt, site, model, start, USD per GPU-hour) of the hold
+        self._open: tuple[int, str, str | None, float, float | None] | None = None
         self._last_attempt = 0  # of the job being read: the attempt its last transition read names
-        self._ended: list[tuple[int, str, str | None, float, float | None]] = []  # its holds read, as _open + end
+        self._priced: tuple[int, float] | None = None  # of the job being read: the last price named, its attempt's
+        self._ended: list[tuple[int, str, str | None, float, float | None, float | None]] = []  # _open + end
 
     def job(self, job_id: str, tenant: str, gpus: str, model: str | None) -> None:
         texts = self._texts
         self._jobs[job_id] = (texts.setdefault(tenant, tenant), texts.setdefault(gpus, gpus), model)
 
     def feed(self, events: Iterable[Event]) -> None:
-        for job_id, at, state, site, attempt, model in events:
+        for job_id, at, state, site, attempt, model, usd in events:
             if job_id != self._job:
                 self._close(None)
                 self._flush()
                 self._job = job_id if job_id in self._jobs else None
+                self._priced = None
             if self._job is None:
                 continue
             self._last_attempt = attempt
             ts = datetime.fromisoformat(at).timestamp()
-            if self._open is not None and self._open[2] is None and model is not None and attempt == self._open[0]:
-                # (a hold begun before this release: a later transition of its attempt, stored since, names it)
-                self._open = (attempt, self._open[1], model, self._open[3])
+            if usd is not None:
+                self._priced = (attempt, usd)
+            price = self._priced[1] if self._priced is not None and self._priced[0] == attempt else None
+            if self._open is not None and attempt == self._open[0]:
+                # (a hold begun before this release, or read back from the store by a leader that did not place it:
+                # a later transition of its attempt names its model or price)
+                held_attempt, held_site, held_model, start, held_price = self._open
+                self._open = (attempt, held_site, held_model or model, start,
+                              held_price if held_price is not None else price)
             if self._open is not None and (state not in _HOLDING or attempt != self._open[0]):
                 self._close(ts)
             if self._open is None and state in _HOLDING and site is not None:
-                self._open = (attempt, site, model, ts)
+                self._open = (attempt, site, model, ts, price)
 
     def done(self) -> list[Held]:
         """The attempts read (one still holding its GPUs at the last transition read: ``end`` None)."""
@@ -141,7 +166,7 @@ class Holds:
         """The job being read is read whole: its holds, each on its model."""
         if self._job is not None:
             tenant, gpus, job_model = self._jobs[self._job]
-            for attempt, site, model, start, end in self._ended:
+            for attempt, site, model, start, price, end in self._ended:
                 model = model or (job_model if attempt == self._last_attempt else None) or UNKNOWN_MODEL
                 key = (gpus, model)
                 if key not in self._charges:
@@ -152,7 +177,7 @@ class Holds:
                         log.warning("usage: job %s: its GPU request cannot be read (%s); counted as %g GPUs",
                                     self._job, str(e).splitlines()[0], count)
                         self._charges[key] = count
-                self.held.append(Held(tenant, site, model, self._charges[key], start, end))
+                self.held.append(Held(tenant, site, model, self._charges[key], start, end, price))
         self._ended = []
 
 
@@ -186,22 +211,31 @@ def by_hour(hold: Held, until: float) -> Iterator[tuple[int, float]]:
         t = step
 
 
-def roll_up(held: Iterable[Held]) -> dict[tuple[int, str, str, str], tuple[float, int]]:
-    """Ended holds (of jobs about to be deleted) added up per (hour start, tenant, site, GPU model): GPU-seconds
-    and the attempts begun that hour (:data:`UsageRecords.hours`)."""
-    out: dict[tuple[int, str, str, str], tuple[float, int]] = {}
+def add_hour(figures: HourFigures | None, added: HourFigures) -> HourFigures:
+    """A rolled-up hour's figures with ``added`` added in (``figures`` None: the hour had none), as a store's
+    ``usage_hours`` adds them."""
+    if figures is None:
+        return added
+    return (figures[0] + added[0], figures[1] + added[1], figures[2] + added[2], figures[3] + added[3])
+
+
+def roll_up(held: Iterable[Held]) -> dict[tuple[int, str, str, str], HourFigures]:
+    """Ended holds (of jobs about to be deleted) added up per (hour start, tenant, site, GPU model): GPU-seconds,
+    the attempts begun that hour, and the GPU-seconds of those with a price recorded and their cost at it
+    (:data:`HourFigures`)."""
+    out: dict[tuple[int, str, str, str], HourFigures] = {}
     for h in held:
         if h.end is None:
             continue
         first = int(h.start // HOUR_S) * HOUR_S
+        usd = h.usd_per_gpu_hour
         for hour, gpu_s in by_hour(h, h.end):
             key = (hour, h.tenant, h.site, h.gpu_model)
-            seconds, attempts = out.get(key, (0.0, 0))
-            out[key] = (seconds + gpu_s, attempts + (hour == first))
+            priced = (gpu_s, gpu_s / HOUR_S * usd) if usd is not None else (0.0, 0.0)
+            out[key] = add_hour(out.get(key), (gpu_s, int(hour == first), *priced))
         if h.end <= h.start:  # (held no time: still an attempt begun)
             key = (first, h.tenant, h.site, h.gpu_model)
-            seconds, attempts = out.get(key, (0.0, 0))
-            out[key] = (seconds, attempts + 1)
+            out[key] = add_hour(out.get(key), (0.0, 1, 0.0, 0.0))
     return out
 
 
@@ -251,7 +285,7 @@ def hours_used(records: UsageRecords, start: datetime, end: datetime, now: datet
             first, last = min(first, out[site][0]), max(last, out[site][1])
         out[site] = (first, last)
 
-    for hour, _, site, _, gpu_s, _ in records.hours:
+    for hour, _, site, _, gpu_s, *_ in records.hours:
         if lo <= hour < hi and gpu_s > 0:
             add(site, int(hour), int(hour))
     for h in records.held:
@@ -262,17 +296,32 @@ def hours_used(records: UsageRecords, start: datetime, end: datetime, now: datet
 
 
 @dataclass(slots=True)
+class Part:
+    """A row's GPU-seconds on one model at one site: all of them, those with no price recorded (charged at the
+    price now), and the USD cost of the others at the prices recorded."""
+
+    gpu_s: float = 0.0
+    unpriced_s: float = 0.0
+    usd: float = 0.0
+
+    def add(self, gpu_s: float, unpriced_s: float, usd: float) -> None:
+        self.gpu_s += gpu_s
+        self.unpriced_s += unpriced_s
+        self.usd += usd
+
+
+@dataclass(slots=True)
 class Row:
     gpu_s: float = 0.0
     attempts: int = 0
-    parts: dict[tuple[str, str], float] = field(default_factory=dict)  # (site, model) -> GPU-seconds
+    parts: dict[tuple[str, str], Part] = field(default_factory=dict)  # (site, model) -> its GPU-seconds and cost
     kwh: dict[tuple[str, int], float] = field(default_factory=dict)  # (site, hour start) -> kWh (with intensities)
 
     def add(self, other: Row) -> None:
         self.gpu_s += other.gpu_s
         self.attempts += other.attempts
-        for k, s in other.parts.items():
-            self.parts[k] = self.parts.get(k, 0.0) + s
+        for k, p in other.parts.items():
+            self.parts.setdefault(k, Part()).add(p.gpu_s, p.unpriced_s, p.usd)
         for k, e in other.kwh.items():
             self.kwh[k] = self.kwh.get(k, 0.0) + e
 
@@ -285,8 +334,9 @@ def report(records: UsageRecords, start: datetime, end: datetime, now: datetime,
            prices: Mapping[str, Mapping[str, float]], tenants: Iterable[str] | None = None,
            site: str | None = None, intensity: Mapping[str, Mapping[int, float]] | None = None) -> dict[str, Any]:
     """The usage report over [``start``, ``end``) (whole hours): one row per distinct value of the ``by`` keys
-    (of :data:`GROUP_KEYS`), largest GPU-hours first, and the totals. ``prices``: site -> model -> USD per
-    GPU-hour (the specs' now); ``tenants``: only these (a submitter's own); ``site``: only this one;
+    (of :data:`GROUP_KEYS`), largest GPU-hours first, and the totals. Each attempt is charged at the price
+    recorded when it was placed; ``prices`` (site -> model -> USD per GPU-hour, as routing sees them now) charge the
+    GPU-seconds without one; ``tenants``: only these (a submitter's own); ``site``: only this one;
     ``intensity``: site -> hour start -> gCO2e/kWh of its grid, for ``co2e_kg`` (None: no carbon figures; a row
     with energy at an hour or site it lacks gets none either)."""
     lo, hi, until = start.timestamp(), end.timestamp(), min(now.timestamp(), end.timestamp())
@@ -299,15 +349,20 @@ def report(records: UsageRecords, start: datetime, end: datetime, now: datetime,
         values = {"tenant": tenant, "site": at_site, "gpu_model": model}
         return rows.setdefault(tuple(values[k] for k in by), Row())
 
-    def add(row: Row, at_site: str, model: str, hour: int, gpu_s: float) -> None:
+    def add(row: Row, at_site: str, model: str, hour: int, gpu_s: float, unpriced_s: float, usd: float) -> None:
         row.gpu_s += gpu_s
-        row.parts[(at_site, model)] = row.parts.get((at_site, model), 0.0) + gpu_s
+        row.parts.setdefault((at_site, model), Part()).add(gpu_s, unpriced_s, usd)
         if intensity is not None:
             row.kwh[(at_site, hour)] = row.kwh.get((at_site, hour), 0.0) + gpu_s / HOUR_S * _tdp_kw(model)
 
-    for hour, tenant, at_site, model, gpu_s, attempts in records.hours:
+    def held(gpu_s: float, price: float | None) -> tuple[float, float]:
+        """The unpriced GPU-seconds and the cost at its own price of ``gpu_s`` held by an attempt."""
+        return (gpu_s, 0.0) if price is None else (0.0, gpu_s / HOUR_S * price)
+
+    for hour, tenant, at_site, model, gpu_s, attempts, priced_s, usd in records.hours:
         if lo <= hour < hi and (row := row_of(tenant, at_site, model)) is not None:
-            add(row, at_site, model, hour, gpu_s)
+            unpriced_s = gpu_s - priced_s  # (what a replica of an earlier release, or one before migration 8, added)
+            add(row, at_site, model, hour, gpu_s, unpriced_s if unpriced_s > UNPRICED_SLACK * gpu_s else 0.0, usd)
             row.attempts += attempts
     for h in records.held:
         stop = h.end if h.end is not None else until
@@ -317,19 +372,31 @@ def report(records: UsageRecords, start: datetime, end: datetime, now: datetime,
         row.attempts += began
         clipped = Held(h.tenant, h.site, h.gpu_model, h.gpus, max(h.start, lo), min(stop, hi))
         if intensity is None:
-            add(row, h.site, h.gpu_model, 0, max(clipped.end - clipped.start, 0.0) * h.gpus)  # type: ignore[operator]
+            gpu_s = max(clipped.end - clipped.start, 0.0) * h.gpus  # type: ignore[operator]
+            add(row, h.site, h.gpu_model, 0, gpu_s, *held(gpu_s, h.usd_per_gpu_hour))
         else:
             for hour, gpu_s in by_hour(clipped, hi):
-                add(row, h.site, h.gpu_model, hour, gpu_s)
+                add(row, h.site, h.gpu_model, hour, gpu_s, *held(gpu_s, h.usd_per_gpu_hour))
+
+    def at_price_now(row: Row) -> tuple[float, float, bool]:
+        """The GPU-seconds of ``row`` with no price recorded that the price now charges, their cost, and whether
+        every part that held GPUs unpriced has a price now."""
+        gpu_s, usd, whole = 0.0, 0.0, True
+        for (st, m), p in row.parts.items():
+            if p.gpu_s > 0 and p.unpriced_s > 0:  # (a part that held no time costs nothing)
+                if m in prices.get(st, {}):
+                    gpu_s, usd = gpu_s + p.unpriced_s, usd + p.unpriced_s / HOUR_S * prices[st][m]
+                else:
+                    whole = False
+        return gpu_s, usd, whole
 
     def figures(row: Row) -> dict[str, Any]:
-        kwh = sum(s / HOUR_S * _tdp_kw(m) for (_, m), s in row.parts.items())
+        kwh = sum(p.gpu_s / HOUR_S * _tdp_kw(m) for (_, m), p in row.parts.items())
         out: dict[str, Any] = {"gpu_hours": round(row.gpu_s / HOUR_S, 6), "attempts": row.attempts,
                                "energy_kwh": round(kwh, 6)}
-        used = [(st, m, s) for (st, m), s in row.parts.items() if s > 0]  # (a part that held no time costs nothing)
-        priced = [s / HOUR_S * prices[st][m] for st, m, s in used if m in prices.get(st, {})]
-        if len(priced) == len(used):
-            out["cost_usd"] = round(sum(priced), 2)
+        _, today_usd, whole = at_price_now(row)
+        if whole:
+            out["cost_usd"] = round(sum(p.usd for p in row.parts.values()) + today_usd, 2)
         if intensity is not None:
             grams, known = 0.0, True
             for (st, hour), e in row.kwh.items():
@@ -349,8 +416,15 @@ def report(records: UsageRecords, start: datetime, end: datetime, now: datetime,
     for row in rows.values():
         total.add(row)
     out = {"from": start.isoformat(), "to": end.isoformat(), "by": list(by), "items": items, "total": figures(total)}
-    unknown = sum(s for (_, m), s in total.parts.items() if m not in ids.GPU_MODEL_BY_ID) / HOUR_S
+    notes = []
+    unknown = sum(p.gpu_s for (_, m), p in total.parts.items() if m not in ids.GPU_MODEL_BY_ID) / HOUR_S
     if unknown > 0:
-        out["notes"] = [f"energy_kwh, co2e_kg: {unknown:.6g} GPU-hours were held on a GPU model nobody recorded "
-                        f"(gpu_model {UNKNOWN_MODEL}: placed before this release) and count no energy"]
+        notes.append(f"energy_kwh, co2e_kg: {unknown:.6g} GPU-hours were held on a GPU model nobody recorded "
+                     f"(gpu_model {UNKNOWN_MODEL}: placed before this release) and count no energy")
+    today_h = at_price_now(total)[0] / HOUR_S
+    if today_h > 0:
+        notes.append(f"cost_usd: {today_h:.6g} GPU-hours were placed before prices were recorded (before this "
+                     f"release, or where their site had no price then) and are charged at today's price")
+    if notes:
+        out["notes"] = notes
     return out

@@ -55,8 +55,17 @@ async def run_job(store: Store, job_id: str, tenant: str, gpus: dict[str, Any],
     return job
 
 
-def dispatch(site: str, attempt: int, model: str) -> dict[str, Any]:
-    return {"site": site, "attempt": attempt, "gpu_model": model}
+def dispatch(site: str, attempt: int, model: str, usd: float | None = None) -> dict[str, Any]:
+    """A placement's changes, as the cycle makes them: the price routing saw there (``usd``; by default the one
+    PRICES gives, which the reports charge the rest at; None where it gives none)."""
+    return {"site": site, "attempt": attempt, "gpu_model": model,
+            "usd_per_gpu_hour": usd if usd is not None else PRICES.get(site, {}).get(model)}
+
+
+def ev(job_id: str, minute: float, state: str, site: str | None, attempt: int, model: str | None,
+       usd: float | None = None) -> usage.Event:
+    """A transition as a store gives it (:data:`broker.usage.Event`), at ``minute`` after T0."""
+    return (job_id, at(minute).isoformat(), state, site, attempt, model, usd)
 
 
 async def history(store: Store) -> None:
@@ -172,9 +181,9 @@ async def test_a_report_narrowed_to_tenants_or_a_site_leaves_the_others_out(stor
 def test_a_site_without_a_price_for_the_model_gives_no_cost_rather_than_a_wrong_one():
     records = usage.UsageRecords(usage.holds(
         {"j": ("t", '{"count": 1}', A100), "k": ("t", '{"count": 1}', H100)},
-        [("j", at(0).isoformat(), "admitted", "s1", 1, A100), ("j", at(60).isoformat(), "succeeded", "s1", 1, A100),
-         ("k", at(0).isoformat(), "admitted", "gone", 1, H100),
-         ("k", at(60).isoformat(), "succeeded", "gone", 1, H100)]),
+        [ev("j", 0, "admitted", "s1", 1, A100), ev("j", 60, "succeeded", "s1", 1, A100),
+         ev("k", 0, "admitted", "gone", 1, H100),
+         ev("k", 60, "succeeded", "gone", 1, H100)]),
         [])
     body = usage.report(records, *usage.window(at(0), at(120), NOW), NOW, ("site",), PRICES)
     by_site = {i["site"]: i for i in body["items"]}
@@ -185,8 +194,8 @@ def test_a_site_without_a_price_for_the_model_gives_no_cost_rather_than_a_wrong_
 def test_a_transition_of_an_earlier_release_without_a_model_is_charged_to_the_jobs_model_or_unknown():
     records = usage.UsageRecords(usage.holds(
         {"j": ("t", '{"count": 2}', H100), "k": ("t", '{"count": 1, "shared": true, "memory_gib": 20}', None)},
-        [("j", at(0).isoformat(), "running", "s2", 1, None), ("j", at(30).isoformat(), "succeeded", "s2", 1, None),
-         ("k", at(0).isoformat(), "running", "s1", 1, None), ("k", at(30).isoformat(), "succeeded", "s1", 1, None)]),
+        [ev("j", 0, "running", "s2", 1, None), ev("j", 30, "succeeded", "s2", 1, None),
+         ev("k", 0, "running", "s1", 1, None), ev("k", 30, "succeeded", "s1", 1, None)]),
         [])
     body = usage.report(records, *usage.window(at(0), at(60), NOW), NOW, ("gpu_model",), PRICES)
     got = {i["gpu_model"]: i["gpu_hours"] for i in body["items"]}
@@ -197,21 +206,23 @@ def test_a_transition_of_an_earlier_release_without_a_model_is_charged_to_the_jo
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.floats(0, 30 * 3600), st.floats(0, 20 * 3600),
-                          st.sampled_from([0.25, 1.0, 8.0])), min_size=1, max_size=12),
+                          st.sampled_from([0.25, 1.0, 8.0]), st.sampled_from([None, 1.5, 3.0])),
+                min_size=1, max_size=12),
        st.integers(0, 40), st.integers(1, 40))
 def test_hours_rolled_up_report_what_the_attempts_themselves_report(attempts, first_hour, hours):
-    """For any set of ended attempts and any window of whole hours, the report from their rolled-up hours equals
-    the report from the attempts, and the attempts read from transitions streamed in two pieces are those read at
-    once."""
+    """For any set of ended attempts (each at the price it was placed at, or none recorded) and any window of
+    whole hours, the report from their rolled-up hours equals the report from the attempts, costs and notes too,
+    and the attempts read from transitions streamed in two pieces are those read at once."""
     base = 1_646_000_000 // 3600 * 3600
-    held = [usage.Held(f"t{t}", f"s{s}", A100, gpus, base + start, base + start + length)
-            for t, s, start, length, gpus in attempts]
+    held = [usage.Held(f"t{t}", f"s{s}", A100, gpus, base + start, base + start + length, usd)
+            for t, s, start, length, gpus, usd in attempts]
     jobs, events = {}, []
     for i, h in enumerate(held):
         jobs[f"j{i:02d}"] = (h.tenant, f'{{"count": {int(h.gpus)}}}' if h.gpus >= 1 else '{"count": 1, "milli": 250}',
                              A100)
-        events += [(f"j{i:02d}", datetime.fromtimestamp(h.start, UTC).isoformat(), "running", h.site, 1, A100),
-                   (f"j{i:02d}", datetime.fromtimestamp(h.end, UTC).isoformat(), "succeeded", h.site, 1, A100)]
+        events += [(f"j{i:02d}", datetime.fromtimestamp(h.start, UTC).isoformat(), "running", h.site, 1, A100,
+                    h.usd_per_gpu_hour),
+                   (f"j{i:02d}", datetime.fromtimestamp(h.end, UTC).isoformat(), "succeeded", h.site, 1, A100, None)]
     live = usage.UsageRecords(usage.holds(jobs, events), [])
     for cut in range(len(events) + 1):  # a store streams the transitions in pieces: any cut reads the same
         reader = usage.Holds()
@@ -220,14 +231,17 @@ def test_hours_rolled_up_report_what_the_attempts_themselves_report(attempts, fi
         reader.feed(events[:cut])
         reader.feed(events[cut:])
         assert reader.done() == live.held
-    rolled = usage.UsageRecords([], [(*k, s, n) for k, (s, n) in usage.roll_up(live.held).items()])
+    rolled = usage.UsageRecords([], [(*k, *figures) for k, figures in usage.roll_up(live.held).items()])
     start = datetime.fromtimestamp(base + first_hour * 3600, UTC)
     end = start + timedelta(hours=hours)
     now = datetime.fromtimestamp(base + 100 * 3600, UTC)
+    today = {f"s{s}": {A100: 2.0} for s in range(3)}
     for by in (EVERYTHING, ("tenant",), ("site",)):
-        a = usage.report(live, start, end, now, by, {})
-        b = usage.report(rolled, start, end, now, by, {})
+        a = usage.report(live, start, end, now, by, today)
+        b = usage.report(rolled, start, end, now, by, today)
         assert rows(b) == {k: (near(h, abs=1e-5), n) for k, (h, n) in rows(a).items()}
+        assert [i["cost_usd"] for i in b["items"]] == [near(i["cost_usd"], abs=0.011) for i in a["items"]]
+        assert ("notes" in b) == ("notes" in a)  # (GPU-hours with no price recorded: said the same way)
 
 
 # --- over HTTP and the CLI ---
@@ -314,6 +328,15 @@ async def test_a_window_at_the_ends_of_the_calendar_is_a_400_not_a_server_error(
     assert (await r.json())["error"]["fields"][0]["field"] == field
 
 
+EVENT_COLUMNS = ("job_id", "at", "state", "site", "attempt", "reason", "gpu_model", "usd_per_gpu_hour")
+
+
+def insert_event(kind: str, columns: tuple[str, ...]) -> str:
+    """A store's INSERT_EVENT as an earlier release wrote it, naming ``columns`` alone."""
+    marks = ", ".join("?" if kind == "sqlite" else f"${i}" for i in range(1, len(columns) + 1))
+    return f"INSERT INTO job_events ({', '.join(columns)}) VALUES ({marks})"
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 async def test_transitions_an_earlier_release_stored_are_charged_once_the_store_is_migrated(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
@@ -327,7 +350,7 @@ async def test_transitions_an_earlier_release_stored_are_charged_once_the_store_
     def opener() -> Store:
         return SQLiteStore(place) if kind == "sqlite" else PostgresStore(place)
 
-    old_event = module._INSERT_EVENT.replace(", gpu_model)", ")").replace(", ?)", ")").replace(", $7)", ")")
+    old_event = insert_event(kind, EVENT_COLUMNS[:6])
     with monkeypatch.context() as m:
         m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:6])
         m.setattr(type(opener()), "INSERT_EVENT", old_event)
@@ -348,6 +371,149 @@ async def test_transitions_an_earlier_release_stored_are_charged_once_the_store_
         assert rows(await report(s, *day)) == {("vision", "s1", A100): (near(1.0), 1)}
     finally:
         await s.close()
+
+
+# The statement with which a leader of the release before migration 8 adds a roll-up: GPU-seconds alone.
+ADD_USAGE_7 = {
+    "sqlite": "INSERT INTO usage_hours (hour, tenant, site, gpu_model, gpu_seconds, attempts)"
+              " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
+              " gpu_seconds = gpu_seconds + excluded.gpu_seconds, attempts = attempts + excluded.attempts",
+    "postgres": "INSERT INTO usage_hours AS u (hour, tenant, site, gpu_model, gpu_seconds, attempts)"
+                " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::double precision[],"
+                " $6::bigint[]) ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
+                " gpu_seconds = u.gpu_seconds + excluded.gpu_seconds, attempts = u.attempts + excluded.attempts"}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_database_of_migration_7_keeps_its_usage_and_charges_what_had_no_price_at_todays(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A database the release before prices were recorded made (migration 7: transitions with a model and no
+    price, hours rolled up without a cost) opens at migration 8 with its rows: what they hold is charged at today's
+    price, and the note says how much; an attempt placed since, at its own. A leader of that release rolling up
+    after the migration (as while replicas of two releases share the database) adds GPU-seconds without a price,
+    charged at today's price too, not for nothing."""
+    from broker.store import postgres as pg, sql, sqlite as sq
+    module = sq if kind == "sqlite" else pg
+    place = str(tmp_path / "h.db") if kind == "sqlite" else await request.getfixturevalue(
+        "postgres_server").create_database()
+
+    def opener() -> Store:
+        return SQLiteStore(place) if kind == "sqlite" else PostgresStore(place)
+
+    cls = type(opener())
+    added = cls._usage_added
+
+    def as_release_7(m: pytest.MonkeyPatch) -> None:
+        """This process writes as the release before migration 8 did."""
+        m.setattr(cls, "INSERT_EVENT", insert_event(kind, EVENT_COLUMNS[:7]))
+        m.setattr(sql, "event_row", lambda job, reason: (job.id, job.updated_at.isoformat(), job.state.value,
+                                                         job.site, job.attempt, reason or job.reason, job.gpu_model))
+        m.setattr(cls, "ADD_USAGE", ADD_USAGE_7[kind])
+        m.setattr(cls, "_usage_added", lambda self, rows: added(self, [r[:6] for r in rows]))
+
+    D, A, S = JobState.DISPATCHING, JobState.ADMITTED, JobState.SUCCEEDED
+    with monkeypatch.context() as m:
+        m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:7])
+        m.setattr(module, "_EVENT_COLUMNS", ", ".join(EVENT_COLUMNS[:5]) + ", gpu_model, NULL")
+        as_release_7(m)
+        s = opener()
+        await s.open()
+        # 1 GPU-hour rolled up by that release; half a GPU-hour still kept with its transitions
+        await run_job(s, "rolled", "a", {"count": 1}, [(0, D, dispatch("s1", 1, A100)), (0, A, {}), (60, S, {})])
+        await run_job(s, "kept", "b", {"count": 1}, [(0, D, dispatch("s1", 1, A100)), (0, A, {}), (30, S, {})])
+        assert await s.prune_ended(at(61), 10, keep={"kept"}) == ["rolled"]
+        await s.close()
+    today = {"s1": {A100: 4.0}}
+    day = (datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC))
+
+    async def costs() -> tuple[dict[str, float], list[str]]:
+        body = usage.report(await s.usage_records(day[0].timestamp(), day[1].timestamp()), *day, NOW, ("tenant",),
+                            today)
+        return {i["tenant"]: i["cost_usd"] for i in body["items"]}, body.get("notes", [])
+
+    s = opener()
+    await s.open()
+    try:
+        await run_job(s, "new", "c", {"count": 1}, [(0, D, dispatch("s1", 1, A100, usd=1.0)), (0, A, {}),
+                                                    (60, S, {})])
+        assert await costs() == ({"a": near(4.0), "b": near(2.0), "c": near(1.0)}, [
+            "cost_usd: 1.5 GPU-hours were placed before prices were recorded (before this release, or where their "
+            "site had no price then) and are charged at today's price"])
+        assert await s.prune_ended(at(100), 10, keep={"new"}) == ["kept"]  # (rolled up at no price: today's)
+        assert (await costs())[0] == {"a": near(4.0), "b": near(2.0), "c": near(1.0)}
+        with monkeypatch.context() as m:  # a leader of release 7 deletes "new": its price is lost, not its hours
+            as_release_7(m)
+            assert await s.prune_ended(at(100), 10) == ["new"]
+        assert await costs() == ({"a": near(4.0), "b": near(2.0), "c": near(4.0)}, [
+            "cost_usd: 2.5 GPU-hours were placed before prices were recorded (before this release, or where their "
+            "site had no price then) and are charged at today's price"])
+    finally:
+        await s.close()
+
+
+async def test_each_attempt_is_charged_at_the_price_it_was_placed_at_before_and_after_the_retention(store: Store):
+    """s1's A100s cost 2 USD a GPU-hour when "early" was placed and 5 from when "late" was; an attempt with no price
+    recorded (placed by an earlier release) is charged at today's, 5, and said to be. The retention deleting them
+    changes no figure."""
+    D, A, R, S = JobState.DISPATCHING, JobState.ADMITTED, JobState.RUNNING, JobState.SUCCEEDED
+    await run_job(store, "early", "e", {"count": 2}, [(0, D, dispatch("s1", 1, A100, usd=2.0)), (0, A, {}),
+                                                      (1, R, {}), (60, S, {})])
+    await run_job(store, "late", "l", {"count": 2}, [(120, D, dispatch("s1", 1, A100, usd=5.0)), (120, A, {}),
+                                                     (180, S, {})])
+    await run_job(store, "old", "o", {"count": 1}, [(0, D, {"site": "s1", "attempt": 1, "gpu_model": A100}),
+                                                    (0, A, {}), (30, S, {})])
+    today = {"s1": {A100: 5.0}}
+    day = (datetime(2022, 3, 1, tzinfo=UTC), datetime(2022, 3, 2, tzinfo=UTC))
+
+    async def bill(by: tuple[str, ...]) -> dict[str, Any]:
+        return usage.report(await store.usage_records(day[0].timestamp(), day[1].timestamp()), *day, NOW, by, today)
+
+    before = [await bill(by) for by in (("tenant",), EVERYTHING, ("site",))]
+    assert {i["tenant"]: i["cost_usd"] for i in before[0]["items"]} == {
+        "e": near(2.0 * 2), "l": near(5.0 * 2), "o": near(5.0 * 0.5)}
+    assert before[2]["items"][0]["cost_usd"] == near(16.5) and before[2]["total"]["cost_usd"] == near(16.5)
+    assert before[0]["notes"] == ["cost_usd: 0.5 GPU-hours were placed before prices were recorded (before this "
+                                  "release, or where their site had no price then) and are charged at today's price"]
+    assert sorted(await store.prune_ended(at(290), 100)) == ["early", "late", "old"]
+    after = [await bill(by) for by in (("tenant",), EVERYTHING, ("site",))]
+    for b, a in zip(before, after):
+        assert [(i["cost_usd"], i["gpu_hours"]) for i in a["items"]] == [
+            (near(i["cost_usd"], abs=0.011), near(i["gpu_hours"])) for i in b["items"]]
+        assert a["total"]["cost_usd"] == near(b["total"]["cost_usd"], abs=0.011) and a["notes"] == b["notes"]
+
+
+async def test_the_cycle_records_the_price_at_placement_so_a_price_changed_later_does_not_rewrite_the_bill(
+        client: TestClient):
+    """A job placed while berlin's A100s cost 3 USD a GPU-hour keeps that price after the site's spec says 7; one
+    placed after the change is charged 7."""
+    await register(client, site_body("berlin", "gcp:europe-west3", {A100: 8}, usd_per_gpu_hour={A100: 3.0}))
+    first = await (await client.post("/v1/jobs", json={**MINIMAL, "gpus": {"count": 8}, "duration_s": 1})).json()
+    await wait_for(client, first["id"], {"succeeded"})
+    r = await client.put("/v1/sites/berlin", json=site_body("berlin", "gcp:europe-west3", {A100: 8},
+                                                             usd_per_gpu_hour={A100: 7.0}))
+    assert r.status == 200, await r.text()
+    second = await (await client.post("/v1/jobs", json={**MINIMAL, "tenant": "t2", "gpus": {"count": 8},
+                                                        "duration_s": 1})).json()
+    await wait_for(client, second["id"], {"succeeded"})
+    now = datetime.now(UTC)
+    records = await client.broker.store.usage_records((now - timedelta(hours=1)).timestamp(), now.timestamp())
+    assert {h.tenant: h.usd_per_gpu_hour for h in records.held} == {"t1": 3.0, "t2": 7.0}
+    body = await (await client.get("/v1/usage", params={"by": "tenant"})).json()
+    held = {h.tenant: (h.end - h.start) * h.gpus / 3600 for h in records.held}  # type: ignore[operator]
+    assert {i["tenant"]: i["cost_usd"] for i in body["items"]} == {
+        "t1": near(round(3.0 * held["t1"], 2), abs=0.006), "t2": near(round(7.0 * held["t2"], 2), abs=0.006)}
+    assert "notes" not in body
+
+
+def test_a_placed_jobs_document_has_no_price_so_an_earlier_release_still_reads_it():
+    """Job forbids keys it does not know in every release: the price lives in the transitions, not the document,
+    and a job back in the queue has none."""
+    job = Job(id="j", spec=JobSpec(tenant="t", name="j", gpus={"count": 1}, duration_s=60), created_at=T0,
+              updated_at=T0)
+    placed = job.transition(JobState.DISPATCHING, at(1), **dispatch("s1", 1, A100, usd=2.5))
+    assert placed.usd_per_gpu_hour == 2.5 and "usd_per_gpu_hour" not in placed.model_dump_json()
+    assert "usd_per_gpu_hour" not in Job.model_json_schema(mode="serialization")["properties"]
+    assert placed.transition(JobState.QUEUED, at(2)).usd_per_gpu_hour is None
 
 
 # --- carbon: the grid's measured intensity where and when the GPUs were held ---
@@ -383,7 +549,7 @@ async def test_a_tenants_carbon_is_its_energy_hour_by_hour_at_the_grids_measured
     morning = SLICE_NOW.replace(hour=8, minute=30)
     # 2 A100s at frankfurt 08:30 -> 10:30; 1 A100 at tokyo from 11:30, running now (12:20)
     await run_job(broker.store, "fra", "vision", {"count": 2}, [
-        (0, D, dispatch("frankfurt", 1, A100)), (0, A, {}), (1, R, {}), (120, S, {})], t0=morning)
+        (0, D, dispatch("frankfurt", 1, A100, usd=2.0)), (0, A, {}), (1, R, {}), (120, S, {})], t0=morning)
     await run_job(broker.store, "tyo", "nlp", {"count": 1}, [
         (180, D, dispatch("tokyo", 1, A100)), (180, A, {}), (181, R, {})], t0=morning)
     r = await green_client.get("/v1/usage", params={"from": "2022-06-15", "to": "2022-06-16", "by": "tenant"})
@@ -480,7 +646,7 @@ def test_the_cli_gives_the_report_as_csv_for_a_spreadsheet():
 def test_a_stored_request_this_release_cannot_read_is_counted_by_its_count_not_in_the_retentions_way(caplog):
     """The roll-up runs before the retention deletes jobs: a request it cannot read must not stop the deletion."""
     jobs = {"odd": ("t", '{"count": 3, "milli": 5000}', A100), "junk": ("t", "not json", A100)}
-    events = [(j, at(m).isoformat(), state, "s1", 1, A100) for j in ("odd", "junk")
+    events = [ev(j, m, state, "s1", 1, A100) for j in ("odd", "junk")
               for m, state in ((0, "running"), (60, "succeeded"))]
     held = usage.holds(jobs, events)
     assert sorted(h.gpus for h in held) == [1.0, 3.0]
@@ -536,9 +702,9 @@ def test_an_earlier_releases_attempt_on_another_site_is_charged_to_an_unknown_mo
     model (README: ``unknown`` for an attempt placed before this release, where the job has moved on since)."""
     records = usage.UsageRecords(usage.holds(
         {"j": ("t", '{"count": 1}', H100)},
-        [("j", at(0).isoformat(), "running", "s1", 1, None), ("j", at(30).isoformat(), "queued", None, 1, None),
-         ("j", at(30).isoformat(), "dispatching", "s2", 2, None), ("j", at(30).isoformat(), "running", "s2", 2, None),
-         ("j", at(60).isoformat(), "succeeded", "s2", 2, None)]), [])
+        [ev("j", 0, "running", "s1", 1, None), ev("j", 30, "queued", None, 1, None),
+         ev("j", 30, "dispatching", "s2", 2, None), ev("j", 30, "running", "s2", 2, None),
+         ev("j", 60, "succeeded", "s2", 2, None)]), [])
     body = usage.report(records, *usage.window(at(0), at(60), NOW), NOW, ("site", "gpu_model"), PRICES)
     assert rows(body) == {("s1", usage.UNKNOWN_MODEL): (near(0.5), 1), ("s2", H100): (near(0.5), 1)}
 
@@ -548,9 +714,9 @@ def test_an_attempt_begun_before_the_upgrade_takes_the_model_a_later_transition_
     on that model, though the job has moved on since."""
     records = usage.UsageRecords(usage.holds(
         {"j": ("t", '{"count": 1}', H100)},
-        [("j", at(0).isoformat(), "running", "s1", 1, None), ("j", at(30).isoformat(), "preempted", "s1", 1, A100),
-         ("j", at(30).isoformat(), "queued", None, 1, None), ("j", at(30).isoformat(), "dispatching", "s2", 2, H100),
-         ("j", at(30).isoformat(), "running", "s2", 2, H100), ("j", at(60).isoformat(), "succeeded", "s2", 2, H100)]),
+        [ev("j", 0, "running", "s1", 1, None), ev("j", 30, "preempted", "s1", 1, A100),
+         ev("j", 30, "queued", None, 1, None), ev("j", 30, "dispatching", "s2", 2, H100),
+         ev("j", 30, "running", "s2", 2, H100), ev("j", 60, "succeeded", "s2", 2, H100)]),
         [])
     body = usage.report(records, *usage.window(at(0), at(60), NOW), NOW, ("site", "gpu_model"), PRICES)
     assert rows(body) == {("s1", A100): (near(0.5), 1), ("s2", H100): (near(0.5), 1)}
@@ -576,7 +742,7 @@ async def test_a_date_in_iso_8601s_other_forms_is_its_midnight_utc_too(client: T
 
 
 def test_gpu_hours_on_an_unrecorded_model_are_said_to_count_no_energy_and_a_part_that_held_no_time_costs_nothing():
-    held = [usage.Held("t", "s1", A100, 1.0, at(0).timestamp(), at(60).timestamp()),
+    held = [usage.Held("t", "s1", A100, 1.0, at(0).timestamp(), at(60).timestamp(), 2.0),
             usage.Held("t", "s1", usage.UNKNOWN_MODEL, 2.0, at(0).timestamp(), at(30).timestamp()),
             usage.Held("t", "gone", H100, 4.0, at(10).timestamp(), at(10).timestamp())]  # (no time held)
     body = usage.report(usage.UsageRecords(held, []), *usage.window(at(0), at(120), NOW), NOW, ("tenant",),

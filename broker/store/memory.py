@@ -54,12 +54,13 @@ class _Row:
     digest: str | None
 
 
-_EVENT_KEYS = ("at", "state", "site", "attempt", "reason")  # what job_events gives (the model is usage's alone)
+_EVENT_KEYS = ("at", "state", "site", "attempt", "reason")  # what job_events gives (model, price: usage's alone)
 
 
 def _event(job: Job, reason: str | None) -> dict[str, Any]:
     return {"at": job.updated_at.isoformat(), "state": job.state.value, "site": job.site,
-            "attempt": job.attempt, "reason": reason or job.reason, "gpu_model": job.gpu_model}
+            "attempt": job.attempt, "reason": reason or job.reason, "gpu_model": job.gpu_model,
+            "usd_per_gpu_hour": job.usd_per_gpu_hour}
 
 
 class MemoryStore(QueuedUpdates):
@@ -70,8 +71,9 @@ class MemoryStore(QueuedUpdates):
         self._by_seq: list[_Row] = []  # the same rows, ascending seq (rows of pruned jobs are taken out)
         self._keys: dict[tuple[str, str], str] = {}  # (tenant, idempotency key) -> job id
         self._events: dict[str, list[dict[str, Any]]] = {}
-        # (hour, tenant, site, model) -> GPU-seconds and attempts begun, of the jobs pruned (broker.usage)
-        self._hours: dict[tuple[int, str, str, str], tuple[float, int]] = {}
+        # (hour, tenant, site, model) -> GPU-seconds, attempts begun, priced GPU-seconds and their cost, of the jobs
+        # pruned (broker.usage)
+        self._hours: dict[tuple[int, str, str, str], tuple[float, int, float, float]] = {}
         self._decisions: dict[str, StoredDecision] = {}
         self._sites: dict[str, SiteSpec] = {}
         self._state: dict[str, str] = {}  # put_state: name -> JSON
@@ -256,14 +258,14 @@ class MemoryStore(QueuedUpdates):
         for job_id in sorted(ids):
             job = self._rows[job_id].job
             jobs[job_id] = (job.spec.tenant, job.spec.gpus.model_dump_json(), job.gpu_model)
-            events += [(job_id, e["at"], e["state"], e["site"], e["attempt"], e["gpu_model"])
+            events += [(job_id, e["at"], e["state"], e["site"], e["attempt"], e["gpu_model"], e["usd_per_gpu_hour"])
                        for e in self._events.get(job_id, ())]
         return usage.holds(jobs, events)
 
     async def usage_records(self, start: float, end: float) -> usage.UsageRecords:
         self._check_open()
         kept = [r.job.id for r in self._by_seq if (ended_at(r.job) or math.inf) >= start - 86400]
-        hours = [(*key, gpu_s, n) for key, (gpu_s, n) in self._hours.items() if start <= key[0] < end]
+        hours = [(*key, *figures) for key, figures in self._hours.items() if start <= key[0] < end]
         return usage.UsageRecords(self._usage_of(kept), hours)
 
     async def date_ended(self, limit: int) -> int:
@@ -276,9 +278,8 @@ class MemoryStore(QueuedUpdates):
         ended = sorted((ended_at(r.job), r.job.id) for r in self._by_seq if r.job.state.terminal)
         ids = [job_id for at, job_id in ended if at is not None and at < before.timestamp()
                and job_id not in keep][:limit]
-        for key, (gpu_s, attempts) in usage.roll_up(self._usage_of(ids)).items():
-            seconds, begun = self._hours.get(key, (0.0, 0))
-            self._hours[key] = (seconds + gpu_s, begun + attempts)
+        for key, added in usage.roll_up(self._usage_of(ids)).items():
+            self._hours[key] = usage.add_hour(self._hours.get(key), added)
         for job_id in ids:
             row = self._rows.pop(job_id)
             if row.idempotency_key is not None:

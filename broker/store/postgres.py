@@ -154,6 +154,14 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (hour, tenant, site, gpu_model)
     );
     """,
+    # 8: as SQLite's migration 8: each transition's attempt's price at its placement (null where none was
+    # recorded), and the priced GPU-seconds of the rolled-up hours and their cost (an earlier release's replica,
+    # adding gpu_seconds alone, adds unpriced ones). Adding a column with a constant default rewrites nothing.
+    """
+    ALTER TABLE job_events ADD COLUMN usd_per_gpu_hour DOUBLE PRECISION;
+    ALTER TABLE usage_hours ADD COLUMN priced_gpu_seconds DOUBLE PRECISION NOT NULL DEFAULT 0,
+        ADD COLUMN cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0;
+    """,
 )
 
 # A document read as json with each \u0000 escape read as U+FFFD, as migration 6 reads labels (json refuses one as
@@ -171,10 +179,11 @@ def _usage_jobs(where: str) -> str:
 _USAGE_PIECE = 10_000  # rows a usage report reads at a time
 _USAGE_KEPT = "SELECT id FROM jobs WHERE ended_at IS NULL OR ended_at >= $1"
 _USAGE_JOBS = _usage_jobs("ended_at IS NULL OR ended_at >= $1")
-_USAGE_EVENTS = (f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events WHERE job_id IN ({_USAGE_KEPT})"
+_EVENT_COLUMNS = "job_id, at, state, site, attempt, gpu_model, usd_per_gpu_hour"  # (broker.usage.Event)
+_USAGE_EVENTS = (f"SELECT {_EVENT_COLUMNS} FROM job_events WHERE job_id IN ({_USAGE_KEPT})"
                  " ORDER BY job_id, seq")
-_USAGE_HOURS = ("SELECT hour, tenant, site, gpu_model, gpu_seconds, attempts FROM usage_hours"
-                " WHERE hour >= $1 AND hour < $2")
+_USAGE_HOURS = ("SELECT hour, tenant, site, gpu_model, gpu_seconds, attempts, priced_gpu_seconds, cost_usd"
+                " FROM usage_hours WHERE hour >= $1 AND hour < $2")
 
 MIGRATION_LOCK = 0x68656C696F74  # pg_advisory_xact_lock key ("heliot"): one replica migrates at a time
 
@@ -185,8 +194,8 @@ _INSERT_JOB = (
 )
 _UPDATE_JOB = ("UPDATE jobs SET state = $1, site = $2, version = $3, doc = $4, priority = $5, ended_at = $6"
                " WHERE id = $7 AND version = $8")
-_INSERT_EVENT = ("INSERT INTO job_events (job_id, at, state, site, attempt, reason, gpu_model)"
-                 " VALUES ($1, $2, $3, $4, $5, $6, $7)")
+_INSERT_EVENT = ("INSERT INTO job_events (job_id, at, state, site, attempt, reason, gpu_model, usd_per_gpu_hour)"
+                 " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)")
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES ($1, $2, $3)"
     " ON CONFLICT (job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc"
@@ -250,10 +259,14 @@ class PostgresStore(SqlWriteQueue):
     DATE_ENDED = ("UPDATE jobs SET ended_at = d.ended_at FROM unnest($1::double precision[], $2::text[])"
                   " AS d(ended_at, id) WHERE jobs.id = d.id AND jobs.ended_at IS NULL")
     ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < $1 ORDER BY ended_at, id LIMIT $2"
-    ADD_USAGE = ("INSERT INTO usage_hours AS u (hour, tenant, site, gpu_model, gpu_seconds, attempts)"
+    ADD_USAGE = ("INSERT INTO usage_hours AS u (hour, tenant, site, gpu_model, gpu_seconds, attempts,"
+                 " priced_gpu_seconds, cost_usd)"
                  " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::double precision[],"
-                 " $6::bigint[]) ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
-                 " gpu_seconds = u.gpu_seconds + excluded.gpu_seconds, attempts = u.attempts + excluded.attempts")
+                 " $6::bigint[], $7::double precision[], $8::double precision[])"
+                 " ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
+                 " gpu_seconds = u.gpu_seconds + excluded.gpu_seconds, attempts = u.attempts + excluded.attempts,"
+                 " priced_gpu_seconds = u.priced_gpu_seconds + excluded.priced_gpu_seconds,"
+                 " cost_usd = u.cost_usd + excluded.cost_usd")
     DELETE_ENDED = (
         "DELETE FROM job_events WHERE job_id = ANY($1::text[])",
         "DELETE FROM decisions WHERE job_id = ANY($1::text[])",
@@ -550,11 +563,11 @@ class PostgresStore(SqlWriteQueue):
 
     async def _usage_of(self, ids: list[str]) -> list[usage.Held]:
         jobs = await self._all(_usage_jobs("id = ANY($1::text[])"), ids)
-        events = await self._all("SELECT job_id, at, state, site, attempt, gpu_model FROM job_events"
+        events = await self._all(f"SELECT {_EVENT_COLUMNS} FROM job_events"
                                  " WHERE job_id = ANY($1::text[]) ORDER BY job_id, seq", ids)
         return usage.holds({r[0]: (r[1], r[2], r[3]) for r in jobs}, [tuple(r) for r in events])
 
-    def _usage_added(self, rows: list[tuple[int, str, str, str, float, int]]) -> list[tuple[str, tuple[Any, ...]]]:
+    def _usage_added(self, rows: list[usage.HourRow]) -> list[tuple[str, tuple[Any, ...]]]:
         return [(self.ADD_USAGE, tuple(list(column) for column in zip(*rows)))] if rows else []
 
     # --- decisions ---

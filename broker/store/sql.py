@@ -34,7 +34,7 @@ class Write:
 
 def event_row(job: Job, reason: str | None) -> tuple[Any, ...]:
     return (job.id, job.updated_at.isoformat(), job.state.value, job.site, job.attempt, reason or job.reason,
-            job.gpu_model)
+            job.gpu_model, job.usd_per_gpu_hour)
 
 
 class SqlWriteQueue(QueuedUpdates):
@@ -44,12 +44,13 @@ class SqlWriteQueue(QueuedUpdates):
     INSERT_JOB: ClassVar[str]  # (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc,
     #                             ended_at)
     UPDATE_JOB: ClassVar[str]  # (state, site, version, doc, priority, ended_at, id, expected version)
-    INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason, gpu_model)
+    INSERT_EVENT: ClassVar[str]  # (job_id, at, state, site, attempt, reason, gpu_model, usd_per_gpu_hour)
     UPSERT_DECISION: ClassVar[str]  # (job_id, attempt, doc)
     UNDATED_ENDED: ClassVar[str]  # (limit) -> (id, doc) of jobs in a final state with no ended_at, oldest first
     DATE_ENDED: ClassVar[str]  # (ended_at, id); see _date_ended
     ENDED_BEFORE: ClassVar[str]  # (before, limit) -> (id,) of jobs that ended before, first ended first
-    ADD_USAGE: ClassVar[str]  # (hour, tenant, site, gpu_model, gpu_seconds, attempts): added into usage_hours' row
+    ADD_USAGE: ClassVar[str]  # (hour, tenant, site, gpu_model, gpu_seconds, attempts, priced_gpu_seconds,
+    #                            cost_usd): added into usage_hours' row
     DELETE_ENDED: ClassVar[tuple[str, ...]]  # (id) each: its transitions, its decision, the job (if it ended);
     #                                           see _delete_ended
 
@@ -130,9 +131,9 @@ class SqlWriteQueue(QueuedUpdates):
         each (a store that sends one statement per table for them all overrides it)."""
         return [(sql, (job_id,)) for job_id in ids for sql in self.DELETE_ENDED]
 
-    def _usage_added(self, rows: list[tuple[int, str, str, str, float, int]]) -> list[tuple[str, tuple[Any, ...]]]:
-        """The statements that add ``rows`` (hour, tenant, site, model, GPU-seconds, attempts) into
-        ``usage_hours``: one each (a store that sends one statement for them all overrides it)."""
+    def _usage_added(self, rows: list[usage.HourRow]) -> list[tuple[str, tuple[Any, ...]]]:
+        """The statements that add ``rows`` (hour, tenant, site, model, GPU-seconds, attempts, priced GPU-seconds,
+        their cost) into ``usage_hours``: one each (a store that sends one statement for them all overrides it)."""
         return [(self.ADD_USAGE, row) for row in rows]
 
     async def date_ended(self, limit: int) -> int:
@@ -150,6 +151,6 @@ class SqlWriteQueue(QueuedUpdates):
         ids = [r[0] for r in rows if r[0] not in keep][:limit]
         if ids:
             hours = usage.roll_up(await self._usage_of(ids))
-            added = self._usage_added([(*key, gpu_s, attempts) for key, (gpu_s, attempts) in sorted(hours.items())])
+            added = self._usage_added([(*key, *figures) for key, figures in sorted(hours.items())])
             await self._submit(self._new_write(added + self._delete_ended(ids), fenced=True))
         return ids

@@ -136,6 +136,16 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (hour, tenant, site, gpu_model)
     );
     """,
+    # 8: the price of each transition's attempt as routing saw it when the attempt was placed (USD per GPU-hour;
+    # null where unpriced, stored before it, or by a replica of an earlier release), and in usage_hours the
+    # GPU-seconds of the rolled-up attempts that had one and what they cost at it. Those without one are
+    # gpu_seconds less priced_gpu_seconds: what a replica of an earlier release rolls up (it adds gpu_seconds
+    # alone) and the rows rolled up before it are so charged at the price of the day, as before.
+    """
+    ALTER TABLE job_events ADD COLUMN usd_per_gpu_hour REAL;
+    ALTER TABLE usage_hours ADD COLUMN priced_gpu_seconds REAL NOT NULL DEFAULT 0;
+    ALTER TABLE usage_hours ADD COLUMN cost_usd REAL NOT NULL DEFAULT 0;
+    """,
 )
 
 _USAGE_PIECE = 10_000  # rows a usage report reads at a time
@@ -143,10 +153,11 @@ _USAGE_IDS = 500  # jobs read at a time by id (an SQLite before 3.32 binds at mo
 _USAGE_KEPT = "SELECT id FROM jobs WHERE ended_at IS NULL OR ended_at >= ?"
 _USAGE_JOBS = ("SELECT id, tenant, json_extract(doc, '$.spec.gpus'), json_extract(doc, '$.gpu_model') FROM jobs"
                " WHERE ended_at IS NULL OR ended_at >= ?")
-_USAGE_EVENTS = (f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events WHERE job_id IN ({_USAGE_KEPT})"
+_EVENT_COLUMNS = "job_id, at, state, site, attempt, gpu_model, usd_per_gpu_hour"  # (broker.usage.Event)
+_USAGE_EVENTS = (f"SELECT {_EVENT_COLUMNS} FROM job_events WHERE job_id IN ({_USAGE_KEPT})"
                  " ORDER BY job_id, seq")
-_USAGE_HOURS = ("SELECT hour, tenant, site, gpu_model, gpu_seconds, attempts FROM usage_hours"
-                " WHERE hour >= ? AND hour < ?")
+_USAGE_HOURS = ("SELECT hour, tenant, site, gpu_model, gpu_seconds, attempts, priced_gpu_seconds, cost_usd"
+                " FROM usage_hours WHERE hour >= ? AND hour < ?")
 _ACTIVE = tuple(s.value for s in JobState if not s.terminal)
 _INSERT_JOB = (
     "INSERT INTO jobs (id, tenant, state, site, priority, idempotency_key, request_digest, version, doc, ended_at)"
@@ -156,8 +167,8 @@ _UPDATE_JOB = ("UPDATE jobs SET state = ?, site = ?, version = ?, doc = ?, prior
                " WHERE id = ? AND version = ?")
 _INSERT_LABELS = ("INSERT INTO job_labels (seq, key, value) SELECT jobs.seq, l.key, l.value FROM jobs, json_each(?) AS l"
                   " WHERE jobs.id = ?")
-_INSERT_EVENT = ("INSERT INTO job_events (job_id, at, state, site, attempt, reason, gpu_model)"
-                 " VALUES (?, ?, ?, ?, ?, ?, ?)")
+_INSERT_EVENT = ("INSERT INTO job_events (job_id, at, state, site, attempt, reason, gpu_model, usd_per_gpu_hour)"
+                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
 _UPSERT_DECISION = (
     "INSERT INTO decisions (job_id, attempt, doc) VALUES (?, ?, ?)"
     " ON CONFLICT(job_id) DO UPDATE SET attempt = excluded.attempt, doc = excluded.doc"
@@ -190,9 +201,11 @@ class SQLiteStore(SqlWriteQueue):
                      f" AND state IN ({_TERMINAL}) ORDER BY seq LIMIT ?")
     DATE_ENDED = "UPDATE jobs SET ended_at = ? WHERE id = ? AND ended_at IS NULL"
     ENDED_BEFORE = "SELECT id FROM jobs WHERE ended_at < ? ORDER BY ended_at, id LIMIT ?"
-    ADD_USAGE = ("INSERT INTO usage_hours (hour, tenant, site, gpu_model, gpu_seconds, attempts)"
-                 " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
-                 " gpu_seconds = gpu_seconds + excluded.gpu_seconds, attempts = attempts + excluded.attempts")
+    ADD_USAGE = ("INSERT INTO usage_hours (hour, tenant, site, gpu_model, gpu_seconds, attempts, priced_gpu_seconds,"
+                 " cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (hour, tenant, site, gpu_model) DO UPDATE SET"
+                 " gpu_seconds = gpu_seconds + excluded.gpu_seconds, attempts = attempts + excluded.attempts,"
+                 " priced_gpu_seconds = priced_gpu_seconds + excluded.priced_gpu_seconds,"
+                 " cost_usd = cost_usd + excluded.cost_usd")
     DELETE_ENDED = (
         "DELETE FROM job_events WHERE job_id = ?",
         "DELETE FROM decisions WHERE job_id = ?",
@@ -533,7 +546,7 @@ class SQLiteStore(SqlWriteQueue):
             jobs.update((r[0], (r[1], r[2], r[3])) for r in await self._all(
                 f"SELECT id, tenant, json_extract(doc, '$.spec.gpus'), json_extract(doc, '$.gpu_model')"
                 f" FROM jobs WHERE id IN ({marks})", chunk))
-            events += await self._all(f"SELECT job_id, at, state, site, attempt, gpu_model FROM job_events"
+            events += await self._all(f"SELECT {_EVENT_COLUMNS} FROM job_events"
                                       f" WHERE job_id IN ({marks}) ORDER BY job_id, seq", chunk)
         return usage.holds(jobs, events)
 
