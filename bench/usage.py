@@ -4,9 +4,9 @@ jobs that rolls their usage up.
 1. **Fill:** ``--jobs`` N (default 100,000) jobs are written into a new SQLite store (the store's own statements
    and schema: each job's row with its JSON document, and its transitions as ``update_job`` writes them:
    submitted, dispatching (with the price of its site and model), admitted, running, and succeeded, or for every
-   20th job still running), in transactions of 20,000 jobs. Jobs come from 50 tenants and run at 20 sites on two GPU models, 1 to 8 GPUs
-   each (every 10th a MIG job of two 3g slices), submitted evenly over the 30 days before the report, each running
-   a few minutes to a few hours. Timed.
+   20th job still running), in transactions of 20,000 jobs. Jobs come from 50 tenants and run at 20 sites on two
+   GPU models, 1 to 8 GPUs each (every 10th a MIG job of two 3g slices), submitted evenly over the 30 days before
+   the report, each running a few minutes to a few hours. Timed.
 2. **Report** over the 30 days, by tenant and by tenant, site and model (what ``GET /v1/usage`` does: the store's
    read of the jobs kept, their transitions and the hours rolled up, in one transaction, then the report): median
    of ``--repeat`` runs (default 3), and the peak memory Python allocated for one more (``tracemalloc``, apart).

@@ -57,7 +57,8 @@ _HOLDING = frozenset({JobState.ADMITTED.value, JobState.RUNNING.value})
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """One attempt's hold on GPUs: from ``start`` to ``end`` (POSIX seconds; ``end`` None: holding them still)."""
+    """One attempt's hold on GPUs: from ``start`` to ``end`` (POSIX seconds; ``end`` None: holding them still), at
+    the price per GPU-hour routing saw when it was placed."""
 
     tenant: str
     site: str
@@ -142,7 +143,7 @@ class Holds:
             if self._open is not None and attempt == self._open[0]:
                 # (a hold begun before this release, or read back from the store by a leader that did not place it:
                 # a later transition of its attempt names its model or price)
-                held_attempt, held_site, held_model, start, held_price = self._open
+                _, held_site, held_model, start, held_price = self._open
                 self._open = (attempt, held_site, held_model or model, start,
                               held_price if held_price is not None else price)
             if self._open is not None and (state not in _HOLDING or attempt != self._open[0]):
