@@ -211,7 +211,13 @@ def _components() -> dict[str, Any]:
         _extended(components["SiteSpec"], "Site", status=_ref("SiteState")), "Site", required=False, signals=signals)
     components["JobEvent"] = _object(at={"type": "string", "format": "date-time"},
                                      state={"enum": [s.value for s in JobState]}, site=_NULLABLE_STR,
-                                     attempt=_INT, reason=_NULLABLE_STR)
+                                     attempt=_INT, reason=_NULLABLE_STR,
+                                     gpu_model={**_NULLABLE_STR, "description": "the GPU model the attempt was placed "
+                                                "on (null: none yet, or recorded by an earlier release)"},
+                                     usd_per_gpu_hour={**_NULLABLE_NUM, "description": "the price per GPU-hour of "
+                                                       "that model at its site that routing saw when the attempt was "
+                                                       "placed, which the usage report charges it (null: unpriced, "
+                                                       "or recorded by an earlier release)"})
     components["Carbon"] = _object(
         jobs={**_INT, "description": "distinct jobs placed (a job admitted again is not counted again)"},
         energy_kwh=_NUM, grams=_NUM, agnostic_grams=_NUM, saved_grams=_NUM, saved_fraction=_NUM,

@@ -347,10 +347,12 @@ def test_a_cursor_not_handed_out_by_the_store_is_rejected():
 async def test_transitions_are_kept_as_job_events(store: Store):
     job = make_job(1)
     await store.insert_job(job)
-    d = job.transition(JobState.DISPATCHING, T0, site="a", attempt=1)
+    d = job.transition(JobState.DISPATCHING, T0, site="a", attempt=1, gpu_model="a100-80gb", usd_per_gpu_hour=2.5)
     await store.update_job(d, job.version, event_reason="placed on a")
     events = await store.job_events(job.id)
     assert [(e["state"], e["reason"]) for e in events] == [("queued", "submitted"), ("dispatching", "placed on a")]
+    # each says what its attempt was placed on, and at what price (GET /v1/jobs/{id}/events)
+    assert [(e["gpu_model"], e["usd_per_gpu_hour"]) for e in events] == [(None, None), ("a100-80gb", 2.5)]
 
 
 async def test_a_reason_holding_a_nul_from_a_site_is_stored_on_every_backend(store: Store):

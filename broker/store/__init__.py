@@ -75,6 +75,11 @@ class Fenced(StoreError):
 
 
 LEADER = "scheduler"
+
+EVENT_KEYS = ("at", "state", "site", "attempt", "reason", "gpu_model", "usd_per_gpu_hour")
+"""A job's transition as ``Store.job_events`` gives it (``GET /v1/jobs/{id}/events``): the GPU model and the price
+per GPU-hour its attempt was placed at are null where unknown (no attempt yet, an unpriced site, or stored before
+migration 7 or 8)."""
 """The name of the one leader row (the scheduling cycle's)."""
 
 

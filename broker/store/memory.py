@@ -29,6 +29,7 @@ from typing import Any
 from broker import usage
 from broker.models import Job, SiteSpec
 from broker.store import (
+    EVENT_KEYS,
     QueuedUpdates,
     Conflict,
     DuplicateKey,
@@ -54,7 +55,6 @@ class _Row:
     digest: str | None
 
 
-_EVENT_KEYS = ("at", "state", "site", "attempt", "reason")  # what job_events gives (model, price: usage's alone)
 
 
 def _event(job: Job, reason: str | None) -> dict[str, Any]:
@@ -251,7 +251,7 @@ class MemoryStore(QueuedUpdates):
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         self._check_open()
-        return [{k: e[k] for k in _EVENT_KEYS} for e in self._events.get(job_id, ())]
+        return [{k: e[k] for k in EVENT_KEYS} for e in self._events.get(job_id, ())]
 
     def _usage_of(self, ids: Iterable[str]) -> list[usage.Held]:
         jobs, events = {}, []

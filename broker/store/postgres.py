@@ -35,6 +35,7 @@ import asyncpg
 from broker import usage
 from broker.models import Job, JobState, SiteSpec
 from broker.store import (
+    EVENT_KEYS,
     LEADER,
     Conflict,
     DuplicateKey,
@@ -530,9 +531,10 @@ class PostgresStore(SqlWriteQueue):
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         rows = await self._all(
-            "SELECT at, state, site, attempt, reason FROM job_events WHERE job_id = $1 ORDER BY seq", job_id
+            "SELECT at, state, site, attempt, reason, gpu_model, usd_per_gpu_hour FROM job_events WHERE job_id = $1"
+            " ORDER BY seq", job_id
         )
-        return [dict(zip(("at", "state", "site", "attempt", "reason"), r)) for r in rows]
+        return [dict(zip(EVENT_KEYS, r)) for r in rows]
 
     # --- usage ---
 

@@ -31,6 +31,7 @@ import aiosqlite
 from broker import usage
 from broker.models import Job, JobState, SiteSpec
 from broker.store import (
+    EVENT_KEYS,
     Conflict,
     DuplicateKey,
     JobFilter,
@@ -504,9 +505,10 @@ class SQLiteStore(SqlWriteQueue):
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         rows = await self._all(
-            "SELECT at, state, site, attempt, reason FROM job_events WHERE job_id = ? ORDER BY seq", (job_id,)
+            "SELECT at, state, site, attempt, reason, gpu_model, usd_per_gpu_hour FROM job_events WHERE job_id = ?"
+            " ORDER BY seq", (job_id,)
         )
-        return [dict(zip(("at", "state", "site", "attempt", "reason"), r)) for r in rows]
+        return [dict(zip(EVENT_KEYS, r)) for r in rows]
 
     # --- usage ---
 
