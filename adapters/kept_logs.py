@@ -9,8 +9,10 @@ atomically: a crash leaves the old set or the new one), and ``index.json``, the 
 kept (the oldest go first once the bytes kept pass the bound), with whether each was cut and where it was read
 from. At start the index is read and each file in it loaded (at most the bound: 32 MiB by default); a file that is
 missing or cannot be read is left out with a warning, an index that cannot be read is moved aside
-(``index.json.unreadable``) and the adapter starts with none. A write that fails is logged, and the log is still
-kept in memory: reading it must not fail a deletion.
+(``index.json.unreadable``) and the adapter starts with none; a file no index names is deleted (where the folder
+is read-only, left with a warning). A write that fails is logged, and the log is still kept in memory: reading it
+must not fail a deletion; the files the bound dropped meanwhile are deleted by the next write that works. Once the
+site leaves (:meth:`KeptLogs.forget`) the folder is deleted, after a write under way, and none is written again.
 
 Without a ``state_dir`` (tests, or an operator who gives none) they are kept in memory only, as before. Files are
 named by a digest of (job id, attempt), so no id, whatever its characters, names a path.
@@ -23,6 +25,7 @@ import collections
 import hashlib
 import logging
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +77,9 @@ class KeptLogs:
         self._logs: collections.OrderedDict[Key, KeptLog] = collections.OrderedDict()
         self.bytes = 0
         self._lock = asyncio.Lock()  # one write of the folder at a time: the index is the latest order
+        # held by a write's thread, and by forget: a write under way as the site leaves cannot bring its folder back
+        self._disk = threading.Lock()
+        self._stale: set[Key] = set()  # dropped by the bound, their files not deleted yet (a write failed)
         if folder is not None:
             self._load(folder)
 
@@ -91,7 +97,11 @@ class KeptLogs:
         named = {e.file for e in entries}
         for path in folder.glob("*.log"):  # (a crash after a file was written, before the index named it)
             if path.name not in named:
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as err:  # (a read-only state folder: the adapter starts all the same)
+                    log.warning("site %s: %s, a kept log no index names, cannot be deleted (%s)", self.site, path,
+                                err)
         if self._logs:
             log.info("site %s: %d ended attempts' logs kept from before the start (%d bytes)", self.site,
                      len(self._logs), self.bytes)
@@ -122,29 +132,39 @@ class KeptLogs:
         gone = self._evict(limit_bytes)
         if self.folder is None:
             return
+        self._stale.update(gone)
         async with self._lock:
             kept_now = self._logs.get(key)
             entries = [_Entry(job_id=k[0], attempt=k[1], file=file_name(k), truncated=v.truncated, source=v.source)
                        for k, v in self._logs.items()]  # (read here: the loop may change them while a thread writes)
+            self._stale.difference_update(self._logs)  # (one kept again since is no longer to be deleted)
+            stale = list(self._stale)  # (with those a failed write left: the folder keeps to the bound once one works)
             try:
-                await asyncio.to_thread(self._write, key, kept_now, entries, gone)
+                await asyncio.to_thread(self._write, key, kept_now, entries, stale)
             except OSError as e:
                 log.error("site %s: the log of attempt %d of job %s could not be kept in %s (%s); it is kept in "
                           "memory, until the adapter restarts", self.site, key[1], key[0], self.folder, e)
+            else:
+                self._stale.difference_update(stale)
 
     def _write(self, key: Key, kept: KeptLog | None, entries: list[_Entry], gone: list[Key]) -> None:
-        folder = self.folder
-        assert folder is not None
-        if kept is not None:  # (None: already gone again, by a later put's bound)
-            write_atomically(folder / file_name(key), kept.data)
-        write_atomically(folder / "index.json", _INDEX.dump_json(entries))
-        for k in gone:  # (after the index: a crash between leaves a file no index names, not the reverse)
-            (folder / file_name(k)).unlink(missing_ok=True)
+        with self._disk:
+            folder = self.folder
+            if folder is None:  # (the site left while this write waited: its folder stays gone)
+                return
+            if kept is not None:  # (None: already gone again, by a later put's bound)
+                write_atomically(folder / file_name(key), kept.data)
+            write_atomically(folder / "index.json", _INDEX.dump_json(entries))
+            for k in gone:  # (after the index: a crash between leaves a file no index names, not the reverse)
+                (folder / file_name(k)).unlink(missing_ok=True)
 
     def forget(self) -> None:
         """The site leaves the federation: the logs kept go, and their folder (a new site of its name starts with
         none)."""
         self._logs.clear()
+        self._stale.clear()
         self.bytes = 0
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        with self._disk:  # (after a write under way in its thread, which would make the folder again)
+            folder, self.folder = self.folder, None  # (and none after: the logs kept from now on, in memory only)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -2846,6 +2846,70 @@ async def test_the_logs_kept_in_the_state_dir_keep_their_bound_and_a_damaged_ind
     assert len(fourth) == 0 and (folder / "index.json.unreadable").exists()
     assert "kept logs" in caplog.text
 
+async def test_a_log_kept_as_or_after_the_site_leaves_brings_back_no_folder(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # The site leaves while an ended attempt's log is being written (its Job deleted in the background), or one is
+    # kept after (forget_quotas awaits the cluster's copies first): a new site of its name must find no folder.
+    import threading
+    from adapters import kept_logs
+    from adapters.kept_logs import KeptLog, KeptLogs
+
+    folder = tmp_path / "kube" / "logs"
+    kept = KeptLogs(folder, "kube")
+    await kept.put(("j", 1), KeptLog(b"one\n", False, None), 1000)
+    writing, release = threading.Event(), threading.Event()
+    write = kept_logs.write_atomically
+
+    def slow(path: Path, data: bytes) -> None:
+        writing.set()
+        release.wait(5)
+        write(path, data)
+
+    monkeypatch.setattr(kept_logs, "write_atomically", slow)
+    under_way = asyncio.create_task(kept.put(("j", 2), KeptLog(b"two\n", False, None), 1000))
+    assert await asyncio.to_thread(writing.wait, 5)
+    threading.Timer(0.2, release.set).start()  # (the write ends while the site is forgotten)
+    kept.forget()
+    await under_way
+    monkeypatch.setattr(kept_logs, "write_atomically", write)
+    await kept.put(("j", 3), KeptLog(b"three\n", False, None), 1000)
+    assert not folder.exists()
+    assert len(KeptLogs(folder, "kube")) == 0
+
+
+async def test_kept_logs_load_from_a_read_only_state_dir_and_keep_their_bound_after_a_failed_write(
+        tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    import errno
+    from adapters import kept_logs
+    from adapters.kept_logs import KeptLog, KeptLogs, file_name
+
+    folder = tmp_path / "kube" / "logs"
+    kept = KeptLogs(folder, "kube")
+    await kept.put(("j", 1), KeptLog(b"x" * 399 + b"\n", False, None), 1000)
+    (folder / "stray.log").write_bytes(b"left by a crash")
+    unlink = Path.unlink
+
+    def read_only(path: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(Path, "unlink", read_only)  # (root passes a chmod: a read-only mount does not)
+    with caplog.at_level("WARNING"):
+        again = KeptLogs(folder, "kube")  # the adapter still starts, with the log kept
+    assert again.get(("j", 1)) is not None and "stray.log" in caplog.text
+    monkeypatch.setattr(Path, "unlink", unlink)
+    # A write that fails (a full disk) as the bound drops the oldest: its file goes at the next write that works,
+    # not only at the next start.
+    write = kept_logs.write_atomically
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(kept_logs, "write_atomically", full)
+    await again.put(("j", 2), KeptLog(b"y" * 999 + b"\n", False, None), 1000)  # ("j", 1) goes from memory
+    monkeypatch.setattr(kept_logs, "write_atomically", write)
+    await again.put(("j", 3), KeptLog(b"z\n", False, None), 1000)  # ("j", 2) goes too
+    assert sorted(p.name for p in folder.glob("*.log")) == sorted([file_name(("j", 3)), "stray.log"])
+
+
 def kubelet_log(text: bytes) -> Any:
     """What a kubelet answers for a container whose log is ``text``: its last ``tailLines`` lines, then, as
     ``limitBytes`` says, only the first that many bytes of them (it stops writing there)."""
