@@ -2846,7 +2846,8 @@ async def test_the_logs_kept_in_the_state_dir_keep_their_bound_and_a_damaged_ind
     assert len(fourth) == 0 and (folder / "index.json.unreadable").exists()
     assert "kept logs" in caplog.text
 
-async def test_a_log_kept_as_or_after_the_site_leaves_brings_back_no_folder(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+async def test_a_log_kept_as_or_after_the_site_leaves_brings_back_no_folder(
+        tmp_path, monkeypatch) -> None:  # noqa: ANN001
     # The site leaves while an ended attempt's log is being written (its Job deleted in the background), or one is
     # kept after (forget_quotas awaits the cluster's copies first): a new site of its name must find no folder.
     import threading
