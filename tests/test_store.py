@@ -355,6 +355,29 @@ async def test_transitions_are_kept_as_job_events(store: Store):
     assert [(e["gpu_model"], e["usd_per_gpu_hour"]) for e in events] == [(None, None), ("a100-80gb", 2.5)]
 
 
+async def test_each_transition_of_a_placed_attempt_gives_its_price_after_the_job_was_read_back(store: Store):
+    # A leader that takes over (or restarts) reads the job back from the store, whose document has no price: the
+    # transitions it writes store none, yet the usage report charges the attempt at the placement's, and so
+    # GET /v1/jobs/{id}/events says; a job back in the queue, and an attempt placed where there was no price, have
+    # none.
+    job = make_job(1)
+    await store.insert_job(job)
+    d = job.transition(JobState.DISPATCHING, T0, site="a", attempt=1, gpu_model="a100-80gb", usd_per_gpu_hour=2.5)
+    await store.update_job(d, job.version)
+    back = await store.get_job(job.id)
+    assert back is not None
+    steps = [(JobState.ADMITTED, {}), (JobState.RUNNING, {}), (JobState.QUEUED, {}),
+             (JobState.DISPATCHING, {"site": "b", "attempt": 2, "gpu_model": "h100-80gb"}), (JobState.ADMITTED, {})]
+    for state, changes in steps:
+        new = back.transition(state, T0, **changes)
+        await store.update_job(new, back.version)
+        back = new
+    events = await store.job_events(job.id)
+    assert [(e["state"], e["attempt"], e["usd_per_gpu_hour"]) for e in events] == [
+        ("queued", 0, None), ("dispatching", 1, 2.5), ("admitted", 1, 2.5), ("running", 1, 2.5), ("queued", 1, None),
+        ("dispatching", 2, None), ("admitted", 2, None)]
+
+
 async def test_a_reason_holding_a_nul_from_a_site_is_stored_on_every_backend(store: Store):
     """A site's text (a failed attempt's message, a refusal) may hold a NUL. PostgreSQL's text refuses it where
     SQLite takes it: the site's event was retried for ever, the job stuck running and every later event of

@@ -75,12 +75,27 @@ class Fenced(StoreError):
 
 
 LEADER = "scheduler"
+"""The name of the one leader row (the scheduling cycle's)."""
 
 EVENT_KEYS = ("at", "state", "site", "attempt", "reason", "gpu_model", "usd_per_gpu_hour")
 """A job's transition as ``Store.job_events`` gives it (``GET /v1/jobs/{id}/events``): the GPU model and the price
 per GPU-hour its attempt was placed at are null where unknown (no attempt yet, an unpriced site, or stored before
-migration 7 or 8)."""
-"""The name of the one leader row (the scheduling cycle's)."""
+migration 7 or 8); the price as :func:`with_attempt_prices` gives it."""
+
+
+def with_attempt_prices(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``events`` (a job's transitions, oldest first, as :data:`EVENT_KEYS`) with each transition of an attempt
+    placed (one that names its GPU model) that names no price given its attempt's, as an earlier transition of it
+    recorded it: the placement records it, but a leader that read the job back from the store since (a restart, a
+    takeover) writes the later ones without it, and the usage report charges them at it all the same
+    (:class:`broker.usage.Holds`)."""
+    priced: dict[int, float] = {}
+    for e in events:
+        if e["usd_per_gpu_hour"] is not None:
+            priced[e["attempt"]] = e["usd_per_gpu_hour"]
+        elif e["gpu_model"] is not None and e["attempt"] in priced:
+            e["usd_per_gpu_hour"] = priced[e["attempt"]]
+    return events
 
 
 def fence_error(epoch: int, leader: tuple[int, bool] | None) -> Fenced | None:

@@ -41,6 +41,7 @@ from broker.store import (
     encode_cursor,
     ended_at,
     fence_error,
+    with_attempt_prices,
 )
 
 
@@ -251,7 +252,7 @@ class MemoryStore(QueuedUpdates):
 
     async def job_events(self, job_id: str) -> list[dict[str, Any]]:
         self._check_open()
-        return [{k: e[k] for k in EVENT_KEYS} for e in self._events.get(job_id, ())]
+        return with_attempt_prices([{k: e[k] for k in EVENT_KEYS} for e in self._events.get(job_id, ())])
 
     def _usage_of(self, ids: Iterable[str]) -> list[usage.Held]:
         jobs, events = {}, []

@@ -47,6 +47,7 @@ from broker.store import (
     encode_cursor,
     fence_error,
     site_from_doc,
+    with_attempt_prices,
 )
 from broker.store.sql import TERMINAL_SQL as _TERMINAL, SqlWriteQueue, Write
 
@@ -534,7 +535,7 @@ class PostgresStore(SqlWriteQueue):
             "SELECT at, state, site, attempt, reason, gpu_model, usd_per_gpu_hour FROM job_events WHERE job_id = $1"
             " ORDER BY seq", job_id
         )
-        return [dict(zip(EVENT_KEYS, r)) for r in rows]
+        return with_attempt_prices([dict(zip(EVENT_KEYS, r)) for r in rows])
 
     # --- usage ---
 

@@ -43,6 +43,7 @@ from broker.store import (
     fence_error,
     site_from_doc,
     LEADER,
+    with_attempt_prices,
 )
 from broker.store.sql import TERMINAL_SQL as _TERMINAL, SqlWriteQueue, Write
 
@@ -508,7 +509,7 @@ class SQLiteStore(SqlWriteQueue):
             "SELECT at, state, site, attempt, reason, gpu_model, usd_per_gpu_hour FROM job_events WHERE job_id = ?"
             " ORDER BY seq", (job_id,)
         )
-        return [dict(zip(EVENT_KEYS, r)) for r in rows]
+        return with_attempt_prices([dict(zip(EVENT_KEYS, r)) for r in rows])
 
     # --- usage ---
 
