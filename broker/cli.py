@@ -185,7 +185,7 @@ def show_job(job: dict[str, Any]) -> str:
         f"  duration  {_seconds(spec['duration_s'])} s expected, {_run_text(job)}",
         f"  attempt   {job['attempt']} ({job['failed_attempts']} failed, at most {spec['max_attempts']})",
         f"  priority  {spec['priority']}",
-        *([f"  after     " + "; ".join(f"{', '.join(spec[kind])} to {to} ({kind})"
+        *(["  after     " + "; ".join(f"{', '.join(spec[kind])} to {to} ({kind})"
                                         for kind, to in DEPENDENCY_WORDS if spec.get(kind))]
           if any(spec.get(kind) for kind, _ in DEPENDENCY_WORDS) else []),
         f"  created   {job['created_at']}",
