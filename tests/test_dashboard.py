@@ -251,6 +251,14 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
     w = Watched(browser)
     page = w.page
 
+    def usage_with_a_note(route: Any) -> None:  # (the demo's jobs were all placed at recorded prices)
+        answer = route.fetch()
+        body = answer.json()
+        body["notes"] = [*body.get("notes", []), "cost_usd: 1.5 GPU-hours were placed before prices were recorded "
+                         "(before this release, or where their site had no price then) and are charged at today's price"]
+        route.fulfill(response=answer, json=body)
+
+    page.route("**/v1/usage?by=tenant", usage_with_a_note)
     page.goto(srv.url + "/")  # redirected to /dashboard/
     assert page.url == srv.url + "/dashboard/"
     expect(page.locator("body")).to_have_attribute("data-ready", "true")
@@ -312,6 +320,9 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
         cells = page.locator(f'#usage-table tr[data-tenant="{tenant}"] td')
         expect(cells.nth(1)).to_have_text(re.compile(r"^\d[\d.e+-]*$"))  # GPU-hours
         expect(cells.nth(4)).to_have_text(re.compile(r"^\d+\.\d\d$"))  # cost
+    # A report's notes are said under it, in short (whole in its title)
+    expect(page.locator("#usage-note")).to_have_text(
+        "1.5 GPU-hours were placed before prices were recorded and are charged at today's price")
 
     # Live: a job submitted now shows up in the queue and the log, without a reload (the page polls the
     # queue only every 30 s while the stream is live).

@@ -789,9 +789,13 @@ async function refreshUsage() {
     ...(u.items.length ? [row(u.total, "total", "total")] : []));
   // (each note names a zone whose intensity could not be had: the zones here, the whole notes in the title)
   const zones = (u.notes || []).map((n) => (n.match(/zone ([^:]+):/) || [])[1]).filter(Boolean);
+  // (and the others in words: GPU-hours charged at today's price, or held on a model nobody recorded)
+  const others = (u.notes || []).filter((n) => !/zone [^:]+:/.test(n))
+    .map((n) => n.replace(/^[a-z_, ]+: /, "").replace(/ \(.*?\)/g, ""));
   const note = $("usage-note");
   note.textContent = !u.items.length ? "no GPU time used in the window"
-    : zones.length ? `kg CO₂e unknown where GPUs ran in ${zones.join(", ")}: no intensity for those hours` : "";
+    : [zones.length ? `kg CO₂e unknown where GPUs ran in ${zones.join(", ")}: no intensity for those hours` : "",
+      ...others].filter(Boolean).join("; ");
   note.title = (u.notes || []).join("\n");
 }
 
