@@ -17,6 +17,8 @@ Jobs:   ``POST /v1/jobs`` (``Idempotency-Key`` header honoured),
 Live:   ``GET /v1/events?tenant=&site=&job=&type=`` (server-sent events, :mod:`broker.events`),
         ``GET /v1/carbon`` (carbon of placements against a carbon-agnostic choice, :mod:`broker.carbon_ledger`),
         ``GET /v1/tenants`` (each tenant's jobs and the GPUs it holds against its federation-wide limit),
+        ``PUT|DELETE /v1/tenants/{tenant}/limit`` (an admin's override of the tenant's limit, ``{"gpus": N}``, null:
+        unlimited; kept in the store; DELETE: the configuration's limit again: :mod:`broker.limits`),
         ``GET /v1/usage?from=&to=&by=&tenant=&site=`` (GPU-hours, energy and cost per tenant, site or model over
         whole hours, for chargeback: :mod:`broker.usage`)
 Other:  ``GET /healthz`` (liveness), ``GET /readyz`` (readiness: the store answers), ``GET /openapi.json``,
@@ -63,20 +65,22 @@ from broker.events import Event, frame
 from broker.federation import Member, QuotaNotTaken, QuotaRefused, without_secrets
 from broker.ids import GPU_MODEL_IDS
 from broker.after import KINDS, Kind, dependencies, never_reason, unmet, waiting_reason
-from broker.jobs import IdempotencyConflict, JobNotFound, NotQueued, PastDeadline, check_deadline
+from broker.jobs import IdempotencyConflict, JobNotFound, NotQueued, PastDeadline, TenantUsage, check_deadline
 from broker.metrics import ScopedView
 from policies.profiles import ProfileError
 from policies.quota import QuotaBeyondSite
 from broker.lifecycle import AlreadyEnded
 from adapters.base import AdapterError, LogFollow, LogFollower, LogReader, LogsNotFound, LogsUnsupported, QuotaAdmin
 from broker.models import (AFTER_MAX, PREVIEW_LIST_MAX, SITE_READ_ONLY_KEYS, Cancellation, Decision, Job, JobChange,
-                           JobSpec, JobState, Preview, QuotaState, SiteSpec, TenantQuota, clean_text, labels_problem)
+                           JobSpec, JobState, Preview, QuotaState, SiteSpec, Slug, TenantLimitChange, TenantQuota,
+                           clean_text, labels_problem)
 from broker.openapi import openapi_document
 from broker.providers.carbon import ProviderError
 from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
 from policies import explain
 from policies.snapshot import JobRequest, gpus_charged
+from policies.tenant_limit import TenantLimits
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +180,8 @@ ACCESS: dict[tuple[str, str], Any] = {
     ("GET", "/v1/carbon"): ANY,
     ("GET", "/v1/usage"): SUBMITTERS,  # a submitter its own tenants' (as /v1/tenants)
     ("GET", "/v1/tenants"): SUBMITTERS,  # a submitter its own tenants' (a tenant's figures are not an operator's)
+    ("PUT", "/v1/tenants/{tenant}/limit"): ADMIN,  # the platform team's, as the configuration's limits are
+    ("DELETE", "/v1/tenants/{tenant}/limit"): ADMIN,
     ("GET", "/v1/whoami"): ANY,
     ("GET", "/metrics"): OPERATORS,
     ("GET", "/healthz"): OPEN,
@@ -757,11 +763,11 @@ async def _job_spec(request: web.Request, limit: bool = True) -> tuple[JobSpec, 
     """The request's job spec, checked as a submission is (422 naming the field; 403 for another tenant; the
     tenant's limit unless ``limit`` is false: :func:`_check_tenant_limit`)."""
     spec, raw = await _body(request, JobSpec, "job spec")
-    _check_job_spec(request, spec, limit=limit)
+    await _check_job_spec(request, spec, limit=limit)
     return spec, raw
 
 
-def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "", limit: bool = True) -> None:
+async def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "", limit: bool = True) -> None:
     """What a submission checks of a valid spec beyond its schema; ``at``: the spec's place in a list (``[1].``),
     which the fields named start with; ``limit``: the tenant's limit too (:func:`_check_tenant_limit`)."""
     broker = request.app[BROKER]
@@ -776,7 +782,7 @@ def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "", limit: bo
     if not who.acts_for(spec.tenant):
         raise not_your_tenant(who, spec.tenant, at)
     if limit:  # (after the tenant check: the limit is told only to those who act for the tenant)
-        _check_tenant_limit(broker, spec, at)
+        await _check_tenant_limit(broker, spec, at)
     try:
         broker.settings.profiles.choose(spec.profile)
     except ProfileError as e:
@@ -784,16 +790,26 @@ def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "", limit: bo
                        [{"field": f"{at}profile", "problem": str(e)}]) from None
 
 
-def _check_tenant_limit(broker: Broker, spec: JobSpec, at: str = "") -> None:
+LIMIT_SOURCES = {"config": "broker.tenant_limits", "default": "broker.default_tenant_limit",
+                 "override": "set through PUT /v1/tenants/{tenant}/limit"}
+"""How a message names where a tenant's limit comes from (``policies.tenant_limit.LimitSource``)."""
+
+
+async def _check_tenant_limit(broker: Broker, spec: JobSpec, at: str = "") -> None:
     """422 naming ``gpus`` for a job larger than its tenant's limit across the federation: it would wait for ever.
     A submission checks it only of a new job, as the deadline: a retry with the ``Idempotency-Key`` of a job
-    accepted before the limit was lowered gets that job back."""
-    limits = broker.cycle.tenant_limits
-    limit = limits.of(spec.tenant) if limits is not None else None
+    accepted before the limit was lowered gets that job back. The limits are the configuration's with the overrides
+    set through the API (:mod:`broker.limits`): on the broker in charge, those its cycle enforces; on a replica that
+    does not lead (which takes submissions itself), those it read from the shared store, cached for a few seconds
+    (``broker.limits.CACHE_S``), so a limit just changed on the leader may be checked there a moment late (a job
+    taken past it waits in the queue, its decision saying why)."""
+    limits = await broker.tenant_limits_now()
+    limit = limits.of(spec.tenant)
     gpus = gpus_charged(spec.gpus)
     if limit is not None and gpus > limit + 1e-9:
+        where = LIMIT_SOURCES[limits.source(spec.tenant)].format(tenant=spec.tenant)
         problem = (f"the job holds {gpus:g} GPUs, and tenant {spec.tenant} may hold at most "
-                   f"{limit:g} across the federation (broker.tenant_limits)")
+                   f"{limit:g} across the federation ({where})")
         raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])
 
 
@@ -846,7 +862,7 @@ async def _unmet_after(request: web.Request, spec: JobSpec,
 _JOB_SPECS: TypeAdapter[list[JobSpec]] = TypeAdapter(Annotated[list[JobSpec], Field(max_length=PREVIEW_LIST_MAX)])
 
 
-def _job_specs(request: web.Request, raw: bytes) -> list[JobSpec]:
+async def _job_specs(request: web.Request, raw: bytes) -> list[JobSpec]:
     """A JSON array of job specs (``POST /v1/preview``), each checked as a submission is, a problem named by the
     spec's place: ``[1].gpus.count`` (422); 422 for none or more than ``PREVIEW_LIST_MAX``."""
     try:
@@ -866,7 +882,7 @@ def _job_specs(request: web.Request, raw: bytes) -> list[JobSpec]:
         problem = "an empty list: give at least one job spec"
         raise ApiError(422, f"invalid job specs: {problem}", [{"field": "(body)", "problem": problem}])
     for i, spec in enumerate(specs):
-        _check_job_spec(request, spec, f"[{i}].")
+        await _check_job_spec(request, spec, f"[{i}].")
     return specs
 
 
@@ -898,7 +914,7 @@ async def preview_job(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     raw = await _read(request)
     listed = raw.lstrip().startswith(b"[")
-    specs = _job_specs(request, raw) if listed else [(await _job_spec(request))[0]]
+    specs = await _job_specs(request, raw) if listed else [(await _job_spec(request))[0]]
     now = broker.clock.now()
     for i, spec in enumerate(specs):
         try:
@@ -946,7 +962,7 @@ async def submit_job(request: web.Request) -> web.Response:
     async def check() -> None:
         """Of a new job only: a retry of one accepted before one it runs after failed gets that job back (as one
         past its deadline does), and so does one sent while the first is still on its way to the store."""
-        _check_tenant_limit(broker, spec)
+        await _check_tenant_limit(broker, spec)
         if dependencies(spec):
             await _unmet_after(request, spec)
 
@@ -1531,23 +1547,62 @@ async def tenants(request: web.Request) -> web.Response:
         raise ApiError(400, "query parameter tenant names no tenant", [{"field": "tenant", "problem": "empty"}])
     if asked is not None and who.role == Role.SUBMITTER and not who.acts_for(asked):
         raise not_your_tenant(who, asked)
-    limits = broker.cycle.tenant_limits
+    limits = broker.limits.current
     holding = broker.book.active.by_tenant()
-    names = set(holding) | set(limits.limits if limits is not None else ())
+    names = set(holding) | limits.named()
     if asked is not None:
         names = {asked}
     if who.role == Role.SUBMITTER:
         names = {t for t in names if who.acts_for(t)}
-    items = []
-    for name in sorted(names):
-        held = holding.get(name)
-        limit = limits.of(name) if limits is not None else None
-        item: dict[str, Any] = {"tenant": name, "gpus_held": round(held.gpus_held, 6) if held else 0.0,
-                                "jobs": dict(sorted(held.jobs.items())) if held else {}}
-        if limit is not None:
-            item["gpus_limit"] = limit
-        items.append(item)
-    return _json({"items": items})
+    return _json({"items": [_tenant_json(name, limits, holding.get(name)) for name in sorted(names)]})
+
+
+def _tenant_json(name: str, limits: TenantLimits, held: TenantUsage | None) -> dict[str, Any]:
+    """One tenant's row of ``GET /v1/tenants``: its jobs by state, the GPUs they hold, its limit (left out where it
+    has none) and where that comes from (``limit_source``: config, default or override)."""
+    item: dict[str, Any] = {"tenant": name, "gpus_held": round(held.gpus_held, 6) if held else 0.0,
+                            "jobs": dict(sorted(held.jobs.items())) if held else {}}
+    limit = limits.of(name)
+    if limit is not None:
+        item["gpus_limit"] = limit
+    item["limit_source"] = limits.source(name)
+    return item
+
+
+_TENANT = TypeAdapter(Slug)
+
+
+def _limit_tenant(request: web.Request) -> str:
+    """The path's tenant, if a tenant's name (as a job spec's ``tenant``): 422 naming ``tenant`` otherwise."""
+    tenant = request.match_info["tenant"]
+    try:
+        return _TENANT.validate_python(tenant)
+    except ValidationError as e:
+        problem = e.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")
+        raise ApiError(422, f"invalid tenant {tenant!r}: {problem}",
+                       [{"field": "tenant", "problem": problem}]) from None
+
+
+async def set_tenant_limit(request: web.Request) -> web.Response:
+    """``PUT /v1/tenants/{tenant}/limit``: the tenant's federation-wide limit set live, over the configuration's,
+    kept in the store until deleted; jobs a raised limit makes room for start at the next pass, which runs at once
+    (a lowered one stops nothing: new jobs wait until the tenant holds less). Answers the tenant's row."""
+    tenant = _limit_tenant(request)
+    change, _ = await _body(request, TenantLimitChange, "tenant limit")
+    broker = request.app[BROKER]
+    limits = await broker.set_tenant_limit(tenant, change.gpus)
+    return _json(_tenant_json(tenant, limits, broker.book.active.by_tenant().get(tenant)))
+
+
+async def reset_tenant_limit(request: web.Request) -> web.Response:
+    """``DELETE /v1/tenants/{tenant}/limit``: the override removed, the configuration's limit in force again (the
+    tenant's own entry, or the default). 404 where the tenant has no override. Answers the tenant's row."""
+    tenant = _limit_tenant(request)
+    broker = request.app[BROKER]
+    limits = await broker.reset_tenant_limit(tenant)
+    if limits is None:
+        raise ApiError(404, f"tenant {tenant} has no limit set through the API; its limit is the configuration's")
+    return _json(_tenant_json(tenant, limits, broker.book.active.by_tenant().get(tenant)))
 
 
 USAGE_PARAMS = ("from", "to", "by", "tenant", "site")
@@ -1734,7 +1789,9 @@ async def metrics(request: web.Request) -> web.Response:
     """Prometheus' text format; each replica answers for itself (a replica that does not lead holds no jobs).
     A site operator reads its own sites' figures and the platform's aggregates, never a tenant's
     (:class:`broker.metrics.ScopedView`)."""
-    registry = request.app[BROKER].metrics.registry
+    broker = request.app[BROKER]
+    await broker.tenant_limits_now()  # (a replica that does not lead: the limits set through the API, read again)
+    registry = broker.metrics.registry
     who = principal(request)
     body = generate_latest(registry if who.admin else ScopedView(registry, frozenset(who.sites)))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -1777,6 +1834,8 @@ def create_app(broker: Broker) -> web.Application:
     r.add_get("/v1/events", events, allow_head=False)  # a stream has no HEAD: it never ends
     r.add_get("/v1/carbon", carbon)
     r.add_get("/v1/tenants", tenants)
+    r.add_put("/v1/tenants/{tenant}/limit", set_tenant_limit)
+    r.add_delete("/v1/tenants/{tenant}/limit", reset_tenant_limit)
     r.add_get("/v1/usage", usage_report)
     r.add_get("/v1/whoami", whoami)
     r.add_get("/healthz", healthz)

@@ -10,6 +10,9 @@
     heliotrope sites list | get NAME | add FILE | remove NAME   (list: health, lease and last-heard time)
     heliotrope agent --config site.yaml   a site agent next to a remote cluster (adapters.agent), over MQTT
     heliotrope tenants [--tenant T]          each tenant's jobs and GPUs held across the federation, against its limit
+                                             (and where the limit comes from: config, default or override)
+    heliotrope tenant-limit TENANT GPUS|none | --reset   set a tenant's limit live (none: unlimited), over the
+                                             config's, or go back to the config's (PUT|DELETE /v1/tenants/T/limit)
     heliotrope usage [--from T] [--to T] [--by tenant,site,gpu_model] [--tenant T] [--site S] [--csv]   GPU-hours,
                      energy, cost and CO2e per tenant (site, model) over whole hours, for chargeback (GET /v1/usage)
     heliotrope quota SITE [--tenant T]       a site's quota state per tenant, and why a tenant's job waits
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -637,6 +641,16 @@ async def _client_command(args: argparse.Namespace) -> str | None:
                 out = await c.request("GET", "/v1/tenants", params={"tenant": args.tenant} if args.tenant else None)
                 out = out["items"]
                 text = table([_tenant_row(t) for t in out], TENANT_COLUMNS)
+            case "tenant-limit":
+                path = f"/v1/tenants/{_part(args.tenant)}/limit"
+                if args.reset:
+                    if args.gpus is not None:
+                        raise CliError(f"tenant-limit: give GPUS or --reset, not both (--reset goes back to the "
+                                       f"config's limit of {args.tenant})")
+                    out = await c.request("DELETE", path)
+                else:
+                    out = await c.request("PUT", path, {"gpus": _limit_gpus(args.gpus)})
+                text = table([_tenant_row(out)], TENANT_COLUMNS)
             case "usage":
                 params = {name: value for name, value in (("from", args.start), ("to", args.end), ("by", args.by),
                                                           ("tenant", args.tenant), ("site", args.site)) if value}
@@ -652,16 +666,34 @@ async def _client_command(args: argparse.Namespace) -> str | None:
     return rendered
 
 
-TENANT_COLUMNS = ("tenant", "gpus", "limit", "queued", "on_sites")
+TENANT_COLUMNS = ("tenant", "gpus", "limit", "queued", "on_sites", "limit_source")
 
 
 def _tenant_row(t: dict[str, Any]) -> dict[str, Any]:
     """One tenant of ``GET /v1/tenants``: the GPUs it holds, its limit across the federation (- for none), its queued
-    jobs and those on sites or on their way to one."""
+    jobs and those on sites or on their way to one, and where its limit comes from (config, default, override)."""
     jobs = t.get("jobs", {})
     return {"tenant": t["tenant"], "gpus": f"{t['gpus_held']:g}",
             "limit": f"{t['gpus_limit']:g}" if t.get("gpus_limit") is not None else None,
-            "queued": jobs.get("queued", 0), "on_sites": sum(n for state, n in jobs.items() if state != "queued")}
+            "queued": jobs.get("queued", 0), "on_sites": sum(n for state, n in jobs.items() if state != "queued"),
+            "limit_source": t.get("limit_source")}
+
+
+def _limit_gpus(value: str | None) -> float | None:
+    """``heliotrope tenant-limit``'s GPUS: a number of GPUs, 0 or more (a fraction is a share of one), or none
+    (unlimited); a CliError saying what to give otherwise (the broker checks the upper bound)."""
+    if value is None:
+        raise CliError("tenant-limit: give GPUS (a number of GPUs, or none for unlimited), or --reset to go back to "
+                       "the config's limit")
+    if value.strip().lower() == "none":
+        return None
+    try:
+        gpus = float(value)
+    except ValueError:
+        gpus = math.nan
+    if not math.isfinite(gpus) or gpus < 0:
+        raise CliError(f"tenant-limit: GPUS must be a number of GPUs, 0 or more, or none (unlimited), not {value!r}")
+    return gpus
 
 
 def show_usage(report: dict[str, Any]) -> str:
@@ -1004,6 +1036,13 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tenants", parents=[common],
                        help="each tenant's jobs and the GPUs they hold across the federation, against its limit")
     s.add_argument("--tenant", help="show only this tenant")
+    s = sub.add_parser("tenant-limit", parents=[common],
+                       help="set a tenant's GPU limit across the federation live, over the config's (kept by the "
+                            "broker across restarts), or --reset it to the config's")
+    s.add_argument("tenant")
+    s.add_argument("gpus", nargs="?", metavar="GPUS", help="GPUs its jobs may hold at once (0: none start), or none "
+                                                           "(unlimited)")
+    s.add_argument("--reset", action="store_true", help="remove the limit set live: the config's applies again")
     s = sub.add_parser("usage", parents=[common],
                        help="GPU-hours, attempts, energy and an estimate of cost per tenant (or site, GPU model) over "
                             "a window of whole hours, for chargeback")

@@ -464,6 +464,7 @@ class SchedulingCycle:
         self.filters = {f.code: f for p in (self.pipeline, *self.profiles.values()) for f in p.filters}
         self.dispatch_timeout_s = dispatch_timeout_s
         self.tenant_limits = tenant_limits if tenant_limits else None
+        self._limits_changed = False  # set_tenant_limits since the last full pass began: the next is full
         self._dispatches: set[asyncio.Task[None]] = set()
         # site -> its dispatches under way, until each is confirmed or undone (dispatches_to)
         self._submits: dict[str, set[asyncio.Task[None]]] = {}
@@ -522,12 +523,22 @@ class SchedulingCycle:
         # are explained by the decision it failed at (``skipped_decision``).
         self._group_failures: dict[tuple[Any, ...], _GroupFailure] = {}
 
+    def set_tenant_limits(self, limits: TenantLimits) -> None:
+        """The federation-wide tenant limits changed live (``PUT /v1/tenants/{tenant}/limit``): every pass from the
+        next on counts against ``limits``, and the next is a full one that decides the whole queue again, so jobs
+        a raised limit makes room for start at once (a lowered one stops nothing: what runs runs on, and the
+        tenant's new jobs wait until what it holds is below the limit)."""
+        self.tenant_limits = limits if limits else None
+        self._limits_changed = True
+
     def full_pass_due(self, now: datetime) -> bool:
         """A full pass asks the sites again and re-decides the whole queue. It is due when capacity may
-        have grown (a job left a site, sites changed, a refusal expired) or ``full_pass_interval_s`` has
-        passed; otherwise only new jobs are decided, since jobs that did not fit before still cannot."""
+        have grown (a job left a site, sites changed, a refusal expired, a tenant's limit changed) or
+        ``full_pass_interval_s`` has passed; otherwise only new jobs are decided, since jobs that did not fit
+        before still cannot."""
         return (
             self._last_full is None
+            or self._limits_changed
             or self.book.capacity_freed
             or self.federation.membership_changed
             or self.book.refusal_expired(now)
@@ -546,8 +557,9 @@ class SchedulingCycle:
             # refused again; only the new ones are decided. So an idle, full federation costs a collect, not a
             # walk over a queue of jobs that cannot run.
             interval_only = not (self.book.capacity_freed or self.federation.membership_changed
-                                 or self.book.refusal_expired(now))
+                                 or self.book.refusal_expired(now) or self._limits_changed)
             self._last_full = now
+            self._limits_changed = False
             self.book.capacity_freed = False
             self.federation.membership_changed = False
             self._asked_at = self.book.seq

@@ -129,12 +129,13 @@ class BrokerCollector(Collector):
         for tenant, tenant_usage in sorted(usage.items()):
             if tenant_usage.gpus_held or any(state != JobState.QUEUED.value for state in tenant_usage.jobs):
                 holding.add_metric([tenant], tenant_usage.gpus_held)
-        limit = _gauge("heliotrope_tenant_gpus_limit", "The GPUs broker.tenant_limits lets the tenant hold across "
-                       "the federation (tenants it names; broker.default_tenant_limit for the rest is not listed)",
-                       ["tenant"])
-        limits = b.cycle.tenant_limits
-        for tenant, gpus in sorted(limits.limits.items() if limits is not None else ()):
-            limit.add_metric([tenant], gpus)
+        limit = _gauge("heliotrope_tenant_gpus_limit", "The GPUs broker.tenant_limits, or a limit set through PUT "
+                       "/v1/tenants/{tenant}/limit, lets the tenant hold across the federation (tenants either names "
+                       "and limits; broker.default_tenant_limit for the rest is not listed)", ["tenant"])
+        limits = b.limits.current
+        for tenant in sorted(limits.named()):
+            if (gpus := limits.of(tenant)) is not None:
+                limit.add_metric([tenant], gpus)
         yield holding
         yield limit
         yield from self._sites(running)

@@ -1404,6 +1404,15 @@ class Cancellation(Strict):
         return labels
 
 
+class TenantLimitChange(Spec):
+    """A tenant's federation-wide GPU limit set live (``PUT /v1/tenants/{tenant}/limit``, ``heliotrope tenant-limit``),
+    standing over ``broker.tenant_limits`` and ``broker.default_tenant_limit`` until deleted (:mod:`broker.limits`)."""
+
+    gpus: float | None = Field(ge=0, le=MAX_QUOTA_GPUS, description=(
+        f"GPUs the tenant's jobs may hold at once across the federation, a fractional job counting its share (at most "
+        f"{MAX_QUOTA_GPUS:,}, as a site's quota); 0: none start; null: unlimited"))
+
+
 def clean_text(value: str, limit: int = 1000) -> str:
     """Free text from elsewhere (a site's reason, an adapter's error) made safe to store: no unpaired
     surrogates, no NUL (PostgreSQL's text refuses it, where SQLite takes it), bounded length."""

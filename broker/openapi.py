@@ -18,7 +18,8 @@ from broker import ids, models, usage
 from broker.auth import Role
 from broker.events import TYPES as EVENT_TYPES
 from broker.models import (LABEL_MAX_CHARS, LABELS_MAX, PREVIEW_LIST_MAX, Cancellation, Decision, Job, JobChange,
-                           JobSpec, JobState, Preview, QuotaState, SiteSpec, SiteState, TenantQuota)
+                           JobSpec, JobState, Preview, QuotaState, SiteSpec, SiteState, TenantLimitChange,
+                           TenantQuota)
 
 _REF = "#/components/schemas/{model}"
 
@@ -183,7 +184,8 @@ _NULLABLE_STR, _NULLABLE_NUM = {"type": ["string", "null"]}, {"type": ["number",
 
 
 def _components() -> dict[str, Any]:
-    models = [(m, "validation") for m in (JobSpec, JobChange, SiteSpec, TenantQuota, Cancellation)] + [
+    models = [(m, "validation") for m in (JobSpec, JobChange, SiteSpec, TenantQuota, Cancellation,
+                                          TenantLimitChange)] + [
         (m, "serialization") for m in (Job, Decision, Preview, SiteState, QuotaState)
     ]
     _, schemas = models_json_schema(models, ref_template=_REF, schema_generator=_Generator)
@@ -230,11 +232,17 @@ def _components() -> dict[str, Any]:
         **_object(required=False, tenant=_STR,
                   gpus_held={**_NUM, "description": "GPUs its jobs on sites or on their way to one hold (a fractional "
                                                     "job its share)"},
-                  gpus_limit={**_NUM, "description": "the GPUs broker.tenant_limits lets it hold (absent: no limit)"},
+                  gpus_limit={**_NUM, "description": "the GPUs broker.tenant_limits, or a limit set through PUT "
+                                                     "/v1/tenants/{tenant}/limit, lets it hold (absent: no limit)"},
                   jobs={"type": "object", "additionalProperties": _INT,
                         "propertyNames": {"enum": [s.value for s in JobState if not s.terminal]},
-                        "description": "its unfinished jobs by state"}),
-        "required": ["tenant", "gpus_held", "jobs"]}
+                        "description": "its unfinished jobs by state"},
+                  limit_source={"enum": ["config", "default", "override"],
+                                "description": "where its limit comes from: its own entry of broker.tenant_limits "
+                                               "(config), broker.default_tenant_limit (default; none there: "
+                                               "unlimited), or a limit set through PUT /v1/tenants/{tenant}/limit "
+                                               "(override, null there: unlimited)"}),
+        "required": ["tenant", "gpus_held", "jobs", "limit_source"]}
     figures = dict(
         gpu_hours={**_NUM, "description": "GPU-hours held in the window: each attempt from its admission to its end "
                                           "(a share of a GPU, N/7 of one per MIG slice of Ng)"},
@@ -526,6 +534,23 @@ def _paths() -> dict[str, Any]:
             "parameters": [param("tenant", minLength=1)],
             "responses": _answers(_json_body(_object(items={"type": "array", "items": _ref("TenantUsage")}),
                                              "the tenants"), 400)}},
+        "/v1/tenants/{tenant}/limit": {
+            "parameters": [tenant],
+            "put": {
+                "summary": "Set a tenant's GPU limit across the federation live, over the configuration's (kept in "
+                           "the store until deleted; jobs a raised limit makes room for start at once; a lowered one "
+                           "stops nothing); admins only",
+                "requestBody": _request(_ref("TenantLimitChange"), "the limit"),
+                "responses": _answers(_json_body(_ref("TenantUsage"), "the tenant, with its new limit"),
+                                      400, 413, 422),
+            },
+            "delete": {
+                "summary": "Remove a tenant's limit set through the API: the configuration's applies again; admins "
+                           "only",
+                "responses": _answers(_json_body(_ref("TenantUsage"), "the tenant, with the configuration's limit"),
+                                      404, 422),
+            },
+        },
         "/v1/usage": {"get": {
             "summary": "GPU-hours, attempts, energy and an estimate of cost per tenant, site or GPU model over a "
                        "window of whole hours (UTC), for chargeback, kept after finished jobs are deleted; a "

@@ -32,6 +32,7 @@ from policies.profiles import profile_pipeline
 from broker.federation import Federation, Member, QuotaRefused, needs_rebuild
 from broker.jobs import JobBook
 from broker.leadership import SHUTTING_DOWN, Leadership
+from broker.limits import LiveTenantLimits
 from broker.lifecycle import Lifecycle
 from broker.auth import TokenBook
 from broker.events import EventHub
@@ -40,6 +41,7 @@ from broker.models import Health, Job, JobChange, SiteSpec, TenantQuota
 from broker.providers.carbon import CarbonProvider, ProviderError, build_carbon_provider
 from broker.providers.prices import PriceProvider, build_price_provider
 from broker.signals import GridSignals
+from policies.tenant_limit import TenantLimits
 from broker.store import Fenced, Store, StoredDecision, StoreError, open_store
 
 log = logging.getLogger(__name__)
@@ -163,6 +165,7 @@ class Broker:
         self.metrics = Metrics()
         self.events = EventHub()
         self.tokens = TokenBook(self.store, self.settings.auth, self.clock)
+        self.limits = LiveTenantLimits(tenant_limits(self.settings), self.store, self.clock)
         self._fresh_term()
         self.metrics.bind(self)
         self._carbon_provider, self._price_provider = carbon, prices
@@ -201,7 +204,7 @@ class Broker:
             pipeline=profile_pipeline(self.settings.profiles.default, self.settings.profiles),
             profiles={name: profile_pipeline(name, self.settings.profiles)
                       for name in self.settings.profiles.job_may_choose},
-            tenant_limits=tenant_limits(self.settings),
+            tenant_limits=self.limits.current,
         )
         self.cycle.may_act = self.lifecycle.may_act = self.may_act
         self.lifecycle.restart_overhead_s = self.cycle.restart_overhead_s
@@ -282,6 +285,7 @@ class Broker:
         # Before any site's events are pumped: a job that succeeds from here on is learned once, live.
         await self.lifecycle.learn_run_times(self.store)
         await self.cycle.restore_learned()  # the carbon ledger and the latency demand, as the last leader left them
+        self.cycle.set_tenant_limits(await self.limits.load())  # with those set through the API
         for spec in await self.store.list_sites():
             try:
                 check_supported(spec, self.hub)
@@ -396,6 +400,7 @@ class Broker:
             await self.hub.close()
         self.events.end_streams()  # the clients follow whoever leads next
         self.book.active.clear()  # what a follower reads comes from the store, which the leader keeps current
+        self.limits.forget()  # likewise the tenant limits set through the API
         self.lifecycle.loaded.clear()
         self.book.tracking = self.replicas is None
 
@@ -530,6 +535,32 @@ class Broker:
 
     def wake(self) -> None:
         self.book.changed.set()
+
+    # --- tenant limits (broker.limits) ---
+
+    async def tenant_limits_now(self) -> TenantLimits:
+        """The federation-wide tenant limits a submission is checked against: those the cycle enforces where this
+        broker is in charge; on a replica that does not lead, the configuration's with the overrides read from the
+        shared store, at most ``broker.limits.CACHE_S`` seconds old."""
+        return self.limits.current if self.in_charge else await self.limits.refreshed()
+
+    async def set_tenant_limit(self, tenant: str, gpus: float | None) -> TenantLimits:
+        """``PUT /v1/tenants/{tenant}/limit`` (GPUs; None: unlimited), on the broker in charge: stored (fenced: a
+        deposed leader's is refused), then enforced from the next pass, a full one that runs at once and decides
+        the whole queue again (``SchedulingCycle.set_tenant_limits``)."""
+        limits = await self.limits.put(tenant, gpus)
+        self.cycle.set_tenant_limits(limits)
+        self.wake()
+        return limits
+
+    async def reset_tenant_limit(self, tenant: str) -> TenantLimits | None:
+        """``DELETE /v1/tenants/{tenant}/limit``: the configuration's limit again, as :meth:`set_tenant_limit`
+        changes one; None where the tenant had no override (nothing changed)."""
+        limits = await self.limits.reset(tenant)
+        if limits is not None:
+            self.cycle.set_tenant_limits(limits)
+            self.wake()
+        return limits
 
     async def change_job(self, job_id: str, change: JobChange) -> Job:
         """A queued job's priority, deadline or profile changed (``PATCH /v1/jobs/{id}``): stored, then decided

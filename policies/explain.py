@@ -214,7 +214,10 @@ def _tenant_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
     limit = room.limits.of(req.tenant) if room is not None else None
     if room is None or limit is None:
         return {}
-    return {"tenant_limit": [limit, round(room.held.get(req.tenant or "", 0.0), 6)]}
+    record: dict[str, Any] = {"tenant_limit": [limit, round(room.held.get(req.tenant or "", 0.0), 6)]}
+    if req.tenant is not None and room.limits.source(req.tenant) == "override":
+        record["tenant_limit_live"] = True  # set through the API (a key of its own: earlier releases read the pair)
+    return record
 
 
 def _rtt_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
@@ -240,6 +243,7 @@ class _View:
     sites: list[str] | None = None  # site names, in row order
     rtt_ms: list[float] | None = None  # the RTT from the job's origin per site (NaN: not measured); None: not recorded
     tenant_limit: list[float] | None = None  # [limit, held], GPUs (policies.filters.tenant_limit); None: no limit
+    tenant_limit_live: bool = False  # that limit was set through the API (PUT /v1/tenants/{tenant}/limit)
 
 
 def scores(rec: dict[str, Any], failures: np.ndarray | None = None
@@ -300,6 +304,7 @@ def render(
         sites,
         unpack(rec["rtt_ms"], "f8").tolist() if "rtt_ms" in rec else None,
         rec.get("tenant_limit"),
+        rec.get("tenant_limit_live", False),
     )
     raws, norms, totals_array = scores(rec, failures_array)
     # A stand-in for an unknown raw value (it only ranked the site last) is shown as no value, as a NaN is.

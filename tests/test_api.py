@@ -1499,10 +1499,11 @@ async def test_a_job_larger_than_its_tenants_federation_limit_is_refused_naming_
             assert len((await (await c.get("/v1/jobs")).json())["items"]) == 2
             r = await c.get("/v1/tenants")  # (no site: both queued, holding nothing)
             assert r.status == 200 and (await r.json())["items"] == [
-                {"tenant": "t1", "gpus_held": 0.0, "jobs": {"queued": 1}, "gpus_limit": 4.0},
-                {"tenant": "t2", "gpus_held": 0.0, "jobs": {"queued": 1}}]
+                {"tenant": "t1", "gpus_held": 0.0, "jobs": {"queued": 1}, "gpus_limit": 4.0, "limit_source": "config"},
+                {"tenant": "t2", "gpus_held": 0.0, "jobs": {"queued": 1}, "limit_source": "default"}]
             r = await c.get("/v1/tenants?tenant=t3")  # named, though it has nothing
-            assert (await r.json())["items"] == [{"tenant": "t3", "gpus_held": 0.0, "jobs": {}}]
+            assert (await r.json())["items"] == [{"tenant": "t3", "gpus_held": 0.0, "jobs": {},
+                                                  "limit_source": "default"}]
             r = await c.get("/v1/tenants?state=queued")
             assert r.status == 400 and (await r.json())["error"]["fields"][0]["field"] == "state"
     finally:

@@ -185,6 +185,13 @@ async def vision_quota_at_alpha(f: Federation) -> AsyncIterator[dict[str, str]]:
 
 
 @contextlib.asynccontextmanager
+async def vision_limit_set_live(f: Federation) -> AsyncIterator[dict[str, str]]:
+    status, answer = await f.call("admin", "PUT", "/v1/tenants/vision/limit", {"gpus": 100})
+    assert status == 200, answer
+    yield {}
+
+
+@contextlib.asynccontextmanager
 async def cordoned_alpha(f: Federation) -> AsyncIterator[dict[str, str]]:
     status, answer = await f.call("admin", "POST", "/v1/sites/alpha/cordon", {"reason": "maintenance"})
     assert status == 200, f"cordoning alpha (to try uncordoning it) answered {status}: {answer}"
@@ -328,6 +335,10 @@ TABLE: list[Row] = [
       (401, 200, 403, 403, 200, 200)),
     R("a submitter reads only its own tenants' usage", "GET /v1/tenants?tenant=vision",
       (401, 200, 403, 403, 200, 403)),
+    R("only an admin sets a tenant's limit across the federation live", "PUT /v1/tenants/vision/limit",
+      (401, 200, 403, 403, 403, 403), {"gpus": 100}),
+    R("only an admin removes a tenant's limit set live", "DELETE /v1/tenants/vision/limit",
+      (401, 200, 403, 403, 403, 403), fresh=vision_limit_set_live),
     R("admins and submitters read GPU usage for chargeback (operators do not)", "GET /v1/usage",
       (401, 200, 403, 403, 200, 200)),
     R("a submitter reads only its own tenants' GPU usage", "GET /v1/usage?tenant=vision&by=tenant,site",

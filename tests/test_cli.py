@@ -318,11 +318,44 @@ def test_tenants_shows_what_each_tenant_holds_against_its_limit_and_a_job_past_i
     code, out, err = run(capsys, srv, "tenants")
     assert code == 0, err
     assert [line.split() for line in out.splitlines()] == [
-        ["TENANT", "GPUS", "LIMIT", "QUEUED", "ON_SITES"], ["t1", "2", "2", "1", "1"], ["t2", "1", "-", "0", "1"]]
+        ["TENANT", "GPUS", "LIMIT", "QUEUED", "ON_SITES", "LIMIT_SOURCE"], ["t1", "2", "2", "1", "1", "config"],
+        ["t2", "1", "-", "0", "1", "default"]]
     code, out, err = run(capsys, srv, "--json", "tenants", "--tenant", "t2")
     assert code == 0 and [t["tenant"] for t in json.loads(out)] == ["t2"]
     code, out, err = run(capsys, srv, "submit", str(submit_file(tmp_path, name="big", gpus={"count": 3})))
     assert code == 1 and "tenant t1 may hold at most 2 across the federation" in err and "Traceback" not in err
+
+
+def test_tenant_limit_sets_a_limit_live_lifts_it_resets_it_and_says_what_is_wrong_in_one_line(capsys, server_factory):
+    """``heliotrope tenant-limit``: the tenant's row after each change (its limit, and where it comes from); a
+    mistake, the CLI's or one the broker refuses, is one line on standard error and status 1."""
+    srv = server_factory({**TWO_SITES, "broker": {**TWO_SITES["broker"], "tenant_limits": {"t1": {"gpus": 2}}}})
+    srv.start()
+    header = ["TENANT", "GPUS", "LIMIT", "QUEUED", "ON_SITES", "LIMIT_SOURCE"]
+    code, out, err = run(capsys, srv, "tenant-limit", "t1", "5")
+    assert code == 0, err
+    assert [line.split() for line in out.splitlines()] == [header, ["t1", "0", "5", "0", "0", "override"]]
+    code, out, err = run(capsys, srv, "tenants", "--tenant", "t1")
+    assert code == 0 and out.splitlines()[1].split() == ["t1", "0", "5", "0", "0", "override"], err
+    code, out, err = run(capsys, srv, "tenant-limit", "t1", "none")
+    assert code == 0 and out.splitlines()[1].split() == ["t1", "0", "-", "0", "0", "override"], err
+    code, out, err = run(capsys, srv, "--json", "tenant-limit", "t1", "--reset")
+    assert code == 0 and json.loads(out) == {"tenant": "t1", "gpus_held": 0.0, "jobs": {}, "gpus_limit": 2.0,
+                                             "limit_source": "config"}, err
+    for args, words in (
+        (["t1"], "give GPUS"),
+        (["t1", "lots"], "GPUS must be a number of GPUs"),
+        (["t1", "-3"], "GPUS must be a number of GPUs"),
+        (["t1", "inf"], "GPUS must be a number of GPUs"),
+        (["t1", "4", "--reset"], "not both"),
+        (["t1", "2000000"], "gpus"),
+        (["Bad_Name", "4"], "tenant"),
+        (["t1", "--reset"], "no limit set through the API"),  # (reset above: nothing left to reset)
+    ):
+        code, out, err = run(capsys, srv, "tenant-limit", *args)
+        assert code == 1 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
+    code, out, err = run(capsys, srv, "tenants", "--tenant", "t1")
+    assert out.splitlines()[1].split() == ["t1", "0", "2", "0", "0", "config"], err
 
 
 def test_jobs_are_listed_by_label_and_a_sweep_is_cancelled_at_once_after_a_dry_run(capsys, server, tmp_path):

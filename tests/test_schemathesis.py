@@ -94,6 +94,8 @@ RULES_BEYOND_THE_SCHEMA = [
     ("profile", r"may not be chosen by a job here|is not defined"),  # the federation's configured profiles
     ("cursor", r"not a cursor from a previous page"),  # opaque: only the server hands them out
     ("deadline", r"in the past"),  # a new job's deadline against the broker's clock
+    # a new job's GPUs against its tenant's federation-wide limit (PUT /v1/tenants/{tenant}/limit may set one of 0)
+    ("gpus", r"may hold at most \S+ across the federation"),
     (r"after(_any|_failed)?\[\d+\]", r"no job with id"),  # a job it runs after: one that exists (and the caller sees)
     (r"after\[\d+\]", r"has (failed|been cancelled): a job that runs after it would never run"),
     (r"after_failed\[\d+\]", r"has succeeded: a job that runs after it fails would never run"),

@@ -19,7 +19,7 @@ import pytest
 
 from broker.models import Job, JobSpec, JobState
 from broker.store import (
-    Conflict, DuplicateKey, Fenced, JobFilter, Store, StoreError, decode_cursor, ended_at, open_store,
+    Conflict, DuplicateKey, Fenced, JobFilter, LimitOverride, Store, StoreError, decode_cursor, ended_at, open_store,
 )
 from broker.store import postgres as pg
 from broker.store import sqlite as sq
@@ -668,6 +668,11 @@ async def test_a_fenced_store_whose_epoch_was_superseded_writes_nothing_but_stil
     with pytest.raises(Fenced):  # what the cycle learned is the leader's to keep
         await store.put_state("latency-demand", "{}")
     assert await store.get_state("latency-demand") is None
+    with pytest.raises(Fenced):  # and so are the tenant limits set through the API
+        await store.put_tenant_limit(LimitOverride("t1", 4.0, T0))
+    with pytest.raises(Fenced):
+        await store.delete_tenant_limit("t1")
+    assert await store.list_tenant_limits() == []
     assert await store.get_job(job.id) == placed, "a fenced update was applied"
     assert [e["state"] for e in await store.job_events(job.id)] == ["queued", "dispatching"]
     stored = await store.get_decision(job.id)
@@ -680,6 +685,48 @@ async def test_a_fenced_store_whose_epoch_was_superseded_writes_nothing_but_stil
     store.fence(None)
     await store.save_decision(job.id, 2, {"outcome": "deferred"})
     assert (await store.get_decision(job.id)).record == {"outcome": "deferred"}
+
+
+async def test_tenant_limits_set_live_are_stored_replaced_and_deleted(store: Store):
+    """``PUT /v1/tenants/{tenant}/limit`` keeps an override per tenant (gpus null: unlimited); a second replaces the
+    first, and a deletion of a tenant without one changes nothing."""
+    await store.put_tenant_limit(LimitOverride("t2", None, T0))
+    await store.put_tenant_limit(LimitOverride("t1", 4.0, T0))
+    later = T0 + timedelta(minutes=5)
+    await store.put_tenant_limit(LimitOverride("t1", 6.5, later))
+    assert await store.list_tenant_limits() == [LimitOverride("t1", 6.5, later), LimitOverride("t2", None, T0)]
+    await store.delete_tenant_limit("t2")
+    await store.delete_tenant_limit("nobody")
+    assert await store.list_tenant_limits() == [LimitOverride("t1", 6.5, later)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+async def test_a_database_of_the_release_before_tenant_limits_takes_them_and_keeps_them_across_reopening(
+        backend: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Migration 9 adds the table to a database at migration 8; an override stored then is there after reopening (a
+    broker's restart)."""
+    module = sq if backend == "sqlite" else pg
+    place = str(tmp_path / "h.db") if module is sq else await request.getfixturevalue(
+        "postgres_server").create_database()
+
+    def opener() -> Store:
+        return SQLiteStore(place) if module is sq else PostgresStore(place)
+
+    with monkeypatch.context() as m:
+        m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:8])
+        s = opener()
+        await s.open()
+        await s.close()
+    s = opener()
+    await s.open()
+    await s.put_tenant_limit(LimitOverride("vision", 12.5, T0))
+    await s.close()
+    s = opener()
+    await s.open()
+    try:
+        assert await s.list_tenant_limits() == [LimitOverride("vision", 12.5, T0)]
+    finally:
+        await s.close()
 
 
 async def test_a_fenced_store_whose_lease_expired_unclaimed_is_fenced_too(store: Store):

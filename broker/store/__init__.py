@@ -125,6 +125,17 @@ class JobFilter:
 
 
 @dataclass(frozen=True, slots=True)
+class LimitOverride:
+    """A tenant's federation-wide GPU limit set through the API (``PUT /v1/tenants/{tenant}/limit``), which stands
+    over the configuration's (``broker.tenant_limits``, ``broker.default_tenant_limit``) until it is deleted:
+    ``gpus`` None is unlimited; ``updated_at``, when it was set (UTC)."""
+
+    tenant: str
+    gpus: float | None
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class Page:
     items: list[Job]
     next: str | None
@@ -260,6 +271,20 @@ class Store(Protocol):
 
     async def get_state(self, name: str) -> str | None: ...
 
+    # federation-wide tenant limits set through the API (``tenant_limits``, a row per tenant; written by the leader
+    # only, fenced, as the sites; read by every replica: a follower checks submissions against them)
+    async def list_tenant_limits(self) -> list[LimitOverride]:
+        """Every override stored, by tenant."""
+        ...
+
+    async def put_tenant_limit(self, override: LimitOverride) -> None:
+        """Store ``override`` in place of the tenant's one, if any."""
+        ...
+
+    async def delete_tenant_limit(self, tenant: str) -> None:
+        """Remove ``tenant``'s override, if it has one."""
+        ...
+
     # leadership (one ``leader`` row; its lease is judged by the database's clock where there is one)
     async def acquire_leadership(self, holder: str, lease_s: float) -> int | None:
         """Take the lease if it is free, expired or already the caller's; return the epoch (bumped by one at
@@ -287,9 +312,9 @@ class Store(Protocol):
 
     def fence(self, epoch: int | None) -> None:
         """From now on, every scheduling write of this store object (``update_job``/``enqueue_update``,
-        ``save_decision``, ``put_site``, ``delete_site``; never ``insert_job``) checks in its transaction that
-        the leader row is still at ``epoch`` and unexpired, and fails with :class:`Fenced` otherwise. ``None``
-        (the default) turns the check off."""
+        ``save_decision``, ``put_site``, ``delete_site``, ``put_tenant_limit``, ``delete_tenant_limit``; never
+        ``insert_job``) checks in its transaction that the leader row is still at ``epoch`` and unexpired, and
+        fails with :class:`Fenced` otherwise. ``None`` (the default) turns the check off."""
 
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")

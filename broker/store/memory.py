@@ -34,6 +34,7 @@ from broker.store import (
     Conflict,
     DuplicateKey,
     JobFilter,
+    LimitOverride,
     Page,
     StoredDecision,
     StoreError,
@@ -79,6 +80,7 @@ class MemoryStore(QueuedUpdates):
         self._sites: dict[str, SiteSpec] = {}
         self._state: dict[str, str] = {}  # put_state: name -> JSON
         self._tokens: dict[str, tuple[str, str]] = {}  # token id -> (digest, record JSON)
+        self._limits: dict[str, LimitOverride] = {}  # tenant -> its limit set through the API
         self._leader: tuple[str, int, float] | None = None  # holder, epoch, expires at (time.monotonic())
         self._fence: int | None = None
 
@@ -332,6 +334,22 @@ class MemoryStore(QueuedUpdates):
     async def get_state(self, name: str) -> str | None:
         self._check_open()
         return self._state.get(name)
+
+    # --- tenant limits set through the API ---
+
+    async def list_tenant_limits(self) -> list[LimitOverride]:
+        self._check_open()
+        return [self._limits[t] for t in sorted(self._limits)]
+
+    async def put_tenant_limit(self, override: LimitOverride) -> None:
+        self._check_open()
+        self._check_fence()
+        self._limits[override.tenant] = override
+
+    async def delete_tenant_limit(self, tenant: str) -> None:
+        self._check_open()
+        self._check_fence()
+        self._limits.pop(tenant, None)
 
     # --- tokens (broker.auth) ---
 

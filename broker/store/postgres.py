@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,6 +41,7 @@ from broker.store import (
     Conflict,
     DuplicateKey,
     JobFilter,
+    LimitOverride,
     Page,
     StoredDecision,
     StoreError,
@@ -163,6 +165,11 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE job_events ADD COLUMN usd_per_gpu_hour DOUBLE PRECISION;
     ALTER TABLE usage_hours ADD COLUMN priced_gpu_seconds DOUBLE PRECISION NOT NULL DEFAULT 0,
         ADD COLUMN cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0;
+    """,
+    # 9: as SQLite's migration 9: the federation-wide GPU limits of tenants set through the API, standing over the
+    # configuration's until deleted (gpus null: unlimited; updated_at: seconds since the epoch)
+    """
+    CREATE TABLE tenant_limits (tenant TEXT PRIMARY KEY, gpus DOUBLE PRECISION, updated_at DOUBLE PRECISION NOT NULL);
     """,
 )
 
@@ -627,6 +634,22 @@ class PostgresStore(SqlWriteQueue):
     async def get_state(self, name: str) -> str | None:
         row = await self._one("SELECT doc FROM broker_state WHERE name = $1", name)
         return None if row is None else row[0]
+
+    # --- tenant limits set through the API ---
+
+    async def list_tenant_limits(self) -> list[LimitOverride]:
+        rows = await self._all("SELECT tenant, gpus, updated_at FROM tenant_limits ORDER BY tenant")
+        return [LimitOverride(r[0], r[1], datetime.fromtimestamp(r[2], UTC)) for r in rows]
+
+    async def put_tenant_limit(self, override: LimitOverride) -> None:
+        await self._submit(self._new_write([(
+            "INSERT INTO tenant_limits (tenant, gpus, updated_at) VALUES ($1, $2, $3) ON CONFLICT (tenant) DO UPDATE"
+            " SET gpus = excluded.gpus, updated_at = excluded.updated_at",
+            (override.tenant, override.gpus, override.updated_at.timestamp()),
+        )], fenced=True))
+
+    async def delete_tenant_limit(self, tenant: str) -> None:
+        await self._submit(self._new_write([("DELETE FROM tenant_limits WHERE tenant = $1", (tenant,))], fenced=True))
 
     # --- tokens (broker.auth) ---
 

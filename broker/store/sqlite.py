@@ -23,6 +23,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +44,7 @@ from broker.store import (
     fence_error,
     site_from_doc,
     LEADER,
+    LimitOverride,
     with_attempt_prices,
 )
 from broker.store.sql import TERMINAL_SQL as _TERMINAL, SqlWriteQueue, Write
@@ -147,6 +149,12 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE job_events ADD COLUMN usd_per_gpu_hour REAL;
     ALTER TABLE usage_hours ADD COLUMN priced_gpu_seconds REAL NOT NULL DEFAULT 0;
     ALTER TABLE usage_hours ADD COLUMN cost_usd REAL NOT NULL DEFAULT 0;
+    """,
+    # 9: the federation-wide GPU limits of tenants set through the API (PUT /v1/tenants/{tenant}/limit), standing
+    # over the configuration's until deleted: gpus null is unlimited; updated_at, seconds since the epoch
+    # (broker.limits; a broker of an earlier release, which refuses to open the migrated file, never reads it).
+    """
+    CREATE TABLE tenant_limits (tenant TEXT PRIMARY KEY, gpus REAL, updated_at REAL NOT NULL);
     """,
 )
 
@@ -591,6 +599,22 @@ class SQLiteStore(SqlWriteQueue):
     async def get_state(self, name: str) -> str | None:
         row = await self._one("SELECT doc FROM broker_state WHERE name = ?", (name,))
         return None if row is None else row[0]
+
+    # --- tenant limits set through the API ---
+
+    async def list_tenant_limits(self) -> list[LimitOverride]:
+        rows = await self._all("SELECT tenant, gpus, updated_at FROM tenant_limits ORDER BY tenant", ())
+        return [LimitOverride(r[0], r[1], datetime.fromtimestamp(r[2], UTC)) for r in rows]
+
+    async def put_tenant_limit(self, override: LimitOverride) -> None:
+        await self._submit(self._new_write([(
+            "INSERT INTO tenant_limits (tenant, gpus, updated_at) VALUES (?, ?, ?) ON CONFLICT (tenant) DO UPDATE"
+            " SET gpus = excluded.gpus, updated_at = excluded.updated_at",
+            (override.tenant, override.gpus, override.updated_at.timestamp()),
+        )], fenced=True))
+
+    async def delete_tenant_limit(self, tenant: str) -> None:
+        await self._submit(self._new_write([("DELETE FROM tenant_limits WHERE tenant = ?", (tenant,))], fenced=True))
 
     # --- tokens (broker.auth) ---
 

@@ -25,5 +25,7 @@ class TenantLimitFilter:
         if figures is None:
             return f"tenant {req.tenant} holds as many GPUs across the federation as its limit allows"
         limit, held = figures
+        where = (f"set through PUT /v1/tenants/{req.tenant}/limit" if getattr(view, "tenant_limit_live", False)
+                 else "broker.tenant_limits")
         return (f"tenant {req.tenant} holds {held:g} GPUs across the federation and may hold at most {limit:g} "
-                f"(broker.tenant_limits); the job needs {req.charge:g}")
+                f"({where}); the job needs {req.charge:g}")
