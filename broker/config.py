@@ -43,7 +43,7 @@ from pydantic import (
 )
 
 from broker.errors import at, located, problems
-from broker.models import MqttSettings, SiteSpec, Slug
+from broker.models import MAX_TENANT_LIMIT_GPUS, MqttSettings, SiteSpec, Slug
 from broker.providers.carbon import CarbonProviderConfig, FilesCarbonConfig
 from broker.providers.prices import FilesPriceConfig, PriceProviderConfig
 from broker.signals import CarbonForecastSettings
@@ -120,7 +120,7 @@ class TenantLimit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    gpus: float = Field(ge=0, le=10_000_000, description="GPUs the tenant's jobs on sites (dispatching, admitted, "
+    gpus: float = Field(ge=0, le=MAX_TENANT_LIMIT_GPUS, description="GPUs the tenant's jobs on sites (dispatching, admitted, "
                         "running) may hold together, a fractional job counting its share; 0: none start")
 
 

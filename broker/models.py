@@ -79,6 +79,7 @@ MAX_USD_PER_GPU_HOUR = 1_000_000
 # as "no limit" fits (any number of the site's size or more already lets the tenant take the whole site), while a
 # number such as 1e12 is refused as the slip it is.
 MAX_QUOTA_GPUS = 1_000_000
+MAX_TENANT_LIMIT_GPUS = 10_000_000  # a tenant's limit across the federation (config or API)
 
 
 class Strict(BaseModel):
@@ -1408,9 +1409,9 @@ class TenantLimitChange(Spec):
     """A tenant's federation-wide GPU limit set live (``PUT /v1/tenants/{tenant}/limit``, ``heliotrope tenant-limit``),
     standing over ``broker.tenant_limits`` and ``broker.default_tenant_limit`` until deleted (:mod:`broker.limits`)."""
 
-    gpus: float | None = Field(ge=0, le=MAX_QUOTA_GPUS, description=(
+    gpus: float | None = Field(ge=0, le=MAX_TENANT_LIMIT_GPUS, description=(
         f"GPUs the tenant's jobs may hold at once across the federation, a fractional job counting its share (at most "
-        f"{MAX_QUOTA_GPUS:,}, as a site's quota); 0: none start; null: unlimited"))
+        f"{MAX_TENANT_LIMIT_GPUS:,}, as in the configuration); 0: none start; null: unlimited"))
 
 
 def clean_text(value: str, limit: int = 1000) -> str:

@@ -165,7 +165,7 @@ async def test_an_override_outlives_a_restart_and_delete_goes_back_to_the_config
 
 @pytest.mark.parametrize(("body", "field"), [
     pytest.param({"gpus": -1}, "gpus", id="a negative limit is refused naming gpus"),
-    pytest.param({"gpus": 1_000_001}, "gpus", id="a limit above 1,000,000 GPUs is refused naming gpus"),
+    pytest.param({"gpus": 10_000_001}, "gpus", id="a limit above 10,000,000 GPUs is refused naming gpus"),
     pytest.param({"gpus": "4"}, "gpus", id="a limit as a string is refused naming gpus"),
     pytest.param({"gpus": True}, "gpus", id="a limit as a boolean is refused naming gpus"),
     pytest.param({}, "gpus", id="a body without gpus is refused naming gpus"),
