@@ -38,8 +38,13 @@ class LiveTenantLimits:
         self.current = config  # the configuration's with ``overrides``
         self._read_at = -math.inf  # time.monotonic() of the last read from the store (a replica that does not lead)
         self._lock = asyncio.Lock()  # one change at a time: the store's order is memory's
+        # Bumped by every load and change: a follower's read from the store that was under way meanwhile (this
+        # replica taking charge, then changing a limit, before the read came back) is older, and is not held.
+        self._gen = 0
 
-    def _hold(self, overrides: dict[str, LimitOverride]) -> TenantLimits:
+    def _hold(self, overrides: dict[str, LimitOverride], changed: bool = True) -> TenantLimits:
+        if changed:
+            self._gen += 1
         self.overrides = overrides
         self.current = self.config.with_overrides({t: o.gpus for t, o in sorted(overrides.items())})
         return self.current
@@ -60,13 +65,16 @@ class LiveTenantLimits:
         if time.monotonic() - self._read_at < CACHE_S:
             return self.current
         self._read_at = time.monotonic()  # (submissions meanwhile use the last ones read, not a read each)
+        gen = self._gen
         try:
             overrides = {o.tenant: o for o in await self.store.list_tenant_limits()}
         except StoreError as e:
             log.warning("could not read the tenant limits set through the API (%s); submissions are checked "
                         "against those read before", e)
             return self.current
-        return self._hold(overrides)
+        if gen != self._gen:  # loaded or changed here meanwhile (this replica took charge): those are newer
+            return self.current
+        return self._hold(overrides, changed=False)
 
     def forget(self) -> None:
         """This broker no longer leads: read the overrides again at the next use (another replica changes them)."""
@@ -74,6 +82,8 @@ class LiveTenantLimits:
 
     async def put(self, tenant: str, gpus: float | None) -> TenantLimits:
         """Store ``tenant``'s override (GPUs; None: unlimited), then hold it; the limits now in force."""
+        if gpus is not None:
+            gpus += 0.0  # (-0.0, which ``ge=0`` lets through, as 0)
         async with self._lock:
             override = LimitOverride(tenant, gpus, self.clock.now())
             await self.store.put_tenant_limit(override)
@@ -81,9 +91,10 @@ class LiveTenantLimits:
 
     async def reset(self, tenant: str) -> TenantLimits | None:
         """Remove ``tenant``'s override (back to the configuration's limit); the limits now in force, or None if it
-        had none."""
+        had none. One the store holds that memory does not (a write whose answer was lost, though it landed) is
+        deleted too: the next broker in charge would load it again otherwise."""
         async with self._lock:
-            if tenant not in self.overrides:
+            if tenant not in self.overrides and all(o.tenant != tenant for o in await self.store.list_tenant_limits()):
                 return None
             await self.store.delete_tenant_limit(tenant)
             return self._hold({t: o for t, o in self.overrides.items() if t != tenant})

@@ -15,8 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker import limits as live_limits
 from broker.api import create_app
+from broker.clock import SystemClock
 from broker.config import BrokerSettings, ReplicaSettings
 from broker.service import Broker
+from broker.store import LimitOverride
 from broker.store.memory import MemoryStore
 from policies.tenant_limit import TenantLimits
 from tests.test_api import register, site_body, wait_for
@@ -266,3 +268,62 @@ def test_overrides_that_lift_every_limit_leave_no_limit_to_count():
     assert not TenantLimits({"a": 4}, None, {"a": None})
     assert TenantLimits({"a": 4}, None, {"b": None})
     assert TenantLimits({}, None, {"b": 0})
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose next read of the overrides, once ``gate`` is armed, reads them and then waits for it
+    to open before answering (a slow read on a loaded database)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: asyncio.Event | None = None
+        self.reading = asyncio.Event()
+
+    async def list_tenant_limits(self) -> list[LimitOverride]:
+        read = await super().list_tenant_limits()
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            self.reading.set()
+            await gate.wait()
+        return read
+
+
+async def test_a_followers_read_that_comes_back_after_it_took_charge_and_changed_a_limit_is_not_held():
+    """A submission on a replica not yet in charge reads the overrides; before the read comes back, the replica
+    takes charge (loading them) and an admin raises t1's limit there. The old read must not undo the change in what
+    the broker answers and enforces (GET /v1/tenants, the submission check, the next change's limits)."""
+    store = GatedStore()
+    await store.open()
+    limits = live_limits.LiveTenantLimits(TenantLimits({"t1": 2}), store, SystemClock())
+    store.gate = gate = asyncio.Event()
+    follower_read = asyncio.create_task(limits.refreshed())  # (a submission while it does not lead)
+    await store.reading.wait()
+    await limits.load()  # it takes charge
+    await limits.put("t1", 6)  # and an admin raises t1's limit
+    gate.set()
+    await follower_read
+    assert limits.current.of("t1") == 6 and limits.current.source("t1") == "override"
+    after = await limits.put("t2", 1)  # the next change keeps it
+    assert after.of("t1") == 6 and after.of("t2") == 1
+
+
+async def test_delete_removes_an_override_the_store_holds_though_this_broker_does_not(live: Live):
+    """A PUT whose answer was lost though its write landed leaves the override in the store alone: DELETE removes it
+    there (the next broker in charge would load it again otherwise) rather than answer 404."""
+    c, broker = live.client, live.broker
+    assert c is not None and broker is not None
+    await broker.store.put_tenant_limit(LimitOverride("t1", 7.0, broker.clock.now()))
+    r = await c.delete("/v1/tenants/t1/limit")
+    assert r.status == 200, await r.text()
+    assert (await r.json())["limit_source"] == "config"
+    c = await live.restart()
+    assert (await row(c, "t1"))["gpus_limit"] == 2.0 and (await row(c, "t1"))["limit_source"] == "config"
+
+
+async def test_a_limit_of_minus_zero_is_stored_and_shown_as_zero(live: Live):
+    c = live.client
+    assert c is not None
+    r = await c.put("/v1/tenants/t1/limit", data=b'{"gpus": -0.0}', headers={"Content-Type": "application/json"})
+    assert r.status == 200 and '"gpus_limit": 0.0' in await r.text(), await r.text()
+    c = await live.restart()
+    assert '"gpus_limit": 0.0' in await (await c.get("/v1/tenants?tenant=t1")).text()
