@@ -120,8 +120,8 @@ class TenantLimit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    gpus: float = Field(ge=0, le=MAX_TENANT_LIMIT_GPUS, description="GPUs the tenant's jobs on sites (dispatching, admitted, "
-                        "running) may hold together, a fractional job counting its share; 0: none start")
+    gpus: float = Field(ge=0, le=MAX_TENANT_LIMIT_GPUS, description="GPUs the tenant's jobs on sites (dispatching, "
+                        "admitted, running) may hold together, a fractional job counting its share; 0: none start")
 
 
 class BrokerSettings(BaseModel):
