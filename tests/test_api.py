@@ -1534,7 +1534,9 @@ async def test_a_cancel_by_labels_stops_the_sweeps_queued_and_running_jobs_and_l
         job = await (await client.get(f"/v1/jobs/{job_id}")).json()
         assert job["state"] == "cancelled" and job["reason"] == "cancelled by request: wrong learning rate", job
     assert (await (await client.get(f"/v1/jobs/{done}")).json())["state"] == "succeeded"
-    assert await berlin.known_attempts() == set()  # the running ones were withdrawn from the site
+    # The running ones were withdrawn from the site. (A pass may already have placed the other sweep's job in the
+    # GPUs they freed, as it must: the site then holds that attempt alone.)
+    assert {job_id for job_id, _ in await berlin.known_attempts()} <= {other_sweep}
     # Their GPUs are free: the other sweep's 8-GPU job runs there (and t2's, the same labels, was not touched).
     assert (await wait_for(client, other_sweep, {"running"}))["site"] == "berlin"
     assert (await (await client.get(f"/v1/jobs/{other_tenant}")).json())["state"] == "queued"
