@@ -447,10 +447,12 @@ def _selector(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _cancellable(c: Client, args: argparse.Namespace) -> list[Any]:
-    """``--dry-run``: the jobs the selector matches now, newest first, listed state by state (the list filters by
-    one state at a time; a finished job is never cancelled). A token whose cancel the broker would refuse (403: an
-    operator's, or a submitter's for another tenant) is told so, as the cancel would be, rather than shown jobs it
-    may read but not cancel."""
+    """``--dry-run``: the jobs the selector matches now, newest first, in every state a job can still leave (or
+    ``--state``), listed in one request as ``POST /v1/cancellations`` reads them. (Listed state by state, a job the
+    broker held in a new state while that change was still being stored was in no list: a list by one state leaves
+    out a job held in another now.) A token whose cancel the broker would refuse (403: an operator's, or a
+    submitter's for another tenant) is told so, as the cancel would be, rather than shown jobs it may read but not
+    cancel."""
     me = await c.request("GET", "/v1/whoami")
     if me.get("role") not in ("admin", "submitter"):
         raise CliError(f"a cancel would be refused: {me.get('name')} is a token of role {me.get('role')}, and only "
@@ -458,12 +460,10 @@ async def _cancellable(c: Client, args: argparse.Namespace) -> list[Any]:
     if me["role"] == "submitter" and args.tenant is not None and args.tenant not in me.get("tenants", []):
         raise CliError(f"a cancel would be refused: {me.get('name')} acts for tenants "
                        f"{', '.join(me.get('tenants', []))}, not {args.tenant}")
-    found: dict[str, Any] = {}  # by id: a job that moved on between two listings (queued, then running) is told
-    #                             once, as the later listing saw it
-    for state in [args.state] if args.state else ACTIVE_STATES:
-        listed = await c.list_all("/v1/jobs", [*_job_filters(args, state), ("limit", "1000")])
-        found.update((j["id"], j) for j in listed)
-    return sorted(found.values(), key=lambda j: (j["created_at"], j["id"]), reverse=True)
+    states = [("state", state) for state in ([args.state] if args.state else ACTIVE_STATES)]
+    query = [*states, *_job_filters(args, None), ("limit", "1000")]
+    listed = await c.list_all("/v1/jobs", query)
+    return sorted(listed, key=lambda j: (j["created_at"], j["id"]), reverse=True)
 
 
 async def _cancel_many(c: Client, args: argparse.Namespace) -> dict[str, Any]:

@@ -1544,6 +1544,52 @@ async def test_a_cancel_by_labels_stops_the_sweeps_queued_and_running_jobs_and_l
     assert again == {"cancelled": [], "skipped": [], "matched": 0, "more": False}
 
 
+async def test_a_cancel_dry_run_lists_a_job_whose_move_to_running_is_still_being_stored(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """``heliotrope cancel --dry-run`` listed state by state, and a list by one state leaves out a job the broker
+    holds in another state now: a job held as running while its 'running' write was still on its way to the store
+    (stored as dispatching) was in no list, and the dry run said nothing would be cancelled that the cancel then
+    cancelled (seen under load). It lists the states a job can still leave in one request, as the cancel reads them."""
+    from broker import cli
+    from broker.models import JobState
+
+    await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
+    store = client.broker.store  # type: ignore[attr-defined]
+    real = store.enqueue_update
+    release = asyncio.Event()
+    held: list[asyncio.Task[None]] = []
+
+    def enqueue(job: Any, expected_version: int, *args: Any, **kw: Any) -> asyncio.Future[None]:
+        if job.state != JobState.RUNNING:
+            return real(job, expected_version, *args, **kw)
+        landed = asyncio.get_running_loop().create_future()
+
+        async def later() -> None:  # the write is queued once released, and answers as it lands
+            await release.wait()
+            try:
+                await real(job, expected_version, *args, **kw)
+                landed.set_result(None)
+            except Exception as e:  # noqa: BLE001
+                landed.set_exception(e)
+        held.append(asyncio.create_task(later()))
+        return landed
+
+    monkeypatch.setattr(store, "enqueue_update", enqueue)
+    job_id = await submit(client, name="lr-1", labels={"lr": "0.1"}, duration_s=600)
+    await wait_for(client, job_id, {"running"})  # as the broker holds it; the store still says dispatching
+    assert held and not release.is_set()
+    url = str(client.make_url("")).rstrip("/")
+    selector = ("--tenant", "t1", "--label", "lr=0.1")
+    code = await asyncio.to_thread(cli.main, ["--server", url, "--json", "cancel", *selector, "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and [(j["id"], j["state"]) for j in json.loads(out)] == [(job_id, "running")], out
+    release.set()
+    await asyncio.gather(*held)
+    code = await asyncio.to_thread(cli.main, ["--server", url, "--json", "cancel", *selector])
+    out = capsys.readouterr().out
+    assert code == 0 and json.loads(out)["cancelled"] == [job_id], out
+
+
 async def test_a_cancel_by_tenant_and_state_cancels_only_that_tenants_jobs_in_that_state(client: TestClient):
     await register(client, site_body("berlin", "gcp:europe-west3", {"a100-80gb": 8}))
     running = await submit(client, tenant="t2", name="running", gpus={"count": 8}, duration_s=600)
