@@ -255,7 +255,8 @@ def test_the_dashboard_shows_the_sites_explains_a_decision_and_updates_live(brow
         answer = route.fetch()
         body = answer.json()
         body["notes"] = [*body.get("notes", []), "cost_usd: 1.5 GPU-hours were placed before prices were recorded "
-                         "(before this release, or where their site had no price then) and are charged at today's price"]
+                         "(before this release, or where their site had no price then) and are charged at today's "
+                         "price"]
         route.fulfill(response=answer, json=body)
 
     page.route("**/v1/usage?by=tenant", usage_with_a_note)

@@ -2788,7 +2788,7 @@ async def test_an_ended_attempts_log_is_kept_when_its_job_and_pods_are_deleted(c
 
 
 
-async def test_an_ended_attempts_kept_log_outlives_a_restart_of_the_adapter_with_a_state_dir(cluster, tmp_path) -> None:  # noqa: ANN001
+async def test_an_ended_attempts_kept_log_outlives_a_restart_with_a_state_dir(cluster, tmp_path) -> None:  # noqa: ANN001
     # Kept in memory only, the log of a job that failed was gone after the broker restarted (an upgrade): its Job and
     # Pods had been deleted, so nothing could be read any more.
     kube = make_site(cluster, state_dir=tmp_path)
@@ -2823,7 +2823,7 @@ async def test_an_ended_attempts_kept_log_outlives_a_restart_of_the_adapter_with
     assert not (tmp_path / "kube" / "logs").exists()
 
 
-async def test_the_logs_kept_in_the_state_dir_keep_their_bound_and_a_damaged_index_is_set_aside(tmp_path, caplog) -> None:  # noqa: ANN001
+async def test_kept_logs_keep_their_bound_and_a_damaged_index_is_set_aside(tmp_path, caplog) -> None:  # noqa: ANN001
     from adapters.kept_logs import KeptLog, KeptLogs, file_name
 
     folder = tmp_path / "kube" / "logs"
