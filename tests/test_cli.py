@@ -1001,17 +1001,19 @@ class _CancelsInPieces(_JsonAnswers):
 
     answers: list[dict] = []
     bodies: list[dict] = []
+    listed: list[list[str]] = []
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        """``GET /v1/jobs?state=S``: one job, seen queued, then running by the next listing (it moved on); ``GET
-        /v1/whoami``: an admin."""
+        """``GET /v1/jobs?state=S[&state=S2...]``: one job, running (recorded in ``listed``, the states each listing
+        asked for); ``GET /v1/whoami``: an admin."""
         if self.path == "/v1/whoami":
             return self._send({"name": "root", "role": "admin", "tenants": [], "sites": []})
-        state = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query)).get("state")
-        job = {"id": "j1", "state": state, "site": None if state == "queued" else "alpha", "attempt": 1,
+        states = [v for k, v in urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query) if k == "state"]
+        type(self).listed.append(states)
+        job = {"id": "j1", "state": "running", "site": "alpha", "attempt": 1,
                "spec": {"tenant": "t1", "name": "n", "gpus": {"count": 1, "milli": 1000}},
                "created_at": "2026-11-30T10:00:00Z", "updated_at": "2026-11-30T10:00:01Z"}
-        self._send({"items": [job] if state in ("queued", "running") else [], "next": None})
+        self._send({"items": [job] if "running" in states else [], "next": None})
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
@@ -1019,7 +1021,7 @@ class _CancelsInPieces(_JsonAnswers):
 
 
 def cancel_against(capsys, answers: list[dict], *args: str, dry_run: bool = False) -> tuple[int, str]:
-    _CancelsInPieces.answers, _CancelsInPieces.bodies = list(answers), []
+    _CancelsInPieces.answers, _CancelsInPieces.bodies, _CancelsInPieces.listed = list(answers), [], []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CancelsInPieces)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -1066,10 +1068,12 @@ def test_a_cancel_of_many_over_several_calls_counts_each_job_once_as_it_ended(ca
                                              "more": False}
 
 
-def test_a_dry_run_lists_a_job_that_moves_on_while_it_is_listed_once(capsys):
-    """--dry-run lists state by state; a job dispatched between two of the listings is one job to cancel."""
+def test_a_dry_run_lists_every_state_a_job_can_leave_in_one_request(capsys):
+    """--dry-run asks for every state a job can still leave at once, as POST /v1/cancellations selects them: listed
+    state by state, a job moving between two states while the change was stored was in neither list."""
     code, out = cancel_against(capsys, [], "--json", dry_run=True)
     assert code == 0 and [(j["id"], j["state"]) for j in json.loads(out)] == [("j1", "running")]
+    assert _CancelsInPieces.listed == [list(cli.ACTIVE_STATES)]
 
 
 def test_quota_set_of_one_field_keeps_the_guarantee_as_configured_not_as_the_site_counts_it_now(capsys):
