@@ -11,8 +11,10 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -194,24 +196,37 @@ def labelled_job(i: int, state: JobState = JobState.QUEUED) -> Job:
     return job if state is JobState.QUEUED else job.transition(state, at)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def sql_at_migration_5(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A database of each SQL store as the release before the labels' table (migration 6) left it, with jobs 0 .. 3
-    of ``LABELLED`` (1 and 2 ended) as that release wrote them; a function that opens a store on it."""
-    module = sq if request.param == "sqlite" else pg
-    if module is sq:
-        place = str(tmp_path / "h.db")
-    else:
-        place = await request.getfixturevalue("postgres_server").create_database()
+async def sql_database(kind: str, request: pytest.FixtureRequest,
+                       tmp_path: Path) -> tuple[Any, str, Callable[[], Store]]:
+    """An empty database of the SQL store ``kind`` (``sqlite``, ``postgres``): the store's module (whose
+    ``MIGRATIONS`` a test may cut to make the database as an earlier release did), where it is (a path or a URL),
+    and a function that opens a store on it."""
+    module = sq if kind == "sqlite" else pg
+    place = str(tmp_path / "h.db") if module is sq else await request.getfixturevalue(
+        "postgres_server").create_database()
 
     def opener() -> Store:
         return SQLiteStore(place) if module is sq else PostgresStore(place)
 
+    return module, place, opener
+
+
+async def made_at_migration(module: Any, opener: Callable[[], Store], n: int,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The database made by a release whose store had the first ``n`` migrations of ``module``'s."""
     with monkeypatch.context() as m:
-        m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:5])
+        m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:n])
         s = opener()
         await s.open()
         await s.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def sql_at_migration_5(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A database of each SQL store as the release before the labels' table (migration 6) left it, with jobs 0 .. 3
+    of ``LABELLED`` (1 and 2 ended) as that release wrote them; a function that opens a store on it."""
+    module, place, opener = await sql_database(request.param, request, tmp_path)
+    await made_at_migration(module, opener, 5, monkeypatch)
     await write_as_an_earlier_release(place, [labelled_job(i, JobState.CANCELLED if i in (1, 2) else JobState.QUEUED)
                                               for i in range(4)])
     return opener
@@ -705,18 +720,8 @@ async def test_a_database_of_the_release_before_tenant_limits_takes_them_and_kee
         backend: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Migration 9 adds the table to a database at migration 8; an override stored then is there after reopening (a
     broker's restart)."""
-    module = sq if backend == "sqlite" else pg
-    place = str(tmp_path / "h.db") if module is sq else await request.getfixturevalue(
-        "postgres_server").create_database()
-
-    def opener() -> Store:
-        return SQLiteStore(place) if module is sq else PostgresStore(place)
-
-    with monkeypatch.context() as m:
-        m.setattr(module, "MIGRATIONS", module.MIGRATIONS[:8])
-        s = opener()
-        await s.open()
-        await s.close()
+    module, _, opener = await sql_database(backend, request, tmp_path)
+    await made_at_migration(module, opener, 8, monkeypatch)
     s = opener()
     await s.open()
     await s.put_tenant_limit(LimitOverride("vision", 12.5, T0))

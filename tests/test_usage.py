@@ -23,6 +23,7 @@ from broker.store.memory import MemoryStore
 from broker.store.postgres import PostgresStore
 from broker.store.sqlite import SQLiteStore
 from tests import postgres as postgres_fixtures
+from tests.test_store import sql_database
 from tests.test_api import MINIMAL, client, register, site_body, wait_for  # noqa: F401 (client: a fixture)
 
 postgres_server = postgres_fixtures.postgres_server
@@ -342,13 +343,8 @@ async def test_transitions_an_earlier_release_stored_are_charged_once_the_store_
         kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """A database of the release before usage (migration 6, transitions without a GPU model) opens, and its jobs'
     attempts are charged to each job's model; deleting them rolls them up."""
-    from broker.store import postgres as pg, sql, sqlite as sq
-    module = sq if kind == "sqlite" else pg
-    place = str(tmp_path / "h.db") if kind == "sqlite" else await request.getfixturevalue(
-        "postgres_server").create_database()
-
-    def opener() -> Store:
-        return SQLiteStore(place) if kind == "sqlite" else PostgresStore(place)
+    from broker.store import sql
+    module, _, opener = await sql_database(kind, request, tmp_path)
 
     old_event = insert_event(kind, EVENT_COLUMNS[:6])
     with monkeypatch.context() as m:
@@ -392,13 +388,8 @@ async def test_a_database_of_migration_7_keeps_its_usage_and_charges_what_had_no
     price, and the note says how much; an attempt placed since, at its own. A leader of that release rolling up
     after the migration (as while replicas of two releases share the database) adds GPU-seconds without a price,
     charged at today's price too, not for nothing."""
-    from broker.store import postgres as pg, sql, sqlite as sq
-    module = sq if kind == "sqlite" else pg
-    place = str(tmp_path / "h.db") if kind == "sqlite" else await request.getfixturevalue(
-        "postgres_server").create_database()
-
-    def opener() -> Store:
-        return SQLiteStore(place) if kind == "sqlite" else PostgresStore(place)
+    from broker.store import sql
+    module, _, opener = await sql_database(kind, request, tmp_path)
 
     cls = type(opener())
     added = cls._usage_added
