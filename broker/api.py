@@ -80,7 +80,7 @@ from broker.service import Broker, SiteConflict, SiteUnsupported
 from broker.store import JobFilter, StoreError
 from policies import explain
 from policies.snapshot import JobRequest, gpus_charged
-from policies.tenant_limit import TenantLimits
+from policies.tenant_limit import SOURCE_WORDS, TenantLimits
 
 log = logging.getLogger(__name__)
 
@@ -790,11 +790,6 @@ async def _check_job_spec(request: web.Request, spec: JobSpec, at: str = "", lim
                        [{"field": f"{at}profile", "problem": str(e)}]) from None
 
 
-LIMIT_SOURCES = {"config": "broker.tenant_limits", "default": "broker.default_tenant_limit",
-                 "override": "set through PUT /v1/tenants/{tenant}/limit"}
-"""How a message names where a tenant's limit comes from (``policies.tenant_limit.LimitSource``)."""
-
-
 async def _check_tenant_limit(broker: Broker, spec: JobSpec, at: str = "") -> None:
     """422 naming ``gpus`` for a job larger than its tenant's limit across the federation: it would wait for ever.
     A submission checks it only of a new job, as the deadline: a retry with the ``Idempotency-Key`` of a job
@@ -807,7 +802,7 @@ async def _check_tenant_limit(broker: Broker, spec: JobSpec, at: str = "") -> No
     limit = limits.of(spec.tenant)
     gpus = gpus_charged(spec.gpus)
     if limit is not None and gpus > limit + 1e-9:
-        where = LIMIT_SOURCES[limits.source(spec.tenant)].format(tenant=spec.tenant)
+        where = SOURCE_WORDS[limits.source(spec.tenant)].format(tenant=spec.tenant)
         problem = (f"the job holds {gpus:g} GPUs, and tenant {spec.tenant} may hold at most "
                    f"{limit:g} across the federation ({where})")
         raise ApiError(422, f"invalid job spec: {at}gpus: {problem}", [{"field": f"{at}gpus", "problem": problem}])

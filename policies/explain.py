@@ -215,8 +215,8 @@ def _tenant_record(req: JobRequest, snap: Snapshot) -> dict[str, Any]:
     if room is None or limit is None:
         return {}
     record: dict[str, Any] = {"tenant_limit": [limit, round(room.held.get(req.tenant or "", 0.0), 6)]}
-    if req.tenant is not None and room.limits.source(req.tenant) == "override":
-        record["tenant_limit_live"] = True  # set through the API (a key of its own: earlier releases read the pair)
+    if req.tenant is not None and (source := room.limits.source(req.tenant)) != "config":
+        record["tenant_limit_source"] = source  # (its own key, left out for config: earlier releases read the pair)
     return record
 
 
@@ -243,7 +243,7 @@ class _View:
     sites: list[str] | None = None  # site names, in row order
     rtt_ms: list[float] | None = None  # the RTT from the job's origin per site (NaN: not measured); None: not recorded
     tenant_limit: list[float] | None = None  # [limit, held], GPUs (policies.filters.tenant_limit); None: no limit
-    tenant_limit_live: bool = False  # that limit was set through the API (PUT /v1/tenants/{tenant}/limit)
+    tenant_limit_source: str = "config"  # where that limit comes from (policies.tenant_limit.LimitSource)
 
 
 def scores(rec: dict[str, Any], failures: np.ndarray | None = None
@@ -304,7 +304,7 @@ def render(
         sites,
         unpack(rec["rtt_ms"], "f8").tolist() if "rtt_ms" in rec else None,
         rec.get("tenant_limit"),
-        rec.get("tenant_limit_live", False),
+        rec.get("tenant_limit_source", "config"),
     )
     raws, norms, totals_array = scores(rec, failures_array)
     # A stand-in for an unknown raw value (it only ranked the site last) is shown as no value, as a NaN is.

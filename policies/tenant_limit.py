@@ -26,6 +26,11 @@ LimitSource = Literal["config", "default", "override"]
 """Where a tenant's limit comes from: its own entry of ``broker.tenant_limits``, ``broker.default_tenant_limit``
 (which may be none: unlimited), or an override set through the API."""
 
+SOURCE_WORDS: dict[str, str] = {"config": "broker.tenant_limits", "default": "broker.default_tenant_limit",
+                                "override": "set through PUT /v1/tenants/{tenant}/limit"}
+"""How a message names where a tenant's limit comes from (``.format(tenant=...)``): the submission check's 422 and
+the tenant-limit filter's reason say it alike."""
+
 
 @dataclass(frozen=True, slots=True)
 class TenantLimits:

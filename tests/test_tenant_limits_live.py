@@ -327,3 +327,16 @@ async def test_a_limit_of_minus_zero_is_stored_and_shown_as_zero(live: Live):
     assert r.status == 200 and '"gpus_limit": 0.0' in await r.text(), await r.text()
     c = await live.restart()
     assert '"gpus_limit": 0.0' in await (await c.get("/v1/tenants?tenant=t1")).text()
+
+
+@pytest.mark.parametrize(("source", "named"), [
+    ("config", "broker.tenant_limits"), ("default", "broker.default_tenant_limit"),
+    ("override", "set through PUT /v1/tenants/t1/limit")])
+def test_a_job_held_by_its_tenants_limit_is_told_where_that_limit_is_set(source: str, named: str) -> None:
+    from types import SimpleNamespace
+
+    from policies.filters.tenant_limit import TenantLimitFilter
+
+    view = SimpleNamespace(tenant_limit=[4, 3.5], tenant_limit_source=source)  # (as the decision's record gives it)
+    why = TenantLimitFilter().describe(SimpleNamespace(tenant="t1", charge=1.0), view, 0)  # type: ignore[arg-type]
+    assert why == f"tenant t1 holds 3.5 GPUs across the federation and may hold at most 4 ({named}); the job needs 1"

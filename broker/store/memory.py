@@ -57,8 +57,6 @@ class _Row:
     digest: str | None
 
 
-
-
 def _event(job: Job, reason: str | None) -> dict[str, Any]:
     return {"at": job.updated_at.isoformat(), "state": job.state.value, "site": job.site,
             "attempt": job.attempt, "reason": reason or job.reason, "gpu_model": job.gpu_model,

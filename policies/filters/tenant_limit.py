@@ -9,6 +9,7 @@ import numpy as np
 
 from policies.filters import FitView
 from policies.snapshot import JobRequest, Snapshot
+from policies.tenant_limit import SOURCE_WORDS
 
 
 class TenantLimitFilter:
@@ -25,7 +26,6 @@ class TenantLimitFilter:
         if figures is None:
             return f"tenant {req.tenant} holds as many GPUs across the federation as its limit allows"
         limit, held = figures
-        where = (f"set through PUT /v1/tenants/{req.tenant}/limit" if getattr(view, "tenant_limit_live", False)
-                 else "broker.tenant_limits")
+        where = SOURCE_WORDS[getattr(view, "tenant_limit_source", "config")].format(tenant=req.tenant)
         return (f"tenant {req.tenant} holds {held:g} GPUs across the federation and may hold at most {limit:g} "
                 f"({where}); the job needs {req.charge:g}")
